@@ -1,0 +1,14 @@
+"""Quantizers: one per format, the Identity passthrough and the per-direction HybridQuantizer."""
+
+from .base import Quantizer
+from .float8 import Float8CurrentScalingQuantizer, Float8Quantizer
+from .float8_block import Float8BlockQuantizer
+from .hybrid import HybridQuantizer
+from .identity import IdentityQuantizer
+from .mxfp8 import MXFP8Quantizer
+from .nvfp4 import NVFP4Quantizer
+
+__all__ = [
+    "Float8BlockQuantizer", "Float8CurrentScalingQuantizer", "Float8Quantizer", "HybridQuantizer",
+    "IdentityQuantizer", "MXFP8Quantizer", "NVFP4Quantizer", "Quantizer",
+]

@@ -1,0 +1,129 @@
+"""Quantizer base class: usage flags, the straight-through ``quantize``, empty/in-place helpers.
+
+A quantizer turns a high-precision tensor into a :class:`QuantizedTensor` holding only the
+copies its usage flags ask for (``rowwise_usage`` for the forward GEMM operand,
+``columnwise_usage`` for the transposed/backward one). Each format subclass implements
+``encode(x, rowwise, columnwise) -> storage``; the rest is shared.
+"""
+
+from __future__ import annotations
+
+import copy as _copy
+from typing import Any, ClassVar, Optional
+
+import torch
+
+from ..formats.common import check_input
+from ..tensors import QuantizedStorage, QuantizedTensor
+from ..tensors.storage import COLUMNWISE, ROWWISE
+
+
+class _QuantizeSTE(torch.autograd.Function):
+    """Quantize in forward; pass the gradient straight through in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, quantizer: "Quantizer") -> QuantizedTensor:  # type: ignore[override]
+        return quantizer._quantize_no_grad(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        if isinstance(grad, QuantizedTensor):
+            grad = grad.dequantize()
+        return grad, None
+
+
+class Quantizer:
+    """Base of every quantizer. Subclasses set ``storage_cls`` and implement ``encode``."""
+
+    storage_cls: ClassVar[type[QuantizedStorage]]
+    #: Short format name used in reports and error messages.
+    format_name: ClassVar[str] = "?"
+
+    def __init__(self, *, rowwise: bool = True, columnwise: bool = True) -> None:
+        self.rowwise_usage = bool(rowwise)
+        self.columnwise_usage = bool(columnwise)
+        #: The slot this quantizer serves (a QuantizerRole or None), set by recipes.
+        self.role: Optional[Any] = None
+
+    # ------------------------------------------------------------------ usage
+    def set_usage(self, *, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
+        """Choose which copies the next ``quantize`` produces (None keeps the current flag)."""
+        if rowwise is not None:
+            self.rowwise_usage = bool(rowwise)
+        if columnwise is not None:
+            self.columnwise_usage = bool(columnwise)
+
+    @property
+    def label(self) -> str:
+        """Role text for error messages ('' when unknown)."""
+        return "" if self.role is None else str(self.role)
+
+    # ------------------------------------------------------------------ quantize
+    def quantize(self, x: torch.Tensor) -> QuantizedTensor:
+        """Quantize ``x`` into the requested copies; the gradient passes straight through."""
+        if isinstance(x, QuantizedTensor):
+            raise TypeError(f"{self!r}: input is already a QuantizedTensor "
+                            f"({x.qstorage.describe()}); dequantize() it first.")
+        check_input(x, f"input of {self!r}" + (f" (role: {self.label})" if self.label else ""))
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _QuantizeSTE.apply(x, self)
+        return self._quantize_no_grad(x)
+
+    __call__ = quantize
+
+    def _quantize_no_grad(self, x: torch.Tensor) -> QuantizedTensor:
+        if not (self.rowwise_usage or self.columnwise_usage):
+            raise ValueError(f"{self!r} has rowwise_usage=False and columnwise_usage=False: "
+                             "enable at least one with set_usage().")
+        storage = self.encode(x.detach(), self.rowwise_usage, self.columnwise_usage)
+        return QuantizedTensor(storage, self)
+
+    def encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> QuantizedStorage:
+        """Encode ``x`` (any shape, last dim contiguous) into a storage with the given copies."""
+        raise NotImplementedError(f"{type(self).__name__} must implement encode()")
+
+    def storage_meta(self) -> dict[str, object]:
+        """Storage options (element dtype, block layout...) this quantizer produces."""
+        return {}
+
+    def _directions(self, rowwise: bool, columnwise: bool) -> tuple[str, ...]:
+        return tuple(d for d, on in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if on)
+
+    # ------------------------------------------------------------------ helpers
+    def make_empty(self, shape: torch.Size | tuple[int, ...], *, dtype: torch.dtype = torch.float32,
+                   device: torch.device | str | None = None, requires_grad: bool = False) -> QuantizedTensor:
+        """An uninitialized quantized tensor of ``shape`` with this quantizer's copies."""
+        storage = self._allocate(torch.Size(shape), dtype, device or "cpu",
+                                 self.rowwise_usage, self.columnwise_usage)
+        return QuantizedTensor(storage, self, requires_grad=requires_grad)
+
+    def _allocate(self, shape: torch.Size, dtype: torch.dtype, device: torch.device | str,
+                  rowwise: bool, columnwise: bool) -> QuantizedStorage:
+        return self.storage_cls.allocate(shape, dtype, device, self._directions(rowwise, columnwise),
+                                         label=self.label, **self.storage_meta())
+
+    def update_quantized(self, src: torch.Tensor, dst: QuantizedTensor) -> QuantizedTensor:
+        """Re-quantize ``src`` into ``dst``'s existing buffers, in place (same copies held)."""
+        if tuple(src.shape) != tuple(dst.shape):
+            raise ValueError(f"update_quantized: source shape {tuple(src.shape)} differs from "
+                             f"destination {dst.qstorage.describe()}.")
+        check_input(src, "update_quantized source")
+        storage = self.encode(src.detach(), dst.has_direction(ROWWISE), dst.has_direction(COLUMNWISE))
+        dst.qstorage.copy_payload_(storage)
+        return dst
+
+    def is_requantization_safe(self) -> bool:
+        """Whether quantizing the same input again later reproduces the same result."""
+        return True
+
+    def copy(self) -> "Quantizer":
+        """An independent quantizer with the same settings (and a copy of any state)."""
+        return _copy.deepcopy(self)
+
+    def settings(self) -> dict[str, object]:
+        """The options that determine the numbers (used for parity checks and reports)."""
+        return {}
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={v}" for k, v in self.settings().items())
+        return f"{type(self).__name__}({opts})"

@@ -1,0 +1,132 @@
+"""FP8 per-tensor quantizers: current scaling and delayed scaling (SPEC §2.1, §2.2).
+
+Both copies share one scale; the columnwise copy is the rowwise data transposed (the layout
+Hopper's TN-only FP8 GEMM consumes), so it costs a transpose, not a second quantization.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..formats import fp8_tensorwise
+from ..formats.common import amax_nan, as_2d, fp8_dtype as _fp8_dtype
+from ..tensors import Float8Storage, QuantizedStorage
+from .base import Quantizer
+
+
+def _reduce_amax(amax: torch.Tensor, group: Optional[Any]) -> torch.Tensor:
+    """All-reduce (MAX) ``amax`` over ``group`` so every rank uses the same scale."""
+    if group is not None:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    return amax
+
+
+def _float8_storage(q: Quantizer, x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                    rowwise: bool, columnwise: bool) -> Float8Storage:
+    data, scale_inv = fp8_tensorwise.quantize(as_2d(x), scale, dtype)
+    row = {"data": data, "scale_inv": scale_inv} if rowwise else None
+    col = {"data": data.t().contiguous(), "scale_inv": scale_inv} if columnwise else None
+    return Float8Storage(x.shape, x.dtype, row, col, label=q.label, fp8_dtype=dtype)
+
+
+class Float8CurrentScalingQuantizer(Quantizer):
+    """FP8 with a per-tensor scale computed from this tensor's own amax."""
+
+    storage_cls = Float8Storage
+    format_name = "fp8_current"
+
+    def __init__(self, fp8_dtype: str | torch.dtype = torch.float8_e4m3fn, *, rowwise: bool = True,
+                 columnwise: bool = True, force_pow_2_scales: bool = False, amax_epsilon: float = 0.0,
+                 with_amax_reduction: bool = False, amax_reduction_group: Optional[Any] = None) -> None:
+        super().__init__(rowwise=rowwise, columnwise=columnwise)
+        self.dtype = _fp8_dtype(fp8_dtype)
+        self.force_pow_2_scales = bool(force_pow_2_scales)
+        if amax_epsilon < 0:
+            raise ValueError(f"amax_epsilon={amax_epsilon} must be >= 0.")
+        self.amax_epsilon = float(amax_epsilon)
+        self.with_amax_reduction = bool(with_amax_reduction)
+        self.amax_reduction_group = amax_reduction_group
+
+    def encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> QuantizedStorage:
+        """One amax, one scale, one cast; the columnwise copy is its transpose."""
+        amax = amax_nan(x)
+        if self.with_amax_reduction:
+            amax = _reduce_amax(amax, self.amax_reduction_group)
+        scale = fp8_tensorwise.current_scale(amax, self.dtype, eps=self.amax_epsilon,
+                                             power_2_scale=self.force_pow_2_scales)
+        return _float8_storage(self, x, scale, self.dtype, rowwise, columnwise)
+
+    def storage_meta(self) -> dict[str, object]:
+        return {"fp8_dtype": self.dtype}
+
+    def settings(self) -> dict[str, object]:
+        return {"fp8_dtype": self.dtype, "force_pow_2_scales": self.force_pow_2_scales,
+                "amax_epsilon": self.amax_epsilon}
+
+    def copy(self) -> "Float8CurrentScalingQuantizer":
+        """Same settings; the process group is shared, not copied."""
+        q = Float8CurrentScalingQuantizer(self.dtype, rowwise=self.rowwise_usage,
+                                          columnwise=self.columnwise_usage,
+                                          force_pow_2_scales=self.force_pow_2_scales,
+                                          amax_epsilon=self.amax_epsilon,
+                                          with_amax_reduction=self.with_amax_reduction,
+                                          amax_reduction_group=self.amax_reduction_group)
+        q.role = self.role
+        return q
+
+
+class Float8Quantizer(Quantizer):
+    """FP8 delayed scaling: quantize with the scale from the last update, record the amax.
+
+    Call :meth:`update_scale` once per step (recipes do it when an autocast region ends).
+    Not requantization-safe: the scale changes between steps.
+    """
+
+    storage_cls = Float8Storage
+    format_name = "fp8_delayed"
+
+    def __init__(self, fp8_dtype: str | torch.dtype = torch.float8_e4m3fn, *, rowwise: bool = True,
+                 columnwise: bool = True, amax_history_len: int = 1024, amax_compute_algo: str = "max",
+                 margin: int = 0) -> None:
+        super().__init__(rowwise=rowwise, columnwise=columnwise)
+        self.dtype = _fp8_dtype(fp8_dtype)
+        if amax_history_len < 1:
+            raise ValueError(f"amax_history_len={amax_history_len} must be >= 1.")
+        if amax_compute_algo not in ("max", "most_recent"):
+            raise ValueError(f"amax_compute_algo={amax_compute_algo!r} is unknown; use 'max' or 'most_recent'.")
+        self.amax_compute_algo = amax_compute_algo
+        self.margin = int(margin)
+        self.amax_history = torch.zeros(amax_history_len, dtype=torch.float32)
+        self.scale = torch.ones((), dtype=torch.float32)
+
+    def _state_to(self, device: torch.device) -> None:
+        if self.scale.device != device:
+            self.scale = self.scale.to(device)
+            self.amax_history = self.amax_history.to(device)
+
+    def encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> QuantizedStorage:
+        """Cast with the current scale and record this tensor's amax in the history."""
+        self._state_to(x.device)
+        fp8_tensorwise.record_amax(self.amax_history, amax_nan(x))
+        return _float8_storage(self, x, self.scale.clone(), self.dtype, rowwise, columnwise)
+
+    def update_scale(self, amax_reduction_group: Optional[Any] = None) -> None:
+        """End-of-step update: (optionally all-reduce the newest amax,) new scale, roll history."""
+        if amax_reduction_group is not None:
+            _reduce_amax(self.amax_history[0:1], amax_reduction_group)
+        self.amax_history, self.scale = fp8_tensorwise.delayed_update(
+            self.amax_history, self.scale, self.dtype, margin=self.margin, algo=self.amax_compute_algo)
+
+    def is_requantization_safe(self) -> bool:
+        """False: the scale moves at every update."""
+        return False
+
+    def storage_meta(self) -> dict[str, object]:
+        return {"fp8_dtype": self.dtype}
+
+    def settings(self) -> dict[str, object]:
+        return {"fp8_dtype": self.dtype, "amax_history_len": int(self.amax_history.numel()),
+                "amax_compute_algo": self.amax_compute_algo, "margin": self.margin}

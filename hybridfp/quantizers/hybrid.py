@@ -1,0 +1,95 @@
+"""HybridQuantizer: rowwise copy in one format, columnwise copy in another (SPEC §3)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..tensors import HybridStorage, QuantizedStorage
+from .base import Quantizer
+
+COLUMNWISE_SOURCES = ("original", "rowwise_dequantized")
+
+
+class HybridQuantizer(Quantizer):
+    """Per-direction quantization: ``rowwise_quantizer`` makes the forward copy,
+    ``columnwise_quantizer`` the backward one.
+
+    ``columnwise_source``:
+      - "original" (default): the columnwise quantizer reads the high-precision input.
+      - "rowwise_dequantized": it reads dequantize(rowwise_quantizer(x)) (in x's dtype), so
+        backward sees the forward's quantization error (Identity child: high-precision
+        backward of the forward value; a real format: double quantization).
+
+    Only requested copies are computed; with "rowwise_dequantized" and only the columnwise
+    copy requested, a transient rowwise result is made and discarded.
+    """
+
+    storage_cls = HybridStorage
+    format_name = "hybrid"
+
+    def __init__(self, rowwise_quantizer: Quantizer, columnwise_quantizer: Quantizer,
+                 columnwise_source: str = "original", *, rowwise: bool = True,
+                 columnwise: bool = True) -> None:
+        super().__init__(rowwise=rowwise, columnwise=columnwise)
+        for name, q in (("rowwise_quantizer", rowwise_quantizer), ("columnwise_quantizer", columnwise_quantizer)):
+            if not isinstance(q, Quantizer):
+                raise TypeError(f"HybridQuantizer: {name} must be a Quantizer (e.g. MXFP8Quantizer(), "
+                                f"IdentityQuantizer()); got {type(q).__name__}.")
+            if isinstance(q, HybridQuantizer):
+                raise TypeError(f"HybridQuantizer: {name} is itself a HybridQuantizer; pass the "
+                                "plain quantizer for that direction.")
+        if rowwise_quantizer is columnwise_quantizer:
+            raise ValueError("HybridQuantizer: rowwise_quantizer and columnwise_quantizer are the same "
+                             "object; pass two distinct quantizers (e.g. q and q.copy()), since each "
+                             "direction keeps its own usage flags and state.")
+        if columnwise_source not in COLUMNWISE_SOURCES:
+            raise ValueError(f"columnwise_source={columnwise_source!r} is unknown; use 'original' "
+                             "or 'rowwise_dequantized'.")
+        self.rowwise_quantizer = rowwise_quantizer
+        self.columnwise_quantizer = columnwise_quantizer
+        self.columnwise_source = columnwise_source
+
+    @property
+    def role(self):  # type: ignore[override]
+        """The slot this hybrid serves; setting it labels both children too."""
+        return self._role
+
+    @role.setter
+    def role(self, value) -> None:
+        self._role = value
+        for q in (getattr(self, "rowwise_quantizer", None), getattr(self, "columnwise_quantizer", None)):
+            if q is not None:
+                q.role = value
+
+    def encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> QuantizedStorage:
+        """Rowwise part from the rowwise child; columnwise part from the columnwise child."""
+        derive = columnwise and self.columnwise_source == "rowwise_dequantized"
+        row = self.rowwise_quantizer.encode(x, True, False) if (rowwise or derive) else None
+        col = None
+        if columnwise:
+            src = row.dequantize(x.dtype, "rowwise") if derive else x
+            col = self.columnwise_quantizer.encode(src, False, True)
+        return HybridStorage(x.shape, x.dtype, row if rowwise else None, col, label=self.label)
+
+    def _allocate(self, shape, dtype, device, rowwise, columnwise):  # type: ignore[override]
+        row = self.rowwise_quantizer._allocate(shape, dtype, device, True, False) if rowwise else None
+        col = self.columnwise_quantizer._allocate(shape, dtype, device, False, True) if columnwise else None
+        return HybridStorage(shape, dtype, row, col, label=self.label)
+
+    def is_requantization_safe(self) -> bool:
+        """Safe only from the original source with two safe children."""
+        return (self.columnwise_source == "original"
+                and self.rowwise_quantizer.is_requantization_safe()
+                and self.columnwise_quantizer.is_requantization_safe())
+
+    def copy(self) -> "HybridQuantizer":
+        """Copies of both children, same source mode and usage."""
+        q = HybridQuantizer(self.rowwise_quantizer.copy(), self.columnwise_quantizer.copy(),
+                            self.columnwise_source, rowwise=self.rowwise_usage,
+                            columnwise=self.columnwise_usage)
+        q.role = self.role
+        return q
+
+    def settings(self) -> dict[str, object]:
+        return {"rowwise": self.rowwise_quantizer, "columnwise": self.columnwise_quantizer,
+                "columnwise_source": self.columnwise_source}

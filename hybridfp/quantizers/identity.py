@@ -1,0 +1,41 @@
+"""Identity quantizer: a high-precision passthrough for a direction or role (SPEC §2.6)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..formats.common import HIGH_PRECISION_DTYPES, as_2d
+from ..tensors import IdentityStorage, QuantizedStorage
+from .base import Quantizer
+
+
+class IdentityQuantizer(Quantizer):
+    """Keeps the tensor unquantized (optionally cast to ``dtype``); both copies share it.
+
+    Without a cast the storage aliases the input (no copy), as a passthrough should.
+    """
+
+    storage_cls = IdentityStorage
+    format_name = "identity"
+
+    def __init__(self, dtype: Optional[torch.dtype] = None, *, rowwise: bool = True,
+                 columnwise: bool = True) -> None:
+        super().__init__(rowwise=rowwise, columnwise=columnwise)
+        if dtype is not None and dtype not in HIGH_PRECISION_DTYPES:
+            raise ValueError(f"IdentityQuantizer(dtype={dtype}) must be float32, bfloat16, float16 or None.")
+        self.dtype = dtype
+
+    def encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> QuantizedStorage:
+        """Wrap (or cast) ``x``; both directions see the same tensor."""
+        p = {"data": as_2d(x).to(self.dtype or x.dtype)}
+        return IdentityStorage(x.shape, x.dtype, p if rowwise else None, p if columnwise else None,
+                               label=self.label)
+
+    def _allocate(self, shape, dtype, device, rowwise, columnwise):  # type: ignore[override]
+        return IdentityStorage.allocate(shape, self.dtype or dtype, device,
+                                        self._directions(rowwise, columnwise), label=self.label)
+
+    def settings(self) -> dict[str, object]:
+        return {"dtype": self.dtype}

@@ -1,0 +1,58 @@
+"""MXFP8 quantizer (OCP microscaling, SPEC §2.4)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import mxfp8
+from ..formats.common import as_2d, fp8_dtype as _fp8_dtype
+from ..tensors import MXFP8Storage, QuantizedStorage
+from .base import Quantizer
+
+_RULES = ("rceil", "floor")
+
+
+class MXFP8Quantizer(Quantizer):
+    """FP8 elements with an E8M0 scale per 32 (1x32 rowwise, 32x1 columnwise).
+
+    ``scale_rule``: "rceil" (TE/cuBLAS default, block max never saturates) or "floor" (OCP).
+    ``with_2d_quantization``: 32x32 tiles (weights); both copies then hold the same values.
+    """
+
+    storage_cls = MXFP8Storage
+    format_name = "mxfp8"
+
+    def __init__(self, fp8_dtype: str | torch.dtype = torch.float8_e4m3fn, *, rowwise: bool = True,
+                 columnwise: bool = True, scale_rule: str = "rceil",
+                 with_2d_quantization: bool = False) -> None:
+        super().__init__(rowwise=rowwise, columnwise=columnwise)
+        self.dtype = _fp8_dtype(fp8_dtype)
+        if scale_rule not in _RULES:
+            raise ValueError(f"scale_rule={scale_rule!r} is unknown; use 'rceil' or 'floor'.")
+        self.scale_rule = scale_rule
+        self.with_2d_quantization = bool(with_2d_quantization)
+
+    def encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> QuantizedStorage:
+        """Quantize the requested copies (columnwise = 1x32 blocks of the transpose)."""
+        x2 = as_2d(x)
+        row = col = None
+        if self.with_2d_quantization:
+            d, s = mxfp8.quantize_2d(x2, self.dtype, rule=self.scale_rule)
+            row = {"data": d, "scale": s} if rowwise else None
+            if columnwise:
+                col = {"data": d.t().contiguous(), "scale": s.t().contiguous()}
+        else:
+            if rowwise:
+                d, s = mxfp8.quantize_1d(x2, self.dtype, rule=self.scale_rule)
+                row = {"data": d, "scale": s}
+            if columnwise:
+                d, s = mxfp8.quantize_1d(x2.t(), self.dtype, rule=self.scale_rule)
+                col = {"data": d, "scale": s}
+        return MXFP8Storage(x.shape, x.dtype, row, col, label=self.label, **self.storage_meta())
+
+    def storage_meta(self) -> dict[str, object]:
+        return {"fp8_dtype": self.dtype, "block_2d": self.with_2d_quantization}
+
+    def settings(self) -> dict[str, object]:
+        return {"fp8_dtype": self.dtype, "scale_rule": self.scale_rule,
+                "with_2d_quantization": self.with_2d_quantization}

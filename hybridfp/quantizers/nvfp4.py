@@ -1,0 +1,138 @@
+"""NVFP4 quantizer (SPEC §2.5): 1D / 2D blocks, RHT on the columnwise copy, stochastic
+rounding, row-scaled forward activations."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..formats import nvfp4, rht
+from ..formats.common import amax_nan, as_2d
+from ..tensors import NVFP4Storage, QuantizedStorage
+from .base import Quantizer
+from .float8 import _reduce_amax
+
+
+class NVFP4Quantizer(Quantizer):
+    """E2M1 elements, E4M3 scale per 16 elements, FP32 global scale.
+
+    Options (all off by default; SPEC §2.5 lists the NVIDIA recipe defaults per role):
+
+    - ``with_rht``: random Hadamard transform of the columnwise copy (the wgrad operand;
+      R cancels inside wgrad). ``with_post_rht_amax`` (default True) takes that copy's global
+      amax after the transform, so nothing saturates.
+    - ``with_2d_quantization``: 16x16 tiles (weights); both copies hold identical values.
+    - ``stochastic_rounding``: unbiased random rounding (gradients), drawn from torch's
+      generator (``generator`` or the device default), so ``torch.manual_seed`` reproduces it.
+    - ``row_scaled_nvfp4``: one global amax per row (forward activations only: rowwise copy).
+    """
+
+    storage_cls = NVFP4Storage
+    format_name = "nvfp4"
+
+    def __init__(self, *, rowwise: bool = True, columnwise: bool = True, with_rht: bool = False,
+                 with_post_rht_amax: bool = True, with_2d_quantization: bool = False,
+                 stochastic_rounding: bool = False, row_scaled_nvfp4: bool = False,
+                 with_amax_reduction: bool = False, amax_reduction_group: Optional[Any] = None,
+                 generator: Optional[torch.Generator] = None) -> None:
+        super().__init__(rowwise=rowwise, columnwise=columnwise)
+        if row_scaled_nvfp4 and (with_rht or with_2d_quantization or stochastic_rounding):
+            raise ValueError("row_scaled_nvfp4=True cannot be combined with with_rht, "
+                             "with_2d_quantization or stochastic_rounding (SPEC §2.5): row scaling "
+                             "is for forward activations only.")
+        if with_rht and with_2d_quantization:
+            raise ValueError("with_rht=True applies to the columnwise copy of 1D-scaled tensors; "
+                             "with_2d_quantization=True (weights) keeps both copies identical. "
+                             "Choose one.")
+        if row_scaled_nvfp4 and with_amax_reduction:
+            raise ValueError("row_scaled_nvfp4 uses per-row amaxes; with_amax_reduction has no "
+                             "meaning there. Turn one off.")
+        self.with_rht = bool(with_rht)
+        self.with_post_rht_amax = bool(with_post_rht_amax)
+        self.with_2d_quantization = bool(with_2d_quantization)
+        self.stochastic_rounding = bool(stochastic_rounding)
+        self.row_scaled_nvfp4 = bool(row_scaled_nvfp4)
+        self.with_amax_reduction = bool(with_amax_reduction)
+        self.amax_reduction_group = amax_reduction_group
+        self.generator = generator
+
+    def _global_amax(self, x2: torch.Tensor) -> torch.Tensor:
+        amax = amax_nan(x2)
+        if self.with_amax_reduction:
+            amax = _reduce_amax(amax, self.amax_reduction_group)
+        return amax
+
+    def _sr(self) -> dict[str, object]:
+        return {"stochastic_rounding": self.stochastic_rounding, "generator": self.generator}
+
+    def encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> QuantizedStorage:
+        """Quantize the requested copies (columnwise: 16x1 blocks of the transpose, RHT'd)."""
+        x2 = as_2d(x)
+        if columnwise and self.row_scaled_nvfp4:
+            raise ValueError(
+                f"row-scaled NVFP4{' (role: ' + self.label + ')' if self.label else ''} is "
+                "forward-only and has no columnwise copy. Use HybridQuantizer(rowwise_quantizer="
+                "NVFP4Quantizer(row_scaled_nvfp4=True), columnwise_quantizer=<backward format>) "
+                "or set_usage(columnwise=False).")
+        row = col = None
+        amax = None
+        if self.with_2d_quantization:
+            amax = self._global_amax(x2)
+            d, s = nvfp4.quantize_2d(x2, amax, **self._sr())
+            row = {"data": d, "scale": s, "amax": amax} if rowwise else None
+            if columnwise:
+                if self.stochastic_rounding:  # independent draws for the transposed copy
+                    d, s = nvfp4.quantize_2d(x2.t(), amax, **self._sr())
+                    col = {"data": d, "scale": s, "amax": amax}
+                else:
+                    col = {"data": _transpose_packed(d, x2.shape[1]), "scale": s.t().contiguous(), "amax": amax}
+        else:
+            if rowwise:
+                ramax = amax_nan(x2, dim=1) if self.row_scaled_nvfp4 else self._global_amax(x2)
+                amax = None if self.row_scaled_nvfp4 else ramax
+                d, s = nvfp4.quantize_1d(x2, ramax, **self._sr())
+                row = {"data": d, "scale": s, "amax": ramax}
+            if columnwise:
+                xt = x2.t()
+                if self.with_rht:
+                    xt = rht.apply_rht(xt, out_dtype=x.dtype)
+                    camax = self._global_amax(xt) if self.with_post_rht_amax else (
+                        amax if amax is not None else self._global_amax(x2))
+                else:
+                    camax = amax if amax is not None else self._global_amax(x2)
+                d, s = nvfp4.quantize_1d(xt, camax, **self._sr())
+                col = {"data": d, "scale": s, "amax": camax}
+        return NVFP4Storage(x.shape, x.dtype, row, col, label=self.label, **self.storage_meta())
+
+    def is_requantization_safe(self) -> bool:
+        """False with stochastic rounding: a second quantization draws new random numbers."""
+        return not self.stochastic_rounding
+
+    def storage_meta(self) -> dict[str, object]:
+        return {"block_2d": self.with_2d_quantization, "rht": self.with_rht,
+                "row_scaled": self.row_scaled_nvfp4}
+
+    def settings(self) -> dict[str, object]:
+        return {"with_rht": self.with_rht, "with_post_rht_amax": self.with_post_rht_amax,
+                "with_2d_quantization": self.with_2d_quantization,
+                "stochastic_rounding": self.stochastic_rounding,
+                "row_scaled_nvfp4": self.row_scaled_nvfp4}
+
+    def copy(self) -> "NVFP4Quantizer":
+        """Same settings; process group and generator are shared, not copied."""
+        q = NVFP4Quantizer(rowwise=self.rowwise_usage, columnwise=self.columnwise_usage,
+                           with_rht=self.with_rht, with_post_rht_amax=self.with_post_rht_amax,
+                           with_2d_quantization=self.with_2d_quantization,
+                           stochastic_rounding=self.stochastic_rounding,
+                           row_scaled_nvfp4=self.row_scaled_nvfp4,
+                           with_amax_reduction=self.with_amax_reduction,
+                           amax_reduction_group=self.amax_reduction_group, generator=self.generator)
+        q.role = self.role
+        return q
+
+
+def _transpose_packed(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    """Transpose packed E2M1 codes [R, ceil(C/2)] -> [C, ceil(R/2)] (exact: codes move)."""
+    codes = nvfp4.unpack_fp4(packed, cols)
+    return nvfp4.pack_fp4(codes.t().contiguous())

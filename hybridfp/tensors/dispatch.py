@@ -1,0 +1,211 @@
+"""``__torch_dispatch__`` handlers of :class:`QuantizedTensor`.
+
+Handled natively (no dequantization): detach, alias, clone, ``_to_copy`` (device moves, pinned
+memory, nominal dtype), pin_memory, ``copy_``, views/reshapes that keep the last dimension,
+split / slice along dim 0 at block boundaries, new_zeros / new_empty / empty_like /
+zeros_like, zero_. Everything else dequantizes, runs in high precision and warns once per op;
+in-place ops on a quantized tensor re-quantize the result into it through its quantizer.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from .quantized_tensor import FALLBACK, QuantizedTensor, implements
+from .storage import QuantizedStorage
+
+aten = torch.ops.aten
+_WARNED: set[str] = set()
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _wrap(storage: QuantizedStorage, like: QuantizedTensor) -> QuantizedTensor:
+    return QuantizedTensor(storage, like._quantizer)
+
+
+@implements(aten.detach.default, aten.alias.default)
+def _detach(func, args, kwargs):
+    (t,) = args
+    return _wrap(t._storage.map_tensors(lambda x: x), t)
+
+
+@implements(aten.clone.default)
+def _clone(func, args, kwargs):
+    t = args[0]
+    return _wrap(t._storage.map_tensors(torch.clone), t)
+
+
+@implements(aten._to_copy.default)
+def _to_copy(func, args, kwargs):
+    t = args[0]
+    dtype = kwargs.get("dtype") or t.dtype
+    if dtype not in _FLOAT_DTYPES:
+        return _fallback(func, args, kwargs)
+    device = kwargs.get("device")
+    pin = kwargs.get("pin_memory") or False
+    non_blocking = kwargs.get("non_blocking", False)
+
+    def move(x: torch.Tensor) -> torch.Tensor:
+        y = x.to(device=device, non_blocking=non_blocking, copy=True) if device is not None else x.clone()
+        return y.pin_memory() if pin else y
+
+    storage = t._storage.map_tensors(move)
+    if dtype != t.dtype:  # only the nominal dtype changes: the encoded values do not
+        storage = storage._new(storage.shape, dict(storage.payloads), dtype)
+    return _wrap(storage, t)
+
+
+@implements(aten._pin_memory.default)
+def _pin(func, args, kwargs):
+    t = args[0]
+    return _wrap(t._storage.map_tensors(lambda x: x.pin_memory()), t)
+
+
+@implements(aten.is_pinned.default)
+def _is_pinned(func, args, kwargs):
+    return all(x.is_pinned() for x in args[0]._storage.tensors())
+
+
+@implements(aten.copy_.default)
+def _copy(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if not isinstance(dst, QuantizedTensor):  # high-precision destination
+        return dst.copy_(src.dequantize(dst.dtype))
+    if tuple(src.shape) != tuple(dst.shape):
+        raise ValueError(f"copy_ shape mismatch: {tuple(src.shape)} into {dst._storage.describe()}.")
+    if isinstance(src, QuantizedTensor):
+        try:
+            dst._storage.copy_payload_(src._storage.map_tensors(lambda x: x.to(dst.device)))
+            return dst
+        except (ValueError, RuntimeError):
+            src = src.dequantize(dst.dtype)  # another format: re-quantize its value
+    _requantize_into(dst, src)
+    return dst
+
+
+def _requantize_into(dst: QuantizedTensor, src: torch.Tensor) -> None:
+    if dst._quantizer is None:
+        raise RuntimeError(
+            f"cannot write high-precision values into {dst._storage.describe()}: it has no "
+            "quantizer (e.g. it was loaded from a checkpoint). Call tensor.set_quantizer(q) "
+            "first, or dequantize it."
+        )
+    dst._quantizer.update_quantized(src.to(dst.device), dst)
+
+
+@implements(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def _view(func, args, kwargs):
+    t, size = args[0], args[1]
+    shape = torch.empty(t.shape, device="meta").view(size).shape
+    return _wrap(t._storage.view_leading(shape), t)
+
+
+def _dim0(t: QuantizedTensor, dim: int) -> bool:
+    return dim % max(t.dim(), 1) == 0
+
+
+@implements(aten.split.Tensor)
+def _split(func, args, kwargs):
+    t, size = args[0], args[1]
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    if not _dim0(t, dim):
+        return _fallback(func, args, kwargs)
+    n = t.shape[0]
+    starts = range(0, n, size) or [0]  # torch returns one empty piece for an empty dim
+    return [_wrap(t._storage.slice_dim0(s, min(s + size, n)), t) for s in starts]
+
+
+@implements(aten.split_with_sizes.default)
+def _split_sizes(func, args, kwargs):
+    t, sizes = args[0], args[1]
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    if not _dim0(t, dim):
+        return _fallback(func, args, kwargs)
+    if sum(sizes) != t.shape[0]:
+        raise ValueError(f"split sizes {list(sizes)} do not sum to dim 0 ({t.shape[0]}).")
+    out, s = [], 0
+    for k in sizes:
+        out.append(_wrap(t._storage.slice_dim0(s, s + k), t))
+        s += k
+    return out
+
+
+@implements(aten.slice.Tensor)
+def _slice(func, args, kwargs):
+    t = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    start = args[2] if len(args) > 2 else kwargs.get("start")
+    end = args[3] if len(args) > 3 else kwargs.get("end")
+    step = args[4] if len(args) > 4 else kwargs.get("step", 1)
+    if not _dim0(t, dim) or step != 1:
+        return _fallback(func, args, kwargs)
+    n = t.shape[0]
+    start = 0 if start is None else (start + n if start < 0 else start)
+    end = n if end is None else (end + n if end < 0 else end)
+    return _wrap(t._storage.slice_dim0(start, end), t)
+
+
+def _allocate_like(t: QuantizedTensor, shape, dtype, fill) -> torch.Tensor:
+    return QuantizedTensor(t._storage.allocate_like(torch.Size(shape), dtype or t.dtype, fill), t._quantizer)
+
+
+@implements(aten.new_zeros.default, aten.new_empty.default)
+def _new_factory(func, args, kwargs):
+    t, size = args[0], args[1]
+    dtype = kwargs.get("dtype") or t.dtype
+    if dtype not in _FLOAT_DTYPES:
+        return func(t.dequantize(), size, **kwargs)
+    return _allocate_like(t, size, dtype, 0.0 if func is aten.new_zeros.default else None)
+
+
+@implements(aten.empty_like.default, aten.zeros_like.default)
+def _like(func, args, kwargs):
+    t = args[0]
+    dtype = kwargs.get("dtype") or t.dtype
+    if dtype not in _FLOAT_DTYPES:
+        return func(t.dequantize(), **kwargs)
+    return _allocate_like(t, t.shape, dtype, 0.0 if func is aten.zeros_like.default else None)
+
+
+@implements(aten.zero_.default)
+def _zero(func, args, kwargs):
+    t = args[0]
+    for x in t._storage.tensors():  # all-zero payloads decode to 0 in every format
+        x.zero_()
+    return t
+
+
+def _mutated_quantized(func, args, kwargs) -> list[QuantizedTensor]:
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        v = args[i] if i < len(args) else kwargs.get(a.name)
+        if isinstance(v, QuantizedTensor):
+            out.append(v)
+    return out
+
+
+def _fallback(func, args, kwargs):
+    name = str(func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else func)
+    if name not in _WARNED:
+        _WARNED.add(name)
+        warnings.warn(
+            f"hybridfp: aten.{name} has no quantized implementation; the QuantizedTensor "
+            "operands are dequantized and the op runs in high precision.", stacklevel=3)
+    mutated = _mutated_quantized(func, args, kwargs)
+    deq = {id(t): t.dequantize() for t in mutated}
+    unwrap = lambda x: (deq.get(id(x)) if id(x) in deq else x.dequantize()) if isinstance(x, QuantizedTensor) else x
+    out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+    for t in mutated:  # write the high-precision result back by re-quantizing
+        _requantize_into(t, deq[id(t)])
+    if mutated and out is not None:
+        return mutated[0] if len(mutated) == 1 else out
+    return out
+
+
+FALLBACK.append(_fallback)

@@ -1,0 +1,34 @@
+"""Storage of FP8 per-tensor scaled tensors (delayed or current scaling, SPEC §2.1-2.2).
+
+rowwise: ``data`` [rows, cols] FP8, ``scale_inv`` 0-d FP32.
+columnwise: the same values transposed (``data`` [cols, rows]) with the same scale — Hopper's
+FP8 GEMMs are TN-only, so the backward copy is kept in the layout cuBLAS consumes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import fp8_tensorwise
+from .storage import COLUMNWISE, ROWWISE, Payload, QuantizedStorage
+
+
+class Float8Storage(QuantizedStorage):
+    """FP8 with one FP32 scale for the whole tensor."""
+
+    format_name = "FP8 per-tensor"
+    precision_rank = 2
+    _meta_defaults = {"fp8_dtype": torch.float8_e4m3fn}
+    _row_index = {
+        ROWWISE: {"data": (0, 1), "scale_inv": None},
+        COLUMNWISE: {"data": (1, 1), "scale_inv": None},
+    }
+
+    @classmethod
+    def _payload_layout(cls, direction: str, rows: int, cols: int, meta: dict[str, object]):
+        shape = (rows, cols) if direction == ROWWISE else (cols, rows)
+        return {"data": (shape, meta["fp8_dtype"]), "scale_inv": ((), torch.float32)}
+
+    def _decode(self, direction: str, payload: Payload) -> torch.Tensor:
+        out = fp8_tensorwise.dequantize(payload["data"], payload["scale_inv"])
+        return out if direction == ROWWISE else out.t()

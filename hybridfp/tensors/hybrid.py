@@ -1,0 +1,154 @@
+"""Storage of a hybrid tensor: the rowwise copy in one format, the columnwise in another.
+
+It holds two ordinary storages, each with only its own direction: ``rowwise_storage`` (made
+by the rowwise quantizer) and ``columnwise_storage`` (made by the columnwise quantizer).
+Every generic operation (device moves, slicing, listing tensors) delegates to both, so a
+hybrid behaves exactly like its parts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+
+from .storage import (COLUMNWISE, DIRECTIONS, ROWWISE, MissingDirectionError, QuantizedStorage,
+                      check_direction)
+
+
+class HybridStorage(QuantizedStorage):
+    """Rowwise copy from one storage, columnwise copy from another."""
+
+    format_name = "Hybrid"
+
+    def __init__(
+        self,
+        shape: torch.Size | tuple[int, ...],
+        dtype: torch.dtype,
+        rowwise_storage: Optional[QuantizedStorage],
+        columnwise_storage: Optional[QuantizedStorage],
+        *,
+        label: str = "",
+    ) -> None:
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+        self.label = label
+        self.meta = {}
+        if rowwise_storage is None and columnwise_storage is None:
+            raise ValueError(f"{self.describe()} needs at least one of its two copies.")
+        self.parts: dict[str, Optional[QuantizedStorage]] = {
+            ROWWISE: rowwise_storage, COLUMNWISE: columnwise_storage}
+        for d, part in self.parts.items():
+            if part is not None and part.directions() != (d,):
+                raise ValueError(f"the {d} part of a hybrid must hold only its {d} copy; "
+                                 f"got {part.describe()} holding {part.directions()}.")
+
+    @property
+    def rowwise_storage(self) -> Optional[QuantizedStorage]:
+        """Storage of the rowwise (forward) copy, or None."""
+        return self.parts[ROWWISE]
+
+    @property
+    def columnwise_storage(self) -> Optional[QuantizedStorage]:
+        """Storage of the columnwise (backward) copy, or None."""
+        return self.parts[COLUMNWISE]
+
+    def describe(self) -> str:
+        """Format pair, shape and role."""
+        names = "/".join(p.format_name if p else "-" for p in self.parts.values())
+        role = f" (role: {self.label})" if self.label else ""
+        return f"Hybrid[{names}] tensor of shape {tuple(self.shape)}{role}"
+
+    @property
+    def payloads(self):  # type: ignore[override]
+        """Per-direction payload of the part holding it (read-only view)."""
+        return {d: (p.payloads[d] if p is not None else None) for d, p in self.parts.items()}
+
+    @payloads.setter
+    def payloads(self, value) -> None:  # pragma: no cover - parts are the source of truth
+        raise AttributeError("set the parts of a HybridStorage, not its payloads")
+
+    def part(self, direction: str) -> QuantizedStorage:
+        """The storage holding ``direction``; a clear error if it was not produced or dropped."""
+        p = self.parts[check_direction(direction)]
+        if p is None:
+            raise MissingDirectionError(
+                f"{self.describe()} holds no {direction} copy (it holds: "
+                f"{', '.join(self.directions())}). Quantize with {direction}_usage=True."
+            )
+        return p
+
+    def has(self, direction: str) -> bool:
+        """Whether the part for ``direction`` is held."""
+        return self.parts[check_direction(direction)] is not None
+
+    def _drop(self, direction: str) -> None:
+        self.parts[direction] = None
+
+    def decode(self, direction: str) -> torch.Tensor:
+        """FP32 [rows, cols] value of one copy."""
+        return self.part(direction).decode(direction)
+
+    def preferred_direction(self) -> str:
+        """The copy whose format is more precise (rowwise on ties)."""
+        held = [d for d in DIRECTIONS if self.has(d)]
+        return max(held, key=lambda d: (self.parts[d].precision_rank, d == ROWWISE))
+
+    @property
+    def row_index_parts(self) -> dict[str, QuantizedStorage]:
+        """Held parts by direction."""
+        return {d: p for d, p in self.parts.items() if p is not None}
+
+    def row_granularity(self) -> int:
+        """lcm of the parts' slicing granularities."""
+        g = 1
+        for p in self.row_index_parts.values():
+            g = math.lcm(g, p.row_granularity())
+        return g
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Rowwise part's tensors, then columnwise part's."""
+        return [t for p in self.row_index_parts.values() for t in p.tensors()]
+
+    def with_tensors(self, tensors: list[torch.Tensor]) -> "HybridStorage":
+        """Same layout, new payload tensors (order of tensors())."""
+        new: dict[str, Optional[QuantizedStorage]] = {ROWWISE: None, COLUMNWISE: None}
+        i = 0
+        for d, p in self.row_index_parts.items():
+            n = len(p.tensors())
+            new[d] = p.with_tensors(tensors[i:i + n])
+            i += n
+        return HybridStorage(self.shape, self.dtype, new[ROWWISE], new[COLUMNWISE], label=self.label)
+
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "HybridStorage":
+        """Apply ``fn`` to every tensor of both parts."""
+        return self.with_tensors([fn(t) for t in self.tensors()])
+
+    def copy_payload_(self, src: QuantizedStorage) -> None:
+        """In-place copy from another hybrid with the same part formats."""
+        if not isinstance(src, HybridStorage):
+            raise ValueError(f"cannot copy {src.describe()} into {self.describe()} in place.")
+        for d, p in self.row_index_parts.items():
+            p.copy_payload_(src.part(d))
+
+    def view_leading(self, shape) -> "HybridStorage":
+        """Both parts viewed with another leading shape."""
+        parts = {d: (p.view_leading(shape) if p else None) for d, p in self.parts.items()}
+        return HybridStorage(shape, self.dtype, parts[ROWWISE], parts[COLUMNWISE], label=self.label)
+
+    def slice_dim0(self, start: int, stop: int) -> "HybridStorage":
+        """Both parts sliced along dim 0 (block boundaries of both formats)."""
+        parts = {d: (p.slice_dim0(start, stop) if p else None) for d, p in self.parts.items()}
+        shape = next(p for p in parts.values() if p is not None).shape
+        return HybridStorage(shape, self.dtype, parts[ROWWISE], parts[COLUMNWISE], label=self.label)
+
+    def allocate_like(self, shape: torch.Size, dtype: torch.dtype, fill: Optional[float] = None) -> "HybridStorage":
+        """Empty (or zero) parts of another shape."""
+        parts = {d: (p.allocate_like(shape, dtype, fill) if p else None) for d, p in self.parts.items()}
+        return HybridStorage(shape, dtype, parts[ROWWISE], parts[COLUMNWISE], label=self.label)
+
+    def _new(self, shape, payloads, dtype=None):  # type: ignore[override]
+        parts = {d: (p._new(shape, p.payloads, dtype) if p else None) for d, p in self.parts.items()}
+        return HybridStorage(shape, dtype or self.dtype, parts[ROWWISE], parts[COLUMNWISE], label=self.label)
+

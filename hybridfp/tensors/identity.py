@@ -1,0 +1,58 @@
+"""Storage of an unquantized (high-precision) tensor, SPEC §2.6.
+
+One ``data`` tensor [rows, cols] serves both directions (a transposed use is a view), so
+holding both copies costs nothing extra.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .storage import COLUMNWISE, ROWWISE, Payload, QuantizedStorage
+
+
+class IdentityStorage(QuantizedStorage):
+    """High-precision passthrough, in ``data``'s dtype."""
+
+    format_name = "Identity"
+    precision_rank = 3
+    _meta_defaults: dict[str, object] = {}
+    _row_index = {ROWWISE: {"data": (0, 1)}, COLUMNWISE: {"data": (0, 1)}}
+
+    @classmethod
+    def _payload_layout(cls, direction: str, rows: int, cols: int, meta: dict[str, object]):
+        raise TypeError("IdentityStorage is allocated with IdentityStorage.allocate_like")
+
+    @classmethod
+    def allocate(cls, shape, dtype, device, directions, *, label="", fill=None, **meta):  # type: ignore[override]
+        """An empty high-precision tensor shared by the requested directions."""
+        shape = torch.Size(shape)
+        rows = shape[:-1].numel() if len(shape) else 1
+        cols = shape[-1] if len(shape) else 1
+        data = (torch.empty if fill is None else torch.zeros)((rows, cols), dtype=dtype, device=device)
+        p = {"data": data}
+        return cls(shape, dtype, p if ROWWISE in directions else None,
+                   p if COLUMNWISE in directions else None, label=label)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The one data tensor (shared by both directions)."""
+        return [self.payload(self.directions()[0])["data"]]
+
+    def with_tensors(self, tensors: list[torch.Tensor]) -> "IdentityStorage":
+        """Same directions, new data tensor."""
+        (data,) = tensors
+        p = {"data": data}
+        return self._new(self.shape, {d: (p if self.has(d) else None) for d in (ROWWISE, COLUMNWISE)})
+
+    def copy_payload_(self, src: QuantizedStorage) -> None:
+        """Copy another identity storage's values in place."""
+        self.tensors()[0].copy_(src.tensors()[0])
+
+    def _decode(self, direction: str, payload: Payload) -> torch.Tensor:
+        return payload["data"].float()
+
+    def dequantize(self, dtype=None, direction=None) -> torch.Tensor:  # type: ignore[override]
+        """The held tensor (cast only if ``dtype`` differs), original shape."""
+        d = direction or self.directions()[0]
+        data = self.payload(d)["data"]
+        return data.reshape(self.shape).to(dtype or self.dtype)

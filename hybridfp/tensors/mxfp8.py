@@ -1,0 +1,44 @@
+"""Storage of MXFP8 tensors (OCP microscaling, SPEC §2.4).
+
+rowwise: ``data`` [rows, cols] FP8 and E8M0 ``scale`` (uint8) per 1x32 block
+[rows, ceil(cols/32)]. columnwise: 32x1 blocks, stored transposed (``data`` [cols, rows],
+``scale`` [cols, ceil(rows/32)]) so every copy is reduced along its last dimension.
+With ``block_2d`` (weights), 32x32 tiles: scales [ceil(rows/32), ceil(cols/32)]; the
+columnwise copy is the same values transposed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import mxfp8
+from ..formats.common import ceil_div
+from .storage import COLUMNWISE, ROWWISE, Payload, QuantizedStorage
+
+
+class MXFP8Storage(QuantizedStorage):
+    """FP8 elements with a power-of-two (E8M0) scale per 32 elements."""
+
+    format_name = "MXFP8"
+    precision_rank = 2
+    _meta_defaults = {"fp8_dtype": torch.float8_e4m3fn, "block_2d": False}
+
+    @property
+    def _row_index(self):  # type: ignore[override]
+        b = mxfp8.BLOCK
+        return {
+            ROWWISE: {"data": (0, 1), "scale": (0, b) if self.meta["block_2d"] else (0, 1)},
+            COLUMNWISE: {"data": (1, 1), "scale": (1, b)},
+        }
+
+    @classmethod
+    def _payload_layout(cls, direction: str, rows: int, cols: int, meta: dict[str, object]):
+        b = mxfp8.BLOCK
+        r, c = (rows, cols) if direction == ROWWISE else (cols, rows)
+        sr = ceil_div(r, b) if meta["block_2d"] else r
+        return {"data": ((r, c), meta["fp8_dtype"]), "scale": ((sr, ceil_div(c, b)), torch.uint8)}
+
+    def _decode(self, direction: str, payload: Payload) -> torch.Tensor:
+        deq = mxfp8.dequantize_2d if self.meta["block_2d"] else mxfp8.dequantize_1d
+        out = deq(payload["data"], payload["scale"])
+        return out if direction == ROWWISE else out.t()

@@ -1,0 +1,69 @@
+"""Storage of NVFP4 tensors (SPEC §2.5).
+
+rowwise: ``data`` uint8 [rows, ceil(cols/2)] (two E2M1 codes per byte, element 2i in the low
+nibble), ``scale`` E4M3 per 1x16 block [rows, ceil(cols/16)], ``amax`` the FP32 global amax
+(0-d, or [rows] for row-scaled NVFP4).
+columnwise: 16x1 blocks stored transposed (``data`` [cols, ceil(R/2)], ``scale``
+[cols, ceil(R/16)], ``amax`` 0-d). With ``rht`` the columnwise copy holds the random-Hadamard
+transformed values: R is zero-padded to a multiple of 16 (the padded tail is part of the
+transformed tensor, so the stored length is ceil16(rows)), and decoding applies the inverse
+transform, so ``dequantize`` always returns values in the original domain.
+With ``block_2d`` (weights): 16x16 tiles, scales [ceil(r/16), ceil(c/16)] in each stored
+orientation; both copies hold the same values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import nvfp4, rht
+from ..formats.common import ceil_div
+from .storage import COLUMNWISE, ROWWISE, Payload, QuantizedStorage
+
+
+class NVFP4Storage(QuantizedStorage):
+    """E2M1 elements, E4M3 scale per 16 elements, FP32 global scale (per tensor or per row)."""
+
+    format_name = "NVFP4"
+    precision_rank = 1
+    _meta_defaults = {"block_2d": False, "rht": False, "row_scaled": False}
+
+    @property
+    def _row_index(self):  # type: ignore[override]
+        b = nvfp4.BLOCK
+        return {
+            ROWWISE: {
+                "data": (0, 1),
+                "scale": (0, b) if self.meta["block_2d"] else (0, 1),
+                "amax": (0, 1) if self.meta["row_scaled"] else None,
+            },
+            # Slicing the columnwise copy cuts its packed, blocked (and, with RHT, 16-tiled)
+            # last axis: cuts must land on 16-row boundaries.
+            COLUMNWISE: {"data": (1, 2), "scale": (1, b), "amax": None},
+        }
+
+    @classmethod
+    def _payload_layout(cls, direction: str, rows: int, cols: int, meta: dict[str, object]):
+        b = nvfp4.BLOCK
+        if direction == ROWWISE:
+            r, c = rows, cols
+            amax_shape: tuple[int, ...] = (rows,) if meta["row_scaled"] else ()
+        else:
+            r, c = cols, (ceil_div(rows, b) * b if meta["rht"] else rows)
+            amax_shape = ()
+        sr = ceil_div(r, b) if meta["block_2d"] else r
+        return {
+            "data": ((r, ceil_div(c, 2)), torch.uint8),
+            "scale": ((sr, ceil_div(c, b)), torch.float8_e4m3fn),
+            "amax": (amax_shape, torch.float32),
+        }
+
+    def _decode(self, direction: str, payload: Payload) -> torch.Tensor:
+        deq = nvfp4.dequantize_2d if self.meta["block_2d"] else nvfp4.dequantize_1d
+        if direction == ROWWISE:
+            return deq(payload["data"], payload["scale"], payload["amax"], self.cols)
+        if self.meta["rht"]:
+            stored_len = ceil_div(self.rows, nvfp4.BLOCK) * nvfp4.BLOCK
+            y = deq(payload["data"], payload["scale"], payload["amax"], stored_len)
+            return rht.apply_inverse_rht(y, self.rows).t()
+        return deq(payload["data"], payload["scale"], payload["amax"], self.rows).t()

@@ -1,0 +1,141 @@
+"""``QuantizedTensor``: a ``torch.Tensor`` subclass wrapping a quantized storage.
+
+It has the logical shape and nominal (high-precision) dtype of the tensor it encodes, so it
+can be an ``nn.Parameter``, flow through autograd and be saved with ``torch.save``. Its data
+lives in ``storage`` (rowwise and/or columnwise copies). Ops are routed through
+``__torch_dispatch__`` to a table of handlers (``hybridfp.tensors.dispatch``); ops without a
+handler dequantize, run in high precision and warn once naming the op.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from .hybrid import HybridStorage
+from .storage import DIRECTIONS, STORAGE_REGISTRY, QuantizedStorage
+
+#: aten op -> handler(func, args, kwargs). Filled by ``hybridfp.tensors.dispatch``.
+DISPATCH_TABLE: dict[Any, Callable[..., Any]] = {}
+#: Called for ops without a handler; set by ``hybridfp.tensors.dispatch``.
+FALLBACK: list[Callable[..., Any]] = []
+
+
+def implements(*ops: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register a ``__torch_dispatch__`` handler for one or more aten ops."""
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for op in ops:
+            DISPATCH_TABLE[op] = fn
+        return fn
+
+    return deco
+
+
+class QuantizedTensor(torch.Tensor):
+    """A quantized tensor: logical shape/dtype of the source, payload in ``storage``.
+
+    ``quantizer`` (optional) is the quantizer that made it; in-place updates
+    (``copy_`` from a high-precision tensor, optimizer steps) re-quantize through it.
+    """
+
+    _storage: QuantizedStorage
+    _quantizer: Optional[Any]
+
+    @staticmethod
+    def __new__(cls, storage: QuantizedStorage, quantizer: Optional[Any] = None,
+                requires_grad: bool = False) -> "QuantizedTensor":
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, storage.shape, dtype=storage.dtype, device=storage.device,
+            requires_grad=requires_grad,
+        )
+        t._storage = storage
+        t._quantizer = quantizer
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        handler = DISPATCH_TABLE.get(func)
+        if handler is not None:
+            return handler(func, args, kwargs or {})
+        return FALLBACK[0](func, args, kwargs or {})
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def qstorage(self) -> QuantizedStorage:
+        """The quantized storage (rowwise / columnwise payloads)."""
+        return self._storage
+
+    @property
+    def quantizer(self) -> Optional[Any]:
+        """The quantizer that produced this tensor, if known."""
+        return self._quantizer
+
+    def set_quantizer(self, quantizer: Any) -> None:
+        """Attach the quantizer used for in-place re-quantization (e.g. after loading)."""
+        self._quantizer = quantizer
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None, direction: Optional[str] = None) -> torch.Tensor:  # type: ignore[override]
+        """High-precision value in the original shape and orientation.
+
+        ``direction``: "rowwise", "columnwise", or None for the more precise copy held.
+        """
+        return self._storage.dequantize(dtype, direction)
+
+    def has_direction(self, direction: str) -> bool:
+        """Whether the ``direction`` copy is held."""
+        return self._storage.has(direction)
+
+    def directions(self) -> tuple[str, ...]:
+        """The copies held."""
+        return self._storage.directions()
+
+    def update_usage(self, rowwise_usage: Optional[bool] = None, columnwise_usage: Optional[bool] = None) -> None:
+        """Drop copies no longer needed (a dropped copy cannot be re-added)."""
+        self._storage.update_usage(rowwise_usage, columnwise_usage)
+
+    def quantized_nbytes(self) -> int:
+        """Bytes held by the payloads (the format's true footprint)."""
+        return self._storage.nbytes()
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return (f"QuantizedTensor({self._storage.describe()}, holds={list(self.directions())}, "
+                f"dtype={self.dtype}, device={self.device})")
+
+    def __reduce_ex__(self, protocol: int):  # type: ignore[override]
+        return (_rebuild_quantized_tensor, (storage_state(self._storage), self.requires_grad))
+
+
+def storage_state(storage: QuantizedStorage) -> dict[str, Any]:
+    """A plain-data description of a storage (safe for ``torch.load(weights_only=True)``)."""
+    if isinstance(storage, HybridStorage):
+        parts = {d: (storage_state(p) if p is not None else None) for d, p in storage.parts.items()}
+        return {"cls": "HybridStorage", "shape": tuple(storage.shape), "dtype": storage.dtype,
+                "label": storage.label, "parts": parts}
+    return {"cls": type(storage).__name__, "shape": tuple(storage.shape), "dtype": storage.dtype,
+            "label": storage.label, "meta": dict(storage.meta),
+            "payloads": {d: (dict(storage.payloads[d]) if storage.has(d) else None) for d in DIRECTIONS}}
+
+
+def storage_from_state(state: dict[str, Any]) -> QuantizedStorage:
+    """Inverse of :func:`storage_state`."""
+    cls = STORAGE_REGISTRY[state["cls"]]
+    if cls is HybridStorage:
+        parts = {d: (storage_from_state(p) if p is not None else None) for d, p in state["parts"].items()}
+        return HybridStorage(state["shape"], state["dtype"], parts["rowwise"], parts["columnwise"],
+                             label=state["label"])
+    p = state["payloads"]
+    if p["rowwise"] is not None and p["columnwise"] is not None and cls.__name__ == "IdentityStorage":
+        p = {"rowwise": p["rowwise"], "columnwise": p["rowwise"]}  # one shared tensor
+    return cls(state["shape"], state["dtype"], p["rowwise"], p["columnwise"], label=state["label"],
+               **state["meta"])
+
+
+def _rebuild_quantized_tensor(state: dict[str, Any], requires_grad: bool) -> QuantizedTensor:
+    return QuantizedTensor(storage_from_state(state), None, requires_grad=requires_grad)
+
+
+torch.serialization.add_safe_globals([_rebuild_quantized_tensor])
