@@ -1,0 +1,145 @@
+"""FP8 block scaling, DeepSeek-V3 style (SPEC §2.3).
+
+- 1D: ``1 x block`` blocks along the last dim (inputs, gradients); scale_inv [R, ceil(C/block)].
+- 2D: ``block x block`` tiles (weights); scale_inv [ceil(R/block), ceil(C/block)].
+
+Each block's scale is :func:`fp8_tensorwise.current_scale` of the block amax (same rule as
+per-tensor current scaling, TE's ``compute_scale_from_amax``), power-of-two by default
+(rounded down, so the block max never saturates); ``scale_inv = 1 / scale`` (IEEE FP32
+division, exact for power-of-two scales). ``data = saturating_cast_fp8(x * scale)``.
+
+The columnwise copies are built by the caller: the 1D columnwise copy is
+``quantize_1d(x.t())`` (128 x 1 blocks, stored transposed); the 2D columnwise copy is the
+rowwise result transposed, since ``quantize_2d(x.t())`` equals it bit for bit.
+
+Shapes not divisible by the block are zero-padded for the amax only (zeros never raise a
+block amax); ``data`` keeps the logical [R, C] shape.
+
+Resolved SPEC ambiguities (same rules as :mod:`fp8_tensorwise`, the lead should keep SPEC in
+sync):
+
+- A block of zeros gets scale 1 (scale_inv 1) and zero data.
+- A block containing NaN gets scale 1: the NaN element stays NaN and the block's other
+  elements are quantized (saturating) with scale 1. TE's kernel would give a NaN scale and
+  an all-NaN block; SPEC §2.1's "not finite -> scale 1" is followed instead. A block
+  containing ±inf likewise gets scale 1 and the inf saturates to ±fp8_max.
+- ``quantize(dequantize(q))`` reproduces the dequantized values bit for bit, and the same
+  data bits wherever the block scale is unchanged. With power-of-two scales a block whose
+  amax rounded DOWN onto fp8_max / 2 (e.g. E4M3 amax 225 -> 224) gets twice the scale on
+  re-quantization: other bits, same values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridfp.formats.common import (
+    amax_nan,
+    blocks_1d,
+    blocks_2d,
+    ceil_div,
+    expand_blocks_1d,
+    expand_blocks_2d,
+    saturating_cast_fp8,
+)
+from hybridfp.formats.fp8_tensorwise import current_scale
+
+DEFAULT_BLOCK: int = 128
+
+
+def _check_2d(x: torch.Tensor, what: str) -> None:
+    if x.dim() != 2:
+        raise ValueError(
+            f"{what} must be 2D [rows, cols], got shape {tuple(x.shape)}; flatten leading dims "
+            "first (hybridfp.formats.common.as_2d)."
+        )
+
+
+def _check_block(block: int) -> None:
+    if not isinstance(block, int) or block < 1:
+        raise ValueError(f"block must be a positive int, got {block!r}.")
+
+
+def _check_scale_shape(scale_inv: torch.Tensor, expected: tuple[int, int], what: str) -> None:
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(
+            f"{what}: scale_inv has shape {tuple(scale_inv.shape)}, expected {expected} for this "
+            "data shape and block size; pass the block size used to quantize."
+        )
+
+
+def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
+    # Explicit IEEE division (SPEC §2), not torch.reciprocal.
+    return torch.ones_like(scale) / scale
+
+
+def quantize_1d(
+    x: torch.Tensor,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    *,
+    block: int = DEFAULT_BLOCK,
+    power_2_scale: bool = True,
+    eps: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize 2D ``x`` with ``1 x block`` blocks; returns ``(data [R, C], scale_inv [R, nb])``."""
+    _check_2d(x, "quantize_1d input")
+    _check_block(block)
+    xf = x.float()
+    cols = xf.shape[1]
+    amax = amax_nan(blocks_1d(xf, block), dim=-1)
+    scale = current_scale(amax, dtype, eps=eps, power_2_scale=power_2_scale)
+    data = saturating_cast_fp8(xf * expand_blocks_1d(scale, block, cols), dtype)
+    return data, _reciprocal(scale)
+
+
+def quantize_2d(
+    x: torch.Tensor,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    *,
+    block: int = DEFAULT_BLOCK,
+    power_2_scale: bool = True,
+    eps: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize 2D ``x`` with ``block x block`` tiles; returns ``(data [R, C], scale_inv [nr, nc])``."""
+    _check_2d(x, "quantize_2d input")
+    _check_block(block)
+    xf = x.float()
+    rows, cols = xf.shape
+    amax = amax_nan(blocks_2d(xf, block, block), dim=-1)
+    scale = current_scale(amax, dtype, eps=eps, power_2_scale=power_2_scale)
+    data = saturating_cast_fp8(xf * expand_blocks_2d(scale, block, block, rows, cols), dtype)
+    return data, _reciprocal(scale)
+
+
+def dequantize_1d(
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    *,
+    block: int = DEFAULT_BLOCK,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``data * scale_inv`` per ``1 x block`` block in FP32 (exact for power-of-two scales), cast to out_dtype."""
+    _check_2d(data, "dequantize_1d data")
+    _check_block(block)
+    rows, cols = data.shape
+    _check_scale_shape(scale_inv, (rows, ceil_div(cols, block)), "dequantize_1d")
+    s = expand_blocks_1d(scale_inv.float().to(data.device), block, cols)
+    return (data.float() * s).to(out_dtype)
+
+
+def dequantize_2d(
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    *,
+    block: int = DEFAULT_BLOCK,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``data * scale_inv`` per ``block x block`` tile in FP32, cast to out_dtype."""
+    _check_2d(data, "dequantize_2d data")
+    _check_block(block)
+    rows, cols = data.shape
+    _check_scale_shape(
+        scale_inv, (ceil_div(rows, block), ceil_div(cols, block)), "dequantize_2d"
+    )
+    s = expand_blocks_2d(scale_inv.float().to(data.device), block, block, rows, cols)
+    return (data.float() * s).to(out_dtype)

@@ -1,0 +1,131 @@
+"""FP8 per-tensor scaling: current scaling (SPEC §2.1) and delayed scaling (SPEC §2.2).
+
+The math follows TransformerEngine (TE) so that users migrating from it get the same bits:
+
+- current scaling: ``scale = fp8_max / max(amax, eps)`` in FP32, optionally rounded down to
+  a power of two by clearing the mantissa bits (TE's ``compute_scale_from_amax``);
+- delayed scaling: an amax history whose slot 0 is the one being recorded; an update takes
+  ``max(history)`` (or ``history[0]``), rolls the history by -1 and zeroes slot 0, and sets
+  ``scale = (fp8_max / amax) / 2**margin`` (TE's ``_default_sf_compute``).
+
+Casts go through :func:`common.saturating_cast_fp8` (clamp in FP32, then an RNE cast), so
+values beyond the finite range, ±inf included, saturate to ±fp8_max and never become NaN;
+NaN inputs stay NaN. ``scale_inv = 1 / scale`` is an IEEE FP32 division.
+
+Resolved SPEC ambiguities (the lead should keep SPEC in sync):
+
+- ``current_scale`` with a NaN amax returns scale 1 (SPEC: "if amax is ... not finite,
+  scale = 1"). TE's kernel would produce a NaN scale there; we follow SPEC, so a NaN input
+  element quantizes to NaN while the other elements stay finite.
+- ``eps`` is applied before the zero / non-finite test, as in TE: with ``eps > 0`` an
+  all-zero tensor gets ``scale = fp8_max / eps``, not 1.
+- ``delayed_update`` clamps an infinite new scale (amax so small that ``fp8_max / amax``
+  overflows) to FP32_MAX, after the ``2**margin`` division. SPEC §2.2 is silent and TE does
+  not clamp there; an inf scale would make ``0 * scale`` NaN, so we clamp as §2.1 does.
+- ``delayed_update`` accepts a history of shape [L] (scale 0-d) or [L, n] (scale [n], one
+  column per tensor, TE's layout); the reduction is over dim 0 and NaN propagates, so one
+  NaN in the history keeps the old scale until it is rolled out.
+
+Known edge (inherent to the format, TE alike): an input within 2^-4 of FP32_MAX can round up
+to the next FP8 value, and its dequantized value then overflows to inf.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridfp.formats.common import FP32_MAX, fp8_max, pow2_floor, saturating_cast_fp8
+
+#: Valid values of ``delayed_update(algo=...)`` (TE's ``amax_compute_algo``).
+AMAX_COMPUTE_ALGOS: tuple[str, ...] = ("max", "most_recent")
+
+
+def current_scale(
+    amax: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    eps: float = 0.0,
+    power_2_scale: bool = False,
+) -> torch.Tensor:
+    """Scale from an amax, elementwise on any shape (SPEC §2.1); returns FP32.
+
+    ``a = max(amax, eps)``; ``scale = fp8_max / a``; 1 where ``a`` is 0 or not finite;
+    FP32_MAX where the division overflows; optionally rounded down to a power of two.
+    """
+    m = fp8_max(dtype)
+    # clamp_min keeps NaN (torch propagates NaN through clamp), so the test below catches it.
+    a = amax.float().clamp_min(eps)
+    scale = torch.full_like(a, m) / a
+    scale = torch.where(torch.isinf(scale), torch.full_like(scale, FP32_MAX), scale)
+    scale = torch.where((a == 0) | ~torch.isfinite(a), torch.ones_like(scale), scale)
+    if power_2_scale:
+        # scale >= 448 / FP32_MAX is always a normal FP32 number, so clearing the mantissa
+        # is an exact round-down (1 and FP32_MAX map to 1 and 2**127).
+        scale = pow2_floor(scale)
+    return scale
+
+
+def quantize(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` with a per-tensor FP32 ``scale``; returns ``(data, scale_inv)``.
+
+    ``data = saturating_cast_fp8(x.float() * scale)`` keeps x's shape, in ``dtype``;
+    ``scale_inv = 1 / scale`` (0-d FP32, IEEE division). Usable for current scaling (scale
+    from :func:`current_scale`) and delayed scaling (scale from the last update).
+    """
+    s = scale.float().to(x.device)
+    data = saturating_cast_fp8(x.float() * s, dtype)
+    # An explicit division rather than torch.reciprocal: SPEC §2 asks for IEEE division.
+    scale_inv = torch.ones_like(s) / s
+    return data, scale_inv
+
+
+def dequantize(
+    data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``data.float() * scale_inv`` (exact FP8 -> FP32 upcast, one FP32 rounding), cast to out_dtype."""
+    return (data.float() * scale_inv.float().to(data.device)).to(out_dtype)
+
+
+def record_amax(amax_history: torch.Tensor, amax: torch.Tensor) -> None:
+    """Record an amax in slot 0 of the history, in place: ``h[0] = maximum(h[0], amax)``.
+
+    ``torch.maximum`` propagates NaN, so a NaN amax makes the next update keep the old
+    scale (as SPEC §2.2 asks for a non-finite amax).
+    """
+    amax_history[0] = torch.maximum(amax_history[0], amax.float().to(amax_history.device))
+
+
+def delayed_update(
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    margin: int = 0,
+    algo: str = "max",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One delayed-scaling update (SPEC §2.2); returns ``(new_history, new_scale)``.
+
+    ``amax = history.max(0)`` (``algo="max"``) or ``history[0]`` (``"most_recent"``);
+    ``new_scale = (fp8_max / amax) / 2**margin``, the old scale kept where amax <= 0 or is
+    not finite, an inf result clamped to FP32_MAX. ``new_history`` is the history rolled by
+    -1 along dim 0 with slot 0 zeroed (TE's layout). The inputs are not modified.
+    """
+    if algo == "max":
+        # amax (unlike max) propagates NaN, which must keep the old scale.
+        amax = amax_history.float().amax(dim=0)
+    elif algo == "most_recent":
+        amax = amax_history[0].float()
+    else:
+        raise ValueError(
+            f"amax compute algo {algo!r} is unknown; use one of {list(AMAX_COMPUTE_ALGOS)}."
+        )
+    old = scale.float()
+    new = (torch.full_like(amax, fp8_max(dtype)) / amax) / float(2.0**margin)
+    new = torch.where(torch.isinf(new), torch.full_like(new, FP32_MAX), new)
+    keep = ~(amax > 0) | ~torch.isfinite(amax)
+    new_scale = torch.where(keep, old, new)
+    new_history = torch.roll(amax_history, -1, 0)
+    new_history[0] = 0
+    return new_history, new_scale
