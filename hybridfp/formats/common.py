@@ -7,6 +7,8 @@ so the cast only ever rounds (RNE) a value inside the finite range.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 FP32_MAX: float = float(torch.finfo(torch.float32).max)
@@ -71,9 +73,8 @@ def as_2d(x: torch.Tensor) -> torch.Tensor:
     """View ``x`` as [rows, last_dim] (leading dims flattened; 0-d and 1-d become one row)."""
     if x.dim() == 0:
         return x.reshape(1, 1)
-    if x.dim() == 1:
-        return x.reshape(1, -1)
-    return x.reshape(-1, x.shape[-1])
+    # Explicit row count: reshape(-1, 0) cannot infer -1 when the last dim is empty.
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -112,6 +112,9 @@ class Quantizer:
         dst.qstorage.copy_payload_(storage)
         return dst
 
+    def check_columnwise(self) -> None:
+        """Raise a clear error if this quantizer cannot make a columnwise copy (default: it can)."""
+
     def is_requantization_safe(self) -> bool:
         """Whether quantizing the same input again later reproduces the same result."""
         return True

@@ -42,6 +42,10 @@ class HybridQuantizer(Quantizer):
             raise ValueError("HybridQuantizer: rowwise_quantizer and columnwise_quantizer are the same "
                              "object; pass two distinct quantizers (e.g. q and q.copy()), since each "
                              "direction keeps its own usage flags and state.")
+        try:  # fail when the hybrid is built, not at its first backward quantization
+            columnwise_quantizer.check_columnwise()
+        except ValueError as e:
+            raise ValueError(f"HybridQuantizer: columnwise_quantizer cannot be used: {e}") from None
         if columnwise_source not in COLUMNWISE_SOURCES:
             raise ValueError(f"columnwise_source={columnwise_source!r} is unknown; use 'original' "
                              "or 'rowwise_dequantized'.")

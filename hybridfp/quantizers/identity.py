@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -34,8 +35,13 @@ class IdentityQuantizer(Quantizer):
                                label=self.label)
 
     def _allocate(self, shape, dtype, device, rowwise, columnwise):  # type: ignore[override]
-        return IdentityStorage.allocate(shape, self.dtype or dtype, device,
-                                        self._directions(rowwise, columnwise), label=self.label)
+        # The held data is in the cast dtype, but the nominal dtype stays the requested one,
+        # as encode() keeps x's dtype: make_empty + update_quantized must equal quantize.
+        data = torch.empty((math.prod(shape[:-1]), shape[-1]) if len(shape) else (1, 1),
+                           dtype=self.dtype or dtype, device=device)
+        p = {"data": data}
+        return IdentityStorage(shape, dtype, p if rowwise else None, p if columnwise else None,
+                               label=self.label)
 
     def settings(self) -> dict[str, object]:
         return {"dtype": self.dtype}

@@ -69,24 +69,18 @@ class NVFP4Quantizer(Quantizer):
     def encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> QuantizedStorage:
         """Quantize the requested copies (columnwise: 16x1 blocks of the transpose, RHT'd)."""
         x2 = as_2d(x)
-        if columnwise and self.row_scaled_nvfp4:
-            raise ValueError(
-                f"row-scaled NVFP4{' (role: ' + self.label + ')' if self.label else ''} is "
-                "forward-only and has no columnwise copy. Use HybridQuantizer(rowwise_quantizer="
-                "NVFP4Quantizer(row_scaled_nvfp4=True), columnwise_quantizer=<backward format>) "
-                "or set_usage(columnwise=False).")
+        if columnwise:
+            self.check_columnwise()
         row = col = None
         amax = None
         if self.with_2d_quantization:
+            # One quantization serves both copies, stochastic rounding included: SPEC §2.5
+            # says 2D copies hold identical values (fprop and dgrad see the same weight).
             amax = self._global_amax(x2)
             d, s = nvfp4.quantize_2d(x2, amax, **self._sr())
             row = {"data": d, "scale": s, "amax": amax} if rowwise else None
             if columnwise:
-                if self.stochastic_rounding:  # independent draws for the transposed copy
-                    d, s = nvfp4.quantize_2d(x2.t(), amax, **self._sr())
-                    col = {"data": d, "scale": s, "amax": amax}
-                else:
-                    col = {"data": _transpose_packed(d, x2.shape[1]), "scale": s.t().contiguous(), "amax": amax}
+                col = {"data": _transpose_packed(d, x2.shape[1]), "scale": s.t().contiguous(), "amax": amax}
         else:
             if rowwise:
                 ramax = amax_nan(x2, dim=1) if self.row_scaled_nvfp4 else self._global_amax(x2)
@@ -104,6 +98,20 @@ class NVFP4Quantizer(Quantizer):
                 d, s = nvfp4.quantize_1d(xt, camax, **self._sr())
                 col = {"data": d, "scale": s, "amax": camax}
         return NVFP4Storage(x.shape, x.dtype, row, col, label=self.label, **self.storage_meta())
+
+    def check_columnwise(self) -> None:
+        """Row-scaled NVFP4 is forward-only: it has no columnwise copy."""
+        if self.row_scaled_nvfp4:
+            raise ValueError(
+                f"row-scaled NVFP4{' (role: ' + self.label + ')' if self.label else ''} is "
+                "forward-only and has no columnwise copy. Use HybridQuantizer(rowwise_quantizer="
+                "NVFP4Quantizer(row_scaled_nvfp4=True), columnwise_quantizer=<backward format>) "
+                "or set_usage(columnwise=False).")
+
+    def _allocate(self, shape, dtype, device, rowwise, columnwise):  # type: ignore[override]
+        if columnwise:
+            self.check_columnwise()
+        return super()._allocate(shape, dtype, device, rowwise, columnwise)
 
     def is_requantization_safe(self) -> bool:
         """False with stochastic rounding: a second quantization draws new random numbers."""
