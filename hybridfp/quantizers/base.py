@@ -9,7 +9,7 @@ copies its usage flags ask for (``rowwise_usage`` for the forward GEMM operand,
 from __future__ import annotations
 
 import copy as _copy
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Hashable, Optional
 
 import torch
 
@@ -75,12 +75,48 @@ class Quantizer:
         if not (self.rowwise_usage or self.columnwise_usage):
             raise ValueError(f"{self!r} has rowwise_usage=False and columnwise_usage=False: "
                              "enable at least one with set_usage().")
-        storage = self.encode(x.detach(), self.rowwise_usage, self.columnwise_usage)
+        seed = self.draw_seed() if self.uses_randomness() else None
+        storage = self.encode(x.detach(), self.rowwise_usage, self.columnwise_usage, seed)
         return QuantizedTensor(storage, self)
 
-    def encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> QuantizedStorage:
-        """Encode ``x`` (any shape, last dim contiguous) into a storage with the given copies."""
+    def encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool,
+               seed: Optional[int] = None) -> QuantizedStorage:
+        """Encode ``x`` (any shape, last dim contiguous) into a storage with the given copies.
+
+        ``seed``: the random seed of this quantization (stochastic rounding), drawn once per
+        ``quantize`` call and shared by a hybrid's children, so a copy's random draws do not
+        depend on which other copies or children exist; None draws one here.
+        """
         raise NotImplementedError(f"{type(self).__name__} must implement encode()")
+
+    # ------------------------------------------------------------------ randomness and state
+    def uses_randomness(self) -> bool:
+        """Whether quantizing draws random numbers (stochastic rounding)."""
+        return False
+
+    def random_generator(self) -> Optional[torch.Generator]:
+        """The generator seeds are drawn from (None: torch's default CPU generator)."""
+        return None
+
+    def draw_seed(self) -> int:
+        """One 62-bit seed from torch's generator: ``torch.manual_seed`` reproduces runs."""
+        g = self.random_generator()
+        device = g.device if g is not None else "cpu"
+        return int(torch.randint(0, 2**62, (1,), generator=g, device=device).item())
+
+    def finish_step(self, amax_reduction_group: Optional[Any] = None) -> None:
+        """End of a training step (autocast region): update any per-step state (no-op here)."""
+
+    def set_amax_reduction_group(self, group: Optional[Any]) -> None:
+        """All-reduce per-tensor amaxes over ``group`` (no-op for formats without them)."""
+
+    def state_version(self) -> Hashable:
+        """Changes whenever the quantizer's state changes what it would produce (cache key)."""
+        return 0
+
+    def format_key(self, direction: str) -> Hashable:
+        """The format of the ``direction`` copy this quantizer makes (GEMM backend lookup)."""
+        return self.storage_cls.key_for(direction, {**self.storage_cls._meta_defaults, **self.storage_meta()})
 
     def storage_meta(self) -> dict[str, object]:
         """Storage options (element dtype, block layout...) this quantizer produces."""
@@ -108,7 +144,8 @@ class Quantizer:
             raise ValueError(f"update_quantized: source shape {tuple(src.shape)} differs from "
                              f"destination {dst.qstorage.describe()}.")
         check_input(src, "update_quantized source")
-        storage = self.encode(src.detach(), dst.has_direction(ROWWISE), dst.has_direction(COLUMNWISE))
+        storage = self.encode(src.detach(), dst.has_direction(ROWWISE), dst.has_direction(COLUMNWISE),
+                              self.draw_seed() if self.uses_randomness() else None)
         dst.qstorage.copy_payload_(storage)
         return dst
 

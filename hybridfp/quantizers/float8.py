@@ -50,7 +50,8 @@ class Float8CurrentScalingQuantizer(Quantizer):
         self.with_amax_reduction = bool(with_amax_reduction)
         self.amax_reduction_group = amax_reduction_group
 
-    def encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> QuantizedStorage:
+    def encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool,
+               seed: Optional[int] = None) -> QuantizedStorage:
         """One amax, one scale, one cast; the columnwise copy is its transpose."""
         amax = amax_nan(x)
         if self.with_amax_reduction:
@@ -61,6 +62,11 @@ class Float8CurrentScalingQuantizer(Quantizer):
 
     def storage_meta(self) -> dict[str, object]:
         return {"fp8_dtype": self.dtype}
+
+    def set_amax_reduction_group(self, group: Optional[Any]) -> None:
+        """All-reduce the amax over ``group`` (None: local amax)."""
+        self.with_amax_reduction = group is not None
+        self.amax_reduction_group = group
 
     def settings(self) -> dict[str, object]:
         return {"fp8_dtype": self.dtype, "force_pow_2_scales": self.force_pow_2_scales,
@@ -101,16 +107,20 @@ class Float8Quantizer(Quantizer):
         self.margin = int(margin)
         self.amax_history = torch.zeros(amax_history_len, dtype=torch.float32)
         self.scale = torch.ones((), dtype=torch.float32)
+        self._recorded = False  # an amax was recorded since the last update
+        self._updates = 0
 
     def _state_to(self, device: torch.device) -> None:
         if self.scale.device != device:
             self.scale = self.scale.to(device)
             self.amax_history = self.amax_history.to(device)
 
-    def encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> QuantizedStorage:
+    def encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool,
+               seed: Optional[int] = None) -> QuantizedStorage:
         """Cast with the current scale and record this tensor's amax in the history."""
         self._state_to(x.device)
         fp8_tensorwise.record_amax(self.amax_history, amax_nan(x))
+        self._recorded = True
         return _float8_storage(self, x, self.scale.clone(), self.dtype, rowwise, columnwise)
 
     def update_scale(self, amax_reduction_group: Optional[Any] = None) -> None:
@@ -119,6 +129,17 @@ class Float8Quantizer(Quantizer):
             _reduce_amax(self.amax_history[0:1], amax_reduction_group)
         self.amax_history, self.scale = fp8_tensorwise.delayed_update(
             self.amax_history, self.scale, self.dtype, margin=self.margin, algo=self.amax_compute_algo)
+        self._recorded = False
+        self._updates += 1
+
+    def finish_step(self, amax_reduction_group: Optional[Any] = None) -> None:
+        """Update the scale if this quantizer recorded an amax since its last update."""
+        if self._recorded:
+            self.update_scale(amax_reduction_group)
+
+    def state_version(self) -> int:
+        """Number of scale updates so far (a cached quantized weight is stale after one)."""
+        return self._updates
 
     def is_requantization_safe(self) -> bool:
         """False: the scale moves at every update."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..tensors import HybridStorage, QuantizedStorage
@@ -65,20 +67,50 @@ class HybridQuantizer(Quantizer):
             if q is not None:
                 q.role = value
 
-    def encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> QuantizedStorage:
+    def encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool,
+               seed: Optional[int] = None) -> QuantizedStorage:
         """Rowwise part from the rowwise child; columnwise part from the columnwise child."""
+        if seed is None and self.uses_randomness():
+            seed = self.draw_seed()
         derive = columnwise and self.columnwise_source == "rowwise_dequantized"
-        row = self.rowwise_quantizer.encode(x, True, False) if (rowwise or derive) else None
+        row = self.rowwise_quantizer.encode(x, True, False, seed) if (rowwise or derive) else None
         col = None
         if columnwise:
             src = row.dequantize(x.dtype, "rowwise") if derive else x
-            col = self.columnwise_quantizer.encode(src, False, True)
+            col = self.columnwise_quantizer.encode(src, False, True, seed)
         return HybridStorage(x.shape, x.dtype, row if rowwise else None, col, label=self.label)
 
     def _allocate(self, shape, dtype, device, rowwise, columnwise):  # type: ignore[override]
         row = self.rowwise_quantizer._allocate(shape, dtype, device, True, False) if rowwise else None
         col = self.columnwise_quantizer._allocate(shape, dtype, device, False, True) if columnwise else None
         return HybridStorage(shape, dtype, row, col, label=self.label)
+
+    def uses_randomness(self) -> bool:
+        """True if either child draws random numbers."""
+        return self.rowwise_quantizer.uses_randomness() or self.columnwise_quantizer.uses_randomness()
+
+    def random_generator(self):
+        """The first child's own generator, if any."""
+        return self.rowwise_quantizer.random_generator() or self.columnwise_quantizer.random_generator()
+
+    def finish_step(self, amax_reduction_group=None) -> None:
+        """Both children finish their step."""
+        self.rowwise_quantizer.finish_step(amax_reduction_group)
+        self.columnwise_quantizer.finish_step(amax_reduction_group)
+
+    def set_amax_reduction_group(self, group) -> None:
+        """Both children reduce over ``group``."""
+        self.rowwise_quantizer.set_amax_reduction_group(group)
+        self.columnwise_quantizer.set_amax_reduction_group(group)
+
+    def state_version(self):
+        """Both children's versions."""
+        return (self.rowwise_quantizer.state_version(), self.columnwise_quantizer.state_version())
+
+    def format_key(self, direction: str):
+        """The format of the child that makes ``direction``'s copy."""
+        child = self.rowwise_quantizer if direction == "rowwise" else self.columnwise_quantizer
+        return child.format_key(direction)
 
     def is_requantization_safe(self) -> bool:
         """Safe only from the original source with two safe children."""

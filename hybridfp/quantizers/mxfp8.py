@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..formats import mxfp8
@@ -32,7 +34,8 @@ class MXFP8Quantizer(Quantizer):
         self.scale_rule = scale_rule
         self.with_2d_quantization = bool(with_2d_quantization)
 
-    def encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> QuantizedStorage:
+    def encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool,
+               seed: Optional[int] = None) -> QuantizedStorage:
         """Quantize the requested copies (columnwise = 1x32 blocks of the transpose)."""
         x2 = as_2d(x)
         row = col = None

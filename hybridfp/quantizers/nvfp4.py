@@ -63,21 +63,30 @@ class NVFP4Quantizer(Quantizer):
             amax = _reduce_amax(amax, self.amax_reduction_group)
         return amax
 
-    def _sr(self) -> dict[str, object]:
-        return {"stochastic_rounding": self.stochastic_rounding, "generator": self.generator}
+    def _sr(self, seed: Optional[int], direction: int, device: torch.device) -> dict[str, object]:
+        """Stochastic-rounding arguments: a generator per (seed, direction), so the columnwise
+        draws are the same whether or not a rowwise copy (or another child) drew first."""
+        if not self.stochastic_rounding:
+            return {"stochastic_rounding": False}
+        g = torch.Generator(device=device)
+        g.manual_seed((seed * 2 + direction) % (2**63))
+        return {"stochastic_rounding": True, "generator": g}
 
-    def encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> QuantizedStorage:
+    def encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool,
+               seed: Optional[int] = None) -> QuantizedStorage:
         """Quantize the requested copies (columnwise: 16x1 blocks of the transpose, RHT'd)."""
         x2 = as_2d(x)
         if columnwise:
             self.check_columnwise()
+        if self.stochastic_rounding and seed is None:
+            seed = self.draw_seed()
         row = col = None
         amax = None
         if self.with_2d_quantization:
             # One quantization serves both copies, stochastic rounding included: SPEC §2.5
             # says 2D copies hold identical values (fprop and dgrad see the same weight).
             amax = self._global_amax(x2)
-            d, s = nvfp4.quantize_2d(x2, amax, **self._sr())
+            d, s = nvfp4.quantize_2d(x2, amax, **self._sr(seed, 0, x.device))
             row = {"data": d, "scale": s, "amax": amax} if rowwise else None
             if columnwise:
                 col = {"data": _transpose_packed(d, x2.shape[1]), "scale": s.t().contiguous(), "amax": amax}
@@ -85,7 +94,7 @@ class NVFP4Quantizer(Quantizer):
             if rowwise:
                 ramax = amax_nan(x2, dim=1) if self.row_scaled_nvfp4 else self._global_amax(x2)
                 amax = None if self.row_scaled_nvfp4 else ramax
-                d, s = nvfp4.quantize_1d(x2, ramax, **self._sr())
+                d, s = nvfp4.quantize_1d(x2, ramax, **self._sr(seed, 0, x.device))
                 row = {"data": d, "scale": s, "amax": ramax}
             if columnwise:
                 xt = x2.t()
@@ -95,7 +104,7 @@ class NVFP4Quantizer(Quantizer):
                         amax if amax is not None else self._global_amax(x2))
                 else:
                     camax = amax if amax is not None else self._global_amax(x2)
-                d, s = nvfp4.quantize_1d(xt, camax, **self._sr())
+                d, s = nvfp4.quantize_1d(xt, camax, **self._sr(seed, 1, x.device))
                 col = {"data": d, "scale": s, "amax": camax}
         return NVFP4Storage(x.shape, x.dtype, row, col, label=self.label, **self.storage_meta())
 
@@ -112,6 +121,20 @@ class NVFP4Quantizer(Quantizer):
         if columnwise:
             self.check_columnwise()
         return super()._allocate(shape, dtype, device, rowwise, columnwise)
+
+    def uses_randomness(self) -> bool:
+        """True with stochastic rounding."""
+        return self.stochastic_rounding
+
+    def random_generator(self) -> Optional[torch.Generator]:
+        """The generator given at construction (None: torch's default)."""
+        return self.generator
+
+    def set_amax_reduction_group(self, group: Optional[Any]) -> None:
+        """All-reduce the per-tensor global amax over ``group`` (row-scaled amaxes stay local)."""
+        if not self.row_scaled_nvfp4:
+            self.with_amax_reduction = group is not None
+            self.amax_reduction_group = group
 
     def is_requantization_safe(self) -> bool:
         """False with stochastic rounding: a second quantization draws new random numbers."""

@@ -36,7 +36,7 @@ def _detach(func, args, kwargs):
 @implements(aten.clone.default)
 def _clone(func, args, kwargs):
     t = args[0]
-    return _wrap(t._storage.map_tensors(torch.clone), t)
+    return _wrap(t._storage.map_tensors(torch.clone, copies=True), t)
 
 
 @implements(aten._to_copy.default)
@@ -53,7 +53,7 @@ def _to_copy(func, args, kwargs):
         y = x.to(device=device, non_blocking=non_blocking, copy=True) if device is not None else x.clone()
         return y.pin_memory() if pin else y
 
-    storage = t._storage.map_tensors(move)
+    storage = t._storage.map_tensors(move, copies=True)
     if dtype != t.dtype:  # only the nominal dtype changes: the encoded values do not
         storage = storage._new(storage.shape, dict(storage.payloads), dtype)
     return _wrap(storage, t)
@@ -62,7 +62,7 @@ def _to_copy(func, args, kwargs):
 @implements(aten._pin_memory.default)
 def _pin(func, args, kwargs):
     t = args[0]
-    return _wrap(t._storage.map_tensors(lambda x: x.pin_memory()), t)
+    return _wrap(t._storage.map_tensors(lambda x: x.pin_memory(), copies=True), t)
 
 
 @implements(aten.is_pinned.default)
@@ -88,6 +88,7 @@ def _copy(func, args, kwargs):
 
 
 def _requantize_into(dst: QuantizedTensor, src: torch.Tensor) -> None:
+    dst._storage.check_writable()  # before the quantizer runs (delayed scaling records amax)
     if dst._quantizer is None:
         raise RuntimeError(
             f"cannot write high-precision values into {dst._storage.describe()}: it has no "
@@ -149,34 +150,34 @@ def _slice(func, args, kwargs):
     return _wrap(t._storage.slice_dim0(start, end), t)
 
 
-def _allocate_like(t: QuantizedTensor, shape, dtype, fill) -> torch.Tensor:
-    return QuantizedTensor(t._storage.allocate_like(torch.Size(shape), dtype or t.dtype, fill), t._quantizer)
+def _allocate_like(t: QuantizedTensor, shape, kwargs, fill) -> torch.Tensor:
+    storage = t._storage.allocate_like(torch.Size(shape), kwargs.get("dtype") or t.dtype, fill,
+                                       kwargs.get("device"))
+    if kwargs.get("pin_memory"):
+        storage = storage.map_tensors(lambda x: x.pin_memory())
+    return QuantizedTensor(storage, t._quantizer)
 
 
 @implements(aten.new_zeros.default, aten.new_empty.default)
 def _new_factory(func, args, kwargs):
     t, size = args[0], args[1]
-    dtype = kwargs.get("dtype") or t.dtype
-    if dtype not in _FLOAT_DTYPES:
+    if (kwargs.get("dtype") or t.dtype) not in _FLOAT_DTYPES:
         return func(t.dequantize(), size, **kwargs)
-    return _allocate_like(t, size, dtype, 0.0 if func is aten.new_zeros.default else None)
+    return _allocate_like(t, size, kwargs, 0.0 if func is aten.new_zeros.default else None)
 
 
 @implements(aten.empty_like.default, aten.zeros_like.default)
 def _like(func, args, kwargs):
     t = args[0]
-    dtype = kwargs.get("dtype") or t.dtype
-    if dtype not in _FLOAT_DTYPES:
+    if (kwargs.get("dtype") or t.dtype) not in _FLOAT_DTYPES:
         return func(t.dequantize(), **kwargs)
-    return _allocate_like(t, t.shape, dtype, 0.0 if func is aten.zeros_like.default else None)
+    return _allocate_like(t, t.shape, kwargs, 0.0 if func is aten.zeros_like.default else None)
 
 
 @implements(aten.zero_.default)
 def _zero(func, args, kwargs):
-    t = args[0]
-    for x in t._storage.tensors():  # all-zero payloads decode to 0 in every format
-        x.zero_()
-    return t
+    args[0]._storage.zero_()
+    return args[0]
 
 
 def _mutated_quantized(func, args, kwargs) -> list[QuantizedTensor]:

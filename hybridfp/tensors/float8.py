@@ -29,6 +29,10 @@ class Float8Storage(QuantizedStorage):
         shape = (rows, cols) if direction == ROWWISE else (cols, rows)
         return {"data": (shape, meta["fp8_dtype"]), "scale_inv": ((), torch.float32)}
 
+    @classmethod
+    def _shared_names(cls, meta: dict[str, object]) -> frozenset[str]:
+        return frozenset({"scale_inv"})  # one scale for both copies (SPEC §2.1)
+
     def _decode(self, direction: str, payload: Payload) -> torch.Tensor:
         out = fp8_tensorwise.dequantize(payload["data"], payload["scale_inv"])
         return out if direction == ROWWISE else out.t()

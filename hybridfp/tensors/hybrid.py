@@ -113,6 +113,9 @@ class HybridStorage(QuantizedStorage):
 
     def with_tensors(self, tensors: list[torch.Tensor]) -> "HybridStorage":
         """Same layout, new payload tensors (order of tensors())."""
+        if len(tensors) != len(self.tensors()):
+            raise ValueError(f"{self.describe()} has {len(self.tensors())} payload tensors; got "
+                             f"{len(tensors)}.")
         new: dict[str, Optional[QuantizedStorage]] = {ROWWISE: None, COLUMNWISE: None}
         i = 0
         for d, p in self.row_index_parts.items():
@@ -121,31 +124,60 @@ class HybridStorage(QuantizedStorage):
             i += n
         return HybridStorage(self.shape, self.dtype, new[ROWWISE], new[COLUMNWISE], label=self.label)
 
-    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "HybridStorage":
-        """Apply ``fn`` to every tensor of both parts."""
-        return self.with_tensors([fn(t) for t in self.tensors()])
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor], *, copies: bool = False) -> "HybridStorage":
+        """Apply ``fn`` to every tensor of both parts (see QuantizedStorage.map_tensors)."""
+        parts = {d: (p.map_tensors(fn, copies=copies) if p else None) for d, p in self.parts.items()}
+        return HybridStorage(self.shape, self.dtype, parts[ROWWISE], parts[COLUMNWISE], label=self.label)
 
     def copy_payload_(self, src: QuantizedStorage) -> None:
         """In-place copy from another hybrid with the same part formats."""
         if not isinstance(src, HybridStorage):
             raise ValueError(f"cannot copy {src.describe()} into {self.describe()} in place.")
+        for d, p in self.row_index_parts.items():  # check both parts before writing either
+            s = src.part(d)
+            if type(s) is not type(p) or s.shape != p.shape or s.meta != p.meta:
+                raise ValueError(f"cannot copy {src.describe()} into {self.describe()} in place: "
+                                 f"the {d} formats, options or shapes differ.")
+            p.check_writable(s)
         for d, p in self.row_index_parts.items():
             p.copy_payload_(src.part(d))
 
+    def check_writable(self, src: Optional[QuantizedStorage] = None) -> None:
+        """Both parts must accept the write (see QuantizedStorage.check_writable)."""
+        for d, p in self.row_index_parts.items():
+            p.check_writable(None if src is None else src.part(d))
+
+    def zero_(self) -> None:
+        """Zero both parts."""
+        for p in self.row_index_parts.values():
+            p.zero_()
+
     def view_leading(self, shape) -> "HybridStorage":
         """Both parts viewed with another leading shape."""
+        shape = self.check_leading_view(shape)
         parts = {d: (p.view_leading(shape) if p else None) for d, p in self.parts.items()}
         return HybridStorage(shape, self.dtype, parts[ROWWISE], parts[COLUMNWISE], label=self.label)
 
     def slice_dim0(self, start: int, stop: int) -> "HybridStorage":
         """Both parts sliced along dim 0 (block boundaries of both formats)."""
-        parts = {d: (p.slice_dim0(start, stop) if p else None) for d, p in self.parts.items()}
+        parts: dict[str, Optional[QuantizedStorage]] = {ROWWISE: None, COLUMNWISE: None}
+        for d, p in self.row_index_parts.items():
+            try:
+                parts[d] = p.slice_dim0(start, stop)
+            except ValueError as e:
+                # A part only knows its own granularity; the hybrid needs the lcm of both.
+                raise ValueError(
+                    f"cannot split {self.describe()} at dim-0 entries [{start}, {stop}): its "
+                    f"{d} copy ({p.format_name}) is blocked there. Split at multiples of "
+                    f"{self.row_granularity()} rows, or dequantize first.") from e
         shape = next(p for p in parts.values() if p is not None).shape
         return HybridStorage(shape, self.dtype, parts[ROWWISE], parts[COLUMNWISE], label=self.label)
 
-    def allocate_like(self, shape: torch.Size, dtype: torch.dtype, fill: Optional[float] = None) -> "HybridStorage":
+    def allocate_like(self, shape: torch.Size, dtype: torch.dtype, fill: Optional[float] = None,
+                      device: torch.device | str | None = None) -> "HybridStorage":
         """Empty (or zero) parts of another shape."""
-        parts = {d: (p.allocate_like(shape, dtype, fill) if p else None) for d, p in self.parts.items()}
+        parts = {d: (p.allocate_like(shape, dtype, fill, device) if p else None)
+                 for d, p in self.parts.items()}
         return HybridStorage(shape, dtype, parts[ROWWISE], parts[COLUMNWISE], label=self.label)
 
     def _new(self, shape, payloads, dtype=None):  # type: ignore[override]

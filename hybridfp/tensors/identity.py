@@ -40,12 +40,21 @@ class IdentityStorage(QuantizedStorage):
 
     def with_tensors(self, tensors: list[torch.Tensor]) -> "IdentityStorage":
         """Same directions, new data tensor."""
+        if len(tensors) != 1:
+            raise ValueError(f"{self.describe()} has 1 payload tensor; got {len(tensors)}.")
         (data,) = tensors
         p = {"data": data}
         return self._new(self.shape, {d: (p if self.has(d) else None) for d in (ROWWISE, COLUMNWISE)})
 
     def copy_payload_(self, src: QuantizedStorage) -> None:
-        """Copy another identity storage's values in place."""
+        """Copy another identity storage's values in place.
+
+        Any other format is refused (ValueError), so ``copy_`` re-quantizes its value instead
+        of copying raw FP8/FP4 codes as if they were values.
+        """
+        if type(src) is not IdentityStorage or src.shape != self.shape:
+            raise ValueError(f"cannot copy {src.describe()} into {self.describe()} in place: "
+                             "formats or shapes differ.")
         self.tensors()[0].copy_(src.tensors()[0])
 
     def _decode(self, direction: str, payload: Payload) -> torch.Tensor:

@@ -58,6 +58,11 @@ class NVFP4Storage(QuantizedStorage):
             "amax": (amax_shape, torch.float32),
         }
 
+    @classmethod
+    def _shared_names(cls, meta: dict[str, object]) -> frozenset[str]:
+        # The columnwise copy reuses the tensor's global amax, except after an RHT (post-RHT amax).
+        return frozenset() if meta["rht"] else frozenset({"amax"})
+
     def _decode(self, direction: str, payload: Payload) -> torch.Tensor:
         deq = nvfp4.dequantize_2d if self.meta["block_2d"] else nvfp4.dequantize_1d
         if direction == ROWWISE:

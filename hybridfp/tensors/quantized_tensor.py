@@ -106,7 +106,8 @@ class QuantizedTensor(torch.Tensor):
                 f"dtype={self.dtype}, device={self.device})")
 
     def __reduce_ex__(self, protocol: int):  # type: ignore[override]
-        return (_rebuild_quantized_tensor, (storage_state(self._storage), self.requires_grad))
+        is_param = bool(getattr(self, "_is_param", False))  # a saved nn.Parameter loads as one
+        return (_rebuild_quantized_tensor, (storage_state(self._storage), self.requires_grad, is_param))
 
 
 def storage_state(storage: QuantizedStorage) -> dict[str, Any]:
@@ -134,8 +135,12 @@ def storage_from_state(state: dict[str, Any]) -> QuantizedStorage:
                **state["meta"])
 
 
-def _rebuild_quantized_tensor(state: dict[str, Any], requires_grad: bool) -> QuantizedTensor:
-    return QuantizedTensor(storage_from_state(state), None, requires_grad=requires_grad)
+def _rebuild_quantized_tensor(state: dict[str, Any], requires_grad: bool,
+                              is_param: bool = False) -> QuantizedTensor:
+    t = QuantizedTensor(storage_from_state(state), None, requires_grad=requires_grad)
+    if is_param:
+        t._is_param = True  # what nn.Parameter(QuantizedTensor) sets (its isinstance check)
+    return t
 
 
 torch.serialization.add_safe_globals([_rebuild_quantized_tensor])

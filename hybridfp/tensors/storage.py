@@ -16,11 +16,12 @@ block boundaries — is done here from two per-format tables, so a new format on
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, ClassVar, Optional
 
 import torch
 
-from ..formats.common import ceil_div
+from .slicing import Dim0Slicing
 
 ROWWISE = "rowwise"
 COLUMNWISE = "columnwise"
@@ -44,7 +45,7 @@ def check_direction(direction: str) -> str:
     return direction
 
 
-class QuantizedStorage:
+class QuantizedStorage(Dim0Slicing):
     """Rowwise and/or columnwise encoded copies of one high-precision tensor of ``shape``.
 
     ``dtype`` is the nominal (high-precision) dtype: what ``dequantize()`` returns by default.
@@ -57,6 +58,8 @@ class QuantizedStorage:
     precision_rank: ClassVar[int] = 0
     _row_index: ClassVar[dict[str, dict[str, RowIndex]]] = {}
     _meta_defaults: ClassVar[dict[str, object]] = {}
+    #: Sharing structure handed on by ``with_tensors`` (None: read it from the payloads).
+    _slot_groups: Optional[list[list[tuple[str, str]]]] = None
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -169,6 +172,11 @@ class QuantizedStorage:
     ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         raise NotImplementedError(f"{cls.__name__} must define _payload_layout")
 
+    @classmethod
+    def _shared_names(cls, meta: dict[str, object]) -> frozenset[str]:
+        """Payload names both copies hold as one tensor (e.g. a per-tensor scale)."""
+        return frozenset()
+
     # ------------------------------------------------------------------ construction
     @classmethod
     def allocate(
@@ -187,6 +195,7 @@ class QuantizedStorage:
         rows = math.prod(shape[:-1]) if len(shape) else 1
         cols = shape[-1] if len(shape) else 1
         full_meta = {**cls._meta_defaults, **meta}
+        shared = cls._shared_names(full_meta)  # one tensor for both copies, as quantize makes
         payloads: dict[str, Optional[Payload]] = {}
         for d in DIRECTIONS:
             if d not in directions:
@@ -194,42 +203,86 @@ class QuantizedStorage:
                 continue
             layout = cls._payload_layout(d, rows, cols, full_meta)
             payloads[d] = {
-                n: (torch.empty(s, dtype=t, device=device) if fill is None
+                n: (payloads[ROWWISE][n] if d == COLUMNWISE and payloads[ROWWISE] and n in shared
+                    else torch.empty(s, dtype=t, device=device) if fill is None
                     else torch.zeros(s, dtype=t, device=device))
                 for n, (s, t) in layout.items()
             }
         return cls(shape, dtype, payloads[ROWWISE], payloads[COLUMNWISE], label=label, **meta)
 
-    def allocate_like(self, shape: torch.Size, dtype: torch.dtype, fill: Optional[float] = None) -> "QuantizedStorage":
+    def allocate_like(self, shape: torch.Size, dtype: torch.dtype, fill: Optional[float] = None,
+                      device: torch.device | str | None = None) -> "QuantizedStorage":
         """An empty (or zero) storage of another shape with this one's format and directions."""
-        return type(self).allocate(shape, dtype, self.device, self.directions(), label=self.label,
-                                   fill=fill, **self.meta)
+        return type(self).allocate(shape, dtype, device or self.device, self.directions(),
+                                   label=self.label, fill=fill, **self.meta)
 
     def _new(self, shape: torch.Size, payloads: dict[str, Optional[Payload]], dtype: Optional[torch.dtype] = None) -> "QuantizedStorage":
-        return type(self)(shape, dtype or self.dtype, payloads[ROWWISE], payloads[COLUMNWISE],
-                          label=self.label, **self.meta)
+        out = type(self)(shape, dtype or self.dtype, payloads[ROWWISE], payloads[COLUMNWISE],
+                         label=self.label, **self.meta)
+        out.is_dim0_slice = self.is_dim0_slice
+        return out
 
     # ------------------------------------------------------------------ tensor plumbing
+    def _tensor_slots(self) -> list[list[tuple[str, str]]]:
+        """Payload slots (direction, name) grouped by the tensor they hold, in tensors() order.
+
+        ``with_tensors`` hands the grouping on, so a skeleton built from placeholders (e.g.
+        None, to save the tensors for backward separately) keeps its source's sharing.
+        """
+        groups = self._slot_groups
+        if groups is None:
+            by_id: dict[int, list[tuple[str, str]]] = {}
+            for d in self.directions():
+                p = self.payloads[d]
+                for n in sorted(p):
+                    by_id.setdefault(id(p[n]), []).append((d, n))
+            groups = list(by_id.values())
+        held = [[(d, n) for d, n in g if self.has(d)] for g in groups]
+        return [g for g in held if g]
+
     def tensors(self) -> list[torch.Tensor]:
-        """Every payload tensor, in a fixed order (rowwise first, then by name)."""
-        out = []
-        for d in self.directions():
-            p = self.payloads[d]
-            out.extend(p[n] for n in sorted(p))
-        return out
+        """Every distinct payload tensor once, in a fixed order (rowwise first, then by name).
+
+        A tensor shared by both copies (e.g. FP8's per-tensor ``scale_inv``) is listed once, so
+        offloading or cloning the list keeps it shared and the footprint unchanged.
+        """
+        return [self.payloads[g[0][0]][g[0][1]] for g in self._tensor_slots()]
 
     def with_tensors(self, tensors: list[torch.Tensor]) -> "QuantizedStorage":
         """A storage of the same layout whose payload tensors are ``tensors`` (order of tensors())."""
-        it = iter(tensors)
-        payloads: dict[str, Optional[Payload]] = {}
-        for d in DIRECTIONS:
-            p = self.payloads[d]
-            payloads[d] = None if p is None else {n: next(it) for n in sorted(p)}
-        return self._new(self.shape, payloads)
+        groups = self._tensor_slots()
+        if len(tensors) != len(groups):
+            raise ValueError(f"{self.describe()} has {len(groups)} payload tensors; got {len(tensors)}.")
+        payloads: dict[str, Optional[Payload]] = {d: ({} if self.has(d) else None) for d in DIRECTIONS}
+        for g, t in zip(groups, tensors):
+            for d, n in g:
+                payloads[d][n] = t
+        out = self._new(self.shape, payloads)
+        out._slot_groups = groups
+        return out
 
-    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "QuantizedStorage":
-        """A new storage with ``fn`` applied to every payload tensor (clone, to(device), ...)."""
-        return self.with_tensors([fn(t) for t in self.tensors()])
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor], *, copies: bool = False) -> "QuantizedStorage":
+        """A new storage with ``fn`` applied to every payload tensor (clone, to(device), ...).
+
+        Distinct tensors that alias the same memory (a contiguous transpose of a 1-row tensor
+        is the tensor itself) stay aliased, so ``fn`` never changes the footprint.
+        ``copies=True`` says ``fn`` returns new memory: the result owns all of its tensors, so
+        it is no longer a dim-0 slice of a larger tensor.
+        """
+        done: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        out = []
+        for t in self.tensors():
+            key = (t.data_ptr(), t.numel(), t.dtype) if t.numel() and t.is_contiguous() else None
+            prev = done.get(key) if key else None
+            if prev is not None and prev.is_contiguous():
+                out.append(prev.view(t.shape))
+            else:
+                out.append(fn(t))
+                if key:
+                    done.setdefault(key, out[-1])
+        result = self.with_tensors(out)
+        result.is_dim0_slice = self.is_dim0_slice and not copies
+        return result
 
     def copy_payload_(self, src: "QuantizedStorage") -> None:
         """In-place copy of another storage's payloads (same class, shape and directions)."""
@@ -240,6 +293,8 @@ class QuantizedStorage:
             if not src.has(d):
                 raise MissingDirectionError(f"copy_ source {src.describe()} lacks the {d} copy "
                                             f"that {self.describe()} holds.")
+        self.check_writable(src)
+        for d in self.directions():
             for n, t in self.payloads[d].items():
                 t.copy_(src.payloads[d][n])
 
@@ -250,57 +305,16 @@ class QuantizedStorage:
             seen[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
         return sum(seen.values())
 
-    def view_leading(self, shape: torch.Size | tuple[int, ...]) -> "QuantizedStorage":
-        """Same payloads, another leading shape (the last dimension must stay)."""
-        shape = torch.Size(shape)
-        if len(shape) == 0 or shape[-1] != self.cols or math.prod(shape) != math.prod(self.shape):
-            raise ValueError(
-                f"{self.describe()} can only be viewed with the same last dimension "
-                f"({self.cols}) and element count; got {tuple(shape)}. Dequantize first for "
-                "other views."
-            )
-        return self._new(shape, dict(self.payloads))
 
-    def slice_dim0(self, start: int, stop: int) -> "QuantizedStorage":
-        """Entries [start, stop) of dimension 0, without re-quantizing.
+@dataclass
+class GemmOperand:
+    """One copy of a tensor as a GEMM reads it: stored orientation [m, k_stored], reduction
+    along the last dim. ``values`` are block-decoded in FP32 (exact: element × block scale);
+    ``scale`` is the remaining per-tensor (0-d) or per-row ([m]) decode factor that a GEMM
+    applies in its epilogue (None = 1). ``rht``: the values are random-Hadamard transformed
+    along k (``k_stored`` is then k padded to 16); ``k`` is the logical reduction length."""
 
-        Both ends, in flattened rows, must fall on the format's block boundaries (``stop`` may
-        also be the end).
-        """
-        if len(self.shape) < 2:
-            raise ValueError(f"cannot slice {self.describe()} along its last (blocked) dimension; "
-                             "dequantize first.")
-        n0 = self.shape[0]
-        start, stop = max(0, min(start, n0)), max(0, min(stop, n0))
-        stop = max(stop, start)
-        per = math.prod(self.shape[1:-1])
-        r0, r1, rows = start * per, stop * per, self.rows
-        payloads: dict[str, Optional[Payload]] = {}
-        for d in DIRECTIONS:
-            p = self.payloads[d]
-            payloads[d] = None if p is None else {
-                n: self._slice_entry(d, n, t, r0, r1, rows) for n, t in p.items()}
-        return self._new(torch.Size((stop - start, *self.shape[1:])), payloads)
-
-    def row_granularity(self) -> int:
-        """Smallest row count at which ``slice_rows`` may cut (lcm of all divisors held)."""
-        g = 1
-        for d in self.directions():
-            for spec in self._row_index[d].values():
-                if spec is not None:
-                    g = math.lcm(g, spec[1])
-        return g
-
-    def _slice_entry(self, d: str, name: str, t: torch.Tensor, start: int, stop: int, rows: int) -> torch.Tensor:
-        spec = self._row_index[d][name]
-        if spec is None:
-            return t
-        axis, div = spec
-        if start % div or (stop % div and stop != rows):
-            raise ValueError(
-                f"cannot split {self.describe()} at rows [{start}, {stop}): the {d} copy's "
-                f"'{name}' is blocked every {div} rows. Split at multiples of "
-                f"{self.row_granularity()} rows, or dequantize first."
-            )
-        hi = t.shape[axis] if stop == rows else ceil_div(stop, div)
-        return t.narrow(axis, start // div, hi - start // div)
+    values: torch.Tensor
+    scale: Optional[torch.Tensor]
+    k: int
+    rht: bool = False

@@ -136,7 +136,7 @@ def reference(q: Quantizer, x: torch.Tensor, rowwise: bool = True, columnwise: b
               *, delayed_scale: Optional[torch.Tensor] = None) -> dict[str, Optional[Payload]]:
     """The payloads SPEC §2 defines for ``q``'s settings, from ``hybridfp.formats`` directly.
 
-    Random draws happen in the order rowwise, then columnwise (call :func:`seed_all` first).
+    Stochastic rounding: one seed per call, one generator per direction (call :func:`seed_all` first).
     ``delayed_scale``: the scale a delayed quantizer holds before this quantization.
     """
     x2 = flat2d(x)
@@ -180,19 +180,30 @@ def reference(q: Quantizer, x: torch.Tensor, rowwise: bool = True, columnwise: b
 
 def _nvfp4_reference(q: NVFP4Quantizer, x: torch.Tensor, x2: torch.Tensor, rowwise: bool,
                      columnwise: bool) -> tuple[Optional[Payload], Optional[Payload]]:
-    sr = {"stochastic_rounding": q.stochastic_rounding, "generator": q.generator}
+    # One seed per quantize() call from the quantizer's generator (or torch's default), then
+    # one generator per (seed, direction): row uses seed*2, col seed*2+1 (2D: one quantization).
+    seed = None
+    if q.stochastic_rounding:
+        seed = int(torch.randint(0, 2**62, (1,), generator=q.generator).item())
+
+    def sr_for(direction: int) -> dict:
+        if seed is None:
+            return {"stochastic_rounding": False}
+        gen = torch.Generator(device=x.device).manual_seed((seed * 2 + direction) % 2**63)
+        return {"stochastic_rounding": True, "generator": gen}
+
     row = col = None
     g = amax(x2)
     if q.with_2d_quantization:
         # SPEC §2.5: 2D copies hold identical values, so one (possibly random) quantization
         # serves both: the columnwise copy is its transpose.
-        d, s = nvfp4.quantize_2d(x2, g, **sr)
+        d, s = nvfp4.quantize_2d(x2, g, **sr_for(0))
         row = {"data": d, "scale": s, "amax": g}
         col = _nvfp4_transpose(row, x2.shape[1])
         return row, col
     if rowwise:
         ra = x2.float().abs().amax(dim=1) if q.row_scaled_nvfp4 else g
-        d, s = nvfp4.quantize_1d(x2, ra, **sr)
+        d, s = nvfp4.quantize_1d(x2, ra, **sr_for(0))
         row = {"data": d, "scale": s, "amax": ra}
     if columnwise:
         xt = x2.t()
@@ -200,7 +211,7 @@ def _nvfp4_reference(q: NVFP4Quantizer, x: torch.Tensor, x2: torch.Tensor, rowwi
         if q.with_rht:
             xt = rht.apply_rht(xt, x.dtype)
             ca = amax(xt) if q.with_post_rht_amax else g
-        d, s = nvfp4.quantize_1d(xt, ca, **sr)
+        d, s = nvfp4.quantize_1d(xt, ca, **sr_for(1))
         col = {"data": d, "scale": s, "amax": ca}
     return row, col
 
