@@ -1,14 +1,21 @@
 """hybridfp: low-precision training in PyTorch with hybrid (per-direction) quantization."""
 
+from . import factories, gemm, nn
+from .nn import GroupedLinear, LayerNormLinear, Linear, convert, set_names
 from .quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
                          HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer,
                          Quantizer)
+from .recipes import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
+                      MXFP8BlockScaling, NVFP4BlockScaling, QuantizerRole, Recipe, autocast)
 from .tensors import MissingDirectionError, QuantizedTensor
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Float8BlockQuantizer", "Float8CurrentScalingQuantizer", "Float8Quantizer", "HybridQuantizer",
-    "IdentityQuantizer", "MXFP8Quantizer", "MissingDirectionError", "NVFP4Quantizer",
-    "QuantizedTensor", "Quantizer",
+    "CustomRecipe", "DelayedScaling", "Float8BlockQuantizer", "Float8BlockScaling",
+    "Float8CurrentScaling", "Float8CurrentScalingQuantizer", "Float8Quantizer", "GroupedLinear",
+    "HybridQuantizer", "IdentityQuantizer", "LayerNormLinear", "Linear", "MXFP8BlockScaling",
+    "MXFP8Quantizer", "MissingDirectionError", "NVFP4BlockScaling", "NVFP4Quantizer",
+    "QuantizedTensor", "Quantizer", "QuantizerRole", "Recipe", "autocast", "convert", "factories",
+    "gemm", "nn", "set_names",
 ]

@@ -272,10 +272,17 @@ def dequantize_1d(
 ) -> torch.Tensor:
     """Dequantize 1x16-block NVFP4: q * fp32(S_dec_b) * S_dec, left to right in FP32."""
     rows = packed.shape[0]
-    _check_packed(packed, scale, cols, (rows, ceil_div(cols, BLOCK)))
     s_dec = global_decode_scale(_global_amax(global_amax, rows, packed.device, allow_rows=True))
+    return (decode_blocks_1d(packed, scale, cols) * s_dec).to(out_dtype)
+
+
+def decode_blocks_1d(packed: torch.Tensor, scale: torch.Tensor, cols: int) -> torch.Tensor:
+    """q * fp32(S_dec_b) for 1x16 blocks: exact in FP32 (what a GEMM multiplies before its
+    epilogue applies the global S_dec)."""
+    rows = packed.shape[0]
+    _check_packed(packed, scale, cols, (rows, ceil_div(cols, BLOCK)))
     q = decode_e2m1(unpack_fp4(packed, cols))
-    return (q * expand_blocks_1d(scale.float(), BLOCK, cols) * s_dec).to(out_dtype)
+    return q * expand_blocks_1d(scale.float(), BLOCK, cols)
 
 
 def dequantize_2d(
@@ -288,7 +295,13 @@ def dequantize_2d(
 ) -> torch.Tensor:
     """Dequantize 16x16-tile NVFP4: q * fp32(S_dec_b) * S_dec, left to right in FP32."""
     rows = packed.shape[0]
-    _check_packed(packed, scale, cols, (ceil_div(rows, BLOCK), ceil_div(cols, BLOCK)))
     s_dec = global_decode_scale(_global_amax(global_amax, rows, packed.device, allow_rows=False))
+    return (decode_blocks_2d(packed, scale, cols) * s_dec).to(out_dtype)
+
+
+def decode_blocks_2d(packed: torch.Tensor, scale: torch.Tensor, cols: int) -> torch.Tensor:
+    """q * fp32(S_dec_b) for 16x16 tiles (exact in FP32; global S_dec not applied)."""
+    rows = packed.shape[0]
+    _check_packed(packed, scale, cols, (ceil_div(rows, BLOCK), ceil_div(cols, BLOCK)))
     q = decode_e2m1(unpack_fp4(packed, cols))
-    return (q * expand_blocks_2d(scale.float(), BLOCK, BLOCK, rows, cols) * s_dec).to(out_dtype)
+    return q * expand_blocks_2d(scale.float(), BLOCK, BLOCK, rows, cols)

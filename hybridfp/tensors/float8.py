@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import fp8_tensorwise
-from .storage import COLUMNWISE, ROWWISE, Payload, QuantizedStorage
+from .storage import COLUMNWISE, ROWWISE, GemmOperand, Payload, QuantizedStorage
 
 
 class Float8Storage(QuantizedStorage):
@@ -32,6 +32,11 @@ class Float8Storage(QuantizedStorage):
     @classmethod
     def _shared_names(cls, meta: dict[str, object]) -> frozenset[str]:
         return frozenset({"scale_inv"})  # one scale for both copies (SPEC §2.1)
+
+    def gemm_operand(self, direction: str) -> GemmOperand:
+        """FP8 values as stored; the per-tensor scale_inv goes to the epilogue."""
+        p = self.payload(direction)
+        return GemmOperand(p["data"].float(), p["scale_inv"], p["data"].shape[1])
 
     def _decode(self, direction: str, payload: Payload) -> torch.Tensor:
         out = fp8_tensorwise.dequantize(payload["data"], payload["scale_inv"])

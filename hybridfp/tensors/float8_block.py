@@ -13,7 +13,7 @@ import torch
 
 from ..formats import fp8_block
 from ..formats.common import ceil_div
-from .storage import COLUMNWISE, ROWWISE, Payload, QuantizedStorage
+from .storage import COLUMNWISE, ROWWISE, GemmOperand, Payload, QuantizedStorage
 
 
 class Float8BlockStorage(QuantizedStorage):
@@ -38,6 +38,12 @@ class Float8BlockStorage(QuantizedStorage):
         r, c = (rows, cols) if direction == ROWWISE else (cols, rows)
         sr = r if meta["block_dim"] == 1 else ceil_div(r, b)
         return {"data": ((r, c), meta["fp8_dtype"]), "scale_inv": ((sr, ceil_div(c, b)), torch.float32)}
+
+    def gemm_operand(self, direction: str) -> GemmOperand:
+        """Block-decoded values in the stored orientation (no per-tensor factor)."""
+        p = self.payload(direction)
+        deq = fp8_block.dequantize_1d if self.meta["block_dim"] == 1 else fp8_block.dequantize_2d
+        return GemmOperand(deq(p["data"], p["scale_inv"], block=self.meta["block"]), None, p["data"].shape[1])
 
     def _decode(self, direction: str, payload: Payload) -> torch.Tensor:
         deq = fp8_block.dequantize_1d if self.meta["block_dim"] == 1 else fp8_block.dequantize_2d

@@ -86,6 +86,14 @@ class HybridStorage(QuantizedStorage):
     def _drop(self, direction: str) -> None:
         self.parts[direction] = None
 
+    def format_key(self, direction: str) -> tuple:
+        """The key of the part holding ``direction``."""
+        return self.part(direction).format_key(direction)
+
+    def gemm_operand(self, direction: str):
+        """The GEMM view of the part holding ``direction``."""
+        return self.part(direction).gemm_operand(direction)
+
     def decode(self, direction: str) -> torch.Tensor:
         """FP32 [rows, cols] value of one copy."""
         return self.part(direction).decode(direction)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .storage import COLUMNWISE, ROWWISE, Payload, QuantizedStorage
+from .storage import COLUMNWISE, ROWWISE, GemmOperand, Payload, QuantizedStorage
 
 
 class IdentityStorage(QuantizedStorage):
@@ -56,6 +56,12 @@ class IdentityStorage(QuantizedStorage):
             raise ValueError(f"cannot copy {src.describe()} into {self.describe()} in place: "
                              "formats or shapes differ.")
         self.tensors()[0].copy_(src.tensors()[0])
+
+    def gemm_operand(self, direction: str) -> GemmOperand:
+        """The held values in FP32; columnwise reads them transposed (a view)."""
+        v = self.payload(direction)["data"].float()
+        v = v if direction == ROWWISE else v.t()
+        return GemmOperand(v, None, v.shape[1])
 
     def _decode(self, direction: str, payload: Payload) -> torch.Tensor:
         return payload["data"].float()

@@ -13,7 +13,7 @@ import torch
 
 from ..formats import mxfp8
 from ..formats.common import ceil_div
-from .storage import COLUMNWISE, ROWWISE, Payload, QuantizedStorage
+from .storage import COLUMNWISE, ROWWISE, GemmOperand, Payload, QuantizedStorage
 
 
 class MXFP8Storage(QuantizedStorage):
@@ -37,6 +37,12 @@ class MXFP8Storage(QuantizedStorage):
         r, c = (rows, cols) if direction == ROWWISE else (cols, rows)
         sr = ceil_div(r, b) if meta["block_2d"] else r
         return {"data": ((r, c), meta["fp8_dtype"]), "scale": ((sr, ceil_div(c, b)), torch.uint8)}
+
+    def gemm_operand(self, direction: str) -> GemmOperand:
+        """E4M3/E5M2 x E8M0 values (exact in FP32), stored orientation."""
+        p = self.payload(direction)
+        deq = mxfp8.dequantize_2d if self.meta["block_2d"] else mxfp8.dequantize_1d
+        return GemmOperand(deq(p["data"], p["scale"]), None, p["data"].shape[1])
 
     def _decode(self, direction: str, payload: Payload) -> torch.Tensor:
         deq = mxfp8.dequantize_2d if self.meta["block_2d"] else mxfp8.dequantize_1d

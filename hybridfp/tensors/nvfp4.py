@@ -18,7 +18,7 @@ import torch
 
 from ..formats import nvfp4, rht
 from ..formats.common import ceil_div
-from .storage import COLUMNWISE, ROWWISE, Payload, QuantizedStorage
+from .storage import COLUMNWISE, ROWWISE, GemmOperand, Payload, QuantizedStorage
 
 
 class NVFP4Storage(QuantizedStorage):
@@ -62,6 +62,28 @@ class NVFP4Storage(QuantizedStorage):
     def _shared_names(cls, meta: dict[str, object]) -> frozenset[str]:
         # The columnwise copy reuses the tensor's global amax, except after an RHT (post-RHT amax).
         return frozenset() if meta["rht"] else frozenset({"amax"})
+
+    @classmethod
+    def key_for(cls, direction: str, meta: dict[str, object]) -> tuple:
+        """RHT concerns only the columnwise copy; row scaling only the rowwise one."""
+        meta = dict(meta)
+        if direction == ROWWISE:
+            meta["rht"] = False
+        else:
+            meta["row_scaled"] = False
+        return super().key_for(direction, meta)
+
+    def gemm_operand(self, direction: str) -> GemmOperand:
+        """q x E4M3 block scale (exact in FP32), stored orientation; S_dec (per tensor, or per
+        row when row-scaled) goes to the epilogue. An RHT copy stays in the transformed domain
+        (stored length = k padded to 16)."""
+        p = self.payload(direction)
+        decode = nvfp4.decode_blocks_2d if self.meta["block_2d"] else nvfp4.decode_blocks_1d
+        k = self.cols if direction == ROWWISE else self.rows
+        rht_on = direction == COLUMNWISE and self.meta["rht"]
+        stored = ceil_div(k, nvfp4.BLOCK) * nvfp4.BLOCK if rht_on else k
+        s_dec = nvfp4.global_decode_scale(p["amax"])
+        return GemmOperand(decode(p["data"], p["scale"], stored), s_dec, k, rht_on)
 
     def _decode(self, direction: str, payload: Payload) -> torch.Tensor:
         deq = nvfp4.dequantize_2d if self.meta["block_2d"] else nvfp4.dequantize_1d

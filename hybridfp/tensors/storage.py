@@ -147,6 +147,25 @@ class QuantizedStorage(Dim0Slicing):
     def _drop(self, direction: str) -> None:
         self.payloads[direction] = None
 
+    def part(self, direction: str) -> "QuantizedStorage":
+        """The single-format storage holding ``direction`` (itself; hybrids return a part)."""
+        self.payload(direction)  # raises MissingDirectionError naming direction and role
+        return self
+
+    # ------------------------------------------------------------------ GEMM view
+    @classmethod
+    def key_for(cls, direction: str, meta: dict[str, object]) -> tuple:
+        """Format key of one copy: GEMM backends are looked up by a pair of these."""
+        return (cls.format_name, tuple(sorted(meta.items())))
+
+    def format_key(self, direction: str) -> tuple:
+        """Format key of this storage's ``direction`` copy."""
+        return type(self).key_for(direction, self.meta)
+
+    def gemm_operand(self, direction: str) -> "GemmOperand":
+        """The ``direction`` copy as a GEMM reads it (see :class:`GemmOperand`)."""
+        raise NotImplementedError(f"{type(self).__name__} must define gemm_operand")
+
     # ------------------------------------------------------------------ values
     def dequantize(self, dtype: Optional[torch.dtype] = None, direction: Optional[str] = None) -> torch.Tensor:
         """High-precision value of one copy (default: the more precise one), original shape."""

@@ -1,0 +1,111 @@
+"""GEMM backends: the registry fast kernels join, and the exact emulation backend.
+
+A backend says which (operand format, operand format, layout, device) it serves; ``select``
+returns the first that does, else None, meaning the exact emulation path (SPEC §1:
+block-decode both operands exactly in FP32, multiply with FP32 accumulation, apply per-tensor
+/ per-row global scales in the epilogue, cast). Emulation runs anywhere, including CPU CI.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Hashable, Iterator, Optional
+
+import torch
+
+from ..formats import rht
+from ..tensors.storage import GemmOperand
+
+FormatKey = Hashable
+
+
+class EmulatedGemmWarning(UserWarning):
+    """A GEMM's operand pair has no fast kernel on this device and runs exactly emulated."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A fast GEMM implementation for some operand-format pairs."""
+
+    name: str
+    supports: Callable[[FormatKey, FormatKey, str, torch.device], bool]
+    run: Callable[..., torch.Tensor]
+
+
+BACKENDS: list[Backend] = []
+#: (device type, gemm, format A, format B) -> first role seen; what ran emulated.
+EMULATED: dict[tuple[str, str, str, str], str] = {}
+
+
+def register_backend(backend: Backend) -> None:
+    """Add a fast backend; later registrations take precedence."""
+    BACKENDS.insert(0, backend)
+
+
+def select(key_a: FormatKey, key_b: FormatKey, layout: str, device: torch.device) -> Optional[Backend]:
+    """The fast backend for this pair on ``device``, or None (exact emulation)."""
+    for b in BACKENDS:
+        if b.supports(key_a, key_b, layout, device):
+            return b
+    return None
+
+
+def report_emulated(gemm_name: str, role: str, key_a: FormatKey, key_b: FormatKey,
+                    layout: str, device: torch.device) -> bool:
+    """Warn once per (device, GEMM, pair) when the pair has no fast kernel; True if emulated."""
+    if select(key_a, key_b, layout, device) is not None:
+        return False
+    k = (torch.device(device).type, gemm_name, describe_key(key_a), describe_key(key_b))
+    if k not in EMULATED:
+        EMULATED[k] = role
+        warnings.warn(f"hybridfp: {gemm_name} of {role} ({k[2]} x {k[3]}) has no fast kernel on "
+                      f"{k[0]}; it runs on the exact emulation path.", EmulatedGemmWarning, stacklevel=4)
+    return True
+
+
+def describe_key(key: FormatKey) -> str:
+    """Readable format name of a key, e.g. 'MXFP8(fp8_dtype=float8_e4m3fn)'."""
+    name, opts = key  # type: ignore[misc]
+    shown = [f"{k}={str(v).replace('torch.', '')}" for k, v in opts if v not in (False, None)]
+    return f"{name}({', '.join(shown)})" if shown else str(name)
+
+
+@contextmanager
+def _ieee_fp32() -> Iterator[None]:
+    """FP32 matmul with FP32 products on CUDA (no TF32), restored afterwards."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def _to_original_domain(op: GemmOperand) -> torch.Tensor:
+    """Undo the RHT of an operand paired with one that has none (one FP32 rounding)."""
+    return rht.apply_inverse_rht(op.values, op.k) if op.rht else op.values
+
+
+def emulate(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype,
+            bias: Optional[torch.Tensor] = None, accumulate_into: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Exact reference GEMM: out[m, n] = (sum_k a[m, k] b[n, k]) * sa[m] * sb[n] (+ bias)."""
+    if a.rht and b.rht:  # same R on both reduction tiles: it cancels, stay in the RHT domain
+        av, bv = a.values, b.values
+    else:
+        av, bv = _to_original_domain(a), _to_original_domain(b)
+    with _ieee_fp32():
+        acc = av @ bv.t()
+    scale = None
+    if a.scale is not None or b.scale is not None:
+        sa = a.scale.reshape(-1, 1) if a.scale is not None else torch.ones((), device=acc.device)
+        sb = b.scale.reshape(1, -1) if b.scale is not None else torch.ones((), device=acc.device)
+        scale = sa * sb
+    out = acc * scale if scale is not None else acc
+    if bias is not None:
+        out = out + bias.float()
+    if accumulate_into is not None:
+        accumulate_into.copy_(accumulate_into.float() + out)
+        return accumulate_into
+    return out.to(out_dtype)

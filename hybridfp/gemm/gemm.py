@@ -1,0 +1,73 @@
+"""``gemm``: one entry point for every operand-format pair and the three GEMMs of a linear.
+
+Layouts name which copy of each operand a GEMM reads (SPEC §1); every copy is stored with
+its reduction along the last dimension, so each layout is ``A_s[m, k] · B_s[n, k]ᵀ``:
+
+| layout | GEMM  | A copy     | B copy     | math                               |
+|--------|-------|------------|------------|------------------------------------|
+| "TN"   | fprop | rowwise    | rowwise    | y[M, N]  = x[M, K] · W[N, K]ᵀ      |
+| "NN"   | dgrad | rowwise    | columnwise | dx[M, K] = dy[M, N] · W[N, K]      |
+| "NT"   | wgrad | columnwise | columnwise | dW[N, K] = dy[M, N]ᵀ · x[M, K]     |
+
+Operands are QuantizedTensors (any format, hybrids included) or plain tensors (used
+unquantized). Any pair is legal; pairs without a fast kernel run the exact emulation.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..formats.common import as_2d
+from ..tensors import IdentityStorage, QuantizedStorage, QuantizedTensor
+from ..tensors.storage import COLUMNWISE, ROWWISE
+from .backends import emulate, select
+
+LAYOUTS: dict[str, tuple[str, str]] = {
+    "TN": (ROWWISE, ROWWISE),
+    "NN": (ROWWISE, COLUMNWISE),
+    "NT": (COLUMNWISE, COLUMNWISE),
+}
+GEMM_OF_LAYOUT = {"TN": "fprop", "NN": "dgrad", "NT": "wgrad"}
+
+
+def operand_storage(t: torch.Tensor, direction: str, what: str) -> QuantizedStorage:
+    """The single-format storage that holds ``t``'s ``direction`` copy (hybrids unwrap)."""
+    if isinstance(t, QuantizedTensor):
+        return t.qstorage.part(direction)
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        raise TypeError(f"gemm operand {what} must be a floating tensor or a QuantizedTensor; got "
+                        f"{getattr(t, 'dtype', type(t).__name__)}.")
+    p = {"data": as_2d(t)}
+    return IdentityStorage(t.shape, t.dtype, p, p)
+
+
+def gemm(A: torch.Tensor, B: torch.Tensor, layout: str = "TN", *, out_dtype: torch.dtype = torch.bfloat16,
+         bias: Optional[torch.Tensor] = None, accumulate_into: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Compute the GEMM ``layout`` selects (table above) on the copies it needs.
+
+    ``bias`` [n] is added in FP32 before the cast; ``accumulate_into`` (e.g. an FP32 main_grad
+    [n... ]) receives ``accumulate_into + result`` in place and is returned.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is unknown; use 'TN' (fprop), 'NN' (dgrad) or 'NT' (wgrad).")
+    da, db = LAYOUTS[layout]
+    sa, sb = operand_storage(A, da, "A"), operand_storage(B, db, "B")
+    ka, kb = _reduction_len(sa, da), _reduction_len(sb, db)
+    if ka != kb:
+        raise ValueError(f"gemm {layout} ({GEMM_OF_LAYOUT[layout]}): reduction lengths differ: A's "
+                         f"{da} copy reduces over {ka}, B's {db} copy over {kb} ({sa.describe()}, "
+                         f"{sb.describe()}).")
+    n = sb.cols if db == COLUMNWISE else sb.rows
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"gemm bias must have shape [{n}]; got {tuple(bias.shape)}.")
+    backend = select(sa.format_key(da), sb.format_key(db), layout, sa.device)
+    if backend is not None:
+        return backend.run(sa, sb, layout, out_dtype=out_dtype, bias=bias, accumulate_into=accumulate_into)
+    return emulate(sa.gemm_operand(da), sb.gemm_operand(db), out_dtype, bias, accumulate_into)
+
+
+def _reduction_len(s: QuantizedStorage, direction: str) -> int:
+    """K of the stored operand: the last dim for rowwise, the leading (rows) for columnwise."""
+    return s.cols if direction == ROWWISE else s.rows

@@ -1,0 +1,112 @@
+"""What every hybridfp module shares: building quantizers from the active recipe, naming
+roles, caching quantized weights, finishing stateful quantizers at the end of a step, and
+reporting GEMMs that run emulated."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ..gemm import report_emulated
+from ..quantizers import Quantizer
+from ..recipes import AutocastState, QuantizerRole
+from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
+
+SLOTS = ("input", "weight", "grad_output")
+#: The three GEMMs of a linear: (name, layout, (slot, direction) of A, (slot, direction) of B).
+GEMMS = (
+    ("fprop", "TN", ("input", ROWWISE), ("weight", ROWWISE)),
+    ("dgrad", "NN", ("grad_output", ROWWISE), ("weight", COLUMNWISE)),
+    ("wgrad", "NT", ("grad_output", COLUMNWISE), ("input", COLUMNWISE)),
+)
+
+
+class QuantizedModule(nn.Module):
+    """Base of Linear, LayerNormLinear and GroupedLinear.
+
+    ``name`` is the module's qualified name (set by ``hybridfp.convert`` / ``set_names``,
+    or passed in); it appears in every role and error message.
+    """
+
+    module_type = "linear"
+
+    def __init__(self, name: Optional[str] = None, num_quantizer_sets: int = 1) -> None:
+        super().__init__()
+        self.name = name or ""
+        self._num_sets = num_quantizer_sets
+        self._qkey: Optional[tuple] = None
+        self._quantizers: dict[str, list[Quantizer]] = {}
+        self._wcache: dict[int, tuple[tuple, QuantizedTensor]] = {}
+
+    # ------------------------------------------------------------------ quantizers
+    def role(self, tensor_type: str) -> QuantizerRole:
+        """The role of one of this module's slots."""
+        return QuantizerRole(self.module_type, tensor_type, self.name)
+
+    def quantizers(self, state: AutocastState) -> dict[str, list[Quantizer]]:
+        """This module's quantizers for the active region, (re)built if the recipe changed.
+
+        The recipe is asked once per slot (per expert for grouped modules) at build time, not
+        on every forward. A rebuild drops cached quantized weights.
+        """
+        key = state.key()
+        if key != self._qkey:
+            built: dict[str, list[Quantizer]] = {}
+            for slot in SLOTS:
+                role = self.role(slot)
+                qs = []
+                for _ in range(self._num_sets):
+                    q = state.recipe.quantizer(role)
+                    q.role = role
+                    q.set_amax_reduction_group(state.amax_reduction_group)
+                    qs.append(q)
+                built[slot] = qs
+            self._validate_quantizers(built)
+            self._quantizers, self._qkey = built, key
+            self._wcache.clear()
+            self._report_emulated(built)
+        state.note_module(self)
+        return self._quantizers
+
+    def _validate_quantizers(self, built: dict[str, list[Quantizer]]) -> None:
+        """Hook for module-specific checks (GroupedLinear needs homogeneous experts)."""
+
+    def _report_emulated(self, built: dict[str, list[Quantizer]]) -> None:
+        device = self._device()
+        for gemm_name, layout, (slot_a, dir_a), (slot_b, dir_b) in GEMMS:
+            qa, qb = built[slot_a][0], built[slot_b][0]
+            report_emulated(gemm_name, self.name or self.module_type, qa.format_key(dir_a),
+                            qb.format_key(dir_b), layout, device)
+
+    def _device(self) -> torch.device:
+        p = next(self.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
+    def quantizer_roles(self) -> dict[str, list[QuantizerRole]]:
+        """Slot -> roles of the quantizers built (empty before the first quantized forward)."""
+        return {slot: [q.role for q in qs] for slot, qs in self._quantizers.items()}
+
+    def finish_step(self, amax_reduction_group: Optional[Any] = None) -> None:
+        """End of an autocast region: stateful quantizers update (delayed scaling)."""
+        for qs in self._quantizers.values():
+            for q in qs:
+                q.finish_step(amax_reduction_group)
+
+    # ------------------------------------------------------------------ weights
+    def quantized_weight(self, weight: torch.Tensor, q: Quantizer, columnwise: bool, index: int = 0) -> QuantizedTensor:
+        """The weight quantized by ``q``, cached until the weight, the quantizer's state or
+        the recipe changes (so micro-batches of one step quantize it once)."""
+        if isinstance(weight, QuantizedTensor):  # already quantized (quantized parameters)
+            return weight
+        key = (weight._version, weight.data_ptr(), q.state_version(), self._qkey)
+        hit = self._wcache.get(index)
+        if hit is not None and hit[0] == key and (not columnwise or hit[1].has_direction(COLUMNWISE)):
+            return hit[1]
+        q.set_usage(rowwise=True, columnwise=columnwise)
+        with torch.no_grad():
+            qw = q.quantize(weight.detach())
+        # The key is read after quantizing: delayed scaling's state moves only at step ends.
+        self._wcache[index] = (key, qw)
+        return qw

@@ -1,0 +1,59 @@
+"""``LayerNormLinear``: a norm (LayerNorm or RMSNorm, high precision) followed by a Linear."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..recipes import current_autocast
+from .base import QuantizedModule
+from .linear import Linear
+from .linear_function import LinearContext, LinearFunction
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+class LayerNormLinear(QuantizedModule):
+    """y = norm(x) Wᵀ + b. The norm runs in high precision; only the GEMMs are quantized,
+    with the same roles as ``Linear`` (module_type "linear")."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 normalization: str = "LayerNorm", eps: float = 1e-5,
+                 params_dtype: Optional[torch.dtype] = None, device: Optional[torch.device | str] = None,
+                 save_original_input: bool = False, name: Optional[str] = None) -> None:
+        super().__init__(name)
+        if normalization not in NORMALIZATIONS:
+            raise ValueError(f"normalization={normalization!r} is unknown; use 'LayerNorm' or 'RMSNorm'.")
+        self.normalization, self.eps = normalization, eps
+        self.in_features, self.out_features = in_features, out_features
+        self.save_original_input = save_original_input
+        kw = {"dtype": params_dtype or torch.float32, "device": device}
+        self.layer_norm_weight = nn.Parameter(torch.ones(in_features, **kw))
+        self.layer_norm_bias = nn.Parameter(torch.zeros(in_features, **kw)) if normalization == "LayerNorm" else None
+        lin = Linear(in_features, out_features, bias, params_dtype=kw["dtype"], device=device)
+        self.weight, self.bias = lin.weight, lin.bias  # same init as Linear, owned here
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The normalization, in x's dtype with FP32 statistics (torch's kernels)."""
+        w = self.layer_norm_weight.to(x.dtype)
+        if self.normalization == "RMSNorm":
+            return F.rms_norm(x, (self.in_features,), w, self.eps)
+        return F.layer_norm(x, (self.in_features,), w, self.layer_norm_bias.to(x.dtype), self.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """norm, then the (quantized inside autocast) linear."""
+        h = self.norm(x)
+        state = current_autocast()
+        if state is None:
+            return F.linear(h, self.weight, self.bias)
+        qs = self.quantizers(state)
+        lc = LinearContext(qs["input"][0], qs["weight"][0], qs["grad_output"][0], self,
+                           save_original_input=self.save_original_input)
+        return LinearFunction.apply(h, self.weight, self.bias, lc)
+
+    def extra_repr(self) -> str:
+        return (f"{self.normalization}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, bias={self.bias is not None}")

@@ -1,0 +1,132 @@
+"""The autograd function of a quantized linear layer, y = x Wᵀ (+ b).
+
+    fprop: y  = gemm(x.rowwise,     W.rowwise,    "TN")   # [M, K] · [N, K]ᵀ
+    dgrad: dx = gemm(dy.rowwise,    W.columnwise, "NN")   # [M, N] · [N, K]
+    wgrad: dW = gemm(dy.columnwise, x.columnwise, "NT")   # [M, N]ᵀ · [M, K]
+    bias:  db = sum over rows of dy (high precision)
+
+Only the copies a pass needs are made: x.columnwise only if W needs a gradient, W.columnwise
+only if x needs one, dy's copies likewise. Saved quantized tensors go through
+``save_for_backward`` as their plain payload tensors (so saved-tensor hooks — CPU offload,
+recompute — see ordinary tensors) and are re-assembled in backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from ..gemm import gemm
+from ..quantizers import Quantizer
+from ..tensors import QuantizedStorage, QuantizedTensor
+
+
+@dataclass
+class LinearContext:
+    """What the function needs besides tensors: quantizers and the owning module."""
+
+    input_q: Quantizer
+    weight_q: Quantizer
+    grad_q: Quantizer
+    module: Any
+    weight_index: int = 0
+    save_original_input: bool = False
+
+
+def pack(t: Optional[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+    """Split a (quantized) tensor into plain tensors + a skeleton to rebuild it from them."""
+    if t is None:
+        return [], None
+    if isinstance(t, QuantizedTensor):
+        tensors = t.qstorage.tensors()
+        return tensors, ("q", t.qstorage.with_tensors([None] * len(tensors)), t.quantizer)
+    return [t], ("t",)
+
+
+def unpack(skeleton: Any, tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Inverse of :func:`pack`."""
+    if skeleton is None:
+        return None
+    if skeleton[0] == "t":
+        return tensors[0]
+    storage: QuantizedStorage = skeleton[1].with_tensors(list(tensors))
+    return QuantizedTensor(storage, skeleton[2])
+
+
+def forward_gemm(ctx: Any, x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 lc: LinearContext, needs_dgrad: bool, needs_wgrad: bool) -> torch.Tensor:
+    """fprop of one [M, K] input against one weight; stashes what backward needs on ``ctx``."""
+    save_original = lc.save_original_input and lc.input_q.is_requantization_safe()
+    lc.input_q.set_usage(rowwise=True, columnwise=needs_wgrad and not save_original)
+    qx = lc.input_q.quantize(x2)
+    qw = lc.module.quantized_weight(weight, lc.weight_q, columnwise=needs_dgrad, index=lc.weight_index)
+    y = gemm(qx, qw, "TN", out_dtype=x2.dtype, bias=bias)
+    saved_x: Optional[torch.Tensor] = None
+    if needs_wgrad:
+        if save_original:
+            saved_x = x2
+        else:
+            qx.update_usage(rowwise_usage=False)  # fprop is done with the rowwise copy
+            saved_x = qx
+    saved_w = qw if needs_dgrad else None
+    return y, saved_x, saved_w
+
+
+def backward_gemms(dy2: torch.Tensor, saved_x: Optional[torch.Tensor], saved_w: Optional[torch.Tensor],
+                   lc: LinearContext, x_dtype: torch.dtype, w_dtype: torch.dtype,
+                   needs_dgrad: bool, needs_wgrad: bool) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """dgrad and wgrad of one [M, N] output gradient."""
+    dx = dw = None
+    if not (needs_dgrad or needs_wgrad):
+        return dx, dw
+    lc.grad_q.set_usage(rowwise=needs_dgrad, columnwise=needs_wgrad)
+    qdy = lc.grad_q.quantize(dy2.contiguous())
+    if needs_dgrad:
+        dx = gemm(qdy, saved_w, "NN", out_dtype=x_dtype)
+    if needs_wgrad:
+        qx = saved_x
+        if not isinstance(saved_x, QuantizedTensor):  # saved the original: quantize it now
+            lc.input_q.set_usage(rowwise=False, columnwise=True)
+            qx = lc.input_q.quantize(saved_x)
+        dw = gemm(qdy, qx, "NT", out_dtype=w_dtype)
+    return dx, dw
+
+
+def bias_grad(dy2: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """db = column sums of dy, accumulated in FP32."""
+    if bias is None:
+        return None
+    return dy2.float().sum(0).to(bias.dtype)
+
+
+class LinearFunction(torch.autograd.Function):
+    """Quantized y = x Wᵀ + b (see the module docstring for the three GEMMs)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # type: ignore[override]
+                lc: LinearContext) -> torch.Tensor:
+        needs_dgrad, needs_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        x2 = x.reshape(-1, x.shape[-1])
+        y, saved_x, saved_w = forward_gemm(ctx, x2, weight, bias, lc, needs_dgrad, needs_wgrad)
+        tx, ctx.skel_x = pack(saved_x)
+        tw, ctx.skel_w = pack(saved_w)
+        ctx.n_x = len(tx)
+        ctx.save_for_backward(*tx, *tw)
+        ctx.lc, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = lc, x.shape, x.dtype, weight.dtype
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor):  # type: ignore[override]
+        saved = ctx.saved_tensors
+        saved_x = unpack(ctx.skel_x, list(saved[:ctx.n_x]))
+        saved_w = unpack(ctx.skel_w, list(saved[ctx.n_x:]))
+        needs_dgrad, needs_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx, dw = backward_gemms(dy2, saved_x, saved_w, ctx.lc, ctx.x_dtype, ctx.w_dtype,
+                                needs_dgrad, needs_wgrad)
+        db = dy2.float().sum(0).to(ctx.bias_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return (dx.reshape(ctx.x_shape) if dx is not None else None), dw, db, None

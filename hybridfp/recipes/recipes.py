@@ -1,0 +1,186 @@
+"""Recipes: what quantizer each role gets (SPEC §4-5).
+
+A recipe answers ``quantizer(role) -> Quantizer`` once per slot when a module builds its
+quantizers. Built-in recipes are dataclasses with TransformerEngine's names and options;
+``CustomRecipe(qfactory=f)`` lets ``f(role)`` decide. ``key()`` identifies the configuration:
+modules rebuild their quantizers (and drop cached quantized weights) when it changes, so a
+recipe edited or swapped between steps takes effect at the next step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Optional
+
+import torch
+
+from ..quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
+                          HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer)
+from .roles import QuantizerRole
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+_FORMATS = ("E4M3", "E5M2", "HYBRID")
+_GRADS = ("grad_output", "grad_input")
+
+
+def _is_grad(role: Optional[QuantizerRole]) -> bool:
+    return role is not None and role.tensor_type in _GRADS
+
+
+def _tensor_type(role: Optional[QuantizerRole]) -> Optional[str]:
+    return None if role is None else role.tensor_type
+
+
+def _fp8_for(fp8_format: str, role: Optional[QuantizerRole]) -> torch.dtype:
+    """E4M3 forward / E5M2 gradients for "HYBRID"; the named format otherwise."""
+    if fp8_format not in _FORMATS:
+        raise ValueError(f"fp8_format={fp8_format!r} is unknown; use one of {', '.join(_FORMATS)}.")
+    if fp8_format == "HYBRID":
+        return E5M2 if _is_grad(role) else E4M3
+    return E5M2 if fp8_format == "E5M2" else E4M3
+
+
+class Recipe:
+    """Base: maps a role to a new quantizer."""
+
+    def quantizer(self, role: Optional[QuantizerRole]) -> Quantizer:
+        """A fresh quantizer for ``role`` (None: consumer unknown)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement quantizer()")
+
+    def key(self) -> Hashable:
+        """Identity of the configuration: a change makes modules rebuild their quantizers."""
+        fields = tuple((f.name, repr(getattr(self, f.name))) for f in dataclasses.fields(self))  # type: ignore[arg-type]
+        return (type(self).__name__, fields)
+
+
+@dataclass
+class DelayedScaling(Recipe):
+    """FP8 per-tensor delayed scaling (scale from the amax history, updated per step)."""
+
+    fp8_format: str = "HYBRID"
+    margin: int = 0
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+
+    def quantizer(self, role: Optional[QuantizerRole]) -> Quantizer:
+        """Float8Quantizer with this recipe's history settings."""
+        return Float8Quantizer(_fp8_for(self.fp8_format, role), margin=self.margin,
+                               amax_history_len=self.amax_history_len,
+                               amax_compute_algo=self.amax_compute_algo)
+
+
+@dataclass
+class Float8CurrentScaling(Recipe):
+    """FP8 per-tensor current scaling (each tensor's own amax)."""
+
+    fp8_format: str = "HYBRID"
+    use_power_2_scales: bool = False
+    amax_epsilon: float = 0.0
+
+    def quantizer(self, role: Optional[QuantizerRole]) -> Quantizer:
+        """Float8CurrentScalingQuantizer: E5M2 for gradients under "HYBRID", else E4M3."""
+        return Float8CurrentScalingQuantizer(_fp8_for(self.fp8_format, role),
+                                             force_pow_2_scales=self.use_power_2_scales,
+                                             amax_epsilon=self.amax_epsilon)
+
+
+@dataclass
+class Float8BlockScaling(Recipe):
+    """FP8 block scaling: 1x128 activations/gradients, 128x128 weights (DeepSeek-V3)."""
+
+    fp8_format: str = "E4M3"
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+    use_power_2_scales: bool = True
+    amax_epsilon: float = 0.0
+
+    def quantizer(self, role: Optional[QuantizerRole]) -> Quantizer:
+        """Float8BlockQuantizer with the block shape of the role."""
+        t = _tensor_type(role)
+        dim = (self.w_block_scaling_dim if t == "weight"
+               else self.grad_block_scaling_dim if _is_grad(role) else self.x_block_scaling_dim)
+        return Float8BlockQuantizer(_fp8_for(self.fp8_format, role), block_scaling_dim=dim,
+                                    force_pow_2_scales=self.use_power_2_scales,
+                                    amax_epsilon=self.amax_epsilon)
+
+
+@dataclass
+class MXFP8BlockScaling(Recipe):
+    """MXFP8 (E8M0 scale per 32 elements) for every role."""
+
+    fp8_format: str = "E4M3"
+    scale_rule: str = "rceil"
+    weight_2d: bool = False
+
+    def quantizer(self, role: Optional[QuantizerRole]) -> Quantizer:
+        """MXFP8Quantizer (32x32 tiles for weights when ``weight_2d``)."""
+        return MXFP8Quantizer(_fp8_for(self.fp8_format, role), scale_rule=self.scale_rule,
+                              with_2d_quantization=self.weight_2d and _tensor_type(role) == "weight")
+
+
+@dataclass
+class NVFP4BlockScaling(Recipe):
+    """NVFP4 with NVIDIA's per-role defaults (SPEC §2.5), each switch can be turned off.
+
+    weight: 2D 16x16, no RHT, no SR. grad_output: 1D, RHT on the columnwise copy, SR.
+    input and everything else: 1D, RHT on the columnwise copy. ``row_scaled_activation``
+    makes the input's rowwise copy row-scaled (its columnwise copy stays per-tensor NVFP4).
+    """
+
+    disable_rht: bool = False
+    disable_stochastic_rounding: bool = False
+    disable_2d_quantization: bool = False
+    row_scaled_activation: bool = False
+
+    def quantizer(self, role: Optional[QuantizerRole]) -> Quantizer:
+        """NVFP4Quantizer configured for the role."""
+        t = _tensor_type(role)
+        if t == "weight":
+            return NVFP4Quantizer(with_2d_quantization=not self.disable_2d_quantization)
+        if t == "grad_output":
+            return NVFP4Quantizer(with_rht=not self.disable_rht,
+                                  stochastic_rounding=not self.disable_stochastic_rounding)
+        if t == "input" and self.row_scaled_activation:
+            return HybridQuantizer(NVFP4Quantizer(row_scaled_nvfp4=True),
+                                   NVFP4Quantizer(with_rht=not self.disable_rht))
+        return NVFP4Quantizer(with_rht=not self.disable_rht)
+
+
+class CustomRecipe(Recipe):
+    """A recipe whose quantizers come from ``qfactory(role)``.
+
+    The factory is called once per quantizer slot when a module builds its quantizers; it
+    must return a Quantizer (IdentityQuantizer() for a slot that stays in high precision).
+    Use a module-level function (picklable) so the recipe can be saved with a checkpoint.
+    """
+
+    def __init__(self, qfactory: Callable[[Optional[QuantizerRole]], Quantizer]) -> None:
+        if not callable(qfactory):
+            raise TypeError(f"CustomRecipe(qfactory=...) needs a callable role -> Quantizer; got "
+                            f"{type(qfactory).__name__}.")
+        self.qfactory = qfactory
+
+    def quantizer(self, role: Optional[QuantizerRole]) -> Quantizer:
+        """Call the factory and check what it returned."""
+        q = self.qfactory(role)
+        if q is None:
+            raise ValueError(f"qfactory {_name(self.qfactory)} returned None for role {role}; return "
+                             "hybridfp.IdentityQuantizer() for a slot that should stay in high "
+                             "precision.")
+        if not isinstance(q, Quantizer):
+            raise TypeError(f"qfactory {_name(self.qfactory)} returned {type(q).__name__} for role "
+                            f"{role}; it must return a hybridfp Quantizer.")
+        return q
+
+    def key(self) -> Hashable:
+        """The factory's identity: swapping the factory rebuilds quantizers."""
+        return ("CustomRecipe", id(self.qfactory), _name(self.qfactory))
+
+    def __repr__(self) -> str:
+        return f"CustomRecipe(qfactory={_name(self.qfactory)})"
+
+
+def _name(f: Any) -> str:
+    return getattr(f, "__qualname__", None) or repr(f)
