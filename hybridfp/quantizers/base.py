@@ -15,6 +15,7 @@ import torch
 
 from ..formats.common import check_input
 from ..tensors import QuantizedStorage, QuantizedTensor
+from .backends import select_quantize_kernel
 from ..tensors.storage import COLUMNWISE, ROWWISE
 
 
@@ -81,13 +82,22 @@ class Quantizer:
 
     def encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool,
                seed: Optional[int] = None) -> QuantizedStorage:
-        """Encode ``x`` (any shape, last dim contiguous) into a storage with the given copies.
+        """Encode ``x`` (any shape, last dim contiguous) into a storage with the given copies,
+        with a registered fast kernel when one fits, else :meth:`reference_encode`.
 
         ``seed``: the random seed of this quantization (stochastic rounding), drawn once per
         ``quantize`` call and shared by a hybrid's children, so a copy's random draws do not
-        depend on which other copies or children exist; None draws one here.
+        depend on which other copies or children exist; None draws one where needed.
         """
-        raise NotImplementedError(f"{type(self).__name__} must implement encode()")
+        kernel = select_quantize_kernel(self, x, rowwise, columnwise)
+        if kernel is not None:
+            return kernel.run(self, x, rowwise, columnwise, seed)
+        return self.reference_encode(x, rowwise, columnwise, seed)
+
+    def reference_encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool,
+                         seed: Optional[int] = None) -> QuantizedStorage:
+        """The PyTorch reference encode (the definition kernels are tested against)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement reference_encode()")
 
     # ------------------------------------------------------------------ randomness and state
     def uses_randomness(self) -> bool:

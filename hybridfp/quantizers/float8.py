@@ -50,8 +50,8 @@ class Float8CurrentScalingQuantizer(Quantizer):
         self.with_amax_reduction = bool(with_amax_reduction)
         self.amax_reduction_group = amax_reduction_group
 
-    def encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool,
-               seed: Optional[int] = None) -> QuantizedStorage:
+    def reference_encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool,
+                         seed: Optional[int] = None) -> QuantizedStorage:
         """One amax, one scale, one cast; the columnwise copy is its transpose."""
         amax = amax_nan(x)
         if self.with_amax_reduction:
@@ -115,8 +115,8 @@ class Float8Quantizer(Quantizer):
             self.scale = self.scale.to(device)
             self.amax_history = self.amax_history.to(device)
 
-    def encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool,
-               seed: Optional[int] = None) -> QuantizedStorage:
+    def reference_encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool,
+                         seed: Optional[int] = None) -> QuantizedStorage:
         """Cast with the current scale and record this tensor's amax in the history."""
         self._state_to(x.device)
         fp8_tensorwise.record_amax(self.amax_history, amax_nan(x))

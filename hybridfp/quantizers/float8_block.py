@@ -39,8 +39,8 @@ class Float8BlockQuantizer(Quantizer):
     def _opts(self) -> dict[str, object]:
         return {"power_2_scale": self.force_pow_2_scales, "eps": self.amax_epsilon}
 
-    def encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool,
-               seed: Optional[int] = None) -> QuantizedStorage:
+    def reference_encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool,
+                         seed: Optional[int] = None) -> QuantizedStorage:
         """Block-quantize the requested copies."""
         x2 = as_2d(x)
         row = col = None

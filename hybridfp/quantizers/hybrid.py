@@ -67,8 +67,8 @@ class HybridQuantizer(Quantizer):
             if q is not None:
                 q.role = value
 
-    def encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool,
-               seed: Optional[int] = None) -> QuantizedStorage:
+    def reference_encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool,
+                         seed: Optional[int] = None) -> QuantizedStorage:
         """Rowwise part from the rowwise child; columnwise part from the columnwise child."""
         if seed is None and self.uses_randomness():
             seed = self.draw_seed()

@@ -28,8 +28,8 @@ class IdentityQuantizer(Quantizer):
             raise ValueError(f"IdentityQuantizer(dtype={dtype}) must be float32, bfloat16, float16 or None.")
         self.dtype = dtype
 
-    def encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool,
-               seed: Optional[int] = None) -> QuantizedStorage:
+    def reference_encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool,
+                         seed: Optional[int] = None) -> QuantizedStorage:
         """Wrap (or cast) ``x``; both directions see the same tensor."""
         p = {"data": as_2d(x).to(self.dtype or x.dtype)}
         return IdentityStorage(x.shape, x.dtype, p if rowwise else None, p if columnwise else None,

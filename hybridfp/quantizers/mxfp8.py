@@ -34,8 +34,8 @@ class MXFP8Quantizer(Quantizer):
         self.scale_rule = scale_rule
         self.with_2d_quantization = bool(with_2d_quantization)
 
-    def encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool,
-               seed: Optional[int] = None) -> QuantizedStorage:
+    def reference_encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool,
+                         seed: Optional[int] = None) -> QuantizedStorage:
         """Quantize the requested copies (columnwise = 1x32 blocks of the transpose)."""
         x2 = as_2d(x)
         row = col = None

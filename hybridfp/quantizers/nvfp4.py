@@ -72,8 +72,8 @@ class NVFP4Quantizer(Quantizer):
         g.manual_seed((seed * 2 + direction) % (2**63))
         return {"stochastic_rounding": True, "generator": g}
 
-    def encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool,
-               seed: Optional[int] = None) -> QuantizedStorage:
+    def reference_encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool,
+                         seed: Optional[int] = None) -> QuantizedStorage:
         """Quantize the requested copies (columnwise: 16x1 blocks of the transpose, RHT'd)."""
         x2 = as_2d(x)
         if columnwise:
