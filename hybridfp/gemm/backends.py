@@ -74,13 +74,22 @@ def describe_key(key: FormatKey) -> str:
 
 @contextmanager
 def _ieee_fp32() -> Iterator[None]:
-    """FP32 matmul with FP32 products on CUDA (no TF32), restored afterwards."""
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
+    """FP32 matmul with FP32 products (no TF32 on CUDA, no BF16/TF32 on oneDNN CPUs),
+    restored afterwards.
+
+    Uses torch's ``fp32_precision`` API: reading the legacy ``allow_tf32`` flag raises once a
+    user has set TF32 through the new API (torch >= 2.9), while the new API works whichever
+    of the two the user chose. ``torch.set_float32_matmul_precision("high")`` sets both.
+    """
+    matmuls = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
+    old = [m.fp32_precision for m in matmuls]
+    for m in matmuls:
+        m.fp32_precision = "ieee"
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
+        for m, o in zip(matmuls, old):
+            m.fp32_precision = o
 
 
 def _to_original_domain(op: GemmOperand) -> torch.Tensor:

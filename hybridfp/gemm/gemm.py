@@ -59,9 +59,13 @@ def gemm(A: torch.Tensor, B: torch.Tensor, layout: str = "TN", *, out_dtype: tor
         raise ValueError(f"gemm {layout} ({GEMM_OF_LAYOUT[layout]}): reduction lengths differ: A's "
                          f"{da} copy reduces over {ka}, B's {db} copy over {kb} ({sa.describe()}, "
                          f"{sb.describe()}).")
+    m = sa.cols if da == COLUMNWISE else sa.rows
     n = sb.cols if db == COLUMNWISE else sb.rows
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"gemm bias must have shape [{n}]; got {tuple(bias.shape)}.")
+    if accumulate_into is not None and tuple(accumulate_into.shape) != (m, n):
+        raise ValueError(f"gemm {layout} ({GEMM_OF_LAYOUT[layout]}) makes a [{m}, {n}] result; "
+                         f"accumulate_into has shape {tuple(accumulate_into.shape)}.")
     backend = select(sa.format_key(da), sb.format_key(db), layout, sa.device)
     if backend is not None:
         return backend.run(sa, sb, layout, out_dtype=out_dtype, bias=bias, accumulate_into=accumulate_into)

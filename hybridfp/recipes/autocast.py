@@ -57,7 +57,9 @@ def autocast(enabled: bool = True, recipe: Optional[Recipe] = None,
     if recipe is not None and not isinstance(recipe, Recipe):
         raise TypeError(f"autocast(recipe=...) needs a hybridfp Recipe (e.g. CustomRecipe(qfactory=f)); "
                         f"got {type(recipe).__name__}.")
-    state = AutocastState(recipe or default_recipe(), amax_reduction_group) if enabled else None
+    if recipe is None:
+        recipe = default_recipe()
+    state = AutocastState(recipe, amax_reduction_group) if enabled else None
     _STACK.append(state)
     try:
         yield state

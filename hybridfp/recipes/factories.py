@@ -179,8 +179,10 @@ class per_gemm:  # noqa: N801 - used like a function: per_gemm(fprop=..., dgrad=
     """
 
     def __init__(self, fprop: str, dgrad: str, wgrad: str) -> None:
-        for n in (fprop, dgrad, wgrad):
-            _format_quantizer(n, None)  # validate early, with the list of names
+        for arg, n in (("fprop", fprop), ("dgrad", dgrad), ("wgrad", wgrad)):
+            if n not in FORMAT_NAMES:  # validate early, naming the argument and the choices
+                raise ValueError(f"per_gemm({arg}={n!r}): unknown format; use one of "
+                                 f"{', '.join(FORMAT_NAMES)}.")
         self.fprop, self.dgrad, self.wgrad = fprop, dgrad, wgrad
 
     def __call__(self, role: Optional[QuantizerRole]) -> Quantizer:

@@ -49,13 +49,31 @@ class Recipe:
         raise NotImplementedError(f"{type(self).__name__} must implement quantizer()")
 
     def key(self) -> Hashable:
-        """Identity of the configuration: a change makes modules rebuild their quantizers."""
-        fields = tuple((f.name, repr(getattr(self, f.name))) for f in dataclasses.fields(self))  # type: ignore[arg-type]
+        """Identity of the configuration: a change makes modules rebuild their quantizers.
+
+        Dataclass recipes: their field values. Any other recipe: the recipe object itself
+        (its ``__eq__``), unless it overrides ``key``.
+        """
+        if not dataclasses.is_dataclass(self):
+            return (type(self).__name__, _FactoryKey(self))
+        fields = tuple((f.name, repr(getattr(self, f.name))) for f in dataclasses.fields(self))
         return (type(self).__name__, fields)
 
 
+class _BuiltinRecipe(Recipe):
+    """Base of the dataclass recipes: options are checked when the recipe is made, not at the
+    first forward (one quantizer per GEMM operand role must build)."""
+
+    def __post_init__(self) -> None:
+        for t in ("input", "weight", "grad_output"):
+            try:
+                self.quantizer(QuantizerRole("linear", t))
+            except ValueError as e:
+                raise ValueError(f"{type(self).__name__}: {e}") from None
+
+
 @dataclass
-class DelayedScaling(Recipe):
+class DelayedScaling(_BuiltinRecipe):
     """FP8 per-tensor delayed scaling (scale from the amax history, updated per step)."""
 
     fp8_format: str = "HYBRID"
@@ -71,7 +89,7 @@ class DelayedScaling(Recipe):
 
 
 @dataclass
-class Float8CurrentScaling(Recipe):
+class Float8CurrentScaling(_BuiltinRecipe):
     """FP8 per-tensor current scaling (each tensor's own amax)."""
 
     fp8_format: str = "HYBRID"
@@ -86,7 +104,7 @@ class Float8CurrentScaling(Recipe):
 
 
 @dataclass
-class Float8BlockScaling(Recipe):
+class Float8BlockScaling(_BuiltinRecipe):
     """FP8 block scaling: 1x128 activations/gradients, 128x128 weights (DeepSeek-V3)."""
 
     fp8_format: str = "E4M3"
@@ -95,6 +113,13 @@ class Float8BlockScaling(Recipe):
     grad_block_scaling_dim: int = 1
     use_power_2_scales: bool = True
     amax_epsilon: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
+            if getattr(self, f) not in (1, 2):
+                raise ValueError(f"Float8BlockScaling: {f}={getattr(self, f)!r} is unknown; use 1 "
+                                 "(1x128 blocks) or 2 (128x128 tiles).")
+        super().__post_init__()
 
     def quantizer(self, role: Optional[QuantizerRole]) -> Quantizer:
         """Float8BlockQuantizer with the block shape of the role."""
@@ -107,7 +132,7 @@ class Float8BlockScaling(Recipe):
 
 
 @dataclass
-class MXFP8BlockScaling(Recipe):
+class MXFP8BlockScaling(_BuiltinRecipe):
     """MXFP8 (E8M0 scale per 32 elements) for every role."""
 
     fp8_format: str = "E4M3"
@@ -121,7 +146,7 @@ class MXFP8BlockScaling(Recipe):
 
 
 @dataclass
-class NVFP4BlockScaling(Recipe):
+class NVFP4BlockScaling(_BuiltinRecipe):
     """NVFP4 with NVIDIA's per-role defaults (SPEC §2.5), each switch can be turned off.
 
     weight: 2D 16x16, no RHT, no SR. grad_output: 1D, RHT on the columnwise copy, SR.
@@ -175,11 +200,46 @@ class CustomRecipe(Recipe):
         return q
 
     def key(self) -> Hashable:
-        """The factory's identity: swapping the factory rebuilds quantizers."""
-        return ("CustomRecipe", id(self.qfactory), _name(self.qfactory))
+        """The factory itself: swapping the factory rebuilds quantizers (see _FactoryKey)."""
+        return ("CustomRecipe", _FactoryKey(self.qfactory))
 
     def __repr__(self) -> str:
         return f"CustomRecipe(qfactory={_name(self.qfactory)})"
+
+
+class _FactoryKey:
+    """A CustomRecipe's configuration key: its factory object, not the factory's ``id``
+    (also the key of a user recipe class that is not a dataclass: the recipe object).
+
+    A module keeps the key of the recipe it built its quantizers for; holding the factory keeps
+    it alive, so a new factory can never reuse its address and pass for it (with an ``id`` key,
+    a fresh closure allocated where the previous step's one was freed kept the old quantizers).
+    Factories compare with their own ``__eq__``: functions by identity, ``per_gemm`` by its
+    three format names. A deep copy shares the factory; a pickled key never matches again
+    (closures do not pickle), so a module loaded from a pickle rebuilds its quantizers.
+    """
+
+    __slots__ = ("factory",)
+
+    def __init__(self, factory: Optional[Callable[..., Any]]) -> None:
+        self.factory = factory
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _FactoryKey) or self.factory is None or other.factory is None:
+            return False
+        return self.factory is other.factory or bool(self.factory == other.factory)
+
+    def __hash__(self) -> int:
+        try:
+            return hash(self.factory)
+        except TypeError:
+            return 0
+
+    def __deepcopy__(self, memo: dict) -> "_FactoryKey":
+        return self
+
+    def __reduce__(self) -> tuple:
+        return (_FactoryKey, (None,))
 
 
 def _name(f: Any) -> str:

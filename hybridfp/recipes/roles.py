@@ -21,6 +21,12 @@ class QuantizerRole:
     name: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.module_type, str) or not self.module_type:
+            raise ValueError(f"QuantizerRole.module_type={self.module_type!r} must be a non-empty "
+                             "string such as 'linear' or 'grouped_linear'.")
+        if not isinstance(self.name, str):
+            raise TypeError(f"QuantizerRole.name={self.name!r} must be a string (the module's "
+                            "qualified name, or '' when unknown).")
         if self.tensor_type not in TENSOR_TYPES:
             raise ValueError(f"QuantizerRole.tensor_type={self.tensor_type!r} is unknown; use one of "
                              f"{', '.join(TENSOR_TYPES)}.")
