@@ -104,7 +104,8 @@ def emulate(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype,
         av, bv = a.values, b.values
     else:
         av, bv = _to_original_domain(a), _to_original_domain(b)
-    with _ieee_fp32():
+    # torch.autocast around the caller would run this FP32 matmul in BF16: switch it off.
+    with _ieee_fp32(), torch.autocast(av.device.type, enabled=False):
         acc = av @ bv.t()
     scale = None
     if a.scale is not None or b.scale is not None:

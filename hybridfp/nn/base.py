@@ -31,6 +31,7 @@ class QuantizedModule(nn.Module):
     """
 
     module_type = "linear"
+    in_features: int  # set by every subclass
 
     def __init__(self, name: Optional[str] = None, num_quantizer_sets: int = 1) -> None:
         super().__init__()
@@ -39,6 +40,24 @@ class QuantizedModule(nn.Module):
         self._qkey: Optional[tuple] = None
         self._quantizers: dict[str, list[Quantizer]] = {}
         self._wcache: dict[int, tuple[tuple, QuantizedTensor]] = {}
+
+    def check_input_features(self, x: torch.Tensor) -> None:
+        """A clear error naming the module when x's last dim is not ``in_features`` (the GEMM
+        would otherwise fail deep inside with operand shapes only)."""
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            who = f"{type(self).__name__} {self.name}".rstrip()
+            raise ValueError(f"{who}: the input has shape {tuple(x.shape)}; its last dimension must "
+                             f"be in_features={self.in_features}.")
+
+    @staticmethod
+    def torch_autocast_input(x: torch.Tensor) -> torch.Tensor:
+        """Under torch's autocast (AMP) the GEMM input takes the autocast dtype, as
+        ``nn.Linear``'s does: torch casts F.linear's inputs but not a custom Function's. The
+        GEMMs themselves then run with autocast off (see ``torch_autocast_off``)."""
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            return x.to(torch.get_autocast_dtype(device_type))
+        return x
 
     # ------------------------------------------------------------------ quantizers
     def role(self, tensor_type: str) -> QuantizerRole:

@@ -17,7 +17,8 @@ from torch import nn
 from ..quantizers import HybridQuantizer, Quantizer
 from ..recipes import current_autocast
 from .base import SLOTS, QuantizedModule
-from .linear_function import LinearContext, backward_gemms, forward_gemm, pack, unpack
+from .linear_function import (LinearContext, backward_gemms, bias_grad, forward_gemm, pack,
+                              torch_autocast_off, unpack)
 
 
 class GroupedLinearFunction(torch.autograd.Function):
@@ -28,16 +29,18 @@ class GroupedLinearFunction(torch.autograd.Function):
                 has_bias: bool, *params: torch.Tensor) -> torch.Tensor:
         n = len(lcs)
         weights, biases = params[:n], (params[n:] if has_bias else (None,) * n)
-        needs_dgrad = ctx.needs_input_grad[0]
-        needs_wgrad = [ctx.needs_input_grad[4 + i] for i in range(n)]
+        grad_enabled = lcs[0].grad_enabled  # see LinearContext
+        needs_dgrad = ctx.needs_input_grad[0] and grad_enabled
+        needs_wgrad = [ctx.needs_input_grad[4 + i] and grad_enabled for i in range(n)]
         outs, tensors, skels = [], [], []
-        for i, xi in enumerate(torch.split(x, m_splits)):
-            y, sx, sw = forward_gemm(ctx, xi, weights[i], biases[i], lcs[i], needs_dgrad, needs_wgrad[i])
-            outs.append(y)
-            for t in (sx, sw):
-                ts, sk = pack(t)
-                skels.append((sk, len(ts)))
-                tensors.extend(ts)
+        with torch_autocast_off(x):
+            for i, xi in enumerate(torch.split(x, m_splits)):
+                y, sx, sw = forward_gemm(ctx, xi, weights[i], biases[i], lcs[i], needs_dgrad, needs_wgrad[i])
+                outs.append(y)
+                for t in (sx, sw):
+                    ts, sk = pack(t)
+                    skels.append((sk, len(ts)))
+                    tensors.extend(ts)
         ctx.save_for_backward(*tensors)
         ctx.skels, ctx.lcs, ctx.m_splits, ctx.has_bias = skels, lcs, m_splits, has_bias
         ctx.x_dtype, ctx.w_dtypes = x.dtype, [w.dtype for w in weights]
@@ -46,7 +49,6 @@ class GroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):  # type: ignore[override]
-        n = len(ctx.lcs)
         saved, it = list(ctx.saved_tensors), 0
         restored = []
         for sk, k in ctx.skels:
@@ -54,14 +56,15 @@ class GroupedLinearFunction(torch.autograd.Function):
             it += k
         needs_dgrad = ctx.needs_input_grad[0]
         dxs, dws, dbs = [], [], []
-        for i, dyi in enumerate(torch.split(dy, ctx.m_splits)):
-            needs_wgrad = ctx.needs_input_grad[4 + i]
-            dx, dw = backward_gemms(dyi, restored[2 * i], restored[2 * i + 1], ctx.lcs[i], ctx.x_dtype,
-                                    ctx.w_dtypes[i], needs_dgrad, needs_wgrad)
-            dxs.append(dx)
-            dws.append(dw)
-            if ctx.has_bias:
-                dbs.append(dyi.float().sum(0).to(ctx.b_dtypes[i]))
+        with torch_autocast_off(dy):
+            for i, dyi in enumerate(torch.split(dy, ctx.m_splits)):
+                needs_wgrad = ctx.needs_input_grad[4 + i]
+                dx, dw = backward_gemms(dyi, restored[2 * i], restored[2 * i + 1], ctx.lcs[i],
+                                        ctx.x_dtype, ctx.w_dtypes[i], needs_dgrad, needs_wgrad)
+                dxs.append(dx)
+                dws.append(dw)
+                if ctx.has_bias:
+                    dbs.append(bias_grad(dyi, ctx.b_dtypes[i]))
         dx = torch.cat(dxs) if needs_dgrad else None
         return (dx, None, None, None, *dws, *dbs)
 
@@ -138,8 +141,10 @@ class GroupedLinear(QuantizedModule):
                     for xi, w, b in zip(torch.split(x, splits), self.weights(), bs)]
             return torch.cat(outs)
         qs = self.quantizers(state)
+        x = self.torch_autocast_input(x)
+        grad_enabled = torch.is_grad_enabled()
         lcs = [LinearContext(qs["input"][i], qs["weight"][i], qs["grad_output"][i], self, i,
-                             self.save_original_input) for i in range(self.num_gemms)]
+                             self.save_original_input, grad_enabled) for i in range(self.num_gemms)]
         return GroupedLinearFunction.apply(x, splits, lcs, self.use_bias, *self.weights(), *self.biases())
 
     def extra_repr(self) -> str:

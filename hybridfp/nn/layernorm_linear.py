@@ -45,13 +45,16 @@ class LayerNormLinear(QuantizedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """norm, then the (quantized inside autocast) linear."""
+        self.check_input_features(x)
         h = self.norm(x)
         state = current_autocast()
         if state is None:
             return F.linear(h, self.weight, self.bias)
         qs = self.quantizers(state)
+        h = self.torch_autocast_input(h)
         lc = LinearContext(qs["input"][0], qs["weight"][0], qs["grad_output"][0], self,
-                           save_original_input=self.save_original_input)
+                           save_original_input=self.save_original_input,
+                           grad_enabled=torch.is_grad_enabled())
         return LinearFunction.apply(h, self.weight, self.bias, lc)
 
     def extra_repr(self) -> str:

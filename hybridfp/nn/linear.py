@@ -24,6 +24,8 @@ class Linear(QuantizedModule):
     quantize its columnwise copy in backward (saves memory when the input is kept anyway);
     ignored — the quantized forward value is saved — when the input quantizer is not
     requantization-safe (stochastic rounding, delayed scaling, rowwise_dequantized).
+    Under ``torch.autocast`` as well, the input takes the autocast dtype as ``nn.Linear``'s
+    does (so does the output); the quantized GEMMs themselves are unaffected by it.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
@@ -46,12 +48,15 @@ class Linear(QuantizedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Quantized inside autocast, high precision outside."""
+        self.check_input_features(x)
         state = current_autocast()
         if state is None:
             return F.linear(x, self.weight, self.bias)
         qs = self.quantizers(state)
+        x = self.torch_autocast_input(x)
         lc = LinearContext(qs["input"][0], qs["weight"][0], qs["grad_output"][0], self,
-                           save_original_input=self.save_original_input)
+                           save_original_input=self.save_original_input,
+                           grad_enabled=torch.is_grad_enabled())
         return LinearFunction.apply(x, self.weight, self.bias, lc)
 
     def extra_repr(self) -> str:

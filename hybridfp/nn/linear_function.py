@@ -25,7 +25,13 @@ from ..tensors import QuantizedStorage, QuantizedTensor
 
 @dataclass
 class LinearContext:
-    """What the function needs besides tensors: quantizers and the owning module."""
+    """What the function needs besides tensors: quantizers and the owning module.
+
+    ``grad_enabled``: torch's grad mode where the module was called. Inside an
+    autograd.Function's forward ``needs_input_grad`` reflects only ``requires_grad`` (it is
+    True for parameters even under ``torch.no_grad()``), so without this, inference would
+    quantize and keep backward copies that no backward will read.
+    """
 
     input_q: Quantizer
     weight_q: Quantizer
@@ -33,6 +39,7 @@ class LinearContext:
     module: Any
     weight_index: int = 0
     save_original_input: bool = False
+    grad_enabled: bool = True
 
 
 def pack(t: Optional[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
@@ -94,11 +101,15 @@ def backward_gemms(dy2: torch.Tensor, saved_x: Optional[torch.Tensor], saved_w: 
     return dx, dw
 
 
-def bias_grad(dy2: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """db = column sums of dy, accumulated in FP32."""
-    if bias is None:
-        return None
-    return dy2.float().sum(0).to(bias.dtype)
+def torch_autocast_off(t: torch.Tensor) -> torch.autocast:
+    """Disable torch's autocast (AMP) on ``t``'s device: the exact GEMM path multiplies FP32
+    values, which autocast would silently run in BF16/FP16 (SPEC §1 allows no such error)."""
+    return torch.autocast(t.device.type, enabled=False)
+
+
+def bias_grad(dy2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """db = column sums of dy, accumulated in FP32, in the bias's dtype."""
+    return dy2.float().sum(0).to(dtype)
 
 
 class LinearFunction(torch.autograd.Function):
@@ -107,9 +118,11 @@ class LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # type: ignore[override]
                 lc: LinearContext) -> torch.Tensor:
-        needs_dgrad, needs_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        needs_dgrad = ctx.needs_input_grad[0] and lc.grad_enabled
+        needs_wgrad = ctx.needs_input_grad[1] and lc.grad_enabled
         x2 = x.reshape(-1, x.shape[-1])
-        y, saved_x, saved_w = forward_gemm(ctx, x2, weight, bias, lc, needs_dgrad, needs_wgrad)
+        with torch_autocast_off(x):
+            y, saved_x, saved_w = forward_gemm(ctx, x2, weight, bias, lc, needs_dgrad, needs_wgrad)
         tx, ctx.skel_x = pack(saved_x)
         tw, ctx.skel_w = pack(saved_w)
         ctx.n_x = len(tx)
@@ -126,7 +139,8 @@ class LinearFunction(torch.autograd.Function):
         saved_w = unpack(ctx.skel_w, list(saved[ctx.n_x:]))
         needs_dgrad, needs_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dy2 = dy.reshape(-1, dy.shape[-1])
-        dx, dw = backward_gemms(dy2, saved_x, saved_w, ctx.lc, ctx.x_dtype, ctx.w_dtype,
-                                needs_dgrad, needs_wgrad)
-        db = dy2.float().sum(0).to(ctx.bias_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        with torch_autocast_off(dy):
+            dx, dw = backward_gemms(dy2, saved_x, saved_w, ctx.lc, ctx.x_dtype, ctx.w_dtype,
+                                    needs_dgrad, needs_wgrad)
+            db = bias_grad(dy2, ctx.bias_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return (dx.reshape(ctx.x_shape) if dx is not None else None), dw, db, None

@@ -1,0 +1,192 @@
+"""Quantized-weight cache and recipe switches (SPEC §4).
+
+The weight is quantized once per step however many micro-batches run; it is quantized again
+when the weight changes (optimizer step: ``weight._version`` moves), when the quantizer's
+state changes (delayed scaling's update at the region's end), and when the recipe changes.
+A recipe or factory switched between steps takes effect at the next step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from nn_cases import CountingFactory, assert_bitwise, call, make_data, make_module, run_step
+
+from hybridfp import (CustomRecipe, DelayedScaling, Float8CurrentScaling, HybridQuantizer,
+                      IdentityQuantizer, MXFP8BlockScaling, MXFP8Quantizer, NVFP4BlockScaling,
+                      NVFP4Quantizer, autocast)
+from hybridfp.factories import current_scaling, mxfp8, nvfp4, per_gemm
+
+pytestmark = pytest.mark.filterwarnings("ignore::hybridfp.gemm.EmulatedGemmWarning")  # CPU: expected
+KINDS = ["linear", "layernorm", "grouped"]
+
+
+def _micro_batch(m, recipe, x, dy) -> None:
+    with autocast(recipe=recipe):
+        y = call(m, x)
+    y.backward(dy)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("base", [mxfp8, current_scaling, nvfp4], ids=lambda f: f.__name__)
+def test_weight_quantized_once_per_step(base, kind):
+    counting = CountingFactory(base)
+    recipe = CustomRecipe(counting)
+    m = make_module(kind)
+    experts = 3 if kind == "grouped" else 1
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x, dy = make_data(seed=2)
+    versions = [w._version for n, w in m.named_parameters() if n.startswith("weight")]
+    # Two micro-batches of one step, one autocast region each (gradient accumulation).
+    _micro_batch(m, recipe, x, dy)
+    _micro_batch(m, recipe, x * 0.5, dy)
+    assert counting.count("weight") == experts
+    assert counting.count("input") == 2 * experts  # activations are quantized every time
+    # One region with two forwards: still cached.
+    with autocast(recipe=recipe):
+        call(m, x).sum() + call(m, x).sum()
+    assert counting.count("weight") == experts
+    opt.step()
+    new_versions = [w._version for n, w in m.named_parameters() if n.startswith("weight")]
+    assert all(a > b for a, b in zip(new_versions, versions))
+    _micro_batch(m, recipe, x, dy)
+    assert counting.count("weight") == 2 * experts, "an optimizer step must re-quantize the weight"
+    # The cached weight is the updated one: same numbers as a module never cached.
+    fresh = copy.deepcopy(m)
+    fresh._wcache.clear()
+    assert_bitwise(run_step(m, x, dy, recipe).y, run_step(fresh, x, dy, recipe).y, "cached weight")
+
+
+def test_cached_weight_gains_a_columnwise_copy_when_needed():
+    """A forward that needs no dgrad caches only the rowwise copy; a later one that does
+    needs the columnwise copy too and re-quantizes (never a MissingDirectionError)."""
+    counting = CountingFactory(mxfp8)
+    recipe = CustomRecipe(counting)
+    m = make_module("linear")
+    x, dy = make_data(seed=2)
+    with autocast(recipe=recipe):
+        m(x)  # x needs no grad: no dgrad
+    with autocast(recipe=recipe):
+        y = m(x.clone().requires_grad_())
+    y.backward(dy)
+    assert counting.copies("weight") == [("rowwise",), ("rowwise", "columnwise")]
+
+
+def test_recipe_switch_between_steps_takes_effect():
+    m = make_module("linear")
+    x, dy = make_data(seed=4)
+    first = run_step(m, x, dy, MXFP8BlockScaling())
+    assert isinstance(m._quantizers["weight"][0], MXFP8Quantizer)
+    second = run_step(m, x, dy, NVFP4BlockScaling(), seed=9)
+    assert all(isinstance(qs[0], NVFP4Quantizer) for qs in m._quantizers.values())
+    assert m._quantizers["weight"][0].with_2d_quantization
+    # The new format's numbers: equal to a module that only ever ran NVFP4.
+    want = run_step(make_module("linear"), x, dy, NVFP4BlockScaling(), seed=9)
+    assert_bitwise(second.y, want.y, "output after the switch")
+    assert_bitwise(second.dx, want.dx, "dx after the switch")
+    assert_bitwise(second.grads["weight"], want.grads["weight"], "dW after the switch")
+    assert not torch.equal(first.y, second.y)
+    # Edited recipe options count as a switch too.
+    run_step(m, x, dy, NVFP4BlockScaling(disable_2d_quantization=True))
+    assert not m._quantizers["weight"][0].with_2d_quantization
+
+
+def test_weight_requantized_after_recipe_switch():
+    first, second = CountingFactory(mxfp8), CountingFactory(current_scaling)
+    recipes = [CustomRecipe(first), CustomRecipe(second)]
+    m = make_module("grouped")
+    x, dy = make_data(seed=4)
+    for r in [0, 0, 1, 1, 0]:
+        run_step(m, x, dy, recipes[r])
+    # Each switch rebuilds the quantizers and drops the cache: one quantization per expert
+    # at the first step after a switch, none at a repeated step.
+    assert first.count("weight") == 2 * 3 and second.count("weight") == 3
+
+
+def _closure_of(quantizer_cls):
+    # Every closure made here has the same __qualname__; only the object tells them apart.
+    return lambda role: quantizer_cls()
+
+
+def test_factory_switch_between_steps_takes_effect():
+    """A fresh CustomRecipe with a new factory each step rebuilds the quantizers, even when the
+    previous factory was freed and a new closure took its address (a key built from id() and
+    the name alone would then look unchanged)."""
+    m = make_module("linear")
+    x, dy = make_data(seed=4)
+    schedule = [MXFP8Quantizer, NVFP4Quantizer, IdentityQuantizer] * 3
+    for quantizer_cls in schedule:
+        run_step(m, x, dy, CustomRecipe(_closure_of(quantizer_cls)))
+        assert type(m._quantizers["input"][0]) is quantizer_cls
+    for triple, want in [(("nvfp4",) * 3, NVFP4Quantizer), (("mxfp8", "mxfp8", "nvfp4"), HybridQuantizer),
+                         (("mxfp8",) * 3, MXFP8Quantizer)]:
+        run_step(m, x, dy, CustomRecipe(per_gemm(*triple)))
+        assert type(m._quantizers["input"][0]) is want, triple
+
+
+def test_same_recipe_configuration_keeps_quantizers():
+    """A new but equal recipe object (a fresh DelayedScaling() each step) must not rebuild:
+    delayed scaling's amax history lives in the quantizers."""
+    m = make_module("linear")
+    x, dy = make_data(seed=4)
+    run_step(m, x, dy, DelayedScaling())
+    q = m._quantizers["input"][0]
+    run_step(m, x, dy, DelayedScaling())
+    assert m._quantizers["input"][0] is q
+
+
+def test_delayed_scaling_weight_requantized_after_scale_update():
+    counting = CountingFactory(lambda role: DelayedScaling().quantizer(role))
+    recipe = CustomRecipe(counting)
+    m = make_module("linear")
+    x, dy = make_data(seed=4)
+    run_step(m, x, dy, recipe)  # step 1: scale 1, records amax(W); update at the region's end
+    wq = m._quantizers["weight"][0]
+    assert counting.count("weight") == 1
+    assert wq.scale.item() == pytest.approx(448.0 / m.weight.abs().max().item(), rel=1e-6)
+    run_step(m, x, dy, recipe)  # same weight, new scale: the cache must not serve step 1's
+    assert counting.count("weight") == 2
+    cached = m._wcache[0][1]
+    scale_inv = cached.qstorage.payload("rowwise")["scale_inv"]
+    assert scale_inv.item() == pytest.approx(1.0 / wq.scale.item(), rel=1e-6) and scale_inv.item() != 1.0
+
+
+def test_delayed_scaling_micro_batches_in_one_region_share_the_weight():
+    counting = CountingFactory(lambda role: DelayedScaling().quantizer(role))
+    m = make_module("linear")
+    x, dy = make_data(seed=4)
+    with autocast(recipe=CustomRecipe(counting)):
+        y = m(x.clone().requires_grad_()) + m(x.clone().requires_grad_())
+    y.backward(dy)
+    assert counting.count("weight") == 1
+
+
+def test_no_grad_inference_quantizes_forward_copies_only():
+    """Under torch.no_grad() nothing will run backward: no columnwise copies are made."""
+    counting = CountingFactory(lambda r: HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(with_rht=True)))
+    m = make_module("linear")
+    x, _ = make_data(seed=4)
+    with torch.no_grad(), autocast(recipe=CustomRecipe(counting)):
+        y = m(x.clone().requires_grad_())
+    assert not y.requires_grad
+    assert counting.copies("input") == [("rowwise",)]
+    assert counting.copies("weight") == [("rowwise",)]
+    # With grad enabled, the same module makes the backward copies.
+    with autocast(recipe=CustomRecipe(counting)):
+        m(x.clone().requires_grad_())
+    assert counting.copies("input")[-1] == ("rowwise", "columnwise")
+    assert counting.copies("weight")[-1] == ("rowwise", "columnwise")
+
+
+def test_frozen_weight_skips_the_input_columnwise_copy():
+    counting = CountingFactory(current_scaling)
+    m = make_module("linear")
+    m.weight.requires_grad_(False)
+    x, dy = make_data(seed=4)
+    got = run_step(m, x, dy, CustomRecipe(counting))
+    assert counting.copies("input") == [("rowwise",)]
+    assert "weight" not in got.grads and "bias" in got.grads
+    full = make_module("linear")
+    assert_bitwise(got.dx, run_step(full, x, dy, Float8CurrentScaling()).dx, "dx with a frozen weight")
