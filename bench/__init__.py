@@ -1,0 +1,1 @@
+"""Benchmarks (run on the GPU machine): python -m bench.run_all."""

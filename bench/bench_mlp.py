@@ -1,0 +1,192 @@
+"""Forward + backward of a Linear and a Llama-3-8B MLP block with hybridfp recipes.
+
+Llama-3-8B MLP: y = down(silu(gate(x)) * up(x)), hidden 4096, intermediate 14336, no bias,
+16384 tokens, BF16 parameters and activations; x requires grad (so dgrad of the first layer
+runs, as inside a network). Linear: 16384 x 4096 -> 14336. One step = zero grads, forward,
+backward with a fixed random dy. hybridfp modules' quantized-weight caches are cleared each
+step, so weights are quantized every step as after an optimizer update (torchao does too).
+
+Variants: BF16 eager (nn.Linear), BF16 torch.compile, hybridfp under autocast with
+Float8CurrentScaling, Float8BlockScaling and the hybrid per_gemm(fprop="fp8_current",
+dgrad="fp8_block", wgrad="fp8_block") as a CustomRecipe; torchao float8 training
+(tensorwise, rowwise) compiled, when torchao imports. "speedup" = BF16 eager time / time.
+
+    python -m bench.bench_mlp [--out results.json] [--quick] [--deadline-s S] [--linear-compiled]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import time
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hybridfp
+from bench import common
+from bench.common import bench_ms, copy_bandwidth, environment, finish, md_table, parser, require_cuda
+from hybridfp.nn.base import QuantizedModule
+
+D, H, TOKENS = 4096, 14336, 16384
+HYBRID = hybridfp.factories.per_gemm(fprop="fp8_current", dgrad="fp8_block", wgrad="fp8_block")
+RECIPES = [
+    ("hybridfp FP8 current", lambda: hybridfp.Float8CurrentScaling()),
+    ("hybridfp FP8 block", lambda: hybridfp.Float8BlockScaling()),
+    ("hybridfp hybrid FP8-current fwd / FP8-block bwd", lambda: hybridfp.CustomRecipe(qfactory=HYBRID)),
+]
+
+
+class MLP(nn.Module):
+    """Llama's gated MLP with a pluggable linear class."""
+
+    def __init__(self, linear: Callable[[int, int], nn.Module], d: int, h: int) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = linear(d, h), linear(d, h), linear(h, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def torch_linear(i: int, o: int) -> nn.Module:
+    return nn.Linear(i, o, bias=False, dtype=torch.bfloat16, device=common.DEVICE)
+
+
+def hybridfp_linear(i: int, o: int) -> nn.Module:
+    return hybridfp.Linear(i, o, bias=False, params_dtype=torch.bfloat16, device=common.DEVICE)
+
+
+def torchao_status() -> tuple[Optional[Any], str]:
+    """(torchao.float8 module or None, version or why not)."""
+    try:
+        import torchao
+        import torchao.float8 as f8
+        return f8, torchao.__version__
+    except Exception as e:  # noqa: BLE001 - any import failure means "no torchao column"
+        return None, f"unavailable ({type(e).__name__}: {str(e)[:120]})"
+
+
+def make_step(model: nn.Module, params: list[nn.Parameter], ctx: Callable[[], Any], x: torch.Tensor,
+              dy: torch.Tensor) -> Callable[[], torch.Tensor]:
+    hf = [m for m in model.modules() if isinstance(m, QuantizedModule)]
+
+    def step() -> torch.Tensor:
+        for p in params:
+            p.grad = None
+        x.grad = None
+        for m in hf:
+            m._wcache.clear()  # re-quantize weights every step (as after an optimizer step)
+        with ctx():
+            y = model(x)
+        y.backward(dy)
+        return y
+    return step
+
+
+def bench_model(kind: str, make: Callable[[Callable], nn.Module], x: torch.Tensor, deadline: float,
+                compiled: bool, checkpoint: Callable[[list], None] = lambda rows: None) -> list[dict[str, Any]]:
+    """All variants of one model; ratios against BF16 eager / compiled of this process."""
+    torch.manual_seed(0)
+    base = make(torch_linear)
+    with torch.no_grad():
+        dy = torch.randn_like(base(x))
+    variants: list[tuple[str, nn.Module, nn.Module, Callable[[], Any]]] = [
+        ("BF16 eager", base, base, contextlib.nullcontext)]
+    hf = make(hybridfp_linear)
+    hf.load_state_dict(base.state_dict())
+    for name, recipe in RECIPES:
+        variants.append((name, hf, hf, lambda r=recipe(): hybridfp.autocast(recipe=r)))
+    if compiled:  # compiled variants last: each checks the deadline before compiling
+        variants.append(("BF16 torch.compile", torch.compile(base), base, contextlib.nullcontext))
+    f8, why = torchao_status()
+    if compiled and f8 is not None:
+        for rname in ("tensorwise", "rowwise"):
+            m = f8.convert_to_float8_training(copy.deepcopy(base),
+                                              config=f8.Float8LinearConfig.from_recipe_name(rname))
+            variants.append((f"torchao float8 {rname} (compiled)", torch.compile(m), m, contextlib.nullcontext))
+    rows: list[dict[str, Any]] = []
+    ref_y = None
+    for name, model, plain, ctx in variants:
+        row: dict[str, Any] = {"model": kind, "variant": name}
+        if "compile" in name and time.monotonic() > deadline:
+            rows.append({**row, "error": "skipped: time budget"})
+            continue
+        try:
+            step = make_step(model, list(plain.parameters()), ctx, x, dy)
+            t0 = time.monotonic()
+            y = step()
+            if x.is_cuda:
+                torch.cuda.synchronize()
+            row["first_step_s"] = time.monotonic() - t0  # includes compilation where compiled
+            y = y.detach().float()
+            if ref_y is None:
+                ref_y = y
+            row["rel_err_vs_bf16"] = ((y - ref_y).norm() / ref_y.norm()).item()
+            row["ms"] = bench_ms(step, warmup_ms=100, rep_ms=300)
+        except Exception as e:  # noqa: BLE001 - record the failure, keep the other variants
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(row)
+        _speedups(rows)
+        checkpoint(rows)  # a partial JSON survives a timeout of the whole benchmark
+        if x.is_cuda:
+            torch.cuda.empty_cache()
+    if not (compiled and f8 is not None):
+        rows.append({"model": kind, "variant": "torchao float8", "error": why if f8 is None else
+                     "not run for this model (compiled variants off)"})
+    _speedups(rows)
+    return rows
+
+
+def _speedups(rows: list[dict[str, Any]]) -> None:
+    """BF16 eager (and compiled) time / each variant's time, for the rows measured so far."""
+    t_eager = next((r["ms"] for r in rows if r["variant"] == "BF16 eager" and "ms" in r), None)
+    t_comp = next((r["ms"] for r in rows if r["variant"] == "BF16 torch.compile" and "ms" in r), None)
+    for r in rows:
+        if "ms" in r:
+            r["speedup_vs_bf16_eager"] = t_eager / r["ms"] if t_eager else None
+            r["speedup_vs_bf16_compile"] = t_comp / r["ms"] if t_comp else None
+
+
+def main(argv=None) -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--deadline-s", type=float, default=1e9, help="skip compiled variants after this")
+    p.add_argument("--linear-compiled", action="store_true", help="also compile the single Linear")
+    args = p.parse_args(argv)
+    require_cuda()
+    warnings.simplefilter("ignore")
+    deadline = time.monotonic() + args.deadline_s
+    env = environment()
+    f8, ao = torchao_status()
+    env["torchao"] = ao
+    copy_bw = copy_bandwidth()
+    d, h, tokens = (256, 512, 512) if args.quick else (D, H, TOKENS)
+    x = torch.randn(tokens, d, device=common.DEVICE, dtype=torch.bfloat16, requires_grad=True)
+
+    def report(rows: list[dict[str, Any]], final: bool = False) -> None:
+        table = md_table(["model", "variant", "ms", "x BF16 eager", "x BF16 compile", "rel err vs BF16",
+                          "first step s"], [
+            (r["model"], r["variant"], r.get("ms", r.get("error")), r.get("speedup_vs_bf16_eager"),
+             r.get("speedup_vs_bf16_compile"), r.get("rel_err_vs_bf16"), r.get("first_step_s")) for r in rows])
+        md = ("### Linear and Llama-3-8B MLP, forward + backward (median, do_bench)\n\n"
+              f"torchao: {ao}. \"x BF16 eager\" = BF16 eager time / time (>1 is faster). hybridfp weights "
+              "are re-quantized every step." + ("" if final else " PARTIAL (the run stopped early).")
+              + "\n\n" + table + "\n")
+        result = {"env": env, "copy_bandwidth": copy_bw, "rows": rows, "markdown": md}
+        if final:
+            finish("mlp", result, args.out)
+        elif args.out is not None:
+            args.out.write_text(json.dumps({"name": "mlp", **result}, indent=1, default=str))
+
+    rows = bench_model(f"Linear {tokens}x{d}->{h}", lambda lin: lin(d, h), x, deadline, args.linear_compiled,
+                       report)
+    rows += bench_model(f"Llama-3-8B MLP {tokens}x{d}->{h}->{d}", lambda lin: MLP(lin, d, h), x, deadline, True,
+                        lambda new: report(rows + new))
+    report(rows, final=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Quantize throughput: each quantizer's quantize() time and achieved bandwidth vs copy.
+
+Input: a BF16 activation [16384, 4096] (Llama-3-8B hidden size, 16384 tokens). Bytes = the
+input read once + the payloads written (``storage.nbytes()``): the least any implementation
+moves, so "x copy" (achieved / copy bandwidth) is how close a path is to a memory-bound
+kernel. Each row says which path the quantize-kernel registry picked (a registered kernel,
+or the PyTorch reference) per copy.
+
+    python -m bench.bench_quantize [--out results.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from bench import common
+from bench.common import bench_ms, copy_bandwidth, environment, finish, md_table, parser, require_cuda
+from hybridfp.quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
+                                 HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer)
+from hybridfp.quantizers.backends import select_quantize_kernel
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+QUANTIZERS: list[tuple[str, Callable[[], Quantizer]]] = [
+    ("FP8 current E4M3", lambda: Float8CurrentScalingQuantizer(E4M3)),
+    ("FP8 current E5M2", lambda: Float8CurrentScalingQuantizer(E5M2)),
+    ("FP8 delayed E4M3", lambda: Float8Quantizer(E4M3)),
+    ("FP8 block 1x128", lambda: Float8BlockQuantizer(E4M3, block_scaling_dim=1)),
+    ("FP8 block 128x128", lambda: Float8BlockQuantizer(E4M3, block_scaling_dim=2)),
+    ("MXFP8", lambda: MXFP8Quantizer()),
+    ("NVFP4 1D", lambda: NVFP4Quantizer()),
+    ("NVFP4 1D, RHT col", lambda: NVFP4Quantizer(with_rht=True)),
+    ("NVFP4 grad (RHT col + SR)", lambda: NVFP4Quantizer(with_rht=True, stochastic_rounding=True)),
+    ("NVFP4 2D", lambda: NVFP4Quantizer(with_2d_quantization=True)),
+    ("Hybrid FP8 current / FP8 block 1x128",
+     lambda: HybridQuantizer(Float8CurrentScalingQuantizer(E4M3), Float8BlockQuantizer(E4M3, block_scaling_dim=1))),
+    ("Hybrid MXFP8 / NVFP4 RHT",
+     lambda: HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(with_rht=True))),
+    ("Hybrid MXFP8 / NVFP4 (rowwise_dequantized)",
+     lambda: HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(), "rowwise_dequantized")),
+    ("Hybrid Identity / MXFP8 (rowwise_dequantized)",
+     lambda: HybridQuantizer(IdentityQuantizer(), MXFP8Quantizer(), "rowwise_dequantized")),
+]
+#: An Identity copy is the input itself (no bytes move): those rows would be meaningless.
+SKIP = {("Hybrid Identity / MXFP8 (rowwise_dequantized)", "row")}
+DIRECTIONS = [("row", True, False), ("col", False, True), ("row+col", True, True)]
+
+
+def path_of(q: Quantizer, x: torch.Tensor, rowwise: bool, columnwise: bool) -> str:
+    """Which implementation the registry picks: a kernel's name or 'reference', per child."""
+    if isinstance(q, HybridQuantizer):
+        parts = []
+        if rowwise or (columnwise and q.columnwise_source == "rowwise_dequantized"):
+            parts.append("row:" + path_of(q.rowwise_quantizer, x, True, False))
+        if columnwise:
+            parts.append("col:" + path_of(q.columnwise_quantizer, x, False, True))
+        return " ".join(parts)
+    k = select_quantize_kernel(q, x, rowwise, columnwise)
+    return k.name if k is not None else "reference"
+
+
+def bench_one(name: str, make: Callable[[], Quantizer], x: torch.Tensor, copy_gbps: float) -> list[dict[str, Any]]:
+    rows = []
+    for dname, rowwise, columnwise in DIRECTIONS:
+        if (name, dname) in SKIP:
+            continue
+        q = make()
+        q.set_usage(rowwise=rowwise, columnwise=columnwise)
+        try:
+            with torch.no_grad():
+                qt = q.quantize(x)
+                nbytes = x.numel() * x.element_size() + qt.qstorage.nbytes()
+                del qt
+                ms = bench_ms(lambda: q.quantize(x), warmup_ms=10, rep_ms=60)
+        except Exception as e:  # noqa: BLE001 - a benchmark row records a failure and goes on
+            rows.append({"quantizer": name, "directions": dname, "error": f"{type(e).__name__}: {e}"})
+            continue
+        gbps = nbytes / ms / 1e6
+        rows.append({"quantizer": name, "directions": dname, "path": path_of(q, x, rowwise, columnwise),
+                     "ms": ms, "bytes": nbytes, "GBps": gbps, "x_copy": gbps / copy_gbps})
+    return rows
+
+
+def main(argv=None) -> None:
+    args = parser(__doc__.splitlines()[0]).parse_args(argv)
+    require_cuda()
+    warnings.simplefilter("ignore")  # the registry's "no fast kernel" notices; the path column says it
+    env = environment()
+    copy = copy_bandwidth()
+    shape = (2048, 4096) if args.quick else (16384, 4096)
+    x = torch.randn(*shape, device=common.DEVICE, dtype=torch.bfloat16)
+    rows: list[dict[str, Any]] = []
+    for name, make in QUANTIZERS:
+        rows += bench_one(name, make, x, copy["GBps"])
+    table = md_table(["quantizer", "copies", "path", "ms", "GB/s", "x copy"], [
+        (r["quantizer"], r["directions"], r.get("path", r.get("error")), r.get("ms"), r.get("GBps"),
+         r.get("x_copy")) for r in rows])
+    md = (f"### Quantize, BF16 input {list(shape)} (median, do_bench)\n\n"
+          f"Copy bandwidth (same process): {copy['GBps']:.0f} GB/s. Bytes = input read once + payloads "
+          "written.\n\n" + table + "\n")
+    finish("quantize", {"env": env, "copy_bandwidth": copy, "shape": list(shape), "rows": rows,
+                        "markdown": md}, args.out)
+
+
+if __name__ == "__main__":
+    main()

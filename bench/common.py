@@ -1,0 +1,117 @@
+"""What every benchmark shares: timing, the copy-bandwidth baseline, environment, results.
+
+Each benchmark runs in one process and measures its baselines in that process, so ratios
+compare like with like. Times are medians of ``triton.testing.do_bench`` (CUDA events, L2
+flushed between runs, warm-up excluded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+#: Where benchmarks allocate; "cpu" only for a smoke test of the scripts themselves.
+DEVICE = "cuda"
+
+
+def environment() -> dict[str, Any]:
+    """Date, GPU, library versions and the repository commit (when git is there)."""
+    import triton
+
+    env = {
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton.__version__,
+    }
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        env.update(gpu=p.name, capability=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
+                   gpu_memory_gib=round(p.total_memory / 2**30, 1))
+    try:
+        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                       text=True, cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        env["commit"] = None
+    return env
+
+
+def bench_ms(fn: Callable[[], Any], warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median milliseconds of ``fn`` on the GPU (triton.testing.do_bench)."""
+    if DEVICE == "cpu":  # smoke test of the scripts: one timed call
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def bench_pair(a: Callable[[], Any], b: Callable[[], Any], rounds: int = 3) -> tuple[float, float]:
+    """Median ms of ``a`` and of ``b``, measured alternately (a, b, a, b, ...) so that clock or
+    temperature drift during the run does not land on one side of a ratio."""
+    ta, tb = [], []
+    for _ in range(rounds):
+        ta.append(bench_ms(a))
+        tb.append(bench_ms(b))
+    return sorted(ta)[rounds // 2], sorted(tb)[rounds // 2]
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> dict[str, float]:
+    """Device-to-device copy of ``nbytes``: GB/s counting bytes read plus bytes written."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    del src, dst
+    return {"bytes": 2 * nbytes, "ms": ms, "GBps": 2 * nbytes / ms / 1e6}
+
+
+def tflops(flops: float, ms: float) -> float:
+    """TFLOP/s of ``flops`` done in ``ms`` milliseconds."""
+    return flops / ms / 1e9
+
+
+def md_table(headers: list[str], rows: Iterable[Iterable[Any]]) -> str:
+    """A Markdown table; floats with 4 significant digits, text on one line."""
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        text = "" if v is None else " ".join(str(v).split())  # one line: errors can span several
+        return text.replace("|", "/")[:160]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """The arguments every benchmark takes."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--out", type=Path, default=None, help="write the results JSON here")
+    p.add_argument("--quick", action="store_true", help="smaller sizes (a smoke test)")
+    return p
+
+
+def finish(name: str, result: dict[str, Any], out: Optional[Path]) -> None:
+    """Print the benchmark's Markdown and write its JSON (``out``) for run_all."""
+    result = {"name": name, **result}
+    print(result.get("markdown", ""), flush=True)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1, default=str))
+
+
+def require_cuda() -> None:
+    """Benchmarks need the GPU; say so plainly otherwise."""
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench: needs a CUDA GPU (run it on the lent H200 through the device tool).")

@@ -1,0 +1,148 @@
+"""The cuBLAS FP8 GEMM backends (``hybridfp.kernels.cublas_fp8``) in the gemm registry.
+
+| backend               | A copy           | B copy                 | layouts    | accumulation          |
+|-----------------------|------------------|------------------------|------------|-----------------------|
+| cublas_fp8_tensorwise | FP8 per-tensor   | FP8 per-tensor         | TN, NN, NT | fast on TN (fprop)    |
+| cublas_fp8_block      | FP8 block 1x128  | FP8 block 1x128/128x128| TN, NN, NT | FP32 promotion per k block |
+|                       | FP8 block 128x128| FP8 block 1x128        |            |                       |
+
+Element types: E4M3/E5M2 in any combination but E5M2 x E5M2 (cuBLAS has none). Devices:
+CUDA sm89+ for per-tensor, sm90 (Hopper) for block scales. Operands arrive in the TN layout
+cuBLAS needs (every stored copy is [rows, k]), so no layout needs a transpose.
+
+Numerics (SPEC §1): FP32 accumulation reordered, plus Hopper's FP8 MMA exception (partial
+sums inside one promotion interval keep fewer than FP32's bits; fprop's fast accumulation
+keeps them for the whole k loop) — bounded in tests/kernels/test_kernels_cublas_fp8.py.
+
+A ``supports`` sees formats, not shapes. A shape torch/cuBLAS cannot take (k or n not a
+multiple of 16; for block scales k not a multiple of 128 and the alignments in
+``cublas_fp8.block_shape_supported``) runs on the exact emulation path instead, reported
+once per (GEMM, pair, reason) with an ``EmulatedGemmWarning``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+from ..kernels import cublas_fp8
+from ..tensors.storage import QuantizedStorage
+from .backends import Backend, EmulatedGemmWarning, FormatKey, describe_key, emulate, register_backend
+from .gemm import GEMM_OF_LAYOUT, LAYOUTS
+
+TENSORWISE, BLOCK = "FP8 per-tensor", "FP8 block"
+_REPORTED: set[tuple[str, str, str, str]] = set()
+
+
+def pair_kind(key_a: FormatKey, key_b: FormatKey) -> Optional[str]:
+    """"tensorwise" / "block" if cuBLAS has an FP8 kernel for this format pair, else None."""
+    try:
+        (name_a, opts_a), (name_b, opts_b) = key_a, key_b  # type: ignore[misc]
+        oa, ob = dict(opts_a), dict(opts_b)
+    except (TypeError, ValueError):
+        return None
+    if name_a != name_b or not cublas_fp8.dtype_pair_supported(oa.get("fp8_dtype"), ob.get("fp8_dtype")):
+        return None
+    if name_a == TENSORWISE:
+        return "tensorwise"
+    if name_a == BLOCK and oa.get("block") == ob.get("block") == cublas_fp8.BLOCK and (
+            oa.get("block_dim"), ob.get("block_dim")) in cublas_fp8.BLOCK_PAIRS:
+        return "block"
+    return None
+
+
+@lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _device_ok(device: torch.device, kind: str) -> bool:
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    major, minor = _capability(device)
+    if kind == "block":  # torch's DeepSeek-style scaling is sm90-only
+        return major == 9
+    return (major, minor) >= (8, 9)
+
+
+def _supports(kind: str):
+    def supports(key_a: FormatKey, key_b: FormatKey, layout: str, device: torch.device) -> bool:
+        return layout in LAYOUTS and pair_kind(key_a, key_b) == kind and _device_ok(device, kind)
+    supports.__name__ = f"supports_{kind}"
+    return supports
+
+
+def _emulated(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, why: str,
+              out_dtype: torch.dtype, bias: Optional[torch.Tensor],
+              accumulate_into: Optional[torch.Tensor]) -> torch.Tensor:
+    """The exact emulation for a shape cuBLAS cannot take, reported once."""
+    da, db = LAYOUTS[layout]
+    key = (GEMM_OF_LAYOUT[layout], describe_key(sa.format_key(da)), describe_key(sb.format_key(db)), why)
+    if key not in _REPORTED:
+        _REPORTED.add(key)
+        warnings.warn(f"hybridfp: {key[0]} ({key[1]} x {key[2]}) has no cuBLAS FP8 kernel for this "
+                      f"shape ({why}); it runs on the exact emulation path.", EmulatedGemmWarning,
+                      stacklevel=4)
+    return emulate(sa.gemm_operand(da), sb.gemm_operand(db), out_dtype, bias, accumulate_into)
+
+
+def _finish(run_mm, out_dtype: torch.dtype, accumulate_into: Optional[torch.Tensor]) -> torch.Tensor:
+    """Plain result, or ``accumulate_into += result`` (FP32 result, one rounding to its dtype)."""
+    if accumulate_into is None:
+        return run_mm(out_dtype)
+    accumulate_into.add_(run_mm(torch.float32))
+    return accumulate_into
+
+
+def run_tensorwise(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, *,
+                   out_dtype: torch.dtype = torch.bfloat16, bias: Optional[torch.Tensor] = None,
+                   accumulate_into: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per-tensor FP8 x per-tensor FP8; fast accumulation for fprop only (as TE)."""
+    da, db = LAYOUTS[layout]
+    pa, pb = sa.payload(da), sb.payload(db)
+    (m, k), n = pa["data"].shape, pb["data"].shape[0]
+    if not cublas_fp8.tensorwise_shape_supported(m, n, k):
+        return _emulated(sa, sb, layout, "k and n must be multiples of 16", out_dtype, bias, accumulate_into)
+
+    def run_mm(dtype: torch.dtype) -> torch.Tensor:
+        return cublas_fp8.gemm_tensorwise(pa["data"], pa["scale_inv"], pb["data"], pb["scale_inv"],
+                                          out_dtype=dtype, bias=bias, use_fast_accum=layout == "TN")
+    return _finish(run_mm, out_dtype, accumulate_into)
+
+
+def run_block(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, *,
+              out_dtype: torch.dtype = torch.bfloat16, bias: Optional[torch.Tensor] = None,
+              accumulate_into: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """FP8 block x FP8 block (1x128 x 1x128, 1x128 x 128x128, 128x128 x 1x128)."""
+    da, db = LAYOUTS[layout]
+    pa, pb = sa.payload(da), sb.payload(db)
+    (m, k), n = pa["data"].shape, pb["data"].shape[0]
+    bda, bdb = sa.meta["block_dim"], sb.meta["block_dim"]
+    if not cublas_fp8.block_shape_supported(m, n, k, bda, bdb):
+        return _emulated(sa, sb, layout, _block_shape_reason(m, n, k, bda, bdb), out_dtype, bias,
+                         accumulate_into)
+
+    def run_mm(dtype: torch.dtype) -> torch.Tensor:
+        return cublas_fp8.gemm_blockwise(pa["data"], pa["scale_inv"], bda, pb["data"], pb["scale_inv"],
+                                         bdb, out_dtype=dtype, bias=bias)
+    return _finish(run_mm, out_dtype, accumulate_into)
+
+
+def _block_shape_reason(m: int, n: int, k: int, bda: int, bdb: int) -> str:
+    if k % cublas_fp8.BLOCK:
+        return "k must be a multiple of 128"
+    if n % 16:
+        return "n must be a multiple of 16"
+    if bda == 1 and m % 4:
+        return "m must be a multiple of 4 for 1x128 scales"
+    return "k/128 must be a multiple of 4 with 128x128 scales"
+
+
+TENSORWISE_BACKEND = Backend("cublas_fp8_tensorwise", _supports("tensorwise"), run_tensorwise)
+BLOCK_BACKEND = Backend("cublas_fp8_block", _supports("block"), run_block)
+register_backend(TENSORWISE_BACKEND)
+register_backend(BLOCK_BACKEND)
