@@ -7,6 +7,7 @@ from .hybrid import HybridQuantizer
 from .identity import IdentityQuantizer
 from .mxfp8 import MXFP8Quantizer
 from .nvfp4 import NVFP4Quantizer
+from . import fast as _fast  # noqa: F401,E402  (registers the Triton kernels for CUDA tensors)
 
 __all__ = [
     "Float8BlockQuantizer", "Float8CurrentScalingQuantizer", "Float8Quantizer", "HybridQuantizer",

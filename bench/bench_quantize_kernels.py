@@ -1,0 +1,152 @@
+"""Bandwidth of the Triton quantize kernels (hybridfp/kernels) against a device copy.
+
+Input: BF16 [16384, 4096] by default (``--shape``; random normal values with a per-row
+magnitude spread). At that size one call's GPU time is close to the Python / launch overhead
+of ``q.encode`` (tens of microseconds), so kernel bandwidth is measured at a larger shape
+(e.g. ``--shape 32768 8192``, 512 MiB) where the GPU, not the host, is the bottleneck. For each
+quantizer configuration the time of ``q.encode(x, rowwise, columnwise)`` (the registered
+kernel, all its launches and allocations) is the median of ``triton.testing.do_bench``.
+Bytes: "min" = input read once + payloads written (the least any implementation moves);
+"moved" adds one more input read for the two-pass kernels (current scaling, NVFP4: an amax
+pass, then the cast pass). Stochastic rounding also writes (torch.rand) and reads FP32 draws,
+not counted in either. GB/s and % of copy are given for both; the copy bandwidth
+(read + write of a same-size tensor) is measured in the same process.
+
+``--sweep`` also times a few tile / warp configurations of each kernel entry point.
+
+    python -m bench.bench_quantize_kernels [--sweep] [--out file.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+
+from hybridfp.kernels import _common, triton_fp8_block, triton_fp8_tensorwise, triton_mxfp8, triton_nvfp4
+from hybridfp.quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
+                                 MXFP8Quantizer, NVFP4Quantizer)
+from hybridfp.quantizers.backends import select_quantize_kernel
+
+E4M3 = torch.float8_e4m3fn
+SHAPE = (16384, 4096)
+DEVICE = "cuda"  # "cpu" only to smoke-test the script under TRITON_INTERPRET=1
+CASES = [  # name, factory, rowwise, columnwise, passes over the input
+    ("fp8 current row+col", lambda: Float8CurrentScalingQuantizer(), True, True, 2),
+    ("fp8 current row", lambda: Float8CurrentScalingQuantizer(), True, False, 2),
+    ("fp8 delayed row+col", lambda: Float8Quantizer(), True, True, 1),
+    ("fp8 block 1x128 row+col", lambda: Float8BlockQuantizer(block_scaling_dim=1), True, True, 1),
+    ("fp8 block 1x128 row", lambda: Float8BlockQuantizer(block_scaling_dim=1), True, False, 1),
+    ("fp8 block 128x128 row+col", lambda: Float8BlockQuantizer(block_scaling_dim=2), True, True, 1),
+    ("mxfp8 row+col", lambda: MXFP8Quantizer(), True, True, 1),
+    ("mxfp8 row", lambda: MXFP8Quantizer(), True, False, 1),
+    ("mxfp8 col", lambda: MXFP8Quantizer(), False, True, 1),
+    ("mxfp8 2d row+col", lambda: MXFP8Quantizer(with_2d_quantization=True), True, True, 1),
+    ("nvfp4 row+col", lambda: NVFP4Quantizer(), True, True, 2),
+    ("nvfp4 row", lambda: NVFP4Quantizer(), True, False, 2),
+    ("nvfp4 rht row+col", lambda: NVFP4Quantizer(with_rht=True), True, True, 2),
+    ("nvfp4 rht col", lambda: NVFP4Quantizer(with_rht=True), False, True, 2),
+    ("nvfp4 2d row+col", lambda: NVFP4Quantizer(with_2d_quantization=True), True, True, 2),
+    ("nvfp4 grad (rht+sr) row+col", lambda: NVFP4Quantizer(with_rht=True, stochastic_rounding=True), True, True, 2),
+]
+
+
+def median_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def copy_gbps(x: torch.Tensor) -> float:
+    y = torch.empty_like(x)
+    return 2 * x.nbytes / median_ms(lambda: y.copy_(x)) / 1e6
+
+
+def payload_bytes(storage) -> int:
+    return sum(t.nbytes for t in {id(t): t for t in storage.tensors()}.values())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--shape", type=int, nargs=2, default=SHAPE)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    shape = tuple(args.shape)
+    x = (torch.randn(shape, device=DEVICE) * torch.exp2(torch.randint(-4, 4, (shape[0], 1), device=DEVICE))
+         ).to(torch.bfloat16)
+    copy = copy_gbps(x)
+    print(f"copy: {copy:.0f} GB/s (read + write, {x.nbytes / 2**20:.0f} MiB BF16)")
+    rows = []
+    for name, make, r, c, passes in CASES:
+        q = make()
+        kernel = select_quantize_kernel(q, x, r, c)
+        st = q.encode(x, r, c)
+        ms = median_ms(lambda: q.encode(x, r, c))
+        mn = x.nbytes + payload_bytes(st)
+        moved = mn + (passes - 1) * x.nbytes
+        row = dict(case=name, kernel=kernel.name if kernel else "REFERENCE", ms=ms,
+                   min_gbps=mn / ms / 1e6, moved_gbps=moved / ms / 1e6)
+        row["min_pct"], row["moved_pct"] = 100 * row["min_gbps"] / copy, 100 * row["moved_gbps"] / copy
+        rows.append(row)
+    print(f"{'case':28s} {'kernel':20s} {'ms':>7s} {'GB/s(min)':>10s} {'%copy':>6s} {'GB/s(moved)':>11s} {'%copy':>6s}")
+    for r_ in rows:
+        print(f"{r_['case']:28s} {r_['kernel']:20s} {r_['ms']:7.3f} {r_['min_gbps']:10.0f} {r_['min_pct']:6.1f} "
+              f"{r_['moved_gbps']:11.0f} {r_['moved_pct']:6.1f}")
+    sweep = []
+    if args.sweep:
+        sweep = run_sweep(x, copy)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"copy_gbps": copy, "rows": rows, "sweep": sweep}, f, indent=1)
+
+
+def run_sweep(x: torch.Tensor, copy: float) -> list[dict]:
+    """Direct entry points at a few tiles / warps / store variants (min bytes, one pass each)."""
+    g = _common.global_amax(x)
+    variants = [
+        ("mxfp8 col 64x64 nw8", lambda: triton_mxfp8.quantize(x, E4M3, rowwise=False)),
+        ("mxfp8 col 64x64 nw8 int32-packed", lambda: triton_mxfp8.quantize(x, E4M3, rowwise=False, pack=True)),
+        ("mxfp8 row+col 64x64 nw8 int32-packed", lambda: triton_mxfp8.quantize(x, E4M3, pack=True)),
+    ]
+    for blk, nw in [((32, 64), 4), ((64, 128), 8)]:
+        variants.append((f"mxfp8 row+col {blk} nw{nw}",
+                         lambda b=blk, n=nw: triton_mxfp8.quantize(x, E4M3, block=b, num_warps=n)))
+    for cw, nw in [(32, 8), (16, 4)]:
+        variants.append((f"fp8 block 1d chunk{cw} nw{nw}", lambda c=cw, n=nw: triton_fp8_block.quantize(
+            x, E4M3, block_dim=1, chunk=c, num_warps=n)))
+    for blk, nw in [((2, 64), 4)]:
+        variants.append((f"nvfp4 1d cast {blk} nw{nw}", lambda b=blk, n=nw: triton_nvfp4.quantize_1d(
+            x, g, g, block=b, num_warps=n)))
+        variants.append((f"nvfp4 rht cast {blk} nw{nw}", lambda b=blk, n=nw: triton_nvfp4.quantize_1d(
+            x, g, g, rht=True, block=b, num_warps=n)))
+    variants.append(("amax pass 64x128", lambda: _common.global_amax(x)))
+    variants.append(("nvfp4 amax+rht-amax pass", lambda: triton_nvfp4.amaxes(x, rht_amax=True)))
+    variants.append(("fp8 cast pass (current)", lambda: triton_fp8_tensorwise.quantize(x, E4M3, amax=g)))
+    a = triton_mxfp8.quantize(x, E4M3, rowwise=False)[1]
+    b = triton_mxfp8.quantize(x, E4M3, rowwise=False, pack=True)[1]
+    print("int32-packed columnwise MXFP8 copy bitwise equal to the byte store:",
+          torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1]))
+    out = []
+    for name, fn in variants:
+        res = fn()
+        outs = [t for t in _flatten(res) if isinstance(t, torch.Tensor)]
+        nbytes = x.nbytes + sum(t.nbytes for t in outs)
+        ms = median_ms(fn)
+        gbps = nbytes / ms / 1e6
+        out.append(dict(variant=name, ms=ms, gbps=gbps, pct=100 * gbps / copy))
+        print(f"  {name:40s} {ms:7.3f} ms {gbps:6.0f} GB/s {100 * gbps / copy:5.1f}% of copy")
+    return out
+
+
+def _flatten(obj):
+    if isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from _flatten(o)
+    elif obj is not None:
+        yield obj
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""FP8 per-tensor quantize kernels (SPEC §2.1 current scaling, §2.2 delayed scaling).
+
+- current scaling: an amax pass (``_common.amax_kernel``, int32 atomic max of the amax bits),
+  then one cast pass that computes the scale from that amax in every program and writes the
+  rowwise data ``[R, C]`` and its transpose ``[C, R]`` from the same tile.
+- delayed scaling: one cast pass with the quantizer's scale; each program also folds its tile
+  amax into an amax buffer (atomic max), which the caller records in the amax history.
+
+Bitwise equal to ``formats.fp8_tensorwise`` (scale rule ``_common.current_scale``, data
+``fp8(clamp(x * scale))`` by the integer RNE of ``_common.fp8_code``, ``scale_inv = 1 / scale``
+by IEEE division).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (empty, DTYPE_CODE, amax_bits, amax_nan, clamp_sym, current_scale, f32, fp8_code,
+                      fp8_params, kernel_input, load_f32)
+
+
+@triton.jit
+def _fp8_tensorwise_kernel(x_ptr, scale_ptr, amax_ptr, rd_ptr, cd_ptr, sinv_ptr, R, C, sxr, sxc,
+                           eps, CURRENT: tl.constexpr, POW2: tl.constexpr, ROW: tl.constexpr,
+                           COL: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
+                           FP8_MAX: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr,
+                           BC: tl.constexpr):
+    """CURRENT: scale from the amax at ``amax_ptr``. Else (delayed): scale read from
+    ``scale_ptr`` and the tile amax folded into ``amax_ptr`` (int32 bits)."""
+    pid = tl.program_id(0)
+    nc = tl.cdiv(C, BC)
+    rows = (pid // nc) * BR + tl.arange(0, BR)
+    cols = (pid % nc) * BC + tl.arange(0, BC)
+    r64 = rows.to(tl.int64)
+    c64 = cols.to(tl.int64)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    x = load_f32(x_ptr + r64[:, None] * sxr + c64[None, :] * sxc, mask, DTYPE)
+    if CURRENT:
+        scale = current_scale(tl.load(amax_ptr), eps, FP8_MAX, POW2)
+    else:
+        scale = tl.load(scale_ptr)
+        tl.atomic_max(amax_ptr, amax_bits(amax_nan(amax_nan(x, 1), 0)))
+    code = fp8_code(clamp_sym(x * scale, FP8_MAX), MBITS, BIAS)
+    if ROW:
+        tl.store(rd_ptr + r64[:, None] * C + c64[None, :], code, mask=mask)
+    if COL:
+        tl.store(cd_ptr + c64[None, :] * R + r64[:, None], code, mask=mask)
+    if pid == 0:
+        tl.store(sinv_ptr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
+
+
+def quantize(x2: torch.Tensor, dtype: torch.dtype, *, amax: Optional[torch.Tensor] = None,
+             scale: Optional[torch.Tensor] = None, eps: float = 0.0, power_2_scale: bool = False,
+             rowwise: bool = True, columnwise: bool = True, block: tuple[int, int] = (64, 64),
+             num_warps: Optional[int] = None):
+    """FP8 per-tensor quantization of non-empty 2D ``x2`` (any strides).
+
+    Current scaling: pass ``amax`` (0-d FP32 on x2's device, e.g. from
+    :func:`_common.global_amax`, after any all-reduce); the scale follows
+    ``fp8_tensorwise.current_scale(amax, eps, power_2_scale)``.
+    Delayed scaling: pass ``scale`` (0-d FP32); the returned ``amax`` is this tensor's max|x|.
+
+    Returns ``(row_data or None, col_data or None, scale_inv, amax_or_None)``: the rowwise
+    data ``[R, C]``, its transpose ``[C, R]``, ``1 / scale`` (0-d FP32), and (delayed only)
+    the recorded amax (0-d FP32).
+    """
+    if (amax is None) == (scale is None):
+        raise ValueError("pass exactly one of amax (current scaling) or scale (delayed scaling).")
+    rows, cols = x2.shape
+    if x2.numel() == 0:
+        raise ValueError("fp8 tensorwise kernel needs a non-empty input (the caller handles empty).")
+    mbits, bias, fmax = fp8_params(dtype)
+    dev = x2.device
+    rd = empty((rows, cols), dtype=dtype, device=dev) if rowwise else None
+    cd = empty((cols, rows), dtype=dtype, device=dev) if columnwise else None
+    sinv = empty((), dtype=torch.float32, device=dev)
+    dummy = torch.empty(1, dtype=torch.uint8, device=dev)
+    current = amax is not None
+    if current:
+        amax_buf, scale_buf, recorded = amax.float().contiguous(), sinv, None
+    else:
+        recorded = torch.zeros((), dtype=torch.int32, device=dev)
+        amax_buf, scale_buf = recorded, scale.float().contiguous()
+    br, bc = block
+    grid = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)
+    extra = {"num_warps": num_warps or 8}
+    _fp8_tensorwise_kernel[grid](
+        kernel_input(x2), scale_buf, amax_buf, rd.view(torch.uint8) if rowwise else dummy,
+        cd.view(torch.uint8) if columnwise else dummy, sinv, rows, cols, x2.stride(0), x2.stride(1),
+        f32(eps), CURRENT=current, POW2=power_2_scale, ROW=rowwise, COL=columnwise, MBITS=mbits,
+        BIAS=bias, FP8_MAX=fmax, DTYPE=DTYPE_CODE[x2.dtype], BR=br, BC=bc, **extra)
+    return rd, cd, sinv, (None if current else recorded.view(torch.float32))

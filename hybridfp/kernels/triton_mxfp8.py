@@ -1,0 +1,164 @@
+"""MXFP8 quantize kernels (SPEC §2.4): one read of the input writes every requested copy.
+
+- 1D: rowwise 1x32 blocks ``[R, C]`` + E8M0 ``[R, ceil(C/32)]``, and columnwise 32x1 blocks
+  stored transposed ``[C, R]`` + ``[C, ceil(R/32)]``, from the same [BR, BC] tile.
+- 2D: 32x32 tiles; the columnwise copy is the rowwise one transposed (data and scales).
+
+Bitwise equal to ``formats.mxfp8`` (tests/kernels/test_kernels_mxfp8.py): the E8M0 byte is
+computed from the FP32 amax bits exactly as ``e8m0_from_amax``; ``x / 2**k`` is computed as
+``x * 2**-k`` with the reciprocal built from bits (both are the correctly rounded value of the
+same real number, and every 2**-k for a valid byte is an FP32 number), then clamped and
+rounded to the FP8 grid by ``_common.fp8_code``. Data are written as uint8 code bytes into
+the FP8 outputs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (DTYPE_CODE, Copies, amax_nan, clamp_sym, empty, f32, fp8_code, fp8_params, kernel_input,
+                      load_f32, store_transposed_u8)
+
+BLOCK = 32
+_BLOCK = tl.constexpr(BLOCK)  # the same, visible inside kernels
+
+
+@triton.jit
+def _e8m0_byte(amax, RCEIL: tl.constexpr, EMAX: tl.constexpr, RCP):
+    """``formats.mxfp8.e8m0_from_amax`` (int32 byte) of non-negative block amaxes."""
+    if RCEIL:
+        bits = (amax * RCP).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        exp = bits >> 23
+        man = bits & 0x7FFFFF
+        tiny = (exp == 0) & (man <= 0x400000)
+        up = (man != 0) & (exp != 0xFE) & (tiny == 0)
+        e = exp + up.to(tl.int32)
+    else:
+        exp = (amax.to(tl.int32, bitcast=True) & 0x7FFFFFFF) >> 23
+        e = tl.minimum(tl.maximum(exp - EMAX, 0), 0xFE)
+    e = tl.where(amax == float("inf"), 0xFE, e)
+    return tl.where(amax != amax, 0xFF, e)
+
+
+@triton.jit
+def _e8m0_inverse(e):
+    """FP32 ``2**(127 - e)`` (exact: 2**127 .. 2**-127) of E8M0 bytes; NaN for 0xFF."""
+    bits = tl.where(e == 0xFE, 0x400000, (254 - e) << 23)
+    return tl.where(e == 0xFF, 0x7FC00000, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc, RCP,
+                     ROW: tl.constexpr, COL: tl.constexpr, RCEIL: tl.constexpr,
+                     EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
+                     FP8_MAX: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr,
+                     BC: tl.constexpr, PACK: tl.constexpr):
+    pid = tl.program_id(0)
+    nc = tl.cdiv(C, BC)
+    pr = pid // nc
+    pc = pid % nc
+    rows = pr * BR + tl.arange(0, BR)
+    cols = pc * BC + tl.arange(0, BC)
+    r64 = rows.to(tl.int64)
+    c64 = cols.to(tl.int64)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    x = load_f32(x_ptr + r64[:, None] * sxr + c64[None, :] * sxc, mask, DTYPE)
+    if ROW:
+        xb = tl.reshape(x, [BR, BC // _BLOCK, _BLOCK])
+        e = _e8m0_byte(amax_nan(xb, 2), RCEIL, EMAX, RCP)
+        y = tl.reshape(xb * _e8m0_inverse(e)[:, :, None], [BR, BC])
+        code = fp8_code(clamp_sym(y, FP8_MAX), MBITS, BIAS)
+        tl.store(rd_ptr + r64[:, None] * C + c64[None, :], code, mask=mask)
+        nbc = tl.cdiv(C, _BLOCK)
+        sb = pc * (BC // _BLOCK) + tl.arange(0, BC // _BLOCK)
+        smask = (rows < R)[:, None] & (sb < nbc)[None, :]
+        tl.store(rs_ptr + r64[:, None] * nbc + sb[None, :], e.to(tl.uint8), mask=smask)
+    if COL:
+        xb = tl.reshape(x, [BR // _BLOCK, _BLOCK, BC])
+        e = _e8m0_byte(amax_nan(xb, 1), RCEIL, EMAX, RCP)
+        y = tl.reshape(xb * _e8m0_inverse(e)[:, None, :], [BR, BC])
+        code = fp8_code(clamp_sym(y, FP8_MAX), MBITS, BIAS)
+        store_transposed_u8(cd_ptr, code, rows, cols, R, C, PACK)
+        nbr = tl.cdiv(R, _BLOCK)
+        sb = pr * (BR // _BLOCK) + tl.arange(0, BR // _BLOCK)
+        smask = (sb < nbr)[:, None] & (cols < C)[None, :]
+        tl.store(cs_ptr + c64[None, :] * nbr + sb[:, None], e.to(tl.uint8), mask=smask)
+
+
+@triton.jit
+def _mxfp8_2d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc, RCP,
+                     ROW: tl.constexpr, COL: tl.constexpr, RCEIL: tl.constexpr,
+                     EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
+                     FP8_MAX: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr,
+                     BC: tl.constexpr, PACK: tl.constexpr):
+    pid = tl.program_id(0)
+    nc = tl.cdiv(C, BC)
+    pr = pid // nc
+    pc = pid % nc
+    rows = pr * BR + tl.arange(0, BR)
+    cols = pc * BC + tl.arange(0, BC)
+    r64 = rows.to(tl.int64)
+    c64 = cols.to(tl.int64)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    x = load_f32(x_ptr + r64[:, None] * sxr + c64[None, :] * sxc, mask, DTYPE)
+    xb = tl.reshape(x, [BR // _BLOCK, _BLOCK, BC // _BLOCK, _BLOCK])
+    e = _e8m0_byte(amax_nan(amax_nan(xb, 3), 1), RCEIL, EMAX, RCP)  # [BR/32, BC/32]
+    y = tl.reshape(xb * _e8m0_inverse(e)[:, None, :, None], [BR, BC])
+    code = fp8_code(clamp_sym(y, FP8_MAX), MBITS, BIAS)
+    nbr = tl.cdiv(R, _BLOCK)
+    nbc = tl.cdiv(C, _BLOCK)
+    sr = pr * (BR // _BLOCK) + tl.arange(0, BR // _BLOCK)
+    sc = pc * (BC // _BLOCK) + tl.arange(0, BC // _BLOCK)
+    smask = (sr < nbr)[:, None] & (sc < nbc)[None, :]
+    e8 = e.to(tl.uint8)
+    if ROW:
+        tl.store(rd_ptr + r64[:, None] * C + c64[None, :], code, mask=mask)
+        tl.store(rs_ptr + sr[:, None] * nbc + sc[None, :], e8, mask=smask)
+    if COL:
+        store_transposed_u8(cd_ptr, code, rows, cols, R, C, PACK)
+        tl.store(cs_ptr + sc[None, :] * nbr + sr[:, None], e8, mask=smask)
+
+
+def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block_2d: bool = False,
+             rowwise: bool = True, columnwise: bool = True, block: tuple[int, int] = (64, 64),
+             num_warps: Optional[int] = None, pack: bool = False) -> Copies:
+    """MXFP8-quantize 2D ``x2`` (any strides); returns ``(row, col)``, each ``(data, scale)`` or
+    None: the same tensors as ``formats.mxfp8.quantize_1d(x2)`` / ``quantize_1d(x2.t())``
+    (``block_2d``: ``quantize_2d(x2)`` and its transpose). ``block``: the tile (multiples of 32);
+    ``pack`` (needs R % 4 == 0): write the transposed copy as int32 words of 4 rows (an
+    experiment: off by default until measured faster and checked on the GPU).
+    """
+    if rule not in ("rceil", "floor"):
+        raise ValueError(f"rule={rule!r} is unknown; use 'rceil' or 'floor'.")
+    rows, cols = x2.shape
+    br, bc = block
+    if br % BLOCK or bc % BLOCK:
+        raise ValueError(f"block={block} must be multiples of {BLOCK}.")
+    mbits, bias, fmax = fp8_params(dtype)
+    dev = x2.device
+    nbr, nbc = triton.cdiv(rows, BLOCK), triton.cdiv(cols, BLOCK)
+    row = col = None
+    if rowwise:
+        row = (empty((rows, cols), dtype=dtype, device=dev),
+               empty((nbr if block_2d else rows, nbc), dtype=torch.uint8, device=dev))
+    if columnwise:
+        col = (empty((cols, rows), dtype=dtype, device=dev),
+               empty((nbc, nbr) if block_2d else (cols, nbr), dtype=torch.uint8, device=dev))
+    if x2.numel() == 0:
+        return row, col
+    dummy = torch.empty(1, dtype=torch.uint8, device=dev)
+    rd, rs = (row[0].view(torch.uint8), row[1]) if row else (dummy, dummy)
+    cd, cs = (col[0].view(torch.uint8), col[1]) if col else (dummy, dummy)
+    kernel = _mxfp8_2d_kernel if block_2d else _mxfp8_1d_kernel
+    grid = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)
+    extra = {"num_warps": num_warps or 8}
+    kernel[grid](kernel_input(x2), rd, rs, cd, cs, rows, cols, x2.stride(0), x2.stride(1), f32(1.0 / fmax),
+                 ROW=rowwise, COL=columnwise, RCEIL=rule == "rceil",
+                 EMAX={3: 8, 2: 15}[mbits], MBITS=mbits, BIAS=bias, FP8_MAX=fmax,
+                 DTYPE=DTYPE_CODE[x2.dtype], BR=br, BC=bc,
+                 PACK=pack and rows % 4 == 0, **extra)
+    return row, col

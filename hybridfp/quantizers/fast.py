@@ -1,0 +1,198 @@
+"""Registers the Triton quantize kernels (``hybridfp.kernels``) for CUDA tensors.
+
+Each ``QuantizeKernel`` here produces exactly the storage its quantizer's ``reference_encode``
+would (tests/kernels check it bitwise, on the CPU under ``TRITON_INTERPRET=1`` and on the GPU),
+and its ``supports`` says False for every configuration it does not cover, so the registry
+reports the fallback to the reference:
+
+| quantizer                      | kernel                                                    |
+|--------------------------------|-----------------------------------------------------------|
+| Float8CurrentScalingQuantizer  | amax pass + one cast pass writing data and its transpose  |
+| Float8Quantizer (delayed)      | one cast pass writing both copies, amax recorded          |
+| Float8BlockQuantizer           | 1D (1x128 + 128x1 transposed) and 2D (128x128), one pass  |
+| MXFP8Quantizer                 | 1D (1x32 + 32x1 transposed) and 2D (32x32), one pass      |
+| NVFP4Quantizer                 | amax pass + one cast pass: 1D (RHT fused on the columnwise |
+|                                | copy, post-RHT amax in the amax pass), row-scaled, 2D;    |
+|                                | stochastic rounding from the reference's torch.rand draws |
+
+Empty inputs go to the reference (nothing to launch). ``run`` also works on CPU tensors when
+Triton runs in interpreter mode (how the CPU tests call it); ``supports`` only selects the
+kernels for CUDA tensors. Without Triton nothing is registered.
+
+The kernel modules (and so Triton) are imported at the first kernel call, not with hybridfp:
+``@triton.jit`` fixes compiled vs interpreted mode (``TRITON_INTERPRET``) when Triton and the
+kernels are imported, and importing Triton costs about a second that CPU-only users skip.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from contextlib import nullcontext
+from types import ModuleType
+from typing import Any, Optional
+
+import torch
+
+from ..formats import fp8_tensorwise
+from ..formats.common import HIGH_PRECISION_DTYPES, as_2d
+from ..tensors import Float8BlockStorage, Float8Storage, MXFP8Storage, NVFP4Storage
+from . import float8 as _float8
+from .backends import QuantizeKernel, register_quantize_kernel
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _kernels(name: str) -> ModuleType:
+    """``hybridfp.kernels.<name>``, imported at first use (see the module docstring)."""
+    return importlib.import_module(f"hybridfp.kernels.{name}")
+
+
+def _device_ok(x: torch.Tensor) -> bool:
+    return HAVE_TRITON and x.is_cuda and x.dtype in HIGH_PRECISION_DTYPES
+
+
+def _on_device(x: torch.Tensor):
+    """Launch on x's GPU (Triton launches on the current device)."""
+    return torch.cuda.device(x.device) if x.is_cuda else nullcontext()
+
+
+def _reduce(amax: Optional[torch.Tensor], q: Any) -> Optional[torch.Tensor]:
+    """All-reduce a per-tensor amax exactly as the reference does (same function)."""
+    if amax is None or not q.with_amax_reduction:
+        return amax
+    return _float8._reduce_amax(amax, q.amax_reduction_group)
+
+
+# ---------------------------------------------------------------------------- FP8 per tensor
+def _fp8_storage(q: Any, x: torch.Tensor, rd, cd, scale_inv) -> Float8Storage:
+    row = {"data": rd, "scale_inv": scale_inv} if rd is not None else None
+    col = {"data": cd, "scale_inv": scale_inv} if cd is not None else None
+    return Float8Storage(x.shape, x.dtype, row, col, label=q.label, fp8_dtype=q.dtype)
+
+
+def _fp8_current_run(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool,
+                     seed: Optional[int] = None):
+    if x.numel() == 0:
+        return q.reference_encode(x, rowwise, columnwise, seed)
+    x2 = as_2d(x)
+    with _on_device(x):
+        amax = _reduce(_kernels("_common").global_amax(x2), q)
+        rd, cd, scale_inv, _ = _kernels("triton_fp8_tensorwise").quantize(
+            x2, q.dtype, amax=amax, eps=q.amax_epsilon, power_2_scale=q.force_pow_2_scales,
+            rowwise=rowwise, columnwise=columnwise)
+    return _fp8_storage(q, x, rd, cd, scale_inv)
+
+
+def _fp8_delayed_run(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool,
+                     seed: Optional[int] = None):
+    if x.numel() == 0:
+        return q.reference_encode(x, rowwise, columnwise, seed)
+    q._state_to(x.device)
+    with _on_device(x):
+        rd, cd, scale_inv, amax = _kernels("triton_fp8_tensorwise").quantize(
+            as_2d(x), q.dtype, scale=q.scale, rowwise=rowwise, columnwise=columnwise)
+    fp8_tensorwise.record_amax(q.amax_history, amax)
+    q._recorded = True
+    return _fp8_storage(q, x, rd, cd, scale_inv)
+
+
+# ---------------------------------------------------------------------------- FP8 block
+def _fp8_block_run(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool,
+                   seed: Optional[int] = None):
+    if x.numel() == 0:
+        return q.reference_encode(x, rowwise, columnwise, seed)
+    with _on_device(x):
+        row, col = _kernels("triton_fp8_block").quantize(
+            as_2d(x), q.dtype, block_dim=q.block_scaling_dim, power_2_scale=q.force_pow_2_scales,
+            eps=q.amax_epsilon, rowwise=rowwise, columnwise=columnwise)
+    return Float8BlockStorage(x.shape, x.dtype, _payload(row, "data", "scale_inv"),
+                              _payload(col, "data", "scale_inv"), label=q.label, **q.storage_meta())
+
+
+def _payload(pair, *names: str) -> Optional[dict[str, torch.Tensor]]:
+    return None if pair is None else dict(zip(names, pair))
+
+
+# ---------------------------------------------------------------------------- MXFP8
+def _mxfp8_run(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool,
+               seed: Optional[int] = None):
+    if x.numel() == 0:
+        return q.reference_encode(x, rowwise, columnwise, seed)
+    with _on_device(x):
+        row, col = _kernels("triton_mxfp8").quantize(as_2d(x), q.dtype, rule=q.scale_rule,
+                                         block_2d=q.with_2d_quantization, rowwise=rowwise,
+                                         columnwise=columnwise)
+    return MXFP8Storage(x.shape, x.dtype, _payload(row, "data", "scale"), _payload(col, "data", "scale"),
+                        label=q.label, **q.storage_meta())
+
+
+# ---------------------------------------------------------------------------- NVFP4
+def _nvfp4_supports(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool) -> bool:
+    # A row-scaled columnwise request is an error the reference raises.
+    return _device_ok(x) and not (q.row_scaled_nvfp4 and columnwise)
+
+
+def _nvfp4_draws(q: Any, seed: int, direction: int, shape: tuple[int, int], device: torch.device):
+    """The reference's stochastic-rounding draws for one copy: ``torch.rand`` of the quantized
+    tensor's shape from the quantizer's own (seed, direction) generator."""
+    gen = q._sr(seed, direction, device)["generator"]
+    return torch.rand(shape, generator=gen, device=device, dtype=torch.float32)
+
+
+def _nvfp4_run(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool,
+               seed: Optional[int] = None):
+    if x.numel() == 0 or (q.row_scaled_nvfp4 and columnwise):
+        return q.reference_encode(x, rowwise, columnwise, seed)
+    if q.stochastic_rounding and seed is None:
+        seed = q.draw_seed()
+    x2 = as_2d(x)
+    rows, cols = x2.shape
+    sr = q.stochastic_rounding
+    nv = _kernels("triton_nvfp4")
+    with _on_device(x):
+        if q.with_2d_quantization:
+            amax = _reduce(nv.amaxes(x2)[0], q)
+            rand = _nvfp4_draws(q, seed, 0, (rows, cols), x.device) if sr else None
+            row, col = nv.quantize_2d(x2, amax, rowwise=rowwise, columnwise=columnwise, rand=rand)
+            row_amax = col_amax = amax
+        else:
+            post_rht = columnwise and q.with_rht and q.with_post_rht_amax
+            need_global = (rowwise and not q.row_scaled_nvfp4) or (columnwise and not post_rht)
+            g, per_row, rht_amax = nv.amaxes(
+                x2, amax=need_global, row_amax=rowwise and q.row_scaled_nvfp4, rht_amax=post_rht)
+            g, rht_amax = _reduce(g, q), _reduce(rht_amax, q)
+            row_amax = (per_row if q.row_scaled_nvfp4 else g) if rowwise else None
+            col_amax = (rht_amax if post_rht else g) if columnwise else None
+            length = -(-rows // 16) * 16 if q.with_rht else rows
+            row_rand = _nvfp4_draws(q, seed, 0, (rows, cols), x.device) if sr and rowwise else None
+            col_rand = _nvfp4_draws(q, seed, 1, (cols, length), x.device) if sr and columnwise else None
+            row, col = nv.quantize_1d(x2, row_amax, col_amax, rht=q.with_rht, stochastic_rounding=sr,
+                                      row_rand=row_rand, col_rand=col_rand)
+    rp = None if row is None else {"data": row[0], "scale": row[1], "amax": row_amax}
+    cp = None if col is None else {"data": col[0], "scale": col[1], "amax": col_amax}
+    return NVFP4Storage(x.shape, x.dtype, rp, cp, label=q.label, **q.storage_meta())
+
+
+def _supports_any(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool) -> bool:
+    return _device_ok(x)
+
+
+FP8_CURRENT_KERNEL = QuantizeKernel("triton_fp8_current", _supports_any, _fp8_current_run)
+FP8_DELAYED_KERNEL = QuantizeKernel("triton_fp8_delayed", _supports_any, _fp8_delayed_run)
+FP8_BLOCK_KERNEL = QuantizeKernel("triton_fp8_block", _supports_any, _fp8_block_run)
+MXFP8_KERNEL = QuantizeKernel("triton_mxfp8", _supports_any, _mxfp8_run)
+NVFP4_KERNEL = QuantizeKernel("triton_nvfp4", _nvfp4_supports, _nvfp4_run)
+
+#: quantizer class name -> its Triton kernel (what tests call on CPU tensors).
+KERNELS: dict[str, QuantizeKernel] = {
+    "Float8CurrentScalingQuantizer": FP8_CURRENT_KERNEL,
+    "Float8Quantizer": FP8_DELAYED_KERNEL,
+    "Float8BlockQuantizer": FP8_BLOCK_KERNEL,
+    "MXFP8Quantizer": MXFP8_KERNEL,
+    "NVFP4Quantizer": NVFP4_KERNEL,
+}
+
+if HAVE_TRITON:
+    for _name, _kernel in KERNELS.items():
+        register_quantize_kernel(_name, _kernel)

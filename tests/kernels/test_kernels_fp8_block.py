@@ -1,0 +1,109 @@
+"""Triton FP8 block-scaling kernels (hybridfp/kernels/triton_fp8_block.py) vs the reference,
+bitwise: 1D (1x128 rowwise + 128x1 columnwise, transposed) and 2D (128x128) from one read.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the Triton kernels need the triton package")
+
+from quantize_kernel_cases import (DTYPES, EMPTY_SHAPES, GPU_SHAPES, assert_storage_bitwise,  # noqa: E402
+                                   check_against_reference, check_gpu, edge_tensor, gpu, gpu_input,
+                                   interpreter_only)
+
+from hybridfp.formats import fp8_block  # noqa: E402
+from hybridfp.kernels import triton_fp8_block  # noqa: E402
+from hybridfp.quantizers import Float8BlockQuantizer, HybridQuantizer, fast  # noqa: E402
+from hybridfp.quantizers.backends import kernels_enabled  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+CONFIGS = {
+    "1d": dict(block_scaling_dim=1),
+    "2d": dict(block_scaling_dim=2),
+    "1d_e5m2_nopow2": dict(fp8_dtype=E5M2, block_scaling_dim=1, force_pow_2_scales=False),
+    "2d_eps": dict(block_scaling_dim=2, amax_epsilon=4.0, force_pow_2_scales=False),
+}
+# 130 rows / 260 columns: more than one 128-block in a direction, with partial blocks.
+SHAPES = [(3, 40), (33, 50), (130, 40), (20, 260), (2, 5, 36)]
+
+
+@interpreter_only
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("config", CONFIGS)
+def test_fp8_block_kernel_bitwise(config, dtype, shape):
+    x = edge_tensor(shape, dtype, seed=shape[0], specials=True)
+    check_against_reference(Float8BlockQuantizer(**CONFIGS[config]), x, what=config)
+
+
+@interpreter_only
+@pytest.mark.parametrize("config", ["1d", "2d"])
+@pytest.mark.parametrize("rowwise,columnwise", [(True, False), (False, True)])
+def test_fp8_block_kernel_one_direction(config, rowwise, columnwise):
+    check_against_reference(Float8BlockQuantizer(**CONFIGS[config]), edge_tensor((40, 130), torch.bfloat16),
+                            rowwise, columnwise)
+
+
+@interpreter_only
+@pytest.mark.parametrize("shape", EMPTY_SHAPES, ids=str)
+@pytest.mark.parametrize("config", ["1d", "2d"])
+def test_fp8_block_kernel_empty(config, shape):
+    check_against_reference(Float8BlockQuantizer(**CONFIGS[config]), torch.empty(shape))
+
+
+@interpreter_only
+@pytest.mark.parametrize("block_dim", [1, 2])
+@pytest.mark.parametrize("pow2", [True, False])
+def test_fp8_block_kernel_small_blocks(block_dim, pow2):
+    """32-wide blocks walked in 16-column chunks: many blocks and programs at a tiny shape,
+    on a transposed view (strided input), with all-zero blocks (scale 1)."""
+    x = edge_tensor((100, 70), torch.float32, seed=6, specials=True).t()
+    x[:32, :32] = 0.0
+    row, col = triton_fp8_block.quantize(x, E4M3, block_dim=block_dim, block_size=32, chunk=16,
+                                         power_2_scale=pow2, eps=0.5)
+    opts = dict(block=32, power_2_scale=pow2, eps=0.5)
+    quant = fp8_block.quantize_2d if block_dim == 2 else fp8_block.quantize_1d
+    d, s = quant(x, E4M3, **opts)
+    dc, sc = (d.t(), s.t()) if block_dim == 2 else fp8_block.quantize_1d(x.t(), E4M3, **opts)
+    assert torch.equal(row[0].view(torch.uint8), d.view(torch.uint8))
+    assert torch.equal(row[1].view(torch.int32), s.view(torch.int32))
+    assert torch.equal(col[0].view(torch.uint8), dc.contiguous().view(torch.uint8))
+    assert torch.equal(col[1].view(torch.int32), sc.contiguous().view(torch.int32))
+
+
+@interpreter_only
+def test_fp8_block_dispatch_hybrid(monkeypatch):
+    monkeypatch.setattr(fast, "_device_ok", lambda x: True)
+    x = edge_tensor((40, 140), torch.bfloat16, seed=8)
+    q = HybridQuantizer(Float8BlockQuantizer(block_scaling_dim=2), Float8BlockQuantizer(block_scaling_dim=1),
+                        "rowwise_dequantized")
+    got = q.quantize(x)
+    with kernels_enabled(False):
+        want = q.quantize(x)
+    for d in ("rowwise", "columnwise"):
+        assert_storage_bitwise(got.qstorage.part(d), want.qstorage.part(d), d)
+
+
+@gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+@pytest.mark.parametrize("config", ["1d", "2d"])
+def test_fp8_block_gpu_bitwise(config, shape):
+    check_gpu(Float8BlockQuantizer(**CONFIGS[config]), gpu_input(shape, torch.bfloat16, specials=True))
+
+
+@gpu
+@pytest.mark.parametrize("config", ["1d_e5m2_nopow2", "2d_eps"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_fp8_block_gpu_options(config, dtype):
+    check_gpu(Float8BlockQuantizer(**CONFIGS[config]), gpu_input((4096, 4096), dtype))
+
+
+@gpu
+@pytest.mark.parametrize("rowwise,columnwise", [(True, False), (False, True)])
+def test_fp8_block_gpu_one_direction(rowwise, columnwise):
+    check_gpu(Float8BlockQuantizer(block_scaling_dim=1), gpu_input((4096, 4096), torch.bfloat16),
+              rowwise, columnwise)
