@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..gemm import report_emulated
@@ -58,6 +59,13 @@ class QuantizedModule(nn.Module):
         if torch.is_autocast_enabled(device_type):
             return x.to(torch.get_autocast_dtype(device_type))
         return x
+
+    @staticmethod
+    def high_precision_linear(x: torch.Tensor, weight: torch.Tensor,
+                              bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """Outside hybridfp.autocast: F.linear with the (master) parameters cast to the
+        activation dtype, as the quantized path does (FP32 params accept BF16 inputs)."""
+        return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
     # ------------------------------------------------------------------ quantizers
     def role(self, tensor_type: str) -> QuantizerRole:

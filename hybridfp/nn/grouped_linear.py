@@ -137,7 +137,7 @@ class GroupedLinear(QuantizedModule):
         state = current_autocast()
         if state is None:
             bs = self.biases() or [None] * self.num_gemms
-            outs = [torch.nn.functional.linear(xi, w, b)
+            outs = [self.high_precision_linear(xi, w, b)
                     for xi, w, b in zip(torch.split(x, splits), self.weights(), bs)]
             return torch.cat(outs)
         qs = self.quantizers(state)

@@ -49,7 +49,7 @@ class LayerNormLinear(QuantizedModule):
         h = self.norm(x)
         state = current_autocast()
         if state is None:
-            return F.linear(h, self.weight, self.bias)
+            return self.high_precision_linear(h, self.weight, self.bias)
         qs = self.quantizers(state)
         h = self.torch_autocast_input(h)
         lc = LinearContext(qs["input"][0], qs["weight"][0], qs["grad_output"][0], self,

@@ -6,7 +6,6 @@ import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..recipes import current_autocast
@@ -51,7 +50,7 @@ class Linear(QuantizedModule):
         self.check_input_features(x)
         state = current_autocast()
         if state is None:
-            return F.linear(x, self.weight, self.bias)
+            return self.high_precision_linear(x, self.weight, self.bias)
         qs = self.quantizers(state)
         x = self.torch_autocast_input(x)
         lc = LinearContext(qs["input"][0], qs["weight"][0], qs["grad_output"][0], self,

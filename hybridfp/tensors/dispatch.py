@@ -10,7 +10,7 @@ in-place ops on a quantized tensor re-quantize the result into it through its qu
 from __future__ import annotations
 
 import warnings
-from typing import Any
+
 
 import torch
 from torch.utils._pytree import tree_map
