@@ -1,0 +1,18 @@
+"""``hybridfp train``: the main job — train a small GPT (dense or MoE) built from hybridfp
+modules under one or several recipes, on data that ships with Python, and compare them.
+
+Modules: ``data`` (corpus, token files, batches), ``model`` / ``moe`` (GPT, presets),
+``recipes_by_name`` (command-line recipe names), ``loop`` (one recipe's training),
+``checkpoint`` (bitwise resume), ``plot`` / ``report`` (loss.png, summary.md), ``cli``.
+"""
+
+from .cli import DEFAULT_COMPARE, main, train_main
+from .data import DataError, TokenData, load_data
+from .loop import RunResult, TrainConfig, train_recipe
+from .model import GPT, PRESETS, GPTConfig, Preset
+from .moe import MoE
+from .recipes_by_name import NamedRecipe, known_names, parse_recipe, parse_recipe_list
+
+__all__ = ["DEFAULT_COMPARE", "DataError", "GPT", "GPTConfig", "MoE", "NamedRecipe", "PRESETS", "Preset",
+           "RunResult", "TokenData", "TrainConfig", "known_names", "load_data", "main",
+           "parse_recipe", "parse_recipe_list", "train_main", "train_recipe"]

@@ -1,0 +1,246 @@
+"""Training data: token streams and the batches drawn from them.
+
+Sources (all byte-level, vocab 256, unless token files say otherwise):
+
+- default: the Python standard library's own ``*.py`` files
+  (``sysconfig.get_paths()["stdlib"]``; ``site-packages``, ``test``/``tests`` and
+  machine-specific files left out), read in sorted path order. A file goes to validation
+  when the SHA-256 of its relative path falls in the first ``VAL_PERCENT`` percent, so the
+  split does not depend on the file system's listing order. Built once and cached as
+  nanoGPT token files under the cache directory (never required: a failed cache write only
+  costs a rebuild next time).
+- ``--data DIR`` holding ``train.bin`` and ``val.bin`` (nanoGPT uint16 token files; an
+  optional ``meta.json`` with ``{"vocab_size": N}``).
+- ``--data DIR`` of text files (every non-hidden file without NUL bytes, sorted, split by
+  path hash as above) or ``--data FILE`` (text, or a ``.bin`` token file): the last 10 %
+  is validation when the hash split leaves one side empty.
+
+Batches: batch ``i`` of a run is a pure function of (seed, i) — random windows of
+``seq_len + 1`` tokens — so every compared recipe sees the same data in the same order and a
+resumed run continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+import torch
+
+VAL_PERCENT = 5
+TAIL_VAL_FRACTION = 0.1
+BYTE_VOCAB = 256
+_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+_SEPARATOR = b"\n\n"
+
+
+class DataError(ValueError):
+    """Data missing, empty or unreadable; the message says what was looked for."""
+
+
+@dataclass
+class TokenData:
+    """Train and validation token streams (int64 views are made per batch)."""
+
+    train: np.ndarray
+    val: np.ndarray
+    vocab_size: int
+    source: str
+
+    def describe(self) -> str:
+        """One line: where the tokens came from and how many."""
+        return (f"{self.source}: {len(self.train):,} train / {len(self.val):,} val tokens, "
+                f"vocab {self.vocab_size}")
+
+
+# ---------------------------------------------------------------------------- documents
+def stdlib_files(root: Optional[Path] = None) -> list[Path]:
+    """The standard library's ``*.py`` files in sorted relative-path order."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    files = []
+    for p in root.rglob("*.py"):
+        rel = p.relative_to(root)
+        if _SKIP_DIRS.intersection(rel.parts[:-1]) or rel.name.startswith("_sysconfigdata"):
+            continue
+        if rel.parts[0].startswith("config-") or not p.is_file():
+            continue
+        files.append(p)
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def is_val(rel_path: str) -> bool:
+    """Deterministic split: validation iff the path's SHA-256 lands in the first VAL_PERCENT %."""
+    h = int.from_bytes(hashlib.sha256(rel_path.encode()).digest()[:8], "big")
+    return h % 100 < VAL_PERCENT
+
+
+def split_documents(docs: list[tuple[str, bytes]]) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate (relative path, bytes) documents into train and val byte streams."""
+    parts: dict[bool, list[bytes]] = {False: [], True: []}
+    for rel, data in docs:
+        parts[is_val(rel)].extend((data, _SEPARATOR))
+    train, val = (np.frombuffer(b"".join(parts[v]), dtype=np.uint8) for v in (False, True))
+    if len(train) == 0 or len(val) == 0:  # too few documents for a hash split: cut the tail
+        allb = np.frombuffer(b"".join(d + _SEPARATOR for _, d in docs), dtype=np.uint8)
+        cut = int(len(allb) * (1 - TAIL_VAL_FRACTION))
+        train, val = allb[:cut], allb[cut:]
+    return train.astype(np.uint16), val.astype(np.uint16)
+
+
+def _fingerprint(root: Path, files: list[Path]) -> str:
+    """Identity of a corpus: Python version, relative paths and sizes."""
+    h = hashlib.sha256(f"v1 {sysconfig.get_python_version()}".encode())
+    for p in files:
+        h.update(f"{p.relative_to(root).as_posix()}:{p.stat().st_size}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def build_stdlib_corpus(root: Optional[Path] = None) -> tuple[np.ndarray, np.ndarray]:
+    """Train/val byte streams of the stdlib corpus (no caching)."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    files = stdlib_files(root)
+    if not files:
+        raise DataError(f"no *.py files found under the standard library directory {root} "
+                        "(sysconfig.get_paths()['stdlib']); pass --data DIR|FILE instead.")
+    return split_documents([(p.relative_to(root).as_posix(), p.read_bytes()) for p in files])
+
+
+def default_cache_dir() -> Path:
+    """~/.cache/hybridfp (override with --cache-dir)."""
+    return Path.home() / ".cache" / "hybridfp"
+
+
+def load_stdlib_corpus(cache_dir: Optional[Path] = None, root: Optional[Path] = None) -> TokenData:
+    """The default corpus, from the cache when it holds this Python's build."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    files = stdlib_files(root)
+    if not files:
+        raise DataError(f"no *.py files found under the standard library directory {root} "
+                        "(sysconfig.get_paths()['stdlib']); pass --data DIR|FILE instead.")
+    cache = Path(cache_dir or default_cache_dir()) / f"stdlib-{_fingerprint(root, files)}"
+    source = f"Python {sysconfig.get_python_version()} stdlib ({len(files)} files)"
+    if (cache / "train.bin").is_file() and (cache / "val.bin").is_file():
+        train, val = _read_bin(cache / "train.bin"), _read_bin(cache / "val.bin")
+        return TokenData(train, val, BYTE_VOCAB, source + " [cached]")
+    train, val = split_documents([(p.relative_to(root).as_posix(), p.read_bytes()) for p in files])
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        for name, arr in (("train.bin", train), ("val.bin", val)):
+            tmp = cache / f"{name}.tmp{os.getpid()}"
+            arr.tofile(tmp)
+            tmp.replace(cache / name)
+        (cache / "meta.json").write_text(json.dumps({"vocab_size": BYTE_VOCAB, "source": source}))
+    except OSError:
+        pass  # the cache is an optimisation only
+    return TokenData(train, val, BYTE_VOCAB, source)
+
+
+# ---------------------------------------------------------------------------- user data
+def _read_bin(path: Path) -> np.ndarray:
+    """A nanoGPT token file (uint16, memory-mapped)."""
+    if path.stat().st_size % 2:
+        raise DataError(f"{path} has an odd number of bytes; nanoGPT .bin files hold uint16 tokens.")
+    if path.stat().st_size == 0:
+        raise DataError(f"{path} is empty (no tokens).")
+    return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+def _vocab_of(directory: Path, *streams: np.ndarray) -> int:
+    meta = directory / "meta.json"
+    if meta.is_file():
+        return int(json.loads(meta.read_text())["vocab_size"])
+    top = max(int(s.max()) for s in streams if len(s))
+    return BYTE_VOCAB if top < BYTE_VOCAB else (top + 64) // 64 * 64
+
+
+def _is_text(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return b"\0" not in f.read(8192)
+
+
+def text_files(directory: Path) -> list[Path]:
+    """Non-hidden files without NUL bytes under ``directory``, sorted by relative path."""
+    out = []
+    for p in sorted(directory.rglob("*"), key=lambda p: p.relative_to(directory).as_posix()):
+        rel = p.relative_to(directory)
+        if any(part.startswith(".") for part in rel.parts) or not p.is_file():
+            continue
+        if _is_text(p):
+            out.append(p)
+    return out
+
+
+def load_data(path: Optional[str | Path] = None, cache_dir: Optional[str | Path] = None) -> TokenData:
+    """Load ``path`` (see the module docstring), or the stdlib corpus when None."""
+    if path is None:
+        return load_stdlib_corpus(Path(cache_dir) if cache_dir else None)
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DataError(f"--data {path}: no such file or directory (expected a directory with "
+                        "train.bin and val.bin, a directory of text files, or one text/.bin file).")
+    if p.is_dir():
+        tb, vb = p / "train.bin", p / "val.bin"
+        if tb.exists() or vb.exists():
+            missing = [str(f) for f in (tb, vb) if not f.is_file()]
+            if missing:
+                raise DataError(f"--data {path}: found one nanoGPT token file but not {', '.join(missing)}; "
+                                "provide both train.bin and val.bin.")
+            train, val = _read_bin(tb), _read_bin(vb)
+            return TokenData(train, val, _vocab_of(p, train, val), f"{p} (train.bin/val.bin)")
+        files = text_files(p)
+        if not files:
+            raise DataError(f"--data {path}: the directory has neither train.bin/val.bin nor any "
+                            "text file (non-hidden, without NUL bytes).")
+        docs = [(f.relative_to(p).as_posix(), f.read_bytes()) for f in files]
+        train, val = split_documents(docs)
+        if len(train) < 2 or len(val) < 2:
+            raise DataError(f"--data {path}: the text files hold {len(train) + len(val)} bytes; "
+                            "too little to train on.")
+        return TokenData(train, val, BYTE_VOCAB, f"{p} ({len(files)} text files)")
+    if p.suffix == ".bin":
+        tokens = _read_bin(p)
+        cut = int(len(tokens) * (1 - TAIL_VAL_FRACTION))
+        return TokenData(tokens[:cut], tokens[cut:], _vocab_of(p.parent, tokens), f"{p} (tokens)")
+    data = p.read_bytes()
+    if not data:
+        raise DataError(f"--data {path}: the file is empty.")
+    if b"\0" in data[:8192]:
+        raise DataError(f"--data {path}: not a text file (NUL bytes) and not a .bin token file.")
+    train, val = split_documents([(p.name, data)])
+    return TokenData(train, val, BYTE_VOCAB, f"{p} (text)")
+
+
+# ---------------------------------------------------------------------------- batches
+def _generator(seed: int, index: int, stream: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed((seed * 1_000_003 + index * 2 + stream) % (2**63))
+    return g
+
+
+def get_batch(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, index: int,
+              stream: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch ``index``: ``batch_size`` random windows (x, y = x shifted by one), int64 [B, T].
+
+    ``stream`` 0 is training, 1 validation; the same (seed, index, stream) gives the same batch.
+    """
+    if len(tokens) < seq_len + 1:
+        raise DataError(f"the {'validation' if stream else 'training'} split has {len(tokens)} "
+                        f"tokens; seq_len={seq_len} needs at least {seq_len + 1}. Use a shorter "
+                        "--seq-len or more data.")
+    starts = torch.randint(0, len(tokens) - seq_len, (batch_size,), generator=_generator(seed, index, stream))
+    rows = [torch.from_numpy(tokens[s:s + seq_len + 1].astype(np.int64)) for s in starts.tolist()]
+    xy = torch.stack(rows)
+    return xy[:, :-1], xy[:, 1:]
+
+
+def val_batches(data: TokenData, batch_size: int, seq_len: int, seed: int, n: int
+                ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The fixed validation batches (the same at every evaluation)."""
+    for i in range(n):
+        yield get_batch(data.val, batch_size, seq_len, seed, i, stream=1)

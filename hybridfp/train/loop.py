@@ -1,0 +1,284 @@
+"""The training loop for one recipe: nanoGPT's loop with a ``hybridfp.autocast`` around the
+forward pass.
+
+    for step in range(start, steps):
+        x, y = batch(seed, step)                       # same data for every recipe
+        with hybridfp.autocast(recipe=recipe):         # quantized GEMMs in hybridfp modules
+            loss = model(x, y)
+        loss.backward()                                # backward GEMMs use the same quantizers
+        clip, AdamW step (warmup + cosine LR)
+        every eval_interval steps and at the end: val loss (same recipe, no grad)
+
+Every recipe starts from the same initial weights (``torch.manual_seed(seed)`` before the
+model is built) and sees the same batches, so loss differences come from the recipe alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from tqdm import tqdm
+
+from .. import autocast
+from ..gemm import EMULATED, describe_key, select
+from ..nn import GEMMS, QuantizedModule
+from ..recipes import AutocastState
+from .checkpoint import (load_checkpoint, load_quantizer_state, quantizer_state, rng_state,
+                         save_checkpoint, set_rng_state)
+from .data import TokenData, get_batch, val_batches
+from .model import GPT, GPTConfig
+from .recipes_by_name import NamedRecipe
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+#: Settings a resumed run takes from its checkpoint (changing them would change the run).
+FIXED_ON_RESUME = ("preset", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup", "lr_decay_steps",
+                   "weight_decay", "grad_clip", "seed", "dtype", "data", "eval_iters")
+
+
+@dataclass
+class TrainConfig:
+    """One run's settings (shared by every compared recipe)."""
+
+    preset: str
+    model: GPTConfig
+    steps: int
+    batch_size: int
+    seq_len: int
+    lr: float
+    warmup: int
+    lr_decay_steps: int
+    eval_interval: int
+    eval_iters: int
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "bf16"
+    data: Optional[str] = None
+    checkpoint_interval: int = 0   # 0: only at the end of the run
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (checkpoints, summary)."""
+        d = asdict(self)
+        d["model"] = self.model.to_dict()
+        return d
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Training tokens in one step."""
+        return self.batch_size * self.seq_len
+
+
+@dataclass
+class RunResult:
+    """What the report needs from one recipe's run."""
+
+    label: str
+    description: str
+    records: list[dict[str, Any]] = field(default_factory=list)
+    emulated: list[str] = field(default_factory=list)
+    tokens: int = 0
+    train_seconds: float = 0.0
+    checkpoint: Optional[str] = None
+    model: Optional[torch.nn.Module] = field(default=None, repr=False)  # the trained model
+
+    @property
+    def final_val_loss(self) -> Optional[float]:
+        """Validation loss at the last evaluation."""
+        vals = [r["val_loss"] for r in self.records if "val_loss" in r]
+        return vals[-1] if vals else None
+
+    @property
+    def final_train_loss(self) -> Optional[float]:
+        """Training loss of the last step."""
+        vals = [r["train_loss"] for r in self.records if "train_loss" in r]
+        return vals[-1] if vals else None
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Training throughput over the whole run (evaluation excluded)."""
+        return self.tokens / self.train_seconds if self.train_seconds > 0 else 0.0
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup, then cosine decay to ``min_lr_ratio * lr`` at ``lr_decay_steps``."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    if step >= cfg.lr_decay_steps:
+        return cfg.lr * cfg.min_lr_ratio
+    t = (step - cfg.warmup) / max(1, cfg.lr_decay_steps - cfg.warmup)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW, weight decay on matrices only (nanoGPT)."""
+    params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
+    decay = [p for p in params if p.dim() >= 2]
+    other = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": other, "weight_decay": 0.0}],
+                             lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def build_model(cfg: TrainConfig, vocab_size: int) -> GPT:
+    """The model with the run's initial weights (seeded: identical for every recipe)."""
+    mcfg = GPTConfig(**{**cfg.model.to_dict(), "vocab_size": vocab_size,
+                        "block_size": max(cfg.model.block_size, cfg.seq_len)})
+    torch.manual_seed(cfg.seed)
+    return GPT(mcfg, DTYPES[cfg.dtype]).to(cfg.device)
+
+
+def count_params(cfg: TrainConfig, vocab_size: int) -> int:
+    """The model's parameter count, without allocating it (built on the meta device)."""
+    mcfg = GPTConfig(**{**cfg.model.to_dict(), "vocab_size": vocab_size})
+    with torch.device("meta"):
+        return GPT(mcfg).num_params()
+
+
+@torch.no_grad()
+def evaluate(model: GPT, named: NamedRecipe, data: TokenData, cfg: TrainConfig) -> float:
+    """Mean loss over the fixed validation batches, with the recipe's quantized forward."""
+    model.eval()
+    losses = []
+    for x, y in val_batches(data, cfg.batch_size, cfg.seq_len, cfg.seed, cfg.eval_iters):
+        with autocast(recipe=named.recipe):
+            _, loss = model(x.to(cfg.device), y.to(cfg.device))
+        losses.append(loss.float().item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def emulated_pairs(model: torch.nn.Module, named: NamedRecipe, device: str) -> list[str]:
+    """This recipe's entries of ``hybridfp.gemm.EMULATED``: the (GEMM, format of A x format
+    of B) pairs its modules ran on the exact emulation path on ``device``, with how many
+    modules each. (EMULATED itself is process-wide and keeps only the first module per pair,
+    so the pairs are found through each module's quantizers and checked against it.)"""
+    state, dev = AutocastState(named.recipe), torch.device(device)
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        if not isinstance(m, QuantizedModule):
+            continue
+        qs = m.quantizers(state)
+        for gemm_name, layout, (slot_a, dir_a), (slot_b, dir_b) in GEMMS:
+            ka, kb = qs[slot_a][0].format_key(dir_a), qs[slot_b][0].format_key(dir_b)
+            a, b = describe_key(ka), describe_key(kb)
+            if select(ka, kb, layout, dev) is None and (dev.type, gemm_name, a, b) in EMULATED:
+                key = f"{gemm_name}: {a} x {b}"
+                counts[key] = counts.get(key, 0) + 1
+    order = [g[0] for g in GEMMS]
+    keys = sorted(counts, key=lambda k: order.index(k.split(":")[0]))  # stable: fprop, dgrad, wgrad
+    return [f"{k} ({counts[k]} module{'s' * (counts[k] > 1)})" for k in keys]
+
+
+class MetricsLog:
+    """metrics.jsonl: one JSON object per line, every recipe of the run in one file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def read(self, label: Optional[str] = None) -> list[dict[str, Any]]:
+        """All records (or one recipe's), in file order."""
+        if not self.path.is_file():
+            return []
+        recs = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return [r for r in recs if label is None or r["recipe"] == label]
+
+    def truncate(self, label: str, after_step: int) -> None:
+        """Drop ``label``'s records past ``after_step`` (all of them for after_step < 0)."""
+        keep = [r for r in self.read() if r["recipe"] != label or r["step"] <= after_step]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Add one record."""
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def train_recipe(cfg: TrainConfig, named: NamedRecipe, data: TokenData, out_dir: Path, *,
+                 resume: bool = False, progress: bool = True,
+                 log: Callable[[str], None] = print) -> RunResult:
+    """Train (or resume) one recipe for ``cfg.steps`` steps; write metrics and a checkpoint."""
+    ckpt_path = out_dir / "checkpoints" / f"{named.slug}.pt"
+    metrics = MetricsLog(out_dir / "metrics.jsonl")
+    model = build_model(cfg, data.vocab_size)
+    opt = make_optimizer(model, cfg)
+    result = RunResult(named.label, named.description, checkpoint=str(ckpt_path))
+    start = 0
+    if resume:
+        ck = load_checkpoint(ckpt_path, cfg.device)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        load_quantizer_state(model, named.recipe, ck["quantizers"])
+        set_rng_state(ck["rng"])
+        start, result.tokens, result.train_seconds = ck["step"], ck["tokens"], ck["train_seconds"]
+        if start > cfg.steps:
+            raise ValueError(f"--resume: the checkpoint {ckpt_path} is at step {start}, past --steps "
+                             f"{cfg.steps}; pass --steps {start} or more.")
+        metrics.truncate(named.label, start)
+        log(f"[{named.label}] resumed from {ckpt_path} at step {start}")
+    else:
+        metrics.truncate(named.label, -1)
+        torch.manual_seed(cfg.seed + 1)  # training randomness (stochastic rounding), per run
+        val = evaluate(model, named, data, cfg)
+        metrics.append({"step": 0, "recipe": named.label, "val_loss": val, "elapsed": 0.0})
+    model.train()
+    bar = tqdm(range(start, cfg.steps), desc=f"{named.label[:32]:<32}", initial=start, total=cfg.steps,
+               disable=not progress, dynamic_ncols=True, leave=True)
+    tps_ema = None
+    for step in bar:
+        t0 = time.perf_counter()
+        lr = lr_at(step, cfg)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        x, y = get_batch(data.train, cfg.batch_size, cfg.seq_len, cfg.seed, step)
+        x, y = x.to(cfg.device), y.to(cfg.device)
+        with autocast(recipe=named.recipe):
+            _, loss = model(x, y)
+        loss.backward()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        train_loss = model.last_ce_loss.item()  # cross-entropy (the MoE aux loss is logged apart)
+        dt = time.perf_counter() - t0
+        result.train_seconds += dt
+        result.tokens += cfg.tokens_per_step
+        tps = cfg.tokens_per_step / dt
+        tps_ema = tps if tps_ema is None else 0.9 * tps_ema + 0.1 * tps
+        done = step + 1
+        rec: dict[str, Any] = {"step": done, "recipe": named.label, "train_loss": train_loss, "lr": lr,
+                               "tokens_per_s": tps, "elapsed": result.train_seconds}
+        if model.last_aux_loss is not None:
+            rec["aux_loss"] = model.last_aux_loss.item()
+        if done % cfg.eval_interval == 0 or done == cfg.steps:
+            rec["val_loss"] = evaluate(model, named, data, cfg)
+        metrics.append(rec)
+        bar.set_postfix_str(f"loss {train_loss:.3f}, {tps_ema:,.0f} tok/s"
+                            + (f", val {rec['val_loss']:.3f}" if "val_loss" in rec else ""))
+        if not math.isfinite(loss.item()):
+            bar.close()
+            raise FloatingPointError(f"[{named.label}] loss became {train_loss} at step {done}; lower --lr "
+                                     "or try a higher-precision recipe.")
+        if (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0) or done == cfg.steps:
+            save_checkpoint(ckpt_path, {
+                "step": done, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                "quantizers": quantizer_state(model, named.recipe), "rng": rng_state(),
+                "tokens": result.tokens, "train_seconds": result.train_seconds,
+                "recipe": named.label, "config": cfg.to_dict()})
+    bar.close()
+    result.records = metrics.read(named.label)
+    result.emulated = emulated_pairs(model, named, cfg.device)
+    result.model = model
+    return result
+
+
+__all__ = ["DTYPES", "FIXED_ON_RESUME", "MetricsLog", "RunResult", "TrainConfig", "build_model", "count_params",
+           "emulated_pairs", "evaluate", "lr_at", "make_optimizer", "train_recipe"]

@@ -1,0 +1,175 @@
+"""Recipe names on the command line -> hybridfp recipes.
+
+Accepted (case-insensitive, ``_`` and ``-`` interchangeable):
+
+- built-in recipes: ``bf16`` (= ``high_precision``: Identity quantizers on the same code
+  path), ``fp8`` (current scaling), ``fp8-delayed``, ``fp8-block``, ``mxfp8``, ``nvfp4``,
+  and the base factory names (``current_scaling``, ``delayed_scaling``...);
+- every zoo factory by name (``hybridfp.factories.ZOO``), plus short aliases without
+  ``row-scaled`` (``nvfp4-fwd-mxfp8-bwd``) and with ``hp`` for ``high-precision``;
+- ``per_gemm:fprop=F,dgrad=D,wgrad=W`` with format names from ``hybridfp.factories.FORMAT_NAMES``;
+- ``package.module:function`` — a user factory ``role -> Quantizer`` (wrapped in
+  ``CustomRecipe``), a ``Recipe`` instance, or a ``Recipe`` subclass (instantiated).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+from .. import factories
+from ..recipes import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
+                       MXFP8BlockScaling, NVFP4BlockScaling, Recipe)
+
+PER_GEMM_KEYS = ("fprop", "dgrad", "wgrad")
+
+
+@dataclass
+class NamedRecipe:
+    """A parsed ``--recipe``: its canonical label, the recipe, and a one-line description."""
+
+    label: str
+    recipe: Recipe
+    description: str
+
+    @property
+    def slug(self) -> str:
+        """File-name-safe form of the label (checkpoint names)."""
+        return re.sub(r"[^A-Za-z0-9._=-]+", "-", self.label).strip("-")
+
+
+# label -> (maker, description). Built-ins first, then the zoo (SPEC §5).
+BUILTIN: dict[str, tuple[Callable[[], Recipe], str]] = {
+    "bf16": (lambda: CustomRecipe(qfactory=factories.high_precision),
+             "high precision (Identity quantizers, same code path)"),
+    "fp8": (Float8CurrentScaling, "FP8 per-tensor current scaling (E4M3 fwd, E5M2 grads)"),
+    "fp8-delayed": (DelayedScaling, "FP8 per-tensor delayed scaling (amax history)"),
+    "fp8-block": (Float8BlockScaling, "FP8 block scaling (1x128 / 128x128, DeepSeek-V3)"),
+    "mxfp8": (MXFP8BlockScaling, "MXFP8 E4M3, 1x32 E8M0 scales"),
+    "nvfp4": (NVFP4BlockScaling, "NVFP4 with NVIDIA's defaults (2D weights, RHT, SR)"),
+}
+
+
+def _zoo_description(f: Callable) -> str:
+    """The first paragraph of a zoo factory's docstring, minus the "unvalidated" preamble."""
+    para = " ".join((f.__doc__ or f.__name__).strip().split("\n\n")[0].split())
+    return "zoo (unvalidated): " + para.split(": ", 1)[-1]
+
+
+ZOO: dict[str, tuple[Callable[[], Recipe], str]] = {
+    name.replace("_", "-"): ((lambda f=f: CustomRecipe(qfactory=f)), _zoo_description(f))
+    for name, f in factories.ZOO.items()
+}
+ALIASES: dict[str, str] = {
+    "high-precision": "bf16", "hp": "bf16",
+    "current-scaling": "fp8", "fp8-current": "fp8",
+    "delayed-scaling": "fp8-delayed",
+    "float8-block-scaling": "fp8-block",
+}
+for _zoo in ZOO:
+    for _alias in {_zoo.replace("row-scaled-", ""), _zoo.replace("high-precision", "hp"),
+                   _zoo.replace("row-scaled-", "").replace("high-precision", "hp")} - {_zoo}:
+        ALIASES[_alias] = _zoo
+
+
+def known_names() -> list[str]:
+    """Every accepted plain name (canonical names and aliases)."""
+    return [*BUILTIN, *ZOO, *sorted(ALIASES)]
+
+
+def _normalize(name: str) -> str:
+    return name.strip().lower().replace("_", "-")
+
+
+def _unknown(name: str) -> ValueError:
+    return ValueError(
+        f"unknown recipe {name!r}. Known names: {', '.join([*BUILTIN, *ZOO])} "
+        f"(aliases: {', '.join(sorted(ALIASES))}); or per_gemm:fprop=F,dgrad=D,wgrad=W with F/D/W in "
+        f"{', '.join(factories.FORMAT_NAMES)}; or package.module:function for your own factory.")
+
+
+def parse_per_gemm(spec: str) -> NamedRecipe:
+    """``per_gemm:fprop=nvfp4,dgrad=mxfp8,wgrad=mxfp8`` -> CustomRecipe(per_gemm(...))."""
+    body = spec.split(":", 1)[1]
+    kv: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in body.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in PER_GEMM_KEYS:
+            raise ValueError(f"per_gemm recipe {spec!r}: {item!r} is not one of fprop=F, dgrad=D, wgrad=W.")
+        kv[key.strip()] = value.strip().lower().replace("-", "_")
+    missing = [k for k in PER_GEMM_KEYS if k not in kv]
+    if missing:
+        raise ValueError(f"per_gemm recipe {spec!r} lacks {', '.join(missing)}; give all three, e.g. "
+                         "per_gemm:fprop=nvfp4,dgrad=mxfp8,wgrad=mxfp8.")
+    factory = factories.per_gemm(**kv)
+    label = "per_gemm:" + ",".join(f"{k}={kv[k]}" for k in PER_GEMM_KEYS)
+    return NamedRecipe(label, CustomRecipe(qfactory=factory),
+                       f"per GEMM: fprop {kv['fprop']}, dgrad {kv['dgrad']}, wgrad {kv['wgrad']}")
+
+
+def parse_user_recipe(spec: str) -> NamedRecipe:
+    """``package.module:attr``: a factory, a Recipe instance or a Recipe subclass."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"recipe {spec!r}: cannot import module {module_name!r} ({e}); is it on "
+                         "PYTHONPATH?") from None
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"recipe {spec!r}: module {module_name!r} has no attribute {attr!r}.")
+        obj = getattr(obj, part)
+    if isinstance(obj, Recipe):
+        return NamedRecipe(spec, obj, f"user recipe {type(obj).__name__}")
+    if isinstance(obj, type) and issubclass(obj, Recipe):
+        return NamedRecipe(spec, obj(), f"user recipe {obj.__name__}()")
+    if callable(obj):
+        return NamedRecipe(spec, CustomRecipe(qfactory=obj), "user factory (CustomRecipe)")
+    raise ValueError(f"recipe {spec!r}: {attr} is a {type(obj).__name__}; it must be a factory "
+                     "role -> Quantizer, a hybridfp Recipe, or a Recipe subclass.")
+
+
+def parse_recipe(spec: str) -> NamedRecipe:
+    """One recipe name/spec -> NamedRecipe (see the module docstring)."""
+    spec = spec.strip()
+    if not spec:
+        raise _unknown(spec)
+    if _normalize(spec.split(":", 1)[0]) == "per-gemm" and ":" in spec:
+        return parse_per_gemm(spec)
+    if ":" in spec:
+        return parse_user_recipe(spec)
+    name = _normalize(spec)
+    name = ALIASES.get(name, name)
+    table = BUILTIN if name in BUILTIN else ZOO if name in ZOO else None
+    if table is None:
+        raise _unknown(spec)
+    maker, description = table[name]
+    return NamedRecipe(name, maker(), description)
+
+
+def split_recipe_list(text: str) -> list[str]:
+    """Split a --compare list on commas, keeping ``per_gemm:fprop=..,dgrad=..,wgrad=..`` whole."""
+    out: list[str] = []
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        key = item.partition("=")[0].strip()
+        if out and "=" in item and key in PER_GEMM_KEYS and _normalize(out[-1]).startswith("per-gemm:"):
+            out[-1] += "," + item
+        else:
+            out.append(item)
+    return out
+
+
+def parse_recipe_list(text: str) -> list[NamedRecipe]:
+    """A --compare list -> recipes, in order, without duplicates (by label)."""
+    seen: dict[str, NamedRecipe] = {}
+    for spec in split_recipe_list(text):
+        r = parse_recipe(spec)
+        seen.setdefault(r.label, r)
+    if not seen:
+        raise ValueError("--compare needs at least one recipe name, e.g. --compare bf16,fp8,mxfp8.")
+    return list(seen.values())

@@ -1,0 +1,106 @@
+"""End to end: ``hybridfp train`` writes its outputs, the loss falls, and --resume continues
+bit for bit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hybridfp.train import cli
+
+pytestmark = pytest.mark.filterwarnings("ignore::hybridfp.gemm.EmulatedGemmWarning")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One corpus cache for the module (the corpus is built once)."""
+    return tmp_path_factory.mktemp("corpus-cache")
+
+
+def _train(cache, out, *extra):
+    argv = ["train", "--preset", "test", "--out", str(out), "--cache-dir", str(cache),
+            "--no-progress", "--eval-interval", "5", *extra]
+    assert cli.main(argv) == 0
+
+
+def _records(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _losses(out, recipe):
+    return [(r["step"], r.get("train_loss"), r.get("val_loss")) for r in _records(out) if r["recipe"] == recipe]
+
+
+def test_two_recipes_write_outputs_and_learn(tmp_path, cache, capsys):
+    out = tmp_path / "run"
+    _train(cache, out, "--compare", "bf16,per_gemm:fprop=nvfp4,dgrad=mxfp8,wgrad=mxfp8", "--steps", "20")
+    printed = capsys.readouterr().out
+    assert f"plot:    {out / 'loss.png'}" in printed and f"summary: {out / 'summary.md'}" in printed
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    recs = _records(out)
+    labels = ["bf16", "per_gemm:fprop=nvfp4,dgrad=mxfp8,wgrad=mxfp8"]
+    slugs = {"bf16": "bf16", labels[1]: "per_gemm-fprop=nvfp4-dgrad=mxfp8-wgrad=mxfp8"}
+    for label in labels:
+        mine = [r for r in recs if r["recipe"] == label]
+        assert [r["step"] for r in mine] == list(range(21))
+        steps = mine[1:]
+        assert all(r["tokens_per_s"] > 0 and r["elapsed"] > 0 for r in steps)
+        assert [r["step"] for r in mine if "val_loss" in r] == [0, 5, 10, 15, 20]
+        first, last = sum(r["train_loss"] for r in steps[:3]) / 3, sum(r["train_loss"] for r in steps[-3:]) / 3
+        assert last < first - 0.5, f"{label}: train loss {first:.3f} -> {last:.3f}"
+        assert mine[-1]["val_loss"] < mine[0]["val_loss"] - 0.5
+        assert (out / "checkpoints" / f"{slugs[label]}.pt").is_file()
+    summary = (out / "summary.md").read_text()
+    assert "| `bf16` |" in summary and "baseline" in summary and " %" in summary
+    assert "NVFP4" in summary and "MXFP8" in summary  # the emulated GEMM pairs are listed
+    assert "fprop: NVFP4" in summary and "dgrad: MXFP8" in summary
+    # same data and same initial weights: the initial validation losses are identical
+    v0 = {r["recipe"]: r["val_loss"] for r in recs if r["step"] == 0}
+    assert v0[labels[0]] == pytest.approx(v0[labels[1]], rel=0.02)
+
+
+@pytest.mark.parametrize("recipes", ["fp8-delayed,mxfp8-fwd-nvfp4-bwd"])
+def test_resume_is_bitwise_identical(tmp_path, cache, recipes):
+    """fp8-delayed carries quantizer state (amax history); mxfp8-fwd-nvfp4-bwd draws random
+    numbers (stochastic rounding of gradients) from torch's generator."""
+    full, split = tmp_path / "full", tmp_path / "split"
+    _train(cache, full, "--compare", recipes, "--steps", "20")
+    _train(cache, split, "--compare", recipes, "--steps", "10", "--lr-decay-steps", "20")
+    _train(cache, split, "--resume", "--steps", "20")
+    for label in recipes.split(","):
+        assert _losses(split, label) == _losses(full, label)  # every step's losses, exactly
+        a = torch.load(full / "checkpoints" / f"{label}.pt", weights_only=False)
+        b = torch.load(split / "checkpoints" / f"{label}.pt", weights_only=False)
+        assert a["step"] == b["step"] == 20
+        for k, v in a["model"].items():
+            assert torch.equal(v, b["model"][k]), f"{label}: parameter {k} differs after resume"
+        for (ka, va), (kb, vb) in zip(a["optimizer"]["state"].items(), b["optimizer"]["state"].items()):
+            assert all(torch.equal(va[s], vb[s]) for s in ("exp_avg", "exp_avg_sq"))
+
+
+def test_resume_without_a_run_is_a_clear_error(tmp_path, capsys):
+    assert cli.main(["train", "--resume", "--out", str(tmp_path / "none"), "--no-progress"]) == 2
+    assert "nothing to resume" in capsys.readouterr().err
+
+
+def test_python_dash_m_entry_point(tmp_path, cache):
+    out = tmp_path / "m"
+    r = subprocess.run([sys.executable, "-m", "hybridfp.train", "--preset", "test", "--recipe", "fp8",
+                        "--steps", "2", "--eval-iters", "1", "--out", str(out), "--no-progress",
+                        "--cache-dir", str(cache)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "summary:" in r.stdout and (out / "summary.md").is_file()
+
+
+def test_moe_preset_through_the_cli(tmp_path, cache):
+    out = tmp_path / "moe"
+    assert cli.main(["train", "--preset", "test-moe", "--recipe", "nvfp4-fwd-mxfp8-bwd", "--steps", "3",
+                     "--eval-iters", "1", "--out", str(out), "--cache-dir", str(cache), "--no-progress"]) == 0
+    steps = [r for r in _records(out) if "train_loss" in r]
+    assert len(steps) == 3 and all(r["aux_loss"] >= 1.0 - 1e-6 for r in steps)  # Switch aux >= 1
+    summary = (out / "summary.md").read_text()
+    assert "NVFP4" in summary and "(4 modules)" in summary  # the experts' fprop (2 layers x fc1/fc2)
