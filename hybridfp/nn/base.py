@@ -40,7 +40,7 @@ class QuantizedModule(nn.Module):
         self._num_sets = num_quantizer_sets
         self._qkey: Optional[tuple] = None
         self._quantizers: dict[str, list[Quantizer]] = {}
-        self._wcache: dict[int, tuple[tuple, QuantizedTensor]] = {}
+        self._wcache: dict[int, tuple[tuple, QuantizedTensor, torch.Tensor]] = {}
 
     def check_input_features(self, x: torch.Tensor) -> None:
         """A clear error naming the module when x's last dim is not ``in_features`` (the GEMM
@@ -87,7 +87,8 @@ class QuantizedModule(nn.Module):
                 for _ in range(self._num_sets):
                     q = state.recipe.quantizer(role)
                     q.role = role
-                    q.set_amax_reduction_group(state.amax_reduction_group)
+                    if state.amax_reduction_group is not None:  # keep a factory's own group otherwise
+                        q.set_amax_reduction_group(state.amax_reduction_group)
                     qs.append(q)
                 built[slot] = qs
             self._validate_quantizers(built)
@@ -127,13 +128,21 @@ class QuantizedModule(nn.Module):
         the recipe changes (so micro-batches of one step quantize it once)."""
         if isinstance(weight, QuantizedTensor):  # already quantized (quantized parameters)
             return weight
-        key = (weight._version, weight.data_ptr(), q.state_version(), self._qkey)
+        # The weight object itself is part of the key (a new tensor at a recycled address must
+        # not hit); writes through ``.data`` bypass _version: call invalidate_weight_cache().
+        key = (weight._version, weight.data_ptr(), id(weight), q.state_version(), self._qkey)
         hit = self._wcache.get(index)
         if hit is not None and hit[0] == key and (not columnwise or hit[1].has_direction(COLUMNWISE)):
             return hit[1]
         q.set_usage(rowwise=True, columnwise=columnwise)
         with torch.no_grad():
             qw = q.quantize(weight.detach())
-        # The key is read after quantizing: delayed scaling's state moves only at step ends.
-        self._wcache[index] = (key, qw)
+        # ``key`` stays valid after quantizing: delayed scaling's state moves only at step ends.
+        # Holding ``weight`` keeps its id from being recycled while the entry lives.
+        self._wcache[index] = (key, qw, weight)
         return qw
+
+    def invalidate_weight_cache(self) -> None:
+        """Forget cached quantized weights: needed after writing a weight through ``.data``
+        (e.g. an EMA swap), which does not bump the parameter's version counter."""
+        self._wcache.clear()

@@ -35,7 +35,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         outs, tensors, skels = [], [], []
         with torch_autocast_off(x):
             for i, xi in enumerate(torch.split(x, m_splits)):
-                y, sx, sw = forward_gemm(ctx, xi, weights[i], biases[i], lcs[i], needs_dgrad, needs_wgrad[i])
+                y, sx, sw = forward_gemm(xi, weights[i], biases[i], lcs[i], needs_dgrad, needs_wgrad[i])
                 outs.append(y)
                 for t in (sx, sw):
                     ts, sk = pack(t)

@@ -62,9 +62,10 @@ def unpack(skeleton: Any, tensors: list[torch.Tensor]) -> Optional[torch.Tensor]
     return QuantizedTensor(storage, skeleton[2])
 
 
-def forward_gemm(ctx: Any, x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+def forward_gemm(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  lc: LinearContext, needs_dgrad: bool, needs_wgrad: bool) -> torch.Tensor:
-    """fprop of one [M, K] input against one weight; stashes what backward needs on ``ctx``."""
+    """fprop of one [M, K] input against one weight; returns (y, what wgrad needs of x, what
+    dgrad needs of W) — None where that gradient is not needed."""
     save_original = lc.save_original_input and lc.input_q.is_requantization_safe()
     lc.input_q.set_usage(rowwise=True, columnwise=needs_wgrad and not save_original)
     qx = lc.input_q.quantize(x2)
@@ -122,7 +123,7 @@ class LinearFunction(torch.autograd.Function):
         needs_wgrad = ctx.needs_input_grad[1] and lc.grad_enabled
         x2 = x.reshape(-1, x.shape[-1])
         with torch_autocast_off(x):
-            y, saved_x, saved_w = forward_gemm(ctx, x2, weight, bias, lc, needs_dgrad, needs_wgrad)
+            y, saved_x, saved_w = forward_gemm(x2, weight, bias, lc, needs_dgrad, needs_wgrad)
         tx, ctx.skel_x = pack(saved_x)
         tw, ctx.skel_w = pack(saved_w)
         ctx.n_x = len(tx)

@@ -114,6 +114,11 @@ class Quantizer:
         device = g.device if g is not None else "cpu"
         return int(torch.randint(0, 2**62, (1,), generator=g, device=device).item())
 
+    def observe(self, x: torch.Tensor) -> None:
+        """See ``x`` without producing a copy (a hybrid's idle child): stateful quantizers record
+        what they would have (delayed scaling: the amax), so their state tracks the plain
+        quantizer's. No-op for stateless formats."""
+
     def finish_step(self, amax_reduction_group: Optional[Any] = None) -> None:
         """End of a training step (autocast region): update any per-step state (no-op here)."""
 

@@ -92,8 +92,7 @@ def _fp8_delayed_run(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool,
     with _on_device(x):
         rd, cd, scale_inv, amax = _kernels("triton_fp8_tensorwise").quantize(
             as_2d(x), q.dtype, scale=q.scale, rowwise=rowwise, columnwise=columnwise)
-    fp8_tensorwise.record_amax(q.amax_history, amax)
-    q._recorded = True
+    q.record_amax(amax)
     return _fp8_storage(q, x, rd, cd, scale_inv)
 
 

@@ -118,10 +118,18 @@ class Float8Quantizer(Quantizer):
     def reference_encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool,
                          seed: Optional[int] = None) -> QuantizedStorage:
         """Cast with the current scale and record this tensor's amax in the history."""
-        self._state_to(x.device)
-        fp8_tensorwise.record_amax(self.amax_history, amax_nan(x))
-        self._recorded = True
+        self.record_amax(amax_nan(x))
         return _float8_storage(self, x, self.scale.clone(), self.dtype, rowwise, columnwise)
+
+    def record_amax(self, amax: torch.Tensor) -> None:
+        """Fold this quantization's amax into the current history slot (max since the update)."""
+        self._state_to(amax.device)
+        fp8_tensorwise.record_amax(self.amax_history, amax)
+        self._recorded = True
+
+    def observe(self, x: torch.Tensor) -> None:
+        """Record x's amax as a quantization would (an idle hybrid child)."""
+        self.record_amax(amax_nan(x))
 
     def update_scale(self, amax_reduction_group: Optional[Any] = None) -> None:
         """End-of-step update: (optionally all-reduce the newest amax,) new scale, roll history."""

@@ -18,7 +18,7 @@ class HybridQuantizer(Quantizer):
 
     ``columnwise_source``:
       - "original" (default): the columnwise quantizer reads the high-precision input.
-      - "rowwise_dequantized": it reads dequantize(rowwise_quantizer(x)) (in x's dtype), so
+      - "rowwise_dequantized": it reads dequantize(rowwise_quantizer(x)) (exact, in FP32), so
         backward sees the forward's quantization error (Identity child: high-precision
         backward of the forward value; a real format: double quantization).
 
@@ -76,8 +76,14 @@ class HybridQuantizer(Quantizer):
         row = self.rowwise_quantizer.encode(x, True, False, seed) if (rowwise or derive) else None
         col = None
         if columnwise:
-            src = row.dequantize(x.dtype, "rowwise") if derive else x
+            # The forward's value exactly: FP32 dequantization (rounding it to x's dtype would
+            # perturb NVFP4 / non-pow2 FP8 values, so backward would not see the forward value).
+            src = row.dequantize(torch.float32, "rowwise") if derive else x
             col = self.columnwise_quantizer.encode(src, False, True, seed)
+        elif self.columnwise_source == "original":
+            self.columnwise_quantizer.observe(x)
+        if row is None:
+            self.rowwise_quantizer.observe(x)
         return HybridStorage(x.shape, x.dtype, row if rowwise else None, col, label=self.label)
 
     def _allocate(self, shape, dtype, device, rowwise, columnwise):  # type: ignore[override]

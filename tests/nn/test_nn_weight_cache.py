@@ -190,3 +190,39 @@ def test_frozen_weight_skips_the_input_columnwise_copy():
     assert "weight" not in got.grads and "bias" in got.grads
     full = make_module("linear")
     assert_bitwise(got.dx, run_step(full, x, dy, Float8CurrentScaling()).dx, "dx with a frozen weight")
+
+
+def test_data_writes_need_invalidate_weight_cache():
+    """Writes through ``.data`` bypass the version counter: invalidate_weight_cache() makes
+    the next forward re-quantize the new values."""
+    from hybridfp import Linear, MXFP8BlockScaling, autocast
+    torch.manual_seed(0)
+    lin = Linear(64, 32)
+    x = torch.randn(8, 64)
+    with autocast(recipe=MXFP8BlockScaling()):
+        lin(x)
+        new_w = torch.randn(32, 64)
+        lin.weight.data.copy_(new_w)
+        lin.invalidate_weight_cache()
+        y = lin(x)
+    with autocast(recipe=MXFP8BlockScaling()):
+        fresh = Linear(64, 32)
+        fresh.weight.data.copy_(new_w)
+        fresh.bias.data.copy_(lin.bias.data)
+        want = fresh(x)
+    assert torch.equal(y, want)
+
+
+def test_autocast_without_group_keeps_a_factorys_own_amax_group():
+    from hybridfp import CustomRecipe, Float8CurrentScalingQuantizer, Linear, autocast
+    sentinel = object()
+
+    def factory(role):
+        return Float8CurrentScalingQuantizer(with_amax_reduction=True, amax_reduction_group=sentinel)
+
+    lin = Linear(16, 8)
+    state_recipe = CustomRecipe(qfactory=factory)
+    with autocast(recipe=state_recipe) as state:
+        qs = lin.quantizers(state)
+    assert all(q.amax_reduction_group is sentinel and q.with_amax_reduction
+               for slot in qs.values() for q in slot)

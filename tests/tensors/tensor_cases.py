@@ -90,7 +90,7 @@ class Case:
     def col_source(self, x2: torch.Tensor) -> torch.Tensor:
         """What the columnwise quantizer reads (SPEC §3 columnwise_source)."""
         if self.rowwise_dequantized:
-            return ref_value(self.row, ROWWISE, x2).to(x2.dtype)
+            return ref_value(self.row, ROWWISE, x2).float()  # exact FP32 forward value
         return x2
 
     def payload(self, direction: str, x2: torch.Tensor) -> dict[str, torch.Tensor]:
