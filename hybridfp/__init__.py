@@ -1,6 +1,7 @@
 """hybridfp: low-precision training in PyTorch with hybrid (per-direction) quantization."""
 
 from . import factories, gemm, nn
+from .integration import checkpoint
 from .nn import GroupedLinear, LayerNormLinear, Linear, convert, set_names
 from .quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
                          HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer,
@@ -16,6 +17,7 @@ __all__ = [
     "Float8CurrentScaling", "Float8CurrentScalingQuantizer", "Float8Quantizer", "GroupedLinear",
     "HybridQuantizer", "IdentityQuantizer", "LayerNormLinear", "Linear", "MXFP8BlockScaling",
     "MXFP8Quantizer", "MissingDirectionError", "NVFP4BlockScaling", "NVFP4Quantizer",
-    "QuantizedTensor", "Quantizer", "QuantizerRole", "Recipe", "autocast", "convert", "factories",
+    "QuantizedTensor", "Quantizer", "QuantizerRole", "Recipe", "autocast", "checkpoint", "convert",
+    "factories",
     "gemm", "nn", "set_names",
 ]

@@ -41,6 +41,7 @@ class QuantizedModule(nn.Module):
         self._qkey: Optional[tuple] = None
         self._quantizers: dict[str, list[Quantizer]] = {}
         self._wcache: dict[int, tuple[tuple, QuantizedTensor, torch.Tensor]] = {}
+        self._forward_versions: tuple = ()
 
     def check_input_features(self, x: torch.Tensor) -> None:
         """A clear error naming the module when x's last dim is not ``in_features`` (the GEMM
@@ -60,12 +61,22 @@ class QuantizedModule(nn.Module):
             return x.to(torch.get_autocast_dtype(device_type))
         return x
 
-    @staticmethod
-    def high_precision_linear(x: torch.Tensor, weight: torch.Tensor,
+    def high_precision_linear(self, x: torch.Tensor, weight: torch.Tensor,
                               bias: Optional[torch.Tensor]) -> torch.Tensor:
         """Outside hybridfp.autocast: F.linear with the (master) parameters cast to the
         activation dtype, as the quantized path does (FP32 params accept BF16 inputs)."""
+        self._refuse_silent_recompute()
         return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+    def _refuse_silent_recompute(self) -> None:
+        """A quantized module running unquantized inside a backward pass is almost surely
+        torch.utils.checkpoint recomputing it outside hybridfp.autocast: that would silently
+        give high-precision gradients, so say what to use instead."""
+        if self._quantizers and torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
+            raise RuntimeError(
+                f"{type(self).__name__} {self.name}: forward recomputed during backward outside "
+                "hybridfp.autocast (torch.utils.checkpoint does not carry the autocast region), "
+                "which would run it in high precision. Use hybridfp.checkpoint(fn, *args) instead.")
 
     # ------------------------------------------------------------------ quantizers
     def role(self, tensor_type: str) -> QuantizerRole:
@@ -95,6 +106,16 @@ class QuantizedModule(nn.Module):
             self._quantizers, self._qkey = built, key
             self._wcache.clear()
             self._report_emulated(built)
+        versions = tuple(q.state_version() for qs in self._quantizers.values() for q in qs)
+        if not state.replay:
+            self._forward_versions = versions
+        elif versions != self._forward_versions:
+            raise RuntimeError(
+                f"{type(self).__name__} {self.name}: recomputing a checkpointed forward after its "
+                "quantizers changed state (delayed scaling updated its scales when the autocast "
+                "region ended), so the recomputation would not match the forward. Run backward "
+                "inside the autocast region, use a stateless recipe for checkpointed layers (e.g. "
+                "Float8CurrentScaling), or do not checkpoint them.")
         state.note_module(self)
         return self._quantizers
 

@@ -11,7 +11,7 @@ so every quantization uses the scale of the previous update (SPEC §2.2).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Optional
 
 from .recipes import Float8CurrentScaling, Recipe
@@ -24,6 +24,8 @@ class AutocastState:
     recipe: Recipe
     amax_reduction_group: Optional[Any] = None
     modules: list[Any] = field(default_factory=list)
+    #: True while an activation-checkpoint recomputation replays a forward of this region.
+    replay: bool = False
 
     def key(self) -> tuple:
         """What a module's quantizers depend on: recipe configuration and reduction group."""
@@ -68,3 +70,15 @@ def autocast(enabled: bool = True, recipe: Optional[Recipe] = None,
         if state is not None:
             for module in state.modules:
                 module.finish_step(amax_reduction_group)
+
+
+@contextmanager
+def replay_region(state: Optional[AutocastState]) -> Iterator[None]:
+    """Re-enter a finished region to recompute one of its forwards (activation
+    checkpointing): same recipe and quantizers, no step end (stateful quantizers are not
+    finished twice)."""
+    _STACK.append(None if state is None else replace(state, modules=[], replay=True))
+    try:
+        yield
+    finally:
+        _STACK.pop()

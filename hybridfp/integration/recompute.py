@@ -1,0 +1,33 @@
+"""Activation checkpointing that recomputes hybridfp modules with the same quantization.
+
+``torch.utils.checkpoint`` replays a forward during backward, outside the
+``hybridfp.autocast`` region it first ran in, so hybridfp modules would recompute in high
+precision (and modules refuse to, with a clear error). ``hybridfp.checkpoint`` re-enters the
+original region for the replay: the same recipe, quantizers and cached quantized weights, and
+torch's saved RNG state, so stochastic rounding draws the same numbers and the recomputed
+activations are bitwise those of the forward.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, Callable
+
+import torch.utils.checkpoint as torch_checkpoint
+
+from ..recipes import current_autocast, replay_region
+
+
+def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)`` whose
+    recomputation runs inside the autocast region active now (or none, if none is)."""
+    if kwargs.pop("use_reentrant", False):
+        raise ValueError("hybridfp.checkpoint supports only use_reentrant=False (torch's "
+                         "recommended mode): the reentrant mode cannot re-enter the region.")
+    if "context_fn" in kwargs:
+        raise ValueError("hybridfp.checkpoint sets context_fn itself (to re-enter the autocast "
+                         "region); wrap your own contexts inside `function` instead.")
+    state = current_autocast()
+    return torch_checkpoint.checkpoint(
+        function, *args, use_reentrant=False,
+        context_fn=lambda: (nullcontext(), replay_region(state)), **kwargs)
