@@ -59,8 +59,10 @@ def select_quantize_kernel(q: Any, x: torch.Tensor, rowwise: bool, columnwise: b
     for k in QUANTIZE_KERNELS.get(type(q).__name__, ()):
         if k.supports(q, x, rowwise, columnwise):
             return k
-    if x.is_cuda and type(q).__name__ not in ("HybridQuantizer", "IdentityQuantizer"):
-        what = f"{q!r} ({'rowwise' if rowwise else ''}{'+' if rowwise and columnwise else ''}{'columnwise' if columnwise else ''}, {x.dtype})"
+    if x.is_cuda and q.has_fast_kernels:
+        copies = "+".join(d for d, on in (("rowwise", rowwise), ("columnwise", columnwise)) if on)
+        role = f" for {q.label}" if q.label else ""
+        what = f"{q!r}{role} ({copies}, {x.dtype})"
         if what not in _REPORTED:
             _REPORTED.add(what)
             warnings.warn(f"hybridfp: no fast quantize kernel for {what} on {x.device}; running the "

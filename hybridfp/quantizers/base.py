@@ -39,6 +39,9 @@ class Quantizer:
     storage_cls: ClassVar[type[QuantizedStorage]]
     #: Short format name used in reports and error messages.
     format_name: ClassVar[str] = "?"
+    #: Whether running the PyTorch reference on a GPU is a slow fallback worth reporting
+    #: (False for the passthrough and for the hybrid, whose children report themselves).
+    has_fast_kernels: ClassVar[bool] = True
 
     def __init__(self, *, rowwise: bool = True, columnwise: bool = True) -> None:
         self.rowwise_usage = bool(rowwise)
@@ -172,8 +175,10 @@ class Quantizer:
         return True
 
     def copy(self) -> "Quantizer":
-        """An independent quantizer with the same settings (and a copy of any state)."""
-        return _copy.deepcopy(self)
+        """An independent quantizer with the same settings and a copy of any state; process
+        groups and random generators are shared, not copied (they are handles, not state)."""
+        shared = [getattr(self, n, None) for n in ("amax_reduction_group", "generator")]
+        return _copy.deepcopy(self, {id(o): o for o in shared if o is not None})
 
     def settings(self) -> dict[str, object]:
         """The options that determine the numbers (used for parity checks and reports)."""

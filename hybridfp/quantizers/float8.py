@@ -72,18 +72,6 @@ class Float8CurrentScalingQuantizer(Quantizer):
         return {"fp8_dtype": self.dtype, "force_pow_2_scales": self.force_pow_2_scales,
                 "amax_epsilon": self.amax_epsilon}
 
-    def copy(self) -> "Float8CurrentScalingQuantizer":
-        """Same settings; the process group is shared, not copied."""
-        q = Float8CurrentScalingQuantizer(self.dtype, rowwise=self.rowwise_usage,
-                                          columnwise=self.columnwise_usage,
-                                          force_pow_2_scales=self.force_pow_2_scales,
-                                          amax_epsilon=self.amax_epsilon,
-                                          with_amax_reduction=self.with_amax_reduction,
-                                          amax_reduction_group=self.amax_reduction_group)
-        q.role = self.role
-        return q
-
-
 class Float8Quantizer(Quantizer):
     """FP8 delayed scaling: quantize with the scale from the last update, record the amax.
 

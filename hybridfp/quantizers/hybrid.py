@@ -28,6 +28,7 @@ class HybridQuantizer(Quantizer):
 
     storage_cls = HybridStorage
     format_name = "hybrid"
+    has_fast_kernels = False
 
     def __init__(self, rowwise_quantizer: Quantizer, columnwise_quantizer: Quantizer,
                  columnwise_source: str = "original", *, rowwise: bool = True,

@@ -20,6 +20,7 @@ class IdentityQuantizer(Quantizer):
 
     storage_cls = IdentityStorage
     format_name = "identity"
+    has_fast_kernels = False
 
     def __init__(self, dtype: Optional[torch.dtype] = None, *, rowwise: bool = True,
                  columnwise: bool = True) -> None:

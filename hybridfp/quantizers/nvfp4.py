@@ -150,19 +150,6 @@ class NVFP4Quantizer(Quantizer):
                 "stochastic_rounding": self.stochastic_rounding,
                 "row_scaled_nvfp4": self.row_scaled_nvfp4}
 
-    def copy(self) -> "NVFP4Quantizer":
-        """Same settings; process group and generator are shared, not copied."""
-        q = NVFP4Quantizer(rowwise=self.rowwise_usage, columnwise=self.columnwise_usage,
-                           with_rht=self.with_rht, with_post_rht_amax=self.with_post_rht_amax,
-                           with_2d_quantization=self.with_2d_quantization,
-                           stochastic_rounding=self.stochastic_rounding,
-                           row_scaled_nvfp4=self.row_scaled_nvfp4,
-                           with_amax_reduction=self.with_amax_reduction,
-                           amax_reduction_group=self.amax_reduction_group, generator=self.generator)
-        q.role = self.role
-        return q
-
-
 def _transpose_packed(packed: torch.Tensor, cols: int) -> torch.Tensor:
     """Transpose packed E2M1 codes [R, ceil(C/2)] -> [C, ceil(R/2)] (exact: codes move)."""
     codes = nvfp4.unpack_fp4(packed, cols)

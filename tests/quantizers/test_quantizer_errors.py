@@ -186,3 +186,20 @@ def test_rowwise_only_cases_raise_when_asked_for_columnwise(name):
     q.set_usage(columnwise=True)
     with pytest.raises(ValueError, match="no columnwise copy"):
         q(make_input((4, 32)))
+
+
+def test_copy_shares_handles_not_state():
+    """copy(): process groups and generators are shared handles; settings and state copied."""
+    import hybridfp as hfp
+    group, gen = object(), torch.Generator()
+    q = hfp.Float8CurrentScalingQuantizer(with_amax_reduction=True, amax_reduction_group=group,
+                                          amax_epsilon=0.5)
+    c = q.copy()
+    assert c is not q and c.amax_reduction_group is group and c.amax_epsilon == 0.5
+    n = hfp.NVFP4Quantizer(stochastic_rounding=True, with_rht=True, generator=gen).copy()
+    assert n.generator is gen and n.with_rht and n.stochastic_rounding
+    d = hfp.Float8Quantizer()
+    d.quantize(torch.full((2, 2), 3.0))
+    d.update_scale()
+    dc = d.copy()
+    assert torch.equal(dc.scale, d.scale) and dc.scale is not d.scale
