@@ -33,16 +33,8 @@ from __future__ import annotations
 
 import torch
 
-from hybridfp.formats.common import (
-    amax_nan,
-    blocks_1d,
-    blocks_2d,
-    ceil_div,
-    expand_blocks_1d,
-    expand_blocks_2d,
-    saturating_cast_fp8,
-)
-from hybridfp.formats.fp8_tensorwise import current_scale
+from .common import amax_nan, blocks_2d, ceil_div, expand_blocks_2d, saturating_cast_fp8
+from .fp8_tensorwise import current_scale
 
 DEFAULT_BLOCK: int = 128
 
@@ -73,6 +65,30 @@ def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
     return torch.ones_like(scale) / scale
 
 
+def _quantize(x: torch.Tensor, dtype: torch.dtype, br: int, bc: int, power_2_scale: bool,
+              eps: float, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize with ``br x bc`` tiles (br = 1: 1D blocks along the last dim)."""
+    _check_2d(x, f"{what} input")
+    _check_block(bc)
+    xf = x.float()
+    rows, cols = xf.shape
+    amax = amax_nan(blocks_2d(xf, br, bc), dim=-1)
+    scale = current_scale(amax, dtype, eps=eps, power_2_scale=power_2_scale)
+    data = saturating_cast_fp8(xf * expand_blocks_2d(scale, br, bc, rows, cols), dtype)
+    return data, _reciprocal(scale)
+
+
+def _dequantize(data: torch.Tensor, scale_inv: torch.Tensor, br: int, bc: int,
+                out_dtype: torch.dtype, what: str) -> torch.Tensor:
+    """``data * scale_inv`` per ``br x bc`` tile in FP32 (exact for power-of-two scales)."""
+    _check_2d(data, f"{what} data")
+    _check_block(bc)
+    rows, cols = data.shape
+    _check_scale_shape(scale_inv, (ceil_div(rows, br), ceil_div(cols, bc)), what)
+    s = expand_blocks_2d(scale_inv.float().to(data.device), br, bc, rows, cols)
+    return (data.float() * s).to(out_dtype)
+
+
 def quantize_1d(
     x: torch.Tensor,
     dtype: torch.dtype = torch.float8_e4m3fn,
@@ -82,14 +98,7 @@ def quantize_1d(
     eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize 2D ``x`` with ``1 x block`` blocks; returns ``(data [R, C], scale_inv [R, nb])``."""
-    _check_2d(x, "quantize_1d input")
-    _check_block(block)
-    xf = x.float()
-    cols = xf.shape[1]
-    amax = amax_nan(blocks_1d(xf, block), dim=-1)
-    scale = current_scale(amax, dtype, eps=eps, power_2_scale=power_2_scale)
-    data = saturating_cast_fp8(xf * expand_blocks_1d(scale, block, cols), dtype)
-    return data, _reciprocal(scale)
+    return _quantize(x, dtype, 1, block, power_2_scale, eps, "quantize_1d")
 
 
 def quantize_2d(
@@ -101,14 +110,8 @@ def quantize_2d(
     eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize 2D ``x`` with ``block x block`` tiles; returns ``(data [R, C], scale_inv [nr, nc])``."""
-    _check_2d(x, "quantize_2d input")
     _check_block(block)
-    xf = x.float()
-    rows, cols = xf.shape
-    amax = amax_nan(blocks_2d(xf, block, block), dim=-1)
-    scale = current_scale(amax, dtype, eps=eps, power_2_scale=power_2_scale)
-    data = saturating_cast_fp8(xf * expand_blocks_2d(scale, block, block, rows, cols), dtype)
-    return data, _reciprocal(scale)
+    return _quantize(x, dtype, block, block, power_2_scale, eps, "quantize_2d")
 
 
 def dequantize_1d(
@@ -119,12 +122,7 @@ def dequantize_1d(
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """``data * scale_inv`` per ``1 x block`` block in FP32 (exact for power-of-two scales), cast to out_dtype."""
-    _check_2d(data, "dequantize_1d data")
-    _check_block(block)
-    rows, cols = data.shape
-    _check_scale_shape(scale_inv, (rows, ceil_div(cols, block)), "dequantize_1d")
-    s = expand_blocks_1d(scale_inv.float().to(data.device), block, cols)
-    return (data.float() * s).to(out_dtype)
+    return _dequantize(data, scale_inv, 1, block, out_dtype, "dequantize_1d")
 
 
 def dequantize_2d(
@@ -135,11 +133,5 @@ def dequantize_2d(
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """``data * scale_inv`` per ``block x block`` tile in FP32, cast to out_dtype."""
-    _check_2d(data, "dequantize_2d data")
     _check_block(block)
-    rows, cols = data.shape
-    _check_scale_shape(
-        scale_inv, (ceil_div(rows, block), ceil_div(cols, block)), "dequantize_2d"
-    )
-    s = expand_blocks_2d(scale_inv.float().to(data.device), block, block, rows, cols)
-    return (data.float() * s).to(out_dtype)
+    return _dequantize(data, scale_inv, block, block, out_dtype, "dequantize_2d")
