@@ -15,6 +15,7 @@ model is built) and sees the same batches, so loss differences come from the rec
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import time
@@ -144,7 +145,11 @@ def count_params(cfg: TrainConfig, vocab_size: int) -> int:
 
 @torch.no_grad()
 def evaluate(model: GPT, named: NamedRecipe, data: TokenData, cfg: TrainConfig) -> float:
-    """Mean loss over the fixed validation batches, with the recipe's quantized forward."""
+    """Mean loss over the fixed validation batches, with the recipe's quantized forward.
+
+    Evaluation leaves the quantizers' state (delayed scaling's amax history and scale) as it
+    found it, so a run's training trajectory does not depend on how often it is evaluated."""
+    saved = copy.deepcopy(quantizer_state(model, named.recipe))
     model.eval()
     losses = []
     for x, y in val_batches(data, cfg.batch_size, cfg.seq_len, cfg.seed, cfg.eval_iters):
@@ -152,6 +157,7 @@ def evaluate(model: GPT, named: NamedRecipe, data: TokenData, cfg: TrainConfig) 
             _, loss = model(x.to(cfg.device), y.to(cfg.device))
         losses.append(loss.float().item())
     model.train()
+    load_quantizer_state(model, named.recipe, saved)
     return sum(losses) / len(losses)
 
 

@@ -104,3 +104,16 @@ def test_moe_preset_through_the_cli(tmp_path, cache):
     assert len(steps) == 3 and all(r["aux_loss"] >= 1.0 - 1e-6 for r in steps)  # Switch aux >= 1
     summary = (out / "summary.md").read_text()
     assert "NVFP4" in summary and "(4 modules)" in summary  # the experts' fprop (2 layers x fc1/fc2)
+
+
+def test_evaluation_does_not_move_delayed_scaling_state(tmp_path, cache):
+    """Evaluating every 5 steps or only at the end gives the same delayed-scaling training
+    trajectory: evaluation restores the quantizers' amax history and scales."""
+    often, rarely = tmp_path / "often", tmp_path / "rarely"
+    _train(cache, often, "--recipe", "fp8-delayed", "--steps", "12")
+    argv = ["train", "--preset", "test", "--out", str(rarely), "--cache-dir", str(cache),
+            "--no-progress", "--eval-interval", "12", "--recipe", "fp8-delayed", "--steps", "12"]
+    assert cli.main(argv) == 0
+    train = lambda out: [r["train_loss"] for r in _records(out) if "train_loss" in r]
+    assert train(often) == train(rarely)
+    assert _records(often)[-1]["val_loss"] == _records(rarely)[-1]["val_loss"]
