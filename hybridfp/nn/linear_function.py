@@ -63,7 +63,8 @@ def unpack(skeleton: Any, tensors: list[torch.Tensor]) -> Optional[torch.Tensor]
 
 
 def forward_gemm(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                 lc: LinearContext, needs_dgrad: bool, needs_wgrad: bool) -> torch.Tensor:
+                 lc: LinearContext, needs_dgrad: bool, needs_wgrad: bool
+                 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """fprop of one [M, K] input against one weight; returns (y, what wgrad needs of x, what
     dgrad needs of W) — None where that gradient is not needed."""
     save_original = lc.save_original_input and lc.input_q.is_requantization_safe()
