@@ -9,6 +9,7 @@ copies its usage flags ask for (``rowwise_usage`` for the forward GEMM operand,
 from __future__ import annotations
 
 import copy as _copy
+from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Hashable, Optional
 
 import torch
@@ -33,7 +34,7 @@ class _QuantizeSTE(torch.autograd.Function):
         return grad, None
 
 
-class Quantizer:
+class Quantizer(ABC):
     """Base of every quantizer. Subclasses set ``storage_cls`` and implement ``encode``."""
 
     storage_cls: ClassVar[type[QuantizedStorage]]
@@ -97,10 +98,10 @@ class Quantizer:
             return kernel.run(self, x, rowwise, columnwise, seed)
         return self.reference_encode(x, rowwise, columnwise, seed)
 
+    @abstractmethod
     def reference_encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool,
                          seed: Optional[int] = None) -> QuantizedStorage:
         """The PyTorch reference encode (the definition kernels are tested against)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement reference_encode()")
 
     # ------------------------------------------------------------------ randomness and state
     def uses_randomness(self) -> bool:

@@ -10,6 +10,7 @@ recipe edited or swapped between steps takes effect at the next step.
 from __future__ import annotations
 
 import dataclasses
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Optional
 
@@ -41,12 +42,12 @@ def _fp8_for(fp8_format: str, role: Optional[QuantizerRole]) -> torch.dtype:
     return E5M2 if fp8_format == "E5M2" else E4M3
 
 
-class Recipe:
+class Recipe(ABC):
     """Base: maps a role to a new quantizer."""
 
+    @abstractmethod
     def quantizer(self, role: Optional[QuantizerRole]) -> Quantizer:
         """A fresh quantizer for ``role`` (None: consumer unknown)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement quantizer()")
 
     def key(self) -> Hashable:
         """Identity of the configuration: a change makes modules rebuild their quantizers.

@@ -90,6 +90,16 @@ class HybridStorage(QuantizedStorage):
         """The key of the part holding ``direction``."""
         return self.part(direction).format_key(direction)
 
+    def _decode(self, direction: str, payload) -> torch.Tensor:
+        """Decoding is the part's job: delegate."""
+        return self.part(direction).decode(direction)
+
+    @classmethod
+    def _payload_layout(cls, direction: str, rows: int, cols: int, meta: dict[str, object]):
+        """A hybrid has no payload of its own; its parts are allocated by their quantizers."""
+        raise TypeError("HybridStorage has no payload layout: allocate its two parts (see "
+                        "HybridQuantizer.make_empty / HybridStorage.allocate_like).")
+
     def gemm_operand(self, direction: str):
         """The GEMM view of the part holding ``direction``."""
         return self.part(direction).gemm_operand(direction)

@@ -16,6 +16,7 @@ block boundaries — is done here from two per-format tables, so a new format on
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Optional
 
@@ -45,7 +46,7 @@ def check_direction(direction: str) -> str:
     return direction
 
 
-class QuantizedStorage(Dim0Slicing):
+class QuantizedStorage(Dim0Slicing, ABC):
     """Rowwise and/or columnwise encoded copies of one high-precision tensor of ``shape``.
 
     ``dtype`` is the nominal (high-precision) dtype: what ``dequantize()`` returns by default.
@@ -162,9 +163,9 @@ class QuantizedStorage(Dim0Slicing):
         """Format key of this storage's ``direction`` copy."""
         return type(self).key_for(direction, self.meta)
 
+    @abstractmethod
     def gemm_operand(self, direction: str) -> "GemmOperand":
         """The ``direction`` copy as a GEMM reads it (see :class:`GemmOperand`)."""
-        raise NotImplementedError(f"{type(self).__name__} must define gemm_operand")
 
     # ------------------------------------------------------------------ values
     def dequantize(self, dtype: Optional[torch.dtype] = None, direction: Optional[str] = None) -> torch.Tensor:
@@ -182,14 +183,16 @@ class QuantizedStorage(Dim0Slicing):
         """FP32 [rows, cols] value of one copy, original orientation."""
         return self._decode(direction, self.payload(direction))
 
+    @abstractmethod
     def _decode(self, direction: str, payload: Payload) -> torch.Tensor:
-        raise NotImplementedError(f"{type(self).__name__} must define _decode")
+        """FP32 [rows, cols] value of one payload, original orientation."""
 
     @classmethod
+    @abstractmethod
     def _payload_layout(
         cls, direction: str, rows: int, cols: int, meta: dict[str, object]
     ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        raise NotImplementedError(f"{cls.__name__} must define _payload_layout")
+        """Shapes and dtypes of an empty payload of ``direction`` for a [rows, cols] tensor."""
 
     @classmethod
     def _shared_names(cls, meta: dict[str, object]) -> frozenset[str]:

@@ -263,8 +263,9 @@ def test_user_recipe_subclass_works_and_is_keyed_by_identity():
 
 
 def test_recipe_base_needs_quantizer():
-    with pytest.raises(NotImplementedError, match="quantizer"):
-        hf.Recipe().quantizer(None)
+    """Recipe is abstract: a subclass must define quantizer(role)."""
+    with pytest.raises(TypeError, match="quantizer"):
+        hf.Recipe()
 
 
 def test_deepcopy_and_pickle_of_a_module_after_a_step():
