@@ -248,8 +248,8 @@ class QuantizedStorage(Dim0Slicing, ABC):
     def _tensor_slots(self) -> list[list[tuple[str, str]]]:
         """Payload slots (direction, name) grouped by the tensor they hold, in tensors() order.
 
-        ``with_tensors`` hands the grouping on, so a skeleton built from placeholders (e.g.
-        None, to save the tensors for backward separately) keeps its source's sharing.
+        ``with_tensors`` hands the grouping on, so a skeleton built from None entries (as
+        pack() does to save the tensors for backward separately) keeps its source's sharing.
         """
         groups = self._slot_groups
         if groups is None:
