@@ -22,7 +22,7 @@ import torch
 from ..formats.common import as_2d
 from ..tensors import IdentityStorage, QuantizedStorage, QuantizedTensor
 from ..tensors.storage import COLUMNWISE, ROWWISE
-from .backends import emulate, select
+from .backends import emulate, report_emulated, select
 
 LAYOUTS: dict[str, tuple[str, str]] = {
     "TN": (ROWWISE, ROWWISE),
@@ -66,9 +66,14 @@ def gemm(A: torch.Tensor, B: torch.Tensor, layout: str = "TN", *, out_dtype: tor
     if accumulate_into is not None and tuple(accumulate_into.shape) != (m, n):
         raise ValueError(f"gemm {layout} ({GEMM_OF_LAYOUT[layout]}) makes a [{m}, {n}] result; "
                          f"accumulate_into has shape {tuple(accumulate_into.shape)}.")
-    backend = select(sa.format_key(da), sb.format_key(db), layout, sa.device)
+    key_a, key_b = sa.format_key(da), sb.format_key(db)
+    backend = select(key_a, key_b, layout, sa.device)
     if backend is not None:
         return backend.run(sa, sb, layout, out_dtype=out_dtype, bias=bias, accumulate_into=accumulate_into)
+    # Modules report their pairs when they build quantizers; direct calls are reported here
+    # (once per device, GEMM and pair, shared with the modules' reports).
+    report_emulated(GEMM_OF_LAYOUT[layout], sa.label or sb.label or "a direct gemm() call",
+                    key_a, key_b, layout, sa.device)
     return emulate(sa.gemm_operand(da), sb.gemm_operand(db), out_dtype, bias, accumulate_into)
 
 

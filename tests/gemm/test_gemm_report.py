@@ -62,8 +62,21 @@ def test_reported_at_build_not_per_forward():
     lin = hf.Linear(32, 16, name="fc")
     recipe = CustomRecipe(factories.mxfp8)
     assert len(_build(lin, recipe, torch.randn(4, 32))) == 3  # fprop, dgrad, wgrad: MX x MX
-    EMULATED.clear()  # even with the record gone, an unchanged module does not report again
-    assert _build(lin, recipe, torch.randn(4, 32)) == []
+    assert _build(lin, recipe, torch.randn(4, 32)) == []  # later forwards: nothing new
+
+
+def test_direct_gemm_call_reports_its_pair_once():
+    """gemm() called outside a module reports a new emulated pair itself (never silent)."""
+    a = hf.MXFP8Quantizer()(torch.randn(8, 32))
+    b = hf.NVFP4Quantizer()(torch.randn(16, 32))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gemm(a, b, "TN", out_dtype=torch.float32)
+        gemm(a, b, "TN", out_dtype=torch.float32)
+    msgs = [str(w.message) for w in caught if issubclass(w.category, EmulatedGemmWarning)]
+    assert len(msgs) == 1 and msgs[0].startswith("hybridfp: fprop of a direct gemm() call (MXFP8")
+    assert ("cpu", "fprop", describe_key(a.qstorage.format_key("rowwise")),
+            describe_key(b.qstorage.format_key("rowwise"))) in EMULATED
 
 
 def test_a_new_pair_in_a_known_gemm_is_reported():
