@@ -69,6 +69,13 @@ def check_input(x: torch.Tensor, what: str = "input") -> None:
         )
 
 
+def check_2d(x: torch.Tensor, what: str) -> None:
+    """Raise a clear error unless ``x`` is 2D (format functions take [rows, cols])."""
+    if x.dim() != 2:
+        raise ValueError(f"{what} must be 2D [rows, cols], got shape {tuple(x.shape)}; flatten "
+                         "leading dims first (hybridfp.formats.common.as_2d).")
+
+
 def as_2d(x: torch.Tensor) -> torch.Tensor:
     """View ``x`` as [rows, last_dim] (leading dims flattened; 0-d and 1-d become one row)."""
     if x.dim() == 0:

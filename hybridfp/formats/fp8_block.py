@@ -33,18 +33,10 @@ from __future__ import annotations
 
 import torch
 
-from .common import amax_nan, blocks_2d, ceil_div, expand_blocks_2d, saturating_cast_fp8
+from .common import amax_nan, blocks_2d, ceil_div, check_2d, expand_blocks_2d, saturating_cast_fp8
 from .fp8_tensorwise import current_scale
 
 DEFAULT_BLOCK: int = 128
-
-
-def _check_2d(x: torch.Tensor, what: str) -> None:
-    if x.dim() != 2:
-        raise ValueError(
-            f"{what} must be 2D [rows, cols], got shape {tuple(x.shape)}; flatten leading dims "
-            "first (hybridfp.formats.common.as_2d)."
-        )
 
 
 def _check_block(block: int) -> None:
@@ -68,7 +60,7 @@ def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
 def _quantize(x: torch.Tensor, dtype: torch.dtype, br: int, bc: int, power_2_scale: bool,
               eps: float, what: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize with ``br x bc`` tiles (br = 1: 1D blocks along the last dim)."""
-    _check_2d(x, f"{what} input")
+    check_2d(x, f"{what} input")
     _check_block(bc)
     xf = x.float()
     rows, cols = xf.shape
@@ -81,7 +73,7 @@ def _quantize(x: torch.Tensor, dtype: torch.dtype, br: int, bc: int, power_2_sca
 def _dequantize(data: torch.Tensor, scale_inv: torch.Tensor, br: int, bc: int,
                 out_dtype: torch.dtype, what: str) -> torch.Tensor:
     """``data * scale_inv`` per ``br x bc`` tile in FP32 (exact for power-of-two scales)."""
-    _check_2d(data, f"{what} data")
+    check_2d(data, f"{what} data")
     _check_block(bc)
     rows, cols = data.shape
     _check_scale_shape(scale_inv, (ceil_div(rows, br), ceil_div(cols, bc)), what)

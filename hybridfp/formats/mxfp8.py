@@ -45,6 +45,7 @@ from __future__ import annotations
 import torch
 
 from hybridfp.formats.common import (
+    check_2d,
     FP8_MAX,
     amax_nan,
     blocks_1d,
@@ -133,14 +134,6 @@ def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def _check_2d(x: torch.Tensor, what: str) -> None:
-    if x.dim() != 2:
-        raise ValueError(
-            f"{what} must be 2D [rows, cols], got shape {tuple(x.shape)}; flatten leading dims "
-            "first (hybridfp.formats.common.as_2d)."
-        )
-
-
 def _check_scale(scale: torch.Tensor, expected: tuple[int, int], what: str) -> None:
     if scale.dtype != torch.uint8:
         raise TypeError(f"{what}: scale must be uint8 E8M0 bytes, got {scale.dtype}.")
@@ -159,7 +152,7 @@ def quantize_1d(
     Returns ``(data [R, C] in dtype, scale uint8 E8M0 [R, ceil(C/32)])``.
     """
     check_input(x, "mxfp8.quantize_1d input")
-    _check_2d(x, "mxfp8.quantize_1d input")
+    check_2d(x, "mxfp8.quantize_1d input")
     dtype = fp8_dtype(dtype)
     xf = x.float()
     rows, cols = xf.shape
@@ -178,7 +171,7 @@ def quantize_2d(
     Returns ``(data [R, C] in dtype, scale uint8 E8M0 [ceil(R/32), ceil(C/32)])``.
     """
     check_input(x, "mxfp8.quantize_2d input")
-    _check_2d(x, "mxfp8.quantize_2d input")
+    check_2d(x, "mxfp8.quantize_2d input")
     dtype = fp8_dtype(dtype)
     xf = x.float()
     rows, cols = xf.shape
@@ -191,7 +184,7 @@ def dequantize_1d(
     data: torch.Tensor, scale: torch.Tensor, *, out_dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """``data * 2**(scale - 127)`` per 1x32 block in FP32 (exact), cast to ``out_dtype``."""
-    _check_2d(data, "mxfp8.dequantize_1d data")
+    check_2d(data, "mxfp8.dequantize_1d data")
     rows, cols = data.shape
     _check_scale(scale, (rows, ceil_div(cols, BLOCK)), "mxfp8.dequantize_1d")
     s = expand_blocks_1d(e8m0_to_float(scale.to(data.device)), BLOCK, cols)
@@ -202,7 +195,7 @@ def dequantize_2d(
     data: torch.Tensor, scale: torch.Tensor, *, out_dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """``data * 2**(scale - 127)`` per 32x32 tile in FP32 (exact), cast to ``out_dtype``."""
-    _check_2d(data, "mxfp8.dequantize_2d data")
+    check_2d(data, "mxfp8.dequantize_2d data")
     rows, cols = data.shape
     _check_scale(scale, (ceil_div(rows, BLOCK), ceil_div(cols, BLOCK)), "mxfp8.dequantize_2d")
     s = expand_blocks_2d(e8m0_to_float(scale.to(data.device)), BLOCK, BLOCK, rows, cols)

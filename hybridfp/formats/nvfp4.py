@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from hybridfp.formats.common import (
+    check_2d,
     FP32_MAX,
     FP8_MAX,
     amax_nan,
@@ -161,10 +162,7 @@ def unpack_fp4(packed: torch.Tensor, cols: int) -> torch.Tensor:
 
 def _check_2d(x: torch.Tensor, what: str) -> None:
     check_input(x, what)
-    if x.dim() != 2:
-        raise ValueError(
-            f"{what} must be 2D [R, C] (flatten leading dims first); got {tuple(x.shape)}."
-        )
+    check_2d(x, what)
 
 
 def _global_amax(
