@@ -13,8 +13,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .storage import (COLUMNWISE, DIRECTIONS, ROWWISE, MissingDirectionError, QuantizedStorage,
-                      check_direction)
+from .storage import (COLUMNWISE, DIRECTIONS, ROWWISE, STORAGE_REGISTRY, MissingDirectionError,
+                      QuantizedStorage, check_direction)
 
 
 class HybridStorage(QuantizedStorage):
@@ -85,6 +85,19 @@ class HybridStorage(QuantizedStorage):
 
     def _drop(self, direction: str) -> None:
         self.parts[direction] = None
+
+    def to_state(self) -> dict:
+        """Both parts' states."""
+        parts = {d: (p.to_state() if p is not None else None) for d, p in self.parts.items()}
+        return {"cls": "HybridStorage", "shape": tuple(self.shape), "dtype": self.dtype,
+                "label": self.label, "parts": parts}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "HybridStorage":
+        """Rebuild both parts, each by its own class."""
+        parts = {d: (STORAGE_REGISTRY[p["cls"]].from_state(p) if p is not None else None)
+                 for d, p in state["parts"].items()}
+        return cls(state["shape"], state["dtype"], parts[ROWWISE], parts[COLUMNWISE], label=state["label"])
 
     def format_key(self, direction: str) -> tuple:
         """The key of the part holding ``direction``."""

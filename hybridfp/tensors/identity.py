@@ -57,6 +57,14 @@ class IdentityStorage(QuantizedStorage):
                              "formats or shapes differ.")
         self.tensors()[0].copy_(src.tensors()[0])
 
+    @classmethod
+    def from_state(cls, state: dict) -> "IdentityStorage":
+        """Both directions share one payload, as when quantized."""
+        p = state["payloads"]
+        if p["rowwise"] is not None and p["columnwise"] is not None:
+            p = {"rowwise": p["rowwise"], "columnwise": p["rowwise"]}
+        return cls(state["shape"], state["dtype"], p["rowwise"], p["columnwise"], label=state["label"])
+
     def gemm_operand(self, direction: str) -> GemmOperand:
         """The held values in FP32; columnwise reads them transposed (a view)."""
         v = self.payload(direction)["data"].float()

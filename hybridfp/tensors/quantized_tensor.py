@@ -13,8 +13,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .hybrid import HybridStorage
-from .storage import DIRECTIONS, STORAGE_REGISTRY, QuantizedStorage
+from .storage import STORAGE_REGISTRY, QuantizedStorage
 
 #: aten op -> handler(func, args, kwargs). Filled by ``hybridfp.tensors.dispatch``.
 DISPATCH_TABLE: dict[Any, Callable[..., Any]] = {}
@@ -112,27 +111,12 @@ class QuantizedTensor(torch.Tensor):
 
 def storage_state(storage: QuantizedStorage) -> dict[str, Any]:
     """A plain-data description of a storage (safe for ``torch.load(weights_only=True)``)."""
-    if isinstance(storage, HybridStorage):
-        parts = {d: (storage_state(p) if p is not None else None) for d, p in storage.parts.items()}
-        return {"cls": "HybridStorage", "shape": tuple(storage.shape), "dtype": storage.dtype,
-                "label": storage.label, "parts": parts}
-    return {"cls": type(storage).__name__, "shape": tuple(storage.shape), "dtype": storage.dtype,
-            "label": storage.label, "meta": dict(storage.meta),
-            "payloads": {d: (dict(storage.payloads[d]) if storage.has(d) else None) for d in DIRECTIONS}}
+    return storage.to_state()
 
 
 def storage_from_state(state: dict[str, Any]) -> QuantizedStorage:
-    """Inverse of :func:`storage_state`."""
-    cls = STORAGE_REGISTRY[state["cls"]]
-    if cls is HybridStorage:
-        parts = {d: (storage_from_state(p) if p is not None else None) for d, p in state["parts"].items()}
-        return HybridStorage(state["shape"], state["dtype"], parts["rowwise"], parts["columnwise"],
-                             label=state["label"])
-    p = state["payloads"]
-    if p["rowwise"] is not None and p["columnwise"] is not None and cls.__name__ == "IdentityStorage":
-        p = {"rowwise": p["rowwise"], "columnwise": p["rowwise"]}  # one shared tensor
-    return cls(state["shape"], state["dtype"], p["rowwise"], p["columnwise"], label=state["label"],
-               **state["meta"])
+    """Inverse of :func:`storage_state` (the class is looked up by name in the registry)."""
+    return STORAGE_REGISTRY[state["cls"]].from_state(state)
 
 
 def _rebuild_quantized_tensor(state: dict[str, Any], requires_grad: bool,

@@ -148,6 +148,19 @@ class QuantizedStorage(Dim0Slicing, ABC):
     def _drop(self, direction: str) -> None:
         self.payloads[direction] = None
 
+    def to_state(self) -> dict:
+        """Plain data (names, shapes, dtypes, tensors) describing this storage, for saving."""
+        return {"cls": type(self).__name__, "shape": tuple(self.shape), "dtype": self.dtype,
+                "label": self.label, "meta": dict(self.meta),
+                "payloads": {d: (dict(self.payloads[d]) if self.has(d) else None) for d in DIRECTIONS}}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "QuantizedStorage":
+        """Inverse of :meth:`to_state`."""
+        p = state["payloads"]
+        return cls(state["shape"], state["dtype"], p["rowwise"], p["columnwise"], label=state["label"],
+                   **state["meta"])
+
     def part(self, direction: str) -> "QuantizedStorage":
         """The single-format storage holding ``direction`` (itself; hybrids return a part)."""
         self.payload(direction)  # raises MissingDirectionError naming direction and role
