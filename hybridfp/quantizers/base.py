@@ -13,11 +13,19 @@ from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Hashable, Optional
 
 import torch
+import torch.distributed as dist
 
 from ..formats.common import check_input
 from ..tensors import QuantizedStorage, QuantizedTensor
 from .backends import select_quantize_kernel
 from ..tensors.storage import COLUMNWISE, ROWWISE
+
+
+def all_reduce_amax(amax: torch.Tensor, group: Optional[Any]) -> torch.Tensor:
+    """All-reduce (MAX) ``amax`` in place over ``group`` so every rank uses the same scale."""
+    if group is not None:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    return amax
 
 
 class _QuantizeSTE(torch.autograd.Function):

@@ -34,10 +34,9 @@ from typing import Any, Optional
 
 import torch
 
-from ..formats import fp8_tensorwise
 from ..formats.common import HIGH_PRECISION_DTYPES, as_2d
 from ..tensors import Float8BlockStorage, Float8Storage, MXFP8Storage, NVFP4Storage
-from . import float8 as _float8
+from .base import all_reduce_amax
 from .backends import QuantizeKernel, register_quantize_kernel
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -61,7 +60,7 @@ def _reduce(amax: Optional[torch.Tensor], q: Any) -> Optional[torch.Tensor]:
     """All-reduce a per-tensor amax exactly as the reference does (same function)."""
     if amax is None or not q.with_amax_reduction:
         return amax
-    return _float8._reduce_amax(amax, q.amax_reduction_group)
+    return all_reduce_amax(amax, q.amax_reduction_group)
 
 
 # ---------------------------------------------------------------------------- FP8 per tensor

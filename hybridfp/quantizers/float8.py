@@ -9,19 +9,11 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 from ..formats import fp8_tensorwise
 from ..formats.common import amax_nan, as_2d, fp8_dtype as _fp8_dtype
 from ..tensors import Float8Storage, QuantizedStorage
-from .base import Quantizer
-
-
-def _reduce_amax(amax: torch.Tensor, group: Optional[Any]) -> torch.Tensor:
-    """All-reduce (MAX) ``amax`` over ``group`` so every rank uses the same scale."""
-    if group is not None:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    return amax
+from .base import Quantizer, all_reduce_amax
 
 
 def _float8_storage(q: Quantizer, x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
@@ -55,7 +47,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
         """One amax, one scale, one cast; the columnwise copy is its transpose."""
         amax = amax_nan(x)
         if self.with_amax_reduction:
-            amax = _reduce_amax(amax, self.amax_reduction_group)
+            amax = all_reduce_amax(amax, self.amax_reduction_group)
         scale = fp8_tensorwise.current_scale(amax, self.dtype, eps=self.amax_epsilon,
                                              power_2_scale=self.force_pow_2_scales)
         return _float8_storage(self, x, scale, self.dtype, rowwise, columnwise)
@@ -122,7 +114,7 @@ class Float8Quantizer(Quantizer):
     def update_scale(self, amax_reduction_group: Optional[Any] = None) -> None:
         """End-of-step update: (optionally all-reduce the newest amax,) new scale, roll history."""
         if amax_reduction_group is not None:
-            _reduce_amax(self.amax_history[0:1], amax_reduction_group)
+            all_reduce_amax(self.amax_history[0:1], amax_reduction_group)
         self.amax_history, self.scale = fp8_tensorwise.delayed_update(
             self.amax_history, self.scale, self.dtype, margin=self.margin, algo=self.amax_compute_algo)
         self._recorded = False

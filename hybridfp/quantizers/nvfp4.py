@@ -10,8 +10,7 @@ import torch
 from ..formats import nvfp4, rht
 from ..formats.common import amax_nan, as_2d
 from ..tensors import NVFP4Storage, QuantizedStorage
-from .base import Quantizer
-from .float8 import _reduce_amax
+from .base import Quantizer, all_reduce_amax
 
 
 class NVFP4Quantizer(Quantizer):
@@ -60,7 +59,7 @@ class NVFP4Quantizer(Quantizer):
     def _global_amax(self, x2: torch.Tensor) -> torch.Tensor:
         amax = amax_nan(x2)
         if self.with_amax_reduction:
-            amax = _reduce_amax(amax, self.amax_reduction_group)
+            amax = all_reduce_amax(amax, self.amax_reduction_group)
         return amax
 
     def _sr(self, seed: Optional[int], direction: int, device: torch.device) -> dict[str, object]:

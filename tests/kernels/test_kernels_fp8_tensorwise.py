@@ -16,6 +16,7 @@ from quantize_kernel_cases import (DTYPES, EMPTY_SHAPES, GPU_SHAPES, SHAPES, ass
 
 from hybridfp.quantizers import (Float8CurrentScalingQuantizer, Float8Quantizer, HybridQuantizer,  # noqa: E402
                                  fast)
+from hybridfp.quantizers import fast as fast_glue  # noqa: E402
 from hybridfp.quantizers import float8 as float8_quantizers  # noqa: E402
 from hybridfp.quantizers.backends import kernels_enabled  # noqa: E402
 
@@ -115,7 +116,9 @@ def test_fp8_tensorwise_kernel_empty(shape):
 def test_fp8_current_kernel_amax_reduction(monkeypatch):
     """The amax goes through the same reduction function as the reference's (here a stand-in
     for an all-reduce that sees a 4x larger amax on another rank)."""
-    monkeypatch.setattr(float8_quantizers, "_reduce_amax", lambda amax, group: amax * 4)
+    fake = lambda amax, group: amax * 4  # noqa: E731
+    monkeypatch.setattr(float8_quantizers, "all_reduce_amax", fake)  # reference path
+    monkeypatch.setattr(fast_glue, "all_reduce_amax", fake)  # kernel path
     q = Float8CurrentScalingQuantizer(with_amax_reduction=True, amax_reduction_group=object())
     check_against_reference(q, edge_tensor((33, 50), torch.bfloat16))
 

@@ -17,7 +17,6 @@ from quantize_kernel_cases import (DTYPES, EMPTY_SHAPES, GPU_SHAPES, SHAPES, ass
 from hybridfp.formats import nvfp4, rht  # noqa: E402
 from hybridfp.kernels import triton_nvfp4  # noqa: E402
 from hybridfp.quantizers import HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer, fast  # noqa: E402
-from hybridfp.quantizers import float8 as float8_quantizers  # noqa: E402
 from hybridfp.quantizers import nvfp4 as nvfp4_quantizers  # noqa: E402
 from hybridfp.quantizers.backends import kernels_enabled, select_quantize_kernel  # noqa: E402
 
@@ -125,10 +124,10 @@ def test_nvfp4_kernel_sr_seed():
 @interpreter_only
 def test_nvfp4_kernel_amax_reduction(monkeypatch):
     """The kernel path reduces the same amaxes as the reference (a stand-in all-reduce that
-    sees a 3x larger amax elsewhere; the NVFP4 quantizer imported the function by name)."""
+    sees a 3x larger amax elsewhere; patched where each path imported it by name)."""
     fake = lambda amax, group: amax * 3  # noqa: E731
-    monkeypatch.setattr(float8_quantizers, "_reduce_amax", fake)
-    monkeypatch.setattr(nvfp4_quantizers, "_reduce_amax", fake)
+    monkeypatch.setattr(nvfp4_quantizers, "all_reduce_amax", fake)  # reference path
+    monkeypatch.setattr(fast, "all_reduce_amax", fake)  # kernel path
     for cfg in CONFIGS.values():
         q = NVFP4Quantizer(**cfg, with_amax_reduction=True, amax_reduction_group=object())
         check_against_reference(q, edge_tensor((33, 40), torch.bfloat16, seed=5))
