@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import fp8_tensorwise
-from .storage import COLUMNWISE, ROWWISE, GemmOperand, Payload, QuantizedStorage
+from .storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
 
 
 class Float8Storage(QuantizedStorage):
@@ -37,7 +36,3 @@ class Float8Storage(QuantizedStorage):
         """FP8 values as stored; the per-tensor scale_inv goes to the epilogue."""
         p = self.payload(direction)
         return GemmOperand(p["data"].float(), p["scale_inv"], p["data"].shape[1])
-
-    def _decode(self, direction: str, payload: Payload) -> torch.Tensor:
-        out = fp8_tensorwise.dequantize(payload["data"], payload["scale_inv"])
-        return out if direction == ROWWISE else out.t()

@@ -13,7 +13,7 @@ import torch
 
 from ..formats import fp8_block
 from ..formats.common import ceil_div
-from .storage import COLUMNWISE, ROWWISE, GemmOperand, Payload, QuantizedStorage
+from .storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
 
 
 class Float8BlockStorage(QuantizedStorage):
@@ -44,8 +44,3 @@ class Float8BlockStorage(QuantizedStorage):
         p = self.payload(direction)
         deq = fp8_block.dequantize_1d if self.meta["block_dim"] == 1 else fp8_block.dequantize_2d
         return GemmOperand(deq(p["data"], p["scale_inv"], block=self.meta["block"]), None, p["data"].shape[1])
-
-    def _decode(self, direction: str, payload: Payload) -> torch.Tensor:
-        deq = fp8_block.dequantize_1d if self.meta["block_dim"] == 1 else fp8_block.dequantize_2d
-        out = deq(payload["data"], payload["scale_inv"], block=self.meta["block"])
-        return out if direction == ROWWISE else out.t()

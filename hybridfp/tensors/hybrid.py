@@ -103,10 +103,6 @@ class HybridStorage(QuantizedStorage):
         """The key of the part holding ``direction``."""
         return self.part(direction).format_key(direction)
 
-    def _decode(self, direction: str, payload) -> torch.Tensor:
-        """Decoding is the part's job: delegate."""
-        return self.part(direction).decode(direction)
-
     @classmethod
     def _payload_layout(cls, direction: str, rows: int, cols: int, meta: dict[str, object]):
         """A hybrid has no payload of its own; its parts are allocated by their quantizers."""
@@ -214,4 +210,3 @@ class HybridStorage(QuantizedStorage):
     def _new(self, shape, payloads, dtype=None):  # type: ignore[override]
         parts = {d: (p._new(shape, p.payloads, dtype) if p else None) for d, p in self.parts.items()}
         return HybridStorage(shape, dtype or self.dtype, parts[ROWWISE], parts[COLUMNWISE], label=self.label)
-

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .storage import COLUMNWISE, ROWWISE, GemmOperand, Payload, QuantizedStorage
+from .storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
 
 
 class IdentityStorage(QuantizedStorage):
@@ -70,9 +70,6 @@ class IdentityStorage(QuantizedStorage):
         v = self.payload(direction)["data"].float()
         v = v if direction == ROWWISE else v.t()
         return GemmOperand(v, None, v.shape[1])
-
-    def _decode(self, direction: str, payload: Payload) -> torch.Tensor:
-        return payload["data"].float()
 
     def dequantize(self, dtype=None, direction=None) -> torch.Tensor:  # type: ignore[override]
         """The held tensor (cast only if ``dtype`` differs), original shape."""

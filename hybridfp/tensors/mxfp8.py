@@ -13,7 +13,7 @@ import torch
 
 from ..formats import mxfp8
 from ..formats.common import ceil_div
-from .storage import COLUMNWISE, ROWWISE, GemmOperand, Payload, QuantizedStorage
+from .storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
 
 
 class MXFP8Storage(QuantizedStorage):
@@ -43,8 +43,3 @@ class MXFP8Storage(QuantizedStorage):
         p = self.payload(direction)
         deq = mxfp8.dequantize_2d if self.meta["block_2d"] else mxfp8.dequantize_1d
         return GemmOperand(deq(p["data"], p["scale"]), None, p["data"].shape[1])
-
-    def _decode(self, direction: str, payload: Payload) -> torch.Tensor:
-        deq = mxfp8.dequantize_2d if self.meta["block_2d"] else mxfp8.dequantize_1d
-        out = deq(payload["data"], payload["scale"])
-        return out if direction == ROWWISE else out.t()

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import nvfp4, rht
+from ..formats import nvfp4
 from ..formats.common import ceil_div
-from .storage import COLUMNWISE, ROWWISE, GemmOperand, Payload, QuantizedStorage
+from .storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
 
 
 class NVFP4Storage(QuantizedStorage):
@@ -84,13 +84,3 @@ class NVFP4Storage(QuantizedStorage):
         stored = ceil_div(k, nvfp4.BLOCK) * nvfp4.BLOCK if rht_on else k
         s_dec = nvfp4.global_decode_scale(p["amax"])
         return GemmOperand(decode(p["data"], p["scale"], stored), s_dec, k, rht_on)
-
-    def _decode(self, direction: str, payload: Payload) -> torch.Tensor:
-        deq = nvfp4.dequantize_2d if self.meta["block_2d"] else nvfp4.dequantize_1d
-        if direction == ROWWISE:
-            return deq(payload["data"], payload["scale"], payload["amax"], self.cols)
-        if self.meta["rht"]:
-            stored_len = ceil_div(self.rows, nvfp4.BLOCK) * nvfp4.BLOCK
-            y = deq(payload["data"], payload["scale"], payload["amax"], stored_len)
-            return rht.apply_inverse_rht(y, self.rows).t()
-        return deq(payload["data"], payload["scale"], payload["amax"], self.rows).t()

@@ -9,8 +9,9 @@ block boundaries — is done here from two per-format tables, so a new format on
   leading (row) index: ``(axis, divisor)`` means rows ``r`` live at index ``r // divisor``
   of that axis; ``None`` means the tensor is not indexed by rows (e.g. a per-tensor scale).
 - ``_payload_layout(direction, rows, cols)``: shapes and dtypes of an empty payload.
-- ``_decode(direction, payload)``: the FP32 [rows, cols] value of one copy, in the tensor's
-  original orientation (columnwise copies are stored transposed; the storage undoes that).
+- ``gemm_operand(direction)``: one copy as a GEMM reads it (block-decoded FP32 values in the
+  stored orientation, plus the global scale); ``decode`` / ``dequantize`` derive the value in
+  the original orientation from it (columnwise copies are stored transposed).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Callable, ClassVar, Optional
 
 import torch
 
+from ..formats import rht
 from .slicing import Dim0Slicing
 
 ROWWISE = "rowwise"
@@ -193,12 +195,16 @@ class QuantizedStorage(Dim0Slicing, ABC):
         return self.directions()[0]
 
     def decode(self, direction: str) -> torch.Tensor:
-        """FP32 [rows, cols] value of one copy, original orientation."""
-        return self._decode(direction, self.payload(direction))
-
-    @abstractmethod
-    def _decode(self, direction: str, payload: Payload) -> torch.Tensor:
-        """FP32 [rows, cols] value of one payload, original orientation."""
+        """FP32 [rows, cols] value of one copy, original orientation: the GEMM view with its
+        global scale applied (and, for an RHT copy, the transform undone) — one definition of
+        dequantization per format, shared with the GEMM path."""
+        op = self.gemm_operand(direction)
+        v = op.values
+        if op.scale is not None:
+            v = v * (op.scale.reshape(-1, 1) if op.scale.dim() else op.scale)
+        if op.rht:
+            v = rht.apply_inverse_rht(v, op.k)
+        return v if direction == ROWWISE else v.t()
 
     @classmethod
     @abstractmethod
