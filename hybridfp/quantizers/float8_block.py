@@ -59,7 +59,8 @@ class Float8BlockQuantizer(Quantizer):
         return Float8BlockStorage(x.shape, x.dtype, row, col, label=self.label, **self.storage_meta())
 
     def storage_meta(self) -> dict[str, object]:
-        return {"fp8_dtype": self.dtype, "block_dim": self.block_scaling_dim, "block": 128}
+        return {"fp8_dtype": self.dtype, "block_dim": self.block_scaling_dim, "block": 128,
+                "pow2_scales": self.force_pow_2_scales}
 
     def settings(self) -> dict[str, object]:
         return {"fp8_dtype": self.dtype, "block_scaling_dim": self.block_scaling_dim,

@@ -7,6 +7,8 @@ FP8 GEMMs are TN-only, so the backward copy is kept in the layout cuBLAS consume
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
@@ -31,6 +33,10 @@ class Float8Storage(QuantizedStorage):
     @classmethod
     def _shared_names(cls, meta: dict[str, object]) -> frozenset[str]:
         return frozenset({"scale_inv"})  # one scale for both copies (SPEC §2.1)
+
+    def bf16_exact_reason(self, direction: str) -> Optional[str]:
+        """FP8 E4M3/E5M2 codes are exact in BF16 (scale_inv stays in the epilogue)."""
+        return None
 
     def gemm_operand(self, direction: str) -> GemmOperand:
         """FP8 values as stored; the per-tensor scale_inv goes to the epilogue."""

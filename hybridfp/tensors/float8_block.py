@@ -9,6 +9,8 @@ columnwise copy holds the same values, transposed (data and tile scales).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..formats import fp8_block
@@ -21,7 +23,7 @@ class Float8BlockStorage(QuantizedStorage):
 
     format_name = "FP8 block"
     precision_rank = 2
-    _meta_defaults = {"fp8_dtype": torch.float8_e4m3fn, "block_dim": 1, "block": 128}
+    _meta_defaults = {"fp8_dtype": torch.float8_e4m3fn, "block_dim": 1, "block": 128, "pow2_scales": True}
 
     @property
     def _row_index(self):  # type: ignore[override]
@@ -38,6 +40,10 @@ class Float8BlockStorage(QuantizedStorage):
         r, c = (rows, cols) if direction == ROWWISE else (cols, rows)
         sr = r if meta["block_dim"] == 1 else ceil_div(r, b)
         return {"data": ((r, c), meta["fp8_dtype"]), "scale_inv": ((sr, ceil_div(c, b)), torch.float32)}
+
+    def bf16_exact_reason(self, direction: str) -> Optional[str]:
+        """Power-of-two block scales times FP8 codes are exact in BF16; FP32 scales are not."""
+        return None if self.meta["pow2_scales"] else "FP32 (non power-of-two) block scales"
 
     def gemm_operand(self, direction: str) -> GemmOperand:
         """Block-decoded values in the stored orientation (no per-tensor factor)."""

@@ -6,6 +6,8 @@ holding both copies costs nothing extra.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
@@ -64,6 +66,11 @@ class IdentityStorage(QuantizedStorage):
         if p["rowwise"] is not None and p["columnwise"] is not None:
             p = {"rowwise": p["rowwise"], "columnwise": p["rowwise"]}
         return cls(state["shape"], state["dtype"], p["rowwise"], p["columnwise"], label=state["label"])
+
+    def bf16_exact_reason(self, direction: str) -> Optional[str]:
+        """Only BF16 values are BF16; an exact GEMM of FP32/FP16 values needs FP32 products."""
+        dt = self.payload(direction)["data"].dtype
+        return None if dt == torch.bfloat16 else f"{str(dt).replace('torch.', '')} values"
 
     def gemm_operand(self, direction: str) -> GemmOperand:
         """The held values in FP32; columnwise reads them transposed (a view)."""

@@ -14,6 +14,8 @@ orientation; both copies hold the same values.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..formats import nvfp4
@@ -72,6 +74,11 @@ class NVFP4Storage(QuantizedStorage):
         else:
             meta["row_scaled"] = False
         return super().key_for(direction, meta)
+
+    def bf16_exact_reason(self, direction: str) -> Optional[str]:
+        """E2M1 x E4M3 block scale has at most 6 significant bits and lies in [2**-10, 2688]:
+        exact in BF16 (S_dec stays in the epilogue)."""
+        return None
 
     def gemm_operand(self, direction: str) -> GemmOperand:
         """q x E4M3 block scale (exact in FP32), stored orientation; S_dec (per tensor, or per

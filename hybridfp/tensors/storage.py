@@ -182,6 +182,12 @@ class QuantizedStorage(Dim0Slicing, ABC):
     def gemm_operand(self, direction: str) -> "GemmOperand":
         """The ``direction`` copy as a GEMM reads it (see :class:`GemmOperand`)."""
 
+    def bf16_exact_reason(self, direction: str) -> Optional[str]:
+        """None if the ``direction`` copy's block-decoded values (``gemm_operand(direction).values``)
+        are all exactly representable in BF16, so a BF16 tensor-core GEMM with FP32 accumulation
+        computes the exact product; otherwise why not (formats opt in by overriding)."""
+        return f"{self.format_name} values have no exact BF16 decode"
+
     # ------------------------------------------------------------------ values
     def dequantize(self, dtype: Optional[torch.dtype] = None, direction: Optional[str] = None) -> torch.Tensor:
         """High-precision value of one copy (default: the more precise one), original shape."""
