@@ -26,6 +26,7 @@ from ..gemm import EmulatedGemmWarning
 from .data import DataError, load_data
 from .loop import DTYPES, FIXED_ON_RESUME, RunResult, TrainConfig, count_params, train_recipe
 from .model import PRESETS, GPTConfig
+from .parallel import RESULTS_FILE, run_parallel, write_results
 from .plot import plot_losses
 from .recipes_by_name import known_names, parse_recipe, parse_recipe_list
 from .report import summary_markdown, write_summary
@@ -66,6 +67,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue the runs in --out from their checkpoints, bit for bit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="train the compared recipes in N concurrent worker processes (spread over "
+                        "the visible GPUs with --device cuda); default 1: one after the other")
     p.add_argument("--list-recipes", action="store_true", help="print the recipe names and exit")
 
 
@@ -170,17 +174,26 @@ def run_train(args: argparse.Namespace) -> int:
     print(f"recipes: {', '.join(r.label for r in recipes)}  ->  {out}/")
     info = {"params": params, "device": device_name, "data": data.source,
             "metrics": str(out / "metrics.jsonl"), "plot": str(out / "loss.png"),
-            "resume_command": f"hybridfp train --resume --out {out} --steps {2 * cfg.steps}"}
+            "resume_command": f"hybridfp train --resume --out {out} --steps {2 * cfg.steps}"
+                              + (f" --jobs {args.jobs}" if args.jobs > 1 else "")}
     results: list[RunResult] = []
     t0 = time.perf_counter()
+    title = f"hybridfp train, preset {cfg.preset}"
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be at least 1; got {args.jobs}.")
+    if args.jobs > 1 and len(recipes) > 1:
+        results = run_parallel(cfg, recipes, out, args.jobs, args.resume, args.cache_dir)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EmulatedGemmWarning)  # listed in summary.md instead
-        for named in recipes:
+        for named in recipes if not results else []:
             resume = args.resume and (out / "checkpoints" / f"{named.slug}.pt").is_file()
             results.append(train_recipe(cfg, named, data, out, resume=resume, progress=not args.no_progress))
             results[-1].model = None  # free memory before the next recipe
-            plot_losses(results, out / "loss.png", title=f"hybridfp train, preset {cfg.preset}")
+            plot_losses(results, out / "loss.png", title=title)
             write_summary(out / "summary.md", results, cfg, info)
+            write_results(out / RESULTS_FILE, results)
+    plot_losses(results, out / "loss.png", title=title)
+    write_summary(out / "summary.md", results, cfg, info)
     print()
     print(summary_markdown(results, cfg, info).split("## GEMMs")[0].rstrip())
     print(f"\ndone in {time.perf_counter() - t0:.0f} s")

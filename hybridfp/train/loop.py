@@ -19,7 +19,7 @@ import copy
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -37,6 +37,8 @@ from .model import GPT, GPTConfig
 from .recipes_by_name import NamedRecipe
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+#: Seed of the fixed validation batches (every run, whatever its own seed).
+VAL_SEED = 0
 #: Settings a resumed run takes from its checkpoint (changing them would change the run).
 FIXED_ON_RESUME = ("preset", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup", "lr_decay_steps",
                    "weight_decay", "grad_clip", "seed", "dtype", "data", "eval_iters")
@@ -152,7 +154,9 @@ def evaluate(model: GPT, named: NamedRecipe, data: TokenData, cfg: TrainConfig) 
     saved = copy.deepcopy(quantizer_state(model, named.recipe))
     model.eval()
     losses = []
-    for x, y in val_batches(data, cfg.batch_size, cfg.seq_len, cfg.seed, cfg.eval_iters):
+    # The validation batches do not depend on the run's seed: runs at several seeds (the noise
+    # floor of a comparison) are then scored on the same text.
+    for x, y in val_batches(data, cfg.batch_size, cfg.seq_len, VAL_SEED, cfg.eval_iters):
         with autocast(recipe=named.recipe):
             _, loss = model(x.to(cfg.device), y.to(cfg.device))
         losses.append(loss.float().item())
@@ -211,7 +215,11 @@ class MetricsLog:
 def train_recipe(cfg: TrainConfig, named: NamedRecipe, data: TokenData, out_dir: Path, *,
                  resume: bool = False, progress: bool = True,
                  log: Callable[[str], None] = print) -> RunResult:
-    """Train (or resume) one recipe for ``cfg.steps`` steps; write metrics and a checkpoint."""
+    """Train (or resume) one recipe for ``cfg.steps`` steps; write metrics and a checkpoint.
+
+    A recipe given with its own seed (``bf16@seed=1``) replaces ``cfg.seed`` for this run."""
+    if named.seed is not None:
+        cfg = replace(cfg, seed=named.seed)
     ckpt_path = out_dir / "checkpoints" / f"{named.slug}.pt"
     metrics = MetricsLog(out_dir / "metrics.jsonl")
     model = build_model(cfg, data.vocab_size)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 from .. import factories
 from ..recipes import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
@@ -33,6 +33,8 @@ class NamedRecipe:
     label: str
     recipe: Recipe
     description: str
+    #: The run's own seed (``NAME@seed=K``), else None: the run's ``--seed``.
+    seed: Optional[int] = None
 
     @property
     def slug(self) -> str:
@@ -133,8 +135,21 @@ def parse_user_recipe(spec: str) -> NamedRecipe:
 
 
 def parse_recipe(spec: str) -> NamedRecipe:
-    """One recipe name/spec -> NamedRecipe (see the module docstring)."""
+    """One recipe name/spec -> NamedRecipe (see the module docstring).
+
+    A ``@seed=K`` suffix runs the recipe with seed K (init, data order, stochastic rounding),
+    e.g. ``bf16,bf16@seed=1`` measures the seed-to-seed noise floor of a comparison."""
     spec = spec.strip()
+    base, sep, seed_text = spec.rpartition("@seed=")
+    if sep:
+        try:
+            seed = int(seed_text)
+        except ValueError:
+            raise ValueError(f"recipe {spec!r}: the seed after '@seed=' must be an integer, e.g. "
+                             "bf16@seed=1.") from None
+        named = parse_recipe(base)
+        return NamedRecipe(f"{named.label}@seed={seed}", named.recipe,
+                           f"{named.description}, seed {seed}", seed)
     if not spec:
         raise _unknown(spec)
     if _normalize(spec.split(":", 1)[0]) == "per-gemm" and ":" in spec:

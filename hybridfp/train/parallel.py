@@ -1,0 +1,111 @@
+"""``hybridfp train --jobs N``: the compared recipes as N concurrent worker processes.
+
+A small model does not fill a GPU, and several GPUs may be present: each recipe then runs in
+its own ``python -m hybridfp.train --recipe R`` process with the run's resolved settings (so
+every recipe still starts from the same weights and sees the same batches), writing under
+``<out>/parts/<slug>/``; recipes are assigned round-robin to the visible CUDA devices. When
+all are done their metrics, checkpoints and results are gathered into ``<out>`` like a
+sequential run's.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .loop import RunResult, TrainConfig
+from .recipes_by_name import NamedRecipe
+
+#: TrainConfig fields forwarded as flags (resolved values, not the preset's defaults).
+_FORWARDED = ("steps", "batch_size", "seq_len", "lr", "warmup", "lr_decay_steps", "eval_interval",
+              "eval_iters", "checkpoint_interval", "dtype", "seed")
+RESULTS_FILE = "results.json"
+
+
+def worker_devices(device: str, n_jobs: int) -> list[str]:
+    """One device per job: ``cuda`` spreads over every visible GPU, anything else is kept."""
+    if device == "cuda" and torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        return [f"cuda:{i % count}" for i in range(n_jobs)]
+    return [device] * n_jobs
+
+
+def worker_argv(cfg: TrainConfig, named: NamedRecipe, part: Path, device: str, resume: bool,
+                cache_dir: Optional[str]) -> list[str]:
+    """The command line of the worker that trains ``named`` into ``part`` (a label parses back
+    to its recipe)."""
+    argv = [sys.executable, "-m", "hybridfp.train", "--preset", cfg.preset, "--recipe", named.label,
+            "--out", str(part), "--device", device, "--no-progress"]
+    if resume:
+        argv = [sys.executable, "-m", "hybridfp.train", "--resume", "--out", str(part), "--steps",
+                str(cfg.steps), "--eval-interval", str(cfg.eval_interval), "--device", device,
+                "--no-progress", "--checkpoint-interval", str(cfg.checkpoint_interval)]
+    else:
+        for key in _FORWARDED:
+            argv += [f"--{key.replace('_', '-')}", str(getattr(cfg, key))]
+        if cfg.data:
+            argv += ["--data", cfg.data]
+    if cache_dir:
+        argv += ["--cache-dir", cache_dir]
+    return argv
+
+
+def write_results(path: Path, results: Sequence[RunResult]) -> None:
+    """``results.json``: what summary.md needs from each run besides its metrics."""
+    path.write_text(json.dumps([{"label": r.label, "description": r.description, "tokens": r.tokens,
+                                 "train_seconds": r.train_seconds, "emulated": r.emulated,
+                                 "checkpoint": r.checkpoint} for r in results], indent=1))
+
+
+def read_result(part: Path, label: str) -> RunResult:
+    """One worker's RunResult, its metrics included."""
+    entry = next(e for e in json.loads((part / RESULTS_FILE).read_text()) if e["label"] == label)
+    records = [r for r in (json.loads(line) for line in (part / "metrics.jsonl").read_text().splitlines())
+               if r["recipe"] == label]
+    return RunResult(entry["label"], entry["description"], records, entry["emulated"], entry["tokens"],
+                     entry["train_seconds"], entry["checkpoint"])
+
+
+def run_parallel(cfg: TrainConfig, recipes: Sequence[NamedRecipe], out: Path, n_jobs: int,
+                 resume: bool, cache_dir: Optional[str], log: Callable[[str], None] = print) -> list[RunResult]:
+    """Train every recipe in worker processes, ``n_jobs`` at a time; results in order."""
+    devices = worker_devices(cfg.device, len(recipes))
+    pending = deque(enumerate(recipes))
+    running: dict[int, tuple[subprocess.Popen, Path, float]] = {}
+    failed: list[str] = []
+    while pending or running:
+        while pending and len(running) < n_jobs:
+            i, named = pending.popleft()
+            part = out / "parts" / named.slug
+            part.mkdir(parents=True, exist_ok=True)
+            logf = open(part / "log.txt", "a")
+            argv = worker_argv(cfg, named, part, devices[i], resume, cache_dir)
+            running[i] = (subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT), part, time.time())
+            logf.close()
+            log(f"[{named.label}] started on {devices[i]} -> {part}/")
+        time.sleep(0.5)
+        for i, (proc, part, t0) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            del running[i]
+            label = recipes[i].label
+            if proc.returncode:
+                tail = "".join((part / "log.txt").read_text().splitlines(keepends=True)[-15:])
+                failed.append(f"{label} (exit {proc.returncode}; log {part / 'log.txt'}):\n{tail}")
+                log(f"[{label}] FAILED after {time.time() - t0:.0f} s")
+            else:
+                log(f"[{label}] done in {time.time() - t0:.0f} s")
+    if failed:
+        raise RuntimeError("worker runs failed:\n" + "\n".join(failed))
+    results = [read_result(out / "parts" / named.slug, named.label) for named in recipes]
+    with open(out / "metrics.jsonl", "w") as f:
+        for r in results:
+            f.writelines(json.dumps(rec) + "\n" for rec in r.records)
+    return results
