@@ -7,8 +7,9 @@ backward with a fixed random dy. hybridfp modules' quantized-weight caches are c
 step, so weights are quantized every step as after an optimizer update (torchao does too).
 
 Variants: BF16 eager (nn.Linear), BF16 torch.compile, hybridfp under autocast with
-Float8CurrentScaling, Float8BlockScaling and the hybrid per_gemm(fprop="fp8_current",
-dgrad="fp8_block", wgrad="fp8_block") as a CustomRecipe; torchao float8 training
+Float8CurrentScaling, Float8BlockScaling, the hybrid per_gemm(fprop="fp8_current",
+dgrad="fp8_block", wgrad="fp8_block") as a CustomRecipe, MXFP8BlockScaling, per_gemm(fprop=
+"nvfp4", dgrad="mxfp8", wgrad="mxfp8") and NVFP4BlockScaling (NVIDIA's defaults); torchao float8 training
 (tensorwise, rowwise) compiled, when torchao imports. "speedup" = BF16 eager time / time.
 
     python -m bench.bench_mlp [--out results.json] [--quick] [--deadline-s S] [--linear-compiled]
@@ -34,10 +35,14 @@ from hybridfp.nn.base import QuantizedModule
 
 D, H, TOKENS = 4096, 14336, 16384
 HYBRID = hybridfp.factories.per_gemm(fprop="fp8_current", dgrad="fp8_block", wgrad="fp8_block")
+NVFP4_MXFP8 = hybridfp.factories.per_gemm(fprop="nvfp4", dgrad="mxfp8", wgrad="mxfp8")
 RECIPES = [
     ("hybridfp FP8 current", lambda: hybridfp.Float8CurrentScaling()),
     ("hybridfp FP8 block", lambda: hybridfp.Float8BlockScaling()),
     ("hybridfp hybrid FP8-current fwd / FP8-block bwd", lambda: hybridfp.CustomRecipe(qfactory=HYBRID)),
+    ("hybridfp MXFP8", lambda: hybridfp.MXFP8BlockScaling()),
+    ("hybridfp NVFP4 fwd / MXFP8 bwd", lambda: hybridfp.CustomRecipe(qfactory=NVFP4_MXFP8)),
+    ("hybridfp NVFP4 (2D weights, RHT, SR)", lambda: hybridfp.NVFP4BlockScaling()),
 ]
 
 
