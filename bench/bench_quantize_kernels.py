@@ -8,8 +8,8 @@ quantizer configuration the time of ``q.encode(x, rowwise, columnwise)`` (the re
 kernel, all its launches and allocations) is the median of ``triton.testing.do_bench``.
 Bytes: "min" = input read once + payloads written (the least any implementation moves);
 "moved" adds one more input read for the two-pass kernels (current scaling, NVFP4: an amax
-pass, then the cast pass). Stochastic rounding also writes (torch.rand) and reads FP32 draws,
-not counted in either. GB/s and % of copy are given for both; the copy bandwidth
+pass, then the cast pass). Stochastic rounding draws its random numbers inside the kernel
+(Philox, hybridfp/kernels/triton_sr.py): no extra traffic. GB/s and % of copy are given for both; the copy bandwidth
 (read + write of a same-size tensor) is measured in the same process.
 
 ``--sweep`` also times a few tile / warp configurations of each kernel entry point.
@@ -50,6 +50,8 @@ CASES = [  # name, factory, rowwise, columnwise, passes over the input
     ("nvfp4 rht col", lambda: NVFP4Quantizer(with_rht=True), False, True, 2),
     ("nvfp4 2d row+col", lambda: NVFP4Quantizer(with_2d_quantization=True), True, True, 2),
     ("nvfp4 grad (rht+sr) row+col", lambda: NVFP4Quantizer(with_rht=True, stochastic_rounding=True), True, True, 2),
+    ("nvfp4 grad (rht+sr) col", lambda: NVFP4Quantizer(with_rht=True, stochastic_rounding=True), False, True, 2),
+    ("nvfp4 sr row", lambda: NVFP4Quantizer(stochastic_rounding=True), True, False, 2),
 ]
 
 
@@ -105,29 +107,23 @@ def main() -> None:
 def run_sweep(x: torch.Tensor, copy: float) -> list[dict]:
     """Direct entry points at a few tiles / warps / store variants (min bytes, one pass each)."""
     g = _common.global_amax(x)
-    variants = [
-        ("mxfp8 col 64x64 nw8", lambda: triton_mxfp8.quantize(x, E4M3, rowwise=False)),
-        ("mxfp8 col 64x64 nw8 int32-packed", lambda: triton_mxfp8.quantize(x, E4M3, rowwise=False, pack=True)),
-        ("mxfp8 row+col 64x64 nw8 int32-packed", lambda: triton_mxfp8.quantize(x, E4M3, pack=True)),
-    ]
-    for blk, nw in [((32, 64), 4), ((64, 128), 8)]:
+    variants = []
+    for blk, nw in [((64, 64), 8), ((32, 64), 4), ((64, 128), 8), ((128, 64), 8)]:
         variants.append((f"mxfp8 row+col {blk} nw{nw}",
                          lambda b=blk, n=nw: triton_mxfp8.quantize(x, E4M3, block=b, num_warps=n)))
-    for cw, nw in [(32, 8), (16, 4)]:
+    for blk, nw in [((64, 64), 8), ((64, 128), 8), ((128, 128), 8), ((32, 128), 4)]:
+        variants.append((f"fp8 cast pass row+col {blk} nw{nw}", lambda b=blk, n=nw: triton_fp8_tensorwise.quantize(
+            x, E4M3, amax=g, block=b, num_warps=n)))
+    for cw, nw in [(32, 8), (16, 4), (64, 8)]:
         variants.append((f"fp8 block 1d chunk{cw} nw{nw}", lambda c=cw, n=nw: triton_fp8_block.quantize(
             x, E4M3, block_dim=1, chunk=c, num_warps=n)))
-    for blk, nw in [((2, 64), 4)]:
+    for blk, nw in [((4, 64), 8), ((2, 64), 4), ((4, 128), 8), ((8, 64), 8), ((2, 128), 4)]:
         variants.append((f"nvfp4 1d cast {blk} nw{nw}", lambda b=blk, n=nw: triton_nvfp4.quantize_1d(
             x, g, g, block=b, num_warps=n)))
-        variants.append((f"nvfp4 rht cast {blk} nw{nw}", lambda b=blk, n=nw: triton_nvfp4.quantize_1d(
-            x, g, g, rht=True, block=b, num_warps=n)))
+        variants.append((f"nvfp4 rht+sr cast {blk} nw{nw}", lambda b=blk, n=nw: triton_nvfp4.quantize_1d(
+            x, g, g, rht=True, seed=1, block=b, num_warps=n)))
     variants.append(("amax pass 64x128", lambda: _common.global_amax(x)))
     variants.append(("nvfp4 amax+rht-amax pass", lambda: triton_nvfp4.amaxes(x, rht_amax=True)))
-    variants.append(("fp8 cast pass (current)", lambda: triton_fp8_tensorwise.quantize(x, E4M3, amax=g)))
-    a = triton_mxfp8.quantize(x, E4M3, rowwise=False)[1]
-    b = triton_mxfp8.quantize(x, E4M3, rowwise=False, pack=True)[1]
-    print("int32-packed columnwise MXFP8 copy bitwise equal to the byte store:",
-          torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1]))
     out = []
     for name, fn in variants:
         res = fn()

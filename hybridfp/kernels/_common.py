@@ -2,12 +2,21 @@
 integer and FP32 arithmetic, NaN-propagating block amaxes, the scale rules of SPEC §2, and a
 global-amax kernel.
 
-Why no framework casts: under ``TRITON_INTERPRET=1`` Triton's ``.to(float8)`` mis-rounds
-values that round across a power of two, its E5M2 casts differ from torch's, overflow does not
-saturate, and ``.to(bfloat16)`` truncates (DESIGN.md, checked here too). So every kernel
-clamps, rounds to the grid with the integer code below and stores the code bytes (uint8
-views of the FP8 outputs): the same bits under the interpreter and on the GPU. FP16 is the
-exception: ``.to(float16)`` rounds correctly in both, so :func:`round_to_dtype` uses it.
+Why no framework casts under the interpreter: with ``TRITON_INTERPRET=1`` Triton's
+``.to(float8)`` mis-rounds values that round across a power of two, its E5M2 casts differ from
+torch's, overflow does not saturate, and ``.to(bfloat16)`` truncates (DESIGN.md, checked here
+too). So every kernel clamps, then rounds to the grid with the integer code of
+:func:`fp8_code` and stores the code bytes (uint8 views of the FP8 outputs). On the GPU the
+same function uses the hardware conversion instead (``HW``, a constexpr chosen by the device:
+:func:`hw_fp8`): sm89+ ``cvt.rn.satfinite.e4m3x2/e5m2x2.f32`` is a correctly rounded RNE cast,
+so on a clamped value it gives the integer code's bits in ~1 instruction instead of ~20 (the
+GPU bitwise tests cover every grid point, midpoint +- 2**-20, subnormals and NaN). FP16 is
+the exception: ``.to(float16)`` rounds correctly in both, so :func:`round_to_dtype` uses it.
+
+Addressing: kernels form one 64-bit base pointer per program (tile origin) and int32 offsets
+inside the tile (:func:`tile_offsets`); 64-bit arithmetic on every element cost more than the
+quantization itself. The wrappers check that a tile's offsets fit in int32
+(:func:`check_int32_tiles`).
 
 Arithmetic is IEEE FP32 everywhere the reference divides (``tl.math.div_rn``; Triton's ``/``
 is an approximate division on NVIDIA GPUs) and mirrors the reference's operation order. No
@@ -91,6 +100,24 @@ def bf16_nan_bits(device: torch.device) -> int:
     return BF16_NAN_BITS["cuda" if device.type == "cuda" else "cpu"]
 
 
+def hw_fp8(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may use the hardware FP32 -> FP8 conversion: compiled CUDA
+    code on sm89+ (the interpreter runs on CPU tensors and keeps the integer rounding)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+#: Largest tile extent (rows or columns) any kernel uses; bounds the int32 tile offsets.
+MAX_TILE: int = 256
+
+
+def check_int32_tiles(*extents: int) -> None:
+    """Raise if an int32 offset inside a tile could overflow: every kernel's in-tile offset is
+    below ``MAX_TILE * (sum of the tensor extents and strides it multiplies)``."""
+    if MAX_TILE * (sum(abs(e) for e in extents) + 1) >= 2**31:
+        raise ValueError(f"tensor extents/strides {extents} are too large for the int32 in-tile "
+                         "offsets of the Triton quantize kernels.")
+
+
 def kernel_input(x2: torch.Tensor) -> torch.Tensor:
     """What a kernel reads for ``x2``: BF16 as its raw int16 bits (see :func:`load_f32`)."""
     return x2.view(torch.int16) if x2.dtype == torch.bfloat16 else x2
@@ -108,23 +135,32 @@ def load_f32(ptrs, mask, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def store_transposed_u8(ptr, code, rows, cols, R, C, PACK: tl.constexpr):
-    """Store a [BR, BC] uint8 tile ``code`` (rows ``rows``, columns ``cols`` of an [R, C] tensor)
-    into the transposed [C, R] byte array at ``ptr``. With ``PACK`` (R % 4 == 0, ``ptr`` 4-byte
-    aligned) four consecutive rows go as one little-endian int32, so the transposition moves
-    32-bit words instead of bytes."""
+def tile_offsets(rows, cols, sr, sc):
+    """int32 offsets ``rows * sr + cols * sc`` of a tile (``rows`` [BR], ``cols`` [BC] are
+    tile-local indices; the caller adds the tile origin to a 64-bit base pointer)."""
+    return rows[:, None] * sr + cols[None, :] * sc
+
+
+@triton.jit
+def store_transposed_u8(ptr, code, lr, lc, r0, c0, R, C, PACK: tl.constexpr):
+    """Store a [BR, BC] uint8 tile ``code`` (tile-local rows ``lr``, columns ``lc``; tile origin
+    (r0, c0) of an [R, C] tensor) into the transposed [C, R] byte array at ``ptr``. With
+    ``PACK`` (R % 4 == 0) four consecutive rows go as one little-endian int32, so the
+    transposition moves 32-bit words instead of bytes."""
+    rmask = (r0 + lr) < R
+    cmask = (c0 + lc) < C
     if PACK:
         BR: tl.constexpr = code.shape[0]
         BC: tl.constexpr = code.shape[1]
         w = tl.reshape(code.to(tl.int32), [BR // 4, 4, BC])
         w = tl.sum(w << (tl.arange(0, 4) * 8)[None, :, None], axis=1)  # disjoint bits: sum == or
-        r4 = tl.max(tl.reshape(rows.to(tl.int64), [BR // 4, 4]), axis=1) // 4
-        wmask = (r4 < R // 4)[:, None] & (cols < C)[None, :]
-        wptr = ptr.to(tl.pointer_type(tl.int32)) + cols.to(tl.int64)[None, :] * (R // 4) + r4[:, None]
-        tl.store(wptr, w, mask=wmask)
+        l4 = tl.arange(0, BR // 4)
+        wmask = ((r0 // 4 + l4) < R // 4)[:, None] & cmask[None, :]
+        base = ptr.to(tl.pointer_type(tl.int32)) + c0.to(tl.int64) * (R // 4) + r0 // 4
+        tl.store(base + tile_offsets(l4, lc, 1, R // 4), w, mask=wmask)
     else:
-        bmask = (rows < R)[:, None] & (cols < C)[None, :]
-        tl.store(ptr + cols.to(tl.int64)[None, :] * R + rows.to(tl.int64)[:, None], code, mask=bmask)
+        base = ptr + c0.to(tl.int64) * R + r0
+        tl.store(base + tile_offsets(lr, lc, 1, R), code, mask=rmask[:, None] & cmask[None, :])
 
 
 @triton.jit
@@ -155,8 +191,12 @@ def amax_bits(a):
 
 
 @triton.jit
-def fp8_code(v, MBITS: tl.constexpr, BIAS: tl.constexpr):
+def fp8_code(v, MBITS: tl.constexpr, BIAS: tl.constexpr, HW: tl.constexpr = False):
     """FP8 code byte (uint8) of FP32 ``v`` rounded to nearest even.
+
+    ``HW`` (compiled GPU code only, see :func:`hw_fp8`): the hardware RNE conversion of the
+    clamped value, NaN mapped to 0x7F | sign as below (the hardware's NaN byte need not be
+    torch's). Otherwise the integer rounding described next.
 
     ``v`` must already be clamped to the finite range (NaN allowed: 0x7F | sign, torch's
     encoding for both E4M3 and E5M2). Exact integer work on the FP32 bits: the value is
@@ -165,6 +205,13 @@ def fp8_code(v, MBITS: tl.constexpr, BIAS: tl.constexpr):
     result's code is ``(ea + BIAS) << MBITS`` plus the significand's fraction bits (a carry
     into the next binade falls out of the addition); a subnormal's code is the significand.
     """
+    if HW:
+        if MBITS == 3:
+            hw = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            hw = v.to(tl.float8e5).to(tl.uint8, bitcast=True)
+        nan = (((v.to(tl.int32, bitcast=True) >> 24) & 0x80) | 0x7F).to(tl.uint8)
+        return tl.where(v != v, nan, hw)
     EMIN: tl.constexpr = 1 - BIAS
     bits = v.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
@@ -197,36 +244,45 @@ def e4m3_value(code):
 
 @triton.jit
 def e2m1_code(v):
-    """E2M1 code (int32, bit 3 = sign) of FP32 ``v`` (|v| <= 6), round to nearest even: the
-    midpoint comparator chain of ``formats.nvfp4.encode_e2m1``; NaN -> magnitude 0."""
-    a = tl.abs(v)
-    code = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-    code += (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-    code += (a > 5.0).to(tl.int32)
-    return code | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
+    """E2M1 code (int32, bit 3 = sign) of FP32 ``v`` (|v| <= 6), round to nearest even, equal to
+    the midpoint comparator chain of ``formats.nvfp4.encode_e2m1``; NaN -> magnitude 0.
 
-
-@triton.jit
-def _e2m1_value(k):
-    """E2M1 magnitude of codes 0..7 (0, 0.5, 1, 1.5, 2, 3, 4, 6) in FP32."""
-    return tl.where(k <= 4, k.to(tl.float32) * 0.5, tl.where(k == 5, 3.0, tl.where(k == 6, 4.0, 6.0)))
+    For |v| >= 1 the E2M1 grid is FP32 with one fraction bit, so the FP32 bits rounded (RNE,
+    integer add of the half-ulp minus one plus the kept bit) to one fraction bit give the code
+    directly: ``(bits >> 22) - 252`` maps 1, 1.5, 2, 3, 4, 6 to 2..7 and a carry lands in the
+    next binade's code. Below 1 the grid is 0, 0.5, 1: ties at 0.25 and 0.75 go to the even
+    codes 0 and 2."""
+    bits = v.to(tl.int32, bitcast=True)
+    abits = bits & 0x7FFFFFFF
+    a = abits.to(tl.float32, bitcast=True)
+    big = ((abits + 0x1FFFFF + ((abits >> 22) & 1)) >> 22) - 252
+    small = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32)
+    code = tl.where(a >= 1.0, big, small)  # NaN fails every comparison: magnitude 0
+    return code | ((bits >> 28) & 8)
 
 
 @triton.jit
 def e2m1_code_sr(v, rand):
     """E2M1 code (int32) of FP32 ``v`` (|v| <= 6) by stochastic rounding with uniform draws
-    ``rand``: ``formats.nvfp4.encode_e2m1(v, rand)`` step by step (lo = largest grid value
-    <= |v|, round up iff rand < (|v| - lo) / (hi - lo), an IEEE division); NaN -> magnitude 0."""
-    a = tl.abs(v)
-    lo = (a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32)
-    lo += (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32)
-    lo += (a >= 6.0).to(tl.int32)
-    hi = tl.minimum(lo + 1, 7)
-    lo_v = _e2m1_value(lo)
-    frac = tl.math.div_rn(a - lo_v, _e2m1_value(hi) - lo_v)
-    frac = tl.where(hi > lo, frac, 0.0)
-    code = lo + (rand < frac).to(tl.int32)
-    return code | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
+    ``rand`` in [0, 1): ``formats.nvfp4.encode_e2m1(v, rand)`` (lo = largest grid value <= |v|,
+    up iff rand < (|v| - lo) / (hi - lo)); NaN -> magnitude 0.
+
+    The step hi - lo is a power of two (0.5 below 2, else half |v|'s binade), so the test is
+    evaluated as ``rand * step < |v| - lo``: both sides are the reference's scaled by the same
+    power of two exactly (the subtraction is exact by Sterbenz), hence the same decision with
+    no division. For |v| >= 1, lo is |v| truncated to one fraction bit and its code
+    ``(bits >> 22) - 252`` (see :func:`e2m1_code`); at 6 the step is 2 and |v| - lo = 0, so it
+    never rounds up."""
+    bits = v.to(tl.int32, bitcast=True)
+    abits = bits & 0x7FFFFFFF
+    a = abits.to(tl.float32, bitcast=True)
+    big = a >= 1.0
+    half = a >= 0.5
+    lo_v = tl.where(big, (abits & 0x7FC00000).to(tl.float32, bitcast=True), tl.where(half, 0.5, 0.0))
+    step = tl.where(big, ((abits & 0x7F800000) - 0x800000).to(tl.float32, bitcast=True), 0.5)
+    lo = tl.where(big, (abits >> 22) - 252, half.to(tl.int32))
+    code = lo + (rand * step < a - lo_v).to(tl.int32)  # NaN: False
+    return code | ((bits >> 28) & 8)
 
 
 @triton.jit
@@ -266,11 +322,13 @@ def amax_kernel(x_ptr, out_ptr, R, C, sxr, sxc, DTYPE: tl.constexpr, BR: tl.cons
     amax bits into ``out_ptr`` (zeroed by the caller)."""
     pid = tl.program_id(0)
     nc = tl.cdiv(C, BC)
-    rows = (pid // nc) * BR + tl.arange(0, BR)
-    cols = (pid % nc) * BC + tl.arange(0, BC)
-    mask = (rows < R)[:, None] & (cols < C)[None, :]
-    ptrs = x_ptr + rows.to(tl.int64)[:, None] * sxr + cols.to(tl.int64)[None, :] * sxc
-    x = load_f32(ptrs, mask, DTYPE)
+    r0 = (pid // nc) * BR
+    c0 = (pid % nc) * BC
+    lr = tl.arange(0, BR)
+    lc = tl.arange(0, BC)
+    mask = ((r0 + lr) < R)[:, None] & ((c0 + lc) < C)[None, :]
+    base = x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc
+    x = load_f32(base + tile_offsets(lr, lc, sxr, sxc), mask, DTYPE)
     a = amax_nan(amax_nan(x, 1), 0)
     tl.atomic_max(out_ptr, amax_bits(a))
 
@@ -278,6 +336,7 @@ def amax_kernel(x_ptr, out_ptr, R, C, sxr, sxc, DTYPE: tl.constexpr, BR: tl.cons
 def global_amax(x2: torch.Tensor, *, block: tuple[int, int] = (64, 128)) -> torch.Tensor:
     """max|x2| (FP32 0-d, NaN-propagating) of a non-empty 2D tensor with one launch."""
     rows, cols = x2.shape
+    check_int32_tiles(*x2.stride())
     out = torch.zeros((), dtype=torch.int32, device=x2.device)
     br, bc = block
     grid = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)

@@ -9,7 +9,8 @@ computed from the FP32 amax bits exactly as ``e8m0_from_amax``; ``x / 2**k`` is 
 ``x * 2**-k`` with the reciprocal built from bits (both are the correctly rounded value of the
 same real number, and every 2**-k for a valid byte is an FP32 number), then clamped and
 rounded to the FP8 grid by ``_common.fp8_code``. Data are written as uint8 code bytes into
-the FP8 outputs.
+the FP8 outputs (on the GPU the hardware conversion gives those bytes; tile-local int32
+offsets; ``_common`` says why).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (DTYPE_CODE, Copies, amax_nan, clamp_sym, empty, f32, fp8_code, fp8_params, kernel_input,
-                      load_f32, store_transposed_u8)
+from ._common import (DTYPE_CODE, Copies, amax_nan, check_int32_tiles, clamp_sym, empty, f32, fp8_code,
+                      fp8_params, hw_fp8, kernel_input, load_f32, store_transposed_u8, tile_offsets)
 
 BLOCK = 32
 _BLOCK = tl.constexpr(BLOCK)  # the same, visible inside kernels
@@ -52,41 +53,51 @@ def _e8m0_inverse(e):
 
 
 @triton.jit
-def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc, RCP,
-                     ROW: tl.constexpr, COL: tl.constexpr, RCEIL: tl.constexpr,
-                     EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
-                     FP8_MAX: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr,
-                     BC: tl.constexpr, PACK: tl.constexpr):
+def _tile(x_ptr, R, C, sxr, sxc, DTYPE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """This program's [BR, BC] FP32 tile: (x, mask, tile-local rows and columns, origin, (pr, pc))."""
     pid = tl.program_id(0)
     nc = tl.cdiv(C, BC)
     pr = pid // nc
     pc = pid % nc
-    rows = pr * BR + tl.arange(0, BR)
-    cols = pc * BC + tl.arange(0, BC)
-    r64 = rows.to(tl.int64)
-    c64 = cols.to(tl.int64)
-    mask = (rows < R)[:, None] & (cols < C)[None, :]
-    x = load_f32(x_ptr + r64[:, None] * sxr + c64[None, :] * sxc, mask, DTYPE)
+    r0 = pr * BR
+    c0 = pc * BC
+    lr = tl.arange(0, BR)
+    lc = tl.arange(0, BC)
+    mask = ((r0 + lr) < R)[:, None] & ((c0 + lc) < C)[None, :]
+    x = load_f32(x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc + tile_offsets(lr, lc, sxr, sxc),
+                 mask, DTYPE)
+    return x, mask, lr, lc, r0, c0, pr, pc
+
+
+@triton.jit
+def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc, RCP,
+                     ROW: tl.constexpr, COL: tl.constexpr, RCEIL: tl.constexpr,
+                     EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
+                     FP8_MAX: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr,
+                     BC: tl.constexpr, PACK: tl.constexpr, HW: tl.constexpr):
+    x, mask, lr, lc, r0, c0, pr, pc = _tile(x_ptr, R, C, sxr, sxc, DTYPE, BR, BC)
     if ROW:
         xb = tl.reshape(x, [BR, BC // _BLOCK, _BLOCK])
         e = _e8m0_byte(amax_nan(xb, 2), RCEIL, EMAX, RCP)
         y = tl.reshape(xb * _e8m0_inverse(e)[:, :, None], [BR, BC])
-        code = fp8_code(clamp_sym(y, FP8_MAX), MBITS, BIAS)
-        tl.store(rd_ptr + r64[:, None] * C + c64[None, :], code, mask=mask)
+        code = fp8_code(clamp_sym(y, FP8_MAX), MBITS, BIAS, HW)
+        tl.store(rd_ptr + r0.to(tl.int64) * C + c0 + tile_offsets(lr, lc, C, 1), code, mask=mask)
         nbc = tl.cdiv(C, _BLOCK)
-        sb = pc * (BC // _BLOCK) + tl.arange(0, BC // _BLOCK)
-        smask = (rows < R)[:, None] & (sb < nbc)[None, :]
-        tl.store(rs_ptr + r64[:, None] * nbc + sb[None, :], e.to(tl.uint8), mask=smask)
+        lb = tl.arange(0, BC // _BLOCK)
+        smask = ((r0 + lr) < R)[:, None] & ((pc * (BC // _BLOCK) + lb) < nbc)[None, :]
+        tl.store(rs_ptr + r0.to(tl.int64) * nbc + pc * (BC // _BLOCK) + tile_offsets(lr, lb, nbc, 1),
+                 e.to(tl.uint8), mask=smask)
     if COL:
         xb = tl.reshape(x, [BR // _BLOCK, _BLOCK, BC])
         e = _e8m0_byte(amax_nan(xb, 1), RCEIL, EMAX, RCP)
         y = tl.reshape(xb * _e8m0_inverse(e)[:, None, :], [BR, BC])
-        code = fp8_code(clamp_sym(y, FP8_MAX), MBITS, BIAS)
-        store_transposed_u8(cd_ptr, code, rows, cols, R, C, PACK)
+        code = fp8_code(clamp_sym(y, FP8_MAX), MBITS, BIAS, HW)
+        store_transposed_u8(cd_ptr, code, lr, lc, r0, c0, R, C, PACK)
         nbr = tl.cdiv(R, _BLOCK)
-        sb = pr * (BR // _BLOCK) + tl.arange(0, BR // _BLOCK)
-        smask = (sb < nbr)[:, None] & (cols < C)[None, :]
-        tl.store(cs_ptr + c64[None, :] * nbr + sb[:, None], e.to(tl.uint8), mask=smask)
+        lb = tl.arange(0, BR // _BLOCK)
+        smask = ((pr * (BR // _BLOCK) + lb) < nbr)[:, None] & ((c0 + lc) < C)[None, :]
+        tl.store(cs_ptr + c0.to(tl.int64) * nbr + pr * (BR // _BLOCK) + tile_offsets(lb, lc, 1, nbr),
+                 e.to(tl.uint8), mask=smask)
 
 
 @triton.jit
@@ -94,21 +105,12 @@ def _mxfp8_2d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc, RCP,
                      ROW: tl.constexpr, COL: tl.constexpr, RCEIL: tl.constexpr,
                      EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
                      FP8_MAX: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr,
-                     BC: tl.constexpr, PACK: tl.constexpr):
-    pid = tl.program_id(0)
-    nc = tl.cdiv(C, BC)
-    pr = pid // nc
-    pc = pid % nc
-    rows = pr * BR + tl.arange(0, BR)
-    cols = pc * BC + tl.arange(0, BC)
-    r64 = rows.to(tl.int64)
-    c64 = cols.to(tl.int64)
-    mask = (rows < R)[:, None] & (cols < C)[None, :]
-    x = load_f32(x_ptr + r64[:, None] * sxr + c64[None, :] * sxc, mask, DTYPE)
+                     BC: tl.constexpr, PACK: tl.constexpr, HW: tl.constexpr):
+    x, mask, lr, lc, r0, c0, pr, pc = _tile(x_ptr, R, C, sxr, sxc, DTYPE, BR, BC)
     xb = tl.reshape(x, [BR // _BLOCK, _BLOCK, BC // _BLOCK, _BLOCK])
     e = _e8m0_byte(amax_nan(amax_nan(xb, 3), 1), RCEIL, EMAX, RCP)  # [BR/32, BC/32]
     y = tl.reshape(xb * _e8m0_inverse(e)[:, None, :, None], [BR, BC])
-    code = fp8_code(clamp_sym(y, FP8_MAX), MBITS, BIAS)
+    code = fp8_code(clamp_sym(y, FP8_MAX), MBITS, BIAS, HW)
     nbr = tl.cdiv(R, _BLOCK)
     nbc = tl.cdiv(C, _BLOCK)
     sr = pr * (BR // _BLOCK) + tl.arange(0, BR // _BLOCK)
@@ -116,21 +118,21 @@ def _mxfp8_2d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc, RCP,
     smask = (sr < nbr)[:, None] & (sc < nbc)[None, :]
     e8 = e.to(tl.uint8)
     if ROW:
-        tl.store(rd_ptr + r64[:, None] * C + c64[None, :], code, mask=mask)
+        tl.store(rd_ptr + r0.to(tl.int64) * C + c0 + tile_offsets(lr, lc, C, 1), code, mask=mask)
         tl.store(rs_ptr + sr[:, None] * nbc + sc[None, :], e8, mask=smask)
     if COL:
-        store_transposed_u8(cd_ptr, code, rows, cols, R, C, PACK)
+        store_transposed_u8(cd_ptr, code, lr, lc, r0, c0, R, C, PACK)
         tl.store(cs_ptr + sc[None, :] * nbr + sr[:, None], e8, mask=smask)
 
 
 def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block_2d: bool = False,
              rowwise: bool = True, columnwise: bool = True, block: tuple[int, int] = (64, 64),
-             num_warps: Optional[int] = None, pack: bool = False) -> Copies:
+             num_warps: Optional[int] = None, pack: bool = True) -> Copies:
     """MXFP8-quantize 2D ``x2`` (any strides); returns ``(row, col)``, each ``(data, scale)`` or
     None: the same tensors as ``formats.mxfp8.quantize_1d(x2)`` / ``quantize_1d(x2.t())``
     (``block_2d``: ``quantize_2d(x2)`` and its transpose). ``block``: the tile (multiples of 32);
-    ``pack`` (needs R % 4 == 0): write the transposed copy as int32 words of 4 rows (an
-    experiment: off by default until measured faster and checked on the GPU).
+    ``pack``: write the transposed copy as int32 words of 4 rows when R % 4 == 0 (same bytes;
+    measured faster and checked bitwise on the H200).
     """
     if rule not in ("rceil", "floor"):
         raise ValueError(f"rule={rule!r} is unknown; use 'rceil' or 'floor'.")
@@ -139,6 +141,7 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
     if br % BLOCK or bc % BLOCK:
         raise ValueError(f"block={block} must be multiples of {BLOCK}.")
     mbits, bias, fmax = fp8_params(dtype)
+    check_int32_tiles(rows, cols, *x2.stride())
     dev = x2.device
     nbr, nbc = triton.cdiv(rows, BLOCK), triton.cdiv(cols, BLOCK)
     row = col = None
@@ -160,5 +163,5 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
                  ROW=rowwise, COL=columnwise, RCEIL=rule == "rceil",
                  EMAX={3: 8, 2: 15}[mbits], MBITS=mbits, BIAS=bias, FP8_MAX=fmax,
                  DTYPE=DTYPE_CODE[x2.dtype], BR=br, BC=bc,
-                 PACK=pack and rows % 4 == 0, **extra)
+                 PACK=pack and rows % 4 == 0, HW=hw_fp8(dev), **extra)
     return row, col

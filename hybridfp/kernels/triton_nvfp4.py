@@ -4,20 +4,23 @@ Pass 1 (``_nvfp4_amax_kernel``): the global amax of x, the per-row amaxes (row-s
 the amax of RHT(xᵀ) rounded to the input dtype (post-RHT amax), all from one read, as int32
 atomic maxima of the amax bits.
 
-Pass 2:
-- ``_nvfp4_1d_kernel``: rowwise 1x16 blocks from a natural [BR, BC] tile; columnwise 16x1
-  blocks of the same tile, packed along the rows and stored transposed; or, with RHT, the
-  columnwise copy from 16 row slices of the tile (row ``16 t + i`` of slice i; re-read from
-  cache, not from device memory) on which the 16-point transform is plain elementwise FP32
-  arithmetic in ``formats.rht``'s exact butterfly order, rounded to the input dtype, then
-  block-quantized along the rows and written as one int64 word (16 codes) per column and tile.
+Pass 2 (``_nvfp4_1d_kernel``, one [16 BT, BC] tile per program):
+- rowwise 1x16 blocks from the natural tile; the codes are taken as 8 column lanes
+  (columns 8 g + m, register-local splits) and stored as one int32 per 8 columns;
+- columnwise 16x1 blocks from 16 row slices of the tile (row ``16 t + i`` of slice i; re-read
+  from cache, not from device memory), optionally RHT'd (the 16-point transform is plain
+  elementwise FP32 arithmetic in ``formats.rht``'s exact butterfly order, rounded to the
+  input dtype): a block is elementwise across the slices, so there is no cross-thread
+  reduction, and its 16 codes are one int64 word stored transposed. Without RHT and with
+  R % 16 != 0 (rows not whole words) the natural tile is transposed and packed bytewise.
 - ``_nvfp4_2d_kernel``: 16x16 tiles; the columnwise copy is the rowwise one transposed.
 
 Bitwise equal to ``formats.nvfp4`` / ``formats.rht`` (FP32 order of SPEC §2.5, IEEE divisions,
-E4M3 block scales by ``_common.fp8_code``, E2M1 by the midpoint comparator chain). Stochastic
-rounding takes the reference's uniform draws as input tensors (``torch.rand`` of each copy's
-shape from the same per-direction generator), so it is bitwise too; the draws cost an extra
-FP32 write and read per element.
+E4M3 block scales by ``_common.fp8_code``, E2M1 by ``_common.e2m1_code``), tile-local int32
+offsets and the hardware E4M3 conversion on the GPU (``_common``). Stochastic rounding draws
+its uniforms in the kernel (Philox, ``triton_sr``: the stream is defined there and is not
+the reference's ``torch.rand`` stream, for the reasons given there); with the same draws
+(``triton_sr.reference_draws`` passed as ``rand=``) the codes equal the reference's bit for bit.
 """
 
 from __future__ import annotations
@@ -28,10 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (empty, DTYPE_CODE, FP32_MAX, amax_bits, amax_nan, bf16_nan_bits, clamp_max,
-                      clamp_sym, e2m1_code, e2m1_code_sr, e4m3_value, f32_div, fp8_code, kernel_input,
-                      load_f32,
-                      round_to_dtype)
+from ._common import (empty, DTYPE_CODE, FP32_MAX, amax_bits, amax_nan, bf16_nan_bits, check_int32_tiles,
+                      clamp_max, clamp_sym, e2m1_code, e2m1_code_sr, e4m3_value, f32_div, fp8_code, hw_fp8,
+                      kernel_input, load_f32, round_to_dtype, tile_offsets)
+from .triton_sr import draw_at, draws8, sr_key
 
 BLOCK = 16
 #: fp32(1/6): the C++ ``1.0f / 6.0f`` of SPEC §2.5.
@@ -48,9 +51,9 @@ def _global_scales(amax_ptr):
 
 
 @triton.jit
-def _block_scales(block_amax, s_enc, s_dec, RCP6):
+def _block_scales(block_amax, s_enc, s_dec, RCP6, HW: tl.constexpr):
     """(E4M3 S_dec_b code byte, FP32 encode scale) of block amaxes (SPEC §2.5 order)."""
-    sdb = fp8_code(clamp_sym(block_amax * (s_enc * RCP6), 448.0), 3, 7)
+    sdb = fp8_code(clamp_sym(block_amax * (s_enc * RCP6), 448.0), 3, 7, HW)
     enc = tl.math.div_rn(tl.full(block_amax.shape, 1.0, tl.float32), e4m3_value(sdb) * s_dec)
     return sdb, clamp_max(enc, 3.4028234663852886e38)
 
@@ -119,33 +122,38 @@ def _rht16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
 
 
 @triton.jit
-def _slice(x_ptr, base, t, c64, cmask, R, sxr, sxc, I: tl.constexpr, DTYPE: tl.constexpr):
-    """Rows ``base + 16 t + I`` of the tile's columns as a [BT, BC] FP32 slice (0 past R)."""
-    r = base + t * 16 + I
-    m = (r < R)[:, None] & cmask[None, :]
-    return load_f32(x_ptr + r.to(tl.int64)[:, None] * sxr + c64[None, :] * sxc, m, DTYPE)
+def _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, I: tl.constexpr, DTYPE: tl.constexpr):
+    """Tile rows ``16 lt + I`` (tile-local; ``rmax`` rows left in the tensor from the tile
+    origin) of the tile's columns ``lc`` as a [BT, BC] FP32 slice (0 past the end)."""
+    r = lt * 16 + I
+    m = (r < rmax)[:, None] & cmask[None, :]
+    return load_f32(xbase + tile_offsets(r, lc, sxr, sxc), m, DTYPE)
 
 
 @triton.jit
-def _rht_tile(x_ptr, base, t, c64, cmask, R, sxr, sxc, DTYPE: tl.constexpr,
-              BF16_NAN: tl.constexpr):
-    """The 16 RHT'd slices of a tile (16 tiles of 16 rows along t, columns c)."""
-    return _rht16(_slice(x_ptr, base, t, c64, cmask, R, sxr, sxc, 0, DTYPE),
-                  _slice(x_ptr, base, t, c64, cmask, R, sxr, sxc, 1, DTYPE),
-                  _slice(x_ptr, base, t, c64, cmask, R, sxr, sxc, 2, DTYPE),
-                  _slice(x_ptr, base, t, c64, cmask, R, sxr, sxc, 3, DTYPE),
-                  _slice(x_ptr, base, t, c64, cmask, R, sxr, sxc, 4, DTYPE),
-                  _slice(x_ptr, base, t, c64, cmask, R, sxr, sxc, 5, DTYPE),
-                  _slice(x_ptr, base, t, c64, cmask, R, sxr, sxc, 6, DTYPE),
-                  _slice(x_ptr, base, t, c64, cmask, R, sxr, sxc, 7, DTYPE),
-                  _slice(x_ptr, base, t, c64, cmask, R, sxr, sxc, 8, DTYPE),
-                  _slice(x_ptr, base, t, c64, cmask, R, sxr, sxc, 9, DTYPE),
-                  _slice(x_ptr, base, t, c64, cmask, R, sxr, sxc, 10, DTYPE),
-                  _slice(x_ptr, base, t, c64, cmask, R, sxr, sxc, 11, DTYPE),
-                  _slice(x_ptr, base, t, c64, cmask, R, sxr, sxc, 12, DTYPE),
-                  _slice(x_ptr, base, t, c64, cmask, R, sxr, sxc, 13, DTYPE),
-                  _slice(x_ptr, base, t, c64, cmask, R, sxr, sxc, 14, DTYPE),
-                  _slice(x_ptr, base, t, c64, cmask, R, sxr, sxc, 15, DTYPE), DTYPE, BF16_NAN)
+def _tile_slices(xbase, lt, lc, rmax, cmask, sxr, sxc, RHT: tl.constexpr, DTYPE: tl.constexpr,
+                 BF16_NAN: tl.constexpr):
+    """The 16 row slices of a tile (16-row groups along lt, columns lc), RHT'd with ``RHT``."""
+    x0 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 0, DTYPE)
+    x1 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 1, DTYPE)
+    x2 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 2, DTYPE)
+    x3 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 3, DTYPE)
+    x4 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 4, DTYPE)
+    x5 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 5, DTYPE)
+    x6 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 6, DTYPE)
+    x7 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 7, DTYPE)
+    x8 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 8, DTYPE)
+    x9 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 9, DTYPE)
+    x10 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 10, DTYPE)
+    x11 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 11, DTYPE)
+    x12 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 12, DTYPE)
+    x13 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 13, DTYPE)
+    x14 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 14, DTYPE)
+    x15 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 15, DTYPE)
+    if RHT:
+        return _rht16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, DTYPE, BF16_NAN)
+    else:
+        return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
 
 
 @triton.jit
@@ -162,23 +170,40 @@ def _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15
 
 
 @triton.jit
-def _codes(v, rand_ptrs, mask, SR: tl.constexpr):
-    """E2M1 codes of scaled, clamped values: RNE, or stochastic with draws at ``rand_ptrs``."""
+def _code(v, u, SR: tl.constexpr):
+    """E2M1 code of a scaled, clamped value: RNE, or stochastic with the draw ``u``."""
     if SR:
-        return e2m1_code_sr(v, tl.load(rand_ptrs, mask=mask, other=0.0))
+        return e2m1_code_sr(v, u)
     else:
         return e2m1_code(v)
 
 
 @triton.jit
-def _pair_word(ya, yb, enc, rc_ptr, c64, rr, L, SR: tl.constexpr, SHIFT: tl.constexpr):
-    """Codes of rows ``rr + 2 SHIFT`` and ``+ 1`` of the RHT'd copy (a [BT, BC] slice each)
-    packed in one byte, placed at byte SHIFT of an int64. SR draws: rand [C, L] at (c, row)."""
-    m = (rr < L)[:, None]
-    pa = rc_ptr + c64[None, :] * L + (rr + 2 * SHIFT)[:, None]
-    ca = _codes(clamp_sym(ya * enc, 6.0), pa, m, SR)
-    cb = _codes(clamp_sym(yb * enc, 6.0), pa + 1, m, SR)
+def _pair_word(ya, yb, ua, ub, enc, SR: tl.constexpr, SHIFT: tl.constexpr):
+    """Codes of columns 2 SHIFT and 2 SHIFT + 1 of a 16-column group of the columnwise copy
+    (a [BT, BC] slice each) packed in one byte, placed at byte SHIFT of an int64."""
+    ca = _code(clamp_sym(ya * enc, 6.0), ua, SR)
+    cb = _code(clamp_sym(yb * enc, 6.0), ub, SR)
     return (ca | (cb << 4)).to(tl.int64) << (8 * SHIFT)
+
+
+@triton.jit
+def _split8(v, N: tl.constexpr, M: tl.constexpr):
+    """[N, M] -> the 8 [N, M/8] tensors of columns 8 g + m, m = 0..7 (register-local splits)."""
+    a0, a1 = tl.split(tl.reshape(v, [N, M // 8, 2, 2, 2]))  # last index q of m = 4 h + 2 p + q
+    a00, a01 = tl.split(a0)
+    a10, a11 = tl.split(a1)
+    v0, v4 = tl.split(a00)
+    v2, v6 = tl.split(a01)
+    v1, v5 = tl.split(a10)
+    v3, v7 = tl.split(a11)
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def _nib(code, col, C, M: tl.constexpr):
+    """Code ``code`` of column ``col`` (0 past C: the odd-width padding nibble) at nibble M."""
+    return tl.where(col < C, code, 0) << (4 * M)
 
 
 @triton.jit
@@ -191,127 +216,206 @@ def _nvfp4_amax_kernel(x_ptr, amax_ptr, row_amax_ptr, rht_amax_ptr, R, C, sxr, s
     BR: tl.constexpr = 16 * BT
     pid = tl.program_id(0)
     nc = tl.cdiv(C, BC)
-    pr = pid // nc
-    rows = pr * BR + tl.arange(0, BR)
-    cols = (pid % nc) * BC + tl.arange(0, BC)
-    c64 = cols.to(tl.int64)
-    cmask = cols < C
+    r0 = (pid // nc) * BR
+    c0 = (pid % nc) * BC
+    lr = tl.arange(0, BR)
+    lc = tl.arange(0, BC)
+    cmask = (c0 + lc) < C
+    xbase = x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc
     if AMAX or ROW_AMAX:
-        mask = (rows < R)[:, None] & cmask[None, :]
-        x = load_f32(x_ptr + rows.to(tl.int64)[:, None] * sxr + c64[None, :] * sxc, mask, DTYPE)
+        mask = ((r0 + lr) < R)[:, None] & cmask[None, :]
+        x = load_f32(xbase + tile_offsets(lr, lc, sxr, sxc), mask, DTYPE)
         ra = amax_nan(x, 1)
         if AMAX:
             tl.atomic_max(amax_ptr, amax_bits(amax_nan(ra, 0)))
         if ROW_AMAX:
-            tl.atomic_max(row_amax_ptr + rows, amax_bits(ra), mask=rows < R)
+            tl.atomic_max(row_amax_ptr + r0 + lr, amax_bits(ra), mask=(r0 + lr) < R)
     if RHT_AMAX:
-        t = tl.arange(0, BT)
-        y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _rht_tile(
-            x_ptr, pr * BR, t, c64, cmask, R, sxr, sxc, DTYPE, BF16_NAN)
+        y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _tile_slices(
+            xbase, tl.arange(0, BT), lc, R - r0, cmask, sxr, sxc, True, DTYPE, BF16_NAN)
         a = _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
         tl.atomic_max(rht_amax_ptr, amax_bits(amax_nan(amax_nan(a, 1), 0)))
 
 
 @triton.jit
-def _nvfp4_1d_kernel(x_ptr, ramax_ptr, camax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, rr_ptr, rc_ptr,
-                     R, C, sxr, sxc, RCP6, ROW: tl.constexpr, COL: tl.constexpr,
-                     ROW_SCALED: tl.constexpr, SR: tl.constexpr,
-                     RHT: tl.constexpr, DTYPE: tl.constexpr, BF16_NAN: tl.constexpr,
-                     BT: tl.constexpr, BC: tl.constexpr):
-    BR: tl.constexpr = 16 * BT
-    pid = tl.program_id(0)
-    nc = tl.cdiv(C, BC)
-    pr = pid // nc
-    pc = pid % nc
-    rows = pr * BR + tl.arange(0, BR)
-    cols = pc * BC + tl.arange(0, BC)
-    r64 = rows.to(tl.int64)
-    c64 = cols.to(tl.int64)
-    cmask = cols < C
-    mask = (rows < R)[:, None] & cmask[None, :]
-    if ROW or (COL and not RHT):
-        x = load_f32(x_ptr + r64[:, None] * sxr + c64[None, :] * sxc, mask, DTYPE)
-    if ROW:
-        if ROW_SCALED:
-            s_enc, s_dec = _global_scales(ramax_ptr + tl.minimum(rows, R - 1))
-            s_enc = s_enc[:, None]
-            s_dec = s_dec[:, None]
-        else:
-            s_enc, s_dec = _global_scales(ramax_ptr)
-        xb = tl.reshape(x, [BR, BC // 16, 16])
-        sdb, enc = _block_scales(amax_nan(xb, 2), s_enc, s_dec, RCP6)
-        v = tl.reshape(clamp_sym(xb * enc[:, :, None], 6.0), [BR, BC])
-        codes = tl.where(mask, _codes(v, rr_ptr + r64[:, None] * C + c64[None, :], mask, SR), 0)
-        nb = (C + 1) // 2
-        bcols = pc * (BC // 2) + tl.arange(0, BC // 2)
-        tl.store(rd_ptr + r64[:, None] * nb + bcols[None, :], _pack_last(codes, BR, BC),
-                 mask=(rows < R)[:, None] & (bcols < nb)[None, :])
-        nbc = tl.cdiv(C, 16)
-        sb = pc * (BC // 16) + tl.arange(0, BC // 16)
-        tl.store(rs_ptr + r64[:, None] * nbc + sb[None, :], sdb,
-                 mask=(rows < R)[:, None] & (sb < nbc)[None, :])
-    if COL:
-        s_enc, s_dec = _global_scales(camax_ptr)
-        if RHT:
-            t = tl.arange(0, BT)
-            y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _rht_tile(
-                x_ptr, pr * BR, t, c64, cmask, R, sxr, sxc, DTYPE, BF16_NAN)
-            sdb, enc = _block_scales(
-                _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15),
-                s_enc, s_dec, RCP6)  # [BT, BC]
-            ntiles = tl.cdiv(R, 16)
-            rr = pr * BR + t * 16  # first row of each tile in the RHT'd (padded) copy
-            L = ntiles * 16
-            w = _pair_word(y0, y1, enc, rc_ptr, c64, rr, L, SR, 0)
-            w |= _pair_word(y2, y3, enc, rc_ptr, c64, rr, L, SR, 1)
-            w |= _pair_word(y4, y5, enc, rc_ptr, c64, rr, L, SR, 2)
-            w |= _pair_word(y6, y7, enc, rc_ptr, c64, rr, L, SR, 3)
-            w |= _pair_word(y8, y9, enc, rc_ptr, c64, rr, L, SR, 4)
-            w |= _pair_word(y10, y11, enc, rc_ptr, c64, rr, L, SR, 5)
-            w |= _pair_word(y12, y13, enc, rc_ptr, c64, rr, L, SR, 6)
-            w |= _pair_word(y14, y15, enc, rc_ptr, c64, rr, L, SR, 7)
-            tix = pr * BT + t
-            tmask = cmask[:, None] & (tix < ntiles)[None, :]
-            tl.store(cd_ptr + c64[:, None] * ntiles + tix[None, :], tl.trans(w), mask=tmask)
-            tl.store(cs_ptr + c64[:, None] * ntiles + tix[None, :], tl.trans(sdb), mask=tmask)
-        else:
-            xb = tl.reshape(x, [BT, 16, BC])
-            sdb, enc = _block_scales(amax_nan(xb, 1), s_enc, s_dec, RCP6)  # [BT, BC]
-            v = tl.reshape(clamp_sym(xb * enc[:, None, :], 6.0), [BR, BC])
-            codes = _codes(v, rc_ptr + c64[None, :] * R + r64[:, None], mask, SR)  # rand [C, R]
-            codes = tl.trans(tl.where(mask, codes, 0))  # [BC, BR]
-            nb = (R + 1) // 2
-            brows = pr * (BR // 2) + tl.arange(0, BR // 2)
-            tl.store(cd_ptr + c64[:, None] * nb + brows[None, :], _pack_last(codes, BC, BR),
-                     mask=cmask[:, None] & (brows < nb)[None, :])
-            nbr = tl.cdiv(R, 16)
-            sb = pr * BT + tl.arange(0, BT)
-            tl.store(cs_ptr + c64[:, None] * nbr + sb[None, :], tl.trans(sdb),
-                     mask=cmask[:, None] & (sb < nbr)[None, :])
+def _row_copy(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, k0, k1, RCP6,
+              SR: tl.constexpr, WORDS: tl.constexpr, HW: tl.constexpr, BR: tl.constexpr,
+              BC: tl.constexpr):
+    """Rowwise 1x16 copy of the [BR, BC] tile ``x``: scales, then the codes as 8 column
+    lanes (columns 8 g + m), so each Philox call's 8 draws meet their elements without a
+    shuffle, packed as one int32 per 8 columns (``WORDS``: C % 8 == 0) or as 4 bytes."""
+    rmask = (r0 + lr) < R
+    xb = tl.reshape(x, [BR, BC // 16, 16])
+    sdb, enc = _block_scales(amax_nan(xb, 2), s_enc, s_dec, RCP6, HW)
+    v = tl.reshape(clamp_sym(xb * enc[:, :, None], 6.0), [BR, BC])
+    v0, v1, v2, v3, v4, v5, v6, v7 = _split8(v, BR, BC)
+    lg = tl.arange(0, BC // 8)
+    col = c0 + lg[None, :] * 8  # column of lane 0
+    if SR:
+        u0, u1, u2, u3, u4, u5, u6, u7 = draws8((r0 + lr)[:, None], (c0 // 8 + lg)[None, :], k0, k1)
+    else:
+        u0, u1, u2, u3, u4, u5, u6, u7 = v0, v1, v2, v3, v4, v5, v6, v7  # unused
+    n0 = _nib(_code(v0, u0, SR), col, C, 0)
+    n1 = _nib(_code(v1, u1, SR), col + 1, C, 1)
+    n2 = _nib(_code(v2, u2, SR), col + 2, C, 2)
+    n3 = _nib(_code(v3, u3, SR), col + 3, C, 3)
+    n4 = _nib(_code(v4, u4, SR), col + 4, C, 4)
+    n5 = _nib(_code(v5, u5, SR), col + 5, C, 5)
+    n6 = _nib(_code(v6, u6, SR), col + 6, C, 6)
+    n7 = _nib(_code(v7, u7, SR), col + 7, C, 7)
+    nb = (C + 1) // 2
+    if WORDS:
+        w = n0 | n1 | n2 | n3 | n4 | n5 | n6 | n7
+        wbase = rd_ptr.to(tl.pointer_type(tl.int32)) + r0.to(tl.int64) * (C // 8) + c0 // 8
+        tl.store(wbase + tile_offsets(lr, lg, C // 8, 1), w,
+                 mask=rmask[:, None] & ((c0 // 8 + lg) < C // 8)[None, :])
+    else:
+        bbase = rd_ptr + r0.to(tl.int64) * nb + c0 // 2
+        boff = tile_offsets(lr, lg, nb, 4)
+        bcol = (c0 // 2 + lg * 4)[None, :]
+        tl.store(bbase + boff, (n0 | n1).to(tl.uint8), mask=rmask[:, None] & (bcol < nb))
+        tl.store(bbase + boff + 1, ((n2 | n3) >> 8).to(tl.uint8), mask=rmask[:, None] & (bcol + 1 < nb))
+        tl.store(bbase + boff + 2, ((n4 | n5) >> 16).to(tl.uint8), mask=rmask[:, None] & (bcol + 2 < nb))
+        tl.store(bbase + boff + 3, ((n6 | n7) >> 24).to(tl.uint8), mask=rmask[:, None] & (bcol + 3 < nb))
+    nbc = tl.cdiv(C, 16)
+    lb = tl.arange(0, BC // 16)
+    tl.store(rs_ptr + r0.to(tl.int64) * nbc + c0 // 16 + tile_offsets(lr, lb, nbc, 1), sdb,
+             mask=rmask[:, None] & ((c0 // 16 + lb) < nbc)[None, :])
 
 
 @triton.jit
-def _nvfp4_2d_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, rand_ptr, R, C, sxr, sxc,
-                     RCP6, ROW: tl.constexpr, COL: tl.constexpr, SR: tl.constexpr,
-                     DTYPE: tl.constexpr, BT: tl.constexpr,
+def _col_copy_words(xbase, r0, c0, lc, R, C, sxr, sxc, s_enc, s_dec, cd_ptr, cs_ptr, k0, k1, RCP6,
+                    SR: tl.constexpr, RHT: tl.constexpr, HW: tl.constexpr, DTYPE: tl.constexpr,
+                    BF16_NAN: tl.constexpr, BT: tl.constexpr):
+    """Columnwise copy of the tile from its 16 row slices (row ``16 t + i`` of slice i; re-read
+    from cache, not from device memory), RHT'd with ``RHT``: its 16x1 blocks are elementwise
+    across the slices (no cross-thread reduction) and each block's 16 codes are one int64
+    word, stored transposed. The copy's rows must be whole words (RHT: padded to 16; else
+    R % 16 == 0)."""
+    lt = tl.arange(0, BT)
+    cmask = (c0 + lc) < C
+    y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _tile_slices(
+        xbase, lt, lc, R - r0, cmask, sxr, sxc, RHT, DTYPE, BF16_NAN)
+    sdb, enc = _block_scales(
+        _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15),
+        s_enc, s_dec, RCP6, HW)  # [BT, BC]
+    t = r0 // 16 + lt  # 16-element group of the copy's columns
+    if SR:
+        ci = (c0 + lc)[None, :]
+        a0, a1, a2, a3, a4, a5, a6, a7 = draws8(ci, (2 * t)[:, None], k0, k1)
+        b0, b1, b2, b3, b4, b5, b6, b7 = draws8(ci, (2 * t + 1)[:, None], k0, k1)
+    else:
+        a0, a1, a2, a3, a4, a5, a6, a7 = y0, y1, y2, y3, y4, y5, y6, y7  # unused
+        b0, b1, b2, b3, b4, b5, b6, b7 = y0, y1, y2, y3, y4, y5, y6, y7
+    w = _pair_word(y0, y1, a0, a1, enc, SR, 0)
+    w |= _pair_word(y2, y3, a2, a3, enc, SR, 1)
+    w |= _pair_word(y4, y5, a4, a5, enc, SR, 2)
+    w |= _pair_word(y6, y7, a6, a7, enc, SR, 3)
+    w |= _pair_word(y8, y9, b0, b1, enc, SR, 4)
+    w |= _pair_word(y10, y11, b2, b3, enc, SR, 5)
+    w |= _pair_word(y12, y13, b4, b5, enc, SR, 6)
+    w |= _pair_word(y14, y15, b6, b7, enc, SR, 7)
+    ntiles = tl.cdiv(R, 16)
+    tmask = cmask[:, None] & (t < ntiles)[None, :]
+    off = c0.to(tl.int64) * ntiles + r0 // 16 + tile_offsets(lc, lt, ntiles, 1)
+    tl.store(cd_ptr + off, tl.trans(w), mask=tmask)
+    tl.store(cs_ptr + off, tl.trans(sdb), mask=tmask)
+
+
+@triton.jit
+def _col_copy_bytes(x, r0, c0, lr, lc, R, C, s_enc, s_dec, cd_ptr, cs_ptr, k0, k1, RCP6,
+                    SR: tl.constexpr, HW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Columnwise copy without RHT when R % 16 != 0 (rows not whole int64 words): 16x1 blocks
+    of the natural tile, codes transposed and packed bytewise; one Philox call per draw."""
+    BR: tl.constexpr = 16 * BT
+    rows = r0 + lr
+    cols = c0 + lc
+    cmask = cols < C
+    mask = (rows < R)[:, None] & cmask[None, :]
+    xb = tl.reshape(x, [BT, 16, BC])
+    sdb, enc = _block_scales(amax_nan(xb, 1), s_enc, s_dec, RCP6, HW)  # [BT, BC]
+    v = tl.reshape(clamp_sym(xb * enc[:, None, :], 6.0), [BR, BC])
+    if SR:
+        u = draw_at(cols[None, :], rows[:, None], k0, k1)  # copy element (c, r)
+    else:
+        u = v
+    codes = tl.trans(tl.where(mask, _code(v, u, SR), 0))  # [BC, BR]
+    nb = (R + 1) // 2
+    lb = tl.arange(0, BR // 2)
+    tl.store(cd_ptr + c0.to(tl.int64) * nb + r0 // 2 + tile_offsets(lc, lb, nb, 1), _pack_last(codes, BC, BR),
+             mask=cmask[:, None] & ((r0 // 2 + lb) < nb)[None, :])
+    nbr = tl.cdiv(R, 16)
+    lt = tl.arange(0, BT)
+    tl.store(cs_ptr + c0.to(tl.int64) * nbr + r0 // 16 + tile_offsets(lc, lt, nbr, 1), tl.trans(sdb),
+             mask=cmask[:, None] & ((r0 // 16 + lt) < nbr)[None, :])
+
+
+@triton.jit(do_not_specialize=["rk0", "rk1", "ck0", "ck1"])
+def _nvfp4_1d_kernel(x_ptr, ramax_ptr, camax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr,
+                     R, C, sxr, sxc, RCP6, rk0, rk1, ck0, ck1, ROW: tl.constexpr, COL: tl.constexpr,
+                     ROW_SCALED: tl.constexpr, SR: tl.constexpr, RHT: tl.constexpr,
+                     ROW_WORDS: tl.constexpr, COL_WORDS: tl.constexpr, HW: tl.constexpr,
+                     DTYPE: tl.constexpr, BF16_NAN: tl.constexpr, BT: tl.constexpr,
                      BC: tl.constexpr):
     BR: tl.constexpr = 16 * BT
     pid = tl.program_id(0)
     nc = tl.cdiv(C, BC)
+    r0 = (pid // nc) * BR
+    c0 = (pid % nc) * BC
+    lr = tl.arange(0, BR)
+    lc = tl.arange(0, BC)
+    xbase = x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc
+    mask = ((r0 + lr) < R)[:, None] & ((c0 + lc) < C)[None, :]
+    if ROW or (COL and not COL_WORDS):
+        x = load_f32(xbase + tile_offsets(lr, lc, sxr, sxc), mask, DTYPE)
+    if ROW:
+        if ROW_SCALED:
+            s_enc, s_dec = _global_scales(ramax_ptr + tl.minimum(r0 + lr, R - 1))
+            s_enc = s_enc[:, None]
+            s_dec = s_dec[:, None]
+        else:
+            s_enc, s_dec = _global_scales(ramax_ptr)
+        _row_copy(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, rk0, rk1, RCP6,
+                  SR, ROW_WORDS, HW, BR, BC)
+    if COL:
+        s_enc, s_dec = _global_scales(camax_ptr)
+        if COL_WORDS:
+            _col_copy_words(xbase, r0, c0, lc, R, C, sxr, sxc, s_enc, s_dec,
+                            cd_ptr.to(tl.pointer_type(tl.int64)), cs_ptr, ck0, ck1, RCP6, SR, RHT, HW,
+                            DTYPE, BF16_NAN, BT)
+        else:
+            _col_copy_bytes(x, r0, c0, lr, lc, R, C, s_enc, s_dec, cd_ptr, cs_ptr, ck0, ck1, RCP6,
+                            SR, HW, BT, BC)
+
+
+@triton.jit(do_not_specialize=["k0", "k1"])
+def _nvfp4_2d_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc,
+                     RCP6, k0, k1, ROW: tl.constexpr, COL: tl.constexpr, SR: tl.constexpr,
+                     HW: tl.constexpr, DTYPE: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    BR: tl.constexpr = 16 * BT
+    pid = tl.program_id(0)
+    nc = tl.cdiv(C, BC)
     pr = pid // nc
     pc = pid % nc
-    rows = pr * BR + tl.arange(0, BR)
-    cols = pc * BC + tl.arange(0, BC)
-    r64 = rows.to(tl.int64)
-    c64 = cols.to(tl.int64)
+    r0 = pr * BR
+    c0 = pc * BC
+    lr = tl.arange(0, BR)
+    lc = tl.arange(0, BC)
+    rows = r0 + lr
+    cols = c0 + lc
     cmask = cols < C
     mask = (rows < R)[:, None] & cmask[None, :]
-    x = load_f32(x_ptr + r64[:, None] * sxr + c64[None, :] * sxc, mask, DTYPE)
+    x = load_f32(x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc + tile_offsets(lr, lc, sxr, sxc),
+                 mask, DTYPE)
     s_enc, s_dec = _global_scales(amax_ptr)
     xb = tl.reshape(x, [BT, 16, BC // 16, 16])
-    sdb, enc = _block_scales(amax_nan(amax_nan(xb, 3), 1), s_enc, s_dec, RCP6)  # [BT, BC/16]
+    sdb, enc = _block_scales(amax_nan(amax_nan(xb, 3), 1), s_enc, s_dec, RCP6, HW)  # [BT, BC/16]
     v = tl.reshape(clamp_sym(xb * enc[:, None, :, None], 6.0), [BR, BC])
-    codes = tl.where(mask, _codes(v, rand_ptr + r64[:, None] * C + c64[None, :], mask, SR), 0)
+    if SR:
+        u = draw_at(rows[:, None], cols[None, :], k0, k1)  # 2D SR (no recipe uses it): per element
+    else:
+        u = v
+    codes = tl.where(mask, _code(v, u, SR), 0)
     nbr = tl.cdiv(R, 16)
     nbc = tl.cdiv(C, 16)
     sr = pr * BT + tl.arange(0, BT)
@@ -319,15 +423,15 @@ def _nvfp4_2d_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, rand_ptr, 
     smask = (sr < nbr)[:, None] & (sc < nbc)[None, :]
     if ROW:
         nb = (C + 1) // 2
-        bcols = pc * (BC // 2) + tl.arange(0, BC // 2)
-        tl.store(rd_ptr + r64[:, None] * nb + bcols[None, :], _pack_last(codes, BR, BC),
-                 mask=(rows < R)[:, None] & (bcols < nb)[None, :])
+        lb = tl.arange(0, BC // 2)
+        tl.store(rd_ptr + r0.to(tl.int64) * nb + c0 // 2 + tile_offsets(lr, lb, nb, 1),
+                 _pack_last(codes, BR, BC), mask=(rows < R)[:, None] & ((c0 // 2 + lb) < nb)[None, :])
         tl.store(rs_ptr + sr[:, None] * nbc + sc[None, :], sdb, mask=smask)
     if COL:
         nb = (R + 1) // 2
-        brows = pr * (BR // 2) + tl.arange(0, BR // 2)
-        tl.store(cd_ptr + c64[:, None] * nb + brows[None, :], _pack_last(tl.trans(codes), BC, BR),
-                 mask=cmask[:, None] & (brows < nb)[None, :])
+        lb = tl.arange(0, BR // 2)
+        tl.store(cd_ptr + c0.to(tl.int64) * nb + r0 // 2 + tile_offsets(lc, lb, nb, 1),
+                 _pack_last(tl.trans(codes), BC, BR), mask=cmask[:, None] & ((r0 // 2 + lb) < nb)[None, :])
         tl.store(cs_ptr + sc[:, None] * nbr + sr[None, :], tl.trans(sdb), mask=tl.trans(smask))
 
 
@@ -342,6 +446,7 @@ def amaxes(x2: torch.Tensor, *, amax: bool = True, row_amax: bool = False, rht_a
     ``rht.apply_rht(x2.t(), x2.dtype)`` 0-d), each FP32 or None when not asked for.
     ``block``: (16-row tiles, columns) per program."""
     rows, cols = x2.shape
+    check_int32_tiles(rows, cols, *x2.stride())
     dev = x2.device
     out = [torch.zeros(shape, dtype=torch.int32, device=dev) if on else None
            for on, shape in ((amax, ()), (row_amax, (rows,)), (rht_amax, ()))]
@@ -354,24 +459,20 @@ def amaxes(x2: torch.Tensor, *, amax: bool = True, row_amax: bool = False, rht_a
     return tuple(o.view(torch.float32) if o is not None else None for o in out)
 
 
-def _check_rand(rand: Optional[torch.Tensor], shape: tuple[int, int], what: str) -> None:
-    if rand is None or rand.dtype != torch.float32 or tuple(rand.shape) != shape or not rand.is_contiguous():
-        raise ValueError(f"stochastic rounding needs contiguous FP32 draws of shape {shape} for the "
-                         f"{what} copy (torch.rand of the quantized tensor's shape).")
-
-
 def quantize_1d(x2: torch.Tensor, row_amax: Optional[torch.Tensor], col_amax: Optional[torch.Tensor],
-                *, rht: bool = False, stochastic_rounding: bool = False,
-                row_rand: Optional[torch.Tensor] = None, col_rand: Optional[torch.Tensor] = None,
-                block: tuple[int, int] = (4, 64), num_warps: Optional[int] = None):
+                *, rht: bool = False, seed: Optional[int] = None, block: Optional[tuple[int, int]] = None,
+                num_warps: Optional[int] = None):
     """Pass 2 of 1D NVFP4 on non-empty 2D ``x2``: rowwise copy when ``row_amax`` is given (0-d,
     or [R] for row-scaled), columnwise copy (of ``x2.t()``, RHT'd with ``rht``) when
     ``col_amax`` is given. Returns ``(row, col)``, each ``(packed data, E4M3 scales)`` or None,
     equal to ``formats.nvfp4.quantize_1d(x2, row_amax)`` and
     ``quantize_1d(apply_rht(x2.t(), x2.dtype) if rht else x2.t(), col_amax)``.
-    ``stochastic_rounding``: the reference's ``rand=`` draws per copy, ``row_rand`` [R, C] and
-    ``col_rand`` [C, R] (RHT: [C, ceil16(R)]), FP32."""
+    ``seed``: stochastic rounding with the Philox stream of ``triton_sr`` (rowwise copy:
+    direction 0, columnwise: 1), i.e. the reference with ``rand=triton_sr.reference_draws``.
+    ``block``: (16-row tiles, columns) per program; default the H200 sweep's fastest, (2, 64)
+    with RHT or stochastic rounding (more live registers), else (2, 128); 4 warps."""
     rows, cols = x2.shape
+    check_int32_tiles(rows, cols, *x2.stride())
     dev = x2.device
     row = col = None
     if row_amax is not None:
@@ -381,38 +482,35 @@ def quantize_1d(x2: torch.Tensor, row_amax: Optional[torch.Tensor], col_amax: Op
         length = triton.cdiv(rows, BLOCK) * BLOCK if rht else rows
         col = (empty((cols, (length + 1) // 2), dtype=torch.uint8, device=dev),
                empty((cols, triton.cdiv(rows, BLOCK)), dtype=torch.float8_e4m3fn, device=dev))
-    dummy = torch.empty(1, dtype=torch.uint8, device=dev)
+    dummy = torch.empty(1, dtype=torch.int64, device=dev)
     dummy_f = torch.empty(1, dtype=torch.float32, device=dev)
-    if stochastic_rounding:
-        if row:
-            _check_rand(row_rand, (rows, cols), "rowwise")
-        if col:
-            _check_rand(col_rand, (cols, triton.cdiv(rows, BLOCK) * BLOCK if rht else rows), "columnwise")
-    # The RHT copy is written as int64 words (16 codes each); its rows are 8 * ntiles bytes.
-    cd = (col[0].view(torch.int64) if rht else col[0]) if col else dummy
-    grid, blk = _launch_args(x2, *block)
-    extra = {"num_warps": num_warps or 8}
+    sr = seed is not None
+    rk = sr_key(seed, 0) if sr else (0, 0)
+    ck = sr_key(seed, 1) if sr else (0, 0)
+    grid, blk = _launch_args(x2, *(block or ((2, 64) if rht or sr else (2, 128))))
+    extra = {"num_warps": num_warps or 4}
     _nvfp4_1d_kernel[grid](
         kernel_input(x2), row_amax.float().contiguous() if row else dummy_f,
         col_amax.float().contiguous() if col else dummy_f,
-        row[0] if row else dummy, row[1].view(torch.uint8) if row else dummy, cd,
-        col[1].view(torch.uint8) if col else dummy,
-        row_rand if stochastic_rounding and row else dummy_f,
-        col_rand if stochastic_rounding and col else dummy_f,
-        rows, cols, x2.stride(0), x2.stride(1), RCP6, ROW=row is not None, COL=col is not None,
-        ROW_SCALED=row_amax is not None and row_amax.dim() == 1, SR=stochastic_rounding, RHT=rht,
+        row[0] if row else dummy, row[1].view(torch.uint8) if row else dummy,
+        col[0] if col else dummy, col[1].view(torch.uint8) if col else dummy,
+        rows, cols, x2.stride(0), x2.stride(1), RCP6, *rk, *ck, ROW=row is not None, COL=col is not None,
+        ROW_SCALED=row_amax is not None and row_amax.dim() == 1, SR=sr, RHT=rht,
+        ROW_WORDS=cols % 8 == 0, COL_WORDS=rht or rows % 16 == 0, HW=hw_fp8(dev),
         DTYPE=DTYPE_CODE[x2.dtype], BF16_NAN=bf16_nan_bits(dev), **blk, **extra)
     return row, col
 
 
 def quantize_2d(x2: torch.Tensor, amax: torch.Tensor, *, rowwise: bool = True, columnwise: bool = True,
-                rand: Optional[torch.Tensor] = None, block: tuple[int, int] = (4, 64),
+                seed: Optional[int] = None, block: tuple[int, int] = (4, 64),
                 num_warps: Optional[int] = None):
     """16x16-tile NVFP4 of non-empty 2D ``x2`` with global ``amax`` (0-d): ``(row, col)``, each
     ``(packed data, E4M3 scales)`` or None; ``row`` equals ``formats.nvfp4.quantize_2d(x2, amax)``,
-    ``col`` its transpose (codes and tile scales). ``rand`` [R, C] FP32: stochastic rounding
-    with those draws (one quantization serves both copies, as in the reference)."""
+    ``col`` its transpose (codes and tile scales). ``seed``: stochastic rounding with the
+    Philox stream of ``triton_sr`` (direction 0; one quantization serves both copies, as in
+    the reference)."""
     rows, cols = x2.shape
+    check_int32_tiles(rows, cols, *x2.stride())
     dev = x2.device
     nbr, nbc = triton.cdiv(rows, BLOCK), triton.cdiv(cols, BLOCK)
     row = col = None
@@ -423,16 +521,14 @@ def quantize_2d(x2: torch.Tensor, amax: torch.Tensor, *, rowwise: bool = True, c
         col = (empty((cols, (rows + 1) // 2), dtype=torch.uint8, device=dev),
                empty((nbc, nbr), dtype=torch.float8_e4m3fn, device=dev))
     dummy = torch.empty(1, dtype=torch.uint8, device=dev)
-    if rand is not None:
-        _check_rand(rand, (rows, cols), "2D")
     grid, blk = _launch_args(x2, *block)
     extra = {"num_warps": num_warps or 8}
     _nvfp4_2d_kernel[grid](
         kernel_input(x2), amax.float().contiguous(), row[0] if row else dummy,
         row[1].view(torch.uint8) if row else dummy,
         col[0] if col else dummy, col[1].view(torch.uint8) if col else dummy,
-        rand if rand is not None else dummy, rows, cols, x2.stride(0), x2.stride(1), RCP6,
-        ROW=rowwise, COL=columnwise, SR=rand is not None, DTYPE=DTYPE_CODE[x2.dtype],
+        rows, cols, x2.stride(0), x2.stride(1), RCP6, *(sr_key(seed, 0) if seed is not None else (0, 0)),
+        ROW=rowwise, COL=columnwise, SR=seed is not None, HW=hw_fp8(dev), DTYPE=DTYPE_CODE[x2.dtype],
         **blk, **extra)
     return row, col
 

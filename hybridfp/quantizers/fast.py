@@ -2,6 +2,12 @@
 
 Each ``QuantizeKernel`` here produces exactly the storage its quantizer's ``reference_encode``
 would (tests/kernels check it bitwise, on the CPU under ``TRITON_INTERPRET=1`` and on the GPU),
+with one exception: NVFP4 stochastic rounding draws its random numbers in the kernel
+(``kernels/triton_sr.py``: a Philox stream keyed by (seed, direction), not the reference's
+``torch.rand`` stream), so its codes are another realisation of the same distribution: the
+same seed gives the same bits on the GPU and under the interpreter whichever other copies or
+hybrid children are made, and everything else (amaxes, scales, RHT) is bitwise the reference's.
+Every other kernel's output is bitwise the reference's,
 and its ``supports`` says False for every configuration it does not cover, so the registry
 reports the fallback to the reference:
 
@@ -13,7 +19,7 @@ reports the fallback to the reference:
 | MXFP8Quantizer                 | 1D (1x32 + 32x1 transposed) and 2D (32x32), one pass      |
 | NVFP4Quantizer                 | amax pass + one cast pass: 1D (RHT fused on the columnwise |
 |                                | copy, post-RHT amax in the amax pass), row-scaled, 2D;    |
-|                                | stochastic rounding from the reference's torch.rand draws |
+|                                | stochastic rounding with in-kernel Philox draws           |
 
 Empty inputs go to the reference (nothing to launch). ``run`` also works on CPU tensors when
 Triton runs in interpreter mode (how the CPU tests call it); ``supports`` only selects the
@@ -47,8 +53,17 @@ def _kernels(name: str) -> ModuleType:
     return importlib.import_module(f"hybridfp.kernels.{name}")
 
 
+#: Kernels index inside a tile with int32 offsets (``kernels._common.check_int32_tiles``):
+#: 256 * (rows + cols + strides) must stay below 2**31.
+_INT32_TILE_LIMIT = 2**31 // 256 - 1
+
+
 def _device_ok(x: torch.Tensor) -> bool:
-    return HAVE_TRITON and x.is_cuda and x.dtype in HIGH_PRECISION_DTYPES
+    if not (HAVE_TRITON and x.is_cuda and x.dtype in HIGH_PRECISION_DTYPES):
+        return False
+    cols = x.shape[-1] if x.dim() else 1
+    rows = x.numel() // max(cols, 1)
+    return rows + cols + sum(abs(s) for s in x.stride()) < _INT32_TILE_LIMIT
 
 
 def _on_device(x: torch.Tensor):
@@ -131,13 +146,6 @@ def _nvfp4_supports(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool) ->
     return _device_ok(x) and not (q.row_scaled_nvfp4 and columnwise)
 
 
-def _nvfp4_draws(q: Any, seed: int, direction: int, shape: tuple[int, int], device: torch.device):
-    """The reference's stochastic-rounding draws for one copy: ``torch.rand`` of the quantized
-    tensor's shape from the quantizer's own (seed, direction) generator."""
-    gen = q._sr(seed, direction, device)["generator"]
-    return torch.rand(shape, generator=gen, device=device, dtype=torch.float32)
-
-
 def _nvfp4_run(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool,
                seed: Optional[int] = None):
     if x.numel() == 0 or (q.row_scaled_nvfp4 and columnwise):
@@ -145,14 +153,13 @@ def _nvfp4_run(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool,
     if q.stochastic_rounding and seed is None:
         seed = q.draw_seed()
     x2 = as_2d(x)
-    rows, cols = x2.shape
     sr = q.stochastic_rounding
     nv = _kernels("triton_nvfp4")
     with _on_device(x):
         if q.with_2d_quantization:
             amax = _reduce(nv.amaxes(x2)[0], q)
-            rand = _nvfp4_draws(q, seed, 0, (rows, cols), x.device) if sr else None
-            row, col = nv.quantize_2d(x2, amax, rowwise=rowwise, columnwise=columnwise, rand=rand)
+            row, col = nv.quantize_2d(x2, amax, rowwise=rowwise, columnwise=columnwise,
+                                      seed=seed if sr else None)
             row_amax = col_amax = amax
         else:
             post_rht = columnwise and q.with_rht and q.with_post_rht_amax
@@ -162,11 +169,7 @@ def _nvfp4_run(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool,
             g, rht_amax = _reduce(g, q), _reduce(rht_amax, q)
             row_amax = (per_row if q.row_scaled_nvfp4 else g) if rowwise else None
             col_amax = (rht_amax if post_rht else g) if columnwise else None
-            length = -(-rows // 16) * 16 if q.with_rht else rows
-            row_rand = _nvfp4_draws(q, seed, 0, (rows, cols), x.device) if sr and rowwise else None
-            col_rand = _nvfp4_draws(q, seed, 1, (cols, length), x.device) if sr and columnwise else None
-            row, col = nv.quantize_1d(x2, row_amax, col_amax, rht=q.with_rht, stochastic_rounding=sr,
-                                      row_rand=row_rand, col_rand=col_rand)
+            row, col = nv.quantize_1d(x2, row_amax, col_amax, rht=q.with_rht, seed=seed if sr else None)
     rp = None if row is None else {"data": row[0], "scale": row[1], "amax": row_amax}
     cp = None if col is None else {"data": col[0], "scale": col[1], "amax": col_amax}
     return NVFP4Storage(x.shape, x.dtype, rp, cp, label=q.label, **q.storage_meta())

@@ -9,13 +9,19 @@ is itself NaN depends on which NaN operand the CPU's ``x * encode`` returns: x86
 first, torch's vectorized CPU loops the second, numpy (the interpreter) the first. Those codes
 are meaningless (the block dequantizes to NaN) and the GPU gives canonical NaNs, so the GPU
 tests compare them exactly; on the CPU the code magnitudes there must still match.
+
+NVFP4 stochastic rounding: the kernels draw their own Philox stream (hybridfp/kernels/
+triton_sr.py), so every comparison with the reference runs the reference inside
+:func:`kernel_sr_stream`, which feeds it that stream instead of ``torch.rand``: then the
+stochastic codes are compared bit for bit as well.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import pytest
 import torch
@@ -24,6 +30,7 @@ import triton.language.standard
 
 from hybridfp.formats import nvfp4
 from hybridfp.kernels._common import poisoned_outputs
+from hybridfp.kernels.triton_sr import reference_draws
 from hybridfp.quantizers import fast
 from hybridfp.quantizers.backends import ReferenceQuantizeWarning, select_quantize_kernel
 from hybridfp.tensors import QuantizedStorage
@@ -111,6 +118,25 @@ def gpu_input(shape: tuple[int, ...], dtype: torch.dtype, *, specials: bool = Fa
     return x.to(dtype)
 
 
+@contextmanager
+def kernel_sr_stream() -> Iterator[None]:
+    """Inside the block, ``formats.nvfp4``'s stochastic rounding draws the kernels' Philox
+    stream (``triton_sr.reference_draws`` keyed by the per-direction generator's seed, which
+    ``NVFP4Quantizer._sr`` sets to the stream key) instead of ``torch.rand``."""
+    orig = nvfp4._draws
+
+    def draws(x, stochastic_rounding, rand, generator):
+        if stochastic_rounding and rand is None and generator is not None:
+            rand = reference_draws(generator.initial_seed(), tuple(x.shape), x.device)
+        return orig(x, stochastic_rounding, rand, generator)
+
+    nvfp4._draws = draws
+    try:
+        yield
+    finally:
+        nvfp4._draws = orig
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
@@ -186,10 +212,12 @@ def run_kernel(q, x: torch.Tensor, rowwise: bool = True, columnwise: bool = True
 def check_against_reference(q, x: torch.Tensor, rowwise: bool = True, columnwise: bool = True,
                             what: str = "", seed: int = 1234) -> QuantizedStorage:
     """The kernel's storage equals ``q.reference_encode`` bit for bit (run on a copy of q, so
-    stateful quantizers start from the same state; one stochastic-rounding seed for both);
+    stateful quantizers start from the same state; one stochastic-rounding seed for both, the
+    reference drawing the kernels' stream: :func:`kernel_sr_stream`);
     returns the kernel's storage."""
     ref_q = q.copy()
-    want = ref_q.reference_encode(x, rowwise, columnwise, seed)
+    with kernel_sr_stream():
+        want = ref_q.reference_encode(x, rowwise, columnwise, seed)
     got = run_kernel(q, x, rowwise, columnwise, seed)
     assert_storage_bitwise(got, want, what or repr(q))
     assert shared_tensors(got) == shared_tensors(want), f"{what}: shared payload tensors differ"
@@ -203,7 +231,8 @@ def check_gpu(q, x: torch.Tensor, rowwise: bool = True, columnwise: bool = True)
     assert kernel is fast.KERNELS[type(q).__name__], f"{q!r} on {x.device} selected {kernel}"
     seed = int.from_bytes(os.urandom(7), "little")
     ref_q = q.copy()
-    want = ref_q.reference_encode(x, rowwise, columnwise, seed)
+    with kernel_sr_stream():
+        want = ref_q.reference_encode(x, rowwise, columnwise, seed)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ReferenceQuantizeWarning)
         with poisoned_outputs(0x7F):

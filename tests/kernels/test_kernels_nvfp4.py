@@ -12,10 +12,11 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 
 from quantize_kernel_cases import (DTYPES, EMPTY_SHAPES, GPU_SHAPES, SHAPES, assert_storage_bitwise,  # noqa: E402
                                    check_against_reference, check_gpu, edge_tensor, gpu, gpu_input,
-                                   interpreter_only, run_kernel)
+                                   interpreter_only, kernel_sr_stream, run_kernel)
 
 from hybridfp.formats import nvfp4, rht  # noqa: E402
-from hybridfp.kernels import triton_nvfp4  # noqa: E402
+from hybridfp.formats.common import amax_nan, blocks_1d, expand_blocks_1d  # noqa: E402
+from hybridfp.kernels import triton_nvfp4, triton_sr  # noqa: E402
 from hybridfp.quantizers import HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer, fast  # noqa: E402
 from hybridfp.quantizers import nvfp4 as nvfp4_quantizers  # noqa: E402
 from hybridfp.quantizers.backends import kernels_enabled, select_quantize_kernel  # noqa: E402
@@ -110,15 +111,93 @@ def test_nvfp4_kernel_selection():
 
 @interpreter_only
 def test_nvfp4_kernel_sr_seed():
-    """Stochastic rounding: same seed, same bits as the reference; without a seed the kernel
-    draws one from the quantizer's generator exactly as the reference does."""
+    """Stochastic rounding: without a seed the kernel draws one from the quantizer's generator
+    exactly as the reference does (same bits with the reference fed the kernels' stream);
+    another seed gives other codes."""
     x = torch.randn(40, 48, generator=torch.Generator().manual_seed(13))
     for cfg in ("sr", "sr_rht", "sr_2d"):
         q = NVFP4Quantizer(**CONFIGS[cfg], generator=torch.Generator().manual_seed(5))
         ref = NVFP4Quantizer(**CONFIGS[cfg], generator=torch.Generator().manual_seed(5))
-        assert_storage_bitwise(run_kernel(q, x), ref.reference_encode(x, True, True), cfg)
+        with kernel_sr_stream():
+            want = ref.reference_encode(x, True, True)
+        assert_storage_bitwise(run_kernel(q, x), want, cfg)
         a, b = run_kernel(q, x, seed=1), run_kernel(q, x, seed=2)
         assert not torch.equal(a.payload("rowwise")["data"], b.payload("rowwise")["data"])
+
+
+def test_sr_stream_known_answer():
+    """The Philox of the SR stream is standard Philox4x32-10 (Random123's known-answer vector
+    for counter 0, key 0), and the kernels' key is the reference generator's seed."""
+    z = torch.zeros(1, dtype=torch.int64)
+    assert [int(v) for v in triton_sr.philox_torch(z, z.clone(), 0)] == [
+        0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+    q = NVFP4Quantizer(stochastic_rounding=True)
+    assert q._sr(2**62 - 3, 1, torch.device("cpu"))["generator"].initial_seed() == triton_sr.stream_key(2**62 - 3, 1)
+
+
+@interpreter_only
+@pytest.mark.parametrize("cfg", ["sr", "sr_rht"])
+def test_nvfp4_sr_copies_independent(cfg):
+    """Same seed, same bits whichever other copy is made (rowwise alone, columnwise alone, both),
+    so a hybrid of two identical children equals the plain quantizer."""
+    x = edge_tensor((48, 64), torch.bfloat16, seed=9)
+    q = NVFP4Quantizer(**CONFIGS[cfg])
+    both = run_kernel(q, x, True, True, seed=77)
+    assert_storage_bitwise(run_kernel(q, x, True, False, seed=77), _only(both, "rowwise"), "rowwise alone")
+    assert_storage_bitwise(run_kernel(q, x, False, True, seed=77), _only(both, "columnwise"), "columnwise alone")
+    assert_storage_bitwise(run_kernel(q, x, True, True, seed=77), both, "again")
+
+
+def _only(storage, direction):
+    """``storage`` restricted to one direction's copy."""
+    keep = {d: storage.payload(d) if d == direction else None for d in ("rowwise", "columnwise")}
+    return type(storage)(storage.shape, storage.dtype, keep["rowwise"], keep["columnwise"], **storage.meta)
+
+
+def _scaled(copy_in: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(clamp(x * encode, -6, 6), FP32 block scale S_dec_b per element) of a copy's input, in the
+    reference's arithmetic: the values stochastic rounding rounds, and their decode unit."""
+    s_enc = nvfp4.global_encode_scale(amax)
+    s_dec = torch.div(torch.ones_like(s_enc), s_enc)
+    sdb = nvfp4.block_decode_scale(amax_nan(blocks_1d(copy_in.float(), 16), dim=-1), s_enc)
+    cols = copy_in.shape[1]
+    enc = expand_blocks_1d(nvfp4.block_encode_scale(sdb, s_dec), 16, cols)
+    return (copy_in.float() * enc).clamp(-6, 6), expand_blocks_1d(sdb.float(), 16, cols)
+
+
+@interpreter_only
+@pytest.mark.parametrize("cfg", ["sr", "sr_rht"])
+def test_nvfp4_sr_neighbours_and_unbiased(cfg):
+    """Distribution of the kernels' stochastic rounding, per copy: every code is the floor or
+    the ceiling of its scaled value on the E2M1 grid (the reference with draws 1 and 0), and
+    over N = 1024 independent roundings of the same 64 values (a row / column repeated: each
+    repetition has its own counters) the mean decoded value is within 4.5 sigma of the scaled
+    value (sigma = (hi - lo) sqrt(p (1 - p) / N) per element, p its exact round-up
+    probability; a fixed seed, so the test cannot flake)."""
+    n = 1024
+    v = edge_tensor((1, 64), torch.float32, seed=3).clamp(-50, 50)
+    q = NVFP4Quantizer(**CONFIGS[cfg])
+    for direction, x in (("rowwise", v.expand(n, 64).contiguous()),
+                         ("columnwise", v.t().expand(64, n).contiguous())):
+        payload = run_kernel(q, x, direction == "rowwise", direction == "columnwise", seed=2024).payload(direction)
+        copy_in = x if direction == "rowwise" else x.t()
+        if q.with_rht and direction == "columnwise":
+            copy_in = rht.apply_rht(copy_in, torch.float32)
+        cols = copy_in.shape[1]
+        ones, zeros = torch.ones(copy_in.shape), torch.zeros(copy_in.shape)
+        lo = nvfp4.unpack_fp4(nvfp4.quantize_1d(copy_in, payload["amax"], stochastic_rounding=True, rand=ones)[0], cols)
+        hi = nvfp4.unpack_fp4(nvfp4.quantize_1d(copy_in, payload["amax"], stochastic_rounding=True, rand=zeros)[0], cols)
+        got = nvfp4.unpack_fp4(payload["data"], cols)
+        assert bool(((got == lo) | (got == hi)).all()), f"{cfg} {direction}: a code is not a neighbour"
+        target, unit = _scaled(copy_in, payload["amax"])
+        d_lo, d_hi = nvfp4.decode_e2m1(lo), nvfp4.decode_e2m1(hi)
+        p = torch.where(d_hi != d_lo, (target - d_lo) / (d_hi - d_lo), torch.zeros_like(target))
+        mean = (nvfp4.decode_e2m1(got) * unit).mean(0)
+        sigma = ((d_hi - d_lo).abs() * unit * torch.sqrt(p * (1 - p)))[0] / n**0.5
+        err = (mean - (target * unit)[0]).abs()
+        assert bool((err <= 4.5 * sigma + 1e-6 * err.new_ones(()).mul((target * unit)[0].abs())).all()), (
+            f"{cfg} {direction}: max |mean - value| / sigma = {float((err / sigma.clamp_min(1e-30)).max()):.2f}")
+        assert int(((p[0] > 0.05) & (p[0] < 0.95)).sum()) > 8, "too few elements rounded at random"
 
 
 @interpreter_only
@@ -177,3 +256,18 @@ def test_nvfp4_gpu_row_scaled_and_directions():
     check_gpu(NVFP4Quantizer(row_scaled_nvfp4=True, columnwise=False), x, True, False)
     check_gpu(NVFP4Quantizer(with_rht=True), x, False, True)
     check_gpu(NVFP4Quantizer(), x, True, False)
+
+
+@gpu
+@pytest.mark.parametrize("config", ["sr", "sr_rht"])
+def test_nvfp4_gpu_sr_twin_hybrid_and_reproducible(config):
+    """On CUDA (registered kernels): the same seed gives the same bits on a second call, and a
+    hybrid of two identical SR children equals the plain quantizer copy for copy."""
+    x = gpu_input((4096, 4096), torch.bfloat16)
+    plain = NVFP4Quantizer(**CONFIGS[config])
+    hybrid = HybridQuantizer(NVFP4Quantizer(**CONFIGS[config]), NVFP4Quantizer(**CONFIGS[config]))
+    want = plain.encode(x, True, True, 4321)
+    assert_storage_bitwise(plain.encode(x, True, True, 4321), want, "second call")
+    got = hybrid.encode(x, True, True, 4321)
+    for d in ("rowwise", "columnwise"):
+        assert_storage_bitwise(got.part(d), _only(want, d), f"hybrid {d}")
