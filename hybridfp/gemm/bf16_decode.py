@@ -7,16 +7,40 @@ computes SPEC §1's exact product. Per-tensor / per-row factors (FP8 ``scale_inv
 ``S_dec``) stay out of the values and go to the epilogue, as in :class:`GemmOperand`.
 
 ``bf16_exact_reason(storage, direction)`` says why a copy cannot be decoded exactly in BF16
-(None when it can); ``decode_bf16(storage, direction)`` returns the operand.
+(None when it can); ``decode_bf16(storage, direction)`` returns the operand:
+
+- on CUDA, through the Triton decode kernel registered for the storage's class
+  (``DECODERS``; ``hybridfp.kernels.triton_decode``, bitwise equal to the reference);
+- elsewhere (CPU CI), by the reference: ``storage.gemm_operand(direction)`` rounded to BF16;
+- a BF16 Identity copy is its own data (a view; nothing to decode, on any device).
+
+``cache=True`` memoizes the decoded copy per payload (a weight used by several micro-batches
+of a step is decoded once): the entry hangs off the copy's ``data`` tensor in a weak-keyed
+table, so it lives exactly as long as that tensor and is neither a payload tensor (not in
+``tensors()``) nor saved by ``to_state()``. It is used while every payload tensor of the copy
+is the same object with the same ``data_ptr`` and ``_version`` — in-place re-quantization
+(``copy_`` / ``update_quantized``) bumps the versions and so invalidates it.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import importlib
+import importlib.util
+from types import ModuleType
+from typing import Callable, Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
-from ..tensors.storage import GemmOperand, QuantizedStorage
+from ..formats import nvfp4
+from ..formats.common import ceil_div
+from ..tensors import Float8BlockStorage, Float8Storage, IdentityStorage, MXFP8Storage, NVFP4Storage
+from ..tensors.storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+#: payload ``data`` tensor -> {direction: (validity key, decoded operand)}.
+_CACHE: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def bf16_exact_reason(storage: QuantizedStorage, direction: str) -> Optional[str]:
@@ -24,15 +48,122 @@ def bf16_exact_reason(storage: QuantizedStorage, direction: str) -> Optional[str
     return storage.part(direction).bf16_exact_reason(direction)
 
 
-def decode_bf16(storage: QuantizedStorage, direction: str) -> GemmOperand:
+def _kernels() -> ModuleType:
+    """``hybridfp.kernels.triton_decode``, imported at first use: importing Triton fixes its
+    interpreted / compiled mode and costs about a second (see ``quantizers/fast.py``)."""
+    return importlib.import_module("hybridfp.kernels.triton_decode")
+
+
+# ---------------------------------------------------------------------------- kernel decoders
+def _mxfp8(s: QuantizedStorage, direction: str) -> GemmOperand:
+    p = s.payload(direction)
+    v = _kernels().decode_mxfp8(p["data"], p["scale"], block_2d=bool(s.meta["block_2d"]))
+    return GemmOperand(v, None, p["data"].shape[1])
+
+
+def _fp8(s: QuantizedStorage, direction: str) -> GemmOperand:
+    p = s.payload(direction)
+    return GemmOperand(_kernels().decode_fp8(p["data"]), p["scale_inv"], p["data"].shape[1])
+
+
+def _fp8_block(s: QuantizedStorage, direction: str) -> GemmOperand:
+    p = s.payload(direction)
+    v = _kernels().decode_fp8_block(p["data"], p["scale_inv"], block=int(s.meta["block"]),
+                                    block_dim=int(s.meta["block_dim"]))
+    return GemmOperand(v, None, p["data"].shape[1])
+
+
+def _nvfp4(s: QuantizedStorage, direction: str) -> GemmOperand:
+    """As ``NVFP4Storage.gemm_operand``: an RHT copy keeps its 16-padded stored length."""
+    p = s.payload(direction)
+    k = s.cols if direction == ROWWISE else s.rows
+    rht_on = direction == COLUMNWISE and bool(s.meta["rht"])
+    stored = ceil_div(k, nvfp4.BLOCK) * nvfp4.BLOCK if rht_on else k
+    v = _kernels().decode_nvfp4(p["data"], p["scale"], stored, block_2d=bool(s.meta["block_2d"]))
+    return GemmOperand(v, nvfp4.global_decode_scale(p["amax"]), k, rht_on)
+
+
+#: storage class -> its Triton decode (CUDA). A new format opts in here.
+DECODERS: dict[type, Callable[[QuantizedStorage, str], GemmOperand]] = {
+    MXFP8Storage: _mxfp8,
+    NVFP4Storage: _nvfp4,
+    Float8Storage: _fp8,
+    Float8BlockStorage: _fp8_block,
+}
+
+
+def _identity(s: QuantizedStorage, direction: str) -> GemmOperand:
+    """A BF16 copy as held (columnwise: the transposed view) — bitwise the reference."""
+    v = s.payload(direction)["data"]
+    v = v if direction == ROWWISE else v.t()
+    return GemmOperand(v, None, v.shape[1])
+
+
+#: storage class -> a decode that is already free (no kernel, nothing worth caching).
+VIEWS: dict[type, Callable[[QuantizedStorage, str], GemmOperand]] = {IdentityStorage: _identity}
+
+
+def reference_decode_bf16(storage: QuantizedStorage, direction: str) -> GemmOperand:
+    """The FP32 block decode of :meth:`QuantizedStorage.gemm_operand` rounded to BF16 — a
+    no-op rounding whenever ``bf16_exact_reason`` is None (what the kernels must equal)."""
+    op = storage.part(direction).gemm_operand(direction)
+    return GemmOperand(op.values.to(torch.bfloat16), op.scale, op.k, op.rht)
+
+
+def decode_bf16(storage: QuantizedStorage, direction: str, *, cache: bool = False) -> GemmOperand:
     """The ``direction`` copy as a GEMM reads it, block-decoded into BF16 (exact; see module doc).
 
-    Reference implementation: the FP32 block decode of :meth:`QuantizedStorage.gemm_operand`,
-    rounded to BF16 — a no-op rounding whenever ``bf16_exact_reason`` is None.
+    ``cache``: reuse / keep the decoded copy while the payload is unchanged (for weights).
     """
-    reason = bf16_exact_reason(storage, direction)
+    s = storage.part(direction)
+    reason = s.bf16_exact_reason(direction)
     if reason is not None:
-        raise ValueError(f"{storage.describe()}: the {direction} copy cannot be decoded exactly in "
+        raise ValueError(f"{s.describe()}: the {direction} copy cannot be decoded exactly in "
                          f"BF16 ({reason}); use the exact FP32 emulation (hybridfp.gemm.emulate).")
-    op = storage.gemm_operand(direction)
-    return GemmOperand(op.values.to(torch.bfloat16), op.scale, op.k, op.rht)
+    view = VIEWS.get(type(s))
+    if view is not None:
+        return view(s, direction)
+    decoder = DECODERS.get(type(s)) if HAVE_TRITON and s.device.type == "cuda" else None
+    if not cache:
+        return _run(decoder, s, direction)
+    data = s.payload(direction)["data"]
+    key = _validity(s, direction)
+    if key is None:  # inference tensors have no version counter: nothing to validate against
+        return _run(decoder, s, direction)
+    hit = _CACHE.get(data, {}).get(direction)
+    if hit is not None and _same(hit[0], key):
+        return hit[1]
+    op = _run(decoder, s, direction)
+    _CACHE.setdefault(data, {})[direction] = (key, op)
+    return op
+
+
+def _run(decoder: Optional[Callable[[QuantizedStorage, str], GemmOperand]], s: QuantizedStorage,
+         direction: str) -> GemmOperand:
+    if decoder is None:
+        return reference_decode_bf16(s, direction)
+    with torch.cuda.device(s.device):  # Triton launches on the current device
+        return decoder(s, direction)
+
+
+def _validity(s: QuantizedStorage, direction: str) -> Optional[tuple]:
+    """What a cached decode depends on: class, shape, options and every payload tensor of the
+    copy (held, so its id cannot be recycled while the entry lives; the ``data`` tensor itself
+    is the weak key and is not held)."""
+    p = s.payload(direction)
+    if any(t.is_inference() for t in p.values()):
+        return None
+    tensors = tuple((n, None if n == "data" else t, t.data_ptr(), t._version) for n, t in sorted(p.items()))
+    return (type(s), tuple(s.shape), tuple(sorted(s.meta.items(), key=lambda kv: kv[0])), tensors)
+
+
+def _same(old: tuple, new: tuple) -> bool:
+    """Validity keys equal, payload tensors compared by identity (``==`` on tensors is elementwise)."""
+    if old[:3] != new[:3] or len(old[3]) != len(new[3]):
+        return False
+    return all(a[0] == b[0] and a[1] is b[1] and a[2:] == b[2:] for a, b in zip(old[3], new[3]))
+
+
+def clear_decode_cache() -> None:
+    """Drop every cached decoded copy (e.g. to free memory before evaluation)."""
+    _CACHE.clear()

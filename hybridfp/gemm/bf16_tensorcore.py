@@ -1,0 +1,206 @@
+"""``bf16_tensorcore``: exact GEMMs of block-scaled pairs on BF16 tensor cores (Hopper).
+
+Hopper has no MXFP8 / NVFP4 MMA, but block-decoded values of these formats are exact in BF16
+(``bf16_decode``), so for a pair whose two copies decode exactly:
+
+    A_bf16, B_bf16 = decode(A), decode(B)          # Triton, one pass each (weights: cached)
+    acc = torch.mm(A_bf16, B_bf16ᵀ, out_dtype=fp32)  # cuBLAS BF16, FP32 accumulation
+    out = cast(acc * sa[:, None] * sb[None, :] + bias)   # one epilogue pass (triton_epilogue)
+
+which is SPEC §1's exact GEMM up to the order of the FP32 accumulation (products of BF16
+values are exact in FP32). Without scales, bias or accumulation a BF16 output comes straight
+from ``torch.mm`` (cuBLAS rounds its FP32 accumulator once). cuBLAS may otherwise reduce
+split-K partial sums in BF16 (torch's ``allow_bf16_reduced_precision_reduction``, on by
+default); that is switched off around the call.
+
+Pairs (format keys; any layout; CUDA sm80+ with Triton): both operands among MXFP8, NVFP4
+(1D / 2D / row-scaled / RHT), FP8 per-tensor, power-of-two FP8 block and Identity, with
+either both or neither copy RHT'd (two RHT copies stay in the transformed domain: R cancels).
+The cuBLAS FP8 backends (``fast.py``) are registered after this one and so take precedence
+for their pairs (FP8 per-tensor x per-tensor, FP8 block pairs): FP8 tensor cores are faster.
+Left to the exact emulation, and reported by the build-time report as such: FP8 block with
+FP32 (non power-of-two) scales, and one RHT copy against a non-RHT one (the inverse
+transform does not keep values in BF16).
+
+What a format key cannot show — an Identity copy held in FP32 / FP16 — is found in ``run``:
+such a GEMM runs ``emulate`` (an IEEE FP32 cuBLAS GEMM on CUDA, the fastest exact GEMM of
+FP32 values; there is deliberately no separate "cublas_fp32" backend, which would be
+``emulate`` under another name) and is reported once per (GEMM, pair, reason) with an
+``EmulatedGemmWarning``.
+
+Decoded weights: operand B of fprop (TN) and dgrad (NN) is the weight in a linear layer
+(SPEC §1), so its decode is cached on its payload (``decode_bf16(cache=True)``): micro-batches
+of one step decode each weight copy once. ``cache_weight_decodes(False)`` turns that off
+(the cache holds a BF16 copy per weight copy until the quantized weight is dropped).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import warnings
+from contextlib import contextmanager
+from functools import lru_cache
+from types import ModuleType
+from typing import Iterator, Optional
+
+import torch
+
+from ..tensors.storage import GemmOperand, QuantizedStorage
+from .backends import Backend, EmulatedGemmWarning, FormatKey, describe_key, emulate, register_backend
+from .bf16_decode import decode_bf16
+from .gemm import GEMM_OF_LAYOUT, LAYOUTS
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+#: Format names whose copies can decode exactly into BF16 (given the options checked below).
+FORMATS = frozenset({"MXFP8", "NVFP4", "FP8 per-tensor", "FP8 block", "Identity"})
+#: Layouts whose operand B is a linear layer's weight (SPEC §1): its decode is cached.
+WEIGHT_B_LAYOUTS = frozenset({"TN", "NN"})
+_CACHE_WEIGHTS = [True]
+_REPORTED: set[tuple[str, str, str, str]] = set()
+
+
+def cache_weight_decodes(enabled: bool) -> None:
+    """Whether fprop/dgrad keep the decoded BF16 copy of operand B (the weight) on its payload."""
+    _CACHE_WEIGHTS[0] = bool(enabled)
+
+
+def _opts(key: FormatKey) -> Optional[tuple[str, dict]]:
+    try:
+        name, opts = key  # type: ignore[misc]
+        return name, dict(opts)
+    except (TypeError, ValueError):
+        return None
+
+
+def _epilogue() -> ModuleType:
+    """``hybridfp.kernels.triton_epilogue``, imported at the first CUDA GEMM (Triton's import
+    fixes its interpreted / compiled mode; see ``quantizers/fast.py``)."""
+    return importlib.import_module("hybridfp.kernels.triton_epilogue")
+
+
+def pair_supported(key_a: FormatKey, key_b: FormatKey) -> bool:
+    """Whether both copies decode exactly into BF16 and can meet in one BF16 GEMM (format
+    level, any device): known formats, power-of-two FP8 block scales, RHT on both or neither."""
+    pa, pb = _opts(key_a), _opts(key_b)
+    if pa is None or pb is None:
+        return False
+    for name, opts in (pa, pb):
+        if name not in FORMATS or (name == "FP8 block" and not opts.get("pow2_scales", False)):
+            return False
+    return bool(pa[1].get("rht", False)) == bool(pb[1].get("rht", False))
+
+
+@lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _device_ok(device: torch.device) -> bool:
+    device = torch.device(device)
+    return (HAVE_TRITON and device.type == "cuda" and torch.cuda.is_available()
+            and _capability(device) >= (8, 0))  # BF16 tensor cores
+
+
+def supports(key_a: FormatKey, key_b: FormatKey, layout: str, device: torch.device) -> bool:
+    """Backend predicate: a supported pair, on a CUDA device with BF16 tensor cores."""
+    return layout in LAYOUTS and pair_supported(key_a, key_b) and _device_ok(device)
+
+
+@contextmanager
+def _exact_bf16_gemm(device: torch.device) -> Iterator[None]:
+    """No BF16 split-K reductions in cuBLAS, no autocast around the GEMM; restored after."""
+    flags = torch.backends.cuda.matmul
+    old = flags.allow_bf16_reduced_precision_reduction
+    flags.allow_bf16_reduced_precision_reduction = False
+    try:
+        with torch.autocast(device.type, enabled=False):
+            yield
+    finally:
+        flags.allow_bf16_reduced_precision_reduction = old
+
+
+def _torch_epilogue(acc: torch.Tensor, a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype,
+                    bias: Optional[torch.Tensor], accumulate_into: Optional[torch.Tensor]) -> torch.Tensor:
+    """``emulate``'s epilogue, op for op (destinations the Triton epilogue does not take)."""
+    out = acc
+    if a.scale is not None or b.scale is not None:
+        sa = a.scale.reshape(-1, 1) if a.scale is not None else torch.ones((), device=acc.device)
+        sb = b.scale.reshape(1, -1) if b.scale is not None else torch.ones((), device=acc.device)
+        out = acc * (sa * sb)
+    if bias is not None:
+        out = out + bias.float()
+    if accumulate_into is not None:
+        accumulate_into.copy_(accumulate_into.float() + out)
+        return accumulate_into
+    return out.to(out_dtype)
+
+
+def bf16_gemm(a: GemmOperand, b: GemmOperand, *, out_dtype: torch.dtype = torch.bfloat16,
+              bias: Optional[torch.Tensor] = None,
+              accumulate_into: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """out[m, n] = (Σ_k a[m, k] b[n, k]) * sa[m] * sb[n] (+ bias) of BF16-decoded operands.
+
+    CUDA: cuBLAS BF16 with FP32 accumulation + the Triton epilogue. Elsewhere: an IEEE FP32
+    matmul of the same BF16 values (exact products, FP32 accumulation) and ``emulate``'s
+    epilogue, so the path is testable on the CPU.
+    """
+    av, bv = a.values, b.values
+    if av.dtype != torch.bfloat16 or bv.dtype != torch.bfloat16:
+        raise ValueError(f"bf16_gemm takes BF16-decoded operands; got {av.dtype} and {bv.dtype}.")
+    if av.shape[1] != bv.shape[1] or a.rht != b.rht:
+        raise ValueError(f"bf16_gemm: operands disagree on the reduction: A [{av.shape[0]}, "
+                         f"{av.shape[1]}] (rht={a.rht}) vs B [{bv.shape[0]}, {bv.shape[1]}] "
+                         f"(rht={b.rht}); a one-sided RHT pair needs the exact emulation.")
+    if av.device.type != "cuda":
+        return emulate(GemmOperand(av.float(), a.scale, a.k, a.rht),
+                       GemmOperand(bv.float(), b.scale, b.k, b.rht), out_dtype, bias, accumulate_into)
+    plain = a.scale is None and b.scale is None and bias is None and accumulate_into is None
+    with _exact_bf16_gemm(av.device):
+        if plain and out_dtype == torch.bfloat16:
+            return torch.mm(av, bv.t())  # FP32 accumulation, one rounding to BF16
+        acc = torch.mm(av, bv.t(), out_dtype=torch.float32)
+    if plain and out_dtype == torch.float32:
+        return acc
+    kernel = _epilogue()
+    if not kernel.supported(out_dtype, accumulate_into):
+        return _torch_epilogue(acc, a, b, out_dtype, bias, accumulate_into)
+    with torch.cuda.device(acc.device):
+        return kernel.epilogue(acc, a.scale, b.scale, bias, out_dtype, accumulate_into)
+
+
+def _emulated(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, why: str,
+              out_dtype: torch.dtype, bias: Optional[torch.Tensor],
+              accumulate_into: Optional[torch.Tensor]) -> torch.Tensor:
+    """The exact FP32 emulation for a copy that does not decode into BF16, reported once."""
+    da, db = LAYOUTS[layout]
+    key = (GEMM_OF_LAYOUT[layout], describe_key(sa.format_key(da)), describe_key(sb.format_key(db)), why)
+    if key not in _REPORTED:
+        _REPORTED.add(key)
+        warnings.warn(f"hybridfp: {key[0]} ({key[1]} x {key[2]}) has no BF16 tensor-core path "
+                      f"here ({why}); it runs on the exact emulation path (an IEEE FP32 GEMM).",
+                      EmulatedGemmWarning, stacklevel=4)
+    return emulate(sa.gemm_operand(da), sb.gemm_operand(db), out_dtype, bias, accumulate_into)
+
+
+def _reason(s: QuantizedStorage, direction: str, what: str) -> Optional[str]:
+    why = s.bf16_exact_reason(direction)
+    return None if why is None else f"{what}: {why}"
+
+
+def run(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, *,
+        out_dtype: torch.dtype = torch.bfloat16, bias: Optional[torch.Tensor] = None,
+        accumulate_into: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The GEMM ``layout`` selects on two single-format storages (see the module doc)."""
+    da, db = LAYOUTS[layout]
+    pa, pb = sa.part(da), sb.part(db)
+    why = _reason(pa, da, "A") or _reason(pb, db, "B")
+    if why is not None:
+        return _emulated(pa, pb, layout, why, out_dtype, bias, accumulate_into)
+    a = decode_bf16(pa, da)
+    b = decode_bf16(pb, db, cache=_CACHE_WEIGHTS[0] and layout in WEIGHT_B_LAYOUTS)
+    return bf16_gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate_into=accumulate_into)
+
+
+BF16_TENSORCORE_BACKEND = Backend("bf16_tensorcore", supports, run)
+register_backend(BF16_TENSORCORE_BACKEND)

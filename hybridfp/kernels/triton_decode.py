@@ -1,0 +1,235 @@
+"""Block-decode kernels: one stored copy -> BF16 ``[rows, k_stored]`` values in one pass.
+
+What each computes is ``storage.gemm_operand(direction).values.to(torch.bfloat16)`` (see
+``hybridfp.gemm.bf16_decode``), bit for bit, for:
+
+| function         | stored copy                                  | value                      |
+|------------------|----------------------------------------------|----------------------------|
+| decode_fp8       | FP8 per-tensor codes                         | code (scale_inv kept aside)|
+| decode_mxfp8     | FP8 codes, E8M0 per 1x32 / 32x32             | code * 2**(e - 127)        |
+| decode_fp8_block | FP8 codes, power-of-two FP32 per 1xB / BxB   | code * scale_inv           |
+| decode_nvfp4     | packed E2M1 (low nibble first), E4M3 per 1x16 / 16x16 | e2m1 * e4m3 (S_dec kept aside) |
+
+Exactness (why no FP32 rounding can differ from the reference): an FP8 code has at most 4
+significant bits and an E2M1 x E4M3 product at most 6, so every product whose exponent lies
+in BF16's normal range is exact in FP32 and in BF16; its BF16 bits are the FP32 bits' top
+half. Only power-of-two-scaled FP8 tiles with tiny scales (E8M0 byte, or scale_inv exponent,
+below ``BIAS + MBITS``: blocks of magnitude below ~2**-108) can land in the subnormal range,
+where the reference rounds twice (to an FP32 subnormal, then to BF16). A tile holding such a
+scale takes the exact integer path (:func:`_pow2_scale_exact`), which performs both
+roundings on the bits; GPU flush-to-zero settings then never matter. NVFP4 products are at
+least 2**-10 and never subnormal.
+
+FP8 codes are widened with Triton's FP8 -> FP32 conversion, which is exact for every finite
+code in both modes; the interpreter gets NaN / inf codes wrong (E4M3 0x7F -> 480, E5M2 inf ->
+65536), so those are set from the code bits. NaN results use the bits torch's BF16 cast gives
+on the device (``_common.bf16_nan_bits``). Outputs are written as int16 bits (the
+interpreter's BF16 cast truncates).
+
+Speed (H200, 8192^2, bench/bench_gemm_pairs.py): 0.39-0.50 of device-copy bandwidth (bytes
+read + written) — below the ~0.9 a plain dequantize kernel reached (DESIGN.md); decode plus
+cuBLAS BF16 still runs at 0.89-1.05x a BF16 GEMM. Closing that gap is open work.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import empty
+
+#: kernel kinds: FP8 codes alone, x E8M0 bytes, x power-of-two FP32, packed E2M1 x E4M3
+_PLAIN, _E8M0, _POW2_F32, _NVFP4 = (tl.constexpr(i) for i in range(4))
+#: torch's BF16 NaN bits per device type, as int16 (CPU 0xFFFF, CUDA 0x7FFF).
+_NAN16 = {"cpu": -1, "cuda": 0x7FFF}
+#: default tile (rows, cols); a 2D block format widens the rows to its tile side. 32 x 256
+#: with 4 warps was the fastest of four tiles on the H200 (bench/bench_gemm_pairs.py).
+_TILE = (32, 256)
+
+
+@triton.jit
+def _fp8_f32(c, E5M2: tl.constexpr):
+    """FP32 value of FP8 code bytes ``c`` (int32, 0..255): exact, specials from the bits."""
+    if E5M2:
+        v = c.to(tl.uint8).to(tl.float8e5, bitcast=True).to(tl.float32)
+        mag = c & 0x7F
+        inf = tl.where((c & 0x80) != 0, -float("inf"), float("inf"))
+        v = tl.where(mag >= 0x7C, tl.where(mag == 0x7C, inf, float("nan")), v)
+    else:
+        v = c.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        v = tl.where((c & 0x7F) == 0x7F, float("nan"), v)
+    return v
+
+
+@triton.jit
+def _top_half(v, NAN16: tl.constexpr):
+    """BF16 bits (int32, low 16 bits) of FP32 ``v`` that BF16 holds exactly (or inf / NaN)."""
+    return tl.where(v != v, NAN16, v.to(tl.int32, bitcast=True) >> 16)
+
+
+@triton.jit
+def _pow2_scale_exact(v, e, NAN16: tl.constexpr):
+    """BF16 bits of ``bf16(fp32(v * 2**(e - 127)))`` for exact FP32 ``v`` with at most 4
+    significant bits, any int32 ``e``, in integer arithmetic: the FP32 product is rounded
+    (RNE) onto FP32's subnormal grid where it falls there, then rounded (RNE) to BF16 —
+    the reference's two roundings."""
+    vb = v.to(tl.int32, bitcast=True)
+    a = vb & 0x7FFFFFFF
+    ex = a >> 23
+    en = ex + e - 127
+    full = (a & 0x7FFFFF) | 0x800000
+    sh = tl.minimum(tl.maximum(1 - en, 1), 25)  # full < 2**24: a shift of 25 leaves 0
+    q = full >> sh
+    rem = full & ((1 << sh) - 1)
+    half = 1 << (sh - 1)
+    q += ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
+    r = tl.where(en >= 255, 0x7F800000, tl.where(en >= 1, (en << 23) | (a & 0x7FFFFF), q))
+    r = tl.where(a == 0, 0, r)
+    r = tl.where(ex == 255, a, r)  # inf stays inf
+    b = (r + 0x7FFF + ((r >> 16) & 1)) >> 16  # FP32 bits -> BF16, RNE
+    b = b | ((vb >> 16) & 0x8000)
+    return tl.where(v != v, NAN16, b)
+
+
+@triton.jit
+def _expand(s, BR: tl.constexpr, BC: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr):
+    """Per-block values ``s`` [BR/SR, BC/SC] broadcast to the elements of a [BR, BC] tile."""
+    if SR == 1:
+        t = tl.broadcast_to(s[:, :, None], (BR, BC // SC, SC))
+    else:
+        t = tl.broadcast_to(s[:, None, :, None], (BR // SR, SR, BC // SC, SC))
+    return tl.reshape(t, (BR, BC))
+
+
+@triton.jit
+def _e2m1_f32(code):
+    """FP32 value of 4-bit E2M1 codes (int32, bit 3 = sign): magnitude bits from the code
+    (k >= 2: exponent k//2 - 1, mantissa bit k & 1), exact."""
+    k = code & 7
+    bits = tl.where(k >= 2, (k + 252) << 22, tl.where(k == 1, 0x3F000000, 0))
+    mag = bits.to(tl.float32, bitcast=True)
+    return tl.where((code & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _decode_kernel(src_ptr, s_ptr, out_ptr, R, C, src_stride, s_stride, NSR, NSC,
+                   KIND: tl.constexpr, E5M2: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr,
+                   SAFE_E: tl.constexpr, NAN16: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    pid = tl.program_id(0)
+    nc = tl.cdiv(C, BC)
+    pr = pid // nc
+    pc = pid % nc
+    rows = pr * BR + tl.arange(0, BR)
+    cols = pc * BC + tl.arange(0, BC)
+    r64 = rows.to(tl.int64)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    # The tile's block scales, [BR/SR, BC/SC] (padding reads the neutral scale 1).
+    sr = pr * (BR // SR) + tl.arange(0, BR // SR)
+    sc = pc * (BC // SC) + tl.arange(0, BC // SC)
+    smask = (sr < NSR)[:, None] & (sc < NSC)[None, :]
+    sptr = s_ptr + sr.to(tl.int64)[:, None] * s_stride + sc[None, :]
+    if KIND == _NVFP4:
+        bc = pc * (BC // 2) + tl.arange(0, BC // 2)
+        bmask = (rows < R)[:, None] & (bc < tl.cdiv(C, 2))[None, :]
+        byte = tl.load(src_ptr + r64[:, None] * src_stride + bc[None, :], mask=bmask, other=0).to(tl.int32)
+        code = tl.reshape(tl.join(byte & 15, byte >> 4), (BR, BC))  # element 2i: low nibble
+        s = _fp8_f32(tl.load(sptr, mask=smask, other=0x38).to(tl.int32), False)  # E4M3 scales
+        bits = _top_half(_e2m1_f32(code) * _expand(s, BR, BC, SR, SC), NAN16)
+    else:
+        c = tl.load(src_ptr + r64[:, None] * src_stride + cols[None, :], mask=mask, other=0).to(tl.int32)
+        v = _fp8_f32(c, E5M2)
+        if KIND == _PLAIN:
+            bits = _top_half(v, NAN16)
+        else:
+            if KIND == _E8M0:
+                e = tl.load(sptr, mask=smask, other=127).to(tl.int32)
+                s = tl.where(e == 255, float("nan"), (e << 23).to(tl.float32, bitcast=True))
+            else:  # power-of-two FP32 scale_inv: e is its biased exponent, subnormals included
+                s = tl.load(sptr, mask=smask, other=1.0)
+                sb = s.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+                e = sb >> 23
+                sub_log2 = ((sb & 0x7FFFFF).to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
+                e = tl.where(e == 0, sub_log2 - 22, e)
+                e = tl.where(e == 255, 255, e)
+            if tl.min(tl.min(e, 1), 0) >= SAFE_E:
+                # Every product is a BF16 normal (or inf / NaN): one exact FP32 multiply.
+                bits = _top_half(v * _expand(s, BR, BC, SR, SC), NAN16)
+            else:
+                ee = _expand(e, BR, BC, SR, SC)
+                # A NaN / inf scale (exponent 255) multiplies as IEEE does: NaN, inf or NaN.
+                special = _top_half(v * _expand(s, BR, BC, SR, SC), NAN16)
+                bits = tl.where(ee == 255, special, _pow2_scale_exact(v, ee, NAN16))
+    tl.store(out_ptr + r64[:, None] * C + cols[None, :], bits.to(tl.int16), mask=mask)
+
+
+def _launch(src: torch.Tensor, scale: torch.Tensor | None, cols: int, kind: int, *,
+            fp8_dtype: torch.dtype = torch.float8_e4m3fn, block: tuple[int, int] = (1, 1),
+            tile: tuple[int, int] = _TILE, num_warps: int = 4) -> torch.Tensor:
+    """Decode the [rows, cols] copy whose raw bytes are ``src`` (last dim contiguous)."""
+    rows = src.shape[0]
+    out = empty((rows, cols), torch.bfloat16, src.device)
+    if out.numel() == 0:
+        return out
+    if src.stride(-1) != 1:
+        src = src.contiguous()
+    sr, sc = block
+    br, bc = max(tile[0], sr), max(tile[1], sc)
+    if scale is None:
+        scale = src  # a placeholder: _PLAIN reads no scales
+    elif scale.stride(-1) != 1:
+        scale = scale.contiguous()
+    mbits, bias = (2, 15) if fp8_dtype == torch.float8_e5m2 else (3, 7)
+    grid = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)
+    _decode_kernel[grid](src, scale, out.view(torch.int16), rows, cols, src.stride(0),
+                         scale.stride(0), scale.shape[0], scale.shape[1], KIND=kind,
+                         E5M2=fp8_dtype == torch.float8_e5m2, SR=sr, SC=sc, SAFE_E=bias + mbits,
+                         NAN16=_NAN16["cuda" if src.is_cuda else "cpu"], BR=br, BC=bc,
+                         num_warps=num_warps)
+    return out
+
+
+def _check(what: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    if tuple(t.shape) != shape or t.dtype != dtype:
+        raise ValueError(f"decode: {what} must be {dtype} of shape {shape}; got {t.dtype} "
+                         f"{tuple(t.shape)}.")
+
+
+def decode_fp8(data: torch.Tensor, **launch: object) -> torch.Tensor:
+    """FP8 codes [r, c] -> BF16 (exact; the per-tensor scale_inv stays with the caller)."""
+    if data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"decode_fp8: data must be an FP8 tensor; got {data.dtype}.")
+    return _launch(data.view(torch.uint8), None, data.shape[1], _PLAIN.value, fp8_dtype=data.dtype, **launch)
+
+
+def decode_mxfp8(data: torch.Tensor, scale: torch.Tensor, *, block_2d: bool = False,
+                 **launch: object) -> torch.Tensor:
+    """MXFP8 codes [r, c] x E8M0 ``scale`` (1x32: [r, ceil(c/32)]; 32x32: [ceil(r/32),
+    ceil(c/32)]) -> BF16, as ``formats.mxfp8.dequantize_1d/2d(...).to(bfloat16)``."""
+    r, c = data.shape
+    _check("MXFP8 scale", scale, (-(-r // 32) if block_2d else r, -(-c // 32)), torch.uint8)
+    return _launch(data.view(torch.uint8), scale, c, _E8M0.value, fp8_dtype=data.dtype,
+                   block=(32 if block_2d else 1, 32), **launch)
+
+
+def decode_fp8_block(data: torch.Tensor, scale_inv: torch.Tensor, *, block: int = 128,
+                     block_dim: int = 1, **launch: object) -> torch.Tensor:
+    """FP8 codes [r, c] x power-of-two FP32 ``scale_inv`` per 1 x block (block_dim 1) or
+    block x block tile (block_dim 2) -> BF16. The scales must be powers of two (the
+    storage's ``pow2_scales``): only the exponent is read."""
+    r, c = data.shape
+    nb = -(-c // block)
+    _check("FP8 block scale_inv", scale_inv, (r if block_dim == 1 else -(-r // block), nb), torch.float32)
+    return _launch(data.view(torch.uint8), scale_inv, c, _POW2_F32.value, fp8_dtype=data.dtype,
+                   block=(1 if block_dim == 1 else block, block), **launch)
+
+
+def decode_nvfp4(packed: torch.Tensor, scale: torch.Tensor, cols: int, *, block_2d: bool = False,
+                 **launch: object) -> torch.Tensor:
+    """Packed E2M1 [r, ceil(cols/2)] x E4M3 block scales (1x16: [r, ceil(cols/16)]; 16x16:
+    [ceil(r/16), ceil(cols/16)]) -> BF16 [r, cols] (the global S_dec is not applied)."""
+    r = packed.shape[0]
+    _check("NVFP4 data", packed, (r, -(-cols // 2)), torch.uint8)
+    _check("NVFP4 scale", scale, (-(-r // 16) if block_2d else r, -(-cols // 16)), torch.float8_e4m3fn)
+    return _launch(packed, scale.view(torch.uint8), cols, _NVFP4.value,
+                   block=(16 if block_2d else 1, 16), **launch)

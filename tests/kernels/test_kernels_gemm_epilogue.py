@@ -1,0 +1,110 @@
+"""The Triton GEMM epilogue (``hybridfp.kernels.triton_epilogue``) equals ``emulate``'s epilogue
+bit for bit: ``acc * (sa * sb) (+ bias)`` in FP32, then one cast, or ``accumulate_into +``
+that — for every kind of scale (none, 0-d, per row / column), with and without bias, into
+FP32 / BF16 / FP16 (fresh outputs and strided accumulators).
+
+CPU under ``TRITON_INTERPRET=1``; the GPU case (``-m gpu``) uses a large accumulator.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from quantize_kernel_cases import gpu, interpreter_only
+
+from hybridfp.gemm import emulate
+from hybridfp.kernels import triton_epilogue
+from hybridfp.kernels._common import poisoned_outputs
+from hybridfp.tensors.storage import GemmOperand
+
+# NaN / inf / overflow inputs are deliberate; numpy (the interpreter) warns about them.
+pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
+M, N = 37, 150
+
+
+def _acc(m: int, n: int, device: str = "cpu") -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(m * n)
+    a = torch.randn(m, n, generator=g, device=device) * 1e3
+    a[0, :3] = torch.tensor([float("nan"), float("inf"), 3.4e38])  # NaN, inf, BF16 overflow
+    return a
+
+
+def _scale(kind: str, n: int, device: str = "cpu"):
+    if kind == "none":
+        return None
+    if kind == "scalar":
+        return torch.tensor(1.0 / 3.0, device=device)
+    return torch.rand(n, device=device) + 0.5
+
+
+def _reference(acc, sa, sb, bias, out_dtype, into):
+    """``hybridfp.gemm.emulate``'s epilogue, op for op, on the accumulator."""
+    out = acc
+    if sa is not None or sb is not None:
+        s_a = sa.reshape(-1, 1) if sa is not None else torch.ones((), device=acc.device)
+        s_b = sb.reshape(1, -1) if sb is not None else torch.ones((), device=acc.device)
+        out = acc * (s_a * s_b)
+    if bias is not None:
+        out = out + bias.float()
+    if into is not None:
+        into.copy_(into.float() + out)
+        return into
+    return out.to(out_dtype)
+
+
+def test_reference_is_emulates_epilogue():
+    """The reference above is emulate's: an identity-valued GEMM through emulate agrees."""
+    acc = torch.randn(5, 7)
+    sa, sb, bias = torch.rand(5) + 0.5, torch.tensor(0.3), torch.randn(7)
+    a, b = GemmOperand(acc, sa, 7), GemmOperand(torch.eye(7), sb, 7)
+    assert torch.equal(emulate(a, b, torch.bfloat16, bias), _reference(acc, sa, sb, bias, torch.bfloat16, None))
+
+
+def _check(acc, sa, sb, bias, out_dtype, accumulate: bool, device: str = "cpu"):
+    m, n = acc.shape
+    into = into_ref = None
+    if accumulate:
+        base = torch.randn(n, m + 3, device=device).t()[:m]  # strided [m, n]
+        into, into_ref = base.to(out_dtype), base.to(out_dtype)
+    want = _reference(acc, sa, sb, bias, out_dtype, into_ref)
+    with poisoned_outputs():
+        got = triton_epilogue.epilogue(acc, sa, sb, bias, out_dtype, into)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if accumulate:
+        assert got is into
+    same = got.contiguous().view(torch.uint8) == want.contiguous().view(torch.uint8)
+    assert bool(same.all()), f"{int((~same).sum())} bytes differ"
+
+
+KINDS = ["none", "scalar", "vector"]
+CASES = list(itertools.product(KINDS, KINDS, [False, True], [torch.float32, torch.bfloat16, torch.float16],
+                               [False, True]))
+
+
+@interpreter_only
+@pytest.mark.parametrize("ka, kb, with_bias, out_dtype, accumulate", CASES, ids=str)
+def test_epilogue_matches_emulate(ka, kb, with_bias, out_dtype, accumulate):
+    acc = _acc(M, N)
+    bias = torch.randn(N).to(torch.bfloat16) if with_bias else None
+    _check(acc, _scale(ka, M), _scale(kb, N), bias, out_dtype, accumulate)
+
+
+@interpreter_only
+def test_epilogue_empty_and_bad_scale():
+    out = triton_epilogue.epilogue(torch.empty(0, 5), None, None, None, torch.bfloat16)
+    assert out.shape == (0, 5)
+    with pytest.raises(ValueError, match="scale_a"):
+        triton_epilogue.epilogue(torch.zeros(4, 5), torch.ones(3), None, None, torch.bfloat16)
+
+
+@gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_gpu_epilogue_matches_emulate(out_dtype):
+    acc = torch.randn(4097, 1031, device="cuda") * 1e3
+    sa, sb = torch.rand(4097, device="cuda") + 0.5, torch.tensor(0.37, device="cuda")
+    bias = torch.randn(1031, device="cuda")
+    _check(acc, sa, sb, bias, out_dtype, False, "cuda")
+    _check(acc, sa, None, None, out_dtype, True, "cuda")
