@@ -22,6 +22,7 @@ from hybridfp import Float8BlockQuantizer, IdentityQuantizer, MXFP8Quantizer
 from hybridfp.gemm import BACKENDS, EmulatedGemmWarning, bf16_decode, bf16_tensorcore, emulate, fast, gemm, select
 from hybridfp.gemm.bf16_tensorcore import bf16_gemm, pair_supported, run
 from hybridfp.gemm.gemm import LAYOUTS, operand_storage
+from hybridfp.quantizers.backends import kernels_enabled
 from hybridfp.tensors import COLUMNWISE, ROWWISE
 
 HAS_CUDA = torch.cuda.is_available()
@@ -199,8 +200,8 @@ GPU_PAIRS = [  # layout, A format, B format
 
 
 def _gpu_operands(layout: str, fa: str, fb: str):
-    """Fresh random operands (never zeros, magnitude spread per row), quantized on the CPU by
-    the reference and moved to the GPU (the CUDA quantize kernels are tested elsewhere), whose
+    """Fresh random operands (never zeros, magnitude spread per row), quantized on the GPU by
+    the PyTorch reference (the CUDA quantize kernels are tested elsewhere), whose
     ``layout`` copies are [m, k] and [n, k]."""
     g = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
     shapes = {"x": (GPU_M, GPU_K), "w": (GPU_N, GPU_K), "dy": (GPU_M, GPU_N)}
@@ -215,7 +216,8 @@ def _gpu_operands(layout: str, fa: str, fb: str):
         q = make(t)
         if fmt == "nvfp4_row_scaled":
             q.set_usage(rowwise=True, columnwise=False)
-        out.append(q(t.cpu()).to("cuda"))
+        with kernels_enabled(False):  # the reference, run by PyTorch on the GPU
+            out.append(q(t))
     return out
 
 
