@@ -30,6 +30,7 @@ import torch
 
 from ..kernels import cublas_fp8
 from ..tensors.storage import QuantizedStorage
+from . import bf16_tensorcore
 from .backends import Backend, EmulatedGemmWarning, FormatKey, describe_key, emulate, register_backend
 from .gemm import GEMM_OF_LAYOUT, LAYOUTS
 
@@ -79,14 +80,20 @@ def _supports(kind: str):
 def _emulated(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, why: str,
               out_dtype: torch.dtype, bias: Optional[torch.Tensor],
               accumulate_into: Optional[torch.Tensor]) -> torch.Tensor:
-    """The exact emulation for a shape cuBLAS cannot take, reported once."""
+    """A shape cuBLAS FP8 cannot take: the exact BF16 tensor-core GEMM where both copies decode
+    exactly into BF16 (about BF16 speed, and exact: no FP8-MMA accumulation exception), else
+    the exact FP32 emulation; reported once either way."""
     da, db = LAYOUTS[layout]
     key = (GEMM_OF_LAYOUT[layout], describe_key(sa.format_key(da)), describe_key(sb.format_key(db)), why)
+    use_bf16 = bf16_tensorcore.supports(sa.format_key(da), sb.format_key(db), layout, sa.device)
     if key not in _REPORTED:
         _REPORTED.add(key)
+        path = ("the exact BF16 tensor-core path (bf16_tensorcore)" if use_bf16
+                else "the exact emulation path")
         warnings.warn(f"hybridfp: {key[0]} ({key[1]} x {key[2]}) has no cuBLAS FP8 kernel for this "
-                      f"shape ({why}); it runs on the exact emulation path.", EmulatedGemmWarning,
-                      stacklevel=4)
+                      f"shape ({why}); it runs on {path}.", EmulatedGemmWarning, stacklevel=4)
+    if use_bf16:
+        return bf16_tensorcore.run(sa, sb, layout, out_dtype=out_dtype, bias=bias, accumulate_into=accumulate_into)
     return emulate(sa.gemm_operand(da), sb.gemm_operand(db), out_dtype, bias, accumulate_into)
 
 
