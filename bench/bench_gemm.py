@@ -70,7 +70,7 @@ def bench_shape(name: str, m: int, n: int, k: int, layout: str) -> dict[str, Any
     a = torch.randn(m, k, device=common.DEVICE, dtype=torch.bfloat16)
     b = torch.randn(n, k, device=common.DEVICE, dtype=torch.bfloat16)
     row["bf16"] = tflops(flops, bench_ms(lambda: a @ b.t()))
-    del a, b
+    a = b = None  # free before the FP8 operands are made
 
     # FP8 per-tensor
     ta, tb = TENSORWISE[layout]

@@ -11,6 +11,7 @@ import argparse
 import datetime as _dt
 import json
 import platform
+import os
 import subprocess
 import sys
 import time
@@ -44,6 +45,8 @@ def environment() -> dict[str, Any]:
                                        text=True, cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         env["commit"] = None
+    # The device machine gets the working tree without .git: the caller may name the commit.
+    env["commit"] = env["commit"] or os.environ.get("HYBRIDFP_COMMIT")
     return env
 
 
@@ -73,7 +76,6 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> dict[str, float]:
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(src)
     ms = bench_ms(lambda: dst.copy_(src))
-    del src, dst
     return {"bytes": 2 * nbytes, "ms": ms, "GBps": 2 * nbytes / ms / 1e6}
 
 

@@ -51,7 +51,7 @@ def summary(results: dict[str, dict[str, Any]]) -> str:
     g = results.get("gemm")
     for r in (g or {}).get("rows", []):
         if r["shape"].startswith("8192"):
-            rows += [(f"GEMM 8192^3 TFLOP/s BF16 / FP8 raw / FP8 hybridfp",
+            rows += [("GEMM 8192^3 TFLOP/s BF16 / FP8 raw / FP8 hybridfp",
                       f"{r['bf16']:.0f} / {r['tensorwise_raw']:.0f} / {r['tensorwise_hybridfp']:.0f}"),
                      ("  FP8 hybridfp / raw _scaled_mm (target >= 0.97)", f"{r['tensorwise_ratio']:.3f}"),
                      (f"GEMM 8192^3 TFLOP/s FP8 block ({r['block_pair']}) raw / hybridfp",
