@@ -3,7 +3,9 @@
 ``forward(x, m_splits)``: rows of ``x`` are grouped by expert (``m_splits[i]`` rows for
 expert i, zero allowed); expert i computes ``x_i W_iᵀ + b_i``. Each expert has its own
 quantizers per slot (role module_type "grouped_linear"), so per-tensor scales and blocks never
-straddle two experts. The GEMMs per expert are those of ``Linear`` (see linear_function).
+straddle two experts. The GEMMs per expert are those of ``Linear`` (see linear_function); each
+of the three runs for all experts in one ``hybridfp.gemm.grouped_gemm`` call (one grouped
+kernel where the operand formats allow it, else per expert).
 """
 
 from __future__ import annotations
@@ -14,15 +16,24 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+from ..gemm.grouped import grouped_gemm
 from ..quantizers import HybridQuantizer, Quantizer
 from ..recipes import current_autocast
+from ..tensors import QuantizedTensor
 from .base import SLOTS, QuantizedModule
-from .linear_function import (LinearContext, backward_gemms, bias_grad, forward_gemm, pack,
-                              torch_autocast_off, unpack)
+from .linear_function import LinearContext, bias_grad, pack, torch_autocast_off, unpack
 
 
 class GroupedLinearFunction(torch.autograd.Function):
-    """Per-expert quantized linears over row groups of one input."""
+    """Per-expert quantized linears over row groups of one input.
+
+    Each expert quantizes with its own quantizers (as ``Linear`` does, see linear_function);
+    the three GEMMs then run for all experts at once through ``grouped_gemm``:
+
+        fprop: y  = grouped_gemm([x_e.rowwise],     [W_e.rowwise],    "TN")  # [Σm_e, N]
+        dgrad: dx = grouped_gemm([dy_e.rowwise],    [W_e.columnwise], "NN")  # [Σm_e, K]
+        wgrad: dW = grouped_gemm([dy_e.columnwise], [x_e.columnwise], "NT")  # E x [N, K]
+    """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, m_splits: list[int], lcs: list[LinearContext],  # type: ignore[override]
@@ -32,20 +43,23 @@ class GroupedLinearFunction(torch.autograd.Function):
         grad_enabled = lcs[0].grad_enabled  # see LinearContext
         needs_dgrad = ctx.needs_input_grad[0] and grad_enabled
         needs_wgrad = [ctx.needs_input_grad[4 + i] and grad_enabled for i in range(n)]
-        outs, tensors, skels = [], [], []
+        tensors, skels = [], []
         with torch_autocast_off(x):
-            for i, xi in enumerate(torch.split(x, m_splits)):
-                y, sx, sw = forward_gemm(xi, weights[i], biases[i], lcs[i], needs_dgrad, needs_wgrad[i])
-                outs.append(y)
-                for t in (sx, sw):
-                    ts, sk = pack(t)
-                    skels.append((sk, len(ts)))
-                    tensors.extend(ts)
+            operands = [_quantize_fprop(xi, weights[i], lcs[i], needs_dgrad, needs_wgrad[i])
+                        for i, xi in enumerate(torch.split(x, m_splits))]
+            y = grouped_gemm([qx for qx, _ in operands], [qw for _, qw in operands], "TN",
+                             out_dtype=x.dtype, biases=list(biases) if has_bias else None)
+        for i, (xi, (qx, qw)) in enumerate(zip(torch.split(x, m_splits), operands)):
+            saved_x = _saved_input(xi, qx, lcs[i]) if needs_wgrad[i] else None
+            for t in (saved_x, qw if needs_dgrad else None):
+                ts, sk = pack(t)
+                skels.append((sk, len(ts)))
+                tensors.extend(ts)
         ctx.save_for_backward(*tensors)
         ctx.skels, ctx.lcs, ctx.m_splits, ctx.has_bias = skels, lcs, m_splits, has_bias
         ctx.x_dtype, ctx.w_dtypes = x.dtype, [w.dtype for w in weights]
         ctx.b_dtypes = [b.dtype for b in biases] if has_bias else None
-        return torch.cat(outs) if outs else x.new_zeros(0, weights[0].shape[0])
+        return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):  # type: ignore[override]
@@ -54,19 +68,70 @@ class GroupedLinearFunction(torch.autograd.Function):
         for sk, k in ctx.skels:
             restored.append(unpack(sk, saved[it:it + k]))
             it += k
+        n = len(ctx.lcs)
         needs_dgrad = ctx.needs_input_grad[0]
-        dxs, dws, dbs = [], [], []
+        needs_wgrad = [ctx.needs_input_grad[4 + i] for i in range(n)]
+        qdys: list[Optional[torch.Tensor]] = []
+        qxs: list[Optional[torch.Tensor]] = []
+        dbs = []
         with torch_autocast_off(dy):
             for i, dyi in enumerate(torch.split(dy, ctx.m_splits)):
-                needs_wgrad = ctx.needs_input_grad[4 + i]
-                dx, dw = backward_gemms(dyi, restored[2 * i], restored[2 * i + 1], ctx.lcs[i],
-                                        ctx.x_dtype, ctx.w_dtypes[i], needs_dgrad, needs_wgrad)
-                dxs.append(dx)
-                dws.append(dw)
+                qdy = qx = None
+                if needs_dgrad or needs_wgrad[i]:
+                    lc = ctx.lcs[i]
+                    lc.grad_q.set_usage(rowwise=needs_dgrad, columnwise=needs_wgrad[i])
+                    qdy = lc.grad_q.quantize(dyi.contiguous())
+                    if needs_wgrad[i]:
+                        qx = _wgrad_input(restored[2 * i], lc)
+                qdys.append(qdy)
+                qxs.append(qx)
                 if ctx.has_bias:
                     dbs.append(bias_grad(dyi, ctx.b_dtypes[i]))
-        dx = torch.cat(dxs) if needs_dgrad else None
+            dx = (grouped_gemm(qdys, restored[1::2], "NN", out_dtype=ctx.x_dtype)
+                  if needs_dgrad else None)
+            dws = _wgrads(qdys, qxs, ctx.w_dtypes)
         return (dx, None, None, None, *dws, *dbs)
+
+
+def _quantize_fprop(x2: torch.Tensor, weight: torch.Tensor, lc: LinearContext, needs_dgrad: bool,
+                    needs_wgrad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One expert's fprop operands (as ``forward_gemm`` quantizes them): x with its rowwise copy
+    (+ columnwise if wgrad reads it), the cached quantized W (+ columnwise if dgrad reads it)."""
+    save_original = lc.save_original_input and lc.input_q.is_requantization_safe()
+    lc.input_q.set_usage(rowwise=True, columnwise=needs_wgrad and not save_original)
+    qx = lc.input_q.quantize(x2)
+    qw = lc.module.quantized_weight(weight, lc.weight_q, columnwise=needs_dgrad, index=lc.weight_index)
+    return qx, qw
+
+
+def _saved_input(x2: torch.Tensor, qx: torch.Tensor, lc: LinearContext) -> torch.Tensor:
+    """What wgrad needs of x: the original (``save_original_input`` with a requantization-safe
+    quantizer) or the columnwise copy, the rowwise one dropped now that fprop is done."""
+    if lc.save_original_input and lc.input_q.is_requantization_safe():
+        return x2
+    qx.update_usage(rowwise_usage=False)
+    return qx
+
+
+def _wgrad_input(saved_x: torch.Tensor, lc: LinearContext) -> torch.Tensor:
+    """x's columnwise copy for wgrad, quantized now if the original was saved."""
+    if isinstance(saved_x, QuantizedTensor):
+        return saved_x
+    lc.input_q.set_usage(rowwise=False, columnwise=True)
+    return lc.input_q.quantize(saved_x)
+
+
+def _wgrads(qdys: list[Optional[torch.Tensor]], qxs: list[Optional[torch.Tensor]],
+            w_dtypes: list[torch.dtype]) -> list[Optional[torch.Tensor]]:
+    """dW per expert (None where not needed): one grouped wgrad per weight dtype present."""
+    dws: list[Optional[torch.Tensor]] = [None] * len(qdys)
+    for dtype in dict.fromkeys(w_dtypes):
+        idx = [i for i, qx in enumerate(qxs) if qx is not None and w_dtypes[i] == dtype]
+        if idx:
+            outs = grouped_gemm([qdys[i] for i in idx], [qxs[i] for i in idx], "NT", out_dtype=dtype)
+            for i, dw in zip(idx, outs):
+                dws[i] = dw
+    return dws
 
 
 class GroupedLinear(QuantizedModule):

@@ -1,0 +1,216 @@
+"""Forward + backward of an MoE FFN layer: hybridfp GroupedLinear recipes vs BF16 grouped GEMMs.
+
+Layer (16384 tokens, hidden 4096): a router in FP32 (logits, softmax, top-2), token
+permutation (sort the 2 x 16384 assignments by expert), SwiGLU experts as two grouped
+linears — gate+up fused [2F, D] then down [D, F], no bias — and the weighted un-permutation
+(index_add). Configs: 8 experts F = 14336, 64 experts F = 1408. One step = zero grads,
+forward, backward with a fixed random dy; hybridfp's quantized-weight caches are cleared each
+step (weights re-quantized as after an optimizer update).
+
+Variants: "BF16 grouped" — the same layer with stacked [E, out, in] BF16 weights and
+``torch._grouped_mm`` directly (the fair baseline, the ratio's denominator); hybridfp
+GroupedLinear (BF16 parameters) under CustomRecipe(high_precision), Float8CurrentScaling,
+MXFP8BlockScaling and the Composer-2 factory nvfp4_row_scaled_fwd_mxfp8_bwd. "x BF16 grouped" =
+baseline time / time (>1 is faster). "paths": which ``grouped_gemm`` path each GEMM took.
+
+    python -m bench.bench_moe [--results-dir DIR] [--out results.json] [--quick] [--profile TEXT]
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hybridfp
+from bench import common
+from bench.common import bench_ms, environment, finish, md_table, parser, require_cuda
+from hybridfp.gemm.grouped import PATH_COUNTS
+from hybridfp.nn.base import QuantizedModule
+
+TOKENS, HIDDEN, TOP_K = 16384, 4096, 2
+CONFIGS = [(8, 14336), (64, 1408)]
+RECIPES: list[tuple[str, Callable[[], hybridfp.Recipe]]] = [
+    ("hybridfp BF16 (high_precision)", lambda: hybridfp.CustomRecipe(qfactory=hybridfp.factories.high_precision)),
+    ("hybridfp FP8 current", lambda: hybridfp.Float8CurrentScaling()),
+    ("hybridfp MXFP8", lambda: hybridfp.MXFP8BlockScaling()),
+    ("hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)",
+     lambda: hybridfp.CustomRecipe(qfactory=hybridfp.factories.nvfp4_row_scaled_fwd_mxfp8_bwd)),
+]
+TARGETS = {"hybridfp FP8 current": 1.30, "hybridfp MXFP8": 0.90,
+           "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)": 0.90}
+
+
+class Routing:
+    """Top-k routing in FP32 and the permutation that groups the assignments by expert."""
+
+    def __init__(self, x: torch.Tensor, router: torch.Tensor, top_k: int) -> None:
+        logits = x.float() @ router.float().t()
+        probs, experts = torch.softmax(logits, -1).topk(top_k, dim=-1)
+        flat = experts.reshape(-1)
+        self.order = torch.argsort(flat, stable=True)
+        self.token = self.order // top_k  # token of each permuted row
+        self.weight = probs.reshape(-1)[self.order]
+        self.counts = torch.bincount(flat, minlength=router.shape[0])
+        self.offs = self.counts.cumsum(0).to(torch.int32)
+
+    def permute(self, x: torch.Tensor) -> torch.Tensor:
+        return x[self.token]
+
+    def unpermute(self, y: torch.Tensor, tokens: int) -> torch.Tensor:
+        out = y.new_zeros(tokens, y.shape[-1])
+        return out.index_add(0, self.token, y * self.weight.to(y.dtype)[:, None])
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    g, u = h.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
+class BF16MoE(nn.Module):
+    """The baseline: stacked expert weights, torch._grouped_mm (BF16, autograd)."""
+
+    def __init__(self, e: int, d: int, f: int) -> None:
+        super().__init__()
+        self.router = nn.Parameter(torch.randn(e, d, device=common.DEVICE) * d ** -0.5)
+        self.w1 = nn.Parameter(torch.randn(e, 2 * f, d, device=common.DEVICE, dtype=torch.bfloat16) * d ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(e, d, f, device=common.DEVICE, dtype=torch.bfloat16) * f ** -0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r = Routing(x, self.router, TOP_K)
+        h = torch._grouped_mm(r.permute(x), self.w1.transpose(1, 2), offs=r.offs)
+        y = torch._grouped_mm(swiglu(h), self.w2.transpose(1, 2), offs=r.offs)
+        return r.unpermute(y, x.shape[0])
+
+
+class HybridMoE(nn.Module):
+    """The same layer with two hybridfp GroupedLinear (weights copied from the baseline)."""
+
+    def __init__(self, base: BF16MoE) -> None:
+        super().__init__()
+        e, f2, d = base.w1.shape
+        self.router = nn.Parameter(base.router.detach().clone())
+        kw = {"bias": False, "params_dtype": torch.bfloat16, "device": common.DEVICE}
+        self.fc1 = hybridfp.GroupedLinear(e, d, f2, name="experts.fc1", **kw)
+        self.fc2 = hybridfp.GroupedLinear(e, f2 // 2, d, name="experts.fc2", **kw)
+        with torch.no_grad():
+            for i in range(e):
+                getattr(self.fc1, f"weight{i}").copy_(base.w1[i])
+                getattr(self.fc2, f"weight{i}").copy_(base.w2[i])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r = Routing(x, self.router, TOP_K)
+        splits = r.counts.tolist()  # GroupedLinear takes host splits (one sync, as TE's)
+        h = self.fc1(r.permute(x), splits)
+        return r.unpermute(self.fc2(swiglu(h), splits), x.shape[0])
+
+
+def make_step(model: nn.Module, x: torch.Tensor, dy: torch.Tensor, ctx: Optional[Callable[[], Any]]):
+    caches = [m for m in model.modules() if isinstance(m, QuantizedModule)]
+
+    def step() -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        for m in caches:
+            m._wcache.clear()  # re-quantize weights every step (as after an optimizer step)
+        if ctx is None:
+            y = model(x)
+        else:
+            with ctx():
+                y = model(x)
+        y.backward(dy)
+        return y
+    return step
+
+
+def profile_step(step: Callable[[], Any], title: str) -> str:
+    """The kernels and ops of one step, by self device time (torch.profiler), as text."""
+    acts = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if common.DEVICE == "cuda" else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        step()
+        if common.DEVICE == "cuda":
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if common.DEVICE == "cuda" else "self_cpu_time_total"
+    return f"## {title}\n" + prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70)
+
+
+def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = None,
+                 profiles: Optional[list[str]] = None) -> list[dict[str, Any]]:
+    """Every variant of one config, in one process, ratios against its BF16 grouped baseline;
+    variants whose name contains ``profile`` also get a one-step profile in ``profiles``."""
+    torch.manual_seed(0)
+    base = BF16MoE(e, d, f)
+    x = torch.randn(tokens, d, device=common.DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, d, device=common.DEVICE, dtype=torch.bfloat16)
+    hf = HybridMoE(base)
+    variants: list[tuple[str, nn.Module, Optional[Callable[[], Any]]]] = [("BF16 grouped", base, None)]
+    for name, recipe in RECIPES:
+        variants.append((name, hf, lambda r=recipe(): hybridfp.autocast(recipe=r)))
+    rows: list[dict[str, Any]] = []
+    ref_y = None
+    for name, model, ctx in variants:
+        row: dict[str, Any] = {"config": f"{e} experts, ffn {f}", "variant": name}
+        try:
+            step = make_step(model, x, dy, ctx)
+            before = Counter(PATH_COUNTS)
+            y = step().detach().float()
+            paths = Counter(PATH_COUNTS) - before
+            row["paths"] = ", ".join(f"{g}:{p}" for (g, p) in sorted(paths)) or "-"
+            ref_y = y if ref_y is None else ref_y
+            row["rel_err_vs_bf16"] = ((y - ref_y).norm() / ref_y.norm()).item()
+            row["ms"] = bench_ms(step, warmup_ms=50, rep_ms=300)
+            if profile and profiles is not None and profile in name:
+                profiles.append(profile_step(step, f"{row['config']}: {name}"))
+        except Exception as err:  # noqa: BLE001 - record the failure, keep the other variants
+            row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+        rows.append(row)
+        if common.DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    t0 = rows[0].get("ms")
+    for r in rows:
+        if "ms" in r and t0:
+            r["x_bf16_grouped"] = t0 / r["ms"]
+            r["target"] = TARGETS.get(r["variant"])
+    return rows
+
+
+def main(argv=None) -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--results-dir", type=Path, default=None, help="write moe.json and moe.md here")
+    p.add_argument("--profile", default=None, help="profile one step of the variants whose name "
+                   "contains this text (written to moe_profile.txt in --results-dir)")
+    args = p.parse_args(argv)
+    require_cuda()
+    warnings.simplefilter("ignore")
+    env = environment()
+    rows: list[dict[str, Any]] = []
+    profiles: list[str] = []
+    configs = [(8, 512), (64, 256)] if args.quick else CONFIGS
+    tokens, d = (1024, 512) if args.quick else (TOKENS, HIDDEN)
+    for e, f in configs:
+        rows += bench_config(e, f, tokens, d, args.profile, profiles)
+    table = md_table(["config", "variant", "ms", "x BF16 grouped", "target", "rel err vs BF16", "paths"], [
+        (r["config"], r["variant"], r.get("ms", r.get("error")), r.get("x_bf16_grouped"), r.get("target"),
+         r.get("rel_err_vs_bf16"), r.get("paths")) for r in rows])
+    md = (f"### MoE FFN forward + backward ({tokens} tokens, hidden {d}, top-{TOP_K}, SwiGLU; median, "
+          "do_bench)\n\n\"x BF16 grouped\" = torch._grouped_mm BF16 layer time / time (>1 is faster); "
+          "hybridfp weights are re-quantized every step.\n\n" + table + "\n")
+    result = {"env": env, "rows": rows, "markdown": md}
+    if args.results_dir is not None:
+        args.results_dir.mkdir(parents=True, exist_ok=True)
+        (args.results_dir / "moe.json").write_text(json.dumps({"name": "moe", **result}, indent=1, default=str))
+        (args.results_dir / "moe.md").write_text(md)
+        if profiles:
+            (args.results_dir / "moe_profile.txt").write_text("\n\n".join(profiles))
+    finish("moe", result, args.out)  # prints the table last
+
+
+if __name__ == "__main__":
+    main()

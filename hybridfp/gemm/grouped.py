@@ -1,0 +1,307 @@
+"""``grouped_gemm``: the per-expert GEMMs of one layout, in one grouped kernel call when exact.
+
+An MoE layer runs, per expert e, the three GEMMs of a linear (``gemm.py``'s layouts) on its
+own operands, quantized with its own scales. Written on stored copies (``A_s[m, k] · B_s[n, k]ᵀ``):
+
+| layout | GEMM  | per expert                          | grouped form (``torch._grouped_mm``)          |
+|--------|-------|-------------------------------------|-----------------------------------------------|
+| "TN"   | fprop | y_e [m_e, N]  = x_e W_eᵀ             | 2D × 3D: [Σm_e, K] · [E, K, N] → [Σm_e, N]     |
+| "NN"   | dgrad | dx_e [m_e, K] = dy_e W_e             | 2D × 3D: [Σm_e, N] · [E, N, K] → [Σm_e, K]     |
+| "NT"   | wgrad | dW_e [N, K]   = dy_eᵀ x_e            | 2D × 2D, groups along the reduction → [E, N, K]|
+
+Paths, first that applies (``grouped_path`` says which and why):
+
+1. ``grouped_bf16`` — every expert's pair block-decodes exactly into BF16
+   (``bf16_decode.bf16_exact_reason`` is None for both copies) AND has no epilogue factor
+   (MXFP8, power-of-two FP8 block, BF16; no per-tensor ``scale_inv`` or NVFP4 ``S_dec``), the
+   output is BF16 and there is no bias: decode with ``decode_bf16``, one ``torch._grouped_mm``
+   (BF16 tensor cores, FP32 accumulation, one rounding to BF16 — SPEC §1 exactly). Epilogue
+   factors are excluded because ``torch._grouped_mm`` writes only its input dtype (BF16; torch
+   2.11-2.13 reject ``out_dtype=float32`` for BF16 inputs), so a factor applied afterwards would
+   round twice. Likewise an FP32 output (FP32 parameters' wgrad) or a bias (added in FP32
+   before the one rounding) keeps a GEMM on the per-expert path. Pairs with a native cuBLAS
+   FP8 kernel (FP8 block) stay on it: FP8 tensor cores beat decode + BF16.
+2. ``grouped_fp8_rowwise`` — fprop/dgrad (2D × 3D) of E4M3 × E4M3 per-tensor FP8 pairs on
+   sm90 with a BF16 output and no bias: one ``torch._scaled_grouped_mm`` with per-row scale
+   vectors built from the experts' ``scale_inv`` (epilogue: FP32 accumulator × scale_a[m] ×
+   scale_b[e, n], one rounding). Accumulation is the FP8 MMA's with periodic FP32 promotion
+   (SPEC §1's documented Hopper exception), bounded in tests/gemm/test_gemm_grouped.py.
+   Fast accumulation stays off even for fprop: measured on an H200 (torch 2.11, 4 x
+   [2048, 4096] x [1408, 4096]) it added 4.6e-4 to the BF16 result's relative error (27% of
+   the elements off the correctly rounded value) against 4.9e-6 without it.
+3. ``per_expert`` — everything else: ``gemm()`` per expert (its backend per pair, or the
+   exact emulation with its report). Always on the CPU.
+
+The grouped matmul of path 1 is a parameter (``grouped_mm``): tests pass
+:func:`reference_grouped_mm`, an exact FP32 emulation with ``torch._grouped_mm``'s semantics,
+to run the decode / grouping / padding logic of the CUDA path on the CPU.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from functools import lru_cache
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+
+from ..tensors.storage import GemmOperand, QuantizedStorage
+from . import fast
+from .backends import emulate, select
+from .bf16_decode import bf16_exact_reason, decode_bf16
+from .gemm import GEMM_OF_LAYOUT, LAYOUTS, gemm, operand_storage
+
+#: (mat_a, mat_b, offs) -> BF16 result, with ``torch._grouped_mm``'s semantics.
+GroupedMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+GROUPED_BF16, GROUPED_FP8_ROWWISE, PER_EXPERT = "grouped_bf16", "grouped_fp8_rowwise", "per_expert"
+#: (GEMM, path) -> calls; diagnostics for benchmarks and tests (which path each GEMM took).
+PATH_COUNTS: Counter = Counter()
+#: TMA needs 16-byte aligned strides and group starts: 8 BF16 / 16 FP8 elements.
+_BF16_ALIGN, _FP8_ALIGN = 8, 16
+#: CUTLASS grouped kernels in torch take fewer than 1024 groups.
+_MAX_GROUPS = 1023
+_NATIVE_FP8 = (fast.TENSORWISE_BACKEND, fast.BLOCK_BACKEND)
+
+
+def torch_grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The CUDA grouped matmul: ``torch._grouped_mm`` (BF16 in, FP32 accumulation, BF16 out)."""
+    return torch._grouped_mm(mat_a, mat_b, offs=offs)
+
+
+def reference_grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm``'s result computed exactly (FP32 products and accumulation per group,
+    one rounding to ``mat_a``'s dtype), by the exact emulation ``gemm`` uses; runs anywhere.
+
+    2D × 3D: rows ``offs[g-1]:offs[g]`` of ``mat_a`` times ``mat_b[g]``; 2D × 2D: columns of
+    ``mat_a`` / rows of ``mat_b`` in that range, result [G, m, n] (zeros for an empty group).
+    Operands go to :func:`emulate` as [m, k] and [n, k] row-major FP32, as ``gemm`` hands it
+    block-decoded copies, so equal values give bitwise-equal results on one device.
+    """
+    ends = [int(e) for e in offs.tolist()]
+    starts = [0] + ends[:-1]
+    if mat_b.dim() == 3:
+        parts = [_emulate_bf16(mat_a[s:e], mat_b[g].t()) for g, (s, e) in enumerate(zip(starts, ends))]
+        return torch.cat(parts) if parts else mat_a.new_zeros(0, mat_b.shape[-1])
+    return torch.stack([_emulate_bf16(mat_a[:, s:e], mat_b[s:e].t()) for s, e in zip(starts, ends)])
+
+
+def _emulate_bf16(a: torch.Tensor, b_nk: torch.Tensor) -> torch.Tensor:
+    a32, b32 = a.float().contiguous(), b_nk.float().contiguous()
+    return emulate(GemmOperand(a32, None, a32.shape[1]), GemmOperand(b32, None, b32.shape[1]), a.dtype)
+
+
+def grouped_gemm(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: str = "TN", *,
+                 out_dtype: torch.dtype = torch.bfloat16,
+                 biases: Optional[Sequence[Optional[torch.Tensor]]] = None,
+                 grouped_mm: Optional[GroupedMM] = None) -> Union[torch.Tensor, list[torch.Tensor]]:
+    """The GEMM ``layout`` selects (``gemm``'s table) for every expert e on ``A[e]``, ``B[e]``.
+
+    Returns, for "TN" / "NN", one [Σ m_e, n] tensor (the experts' results stacked by rows, in
+    order; an expert with m_e = 0 contributes no rows); for "NT", a list of the experts' [n, k]
+    results (views of one [E, n, k] tensor on the grouped paths). ``biases`` (fprop only): one
+    [n] bias or None per expert. ``grouped_mm``: the grouped BF16 matmul of path 1 (default
+    ``torch._grouped_mm`` on CUDA devices that have it); passing one forces path 1 wherever the
+    operands allow it, the CPU included (tests).
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is unknown; use 'TN' (fprop), 'NN' (dgrad) or 'NT' (wgrad).")
+    if len(A) != len(B) or not A:
+        raise ValueError(f"grouped_gemm needs one A and one B operand per expert (at least one); got "
+                         f"{len(A)} A and {len(B)} B operands.")
+    if biases is not None and (layout != "TN" or len(biases) != len(A)):
+        raise ValueError("grouped_gemm biases are for fprop ('TN') only, one (or None) per expert; got "
+                         f"{len(biases)} for {len(A)} experts with layout {layout!r}.")
+    da, db = LAYOUTS[layout]
+    sa = [operand_storage(a, da, f"A[{e}]") for e, a in enumerate(A)]
+    sb = [operand_storage(b, db, f"B[{e}]") for e, b in enumerate(B)]
+    _check_shapes(sa, sb, layout)
+    has_bias = biases is not None and any(b is not None for b in biases)
+    path, _ = grouped_path(sa, sb, layout, out_dtype, has_bias, forced=grouped_mm is not None)
+    out: Optional[Union[torch.Tensor, list[torch.Tensor]]] = None
+    if path == GROUPED_BF16:
+        out = _run_bf16(sa, sb, layout, grouped_mm or torch_grouped_mm)
+    elif path == GROUPED_FP8_ROWWISE:
+        out = _run_fp8_rowwise(sa, sb, layout)
+    if out is None:  # per expert (also when a copy turned out to carry an epilogue factor)
+        path = PER_EXPERT
+        out = _run_per_expert(A, B, layout, out_dtype, biases)
+    PATH_COUNTS[(GEMM_OF_LAYOUT[layout], path)] += 1
+    return out
+
+
+def grouped_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,
+                 out_dtype: torch.dtype, has_bias: bool, forced: bool = False) -> tuple[str, str]:
+    """(path, why) for these single-format storages (see the module docstring). Path 1 is
+    chosen on formats; a copy that then decodes with an epilogue factor runs per expert."""
+    da, db = LAYOUTS[layout]
+    device = sa[0].device
+    if out_dtype != torch.bfloat16:
+        return PER_EXPERT, f"output dtype {out_dtype} (grouped kernels write BF16 only)"
+    if has_bias:
+        return PER_EXPERT, "a bias is added in FP32 before the one rounding; grouped kernels take none"
+    if len(sa) > _MAX_GROUPS:
+        return PER_EXPERT, f"more than {_MAX_GROUPS} experts"
+    keys = {(a.format_key(da), b.format_key(db)) for a, b in zip(sa, sb)}
+    backends = [select(ka, kb, layout, device) for ka, kb in keys]  # once per distinct pair
+    if layout != "NT" and all(b is fast.TENSORWISE_BACKEND for b in backends):
+        why = _fp8_rowwise_unsupported(sa, sb, layout, device)
+        return (PER_EXPERT, why) if why else (GROUPED_FP8_ROWWISE, "E4M3 per-tensor pairs")
+    if any(b in _NATIVE_FP8 for b in backends):
+        return PER_EXPERT, "native cuBLAS FP8 kernel per expert"
+    if not (forced or _grouped_mm_device(device)):
+        return PER_EXPERT, f"no grouped BF16 kernel on {device}"
+    for e, (a, b) in enumerate(zip(sa, sb)):
+        why = bf16_exact_reason(a, da) or bf16_exact_reason(b, db)
+        if why is not None:
+            return PER_EXPERT, f"expert {e}: {why}"
+    n, k = _fixed_dims(sa, sb, layout)
+    if n % _BF16_ALIGN or k % _BF16_ALIGN:
+        return PER_EXPERT, f"grouped dims {n}, {k} not multiples of {_BF16_ALIGN} (TMA alignment)"
+    return GROUPED_BF16, "BF16-exact pairs"
+
+
+@lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _grouped_mm_device(device: torch.device) -> bool:
+    """torch's CUTLASS grouped kernels: sm90 / sm100 (others take a slow per-group fallback)."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.is_available() and _capability(device)[0] in (9, 10)
+
+
+def _check_shapes(sa: list[QuantizedStorage], sb: list[QuantizedStorage], layout: str) -> None:
+    """Per expert, the reduction lengths agree; across experts, the dims that do not vary agree."""
+    dims = [_dims(a, b, layout) for a, b in zip(sa, sb)]
+    for e, (m, n, ka, kb) in enumerate(dims):
+        if ka != kb:
+            raise ValueError(f"grouped_gemm {layout} ({GEMM_OF_LAYOUT[layout]}), expert {e}: reduction "
+                             f"lengths differ ({ka} vs {kb}; {sa[e].describe()}, {sb[e].describe()}).")
+    fixed = {(n, k) if layout != "NT" else (m, n) for m, n, k, _ in dims}
+    if len(fixed) > 1:
+        what = "output width and reduction length" if layout != "NT" else "output shape"
+        raise ValueError(f"grouped_gemm {layout} ({GEMM_OF_LAYOUT[layout]}): the experts' {what} "
+                         f"differ ({sorted(fixed)}); every expert must have the same weight shape.")
+
+
+def _dims(a: QuantizedStorage, b: QuantizedStorage, layout: str) -> tuple[int, int, int, int]:
+    """(m, n, k of A, k of B) of one expert's GEMM on the stored copies."""
+    da, db = LAYOUTS[layout]
+    m, ka = (a.rows, a.cols) if da == "rowwise" else (a.cols, a.rows)
+    n, kb = (b.rows, b.cols) if db == "rowwise" else (b.cols, b.rows)
+    return m, n, ka, kb
+
+
+def _fixed_dims(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str) -> tuple[int, int]:
+    """The two dims that every expert shares: (n, k) for TN/NN, (m, n) for NT."""
+    m, n, k, _ = _dims(sa[0], sb[0], layout)
+    return (n, k) if layout != "NT" else (m, n)
+
+
+def _offsets(sizes: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
+
+
+def _run_bf16(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,
+              grouped_mm: GroupedMM) -> Optional[Union[torch.Tensor, list[torch.Tensor]]]:
+    """Path 1, or None if some copy decodes with an epilogue factor (or a one-sided RHT)."""
+    da, db = LAYOUTS[layout]
+    ops_a, ops_b = [], []
+    for a, b in zip(sa, sb):
+        oa, ob = decode_bf16(a, da), decode_bf16(b, db)
+        if oa.scale is not None or ob.scale is not None or oa.rht != ob.rht:
+            return None
+        ops_a.append(oa.values)
+        ops_b.append(ob.values)
+    device = ops_a[0].device
+    if layout != "NT":  # rows grouped: [Σm, k] · [E, k, n]
+        mat_a = torch.cat(ops_a)
+        mat_b = _stack_transposed(ops_b)
+        return grouped_mm(mat_a, mat_b, _offsets([v.shape[0] for v in ops_a], device))
+    # Reduction grouped: [m, Σk] · [Σk, n]. Each group starts 16-byte aligned (TMA): pad every
+    # expert's reduction to a multiple of 8 with zeros, which add nothing to the FP32 sums.
+    ks = [v.shape[1] for v in ops_a]
+    padded = [-(-k // _BF16_ALIGN) * _BF16_ALIGN for k in ks]
+    mat_a = _cat_columns(ops_a, padded)
+    mat_b = _cat_columns(ops_b, padded).t()
+    out = grouped_mm(mat_a, mat_b, _offsets(padded, device))
+    for e, k in enumerate(ks):
+        if k == 0:  # an empty reduction is a zero result; do not rely on the kernel for it
+            out[e].zero_()
+    return list(out.unbind(0))
+
+
+def _stack_transposed(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[E, k, n] from the experts' [n, k] operands, in whichever layout copies them without a
+    transpose: a BF16 Identity columnwise copy is a transposed view of the row-major weight,
+    so stacking its transpose is a plain copy (the grouped kernel takes either layout)."""
+    if all(p.t().is_contiguous() for p in parts):
+        return torch.stack([p.t() for p in parts])
+    return torch.stack(parts).transpose(1, 2)
+
+
+def _cat_columns(parts: Sequence[torch.Tensor], widths: Sequence[int]) -> torch.Tensor:
+    """[rows, Σ widths]: part e in its columns, zero padding after it. Transposed views (BF16
+    Identity columnwise copies) are gathered as row blocks of the transpose instead, so the
+    copy never transposes (the result is then a column-major view)."""
+    if all(p.t().is_contiguous() for p in parts):
+        return _cat_rows([p.t() for p in parts], widths).t()
+    if all(p.shape[1] == w for p, w in zip(parts, widths)):
+        return torch.cat(parts, dim=1)
+    out = parts[0].new_zeros(parts[0].shape[0], sum(widths))
+    start = 0
+    for p, w in zip(parts, widths):
+        out[:, start:start + p.shape[1]] = p
+        start += w
+    return out
+
+
+def _cat_rows(parts: Sequence[torch.Tensor], heights: Sequence[int]) -> torch.Tensor:
+    """[Σ heights, cols]: part e in its rows, zero rows after it."""
+    pieces: list[torch.Tensor] = []
+    for p, h in zip(parts, heights):
+        pieces.append(p)
+        if h > p.shape[0]:
+            pieces.append(p.new_zeros(h - p.shape[0], p.shape[1]))
+    return torch.cat(pieces)
+
+
+def _fp8_rowwise_unsupported(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,
+                             device: torch.device) -> Optional[str]:
+    """Why path 2 cannot take these per-tensor FP8 pairs (None: it can)."""
+    da, db = LAYOUTS[layout]
+    device = torch.device(device)
+    if device.type != "cuda" or _capability(device)[0] != 9:
+        return "torch._scaled_grouped_mm rowwise FP8 is used on sm90 only"
+    dtypes = {s.payload(da)["data"].dtype for s in sa} | {s.payload(db)["data"].dtype for s in sb}
+    if dtypes != {torch.float8_e4m3fn}:
+        return f"element types {sorted(str(d) for d in dtypes)}; torch._scaled_grouped_mm takes E4M3 only"
+    n, k = _fixed_dims(sa, sb, layout)
+    if n % _FP8_ALIGN or k % _FP8_ALIGN:
+        return f"grouped dims {n}, {k} not multiples of {_FP8_ALIGN}"
+    return None
+
+
+def _run_fp8_rowwise(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str) -> torch.Tensor:
+    """Path 2: per-expert per-tensor scales as per-row / per-column scale vectors."""
+    da, db = LAYOUTS[layout]
+    pa, pb = [s.payload(da) for s in sa], [s.payload(db) for s in sb]
+    ms = [p["data"].shape[0] for p in pa]
+    n = pb[0]["data"].shape[0]
+    # cat / stack on the bytes: not every torch build concatenates float8 tensors.
+    mat_a = torch.cat([p["data"].view(torch.uint8) for p in pa]).view(torch.float8_e4m3fn)
+    mat_b = torch.stack([p["data"].view(torch.uint8) for p in pb]).view(torch.float8_e4m3fn).transpose(1, 2)
+    scale_a = torch.cat([p["scale_inv"].float().reshape(1).expand(m) for p, m in zip(pa, ms)])
+    scale_b = torch.stack([p["scale_inv"].float().reshape(1).expand(n) for p in pb])
+    return torch._scaled_grouped_mm(mat_a, mat_b, scale_a.contiguous(), scale_b.contiguous(),
+                                    offs=_offsets(ms, mat_a.device), out_dtype=torch.bfloat16,
+                                    use_fast_accum=False)  # see the module docstring
+
+
+def _run_per_expert(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: str, out_dtype: torch.dtype,
+                    biases: Optional[Sequence[Optional[torch.Tensor]]]) -> Union[torch.Tensor, list[torch.Tensor]]:
+    """Path 3: ``gemm`` per expert."""
+    bs = biases if biases is not None else [None] * len(A)
+    outs = [gemm(a, b, layout, out_dtype=out_dtype, bias=bias) for a, b, bias in zip(A, B, bs)]
+    return outs if layout == "NT" else torch.cat(outs)

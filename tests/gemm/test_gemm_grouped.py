@@ -1,0 +1,298 @@
+"""``grouped_gemm``: the experts' GEMMs of one layout in one grouped call equal the per-expert
+``gemm`` loop (CPU, with the grouped matmul emulated exactly by ``reference_grouped_mm``), and
+the FP64 GEMM of the dequantized operands at MoE shapes on the GPU.
+
+CPU shapes: 4 experts, x_e [m_e, 64], W_e [48, 64], dy_e [m_e, 48], m = [0, 19, 29, 16] (an
+empty expert; sizes that are not multiples of 8, 16 or 32) or the 8-aligned [0, 24, 32, 8].
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from gemm_operands import FORMATS as MAKERS
+from gemm_operands import ref_operand
+
+from hybridfp import Float8CurrentScalingQuantizer, NVFP4Quantizer
+from hybridfp.gemm import gemm, grouped_gemm
+from hybridfp.gemm import grouped
+from hybridfp.gemm.grouped import (GROUPED_BF16, GROUPED_FP8_ROWWISE, PATH_COUNTS, PER_EXPERT,
+                                   reference_grouped_mm)
+
+K, N = 64, 48
+ODD, ALIGNED = [0, 19, 29, 16], [0, 24, 32, 8]
+#: Formats whose pairs have an exact BF16 decode and no epilogue factor: the grouped BF16 path.
+GROUPABLE = ["identity_bf16", "mxfp8_1d", "mxfp8_2d", "fp8_block_1d", "fp8_block_2d"]
+#: Formats with an epilogue factor (per-tensor scale_inv, NVFP4 S_dec): per expert.
+SCALED = ["fp8_e4m3", "fp8_e5m2", "nvfp4_1d", "nvfp4_2d", "nvfp4_rht"]
+#: layout -> (A tensor, B tensor) per expert.
+OPERANDS = {"TN": ("x", "w"), "NN": ("dy", "w"), "NT": ("dy", "x")}
+
+
+class CountingMM:
+    """``reference_grouped_mm`` that counts its calls (did the grouped path run?)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return reference_grouped_mm(mat_a, mat_b, offs)
+
+
+def sources(splits: list[int], seed: int = 0) -> dict[str, list[torch.Tensor]]:
+    """Per-expert x, w, dy (FP32), each expert at its own magnitude (per-expert scales matter)."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, list[torch.Tensor]] = {"x": [], "w": [], "dy": []}
+    for e, m in enumerate(splits):
+        mag = 2.0 ** (e - 2)
+        out["x"].append(torch.randn(m, K, generator=g) * mag)
+        out["w"].append(torch.randn(N, K, generator=g) / mag)
+        out["dy"].append(torch.randn(m, N, generator=g) * mag)
+    return out
+
+
+def quantized(fmts: list[str], splits: list[int], seed: int = 0) -> dict[str, list[torch.Tensor]]:
+    """``sources`` with expert e's tensors in format ``fmts[e]``."""
+    src = sources(splits, seed)
+    return {k: [MAKERS[f](t)(t) for f, t in zip(fmts, ts)] for k, ts in src.items()}
+
+
+def per_expert(a: list[torch.Tensor], b: list[torch.Tensor], layout: str, **kw):
+    outs = [gemm(x, y, layout, **kw) for x, y in zip(a, b)]
+    return outs if layout == "NT" else torch.cat(outs)
+
+
+def assert_same(got, want) -> None:
+    for g, w in (zip(got, want) if isinstance(want, list) else [(got, want)]):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert torch.equal(g, w)
+
+
+# ---------------------------------------------------------------- the grouped BF16 path (CPU)
+@pytest.mark.parametrize("layout", list(OPERANDS))
+@pytest.mark.parametrize("fmt", GROUPABLE)
+def test_grouped_bf16_path_equals_per_expert_gemm_bitwise(fmt, layout):
+    """Same values, same FP32 emulation per expert: bitwise. wgrad's reduction is grouped, so
+    the 8-aligned splits keep every expert's reduction unpadded (padding would change the
+    emulation's summation order; see the next test)."""
+    ops = quantized([fmt] * 4, ALIGNED)
+    wa, wb = OPERANDS[layout]
+    mm = CountingMM()
+    got = grouped_gemm(ops[wa], ops[wb], layout, grouped_mm=mm)
+    assert mm.calls == 1
+    assert_same(got, per_expert(ops[wa], ops[wb], layout))
+
+
+@pytest.mark.parametrize("layout", list(OPERANDS))
+def test_grouped_bf16_path_with_uneven_splits(layout):
+    """fprop/dgrad group rows (bitwise); wgrad pads each expert's reduction to a multiple of 8
+    with zeros: the same exact products and FP32 sum in another order, so the BF16 results
+    differ by at most one BF16 ulp (the FP32 reordering error, ~sqrt(29) * 2**-24 relative, is
+    far below half a BF16 ulp, 2**-9; it can only flip a rounding at a midpoint)."""
+    ops = quantized(["mxfp8_1d"] * 4, ODD)
+    wa, wb = OPERANDS[layout]
+    got = grouped_gemm(ops[wa], ops[wb], layout, grouped_mm=reference_grouped_mm)
+    want = per_expert(ops[wa], ops[wb], layout)
+    if layout != "NT":
+        assert_same(got, want)
+        return
+    assert torch.equal(got[0], torch.zeros(N, K, dtype=torch.bfloat16))  # the empty expert
+    for g, w in zip(got, want):
+        ulp = torch.exp2(torch.floor(torch.log2(w.float().abs().clamp_min(1e-30))) - 7)
+        assert ((g.float() - w.float()).abs() <= ulp).all()
+
+
+def test_mixed_formats_across_experts_group():
+    """Experts may use different (groupable) formats; each keeps its own scales."""
+    fmts = ["mxfp8_1d", "identity_bf16", "fp8_block_1d", "mxfp8_2d"]
+    ops = quantized(fmts, ALIGNED)
+    for layout, (wa, wb) in OPERANDS.items():
+        mm = CountingMM()
+        got = grouped_gemm(ops[wa], ops[wb], layout, grouped_mm=mm)
+        assert mm.calls == 1
+        assert_same(got, per_expert(ops[wa], ops[wb], layout))
+
+
+@pytest.mark.parametrize("layout", list(OPERANDS))
+@pytest.mark.parametrize("fmt", SCALED)
+def test_pairs_with_epilogue_factors_run_per_expert(fmt, layout):
+    """torch._grouped_mm writes BF16 only, so a per-tensor factor applied after it would round
+    twice: such pairs run per expert even when a grouped matmul is offered (bitwise equal)."""
+    ops = quantized([fmt] * 4, ODD)
+    wa, wb = OPERANDS[layout]
+    mm = CountingMM()
+    before = Counter(PATH_COUNTS)
+    got = grouped_gemm(ops[wa], ops[wb], layout, grouped_mm=mm)
+    assert mm.calls == 0
+    assert (Counter(PATH_COUNTS) - before) == Counter({(grouped.GEMM_OF_LAYOUT[layout], PER_EXPERT): 1})
+    assert_same(got, per_expert(ops[wa], ops[wb], layout))
+
+
+def test_row_scaled_nvfp4_fprop_runs_per_expert():
+    """Composer 2's fprop (row-scaled NVFP4 x NVFP4 1D): per-row and per-tensor S_dec factors."""
+    src = sources(ODD)
+    xs = [NVFP4Quantizer(row_scaled_nvfp4=True, columnwise=False)(t) for t in src["x"]]
+    ws = [NVFP4Quantizer()(t) for t in src["w"]]
+    mm = CountingMM()
+    assert_same(grouped_gemm(xs, ws, "TN", grouped_mm=mm), per_expert(xs, ws, "TN"))
+    assert mm.calls == 0
+
+
+@pytest.mark.parametrize("fmt", GROUPABLE + SCALED)
+@pytest.mark.parametrize("layout", list(OPERANDS))
+def test_default_on_cpu_is_the_per_expert_loop(layout, fmt):
+    ops = quantized([fmt] * 4, ODD)
+    wa, wb = OPERANDS[layout]
+    assert_same(grouped_gemm(ops[wa], ops[wb], layout), per_expert(ops[wa], ops[wb], layout))
+
+
+def test_bias_fp32_output_and_plain_tensors():
+    """A bias or an FP32 output keeps the per-expert path (both need the FP32 accumulator);
+    plain tensors are operands too (used unquantized)."""
+    src = sources(ODD)
+    xs = [t.bfloat16() for t in src["x"]]
+    ws = [t.bfloat16() for t in src["w"]]
+    biases = [torch.randn(N) for _ in ODD]
+    mm = CountingMM()
+    got = grouped_gemm(xs, ws, "TN", biases=biases, grouped_mm=mm)
+    assert_same(got, torch.cat([gemm(x, w, "TN", bias=b) for x, w, b in zip(xs, ws, biases)]))
+    got32 = grouped_gemm(xs, ws, "TN", out_dtype=torch.float32, grouped_mm=mm)
+    assert_same(got32, per_expert(xs, ws, "TN", out_dtype=torch.float32))
+    assert mm.calls == 0
+    assert_same(grouped_gemm(xs, ws, "TN", grouped_mm=mm), per_expert(xs, ws, "TN"))
+    assert mm.calls == 1
+
+
+def test_path_reasons():
+    src = sources(ALIGNED)
+    sa = [grouped.operand_storage(t, "rowwise", "A") for t in src["x"]]
+    sb = [grouped.operand_storage(t, "rowwise", "B") for t in src["w"]]
+    path, why = grouped.grouped_path(sa, sb, "TN", torch.bfloat16, False, forced=True)
+    assert path == PER_EXPERT and "float32 values" in why  # FP32 plain tensors: no exact BF16
+    path, why = grouped.grouped_path(sa, sb, "TN", torch.bfloat16, False)
+    assert path == PER_EXPERT and "no grouped BF16 kernel on cpu" in why
+    fp8 = [Float8CurrentScalingQuantizer(torch.float8_e4m3fn)(t) for t in src["x"]]
+    sf = [t.qstorage.part("rowwise") for t in fp8]
+    assert grouped.grouped_path(sf, sf, "TN", torch.bfloat16, False)[0] != GROUPED_FP8_ROWWISE  # CPU
+    assert GROUPED_BF16 != GROUPED_FP8_ROWWISE
+
+
+# ---------------------------------------------------------------- errors
+def test_errors():
+    ops = quantized(["mxfp8_1d"] * 4, ODD)
+    with pytest.raises(ValueError, match="layout='TT' is unknown"):
+        grouped_gemm(ops["x"], ops["w"], "TT")
+    with pytest.raises(ValueError, match="one A and one B operand per expert"):
+        grouped_gemm(ops["x"], ops["w"][:3], "TN")
+    with pytest.raises(ValueError, match="one A and one B operand per expert"):
+        grouped_gemm([], [], "TN")
+    with pytest.raises(ValueError, match="biases are for fprop"):
+        grouped_gemm(ops["dy"], ops["x"], "NT", biases=[None] * 4)
+    with pytest.raises(ValueError, match=r"expert 0: reduction lengths differ \(48 vs 64"):
+        grouped_gemm(ops["dy"], ops["w"], "TN")
+    w_other = [torch.randn(N + 8, K) for _ in ODD]
+    with pytest.raises(ValueError, match="every expert must have the same weight shape"):
+        grouped_gemm(ops["x"], ops["w"][:2] + w_other[2:], "TN")
+    with pytest.raises(TypeError, match="gemm operand A\\[0\\] must be a floating tensor"):
+        grouped_gemm([torch.zeros(2, K, dtype=torch.int32)], ops["w"][:1], "TN")
+
+
+def test_reference_grouped_mm_semantics():
+    """2D x 3D groups rows, 2D x 2D groups the reduction (zeros for an empty group)."""
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(10, 16, generator=g).bfloat16()
+    b = torch.randn(3, 8, 16, generator=g).bfloat16()
+    offs = torch.tensor([3, 3, 10], dtype=torch.int32)
+    out = reference_grouped_mm(a, b.transpose(1, 2), offs)
+    want = torch.cat([(a[:3].float() @ b[0].float().t()), (a[3:].float() @ b[2].float().t())]).bfloat16()
+    assert torch.equal(out, want)
+    dy = torch.randn(10, 8, generator=g).bfloat16()
+    w = reference_grouped_mm(dy.t().contiguous(), a, offs)
+    assert w.shape == (3, 8, 16) and torch.equal(w[1], torch.zeros(8, 16, dtype=torch.bfloat16))
+    assert torch.equal(w[2], (dy[3:].float().t() @ a[3:].float()).bfloat16())
+
+
+# ---------------------------------------------------------------- GPU: MoE shapes vs FP64
+#: 8 experts, hidden 4096, 8192 routed rows: an empty expert and sizes that are not multiples
+#: of 8 (wgrad's padded reduction), 16 or 32.
+GPU_SPLITS = [1536, 0, 640, 2048, 1001, 1511, 256, 1200]
+HIDDEN = 4096
+#: (format, layout) -> the path the grouped GEMM must take on an H200.
+GPU_CASES = {
+    ("mxfp8_1d", "TN"): GROUPED_BF16, ("mxfp8_1d", "NN"): GROUPED_BF16, ("mxfp8_1d", "NT"): GROUPED_BF16,
+    ("identity_bf16", "TN"): GROUPED_BF16, ("identity_bf16", "NN"): GROUPED_BF16,
+    ("identity_bf16", "NT"): GROUPED_BF16,
+    ("fp8_e4m3", "TN"): GROUPED_FP8_ROWWISE, ("fp8_e4m3", "NN"): GROUPED_FP8_ROWWISE,
+    ("fp8_e4m3", "NT"): PER_EXPERT,
+    ("nvfp4_row_scaled", "TN"): PER_EXPERT,
+}
+#: Bound on rel_err(out) - rel_err(bf16(ref)) (Frobenius, relative to ||ref||). Every path
+#: rounds once to BF16, which alone costs ~2**-9 / sqrt(3) ~ 1.1e-3 (the "ideal" error). An
+#: accumulation error delta (relative) flips a rounding with probability ~ 2 delta / ulp and
+#: raises the squared error by ~ 4 delta**2 per element, so the excess over the ideal is
+#: ~ 2 delta**2 / 1.1e-3: FP32 accumulation (delta ~ sqrt(K) 2**-24 <= 7e-6) gives < 1e-7;
+#: 1e-5 catches delta >~ 7e-5 and any wrong scale or group. The FP8 MMA paths (SPEC §1's
+#: Hopper exception, no fast accumulation) measured an excess of 4.9e-6 on an H200 (1e-4
+#: relative error per element, as cuBLAS block FP8): bounded at 1e-4 here.
+GPU_EXCESS = {GROUPED_BF16: 1e-5, PER_EXPERT: 1e-5, GROUPED_FP8_ROWWISE: 1e-4}
+
+
+def gpu_operands(fmt: str, ffn: int) -> dict[str, list[torch.Tensor]]:
+    g = torch.Generator(device="cuda").manual_seed(ffn)
+    out: dict[str, list[torch.Tensor]] = {"x": [], "w": [], "dy": []}
+    for e, m in enumerate(GPU_SPLITS):
+        mag = 2.0 ** (e % 4 - 2)  # per-expert magnitudes: per-expert scales must be applied
+        src = {"x": torch.randn(m, HIDDEN, device="cuda", generator=g) * mag,
+               "w": torch.randn(ffn, HIDDEN, device="cuda", generator=g) * 0.02 / mag,
+               "dy": torch.randn(m, ffn, device="cuda", generator=g) * 1e-3 * mag}
+        for k, t in src.items():
+            if fmt == "nvfp4_row_scaled" and k == "w":
+                out[k].append(NVFP4Quantizer()(t))
+            else:
+                out[k].append(MAKERS[fmt](t)(t))
+    return out
+
+
+def fp64_reference(a: list[torch.Tensor], da: str, b: list[torch.Tensor], db: str, layout: str) -> torch.Tensor:
+    """Per expert, the FP64 product of the dequantized copies (gemm_operands.ref_operand)."""
+    parts = [ref_operand(x, da) @ ref_operand(y, db).t() for x, y in zip(a, b)]
+    return torch.stack(parts) if layout == "NT" else torch.cat(parts)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("ffn", [1408, 14336])
+@pytest.mark.parametrize("fmt, layout", list(GPU_CASES), ids=["-".join(c) for c in GPU_CASES])
+def test_grouped_gemm_moe_shapes_vs_fp64_cuda(fmt, layout, ffn):
+    ops = gpu_operands(fmt, ffn)
+    wa, wb = OPERANDS[layout]
+    da, db = grouped.LAYOUTS[layout]
+    before = Counter(PATH_COUNTS)
+    out = grouped_gemm(ops[wa], ops[wb], layout)
+    path = GPU_CASES[(fmt, layout)]
+    assert Counter(PATH_COUNTS) - before == Counter({(grouped.GEMM_OF_LAYOUT[layout], path): 1})
+    out = torch.stack(out) if layout == "NT" else out
+    ref = fp64_reference(ops[wa], da, ops[wb], db, layout)
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    ideal = ((ref.bfloat16().double() - ref).norm() / ref.norm()).item()
+    flips = (out != ref.bfloat16()).float().mean().item()
+    print(f"\n{fmt} {layout} ffn={ffn} path={path}: rel err {err:.4e}, BF16 rounding alone "
+          f"{ideal:.4e}, excess {err - ideal:.2e}, elements != bf16(ref): {flips:.2e}")
+    assert err - ideal <= GPU_EXCESS[path]
+    if layout == "NT":
+        assert torch.equal(out[1], torch.zeros_like(out[1]))  # the empty expert
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_torch_grouped_mm_writes_its_input_dtype_only_cuda():
+    """Why pairs with epilogue factors run per expert: no FP32 output from BF16 inputs."""
+    a = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(2, 128, 32, device="cuda", dtype=torch.bfloat16)
+    offs = torch.tensor([32, 64], device="cuda", dtype=torch.int32)
+    with pytest.raises(RuntimeError):
+        torch._grouped_mm(a, b, offs=offs, out_dtype=torch.float32)
