@@ -108,16 +108,24 @@ def _finish(run_mm, out_dtype: torch.dtype, accumulate_into: Optional[torch.Tens
 def run_tensorwise(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, *,
                    out_dtype: torch.dtype = torch.bfloat16, bias: Optional[torch.Tensor] = None,
                    accumulate_into: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Per-tensor FP8 x per-tensor FP8; fast accumulation for fprop only (as TE)."""
+    """Per-tensor FP8 x per-tensor FP8; fast accumulation for fprop only (as TE).
+
+    torch wants k and n multiples of 16: other shapes (e.g. the wgrad of an MoE expert, whose
+    reduction is its token count) are zero-padded to them — exact, since the padded products
+    are zeros — and the padded output columns dropped."""
     da, db = LAYOUTS[layout]
     pa, pb = sa.payload(da), sb.payload(db)
     (m, k), n = pa["data"].shape, pb["data"].shape[0]
-    if not cublas_fp8.tensorwise_shape_supported(m, n, k):
-        return _emulated(sa, sb, layout, "k and n must be multiples of 16", out_dtype, bias, accumulate_into)
+    if m == 0 or n == 0 or k == 0:
+        return _emulated(sa, sb, layout, "an empty operand", out_dtype, bias, accumulate_into)
+    kp, np_ = -(-k // 16) * 16, -(-n // 16) * 16
+    a, b = cublas_fp8.pad_fp8(pa["data"], m, kp), cublas_fp8.pad_fp8(pb["data"], np_, kp)
+    bias_p = bias if bias is None or np_ == n else torch.nn.functional.pad(bias, (0, np_ - n))
 
     def run_mm(dtype: torch.dtype) -> torch.Tensor:
-        return cublas_fp8.gemm_tensorwise(pa["data"], pa["scale_inv"], pb["data"], pb["scale_inv"],
-                                          out_dtype=dtype, bias=bias, use_fast_accum=layout == "TN")
+        out = cublas_fp8.gemm_tensorwise(a, pa["scale_inv"], b, pb["scale_inv"], out_dtype=dtype,
+                                         bias=bias_p, use_fast_accum=layout == "TN")
+        return out if np_ == n else out[:, :n].contiguous()
     return _finish(run_mm, out_dtype, accumulate_into)
 
 

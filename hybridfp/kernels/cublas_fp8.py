@@ -110,6 +110,17 @@ def gemm_tensorwise(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
                       out_dtype, bias, use_fast_accum, fuse_bias=True)
 
 
+def pad_fp8(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """FP8 ``t`` [r, c] zero-padded to [rows, cols] (code 0 is +0 in E4M3 and E5M2: padding the
+    reduction with zeros leaves every dot product exact, padding rows adds discarded outputs)."""
+    r, c = t.shape
+    if (r, c) == (rows, cols):
+        return t
+    out = torch.zeros((rows, cols), dtype=torch.uint8, device=t.device)
+    out[:r, :c] = t.view(torch.uint8)
+    return out.view(t.dtype)
+
+
 def block_scale_a(scale_inv: torch.Tensor, block_dim: int) -> torch.Tensor:
     """The A-side block scales in the layout cuBLAS reads (table above)."""
     if block_dim == 1:

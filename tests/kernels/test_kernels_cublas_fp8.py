@@ -338,8 +338,9 @@ def test_accumulate_into(kind, bda, bdb, acc_dtype):
 
 AWKWARD = [  # (kind, bda, bdb, m, n, k, runs on cuBLAS)
     ("tensorwise", 1, 1, 100, 272, 528, True),    # m not a multiple of 16
-    ("tensorwise", 1, 1, 4096, 4096, 4104, False),  # k % 16 != 0
-    ("tensorwise", 1, 1, 4096, 4100, 4096, False),  # n % 16 != 0
+    ("tensorwise", 1, 1, 4096, 4096, 4104, True),  # k % 16 != 0: zero-padded
+    ("tensorwise", 1, 1, 4096, 4100, 4096, True),  # n % 16 != 0: zero-padded, columns dropped
+    ("tensorwise", 1, 1, 1408, 4096, 1001, True),  # an MoE expert's wgrad (k = its tokens)
     ("block", 1, 2, 4096, 4112, 4096, True),      # n: a partial 128x128 tile
     ("block", 1, 1, 100, 272, 512, True),
     ("block", 1, 2, 4096, 4096, 4160, False),     # k % 128 != 0
@@ -352,8 +353,9 @@ AWKWARD = [  # (kind, bda, bdb, m, n, k, runs on cuBLAS)
 @pytest.mark.parametrize("kind,bda,bdb,m,n,k,fast", AWKWARD)
 @gpu
 def test_awkward_shapes(kind, bda, bdb, m, n, k, fast, layout, monkeypatch):
-    """Shapes cuBLAS takes are right; the others run the exact BF16 tensor-core GEMM (FP8
-    codes times power-of-two scales decode exactly into BF16), reported once."""
+    """Shapes cuBLAS takes (per-tensor: any, after zero padding) are right; the others run
+    the exact BF16 tensor-core GEMM (FP8 codes times power-of-two scales decode exactly into
+    BF16), reported once."""
     monkeypatch.setattr("hybridfp.gemm.fast._REPORTED", set())
     A, B = operands(layout, quantizer(kind, E4M3, bda), quantizer(kind, E4M3, bdb), m, n, k, "cuda", 11)
     da, db = LAYOUTS[layout]
