@@ -209,7 +209,8 @@ def _run_bf16(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], la
     da, db = LAYOUTS[layout]
     ops_a, ops_b = [], []
     for a, b in zip(sa, sb):
-        oa, ob = decode_bf16(a, da), decode_bf16(b, db)
+        # B of fprop / dgrad is the expert's weight: its decode is cached while unchanged
+        oa, ob = decode_bf16(a, da), decode_bf16(b, db, cache=layout != "NT")
         if oa.scale is not None or ob.scale is not None or oa.rht != ob.rht:
             return None
         ops_a.append(oa.values)
