@@ -107,12 +107,18 @@ def emulate(a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype,
     # torch.autocast around the caller would run this FP32 matmul in BF16: switch it off.
     with _ieee_fp32(), torch.autocast(av.device.type, enabled=False):
         acc = av @ bv.t()
-    scale = None
+    return epilogue(acc, a, b, out_dtype, bias, accumulate_into)
+
+
+def epilogue(acc: torch.Tensor, a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype,
+             bias: Optional[torch.Tensor] = None, accumulate_into: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The exact GEMM's epilogue on an FP32 accumulator: × sa[m] sb[n] (per-tensor / per-row
+    global scales), + bias in FP32, then one cast (or ``accumulate_into += result``)."""
+    out = acc
     if a.scale is not None or b.scale is not None:
         sa = a.scale.reshape(-1, 1) if a.scale is not None else torch.ones((), device=acc.device)
         sb = b.scale.reshape(1, -1) if b.scale is not None else torch.ones((), device=acc.device)
-        scale = sa * sb
-    out = acc * scale if scale is not None else acc
+        out = acc * (sa * sb)
     if bias is not None:
         out = out + bias.float()
     if accumulate_into is not None:

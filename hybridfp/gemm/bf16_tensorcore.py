@@ -47,7 +47,8 @@ from typing import Iterator, Optional
 import torch
 
 from ..tensors.storage import GemmOperand, QuantizedStorage
-from .backends import Backend, EmulatedGemmWarning, FormatKey, describe_key, emulate, register_backend
+from .backends import (Backend, EmulatedGemmWarning, FormatKey, describe_key, emulate, epilogue,
+                       register_backend)
 from .bf16_decode import decode_bf16
 from .gemm import GEMM_OF_LAYOUT, LAYOUTS
 
@@ -120,22 +121,6 @@ def _exact_bf16_gemm(device: torch.device) -> Iterator[None]:
         flags.allow_bf16_reduced_precision_reduction = old
 
 
-def _torch_epilogue(acc: torch.Tensor, a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype,
-                    bias: Optional[torch.Tensor], accumulate_into: Optional[torch.Tensor]) -> torch.Tensor:
-    """``emulate``'s epilogue, op for op (destinations the Triton epilogue does not take)."""
-    out = acc
-    if a.scale is not None or b.scale is not None:
-        sa = a.scale.reshape(-1, 1) if a.scale is not None else torch.ones((), device=acc.device)
-        sb = b.scale.reshape(1, -1) if b.scale is not None else torch.ones((), device=acc.device)
-        out = acc * (sa * sb)
-    if bias is not None:
-        out = out + bias.float()
-    if accumulate_into is not None:
-        accumulate_into.copy_(accumulate_into.float() + out)
-        return accumulate_into
-    return out.to(out_dtype)
-
-
 def bf16_gemm(a: GemmOperand, b: GemmOperand, *, out_dtype: torch.dtype = torch.bfloat16,
               bias: Optional[torch.Tensor] = None,
               accumulate_into: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -164,7 +149,7 @@ def bf16_gemm(a: GemmOperand, b: GemmOperand, *, out_dtype: torch.dtype = torch.
         return acc
     kernel = _epilogue()
     if not kernel.supported(out_dtype, accumulate_into):
-        return _torch_epilogue(acc, a, b, out_dtype, bias, accumulate_into)
+        return epilogue(acc, a, b, out_dtype, bias, accumulate_into)
     with torch.cuda.device(acc.device):
         return kernel.epilogue(acc, a.scale, b.scale, bias, out_dtype, accumulate_into)
 

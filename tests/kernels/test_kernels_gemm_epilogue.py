@@ -15,6 +15,7 @@ import torch
 from quantize_kernel_cases import gpu, interpreter_only
 
 from hybridfp.gemm import emulate
+from hybridfp.gemm.backends import epilogue
 from hybridfp.kernels import triton_epilogue
 from hybridfp.kernels._common import poisoned_outputs
 from hybridfp.tensors.storage import GemmOperand
@@ -41,18 +42,8 @@ def _scale(kind: str, n: int, device: str = "cpu"):
 
 
 def _reference(acc, sa, sb, bias, out_dtype, into):
-    """``hybridfp.gemm.emulate``'s epilogue, op for op, on the accumulator."""
-    out = acc
-    if sa is not None or sb is not None:
-        s_a = sa.reshape(-1, 1) if sa is not None else torch.ones((), device=acc.device)
-        s_b = sb.reshape(1, -1) if sb is not None else torch.ones((), device=acc.device)
-        out = acc * (s_a * s_b)
-    if bias is not None:
-        out = out + bias.float()
-    if into is not None:
-        into.copy_(into.float() + out)
-        return into
-    return out.to(out_dtype)
+    """``hybridfp.gemm.emulate``'s epilogue (``backends.epilogue``) on the accumulator."""
+    return epilogue(acc, GemmOperand(acc, sa, 0), GemmOperand(acc, sb, 0), out_dtype, bias, into)
 
 
 def test_reference_is_emulates_epilogue():
