@@ -1,0 +1,19 @@
+#!/bin/bash
+# One device call on two GPUs: the `gpu` test suite on GPU 0 while bench.run_all times the
+# benchmarks alone on GPU 1 (separate GPUs: the timings see no contention but the CPU's).
+#   bash bench/gpu_final.sh   (writes under $OUT; TEST_TIMEOUT / BENCH_BUDGET in seconds)
+export PYTHONPATH=$PWD
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/bench"
+python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.device_count(), "GPUs")'
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=$PWD:/tmp/site TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1
+fi
+GPU_B=$(( $(python3 -c 'import torch; print(torch.cuda.device_count())') > 1 ? 1 : 0 ))
+( CUDA_VISIBLE_DEVICES=0 timeout "${TEST_TIMEOUT:-260}" python3 -m pytest -q -m gpu tests -p no:cacheprovider \
+    --durations=12 > "$OUT/gpu_tests.log" 2>&1; echo "gpu tests rc=$?" >> "$OUT/gpu_tests.log" ) &
+CUDA_VISIBLE_DEVICES=$GPU_B python3 -m bench.run_all --results-dir "$OUT/bench" --budget-s "${BENCH_BUDGET:-270}" \
+    > "$OUT/bench.log" 2>&1
+wait
+grep -E '^(FAILED|ERROR)' "$OUT/gpu_tests.log" | head -30; tail -18 "$OUT/gpu_tests.log"
+tail -45 "$OUT/bench.log"
