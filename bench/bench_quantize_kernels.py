@@ -12,6 +12,10 @@ pass, then the cast pass). Stochastic rounding draws its random numbers inside t
 (Philox, hybridfp/kernels/triton_sr.py): no extra traffic. GB/s and % of copy are given for both; the copy bandwidth
 (read + write of a same-size tensor) is measured in the same process.
 
+Fused hybrids (``HYBRID_CASES``): ``q.encode`` (the fused kernel) against the same hybrid
+quantized child by child (``q.reference_encode``: each child's own kernel, one more input read)
+and against the larger of its single-format quantizes (the issue #4 target: fused <= 1.10x).
+
 ``--sweep`` also times a few tile / warp configurations of each kernel entry point.
 
     python -m bench.bench_quantize_kernels [--sweep] [--out file.json]
@@ -25,9 +29,10 @@ import json
 import torch
 import triton
 
-from hybridfp.kernels import _common, triton_fp8_block, triton_fp8_tensorwise, triton_mxfp8, triton_nvfp4
+from hybridfp.kernels import (_common, triton_fp8_block, triton_fp8_tensorwise, triton_hybrid_fp8,
+                              triton_hybrid_nvfp4, triton_mxfp8, triton_nvfp4)
 from hybridfp.quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
-                                 MXFP8Quantizer, NVFP4Quantizer)
+                                 HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer)
 from hybridfp.quantizers.backends import select_quantize_kernel
 
 E4M3 = torch.float8_e4m3fn
@@ -52,6 +57,24 @@ CASES = [  # name, factory, rowwise, columnwise, passes over the input
     ("nvfp4 grad (rht+sr) row+col", lambda: NVFP4Quantizer(with_rht=True, stochastic_rounding=True), True, True, 2),
     ("nvfp4 grad (rht+sr) col", lambda: NVFP4Quantizer(with_rht=True, stochastic_rounding=True), False, True, 2),
     ("nvfp4 sr row", lambda: NVFP4Quantizer(stochastic_rounding=True), True, False, 2),
+    ("fp8 block 1x128 col", lambda: Float8BlockQuantizer(block_scaling_dim=1), False, True, 1),
+    ("nvfp4 row-scaled row", lambda: NVFP4Quantizer(row_scaled_nvfp4=True), True, False, 2),
+]
+RD = "rowwise_dequantized"
+#: name, factory, rowwise, columnwise, passes, the single-format cases it must stay within 1.10x of.
+HYBRID_CASES = [
+    ("hybrid fp8 current row + fp8 block col",
+     lambda: HybridQuantizer(Float8CurrentScalingQuantizer(), Float8BlockQuantizer(block_scaling_dim=1)),
+     True, True, 2, ("fp8 current row", "fp8 block 1x128 col")),
+    ("hybrid nvfp4 row + mxfp8 col (rd)", lambda: HybridQuantizer(NVFP4Quantizer(), MXFP8Quantizer(), RD),
+     True, True, 2, ("nvfp4 row", "mxfp8 col")),
+    ("hybrid nvfp4 row-scaled + mxfp8 col (rd)",
+     lambda: HybridQuantizer(NVFP4Quantizer(row_scaled_nvfp4=True), MXFP8Quantizer(), RD),
+     True, True, 2, ("nvfp4 row-scaled row", "mxfp8 col")),
+    ("hybrid nvfp4 row + mxfp8 col (orig)", lambda: HybridQuantizer(NVFP4Quantizer(), MXFP8Quantizer()),
+     True, True, 2, ("nvfp4 row", "mxfp8 col")),
+    ("hybrid nvfp4 -> mxfp8 col only (rd)", lambda: HybridQuantizer(NVFP4Quantizer(), MXFP8Quantizer(), RD),
+     False, True, 2, ("nvfp4 row", "mxfp8 col")),
 ]
 
 
@@ -96,6 +119,8 @@ def main() -> None:
     for r_ in rows:
         print(f"{r_['case']:28s} {r_['kernel']:20s} {r_['ms']:7.3f} {r_['min_gbps']:10.0f} {r_['min_pct']:6.1f} "
               f"{r_['moved_gbps']:11.0f} {r_['moved_pct']:6.1f}")
+    hybrid = run_hybrid(x, copy, {r_["case"]: r_["ms"] for r_ in rows})
+    rows += hybrid
     sweep = []
     if args.sweep:
         sweep = run_sweep(x, copy)
@@ -104,19 +129,51 @@ def main() -> None:
             json.dump({"copy_gbps": copy, "rows": rows, "sweep": sweep}, f, indent=1)
 
 
+def run_hybrid(x: torch.Tensor, copy: float, single_ms: dict[str, float]) -> list[dict]:
+    """Fused hybrids vs child-by-child and vs the larger single-format quantize."""
+    out = []
+    print(f"{'hybrid case':42s} {'kernel':32s} {'fused ms':>8s} {'%copy':>6s} {'separate':>8s} "
+          f"{'/max(single)':>12s}")
+    for name, make, r, c, passes, singles in HYBRID_CASES:
+        q = make()
+        kernel = select_quantize_kernel(q, x, r, c)
+        st = q.encode(x, r, c)
+        ms = median_ms(lambda: q.encode(x, r, c))
+        sep = median_ms(lambda: q.reference_encode(x, r, c))
+        ref = max(single_ms[s_] for s_ in singles)
+        mn = x.nbytes + payload_bytes(st)
+        moved = mn + (passes - 1) * x.nbytes
+        row = dict(case=name, kernel=kernel.name if kernel else "SEPARATE", ms=ms, separate_ms=sep,
+                   vs_max_single=ms / ref, min_gbps=mn / ms / 1e6, moved_gbps=moved / ms / 1e6)
+        row["min_pct"], row["moved_pct"] = 100 * row["min_gbps"] / copy, 100 * row["moved_gbps"] / copy
+        out.append(row)
+        print(f"{name:42s} {row['kernel']:32s} {ms:8.3f} {row['min_pct']:6.1f} {sep:8.3f} {ms / ref:12.2f}")
+    return out
+
+
 def run_sweep(x: torch.Tensor, copy: float) -> list[dict]:
     """Direct entry points at a few tiles / warps / store variants (min bytes, one pass each)."""
     g = _common.global_amax(x)
     variants = []
-    for blk, nw in [((64, 64), 8), ((32, 64), 4), ((64, 128), 8), ((128, 64), 8)]:
+    for blk, nw in [((64, 128), 4), ((32, 128), 4), ((128, 128), 4), ((64, 256), 8), ((64, 64), 2)]:
         variants.append((f"mxfp8 row+col {blk} nw{nw}",
                          lambda b=blk, n=nw: triton_mxfp8.quantize(x, E4M3, block=b, num_warps=n)))
+        variants.append((f"mxfp8 col {blk} nw{nw}", lambda b=blk, n=nw: triton_mxfp8.quantize(
+            x, E4M3, block=b, num_warps=n, rowwise=False)))
     for blk, nw in [((64, 64), 8), ((64, 128), 8), ((128, 128), 8), ((32, 128), 4)]:
         variants.append((f"fp8 cast pass row+col {blk} nw{nw}", lambda b=blk, n=nw: triton_fp8_tensorwise.quantize(
             x, E4M3, amax=g, block=b, num_warps=n)))
-    for cw, nw in [(32, 8), (16, 4), (64, 8)]:
-        variants.append((f"fp8 block 1d chunk{cw} nw{nw}", lambda c=cw, n=nw: triton_fp8_block.quantize(
-            x, E4M3, block_dim=1, chunk=c, num_warps=n)))
+    for cw, rw, nw in [(128, 16, 4), (128, 32, 4), (64, 16, 2), (128, 8, 4), (128, 16, 8)]:
+        variants.append((f"fp8 block 1d chunk{cw} rows{rw} nw{nw}",
+                         lambda c=cw, r=rw, n=nw: triton_fp8_block.quantize(
+                             x, E4M3, block_dim=1, chunk=c, row_slice=r, num_warps=n)))
+    for cw, rw, nw in [(128, 16, 4), (128, 32, 4), (64, 16, 2)]:
+        variants.append((f"hybrid fp8 current+block cast chunk{cw} rows{rw} nw{nw}",
+                         lambda c=cw, r=rw, n=nw: triton_hybrid_fp8.quantize(
+                             x, g, E4M3, E4M3, chunk=c, row_slice=r, num_warps=n)))
+    for blk, nw in [((32, 128), 4), ((64, 128), 4), ((32, 256), 8), ((32, 64), 2)]:
+        variants.append((f"hybrid nvfp4+mxfp8 rd cast {blk} nw{nw}",
+                         lambda b=blk, n=nw: triton_hybrid_nvfp4.quantize(x, g, E4M3, block=b, num_warps=n)))
     for blk, nw in [((4, 64), 8), ((2, 64), 4), ((4, 128), 8), ((8, 64), 8), ((2, 128), 4)]:
         variants.append((f"nvfp4 1d cast {blk} nw{nw}", lambda b=blk, n=nw: triton_nvfp4.quantize_1d(
             x, g, g, block=b, num_warps=n)))
@@ -132,7 +189,7 @@ def run_sweep(x: torch.Tensor, copy: float) -> list[dict]:
         ms = median_ms(fn)
         gbps = nbytes / ms / 1e6
         out.append(dict(variant=name, ms=ms, gbps=gbps, pct=100 * gbps / copy))
-        print(f"  {name:40s} {ms:7.3f} ms {gbps:6.0f} GB/s {100 * gbps / copy:5.1f}% of copy")
+        print(f"  {name:52s} {ms:7.3f} ms {gbps:6.0f} GB/s {100 * gbps / copy:5.1f}% of copy")
     return out
 
 

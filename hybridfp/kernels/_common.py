@@ -164,6 +164,84 @@ def store_transposed_u8(ptr, code, lr, lc, r0, c0, R, C, PACK: tl.constexpr):
 
 
 @triton.jit
+def _cat_rows(a, b):
+    """[BC, N] and [BC, N] -> [BC, 2N] (a's rows first); the joined axis stays in each thread."""
+    BC: tl.constexpr = a.shape[0]
+    N: tl.constexpr = a.shape[1]
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), [BC, 2 * N])
+
+
+@triton.jit
+def _row(xbase, r, lc, rmax, cmask, sxr, sxc, DTYPE: tl.constexpr):
+    """Tile row ``r`` (tile-local; ``rmax`` rows left in the tensor) of columns ``lc``: [BC].
+    The row test is a vector (``lc * 0 + r``): the interpreter rejects a scalar & vector mask."""
+    return load_f32(xbase + r * sxr + lc * sxc, cmask & ((lc * 0 + r) < rmax), DTYPE)
+
+
+@triton.jit
+def _rows4(xbase, r, lc, rmax, cmask, sxr, sxc, DTYPE: tl.constexpr):
+    a = tl.join(_row(xbase, r, lc, rmax, cmask, sxr, sxc, DTYPE),
+                _row(xbase, r + 1, lc, rmax, cmask, sxr, sxc, DTYPE))
+    b = tl.join(_row(xbase, r + 2, lc, rmax, cmask, sxr, sxc, DTYPE),
+                _row(xbase, r + 3, lc, rmax, cmask, sxr, sxc, DTYPE))
+    return _cat_rows(a, b)
+
+
+@triton.jit
+def _rows16(xbase, r, lc, rmax, cmask, sxr, sxc, DTYPE: tl.constexpr):
+    a = _cat_rows(_rows4(xbase, r, lc, rmax, cmask, sxr, sxc, DTYPE),
+                  _rows4(xbase, r + 4, lc, rmax, cmask, sxr, sxc, DTYPE))
+    b = _cat_rows(_rows4(xbase, r + 8, lc, rmax, cmask, sxr, sxc, DTYPE),
+                  _rows4(xbase, r + 12, lc, rmax, cmask, sxr, sxc, DTYPE))
+    return _cat_rows(a, b)
+
+
+@triton.jit
+def load_rows32_t(xbase, r, lc, rmax, cmask, sxr, sxc, DTYPE: tl.constexpr):
+    """Tile rows ``r .. r + 31`` of columns ``lc`` as a TRANSPOSED [BC, 32] FP32 tile (0 past
+    the tensor: ``rmax`` rows left from the tile origin, ``cmask`` the column mask).
+
+    Why: a 32x1 (or 128x1) columnwise block reduced over a natural [rows, BC] tile is a
+    cross-warp reduction (shared memory, barriers) plus a byte transpose for the store. Here
+    the tile is built from 32 row loads joined along a new minor axis, and ``tl.join`` keeps
+    that axis inside each thread: with BC = 32 * num_warps every thread holds the 32 rows of
+    one column, so the block amax is register-local and the transposed codes leave as
+    contiguous words (:func:`store_words_t`). Each row load is still coalesced across the warp
+    (consecutive threads, consecutive columns)."""
+    return _cat_rows(_rows16(xbase, r, lc, rmax, cmask, sxr, sxc, DTYPE),
+                     _rows16(xbase, r + 16, lc, rmax, cmask, sxr, sxc, DTYPE))
+
+
+@triton.jit
+def nan_max(a, b):
+    """Elementwise max that propagates NaN (``tl.maximum`` drops it on the GPU)."""
+    return tl.where(a != a, a, tl.where(b != b, b, tl.maximum(a, b)))
+
+
+@triton.jit
+def store_words_t(ptr, code, lc, c0, r, R, C, PACK: tl.constexpr):
+    """Store a transposed [BC, 32] uint8 code tile (rows ``r .. r + 31`` of columns ``c0 + lc``
+    of an [R, C] tensor; ``r`` absolute) into the [C, R] byte array at ``ptr``. With ``PACK``
+    (R % 4 == 0) each column's 32 codes go as eight little-endian int32 words, two 16-byte
+    stores per thread (whole 32-byte sectors); else bytewise."""
+    BC: tl.constexpr = code.shape[0]
+    cmask = (c0 + lc) < C
+    if PACK:
+        w = tl.reshape(code.to(tl.int32), [BC, 8, 4])
+        w = tl.sum(w << (tl.arange(0, 4) * 8)[None, None, :], axis=2)  # disjoint bits: sum == or
+        lo, hi = tl.split(tl.permute(tl.reshape(w, [BC, 2, 4]), (0, 2, 1)))  # words 0-3, 4-7
+        l4 = tl.arange(0, 4)
+        base = ptr.to(tl.pointer_type(tl.int32)) + c0.to(tl.int64) * (R // 4) + r // 4
+        off = tile_offsets(lc, l4, R // 4, 1)
+        tl.store(base + off, lo, mask=cmask[:, None] & ((r // 4 + l4) < R // 4)[None, :])
+        tl.store(base + off + 4, hi, mask=cmask[:, None] & ((r // 4 + 4 + l4) < R // 4)[None, :])
+    else:
+        l32 = tl.arange(0, 32)
+        base = ptr + c0.to(tl.int64) * R + r
+        tl.store(base + tile_offsets(lc, l32, R, 1), code, mask=cmask[:, None] & ((r + l32) < R)[None, :])
+
+
+@triton.jit
 def clamp_sym(v, m):
     """clamp(v, -m, m) that keeps NaN (as ``torch.clamp`` does; ``tl.minimum`` would drop it)."""
     return tl.where(v > m, m, tl.where(v < -m, -m, v))
@@ -240,6 +318,16 @@ def e4m3_value(code):
     v = tl.where(e == 0, sub, normal)
     v = tl.where((c & 0x7F) == 0x7F, float("nan"), v)
     return tl.where((c & 0x80) != 0, -v, v)
+
+
+@triton.jit
+def e2m1_value(code):
+    """FP32 value of E2M1 codes (int32, bit 3 = sign): magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 built
+    from bits (m >= 2: exponent (m >> 1) - 1, one fraction bit m & 1; m == 1: 0.5); code 8 is
+    -0.0, as ``formats.nvfp4.decode_e2m1`` gives."""
+    m = code & 7
+    bits = tl.where(m >= 2, (((m >> 1) + 126) << 23) | ((m & 1) << 22), tl.where(m == 1, 126 << 23, 0))
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -2,12 +2,15 @@
 
 - 1D: rowwise 1xB blocks (``data [R, C]``, ``scale_inv [R, ceil(C/B)]``) and columnwise Bx1
   blocks re-quantized from the same tile, stored transposed (``[C, R]``, ``[C, ceil(R/B)]``).
+  The tile is read from device memory once (rowwise pass, natural [RW, B] slices); the
+  columnwise pass re-reads it from cache as transposed [CW, 32] sub-tiles whose rows sit in one
+  thread (``_common.load_rows32_t``), so the Bx1 block amax needs no cross-warp reduction.
 - 2D: BxB tiles; the columnwise copy is the rowwise one transposed (data and scale_inv).
 
 Tile-local int32 offsets, the hardware FP8 conversion on the GPU and int32-packed transposed
 stores (``_common`` says why).
 
-B = 128 by default (any power of two >= 16 works). Bitwise equal to ``formats.fp8_block``:
+B = 128 by default (any power of two >= 32 works). Bitwise equal to ``formats.fp8_block``:
 the block scale is ``_common.current_scale`` of the NaN-propagating block amax (FP32 IEEE
 division, optional power-of-two round-down), ``scale_inv = 1 / scale`` (IEEE), data
 ``fp8(clamp(x * scale))`` with the integer RNE of ``_common.fp8_code``.
@@ -22,8 +25,8 @@ import triton
 import triton.language as tl
 
 from ._common import (DTYPE_CODE, Copies, amax_nan, check_int32_tiles, clamp_sym, current_scale, empty, f32,
-                      fp8_code, fp8_params, hw_fp8, kernel_input, load_f32, store_transposed_u8,
-                      tile_offsets)
+                      fp8_code, fp8_params, hw_fp8, kernel_input, load_f32, load_rows32_t, nan_max,
+                      store_transposed_u8, store_words_t, tile_offsets)
 
 
 @triton.jit
@@ -36,46 +39,73 @@ def _chunk(xbase, lr, rmask, lc0, c0, C, sxr, sxc, DTYPE: tl.constexpr, CW: tl.c
 
 
 @triton.jit
+def columnwise_1d(xbase, r0, c0, R, C, sxr, sxc, eps, cd_ptr, cs_ptr, pr, POW2: tl.constexpr,
+                  MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr, B: tl.constexpr,
+                  CW: tl.constexpr, DTYPE: tl.constexpr, HW: tl.constexpr, PACK: tl.constexpr):
+    """The Bx1 columnwise blocks of tile rows r0 .. r0 + B and columns c0 .. c0 + CW (``xbase``
+    points at (r0, c0)), stored transposed, and their ``scale_inv``.
+
+    The block is read as B / 32 transposed [CW, 32] sub-tiles (``_common.load_rows32_t``, one
+    column's rows per thread): the block amax is register-local (no cross-warp reduction), and
+    after the scale the sub-tiles are read again (from cache) and written as int32 words."""
+    lc = tl.arange(0, CW)
+    cmask = (c0 + lc) < C
+    amax = tl.zeros([CW], tl.float32)
+    for s in tl.range(0, B // 32, loop_unroll_factor=1):
+        amax = nan_max(amax, amax_nan(load_rows32_t(xbase, s * 32, lc, R - r0, cmask, sxr, sxc, DTYPE), 1))
+    scale = current_scale(amax, eps, FP8_MAX, POW2)
+    for s in tl.range(0, B // 32, loop_unroll_factor=1):
+        xt = load_rows32_t(xbase, s * 32, lc, R - r0, cmask, sxr, sxc, DTYPE)
+        code = fp8_code(clamp_sym(xt * scale[:, None], FP8_MAX), MBITS, BIAS, HW)
+        store_words_t(cd_ptr, code, lc, c0, r0 + s * 32, R, C, PACK)
+    tl.store(cs_ptr + (c0 + lc).to(tl.int64) * tl.cdiv(R, B) + pr,
+             tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=cmask)
+
+
+@triton.jit
+def _rowwise_1d(xbase, r0, c0, R, C, sxr, sxc, eps, rd_ptr, rs_ptr, pc, POW2: tl.constexpr,
+                MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr, B: tl.constexpr,
+                RW: tl.constexpr, DTYPE: tl.constexpr, HW: tl.constexpr):
+    """The 1xB rowwise blocks of tile rows r0 .. r0 + B, columns c0 .. c0 + B, in [RW, B]
+    natural slices (a block's row lies in one warp: a shuffle reduction)."""
+    lc = tl.arange(0, B)
+    cmask = (c0 + lc) < C
+    rbase = rd_ptr + r0.to(tl.int64) * C + c0
+    for j in tl.range(0, B // RW, loop_unroll_factor=1):
+        lr = j * RW + tl.arange(0, RW)
+        rmask = (r0 + lr) < R
+        mask = rmask[:, None] & cmask[None, :]
+        x = load_f32(xbase + tile_offsets(lr, lc, sxr, sxc), mask, DTYPE)
+        scale = current_scale(amax_nan(x, 1), eps, FP8_MAX, POW2)  # [RW]
+        code = fp8_code(clamp_sym(x * scale[:, None], FP8_MAX), MBITS, BIAS, HW)
+        tl.store(rbase + tile_offsets(lr, lc, C, 1), code, mask=mask)
+        tl.store(rs_ptr + (r0 + lr).to(tl.int64) * tl.cdiv(C, B) + pc,
+                 tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=rmask)
+
+
+@triton.jit
 def _fp8_block_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc, eps,
                          ROW: tl.constexpr, COL: tl.constexpr, POW2: tl.constexpr,
                          MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr,
                          B: tl.constexpr, DTYPE: tl.constexpr, CW: tl.constexpr,
-                         HW: tl.constexpr, PACK: tl.constexpr):
-    """One BxB tile per program, walked in [B, CW] column chunks: each chunk completes its Bx1
-    columnwise blocks at once; the 1xB rowwise blocks need the whole tile's row amax, so the
-    chunks are read again (from cache) to write the rowwise copy."""
+                         HW: tl.constexpr, PACK: tl.constexpr, RW: tl.constexpr):
+    """One BxB tile per program: the rowwise copy from natural [RW, B] row slices (read from
+    device memory), then the columnwise copy from transposed sub-tiles of [CW] columns (read
+    again from cache; :func:`columnwise_1d`)."""
     pid = tl.program_id(0)
     nc = tl.cdiv(C, B)
     pr = pid // nc
     pc = pid % nc
     r0 = pr * B
     c0 = pc * B
-    lr = tl.arange(0, B)
-    rmask = (r0 + lr) < R
     xbase = x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc
-    ramax = tl.zeros([B], tl.float32)
-    rnan = tl.zeros([B], tl.int32)
-    nbr = tl.cdiv(R, B)
-    for j in tl.range(0, B // CW, loop_unroll_factor=1):
-        x, lc, mask = _chunk(xbase, lr, rmask, j * CW, c0, C, sxr, sxc, DTYPE, CW)
-        if COL:
-            scale = current_scale(amax_nan(x, 0), eps, FP8_MAX, POW2)  # [CW]
-            code = fp8_code(clamp_sym(x * scale[None, :], FP8_MAX), MBITS, BIAS, HW)
-            store_transposed_u8(cd_ptr, code, lr, lc, r0, c0, R, C, PACK)
-            tl.store(cs_ptr + (c0 + lc).to(tl.int64) * nbr + pr,
-                     tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=(c0 + lc) < C)
-        if ROW:
-            ramax = tl.maximum(ramax, tl.max(tl.abs(x), axis=1))
-            rnan = tl.maximum(rnan, tl.max((x != x).to(tl.int32), axis=1))
     if ROW:
-        scale = current_scale(tl.where(rnan > 0, float("nan"), ramax), eps, FP8_MAX, POW2)  # [B]
-        rbase = rd_ptr + r0.to(tl.int64) * C + c0
+        _rowwise_1d(xbase, r0, c0, R, C, sxr, sxc, eps, rd_ptr, rs_ptr, pc, POW2, MBITS, BIAS, FP8_MAX,
+                    B, RW, DTYPE, HW)
+    if COL:
         for j in tl.range(0, B // CW, loop_unroll_factor=1):
-            x, lc, mask = _chunk(xbase, lr, rmask, j * CW, c0, C, sxr, sxc, DTYPE, CW)
-            code = fp8_code(clamp_sym(x * scale[:, None], FP8_MAX), MBITS, BIAS, HW)
-            tl.store(rbase + tile_offsets(lr, lc, C, 1), code, mask=mask)
-        tl.store(rs_ptr + (r0 + lr).to(tl.int64) * tl.cdiv(C, B) + pc,
-                 tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=rmask)
+            columnwise_1d(xbase + j * CW * sxc, r0, c0 + j * CW, R, C, sxr, sxc, eps, cd_ptr,
+                          cs_ptr, pr, POW2, MBITS, BIAS, FP8_MAX, B, CW, DTYPE, HW, PACK)
 
 
 @triton.jit
@@ -83,8 +113,8 @@ def _fp8_block_2d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc, 
                          ROW: tl.constexpr, COL: tl.constexpr, POW2: tl.constexpr,
                          MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr,
                          B: tl.constexpr, DTYPE: tl.constexpr, CW: tl.constexpr,
-                         HW: tl.constexpr, PACK: tl.constexpr):
-    """One BxB tile per program: its amax over [B, CW] chunks, then the chunks again (from
+                         HW: tl.constexpr, PACK: tl.constexpr, RW: tl.constexpr):
+    """One BxB tile per program (``RW`` unused): its amax over [B, CW] chunks, then the chunks again (from
     cache) to write both copies (the columnwise one transposed)."""
     pid = tl.program_id(0)
     nc = tl.cdiv(C, B)
@@ -120,22 +150,25 @@ def _fp8_block_2d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc, 
 
 def quantize(x2: torch.Tensor, dtype: torch.dtype, *, block_dim: int = 1, block_size: int = 128,
              power_2_scale: bool = True, eps: float = 0.0, rowwise: bool = True,
-             columnwise: bool = True, chunk: int = 16, num_warps: Optional[int] = None,
-             pack: bool = True) -> Copies:
+             columnwise: bool = True, chunk: Optional[int] = None, row_slice: int = 16,
+             num_warps: Optional[int] = None, pack: bool = True) -> Copies:
     """FP8-block-quantize 2D ``x2`` (any strides); returns ``(row, col)``, each
     ``(data, scale_inv)`` or None, equal to ``formats.fp8_block.quantize_1d(x2)`` /
     ``quantize_1d(x2.t())`` (``block_dim=2``: ``quantize_2d(x2)`` and its transpose).
-    One ``block_size``-square tile per program, walked in ``chunk``-column slices. ``pack``:
-    transposed stores as int32 words of four rows when R % 4 == 0 (same bytes).
+    One ``block_size``-square tile per program. 1D: rowwise copy in ``row_slice``-row slices,
+    columnwise copy in ``chunk``-column passes (default min(128, B) / 4 warps: one column per
+    thread). 2D: walked in ``chunk``-column slices (default 16 / 4 warps: the H200 sweep's
+    fastest). ``pack``: transposed stores as int32 words of four rows when R % 4 == 0 (same bytes).
     """
     if block_dim not in (1, 2):
         raise ValueError(f"block_dim={block_dim} must be 1 or 2.")
     b = block_size
-    if b < 16 or b & (b - 1):
-        raise ValueError(f"block_size={b} must be a power of two >= 16.")
-    cw = min(chunk, b)
-    if b % cw:
-        raise ValueError(f"chunk={chunk} must divide block_size={b}.")
+    if b < 32 or b & (b - 1):
+        raise ValueError(f"block_size={b} must be a power of two >= 32.")
+    cw = min(chunk or (16 if block_dim == 2 else 128), b)
+    rw = min(row_slice, b)
+    if b % cw or b % rw:
+        raise ValueError(f"chunk={chunk} and row_slice={row_slice} must divide block_size={b}.")
     rows, cols = x2.shape
     check_int32_tiles(rows, cols, *x2.stride())
     mbits, bias, fmax = fp8_params(dtype)
@@ -156,9 +189,8 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, block_dim: int = 1, block_
     cd, cs = (col[0].view(torch.uint8), col[1]) if col else (dummy, dummy_f)
     kernel = _fp8_block_2d_kernel if block_dim == 2 else _fp8_block_1d_kernel
     grid = (triton.cdiv(rows, b) * triton.cdiv(cols, b),)
-    extra = {"num_warps": num_warps or 4}  # chunk 16 / 4 warps: fastest of the H200 sweep
     kernel[grid](kernel_input(x2), rd, rs, cd, cs, rows, cols, x2.stride(0), x2.stride(1), f32(eps),
                  ROW=rowwise, COL=columnwise, POW2=power_2_scale, MBITS=mbits, BIAS=bias,
                  FP8_MAX=fmax, B=b, DTYPE=DTYPE_CODE[x2.dtype], CW=cw, HW=hw_fp8(dev),
-                 PACK=pack and rows % 4 == 0, **extra)
+                 PACK=pack and rows % 4 == 0, RW=rw, num_warps=num_warps or 4)
     return row, col

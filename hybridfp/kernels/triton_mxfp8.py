@@ -1,7 +1,9 @@
 """MXFP8 quantize kernels (SPEC §2.4): one read of the input writes every requested copy.
 
 - 1D: rowwise 1x32 blocks ``[R, C]`` + E8M0 ``[R, ceil(C/32)]``, and columnwise 32x1 blocks
-  stored transposed ``[C, R]`` + ``[C, ceil(R/32)]``, from the same [BR, BC] tile.
+  stored transposed ``[C, R]`` + ``[C, ceil(R/32)]``, from the same [BR, BC] tile (read from
+  device memory once; the columnwise copy re-reads it from cache as transposed [BC, 32]
+  tiles whose 32 rows sit in one thread: ``_common.load_rows32_t``).
 - 2D: 32x32 tiles; the columnwise copy is the rowwise one transposed (data and scales).
 
 Bitwise equal to ``formats.mxfp8`` (tests/kernels/test_kernels_mxfp8.py): the E8M0 byte is
@@ -22,7 +24,8 @@ import triton
 import triton.language as tl
 
 from ._common import (DTYPE_CODE, Copies, amax_nan, check_int32_tiles, clamp_sym, empty, f32, fp8_code,
-                      fp8_params, hw_fp8, kernel_input, load_f32, store_transposed_u8, tile_offsets)
+                      fp8_params, hw_fp8, kernel_input, load_f32, load_rows32_t, store_transposed_u8,
+                      store_words_t, tile_offsets)
 
 BLOCK = 32
 _BLOCK = tl.constexpr(BLOCK)  # the same, visible inside kernels
@@ -70,13 +73,36 @@ def _tile(x_ptr, R, C, sxr, sxc, DTYPE: tl.constexpr, BR: tl.constexpr, BC: tl.c
 
 
 @triton.jit
+def col_block_32(xt, RCEIL: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
+                 FP8_MAX: tl.constexpr, RCP, HW: tl.constexpr):
+    """(E8M0 bytes [BC] int32, FP8 codes [BC, 32] uint8) of the 32x1 blocks of a transposed
+    FP32 tile ``xt`` [BC, 32] (one block per column; see ``_common.load_rows32_t``)."""
+    e = _e8m0_byte(amax_nan(xt, 1), RCEIL, EMAX, RCP)
+    return e, fp8_code(clamp_sym(xt * _e8m0_inverse(e)[:, None], FP8_MAX), MBITS, BIAS, HW)
+
+
+@triton.jit
 def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc, RCP,
                      ROW: tl.constexpr, COL: tl.constexpr, RCEIL: tl.constexpr,
                      EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
                      FP8_MAX: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr,
                      BC: tl.constexpr, PACK: tl.constexpr, HW: tl.constexpr):
-    x, mask, lr, lc, r0, c0, pr, pc = _tile(x_ptr, R, C, sxr, sxc, DTYPE, BR, BC)
+    """One [BR, BC] tile per program. Rowwise 1x32 blocks from the natural tile (a block's 32
+    columns sit in a few neighbouring threads); columnwise 32x1 blocks from transposed
+    [BC, 32] tiles re-read from cache (``_common.load_rows32_t``: register-local block amax,
+    word stores), one per 32 rows."""
+    pid = tl.program_id(0)
+    nc = tl.cdiv(C, BC)
+    pr = pid // nc
+    pc = pid % nc
+    r0 = pr * BR
+    c0 = pc * BC
+    lc = tl.arange(0, BC)
+    xbase = x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc
     if ROW:
+        lr = tl.arange(0, BR)
+        mask = ((r0 + lr) < R)[:, None] & ((c0 + lc) < C)[None, :]
+        x = load_f32(xbase + tile_offsets(lr, lc, sxr, sxc), mask, DTYPE)
         xb = tl.reshape(x, [BR, BC // _BLOCK, _BLOCK])
         e = _e8m0_byte(amax_nan(xb, 2), RCEIL, EMAX, RCP)
         y = tl.reshape(xb * _e8m0_inverse(e)[:, :, None], [BR, BC])
@@ -88,16 +114,15 @@ def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc, RCP,
         tl.store(rs_ptr + r0.to(tl.int64) * nbc + pc * (BC // _BLOCK) + tile_offsets(lr, lb, nbc, 1),
                  e.to(tl.uint8), mask=smask)
     if COL:
-        xb = tl.reshape(x, [BR // _BLOCK, _BLOCK, BC])
-        e = _e8m0_byte(amax_nan(xb, 1), RCEIL, EMAX, RCP)
-        y = tl.reshape(xb * _e8m0_inverse(e)[:, None, :], [BR, BC])
-        code = fp8_code(clamp_sym(y, FP8_MAX), MBITS, BIAS, HW)
-        store_transposed_u8(cd_ptr, code, lr, lc, r0, c0, R, C, PACK)
+        cmask = (c0 + lc) < C
         nbr = tl.cdiv(R, _BLOCK)
-        lb = tl.arange(0, BR // _BLOCK)
-        smask = ((pr * (BR // _BLOCK) + lb) < nbr)[:, None] & ((c0 + lc) < C)[None, :]
-        tl.store(cs_ptr + c0.to(tl.int64) * nbr + pr * (BR // _BLOCK) + tile_offsets(lb, lc, 1, nbr),
-                 e.to(tl.uint8), mask=smask)
+        for b in tl.static_range(BR // _BLOCK):
+            xt = load_rows32_t(xbase, b * _BLOCK, lc, R - r0, cmask, sxr, sxc, DTYPE)
+            e, code = col_block_32(xt, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW)
+            store_words_t(cd_ptr, code, lc, c0, r0 + b * _BLOCK, R, C, PACK)
+            blk = pr * (BR // _BLOCK) + b
+            tl.store(cs_ptr + (c0 + lc).to(tl.int64) * nbr + blk, e.to(tl.uint8),
+                     mask=cmask & ((lc * 0 + blk) < nbr))  # a vector test: see _common._row
 
 
 @triton.jit
@@ -126,18 +151,19 @@ def _mxfp8_2d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc, RCP,
 
 
 def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block_2d: bool = False,
-             rowwise: bool = True, columnwise: bool = True, block: tuple[int, int] = (64, 64),
+             rowwise: bool = True, columnwise: bool = True, block: Optional[tuple[int, int]] = None,
              num_warps: Optional[int] = None, pack: bool = True) -> Copies:
     """MXFP8-quantize 2D ``x2`` (any strides); returns ``(row, col)``, each ``(data, scale)`` or
     None: the same tensors as ``formats.mxfp8.quantize_1d(x2)`` / ``quantize_1d(x2.t())``
-    (``block_2d``: ``quantize_2d(x2)`` and its transpose). ``block``: the tile (multiples of 32);
-    ``pack``: write the transposed copy as int32 words of 4 rows when R % 4 == 0 (same bytes;
-    measured faster and checked bitwise on the H200).
+    (``block_2d``: ``quantize_2d(x2)`` and its transpose). ``block``: the tile (multiples of 32;
+    default 1D (64, 128) with BC / 32 warps: one column per thread in the columnwise copy, the
+    layout it is written for; 2D (64, 64) / 8 warps, the H200 sweep's fastest); ``pack``: write
+    the transposed copy as int32 words of 4 rows when R % 4 == 0 (same bytes).
     """
     if rule not in ("rceil", "floor"):
         raise ValueError(f"rule={rule!r} is unknown; use 'rceil' or 'floor'.")
     rows, cols = x2.shape
-    br, bc = block
+    br, bc = block or ((64, 64) if block_2d else (64, 128))
     if br % BLOCK or bc % BLOCK:
         raise ValueError(f"block={block} must be multiples of {BLOCK}.")
     mbits, bias, fmax = fp8_params(dtype)
@@ -158,7 +184,7 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
     cd, cs = (col[0].view(torch.uint8), col[1]) if col else (dummy, dummy)
     kernel = _mxfp8_2d_kernel if block_2d else _mxfp8_1d_kernel
     grid = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)
-    extra = {"num_warps": num_warps or 8}
+    extra = {"num_warps": num_warps or (8 if block_2d else min(max(bc // 32, 1), 8))}
     kernel[grid](kernel_input(x2), rd, rs, cd, cs, rows, cols, x2.stride(0), x2.stride(1), f32(1.0 / fmax),
                  ROW=rowwise, COL=columnwise, RCEIL=rule == "rceil",
                  EMAX={3: 8, 2: 15}[mbits], MBITS=mbits, BIAS=bias, FP8_MAX=fmax,

@@ -5,6 +5,13 @@ and ``run(q, x, rowwise, columnwise, seed) -> storage``; it must produce exactly
 ``q.reference_encode`` would (kernels are tested bitwise against it). ``Quantizer.encode``
 takes the first kernel that supports the call, else the PyTorch reference. On a GPU, running
 the reference because no kernel fits is reported once per quantizer configuration.
+
+Fused hybrid kernels (one pass writing a ``HybridQuantizer``'s two copies) are looked up by the
+pair of its children's *kernel keys* and its ``columnwise_source``: each quantizer class
+registers a function ``key(q, direction) -> hashable or None`` naming the kernel variant its
+settings select for that direction's copy (e.g. ``("mxfp8", "1d")``), and a fused kernel
+registers for ``(rowwise key, columnwise key, source)``. No pair registered: the hybrid runs
+its children one after the other (each with its own kernel).
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ from __future__ import annotations
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Hashable, Iterator, Optional
 
 import torch
 
@@ -31,6 +38,10 @@ class QuantizeKernel:
 
 
 QUANTIZE_KERNELS: dict[str, list[QuantizeKernel]] = {}
+#: quantizer class name -> key(q, direction): the kernel variant q's settings select (or None).
+KERNEL_KEYS: dict[str, Callable[[Any, str], Optional[Hashable]]] = {}
+#: (rowwise child's key, columnwise child's key, columnwise_source) -> fused hybrid kernel.
+HYBRID_QUANTIZE_KERNELS: dict[tuple[Hashable, Hashable, str], QuantizeKernel] = {}
 _ENABLED = [True]
 _REPORTED: set[str] = set()
 
@@ -38,6 +49,32 @@ _REPORTED: set[str] = set()
 def register_quantize_kernel(quantizer_class: str, kernel: QuantizeKernel) -> None:
     """Register ``kernel`` for quantizers of class name ``quantizer_class`` (latest first)."""
     QUANTIZE_KERNELS.setdefault(quantizer_class, []).insert(0, kernel)
+
+
+def register_kernel_key(quantizer_class: str, key: Callable[[Any, str], Optional[Hashable]]) -> None:
+    """Register how quantizers of class name ``quantizer_class`` name their kernel variant."""
+    KERNEL_KEYS[quantizer_class] = key
+
+
+def register_hybrid_quantize_kernel(rowwise_key: Hashable, columnwise_key: Hashable, source: str,
+                                    kernel: QuantizeKernel) -> None:
+    """Register a fused kernel for hybrids whose children have these kernel keys and source."""
+    HYBRID_QUANTIZE_KERNELS[(rowwise_key, columnwise_key, source)] = kernel
+
+
+def kernel_key(q: Any, direction: str) -> Optional[Hashable]:
+    """The kernel variant ``q`` selects for its ``direction`` copy (None: no key registered)."""
+    key = KERNEL_KEYS.get(type(q).__name__)
+    return None if key is None else key(q, direction)
+
+
+def hybrid_quantize_kernel(hq: Any) -> Optional[QuantizeKernel]:
+    """The fused kernel registered for hybrid ``hq``'s pair of children, or None."""
+    row = kernel_key(hq.rowwise_quantizer, "rowwise")
+    col = kernel_key(hq.columnwise_quantizer, "columnwise")
+    if row is None or col is None:
+        return None
+    return HYBRID_QUANTIZE_KERNELS.get((row, col, hq.columnwise_source))
 
 
 @contextmanager

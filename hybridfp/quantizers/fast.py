@@ -20,6 +20,12 @@ reports the fallback to the reference:
 | NVFP4Quantizer                 | amax pass + one cast pass: 1D (RHT fused on the columnwise |
 |                                | copy, post-RHT amax in the amax pass), row-scaled, 2D;    |
 |                                | stochastic rounding with in-kernel Philox draws           |
+| HybridQuantizer (fused pairs)  | one cast pass writing both children's copies, looked up   |
+|                                | by the children's kernel keys (``HYBRID_KERNELS``): FP8   |
+|                                | current row + FP8 block 1D col ("original"); NVFP4 1D or  |
+|                                | row-scaled row + MXFP8 1D col (either source; the         |
+|                                | dequantized source never leaves registers). Other pairs   |
+|                                | run their children one after the other.                   |
 
 Empty inputs go to the reference (nothing to launch). ``run`` also works on CPU tensors when
 Triton runs in interpreter mode (how the CPU tests call it); ``supports`` only selects the
@@ -36,14 +42,15 @@ import importlib
 import importlib.util
 from contextlib import nullcontext
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any, Callable, Hashable, Optional
 
 import torch
 
 from ..formats.common import HIGH_PRECISION_DTYPES, as_2d
-from ..tensors import Float8BlockStorage, Float8Storage, MXFP8Storage, NVFP4Storage
+from ..tensors import Float8BlockStorage, Float8Storage, HybridStorage, MXFP8Storage, NVFP4Storage
 from .base import all_reduce_amax
-from .backends import QuantizeKernel, register_quantize_kernel
+from .backends import (QuantizeKernel, hybrid_quantize_kernel, register_hybrid_quantize_kernel,
+                       register_kernel_key, register_quantize_kernel)
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -179,6 +186,123 @@ def _supports_any(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool) -> b
     return _device_ok(x)
 
 
+# ---------------------------------------------------------------------------- kernel keys
+# What each quantizer's settings select for one direction's copy (the hybrid pair lookup).
+# Settings a kernel takes as arguments (element dtype, scale rule, eps, power-of-two scales)
+# are not part of the key.
+def _fp8_current_key(q: Any, direction: str) -> Hashable:
+    return ("fp8_current",)
+
+
+def _fp8_block_key(q: Any, direction: str) -> Hashable:
+    return ("fp8_block", f"{q.block_scaling_dim}d")
+
+
+def _mxfp8_key(q: Any, direction: str) -> Hashable:
+    return ("mxfp8", "2d" if q.with_2d_quantization else "1d")
+
+
+def _nvfp4_key(q: Any, direction: str) -> Optional[Hashable]:
+    if q.with_2d_quantization or q.stochastic_rounding:
+        return None  # no fused kernel takes these yet
+    if direction == "rowwise":  # RHT only transforms the columnwise copy
+        return ("nvfp4", "1d_row_scaled" if q.row_scaled_nvfp4 else "1d")
+    return ("nvfp4", "1d_rht" if q.with_rht else "1d")
+
+
+KERNEL_KEY_FUNCTIONS: dict[str, Callable[[Any, str], Optional[Hashable]]] = {
+    "Float8CurrentScalingQuantizer": _fp8_current_key,
+    "Float8BlockQuantizer": _fp8_block_key,
+    "MXFP8Quantizer": _mxfp8_key,
+    "NVFP4Quantizer": _nvfp4_key,
+}
+
+
+# ---------------------------------------------------------------------------- fused hybrids
+def _hybrid_fp8_current_block_run(hq: Any, x: torch.Tensor, rowwise: bool, columnwise: bool,
+                                  seed: Optional[int] = None):
+    """Hybrid(row=FP8 current scaling, col=FP8 block 1D), both copies: one amax pass, one cast
+    pass (``kernels.triton_hybrid_fp8``)."""
+    rq, cq = hq.rowwise_quantizer, hq.columnwise_quantizer
+    if x.numel() == 0 or not (rowwise and columnwise):
+        return hq.reference_encode(x, rowwise, columnwise, seed)
+    x2 = as_2d(x)
+    with _on_device(x):
+        amax = _reduce(_kernels("_common").global_amax(x2), rq)
+        (rd, sinv), (cd, cs) = _kernels("triton_hybrid_fp8").quantize(
+            x2, amax, rq.dtype, cq.dtype, row_eps=rq.amax_epsilon, row_power_2_scale=rq.force_pow_2_scales,
+            col_eps=cq.amax_epsilon, col_power_2_scale=cq.force_pow_2_scales)
+    row = Float8Storage(x.shape, x.dtype, {"data": rd, "scale_inv": sinv}, None, label=rq.label,
+                        fp8_dtype=rq.dtype)
+    col = Float8BlockStorage(x.shape, x.dtype, None, {"data": cd, "scale_inv": cs}, label=cq.label,
+                             **cq.storage_meta())
+    return HybridStorage(x.shape, x.dtype, row, col, label=hq.label)
+
+
+def _hybrid_both(hq: Any, x: torch.Tensor, rowwise: bool, columnwise: bool) -> bool:
+    return _device_ok(x) and rowwise and columnwise
+
+
+def _hybrid_nvfp4_mxfp8_supports(hq: Any, x: torch.Tensor, rowwise: bool, columnwise: bool) -> bool:
+    derive = hq.columnwise_source == "rowwise_dequantized"
+    return _device_ok(x) and columnwise and (rowwise or derive)
+
+
+def _hybrid_nvfp4_mxfp8_run(hq: Any, x: torch.Tensor, rowwise: bool, columnwise: bool,
+                            seed: Optional[int] = None):
+    """Hybrid(row=NVFP4 1D (per-tensor or row-scaled), col=MXFP8 1D), either source: one amax
+    pass, one cast pass (``kernels.triton_hybrid_nvfp4``); with "rowwise_dequantized" and only
+    the columnwise copy asked for, the rowwise copy is computed in registers and not stored."""
+    rq, cq = hq.rowwise_quantizer, hq.columnwise_quantizer
+    derive = hq.columnwise_source == "rowwise_dequantized"
+    if x.numel() == 0 or not (columnwise and (rowwise or derive)):
+        return hq.reference_encode(x, rowwise, columnwise, seed)
+    x2 = as_2d(x)
+    rs = rq.row_scaled_nvfp4
+    with _on_device(x):
+        g, per_row, _ = _kernels("triton_nvfp4").amaxes(x2, amax=not rs, row_amax=rs)
+        amax = per_row if rs else _reduce(g, rq)
+        row, col = _kernels("triton_hybrid_nvfp4").quantize(
+            x2, amax, cq.dtype, rule=cq.scale_rule, rowwise=rowwise, columnwise=True,
+            source=hq.columnwise_source)
+    rp = None if row is None else NVFP4Storage(
+        x.shape, x.dtype, {"data": row[0], "scale": row[1], "amax": amax}, None, label=rq.label,
+        **rq.storage_meta())
+    # The reference's columnwise child reads the FP32 dequantized value: its storage says FP32.
+    cp = MXFP8Storage(x.shape, torch.float32 if derive else x.dtype, None, {"data": col[0], "scale": col[1]},
+                      label=cq.label, **cq.storage_meta())
+    return HybridStorage(x.shape, x.dtype, rp, cp, label=hq.label)
+
+
+HYBRID_FP8_CURRENT_BLOCK_KERNEL = QuantizeKernel("triton_hybrid_fp8_current_block", _hybrid_both,
+                                                 _hybrid_fp8_current_block_run)
+HYBRID_NVFP4_MXFP8_KERNEL = QuantizeKernel("triton_hybrid_nvfp4_mxfp8", _hybrid_nvfp4_mxfp8_supports,
+                                           _hybrid_nvfp4_mxfp8_run)
+
+#: (rowwise key, columnwise key, columnwise_source) -> fused hybrid kernel.
+HYBRID_KERNELS: dict[tuple[Hashable, Hashable, str], QuantizeKernel] = {
+    (("fp8_current",), ("fp8_block", "1d"), "original"): HYBRID_FP8_CURRENT_BLOCK_KERNEL,
+    **{(("nvfp4", row), ("mxfp8", "1d"), src): HYBRID_NVFP4_MXFP8_KERNEL
+       for row in ("1d", "1d_row_scaled") for src in ("original", "rowwise_dequantized")},
+}
+
+
+def _hybrid_supports(hq: Any, x: torch.Tensor, rowwise: bool, columnwise: bool) -> bool:
+    kernel = hybrid_quantize_kernel(hq)
+    return kernel is not None and kernel.supports(hq, x, rowwise, columnwise)
+
+
+def _hybrid_run(hq: Any, x: torch.Tensor, rowwise: bool, columnwise: bool, seed: Optional[int] = None):
+    kernel = hybrid_quantize_kernel(hq)
+    if kernel is None:
+        return hq.reference_encode(x, rowwise, columnwise, seed)
+    return kernel.run(hq, x, rowwise, columnwise, seed)
+
+
+#: The HybridQuantizer entry: dispatches on the pair of children (``HYBRID_KERNELS``).
+HYBRID_KERNEL = QuantizeKernel("triton_hybrid", _hybrid_supports, _hybrid_run)
+
+
 FP8_CURRENT_KERNEL = QuantizeKernel("triton_fp8_current", _supports_any, _fp8_current_run)
 FP8_DELAYED_KERNEL = QuantizeKernel("triton_fp8_delayed", _supports_any, _fp8_delayed_run)
 FP8_BLOCK_KERNEL = QuantizeKernel("triton_fp8_block", _supports_any, _fp8_block_run)
@@ -192,8 +316,13 @@ KERNELS: dict[str, QuantizeKernel] = {
     "Float8BlockQuantizer": FP8_BLOCK_KERNEL,
     "MXFP8Quantizer": MXFP8_KERNEL,
     "NVFP4Quantizer": NVFP4_KERNEL,
+    "HybridQuantizer": HYBRID_KERNEL,
 }
 
 if HAVE_TRITON:
     for _name, _kernel in KERNELS.items():
         register_quantize_kernel(_name, _kernel)
+    for _name, _key in KERNEL_KEY_FUNCTIONS.items():
+        register_kernel_key(_name, _key)
+    for (_row, _col, _src), _kernel in HYBRID_KERNELS.items():
+        register_hybrid_quantize_kernel(_row, _col, _src, _kernel)

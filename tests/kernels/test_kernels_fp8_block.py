@@ -76,6 +76,19 @@ def test_fp8_block_kernel_small_blocks(block_dim, pow2):
 
 
 @interpreter_only
+@pytest.mark.parametrize("chunk,row_slice,pack", [(32, 8, True), (64, 32, False)])
+def test_fp8_block_1d_passes(chunk, row_slice, pack):
+    """1D with other column-pass / row-slice widths and the byte store: same bytes as the
+    reference (a 64-wide block, partial blocks, a transposed view)."""
+    x = edge_tensor((150, 68), torch.bfloat16, seed=7, specials=True).t()
+    row, col = triton_fp8_block.quantize(x, E4M3, block_size=64, chunk=chunk, row_slice=row_slice, pack=pack)
+    d, s = fp8_block.quantize_1d(x, E4M3, block=64)
+    dc, sc = fp8_block.quantize_1d(x.t(), E4M3, block=64)
+    assert torch.equal(row[0].view(torch.uint8), d.view(torch.uint8)) and torch.equal(row[1], s)
+    assert torch.equal(col[0].view(torch.uint8), dc.view(torch.uint8)) and torch.equal(col[1], sc)
+
+
+@interpreter_only
 def test_fp8_block_dispatch_hybrid(monkeypatch):
     monkeypatch.setattr(fast, "_device_ok", lambda x: True)
     x = edge_tensor((40, 140), torch.bfloat16, seed=8)

@@ -111,10 +111,11 @@ def test_mxfp8_gpu_dtypes_directions(dtype, rowwise, columnwise):
 @interpreter_only
 @pytest.mark.parametrize("block_2d", [False, True])
 def test_mxfp8_kernel_int32_packed_columnwise(block_2d):
-    """The optional int32-packed transposed store (``pack=True``, R % 4 == 0) writes the same
-    bytes as the byte store, partial tiles included."""
-    for shape, block in [((64, 96), (64, 64)), ((96, 160), (32, 32)), ((100, 40), (64, 64))]:
+    """The int32-packed transposed store (``pack=True``, the default, R % 4 == 0) writes the
+    same bytes as the byte store, partial tiles and several warps' columns included."""
+    for shape, block in [((64, 96), (64, 64)), ((96, 160), (32, 32)), ((100, 40), (64, 64)),
+                         ((68, 300), (64, 256))]:
         x = edge_tensor(shape, torch.bfloat16, seed=shape[0], specials=True)
-        a = triton_mxfp8.quantize(x, E4M3, block_2d=block_2d, block=block, rowwise=False)[1]
+        a = triton_mxfp8.quantize(x, E4M3, block_2d=block_2d, block=block, rowwise=False, pack=False)[1]
         b = triton_mxfp8.quantize(x, E4M3, block_2d=block_2d, block=block, rowwise=False, pack=True)[1]
         assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])

@@ -1,0 +1,176 @@
+"""Fused hybrid quantize: NVFP4 1D rowwise + MXFP8 1D columnwise in one cast pass (SPEC §3).
+
+The Composer-2 / ``per_gemm(fprop="nvfp4", wgrad or dgrad="mxfp8")`` operand: rowwise copy
+NVFP4 1x16 (per-tensor or row-scaled global amax), columnwise copy MXFP8 32x1 of either
+the original input (``columnwise_source="original"``) or the exact FP32 dequantized rowwise
+value (``"rowwise_dequantized"``): ``(e2m1 * fp32(S_dec_b)) * S_dec``, computed in registers,
+never written to memory. An amax pass (``triton_nvfp4.amaxes``) comes first; then one program
+per [BR, BC] tile:
+
+- rowwise: the natural tile, NVFP4 blocks along the columns (as ``triton_nvfp4``), packed
+  codes and E4M3 scales stored;
+- columnwise: per 32 rows a transposed [BC, 32] tile re-read from cache
+  (``_common.load_rows32_t``: the 32 rows of a column in one thread); for the dequantized
+  source its NVFP4 rowwise blocks (16 columns = 16 neighbouring threads: a warp-shuffle
+  reduction) are recomputed there, so the MXFP8 block amax stays register-local and no
+  shared-memory transpose is needed; then ``triton_mxfp8.col_block_32`` and word stores.
+
+Bitwise equal to the two children run separately (and so to ``formats``): the NVFP4 arithmetic
+is ``triton_nvfp4``'s (same helpers, SPEC §2.5 order), the MXFP8 ``triton_mxfp8``'s.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (DTYPE_CODE, Copies, amax_nan, check_int32_tiles, clamp_sym, e2m1_code, e2m1_value,
+                      e4m3_value, empty, f32, fp8_params, hw_fp8, kernel_input, load_f32, load_rows32_t,
+                      store_words_t, tile_offsets)
+from .triton_mxfp8 import col_block_32
+from .triton_nvfp4 import RCP6, _block_scales, _global_scales, _pack_last
+
+MX_BLOCK = 32
+NV_BLOCK = 16
+
+
+@triton.jit
+def _scales(amax_ptr, r, R, N: tl.constexpr, ROW_SCALED: tl.constexpr):
+    """(S_enc, S_dec): 0-d from the global amax, or [N] for rows r .. r + N (row-scaled; rows
+    past R take the last row's, only multiplied by zeros)."""
+    if ROW_SCALED:
+        return _global_scales(amax_ptr + tl.minimum(r + tl.arange(0, N), R - 1))
+    else:
+        return _global_scales(amax_ptr)
+
+
+@triton.jit
+def _rowwise(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, RCP6, HW: tl.constexpr,
+             WORDS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """NVFP4 1x16 rowwise copy of the natural [BR, BC] tile ``x`` (``s_enc``/``s_dec``: 0-d or
+    [BR, 1] row-scaled): packed codes (0 past C: the odd-width padding nibble) and scales."""
+    rmask = (r0 + lr) < R
+    xb = tl.reshape(x, [BR, BC // 16, 16])
+    sdb, enc = _block_scales(amax_nan(xb, 2), s_enc, s_dec, RCP6, HW)
+    code = tl.reshape(e2m1_code(clamp_sym(xb * enc[:, :, None], 6.0)), [BR, BC])
+    code = tl.where(((c0 + lc) < C)[None, :], code, 0)
+    if WORDS:  # C % 8 == 0: 8 codes (one thread's columns) per int32 store
+        w = tl.reshape(code, [BR, BC // 8, 8])
+        w = tl.sum(w << (tl.arange(0, 8) * 4)[None, None, :], axis=2)  # disjoint bits: sum == or
+        lw = tl.arange(0, BC // 8)
+        wbase = rd_ptr.to(tl.pointer_type(tl.int32)) + r0.to(tl.int64) * (C // 8) + c0 // 8
+        tl.store(wbase + tile_offsets(lr, lw, C // 8, 1), w,
+                 mask=rmask[:, None] & ((c0 // 8 + lw) < C // 8)[None, :])
+    else:
+        nb = (C + 1) // 2
+        lb = tl.arange(0, BC // 2)
+        tl.store(rd_ptr + r0.to(tl.int64) * nb + c0 // 2 + tile_offsets(lr, lb, nb, 1), _pack_last(code, BR, BC),
+                 mask=rmask[:, None] & ((c0 // 2 + lb) < nb)[None, :])
+    nbc = tl.cdiv(C, 16)
+    ls = tl.arange(0, BC // 16)
+    tl.store(rs_ptr + r0.to(tl.int64) * nbc + c0 // 16 + tile_offsets(lr, ls, nbc, 1), sdb,
+             mask=rmask[:, None] & ((c0 // 16 + ls) < nbc)[None, :])
+
+
+@triton.jit
+def _dequantized_t(xt, s_enc, s_dec, RCP6, HW: tl.constexpr):
+    """The FP32 dequantized NVFP4 1x16 rowwise value of a transposed [BC, 32] tile ``xt`` (BC
+    columns, 32 rows; ``s_enc``/``s_dec`` 0-d or [1, 32] row-scaled): ``(q * fp32(S_dec_b)) *
+    S_dec``, left to right as ``NVFP4Storage.decode`` (the first product is exact)."""
+    BC: tl.constexpr = xt.shape[0]
+    xb = tl.reshape(xt, [BC // 16, 16, 32])
+    sdb, enc = _block_scales(amax_nan(xb, 1), s_enc, s_dec, RCP6, HW)  # [BC / 16, 32]
+    code = e2m1_code(clamp_sym(xb * enc[:, None, :], 6.0))
+    deq = e2m1_value(code) * e4m3_value(sdb)[:, None, :]
+    return tl.reshape(deq, [BC, 32]) * s_dec
+
+
+@triton.jit
+def _nvfp4_mxfp8_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc, RCP6, RCP,
+                        ROW: tl.constexpr, COL: tl.constexpr, ROW_SCALED: tl.constexpr,
+                        SRC_DEQ: tl.constexpr, RCEIL: tl.constexpr, EMAX: tl.constexpr,
+                        MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr,
+                        DTYPE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                        PACK: tl.constexpr, WORDS: tl.constexpr, HW: tl.constexpr):
+    """ROW: store the NVFP4 rowwise copy. COL: the MXFP8 columnwise copy, of the dequantized
+    rowwise value with SRC_DEQ (computed whether or not ROW stores it), else of x."""
+    pid = tl.program_id(0)
+    nc = tl.cdiv(C, BC)
+    pr = pid // nc
+    r0 = pr * BR
+    c0 = (pid % nc) * BC
+    lc = tl.arange(0, BC)
+    xbase = x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc
+    if ROW:
+        lr = tl.arange(0, BR)
+        mask = ((r0 + lr) < R)[:, None] & ((c0 + lc) < C)[None, :]
+        x = load_f32(xbase + tile_offsets(lr, lc, sxr, sxc), mask, DTYPE)
+        s_enc, s_dec = _scales(amax_ptr, r0, R, BR, ROW_SCALED)
+        if ROW_SCALED:
+            s_enc = s_enc[:, None]
+            s_dec = s_dec[:, None]
+        _rowwise(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, RCP6, HW, WORDS, BR, BC)
+    if COL:
+        cmask = (c0 + lc) < C
+        nbr = tl.cdiv(R, 32)
+        for b in tl.static_range(BR // 32):
+            xt = load_rows32_t(xbase, b * 32, lc, R - r0, cmask, sxr, sxc, DTYPE)
+            if SRC_DEQ:
+                s_enc, s_dec = _scales(amax_ptr, r0 + b * 32, R, 32, ROW_SCALED)
+                if ROW_SCALED:
+                    s_enc = s_enc[None, :]
+                    s_dec = s_dec[None, :]
+                xt = _dequantized_t(xt, s_enc, s_dec, RCP6, HW)
+            e, code = col_block_32(xt, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW)
+            store_words_t(cd_ptr, code, lc, c0, r0 + b * 32, R, C, PACK)
+            blk = pr * (BR // 32) + b
+            tl.store(cs_ptr + (c0 + lc).to(tl.int64) * nbr + blk, e.to(tl.uint8),
+                     mask=cmask & ((lc * 0 + blk) < nbr))  # a vector test: see _common._row
+
+
+def quantize(x2: torch.Tensor, row_amax: torch.Tensor, col_dtype: torch.dtype, *, rule: str = "rceil",
+             rowwise: bool = True, columnwise: bool = True, source: str = "rowwise_dequantized",
+             block: tuple[int, int] = (32, 128), num_warps: Optional[int] = None, pack: bool = True) -> Copies:
+    """NVFP4 rowwise + MXFP8 columnwise of non-empty 2D ``x2`` (any strides) in one pass.
+
+    ``row_amax``: the NVFP4 global amax (0-d) or per-row amaxes ([R], row-scaled), already
+    reduced. Returns ``(row, col)``: ``row`` = (packed data, E4M3 scales) as
+    ``formats.nvfp4.quantize_1d(x2, row_amax)`` (None unless ``rowwise``); ``col`` = (data,
+    E8M0 scales) as ``formats.mxfp8.quantize_1d(src.t(), col_dtype, rule=rule)`` with ``src``
+    the FP32 dequantized rowwise value (``source="rowwise_dequantized"``) or ``x2``
+    (``"original"``); None unless ``columnwise``. ``block``: (rows, columns) per program,
+    multiples of 32; default BC = 32 * num_warps (one column per thread in the columnwise copy).
+    """
+    if source not in ("original", "rowwise_dequantized"):
+        raise ValueError(f"source={source!r} is unknown; use 'original' or 'rowwise_dequantized'.")
+    if rule not in ("rceil", "floor"):
+        raise ValueError(f"rule={rule!r} is unknown; use 'rceil' or 'floor'.")
+    br, bc = block
+    if br % MX_BLOCK or bc % MX_BLOCK:
+        raise ValueError(f"block={block} must be multiples of {MX_BLOCK}.")
+    rows, cols = x2.shape
+    check_int32_tiles(rows, cols, *x2.stride())
+    mbits, bias, fmax = fp8_params(col_dtype)
+    dev = x2.device
+    row = col = None
+    if rowwise:
+        row = (empty((rows, (cols + 1) // 2), dtype=torch.uint8, device=dev),
+               empty((rows, triton.cdiv(cols, NV_BLOCK)), dtype=torch.float8_e4m3fn, device=dev))
+    if columnwise:
+        col = (empty((cols, rows), dtype=col_dtype, device=dev),
+               empty((cols, triton.cdiv(rows, MX_BLOCK)), dtype=torch.uint8, device=dev))
+    dummy = torch.empty(1, dtype=torch.uint8, device=dev)
+    grid = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)
+    _nvfp4_mxfp8_kernel[grid](
+        kernel_input(x2), row_amax.float().contiguous(), row[0] if row else dummy,
+        row[1].view(torch.uint8) if row else dummy, col[0].view(torch.uint8) if col else dummy,
+        col[1] if col else dummy, rows, cols, x2.stride(0), x2.stride(1), RCP6, f32(1.0 / fmax),
+        ROW=rowwise, COL=columnwise, ROW_SCALED=row_amax.dim() == 1,
+        SRC_DEQ=source == "rowwise_dequantized", RCEIL=rule == "rceil", EMAX={3: 8, 2: 15}[mbits],
+        MBITS=mbits, BIAS=bias, FP8_MAX=fmax, DTYPE=DTYPE_CODE[x2.dtype], BR=br, BC=bc,
+        PACK=pack and rows % 4 == 0, WORDS=cols % 8 == 0, HW=hw_fp8(dev),
+        num_warps=num_warps or min(max(bc // 32, 1), 8))
+    return row, col

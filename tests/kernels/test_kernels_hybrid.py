@@ -1,0 +1,206 @@
+"""Fused hybrid quantize kernels (hybridfp/kernels/triton_hybrid_*.py) vs the separate encodes.
+
+A ``HybridQuantizer`` whose pair of children has a fused kernel (``fast.HYBRID_KERNELS``) writes
+both copies in one cast pass; its storage must equal, bit for bit, the hybrid's own
+``reference_encode`` (each child separately: the ``formats`` reference on the CPU, and on the
+GPU both the children's own kernels and, with kernels disabled, the ``formats`` reference).
+
+CPU: interpreter, awkward tiny shapes (partial 16/32/128 blocks, 3D, odd widths), edge values
+with NaN / ±inf, each source and direction set, empty inputs, the registry lookup. GPU
+(``-m gpu``): real shapes, fresh inputs, outputs poisoned, the registry picking the fused kernel.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the Triton kernels need the triton package")
+
+from quantize_kernel_cases import (EMPTY_SHAPES, GPU_SHAPES, assert_storage_bitwise, edge_tensor,  # noqa: E402
+                                   gpu, gpu_input, interpreter_only, run_kernel)
+
+from hybridfp.kernels._common import poisoned_outputs  # noqa: E402
+from hybridfp.quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, HybridQuantizer,  # noqa: E402
+                                 IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, fast)
+from hybridfp.quantizers.backends import (ReferenceQuantizeWarning, hybrid_quantize_kernel,  # noqa: E402
+                                          kernels_enabled, select_quantize_kernel)
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+RD = "rowwise_dequantized"
+
+
+def _fp8_block1d(**kw):
+    return Float8BlockQuantizer(block_scaling_dim=1, **kw)
+
+
+#: name -> (hybrid factory, fused kernel it must select).
+PAIRS = {
+    "fp8cur_fp8block": (lambda: HybridQuantizer(Float8CurrentScalingQuantizer(), _fp8_block1d()),
+                        fast.HYBRID_FP8_CURRENT_BLOCK_KERNEL),
+    "fp8cur_e5m2_pow2_fp8block_eps": (
+        lambda: HybridQuantizer(Float8CurrentScalingQuantizer(E5M2, force_pow_2_scales=True, amax_epsilon=2.0),
+                                _fp8_block1d(force_pow_2_scales=False, amax_epsilon=0.5)),
+        fast.HYBRID_FP8_CURRENT_BLOCK_KERNEL),
+    "nvfp4_mxfp8_rd": (lambda: HybridQuantizer(NVFP4Quantizer(), MXFP8Quantizer(), RD),
+                       fast.HYBRID_NVFP4_MXFP8_KERNEL),
+    "nvfp4_rowscaled_mxfp8_rd": (
+        lambda: HybridQuantizer(NVFP4Quantizer(row_scaled_nvfp4=True), MXFP8Quantizer(), RD),
+        fast.HYBRID_NVFP4_MXFP8_KERNEL),
+    "nvfp4rht_mxfp8e5floor_orig": (
+        lambda: HybridQuantizer(NVFP4Quantizer(with_rht=True), MXFP8Quantizer(E5M2, scale_rule="floor")),
+        fast.HYBRID_NVFP4_MXFP8_KERNEL),
+}
+#: Partial 16 / 32 / 128 blocks in both directions, odd widths, a 3D input, one element.
+SHAPES = [(3, 40), (33, 50), (130, 72), (40, 17), (2, 5, 36), (1, 1)]
+
+
+def _check(hq: HybridQuantizer, x: torch.Tensor, rowwise: bool, columnwise: bool, what: str):
+    """The hybrid kernel's storage equals the hybrid reference part by part."""
+    want = hq.copy().reference_encode(x, rowwise, columnwise)
+    got = run_kernel(hq, x, rowwise, columnwise)
+    assert got.directions() == want.directions(), what
+    for d in want.directions():
+        assert_storage_bitwise(got.part(d), want.part(d), f"{what} {d}")
+    return got
+
+
+@interpreter_only
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("pair", PAIRS)
+def test_hybrid_kernel_bitwise(pair, shape):
+    make, kernel = PAIRS[pair]
+    hq = make()
+    assert hybrid_quantize_kernel(hq) is kernel
+    dtype = (torch.bfloat16, torch.float32, torch.float16)[shape[0] % 3]
+    _check(hq, edge_tensor(shape, dtype, seed=shape[-1], specials=True), True, True, pair)
+
+
+@interpreter_only
+@pytest.mark.parametrize("pair", PAIRS)
+@pytest.mark.parametrize("rowwise,columnwise", [(True, False), (False, True)])
+def test_hybrid_kernel_one_direction(pair, rowwise, columnwise):
+    """One copy: the fused kernel runs when the rowwise value is still needed (columnwise from
+    rowwise_dequantized: the rowwise copy is made in registers and not stored); otherwise the
+    child alone. Either way equal to the reference."""
+    hq = PAIRS[pair][0]()
+    x = edge_tensor((40, 72), torch.bfloat16, seed=2, specials=True)
+    got = _check(hq, x, rowwise, columnwise, pair)
+    assert got.directions() == (("rowwise",) if rowwise else ("columnwise",))
+
+
+@interpreter_only
+@pytest.mark.parametrize("shape", EMPTY_SHAPES, ids=str)
+@pytest.mark.parametrize("pair", PAIRS)
+def test_hybrid_kernel_empty(pair, shape):
+    _check(PAIRS[pair][0](), torch.empty(shape, dtype=torch.bfloat16), True, True, pair)
+
+
+@interpreter_only
+def test_hybrid_kernel_equals_separate_child_kernels():
+    """The fused NVFP4 + MXFP8 (rowwise_dequantized) pass equals the two child kernels run one
+    after the other, the MXFP8 one on the FP32 dequantized NVFP4 value; likewise FP8 current
+    + FP8 block on the original input."""
+    x = edge_tensor((96, 160), torch.bfloat16, seed=11, specials=True)
+    hq = HybridQuantizer(NVFP4Quantizer(), MXFP8Quantizer(), RD)
+    got = run_kernel(hq, x)
+    row = run_kernel(hq.rowwise_quantizer, x, True, False)
+    col = run_kernel(hq.columnwise_quantizer, row.dequantize(torch.float32, "rowwise"), False, True)
+    assert_storage_bitwise(got.part("rowwise"), row, "nvfp4 rowwise")
+    assert_storage_bitwise(got.part("columnwise"), col, "mxfp8 columnwise")
+    hq = HybridQuantizer(Float8CurrentScalingQuantizer(), _fp8_block1d())
+    got = run_kernel(hq, x)
+    assert_storage_bitwise(got.part("rowwise"), run_kernel(hq.rowwise_quantizer, x, True, False), "fp8 row")
+    assert_storage_bitwise(got.part("columnwise"), run_kernel(hq.columnwise_quantizer, x, False, True),
+                           "fp8 block col")
+
+
+@interpreter_only
+def test_hybrid_kernel_registry():
+    """The pair lookup is keyed by the children's kernel keys and the source: settings a kernel
+    takes as arguments do not matter, unsupported ones (SR, 2D, RHT on a columnwise NVFP4
+    child, an Identity child, the other source for FP8) find no kernel."""
+    hq = HybridQuantizer(NVFP4Quantizer(with_rht=True), MXFP8Quantizer(E5M2, scale_rule="floor"), RD)
+    assert hybrid_quantize_kernel(hq) is fast.HYBRID_NVFP4_MXFP8_KERNEL
+    for none in [HybridQuantizer(NVFP4Quantizer(stochastic_rounding=True), MXFP8Quantizer(), RD),
+                 HybridQuantizer(NVFP4Quantizer(with_2d_quantization=True), MXFP8Quantizer(), RD),
+                 HybridQuantizer(NVFP4Quantizer(), MXFP8Quantizer(with_2d_quantization=True), RD),
+                 HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(with_rht=True)),
+                 HybridQuantizer(NVFP4Quantizer(), IdentityQuantizer(), RD),
+                 HybridQuantizer(Float8CurrentScalingQuantizer(), _fp8_block1d(), RD),
+                 HybridQuantizer(Float8CurrentScalingQuantizer(), Float8BlockQuantizer(block_scaling_dim=2))]:
+        assert hybrid_quantize_kernel(none) is None, none
+    # The registry selects kernels for CUDA tensors only.
+    x = torch.zeros(4, 32)
+    assert select_quantize_kernel(hq, x, True, True) is None
+
+
+@interpreter_only
+def test_hybrid_dispatch_quantize(monkeypatch):
+    """With the device check opened to CPU tensors, quantize() selects the fused kernel and
+    equals the reference path (kernels off)."""
+    monkeypatch.setattr(fast, "_device_ok", lambda x: True)
+    x = edge_tensor((64, 96), torch.bfloat16, seed=9)
+    for name, (make, kernel) in PAIRS.items():
+        hq = make()
+        assert select_quantize_kernel(hq, x, True, True) is fast.HYBRID_KERNEL
+        got = hq.quantize(x)
+        with kernels_enabled(False):
+            want = hq.quantize(x)
+        for d in ("rowwise", "columnwise"):
+            assert_storage_bitwise(got.qstorage.part(d), want.qstorage.part(d), f"{name} {d}")
+    hq = PAIRS["fp8cur_fp8block"][0]()
+    assert select_quantize_kernel(hq, x, True, False) is None  # one copy: the child's own kernel
+
+
+def check_gpu_hybrid(hq: HybridQuantizer, x: torch.Tensor, rowwise: bool = True, columnwise: bool = True) -> None:
+    """On CUDA: ``hq.encode`` picks the fused kernel and, with outputs poisoned, equals both the
+    children's own kernels run separately and the ``formats`` reference, bit for bit."""
+    assert select_quantize_kernel(hq, x, rowwise, columnwise) is fast.HYBRID_KERNEL
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReferenceQuantizeWarning)
+        separate = hq.copy().reference_encode(x, rowwise, columnwise)
+        with poisoned_outputs(0x7F):
+            got = hq.encode(x, rowwise, columnwise)
+    with kernels_enabled(False):
+        reference = hq.copy().reference_encode(x, rowwise, columnwise)
+    torch.cuda.synchronize()
+    what = f"{hq!r} {tuple(x.shape)} {x.dtype}"
+    for want, how in ((separate, "separate kernels"), (reference, "formats reference")):
+        assert got.directions() == want.directions(), f"{what} vs {how}"
+        for d in want.directions():
+            assert_storage_bitwise(got.part(d), want.part(d), f"{what} {d} vs {how}")
+
+
+@gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+@pytest.mark.parametrize("pair", PAIRS)
+def test_hybrid_gpu_bitwise(pair, shape):
+    check_gpu_hybrid(PAIRS[pair][0](), gpu_input(shape, torch.bfloat16, specials=True))
+
+
+@gpu
+@pytest.mark.parametrize("pair", ["fp8cur_fp8block", "nvfp4_mxfp8_rd", "nvfp4_rowscaled_mxfp8_rd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_hybrid_gpu_dtypes(pair, dtype):
+    check_gpu_hybrid(PAIRS[pair][0](), gpu_input((4096, 4096), dtype))
+
+
+@gpu
+@pytest.mark.parametrize("pair", ["nvfp4_mxfp8_rd", "nvfp4_rowscaled_mxfp8_rd"])
+def test_hybrid_gpu_columnwise_only(pair):
+    """Columnwise from rowwise_dequantized alone: the rowwise copy made in registers only."""
+    check_gpu_hybrid(PAIRS[pair][0](), gpu_input((4096, 4096), torch.bfloat16), False, True)
+
+
+@gpu
+@pytest.mark.parametrize("pair", PAIRS)
+def test_hybrid_gpu_awkward_shape(pair):
+    """Partial blocks in both directions, a strided (transposed) input, odd row count."""
+    x = gpu_input((4096 + 17, 1000), torch.bfloat16, specials=True)
+    check_gpu_hybrid(PAIRS[pair][0](), x)
+    check_gpu_hybrid(PAIRS[pair][0](), x.t())
