@@ -11,7 +11,7 @@ if [ -d .whl ]; then
 fi
 GPU_B=$(( $(python3 -c 'import torch; print(torch.cuda.device_count())') > 1 ? 1 : 0 ))
 ( CUDA_VISIBLE_DEVICES=0 timeout "${TEST_TIMEOUT:-260}" python3 -m pytest -q -m gpu tests -p no:cacheprovider \
-    --durations=12 > "$OUT/gpu_tests.log" 2>&1; echo "gpu tests rc=$?" >> "$OUT/gpu_tests.log" ) &
+    --durations=12 --timeout=90 > "$OUT/gpu_tests.log" 2>&1; echo "gpu tests rc=$?" >> "$OUT/gpu_tests.log" ) &
 CUDA_VISIBLE_DEVICES=$GPU_B python3 -m bench.run_all --results-dir "$OUT/bench" --budget-s "${BENCH_BUDGET:-270}" \
     > "$OUT/bench.log" 2>&1
 wait
