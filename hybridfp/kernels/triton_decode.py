@@ -128,10 +128,12 @@ def _decode_kernel(src_ptr, s_ptr, out_ptr, R, C, src_stride, s_stride, NSR, NSC
     smask = (sr < NSR)[:, None] & (sc < NSC)[None, :]
     sptr = s_ptr + sr.to(tl.int64)[:, None] * s_stride + sc[None, :]
     if KIND == _NVFP4:
-        bc = pc * (BC // 2) + tl.arange(0, BC // 2)
-        bmask = (rows < R)[:, None] & (bc < tl.cdiv(C, 2))[None, :]
-        byte = tl.load(src_ptr + r64[:, None] * src_stride + bc[None, :], mask=bmask, other=0).to(tl.int32)
-        code = tl.reshape(tl.join(byte & 15, byte >> 4), (BR, BC))  # element 2i: low nibble
+        # Element j sits in byte j // 2 (low nibble first). Each byte is read for both of its
+        # elements (the second read hits the cache) instead of splitting bytes with
+        # tl.join + tl.reshape: that version gave wrong bits on the H200 (2026-11-29).
+        byte = tl.load(src_ptr + r64[:, None] * src_stride + (cols // 2)[None, :], mask=mask,
+                       other=0).to(tl.int32)
+        code = (byte >> ((cols & 1) * 4)[None, :]) & 15
         s = _fp8_f32(tl.load(sptr, mask=smask, other=0x38).to(tl.int32), False)  # E4M3 scales
         bits = _top_half(_e2m1_f32(code) * _expand(s, BR, BC, SC), NAN16)
     else:

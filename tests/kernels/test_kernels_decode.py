@@ -222,9 +222,20 @@ def test_inference_tensors_are_decoded_but_not_cached():
 
 
 # ---------------------------------------------------------------------------- GPU
+#: The NVFP4 kernel is off on CUDA (bf16_decode.UNVERIFIED_ON_CUDA) until these pass on the
+#: H200: strict, so an XPASS says "remove NVFP4Storage from UNVERIFIED_ON_CUDA".
+NVFP4_UNVERIFIED = pytest.mark.xfail(
+    strict=True, reason="issue #5: the NVFP4 decode kernel failed on the H200 (2026-11-29); the "
+    "rewrite without tl.join/tl.reshape has not run there yet")
+
+
+def _gpu_mark(name: str):
+    return pytest.param(name, marks=NVFP4_UNVERIFIED) if name.startswith("nvfp4") else name
+
+
 @gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
-@pytest.mark.parametrize("name", list(QUANTIZERS))
+@pytest.mark.parametrize("name", [_gpu_mark(n) for n in QUANTIZERS])
 def test_gpu_decode_matches_reference(name, shape):
     """Fresh random inputs (see ``_storages``); the decode kernel vs the reference (torch on
     the GPU), outputs poisoned."""
@@ -244,6 +255,11 @@ def test_gpu_exhaustive_tables():
         ref2 = torch.cat([d2[:, :128].float() * si[:, :1], d2[:, 128:].float() * si[:, 1:]], 1)
         got2 = triton_decode.decode_fp8_block(d2, si, block=128, block_dim=1)
         assert torch.equal(got2.view(torch.int16), ref2.to(torch.bfloat16).view(torch.int16))
+
+
+@gpu
+@NVFP4_UNVERIFIED
+def test_gpu_nvfp4_exhaustive_table():
     codes = torch.arange(16, dtype=torch.uint8).repeat(2)
     packed = nvfp4.pack_fp4(codes[None, :].repeat(256, 1)).cuda()
     sc = torch.arange(256, dtype=torch.uint8).view(E4M3)[:, None].repeat(1, 2).cuda()
