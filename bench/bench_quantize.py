@@ -49,7 +49,11 @@ DIRECTIONS = [("row", True, False), ("col", False, True), ("row+col", True, True
 
 
 def path_of(q: Quantizer, x: torch.Tensor, rowwise: bool, columnwise: bool) -> str:
-    """Which implementation the registry picks: a kernel's name or 'reference', per child."""
+    """Which implementation the registry picks: a kernel's name (a fused hybrid kernel's
+    included) or 'reference', per child."""
+    k = select_quantize_kernel(q, x, rowwise, columnwise)
+    if k is not None:
+        return k.name
     if isinstance(q, HybridQuantizer):
         parts = []
         if rowwise or (columnwise and q.columnwise_source == "rowwise_dequantized"):
@@ -57,8 +61,7 @@ def path_of(q: Quantizer, x: torch.Tensor, rowwise: bool, columnwise: bool) -> s
         if columnwise:
             parts.append("col:" + path_of(q.columnwise_quantizer, x, False, True))
         return " ".join(parts)
-    k = select_quantize_kernel(q, x, rowwise, columnwise)
-    return k.name if k is not None else "reference"
+    return "reference"
 
 
 def bench_one(name: str, make: Callable[[], Quantizer], x: torch.Tensor, copy_gbps: float) -> list[dict[str, Any]]:

@@ -45,8 +45,9 @@ def environment() -> dict[str, Any]:
                                        text=True, cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         env["commit"] = None
-    # The device machine gets the working tree without .git: the caller may name the commit.
-    env["commit"] = env["commit"] or os.environ.get("HYBRIDFP_COMMIT")
+    # The device machine's copy of the tree may carry no (or a stale) .git: the caller names
+    # the commit it sent, and that wins.
+    env["commit"] = os.environ.get("HYBRIDFP_COMMIT") or env["commit"]
     return env
 
 
