@@ -31,7 +31,7 @@ from ._common import (DTYPE_CODE, Copies, amax_nan, check_int32_tiles, clamp_sym
                       e4m3_value, empty, f32, fp8_params, hw_fp8, kernel_input, load_f32, load_rows32_t,
                       store_words_t, tile_offsets)
 from .triton_mxfp8 import col_block_32
-from .triton_nvfp4 import RCP6, _block_scales, _global_scales, _pack_last
+from .triton_nvfp4 import RCP6, block_scales, global_scales, pack_last
 
 MX_BLOCK = 32
 NV_BLOCK = 16
@@ -42,9 +42,9 @@ def _scales(amax_ptr, r, R, N: tl.constexpr, ROW_SCALED: tl.constexpr):
     """(S_enc, S_dec): 0-d from the global amax, or [N] for rows r .. r + N (row-scaled; rows
     past R take the last row's, only multiplied by zeros)."""
     if ROW_SCALED:
-        return _global_scales(amax_ptr + tl.minimum(r + tl.arange(0, N), R - 1))
+        return global_scales(amax_ptr + tl.minimum(r + tl.arange(0, N), R - 1))
     else:
-        return _global_scales(amax_ptr)
+        return global_scales(amax_ptr)
 
 
 @triton.jit
@@ -54,7 +54,7 @@ def _rowwise(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, RCP6, HW: tl
     [BR, 1] row-scaled): packed codes (0 past C: the odd-width padding nibble) and scales."""
     rmask = (r0 + lr) < R
     xb = tl.reshape(x, [BR, BC // 16, 16])
-    sdb, enc = _block_scales(amax_nan(xb, 2), s_enc, s_dec, RCP6, HW)
+    sdb, enc = block_scales(amax_nan(xb, 2), s_enc, s_dec, RCP6, HW)
     code = tl.reshape(e2m1_code(clamp_sym(xb * enc[:, :, None], 6.0)), [BR, BC])
     code = tl.where(((c0 + lc) < C)[None, :], code, 0)
     if WORDS:  # C % 8 == 0: 8 codes (one thread's columns) per int32 store
@@ -67,7 +67,7 @@ def _rowwise(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, RCP6, HW: tl
     else:
         nb = (C + 1) // 2
         lb = tl.arange(0, BC // 2)
-        tl.store(rd_ptr + r0.to(tl.int64) * nb + c0 // 2 + tile_offsets(lr, lb, nb, 1), _pack_last(code, BR, BC),
+        tl.store(rd_ptr + r0.to(tl.int64) * nb + c0 // 2 + tile_offsets(lr, lb, nb, 1), pack_last(code, BR, BC),
                  mask=rmask[:, None] & ((c0 // 2 + lb) < nb)[None, :])
     nbc = tl.cdiv(C, 16)
     ls = tl.arange(0, BC // 16)
@@ -82,7 +82,7 @@ def _dequantized_t(xt, s_enc, s_dec, RCP6, HW: tl.constexpr):
     S_dec``, left to right as ``NVFP4Storage.decode`` (the first product is exact)."""
     BC: tl.constexpr = xt.shape[0]
     xb = tl.reshape(xt, [BC // 16, 16, 32])
-    sdb, enc = _block_scales(amax_nan(xb, 1), s_enc, s_dec, RCP6, HW)  # [BC / 16, 32]
+    sdb, enc = block_scales(amax_nan(xb, 1), s_enc, s_dec, RCP6, HW)  # [BC / 16, 32]
     code = e2m1_code(clamp_sym(xb * enc[:, None, :], 6.0))
     deq = e2m1_value(code) * e4m3_value(sdb)[:, None, :]
     return tl.reshape(deq, [BC, 32]) * s_dec

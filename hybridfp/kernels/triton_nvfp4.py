@@ -42,7 +42,7 @@ RCP6 = f32_div(1.0, 6.0)
 
 
 @triton.jit
-def _global_scales(amax_ptr):
+def global_scales(amax_ptr):
     """(S_enc, S_dec) from the global amax(es) at ``amax_ptr`` (``global_encode_scale``)."""
     g = tl.load(amax_ptr)
     s = clamp_max(tl.math.div_rn(tl.full(g.shape, 2688.0, tl.float32), g), 3.4028234663852886e38)
@@ -51,7 +51,7 @@ def _global_scales(amax_ptr):
 
 
 @triton.jit
-def _block_scales(block_amax, s_enc, s_dec, RCP6, HW: tl.constexpr):
+def block_scales(block_amax, s_enc, s_dec, RCP6, HW: tl.constexpr):
     """(E4M3 S_dec_b code byte, FP32 encode scale) of block amaxes (SPEC §2.5 order)."""
     sdb = fp8_code(clamp_sym(block_amax * (s_enc * RCP6), 448.0), 3, 7, HW)
     enc = tl.math.div_rn(tl.full(block_amax.shape, 1.0, tl.float32), e4m3_value(sdb) * s_dec)
@@ -59,7 +59,7 @@ def _block_scales(block_amax, s_enc, s_dec, RCP6, HW: tl.constexpr):
 
 
 @triton.jit
-def _pack_last(codes, N: tl.constexpr, M: tl.constexpr):
+def pack_last(codes, N: tl.constexpr, M: tl.constexpr):
     """[N, M] int32 codes -> [N, M/2] uint8, element 2i in the low nibble."""
     lo, hi = tl.split(tl.reshape(codes, [N, M // 2, 2]))
     return (lo | (hi << 4)).to(tl.uint8)
@@ -246,7 +246,7 @@ def _row_copy(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, k0, k1, RCP
     shuffle, packed as one int32 per 8 columns (``WORDS``: C % 8 == 0) or as 4 bytes."""
     rmask = (r0 + lr) < R
     xb = tl.reshape(x, [BR, BC // 16, 16])
-    sdb, enc = _block_scales(amax_nan(xb, 2), s_enc, s_dec, RCP6, HW)
+    sdb, enc = block_scales(amax_nan(xb, 2), s_enc, s_dec, RCP6, HW)
     v = tl.reshape(clamp_sym(xb * enc[:, :, None], 6.0), [BR, BC])
     v0, v1, v2, v3, v4, v5, v6, v7 = _split8(v, BR, BC)
     lg = tl.arange(0, BC // 8)
@@ -296,7 +296,7 @@ def _col_copy_words(xbase, r0, c0, lc, R, C, sxr, sxc, s_enc, s_dec, cd_ptr, cs_
     cmask = (c0 + lc) < C
     y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _tile_slices(
         xbase, lt, lc, R - r0, cmask, sxr, sxc, RHT, DTYPE, BF16_NAN)
-    sdb, enc = _block_scales(
+    sdb, enc = block_scales(
         _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15),
         s_enc, s_dec, RCP6, HW)  # [BT, BC]
     t = r0 // 16 + lt  # 16-element group of the copy's columns
@@ -333,7 +333,7 @@ def _col_copy_bytes(x, r0, c0, lr, lc, R, C, s_enc, s_dec, cd_ptr, cs_ptr, k0, k
     cmask = cols < C
     mask = (rows < R)[:, None] & cmask[None, :]
     xb = tl.reshape(x, [BT, 16, BC])
-    sdb, enc = _block_scales(amax_nan(xb, 1), s_enc, s_dec, RCP6, HW)  # [BT, BC]
+    sdb, enc = block_scales(amax_nan(xb, 1), s_enc, s_dec, RCP6, HW)  # [BT, BC]
     v = tl.reshape(clamp_sym(xb * enc[:, None, :], 6.0), [BR, BC])
     if SR:
         u = draw_at(cols[None, :], rows[:, None], k0, k1)  # copy element (c, r)
@@ -342,7 +342,7 @@ def _col_copy_bytes(x, r0, c0, lr, lc, R, C, s_enc, s_dec, cd_ptr, cs_ptr, k0, k
     codes = tl.trans(tl.where(mask, _code(v, u, SR), 0))  # [BC, BR]
     nb = (R + 1) // 2
     lb = tl.arange(0, BR // 2)
-    tl.store(cd_ptr + c0.to(tl.int64) * nb + r0 // 2 + tile_offsets(lc, lb, nb, 1), _pack_last(codes, BC, BR),
+    tl.store(cd_ptr + c0.to(tl.int64) * nb + r0 // 2 + tile_offsets(lc, lb, nb, 1), pack_last(codes, BC, BR),
              mask=cmask[:, None] & ((r0 // 2 + lb) < nb)[None, :])
     nbr = tl.cdiv(R, 16)
     lt = tl.arange(0, BT)
@@ -370,15 +370,15 @@ def _nvfp4_1d_kernel(x_ptr, ramax_ptr, camax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr
         x = load_f32(xbase + tile_offsets(lr, lc, sxr, sxc), mask, DTYPE)
     if ROW:
         if ROW_SCALED:
-            s_enc, s_dec = _global_scales(ramax_ptr + tl.minimum(r0 + lr, R - 1))
+            s_enc, s_dec = global_scales(ramax_ptr + tl.minimum(r0 + lr, R - 1))
             s_enc = s_enc[:, None]
             s_dec = s_dec[:, None]
         else:
-            s_enc, s_dec = _global_scales(ramax_ptr)
+            s_enc, s_dec = global_scales(ramax_ptr)
         _row_copy(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, rk0, rk1, RCP6,
                   SR, ROW_WORDS, HW, BR, BC)
     if COL:
-        s_enc, s_dec = _global_scales(camax_ptr)
+        s_enc, s_dec = global_scales(camax_ptr)
         if COL_WORDS:
             _col_copy_words(xbase, r0, c0, lc, R, C, sxr, sxc, s_enc, s_dec,
                             cd_ptr.to(tl.pointer_type(tl.int64)), cs_ptr, ck0, ck1, RCP6, SR, RHT, HW,
@@ -407,9 +407,9 @@ def _nvfp4_2d_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr,
     mask = (rows < R)[:, None] & cmask[None, :]
     x = load_f32(x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc + tile_offsets(lr, lc, sxr, sxc),
                  mask, DTYPE)
-    s_enc, s_dec = _global_scales(amax_ptr)
+    s_enc, s_dec = global_scales(amax_ptr)
     xb = tl.reshape(x, [BT, 16, BC // 16, 16])
-    sdb, enc = _block_scales(amax_nan(amax_nan(xb, 3), 1), s_enc, s_dec, RCP6, HW)  # [BT, BC/16]
+    sdb, enc = block_scales(amax_nan(amax_nan(xb, 3), 1), s_enc, s_dec, RCP6, HW)  # [BT, BC/16]
     v = tl.reshape(clamp_sym(xb * enc[:, None, :, None], 6.0), [BR, BC])
     if SR:
         u = draw_at(rows[:, None], cols[None, :], k0, k1)  # 2D SR (no recipe uses it): per element
@@ -425,13 +425,13 @@ def _nvfp4_2d_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr,
         nb = (C + 1) // 2
         lb = tl.arange(0, BC // 2)
         tl.store(rd_ptr + r0.to(tl.int64) * nb + c0 // 2 + tile_offsets(lr, lb, nb, 1),
-                 _pack_last(codes, BR, BC), mask=(rows < R)[:, None] & ((c0 // 2 + lb) < nb)[None, :])
+                 pack_last(codes, BR, BC), mask=(rows < R)[:, None] & ((c0 // 2 + lb) < nb)[None, :])
         tl.store(rs_ptr + sr[:, None] * nbc + sc[None, :], sdb, mask=smask)
     if COL:
         nb = (R + 1) // 2
         lb = tl.arange(0, BR // 2)
         tl.store(cd_ptr + c0.to(tl.int64) * nb + r0 // 2 + tile_offsets(lc, lb, nb, 1),
-                 _pack_last(tl.trans(codes), BC, BR), mask=cmask[:, None] & ((r0 // 2 + lb) < nb)[None, :])
+                 pack_last(tl.trans(codes), BC, BR), mask=cmask[:, None] & ((r0 // 2 + lb) < nb)[None, :])
         tl.store(cs_ptr + sc[:, None] * nbr + sr[None, :], tl.trans(sdb), mask=tl.trans(smask))
 
 
