@@ -40,6 +40,13 @@ QUANTIZERS: list[tuple[str, Callable[[], Quantizer]]] = [
      lambda: HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(with_rht=True))),
     ("Hybrid MXFP8 / NVFP4 (rowwise_dequantized)",
      lambda: HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(), "rowwise_dequantized")),
+    # The fused NVFP4-forward / MXFP8-backward pairs (per_gemm nvfp4/mxfp8 input, Composer-2
+    # expert input and weight).
+    ("Hybrid NVFP4 / MXFP8", lambda: HybridQuantizer(NVFP4Quantizer(), MXFP8Quantizer())),
+    ("Hybrid NVFP4 / MXFP8 (rowwise_dequantized)",
+     lambda: HybridQuantizer(NVFP4Quantizer(), MXFP8Quantizer(), "rowwise_dequantized")),
+    ("Hybrid NVFP4 row-scaled / MXFP8 (rowwise_dequantized)",
+     lambda: HybridQuantizer(NVFP4Quantizer(row_scaled_nvfp4=True), MXFP8Quantizer(), "rowwise_dequantized")),
     ("Hybrid Identity / MXFP8 (rowwise_dequantized)",
      lambda: HybridQuantizer(IdentityQuantizer(), MXFP8Quantizer(), "rowwise_dequantized")),
 ]
