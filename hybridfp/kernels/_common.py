@@ -404,14 +404,20 @@ def current_scale(amax, eps, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
 
 
 @triton.jit
+def program_tile(C, BR: tl.constexpr, BC: tl.constexpr):
+    """(pr, pc): the [BR, BC] tile of this program, tiles numbered row-major over C columns."""
+    pid = tl.program_id(0)
+    nc = tl.cdiv(C, BC)
+    return pid // nc, pid % nc
+
+
+@triton.jit
 def amax_kernel(x_ptr, out_ptr, R, C, sxr, sxc, DTYPE: tl.constexpr, BR: tl.constexpr,
                 BC: tl.constexpr):
     """Global max|x| of a strided 2D tensor: one tile per program, an int32 atomic max of the
     amax bits into ``out_ptr`` (zeroed by the caller)."""
-    pid = tl.program_id(0)
-    nc = tl.cdiv(C, BC)
-    r0 = (pid // nc) * BR
-    c0 = (pid % nc) * BC
+    pr, pc = program_tile(C, BR, BC)
+    r0, c0 = pr * BR, pc * BC
     lr = tl.arange(0, BR)
     lc = tl.arange(0, BC)
     mask = ((r0 + lr) < R)[:, None] & ((c0 + lc) < C)[None, :]

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import empty
+from ._common import empty, program_tile
 
 #: kernel kinds: FP8 codes alone, x E8M0 bytes, x power-of-two FP32, packed E2M1 x E4M3
 _PLAIN, _E8M0, _POW2_F32, _NVFP4 = (tl.constexpr(i) for i in range(4))
@@ -112,10 +112,7 @@ def _e2m1_f32(code):
 def _decode_kernel(src_ptr, s_ptr, out_ptr, R, C, src_stride, s_stride, NSR, NSC,
                    KIND: tl.constexpr, E5M2: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr,
                    SAFE_E: tl.constexpr, NAN16: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    pid = tl.program_id(0)
-    nc = tl.cdiv(C, BC)
-    pr = pid // nc
-    pc = pid % nc
+    pr, pc = program_tile(C, BR, BC)
     rows = pr * BR + tl.arange(0, BR)
     cols = pc * BC + tl.arange(0, BC)
     r64 = rows.to(tl.int64)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (empty, DTYPE_CODE, amax_bits, amax_nan, check_int32_tiles, clamp_sym, current_scale,
+from ._common import (program_tile, empty, DTYPE_CODE, amax_bits, amax_nan, check_int32_tiles, clamp_sym, current_scale,
                       f32, fp8_code, fp8_params, hw_fp8, kernel_input, load_f32, store_transposed_u8,
                       tile_offsets)
 
@@ -34,10 +34,8 @@ def _fp8_tensorwise_kernel(x_ptr, scale_ptr, amax_ptr, rd_ptr, cd_ptr, sinv_ptr,
                            BC: tl.constexpr, HW: tl.constexpr, PACK: tl.constexpr):
     """CURRENT: scale from the amax at ``amax_ptr``. Else (delayed): scale read from
     ``scale_ptr`` and the tile amax folded into ``amax_ptr`` (int32 bits)."""
-    pid = tl.program_id(0)
-    nc = tl.cdiv(C, BC)
-    r0 = (pid // nc) * BR
-    c0 = (pid % nc) * BC
+    pr, pc = program_tile(C, BR, BC)
+    r0, c0 = pr * BR, pc * BC
     lr = tl.arange(0, BR)
     lc = tl.arange(0, BC)
     mask = ((r0 + lr) < R)[:, None] & ((c0 + lc) < C)[None, :]
@@ -53,7 +51,7 @@ def _fp8_tensorwise_kernel(x_ptr, scale_ptr, amax_ptr, rd_ptr, cd_ptr, sinv_ptr,
         tl.store(rd_ptr + r0.to(tl.int64) * C + c0 + tile_offsets(lr, lc, C, 1), code, mask=mask)
     if COL:
         store_transposed_u8(cd_ptr, code, lr, lc, r0, c0, R, C, PACK)
-    if pid == 0:
+    if (pr == 0) & (pc == 0):
         tl.store(sinv_ptr, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
 
 

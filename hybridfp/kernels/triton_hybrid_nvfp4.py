@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (DTYPE_CODE, Copies, amax_nan, check_int32_tiles, clamp_sym, e2m1_code, e2m1_value,
+from ._common import (program_tile, DTYPE_CODE, Copies, amax_nan, check_int32_tiles, clamp_sym, e2m1_code, e2m1_value,
                       e4m3_value, empty, f32, fp8_params, hw_fp8, kernel_input, load_f32, load_rows32_t,
                       store_words_t, tile_offsets)
 from .triton_mxfp8 import col_block_32
@@ -97,11 +97,8 @@ def _nvfp4_mxfp8_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, s
                         PACK: tl.constexpr, WORDS: tl.constexpr, HW: tl.constexpr):
     """ROW: store the NVFP4 rowwise copy. COL: the MXFP8 columnwise copy, of the dequantized
     rowwise value with SRC_DEQ (computed whether or not ROW stores it), else of x."""
-    pid = tl.program_id(0)
-    nc = tl.cdiv(C, BC)
-    pr = pid // nc
-    r0 = pr * BR
-    c0 = (pid % nc) * BC
+    pr, pc = program_tile(C, BR, BC)
+    r0, c0 = pr * BR, pc * BC
     lc = tl.arange(0, BC)
     xbase = x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc
     if ROW:

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (DTYPE_CODE, Copies, amax_nan, check_int32_tiles, clamp_sym, empty, f32, fp8_code,
+from ._common import (program_tile, DTYPE_CODE, Copies, amax_nan, check_int32_tiles, clamp_sym, empty, f32, fp8_code,
                       fp8_params, hw_fp8, kernel_input, load_f32, load_rows32_t, store_transposed_u8,
                       store_words_t, tile_offsets)
 
@@ -58,12 +58,8 @@ def _e8m0_inverse(e):
 @triton.jit
 def _tile(x_ptr, R, C, sxr, sxc, DTYPE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """This program's [BR, BC] FP32 tile: (x, mask, tile-local rows and columns, origin, (pr, pc))."""
-    pid = tl.program_id(0)
-    nc = tl.cdiv(C, BC)
-    pr = pid // nc
-    pc = pid % nc
-    r0 = pr * BR
-    c0 = pc * BC
+    pr, pc = program_tile(C, BR, BC)
+    r0, c0 = pr * BR, pc * BC
     lr = tl.arange(0, BR)
     lc = tl.arange(0, BC)
     mask = ((r0 + lr) < R)[:, None] & ((c0 + lc) < C)[None, :]
@@ -91,12 +87,8 @@ def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc, RCP,
     columns sit in a few neighbouring threads); columnwise 32x1 blocks from transposed
     [BC, 32] tiles re-read from cache (``_common.load_rows32_t``: register-local block amax,
     word stores), one per 32 rows."""
-    pid = tl.program_id(0)
-    nc = tl.cdiv(C, BC)
-    pr = pid // nc
-    pc = pid % nc
-    r0 = pr * BR
-    c0 = pc * BC
+    pr, pc = program_tile(C, BR, BC)
+    r0, c0 = pr * BR, pc * BC
     lc = tl.arange(0, BC)
     xbase = x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc
     if ROW:

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (empty, DTYPE_CODE, FP32_MAX, amax_bits, amax_nan, bf16_nan_bits, check_int32_tiles,
+from ._common import (program_tile, empty, DTYPE_CODE, FP32_MAX, amax_bits, amax_nan, bf16_nan_bits, check_int32_tiles,
                       clamp_max, clamp_sym, e2m1_code, e2m1_code_sr, e4m3_value, f32_div, fp8_code, hw_fp8,
                       kernel_input, load_f32, round_to_dtype, tile_offsets)
 from .triton_sr import draw_at, draws8, sr_key
@@ -214,10 +214,8 @@ def _nvfp4_amax_kernel(x_ptr, amax_ptr, row_amax_ptr, rht_amax_ptr, R, C, sxr, s
     """Tile amaxes folded (int32 atomic max of the bits) into the global / per-row / post-RHT
     amax buffers. Tiles are [16 BT, BC]."""
     BR: tl.constexpr = 16 * BT
-    pid = tl.program_id(0)
-    nc = tl.cdiv(C, BC)
-    r0 = (pid // nc) * BR
-    c0 = (pid % nc) * BC
+    pr, pc = program_tile(C, BR, BC)
+    r0, c0 = pr * BR, pc * BC
     lr = tl.arange(0, BR)
     lc = tl.arange(0, BC)
     cmask = (c0 + lc) < C
@@ -358,10 +356,8 @@ def _nvfp4_1d_kernel(x_ptr, ramax_ptr, camax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr
                      DTYPE: tl.constexpr, BF16_NAN: tl.constexpr, BT: tl.constexpr,
                      BC: tl.constexpr):
     BR: tl.constexpr = 16 * BT
-    pid = tl.program_id(0)
-    nc = tl.cdiv(C, BC)
-    r0 = (pid // nc) * BR
-    c0 = (pid % nc) * BC
+    pr, pc = program_tile(C, BR, BC)
+    r0, c0 = pr * BR, pc * BC
     lr = tl.arange(0, BR)
     lc = tl.arange(0, BC)
     xbase = x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc
@@ -393,12 +389,8 @@ def _nvfp4_2d_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr,
                      RCP6, k0, k1, ROW: tl.constexpr, COL: tl.constexpr, SR: tl.constexpr,
                      HW: tl.constexpr, DTYPE: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     BR: tl.constexpr = 16 * BT
-    pid = tl.program_id(0)
-    nc = tl.cdiv(C, BC)
-    pr = pid // nc
-    pc = pid % nc
-    r0 = pr * BR
-    c0 = pc * BC
+    pr, pc = program_tile(C, BR, BC)
+    r0, c0 = pr * BR, pc * BC
     lr = tl.arange(0, BR)
     lc = tl.arange(0, BC)
     rows = r0 + lr
