@@ -69,25 +69,28 @@ def main(argv=None) -> None:
                           ["--eval-interval", "1000", "--eval-iters", "1"])
               for name, (preset, recipes) in studies.items()}
     for name, proc in probes.items():
-        if proc.wait():
-            print((args.out / f"probe-{name}" / "driver.log").read_text()[-4000:])
-            raise SystemExit(f"probe {name} failed")
+        if proc.wait():  # some recipe failed: the study goes on without it (see the log)
+            print(f"probe {name}: a run failed\n" + (args.out / f"probe-{name}" / "driver.log").read_text()[-4000:])
     print(f"probe done in {time.time() - t0:.0f} s", flush=True)
     budget = args.budget_s - (time.time() - t0)
     plan = {}
     for name, (preset, recipes) in studies.items():
         rates = probe_rates(args.out / f"probe-{name}")
+        if not rates:
+            raise SystemExit(f"{name}: every probe run failed; see {args.out / f'probe-{name}'}.")
         slowest = min(rates, key=rates.get)
         tokens_per_step = PRESETS[preset].batch_size * PRESETS[preset].seq_len
         steps = int(rates[slowest] * budget * (1 - args.eval_fraction) / tokens_per_step)
         if steps < 10:
             raise SystemExit(f"{name}: the budget left after the probe ({budget:.0f} s) buys {steps} steps of "
                              f"{slowest} at {rates[slowest]:,.0f} tokens/s; give a larger --budget-s.")
-        plan[name] = {"steps": steps, "rates": rates, "slowest": slowest}
+        # the recipes that ran in the probe, in the study's order (labels parse back)
+        plan[name] = {"steps": steps, "rates": rates, "slowest": slowest,
+                      "recipes": ",".join(r.label for r in parse_recipe_list(recipes) if r.label in rates)}
         print(f"{name}: {steps} steps ({steps * tokens_per_step / 1e6:.1f}M tokens); probe tokens/s: "
               + ", ".join(f"{k} {v:,.0f}" for k, v in rates.items()), flush=True)
     (args.out / "plan.json").write_text(json.dumps(plan, indent=1))
-    runs = {name: train(preset, recipes, args.out / name, plan[name]["steps"], args.device,
+    runs = {name: train(preset, plan[name]["recipes"], args.out / name, plan[name]["steps"], args.device,
                         ["--eval-interval", str(max(1, plan[name]["steps"] // 8))])
             for name, (preset, recipes) in studies.items()}
     for name, proc in runs.items():

@@ -181,11 +181,13 @@ def run_train(args: argparse.Namespace) -> int:
     title = f"hybridfp train, preset {cfg.preset}"
     if args.jobs < 1:
         raise ValueError(f"--jobs must be at least 1; got {args.jobs}.")
-    if args.jobs > 1 and len(recipes) > 1:
-        results = run_parallel(cfg, recipes, out, args.jobs, args.resume, args.cache_dir)
+    failed: list[str] = []
+    parallel = args.jobs > 1 and len(recipes) > 1
+    if parallel:
+        results, failed = run_parallel(cfg, recipes, out, args.jobs, args.resume, args.cache_dir)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EmulatedGemmWarning)  # listed in summary.md instead
-        for named in recipes if not results else []:
+        for named in [] if parallel else recipes:
             resume = args.resume and (out / "checkpoints" / f"{named.slug}.pt").is_file()
             results.append(train_recipe(cfg, named, data, out, resume=resume, progress=not args.no_progress))
             results[-1].model = None  # free memory before the next recipe
@@ -200,6 +202,9 @@ def run_train(args: argparse.Namespace) -> int:
     print(f"plot:    {out / 'loss.png'}")
     print(f"summary: {out / 'summary.md'}")
     print(f"metrics: {out / 'metrics.jsonl'}")
+    if failed:
+        print("\nthese runs FAILED (the summary has the others):\n" + "\n".join(failed), file=sys.stderr)
+        return 1
     return 0
 
 

@@ -74,12 +74,16 @@ def read_result(part: Path, label: str) -> RunResult:
 
 
 def run_parallel(cfg: TrainConfig, recipes: Sequence[NamedRecipe], out: Path, n_jobs: int,
-                 resume: bool, cache_dir: Optional[str], log: Callable[[str], None] = print) -> list[RunResult]:
-    """Train every recipe in worker processes, ``n_jobs`` at a time; results in order."""
+                 resume: bool, cache_dir: Optional[str],
+                 log: Callable[[str], None] = print) -> tuple[list[RunResult], list[str]]:
+    """Train every recipe in worker processes, ``n_jobs`` at a time. Returns the results of the
+    runs that finished (in order) and one message per failed run (its log's tail): one
+    recipe's failure does not discard the others' hours."""
     devices = worker_devices(cfg.device, len(recipes))
     pending = deque(enumerate(recipes))
     running: dict[int, tuple[subprocess.Popen, Path, float]] = {}
     failed: list[str] = []
+    failed_labels: set[str] = set()
     while pending or running:
         while pending and len(running) < n_jobs:
             i, named = pending.popleft()
@@ -99,13 +103,13 @@ def run_parallel(cfg: TrainConfig, recipes: Sequence[NamedRecipe], out: Path, n_
             if proc.returncode:
                 tail = "".join((part / "log.txt").read_text().splitlines(keepends=True)[-15:])
                 failed.append(f"{label} (exit {proc.returncode}; log {part / 'log.txt'}):\n{tail}")
+                failed_labels.add(label)
                 log(f"[{label}] FAILED after {time.time() - t0:.0f} s")
             else:
                 log(f"[{label}] done in {time.time() - t0:.0f} s")
-    if failed:
-        raise RuntimeError("worker runs failed:\n" + "\n".join(failed))
-    results = [read_result(out / "parts" / named.slug, named.label) for named in recipes]
+    results = [read_result(out / "parts" / named.slug, named.label) for named in recipes
+               if named.label not in failed_labels]
     with open(out / "metrics.jsonl", "w") as f:
         for r in results:
             f.writelines(json.dumps(rec) + "\n" for rec in r.records)
-    return results
+    return results, failed

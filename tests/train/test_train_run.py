@@ -4,6 +4,7 @@ bit, --jobs runs recipes in worker processes, and NAME@seed=K runs another seed.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -169,3 +170,19 @@ def test_bad_jobs_and_devices(tmp_path, cache, capsys):
                      "--jobs", "0", "--steps", "1"]) == 2
     assert "--jobs must be at least 1" in capsys.readouterr().err
     assert worker_devices("cpu", 3) == ["cpu"] * 3
+
+
+def test_a_failing_worker_leaves_the_others(tmp_path, cache, monkeypatch, capsys):
+    """A recipe that fails in its worker is reported (exit status 1); the others' results
+    are still gathered into the summary and metrics."""
+    (tmp_path / "badfactory_mod.py").write_text("def factory(role):\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    out = tmp_path / "r"
+    argv = ["train", "--preset", "test", "--out", str(out), "--cache-dir", str(cache), "--no-progress",
+            "--compare", "bf16,badfactory_mod:factory", "--steps", "3", "--jobs", "2"]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "FAILED" in err and "badfactory_mod:factory (exit" in err
+    assert list(_by_recipe(out)) == ["bf16"]
+    assert "| `bf16` |" in (out / "summary.md").read_text()
