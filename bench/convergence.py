@@ -61,9 +61,11 @@ def main(argv=None) -> None:
                    help="share of the budget kept for evaluations and start-up")
     p.add_argument("--dense-preset", default="gpt-50m")
     p.add_argument("--moe-preset", default="moe-small")
+    p.add_argument("--dense-recipes", default=DENSE)
+    p.add_argument("--moe-recipes", default=MOE)
     p.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
-    studies = {"dense": (args.dense_preset, DENSE), "moe": (args.moe_preset, MOE)}
+    studies = {"dense": (args.dense_preset, args.dense_recipes), "moe": (args.moe_preset, args.moe_recipes)}
     t0 = time.time()
     probes = {name: train(preset, recipes, args.out / f"probe-{name}", PROBE_STEPS, args.device,
                           ["--eval-interval", "1000", "--eval-iters", "1"])
