@@ -65,6 +65,17 @@ def report_emulated(gemm_name: str, role: str, key_a: FormatKey, key_b: FormatKe
     return True
 
 
+def report_fallback(reported: set, gemm_name: str, key_a: FormatKey, key_b: FormatKey, why: str,
+                    missing: str, runs_on: str) -> None:
+    """Warn once per (GEMM, pair, reason) recorded in ``reported`` that a backend's ``missing``
+    path does not take this GEMM and where it runs instead (no silent slow path)."""
+    k = (gemm_name, describe_key(key_a), describe_key(key_b), why)
+    if k not in reported:
+        reported.add(k)
+        warnings.warn(f"hybridfp: {k[0]} ({k[1]} x {k[2]}) has no {missing} ({why}); it runs on {runs_on}.",
+                      EmulatedGemmWarning, stacklevel=5)
+
+
 def describe_key(key: FormatKey) -> str:
     """Readable format name of a key, e.g. 'MXFP8(fp8_dtype=float8_e4m3fn)'."""
     name, opts = key  # type: ignore[misc]

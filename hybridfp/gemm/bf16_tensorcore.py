@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import warnings
 from contextlib import contextmanager
 from functools import lru_cache
 from types import ModuleType
@@ -47,8 +46,7 @@ from typing import Iterator, Optional
 import torch
 
 from ..tensors.storage import GemmOperand, QuantizedStorage
-from .backends import (Backend, EmulatedGemmWarning, FormatKey, describe_key, emulate, epilogue,
-                       register_backend)
+from .backends import Backend, FormatKey, emulate, epilogue, register_backend, report_fallback
 from .bf16_decode import decode_bf16
 from .gemm import GEMM_OF_LAYOUT, LAYOUTS
 
@@ -159,12 +157,8 @@ def _emulated(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, why: str,
               accumulate_into: Optional[torch.Tensor]) -> torch.Tensor:
     """The exact FP32 emulation for a copy that does not decode into BF16, reported once."""
     da, db = LAYOUTS[layout]
-    key = (GEMM_OF_LAYOUT[layout], describe_key(sa.format_key(da)), describe_key(sb.format_key(db)), why)
-    if key not in _REPORTED:
-        _REPORTED.add(key)
-        warnings.warn(f"hybridfp: {key[0]} ({key[1]} x {key[2]}) has no BF16 tensor-core path "
-                      f"here ({why}); it runs on the exact emulation path (an IEEE FP32 GEMM).",
-                      EmulatedGemmWarning, stacklevel=4)
+    report_fallback(_REPORTED, GEMM_OF_LAYOUT[layout], sa.format_key(da), sb.format_key(db), why,
+                    "BF16 tensor-core path here", "the exact emulation path (an IEEE FP32 GEMM)")
     return emulate(sa.gemm_operand(da), sb.gemm_operand(db), out_dtype, bias, accumulate_into)
 
 

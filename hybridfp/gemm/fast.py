@@ -22,7 +22,6 @@ once per (GEMM, pair, reason) with an ``EmulatedGemmWarning``.
 
 from __future__ import annotations
 
-import warnings
 from functools import lru_cache
 from typing import Optional
 
@@ -31,7 +30,7 @@ import torch
 from ..kernels import cublas_fp8
 from ..tensors.storage import QuantizedStorage
 from . import bf16_tensorcore
-from .backends import Backend, EmulatedGemmWarning, FormatKey, describe_key, emulate, register_backend
+from .backends import Backend, FormatKey, emulate, register_backend, report_fallback
 from .gemm import GEMM_OF_LAYOUT, LAYOUTS
 
 TENSORWISE, BLOCK = "FP8 per-tensor", "FP8 block"
@@ -84,14 +83,10 @@ def _emulated(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, why: str,
     exactly into BF16 (about BF16 speed, and exact: no FP8-MMA accumulation exception), else
     the exact FP32 emulation; reported once either way."""
     da, db = LAYOUTS[layout]
-    key = (GEMM_OF_LAYOUT[layout], describe_key(sa.format_key(da)), describe_key(sb.format_key(db)), why)
-    use_bf16 = bf16_tensorcore.supports(sa.format_key(da), sb.format_key(db), layout, sa.device)
-    if key not in _REPORTED:
-        _REPORTED.add(key)
-        path = ("the exact BF16 tensor-core path (bf16_tensorcore)" if use_bf16
-                else "the exact emulation path")
-        warnings.warn(f"hybridfp: {key[0]} ({key[1]} x {key[2]}) has no cuBLAS FP8 kernel for this "
-                      f"shape ({why}); it runs on {path}.", EmulatedGemmWarning, stacklevel=4)
+    key_a, key_b = sa.format_key(da), sb.format_key(db)
+    use_bf16 = bf16_tensorcore.supports(key_a, key_b, layout, sa.device)
+    report_fallback(_REPORTED, GEMM_OF_LAYOUT[layout], key_a, key_b, why, "cuBLAS FP8 kernel for this shape",
+                    "the exact BF16 tensor-core path (bf16_tensorcore)" if use_bf16 else "the exact emulation path")
     if use_bf16:
         return bf16_tensorcore.run(sa, sb, layout, out_dtype=out_dtype, bias=bias, accumulate_into=accumulate_into)
     return emulate(sa.gemm_operand(da), sb.gemm_operand(db), out_dtype, bias, accumulate_into)
