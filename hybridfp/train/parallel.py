@@ -41,13 +41,12 @@ def worker_argv(cfg: TrainConfig, named: NamedRecipe, part: Path, device: str, r
                 cache_dir: Optional[str]) -> list[str]:
     """The command line of the worker that trains ``named`` into ``part`` (a label parses back
     to its recipe)."""
-    argv = [sys.executable, "-m", "hybridfp.train", "--preset", cfg.preset, "--recipe", named.label,
-            "--out", str(part), "--device", device, "--no-progress"]
-    if resume:
-        argv = [sys.executable, "-m", "hybridfp.train", "--resume", "--out", str(part), "--steps",
-                str(cfg.steps), "--eval-interval", str(cfg.eval_interval), "--device", device,
-                "--no-progress", "--checkpoint-interval", str(cfg.checkpoint_interval)]
+    argv = [sys.executable, "-m", "hybridfp.train", "--out", str(part), "--device", device, "--no-progress"]
+    if resume:  # the worker's run.json holds the rest; only what --resume may change is passed
+        argv += ["--resume", "--steps", str(cfg.steps), "--eval-interval", str(cfg.eval_interval),
+                 "--checkpoint-interval", str(cfg.checkpoint_interval)]
     else:
+        argv += ["--preset", cfg.preset, "--recipe", named.label]
         for key in _FORWARDED:
             argv += [f"--{key.replace('_', '-')}", str(getattr(cfg, key))]
         if cfg.data:
