@@ -34,9 +34,8 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..formats import nvfp4
-from ..formats.common import ceil_div
 from ..tensors import Float8BlockStorage, Float8Storage, IdentityStorage, MXFP8Storage, NVFP4Storage
-from ..tensors.storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
+from ..tensors.storage import ROWWISE, GemmOperand, QuantizedStorage
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -77,9 +76,7 @@ def _fp8_block(s: QuantizedStorage, direction: str) -> GemmOperand:
 def _nvfp4(s: QuantizedStorage, direction: str) -> GemmOperand:
     """As ``NVFP4Storage.gemm_operand``: an RHT copy keeps its 16-padded stored length."""
     p = s.payload(direction)
-    k = s.cols if direction == ROWWISE else s.rows
-    rht_on = direction == COLUMNWISE and bool(s.meta["rht"])
-    stored = ceil_div(k, nvfp4.BLOCK) * nvfp4.BLOCK if rht_on else k
+    k, stored, rht_on = s.reduction_layout(direction)
     v = _kernels().decode_nvfp4(p["data"], p["scale"], stored, block_2d=bool(s.meta["block_2d"]))
     return GemmOperand(v, nvfp4.global_decode_scale(p["amax"]), k, rht_on)
 

@@ -86,8 +86,13 @@ class NVFP4Storage(QuantizedStorage):
         (stored length = k padded to 16)."""
         p = self.payload(direction)
         decode = nvfp4.decode_blocks_2d if self.meta["block_2d"] else nvfp4.decode_blocks_1d
-        k = self.cols if direction == ROWWISE else self.rows
-        rht_on = direction == COLUMNWISE and self.meta["rht"]
-        stored = ceil_div(k, nvfp4.BLOCK) * nvfp4.BLOCK if rht_on else k
+        k, stored, rht_on = self.reduction_layout(direction)
         s_dec = nvfp4.global_decode_scale(p["amax"])
         return GemmOperand(decode(p["data"], p["scale"], stored), s_dec, k, rht_on)
+
+    def reduction_layout(self, direction: str) -> tuple[int, int, bool]:
+        """(logical reduction length k, stored length, RHT on) of one copy: an RHT copy keeps
+        k padded to whole 16-element tiles."""
+        k = self.cols if direction == ROWWISE else self.rows
+        rht_on = direction == COLUMNWISE and bool(self.meta["rht"])
+        return k, (ceil_div(k, nvfp4.BLOCK) * nvfp4.BLOCK if rht_on else k), rht_on
