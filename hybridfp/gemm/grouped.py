@@ -154,6 +154,10 @@ def grouped_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage],
         why = bf16_exact_reason(a, da) or bf16_exact_reason(b, db)
         if why is not None:
             return PER_EXPERT, f"expert {e}: {why}"
+        if a.part(da).has_epilogue_scale(da) or b.part(db).has_epilogue_scale(db):
+            # decided before decoding: finding the factor after decoding every expert would
+            # decode them all a second time on the per-expert path
+            return PER_EXPERT, f"expert {e}: a global scale goes to an FP32 epilogue"
     n, k = _fixed_dims(sa, sb, layout)
     if n % _BF16_ALIGN or k % _BF16_ALIGN:
         return PER_EXPERT, f"grouped dims {n}, {k} not multiples of {_BF16_ALIGN} (TMA alignment)"

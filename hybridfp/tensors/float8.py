@@ -34,6 +34,10 @@ class Float8Storage(QuantizedStorage):
     def _shared_names(cls, meta: dict[str, object]) -> frozenset[str]:
         return frozenset({"scale_inv"})  # one scale for both copies (SPEC §2.1)
 
+    def has_epilogue_scale(self, direction: str) -> bool:
+        """Yes: the per-tensor scale_inv."""
+        return True
+
     def bf16_exact_reason(self, direction: str) -> Optional[str]:
         """FP8 E4M3/E5M2 codes are exact in BF16 (scale_inv stays in the epilogue)."""
         return None

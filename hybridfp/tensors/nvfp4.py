@@ -75,6 +75,10 @@ class NVFP4Storage(QuantizedStorage):
             meta["row_scaled"] = False
         return super().key_for(direction, meta)
 
+    def has_epilogue_scale(self, direction: str) -> bool:
+        """Yes: the global (or per-row) S_dec."""
+        return True
+
     def bf16_exact_reason(self, direction: str) -> Optional[str]:
         """E2M1 x E4M3 block scale has at most 6 significant bits and lies in [2**-10, 2688]:
         exact in BF16 (S_dec stays in the epilogue)."""

@@ -182,6 +182,11 @@ class QuantizedStorage(Dim0Slicing, ABC):
     def gemm_operand(self, direction: str) -> "GemmOperand":
         """The ``direction`` copy as a GEMM reads it (see :class:`GemmOperand`)."""
 
+    def has_epilogue_scale(self, direction: str) -> bool:
+        """Whether ``gemm_operand(direction)`` carries a per-tensor / per-row ``scale`` for the
+        GEMM's epilogue (known from the format, without decoding)."""
+        return False
+
     def bf16_exact_reason(self, direction: str) -> Optional[str]:
         """None if the ``direction`` copy's block-decoded values (``gemm_operand(direction).values``)
         are all exactly representable in BF16, so a BF16 tensor-core GEMM with FP32 accumulation
