@@ -89,10 +89,9 @@ DECODERS: dict[type, Callable[[QuantizedStorage, str], GemmOperand]] = {
     Float8BlockStorage: _fp8_block,
 }
 #: Kernels kept off CUDA until their GPU bitwise tests pass (tests/kernels/test_kernels_decode.py);
-#: those copies are decoded by the reference (PyTorch ops on the GPU: exact, slower).
-#: NVFP4: the first kernel failed them on the H200 (issue #5, 2026-11-29); it was rewritten
-#: without tl.join / tl.reshape, which the interpreter and the GPU disagreed on, and awaits a run.
-UNVERIFIED_ON_CUDA: frozenset = frozenset({NVFP4Storage})
+#: those copies are decoded by the reference (PyTorch ops on the GPU: exact, slower). Empty since
+#: the NVFP4 kernel's -0.0 bug (Triton 3.6 negates as ``0 - x``) was found and fixed (issue #5).
+UNVERIFIED_ON_CUDA: frozenset = frozenset()
 
 
 def _identity(s: QuantizedStorage, direction: str) -> GemmOperand:

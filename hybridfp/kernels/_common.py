@@ -23,6 +23,11 @@ is an approximate division on NVIDIA GPUs) and mirrors the reference's operation
 helper contracts a multiply with an add (the only ``a * b + c`` shapes have an exact
 product), so FMA contraction cannot change a bit.
 
+Signs: never negate a float that can be zero to give it a sign (``-v``): Triton 3.6 compiles
+unary minus as ``0 - v``, so -(+0.0) is +0.0 on the GPU while the interpreter (newer Triton)
+gives -0.0. Signs are OR-ed into the bits (:func:`e4m3_value`, :func:`e2m1_value`); that bug
+kept the NVFP4 decode kernel wrong on the H200 for a session.
+
 NaN: Triton's max reductions drop NaN on the GPU, so block amaxes carry a separate NaN flag
 (:func:`amax_nan`) and a NaN amax becomes the positive quiet NaN, as ``torch.amax`` of
 ``|x|`` gives.
@@ -317,7 +322,9 @@ def e4m3_value(code):
     sub = m.to(tl.float32) * 0.001953125  # m * 2**-9, exact
     v = tl.where(e == 0, sub, normal)
     v = tl.where((c & 0x7F) == 0x7F, float("nan"), v)
-    return tl.where((c & 0x80) != 0, -v, v)
+    # The sign is OR-ed into the bits, not applied by negation: Triton 3.6 compiles ``-v`` as
+    # ``0 - v``, which gives +0.0 for code 0x80 (-0.0).
+    return (v.to(tl.int32, bitcast=True) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
 @triton.jit

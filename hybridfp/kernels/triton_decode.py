@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import empty, program_tile
+from ._common import e2m1_value, empty, program_tile
 
 #: kernel kinds: FP8 codes alone, x E8M0 bytes, x power-of-two FP32, packed E2M1 x E4M3
 _PLAIN, _E8M0, _POW2_F32, _NVFP4 = (tl.constexpr(i) for i in range(4))
@@ -99,16 +99,6 @@ def _expand(s, BR: tl.constexpr, BC: tl.constexpr, SC: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_f32(code):
-    """FP32 value of 4-bit E2M1 codes (int32, bit 3 = sign): magnitude bits from the code
-    (k >= 2: exponent k//2 - 1, mantissa bit k & 1), exact."""
-    k = code & 7
-    bits = tl.where(k >= 2, (k + 252) << 22, tl.where(k == 1, 0x3F000000, 0))
-    mag = bits.to(tl.float32, bitcast=True)
-    return tl.where((code & 8) != 0, -mag, mag)
-
-
-@triton.jit
 def _decode_kernel(src_ptr, s_ptr, out_ptr, R, C, src_stride, s_stride, NSR, NSC,
                    KIND: tl.constexpr, E5M2: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr,
                    SAFE_E: tl.constexpr, NAN16: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
@@ -125,14 +115,15 @@ def _decode_kernel(src_ptr, s_ptr, out_ptr, R, C, src_stride, s_stride, NSR, NSC
     smask = (sr < NSR)[:, None] & (sc < NSC)[None, :]
     sptr = s_ptr + sr.to(tl.int64)[:, None] * s_stride + sc[None, :]
     if KIND == _NVFP4:
-        # Element j sits in byte j // 2 (low nibble first). Each byte is read for both of its
-        # elements (the second read hits the cache) instead of splitting bytes with
-        # tl.join + tl.reshape: that version gave wrong bits on the H200 (2026-11-29).
+        # Element j sits in byte j // 2 (low nibble first); each byte is read for both of its
+        # elements (the second read hits the cache). The sign comes from the code bit, never
+        # from a float negation: Triton 3.6 lowers ``-x`` to ``0 - x``, which turns E2M1's
+        # -0.0 (code 8) into +0.0 — the bug that kept this kernel off on CUDA until 2026-11-29.
         byte = tl.load(src_ptr + r64[:, None] * src_stride + (cols // 2)[None, :], mask=mask,
                        other=0).to(tl.int32)
         code = (byte >> ((cols & 1) * 4)[None, :]) & 15
         s = _fp8_f32(tl.load(sptr, mask=smask, other=0x38).to(tl.int32), False)  # E4M3 scales
-        bits = _top_half(_e2m1_f32(code) * _expand(s, BR, BC, SC), NAN16)
+        bits = _top_half(e2m1_value(code) * _expand(s, BR, BC, SC), NAN16)
     else:
         c = tl.load(src_ptr + r64[:, None] * src_stride + cols[None, :], mask=mask, other=0).to(tl.int32)
         v = _fp8_f32(c, E5M2)

@@ -222,20 +222,9 @@ def test_inference_tensors_are_decoded_but_not_cached():
 
 
 # ---------------------------------------------------------------------------- GPU
-#: The NVFP4 kernel is off on CUDA (bf16_decode.UNVERIFIED_ON_CUDA) until these pass on the
-#: H200: strict, so an XPASS says "remove NVFP4Storage from UNVERIFIED_ON_CUDA".
-NVFP4_UNVERIFIED = pytest.mark.xfail(
-    strict=True, reason="issue #5: the NVFP4 decode kernel failed on the H200 (2026-11-29); the "
-    "rewrite without tl.join/tl.reshape has not run there yet")
-
-
-def _gpu_mark(name: str):
-    return pytest.param(name, marks=NVFP4_UNVERIFIED) if name.startswith("nvfp4") else name
-
-
 @gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
-@pytest.mark.parametrize("name", [_gpu_mark(n) for n in QUANTIZERS])
+@pytest.mark.parametrize("name", QUANTIZERS)
 def test_gpu_decode_matches_reference(name, shape):
     """Fresh random inputs (see ``_storages``); the decode kernel vs the reference (torch on
     the GPU), outputs poisoned."""
@@ -258,7 +247,6 @@ def test_gpu_exhaustive_tables():
 
 
 @gpu
-@NVFP4_UNVERIFIED
 def test_gpu_nvfp4_exhaustive_table():
     codes = torch.arange(16, dtype=torch.uint8).repeat(2)
     packed = nvfp4.pack_fp4(codes[None, :].repeat(256, 1)).cuda()
