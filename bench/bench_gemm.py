@@ -76,15 +76,21 @@ def bench_shape(name: str, m: int, n: int, k: int, layout: str) -> dict[str, Any
     ta, tb = TENSORWISE[layout]
     A, B = _operands(layout, Float8CurrentScalingQuantizer(ta), Float8CurrentScalingQuantizer(tb), m, n, k)
     sa, sb, pa, pb, a8, b8 = _payloads(A, B, layout)
-    fast = layout == "TN"
     backend = select(sa.format_key(LAYOUTS[layout][0]), sb.format_key(LAYOUTS[layout][1]), layout, sa.device)
     row["tensorwise_backend"] = backend.name if backend else "emulation"
-    raw = lambda: torch._scaled_mm(a8, b8.t(), pa["scale_inv"], pb["scale_inv"],  # noqa: E731
-                                   out_dtype=torch.bfloat16, use_fast_accum=fast)
-    lib = lambda: gemm(A, B, layout)  # noqa: E731
+
+    def raw(fast: bool = False) -> torch.Tensor:
+        return torch._scaled_mm(a8, b8.t(), pa["scale_inv"], pb["scale_inv"], out_dtype=torch.bfloat16,
+                                use_fast_accum=fast)
+    lib = lambda: gemm(A, B, layout)  # noqa: E731 - the default: FP32 promotion (SPEC §1)
     row["tensorwise_equal_to_raw"] = bool(torch.equal(raw(), lib()))
     t_raw, t_lib = bench_pair(raw, lib)
     row["tensorwise_raw"], row["tensorwise_hybridfp"] = tflops(flops, t_raw), tflops(flops, t_lib)
+    if layout == "TN":  # what a recipe's fprop_fast_accumulation=True runs (TE's / torchao's fprop)
+        lib_fast = lambda: gemm(A, B, layout, fast_accumulation=True)  # noqa: E731
+        row["tensorwise_fast_equal_to_raw"] = bool(torch.equal(raw(True), lib_fast()))
+        t_raw, t_lib = bench_pair(lambda: raw(True), lib_fast)
+        row["tensorwise_fast_raw"], row["tensorwise_fast_hybridfp"] = tflops(flops, t_raw), tflops(flops, t_lib)
     row["tensorwise_stored_contiguous"] = pa["data"].is_contiguous() and pb["data"].is_contiguous()
     del A, B, sa, sb, pa, pb, a8, b8
 
@@ -121,6 +127,9 @@ def main(argv=None) -> None:
     rows = [bench_shape(*s) for s in (QUICK_SHAPES if args.quick else SHAPES)]
     headers = ["shape (m,n,k)", "layout", "BF16", "FP8 raw", "FP8 hybridfp", "ratio",
                "block", "block raw", "block hybridfp", "ratio", "bitwise = raw", "stored row-major"]
+    fast_rows = [(f"{r['shape']} ({r['m']},{r['n']},{r['k']})", r["tensorwise_fast_raw"], r["tensorwise_fast_hybridfp"],
+                  r["tensorwise_fast_hybridfp"] / r["tensorwise_fast_raw"], r["tensorwise_fast_equal_to_raw"])
+                 for r in rows if "tensorwise_fast_raw" in r]
     table = md_table(headers, [
         (f"{r['shape']} ({r['m']},{r['n']},{r['k']})", r["layout"], r["bf16"], r["tensorwise_raw"],
          r["tensorwise_hybridfp"], r["tensorwise_ratio"], r["block_pair"], r["block_raw"],
@@ -129,9 +138,12 @@ def main(argv=None) -> None:
          f"{r['tensorwise_stored_contiguous']}/{r['block_stored_contiguous']}") for r in rows])
     md = ("### GEMM TFLOP/s (median, do_bench)\n\n"
           f"Copy bandwidth (same process): {copy['GBps']:.0f} GB/s. FP8 per-tensor: E4M3 x E4M3 "
-          "fprop (fast accumulation), E5M2 x E4M3 dgrad/wgrad; block: E4M3. ratio = hybridfp.gemm / "
+          "fprop, E5M2 x E4M3 dgrad/wgrad, FP32 promotion (gemm()'s default); block: E4M3. ratio = hybridfp.gemm / "
           "raw torch._scaled_mm on the same stored operands (made row-major once beforehand where the "
-          "quantizer stored a copy column-major: \"stored row-major\" False; hybridfp then copies it per call).\n\n" + table + "\n")
+          "quantizer stored a copy column-major: \"stored row-major\" False; hybridfp then copies it per call).\n\n" + table
+          + "\n\nfprop with cuBLAS fast accumulation (`gemm(fast_accumulation=True)`, a recipe's "
+          "`fprop_fast_accumulation=True`; TE's and torchao's fprop setting), TFLOP/s:\n\n"
+          + md_table(["shape (m,n,k)", "FP8 raw fast", "FP8 hybridfp fast", "ratio", "bitwise = raw"], fast_rows) + "\n")
     finish("gemm", {"env": env, "copy_bandwidth": copy, "rows": rows, "markdown": md}, args.out)
 
 

@@ -38,6 +38,9 @@ HYBRID = hybridfp.factories.per_gemm(fprop="fp8_current", dgrad="fp8_block", wgr
 NVFP4_MXFP8 = hybridfp.factories.per_gemm(fprop="nvfp4", dgrad="mxfp8", wgrad="mxfp8")
 RECIPES = [
     ("hybridfp FP8 current", lambda: hybridfp.Float8CurrentScaling()),
+    # torchao's float8 and TE run fprop with cuBLAS fast accumulation: the like-for-like row
+    ("hybridfp FP8 current, fprop fast accumulation",
+     lambda: hybridfp.Float8CurrentScaling(fprop_fast_accumulation=True)),
     ("hybridfp FP8 block", lambda: hybridfp.Float8BlockScaling()),
     ("hybridfp hybrid FP8-current fwd / FP8-block bwd", lambda: hybridfp.CustomRecipe(qfactory=HYBRID)),
     ("hybridfp MXFP8", lambda: hybridfp.MXFP8BlockScaling()),

@@ -54,6 +54,8 @@ def summary(results: dict[str, dict[str, Any]]) -> str:
             rows += [("GEMM 8192^3 TFLOP/s BF16 / FP8 raw / FP8 hybridfp",
                       f"{r['bf16']:.0f} / {r['tensorwise_raw']:.0f} / {r['tensorwise_hybridfp']:.0f}"),
                      ("  FP8 hybridfp / raw _scaled_mm (target >= 0.97)", f"{r['tensorwise_ratio']:.3f}"),
+                     ("  same with fprop fast accumulation: raw / hybridfp TFLOP/s",
+                      f"{r.get('tensorwise_fast_raw', 0):.0f} / {r.get('tensorwise_fast_hybridfp', 0):.0f}"),
                      (f"GEMM 8192^3 TFLOP/s FP8 block ({r['block_pair']}) raw / hybridfp",
                       f"{r['block_raw']:.0f} / {r['block_hybridfp']:.0f}"),
                      ("  block hybridfp / raw", f"{r['block_ratio']:.3f}")]

@@ -169,8 +169,9 @@ def _reason(s: QuantizedStorage, direction: str, what: str) -> Optional[str]:
 
 def run(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, *,
         out_dtype: torch.dtype = torch.bfloat16, bias: Optional[torch.Tensor] = None,
-        accumulate_into: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The GEMM ``layout`` selects on two single-format storages (see the module doc)."""
+        accumulate_into: Optional[torch.Tensor] = None, fast_accumulation: bool = False) -> torch.Tensor:
+    """The GEMM ``layout`` selects on two single-format storages (see the module doc).
+    ``fast_accumulation`` changes nothing here: BF16 tensor cores accumulate in FP32."""
     da, db = LAYOUTS[layout]
     pa, pb = sa.part(da), sb.part(db)
     why = _reason(pa, da, "A") or _reason(pb, db, "B")

@@ -2,7 +2,7 @@
 
 | backend               | A copy           | B copy                 | layouts    | accumulation          |
 |-----------------------|------------------|------------------------|------------|-----------------------|
-| cublas_fp8_tensorwise | FP8 per-tensor   | FP8 per-tensor         | TN, NN, NT | fast on TN (fprop)    |
+| cublas_fp8_tensorwise | FP8 per-tensor   | FP8 per-tensor         | TN, NN, NT | FP32 promotion; fast if asked |
 | cublas_fp8_block      | FP8 block 1x128  | FP8 block 1x128/128x128| TN, NN, NT | FP32 promotion per k block |
 |                       | FP8 block 128x128| FP8 block 1x128        |            |                       |
 
@@ -11,8 +11,10 @@ CUDA sm89+ for per-tensor, sm90 (Hopper) for block scales. Operands arrive in th
 cuBLAS needs (every stored copy is [rows, k]), so no layout needs a transpose.
 
 Numerics (SPEC §1): FP32 accumulation reordered, plus Hopper's FP8 MMA exception (partial
-sums inside one promotion interval keep fewer than FP32's bits; fprop's fast accumulation
-keeps them for the whole k loop) — bounded in tests/kernels/test_kernels_cublas_fp8.py.
+sums inside one promotion interval keep fewer than FP32's bits) — bounded in
+tests/kernels/test_kernels_cublas_fp8.py. ``gemm(fast_accumulation=True)`` (a recipe's
+``fprop_fast_accumulation``, as TE and torchao use for fprop) keeps them for the whole k loop
+on the per-tensor backend: outside SPEC §1, so opt-in, with its own bound in those tests.
 
 A ``supports`` sees formats, not shapes. A shape torch/cuBLAS cannot take (k or n not a
 multiple of 16; for block scales k not a multiple of 128 and the alignments in
@@ -102,8 +104,9 @@ def _finish(run_mm, out_dtype: torch.dtype, accumulate_into: Optional[torch.Tens
 
 def run_tensorwise(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, *,
                    out_dtype: torch.dtype = torch.bfloat16, bias: Optional[torch.Tensor] = None,
-                   accumulate_into: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Per-tensor FP8 x per-tensor FP8; fast accumulation for fprop only (as TE).
+                   accumulate_into: Optional[torch.Tensor] = None, fast_accumulation: bool = False) -> torch.Tensor:
+    """Per-tensor FP8 x per-tensor FP8; cuBLAS fast accumulation only when asked (see
+    :func:`hybridfp.gemm.gemm`).
 
     torch wants k and n multiples of 16: other shapes (e.g. the wgrad of an MoE expert, whose
     reduction is its token count) are zero-padded to them — exact, since the padded products
@@ -119,15 +122,17 @@ def run_tensorwise(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, *,
 
     def run_mm(dtype: torch.dtype) -> torch.Tensor:
         out = cublas_fp8.gemm_tensorwise(a, pa["scale_inv"], b, pb["scale_inv"], out_dtype=dtype,
-                                         bias=bias_p, use_fast_accum=layout == "TN")
+                                         bias=bias_p, use_fast_accum=fast_accumulation)
         return out if np_ == n else out[:, :n].contiguous()
     return _finish(run_mm, out_dtype, accumulate_into)
 
 
 def run_block(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, *,
               out_dtype: torch.dtype = torch.bfloat16, bias: Optional[torch.Tensor] = None,
-              accumulate_into: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """FP8 block x FP8 block (1x128 x 1x128, 1x128 x 128x128, 128x128 x 1x128)."""
+              accumulate_into: Optional[torch.Tensor] = None, fast_accumulation: bool = False) -> torch.Tensor:
+    """FP8 block x FP8 block (1x128 x 1x128, 1x128 x 128x128, 128x128 x 1x128). The scales are
+    applied per k block, so partial sums are promoted to FP32 per block whatever
+    ``fast_accumulation`` says."""
     da, db = LAYOUTS[layout]
     pa, pb = sa.payload(da), sb.payload(db)
     (m, k), n = pa["data"].shape, pb["data"].shape[0]

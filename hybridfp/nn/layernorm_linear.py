@@ -54,7 +54,8 @@ class LayerNormLinear(QuantizedModule):
         h = self.torch_autocast_input(h)
         lc = LinearContext(qs["input"][0], qs["weight"][0], qs["grad_output"][0], self,
                            save_original_input=self.save_original_input,
-                           grad_enabled=torch.is_grad_enabled())
+                           grad_enabled=torch.is_grad_enabled(),
+                           fprop_fast_accumulation=state.recipe.fprop_fast_accumulation)
         return LinearFunction.apply(h, self.weight, self.bias, lc)
 
     def extra_repr(self) -> str:

@@ -27,6 +27,9 @@ from ..tensors import QuantizedStorage, QuantizedTensor
 class LinearContext:
     """What the function needs besides tensors: quantizers and the owning module.
 
+    ``fprop_fast_accumulation``: the recipe's choice for the fprop GEMM (see
+    :func:`hybridfp.gemm.gemm`).
+
     ``grad_enabled``: torch's grad mode where the module was called. Inside an
     autograd.Function's forward ``needs_input_grad`` reflects only ``requires_grad`` (it is
     True for parameters even under ``torch.no_grad()``), so without this, inference would
@@ -40,6 +43,7 @@ class LinearContext:
     weight_index: int = 0
     save_original_input: bool = False
     grad_enabled: bool = True
+    fprop_fast_accumulation: bool = False
 
 
 def pack(t: Optional[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
@@ -71,7 +75,7 @@ def forward_gemm(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     lc.input_q.set_usage(rowwise=True, columnwise=needs_wgrad and not save_original)
     qx = lc.input_q.quantize(x2)
     qw = lc.module.quantized_weight(weight, lc.weight_q, columnwise=needs_dgrad, index=lc.weight_index)
-    y = gemm(qx, qw, "TN", out_dtype=x2.dtype, bias=bias)
+    y = gemm(qx, qw, "TN", out_dtype=x2.dtype, bias=bias, fast_accumulation=lc.fprop_fast_accumulation)
     saved_x: Optional[torch.Tensor] = None
     if needs_wgrad:
         if save_original:

@@ -43,7 +43,14 @@ def _fp8_for(fp8_format: str, role: Optional[QuantizerRole]) -> torch.dtype:
 
 
 class Recipe(ABC):
-    """Base: maps a role to a new quantizer."""
+    """Base: maps a role to a new quantizer.
+
+    ``fprop_fast_accumulation``: run fprop's FP8 per-tensor GEMMs with cuBLAS fast
+    accumulation (see :func:`hybridfp.gemm.gemm`; outside SPEC §1, hence off unless a recipe
+    turns it on). dgrad / wgrad and ``GroupedLinear`` experts always promote to FP32.
+    """
+
+    fprop_fast_accumulation: bool = False
 
     @abstractmethod
     def quantizer(self, role: Optional[QuantizerRole]) -> Quantizer:
@@ -81,6 +88,7 @@ class DelayedScaling(_BuiltinRecipe):
     margin: int = 0
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
+    fprop_fast_accumulation: bool = False
 
     def quantizer(self, role: Optional[QuantizerRole]) -> Quantizer:
         """Float8Quantizer with this recipe's history settings."""
@@ -96,6 +104,7 @@ class Float8CurrentScaling(_BuiltinRecipe):
     fp8_format: str = "HYBRID"
     use_power_2_scales: bool = False
     amax_epsilon: float = 0.0
+    fprop_fast_accumulation: bool = False
 
     def quantizer(self, role: Optional[QuantizerRole]) -> Quantizer:
         """Float8CurrentScalingQuantizer: E5M2 for gradients under "HYBRID", else E4M3."""
@@ -180,13 +189,19 @@ class CustomRecipe(Recipe):
     The factory is called once per quantizer slot when a module builds its quantizers; it
     must return a Quantizer (IdentityQuantizer() for a slot that stays in high precision).
     Use a module-level function (picklable) so the recipe can be saved with a checkpoint.
+    ``fprop_fast_accumulation``: see :class:`Recipe`.
     """
 
-    def __init__(self, qfactory: Callable[[Optional[QuantizerRole]], Quantizer]) -> None:
+    def __init__(self, qfactory: Callable[[Optional[QuantizerRole]], Quantizer], *,
+                 fprop_fast_accumulation: bool = False) -> None:
         if not callable(qfactory):
             raise TypeError(f"CustomRecipe(qfactory=...) needs a callable role -> Quantizer; got "
                             f"{type(qfactory).__name__}.")
+        if not isinstance(fprop_fast_accumulation, bool):
+            raise TypeError(f"CustomRecipe(fprop_fast_accumulation=...) must be a bool; got "
+                            f"{fprop_fast_accumulation!r}.")
         self.qfactory = qfactory
+        self.fprop_fast_accumulation = fprop_fast_accumulation
 
     def quantizer(self, role: Optional[QuantizerRole]) -> Quantizer:
         """Call the factory and check what it returned."""
@@ -202,10 +217,11 @@ class CustomRecipe(Recipe):
 
     def key(self) -> Hashable:
         """The factory itself: swapping the factory rebuilds quantizers (see _FactoryKey)."""
-        return ("CustomRecipe", _FactoryKey(self.qfactory))
+        return ("CustomRecipe", _FactoryKey(self.qfactory), self.fprop_fast_accumulation)
 
     def __repr__(self) -> str:
-        return f"CustomRecipe(qfactory={_name(self.qfactory)})"
+        fast = ", fprop_fast_accumulation=True" if self.fprop_fast_accumulation else ""
+        return f"CustomRecipe(qfactory={_name(self.qfactory)}{fast})"
 
 
 class _FactoryKey:
