@@ -127,18 +127,21 @@ def bench_decode(name: str, make: Maker, rows: int, cols: int, copy_gbps: float)
     nbytes = sum(t.numel() * t.element_size() for t in p.values()) + rows * cols * 2
     out = []
     two_d = bool(s.meta.get("block_2d", False))
-    for br, bc, warps in (TILES if name in SWEPT else TILES[:1]):
+    # NVFP4: the per-element store and the int32-pair store (triton_decode.PAIRS_BY_DEFAULT)
+    variants = (False, True) if name.startswith("NVFP4") else (False,)
+    for (br, bc, warps), pairs in ((t, v) for t in (TILES if name in SWEPT else TILES[:1]) for v in variants):
         launch = {"tile": (br, bc), "num_warps": warps}
         if name.startswith("MXFP8"):
             fn = lambda: triton_decode.decode_mxfp8(p["data"], p["scale"], block_2d=two_d, **launch)  # noqa: E731
         elif name.startswith("NVFP4"):
-            fn = lambda: triton_decode.decode_nvfp4(p["data"], p["scale"], cols, block_2d=two_d, **launch)  # noqa: E731
+            fn = lambda: triton_decode.decode_nvfp4(p["data"], p["scale"], cols, block_2d=two_d,  # noqa: E731
+                                                    pairs=pairs, **launch)
         else:
             fn = lambda: triton_decode.decode_fp8(p["data"], **launch)  # noqa: E731
         ms = bench_ms(fn)
         gbps = nbytes / ms / 1e6
-        out.append({"decode": name, "tile": f"{br}x{bc}/{warps}w", "ms": ms, "GBps": gbps,
-                    "vs_copy": gbps / copy_gbps})
+        out.append({"decode": name + (" (int32 pairs)" if pairs else ""), "tile": f"{br}x{bc}/{warps}w",
+                    "ms": ms, "GBps": gbps, "vs_copy": gbps / copy_gbps})
     return out
 
 

@@ -101,7 +101,8 @@ def _expand(s, BR: tl.constexpr, BC: tl.constexpr, SC: tl.constexpr):
 @triton.jit
 def _decode_kernel(src_ptr, s_ptr, out_ptr, R, C, src_stride, s_stride, NSR, NSC,
                    KIND: tl.constexpr, E5M2: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr,
-                   SAFE_E: tl.constexpr, NAN16: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+                   SAFE_E: tl.constexpr, NAN16: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                   PAIRS: tl.constexpr = False):
     pr, pc = program_tile(C, BR, BC)
     rows = pr * BR + tl.arange(0, BR)
     cols = pc * BC + tl.arange(0, BC)
@@ -115,15 +116,31 @@ def _decode_kernel(src_ptr, s_ptr, out_ptr, R, C, src_stride, s_stride, NSR, NSC
     smask = (sr < NSR)[:, None] & (sc < NSC)[None, :]
     sptr = s_ptr + sr.to(tl.int64)[:, None] * s_stride + sc[None, :]
     if KIND == _NVFP4:
-        # Element j sits in byte j // 2 (low nibble first); each byte is read for both of its
-        # elements (the second read hits the cache). The sign comes from the code bit, never
-        # from a float negation: Triton 3.6 lowers ``-x`` to ``0 - x``, which turns E2M1's
-        # -0.0 (code 8) into +0.0 — the bug that kept this kernel off on CUDA until 2026-11-29.
-        byte = tl.load(src_ptr + r64[:, None] * src_stride + (cols // 2)[None, :], mask=mask,
-                       other=0).to(tl.int32)
-        code = (byte >> ((cols & 1) * 4)[None, :]) & 15
-        s = _fp8_f32(tl.load(sptr, mask=smask, other=0x38).to(tl.int32), False)  # E4M3 scales
-        bits = _top_half(e2m1_value(code) * _expand(s, BR, BC, SC), NAN16)
+        if PAIRS:
+            # Even C: byte b holds elements 2b (low nibble) and 2b + 1, whose BF16 bits leave as
+            # one little-endian int32 word — each byte read once, full-width stores (out_ptr is
+            # the output viewed as int32 [R, C/2]).
+            HB: tl.constexpr = BC // 2
+            wcol = pc * HB + tl.arange(0, HB)
+            wmask = (rows < R)[:, None] & (wcol < C // 2)[None, :]
+            byte = tl.load(src_ptr + r64[:, None] * src_stride + wcol[None, :], mask=wmask,
+                           other=0).to(tl.int32)
+            s = _expand(_fp8_f32(tl.load(sptr, mask=smask, other=0x38).to(tl.int32), False), BR, HB, SC // 2)
+            lo = _top_half(e2m1_value(byte & 15) * s, NAN16)
+            hi = _top_half(e2m1_value(byte >> 4) * s, NAN16)
+            tl.store(out_ptr + r64[:, None] * (C // 2) + wcol[None, :], (lo & 0xFFFF) | (hi << 16), mask=wmask)
+        else:
+            # Element j sits in byte j // 2 (low nibble first); each byte is read for both of
+            # its elements (the second read hits the cache). The sign comes from the code bit,
+            # never from a float negation: Triton 3.6 lowers ``-x`` to ``0 - x``, which turns
+            # E2M1's -0.0 (code 8) into +0.0 — the bug that kept this kernel off on CUDA until
+            # 2026-11-29.
+            byte = tl.load(src_ptr + r64[:, None] * src_stride + (cols // 2)[None, :], mask=mask,
+                           other=0).to(tl.int32)
+            code = (byte >> ((cols & 1) * 4)[None, :]) & 15
+            s = _fp8_f32(tl.load(sptr, mask=smask, other=0x38).to(tl.int32), False)  # E4M3 scales
+            bits = _top_half(e2m1_value(code) * _expand(s, BR, BC, SC), NAN16)
+            tl.store(out_ptr + r64[:, None] * C + cols[None, :], bits.to(tl.int16), mask=mask)
     else:
         c = tl.load(src_ptr + r64[:, None] * src_stride + cols[None, :], mask=mask, other=0).to(tl.int32)
         v = _fp8_f32(c, E5M2)
@@ -148,13 +165,14 @@ def _decode_kernel(src_ptr, s_ptr, out_ptr, R, C, src_stride, s_stride, NSR, NSC
                 # A NaN / inf scale (exponent 255) multiplies as IEEE does: NaN, inf or NaN.
                 special = _top_half(v * _expand(s, BR, BC, SC), NAN16)
                 bits = tl.where(ee == 255, special, _pow2_scale_exact(v, ee, NAN16))
-    tl.store(out_ptr + r64[:, None] * C + cols[None, :], bits.to(tl.int16), mask=mask)
+        tl.store(out_ptr + r64[:, None] * C + cols[None, :], bits.to(tl.int16), mask=mask)
 
 
 def _launch(src: torch.Tensor, scale: torch.Tensor | None, cols: int, kind: int, *,
             fp8_dtype: torch.dtype = torch.float8_e4m3fn, block: tuple[int, int] = (1, 1),
-            tile: tuple[int, int] = _TILE, num_warps: int = 4) -> torch.Tensor:
-    """Decode the [rows, cols] copy whose raw bytes are ``src`` (last dim contiguous)."""
+            tile: tuple[int, int] = _TILE, num_warps: int = 4, pairs: bool = False) -> torch.Tensor:
+    """Decode the [rows, cols] copy whose raw bytes are ``src`` (last dim contiguous).
+    ``pairs`` (NVFP4, even ``cols``): write two elements per int32 word."""
     rows = src.shape[0]
     out = empty((rows, cols), torch.bfloat16, src.device)
     if out.numel() == 0:
@@ -169,11 +187,11 @@ def _launch(src: torch.Tensor, scale: torch.Tensor | None, cols: int, kind: int,
         scale = scale.contiguous()
     mbits, bias = (2, 15) if fp8_dtype == torch.float8_e5m2 else (3, 7)
     grid = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)
-    _decode_kernel[grid](src, scale, out.view(torch.int16), rows, cols, src.stride(0),
+    _decode_kernel[grid](src, scale, out.view(torch.int32 if pairs else torch.int16), rows, cols, src.stride(0),
                          scale.stride(0), scale.shape[0], scale.shape[1], KIND=kind,
                          E5M2=fp8_dtype == torch.float8_e5m2, SR=sr, SC=sc, SAFE_E=bias + mbits,
                          NAN16=_NAN16["cuda" if src.is_cuda else "cpu"], BR=br, BC=bc,
-                         num_warps=num_warps)
+                         PAIRS=pairs, num_warps=num_warps)
     return out
 
 
@@ -212,12 +230,26 @@ def decode_fp8_block(data: torch.Tensor, scale_inv: torch.Tensor, *, block: int 
                    block=(1 if block_dim == 1 else block, block), **launch)
 
 
+#: Device types on which the NVFP4 decode writes element pairs as int32 words (one read per
+#: byte, full-width stores) by default. CUDA joins once its GPU bitwise tests
+#: (tests/kernels/test_kernels_decode.py: ``test_gpu_nvfp4_pairs``) have passed on the H200;
+#: until then CUDA runs the verified per-element variant.
+PAIRS_BY_DEFAULT = frozenset({"cpu"})
+
+
 def decode_nvfp4(packed: torch.Tensor, scale: torch.Tensor, cols: int, *, block_2d: bool = False,
-                 **launch: object) -> torch.Tensor:
+                 pairs: bool | None = None, **launch: object) -> torch.Tensor:
     """Packed E2M1 [r, ceil(cols/2)] x E4M3 block scales (1x16: [r, ceil(cols/16)]; 16x16:
-    [ceil(r/16), ceil(cols/16)]) -> BF16 [r, cols] (the global S_dec is not applied)."""
+    [ceil(r/16), ceil(cols/16)]) -> BF16 [r, cols] (the global S_dec is not applied).
+
+    ``pairs``: write each byte's two elements as one int32 word (even ``cols`` only; None:
+    where :data:`PAIRS_BY_DEFAULT` and ``cols`` allow)."""
     r = packed.shape[0]
     _check("NVFP4 data", packed, (r, -(-cols // 2)), torch.uint8)
     _check("NVFP4 scale", scale, (-(-r // 16) if block_2d else r, -(-cols // 16)), torch.float8_e4m3fn)
+    if pairs is None:
+        pairs = packed.device.type in PAIRS_BY_DEFAULT and cols % 2 == 0
+    if pairs and cols % 2:
+        raise ValueError(f"decode_nvfp4(pairs=True) needs an even number of columns; got {cols}.")
     return _launch(packed, scale.view(torch.uint8), cols, _NVFP4.value,
-                   block=(16 if block_2d else 1, 16), **launch)
+                   block=(16 if block_2d else 1, 16), pairs=pairs, **launch)

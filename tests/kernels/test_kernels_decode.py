@@ -253,3 +253,50 @@ def test_gpu_nvfp4_exhaustive_table():
     sc = torch.arange(256, dtype=torch.uint8).view(E4M3)[:, None].repeat(1, 2).cuda()
     ref3 = nvfp4.decode_blocks_1d(packed, sc, 32).to(torch.bfloat16)
     assert torch.equal(triton_decode.decode_nvfp4(packed, sc, 32).view(torch.int16), ref3.view(torch.int16))
+
+
+# ---------------------------------------------------------------------------- NVFP4 pairs
+NVFP4_PAIR_SHAPES = [(1, 2), (3, 16), (17, 30), (40, 96), (33, 530), (64, 512)]
+
+
+@interpreter_only
+@pytest.mark.parametrize("block_2d", [False, True])
+@pytest.mark.parametrize("shape", NVFP4_PAIR_SHAPES, ids=str)
+def test_nvfp4_pairs_equal_per_element(shape, block_2d):
+    """The int32-pair store and the per-element store give the same bits as the reference
+    (random codes incl. -0.0, random scale bytes incl. subnormal E4M3 and NaN 0x7F)."""
+    r, c = shape
+    g = torch.Generator().manual_seed(r * 1000 + c)
+    packed = torch.randint(0, 256, (r, -(-c // 2)), dtype=torch.uint8, generator=g)
+    sr = -(-r // 16) if block_2d else r
+    scale = torch.randint(0, 256, (sr, -(-c // 16)), dtype=torch.uint8, generator=g).view(E4M3)
+    rep = scale.repeat_interleave(16, 0)[:r] if block_2d else scale
+    ref = nvfp4.decode_blocks_1d(packed, rep, c).to(torch.bfloat16).view(torch.int16)
+    for pairs in (False, True):
+        got = triton_decode.decode_nvfp4(packed, scale, c, block_2d=block_2d, pairs=pairs)
+        assert torch.equal(got.view(torch.int16), ref), pairs
+
+
+def test_nvfp4_pairs_need_even_columns():
+    packed = torch.zeros(2, 2, dtype=torch.uint8)
+    scale = torch.zeros(2, 1, dtype=torch.uint8).view(E4M3)
+    with pytest.raises(ValueError, match="even number of columns"):
+        triton_decode.decode_nvfp4(packed, scale, 3, pairs=True)
+
+
+@gpu
+@pytest.mark.parametrize("block_2d", [False, True])
+@pytest.mark.parametrize("shape", [(4096, 4096), (8192, 14336), (4113, 1000), (16, 30)], ids=str)
+def test_gpu_nvfp4_pairs(shape, block_2d):
+    """The pair-store variant on the H200 at real and awkward shapes, fresh random bytes,
+    poisoned output: passing this is what adds "cuda" to triton_decode.PAIRS_BY_DEFAULT."""
+    r, c = shape
+    packed = torch.randint(0, 256, (r, -(-c // 2)), dtype=torch.uint8, device="cuda")
+    sr = -(-r // 16) if block_2d else r
+    scale = torch.randint(0, 256, (sr, -(-c // 16)), dtype=torch.uint8, device="cuda").view(E4M3)
+    rep = scale.repeat_interleave(16, 0)[:r] if block_2d else scale
+    ref = nvfp4.decode_blocks_1d(packed, rep, c).to(torch.bfloat16).view(torch.int16)
+    for pairs in (False, True):
+        with poisoned_outputs():
+            got = triton_decode.decode_nvfp4(packed, scale, c, block_2d=block_2d, pairs=pairs)
+        assert torch.equal(got.view(torch.int16), ref), pairs
