@@ -27,7 +27,13 @@ class EmulatedGemmWarning(UserWarning):
 
 @dataclass(frozen=True)
 class Backend:
-    """A fast GEMM implementation for some operand-format pairs."""
+    """A fast GEMM implementation for some operand-format pairs.
+
+    ``supports(key_a, key_b, layout, device)`` says whether it takes a pair; ``run(sa, sb,
+    layout, *, out_dtype, bias, accumulate_into, fast_accumulation)`` computes it (see
+    :func:`hybridfp.gemm.gemm` for the arguments; a backend without a reduced-precision
+    accumulation mode ignores ``fast_accumulation``).
+    """
 
     name: str
     supports: Callable[[FormatKey, FormatKey, str, torch.device], bool]

@@ -118,7 +118,7 @@ def _fake_backend(calls, name="fake", layouts=("TN",)):
         return (ka[0] == "MXFP8" and kb[0] == "MXFP8" and layout in layouts
                 and torch.device(device).type == "cpu")
 
-    def run(sa, sb, layout, *, out_dtype, bias=None, accumulate_into=None):
+    def run(sa, sb, layout, *, out_dtype, bias=None, accumulate_into=None, fast_accumulation=False):
         calls.append((name, layout, out_dtype, bias is not None, accumulate_into is not None))
         m = sa.rows if layout != "NT" else sa.cols
         n = sb.rows if layout == "TN" else sb.cols
