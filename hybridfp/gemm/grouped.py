@@ -45,7 +45,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from ..tensors.storage import GemmOperand, QuantizedStorage
+from ..tensors.storage import ROWWISE, GemmOperand, QuantizedStorage
 from . import fast
 from .backends import emulate, select
 from .bf16_decode import bf16_exact_reason, decode_bf16
@@ -211,19 +211,25 @@ def _run_bf16(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], la
               grouped_mm: GroupedMM) -> Optional[Union[torch.Tensor, list[torch.Tensor]]]:
     """Path 1, or None if some copy decodes with an epilogue factor (or a one-sided RHT)."""
     da, db = LAYOUTS[layout]
+    # fprop / dgrad: A's rowwise copies that are consecutive row blocks of one encoding (see
+    # quantizers/grouped.py) decode in one call straight into the grouped operand, no cat
+    joined = joined_rows(sa, da) if layout != "NT" else None
+    whole = decode_bf16(joined, da) if joined is not None else None
+    if whole is not None and whole.scale is not None:
+        return None
     ops_a, ops_b = [], []
     for a, b in zip(sa, sb):
         # B of fprop / dgrad is the expert's weight: its decode is cached while unchanged
-        oa, ob = decode_bf16(a, da), decode_bf16(b, db, cache=layout != "NT")
+        oa, ob = (whole if whole is not None else decode_bf16(a, da)), decode_bf16(b, db, cache=layout != "NT")
         if oa.scale is not None or ob.scale is not None or oa.rht != ob.rht:
             return None
         ops_a.append(oa.values)
         ops_b.append(ob.values)
     device = ops_a[0].device
     if layout != "NT":  # rows grouped: [Σm, k] · [E, k, n]
-        mat_a = torch.cat(ops_a)
+        mat_a = whole.values if whole is not None else torch.cat(ops_a)
         mat_b = _stack_transposed(ops_b)
-        return grouped_mm(mat_a, mat_b, _offsets([v.shape[0] for v in ops_a], device))
+        return grouped_mm(mat_a, mat_b, _offsets([_dims(a, b, layout)[0] for a, b in zip(sa, sb)], device))
     # Reduction grouped: [m, Σk] · [Σk, n]. Each group starts 16-byte aligned (TMA): pad every
     # expert's reduction to a multiple of 8 with zeros, which add nothing to the FP32 sums.
     ks = [v.shape[1] for v in ops_a]
@@ -235,6 +241,51 @@ def _run_bf16(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], la
         if k == 0:  # an empty reduction is a zero result; do not rely on the kernel for it
             out[e].zero_()
     return list(out.unbind(0))
+
+
+def joined_rows(storages: Sequence[QuantizedStorage], direction: str) -> Optional[QuantizedStorage]:
+    """One storage holding the experts' ``direction`` copies stacked by rows, WITHOUT copying —
+    when they are consecutive row blocks of one buffer (``quantize_grouped``'s shared row-local
+    encodings): the rowwise copy, every payload tensor indexed by row (``_row_index`` (0, 1)),
+    contiguous and adjacent in memory, one class and options. None otherwise."""
+    if direction != ROWWISE:
+        return None
+    parts = [s.part(direction) for s in storages]
+    first = parts[0]
+    if any(type(p) is not type(first) or p.meta != first.meta or p.cols != first.cols for p in parts):
+        return None
+    index = first._row_index[direction]
+    payloads = [p.payload(direction) for p in parts if p.rows > 0]
+    if not payloads or any(index.get(n) != (0, 1) for n in payloads[0]):
+        return None
+    joined: dict[str, torch.Tensor] = {}
+    for name in payloads[0]:
+        t = _adjacent_rows([p[name] for p in payloads])
+        if t is None:
+            return None
+        joined[name] = t
+    rows = sum(p.rows for p in parts)
+    return type(first)(torch.Size((rows, first.cols)), first.dtype, joined, None, label=first.label, **first.meta)
+
+
+def _adjacent_rows(ts: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The view covering ``ts`` stacked by rows if each starts where the previous one ends in
+    one contiguous buffer (so the view equals ``torch.cat(ts)``), else None."""
+    t0 = ts[0]
+    for prev, t in zip(ts, ts[1:]):
+        if (not (prev.is_contiguous() and t.is_contiguous()) or t.dtype != t0.dtype
+                or t.shape[1:] != t0.shape[1:] or t.device != t0.device
+                or t.untyped_storage().data_ptr() != t0.untyped_storage().data_ptr()
+                or t.data_ptr() != prev.data_ptr() + prev.numel() * prev.element_size()):
+            return None
+    if not t0.is_contiguous():
+        return None
+    size = (sum(t.shape[0] for t in ts), *t0.shape[1:])
+    strides, step = [], 1  # row-major strides of ``size`` (a 1-row t0 may report any row stride)
+    for d in reversed(size):
+        strides.insert(0, step)
+        step *= max(d, 1)
+    return t0.as_strided(size, strides, t0.storage_offset())
 
 
 def _stack_transposed(parts: Sequence[torch.Tensor]) -> torch.Tensor:

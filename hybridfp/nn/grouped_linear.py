@@ -5,7 +5,10 @@ expert i, zero allowed); expert i computes ``x_i W_iᵀ + b_i``. Each expert has
 quantizers per slot (role module_type "grouped_linear"), so per-tensor scales and blocks never
 straddle two experts. The GEMMs per expert are those of ``Linear`` (see linear_function); each
 of the three runs for all experts in one ``hybridfp.gemm.grouped_gemm`` call (one grouped
-kernel where the operand formats allow it, else per expert).
+kernel where the operand formats allow it, else per expert). The experts' inputs and output
+gradients are quantized together by ``quantize_grouped``: a row-local rowwise copy (Identity,
+MXFP8 1x32, FP8 block 1x128, row-scaled NVFP4) is encoded once for all experts and handed out
+as row-slice views, bitwise what each expert's own quantizer makes.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from torch import nn
 
 from ..gemm.grouped import grouped_gemm
 from ..quantizers import HybridQuantizer, Quantizer
+from ..quantizers.grouped import quantize_grouped
 from ..recipes import current_autocast
 from ..tensors import QuantizedTensor
 from .base import SLOTS, QuantizedModule
@@ -45,11 +49,9 @@ class GroupedLinearFunction(torch.autograd.Function):
         needs_wgrad = [ctx.needs_input_grad[4 + i] and grad_enabled for i in range(n)]
         tensors, skels = [], []
         with torch_autocast_off(x):
-            operands = [_quantize_fprop(xi, weights[i], lcs[i], needs_dgrad, needs_wgrad[i])
-                        for i, xi in enumerate(torch.split(x, m_splits))]
-            y = grouped_gemm([qx for qx, _ in operands], [qw for _, qw in operands], "TN",
-                             out_dtype=x.dtype, biases=list(biases) if has_bias else None)
-        for i, (xi, (qx, qw)) in enumerate(zip(torch.split(x, m_splits), operands)):
+            qxs, qws = _fprop_operands(x, m_splits, weights, lcs, needs_dgrad, needs_wgrad)
+            y = grouped_gemm(qxs, qws, "TN", out_dtype=x.dtype, biases=list(biases) if has_bias else None)
+        for i, (xi, qx, qw) in enumerate(zip(torch.split(x, m_splits), qxs, qws)):
             saved_x = _saved_input(xi, qx, lcs[i]) if needs_wgrad[i] else None
             for t in (saved_x, qw if needs_dgrad else None):
                 ts, sk = pack(t)
@@ -71,37 +73,62 @@ class GroupedLinearFunction(torch.autograd.Function):
         n = len(ctx.lcs)
         needs_dgrad = ctx.needs_input_grad[0]
         needs_wgrad = [ctx.needs_input_grad[4 + i] for i in range(n)]
-        qdys: list[Optional[torch.Tensor]] = []
-        qxs: list[Optional[torch.Tensor]] = []
-        dbs = []
         with torch_autocast_off(dy):
-            for i, dyi in enumerate(torch.split(dy, ctx.m_splits)):
-                qdy = qx = None
-                if needs_dgrad or needs_wgrad[i]:
-                    lc = ctx.lcs[i]
-                    lc.grad_q.set_usage(rowwise=needs_dgrad, columnwise=needs_wgrad[i])
-                    qdy = lc.grad_q.quantize(dyi.contiguous())
-                    if needs_wgrad[i]:
-                        qx = _wgrad_input(restored[2 * i], lc)
-                qdys.append(qdy)
-                qxs.append(qx)
-                if ctx.has_bias:
-                    dbs.append(bias_grad(dyi, ctx.b_dtypes[i]))
+            qdys = _quantize_grads(dy, ctx.m_splits, ctx.lcs, needs_dgrad, needs_wgrad)
+            qxs = [_wgrad_input(restored[2 * i], lc) if needs_wgrad[i] else None
+                   for i, lc in enumerate(ctx.lcs)]
+            dbs = ([bias_grad(dyi, dt) for dyi, dt in zip(torch.split(dy, ctx.m_splits), ctx.b_dtypes)]
+                   if ctx.has_bias else [])
             dx = (grouped_gemm(qdys, restored[1::2], "NN", out_dtype=ctx.x_dtype)
                   if needs_dgrad else None)
             dws = _wgrads(qdys, qxs, ctx.w_dtypes)
         return (dx, None, None, None, *dws, *dbs)
 
 
-def _quantize_fprop(x2: torch.Tensor, weight: torch.Tensor, lc: LinearContext, needs_dgrad: bool,
-                    needs_wgrad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One expert's fprop operands (as ``forward_gemm`` quantizes them): x with its rowwise copy
-    (+ columnwise if wgrad reads it), the cached quantized W (+ columnwise if dgrad reads it)."""
-    save_original = lc.save_original_input and lc.input_q.is_requantization_safe()
-    lc.input_q.set_usage(rowwise=True, columnwise=needs_wgrad and not save_original)
-    qx = lc.input_q.quantize(x2)
-    qw = lc.module.quantized_weight(weight, lc.weight_q, columnwise=needs_dgrad, index=lc.weight_index)
-    return qx, qw
+def _fprop_operands(x: torch.Tensor, m_splits: list[int], weights: Sequence[torch.Tensor],
+                    lcs: list[LinearContext], needs_dgrad: bool, needs_wgrad: list[bool]
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every expert's fprop operands: x (``_quantize_inputs``) and the cached quantized W.
+
+    With random draws (stochastic rounding) on an input or weight quantizer, the experts
+    quantize x_e then W_e in turn, as the per-expert loop does, so every quantization gets the
+    same seed from torch's generator; otherwise all inputs go in one grouped call first."""
+    def weight(i: int) -> torch.Tensor:
+        lc = lcs[i]
+        return lc.module.quantized_weight(weights[i], lc.weight_q, columnwise=needs_dgrad, index=lc.weight_index)
+
+    if any(lc.input_q.uses_randomness() or lc.weight_q.uses_randomness() for lc in lcs):
+        qxs, qws = [], []
+        for i, xi in enumerate(torch.split(x, m_splits)):
+            qxs.append(_quantize_inputs(xi, [xi.shape[0]], lcs[i:i + 1], needs_wgrad[i:i + 1])[0])
+            qws.append(weight(i))
+        return qxs, qws
+    qxs = _quantize_inputs(x, m_splits, lcs, needs_wgrad)
+    return qxs, [weight(i) for i in range(len(lcs))]
+
+
+def _quantize_inputs(x: torch.Tensor, m_splits: list[int], lcs: list[LinearContext],
+                     needs_wgrad: list[bool]) -> list[torch.Tensor]:
+    """Every expert's x with its rowwise copy (+ columnwise if its wgrad reads it), as
+    ``forward_gemm`` quantizes them, in one ``quantize_grouped`` call (shared row-local
+    encodings)."""
+    for lc, wgrad in zip(lcs, needs_wgrad):
+        save_original = lc.save_original_input and lc.input_q.is_requantization_safe()
+        lc.input_q.set_usage(rowwise=True, columnwise=wgrad and not save_original)
+    return quantize_grouped([lc.input_q for lc in lcs], x, m_splits)
+
+
+def _quantize_grads(dy: torch.Tensor, m_splits: list[int], lcs: list[LinearContext], needs_dgrad: bool,
+                    needs_wgrad: list[bool]) -> list[Optional[torch.Tensor]]:
+    """Every expert's dy with the copies its dgrad / wgrad read (None: it needs neither)."""
+    qs: list[Optional[Quantizer]] = []
+    for lc, wgrad in zip(lcs, needs_wgrad):
+        if needs_dgrad or wgrad:
+            lc.grad_q.set_usage(rowwise=needs_dgrad, columnwise=wgrad)
+            qs.append(lc.grad_q)
+        else:
+            qs.append(None)
+    return quantize_grouped(qs, dy.contiguous(), m_splits)
 
 
 def _saved_input(x2: torch.Tensor, qx: torch.Tensor, lc: LinearContext) -> torch.Tensor:

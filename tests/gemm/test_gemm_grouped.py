@@ -296,3 +296,49 @@ def test_torch_grouped_mm_writes_its_input_dtype_only_cuda():
     offs = torch.tensor([32, 64], device="cuda", dtype=torch.int32)
     with pytest.raises(RuntimeError):
         torch._grouped_mm(a, b, offs=offs, out_dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- shared row-local encodings
+@pytest.mark.parametrize("layout", ["TN", "NN"])
+@pytest.mark.parametrize("fmt", ["identity", "mxfp8", "fp8_block"])
+def test_shared_rowwise_encoding_is_read_without_copy(fmt, layout):
+    """A operands from ``quantize_grouped`` (row-slice views of one encoding, awkward splits
+    with an empty expert) reach the grouped matmul as one decode of the whole encoding — for
+    BF16 Identity, the input itself — and the result equals the per-expert loop bitwise."""
+    from hybridfp import Float8BlockQuantizer, IdentityQuantizer, MXFP8Quantizer
+    from hybridfp.quantizers.grouped import quantize_grouped
+
+    make = {"identity": IdentityQuantizer, "mxfp8": MXFP8Quantizer,
+            "fp8_block": lambda: Float8BlockQuantizer(block_scaling_dim=1)}[fmt]
+    splits = [0, 19, 29, 16]
+    src = sources(splits)
+    a_name = OPERANDS[layout][0]
+    a_src = torch.cat(src[a_name]).bfloat16()
+    qs = [make() for _ in splits]
+    for q in qs:
+        q.set_usage(rowwise=True, columnwise=False)
+    A = quantize_grouped(qs, a_src, splits)
+    B = [make()(w.bfloat16()) for w in src["w"]]
+    seen = []
+
+    def mm(mat_a, mat_b, offs):
+        seen.append(mat_a)
+        return reference_grouped_mm(mat_a, mat_b, offs)
+    got = grouped_gemm(A, B, layout, grouped_mm=mm)
+    assert_same(got, per_expert(A, B, layout))
+    assert len(seen) == 1 and seen[0].shape == a_src.shape
+    if fmt == "identity":
+        assert seen[0].data_ptr() == a_src.data_ptr()  # no copy at all
+
+
+def test_joined_rows_refuses_separate_tensors():
+    """Separately quantized experts (or a gap between slices) are not one buffer: None."""
+    from hybridfp import MXFP8Quantizer
+    from hybridfp.gemm.grouped import joined_rows
+
+    xs = sources(ODD)["x"]
+    assert joined_rows([MXFP8Quantizer()(x).qstorage for x in xs], "rowwise") is None
+    whole = torch.randn(80, K)
+    gapped = [MXFP8Quantizer()(whole)]  # one expert: trivially joined
+    assert joined_rows([s.qstorage for s in gapped], "rowwise") is not None
+    assert joined_rows([MXFP8Quantizer()(whole).qstorage], "columnwise") is None

@@ -5,6 +5,7 @@ bias grads — and each GEMM takes the path its formats allow."""
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 
 import pytest
@@ -14,6 +15,7 @@ from nn_cases import assert_bitwise, make_module
 from hybridfp import CustomRecipe, GroupedLinear, autocast
 from hybridfp import factories
 from hybridfp.gemm import grouped
+from hybridfp.nn import grouped_linear
 from hybridfp.gemm.grouped import GROUPED_BF16, PATH_COUNTS, PER_EXPERT, reference_grouped_mm
 
 IN, OUT = 64, 32
@@ -130,3 +132,52 @@ def test_inference_matches_per_expert(grouped_on_cpu, monkeypatch):
     assert Counter(PATH_COUNTS) - before == Counter({("fprop", GROUPED_BF16): 1})
     monkeypatch.undo()
     assert_bitwise(got, forward(), "output")
+
+
+def _quantize_each(quantizers, x, splits):
+    """The per-expert loop ``quantize_grouped`` replaces: each expert's own ``quantize``."""
+    return [None if q is None else q.quantize(xe) for q, xe in zip(quantizers, torch.split(x, splits))]
+
+
+AWKWARD = [0, 19, 45, 1, 33]  # an empty expert, counts not multiples of 16 / 32 / 128
+
+
+@pytest.mark.parametrize("grouped_mm", [False, True], ids=["per_expert_gemm", "grouped_bf16"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("name", sorted({**factories.BASE, **factories.ZOO}))
+def test_grouped_quantize_equals_per_expert_quantize(name, bias, grouped_mm, monkeypatch):
+    """A training step with the experts' inputs and gradients quantized by ``quantize_grouped``
+    (shared row-local encodings) equals the step quantizing each expert on its own, bitwise:
+    output, input grad and every parameter grad, with the CPU's per-expert GEMMs or the
+    grouped BF16 path (which then reads the shared encodings without a copy)."""
+    factory = {**factories.BASE, **factories.ZOO}[name]
+    if grouped_mm:
+        monkeypatch.setattr(grouped, "_grouped_mm_device", lambda device: True)
+        monkeypatch.setattr(grouped, "torch_grouped_mm", reference_grouped_mm)
+    torch.manual_seed(1)
+    m = GroupedLinear(len(AWKWARD), IN, OUT, bias=bias, params_dtype=torch.bfloat16)
+    fresh = copy.deepcopy(m)  # delayed scaling's state moves after a step
+    got = step(m, AWKWARD, factory)
+    monkeypatch.setattr(grouped_linear, "quantize_grouped", _quantize_each)
+    want = step(fresh, AWKWARD, factory)
+    assert got[3] == want[3]
+    assert_bitwise(got[0], want[0], f"{name} output")
+    assert_bitwise(got[1], want[1], f"{name} input grad")
+    assert sorted(got[2]) == sorted(want[2])
+    for n in want[2]:
+        assert_bitwise(got[2][n], want[2][n], f"{name} {n}.grad")
+
+
+def test_save_original_input_requantizes_per_expert(monkeypatch):
+    """save_original_input: wgrad re-quantizes each expert's saved x (columnwise only), and the
+    step still equals the per-expert quantize loop."""
+    torch.manual_seed(1)
+    m = GroupedLinear(len(AWKWARD), IN, OUT, bias=False, params_dtype=torch.bfloat16, save_original_input=True)
+    fresh = copy.deepcopy(m)
+    got = step(m, AWKWARD, factories.mxfp8)
+    monkeypatch.setattr(grouped_linear, "quantize_grouped", _quantize_each)
+    want = step(fresh, AWKWARD, factories.mxfp8)
+    for a, b, what in ((got[0], want[0], "output"), (got[1], want[1], "input grad")):
+        assert_bitwise(a, b, what)
+    for n in want[2]:
+        assert_bitwise(got[2][n], want[2][n], n)

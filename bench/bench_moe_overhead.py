@@ -1,0 +1,106 @@
+"""Per-expert overhead of ``GroupedLinear`` on the CPU: ops dispatched and time per step.
+
+At a shape where per-expert work dominates (64 experts, hidden 64, ffn 128, a few tokens per
+expert, some awkward counts and one empty expert), one forward + backward step of a
+``GroupedLinear`` under each recipe is timed (median of ``--reps``) and its dispatched torch
+ops are counted with a ``TorchDispatchMode`` (every aten op call, views included). Weights are
+re-quantized each step (caches cleared, as after an optimizer update). No GPU needed; the
+counts say how much host work per step scales with the number of experts.
+
+    python -m bench.bench_moe_overhead [--experts 64] [--hidden 64] [--ffn 128] [--reps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+from collections import Counter
+from typing import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import hybridfp
+from hybridfp import factories
+
+RECIPES: dict[str, Callable[[], hybridfp.Recipe]] = {
+    "bf16 (high_precision)": lambda: hybridfp.CustomRecipe(qfactory=factories.high_precision),
+    "mxfp8": lambda: hybridfp.MXFP8BlockScaling(),
+    "fp8 current": lambda: hybridfp.Float8CurrentScaling(),
+    "fp8 block": lambda: hybridfp.Float8BlockScaling(),
+    "composer-2": lambda: hybridfp.CustomRecipe(qfactory=factories.nvfp4_row_scaled_fwd_mxfp8_bwd),
+}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops dispatched inside the mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket.__name__)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def splits_for(experts: int, tokens_per_expert: int) -> list[int]:
+    """Uneven counts around ``tokens_per_expert`` (not multiples of 32), expert 1 empty."""
+    g = torch.Generator().manual_seed(0)
+    s = torch.randint(1, 2 * tokens_per_expert, (experts,), generator=g).tolist()
+    s[1] = 0
+    return s
+
+
+def make_step(m: hybridfp.GroupedLinear, x: torch.Tensor, dy: torch.Tensor, splits: list[int],
+              recipe: hybridfp.Recipe) -> Callable[[], None]:
+    def step() -> None:
+        m.zero_grad(set_to_none=True)
+        x.grad = None
+        m.invalidate_weight_cache()
+        with hybridfp.autocast(recipe=recipe):
+            y = m(x, splits)
+        y.backward(dy)
+    return step
+
+
+def measure(step: Callable[[], None], reps: int) -> tuple[float, int]:
+    """(median ms per step, ops dispatched in one step)."""
+    step()  # warm-up (quantizers built, reports issued)
+    counter = OpCounter()
+    with counter:
+        step()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), sum(counter.ops.values())
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--ffn", type=int, default=128)
+    p.add_argument("--tokens-per-expert", type=int, default=24)
+    p.add_argument("--reps", type=int, default=20)
+    args = p.parse_args(argv)
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    splits = splits_for(args.experts, args.tokens_per_expert)
+    m = hybridfp.GroupedLinear(args.experts, args.hidden, args.ffn, bias=False, params_dtype=torch.bfloat16)
+    x = torch.randn(sum(splits), args.hidden, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(sum(splits), args.ffn, dtype=torch.bfloat16)
+    print(f"{args.experts} experts, hidden {args.hidden}, ffn {args.ffn}, {sum(splits)} tokens, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print("| recipe | ms / step | ops / step | ops / expert |\n|---|---|---|---|")
+    for name, recipe in RECIPES.items():
+        ms, ops = measure(make_step(m, x, dy, splits, recipe()), args.reps)
+        print(f"| {name} | {ms:.2f} | {ops} | {ops / args.experts:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
