@@ -31,6 +31,7 @@ from torch import nn
 import hybridfp
 from bench import common
 from bench.common import bench_ms, environment, finish, md_table, parser, require_cuda
+from hybridfp.gemm import grouped_triton
 from hybridfp.gemm.grouped import PATH_COUNTS
 from hybridfp.nn.base import QuantizedModule
 
@@ -186,8 +187,12 @@ def main(argv=None) -> None:
     p.add_argument("--results-dir", type=Path, default=None, help="write moe.json and moe.md here")
     p.add_argument("--profile", default=None, help="profile one step of the variants whose name "
                    "contains this text (written to moe_profile.txt in --results-dir)")
+    p.add_argument("--triton-grouped", action="store_true", help="let grouped_gemm take the Triton "
+                   "grouped path on CUDA before it is verified there (gemm/grouped_triton.VERIFIED_ON)")
     args = p.parse_args(argv)
     require_cuda()
+    if args.triton_grouped:
+        grouped_triton.VERIFIED_ON = grouped_triton.VERIFIED_ON | {"cuda"}
     warnings.simplefilter("ignore")
     env = environment()
     rows: list[dict[str, Any]] = []

@@ -29,7 +29,11 @@ Paths, first that applies (``grouped_path`` says which and why):
    Fast accumulation stays off even for fprop: measured on an H200 (torch 2.11, 4 x
    [2048, 4096] x [1408, 4096]) it added 4.6e-4 to the BF16 result's relative error (27% of
    the elements off the correctly rounded value) against 4.9e-6 without it.
-3. ``per_expert`` — everything else: ``gemm()`` per expert (its backend per pair, or the
+3. ``grouped_triton`` — BF16-exact pairs that paths 1-2 cannot finish exactly (an epilogue
+   factor, a bias, an FP32 / FP16 output): one Triton grouped GEMM with a per-expert FP32
+   epilogue (``grouped_triton.py``). Used where ``grouped_triton.VERIFIED_ON`` lists the
+   device type (none yet: it awaits its H200 run) or when the caller forces it.
+4. ``per_expert`` — everything else: ``gemm()`` per expert (its backend per pair, or the
    exact emulation with its report). Always on the CPU.
 
 The grouped matmul of path 1 is a parameter (``grouped_mm``): tests pass
@@ -45,15 +49,18 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from ..tensors.storage import ROWWISE, GemmOperand, QuantizedStorage
+from ..tensors.storage import GemmOperand, QuantizedStorage
 from . import fast
 from .backends import emulate, select
 from .bf16_decode import bf16_exact_reason, decode_bf16
 from .gemm import GEMM_OF_LAYOUT, LAYOUTS, gemm, operand_storage
+from . import grouped_triton
+from .joined import joined_rows
 
 #: (mat_a, mat_b, offs) -> BF16 result, with ``torch._grouped_mm``'s semantics.
 GroupedMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 GROUPED_BF16, GROUPED_FP8_ROWWISE, PER_EXPERT = "grouped_bf16", "grouped_fp8_rowwise", "per_expert"
+GROUPED_TRITON = "grouped_triton"
 #: (GEMM, path) -> calls; diagnostics for benchmarks and tests (which path each GEMM took).
 PATH_COUNTS: Counter = Counter()
 #: TMA needs 16-byte aligned strides and group starts: 8 BF16 / 16 FP8 elements.
@@ -93,7 +100,8 @@ def _emulate_bf16(a: torch.Tensor, b_nk: torch.Tensor) -> torch.Tensor:
 def grouped_gemm(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: str = "TN", *,
                  out_dtype: torch.dtype = torch.bfloat16,
                  biases: Optional[Sequence[Optional[torch.Tensor]]] = None,
-                 grouped_mm: Optional[GroupedMM] = None) -> Union[torch.Tensor, list[torch.Tensor]]:
+                 grouped_mm: Optional[GroupedMM] = None,
+                 use_triton: Optional[bool] = None) -> Union[torch.Tensor, list[torch.Tensor]]:
     """The GEMM ``layout`` selects (``gemm``'s table) for every expert e on ``A[e]``, ``B[e]``.
 
     Returns, for "TN" / "NN", one [Σ m_e, n] tensor (the experts' results stacked by rows, in
@@ -101,7 +109,9 @@ def grouped_gemm(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: s
     results (views of one [E, n, k] tensor on the grouped paths). ``biases`` (fprop only): one
     [n] bias or None per expert. ``grouped_mm``: the grouped BF16 matmul of path 1 (default
     ``torch._grouped_mm`` on CUDA devices that have it); passing one forces path 1 wherever the
-    operands allow it, the CPU included (tests).
+    operands allow it, the CPU included (tests). ``use_triton``: take (True) or never take
+    (False) the Triton grouped path where paths 1-2 do not apply; None: where
+    ``grouped_triton.VERIFIED_ON`` lists the device type.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is unknown; use 'TN' (fprop), 'NN' (dgrad) or 'NT' (wgrad).")
@@ -116,12 +126,15 @@ def grouped_gemm(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: s
     sb = [operand_storage(b, db, f"B[{e}]") for e, b in enumerate(B)]
     _check_shapes(sa, sb, layout)
     has_bias = biases is not None and any(b is not None for b in biases)
-    path, _ = grouped_path(sa, sb, layout, out_dtype, has_bias, forced=grouped_mm is not None)
+    path, _ = grouped_path(sa, sb, layout, out_dtype, has_bias, forced=grouped_mm is not None,
+                           use_triton=use_triton)
     out: Optional[Union[torch.Tensor, list[torch.Tensor]]] = None
     if path == GROUPED_BF16:
         out = _run_bf16(sa, sb, layout, grouped_mm or torch_grouped_mm)
     elif path == GROUPED_FP8_ROWWISE:
         out = _run_fp8_rowwise(sa, sb, layout)
+    elif path == GROUPED_TRITON:
+        out = grouped_triton.run(sa, sb, layout, out_dtype, biases)
     if out is None:  # per expert (also when a copy turned out to carry an epilogue factor)
         path = PER_EXPERT
         out = _run_per_expert(A, B, layout, out_dtype, biases)
@@ -130,9 +143,25 @@ def grouped_gemm(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: s
 
 
 def grouped_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,
-                 out_dtype: torch.dtype, has_bias: bool, forced: bool = False) -> tuple[str, str]:
-    """(path, why) for these single-format storages (see the module docstring). Path 1 is
-    chosen on formats; a copy that then decodes with an epilogue factor runs per expert."""
+                 out_dtype: torch.dtype, has_bias: bool, forced: bool = False,
+                 use_triton: Optional[bool] = None) -> tuple[str, str]:
+    """(path, why) for these single-format storages (see the module docstring). Paths 1-2 are
+    chosen on formats; where neither applies, the Triton grouped path if enabled and able."""
+    path, why = _torch_path(sa, sb, layout, out_dtype, has_bias, forced)
+    if path != PER_EXPERT or not grouped_triton.enabled(sa[0].device, use_triton):
+        return path, why
+    da, db = LAYOUTS[layout]
+    keys = {(a.format_key(da), b.format_key(db)) for a, b in zip(sa, sb)}
+    native = any(select(ka, kb, layout, sa[0].device) in _NATIVE_FP8 for ka, kb in keys)
+    why_not = grouped_triton.unsupported(sa, sb, layout, out_dtype, native)
+    if why_not is not None:
+        return PER_EXPERT, f"{why}; Triton grouped path: {why_not}"
+    return GROUPED_TRITON, f"Triton grouped GEMM, FP32 epilogue (torch's grouped paths: {why})"
+
+
+def _torch_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,
+                out_dtype: torch.dtype, has_bias: bool, forced: bool) -> tuple[str, str]:
+    """Path 1 (``torch._grouped_mm``), path 2 (``torch._scaled_grouped_mm``) or per expert."""
     da, db = LAYOUTS[layout]
     device = sa[0].device
     if out_dtype != torch.bfloat16:
@@ -241,51 +270,6 @@ def _run_bf16(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], la
         if k == 0:  # an empty reduction is a zero result; do not rely on the kernel for it
             out[e].zero_()
     return list(out.unbind(0))
-
-
-def joined_rows(storages: Sequence[QuantizedStorage], direction: str) -> Optional[QuantizedStorage]:
-    """One storage holding the experts' ``direction`` copies stacked by rows, WITHOUT copying —
-    when they are consecutive row blocks of one buffer (``quantize_grouped``'s shared row-local
-    encodings): the rowwise copy, every payload tensor indexed by row (``_row_index`` (0, 1)),
-    contiguous and adjacent in memory, one class and options. None otherwise."""
-    if direction != ROWWISE:
-        return None
-    parts = [s.part(direction) for s in storages]
-    first = parts[0]
-    if any(type(p) is not type(first) or p.meta != first.meta or p.cols != first.cols for p in parts):
-        return None
-    index = first._row_index[direction]
-    payloads = [p.payload(direction) for p in parts if p.rows > 0]
-    if not payloads or any(index.get(n) != (0, 1) for n in payloads[0]):
-        return None
-    joined: dict[str, torch.Tensor] = {}
-    for name in payloads[0]:
-        t = _adjacent_rows([p[name] for p in payloads])
-        if t is None:
-            return None
-        joined[name] = t
-    rows = sum(p.rows for p in parts)
-    return type(first)(torch.Size((rows, first.cols)), first.dtype, joined, None, label=first.label, **first.meta)
-
-
-def _adjacent_rows(ts: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The view covering ``ts`` stacked by rows if each starts where the previous one ends in
-    one contiguous buffer (so the view equals ``torch.cat(ts)``), else None."""
-    t0 = ts[0]
-    for prev, t in zip(ts, ts[1:]):
-        if (not (prev.is_contiguous() and t.is_contiguous()) or t.dtype != t0.dtype
-                or t.shape[1:] != t0.shape[1:] or t.device != t0.device
-                or t.untyped_storage().data_ptr() != t0.untyped_storage().data_ptr()
-                or t.data_ptr() != prev.data_ptr() + prev.numel() * prev.element_size()):
-            return None
-    if not t0.is_contiguous():
-        return None
-    size = (sum(t.shape[0] for t in ts), *t0.shape[1:])
-    strides, step = [], 1  # row-major strides of ``size`` (a 1-row t0 may report any row stride)
-    for d in reversed(size):
-        strides.insert(0, step)
-        step *= max(d, 1)
-    return t0.as_strided(size, strides, t0.storage_offset())
 
 
 def _stack_transposed(parts: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -334,7 +334,7 @@ def test_shared_rowwise_encoding_is_read_without_copy(fmt, layout):
 def test_joined_rows_refuses_separate_tensors():
     """Separately quantized experts (or a gap between slices) are not one buffer: None."""
     from hybridfp import MXFP8Quantizer
-    from hybridfp.gemm.grouped import joined_rows
+    from hybridfp.gemm.joined import joined_rows
 
     xs = sources(ODD)["x"]
     assert joined_rows([MXFP8Quantizer()(x).qstorage for x in xs], "rowwise") is None

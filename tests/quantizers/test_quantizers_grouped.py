@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hybridfp import factories
-from hybridfp.gemm.grouped import joined_rows
+from hybridfp.gemm.joined import joined_rows
 from hybridfp.quantizers.grouped import quantize_grouped, row_local_mode
 from hybridfp.recipes import QuantizerRole
 from hybridfp.tensors.storage import DIRECTIONS, ROWWISE

@@ -1,0 +1,147 @@
+"""Path ``grouped_triton`` of ``grouped_gemm``: the experts' BF16-exact pairs that
+``torch._grouped_mm`` cannot finish exactly — an epilogue factor (FP8 per-tensor ``scale_inv``,
+NVFP4 ``S_dec``, row-scaled NVFP4's per-row scales), a bias, an FP32 / FP16 output — in one
+Triton grouped GEMM with an FP32 epilogue per expert (``kernels/triton_grouped_gemm.py``).
+
+Every copy is block-decoded into BF16 (exact; ``bf16_decode``), the decoded values of all
+experts are arranged as the kernel reads them (rows grouped for fprop / dgrad, reduction
+grouped for wgrad), and each expert's global scales are spread over its rows / columns, so the
+kernel applies ``acc * (sa[i] * sb[j]) + bias[j]`` in FP32 and rounds once: SPEC §1 up to the
+FP32 accumulation order, like ``bf16_tensorcore`` for one expert.
+
+Not taken (the caller keeps its per-expert loop): pairs with a native cuBLAS FP8 kernel (FP8
+per-tensor, FP8 block: FP8 tensor cores), copies that do not decode exactly into BF16, a
+one-sided RHT pair, mixed bias / no-bias experts, an empty reduction in fprop / dgrad.
+
+On CUDA the path is used only where :data:`VERIFIED_ON` lists the device type: the kernel
+joins it after its GPU tests (``tests/gemm/test_gemm_grouped_triton.py -m gpu``) pass on the
+H200. Tests force it anywhere (``use_triton=True``; the interpreter on the CPU).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Optional, Sequence, Union
+
+import torch
+
+from ..tensors.storage import GemmOperand, QuantizedStorage
+from .bf16_decode import HAVE_TRITON, bf16_exact_reason, decode_bf16
+from .gemm import LAYOUTS
+from .joined import joined_rows
+
+#: Device types on which ``grouped_gemm`` takes this path by default (empty until the kernel
+#: has passed its GPU tests on the H200; see the module docstring).
+VERIFIED_ON: frozenset = frozenset()
+#: output dtypes the kernel writes
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def enabled(device: torch.device, use_triton: Optional[bool]) -> bool:
+    """Whether to consider this path: forced by the caller, else by :data:`VERIFIED_ON`."""
+    if use_triton is not None:
+        return use_triton
+    return HAVE_TRITON and torch.device(device).type in VERIFIED_ON
+
+
+def unsupported(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,
+                out_dtype: torch.dtype, native_fp8: bool) -> Optional[str]:
+    """Why this path cannot take the experts' pairs (None: it can)."""
+    if out_dtype not in OUT_DTYPES:
+        return f"output dtype {out_dtype}"
+    if native_fp8:
+        return "native cuBLAS FP8 kernel per expert"
+    da, db = LAYOUTS[layout]
+    for e, (a, b) in enumerate(zip(sa, sb)):
+        why = bf16_exact_reason(a, da) or bf16_exact_reason(b, db)
+        if why is not None:
+            return f"expert {e}: {why}"
+    return None
+
+
+def _kernels():
+    return importlib.import_module("hybridfp.kernels.triton_grouped_gemm")
+
+
+def _spread(ops: Sequence[GemmOperand], sizes: Sequence[int], device: torch.device) -> Optional[torch.Tensor]:
+    """The experts' global scales (None = 1, 0-d, or one per row) spread to ``sizes[e]`` values
+    each and concatenated ([Σ sizes] FP32); None when no expert has one."""
+    if all(op.scale is None for op in ops):
+        return None
+    one = torch.ones((), dtype=torch.float32, device=device)
+    parts = []
+    for op, n in zip(ops, sizes):
+        s = one if op.scale is None else op.scale.to(torch.float32)
+        parts.append(s.expand(n) if s.dim() == 0 else s)
+    return torch.cat(parts)
+
+
+def _bias(biases: Optional[Sequence[Optional[torch.Tensor]]], n: int, device: torch.device
+          ) -> tuple[bool, Optional[torch.Tensor]]:
+    """(usable, [E, n] FP32 bias or None): every expert has a bias, or none has."""
+    if biases is None or all(b is None for b in biases):
+        return True, None
+    if any(b is None for b in biases):
+        return False, None  # adding 0.0 for a missing bias would turn -0.0 into +0.0
+    return True, torch.stack([b.to(device=device, dtype=torch.float32) for b in biases]).reshape(len(biases), n)
+
+
+def run(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str, out_dtype: torch.dtype,
+        biases: Optional[Sequence[Optional[torch.Tensor]]] = None
+        ) -> Optional[Union[torch.Tensor, list[torch.Tensor]]]:
+    """The experts' GEMMs in one kernel, or None when a decoded pair turns out unsuitable (a
+    one-sided RHT, stored lengths that differ, mixed biases, an empty fprop / dgrad reduction)."""
+    da, db = LAYOUTS[layout]
+    device = sa[0].device
+    if layout == "NT":
+        return _run_reduction(sa, sb, da, db, out_dtype, device)
+    usable, bias = _bias(biases, sb[0].rows if db == "rowwise" else sb[0].cols, device)
+    if not usable:
+        return None
+    joined = joined_rows(sa, da)
+    whole = decode_bf16(joined, da) if joined is not None else None
+    ops_a = [decode_bf16(a, da) for a in sa] if whole is None else None
+    ops_b = [decode_bf16(b, db, cache=True) for b in sb]  # B of fprop / dgrad: the weights
+    rht_a = [whole.rht] * len(sa) if whole is not None else [op.rht for op in ops_a]
+    k = ops_b[0].values.shape[1]
+    if k == 0 or any(ra != ob.rht or ob.values.shape[1] != k for ra, ob in zip(rht_a, ops_b)):
+        return None
+    if whole is not None:
+        mat_a, scale_a = whole.values, whole.scale
+        if scale_a is not None and scale_a.dim() == 0:
+            scale_a = scale_a.to(torch.float32).expand(mat_a.shape[0])
+        splits = [a.rows for a in sa]  # rows grouped: A is each expert's rowwise copy
+    else:
+        if any(op.values.shape[1] != k for op in ops_a):
+            return None
+        splits = [op.values.shape[0] for op in ops_a]
+        mat_a = torch.cat([op.values for op in ops_a])
+        scale_a = _spread(ops_a, splits, device)
+    if mat_a.shape[1] != k:
+        return None
+    n = ops_b[0].values.shape[0]
+    mat_b = torch.stack([op.values for op in ops_b])
+    scale_b = _spread(ops_b, [n] * len(ops_b), device)
+    return _kernels().grouped_rows(
+        mat_a, mat_b, splits, out_dtype=out_dtype, bias=bias,
+        scale_a=None if scale_a is None else scale_a.to(torch.float32).contiguous(),
+        scale_b=None if scale_b is None else scale_b.reshape(len(sb), n))
+
+
+def _run_reduction(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], da: str, db: str,
+                   out_dtype: torch.dtype, device: torch.device) -> Optional[list[torch.Tensor]]:
+    """wgrad: A_e [m, k_e], B_e [n, k_e] joined along the reduction; [E, m, n] out."""
+    ops_a = [decode_bf16(a, da) for a in sa]
+    ops_b = [decode_bf16(b, db) for b in sb]
+    if any(oa.rht != ob.rht or oa.values.shape[1] != ob.values.shape[1] for oa, ob in zip(ops_a, ops_b)):
+        return None
+    m, n = ops_a[0].values.shape[0], ops_b[0].values.shape[0]
+    splits = [op.values.shape[1] for op in ops_a]
+    mat_a = torch.cat([op.values for op in ops_a], dim=1)
+    mat_b = torch.cat([op.values for op in ops_b], dim=1)
+    scale_a, scale_b = _spread(ops_a, [m] * len(sa), device), _spread(ops_b, [n] * len(sb), device)
+    out = _kernels().grouped_reduction(
+        mat_a, mat_b, splits, out_dtype=out_dtype,
+        scale_a=None if scale_a is None else scale_a.reshape(len(sa), m),
+        scale_b=None if scale_b is None else scale_b.reshape(len(sb), n))
+    return list(out.unbind(0))
