@@ -48,7 +48,9 @@ TARGETS = {"hybridfp FP8 current": 1.30, "hybridfp MXFP8": 0.90,
            "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)": 0.90}
 #: recipes timed a second time with grouped_gemm's Triton path allowed on CUDA (it is off there
 #: until its GPU tests pass: gemm/grouped_triton.VERIFIED_ON) — what flipping it would give
-TRITON_VARIANTS = ("hybridfp FP8 current", "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)")
+#: (FP8 per-tensor pairs keep cuBLAS FP8 and MXFP8 takes torch._grouped_mm: only Composer-2's
+#: row-scaled NVFP4 fprop is a candidate today)
+TRITON_VARIANTS = ("hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)",)
 TRITON_SUFFIX = " [Triton grouped]"
 
 

@@ -69,6 +69,8 @@ def report(path: Path) -> str:
               "|---:|" + "---:|" * (len(recipes) - 1)]
     for s in steps[1:]:
         row = val[s]
+        if "bf16" not in row:  # an evaluation the BF16 run did not reach
+            continue
         lines.append(f"| {s} | " + " | ".join(
             f"{100 * (row[r] - row['bf16']) / row['bf16']:+.2f}" if r in row else "" for r in recipes if r != "bf16")
             + " |")

@@ -30,9 +30,9 @@ class Backend:
     """A fast GEMM implementation for some operand-format pairs.
 
     ``supports(key_a, key_b, layout, device)`` says whether it takes a pair; ``run(sa, sb,
-    layout, *, out_dtype, bias, accumulate_into, fast_accumulation)`` computes it (see
-    :func:`hybridfp.gemm.gemm` for the arguments; a backend without a reduced-precision
-    accumulation mode ignores ``fast_accumulation``).
+    layout, *, out_dtype, bias, accumulate_into[, fast_accumulation])`` computes it (see
+    :func:`hybridfp.gemm.gemm` for the arguments; ``fast_accumulation=True`` is passed only
+    when a caller asks for it, so a backend without that option need not take it).
     """
 
     name: str

@@ -77,8 +77,10 @@ def gemm(A: torch.Tensor, B: torch.Tensor, layout: str = "TN", *, out_dtype: tor
     key_a, key_b = sa.format_key(da), sb.format_key(db)
     backend = select(key_a, key_b, layout, sa.device)
     if backend is not None:
+        # passed only when asked, so a backend without the option still serves every other call
+        extra = {"fast_accumulation": True} if fast_accumulation else {}
         return backend.run(sa, sb, layout, out_dtype=out_dtype, bias=bias, accumulate_into=accumulate_into,
-                           fast_accumulation=fast_accumulation)
+                           **extra)
     # Modules report their pairs when they build quantizers; direct calls are reported here
     # (once per device, GEMM and pair, shared with the modules' reports).
     report_emulated(GEMM_OF_LAYOUT[layout], sa.label or sb.label or "a direct gemm() call",

@@ -128,7 +128,9 @@ def _quantize_grads(dy: torch.Tensor, m_splits: list[int], lcs: list[LinearConte
             qs.append(lc.grad_q)
         else:
             qs.append(None)
-    return quantize_grouped(qs, dy.contiguous(), m_splits)
+    # detached: under create_graph=True backward runs with grad enabled and dy may require
+    # grad; the quantization is not differentiated through (as Linear's backward)
+    return quantize_grouped(qs, dy.detach().contiguous(), m_splits)
 
 
 def _saved_input(x2: torch.Tensor, qx: torch.Tensor, lc: LinearContext) -> torch.Tensor:

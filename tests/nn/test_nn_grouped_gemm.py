@@ -181,3 +181,19 @@ def test_save_original_input_requantizes_per_expert(monkeypatch):
         assert_bitwise(a, b, what)
     for n in want[2]:
         assert_bitwise(got[2][n], want[2][n], n)
+
+
+def test_backward_with_create_graph():
+    """Under create_graph=True backward runs with grad enabled and dy may require grad (a layer
+    with parameters follows); the grouped quantization of dy must still run (as Linear's)."""
+    torch.manual_seed(0)
+    m = GroupedLinear(2, 32, 16, params_dtype=torch.bfloat16)
+    head = torch.nn.Linear(16, 1, dtype=torch.bfloat16)
+    x = torch.randn(32, 32, dtype=torch.bfloat16, requires_grad=True)
+    grads = []
+    for create_graph in (False, True):
+        with autocast(recipe=CustomRecipe(qfactory=factories.mxfp8)):
+            loss = head(torch.tanh(m(x, [16, 16]))).sum()
+        (g,) = torch.autograd.grad(loss, x, create_graph=create_graph)
+        grads.append(g.detach())
+    assert torch.equal(grads[0], grads[1])
