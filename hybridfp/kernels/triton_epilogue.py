@@ -50,6 +50,20 @@ def _load_out(ptrs, mask, OUT: tl.constexpr):
 
 
 @triton.jit
+def store_out(optrs, v, mask, OUT: tl.constexpr, NAN16: tl.constexpr):
+    """Store FP32 ``v`` in the output dtype (OUT_CODE) with one rounding: BF16 on the bits
+    (round to nearest even; torch's NaN bits ``NAN16``), FP16 by Triton's cast, FP32 as is."""
+    if OUT == 1:
+        b = v.to(tl.int32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        tl.store(optrs, tl.where(v != v, NAN16, b).to(tl.int16), mask=mask)
+    elif OUT == 2:
+        tl.store(optrs, v.to(tl.float16), mask=mask)
+    else:
+        tl.store(optrs, v, mask=mask)
+
+
+@triton.jit
 def _epilogue_kernel(acc_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, acc_stride, os0, os1,
                      SA: tl.constexpr, SB: tl.constexpr, BIAS: tl.constexpr, ACCUM: tl.constexpr,
                      OUT: tl.constexpr, NAN16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
@@ -68,14 +82,7 @@ def _epilogue_kernel(acc_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, acc_strid
     optrs = out_ptr + r64[:, None] * os0 + c64[None, :] * os1
     if ACCUM:
         v = _load_out(optrs, mask, OUT) + v
-    if OUT == 1:
-        b = v.to(tl.int32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-        tl.store(optrs, tl.where(v != v, NAN16, b).to(tl.int16), mask=mask)
-    elif OUT == 2:
-        tl.store(optrs, v.to(tl.float16), mask=mask)
-    else:
-        tl.store(optrs, v, mask=mask)
+    store_out(optrs, v, mask, OUT, NAN16)
 
 
 def _scale_kind(s: Optional[torch.Tensor], n: int, what: str) -> int:

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ._common import empty
-from .triton_epilogue import OUT_CODE
+from .triton_epilogue import OUT_CODE, store_out
 
 _NAN16 = {"cpu": -1, "cuda": 0x7FFF}
 #: (BM, BN, BK, warps, stages): a common Hopper shape for BF16 tl.dot; untuned (issue #5).
@@ -84,15 +84,7 @@ def _grouped_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, tiles_ptr, 
     if BIAS:
         v = v + tl.load(bias_ptr + e64 * N + c64, mask=cmask, other=0.0)[None, :]
     optrs = out_ptr + e64 * soe + r64[:, None] * som + c64[None, :]
-    mask = rmask[:, None] & cmask[None, :]
-    if OUT == 1:
-        bits = v.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        tl.store(optrs, tl.where(v != v, NAN16, bits).to(tl.int16), mask=mask)
-    elif OUT == 2:
-        tl.store(optrs, v.to(tl.float16), mask=mask)
-    else:
-        tl.store(optrs, v, mask=mask)
+    store_out(optrs, v, rmask[:, None] & cmask[None, :], OUT, NAN16)
 
 
 def _tiles(row_ranges: list[tuple[int, int]], k_ranges: list[tuple[int, int]], bm: int,
