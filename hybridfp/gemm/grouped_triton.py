@@ -95,37 +95,38 @@ def run(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: 
     device = sa[0].device
     if layout == "NT":
         return _run_reduction(sa, sb, da, db, out_dtype, device)
-    usable, bias = _bias(biases, sb[0].rows if db == "rowwise" else sb[0].cols, device)
-    if not usable:
-        return None
-    joined = joined_rows(sa, da)
-    whole = decode_bf16(joined, da) if joined is not None else None
-    ops_a = [decode_bf16(a, da) for a in sa] if whole is None else None
     ops_b = [decode_bf16(b, db, cache=True) for b in sb]  # B of fprop / dgrad: the weights
-    rht_a = [whole.rht] * len(sa) if whole is not None else [op.rht for op in ops_a]
-    k = ops_b[0].values.shape[1]
-    if k == 0 or any(ra != ob.rht or ob.values.shape[1] != k for ra, ob in zip(rht_a, ops_b)):
+    n, k = ops_b[0].values.shape
+    usable, bias = _bias(biases, n, device)
+    rows = _rows_operand(sa, da, device)
+    if not usable or rows is None or k == 0:
         return None
-    if whole is not None:
-        mat_a, scale_a = whole.values, whole.scale
-        if scale_a is not None and scale_a.dim() == 0:
-            scale_a = scale_a.to(torch.float32).expand(mat_a.shape[0])
-        splits = [a.rows for a in sa]  # rows grouped: A is each expert's rowwise copy
-    else:
-        if any(op.values.shape[1] != k for op in ops_a):
-            return None
-        splits = [op.values.shape[0] for op in ops_a]
-        mat_a = torch.cat([op.values for op in ops_a])
-        scale_a = _spread(ops_a, splits, device)
-    if mat_a.shape[1] != k:
+    mat_a, scale_a, rhts = rows
+    if mat_a.shape[1] != k or any(r != ob.rht or ob.values.shape[1] != k for r, ob in zip(rhts, ops_b)):
         return None
-    n = ops_b[0].values.shape[0]
-    mat_b = torch.stack([op.values for op in ops_b])
     scale_b = _spread(ops_b, [n] * len(ops_b), device)
     return _kernels().grouped_rows(
-        mat_a, mat_b, splits, out_dtype=out_dtype, bias=bias,
-        scale_a=None if scale_a is None else scale_a.to(torch.float32).contiguous(),
-        scale_b=None if scale_b is None else scale_b.reshape(len(sb), n))
+        mat_a, torch.stack([op.values for op in ops_b]), [s.rows for s in sa], out_dtype=out_dtype,
+        bias=bias, scale_a=scale_a, scale_b=None if scale_b is None else scale_b.reshape(len(sb), n))
+
+
+def _rows_operand(sa: Sequence[QuantizedStorage], da: str, device: torch.device
+                  ) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor], list[bool]]]:
+    """(A [Σm_e, k] BF16, its scales per row [Σm_e] FP32 or None, each expert's RHT flag): one
+    decode when the experts' copies are adjacent rows of one encoding, else per expert and
+    concatenated; None if the experts' stored lengths differ."""
+    joined = joined_rows(sa, da)
+    if joined is not None:
+        whole = decode_bf16(joined, da)
+        scale = whole.scale
+        if scale is not None:
+            scale = scale.to(torch.float32).expand(whole.values.shape[0]).contiguous()
+        return whole.values, scale, [whole.rht] * len(sa)
+    ops = [decode_bf16(a, da) for a in sa]
+    if len({op.values.shape[1] for op in ops}) > 1:
+        return None
+    sizes = [op.values.shape[0] for op in ops]
+    return torch.cat([op.values for op in ops]), _spread(ops, sizes, device), [op.rht for op in ops]
 
 
 def _run_reduction(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], da: str, db: str,
