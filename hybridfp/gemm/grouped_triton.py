@@ -118,10 +118,7 @@ def _rows_operand(sa: Sequence[QuantizedStorage], da: str, device: torch.device
     joined = joined_rows(sa, da)
     if joined is not None:
         whole = decode_bf16(joined, da)
-        scale = whole.scale
-        if scale is not None:
-            scale = scale.to(torch.float32).expand(whole.values.shape[0]).contiguous()
-        return whole.values, scale, [whole.rht] * len(sa)
+        return whole.values, _spread([whole], [whole.values.shape[0]], device), [whole.rht] * len(sa)
     ops = [decode_bf16(a, da) for a in sa]
     if len({op.values.shape[1] for op in ops}) > 1:
         return None

@@ -105,6 +105,11 @@ def bf16_nan_bits(device: torch.device) -> int:
     return BF16_NAN_BITS["cuda" if device.type == "cuda" else "cpu"]
 
 
+def bf16_nan16(device: torch.device) -> int:
+    """The same NaN as the int16 a kernel stores for a BF16 output (-1 on CPU, 0x7FFF on CUDA)."""
+    return bf16_nan_bits(device) >> 16
+
+
 def hw_fp8(device: torch.device) -> bool:
     """Whether kernels on ``device`` may use the hardware FP32 -> FP8 conversion: compiled CUDA
     code on sm89+ (the interpreter runs on CPU tensors and keeps the integer rounding)."""

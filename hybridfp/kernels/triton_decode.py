@@ -37,12 +37,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import e2m1_value, empty, program_tile
+from ._common import bf16_nan16, e2m1_value, empty, program_tile
 
 #: kernel kinds: FP8 codes alone, x E8M0 bytes, x power-of-two FP32, packed E2M1 x E4M3
 _PLAIN, _E8M0, _POW2_F32, _NVFP4 = (tl.constexpr(i) for i in range(4))
-#: torch's BF16 NaN bits per device type, as int16 (CPU 0xFFFF, CUDA 0x7FFF).
-_NAN16 = {"cpu": -1, "cuda": 0x7FFF}
 #: default tile (rows, cols); a 2D block format widens the rows to its tile side. 32 x 256
 #: with 4 warps was the fastest of four tiles on the H200 (bench/bench_gemm_pairs.py).
 _TILE = (32, 256)
@@ -190,7 +188,7 @@ def _launch(src: torch.Tensor, scale: torch.Tensor | None, cols: int, kind: int,
     _decode_kernel[grid](src, scale, out.view(torch.int32 if pairs else torch.int16), rows, cols, src.stride(0),
                          scale.stride(0), scale.shape[0], scale.shape[1], KIND=kind,
                          E5M2=fp8_dtype == torch.float8_e5m2, SR=sr, SC=sc, SAFE_E=bias + mbits,
-                         NAN16=_NAN16["cuda" if src.is_cuda else "cpu"], BR=br, BC=bc,
+                         NAN16=bf16_nan16(src.device), BR=br, BC=bc,
                          PAIRS=pairs, num_warps=num_warps)
     return out
 

@@ -21,12 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import empty
+from ._common import bf16_nan16, empty
 
 #: output dtype -> constexpr code
 OUT_CODE: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-#: torch's BF16 NaN bits per device type, as int16 (CPU 0xFFFF, CUDA 0x7FFF).
-_NAN16 = {"cpu": -1, "cuda": 0x7FFF}
 
 
 @triton.jit
@@ -126,6 +124,6 @@ def epilogue(acc: torch.Tensor, scale_a: Optional[torch.Tensor], scale_b: Option
                            bias32 if bias32 is not None else dummy, dst, m, n, acc.stride(0),
                            out.stride(0), out.stride(1), SA=sa_kind, SB=sb_kind,
                            BIAS=bias32 is not None, ACCUM=accumulate_into is not None,
-                           OUT=OUT_CODE[out.dtype], NAN16=_NAN16["cuda" if acc.is_cuda else "cpu"],
+                           OUT=OUT_CODE[out.dtype], NAN16=bf16_nan16(acc.device),
                            BM=bm, BN=bn, num_warps=num_warps, enable_fp_fusion=False)
     return out

@@ -26,10 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import empty
+from ._common import bf16_nan16, empty
 from .triton_epilogue import OUT_CODE, store_out
 
-_NAN16 = {"cpu": -1, "cuda": 0x7FFF}
 #: (BM, BN, BK, warps, stages): a common Hopper shape for BF16 tl.dot; untuned (issue #5).
 TILE = (128, 128, 64, 8, 3)
 
@@ -121,7 +120,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, tiles: torch.Te
                           bias if bias is not None else dummy, dst, tiles, n,
                           a.stride(0), a.stride(1), sbe, b.stride(-2), b.stride(-1), sa_e, soe, out.stride(-2),
                           SA=sa is not None, SB=sb is not None, BIAS=bias is not None,
-                          OUT=OUT_CODE[out.dtype], NAN16=_NAN16["cuda" if a.is_cuda else "cpu"],
+                          OUT=OUT_CODE[out.dtype], NAN16=bf16_nan16(a.device),
                           BITS=bits, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     return out
 
