@@ -12,7 +12,10 @@ fi
 GPU_B=$(( $(python3 -c 'import torch; print(torch.cuda.device_count())') > 1 ? 1 : 0 ))
 ( CUDA_VISIBLE_DEVICES=0 timeout "${TEST_TIMEOUT:-260}" python3 -m pytest -q -m gpu tests -p no:cacheprovider \
     --durations=12 --timeout=90 --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.log" 2>&1
-  echo "gpu tests rc=$?" >> "$OUT/gpu_tests.log" ) &
+  echo "gpu tests rc=$?" >> "$OUT/gpu_tests.log"
+  # kernel-level quantize profile on the now idle GPU 0 (PROFILE_TIMEOUT=0 skips it)
+  [ "${PROFILE_TIMEOUT:-0}" -gt 0 ] && CUDA_VISIBLE_DEVICES=0 timeout "$PROFILE_TIMEOUT" python3 -m bench.profile_quantize \
+      --out "$OUT/bench/profile_quantize.json" > "$OUT/profile.log" 2>&1 ) &
 CUDA_VISIBLE_DEVICES=$GPU_B python3 -m bench.run_all --results-dir "$OUT/bench" --budget-s "${BENCH_BUDGET:-270}" \
     > "$OUT/bench.log" 2>&1
 wait
@@ -32,3 +35,5 @@ for flag, name in gates.items():
     print(f"{flag}: {'yes' if ok else 'no'} ({len(mine)} tests)")
 PY
 tail -45 "$OUT/bench.log"
+# $OUT brings back at most 8 files: the bench folder travels as one archive
+tar czf "$OUT/bench.tgz" -C "$OUT" bench && rm -rf "$OUT/bench"
