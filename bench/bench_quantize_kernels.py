@@ -82,6 +82,12 @@ def median_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
+def graph_ms(fn) -> float:
+    """Median ms of ``fn`` replayed from a CUDA graph: the kernels' device time without the
+    Python wrapper's launch overhead (the sweep compares kernel variants)."""
+    return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
+
+
 def copy_gbps(x: torch.Tensor) -> float:
     y = torch.empty_like(x)
     return 2 * x.nbytes / median_ms(lambda: y.copy_(x)) / 1e6
@@ -152,7 +158,8 @@ def run_hybrid(x: torch.Tensor, copy: float, single_ms: dict[str, float]) -> lis
 
 
 def run_sweep(x: torch.Tensor, copy: float) -> list[dict]:
-    """Direct entry points at a few tiles / warps / store variants (min bytes, one pass each)."""
+    """Direct entry points at a few tiles / warps / store variants (min bytes, one pass each;
+    CUDA-graph timing: device time only)."""
     g = _common.global_amax(x)
     variants = []
     for blk, nw in [((64, 128), 4), ((32, 128), 4), ((128, 128), 4), ((64, 256), 8), ((64, 64), 2)]:
@@ -167,13 +174,25 @@ def run_sweep(x: torch.Tensor, copy: float) -> list[dict]:
         variants.append((f"fp8 block 1d chunk{cw} rows{rw} nw{nw}",
                          lambda c=cw, r=rw, n=nw: triton_fp8_block.quantize(
                              x, E4M3, block_dim=1, chunk=c, row_slice=r, num_warps=n)))
+    for dim in (1, 2):
+        for nw in (4, 8, 16):
+            for r, c in [(True, True), (True, False), (False, True)]:
+                variants.append((f"fp8 block {dim}d tile nw{nw} {'row' * r}{'+' * (r and c)}{'col' * c}",
+                                 lambda d=dim, n=nw, r=r, c=c: triton_fp8_block.quantize(
+                                     x, E4M3, block_dim=d, num_warps=n, rowwise=r, columnwise=c, method="tile")))
+    variants.append(("fp8 block 2d chunk16 nw4 (default)", lambda: triton_fp8_block.quantize(x, E4M3, block_dim=2)))
+    variants.append(("fp8 cast pass col only (32, 128) nw4", lambda: triton_fp8_tensorwise.quantize(
+        x, E4M3, amax=g, rowwise=False)))
     for cw, rw, nw in [(128, 16, 4), (128, 32, 4), (64, 16, 2)]:
         variants.append((f"hybrid fp8 current+block cast chunk{cw} rows{rw} nw{nw}",
                          lambda c=cw, r=rw, n=nw: triton_hybrid_fp8.quantize(
                              x, g, E4M3, E4M3, chunk=c, row_slice=r, num_warps=n)))
-    for blk, nw in [((32, 128), 4), ((64, 128), 4), ((32, 256), 8), ((32, 64), 2)]:
+    for blk, nw in [((32, 128), 4), ((64, 128), 4), ((32, 256), 8), ((32, 64), 2), ((32, 128), 8)]:
         variants.append((f"hybrid nvfp4+mxfp8 rd cast {blk} nw{nw}",
                          lambda b=blk, n=nw: triton_hybrid_nvfp4.quantize(x, g, E4M3, block=b, num_warps=n)))
+        variants.append((f"hybrid nvfp4->mxfp8 rd col only {blk} nw{nw}",
+                         lambda b=blk, n=nw: triton_hybrid_nvfp4.quantize(x, g, E4M3, block=b, num_warps=n,
+                                                                          rowwise=False)))
     for blk, nw in [((4, 64), 8), ((2, 64), 4), ((4, 128), 8), ((8, 64), 8), ((2, 128), 4)]:
         variants.append((f"nvfp4 1d cast {blk} nw{nw}", lambda b=blk, n=nw: triton_nvfp4.quantize_1d(
             x, g, g, block=b, num_warps=n)))
@@ -186,7 +205,12 @@ def run_sweep(x: torch.Tensor, copy: float) -> list[dict]:
         res = fn()
         outs = [t for t in _flatten(res) if isinstance(t, torch.Tensor)]
         nbytes = x.nbytes + sum(t.nbytes for t in outs)
-        ms = median_ms(fn)
+        try:
+            ms = graph_ms(fn)
+        except Exception as e:  # noqa: BLE001 - a variant that cannot be captured is reported, not fatal
+            out.append(dict(variant=name, error=f"{type(e).__name__}: {e}"))
+            print(f"  {name:52s} not timed: {type(e).__name__}: {str(e)[:120]}")
+            continue
         gbps = nbytes / ms / 1e6
         out.append(dict(variant=name, ms=ms, gbps=gbps, pct=100 * gbps / copy))
         print(f"  {name:52s} {ms:7.3f} ms {gbps:6.0f} GB/s {100 * gbps / copy:5.1f}% of copy")

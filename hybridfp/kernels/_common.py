@@ -424,7 +424,7 @@ def program_tile(C, BR: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def amax_kernel(x_ptr, out_ptr, R, C, sxr, sxc, DTYPE: tl.constexpr, BR: tl.constexpr,
+def amax_kernel(x_ptr, out_ptr, R, C, sxr, sxc: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr,
                 BC: tl.constexpr):
     """Global max|x| of a strided 2D tensor: one tile per program, an int32 atomic max of the
     amax bits into ``out_ptr`` (zeroed by the caller)."""

@@ -62,7 +62,7 @@ def store_out(optrs, v, mask, OUT: tl.constexpr, NAN16: tl.constexpr):
 
 
 @triton.jit
-def _epilogue_kernel(acc_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, acc_stride, os0, os1,
+def _epilogue_kernel(acc_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, acc_stride, os0, os1: tl.constexpr,
                      SA: tl.constexpr, SB: tl.constexpr, BIAS: tl.constexpr, ACCUM: tl.constexpr,
                      OUT: tl.constexpr, NAN16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     pid = tl.program_id(0)

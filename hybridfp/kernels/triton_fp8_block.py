@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (DTYPE_CODE, Copies, amax_nan, check_int32_tiles, clamp_sym, current_scale, empty, f32,
+from ._common import (DTYPE_CODE, program_tile, Copies, amax_nan, check_int32_tiles, clamp_sym, current_scale, empty, f32,
                       fp8_code, fp8_params, hw_fp8, kernel_input, load_f32, load_rows32_t, nan_max,
                       store_transposed_u8, store_words_t, tile_offsets)
 
@@ -84,7 +84,7 @@ def _rowwise_1d(xbase, r0, c0, R, C, sxr, sxc, eps, rd_ptr, rs_ptr, pc, POW2: tl
 
 
 @triton.jit
-def _fp8_block_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc, eps,
+def _fp8_block_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.constexpr, eps,
                          ROW: tl.constexpr, COL: tl.constexpr, POW2: tl.constexpr,
                          MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr,
                          B: tl.constexpr, DTYPE: tl.constexpr, CW: tl.constexpr,
@@ -109,7 +109,7 @@ def _fp8_block_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc, 
 
 
 @triton.jit
-def _fp8_block_2d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc, eps,
+def _fp8_block_2d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.constexpr, eps,
                          ROW: tl.constexpr, COL: tl.constexpr, POW2: tl.constexpr,
                          MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr,
                          B: tl.constexpr, DTYPE: tl.constexpr, CW: tl.constexpr,
@@ -148,10 +148,53 @@ def _fp8_block_2d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc, 
         tl.store(cs_ptr + pc * tl.cdiv(R, B) + pr, inv)
 
 
+@triton.jit
+def _fp8_block_tile_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.constexpr, eps,
+                           ROW: tl.constexpr, COL: tl.constexpr, POW2: tl.constexpr, TWO_D: tl.constexpr,
+                           MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr,
+                           B: tl.constexpr, DTYPE: tl.constexpr, HW: tl.constexpr, PACK: tl.constexpr):
+    """One BxB tile per program, read from device memory once into registers (vector loads):
+    1D: the rowwise 1xB amaxes (axis 1) and columnwise Bx1 amaxes (axis 0) of the same tile;
+    2D: one amax for the tile. Rowwise codes leave in the natural layout, columnwise codes
+    through ``store_transposed_u8`` (the compiler's shared-memory transpose)."""
+    pr, pc = program_tile(C, B, B)
+    r0, c0 = pr * B, pc * B
+    lr = tl.arange(0, B)
+    lc = tl.arange(0, B)
+    rmask = (r0 + lr) < R
+    cmask = (c0 + lc) < C
+    mask = rmask[:, None] & cmask[None, :]
+    x = load_f32(x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc + tile_offsets(lr, lc, sxr, sxc),
+                 mask, DTYPE)
+    if TWO_D:
+        scale = current_scale(amax_nan(amax_nan(x, 1), 0), eps, FP8_MAX, POW2)
+        code = fp8_code(clamp_sym(x * scale, FP8_MAX), MBITS, BIAS, HW)
+        inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+        if ROW:
+            tl.store(rd_ptr + r0.to(tl.int64) * C + c0 + tile_offsets(lr, lc, C, 1), code, mask=mask)
+            tl.store(rs_ptr + pr * tl.cdiv(C, B) + pc, inv)
+        if COL:
+            store_transposed_u8(cd_ptr, code, lr, lc, r0, c0, R, C, PACK)
+            tl.store(cs_ptr + pc * tl.cdiv(R, B) + pr, inv)
+    else:
+        if ROW:
+            scale = current_scale(amax_nan(x, 1), eps, FP8_MAX, POW2)  # [B], one per row
+            code = fp8_code(clamp_sym(x * scale[:, None], FP8_MAX), MBITS, BIAS, HW)
+            tl.store(rd_ptr + r0.to(tl.int64) * C + c0 + tile_offsets(lr, lc, C, 1), code, mask=mask)
+            tl.store(rs_ptr + (r0 + lr).to(tl.int64) * tl.cdiv(C, B) + pc,
+                     tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=rmask)
+        if COL:
+            scale = current_scale(amax_nan(x, 0), eps, FP8_MAX, POW2)  # [B], one per column
+            code = fp8_code(clamp_sym(x * scale[None, :], FP8_MAX), MBITS, BIAS, HW)
+            store_transposed_u8(cd_ptr, code, lr, lc, r0, c0, R, C, PACK)
+            tl.store(cs_ptr + (c0 + lc).to(tl.int64) * tl.cdiv(R, B) + pr,
+                     tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=cmask)
+
+
 def quantize(x2: torch.Tensor, dtype: torch.dtype, *, block_dim: int = 1, block_size: int = 128,
              power_2_scale: bool = True, eps: float = 0.0, rowwise: bool = True,
              columnwise: bool = True, chunk: Optional[int] = None, row_slice: int = 16,
-             num_warps: Optional[int] = None, pack: bool = True) -> Copies:
+             num_warps: Optional[int] = None, pack: bool = True, method: str = "slices") -> Copies:
     """FP8-block-quantize 2D ``x2`` (any strides); returns ``(row, col)``, each
     ``(data, scale_inv)`` or None, equal to ``formats.fp8_block.quantize_1d(x2)`` /
     ``quantize_1d(x2.t())`` (``block_dim=2``: ``quantize_2d(x2)`` and its transpose).
@@ -159,7 +202,11 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, block_dim: int = 1, block_
     columnwise copy in ``chunk``-column passes (default min(128, B) / 4 warps: one column per
     thread). 2D: walked in ``chunk``-column slices (default 16 / 4 warps: the H200 sweep's
     fastest). ``pack``: transposed stores as int32 words of four rows when R % 4 == 0 (same bytes).
+    ``method="tile"``: one whole tile in registers instead (``chunk`` / ``row_slice`` unused;
+    :func:`_fp8_block_tile_kernel`); the same bits.
     """
+    if method not in ("slices", "tile"):
+        raise ValueError(f"method={method!r} is unknown; use 'slices' or 'tile'.")
     if block_dim not in (1, 2):
         raise ValueError(f"block_dim={block_dim} must be 1 or 2.")
     b = block_size
@@ -187,8 +234,14 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, block_dim: int = 1, block_
     dummy_f = torch.empty(1, dtype=torch.float32, device=dev)
     rd, rs = (row[0].view(torch.uint8), row[1]) if row else (dummy, dummy_f)
     cd, cs = (col[0].view(torch.uint8), col[1]) if col else (dummy, dummy_f)
-    kernel = _fp8_block_2d_kernel if block_dim == 2 else _fp8_block_1d_kernel
     grid = (triton.cdiv(rows, b) * triton.cdiv(cols, b),)
+    if method == "tile":
+        _fp8_block_tile_kernel[grid](
+            kernel_input(x2), rd, rs, cd, cs, rows, cols, x2.stride(0), x2.stride(1), f32(eps), ROW=rowwise,
+            COL=columnwise, POW2=power_2_scale, TWO_D=block_dim == 2, MBITS=mbits, BIAS=bias, FP8_MAX=fmax, B=b,
+            DTYPE=DTYPE_CODE[x2.dtype], HW=hw_fp8(dev), PACK=pack and rows % 4 == 0, num_warps=num_warps or 8)
+        return row, col
+    kernel = _fp8_block_2d_kernel if block_dim == 2 else _fp8_block_1d_kernel
     kernel[grid](kernel_input(x2), rd, rs, cd, cs, rows, cols, x2.stride(0), x2.stride(1), f32(eps),
                  ROW=rowwise, COL=columnwise, POW2=power_2_scale, MBITS=mbits, BIAS=bias,
                  FP8_MAX=fmax, B=b, DTYPE=DTYPE_CODE[x2.dtype], CW=cw, HW=hw_fp8(dev),

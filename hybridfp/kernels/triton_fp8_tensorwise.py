@@ -27,7 +27,7 @@ from ._common import (program_tile, empty, DTYPE_CODE, amax_bits, amax_nan, chec
 
 
 @triton.jit
-def _fp8_tensorwise_kernel(x_ptr, scale_ptr, amax_ptr, rd_ptr, cd_ptr, sinv_ptr, R, C, sxr, sxc,
+def _fp8_tensorwise_kernel(x_ptr, scale_ptr, amax_ptr, rd_ptr, cd_ptr, sinv_ptr, R, C, sxr, sxc: tl.constexpr,
                            eps, CURRENT: tl.constexpr, POW2: tl.constexpr, ROW: tl.constexpr,
                            COL: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
                            FP8_MAX: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr,

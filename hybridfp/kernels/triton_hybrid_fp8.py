@@ -44,7 +44,7 @@ def _rowwise_tensorwise(xbase, r0, c0, R, C, sxr, sxc, scale, rd_ptr, MBITS: tl.
 
 
 @triton.jit
-def _fp8_current_block_kernel(x_ptr, amax_ptr, rd_ptr, sinv_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc,
+def _fp8_current_block_kernel(x_ptr, amax_ptr, rd_ptr, sinv_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.constexpr,
                               row_eps, col_eps, ROW_POW2: tl.constexpr, ROW_MBITS: tl.constexpr,
                               ROW_BIAS: tl.constexpr, ROW_MAX: tl.constexpr, COL_POW2: tl.constexpr,
                               COL_MBITS: tl.constexpr, COL_BIAS: tl.constexpr, COL_MAX: tl.constexpr,

@@ -78,7 +78,7 @@ def col_block_32(xt, RCEIL: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexp
 
 
 @triton.jit
-def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc, RCP,
+def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.constexpr, RCP,
                      ROW: tl.constexpr, COL: tl.constexpr, RCEIL: tl.constexpr,
                      EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
                      FP8_MAX: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr,
@@ -118,7 +118,7 @@ def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc, RCP,
 
 
 @triton.jit
-def _mxfp8_2d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc, RCP,
+def _mxfp8_2d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.constexpr, RCP,
                      ROW: tl.constexpr, COL: tl.constexpr, RCEIL: tl.constexpr,
                      EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
                      FP8_MAX: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr,

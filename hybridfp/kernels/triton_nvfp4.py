@@ -207,7 +207,7 @@ def _nib(code, col, C, M: tl.constexpr):
 
 
 @triton.jit
-def _nvfp4_amax_kernel(x_ptr, amax_ptr, row_amax_ptr, rht_amax_ptr, R, C, sxr, sxc,
+def _nvfp4_amax_kernel(x_ptr, amax_ptr, row_amax_ptr, rht_amax_ptr, R, C, sxr, sxc: tl.constexpr,
                        AMAX: tl.constexpr, ROW_AMAX: tl.constexpr, RHT_AMAX: tl.constexpr,
                        DTYPE: tl.constexpr, BF16_NAN: tl.constexpr, BT: tl.constexpr,
                        BC: tl.constexpr):
@@ -350,7 +350,7 @@ def _col_copy_bytes(x, r0, c0, lr, lc, R, C, s_enc, s_dec, cd_ptr, cs_ptr, k0, k
 
 @triton.jit(do_not_specialize=["rk0", "rk1", "ck0", "ck1"])
 def _nvfp4_1d_kernel(x_ptr, ramax_ptr, camax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr,
-                     R, C, sxr, sxc, RCP6, rk0, rk1, ck0, ck1, ROW: tl.constexpr, COL: tl.constexpr,
+                     R, C, sxr, sxc: tl.constexpr, RCP6, rk0, rk1, ck0, ck1, ROW: tl.constexpr, COL: tl.constexpr,
                      ROW_SCALED: tl.constexpr, SR: tl.constexpr, RHT: tl.constexpr,
                      ROW_WORDS: tl.constexpr, COL_WORDS: tl.constexpr, HW: tl.constexpr,
                      DTYPE: tl.constexpr, BF16_NAN: tl.constexpr, BT: tl.constexpr,
@@ -385,7 +385,7 @@ def _nvfp4_1d_kernel(x_ptr, ramax_ptr, camax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr
 
 
 @triton.jit(do_not_specialize=["k0", "k1"])
-def _nvfp4_2d_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc,
+def _nvfp4_2d_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.constexpr,
                      RCP6, k0, k1, ROW: tl.constexpr, COL: tl.constexpr, SR: tl.constexpr,
                      HW: tl.constexpr, DTYPE: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     BR: tl.constexpr = 16 * BT

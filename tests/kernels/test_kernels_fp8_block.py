@@ -15,6 +15,7 @@ from quantize_kernel_cases import (DTYPES, EMPTY_SHAPES, GPU_SHAPES, assert_stor
 
 from hybridfp.formats import fp8_block  # noqa: E402
 from hybridfp.kernels import triton_fp8_block  # noqa: E402
+from hybridfp.kernels._common import poisoned_outputs  # noqa: E402
 from hybridfp.quantizers import Float8BlockQuantizer, HybridQuantizer, fast  # noqa: E402
 from hybridfp.quantizers.backends import kernels_enabled  # noqa: E402
 
@@ -120,3 +121,56 @@ def test_fp8_block_gpu_options(config, dtype):
 def test_fp8_block_gpu_one_direction(rowwise, columnwise):
     check_gpu(Float8BlockQuantizer(block_scaling_dim=1), gpu_input((4096, 4096), torch.bfloat16),
               rowwise, columnwise)
+
+
+def _check_tile_method(x: torch.Tensor, block_dim: int, block: int, pow2: bool, eps: float, pack: bool,
+                       rowwise: bool = True, columnwise: bool = True, dtype=E4M3) -> None:
+    """``method="tile"`` (whole tile in registers) against ``formats.fp8_block``, bytes and
+    scale bits."""
+    row, col = triton_fp8_block.quantize(x, dtype, block_dim=block_dim, block_size=block, power_2_scale=pow2,
+                                         eps=eps, pack=pack, rowwise=rowwise, columnwise=columnwise,
+                                         method="tile")
+    opts = dict(block=block, power_2_scale=pow2, eps=eps)
+    if block_dim == 2:
+        d, s = fp8_block.quantize_2d(x, dtype, **opts)
+        dc, sc = d.t(), s.t()
+    else:
+        d, s = fp8_block.quantize_1d(x, dtype, **opts)
+        dc, sc = fp8_block.quantize_1d(x.t(), dtype, **opts)
+    if rowwise:
+        assert torch.equal(row[0].view(torch.uint8), d.view(torch.uint8)), "rowwise data"
+        assert torch.equal(row[1].view(torch.int32), s.view(torch.int32)), "rowwise scale_inv"
+    else:
+        assert row is None
+    if columnwise:
+        assert torch.equal(col[0].view(torch.uint8), dc.contiguous().view(torch.uint8)), "columnwise data"
+        assert torch.equal(col[1].view(torch.int32), sc.contiguous().view(torch.int32)), "columnwise scale_inv"
+    else:
+        assert col is None
+
+
+@interpreter_only
+@pytest.mark.parametrize("block_dim", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,pack,transposed", [((100, 70), True, True), ((33, 50), False, False),
+                                                   ((64, 96), True, False)], ids=str)
+def test_fp8_block_tile_method(block_dim, dtype, shape, pack, transposed):
+    """The whole-tile kernel: 32-blocks, partial blocks, strided input, specials, all-zero block."""
+    x = edge_tensor(shape, dtype, seed=shape[0], specials=True)
+    x = x.t() if transposed else x
+    x[:32, :32] = 0.0
+    _check_tile_method(x, block_dim, 32, True, 0.0, pack)
+    _check_tile_method(x, block_dim, 32, False, 0.5, pack, dtype=E5M2)
+    _check_tile_method(x, block_dim, 32, True, 0.0, pack, rowwise=False)
+    _check_tile_method(x, block_dim, 32, True, 0.0, pack, columnwise=False)
+
+
+@gpu
+@pytest.mark.parametrize("block_dim", [1, 2])
+@pytest.mark.parametrize("shape", GPU_SHAPES + [(4113, 1000), (1000, 4113)], ids=str)
+def test_fp8_block_gpu_tile_method(block_dim, shape):
+    """The whole-tile kernel at real and awkward shapes (128-blocks), each direction alone too."""
+    x = gpu_input(shape, torch.bfloat16, specials=True)
+    with poisoned_outputs(0x7F):
+        for rowwise, columnwise in [(True, True), (True, False), (False, True)]:
+            _check_tile_method(x, block_dim, 128, True, 0.0, True, rowwise, columnwise)
