@@ -46,8 +46,8 @@ RECIPES: list[tuple[str, Callable[[], hybridfp.Recipe]]] = [
 ]
 TARGETS = {"hybridfp FP8 current": 1.30, "hybridfp MXFP8": 0.90,
            "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)": 0.90}
-#: recipes timed a second time with grouped_gemm's Triton path allowed on CUDA (it is off there
-#: until its GPU tests pass: gemm/grouped_triton.VERIFIED_ON) — what flipping it would give
+#: recipes timed a second time with grouped_gemm's Triton path allowed on CUDA (it is opt-in
+#: there: verified, but slower than per expert so far; gemm/grouped_triton.VERIFIED_ON)
 #: (FP8 per-tensor pairs keep cuBLAS FP8 and MXFP8 takes torch._grouped_mm: only Composer-2's
 #: row-scaled NVFP4 fprop is a candidate today)
 TRITON_VARIANTS = ("hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)",)

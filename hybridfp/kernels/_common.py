@@ -265,10 +265,14 @@ def clamp_max(v, m):
 
 @triton.jit
 def amax_nan(x, axis: tl.constexpr):
-    """max|x| over ``axis`` in FP32; the positive quiet NaN where the slice holds a NaN."""
-    a = tl.max(tl.abs(x), axis=axis)
-    has_nan = tl.max((x != x).to(tl.int32), axis=axis)
-    return tl.where(has_nan > 0, float("nan"), a)
+    """max|x| over ``axis`` in FP32; the positive quiet NaN where the slice holds a NaN.
+
+    One integer reduction of the magnitude bits ``bits & 0x7FFFFFFF``: non-negative FP32
+    numbers order like their bits, and every NaN's bits lie above +inf's, so the max is the
+    amax, or a NaN (made the canonical quiet NaN). Half the cross-thread work of a float max
+    plus a separate NaN flag."""
+    m = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=axis)
+    return tl.where(m > 0x7F800000, 0x7FC00000, m).to(tl.float32, bitcast=True)
 
 
 @triton.jit

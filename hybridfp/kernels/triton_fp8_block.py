@@ -194,7 +194,7 @@ def _fp8_block_tile_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc
 def quantize(x2: torch.Tensor, dtype: torch.dtype, *, block_dim: int = 1, block_size: int = 128,
              power_2_scale: bool = True, eps: float = 0.0, rowwise: bool = True,
              columnwise: bool = True, chunk: Optional[int] = None, row_slice: int = 16,
-             num_warps: Optional[int] = None, pack: bool = True, method: str = "slices") -> Copies:
+             num_warps: Optional[int] = None, pack: bool = True, method: Optional[str] = None) -> Copies:
     """FP8-block-quantize 2D ``x2`` (any strides); returns ``(row, col)``, each
     ``(data, scale_inv)`` or None, equal to ``formats.fp8_block.quantize_1d(x2)`` /
     ``quantize_1d(x2.t())`` (``block_dim=2``: ``quantize_2d(x2)`` and its transpose).
@@ -203,8 +203,11 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, block_dim: int = 1, block_
     thread). 2D: walked in ``chunk``-column slices (default 16 / 4 warps: the H200 sweep's
     fastest). ``pack``: transposed stores as int32 words of four rows when R % 4 == 0 (same bytes).
     ``method="tile"``: one whole tile in registers instead (``chunk`` / ``row_slice`` unused;
-    :func:`_fp8_block_tile_kernel`); the same bits.
+    :func:`_fp8_block_tile_kernel`); the same bits. Default: "tile" for 2D (one amax per tile:
+    0.110 ms vs 0.239 ms at 16384x4096 BF16 row+col on the H200, 8 warps), "slices" for 1D (the
+    whole-tile kernel's per-column amax across warps made it slower: 0.24 vs 0.185 ms).
     """
+    method = method or ("tile" if block_dim == 2 else "slices")
     if method not in ("slices", "tile"):
         raise ValueError(f"method={method!r} is unknown; use 'slices' or 'tile'.")
     if block_dim not in (1, 2):
