@@ -80,6 +80,24 @@ def measure(step: Callable[[], None], reps: int) -> tuple[float, int]:
     return statistics.median(times), sum(counter.ops.values())
 
 
+def ops_per_step(recipe: hybridfp.Recipe, experts: int, hidden: int = 64, ffn: int = 128,
+                 tokens_per_expert: int = 24) -> int:
+    """Aten ops one forward + backward step dispatches (after a warm-up step), on the CPU."""
+    torch.manual_seed(0)
+    splits = splits_for(experts, tokens_per_expert)
+    m = hybridfp.GroupedLinear(experts, hidden, ffn, bias=False, params_dtype=torch.bfloat16)
+    x = torch.randn(sum(splits), hidden, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(sum(splits), ffn, dtype=torch.bfloat16)
+    step = make_step(m, x, dy, splits, recipe)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step()
+        counter = OpCounter()
+        with counter:
+            step()
+    return sum(counter.ops.values())
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--experts", type=int, default=64)

@@ -51,7 +51,7 @@ import torch
 
 from ..tensors.storage import GemmOperand, QuantizedStorage
 from . import fast
-from .backends import emulate, select
+from .backends import emulate, report_emulated, select
 from .bf16_decode import bf16_exact_reason, decode_bf16
 from .gemm import GEMM_OF_LAYOUT, LAYOUTS, gemm, operand_storage
 from . import grouped_triton
@@ -137,7 +137,7 @@ def grouped_gemm(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: s
         out = grouped_triton.run(sa, sb, layout, out_dtype, biases)
     if out is None:  # per expert (also when a copy turned out to carry an epilogue factor)
         path = PER_EXPERT
-        out = _run_per_expert(A, B, layout, out_dtype, biases)
+        out = _run_per_expert(A, B, layout, out_dtype, biases, sa, sb)
     PATH_COUNTS[(GEMM_OF_LAYOUT[layout], path)] += 1
     return out
 
@@ -340,8 +340,53 @@ def _run_fp8_rowwise(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStora
 
 
 def _run_per_expert(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: str, out_dtype: torch.dtype,
-                    biases: Optional[Sequence[Optional[torch.Tensor]]]) -> Union[torch.Tensor, list[torch.Tensor]]:
-    """Path 3: ``gemm`` per expert."""
+                    biases: Optional[Sequence[Optional[torch.Tensor]]], sa: Sequence[QuantizedStorage],
+                    sb: Sequence[QuantizedStorage]) -> Union[torch.Tensor, list[torch.Tensor]]:
+    """Path 4: ``gemm`` per expert; where every pair runs on the exact emulation, the same
+    ``emulate`` per expert on operands decoded once per joined copy (``_emulated_operands``)."""
     bs = biases if biases is not None else [None] * len(A)
-    outs = [gemm(a, b, layout, out_dtype=out_dtype, bias=bias) for a, b, bias in zip(A, B, bs)]
+    ops = _emulated_operands(sa, sb, layout)
+    if ops is None:
+        outs = [gemm(a, b, layout, out_dtype=out_dtype, bias=bias) for a, b, bias in zip(A, B, bs)]
+    else:
+        n = _dims(sa[0], sb[0], layout)[1]
+        for bias in bs:
+            if bias is not None and tuple(bias.shape) != (n,):
+                raise ValueError(f"gemm bias must have shape [{n}]; got {tuple(bias.shape)}.")
+        outs = [emulate(a, b, out_dtype, bias) for a, b, bias in zip(*ops, bs)]
     return outs if layout == "NT" else torch.cat(outs)
+
+
+def _emulated_operands(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str
+                       ) -> Optional[tuple[list[GemmOperand], list[GemmOperand]]]:
+    """Every expert's GEMM operands as ``gemm()`` hands them to the exact emulation, or None if
+    some pair has a fast backend (then ``gemm()`` per expert). A copy that is consecutive row
+    blocks of one buffer (``joined_rows``: shared row-local encodings, stacked weights) is
+    block-decoded once and cut by rows: elementwise decoding makes the cuts bitwise each
+    expert's own decode. The emulation is reported once per pair, as ``gemm()`` does."""
+    da, db = LAYOUTS[layout]
+    device = sa[0].device
+    pairs = {}
+    for a, b in zip(sa, sb):
+        pairs.setdefault((a.format_key(da), b.format_key(db)), a.label or b.label or "a direct gemm() call")
+    if any(select(ka, kb, layout, device) is not None for ka, kb in pairs):
+        return None
+    for (ka, kb), role in pairs.items():
+        report_emulated(GEMM_OF_LAYOUT[layout], role, ka, kb, layout, device)
+    return _decoded(sa, da), _decoded(sb, db)
+
+
+def _decoded(storages: Sequence[QuantizedStorage], direction: str) -> list[GemmOperand]:
+    """``s.gemm_operand(direction)`` per storage; a joined copy decoded in one call."""
+    joined = joined_rows(storages, direction)
+    if joined is None:
+        return [s.part(direction).gemm_operand(direction) for s in storages]
+    whole = joined.gemm_operand(direction)
+    per_row = whole.scale is not None and whole.scale.dim() == 1
+    out, start = [], 0
+    for s in storages:
+        stop = start + s.part(direction).rows
+        scale = whole.scale[start:stop] if per_row else whole.scale
+        out.append(GemmOperand(whole.values[start:stop], scale, whole.k, whole.rht))
+        start = stop
+    return out

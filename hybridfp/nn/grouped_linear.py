@@ -21,9 +21,9 @@ from torch import nn
 
 from ..gemm.grouped import grouped_gemm
 from ..quantizers import HybridQuantizer, Quantizer
-from ..quantizers.grouped import quantize_grouped
+from ..quantizers.grouped import quantize_grouped, quantize_weights_grouped
 from ..recipes import current_autocast
-from ..tensors import QuantizedTensor
+from ..tensors import COLUMNWISE, QuantizedTensor
 from .base import SLOTS, QuantizedModule
 from .linear_function import LinearContext, bias_grad, pack, torch_autocast_off, unpack
 
@@ -104,7 +104,7 @@ def _fprop_operands(x: torch.Tensor, m_splits: list[int], weights: Sequence[torc
             qws.append(weight(i))
         return qxs, qws
     qxs = _quantize_inputs(x, m_splits, lcs, needs_wgrad)
-    return qxs, [weight(i) for i in range(len(lcs))]
+    return qxs, lcs[0].module.quantized_weights(weights, [lc.weight_q for lc in lcs], needs_dgrad)
 
 
 def _quantize_inputs(x: torch.Tensor, m_splits: list[int], lcs: list[LinearContext],
@@ -193,6 +193,37 @@ class GroupedLinear(QuantizedModule):
     def biases(self) -> list[nn.Parameter]:
         """Expert biases in order (empty without bias)."""
         return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else []
+
+    def quantized_weights(self, weights: Sequence[torch.Tensor], qs: Sequence[Quantizer],
+                          columnwise: bool) -> list[torch.Tensor]:
+        """Every expert's ``quantized_weight`` (same cache entries), the ones not cached quantized
+        together by ``quantize_weights_grouped`` (one encoding of the stacked weights where the
+        formats allow; bitwise each expert's own)."""
+        out: list[Optional[torch.Tensor]] = [None] * len(weights)
+        missing = []
+        for i, (w, q) in enumerate(zip(weights, qs)):
+            if isinstance(w, QuantizedTensor):  # already quantized (quantized parameters)
+                out[i] = w
+                continue
+            hit = self._wcache.get(i)
+            if (hit is not None and hit[0] == self._weight_key(w, q)
+                    and (not columnwise or hit[1].has_direction(COLUMNWISE))):
+                out[i] = hit[1]
+            else:
+                missing.append(i)
+        if missing:
+            keys = [self._weight_key(weights[i], qs[i]) for i in missing]  # before quantizing
+            for i in missing:
+                qs[i].set_usage(rowwise=True, columnwise=columnwise)
+            qws = quantize_weights_grouped([qs[i] for i in missing], [weights[i] for i in missing])
+            for i, key, qw in zip(missing, keys, qws):
+                self._wcache[i] = (key, qw, weights[i])
+                out[i] = qw
+        return out  # type: ignore[return-value]
+
+    def _weight_key(self, weight: torch.Tensor, q: Quantizer) -> tuple:
+        """The cache key ``QuantizedModule.quantized_weight`` uses (same entries, either path)."""
+        return (weight._version, weight.data_ptr(), id(weight), q.state_version(), self._qkey)
 
     def _check_splits(self, x: torch.Tensor, m_splits: Sequence[int]) -> list[int]:
         splits = [int(m) for m in (m_splits.tolist() if torch.is_tensor(m_splits) else m_splits)]

@@ -3,14 +3,22 @@ with its own quantizer, in as few calls as the formats allow.
 
 Expert e owns rows ``[o_e, o_e + m_e)`` of ``x`` and quantizes them with ``quantizers[e]``
 (usage flags as set on it). The result is, bit for bit, what ``quantizers[e].quantize(x_e)``
-gives, but a copy whose scaling is *row-local* — every row's codes and scales depend on that
-row alone: blocks along the row, no per-tensor scale, no random draws — is encoded once for
-all experts and handed to each expert as row-slice views (no copy). Row-local rowwise copies
-(``ROW_LOCAL``): Identity, MXFP8 1x32, FP8 block 1x128, row-scaled NVFP4; for a hybrid, its
-rowwise child's. Columnwise copies (blocks run along the rows, across what would be expert
-boundaries) and per-tensor-scaled formats (FP8 per-tensor, NVFP4 with a global amax: each
-expert's own amax) are encoded per expert, exactly as before; a hybrid with
-``columnwise_source="rowwise_dequantized"`` dequantizes the shared rowwise copy once.
+gives, but a copy whose blocks never need to straddle two experts is encoded once for all
+experts and handed out per expert (row slices; column slices copied contiguous):
+
+- rowwise copies that are *row-local* (``ROW_LOCAL``: every row's codes and scales depend on
+  that row alone — Identity, MXFP8 1x32, FP8 block 1x128, row-scaled NVFP4) are encoded once
+  and sliced into views (adjacent: ``gemm.joined.joined_rows`` reads them without a copy);
+  *tile-local* ones (``ROW_TILE``: MXFP8 32x32, FP8 block 128x128) likewise when every group
+  is a multiple of the tile height (an MoE layer's stacked weights, ``quantize_weights_grouped``).
+- columnwise copies with blocks along the rows and no per-tensor scale (``COLUMN_BLOCK``: MXFP8
+  32x1, FP8 block 128x1 and 128x128) are encoded once from the groups zero-padded to whole
+  blocks (zeros never raise a block amax, and a group's blocks then hold only its own rows).
+- per-tensor-scaled copies (FP8 per-tensor, NVFP4 with a global amax) and copies with random
+  draws are encoded per expert (each expert's own amax / seed), as the per-expert loop does.
+
+A hybrid with ``columnwise_source="rowwise_dequantized"`` derives its columnwise source from
+the rowwise copies (dequantized once when they are shared).
 """
 
 from __future__ import annotations
@@ -19,9 +27,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..formats.common import check_input
+from ..formats.common import ceil_div, check_input
 from ..tensors import HybridStorage, QuantizedStorage, QuantizedTensor
-from ..tensors.storage import COLUMNWISE, ROWWISE
+from ..tensors.storage import COLUMNWISE, ROWWISE, Payload
 from .base import Quantizer
 from .float8_block import Float8BlockQuantizer
 from .hybrid import HybridQuantizer
@@ -40,6 +48,16 @@ ROW_LOCAL: dict[type, Callable[[Quantizer], Optional[str]]] = {
     # row scaling excludes RHT, 2D and stochastic rounding (the quantizer refuses them)
     NVFP4Quantizer: lambda q: SEPARATE if q.row_scaled_nvfp4 else None,
 }
+#: Tile height of a 2D-scaled rowwise copy (codes and scales depend on whole tiles of rows).
+ROW_TILE: dict[type, Callable[[Quantizer], Optional[int]]] = {
+    MXFP8Quantizer: lambda q: 32 if q.with_2d_quantization else None,
+    Float8BlockQuantizer: lambda q: 128 if q.block_scaling_dim == 2 else None,
+}
+#: Rows per block of a columnwise copy that holds block scales only (no per-tensor entry).
+COLUMN_BLOCK: dict[type, Callable[[Quantizer], Optional[int]]] = {
+    MXFP8Quantizer: lambda q: 32,
+    Float8BlockQuantizer: lambda q: 128,
+}
 
 
 def row_local_mode(q: Quantizer) -> Optional[str]:
@@ -50,12 +68,27 @@ def row_local_mode(q: Quantizer) -> Optional[str]:
     return None if rule is None else rule(q)
 
 
+def _row_block(q: Quantizer) -> Optional[int]:
+    """Rows that ``q``'s rowwise codes depend on together: 1 (row-local), a tile height, or None."""
+    if row_local_mode(q) is not None:
+        return 1
+    rule = ROW_TILE.get(type(q))
+    return None if rule is None or q.uses_randomness() else rule(q)
+
+
+def _column_block(q: Quantizer) -> Optional[int]:
+    """Rows per block of ``q``'s columnwise copy if groups padded to it can share one encoding."""
+    rule = COLUMN_BLOCK.get(type(q))
+    return None if rule is None or q.uses_randomness() else rule(q)
+
+
 def quantize_grouped(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor,
                      splits: Sequence[int]) -> list[Optional[QuantizedTensor]]:
     """``[quantizers[e].quantize(x_e) for each row group x_e of x]``, bitwise, with shared
-    row-local rowwise encodings (module docstring). ``quantizers[e] is None``: expert e needs no
-    copy (its entry is None). ``x``: [Σ splits, K] high-precision, no autograd (call it inside an
-    autograd.Function or under no_grad)."""
+    encodings where the formats allow (module docstring). ``quantizers[e] is None``: expert e
+    needs no copy (its entry is None). ``x``: [Σ splits, K] high-precision, no autograd (call it
+    inside an autograd.Function or under no_grad)."""
+    splits = [int(m) for m in splits]
     if len(quantizers) != len(splits):
         raise ValueError(f"quantize_grouped: {len(quantizers)} quantizers for {len(splits)} row groups; "
                          "pass one (or None) per expert.")
@@ -66,57 +99,62 @@ def quantize_grouped(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor,
         raise ValueError("quantize_grouped does not record autograd; call it with grad disabled "
                          "(inside an autograd.Function) or on x.detach().")
     used = [q for q in quantizers if q is not None]
-    row_q = _shared_rowwise_quantizer(used)
-    if row_q is None:
-        return [None if q is None else q.quantize(xe) for q, xe in zip(quantizers, torch.split(x, list(splits)))]
+    plan = _plan(quantizers, splits)
+    if plan is None:
+        return [None if q is None else q.quantize(xe) for q, xe in zip(quantizers, torch.split(x, splits))]
     for q in used:
         if not (q.rowwise_usage or q.columnwise_usage):
             raise ValueError(f"{q!r} has rowwise_usage=False and columnwise_usage=False: "
                              "enable at least one with set_usage().")
     check_input(x, f"input of {used[0]!r}" + (f" (role: {used[0].label})" if used[0].label else ""))
-    return _quantize_shared_rows(quantizers, row_q, x, splits)
+    return _quantize_planned(quantizers, plan, x, splits)
+
+
+def quantize_weights_grouped(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor]
+                             ) -> list[QuantizedTensor]:
+    """``[q.quantize(w) for q, w in zip(quantizers, weights)]`` for experts' [N, K] weights of
+    one shape, bitwise: the weights are stacked to [E*N, K] (one copy) and quantized as row
+    groups of N rows, so row-local / tile-local copies and columnwise block copies (N a whole
+    number of blocks: no padding) are encoded once for all experts."""
+    shape = weights[0].shape
+    if any(w.shape != shape or w.dim() != 2 for w in weights):
+        raise ValueError(f"quantize_weights_grouped: the experts' weights must be 2D of one shape; got "
+                         f"{sorted({tuple(w.shape) for w in weights})}.")
+    with torch.no_grad():
+        if not _worth_stacking(quantizers, weights):
+            return [q.quantize(w) for q, w in zip(quantizers, weights)]
+        stacked = torch.stack(list(weights)).reshape(-1, shape[1])
+        out = quantize_grouped(list(quantizers), stacked, [shape[0]] * len(weights))
+    return [t for t in out if t is not None]
+
+
+def _worth_stacking(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor]) -> bool:
+    """Whether one encoding of the stacked weights saves work: some copy is shared, and not
+    only Identity passthroughs (each expert's is a view of its weight; stacking would copy)."""
+    if len(weights) < 2 or len({w.dtype for w in weights}) > 1:
+        return False
+    plan = _plan(list(quantizers), [weights[0].shape[0]] * len(weights))
+    if plan is None:
+        return False
+    return any(q is not None and not isinstance(q, IdentityQuantizer) for q in (plan.row_q, plan.col_q))
+
+
+# ---------------------------------------------------------------------------- planning
+class _Plan:
+    """What is shared: the rowwise quantizer and its row block (or None: per expert), the
+    columnwise quantizer and its row block (or None), and whether derived sources are needed."""
+
+    def __init__(self, row_q: Optional[Quantizer], row_block: Optional[int],
+                 col_q: Optional[Quantizer], col_block: Optional[int]) -> None:
+        self.row_q, self.row_block, self.col_q, self.col_block = row_q, row_block, col_q, col_block
 
 
 def _rowwise_child(q: Quantizer) -> Quantizer:
     return q.rowwise_quantizer if isinstance(q, HybridQuantizer) else q
 
 
-def _shared_rowwise_quantizer(used: Sequence[Quantizer]) -> Optional[Quantizer]:
-    """The quantizer that can encode every expert's rowwise copy in one call (expert 0's
-    rowwise quantizer), or None when the experts' rowwise copies are not all row-local with
-    the same settings (then each expert quantizes on its own)."""
-    if not used or any(q.uses_randomness() for q in used):
-        return None
-    if any("quantize" in vars(q) for q in used):
-        return None  # quantize() wrapped on the instance (hooks, spies): it must see every call
-    if not any(q.rowwise_usage or _derives_columnwise(q) for q in used):
-        return None  # nobody reads the rows: a shared encoding would be wasted work
-    kinds = {(type(q), getattr(q, "columnwise_source", None)) for q in used}
-    rows = [_rowwise_child(q) for q in used]
-    first = rows[0]
-    if len(kinds) > 1 or row_local_mode(first) is None:
-        return None
-    if any(type(r) is not type(first) or r.settings() != first.settings() for r in rows):
-        return None
-    return first
-
-
-def _quantize_shared_rows(quantizers: Sequence[Optional[Quantizer]], row_q: Quantizer, x: torch.Tensor,
-                          splits: Sequence[int]) -> list[Optional[QuantizedTensor]]:
-    """One rowwise encoding of x for all experts, sliced by rows; columnwise copies per expert."""
-    rows = row_q.encode(x, True, False, None)
-    derived: Optional[torch.Tensor] = None  # rowwise_dequantized sources, all experts at once
-    out: list[Optional[QuantizedTensor]] = []
-    start = 0
-    for q, m in zip(quantizers, splits):
-        stop = start + m
-        if q is not None and _derives_columnwise(q) and derived is None:
-            # the forward's value exactly, in FP32 (as HybridQuantizer.reference_encode)
-            derived = rows.dequantize(torch.float32, ROWWISE)
-        out.append(None if q is None else
-                   QuantizedTensor(_expert_storage(q, rows, x, derived, start, stop), q))
-        start = stop
-    return out
+def _columnwise_child(q: Quantizer) -> Quantizer:
+    return q.columnwise_quantizer if isinstance(q, HybridQuantizer) else q
 
 
 def _derives_columnwise(q: Quantizer) -> bool:
@@ -124,40 +162,178 @@ def _derives_columnwise(q: Quantizer) -> bool:
             and q.columnwise_source == "rowwise_dequantized")
 
 
-def _expert_storage(q: Quantizer, rows: QuantizedStorage, x: torch.Tensor, derived: Optional[torch.Tensor],
-                    start: int, stop: int) -> QuantizedStorage:
-    """Expert storage: rows [start, stop) of the shared rowwise encoding (if q asks for the
-    rowwise copy) and its own columnwise copy (if asked), as ``q.encode(x_e, ...)`` builds it.
-    ``derived``: the shared encoding dequantized (rowwise_dequantized hybrids)."""
-    shape = torch.Size((stop - start, x.shape[1]))
-    row_part = _row_slice(rows, start, stop, _rowwise_child(q).label) if q.rowwise_usage else None
-    if isinstance(q, HybridQuantizer):
+def _same_settings(qs: Sequence[Quantizer]) -> bool:
+    first = qs[0]
+    return all(type(q) is type(first) and q.settings() == first.settings() for q in qs)
+
+
+def _plan(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[int]) -> Optional[_Plan]:
+    """The shared encodings for these experts, or None when nothing can be shared (then each
+    expert quantizes on its own, ``quantize`` and all)."""
+    used = [q for q in quantizers if q is not None]
+    if not used or any(q.uses_randomness() for q in used):
+        return None  # random draws are seeded per quantize() call: keep the calls
+    if any("quantize" in vars(q) for q in used):
+        return None  # quantize() wrapped on the instance (hooks, spies): it must see every call
+    if len({(type(q), getattr(q, "columnwise_source", None)) for q in used}) > 1:
+        return None
+    row_q, row_block = _row_plan(used, splits)
+    col_q, col_block = _col_plan(quantizers, used, row_q is not None)
+    if row_q is None and col_q is None:
+        return None
+    return _Plan(row_q, row_block, col_q, col_block)
+
+
+def _row_plan(used: Sequence[Quantizer], splits: Sequence[int]) -> tuple[Optional[Quantizer], Optional[int]]:
+    if not any(q.rowwise_usage or _derives_columnwise(q) for q in used):
+        return None, None  # nobody reads the rows: a shared encoding would be wasted work
+    rows = [_rowwise_child(q) for q in used]
+    block = _row_block(rows[0])
+    if block is None or not _same_settings(rows) or any(m % block for m in splits):
+        return None, None
+    return rows[0], block
+
+
+def _col_plan(quantizers: Sequence[Optional[Quantizer]], used: Sequence[Quantizer],
+              rows_shared: bool) -> tuple[Optional[Quantizer], Optional[int]]:
+    if not any(q.columnwise_usage for q in used):
+        return None, None
+    cols = [_columnwise_child(q) for q in used]
+    block = _column_block(cols[0])
+    if block is None or not _same_settings(cols):
+        return None, None
+    if any(_derives_columnwise(q) for q in used) and not rows_shared:
+        # the derived source is then made per expert: every expert must make it
+        if any(q is None or not _derives_columnwise(q) for q in quantizers):
+            return None, None
+    return cols[0], block
+
+
+# ---------------------------------------------------------------------------- encoding
+def _offsets(splits: Sequence[int], block: int) -> list[int]:
+    """Start row of each group once every group is padded to whole blocks."""
+    out, at = [], 0
+    for m in splits:
+        out.append(at)
+        at += ceil_div(m, block) * block
+    return out
+
+
+def _padded(src: torch.Tensor, splits: Sequence[int], block: int) -> tuple[torch.Tensor, list[int]]:
+    """``src`` with each row group zero-padded to a multiple of ``block`` rows (no copy when
+    every group already is), and the groups' start rows."""
+    starts = _offsets(splits, block)
+    if all(m % block == 0 for m in splits):
+        return src, starts
+    total = starts[-1] + ceil_div(splits[-1], block) * block
+    # destination row of source row r: r + (padding before its group), in O(1) ops for all groups
+    shifts = torch.tensor([p - s for p, s in zip(starts, _offsets(splits, 1))], device=src.device)
+    counts = torch.tensor(splits, device=src.device)
+    index = torch.arange(src.shape[0], device=src.device) + torch.repeat_interleave(
+        shifts, counts, output_size=src.shape[0])  # output_size: no device sync
+    out = src.new_zeros(total, src.shape[1])
+    out.index_copy_(0, index, src)
+    return out, starts
+
+
+def _narrow(storage: QuantizedStorage, direction: str, start: int, rows: int) -> Payload:
+    """Rows [start, start + rows) of ``direction``'s payload (``start`` on a block boundary):
+    views along dim 0, contiguous copies along dim 1 (columnwise copies are stored transposed)."""
+    out: Payload = {}
+    index = storage._row_index[direction]
+    for name, t in storage.payload(direction).items():
+        axis, div = index[name]  # shared formats hold no per-tensor entry (None)
+        part = t.narrow(axis, start // div, ceil_div(rows, div))
+        out[name] = part if axis == 0 else part.contiguous()
+    return out
+
+
+def _quantize_planned(quantizers: Sequence[Optional[Quantizer]], plan: _Plan, x: torch.Tensor,
+                      splits: Sequence[int]) -> list[Optional[QuantizedTensor]]:
+    used = [q for q in quantizers if q is not None]
+    starts = _offsets(splits, 1)
+    if (plan.row_q is not None and plan.col_q is plan.row_q  # one plain quantizer for both copies
+            and all(m % plan.col_block == 0 for m in splits)):
+        # no padding (e.g. stacked weights): one call writes both copies (one kernel pass)
+        both = plan.row_q.encode(x, True, True, None)
+        return _assemble(quantizers, x, splits, both, both, starts, [])
+    rows = plan.row_q.encode(x, True, False, None) if plan.row_q is not None else None
+    own_rows: list[Optional[QuantizedStorage]] = [None] * len(splits)
+    if rows is None:  # per expert, where read (rowwise usage or a derived columnwise source)
+        for e, (q, s, m) in enumerate(zip(quantizers, starts, splits)):
+            if q is not None and (q.rowwise_usage or _derives_columnwise(q)):
+                own_rows[e] = _rowwise_child(q).encode(x[s:s + m], True, False, None)
+    cols, col_starts = None, None
+    if plan.col_q is not None:
+        if any(_derives_columnwise(q) for q in used):
+            # the forward's value exactly, in FP32 (as HybridQuantizer.reference_encode)
+            src = (rows.dequantize(torch.float32, ROWWISE) if rows is not None else
+                   torch.cat([r.dequantize(torch.float32, ROWWISE) for r in own_rows]))
+        else:
+            src = x
+        padded, col_starts = _padded(src, splits, plan.col_block)
+        cols = plan.col_q.encode(padded, False, True, None)
+    return _assemble(quantizers, x, splits, rows, cols, col_starts, own_rows)
+
+
+def _assemble(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor, splits: Sequence[int],
+              rows: Optional[QuantizedStorage], cols: Optional[QuantizedStorage],
+              col_starts: Optional[list[int]], own_rows: Sequence[Optional[QuantizedStorage]]
+              ) -> list[Optional[QuantizedTensor]]:
+    """Each expert's tensor from the shared encodings (``rows`` unpadded; ``cols`` with groups
+    starting at ``col_starts``) or its own rowwise encoding (``own_rows``)."""
+    starts = _offsets(splits, 1)
+    out: list[Optional[QuantizedTensor]] = []
+    for e, (q, s, m) in enumerate(zip(quantizers, starts, splits)):
+        if q is None:
+            out.append(None)
+            continue
+        row_part = None
+        if q.rowwise_usage or _derives_columnwise(q) or (rows is not None and row_local_mode(q) == SHARED):
+            row_part = (_rebuild(rows, _narrow(rows, ROWWISE, s, m), None, _rowwise_child(q).label, m)
+                        if rows is not None else own_rows[e])
         col_part = None
-        if q.columnwise_usage:
-            src = derived[start:stop] if _derives_columnwise(q) else x[start:stop]
+        if q.columnwise_usage and cols is not None:
+            col_part = _rebuild(cols, None, _narrow(cols, COLUMNWISE, col_starts[e], m),
+                                _columnwise_child(q).label, m)
+        out.append(QuantizedTensor(_expert_storage(q, x[s:s + m], row_part, col_part), q))
+    return out
+
+
+def _expert_storage(q: Quantizer, xe: torch.Tensor, row_part: Optional[QuantizedStorage],
+                    col_part: Optional[QuantizedStorage]) -> QuantizedStorage:
+    """Expert storage as ``q.encode(x_e, ...)`` builds it, from the shared parts (and the
+    expert's own encoding of a copy that is not shared)."""
+    shape = torch.Size(xe.shape)
+    if isinstance(q, HybridQuantizer):
+        if q.columnwise_usage and col_part is None:
+            src = row_part.dequantize(torch.float32, ROWWISE) if _derives_columnwise(q) else xe
             col_part = q.columnwise_quantizer.encode(src, False, True, None)
-        elif q.columnwise_source == "original":
-            q.columnwise_quantizer.observe(x[start:stop])  # as the hybrid does for its idle child
-        if row_part is None and not _derives_columnwise(q):  # a derived copy made a transient rowwise one
-            q.rowwise_quantizer.observe(x[start:stop])
-        return HybridStorage(shape, x.dtype, row_part, col_part, label=q.label)
-    if row_local_mode(q) == SHARED:  # one payload serves both copies
-        part = row_part if row_part is not None else _row_slice(rows, start, stop, q.label)
+        elif not q.columnwise_usage and q.columnwise_source == "original":
+            q.columnwise_quantizer.observe(xe)  # as the hybrid does for its idle child
+        if not q.rowwise_usage and not _derives_columnwise(q):
+            q.rowwise_quantizer.observe(xe)
+        return HybridStorage(shape, xe.dtype, row_part if q.rowwise_usage else None, col_part, label=q.label)
+    if row_local_mode(q) == SHARED:  # one payload serves both copies (Identity)
+        part = row_part if row_part is not None else q.encode(xe, True, False, None)
         p = part.payloads[ROWWISE]
-        return _rebuild(part, p if q.rowwise_usage else None, p if q.columnwise_usage else None, q.label)
-    col = q.encode(x[start:stop], False, True, None).payloads[COLUMNWISE] if q.columnwise_usage else None
-    row = row_part.payloads[ROWWISE] if row_part is not None else None
-    return _rebuild(rows, row, col, q.label, shape)
+        return _rebuild(part, p if q.rowwise_usage else None, p if q.columnwise_usage else None,
+                        q.label, shape[0])
+    if q.columnwise_usage and col_part is None:
+        if row_part is None and q.rowwise_usage:  # nothing shared for this expert: one call
+            return q.encode(xe, True, True, None)
+        col_part = q.encode(xe, False, True, None)
+    if q.rowwise_usage and row_part is None:
+        row_part = q.encode(xe, True, False, None)
+    like = row_part if row_part is not None else col_part
+    return _rebuild(like, row_part.payloads[ROWWISE] if row_part is not None and q.rowwise_usage else None,
+                    col_part.payloads[COLUMNWISE] if col_part is not None else None, q.label, shape[0])
 
 
-def _row_slice(rows: QuantizedStorage, start: int, stop: int, label: str) -> QuantizedStorage:
-    """Rows [start, stop) of the shared rowwise encoding as a storage of their own."""
-    part = rows.slice_dim0(start, stop)
-    return _rebuild(part, part.payloads[ROWWISE], None, label)
-
-
-def _rebuild(like: QuantizedStorage, row, col, label: str, shape: Optional[torch.Size] = None) -> QuantizedStorage:
-    """A storage of ``like``'s class, dtype and options (and shape, unless given) with these
-    payloads: an expert's own storage, not marked as a slice (row-local formats hold no
-    per-tensor entries that a slice would share)."""
-    return type(like)(like.shape if shape is None else shape, like.dtype, row, col, label=label, **like.meta)
+def _rebuild(like: QuantizedStorage, row: Optional[Payload], col: Optional[Payload], label: str,
+             rows: int) -> QuantizedStorage:
+    """A storage of ``like``'s class, dtype and options with these payloads and ``rows`` rows:
+    an expert's own storage, not marked as a slice (shared formats hold no per-tensor entries
+    that a slice would share)."""
+    shape = torch.Size((rows, like.shape[-1]))
+    return type(like)(shape, like.dtype, row, col, label=label, **like.meta)

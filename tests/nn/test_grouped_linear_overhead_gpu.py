@@ -1,0 +1,48 @@
+"""On the GPU (quantize kernels, grouped GEMM paths): a GroupedLinear step with the grouped
+quantization of x, dy and the stacked weights equals the per-expert loop bitwise, at the MoE
+benchmark's expert shape (hidden 4096, ffn 1408: whole 32- and 128-row weight blocks) with
+uneven token counts. Run on the lent H200 (``pytest -m gpu``)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from nn_cases import assert_bitwise
+from test_grouped_linear_overhead import FACTORIES, per_expert_loop
+
+from hybridfp import CustomRecipe, GroupedLinear, autocast
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+HIDDEN, FFN = 4096, 1408
+SPLITS = [0, 517, 33, 1024, 1, 250, 96, 700]
+
+
+def cuda_step(m: GroupedLinear, factory):
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(sum(SPLITS), HIDDEN, generator=g, device="cuda").bfloat16().requires_grad_()
+    dy = torch.randn(sum(SPLITS), FFN, generator=g, device="cuda").bfloat16()
+    torch.manual_seed(11)
+    with autocast(recipe=CustomRecipe(qfactory=factory)):
+        y = m(x, SPLITS)
+    y.backward(dy)
+    return y.detach(), x.grad, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", ["high_precision", "mxfp8", "current_scaling", "float8_block_scaling",
+                                  "nvfp4_row_scaled_fwd_mxfp8_bwd"])
+def test_step_equals_per_expert_loop_cuda(name, monkeypatch):
+    torch.manual_seed(1)
+    m = GroupedLinear(len(SPLITS), HIDDEN, FFN, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    fresh = copy.deepcopy(m)
+    got = cuda_step(m, FACTORIES[name])
+    per_expert_loop(monkeypatch)
+    want = cuda_step(fresh, FACTORIES[name])
+    assert_bitwise(got[0], want[0], f"{name} output")
+    assert_bitwise(got[1], want[1], f"{name} input grad")
+    for n in want[2]:
+        assert_bitwise(got[2][n], want[2][n], f"{name} {n}.grad")

@@ -1,0 +1,42 @@
+"""``quantize_weights_grouped``: an MoE layer's [N, K] expert weights quantized from one stacked
+[E*N, K] tensor equal, bit for bit, each expert's own ``quantize`` — every payload tensor of
+every copy, for every factory's weight role, with N a whole number of 32- / 128-row blocks or
+not (then the columnwise groups are zero-padded) and K not a multiple of 32 or 128."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_quantizers_grouped import FACTORIES, assert_same_storage, build
+
+from hybridfp.quantizers.grouped import quantize_weights_grouped
+
+K = 72
+
+
+def weights(n: int, experts: int = 4) -> list[torch.Tensor]:
+    """Experts at magnitudes 2**-6, 1, 2**6, ...: per-expert scales differ."""
+    g = torch.Generator().manual_seed(9)
+    return [(torch.randn(n, K, generator=g) * 2.0 ** (6 * ((e % 3) - 1))).bfloat16() for e in range(experts)]
+
+
+@pytest.mark.parametrize("columnwise", [True, False])
+@pytest.mark.parametrize("n", [128, 48, 40])
+@pytest.mark.parametrize("name", list(FACTORIES))
+def test_stacked_weights_equal_per_expert_quantize(name, n, columnwise):
+    ws = weights(n)
+    usage = [(True, columnwise)] * len(ws)
+    torch.manual_seed(7)
+    got = quantize_weights_grouped(build(FACTORIES[name], "weight", usage), ws)
+    torch.manual_seed(7)
+    want = [q.quantize(w) for q, w in zip(build(FACTORIES[name], "weight", usage), ws)]
+    assert len(got) == len(want)
+    for e, (g, w) in enumerate(zip(got, want)):
+        assert_same_storage(g.qstorage, w.qstorage, f"{name} N={n} expert {e}")
+
+
+def test_mismatched_shapes_are_refused():
+    ws = weights(32)
+    ws[1] = ws[1][:16]
+    with pytest.raises(ValueError, match="one shape"):
+        quantize_weights_grouped(build(FACTORIES["mxfp8"], "weight", [(True, True)] * 4), ws)
