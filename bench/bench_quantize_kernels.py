@@ -174,6 +174,10 @@ def run_sweep(x: torch.Tensor, copy: float) -> list[dict]:
         variants.append((f"fp8 block 1d chunk{cw} rows{rw} nw{nw}",
                          lambda c=cw, r=rw, n=nw: triton_fp8_block.quantize(
                              x, E4M3, block_dim=1, chunk=c, row_slice=r, num_warps=n)))
+    variants.append(("fp8 block 1d two-pass columnwise (old)", lambda: triton_fp8_block.quantize(
+        x, E4M3, block_dim=1, one_pass=False)))
+    variants.append(("fp8 block 1d one-pass col only", lambda: triton_fp8_block.quantize(
+        x, E4M3, block_dim=1, rowwise=False)))
     for dim in (1, 2):
         for nw in (4, 8, 16):
             for r, c in [(True, True), (True, False), (False, True)]:
