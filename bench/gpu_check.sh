@@ -1,30 +1,44 @@
 #!/bin/bash
-# One device call on two GPUs: the `gpu` test suite split in two shards (one per GPU, -v so a
-# cut-short run still names every result), then the quantize-kernel sweep (GPU 0) and the
-# quantize profile (GPU 1). Writes under $OUT; TEST_TIMEOUT / SWEEP_TIMEOUT in seconds.
-#   bash bench/gpu_check.sh
+# One device call: the `gpu` test suite in two shards (-v, so a cut-short run still names every
+# result), the quantize-kernel sweep and profile, and (RUN_ALL=1) bench.run_all. With 4 GPUs
+# all four run at once (tests on 0 and 1, run_all on 2, sweep + profile on 3); with 2 GPUs the
+# benchmarks follow the tests on the same GPUs. Writes under $OUT/r, returned as $OUT/r.tgz.
+#   RUN_ALL=1 TEST_TIMEOUT=300 SWEEP_TIMEOUT=150 BENCH_BUDGET=300 bash bench/gpu_check.sh
 export PYTHONPATH=$PWD
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/r"
+OUT=${OUT:-/tmp/out}; R=$OUT/r; mkdir -p "$R/bench"
 python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.device_count(), "GPUs")'
+if [ -d .whl ]; then  # torchao for bench_mlp's comparison
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=$PWD:/tmp/site TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1
+fi
+NG=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 SHARD_A="tests/nn tests/formats tests/kernels/test_kernels_cublas_fp8.py tests/gemm/test_gemm_grouped.py
  tests/kernels/test_kernels_grouped_gemm.py tests/kernels/test_kernels_gemm_epilogue.py"
 SHARD_B="tests/kernels/test_kernels_decode.py tests/kernels/test_kernels_hybrid.py tests/kernels/test_kernels_fp8_block.py
  tests/kernels/test_kernels_mxfp8.py tests/kernels/test_kernels_nvfp4.py tests/gemm/test_gemm_bf16_tensorcore.py
  tests/kernels/test_kernels_fp8_tensorwise.py"
-run_shard() {  # gpu name files...
+shard() {  # gpu name files...
     local g=$1 n=$2; shift 2
     CUDA_VISIBLE_DEVICES=$g timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -v -m gpu "$@" -p no:cacheprovider \
-        --durations=8 --timeout=120 --junitxml="$OUT/r/tests_$n.xml" > "$OUT/r/tests_$n.log" 2>&1
-    echo "shard $n rc=$?" >> "$OUT/r/tests_$n.log"
+        --durations=8 --timeout=120 --junitxml="$R/tests_$n.xml" > "$R/tests_$n.log" 2>&1
+    echo "shard $n rc=$?" >> "$R/tests_$n.log"
 }
-run_shard 0 a $SHARD_A &
-run_shard 1 b $SHARD_B &
-wait
-( CUDA_VISIBLE_DEVICES=0 timeout "${SWEEP_TIMEOUT:-150}" python3 -m bench.bench_quantize_kernels --sweep \
-    --out "$OUT/r/quantize_kernels.json" > "$OUT/r/quantize_kernels.log" 2>&1 ) &
-CUDA_VISIBLE_DEVICES=1 timeout "${SWEEP_TIMEOUT:-150}" python3 -m bench.profile_quantize \
-    --out "$OUT/r/profile_quantize.json" > "$OUT/r/profile.log" 2>&1
-wait
-for n in a b; do grep -E "(FAILED|ERROR)" "$OUT/r/tests_$n.log" | grep "::" | head -20; tail -2 "$OUT/r/tests_$n.log"; done
-grep -E "^  (fp8 block|fp8 cast|hybrid nvfp4)" "$OUT/r/quantize_kernels.log" | cut -c1-100
-tar czf "$OUT/r.tgz" -C "$OUT" r && rm -rf "$OUT/r"
+sweep() {  # gpu
+    CUDA_VISIBLE_DEVICES=$1 timeout "${SWEEP_TIMEOUT:-150}" python3 -m bench.bench_quantize_kernels --sweep \
+        --out "$R/quantize_kernels.json" > "$R/quantize_kernels.log" 2>&1
+    CUDA_VISIBLE_DEVICES=$1 timeout "${SWEEP_TIMEOUT:-150}" python3 -m bench.profile_quantize \
+        --out "$R/bench/profile_quantize.json" > "$R/profile.log" 2>&1
+}
+run_all() {  # gpu
+    [ "${RUN_ALL:-0}" = 1 ] && CUDA_VISIBLE_DEVICES=$1 python3 -m bench.run_all --results-dir "$R/bench" \
+        --budget-s "${BENCH_BUDGET:-300}" > "$R/bench.log" 2>&1
+}
+if [ "$NG" -ge 4 ]; then
+    shard 0 a $SHARD_A & shard 1 b $SHARD_B & run_all 2 & sweep 3 & wait
+else
+    ( shard 0 a $SHARD_A; run_all 0 ) & ( shard 1 b $SHARD_B; sweep 1 ) & wait
+fi
+for n in a b; do grep -E "(FAILED|ERROR)" "$R/tests_$n.log" | grep "::" | head -20; tail -2 "$R/tests_$n.log"; done
+grep -E "^  (fp8 block|fp8 cast|hybrid nvfp4|mxfp8 trans)" "$R/quantize_kernels.log" | cut -c1-100
+[ -f "$R/bench.log" ] && tail -40 "$R/bench.log"
+tar czf "$OUT/r.tgz" -C "$OUT" r && rm -rf "$R"
