@@ -192,6 +192,8 @@ def run_sweep(x: torch.Tensor, copy: float) -> list[dict]:
     variants.append(("fp8 block 2d chunk16 nw4 (default)", lambda: triton_fp8_block.quantize(x, E4M3, block_dim=2)))
     variants.append(("fp8 cast pass col only (32, 128) nw4", lambda: triton_fp8_tensorwise.quantize(
         x, E4M3, amax=g, rowwise=False)))
+    variants.append(("fp8 cast pass col only, no anchor", lambda: triton_fp8_tensorwise.quantize(
+        x, E4M3, amax=g, rowwise=False, anchor=False)))
     for cw, rw, nw in [(128, 16, 4), (128, 32, 4), (64, 16, 2)]:
         variants.append((f"hybrid fp8 current+block cast chunk{cw} rows{rw} nw{nw}",
                          lambda c=cw, r=rw, n=nw: triton_hybrid_fp8.quantize(

@@ -171,7 +171,8 @@ def _fp8_block_2d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: 
 def _fp8_block_tile_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.constexpr, eps,
                            ROW: tl.constexpr, COL: tl.constexpr, POW2: tl.constexpr, TWO_D: tl.constexpr,
                            MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr,
-                           B: tl.constexpr, DTYPE: tl.constexpr, HW: tl.constexpr, PACK: tl.constexpr):
+                           B: tl.constexpr, DTYPE: tl.constexpr, HW: tl.constexpr, PACK: tl.constexpr,
+                           ANCHOR: tl.constexpr = False):
     """One BxB tile per program, read from device memory once into registers (vector loads):
     1D: the rowwise 1xB amaxes (axis 1) and columnwise Bx1 amaxes (axis 0) of the same tile;
     2D: one amax for the tile. Rowwise codes leave in the natural layout, columnwise codes
@@ -192,6 +193,8 @@ def _fp8_block_tile_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc
         if ROW:
             tl.store(rd_ptr + r0.to(tl.int64) * C + c0 + tile_offsets(lr, lc, C, 1), code, mask=mask)
             tl.store(rs_ptr + pr * tl.cdiv(C, B) + pc, inv)
+        elif ANCHOR:  # never stores (R >= 0): keeps the natural load layout, see triton_fp8_tensorwise
+            tl.store(rd_ptr + tile_offsets(lr, lc, C, 1), code, mask=mask & ((lr[:, None] * 0 + R) < 0))
         if COL:
             store_transposed_u8(cd_ptr, code, lr, lc, r0, c0, R, C, PACK)
             tl.store(cs_ptr + pc * tl.cdiv(R, B) + pr, inv)
@@ -264,7 +267,8 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, block_dim: int = 1, block_
         _fp8_block_tile_kernel[grid](
             kernel_input(x2), rd, rs, cd, cs, rows, cols, x2.stride(0), x2.stride(1), f32(eps), ROW=rowwise,
             COL=columnwise, POW2=power_2_scale, TWO_D=block_dim == 2, MBITS=mbits, BIAS=bias, FP8_MAX=fmax, B=b,
-            DTYPE=DTYPE_CODE[x2.dtype], HW=hw_fp8(dev), PACK=pack and rows % 4 == 0, num_warps=num_warps or 8)
+            DTYPE=DTYPE_CODE[x2.dtype], HW=hw_fp8(dev), PACK=pack and rows % 4 == 0, ANCHOR=not rowwise,
+            num_warps=num_warps or 8)
         return row, col
     kernel = _fp8_block_2d_kernel if block_dim == 2 else _fp8_block_1d_kernel
     kernel[grid](kernel_input(x2), rd, rs, cd, cs, rows, cols, x2.stride(0), x2.stride(1), f32(eps),

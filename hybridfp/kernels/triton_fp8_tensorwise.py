@@ -31,7 +31,8 @@ def _fp8_tensorwise_kernel(x_ptr, scale_ptr, amax_ptr, rd_ptr, cd_ptr, sinv_ptr,
                            eps, CURRENT: tl.constexpr, POW2: tl.constexpr, ROW: tl.constexpr,
                            COL: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
                            FP8_MAX: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr,
-                           BC: tl.constexpr, HW: tl.constexpr, PACK: tl.constexpr):
+                           BC: tl.constexpr, HW: tl.constexpr, PACK: tl.constexpr,
+                           ANCHOR: tl.constexpr = False):
     """CURRENT: scale from the amax at ``amax_ptr``. Else (delayed): scale read from
     ``scale_ptr`` and the tile amax folded into ``amax_ptr`` (int32 bits)."""
     pr, pc = program_tile(C, BR, BC)
@@ -49,6 +50,10 @@ def _fp8_tensorwise_kernel(x_ptr, scale_ptr, amax_ptr, rd_ptr, cd_ptr, sinv_ptr,
     code = fp8_code(clamp_sym(x * scale, FP8_MAX), MBITS, BIAS, HW)
     if ROW:
         tl.store(rd_ptr + r0.to(tl.int64) * C + c0 + tile_offsets(lr, lc, C, 1), code, mask=mask)
+    elif ANCHOR:
+        # A store that never happens (R >= 0 always, but only at run time): it gives the tile
+        # the natural, coalesced layout that the rowwise store gives it in the row+col kernel.
+        tl.store(rd_ptr + tile_offsets(lr, lc, C, 1), code, mask=mask & ((lr[:, None] * 0 + R) < 0))
     if COL:
         store_transposed_u8(cd_ptr, code, lr, lc, r0, c0, R, C, PACK)
     if (pr == 0) & (pc == 0):
@@ -58,7 +63,7 @@ def _fp8_tensorwise_kernel(x_ptr, scale_ptr, amax_ptr, rd_ptr, cd_ptr, sinv_ptr,
 def quantize(x2: torch.Tensor, dtype: torch.dtype, *, amax: Optional[torch.Tensor] = None,
              scale: Optional[torch.Tensor] = None, eps: float = 0.0, power_2_scale: bool = False,
              rowwise: bool = True, columnwise: bool = True, block: tuple[int, int] = (32, 128),
-             num_warps: Optional[int] = None, pack: bool = True):
+             num_warps: Optional[int] = None, pack: bool = True, anchor: bool = True):
     """FP8 per-tensor quantization of non-empty 2D ``x2`` (any strides).
 
     Current scaling: pass ``amax`` (0-d FP32 on x2's device, e.g. from
@@ -69,7 +74,10 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, amax: Optional[torch.Tenso
     Returns ``(row_data or None, col_data or None, scale_inv, amax_or_None)``: the rowwise
     data ``[R, C]``, its transpose ``[C, R]``, ``1 / scale`` (0-d FP32), and (delayed only)
     the recorded amax (0-d FP32). ``pack``: write the transposed copy as int32 words of four
-    rows when R % 4 == 0 (same bytes, fewer store instructions).
+    rows when R % 4 == 0 (same bytes, fewer store instructions). ``anchor`` (columnwise only):
+    compile in a never-taken rowwise store, which keeps the tile in the coalesced natural
+    layout (without it Triton 3.6 lays the tile out for the transposed store: 0.179 ms vs
+    0.084 ms for both copies at 16384x4096 on the H200).
     """
     if (amax is None) == (scale is None):
         raise ValueError("pass exactly one of amax (current scaling) or scale (delayed scaling).")
@@ -97,5 +105,5 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, amax: Optional[torch.Tenso
         cd.view(torch.uint8) if columnwise else dummy, sinv, rows, cols, x2.stride(0), x2.stride(1),
         f32(eps), CURRENT=current, POW2=power_2_scale, ROW=rowwise, COL=columnwise, MBITS=mbits,
         BIAS=bias, FP8_MAX=fmax, DTYPE=DTYPE_CODE[x2.dtype], BR=br, BC=bc, HW=hw_fp8(dev),
-        PACK=pack and rows % 4 == 0, **extra)
+        PACK=pack and rows % 4 == 0, ANCHOR=anchor and not rowwise, **extra)
     return rd, cd, sinv, (None if current else recorded.view(torch.float32))
