@@ -68,7 +68,7 @@ DECODES: list[tuple[str, Maker]] = [
 ]
 #: tile shapes (rows, cols, warps) swept for the 1D decodes; the others run the first (the
 #: kernels' default)
-TILES = [(32, 256, 4), (64, 128, 4), (128, 128, 8), (64, 256, 8)]
+TILES = [(32, 256, 4), (64, 128, 4), (16, 256, 4), (8, 256, 4), (16, 512, 8), (8, 512, 4)]
 SWEPT = ("MXFP8 1x32", "NVFP4 1x16")
 #: an emulated pair runs an FP32 GEMM (~50 TFLOP/s): fewer timing rounds
 SLOW_ROUNDS = 1
