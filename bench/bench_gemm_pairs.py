@@ -9,7 +9,7 @@ Pairs (operands quantized beforehand by the library's quantizers, on the GPU), e
 | NVFP4 x NVFP4 (2D weight)      | TN     | decode both + cuBLAS BF16 + scale epilogue    |
 | NVFP4 x MXFP8                  | TN     | decode both + cuBLAS BF16 + scale epilogue    |
 | NVFP4-RHT x NVFP4-RHT (wgrad)  | NT     | decode both, RHT domain, + scale epilogue     |
-| MXFP8 x NVFP4-RHT (wgrad)      | NT     | one-sided RHT: exact FP32 emulation           |
+| MXFP8 x NVFP4-RHT (wgrad)      | NT     | bf16_split_rht: inverse RHT, BF16 hi+mid(+lo) |
 | FP8 per-tensor x MXFP8         | TN     | decode both + cuBLAS BF16 + scale epilogue    |
 | BF16 Identity x MXFP8          | TN     | decode B + cuBLAS BF16                        |
 

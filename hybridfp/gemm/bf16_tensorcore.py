@@ -19,8 +19,14 @@ either both or neither copy RHT'd (two RHT copies stay in the transformed domain
 The cuBLAS FP8 backends (``fast.py``) are registered after this one and so take precedence
 for their pairs (FP8 per-tensor x per-tensor, FP8 block pairs): FP8 tensor cores are faster.
 Left to the exact emulation, and reported by the build-time report as such: FP8 block with
-FP32 (non power-of-two) scales, and one RHT copy against a non-RHT one (the inverse
-transform does not keep values in BF16).
+FP32 (non power-of-two) scales.
+
+One RHT copy against a non-RHT one (e.g. MXFP8 dy.col x NVFP4-RHT x.col in wgrad) is the
+second backend registered here, ``bf16_split_rht`` (same formats and devices): the exact GEMM
+undoes the RHT of the one side in FP32, which does not keep values in BF16, so that side's
+FP32 values are split into hi + mid + lo BF16 parts and multiplied in up to three BF16 GEMMs
+summed in FP32 (``split_bf16``; exact, checked on the device). Values the split cannot hold
+exactly (below ~2**-110, non-finite) send that call to ``emulate``, reported once.
 
 What a format key cannot show — an Identity copy held in FP32 / FP16 — is found in ``run``:
 such a GEMM runs ``emulate`` (an IEEE FP32 cuBLAS GEMM on CUDA, the fastest exact GEMM of
@@ -46,9 +52,10 @@ from typing import Iterator, Optional
 import torch
 
 from ..tensors.storage import GemmOperand, QuantizedStorage
-from .backends import Backend, FormatKey, emulate, epilogue, register_backend, report_fallback
+from .backends import Backend, FormatKey, _ieee_fp32, emulate, epilogue, register_backend, report_fallback
 from .bf16_decode import decode_bf16
 from .gemm import GEMM_OF_LAYOUT, LAYOUTS
+from .split_bf16 import INEXACT, split_gemm
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 #: Format names whose copies can decode exactly into BF16 (given the options checked below).
@@ -78,16 +85,30 @@ def _epilogue() -> ModuleType:
     return importlib.import_module("hybridfp.kernels.triton_epilogue")
 
 
+def _rht_flags(key_a: FormatKey, key_b: FormatKey) -> Optional[tuple[bool, bool]]:
+    """Each copy's RHT flag if both copies decode exactly into BF16 (known formats,
+    power-of-two FP8 block scales), else None."""
+    pa, pb = _opts(key_a), _opts(key_b)
+    if pa is None or pb is None:
+        return None
+    for name, opts in (pa, pb):
+        if name not in FORMATS or (name == "FP8 block" and not opts.get("pow2_scales", False)):
+            return None
+    return bool(pa[1].get("rht", False)), bool(pb[1].get("rht", False))
+
+
 def pair_supported(key_a: FormatKey, key_b: FormatKey) -> bool:
     """Whether both copies decode exactly into BF16 and can meet in one BF16 GEMM (format
     level, any device): known formats, power-of-two FP8 block scales, RHT on both or neither."""
-    pa, pb = _opts(key_a), _opts(key_b)
-    if pa is None or pb is None:
-        return False
-    for name, opts in (pa, pb):
-        if name not in FORMATS or (name == "FP8 block" and not opts.get("pow2_scales", False)):
-            return False
-    return bool(pa[1].get("rht", False)) == bool(pb[1].get("rht", False))
+    flags = _rht_flags(key_a, key_b)
+    return flags is not None and flags[0] == flags[1]
+
+
+def split_pair_supported(key_a: FormatKey, key_b: FormatKey) -> bool:
+    """Whether both copies decode exactly into BF16 and exactly one is RHT'd: the pairs of
+    ``bf16_split_rht`` (format level, any device)."""
+    flags = _rht_flags(key_a, key_b)
+    return flags is not None and flags[0] != flags[1]
 
 
 @lru_cache(maxsize=None)
@@ -104,6 +125,11 @@ def _device_ok(device: torch.device) -> bool:
 def supports(key_a: FormatKey, key_b: FormatKey, layout: str, device: torch.device) -> bool:
     """Backend predicate: a supported pair, on a CUDA device with BF16 tensor cores."""
     return layout in LAYOUTS and pair_supported(key_a, key_b) and _device_ok(device)
+
+
+def supports_split(key_a: FormatKey, key_b: FormatKey, layout: str, device: torch.device) -> bool:
+    """``bf16_split_rht``'s predicate: a one-sided RHT pair, on a CUDA device with BF16 tensor cores."""
+    return layout in LAYOUTS and split_pair_supported(key_a, key_b) and _device_ok(device)
 
 
 @contextmanager
@@ -134,17 +160,39 @@ def bf16_gemm(a: GemmOperand, b: GemmOperand, *, out_dtype: torch.dtype = torch.
     if av.shape[1] != bv.shape[1] or a.rht != b.rht:
         raise ValueError(f"bf16_gemm: operands disagree on the reduction: A [{av.shape[0]}, "
                          f"{av.shape[1]}] (rht={a.rht}) vs B [{bv.shape[0]}, {bv.shape[1]}] "
-                         f"(rht={b.rht}); a one-sided RHT pair needs the exact emulation.")
+                         f"(rht={b.rht}); a one-sided RHT pair goes through run_split (split_bf16).")
     if av.device.type != "cuda":
         return emulate(GemmOperand(av.float(), a.scale, a.k, a.rht),
                        GemmOperand(bv.float(), b.scale, b.k, b.rht), out_dtype, bias, accumulate_into)
     plain = a.scale is None and b.scale is None and bias is None and accumulate_into is None
-    with _exact_bf16_gemm(av.device):
-        if plain and out_dtype == torch.bfloat16:
+    if plain and out_dtype == torch.bfloat16:
+        with _exact_bf16_gemm(av.device):
             return torch.mm(av, bv.t())  # FP32 accumulation, one rounding to BF16
-        acc = torch.mm(av, bv.t(), out_dtype=torch.float32)
+    return finish(bf16_mm_fp32(av, bv), a, b, out_dtype, bias, accumulate_into)
+
+
+def bf16_mm_fp32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x [m, k] · y [n, k]ᵀ of BF16 matrices in FP32: exact products, FP32 accumulation.
+
+    CUDA: cuBLAS BF16 with an FP32 output (no BF16 split-K reductions). Elsewhere: an IEEE
+    FP32 matmul of the same values (what ``emulate`` runs), so CPU tests run the same path.
+    """
+    if x.device.type == "cuda":
+        with _exact_bf16_gemm(x.device):
+            return torch.mm(x, y.t(), out_dtype=torch.float32)
+    with _ieee_fp32(), torch.autocast(x.device.type, enabled=False):
+        return x.float() @ y.float().t()
+
+
+def finish(acc: torch.Tensor, a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype,
+           bias: Optional[torch.Tensor] = None, accumulate_into: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``emulate``'s epilogue on an FP32 accumulator: global / per-row scales of ``a`` and
+    ``b``, bias, one cast (or ``accumulate_into +=``); one Triton pass on CUDA."""
+    plain = a.scale is None and b.scale is None and bias is None and accumulate_into is None
     if plain and out_dtype == torch.float32:
         return acc
+    if acc.device.type != "cuda":
+        return epilogue(acc, a, b, out_dtype, bias, accumulate_into)
     kernel = _epilogue()
     if not kernel.supported(out_dtype, accumulate_into):
         return epilogue(acc, a, b, out_dtype, bias, accumulate_into)
@@ -154,11 +202,12 @@ def bf16_gemm(a: GemmOperand, b: GemmOperand, *, out_dtype: torch.dtype = torch.
 
 def _emulated(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, why: str,
               out_dtype: torch.dtype, bias: Optional[torch.Tensor],
-              accumulate_into: Optional[torch.Tensor]) -> torch.Tensor:
-    """The exact FP32 emulation for a copy that does not decode into BF16, reported once."""
+              accumulate_into: Optional[torch.Tensor],
+              missing: str = "BF16 tensor-core path here") -> torch.Tensor:
+    """The exact FP32 emulation for a GEMM the BF16 paths cannot take exactly, reported once."""
     da, db = LAYOUTS[layout]
     report_fallback(_REPORTED, GEMM_OF_LAYOUT[layout], sa.format_key(da), sb.format_key(db), why,
-                    "BF16 tensor-core path here", "the exact emulation path (an IEEE FP32 GEMM)")
+                    missing, "the exact emulation path (an IEEE FP32 GEMM)")
     return emulate(sa.gemm_operand(da), sb.gemm_operand(db), out_dtype, bias, accumulate_into)
 
 
@@ -182,5 +231,31 @@ def run(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, *,
     return bf16_gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate_into=accumulate_into)
 
 
+def run_split(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, *,
+              out_dtype: torch.dtype = torch.bfloat16, bias: Optional[torch.Tensor] = None,
+              accumulate_into: Optional[torch.Tensor] = None, fast_accumulation: bool = False) -> torch.Tensor:
+    """A one-sided RHT pair (``bf16_split_rht``): decode both copies into BF16, then
+    ``split_gemm`` (the RHT side inverse-transformed and split into BF16 parts, up to three
+    BF16 GEMMs summed in FP32) and ``emulate``'s epilogue. Copies that do not decode into BF16,
+    or RHT values the split cannot hold exactly, run ``emulate`` (reported once per reason).
+    ``fast_accumulation`` changes nothing here: BF16 tensor cores accumulate in FP32."""
+    da, db = LAYOUTS[layout]
+    pa, pb = sa.part(da), sb.part(db)
+    why = _reason(pa, da, "A") or _reason(pb, db, "B")
+    if why is not None:
+        return _emulated(pa, pb, layout, why, out_dtype, bias, accumulate_into)
+    a = decode_bf16(pa, da)
+    b = decode_bf16(pb, db, cache=_CACHE_WEIGHTS[0] and layout in WEIGHT_B_LAYOUTS)
+    acc = split_gemm(a, b, bf16_mm_fp32)
+    if acc is None:
+        side = "A" if a.rht else "B"
+        return _emulated(pa, pb, layout, f"{side}: {INEXACT}", out_dtype, bias, accumulate_into,
+                         missing="exact BF16 split path here")
+    return finish(acc, a, b, out_dtype, bias, accumulate_into)
+
+
 BF16_TENSORCORE_BACKEND = Backend("bf16_tensorcore", supports, run)
 register_backend(BF16_TENSORCORE_BACKEND)
+#: Disjoint from bf16_tensorcore's pairs (exactly one copy RHT'd), so the order is immaterial.
+BF16_SPLIT_RHT_BACKEND = Backend("bf16_split_rht", supports_split, run_split)
+register_backend(BF16_SPLIT_RHT_BACKEND)

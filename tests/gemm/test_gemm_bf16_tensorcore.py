@@ -68,7 +68,8 @@ def test_pair_runs_exactly_or_is_left_to_emulation(layout, fmt_a, fmt_b):
     in test_gemm_pairs.py): both multiply the same exact values with FP32 accumulation and
     may differ only in the order of the K <= 56 FP32 additions, whose worst-case relative
     error (~K * 2**-24 = 3.3e-6 of sum |a||b|, see gemm_operands.py) stays under
-    REL_TOL = 1e-5. Pairs it does not claim are exactly the one-sided RHT ones."""
+    REL_TOL = 1e-5. Pairs it does not claim are exactly the one-sided RHT ones (those go to
+    bf16_split_rht, see test_gemm_split_rht.py)."""
     wa, da, wb, db = LAYOUT_OPERANDS[layout]
     a, b = operand(fmt_a, wa), operand(fmt_b, wb)
     sa, sb = _storages(layout, a, b)
@@ -118,7 +119,8 @@ def test_cublas_fp8_backends_keep_their_pairs(monkeypatch):
     assert chosen("mxfp8_1d", "x", ROWWISE, "nvfp4_2d", "w", ROWWISE) == "bf16_tensorcore"
     assert chosen("identity_bf16", "x", ROWWISE, "identity_fp32", "w", ROWWISE) == "bf16_tensorcore"
     assert chosen("nvfp4_rht", "dy", COLUMNWISE, "nvfp4_rht", "x", COLUMNWISE, "NT") == "bf16_tensorcore"
-    assert chosen("nvfp4_rht", "dy", COLUMNWISE, "mxfp8_1d", "x", COLUMNWISE, "NT") is None
+    # one-sided RHT: the split backend registered next to this one (test_gemm_split_rht.py)
+    assert chosen("nvfp4_rht", "dy", COLUMNWISE, "mxfp8_1d", "x", COLUMNWISE, "NT") == "bf16_split_rht"
 
 
 def test_fp32_values_run_emulated_and_are_reported_once_per_reason():
