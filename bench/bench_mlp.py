@@ -11,6 +11,9 @@ Float8CurrentScaling, Float8BlockScaling, the hybrid per_gemm(fprop="fp8_current
 dgrad="fp8_block", wgrad="fp8_block") as a CustomRecipe, MXFP8BlockScaling, per_gemm(fprop=
 "nvfp4", dgrad="mxfp8", wgrad="mxfp8") and NVFP4BlockScaling (NVIDIA's defaults); torchao float8 training
 (tensorwise, rowwise) compiled, when torchao imports. "speedup" = BF16 eager time / time.
+For the MLP, "+ fused SwiGLU" rows run the same layers with ``hybridfp.swiglu`` (one Triton
+kernel each way) instead of eager ``F.silu(g) * u`` (silu + mul forward, two muls +
+silu_backward backward); the BF16 eager baseline stays unfused.
 
     python -m bench.bench_mlp [--out results.json] [--quick] [--deadline-s S] [--linear-compiled]
 """
@@ -47,17 +50,41 @@ RECIPES = [
     ("hybridfp NVFP4 fwd / MXFP8 bwd", lambda: hybridfp.CustomRecipe(qfactory=NVFP4_MXFP8)),
     ("hybridfp NVFP4 (2D weights, RHT, SR)", lambda: hybridfp.NVFP4BlockScaling()),
 ]
+#: Recipes that also get a row with the fused SwiGLU (models that have an activation).
+FUSED_RECIPES = ("hybridfp FP8 current", "hybridfp FP8 block", "hybridfp hybrid FP8-current fwd / FP8-block bwd",
+                 "hybridfp MXFP8", "hybridfp NVFP4 fwd / MXFP8 bwd")
+FUSED = " + fused SwiGLU"
+
+Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def eager_swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Llama's activation as eager torch runs it (the baseline)."""
+    return F.silu(g) * u
 
 
 class MLP(nn.Module):
-    """Llama's gated MLP with a pluggable linear class."""
+    """Llama's gated MLP with a pluggable linear class and activation ``act(gate, up)``."""
 
-    def __init__(self, linear: Callable[[int, int], nn.Module], d: int, h: int) -> None:
+    def __init__(self, linear: Callable[[int, int], nn.Module], d: int, h: int,
+                 act: Activation = eager_swiglu) -> None:
         super().__init__()
         self.gate, self.up, self.down = linear(d, h), linear(d, h), linear(h, d)
+        self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(self.act(self.gate(x), self.up(x)))
+
+    def with_act(self, act: Activation) -> "MLP":
+        """The same layers (shared parameters and weight caches) with another activation."""
+        twin = copy.copy(self)  # shallow: the submodule dict is shared, ``act`` is twin's own
+        twin.act = act
+        return twin
+
+
+def fused_swiglu(model: nn.Module) -> nn.Module:
+    """``model`` (an MLP) with hybridfp's fused SwiGLU."""
+    return model.with_act(hybridfp.swiglu)
 
 
 def torch_linear(i: int, o: int) -> nn.Module:
@@ -96,18 +123,25 @@ def make_step(model: nn.Module, params: list[nn.Parameter], ctx: Callable[[], An
 
 
 def bench_model(kind: str, make: Callable[[Callable], nn.Module], x: torch.Tensor, deadline: float,
-                compiled: bool, checkpoint: Callable[[list], None] = lambda rows: None) -> list[dict[str, Any]]:
-    """All variants of one model; ratios against BF16 eager / compiled of this process."""
+                compiled: bool, checkpoint: Callable[[list], None] = lambda rows: None,
+                fuse: Optional[Callable[[nn.Module], nn.Module]] = None) -> list[dict[str, Any]]:
+    """All variants of one model; ratios against BF16 eager / compiled of this process. ``fuse``
+    (models with an activation) gives the model with the fused SwiGLU: rows for BF16 eager and
+    each of FUSED_RECIPES, each right after its unfused row."""
     torch.manual_seed(0)
     base = make(torch_linear)
     with torch.no_grad():
         dy = torch.randn_like(base(x))
     variants: list[tuple[str, nn.Module, nn.Module, Callable[[], Any]]] = [
         ("BF16 eager", base, base, contextlib.nullcontext)]
+    if fuse is not None:
+        variants.append(("BF16 eager + hybridfp fused SwiGLU", fuse(base), base, contextlib.nullcontext))
     hf = make(hybridfp_linear)
     hf.load_state_dict(base.state_dict())
     for name, recipe in RECIPES:
         variants.append((name, hf, hf, lambda r=recipe(): hybridfp.autocast(recipe=r)))
+        if fuse is not None and name in FUSED_RECIPES:
+            variants.append((name + FUSED, fuse(hf), hf, lambda r=recipe(): hybridfp.autocast(recipe=r)))
     if compiled:  # compiled variants last: each checks the deadline before compiling
         variants.append(("BF16 torch.compile", torch.compile(base), base, contextlib.nullcontext))
     f8, why = torchao_status()
@@ -192,7 +226,7 @@ def main(argv=None) -> None:
     rows = bench_model(f"Linear {tokens}x{d}->{h}", lambda lin: lin(d, h), x, deadline, args.linear_compiled,
                        report)
     rows += bench_model(f"Llama-3-8B MLP {tokens}x{d}->{h}->{d}", lambda lin: MLP(lin, d, h), x, deadline, True,
-                        lambda new: report(rows + new))
+                        lambda new: report(rows + new), fuse=fused_swiglu)
     report(rows, final=True)
 
 

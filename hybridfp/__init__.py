@@ -2,7 +2,7 @@
 
 from . import factories, gemm, nn
 from .integration import checkpoint
-from .nn import GroupedLinear, LayerNormLinear, Linear, convert, set_names
+from .nn import GroupedLinear, LayerNormLinear, Linear, SwiGLU, convert, set_names, swiglu
 from .quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
                          HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer,
                          Quantizer)
@@ -17,7 +17,7 @@ __all__ = [
     "Float8CurrentScaling", "Float8CurrentScalingQuantizer", "Float8Quantizer", "GroupedLinear",
     "HybridQuantizer", "IdentityQuantizer", "LayerNormLinear", "Linear", "MXFP8BlockScaling",
     "MXFP8Quantizer", "MissingDirectionError", "NVFP4BlockScaling", "NVFP4Quantizer",
-    "QuantizedTensor", "Quantizer", "QuantizerRole", "Recipe", "autocast", "checkpoint", "convert",
-    "factories",
-    "gemm", "nn", "set_names",
+    "QuantizedTensor", "Quantizer", "QuantizerRole", "Recipe", "SwiGLU", "autocast", "checkpoint",
+    "convert", "factories",
+    "gemm", "nn", "set_names", "swiglu",
 ]

@@ -1,10 +1,11 @@
-"""hybridfp modules: Linear, LayerNormLinear, GroupedLinear, and model conversion."""
+"""hybridfp modules: Linear, LayerNormLinear, GroupedLinear, the SwiGLU activation, and model conversion."""
 
 from .base import GEMMS, SLOTS, QuantizedModule
 from .convert import convert, set_names
 from .grouped_linear import GroupedLinear
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
+from .swiglu import SwiGLU, swiglu
 
 __all__ = ["GEMMS", "GroupedLinear", "LayerNormLinear", "Linear", "QuantizedModule", "SLOTS",
-           "convert", "set_names"]
+           "SwiGLU", "convert", "set_names", "swiglu"]

@@ -1,0 +1,169 @@
+"""Fused SwiGLU, ``h = silu(g) * u``, forward and backward in one pass each over [M, N] tensors.
+
+Eager torch runs the forward as two memory-bound kernels (silu, mul) and the backward as three
+(two muls, ``silu_backward``); here the forward reads g and u once and writes h, the backward
+reads dh, g and u once and writes dg and du: about half the bytes.
+
+Per element, in FP32, with torch eager's rounding points (``round`` = to the input dtype):
+
+    d  = 1 + exp(-g)
+    s  = round(g / d)                              # F.silu(g)
+    h  = round(s * u)                              # * u
+    ds = round(dh * u)                             # mul backward, grad of s
+    du = round(dh * s)                             # mul backward, grad of u
+    dg = round(ds * (1 / d) * fma(g, 1 - 1/d, 1))  # aten silu_backward(ds, g)
+
+The divisions are IEEE (``tl.math.div_rn``; Triton's ``/`` is approximate on NVIDIA GPUs), as
+torch's CUDA and CPU kernels divide. ``fma`` is explicit because nvcc contracts torch's CUDA
+``1 + x * (1 - s)`` into one and Triton's contraction is the compiler's choice; the
+interpreter implements ``tl.fma`` with one rounding too. On CUDA the exponential is
+libdevice's ``expf`` (``EXACT_EXP``), the function torch's CUDA kernels call; ``tl.exp`` lowers
+to the approximate ``ex2.approx`` there, and the interpreter has no libdevice (it uses numpy's
+exp). So results agree with eager torch up to the exponential's last bits: see
+``tests/nn/test_swiglu.py`` for the verified bounds.
+
+Layout: 2D inputs with unit inner stride (checked) and any row stride, e.g. the two halves of a
+fused gate/up projection's output. One program per (row, block of ``BLOCK`` columns): a 64-bit
+row base pointer and int32 column offsets, so loads are contiguous and vectorize (the row
+strides are specialized on divisibility by 16 like every int argument).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from ._common import DTYPE_CODE, bf16_nan16, bf16_nan_bits, empty, kernel_input, load_f32, round_to_dtype
+from .triton_epilogue import store_out
+
+#: Columns per program at most: 2048 BF16 elements over 4 warps is 16 per thread, two 16-byte
+#: loads per input; memory-bound, so nothing here is tuned beyond keeping loads vectorized.
+MAX_BLOCK: int = 2048
+#: CUDA's limit on grid dimension 1 (column blocks).
+_MAX_GRID_Y: int = 65535
+
+
+@triton.jit
+def _exp(x, EXACT_EXP: tl.constexpr):
+    """exp(x) in FP32: CUDA's ``expf`` (libdevice) when compiled for CUDA, else ``tl.exp``."""
+    if EXACT_EXP:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _silu_parts(g, EXACT_EXP: tl.constexpr):
+    """(g / d, 1 / d) for d = 1 + exp(-g), each one IEEE division as torch computes them."""
+    d = 1.0 + _exp(-g, EXACT_EXP)
+    return tl.math.div_rn(g, d), tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d)
+
+
+@triton.jit
+def _swiglu_fwd_kernel(g_ptr, u_ptr, h_ptr, N, sg, su, sh, DTYPE: tl.constexpr, BF16_NAN: tl.constexpr,
+                       NAN16: tl.constexpr, EXACT_EXP: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    g = load_f32(g_ptr + row * sg + cols, mask, DTYPE)
+    u = load_f32(u_ptr + row * su + cols, mask, DTYPE)
+    silu, _ = _silu_parts(g, EXACT_EXP)
+    s = round_to_dtype(silu, DTYPE, BF16_NAN)
+    store_out(h_ptr + row * sh + cols, s * u, mask, DTYPE, NAN16)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, N, sdh, sg, su, sdg, sdu, DTYPE: tl.constexpr,
+                       BF16_NAN: tl.constexpr, NAN16: tl.constexpr, EXACT_EXP: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    dh = load_f32(dh_ptr + row * sdh + cols, mask, DTYPE)
+    g = load_f32(g_ptr + row * sg + cols, mask, DTYPE)
+    u = load_f32(u_ptr + row * su + cols, mask, DTYPE)
+    silu, sig = _silu_parts(g, EXACT_EXP)
+    s = round_to_dtype(silu, DTYPE, BF16_NAN)
+    ds = round_to_dtype(dh * u, DTYPE, BF16_NAN)
+    store_out(du_ptr + row * sdu + cols, dh * s, mask, DTYPE, NAN16)
+    store_out(dg_ptr + row * sdg + cols, ds * sig * tl.fma(g, 1.0 - sig, 1.0), mask, DTYPE, NAN16)
+
+
+def _check(name: str, x: torch.Tensor, like: torch.Tensor) -> None:
+    """Raise unless ``x`` is a 2D [M, N] tensor like ``like`` the kernels can read."""
+    if x.dim() != 2:
+        raise ValueError(f"swiglu kernels take 2D [M, N] tensors; {name} has shape {tuple(x.shape)}.")
+    if x.shape != like.shape or x.dtype != like.dtype or x.device != like.device:
+        raise ValueError(f"swiglu kernels: {name} is {tuple(x.shape)} {x.dtype} on {x.device}, expected "
+                         f"{tuple(like.shape)} {like.dtype} on {like.device} like g.")
+    if x.dtype not in DTYPE_CODE:
+        raise TypeError(f"swiglu kernels read float32, bfloat16 or float16; {name} is {x.dtype}.")
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        raise ValueError(f"swiglu kernels need a unit inner stride; {name} has strides {x.stride()} "
+                         "(make it contiguous first).")
+
+
+def _launch_config(n: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) for rows of ``n`` columns: up to MAX_BLOCK columns per program, at
+    least 16 elements per thread where the row is long enough."""
+    block = max(16, min(MAX_BLOCK, triton.next_power_of_2(n)))
+    return block, max(1, min(4, block // 512))
+
+
+def _grid(m: int, n: int, block: int) -> tuple[int, int]:
+    nb = triton.cdiv(n, block)
+    if nb > _MAX_GRID_Y:
+        raise ValueError(f"swiglu kernels: rows of {n} elements need {nb} column blocks; at most "
+                         f"{_MAX_GRID_Y} fit in one launch.")
+    return m, nb
+
+
+def _consts(x: torch.Tensor) -> dict:
+    """The constexpr arguments both kernels take for inputs like ``x``."""
+    return dict(DTYPE=DTYPE_CODE[x.dtype], BF16_NAN=bf16_nan_bits(x.device), NAN16=bf16_nan16(x.device),
+                EXACT_EXP=x.device.type == "cuda")
+
+
+def _on_device(x: torch.Tensor):
+    """Launch on x's GPU (Triton launches on the current device)."""
+    return torch.cuda.device(x.device) if x.is_cuda else nullcontext()
+
+
+def swiglu_forward(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``silu(g) * u`` of 2D [M, N] tensors (unit inner stride), a new contiguous tensor."""
+    _check("g", g, g)
+    _check("u", u, g)
+    m, n = g.shape
+    h = empty((m, n), g.dtype, g.device)
+    if h.numel() == 0:
+        return h
+    block, warps = _launch_config(n)
+    with _on_device(g):
+        _swiglu_fwd_kernel[_grid(m, n, block)](
+            kernel_input(g), kernel_input(u), kernel_input(h), n, g.stride(0), u.stride(0), h.stride(0),
+            **_consts(g), BLOCK=block, num_warps=warps)
+    return h
+
+
+def swiglu_backward(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dg, du) of ``h = silu(g) * u`` for the gradient ``dh`` (all 2D [M, N], unit inner stride),
+    new contiguous tensors; silu(g) is recomputed, not read."""
+    _check("g", g, g)
+    _check("u", u, g)
+    _check("dh", dh, g)
+    m, n = g.shape
+    dg = empty((m, n), g.dtype, g.device)
+    du = empty((m, n), g.dtype, g.device)
+    if dg.numel() == 0:
+        return dg, du
+    block, warps = _launch_config(n)
+    with _on_device(g):
+        _swiglu_bwd_kernel[_grid(m, n, block)](
+            kernel_input(dh), kernel_input(g), kernel_input(u), kernel_input(dg), kernel_input(du), n,
+            dh.stride(0), g.stride(0), u.stride(0), dg.stride(0), du.stride(0),
+            **_consts(g), BLOCK=block, num_warps=warps)
+    return dg, du

@@ -1,0 +1,126 @@
+"""SwiGLU activation, ``silu(g) * u``, with one fused kernel per direction on CUDA.
+
+Eager torch saves three activations for ``F.silu(g) * u`` (g for silu, silu(g) and u for the
+mul) and runs five memory-bound kernels per step; :class:`SwiGLUFunction` saves g and u only,
+recomputes silu(g) in backward, and on CUDA runs one Triton kernel each way
+(``hybridfp/kernels/triton_swiglu.py``)::
+
+    forward:  h = silu(g) * u                 # one pass: read g, u; write h
+    backward: s = silu(g)                     # recomputed in registers
+              du = dh * s
+              dg = silu_backward(dh * u, g)   # one pass: read dh, g, u; write dg, du
+
+with torch eager's rounding points (each of s, h, dh * u, du, dg rounded to the input dtype),
+so results agree with eager torch up to the last bits of the exponential (the verified bounds
+are in tests/nn/test_swiglu.py). Elsewhere (CPU, ...) the same function runs exactly the eager
+ops. On CUDA the kernels take float32, bfloat16 and float16; other dtypes raise (no silent
+eager fallback). A tensor the kernels cannot read in place — a last dimension with non-unit
+stride, or leading dimensions that do not flatten into one row stride — is copied to a
+contiguous one first (one extra pass); the halves of a fused gate/up projection's output are
+read in place.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+from types import ModuleType
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+#: Dtypes the CUDA kernels take.
+KERNEL_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _kernels() -> ModuleType:
+    """``hybridfp.kernels.triton_swiglu``, imported at the first kernel call: Triton's import fixes
+    its compiled / interpreted mode, and CPU-only users skip its cost (see quantizers/fast.py)."""
+    return importlib.import_module("hybridfp.kernels.triton_swiglu")
+
+
+def _uses_kernels(g: torch.Tensor) -> bool:
+    """Whether :func:`swiglu` runs the Triton kernels for ``g``: on CUDA tensors (the tests also
+    route CPU tensors here, with Triton in interpreter mode). Raises for a CUDA tensor the
+    kernels cannot take rather than running eager ops silently."""
+    if not g.is_cuda:
+        return False
+    if g.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"swiglu on CUDA runs Triton kernels for float32, bfloat16 and float16; got {g.dtype}. "
+                        "Cast the inputs, or use F.silu(g) * u for this dtype.")
+    if not HAVE_TRITON:
+        raise RuntimeError("swiglu on CUDA needs Triton (pip install triton), or use F.silu(g) * u.")
+    return True
+
+
+def _check_pair(g: torch.Tensor, u: torch.Tensor) -> None:
+    """Raise unless the gate ``g`` and up ``u`` projections can be combined elementwise."""
+    if g.shape != u.shape:
+        raise ValueError(f"swiglu: gate g has shape {tuple(g.shape)} but up u has shape {tuple(u.shape)}; "
+                         "they must be equal (no broadcasting).")
+    if g.dtype != u.dtype:
+        raise TypeError(f"swiglu: gate g is {g.dtype} but up u is {u.dtype}; cast one so they match.")
+    if g.device != u.device:
+        raise ValueError(f"swiglu: gate g is on {g.device} but up u is on {u.device}; move them to one device.")
+    if not g.is_floating_point():
+        raise TypeError(f"swiglu: g and u must be floating point; got {g.dtype}.")
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as [rows, last dim] with unit inner stride: a view where one exists, else a
+    contiguous copy (documented in the module docstring)."""
+    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]) if x.dim() else x.reshape(1, 1)
+    return x2 if x2.shape[1] <= 1 or x2.stride(1) == 1 else x2.contiguous()
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    """``silu(g) * u``; saves g and u (no other activation) and recomputes silu in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(g, u)
+        if not _uses_kernels(g):
+            return F.silu(g) * u
+        return _kernels().swiglu_forward(_rows(g), _rows(u)).view(g.shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dh: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        g, u = ctx.saved_tensors
+        need_g, need_u = ctx.needs_input_grad
+        if _uses_kernels(g):  # one pass writes both (a second output costs less than a second pass)
+            dg, du = _kernels().swiglu_backward(_rows(dh), _rows(g), _rows(u))
+            dg, du = dg.view(g.shape), du.view(g.shape)
+        else:  # exactly eager autograd's ops for F.silu(g) * u
+            du = dh * F.silu(g) if need_u else None
+            dg = torch.ops.aten.silu_backward(dh * u, g) if need_g else None
+        return (dg if need_g else None), (du if need_u else None)
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``F.silu(g) * u`` for the gate ``g`` and up ``u`` projections (same shape, dtype, device),
+    fused on CUDA (module docstring); differentiable in both."""
+    _check_pair(g, u)
+    return SwiGLUFunction.apply(g, u)
+
+
+class SwiGLU(nn.Module):
+    """The SwiGLU activation of a gated MLP: ``down(SwiGLU()(gate(x), up(x)))``.
+
+    ``forward(gate, up)`` is :func:`swiglu`; ``forward(gate_up)`` with one tensor takes its last
+    dimension as the halves [gate | up] (the output of a fused gate+up projection), read in place.
+    """
+
+    def forward(self, gate: torch.Tensor, up: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """silu(gate) * up; with ``up`` None, ``gate`` holds both halves along its last dim."""
+        if up is None:
+            if gate.dim() == 0 or gate.shape[-1] % 2:
+                raise ValueError(f"SwiGLU with one input splits its last dimension in two halves [gate | up]; "
+                                 f"got shape {tuple(gate.shape)}.")
+            gate, up = gate.chunk(2, dim=-1)
+        return swiglu(gate, up)

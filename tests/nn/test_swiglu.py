@@ -1,0 +1,327 @@
+"""``swiglu`` / ``SwiGLU`` and the fused Triton kernels (hybridfp/kernels/triton_swiglu.py).
+
+The torch path (CPU) is bitwise eager ``F.silu(g) * u`` and its autograd backward. The kernels
+mirror eager's FP32 formulas and rounding points, but their exponential is not torch's (numpy's
+under the interpreter vs SLEEF in torch on the CPU; on CUDA both call libdevice's ``expf``, so
+there the results are expected bitwise, but only the bounds are asserted). Verified bounds, in
+ulps of the output dtype at the eager value:
+
+* ``s = silu(g)`` (the kernel's rounded silu, read as ``h`` with ``u = 1``): BF16 / FP16 within
+  1 ulp; FP32 within 16 ulp. Both sides compute ``g / (1 + exp(-g))`` with the same IEEE ops and
+  no cancellation (1 + exp(-g) adds positives), so exps a few FP32 ulps apart move the FP32
+  silu by a few ulps (measured <= 4) and its one rounding to BF16 / FP16 by at most 1 ulp.
+* ``h = round(s * u)`` and ``du = round(dh * s)``: bitwise torch's mul of the kernel's own ``s``
+  (checked), hence within 2 ulp of eager for BF16 / FP16 (``s`` 1 ulp off moves the exact
+  product by less than 2 ulps of the result; measured: BF16 0, FP16 2 in ~200 of 1e6 elements)
+  and 32 ulp for FP32 (measured <= 5).
+* ``dg = round(ds * sig * (1 + g * (1 - sig)))`` with ``ds = round(dh * u)`` bitwise eager's:
+  within 1 ulp + 2**-20 * |ds| * sig(g) * (1 + |g|). The second term is 16 FP32 ulps of the
+  magnitudes the FP32 factor is computed from: near silu's minimum (g ~ -1.278) the factor
+  1 + g * (1 - sig) cancels, so a few-ulp difference in sig is many ulps of dg there (FP32
+  inputs: measured 85737 ulps at a g within 1e-4 of the root); everywhere else it is below 1
+  ulp of BF16 / FP16.
+
+NaN positions must agree (bits are not compared: torch's NaN bits differ by device); infinities
+must be equal.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+# The kernels run in Triton's interpreter without CUDA; the variable must be set before Triton
+# is imported (as tests/kernels/conftest.py does for the kernel tests).
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.language.standard  # noqa: E402
+
+import hybridfp  # noqa: E402
+from hybridfp.kernels import triton_swiglu  # noqa: E402
+from hybridfp.kernels._common import poisoned_outputs  # noqa: E402
+from hybridfp.nn import SwiGLU, swiglu  # noqa: E402
+
+#: ``hybridfp.nn.swiglu`` the module (the package attribute of that name is the function).
+swiglu_module = importlib.import_module("hybridfp.nn.swiglu")
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRET = (os.environ.get("TRITON_INTERPRET") == "1"
+             and type(triton.language.standard.cdiv).__name__ == "InterpretedFunction")
+interpreter_only = pytest.mark.skipif(
+    not INTERPRET, reason="CPU kernel tests need Triton in interpreter mode (TRITON_INTERPRET=1 before "
+    "triton is imported)")
+
+
+def gpu(test):
+    """Marks a test ``gpu`` and skips it without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")(test))
+
+
+# NaN / inf / overflow inputs are deliberate; numpy (the interpreter) warns about them.
+pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+#: Awkward tiny shapes: one element, one row, N not a multiple of any tile (2100 > MAX_BLOCK).
+SHAPES = [(1, 1), (1, 37), (3, 40), (5, 2100), (7, 16)]
+SILU_ULPS = {torch.bfloat16: 1, torch.float16: 1, torch.float32: 16}
+PRODUCT_ULPS = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 32}
+#: Weight of the cancellation term of dg's bound (module docstring).
+DG_TERM = 2.0 ** -20
+#: (fraction bits, smallest normal exponent) per dtype, for ulp().
+GRID = {torch.bfloat16: (7, -126), torch.float16: (10, -14), torch.float32: (23, -126)}
+
+
+# ---------------------------------------------------------------------------- helpers
+def eager(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(h, dg, du) of eager ``F.silu(g) * u`` with autograd."""
+    g, u = g.detach().clone().requires_grad_(), u.detach().clone().requires_grad_()
+    h = F.silu(g) * u
+    h.backward(dh)
+    return h.detach(), g.grad, u.grad
+
+
+def ulp(r: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Spacing of ``dtype``'s grid at |r| (FP64; subnormal spacing below the normal range)."""
+    mant, emin = GRID[dtype]
+    _, e = torch.frexp(r.double().abs())  # |r| = m * 2**e with m in [0.5, 1)
+    return torch.exp2((torch.clamp(e - 1, min=emin) - mant).double())
+
+
+def assert_within(out: torch.Tensor, ref: torch.Tensor, tol: torch.Tensor, what: str) -> None:
+    """|out - ref| <= tol where ref is finite; equal infinities; NaN at the same places."""
+    o, r = out.double(), ref.double()
+    assert out.dtype == ref.dtype and out.shape == ref.shape, what
+    assert torch.equal(o.isnan(), r.isnan()), f"{what}: NaN positions differ"
+    inf = r.isinf()
+    assert torch.equal(o[inf], r[inf]), f"{what}: infinities differ"
+    fin = r.isfinite()
+    err = torch.where(fin, (o - r).abs(), torch.zeros_like(o))
+    bad = fin & ~(err <= tol)
+    if bad.any():
+        i = bad.nonzero()[0].tolist()
+        pytest.fail(f"{what}: {int(bad.sum())} of {r.numel()} elements outside the bound; e.g. at {i}: "
+                    f"{o[tuple(i)].item()!r} vs eager {r[tuple(i)].item()!r} (tol {tol[tuple(i)].item()!r})")
+
+
+def assert_bitwise(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """Equal bits where not NaN, NaN at the same places."""
+    nan = ref.isnan()
+    assert torch.equal(out.isnan(), nan), f"{what}: NaN positions differ"
+    o, r = out.float()[~nan], ref.float()[~nan]
+    assert torch.equal(o.view(torch.int32), r.view(torch.int32)), \
+        f"{what}: {int((o.view(torch.int32) != r.view(torch.int32)).sum())} elements differ"
+
+
+def check_kernels(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor, dg: torch.Tensor, du: torch.Tensor,
+                  h: torch.Tensor) -> None:
+    """Kernel outputs (h, dg, du) for inputs (g, u, dh) against eager torch within the bounds of
+    the module docstring, and h / du bitwise torch's products with the kernel's own silu."""
+    dt = g.dtype
+    rh, rdg, rdu = eager(g, u, dh)
+    s = triton_swiglu.swiglu_forward(g, torch.ones(g.shape, dtype=dt, device=g.device))  # h at u = 1: silu
+    assert_within(s, F.silu(g), SILU_ULPS[dt] * ulp(F.silu(g), dt), "silu")
+    assert_bitwise(h, s * u, "h = s * u")
+    assert_bitwise(du, dh * s, "du = dh * s")
+    assert_within(h, rh, PRODUCT_ULPS[dt] * ulp(rh, dt), "h")
+    assert_within(du, rdu, PRODUCT_ULPS[dt] * ulp(rdu, dt), "du")
+    g64, ds64 = g.double(), (dh * u).double()
+    term = DG_TERM * (ds64 * torch.sigmoid(g64)).abs() * (1 + g64.abs())
+    assert_within(dg, rdg, ulp(rdg, dt) + torch.nan_to_num(term, nan=0.0), "dg")
+
+
+def inputs(shape: tuple[int, int], dtype: torch.dtype, seed: int = 0, device: str = "cpu",
+           strided: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(g, u, dh): g spread over silu's range (|g| up to ~20), u and dh standard normal. With
+    ``strided``, g and u are the halves of one [M, 2N] tensor (row stride 2N)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    m, n = shape
+    g = torch.randn(m, n, generator=gen, device=device) * 4
+    u = torch.randn(m, n, generator=gen, device=device)
+    dh = torch.randn(m, n, generator=gen, device=device).to(dtype)
+    if strided:
+        gu = torch.cat([g, u], dim=1).to(dtype)
+        return gu[:, :n], gu[:, n:], dh
+    return g.to(dtype), u.to(dtype), dh
+
+
+def edge_grid(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every combination of edge values for g, u and dh (zeros, silu's minimum, exp overflow,
+    dtype extremes, subnormals, ±inf, NaN)."""
+    fi = torch.finfo(dtype)
+    gv = [0.0, -0.0, 1.0, -1.0, -1.2784645, -1.28125, 20.0, -20.0, 88.5, -88.5, 90.0, -90.0, 1e4, -1e4,
+          fi.max, -fi.max, fi.tiny, -fi.tiny, fi.tiny / 4, float("inf"), float("-inf"), float("nan")]
+    uv = [0.0, -0.0, 1.0, -3.5, fi.max, fi.tiny / 4, float("inf"), float("-inf"), float("nan")]
+    g, u, dh = torch.meshgrid(torch.tensor(gv), torch.tensor(uv), torch.tensor(uv), indexing="ij")
+    return tuple(t.reshape(len(gv), -1).to(dtype).contiguous() for t in (g, u, dh))
+
+
+# ---------------------------------------------------------------------------- torch path (CPU)
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
+@pytest.mark.parametrize("shape", [(4, 33), (2, 3, 20), (7,), ()])
+def test_function_is_eager_bitwise(dtype, shape):
+    gen = torch.Generator().manual_seed(1)
+    g, u, dh = (torch.randn(shape, generator=gen).mul(3).to(dtype) for _ in range(3))
+    rh, rdg, rdu = eager(g, u, dh)
+    g, u = g.clone().requires_grad_(), u.clone().requires_grad_()
+    h = swiglu(g, u)
+    h.backward(dh)
+    for out, ref, what in ((h, rh, "h"), (g.grad, rdg, "dg"), (u.grad, rdu, "du")):
+        assert out.shape == ref.shape and torch.equal(out, ref), what
+
+
+def test_gradcheck_float64():
+    gen = torch.Generator().manual_seed(2)
+    g = (torch.randn(5, 7, generator=gen, dtype=torch.float64) * 3).requires_grad_()
+    u = torch.randn(5, 7, generator=gen, dtype=torch.float64).requires_grad_()
+    assert torch.autograd.gradcheck(swiglu, (g, u))
+
+
+def test_saves_only_g_and_u():
+    g, u = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        swiglu(g, u)
+    assert len(saved) == 2 and saved[0] is g and saved[1] is u
+
+
+def test_grad_of_one_input_only():
+    g, u = torch.randn(3, 5), torch.randn(3, 5, requires_grad=True)
+    swiglu(g, u).sum().backward()
+    assert g.grad is None and torch.equal(u.grad, F.silu(g))
+
+
+def test_module_splits_one_input_into_gate_and_up():
+    gu = torch.randn(2, 3, 16, requires_grad=True)
+    h = SwiGLU()(gu)
+    assert torch.equal(h, F.silu(gu[..., :8]) * gu[..., 8:])
+    assert torch.equal(SwiGLU()(gu[..., :8], gu[..., 8:]), h)
+    assert hybridfp.SwiGLU is SwiGLU and hybridfp.swiglu is swiglu
+
+
+@pytest.mark.parametrize("g, u, match", [
+    (torch.randn(3, 4), torch.randn(4, 3), "gate g has shape \\(3, 4\\) but up u has shape \\(4, 3\\)"),
+    (torch.randn(3, 4), torch.randn(3, 4, dtype=torch.float64), "gate g is torch.float32 but up u is torch.float64"),
+    (torch.randn(3, 4), torch.empty(3, 4, device="meta"), "gate g is on cpu but up u is on meta"),
+    (torch.ones(3, 4, dtype=torch.int32), torch.ones(3, 4, dtype=torch.int32), "must be floating point"),
+])
+def test_errors_name_the_tensors(g, u, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        swiglu(g, u)
+
+
+def test_module_one_input_needs_even_last_dim():
+    with pytest.raises(ValueError, match="two halves"):
+        SwiGLU()(torch.randn(2, 7))
+
+
+# ---------------------------------------------------------------------------- kernels (interpreter)
+@interpreter_only
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("strided", [False, True])
+def test_kernels_match_eager(dtype, shape, strided):
+    g, u, dh = inputs(shape, dtype, seed=shape[0] * 1000 + shape[1], strided=strided)
+    with poisoned_outputs():
+        h = triton_swiglu.swiglu_forward(g, u)
+        dg, du = triton_swiglu.swiglu_backward(dh, g, u)
+    check_kernels(g, u, dh, dg, du, h)
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernels_edge_values(dtype):
+    g, u, dh = edge_grid(dtype)
+    with poisoned_outputs():
+        h = triton_swiglu.swiglu_forward(g, u)
+        dg, du = triton_swiglu.swiglu_backward(dh, g, u)
+    check_kernels(g, u, dh, dg, du, h)
+    assert h.isnan().any() and dg.isnan().any() and h.isinf().any()  # the grid does reach them
+
+
+@interpreter_only
+@pytest.mark.parametrize("shape", [(0, 8), (4, 0), (0, 0)])
+def test_kernels_empty(shape):
+    g = torch.empty(shape, dtype=torch.bfloat16)
+    assert triton_swiglu.swiglu_forward(g, g).shape == shape
+    dg, du = triton_swiglu.swiglu_backward(g, g, g)
+    assert dg.shape == du.shape == shape
+
+
+@interpreter_only
+def test_kernels_reject_what_they_cannot_read():
+    g = torch.randn(4, 6)
+    with pytest.raises(ValueError, match="unit inner stride"):
+        triton_swiglu.swiglu_forward(g, torch.randn(6, 4).t())
+    with pytest.raises(ValueError, match="2D"):
+        triton_swiglu.swiglu_forward(g.view(2, 2, 6), g.view(2, 2, 6))
+    with pytest.raises(ValueError, match="expected \\(4, 6\\) torch.float32"):
+        triton_swiglu.swiglu_backward(g.half(), g, g)
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_function_kernel_path(monkeypatch, dtype):
+    """The autograd function on the kernel path (forced on CPU tensors): 3D halves of a fused
+    projection read in place, a transposed (non-unit inner stride) input copied, grads wired."""
+    monkeypatch.setattr(swiglu_module, "_uses_kernels", lambda g: True)
+    gen = torch.Generator().manual_seed(3)
+    gu = (torch.randn(2, 3, 2 * 37, generator=gen) * 4).to(dtype).requires_grad_()
+    up_t = torch.randn(37, 6, generator=gen).to(dtype).requires_grad_()
+    dh = torch.randn(2, 3, 37, generator=gen).to(dtype)
+    g = gu[..., :37]
+    u = up_t.t().reshape(2, 3, 37)  # a view with inner stride 6: the function copies it
+    h = swiglu(g, u)
+    h.backward(dh)
+    g2, u2, dh2 = g.detach().reshape(6, 37), u.detach().reshape(6, 37), dh.reshape(6, 37)
+    dg = gu.grad[..., :37].reshape(6, 37)
+    assert torch.equal(gu.grad[..., 37:], torch.zeros_like(gu.grad[..., 37:]))
+    du = up_t.grad.t().reshape(6, 37)
+    check_kernels(g2, u2, dh2, dg, du, h.detach().reshape(6, 37))
+    a, b = gu.detach()[..., :37], gu.detach()[..., 37:]
+    assert torch.equal(swiglu(a.transpose(0, 1), b.transpose(0, 1)), swiglu(a, b).transpose(0, 1))
+
+
+# ---------------------------------------------------------------------------- GPU
+def fresh(shape: tuple[int, int], dtype: torch.dtype, strided: bool = False):
+    """Fresh random CUDA inputs (seeded from os.urandom: every run differs)."""
+    return inputs(shape, dtype, seed=int.from_bytes(os.urandom(4), "little"), device="cuda", strided=strided)
+
+
+@gpu
+@pytest.mark.parametrize("dtype, shape, strided", [
+    (torch.bfloat16, (16384, 14336), False),   # Llama-3-8B MLP
+    (torch.bfloat16, (333, 14337), True),      # awkward: odd N, halves of one [M, 2N] tensor
+    (torch.float16, (333, 4099), True),
+    (torch.float32, (333, 4099), False),
+])
+def test_gpu_kernels_match_eager(dtype, shape, strided):
+    g, u, dh = fresh(shape, dtype, strided)
+    with poisoned_outputs():
+        h = triton_swiglu.swiglu_forward(g, u)
+        dg, du = triton_swiglu.swiglu_backward(dh, g, u)
+    check_kernels(g, u, dh, dg, du, h)
+    if dtype == torch.bfloat16:
+        # Both sides call CUDA's expf, so equal bits are expected; a differing libdevice build
+        # would flip a rounding in ~2**-14 of the elements (few-ulp FP32 differences).
+        rh, rdg, _ = eager(g, u, dh)
+        assert (h != rh).float().mean().item() < 1e-3 and (dg != rdg).float().mean().item() < 1e-3
+
+
+@gpu
+def test_gpu_function_and_dtype_error():
+    g, u, dh = fresh((257, 2 * 1000 + 3), torch.bfloat16)
+    g, u = g.requires_grad_(), u.requires_grad_()
+    h = swiglu(g, u)
+    h.backward(dh)
+    with torch.no_grad():
+        ref = triton_swiglu.swiglu_forward(g, u)
+        rdg, rdu = triton_swiglu.swiglu_backward(dh, g, u)
+    assert torch.equal(h, ref) and torch.equal(g.grad, rdg) and torch.equal(u.grad, rdu)
+    with pytest.raises(TypeError, match="float32, bfloat16 and float16"):
+        swiglu(g.detach().double(), u.detach().double())
