@@ -26,7 +26,7 @@ shard() {  # gpu name files...
 sweep() {  # gpu
     CUDA_VISIBLE_DEVICES=$1 timeout "${SWEEP_TIMEOUT:-150}" python3 -m bench.bench_quantize_kernels --sweep \
         --out "$R/quantize_kernels.json" > "$R/quantize_kernels.log" 2>&1
-    CUDA_VISIBLE_DEVICES=$1 timeout "${SWEEP_TIMEOUT:-150}" python3 -m bench.profile_quantize \
+    [ "${PROFILE:-1}" = 1 ] && CUDA_VISIBLE_DEVICES=$1 timeout "${SWEEP_TIMEOUT:-150}" python3 -m bench.profile_quantize \
         --out "$R/bench/profile_quantize.json" > "$R/profile.log" 2>&1
 }
 run_all() {  # gpu
@@ -36,7 +36,7 @@ run_all() {  # gpu
 if [ "$NG" -ge 4 ]; then
     shard 0 a $SHARD_A & shard 1 b $SHARD_B & run_all 2 & sweep 3 & wait
 else
-    ( shard 0 a $SHARD_A; run_all 0 ) & ( shard 1 b $SHARD_B; sweep 1 ) & wait
+    ( shard 0 a $SHARD_A; sweep 0 ) & ( shard 1 b $SHARD_B; run_all 1 ) & wait
 fi
 for n in a b; do grep -E "(FAILED|ERROR)" "$R/tests_$n.log" | grep "::" | head -20; tail -2 "$R/tests_$n.log"; done
 grep -E "^  (fp8 block|fp8 cast|hybrid nvfp4|mxfp8 trans)" "$R/quantize_kernels.log" | cut -c1-100
