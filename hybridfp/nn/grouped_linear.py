@@ -6,9 +6,13 @@ quantizers per slot (role module_type "grouped_linear"), so per-tensor scales an
 straddle two experts. The GEMMs per expert are those of ``Linear`` (see linear_function); each
 of the three runs for all experts in one ``hybridfp.gemm.grouped_gemm`` call (one grouped
 kernel where the operand formats allow it, else per expert). The experts' inputs and output
-gradients are quantized together by ``quantize_grouped``: a row-local rowwise copy (Identity,
-MXFP8 1x32, FP8 block 1x128, row-scaled NVFP4) is encoded once for all experts and handed out
-as row-slice views, bitwise what each expert's own quantizer makes.
+gradients (and their stacked weights) are quantized together by ``quantize_grouped``, bitwise
+what each expert's own quantizer makes: a row-local rowwise copy (Identity, MXFP8 1x32, FP8
+block 1x128, row-scaled NVFP4) is encoded once and handed out as row-slice views; per-tensor
+scales from the tensor's own amax (FP8 current scaling, NVFP4 1D rows) come from one segmented
+amax and one cast pass for all experts; columnwise block copies and FP8 transposes are each
+expert's own contiguous view of one buffer. Delayed scaling and stochastic rounding stay per
+expert (each expert's amax history; each quantization's seed).
 """
 
 from __future__ import annotations

@@ -22,13 +22,13 @@ HIDDEN, FFN = 4096, 1408
 SPLITS = [0, 517, 33, 1024, 1, 250, 96, 700]
 
 
-def cuda_step(m: GroupedLinear, factory):
+def cuda_step(m: GroupedLinear, factory, splits=SPLITS):
     g = torch.Generator(device="cuda").manual_seed(3)
-    x = torch.randn(sum(SPLITS), HIDDEN, generator=g, device="cuda").bfloat16().requires_grad_()
-    dy = torch.randn(sum(SPLITS), FFN, generator=g, device="cuda").bfloat16()
+    x = torch.randn(sum(splits), HIDDEN, generator=g, device="cuda").bfloat16().requires_grad_()
+    dy = torch.randn(sum(splits), FFN, generator=g, device="cuda").bfloat16()
     torch.manual_seed(11)
     with autocast(recipe=CustomRecipe(qfactory=factory)):
-        y = m(x, SPLITS)
+        y = m(x, splits)
     y.backward(dy)
     return y.detach(), x.grad, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
@@ -42,6 +42,26 @@ def test_step_equals_per_expert_loop_cuda(name, monkeypatch):
     got = cuda_step(m, FACTORIES[name])
     per_expert_loop(monkeypatch)
     want = cuda_step(fresh, FACTORIES[name])
+    assert_bitwise(got[0], want[0], f"{name} output")
+    assert_bitwise(got[1], want[1], f"{name} input grad")
+    for n in want[2]:
+        assert_bitwise(got[2][n], want[2][n], f"{name} {n}.grad")
+
+
+#: The MoE benchmark's layer: 64 experts, uneven counts (some empty, some not multiples of 16).
+SPLITS64 = [0 if e in (1, 40) else (e * 37) % 301 + (e % 3) for e in range(64)]
+
+
+@pytest.mark.parametrize("name", ["current_scaling", "nvfp4_row_scaled_fwd_mxfp8_bwd"])
+def test_step_equals_per_expert_loop_64_experts(name, monkeypatch):
+    """Per-expert per-tensor scales computed for all 64 experts at once (grouped FP8 current /
+    NVFP4 kernels) give the per-expert loop's step bit for bit."""
+    torch.manual_seed(1)
+    m = GroupedLinear(64, HIDDEN, FFN, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    fresh = copy.deepcopy(m)
+    got = cuda_step(m, FACTORIES[name], SPLITS64)
+    per_expert_loop(monkeypatch)
+    want = cuda_step(fresh, FACTORIES[name], SPLITS64)
     assert_bitwise(got[0], want[0], f"{name} output")
     assert_bitwise(got[1], want[1], f"{name} input grad")
     for n in want[2]:

@@ -116,8 +116,9 @@ def test_row_local_rowwise_copies_are_one_encoding(name):
 
 @pytest.mark.parametrize("name", ["current_scaling", "nvfp4", "delayed_scaling"])
 def test_per_tensor_scaled_formats_quantize_per_expert(name):
-    """Per-tensor scales (FP8 per-tensor, NVFP4 global amax) are each expert's own: no shared
-    encoding, and separately quantized experts are not joined."""
+    """Per-tensor scales (FP8 per-tensor, NVFP4 global amax) are each expert's own, so the
+    experts' rowwise copies are never joined into one operand, even where one grouped encoding
+    made them (FP8 current, NVFP4 1D rows: test_quantizers_grouped_scaled.py)."""
     qs = build(FACTORIES[name], "input", USAGES["both"])
     got = quantize_grouped(qs, data(), SPLITS)
     assert joined_rows([t.qstorage for t in got], ROWWISE) is None
