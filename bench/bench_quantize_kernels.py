@@ -167,11 +167,6 @@ def run_sweep(x: torch.Tensor, copy: float) -> list[dict]:
                          lambda b=blk, n=nw: triton_mxfp8.quantize(x, E4M3, block=b, num_warps=n)))
         variants.append((f"mxfp8 col {blk} nw{nw}", lambda b=blk, n=nw: triton_mxfp8.quantize(
             x, E4M3, block=b, num_warps=n, rowwise=False)))
-    for blk, nw in [((32, 64), 2), ((32, 128), 4), ((64, 128), 4), ((32, 256), 8), ((64, 64), 2)]:
-        variants.append((f"mxfp8 trans row+col {blk} nw{nw}",
-                         lambda b=blk, n=nw: triton_mxfp8.quantize(x, E4M3, block=b, num_warps=n, trans=True)))
-        variants.append((f"mxfp8 trans col {blk} nw{nw}", lambda b=blk, n=nw: triton_mxfp8.quantize(
-            x, E4M3, block=b, num_warps=n, rowwise=False, trans=True)))
     for blk, nw in [((64, 64), 8), ((64, 128), 8), ((128, 128), 8), ((32, 128), 4)]:
         variants.append((f"fp8 cast pass row+col {blk} nw{nw}", lambda b=blk, n=nw: triton_fp8_tensorwise.quantize(
             x, E4M3, amax=g, block=b, num_warps=n)))
@@ -179,9 +174,7 @@ def run_sweep(x: torch.Tensor, copy: float) -> list[dict]:
         variants.append((f"fp8 block 1d chunk{cw} rows{rw} nw{nw}",
                          lambda c=cw, r=rw, n=nw: triton_fp8_block.quantize(
                              x, E4M3, block_dim=1, chunk=c, row_slice=r, num_warps=n)))
-    variants.append(("fp8 block 1d two-pass columnwise (old)", lambda: triton_fp8_block.quantize(
-        x, E4M3, block_dim=1, one_pass=False)))
-    variants.append(("fp8 block 1d one-pass col only", lambda: triton_fp8_block.quantize(
+    variants.append(("fp8 block 1d col only", lambda: triton_fp8_block.quantize(
         x, E4M3, block_dim=1, rowwise=False)))
     for dim in (1, 2):
         for nw in (4, 8, 16):

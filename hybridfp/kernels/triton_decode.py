@@ -33,6 +33,8 @@ cuBLAS BF16 still runs at 0.89-1.05x a BF16 GEMM. Closing that gap is open work.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -41,9 +43,12 @@ from ._common import bf16_nan16, e2m1_value, empty, program_tile
 
 #: kernel kinds: FP8 codes alone, x E8M0 bytes, x power-of-two FP32, packed E2M1 x E4M3
 _PLAIN, _E8M0, _POW2_F32, _NVFP4 = (tl.constexpr(i) for i in range(4))
-#: default tile (rows, cols); a 2D block format widens the rows to its tile side. 32 x 256
-#: with 4 warps was the fastest of four tiles on the H200 (bench/bench_gemm_pairs.py).
+#: default tile (rows, cols), 4 warps. 32 x 256 was the fastest of four tiles on the H200 for
+#: every decode (bench/bench_gemm_pairs.py); a later sweep with smaller tiles found 8 x 512
+#: faster for the 1x32 / 1x16 block decodes (MXFP8 0.081 vs 0.102 ms, NVFP4 pairs 0.063 vs
+#: 0.068 ms at 8192^2: fewer registers per thread, 108 vs 255 for MXFP8): _TILE_1D.
 _TILE = (32, 256)
+_TILE_1D = (8, 512)
 
 
 @triton.jit
@@ -168,7 +173,7 @@ def _decode_kernel(src_ptr, s_ptr, out_ptr, R, C, src_stride, s_stride, NSR, NSC
 
 def _launch(src: torch.Tensor, scale: torch.Tensor | None, cols: int, kind: int, *,
             fp8_dtype: torch.dtype = torch.float8_e4m3fn, block: tuple[int, int] = (1, 1),
-            tile: tuple[int, int] = _TILE, num_warps: int = 4, pairs: bool = False) -> torch.Tensor:
+            tile: Optional[tuple[int, int]] = None, num_warps: int = 4, pairs: bool = False) -> torch.Tensor:
     """Decode the [rows, cols] copy whose raw bytes are ``src`` (last dim contiguous).
     ``pairs`` (NVFP4, even ``cols``): write two elements per int32 word."""
     rows = src.shape[0]
@@ -178,6 +183,7 @@ def _launch(src: torch.Tensor, scale: torch.Tensor | None, cols: int, kind: int,
     if src.stride(-1) != 1:
         src = src.contiguous()
     sr, sc = block
+    tile = tile or (_TILE_1D if sr == 1 and kind in (_E8M0.value, _NVFP4.value) else _TILE)
     br, bc = tile[0], max(tile[1], sc)
     if scale is None:
         scale = src  # _PLAIN reads no scales; the kernel still takes a pointer argument

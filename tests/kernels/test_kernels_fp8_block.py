@@ -175,15 +175,3 @@ def test_fp8_block_gpu_tile_method(block_dim, shape):
         for rowwise, columnwise in [(True, True), (True, False), (False, True)]:
             _check_tile_method(x, block_dim, 128, True, 0.0, True, rowwise, columnwise)
 
-
-@interpreter_only
-@pytest.mark.parametrize("one_pass", [True, False])
-def test_fp8_block_1d_columnwise_passes(one_pass):
-    """128-row columnwise blocks read once (registers) or twice (amax, then codes): the same
-    bytes as the reference (partial blocks, specials, a transposed view)."""
-    x = edge_tensor((260, 140), torch.bfloat16, seed=9, specials=True).t()
-    row, col = triton_fp8_block.quantize(x, E4M3, one_pass=one_pass)
-    d, s = fp8_block.quantize_1d(x, E4M3)
-    dc, sc = fp8_block.quantize_1d(x.t(), E4M3)
-    assert torch.equal(row[0].view(torch.uint8), d.view(torch.uint8)) and torch.equal(row[1], s)
-    assert torch.equal(col[0].view(torch.uint8), dc.view(torch.uint8)) and torch.equal(col[1], sc)

@@ -18,7 +18,6 @@ from quantize_kernel_cases import (DTYPES, EMPTY_SHAPES, GPU_SHAPES, SHAPES, ass
 
 from hybridfp.formats import mxfp8  # noqa: E402
 from hybridfp.kernels import triton_mxfp8  # noqa: E402
-from hybridfp.kernels._common import poisoned_outputs  # noqa: E402
 from hybridfp.quantizers import HybridQuantizer, MXFP8Quantizer, fast  # noqa: E402
 from hybridfp.quantizers.backends import kernels_enabled, select_quantize_kernel  # noqa: E402
 
@@ -121,37 +120,3 @@ def test_mxfp8_kernel_int32_packed_columnwise(block_2d):
         b = triton_mxfp8.quantize(x, E4M3, block_2d=block_2d, block=block, rowwise=False, pack=True)[1]
         assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
 
-
-def _check_trans(x: torch.Tensor, dtype: torch.dtype, rule: str, block: tuple[int, int], rowwise: bool,
-                 columnwise: bool) -> None:
-    """``trans=True`` (per 32-row slice, transposed in registers) against ``formats.mxfp8``."""
-    row, col = triton_mxfp8.quantize(x, dtype, rule=rule, block=block, trans=True, rowwise=rowwise,
-                                     columnwise=columnwise, num_warps=max(block[1] // 32, 1))
-    if rowwise:
-        d, s = mxfp8.quantize_1d(x, dtype, rule=rule)
-        assert torch.equal(row[0].view(torch.uint8), d.view(torch.uint8)) and torch.equal(row[1], s), "rowwise"
-    if columnwise:
-        d, s = mxfp8.quantize_1d(x.t(), dtype, rule=rule)
-        assert torch.equal(col[0].view(torch.uint8), d.view(torch.uint8)) and torch.equal(col[1], s), "columnwise"
-
-
-@interpreter_only
-@pytest.mark.parametrize("block", [(32, 64), (64, 32)], ids=str)
-@pytest.mark.parametrize("shape,transposed", [((70, 100), False), ((100, 70), True), ((64, 64), False)], ids=str)
-def test_mxfp8_trans_variant(block, shape, transposed):
-    """The per-slice variant: partial blocks, specials, strided input, each direction, E5M2 floor."""
-    x = edge_tensor(shape, torch.bfloat16, seed=shape[0], specials=True)
-    x = x.t() if transposed else x
-    for rowwise, columnwise in [(True, True), (True, False), (False, True)]:
-        _check_trans(x, E4M3, "rceil", block, rowwise, columnwise)
-    _check_trans(x.float(), torch.float8_e5m2, "floor", block, True, True)
-
-
-@gpu
-@pytest.mark.parametrize("shape", GPU_SHAPES + [(4113, 1000), (1000, 4113)], ids=str)
-def test_mxfp8_gpu_trans_variant(shape):
-    x = gpu_input(shape, torch.bfloat16, specials=True)
-    with poisoned_outputs(0x7F):
-        for block in [(32, 64), (32, 128), (64, 128)]:
-            for rowwise, columnwise in [(True, True), (False, True)]:
-                _check_trans(x, E4M3, "rceil", block, rowwise, columnwise)
