@@ -1,6 +1,6 @@
 """Run every benchmark (one process each), write results/<date>.md and .json, print a summary.
 
-    python -m bench.run_all [--results-dir bench/results] [--quick] [--budget-s 330]
+    python -m bench.run_all [--results-dir bench/results] [--quick] [--budget-s 330] [--only moe,mlp]
 
 Each benchmark measures its own baselines (copy bandwidth, BF16) in its own process; the
 summary printed last repeats the headline numbers: FP8 GEMM through hybridfp.gemm vs raw
@@ -87,11 +87,13 @@ def main(argv=None) -> None:
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--budget-s", type=float, default=420.0, help="wall-clock budget for all benchmarks")
+    p.add_argument("--only", default=None, help="comma-separated subset of " + ",".join(BENCHES))
     args = p.parse_args(argv)
+    benches = [b for b in BENCHES if args.only is None or b in args.only.split(",")]
     start = time.monotonic()
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in BENCHES:
+        for name in benches:
             left = args.budget_s - (time.monotonic() - start)
             # the MLP's compiled variants stop early enough to leave the MoE benchmark its time
             extra = ["--deadline-s", str(max(left - 150, 0)), "--linear-compiled"] if name == "mlp" else []
