@@ -100,7 +100,7 @@ def _grouped_fp8_kernel(x_ptr, amax_ptr, group_ptr, start_ptr, count_ptr, off_pt
         for g0 in range(0, G, BG):
             lg = g0 + tl.arange(0, BG)
             s = current_scale(tl.load(amax_ptr + lg, mask=lg < G, other=0.0), eps, FP8_MAX, POW2)
-            tl.store(sinv_ptr + lg, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s), mask=lg < G)
+            tl.store(sinv_ptr + lg * 4, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s), mask=lg < G)
 
 
 def quantize(x2: torch.Tensor, amax: torch.Tensor, row_group: torch.Tensor, group_start: torch.Tensor,
@@ -130,7 +130,9 @@ def quantize(x2: torch.Tensor, amax: torch.Tensor, row_group: torch.Tensor, grou
     if col_offset is None:
         col_offset, col_numel = group_start.to(torch.int64) * cols, rows * cols
     cd = empty((col_numel,), dtype=dtype, device=dev) if columnwise else None
-    sinv = empty((groups,), dtype=torch.float32, device=dev)
+    # one 16-byte slot per expert: cuBLAS (torch._scaled_mm) rejects a scale pointer that is
+    # not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED), and each expert's scale_inv is a view
+    sinv = empty((groups, 4), dtype=torch.float32, device=dev)
     dummy = torch.empty(1, dtype=torch.uint8, device=dev)
     br, bc = block
     grid = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)
@@ -140,4 +142,4 @@ def quantize(x2: torch.Tensor, amax: torch.Tensor, row_group: torch.Tensor, grou
         rows, cols, groups, x2.stride(0), x2.stride(1), f32(eps), POW2=power_2_scale, ROW=rowwise,
         COL=columnwise, MBITS=mbits, BIAS=bias, FP8_MAX=fmax, DTYPE=DTYPE_CODE[x2.dtype], BR=br, BC=bc,
         BG=128, HW=hw_fp8(dev), num_warps=num_warps or 4)
-    return rd, cd, sinv
+    return rd, cd, sinv[:, 0]

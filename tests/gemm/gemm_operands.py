@@ -134,7 +134,7 @@ def ref_operand(t: torch.Tensor, direction: str, keep_rht: bool = False) -> torc
         v = v * (sc if sc.dim() == 0 else sc[:, None])
     if op.rht and not keep_rht:
         m, kp = v.shape
-        v = (v.reshape(m, kp // 16, 16) @ R64.t()).reshape(m, kp)[:, :op.k]
+        v = (v.reshape(m, kp // 16, 16) @ R64.to(v.device).t()).reshape(m, kp)[:, :op.k]
     return v
 
 
