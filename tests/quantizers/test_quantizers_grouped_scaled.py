@@ -169,9 +169,10 @@ def test_delayed_scaling_records_each_experts_amax():
         assert torch.equal(q.amax_history[0], want)
 
 
-def test_shared_columnwise_block_copies_are_aligned_views():
+def test_shared_columnwise_block_copies_are_contiguous_and_aligned():
     """MXFP8 / FP8 block columnwise copies shared by all experts (groups zero-padded to whole
-    blocks): each expert's payload tensors are contiguous, 16-byte aligned views of one buffer."""
+    blocks): each expert's payload tensors are contiguous and 16-byte aligned (cuBLAS and the
+    decode kernels read them as they are)."""
     for factory in (factories.mxfp8, factories.float8_block_scaling):
         role = QuantizerRole("grouped_linear", "input", "experts")
         got = [t.qstorage for t in quantize_grouped([factory(role) for _ in SPLITS], data(), SPLITS)]
@@ -179,4 +180,3 @@ def test_shared_columnwise_block_copies_are_aligned_views():
             for s in got:
                 t = s.payload(COLUMNWISE)[name]
                 assert t.is_contiguous() and t.data_ptr() % 16 == 0, name
-                assert t.untyped_storage().data_ptr() == t0.untyped_storage().data_ptr(), name
