@@ -45,7 +45,7 @@ def run_bench(name: str, out: Path, quick: bool, timeout: float, extra: list[str
     return result
 
 
-def summary(results: dict[str, dict[str, Any]]) -> str:
+def summary(results: dict[str, dict[str, Any]], benches: Optional[list[str]] = None) -> str:
     """The headline numbers, one short table."""
     rows: list[tuple[str, str]] = []
     g = results.get("gemm")
@@ -76,7 +76,7 @@ def summary(results: dict[str, dict[str, Any]]) -> str:
         if r["directions"] == "row+col" and "GBps" in r and r["quantizer"] in (
                 "FP8 current E4M3", "FP8 block 1x128", "MXFP8", "Hybrid FP8 current / FP8 block 1x128"):
             rows.append((f"quantize {r['quantizer']} row+col", f"{r['x_copy']:.2f}x copy ({r['path']})"))
-    missing = [b for b in BENCHES if b not in results]
+    missing = [b for b in (benches or BENCHES) if b not in results]
     if missing:
         rows.append(("benchmarks that failed", ", ".join(missing)))
     return md_table(["summary", "value"], rows)
@@ -108,7 +108,7 @@ def main(argv=None) -> None:
             f"{env.get('cuda')}, triton {env.get('triton')}, torchao "
             f"{results.get('mlp', {}).get('env', {}).get('torchao', 'n/a')}, commit {env.get('commit')}.\n"
             "Reproduce: `python -m bench.run_all` on the GPU machine (one process per benchmark).\n")
-    table = summary(results)
+    table = summary(results, benches)
     md = "\n".join([head, "## Summary\n", table, ""] + [results[b]["markdown"] for b in BENCHES if b in results])
     (args.results_dir / f"{date}.md").write_text(md)
     (args.results_dir / f"{date}.json").write_text(json.dumps({"env": env, "benchmarks": results}, indent=1,
