@@ -127,9 +127,20 @@ def supports(key_a: FormatKey, key_b: FormatKey, layout: str, device: torch.devi
     return layout in LAYOUTS and pair_supported(key_a, key_b) and _device_ok(device)
 
 
+#: Plain-side formats of a one-sided RHT pair not yet taken on CUDA: the Identity (BF16) x
+#: NVFP4-RHT GPU test at 8192x4096x14336 failed on the H200 (2026-11-29; the run was cut
+#: short before its report, the cause is not known), while MXFP8 / FP8 / NVFP4 passed. Such
+#: pairs stay on the reported exact emulation until that test passes.
+SPLIT_UNVERIFIED_ON_CUDA = frozenset({"Identity"})
+
+
 def supports_split(key_a: FormatKey, key_b: FormatKey, layout: str, device: torch.device) -> bool:
-    """``bf16_split_rht``'s predicate: a one-sided RHT pair, on a CUDA device with BF16 tensor cores."""
-    return layout in LAYOUTS and split_pair_supported(key_a, key_b) and _device_ok(device)
+    """``bf16_split_rht``'s predicate: a one-sided RHT pair, on a CUDA device with BF16 tensor
+    cores, whose plain side is not in :data:`SPLIT_UNVERIFIED_ON_CUDA`."""
+    if not (layout in LAYOUTS and split_pair_supported(key_a, key_b) and _device_ok(device)):
+        return False
+    names = {o[0] for o in (_opts(key_a), _opts(key_b)) if o is not None}
+    return not (names & SPLIT_UNVERIFIED_ON_CUDA)
 
 
 @contextmanager

@@ -196,7 +196,20 @@ def test_gemm_dispatches_to_run_split(layout, fmt_a, fmt_b, monkeypatch):
     """``gemm`` with the backend allowed on the device (here: the CPU) runs ``run_split``,
     silently, and matches the FP64 reference — the body of the GPU test, at a small shape."""
     monkeypatch.setattr(bf16_tensorcore, "_device_ok", lambda device: True)
+    monkeypatch.setattr(bf16_tensorcore, "SPLIT_UNVERIFIED_ON_CUDA", frozenset())
     _check_through_gemm(layout, fmt_a, fmt_b, (40, 56, 72), "cpu", seed=3)
+
+
+def test_identity_plain_side_not_taken_until_verified(monkeypatch):
+    """Identity x NVFP4-RHT stays on the reported emulation where the split backend is allowed
+    (SPLIT_UNVERIFIED_ON_CUDA), MXFP8 x NVFP4-RHT does not."""
+    monkeypatch.setattr(bf16_tensorcore, "_device_ok", lambda device: True)
+    for fa, want in (("identity_bf16", None), ("mxfp8", "bf16_split_rht")):
+        a, b = operands("NN", fa, RHT, 8, 16, 32, seed=1, device="cpu")
+        sa, sb = _storages("NN", a, b)
+        da, db = LAYOUTS["NN"]
+        got = select(sa.format_key(da), sb.format_key(db), "NN", sa.device)
+        assert (got.name if got is not None else None) == want, fa
 
 
 def test_split3_exact_in_normal_range_not_for_tiny_values():
@@ -311,9 +324,11 @@ GPU_CASES = [("NT", "mxfp8", RHT, (4096, 4096, 4096)), ("NT", RHT, "mxfp8", (409
 @gpu
 @pytest.mark.parametrize("layout, fmt_a, fmt_b, shape", GPU_CASES,
                          ids=[f"{c[0]}-{c[1]}-{c[2]}-{'x'.join(map(str, c[3]))}" for c in GPU_CASES])
-def test_gpu_split_rht_through_gemm(layout, fmt_a, fmt_b, shape):
+def test_gpu_split_rht_through_gemm(layout, fmt_a, fmt_b, shape, monkeypatch):
     """Fresh random operands (seeded from os.urandom) quantized on the GPU; cuBLAS BF16 GEMMs
     of exact products with FP32 accumulation. Bound 1e-5 at k up to 14336: typical
     random-sign FP32 accumulation error ~ u sqrt(k / 6) ~ 3e-6 even for a sequential sum (cuBLAS's
-    tiled sums do better), and emulate (an IEEE FP32 cuBLAS GEMM) carries the same."""
+    tiled sums do better), and emulate (an IEEE FP32 cuBLAS GEMM) carries the same. Pairs in
+    SPLIT_UNVERIFIED_ON_CUDA are forced onto the backend here: this test is what clears them."""
+    monkeypatch.setattr(bf16_tensorcore, "SPLIT_UNVERIFIED_ON_CUDA", frozenset())
     _check_through_gemm(layout, fmt_a, fmt_b, shape, "cuda", seed=int.from_bytes(os.urandom(4), "little"))
