@@ -47,7 +47,7 @@ import importlib.util
 from contextlib import contextmanager
 from functools import lru_cache
 from types import ModuleType
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -227,11 +227,11 @@ def _reason(s: QuantizedStorage, direction: str, what: str) -> Optional[str]:
     return None if why is None else f"{what}: {why}"
 
 
-def run(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, *,
-        out_dtype: torch.dtype = torch.bfloat16, bias: Optional[torch.Tensor] = None,
-        accumulate_into: Optional[torch.Tensor] = None, fast_accumulation: bool = False) -> torch.Tensor:
-    """The GEMM ``layout`` selects on two single-format storages (see the module doc).
-    ``fast_accumulation`` changes nothing here: BF16 tensor cores accumulate in FP32."""
+def _on_bf16(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, out_dtype: torch.dtype,
+             bias: Optional[torch.Tensor], accumulate_into: Optional[torch.Tensor],
+             compute: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """``compute(pa, pb, a, b)`` on both copies decoded into BF16 (B's decode cached when it is
+    a weight), or the reported emulation where a copy does not decode exactly into BF16."""
     da, db = LAYOUTS[layout]
     pa, pb = sa.part(da), sb.part(db)
     why = _reason(pa, da, "A") or _reason(pb, db, "B")
@@ -239,7 +239,16 @@ def run(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, *,
         return _emulated(pa, pb, layout, why, out_dtype, bias, accumulate_into)
     a = decode_bf16(pa, da)
     b = decode_bf16(pb, db, cache=_CACHE_WEIGHTS[0] and layout in WEIGHT_B_LAYOUTS)
-    return bf16_gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate_into=accumulate_into)
+    return compute(pa, pb, a, b)
+
+
+def run(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, *,
+        out_dtype: torch.dtype = torch.bfloat16, bias: Optional[torch.Tensor] = None,
+        accumulate_into: Optional[torch.Tensor] = None, fast_accumulation: bool = False) -> torch.Tensor:
+    """The GEMM ``layout`` selects on two single-format storages (see the module doc).
+    ``fast_accumulation`` changes nothing here: BF16 tensor cores accumulate in FP32."""
+    return _on_bf16(sa, sb, layout, out_dtype, bias, accumulate_into, lambda pa, pb, a, b: bf16_gemm(
+        a, b, out_dtype=out_dtype, bias=bias, accumulate_into=accumulate_into))
 
 
 def run_split(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, *,
@@ -250,19 +259,14 @@ def run_split(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, *,
     BF16 GEMMs summed in FP32) and ``emulate``'s epilogue. Copies that do not decode into BF16,
     or RHT values the split cannot hold exactly, run ``emulate`` (reported once per reason).
     ``fast_accumulation`` changes nothing here: BF16 tensor cores accumulate in FP32."""
-    da, db = LAYOUTS[layout]
-    pa, pb = sa.part(da), sb.part(db)
-    why = _reason(pa, da, "A") or _reason(pb, db, "B")
-    if why is not None:
-        return _emulated(pa, pb, layout, why, out_dtype, bias, accumulate_into)
-    a = decode_bf16(pa, da)
-    b = decode_bf16(pb, db, cache=_CACHE_WEIGHTS[0] and layout in WEIGHT_B_LAYOUTS)
-    acc = split_gemm(a, b, bf16_mm_fp32)
-    if acc is None:
-        side = "A" if a.rht else "B"
-        return _emulated(pa, pb, layout, f"{side}: {INEXACT}", out_dtype, bias, accumulate_into,
-                         missing="exact BF16 split path here")
-    return finish(acc, a, b, out_dtype, bias, accumulate_into)
+    def compute(pa: QuantizedStorage, pb: QuantizedStorage, a: GemmOperand, b: GemmOperand) -> torch.Tensor:
+        acc = split_gemm(a, b, bf16_mm_fp32)
+        if acc is None:
+            side = "A" if a.rht else "B"
+            return _emulated(pa, pb, layout, f"{side}: {INEXACT}", out_dtype, bias, accumulate_into,
+                             missing="exact BF16 split path here")
+        return finish(acc, a, b, out_dtype, bias, accumulate_into)
+    return _on_bf16(sa, sb, layout, out_dtype, bias, accumulate_into, compute)
 
 
 BF16_TENSORCORE_BACKEND = Backend("bf16_tensorcore", supports, run)

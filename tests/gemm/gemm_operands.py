@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 from typing import Callable, Optional
 
+import pytest
 import torch
 
 from hybridfp import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
@@ -146,3 +147,23 @@ def reference(a: torch.Tensor, da: str, b: torch.Tensor, db: str) -> torch.Tenso
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def gpu(test):
+    """Marks a test ``gpu`` and skips it without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")(test))
+
+
+@pytest.fixture(autouse=True)
+def fresh_reports():
+    """Each test sees its own once-per-reason reports of the BF16 backends (a test module
+    that imports this fixture uses it for all its tests)."""
+    from hybridfp.gemm import bf16_tensorcore
+    saved = set(bf16_tensorcore._REPORTED)
+    bf16_tensorcore._REPORTED.clear()
+    yield
+    bf16_tensorcore._REPORTED.clear()
+    bf16_tensorcore._REPORTED.update(saved)

@@ -16,7 +16,8 @@ import warnings
 
 import pytest
 import torch
-from gemm_operands import FORMATS, LAYOUT_OPERANDS, REL_TOL, has_copy, operand, reference, rel_err
+from gemm_operands import (FORMATS, LAYOUT_OPERANDS, REL_TOL, fresh_reports, gpu, has_copy,  # noqa: F401
+                           operand, reference, rel_err)
 
 from hybridfp import Float8BlockQuantizer, IdentityQuantizer, MXFP8Quantizer
 from hybridfp.gemm import BACKENDS, EmulatedGemmWarning, bf16_decode, bf16_tensorcore, emulate, fast, gemm, select
@@ -25,27 +26,11 @@ from hybridfp.gemm.gemm import LAYOUTS, operand_storage
 from hybridfp.quantizers.backends import kernels_enabled
 from hybridfp.tensors import COLUMNWISE, ROWWISE
 
-HAS_CUDA = torch.cuda.is_available()
 #: gemm_operands' formats but two that hold the same storages as others ("fp8_delayed": FP8
 #: per-tensor E4M3 like "fp8_e4m3"; "plain": FP32 values like "identity_fp32"), for CPU time.
 NAMES = [n for n in FORMATS if n not in ("fp8_delayed", "plain")]
 #: format names whose copies decode exactly into BF16 (all but FP32 values)
 BF16_EXACT = {n for n in NAMES if n != "identity_fp32"}
-
-
-def gpu(test):
-    """Marks a test ``gpu`` and skips it without CUDA."""
-    return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")(test))
-
-
-@pytest.fixture(autouse=True)
-def fresh_reports():
-    """Each test sees its own once-per-reason reports."""
-    saved = set(bf16_tensorcore._REPORTED)
-    bf16_tensorcore._REPORTED.clear()
-    yield
-    bf16_tensorcore._REPORTED.clear()
-    bf16_tensorcore._REPORTED.update(saved)
 
 
 def _storages(layout: str, a: torch.Tensor, b: torch.Tensor):

@@ -28,7 +28,7 @@ from typing import Callable
 
 import pytest
 import torch
-from gemm_operands import REL_TOL, ref_operand, rel_err
+from gemm_operands import REL_TOL, fresh_reports, gpu, ref_operand, rel_err  # noqa: F401 (autouse fixture)
 
 from hybridfp import (Float8CurrentScalingQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer,
                       Quantizer)
@@ -40,7 +40,6 @@ from hybridfp.gemm.bf16_tensorcore import pair_supported, run_split, split_pair_
 from hybridfp.gemm.gemm import LAYOUTS, operand_storage
 from hybridfp.tensors import COLUMNWISE, ROWWISE
 
-HAS_CUDA = torch.cuda.is_available()
 Maker = Callable[[], Quantizer]
 #: the non-RHT side: name -> quantizer
 PLAIN: dict[str, Maker] = {
@@ -56,21 +55,6 @@ MAKERS: dict[str, Maker] = {**PLAIN, RHT: lambda: NVFP4Quantizer(with_rht=True)}
 PAIRS = ([("NN", p, RHT) for p in PLAIN] + [("NT", p, RHT) for p in PLAIN] + [("NT", RHT, p) for p in PLAIN])
 #: (m, n, k): k not a multiple of 16 nor 128 (the RHT copy pads k to 16), m or n = 1
 SHAPES = [(33, 20, 70), (1, 24, 200), (17, 1, 130), (48, 40, 256)]
-
-
-def gpu(test):
-    """Marks a test ``gpu`` and skips it without CUDA."""
-    return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")(test))
-
-
-@pytest.fixture(autouse=True)
-def fresh_reports():
-    """Each test sees its own once-per-reason reports."""
-    saved = set(bf16_tensorcore._REPORTED)
-    bf16_tensorcore._REPORTED.clear()
-    yield
-    bf16_tensorcore._REPORTED.clear()
-    bf16_tensorcore._REPORTED.update(saved)
 
 
 def _source(rows: int, cols: int, g: torch.Generator, device: str) -> torch.Tensor:
