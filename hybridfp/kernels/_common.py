@@ -428,6 +428,19 @@ def program_tile(C, BR: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
+def load_tile(x_ptr, R, C, sxr, sxc, DTYPE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """This program's [BR, BC] FP32 tile: (x, mask, tile-local rows and columns, origin, (pr, pc))."""
+    pr, pc = program_tile(C, BR, BC)
+    r0, c0 = pr * BR, pc * BC
+    lr = tl.arange(0, BR)
+    lc = tl.arange(0, BC)
+    mask = ((r0 + lr) < R)[:, None] & ((c0 + lc) < C)[None, :]
+    x = load_f32(x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc + tile_offsets(lr, lc, sxr, sxc),
+                 mask, DTYPE)
+    return x, mask, lr, lc, r0, c0, pr, pc
+
+
+@triton.jit
 def amax_kernel(x_ptr, out_ptr, R, C, sxr, sxc: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr,
                 BC: tl.constexpr):
     """Global max|x| of a strided 2D tensor: one tile per program, an int32 atomic max of the

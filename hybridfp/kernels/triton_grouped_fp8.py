@@ -28,21 +28,15 @@ import triton
 import triton.language as tl
 
 from ._common import (DTYPE_CODE, amax_bits, amax_nan, check_int32_tiles, clamp_sym, current_scale, empty, f32,
-                      fp8_code, fp8_params, hw_fp8, kernel_input, load_f32, program_tile, tile_offsets)
+                      fp8_code, fp8_params, hw_fp8, kernel_input, load_tile, tile_offsets)
 
 
 @triton.jit
 def _group_amax_kernel(x_ptr, group_ptr, out_ptr, R, C, sxr, sxc: tl.constexpr, DTYPE: tl.constexpr,
                        BR: tl.constexpr, BC: tl.constexpr):
     """Fold each tile's row amaxes into ``out_ptr[group]`` (int32 amax bits, zeroed by the caller)."""
-    pr, pc = program_tile(C, BR, BC)
-    r0, c0 = pr * BR, pc * BC
-    lr = tl.arange(0, BR)
-    lc = tl.arange(0, BC)
+    x, mask, lr, lc, r0, c0, pr, pc = load_tile(x_ptr, R, C, sxr, sxc, DTYPE, BR, BC)
     rmask = (r0 + lr) < R
-    mask = rmask[:, None] & ((c0 + lc) < C)[None, :]
-    x = load_f32(x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc + tile_offsets(lr, lc, sxr, sxc),
-                 mask, DTYPE)
     row = amax_nan(x, 1)
     g = tl.load(group_ptr + r0 + lr, mask=rmask, other=-1)
     first = tl.max(tl.where(rmask, g, -1), 0)
@@ -76,14 +70,8 @@ def _grouped_fp8_kernel(x_ptr, amax_ptr, group_ptr, start_ptr, count_ptr, off_pt
                         BC: tl.constexpr, BG: tl.constexpr, HW: tl.constexpr):
     """One tile: each row scaled by its group's current scale; rowwise codes at [r, c], columnwise
     codes at ``offset + c * count + (r - start)`` (the group's own [C, count] transpose)."""
-    pr, pc = program_tile(C, BR, BC)
-    r0, c0 = pr * BR, pc * BC
-    lr = tl.arange(0, BR)
-    lc = tl.arange(0, BC)
+    x, mask, lr, lc, r0, c0, pr, pc = load_tile(x_ptr, R, C, sxr, sxc, DTYPE, BR, BC)
     rmask = (r0 + lr) < R
-    mask = rmask[:, None] & ((c0 + lc) < C)[None, :]
-    x = load_f32(x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc + tile_offsets(lr, lc, sxr, sxc),
-                 mask, DTYPE)
     g = tl.load(group_ptr + r0 + lr, mask=rmask, other=0)
     scale = current_scale(tl.load(amax_ptr + g, mask=rmask, other=0.0), eps, FP8_MAX, POW2)
     code = fp8_code(clamp_sym(x * scale[:, None], FP8_MAX), MBITS, BIAS, HW)

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (program_tile, DTYPE_CODE, Copies, amax_nan, check_int32_tiles, clamp_sym, empty, f32, fp8_code,
+from ._common import (program_tile, load_tile, DTYPE_CODE, Copies, amax_nan, check_int32_tiles, clamp_sym, empty, f32, fp8_code,
                       fp8_params, hw_fp8, kernel_input, load_f32, load_rows32_t, store_transposed_u8,
                       store_words_t, tile_offsets)
 
@@ -53,19 +53,6 @@ def _e8m0_inverse(e):
     """FP32 ``2**(127 - e)`` (exact: 2**127 .. 2**-127) of E8M0 bytes; NaN for 0xFF."""
     bits = tl.where(e == 0xFE, 0x400000, (254 - e) << 23)
     return tl.where(e == 0xFF, 0x7FC00000, bits).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _tile(x_ptr, R, C, sxr, sxc, DTYPE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    """This program's [BR, BC] FP32 tile: (x, mask, tile-local rows and columns, origin, (pr, pc))."""
-    pr, pc = program_tile(C, BR, BC)
-    r0, c0 = pr * BR, pc * BC
-    lr = tl.arange(0, BR)
-    lc = tl.arange(0, BC)
-    mask = ((r0 + lr) < R)[:, None] & ((c0 + lc) < C)[None, :]
-    x = load_f32(x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc + tile_offsets(lr, lc, sxr, sxc),
-                 mask, DTYPE)
-    return x, mask, lr, lc, r0, c0, pr, pc
 
 
 @triton.jit
@@ -124,7 +111,7 @@ def _mxfp8_2d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.c
                      EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
                      FP8_MAX: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr,
                      BC: tl.constexpr, PACK: tl.constexpr, HW: tl.constexpr):
-    x, mask, lr, lc, r0, c0, pr, pc = _tile(x_ptr, R, C, sxr, sxc, DTYPE, BR, BC)
+    x, mask, lr, lc, r0, c0, pr, pc = load_tile(x_ptr, R, C, sxr, sxc, DTYPE, BR, BC)
     xb = tl.reshape(x, [BR // _BLOCK, _BLOCK, BC // _BLOCK, _BLOCK])
     e = _e8m0_byte(amax_nan(amax_nan(xb, 3), 1), RCEIL, EMAX, RCP)  # [BR/32, BC/32]
     y = tl.reshape(xb * _e8m0_inverse(e)[:, None, :, None], [BR, BC])
