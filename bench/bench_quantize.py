@@ -12,7 +12,7 @@ or the PyTorch reference) per copy.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -71,13 +71,18 @@ def path_of(q: Quantizer, x: torch.Tensor, rowwise: bool, columnwise: bool) -> s
     return "reference"
 
 
+def cases(name: str, make: Callable[[], Quantizer]) -> Iterator[tuple[str, bool, bool, Quantizer]]:
+    """(copies, rowwise, columnwise, a fresh quantizer with that usage) of one QUANTIZERS row."""
+    for dname, rowwise, columnwise in DIRECTIONS:
+        if (name, dname) not in SKIP:
+            q = make()
+            q.set_usage(rowwise=rowwise, columnwise=columnwise)
+            yield dname, rowwise, columnwise, q
+
+
 def bench_one(name: str, make: Callable[[], Quantizer], x: torch.Tensor, copy_gbps: float) -> list[dict[str, Any]]:
     rows = []
-    for dname, rowwise, columnwise in DIRECTIONS:
-        if (name, dname) in SKIP:
-            continue
-        q = make()
-        q.set_usage(rowwise=rowwise, columnwise=columnwise)
+    for dname, rowwise, columnwise, q in cases(name, make):
         try:
             with torch.no_grad():
                 qt = q.quantize(x)

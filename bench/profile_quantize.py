@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from bench import common
-from bench.bench_quantize import DIRECTIONS, QUANTIZERS, SKIP
+from bench.bench_quantize import QUANTIZERS, cases
 from bench.common import bench_ms, copy_bandwidth, environment, finish, md_table, parser, require_cuda
 
 CALLS = 20
@@ -52,11 +52,7 @@ def main(argv=None) -> None:
     in_ms = x.numel() * x.element_size() / (copy["GBps"] / 2) / 1e6  # one read at half the copy rate
     rows: list[dict[str, Any]] = []
     for name, make in QUANTIZERS:
-        for dname, rowwise, columnwise in DIRECTIONS:
-            if (name, dname) in SKIP:
-                continue
-            q = make()
-            q.set_usage(rowwise=rowwise, columnwise=columnwise)
+        for dname, _, _, q in cases(name, make):
             try:
                 with torch.no_grad():
                     wall = bench_ms(lambda: q.quantize(x), warmup_ms=10, rep_ms=60)
