@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (program_tile, empty, DTYPE_CODE, amax_bits, amax_nan, check_int32_tiles, clamp_sym, current_scale,
+from ._common import (load_tile, empty, DTYPE_CODE, amax_bits, amax_nan, check_int32_tiles, clamp_sym, current_scale,
                       f32, fp8_code, fp8_params, hw_fp8, kernel_input, load_f32, store_transposed_u8,
                       tile_offsets)
 
@@ -35,13 +35,7 @@ def _fp8_tensorwise_kernel(x_ptr, scale_ptr, amax_ptr, rd_ptr, cd_ptr, sinv_ptr,
                            ANCHOR: tl.constexpr = False):
     """CURRENT: scale from the amax at ``amax_ptr``. Else (delayed): scale read from
     ``scale_ptr`` and the tile amax folded into ``amax_ptr`` (int32 bits)."""
-    pr, pc = program_tile(C, BR, BC)
-    r0, c0 = pr * BR, pc * BC
-    lr = tl.arange(0, BR)
-    lc = tl.arange(0, BC)
-    mask = ((r0 + lr) < R)[:, None] & ((c0 + lc) < C)[None, :]
-    x = load_f32(x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc + tile_offsets(lr, lc, sxr, sxc),
-                 mask, DTYPE)
+    x, mask, lr, lc, r0, c0, pr, pc = load_tile(x_ptr, R, C, sxr, sxc, DTYPE, BR, BC)
     if CURRENT:
         scale = current_scale(tl.load(amax_ptr), eps, FP8_MAX, POW2)
     else:
