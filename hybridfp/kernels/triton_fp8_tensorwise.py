@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ._common import (load_tile, empty, DTYPE_CODE, amax_bits, amax_nan, check_int32_tiles, clamp_sym, current_scale,
-                      f32, fp8_code, fp8_params, hw_fp8, kernel_input, load_f32, store_transposed_u8,
+                      f32, fp8_code, fp8_params, hw_fp8, kernel_input, store_transposed_u8,
                       tile_offsets)
 
 
