@@ -160,6 +160,16 @@ def profile_step(step: Callable[[], Any], title: str) -> str:
     return f"## {title}\n" + prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70)
 
 
+def device_ms(step: Callable[[], Any]) -> float:
+    """Milliseconds the GPU spends in kernels (and copies) during one step (torch.profiler):
+    against the step's wall time it says whether the layer is GPU- or host-bound."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return sum(e.device_time_total for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+
+
 def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = None,
                  profiles: Optional[list[str]] = None) -> list[dict[str, Any]]:
     """Every variant of one config, in one process, ratios against its BF16 grouped baseline;
@@ -190,6 +200,8 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
             ref_y = y if ref_y is None else ref_y
             row["rel_err_vs_bf16"] = ((y - ref_y).norm() / ref_y.norm()).item()
             row["ms"] = bench_ms(step, warmup_ms=50, rep_ms=300)
+            if common.DEVICE == "cuda":
+                row["gpu_busy"] = device_ms(step) / row["ms"]
             if profile and profiles is not None and profile in name:
                 profiles.append(profile_step(step, f"{row['config']}: {name}"))
         except Exception as err:  # noqa: BLE001 - record the failure, keep the other variants
@@ -220,12 +232,14 @@ def main(argv=None) -> None:
     tokens, d = (1024, 512) if args.quick else (TOKENS, HIDDEN)
     for e, f in configs:
         rows += bench_config(e, f, tokens, d, args.profile, profiles)
-    table = md_table(["config", "variant", "ms", "x BF16 grouped", "target", "rel err vs BF16", "paths"], [
+    table = md_table(["config", "variant", "ms", "x BF16 grouped", "target", "GPU busy", "rel err vs BF16",
+                      "paths"], [
         (r["config"], r["variant"], r.get("ms", r.get("error")), r.get("x_bf16_grouped"), r.get("target"),
-         r.get("rel_err_vs_bf16"), r.get("paths")) for r in rows])
+         r.get("gpu_busy"), r.get("rel_err_vs_bf16"), r.get("paths")) for r in rows])
     md = (f"### MoE FFN forward + backward ({tokens} tokens, hidden {d}, top-{TOP_K}, SwiGLU; median, "
           "do_bench)\n\n\"x BF16 grouped\" = torch._grouped_mm BF16 layer time / time (>1 is faster); "
-          "hybridfp weights are re-quantized every step.\n\n" + table + "\n")
+          "hybridfp weights are re-quantized every step. \"GPU busy\" = device time of one step's "
+          "kernels (torch.profiler) / its wall time: well below 1 means host-bound.\n\n" + table + "\n")
     result = {"env": env, "rows": rows, "markdown": md}
     if args.results_dir is not None:
         args.results_dir.mkdir(parents=True, exist_ok=True)
