@@ -204,6 +204,9 @@ def run_sweep(x: torch.Tensor, copy: float) -> list[dict]:
             x, g, g, rht=True, seed=1, block=b, num_warps=n)))
     variants.append(("amax pass 64x128", lambda: _common.global_amax(x)))
     variants.append(("nvfp4 amax+rht-amax pass", lambda: triton_nvfp4.amaxes(x, rht_amax=True)))
+    for blk, nw in [((2, 256), 4), ((4, 256), 8), ((1, 512), 4), ((2, 512), 8)]:
+        variants.append((f"nvfp4 amax+rht-amax pass {blk} nw{nw}",
+                         lambda b=blk, n=nw: triton_nvfp4.amaxes(x, rht_amax=True, block=b, num_warps=n)))
     out = []
     for name, fn in variants:
         res = fn()

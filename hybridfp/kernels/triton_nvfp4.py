@@ -433,10 +433,12 @@ def _launch_args(x2: torch.Tensor, bt: int, bc: int) -> tuple[tuple[int], dict[s
 
 
 def amaxes(x2: torch.Tensor, *, amax: bool = True, row_amax: bool = False, rht_amax: bool = False,
-           block: tuple[int, int] = (4, 64)) -> tuple[Optional[torch.Tensor], ...]:
+           block: tuple[int, int] = (4, 64), num_warps: int = 8) -> tuple[Optional[torch.Tensor], ...]:
     """Pass 1 on non-empty 2D ``x2``: (global amax 0-d, per-row amax [R], amax of
     ``rht.apply_rht(x2.t(), x2.dtype)`` 0-d), each FP32 or None when not asked for.
-    ``block``: (16-row tiles, columns) per program."""
+    ``block``: (16-row tiles, columns) per program. (With (4, 64) / 8 warps the post-RHT slices
+    load one 2-byte element per thread; wider tiles compile to vector loads — timed in
+    ``bench_quantize_kernels --sweep``, not yet on the H200.)"""
     rows, cols = x2.shape
     check_int32_tiles(rows, cols, *x2.stride())
     dev = x2.device
@@ -447,7 +449,7 @@ def amaxes(x2: torch.Tensor, *, amax: bool = True, row_amax: bool = False, rht_a
     _nvfp4_amax_kernel[grid](kernel_input(x2), *(o if o is not None else dummy for o in out), rows, cols,
                              x2.stride(0), x2.stride(1), AMAX=amax, ROW_AMAX=row_amax,
                              RHT_AMAX=rht_amax, DTYPE=DTYPE_CODE[x2.dtype],
-                             BF16_NAN=bf16_nan_bits(dev), **blk, num_warps=8)
+                             BF16_NAN=bf16_nan_bits(dev), **blk, num_warps=num_warps)
     return tuple(o.view(torch.float32) if o is not None else None for o in out)
 
 

@@ -79,6 +79,18 @@ def test_nvfp4_kernel_empty(config, shape):
 
 
 @interpreter_only
+@pytest.mark.parametrize("block,warps", [((2, 256), 4), ((1, 512), 4), ((4, 64), 8)], ids=str)
+def test_nvfp4_amaxes_tiles(block, warps):
+    """The amax pass at the wider tiles the H200 sweep times (vector loads of the post-RHT
+    slices): the same global, per-row and post-RHT amaxes as the reference (partial tiles)."""
+    x = edge_tensor((300, 70), torch.float32, seed=12).clamp(-1e4, 1e4).to(torch.bfloat16)
+    g, per_row, post = triton_nvfp4.amaxes(x, amax=True, row_amax=True, rht_amax=True, block=block,
+                                           num_warps=warps)
+    assert torch.equal(g, x.float().abs().amax()) and torch.equal(per_row, x.float().abs().amax(1))
+    assert torch.equal(post, rht.apply_rht(x.t(), torch.bfloat16).float().abs().amax())
+
+
+@interpreter_only
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_nvfp4_kernel_small_tiles(dtype):
     """One 16-row tile x 32 columns per program on a transposed (strided) 100x70 view: many
