@@ -11,6 +11,11 @@ if [ -d .whl ]; then  # torchao for bench_mlp's comparison
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=$PWD:/tmp/site TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1
 fi
+# Triton's compile cache across calls (each machine starts bare and the gpu suite is
+# compile-bound): a carried .triton_cache.tgz is unpacked first, the cache comes back as
+# $OUT/triton_cache.tgz when small enough (copy it to the repo root, carry it next time).
+export TRITON_CACHE_DIR=/tmp/triton_cache; mkdir -p "$TRITON_CACHE_DIR"
+[ -f .triton_cache.tgz ] && tar xzf .triton_cache.tgz -C "$TRITON_CACHE_DIR"
 NG=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 SHARD_A="tests/nn tests/formats tests/kernels/test_kernels_cublas_fp8.py tests/gemm/test_gemm_grouped.py
  tests/kernels/test_kernels_grouped_gemm.py tests/kernels/test_kernels_gemm_epilogue.py"
@@ -42,3 +47,5 @@ for n in a b; do grep -E "(FAILED|ERROR)" "$R/tests_$n.log" | grep "::" | head -
 grep -E "^  (fp8 block|fp8 cast|hybrid nvfp4|mxfp8 trans)" "$R/quantize_kernels.log" | cut -c1-100
 [ -f "$R/bench.log" ] && tail -40 "$R/bench.log"
 tar czf "$OUT/r.tgz" -C "$OUT" r && rm -rf "$R"
+tar czf /tmp/tc.tgz -C "$TRITON_CACHE_DIR" . && [ "$(stat -c %s /tmp/tc.tgz)" -lt 16000000 ] \
+    && cp /tmp/tc.tgz "$OUT/triton_cache.tgz"
