@@ -18,7 +18,7 @@ from hybridfp import CustomRecipe, GroupedLinear, autocast
 from hybridfp import factories
 from hybridfp.gemm import grouped
 from hybridfp.nn import grouped_linear
-from hybridfp.quantizers import grouped as qgrouped
+from hybridfp.quantizers import Float8CurrentScalingQuantizer, MXFP8Quantizer
 
 IN = 64
 AWKWARD = [0, 19, 45, 1, 33]  # an empty expert, counts not multiples of 16 / 32 / 128
@@ -132,12 +132,12 @@ def test_grouped_quantization_shares_encodings(monkeypatch):
     """MXFP8: one encode call per shared copy per step, whatever the number of experts:
     x (rowwise + padded columnwise), the stacked weights (both copies), dy (rowwise + columnwise)."""
     counts: Counter = Counter()
-    real = qgrouped.MXFP8Quantizer.encode
+    real = MXFP8Quantizer.encode
 
     def spy(self, x, rowwise, columnwise, seed=None):
         counts[(rowwise, columnwise)] += 1
         return real(self, x, rowwise, columnwise, seed)
-    monkeypatch.setattr(qgrouped.MXFP8Quantizer, "encode", spy)
+    monkeypatch.setattr(MXFP8Quantizer, "encode", spy)
     for experts in (4, 16):
         counts.clear()
         ops_per_step(RECIPES["mxfp8"](), experts)
@@ -149,12 +149,12 @@ def test_fp8_current_scales_computed_for_all_experts(monkeypatch):
     """FP8 current scaling: no per-expert encode at all (x, dy and the stacked weights each get
     one segmented amax and one cast), whatever the number of experts."""
     calls: Counter = Counter()
-    real = qgrouped.Float8CurrentScalingQuantizer.encode
+    real = Float8CurrentScalingQuantizer.encode
 
     def spy(self, x, rowwise, columnwise, seed=None):
         calls[(rowwise, columnwise)] += 1
         return real(self, x, rowwise, columnwise, seed)
-    monkeypatch.setattr(qgrouped.Float8CurrentScalingQuantizer, "encode", spy)
+    monkeypatch.setattr(Float8CurrentScalingQuantizer, "encode", spy)
     for experts in (4, 16):
         ops_per_step(RECIPES["fp8 current"](), experts)
         assert not calls, (experts, calls)

@@ -1,0 +1,209 @@
+"""Grouped per-tensor-scaled quantization for ``quantize_grouped``: the experts (row groups of
+one tensor) of a quantizer whose per-tensor scale comes from the tensor's own amax (FP8
+current scaling; the rowwise copy of 1D NVFP4 with a global amax) take one segmented amax and
+one cast pass that scales each row by its expert's value — bitwise what each expert's own
+``quantize`` makes (SPEC: scales never straddle experts). On CUDA the Triton kernels
+(``kernels/triton_grouped_fp8.py``, ``triton_nvfp4``'s row-scaled path); elsewhere the formats.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional, Sequence
+
+import torch
+
+from ..formats import fp8_tensorwise, nvfp4
+from ..formats.common import amax_nan, ceil_div, saturating_cast_fp8
+from ..tensors import Float8Storage, NVFP4Storage, QuantizedStorage
+from ..tensors.storage import ROWWISE
+from . import fast
+from .backends import select_quantize_kernel
+from .base import Quantizer, all_reduce_amax
+from .float8 import Float8CurrentScalingQuantizer
+from .nvfp4 import NVFP4Quantizer
+
+#: Which copies a grouped per-tensor-scaled encoding (``GROUP_SCALED``, module end) writes.
+ROWS, BOTH = "rowwise", "both"
+
+
+def group_scaled_mode(q: Quantizer) -> Optional[str]:
+    """``BOTH`` / ``ROWS`` if ``q``'s per-tensor-scaled copies (both, or the rowwise one) can be
+    encoded for all experts at once (see ``GROUP_SCALED``), else None."""
+    if q.uses_randomness():
+        return None
+    entry = GROUP_SCALED.get(type(q))
+    return None if entry is None else entry.copies(q)
+
+
+def _offsets(splits: Sequence[int], block: int) -> list[int]:
+    """Start row of each group once every group is padded to whole blocks."""
+    out, at = [], 0
+    for m in splits:
+        out.append(at)
+        at += ceil_div(m, block) * block
+    return out
+
+
+class GroupScaled(NamedTuple):
+    """A grouped per-tensor-scaled encoding: every expert's storage (its own amax and scale; the
+    copies asked for) and the rowwise copies dequantized, stacked [Σ m_e, K] FP32 (a callable:
+    only a derived columnwise source needs it)."""
+
+    parts: list[QuantizedStorage]
+    rows_fp32: Callable[[], torch.Tensor]
+
+
+class _GroupScaledRule(NamedTuple):
+    copies: Callable[[Quantizer], Optional[str]]  # BOTH / ROWS / None (these settings: per expert)
+    encode: Callable[[Quantizer, torch.Tensor, Sequence[int], bool, bool, bool], GroupScaled]
+
+
+def encode_group_scaled(q: Quantizer, x: torch.Tensor, splits: Sequence[int], rowwise: bool,
+                        columnwise: bool, *, kernel: Optional[bool] = None) -> GroupScaled:
+    """The copies of every row group of 2D ``x`` as ``q.encode(x_e, rowwise, columnwise)`` makes
+    them, bitwise, for a quantizer with ``group_scaled_mode(q)`` (``columnwise`` only for
+    ``BOTH``), from one segmented amax and one cast pass. ``kernel``: the Triton kernels
+    (``kernels/triton_grouped_fp8.py``, ``triton_nvfp4``) or the PyTorch formats; None: the
+    kernels where q's own encode would take one (CUDA), else PyTorch. Labels are left empty."""
+    splits = [int(m) for m in splits]
+    if kernel is None:
+        kernel = x.numel() > 0 and select_quantize_kernel(q, x, rowwise, columnwise) is not None
+    with fast._on_device(x):
+        return GROUP_SCALED[type(q)].encode(q, x, splits, rowwise, columnwise, kernel)
+
+
+def _reduced(q: Quantizer, amax: torch.Tensor) -> torch.Tensor:
+    """Every expert's amax all-reduced as its own quantizer would (MAX is elementwise)."""
+    if getattr(q, "with_amax_reduction", False):
+        return all_reduce_amax(amax, q.amax_reduction_group)
+    return amax
+
+
+def _group_tensors(splits: Sequence[int], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(group of each row, first row of each group, rows of each group), int32 on ``device``."""
+    meta = torch.tensor([_offsets(splits, 1), list(splits)], dtype=torch.int32).to(device)
+    start, count = meta.unbind(0)
+    group = torch.arange(len(splits), dtype=torch.int32, device=device).repeat_interleave(
+        count, output_size=sum(splits))  # output_size: no device sync
+    return group, start, count
+
+
+def _per_row(values: torch.Tensor, counts: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each group's value repeated over its rows ([G] -> [rows])."""
+    return values.repeat_interleave(counts, output_size=rows)
+
+
+def _segment_amax(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """max|x| of every row group (FP32 [G]; NaN propagates; 0 for an empty group), as
+    ``amax_nan`` of each group alone (a max is exact whatever the order)."""
+    return torch.segment_reduce(amax_nan(x, dim=1), "max", lengths=counts, unsafe=True, initial=0.0)
+
+
+#: Integer dtype of each element size: payloads move as raw bits (any dtype, float8 included).
+_BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _block_offsets(sizes: Sequence[int], element_size: int) -> tuple[list[int], int]:
+    """(start of each block, total) in elements for blocks laid end to end, each starting 16-byte
+    aligned: cuBLAS reads its operand pointers 16-byte aligned, as a fresh tensor is."""
+    align = max(16 // element_size, 1)
+    starts, at = [], 0
+    for n in sizes:
+        starts.append(at)
+        at += ceil_div(n, align) * align
+    return starts, at
+
+
+def _column_blocks(t: torch.Tensor, widths: Sequence[int]) -> list[torch.Tensor]:
+    """Column group e of ``t`` [K, W] (``widths[e]`` columns, any strides) as its own contiguous
+    [K, w_e] tensor, all views of one buffer written by one scatter (``_block_offsets``). With
+    ``t = data.t()`` they are the row groups' transposes (``triton_grouped_fp8``'s layout)."""
+    k, w = t.shape
+    offs, total = _block_offsets([k * wd for wd in widths], t.element_size())
+    meta = torch.tensor([_offsets(widths, 1), list(widths), offs]).to(t.device)
+    start, width, off = meta.unbind(0)
+    start_c, width_c, off_c = (_per_row(v, width, w) for v in (start, width, off))
+    j = torch.arange(w, device=t.device)
+    dest = (off_c + j - start_c)[None, :] + torch.arange(k, device=t.device)[:, None] * width_c[None, :]
+    bits = _BITS_DTYPE[t.element_size()]
+    flat = torch.empty(total, dtype=bits, device=t.device)
+    flat.index_put_((dest,), t.view(bits))
+    flat = flat.view(t.dtype)
+    return [flat.as_strided((k, wd), (wd, 1), o) for wd, o in zip(widths, offs)]
+
+
+def _fp8_current_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], rowwise: bool,
+                        columnwise: bool, kernel: bool) -> GroupScaled:
+    """FP8 current scaling per expert (SPEC §2.1): scale_e from expert e's amax."""
+    rows, cols = x.shape
+    counts = torch.tensor(list(splits), device=x.device)
+    cds: Optional[list[torch.Tensor]] = None
+    if kernel:
+        k = fast._kernels("triton_grouped_fp8")
+        group, start, count = _group_tensors(splits, x.device)
+        amax = _reduced(q, k.group_amax(x, group, len(splits)))
+        offs, total = _block_offsets([cols * m for m in splits], 1)
+        rd, cd, sinv = k.quantize(x, amax, group, start, count, q.dtype, eps=q.amax_epsilon,
+                                  power_2_scale=q.force_pow_2_scales, rowwise=rowwise, columnwise=columnwise,
+                                  col_offset=torch.tensor(offs).to(x.device), col_numel=total)
+        if cd is not None:
+            cds = [cd.as_strided((cols, m), (m, 1), o) for m, o in zip(splits, offs)]
+    else:
+        amax = _reduced(q, _segment_amax(x, counts))
+        scale = fp8_tensorwise.current_scale(amax, q.dtype, eps=q.amax_epsilon, power_2_scale=q.force_pow_2_scales)
+        sinv = torch.ones_like(scale) / scale  # IEEE division, as fp8_tensorwise.quantize
+        data = saturating_cast_fp8(x.float() * _per_row(scale, counts, rows)[:, None], q.dtype)
+        rd = data if rowwise else None
+        cds = _column_blocks(data.t(), splits) if columnwise else None
+    sinvs = sinv.unbind(0)
+    rds = torch.split(rd, list(splits)) if rd is not None else None
+    parts: list[QuantizedStorage] = []
+    for e, m in enumerate(splits):
+        row = {"data": rds[e], "scale_inv": sinvs[e]} if rds is not None else None
+        col = {"data": cds[e], "scale_inv": sinvs[e]} if cds is not None else None
+        parts.append(Float8Storage(torch.Size((m, cols)), x.dtype, row, col, fp8_dtype=q.dtype))
+
+    def rows_fp32() -> torch.Tensor:
+        return rd.float() * _per_row(sinv, counts, rows)[:, None]  # each expert's decode
+    return GroupScaled(parts, rows_fp32)
+
+
+def _nvfp4_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], rowwise: bool,
+                  columnwise: bool, kernel: bool) -> GroupScaled:
+    """1D NVFP4 rowwise copies, each with its expert's global amax: row-scaled NVFP4 with the
+    expert's amax on each of its rows (SPEC §2.5's arithmetic is per row either way)."""
+    if columnwise or not rowwise:
+        raise ValueError("grouped NVFP4 encodes the rowwise copy only; quantize the columnwise copy per expert.")
+    rows, cols = x.shape
+    counts = torch.tensor(list(splits), device=x.device)
+    if kernel:
+        group, _, _ = _group_tensors(splits, x.device)
+        amax = _reduced(q, fast._kernels("triton_grouped_fp8").group_amax(x, group, len(splits)))
+        row_amax = amax[group]
+        (data, scale), _ = fast._kernels("triton_nvfp4").quantize_1d(x, row_amax, None)
+    else:
+        amax = _reduced(q, _segment_amax(x, counts))
+        row_amax = _per_row(amax, counts, rows)
+        data, scale = nvfp4.quantize_1d(x, row_amax)
+    meta = q.storage_meta()
+    parts: list[QuantizedStorage] = [
+        NVFP4Storage(torch.Size((m, cols)), x.dtype, {"data": d, "scale": s, "amax": a}, None, **meta)
+        for m, d, s, a in zip(splits, torch.split(data, list(splits)), torch.split(scale, list(splits)),
+                              amax.unbind(0))]
+
+    def rows_fp32() -> torch.Tensor:
+        whole = NVFP4Storage(x.shape, x.dtype, {"data": data, "scale": scale, "amax": row_amax}, None,
+                             **{**meta, "row_scaled": True})
+        return whole.decode(ROWWISE)  # q x S_dec_b x S_dec per row: each expert's decode
+    return GroupScaled(parts, rows_fp32)
+
+
+#: Quantizers whose per-tensor scale comes from the tensor's own amax, so every expert's scale
+#: can come from one segmented amax: which copies one grouped encoding writes, and how.
+GROUP_SCALED: dict[type, _GroupScaledRule] = {
+    Float8CurrentScalingQuantizer: _GroupScaledRule(lambda q: BOTH, _fp8_current_groups),
+    # 1D with a global amax: the rowwise copy (RHT concerns the columnwise copy only; row-scaled
+    # NVFP4 is row-local already, 2D tiles straddle rows)
+    NVFP4Quantizer: _GroupScaledRule(
+        lambda q: None if q.with_2d_quantization or q.row_scaled_nvfp4 else ROWS, _nvfp4_groups),
+}
