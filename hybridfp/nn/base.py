@@ -149,12 +149,10 @@ class QuantizedModule(nn.Module):
         the recipe changes (so micro-batches of one step quantize it once)."""
         if isinstance(weight, QuantizedTensor):  # already quantized (quantized parameters)
             return weight
-        # The weight object itself is part of the key (a new tensor at a recycled address must
-        # not hit); writes through ``.data`` bypass _version: call invalidate_weight_cache().
-        key = (weight._version, weight.data_ptr(), id(weight), q.state_version(), self._qkey)
-        hit = self._wcache.get(index)
-        if hit is not None and hit[0] == key and (not columnwise or hit[1].has_direction(COLUMNWISE)):
-            return hit[1]
+        key = self._weight_key(weight, q)
+        hit = self._cached_weight(index, key, columnwise)
+        if hit is not None:
+            return hit
         q.set_usage(rowwise=True, columnwise=columnwise)
         with torch.no_grad():
             qw = q.quantize(weight.detach())
@@ -162,6 +160,20 @@ class QuantizedModule(nn.Module):
         # Holding ``weight`` keeps its id from being recycled while the entry lives.
         self._wcache[index] = (key, qw, weight)
         return qw
+
+    def _weight_key(self, weight: torch.Tensor, q: Quantizer) -> tuple:
+        """The weight cache's key. The weight object itself is part of it (a new tensor at a
+        recycled address must not hit); writes through ``.data`` bypass _version: call
+        invalidate_weight_cache()."""
+        return (weight._version, weight.data_ptr(), id(weight), q.state_version(), self._qkey)
+
+    def _cached_weight(self, index: int, key: tuple, columnwise: bool) -> Optional[QuantizedTensor]:
+        """The cached quantized weight ``index`` if its key matches and it holds the copies
+        asked for, else None."""
+        hit = self._wcache.get(index)
+        if hit is not None and hit[0] == key and (not columnwise or hit[1].has_direction(COLUMNWISE)):
+            return hit[1]
+        return None
 
     def invalidate_weight_cache(self) -> None:
         """Forget cached quantized weights: needed after writing a weight through ``.data``

@@ -10,8 +10,8 @@ gradients (and their stacked weights) are quantized together by ``quantize_group
 what each expert's own quantizer makes: a row-local rowwise copy (Identity, MXFP8 1x32, FP8
 block 1x128, row-scaled NVFP4) is encoded once and handed out as row-slice views; per-tensor
 scales from the tensor's own amax (FP8 current scaling, NVFP4 1D rows) come from one segmented
-amax and one cast pass for all experts; columnwise block copies and FP8 transposes are each
-expert's own contiguous view of one buffer. Delayed scaling and stochastic rounding stay per
+amax and one cast pass for all experts (FP8 columnwise copies: each expert's own transpose,
+a view of one buffer); columnwise block copies are encoded once and copied out per expert. Delayed scaling and stochastic rounding stay per
 expert (each expert's amax history; each quantization's seed).
 """
 
@@ -27,7 +27,7 @@ from ..gemm.grouped import grouped_gemm
 from ..quantizers import HybridQuantizer, Quantizer
 from ..quantizers.grouped import quantize_grouped, quantize_weights_grouped
 from ..recipes import current_autocast
-from ..tensors import COLUMNWISE, QuantizedTensor
+from ..tensors import QuantizedTensor
 from .base import SLOTS, QuantizedModule
 from .linear_function import LinearContext, bias_grad, pack, torch_autocast_off, unpack
 
@@ -209,11 +209,8 @@ class GroupedLinear(QuantizedModule):
             if isinstance(w, QuantizedTensor):  # already quantized (quantized parameters)
                 out[i] = w
                 continue
-            hit = self._wcache.get(i)
-            if (hit is not None and hit[0] == self._weight_key(w, q)
-                    and (not columnwise or hit[1].has_direction(COLUMNWISE))):
-                out[i] = hit[1]
-            else:
+            out[i] = self._cached_weight(i, self._weight_key(w, q), columnwise)
+            if out[i] is None:
                 missing.append(i)
         if missing:
             keys = [self._weight_key(weights[i], qs[i]) for i in missing]  # before quantizing
@@ -224,10 +221,6 @@ class GroupedLinear(QuantizedModule):
                 self._wcache[i] = (key, qw, weights[i])
                 out[i] = qw
         return out  # type: ignore[return-value]
-
-    def _weight_key(self, weight: torch.Tensor, q: Quantizer) -> tuple:
-        """The cache key ``QuantizedModule.quantized_weight`` uses (same entries, either path)."""
-        return (weight._version, weight.data_ptr(), id(weight), q.state_version(), self._qkey)
 
     def _check_splits(self, x: torch.Tensor, m_splits: Sequence[int]) -> list[int]:
         splits = [int(m) for m in (m_splits.tolist() if torch.is_tensor(m_splits) else m_splits)]
