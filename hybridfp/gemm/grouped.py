@@ -49,13 +49,13 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from ..tensors.storage import GemmOperand, QuantizedStorage
+from ..tensors.storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
 from . import fast
 from .backends import emulate, report_emulated, select
 from .bf16_decode import bf16_exact_reason, decode_bf16
 from .gemm import GEMM_OF_LAYOUT, LAYOUTS, gemm, operand_storage
 from . import grouped_triton
-from .joined import joined_rows
+from .joined import joined_columns, joined_rows
 
 #: (mat_a, mat_b, offs) -> BF16 result, with ``torch._grouped_mm``'s semantics.
 GroupedMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -238,26 +238,33 @@ def _offsets(sizes: Sequence[int], device: torch.device) -> torch.Tensor:
 
 def _run_bf16(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,
               grouped_mm: GroupedMM) -> Optional[Union[torch.Tensor, list[torch.Tensor]]]:
-    """Path 1, or None if some copy decodes with an epilogue factor (or a one-sided RHT)."""
+    """Path 1, or None if some copy decodes with an epilogue factor (or a one-sided RHT).
+
+    Copies that are blocks of one shared encoding (``joined``: ``quantize_grouped``'s row-local
+    rowwise copies, stacked weights, zero-padded columnwise block copies) are decoded in one
+    call straight into the grouped operand; the others per expert, then concatenated."""
     da, db = LAYOUTS[layout]
-    # fprop / dgrad: A's rowwise copies that are consecutive row blocks of one encoding (see
-    # quantizers/grouped.py) decode in one call straight into the grouped operand, no cat
-    joined = joined_rows(sa, da) if layout != "NT" else None
-    whole = decode_bf16(joined, da) if joined is not None else None
-    if whole is not None and whole.scale is not None:
+    if layout == "NT":
+        out = _run_bf16_joined_wgrad(sa, sb, grouped_mm)
+        if out is not NotImplemented:
+            return out
+    whole_a = _joined_operand(sa, da) if layout != "NT" else None
+    whole_b = _joined_operand(sb, db) if layout != "NT" else None
+    if any(w is not None and w.scale is not None for w in (whole_a, whole_b)):
         return None
     ops_a, ops_b = [], []
     for a, b in zip(sa, sb):
         # B of fprop / dgrad is the expert's weight: its decode is cached while unchanged
-        oa, ob = (whole if whole is not None else decode_bf16(a, da)), decode_bf16(b, db, cache=layout != "NT")
+        oa = whole_a if whole_a is not None else decode_bf16(a, da)
+        ob = whole_b if whole_b is not None else decode_bf16(b, db, cache=layout != "NT")
         if oa.scale is not None or ob.scale is not None or oa.rht != ob.rht:
             return None
         ops_a.append(oa.values)
         ops_b.append(ob.values)
     device = ops_a[0].device
     if layout != "NT":  # rows grouped: [Σm, k] · [E, k, n]
-        mat_a = whole.values if whole is not None else torch.cat(ops_a)
-        mat_b = _stack_transposed(ops_b)
+        mat_a = whole_a.values if whole_a is not None else torch.cat(ops_a)
+        mat_b = _experts_kn(whole_b.values, len(sb), db) if whole_b is not None else _stack_transposed(ops_b)
         return grouped_mm(mat_a, mat_b, _offsets([_dims(a, b, layout)[0] for a, b in zip(sa, sb)], device))
     # Reduction grouped: [m, Σk] · [Σk, n]. Each group starts 16-byte aligned (TMA): pad every
     # expert's reduction to a multiple of 8 with zeros, which add nothing to the FP32 sums.
@@ -265,9 +272,61 @@ def _run_bf16(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], la
     padded = [-(-k // _BF16_ALIGN) * _BF16_ALIGN for k in ks]
     mat_a = _cat_columns(ops_a, padded)
     mat_b = _cat_columns(ops_b, padded).t()
-    out = grouped_mm(mat_a, mat_b, _offsets(padded, device))
+    return _wgrad_result(grouped_mm(mat_a, mat_b, _offsets(padded, device)), ks)
+
+
+def _joined_operand(storages: Sequence[QuantizedStorage], direction: str) -> Optional[GemmOperand]:
+    """The experts' ``direction`` copies decoded in one call when they are blocks of one
+    encoding: consecutive row blocks (rowwise), or column slices without padding (columnwise
+    copies of stacked weights: every expert's rows a whole number of blocks). None otherwise.
+    Values: [Σ rows, k] (rowwise) or [n, Σ k] (columnwise, stored transposed)."""
+    if direction == ROWWISE:
+        joined = joined_rows(storages, direction)
+        return decode_bf16(joined, direction) if joined is not None else None
+    found = joined_columns(storages)
+    if found is None:
+        return None
+    joined, starts = found
+    sizes = [s.part(direction).rows for s in storages]
+    if any(b - a != m for a, b, m in zip(starts, starts[1:] + [joined.rows], sizes)):
+        return None  # padding between the copies: not one [E, k, n] operand
+    return decode_bf16(joined, direction)
+
+
+def _experts_kn(values: torch.Tensor, experts: int, direction: str) -> torch.Tensor:
+    """[E, k, n] views (no copy) of B's joined decode: rowwise [E*n, k] (stacked weights'
+    rowwise copies) or columnwise [n, E*k] (their transposed columnwise copies)."""
+    values = values.contiguous()  # the decoders write contiguous tensors: no copy
+    if direction == ROWWISE:
+        n = values.shape[0] // experts
+        return values.view(experts, n, values.shape[1]).transpose(1, 2)
+    k = values.shape[1] // experts
+    return values.view(values.shape[0], experts, k).permute(1, 2, 0)
+
+
+def _run_bf16_joined_wgrad(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage],
+                           grouped_mm: GroupedMM) -> Union[None, list[torch.Tensor], object]:
+    """wgrad on joined columnwise copies of both operands with the same group layout: [m, Σk]
+    · [Σk, n] straight from the two decodes, each expert's zero padding inside its own group.
+    ``NotImplemented`` when the copies are not so joined (the caller then goes per expert)."""
+    ja, jb = joined_columns(sa), joined_columns(sb)
+    if ja is None or jb is None or ja[1] != jb[1] or ja[0].rows != jb[0].rows:
+        return NotImplemented
+    if any(-(-st // _BF16_ALIGN) * _BF16_ALIGN != st for st in ja[1]):
+        return NotImplemented  # a group start not 16-byte aligned for TMA
+    oa, ob = decode_bf16(ja[0], COLUMNWISE), decode_bf16(jb[0], COLUMNWISE)
+    if oa.scale is not None or ob.scale is not None or oa.rht != ob.rht:
+        return None
+    ends = ja[1][1:] + [ja[0].rows]
+    out = grouped_mm(oa.values, ob.values.t(), _offsets([e - s for s, e in zip(ja[1], ends)], oa.values.device))
+    return _wgrad_result(out, [s.part(COLUMNWISE).rows for s in sa])
+
+
+def _wgrad_result(out: torch.Tensor, ks: Sequence[int]) -> list[torch.Tensor]:
+    """The experts' [n, k] results of a grouped wgrad; an empty reduction is a zero result
+    (not left to the kernel)."""
     for e, k in enumerate(ks):
-        if k == 0:  # an empty reduction is a zero result; do not rely on the kernel for it
+        if k == 0:
             out[e].zero_()
     return list(out.unbind(0))
 

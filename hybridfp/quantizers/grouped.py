@@ -4,8 +4,8 @@ with its own quantizer, in as few calls as the formats allow.
 Expert e owns rows ``[o_e, o_e + m_e)`` of ``x`` and quantizes them with ``quantizers[e]``
 (usage flags as set on it). The result is, bit for bit, what ``quantizers[e].quantize(x_e)``
 gives, but a copy whose blocks never need to straddle two experts is encoded once for all
-experts and handed out per expert as views (row slices; each expert's columnwise tensors
-copied per expert into contiguous tensors):
+experts and handed out per expert as views (row slices of the rowwise tensors, column slices
+of the transposed columnwise ones):
 
 - rowwise copies that are *row-local* (``ROW_LOCAL``: every row's codes and scales depend on
   that row alone — Identity, MXFP8 1x32, FP8 block 1x128, row-scaled NVFP4) are encoded once
@@ -37,6 +37,7 @@ import torch
 from ..formats.common import ceil_div, check_input
 from ..tensors import HybridStorage, QuantizedStorage, QuantizedTensor
 from ..tensors.storage import COLUMNWISE, ROWWISE, Payload
+from . import fast
 from .base import Quantizer
 from .float8_block import Float8BlockQuantizer
 from .hybrid import HybridQuantizer
@@ -244,7 +245,8 @@ def _col_plan(quantizers: Sequence[Optional[Quantizer]], used: Sequence[Quantize
 # ---------------------------------------------------------------------------- encoding
 def _padded(src: torch.Tensor, splits: Sequence[int], block: int) -> tuple[torch.Tensor, list[int]]:
     """``src`` with each row group zero-padded to a multiple of ``block`` rows (no copy when
-    every group already is), and the groups' start rows."""
+    every group already is), and the groups' start rows. On CUDA one Triton pass
+    (``kernels.triton_pad_rows``); elsewhere a zero fill and an ``index_copy_``."""
     starts = _offsets(splits, block)
     if all(m % block == 0 for m in splits):
         return src, starts
@@ -254,19 +256,30 @@ def _padded(src: torch.Tensor, splits: Sequence[int], block: int) -> tuple[torch
     counts = torch.tensor(splits, device=src.device)
     index = torch.arange(src.shape[0], device=src.device) + torch.repeat_interleave(
         shifts, counts, output_size=src.shape[0])  # output_size: no device sync
+    if fast._device_ok(src) and (src.shape[1] <= 1 or src.stride(1) == 1):
+        row_map = torch.full((total,), -1, dtype=torch.int32, device=src.device)
+        row_map[index] = torch.arange(src.shape[0], dtype=torch.int32, device=src.device)
+        with fast._on_device(src):
+            return fast._kernels("triton_pad_rows").pad_rows(src, row_map), starts
     out = src.new_zeros(total, src.shape[1])
     out.index_copy_(0, index, src)
     return out, starts
 
 
-def _row_payloads(storage: QuantizedStorage, splits: Sequence[int]) -> list[Payload]:
-    """Every expert's rowwise payload from an unpadded shared copy (groups of whole row blocks):
-    row-slice views, one split per payload tensor for all experts."""
+def _row_payloads(storage: QuantizedStorage, splits: Sequence[int],
+                  starts: Optional[Sequence[int]] = None) -> list[Payload]:
+    """Every expert's rowwise payload from a shared copy (groups of whole row blocks): row-slice
+    views, one split per payload tensor for all experts when unpadded (``starts`` None), else
+    rows [starts[e], starts[e] + m_e) of a copy of the padded groups."""
     index = storage._row_index[ROWWISE]
     out: list[Payload] = [{} for _ in splits]
     for name, t in storage.payload(ROWWISE).items():
         axis, div = index[name]  # shared formats hold no per-tensor entry (None)
-        for p, part in zip(out, torch.split(t, [ceil_div(m, div) for m in splits], dim=axis)):
+        if starts is None:
+            parts = torch.split(t, [ceil_div(m, div) for m in splits], dim=axis)
+        else:
+            parts = [t.narrow(axis, s // div, ceil_div(m, div)) for s, m in zip(starts, splits)]
+        for p, part in zip(out, parts):
             p[name] = part
     return out
 
@@ -277,6 +290,15 @@ def _quantize_planned(quantizers: Sequence[Optional[Quantizer]], plan: _Plan, x:
     starts = _offsets(splits, 1)
     if plan.scaled == BOTH:
         return _assemble_scaled(quantizers, x, splits, plan.row_q)
+    if _one_hybrid_pass(plan, used):
+        # one hybrid encode of the zero-padded groups: its rowwise copy (row-local: the padding
+        # rows change no other row) read at the groups' padded starts, and the columnwise copy
+        # derived from it in the same kernel pass (the fused hybrid kernel on CUDA), instead of
+        # a dequantized FP32 copy of the rows written and read back
+        padded, col_starts = _padded(x, splits, plan.col_block)
+        both = used[0].encode(padded, True, True, None)
+        return _assemble(quantizers, x, splits, both.part(ROWWISE), both.part(COLUMNWISE), col_starts, [],
+                         row_starts=col_starts)
     if (plan.row_q is not None and plan.col_q is plan.row_q  # one plain quantizer for both copies
             and all(m % plan.col_block == 0 for m in splits)):
         # no padding (e.g. stacked weights): one call writes both copies (one kernel pass)
@@ -309,14 +331,23 @@ def _quantize_planned(quantizers: Sequence[Optional[Quantizer]], plan: _Plan, x:
     return _assemble(quantizers, x, splits, rows, cols, col_starts, own_rows)
 
 
+def _one_hybrid_pass(plan: _Plan, used: Sequence[Quantizer]) -> bool:
+    """Whether every expert's copies come from one encode of the padded groups by the (shared
+    settings of the) experts' hybrid: a row-local rowwise child, a columnwise block child
+    derived from the rowwise value, every expert deriving it."""
+    return (plan.row_q is not None and plan.row_block == 1 and not plan.scaled and plan.col_q is not None
+            and all(_derives_columnwise(q) for q in used))
+
+
 def _assemble(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor, splits: Sequence[int],
               rows: Optional[QuantizedStorage], cols: Optional[QuantizedStorage],
-              col_starts: Optional[list[int]], own_rows: Sequence[Optional[QuantizedStorage]]
-              ) -> list[Optional[QuantizedTensor]]:
-    """Each expert's tensor from the shared encodings (``rows`` unpadded; ``cols`` with groups
-    starting at ``col_starts``) or its own rowwise encoding (``own_rows``)."""
+              col_starts: Optional[list[int]], own_rows: Sequence[Optional[QuantizedStorage]],
+              row_starts: Optional[list[int]] = None) -> list[Optional[QuantizedTensor]]:
+    """Each expert's tensor from the shared encodings (``rows`` with groups starting at
+    ``row_starts``, default unpadded; ``cols`` with groups starting at ``col_starts``) or its
+    own rowwise encoding (``own_rows``)."""
     starts = _offsets(splits, 1)
-    row_payloads = _row_payloads(rows, splits) if rows is not None else None
+    row_payloads = _row_payloads(rows, splits, row_starts) if rows is not None else None
     col_payloads = (_column_payloads(cols, col_starts, splits)
                     if cols is not None and any(q is not None and q.columnwise_usage for q in quantizers) else None)
     out: list[Optional[QuantizedTensor]] = []
@@ -331,6 +362,7 @@ def _assemble(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor, splits
         col_part = None
         if q.columnwise_usage and cols is not None:
             col_part = _rebuild(cols, None, col_payloads[e], _columnwise_child(q).label, m)
+            col_part.columnwise_zero_padded = True  # groups padded with zeros (``_padded``)
         out.append(QuantizedTensor(_expert_storage(q, x[s:s + m], row_part, col_part), q))
     return out
 
@@ -361,8 +393,10 @@ def _expert_storage(q: Quantizer, xe: torch.Tensor, row_part: Optional[Quantized
     if q.rowwise_usage and row_part is None:
         row_part = q.encode(xe, True, False, None)
     like = row_part if row_part is not None else col_part
-    return _rebuild(like, row_part.payloads[ROWWISE] if row_part is not None and q.rowwise_usage else None,
-                    col_part.payloads[COLUMNWISE] if col_part is not None else None, q.label, shape[0])
+    out = _rebuild(like, row_part.payloads[ROWWISE] if row_part is not None and q.rowwise_usage else None,
+                   col_part.payloads[COLUMNWISE] if col_part is not None else None, q.label, shape[0])
+    out.columnwise_zero_padded = col_part is not None and col_part.columnwise_zero_padded
+    return out
 
 
 def _rebuild(like: QuantizedStorage, row: Optional[Payload], col: Optional[Payload], label: str,
@@ -392,12 +426,13 @@ def _assemble_scaled(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor,
 
 
 def _column_payloads(storage: QuantizedStorage, starts: Sequence[int], splits: Sequence[int]) -> list[Payload]:
-    """Every expert's columnwise payload: rows [start_e, start_e + m_e) of the shared copy
-    (columns of its transposed tensors), each expert's tensors its own contiguous copy.
-
-    One column slice copied per expert and payload tensor. (A single scatter for all experts
-    through an int64 index per element measured far slower on the H200 for large experts:
-    the MXFP8 MoE layer with 8 experts of ffn 14336 went from 101 to 148 ms.)"""
+    """Every expert's columnwise payload: rows [start_e, start_e + m_e) of the shared copy, as
+    column-slice views of its transposed tensors (no copy). The grouped GEMM decodes them as
+    one buffer (``gemm.joined.joined_columns``); a consumer that needs an expert's own
+    contiguous tensor (a per-expert decode or cuBLAS call) copies it there. (Copying every
+    slice here cost the MXFP8 MoE layer, 8 experts of ffn 14336, about 1 ms a step on the
+    H200 for copies the grouped path never reads; a scatter through an int64 index per
+    element cost 47 ms.)"""
     index = storage._row_index[COLUMNWISE]
     out: list[Payload] = [{} for _ in splits]
     for name, t in storage.payload(COLUMNWISE).items():
@@ -409,7 +444,7 @@ def _column_payloads(storage: QuantizedStorage, starts: Sequence[int], splits: S
         if axis != 1:
             raise AssertionError(f"{type(storage).__name__} columnwise {name}: expected row index on axis 1")
         for p, s, m in zip(out, starts, splits):
-            p[name] = t.narrow(1, s // div, ceil_div(m, div)).contiguous()
+            p[name] = t.narrow(1, s // div, ceil_div(m, div))
     return out
 
 

@@ -63,6 +63,12 @@ class QuantizedStorage(Dim0Slicing, ABC):
     _meta_defaults: ClassVar[dict[str, object]] = {}
     #: Sharing structure handed on by ``with_tensors`` (None: read it from the payloads).
     _slot_groups: Optional[list[list[tuple[str, str]]]] = None
+    #: True when the columnwise payload tensors are column slices of one shared encoding of
+    #: row groups zero-padded to whole blocks (``quantizers.grouped``), so the columns between
+    #: this copy's end and its padded end hold zero codes. Kept by ``with_tensors`` only (same
+    #: layout; saved-for-backward round trips), never by slicing or other rebuilds, which would
+    #: break that promise; ``gemm.joined.joined_columns`` reads it.
+    columnwise_zero_padded: bool = False
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -311,6 +317,7 @@ class QuantizedStorage(Dim0Slicing, ABC):
                 payloads[d][n] = t
         out = self._new(self.shape, payloads)
         out._slot_groups = groups
+        out.columnwise_zero_padded = self.columnwise_zero_padded
         return out
 
     def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor], *, copies: bool = False) -> "QuantizedStorage":

@@ -342,3 +342,65 @@ def test_joined_rows_refuses_separate_tensors():
     gapped = [MXFP8Quantizer()(whole)]  # one expert: trivially joined
     assert joined_rows([s.qstorage for s in gapped], "rowwise") is not None
     assert joined_rows([MXFP8Quantizer()(whole).qstorage], "columnwise") is None
+
+
+# ---------------------------------------------------------------- joined weights and columnwise copies
+@pytest.mark.parametrize("layout", list(OPERANDS))
+def test_shared_encodings_reach_the_grouped_mm_as_one_decode(layout):
+    """MoE operands as ``GroupedLinear`` makes them — x and dy by ``quantize_grouped`` (rowwise
+    + zero-padded columnwise MXFP8, awkward splits with empty experts), the weights by
+    ``quantize_weights_grouped`` (stacked) — reach the grouped matmul as one decode per operand:
+    B of fprop / dgrad an [E, k, n] view of the stacked weights' decode (no stack copy), wgrad's
+    A and B the padded columnwise buffers themselves ([n, Σ padded m]). fprop / dgrad equal the
+    per-expert loop bitwise; wgrad sums each expert's padding zeros too, so (as in the uneven
+    test above) it is within one BF16 ulp of it, and an empty expert's dW is zero."""
+    from hybridfp import MXFP8Quantizer
+    from hybridfp.quantizers.grouped import quantize_grouped, quantize_weights_grouped
+
+    splits = [0, 19, 45, 0, 33]
+    src = sources(splits)
+    qs = [MXFP8Quantizer() for _ in splits]
+    X = quantize_grouped(qs, torch.cat(src["x"]).bfloat16(), splits)
+    DY = quantize_grouped([MXFP8Quantizer() for _ in splits], torch.cat(src["dy"]).bfloat16(), splits)
+    W = quantize_weights_grouped([MXFP8Quantizer() for _ in splits], [w.bfloat16() for w in src["w"]])
+    ops = {"x": X, "dy": DY, "w": W}
+    wa, wb = OPERANDS[layout]
+    seen = []
+
+    def mm(mat_a, mat_b, offs):
+        seen.append((mat_a, mat_b, offs.tolist()))
+        return reference_grouped_mm(mat_a, mat_b, offs)
+    got = grouped_gemm(ops[wa], ops[wb], layout, grouped_mm=mm)
+    want = per_expert(ops[wa], ops[wb], layout)
+    (mat_a, mat_b, offs), = seen
+    if layout != "NT":
+        assert_same(got, want)
+        e, k, n = mat_b.shape
+        assert (e, k, n) == ((len(splits), K, N) if layout == "TN" else (len(splits), N, K))
+        assert mat_b.untyped_storage().nbytes() == e * k * n * 2  # one decode, viewed: no stack
+        return
+    padded = [-(-m // 32) * 32 for m in splits]
+    assert tuple(mat_a.shape) == (N, sum(padded)) and tuple(mat_b.shape) == (sum(padded), K)
+    assert offs == torch.tensor(padded).cumsum(0).tolist()
+    for m, g, w in zip(splits, got, want):
+        if m == 0:
+            assert torch.equal(g, torch.zeros(N, K, dtype=torch.bfloat16))
+        ulp = torch.exp2(torch.floor(torch.log2(w.float().abs().clamp_min(1e-30))) - 7)
+        assert ((g.float() - w.float()).abs() <= ulp).all()
+
+
+def test_joined_columns_needs_the_padded_layout():
+    """Columnwise copies quantized separately, or slices of one copy (whose rows after a slice
+    are data, not zero padding), are not joined."""
+    from hybridfp import MXFP8Quantizer
+    from hybridfp.gemm.joined import joined_columns
+    from hybridfp.quantizers.grouped import quantize_grouped
+
+    xs = sources(ODD)["x"]
+    assert joined_columns([MXFP8Quantizer()(x).qstorage for x in xs]) is None
+    whole = MXFP8Quantizer()(torch.randn(96, K)).qstorage
+    assert joined_columns([whole.slice_dim0(0, 32), whole.slice_dim0(32, 96)]) is None
+    splits = [40, 24]
+    got = quantize_grouped([MXFP8Quantizer() for _ in splits], torch.randn(64, K), splits)
+    joined, starts = joined_columns([t.qstorage for t in got])
+    assert starts == [0, 64] and joined.rows == 96

@@ -93,8 +93,29 @@ def test_grouped_equals_per_expert_quantize(name, tensor_type, usage):
             assert_same_storage(g.qstorage, w.qstorage, f"{name} {tensor_type} expert {e}")
 
 
-@pytest.mark.parametrize("name", ["high_precision", "mxfp8", "float8_block_scaling",
-                                  "nvfp4_row_scaled_fwd_mxfp8_bwd"])
+def test_derived_hybrid_is_one_encode_of_the_padded_groups():
+    """A hybrid whose columnwise copy derives from a row-local rowwise copy (Composer-2's
+    row-scaled NVFP4 -> MXFP8 input) is one encode of the groups zero-padded to 32 rows: every
+    expert's rowwise payload is a row slice of one buffer at its padded start, its columnwise
+    payload a column slice of another (``joined_columns`` reads them as one). Bitwise equality
+    with each expert's own quantize: test_grouped_equals_per_expert_quantize."""
+    from hybridfp.gemm.joined import joined_columns
+
+    qs = build(FACTORIES["nvfp4_row_scaled_fwd_mxfp8_bwd"], "input", USAGES["both"])
+    storages = [t.qstorage for t in quantize_grouped(qs, data(), SPLITS)]
+    starts = [0]
+    for m in SPLITS[:-1]:
+        starts.append(starts[-1] + -(-m // 32) * 32)
+    for n in storages[0].part(ROWWISE).payload(ROWWISE):
+        ts = [s.part(ROWWISE).payload(ROWWISE)[n] for s in storages]
+        assert len({t.untyped_storage().data_ptr() for t in ts}) == 1, n
+        row = ts[0].stride(0)
+        assert [(t.storage_offset() - ts[0].storage_offset()) // row for t in ts] == starts, n
+    found = joined_columns(storages)
+    assert found is not None and found[1] == starts
+
+
+@pytest.mark.parametrize("name", ["high_precision", "mxfp8", "float8_block_scaling"])
 def test_row_local_rowwise_copies_are_one_encoding(name):
     """The experts' rowwise copies are row-slice views of one buffer: ``joined_rows`` stacks
     them without a copy, and the stack equals the whole tensor's rowwise encoding."""
