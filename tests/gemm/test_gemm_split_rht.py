@@ -184,10 +184,13 @@ def test_gemm_dispatches_to_run_split(layout, fmt_a, fmt_b, monkeypatch):
     _check_through_gemm(layout, fmt_a, fmt_b, (40, 56, 72), "cpu", seed=3)
 
 
-def test_identity_plain_side_not_taken_until_verified(monkeypatch):
-    """Identity x NVFP4-RHT stays on the reported emulation where the split backend is allowed
-    (SPLIT_UNVERIFIED_ON_CUDA), MXFP8 x NVFP4-RHT does not."""
+def test_unverified_plain_side_not_taken(monkeypatch):
+    """A plain-side format listed in SPLIT_UNVERIFIED_ON_CUDA (none today; Identity was, until
+    its GPU test passed) stays on the reported emulation where the split backend is allowed,
+    the others do not."""
     monkeypatch.setattr(bf16_tensorcore, "_device_ok", lambda device: True)
+    assert bf16_tensorcore.SPLIT_UNVERIFIED_ON_CUDA == frozenset()
+    monkeypatch.setattr(bf16_tensorcore, "SPLIT_UNVERIFIED_ON_CUDA", frozenset({"Identity"}))
     for fa, want in (("identity_bf16", None), ("mxfp8", "bf16_split_rht")):
         a, b = operands("NN", fa, RHT, 8, 16, 32, seed=1, device="cpu")
         sa, sb = _storages("NN", a, b)
