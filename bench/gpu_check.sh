@@ -24,7 +24,7 @@ SHARDS=("tests/nn"
  "tests/kernels/test_kernels_hybrid.py tests/kernels/test_kernels_nvfp4.py"
  "tests/formats tests/kernels/test_kernels_decode.py tests/kernels/test_kernels_fp8_block.py
   tests/kernels/test_kernels_mxfp8.py tests/kernels/test_kernels_fp8_tensorwise.py tests/kernels/test_kernels_grouped_fp8.py
-  tests/kernels/test_kernels_pad_rows.py"
+  tests/kernels/test_kernels_pad_rows.py tests/kernels/test_kernels_grouped_hybrid.py"
  "tests/gemm tests/kernels/test_kernels_cublas_fp8.py tests/kernels/test_kernels_grouped_gemm.py
   tests/kernels/test_kernels_gemm_epilogue.py")
 shard() {  # gpu name files...

@@ -44,7 +44,8 @@ from .hybrid import HybridQuantizer
 from .identity import IdentityQuantizer
 from .mxfp8 import MXFP8Quantizer
 from .nvfp4 import NVFP4Quantizer
-from .grouped_scaled import BOTH, ROWS, _offsets, encode_group_scaled, group_scaled_mode
+from .grouped_scaled import (BOTH, ROWS, _offsets, encode_group_scaled, fused_nvfp4_mxfp8_supported, group_scaled_mode,
+                             nvfp4_mxfp8_groups)
 
 #: How a quantizer's rowwise copy relates to its rows: ``SEPARATE`` — row-local, and the
 #: columnwise copy is a separate encoding; ``SHARED`` — row-local, and both copies are the same
@@ -304,6 +305,15 @@ def _quantize_planned(quantizers: Sequence[Optional[Quantizer]], plan: _Plan, x:
         # no padding (e.g. stacked weights): one call writes both copies (one kernel pass)
         both = plan.row_q.encode(x, True, True, None)
         return _assemble(quantizers, x, splits, both, both, starts, [])
+    if (plan.scaled == ROWS and plan.col_q is not None and all(_derives_columnwise(q) for q in used)
+            and fused_nvfp4_mxfp8_supported(used[0], x)):
+        # NVFP4 (per-expert global amax) -> MXFP8 from the rowwise value: one fused kernel pass
+        # over the zero-padded groups writes both copies (no FP32 dequantized copy in memory)
+        padded, col_starts = _padded(x, splits, plan.col_block)
+        own, cols = nvfp4_mxfp8_groups(used[0], padded, splits, col_starts)
+        own_rows = [_rebuild(p, p.payloads[ROWWISE], None, _rowwise_child(q).label, m) if q is not None else None
+                    for q, p, m in zip(quantizers, own, splits)]
+        return _assemble(quantizers, x, splits, None, cols, col_starts, own_rows)
     rows = plan.row_q.encode(x, True, False, None) if plan.row_q is not None and not plan.scaled else None
     own_rows: list[Optional[QuantizedStorage]] = [None] * len(splits)
     scaled_rows: Optional[torch.Tensor] = None

@@ -14,7 +14,7 @@ import torch
 
 from ..formats import fp8_tensorwise, nvfp4
 from ..formats.common import amax_nan, ceil_div, saturating_cast_fp8
-from ..tensors import Float8Storage, NVFP4Storage, QuantizedStorage
+from ..tensors import Float8Storage, MXFP8Storage, NVFP4Storage, QuantizedStorage
 from ..tensors.storage import ROWWISE
 from . import fast
 from .backends import select_quantize_kernel
@@ -196,6 +196,50 @@ def _nvfp4_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], rowwise:
                              **{**meta, "row_scaled": True})
         return whole.decode(ROWWISE)  # q x S_dec_b x S_dec per row: each expert's decode
     return GroupScaled(parts, rows_fp32)
+
+
+def nvfp4_mxfp8_groups(hq: Quantizer, padded: torch.Tensor, splits: Sequence[int], starts: Sequence[int]
+                       ) -> tuple[list[QuantizedStorage], QuantizedStorage]:
+    """A Hybrid(NVFP4 1D with a global amax, MXFP8 1D, "rowwise_dequantized") on every row
+    group, from the groups zero-padded to 32 rows (``padded``, group e at row ``starts[e]``):
+    one segmented amax and ONE fused kernel pass (``kernels.triton_hybrid_nvfp4``, row-scaled
+    with each row's expert amax) writing the NVFP4 rowwise copy and the MXFP8 columnwise copy
+    of its dequantized value — instead of the rowwise pass, a PyTorch FP32 dequantize of it and
+    an MXFP8 pass. Returns each expert's NVFP4 rowwise storage (row slices; its own amax) and
+    the shared MXFP8 columnwise storage of the padded groups (FP32 nominal dtype: the reference
+    derives it from the FP32 value). CUDA (or the interpreter) only; bitwise each expert's own
+    encode: padding rows are zeros (amax and codes unchanged), and SPEC §2.5's arithmetic is
+    per row, so a row scaled by its expert's amax is encoded as under that global amax."""
+    rq, cq = hq.rowwise_quantizer, hq.columnwise_quantizer
+    padded_splits = [ceil_div(m, 32) * 32 for m in splits]
+    cols = padded.shape[1]
+    group, _, _ = _group_tensors(padded_splits, padded.device)
+    with fast._on_device(padded):
+        amax = _reduced(rq, fast._kernels("triton_grouped_fp8").group_amax(padded, group, len(splits)))
+        row, col = fast._kernels("triton_hybrid_nvfp4").quantize(
+            padded, amax[group], cq.dtype, rule=cq.scale_rule, rowwise=True, columnwise=True,
+            source="rowwise_dequantized")
+    meta = rq.storage_meta()
+    rows = [NVFP4Storage(torch.Size((m, cols)), padded.dtype,
+                         {"data": row[0][s:s + m], "scale": row[1][s:s + m], "amax": a}, None, **meta)
+            for m, s, a in zip(splits, starts, amax.unbind(0))]
+    whole = MXFP8Storage(padded.shape, torch.float32, None, {"data": col[0], "scale": col[1]}, **cq.storage_meta())
+    return rows, whole
+
+
+def fused_nvfp4_mxfp8_supported(hq: Quantizer, x: torch.Tensor) -> bool:
+    """Whether :func:`nvfp4_mxfp8_groups` takes these experts' hybrid on ``x``'s device: NVFP4
+    1D (global amax, no RHT / 2D / stochastic rounding) -> MXFP8 1D from the rowwise value,
+    where the fused hybrid kernel runs."""
+    from .hybrid import HybridQuantizer
+    from .mxfp8 import MXFP8Quantizer
+
+    if not (isinstance(hq, HybridQuantizer) and hq.columnwise_source == "rowwise_dequantized"):
+        return False
+    rq, cq = hq.rowwise_quantizer, hq.columnwise_quantizer
+    return (type(rq) is NVFP4Quantizer and group_scaled_mode(rq) == ROWS and not rq.with_rht
+            and type(cq) is MXFP8Quantizer and not cq.with_2d_quantization and not cq.uses_randomness()
+            and x.numel() > 0 and fast._device_ok(x))
 
 
 #: Quantizers whose per-tensor scale comes from the tensor's own amax, so every expert's scale

@@ -1,0 +1,69 @@
+"""``quantize_grouped``'s fused pass for a Hybrid(NVFP4 1D with a global amax, MXFP8 1D,
+"rowwise_dequantized") over row groups (Composer-2's expert weights; any such activation):
+``grouped_scaled.nvfp4_mxfp8_groups`` — a segmented amax and one ``triton_hybrid_nvfp4`` pass
+over the zero-padded groups — gives every expert, bit for bit, its own quantize's copies (the
+NVFP4 rowwise copy with its own amax, the MXFP8 columnwise copy of its dequantized value).
+Interpreter on tiny awkward splits (CPU, the kernel path forced); compiled at MoE shapes with
+``-m gpu``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the Triton kernels need the triton package")
+
+from quantize_kernel_cases import assert_storage_bitwise, edge_tensor, gpu, gpu_input, interpreter_only  # noqa: E402
+
+from hybridfp.kernels._common import poisoned_outputs  # noqa: E402
+from hybridfp.quantizers import HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer, fast  # noqa: E402
+from hybridfp.quantizers import grouped_scaled  # noqa: E402
+from hybridfp.quantizers.grouped import quantize_grouped, quantize_weights_grouped  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # empty experts' amax 0
+
+
+def hybrid() -> HybridQuantizer:
+    return HybridQuantizer(NVFP4Quantizer(), MXFP8Quantizer(), "rowwise_dequantized")
+
+
+def check(x: torch.Tensor, splits, monkeypatch, weights: bool = False) -> None:
+    calls = []
+    real = grouped_scaled.nvfp4_mxfp8_groups
+    monkeypatch.setattr(grouped_scaled, "nvfp4_mxfp8_groups", lambda *a: calls.append(1) or real(*a))
+    import hybridfp.quantizers.grouped as qgrouped
+    monkeypatch.setattr(qgrouped, "nvfp4_mxfp8_groups", grouped_scaled.nvfp4_mxfp8_groups)
+    with poisoned_outputs(0x7F):
+        if weights:
+            got = quantize_weights_grouped([hybrid() for _ in splits], list(torch.split(x, splits)))
+        else:
+            got = quantize_grouped([hybrid() for _ in splits], x, splits)
+    assert calls == [1]  # the fused grouped pass ran
+    for e, (g, xe) in enumerate(zip(got, torch.split(x, splits))):
+        want = hybrid().reference_encode(xe, True, True)
+        for d in ("rowwise", "columnwise"):
+            assert_storage_bitwise(g.qstorage.part(d), want.part(d), f"expert {e} {d}")
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_grouped_hybrid_equals_each_experts_encode(dtype, monkeypatch):
+    """Empty experts, one-row experts, counts below / above 32; per-expert magnitudes so each
+    expert's global amax differs; stacked weights (no padding) too."""
+    monkeypatch.setattr(fast, "_device_ok", lambda x: True)
+    splits = [0, 1, 37, 0, 32, 5]
+    mag = torch.cat([torch.full((m, 1), 2.0 ** (3 * e - 6)) for e, m in enumerate(splits)])
+    x = (edge_tensor((sum(splits), 48), torch.float32, seed=5) * mag).to(dtype)
+    check(x, splits, monkeypatch)
+    w = (edge_tensor((4 * 32, 48), torch.float32, seed=6)).to(dtype)
+    check(w, [32] * 4, monkeypatch, weights=True)
+
+
+@gpu
+def test_gpu_fused_grouped_hybrid_moe_shapes(monkeypatch):
+    """Stacked expert weights (8 x [1408, 4096]) and an uneven activation split, fresh random."""
+    w = gpu_input((8 * 1408, 4096), torch.bfloat16)
+    check(w, [1408] * 8, monkeypatch, weights=True)
+    splits = [4100, 0, 3900, 33, 4096, 8000]
+    check(gpu_input((sum(splits), 2048), torch.bfloat16), splits, monkeypatch)
