@@ -55,6 +55,7 @@ from .backends import emulate, report_emulated, select
 from .bf16_decode import bf16_exact_reason, decode_bf16
 from .gemm import GEMM_OF_LAYOUT, LAYOUTS, gemm, operand_storage
 from . import grouped_triton
+from ..tensors.slicing import adjacent_rows
 from .joined import joined_columns, joined_rows
 
 #: (mat_a, mat_b, offs) -> BF16 result, with ``torch._grouped_mm``'s semantics.
@@ -388,9 +389,18 @@ def _run_fp8_rowwise(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStora
     pa, pb = [s.payload(da) for s in sa], [s.payload(db) for s in sb]
     ms = [p["data"].shape[0] for p in pa]
     n = pb[0]["data"].shape[0]
-    # cat / stack on the bytes: not every torch build concatenates float8 tensors.
-    mat_a = torch.cat([p["data"].view(torch.uint8) for p in pa]).view(torch.float8_e4m3fn)
-    mat_b = torch.stack([p["data"].view(torch.uint8) for p in pb]).view(torch.float8_e4m3fn).transpose(1, 2)
+    # Adjacent row blocks of one buffer (grouped_scaled's one cast pass; stacked weights) are
+    # viewed as one operand without a copy; otherwise cat / stack on the bytes (not every torch
+    # build concatenates float8 tensors).
+    filled = [p["data"] for p in pa if p["data"].numel()]
+    mat_a = adjacent_rows(filled) if filled else None
+    if mat_a is None:
+        mat_a = torch.cat([p["data"].view(torch.uint8) for p in pa]).view(torch.float8_e4m3fn)
+    whole_b = adjacent_rows([p["data"] for p in pb])
+    if whole_b is not None:
+        mat_b = whole_b.view(len(pb), n, whole_b.shape[1]).transpose(1, 2)
+    else:
+        mat_b = torch.stack([p["data"].view(torch.uint8) for p in pb]).view(torch.float8_e4m3fn).transpose(1, 2)
     scale_a = torch.cat([p["scale_inv"].float().reshape(1).expand(m) for p, m in zip(pa, ms)])
     scale_b = torch.stack([p["scale_inv"].float().reshape(1).expand(n) for p in pb])
     return torch._scaled_grouped_mm(mat_a, mat_b, scale_a.contiguous(), scale_b.contiguous(),

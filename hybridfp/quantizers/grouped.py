@@ -36,6 +36,7 @@ import torch
 
 from ..formats.common import ceil_div, check_input
 from ..tensors import HybridStorage, QuantizedStorage, QuantizedTensor
+from ..tensors.slicing import adjacent_rows
 from ..tensors.storage import COLUMNWISE, ROWWISE, Payload
 from . import fast
 from .base import Quantizer
@@ -123,7 +124,8 @@ def quantize_grouped(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor,
 def quantize_weights_grouped(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor]
                              ) -> list[QuantizedTensor]:
     """``[q.quantize(w) for q, w in zip(quantizers, weights)]`` for experts' [N, K] weights of
-    one shape, bitwise: the weights are stacked to [E*N, K] (one copy) and quantized as row
+    one shape, bitwise: the weights are stacked to [E*N, K] (a view when they are consecutive
+    blocks of one buffer, else one copy) and quantized as row
     groups of N rows, so row-local / tile-local copies and columnwise block copies (N a whole
     number of blocks: no padding) are encoded once for all experts."""
     shape = weights[0].shape
@@ -133,7 +135,12 @@ def quantize_weights_grouped(quantizers: Sequence[Quantizer], weights: Sequence[
     with torch.no_grad():
         if not _worth_stacking(quantizers, weights):
             return [q.quantize(w) for q, w in zip(quantizers, weights)]
-        stacked = torch.stack(list(weights)).reshape(-1, shape[1])
+        # experts allocated as consecutive blocks of one buffer (GroupedLinear does) are
+        # viewed as the stack; otherwise one stacking copy
+        stacked = adjacent_rows(list(weights))
+        if stacked is None:
+            stacked = torch.stack(list(weights))
+        stacked = stacked.reshape(-1, shape[1])
         out = quantize_grouped(list(quantizers), stacked, [shape[0]] * len(weights))
     return [t for t in out if t is not None]
 

@@ -9,7 +9,7 @@ writes into it are refused where they would re-encode those (``check_writable``)
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
@@ -117,3 +117,23 @@ class Dim0Slicing:
             )
         hi = t.shape[axis] if stop == rows else ceil_div(stop, div)
         return t.narrow(axis, start // div, hi - start // div)
+
+
+def adjacent_rows(ts: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The view covering ``ts`` stacked by rows if each starts where the previous one ends in
+    one contiguous buffer (so the view equals ``torch.cat(ts)``), else None."""
+    t0 = ts[0]
+    for prev, t in zip(ts, ts[1:]):
+        if (not (prev.is_contiguous() and t.is_contiguous()) or t.dtype != t0.dtype
+                or t.shape[1:] != t0.shape[1:] or t.device != t0.device
+                or t.untyped_storage().data_ptr() != t0.untyped_storage().data_ptr()
+                or t.data_ptr() != prev.data_ptr() + prev.numel() * prev.element_size()):
+            return None
+    if not t0.is_contiguous():
+        return None
+    size = (sum(t.shape[0] for t in ts), *t0.shape[1:])
+    strides, step = [], 1  # row-major strides of ``size`` (a 1-row t0 may report any row stride)
+    for d in reversed(size):
+        strides.insert(0, step)
+        step *= max(d, 1)
+    return t0.as_strided(size, strides, t0.storage_offset())

@@ -40,3 +40,23 @@ def test_mismatched_shapes_are_refused():
     ws[1] = ws[1][:16]
     with pytest.raises(ValueError, match="one shape"):
         quantize_weights_grouped(build(FACTORIES["mxfp8"], "weight", [(True, True)] * 4), ws)
+
+
+def test_weights_in_one_buffer_are_not_stacked_by_a_copy(monkeypatch):
+    """Experts' weights that are consecutive blocks of one buffer are read as the stack itself
+    (no ``torch.stack`` copy); the result still equals each expert's own quantize bitwise."""
+    buf = torch.randn(4, 64, 96).bfloat16()
+    weights = list(buf.unbind(0))
+    stacks = []
+    real = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda *a, **k: stacks.append(1) or real(*a, **k))
+    got = quantize_weights_grouped(build(FACTORIES["mxfp8"], "weight", [(True, True)] * 4), weights)
+    monkeypatch.undo()
+    assert stacks == []
+    for e, (g, w) in enumerate(zip(got, weights)):
+        want = build(FACTORIES["mxfp8"], "weight", [(True, True)] * 4)[0].quantize(w)
+        assert_same_storage(g.qstorage, want.qstorage, f"expert {e}")
+    # separate tensors are stacked by one copy, with the same result
+    monkeypatch.setattr(torch, "stack", lambda *a, **k: stacks.append(1) or real(*a, **k))
+    quantize_weights_grouped(build(FACTORIES["mxfp8"], "weight", [(True, True)] * 4), [w.clone() for w in weights])
+    assert stacks == [1]
