@@ -46,13 +46,18 @@ run_all() {  # gpu
 if [ "${TESTS:-1}" = 1 ]; then
     for i in 0 1 2 3; do shard $((i % NG)) $i ${SHARDS[$i]} & done; wait
 fi
+extra() {  # gpu: EXTRA_BENCH=name runs bench.bench_<name> (its table lands in $R/extra.log)
+    [ -n "${EXTRA_BENCH:-}" ] && CUDA_VISIBLE_DEVICES=$1 timeout "${SWEEP_TIMEOUT:-150}" python3 -m \
+        "bench.bench_${EXTRA_BENCH}" --out "$R/bench/${EXTRA_BENCH}.json" > "$R/extra.log" 2>&1
+}
 if [ "$NG" -ge 2 ]; then
-    ( [ "${SWEEP:-1}" = 1 ] && sweep 0 ) & run_all 1 & wait
+    ( [ "${SWEEP:-1}" = 1 ] && sweep 0; extra 0 ) & run_all 1 & wait
 else
-    [ "${SWEEP:-1}" = 1 ] && sweep 0; run_all 0
+    [ "${SWEEP:-1}" = 1 ] && sweep 0; extra 0; run_all 0
 fi
 for n in 0 1 2 3; do [ -f "$R/tests_$n.log" ] || continue; grep -E "(FAILED|ERROR)" "$R/tests_$n.log" | grep "::" | head -20; tail -2 "$R/tests_$n.log"; done
 grep -E "^  (fp8 block|fp8 cast|hybrid nvfp4|mxfp8 trans)" "$R/quantize_kernels.log" | cut -c1-100
+[ -f "$R/extra.log" ] && tail -8 "$R/extra.log"
 [ -f "$R/bench.log" ] && tail -40 "$R/bench.log"
 tar czf "$OUT/r.tgz" -C "$OUT" r && rm -rf "$R"
 tar czf /tmp/tc.tgz -C "$TRITON_CACHE_DIR" . && [ "$(stat -c %s /tmp/tc.tgz)" -lt 16000000 ] \
