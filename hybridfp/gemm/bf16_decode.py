@@ -28,7 +28,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from types import ModuleType
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -138,6 +138,28 @@ def decode_bf16(storage: QuantizedStorage, direction: str, *, cache: bool = Fals
         return hit[1]
     op = _run(decoder, s, direction)
     _CACHE.setdefault(data, {})[direction] = (key, op)
+    return op
+
+
+def decode_bf16_joined(joined: QuantizedStorage, parts: Sequence[QuantizedStorage], direction: str, *,
+                       cache: bool = False) -> GemmOperand:
+    """``decode_bf16(joined, direction)`` for a storage that views the ``parts``' copies as one
+    (``gemm.joined``: the experts' stacked weights). ``cache``: keep the decode under the first
+    part's data tensor while every part's payload is unchanged (the joined storage itself is a
+    new object on every call), so micro-batches reuse one decode of all the experts' weights."""
+    if not cache:
+        return decode_bf16(joined, direction)
+    keys = [_validity(p.part(direction), direction) for p in parts]
+    if any(k is None for k in keys):
+        return decode_bf16(joined, direction)
+    data = parts[0].part(direction).payload(direction)["data"]
+    slot = f"joined {direction}"
+    hit = _CACHE.get(data, {}).get(slot)
+    if (hit is not None and hit[0][0] == tuple(joined.shape) and len(hit[0][1]) == len(keys)
+            and all(_same(a, b) for a, b in zip(hit[0][1], keys))):
+        return hit[1]
+    op = decode_bf16(joined, direction)
+    _CACHE.setdefault(data, {})[slot] = ((tuple(joined.shape), keys), op)
     return op
 
 

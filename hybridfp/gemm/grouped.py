@@ -52,7 +52,7 @@ import torch
 from ..tensors.storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
 from . import fast
 from .backends import emulate, report_emulated, select
-from .bf16_decode import bf16_exact_reason, decode_bf16
+from .bf16_decode import bf16_exact_reason, decode_bf16, decode_bf16_joined
 from .gemm import GEMM_OF_LAYOUT, LAYOUTS, gemm, operand_storage
 from . import grouped_triton
 from ..tensors.slicing import adjacent_rows
@@ -250,7 +250,8 @@ def _run_bf16(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], la
         if out is not NotImplemented:
             return out
     whole_a = _joined_operand(sa, da) if layout != "NT" else None
-    whole_b = _joined_operand(sb, db) if layout != "NT" else None
+    # B of fprop / dgrad is the experts' weights: the decode is cached while they are unchanged
+    whole_b = _joined_operand(sb, db, cache=True) if layout != "NT" else None
     if any(w is not None and w.scale is not None for w in (whole_a, whole_b)):
         return None
     ops_a, ops_b = [], []
@@ -276,22 +277,24 @@ def _run_bf16(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], la
     return _wgrad_result(grouped_mm(mat_a, mat_b, _offsets(padded, device)), ks)
 
 
-def _joined_operand(storages: Sequence[QuantizedStorage], direction: str) -> Optional[GemmOperand]:
+def _joined_operand(storages: Sequence[QuantizedStorage], direction: str, cache: bool = False
+                    ) -> Optional[GemmOperand]:
     """The experts' ``direction`` copies decoded in one call when they are blocks of one
     encoding: consecutive row blocks (rowwise), or column slices without padding (columnwise
     copies of stacked weights: every expert's rows a whole number of blocks). None otherwise.
-    Values: [Σ rows, k] (rowwise) or [n, Σ k] (columnwise, stored transposed)."""
+    Values: [Σ rows, k] (rowwise) or [n, Σ k] (columnwise, stored transposed). ``cache``: see
+    ``decode_bf16_joined``."""
     if direction == ROWWISE:
         joined = joined_rows(storages, direction)
-        return decode_bf16(joined, direction) if joined is not None else None
-    found = joined_columns(storages)
-    if found is None:
-        return None
-    joined, starts = found
-    sizes = [s.part(direction).rows for s in storages]
-    if any(b - a != m for a, b, m in zip(starts, starts[1:] + [joined.rows], sizes)):
-        return None  # padding between the copies: not one [E, k, n] operand
-    return decode_bf16(joined, direction)
+    else:
+        found = joined_columns(storages)
+        if found is None:
+            return None
+        joined, starts = found
+        sizes = [s.part(direction).rows for s in storages]
+        if any(b - a != m for a, b, m in zip(starts, starts[1:] + [joined.rows], sizes)):
+            return None  # padding between the copies: not one [E, k, n] operand
+    return decode_bf16_joined(joined, storages, direction, cache=cache) if joined is not None else None
 
 
 def _experts_kn(values: torch.Tensor, experts: int, direction: str) -> torch.Tensor:

@@ -82,8 +82,8 @@ def _adjacent_columns(ts: Sequence[torch.Tensor], starts: Sequence[int], width: 
     """The [rows, width] view that holds ``ts[e]`` at column ``starts[e]`` of one buffer (same
     storage, dtype, row count and row stride, unit column stride), else None."""
     t0 = ts[0]
-    if t0.dim() != 2 or t0.stride(1) != 1 and t0.shape[1] > 1:
-        return None
+    if width == 0 or t0.dim() != 2 or t0.stride(1) != 1 and t0.shape[1] > 1:
+        return None  # (every expert empty: nothing to join)
     stride = t0.stride(0) if t0.shape[0] > 1 else width
     for t, s in zip(ts, starts):
         if (t.dtype != t0.dtype or t.device != t0.device or t.dim() != 2 or t.shape[0] != t0.shape[0]

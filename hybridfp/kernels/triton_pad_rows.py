@@ -37,13 +37,17 @@ def _pad_rows_kernel(src_ptr, dst_ptr, map_ptr, R, C, s_src, s_dst, BR: tl.const
 def pad_rows(src: torch.Tensor, row_map: torch.Tensor) -> torch.Tensor:
     """[len(row_map), C]: row r is ``src[row_map[r]]`` (bitwise), or zeros where row_map[r] < 0.
 
-    ``src``: [R, C] with unit column stride; ``row_map``: int32 on src's device."""
+    ``src``: [R, C] with unit column stride; ``row_map``: contiguous int32 on src's device, every
+    entry < R (not checked: that would cost a device sync; the caller builds it from the
+    groups)."""
     if src.dim() != 2 or (src.shape[1] > 1 and src.stride(1) != 1):
         raise ValueError(f"pad_rows reads a 2D source with unit column stride; got shape "
                          f"{tuple(src.shape)}, strides {src.stride()}.")
-    if row_map.dtype != torch.int32 or row_map.dim() != 1 or row_map.device != src.device:
-        raise ValueError(f"pad_rows needs a 1D int32 row map on {src.device}; got {row_map.dtype}, "
-                         f"{tuple(row_map.shape)} on {row_map.device}.")
+    if (row_map.dtype != torch.int32 or row_map.dim() != 1 or row_map.device != src.device
+            or not row_map.is_contiguous()):
+        raise ValueError(f"pad_rows needs a contiguous 1D int32 row map on {src.device}; got "
+                         f"{row_map.dtype}, {tuple(row_map.shape)}, strides {row_map.stride()} on "
+                         f"{row_map.device}.")
     rows, cols = row_map.shape[0], src.shape[1]
     out = empty((rows, cols), src.dtype, src.device)
     if out.numel() == 0:

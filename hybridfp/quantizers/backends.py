@@ -89,6 +89,12 @@ def kernels_enabled(enabled: bool) -> Iterator[None]:
         _ENABLED[0] = old
 
 
+def kernels_on() -> bool:
+    """Whether fast kernels may run (False inside ``kernels_enabled(False)``); for kernel paths
+    that are not a quantizer's own encode (grouped padding, fused grouped passes)."""
+    return _ENABLED[0]
+
+
 def select_quantize_kernel(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool) -> Optional[QuantizeKernel]:
     """The kernel for this call, or None (reference). Reports a GPU fallback once."""
     if not _ENABLED[0]:

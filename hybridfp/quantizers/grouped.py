@@ -4,8 +4,9 @@ with its own quantizer, in as few calls as the formats allow.
 Expert e owns rows ``[o_e, o_e + m_e)`` of ``x`` and quantizes them with ``quantizers[e]``
 (usage flags as set on it). The result is, bit for bit, what ``quantizers[e].quantize(x_e)``
 gives, but a copy whose blocks never need to straddle two experts is encoded once for all
-experts and handed out per expert as views (row slices of the rowwise tensors, column slices
-of the transposed columnwise ones):
+experts and handed out per expert as views (row slices of the rowwise tensors; column slices
+of the transposed MXFP8 columnwise ones, ``COLUMN_VIEWS``; FP8 block columnwise copies as each
+expert's own contiguous copy, for its per-expert cuBLAS GEMMs):
 
 - rowwise copies that are *row-local* (``ROW_LOCAL``: every row's codes and scales depend on
   that row alone — Identity, MXFP8 1x32, FP8 block 1x128, row-scaled NVFP4) are encoded once
@@ -35,10 +36,11 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..formats.common import ceil_div, check_input
-from ..tensors import HybridStorage, QuantizedStorage, QuantizedTensor
+from ..tensors import HybridStorage, MXFP8Storage, QuantizedStorage, QuantizedTensor
 from ..tensors.slicing import adjacent_rows
 from ..tensors.storage import COLUMNWISE, ROWWISE, Payload
 from . import fast
+from .backends import kernels_on
 from .base import Quantizer
 from .float8_block import Float8BlockQuantizer
 from .hybrid import HybridQuantizer
@@ -64,6 +66,11 @@ ROW_TILE: dict[type, Callable[[Quantizer], Optional[int]]] = {
     MXFP8Quantizer: lambda q: 32 if q.with_2d_quantization else None,
     Float8BlockQuantizer: lambda q: 128 if q.block_scaling_dim == 2 else None,
 }
+#: Columnwise copies handed to the experts as column-slice views of the shared encoding: the
+#: grouped GEMM decodes them as one buffer (``gemm.joined.joined_columns``: MXFP8, BF16 path).
+#: Other shared block copies (FP8 block: per-expert cuBLAS FP8 GEMMs, which read contiguous
+#: operands) get one contiguous copy per expert here, once, not one per GEMM call.
+COLUMN_VIEWS: tuple[type, ...] = (MXFP8Storage,)
 #: Rows per block of a columnwise copy that holds block scales only (no per-tensor entry).
 COLUMN_BLOCK: dict[type, Callable[[Quantizer], Optional[int]]] = {
     MXFP8Quantizer: lambda q: 32,
@@ -264,7 +271,7 @@ def _padded(src: torch.Tensor, splits: Sequence[int], block: int) -> tuple[torch
     counts = torch.tensor(splits, device=src.device)
     index = torch.arange(src.shape[0], device=src.device) + torch.repeat_interleave(
         shifts, counts, output_size=src.shape[0])  # output_size: no device sync
-    if fast._device_ok(src) and (src.shape[1] <= 1 or src.stride(1) == 1):
+    if kernels_on() and fast._device_ok(src) and (src.shape[1] <= 1 or src.stride(1) == 1):
         row_map = torch.full((total,), -1, dtype=torch.int32, device=src.device)
         row_map[index] = torch.arange(src.shape[0], dtype=torch.int32, device=src.device)
         with fast._on_device(src):
@@ -365,7 +372,8 @@ def _assemble(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor, splits
     own rowwise encoding (``own_rows``)."""
     starts = _offsets(splits, 1)
     row_payloads = _row_payloads(rows, splits, row_starts) if rows is not None else None
-    col_payloads = (_column_payloads(cols, col_starts, splits)
+    views = isinstance(cols, COLUMN_VIEWS)
+    col_payloads = (_column_payloads(cols, col_starts, splits, views)
                     if cols is not None and any(q is not None and q.columnwise_usage for q in quantizers) else None)
     out: list[Optional[QuantizedTensor]] = []
     for e, (q, s, m) in enumerate(zip(quantizers, starts, splits)):
@@ -379,7 +387,7 @@ def _assemble(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor, splits
         col_part = None
         if q.columnwise_usage and cols is not None:
             col_part = _rebuild(cols, None, col_payloads[e], _columnwise_child(q).label, m)
-            col_part.columnwise_zero_padded = True  # groups padded with zeros (``_padded``)
+            col_part.columnwise_zero_padded = views  # slices of the zero-padded groups (``_padded``)
         out.append(QuantizedTensor(_expert_storage(q, x[s:s + m], row_part, col_part), q))
     return out
 
@@ -442,14 +450,14 @@ def _assemble_scaled(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor,
     return out
 
 
-def _column_payloads(storage: QuantizedStorage, starts: Sequence[int], splits: Sequence[int]) -> list[Payload]:
-    """Every expert's columnwise payload: rows [start_e, start_e + m_e) of the shared copy, as
-    column-slice views of its transposed tensors (no copy). The grouped GEMM decodes them as
-    one buffer (``gemm.joined.joined_columns``); a consumer that needs an expert's own
-    contiguous tensor (a per-expert decode or cuBLAS call) copies it there. (Copying every
-    slice here cost the MXFP8 MoE layer, 8 experts of ffn 14336, about 1 ms a step on the
-    H200 for copies the grouped path never reads; a scatter through an int64 index per
-    element cost 47 ms.)"""
+def _column_payloads(storage: QuantizedStorage, starts: Sequence[int], splits: Sequence[int],
+                     views: bool) -> list[Payload]:
+    """Every expert's columnwise payload: rows [start_e, start_e + m_e) of the shared copy:
+    column-slice views of its transposed tensors (``views``, no copy: the grouped GEMM decodes
+    them as one buffer, ``gemm.joined.joined_columns``; copying every slice cost the MXFP8 MoE
+    layer, 8 experts of ffn 14336, about 1 ms a step on the H200 for copies that path never
+    reads), else each expert's own contiguous copy of its slice (a scatter through an int64
+    index per element instead cost 47 ms)."""
     index = storage._row_index[COLUMNWISE]
     out: list[Payload] = [{} for _ in splits]
     for name, t in storage.payload(COLUMNWISE).items():
@@ -461,7 +469,8 @@ def _column_payloads(storage: QuantizedStorage, starts: Sequence[int], splits: S
         if axis != 1:
             raise AssertionError(f"{type(storage).__name__} columnwise {name}: expected row index on axis 1")
         for p, s, m in zip(out, starts, splits):
-            p[name] = t.narrow(1, s // div, ceil_div(m, div))
+            part = t.narrow(1, s // div, ceil_div(m, div))
+            p[name] = part if views else part.contiguous()
     return out
 
 

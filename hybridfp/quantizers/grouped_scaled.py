@@ -17,7 +17,7 @@ from ..formats.common import amax_nan, ceil_div, saturating_cast_fp8
 from ..tensors import Float8Storage, MXFP8Storage, NVFP4Storage, QuantizedStorage
 from ..tensors.storage import ROWWISE
 from . import fast
-from .backends import select_quantize_kernel
+from .backends import kernels_on, select_quantize_kernel
 from .base import Quantizer, all_reduce_amax
 from .float8 import Float8CurrentScalingQuantizer
 from .nvfp4 import NVFP4Quantizer
@@ -239,7 +239,7 @@ def fused_nvfp4_mxfp8_supported(hq: Quantizer, x: torch.Tensor) -> bool:
     rq, cq = hq.rowwise_quantizer, hq.columnwise_quantizer
     return (type(rq) is NVFP4Quantizer and group_scaled_mode(rq) == ROWS and not rq.with_rht
             and type(cq) is MXFP8Quantizer and not cq.with_2d_quantization and not cq.uses_randomness()
-            and x.numel() > 0 and fast._device_ok(x))
+            and x.numel() > 0 and kernels_on() and fast._device_ok(x))
 
 
 #: Quantizers whose per-tensor scale comes from the tensor's own amax, so every expert's scale

@@ -404,3 +404,69 @@ def test_joined_columns_needs_the_padded_layout():
     got = quantize_grouped([MXFP8Quantizer() for _ in splits], torch.randn(64, K), splits)
     joined, starts = joined_columns([t.qstorage for t in got])
     assert starts == [0, 64] and joined.rows == 96
+
+
+def test_stacked_weight_decode_is_cached_while_unchanged(monkeypatch):
+    """fprop's B (the stacked weights' rowwise copies, one joined decode) is decoded once for
+    repeated GEMMs on the same quantized weights (micro-batches), again after a weight changes."""
+    from hybridfp import MXFP8Quantizer
+    from hybridfp.gemm import bf16_decode
+    from hybridfp.quantizers.grouped import quantize_grouped, quantize_weights_grouped
+
+    splits = [16, 0, 40]
+    src = sources(splits)
+    X = quantize_grouped([MXFP8Quantizer() for _ in splits], torch.cat(src["x"]).bfloat16(), splits)
+    W = quantize_weights_grouped([MXFP8Quantizer() for _ in splits], [w.bfloat16() for w in src["w"]])
+    calls = []
+    real = bf16_decode.decode_bf16
+    monkeypatch.setattr(bf16_decode, "decode_bf16", lambda s, d, **k: calls.append(s.rows) or real(s, d, **k))
+    first = grouped_gemm(X, W, "TN", grouped_mm=reference_grouped_mm)
+    n_first = len(calls)
+    again = grouped_gemm(X, W, "TN", grouped_mm=reference_grouped_mm)
+    assert len(calls) == n_first + 1 and torch.equal(first, again)  # only x decoded again
+    W[0].qstorage.payload("rowwise")["data"].view(torch.uint8)[0, 0] ^= 1  # an in-place change
+    grouped_gemm(X, W, "TN", grouped_mm=reference_grouped_mm)
+    assert len(calls) == n_first + 3
+
+
+def test_all_empty_experts_are_not_joined():
+    """Zero-width joins (every expert empty) are refused, not divided by."""
+    from hybridfp import MXFP8Quantizer
+    from hybridfp.gemm.joined import joined_columns
+    from hybridfp.quantizers.grouped import quantize_grouped
+
+    got = quantize_grouped([MXFP8Quantizer() for _ in range(3)], torch.zeros(0, 1), [0, 0, 0])
+    assert joined_columns([t.qstorage for t in got]) is None
+
+
+def test_fp8_rowwise_path_reads_adjacent_rows_without_a_copy(monkeypatch):
+    """``torch._scaled_grouped_mm``'s operands for FP8 current scaling from ``quantize_grouped``
+    (x: one cast pass, row slices) and ``quantize_weights_grouped`` (stacked weights) are views
+    of those buffers, equal to the cat / stack they replace (the matmul emulated on the CPU)."""
+    from hybridfp import Float8CurrentScalingQuantizer
+    from hybridfp.gemm import grouped as g
+    from hybridfp.quantizers.grouped import quantize_grouped, quantize_weights_grouped
+
+    splits = [16, 0, 48, 32]
+    src = sources(splits)
+    X = quantize_grouped([Float8CurrentScalingQuantizer() for _ in splits], torch.cat(src["x"]).bfloat16(), splits)
+    W = quantize_weights_grouped([Float8CurrentScalingQuantizer() for _ in splits], [w.bfloat16() for w in src["w"]])
+    seen = {}
+
+    def fake(mat_a, mat_b, scale_a, scale_b, offs, out_dtype, use_fast_accum):
+        seen.update(a=mat_a, b=mat_b)
+        ends = offs.tolist()
+        outs = [(mat_a[s:e].float() * scale_a[s:e, None]) @ (mat_b[i].float() * scale_b[i][None, :])
+                for i, (s, e) in enumerate(zip([0] + ends[:-1], ends))]
+        return torch.cat(outs).to(out_dtype)
+    monkeypatch.setattr(g, "_fp8_rowwise_unsupported", lambda *a: None)
+    monkeypatch.setattr(g, "select", lambda *a: g.fast.TENSORWISE_BACKEND)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", fake, raising=False)
+    out = grouped_gemm(X, W, "TN")
+    xa = [t.qstorage.payload("rowwise")["data"] for t in X]
+    wb = [t.qstorage.payload("rowwise")["data"] for t in W]
+    assert seen["a"].data_ptr() == xa[0].data_ptr() and seen["b"].data_ptr() == wb[0].data_ptr()
+    assert torch.equal(seen["a"].view(torch.uint8), torch.cat([t.view(torch.uint8) for t in xa]))
+    assert torch.equal(seen["b"].view(torch.uint8),
+                       torch.stack([t.view(torch.uint8) for t in wb]).transpose(1, 2))
+    assert out.shape == (sum(splits), N)

@@ -67,3 +67,26 @@ def test_gpu_fused_grouped_hybrid_moe_shapes(monkeypatch):
     check(w, [1408] * 8, monkeypatch, weights=True)
     splits = [4100, 0, 3900, 33, 4096, 8000]
     check(gpu_input((sum(splits), 2048), torch.bfloat16), splits, monkeypatch)
+
+
+@interpreter_only
+def test_kernels_disabled_means_no_grouped_kernels(monkeypatch):
+    """Inside ``kernels_enabled(False)`` the grouped padding and the fused grouped pass stay off
+    too (a reference comparison must not compare the kernels with themselves)."""
+    from hybridfp.kernels import triton_pad_rows
+    from hybridfp.quantizers.backends import kernels_enabled
+
+    monkeypatch.setattr(fast, "_device_ok", lambda x: True)
+    used = []
+    import hybridfp.quantizers.grouped as qgrouped
+    monkeypatch.setattr(qgrouped, "nvfp4_mxfp8_groups", lambda *a: used.append("fused"))
+    monkeypatch.setattr(triton_pad_rows, "pad_rows", lambda *a: used.append("pad"))
+    splits = [0, 5, 37]
+    x = edge_tensor((sum(splits), 48), torch.float32, seed=2).bfloat16()
+    with kernels_enabled(False):
+        got = quantize_grouped([hybrid() for _ in splits], x, splits)
+    assert used == []
+    for g, xe in zip(got, torch.split(x, splits)):
+        want = hybrid().reference_encode(xe, True, True)
+        for d in ("rowwise", "columnwise"):
+            assert_storage_bitwise(g.qstorage.part(d), want.part(d), d)

@@ -76,6 +76,8 @@ def test_pad_rows_edges_and_errors():
     assert pad_rows(src, torch.zeros(0, dtype=torch.int32)).shape == (0, 3)
     with pytest.raises(ValueError, match="int32 row map"):
         pad_rows(src, row_map.long())
+    with pytest.raises(ValueError, match="contiguous"):
+        pad_rows(src, torch.zeros(12, dtype=torch.int32)[::2])
     with pytest.raises(ValueError, match="unit column stride"):
         pad_rows(torch.randn(4, 6)[:, ::2], row_map)
 

@@ -170,37 +170,39 @@ def test_delayed_scaling_records_each_experts_amax():
 
 
 def test_shared_columnwise_block_copies_are_views_of_one_padded_buffer():
-    """MXFP8 / FP8 block columnwise copies shared by all experts (groups zero-padded to whole
-    blocks): each expert's payload tensors are column-slice views of one buffer (no copy),
-    starting at its padded group start, marked ``columnwise_zero_padded``; ``joined_columns``
-    recovers the whole buffer and those starts, and the padding decodes to zeros."""
+    """MXFP8 columnwise copies shared by all experts (groups zero-padded to whole blocks): each
+    expert's payload tensors are column-slice views of one buffer (no copy), starting at its
+    padded group start, marked ``columnwise_zero_padded``; ``joined_columns`` recovers the whole
+    buffer and those starts, and the padding decodes to zeros. FP8 block copies (read per
+    expert by cuBLAS) are each expert's own contiguous, 16-byte aligned copy, not joined."""
     from hybridfp.formats.common import ceil_div
     from hybridfp.gemm.joined import joined_columns
 
-    for factory, block in ((factories.mxfp8, 32), (factories.float8_block_scaling, 128)):
-        role = QuantizerRole("grouped_linear", "input", "experts")
-        x = data()
-        got = [t.qstorage for t in quantize_grouped([factory(role) for _ in SPLITS], x, SPLITS)]
-        starts = [0]
-        for m in SPLITS[:-1]:
-            starts.append(starts[-1] + ceil_div(m, block) * block)
-        for name in got[0].payload(COLUMNWISE):
-            ts = [s.part(COLUMNWISE).payload(COLUMNWISE)[name] for s in got]
-            assert len({t.untyped_storage().data_ptr() for t in ts}) == 1, name
-            col = ts[0].stride(1)  # the reference FP8 block encoder writes a transposed view
-            assert [(t.storage_offset() - ts[0].storage_offset()) // col for t in ts] == [
-                st // (1 if name == "data" else block) for st in starts], name
-        assert all(s.part(COLUMNWISE).columnwise_zero_padded for s in got)
-        found = joined_columns(got)
-        if block == 128 and got[0].payload(COLUMNWISE)["data"].stride(1) != 1:
-            assert found is None  # joined only from row-major transposed tensors
-            continue
-        joined, js = found
-        assert js == starts and joined.rows == starts[-1] + ceil_div(SPLITS[-1], block) * block
-        whole = joined.dequantize(torch.float32, COLUMNWISE)  # [padded rows, K]
-        for s, st, m in zip(got, starts, SPLITS):
-            assert torch.equal(whole[st:st + m], s.dequantize(torch.float32, COLUMNWISE)), name
-            pad = whole[st + m:st + ceil_div(m, block) * block]
-            assert torch.equal(pad, torch.zeros_like(pad))
-        # a slice of an expert's copy no longer promises zero padding after it
-        assert not got[0].slice_dim0(0, 1).part(COLUMNWISE).columnwise_zero_padded
+    role = QuantizerRole("grouped_linear", "input", "experts")
+    x = data()
+    got = [t.qstorage for t in quantize_grouped([factories.float8_block_scaling(role) for _ in SPLITS], x, SPLITS)]
+    for s in got:
+        for name, t in s.payload(COLUMNWISE).items():
+            assert t.is_contiguous() and t.data_ptr() % 16 == 0, name
+    assert not any(s.columnwise_zero_padded for s in got) and joined_columns(got) is None
+
+    block = 32
+    got = [t.qstorage for t in quantize_grouped([factories.mxfp8(role) for _ in SPLITS], x, SPLITS)]
+    starts = [0]
+    for m in SPLITS[:-1]:
+        starts.append(starts[-1] + ceil_div(m, block) * block)
+    for name in got[0].payload(COLUMNWISE):
+        ts = [s.part(COLUMNWISE).payload(COLUMNWISE)[name] for s in got]
+        assert len({t.untyped_storage().data_ptr() for t in ts}) == 1, name
+        assert [t.storage_offset() - ts[0].storage_offset() for t in ts] == [
+            st // (1 if name == "data" else block) for st in starts], name
+    assert all(s.part(COLUMNWISE).columnwise_zero_padded for s in got)
+    joined, js = joined_columns(got)
+    assert js == starts and joined.rows == starts[-1] + ceil_div(SPLITS[-1], block) * block
+    whole = joined.dequantize(torch.float32, COLUMNWISE)  # [padded rows, K]
+    for s, st, m in zip(got, starts, SPLITS):
+        assert torch.equal(whole[st:st + m], s.dequantize(torch.float32, COLUMNWISE))
+        pad = whole[st + m:st + ceil_div(m, block) * block]
+        assert torch.equal(pad, torch.zeros_like(pad))
+    # a slice of an expert's copy no longer promises zero padding after it
+    assert not got[0].slice_dim0(0, 1).part(COLUMNWISE).columnwise_zero_padded
