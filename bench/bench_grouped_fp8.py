@@ -19,9 +19,12 @@ SHAPES = [(32768, 4096, 8), (32768, 14336, 8), (32768, 4096, 64)]
 
 
 def splits_for(rows: int, experts: int) -> list[int]:
-    """Uneven counts that sum to ``rows`` (every 3rd expert 25 % above the mean)."""
-    base = [rows // experts + (rows // (4 * experts) if e % 3 == 0 else 0) for e in range(experts)]
+    """Uneven positive counts that sum to ``rows`` (every 3rd expert weighted 1.25, not multiples
+    of 32)."""
+    w = [1.25 if e % 3 == 0 else 1.0 for e in range(experts)]
+    base = [int(rows * x / sum(w)) for x in w]
     base[-1] += rows - sum(base)
+    assert min(base) > 0 and sum(base) == rows
     return base
 
 
