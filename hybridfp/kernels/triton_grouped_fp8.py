@@ -67,10 +67,9 @@ def _grouped_fp8_kernel(x_ptr, amax_ptr, group_ptr, start_ptr, count_ptr, off_pt
                         sxr, sxc: tl.constexpr, eps, POW2: tl.constexpr, ROW: tl.constexpr,
                         COL: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
                         FP8_MAX: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr,
-                        BC: tl.constexpr, BG: tl.constexpr, HW: tl.constexpr, ONE_GROUP: tl.constexpr):
+                        BC: tl.constexpr, BG: tl.constexpr, HW: tl.constexpr):
     """One tile: each row scaled by its group's current scale; rowwise codes at [r, c], columnwise
-    codes at ``offset + c * count + (r - start)`` (the group's own [C, count] transpose).
-    ``ONE_GROUP``: a tile wholly inside one group stores its transpose from a scalar base."""
+    codes at ``offset + c * count + (r - start)`` (the group's own [C, count] transpose)."""
     x, mask, lr, lc, r0, c0, pr, pc = load_tile(x_ptr, R, C, sxr, sxc, DTYPE, BR, BC)
     rmask = (r0 + lr) < R
     g = tl.load(group_ptr + r0 + lr, mask=rmask, other=0)
@@ -79,24 +78,12 @@ def _grouped_fp8_kernel(x_ptr, amax_ptr, group_ptr, start_ptr, count_ptr, off_pt
     if ROW:
         tl.store(rd_ptr + r0.to(tl.int64) * C + c0 + tile_offsets(lr, lc, C, 1), code, mask=mask)
     if COL:
-        first = tl.max(tl.where(rmask, g, -1), 0)
-        low = tl.min(tl.where(rmask, g, 2147483647), 0)
-        if (low == first) & ONE_GROUP:
-            # The whole tile in one group (groups of hundreds of rows: nearly every tile): a
-            # scalar base, so the offsets are visibly contiguous along the rows and Triton
-            # stores the transposed tile coalesced (consecutive rows of a column are
-            # consecutive bytes of the group's [C, count] block) instead of one byte per row
-            # at a per-row base (measured: the cast pass at half the copy bandwidth).
-            count0 = tl.load(count_ptr + first)
-            base0 = tl.load(off_ptr + first) + (r0 - tl.load(start_ptr + first)) + c0.to(tl.int64) * count0
-            tl.store(cd_ptr + base0 + lr[:, None] + lc[None, :] * count0, code, mask=mask)
-        else:
-            start = tl.load(start_ptr + g, mask=rmask, other=0)
-            count = tl.load(count_ptr + g, mask=rmask, other=0)
-            # 64-bit per row (a group's block may start past 2**31 bytes), int32 inside the
-            # tile: lc * count <= BC * R (check_int32_tiles)
-            base = tl.load(off_ptr + g, mask=rmask, other=0) + (r0 + lr - start) + c0.to(tl.int64) * count
-            tl.store(cd_ptr + base[:, None] + lc[None, :] * count[:, None], code, mask=mask)
+        start = tl.load(start_ptr + g, mask=rmask, other=0)
+        count = tl.load(count_ptr + g, mask=rmask, other=0)
+        # 64-bit per row (a group's block may start past 2**31 bytes), int32 inside the tile:
+        # lc * count <= BC * R (check_int32_tiles)
+        base = tl.load(off_ptr + g, mask=rmask, other=0) + (r0 + lr - start) + c0.to(tl.int64) * count
+        tl.store(cd_ptr + base[:, None] + lc[None, :] * count[:, None], code, mask=mask)
     if (pr == 0) & (pc == 0):  # every group's 1 / scale, empty groups included
         for g0 in range(0, G, BG):
             lg = g0 + tl.arange(0, BG)
@@ -108,7 +95,7 @@ def quantize(x2: torch.Tensor, amax: torch.Tensor, row_group: torch.Tensor, grou
              group_rows: torch.Tensor, dtype: torch.dtype, *, eps: float = 0.0, power_2_scale: bool = False,
              rowwise: bool = True, columnwise: bool = True, col_offset: Optional[torch.Tensor] = None,
              col_numel: Optional[int] = None, block: tuple[int, int] = (32, 128),
-             num_warps: Optional[int] = None, one_group_tiles: bool = True):
+             num_warps: Optional[int] = None):
     """FP8 current scaling of the row groups of non-empty 2D ``x2`` (any strides), each with its
     group's scale.
 
@@ -119,8 +106,6 @@ def quantize(x2: torch.Tensor, amax: torch.Tensor, row_group: torch.Tensor, grou
     end, ``C * start_e``, R * C elements). Returns ``(row_data or None, col_data or None,
     scale_inv)``: rowwise [R, C] in ``dtype``; columnwise flat [col_numel] in ``dtype`` holding
     group e's transpose [C, m_e] contiguous at ``col_offset[e]``; ``scale_inv`` FP32 [G].
-    ``one_group_tiles``: store the transpose of a tile inside one group from a scalar base (the
-    per-row-base store everywhere when False; same bytes, kept to time one against the other).
     """
     rows, cols = x2.shape
     if x2.numel() == 0:
@@ -144,5 +129,5 @@ def quantize(x2: torch.Tensor, amax: torch.Tensor, row_group: torch.Tensor, grou
         rd.view(torch.uint8) if rowwise else dummy, cd.view(torch.uint8) if columnwise else dummy, sinv,
         rows, cols, groups, x2.stride(0), x2.stride(1), f32(eps), POW2=power_2_scale, ROW=rowwise,
         COL=columnwise, MBITS=mbits, BIAS=bias, FP8_MAX=fmax, DTYPE=DTYPE_CODE[x2.dtype], BR=br, BC=bc,
-        BG=128, HW=hw_fp8(dev), ONE_GROUP=one_group_tiles, num_warps=num_warps or 4)
+        BG=128, HW=hw_fp8(dev), num_warps=num_warps or 4)
     return rd, cd, sinv[:, 0]

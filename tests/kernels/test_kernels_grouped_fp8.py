@@ -67,8 +67,8 @@ def test_grouped_fp8_current_kernel_bitwise(config, dtype, cols):
     check_grouped(q, x, SPLITS, True, True, config)
     check_grouped(q, x, SPLITS, False, True, f"{config} columnwise only")
     check_grouped(q, x, SPLITS, True, False, f"{config} rowwise only")
-    # groups longer than a tile (32 rows): tiles wholly inside one group take the kernel's
-    # scalar-base transposed store, the others (group boundaries) the per-row one
+    # groups longer than a tile (32 rows): tiles wholly inside one group and tiles across
+    # group boundaries
     long = [70, 0, 45, 96, 3]
     check_grouped(q, grouped_input(long, cols, dtype), long, True, True, f"{config} long groups")
 
@@ -131,22 +131,3 @@ def test_grouped_nvfp4_rows_gpu_bitwise():
     w = gpu_input((64 * 1408, 4096), torch.bfloat16)
     check_grouped(NVFP4Quantizer(), w, [1408] * 64, True, False, "nvfp4 weights")
 
-
-@interpreter_only
-@pytest.mark.parametrize("cols", [40, 129])
-def test_one_group_tile_store_equals_the_per_row_store(cols):
-    """The scalar-base transposed store of tiles inside one group (``one_group_tiles``, default)
-    writes the same bytes as the per-row-base store used at group boundaries."""
-    from hybridfp.kernels.triton_grouped_fp8 import quantize
-    from hybridfp.quantizers.grouped_scaled import _group_tensors
-
-    splits = [70, 0, 45, 96, 3]
-    x = grouped_input(splits, cols, torch.bfloat16)
-    group, start, count = _group_tensors(splits, x.device)
-    amax = group_amax(x, group, len(splits))
-    outs = []
-    for one in (True, False):
-        with poisoned_outputs(0x7F):
-            outs.append(quantize(x, amax, group, start, count, torch.float8_e4m3fn, one_group_tiles=one))
-    for a, b, what in zip(*outs, ("rowwise", "columnwise", "scale_inv")):
-        assert_tensor_bitwise(a, b, what)
