@@ -8,6 +8,7 @@ re-quantized each step (caches cleared, as after an optimizer update). No GPU ne
 counts say how much host work per step scales with the number of experts.
 
     python -m bench.bench_moe_overhead [--experts 64] [--hidden 64] [--ffn 128] [--reps 20]
+        [--cuda-paths] [--profile "bf16 (high_precision)"]
 """
 
 from __future__ import annotations
@@ -105,8 +106,16 @@ def main(argv=None) -> None:
     p.add_argument("--ffn", type=int, default=128)
     p.add_argument("--tokens-per-expert", type=int, default=24)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--cuda-paths", action="store_true", help="take the grouped GEMM paths the GPU takes "
+                   "(torch._grouped_mm on the CPU; decodes still the PyTorch reference) to see the host "
+                   "work of the CUDA path")
+    p.add_argument("--profile", default=None, help="cProfile one recipe (its name) and print the top 30 "
+                   "functions by own time")
     args = p.parse_args(argv)
     warnings.simplefilter("ignore")
+    if args.cuda_paths:
+        from hybridfp.gemm import grouped
+        grouped._grouped_mm_device = lambda device: True  # this process only: a measuring switch
     torch.manual_seed(0)
     splits = splits_for(args.experts, args.tokens_per_expert)
     m = hybridfp.GroupedLinear(args.experts, args.hidden, args.ffn, bias=False, params_dtype=torch.bfloat16)
@@ -116,8 +125,15 @@ def main(argv=None) -> None:
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print("| recipe | ms / step | ops / step | ops / expert |\n|---|---|---|---|")
     for name, recipe in RECIPES.items():
-        ms, ops = measure(make_step(m, x, dy, splits, recipe()), args.reps)
+        step = make_step(m, x, dy, splits, recipe())
+        ms, ops = measure(step, args.reps)
         print(f"| {name} | {ms:.2f} | {ops} | {ops / args.experts:.1f} |")
+        if name == args.profile:
+            import cProfile
+            import pstats
+            prof = cProfile.Profile()
+            prof.runcall(lambda: [step() for _ in range(args.reps)])
+            pstats.Stats(prof).sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":
