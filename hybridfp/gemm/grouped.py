@@ -49,13 +49,13 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from ..tensors.slicing import adjacent_rows
 from ..tensors.storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
 from . import fast
 from .backends import emulate, report_emulated, select
 from .bf16_decode import bf16_exact_reason, decode_bf16, decode_bf16_joined
 from .gemm import GEMM_OF_LAYOUT, LAYOUTS, gemm, operand_storage
 from . import grouped_triton
-from ..tensors.slicing import adjacent_rows
 from .joined import joined_columns, joined_rows
 
 #: (mat_a, mat_b, offs) -> BF16 result, with ``torch._grouped_mm``'s semantics.
@@ -256,7 +256,6 @@ def _run_bf16(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], la
         return None
     ops_a, ops_b = [], []
     for a, b in zip(sa, sb):
-        # B of fprop / dgrad is the expert's weight: its decode is cached while unchanged
         oa = whole_a if whole_a is not None else decode_bf16(a, da)
         ob = whole_b if whole_b is not None else decode_bf16(b, db, cache=layout != "NT")
         if oa.scale is not None or ob.scale is not None or oa.rht != ob.rht:
