@@ -90,3 +90,29 @@ def test_kernels_disabled_means_no_grouped_kernels(monkeypatch):
         want = hybrid().reference_encode(xe, True, True)
         for d in ("rowwise", "columnwise"):
             assert_storage_bitwise(g.qstorage.part(d), want.part(d), d)
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_local_hybrid_through_the_kernels(dtype, monkeypatch):
+    """Composer-2's input hybrid (row-scaled NVFP4 -> MXFP8 from the rowwise value) on the
+    kernel route: ``pad_rows`` pads the groups, the fused hybrid kernel encodes the padded
+    tensor (zero padding rows: row amax 0) — every expert equals its own reference encode."""
+    from hybridfp.kernels import triton_pad_rows
+
+    monkeypatch.setattr(fast, "_device_ok", lambda x: True)
+    pads = []
+    real = triton_pad_rows.pad_rows
+    monkeypatch.setattr(triton_pad_rows, "pad_rows", lambda *a: pads.append(1) or real(*a))
+
+    def make() -> HybridQuantizer:
+        return HybridQuantizer(NVFP4Quantizer(row_scaled_nvfp4=True), MXFP8Quantizer(), "rowwise_dequantized")
+    splits = [0, 1, 37, 0, 32, 5]
+    x = edge_tensor((sum(splits), 48), torch.float32, seed=8).to(dtype)
+    with poisoned_outputs(0x7F):
+        got = quantize_grouped([make() for _ in splits], x, splits)
+    assert pads == [1]
+    for e, (g, xe) in enumerate(zip(got, torch.split(x, splits))):
+        want = make().reference_encode(xe, True, True)
+        for d in ("rowwise", "columnwise"):
+            assert_storage_bitwise(g.qstorage.part(d), want.part(d), f"expert {e} {d}")
