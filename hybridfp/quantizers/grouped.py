@@ -142,8 +142,10 @@ def quantize_weights_grouped(quantizers: Sequence[Quantizer], weights: Sequence[
     with torch.no_grad():
         if not _worth_stacking(quantizers, weights):
             return [q.quantize(w) for q, w in zip(quantizers, weights)]
-        # experts allocated as consecutive blocks of one buffer (GroupedLinear does) are
-        # viewed as the stack; otherwise one stacking copy
+        # weights that are consecutive blocks of one buffer (views of a stacked [E, N, K]
+        # tensor) are viewed as the stack; otherwise one stacking copy (GroupedLinear's own
+        # experts are separate tensors: views of one buffer would share one version counter,
+        # and changing one expert would re-quantize them all)
         stacked = adjacent_rows(list(weights))
         if stacked is None:
             stacked = torch.stack(list(weights))
