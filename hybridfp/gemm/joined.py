@@ -1,9 +1,10 @@
 """Expert copies that are consecutive blocks of one buffer, viewed as one storage.
 
 ``quantizers.grouped.quantize_grouped`` encodes a row-local rowwise copy once for all experts
-and hands out row-slice views (``joined_rows``); a columnwise block copy (MXFP8 32x1, FP8
-block 128x1) is encoded once from the groups zero-padded to whole blocks and handed out as
-column-slice views of its transposed tensors (``joined_columns``). The grouped GEMM paths then
+and hands out row-slice views (``joined_rows``); an MXFP8 columnwise copy (32x1 blocks) is
+encoded once from the groups zero-padded to whole blocks and handed out as column-slice views
+of its transposed tensors (``joined_columns``; FP8 block copies go to per-expert cuBLAS GEMMs
+as contiguous copies instead). The grouped GEMM paths then
 decode such a copy in one call, straight into their grouped operand, instead of decoding per
 expert and concatenating.
 """
