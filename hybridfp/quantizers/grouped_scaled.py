@@ -20,6 +20,8 @@ from . import fast
 from .backends import kernels_on, select_quantize_kernel
 from .base import Quantizer, all_reduce_amax
 from .float8 import Float8CurrentScalingQuantizer
+from .hybrid import HybridQuantizer
+from .mxfp8 import MXFP8Quantizer
 from .nvfp4 import NVFP4Quantizer
 
 #: Which copies a grouped per-tensor-scaled encoding (``GROUP_SCALED``, module end) writes.
@@ -231,9 +233,6 @@ def fused_nvfp4_mxfp8_supported(hq: Quantizer, x: torch.Tensor) -> bool:
     """Whether :func:`nvfp4_mxfp8_groups` takes these experts' hybrid on ``x``'s device: NVFP4
     1D (global amax, no RHT / 2D / stochastic rounding) -> MXFP8 1D from the rowwise value,
     where the fused hybrid kernel runs."""
-    from .hybrid import HybridQuantizer
-    from .mxfp8 import MXFP8Quantizer
-
     if not (isinstance(hq, HybridQuantizer) and hq.columnwise_source == "rowwise_dequantized"):
         return False
     rq, cq = hq.rowwise_quantizer, hq.columnwise_quantizer
