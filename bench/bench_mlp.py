@@ -25,6 +25,7 @@ import copy
 import json
 import time
 import warnings
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -33,7 +34,7 @@ from torch import nn
 
 import hybridfp
 from bench import common
-from bench.common import bench_ms, copy_bandwidth, environment, finish, md_table, parser, require_cuda
+from bench.common import bench_ms, copy_bandwidth, environment, finish, md_table, parser, profile_step, require_cuda
 from hybridfp.nn.base import QuantizedModule
 
 D, H, TOKENS = 4096, 14336, 16384
@@ -124,10 +125,12 @@ def make_step(model: nn.Module, params: list[nn.Parameter], ctx: Callable[[], An
 
 def bench_model(kind: str, make: Callable[[Callable], nn.Module], x: torch.Tensor, deadline: float,
                 compiled: bool, checkpoint: Callable[[list], None] = lambda rows: None,
-                fuse: Optional[Callable[[nn.Module], nn.Module]] = None) -> list[dict[str, Any]]:
+                fuse: Optional[Callable[[nn.Module], nn.Module]] = None, profile: Optional[str] = None,
+                profiles: Optional[list[str]] = None) -> list[dict[str, Any]]:
     """All variants of one model; ratios against BF16 eager / compiled of this process. ``fuse``
     (models with an activation) gives the model with the fused SwiGLU: rows for BF16 eager and
-    each of FUSED_RECIPES, each right after its unfused row."""
+    each of FUSED_RECIPES, each right after its unfused row. Variants whose name contains
+    ``profile`` also get a one-step kernel profile appended to ``profiles``."""
     torch.manual_seed(0)
     base = make(torch_linear)
     with torch.no_grad():
@@ -169,6 +172,8 @@ def bench_model(kind: str, make: Callable[[Callable], nn.Module], x: torch.Tenso
                 ref_y = y
             row["rel_err_vs_bf16"] = ((y - ref_y).norm() / ref_y.norm()).item()
             row["ms"] = bench_ms(step, warmup_ms=100, rep_ms=300)
+            if profile and profiles is not None and any(t and t in name for t in profile.split("|")):
+                profiles.append(profile_step(step, f"{kind}: {name} ({row['ms']:.2f} ms)"))
         except Exception as e:  # noqa: BLE001 - record the failure, keep the other variants
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(row)
@@ -197,6 +202,10 @@ def main(argv=None) -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--deadline-s", type=float, default=1e9, help="skip compiled variants after this")
     p.add_argument("--linear-compiled", action="store_true", help="also compile the single Linear")
+    p.add_argument("--profile", default=None, help="profile one step of the variants whose name contains "
+                   "this text ('|' separates alternatives); written to --profile-out")
+    p.add_argument("--profile-out", type=Path, default=Path("mlp_profile.txt"))
+    p.add_argument("--mlp-only", action="store_true", help="skip the single Linear")
     args = p.parse_args(argv)
     require_cuda()
     warnings.simplefilter("ignore")
@@ -223,10 +232,14 @@ def main(argv=None) -> None:
         elif args.out is not None:
             args.out.write_text(json.dumps({"name": "mlp", **result}, indent=1, default=str))
 
-    rows = bench_model(f"Linear {tokens}x{d}->{h}", lambda lin: lin(d, h), x, deadline, args.linear_compiled,
-                       report)
+    profiles: list[str] = []
+    rows = [] if args.mlp_only else bench_model(f"Linear {tokens}x{d}->{h}", lambda lin: lin(d, h), x, deadline,
+                                                args.linear_compiled, report)
     rows += bench_model(f"Llama-3-8B MLP {tokens}x{d}->{h}->{d}", lambda lin: MLP(lin, d, h), x, deadline, True,
-                        lambda new: report(rows + new), fuse=fused_swiglu)
+                        lambda new: report(rows + new), fuse=fused_swiglu, profile=args.profile,
+                        profiles=profiles)
+    if profiles:
+        args.profile_out.write_text("\n\n".join(profiles))
     report(rows, final=True)
 
 

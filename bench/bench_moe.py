@@ -30,7 +30,7 @@ from torch import nn
 
 import hybridfp
 from bench import common
-from bench.common import bench_ms, environment, finish, md_table, parser, require_cuda
+from bench.common import bench_ms, environment, finish, md_table, parser, profile_step, require_cuda
 from hybridfp.gemm import grouped_triton
 from hybridfp.gemm.grouped import PATH_COUNTS
 from hybridfp.nn.base import QuantizedModule
@@ -146,18 +146,6 @@ def make_step(model: nn.Module, x: torch.Tensor, dy: torch.Tensor, ctx: Optional
         y.backward(dy)
         return y
     return step
-
-
-def profile_step(step: Callable[[], Any], title: str) -> str:
-    """The kernels and ops of one step, by self device time (torch.profiler), as text."""
-    acts = [torch.profiler.ProfilerActivity.CPU] + (
-        [torch.profiler.ProfilerActivity.CUDA] if common.DEVICE == "cuda" else [])
-    with torch.profiler.profile(activities=acts) as prof:
-        step()
-        if common.DEVICE == "cuda":
-            torch.cuda.synchronize()
-    key = "self_cuda_time_total" if common.DEVICE == "cuda" else "self_cpu_time_total"
-    return f"## {title}\n" + prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70)
 
 
 def device_ms(step: Callable[[], Any]) -> float:

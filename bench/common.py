@@ -118,3 +118,15 @@ def require_cuda() -> None:
     """Benchmarks need the GPU; say so plainly otherwise."""
     if DEVICE == "cuda" and not torch.cuda.is_available():
         sys.exit("bench: needs a CUDA GPU (run it on the lent H200 through the device tool).")
+
+
+def profile_step(step: Callable[[], Any], title: str) -> str:
+    """The kernels and ops of one step, by self device time (torch.profiler), as text."""
+    acts = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        step()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
+    return f"## {title}\n" + prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70)
