@@ -30,7 +30,7 @@ from torch import nn
 
 import hybridfp
 from bench import common
-from bench.common import bench_ms, environment, finish, md_table, parser, profile_step, require_cuda
+from bench.common import bench_ms, bench_ms_steady, environment, finish, md_table, parser, profile_step, require_cuda
 from hybridfp.gemm import grouped_triton
 from hybridfp.gemm.grouped import PATH_COUNTS
 from hybridfp.nn.base import QuantizedModule
@@ -188,6 +188,7 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
             ref_y = y if ref_y is None else ref_y
             row["rel_err_vs_bf16"] = ((y - ref_y).norm() / ref_y.norm()).item()
             row["ms"] = bench_ms(step, warmup_ms=50, rep_ms=300)
+            row["ms_steady"], row["host_ms"] = bench_ms_steady(step, steps=10)
             if common.DEVICE == "cuda":
                 row["gpu_busy"] = device_ms(step) / row["ms"]
             if profile and profiles is not None and profile in name:
@@ -197,8 +198,10 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
         rows.append(row)
         if common.DEVICE == "cuda":
             torch.cuda.empty_cache()
-    t0 = rows[0].get("ms")
+    t0, t0_steady = rows[0].get("ms"), rows[0].get("ms_steady")
     for r in rows:
+        if "ms_steady" in r and t0_steady:
+            r["steady_x_bf16_grouped"] = t0_steady / r["ms_steady"]
         if "ms" in r and t0:
             r["x_bf16_grouped"] = t0 / r["ms"]
             r["target"] = TARGETS.get(r["variant"].removesuffix(TRITON_SUFFIX))
@@ -208,6 +211,7 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
 def main(argv=None) -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--results-dir", type=Path, default=None, help="write moe.json and moe.md here")
+    p.add_argument("--experts", type=int, default=None, help="only the config with this many experts")
     p.add_argument("--profile", default=None, help="profile one step of the variants whose name "
                    "contains this text (written to moe_profile.txt in --results-dir)")
     args = p.parse_args(argv)
@@ -217,16 +221,19 @@ def main(argv=None) -> None:
     rows: list[dict[str, Any]] = []
     profiles: list[str] = []
     configs = [(8, 512), (64, 256)] if args.quick else CONFIGS
+    configs = [c for c in configs if args.experts in (None, c[0])]
     tokens, d = (1024, 512) if args.quick else (TOKENS, HIDDEN)
     for e, f in configs:
         rows += bench_config(e, f, tokens, d, args.profile, profiles)
-    table = md_table(["config", "variant", "ms", "x BF16 grouped", "target", "GPU busy", "rel err vs BF16",
-                      "paths"], [
+    table = md_table(["config", "variant", "ms", "x BF16 grouped", "target", "steady ms", "steady x BF16 grouped",
+                      "host ms", "GPU busy", "rel err vs BF16", "paths"], [
         (r["config"], r["variant"], r.get("ms", r.get("error")), r.get("x_bf16_grouped"), r.get("target"),
-         r.get("gpu_busy"), r.get("rel_err_vs_bf16"), r.get("paths")) for r in rows])
+         r.get("ms_steady"), r.get("steady_x_bf16_grouped"), r.get("host_ms"), r.get("gpu_busy"),
+         r.get("rel_err_vs_bf16"), r.get("paths")) for r in rows])
     md = (f"### MoE FFN forward + backward ({tokens} tokens, hidden {d}, top-{TOP_K}, SwiGLU; median, "
           "do_bench)\n\n\"x BF16 grouped\" = torch._grouped_mm BF16 layer time / time (>1 is faster); "
-          "hybridfp weights are re-quantized every step. \"GPU busy\" = device time of one step's "
+          "hybridfp weights are re-quantized every step. \"steady\": 10 back-to-back steps (the host may "
+          "run ahead, as in a training loop); \"host ms\": the host's time per step. \"GPU busy\" = device time of one step's "
           "kernels (torch.profiler) / its wall time: well below 1 means host-bound.\n\n" + table + "\n")
     result = {"env": env, "rows": rows, "markdown": md}
     if args.results_dir is not None:

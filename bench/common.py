@@ -62,6 +62,29 @@ def bench_ms(fn: Callable[[], Any], warmup_ms: float = 25, rep_ms: float = 100) 
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def bench_ms_steady(fn: Callable[[], Any], steps: int = 20, warmup: int = 3) -> tuple[float, float]:
+    """(GPU ms per call, host ms per call) over ``steps`` back-to-back calls, as a training loop
+    runs them: one CUDA event before the first and one after the last, no synchronization or
+    cache flush in between, so the host may run ahead of the GPU (``do_bench`` flushes the L2
+    and waits before each call, which also counts the host's launch latency at every call's
+    start). Host ms is the time the calls take to return; above the GPU ms it means host-bound."""
+    if DEVICE == "cpu":
+        ms = bench_ms(fn)
+        return ms, ms
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(steps):
+        fn()
+    host = (time.perf_counter() - t0) * 1e3 / steps
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps, host
+
+
 def bench_pair(a: Callable[[], Any], b: Callable[[], Any], rounds: int = 3) -> tuple[float, float]:
     """Median ms of ``a`` and of ``b``, measured alternately (a, b, a, b, ...) so that clock or
     temperature drift during the run does not land on one side of a ratio."""
@@ -129,4 +152,9 @@ def profile_step(step: Callable[[], Any], title: str) -> str:
         if DEVICE == "cuda":
             torch.cuda.synchronize()
     key = "self_cuda_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
-    return f"## {title}\n" + prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70)
+    avg = prof.key_averages()
+    text = f"## {title}\n" + avg.table(sort_by=key, row_limit=25, max_name_column_width=70)
+    if DEVICE == "cuda":  # host side too: runtime calls (launches, syncs, allocations) and ops
+        text += "\n### by self CPU time\n" + avg.table(sort_by="self_cpu_time_total", row_limit=20,
+                                                          max_name_column_width=70)
+    return text
