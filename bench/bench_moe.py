@@ -191,7 +191,7 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
             row["ms_steady"], row["host_ms"] = bench_ms_steady(step, steps=10)
             if common.DEVICE == "cuda":
                 row["gpu_busy"] = device_ms(step) / row["ms"]
-            if profile and profiles is not None and profile in name:
+            if profile and profiles is not None and any(t and t in name for t in profile.split("|")):
                 profiles.append(profile_step(step, f"{row['config']}: {name}"))
         except Exception as err:  # noqa: BLE001 - record the failure, keep the other variants
             row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
