@@ -30,14 +30,17 @@ class Backend:
     """A fast GEMM implementation for some operand-format pairs.
 
     ``supports(key_a, key_b, layout, device)`` says whether it takes a pair; ``run(sa, sb,
-    layout, *, out_dtype, bias, accumulate_into[, fast_accumulation])`` computes it (see
+    layout, *, out_dtype, bias, accumulate_into[, fast_accumulation][, out])`` computes it (see
     :func:`hybridfp.gemm.gemm` for the arguments; ``fast_accumulation=True`` is passed only
-    when a caller asks for it, so a backend without that option need not take it).
+    when a caller asks for it, so a backend without that option need not take it). ``out`` is
+    passed only to a backend with ``writes_out``: it may write the result straight into that
+    [m, n] tensor (and return it); whatever it returns instead is copied there by ``gemm``.
     """
 
     name: str
     supports: Callable[[FormatKey, FormatKey, str, torch.device], bool]
     run: Callable[..., torch.Tensor]
+    writes_out: bool = False
 
 
 BACKENDS: list[Backend] = []

@@ -104,9 +104,11 @@ def _finish(run_mm, out_dtype: torch.dtype, accumulate_into: Optional[torch.Tens
 
 def run_tensorwise(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, *,
                    out_dtype: torch.dtype = torch.bfloat16, bias: Optional[torch.Tensor] = None,
-                   accumulate_into: Optional[torch.Tensor] = None, fast_accumulation: bool = False) -> torch.Tensor:
+                   accumulate_into: Optional[torch.Tensor] = None, fast_accumulation: bool = False,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-tensor FP8 x per-tensor FP8; cuBLAS fast accumulation only when asked (see
-    :func:`hybridfp.gemm.gemm`).
+    :func:`hybridfp.gemm.gemm`). ``out``: cuBLAS writes the result there when no output
+    column is padded (``gemm`` copies any other result into it).
 
     torch wants k and n multiples of 16: other shapes (e.g. the wgrad of an MoE expert, whose
     reduction is its token count) are zero-padded to them — exact, since the padded products
@@ -121,9 +123,10 @@ def run_tensorwise(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, *,
     bias_p = bias if bias is None or np_ == n else torch.nn.functional.pad(bias, (0, np_ - n))
 
     def run_mm(dtype: torch.dtype) -> torch.Tensor:
-        out = cublas_fp8.gemm_tensorwise(a, pa["scale_inv"], b, pb["scale_inv"], out_dtype=dtype,
-                                         bias=bias_p, use_fast_accum=fast_accumulation)
-        return out if np_ == n else out[:, :n].contiguous()
+        res = cublas_fp8.gemm_tensorwise(a, pa["scale_inv"], b, pb["scale_inv"], out_dtype=dtype,
+                                         bias=bias_p, use_fast_accum=fast_accumulation,
+                                         out=out if np_ == n else None)
+        return res if np_ == n else res[:, :n].contiguous()
     return _finish(run_mm, out_dtype, accumulate_into)
 
 
@@ -157,7 +160,7 @@ def _block_shape_reason(m: int, n: int, k: int, bda: int, bdb: int) -> str:
     return "k/128 must be a multiple of 4 with 128x128 scales"
 
 
-TENSORWISE_BACKEND = Backend("cublas_fp8_tensorwise", _supports("tensorwise"), run_tensorwise)
+TENSORWISE_BACKEND = Backend("cublas_fp8_tensorwise", _supports("tensorwise"), run_tensorwise, writes_out=True)
 BLOCK_BACKEND = Backend("cublas_fp8_block", _supports("block"), run_block)
 register_backend(TENSORWISE_BACKEND)
 register_backend(BLOCK_BACKEND)

@@ -45,11 +45,14 @@ def operand_storage(t: torch.Tensor, direction: str, what: str) -> QuantizedStor
 
 def gemm(A: torch.Tensor, B: torch.Tensor, layout: str = "TN", *, out_dtype: torch.dtype = torch.bfloat16,
          bias: Optional[torch.Tensor] = None, accumulate_into: Optional[torch.Tensor] = None,
-         fast_accumulation: bool = False) -> torch.Tensor:
+         fast_accumulation: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Compute the GEMM ``layout`` selects (table above) on the copies it needs.
 
     ``bias`` [n] is added in FP32 before the cast; ``accumulate_into`` (e.g. an FP32 main_grad
-    [n... ]) receives ``accumulate_into + result`` in place and is returned.
+    [n... ]) receives ``accumulate_into + result`` in place and is returned. ``out``: an
+    [m, n] tensor of ``out_dtype`` with unit column stride (e.g. one expert's rows of a grouped
+    result) that receives the result and is returned — written directly by the cuBLAS FP8
+    kernels, copied there otherwise.
 
     ``fast_accumulation``: let Hopper's FP8 tensor cores keep partial sums in their reduced
     precision over the whole k loop (cuBLAS fast accumulation; only the FP8 per-tensor cuBLAS
@@ -74,18 +77,39 @@ def gemm(A: torch.Tensor, B: torch.Tensor, layout: str = "TN", *, out_dtype: tor
     if accumulate_into is not None and tuple(accumulate_into.shape) != (m, n):
         raise ValueError(f"gemm {layout} ({GEMM_OF_LAYOUT[layout]}) makes a [{m}, {n}] result; "
                          f"accumulate_into has shape {tuple(accumulate_into.shape)}.")
+    if out is not None:
+        _check_out(out, m, n, out_dtype, layout, accumulate_into)
     key_a, key_b = sa.format_key(da), sb.format_key(db)
     backend = select(key_a, key_b, layout, sa.device)
     if backend is not None:
         # passed only when asked, so a backend without the option still serves every other call
-        extra = {"fast_accumulation": True} if fast_accumulation else {}
-        return backend.run(sa, sb, layout, out_dtype=out_dtype, bias=bias, accumulate_into=accumulate_into,
-                           **extra)
+        extra: dict = {"fast_accumulation": True} if fast_accumulation else {}
+        if out is not None and backend.writes_out:
+            extra["out"] = out
+        res = backend.run(sa, sb, layout, out_dtype=out_dtype, bias=bias, accumulate_into=accumulate_into,
+                          **extra)
+        return res if out is None or res is out else out.copy_(res)
     # Modules report their pairs when they build quantizers; direct calls are reported here
     # (once per device, GEMM and pair, shared with the modules' reports).
     report_emulated(GEMM_OF_LAYOUT[layout], sa.label or sb.label or "a direct gemm() call",
                     key_a, key_b, layout, sa.device)
-    return emulate(sa.gemm_operand(da), sb.gemm_operand(db), out_dtype, bias, accumulate_into)
+    res = emulate(sa.gemm_operand(da), sb.gemm_operand(db), out_dtype, bias, accumulate_into)
+    return res if out is None else out.copy_(res)
+
+
+def _check_out(out: torch.Tensor, m: int, n: int, out_dtype: torch.dtype, layout: str,
+               accumulate_into: Optional[torch.Tensor]) -> None:
+    """``out`` must be an [m, n] ``out_dtype`` tensor with unit column stride, and not combined
+    with ``accumulate_into`` (which already names where the result goes)."""
+    what = f"gemm {layout} ({GEMM_OF_LAYOUT[layout]})"
+    if accumulate_into is not None:
+        raise ValueError(f"{what}: pass either out or accumulate_into, not both.")
+    if tuple(out.shape) != (m, n) or out.dtype != out_dtype:
+        raise ValueError(f"{what} makes a [{m}, {n}] {out_dtype} result; out is "
+                         f"{tuple(out.shape)} {out.dtype}.")
+    if n > 1 and out.stride(1) != 1:
+        raise ValueError(f"{what}: out must have unit column stride (rows of a row-major tensor); "
+                         f"got strides {out.stride()}.")
 
 
 def _reduction_len(s: QuantizedStorage, direction: str) -> int:

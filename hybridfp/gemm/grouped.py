@@ -414,11 +414,21 @@ def _run_per_expert(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout
                     biases: Optional[Sequence[Optional[torch.Tensor]]], sa: Sequence[QuantizedStorage],
                     sb: Sequence[QuantizedStorage]) -> Union[torch.Tensor, list[torch.Tensor]]:
     """Path 4: ``gemm`` per expert; where every pair runs on the exact emulation, the same
-    ``emulate`` per expert on operands decoded once per joined copy (``_emulated_operands``)."""
+    ``emulate`` per expert on operands decoded once per joined copy (``_emulated_operands``).
+    fprop / dgrad write each expert's rows straight into the joined [Σm_e, n] result (``gemm``'s
+    ``out``: no concatenation pass over the whole output)."""
     bs = biases if biases is not None else [None] * len(A)
     ops = _emulated_operands(sa, sb, layout)
     if ops is None:
-        outs = [gemm(a, b, layout, out_dtype=out_dtype, bias=bias) for a, b, bias in zip(A, B, bs)]
+        if layout == "NT":
+            return [gemm(a, b, layout, out_dtype=out_dtype, bias=bias) for a, b, bias in zip(A, B, bs)]
+        ms, n = [_dims(a, b, layout)[0] for a, b in zip(sa, sb)], _dims(sa[0], sb[0], layout)[1]
+        out = torch.empty((sum(ms), n), dtype=out_dtype, device=sa[0].device)
+        start = 0
+        for a, b, bias, m in zip(A, B, bs, ms):
+            gemm(a, b, layout, out_dtype=out_dtype, bias=bias, out=out[start:start + m])
+            start += m
+        return out
     else:
         n = _dims(sa[0], sb[0], layout)[1]
         for bias in bs:

@@ -78,28 +78,31 @@ def _ready(t: torch.Tensor) -> torch.Tensor:
 
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                out_dtype: torch.dtype, bias: Optional[torch.Tensor], use_fast_accum: bool,
-               fuse_bias: bool) -> torch.Tensor:
+               fuse_bias: bool, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``_scaled_mm(a, bᵀ)`` with the emulation's epilogue order: scale, + bias (FP32), cast.
 
     cuBLAS's bias epilogue computes ``cast(alpha · acc + bias)`` in FP32, the same as the
     emulation up to FP32 rounding of the scale product; it takes only a bias of the output's
     16-bit dtype. Any other bias (FP32 bias, FP32 output, or ``fuse_bias=False``) is added
-    here to an FP32 result before the cast, exactly as the emulation does.
+    here to an FP32 result before the cast, exactly as the emulation does. ``out`` (an
+    [m, n] ``out_dtype`` tensor): cuBLAS writes there when no FP32 intermediate is needed
+    (else the result is returned, not copied: the caller copies).
     """
     fuse = (bias is not None and fuse_bias and out_dtype in (torch.bfloat16, torch.float16)
             and bias.dtype == out_dtype)
     mm_dtype = out_dtype if out_dtype in MM_OUT_DTYPES and (bias is None or fuse) else torch.float32
-    out = torch._scaled_mm(_ready(a), _ready(b).t(), scale_a=scale_a, scale_b=scale_b,
+    kw = {"out": out} if out is not None and mm_dtype == out_dtype and out.is_contiguous() else {}
+    res = torch._scaled_mm(_ready(a), _ready(b).t(), scale_a=scale_a, scale_b=scale_b,
                            bias=bias if fuse else None, out_dtype=mm_dtype,
-                           use_fast_accum=use_fast_accum)
+                           use_fast_accum=use_fast_accum, **kw)
     if bias is not None and not fuse:
-        out = out + bias.float()
-    return out if out.dtype == out_dtype else out.to(out_dtype)
+        res = res + bias.float()
+    return res if res.dtype == out_dtype else res.to(out_dtype)
 
 
 def gemm_tensorwise(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
                     *, out_dtype: torch.dtype = torch.bfloat16, bias: Optional[torch.Tensor] = None,
-                    use_fast_accum: bool = False) -> torch.Tensor:
+                    use_fast_accum: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``out[m, n] = (a · sa)(b · sb)ᵀ`` for per-tensor FP8 ``a`` [m, k], ``b`` [n, k].
 
     ``use_fast_accum``: let the tensor cores keep partial sums in their reduced-precision
@@ -107,7 +110,7 @@ def gemm_tensorwise(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
     into FP32 at a fixed k interval.
     """
     return _scaled_mm(a, b, a_scale_inv.float().reshape(()), b_scale_inv.float().reshape(()),
-                      out_dtype, bias, use_fast_accum, fuse_bias=True)
+                      out_dtype, bias, use_fast_accum, fuse_bias=True, out=out)
 
 
 def pad_fp8(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

@@ -76,6 +76,36 @@ def test_accumulate_into_of_the_wrong_shape():
         _fprop("mxfp8_1d", "mxfp8_1d", accumulate_into=torch.zeros(N, M))
 
 
+# ------------------------------------------------------------------ out
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fa, fb", PAIRS)
+def test_out_receives_the_result_in_a_row_slice(fa, fb, out_dtype):
+    """gemm(out=rows of a bigger tensor) writes exactly gemm()'s result there, returns that
+    slice and leaves the other rows alone (grouped_gemm's per-expert path relies on it)."""
+    big = torch.full((M + 7, N), -3.0, dtype=out_dtype)
+    before = big.clone()
+    res = _fprop(fa, fb, out_dtype=out_dtype, out=big[3:3 + M])
+    assert res.data_ptr() == big[3].data_ptr() and res.shape == (M, N)
+    assert torch.equal(big[3:3 + M], _fprop(fa, fb, out_dtype=out_dtype))
+    assert torch.equal(big[:3], before[:3]) and torch.equal(big[3 + M:], before[3 + M:])
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda: torch.empty(N, M, dtype=torch.bfloat16), r"\[40, 24\].*\(24, 40\)"),
+    (lambda: torch.empty(M, N, dtype=torch.float16), r"bfloat16.*float16"),
+    (lambda: torch.empty(N, M, dtype=torch.bfloat16).t(), "unit column stride"),
+])
+def test_out_of_the_wrong_shape_dtype_or_layout(bad, match):
+    with pytest.raises(ValueError, match=match):
+        _fprop("mxfp8_1d", "mxfp8_1d", out=bad())
+
+
+def test_out_with_accumulate_into_is_refused():
+    with pytest.raises(ValueError, match="either out or accumulate_into"):
+        _fprop("mxfp8_1d", "mxfp8_1d", out=torch.empty(M, N, dtype=torch.bfloat16),
+               accumulate_into=torch.zeros(M, N))
+
+
 # ------------------------------------------------------------------ errors
 def _labelled(q, tensor_type, which, name="blocks.1.fc2"):
     q.role = QuantizerRole("linear", tensor_type, name)

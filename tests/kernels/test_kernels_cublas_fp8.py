@@ -202,8 +202,12 @@ def _expand(t: torch.Tensor, s: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def fake_scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None,
-                   use_fast_accum=False):
-    """torch._scaled_mm as torch 2.11 checks it on sm90 (ScaledBlas.cpp), computed in FP64."""
+                   use_fast_accum=False, out=None):
+    """torch._scaled_mm as torch 2.11 checks it on sm90 (ScaledBlas.cpp), computed in FP64;
+    ``out``: written in place and returned (the ``_scaled_mm.out`` overload)."""
+    if out is not None:
+        assert out.is_contiguous() and out.dtype == out_dtype
+        return out.copy_(fake_scaled_mm(a, b, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum))
     assert a.dim() == b.dim() == 2 and a.size(1) == b.size(0)
     assert a.size(1) % 16 == 0 and b.size(0) % 16 == 0 and b.size(1) % 16 == 0
     assert a.stride(1) == 1 and b.stride(0) == 1, "sm90 takes row-major a, column-major b only"
@@ -254,6 +258,21 @@ def test_call_conventions_cpu(fake_mm, kind, a, b, bda, bdb, layout):
     acc0 = acc.clone()
     assert run(sa, sb, layout, accumulate_into=acc) is acc
     assert rel_err(acc, acc0.double() + ref) < TOL_FP32
+
+
+@pytest.mark.parametrize("n", [272, 270])  # 270: padded output columns, copied into out
+def test_tensorwise_writes_out_in_place_cpu(fake_mm, n):
+    """``out`` reaches torch._scaled_mm (no extra copy) unless output columns are padded (then
+    the result is returned for gemm() to copy); the values are the same either way."""
+    m, k = 132, 512
+    A, B = operands("TN", quantizer("tensorwise", E4M3, 1), quantizer("tensorwise", E4M3, 1), m, n, k, "cpu", 3)
+    sa, sb = operand_storage(A, ROWWISE, "A"), operand_storage(B, ROWWISE, "B")
+    big = torch.zeros(m + 4, n, dtype=torch.bfloat16)
+    res = run_tensorwise(sa, sb, "TN", out_dtype=torch.bfloat16, out=big[2:2 + m])
+    assert (res.data_ptr() == big[2].data_ptr()) == (n % 16 == 0)
+    want = run_tensorwise(sa, sb, "TN", out_dtype=torch.bfloat16)
+    assert torch.equal(res, want)
+    assert not big[:2].any() and not big[2 + m:].any()
 
 
 # ---------------------------------------------------------------------------- GPU
@@ -353,6 +372,20 @@ def test_accumulate_into(kind, bda, bdb, acc_dtype):
         assert out is acc
         err = RECORD[f"accumulate {kind} {bda}x{bdb} {layout} into {acc_dtype}"] = rel_err(acc, want)
         assert err < tol_acc(kind, layout) + U_OUT[acc_dtype]
+
+
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+@gpu
+def test_tensorwise_out_rows_bitwise(layout):
+    """gemm(out=rows of a bigger BF16 tensor) on cuBLAS writes bitwise gemm()'s result there
+    (torch._scaled_mm's out overload) and nothing else."""
+    m, n, k = 1000, 4096, 2048
+    A, B = operands(layout, quantizer("tensorwise", E5M2, 1), quantizer("tensorwise", E4M3, 1), m, n, k, "cuda", 9)
+    big = torch.full((m + 16, n), 7.0, dtype=torch.bfloat16, device="cuda")
+    res = gemm(A, B, layout, out=big[8:8 + m])
+    assert res.data_ptr() == big[8].data_ptr()
+    assert torch.equal(big[8:8 + m], gemm(A, B, layout))
+    assert bool((big[:8] == 7).all()) and bool((big[8 + m:] == 7).all())
 
 
 AWKWARD = [  # (kind, bda, bdb, m, n, k, runs on cuBLAS)
