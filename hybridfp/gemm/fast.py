@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from ..kernels import cublas_fp8
-from ..tensors.storage import QuantizedStorage
+from ..tensors.storage import COLUMNWISE, QuantizedStorage
 from . import bf16_tensorcore
 from .backends import Backend, FormatKey, emulate, register_backend, report_fallback
 from .gemm import GEMM_OF_LAYOUT, LAYOUTS
@@ -119,7 +119,7 @@ def run_tensorwise(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, *,
     if m == 0 or n == 0 or k == 0:
         return _emulated(sa, sb, layout, "an empty operand", out_dtype, bias, accumulate_into)
     kp, np_ = -(-k // 16) * 16, -(-n // 16) * 16
-    a, b = cublas_fp8.pad_fp8(pa["data"], m, kp), cublas_fp8.pad_fp8(pb["data"], np_, kp)
+    a, b = _padded(sa, da, pa["data"], m, kp), _padded(sb, db, pb["data"], np_, kp)
     bias_p = bias if bias is None or np_ == n else torch.nn.functional.pad(bias, (0, np_ - n))
 
     def run_mm(dtype: torch.dtype) -> torch.Tensor:
@@ -128,6 +128,18 @@ def run_tensorwise(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, *,
                                          out=out if np_ == n else None)
         return res if np_ == n else res[:, :n].contiguous()
     return _finish(run_mm, out_dtype, accumulate_into)
+
+
+def _padded(s: QuantizedStorage, direction: str, data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """FP8 ``data`` [r, k] zero-padded to [rows, cols]: a view of the same memory when only the
+    reduction grows and the copy's rows continue with zero codes far enough
+    (``columnwise_zero_tail``: an MoE expert's columnwise copy, whose wgrad reduction is its
+    token count), else ``pad_fp8``'s padded copy."""
+    r, k = data.shape
+    if (r, k) != (rows, cols) and r == rows and direction == COLUMNWISE and s.columnwise_zero_tail \
+            and data.stride(1) == 1 and data.stride(0) >= cols:
+        return data.as_strided((r, cols), (data.stride(0), 1))
+    return cublas_fp8.pad_fp8(data, rows, cols)
 
 
 def run_block(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, *,

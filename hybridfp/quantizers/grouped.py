@@ -448,7 +448,9 @@ def _assemble_scaled(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor,
             continue
         row = part.payloads[ROWWISE] if q.rowwise_usage else None
         col = part.payloads[COLUMNWISE] if q.columnwise_usage else None
-        out.append(QuantizedTensor(_rebuild(part, row, col, q.label, m), q))
+        storage = _rebuild(part, row, col, q.label, m)
+        storage.columnwise_zero_tail = col is not None and part.columnwise_zero_tail
+        out.append(QuantizedTensor(storage, q))
     return out
 
 

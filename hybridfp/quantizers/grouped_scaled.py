@@ -116,54 +116,70 @@ def _block_offsets(sizes: Sequence[int], element_size: int) -> tuple[list[int], 
     return starts, at
 
 
-def _column_blocks(t: torch.Tensor, widths: Sequence[int]) -> list[torch.Tensor]:
-    """Column group e of ``t`` [K, W] (``widths[e]`` columns, any strides) as its own contiguous
-    [K, w_e] tensor, all views of one buffer written by one scatter (``_block_offsets``). With
-    ``t = data.t()`` they are the row groups' transposes (``triton_grouped_fp8``'s layout)."""
+def _column_blocks(t: torch.Tensor, widths: Sequence[int], lds: Sequence[int]) -> list[torch.Tensor]:
+    """Column group e of ``t`` [K, W] (``widths[e]`` columns, any strides) as a [K, w_e] view
+    with row stride ``lds[e]`` (>= w_e) of one zero-initialized buffer written by one scatter
+    (``_block_offsets``; row tails past w_e hold zeros). With ``t = data.t()`` they are the row
+    groups' transposes (``triton_grouped_fp8``'s layout)."""
     k, w = t.shape
-    offs, total = _block_offsets([k * wd for wd in widths], t.element_size())
-    meta = torch.tensor([_offsets(widths, 1), list(widths), offs]).to(t.device)
-    start, width, off = meta.unbind(0)
-    start_c, width_c, off_c = (_per_row(v, width, w) for v in (start, width, off))
+    offs, total = _block_offsets([k * ld for ld in lds], t.element_size())
+    meta = torch.tensor([_offsets(widths, 1), list(widths), offs, list(lds)]).to(t.device)
+    start, width, off, ldv = meta.unbind(0)
+    start_c, off_c, ld_c = (_per_row(v, width, w) for v in (start, off, ldv))
     j = torch.arange(w, device=t.device)
-    dest = (off_c + j - start_c)[None, :] + torch.arange(k, device=t.device)[:, None] * width_c[None, :]
+    dest = (off_c + j - start_c)[None, :] + torch.arange(k, device=t.device)[:, None] * ld_c[None, :]
     bits = _BITS_DTYPE[t.element_size()]
-    flat = torch.empty(total, dtype=bits, device=t.device)
+    flat = torch.zeros(total, dtype=bits, device=t.device)
     flat.index_put_((dest,), t.view(bits))
     flat = flat.view(t.dtype)
-    return [flat.as_strided((k, wd), (wd, 1), o) for wd, o in zip(widths, offs)]
+    return [flat.as_strided((k, wd), (ld, 1), o) for wd, ld, o in zip(widths, lds, offs)]
+
+
+def padded_ld(m: int) -> int:
+    """Row stride of an expert's [C, m] FP8 columnwise copy: m rounded up to 16 (cuBLAS FP8
+    takes a reduction that is a multiple of 16; the tail holds zero codes)."""
+    return ceil_div(m, 16) * 16
 
 
 def _fp8_current_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], rowwise: bool,
                         columnwise: bool, kernel: bool) -> GroupScaled:
-    """FP8 current scaling per expert (SPEC §2.1): scale_e from expert e's amax."""
+    """FP8 current scaling per expert (SPEC §2.1): scale_e from expert e's amax. Columnwise
+    copies: each expert's transpose [C, m_e] with row stride ``padded_ld(m_e)`` and zero tails
+    (``columnwise_zero_tail``)."""
     rows, cols = x.shape
+    lds = [padded_ld(m) for m in splits]
     counts = torch.tensor(list(splits), device=x.device)
     cds: Optional[list[torch.Tensor]] = None
     if kernel:
         k = fast._kernels("triton_grouped_fp8")
         group, start, count = _group_tensors(splits, x.device)
         amax = _reduced(q, k.group_amax(x, group, len(splits)))
-        offs, total = _block_offsets([cols * m for m in splits], 1)
+        offs, total = _block_offsets([cols * ld for ld in lds], 1)
+        col_offset = torch.tensor(offs).to(x.device)
+        col_ld = torch.tensor(lds, dtype=torch.int32).to(x.device)
         rd, cd, sinv = k.quantize(x, amax, group, start, count, q.dtype, eps=q.amax_epsilon,
                                   power_2_scale=q.force_pow_2_scales, rowwise=rowwise, columnwise=columnwise,
-                                  col_offset=torch.tensor(offs).to(x.device), col_numel=total)
+                                  col_offset=col_offset, col_numel=total, col_ld=col_ld)
         if cd is not None:
-            cds = [cd.as_strided((cols, m), (m, 1), o) for m, o in zip(splits, offs)]
+            if any(ld != m for ld, m in zip(lds, splits)):
+                k.zero_row_tails(cd, col_offset, count, col_ld, cols)
+            cds = [cd.as_strided((cols, m), (ld, 1), o) for m, ld, o in zip(splits, lds, offs)]
     else:
         amax = _reduced(q, _segment_amax(x, counts))
         scale = fp8_tensorwise.current_scale(amax, q.dtype, eps=q.amax_epsilon, power_2_scale=q.force_pow_2_scales)
         sinv = torch.ones_like(scale) / scale  # IEEE division, as fp8_tensorwise.quantize
         data = saturating_cast_fp8(x.float() * _per_row(scale, counts, rows)[:, None], q.dtype)
         rd = data if rowwise else None
-        cds = _column_blocks(data.t(), splits) if columnwise else None
+        cds = _column_blocks(data.t(), splits, lds) if columnwise else None
     sinvs = sinv.unbind(0)
     rds = torch.split(rd, list(splits)) if rd is not None else None
     parts: list[QuantizedStorage] = []
     for e, m in enumerate(splits):
         row = {"data": rds[e], "scale_inv": sinvs[e]} if rds is not None else None
         col = {"data": cds[e], "scale_inv": sinvs[e]} if cds is not None else None
-        parts.append(Float8Storage(torch.Size((m, cols)), x.dtype, row, col, fp8_dtype=q.dtype))
+        part = Float8Storage(torch.Size((m, cols)), x.dtype, row, col, fp8_dtype=q.dtype)
+        part.columnwise_zero_tail = col is not None
+        parts.append(part)
 
     def rows_fp32() -> torch.Tensor:
         return rd.float() * _per_row(sinv, counts, rows)[:, None]  # each expert's decode

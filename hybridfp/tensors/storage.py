@@ -69,6 +69,12 @@ class QuantizedStorage(Dim0Slicing, ABC):
     #: layout; saved-for-backward round trips), never by slicing or other rebuilds, which would
     #: break that promise; ``gemm.joined.joined_columns`` reads it.
     columnwise_zero_padded: bool = False
+    #: True when each row of every columnwise payload tensor continues in memory with zero
+    #: codes up to its row stride (``quantizers.grouped_scaled``'s FP8 experts, each transpose
+    #: [C, m_e] in a [C, m_e rounded up to 16] block): the copy zero-padded along its reduction
+    #: is a view, which the cuBLAS FP8 wgrad reads instead of making a padded copy. Kept by
+    #: ``with_tensors`` only, like ``columnwise_zero_padded``.
+    columnwise_zero_tail: bool = False
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -318,6 +324,7 @@ class QuantizedStorage(Dim0Slicing, ABC):
         out = self._new(self.shape, payloads)
         out._slot_groups = groups
         out.columnwise_zero_padded = self.columnwise_zero_padded
+        out.columnwise_zero_tail = self.columnwise_zero_tail
         return out
 
     def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor], *, copies: bool = False) -> "QuantizedStorage":

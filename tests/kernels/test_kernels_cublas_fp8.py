@@ -275,6 +275,38 @@ def test_tensorwise_writes_out_in_place_cpu(fake_mm, n):
     assert not big[:2].any() and not big[2 + m:].any()
 
 
+def test_expert_wgrad_reads_zero_tails_without_copies(fake_mm, monkeypatch):
+    """An MoE expert's wgrad (k = its token count, not a multiple of 16) reads the grouped
+    quantization's zero-tailed columnwise copies as padded views: no padded copy is made, and
+    the result equals the one from padded copies."""
+    from hybridfp.quantizers.grouped import quantize_grouped
+    splits, n, kdim = [37, 0, 50, 16], 48, 80
+    g = torch.Generator().manual_seed(4)
+    dy = torch.randn(sum(splits), n, generator=g).to(torch.bfloat16)
+    x = torch.randn(sum(splits), kdim, generator=g).to(torch.bfloat16)
+    qd = quantize_grouped([Float8CurrentScalingQuantizer(fp8_dtype=E5M2) for _ in splits], dy, splits)
+    qx = quantize_grouped([Float8CurrentScalingQuantizer() for _ in splits], x, splits)
+    copies = []
+    real_pad = cublas_fp8.pad_fp8
+
+    def pad(t, r, c):
+        if tuple(t.shape) != (r, c):
+            copies.append((r, c))
+        return real_pad(t, r, c)
+    monkeypatch.setattr(cublas_fp8, "pad_fp8", pad)
+    for e, m in enumerate(splits):
+        if m == 0:
+            continue
+        sa, sb = qd[e].qstorage, qx[e].qstorage
+        assert sa.columnwise_zero_tail and sb.columnwise_zero_tail
+        got = run_tensorwise(sa, sb, "NT", out_dtype=torch.float32)
+        assert copies == [] and got.shape == (n, kdim)
+        sa.columnwise_zero_tail = sb.columnwise_zero_tail = False  # the same GEMM on padded copies
+        want = run_tensorwise(sa, sb, "NT", out_dtype=torch.float32)
+        assert len(copies) == (2 if m % 16 else 0) and torch.equal(got, want)
+        copies.clear()
+
+
 # ---------------------------------------------------------------------------- GPU
 GPU_CASES = ([("tensorwise", a, b, 1, 1) for a, b in DTYPE_PAIRS]
              + [("block", a, b, bda, bdb) for a, b in DTYPE_PAIRS for bda, bdb in cublas_fp8.BLOCK_PAIRS])

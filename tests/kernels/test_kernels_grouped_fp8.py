@@ -22,6 +22,7 @@ from hybridfp.kernels.triton_grouped_fp8 import group_amax  # noqa: E402
 from hybridfp.quantizers import Float8CurrentScalingQuantizer, NVFP4Quantizer  # noqa: E402
 from hybridfp.quantizers.backends import select_quantize_kernel  # noqa: E402
 from hybridfp.quantizers.grouped import encode_group_scaled  # noqa: E402
+from hybridfp.quantizers.grouped_scaled import padded_ld  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 
@@ -52,9 +53,14 @@ def check_grouped(q, x: torch.Tensor, splits, rowwise: bool, columnwise: bool, w
     for e, (part, xe) in enumerate(zip(got, torch.split(x, splits))):
         want = q.copy().reference_encode(xe, rowwise, columnwise)
         assert_storage_bitwise(part, want, f"{what} expert {e} ({xe.shape[0]} rows)")
-        if columnwise:  # its own transpose, a contiguous 16-byte aligned view (cuBLAS operand)
+        if columnwise:  # its own transpose: a 16-byte aligned view whose rows continue with
+            # zero codes up to a multiple of 16 (the cuBLAS wgrad reads it padded, no copy)
             col = part.payload("columnwise")["data"]
-            assert col.is_contiguous() and col.data_ptr() % 16 == 0
+            m, ld = xe.shape[0], padded_ld(xe.shape[0])
+            assert col.shape == (x.shape[1], m) and col.stride() == (ld, 1) and col.data_ptr() % 16 == 0
+            assert part.columnwise_zero_tail
+            tail = col.as_strided((x.shape[1], ld), (ld, 1))[:, m:]
+            assert not tail.view(torch.uint8).any(), f"{what} expert {e}: nonzero row tail"
 
 
 @interpreter_only

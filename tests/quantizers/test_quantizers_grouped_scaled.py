@@ -91,9 +91,9 @@ def test_fp8_current_grouped_bitwise(config, specials, usage):
 
 def test_fp8_current_shares_one_encoding():
     """Rowwise copies are adjacent row slices of one buffer; columnwise copies are each expert's
-    own contiguous [K, m_e] transpose, 16-byte aligned views into one buffer (no per-expert
-    copy); both copies
-    of an expert share one scale_inv tensor, as the quantizer's own storage does."""
+    own [K, m_e] transpose, 16-byte aligned views into one buffer (no per-expert copy) with row
+    stride m_e rounded up to 16 and zero tails (``columnwise_zero_tail``); both copies of an
+    expert share one scale_inv tensor, as the quantizer's own storage does."""
     x = data()
     qs = [Float8CurrentScalingQuantizer() for _ in SPLITS]
     got = [t.qstorage for t in quantize_grouped(qs, x, SPLITS)]
@@ -102,7 +102,9 @@ def test_fp8_current_shares_one_encoding():
         row, col = s.payload(ROWWISE), s.payload(COLUMNWISE)
         assert row["data"].untyped_storage().data_ptr() == row0.untyped_storage().data_ptr()
         assert col["data"].untyped_storage().data_ptr() == col0.untyped_storage().data_ptr()
-        assert col["data"].is_contiguous() and row["scale_inv"] is col["scale_inv"]
+        m = s.shape[0]
+        assert col["data"].stride() == (-(-m // 16) * 16, 1) and s.columnwise_zero_tail
+        assert col["data"].data_ptr() % 16 == 0 and row["scale_inv"] is col["scale_inv"]
         assert col["data"].data_ptr() % 16 == 0  # cuBLAS reads 16-byte aligned operands
 
 
