@@ -53,7 +53,7 @@ RECIPES = [
 ]
 #: Recipes that also get a row with the fused SwiGLU (models that have an activation).
 FUSED_RECIPES = ("hybridfp FP8 current", "hybridfp FP8 block", "hybridfp hybrid FP8-current fwd / FP8-block bwd",
-                 "hybridfp MXFP8", "hybridfp NVFP4 fwd / MXFP8 bwd")
+                 "hybridfp MXFP8", "hybridfp NVFP4 fwd / MXFP8 bwd", "hybridfp NVFP4 (2D weights, RHT, SR)")
 FUSED = " + fused SwiGLU"
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

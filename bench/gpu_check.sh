@@ -4,7 +4,7 @@
 # (RUN_ALL=1) bench.run_all, on different GPUs when there are two. Benchmarks never run beside
 # the tests: the host-bound ones would measure the test processes' CPU load. Writes under
 # $OUT/r, returned as $OUT/r.tgz.
-#   RUN_ALL=1 TEST_TIMEOUT=300 SWEEP_TIMEOUT=150 BENCH_BUDGET=300 bash bench/gpu_check.sh
+#   RUN_ALL=1 TEST_TIMEOUT=300 SWEEP_TIMEOUT=150 BENCH_BUDGET=300 [RUN_ONLY=mlp,moe] bash bench/gpu_check.sh
 export PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; R=$OUT/r; mkdir -p "$R/bench"
 python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.device_count(), "GPUs")'
@@ -41,7 +41,7 @@ sweep() {  # gpu
 }
 run_all() {  # gpu
     [ "${RUN_ALL:-0}" = 1 ] && CUDA_VISIBLE_DEVICES=$1 python3 -m bench.run_all --results-dir "$R/bench" \
-        --budget-s "${BENCH_BUDGET:-300}" > "$R/bench.log" 2>&1
+        --budget-s "${BENCH_BUDGET:-300}" ${RUN_ONLY:+--only "$RUN_ONLY"} > "$R/bench.log" 2>&1
 }
 if [ "${TESTS:-1}" = 1 ]; then
     for i in 0 1 2 3; do shard $((i % NG)) $i ${SHARDS[$i]} & done; wait

@@ -13,7 +13,7 @@ stores (``_common`` says why).
 B = 128 by default (any power of two >= 32 works). Bitwise equal to ``formats.fp8_block``:
 the block scale is ``_common.current_scale`` of the NaN-propagating block amax (FP32 IEEE
 division, optional power-of-two round-down), ``scale_inv = 1 / scale`` (IEEE), data
-``fp8(clamp(x * scale))`` with the integer RNE of ``_common.fp8_code``.
+``fp8(clamp(x * scale))`` by ``_common.fp8_encode``.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (DTYPE_CODE, program_tile, Copies, amax_nan, check_int32_tiles, clamp_sym, current_scale, empty, f32,
-                      fp8_code, fp8_params, hw_fp8, kernel_input, load_f32, load_rows32_t, nan_max,
+from ._common import (DTYPE_CODE, program_tile, Copies, amax_nan, check_int32_tiles, current_scale, empty, f32,
+                      fp8_encode, fp8_params, hw_fp8, kernel_input, load_f32, load_rows32_t, nan_max,
                       store_transposed_u8, store_words_t, tile_offsets)
 
 
@@ -56,7 +56,7 @@ def columnwise_1d(xbase, r0, c0, R, C, sxr, sxc, eps, cd_ptr, cs_ptr, pr, POW2: 
     scale = current_scale(amax, eps, FP8_MAX, POW2)
     for s in tl.range(0, B // 32, loop_unroll_factor=1):
         xt = load_rows32_t(xbase, s * 32, lc, R - r0, cmask, sxr, sxc, DTYPE)
-        code = fp8_code(clamp_sym(xt * scale[:, None], FP8_MAX), MBITS, BIAS, HW)
+        code = fp8_encode(xt * scale[:, None], FP8_MAX, MBITS, BIAS, HW)
         store_words_t(cd_ptr, code, lc, c0, r0 + s * 32, R, C, PACK)
     tl.store(cs_ptr + (c0 + lc).to(tl.int64) * tl.cdiv(R, B) + pr,
              tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=cmask)
@@ -77,7 +77,7 @@ def _rowwise_1d(xbase, r0, c0, R, C, sxr, sxc, eps, rd_ptr, rs_ptr, pc, POW2: tl
         mask = rmask[:, None] & cmask[None, :]
         x = load_f32(xbase + tile_offsets(lr, lc, sxr, sxc), mask, DTYPE)
         scale = current_scale(amax_nan(x, 1), eps, FP8_MAX, POW2)  # [RW]
-        code = fp8_code(clamp_sym(x * scale[:, None], FP8_MAX), MBITS, BIAS, HW)
+        code = fp8_encode(x * scale[:, None], FP8_MAX, MBITS, BIAS, HW)
         tl.store(rbase + tile_offsets(lr, lc, C, 1), code, mask=mask)
         tl.store(rs_ptr + (r0 + lr).to(tl.int64) * tl.cdiv(C, B) + pc,
                  tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=rmask)
@@ -136,7 +136,7 @@ def _fp8_block_2d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: 
     rbase = rd_ptr + r0.to(tl.int64) * C + c0
     for j in tl.range(0, B // CW, loop_unroll_factor=1):
         x, lc, mask = _chunk(xbase, lr, rmask, j * CW, c0, C, sxr, sxc, DTYPE, CW)
-        code = fp8_code(clamp_sym(x * scale, FP8_MAX), MBITS, BIAS, HW)
+        code = fp8_encode(x * scale, FP8_MAX, MBITS, BIAS, HW)
         if ROW:
             tl.store(rbase + tile_offsets(lr, lc, C, 1), code, mask=mask)
         if COL:
@@ -169,7 +169,7 @@ def _fp8_block_tile_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc
                  mask, DTYPE)
     if TWO_D:
         scale = current_scale(amax_nan(amax_nan(x, 1), 0), eps, FP8_MAX, POW2)
-        code = fp8_code(clamp_sym(x * scale, FP8_MAX), MBITS, BIAS, HW)
+        code = fp8_encode(x * scale, FP8_MAX, MBITS, BIAS, HW)
         inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
         if ROW:
             tl.store(rd_ptr + r0.to(tl.int64) * C + c0 + tile_offsets(lr, lc, C, 1), code, mask=mask)
@@ -182,13 +182,13 @@ def _fp8_block_tile_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc
     else:
         if ROW:
             scale = current_scale(amax_nan(x, 1), eps, FP8_MAX, POW2)  # [B], one per row
-            code = fp8_code(clamp_sym(x * scale[:, None], FP8_MAX), MBITS, BIAS, HW)
+            code = fp8_encode(x * scale[:, None], FP8_MAX, MBITS, BIAS, HW)
             tl.store(rd_ptr + r0.to(tl.int64) * C + c0 + tile_offsets(lr, lc, C, 1), code, mask=mask)
             tl.store(rs_ptr + (r0 + lr).to(tl.int64) * tl.cdiv(C, B) + pc,
                      tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=rmask)
         if COL:
             scale = current_scale(amax_nan(x, 0), eps, FP8_MAX, POW2)  # [B], one per column
-            code = fp8_code(clamp_sym(x * scale[None, :], FP8_MAX), MBITS, BIAS, HW)
+            code = fp8_encode(x * scale[None, :], FP8_MAX, MBITS, BIAS, HW)
             store_transposed_u8(cd_ptr, code, lr, lc, r0, c0, R, C, PACK)
             tl.store(cs_ptr + (c0 + lc).to(tl.int64) * tl.cdiv(R, B) + pr,
                      tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=cmask)

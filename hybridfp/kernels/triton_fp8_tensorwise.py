@@ -9,7 +9,7 @@ Tile-local int32 offsets, the hardware FP8 conversion on the GPU (``_common`` sa
   amax into an amax buffer (atomic max), which the caller records in the amax history.
 
 Bitwise equal to ``formats.fp8_tensorwise`` (scale rule ``_common.current_scale``, data
-``fp8(clamp(x * scale))`` by the integer RNE of ``_common.fp8_code``, ``scale_inv = 1 / scale``
+``fp8(clamp(x * scale))`` by ``_common.fp8_encode``, ``scale_inv = 1 / scale``
 by IEEE division).
 """
 
@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (load_tile, empty, DTYPE_CODE, amax_bits, amax_nan, check_int32_tiles, clamp_sym, current_scale,
-                      f32, fp8_code, fp8_params, hw_fp8, kernel_input, store_transposed_u8,
+from ._common import (load_tile, empty, DTYPE_CODE, amax_bits, amax_nan, check_int32_tiles, current_scale,
+                      f32, fp8_encode, fp8_params, hw_fp8, kernel_input, store_transposed_u8,
                       tile_offsets)
 
 
@@ -41,7 +41,7 @@ def _fp8_tensorwise_kernel(x_ptr, scale_ptr, amax_ptr, rd_ptr, cd_ptr, sinv_ptr,
     else:
         scale = tl.load(scale_ptr)
         tl.atomic_max(amax_ptr, amax_bits(amax_nan(amax_nan(x, 1), 0)))
-    code = fp8_code(clamp_sym(x * scale, FP8_MAX), MBITS, BIAS, HW)
+    code = fp8_encode(x * scale, FP8_MAX, MBITS, BIAS, HW)
     if ROW:
         tl.store(rd_ptr + r0.to(tl.int64) * C + c0 + tile_offsets(lr, lc, C, 1), code, mask=mask)
     elif ANCHOR:

@@ -8,7 +8,7 @@ groups in order: ``quantizers.grouped.quantize_grouped``'s layout). Two passes:
   one atomic max of the amax bits when all its rows are one group (the common case: groups of
   hundreds of rows), else one per row. Also serves NVFP4's per-expert global amax.
 - :func:`quantize` (FP8 current scaling, SPEC §2.1): the scale of each row's group from its
-  amax (``_common.current_scale``), ``fp8(clamp(x * scale))`` by ``_common.fp8_code``, and
+  amax (``_common.current_scale``), ``fp8(clamp(x * scale))`` by ``_common.fp8_encode``, and
   ``scale_inv = 1 / scale`` per group (IEEE division). The rowwise data is [R, C]; the
   columnwise data is each group's own transpose [C, m_e], written at a given element offset of
   one flat buffer with a given row stride ``ld_e >= m_e`` (the caller starts each block 16-byte
@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (DTYPE_CODE, amax_bits, amax_nan, check_int32_tiles, clamp_sym, current_scale, empty, f32,
-                      fp8_code, fp8_params, hw_fp8, kernel_input, load_tile, tile_offsets)
+from ._common import (DTYPE_CODE, amax_bits, amax_nan, check_int32_tiles, current_scale, empty, f32,
+                      fp8_encode, fp8_params, hw_fp8, kernel_input, load_tile, tile_offsets)
 
 
 @triton.jit
@@ -77,7 +77,7 @@ def _grouped_fp8_kernel(x_ptr, amax_ptr, group_ptr, start_ptr, ld_ptr, off_ptr, 
     rmask = (r0 + lr) < R
     g = tl.load(group_ptr + r0 + lr, mask=rmask, other=0)
     scale = current_scale(tl.load(amax_ptr + g, mask=rmask, other=0.0), eps, FP8_MAX, POW2)
-    code = fp8_code(clamp_sym(x * scale[:, None], FP8_MAX), MBITS, BIAS, HW)
+    code = fp8_encode(x * scale[:, None], FP8_MAX, MBITS, BIAS, HW)
     if ROW:
         tl.store(rd_ptr + r0.to(tl.int64) * C + c0 + tile_offsets(lr, lc, C, 1), code, mask=mask)
     if COL:

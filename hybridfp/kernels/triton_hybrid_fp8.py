@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (DTYPE_CODE, check_int32_tiles, clamp_sym, current_scale, empty, f32, fp8_code,
+from ._common import (DTYPE_CODE, check_int32_tiles, current_scale, empty, f32, fp8_encode,
                       fp8_params, hw_fp8, kernel_input, load_f32, tile_offsets)
 from .triton_fp8_block import columnwise_1d
 
@@ -39,7 +39,7 @@ def _rowwise_tensorwise(xbase, r0, c0, R, C, sxr, sxc, scale, rd_ptr, MBITS: tl.
         lr = j * RW + tl.arange(0, RW)
         mask = ((r0 + lr) < R)[:, None] & cmask[None, :]
         x = load_f32(xbase + tile_offsets(lr, lc, sxr, sxc), mask, DTYPE)
-        code = fp8_code(clamp_sym(x * scale, FP8_MAX), MBITS, BIAS, HW)
+        code = fp8_encode(x * scale, FP8_MAX, MBITS, BIAS, HW)
         tl.store(rbase + tile_offsets(lr, lc, C, 1), code, mask=mask)
 
 

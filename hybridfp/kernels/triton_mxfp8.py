@@ -10,7 +10,7 @@ Bitwise equal to ``formats.mxfp8`` (tests/kernels/test_kernels_mxfp8.py): the E8
 computed from the FP32 amax bits exactly as ``e8m0_from_amax``; ``x / 2**k`` is computed as
 ``x * 2**-k`` with the reciprocal built from bits (both are the correctly rounded value of the
 same real number, and every 2**-k for a valid byte is an FP32 number), then clamped and
-rounded to the FP8 grid by ``_common.fp8_code``. Data are written as uint8 code bytes into
+rounded to the FP8 grid by ``_common.fp8_encode``. Data are written as uint8 code bytes into
 the FP8 outputs (on the GPU the hardware conversion gives those bytes; tile-local int32
 offsets; ``_common`` says why).
 """
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (program_tile, load_tile, DTYPE_CODE, Copies, amax_nan, check_int32_tiles, clamp_sym, empty, f32, fp8_code,
+from ._common import (program_tile, load_tile, DTYPE_CODE, Copies, amax_nan, check_int32_tiles, empty, f32, fp8_encode,
                       fp8_params, hw_fp8, kernel_input, load_f32, load_rows32_t, store_transposed_u8,
                       store_words_t, tile_offsets)
 
@@ -61,7 +61,7 @@ def col_block_32(xt, RCEIL: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexp
     """(E8M0 bytes [BC] int32, FP8 codes [BC, 32] uint8) of the 32x1 blocks of a transposed
     FP32 tile ``xt`` [BC, 32] (one block per column; see ``_common.load_rows32_t``)."""
     e = _e8m0_byte(amax_nan(xt, 1), RCEIL, EMAX, RCP)
-    return e, fp8_code(clamp_sym(xt * _e8m0_inverse(e)[:, None], FP8_MAX), MBITS, BIAS, HW)
+    return e, fp8_encode(xt * _e8m0_inverse(e)[:, None], FP8_MAX, MBITS, BIAS, HW)
 
 
 @triton.jit
@@ -86,7 +86,7 @@ def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.c
         xb = tl.reshape(x, [BR, BC // _BLOCK, _BLOCK])
         e = _e8m0_byte(amax_nan(xb, 2), RCEIL, EMAX, RCP)
         y = tl.reshape(xb * _e8m0_inverse(e)[:, :, None], [BR, BC])
-        code = fp8_code(clamp_sym(y, FP8_MAX), MBITS, BIAS, HW)
+        code = fp8_encode(y, FP8_MAX, MBITS, BIAS, HW)
         tl.store(rd_ptr + r0.to(tl.int64) * C + c0 + tile_offsets(lr, lc, C, 1), code, mask=mask)
         nbc = tl.cdiv(C, _BLOCK)
         lb = tl.arange(0, BC // _BLOCK)
@@ -115,7 +115,7 @@ def _mxfp8_2d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.c
     xb = tl.reshape(x, [BR // _BLOCK, _BLOCK, BC // _BLOCK, _BLOCK])
     e = _e8m0_byte(amax_nan(amax_nan(xb, 3), 1), RCEIL, EMAX, RCP)  # [BR/32, BC/32]
     y = tl.reshape(xb * _e8m0_inverse(e)[:, None, :, None], [BR, BC])
-    code = fp8_code(clamp_sym(y, FP8_MAX), MBITS, BIAS, HW)
+    code = fp8_encode(y, FP8_MAX, MBITS, BIAS, HW)
     nbr = tl.cdiv(R, _BLOCK)
     nbc = tl.cdiv(C, _BLOCK)
     sr = pr * (BR // _BLOCK) + tl.arange(0, BR // _BLOCK)

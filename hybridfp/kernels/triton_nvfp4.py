@@ -16,7 +16,7 @@ Pass 2 (``_nvfp4_1d_kernel``, one [16 BT, BC] tile per program):
 - ``_nvfp4_2d_kernel``: 16x16 tiles; the columnwise copy is the rowwise one transposed.
 
 Bitwise equal to ``formats.nvfp4`` / ``formats.rht`` (FP32 order of SPEC §2.5, IEEE divisions,
-E4M3 block scales by ``_common.fp8_code``, E2M1 by ``_common.e2m1_code``), tile-local int32
+E4M3 block scales by ``_common.fp8_encode``, E2M1 by ``_common.e2m1_code``), tile-local int32
 offsets and the hardware E4M3 conversion on the GPU (``_common``). Stochastic rounding draws
 its uniforms in the kernel (Philox, ``triton_sr``: the stream is defined there and is not
 the reference's ``torch.rand`` stream, for the reasons given there); with the same draws
@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ._common import (program_tile, empty, DTYPE_CODE, FP32_MAX, amax_bits, amax_nan, bf16_nan_bits, check_int32_tiles,
-                      clamp_max, clamp_sym, e2m1_code, e2m1_code_sr, e4m3_value, f32_div, fp8_code, hw_fp8,
+                      clamp_max, clamp_sym, e2m1_code, e2m1_code_sr, e4m3_value, f32_div, fp8_encode, hw_fp8,
                       kernel_input, load_f32, round_to_dtype, tile_offsets)
 from .triton_sr import draw_at, draws8, sr_key
 
@@ -53,7 +53,7 @@ def global_scales(amax_ptr):
 @triton.jit
 def block_scales(block_amax, s_enc, s_dec, RCP6, HW: tl.constexpr):
     """(E4M3 S_dec_b code byte, FP32 encode scale) of block amaxes (SPEC §2.5 order)."""
-    sdb = fp8_code(clamp_sym(block_amax * (s_enc * RCP6), 448.0), 3, 7, HW)
+    sdb = fp8_encode(block_amax * (s_enc * RCP6), 448.0, 3, 7, HW)
     enc = tl.math.div_rn(tl.full(block_amax.shape, 1.0, tl.float32), e4m3_value(sdb) * s_dec)
     return sdb, clamp_max(enc, 3.4028234663852886e38)
 

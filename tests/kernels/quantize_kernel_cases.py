@@ -102,7 +102,8 @@ def edge_tensor(shape: tuple[int, ...], dtype: torch.dtype, *, seed: int = 0,
 def gpu_input(shape: tuple[int, ...], dtype: torch.dtype, *, specials: bool = False) -> torch.Tensor:
     """Fresh random CUDA input (seeded from os.urandom, so every run differs; never zeros):
     normal values with per-row and per-column magnitude spread (2**-8 .. 2**7), so misplaced
-    block scales show; ``specials`` sprinkles edge values, NaN and ±inf."""
+    block scales show; ``specials`` sprinkles edge values, NaN (both signs, quiet with a
+    payload) and ±inf."""
     seed = int.from_bytes(os.urandom(4), "little")
     g = torch.Generator(device="cuda").manual_seed(seed)
     rows, cols = shape[0], shape[-1]
@@ -115,6 +116,10 @@ def gpu_input(shape: tuple[int, ...], dtype: torch.dtype, *, specials: bool = Fa
         idx = torch.randint(0, x.numel(), (4096,), generator=g, device="cuda")
         flat[idx] = ev[torch.randint(0, ev.numel(), (4096,), generator=g, device="cuda")]
         flat[idx[:3]] = torch.tensor([float("nan"), float("inf"), float("-inf")], device="cuda")
+        # -NaN and a NaN with low payload bits: the kernels must give the reference's bytes
+        # whatever NaN the input holds (hardware FP8 conversion, _common._hw_fp8_code)
+        flat[idx[3:5]] = torch.tensor([0xFFC00000, 0x7F800001], dtype=torch.int64,
+                                      device="cuda").to(torch.int32).view(torch.float32)
     return x.to(dtype)
 
 
