@@ -317,18 +317,23 @@ def fp8_code(v, MBITS: tl.constexpr, BIAS: tl.constexpr, HW: tl.constexpr = Fals
 
 @triton.jit
 def _hw_fp8_code(v, MBITS: tl.constexpr):
-    """The hardware's ``cvt.rn.satfinite.e4m3x2 / e5m2x2.f32`` byte of FP32 ``v`` (sm89+).
+    """The hardware's ``cvt.rn.satfinite.e4m3x2 / e5m2x2.f32`` byte of FP32 ``v`` (sm89+),
+    NaN as 0x7F | sign (torch's byte; the hardware's E5M2 NaN byte can be 0x7E).
 
-    It rounds to nearest even and saturates by itself (finite overflow and ±inf give ±max), so
-    no clamp is needed. Its NaN byte is 0x7F for the canonical NaN 0x7FFFFFFF in both formats
-    (a quiet NaN with other payload bits can give E5M2 0x7E): every caller passes a product
-    (``x * scale``), and the GPU's FP32 arithmetic returns only the canonical NaN — the same
-    value torch's CUDA multiply gives the reference, whose cast also writes 0x7F. The clamp and
-    an explicit NaN select were ~30 % of the FP8 per-tensor cast kernel's instructions (sm90
-    SASS: 912 -> 651 for a 32x128 tile)."""
+    The conversion rounds to nearest even and saturates by itself (finite overflow and ±inf
+    give ±max), so callers need no clamp (``fp8_encode``): that clamp was ~10 % of the FP8
+    per-tensor cast kernel's instructions (sm90 SASS: 912 -> 816 for a 32x128 tile). The NaN
+    select stays although NaN products are the canonical NaN (byte 0x7F either way): without
+    it (651 instructions) the H200 run with Triton 3.6 gave wrong bytes in the transposed
+    copies (about half of those packed by ``store_transposed_u8``, an eighth of the grouped
+    kernel's byte stores) while the rowwise copies stayed right; the cause, presumably the
+    handling of the converted byte pairs in layout conversions, is not established."""
     if MBITS == 3:
-        return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    return v.to(tl.float8e5).to(tl.uint8, bitcast=True)
+        hw = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        hw = v.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    nan = (((v.to(tl.int32, bitcast=True) >> 24) & 0x80) | 0x7F).to(tl.uint8)
+    return tl.where(v != v, nan, hw)
 
 
 @triton.jit
