@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (program_tile, DTYPE_CODE, Copies, amax_nan, check_int32_tiles, clamp_sym, e2m1_code, e2m1_value,
+from ._common import (program_tile, DTYPE_CODE, Copies, amax_nan, check_int32_tiles, e2m1_code_sat, e2m1_value,
                       e4m3_value, empty, f32, fp8_params, hw_fp8, kernel_input, load_f32,
                       store_words_t, tile_offsets)
 from .triton_mxfp8 import col_block_32
@@ -58,7 +58,7 @@ def _rowwise(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, RCP6, ROW: t
     rmask = (r0 + lr) < R
     xb = tl.reshape(x, [BR, BC // 16, 16])
     sdb, enc = block_scales(amax_nan(xb, 2), s_enc, s_dec, RCP6, HW)
-    code = tl.reshape(e2m1_code(clamp_sym(xb * enc[:, :, None], 6.0)), [BR, BC])
+    code = tl.reshape(e2m1_code_sat(xb * enc[:, :, None]), [BR, BC])
     code = tl.where(((c0 + lc) < C)[None, :], code, 0)
     if ROW:
         if WORDS:  # C % 8 == 0: 8 codes (one thread's columns) per int32 store

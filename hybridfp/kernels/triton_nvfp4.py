@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ._common import (program_tile, empty, DTYPE_CODE, FP32_MAX, amax_bits, amax_nan, bf16_nan_bits, check_int32_tiles,
-                      clamp_max, clamp_sym, e2m1_code, e2m1_code_sr, e4m3_value, f32_div, fp8_encode, hw_fp8,
+                      clamp_max, clamp_sym, e2m1_code_sat, e2m1_code_sr, e4m3_value, f32_div, fp8_encode, hw_fp8,
                       kernel_input, load_f32, round_to_dtype, tile_offsets)
 from .triton_sr import draw_at, draws8, sr_key
 
@@ -171,19 +171,20 @@ def _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15
 
 @triton.jit
 def _code(v, u, SR: tl.constexpr):
-    """E2M1 code of a scaled, clamped value: RNE, or stochastic with the draw ``u``."""
+    """E2M1 code of a scaled value (not yet clamped to ±6): RNE (``e2m1_code_sat``: the
+    saturation in integers), or stochastic with the draw ``u`` (clamped first)."""
     if SR:
-        return e2m1_code_sr(v, u)
+        return e2m1_code_sr(clamp_sym(v, 6.0), u)
     else:
-        return e2m1_code(v)
+        return e2m1_code_sat(v)
 
 
 @triton.jit
 def _pair_word(ya, yb, ua, ub, enc, SR: tl.constexpr, SHIFT: tl.constexpr):
     """Codes of columns 2 SHIFT and 2 SHIFT + 1 of a 16-column group of the columnwise copy
     (a [BT, BC] slice each) packed in one byte, placed at byte SHIFT of an int64."""
-    ca = _code(clamp_sym(ya * enc, 6.0), ua, SR)
-    cb = _code(clamp_sym(yb * enc, 6.0), ub, SR)
+    ca = _code(ya * enc, ua, SR)
+    cb = _code(yb * enc, ub, SR)
     return (ca | (cb << 4)).to(tl.int64) << (8 * SHIFT)
 
 
@@ -201,8 +202,11 @@ def _split8(v, N: tl.constexpr, M: tl.constexpr):
 
 
 @triton.jit
-def _nib(code, col, C, M: tl.constexpr):
-    """Code ``code`` of column ``col`` (0 past C: the odd-width padding nibble) at nibble M."""
+def _nib(code, col, C, M: tl.constexpr, WORDS: tl.constexpr):
+    """Code ``code`` of column ``col`` at nibble M; 0 past C (the odd-width padding nibble)
+    unless ``WORDS`` (C % 8 == 0: a stored word never holds a column past C)."""
+    if WORDS:
+        return code << (4 * M)
     return tl.where(col < C, code, 0) << (4 * M)
 
 
@@ -245,7 +249,7 @@ def _row_copy(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, k0, k1, RCP
     rmask = (r0 + lr) < R
     xb = tl.reshape(x, [BR, BC // 16, 16])
     sdb, enc = block_scales(amax_nan(xb, 2), s_enc, s_dec, RCP6, HW)
-    v = tl.reshape(clamp_sym(xb * enc[:, :, None], 6.0), [BR, BC])
+    v = tl.reshape(xb * enc[:, :, None], [BR, BC])
     v0, v1, v2, v3, v4, v5, v6, v7 = _split8(v, BR, BC)
     lg = tl.arange(0, BC // 8)
     col = c0 + lg[None, :] * 8  # column of lane 0
@@ -253,14 +257,14 @@ def _row_copy(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, k0, k1, RCP
         u0, u1, u2, u3, u4, u5, u6, u7 = draws8((r0 + lr)[:, None], (c0 // 8 + lg)[None, :], k0, k1)
     else:
         u0, u1, u2, u3, u4, u5, u6, u7 = v0, v1, v2, v3, v4, v5, v6, v7  # unused
-    n0 = _nib(_code(v0, u0, SR), col, C, 0)
-    n1 = _nib(_code(v1, u1, SR), col + 1, C, 1)
-    n2 = _nib(_code(v2, u2, SR), col + 2, C, 2)
-    n3 = _nib(_code(v3, u3, SR), col + 3, C, 3)
-    n4 = _nib(_code(v4, u4, SR), col + 4, C, 4)
-    n5 = _nib(_code(v5, u5, SR), col + 5, C, 5)
-    n6 = _nib(_code(v6, u6, SR), col + 6, C, 6)
-    n7 = _nib(_code(v7, u7, SR), col + 7, C, 7)
+    n0 = _nib(_code(v0, u0, SR), col, C, 0, WORDS)
+    n1 = _nib(_code(v1, u1, SR), col + 1, C, 1, WORDS)
+    n2 = _nib(_code(v2, u2, SR), col + 2, C, 2, WORDS)
+    n3 = _nib(_code(v3, u3, SR), col + 3, C, 3, WORDS)
+    n4 = _nib(_code(v4, u4, SR), col + 4, C, 4, WORDS)
+    n5 = _nib(_code(v5, u5, SR), col + 5, C, 5, WORDS)
+    n6 = _nib(_code(v6, u6, SR), col + 6, C, 6, WORDS)
+    n7 = _nib(_code(v7, u7, SR), col + 7, C, 7, WORDS)
     nb = (C + 1) // 2
     if WORDS:
         w = n0 | n1 | n2 | n3 | n4 | n5 | n6 | n7
@@ -332,7 +336,7 @@ def _col_copy_bytes(x, r0, c0, lr, lc, R, C, s_enc, s_dec, cd_ptr, cs_ptr, k0, k
     mask = (rows < R)[:, None] & cmask[None, :]
     xb = tl.reshape(x, [BT, 16, BC])
     sdb, enc = block_scales(amax_nan(xb, 1), s_enc, s_dec, RCP6, HW)  # [BT, BC]
-    v = tl.reshape(clamp_sym(xb * enc[:, None, :], 6.0), [BR, BC])
+    v = tl.reshape(xb * enc[:, None, :], [BR, BC])
     if SR:
         u = draw_at(cols[None, :], rows[:, None], k0, k1)  # copy element (c, r)
     else:
@@ -402,7 +406,7 @@ def _nvfp4_2d_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr,
     s_enc, s_dec = global_scales(amax_ptr)
     xb = tl.reshape(x, [BT, 16, BC // 16, 16])
     sdb, enc = block_scales(amax_nan(amax_nan(xb, 3), 1), s_enc, s_dec, RCP6, HW)  # [BT, BC/16]
-    v = tl.reshape(clamp_sym(xb * enc[:, None, :, None], 6.0), [BR, BC])
+    v = tl.reshape(xb * enc[:, None, :, None], [BR, BC])
     if SR:
         u = draw_at(rows[:, None], cols[None, :], k0, k1)  # 2D SR (no recipe uses it): per element
     else:
