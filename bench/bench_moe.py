@@ -222,6 +222,8 @@ def main(argv=None) -> None:
     profiles: list[str] = []
     configs = [(8, 512), (64, 256)] if args.quick else CONFIGS
     configs = [c for c in configs if args.experts in (None, c[0])]
+    if not configs:
+        p.error(f"--experts {args.experts}: the configs have {[c[0] for c in CONFIGS]} experts")
     tokens, d = (1024, 512) if args.quick else (TOKENS, HIDDEN)
     for e, f in configs:
         rows += bench_config(e, f, tokens, d, args.profile, profiles)

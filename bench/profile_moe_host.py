@@ -31,7 +31,11 @@ def profile_recipe(recipe_text: str, experts: int, ffn: int, tokens: int, hidden
                    top: int = 40) -> str:
     """The cProfile report (own time, then cumulative) of ``steps`` steps of the first recipe
     whose name contains ``recipe_text``, after two warm-up steps, with wall ms per step."""
-    name, make = next((n, r) for n, r in RECIPES if recipe_text in n)
+    found = [(n, r) for n, r in RECIPES if recipe_text in n]
+    if not found:
+        raise SystemExit(f"profile_moe_host: no bench_moe recipe name contains {recipe_text!r}; names: "
+                         + "; ".join(n for n, _ in RECIPES))
+    name, make = found[0]
     torch.manual_seed(0)
     base = BF16MoE(experts, hidden, ffn)
     x = torch.randn(tokens, hidden, device=common.DEVICE, dtype=torch.bfloat16, requires_grad=True)

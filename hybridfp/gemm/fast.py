@@ -16,10 +16,11 @@ tests/kernels/test_kernels_cublas_fp8.py. ``gemm(fast_accumulation=True)`` (a re
 ``fprop_fast_accumulation``, as TE and torchao use for fprop) keeps them for the whole k loop
 on the per-tensor backend: outside SPEC §1, so opt-in, with its own bound in those tests.
 
-A ``supports`` sees formats, not shapes. A shape torch/cuBLAS cannot take (k or n not a
-multiple of 16; for block scales k not a multiple of 128 and the alignments in
-``cublas_fp8.block_shape_supported``) runs on the exact emulation path instead, reported
-once per (GEMM, pair, reason) with an ``EmulatedGemmWarning``.
+A ``supports`` sees formats, not shapes. Per-tensor operands whose k or n is not a multiple of
+16 are zero-padded (a view for an MoE expert's zero-tailed columnwise copy, ``_padded``); a
+block-scaled shape cuBLAS cannot take (k not a multiple of 128 and the alignments in
+``cublas_fp8.block_shape_supported``) runs on the exact BF16 tensor-core path or the exact
+emulation instead, reported once per (GEMM, pair, reason).
 """
 
 from __future__ import annotations
@@ -137,9 +138,16 @@ def _padded(s: QuantizedStorage, direction: str, data: torch.Tensor, rows: int, 
     token count), else ``pad_fp8``'s padded copy."""
     r, k = data.shape
     if (r, k) != (rows, cols) and r == rows and direction == COLUMNWISE and s.columnwise_zero_tail \
-            and data.stride(1) == 1 and data.stride(0) >= cols:
+            and data.stride(1) == 1 and data.stride(0) >= cols and _fits(data, r, cols):
         return data.as_strided((r, cols), (data.stride(0), 1))
     return cublas_fp8.pad_fp8(data, rows, cols)
+
+
+def _fits(data: torch.Tensor, rows: int, cols: int) -> bool:
+    """Whether the [rows, cols] view at ``data``'s offset and row stride lies inside its memory
+    (a copy that kept the strides but not the tail, e.g. of a one-row tensor, does not)."""
+    end = data.storage_offset() + (rows - 1) * data.stride(0) + cols
+    return end <= data.untyped_storage().nbytes() // data.element_size()
 
 
 def run_block(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, *,

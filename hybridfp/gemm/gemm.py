@@ -50,9 +50,10 @@ def gemm(A: torch.Tensor, B: torch.Tensor, layout: str = "TN", *, out_dtype: tor
 
     ``bias`` [n] is added in FP32 before the cast; ``accumulate_into`` (e.g. an FP32 main_grad
     [n... ]) receives ``accumulate_into + result`` in place and is returned. ``out``: an
-    [m, n] tensor of ``out_dtype`` with unit column stride (e.g. one expert's rows of a grouped
-    result) that receives the result and is returned — written directly by the cuBLAS FP8
-    kernels, copied there otherwise.
+    [m, n] tensor of ``out_dtype`` on the operands' device with unit column stride (e.g. one
+    expert's rows of a grouped result) that receives the result and is returned — written
+    directly by the cuBLAS FP8 per-tensor kernel when it can (contiguous, 16-byte aligned, no
+    padded output columns or FP32 intermediate), copied there otherwise.
 
     ``fast_accumulation``: let Hopper's FP8 tensor cores keep partial sums in their reduced
     precision over the whole k loop (cuBLAS fast accumulation; only the FP8 per-tensor cuBLAS
@@ -79,6 +80,9 @@ def gemm(A: torch.Tensor, B: torch.Tensor, layout: str = "TN", *, out_dtype: tor
                          f"accumulate_into has shape {tuple(accumulate_into.shape)}.")
     if out is not None:
         _check_out(out, m, n, out_dtype, layout, accumulate_into)
+        if out.device != sa.device:
+            raise ValueError(f"gemm {layout} ({GEMM_OF_LAYOUT[layout]}): out is on {out.device}, the "
+                             f"operands on {sa.device}.")
     key_a, key_b = sa.format_key(da), sb.format_key(db)
     backend = select(key_a, key_b, layout, sa.device)
     if backend is not None:

@@ -5,12 +5,13 @@ global-amax kernel.
 Why no framework casts under the interpreter: with ``TRITON_INTERPRET=1`` Triton's
 ``.to(float8)`` mis-rounds values that round across a power of two, its E5M2 casts differ from
 torch's, overflow does not saturate, and ``.to(bfloat16)`` truncates (DESIGN.md, checked here
-too). So every kernel clamps, then rounds to the grid with the integer code of
-:func:`fp8_code` and stores the code bytes (uint8 views of the FP8 outputs). On the GPU the
-same function uses the hardware conversion instead (``HW``, a constexpr chosen by the device:
-:func:`hw_fp8`): sm89+ ``cvt.rn.satfinite.e4m3x2/e5m2x2.f32`` is a correctly rounded RNE cast,
-so on a clamped value it gives the integer code's bits in ~1 instruction instead of ~20 (the
-GPU bitwise tests cover every grid point, midpoint +- 2**-20, subnormals and NaN). FP16 is
+too). So under the interpreter every kernel clamps, then rounds to the grid with the integer
+code of :func:`fp8_code` and stores the code bytes (uint8 views of the FP8 outputs). On the GPU
+:func:`fp8_encode` uses the hardware conversion instead (``HW``, a constexpr chosen by the
+device: :func:`hw_fp8`): sm89+ ``cvt.rn.satfinite.e4m3x2/e5m2x2.f32`` is a correctly rounded
+RNE cast that also saturates, so it needs no clamp and gives the integer code's bits in ~1
+instruction instead of ~20 (the GPU bitwise tests cover every grid point, midpoint +- 2**-20,
+subnormals, ±inf and NaN). E2M1 codes saturate in integers (:func:`e2m1_code_sat`). FP16 is
 the exception: ``.to(float16)`` rounds correctly in both, so :func:`round_to_dtype` uses it.
 
 Addressing: kernels form one 64-bit base pointer per program (tile origin) and int32 offsets

@@ -91,7 +91,9 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b:
     fuse = (bias is not None and fuse_bias and out_dtype in (torch.bfloat16, torch.float16)
             and bias.dtype == out_dtype)
     mm_dtype = out_dtype if out_dtype in MM_OUT_DTYPES and (bias is None or fuse) else torch.float32
-    kw = {"out": out} if out is not None and mm_dtype == out_dtype and out.is_contiguous() else {}
+    direct = (out is not None and out.dtype == mm_dtype == out_dtype and out.is_contiguous()
+              and out.data_ptr() % 16 == 0)  # cuBLAS wants 16-byte aligned outputs
+    kw = {"out": out} if direct else {}
     res = torch._scaled_mm(_ready(a), _ready(b).t(), scale_a=scale_a, scale_b=scale_b,
                            bias=bias if fuse else None, out_dtype=mm_dtype,
                            use_fast_accum=use_fast_accum, **kw)

@@ -97,7 +97,7 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, amax: Optional[torch.Tenso
     both = rowwise and columnwise
     br, bc = block or ((64, 128) if both else (32, 128))
     grid = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)
-    extra = {"num_warps": num_warps or (8 if both and block is None else 4)}
+    extra = {"num_warps": num_warps or (8 if br * bc >= 8192 else 4)}
     _fp8_tensorwise_kernel[grid](
         kernel_input(x2), scale_buf, amax_buf, rd.view(torch.uint8) if rowwise else dummy,
         cd.view(torch.uint8) if columnwise else dummy, sinv, rows, cols, x2.stride(0), x2.stride(1),

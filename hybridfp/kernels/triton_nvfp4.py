@@ -16,7 +16,7 @@ Pass 2 (``_nvfp4_1d_kernel``, one [16 BT, BC] tile per program):
 - ``_nvfp4_2d_kernel``: 16x16 tiles; the columnwise copy is the rowwise one transposed.
 
 Bitwise equal to ``formats.nvfp4`` / ``formats.rht`` (FP32 order of SPEC §2.5, IEEE divisions,
-E4M3 block scales by ``_common.fp8_encode``, E2M1 by ``_common.e2m1_code``), tile-local int32
+E4M3 block scales by ``_common.fp8_encode``, E2M1 by ``_common.e2m1_code_sat`` / ``e2m1_code_sr``), tile-local int32
 offsets and the hardware E4M3 conversion on the GPU (``_common``). Stochastic rounding draws
 its uniforms in the kernel (Philox, ``triton_sr``: the stream is defined there and is not
 the reference's ``torch.rand`` stream, for the reasons given there); with the same draws

@@ -155,8 +155,10 @@ def _fp8_current_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], ro
         group, start, count = _group_tensors(splits, x.device)
         amax = _reduced(q, k.group_amax(x, group, len(splits)))
         offs, total = _block_offsets([cols * ld for ld in lds], 1)
-        col_offset = torch.tensor(offs).to(x.device)
-        col_ld = torch.tensor(lds, dtype=torch.int32).to(x.device)
+        col_offset = col_ld = None
+        if columnwise:  # one host-to-device copy: the offsets and row strides (int32 halves)
+            col_meta = torch.tensor(offs + lds).to(x.device)
+            col_offset, col_ld = col_meta[:len(offs)], col_meta[len(offs):].to(torch.int32)
         rd, cd, sinv = k.quantize(x, amax, group, start, count, q.dtype, eps=q.amax_epsilon,
                                   power_2_scale=q.force_pow_2_scales, rowwise=rowwise, columnwise=columnwise,
                                   col_offset=col_offset, col_numel=total, col_ld=col_ld)

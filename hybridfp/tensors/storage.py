@@ -348,6 +348,8 @@ class QuantizedStorage(Dim0Slicing, ABC):
                     done.setdefault(key, out[-1])
         result = self.with_tensors(out)
         result.is_dim0_slice = self.is_dim0_slice and not copies
+        # new memory holds only each tensor's own elements: no zero tail past a row's end
+        result.columnwise_zero_tail = self.columnwise_zero_tail and not copies
         return result
 
     def copy_payload_(self, src: "QuantizedStorage") -> None:

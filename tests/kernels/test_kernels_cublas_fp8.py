@@ -22,6 +22,7 @@ import math
 import os
 import warnings
 import zlib
+from collections import Counter
 
 import pytest
 import torch
@@ -29,6 +30,8 @@ import torch
 import hybridfp
 from hybridfp.gemm import EmulatedGemmWarning, backends, emulate, gemm, operand_storage, select
 from hybridfp.gemm.fast import BLOCK_BACKEND, TENSORWISE_BACKEND, pair_kind, run_block, run_tensorwise
+from hybridfp.gemm.fast import _padded as fast_padded
+from hybridfp.gemm.gemm import GEMM_OF_LAYOUT
 from hybridfp.gemm.gemm import LAYOUTS
 from hybridfp.kernels import cublas_fp8
 from hybridfp.quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer,
@@ -305,6 +308,50 @@ def test_expert_wgrad_reads_zero_tails_without_copies(fake_mm, monkeypatch):
         want = run_tensorwise(sa, sb, "NT", out_dtype=torch.float32)
         assert len(copies) == (2 if m % 16 else 0) and torch.equal(got, want)
         copies.clear()
+
+
+def test_zero_tail_dropped_by_copies_and_bounds_checked(fake_mm):
+    """A copy of the payloads (map_tensors copies=True: clone, .to) owns only each row's own
+    bytes, so it loses ``columnwise_zero_tail``; a storage that still claims it over memory too
+    short for the padded view (a one-row copy keeps its row stride) gets a padded copy, not an
+    out-of-bounds view."""
+    from hybridfp.quantizers.grouped import quantize_grouped
+    splits = [5, 9]
+    for cols in (1, 24):
+        x = torch.randn(sum(splits), cols).to(torch.bfloat16)
+        parts = [t.qstorage for t in quantize_grouped([Float8CurrentScalingQuantizer() for _ in splits], x, splits)]
+        assert all(p.columnwise_zero_tail for p in parts)
+        cloned = parts[1].map_tensors(torch.clone, copies=True)
+        assert not cloned.columnwise_zero_tail
+        cloned.columnwise_zero_tail = True  # a false claim: the bounds check must catch it
+        data = cloned.payload(COLUMNWISE)["data"]
+        padded = fast_padded(cloned, COLUMNWISE, data, cols, 16)
+        assert padded.shape == (cols, 16) and torch.equal(padded[:, :9].view(torch.uint8), data.view(torch.uint8))
+        assert not padded[:, 9:].view(torch.uint8).any()
+
+
+def test_per_expert_rows_written_into_one_result(fake_mm, monkeypatch):
+    """grouped_gemm's per-expert path (cuBLAS FP8 per-tensor, here torch._scaled_mm's CPU
+    stand-in) writes every expert's rows into one result: equal to the per-expert gemm()
+    results concatenated, for fprop and dgrad, with an empty expert."""
+    from hybridfp.gemm import fast as gemm_fast, grouped
+    from hybridfp.quantizers.grouped import quantize_grouped
+    monkeypatch.setattr(gemm_fast, "_device_ok", lambda device, kind: True)
+    monkeypatch.setattr(grouped, "_fp8_rowwise_unsupported", lambda *a: "forced per expert (test)")
+    splits, n, k = [37, 0, 20], 48, 64
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(sum(splits), k, generator=g).to(torch.bfloat16)
+    ws = [torch.randn(n, k, generator=g).to(torch.bfloat16) for _ in splits]
+    qx = quantize_grouped([Float8CurrentScalingQuantizer() for _ in splits], x, splits)
+    qdy = quantize_grouped([Float8CurrentScalingQuantizer(E5M2) for _ in splits], x, splits)  # dy [m, k]
+    qw = [Float8CurrentScalingQuantizer().quantize(w) for w in ws]  # W [n, k]: fprop y = x W^T
+    qwt = [Float8CurrentScalingQuantizer().quantize(w.t().contiguous()) for w in ws]  # W [k, n]: dgrad dy W
+    for layout, a, b in (("TN", qx, qw), ("NN", qdy, qwt)):
+        before = Counter(grouped.PATH_COUNTS)
+        got = grouped.grouped_gemm(a, b, layout)
+        assert Counter(grouped.PATH_COUNTS) - before == Counter({(GEMM_OF_LAYOUT[layout], grouped.PER_EXPERT): 1})
+        want = torch.cat([gemm(ai, bi, layout) for ai, bi in zip(a, b)])
+        assert got.shape == want.shape and torch.equal(got, want)
 
 
 # ---------------------------------------------------------------------------- GPU
