@@ -114,8 +114,12 @@ class QuantizedStorage(Dim0Slicing, ABC):
 
     @property
     def device(self) -> torch.device:
-        """Device of the payload tensors."""
-        return next(iter(self.tensors())).device
+        """Device of the payload tensors (all on one device; the first held one's). Read on
+        every GEMM and quantize of every expert: no slot bookkeeping here."""
+        for p in self.payloads.values():
+            if p:
+                return next(iter(p.values())).device
+        raise AssertionError(f"{self.describe()} holds no payload tensor")
 
     def describe(self) -> str:
         """Short human description for error messages: format, shape and role."""
@@ -125,7 +129,11 @@ class QuantizedStorage(Dim0Slicing, ABC):
     # ------------------------------------------------------------------ directions
     def has(self, direction: str) -> bool:
         """Whether the copy for ``direction`` is held."""
-        return self.payloads[check_direction(direction)] is not None
+        try:
+            return self.payloads[direction] is not None
+        except KeyError:
+            check_direction(direction)  # the clear error
+            raise
 
     def directions(self) -> tuple[str, ...]:
         """The directions held, rowwise first."""
@@ -133,8 +141,9 @@ class QuantizedStorage(Dim0Slicing, ABC):
 
     def payload(self, direction: str) -> Payload:
         """The encoded tensors of one copy; a clear error if that copy is not held."""
-        p = self.payloads[check_direction(direction)]
+        p = self.payloads.get(direction)
         if p is None:
+            check_direction(direction)
             raise MissingDirectionError(
                 f"{self.describe()} holds no {direction} copy (it holds: "
                 f"{', '.join(self.directions())}). Quantize it with "
@@ -300,8 +309,11 @@ class QuantizedStorage(Dim0Slicing, ABC):
                 p = self.payloads[d]
                 for n in sorted(p):
                     by_id.setdefault(id(p[n]), []).append((d, n))
-            groups = list(by_id.values())
-        held = [[(d, n) for d, n in g if self.has(d)] for g in groups]
+            # kept: payload tensors are never replaced, only whole copies dropped (filtered
+            # below), and this runs for every expert's pack / unpack / device lookups
+            groups = self._slot_groups = list(by_id.values())
+        payloads = self.payloads
+        held = [[(d, n) for d, n in g if payloads[d] is not None] for g in groups]
         return [g for g in held if g]
 
     def tensors(self) -> list[torch.Tensor]:
