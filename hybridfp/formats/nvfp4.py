@@ -35,6 +35,8 @@ Layout: codes are 4-bit (bit 3 = sign, bits 0-2 index ``E2M1_VALUES``); two per 
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from hybridfp.formats.common import (
@@ -88,6 +90,36 @@ def global_decode_scale(global_amax: torch.Tensor) -> torch.Tensor:
     """S_dec = 1 / S_enc (FP32 division)."""
     s_enc = global_encode_scale(global_amax)
     return torch.div(torch.ones_like(s_enc), s_enc)
+
+
+#: id(base amax buffer) -> (that buffer, its version, global_decode_scale of all of it); the
+#: few most recent buffers (held, so their ids cannot be reused while listed).
+_SHARED_S_DEC: "OrderedDict[int, tuple[torch.Tensor, int, torch.Tensor]]" = OrderedDict()
+_SHARED_S_DEC_SIZE = 8
+
+
+def shared_global_decode_scale(global_amax: torch.Tensor) -> torch.Tensor:
+    """``global_decode_scale(global_amax)``, bitwise, computed once per buffer when
+    ``global_amax`` is a contiguous piece of a larger FP32 buffer (an MoE expert's per-row or
+    per-tensor amax in the experts' shared one): the elementwise result of the whole buffer,
+    sliced. The per-expert GEMMs of a 64-expert layer otherwise spend ~14 small torch ops per
+    expert and operand on it. The buffer's version counter (shared by its views) invalidates
+    the entry after an in-place change; the result is a view: read it, do not modify it."""
+    base = global_amax._base
+    if (base is None or global_amax.dtype != torch.float32 or base.dtype != torch.float32
+            or not base.is_contiguous() or not global_amax.is_contiguous()):
+        return global_decode_scale(global_amax)
+    key = id(base)
+    entry = _SHARED_S_DEC.get(key)
+    if entry is None or entry[0] is not base or entry[1] != base._version:
+        entry = (base, base._version, global_decode_scale(base).reshape(-1))
+        _SHARED_S_DEC[key] = entry
+        if len(_SHARED_S_DEC) > _SHARED_S_DEC_SIZE:
+            _SHARED_S_DEC.popitem(last=False)
+    else:
+        _SHARED_S_DEC.move_to_end(key)
+    start = global_amax.storage_offset() - base.storage_offset()
+    return entry[2][start:start + global_amax.numel()].view(global_amax.shape)
 
 
 def block_decode_scale(block_amax: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:

@@ -78,7 +78,7 @@ def _nvfp4(s: QuantizedStorage, direction: str) -> GemmOperand:
     p = s.payload(direction)
     k, stored, rht_on = s.reduction_layout(direction)
     v = _kernels().decode_nvfp4(p["data"], p["scale"], stored, block_2d=bool(s.meta["block_2d"]))
-    return GemmOperand(v, nvfp4.global_decode_scale(p["amax"]), k, rht_on)
+    return GemmOperand(v, nvfp4.shared_global_decode_scale(p["amax"]), k, rht_on)
 
 
 #: storage class -> its Triton decode (CUDA). A new format opts in here.

@@ -91,7 +91,7 @@ class NVFP4Storage(QuantizedStorage):
         p = self.payload(direction)
         decode = nvfp4.decode_blocks_2d if self.meta["block_2d"] else nvfp4.decode_blocks_1d
         k, stored, rht_on = self.reduction_layout(direction)
-        s_dec = nvfp4.global_decode_scale(p["amax"])
+        s_dec = nvfp4.shared_global_decode_scale(p["amax"])
         return GemmOperand(decode(p["data"], p["scale"], stored), s_dec, k, rht_on)
 
     def reduction_layout(self, direction: str) -> tuple[int, int, bool]:

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridfp.formats.common import FP32_MAX, amax_nan, blocks_1d, blocks_2d
+from hybridfp.formats import nvfp4
 from hybridfp.formats.nvfp4 import (
     BLOCK,
     block_decode_scale,
@@ -567,3 +568,22 @@ def test_idempotence_fails_for_subnormal_scale() -> None:
     assert s.float().item() == 2**-8 and codes_of(packed, 16)[0, 0].item() == 6
     p2, s2 = quantize_1d(dequantize_1d(packed, s, g, 16), g)
     assert s2.float().item() == 2**-9 and codes_of(p2, 16)[0, 0].item() == 7
+
+
+def test_shared_global_decode_scale_is_the_plain_one_and_follows_changes():
+    """Slices of one amax buffer (an MoE layer's experts) get global_decode_scale's bits from one
+    computation over the buffer; an in-place change of the buffer is seen; plain tensors and
+    non-contiguous views take the plain path."""
+    buf = torch.tensor([0.0, 1e-40, 3.5, float("inf"), float("nan"), 2688.0, 1e38, 7.25, 0.5, 1e-3])
+    for view in (buf[2:7], buf[0:1], buf[9], buf.view(2, 5)[1], buf.unbind(0)[3]):
+        got = nvfp4.shared_global_decode_scale(view)
+        want = nvfp4.global_decode_scale(view.clone())
+        assert got.shape == want.shape and torch.equal(got.view(torch.int32), want.view(torch.int32))
+    buf[3] = 12.0  # in place: the cached scales of the buffer are stale now
+    got = nvfp4.shared_global_decode_scale(buf[2:5])
+    assert torch.equal(got.view(torch.int32), nvfp4.global_decode_scale(buf[2:5].clone()).view(torch.int32))
+    strided = buf[::2]
+    assert torch.equal(nvfp4.shared_global_decode_scale(strided).view(torch.int32),
+                       nvfp4.global_decode_scale(strided.clone()).view(torch.int32))
+    plain = torch.tensor([5.0, 0.0])
+    assert torch.equal(nvfp4.shared_global_decode_scale(plain), nvfp4.global_decode_scale(plain))
