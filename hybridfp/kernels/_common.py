@@ -284,11 +284,9 @@ def amax_bits(a):
 
 
 @triton.jit
-def fp8_code(v, MBITS: tl.constexpr, BIAS: tl.constexpr, HW: tl.constexpr = False):
-    """FP8 code byte (uint8) of FP32 ``v`` rounded to nearest even.
-
-    ``HW`` (compiled GPU code only, see :func:`hw_fp8`): the hardware RNE conversion
-    (:func:`_hw_fp8_code`). Otherwise the integer rounding described next.
+def fp8_code(v, MBITS: tl.constexpr, BIAS: tl.constexpr):
+    """FP8 code byte (uint8) of FP32 ``v`` rounded to nearest even by integer arithmetic (the
+    interpreter's path; on the GPU :func:`fp8_encode` uses the hardware conversion).
 
     ``v`` must already be clamped to the finite range (NaN allowed: 0x7F | sign, torch's
     encoding for both E4M3 and E5M2). Exact integer work on the FP32 bits: the value is
@@ -297,8 +295,6 @@ def fp8_code(v, MBITS: tl.constexpr, BIAS: tl.constexpr, HW: tl.constexpr = Fals
     result's code is ``(ea + BIAS) << MBITS`` plus the significand's fraction bits (a carry
     into the next binade falls out of the addition); a subnormal's code is the significand.
     """
-    if HW:
-        return _hw_fp8_code(v, MBITS)
     EMIN: tl.constexpr = 1 - BIAS
     bits = v.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
@@ -344,7 +340,7 @@ def fp8_encode(v, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr
     :func:`clamp_sym` then :func:`fp8_code`'s integer rounding."""
     if HW:
         return _hw_fp8_code(v, MBITS)
-    return fp8_code(clamp_sym(v, FP8_MAX), MBITS, BIAS, False)
+    return fp8_code(clamp_sym(v, FP8_MAX), MBITS, BIAS)
 
 
 @triton.jit
