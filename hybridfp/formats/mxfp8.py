@@ -110,7 +110,7 @@ def e8m0_from_amax(
     if rule == "rceil":
         # fp32(1/fp8_max) as a 0-d FP32 tensor, so the multiply is one FP32 rounding on every
         # backend (1/448 and 1/57344 are not halfway cases, so double->float rounds once).
-        rcp = torch.tensor(1.0 / FP8_MAX[dtype], dtype=torch.float32, device=a.device)
+        rcp = torch.full((), 1.0 / FP8_MAX[dtype], dtype=torch.float32, device=a.device)  # no host copy
         e = _e8m0_ceil(a * rcp)  # v == 0 has exponent and mantissa 0 -> byte 0
     else:
         # floor(log2(a)) + 127 = a's exponent field for normal a. A subnormal a (field 0) has

@@ -69,7 +69,8 @@ _MIDPOINTS: tuple[tuple[float, bool], ...] = tuple(
 
 
 def _f32(value: float, like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(value, dtype=torch.float32, device=like.device)
+    # a fill, not a host copy: torch.tensor(..., device="cuda") syncs the stream
+    return torch.full((), value, dtype=torch.float32, device=like.device)
 
 
 def _rcp6(like: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from hybridfp.formats.common import blocks_1d, check_input
+from hybridfp.kernels.host import device_tensor
 
 TILE: int = 16
 #: TE's fixed RHT sign vector (SPEC §2.5).
@@ -57,7 +58,7 @@ def _butterfly(u: torch.Tensor) -> torch.Tensor:
 
 
 def _signs(like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(RHT_SIGNS, dtype=torch.float32, device=like.device)
+    return device_tensor(RHT_SIGNS, like.device, torch.float32)  # no stream sync on CUDA
 
 
 def apply_rht(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:

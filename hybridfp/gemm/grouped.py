@@ -49,6 +49,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from ..kernels.host import device_tensor
 from ..tensors.slicing import adjacent_rows
 from ..tensors.storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
 from . import fast
@@ -234,7 +235,11 @@ def _fixed_dims(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], 
 
 
 def _offsets(sizes: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
+    ends, at = [], 0
+    for m in sizes:
+        at += m
+        ends.append(at)
+    return device_tensor(ends, device, torch.int32)
 
 
 def _run_bf16(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,

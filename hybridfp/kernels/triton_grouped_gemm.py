@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ._common import bf16_nan16, empty
+from .host import device_tensor
 from .triton_epilogue import OUT_CODE, store_out
 
 #: (BM, BN, BK, warps, stages): a common Hopper shape for BF16 tl.dot; untuned (issue #5).
@@ -95,7 +96,7 @@ def _tiles(row_ranges: list[tuple[int, int]], k_ranges: list[tuple[int, int]], b
         if k1 <= k0:
             continue
         rows += [(e, r, min(r + bm, r1), k0, k1) for r in range(r0, r1, bm)]
-    return torch.tensor(rows, dtype=torch.int32).reshape(-1, 5).to(device)
+    return device_tensor(rows, device, torch.int32).reshape(-1, 5)
 
 
 def _check(what: str, t: Optional[torch.Tensor], shape: tuple[int, ...]) -> None:

@@ -36,6 +36,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..formats.common import ceil_div, check_input
+from ..kernels.host import device_tensor
 from ..tensors import HybridStorage, MXFP8Storage, QuantizedStorage, QuantizedTensor
 from ..tensors.slicing import adjacent_rows
 from ..tensors.storage import COLUMNWISE, ROWWISE, Payload
@@ -269,8 +270,8 @@ def _padded(src: torch.Tensor, splits: Sequence[int], block: int) -> tuple[torch
         return src, starts
     total = starts[-1] + ceil_div(splits[-1], block) * block
     # destination row of source row r: r + (padding before its group), in O(1) ops for all groups
-    shifts = torch.tensor([p - s for p, s in zip(starts, _offsets(splits, 1))], device=src.device)
-    counts = torch.tensor(splits, device=src.device)
+    shifts, counts = device_tensor([[p - s for p, s in zip(starts, _offsets(splits, 1))], list(splits)],
+                                   src.device).unbind(0)
     index = torch.arange(src.shape[0], device=src.device) + torch.repeat_interleave(
         shifts, counts, output_size=src.shape[0])  # output_size: no device sync
     if kernels_on() and fast._device_ok(src) and (src.shape[1] <= 1 or src.stride(1) == 1):

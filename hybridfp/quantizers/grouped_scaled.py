@@ -14,6 +14,7 @@ import torch
 
 from ..formats import fp8_tensorwise, nvfp4
 from ..formats.common import amax_nan, ceil_div, saturating_cast_fp8
+from ..kernels.host import device_tensor
 from ..tensors import Float8Storage, MXFP8Storage, NVFP4Storage, QuantizedStorage
 from ..tensors.storage import ROWWISE
 from . import fast
@@ -83,7 +84,7 @@ def _reduced(q: Quantizer, amax: torch.Tensor) -> torch.Tensor:
 
 def _group_tensors(splits: Sequence[int], device: torch.device) -> tuple[torch.Tensor, ...]:
     """(group of each row, first row of each group, rows of each group), int32 on ``device``."""
-    meta = torch.tensor([_offsets(splits, 1), list(splits)], dtype=torch.int32).to(device)
+    meta = device_tensor([_offsets(splits, 1), list(splits)], device, torch.int32)
     start, count = meta.unbind(0)
     group = torch.arange(len(splits), dtype=torch.int32, device=device).repeat_interleave(
         count, output_size=sum(splits))  # output_size: no device sync
@@ -123,7 +124,7 @@ def _column_blocks(t: torch.Tensor, widths: Sequence[int], lds: Sequence[int]) -
     groups' transposes (``triton_grouped_fp8``'s layout)."""
     k, w = t.shape
     offs, total = _block_offsets([k * ld for ld in lds], t.element_size())
-    meta = torch.tensor([_offsets(widths, 1), list(widths), offs, list(lds)]).to(t.device)
+    meta = device_tensor([_offsets(widths, 1), list(widths), offs, list(lds)], t.device)
     start, width, off, ldv = meta.unbind(0)
     start_c, off_c, ld_c = (_per_row(v, width, w) for v in (start, off, ldv))
     j = torch.arange(w, device=t.device)
@@ -148,7 +149,7 @@ def _fp8_current_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], ro
     (``columnwise_zero_tail``)."""
     rows, cols = x.shape
     lds = [padded_ld(m) for m in splits]
-    counts = torch.tensor(list(splits), device=x.device)
+    counts = device_tensor(list(splits), x.device)
     cds: Optional[list[torch.Tensor]] = None
     if kernel:
         k = fast._kernels("triton_grouped_fp8")
@@ -157,7 +158,7 @@ def _fp8_current_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], ro
         offs, total = _block_offsets([cols * ld for ld in lds], 1)
         col_offset = col_ld = None
         if columnwise:  # one host-to-device copy: the offsets and row strides (int32 halves)
-            col_meta = torch.tensor(offs + lds).to(x.device)
+            col_meta = device_tensor(offs + lds, x.device)
             col_offset, col_ld = col_meta[:len(offs)], col_meta[len(offs):].to(torch.int32)
         rd, cd, sinv = k.quantize(x, amax, group, start, count, q.dtype, eps=q.amax_epsilon,
                                   power_2_scale=q.force_pow_2_scales, rowwise=rowwise, columnwise=columnwise,
@@ -195,7 +196,7 @@ def _nvfp4_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], rowwise:
     if columnwise or not rowwise:
         raise ValueError("grouped NVFP4 encodes the rowwise copy only; quantize the columnwise copy per expert.")
     rows, cols = x.shape
-    counts = torch.tensor(list(splits), device=x.device)
+    counts = device_tensor(list(splits), x.device)
     if kernel:
         group, _, _ = _group_tensors(splits, x.device)
         amax = _reduced(q, fast._kernels("triton_grouped_fp8").group_amax(x, group, len(splits)))
