@@ -22,7 +22,9 @@ Paths, first that applies (``grouped_path`` says which and why):
    before the one rounding) keeps a GEMM on the per-expert path. Pairs with a native cuBLAS
    FP8 kernel (FP8 block) stay on it: FP8 tensor cores beat decode + BF16.
 2. ``grouped_fp8_rowwise`` — fprop/dgrad (2D × 3D) of E4M3 × E4M3 per-tensor FP8 pairs on
-   sm90 with a BF16 output and no bias: one ``torch._scaled_grouped_mm`` with per-row scale
+   sm90 with a BF16 output and no bias, unless the experts are large
+   (``per_expert_fp8_faster``: cuBLAS per expert then runs faster than the grouped CUTLASS
+   kernel): one ``torch._scaled_grouped_mm`` with per-row scale
    vectors built from the experts' ``scale_inv`` (epilogue: FP32 accumulator × scale_a[m] ×
    scale_b[e, n], one rounding). Accumulation is the FP8 MMA's with periodic FP32 promotion
    (SPEC §1's documented Hopper exception), bounded in tests/gemm/test_gemm_grouped.py.
@@ -176,6 +178,9 @@ def _torch_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], 
     backends = [select(ka, kb, layout, device) for ka, kb in keys]  # once per distinct pair
     if layout != "NT" and all(b is fast.TENSORWISE_BACKEND for b in backends):
         why = _fp8_rowwise_unsupported(sa, sb, layout, device)
+        if why is None and per_expert_fp8_faster([_dims(a, b, layout)[0] for a, b in zip(sa, sb)],
+                                                 *_fixed_dims(sa, sb, layout)):
+            why = "experts large enough for cuBLAS's per-expert FP8 kernels (faster than the grouped one)"
         return (PER_EXPERT, why) if why else (GROUPED_FP8_ROWWISE, "E4M3 per-tensor pairs")
     if any(b in _NATIVE_FP8 for b in backends):
         return PER_EXPERT, "native cuBLAS FP8 kernel per expert"
@@ -193,6 +198,22 @@ def _torch_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], 
     if n % _BF16_ALIGN or k % _BF16_ALIGN:
         return PER_EXPERT, f"grouped dims {n}, {k} not multiples of {_BF16_ALIGN} (TMA alignment)"
     return GROUPED_BF16, "BF16-exact pairs"
+
+
+#: Mean GEMM size (FLOPs per non-empty expert) from which per-tensor FP8 fprop / dgrad run as
+#: one cuBLAS ``_scaled_mm`` per expert rather than one ``torch._scaled_grouped_mm``: measured
+#: on the H200 (torch 2.11, MoE layer of 8 experts, ~4096 rows each, hidden 4096, ffn 14336),
+#: the grouped CUTLASS kernel ran fprop at ~1050 TFLOP/s and cuBLAS per expert at ~1380, while
+#: below ~1e11 FLOPs an expert's GEMM is too short to hide its ~50 us of host work (64 experts
+#: of ffn 1408: 1.2e10 each, host-bound).
+PER_EXPERT_FP8_FLOPS = 2.5e11
+
+
+def per_expert_fp8_faster(ms: Sequence[int], n: int, k: int) -> bool:
+    """Whether experts with ``ms`` rows (fprop / dgrad: [m_e, k] x [k, n] each) are big enough
+    that per-expert cuBLAS FP8 GEMMs beat the grouped kernel (``PER_EXPERT_FP8_FLOPS``)."""
+    filled = [m for m in ms if m]
+    return bool(filled) and 2.0 * sum(filled) * n * k / len(filled) >= PER_EXPERT_FP8_FLOPS
 
 
 @lru_cache(maxsize=None)

@@ -470,3 +470,15 @@ def test_fp8_rowwise_path_reads_adjacent_rows_without_a_copy(monkeypatch):
     assert torch.equal(seen["b"].view(torch.uint8),
                        torch.stack([t.view(torch.uint8) for t in wb]).transpose(1, 2))
     assert out.shape == (sum(splits), N)
+
+
+def test_per_expert_fp8_choice_by_expert_size():
+    """Per-tensor FP8 fprop / dgrad go per expert (cuBLAS) when the mean expert GEMM reaches
+    ``PER_EXPERT_FP8_FLOPS`` (measured crossover, H200), else grouped; empty experts do not count."""
+    from hybridfp.gemm.grouped import per_expert_fp8_faster
+    assert per_expert_fp8_faster([4096] * 8, 28672, 4096)  # bench_moe, 8 experts (fc1)
+    assert per_expert_fp8_faster([4096] * 8, 4096, 14336)  # fc2 / dgrad
+    assert not per_expert_fp8_faster([512] * 64, 2816, 4096)  # 64 experts of ffn 1408
+    assert not per_expert_fp8_faster(GPU_SPLITS, 14336, HIDDEN)  # the GPU path table's case
+    assert per_expert_fp8_faster([0, 0, 8192, 0], 14336, 4096)  # empty experts are not averaged in
+    assert not per_expert_fp8_faster([0, 0], 14336, 4096)

@@ -60,3 +60,27 @@ def test_weights_in_one_buffer_are_not_stacked_by_a_copy(monkeypatch):
     monkeypatch.setattr(torch, "stack", lambda *a, **k: stacks.append(1) or real(*a, **k))
     quantize_weights_grouped(build(FACTORIES["mxfp8"], "weight", [(True, True)] * 4), [w.clone() for w in weights])
     assert stacks == [1]
+
+
+@pytest.mark.parametrize("adjacent", [False, True])
+def test_large_per_tensor_scaled_weights_are_quantized_per_expert(monkeypatch, adjacent):
+    """FP8 current scaling shares launches, not encodings: experts above
+    ``STACK_SCALED_MAX_NUMEL`` elements are quantized one by one (no stacking copy) unless they
+    already are one buffer; below it they are stacked. Every way equals each expert's quantize."""
+    from hybridfp.quantizers import grouped as qg
+    name = "current_scaling"
+    ws = weights(48)
+    if adjacent:
+        ws = list(torch.stack(ws).unbind(0))
+    usage = [(True, True)] * len(ws)
+    want = [q.quantize(w) for q, w in zip(build(FACTORIES[name], "weight", usage), ws)]
+    for limit, stacked in ((ws[0].numel() - 1, adjacent), (ws[0].numel(), True)):
+        monkeypatch.setattr(qg, "STACK_SCALED_MAX_NUMEL", limit)
+        calls = []
+        real = qg.quantize_grouped
+        monkeypatch.setattr(qg, "quantize_grouped", lambda *a: calls.append(1) or real(*a))
+        got = quantize_weights_grouped(build(FACTORIES[name], "weight", usage), ws)
+        monkeypatch.setattr(qg, "quantize_grouped", real)
+        assert (calls == [1]) == stacked, (limit, adjacent)
+        for e, (g, w) in enumerate(zip(got, want)):
+            assert_same_storage(g.qstorage, w.qstorage, f"limit {limit} expert {e}")
