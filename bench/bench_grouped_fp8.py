@@ -39,18 +39,21 @@ def main(argv=None) -> None:
     args = parser(__doc__.splitlines()[0]).parse_args(argv)
     require_cuda()
     from hybridfp.kernels.triton_grouped_fp8 import group_amax, quantize
-    from hybridfp.quantizers.grouped_scaled import _group_tensors
+    from hybridfp.quantizers.grouped_scaled import _block_offsets, _group_tensors, padded_ld
 
     rows_out = []
     for r, c, e in ([(4096, 1024, 8)] if args.quick else SHAPES):
         x = torch.randn(r, c, device="cuda", dtype=torch.bfloat16)
         splits = splits_for(r, e)
-        group, start, count = _group_tensors(splits, x.device)
+        group, _, _ = _group_tensors(splits, x.device)
+        lds = [padded_ld(m) for m in splits]
+        offs, total = _block_offsets([c * ld for ld in lds], 1)
         amax = group_amax(x, group, e)
         n = r * c
         t_amax = bench_ms(lambda: group_amax(x, group, e))
         row = {"shape": f"{r}x{c}, {e} experts", "amax ms": t_amax, "amax x copy": copy_ms(2 * n) / t_amax}
-        t = bench_ms(lambda: quantize(x, amax, group, start, count, torch.float8_e4m3fn))
+        t = bench_ms(lambda: quantize(x, amax, splits, torch.float8_e4m3fn, col_offsets=offs, col_lds=lds,
+                                      col_numel=total))
         row["cast row+col ms"] = t
         row["cast x copy"] = copy_ms(4 * n) / t  # 2 bytes read, 1 + 1 written
         rows_out.append(row)

@@ -158,7 +158,16 @@ def store_transposed_u8(ptr, code, lr, lc, r0, c0, R, C, PACK: tl.constexpr):
     (r0, c0) of an [R, C] tensor) into the transposed [C, R] byte array at ``ptr``. With
     ``PACK`` (R % 4 == 0) four consecutive rows go as one little-endian int32, so the
     transposition moves 32-bit words instead of bytes."""
-    rmask = (r0 + lr) < R
+    store_transposed_rows_u8(ptr, code, lr, lc, r0, c0, R, R, C, PACK)
+
+
+@triton.jit
+def store_transposed_rows_u8(ptr, code, lr, lc, l0, c0, LD, LIMIT, C, PACK: tl.constexpr):
+    """Store a [BR, BC] uint8 tile ``code`` as rows ``l0 + lr`` (those below ``LIMIT``) and
+    columns ``c0 + lc`` (below ``C``) of a transposed byte array with row stride ``LD``: element
+    (r, c) at ``ptr + c * LD + r``. ``PACK`` (LD and l0 multiples of 4, ``ptr`` 4-byte
+    aligned): four consecutive rows go as one little-endian int32 word (a word whose first row
+    is below LIMIT is stored whole)."""
     cmask = (c0 + lc) < C
     if PACK:
         BR: tl.constexpr = code.shape[0]
@@ -166,12 +175,12 @@ def store_transposed_u8(ptr, code, lr, lc, r0, c0, R, C, PACK: tl.constexpr):
         w = tl.reshape(code.to(tl.int32), [BR // 4, 4, BC])
         w = tl.sum(w << (tl.arange(0, 4) * 8)[None, :, None], axis=1)  # disjoint bits: sum == or
         l4 = tl.arange(0, BR // 4)
-        wmask = ((r0 // 4 + l4) < R // 4)[:, None] & cmask[None, :]
-        base = ptr.to(tl.pointer_type(tl.int32)) + c0.to(tl.int64) * (R // 4) + r0 // 4
-        tl.store(base + tile_offsets(l4, lc, 1, R // 4), w, mask=wmask)
+        wmask = ((l0 // 4 + l4) < (LIMIT + 3) // 4)[:, None] & cmask[None, :]
+        base = ptr.to(tl.pointer_type(tl.int32)) + c0.to(tl.int64) * (LD // 4) + l0 // 4
+        tl.store(base + tile_offsets(l4, lc, 1, LD // 4), w, mask=wmask)
     else:
-        base = ptr + c0.to(tl.int64) * R + r0
-        tl.store(base + tile_offsets(lr, lc, 1, R), code, mask=rmask[:, None] & cmask[None, :])
+        base = ptr + c0.to(tl.int64) * LD + l0
+        tl.store(base + tile_offsets(lr, lc, 1, LD), code, mask=((l0 + lr) < LIMIT)[:, None] & cmask[None, :])
 
 
 @triton.jit

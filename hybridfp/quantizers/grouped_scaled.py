@@ -153,19 +153,13 @@ def _fp8_current_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], ro
     cds: Optional[list[torch.Tensor]] = None
     if kernel:
         k = fast._kernels("triton_grouped_fp8")
-        group, start, count = _group_tensors(splits, x.device)
+        group, _, _ = _group_tensors(splits, x.device)
         amax = _reduced(q, k.group_amax(x, group, len(splits)))
         offs, total = _block_offsets([cols * ld for ld in lds], 1)
-        col_offset = col_ld = None
-        if columnwise:  # one host-to-device copy: the offsets and row strides (int32 halves)
-            col_meta = device_tensor(offs + lds, x.device)
-            col_offset, col_ld = col_meta[:len(offs)], col_meta[len(offs):].to(torch.int32)
-        rd, cd, sinv = k.quantize(x, amax, group, start, count, q.dtype, eps=q.amax_epsilon,
-                                  power_2_scale=q.force_pow_2_scales, rowwise=rowwise, columnwise=columnwise,
-                                  col_offset=col_offset, col_numel=total, col_ld=col_ld)
-        if cd is not None:
-            if any(ld != m for ld, m in zip(lds, splits)):
-                k.zero_row_tails(cd, col_offset, count, col_ld, cols)
+        rd, cd, sinv = k.quantize(x, amax, splits, q.dtype, eps=q.amax_epsilon, power_2_scale=q.force_pow_2_scales,
+                                  rowwise=rowwise, columnwise=columnwise, col_offsets=offs, col_lds=lds,
+                                  col_numel=total)
+        if cd is not None:  # row tails past m_e written as zero codes by the kernel
             cds = [cd.as_strided((cols, m), (ld, 1), o) for m, ld, o in zip(splits, lds, offs)]
     else:
         amax = _reduced(q, _segment_amax(x, counts))
