@@ -8,7 +8,7 @@ groups in order: ``quantizers.grouped.quantize_grouped``'s layout). Two passes:
   one atomic max of the amax bits when all its rows are one group (the common case: groups of
   hundreds of rows), else one per row. Also serves NVFP4's per-expert global amax.
 - :func:`quantize` (FP8 current scaling, SPEC §2.1): tiles that never straddle two groups
-  (a host-built table of (group, rows) per tile, so each tile has one scale) — the group's
+  (a grid over (row tile within a group, group), so each tile has one scale) — the group's
   scale from its amax (``_common.current_scale``), ``fp8(clamp(x * scale))`` by
   ``_common.fp8_encode``, and ``scale_inv = 1 / scale`` per group (IEEE division). The rowwise
   data is [R, C]; the columnwise data is each group's own transpose [C, m_e], written at a given
@@ -72,54 +72,46 @@ def group_amax(x2: torch.Tensor, row_group: torch.Tensor, groups: int, *,
 
 
 @triton.jit
-def _grouped_fp8_kernel(x_ptr, amax_ptr, tile_ptr, ld_ptr, off_ptr, rd_ptr, cd_ptr, sinv_ptr, C, G,
+def _grouped_fp8_kernel(x_ptr, amax_ptr, meta_ptr, off_ptr, rd_ptr, cd_ptr, sinv_ptr, C, G,
                         sxr, sxc: tl.constexpr, eps, POW2: tl.constexpr, ROW: tl.constexpr,
                         COL: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
                         FP8_MAX: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr,
                         BC: tl.constexpr, BG: tl.constexpr, HW: tl.constexpr, PACK: tl.constexpr,
                         ANCHOR: tl.constexpr):
-    """One [BR, BC] tile of one group: entry ``program_id(0) // column tiles`` of the tile table
-    (group, first row, end row, first row within the group). Rows scaled by the group's current
-    scale; rowwise codes at [r, c]; columnwise codes at ``offset + c * ld + (r - start)`` (the
-    group's own transpose) for every row of the tile below ``ld`` — rows past the group's end
-    read as zeros, so the tail up to ``ld`` gets zero codes."""
+    """Group ``program_id(1)``, its rows ``t * BR ..`` (t = ``program_id(0) //`` column tiles;
+    programs past the group's rows do nothing): rows scaled by the group's current scale;
+    rowwise codes at [r, c]; columnwise codes at ``offset + c * ld + (r - start)`` (the group's
+    own transpose) for every row of the tile below ``ld`` — rows past the group's end read as
+    zeros, so the tail up to ``ld`` gets zero codes. ``meta``: int32 [3, G] (first row, rows,
+    ld); ``off``: int64 [G]."""
     pid = tl.program_id(0)
+    g = tl.program_id(1)
     nc = tl.cdiv(C, BC)
     t, pc = pid // nc, pid % nc
-    g = tl.load(tile_ptr + t * 4)
-    r0 = tl.load(tile_ptr + t * 4 + 1)
-    r1 = tl.load(tile_ptr + t * 4 + 2)
-    l0 = tl.load(tile_ptr + t * 4 + 3)
-    c0 = pc * BC
-    lr = tl.arange(0, BR)
-    lc = tl.arange(0, BC)
-    mask = ((r0 + lr) < r1)[:, None] & ((c0 + lc) < C)[None, :]
-    x = load_f32(x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc + tile_offsets(lr, lc, sxr, sxc),
-                 mask, DTYPE)
-    scale = current_scale(tl.load(amax_ptr + g), eps, FP8_MAX, POW2)
-    code = fp8_encode(x * scale, FP8_MAX, MBITS, BIAS, HW)  # masked rows: x = 0 -> code 0
-    if ROW:
-        tl.store(rd_ptr + r0.to(tl.int64) * C + c0 + tile_offsets(lr, lc, C, 1), code, mask=mask)
-    elif ANCHOR:  # never stores (r1 >= 0); keeps the coalesced tile layout (triton_fp8_tensorwise)
-        tl.store(rd_ptr + tile_offsets(lr, lc, C, 1), code, mask=mask & ((lr[:, None] * 0 + r1) < 0))
-    if COL:
-        ld = tl.load(ld_ptr + g)
-        store_transposed_rows_u8(cd_ptr + tl.load(off_ptr + g), code, lr, lc, l0, c0, ld, ld, C, PACK)
-    if pid == 0:  # every group's 1 / scale, empty groups included
+    m = tl.load(meta_ptr + G + g)
+    l0 = t * BR
+    if l0 < m:
+        r0 = tl.load(meta_ptr + g) + l0
+        c0 = pc * BC
+        lr = tl.arange(0, BR)
+        lc = tl.arange(0, BC)
+        mask = ((l0 + lr) < m)[:, None] & ((c0 + lc) < C)[None, :]
+        x = load_f32(x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc + tile_offsets(lr, lc, sxr, sxc),
+                     mask, DTYPE)
+        scale = current_scale(tl.load(amax_ptr + g), eps, FP8_MAX, POW2)
+        code = fp8_encode(x * scale, FP8_MAX, MBITS, BIAS, HW)  # masked rows: x = 0 -> code 0
+        if ROW:
+            tl.store(rd_ptr + r0.to(tl.int64) * C + c0 + tile_offsets(lr, lc, C, 1), code, mask=mask)
+        elif ANCHOR:  # never stores (m >= 0); keeps the coalesced tile layout (triton_fp8_tensorwise)
+            tl.store(rd_ptr + tile_offsets(lr, lc, C, 1), code, mask=mask & ((lr[:, None] * 0 + m) < 0))
+        if COL:
+            ld = tl.load(meta_ptr + 2 * G + g)
+            store_transposed_rows_u8(cd_ptr + tl.load(off_ptr + g), code, lr, lc, l0, c0, ld, ld, C, PACK)
+    if (pid == 0) & (g == 0):  # every group's 1 / scale, empty groups included
         for g0 in range(0, G, BG):
             lg = g0 + tl.arange(0, BG)
             s = current_scale(tl.load(amax_ptr + lg, mask=lg < G, other=0.0), eps, FP8_MAX, POW2)
             tl.store(sinv_ptr + lg * 4, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s), mask=lg < G)
-
-
-def _tile_table(splits: Sequence[int], br: int) -> list[list[int]]:
-    """(group, first row, end row, first row within the group) of every [br]-row tile; tiles
-    never straddle two groups, and an empty group has none."""
-    out, start = [], 0
-    for g, m in enumerate(splits):
-        out += [[g, start + t, start + min(t + br, m), t] for t in range(0, m, br)]
-        start += m
-    return out
 
 
 def quantize(x2: torch.Tensor, amax: torch.Tensor, splits: Sequence[int], dtype: torch.dtype, *,
@@ -150,6 +142,9 @@ def quantize(x2: torch.Tensor, amax: torch.Tensor, splits: Sequence[int], dtype:
     if br % 16:
         raise ValueError(f"block rows {br} must be a multiple of 16 (zero row tails up to ld).")
     groups = amax.numel()
+    if not 0 < groups <= 65535 or groups != len(splits):
+        raise ValueError(f"grouped fp8 kernel: {groups} amaxes for {len(splits)} groups (1 .. 65535, "
+                         "one per group: the groups are the grid's second axis).")
     if columnwise:
         if col_offsets is None or col_lds is None or col_numel is None:
             raise ValueError("columnwise=True needs col_offsets, col_lds and col_numel.")
@@ -164,18 +159,21 @@ def quantize(x2: torch.Tensor, amax: torch.Tensor, splits: Sequence[int], dtype:
     # one 16-byte slot per expert: cuBLAS (torch._scaled_mm) rejects a scale pointer that is
     # not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED), and each expert's scale_inv is a view
     sinv = empty((groups, 4), dtype=torch.float32, device=dev)
-    tiles = _tile_table(splits, br)
-    pack = columnwise and all(o % 4 == 0 for o in col_offsets) and all(ld % 4 == 0 for ld in col_lds)
-    # one host-to-device copy for the table and the column layout (queued, no stream sync)
-    meta = device_tensor([v for t in tiles for v in t] + (list(col_offsets) + list(col_lds) if columnwise else []),
-                         dev, torch.int64)
-    n = 4 * len(tiles)
-    tile_t = meta[:n].to(torch.int32)
-    col_off, col_ld = (meta[n:n + groups], meta[n + groups:].to(torch.int32)) if columnwise else (meta, tile_t)
+    starts, at = [], 0
+    for m in splits:
+        starts.append(at)
+        at += m
+    lds = list(col_lds) if columnwise else splits
+    pack = columnwise and all(o % 4 == 0 for o in col_offsets) and all(ld % 4 == 0 for ld in lds)
+    # one host-to-device copy (queued, no stream sync): first rows, rows, row strides; offsets
+    meta = device_tensor(starts + splits + lds + (list(col_offsets) if columnwise else []), dev, torch.int64)
+    col_off = meta[3 * groups:] if columnwise else meta
     dummy = torch.empty(1, dtype=torch.uint8, device=dev)
-    grid = (len(tiles) * triton.cdiv(cols, bc),)  # rows > 0: at least one tile
+    # a program per (row tile of the longest group, column tile) and group; tiles never
+    # straddle two groups (those past a shorter group's rows exit at once)
+    grid = (triton.cdiv(max(splits), br) * triton.cdiv(cols, bc), groups)
     _grouped_fp8_kernel[grid](
-        kernel_input(x2), amax.float().contiguous(), tile_t, col_ld, col_off,
+        kernel_input(x2), amax.float().contiguous(), meta[:3 * groups].to(torch.int32), col_off,
         rd.view(torch.uint8) if rowwise else dummy, cd.view(torch.uint8) if columnwise else dummy, sinv,
         cols, groups, x2.stride(0), x2.stride(1), f32(eps), POW2=power_2_scale, ROW=rowwise,
         COL=columnwise, MBITS=mbits, BIAS=bias, FP8_MAX=fmax, DTYPE=DTYPE_CODE[x2.dtype], BR=br, BC=bc,
