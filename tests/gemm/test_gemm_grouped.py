@@ -482,3 +482,23 @@ def test_per_expert_fp8_choice_by_expert_size():
     assert not per_expert_fp8_faster(GPU_SPLITS, 14336, HIDDEN)  # the GPU path table's case
     assert per_expert_fp8_faster([0, 0, 8192, 0], 14336, 4096)  # empty experts are not averaged in
     assert not per_expert_fp8_faster([0, 0], 14336, 4096)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("layout", ["TN", "NN"])
+def test_large_fp8_experts_run_per_expert_cublas_cuda(layout, monkeypatch):
+    """Experts at or above ``PER_EXPERT_FP8_FLOPS`` (forced here) take cuBLAS per expert for
+    per-tensor FP8 fprop / dgrad, within the FP8 MMA bound of the grouped path against FP64."""
+    monkeypatch.setattr(grouped, "PER_EXPERT_FP8_FLOPS", 0.0)
+    ops = gpu_operands("fp8_e4m3", 1408)
+    wa, wb = OPERANDS[layout]
+    da, db = grouped.LAYOUTS[layout]
+    before = Counter(PATH_COUNTS)
+    out = grouped_gemm(ops[wa], ops[wb], layout)
+    assert Counter(PATH_COUNTS) - before == Counter({(grouped.GEMM_OF_LAYOUT[layout], PER_EXPERT): 1})
+    ref = fp64_reference(ops[wa], da, ops[wb], db, layout)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    ideal = ((ref.bfloat16().double() - ref).norm() / ref.norm()).item()
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    assert err - ideal <= GPU_EXCESS[GROUPED_FP8_ROWWISE]

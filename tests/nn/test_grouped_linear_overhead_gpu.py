@@ -6,6 +6,7 @@ uneven token counts. Run on the lent H200 (``pytest -m gpu``)."""
 from __future__ import annotations
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
@@ -96,3 +97,24 @@ def test_step_has_no_host_sync(name, experts):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(x.grad.float()).all()
+
+
+def test_large_fp8_experts_step_equals_per_expert_loop(monkeypatch):
+    """FP8 current scaling with the large-expert choices forced (per-expert cuBLAS fprop, each
+    weight quantized on its own instead of stacked): the per-expert loop's step bit for bit."""
+    from hybridfp.gemm import grouped as g
+    from hybridfp.quantizers import grouped as qg
+    monkeypatch.setattr(g, "PER_EXPERT_FP8_FLOPS", 0.0)
+    monkeypatch.setattr(qg, "STACK_SCALED_MAX_NUMEL", 0)
+    torch.manual_seed(1)
+    m = GroupedLinear(len(SPLITS), HIDDEN, FFN, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    fresh = copy.deepcopy(m)
+    before = Counter(g.PATH_COUNTS)
+    got = cuda_step(m, FACTORIES["current_scaling"])
+    assert (Counter(g.PATH_COUNTS) - before)[("fprop", g.PER_EXPERT)] == 1
+    per_expert_loop(monkeypatch)
+    want = cuda_step(fresh, FACTORIES["current_scaling"])
+    assert_bitwise(got[0], want[0], "output")
+    assert_bitwise(got[1], want[1], "input grad")
+    for n in want[2]:
+        assert_bitwise(got[2][n], want[2][n], f"{n}.grad")
