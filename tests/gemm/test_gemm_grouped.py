@@ -502,3 +502,37 @@ def test_large_fp8_experts_run_per_expert_cublas_cuda(layout, monkeypatch):
     ideal = ((ref.bfloat16().double() - ref).norm() / ref.norm()).item()
     assert out.dtype == torch.bfloat16 and out.shape == ref.shape
     assert err - ideal <= GPU_EXCESS[GROUPED_FP8_ROWWISE]
+
+
+@pytest.mark.parametrize("writes_out", [True, False])
+@pytest.mark.parametrize("layout", list(OPERANDS))
+def test_one_backend_per_expert_runs_it_directly(layout, writes_out, monkeypatch):
+    """Where every expert's pair selects one backend, each expert's GEMM is that backend's
+    ``run`` on its storages (no per-expert ``gemm()`` bookkeeping): fprop / dgrad rows written
+    into one result (through ``out`` when the backend writes there), wgrad one result per expert,
+    a bias per expert — the same values as ``gemm()`` per expert (here a stand-in backend that
+    runs the exact emulation)."""
+    from hybridfp.gemm.backends import emulate
+    calls = []
+
+    class Standin:
+        def __init__(self):
+            self.writes_out = writes_out
+
+        def run(self, sa, sb, lay, *, out_dtype, bias=None, out=None):
+            da, db = grouped.LAYOUTS[lay]
+            calls.append(out is not None)
+            res = emulate(sa.gemm_operand(da), sb.gemm_operand(db), out_dtype, bias)
+            return res if out is None else out.copy_(res)
+    backend = Standin()
+    monkeypatch.setattr(grouped, "select", lambda *a: backend)
+    monkeypatch.setattr(grouped, "_emulated_operands", lambda *a: None)
+    ops = quantized(["fp8_e4m3"] * 4, ODD)
+    wa, wb = OPERANDS[layout]
+    biases = [torch.randn(N) for _ in ODD] if layout == "TN" else None
+    got = grouped._run_per_expert(ops[wa], ops[wb], layout, torch.bfloat16, biases,
+                                  [grouped.operand_storage(t, grouped.LAYOUTS[layout][0], "A") for t in ops[wa]],
+                                  [grouped.operand_storage(t, grouped.LAYOUTS[layout][1], "B") for t in ops[wb]])
+    assert calls == [writes_out and layout != "NT"] * len(ODD)
+    want = [gemm(x, y, layout, bias=(biases[e] if biases else None)) for e, (x, y) in enumerate(zip(ops[wa], ops[wb]))]
+    assert_same(got, want if layout == "NT" else torch.cat(want))

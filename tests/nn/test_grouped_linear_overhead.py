@@ -38,6 +38,7 @@ def per_expert_loop(monkeypatch) -> None:
     monkeypatch.setattr(grouped_linear, "quantize_grouped", _quantize_each)
     monkeypatch.setattr(grouped_linear, "quantize_weights_grouped", _quantize_weights_each)
     monkeypatch.setattr(grouped, "_emulated_operands", lambda sa, sb, layout: None)
+    monkeypatch.setattr(grouped, "_common_backend", lambda sa, sb, layout: None)
 
 
 def step(m: GroupedLinear, splits: list[int], factory, out: int):
