@@ -51,8 +51,8 @@ def pack(t: Optional[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
     if t is None:
         return [], None
     if isinstance(t, QuantizedTensor):
-        tensors = t.qstorage.tensors()
-        return tensors, ("q", t.qstorage.with_tensors([None] * len(tensors)), t.quantizer)
+        tensors, skeleton = t.qstorage.split_tensors()
+        return tensors, ("q", skeleton, t.quantizer)
     return [t], ("t",)
 
 

@@ -138,6 +138,11 @@ class HybridStorage(QuantizedStorage):
         """Rowwise part's tensors, then columnwise part's."""
         return [t for p in self.row_index_parts.values() for t in p.tensors()]
 
+    def split_tensors(self) -> tuple[list[torch.Tensor], "QuantizedStorage"]:
+        """The payload tensors and a skeleton holding none of them (own layout: not the slots)."""
+        tensors = self.tensors()
+        return tensors, self.with_tensors([None] * len(tensors))
+
     def with_tensors(self, tensors: list[torch.Tensor]) -> "HybridStorage":
         """Same layout, new payload tensors (order of tensors())."""
         if len(tensors) != len(self.tensors()):

@@ -40,6 +40,11 @@ class IdentityStorage(QuantizedStorage):
         """The one data tensor (shared by both directions)."""
         return [self.payload(self.directions()[0])["data"]]
 
+    def split_tensors(self) -> tuple[list[torch.Tensor], "QuantizedStorage"]:
+        """The payload tensors and a skeleton holding none of them (own layout: not the slots)."""
+        tensors = self.tensors()
+        return tensors, self.with_tensors([None] * len(tensors))
+
     def with_tensors(self, tensors: list[torch.Tensor]) -> "IdentityStorage":
         """Same directions, new data tensor."""
         if len(tensors) != 1:

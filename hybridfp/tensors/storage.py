@@ -324,9 +324,18 @@ class QuantizedStorage(Dim0Slicing, ABC):
         """
         return [self.payloads[g[0][0]][g[0][1]] for g in self._tensor_slots()]
 
+    def split_tensors(self) -> tuple[list[torch.Tensor], "QuantizedStorage"]:
+        """``(self.tensors(), self.with_tensors([None] * n))`` with the slots worked out once: the
+        payload tensors and a skeleton holding none of them (what autograd saves for backward)."""
+        groups = self._tensor_slots()
+        tensors = [self.payloads[g[0][0]][g[0][1]] for g in groups]
+        return tensors, self._with_groups(groups, [None] * len(groups))
+
     def with_tensors(self, tensors: list[torch.Tensor]) -> "QuantizedStorage":
         """A storage of the same layout whose payload tensors are ``tensors`` (order of tensors())."""
-        groups = self._tensor_slots()
+        return self._with_groups(self._tensor_slots(), tensors)
+
+    def _with_groups(self, groups: list[list[tuple[str, str]]], tensors: list) -> "QuantizedStorage":
         if len(tensors) != len(groups):
             raise ValueError(f"{self.describe()} has {len(groups)} payload tensors; got {len(tensors)}.")
         payloads: dict[str, Optional[Payload]] = {d: ({} if self.has(d) else None) for d in DIRECTIONS}
