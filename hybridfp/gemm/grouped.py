@@ -429,8 +429,10 @@ def _run_fp8_rowwise(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStora
         mat_b = whole_b.view(len(pb), n, whole_b.shape[1]).transpose(1, 2)
     else:
         mat_b = torch.stack([p["data"].view(torch.uint8) for p in pb]).view(torch.float8_e4m3fn).transpose(1, 2)
-    scale_a = torch.cat([p["scale_inv"].float().reshape(1).expand(m) for p, m in zip(pa, ms)])
-    scale_b = torch.stack([p["scale_inv"].float().reshape(1).expand(n) for p in pb])
+    # per-row / per-column scale vectors in a few ops for all experts (not three per expert)
+    sa_e = torch.stack([p["scale_inv"].reshape(()) for p in pa]).float()
+    scale_a = sa_e.repeat_interleave(device_tensor(ms, sa_e.device), output_size=sum(ms))
+    scale_b = torch.stack([p["scale_inv"].reshape(()) for p in pb]).float()[:, None].expand(len(pb), n)
     return torch._scaled_grouped_mm(mat_a, mat_b, scale_a.contiguous(), scale_b.contiguous(),
                                     offs=_offsets(ms, mat_a.device), out_dtype=torch.bfloat16,
                                     use_fast_accum=False)  # see the module docstring

@@ -454,7 +454,7 @@ def test_fp8_rowwise_path_reads_adjacent_rows_without_a_copy(monkeypatch):
     seen = {}
 
     def fake(mat_a, mat_b, scale_a, scale_b, offs, out_dtype, use_fast_accum):
-        seen.update(a=mat_a, b=mat_b)
+        seen.update(a=mat_a, b=mat_b, sa=scale_a, sb=scale_b)
         ends = offs.tolist()
         outs = [(mat_a[s:e].float() * scale_a[s:e, None]) @ (mat_b[i].float() * scale_b[i][None, :])
                 for i, (s, e) in enumerate(zip([0] + ends[:-1], ends))]
@@ -470,6 +470,12 @@ def test_fp8_rowwise_path_reads_adjacent_rows_without_a_copy(monkeypatch):
     assert torch.equal(seen["b"].view(torch.uint8),
                        torch.stack([t.view(torch.uint8) for t in wb]).transpose(1, 2))
     assert out.shape == (sum(splits), N)
+    # each row / column scaled by its expert's scale_inv
+    want_sa = torch.cat([t.qstorage.payload("rowwise")["scale_inv"].float().reshape(1).expand(m)
+                         for t, m in zip(X, splits)])
+    want_sb = torch.stack([t.qstorage.payload("rowwise")["scale_inv"].float().reshape(1).expand(N) for t in W])
+    assert torch.equal(seen["sa"], want_sa) and torch.equal(seen["sb"], want_sb)
+    assert len(set(want_sa.tolist())) > 1  # per-expert scales differ, so a mix-up shows
 
 
 def test_per_expert_fp8_choice_by_expert_size():
