@@ -386,13 +386,13 @@ def _assemble(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor, splits
     """Each expert's tensor from the shared encodings (``rows`` with groups starting at
     ``row_starts``, default unpadded; ``cols`` with groups starting at ``col_starts``) or its
     own rowwise encoding (``own_rows``)."""
-    starts = _offsets(splits, 1)
     row_payloads = _row_payloads(rows, splits, row_starts) if rows is not None else None
     views = isinstance(cols, COLUMN_VIEWS)
     col_payloads = (_column_payloads(cols, col_starts, splits, views)
                     if cols is not None and any(q is not None and q.columnwise_usage for q in quantizers) else None)
     out: list[Optional[QuantizedTensor]] = []
-    for e, (q, s, m) in enumerate(zip(quantizers, starts, splits)):
+    xs = torch.split(x, list(splits))  # one op for every expert's rows (not a slice each)
+    for e, (q, m) in enumerate(zip(quantizers, splits)):
         if q is None:
             out.append(None)
             continue
@@ -404,7 +404,7 @@ def _assemble(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor, splits
         if q.columnwise_usage and cols is not None:
             col_part = _rebuild(cols, None, col_payloads[e], _columnwise_child(q).label, m)
             col_part.columnwise_zero_padded = views  # slices of the zero-padded groups (``_padded``)
-        out.append(QuantizedTensor(_expert_storage(q, x[s:s + m], row_part, col_part), q))
+        out.append(QuantizedTensor(_expert_storage(q, xs[e], row_part, col_part), q))
     return out
 
 
@@ -486,9 +486,20 @@ def _column_payloads(storage: QuantizedStorage, starts: Sequence[int], splits: S
         axis, div = index[name]
         if axis != 1:
             raise AssertionError(f"{type(storage).__name__} columnwise {name}: expected row index on axis 1")
-        for p, s, m in zip(out, starts, splits):
-            part = t.narrow(1, s // div, ceil_div(m, div))
+        for p, part in zip(out, _column_slices(t, [s // div for s in starts], [ceil_div(m, div) for m in splits])):
             p[name] = part if views else part.contiguous()
     return out
+
+
+def _column_slices(t: torch.Tensor, begins: Sequence[int], widths: Sequence[int]) -> list[torch.Tensor]:
+    """Columns [begin_e, begin_e + width_e) of ``t`` for every e (in order, not overlapping) as
+    views, from one ``split`` over the slices and the gaps between them (one op for all experts
+    instead of a ``narrow`` each)."""
+    sizes, at = [], 0
+    for b, w in zip(begins, widths):
+        sizes += [b - at, w]
+        at = b + w
+    sizes.append(t.shape[1] - at)
+    return list(torch.split(t, sizes, dim=1)[1::2])
 
 
