@@ -52,6 +52,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from ..kernels.host import device_tensor
+from ..quantizers.grouped import pad_row_groups
 from ..tensors.slicing import adjacent_rows
 from ..tensors.storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
 from . import fast
@@ -364,7 +365,7 @@ def _stack_transposed(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """[E, k, n] from the experts' [n, k] operands, in whichever layout copies them without a
     transpose: a BF16 Identity columnwise copy is a transposed view of the row-major weight,
     so stacking its transpose is a plain copy (the grouped kernel takes either layout)."""
-    if all(p.t().is_contiguous() for p in parts):
+    if all(_t_contiguous(p) for p in parts):
         return torch.stack([p.t() for p in parts])
     return torch.stack(parts).transpose(1, 2)
 
@@ -373,8 +374,18 @@ def _cat_columns(parts: Sequence[torch.Tensor], widths: Sequence[int]) -> torch.
     """[rows, Σ widths]: part e in its columns, zero padding after it. Transposed views (BF16
     Identity columnwise copies) are gathered as row blocks of the transpose instead, so the
     copy never transposes (the result is then a column-major view)."""
-    if all(p.t().is_contiguous() for p in parts):
-        return _cat_rows([p.t() for p in parts], widths).t()
+    if all(_t_contiguous(p) for p in parts):
+        rows = [p.t() for p in parts]
+        filled = [r for r in rows if r.numel()]
+        whole = adjacent_rows(filled) if filled else None
+        heights = [r.shape[0] for r in rows]
+        if whole is not None and whole.shape[0] == sum(heights) and all(
+                -(-h // _BF16_ALIGN) * _BF16_ALIGN == w for h, w in zip(heights, widths)):
+            # consecutive row blocks of one buffer (an Identity copy of x or dy): every group
+            # zero-padded to a multiple of 8 rows in one pass (a Triton kernel on CUDA), not a
+            # zero block and a concatenation per expert
+            return pad_row_groups(whole, heights, _BF16_ALIGN)[0].t()
+        return _cat_rows(rows, widths).t()
     if all(p.shape[1] == w for p, w in zip(parts, widths)):
         return torch.cat(parts, dim=1)
     out = parts[0].new_zeros(parts[0].shape[0], sum(widths))
@@ -383,6 +394,18 @@ def _cat_columns(parts: Sequence[torch.Tensor], widths: Sequence[int]) -> torch.
         out[:, start:start + p.shape[1]] = p
         start += w
     return out
+
+
+def _t_contiguous(p: torch.Tensor) -> bool:
+    """``p.t().is_contiguous()`` for a 2D ``p``, from its strides (no view op per expert)."""
+    if p.numel() == 0:
+        return True
+    expected = 1
+    for size, stride in ((p.shape[0], p.stride(0)), (p.shape[1], p.stride(1))):  # innermost of p.t() first
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _cat_rows(parts: Sequence[torch.Tensor], heights: Sequence[int]) -> torch.Tensor:

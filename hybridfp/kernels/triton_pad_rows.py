@@ -1,5 +1,5 @@
 """Row groups zero-padded to whole blocks, in one pass: the source of a shared columnwise
-block encoding (``quantizers.grouped._padded``).
+block encoding (``quantizers.grouped.pad_row_groups``).
 
 Output row r copies source row ``row_map[r]``, or is zero where ``row_map[r] < 0`` (the
 padding after each group). One read of the source and one write of the output: the PyTorch

@@ -274,7 +274,7 @@ def _col_plan(quantizers: Sequence[Optional[Quantizer]], used: Sequence[Quantize
 
 
 # ---------------------------------------------------------------------------- encoding
-def _padded(src: torch.Tensor, splits: Sequence[int], block: int) -> tuple[torch.Tensor, list[int]]:
+def pad_row_groups(src: torch.Tensor, splits: Sequence[int], block: int) -> tuple[torch.Tensor, list[int]]:
     """``src`` with each row group zero-padded to a multiple of ``block`` rows (no copy when
     every group already is), and the groups' start rows. On CUDA one Triton pass
     (``kernels.triton_pad_rows``); elsewhere a zero fill and an ``index_copy_``."""
@@ -326,7 +326,7 @@ def _quantize_planned(quantizers: Sequence[Optional[Quantizer]], plan: _Plan, x:
         # rows change no other row) read at the groups' padded starts, and the columnwise copy
         # derived from it in the same kernel pass (the fused hybrid kernel on CUDA), instead of
         # a dequantized FP32 copy of the rows written and read back
-        padded, col_starts = _padded(x, splits, plan.col_block)
+        padded, col_starts = pad_row_groups(x, splits, plan.col_block)
         both = used[0].encode(padded, True, True, None)
         return _assemble(quantizers, x, splits, both.part(ROWWISE), both.part(COLUMNWISE), col_starts, [],
                          row_starts=col_starts)
@@ -339,7 +339,7 @@ def _quantize_planned(quantizers: Sequence[Optional[Quantizer]], plan: _Plan, x:
             and fused_nvfp4_mxfp8_supported(used[0], x)):
         # NVFP4 (per-expert global amax) -> MXFP8 from the rowwise value: one fused kernel pass
         # over the zero-padded groups writes both copies (no FP32 dequantized copy in memory)
-        padded, col_starts = _padded(x, splits, plan.col_block)
+        padded, col_starts = pad_row_groups(x, splits, plan.col_block)
         own, cols = nvfp4_mxfp8_groups(used[0], padded, splits, col_starts)
         own_rows = [_rebuild(p, p.payloads[ROWWISE], None, _rowwise_child(q).label, m) if q is not None else None
                     for q, p, m in zip(quantizers, own, splits)]
@@ -366,7 +366,7 @@ def _quantize_planned(quantizers: Sequence[Optional[Quantizer]], plan: _Plan, x:
                    torch.cat([r.dequantize(torch.float32, ROWWISE) for r in own_rows]))
         else:
             src = x
-        padded, col_starts = _padded(src, splits, plan.col_block)
+        padded, col_starts = pad_row_groups(src, splits, plan.col_block)
         cols = plan.col_q.encode(padded, False, True, None)
     return _assemble(quantizers, x, splits, rows, cols, col_starts, own_rows)
 
@@ -403,7 +403,7 @@ def _assemble(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor, splits
         col_part = None
         if q.columnwise_usage and cols is not None:
             col_part = _rebuild(cols, None, col_payloads[e], _columnwise_child(q).label, m)
-            col_part.columnwise_zero_padded = views  # slices of the zero-padded groups (``_padded``)
+            col_part.columnwise_zero_padded = views  # slices of the zero-padded groups (``pad_row_groups``)
         out.append(QuantizedTensor(_expert_storage(q, xs[e], row_part, col_part), q))
     return out
 

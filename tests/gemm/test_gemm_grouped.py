@@ -542,3 +542,36 @@ def test_one_backend_per_expert_runs_it_directly(layout, writes_out, monkeypatch
     assert calls == [writes_out and layout != "NT"] * len(ODD)
     want = [gemm(x, y, layout, bias=(biases[e] if biases else None)) for e, (x, y) in enumerate(zip(ops[wa], ops[wb]))]
     assert_same(got, want if layout == "NT" else torch.cat(want))
+
+
+def test_identity_wgrad_pads_adjacent_rows_in_one_pass(monkeypatch):
+    """BF16 (Identity) x and dy from ``quantize_grouped`` are row blocks of one buffer: wgrad's
+    operands are the whole buffers with each expert zero-padded to 8 rows by one
+    ``pad_row_groups`` each (not a zero block and a concatenation per expert); the grouped
+    result is within one BF16 ulp of the per-expert loop (the padding zeros add nothing, but a
+    longer reduction may sum in another order), an empty expert's dW zero."""
+    from hybridfp import IdentityQuantizer
+    from hybridfp.quantizers.grouped import quantize_grouped
+
+    splits = [0, 19, 45, 0, 33]
+    src = sources(splits)
+    X = quantize_grouped([IdentityQuantizer() for _ in splits], torch.cat(src["x"]).bfloat16(), splits)
+    DY = quantize_grouped([IdentityQuantizer() for _ in splits], torch.cat(src["dy"]).bfloat16(), splits)
+    pads = []
+    real = grouped.pad_row_groups
+    monkeypatch.setattr(grouped, "pad_row_groups", lambda *a: pads.append(a[1]) or real(*a))
+    seen = []
+
+    def mm(mat_a, mat_b, offs):
+        seen.append((mat_a.shape, mat_b.shape, offs.tolist()))
+        return reference_grouped_mm(mat_a, mat_b, offs)
+    got = grouped_gemm(DY, X, "NT", grouped_mm=mm)
+    assert pads == [splits, splits]
+    padded = [-(-m // 8) * 8 for m in splits]
+    assert seen == [((N, sum(padded)), (sum(padded), K), torch.tensor(padded).cumsum(0).tolist())]
+    want = per_expert(DY, X, "NT")
+    for m, g, w in zip(splits, got, want):
+        if m == 0:
+            assert torch.equal(g, torch.zeros(N, K, dtype=torch.bfloat16))
+        ulp = torch.exp2(torch.floor(torch.log2(w.float().abs().clamp_min(1e-30))) - 7)
+        assert ((g.float() - w.float()).abs() <= ulp).all()

@@ -1,5 +1,5 @@
 """The row-group padding kernel (hybridfp/kernels/triton_pad_rows.py) and ``quantize_grouped``'s
-``_padded`` on top of it: the padded source of a shared columnwise block encoding equals, bit
+``pad_row_groups`` on top of it: the padded source of a shared columnwise block encoding equals, bit
 for bit, the PyTorch zero-fill + ``index_copy_`` form, for BF16 / FP16 / FP32 (NaN payloads,
 -0.0 and subnormals included: the elements move as raw bits), empty and one-row groups,
 strided sources, poisoned outputs. Interpreter on tiny shapes (CPU); compiled at an MoE shape
@@ -46,7 +46,7 @@ def specials(src: torch.Tensor) -> torch.Tensor:
 
 def check(src: torch.Tensor, splits, block: int) -> None:
     with poisoned_outputs(0x7F):
-        got, starts = qgrouped._padded(src, splits, block)
+        got, starts = qgrouped.pad_row_groups(src, splits, block)
     want = reference_padded(src, splits, block)
     assert got.shape == want.shape and got.dtype == want.dtype
     bits = torch.int32 if src.element_size() == 4 else torch.int16
