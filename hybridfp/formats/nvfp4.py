@@ -52,6 +52,7 @@ from hybridfp.formats.common import (
     expand_blocks_2d,
     saturating_cast_fp8,
 )
+from hybridfp.kernels.host import device_constant
 
 BLOCK: int = 16
 E2M1_MAX: float = 6.0
@@ -152,7 +153,7 @@ def encode_e2m1(v: torch.Tensor, rand: torch.Tensor | None = None) -> torch.Tens
             raise ValueError(
                 f"rand has shape {tuple(rand.shape)}; it must match v {tuple(v.shape)}."
             )
-        grid = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=a.device)
+        grid = device_constant(E2M1_VALUES, a.device)  # no host copy / sync per call
         lo = torch.zeros(a.shape, dtype=torch.long, device=a.device)
         for k in range(1, len(E2M1_VALUES)):
             lo += a >= E2M1_VALUES[k]
@@ -166,7 +167,7 @@ def encode_e2m1(v: torch.Tensor, rand: torch.Tensor | None = None) -> torch.Tens
 
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """4-bit E2M1 codes (uint8, 0..15) to FP32 values (code 8 is -0.0)."""
-    grid = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    grid = device_constant(E2M1_VALUES, codes.device)  # no host copy / sync per call
     mag = grid[(codes & 7).long()]
     return torch.where((codes & 8) != 0, -mag, mag)
 

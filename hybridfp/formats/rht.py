@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from hybridfp.formats.common import blocks_1d, check_input
-from hybridfp.kernels.host import device_tensor
+from hybridfp.kernels.host import device_constant
 
 TILE: int = 16
 #: TE's fixed RHT sign vector (SPEC §2.5).
@@ -58,7 +58,7 @@ def _butterfly(u: torch.Tensor) -> torch.Tensor:
 
 
 def _signs(like: torch.Tensor) -> torch.Tensor:
-    return device_tensor(RHT_SIGNS, like.device, torch.float32)  # no stream sync on CUDA
+    return device_constant(RHT_SIGNS, like.device)  # copied once per device, no sync
 
 
 def apply_rht(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -3,14 +3,17 @@
 ``torch.tensor(values, device="cuda")`` (and ``cpu_tensor.to("cuda")``) copies from pageable
 host memory, which PyTorch finishes with a stream synchronize: the host waits until the GPU has
 drained its queue, and the GPU then idles while the host prepares the next launches. An MoE
-step built ~20 such offset / split tensors and lost about 8 % of its GPU time to the bubbles
-(H200, 8 experts, ``bench_moe``'s profile: 23 ``cudaStreamSynchronize`` per step). Copies
-from pinned memory can be queued (``non_blocking``); PyTorch's host allocator keeps the
-pinned block alive until the copy has run, so the temporary is safe to drop.
+step built ~20 such offset / split tensors (H200, 8 experts, ``bench_moe``'s profile: 23
+``cudaStreamSynchronize`` per step). Copies from pinned memory can be queued
+(``non_blocking``); outside CUDA-graph capture PyTorch's pinned-memory cache keeps the block
+until the copy has run (it records an event on the copy's stream), so the temporary is safe to
+drop. (Under graph capture a captured copy would read the host block at replay time: these
+helpers are not meant for captured regions.)
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Sequence, Union
 
 import torch
@@ -22,15 +25,19 @@ def device_tensor(values: Values, device: Union[torch.device, str], dtype: torch
                   ) -> torch.Tensor:
     """``torch.tensor(values, dtype=dtype, device=device)`` without a host-device sync: on CUDA
     through pinned memory and a queued copy; elsewhere a plain copy."""
-    host = torch.tensor(values, dtype=dtype)
     device = torch.device(device)
     if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
-def device_scalar(value: float, device: Union[torch.device, str], dtype: torch.dtype = torch.float32
-                  ) -> torch.Tensor:
-    """A 0-d tensor holding ``value`` (rounded once to ``dtype``) on ``device``, written by a
-    fill kernel rather than copied from the host (no sync)."""
-    return torch.full((), value, dtype=dtype, device=device)
+@lru_cache(maxsize=None)
+def _constant(values: tuple, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return device_tensor(list(values), device, dtype)
+
+
+def device_constant(values: Sequence[float], device: Union[torch.device, str], dtype: torch.dtype = torch.float32
+                    ) -> torch.Tensor:
+    """A constant table (e.g. the E2M1 values, the RHT signs) on ``device``, copied once per
+    (values, device, dtype) and shared afterwards: callers must not write to it."""
+    return _constant(tuple(values), torch.device(device), dtype)

@@ -1,14 +1,16 @@
 """Grouped per-tensor scaling kernels: an MoE layer's experts (row groups of one tensor), each
 with its own per-tensor amax / FP8 scale, in one launch per pass instead of one per expert.
 
-Row r of the [R, C] input belongs to group ``row_group[r]`` (rows of one group consecutive,
-groups in order: ``quantizers.grouped.quantize_grouped``'s layout). Two passes:
+The rows of one group are consecutive and the groups in order (``quantizers.grouped.
+quantize_grouped``'s layout). Two passes:
 
 - :func:`group_amax`: max|x| of every group (NaN-propagating, 0 for an empty group): per tile
   one atomic max of the amax bits when all its rows are one group (the common case: groups of
   hundreds of rows), else one per row. Also serves NVFP4's per-expert global amax.
 - :func:`quantize` (FP8 current scaling, SPEC §2.1): tiles that never straddle two groups
-  (a grid over (row tile within a group, group), so each tile has one scale) — the group's
+  (one program per row tile of each group, the group found by a binary search over the
+  groups' tile counts, so each tile has one scale and uneven groups launch no idle programs)
+  — the group's
   scale from its amax (``_common.current_scale``), ``fp8(clamp(x * scale))`` by
   ``_common.fp8_encode``, and ``scale_inv = 1 / scale`` per group (IEEE division). The rowwise
   data is [R, C]; the columnwise data is each group's own transpose [C, m_e], written at a given
@@ -16,8 +18,8 @@ groups in order: ``quantizers.grouped.quantize_grouped``'s layout). Two passes:
   rounded up to 16; the caller starts each block 16-byte aligned, as cuBLAS reads its
   operands) — so every expert's columnwise copy is a view, ready for a per-expert TN GEMM, not
   a column slice of a [C, R] transpose that would need a copy. A tile's rows start at a
-  multiple of its height within its group, so four rows go as one 32-bit word (as
-  ``triton_fp8_tensorwise``), and the group's last tile writes zero codes for rows m_e .. ld_e
+  multiple of its height within its group, so four rows go as one 32-bit word when the
+  strides and offsets are multiples of 4 (as ``triton_fp8_tensorwise``), and the group's last tile writes zero codes for rows m_e .. ld_e
   - 1: the [C, ld_e] block is then the copy zero-padded along its reduction (the expert's
   token count), which cuBLAS FP8 needs a multiple of 16, with no padded copy per GEMM. (The
   earlier row-tiled kernel, which stored single bytes at a per-row group stride and zeroed the
@@ -72,42 +74,51 @@ def group_amax(x2: torch.Tensor, row_group: torch.Tensor, groups: int, *,
 
 
 @triton.jit
-def _grouped_fp8_kernel(x_ptr, amax_ptr, meta_ptr, off_ptr, rd_ptr, cd_ptr, sinv_ptr, C, G,
+def _grouped_fp8_kernel(x_ptr, amax_ptr, meta_ptr, rd_ptr, cd_ptr, sinv_ptr, C, G,
                         sxr, sxc: tl.constexpr, eps, POW2: tl.constexpr, ROW: tl.constexpr,
                         COL: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
                         FP8_MAX: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr,
                         BC: tl.constexpr, BG: tl.constexpr, HW: tl.constexpr, PACK: tl.constexpr,
-                        ANCHOR: tl.constexpr):
-    """Group ``program_id(1)``, its rows ``t * BR ..`` (t = ``program_id(0) //`` column tiles;
-    programs past the group's rows do nothing): rows scaled by the group's current scale;
-    rowwise codes at [r, c]; columnwise codes at ``offset + c * ld + (r - start)`` (the group's
-    own transpose) for every row of the tile below ``ld`` — rows past the group's end read as
-    zeros, so the tail up to ``ld`` gets zero codes. ``meta``: int32 [3, G] (first row, rows,
-    ld); ``off``: int64 [G]."""
+                        ANCHOR: tl.constexpr, SEARCH: tl.constexpr):
+    """Row tile t = ``program_id(0) //`` column tiles of all the groups' row tiles laid end to
+    end: its group g is found by binary search in the tiles' prefix sums (``SEARCH`` >=
+    log2(G) steps), so only tiles with rows are launched, however uneven the groups. Rows
+    scaled by the group's current scale; rowwise codes at [r, c]; columnwise codes at
+    ``offset + c * ld + (r - start)`` (the group's own transpose) for every row of the tile
+    below ``ld`` — rows past the group's end read as zeros, so the tail up to ``ld`` gets zero
+    codes. ``meta``: int64 [5G + 1]: first row, rows, ld, column offset per group, then the
+    prefix sums of row tiles per group (G + 1)."""
     pid = tl.program_id(0)
-    g = tl.program_id(1)
     nc = tl.cdiv(C, BC)
     t, pc = pid // nc, pid % nc
-    m = tl.load(meta_ptr + G + g)
-    l0 = t * BR
-    if l0 < m:
-        r0 = tl.load(meta_ptr + g) + l0
-        c0 = pc * BC
-        lr = tl.arange(0, BR)
-        lc = tl.arange(0, BC)
-        mask = ((l0 + lr) < m)[:, None] & ((c0 + lc) < C)[None, :]
-        x = load_f32(x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc + tile_offsets(lr, lc, sxr, sxc),
-                     mask, DTYPE)
-        scale = current_scale(tl.load(amax_ptr + g), eps, FP8_MAX, POW2)
-        code = fp8_encode(x * scale, FP8_MAX, MBITS, BIAS, HW)  # masked rows: x = 0 -> code 0
-        if ROW:
-            tl.store(rd_ptr + r0.to(tl.int64) * C + c0 + tile_offsets(lr, lc, C, 1), code, mask=mask)
-        elif ANCHOR:  # never stores (m >= 0); keeps the coalesced tile layout (triton_fp8_tensorwise)
-            tl.store(rd_ptr + tile_offsets(lr, lc, C, 1), code, mask=mask & ((lr[:, None] * 0 + m) < 0))
-        if COL:
-            ld = tl.load(meta_ptr + 2 * G + g)
-            store_transposed_rows_u8(cd_ptr + tl.load(off_ptr + g), code, lr, lc, l0, c0, ld, ld, C, PACK)
-    if (pid == 0) & (g == 0):  # every group's 1 / scale, empty groups included
+    cum = meta_ptr + 4 * G
+    lo = t * 0  # the last group whose first tile is <= t (empty groups are skipped over)
+    hi = lo + G
+    for _ in tl.static_range(SEARCH):
+        mid = (lo + hi) // 2
+        go = tl.load(cum + mid).to(tl.int32) <= t
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    g = lo
+    l0 = (t - tl.load(cum + g).to(tl.int32)) * BR
+    m = tl.load(meta_ptr + G + g).to(tl.int32)
+    r0 = tl.load(meta_ptr + g).to(tl.int32) + l0
+    c0 = pc * BC
+    lr = tl.arange(0, BR)
+    lc = tl.arange(0, BC)
+    mask = ((l0 + lr) < m)[:, None] & ((c0 + lc) < C)[None, :]
+    x = load_f32(x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc + tile_offsets(lr, lc, sxr, sxc),
+                 mask, DTYPE)
+    scale = current_scale(tl.load(amax_ptr + g), eps, FP8_MAX, POW2)
+    code = fp8_encode(x * scale, FP8_MAX, MBITS, BIAS, HW)  # masked rows: x = 0 -> code 0
+    if ROW:
+        tl.store(rd_ptr + r0.to(tl.int64) * C + c0 + tile_offsets(lr, lc, C, 1), code, mask=mask)
+    elif ANCHOR:  # never stores (m >= 0); keeps the coalesced tile layout (triton_fp8_tensorwise)
+        tl.store(rd_ptr + tile_offsets(lr, lc, C, 1), code, mask=mask & ((lr[:, None] * 0 + m) < 0))
+    if COL:
+        ld = tl.load(meta_ptr + 2 * G + g).to(tl.int32)
+        store_transposed_rows_u8(cd_ptr + tl.load(meta_ptr + 3 * G + g), code, lr, lc, l0, c0, ld, ld, C, PACK)
+    if pid == 0:  # every group's 1 / scale, empty groups included
         for g0 in range(0, G, BG):
             lg = g0 + tl.arange(0, BG)
             s = current_scale(tl.load(amax_ptr + lg, mask=lg < G, other=0.0), eps, FP8_MAX, POW2)
@@ -142,15 +153,20 @@ def quantize(x2: torch.Tensor, amax: torch.Tensor, splits: Sequence[int], dtype:
     if br % 16:
         raise ValueError(f"block rows {br} must be a multiple of 16 (zero row tails up to ld).")
     groups = amax.numel()
-    if not 0 < groups <= 65535 or groups != len(splits):
-        raise ValueError(f"grouped fp8 kernel: {groups} amaxes for {len(splits)} groups (1 .. 65535, "
-                         "one per group: the groups are the grid's second axis).")
+    if groups < 1 or groups != len(splits):
+        raise ValueError(f"grouped fp8 kernel: {groups} amaxes for {len(splits)} groups; pass one per group.")
     if columnwise:
         if col_offsets is None or col_lds is None or col_numel is None:
             raise ValueError("columnwise=True needs col_offsets, col_lds and col_numel.")
+        if len(col_offsets) != groups or len(col_lds) != groups:
+            raise ValueError(f"col_offsets ({len(col_offsets)}) and col_lds ({len(col_lds)}) need one entry "
+                             f"per group ({groups}).")
         if any(not m <= ld <= -(-m // 16) * 16 for m, ld in zip(splits, col_lds)):
             raise ValueError(f"col_lds {list(col_lds)} must lie between each group's rows and their "
                              "round-up to 16.")
+        if any(o < 0 or o + cols * ld > col_numel for o, ld in zip(col_offsets, col_lds)):
+            raise ValueError(f"a columnwise block [{cols}, ld] at col_offsets {list(col_offsets)} overruns "
+                             f"col_numel={col_numel}.")
     mbits, bias, fmax = fp8_params(dtype)
     check_int32_tiles(rows + 16, cols, *x2.stride())  # + 16: a row stride ld_e <= m_e + 15
     dev = x2.device
@@ -159,23 +175,24 @@ def quantize(x2: torch.Tensor, amax: torch.Tensor, splits: Sequence[int], dtype:
     # one 16-byte slot per expert: cuBLAS (torch._scaled_mm) rejects a scale pointer that is
     # not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED), and each expert's scale_inv is a view
     sinv = empty((groups, 4), dtype=torch.float32, device=dev)
-    starts, at = [], 0
+    starts, cum, at, tiles = [], [0], 0, 0
     for m in splits:
         starts.append(at)
         at += m
+        tiles += -(-m // br)
+        cum.append(tiles)
     lds = list(col_lds) if columnwise else splits
-    pack = columnwise and all(o % 4 == 0 for o in col_offsets) and all(ld % 4 == 0 for ld in lds)
-    # one host-to-device copy (queued, no stream sync): first rows, rows, row strides; offsets
-    meta = device_tensor(starts + splits + lds + (list(col_offsets) if columnwise else []), dev, torch.int64)
-    col_off = meta[3 * groups:] if columnwise else meta
+    offs = list(col_offsets) if columnwise else [0] * groups
+    pack = columnwise and all(o % 4 == 0 for o in offs) and all(ld % 4 == 0 for ld in lds)
+    # one host-to-device copy, queued (no stream sync), read by the kernel as it is (int64)
+    meta = device_tensor(starts + splits + lds + offs + cum, dev, torch.int64)
     dummy = torch.empty(1, dtype=torch.uint8, device=dev)
-    # a program per (row tile of the longest group, column tile) and group; tiles never
-    # straddle two groups (those past a shorter group's rows exit at once)
-    grid = (triton.cdiv(max(splits), br) * triton.cdiv(cols, bc), groups)
+    grid = (tiles * triton.cdiv(cols, bc),)  # rows > 0: at least one tile
     _grouped_fp8_kernel[grid](
-        kernel_input(x2), amax.float().contiguous(), meta[:3 * groups].to(torch.int32), col_off,
+        kernel_input(x2), amax.float().contiguous(), meta,
         rd.view(torch.uint8) if rowwise else dummy, cd.view(torch.uint8) if columnwise else dummy, sinv,
         cols, groups, x2.stride(0), x2.stride(1), f32(eps), POW2=power_2_scale, ROW=rowwise,
         COL=columnwise, MBITS=mbits, BIAS=bias, FP8_MAX=fmax, DTYPE=DTYPE_CODE[x2.dtype], BR=br, BC=bc,
-        BG=128, HW=hw_fp8(dev), PACK=pack, ANCHOR=not rowwise, num_warps=num_warps or 8)
+        BG=128, HW=hw_fp8(dev), PACK=pack, ANCHOR=not rowwise, SEARCH=max(groups, 1).bit_length(),
+        num_warps=num_warps or 8)
     return rd, cd, sinv[:, 0]

@@ -149,7 +149,6 @@ def _fp8_current_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], ro
     (``columnwise_zero_tail``)."""
     rows, cols = x.shape
     lds = [padded_ld(m) for m in splits]
-    counts = device_tensor(list(splits), x.device)
     cds: Optional[list[torch.Tensor]] = None
     if kernel:
         k = fast._kernels("triton_grouped_fp8")
@@ -162,6 +161,7 @@ def _fp8_current_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], ro
         if cd is not None:  # row tails past m_e written as zero codes by the kernel
             cds = [cd.as_strided((cols, m), (ld, 1), o) for m, ld, o in zip(splits, lds, offs)]
     else:
+        counts = device_tensor(list(splits), x.device)
         amax = _reduced(q, _segment_amax(x, counts))
         scale = fp8_tensorwise.current_scale(amax, q.dtype, eps=q.amax_epsilon, power_2_scale=q.force_pow_2_scales)
         sinv = torch.ones_like(scale) / scale  # IEEE division, as fp8_tensorwise.quantize
@@ -178,8 +178,8 @@ def _fp8_current_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], ro
         part.columnwise_zero_tail = col is not None
         parts.append(part)
 
-    def rows_fp32() -> torch.Tensor:
-        return rd.float() * _per_row(sinv, counts, rows)[:, None]  # each expert's decode
+    def rows_fp32() -> torch.Tensor:  # each expert's decode
+        return rd.float() * _per_row(sinv, device_tensor(list(splits), x.device), rows)[:, None]
     return GroupScaled(parts, rows_fp32)
 
 
@@ -190,13 +190,13 @@ def _nvfp4_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], rowwise:
     if columnwise or not rowwise:
         raise ValueError("grouped NVFP4 encodes the rowwise copy only; quantize the columnwise copy per expert.")
     rows, cols = x.shape
-    counts = device_tensor(list(splits), x.device)
     if kernel:
         group, _, _ = _group_tensors(splits, x.device)
         amax = _reduced(q, fast._kernels("triton_grouped_fp8").group_amax(x, group, len(splits)))
         row_amax = amax[group]
         (data, scale), _ = fast._kernels("triton_nvfp4").quantize_1d(x, row_amax, None)
     else:
+        counts = device_tensor(list(splits), x.device)
         amax = _reduced(q, _segment_amax(x, counts))
         row_amax = _per_row(amax, counts, rows)
         data, scale = nvfp4.quantize_1d(x, row_amax)

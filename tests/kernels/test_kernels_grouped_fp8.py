@@ -137,3 +137,79 @@ def test_grouped_nvfp4_rows_gpu_bitwise():
     w = gpu_input((64 * 1408, 4096), torch.bfloat16)
     check_grouped(NVFP4Quantizer(), w, [1408] * 64, True, False, "nvfp4 weights")
 
+
+
+def _layout(splits, cols, lds, shift=0):
+    """Column blocks [cols, ld_e] end to end from element ``shift`` (no alignment padding)."""
+    offs, at = [], shift
+    for ld in lds:
+        offs.append(at)
+        at += cols * ld
+    return offs, at
+
+
+#: (splits, cols, row strides, first offset, block) that quantize_grouped never passes: strides
+#: equal to the rows (odd: bytes, not words), to the rows rounded up to 4, offsets that are not
+#: multiples of 4, 16-row tiles whose last tile ends exactly at ld, one group, 130 groups (past
+#: one pass of the scale loop) and very uneven groups (a single long group among empty ones).
+DIRECT = {
+    "ld=m": ([5, 0, 7, 70, 3], 33, lambda m: m, 0, (64, 128)),
+    "ld=round4": ([5, 0, 7, 70, 3], 33, lambda m: -(-m // 4) * 4, 0, (64, 128)),
+    "odd offsets": ([15, 31, 16, 1, 49], 40, lambda m: -(-m // 16) * 16, 2, (16, 32)),
+    "tiles end at ld": ([15, 31, 16, 1, 49], 40, lambda m: -(-m // 16) * 16, 0, (16, 32)),
+    "one group": ([37], 40, lambda m: 48, 0, (64, 128)),
+    "130 groups": ([(e * 7) % 5 for e in range(130)], 24, lambda m: -(-m // 16) * 16, 0, (16, 32)),
+    "uneven": ([0] * 9 + [200] + [0] * 5 + [1], 24, lambda m: -(-m // 16) * 16, 0, (64, 128)),
+}
+
+
+@interpreter_only
+@pytest.mark.parametrize("rowwise", [True, False])
+@pytest.mark.parametrize("case", DIRECT)
+def test_grouped_fp8_quantize_layouts(case, rowwise):
+    """``quantize`` called directly with column layouts ``quantize_grouped`` does not use: every
+    group's rowwise rows and its transpose at its offset and row stride equal that group's own
+    FP8 current-scaling encode bitwise, its row tail up to ld holds zero codes, and the bytes
+    outside every block keep the poison (nothing written past a block)."""
+    from hybridfp.kernels.triton_grouped_fp8 import quantize
+    splits, cols, ld_of, shift, block = DIRECT[case]
+    lds = [ld_of(m) for m in splits]
+    offs, numel = _layout(splits, cols, lds, shift)
+    x = grouped_input(splits, cols, torch.bfloat16)
+    xs = torch.split(x, splits)
+    amax = torch.stack([xe.float().abs().amax() if xe.numel() else torch.zeros(()) for xe in xs])
+    q = Float8CurrentScalingQuantizer()
+    with poisoned_outputs(0x7F):
+        rd, cd, sinv = quantize(x, amax, splits, q.dtype, rowwise=rowwise, columnwise=True,
+                                col_offsets=offs, col_lds=lds, col_numel=numel + 3, block=block)
+    written = torch.zeros(numel + 3, dtype=torch.bool)
+    start = 0
+    for e, (xe, m, ld, o) in enumerate(zip(xs, splits, lds, offs)):
+        want = q.copy().reference_encode(xe, True, True)
+        assert_tensor_bitwise(sinv[e], want.payload("rowwise")["scale_inv"].float().reshape(()), f"{case} {e} scale_inv")
+        if rowwise:
+            assert_tensor_bitwise(rd[start:start + m], want.payload("rowwise")["data"], f"{case} {e} rowwise")
+        col = cd.view(torch.uint8).as_strided((cols, ld), (ld, 1), o)
+        assert_tensor_bitwise(col[:, :m], want.payload("columnwise")["data"].view(torch.uint8), f"{case} {e} col")
+        assert not col[:, m:].any(), f"{case} expert {e}: nonzero row tail"
+        written.as_strided((cols, ld), (ld, 1), o).fill_(True)
+        start += m
+    assert (cd.view(torch.uint8)[~written] == 0x7F).all(), f"{case}: bytes outside the blocks written"
+
+
+@interpreter_only
+def test_grouped_fp8_quantize_refuses_bad_layouts():
+    from hybridfp.kernels.triton_grouped_fp8 import quantize
+    splits = [5, 7]
+    x = grouped_input(splits, 16, torch.bfloat16)
+    amax = torch.ones(2)
+    lds = [16, 16]
+    offs, numel = _layout(splits, 16, lds)
+    with pytest.raises(ValueError, match="one entry per group"):
+        quantize(x, amax, splits, E4M3, col_offsets=offs[:1], col_lds=lds, col_numel=numel)
+    with pytest.raises(ValueError, match="overruns"):
+        quantize(x, amax, splits, E4M3, col_offsets=offs, col_lds=lds, col_numel=numel - 1)
+    with pytest.raises(ValueError, match="round-up to 16"):
+        quantize(x, amax, splits, E4M3, col_offsets=offs, col_lds=[4, 16], col_numel=numel)
+    with pytest.raises(ValueError, match="one per group"):
+        quantize(x, amax[:1], splits, E4M3, col_offsets=offs, col_lds=lds, col_numel=numel)

@@ -106,12 +106,16 @@ def test_large_fp8_experts_step_equals_per_expert_loop(monkeypatch):
     from hybridfp.quantizers import grouped as qg
     monkeypatch.setattr(g, "PER_EXPERT_FP8_FLOPS", 0.0)
     monkeypatch.setattr(qg, "STACK_SCALED_MAX_NUMEL", 0)
+    stacked = []
+    real = qg._worth_stacking
+    monkeypatch.setattr(qg, "_worth_stacking", lambda *a: stacked.append(real(*a)) or stacked[-1])
     torch.manual_seed(1)
     m = GroupedLinear(len(SPLITS), HIDDEN, FFN, bias=False, params_dtype=torch.bfloat16, device="cuda")
     fresh = copy.deepcopy(m)
     before = Counter(g.PATH_COUNTS)
     got = cuda_step(m, FACTORIES["current_scaling"])
     assert (Counter(g.PATH_COUNTS) - before)[("fprop", g.PER_EXPERT)] == 1
+    assert stacked == [False]  # the weights were quantized one by one
     per_expert_loop(monkeypatch)
     want = cuda_step(fresh, FACTORIES["current_scaling"])
     assert_bitwise(got[0], want[0], "output")
