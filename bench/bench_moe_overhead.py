@@ -8,7 +8,7 @@ re-quantized each step (caches cleared, as after an optimizer update). No GPU ne
 counts say how much host work per step scales with the number of experts.
 
     python -m bench.bench_moe_overhead [--experts 64] [--hidden 64] [--ffn 128] [--reps 20]
-        [--cuda-paths] [--profile "bf16 (high_precision)"]
+        [--cuda-paths [--stub-cublas]] [--profile "bf16 (high_precision)"]
 """
 
 from __future__ import annotations
@@ -99,6 +99,31 @@ def ops_per_step(recipe: hybridfp.Recipe, experts: int, hidden: int = 64, ffn: i
     return sum(counter.ops.values())
 
 
+def stub_cublas(setattr: Callable = setattr) -> None:
+    """This process only (a measuring switch): the cuBLAS FP8 backends selected as on an sm90 GPU,
+    ``torch._scaled_mm`` / ``torch._scaled_grouped_mm`` replaced by stubs that return an output of
+    the right shape (no values), and the grouped rowwise FP8 path refused for E5M2 operands as on
+    the GPU. What remains of a step's time is the host's Python and aten work of the GPU path.
+    ``setattr``: how to patch (a test passes pytest's ``monkeypatch.setattr`` to undo it)."""
+    from hybridfp.gemm import fast, grouped
+
+    def scaled_mm(a, b, scale_a=None, scale_b=None, bias=None, out_dtype=None, use_fast_accum=False, out=None):
+        return out if out is not None else torch.empty(a.shape[0], b.shape[1], dtype=out_dtype)
+
+    def scaled_grouped_mm(a, b, scale_a, scale_b, offs=None, out_dtype=None, use_fast_accum=False):
+        return torch.empty(a.shape[0], b.shape[-1], dtype=out_dtype)
+
+    def rowwise_unsupported(sa, sb, layout, device):
+        da, db = grouped.LAYOUTS[layout]
+        dtypes = {s.payload(da)["data"].dtype for s in sa} | {s.payload(db)["data"].dtype for s in sb}
+        return None if dtypes == {torch.float8_e4m3fn} else "E4M3 only"
+
+    setattr(fast, "_device_ok", lambda device, kind: True)
+    setattr(torch, "_scaled_mm", scaled_mm)
+    setattr(torch, "_scaled_grouped_mm", scaled_grouped_mm)
+    setattr(grouped, "_fp8_rowwise_unsupported", rowwise_unsupported)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--experts", type=int, default=64)
@@ -109,6 +134,9 @@ def main(argv=None) -> None:
     p.add_argument("--cuda-paths", action="store_true", help="take the grouped GEMM paths the GPU takes "
                    "(torch._grouped_mm on the CPU; decodes still the PyTorch reference) to see the host "
                    "work of the CUDA path")
+    p.add_argument("--stub-cublas", action="store_true", help="with --cuda-paths: also take the cuBLAS FP8 "
+                   "backends the GPU takes (per-expert / grouped FP8 GEMMs), their matmuls replaced by "
+                   "shape-only stubs, so the time is the host work of the GPU's FP8 path")
     p.add_argument("--profile", default=None, help="cProfile one recipe (its name) and print the top 30 "
                    "functions by own time")
     args = p.parse_args(argv)
@@ -116,6 +144,8 @@ def main(argv=None) -> None:
     if args.cuda_paths:
         from hybridfp.gemm import grouped
         grouped._grouped_mm_device = lambda device: True  # this process only: a measuring switch
+        if args.stub_cublas:
+            stub_cublas()
     torch.manual_seed(0)
     splits = splits_for(args.experts, args.tokens_per_expert)
     m = hybridfp.GroupedLinear(args.experts, args.hidden, args.ffn, bias=False, params_dtype=torch.bfloat16)
