@@ -506,8 +506,9 @@ def _run_backend_per_expert(backend, sa: Sequence[QuantizedStorage], sb: Sequenc
                             ) -> Union[torch.Tensor, list[torch.Tensor]]:
     """``gemm()`` per expert where every pair takes one backend: its ``run`` straight on the
     storages, without re-checking operands, keys and backend per expert (grouped_gemm checked
-    the shapes; at 64 experts that bookkeeping was a third of an FP8 MoE step's host time on
-    the H200). The same results as ``gemm()``: the same backend call per expert."""
+    the shapes). At 64 experts ``gemm()`` per expert took 30 of an FP8 MoE step's 97 host ms
+    under cProfile on the H200, 8 of them in cuBLAS. The same results as ``gemm()``: the same
+    backend call per expert."""
     n = _dims(sa[0], sb[0], layout)[1]
     for bias in biases:
         if bias is not None and tuple(bias.shape) != (n,):
