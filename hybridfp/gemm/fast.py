@@ -17,7 +17,7 @@ tests/kernels/test_kernels_cublas_fp8.py. ``gemm(fast_accumulation=True)`` (a re
 on the per-tensor backend: outside SPEC §1, so opt-in, with its own bound in those tests.
 
 A ``supports`` sees formats, not shapes. Per-tensor operands whose k or n is not a multiple of
-16 are zero-padded (a view for an MoE expert's zero-tailed columnwise copy, ``_padded``); a
+16 are zero-padded (a view for an MoE expert's zero-tailed columnwise copy, ``_padded`` below); a
 block-scaled shape cuBLAS cannot take (k not a multiple of 128 and the alignments in
 ``cublas_fp8.block_shape_supported``) runs on the exact BF16 tensor-core path or the exact
 emulation instead, reported once per (GEMM, pair, reason).

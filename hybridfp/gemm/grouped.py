@@ -471,16 +471,14 @@ def _run_per_expert(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout
     bs = biases if biases is not None else [None] * len(A)
     ops = _emulated_operands(sa, sb, layout)
     if ops is None:
-        backend = _common_backend(sa, sb, layout)
-        if backend is not None:
-            return _run_backend_per_expert(backend, sa, sb, layout, out_dtype, bs)
+        one = _one_gemm(A, B, sa, sb, layout, out_dtype)
         if layout == "NT":
-            return [gemm(a, b, layout, out_dtype=out_dtype, bias=bias) for a, b, bias in zip(A, B, bs)]
+            return [one(e, bias, None) for e, bias in enumerate(bs)]
         ms, n = [_dims(a, b, layout)[0] for a, b in zip(sa, sb)], _dims(sa[0], sb[0], layout)[1]
         out = torch.empty((sum(ms), n), dtype=out_dtype, device=sa[0].device)
         start = 0
-        for a, b, bias, m in zip(A, B, bs, ms):
-            gemm(a, b, layout, out_dtype=out_dtype, bias=bias, out=out[start:start + m])
+        for e, (bias, m) in enumerate(zip(bs, ms)):
+            one(e, bias, out[start:start + m])
             start += m
         return out
     else:
@@ -501,31 +499,26 @@ def _common_backend(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorag
     return backends.pop() if len(backends) == 1 else None
 
 
-def _run_backend_per_expert(backend, sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,
-                            out_dtype: torch.dtype, biases: Sequence[Optional[torch.Tensor]]
-                            ) -> Union[torch.Tensor, list[torch.Tensor]]:
-    """``gemm()`` per expert where every pair takes one backend: its ``run`` straight on the
-    storages, without re-checking operands, keys and backend per expert (grouped_gemm checked
-    the shapes). At 64 experts ``gemm()`` per expert took 30 of an FP8 MoE step's 97 host ms
-    under cProfile on the H200, 8 of them in cuBLAS. The same results as ``gemm()``: the same
-    backend call per expert."""
+def _one_gemm(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], sa: Sequence[QuantizedStorage],
+              sb: Sequence[QuantizedStorage], layout: str, out_dtype: torch.dtype
+              ) -> Callable[[int, Optional[torch.Tensor], Optional[torch.Tensor]], torch.Tensor]:
+    """Expert e's GEMM as ``gemm()`` computes it, ``(e, bias, out) -> result``: where every pair
+    selects one backend, that backend's ``run`` straight on the storages, without re-checking
+    operands, keys and backend per expert (grouped_gemm checked the shapes; at 64 experts
+    ``gemm()`` per expert took 30 of an FP8 MoE step's 97 host ms under cProfile on the H200, 8
+    of them in cuBLAS) — the same backend call, so the same result; else ``gemm()`` itself."""
+    backend = _common_backend(sa, sb, layout)
+    if backend is None:
+        return lambda e, bias, out: gemm(A[e], B[e], layout, out_dtype=out_dtype, bias=bias, out=out)
     n = _dims(sa[0], sb[0], layout)[1]
-    for bias in biases:
+
+    def run(e: int, bias: Optional[torch.Tensor], out: Optional[torch.Tensor]) -> torch.Tensor:
         if bias is not None and tuple(bias.shape) != (n,):
             raise ValueError(f"gemm bias must have shape [{n}]; got {tuple(bias.shape)}.")
-    if layout == "NT":
-        return [backend.run(a, b, layout, out_dtype=out_dtype, bias=bias) for a, b, bias in zip(sa, sb, biases)]
-    ms = [_dims(a, b, layout)[0] for a, b in zip(sa, sb)]
-    out = torch.empty((sum(ms), n), dtype=out_dtype, device=sa[0].device)
-    start = 0
-    for a, b, bias, m in zip(sa, sb, biases, ms):
-        rows = out[start:start + m]
-        res = backend.run(a, b, layout, out_dtype=out_dtype, bias=bias,
-                          **({"out": rows} if backend.writes_out else {}))
-        if res is not rows:
-            rows.copy_(res)
-        start += m
-    return out
+        res = backend.run(sa[e], sb[e], layout, out_dtype=out_dtype, bias=bias,
+                          **({"out": out} if out is not None and backend.writes_out else {}))
+        return res if out is None or res is out else out.copy_(res)
+    return run
 
 
 def _emulated_operands(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str
