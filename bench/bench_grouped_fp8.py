@@ -39,13 +39,13 @@ def main(argv=None) -> None:
     args = parser(__doc__.splitlines()[0]).parse_args(argv)
     require_cuda()
     from hybridfp.kernels.triton_grouped_fp8 import group_amax, quantize
-    from hybridfp.quantizers.grouped_scaled import _block_offsets, _group_tensors, padded_ld
+    from hybridfp.quantizers.grouped_scaled import _block_offsets, _row_groups, padded_ld
 
     rows_out = []
     for r, c, e in ([(4096, 1024, 8)] if args.quick else SHAPES):
         x = torch.randn(r, c, device="cuda", dtype=torch.bfloat16)
         splits = splits_for(r, e)
-        group, _, _ = _group_tensors(splits, x.device)
+        group = _row_groups(splits, x.device)
         lds = [padded_ld(m) for m in splits]
         offs, total = _block_offsets([c * ld for ld in lds], 1)
         amax = group_amax(x, group, e)

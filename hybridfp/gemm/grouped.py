@@ -47,6 +47,7 @@ from __future__ import annotations
 
 from collections import Counter
 from functools import lru_cache
+from itertools import accumulate
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -257,11 +258,7 @@ def _fixed_dims(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], 
 
 
 def _offsets(sizes: Sequence[int], device: torch.device) -> torch.Tensor:
-    ends, at = [], 0
-    for m in sizes:
-        at += m
-        ends.append(at)
-    return device_tensor(ends, device, torch.int32)
+    return device_tensor(list(accumulate(sizes)), device, torch.int32)
 
 
 def _run_bf16(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,

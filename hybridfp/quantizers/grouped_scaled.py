@@ -82,13 +82,11 @@ def _reduced(q: Quantizer, amax: torch.Tensor) -> torch.Tensor:
     return amax
 
 
-def _group_tensors(splits: Sequence[int], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """(group of each row, first row of each group, rows of each group), int32 on ``device``."""
-    meta = device_tensor([_offsets(splits, 1), list(splits)], device, torch.int32)
-    start, count = meta.unbind(0)
-    group = torch.arange(len(splits), dtype=torch.int32, device=device).repeat_interleave(
+def _row_groups(splits: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The group of each row, int32 [sum(splits)] on ``device`` (one queued copy of the counts)."""
+    count = device_tensor(list(splits), device, torch.int32)
+    return torch.arange(len(splits), dtype=torch.int32, device=device).repeat_interleave(
         count, output_size=sum(splits))  # output_size: no device sync
-    return group, start, count
 
 
 def _per_row(values: torch.Tensor, counts: torch.Tensor, rows: int) -> torch.Tensor:
@@ -152,7 +150,7 @@ def _fp8_current_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], ro
     cds: Optional[list[torch.Tensor]] = None
     if kernel:
         k = fast._kernels("triton_grouped_fp8")
-        group, _, _ = _group_tensors(splits, x.device)
+        group = _row_groups(splits, x.device)
         amax = _reduced(q, k.group_amax(x, group, len(splits)))
         offs, total = _block_offsets([cols * ld for ld in lds], 1)
         rd, cd, sinv = k.quantize(x, amax, splits, q.dtype, eps=q.amax_epsilon, power_2_scale=q.force_pow_2_scales,
@@ -191,7 +189,7 @@ def _nvfp4_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], rowwise:
         raise ValueError("grouped NVFP4 encodes the rowwise copy only; quantize the columnwise copy per expert.")
     rows, cols = x.shape
     if kernel:
-        group, _, _ = _group_tensors(splits, x.device)
+        group = _row_groups(splits, x.device)
         amax = _reduced(q, fast._kernels("triton_grouped_fp8").group_amax(x, group, len(splits)))
         row_amax = amax[group]
         (data, scale), _ = fast._kernels("triton_nvfp4").quantize_1d(x, row_amax, None)
@@ -228,7 +226,7 @@ def nvfp4_mxfp8_groups(hq: Quantizer, padded: torch.Tensor, splits: Sequence[int
     rq, cq = hq.rowwise_quantizer, hq.columnwise_quantizer
     padded_splits = [ceil_div(m, 32) * 32 for m in splits]
     cols = padded.shape[1]
-    group, _, _ = _group_tensors(padded_splits, padded.device)
+    group = _row_groups(padded_splits, padded.device)
     with fast._on_device(padded):
         amax = _reduced(rq, fast._kernels("triton_grouped_fp8").group_amax(padded, group, len(splits)))
         row, col = fast._kernels("triton_hybrid_nvfp4").quantize(
