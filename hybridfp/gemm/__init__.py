@@ -6,11 +6,10 @@ from .gemm import GEMM_OF_LAYOUT, LAYOUTS, gemm, operand_storage
 # Registration order matters (later registrations take precedence): the cuBLAS FP8 backends
 # come after the BF16 tensor-core one, so they keep the pairs FP8 tensor cores serve.
 from . import bf16_tensorcore  # noqa: E402,F401  registers the exact BF16 tensor-core backend
-from .bf16_tensorcore import decodes_to_bf16, weight_decodes_cached  # noqa: E402
 from . import fast  # noqa: E402,F401  registers the cuBLAS FP8 backends
 
 __all__ = ["BACKENDS", "EMULATED", "Backend", "EmulatedGemmWarning", "GEMM_OF_LAYOUT", "LAYOUTS",
-           "decodes_to_bf16", "describe_key", "emulate", "gemm", "operand_storage", "register_backend",
-           "report_emulated", "select", "weight_decodes_cached"]
+           "describe_key", "emulate", "gemm", "operand_storage", "register_backend",
+           "report_emulated", "select"]
 from .grouped import grouped_gemm  # noqa: E402  one grouped kernel call for the experts of an MoE layer
 __all__ += ["grouped_gemm"]

@@ -15,11 +15,12 @@ computes SPEC §1's exact product. Per-tensor / per-row factors (FP8 ``scale_inv
 - elsewhere (CPU CI), by the reference: ``storage.gemm_operand(direction)`` rounded to BF16;
 - a BF16 Identity copy is its own data (a view; nothing to decode, on any device).
 
-A decoded copy kept beside the payload (``hybridfp.tensors.decoded``: written there by a
-quantize kernel in the same pass as the codes, ``Quantizer.decoded_copies``, or by an earlier
-cached decode) is used whenever it is still valid. ``cache=True`` keeps the decode made here
-too (a weight used by several micro-batches of a step is decoded once); the entry lives
-exactly as long as the copy's ``data`` tensor and is invalidated by in-place re-quantization.
+``cache=True`` memoizes the decoded copy per payload (a weight used by several micro-batches
+of a step is decoded once): the entry hangs off the copy's ``data`` tensor in a weak-keyed
+table, so it lives exactly as long as that tensor and is neither a payload tensor (not in
+``tensors()``) nor saved by ``to_state()``. It is used while every payload tensor of the copy
+is the same object with the same ``data_ptr`` and ``_version`` — in-place re-quantization
+(``copy_`` / ``update_quantized``) bumps the versions and so invalidates it.
 """
 
 from __future__ import annotations
@@ -30,14 +31,16 @@ from types import ModuleType
 from typing import Callable, Optional, Sequence
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
 from ..formats import nvfp4
 from ..tensors import Float8BlockStorage, Float8Storage, IdentityStorage, MXFP8Storage, NVFP4Storage
-from ..tensors import decoded
 from ..tensors.storage import ROWWISE, GemmOperand, QuantizedStorage
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
-#: The table of kept decoded copies (``hybridfp.tensors.decoded``), named here for tests.
-_CACHE = decoded._TABLE
+
+#: payload ``data`` tensor -> {direction: (validity key, decoded operand)}.
+_CACHE: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def bf16_exact_reason(storage: QuantizedStorage, direction: str) -> Optional[str]:
@@ -112,8 +115,7 @@ def reference_decode_bf16(storage: QuantizedStorage, direction: str) -> GemmOper
 def decode_bf16(storage: QuantizedStorage, direction: str, *, cache: bool = False) -> GemmOperand:
     """The ``direction`` copy as a GEMM reads it, block-decoded into BF16 (exact; see module doc).
 
-    A decoded copy kept for this payload (see the module doc) is returned as is. ``cache``:
-    keep the decode made here while the payload is unchanged (for weights).
+    ``cache``: reuse / keep the decoded copy while the payload is unchanged (for weights).
     """
     s = storage.part(direction)
     reason = s.bf16_exact_reason(direction)
@@ -123,13 +125,19 @@ def decode_bf16(storage: QuantizedStorage, direction: str, *, cache: bool = Fals
     view = VIEWS.get(type(s))
     if view is not None:
         return view(s, direction)
-    kept = decoded.recall(s, direction)
-    if kept is not None:
-        return kept
     on_gpu = HAVE_TRITON and s.device.type == "cuda" and type(s) not in UNVERIFIED_ON_CUDA
-    op = _run(DECODERS.get(type(s)) if on_gpu else None, s, direction)
-    if cache:
-        decoded.remember(s, direction, op)
+    decoder = DECODERS.get(type(s)) if on_gpu else None
+    if not cache:
+        return _run(decoder, s, direction)
+    data = s.payload(direction)["data"]
+    key = _validity(s, direction)
+    if key is None:  # inference tensors have no version counter: nothing to validate against
+        return _run(decoder, s, direction)
+    hit = _CACHE.get(data, {}).get(direction)
+    if hit is not None and _same(hit[0], key):
+        return hit[1]
+    op = _run(decoder, s, direction)
+    _CACHE.setdefault(data, {})[direction] = (key, op)
     return op
 
 
@@ -141,16 +149,17 @@ def decode_bf16_joined(joined: QuantizedStorage, parts: Sequence[QuantizedStorag
     new object on every call), so micro-batches reuse one decode of all the experts' weights."""
     if not cache:
         return decode_bf16(joined, direction)
-    keys = [decoded.validity(p.part(direction), direction) for p in parts]
+    keys = [_validity(p.part(direction), direction) for p in parts]
     if any(k is None for k in keys):
         return decode_bf16(joined, direction)
-    first, slot, key = parts[0].part(direction), f"joined {direction}", (tuple(joined.shape), keys)
-    hit = decoded.recall(first, direction, slot, check=lambda old: (
-        old[0] == key[0] and len(old[1]) == len(keys) and all(decoded.same(a, b) for a, b in zip(old[1], keys))))
-    if hit is not None:
-        return hit
+    data = parts[0].part(direction).payload(direction)["data"]
+    slot = f"joined {direction}"
+    hit = _CACHE.get(data, {}).get(slot)
+    if (hit is not None and hit[0][0] == tuple(joined.shape) and len(hit[0][1]) == len(keys)
+            and all(_same(a, b) for a, b in zip(hit[0][1], keys))):
+        return hit[1]
     op = decode_bf16(joined, direction)
-    decoded.remember(first, direction, op, slot, key=key)
+    _CACHE.setdefault(data, {})[slot] = ((tuple(joined.shape), keys), op)
     return op
 
 
@@ -162,6 +171,24 @@ def _run(decoder: Optional[Callable[[QuantizedStorage, str], GemmOperand]], s: Q
         return decoder(s, direction)
 
 
+def _validity(s: QuantizedStorage, direction: str) -> Optional[tuple]:
+    """What a cached decode depends on: class, shape, options and every payload tensor of the
+    copy (held, so its id cannot be recycled while the entry lives; the ``data`` tensor itself
+    is the weak key and is not held)."""
+    p = s.payload(direction)
+    if any(t.is_inference() for t in p.values()):
+        return None
+    tensors = tuple((n, None if n == "data" else t, t.data_ptr(), t._version) for n, t in sorted(p.items()))
+    return (type(s), tuple(s.shape), tuple(sorted(s.meta.items(), key=lambda kv: kv[0])), tensors)
+
+
+def _same(old: tuple, new: tuple) -> bool:
+    """Validity keys equal, payload tensors compared by identity (``==`` on tensors is elementwise)."""
+    if old[:3] != new[:3] or len(old[3]) != len(new[3]):
+        return False
+    return all(a[0] == b[0] and a[1] is b[1] and a[2:] == b[2:] for a, b in zip(old[3], new[3]))
+
+
 def clear_decode_cache() -> None:
-    """Drop every kept decoded copy (e.g. to free memory before evaluation)."""
-    decoded.clear()
+    """Drop every cached decoded copy (e.g. to free memory before evaluation)."""
+    _CACHE.clear()

@@ -52,7 +52,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from ..tensors.storage import GemmOperand, QuantizedStorage
-from .backends import Backend, FormatKey, _ieee_fp32, emulate, epilogue, register_backend, report_fallback, select
+from .backends import Backend, FormatKey, _ieee_fp32, emulate, epilogue, register_backend, report_fallback
 from .bf16_decode import decode_bf16
 from .gemm import GEMM_OF_LAYOUT, LAYOUTS
 from .split_bf16 import INEXACT, split_gemm
@@ -273,18 +273,6 @@ def run_split(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, *,
 
 BF16_TENSORCORE_BACKEND = Backend("bf16_tensorcore", supports, run)
 register_backend(BF16_TENSORCORE_BACKEND)
-
-
-def decodes_to_bf16(key_a: FormatKey, key_b: FormatKey, layout: str, device: torch.device) -> bool:
-    """Whether the GEMM of this pair on ``device`` runs on this backend, i.e. reads both copies
-    block-decoded into BF16 (so a quantizer may write those decodes in its own pass:
-    ``Quantizer.decoded_copies``)."""
-    return select(key_a, key_b, layout, device) is BF16_TENSORCORE_BACKEND
-
-
-def weight_decodes_cached() -> bool:
-    """Whether fprop / dgrad keep the weight's decoded copies (``cache_weight_decodes``)."""
-    return _CACHE_WEIGHTS[0]
 #: Disjoint from bf16_tensorcore's pairs (exactly one copy RHT'd), so the order is immaterial.
 BF16_SPLIT_RHT_BACKEND = Backend("bf16_split_rht", supports_split, run_split)
 register_backend(BF16_SPLIT_RHT_BACKEND)

@@ -262,56 +262,6 @@ def store_words_t(ptr, code, lc, c0, r, R, C, PACK: tl.constexpr):
 
 
 @triton.jit
-def _bf16_pairs(v):
-    """int32 words of a BF16 tile ``v`` [A, 2n]: elements 2i (low half) and 2i + 1, [A, n]."""
-    bits = v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    w = tl.reshape(bits, [v.shape[0], v.shape[1] // 2, 2])
-    return tl.sum(w << (tl.arange(0, 2) * 16)[None, None, :], axis=2)  # disjoint bits: sum == or
-
-
-@triton.jit
-def store_bf16_words(ptr, v, lr, r0, c0, R, C):
-    """Store a natural [BR, BC] BF16 tile ``v`` (rows ``r0 + lr``, columns ``c0 ..``; C even)
-    into the [R, C] BF16 array at ``ptr`` as int32 words, each thread's 16 consecutive values
-    as two 16-byte stores. Why: a BF16 store of the tile asks for 8 elements per thread where a
-    quantize kernel's tile holds 16 (its byte store's layout), a shared-memory conversion."""
-    BR: tl.constexpr = v.shape[0]
-    BC: tl.constexpr = v.shape[1]
-    w = tl.reshape(_bf16_pairs(v), [BR, BC // 16, 2, 4])  # [row, 16-column chunk, half, word]
-    lo, hi = tl.split(tl.permute(w, (0, 1, 3, 2)))
-    chunk = tl.arange(0, BC // 16)
-    l4 = tl.arange(0, 4)
-    col = (c0 // 2 + chunk * 8)[None, :, None] + l4[None, None, :]  # word columns of ``lo``
-    off = lr[:, None, None] * (C // 2) + col - c0 // 2
-    base = ptr.to(tl.pointer_type(tl.int32)) + r0.to(tl.int64) * (C // 2) + c0 // 2
-    rm = ((r0 + lr) < R)[:, None, None]
-    tl.store(base + off, lo, mask=rm & (col < C // 2))
-    tl.store(base + off + 4, hi, mask=rm & ((col + 4) < C // 2))
-
-
-@triton.jit
-def store_bf16_words_t(ptr, v, lc, c0, r, R, C):
-    """Store a transposed [BC, 32] BF16 tile ``v`` (rows ``r .. r + 31`` of columns ``c0 + lc``
-    of an [R, C] tensor, one column's 32 values inside one thread: ``load_rows32_t``'s layout)
-    into the [C, R] BF16 array at ``ptr`` (R even) as int32 words: four 16-byte stores per
-    thread. Why: a BF16 store of the tile itself asks for a layout with 8 elements per thread,
-    which costs a shared-memory round trip (a conversion) per tile."""
-    BC: tl.constexpr = v.shape[0]
-    g = tl.permute(tl.reshape(_bf16_pairs(v), [BC, 4, 4]), (0, 2, 1))  # [column, word j, group]
-    x0, x1 = tl.split(tl.reshape(g, [BC, 4, 2, 2]))  # groups 0, 2 | 1, 3
-    w0, w2 = tl.split(x0)
-    w1, w3 = tl.split(x1)
-    l4 = tl.arange(0, 4)
-    base = ptr.to(tl.pointer_type(tl.int32)) + c0.to(tl.int64) * (R // 2) + r // 2
-    off = tile_offsets(lc, l4, R // 2, 1)
-    cm = ((c0 + lc) < C)[:, None]
-    tl.store(base + off, w0, mask=cm & ((r // 2 + l4) < R // 2)[None, :])
-    tl.store(base + off + 4, w1, mask=cm & ((r // 2 + 4 + l4) < R // 2)[None, :])
-    tl.store(base + off + 8, w2, mask=cm & ((r // 2 + 8 + l4) < R // 2)[None, :])
-    tl.store(base + off + 12, w3, mask=cm & ((r // 2 + 12 + l4) < R // 2)[None, :])
-
-
-@triton.jit
 def clamp_sym(v, m):
     """clamp(v, -m, m) that keeps NaN (as ``torch.clamp`` does; ``tl.minimum`` would drop it)."""
     return tl.where(v > m, m, tl.where(v < -m, -m, v))

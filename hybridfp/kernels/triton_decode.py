@@ -96,23 +96,6 @@ def _pow2_scale_exact(v, e, NAN16: tl.constexpr):
 
 
 @triton.jit
-def e8m0_scaled_bits(c, e, ALL_SAFE, E5M2: tl.constexpr, NAN16: tl.constexpr):
-    """BF16 bits (int32) of FP8 code bytes ``c`` (int32) times ``2**(e - 127)``, ``e`` the E8M0
-    bytes (int32) broadcast to ``c``'s shape: what :func:`_decode_kernel` writes for an MXFP8
-    copy, bit for bit (the same two paths). ``ALL_SAFE``: no ``e`` below ``SAFE_E`` in the tile,
-    so one FP32 multiply is exact for every element. For quantize kernels that also write the
-    decoded copy (``triton_mxfp8.quantize_decoded``)."""
-    v = _fp8_f32(c, E5M2)
-    s = tl.where(e == 255, float("nan"), (e << 23).to(tl.float32, bitcast=True))
-    if ALL_SAFE:
-        bits = _top_half(v * s, NAN16)
-    else:
-        special = _top_half(v * s, NAN16)
-        bits = tl.where(e == 255, special, _pow2_scale_exact(v, e, NAN16))
-    return bits
-
-
-@triton.jit
 def _expand(s, BR: tl.constexpr, BC: tl.constexpr, SC: tl.constexpr):
     """Per-row block values ``s`` [BR, BC/SC] broadcast to the elements of a [BR, BC] tile."""
     return tl.reshape(tl.broadcast_to(s[:, :, None], (BR, BC // SC, SC)), (BR, BC))

@@ -23,9 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_decode import e8m0_scaled_bits
 from ._common import (program_tile, load_tile, DTYPE_CODE, Copies, amax_nan, check_int32_tiles, empty, f32, fp8_encode,
-                      fp8_params, hw_fp8, bf16_nan16, store_bf16_words, store_bf16_words_t, kernel_input, load_f32, load_rows32_t, store_transposed_u8,
+                      fp8_params, hw_fp8, kernel_input, load_f32, load_rows32_t, store_transposed_u8,
                       store_words_t, tile_offsets)
 
 BLOCK = 32
@@ -50,21 +49,6 @@ def _e8m0_byte(amax, RCEIL: tl.constexpr, EMAX: tl.constexpr, RCP):
 
 
 @triton.jit
-def _e8m0_value(e):
-    """FP32 ``2**(e - 127)`` of E8M0 bytes (int32; e = 0 is the FP32 subnormal 2**-127); NaN for 0xFF."""
-    bits = tl.where(e == 0, 0x400000, e << 23)
-    return tl.where(e == 0xFF, 0x7FC00000, bits).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _fp8_value(code, MBITS: tl.constexpr):
-    """FP32 values of FP8 code bytes (uint8) by the hardware conversion (exact, NaN / inf included)."""
-    if MBITS == 2:
-        return code.to(tl.float8e5, bitcast=True).to(tl.float32)
-    return code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-
-
-@triton.jit
 def _e8m0_inverse(e):
     """FP32 ``2**(127 - e)`` (exact: 2**127 .. 2**-127) of E8M0 bytes; NaN for 0xFF."""
     bits = tl.where(e == 0xFE, 0x400000, (254 - e) << 23)
@@ -81,28 +65,16 @@ def col_block_32(xt, RCEIL: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexp
 
 
 @triton.jit
-def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, rb_ptr, cb_ptr, R, C, sxr, sxc: tl.constexpr, RCP,
+def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.constexpr, RCP,
                      ROW: tl.constexpr, COL: tl.constexpr, RCEIL: tl.constexpr,
                      EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
                      FP8_MAX: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr,
-                     BC: tl.constexpr, PACK: tl.constexpr, HW: tl.constexpr,
-                     ROW_BF16: tl.constexpr = False, COL_BF16: tl.constexpr = False,
-                     NAN16: tl.constexpr = 0, R_EVEN: tl.constexpr = False, C_EVEN: tl.constexpr = False):
+                     BC: tl.constexpr, PACK: tl.constexpr, HW: tl.constexpr):
     """One [BR, BC] tile per program. Rowwise 1x32 blocks from the natural tile (a block's 32
     columns sit in a few neighbouring threads); columnwise 32x1 blocks from transposed
     [BC, 32] tiles re-read from cache (``_common.load_rows32_t``: register-local block amax,
     word stores), one per 32 rows. (Transposing each 32-row slice in registers instead,
-    ``tl.trans``, measured 0.181 vs 0.142 ms row+col on the H200: not kept.)
-
-    ``ROW_BF16`` / ``COL_BF16``: also write that copy block-decoded into BF16 (at ``rb_ptr``
-    [R, C] / ``cb_ptr`` [C, R], the layouts ``triton_decode.decode_mxfp8`` gives), from the
-    codes and scales still in registers. On the GPU (``HW``): the hardware FP8 -> FP32
-    conversion, one IEEE FP32 multiply by the block's 2**(e - 127) and the RNE conversion to
-    BF16 — exact for BF16-normal values, and for tiny blocks the same two roundings (FP32
-    subnormal, then BF16) as the reference, since Triton does not flush FP32 subnormals; the
-    GPU tests hold it to the decode kernel's integer path bit for bit. Under the interpreter
-    (whose FP8 and BF16 casts are not IEEE): ``triton_decode.e8m0_scaled_bits``, the decode
-    kernel's own arithmetic (as bits)."""
+    ``tl.trans``, measured 0.181 vs 0.142 ms row+col on the H200: not kept.)"""
     pr, pc = program_tile(C, BR, BC)
     r0, c0 = pr * BR, pc * BC
     lc = tl.arange(0, BC)
@@ -116,20 +88,6 @@ def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, rb_ptr, cb_ptr, R, C
         y = tl.reshape(xb * _e8m0_inverse(e)[:, :, None], [BR, BC])
         code = fp8_encode(y, FP8_MAX, MBITS, BIAS, HW)
         tl.store(rd_ptr + r0.to(tl.int64) * C + c0 + tile_offsets(lr, lc, C, 1), code, mask=mask)
-        if ROW_BF16:
-            if HW:
-                # The block values broadcast the way ``y`` was (from xb's layout, then the same
-                # reshape), so they share the codes' register layout: no shared-memory shuffle.
-                sv = tl.reshape(tl.broadcast_to(_e8m0_value(e)[:, :, None], [BR, BC // _BLOCK, _BLOCK]), [BR, BC])
-                out = (_fp8_value(code, MBITS) * sv).to(tl.bfloat16)
-            else:
-                ee = tl.reshape(tl.broadcast_to(e[:, :, None], (BR, BC // _BLOCK, _BLOCK)), (BR, BC))
-                out = e8m0_scaled_bits(code.to(tl.int32), ee, tl.min(tl.min(e, 1), 0) >= BIAS + MBITS,
-                                       MBITS == 2, NAN16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            if C_EVEN:
-                store_bf16_words(rb_ptr, out, lr, r0, c0, R, C)
-            else:
-                tl.store(rb_ptr + r0.to(tl.int64) * C + c0 + tile_offsets(lr, lc, C, 1), out, mask=mask)
         nbc = tl.cdiv(C, _BLOCK)
         lb = tl.arange(0, BC // _BLOCK)
         smask = ((r0 + lr) < R)[:, None] & ((pc * (BC // _BLOCK) + lb) < nbc)[None, :]
@@ -142,20 +100,6 @@ def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, rb_ptr, cb_ptr, R, C
             xt = load_rows32_t(xbase, b * _BLOCK, lc, R - r0, cmask, sxr, sxc, DTYPE)
             e, code = col_block_32(xt, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW)
             store_words_t(cd_ptr, code, lc, c0, r0 + b * _BLOCK, R, C, PACK)
-            if COL_BF16:
-                if HW:
-                    out = (_fp8_value(code, MBITS) * _e8m0_value(e)[:, None]).to(tl.bfloat16)
-                else:
-                    out = e8m0_scaled_bits(code.to(tl.int32), tl.broadcast_to(e[:, None], (BC, _BLOCK)),
-                                           tl.min(e, 0) >= BIAS + MBITS, MBITS == 2, NAN16)
-                    out = out.to(tl.int16).to(tl.bfloat16, bitcast=True)
-                rb = r0 + b * _BLOCK
-                if R_EVEN:
-                    store_bf16_words_t(cb_ptr, out, lc, c0, rb, R, C)
-                else:
-                    l32 = tl.arange(0, _BLOCK)
-                    tl.store(cb_ptr + c0.to(tl.int64) * R + rb + tile_offsets(lc, l32, R, 1), out,
-                             mask=cmask[:, None] & ((rb + l32) < R)[None, :])
             blk = pr * (BR // _BLOCK) + b
             tl.store(cs_ptr + (c0 + lc).to(tl.int64) * nbr + blk, e.to(tl.uint8),
                      mask=cmask & ((lc * 0 + blk) < nbr))  # a vector test: see _common._row
@@ -196,31 +140,8 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
     layout it is written for; 2D (64, 64) / 8 warps, the H200 sweep's fastest); ``pack``: write
     the transposed copy as int32 words of 4 rows when R % 4 == 0 (same bytes).
     """
-    row, col, _, _ = quantize_decoded(x2, dtype, rule=rule, block_2d=block_2d, rowwise=rowwise,
-                                      columnwise=columnwise, block=block, num_warps=num_warps, pack=pack)
-    return row, col
-
-
-def quantize_decoded(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block_2d: bool = False,
-                     rowwise: bool = True, columnwise: bool = True, decoded_rowwise: bool = False,
-                     decoded_columnwise: bool = False, block: Optional[tuple[int, int]] = None,
-                     num_warps: Optional[int] = None, pack: bool = True
-                     ) -> tuple[Optional[tuple[torch.Tensor, torch.Tensor]], Optional[tuple[torch.Tensor, torch.Tensor]],
-                                Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """:func:`quantize`, plus (1D only) each copy asked for in ``decoded_rowwise`` /
-    ``decoded_columnwise`` block-decoded into BF16 in the same pass: ``(row, col, row_bf16,
-    col_bf16)``, the decoded copies [rows, cols] / [cols, rows] bitwise
-    ``triton_decode.decode_mxfp8`` of the codes (None where not asked). Why: a GEMM on the BF16
-    tensor-core path (Hopper has no MXFP8 MMA) decodes each copy it reads; written here, the
-    copy is not read back from memory for a separate decode pass."""
     if rule not in ("rceil", "floor"):
         raise ValueError(f"rule={rule!r} is unknown; use 'rceil' or 'floor'.")
-    if (decoded_rowwise and not rowwise) or (decoded_columnwise and not columnwise):
-        raise ValueError("quantize_decoded: a decoded copy needs its quantized copy (decoded_rowwise needs "
-                         "rowwise=True, decoded_columnwise needs columnwise=True).")
-    if block_2d and (decoded_rowwise or decoded_columnwise):
-        raise ValueError("quantize_decoded: decoded copies are written by the 1D (1x32) kernel only; "
-                         "decode a 32x32-block copy with triton_decode.decode_mxfp8(block_2d=True).")
     rows, cols = x2.shape
     br, bc = block or ((64, 64) if block_2d else (64, 128))
     if br % BLOCK or bc % BLOCK:
@@ -236,25 +157,17 @@ def quantize_decoded(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil
     if columnwise:
         col = (empty((cols, rows), dtype=dtype, device=dev),
                empty((nbc, nbr) if block_2d else (cols, nbr), dtype=torch.uint8, device=dev))
-    row_bf16 = empty((rows, cols), torch.bfloat16, dev) if decoded_rowwise else None
-    col_bf16 = empty((cols, rows), torch.bfloat16, dev) if decoded_columnwise else None
     if x2.numel() == 0:
-        return row, col, row_bf16, col_bf16
+        return row, col
     dummy = torch.empty(1, dtype=torch.uint8, device=dev)
     rd, rs = (row[0].view(torch.uint8), row[1]) if row else (dummy, dummy)
     cd, cs = (col[0].view(torch.uint8), col[1]) if col else (dummy, dummy)
+    kernel = _mxfp8_2d_kernel if block_2d else _mxfp8_1d_kernel
     grid = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)
-    common = dict(ROW=rowwise, COL=columnwise, RCEIL=rule == "rceil", EMAX={3: 8, 2: 15}[mbits], MBITS=mbits,
-                  BIAS=bias, FP8_MAX=fmax, DTYPE=DTYPE_CODE[x2.dtype], BR=br, BC=bc,
-                  PACK=pack and rows % 4 == 0, HW=hw_fp8(dev))
-    args = (kernel_input(x2), rd, rs, cd, cs)
-    tail = (rows, cols, x2.stride(0), x2.stride(1), f32(1.0 / fmax))
-    if block_2d:
-        _mxfp8_2d_kernel[grid](*args, *tail, **common, num_warps=num_warps or 8)
-    else:
-        decoded = tuple(dummy if t is None else t for t in (row_bf16, col_bf16))
-        _mxfp8_1d_kernel[grid](*args, *decoded, *tail, **common, ROW_BF16=decoded_rowwise,
-                               COL_BF16=decoded_columnwise, NAN16=bf16_nan16(dev), R_EVEN=rows % 2 == 0,
-                               C_EVEN=cols % 2 == 0,
-                               num_warps=num_warps or min(max(bc // 32, 1), 8))
-    return row, col, row_bf16, col_bf16
+    extra = {"num_warps": num_warps or (8 if block_2d else min(max(bc // 32, 1), 8))}
+    kernel[grid](kernel_input(x2), rd, rs, cd, cs, rows, cols, x2.stride(0), x2.stride(1), f32(1.0 / fmax),
+                 ROW=rowwise, COL=columnwise, RCEIL=rule == "rceil",
+                 EMAX={3: 8, 2: 15}[mbits], MBITS=mbits, BIAS=bias, FP8_MAX=fmax,
+                 DTYPE=DTYPE_CODE[x2.dtype], BR=br, BC=bc,
+                 PACK=pack and rows % 4 == 0, HW=hw_fp8(dev), **extra)
+    return row, col

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..gemm import decodes_to_bf16, report_emulated, weight_decodes_cached
+from ..gemm import report_emulated
 from ..quantizers import Quantizer
 from ..recipes import AutocastState, QuantizerRole
 from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
@@ -33,9 +33,6 @@ class QuantizedModule(nn.Module):
 
     module_type = "linear"
     in_features: int  # set by every subclass
-    #: Whether this module's quantize calls may write the BF16 decodes its GEMMs read
-    #: (``Quantizer.decoded_copies``; see :meth:`_set_decoded_copies`).
-    writes_decoded_copies = True
 
     def __init__(self, name: Optional[str] = None, num_quantizer_sets: int = 1) -> None:
         super().__init__()
@@ -109,7 +106,6 @@ class QuantizedModule(nn.Module):
             self._quantizers, self._qkey = built, key
             self._wcache.clear()
             self._report_emulated(built)
-            self._set_decoded_copies(built)
         versions = tuple(q.state_version() for qs in self._quantizers.values() for q in qs)
         if not state.replay:
             self._forward_versions = versions
@@ -132,26 +128,6 @@ class QuantizedModule(nn.Module):
             qa, qb = built[slot_a][0], built[slot_b][0]
             report_emulated(gemm_name, self.name or self.module_type, qa.format_key(dir_a),
                             qb.format_key(dir_b), layout, device)
-
-    def _set_decoded_copies(self, built: dict[str, list[Quantizer]]) -> None:
-        """Have each quantize pass also write the BF16 decode of every copy that a GEMM on the
-        BF16 tensor-core path reads right away (fprop: x.rowwise, W.rowwise; dgrad: dy.rowwise,
-        W.columnwise; wgrad: dy.columnwise), so that GEMM skips a decode pass. Not x.columnwise:
-        it waits for backward, where a BF16 copy would hold twice an FP8 copy's memory. Weights
-        only while the GEMMs keep weight decodes (``cache_weight_decodes``), which they would
-        hold anyway."""
-        device = self._device()
-        wanted: dict[str, set[str]] = {slot: set() for slot in built}
-        for _, layout, (slot_a, dir_a), (slot_b, dir_b) in GEMMS if self.writes_decoded_copies else ():
-            qa, qb = built[slot_a][0], built[slot_b][0]
-            if not decodes_to_bf16(qa.format_key(dir_a), qb.format_key(dir_b), layout, device):
-                continue
-            for slot, direction in ((slot_a, dir_a), (slot_b, dir_b)):
-                if (slot, direction) != ("input", COLUMNWISE) and (slot != "weight" or weight_decodes_cached()):
-                    wanted[slot].add(direction)
-        for slot, qs in built.items():
-            for q in qs:
-                q.decoded_copies = frozenset(wanted[slot])
 
     def _device(self) -> torch.device:
         p = next(self.parameters(), None)

@@ -172,9 +172,6 @@ class GroupedLinear(QuantizedModule):
     and ``bias{i}``, TransformerEngine's names)."""
 
     module_type = "grouped_linear"
-    #: The experts' copies are encoded together (quantize_grouped) and decoded together
-    #: (grouped_gemm's joined decodes): per-expert decoded copies would not be read.
-    writes_decoded_copies = False
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True, *,
                  params_dtype: Optional[torch.dtype] = None, device: Optional[torch.device | str] = None,

@@ -51,11 +51,6 @@ class Quantizer(ABC):
     #: Whether running the PyTorch reference on a GPU is a slow fallback worth reporting
     #: (False for the passthrough and for the hybrid, whose children report themselves).
     has_fast_kernels: ClassVar[bool] = True
-    #: Directions whose copy the quantize kernel also writes block-decoded into BF16, kept
-    #: beside the payload (``hybridfp.tensors.decoded``) for a GEMM on the BF16 tensor-core
-    #: path, which then skips its own decode pass. Set by modules for the copies such a GEMM
-    #: reads right away; a kernel that cannot write it ignores it (the GEMM decodes as usual).
-    decoded_copies: frozenset[str] = frozenset()
 
     def __init__(self, *, rowwise: bool = True, columnwise: bool = True) -> None:
         self.rowwise_usage = bool(rowwise)

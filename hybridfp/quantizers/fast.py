@@ -16,8 +16,7 @@ reports the fallback to the reference:
 | Float8CurrentScalingQuantizer  | amax pass + one cast pass writing data and its transpose  |
 | Float8Quantizer (delayed)      | one cast pass writing both copies, amax recorded          |
 | Float8BlockQuantizer           | 1D (1x128 + 128x1 transposed) and 2D (128x128), one pass  |
-| MXFP8Quantizer                 | 1D (1x32 + 32x1 transposed) and 2D (32x32), one pass; 1D  |
-|                                | also writes the BF16 decode of ``decoded_copies``         |
+| MXFP8Quantizer                 | 1D (1x32 + 32x1 transposed) and 2D (32x32), one pass      |
 | NVFP4Quantizer                 | amax pass + one cast pass: 1D (RHT fused on the columnwise |
 |                                | copy, post-RHT amax in the amax pass), row-scaled, 2D;    |
 |                                | stochastic rounding with in-kernel Philox draws           |
@@ -48,8 +47,7 @@ from typing import Any, Callable, Hashable, Optional
 import torch
 
 from ..formats.common import HIGH_PRECISION_DTYPES, as_2d
-from ..tensors import Float8BlockStorage, Float8Storage, HybridStorage, MXFP8Storage, NVFP4Storage, decoded
-from ..tensors.storage import COLUMNWISE, ROWWISE, GemmOperand
+from ..tensors import Float8BlockStorage, Float8Storage, HybridStorage, MXFP8Storage, NVFP4Storage
 from .base import all_reduce_amax
 from .backends import (QuantizeKernel, hybrid_quantize_kernel, register_hybrid_quantize_kernel,
                        register_kernel_key, register_quantize_kernel)
@@ -141,20 +139,12 @@ def _mxfp8_run(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool,
                seed: Optional[int] = None):
     if x.numel() == 0:
         return q.reference_encode(x, rowwise, columnwise, seed)
-    # Decoded copies (q.decoded_copies) come from the 1D kernel only; a 2D quantizer's GEMM
-    # decodes its copies as usual.
-    emit = not q.with_2d_quantization
     with _on_device(x):
-        row, col, row_bf16, col_bf16 = _kernels("triton_mxfp8").quantize_decoded(
-            as_2d(x), q.dtype, rule=q.scale_rule, block_2d=q.with_2d_quantization, rowwise=rowwise,
-            columnwise=columnwise, decoded_rowwise=emit and rowwise and ROWWISE in q.decoded_copies,
-            decoded_columnwise=emit and columnwise and COLUMNWISE in q.decoded_copies)
-    s = MXFP8Storage(x.shape, x.dtype, _payload(row, "data", "scale"), _payload(col, "data", "scale"),
-                     label=q.label, **q.storage_meta())
-    for direction, values in ((ROWWISE, row_bf16), (COLUMNWISE, col_bf16)):
-        if values is not None:
-            decoded.remember(s, direction, GemmOperand(values, None, values.shape[1]))
-    return s
+        row, col = _kernels("triton_mxfp8").quantize(as_2d(x), q.dtype, rule=q.scale_rule,
+                                         block_2d=q.with_2d_quantization, rowwise=rowwise,
+                                         columnwise=columnwise)
+    return MXFP8Storage(x.shape, x.dtype, _payload(row, "data", "scale"), _payload(col, "data", "scale"),
+                        label=q.label, **q.storage_meta())
 
 
 # ---------------------------------------------------------------------------- NVFP4

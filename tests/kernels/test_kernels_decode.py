@@ -174,9 +174,7 @@ def test_cache_hits_until_the_payload_changes_in_place():
     s = w.qstorage
     first = decode_bf16(s, ROWWISE, cache=True)
     assert decode_bf16(s, ROWWISE, cache=True) is first
-    assert decode_bf16(s, ROWWISE) is first  # a kept decode serves cache=False too
-    fresh = _mx_weight().qstorage
-    assert decode_bf16(fresh, ROWWISE) is not decode_bf16(fresh, ROWWISE)  # cache=False keeps nothing
+    assert decode_bf16(s, ROWWISE) is not first  # cache=False never reuses
     # Rebuilt from the same payload tensors (how backward re-assembles saved weights): a hit.
     rebuilt = s.with_tensors(s.tensors())
     assert decode_bf16(rebuilt, ROWWISE, cache=True) is first
