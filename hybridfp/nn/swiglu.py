@@ -33,6 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from ..recipes import current_autocast
+from ..tensors import known_amax
+
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 #: Dtypes the CUDA kernels take.
 KERNEL_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
@@ -79,14 +82,24 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 class SwiGLUFunction(torch.autograd.Function):
-    """``silu(g) * u``; saves g and u (no other activation) and recomputes silu in backward."""
+    """``silu(g) * u``; saves g and u (no other activation) and recomputes silu in backward.
+
+    Inside an autocast region the kernels also record the amax of h (forward) and of dg, du
+    (backward) beside those tensors (``hybridfp.tensors.known_amax``), so a per-tensor
+    current-scaling quantizer of the next GEMM skips its amax pass over them."""
 
     @staticmethod
     def forward(ctx: Any, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(g, u)
+        ctx.record_amax = current_autocast() is not None
         if not _uses_kernels(g):
             return F.silu(g) * u
-        return _kernels().swiglu_forward(_rows(g), _rows(u)).view(g.shape)
+        k = _kernels()
+        buf = k.amax_buffer(g, 1) if ctx.record_amax else None
+        h = k.swiglu_forward(_rows(g), _rows(u), amax_out=buf)
+        if buf is not None:
+            known_amax.remember(h, buf[0].view(torch.float32))
+        return h.view(g.shape)
 
     @staticmethod
     @once_differentiable
@@ -94,7 +107,12 @@ class SwiGLUFunction(torch.autograd.Function):
         g, u = ctx.saved_tensors
         need_g, need_u = ctx.needs_input_grad
         if _uses_kernels(g):  # one pass writes both (a second output costs less than a second pass)
-            dg, du = _kernels().swiglu_backward(_rows(dh), _rows(g), _rows(u))
+            k = _kernels()
+            buf = k.amax_buffer(g, 2) if ctx.record_amax else None
+            dg, du = k.swiglu_backward(_rows(dh), _rows(g), _rows(u), amax_out=buf)
+            if buf is not None:
+                known_amax.remember(dg, buf[0].view(torch.float32))
+                known_amax.remember(du, buf[1].view(torch.float32))
             dg, du = dg.view(g.shape), du.view(g.shape)
         else:  # exactly eager autograd's ops for F.silu(g) * u
             du = dh * F.silu(g) if need_u else None

@@ -14,6 +14,7 @@ reports the fallback to the reference:
 | quantizer                      | kernel                                                    |
 |--------------------------------|-----------------------------------------------------------|
 | Float8CurrentScalingQuantizer  | amax pass + one cast pass writing data and its transpose  |
+|                                | (no amax pass for a tensor whose amax is ``known_amax``)  |
 | Float8Quantizer (delayed)      | one cast pass writing both copies, amax recorded          |
 | Float8BlockQuantizer           | 1D (1x128 + 128x1 transposed) and 2D (128x128), one pass  |
 | MXFP8Quantizer                 | 1D (1x32 + 32x1 transposed) and 2D (32x32), one pass      |
@@ -47,7 +48,7 @@ from typing import Any, Callable, Hashable, Optional
 import torch
 
 from ..formats.common import HIGH_PRECISION_DTYPES, as_2d
-from ..tensors import Float8BlockStorage, Float8Storage, HybridStorage, MXFP8Storage, NVFP4Storage
+from ..tensors import Float8BlockStorage, Float8Storage, HybridStorage, MXFP8Storage, NVFP4Storage, known_amax
 from .base import all_reduce_amax
 from .backends import (QuantizeKernel, hybrid_quantize_kernel, register_hybrid_quantize_kernel,
                        register_kernel_key, register_quantize_kernel)
@@ -98,7 +99,13 @@ def _fp8_current_run(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool,
         return q.reference_encode(x, rowwise, columnwise, seed)
     x2 = as_2d(x)
     with _on_device(x):
-        amax = _reduce(_kernels("_common").global_amax(x2), q)
+        # An amax recorded by the kernel that wrote x (the fused SwiGLU) saves a read of x; it
+        # is cloned before an in-place all-reduce so the recorded value stays x's own.
+        known = known_amax.recall(x2)
+        if known is None:
+            amax = _reduce(_kernels("_common").global_amax(x2), q)
+        else:
+            amax = _reduce(known.clone() if q.with_amax_reduction else known, q)
         rd, cd, scale_inv, _ = _kernels("triton_fp8_tensorwise").quantize(
             x2, q.dtype, amax=amax, eps=q.amax_epsilon, power_2_scale=q.force_pow_2_scales,
             rowwise=rowwise, columnwise=columnwise)

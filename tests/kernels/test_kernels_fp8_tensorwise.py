@@ -144,6 +144,41 @@ def test_fp8_current_gpu_bitwise(config, shape):
     check_gpu(Float8CurrentScalingQuantizer(**CURRENT[config]), gpu_input(shape, torch.bfloat16, specials=True))
 
 
+@interpreter_only
+@pytest.mark.parametrize("tile", [(64, 64), (32, 64), (128, 64)], ids=str)
+def test_fp8_current_kernel_tiles(tile):
+    """Tiles other than the default (the GPU shape sweep's candidates), both copies, bitwise."""
+    from hybridfp.kernels import _common, triton_fp8_tensorwise
+    x = edge_tensor((70, 96), torch.bfloat16, seed=9, specials=True)
+    want = Float8CurrentScalingQuantizer().reference_encode(x, True, True)
+    rd, cd, sinv, _ = triton_fp8_tensorwise.quantize(x, E4M3, amax=_common.global_amax(x), block=tile, num_warps=2)
+    assert_tensor_bitwise(rd, want.payload("rowwise")["data"], "rowwise")
+    assert_tensor_bitwise(cd, want.payload("columnwise")["data"], "columnwise")
+    assert_tensor_bitwise(sinv, want.payload("rowwise")["scale_inv"], "scale_inv")
+
+
+@gpu
+@pytest.mark.parametrize("tile", [((64, 64), 4), ((32, 64), 2), ((64, 64), 2), ((32, 64), 4), ((128, 64), 4),
+                                  ((128, 64), 8), ((64, 128), 4), ((32, 128), 4), ((64, 128), 8)], ids=str)
+@pytest.mark.parametrize("shape", [(4096, 4096), (1000, 4160)], ids=str)
+def test_fp8_current_gpu_tiles(shape, tile):
+    """Every tile the shape sweep (bench/bench_fp8_shapes.py) tries, both copies and each alone,
+    bitwise the reference, outputs poisoned (a partial last row tile at 1000 rows)."""
+    from hybridfp.kernels import _common, triton_fp8_tensorwise
+    x = gpu_input(shape, torch.bfloat16, specials=True)
+    q = Float8CurrentScalingQuantizer(E5M2)
+    want = q.reference_encode(x, True, True)
+    amax = _common.global_amax(x)
+    for rowwise, columnwise in ((True, True), (True, False), (False, True)):
+        with _common.poisoned_outputs():
+            rd, cd, sinv, _ = triton_fp8_tensorwise.quantize(x, E5M2, amax=amax, block=tile[0], num_warps=tile[1],
+                                                             rowwise=rowwise, columnwise=columnwise)
+        for got, d in ((rd, "rowwise"), (cd, "columnwise")):
+            if got is not None:
+                assert_tensor_bitwise(got, want.payload(d)["data"], f"{tile} {d}")
+        assert_tensor_bitwise(sinv, want.payload("rowwise")["scale_inv"], f"{tile} scale_inv")
+
+
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_fp8_current_gpu_dtypes(dtype):

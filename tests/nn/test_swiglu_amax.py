@@ -1,0 +1,178 @@
+"""The fused SwiGLU records the amax of what it writes (h forward, dg / du backward) beside those
+tensors (``hybridfp.tensors.known_amax``), and FP8 current scaling uses it instead of its own
+amax pass: the amax bitwise ``_common.global_amax``'s, the quantized tensors bitwise the
+reference's, and (GPU) an MLP step bitwise the step without the recording, with three amax
+passes fewer."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # the kernels run in Triton's interpreter without CUDA
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import triton.language.standard  # noqa: E402
+
+import hybridfp  # noqa: E402
+from hybridfp import Float8CurrentScaling, Float8CurrentScalingQuantizer, autocast  # noqa: E402
+from hybridfp.kernels import _common, triton_swiglu  # noqa: E402
+from hybridfp.kernels._common import poisoned_outputs  # noqa: E402
+from hybridfp.quantizers import fast  # noqa: E402
+from hybridfp.quantizers.backends import kernels_enabled  # noqa: E402
+from hybridfp.tensors import known_amax  # noqa: E402
+
+INTERPRET = (os.environ.get("TRITON_INTERPRET") == "1"
+             and type(triton.language.standard.cdiv).__name__ == "InterpretedFunction")
+interpreter_only = pytest.mark.skipif(not INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1")
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+swiglu_module = __import__("hybridfp.nn.swiglu", fromlist=["swiglu"])
+
+
+def _inputs(shape, dtype, device="cpu", specials=False):
+    g = torch.Generator().manual_seed(shape[0] * 31 + shape[1])
+    t = [(torch.randn(shape, generator=g) * 4).to(dtype) for _ in range(3)]
+    if specials:
+        t[0][0, 0], t[1][-1, -1], t[2][shape[0] // 2, 1] = float("inf"), -float("inf"), float("nan")
+    return [x.to(device) for x in t]
+
+
+def _bits(a: torch.Tensor) -> int:
+    return int(a.view(torch.int32))
+
+
+def _check_kernel_amaxes(shape, dtype, device, specials=False):
+    g, u, dh = _inputs(shape, dtype, device, specials)
+    buf = triton_swiglu.amax_buffer(g, 1)
+    h = triton_swiglu.swiglu_forward(g, u, amax_out=buf)
+    assert torch.equal(h, triton_swiglu.swiglu_forward(g, u)) or specials  # NaN != NaN
+    assert _bits(buf[0]) == _bits(_common.global_amax(h)), "h"
+    buf2 = triton_swiglu.amax_buffer(g, 2)
+    dg, du = triton_swiglu.swiglu_backward(dh, g, u, amax_out=buf2)
+    assert _bits(buf2[0]) == _bits(_common.global_amax(dg)), "dg"
+    assert _bits(buf2[1]) == _bits(_common.global_amax(du)), "du"
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 5), (9, 40), (20, 3000)], ids=str)
+def test_kernel_amax_is_global_amax_bitwise(shape, dtype):
+    """Rows not a multiple of the 8 rows per program, columns not of the block, several programs."""
+    _check_kernel_amaxes(shape, dtype, "cpu")
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_kernel_amax_nan_and_inf(dtype):
+    _check_kernel_amaxes((12, 64), dtype, "cpu", specials=True)
+    g = torch.full((4, 8), 1e38).to(dtype)  # FP16 h overflows to inf: the STORED values' amax
+    buf = triton_swiglu.amax_buffer(g, 1)
+    h = triton_swiglu.swiglu_forward(g, g, amax_out=buf)
+    assert _bits(buf[0]) == _bits(_common.global_amax(h))
+
+
+@interpreter_only
+def test_kernels_refuse_a_wrong_amax_buffer():
+    g = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="amax_out must be amax_buffer"):
+        triton_swiglu.swiglu_forward(g, g, amax_out=torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="amax_out must be amax_buffer"):
+        triton_swiglu.swiglu_backward(g, g, g, amax_out=torch.zeros(2))
+
+
+def test_known_amax_follows_views_and_versions():
+    x = torch.randn(6, 8)
+    a = torch.tensor(3.0)
+    known_amax.remember(x, a)
+    assert known_amax.recall(x.view(2, 3, 8)) is a and known_amax.recall(x.reshape(48)) is a
+    assert known_amax.recall(x[1:]) is None and known_amax.recall(x.t()) is None
+    assert known_amax.recall(x.clone()) is None
+    x.view(48)[0] = 1.0  # an in-place write through a view bumps the shared version
+    assert known_amax.recall(x) is None
+    with pytest.raises(ValueError, match="0-d float32"):
+        known_amax.remember(x, torch.tensor([1.0]))
+
+
+@interpreter_only
+def test_swiglu_records_inside_autocast_only(monkeypatch):
+    monkeypatch.setattr(swiglu_module, "_uses_kernels", lambda g: True)
+    g, u, dh = (t.requires_grad_() for t in _inputs((10, 48), torch.bfloat16))
+    h = hybridfp.swiglu(g, u)
+    assert known_amax.recall(h) is None
+    with autocast(recipe=Float8CurrentScaling()):
+        h = hybridfp.swiglu(g, u)
+    assert _bits(known_amax.recall(h)) == _bits(_common.global_amax(h.detach()))
+    h.backward(dh)
+    for t in (g.grad, u.grad):
+        assert _bits(known_amax.recall(t)) == _bits(_common.global_amax(t))
+
+
+@interpreter_only
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_fp8_current_uses_the_known_amax(fp8, monkeypatch):
+    """The quantizer takes the recorded amax (its own amax pass is not run) and its result is
+    the reference's, bitwise; a stale record (in-place write) is not used."""
+    monkeypatch.setattr(fast, "_device_ok", lambda x: True)
+    g, u, _ = _inputs((24, 64), torch.bfloat16)
+    buf = triton_swiglu.amax_buffer(g, 1)
+    h = triton_swiglu.swiglu_forward(g, u, amax_out=buf)
+    known_amax.remember(h, buf[0].view(torch.float32))
+    q = Float8CurrentScalingQuantizer(fp8)
+    with kernels_enabled(False):
+        want = q.quantize(h).qstorage
+    calls = []
+    orig = _common.global_amax
+    monkeypatch.setattr(_common, "global_amax", lambda x, **kw: calls.append(1) or orig(x, **kw))
+    got = q.quantize(h.view(4, 6, 64)).qstorage
+    assert calls == []
+    for d in ("rowwise", "columnwise"):
+        for name, t in want.payload(d).items():
+            a, b = got.payload(d)[name].reshape(-1), t.reshape(-1)
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (d, name)
+    h.mul_(2)
+    q.quantize(h)
+    assert calls == [1]
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self, d: int, f: int) -> None:
+        super().__init__()
+        kw = dict(bias=False, params_dtype=torch.bfloat16, device="cuda")
+        self.gate, self.up, self.down = (hybridfp.Linear(d, f, **kw), hybridfp.Linear(d, f, **kw),
+                                         hybridfp.Linear(f, d, **kw))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(hybridfp.swiglu(self.gate(x), self.up(x)))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("rows", [4096, 1000])
+def test_gpu_mlp_step_bitwise_with_three_amax_passes_fewer(rows, monkeypatch):
+    torch.manual_seed(0)
+    base = _MLP(1024, 2816)
+    x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+    calls: list[int] = []
+    orig = _common.global_amax
+    monkeypatch.setattr(_common, "global_amax", lambda t, **kw: calls.append(1) or orig(t, **kw))
+    results, counts = [], []
+    for record in (True, False):
+        if not record:
+            monkeypatch.setattr(known_amax, "recall", lambda t: None)
+        m = copy.deepcopy(base)
+        xi = x.clone().requires_grad_()
+        calls.clear()
+        with poisoned_outputs(), autocast(recipe=Float8CurrentScaling()):
+            y = m(xi)
+        y.backward(dy)
+        results.append((y, xi.grad, [p.grad for p in m.parameters()]))
+        counts.append(len(calls))
+    (y1, dx1, g1), (y0, dx0, g0) = results
+    assert torch.equal(y1, y0) and torch.equal(dx1, dx0)
+    assert all(torch.equal(a, b) for a, b in zip(g1, g0))
+    assert counts[0] == counts[1] - 3, counts  # h, d-gate, d-up
