@@ -17,7 +17,7 @@ from bench.common import environment, finish, md_table, parser, require_cuda
 #: x / dy, h / d-gate / d-up, W1 / W3, W2
 SHAPES = [(16384, 4096), (16384, 14336), (14336, 4096), (4096, 14336)]
 #: (tile, warps) for both copies, the default first; one copy (rowwise), the default first
-TILES = [((64, 128), 8), ((64, 64), 4), ((32, 64), 2), ((64, 64), 2), ((32, 64), 4), ((128, 64), 4),
+TILES = [((128, 64), 4), ((64, 128), 8), ((64, 64), 4), ((32, 64), 2), ((64, 64), 2), ((32, 64), 4),
          ((128, 64), 8), ((64, 128), 4), ((128, 128), 8)]
 ROW_TILES = [((32, 128), 4), ((64, 64), 4), ((32, 64), 2), ((64, 128), 8)]
 

@@ -72,9 +72,11 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, amax: Optional[torch.Tenso
     compile in a never-taken rowwise store, which keeps the tile in the coalesced natural
     layout (without it Triton 3.6 lays the tile out for the transposed store: 0.179 ms vs
     0.084 ms for both copies at 16384x4096 on the H200). ``block`` / ``num_warps``: default
-    the H200 sweep's fastest (device time of the cast pass at 16384x4096 BF16, 2026-11-30):
-    both copies (64, 128) / 8 warps (95 % of copy vs 91 % at (32, 128) / 4), one copy
-    (32, 128) / 4 warps.
+    the H200's fastest (CUDA-graph device time at the Llama-3-8B MLP's four operand shapes,
+    E4M3 and E5M2, ``bench/bench_fp8_shapes.py``, 2026-12-01): both copies (128, 64) / 4 warps,
+    0.86-0.89 of copy bandwidth against 0.62-0.68 for the previous (64, 128) / 8 (whose 95 %
+    in the single-shape sweep did not hold at these shapes); one copy (32, 128) / 4 warps,
+    0.97 (rowwise).
     """
     if (amax is None) == (scale is None):
         raise ValueError("pass exactly one of amax (current scaling) or scale (delayed scaling).")
@@ -95,9 +97,9 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, amax: Optional[torch.Tenso
         recorded = torch.zeros((), dtype=torch.int32, device=dev)
         amax_buf, scale_buf = recorded, scale.float().contiguous()
     both = rowwise and columnwise
-    br, bc = block or ((64, 128) if both else (32, 128))
+    br, bc = block or ((128, 64) if both else (32, 128))
     grid = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)
-    extra = {"num_warps": num_warps or (8 if br * bc >= 8192 else 4)}
+    extra = {"num_warps": num_warps or (4 if block is None else 8 if br * bc >= 8192 else 4)}
     _fp8_tensorwise_kernel[grid](
         kernel_input(x2), scale_buf, amax_buf, rd.view(torch.uint8) if rowwise else dummy,
         cd.view(torch.uint8) if columnwise else dummy, sinv, rows, cols, x2.stride(0), x2.stride(1),
