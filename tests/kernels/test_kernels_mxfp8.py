@@ -102,6 +102,26 @@ def test_mxfp8_gpu_bitwise(config, shape):
 
 
 @gpu
+@pytest.mark.parametrize("tile", [((128, 64), 2), ((32, 128), 4), ((64, 64), 2), ((128, 128), 4), ((256, 64), 2),
+                                  ((128, 32), 1)], ids=str)
+@pytest.mark.parametrize("shape", [(4096, 4096), (1000, 4160)], ids=str)
+def test_mxfp8_gpu_tiles(shape, tile):
+    """The 1D kernel at every tile the shape sweep (bench/bench_fp8_shapes.py --mxfp8) tries,
+    both copies and each alone, bitwise the reference, outputs poisoned."""
+    from hybridfp.kernels._common import poisoned_outputs
+    x = gpu_input(shape, torch.bfloat16, specials=True)
+    want_row, want_col = mxfp8.quantize_1d(x, E4M3), mxfp8.quantize_1d(x.t(), E4M3)
+    for rowwise, columnwise in ((True, True), (True, False), (False, True)):
+        with poisoned_outputs():
+            row, col = triton_mxfp8.quantize(x, E4M3, block=tile[0], num_warps=tile[1], rowwise=rowwise,
+                                             columnwise=columnwise)
+        for got, want, d in ((row, want_row, "row"), (col, want_col, "col")):
+            if got is not None:
+                assert torch.equal(got[0].view(torch.uint8), want[0].contiguous().view(torch.uint8)), f"{tile} {d}"
+                assert torch.equal(got[1], want[1].contiguous()), f"{tile} {d} scales"
+
+
+@gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("rowwise,columnwise", [(True, True), (True, False), (False, True)])
 def test_mxfp8_gpu_dtypes_directions(dtype, rowwise, columnwise):
