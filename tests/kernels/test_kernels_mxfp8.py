@@ -102,12 +102,12 @@ def test_mxfp8_gpu_bitwise(config, shape):
 
 
 @gpu
-@pytest.mark.parametrize("tile", [((128, 64), 2), ((32, 128), 4), ((64, 64), 2), ((128, 128), 4), ((256, 64), 2),
-                                  ((128, 32), 1)], ids=str)
+@pytest.mark.parametrize("tile", [((128, 64), 2), ((32, 128), 4), ((64, 64), 2)], ids=str)
 @pytest.mark.parametrize("shape", [(4096, 4096), (1000, 4160)], ids=str)
 def test_mxfp8_gpu_tiles(shape, tile):
-    """The 1D kernel at every tile the shape sweep (bench/bench_fp8_shapes.py --mxfp8) tries,
-    both copies and each alone, bitwise the reference, outputs poisoned."""
+    """The 1D kernel at tiles other than the default (``block`` is public; the shape sweep,
+    bench/bench_fp8_shapes.py --mxfp8, found none faster), both copies and each alone, bitwise
+    the reference, outputs poisoned."""
     from hybridfp.kernels._common import poisoned_outputs
     x = gpu_input(shape, torch.bfloat16, specials=True)
     want_row, want_col = mxfp8.quantize_1d(x, E4M3), mxfp8.quantize_1d(x.t(), E4M3)
