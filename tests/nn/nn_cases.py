@@ -9,9 +9,9 @@ from typing import Callable, Optional
 
 import torch
 
-from hybridfp import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
-                      GroupedLinear, HybridQuantizer, LayerNormLinear, Linear, MXFP8BlockScaling,
-                      NVFP4BlockScaling, QuantizerRole, Recipe, autocast)
+from hybridfp import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, GroupedLinear,
+                      HybridQuantizer, LayerNormLinear, Linear, MXFP8BlockScaling, NVFP4BlockScaling,
+                      QuantizerRole, Recipe, autocast, swiglu)
 from hybridfp.quantizers import Quantizer
 from hybridfp.tensors import QuantizedTensor
 
@@ -219,3 +219,16 @@ class CountingFactory:
     def copies(self, tensor_type: str) -> list[tuple[str, ...]]:
         """The copies each quantize() call of ``tensor_type`` produced, in call order."""
         return [d for t, d in self.calls if t == tensor_type]
+
+
+class GatedMLP(torch.nn.Module):
+    """Llama's MLP on hybridfp Linears (BF16 parameters, no bias) and the fused SwiGLU:
+    ``down(swiglu(gate(x), up(x)))``."""
+
+    def __init__(self, d: int, f: int, device: str = "cuda") -> None:
+        super().__init__()
+        kw = dict(bias=False, params_dtype=torch.bfloat16, device=device)
+        self.gate, self.up, self.down = Linear(d, f, **kw), Linear(d, f, **kw), Linear(f, d, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(swiglu(self.gate(x), self.up(x)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from nn_cases import GatedMLP
 
 import hybridfp
 from hybridfp import autocast
@@ -30,21 +31,10 @@ RECIPES = {
 }
 
 
-class _MLP(torch.nn.Module):
-    def __init__(self, d: int, f: int) -> None:
-        super().__init__()
-        kw = dict(bias=False, params_dtype=torch.bfloat16, device="cuda")
-        self.gate, self.up, self.down = (hybridfp.Linear(d, f, **kw), hybridfp.Linear(d, f, **kw),
-                                         hybridfp.Linear(f, d, **kw))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(hybridfp.swiglu(self.gate(x), self.up(x)))
-
-
 @pytest.mark.parametrize("name", RECIPES)
 def test_mlp_step_has_no_host_sync(name):
     torch.manual_seed(0)
-    m = _MLP(512, 1536)
+    m = GatedMLP(512, 1536)
     x = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16)
 

@@ -16,6 +16,7 @@ if not torch.cuda.is_available():  # the kernels run in Triton's interpreter wit
 
 import pytest  # noqa: E402
 import triton.language.standard  # noqa: E402
+from nn_cases import GatedMLP  # noqa: E402
 
 import hybridfp  # noqa: E402
 from hybridfp import Float8CurrentScaling, Float8CurrentScalingQuantizer, autocast  # noqa: E402
@@ -138,23 +139,12 @@ def test_fp8_current_uses_the_known_amax(fp8, monkeypatch):
     assert calls == [1]
 
 
-class _MLP(torch.nn.Module):
-    def __init__(self, d: int, f: int) -> None:
-        super().__init__()
-        kw = dict(bias=False, params_dtype=torch.bfloat16, device="cuda")
-        self.gate, self.up, self.down = (hybridfp.Linear(d, f, **kw), hybridfp.Linear(d, f, **kw),
-                                         hybridfp.Linear(f, d, **kw))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(hybridfp.swiglu(self.gate(x), self.up(x)))
-
-
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("rows", [4096, 1000])
 def test_gpu_mlp_step_bitwise_with_three_amax_passes_fewer(rows, monkeypatch):
     torch.manual_seed(0)
-    base = _MLP(1024, 2816)
+    base = GatedMLP(1024, 2816)
     x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
     calls: list[int] = []
