@@ -42,6 +42,7 @@ class QuantizedModule(nn.Module):
         self._quantizers: dict[str, list[Quantizer]] = {}
         self._wcache: dict[int, tuple[tuple, QuantizedTensor, torch.Tensor]] = {}
         self._forward_versions: tuple = ()
+        self._reads_known_amax = False  # any built quantizer reads recorded amaxes (see quantizers())
 
     def check_input_features(self, x: torch.Tensor) -> None:
         """A clear error naming the module when x's last dim is not ``in_features`` (the GEMM
@@ -104,6 +105,7 @@ class QuantizedModule(nn.Module):
                 built[slot] = qs
             self._validate_quantizers(built)
             self._quantizers, self._qkey = built, key
+            self._reads_known_amax = any(q.reads_known_amax for qs in built.values() for q in qs)
             self._wcache.clear()
             self._report_emulated(built)
         versions = tuple(q.state_version() for qs in self._quantizers.values() for q in qs)
@@ -117,6 +119,8 @@ class QuantizedModule(nn.Module):
                 "inside the autocast region, use a stateless recipe for checkpointed layers (e.g. "
                 "Float8CurrentScaling), or do not checkpoint them.")
         state.note_module(self)
+        if self._reads_known_amax:
+            state.reads_known_amax = True
         return self._quantizers
 
     def _validate_quantizers(self, built: dict[str, list[Quantizer]]) -> None:

@@ -84,14 +84,16 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 class SwiGLUFunction(torch.autograd.Function):
     """``silu(g) * u``; saves g and u (no other activation) and recomputes silu in backward.
 
-    Inside an autocast region the kernels also record the amax of h (forward) and of dg, du
-    (backward) beside those tensors (``hybridfp.tensors.known_amax``), so a per-tensor
-    current-scaling quantizer of the next GEMM skips its amax pass over them."""
+    Inside an autocast region whose modules read recorded amaxes (FP8 current scaling: a
+    module that ran there has such a quantizer) the kernels also record the amax of h (forward)
+    and of dg, du (backward) beside those tensors (``hybridfp.tensors.known_amax``), so those
+    quantizers skip their amax pass over them; other recipes pay nothing for it."""
 
     @staticmethod
     def forward(ctx: Any, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(g, u)
-        ctx.record_amax = current_autocast() is not None
+        state = current_autocast()
+        ctx.record_amax = state is not None and state.reads_known_amax
         if not _uses_kernels(g):
             return F.silu(g) * u
         k = _kernels()

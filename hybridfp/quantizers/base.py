@@ -51,6 +51,10 @@ class Quantizer(ABC):
     #: Whether running the PyTorch reference on a GPU is a slow fallback worth reporting
     #: (False for the passthrough and for the hybrid, whose children report themselves).
     has_fast_kernels: ClassVar[bool] = True
+    #: Whether quantizing uses an amax recorded by the kernel that wrote the input
+    #: (``hybridfp.tensors.known_amax``) instead of its own amax pass; modules tell the autocast
+    #: region, so kernels that can record one (the fused SwiGLU) do it only where it is read.
+    reads_known_amax: ClassVar[bool] = False
 
     def __init__(self, *, rowwise: bool = True, columnwise: bool = True) -> None:
         self.rowwise_usage = bool(rowwise)

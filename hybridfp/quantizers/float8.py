@@ -29,6 +29,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
 
     storage_cls = Float8Storage
     format_name = "fp8_current"
+    reads_known_amax = True  # quantizers/fast.py: the CUDA kernel path
 
     def __init__(self, fp8_dtype: str | torch.dtype = torch.float8_e4m3fn, *, rowwise: bool = True,
                  columnwise: bool = True, force_pow_2_scales: bool = False, amax_epsilon: float = 0.0,

@@ -92,6 +92,11 @@ class HybridQuantizer(Quantizer):
         col = self.columnwise_quantizer._allocate(shape, dtype, device, False, True) if columnwise else None
         return HybridStorage(shape, dtype, row, col, label=self.label)
 
+    @property
+    def reads_known_amax(self) -> bool:  # type: ignore[override]
+        """Whether either child uses a recorded amax (see :class:`Quantizer`)."""
+        return self.rowwise_quantizer.reads_known_amax or self.columnwise_quantizer.reads_known_amax
+
     def uses_randomness(self) -> bool:
         """True if either child draws random numbers."""
         return self.rowwise_quantizer.uses_randomness() or self.columnwise_quantizer.uses_randomness()

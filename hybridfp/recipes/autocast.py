@@ -26,6 +26,9 @@ class AutocastState:
     modules: list[Any] = field(default_factory=list)
     #: True while an activation-checkpoint recomputation replays a forward of this region.
     replay: bool = False
+    #: True once a module that ran here has a quantizer that uses recorded amaxes
+    #: (``Quantizer.reads_known_amax``): the fused SwiGLU records them only then.
+    reads_known_amax: bool = False
 
     def key(self) -> tuple:
         """What a module's quantizers depend on: recipe configuration and reduction group."""

@@ -26,6 +26,8 @@ from hybridfp.quantizers import fast  # noqa: E402
 from hybridfp.quantizers.backends import kernels_enabled  # noqa: E402
 from hybridfp.tensors import known_amax  # noqa: E402
 
+pytestmark = [pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning"),  # inf / NaN edge inputs
+              pytest.mark.filterwarnings("ignore::hybridfp.gemm.EmulatedGemmWarning")]
 INTERPRET = (os.environ.get("TRITON_INTERPRET") == "1"
              and type(triton.language.standard.cdiv).__name__ == "InterpretedFunction")
 interpreter_only = pytest.mark.skipif(not INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1")
@@ -99,12 +101,21 @@ def test_known_amax_follows_views_and_versions():
 
 
 @interpreter_only
-def test_swiglu_records_inside_autocast_only(monkeypatch):
+def test_swiglu_records_where_a_module_reads_it(monkeypatch):
+    """Only inside an autocast region where a module with a quantizer that reads recorded
+    amaxes (FP8 current scaling) ran: not outside autocast, not before such a module ran, not
+    under MXFP8 (which never reads one)."""
     monkeypatch.setattr(swiglu_module, "_uses_kernels", lambda g: True)
     g, u, dh = (t.requires_grad_() for t in _inputs((10, 48), torch.bfloat16))
-    h = hybridfp.swiglu(g, u)
-    assert known_amax.recall(h) is None
+    lin = hybridfp.Linear(48, 8, bias=False, params_dtype=torch.bfloat16)
+    assert known_amax.recall(hybridfp.swiglu(g, u)) is None
     with autocast(recipe=Float8CurrentScaling()):
+        assert known_amax.recall(hybridfp.swiglu(g, u)) is None  # no module ran yet
+    with autocast(recipe=hybridfp.MXFP8BlockScaling()):
+        lin(g)
+        assert known_amax.recall(hybridfp.swiglu(g, u)) is None
+    with autocast(recipe=Float8CurrentScaling()):
+        lin(g)
         h = hybridfp.swiglu(g, u)
     assert _bits(known_amax.recall(h)) == _bits(_common.global_amax(h.detach()))
     h.backward(dh)
