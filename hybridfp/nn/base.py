@@ -33,6 +33,9 @@ class QuantizedModule(nn.Module):
 
     module_type = "linear"
     in_features: int  # set by every subclass
+    #: Whether this module's quantize calls may use an amax recorded by the kernel that wrote
+    #: the input (``Quantizer.reads_known_amax``); see :meth:`quantizers`.
+    reads_recorded_amax = True
 
     def __init__(self, name: Optional[str] = None, num_quantizer_sets: int = 1) -> None:
         super().__init__()
@@ -105,7 +108,8 @@ class QuantizedModule(nn.Module):
                 built[slot] = qs
             self._validate_quantizers(built)
             self._quantizers, self._qkey = built, key
-            self._reads_known_amax = any(q.reads_known_amax for qs in built.values() for q in qs)
+            self._reads_known_amax = self.reads_recorded_amax and any(
+                q.reads_known_amax for qs in built.values() for q in qs)
             self._wcache.clear()
             self._report_emulated(built)
         versions = tuple(q.state_version() for qs in self._quantizers.values() for q in qs)

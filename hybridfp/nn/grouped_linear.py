@@ -172,6 +172,9 @@ class GroupedLinear(QuantizedModule):
     and ``bias{i}``, TransformerEngine's names)."""
 
     module_type = "grouped_linear"
+    #: The experts' per-tensor scales come from one segmented amax over all of them
+    #: (quantizers/grouped_scaled.py), not from a recorded whole-tensor amax.
+    reads_recorded_amax = False
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True, *,
                  params_dtype: Optional[torch.dtype] = None, device: Optional[torch.device | str] = None,

@@ -104,7 +104,7 @@ def test_known_amax_follows_views_and_versions():
 def test_swiglu_records_where_a_module_reads_it(monkeypatch):
     """Only inside an autocast region where a module with a quantizer that reads recorded
     amaxes (FP8 current scaling) ran: not outside autocast, not before such a module ran, not
-    under MXFP8 (which never reads one)."""
+    under MXFP8 (which never reads one), not after a GroupedLinear alone."""
     monkeypatch.setattr(swiglu_module, "_uses_kernels", lambda g: True)
     g, u, dh = (t.requires_grad_() for t in _inputs((10, 48), torch.bfloat16))
     lin = hybridfp.Linear(48, 8, bias=False, params_dtype=torch.bfloat16)
@@ -114,7 +114,10 @@ def test_swiglu_records_where_a_module_reads_it(monkeypatch):
     with autocast(recipe=hybridfp.MXFP8BlockScaling()):
         lin(g)
         assert known_amax.recall(hybridfp.swiglu(g, u)) is None
+    experts = hybridfp.GroupedLinear(2, 48, 8, bias=False, params_dtype=torch.bfloat16)
     with autocast(recipe=Float8CurrentScaling()):
+        experts(g, [4, 6])  # grouped FP8 scales come from a segmented amax: it reads no record
+        assert known_amax.recall(hybridfp.swiglu(g, u)) is None
         lin(g)
         h = hybridfp.swiglu(g, u)
     assert _bits(known_amax.recall(h)) == _bits(_common.global_amax(h.detach()))
