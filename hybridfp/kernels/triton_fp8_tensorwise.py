@@ -97,9 +97,12 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, amax: Optional[torch.Tenso
         recorded = torch.zeros((), dtype=torch.int32, device=dev)
         amax_buf, scale_buf = recorded, scale.float().contiguous()
     both = rowwise and columnwise
-    br, bc = block or ((128, 64) if both else (32, 128))
+    if block is None:  # the defaults of the docstring, 4 warps each
+        (br, bc), warps = ((128, 64) if both else (32, 128)), 4
+    else:
+        (br, bc), warps = block, 8 if block[0] * block[1] >= 8192 else 4
     grid = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)
-    extra = {"num_warps": num_warps or (4 if block is None else 8 if br * bc >= 8192 else 4)}
+    extra = {"num_warps": num_warps or warps}
     _fp8_tensorwise_kernel[grid](
         kernel_input(x2), scale_buf, amax_buf, rd.view(torch.uint8) if rowwise else dummy,
         cd.view(torch.uint8) if columnwise else dummy, sinv, rows, cols, x2.stride(0), x2.stride(1),
