@@ -86,6 +86,16 @@ def _reduce(amax: Optional[torch.Tensor], q: Any) -> Optional[torch.Tensor]:
     return all_reduce_amax(amax, q.amax_reduction_group)
 
 
+def _tensor_amax(x2: torch.Tensor, q: Any) -> torch.Tensor:
+    """max|x2| for per-tensor current scaling by ``q``, all-reduced as the reference does. An
+    amax recorded by the kernel that wrote x2 (``known_amax``: the fused SwiGLU) saves the amax
+    pass's read of x2; it is cloned before an in-place all-reduce so the record stays x2's own."""
+    known = known_amax.recall(x2)
+    if known is None:
+        return _reduce(_kernels("_common").global_amax(x2), q)
+    return _reduce(known.clone() if q.with_amax_reduction else known, q)
+
+
 # ---------------------------------------------------------------------------- FP8 per tensor
 def _fp8_storage(q: Any, x: torch.Tensor, rd, cd, scale_inv) -> Float8Storage:
     row = {"data": rd, "scale_inv": scale_inv} if rd is not None else None
@@ -99,13 +109,7 @@ def _fp8_current_run(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool,
         return q.reference_encode(x, rowwise, columnwise, seed)
     x2 = as_2d(x)
     with _on_device(x):
-        # An amax recorded by the kernel that wrote x (the fused SwiGLU) saves a read of x; it
-        # is cloned before an in-place all-reduce so the recorded value stays x's own.
-        known = known_amax.recall(x2)
-        if known is None:
-            amax = _reduce(_kernels("_common").global_amax(x2), q)
-        else:
-            amax = _reduce(known.clone() if q.with_amax_reduction else known, q)
+        amax = _tensor_amax(x2, q)
         rd, cd, scale_inv, _ = _kernels("triton_fp8_tensorwise").quantize(
             x2, q.dtype, amax=amax, eps=q.amax_epsilon, power_2_scale=q.force_pow_2_scales,
             rowwise=rowwise, columnwise=columnwise)
@@ -235,7 +239,7 @@ def _hybrid_fp8_current_block_run(hq: Any, x: torch.Tensor, rowwise: bool, colum
         return hq.reference_encode(x, rowwise, columnwise, seed)
     x2 = as_2d(x)
     with _on_device(x):
-        amax = _reduce(_kernels("_common").global_amax(x2), rq)
+        amax = _tensor_amax(x2, rq)
         (rd, sinv), (cd, cs) = _kernels("triton_hybrid_fp8").quantize(
             x2, amax, rq.dtype, cq.dtype, row_eps=rq.amax_epsilon, row_power_2_scale=rq.force_pow_2_scales,
             col_eps=cq.amax_epsilon, col_power_2_scale=cq.force_pow_2_scales)

@@ -153,6 +153,33 @@ def test_fp8_current_uses_the_known_amax(fp8, monkeypatch):
     assert calls == [1]
 
 
+@interpreter_only
+def test_fused_hybrid_fp8_current_block_uses_the_known_amax(monkeypatch):
+    """Hybrid(row=FP8 current, col=FP8 block 1D), the fused kernel of the hybrid recipe, takes the
+    recorded amax too (its rowwise scale is the FP8-current one), bitwise the reference."""
+    from hybridfp import Float8BlockQuantizer, HybridQuantizer
+    monkeypatch.setattr(fast, "_device_ok", lambda x: True)
+    g, u, _ = _inputs((24, 256), torch.bfloat16)
+    buf = triton_swiglu.amax_buffer(g, 1)
+    h = triton_swiglu.swiglu_forward(g, u, amax_out=buf)
+    known_amax.remember(h, buf[0].view(torch.float32))
+    q = HybridQuantizer(Float8CurrentScalingQuantizer(), Float8BlockQuantizer(torch.float8_e5m2, block_scaling_dim=1))
+    with kernels_enabled(False):
+        want = q.quantize(h).qstorage
+    calls = []
+    orig = _common.global_amax
+    monkeypatch.setattr(_common, "global_amax", lambda x, **kw: calls.append(1) or orig(x, **kw))
+    got = q.quantize(h).qstorage
+    assert calls == []
+    for d in ("rowwise", "columnwise"):
+        for name, t in want.part(d).payload(d).items():
+            a, b = got.part(d).payload(d)[name].reshape(-1), t.reshape(-1)
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (d, name)
+    h.mul_(2)
+    q.quantize(h)
+    assert calls == [1]  # the kernel path ran (its own amax pass, the record being stale)
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("rows", [4096, 1000])
