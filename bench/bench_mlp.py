@@ -229,10 +229,10 @@ def main(argv=None) -> None:
              r.get("host_ms"), r.get("rel_err_vs_bf16"), r.get("first_step_s")) for r in rows])
         md = ("### Linear and Llama-3-8B MLP, forward + backward (median, do_bench)\n\n"
               f"torchao: {ao}. \"x BF16 eager\" = BF16 eager time / time (>1 is faster), times from "
-              "do_bench (L2 flushed and the GPU idle before each step, so each step also pays the "
-              "host's launch latency up to its first kernel). \"steady\": 20 back-to-back steps as a "
-              "training loop runs them (the host may run ahead); \"host ms\": the host's time per "
-              "step. hybridfp weights are re-quantized every step." + ("" if final else " PARTIAL (the run stopped early).")
+              "do_bench (the L2 flushed before each step; steps queued without waiting, so a host slower "
+              "than the GPU shows as idle time). \"steady\": 20 back-to-back steps as a training loop "
+              "runs them, no flush; \"host ms\": the host's time for one step started on an idle GPU "
+              "(above ms: host-bound). hybridfp weights are re-quantized every step." + ("" if final else " PARTIAL (the run stopped early).")
               + "\n\n" + table + "\n")
         result = {"env": env, "copy_bandwidth": copy_bw, "rows": rows, "markdown": md}
         if final:

@@ -235,7 +235,7 @@ def main(argv=None) -> None:
     md = (f"### MoE FFN forward + backward ({tokens} tokens, hidden {d}, top-{TOP_K}, SwiGLU; median, "
           "do_bench)\n\n\"x BF16 grouped\" = torch._grouped_mm BF16 layer time / time (>1 is faster); "
           "hybridfp weights are re-quantized every step. \"steady\": 10 back-to-back steps (the host may "
-          "run ahead, as in a training loop); \"host ms\": the host's time per step. \"GPU busy\" = device time of one step's "
+          "run ahead, as in a training loop); \"host ms\": the host's time for one step started on an idle GPU. \"GPU busy\" = device time of one step's "
           "kernels (torch.profiler) / its wall time: well below 1 means host-bound.\n\n" + table + "\n")
     result = {"env": env, "rows": rows, "markdown": md}
     if args.results_dir is not None:

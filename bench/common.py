@@ -14,6 +14,7 @@ import platform
 import os
 import subprocess
 import sys
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
@@ -62,12 +63,16 @@ def bench_ms(fn: Callable[[], Any], warmup_ms: float = 25, rep_ms: float = 100) 
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
-def bench_ms_steady(fn: Callable[[], Any], steps: int = 20, warmup: int = 3) -> tuple[float, float]:
-    """(GPU ms per call, host ms per call) over ``steps`` back-to-back calls, as a training loop
-    runs them: one CUDA event before the first and one after the last, no synchronization or
-    cache flush in between, so the host may run ahead of the GPU (``do_bench`` flushes the L2
-    and waits before each call, which also counts the host's launch latency at every call's
-    start). Host ms is the time the calls take to return; above the GPU ms it means host-bound."""
+def bench_ms_steady(fn: Callable[[], Any], steps: int = 20, warmup: int = 3,
+                    host_reps: int = 5) -> tuple[float, float]:
+    """(GPU ms per call, host ms per call). GPU ms: ``steps`` back-to-back calls, as a training
+    loop runs them: one CUDA event before the first and one after the last, no synchronization
+    or cache flush in between, so the host may run ahead of the GPU (``do_bench`` flushes the
+    L2 before each call). Host ms: the median time one call takes to return when it starts on
+    an idle GPU (synchronized before each of ``host_reps`` calls). It is not taken from the
+    back-to-back calls: once the host is some hundred launches ahead, CUDA's launch queue is
+    full and every launch waits for the GPU, so their host time approaches the GPU time for
+    any step with many kernels. Host ms above GPU ms means host-bound."""
     if DEVICE == "cpu":
         ms = bench_ms(fn)
         return ms, ms
@@ -75,14 +80,18 @@ def bench_ms_steady(fn: Callable[[], Any], steps: int = 20, warmup: int = 3) -> 
         fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0 = time.perf_counter()
     start.record()
     for _ in range(steps):
         fn()
-    host = (time.perf_counter() - t0) * 1e3 / steps
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps, host
+    host = []
+    for _ in range(host_reps):
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps, statistics.median(host)
 
 
 def bench_pair(a: Callable[[], Any], b: Callable[[], Any], rounds: int = 3) -> tuple[float, float]:

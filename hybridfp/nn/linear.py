@@ -56,7 +56,8 @@ class Linear(QuantizedModule):
         lc = LinearContext(qs["input"][0], qs["weight"][0], qs["grad_output"][0], self,
                            save_original_input=self.save_original_input,
                            grad_enabled=torch.is_grad_enabled(),
-                           fprop_fast_accumulation=state.recipe.fprop_fast_accumulation)
+                           fprop_fast_accumulation=state.recipe.fprop_fast_accumulation,
+                           scratch=state.scratch)
         return LinearFunction.apply(x, self.weight, self.bias, lc)
 
     def extra_repr(self) -> str:

@@ -21,6 +21,7 @@ import torch
 from ..gemm import gemm
 from ..quantizers import Quantizer
 from ..tensors import QuantizedStorage, QuantizedTensor
+from .shared_input import quantize_input
 
 
 @dataclass
@@ -44,6 +45,9 @@ class LinearContext:
     save_original_input: bool = False
     grad_enabled: bool = True
     fprop_fast_accumulation: bool = False
+    #: The autocast region's memo (``AutocastState.scratch``): an input quantized by an equal
+    #: quantizer earlier in the region is taken from it (``shared_input``); None: never shared.
+    scratch: Optional[dict] = None
 
 
 def pack(t: Optional[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
@@ -72,8 +76,7 @@ def forward_gemm(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     """fprop of one [M, K] input against one weight; returns (y, what wgrad needs of x, what
     dgrad needs of W) — None where that gradient is not needed."""
     save_original = lc.save_original_input and lc.input_q.is_requantization_safe()
-    lc.input_q.set_usage(rowwise=True, columnwise=needs_wgrad and not save_original)
-    qx = lc.input_q.quantize(x2)
+    qx = quantize_input(x2, lc.input_q, True, needs_wgrad and not save_original, lc.scratch)
     qw = lc.module.quantized_weight(weight, lc.weight_q, columnwise=needs_dgrad, index=lc.weight_index)
     y = gemm(qx, qw, "TN", out_dtype=x2.dtype, bias=bias, fast_accumulation=lc.fprop_fast_accumulation)
     saved_x: Optional[torch.Tensor] = None

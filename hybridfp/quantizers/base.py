@@ -187,6 +187,21 @@ class Quantizer(ABC):
         """Whether quantizing the same input again later reproduces the same result."""
         return True
 
+    def share_key(self) -> Optional[Hashable]:
+        """A key under which this quantizer's result may be handed to another quantizer with the
+        same key: equal keys promise bit-identical copies of the same input, whichever
+        quantizer runs (no state, no randomness). None (the default, and for any quantizer that
+        does not opt in): never shared. Modules use it to quantize an input that several
+        layers read (a gated MLP's gate and up) once."""
+        return None
+
+    def _settings_share_key(self) -> Hashable:
+        """``share_key`` of a stateless, deterministic format whose ``settings()`` and
+        ``storage_meta()`` name every option that changes its numbers; the amax reduction
+        group (per-tensor scales all-reduced over it) is compared by identity."""
+        return (type(self), tuple(sorted(self.settings().items())), tuple(sorted(self.storage_meta().items())),
+                bool(getattr(self, "with_amax_reduction", False)), id(getattr(self, "amax_reduction_group", None)))
+
     def copy(self) -> "Quantizer":
         """An independent quantizer with the same settings and a copy of any state; process
         groups and random generators are shared, not copied (they are handles, not state)."""

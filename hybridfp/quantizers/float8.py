@@ -6,7 +6,7 @@ Hopper's TN-only FP8 GEMM consumes), so it costs a transpose, not a second quant
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Hashable, Optional
 
 import torch
 
@@ -60,6 +60,10 @@ class Float8CurrentScalingQuantizer(Quantizer):
         """All-reduce the amax over ``group`` (None: local amax)."""
         self.with_amax_reduction = group is not None
         self.amax_reduction_group = group
+
+    def share_key(self) -> Hashable:
+        """Stateless and deterministic: its result is shared with quantizers of equal settings."""
+        return self._settings_share_key()
 
     def settings(self) -> dict[str, object]:
         return {"fp8_dtype": self.dtype, "force_pow_2_scales": self.force_pow_2_scales,

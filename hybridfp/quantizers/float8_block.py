@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Hashable, Optional
 
 import torch
 
@@ -61,6 +61,10 @@ class Float8BlockQuantizer(Quantizer):
     def storage_meta(self) -> dict[str, object]:
         return {"fp8_dtype": self.dtype, "block_dim": self.block_scaling_dim, "block": 128,
                 "pow2_scales": self.force_pow_2_scales}
+
+    def share_key(self) -> Hashable:
+        """Stateless and deterministic: its result is shared with quantizers of equal settings."""
+        return self._settings_share_key()
 
     def settings(self) -> dict[str, object]:
         return {"fp8_dtype": self.dtype, "block_scaling_dim": self.block_scaling_dim,

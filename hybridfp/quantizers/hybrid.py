@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Hashable, Optional
 
 import torch
 
@@ -137,6 +137,11 @@ class HybridQuantizer(Quantizer):
                             columnwise=self.columnwise_usage)
         q.role = self.role
         return q
+
+    def share_key(self) -> Optional[Hashable]:
+        """Shared when both children are (their keys and the columnwise source decide)."""
+        rk, ck = self.rowwise_quantizer.share_key(), self.columnwise_quantizer.share_key()
+        return None if rk is None or ck is None else (type(self), rk, ck, self.columnwise_source)
 
     def settings(self) -> dict[str, object]:
         return {"rowwise": self.rowwise_quantizer, "columnwise": self.columnwise_quantizer,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Hashable, Optional
 
 import torch
 
@@ -44,6 +44,10 @@ class IdentityQuantizer(Quantizer):
         p = {"data": data}
         return IdentityStorage(shape, dtype, p if rowwise else None, p if columnwise else None,
                                label=self.label)
+
+    def share_key(self) -> Hashable:
+        """Stateless and deterministic: its result is shared with quantizers of equal settings."""
+        return self._settings_share_key()
 
     def settings(self) -> dict[str, object]:
         return {"dtype": self.dtype}

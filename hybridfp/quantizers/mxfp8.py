@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Hashable, Optional
 
 import torch
 
@@ -55,6 +55,10 @@ class MXFP8Quantizer(Quantizer):
 
     def storage_meta(self) -> dict[str, object]:
         return {"fp8_dtype": self.dtype, "block_2d": self.with_2d_quantization}
+
+    def share_key(self) -> Hashable:
+        """Stateless and deterministic: its result is shared with quantizers of equal settings."""
+        return self._settings_share_key()
 
     def settings(self) -> dict[str, object]:
         return {"fp8_dtype": self.dtype, "scale_rule": self.scale_rule,

@@ -3,7 +3,7 @@ rounding, row-scaled forward activations."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Hashable, Optional
 
 import torch
 
@@ -142,6 +142,11 @@ class NVFP4Quantizer(Quantizer):
     def storage_meta(self) -> dict[str, object]:
         return {"block_2d": self.with_2d_quantization, "rht": self.with_rht,
                 "row_scaled": self.row_scaled_nvfp4}
+
+    def share_key(self) -> Optional[Hashable]:
+        """Shared with quantizers of equal settings unless stochastic rounding draws fresh
+        random numbers at every quantization."""
+        return None if self.stochastic_rounding else self._settings_share_key()
 
     def settings(self) -> dict[str, object]:
         return {"with_rht": self.with_rht, "with_post_rht_amax": self.with_post_rht_amax,

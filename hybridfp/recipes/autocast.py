@@ -29,6 +29,9 @@ class AutocastState:
     #: True once a module that ran here has a quantizer that uses recorded amaxes
     #: (``Quantizer.reads_known_amax``): the fused SwiGLU records them only then.
     reads_known_amax: bool = False
+    #: Per-region memos of the modules (e.g. the input quantization several Linears share),
+    #: dropped when the region ends so nothing they hold outlives it.
+    scratch: dict = field(default_factory=dict)
 
     def key(self) -> tuple:
         """What a module's quantizers depend on: recipe configuration and reduction group."""
@@ -71,6 +74,7 @@ def autocast(enabled: bool = True, recipe: Optional[Recipe] = None,
     finally:
         _STACK.pop()
         if state is not None:
+            state.scratch.clear()
             for module in state.modules:
                 module.finish_step(amax_reduction_group)
 
@@ -80,7 +84,7 @@ def replay_region(state: Optional[AutocastState]) -> Iterator[None]:
     """Re-enter a finished region to recompute one of its forwards (activation
     checkpointing): same recipe and quantizers, no step end (stateful quantizers are not
     finished twice)."""
-    _STACK.append(None if state is None else replace(state, modules=[], replay=True))
+    _STACK.append(None if state is None else replace(state, modules=[], replay=True, scratch={}))
     try:
         yield
     finally:

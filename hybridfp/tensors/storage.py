@@ -331,6 +331,11 @@ class QuantizedStorage(Dim0Slicing, ABC):
         tensors = [self.payloads[g[0][0]][g[0][1]] for g in groups]
         return tensors, self._with_groups(groups, [None] * len(groups))
 
+    def shallow_copy(self) -> "QuantizedStorage":
+        """A new storage object holding the same payload tensors: dropping a copy from one
+        (``update_usage``) leaves the other's intact."""
+        return self.with_tensors(self.tensors())
+
     def with_tensors(self, tensors: list[torch.Tensor]) -> "QuantizedStorage":
         """A storage of the same layout whose payload tensors are ``tensors`` (order of tensors())."""
         return self._with_groups(self._tensor_slots(), tensors)
