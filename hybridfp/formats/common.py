@@ -80,6 +80,8 @@ def as_2d(x: torch.Tensor) -> torch.Tensor:
     """View ``x`` as [rows, last_dim] (leading dims flattened; 0-d and 1-d become one row)."""
     if x.dim() == 0:
         return x.reshape(1, 1)
+    if x.dim() == 2:  # already [rows, last_dim]: no view op (an MoE layer's experts, each step)
+        return x
     # Explicit row count: reshape(-1, 0) cannot infer -1 when the last dim is empty.
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 

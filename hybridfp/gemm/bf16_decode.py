@@ -35,7 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..formats import nvfp4
 from ..tensors import Float8BlockStorage, Float8Storage, IdentityStorage, MXFP8Storage, NVFP4Storage
-from ..tensors.storage import ROWWISE, GemmOperand, QuantizedStorage
+from ..tensors.storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -103,6 +103,29 @@ def _identity(s: QuantizedStorage, direction: str) -> GemmOperand:
 
 #: storage class -> a decode that is already free (no kernel, nothing worth caching).
 VIEWS: dict[type, Callable[[QuantizedStorage, str], GemmOperand]] = {IdentityStorage: _identity}
+
+
+def _identity_transposed(s: QuantizedStorage, direction: str) -> Optional[torch.Tensor]:
+    """A BF16 Identity columnwise copy's values transposed: its data as held (a rowwise copy's
+    transpose would be a view op; None)."""
+    return s.payload(direction)["data"] if direction == COLUMNWISE else None
+
+
+#: storage class -> ``decode_bf16(s, direction).values.t()`` as a tensor the copy holds, or None.
+HELD_TRANSPOSES: dict[type, Callable[[QuantizedStorage, str], Optional[torch.Tensor]]] = {
+    IdentityStorage: _identity_transposed}
+
+
+def held_transpose(storage: QuantizedStorage, direction: str) -> Optional[torch.Tensor]:
+    """``decode_bf16(storage, direction).values.t()`` (the copy's decode carries no scale and no
+    RHT) when it is a tensor the copy holds, so a caller that wants the transpose (a grouped GEMM
+    operand copied in the other layout) needs no transposed view taken and transposed back, per
+    expert; else None (also when the copy has no exact BF16 decode: ``decode_bf16`` says why)."""
+    s = storage.part(direction)
+    transposed = HELD_TRANSPOSES.get(type(s))
+    if transposed is None or s.bf16_exact_reason(direction) is not None:
+        return None
+    return transposed(s, direction)
 
 
 def reference_decode_bf16(storage: QuantizedStorage, direction: str) -> GemmOperand:

@@ -58,7 +58,7 @@ from ..tensors.slicing import adjacent_rows
 from ..tensors.storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
 from . import fast
 from .backends import emulate, report_emulated, select
-from .bf16_decode import bf16_exact_reason, decode_bf16, decode_bf16_joined
+from .bf16_decode import bf16_exact_reason, decode_bf16, decode_bf16_joined, held_transpose
 from .gemm import GEMM_OF_LAYOUT, LAYOUTS, gemm, operand_storage
 from . import grouped_triton
 from .joined import joined_columns, joined_rows
@@ -130,30 +130,31 @@ def grouped_gemm(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: s
     da, db = LAYOUTS[layout]
     sa = [operand_storage(a, da, f"A[{e}]") for e, a in enumerate(A)]
     sb = [operand_storage(b, db, f"B[{e}]") for e, b in enumerate(B)]
-    _check_shapes(sa, sb, layout)
+    ms = _check_shapes(sa, sb, layout)  # the experts' m, read once for every use below
     has_bias = biases is not None and any(b is not None for b in biases)
     path, _ = grouped_path(sa, sb, layout, out_dtype, has_bias, forced=grouped_mm is not None,
-                           use_triton=use_triton)
+                           use_triton=use_triton, ms=ms)
     out: Optional[Union[torch.Tensor, list[torch.Tensor]]] = None
     if path == GROUPED_BF16:
-        out = _run_bf16(sa, sb, layout, grouped_mm or torch_grouped_mm)
+        out = _run_bf16(sa, sb, layout, grouped_mm or torch_grouped_mm, ms)
     elif path == GROUPED_FP8_ROWWISE:
         out = _run_fp8_rowwise(sa, sb, layout)
     elif path == GROUPED_TRITON:
         out = grouped_triton.run(sa, sb, layout, out_dtype, biases)
     if out is None:  # per expert (also when a copy turned out to carry an epilogue factor)
         path = PER_EXPERT
-        out = _run_per_expert(A, B, layout, out_dtype, biases, sa, sb)
+        out = _run_per_expert(A, B, layout, out_dtype, biases, sa, sb, ms)
     PATH_COUNTS[(GEMM_OF_LAYOUT[layout], path)] += 1
     return out
 
 
 def grouped_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,
                  out_dtype: torch.dtype, has_bias: bool, forced: bool = False,
-                 use_triton: Optional[bool] = None) -> tuple[str, str]:
+                 use_triton: Optional[bool] = None, ms: Optional[Sequence[int]] = None) -> tuple[str, str]:
     """(path, why) for these single-format storages (see the module docstring). Paths 1-2 are
-    chosen on formats; where neither applies, the Triton grouped path if enabled and able."""
-    path, why = _torch_path(sa, sb, layout, out_dtype, has_bias, forced)
+    chosen on formats; where neither applies, the Triton grouped path if enabled and able.
+    ``ms``: the experts' m (``_check_shapes``'s result) if known."""
+    path, why = _torch_path(sa, sb, layout, out_dtype, has_bias, forced, ms)
     if path != PER_EXPERT or not grouped_triton.enabled(sa[0].device, use_triton):
         return path, why
     da, db = LAYOUTS[layout]
@@ -166,7 +167,8 @@ def grouped_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage],
 
 
 def _torch_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,
-                out_dtype: torch.dtype, has_bias: bool, forced: bool) -> tuple[str, str]:
+                out_dtype: torch.dtype, has_bias: bool, forced: bool,
+                ms: Optional[Sequence[int]] = None) -> tuple[str, str]:
     """Path 1 (``torch._grouped_mm``), path 2 (``torch._scaled_grouped_mm``) or per expert."""
     da, db = LAYOUTS[layout]
     device = sa[0].device
@@ -180,8 +182,7 @@ def _torch_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], 
     backends = [select(ka, kb, layout, device) for ka, kb in keys]  # once per distinct pair
     if layout != "NT" and all(b is fast.TENSORWISE_BACKEND for b in backends):
         why = _fp8_rowwise_unsupported(sa, sb, layout, device)
-        if why is None and per_expert_fp8_faster([_dims(a, b, layout)[0] for a, b in zip(sa, sb)],
-                                                 *_fixed_dims(sa, sb, layout)):
+        if why is None and per_expert_fp8_faster(_ms(sa, sb, layout, ms), *_fixed_dims(sa, sb, layout)):
             why = "experts large enough for cuBLAS's per-expert FP8 kernels (faster than the grouped one)"
         return (PER_EXPERT, why) if why else (GROUPED_FP8_ROWWISE, "E4M3 per-tensor pairs")
     if any(b in _NATIVE_FP8 for b in backends):
@@ -229,8 +230,9 @@ def _grouped_mm_device(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available() and _capability(device)[0] in (9, 10)
 
 
-def _check_shapes(sa: list[QuantizedStorage], sb: list[QuantizedStorage], layout: str) -> None:
-    """Per expert, the reduction lengths agree; across experts, the dims that do not vary agree."""
+def _check_shapes(sa: list[QuantizedStorage], sb: list[QuantizedStorage], layout: str) -> list[int]:
+    """Per expert, the reduction lengths agree; across experts, the dims that do not vary agree.
+    Returns the experts' m."""
     dims = [_dims(a, b, layout) for a, b in zip(sa, sb)]
     for e, (m, n, ka, kb) in enumerate(dims):
         if ka != kb:
@@ -241,6 +243,13 @@ def _check_shapes(sa: list[QuantizedStorage], sb: list[QuantizedStorage], layout
         what = "output width and reduction length" if layout != "NT" else "output shape"
         raise ValueError(f"grouped_gemm {layout} ({GEMM_OF_LAYOUT[layout]}): the experts' {what} "
                          f"differ ({sorted(fixed)}); every expert must have the same weight shape.")
+    return [d[0] for d in dims]
+
+
+def _ms(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,
+        ms: Optional[Sequence[int]]) -> list[int]:
+    """The experts' m: ``ms`` if given, else read from the storages."""
+    return list(ms) if ms is not None else [_dims(a, b, layout)[0] for a, b in zip(sa, sb)]
 
 
 def _dims(a: QuantizedStorage, b: QuantizedStorage, layout: str) -> tuple[int, int, int, int]:
@@ -262,7 +271,8 @@ def _offsets(sizes: Sequence[int], device: torch.device) -> torch.Tensor:
 
 
 def _run_bf16(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,
-              grouped_mm: GroupedMM) -> Optional[Union[torch.Tensor, list[torch.Tensor]]]:
+              grouped_mm: GroupedMM, ms: Optional[Sequence[int]] = None
+              ) -> Optional[Union[torch.Tensor, list[torch.Tensor]]]:
     """Path 1, or None if some copy decodes with an epilogue factor (or a one-sided RHT).
 
     Copies that are blocks of one shared encoding (``joined``: ``quantize_grouped``'s row-local
@@ -278,26 +288,55 @@ def _run_bf16(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], la
     whole_b = _joined_operand(sb, db, cache=True) if layout != "NT" else None
     if any(w is not None and w.scale is not None for w in (whole_a, whole_b)):
         return None
-    ops_a, ops_b = [], []
-    for a, b in zip(sa, sb):
-        oa = whole_a if whole_a is not None else decode_bf16(a, da)
-        ob = whole_b if whole_b is not None else decode_bf16(b, db, cache=layout != "NT")
-        if oa.scale is not None or ob.scale is not None or oa.rht != ob.rht:
-            return None
-        ops_a.append(oa.values)
-        ops_b.append(ob.values)
-    device = ops_a[0].device
+    # Operands the grouped copy reads transposed (dgrad's B, both of wgrad) are taken as the
+    # tensors they are views of where the decode is one (BF16 Identity columnwise copies): no
+    # transposed view per expert, transposed back by the copy (3 of 5 aten ops of a BF16 step)
+    rows_a = _held_transposes(sa, da) if layout == "NT" else None
+    rows_b = _held_transposes(sb, db) if layout != "TN" and whole_b is None else None
+    ops_a = _decoded_values(sa, da, whole_a, False) if rows_a is None else (None, [False] * len(sa))
+    ops_b = _decoded_values(sb, db, whole_b, layout != "NT") if rows_b is None else (None, [False] * len(sb))
+    if ops_a is None or ops_b is None or ops_a[1] != ops_b[1]:  # an epilogue factor; a one-sided RHT
+        return None
+    (vals_a, _), (vals_b, _) = ops_a, ops_b
+    device = vals_a[0].device if vals_a is not None else rows_a[0].device
     if layout != "NT":  # rows grouped: [Σm, k] · [E, k, n]
-        mat_a = whole_a.values if whole_a is not None else torch.cat(ops_a)
-        mat_b = _experts_kn(whole_b.values, len(sb), db) if whole_b is not None else _stack_transposed(ops_b)
-        return grouped_mm(mat_a, mat_b, _offsets([_dims(a, b, layout)[0] for a, b in zip(sa, sb)], device))
+        mat_a = whole_a.values if whole_a is not None else torch.cat(vals_a)
+        mat_b = (_experts_kn(whole_b.values, len(sb), db) if whole_b is not None else
+                 _stack_transposed(vals_b, rows_b))
+        return grouped_mm(mat_a, mat_b, _offsets(_ms(sa, sb, layout, ms), device))
     # Reduction grouped: [m, Σk] · [Σk, n]. Each group starts 16-byte aligned (TMA): pad every
     # expert's reduction to a multiple of 8 with zeros, which add nothing to the FP32 sums.
-    ks = [v.shape[1] for v in ops_a]
+    ks = [v.shape[1] for v in vals_a] if vals_a is not None else [r.shape[0] for r in rows_a]
     padded = [-(-k // _BF16_ALIGN) * _BF16_ALIGN for k in ks]
-    mat_a = _cat_columns(ops_a, padded)
-    mat_b = _cat_columns(ops_b, padded).t()
+    mat_a = _cat_columns(vals_a, padded, rows_a)
+    mat_b = _cat_columns(vals_b, padded, rows_b).t()
     return _wgrad_result(grouped_mm(mat_a, mat_b, _offsets(padded, device)), ks)
+
+
+def _decoded_values(storages: Sequence[QuantizedStorage], direction: str, whole: Optional[GemmOperand],
+                    cache: bool) -> Optional[tuple[list[torch.Tensor], list[bool]]]:
+    """Every expert's BF16-decoded ``direction`` values (``whole``'s if decoded joined) and RHT
+    flag; None if some copy carries an epilogue factor."""
+    values, rht = [], []
+    for s in storages:
+        o = whole if whole is not None else decode_bf16(s, direction, cache=cache)
+        if o.scale is not None:
+            return None
+        values.append(o.values)
+        rht.append(o.rht)
+    return values, rht
+
+
+def _held_transposes(storages: Sequence[QuantizedStorage], direction: str) -> Optional[list[torch.Tensor]]:
+    """Every expert's decoded values transposed, as the tensors the copies hold
+    (``bf16_decode.held_transpose``), when each one's decode is a view of a held tensor; else None."""
+    out = []
+    for s in storages:
+        t = held_transpose(s, direction)
+        if t is None:
+            return None
+        out.append(t)
+    return out
 
 
 def _joined_operand(storages: Sequence[QuantizedStorage], direction: str, cache: bool = False
@@ -358,21 +397,31 @@ def _wgrad_result(out: torch.Tensor, ks: Sequence[int]) -> list[torch.Tensor]:
     return list(out.unbind(0))
 
 
-def _stack_transposed(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+def _stack_transposed(parts: Optional[Sequence[torch.Tensor]], rows: Optional[Sequence[torch.Tensor]] = None
+                      ) -> torch.Tensor:
     """[E, k, n] from the experts' [n, k] operands, in whichever layout copies them without a
     transpose: a BF16 Identity columnwise copy is a transposed view of the row-major weight,
-    so stacking its transpose is a plain copy (the grouped kernel takes either layout)."""
+    so stacking its transpose is a plain copy (the grouped kernel takes either layout).
+    ``rows``: the parts' transposes, if held (``parts`` may then be None; no view op per expert)."""
+    if rows is not None:
+        if all(r.is_contiguous() for r in rows):
+            return torch.stack(list(rows))
+        parts = [r.t() for r in rows]
     if all(_t_contiguous(p) for p in parts):
         return torch.stack([p.t() for p in parts])
     return torch.stack(parts).transpose(1, 2)
 
 
-def _cat_columns(parts: Sequence[torch.Tensor], widths: Sequence[int]) -> torch.Tensor:
+def _cat_columns(parts: Optional[Sequence[torch.Tensor]], widths: Sequence[int],
+                 rows: Optional[Sequence[torch.Tensor]] = None) -> torch.Tensor:
     """[rows, Σ widths]: part e in its columns, zero padding after it. Transposed views (BF16
     Identity columnwise copies) are gathered as row blocks of the transpose instead, so the
-    copy never transposes (the result is then a column-major view)."""
-    if all(_t_contiguous(p) for p in parts):
-        rows = [p.t() for p in parts]
+    copy never transposes (the result is then a column-major view). ``rows``: the parts'
+    transposes, if held (``parts`` may then be None; no view op per expert)."""
+    if rows is not None and not all(r.is_contiguous() for r in rows):
+        rows, parts = None, [r.t() for r in rows]
+    if rows is not None or all(_t_contiguous(p) for p in parts):
+        rows = rows if rows is not None else [p.t() for p in parts]
         filled = [r for r in rows if r.numel()]
         whole = adjacent_rows(filled) if filled else None
         heights = [r.shape[0] for r in rows]
@@ -450,28 +499,34 @@ def _run_fp8_rowwise(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStora
     else:
         mat_b = torch.stack([p["data"].view(torch.uint8) for p in pb]).view(torch.float8_e4m3fn).transpose(1, 2)
     # per-row / per-column scale vectors in a few ops for all experts (not three per expert)
-    sa_e = torch.stack([p["scale_inv"].reshape(()) for p in pa]).float()
+    sa_e = torch.stack([_scalar(p["scale_inv"]) for p in pa]).float()
     scale_a = sa_e.repeat_interleave(device_tensor(ms, sa_e.device), output_size=sum(ms))
-    scale_b = torch.stack([p["scale_inv"].reshape(()) for p in pb]).float()[:, None].expand(len(pb), n)
+    scale_b = torch.stack([_scalar(p["scale_inv"]) for p in pb]).float()[:, None].expand(len(pb), n)
     return torch._scaled_grouped_mm(mat_a, mat_b, scale_a.contiguous(), scale_b.contiguous(),
                                     offs=_offsets(ms, mat_a.device), out_dtype=torch.bfloat16,
                                     use_fast_accum=False)  # see the module docstring
 
 
+def _scalar(t: torch.Tensor) -> torch.Tensor:
+    """``t.reshape(())`` without a view op when ``t`` is 0-d already (one per expert)."""
+    return t if t.dim() == 0 else t.reshape(())
+
+
 def _run_per_expert(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: str, out_dtype: torch.dtype,
                     biases: Optional[Sequence[Optional[torch.Tensor]]], sa: Sequence[QuantizedStorage],
-                    sb: Sequence[QuantizedStorage]) -> Union[torch.Tensor, list[torch.Tensor]]:
+                    sb: Sequence[QuantizedStorage], ms: Optional[Sequence[int]] = None
+                    ) -> Union[torch.Tensor, list[torch.Tensor]]:
     """Path 4: ``gemm`` per expert; where every pair runs on the exact emulation, the same
     ``emulate`` per expert on operands decoded once per joined copy (``_emulated_operands``).
     fprop / dgrad write each expert's rows straight into the joined [Σm_e, n] result (``gemm``'s
-    ``out``: no concatenation pass over the whole output)."""
+    ``out``: no concatenation pass over the whole output). ``ms``: the experts' m if known."""
     bs = biases if biases is not None else [None] * len(A)
     ops = _emulated_operands(sa, sb, layout)
     if ops is None:
         one = _one_gemm(A, B, sa, sb, layout, out_dtype)
         if layout == "NT":
             return [one(e, bias, None) for e, bias in enumerate(bs)]
-        ms, n = [_dims(a, b, layout)[0] for a, b in zip(sa, sb)], _dims(sa[0], sb[0], layout)[1]
+        ms, n = _ms(sa, sb, layout, ms), _dims(sa[0], sb[0], layout)[1]
         out = torch.empty((sum(ms), n), dtype=out_dtype, device=sa[0].device)
         start = 0
         for e, (bias, m) in enumerate(zip(bs, ms)):

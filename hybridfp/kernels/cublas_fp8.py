@@ -111,8 +111,15 @@ def gemm_tensorwise(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
     accumulator over the whole k loop (TE does so for fprop only); off, cuBLAS promotes them
     into FP32 at a fixed k interval.
     """
-    return _scaled_mm(a, b, a_scale_inv.float().reshape(()), b_scale_inv.float().reshape(()),
-                      out_dtype, bias, use_fast_accum, fuse_bias=True, out=out)
+    return _scaled_mm(a, b, _scalar(a_scale_inv), _scalar(b_scale_inv), out_dtype, bias, use_fast_accum,
+                      fuse_bias=True, out=out)
+
+
+def _scalar(scale_inv: torch.Tensor) -> torch.Tensor:
+    """A per-tensor scale as the 0-d FP32 tensor ``_scaled_mm`` takes; one already so is passed
+    as is (no view op: an MoE layer's per-expert GEMMs read 64 experts' scales a call)."""
+    s = scale_inv.float()
+    return s if s.dim() == 0 else s.reshape(())
 
 
 def pad_fp8(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

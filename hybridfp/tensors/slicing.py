@@ -123,13 +123,20 @@ def adjacent_rows(ts: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
     """The view covering ``ts`` stacked by rows if each starts where the previous one ends in
     one contiguous buffer (so the view equals ``torch.cat(ts)``), else None."""
     t0 = ts[0]
-    for prev, t in zip(ts, ts[1:]):
-        if (not (prev.is_contiguous() and t.is_contiguous()) or t.dtype != t0.dtype
-                or t.shape[1:] != t0.shape[1:] or t.device != t0.device
-                or t.untyped_storage().data_ptr() != t0.untyped_storage().data_ptr()
-                or t.data_ptr() != prev.data_ptr() + prev.numel() * prev.element_size()):
-            return None
     if not t0.is_contiguous():
+        return None
+    # one pass reading each tensor's attributes once (called per grouped GEMM operand on 64
+    # experts' slices); a tensor's storage start is data_ptr - offset, not a storage object
+    # made per tensor. The span must lie in t0's storage (the view is taken on it).
+    dtype, inner, device, size = t0.dtype, t0.shape[1:], t0.device, t0.element_size()
+    base = t0.data_ptr() - t0.storage_offset() * size
+    end = t0.data_ptr() + t0.numel() * size
+    for t in ts[1:]:
+        if (t.data_ptr() != end or t.dtype != dtype or t.shape[1:] != inner or not t.is_contiguous()
+                or t.device != device or end - t.storage_offset() * size != base):
+            return None
+        end += t.numel() * size
+    if end > base + t0.untyped_storage().nbytes():
         return None
     size = (sum(t.shape[0] for t in ts), *t0.shape[1:])
     strides, step = [], 1  # row-major strides of ``size`` (a 1-row t0 may report any row stride)
