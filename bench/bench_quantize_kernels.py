@@ -30,7 +30,7 @@ import torch
 import triton
 
 from hybridfp.kernels import (_common, triton_fp8_block, triton_fp8_tensorwise, triton_hybrid_fp8,
-                              triton_hybrid_nvfp4, triton_mxfp8, triton_nvfp4)
+                              triton_hybrid_mxfp8_nvfp4, triton_hybrid_nvfp4, triton_mxfp8, triton_nvfp4)
 from hybridfp.quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
                                  HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer)
 from hybridfp.quantizers.backends import select_quantize_kernel
@@ -75,6 +75,8 @@ HYBRID_CASES = [
      True, True, 2, ("nvfp4 row", "mxfp8 col")),
     ("hybrid nvfp4 -> mxfp8 col only (rd)", lambda: HybridQuantizer(NVFP4Quantizer(), MXFP8Quantizer(), RD),
      False, True, 2, ("nvfp4 row", "mxfp8 col")),
+    ("hybrid mxfp8 row + nvfp4 rht col", lambda: HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(with_rht=True)),
+     True, True, 2, ("mxfp8 row", "nvfp4 rht col")),
 ]
 
 
@@ -202,6 +204,10 @@ def run_sweep(x: torch.Tensor, copy: float) -> list[dict]:
             x, g, g, block=b, num_warps=n)))
         variants.append((f"nvfp4 rht+sr cast {blk} nw{nw}", lambda b=blk, n=nw: triton_nvfp4.quantize_1d(
             x, g, g, rht=True, seed=1, block=b, num_warps=n)))
+    for blk, nw in [((2, 64), 4), ((2, 128), 4), ((4, 64), 8), ((1, 128), 4)]:
+        variants.append((f"hybrid mxfp8+nvfp4 rht cast {blk} nw{nw}",
+                         lambda b=blk, n=nw: triton_hybrid_mxfp8_nvfp4.quantize(x, g, E4M3, rht=True, block=b,
+                                                                                num_warps=n)))
     variants.append(("amax pass 64x128", lambda: _common.global_amax(x)))
     variants.append(("nvfp4 amax+rht-amax pass", lambda: triton_nvfp4.amaxes(x, rht_amax=True)))
     for blk, nw in [((2, 256), 4), ((4, 256), 8), ((1, 512), 4), ((2, 512), 8)]:

@@ -65,6 +65,29 @@ def col_block_32(xt, RCEIL: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexp
 
 
 @triton.jit
+def row_copy(x, mask, r0, c0, R, C, rd_ptr, rs_ptr, RCEIL: tl.constexpr, EMAX: tl.constexpr,
+             MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr, RCP, HW: tl.constexpr):
+    """Rowwise 1x32 copy of the FP32 tile ``x`` [BR, BC] (origin (r0, c0) of an [R, C] input,
+    ``c0`` a multiple of BC; ``mask`` its in-bounds elements): FP8 codes into ``rd_ptr``
+    [R, C], E8M0 bytes into ``rs_ptr`` [R, ceil(C / 32)]. A block's 32 columns sit in a few
+    neighbouring threads."""
+    BR: tl.constexpr = x.shape[0]
+    BC: tl.constexpr = x.shape[1]
+    lr = tl.arange(0, BR)
+    lc = tl.arange(0, BC)
+    xb = tl.reshape(x, [BR, BC // _BLOCK, _BLOCK])
+    e = _e8m0_byte(amax_nan(xb, 2), RCEIL, EMAX, RCP)
+    y = tl.reshape(xb * _e8m0_inverse(e)[:, :, None], [BR, BC])
+    code = fp8_encode(y, FP8_MAX, MBITS, BIAS, HW)
+    tl.store(rd_ptr + r0.to(tl.int64) * C + c0 + tile_offsets(lr, lc, C, 1), code, mask=mask)
+    nbc = tl.cdiv(C, _BLOCK)
+    b0 = c0 // _BLOCK
+    lb = tl.arange(0, BC // _BLOCK)
+    smask = ((r0 + lr) < R)[:, None] & ((b0 + lb) < nbc)[None, :]
+    tl.store(rs_ptr + r0.to(tl.int64) * nbc + b0 + tile_offsets(lr, lb, nbc, 1), e.to(tl.uint8), mask=smask)
+
+
+@triton.jit
 def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.constexpr, RCP,
                      ROW: tl.constexpr, COL: tl.constexpr, RCEIL: tl.constexpr,
                      EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
@@ -83,16 +106,7 @@ def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.c
         lr = tl.arange(0, BR)
         mask = ((r0 + lr) < R)[:, None] & ((c0 + lc) < C)[None, :]
         x = load_f32(xbase + tile_offsets(lr, lc, sxr, sxc), mask, DTYPE)
-        xb = tl.reshape(x, [BR, BC // _BLOCK, _BLOCK])
-        e = _e8m0_byte(amax_nan(xb, 2), RCEIL, EMAX, RCP)
-        y = tl.reshape(xb * _e8m0_inverse(e)[:, :, None], [BR, BC])
-        code = fp8_encode(y, FP8_MAX, MBITS, BIAS, HW)
-        tl.store(rd_ptr + r0.to(tl.int64) * C + c0 + tile_offsets(lr, lc, C, 1), code, mask=mask)
-        nbc = tl.cdiv(C, _BLOCK)
-        lb = tl.arange(0, BC // _BLOCK)
-        smask = ((r0 + lr) < R)[:, None] & ((pc * (BC // _BLOCK) + lb) < nbc)[None, :]
-        tl.store(rs_ptr + r0.to(tl.int64) * nbc + pc * (BC // _BLOCK) + tile_offsets(lr, lb, nbc, 1),
-                 e.to(tl.uint8), mask=smask)
+        row_copy(x, mask, r0, c0, R, C, rd_ptr, rs_ptr, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW)
     if COL:
         cmask = (c0 + lc) < C
         nbr = tl.cdiv(R, _BLOCK)

@@ -286,7 +286,7 @@ def _row_copy(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, k0, k1, RCP
 
 
 @triton.jit
-def _col_copy_words(xbase, r0, c0, lc, R, C, sxr, sxc, s_enc, s_dec, cd_ptr, cs_ptr, k0, k1, RCP6,
+def col_copy_words(xbase, r0, c0, lc, R, C, sxr, sxc, s_enc, s_dec, cd_ptr, cs_ptr, k0, k1, RCP6,
                     SR: tl.constexpr, RHT: tl.constexpr, HW: tl.constexpr, DTYPE: tl.constexpr,
                     BF16_NAN: tl.constexpr, BT: tl.constexpr):
     """Columnwise copy of the tile from its 16 row slices (row ``16 t + i`` of slice i; re-read
@@ -325,7 +325,7 @@ def _col_copy_words(xbase, r0, c0, lc, R, C, sxr, sxc, s_enc, s_dec, cd_ptr, cs_
 
 
 @triton.jit
-def _col_copy_bytes(x, r0, c0, lr, lc, R, C, s_enc, s_dec, cd_ptr, cs_ptr, k0, k1, RCP6,
+def col_copy_bytes(x, r0, c0, lr, lc, R, C, s_enc, s_dec, cd_ptr, cs_ptr, k0, k1, RCP6,
                     SR: tl.constexpr, HW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     """Columnwise copy without RHT when R % 16 != 0 (rows not whole int64 words): 16x1 blocks
     of the natural tile, codes transposed and packed bytewise; one Philox call per draw."""
@@ -380,11 +380,11 @@ def _nvfp4_1d_kernel(x_ptr, ramax_ptr, camax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr
     if COL:
         s_enc, s_dec = global_scales(camax_ptr)
         if COL_WORDS:
-            _col_copy_words(xbase, r0, c0, lc, R, C, sxr, sxc, s_enc, s_dec,
+            col_copy_words(xbase, r0, c0, lc, R, C, sxr, sxc, s_enc, s_dec,
                             cd_ptr.to(tl.pointer_type(tl.int64)), cs_ptr, ck0, ck1, RCP6, SR, RHT, HW,
                             DTYPE, BF16_NAN, BT)
         else:
-            _col_copy_bytes(x, r0, c0, lr, lc, R, C, s_enc, s_dec, cd_ptr, cs_ptr, ck0, ck1, RCP6,
+            col_copy_bytes(x, r0, c0, lr, lc, R, C, s_enc, s_dec, cd_ptr, cs_ptr, ck0, ck1, RCP6,
                             SR, HW, BT, BC)
 
 

@@ -25,7 +25,8 @@ reports the fallback to the reference:
 |                                | by the children's kernel keys (``HYBRID_KERNELS``): FP8   |
 |                                | current row + FP8 block 1D col ("original"); NVFP4 1D or  |
 |                                | row-scaled row + MXFP8 1D col (either source; the         |
-|                                | dequantized source never leaves registers). Other pairs   |
+|                                | dequantized source never leaves registers); MXFP8 1D row  |
+|                                | + NVFP4 1D col, RHT'd or not ("original"). Other pairs    |
 |                                | run their children one after the other.                   |
 
 Empty inputs go to the reference (nothing to launch). ``run`` also works on CPU tensors when
@@ -285,16 +286,40 @@ def _hybrid_nvfp4_mxfp8_run(hq: Any, x: torch.Tensor, rowwise: bool, columnwise:
     return HybridStorage(x.shape, x.dtype, rp, cp, label=hq.label)
 
 
+def _hybrid_mxfp8_nvfp4_run(hq: Any, x: torch.Tensor, rowwise: bool, columnwise: bool,
+                            seed: Optional[int] = None):
+    """Hybrid(row=MXFP8 1D, col=NVFP4 1D, RHT'd or not), both copies from the original: the
+    NVFP4 amax pass (post-RHT amax where the child asks for it), one cast pass writing both
+    copies (``kernels.triton_hybrid_mxfp8_nvfp4``)."""
+    rq, cq = hq.rowwise_quantizer, hq.columnwise_quantizer
+    if x.numel() == 0 or not (rowwise and columnwise):
+        return hq.reference_encode(x, rowwise, columnwise, seed)
+    x2 = as_2d(x)
+    post_rht = cq.with_rht and cq.with_post_rht_amax
+    with _on_device(x):
+        g, _, rht_amax = _kernels("triton_nvfp4").amaxes(x2, amax=not post_rht, rht_amax=post_rht)
+        amax = _reduce(rht_amax if post_rht else g, cq)
+        row, col = _kernels("triton_hybrid_mxfp8_nvfp4").quantize(x2, amax, rq.dtype, rule=rq.scale_rule,
+                                                                  rht=cq.with_rht)
+    rp = MXFP8Storage(x.shape, x.dtype, _payload(row, "data", "scale"), None, label=rq.label,
+                      **rq.storage_meta())
+    cp = NVFP4Storage(x.shape, x.dtype, None, {"data": col[0], "scale": col[1], "amax": amax}, label=cq.label,
+                      **cq.storage_meta())
+    return HybridStorage(x.shape, x.dtype, rp, cp, label=hq.label)
+
+
 HYBRID_FP8_CURRENT_BLOCK_KERNEL = QuantizeKernel("triton_hybrid_fp8_current_block", _hybrid_both,
                                                  _hybrid_fp8_current_block_run)
 HYBRID_NVFP4_MXFP8_KERNEL = QuantizeKernel("triton_hybrid_nvfp4_mxfp8", _hybrid_nvfp4_mxfp8_supports,
                                            _hybrid_nvfp4_mxfp8_run)
+HYBRID_MXFP8_NVFP4_KERNEL = QuantizeKernel("triton_hybrid_mxfp8_nvfp4", _hybrid_both, _hybrid_mxfp8_nvfp4_run)
 
 #: (rowwise key, columnwise key, columnwise_source) -> fused hybrid kernel.
 HYBRID_KERNELS: dict[tuple[Hashable, Hashable, str], QuantizeKernel] = {
     (("fp8_current",), ("fp8_block", "1d"), "original"): HYBRID_FP8_CURRENT_BLOCK_KERNEL,
     **{(("nvfp4", row), ("mxfp8", "1d"), src): HYBRID_NVFP4_MXFP8_KERNEL
        for row in ("1d", "1d_row_scaled") for src in ("original", "rowwise_dequantized")},
+    **{(("mxfp8", "1d"), ("nvfp4", col), "original"): HYBRID_MXFP8_NVFP4_KERNEL for col in ("1d", "1d_rht")},
 }
 
 

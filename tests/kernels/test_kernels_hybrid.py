@@ -54,6 +54,14 @@ PAIRS = {
     "nvfp4rht_mxfp8e5floor_orig": (
         lambda: HybridQuantizer(NVFP4Quantizer(with_rht=True), MXFP8Quantizer(E5M2, scale_rule="floor")),
         fast.HYBRID_NVFP4_MXFP8_KERNEL),
+    "mxfp8_nvfp4rht_orig": (lambda: HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(with_rht=True)),
+                            fast.HYBRID_MXFP8_NVFP4_KERNEL),
+    "mxfp8e5floor_nvfp4_orig": (  # no RHT: the bytewise columnwise path where R % 16 != 0
+        lambda: HybridQuantizer(MXFP8Quantizer(E5M2, scale_rule="floor"), NVFP4Quantizer()),
+        fast.HYBRID_MXFP8_NVFP4_KERNEL),
+    "mxfp8_nvfp4rht_prerht_amax": (
+        lambda: HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(with_rht=True, with_post_rht_amax=False)),
+        fast.HYBRID_MXFP8_NVFP4_KERNEL),
 }
 #: Partial 16 / 32 / 128 blocks in both directions, odd widths, a 3D input, one element.
 SHAPES = [(3, 40), (33, 50), (130, 72), (40, 17), (2, 5, 36), (1, 1)]
@@ -104,7 +112,7 @@ def test_hybrid_kernel_empty(pair, shape):
 def test_hybrid_kernel_equals_separate_child_kernels():
     """The fused NVFP4 + MXFP8 (rowwise_dequantized) pass equals the two child kernels run one
     after the other, the MXFP8 one on the FP32 dequantized NVFP4 value; likewise FP8 current
-    + FP8 block on the original input."""
+    + FP8 block and MXFP8 + NVFP4 (RHT) on the original input."""
     x = edge_tensor((96, 160), torch.bfloat16, seed=11, specials=True)
     hq = HybridQuantizer(NVFP4Quantizer(), MXFP8Quantizer(), RD)
     got = run_kernel(hq, x)
@@ -117,6 +125,11 @@ def test_hybrid_kernel_equals_separate_child_kernels():
     assert_storage_bitwise(got.part("rowwise"), run_kernel(hq.rowwise_quantizer, x, True, False), "fp8 row")
     assert_storage_bitwise(got.part("columnwise"), run_kernel(hq.columnwise_quantizer, x, False, True),
                            "fp8 block col")
+    hq = HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(with_rht=True))
+    got = run_kernel(hq, x)
+    assert_storage_bitwise(got.part("rowwise"), run_kernel(hq.rowwise_quantizer, x, True, False), "mxfp8 row")
+    assert_storage_bitwise(got.part("columnwise"), run_kernel(hq.columnwise_quantizer, x, False, True),
+                           "nvfp4 rht col")
 
 
 @interpreter_only
@@ -129,7 +142,9 @@ def test_hybrid_kernel_registry():
     for none in [HybridQuantizer(NVFP4Quantizer(stochastic_rounding=True), MXFP8Quantizer(), RD),
                  HybridQuantizer(NVFP4Quantizer(with_2d_quantization=True), MXFP8Quantizer(), RD),
                  HybridQuantizer(NVFP4Quantizer(), MXFP8Quantizer(with_2d_quantization=True), RD),
-                 HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(with_rht=True)),
+                 HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(with_rht=True), RD),
+                 HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(with_rht=True, stochastic_rounding=True)),
+                 HybridQuantizer(MXFP8Quantizer(with_2d_quantization=True), NVFP4Quantizer()),
                  HybridQuantizer(NVFP4Quantizer(), IdentityQuantizer(), RD),
                  HybridQuantizer(Float8CurrentScalingQuantizer(), _fp8_block1d(), RD),
                  HybridQuantizer(Float8CurrentScalingQuantizer(), Float8BlockQuantizer(block_scaling_dim=2))]:
@@ -184,7 +199,8 @@ def test_hybrid_gpu_bitwise(pair, shape):
 
 
 @gpu
-@pytest.mark.parametrize("pair", ["fp8cur_fp8block", "nvfp4_mxfp8_rd", "nvfp4_rowscaled_mxfp8_rd"])
+@pytest.mark.parametrize("pair", ["fp8cur_fp8block", "nvfp4_mxfp8_rd", "nvfp4_rowscaled_mxfp8_rd",
+                                  "mxfp8_nvfp4rht_orig"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_hybrid_gpu_dtypes(pair, dtype):
     check_gpu_hybrid(PAIRS[pair][0](), gpu_input((4096, 4096), dtype))
