@@ -25,9 +25,9 @@ import triton
 import triton.language as tl
 
 from ._common import (DTYPE_CODE, Copies, bf16_nan_bits, check_int32_tiles, empty, f32, fp8_params, hw_fp8,
-                      kernel_input, load_f32, program_tile, tile_offsets)
+                      kernel_input, load_f32, tile_offsets)
 from .triton_mxfp8 import row_copy
-from .triton_nvfp4 import BLOCK, RCP6, col_copy_bytes, col_copy_words, global_scales
+from .triton_nvfp4 import BLOCK, RCP6, col_copy_bytes, col_copy_words, global_scales, tile_1d
 
 
 @triton.jit
@@ -36,13 +36,7 @@ def _mxfp8_nvfp4_kernel(x_ptr, camax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, 
                         BIAS: tl.constexpr, FP8_MAX: tl.constexpr, RHT: tl.constexpr, COL_WORDS: tl.constexpr,
                         HW: tl.constexpr, DTYPE: tl.constexpr, BF16_NAN: tl.constexpr, BT: tl.constexpr,
                         BC: tl.constexpr):
-    BR: tl.constexpr = 16 * BT
-    pr, pc = program_tile(C, BR, BC)
-    r0, c0 = pr * BR, pc * BC
-    lr = tl.arange(0, BR)
-    lc = tl.arange(0, BC)
-    xbase = x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc
-    mask = ((r0 + lr) < R)[:, None] & ((c0 + lc) < C)[None, :]
+    r0, c0, lr, lc, xbase, mask = tile_1d(x_ptr, R, C, sxr, sxc, BT, BC)
     x = load_f32(xbase + tile_offsets(lr, lc, sxr, sxc), mask, DTYPE)
     row_copy(x, mask, r0, c0, R, C, rd_ptr, rs_ptr, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW)
     s_enc, s_dec = global_scales(camax_ptr)

@@ -352,6 +352,19 @@ def col_copy_bytes(x, r0, c0, lr, lc, R, C, s_enc, s_dec, cd_ptr, cs_ptr, k0, k1
              mask=cmask[:, None] & ((r0 // 16 + lt) < nbr)[None, :])
 
 
+@triton.jit
+def tile_1d(x_ptr, R, C, sxr, sxc, BT: tl.constexpr, BC: tl.constexpr):
+    """This program's [16 BT, BC] tile of an [R, C] input: (row and column origin, tile-local
+    row and column indices, 64-bit base pointer of the tile, in-bounds mask)."""
+    BR: tl.constexpr = 16 * BT
+    pr, pc = program_tile(C, BR, BC)
+    r0, c0 = pr * BR, pc * BC
+    lr = tl.arange(0, BR)
+    lc = tl.arange(0, BC)
+    xbase = x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc
+    return r0, c0, lr, lc, xbase, ((r0 + lr) < R)[:, None] & ((c0 + lc) < C)[None, :]
+
+
 @triton.jit(do_not_specialize=["rk0", "rk1", "ck0", "ck1"])
 def _nvfp4_1d_kernel(x_ptr, ramax_ptr, camax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr,
                      R, C, sxr, sxc: tl.constexpr, RCP6, rk0, rk1, ck0, ck1, ROW: tl.constexpr, COL: tl.constexpr,
@@ -359,13 +372,7 @@ def _nvfp4_1d_kernel(x_ptr, ramax_ptr, camax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr
                      ROW_WORDS: tl.constexpr, COL_WORDS: tl.constexpr, HW: tl.constexpr,
                      DTYPE: tl.constexpr, BF16_NAN: tl.constexpr, BT: tl.constexpr,
                      BC: tl.constexpr):
-    BR: tl.constexpr = 16 * BT
-    pr, pc = program_tile(C, BR, BC)
-    r0, c0 = pr * BR, pc * BC
-    lr = tl.arange(0, BR)
-    lc = tl.arange(0, BC)
-    xbase = x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc
-    mask = ((r0 + lr) < R)[:, None] & ((c0 + lc) < C)[None, :]
+    r0, c0, lr, lc, xbase, mask = tile_1d(x_ptr, R, C, sxr, sxc, BT, BC)
     if ROW or (COL and not COL_WORDS):
         x = load_f32(xbase + tile_offsets(lr, lc, sxr, sxc), mask, DTYPE)
     if ROW:
@@ -376,7 +383,7 @@ def _nvfp4_1d_kernel(x_ptr, ramax_ptr, camax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr
         else:
             s_enc, s_dec = global_scales(ramax_ptr)
         _row_copy(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, rk0, rk1, RCP6,
-                  SR, ROW_WORDS, HW, BR, BC)
+                  SR, ROW_WORDS, HW, 16 * BT, BC)
     if COL:
         s_enc, s_dec = global_scales(camax_ptr)
         if COL_WORDS:
