@@ -29,7 +29,8 @@ from ..quantizers.grouped import quantize_grouped, quantize_weights_grouped
 from ..recipes import current_autocast
 from ..tensors import QuantizedTensor
 from .base import SLOTS, QuantizedModule
-from .linear_function import LinearContext, bias_grad, pack, torch_autocast_off, unpack
+from .grouped_saved import restore_experts, save_experts
+from .linear_function import LinearContext, bias_grad, torch_autocast_off
 
 
 class GroupedLinearFunction(torch.autograd.Function):
@@ -51,39 +52,36 @@ class GroupedLinearFunction(torch.autograd.Function):
         grad_enabled = lcs[0].grad_enabled  # see LinearContext
         needs_dgrad = ctx.needs_input_grad[0] and grad_enabled
         needs_wgrad = [ctx.needs_input_grad[4 + i] and grad_enabled for i in range(n)]
-        tensors, skels = [], []
         with torch_autocast_off(x):
             qxs, qws = _fprop_operands(x, m_splits, weights, lcs, needs_dgrad, needs_wgrad)
             y = grouped_gemm(qxs, qws, "TN", out_dtype=x.dtype, biases=list(biases) if has_bias else None)
-        for i, (xi, qx, qw) in enumerate(zip(torch.split(x, m_splits), qxs, qws)):
-            saved_x = _saved_input(xi, qx, lcs[i]) if needs_wgrad[i] else None
-            for t in (saved_x, qw if needs_dgrad else None):
-                ts, sk = pack(t)
-                skels.append((sk, len(ts)))
-                tensors.extend(ts)
-        ctx.save_for_backward(*tensors)
-        ctx.skels, ctx.lcs, ctx.m_splits, ctx.has_bias = skels, lcs, m_splits, has_bias
+        saved_xs = [_saved_input(xi, qx, lcs[i]) if needs_wgrad[i] else None
+                    for i, (xi, qx) in enumerate(zip(torch.split(x, m_splits), qxs))]
+        # the experts' copies are views of a few shared buffers: saved as those (grouped_saved)
+        tx, ctx.saved_x = save_experts(saved_xs)
+        tw, ctx.saved_w = save_experts(qws if needs_dgrad else [None] * n)
+        ctx.n_x = len(tx)
+        ctx.save_for_backward(*tx, *tw)
+        ctx.lcs, ctx.m_splits, ctx.has_bias = lcs, m_splits, has_bias
         ctx.x_dtype, ctx.w_dtypes = x.dtype, [w.dtype for w in weights]
         ctx.b_dtypes = [b.dtype for b in biases] if has_bias else None
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):  # type: ignore[override]
-        saved, it = list(ctx.saved_tensors), 0
-        restored = []
-        for sk, k in ctx.skels:
-            restored.append(unpack(sk, saved[it:it + k]))
-            it += k
+        saved = ctx.saved_tensors
+        saved_xs = restore_experts(ctx.saved_x, saved[:ctx.n_x])
+        saved_ws = restore_experts(ctx.saved_w, saved[ctx.n_x:])
         n = len(ctx.lcs)
         needs_dgrad = ctx.needs_input_grad[0]
         needs_wgrad = [ctx.needs_input_grad[4 + i] for i in range(n)]
         with torch_autocast_off(dy):
             qdys = _quantize_grads(dy, ctx.m_splits, ctx.lcs, needs_dgrad, needs_wgrad)
-            qxs = [_wgrad_input(restored[2 * i], lc) if needs_wgrad[i] else None
+            qxs = [_wgrad_input(saved_xs[i], lc) if needs_wgrad[i] else None
                    for i, lc in enumerate(ctx.lcs)]
             dbs = ([bias_grad(dyi, dt) for dyi, dt in zip(torch.split(dy, ctx.m_splits), ctx.b_dtypes)]
                    if ctx.has_bias else [])
-            dx = (grouped_gemm(qdys, restored[1::2], "NN", out_dtype=ctx.x_dtype)
+            dx = (grouped_gemm(qdys, saved_ws, "NN", out_dtype=ctx.x_dtype)
                   if needs_dgrad else None)
             dws = _wgrads(qdys, qxs, ctx.w_dtypes)
         return (dx, None, None, None, *dws, *dbs)
@@ -207,16 +205,17 @@ class GroupedLinear(QuantizedModule):
         together by ``quantize_weights_grouped`` (one encoding of the stacked weights where the
         formats allow; bitwise each expert's own)."""
         out: list[Optional[torch.Tensor]] = [None] * len(weights)
-        missing = []
+        missing, keys = [], []  # keys read before quantizing (as quantized_weight does)
         for i, (w, q) in enumerate(zip(weights, qs)):
             if isinstance(w, QuantizedTensor):  # already quantized (quantized parameters)
                 out[i] = w
                 continue
-            out[i] = self._cached_weight(i, self._weight_key(w, q), columnwise)
+            key = self._weight_key(w, q)
+            out[i] = self._cached_weight(i, key, columnwise)
             if out[i] is None:
                 missing.append(i)
+                keys.append(key)
         if missing:
-            keys = [self._weight_key(weights[i], qs[i]) for i in missing]  # before quantizing
             for i in missing:
                 qs[i].set_usage(rowwise=True, columnwise=columnwise)
             qws = quantize_weights_grouped([qs[i] for i in missing], [weights[i] for i in missing])

@@ -35,13 +35,13 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..formats.common import ceil_div, check_input
+from ..formats.common import HIGH_PRECISION_DTYPES, ceil_div, check_input
 from ..kernels.host import device_tensor
-from ..tensors import HybridStorage, MXFP8Storage, QuantizedStorage, QuantizedTensor
+from ..tensors import HybridStorage, IdentityStorage, MXFP8Storage, QuantizedStorage, QuantizedTensor
 from ..tensors.slicing import adjacent_rows
 from ..tensors.storage import COLUMNWISE, ROWWISE, Payload
 from . import fast
-from .backends import kernels_on
+from .backends import QUANTIZE_KERNELS, kernels_on
 from .base import Quantizer
 from .float8_block import Float8BlockQuantizer
 from .hybrid import HybridQuantizer
@@ -142,6 +142,8 @@ def quantize_weights_grouped(quantizers: Sequence[Quantizer], weights: Sequence[
                          f"{sorted({tuple(w.shape) for w in weights})}.")
     with torch.no_grad():
         if not _worth_stacking(quantizers, weights):
+            if _passthrough(quantizers, weights):
+                return [_wrap_weight(q, w) for q, w in zip(quantizers, weights)]
             return [q.quantize(w) for q, w in zip(quantizers, weights)]
         # weights that are consecutive blocks of one buffer (views of a stacked [E, N, K]
         # tensor) are viewed as the stack; otherwise one stacking copy (GroupedLinear's own
@@ -153,6 +155,29 @@ def quantize_weights_grouped(quantizers: Sequence[Quantizer], weights: Sequence[
         stacked = stacked.reshape(-1, shape[1])
         out = quantize_grouped(list(quantizers), stacked, [shape[0]] * len(weights))
     return [t for t in out if t is not None]
+
+
+def _passthrough(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor]) -> bool:
+    """Whether every expert's quantize() is an Identity passthrough with no cast (its tensor
+    wraps the weight itself): plain ``IdentityQuantizer`` instances (no subclass, nothing
+    wrapped on the instance, no quantize kernel registered for them) asked for some copy, of
+    the weights' own dtype (None or equal), weights of a dtype quantizers read."""
+    if QUANTIZE_KERNELS.get(IdentityQuantizer.__name__):
+        return False
+    return all(type(q) is IdentityQuantizer and not ({"quantize", "encode", "reference_encode"} & vars(q).keys())
+               and q.dtype in (None, w.dtype) and w.dtype in HIGH_PRECISION_DTYPES
+               and (q.rowwise_usage or q.columnwise_usage) for q, w in zip(quantizers, weights))
+
+
+def _wrap_weight(q: IdentityQuantizer, w: torch.Tensor) -> QuantizedTensor:
+    """``q.quantize(w)`` for a passthrough ``q`` (``_passthrough``), without its dispatch
+    (quantize -> encode -> kernel lookup -> reference_encode: ~1 ms a step at 64 experts): the
+    detached weight, one payload for both copies, as ``IdentityQuantizer.reference_encode``."""
+    x = w.detach()
+    p = {"data": x}
+    storage = IdentityStorage(x.shape, x.dtype, p if q.rowwise_usage else None,
+                              p if q.columnwise_usage else None, label=q.label)
+    return QuantizedTensor(storage, q)
 
 
 def _worth_stacking(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor]) -> bool:
@@ -396,6 +421,11 @@ def _assemble(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor, splits
         if q is None:
             out.append(None)
             continue
+        direct = _direct_storage(q, rows, cols, row_payloads[e] if rows is not None else None,
+                                 col_payloads[e] if col_payloads is not None else None, views, m)
+        if direct is not None:
+            out.append(QuantizedTensor(direct, q))
+            continue
         row_part = None
         if q.rowwise_usage or _derives_columnwise(q) or (rows is not None and row_local_mode(q) == SHARED):
             row_part = (_rebuild(rows, row_payloads[e], None, _rowwise_child(q).label, m)
@@ -405,6 +435,28 @@ def _assemble(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor, splits
             col_part = _rebuild(cols, None, col_payloads[e], _columnwise_child(q).label, m)
             col_part.columnwise_zero_padded = views  # slices of the zero-padded groups (``pad_row_groups``)
         out.append(QuantizedTensor(_expert_storage(q, xs[e], row_part, col_part), q))
+    return out
+
+
+def _direct_storage(q: Quantizer, rows: Optional[QuantizedStorage], cols: Optional[QuantizedStorage],
+                    row_payload: Optional[Payload], col_payload: Optional[Payload], views: bool,
+                    m: int) -> Optional[QuantizedStorage]:
+    """A plain quantizer's expert storage straight from the shared payloads, when every copy it
+    asks for is shared: the storage ``_expert_storage`` makes, as one object instead of a part
+    per copy rebuilt again into it (64 experts: 2-3 storages each per quantization). None where
+    that path is needed (hybrids, a copy the expert encodes itself)."""
+    if isinstance(q, HybridQuantizer) or rows is None and cols is None:
+        return None
+    if row_local_mode(q) == SHARED:  # one payload serves both copies (Identity)
+        if rows is None:
+            return None
+        return _rebuild(rows, row_payload if q.rowwise_usage else None,
+                        row_payload if q.columnwise_usage else None, q.label, m)
+    if (q.rowwise_usage and rows is None) or (q.columnwise_usage and (cols is None or col_payload is None)):
+        return None
+    out = _rebuild(rows if q.rowwise_usage else cols, row_payload if q.rowwise_usage else None,
+                   col_payload if q.columnwise_usage else None, q.label, m)
+    out.columnwise_zero_padded = views and q.columnwise_usage  # slices of the zero-padded groups
     return out
 
 
