@@ -17,7 +17,7 @@ from gemm_operands import ref_operand
 
 from hybridfp import Float8CurrentScalingQuantizer, NVFP4Quantizer
 from hybridfp.gemm import gemm, grouped_gemm
-from hybridfp.gemm import grouped
+from hybridfp.gemm import grouped, grouped_bf16
 from hybridfp.gemm.grouped import (GROUPED_BF16, GROUPED_FP8_ROWWISE, PATH_COUNTS, PER_EXPERT,
                                    reference_grouped_mm)
 
@@ -558,8 +558,8 @@ def test_identity_wgrad_pads_adjacent_rows_in_one_pass(monkeypatch):
     X = quantize_grouped([IdentityQuantizer() for _ in splits], torch.cat(src["x"]).bfloat16(), splits)
     DY = quantize_grouped([IdentityQuantizer() for _ in splits], torch.cat(src["dy"]).bfloat16(), splits)
     pads = []
-    real = grouped.pad_row_groups
-    monkeypatch.setattr(grouped, "pad_row_groups", lambda *a: pads.append(a[1]) or real(*a))
+    real = grouped_bf16.pad_row_groups
+    monkeypatch.setattr(grouped_bf16, "pad_row_groups", lambda *a: pads.append(a[1]) or real(*a))
     seen = []
 
     def mm(mat_a, mat_b, offs):

@@ -1,0 +1,224 @@
+"""Path 1 of ``grouped_gemm`` (``grouped.py``'s docstring): the experts' copies decoded to BF16
+(exactly, no epilogue factor) and one ``torch._grouped_mm``, with the operand layouts it
+takes: rows grouped for fprop / dgrad ([Σm, k] · [E, k, n]), the reduction grouped for wgrad
+([m, Σk] · [Σk, n], each expert's reduction zero-padded to the TMA alignment). Copies that are
+blocks of one shared encoding are decoded joined, and operands are gathered without a copy
+where they are already adjacent."""
+
+from __future__ import annotations
+
+from itertools import accumulate
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+
+from ..kernels.host import device_tensor
+from ..tensors.slicing import adjacent_rows
+from ..quantizers.grouped import pad_row_groups
+from ..tensors.storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
+from .bf16_decode import decode_bf16, decode_bf16_joined, held_transpose
+from .gemm import LAYOUTS
+from .joined import joined_columns, joined_rows
+
+#: (mat_a, mat_b, offs) -> BF16 result, with ``torch._grouped_mm``'s semantics.
+GroupedMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+#: TMA needs 16-byte aligned strides and group starts: 8 BF16 elements.
+BF16_ALIGN = 8
+
+
+def offsets(sizes: Sequence[int], device: torch.device) -> torch.Tensor:
+    return device_tensor(list(accumulate(sizes)), device, torch.int32)
+
+
+def run_bf16(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,
+             grouped_mm: GroupedMM, ms: Sequence[int]) -> Optional[Union[torch.Tensor, list[torch.Tensor]]]:
+    """Path 1, or None if some copy decodes with an epilogue factor (or a one-sided RHT).
+    ``ms``: the experts' m.
+
+    Copies that are blocks of one shared encoding (``joined``: ``quantize_grouped``'s row-local
+    rowwise copies, stacked weights, zero-padded columnwise block copies) are decoded in one
+    call straight into the grouped operand; the others per expert, then concatenated."""
+    da, db = LAYOUTS[layout]
+    if layout == "NT":
+        out = _run_bf16_joined_wgrad(sa, sb, grouped_mm)
+        if out is not NotImplemented:
+            return out
+    whole_a = _joined_operand(sa, da) if layout != "NT" else None
+    # B of fprop / dgrad is the experts' weights: the decode is cached while they are unchanged
+    whole_b = _joined_operand(sb, db, cache=True) if layout != "NT" else None
+    if any(w is not None and w.scale is not None for w in (whole_a, whole_b)):
+        return None
+    # Operands the grouped copy reads transposed (dgrad's B, both of wgrad) are taken as the
+    # tensors they are views of where the decode is one (BF16 Identity columnwise copies): no
+    # transposed view per expert, transposed back by the copy (3 of 5 aten ops of a BF16 step)
+    rows_a = _held_transposes(sa, da) if layout == "NT" else None
+    rows_b = _held_transposes(sb, db) if layout != "TN" and whole_b is None else None
+    ops_a = _decoded_values(sa, da, whole_a, False) if rows_a is None else (None, [False] * len(sa))
+    ops_b = _decoded_values(sb, db, whole_b, layout != "NT") if rows_b is None else (None, [False] * len(sb))
+    if ops_a is None or ops_b is None or ops_a[1] != ops_b[1]:  # an epilogue factor; a one-sided RHT
+        return None
+    (vals_a, _), (vals_b, _) = ops_a, ops_b
+    device = vals_a[0].device if vals_a is not None else rows_a[0].device
+    if layout != "NT":  # rows grouped: [Σm, k] · [E, k, n]
+        mat_a = whole_a.values if whole_a is not None else torch.cat(vals_a)
+        mat_b = (_experts_kn(whole_b.values, len(sb), db) if whole_b is not None else
+                 _stack_transposed(vals_b, rows_b))
+        return grouped_mm(mat_a, mat_b, offsets(ms, device))
+    # Reduction grouped: [m, Σk] · [Σk, n]. Each group starts 16-byte aligned (TMA): pad every
+    # expert's reduction to a multiple of 8 with zeros, which add nothing to the FP32 sums.
+    ks = [v.shape[1] for v in vals_a] if vals_a is not None else [r.shape[0] for r in rows_a]
+    padded = [-(-k // BF16_ALIGN) * BF16_ALIGN for k in ks]
+    mat_a = _cat_columns(vals_a, padded, rows_a)
+    mat_b = _cat_columns(vals_b, padded, rows_b).t()
+    return _wgrad_result(grouped_mm(mat_a, mat_b, offsets(padded, device)), ks)
+
+
+def _decoded_values(storages: Sequence[QuantizedStorage], direction: str, whole: Optional[GemmOperand],
+                    cache: bool) -> Optional[tuple[list[torch.Tensor], list[bool]]]:
+    """Every expert's BF16-decoded ``direction`` values (``whole``'s if decoded joined) and RHT
+    flag; None if some copy carries an epilogue factor."""
+    values, rht = [], []
+    for s in storages:
+        o = whole if whole is not None else decode_bf16(s, direction, cache=cache)
+        if o.scale is not None:
+            return None
+        values.append(o.values)
+        rht.append(o.rht)
+    return values, rht
+
+
+def _held_transposes(storages: Sequence[QuantizedStorage], direction: str) -> Optional[list[torch.Tensor]]:
+    """Every expert's decoded values transposed, as the tensors the copies hold
+    (``bf16_decode.held_transpose``), when each one's decode is a view of a held tensor; else None."""
+    out = []
+    for s in storages:
+        t = held_transpose(s, direction)
+        if t is None:
+            return None
+        out.append(t)
+    return out
+
+
+def _joined_operand(storages: Sequence[QuantizedStorage], direction: str, cache: bool = False
+                    ) -> Optional[GemmOperand]:
+    """The experts' ``direction`` copies decoded in one call when they are blocks of one
+    encoding: consecutive row blocks (rowwise), or column slices without padding (columnwise
+    copies of stacked weights: every expert's rows a whole number of blocks). None otherwise.
+    Values: [Σ rows, k] (rowwise) or [n, Σ k] (columnwise, stored transposed). ``cache``: see
+    ``decode_bf16_joined``."""
+    if direction == ROWWISE:
+        joined = joined_rows(storages, direction)
+    else:
+        found = joined_columns(storages)
+        if found is None:
+            return None
+        joined, starts = found
+        sizes = [s.part(direction).rows for s in storages]
+        if any(b - a != m for a, b, m in zip(starts, starts[1:] + [joined.rows], sizes)):
+            return None  # padding between the copies: not one [E, k, n] operand
+    return decode_bf16_joined(joined, storages, direction, cache=cache) if joined is not None else None
+
+
+def _experts_kn(values: torch.Tensor, experts: int, direction: str) -> torch.Tensor:
+    """[E, k, n] views (no copy) of B's joined decode: rowwise [E*n, k] (stacked weights'
+    rowwise copies) or columnwise [n, E*k] (their transposed columnwise copies)."""
+    values = values.contiguous()  # the decoders write contiguous tensors: no copy
+    if direction == ROWWISE:
+        n = values.shape[0] // experts
+        return values.view(experts, n, values.shape[1]).transpose(1, 2)
+    k = values.shape[1] // experts
+    return values.view(values.shape[0], experts, k).permute(1, 2, 0)
+
+
+def _run_bf16_joined_wgrad(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage],
+                           grouped_mm: GroupedMM) -> Union[None, list[torch.Tensor], object]:
+    """wgrad on joined columnwise copies of both operands with the same group layout: [m, Σk]
+    · [Σk, n] straight from the two decodes, each expert's zero padding inside its own group.
+    ``NotImplemented`` when the copies are not so joined (the caller then goes per expert)."""
+    ja, jb = joined_columns(sa), joined_columns(sb)
+    if ja is None or jb is None or ja[1] != jb[1] or ja[0].rows != jb[0].rows:
+        return NotImplemented
+    if any(-(-st // BF16_ALIGN) * BF16_ALIGN != st for st in ja[1]):
+        return NotImplemented  # a group start not 16-byte aligned for TMA
+    oa, ob = decode_bf16(ja[0], COLUMNWISE), decode_bf16(jb[0], COLUMNWISE)
+    if oa.scale is not None or ob.scale is not None or oa.rht != ob.rht:
+        return None
+    ends = ja[1][1:] + [ja[0].rows]
+    out = grouped_mm(oa.values, ob.values.t(), offsets([e - s for s, e in zip(ja[1], ends)], oa.values.device))
+    return _wgrad_result(out, [s.part(COLUMNWISE).rows for s in sa])
+
+
+def _wgrad_result(out: torch.Tensor, ks: Sequence[int]) -> list[torch.Tensor]:
+    """The experts' [n, k] results of a grouped wgrad; an empty reduction is a zero result
+    (not left to the kernel)."""
+    for e, k in enumerate(ks):
+        if k == 0:
+            out[e].zero_()
+    return list(out.unbind(0))
+
+
+def _stack_transposed(parts: Optional[Sequence[torch.Tensor]], rows: Optional[Sequence[torch.Tensor]] = None
+                      ) -> torch.Tensor:
+    """[E, k, n] from the experts' [n, k] operands, in whichever layout copies them without a
+    transpose: a BF16 Identity columnwise copy is a transposed view of the row-major weight,
+    so stacking its transpose is a plain copy (the grouped kernel takes either layout).
+    ``rows``: the parts' transposes, if held (``parts`` may then be None; no view op per expert)."""
+    if rows is not None:
+        if all(r.is_contiguous() for r in rows):
+            return torch.stack(list(rows))
+        parts = [r.t() for r in rows]
+    if all(_t_contiguous(p) for p in parts):
+        return torch.stack([p.t() for p in parts])
+    return torch.stack(parts).transpose(1, 2)
+
+
+def _cat_columns(parts: Optional[Sequence[torch.Tensor]], widths: Sequence[int],
+                 rows: Optional[Sequence[torch.Tensor]] = None) -> torch.Tensor:
+    """[rows, Σ widths]: part e in its columns, zero padding after it. Transposed views (BF16
+    Identity columnwise copies) are gathered as row blocks of the transpose instead, so the
+    copy never transposes (the result is then a column-major view). ``rows``: the parts'
+    transposes, if held (``parts`` may then be None; no view op per expert)."""
+    if rows is not None and not all(r.is_contiguous() for r in rows):
+        rows, parts = None, [r.t() for r in rows]
+    if rows is not None or all(_t_contiguous(p) for p in parts):
+        rows = rows if rows is not None else [p.t() for p in parts]
+        filled = [r for r in rows if r.numel()]
+        whole = adjacent_rows(filled) if filled else None
+        heights = [r.shape[0] for r in rows]
+        if whole is not None and whole.shape[0] == sum(heights) and all(
+                -(-h // BF16_ALIGN) * BF16_ALIGN == w for h, w in zip(heights, widths)):
+            # consecutive row blocks of one buffer (an Identity copy of x or dy): every group
+            # zero-padded to a multiple of 8 rows in one pass (a Triton kernel on CUDA), not a
+            # zero block and a concatenation per expert
+            return pad_row_groups(whole, heights, BF16_ALIGN)[0].t()
+        return _cat_rows(rows, widths).t()
+    if all(p.shape[1] == w for p, w in zip(parts, widths)):
+        return torch.cat(parts, dim=1)
+    out = parts[0].new_zeros(parts[0].shape[0], sum(widths))
+    start = 0
+    for p, w in zip(parts, widths):
+        out[:, start:start + p.shape[1]] = p
+        start += w
+    return out
+
+
+def _t_contiguous(p: torch.Tensor) -> bool:
+    """``p.t().is_contiguous()`` for a 2D ``p``, from its strides (no view op per expert)."""
+    if p.numel() == 0:
+        return True
+    expected = 1
+    for size, stride in ((p.shape[0], p.stride(0)), (p.shape[1], p.stride(1))):  # innermost of p.t() first
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _cat_rows(parts: Sequence[torch.Tensor], heights: Sequence[int]) -> torch.Tensor:
+    """[Σ heights, cols]: part e in its rows, zero rows after it."""
+    pieces: list[torch.Tensor] = []
+    for p, h in zip(parts, heights):
+        pieces.append(p)
+        if h > p.shape[0]:
+            pieces.append(p.new_zeros(h - p.shape[0], p.shape[1]))
+    return torch.cat(pieces)
