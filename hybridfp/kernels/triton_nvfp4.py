@@ -71,8 +71,21 @@ def _bf(a, b):
 
 
 @triton.jit
+def _round_in(y, DTYPE: tl.constexpr, BF16_NAN: tl.constexpr, HW: tl.constexpr):
+    """``round_to_dtype``; on the GPU (``HW``) BF16 by the hardware's RNE conversion
+    (``cvt.rn.bf16.f32``: subnormals kept, ±inf on overflow) without the NaN select: a NaN
+    stays a NaN whose bits no consumer reads (the block amax is a NaN-propagating max made
+    the canonical NaN, and GPU arithmetic on a NaN gives the canonical NaN, so the scaled
+    NaNs, and with them the codes, do not depend on the payload)."""
+    if HW and DTYPE == 1:
+        return y.to(tl.bfloat16).to(tl.float32)
+    else:
+        return round_to_dtype(y, DTYPE, BF16_NAN)
+
+
+@triton.jit
 def _rht16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-           DTYPE: tl.constexpr, BF16_NAN: tl.constexpr):
+           DTYPE: tl.constexpr, BF16_NAN: tl.constexpr, HW: tl.constexpr):
     """``formats.rht.apply_rht`` on 16 elementwise slices: signs, butterfly h = 1, 2, 4, 8,
     * 0.25, round to the input dtype (every step in the reference's FP32 order)."""
     x0, x1, x2, x3 = x0 * 1.0, x1 * 1.0, x2 * 1.0, x3 * -1.0
@@ -111,14 +124,14 @@ def _rht16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
     x5, x13 = _bf(x5, x13)
     x6, x14 = _bf(x6, x14)
     x7, x15 = _bf(x7, x15)
-    return (round_to_dtype(x0 * 0.25, DTYPE, BF16_NAN), round_to_dtype(x1 * 0.25, DTYPE, BF16_NAN),
-            round_to_dtype(x2 * 0.25, DTYPE, BF16_NAN), round_to_dtype(x3 * 0.25, DTYPE, BF16_NAN),
-            round_to_dtype(x4 * 0.25, DTYPE, BF16_NAN), round_to_dtype(x5 * 0.25, DTYPE, BF16_NAN),
-            round_to_dtype(x6 * 0.25, DTYPE, BF16_NAN), round_to_dtype(x7 * 0.25, DTYPE, BF16_NAN),
-            round_to_dtype(x8 * 0.25, DTYPE, BF16_NAN), round_to_dtype(x9 * 0.25, DTYPE, BF16_NAN),
-            round_to_dtype(x10 * 0.25, DTYPE, BF16_NAN), round_to_dtype(x11 * 0.25, DTYPE, BF16_NAN),
-            round_to_dtype(x12 * 0.25, DTYPE, BF16_NAN), round_to_dtype(x13 * 0.25, DTYPE, BF16_NAN),
-            round_to_dtype(x14 * 0.25, DTYPE, BF16_NAN), round_to_dtype(x15 * 0.25, DTYPE, BF16_NAN))
+    return (_round_in(x0 * 0.25, DTYPE, BF16_NAN, HW), _round_in(x1 * 0.25, DTYPE, BF16_NAN, HW),
+            _round_in(x2 * 0.25, DTYPE, BF16_NAN, HW), _round_in(x3 * 0.25, DTYPE, BF16_NAN, HW),
+            _round_in(x4 * 0.25, DTYPE, BF16_NAN, HW), _round_in(x5 * 0.25, DTYPE, BF16_NAN, HW),
+            _round_in(x6 * 0.25, DTYPE, BF16_NAN, HW), _round_in(x7 * 0.25, DTYPE, BF16_NAN, HW),
+            _round_in(x8 * 0.25, DTYPE, BF16_NAN, HW), _round_in(x9 * 0.25, DTYPE, BF16_NAN, HW),
+            _round_in(x10 * 0.25, DTYPE, BF16_NAN, HW), _round_in(x11 * 0.25, DTYPE, BF16_NAN, HW),
+            _round_in(x12 * 0.25, DTYPE, BF16_NAN, HW), _round_in(x13 * 0.25, DTYPE, BF16_NAN, HW),
+            _round_in(x14 * 0.25, DTYPE, BF16_NAN, HW), _round_in(x15 * 0.25, DTYPE, BF16_NAN, HW))
 
 
 @triton.jit
@@ -132,7 +145,7 @@ def _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, I: tl.constexpr, DTYPE: tl.cons
 
 @triton.jit
 def _tile_slices(xbase, lt, lc, rmax, cmask, sxr, sxc, RHT: tl.constexpr, DTYPE: tl.constexpr,
-                 BF16_NAN: tl.constexpr):
+                 BF16_NAN: tl.constexpr, HW: tl.constexpr):
     """The 16 row slices of a tile (16-row groups along lt, columns lc), RHT'd with ``RHT``."""
     x0 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 0, DTYPE)
     x1 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 1, DTYPE)
@@ -151,22 +164,34 @@ def _tile_slices(xbase, lt, lc, rmax, cmask, sxr, sxc, RHT: tl.constexpr, DTYPE:
     x14 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 14, DTYPE)
     x15 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 15, DTYPE)
     if RHT:
-        return _rht16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, DTYPE, BF16_NAN)
+        return _rht16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, DTYPE, BF16_NAN, HW)
     else:
         return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
 
 
 @triton.jit
+def _mx(a, b):
+    """max(|a|, |b|) propagating NaN (``max.NaN``, one ``FMNMX.NAN`` with |.| operands; the
+    interpreter's ``np.maximum``): a NaN result is a positive NaN."""
+    return tl.maximum(tl.abs(a), tl.abs(b), propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15):
-    """Elementwise NaN-propagating max|y_i| over the 16 slices."""
-    a = tl.maximum(tl.maximum(tl.maximum(tl.abs(y0), tl.abs(y1)), tl.maximum(tl.abs(y2), tl.abs(y3))),
-                   tl.maximum(tl.maximum(tl.abs(y4), tl.abs(y5)), tl.maximum(tl.abs(y6), tl.abs(y7))))
-    b = tl.maximum(tl.maximum(tl.maximum(tl.abs(y8), tl.abs(y9)), tl.maximum(tl.abs(y10), tl.abs(y11))),
-                   tl.maximum(tl.maximum(tl.abs(y12), tl.abs(y13)), tl.maximum(tl.abs(y14), tl.abs(y15))))
-    n = ((y0 != y0) | (y1 != y1) | (y2 != y2) | (y3 != y3) | (y4 != y4) | (y5 != y5) | (y6 != y6)
-         | (y7 != y7) | (y8 != y8) | (y9 != y9) | (y10 != y10) | (y11 != y11) | (y12 != y12)
-         | (y13 != y13) | (y14 != y14) | (y15 != y15))
-    return tl.where(n, float("nan"), tl.maximum(a, b))
+    """Elementwise NaN-propagating max|y_i| over the 16 slices (a NaN result is a positive NaN
+    of unspecified payload: ``block_scales`` and ``amax_nan`` read only that it is NaN)."""
+    a = tl.maximum(tl.maximum(_mx(y0, y1), _mx(y2, y3), propagate_nan=tl.PropagateNan.ALL),
+                   tl.maximum(_mx(y4, y5), _mx(y6, y7), propagate_nan=tl.PropagateNan.ALL),
+                   propagate_nan=tl.PropagateNan.ALL)
+    b = tl.maximum(tl.maximum(_mx(y8, y9), _mx(y10, y11), propagate_nan=tl.PropagateNan.ALL),
+                   tl.maximum(_mx(y12, y13), _mx(y14, y15), propagate_nan=tl.PropagateNan.ALL),
+                   propagate_nan=tl.PropagateNan.ALL)
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -180,12 +205,58 @@ def _code(v, u, SR: tl.constexpr):
 
 
 @triton.jit
-def _pair_word(ya, yb, ua, ub, enc, SR: tl.constexpr, SHIFT: tl.constexpr):
-    """Codes of columns 2 SHIFT and 2 SHIFT + 1 of a 16-column group of the columnwise copy
-    (a [BT, BC] slice each) packed in one byte, placed at byte SHIFT of an int64."""
-    ca = _code(ya * enc, ua, SR)
-    cb = _code(yb * enc, ub, SR)
-    return (ca | (cb << 4)).to(tl.int64) << (8 * SHIFT)
+def _e2m1_mag(v):
+    """E2M1 magnitude code (0..7, RNE, saturating at 6) of FP32 ``v``, equal to
+    ``e2m1_code_sat(v) & 7`` for every non-NaN ``v``; NaN gives 7 (the caller clears NaN
+    blocks: :func:`_nan_words`).
+
+    ``s = min(|v|, 6)`` (minnum: NaN -> 6 on the GPU and in the interpreter); with
+    ``E = 2**max(e, 0)`` (e: s's binade), ``s * 2**-22 + E`` is rounded once (RNE) to E's ulp,
+    ``2**(e' - 23)``, i.e. s to a multiple of ``2**(e' - 1)``: 0.5 below 2 (the E2M1 grid's
+    0, 0.5, 1, 1.5 with the ties 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2 to the even
+    multiple), one fraction bit above. The product is exact (a power-of-two scaling; a
+    subnormal product is below E's ulp, so an FMA gives the same sum) and the sum stays in
+    E's binade, so its bits are ``E + k`` with k = s / 2**(e' - 1) rounded, and the code is
+    ``k + 2 e'``. ~7 instructions instead of the comparator and select chains."""
+    s = tl.minimum(tl.abs(v), 6.0)
+    e = tl.maximum(s.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000)
+    r = (s * 2.384185791015625e-07 + e.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+    return r - e + ((e >> 22) - 254)
+
+
+@triton.jit
+def _code_rne(v):
+    """:func:`_e2m1_mag` with the sign bit of ``v`` (bit 3): ``e2m1_code_sat(v)`` except NaN."""
+    return _e2m1_mag(v) | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
+
+
+@triton.jit
+def _nan_words(w, v):
+    """Clear the magnitudes (keep the sign bits) of int32 code words ``w`` whose block's scaled
+    element ``v`` is NaN. A scaled value is NaN iff its block's encode scale is NaN (the block
+    amax is NaN: the scale is finite and positive otherwise, so no 0 * inf or inf * 0), so
+    one element decides a word of one block; the codes of NaN are magnitude 0, as
+    ``e2m1_code_sat`` gives."""
+    return tl.where(v != v, w & -0x77777778, w)  # 0x88888888
+
+
+@triton.jit
+def _col_half(y0, y1, y2, y3, y4, y5, y6, y7, u0, u1, u2, u3, u4, u5, u6, u7, enc, SR: tl.constexpr):
+    """int32 word of the codes of slices y_i * enc at nibble i (8 elements of a columnwise
+    block: a [BT, BC] slice each), RNE or stochastic with draws u_i."""
+    if SR:
+        w = _code(y0 * enc, u0, SR) | (_code(y1 * enc, u1, SR) << 4)
+        w |= (_code(y2 * enc, u2, SR) << 8) | (_code(y3 * enc, u3, SR) << 12)
+        w |= (_code(y4 * enc, u4, SR) << 16) | (_code(y5 * enc, u5, SR) << 20)
+        w |= (_code(y6 * enc, u6, SR) << 24) | (_code(y7 * enc, u7, SR) << 28)
+        return w
+    else:
+        v0 = y0 * enc
+        w = _code_rne(v0) | (_code_rne(y1 * enc) << 4)
+        w |= (_code_rne(y2 * enc) << 8) | (_code_rne(y3 * enc) << 12)
+        w |= (_code_rne(y4 * enc) << 16) | (_code_rne(y5 * enc) << 20)
+        w |= (_code_rne(y6 * enc) << 24) | (_code_rne(y7 * enc) << 28)
+        return _nan_words(w, v0)
 
 
 @triton.jit
@@ -214,7 +285,7 @@ def _nib(code, col, C, M: tl.constexpr, WORDS: tl.constexpr):
 def _nvfp4_amax_kernel(x_ptr, amax_ptr, row_amax_ptr, rht_amax_ptr, R, C, sxr, sxc: tl.constexpr,
                        AMAX: tl.constexpr, ROW_AMAX: tl.constexpr, RHT_AMAX: tl.constexpr,
                        DTYPE: tl.constexpr, BF16_NAN: tl.constexpr, BT: tl.constexpr,
-                       BC: tl.constexpr):
+                       BC: tl.constexpr, HW: tl.constexpr = False):
     """Tile amaxes folded (int32 atomic max of the bits) into the global / per-row / post-RHT
     amax buffers. Tiles are [16 BT, BC]."""
     BR: tl.constexpr = 16 * BT
@@ -234,7 +305,7 @@ def _nvfp4_amax_kernel(x_ptr, amax_ptr, row_amax_ptr, rht_amax_ptr, R, C, sxr, s
             tl.atomic_max(row_amax_ptr + r0 + lr, amax_bits(ra), mask=(r0 + lr) < R)
     if RHT_AMAX:
         y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _tile_slices(
-            xbase, tl.arange(0, BT), lc, R - r0, cmask, sxr, sxc, True, DTYPE, BF16_NAN)
+            xbase, tl.arange(0, BT), lc, R - r0, cmask, sxr, sxc, True, DTYPE, BF16_NAN, HW)
         a = _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
         tl.atomic_max(rht_amax_ptr, amax_bits(amax_nan(amax_nan(a, 1), 0)))
 
@@ -248,7 +319,8 @@ def _row_copy(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, k0, k1, RCP
     shuffle, packed as one int32 per 8 columns (``WORDS``: C % 8 == 0) or as 4 bytes."""
     rmask = (r0 + lr) < R
     xb = tl.reshape(x, [BR, BC // 16, 16])
-    sdb, enc = block_scales(amax_nan(xb, 2), s_enc, s_dec, RCP6, HW)
+    # NaN-propagating max (a NaN block amax: some positive NaN; block_scales reads only that)
+    sdb, enc = block_scales(tl.reduce(tl.abs(xb), 2, _max_nan), s_enc, s_dec, RCP6, HW)
     v = tl.reshape(xb * enc[:, :, None], [BR, BC])
     v0, v1, v2, v3, v4, v5, v6, v7 = _split8(v, BR, BC)
     lg = tl.arange(0, BC // 8)
@@ -257,17 +329,19 @@ def _row_copy(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, k0, k1, RCP
         u0, u1, u2, u3, u4, u5, u6, u7 = draws8((r0 + lr)[:, None], (c0 // 8 + lg)[None, :], k0, k1)
     else:
         u0, u1, u2, u3, u4, u5, u6, u7 = v0, v1, v2, v3, v4, v5, v6, v7  # unused
-    n0 = _nib(_code(v0, u0, SR), col, C, 0, WORDS)
-    n1 = _nib(_code(v1, u1, SR), col + 1, C, 1, WORDS)
-    n2 = _nib(_code(v2, u2, SR), col + 2, C, 2, WORDS)
-    n3 = _nib(_code(v3, u3, SR), col + 3, C, 3, WORDS)
-    n4 = _nib(_code(v4, u4, SR), col + 4, C, 4, WORDS)
-    n5 = _nib(_code(v5, u5, SR), col + 5, C, 5, WORDS)
-    n6 = _nib(_code(v6, u6, SR), col + 6, C, 6, WORDS)
-    n7 = _nib(_code(v7, u7, SR), col + 7, C, 7, WORDS)
+    if SR:
+        c0_, c1_, c2_, c3_ = _code(v0, u0, SR), _code(v1, u1, SR), _code(v2, u2, SR), _code(v3, u3, SR)
+        c4_, c5_, c6_, c7_ = _code(v4, u4, SR), _code(v5, u5, SR), _code(v6, u6, SR), _code(v7, u7, SR)
+    else:
+        c0_, c1_, c2_, c3_ = _code_rne(v0), _code_rne(v1), _code_rne(v2), _code_rne(v3)
+        c4_, c5_, c6_, c7_ = _code_rne(v4), _code_rne(v5), _code_rne(v6), _code_rne(v7)
+    w = (_nib(c0_, col, C, 0, WORDS) | _nib(c1_, col + 1, C, 1, WORDS) | _nib(c2_, col + 2, C, 2, WORDS)
+         | _nib(c3_, col + 3, C, 3, WORDS) | _nib(c4_, col + 4, C, 4, WORDS) | _nib(c5_, col + 5, C, 5, WORDS)
+         | _nib(c6_, col + 6, C, 6, WORDS) | _nib(c7_, col + 7, C, 7, WORDS))
+    if not SR:
+        w = _nan_words(w, v0)  # the 8 columns lie in one 16-column block
     nb = (C + 1) // 2
     if WORDS:
-        w = n0 | n1 | n2 | n3 | n4 | n5 | n6 | n7
         wbase = rd_ptr.to(tl.pointer_type(tl.int32)) + r0.to(tl.int64) * (C // 8) + c0 // 8
         tl.store(wbase + tile_offsets(lr, lg, C // 8, 1), w,
                  mask=rmask[:, None] & ((c0 // 8 + lg) < C // 8)[None, :])
@@ -275,10 +349,10 @@ def _row_copy(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, k0, k1, RCP
         bbase = rd_ptr + r0.to(tl.int64) * nb + c0 // 2
         boff = tile_offsets(lr, lg, nb, 4)
         bcol = (c0 // 2 + lg * 4)[None, :]
-        tl.store(bbase + boff, (n0 | n1).to(tl.uint8), mask=rmask[:, None] & (bcol < nb))
-        tl.store(bbase + boff + 1, ((n2 | n3) >> 8).to(tl.uint8), mask=rmask[:, None] & (bcol + 1 < nb))
-        tl.store(bbase + boff + 2, ((n4 | n5) >> 16).to(tl.uint8), mask=rmask[:, None] & (bcol + 2 < nb))
-        tl.store(bbase + boff + 3, ((n6 | n7) >> 24).to(tl.uint8), mask=rmask[:, None] & (bcol + 3 < nb))
+        tl.store(bbase + boff, w.to(tl.uint8), mask=rmask[:, None] & (bcol < nb))
+        tl.store(bbase + boff + 1, (w >> 8).to(tl.uint8), mask=rmask[:, None] & (bcol + 1 < nb))
+        tl.store(bbase + boff + 2, (w >> 16).to(tl.uint8), mask=rmask[:, None] & (bcol + 2 < nb))
+        tl.store(bbase + boff + 3, (w >> 24).to(tl.uint8), mask=rmask[:, None] & (bcol + 3 < nb))
     nbc = tl.cdiv(C, 16)
     lb = tl.arange(0, BC // 16)
     tl.store(rs_ptr + r0.to(tl.int64) * nbc + c0 // 16 + tile_offsets(lr, lb, nbc, 1), sdb,
@@ -297,7 +371,7 @@ def col_copy_words(xbase, r0, c0, lc, R, C, sxr, sxc, s_enc, s_dec, cd_ptr, cs_p
     lt = tl.arange(0, BT)
     cmask = (c0 + lc) < C
     y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _tile_slices(
-        xbase, lt, lc, R - r0, cmask, sxr, sxc, RHT, DTYPE, BF16_NAN)
+        xbase, lt, lc, R - r0, cmask, sxr, sxc, RHT, DTYPE, BF16_NAN, HW)
     sdb, enc = block_scales(
         _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15),
         s_enc, s_dec, RCP6, HW)  # [BT, BC]
@@ -309,14 +383,9 @@ def col_copy_words(xbase, r0, c0, lc, R, C, sxr, sxc, s_enc, s_dec, cd_ptr, cs_p
     else:
         a0, a1, a2, a3, a4, a5, a6, a7 = y0, y1, y2, y3, y4, y5, y6, y7  # unused
         b0, b1, b2, b3, b4, b5, b6, b7 = y0, y1, y2, y3, y4, y5, y6, y7
-    w = _pair_word(y0, y1, a0, a1, enc, SR, 0)
-    w |= _pair_word(y2, y3, a2, a3, enc, SR, 1)
-    w |= _pair_word(y4, y5, a4, a5, enc, SR, 2)
-    w |= _pair_word(y6, y7, a6, a7, enc, SR, 3)
-    w |= _pair_word(y8, y9, b0, b1, enc, SR, 4)
-    w |= _pair_word(y10, y11, b2, b3, enc, SR, 5)
-    w |= _pair_word(y12, y13, b4, b5, enc, SR, 6)
-    w |= _pair_word(y14, y15, b6, b7, enc, SR, 7)
+    lo = _col_half(y0, y1, y2, y3, y4, y5, y6, y7, a0, a1, a2, a3, a4, a5, a6, a7, enc, SR)
+    hi = _col_half(y8, y9, y10, y11, y12, y13, y14, y15, b0, b1, b2, b3, b4, b5, b6, b7, enc, SR)
+    w = (hi.to(tl.int64) << 32) | lo.to(tl.uint32).to(tl.int64)
     ntiles = tl.cdiv(R, 16)
     tmask = cmask[:, None] & (t < ntiles)[None, :]
     off = c0.to(tl.int64) * ntiles + r0 // 16 + tile_offsets(lc, lt, ntiles, 1)
@@ -465,7 +534,7 @@ def amaxes(x2: torch.Tensor, *, amax: bool = True, row_amax: bool = False, rht_a
     _nvfp4_amax_kernel[grid](kernel_input(x2), *(o if o is not None else dummy for o in out), rows, cols,
                              x2.stride(0), x2.stride(1), AMAX=amax, ROW_AMAX=row_amax,
                              RHT_AMAX=rht_amax, DTYPE=DTYPE_CODE[x2.dtype],
-                             BF16_NAN=bf16_nan_bits(dev), **blk, num_warps=num_warps)
+                             BF16_NAN=bf16_nan_bits(dev), HW=hw_fp8(dev), **blk, num_warps=num_warps)
     return tuple(o.view(torch.float32) if o is not None else None for o in out)
 
 
