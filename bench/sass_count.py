@@ -1,0 +1,91 @@
+"""SASS instruction counts of the quantize kernels compiled offline for the H200 (sm90), no GPU needed.
+
+The quantize kernels are instruction-issue bound (Nsight, session 6): at ~4 TB/s a BF16 quantize
+can spend roughly 25 instructions per element, so the static count per thread of one tile,
+divided by the elements each thread handles, predicts a kernel's share of copy bandwidth before
+any device time is spent. Each case compiles one kernel with Triton's nvidia backend
+(``tt.divisibility`` 16 on pointers, sizes and the row stride, as the launches specialize them),
+disassembles the cubin with the wheel's ``cuobjdump -sass`` and counts opcodes.
+
+    python -m bench.sass_count [--case NAME ...] [--top 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import inspect
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+_DIV = ("x_ptr", "rd_ptr", "rs_ptr", "cd_ptr", "cs_ptr", "R", "C", "sxr")
+_NV_SIG = dict(x_ptr="*i16", ramax_ptr="*fp32", camax_ptr="*fp32", rd_ptr="*u8", rs_ptr="*u8", cd_ptr="*u8",
+               cs_ptr="*u8", R="i32", C="i32", sxr="i32", RCP6="fp32", rk0="i32", rk1="i32", ck0="i32", ck1="i32")
+_NV = dict(sxc=1, ROW=True, COL=True, ROW_SCALED=False, ROW_WORDS=True, COL_WORDS=True, HW=True, DTYPE=1,
+           BF16_NAN=0x7FC0)
+_MX_SIG = dict(x_ptr="*i16", rd_ptr="*u8", rs_ptr="*u8", cd_ptr="*u8", cs_ptr="*u8", R="i32", C="i32", sxr="i32",
+               RCP="fp32")
+_FP8 = dict(RCEIL=True, EMAX=8, MBITS=3, BIAS=7, FP8_MAX=448.0)
+#: name -> (module, kernel, signature, constexprs, elements per thread of the tile, warps).
+CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
+    "nvfp4 row+col (2, 128)": ("triton_nvfp4", "_nvfp4_1d_kernel", _NV_SIG,
+                               dict(_NV, SR=False, RHT=False, BT=2, BC=128), 32, 4),
+    "nvfp4 rht row+col (2, 64)": ("triton_nvfp4", "_nvfp4_1d_kernel", _NV_SIG,
+                                  dict(_NV, SR=False, RHT=True, BT=2, BC=64), 16, 4),
+    "nvfp4 rht+sr row+col (2, 64)": ("triton_nvfp4", "_nvfp4_1d_kernel", _NV_SIG,
+                                     dict(_NV, SR=True, RHT=True, BT=2, BC=64), 16, 4),
+    "mxfp8 row+col (64, 128)": ("triton_mxfp8", "_mxfp8_1d_kernel", _MX_SIG,
+                                dict(_FP8, sxc=1, ROW=True, COL=True, DTYPE=1, BR=64, BC=128, PACK=True, HW=True),
+                                64, 4),
+    "mxfp8 row + nvfp4 rht col (2, 64)": (
+        "triton_hybrid_mxfp8_nvfp4", "_mxfp8_nvfp4_kernel",
+        dict(x_ptr="*i16", camax_ptr="*fp32", rd_ptr="*u8", rs_ptr="*u8", cd_ptr="*u8", cs_ptr="*u8", R="i32",
+             C="i32", sxr="i32", RCP="fp32", RCP6="fp32"),
+        dict(_FP8, sxc=1, RHT=True, COL_WORDS=True, HW=True, DTYPE=1, BF16_NAN=0x7FC0, BT=2, BC=64), 16, 4),
+}
+
+
+def compile_sm90(fn: Any, signature: dict[str, str], constexprs: dict[str, Any], num_warps: int) -> Any:
+    """``fn`` compiled for sm90 with the given argument types (constexprs by value)."""
+    names = list(inspect.signature(fn.fn).parameters)
+    sig = {n: ("constexpr" if n in constexprs else signature[n]) for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in _DIV if n in names}
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+def opcode_counts(cubin: bytes) -> collections.Counter:
+    """SASS opcodes of a cubin (predicated instructions counted by their opcode)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    return collections.Counter(re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--case", action="append", choices=list(CASES), help="default: every case")
+    p.add_argument("--top", type=int, default=8, help="opcodes listed per case")
+    args = p.parse_args(argv)
+    import importlib
+    print("| case | instructions / thread | per element | top opcodes |\n|---|---|---|---|")
+    for name in args.case or CASES:
+        mod, kernel, sig, consts, per_thread, warps = CASES[name]
+        fn = getattr(importlib.import_module(f"hybridfp.kernels.{mod}"), kernel)
+        counts = opcode_counts(compile_sm90(fn, sig, consts, warps).asm["cubin"])
+        total = sum(counts.values())
+        top = ", ".join(f"{op} {n}" for op, n in counts.most_common(args.top))
+        print(f"| {name} | {total} | {total / per_thread:.0f} | {top} |")
+
+
+if __name__ == "__main__":
+    main()
