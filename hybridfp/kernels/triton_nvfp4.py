@@ -34,7 +34,7 @@ import triton.language as tl
 from ._common import (program_tile, empty, DTYPE_CODE, FP32_MAX, amax_bits, amax_nan, bf16_nan_bits, check_int32_tiles,
                       clamp_max, clamp_sym, e2m1_code_sat, e2m1_code_sr, e4m3_value, f32_div, fp8_encode, hw_fp8,
                       kernel_input, load_f32, round_to_dtype, tile_offsets)
-from .triton_sr import draw_at, draws8, sr_key
+from .triton_sr import draw_at, draws8_u16, sr_key
 
 BLOCK = 16
 #: fp32(1/6): the C++ ``1.0f / 6.0f`` of SPEC §2.5.
@@ -231,6 +231,35 @@ def _code_rne(v):
 
 
 @triton.jit
+def _sr_mag(v, u):
+    """E2M1 magnitude code (0..7) of FP32 ``v`` by stochastic rounding with the 16-bit draw
+    ``u`` (the uniform ``u * 2**-16``): ``e2m1_code_sr(clamp_sym(v, 6), u * 2**-16) & 7`` for
+    every non-NaN ``v``; NaN gives 7 (the caller clears NaN blocks: :func:`_nan_words`).
+
+    ``s = min(|v|, 6)`` on the bits (inf -> 6). The decision ``rand * step < s - lo`` in
+    integers: for s >= 1 (step = half s's binade, lo = s truncated to one fraction bit) both
+    sides in units of s's ulp are ``64 u`` and the low 22 bits m of s, so up iff m > 64 u,
+    i.e. iff ``m + 0x3FFFFF - 64 u`` carries into bit 22, and the code is
+    ``((s + 0x3FFFFF - 64 u) >> 22) - 252`` (6: m = 0, never up). For s < 1 (step 0.5) with
+    ``p = 0.5 + u * 2**-17`` (bits ``0x3F000000 | u << 7``) and ``q = p - 0.5 = u * 2**-17``
+    (exact): below 0.5 up iff s > q, in [0.5, 1) up iff s > p (s > q always), so the code is
+    2 if s > p else (s > q), compared as the (non-negative) FP32 bits. The first form is
+    <= the second for s < 1 and >= 2 (= the second) for s >= 1, so the code is their max."""
+    sat = tl.minimum(v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0x40C00000)
+    big = ((sat + (0x3FFFFF - (u << 6))) >> 22) - 252
+    p = (u << 7) | 0x3F000000
+    q = (p.to(tl.float32, bitcast=True) - 0.5).to(tl.int32, bitcast=True)
+    return tl.maximum(big, tl.where(sat > p, 2, (sat > q).to(tl.int32)))
+
+
+@triton.jit
+def _code_sr(v, u):
+    """:func:`_sr_mag` with the sign bit of ``v`` (bit 3): ``e2m1_code_sr(clamp_sym(v, 6),
+    u * 2**-16)`` except NaN."""
+    return _sr_mag(v, u) | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
+
+
+@triton.jit
 def _nan_words(w, v):
     """Clear the magnitudes (keep the sign bits) of int32 code words ``w`` whose block's scaled
     element ``v`` is NaN. A scaled value is NaN iff its block's encode scale is NaN (the block
@@ -245,11 +274,12 @@ def _col_half(y0, y1, y2, y3, y4, y5, y6, y7, u0, u1, u2, u3, u4, u5, u6, u7, en
     """int32 word of the codes of slices y_i * enc at nibble i (8 elements of a columnwise
     block: a [BT, BC] slice each), RNE or stochastic with draws u_i."""
     if SR:
-        w = _code(y0 * enc, u0, SR) | (_code(y1 * enc, u1, SR) << 4)
-        w |= (_code(y2 * enc, u2, SR) << 8) | (_code(y3 * enc, u3, SR) << 12)
-        w |= (_code(y4 * enc, u4, SR) << 16) | (_code(y5 * enc, u5, SR) << 20)
-        w |= (_code(y6 * enc, u6, SR) << 24) | (_code(y7 * enc, u7, SR) << 28)
-        return w
+        v0 = y0 * enc
+        w = _code_sr(v0, u0) | (_code_sr(y1 * enc, u1) << 4)
+        w |= (_code_sr(y2 * enc, u2) << 8) | (_code_sr(y3 * enc, u3) << 12)
+        w |= (_code_sr(y4 * enc, u4) << 16) | (_code_sr(y5 * enc, u5) << 20)
+        w |= (_code_sr(y6 * enc, u6) << 24) | (_code_sr(y7 * enc, u7) << 28)
+        return _nan_words(w, v0)
     else:
         v0 = y0 * enc
         w = _code_rne(v0) | (_code_rne(y1 * enc) << 4)
@@ -326,20 +356,19 @@ def _row_copy(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, k0, k1, RCP
     lg = tl.arange(0, BC // 8)
     col = c0 + lg[None, :] * 8  # column of lane 0
     if SR:
-        u0, u1, u2, u3, u4, u5, u6, u7 = draws8((r0 + lr)[:, None], (c0 // 8 + lg)[None, :], k0, k1)
+        u0, u1, u2, u3, u4, u5, u6, u7 = draws8_u16((r0 + lr)[:, None], (c0 // 8 + lg)[None, :], k0, k1)
     else:
         u0, u1, u2, u3, u4, u5, u6, u7 = v0, v1, v2, v3, v4, v5, v6, v7  # unused
     if SR:
-        c0_, c1_, c2_, c3_ = _code(v0, u0, SR), _code(v1, u1, SR), _code(v2, u2, SR), _code(v3, u3, SR)
-        c4_, c5_, c6_, c7_ = _code(v4, u4, SR), _code(v5, u5, SR), _code(v6, u6, SR), _code(v7, u7, SR)
+        c0_, c1_, c2_, c3_ = _code_sr(v0, u0), _code_sr(v1, u1), _code_sr(v2, u2), _code_sr(v3, u3)
+        c4_, c5_, c6_, c7_ = _code_sr(v4, u4), _code_sr(v5, u5), _code_sr(v6, u6), _code_sr(v7, u7)
     else:
         c0_, c1_, c2_, c3_ = _code_rne(v0), _code_rne(v1), _code_rne(v2), _code_rne(v3)
         c4_, c5_, c6_, c7_ = _code_rne(v4), _code_rne(v5), _code_rne(v6), _code_rne(v7)
     w = (_nib(c0_, col, C, 0, WORDS) | _nib(c1_, col + 1, C, 1, WORDS) | _nib(c2_, col + 2, C, 2, WORDS)
          | _nib(c3_, col + 3, C, 3, WORDS) | _nib(c4_, col + 4, C, 4, WORDS) | _nib(c5_, col + 5, C, 5, WORDS)
          | _nib(c6_, col + 6, C, 6, WORDS) | _nib(c7_, col + 7, C, 7, WORDS))
-    if not SR:
-        w = _nan_words(w, v0)  # the 8 columns lie in one 16-column block
+    w = _nan_words(w, v0)  # the 8 columns lie in one 16-column block
     nb = (C + 1) // 2
     if WORDS:
         wbase = rd_ptr.to(tl.pointer_type(tl.int32)) + r0.to(tl.int64) * (C // 8) + c0 // 8
@@ -378,8 +407,8 @@ def col_copy_words(xbase, r0, c0, lc, R, C, sxr, sxc, s_enc, s_dec, cd_ptr, cs_p
     t = r0 // 16 + lt  # 16-element group of the copy's columns
     if SR:
         ci = (c0 + lc)[None, :]
-        a0, a1, a2, a3, a4, a5, a6, a7 = draws8(ci, (2 * t)[:, None], k0, k1)
-        b0, b1, b2, b3, b4, b5, b6, b7 = draws8(ci, (2 * t + 1)[:, None], k0, k1)
+        a0, a1, a2, a3, a4, a5, a6, a7 = draws8_u16(ci, (2 * t)[:, None], k0, k1)
+        b0, b1, b2, b3, b4, b5, b6, b7 = draws8_u16(ci, (2 * t + 1)[:, None], k0, k1)
     else:
         a0, a1, a2, a3, a4, a5, a6, a7 = y0, y1, y2, y3, y4, y5, y6, y7  # unused
         b0, b1, b2, b3, b4, b5, b6, b7 = y0, y1, y2, y3, y4, y5, y6, y7

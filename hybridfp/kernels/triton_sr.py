@@ -62,15 +62,15 @@ def philox(c0, c1, k0, k1):
     (int32 scalars, reinterpreted): four uint32 tensors."""
     k0 = k0.to(tl.uint32, bitcast=True)
     k1 = k1.to(tl.uint32, bitcast=True)
-    m0 = tl.full(c0.shape, _M0, tl.uint32)
-    m1 = tl.full(c0.shape, _M1, tl.uint32)
     c2 = c0 * 0
     c3 = c0 * 0
     for _ in tl.static_range(_ROUNDS):
-        hi0 = tl.math.umulhi(m0, c0)
-        hi1 = tl.math.umulhi(m1, c2)
-        lo0 = m0 * c0
-        lo1 = m1 * c2
+        p0 = c0.to(tl.uint64) * _M0  # one 32x32 -> 64-bit multiply for both words
+        p1 = c2.to(tl.uint64) * _M1
+        hi0 = (p0 >> 32).to(tl.uint32)
+        hi1 = (p1 >> 32).to(tl.uint32)
+        lo0 = p0.to(tl.uint32)
+        lo1 = p1.to(tl.uint32)
         c0 = hi1 ^ c1 ^ k0
         c2 = hi0 ^ c3 ^ k1
         c1 = lo1
@@ -97,6 +97,24 @@ def draws8(i, g, k0, k1):
     w0, w1, w2, w3 = philox(g.to(tl.uint32), i.to(tl.uint32), k0, k1)
     return (u16_uniform(w0, False), u16_uniform(w1, False), u16_uniform(w2, False), u16_uniform(w3, False),
             u16_uniform(w0, True), u16_uniform(w1, True), u16_uniform(w2, True), u16_uniform(w3, True))
+
+
+@triton.jit
+def u16_int(w, HIGH: tl.constexpr):
+    """The low (or ``HIGH``) 16 bits of uint32 ``w`` as int32: the draw :func:`u16_uniform`
+    makes a float of, ``u16_uniform(w, HIGH) == u16_int(w, HIGH) * 2**-16``."""
+    if HIGH:
+        return (w >> 16).to(tl.int32)
+    else:
+        return (w & 0xFFFF).to(tl.int32)
+
+
+@triton.jit
+def draws8_u16(i, g, k0, k1):
+    """:func:`draws8` as the 16-bit integers ``u`` of the draws ``u * 2**-16`` (same order)."""
+    w0, w1, w2, w3 = philox(g.to(tl.uint32), i.to(tl.uint32), k0, k1)
+    return (u16_int(w0, False), u16_int(w1, False), u16_int(w2, False), u16_int(w3, False),
+            u16_int(w0, True), u16_int(w1, True), u16_int(w2, True), u16_int(w3, True))
 
 
 @triton.jit
@@ -142,4 +160,4 @@ def reference_draws(key: int, shape: tuple[int, int], device: torch.device | str
     return u.to(torch.float32) * 2.0**-16
 
 
-__all__ = ["PHILOX_ROUNDS", "draw_at", "draws8", "philox", "philox_torch", "reference_draws", "sr_key", "stream_key"]
+__all__ = ["PHILOX_ROUNDS", "draw_at", "draws8", "draws8_u16", "philox", "philox_torch", "reference_draws", "sr_key", "stream_key"]
