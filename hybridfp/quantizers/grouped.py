@@ -37,7 +37,7 @@ import torch
 
 from ..formats.common import HIGH_PRECISION_DTYPES, ceil_div, check_input
 from ..kernels.host import device_tensor
-from ..tensors import HybridStorage, IdentityStorage, MXFP8Storage, QuantizedStorage, QuantizedTensor
+from ..tensors import HybridStorage, MXFP8Storage, QuantizedStorage, QuantizedTensor
 from ..tensors.slicing import adjacent_rows
 from ..tensors.storage import COLUMNWISE, ROWWISE, Payload
 from . import fast
@@ -171,13 +171,9 @@ def _passthrough(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor
 
 def _wrap_weight(q: IdentityQuantizer, w: torch.Tensor) -> QuantizedTensor:
     """``q.quantize(w)`` for a passthrough ``q`` (``_passthrough``), without its dispatch
-    (quantize -> encode -> kernel lookup -> reference_encode: ~1 ms a step at 64 experts): the
-    detached weight, one payload for both copies, as ``IdentityQuantizer.reference_encode``."""
-    x = w.detach()
-    p = {"data": x}
-    storage = IdentityStorage(x.shape, x.dtype, p if q.rowwise_usage else None,
-                              p if q.columnwise_usage else None, label=q.label)
-    return QuantizedTensor(storage, q)
+    (quantize -> encode -> kernel lookup: ~1 ms a step at 64 experts): the reference encode,
+    which wraps the detached weight, one payload for both copies."""
+    return QuantizedTensor(q.reference_encode(w.detach(), q.rowwise_usage, q.columnwise_usage), q)
 
 
 def _worth_stacking(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor]) -> bool:
