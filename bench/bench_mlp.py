@@ -34,7 +34,7 @@ from torch import nn
 
 import hybridfp
 from bench import common
-from bench.common import bench_ms, bench_ms_steady, copy_bandwidth, environment, finish, md_table, parser, profile_step, require_cuda
+from bench.common import bench_ms, bench_ms_steady, bench_pair, copy_bandwidth, environment, finish, md_table, parser, profile_step, require_cuda
 from hybridfp.nn.base import QuantizedModule
 
 D, H, TOKENS = 4096, 14336, 16384
@@ -55,6 +55,10 @@ RECIPES = [
 FUSED_RECIPES = ("hybridfp FP8 current", "hybridfp FP8 block", "hybridfp hybrid FP8-current fwd / FP8-block bwd",
                  "hybridfp MXFP8", "hybridfp NVFP4 fwd / MXFP8 bwd", "hybridfp NVFP4 (2D weights, RHT, SR)")
 FUSED = " + fused SwiGLU"
+#: Alternating rounds of (BF16 eager, variant) behind each "paired" ratio. The H200's clocks move
+#: by several per cent over a run (power limit), so a ratio of two medians taken a minute apart
+#: carries that drift; the paired one does not.
+PAIR_ROUNDS = 3
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -155,6 +159,7 @@ def bench_model(kind: str, make: Callable[[Callable], nn.Module], x: torch.Tenso
             variants.append((f"torchao float8 {rname} (compiled)", torch.compile(m), m, contextlib.nullcontext))
     rows: list[dict[str, Any]] = []
     ref_y = None
+    base_step: Optional[Callable[[], Any]] = None  # BF16 eager's, the first variant
     for name, model, plain, ctx in variants:
         row: dict[str, Any] = {"model": kind, "variant": name}
         if "compile" in name and time.monotonic() > deadline:
@@ -172,6 +177,11 @@ def bench_model(kind: str, make: Callable[[Callable], nn.Module], x: torch.Tenso
                 ref_y = y
             row["rel_err_vs_bf16"] = ((y - ref_y).norm() / ref_y.norm()).item()
             row["ms"] = bench_ms(step, warmup_ms=100, rep_ms=300)
+            if base_step is None:
+                base_step = step
+            elif x.is_cuda:  # the baseline timed right beside this variant: clock drift cancels
+                tb, tv = bench_pair(base_step, step, rounds=PAIR_ROUNDS)
+                row["paired_speedup_vs_bf16_eager"] = tb / tv
             row["ms_steady"], row["host_ms"] = bench_ms_steady(step)
             if profile and profiles is not None and any(t and t in name for t in profile.split("|")):
                 profiles.append(profile_step(step, f"{kind}: {name} ({row['ms']:.2f} ms)"))
@@ -222,15 +232,16 @@ def main(argv=None) -> None:
     x = torch.randn(tokens, d, device=common.DEVICE, dtype=torch.bfloat16, requires_grad=True)
 
     def report(rows: list[dict[str, Any]], final: bool = False) -> None:
-        table = md_table(["model", "variant", "ms", "x BF16 eager", "x BF16 compile", "steady ms",
+        table = md_table(["model", "variant", "ms", "x BF16 eager", "paired x BF16 eager", "x BF16 compile", "steady ms",
                           "steady x BF16 eager", "host ms", "rel err vs BF16", "first step s"], [
             (r["model"], r["variant"], r.get("ms", r.get("error")), r.get("speedup_vs_bf16_eager"),
-             r.get("speedup_vs_bf16_compile"), r.get("ms_steady"), r.get("steady_speedup_vs_bf16_eager"),
+             r.get("paired_speedup_vs_bf16_eager"), r.get("speedup_vs_bf16_compile"), r.get("ms_steady"), r.get("steady_speedup_vs_bf16_eager"),
              r.get("host_ms"), r.get("rel_err_vs_bf16"), r.get("first_step_s")) for r in rows])
         md = ("### Linear and Llama-3-8B MLP, forward + backward (median, do_bench)\n\n"
               f"torchao: {ao}. \"x BF16 eager\" = BF16 eager time / time (>1 is faster), times from "
               "do_bench (the L2 flushed before each step; steps queued without waiting, so a host slower "
-              "than the GPU shows as idle time). \"steady\": 20 back-to-back steps as a training loop "
+              "than the GPU shows as idle time). \"paired\": median of BF16 eager / variant over "
+              f"{PAIR_ROUNDS} alternating rounds timed right beside each other (clock drift cancels). \"steady\": 20 back-to-back steps as a training loop "
               "runs them, no flush; \"host ms\": the host's time for one step started on an idle GPU "
               "(above ms: host-bound). hybridfp weights are re-quantized every step." + ("" if final else " PARTIAL (the run stopped early).")
               + "\n\n" + table + "\n")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Optional
 
 import torch
 import triton
@@ -104,6 +105,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--shape", type=int, nargs=2, default=SHAPE)
+    ap.add_argument("--only", default=None, help="sweep only: variants whose name contains one of these "
+                    "comma-separated texts (and skip the quantizer table)")
     args = ap.parse_args()
     torch.manual_seed(0)
     shape = tuple(args.shape)
@@ -111,6 +114,12 @@ def main() -> None:
          ).to(torch.bfloat16)
     copy = copy_gbps(x)
     print(f"copy: {copy:.0f} GB/s (read + write, {x.nbytes / 2**20:.0f} MiB BF16)")
+    if args.only:  # a quick A/B of kernel variants
+        sweep = run_sweep(x, copy, args.only.split(","))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"copy_gbps": copy, "rows": [], "sweep": sweep}, f, indent=1)
+        return
     rows = []
     for name, make, r, c, passes in CASES:
         q = make()
@@ -159,9 +168,9 @@ def run_hybrid(x: torch.Tensor, copy: float, single_ms: dict[str, float]) -> lis
     return out
 
 
-def run_sweep(x: torch.Tensor, copy: float) -> list[dict]:
+def run_sweep(x: torch.Tensor, copy: float, only: Optional[list[str]] = None) -> list[dict]:
     """Direct entry points at a few tiles / warps / store variants (min bytes, one pass each;
-    CUDA-graph timing: device time only)."""
+    CUDA-graph timing: device time only); ``only``: the variants whose name contains one of these."""
     g = _common.global_amax(x)
     variants = []
     for blk, nw in [((64, 128), 4), ((32, 128), 4), ((128, 128), 4), ((64, 256), 8), ((64, 64), 2)]:
@@ -215,10 +224,12 @@ def run_sweep(x: torch.Tensor, copy: float) -> list[dict]:
                          lambda b=blk, n=nw: triton_nvfp4.amaxes(x, rht_amax=True, block=b, num_warps=n)))
     out = []
     for name, fn in variants:
-        res = fn()
-        outs = [t for t in _flatten(res) if isinstance(t, torch.Tensor)]
-        nbytes = x.nbytes + sum(t.nbytes for t in outs)
+        if only and not any(o in name for o in only):
+            continue
         try:
+            res = fn()
+            outs = [t for t in _flatten(res) if isinstance(t, torch.Tensor)]
+            nbytes = x.nbytes + sum(t.nbytes for t in outs)
             ms = graph_ms(fn)
         except Exception as e:  # noqa: BLE001 - a variant that cannot be captured is reported, not fatal
             out.append(dict(variant=name, error=f"{type(e).__name__}: {e}"))
