@@ -106,7 +106,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--shape", type=int, nargs=2, default=SHAPE)
     ap.add_argument("--only", default=None, help="sweep only: variants whose name contains one of these "
-                    "comma-separated texts (and skip the quantizer table)")
+                    "'|'-separated texts (names hold commas), and skip the quantizer table")
     args = ap.parse_args()
     torch.manual_seed(0)
     shape = tuple(args.shape)
@@ -115,7 +115,7 @@ def main() -> None:
     copy = copy_gbps(x)
     print(f"copy: {copy:.0f} GB/s (read + write, {x.nbytes / 2**20:.0f} MiB BF16)")
     if args.only:  # a quick A/B of kernel variants
-        sweep = run_sweep(x, copy, args.only.split(","))
+        sweep = run_sweep(x, copy, args.only.split("|"))
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"copy_gbps": copy, "rows": [], "sweep": sweep}, f, indent=1)
@@ -173,20 +173,25 @@ def run_sweep(x: torch.Tensor, copy: float, only: Optional[list[str]] = None) ->
     CUDA-graph timing: device time only); ``only``: the variants whose name contains one of these."""
     g = _common.global_amax(x)
     variants = []
-    for blk, nw in [((64, 128), 4), ((32, 128), 4), ((128, 128), 4), ((64, 256), 8), ((64, 64), 2)]:
+    for blk, nw in [((64, 128), 4), ((32, 128), 4), ((128, 128), 4), ((64, 256), 8), ((64, 64), 2),
+                    ((128, 64), 2)]:
         variants.append((f"mxfp8 row+col {blk} nw{nw}",
                          lambda b=blk, n=nw: triton_mxfp8.quantize(x, E4M3, block=b, num_warps=n)))
         variants.append((f"mxfp8 col {blk} nw{nw}", lambda b=blk, n=nw: triton_mxfp8.quantize(
             x, E4M3, block=b, num_warps=n, rowwise=False)))
+        variants.append((f"mxfp8 row {blk} nw{nw}", lambda b=blk, n=nw: triton_mxfp8.quantize(
+            x, E4M3, block=b, num_warps=n, columnwise=False)))
     for blk, nw in [((64, 64), 8), ((64, 128), 8), ((128, 128), 8), ((32, 128), 4)]:
         variants.append((f"fp8 cast pass row+col {blk} nw{nw}", lambda b=blk, n=nw: triton_fp8_tensorwise.quantize(
             x, E4M3, amax=g, block=b, num_warps=n)))
-    for cw, rw, nw in [(128, 16, 4), (128, 32, 4), (64, 16, 2), (128, 8, 4), (128, 16, 8)]:
-        variants.append((f"fp8 block 1d chunk{cw} rows{rw} nw{nw}",
-                         lambda c=cw, r=rw, n=nw: triton_fp8_block.quantize(
-                             x, E4M3, block_dim=1, chunk=c, row_slice=r, num_warps=n)))
-    variants.append(("fp8 block 1d col only", lambda: triton_fp8_block.quantize(
-        x, E4M3, block_dim=1, rowwise=False)))
+    # "natural": chunk = rows per columnwise slice; "slices" (the old kernel): columns per pass
+    for m, cw, rw, nw in [("natural", 32, 16, 4), ("natural", 16, 16, 2), ("natural", 32, 16, 2),
+                          ("natural", 16, 8, 1), ("natural", 64, 32, 4), ("slices", 128, 16, 4)]:
+        for r, c in [(True, True), (True, False), (False, True)]:
+            variants.append((f"fp8 block 1d {m} chunk{cw} rows{rw} nw{nw} {'row' * r}{'+' * (r and c)}{'col' * c}",
+                             lambda m=m, c_=cw, r_=rw, n=nw, r=r, c=c: triton_fp8_block.quantize(
+                                 x, E4M3, block_dim=1, chunk=c_, row_slice=r_, num_warps=n, method=m,
+                                 rowwise=r, columnwise=c)))
     for dim in (1, 2):
         for nw in (4, 8, 16):
             for r, c in [(True, True), (True, False), (False, True)]:
@@ -198,22 +203,29 @@ def run_sweep(x: torch.Tensor, copy: float, only: Optional[list[str]] = None) ->
         x, E4M3, amax=g, rowwise=False)))
     variants.append(("fp8 cast pass col only, no anchor", lambda: triton_fp8_tensorwise.quantize(
         x, E4M3, amax=g, rowwise=False, anchor=False)))
-    for cw, rw, nw in [(128, 16, 4), (128, 32, 4), (64, 16, 2)]:
-        variants.append((f"hybrid fp8 current+block cast chunk{cw} rows{rw} nw{nw}",
-                         lambda c=cw, r=rw, n=nw: triton_hybrid_fp8.quantize(
-                             x, g, E4M3, E4M3, chunk=c, row_slice=r, num_warps=n)))
-    for blk, nw in [((32, 128), 4), ((64, 128), 4), ((32, 256), 8), ((32, 64), 2), ((32, 128), 8)]:
+    for m, cw, rw, nw in [("natural", 32, 16, 4), ("natural", 16, 16, 2), ("natural", 16, 8, 1),
+                          ("slices", 128, 16, 4)]:
+        variants.append((f"hybrid fp8 current+block cast {m} chunk{cw} rows{rw} nw{nw}",
+                         lambda m=m, c=cw, r=rw, n=nw: triton_hybrid_fp8.quantize(
+                             x, g, E4M3, E4M3, chunk=c, row_slice=r, num_warps=n, method=m)))
+    for blk, nw in [((32, 64), 2), ((32, 64), 1), ((32, 128), 2), ((32, 128), 4), ((32, 32), 1), ((64, 64), 2)]:
         variants.append((f"hybrid nvfp4+mxfp8 rd cast {blk} nw{nw}",
                          lambda b=blk, n=nw: triton_hybrid_nvfp4.quantize(x, g, E4M3, block=b, num_warps=n)))
+        variants.append((f"hybrid nvfp4+mxfp8 orig cast {blk} nw{nw}",
+                         lambda b=blk, n=nw: triton_hybrid_nvfp4.quantize(x, g, E4M3, block=b, num_warps=n,
+                                                                          source="original")))
         variants.append((f"hybrid nvfp4->mxfp8 rd col only {blk} nw{nw}",
                          lambda b=blk, n=nw: triton_hybrid_nvfp4.quantize(x, g, E4M3, block=b, num_warps=n,
                                                                           rowwise=False)))
-    for blk, nw in [((4, 64), 8), ((2, 64), 4), ((4, 128), 8), ((8, 64), 8), ((2, 128), 4)]:
+    for blk, nw in [((4, 64), 8), ((2, 64), 4), ((4, 128), 8), ((8, 64), 8), ((2, 128), 4), ((1, 256), 4),
+                    ((1, 128), 2), ((2, 256), 8), ((2, 256), 4)]:
         variants.append((f"nvfp4 1d cast {blk} nw{nw}", lambda b=blk, n=nw: triton_nvfp4.quantize_1d(
             x, g, g, block=b, num_warps=n)))
+        variants.append((f"nvfp4 rht cast {blk} nw{nw}", lambda b=blk, n=nw: triton_nvfp4.quantize_1d(
+            x, g, g, rht=True, block=b, num_warps=n)))
         variants.append((f"nvfp4 rht+sr cast {blk} nw{nw}", lambda b=blk, n=nw: triton_nvfp4.quantize_1d(
             x, g, g, rht=True, seed=1, block=b, num_warps=n)))
-    for blk, nw in [((2, 64), 4), ((2, 128), 4), ((4, 64), 8), ((1, 128), 4)]:
+    for blk, nw in [((2, 64), 4), ((2, 128), 4), ((4, 64), 8), ((1, 128), 4), ((1, 256), 4)]:
         variants.append((f"hybrid mxfp8+nvfp4 rht cast {blk} nw{nw}",
                          lambda b=blk, n=nw: triton_hybrid_mxfp8_nvfp4.quantize(x, g, E4M3, rht=True, block=b,
                                                                                 num_warps=n)))

@@ -33,6 +33,11 @@ _NV = dict(sxc=1, ROW=True, COL=True, ROW_SCALED=False, ROW_WORDS=True, COL_WORD
 _MX_SIG = dict(x_ptr="*i16", rd_ptr="*u8", rs_ptr="*u8", cd_ptr="*u8", cs_ptr="*u8", R="i32", C="i32", sxr="i32",
                RCP="fp32")
 _FP8 = dict(RCEIL=True, EMAX=8, MBITS=3, BIAS=7, FP8_MAX=448.0)
+#: FP8 block 1D (E4M3, power-of-two scales, 1x128 / 128x1, BF16 input); loops are counted once (static).
+_FB_SIG = dict(x_ptr="*i16", rd_ptr="*u8", rs_ptr="*fp32", cd_ptr="*u8", cs_ptr="*fp32", R="i32", C="i32",
+               sxr="i32", eps="fp32")
+_FB = dict(sxc=1, POW2=True, MBITS=3, BIAS=7, FP8_MAX=448.0, B=128, DTYPE=1, CR=32, HW=True, PACK=True, RW=16,
+           EVEN=True)
 #: name -> (module, kernel, signature, constexprs, elements per thread of the tile, warps).
 CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
     "nvfp4 row+col (2, 128)": ("triton_nvfp4", "_nvfp4_1d_kernel", _NV_SIG,
@@ -41,14 +46,42 @@ CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
                                   dict(_NV, SR=False, RHT=True, BT=2, BC=64), 16, 4),
     "nvfp4 rht+sr row+col (2, 64)": ("triton_nvfp4", "_nvfp4_1d_kernel", _NV_SIG,
                                      dict(_NV, SR=True, RHT=True, BT=2, BC=64), 16, 4),
+    **{f"nvfp4 rht+sr row+col {t}": ("triton_nvfp4", "_nvfp4_1d_kernel", _NV_SIG,
+                                      dict(_NV, SR=True, RHT=True, BT=t[0], BC=t[1]), t[0] * t[1] // 8, 4)
+       for t in [(2, 128), (1, 256), (2, 256)]},
+    "nvfp4 amax + rht amax (2, 256)": (
+        "triton_nvfp4", "_nvfp4_amax_kernel",
+        dict(x_ptr="*i16", amax_ptr="*i32", row_amax_ptr="*i32", rht_amax_ptr="*i32", R="i32", C="i32", sxr="i32"),
+        dict(sxc=1, AMAX=True, ROW_AMAX=False, RHT_AMAX=True, DTYPE=1, BF16_NAN=0x7FC0, HW=True, BT=2, BC=256), 64, 4),
     "mxfp8 row+col (64, 128)": ("triton_mxfp8", "_mxfp8_1d_kernel", _MX_SIG,
                                 dict(_FP8, sxc=1, ROW=True, COL=True, DTYPE=1, BR=64, BC=128, PACK=True, HW=True),
                                 64, 4),
+    "mxfp8 row (64, 128)": ("triton_mxfp8", "_mxfp8_1d_kernel", _MX_SIG,
+                            dict(_FP8, sxc=1, ROW=True, COL=False, DTYPE=1, BR=64, BC=128, PACK=True, HW=True),
+                            64, 4),
+    "mxfp8 col (64, 128)": ("triton_mxfp8", "_mxfp8_1d_kernel", _MX_SIG,
+                            dict(_FP8, sxc=1, ROW=False, COL=True, DTYPE=1, BR=64, BC=128, PACK=True, HW=True),
+                            64, 4),
+    **{f"nvfp4 row + mxfp8 col {src} (32, 64)": (
+        "triton_hybrid_nvfp4", "_nvfp4_mxfp8_kernel",
+        dict(_MX_SIG, amax_ptr="*fp32", RCP6="fp32"),
+        dict(_FP8, sxc=1, ROW=True, COL=True, ROW_SCALED=False, SRC_DEQ=src == "rd", DTYPE=1, BR=32, BC=64,
+             PACK=True, WORDS=True, HW=True), 32, 2) for src in ("rd", "orig")},
     "mxfp8 row + nvfp4 rht col (2, 64)": (
         "triton_hybrid_mxfp8_nvfp4", "_mxfp8_nvfp4_kernel",
         dict(x_ptr="*i16", camax_ptr="*fp32", rd_ptr="*u8", rs_ptr="*u8", cd_ptr="*u8", cs_ptr="*u8", R="i32",
              C="i32", sxr="i32", RCP="fp32", RCP6="fp32"),
         dict(_FP8, sxc=1, RHT=True, COL_WORDS=True, HW=True, DTYPE=1, BF16_NAN=0x7FC0, BT=2, BC=64), 16, 4),
+    **{f"fp8 block 1x128 {what}": ("triton_fp8_block", "_fp8_block_1d_kernel", _FB_SIG,
+                                   dict(_FB, ROW=row, COL=col), 128, 4)
+       for what, row, col in [("row+col", True, True), ("row", True, False), ("col", False, True)]},
+    "fp8 current row + block 1x128 col": (
+        "triton_hybrid_fp8", "_fp8_current_block_kernel",
+        dict(x_ptr="*i16", amax_ptr="*fp32", rd_ptr="*u8", sinv_ptr="*fp32", cd_ptr="*u8", cs_ptr="*fp32",
+             R="i32", C="i32", sxr="i32", row_eps="fp32", col_eps="fp32"),
+        dict(sxc=1, ROW_POW2=False, ROW_MBITS=3, ROW_BIAS=7, ROW_MAX=448.0, COL_POW2=True, COL_MBITS=3,
+             COL_BIAS=7, COL_MAX=448.0, B=128, CW=32, RW=16, DTYPE=1, HW=True, PACK=True, NATURAL=True,
+             EVEN=True), 128, 4),
 }
 
 

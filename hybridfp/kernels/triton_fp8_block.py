@@ -2,13 +2,20 @@
 
 - 1D: rowwise 1xB blocks (``data [R, C]``, ``scale_inv [R, ceil(C/B)]``) and columnwise Bx1
   blocks re-quantized from the same tile, stored transposed (``[C, R]``, ``[C, ceil(R/B)]``).
-  The tile is read from device memory once (rowwise pass, natural [RW, B] slices); the
-  columnwise pass re-reads it from cache as transposed [CW, 32] sub-tiles whose rows sit in one
-  thread (``_common.load_rows32_t``), so the Bx1 block amax needs no cross-warp reduction.
+  ``method="natural"`` (:func:`_fp8_block_1d_kernel`): the tile is read from device
+  memory once in natural [RW, B] slices (vector loads) for the rowwise copy, and the same pass
+  keeps a register-local running max of |x| per column, reduced once per tile to the Bx1 block
+  amaxes; the columnwise pass then re-reads the tile from cache, also in natural slices, and
+  packs four rows' codes of a column into an int32 word inside each thread
+  (:func:`columnwise_1d`). ``method="slices"`` (:func:`_fp8_block_1d_t_kernel`, the default
+  until "natural" is timed on the H200): the columnwise pass over transposed [CW, 32] sub-tiles
+  (``_common.load_rows32_t``, read twice).
 - 2D: BxB tiles; the columnwise copy is the rowwise one transposed (data and scale_inv).
 
 Tile-local int32 offsets, the hardware FP8 conversion on the GPU and int32-packed transposed
-stores (``_common`` says why).
+stores (``_common`` says why). The kernels are instruction-issue bound (notes/quantize_kernels.md),
+so the 1D path also avoids IEEE divisions for power-of-two scales (:func:`block_scale`,
+:func:`block_inv`) and masks on interior tiles (``EVEN``).
 
 B = 128 by default (any power of two >= 32 works). Bitwise equal to ``formats.fp8_block``:
 the block scale is ``_common.current_scale`` of the NaN-propagating block amax (FP32 IEEE
@@ -39,7 +46,7 @@ def _chunk(xbase, lr, rmask, lc0, c0, C, sxr, sxc, DTYPE: tl.constexpr, CW: tl.c
 
 
 @triton.jit
-def columnwise_1d(xbase, r0, c0, R, C, sxr, sxc, eps, cd_ptr, cs_ptr, pr, POW2: tl.constexpr,
+def columnwise_1d_t(xbase, r0, c0, R, C, sxr, sxc, eps, cd_ptr, cs_ptr, pr, POW2: tl.constexpr,
                   MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr, B: tl.constexpr,
                   CW: tl.constexpr, DTYPE: tl.constexpr, HW: tl.constexpr, PACK: tl.constexpr):
     """The Bx1 columnwise blocks of tile rows r0 .. r0 + B and columns c0 .. c0 + CW (``xbase``
@@ -84,7 +91,7 @@ def _rowwise_1d(xbase, r0, c0, R, C, sxr, sxc, eps, rd_ptr, rs_ptr, pc, POW2: tl
 
 
 @triton.jit
-def _fp8_block_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.constexpr, eps,
+def _fp8_block_1d_t_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.constexpr, eps,
                          ROW: tl.constexpr, COL: tl.constexpr, POW2: tl.constexpr,
                          MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr,
                          B: tl.constexpr, DTYPE: tl.constexpr, CW: tl.constexpr,
@@ -104,8 +111,199 @@ def _fp8_block_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: 
                     B, RW, DTYPE, HW)
     if COL:
         for j in tl.range(0, B // CW, loop_unroll_factor=1):
-            columnwise_1d(xbase + j * CW * sxc, r0, c0 + j * CW, R, C, sxr, sxc, eps, cd_ptr,
-                          cs_ptr, pr, POW2, MBITS, BIAS, FP8_MAX, B, CW, DTYPE, HW, PACK)
+            columnwise_1d_t(xbase + j * CW * sxc, r0, c0 + j * CW, R, C, sxr, sxc, eps, cd_ptr,
+                            cs_ptr, pr, POW2, MBITS, BIAS, FP8_MAX, B, CW, DTYPE, HW, PACK)
+
+
+@triton.jit
+def abs_bits(x):
+    """int32 bits of |x| (FP32): non-negative floats order like their bits and every NaN's bits
+    lie above +inf's, so an integer max of them is the amax or a NaN (:func:`bits_amax`)."""
+    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def bits_amax(m):
+    """The FP32 amax whose :func:`abs_bits` maximum is ``m``; NaN as the positive quiet NaN."""
+    return tl.where(m > 0x7F800000, 0x7FC00000, m).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def block_scale(amax, eps, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+    """``_common.current_scale(amax, eps, FP8_MAX, POW2)``, bit for bit; with ``POW2`` by integer
+    arithmetic on the exponents instead of an IEEE division (a division is ~15 instructions and a
+    thread computes one per block row or column it touches).
+
+    Why it is exact (a = max(amax, eps) normal, FP8_MAX = mF 2**eF, a = ma 2**ea, mantissas in
+    [1, 2)): the quotient is (mF / ma) 2**(eF - ea). If ma <= mF, the ratio lies in [1, mF] and
+    rounds (RNE) to a value in [1, 2), so the power-of-two floor is 2**(eF - ea). If ma > mF, then
+    ma >= mF + 2**-23, the ratio is below 1 - 2**-24 and rounds below 1: 2**(eF - ea - 1). An
+    exponent above 127 is the division's overflow (inf -> FP32_MAX -> 2**127), and a subnormal a
+    (biased exponent 0) always lands there (FP8_MAX >= 4 is assumed: every FP8 format). a = 0,
+    inf or NaN give 1."""
+    if POW2:
+        a = tl.where(amax < eps, eps, amax)
+        ab = a.to(tl.int32, bitcast=True)
+        fb = tl.full([], FP8_MAX, tl.float32).to(tl.int32, bitcast=True)  # folded by the compiler
+        e = ((fb >> 23) & 0xFF) - (ab >> 23) + 127 - ((ab & 0x7FFFFF) > (fb & 0x7FFFFF)).to(tl.int32)
+        scale = (tl.minimum(e, 254) << 23).to(tl.float32, bitcast=True)
+        return tl.where((a == 0) | (ab >= 0x7F800000), 1.0, scale)
+    return current_scale(amax, eps, FP8_MAX, POW2)
+
+
+@triton.jit
+def block_inv(scale, POW2: tl.constexpr):
+    """``scale_inv = 1 / scale`` (IEEE, as the reference); with ``POW2`` the scale is a power of
+    two 2**(E - 127), E in [1, 254], whose reciprocal is exact: biased exponent 254 - E, or the
+    subnormal 2**-127 for E = 254."""
+    if POW2:
+        e = scale.to(tl.int32, bitcast=True) >> 23
+        return tl.where(e >= 254, 0x400000, (254 - e) << 23).to(tl.float32, bitcast=True)
+    return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+
+@triton.jit
+def fp8_bytes(v, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, HW: tl.constexpr):
+    """``_common.fp8_encode`` of products ``v = x * scale`` computed on the device, with a
+    cheaper NaN byte on the GPU: a NaN product there is the canonical NaN (positive; the GPU
+    tests feed -NaN inputs and pass with ``0x7F | sign``), so its byte is the constant 0x7F and
+    the per-element sign extraction goes (~2 instructions per element). The select itself stays
+    (see ``_common._hw_fp8_code``: dropping it broke the transposed copies on the H200)."""
+    if HW:
+        if MBITS == 3:
+            hw = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            hw = v.to(tl.float8e5).to(tl.uint8, bitcast=True)
+        return tl.where(v != v, tl.full(v.shape, 0x7F, tl.uint8), hw)
+    return fp8_encode(v, FP8_MAX, MBITS, BIAS, HW)
+
+
+@triton.jit
+def load_x(ptrs, mask, DTYPE: tl.constexpr, EVEN: tl.constexpr):
+    """An FP32 input slice; ``EVEN`` (interior tiles only): no mask, so no predicates."""
+    if EVEN:
+        if DTYPE == 1:  # BF16 bits, widened by a shift (see _common.load_f32)
+            return (tl.load(ptrs).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        else:
+            return tl.load(ptrs).to(tl.float32)
+    return load_f32(ptrs, mask, DTYPE)
+
+
+@triton.jit
+def row_pass_1d(xbase, r0, c0, R, C, sxr, sxc, eps, rd_ptr, rs_ptr, pc, POW2: tl.constexpr,
+                MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr, B: tl.constexpr,
+                RW: tl.constexpr, DTYPE: tl.constexpr, HW: tl.constexpr, ROW: tl.constexpr,
+                EVEN: tl.constexpr, COLAMAX: tl.constexpr = True):
+    """The BxB tile at (r0, c0) in natural [RW, B] row slices (vector loads, read from device
+    memory): with ``ROW`` its 1xB rowwise blocks (a block's row lies in one warp: a shuffle
+    reduction) and their scale_inv. With ``COLAMAX`` returns the B column amaxes of the tile
+    (else an unused zero vector).
+
+    Why the column amaxes here: each thread keeps a register-local running max of the |x| bits
+    it loads (one integer max per element), and one reduction across rows and warps per tile
+    gives the Bx1 block amaxes, so the columnwise pass reads the tile only once more."""
+    lc = tl.arange(0, B)
+    cmask = (c0 + lc) < C
+    rbase = rd_ptr + r0.to(tl.int64) * C + c0
+    cacc = tl.zeros([RW, B], tl.int32)
+    for j in tl.range(0, B // RW, loop_unroll_factor=1):
+        lr = j * RW + tl.arange(0, RW)
+        rmask = (r0 + lr) < R
+        mask = rmask[:, None] & cmask[None, :]
+        x = load_x(xbase + tile_offsets(lr, lc, sxr, sxc), mask, DTYPE, EVEN)
+        a = abs_bits(x)
+        if COLAMAX:
+            cacc = tl.maximum(cacc, a)
+        if ROW:
+            scale = block_scale(bits_amax(tl.max(a, 1)), eps, FP8_MAX, POW2)  # [RW]
+            code = fp8_bytes(x * scale[:, None], FP8_MAX, MBITS, BIAS, HW)
+            inv = block_inv(scale, POW2)
+            if EVEN:
+                tl.store(rbase + tile_offsets(lr, lc, C, 1), code)
+                tl.store(rs_ptr + (r0 + lr).to(tl.int64) * tl.cdiv(C, B) + pc, inv)
+            else:
+                tl.store(rbase + tile_offsets(lr, lc, C, 1), code, mask=mask)
+                tl.store(rs_ptr + (r0 + lr).to(tl.int64) * tl.cdiv(C, B) + pc, inv, mask=rmask)
+    if COLAMAX:
+        return bits_amax(tl.max(cacc, 0))
+    else:  # unused; Triton 3.6 cannot return None from one branch of a jit function
+        return tl.zeros([B], tl.float32)
+
+
+@triton.jit
+def _col_code4(xbase, lr4, lc, mask, k, scale, sxr, sxc, FP8_MAX: tl.constexpr, MBITS: tl.constexpr,
+               BIAS: tl.constexpr, DTYPE: tl.constexpr, HW: tl.constexpr, EVEN: tl.constexpr):
+    """Column-scaled codes (int32) of tile rows ``lr4 + k`` ([CR / 4, B], natural layout)."""
+    x = load_x(xbase + tile_offsets(lr4 + k, lc, sxr, sxc), mask, DTYPE, EVEN)
+    return fp8_bytes(x * scale[None, :], FP8_MAX, MBITS, BIAS, HW).to(tl.int32)
+
+
+@triton.jit
+def columnwise_1d(xbase, r0, c0, R, C, sxr, sxc, amax, eps, cd_ptr, cs_ptr, pr, POW2: tl.constexpr,
+                  MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr, B: tl.constexpr,
+                  CR: tl.constexpr, DTYPE: tl.constexpr, HW: tl.constexpr, PACK: tl.constexpr,
+                  EVEN: tl.constexpr):
+    """The Bx1 columnwise blocks of the BxB tile at (r0, c0) (``xbase`` points at it), given
+    their amaxes (``amax`` [B], from :func:`row_pass_1d`), stored transposed, and scale_inv.
+
+    The tile is re-read (from cache) in natural [CR, B] slices as four [CR / 4, B] loads of
+    rows 4i + k (vector loads, no mask arithmetic per element); the four codes of rows 4i..4i+3
+    of a column sit in one thread, so they join into one little-endian int32 word without any
+    data exchange (``PACK``, R % 4 == 0), and the word tile leaves transposed through the
+    compiler's shared-memory layout conversion. Without PACK, four byte stores."""
+    lc = tl.arange(0, B)
+    cmask = (c0 + lc) < C
+    scale = block_scale(amax, eps, FP8_MAX, POW2)
+    for j in tl.range(0, B // CR, loop_unroll_factor=1):
+        l4 = j * (CR // 4) + tl.arange(0, CR // 4)  # tile-local word rows
+        lr4 = l4 * 4
+        mask = ((r0 + lr4) < R)[:, None] & cmask[None, :]
+        q0 = _col_code4(xbase, lr4, lc, mask, 0, scale, sxr, sxc, FP8_MAX, MBITS, BIAS, DTYPE, HW, EVEN)
+        q1 = _col_code4(xbase, lr4, lc, mask & ((r0 + lr4 + 1) < R)[:, None], 1, scale, sxr, sxc, FP8_MAX,
+                        MBITS, BIAS, DTYPE, HW, EVEN)
+        q2 = _col_code4(xbase, lr4, lc, mask & ((r0 + lr4 + 2) < R)[:, None], 2, scale, sxr, sxc, FP8_MAX,
+                        MBITS, BIAS, DTYPE, HW, EVEN)
+        q3 = _col_code4(xbase, lr4, lc, mask & ((r0 + lr4 + 3) < R)[:, None], 3, scale, sxr, sxc, FP8_MAX,
+                        MBITS, BIAS, DTYPE, HW, EVEN)
+        if PACK:
+            w = q0 | (q1 << 8) | (q2 << 16) | (q3 << 24)
+            # word (c, r / 4) of the [C, R / 4] int32 view; pr * (B // 4) keeps the 16-byte alignment visible
+            wbase = cd_ptr.to(tl.pointer_type(tl.int32)) + c0.to(tl.int64) * (R // 4) + pr * (B // 4)
+            if EVEN:
+                tl.store(wbase + tile_offsets(l4, lc, 1, R // 4), w)
+            else:
+                tl.store(wbase + tile_offsets(l4, lc, 1, R // 4), w, mask=mask)
+        else:
+            bbase = cd_ptr + c0.to(tl.int64) * R + r0
+            off = tile_offsets(lr4, lc, 1, R)
+            tl.store(bbase + off, q0.to(tl.uint8), mask=mask)
+            tl.store(bbase + off + 1, q1.to(tl.uint8), mask=mask & ((r0 + lr4 + 1) < R)[:, None])
+            tl.store(bbase + off + 2, q2.to(tl.uint8), mask=mask & ((r0 + lr4 + 2) < R)[:, None])
+            tl.store(bbase + off + 3, q3.to(tl.uint8), mask=mask & ((r0 + lr4 + 3) < R)[:, None])
+    inv = block_inv(scale, POW2)
+    if EVEN:
+        tl.store(cs_ptr + (c0 + lc).to(tl.int64) * tl.cdiv(R, B) + pr, inv)
+    else:
+        tl.store(cs_ptr + (c0 + lc).to(tl.int64) * tl.cdiv(R, B) + pr, inv, mask=cmask)
+
+
+@triton.jit
+def _fp8_block_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.constexpr, eps,
+                         ROW: tl.constexpr, COL: tl.constexpr, POW2: tl.constexpr,
+                         MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr,
+                         B: tl.constexpr, DTYPE: tl.constexpr, CR: tl.constexpr,
+                         HW: tl.constexpr, PACK: tl.constexpr, RW: tl.constexpr, EVEN: tl.constexpr):
+    """One BxB tile per program, two reads in natural row slices: [RW, B] slices give the
+    rowwise copy and the column amaxes (:func:`row_pass_1d`), [CR, B] slices the columnwise
+    copy (:func:`columnwise_1d`). ``EVEN``: R and C are multiples of B (no masks)."""
+    pr, pc = program_tile(C, B, B)
+    r0, c0 = pr * B, pc * B
+    xbase = x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc
+    amax = row_pass_1d(xbase, r0, c0, R, C, sxr, sxc, eps, rd_ptr, rs_ptr, pc, POW2, MBITS, BIAS, FP8_MAX,
+                       B, RW, DTYPE, HW, ROW, EVEN, COL)
+    if COL:
+        columnwise_1d(xbase, r0, c0, R, C, sxr, sxc, amax, eps, cd_ptr, cs_ptr, pr, POW2, MBITS, BIAS,
+                      FP8_MAX, B, CR, DTYPE, HW, PACK, EVEN)
 
 
 @triton.jit
@@ -201,28 +399,35 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, block_dim: int = 1, block_
     """FP8-block-quantize 2D ``x2`` (any strides); returns ``(row, col)``, each
     ``(data, scale_inv)`` or None, equal to ``formats.fp8_block.quantize_1d(x2)`` /
     ``quantize_1d(x2.t())`` (``block_dim=2``: ``quantize_2d(x2)`` and its transpose).
-    One ``block_size``-square tile per program. 1D: rowwise copy in ``row_slice``-row slices,
-    columnwise copy in ``chunk``-column passes (default min(128, B) / 4 warps: one column per
-    thread). 2D: walked in ``chunk``-column slices (default 16 / 4 warps: the H200 sweep's
-    fastest). ``pack``: transposed stores as int32 words of four rows when R % 4 == 0 (same bytes).
+    One ``block_size``-square tile per program. 1D, ``method="natural"``: rowwise
+    copy and column amaxes from ``row_slice``-row slices, columnwise copy from ``chunk``-row
+    slices (default 32; at least 4 rows, and 32 * num_warps / (B / 8) rows keep every thread
+    busy); 4 warps by default. ``method="slices"`` (1D default): columnwise copy in ``chunk``-column passes
+    of transposed sub-tiles read twice (default min(128, B) / 4 warps: one column per thread).
+    2D: walked in ``chunk``-column slices (default 16 / 4 warps: the H200 sweep's fastest).
+    ``pack``: transposed stores as int32 words of four rows when R % 4 == 0 (same bytes).
     ``method="tile"``: one whole tile in registers instead (``chunk`` / ``row_slice`` unused;
     :func:`_fp8_block_tile_kernel`); the same bits. Default: "tile" for 2D (one amax per tile:
-    0.110 ms vs 0.239 ms at 16384x4096 BF16 row+col on the H200, 8 warps), "slices" for 1D (the
-    whole-tile kernel's per-column amax across warps made it slower: 0.24 vs 0.185 ms).
-    (A 1D columnwise pass holding a column's 128 rows in registers, one read instead of two,
-    measured 0.198 vs 0.177 ms row+col on the H200: not kept.)
+    0.110 ms vs 0.239 ms at 16384x4096 BF16 row+col on the H200, 8 warps), "slices" for 1D:
+    0.155 ms row+col on the H200, the only 1D method timed there so far. "natural" is bitwise
+    on the H200 (its GPU tests) and counts 29 instructions per element row+col against 50 for
+    "slices" (offline sm90 SASS, 4 warps, dynamic), but fewer instructions did not always mean
+    faster here (the whole-tile kernel, with a per-column amax across warps, ran 0.24 vs 0.185 ms),
+    so it becomes the default only once timed. (A 1D columnwise pass holding a column's 128 rows in
+    registers, one read instead of two, measured 0.198 vs 0.177 ms row+col on the H200: not kept.)
     """
     method = method or ("tile" if block_dim == 2 else "slices")
-    if method not in ("slices", "tile"):
-        raise ValueError(f"method={method!r} is unknown; use 'slices' or 'tile'.")
+    if method not in ("natural", "slices", "tile") or (method == "natural" and block_dim == 2):
+        raise ValueError(f"method={method!r} is unknown for block_dim={block_dim}; use 'natural' (1D), "
+                         "'slices' or 'tile'.")
     if block_dim not in (1, 2):
         raise ValueError(f"block_dim={block_dim} must be 1 or 2.")
     b = block_size
     if b < 32 or b & (b - 1):
         raise ValueError(f"block_size={b} must be a power of two >= 32.")
-    cw = min(chunk or (16 if block_dim == 2 else 128), b)
+    cw = min(chunk or (32 if method == "natural" else 16 if block_dim == 2 else 128), b)
     rw = min(row_slice, b)
-    if b % cw or b % rw:
+    if b % cw or b % rw or (method == "natural" and cw < 4):
         raise ValueError(f"chunk={chunk} and row_slice={row_slice} must divide block_size={b}.")
     rows, cols = x2.shape
     check_int32_tiles(rows, cols, *x2.stride())
@@ -250,7 +455,14 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, block_dim: int = 1, block_
             DTYPE=DTYPE_CODE[x2.dtype], HW=hw_fp8(dev), PACK=pack and rows % 4 == 0, ANCHOR=not rowwise,
             num_warps=num_warps or 8)
         return row, col
-    kernel = _fp8_block_2d_kernel if block_dim == 2 else _fp8_block_1d_kernel
+    if method == "natural":
+        _fp8_block_1d_kernel[grid](
+            kernel_input(x2), rd, rs, cd, cs, rows, cols, x2.stride(0), x2.stride(1), f32(eps), ROW=rowwise,
+            COL=columnwise, POW2=power_2_scale, MBITS=mbits, BIAS=bias, FP8_MAX=fmax, B=b,
+            DTYPE=DTYPE_CODE[x2.dtype], CR=cw, HW=hw_fp8(dev), PACK=pack and rows % 4 == 0, RW=rw,
+            EVEN=rows % b == 0 and cols % b == 0, num_warps=num_warps or 4)
+        return row, col
+    kernel = _fp8_block_2d_kernel if block_dim == 2 else _fp8_block_1d_t_kernel
     kernel[grid](kernel_input(x2), rd, rs, cd, cs, rows, cols, x2.stride(0), x2.stride(1), f32(eps),
                  ROW=rowwise, COL=columnwise, POW2=power_2_scale, MBITS=mbits, BIAS=bias,
                  FP8_MAX=fmax, B=b, DTYPE=DTYPE_CODE[x2.dtype], CW=cw, HW=hw_fp8(dev),

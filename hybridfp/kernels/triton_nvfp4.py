@@ -2,7 +2,9 @@
 
 Pass 1 (``_nvfp4_amax_kernel``): the global amax of x, the per-row amaxes (row-scaled), and
 the amax of RHT(xᵀ) rounded to the input dtype (post-RHT amax), all from one read, as int32
-atomic maxima of the amax bits.
+atomic maxima of the amax bits. The post-RHT amax is taken over the raw butterfly sums and
+scaled and rounded once per tile (rounding is monotone, so that is the amax of the rounded
+transform), not per element.
 
 Pass 2 (``_nvfp4_1d_kernel``, one [16 BT, BC] tile per program):
 - rowwise 1x16 blocks from the natural tile; the codes are taken as 8 column lanes
@@ -16,7 +18,8 @@ Pass 2 (``_nvfp4_1d_kernel``, one [16 BT, BC] tile per program):
 - ``_nvfp4_2d_kernel``: 16x16 tiles; the columnwise copy is the rowwise one transposed.
 
 Bitwise equal to ``formats.nvfp4`` / ``formats.rht`` (FP32 order of SPEC §2.5, IEEE divisions,
-E4M3 block scales by ``_common.fp8_encode``, E2M1 by ``_common.e2m1_code_sat`` / ``e2m1_code_sr``), tile-local int32
+E4M3 block scales by ``_common.fp8_encode``, E2M1 by ``_common.e2m1_code_sat`` / ``e2m1_code_sr``,
+computed here by the equivalent integer forms :func:`_code_rne` / :func:`_code_sr`), tile-local int32
 offsets and the hardware E4M3 conversion on the GPU (``_common``). Stochastic rounding draws
 its uniforms in the kernel (Philox, ``triton_sr``: the stream is defined there and is not
 the reference's ``torch.rand`` stream, for the reasons given there); with the same draws
@@ -54,7 +57,11 @@ def global_scales(amax_ptr):
 def block_scales(block_amax, s_enc, s_dec, RCP6, HW: tl.constexpr):
     """(E4M3 S_dec_b code byte, FP32 encode scale) of block amaxes (SPEC §2.5 order)."""
     sdb = fp8_encode(block_amax * (s_enc * RCP6), 448.0, 3, 7, HW)
-    enc = tl.math.div_rn(tl.full(block_amax.shape, 1.0, tl.float32), e4m3_value(sdb) * s_dec)
+    if HW:  # the hardware's exact E4M3 -> FP32 conversion (0x7F / 0xFF: NaN), not the bit decode
+        dec = sdb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        dec = e4m3_value(sdb)
+    enc = tl.math.div_rn(tl.full(block_amax.shape, 1.0, tl.float32), dec * s_dec)
     return sdb, clamp_max(enc, 3.4028234663852886e38)
 
 
@@ -85,9 +92,10 @@ def _round_in(y, DTYPE: tl.constexpr, BF16_NAN: tl.constexpr, HW: tl.constexpr):
 
 @triton.jit
 def _rht16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-           DTYPE: tl.constexpr, BF16_NAN: tl.constexpr, HW: tl.constexpr):
+           DTYPE: tl.constexpr, BF16_NAN: tl.constexpr, HW: tl.constexpr, RAW: tl.constexpr = False):
     """``formats.rht.apply_rht`` on 16 elementwise slices: signs, butterfly h = 1, 2, 4, 8,
-    * 0.25, round to the input dtype (every step in the reference's FP32 order)."""
+    * 0.25, round to the input dtype (every step in the reference's FP32 order). ``RAW``: the
+    butterfly's FP32 sums only (no * 0.25, no rounding: the amax pass rounds its amax once)."""
     x0, x1, x2, x3 = x0 * 1.0, x1 * 1.0, x2 * 1.0, x3 * -1.0
     x4, x5, x6, x7 = x4 * 1.0, x5 * -1.0, x6 * -1.0, x7 * -1.0
     x8, x9, x10, x11 = x8 * -1.0, x9 * -1.0, x10 * -1.0, x11 * 1.0
@@ -124,6 +132,8 @@ def _rht16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
     x5, x13 = _bf(x5, x13)
     x6, x14 = _bf(x6, x14)
     x7, x15 = _bf(x7, x15)
+    if RAW:
+        return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
     return (_round_in(x0 * 0.25, DTYPE, BF16_NAN, HW), _round_in(x1 * 0.25, DTYPE, BF16_NAN, HW),
             _round_in(x2 * 0.25, DTYPE, BF16_NAN, HW), _round_in(x3 * 0.25, DTYPE, BF16_NAN, HW),
             _round_in(x4 * 0.25, DTYPE, BF16_NAN, HW), _round_in(x5 * 0.25, DTYPE, BF16_NAN, HW),
@@ -145,8 +155,9 @@ def _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, I: tl.constexpr, DTYPE: tl.cons
 
 @triton.jit
 def _tile_slices(xbase, lt, lc, rmax, cmask, sxr, sxc, RHT: tl.constexpr, DTYPE: tl.constexpr,
-                 BF16_NAN: tl.constexpr, HW: tl.constexpr):
-    """The 16 row slices of a tile (16-row groups along lt, columns lc), RHT'd with ``RHT``."""
+                 BF16_NAN: tl.constexpr, HW: tl.constexpr, RAW: tl.constexpr = False):
+    """The 16 row slices of a tile (16-row groups along lt, columns lc), RHT'd with ``RHT``
+    (``RAW``: :func:`_rht16`'s unscaled, unrounded butterfly sums)."""
     x0 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 0, DTYPE)
     x1 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 1, DTYPE)
     x2 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 2, DTYPE)
@@ -164,9 +175,18 @@ def _tile_slices(xbase, lt, lc, rmax, cmask, sxr, sxc, RHT: tl.constexpr, DTYPE:
     x14 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 14, DTYPE)
     x15 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 15, DTYPE)
     if RHT:
-        return _rht16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, DTYPE, BF16_NAN, HW)
+        return _rht16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, DTYPE, BF16_NAN, HW,
+                      RAW)
     else:
         return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
+
+
+@triton.jit
+def _zero_like(y):
+    """Zeros shaped like FP32 ``y`` that the layout passes see as computed from ``y`` (LLVM folds
+    them away): index tensors built on them get ``y``'s register layout, so values computed
+    from those indices (the Philox draws) need no shared-memory conversion to meet ``y``."""
+    return tl.minimum(y.to(tl.int32, bitcast=True) & 1, 0)
 
 
 @triton.jit
@@ -231,32 +251,50 @@ def _code_rne(v):
 
 
 @triton.jit
-def _sr_mag(v, u):
-    """E2M1 magnitude code (0..7) of FP32 ``v`` by stochastic rounding with the 16-bit draw
-    ``u`` (the uniform ``u * 2**-16``): ``e2m1_code_sr(clamp_sym(v, 6), u * 2**-16) & 7`` for
-    every non-NaN ``v``; NaN gives 7 (the caller clears NaN blocks: :func:`_nan_words`).
-
-    ``s = min(|v|, 6)`` on the bits (inf -> 6). The decision ``rand * step < s - lo`` in
-    integers: for s >= 1 (step = half s's binade, lo = s truncated to one fraction bit) both
-    sides in units of s's ulp are ``64 u`` and the low 22 bits m of s, so up iff m > 64 u,
-    i.e. iff ``m + 0x3FFFFF - 64 u`` carries into bit 22, and the code is
-    ``((s + 0x3FFFFF - 64 u) >> 22) - 252`` (6: m = 0, never up). For s < 1 (step 0.5) with
-    ``p = 0.5 + u * 2**-17`` (bits ``0x3F000000 | u << 7``) and ``q = p - 0.5 = u * 2**-17``
-    (exact): below 0.5 up iff s > q, in [0.5, 1) up iff s > p (s > q always), so the code is
-    2 if s > p else (s > q), compared as the (non-negative) FP32 bits. The first form is
-    <= the second for s < 1 and >= 2 (= the second) for s >= 1, so the code is their max."""
-    sat = tl.minimum(v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0x40C00000)
-    big = ((sat + (0x3FFFFF - (u << 6))) >> 22) - 252
-    p = (u << 7) | 0x3F000000
-    q = (p.to(tl.float32, bitcast=True) - 0.5).to(tl.int32, bitcast=True)
-    return tl.maximum(big, tl.where(sat > p, 2, (sat > q).to(tl.int32)))
+def _add1_ru(s, HW: tl.constexpr):
+    """``s + 1`` rounded toward +inf, for FP32 ``0 <= s <= 6``: on the GPU one ``add.rp.f32``;
+    elsewhere the round-to-nearest sum, bumped one ulp where it fell below ``s + 1`` (``t - 1``
+    is exact for t in [1, 7], so ``t - 1 < s`` says the rounding went down)."""
+    if HW:
+        return tl.inline_asm_elementwise("add.rp.f32 $0, $1, 0f3F800000;", "=f,f", [s],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        t = s + 1.0
+        return (t.to(tl.int32, bitcast=True) + ((t - 1.0) < s).to(tl.int32)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _code_sr(v, u):
+def _sr_mag(v, u, HW: tl.constexpr):
+    """E2M1 magnitude code (0..7) of FP32 ``v`` by stochastic rounding with the 16-bit draw
+    ``u`` (the uniform ``r = u * 2**-16``): ``e2m1_code_sr(clamp_sym(v, 6), r) & 7`` for every
+    non-NaN ``v``; NaN gives 7 (the caller clears NaN blocks: :func:`_nan_words`).
+
+    ``s = min(|v|, 6)`` (inf and, on the GPU's minnum, NaN -> 6). With P(x) the position of x
+    on the code axis (``2 + 2e + (x - 2**e) / 2**(e - 1)`` in x's binade e, so the FP32 bits of
+    x are ``2**22 (P + 252)``), ``big(x) = ((bits(x) + 0x3FFFFF - 64 u) >> 22) - 252`` is
+    ``ceil(P(x) - r)``, monotone in P(x); for s >= 1 that is the reference's decision
+    ``r * step < s - lo`` (both sides in units of s's ulp: up iff the low 22 bits exceed 64 u).
+    Below 1 the grid is fixed-point (step 0.5, code ``ceil(2 s - r)``): with ``t = RU(s + 1)``
+    (rounded up to the 2**-23 grid, which the thresholds ``(n + r) / 2`` lie on, so the ceiling
+    does not move), ``big(t) - 2 = ceil(2 (t - 1) - r)`` is the code. Each form is at most the
+    code where it is not exact (below 1, ``big(s) <= ceil(2 s - r)``; above, P(t) - 2 <= P(s) as
+    P's slope is <= 2 on [s, s + 1]), so the code is their max: one rounding add, two integer
+    adds and a max instead of the compare-and-select chain."""
+    if HW:
+        s = tl.minimum(tl.abs(v), 6.0)  # min.f32: NaN -> 6
+    else:
+        s = tl.minimum(v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0x40C00000).to(tl.float32, bitcast=True)
+    d = -0x3EC00001 - u * 64  # 0x3FFFFF - 64 u - (252 << 22)
+    a = s.to(tl.int32, bitcast=True) + d
+    b = _add1_ru(s, HW).to(tl.int32, bitcast=True) + (d - 0x800000)
+    return tl.maximum(a, b) >> 22
+
+
+@triton.jit
+def _code_sr(v, u, HW: tl.constexpr):
     """:func:`_sr_mag` with the sign bit of ``v`` (bit 3): ``e2m1_code_sr(clamp_sym(v, 6),
     u * 2**-16)`` except NaN."""
-    return _sr_mag(v, u) | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
+    return _sr_mag(v, u, HW) | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
 
 
 @triton.jit
@@ -270,15 +308,16 @@ def _nan_words(w, v):
 
 
 @triton.jit
-def _col_half(y0, y1, y2, y3, y4, y5, y6, y7, u0, u1, u2, u3, u4, u5, u6, u7, enc, SR: tl.constexpr):
+def _col_half(y0, y1, y2, y3, y4, y5, y6, y7, u0, u1, u2, u3, u4, u5, u6, u7, enc, SR: tl.constexpr,
+              HW: tl.constexpr):
     """int32 word of the codes of slices y_i * enc at nibble i (8 elements of a columnwise
     block: a [BT, BC] slice each), RNE or stochastic with draws u_i."""
     if SR:
         v0 = y0 * enc
-        w = _code_sr(v0, u0) | (_code_sr(y1 * enc, u1) << 4)
-        w |= (_code_sr(y2 * enc, u2) << 8) | (_code_sr(y3 * enc, u3) << 12)
-        w |= (_code_sr(y4 * enc, u4) << 16) | (_code_sr(y5 * enc, u5) << 20)
-        w |= (_code_sr(y6 * enc, u6) << 24) | (_code_sr(y7 * enc, u7) << 28)
+        w = _code_sr(v0, u0, HW) | (_code_sr(y1 * enc, u1, HW) << 4)
+        w |= (_code_sr(y2 * enc, u2, HW) << 8) | (_code_sr(y3 * enc, u3, HW) << 12)
+        w |= (_code_sr(y4 * enc, u4, HW) << 16) | (_code_sr(y5 * enc, u5, HW) << 20)
+        w |= (_code_sr(y6 * enc, u6, HW) << 24) | (_code_sr(y7 * enc, u7, HW) << 28)
         return _nan_words(w, v0)
     else:
         v0 = y0 * enc
@@ -327,17 +366,25 @@ def _nvfp4_amax_kernel(x_ptr, amax_ptr, row_amax_ptr, rht_amax_ptr, R, C, sxr, s
     xbase = x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc
     if AMAX or ROW_AMAX:
         mask = ((r0 + lr) < R)[:, None] & cmask[None, :]
-        x = load_f32(xbase + tile_offsets(lr, lc, sxr, sxc), mask, DTYPE)
-        ra = amax_nan(x, 1)
+        if DTYPE == 1:
+            # BF16: max of the raw magnitude bits (BF16 orders like its bits, as FP32 does), no
+            # widening of each element to FP32 first (one AND per element, not three ops)
+            raw = tl.load(xbase + tile_offsets(lr, lc, sxr, sxc), mask=mask, other=0)
+            mb = tl.max(raw.to(tl.int32) & 0x7FFF, axis=1)
+            ra = tl.where(mb > 0x7F80, 0x7FC00000, mb << 16).to(tl.float32, bitcast=True)  # NaN: canonical
+        else:
+            ra = amax_nan(load_f32(xbase + tile_offsets(lr, lc, sxr, sxc), mask, DTYPE), 1)
         if AMAX:
             tl.atomic_max(amax_ptr, amax_bits(amax_nan(ra, 0)))
         if ROW_AMAX:
             tl.atomic_max(row_amax_ptr + r0 + lr, amax_bits(ra), mask=(r0 + lr) < R)
     if RHT_AMAX:
-        y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _tile_slices(
-            xbase, tl.arange(0, BT), lc, R - r0, cmask, sxr, sxc, True, DTYPE, BF16_NAN, HW)
-        a = _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
-        tl.atomic_max(rht_amax_ptr, amax_bits(amax_nan(amax_nan(a, 1), 0)))
+        # Rounding is monotone, so max|round(S * 0.25)| = round(max|S| * 0.25): the butterfly
+        # sums S are reduced raw and the tile's amax is scaled and rounded once.
+        s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15 = _tile_slices(
+            xbase, tl.arange(0, BT), lc, R - r0, cmask, sxr, sxc, True, DTYPE, BF16_NAN, HW, True)
+        a = amax_nan(amax_nan(_amax16(s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15), 1), 0)
+        tl.atomic_max(rht_amax_ptr, amax_bits(_round_in(a * 0.25, DTYPE, BF16_NAN, HW)))
 
 
 @triton.jit
@@ -360,8 +407,10 @@ def _row_copy(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, k0, k1, RCP
     else:
         u0, u1, u2, u3, u4, u5, u6, u7 = v0, v1, v2, v3, v4, v5, v6, v7  # unused
     if SR:
-        c0_, c1_, c2_, c3_ = _code_sr(v0, u0), _code_sr(v1, u1), _code_sr(v2, u2), _code_sr(v3, u3)
-        c4_, c5_, c6_, c7_ = _code_sr(v4, u4), _code_sr(v5, u5), _code_sr(v6, u6), _code_sr(v7, u7)
+        c0_, c1_ = _code_sr(v0, u0, HW), _code_sr(v1, u1, HW)
+        c2_, c3_ = _code_sr(v2, u2, HW), _code_sr(v3, u3, HW)
+        c4_, c5_ = _code_sr(v4, u4, HW), _code_sr(v5, u5, HW)
+        c6_, c7_ = _code_sr(v6, u6, HW), _code_sr(v7, u7, HW)
     else:
         c0_, c1_, c2_, c3_ = _code_rne(v0), _code_rne(v1), _code_rne(v2), _code_rne(v3)
         c4_, c5_, c6_, c7_ = _code_rne(v4), _code_rne(v5), _code_rne(v6), _code_rne(v7)
@@ -406,14 +455,14 @@ def col_copy_words(xbase, r0, c0, lc, R, C, sxr, sxc, s_enc, s_dec, cd_ptr, cs_p
         s_enc, s_dec, RCP6, HW)  # [BT, BC]
     t = r0 // 16 + lt  # 16-element group of the copy's columns
     if SR:
-        ci = (c0 + lc)[None, :]
+        ci = (c0 + lc)[None, :] + _zero_like(y0)  # the draws in the slices' layout
         a0, a1, a2, a3, a4, a5, a6, a7 = draws8_u16(ci, (2 * t)[:, None], k0, k1)
         b0, b1, b2, b3, b4, b5, b6, b7 = draws8_u16(ci, (2 * t + 1)[:, None], k0, k1)
     else:
         a0, a1, a2, a3, a4, a5, a6, a7 = y0, y1, y2, y3, y4, y5, y6, y7  # unused
         b0, b1, b2, b3, b4, b5, b6, b7 = y0, y1, y2, y3, y4, y5, y6, y7
-    lo = _col_half(y0, y1, y2, y3, y4, y5, y6, y7, a0, a1, a2, a3, a4, a5, a6, a7, enc, SR)
-    hi = _col_half(y8, y9, y10, y11, y12, y13, y14, y15, b0, b1, b2, b3, b4, b5, b6, b7, enc, SR)
+    lo = _col_half(y0, y1, y2, y3, y4, y5, y6, y7, a0, a1, a2, a3, a4, a5, a6, a7, enc, SR, HW)
+    hi = _col_half(y8, y9, y10, y11, y12, y13, y14, y15, b0, b1, b2, b3, b4, b5, b6, b7, enc, SR, HW)
     w = (hi.to(tl.int64) << 32) | lo.to(tl.uint32).to(tl.int64)
     ntiles = tl.cdiv(R, 16)
     tmask = cmask[:, None] & (t < ntiles)[None, :]

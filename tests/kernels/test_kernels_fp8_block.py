@@ -13,9 +13,13 @@ from quantize_kernel_cases import (DTYPES, EMPTY_SHAPES, GPU_SHAPES, assert_stor
                                    check_against_reference, check_gpu, edge_tensor, gpu, gpu_input,
                                    interpreter_only)
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from hybridfp.formats import fp8_block  # noqa: E402
 from hybridfp.kernels import triton_fp8_block  # noqa: E402
-from hybridfp.kernels._common import poisoned_outputs  # noqa: E402
+from hybridfp.kernels._common import current_scale, fp8_params, poisoned_outputs  # noqa: E402
+from hybridfp.kernels.triton_fp8_block import block_inv, block_scale  # noqa: E402
 from hybridfp.quantizers import Float8BlockQuantizer, HybridQuantizer, fast  # noqa: E402
 from hybridfp.quantizers.backends import kernels_enabled  # noqa: E402
 
@@ -175,3 +179,121 @@ def test_fp8_block_gpu_tile_method(block_dim, shape):
         for rowwise, columnwise in [(True, True), (True, False), (False, True)]:
             _check_tile_method(x, block_dim, 128, True, 0.0, True, rowwise, columnwise)
 
+
+
+def _check_1d(x: torch.Tensor, block: int, dtype=E4M3, pow2: bool = True, eps: float = 0.0,
+              rowwise: bool = True, columnwise: bool = True, **kw) -> None:
+    """``triton_fp8_block.quantize`` (1D, ``kw``: method / chunk / row_slice / pack) against
+    ``formats.fp8_block.quantize_1d`` of x and of x.t(): bytes and scale bits."""
+    row, col = triton_fp8_block.quantize(x, dtype, block_size=block, power_2_scale=pow2, eps=eps,
+                                         rowwise=rowwise, columnwise=columnwise, **kw)
+    opts = dict(block=block, power_2_scale=pow2, eps=eps)
+    if rowwise:
+        d, s = fp8_block.quantize_1d(x, dtype, **opts)
+        assert torch.equal(row[0].view(torch.uint8), d.view(torch.uint8)), "rowwise data"
+        assert torch.equal(row[1].view(torch.int32), s.view(torch.int32)), "rowwise scale_inv"
+    else:
+        assert row is None
+    if columnwise:
+        dc, sc = fp8_block.quantize_1d(x.t(), dtype, **opts)
+        assert torch.equal(col[0].view(torch.uint8), dc.contiguous().view(torch.uint8)), "columnwise data"
+        assert torch.equal(col[1].view(torch.int32), sc.contiguous().view(torch.int32)), "columnwise scale_inv"
+    else:
+        assert col is None
+
+
+#: (shape, block): interior-only tiles (the EVEN path: R and C multiples of the block), partial
+#: edge tiles, R not a multiple of 4 (byte stores instead of words), odd C, one row.
+NATURAL_SHAPES = [((64, 96), 32), ((128, 64), 64), ((70, 100), 32), ((66, 40), 32), ((40, 37), 32),
+                  ((1, 33), 32), ((96, 64), 32)]
+
+
+@interpreter_only
+@pytest.mark.parametrize("shape,block", NATURAL_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fp8_block_1d_natural(shape, block, dtype):
+    """The default 1D kernel (column amaxes from the rowwise pass, columnwise copy from natural
+    slices): EVEN and edge tiles, words and bytes, NaN / ±inf, an all-zero block, FP32 / BF16 /
+    FP16, a transposed (strided) view for the last shape."""
+    x = edge_tensor(shape, dtype, seed=shape[1], specials=True)
+    if shape == (96, 64):
+        x = edge_tensor((64, 96), dtype, seed=3, specials=True).t()
+    x[:min(32, shape[0]), :32] = 0.0
+    _check_1d(x, block)
+    _check_1d(x, block, E5M2, pow2=False, eps=0.5, chunk=8, row_slice=8)
+
+
+@interpreter_only
+@pytest.mark.parametrize("shape,block", [((64, 96), 32), ((70, 100), 32)], ids=str)
+@pytest.mark.parametrize("rowwise,columnwise", [(True, False), (False, True)])
+def test_fp8_block_1d_natural_one_direction(shape, block, rowwise, columnwise):
+    x = edge_tensor(shape, torch.bfloat16, seed=5, specials=True)
+    _check_1d(x, block, rowwise=rowwise, columnwise=columnwise)
+    _check_1d(x, block, rowwise=rowwise, columnwise=columnwise, pack=False, chunk=4)
+
+
+@interpreter_only
+def test_fp8_block_1d_methods_agree():
+    """method="slices" (transposed column sub-tiles read twice) still gives the same bytes."""
+    x = edge_tensor((70, 100), torch.bfloat16, seed=9, specials=True)
+    _check_1d(x, 32, method="slices")
+    _check_1d(x, 32, method="natural", chunk=32, row_slice=32)
+
+
+@triton.jit
+def _scale_kernel(a_ptr, out_ptr, eps, N, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    """Per amax: current_scale, block_scale, IEEE 1 / current_scale, block_inv (power-of-two)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    a = tl.load(a_ptr + offs, mask=m, other=0.0)
+    want = current_scale(a, eps, FP8_MAX, True)
+    got = block_scale(a, eps, FP8_MAX, True)
+    tl.store(out_ptr + offs * 4, want, mask=m)
+    tl.store(out_ptr + offs * 4 + 1, got, mask=m)
+    tl.store(out_ptr + offs * 4 + 2, tl.math.div_rn(tl.full(want.shape, 1.0, tl.float32), want), mask=m)
+    tl.store(out_ptr + offs * 4 + 3, block_inv(got, True), mask=m)
+
+
+@interpreter_only
+@pytest.mark.parametrize("fmax_dtype", [E4M3, E5M2], ids=str)
+def test_block_scale_matches_current_scale(fmax_dtype):
+    """``block_scale`` / ``block_inv`` (power-of-two scales by exponent arithmetic, exact
+    reciprocal) equal ``current_scale`` and the IEEE ``1 / scale`` bit for bit: every biased
+    exponent with mantissas at and around FP8_MAX's, subnormals, 0, inf, NaN, several eps."""
+    fmax = fp8_params(fmax_dtype)[2]
+    fbits = torch.tensor(fmax, dtype=torch.float32).view(torch.int32).item() & 0x7FFFFF
+    mants = torch.tensor([0, 1, 2, fbits - 1, fbits, fbits + 1, 0x400000, 0x7FFFFE, 0x7FFFFF], dtype=torch.int32)
+    exps = torch.arange(0, 256, dtype=torch.int32)
+    bits = ((exps[:, None] << 23) | mants[None, :]).reshape(-1)
+    bits = torch.cat([bits, torch.randint(0, 0x7F800000, (2000,), generator=torch.Generator().manual_seed(1),
+                                          dtype=torch.int32)])
+    a = bits.view(torch.float32)
+    for eps in [0.0, 1e-40, 0.5, 4.0, 3e38]:
+        out = torch.empty(a.numel() * 4, dtype=torch.float32)
+        _scale_kernel[(triton.cdiv(a.numel(), 256),)](a, out, eps, a.numel(), FP8_MAX=fmax, BLOCK=256)
+        o = out.view(-1, 4).view(torch.int32)
+        assert torch.equal(o[:, 0], o[:, 1]), f"scale, eps={eps}"
+        assert torch.equal(o[:, 2], o[:, 3]), f"scale_inv, eps={eps}"
+
+
+#: 1D configurations to time on the H200 (method, num_warps, chunk, row_slice).
+GPU_1D_CONFIGS = [("natural", 4, 32, 16), ("natural", 2, 16, 16), ("natural", 2, 32, 16), ("natural", 1, 16, 8),
+                  ("natural", 4, 64, 32), ("slices", 4, None, 16)]
+
+
+@gpu
+@pytest.mark.parametrize("config", GPU_1D_CONFIGS, ids=str)
+@pytest.mark.parametrize("shape", [(4096, 4096), (4113, 1000), (1000, 4114)], ids=str)
+def test_fp8_block_gpu_1d_configs(config, shape):
+    """Each 1D configuration at an interior-only shape (the EVEN path) and at awkward ones (edge
+    tiles, R % 4 != 0: byte stores), outputs poisoned, each direction alone too; E5M2 with
+    non-power-of-two scales and FP16 input at the first shape."""
+    method, nw, chunk, rw = config
+    kw = dict(method=method, num_warps=nw, chunk=chunk, row_slice=rw)
+    x = gpu_input(shape, torch.bfloat16, specials=True)
+    with poisoned_outputs(0x7F):
+        for rowwise, columnwise in [(True, True), (True, False), (False, True)]:
+            _check_1d(x, 128, rowwise=rowwise, columnwise=columnwise, **kw)
+        if shape == (4096, 4096):
+            _check_1d(x.half(), 128, E5M2, pow2=False, eps=2.0**-20, **kw)
+            _check_1d(x.float().t(), 128, **kw)

@@ -109,6 +109,54 @@ def test_hybrid_kernel_empty(pair, shape):
 
 
 @interpreter_only
+@pytest.mark.parametrize("source", ["original", RD])
+@pytest.mark.parametrize("shape,dtype,block,finite_amax", [
+    ((70, 100), torch.float32, (32, 64), True), ((33, 50), torch.float16, (32, 32), False),
+    ((160, 96), torch.bfloat16, (64, 64), True), ((40, 17), torch.bfloat16, (32, 64), False)], ids=str)
+def test_nvfp4_mxfp8_kernel_tiles(source, shape, dtype, block, finite_amax):
+    """The fused NVFP4 row + MXFP8 col kernel at several tiles against the ``formats``
+    references: E2M1 code and value from one rounding FMA (``_e2m1_round``), NaN blocks under
+    a finite global amax (their codes cleared per block) and under a NaN one, R and C not
+    multiples of 32 or 8 (bytewise rows), the original source re-read transposed from cache,
+    a transposed (strided) view for (160, 96)."""
+    from hybridfp.formats import mxfp8, nvfp4
+    from hybridfp.kernels import triton_hybrid_nvfp4
+    x = edge_tensor(shape, dtype, seed=shape[1], specials=True)
+    x = x.t() if shape == (160, 96) else x
+    amax = (x.float().nan_to_num(0.0) if finite_amax else x.float()).abs().amax()
+    (rd, rs), (cd, cs) = triton_hybrid_nvfp4.quantize(x, amax, E4M3, source=source, block=block)
+    want_rd, want_rs = nvfp4.quantize_1d(x, amax)
+    src = nvfp4.dequantize_1d(want_rd, want_rs, amax, x.shape[1]) if source == RD else x
+    want_cd, want_cs = mxfp8.quantize_1d(src.t(), E4M3)
+    assert torch.equal(rd, want_rd) and torch.equal(rs.view(torch.uint8), want_rs.view(torch.uint8))
+    assert torch.equal(cd.view(torch.uint8), want_cd.contiguous().view(torch.uint8))
+    assert torch.equal(cs, want_cs.contiguous())
+
+
+@gpu
+@pytest.mark.parametrize("source", ["original", RD])
+@pytest.mark.parametrize("tile", [((32, 64), 2), ((32, 128), 4), ((32, 32), 1), ((64, 64), 2)], ids=str)
+def test_nvfp4_mxfp8_gpu_tiles(source, tile):
+    """The fused NVFP4 row + MXFP8 col kernel at the tiles to time, on the GPU (the hardware
+    FP8 conversion with its per-word NaN select, ``_e2m1_round``'s FMA), awkward shape and a
+    transposed view, NaN blocks under a finite global amax; outputs poisoned."""
+    from hybridfp.formats import mxfp8, nvfp4
+    from hybridfp.kernels import triton_hybrid_nvfp4
+    base = gpu_input((1000 + 17, 4160), torch.bfloat16, specials=True)
+    for x in (base, base.t()):
+        amax = x.float().nan_to_num(0.0).abs().amax()
+        with poisoned_outputs():
+            (rd, rs), (cd, cs) = triton_hybrid_nvfp4.quantize(x, amax, E4M3, source=source, block=tile[0],
+                                                               num_warps=tile[1])
+        want_rd, want_rs = nvfp4.quantize_1d(x, amax)
+        src = nvfp4.dequantize_1d(want_rd, want_rs, amax, x.shape[1]) if source == RD else x
+        want_cd, want_cs = mxfp8.quantize_1d(src.t(), E4M3)
+        assert torch.equal(rd, want_rd) and torch.equal(rs.view(torch.uint8), want_rs.view(torch.uint8))
+        assert torch.equal(cd.view(torch.uint8), want_cd.contiguous().view(torch.uint8)), f"{tile} col"
+        assert torch.equal(cs, want_cs.contiguous()), f"{tile} col scales"
+
+
+@interpreter_only
 def test_hybrid_kernel_equals_separate_child_kernels():
     """The fused NVFP4 + MXFP8 (rowwise_dequantized) pass equals the two child kernels run one
     after the other, the MXFP8 one on the FP32 dequantized NVFP4 value; likewise FP8 current
@@ -130,6 +178,49 @@ def test_hybrid_kernel_equals_separate_child_kernels():
     assert_storage_bitwise(got.part("rowwise"), run_kernel(hq.rowwise_quantizer, x, True, False), "mxfp8 row")
     assert_storage_bitwise(got.part("columnwise"), run_kernel(hq.columnwise_quantizer, x, False, True),
                            "nvfp4 rht col")
+
+
+@interpreter_only
+@pytest.mark.parametrize("shape,dtype", [((64, 96), torch.bfloat16), ((70, 100), torch.float32),
+                                         ((66, 40), torch.float16), ((96, 64), torch.bfloat16)], ids=str)
+@pytest.mark.parametrize("method", ["natural", "slices"])
+def test_hybrid_fp8_block_small_tiles(shape, dtype, method):
+    """Fused FP8 current + FP8 block with 32-blocks: interior-only tiles (the EVEN path), edge
+    tiles, R % 4 != 0 (byte stores), a transposed view (96, 64); each method. Equal to the per-tensor
+    kernel (rowwise) and the ``formats`` block reference (columnwise)."""
+    from hybridfp.formats import fp8_block
+    from hybridfp.kernels import _common, triton_fp8_tensorwise, triton_hybrid_fp8
+    x = edge_tensor(shape[::-1] if shape == (96, 64) else shape, dtype, seed=4, specials=True)
+    x = x.t() if shape == (96, 64) else x
+    amax = _common.global_amax(x)
+    (rd, sinv), (cd, cs) = triton_hybrid_fp8.quantize(x, amax, E5M2, E4M3, block_size=32, method=method)
+    want_rd, _, want_sinv, _ = triton_fp8_tensorwise.quantize(x, E5M2, amax=amax, columnwise=False)
+    want_cd, want_cs = fp8_block.quantize_1d(x.t(), E4M3, block=32)
+    assert torch.equal(rd.view(torch.uint8), want_rd.view(torch.uint8)) and torch.equal(sinv, want_sinv)
+    assert torch.equal(cd.view(torch.uint8), want_cd.contiguous().view(torch.uint8))
+    assert torch.equal(cs.view(torch.int32), want_cs.contiguous().view(torch.int32))
+
+
+@gpu
+@pytest.mark.parametrize("config", [("natural", 4, None), ("natural", 2, 16), ("natural", 1, 16), ("slices", 4, None)],
+                         ids=str)
+@pytest.mark.parametrize("shape", [(4096, 4096), (4113, 1000)], ids=str)
+def test_hybrid_fp8_block_gpu_configs(config, shape):
+    """Fused FP8 current + FP8 block at the configurations to time (method, num_warps, chunk;
+    row_slice 8 with 1 warp), poisoned outputs, vs the per-tensor kernel and the block reference."""
+    from hybridfp.formats import fp8_block
+    from hybridfp.kernels import _common, triton_fp8_tensorwise, triton_hybrid_fp8
+    method, nw, chunk = config
+    x = gpu_input(shape, torch.bfloat16, specials=True)
+    amax = _common.global_amax(x)
+    with poisoned_outputs(0x7F):
+        (rd, sinv), (cd, cs) = triton_hybrid_fp8.quantize(x, amax, E4M3, E4M3, method=method, num_warps=nw,
+                                                          chunk=chunk, row_slice=8 if nw == 1 else 16)
+    want_rd, _, want_sinv, _ = triton_fp8_tensorwise.quantize(x, E4M3, amax=amax, columnwise=False)
+    want_cd, want_cs = fp8_block.quantize_1d(x.t(), E4M3, block=128)
+    assert torch.equal(rd.view(torch.uint8), want_rd.view(torch.uint8)) and torch.equal(sinv, want_sinv)
+    assert torch.equal(cd.view(torch.uint8), want_cd.contiguous().view(torch.uint8))
+    assert torch.equal(cs.view(torch.int32), want_cs.contiguous().view(torch.int32))
 
 
 @interpreter_only

@@ -283,3 +283,86 @@ def test_nvfp4_gpu_sr_twin_hybrid_and_reproducible(config):
     got = hybrid.encode(x, True, True, 4321)
     for d in ("rowwise", "columnwise"):
         assert_storage_bitwise(got.part(d), _only(want, d), f"hybrid {d}")
+
+
+# ------------------------------------------------- the stochastic-rounding E2M1 code, elementwise
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _code_sr_probe(v_ptr, u_ptr, out_ptr, N, HW: tl.constexpr, BLOCK_N: tl.constexpr):
+    i = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = i < N
+    code = triton_nvfp4._code_sr(tl.load(v_ptr + i, mask=m, other=0.0), tl.load(u_ptr + i, mask=m, other=0), HW)
+    tl.store(out_ptr + i, code, mask=m)
+
+
+def _sr_threshold_cases() -> tuple[torch.Tensor, torch.Tensor]:
+    """(v FP32, u int32) pairs on and around every stochastic-rounding threshold: for each draw
+    u, |v| = u 2**-17 and 0.5 + u 2**-17 (the decisions below 1) and lo + u 2**-16 step for
+    every grid interval above, each +- a few ulps; grid values, 0, subnormals, 1 - ulp, 6 + ulp,
+    inf, huge; both signs; plus random magnitudes in [0, 7)."""
+    gen = torch.Generator().manual_seed(7)
+    draws = [0, 1, 2, 3, 0x3FFF, 0x7FFF, 0x8000, 0x8001, 0xBFFF, 0xFFFE, 0xFFFF]
+    draws += torch.randint(0, 2**16, (40,), generator=gen).tolist()
+    grid = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    vs, us = [], []
+    for u in draws:
+        r = u * 2.0**-16
+        centres = [r * 0.5, 0.5 + r * 0.5] + [lo + r * (hi - lo) for lo, hi in zip(grid[2:], grid[3:])]
+        centres += grid + [1e-45, 1e-40, 2.0**-126, 2.0**-24, 6.0, 1e30, float("inf")]
+        c = torch.tensor(centres, dtype=torch.float32)
+        bits = c.view(torch.int32)
+        near = torch.cat([(bits + k).view(torch.float32) for k in range(-3, 4)] + [(bits - 1000).view(torch.float32)])
+        near = torch.cat([near[near >= 0], torch.rand(60, generator=gen) * 7])
+        for sign in (1.0, -1.0):
+            vs.append(near * sign)
+            us.append(torch.full(near.shape, u, dtype=torch.int32))
+    return torch.cat(vs), torch.cat(us)
+
+
+def _code_sr_check(hw: bool, device: str) -> None:
+    v, u = _sr_threshold_cases()
+    v, u = v.to(device), u.to(device)
+    got = torch.empty(v.shape, dtype=torch.int32, device=device)
+    _code_sr_probe[(triton.cdiv(v.numel(), 1024),)](v, u, got, v.numel(), HW=hw, BLOCK_N=1024)
+    want = nvfp4.encode_e2m1(v.clamp(-6.0, 6.0), u.float() * 2.0**-16)
+    bad = got.to(torch.uint8) != want
+    assert not bool(bad.any()), (v[bad][:8], u[bad][:8])
+
+
+@interpreter_only
+def test_code_sr_thresholds():
+    """``_code_sr`` (the interpreter's emulated round-up add) equals ``encode_e2m1`` with the
+    same draws on and around every decision threshold."""
+    _code_sr_check(False, "cpu")
+
+
+@gpu
+def test_code_sr_thresholds_gpu():
+    """The same on the GPU, where the round-up add is ``add.rp.f32``."""
+    _code_sr_check(True, "cuda")
+
+
+@interpreter_only
+@pytest.mark.parametrize("block,warps", [((2, 128), 4), ((1, 256), 4), ((2, 256), 4), ((1, 128), 2)], ids=str)
+@pytest.mark.parametrize("shape", [(40, 200), (37, 131), (16, 8)], ids=str)
+def test_nvfp4_rht_sr_wide_tiles(block, warps, shape):
+    """RHT + stochastic rounding at the wider cast tiles timed on the H200 (several columns per
+    thread: vector slice loads, the draws computed in the slices' layout): R not a multiple of
+    16 (the RHT tail), C not a multiple of 8 / 16, partial tiles, NaN / inf blocks; both copies
+    equal the reference fed the kernel's Philox draws, bit for bit."""
+    from quantize_kernel_cases import _assert_nvfp4_data_relaxed
+    x = edge_tensor(shape, torch.bfloat16, seed=shape[1], specials=True)
+    g, per_row, post = triton_nvfp4.amaxes(x, amax=True, row_amax=False, rht_amax=True, block=(2, 256),
+                                           num_warps=4)
+    seed = 1234
+    row, col = triton_nvfp4.quantize_1d(x, g, post, rht=True, seed=seed, block=block, num_warps=warps)
+    xt = rht.apply_rht(x.t(), torch.bfloat16)
+    for got, src, amax, direction in ((row, x, g, 0), (col, xt, post, 1)):
+        rand = triton_sr.reference_draws(triton_sr.stream_key(seed, direction), tuple(src.shape))
+        d, s = nvfp4.quantize_1d(src, amax, stochastic_rounding=True, rand=rand)
+        assert torch.equal(got[1].view(torch.uint8), s.view(torch.uint8)), direction
+        # NaN blocks: the interpreter's NaN sign bits may differ (quantize_kernel_cases docstring)
+        _assert_nvfp4_data_relaxed(got[0], d, s, src.shape[1], False, f"direction {direction}")
