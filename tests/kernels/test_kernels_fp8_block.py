@@ -208,28 +208,33 @@ NATURAL_SHAPES = [((64, 96), 32), ((128, 64), 64), ((70, 100), 32), ((66, 40), 3
                   ((1, 33), 32), ((96, 64), 32)]
 
 
+#: Every shape in BF16; FP16 / FP32 on two of them (the interpreter takes ~10 s a case and the
+#: input dtype only changes the load, which the other kernels' tests cover at every shape).
+NATURAL_CASES = ([(shape, block, torch.bfloat16) for shape, block in NATURAL_SHAPES]
+                 + [((66, 40), 32, torch.float16), ((96, 64), 32, torch.float32)])
+
+
 @interpreter_only
-@pytest.mark.parametrize("shape,block", NATURAL_SHAPES, ids=str)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,block,dtype", NATURAL_CASES, ids=str)
 def test_fp8_block_1d_natural(shape, block, dtype):
-    """The default 1D kernel (column amaxes from the rowwise pass, columnwise copy from natural
+    """The "natural" 1D kernel (column amaxes from the rowwise pass, columnwise copy from natural
     slices): EVEN and edge tiles, words and bytes, NaN / ±inf, an all-zero block, FP32 / BF16 /
     FP16, a transposed (strided) view for the last shape."""
     x = edge_tensor(shape, dtype, seed=shape[1], specials=True)
     if shape == (96, 64):
         x = edge_tensor((64, 96), dtype, seed=3, specials=True).t()
     x[:min(32, shape[0]), :32] = 0.0
-    _check_1d(x, block)
-    _check_1d(x, block, E5M2, pow2=False, eps=0.5, chunk=8, row_slice=8)
+    _check_1d(x, block, method="natural")
+    _check_1d(x, block, E5M2, pow2=False, eps=0.5, method="natural", chunk=8, row_slice=8)
 
 
 @interpreter_only
-@pytest.mark.parametrize("shape,block", [((64, 96), 32), ((70, 100), 32)], ids=str)
+@pytest.mark.parametrize("shape,block", [((64, 96), 32)], ids=str)
 @pytest.mark.parametrize("rowwise,columnwise", [(True, False), (False, True)])
 def test_fp8_block_1d_natural_one_direction(shape, block, rowwise, columnwise):
     x = edge_tensor(shape, torch.bfloat16, seed=5, specials=True)
-    _check_1d(x, block, rowwise=rowwise, columnwise=columnwise)
-    _check_1d(x, block, rowwise=rowwise, columnwise=columnwise, pack=False, chunk=4)
+    _check_1d(x, block, rowwise=rowwise, columnwise=columnwise, method="natural")
+    _check_1d(x, block, rowwise=rowwise, columnwise=columnwise, method="natural", pack=False, chunk=4)
 
 
 @interpreter_only
