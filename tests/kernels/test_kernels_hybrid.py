@@ -188,14 +188,22 @@ def test_hybrid_fp8_block_small_tiles(shape, dtype, method):
     """Fused FP8 current + FP8 block with 32-blocks: interior-only tiles (the EVEN path), edge
     tiles, R % 4 != 0 (byte stores), a transposed view (96, 64); each method. Equal to the per-tensor
     kernel (rowwise) and the ``formats`` block reference (columnwise)."""
-    from hybridfp.formats import fp8_block
-    from hybridfp.kernels import _common, triton_fp8_tensorwise, triton_hybrid_fp8
+    from hybridfp.kernels import _common, triton_hybrid_fp8
     x = edge_tensor(shape[::-1] if shape == (96, 64) else shape, dtype, seed=4, specials=True)
     x = x.t() if shape == (96, 64) else x
     amax = _common.global_amax(x)
-    (rd, sinv), (cd, cs) = triton_hybrid_fp8.quantize(x, amax, E5M2, E4M3, block_size=32, method=method)
-    want_rd, _, want_sinv, _ = triton_fp8_tensorwise.quantize(x, E5M2, amax=amax, columnwise=False)
-    want_cd, want_cs = fp8_block.quantize_1d(x.t(), E4M3, block=32)
+    got = triton_hybrid_fp8.quantize(x, amax, E5M2, E4M3, block_size=32, method=method)
+    _assert_fp8_current_block(got, x, amax, E5M2, 32)
+
+
+def _assert_fp8_current_block(got, x, amax, row_dtype, block):
+    """The fused FP8-current row + FP8-block col copies ``got`` equal the per-tensor kernel's
+    rowwise copy and the block reference's columnwise copy (E4M3), bit for bit."""
+    from hybridfp.formats import fp8_block
+    from hybridfp.kernels import triton_fp8_tensorwise
+    (rd, sinv), (cd, cs) = got
+    want_rd, _, want_sinv, _ = triton_fp8_tensorwise.quantize(x, row_dtype, amax=amax, columnwise=False)
+    want_cd, want_cs = fp8_block.quantize_1d(x.t(), E4M3, block=block)
     assert torch.equal(rd.view(torch.uint8), want_rd.view(torch.uint8)) and torch.equal(sinv, want_sinv)
     assert torch.equal(cd.view(torch.uint8), want_cd.contiguous().view(torch.uint8))
     assert torch.equal(cs.view(torch.int32), want_cs.contiguous().view(torch.int32))
@@ -208,19 +216,14 @@ def test_hybrid_fp8_block_small_tiles(shape, dtype, method):
 def test_hybrid_fp8_block_gpu_configs(config, shape):
     """Fused FP8 current + FP8 block at the configurations to time (method, num_warps, chunk;
     row_slice 8 with 1 warp), poisoned outputs, vs the per-tensor kernel and the block reference."""
-    from hybridfp.formats import fp8_block
-    from hybridfp.kernels import _common, triton_fp8_tensorwise, triton_hybrid_fp8
+    from hybridfp.kernels import _common, triton_hybrid_fp8
     method, nw, chunk = config
     x = gpu_input(shape, torch.bfloat16, specials=True)
     amax = _common.global_amax(x)
     with poisoned_outputs(0x7F):
-        (rd, sinv), (cd, cs) = triton_hybrid_fp8.quantize(x, amax, E4M3, E4M3, method=method, num_warps=nw,
-                                                          chunk=chunk, row_slice=8 if nw == 1 else 16)
-    want_rd, _, want_sinv, _ = triton_fp8_tensorwise.quantize(x, E4M3, amax=amax, columnwise=False)
-    want_cd, want_cs = fp8_block.quantize_1d(x.t(), E4M3, block=128)
-    assert torch.equal(rd.view(torch.uint8), want_rd.view(torch.uint8)) and torch.equal(sinv, want_sinv)
-    assert torch.equal(cd.view(torch.uint8), want_cd.contiguous().view(torch.uint8))
-    assert torch.equal(cs.view(torch.int32), want_cs.contiguous().view(torch.int32))
+        got = triton_hybrid_fp8.quantize(x, amax, E4M3, E4M3, method=method, num_warps=nw,
+                                         chunk=chunk, row_slice=8 if nw == 1 else 16)
+    _assert_fp8_current_block(got, x, amax, E4M3, 128)
 
 
 @interpreter_only
