@@ -186,7 +186,9 @@ def run_sweep(x: torch.Tensor, copy: float, only: Optional[list[str]] = None) ->
             x, E4M3, amax=g, block=b, num_warps=n)))
     # "natural": chunk = rows per columnwise slice; "slices" (the old kernel): columns per pass
     for m, cw, rw, nw in [("natural", 32, 16, 4), ("natural", 16, 16, 2), ("natural", 32, 16, 2),
-                          ("natural", 16, 8, 1), ("natural", 64, 32, 4), ("slices", 128, 16, 4)]:
+                          ("natural", 16, 8, 1), ("natural", 64, 32, 4), ("natural", 128, 32, 4),
+                          ("natural", 128, 32, 8), ("natural", 64, 64, 4), ("natural", 64, 32, 8),
+                          ("natural", 128, 64, 8), ("slices", 128, 16, 4)]:
         for r, c in [(True, True), (True, False), (False, True)]:
             variants.append((f"fp8 block 1d {m} chunk{cw} rows{rw} nw{nw} {'row' * r}{'+' * (r and c)}{'col' * c}",
                              lambda m=m, c_=cw, r_=rw, n=nw, r=r, c=c: triton_fp8_block.quantize(
@@ -204,7 +206,8 @@ def run_sweep(x: torch.Tensor, copy: float, only: Optional[list[str]] = None) ->
     variants.append(("fp8 cast pass col only, no anchor", lambda: triton_fp8_tensorwise.quantize(
         x, E4M3, amax=g, rowwise=False, anchor=False)))
     for m, cw, rw, nw in [("natural", 32, 16, 4), ("natural", 16, 16, 2), ("natural", 16, 8, 1),
-                          ("slices", 128, 16, 4)]:
+                          ("natural", 64, 32, 4), ("natural", 128, 32, 4), ("natural", 128, 32, 8),
+                          ("natural", 64, 32, 8), ("slices", 128, 16, 4)]:
         variants.append((f"hybrid fp8 current+block cast {m} chunk{cw} rows{rw} nw{nw}",
                          lambda m=m, c=cw, r=rw, n=nw: triton_hybrid_fp8.quantize(
                              x, g, E4M3, E4M3, chunk=c, row_slice=r, num_warps=n, method=m)))

@@ -392,31 +392,35 @@ def _fp8_block_tile_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc
                      tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=cmask)
 
 
+def natural_pack(pack: bool, x2: torch.Tensor) -> bool:
+    """Whether the "natural" columnwise pass may store 4-row int32 words (else byte stores,
+    the same bytes). Not for FP32 input: on the H200 (Triton 3.6) the packed path miscompiles
+    there, leaving wrong bytes at odd input columns past the first slice of a tile (PACK off,
+    the software FP8 encode, BF16 / FP16 inputs and column-major FP32 were all bitwise; s11
+    diagnosis in notes/quantize_kernels.md). ``test_fp8_block_gpu_options`` guards it."""
+    return pack and x2.shape[0] % 4 == 0 and x2.dtype != torch.float32
+
+
 def quantize(x2: torch.Tensor, dtype: torch.dtype, *, block_dim: int = 1, block_size: int = 128,
              power_2_scale: bool = True, eps: float = 0.0, rowwise: bool = True,
-             columnwise: bool = True, chunk: Optional[int] = None, row_slice: int = 16,
+             columnwise: bool = True, chunk: Optional[int] = None, row_slice: Optional[int] = None,
              num_warps: Optional[int] = None, pack: bool = True, method: Optional[str] = None) -> Copies:
     """FP8-block-quantize 2D ``x2`` (any strides); returns ``(row, col)``, each
     ``(data, scale_inv)`` or None, equal to ``formats.fp8_block.quantize_1d(x2)`` /
     ``quantize_1d(x2.t())`` (``block_dim=2``: ``quantize_2d(x2)`` and its transpose).
-    One ``block_size``-square tile per program. 1D, ``method="natural"``: rowwise
-    copy and column amaxes from ``row_slice``-row slices, columnwise copy from ``chunk``-row
-    slices (default 32; at least 4 rows, and 32 * num_warps / (B / 8) rows keep every thread
-    busy); 4 warps by default. ``method="slices"`` (1D default): columnwise copy in ``chunk``-column passes
-    of transposed sub-tiles read twice (default min(128, B) / 4 warps: one column per thread).
-    2D: walked in ``chunk``-column slices (default 16 / 4 warps: the H200 sweep's fastest).
+    One ``block_size``-square tile per program. 1D, ``method="natural"`` (the 1D default):
+    rowwise copy and column amaxes from ``row_slice``-row slices (default 32), columnwise copy from
+    ``chunk``-row slices (default 64; at least 4 rows, and 32 * num_warps / (B / 8) rows keep every
+    thread busy); 4 warps by default. ``method="slices"``: columnwise copy in ``chunk``-column passes
+    of transposed sub-tiles read twice (default min(128, B) columns, 16-row slices, 4 warps: one
+    column per thread). 2D: walked in ``chunk``-column slices (default 16 / 4 warps).
     ``pack``: transposed stores as int32 words of four rows when R % 4 == 0 (same bytes).
     ``method="tile"``: one whole tile in registers instead (``chunk`` / ``row_slice`` unused;
-    :func:`_fp8_block_tile_kernel`); the same bits. Default: "tile" for 2D (one amax per tile:
-    0.110 ms vs 0.239 ms at 16384x4096 BF16 row+col on the H200, 8 warps), "slices" for 1D:
-    0.155 ms row+col on the H200, the only 1D method timed there so far. "natural" is bitwise
-    on the H200 (its GPU tests) and counts 29 instructions per element row+col against 50 for
-    "slices" (offline sm90 SASS, 4 warps, dynamic), but fewer instructions did not always mean
-    faster here (the whole-tile kernel, with a per-column amax across warps, ran 0.24 vs 0.185 ms),
-    so it becomes the default only once timed. (A 1D columnwise pass holding a column's 128 rows in
-    registers, one read instead of two, measured 0.198 vs 0.177 ms row+col on the H200: not kept.)
+    :func:`_fp8_block_tile_kernel`); the same bits. Defaults from H200 sweeps at 16384x4096 BF16
+    row+col: 2D "tile" (0.110 ms vs 0.239 ms sliced, 8 warps); 1D "natural" 64 / 32 rows
+    (0.113 ms; 0.115 at 32 / 16; "slices" 0.155, "tile" 0.217; bench/results/2026-12-02-s11.md).
     """
-    method = method or ("tile" if block_dim == 2 else "slices")
+    method = method or ("tile" if block_dim == 2 else "natural")
     if method not in ("natural", "slices", "tile") or (method == "natural" and block_dim == 2):
         raise ValueError(f"method={method!r} is unknown for block_dim={block_dim}; use 'natural' (1D), "
                          "'slices' or 'tile'.")
@@ -425,8 +429,8 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, block_dim: int = 1, block_
     b = block_size
     if b < 32 or b & (b - 1):
         raise ValueError(f"block_size={b} must be a power of two >= 32.")
-    cw = min(chunk or (32 if method == "natural" else 16 if block_dim == 2 else 128), b)
-    rw = min(row_slice, b)
+    cw = min(chunk or (64 if method == "natural" else 16 if block_dim == 2 else 128), b)
+    rw = min(row_slice or (32 if method == "natural" else 16), b)
     if b % cw or b % rw or (method == "natural" and cw < 4):
         raise ValueError(f"chunk={chunk} and row_slice={row_slice} must divide block_size={b}.")
     rows, cols = x2.shape
@@ -459,7 +463,7 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, block_dim: int = 1, block_
         _fp8_block_1d_kernel[grid](
             kernel_input(x2), rd, rs, cd, cs, rows, cols, x2.stride(0), x2.stride(1), f32(eps), ROW=rowwise,
             COL=columnwise, POW2=power_2_scale, MBITS=mbits, BIAS=bias, FP8_MAX=fmax, B=b,
-            DTYPE=DTYPE_CODE[x2.dtype], CR=cw, HW=hw_fp8(dev), PACK=pack and rows % 4 == 0, RW=rw,
+            DTYPE=DTYPE_CODE[x2.dtype], CR=cw, HW=hw_fp8(dev), PACK=natural_pack(pack, x2), RW=rw,
             EVEN=rows % b == 0 and cols % b == 0, num_warps=num_warps or 4)
         return row, col
     kernel = _fp8_block_2d_kernel if block_dim == 2 else _fp8_block_1d_t_kernel

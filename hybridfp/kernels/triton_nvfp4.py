@@ -626,8 +626,9 @@ def quantize_1d(x2: torch.Tensor, row_amax: Optional[torch.Tensor], col_amax: Op
     ``quantize_1d(apply_rht(x2.t(), x2.dtype) if rht else x2.t(), col_amax)``.
     ``seed``: stochastic rounding with the Philox stream of ``triton_sr`` (rowwise copy:
     direction 0, columnwise: 1), i.e. the reference with ``rand=triton_sr.reference_draws``.
-    ``block``: (16-row tiles, columns) per program; default the H200 sweep's fastest, (2, 64)
-    with RHT or stochastic rounding (more live registers), else (2, 128); 4 warps."""
+    ``block``: (16-row tiles, columns) per program; default (2, 128) / 4 warps, the H200 sweep's
+    fastest with and without RHT / stochastic rounding at 16384x4096 BF16 (RHT+SR 0.199 ms vs
+    0.220 at (2, 64); (2, 256) within 1 %: bench/results/2026-12-02-s11.md)."""
     rows, cols = x2.shape
     check_int32_tiles(rows, cols, *x2.stride())
     dev = x2.device
@@ -644,7 +645,7 @@ def quantize_1d(x2: torch.Tensor, row_amax: Optional[torch.Tensor], col_amax: Op
     sr = seed is not None
     rk = sr_key(seed, 0) if sr else (0, 0)
     ck = sr_key(seed, 1) if sr else (0, 0)
-    grid, blk = _launch_args(x2, *(block or ((2, 64) if rht or sr else (2, 128))))
+    grid, blk = _launch_args(x2, *(block or (2, 128)))
     extra = {"num_warps": num_warps or 4}
     _nvfp4_1d_kernel[grid](
         kernel_input(x2), row_amax.float().contiguous() if row else dummy_f,

@@ -282,8 +282,10 @@ def test_block_scale_matches_current_scale(fmax_dtype):
 
 
 #: 1D configurations to time on the H200 (method, num_warps, chunk, row_slice).
-GPU_1D_CONFIGS = [("natural", 4, 32, 16), ("natural", 2, 16, 16), ("natural", 2, 32, 16), ("natural", 1, 16, 8),
-                  ("natural", 4, 64, 32), ("slices", 4, None, 16)]
+#: (None: the defaults, "natural" 64 / 32 rows on 4 warps.)
+GPU_1D_CONFIGS = [(None, None, None, None), ("natural", 4, 32, 16), ("natural", 2, 32, 16), ("natural", 1, 16, 8),
+                  ("natural", 4, 128, 32), ("natural", 8, 128, 32), ("natural", 4, 64, 64),
+                  ("natural", 8, 64, 32), ("natural", 8, 128, 64), ("slices", 4, None, 16)]
 
 
 @gpu
@@ -291,14 +293,15 @@ GPU_1D_CONFIGS = [("natural", 4, 32, 16), ("natural", 2, 16, 16), ("natural", 2,
 @pytest.mark.parametrize("shape", [(4096, 4096), (4113, 1000), (1000, 4114)], ids=str)
 def test_fp8_block_gpu_1d_configs(config, shape):
     """Each 1D configuration at an interior-only shape (the EVEN path) and at awkward ones (edge
-    tiles, R % 4 != 0: byte stores), outputs poisoned, each direction alone too; E5M2 with
-    non-power-of-two scales and FP16 input at the first shape."""
+    tiles, R % 4 != 0: byte stores), outputs poisoned, each direction alone too, and contiguous
+    FP32; E5M2 with non-power-of-two scales, FP16 and column-major FP32 input at the first shape."""
     method, nw, chunk, rw = config
     kw = dict(method=method, num_warps=nw, chunk=chunk, row_slice=rw)
     x = gpu_input(shape, torch.bfloat16, specials=True)
     with poisoned_outputs(0x7F):
         for rowwise, columnwise in [(True, True), (True, False), (False, True)]:
             _check_1d(x, 128, rowwise=rowwise, columnwise=columnwise, **kw)
+        _check_1d(x.float(), 128, **kw)  # contiguous FP32: the packed natural path miscompiled there
         if shape == (4096, 4096):
             _check_1d(x.half(), 128, E5M2, pow2=False, eps=2.0**-20, **kw)
             _check_1d(x.float().t(), 128, **kw)

@@ -210,20 +210,23 @@ def _assert_fp8_current_block(got, x, amax, row_dtype, block):
 
 
 @gpu
-@pytest.mark.parametrize("config", [("natural", 4, None), ("natural", 2, 16), ("natural", 1, 16), ("slices", 4, None)],
-                         ids=str)
+@pytest.mark.parametrize("config", [(None, None, None, None), ("natural", 4, 32, 16), ("natural", 1, 16, 8),
+                                    ("natural", 4, 128, 32), ("natural", 8, 128, 32), ("natural", 8, 64, 32),
+                                    ("slices", 4, None, 16)], ids=str)
 @pytest.mark.parametrize("shape", [(4096, 4096), (4113, 1000)], ids=str)
 def test_hybrid_fp8_block_gpu_configs(config, shape):
-    """Fused FP8 current + FP8 block at the configurations to time (method, num_warps, chunk;
-    row_slice 8 with 1 warp), poisoned outputs, vs the per-tensor kernel and the block reference."""
+    """Fused FP8 current + FP8 block at the configurations to time (method, num_warps, chunk,
+    row_slice; all None: the defaults), poisoned outputs, vs the per-tensor kernel and the block
+    reference."""
     from hybridfp.kernels import _common, triton_hybrid_fp8
-    method, nw, chunk = config
-    x = gpu_input(shape, torch.bfloat16, specials=True)
-    amax = _common.global_amax(x)
-    with poisoned_outputs(0x7F):
-        got = triton_hybrid_fp8.quantize(x, amax, E4M3, E4M3, method=method, num_warps=nw,
-                                         chunk=chunk, row_slice=8 if nw == 1 else 16)
-    _assert_fp8_current_block(got, x, amax, E4M3, 128)
+    method, nw, chunk, rw = config
+    base = gpu_input(shape, torch.bfloat16, specials=True)
+    for x in (base, base.float()):  # contiguous FP32: the packed natural path miscompiled there
+        amax = _common.global_amax(x)
+        with poisoned_outputs(0x7F):
+            got = triton_hybrid_fp8.quantize(x, amax, E4M3, E4M3, method=method or "natural", num_warps=nw,
+                                             chunk=chunk, row_slice=rw)
+        _assert_fp8_current_block(got, x, amax, E4M3, 128)
 
 
 @interpreter_only
