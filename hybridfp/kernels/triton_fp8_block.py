@@ -410,15 +410,16 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, block_dim: int = 1, block_
     ``quantize_1d(x2.t())`` (``block_dim=2``: ``quantize_2d(x2)`` and its transpose).
     One ``block_size``-square tile per program. 1D, ``method="natural"`` (the 1D default):
     rowwise copy and column amaxes from ``row_slice``-row slices (default 32), columnwise copy from
-    ``chunk``-row slices (default 64; at least 4 rows, and 32 * num_warps / (B / 8) rows keep every
+    ``chunk``-row slices (default 128; at least 4 rows, and 32 * num_warps / (B / 8) rows keep every
     thread busy); 4 warps by default. ``method="slices"``: columnwise copy in ``chunk``-column passes
     of transposed sub-tiles read twice (default min(128, B) columns, 16-row slices, 4 warps: one
     column per thread). 2D: walked in ``chunk``-column slices (default 16 / 4 warps).
     ``pack``: transposed stores as int32 words of four rows when R % 4 == 0 (same bytes).
     ``method="tile"``: one whole tile in registers instead (``chunk`` / ``row_slice`` unused;
     :func:`_fp8_block_tile_kernel`); the same bits. Defaults from H200 sweeps at 16384x4096 BF16
-    row+col: 2D "tile" (0.110 ms vs 0.239 ms sliced, 8 warps); 1D "natural" 64 / 32 rows
-    (0.113 ms; 0.115 at 32 / 16; "slices" 0.155, "tile" 0.217; bench/results/2026-12-02-s11.md).
+    row+col: 2D "tile" (0.110 ms vs 0.239 ms sliced, 8 warps); 1D "natural" 128 / 32 rows
+    (0.110 ms; 64 / 32: 0.113, 32 / 16: 0.115, 8 warps: 0.127-0.148; "slices" 0.155, "tile"
+    0.217; bench/results/2026-12-02-s11.md).
     """
     method = method or ("tile" if block_dim == 2 else "natural")
     if method not in ("natural", "slices", "tile") or (method == "natural" and block_dim == 2):
@@ -429,7 +430,7 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, block_dim: int = 1, block_
     b = block_size
     if b < 32 or b & (b - 1):
         raise ValueError(f"block_size={b} must be a power of two >= 32.")
-    cw = min(chunk or (64 if method == "natural" else 16 if block_dim == 2 else 128), b)
+    cw = min(chunk or (128 if method == "natural" else 16 if block_dim == 2 else 128), b)
     rw = min(row_slice or (32 if method == "natural" else 16), b)
     if b % cw or b % rw or (method == "natural" and cw < 4):
         raise ValueError(f"chunk={chunk} and row_slice={row_slice} must divide block_size={b}.")

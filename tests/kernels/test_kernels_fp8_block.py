@@ -282,9 +282,9 @@ def test_block_scale_matches_current_scale(fmax_dtype):
 
 
 #: 1D configurations to time on the H200 (method, num_warps, chunk, row_slice).
-#: (None: the defaults, "natural" 64 / 32 rows on 4 warps.)
+#: (None: the defaults, "natural" 128 / 32 rows on 4 warps.)
 GPU_1D_CONFIGS = [(None, None, None, None), ("natural", 4, 32, 16), ("natural", 2, 32, 16), ("natural", 1, 16, 8),
-                  ("natural", 4, 128, 32), ("natural", 8, 128, 32), ("natural", 4, 64, 64),
+                  ("natural", 4, 64, 32), ("natural", 8, 128, 32), ("natural", 4, 64, 64),
                   ("natural", 8, 64, 32), ("natural", 8, 128, 64), ("slices", 4, None, 16)]
 
 

@@ -211,7 +211,7 @@ def _assert_fp8_current_block(got, x, amax, row_dtype, block):
 
 @gpu
 @pytest.mark.parametrize("config", [(None, None, None, None), ("natural", 4, 32, 16), ("natural", 1, 16, 8),
-                                    ("natural", 4, 128, 32), ("natural", 8, 128, 32), ("natural", 8, 64, 32),
+                                    ("natural", 4, 64, 32), ("natural", 8, 128, 32), ("natural", 8, 64, 32),
                                     ("slices", 4, None, 16)], ids=str)
 @pytest.mark.parametrize("shape", [(4096, 4096), (4113, 1000)], ids=str)
 def test_hybrid_fp8_block_gpu_configs(config, shape):
