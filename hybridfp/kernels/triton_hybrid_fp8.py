@@ -134,6 +134,6 @@ def quantize(x2: torch.Tensor, amax: torch.Tensor, row_dtype: torch.dtype, col_d
         rows, cols, x2.stride(0), x2.stride(1), f32(row_eps), f32(col_eps), ROW_POW2=row_power_2_scale,
         ROW_MBITS=rm, ROW_BIAS=rb, ROW_MAX=rmax, COL_POW2=col_power_2_scale, COL_MBITS=cm, COL_BIAS=cb,
         COL_MAX=cmax, B=b, CW=cw, RW=rw, DTYPE=DTYPE_CODE[x2.dtype], HW=hw_fp8(dev),
-        PACK=natural_pack(pack, x2) if nat else pack and rows % 4 == 0, NATURAL=nat, EVEN=rows % b == 0 and cols % b == 0,
-        num_warps=num_warps or 4)
+        PACK=natural_pack(pack, x2) if nat else pack and rows % 4 == 0, NATURAL=nat,
+        EVEN=rows % b == 0 and cols % b == 0, num_warps=num_warps or 4)
     return (rd, sinv), (cd, cs)
