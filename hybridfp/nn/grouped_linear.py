@@ -28,6 +28,7 @@ from ..quantizers import HybridQuantizer, Quantizer
 from ..quantizers.grouped import quantize_grouped, quantize_weights_grouped
 from ..recipes import current_autocast
 from ..tensors import QuantizedTensor
+from ..tensors.slicing import adjacent_rows
 from .base import SLOTS, QuantizedModule
 from .grouped_saved import restore_experts, save_experts
 from .linear_function import LinearContext, bias_grad, torch_autocast_off
@@ -167,7 +168,16 @@ def _wgrads(qdys: list[Optional[torch.Tensor]], qxs: list[Optional[torch.Tensor]
 
 class GroupedLinear(QuantizedModule):
     """``num_gemms`` experts of shape [out_features, in_features] (parameters ``weight{i}``
-    and ``bias{i}``, TransformerEngine's names)."""
+    and ``bias{i}``, TransformerEngine's names).
+
+    ``pack_weights`` (default True): the expert weights live in one [num_gemms, out, in]
+    buffer, each ``weight{i}`` a slice of it (its own Parameter, gradient, version counter
+    and state_dict entry), so the grouped weight quantization reads them in place instead of
+    stacking them every step (``quantize_weights_grouped``; 2.3 ms of an MXFP8 step at 8
+    experts x 14336 on the H200, s10 profile). The packing survives ``.to()`` / ``.cuda()``
+    (re-packed after the move); parameters replaced from outside (FSDP2, ``load_state_dict(
+    assign=True)``) are used as they are. ``safetensors.torch.save_file`` refuses tensors that
+    share storage: save ``{k: v.clone()}`` there, or build with ``pack_weights=False``."""
 
     module_type = "grouped_linear"
     #: The experts' per-tensor scales come from one segmented amax over all of them
@@ -176,7 +186,8 @@ class GroupedLinear(QuantizedModule):
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True, *,
                  params_dtype: Optional[torch.dtype] = None, device: Optional[torch.device | str] = None,
-                 save_original_input: bool = False, name: Optional[str] = None) -> None:
+                 save_original_input: bool = False, name: Optional[str] = None,
+                 pack_weights: bool = True) -> None:
         super().__init__(name, num_quantizer_sets=num_gemms)
         if num_gemms < 1:
             raise ValueError(f"GroupedLinear needs num_gemms >= 1; got {num_gemms}.")
@@ -190,6 +201,33 @@ class GroupedLinear(QuantizedModule):
             self.register_parameter(f"weight{i}", w)
             if bias:
                 self.register_parameter(f"bias{i}", nn.Parameter(torch.empty(out_features, **kw).uniform_(-bound, bound)))
+        self.pack_weights = pack_weights
+        self._pack()
+
+    def _pack(self) -> None:
+        """Move the expert weights into one buffer (``pack_weights``), unless they already are
+        consecutive slices of one or are not plain dense tensors (DTensor shards, quantized
+        parameters, meta tensors: their storage belongs to someone else)."""
+        ws = self.weights()
+        if not self.pack_weights or len(ws) < 2 or adjacent_rows(ws) is not None:
+            return
+        if any(type(w.data) is not torch.Tensor or w.is_meta or w.layout != torch.strided for w in ws):
+            return
+        if len({(w.shape, w.dtype, w.device) for w in ws}) > 1:
+            return
+        with torch.no_grad():
+            buf = torch.stack([w.detach() for w in ws])
+            for w, b in zip(ws, buf):
+                # .data keeps each Parameter's own version counter (a change to one expert
+                # re-quantizes that expert only), unlike Parameters made from views
+                w.data = b
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "GroupedLinear":
+        """``nn.Module._apply`` (``.to()``, ``.cuda()``, ``.half()``: each parameter moved on its
+        own), then the weights re-packed into one buffer."""
+        out = super()._apply(fn, recurse)
+        self._pack()
+        return out
 
     def weights(self) -> list[nn.Parameter]:
         """Expert weights in order."""
