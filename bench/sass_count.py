@@ -33,10 +33,11 @@ _NV = dict(sxc=1, ROW=True, COL=True, ROW_SCALED=False, ROW_WORDS=True, COL_WORD
 _MX_SIG = dict(x_ptr="*i16", rd_ptr="*u8", rs_ptr="*u8", cd_ptr="*u8", cs_ptr="*u8", R="i32", C="i32", sxr="i32",
                RCP="fp32")
 _FP8 = dict(RCEIL=True, EMAX=8, MBITS=3, BIAS=7, FP8_MAX=448.0)
-#: FP8 block 1D (E4M3, power-of-two scales, 1x128 / 128x1, BF16 input); loops are counted once (static).
+#: FP8 block 1D (E4M3, power-of-two scales, 1x128 / 128x1, BF16 input, the default "natural" 128 / 32 rows);
+#: loops are counted once (static).
 _FB_SIG = dict(x_ptr="*i16", rd_ptr="*u8", rs_ptr="*fp32", cd_ptr="*u8", cs_ptr="*fp32", R="i32", C="i32",
                sxr="i32", eps="fp32")
-_FB = dict(sxc=1, POW2=True, MBITS=3, BIAS=7, FP8_MAX=448.0, B=128, DTYPE=1, CR=32, HW=True, PACK=True, RW=16,
+_FB = dict(sxc=1, POW2=True, MBITS=3, BIAS=7, FP8_MAX=448.0, B=128, DTYPE=1, CR=128, HW=True, PACK=True, RW=32,
            EVEN=True)
 #: name -> (module, kernel, signature, constexprs, elements per thread of the tile, warps).
 CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
@@ -75,7 +76,7 @@ CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
         dict(x_ptr="*i16", amax_ptr="*fp32", rd_ptr="*u8", sinv_ptr="*fp32", cd_ptr="*u8", cs_ptr="*fp32",
              R="i32", C="i32", sxr="i32", row_eps="fp32", col_eps="fp32"),
         dict(sxc=1, ROW_POW2=False, ROW_MBITS=3, ROW_BIAS=7, ROW_MAX=448.0, COL_POW2=True, COL_MBITS=3,
-             COL_BIAS=7, COL_MAX=448.0, B=128, CW=32, RW=16, DTYPE=1, HW=True, PACK=True, NATURAL=True,
+             COL_BIAS=7, COL_MAX=448.0, B=128, CW=128, RW=32, DTYPE=1, HW=True, PACK=True, NATURAL=True,
              EVEN=True), 128, 4),
 }
 
