@@ -395,7 +395,7 @@ def _fp8_block_tile_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc
 def natural_pack(pack: bool, x2: torch.Tensor) -> bool:
     """Whether the "natural" columnwise pass may store 4-row int32 words (else byte stores,
     the same bytes). Not for FP32 input: on the H200 (Triton 3.6) the packed path miscompiles
-    there, leaving wrong bytes at odd input columns past the first slice of a tile (PACK off,
+    there, leaving wrong bytes at odd input columns (configuration-dependent rows; PACK off,
     the software FP8 encode, BF16 / FP16 inputs and column-major FP32 were all bitwise; s11
     diagnosis in notes/quantize_kernels.md). ``test_fp8_block_gpu_options`` guards it."""
     return pack and x2.shape[0] % 4 == 0 and x2.dtype != torch.float32
