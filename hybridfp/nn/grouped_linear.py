@@ -209,11 +209,12 @@ class GroupedLinear(QuantizedModule):
         consecutive slices of one or are not plain dense tensors (DTensor shards, quantized
         parameters, meta tensors: their storage belongs to someone else)."""
         ws = self.weights()
-        if not self.pack_weights or len(ws) < 2 or adjacent_rows(ws) is not None:
+        if not self.pack_weights or len(ws) < 2:
             return
+        # plain dense tensors first: a wrapper subclass (DTensor) may not expose a data pointer
         if any(type(w.data) is not torch.Tensor or w.is_meta or w.layout != torch.strided for w in ws):
             return
-        if len({(w.shape, w.dtype, w.device) for w in ws}) > 1:
+        if len({(w.shape, w.dtype, w.device) for w in ws}) > 1 or adjacent_rows(ws) is not None:
             return
         with torch.no_grad():
             buf = torch.stack([w.detach() for w in ws])

@@ -58,11 +58,20 @@ def test_packing_survives_moves():
 
 
 def test_unpackable_weights_left_alone():
-    """Weights of different shapes / dtypes (set from outside) are not packed."""
+    """Weights of different dtypes, or tensor subclasses (DTensor shards, quantized parameters:
+    their storage is someone else's), set from outside, are not packed, also after a move."""
     packed, _ = _pair()
     packed.weight0.data = packed.weight0.data.double()
     packed._pack()
     assert adjacent_rows(packed.weights()) is None
+
+    class Shard(torch.Tensor):
+        pass
+
+    other, _ = _pair()
+    other.weight0 = torch.nn.Parameter(other.weight0.detach().clone().as_subclass(Shard))
+    other.float()
+    assert type(other.weight0.data) is Shard and adjacent_rows(other.weights()) is None
 
 
 @pytest.mark.parametrize("recipe", [MXFP8BlockScaling, Float8CurrentScaling], ids=lambda r: r.__name__)
