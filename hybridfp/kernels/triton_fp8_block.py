@@ -392,6 +392,12 @@ def _fp8_block_tile_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc
                      tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=cmask)
 
 
+#: 1D defaults (rows per columnwise slice, rows per rowwise slice), the H200 sweep's fastest:
+#: "natural" 128 / 32 (also the fused FP8-current + block kernel's), "slices" 128 columns / 16.
+NATURAL_SLICES = (128, 32)
+SLICES_SLICES = (128, 16)
+
+
 def natural_pack(pack: bool, x2: torch.Tensor) -> bool:
     """Whether the "natural" columnwise pass may store 4-row int32 words (else byte stores,
     the same bytes). Not for FP32 input: on the H200 (Triton 3.6) the packed path miscompiles
@@ -430,8 +436,9 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, block_dim: int = 1, block_
     b = block_size
     if b < 32 or b & (b - 1):
         raise ValueError(f"block_size={b} must be a power of two >= 32.")
-    cw = min(chunk or (128 if method == "natural" else 16 if block_dim == 2 else 128), b)
-    rw = min(row_slice or (32 if method == "natural" else 16), b)
+    chunk_d, rows_d = NATURAL_SLICES if method == "natural" else SLICES_SLICES
+    cw = min(chunk or (16 if block_dim == 2 and method != "natural" else chunk_d), b)
+    rw = min(row_slice or rows_d, b)
     if b % cw or b % rw or (method == "natural" and cw < 4):
         raise ValueError(f"chunk={chunk} and row_slice={row_slice} must divide block_size={b}.")
     rows, cols = x2.shape

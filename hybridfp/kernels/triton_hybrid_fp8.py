@@ -25,7 +25,8 @@ import triton.language as tl
 
 from ._common import (DTYPE_CODE, check_int32_tiles, current_scale, empty, f32, fp8_params, hw_fp8,
                       kernel_input, tile_offsets)
-from .triton_fp8_block import abs_bits, bits_amax, columnwise_1d, columnwise_1d_t, fp8_bytes, load_x, natural_pack
+from .triton_fp8_block import (NATURAL_SLICES, SLICES_SLICES, abs_bits, bits_amax, columnwise_1d, columnwise_1d_t,
+                               fp8_bytes, load_x, natural_pack)
 
 
 @triton.jit
@@ -101,12 +102,12 @@ def quantize(x2: torch.Tensor, amax: torch.Tensor, row_dtype: torch.dtype, col_d
     ``((row_data, scale_inv), (col_data, col_scale_inv))``: ``row_data`` [R, C] and the 0-d
     ``scale_inv`` as ``triton_fp8_tensorwise.quantize(x2, row_dtype, amax=amax, ...)``; the
     columnwise pair as ``triton_fp8_block.quantize(x2, col_dtype, block_dim=1, rowwise=False)``.
-    ``row_slice``: rows per rowwise slice. ``method="natural"`` (default, the faster on the H200
-    at 16384x4096 BF16: 0.094 ms at the default 128 / 32 rows, 0.097 at 64 / 32, "slices"
-    0.140): the rowwise pass (``row_slice`` default 32) also
-    accumulates the column amaxes, the columnwise copy is one more read in ``chunk``-row natural
-    slices (default 128); ``"slices"``: the columnwise copy from transposed ``chunk``-column
-    sub-tiles (default min(128, B), 16-row slices) read twice.
+    ``row_slice``: rows per rowwise slice. ``method="natural"`` (default; on the H200 at
+    16384x4096 BF16 0.094 ms at 128 / 32 rows, 0.097 at 64 / 32, "slices" 0.140): the rowwise
+    pass also accumulates the column amaxes, and the columnwise copy is one more read in
+    ``chunk``-row natural slices; ``"slices"``: the columnwise copy from transposed
+    ``chunk``-column sub-tiles read twice. Defaults: ``triton_fp8_block.NATURAL_SLICES`` /
+    ``SLICES_SLICES``.
     """
     if method not in ("natural", "slices"):
         raise ValueError(f"method={method!r} is unknown; use 'natural' or 'slices'.")
@@ -117,7 +118,8 @@ def quantize(x2: torch.Tensor, amax: torch.Tensor, row_dtype: torch.dtype, col_d
     if b < 32 or b & (b - 1):
         raise ValueError(f"block_size={b} must be a power of two >= 32.")
     nat = method == "natural"
-    cw, rw = min(chunk or 128, b), min(row_slice or (32 if nat else 16), b)
+    chunk_d, rows_d = NATURAL_SLICES if nat else SLICES_SLICES
+    cw, rw = min(chunk or chunk_d, b), min(row_slice or rows_d, b)
     if b % cw or b % rw or cw < 4:
         raise ValueError(f"chunk={chunk} and row_slice={row_slice} must divide block_size={b}.")
     check_int32_tiles(rows, cols, *x2.stride())
