@@ -5,7 +5,7 @@ operands, the per-row / per-column FP32 epilogue of row-scaled NVFP4 on (what th
 several tiles. Median ms (``bench.common.bench_ms``: do_bench) and TFLOP/s, with the ratio to
 ``torch._grouped_mm`` on the same operands (no epilogue: the speed the kernel should approach).
 
-    python -m bench.bench_grouped_gemm_kernel [--out results.json]
+    python -m bench.bench_grouped_gemm_kernel [--out results.json] [--quick: the first two tiles only]
 """
 
 from __future__ import annotations

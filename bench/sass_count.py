@@ -25,8 +25,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-_DIV = ("x_ptr", "rd_ptr", "rs_ptr", "cd_ptr", "cs_ptr", "R", "C", "sxr",  # + the grouped GEMM's
-        "a_ptr", "b_ptr", "sa_ptr", "sb_ptr", "bias_ptr", "out_ptr", "tiles_ptr", "N", "sam", "sbe", "sbn", "soe", "som")
+#: arguments specialised as divisible by 16 where a kernel has them (the last line: the grouped GEMM's)
+_DIV = ("x_ptr", "rd_ptr", "rs_ptr", "cd_ptr", "cs_ptr", "R", "C", "sxr",
+        "a_ptr", "b_ptr", "sa_ptr", "sb_ptr", "bias_ptr", "out_ptr", "tiles_ptr", "N", "sam", "sbe", "sbn", "soe",
+        "som")
 _NV_SIG = dict(x_ptr="*i16", ramax_ptr="*fp32", camax_ptr="*fp32", rd_ptr="*u8", rs_ptr="*u8", cd_ptr="*u8",
                cs_ptr="*u8", R="i32", C="i32", sxr="i32", RCP6="fp32", rk0="i32", rk1="i32", ck0="i32", ck1="i32")
 _NV = dict(sxc=1, ROW=True, COL=True, ROW_SCALED=False, ROW_WORDS=True, COL_WORDS=True, HW=True, DTYPE=1,

@@ -22,8 +22,10 @@ expert, and 368 vs 394 ms at 64 experts (ffn 1408), so it stays opt-in
 interpreter on the CPU). Session 11 found why it was slow offline (``bench.sass_count``): the
 reduction bounds come from the tile table, so the compiler could not prove aligned K runs and
 loaded every operand element on its own (64 2-byte loads per thread per stage, no cp.async);
-the ``KALIGN`` promise gives 16-byte cp.async loads. Not yet timed on the H200
-(``python -m bench.bench_grouped_gemm_kernel``, ``bench_moe``'s "[Triton grouped]" rows).
+the ``KALIGN`` promise gives 16-byte cp.async loads. That helps fprop / dgrad (the whole
+reduction per expert); wgrad's bounds are the routed token counts, so it usually runs with
+``KALIGN`` 1 (zero-padding each expert's reduction to 8 would fix that). Not yet timed on the
+H200 (``python -m bench.bench_grouped_gemm_kernel``, ``bench_moe``'s "[Triton grouped]" rows).
 """
 
 from __future__ import annotations

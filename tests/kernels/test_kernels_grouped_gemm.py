@@ -207,6 +207,8 @@ def test_kernel_alignment_promise_only_when_true(monkeypatch):
         def __getitem__(self, grid):
             def launch(*args, **kw):
                 seen.append(kw["KALIGN"])
+                tiles = args[6]  # the table: every k0 / k1 must keep the promise
+                assert bool((tiles[:, 3:5] % kw["KALIGN"] == 0).all())
                 return real[grid](*args, **kw)
             return launch
 
@@ -218,4 +220,5 @@ def test_kernel_alignment_promise_only_when_true(monkeypatch):
     tg.grouped_reduction(torch.randn(4, 48).bfloat16(), torch.randn(6, 48).bfloat16(), [16, 0, 32], tile=TINY)
     tg.grouped_reduction(torch.randn(4, 48).bfloat16(), torch.randn(6, 48).bfloat16(), [18, 30], tile=TINY)
     tg.grouped_reduction(torch.randn(4, 48).bfloat16(), torch.randn(6, 48).bfloat16(), [17, 31], tile=TINY)
-    assert seen == [8, 4, 1, 8, 2, 1]
+    tg.grouped_reduction(torch.randn(4, 48).bfloat16(), torch.randn(6, 48).bfloat16(), [0, 17, 0, 31], tile=TINY)
+    assert seen == [8, 4, 1, 8, 2, 1, 1]
