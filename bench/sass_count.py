@@ -25,7 +25,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-_DIV = ("x_ptr", "rd_ptr", "rs_ptr", "cd_ptr", "cs_ptr", "R", "C", "sxr")
+#: arguments specialised as divisible by 16 where a kernel has them (the last line: the grouped GEMM's)
+_DIV = ("x_ptr", "rd_ptr", "rs_ptr", "cd_ptr", "cs_ptr", "R", "C", "sxr",
+        "a_ptr", "b_ptr", "sa_ptr", "sb_ptr", "bias_ptr", "out_ptr", "tiles_ptr", "N", "sam", "sbe", "sbn", "soe",
+        "som")
 _NV_SIG = dict(x_ptr="*i16", ramax_ptr="*fp32", camax_ptr="*fp32", rd_ptr="*u8", rs_ptr="*u8", cd_ptr="*u8",
                cs_ptr="*u8", R="i32", C="i32", sxr="i32", RCP6="fp32", rk0="i32", rk1="i32", ck0="i32", ck1="i32")
 _NV = dict(sxc=1, ROW=True, COL=True, ROW_SCALED=False, ROW_WORDS=True, COL_WORDS=True, HW=True, DTYPE=1,
@@ -78,6 +81,14 @@ CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
         dict(sxc=1, ROW_POW2=False, ROW_MBITS=3, ROW_BIAS=7, ROW_MAX=448.0, COL_POW2=True, COL_MBITS=3,
              COL_BIAS=7, COL_MAX=448.0, B=128, CW=128, RW=32, DTYPE=1, HW=True, PACK=True, NATURAL=True,
              EVEN=True), 128, 4),
+    # a GEMM, not a cast: read its load opcodes (LDGSTS = cp.async vector loads; LDG x64 = the
+    # 2-byte scalar operand loads without the reduction-bound alignment promise)
+    **{f"grouped gemm (128, 128, 64) KALIGN {ka}": (
+        "triton_grouped_gemm", "_grouped_kernel",
+        dict(a_ptr="*bf16", b_ptr="*bf16", sa_ptr="*fp32", sb_ptr="*fp32", bias_ptr="*fp32", out_ptr="*i16",
+             tiles_ptr="*i32", N="i32", sam="i32", sbe="i32", sbn="i32", sa_e="i32", soe="i32", som="i32"),
+        dict(sak=1, sbk=1, SA=True, SB=True, BIAS=False, OUT=0, NAN16=0x7FC0, BITS=False, BM=128, BN=128, BK=64,
+             KALIGN=ka), 64, 8) for ka in (1, 8)},
 }
 
 

@@ -19,7 +19,13 @@ Its GPU tests (``tests/kernels/test_kernels_grouped_gemm.py -m gpu``) pass on th
 the Composer-2 MoE layer (8 experts, ffn 14336) took 179 ms with it against 117 ms per
 expert, and 368 vs 394 ms at 64 experts (ffn 1408), so it stays opt-in
 (``grouped_gemm(..., use_triton=True)``) until it is faster. Tests force it anywhere (the
-interpreter on the CPU).
+interpreter on the CPU). Session 11 found why it was slow offline (``bench.sass_count``): the
+reduction bounds come from the tile table, so the compiler could not prove aligned K runs and
+loaded every operand element on its own (64 2-byte loads per thread per stage, no cp.async);
+the ``KALIGN`` promise gives 16-byte cp.async loads. That helps fprop / dgrad (the whole
+reduction per expert); wgrad's bounds are the routed token counts, so it usually runs with
+``KALIGN`` 1 (zero-padding each expert's reduction to 8 would fix that). Not yet timed on the
+H200 (``python -m bench.bench_grouped_gemm_kernel``, ``bench_moe``'s "[Triton grouped]" rows).
 """
 
 from __future__ import annotations

@@ -49,14 +49,17 @@ def _grouped_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, tiles_ptr, 
                     sam, sak, sbe, sbn, sbk, sa_e, soe, som,
                     SA: tl.constexpr, SB: tl.constexpr, BIAS: tl.constexpr, OUT: tl.constexpr,
                     NAN16: tl.constexpr, BITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr):
+                    BK: tl.constexpr, KALIGN: tl.constexpr):
     t = tl.program_id(0)
     # tile table row: expert, first row, end row, first k, end k
     e = tl.load(tiles_ptr + t * 5)
     r0 = tl.load(tiles_ptr + t * 5 + 1)
     r1 = tl.load(tiles_ptr + t * 5 + 2)
-    k0 = tl.load(tiles_ptr + t * 5 + 3)
-    k1 = tl.load(tiles_ptr + t * 5 + 4)
+    # KALIGN: every reduction range starts and ends on a multiple of it (the host checks). The
+    # hint is what lets the compiler prove 16-byte aligned, uniformly masked K runs: without it
+    # every operand element was its own 2-byte load (no vector loads, no cp.async pipelining)
+    k0 = tl.multiple_of(tl.load(tiles_ptr + t * 5 + 3), KALIGN)
+    k1 = tl.multiple_of(tl.load(tiles_ptr + t * 5 + 4), KALIGN)
     rows = r0 + tl.arange(0, BM)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     r64, c64, e64 = rows.to(tl.int64), cols.to(tl.int64), e.to(tl.int64)
@@ -88,15 +91,17 @@ def _grouped_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, tiles_ptr, 
 
 
 def _tiles(row_ranges: list[tuple[int, int]], k_ranges: list[tuple[int, int]], bm: int,
-           device: torch.device) -> torch.Tensor:
-    """[T, 5] int32: (expert, r0, r1, k0, k1) per program; experts with no rows or no
-    reduction get none (their output stays as the caller initialised it)."""
+           device: torch.device) -> tuple[torch.Tensor, int]:
+    """([T, 5] int32: (expert, r0, r1, k0, k1) per program, the kernel's ``KALIGN``: the largest
+    of 8, 4, 2, 1 dividing every k0 and k1 in the table, so the promise holds by construction).
+    Experts with no rows or no reduction get no program (their output stays as the caller
+    initialised it)."""
     rows = []
     for e, ((r0, r1), (k0, k1)) in enumerate(zip(row_ranges, k_ranges)):
         if k1 <= k0:
             continue
         rows += [(e, r, min(r + bm, r1), k0, k1) for r in range(r0, r1, bm)]
-    return device_tensor(rows, device, torch.int32).reshape(-1, 5)
+    return device_tensor(rows, device, torch.int32).reshape(-1, 5), _alignment([v for t in rows for v in t[3:]])
 
 
 def _check(what: str, t: Optional[torch.Tensor], shape: tuple[int, ...]) -> None:
@@ -105,9 +110,20 @@ def _check(what: str, t: Optional[torch.Tensor], shape: tuple[int, ...]) -> None
                          f"got {t.dtype} {tuple(t.shape)}.")
 
 
+def _alignment(bounds: list[int]) -> int:
+    """The largest of 8, 4, 2, 1 dividing every reduction bound (8 BF16 elements: one 16-byte
+    vector load)."""
+    for a in (8, 4, 2):
+        if all(b % a == 0 for b in bounds):
+            return a
+    return 1
+
+
 def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, tiles: torch.Tensor, n: int,
             sbe: int, sa: Optional[torch.Tensor], sa_e: int, sb: Optional[torch.Tensor],
-            bias: Optional[torch.Tensor], soe: int, tile: tuple[int, int, int, int, int]) -> torch.Tensor:
+            bias: Optional[torch.Tensor], soe: int, tile: tuple[int, int, int, int, int],
+            kalign: int) -> torch.Tensor:
+    """Run the kernel over ``tiles`` (``_tiles``: the table and its ``kalign``)."""
     if tiles.shape[0] == 0 or n == 0:
         return out
     bm, bn, bk, warps, stages = tile
@@ -122,7 +138,8 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, tiles: torch.Te
                           a.stride(0), a.stride(1), sbe, b.stride(-2), b.stride(-1), sa_e, soe, out.stride(-2),
                           SA=sa is not None, SB=sb is not None, BIAS=bias is not None,
                           OUT=OUT_CODE[out.dtype], NAN16=bf16_nan16(a.device),
-                          BITS=bits, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+                          BITS=bits, BM=bm, BN=bn, BK=bk, KALIGN=kalign, num_warps=warps, num_stages=stages,
+                          enable_fp_fusion=False)
     return out
 
 
@@ -147,8 +164,8 @@ def grouped_rows(a: torch.Tensor, b: torch.Tensor, splits: list[int], *, scale_a
     out = empty((m, n), out_dtype, a.device)
     starts = [sum(splits[:i]) for i in range(e + 1)]
     ranges = [(starts[i], starts[i + 1]) for i in range(e)]
-    tiles = _tiles(ranges, [(0, k)] * e, tile[0], a.device)
-    return _launch(a, b, out, tiles, n, b.stride(0), scale_a, 0, scale_b, bias, 0, tile)
+    tiles, kalign = _tiles(ranges, [(0, k)] * e, tile[0], a.device)
+    return _launch(a, b, out, tiles, n, b.stride(0), scale_a, 0, scale_b, bias, 0, tile, kalign)
 
 
 def grouped_reduction(a: torch.Tensor, b: torch.Tensor, splits: list[int], *,
@@ -179,5 +196,5 @@ def grouped_reduction(a: torch.Tensor, b: torch.Tensor, splits: list[int], *,
             sb_i = scale_b[i] if scale_b is not None else ones.expand(n)
             v = v * (sa_i[:, None] * sb_i[None, :])
         out[i] = v.to(out_dtype)
-    tiles = _tiles([(0, m)] * e, [(starts[i], starts[i + 1]) for i in range(e)], tile[0], a.device)
-    return _launch(a, b, out, tiles, n, 0, scale_a, m, scale_b, None, m * n, tile)
+    tiles, kalign = _tiles([(0, m)] * e, [(starts[i], starts[i + 1]) for i in range(e)], tile[0], a.device)
+    return _launch(a, b, out, tiles, n, 0, scale_a, m, scale_b, None, m * n, tile, kalign)

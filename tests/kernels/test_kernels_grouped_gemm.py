@@ -193,3 +193,32 @@ def test_gpu_grouped_triton_vs_fp64(fmt, layout, out_dtype):
         g = got[i] if layout == "NT" else got[sum(splits[:i]):sum(splits[:i + 1])]
         if ref.numel() and ref.norm() > 0:
             assert _rel(g, ref) < tol, (i, _rel(g, ref))
+
+
+@interpreter_only
+def test_kernel_alignment_promise_only_when_true(monkeypatch):
+    """``KALIGN`` (the ``tl.multiple_of`` promise on every reduction bound, which the compiled
+    kernel's vector loads rely on and the interpreter cannot check) is the largest of 8 / 4 /
+    2 / 1 dividing every bound: K for fprop / dgrad, every expert's start for wgrad."""
+    seen = []
+    real = tg._grouped_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(kw["KALIGN"])
+                tiles = args[6]  # the table: every k0 / k1 must keep the promise
+                assert bool((tiles[:, 3:5] % kw["KALIGN"] == 0).all())
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(tg, "_grouped_kernel", Spy())
+    a8, b8 = torch.randn(12, 40).bfloat16(), torch.randn(2, 8, 40).bfloat16()
+    tg.grouped_rows(a8, b8, [5, 7], tile=TINY)
+    tg.grouped_rows(a8[:, :36], b8[:, :, :36], [5, 7], tile=TINY)
+    tg.grouped_rows(a8[:, :35], b8[:, :, :35], [5, 7], tile=TINY)
+    tg.grouped_reduction(torch.randn(4, 48).bfloat16(), torch.randn(6, 48).bfloat16(), [16, 0, 32], tile=TINY)
+    tg.grouped_reduction(torch.randn(4, 48).bfloat16(), torch.randn(6, 48).bfloat16(), [18, 30], tile=TINY)
+    tg.grouped_reduction(torch.randn(4, 48).bfloat16(), torch.randn(6, 48).bfloat16(), [17, 31], tile=TINY)
+    tg.grouped_reduction(torch.randn(4, 48).bfloat16(), torch.randn(6, 48).bfloat16(), [0, 17, 0, 31], tile=TINY)
+    assert seen == [8, 4, 1, 8, 2, 1, 1]

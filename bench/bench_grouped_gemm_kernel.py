@@ -1,0 +1,73 @@
+"""The Triton grouped GEMM (``kernels/triton_grouped_gemm.py``) against ``torch._grouped_mm``.
+
+MoE fprop / dgrad shapes (8 experts' routed rows, awkward counts, an empty expert): BF16
+operands, the per-row / per-column FP32 epilogue of row-scaled NVFP4 on (what the kernel is for),
+several tiles. Median ms (``bench.common.bench_ms``: do_bench) and TFLOP/s, with the ratio to
+``torch._grouped_mm`` on the same operands (no epilogue: the speed the kernel should approach).
+
+    python -m bench.bench_grouped_gemm_kernel [--out results.json] [--quick: the first two tiles only]
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+import torch
+
+from bench import common
+from bench.common import parser, require_cuda
+
+#: (name, rows per expert, K, N): fc1 and fc2 of the 8-expert MoE layer of bench_moe
+SHAPES = [("fc1 fprop 8x(4096->28672)", [4099, 0, 1, 5077, 6000, 31, 8192, 9368], 4096, 28672),
+          ("fc2 fprop 8x(14336->4096)", [4099, 0, 1, 5077, 6000, 31, 8192, 9368], 14336, 4096)]
+#: (BM, BN, BK, warps, stages)
+TILES = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4),
+         (128, 128, 32, 4, 4), (256, 128, 64, 8, 3)]
+
+
+def run(tiles: list[tuple[int, int, int, int, int]]) -> list[dict[str, Any]]:
+    """One row per (shape, variant): ms, TFLOP/s, ratio to torch._grouped_mm."""
+    from hybridfp.kernels import triton_grouped_gemm as tg
+    rows: list[dict[str, Any]] = []
+    for name, splits, k, n in SHAPES:
+        m = sum(splits)
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(len(splits), n, k, device="cuda", dtype=torch.bfloat16)
+        sa = torch.rand(m, device="cuda") + 0.5
+        sb = torch.rand(len(splits), n, device="cuda") + 0.5
+        offs = torch.tensor(splits, device="cuda").cumsum(0).to(torch.int32)
+        flop = 2.0 * m * n * k
+        base = common.bench_ms(lambda: torch._grouped_mm(a, b.transpose(1, 2), offs=offs), 100, 500)
+        rows.append(dict(shape=name, variant="torch._grouped_mm (no epilogue)", ms=base,
+                         tflops=flop / base / 1e9, vs_grouped_mm=1.0))
+        for t in tiles:
+            def step(t=t):
+                return tg.grouped_rows(a, b, splits, scale_a=sa, scale_b=sb, tile=t)
+            try:
+                ms = common.bench_ms(step, 100, 500)
+            except Exception as e:  # noqa: BLE001 - a tile that does not fit (shared memory) is reported
+                rows.append(dict(shape=name, variant=f"triton {t}", error=f"{type(e).__name__}: {str(e)[:100]}"))
+                continue
+            rows.append(dict(shape=name, variant=f"triton {t}", ms=ms, tflops=flop / ms / 1e9, vs_grouped_mm=base / ms))
+    return rows
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = parser(__doc__.splitlines()[0])
+    args = p.parse_args(argv)
+    require_cuda()
+    rows = run(TILES[:2] if args.quick else TILES)
+    print("| shape | variant | ms | TFLOP/s | x torch._grouped_mm |\n|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['shape']} | {r['variant']} | {r['error']} | | |")
+        else:
+            print(f"| {r['shape']} | {r['variant']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['vs_grouped_mm']:.3f} |")
+    if args.out is not None:
+        args.out.write_text(json.dumps({"name": "grouped_gemm_kernel", "env": common.environment(), "rows": rows},
+                                       indent=1))
+
+
+if __name__ == "__main__":
+    main()
