@@ -92,16 +92,21 @@ def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.c
                      ROW: tl.constexpr, COL: tl.constexpr, RCEIL: tl.constexpr,
                      EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
                      FP8_MAX: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr,
-                     BC: tl.constexpr, PACK: tl.constexpr, HW: tl.constexpr):
+                     BC: tl.constexpr, PACK: tl.constexpr, HW: tl.constexpr, map_ptr,
+                     MAP: tl.constexpr):
     """One [BR, BC] tile per program. Rowwise 1x32 blocks from the natural tile (a block's 32
     columns sit in a few neighbouring threads); columnwise 32x1 blocks from transposed
     [BC, 32] tiles re-read from cache (``_common.load_rows32_t``: register-local block amax,
     word stores), one per 32 rows. (Transposing each 32-row slice in registers instead,
-    ``tl.trans``, measured 0.181 vs 0.142 ms row+col on the H200: not kept.)"""
+    ``tl.trans``, measured 0.181 vs 0.142 ms row+col on the H200: not kept.) ``MAP`` (columnwise
+    copy only): the R rows are rows ``map_ptr[r]`` of the source, zero where negative."""
     pr, pc = program_tile(C, BR, BC)
     r0, c0 = pr * BR, pc * BC
     lc = tl.arange(0, BC)
-    xbase = x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc
+    if MAP:  # rows come through the map: the base is the source's column c0
+        xbase = x_ptr + c0.to(tl.int64) * sxc
+    else:
+        xbase = x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc
     if ROW:
         lr = tl.arange(0, BR)
         mask = ((r0 + lr) < R)[:, None] & ((c0 + lc) < C)[None, :]
@@ -111,7 +116,7 @@ def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.c
         cmask = (c0 + lc) < C
         nbr = tl.cdiv(R, _BLOCK)
         for b in tl.static_range(BR // _BLOCK):
-            xt = load_rows32_t(xbase, b * _BLOCK, lc, R - r0, cmask, sxr, sxc, DTYPE)
+            xt = load_rows32_t(xbase, b * _BLOCK, lc, R - r0, cmask, sxr, sxc, DTYPE, map_ptr + r0, MAP)
             e, code = col_block_32(xt, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW)
             store_words_t(cd_ptr, code, lc, c0, r0 + b * _BLOCK, R, C, PACK)
             blk = pr * (BR // _BLOCK) + b
@@ -146,17 +151,32 @@ def _mxfp8_2d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.c
 
 def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block_2d: bool = False,
              rowwise: bool = True, columnwise: bool = True, block: Optional[tuple[int, int]] = None,
-             num_warps: Optional[int] = None, pack: bool = True) -> Copies:
+             num_warps: Optional[int] = None, pack: bool = True,
+             row_map: Optional[torch.Tensor] = None) -> Copies:
     """MXFP8-quantize 2D ``x2`` (any strides); returns ``(row, col)``, each ``(data, scale)`` or
     None: the same tensors as ``formats.mxfp8.quantize_1d(x2)`` / ``quantize_1d(x2.t())``
     (``block_2d``: ``quantize_2d(x2)`` and its transpose). ``block``: the tile (multiples of 32;
     default 1D (64, 128) with BC / 32 warps: one column per thread in the columnwise copy, the
     layout it is written for; 2D (64, 64) / 8 warps, the H200 sweep's fastest); ``pack``: write
     the transposed copy as int32 words of 4 rows when R % 4 == 0 (same bytes).
+    ``row_map`` (1D columnwise copy only; contiguous int32 on x2's device, entries < x2's rows,
+    not checked: a device sync): quantize the [len(row_map), C] tensor whose row r is
+    ``x2[row_map[r]]``, zeros where ``row_map[r] < 0`` (``kernels.triton_pad_rows.pad_rows``'s
+    output) without writing it: the zero-padded expert groups of a grouped columnwise copy.
     """
     if rule not in ("rceil", "floor"):
         raise ValueError(f"rule={rule!r} is unknown; use 'rceil' or 'floor'.")
     rows, cols = x2.shape
+    if row_map is not None:
+        if rowwise or block_2d:
+            raise ValueError("row_map reads the rows of the 1D columnwise copy only; pass rowwise=False "
+                             "and block_2d=False (quantize the rowwise copy from the source itself).")
+        if (row_map.dtype != torch.int32 or row_map.dim() != 1 or row_map.device != x2.device
+                or not row_map.is_contiguous()):
+            raise ValueError(f"row_map must be a contiguous 1D int32 tensor on {x2.device}; got "
+                             f"{row_map.dtype}, {tuple(row_map.shape)} on {row_map.device}.")
+        check_int32_tiles(rows, cols, *x2.stride())  # the source's own offsets (64-bit row bases)
+        rows = row_map.shape[0]
     br, bc = block or ((64, 64) if block_2d else (64, 128))
     if br % BLOCK or bc % BLOCK:
         raise ValueError(f"block={block} must be multiples of {BLOCK}.")
@@ -171,17 +191,23 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
     if columnwise:
         col = (empty((cols, rows), dtype=dtype, device=dev),
                empty((nbc, nbr) if block_2d else (cols, nbr), dtype=torch.uint8, device=dev))
-    if x2.numel() == 0:
+    if rows * cols == 0:
+        return row, col
+    if x2.numel() == 0:  # a map of padding rows only
+        if col is not None:
+            col[0].view(torch.uint8).zero_()
+            col[1].zero_()  # E8M0 0x00 (2**-127): the reference's byte for an all-zero block
         return row, col
     dummy = torch.empty(1, dtype=torch.uint8, device=dev)
     rd, rs = (row[0].view(torch.uint8), row[1]) if row else (dummy, dummy)
     cd, cs = (col[0].view(torch.uint8), col[1]) if col else (dummy, dummy)
     kernel = _mxfp8_2d_kernel if block_2d else _mxfp8_1d_kernel
+    mapped = {} if block_2d else {"map_ptr": row_map if row_map is not None else dummy, "MAP": row_map is not None}
     grid = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)
     extra = {"num_warps": num_warps or (8 if block_2d else min(max(bc // 32, 1), 8))}
     kernel[grid](kernel_input(x2), rd, rs, cd, cs, rows, cols, x2.stride(0), x2.stride(1), f32(1.0 / fmax),
                  ROW=rowwise, COL=columnwise, RCEIL=rule == "rceil",
                  EMAX={3: 8, 2: 15}[mbits], MBITS=mbits, BIAS=bias, FP8_MAX=fmax,
                  DTYPE=DTYPE_CODE[x2.dtype], BR=br, BC=bc,
-                 PACK=pack and rows % 4 == 0, HW=hw_fp8(dev), **extra)
+                 PACK=pack and rows % 4 == 0, HW=hw_fp8(dev), **mapped, **extra)
     return row, col

@@ -41,7 +41,7 @@ from ..tensors import HybridStorage, MXFP8Storage, QuantizedStorage, QuantizedTe
 from ..tensors.slicing import adjacent_rows
 from ..tensors.storage import COLUMNWISE, ROWWISE, Payload
 from . import fast
-from .backends import QUANTIZE_KERNELS, kernels_on
+from .backends import QUANTIZE_KERNELS, kernels_on, row_mapped_kernel
 from .base import Quantizer
 from .float8_block import Float8BlockQuantizer
 from .hybrid import HybridQuantizer
@@ -302,20 +302,52 @@ def pad_row_groups(src: torch.Tensor, splits: Sequence[int], block: int) -> tupl
     starts = _offsets(splits, block)
     if all(m % block == 0 for m in splits):
         return src, starts
-    total = starts[-1] + ceil_div(splits[-1], block) * block
-    # destination row of source row r: r + (padding before its group), in O(1) ops for all groups
+    total = _padded_total(splits, block, starts)
+    index = _padded_rows(src, splits, starts)
+    if kernels_on() and fast._device_ok(src) and (src.shape[1] <= 1 or src.stride(1) == 1):
+        with fast._on_device(src):
+            return fast._kernels("triton_pad_rows").pad_rows(src, _row_map(index, total, src)), starts
+    out = src.new_zeros(total, src.shape[1])
+    out.index_copy_(0, index, src)
+    return out, starts
+
+
+def encode_padded_columns(q: Quantizer, src: torch.Tensor, splits: Sequence[int],
+                          block: int) -> tuple[QuantizedStorage, list[int]]:
+    """``q``'s columnwise-only encode of ``pad_row_groups(src, splits, block)`` and the groups'
+    start rows. Where a kernel reads rows through a row map (``row_mapped_kernel``: MXFP8 1D on
+    CUDA) the padded copy is never written: the encode reads ``src`` itself (one read and one
+    write of the activation less per grouped columnwise copy)."""
+    starts = _offsets(splits, block)
+    if not all(m % block == 0 for m in splits) and src.dim() == 2:
+        total = _padded_total(splits, block, starts)
+        run = row_mapped_kernel(q, src, total)
+        if run is not None:
+            return run(q, src, _row_map(_padded_rows(src, splits, starts), total, src)), starts
+    padded, starts = pad_row_groups(src, splits, block)
+    return q.encode(padded, False, True, None), starts
+
+
+def _padded_total(splits: Sequence[int], block: int, starts: Sequence[int]) -> int:
+    """Rows of the zero-padded groups (``starts``: their start rows)."""
+    return starts[-1] + ceil_div(splits[-1], block) * block
+
+
+def _padded_rows(src: torch.Tensor, splits: Sequence[int], starts: Sequence[int]) -> torch.Tensor:
+    """The destination row in the padded groups of every source row, in O(1) ops for all groups:
+    source row r moves down by the padding before its group."""
     shifts, counts = device_tensor([[p - s for p, s in zip(starts, _offsets(splits, 1))], list(splits)],
                                    src.device).unbind(0)
     index = torch.arange(src.shape[0], device=src.device) + torch.repeat_interleave(
         shifts, counts, output_size=src.shape[0])  # output_size: no device sync
-    if kernels_on() and fast._device_ok(src) and (src.shape[1] <= 1 or src.stride(1) == 1):
-        row_map = torch.full((total,), -1, dtype=torch.int32, device=src.device)
-        row_map[index] = torch.arange(src.shape[0], dtype=torch.int32, device=src.device)
-        with fast._on_device(src):
-            return fast._kernels("triton_pad_rows").pad_rows(src, row_map), starts
-    out = src.new_zeros(total, src.shape[1])
-    out.index_copy_(0, index, src)
-    return out, starts
+    return index
+
+
+def _row_map(index: torch.Tensor, total: int, src: torch.Tensor) -> torch.Tensor:
+    """int32 [total]: the source row of each padded row, -1 for padding (what the kernels read)."""
+    row_map = torch.full((total,), -1, dtype=torch.int32, device=src.device)
+    row_map[index] = torch.arange(src.shape[0], dtype=torch.int32, device=src.device)
+    return row_map
 
 
 def _row_payloads(storage: QuantizedStorage, splits: Sequence[int],
@@ -387,8 +419,7 @@ def _quantize_planned(quantizers: Sequence[Optional[Quantizer]], plan: _Plan, x:
                    torch.cat([r.dequantize(torch.float32, ROWWISE) for r in own_rows]))
         else:
             src = x
-        padded, col_starts = pad_row_groups(src, splits, plan.col_block)
-        cols = plan.col_q.encode(padded, False, True, None)
+        cols, col_starts = encode_padded_columns(plan.col_q, src, splits, plan.col_block)
     return _assemble(quantizers, x, splits, rows, cols, col_starts, own_rows)
 
 
