@@ -57,7 +57,8 @@ CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
                                    dict(_FP8, sxc=1, ROW=row, COL=col, DTYPE=1, BR=64, BC=128, PACK=True, HW=True,
                                         MAP=mapped), 64, 4)
        for what, row, col, mapped in [("row+col", True, True, False), ("row", True, False, False),
-                                      ("col", False, True, False), ("col, row map", False, True, True)]},
+                                      ("col", False, True, False), ("col, row map", False, True, True),
+                                      ("row+col, row map", True, True, True)]},
     **{f"nvfp4 row + mxfp8 col {src} (32, 64)": (
         "triton_hybrid_nvfp4", "_nvfp4_mxfp8_kernel",
         dict(_MX_SIG, amax_ptr="*fp32", RCP6="fp32"),

@@ -46,7 +46,8 @@ QUANTIZE_KERNELS: dict[str, list[QuantizeKernel]] = {}
 KERNEL_KEYS: dict[str, Callable[[Any, str], Optional[Hashable]]] = {}
 #: (rowwise child's key, columnwise child's key, columnwise_source) -> fused hybrid kernel.
 HYBRID_QUANTIZE_KERNELS: dict[tuple[Hashable, Hashable, str], QuantizeKernel] = {}
-#: quantizer class name -> (supports(q, x2, rows), run(q, x2, row_map) -> columnwise-only storage).
+#: quantizer class name -> (supports(q, x2, rows), run(q, x2, row_map, rowwise) -> (rowwise storage of x2
+#: or None, columnwise storage of the gathered rows)).
 ROW_MAPPED_KERNELS: dict[str, tuple[Callable[..., bool], Callable[..., Any]]] = {}
 _ENABLED = [True]
 _REPORTED: set[str] = set()
@@ -71,14 +72,15 @@ def register_hybrid_quantize_kernel(rowwise_key: Hashable, columnwise_key: Hasha
 def register_row_mapped_kernel(quantizer_class: str, supports: Callable[..., bool], run: Callable[..., Any]) -> None:
     """Register a columnwise encode through a row map for quantizers of class name
     ``quantizer_class``: ``supports(q, x2, rows)`` says whether it takes ``rows`` gathered rows
-    of ``x2``; ``run(q, x2, row_map)`` must return exactly
-    ``q.encode(gathered, False, True)`` where row r of ``gathered`` is ``x2[row_map[r]]``, or
-    zeros where ``row_map[r] < 0``."""
+    of ``x2``; ``run(q, x2, row_map, rowwise)`` must return exactly
+    ``(q.encode(x2, True, False) if rowwise else None, q.encode(gathered, False, True))`` where
+    row r of ``gathered`` is ``x2[row_map[r]]``, or zeros where ``row_map[r] < 0`` (every row
+    of x2 mapped once)."""
     ROW_MAPPED_KERNELS[quantizer_class] = (supports, run)
 
 
 def row_mapped_kernel(q: Any, x2: torch.Tensor, rows: int) -> Optional[Callable[..., Any]]:
-    """The registered ``run(q, x2, row_map)`` for a columnwise copy of ``rows`` rows of ``x2``
+    """The registered ``run(q, x2, row_map, rowwise)`` for a columnwise copy of ``rows`` rows of ``x2``
     gathered by a row map (see ``register_row_mapped_kernel``), or None where none fits (the
     caller then gathers the rows and encodes)."""
     entry = ROW_MAPPED_KERNELS.get(type(q).__name__)

@@ -164,14 +164,18 @@ def _mxfp8_row_mapped_supports(q: Any, x2: torch.Tensor, rows: int) -> bool:
     return not q.with_2d_quantization and x2.dim() == 2 and _device_ok(x2, rows)
 
 
-def _mxfp8_row_mapped_run(q: Any, x2: torch.Tensor, row_map: torch.Tensor) -> MXFP8Storage:
-    """MXFP8 1D columnwise copy of the rows of x2 gathered by ``row_map`` (no gathered copy
-    written: ``triton_mxfp8.quantize(row_map=...)``)."""
+def _mxfp8_row_mapped_run(q: Any, x2: torch.Tensor, row_map: torch.Tensor,
+                          rowwise: bool) -> tuple[Optional[MXFP8Storage], MXFP8Storage]:
+    """(x2's own rowwise copy if ``rowwise``, the MXFP8 1D columnwise copy of the rows of x2
+    gathered by ``row_map``) in one pass, no gathered copy written
+    (``triton_mxfp8.quantize(row_map=...)``)."""
     with _on_device(x2):
-        _, col = _kernels("triton_mxfp8").quantize(x2, q.dtype, rule=q.scale_rule, rowwise=False,
-                                                   row_map=row_map)
-    return MXFP8Storage((row_map.shape[0], x2.shape[1]), x2.dtype, None, _payload(col, "data", "scale"),
-                        label=q.label, **q.storage_meta())
+        row, col = _kernels("triton_mxfp8").quantize(x2, q.dtype, rule=q.scale_rule, rowwise=rowwise,
+                                                     row_map=row_map)
+    rows = (MXFP8Storage(x2.shape, x2.dtype, _payload(row, "data", "scale"), None, label=q.label,
+                         **q.storage_meta()) if rowwise else None)
+    return rows, MXFP8Storage((row_map.shape[0], x2.shape[1]), x2.dtype, None, _payload(col, "data", "scale"),
+                              label=q.label, **q.storage_meta())
 
 
 # ---------------------------------------------------------------------------- NVFP4

@@ -312,20 +312,23 @@ def pad_row_groups(src: torch.Tensor, splits: Sequence[int], block: int) -> tupl
     return out, starts
 
 
-def encode_padded_columns(q: Quantizer, src: torch.Tensor, splits: Sequence[int],
-                          block: int) -> tuple[QuantizedStorage, list[int]]:
-    """``q``'s columnwise-only encode of ``pad_row_groups(src, splits, block)`` and the groups'
-    start rows. Where a kernel reads rows through a row map (``row_mapped_kernel``: MXFP8 1D on
-    CUDA) the padded copy is never written: the encode reads ``src`` itself (one read and one
-    write of the activation less per grouped columnwise copy)."""
+def encode_padded_columns(q: Quantizer, src: torch.Tensor, splits: Sequence[int], block: int,
+                          rowwise: bool = False) -> tuple[Optional[QuantizedStorage], QuantizedStorage, list[int]]:
+    """(``q.encode(src, True, False)`` if ``rowwise`` else None, ``q``'s columnwise-only encode
+    of ``pad_row_groups(src, splits, block)``, the groups' start rows). Where a kernel reads
+    rows through a row map (``row_mapped_kernel``: MXFP8 1D on CUDA) the padded copy is never
+    written and both copies come from one read of ``src`` (one pass instead of three: rowwise,
+    padding, columnwise)."""
     starts = _offsets(splits, block)
     if not all(m % block == 0 for m in splits) and src.dim() == 2:
         total = _padded_total(splits, block, starts)
         run = row_mapped_kernel(q, src, total)
         if run is not None:
-            return run(q, src, _row_map(_padded_rows(src, splits, starts), total, src)), starts
+            rows, cols = run(q, src, _row_map(_padded_rows(src, splits, starts), total, src), rowwise)
+            return rows, cols, starts
+    rows = q.encode(src, True, False, None) if rowwise else None
     padded, starts = pad_row_groups(src, splits, block)
-    return q.encode(padded, False, True, None), starts
+    return rows, q.encode(padded, False, True, None), starts
 
 
 def _padded_total(splits: Sequence[int], block: int, starts: Sequence[int]) -> int:
@@ -397,6 +400,12 @@ def _quantize_planned(quantizers: Sequence[Optional[Quantizer]], plan: _Plan, x:
         own_rows = [_rebuild(p, p.payloads[ROWWISE], None, _rowwise_child(q).label, m) if q is not None else None
                     for q, p, m in zip(quantizers, own, splits)]
         return _assemble(quantizers, x, splits, None, cols, col_starts, own_rows)
+    if (plan.row_q is not None and plan.col_q is plan.row_q and not plan.scaled
+            and not any(_derives_columnwise(q) for q in used)):
+        # one plain quantizer for both copies of padded groups: one encode of x writes its
+        # rowwise copy and the padded groups' columnwise copy (a row-mapped kernel) where one fits
+        rows, cols, col_starts = encode_padded_columns(plan.row_q, x, splits, plan.col_block, rowwise=True)
+        return _assemble(quantizers, x, splits, rows, cols, col_starts, [None] * len(splits))
     rows = plan.row_q.encode(x, True, False, None) if plan.row_q is not None and not plan.scaled else None
     own_rows: list[Optional[QuantizedStorage]] = [None] * len(splits)
     scaled_rows: Optional[torch.Tensor] = None
@@ -419,7 +428,7 @@ def _quantize_planned(quantizers: Sequence[Optional[Quantizer]], plan: _Plan, x:
                    torch.cat([r.dequantize(torch.float32, ROWWISE) for r in own_rows]))
         else:
             src = x
-        cols, col_starts = encode_padded_columns(plan.col_q, src, splits, plan.col_block)
+        _, cols, col_starts = encode_padded_columns(plan.col_q, src, splits, plan.col_block)
     return _assemble(quantizers, x, splits, rows, cols, col_starts, own_rows)
 
 

@@ -41,13 +41,21 @@ def row_map_for(x: torch.Tensor, splits: list[int]) -> tuple[torch.Tensor, torch
 
 
 def check_row_map(x: torch.Tensor, splits: list[int], dtype=E4M3, rule: str = "rceil") -> None:
+    """Columnwise copy through the map (alone and with the rowwise copy of x in the same pass)
+    against the reference of the padded tensor; the rowwise copy against x's own reference."""
     rm, padded = row_map_for(x, splits)
-    with poisoned_outputs(0x7F):
-        row, (cd, cs) = triton_mxfp8.quantize(x, dtype, rule=rule, rowwise=False, row_map=rm)
-    assert row is None
     want_d, want_s = mxfp8.quantize_1d(padded.t(), dtype, rule=rule)
-    assert torch.equal(cd.view(torch.uint8), want_d.contiguous().view(torch.uint8)), "columnwise data"
-    assert torch.equal(cs, want_s.contiguous()), "columnwise E8M0 scales"
+    want_rd, want_rs = mxfp8.quantize_1d(x, dtype, rule=rule)
+    for rowwise in (False, True):
+        with poisoned_outputs(0x7F):
+            row, (cd, cs) = triton_mxfp8.quantize(x, dtype, rule=rule, rowwise=rowwise, row_map=rm)
+        assert torch.equal(cd.view(torch.uint8), want_d.contiguous().view(torch.uint8)), "columnwise data"
+        assert torch.equal(cs, want_s.contiguous()), "columnwise E8M0 scales"
+        if rowwise:
+            assert torch.equal(row[0].view(torch.uint8), want_rd.view(torch.uint8)), "rowwise data"
+            assert torch.equal(row[1], want_rs), "rowwise E8M0 scales"
+        else:
+            assert row is None
 
 
 @interpreter_only
@@ -80,8 +88,8 @@ def test_row_map_padding_only_and_errors():
     want_d, want_s = mxfp8.quantize_1d(torch.zeros(64, 32, dtype=torch.bfloat16), E4M3)
     assert torch.equal(cd.view(torch.uint8), want_d.view(torch.uint8)) and torch.equal(cs, want_s)
     y = torch.randn(8, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="rowwise=False"):
-        triton_mxfp8.quantize(y, E4M3, row_map=torch.zeros(32, dtype=torch.int32))
+    with pytest.raises(ValueError, match="block_2d=False"):
+        triton_mxfp8.quantize(y, E4M3, block_2d=True, row_map=torch.zeros(32, dtype=torch.int32))
     with pytest.raises(ValueError, match="int32"):
         triton_mxfp8.quantize(y, E4M3, rowwise=False, row_map=torch.zeros(32, dtype=torch.int64))
 
@@ -90,7 +98,8 @@ def test_row_map_padding_only_and_errors():
 @pytest.mark.parametrize("splits", SPLITS, ids=str)
 def test_grouped_columnwise_reads_through_row_map(splits, monkeypatch):
     """``quantize_grouped`` of MXFP8 experts (the kernel path forced on the CPU): every expert's
-    copies equal its own encode, the row-mapped kernel ran, and no padded copy was written."""
+    copies equal its own encode, the row-mapped kernel ran once (both copies), and no padded
+    copy was written."""
     from hybridfp.quantizers import backends
     monkeypatch.setattr(fast, "_device_ok", lambda x, rows=None: True)
     mapped, padded = [], []
@@ -116,7 +125,7 @@ def test_row_mapped_kernel_selection():
     switched off find none (the padded copy is then written and encoded)."""
     from hybridfp.quantizers.backends import kernels_enabled, row_mapped_kernel
     x = torch.randn(40, 64, dtype=torch.bfloat16)
-    assert row_mapped_kernel(MXFP8Quantizer(), x, 64) is None  # a CPU tensor
+    assert row_mapped_kernel(MXFP8Quantizer(), x, 64) is None  # a CPU tensor (not the interpreter's choice)
     fake_cuda = type("T", (), {"is_cuda": True, "dtype": torch.bfloat16, "shape": (40, 64),
                                 "dim": lambda self: 2, "numel": lambda self: 2560,
                                 "stride": lambda self: (64, 1)})()
@@ -130,7 +139,8 @@ def test_row_mapped_kernel_selection():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_row_map_gpu_moe_groups(dtype):
     """8 experts' routed rows (awkward counts, an empty expert) at hidden 4096: the row-mapped
-    columnwise copy equals the one of the padded copy (pad_rows kernel, then the plain kernel)."""
+    pass's columnwise copy equals the one of the padded copy (pad_rows kernel, then the plain
+    kernel), its rowwise copy the plain kernel's rowwise copy of x."""
     from hybridfp.kernels import triton_pad_rows
     splits = [4099, 0, 1, 2077, 3000, 31, 4096, 3080]
     x = gpu_input((sum(splits), 4096), dtype, specials=True)
@@ -139,8 +149,10 @@ def test_row_map_gpu_moe_groups(dtype):
     rm = _row_map(_padded_rows(x, splits, starts), total, x)
     padded = triton_pad_rows.pad_rows(x, rm)
     with poisoned_outputs(0x7F):
-        _, (cd, cs) = triton_mxfp8.quantize(x, E4M3, rowwise=False, row_map=rm)
+        (rd, rs), (cd, cs) = triton_mxfp8.quantize(x, E4M3, row_map=rm)
         _, (wd, ws) = triton_mxfp8.quantize(padded, E4M3, rowwise=False)
+        (wrd, wrs), _ = triton_mxfp8.quantize(x, E4M3, columnwise=False)
     assert torch.equal(cd.view(torch.uint8), wd.view(torch.uint8)) and torch.equal(cs, ws)
+    assert torch.equal(rd.view(torch.uint8), wrd.view(torch.uint8)) and torch.equal(rs, wrs)
     want_d, want_s = mxfp8.quantize_1d(padded[:4096].t(), E4M3)  # the reference on a slice
     assert torch.equal(cd[:, :4096].contiguous().view(torch.uint8), want_d.contiguous().view(torch.uint8))
