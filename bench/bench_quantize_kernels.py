@@ -241,7 +241,9 @@ def run_sweep(x: torch.Tensor, copy: float, only: Optional[list[str]] = None) ->
     # groups' columnwise copy: three passes (rowwise, pad_rows, columnwise) or one through the row map
     from hybridfp.kernels import triton_pad_rows
     from hybridfp.quantizers.grouped import _offsets, _padded_rows, _padded_total, _row_map
-    splits = [2051, 0, 1, 2077, 3000, 31, 4096, 5128]  # 16384 rows
+    rows = x.shape[0]  # 8 groups with awkward counts (an empty one) covering x's rows
+    splits = [rows // 8 + 3, 0, 1, rows // 8 + 29, rows // 8 + 952, 31, rows // 4]
+    splits.append(rows - sum(splits))
     starts = _offsets(splits, 32)
     total = _padded_total(splits, 32, starts)
     rmap = _row_map(_padded_rows(x, splits, starts), total, x)

@@ -161,6 +161,7 @@ def _mxfp8_run(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool,
 
 
 def _mxfp8_row_mapped_supports(q: Any, x2: torch.Tensor, rows: int) -> bool:
+    """1D MXFP8 of a CUDA input whose gathered ``rows`` still fit the kernels' int32 tiles."""
     return not q.with_2d_quantization and x2.dim() == 2 and _device_ok(x2, rows)
 
 

@@ -77,6 +77,40 @@ def test_row_map_formats_and_strides(fp8, rule):
     check_row_map(xt, splits, fp8, rule)
 
 
+def check_any_map(x: torch.Tensor, rm: torch.Tensor, block=None) -> None:
+    """Both copies through an arbitrary map (each source row once, padding anywhere) against
+    the reference of the gathered tensor and of x."""
+    gathered = torch.zeros(rm.shape[0], x.shape[1], dtype=x.dtype)
+    gathered[rm >= 0] = x[rm[rm >= 0].long()]
+    want_d, want_s = mxfp8.quantize_1d(gathered.t(), E4M3)
+    want_rd, want_rs = mxfp8.quantize_1d(x, E4M3)
+    with poisoned_outputs(0x7F):
+        (rd, rs), (cd, cs) = triton_mxfp8.quantize(x, E4M3, row_map=rm, block=block)
+    assert torch.equal(cd.view(torch.uint8), want_d.contiguous().view(torch.uint8)), "columnwise data"
+    assert torch.equal(cs, want_s.contiguous()), "columnwise E8M0 scales"
+    assert torch.equal(rd.view(torch.uint8), want_rd.view(torch.uint8)) and torch.equal(rs, want_rs), "rowwise"
+
+
+@interpreter_only
+@pytest.mark.parametrize("block", [(32, 32), (64, 64), (32, 128)], ids=str)
+def test_row_map_column_tiles_and_shuffled_maps(block):
+    """Tiles past the first column tile (c0 > 0: the mapped base and the rowwise stores add
+    it), a shuffled map with padding rows scattered anywhere, a map length that is not a
+    multiple of 4 (byte stores), and a column-major FP16 source."""
+    g = torch.Generator().manual_seed(0)
+    x = edge_tensor((45, 200), torch.bfloat16, seed=1, specials=True)
+    rm = torch.full((70,), -1, dtype=torch.int32)
+    rm[torch.randperm(70, generator=g)[:45]] = torch.randperm(45, generator=g).to(torch.int32)
+    check_any_map(x, rm, block)
+    odd = torch.full((37,), -1, dtype=torch.int32)
+    odd[torch.randperm(37, generator=g)[:20]] = torch.arange(20, dtype=torch.int32)
+    check_any_map(edge_tensor((20, 160), torch.float32, seed=2, specials=True), odd, block)
+    xt = edge_tensor((200, 45), torch.float16, seed=3).t()
+    cm = torch.full((64,), -1, dtype=torch.int32)
+    cm[3:48] = torch.arange(45, dtype=torch.int32)
+    check_any_map(xt, cm, block)
+
+
 @interpreter_only
 def test_row_map_padding_only_and_errors():
     """A map of padding rows only (no source rows): all-zero blocks, scale byte 0; bad calls
