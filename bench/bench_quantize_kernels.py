@@ -237,6 +237,23 @@ def run_sweep(x: torch.Tensor, copy: float, only: Optional[list[str]] = None) ->
     for blk, nw in [((2, 256), 4), ((4, 256), 8), ((1, 512), 4), ((2, 512), 8)]:
         variants.append((f"nvfp4 amax+rht-amax pass {blk} nw{nw}",
                          lambda b=blk, n=nw: triton_nvfp4.amaxes(x, rht_amax=True, block=b, num_warps=n)))
+    # MoE: 8 experts' routed rows (awkward counts) -> their MXFP8 rowwise copy and the 32-padded
+    # groups' columnwise copy: three passes (rowwise, pad_rows, columnwise) or one through the row map
+    from hybridfp.kernels import triton_pad_rows
+    from hybridfp.quantizers.grouped import _offsets, _padded_rows, _padded_total, _row_map
+    rows = x.shape[0]  # 8 groups with awkward counts (an empty one) covering x's rows
+    splits = [rows // 8 + 3, 0, 1, rows // 8 + 29, rows // 8 + 952, 31, rows // 4]
+    splits.append(rows - sum(splits))
+    starts = _offsets(splits, 32)
+    total = _padded_total(splits, 32, starts)
+    rmap = _row_map(_padded_rows(x, splits, starts), total, x)
+    variants.append(("grouped mxfp8 row+col, 8 experts: row, pad, col (3 passes)", lambda: (
+        triton_mxfp8.quantize(x, E4M3, columnwise=False),
+        triton_mxfp8.quantize(triton_pad_rows.pad_rows(x, rmap), E4M3, rowwise=False))))
+    variants.append(("grouped mxfp8 row+col, 8 experts: row map (1 pass)", lambda: triton_mxfp8.quantize(
+        x, E4M3, row_map=rmap)))
+    variants.append(("grouped mxfp8 col, 8 experts: row map", lambda: triton_mxfp8.quantize(
+        x, E4M3, rowwise=False, row_map=rmap)))
     out = []
     for name, fn in variants:
         if only and not any(o in name for o in only):

@@ -34,7 +34,7 @@ _NV_SIG = dict(x_ptr="*i16", ramax_ptr="*fp32", camax_ptr="*fp32", rd_ptr="*u8",
 _NV = dict(sxc=1, ROW=True, COL=True, ROW_SCALED=False, ROW_WORDS=True, COL_WORDS=True, HW=True, DTYPE=1,
            BF16_NAN=0x7FC0)
 _MX_SIG = dict(x_ptr="*i16", rd_ptr="*u8", rs_ptr="*u8", cd_ptr="*u8", cs_ptr="*u8", R="i32", C="i32", sxr="i32",
-               RCP="fp32")
+               RCP="fp32", map_ptr="*i32")
 _FP8 = dict(RCEIL=True, EMAX=8, MBITS=3, BIAS=7, FP8_MAX=448.0)
 #: FP8 block 1D (E4M3, power-of-two scales, 1x128 / 128x1, BF16 input, the default "natural" 128 / 32 rows);
 #: loops are counted once (static).
@@ -58,9 +58,11 @@ CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
         dict(x_ptr="*i16", amax_ptr="*i32", row_amax_ptr="*i32", rht_amax_ptr="*i32", R="i32", C="i32", sxr="i32"),
         dict(sxc=1, AMAX=True, ROW_AMAX=False, RHT_AMAX=True, DTYPE=1, BF16_NAN=0x7FC0, HW=True, BT=2, BC=256), 64, 4),
     **{f"mxfp8 {what} (64, 128)": ("triton_mxfp8", "_mxfp8_1d_kernel", _MX_SIG,
-                                   dict(_FP8, sxc=1, ROW=row, COL=col, DTYPE=1, BR=64, BC=128, PACK=True, HW=True),
-                                   64, 4)
-       for what, row, col in [("row+col", True, True), ("row", True, False), ("col", False, True)]},
+                                   dict(_FP8, sxc=1, ROW=row, COL=col, DTYPE=1, BR=64, BC=128, PACK=True, HW=True,
+                                        MAP=mapped), 64, 4)
+       for what, row, col, mapped in [("row+col", True, True, False), ("row", True, False, False),
+                                      ("col", False, True, False), ("col, row map", False, True, True),
+                                      ("row+col, row map", True, True, True)]},
     **{f"nvfp4 row + mxfp8 col {src} (32, 64)": (
         "triton_hybrid_nvfp4", "_nvfp4_mxfp8_kernel",
         dict(_MX_SIG, amax_ptr="*fp32", RCP6="fp32"),

@@ -192,34 +192,44 @@ def _cat_rows(a, b):
 
 
 @triton.jit
-def _row(xbase, r, lc, rmax, cmask, sxr, sxc, DTYPE: tl.constexpr):
+def _row(xbase, r, lc, rmax, cmask, sxr, sxc, DTYPE: tl.constexpr, mbase, MAP: tl.constexpr):
     """Tile row ``r`` (tile-local; ``rmax`` rows left in the tensor) of columns ``lc``: [BC].
-    The row test is a vector (``lc * 0 + r``): the interpreter rejects a scalar & vector mask."""
-    return load_f32(xbase + r * sxr + lc * sxc, cmask & ((lc * 0 + r) < rmax), DTYPE)
+    The row test is a vector (``lc * 0 + r``): the interpreter rejects a scalar & vector mask.
+    ``MAP``: the row is source row ``mbase[r]`` of ``xbase`` (then the column base of the whole
+    source), zeros where that entry is negative (a row map: ``load_rows32_t``)."""
+    ok = (lc * 0 + r) < rmax
+    if MAP:
+        src = tl.load(mbase + lc * 0 + r, mask=ok, other=-1)  # one address per row: a broadcast
+        return load_f32(xbase + src.to(tl.int64) * sxr + lc * sxc, cmask & ok & (src >= 0), DTYPE)
+    else:
+        return load_f32(xbase + r * sxr + lc * sxc, cmask & ok, DTYPE)
 
 
 @triton.jit
-def _rows4(xbase, r, lc, rmax, cmask, sxr, sxc, DTYPE: tl.constexpr):
-    a = tl.join(_row(xbase, r, lc, rmax, cmask, sxr, sxc, DTYPE),
-                _row(xbase, r + 1, lc, rmax, cmask, sxr, sxc, DTYPE))
-    b = tl.join(_row(xbase, r + 2, lc, rmax, cmask, sxr, sxc, DTYPE),
-                _row(xbase, r + 3, lc, rmax, cmask, sxr, sxc, DTYPE))
+def _rows4(xbase, r, lc, rmax, cmask, sxr, sxc, DTYPE: tl.constexpr, mbase, MAP: tl.constexpr):
+    a = tl.join(_row(xbase, r, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP),
+                _row(xbase, r + 1, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP))
+    b = tl.join(_row(xbase, r + 2, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP),
+                _row(xbase, r + 3, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP))
     return _cat_rows(a, b)
 
 
 @triton.jit
-def _rows16(xbase, r, lc, rmax, cmask, sxr, sxc, DTYPE: tl.constexpr):
-    a = _cat_rows(_rows4(xbase, r, lc, rmax, cmask, sxr, sxc, DTYPE),
-                  _rows4(xbase, r + 4, lc, rmax, cmask, sxr, sxc, DTYPE))
-    b = _cat_rows(_rows4(xbase, r + 8, lc, rmax, cmask, sxr, sxc, DTYPE),
-                  _rows4(xbase, r + 12, lc, rmax, cmask, sxr, sxc, DTYPE))
+def _rows16(xbase, r, lc, rmax, cmask, sxr, sxc, DTYPE: tl.constexpr, mbase, MAP: tl.constexpr):
+    a = _cat_rows(_rows4(xbase, r, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP),
+                  _rows4(xbase, r + 4, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP))
+    b = _cat_rows(_rows4(xbase, r + 8, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP),
+                  _rows4(xbase, r + 12, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP))
     return _cat_rows(a, b)
 
 
 @triton.jit
-def load_rows32_t(xbase, r, lc, rmax, cmask, sxr, sxc, DTYPE: tl.constexpr):
+def load_rows32_t(xbase, r, lc, rmax, cmask, sxr, sxc, DTYPE: tl.constexpr, mbase=None, MAP: tl.constexpr = False):
     """Tile rows ``r .. r + 31`` of columns ``lc`` as a TRANSPOSED [BC, 32] FP32 tile (0 past
-    the tensor: ``rmax`` rows left from the tile origin, ``cmask`` the column mask).
+    the tensor: ``rmax`` rows left from the tile origin, ``cmask`` the column mask). ``MAP``:
+    tile row i is source row ``mbase[i]`` (``mbase`` the row map at the tile origin; negative:
+    a zero row) of the source whose column base is ``xbase``, so a zero-padded copy of row
+    groups is read without being written first.
 
     Why: a 32x1 (or 128x1) columnwise block reduced over a natural [rows, BC] tile is a
     cross-warp reduction (shared memory, barriers) plus a byte transpose for the store. Here
@@ -228,8 +238,8 @@ def load_rows32_t(xbase, r, lc, rmax, cmask, sxr, sxc, DTYPE: tl.constexpr):
     one column, so the block amax is register-local and the transposed codes leave as
     contiguous words (:func:`store_words_t`). Each row load is still coalesced across the warp
     (consecutive threads, consecutive columns)."""
-    return _cat_rows(_rows16(xbase, r, lc, rmax, cmask, sxr, sxc, DTYPE),
-                     _rows16(xbase, r + 16, lc, rmax, cmask, sxr, sxc, DTYPE))
+    return _cat_rows(_rows16(xbase, r, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP),
+                     _rows16(xbase, r + 16, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP))
 
 
 @triton.jit

@@ -66,11 +66,13 @@ def col_block_32(xt, RCEIL: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexp
 
 @triton.jit
 def row_copy(x, mask, r0, c0, R, C, rd_ptr, rs_ptr, RCEIL: tl.constexpr, EMAX: tl.constexpr,
-             MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr, RCP, HW: tl.constexpr):
+             MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr, RCP, HW: tl.constexpr,
+             src=None, MAP: tl.constexpr = False):
     """Rowwise 1x32 copy of the FP32 tile ``x`` [BR, BC] (origin (r0, c0) of an [R, C] input,
     ``c0`` a multiple of BC; ``mask`` its in-bounds elements): FP8 codes into ``rd_ptr``
     [R, C], E8M0 bytes into ``rs_ptr`` [R, ceil(C / 32)]. A block's 32 columns sit in a few
-    neighbouring threads."""
+    neighbouring threads. ``MAP``: tile row i goes to output row ``src[i]`` instead (skipped
+    where negative: a padding row of a row map)."""
     BR: tl.constexpr = x.shape[0]
     BC: tl.constexpr = x.shape[1]
     lr = tl.arange(0, BR)
@@ -79,12 +81,18 @@ def row_copy(x, mask, r0, c0, R, C, rd_ptr, rs_ptr, RCEIL: tl.constexpr, EMAX: t
     e = _e8m0_byte(amax_nan(xb, 2), RCEIL, EMAX, RCP)
     y = tl.reshape(xb * _e8m0_inverse(e)[:, :, None], [BR, BC])
     code = fp8_encode(y, FP8_MAX, MBITS, BIAS, HW)
-    tl.store(rd_ptr + r0.to(tl.int64) * C + c0 + tile_offsets(lr, lc, C, 1), code, mask=mask)
     nbc = tl.cdiv(C, _BLOCK)
     b0 = c0 // _BLOCK
     lb = tl.arange(0, BC // _BLOCK)
-    smask = ((r0 + lr) < R)[:, None] & ((b0 + lb) < nbc)[None, :]
-    tl.store(rs_ptr + r0.to(tl.int64) * nbc + b0 + tile_offsets(lr, lb, nbc, 1), e.to(tl.uint8), mask=smask)
+    if MAP:
+        rows = src.to(tl.int64)
+        tl.store(rd_ptr + c0 + rows[:, None] * C + lc[None, :], code, mask=mask)
+        smask = (src >= 0)[:, None] & ((b0 + lb) < nbc)[None, :]
+        tl.store(rs_ptr + b0 + rows[:, None] * nbc + lb[None, :], e.to(tl.uint8), mask=smask)
+    else:
+        tl.store(rd_ptr + r0.to(tl.int64) * C + c0 + tile_offsets(lr, lc, C, 1), code, mask=mask)
+        smask = ((r0 + lr) < R)[:, None] & ((b0 + lb) < nbc)[None, :]
+        tl.store(rs_ptr + r0.to(tl.int64) * nbc + b0 + tile_offsets(lr, lb, nbc, 1), e.to(tl.uint8), mask=smask)
 
 
 @triton.jit
@@ -92,26 +100,38 @@ def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.c
                      ROW: tl.constexpr, COL: tl.constexpr, RCEIL: tl.constexpr,
                      EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
                      FP8_MAX: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr,
-                     BC: tl.constexpr, PACK: tl.constexpr, HW: tl.constexpr):
+                     BC: tl.constexpr, PACK: tl.constexpr, HW: tl.constexpr, map_ptr,
+                     MAP: tl.constexpr):
     """One [BR, BC] tile per program. Rowwise 1x32 blocks from the natural tile (a block's 32
     columns sit in a few neighbouring threads); columnwise 32x1 blocks from transposed
     [BC, 32] tiles re-read from cache (``_common.load_rows32_t``: register-local block amax,
     word stores), one per 32 rows. (Transposing each 32-row slice in registers instead,
-    ``tl.trans``, measured 0.181 vs 0.142 ms row+col on the H200: not kept.)"""
+    ``tl.trans``, measured 0.181 vs 0.142 ms row+col on the H200: not kept.) ``MAP``: the R rows
+    are ``x[map_ptr[r]]`` (zero where negative), and the rowwise copy goes to the source's own
+    rows."""
     pr, pc = program_tile(C, BR, BC)
     r0, c0 = pr * BR, pc * BC
     lc = tl.arange(0, BC)
-    xbase = x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc
+    if MAP:  # rows come through the map: the base is the source's column c0
+        xbase = x_ptr + c0.to(tl.int64) * sxc
+    else:
+        xbase = x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc
     if ROW:
         lr = tl.arange(0, BR)
-        mask = ((r0 + lr) < R)[:, None] & ((c0 + lc) < C)[None, :]
-        x = load_f32(xbase + tile_offsets(lr, lc, sxr, sxc), mask, DTYPE)
-        row_copy(x, mask, r0, c0, R, C, rd_ptr, rs_ptr, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW)
+        if MAP:  # tile row i is source row src[i]; the rowwise copy keeps the source's rows
+            src = tl.load(map_ptr + r0 + lr, mask=(r0 + lr) < R, other=-1)
+            mask = (src >= 0)[:, None] & ((c0 + lc) < C)[None, :]
+            x = load_f32(xbase + src.to(tl.int64)[:, None] * sxr + (lc * sxc)[None, :], mask, DTYPE)
+            row_copy(x, mask, r0, c0, R, C, rd_ptr, rs_ptr, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW, src, MAP)
+        else:
+            mask = ((r0 + lr) < R)[:, None] & ((c0 + lc) < C)[None, :]
+            x = load_f32(xbase + tile_offsets(lr, lc, sxr, sxc), mask, DTYPE)
+            row_copy(x, mask, r0, c0, R, C, rd_ptr, rs_ptr, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW)
     if COL:
         cmask = (c0 + lc) < C
         nbr = tl.cdiv(R, _BLOCK)
         for b in tl.static_range(BR // _BLOCK):
-            xt = load_rows32_t(xbase, b * _BLOCK, lc, R - r0, cmask, sxr, sxc, DTYPE)
+            xt = load_rows32_t(xbase, b * _BLOCK, lc, R - r0, cmask, sxr, sxc, DTYPE, map_ptr + r0, MAP)
             e, code = col_block_32(xt, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW)
             store_words_t(cd_ptr, code, lc, c0, r0 + b * _BLOCK, R, C, PACK)
             blk = pr * (BR // _BLOCK) + b
@@ -146,17 +166,34 @@ def _mxfp8_2d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.c
 
 def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block_2d: bool = False,
              rowwise: bool = True, columnwise: bool = True, block: Optional[tuple[int, int]] = None,
-             num_warps: Optional[int] = None, pack: bool = True) -> Copies:
+             num_warps: Optional[int] = None, pack: bool = True,
+             row_map: Optional[torch.Tensor] = None) -> Copies:
     """MXFP8-quantize 2D ``x2`` (any strides); returns ``(row, col)``, each ``(data, scale)`` or
     None: the same tensors as ``formats.mxfp8.quantize_1d(x2)`` / ``quantize_1d(x2.t())``
     (``block_2d``: ``quantize_2d(x2)`` and its transpose). ``block``: the tile (multiples of 32;
     default 1D (64, 128) with BC / 32 warps: one column per thread in the columnwise copy, the
     layout it is written for; 2D (64, 64) / 8 warps, the H200 sweep's fastest); ``pack``: write
     the transposed copy as int32 words of 4 rows when R % 4 == 0 (same bytes).
+    ``row_map`` (1D; contiguous int32 on x2's device, each source row exactly once, entries <
+    x2's rows; not checked: a device sync): the columnwise copy is that of the
+    [len(row_map), C] tensor whose row r is ``x2[row_map[r]]``, zeros where ``row_map[r] < 0``
+    (``kernels.triton_pad_rows.pad_rows``'s output), without writing that tensor: the
+    zero-padded expert groups of a grouped columnwise copy. The rowwise copy stays x2's own
+    ([R, C], from the same read of each row).
     """
     if rule not in ("rceil", "floor"):
         raise ValueError(f"rule={rule!r} is unknown; use 'rceil' or 'floor'.")
     rows, cols = x2.shape
+    src_rows = rows
+    if row_map is not None:
+        if block_2d:
+            raise ValueError("row_map is for 1D blocks (a 32x32 tile would straddle two row groups); "
+                             "pass block_2d=False.")
+        if (row_map.dtype != torch.int32 or row_map.dim() != 1 or row_map.device != x2.device
+                or not row_map.is_contiguous()):
+            raise ValueError(f"row_map must be a contiguous 1D int32 tensor on {x2.device}; got "
+                             f"{row_map.dtype}, {tuple(row_map.shape)} on {row_map.device}.")
+        rows = row_map.shape[0]  # >= the source's rows: the check below covers its offsets too
     br, bc = block or ((64, 64) if block_2d else (64, 128))
     if br % BLOCK or bc % BLOCK:
         raise ValueError(f"block={block} must be multiples of {BLOCK}.")
@@ -166,22 +203,28 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
     nbr, nbc = triton.cdiv(rows, BLOCK), triton.cdiv(cols, BLOCK)
     row = col = None
     if rowwise:
-        row = (empty((rows, cols), dtype=dtype, device=dev),
-               empty((nbr if block_2d else rows, nbc), dtype=torch.uint8, device=dev))
+        row = (empty((src_rows, cols), dtype=dtype, device=dev),
+               empty((nbr if block_2d else src_rows, nbc), dtype=torch.uint8, device=dev))
     if columnwise:
         col = (empty((cols, rows), dtype=dtype, device=dev),
                empty((nbc, nbr) if block_2d else (cols, nbr), dtype=torch.uint8, device=dev))
-    if x2.numel() == 0:
+    if rows * cols == 0:
+        return row, col
+    if x2.numel() == 0:  # a map of padding rows only (an empty rowwise copy)
+        if col is not None:
+            col[0].view(torch.uint8).zero_()
+            col[1].zero_()  # E8M0 0x00 (2**-127): the reference's byte for an all-zero block
         return row, col
     dummy = torch.empty(1, dtype=torch.uint8, device=dev)
     rd, rs = (row[0].view(torch.uint8), row[1]) if row else (dummy, dummy)
     cd, cs = (col[0].view(torch.uint8), col[1]) if col else (dummy, dummy)
     kernel = _mxfp8_2d_kernel if block_2d else _mxfp8_1d_kernel
+    mapped = {} if block_2d else {"map_ptr": row_map if row_map is not None else dummy, "MAP": row_map is not None}
     grid = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)
     extra = {"num_warps": num_warps or (8 if block_2d else min(max(bc // 32, 1), 8))}
     kernel[grid](kernel_input(x2), rd, rs, cd, cs, rows, cols, x2.stride(0), x2.stride(1), f32(1.0 / fmax),
                  ROW=rowwise, COL=columnwise, RCEIL=rule == "rceil",
                  EMAX={3: 8, 2: 15}[mbits], MBITS=mbits, BIAS=bias, FP8_MAX=fmax,
                  DTYPE=DTYPE_CODE[x2.dtype], BR=br, BC=bc,
-                 PACK=pack and rows % 4 == 0, HW=hw_fp8(dev), **extra)
+                 PACK=pack and rows % 4 == 0, HW=hw_fp8(dev), **mapped, **extra)
     return row, col

@@ -12,6 +12,10 @@ registers a function ``key(q, direction) -> hashable or None`` naming the kernel
 settings select for that direction's copy (e.g. ``("mxfp8", "1d")``), and a fused kernel
 registers for ``(rowwise key, columnwise key, source)``. No pair registered: the hybrid runs
 its children one after the other (each with its own kernel).
+
+Row-mapped columnwise kernels (``register_row_mapped_kernel``) encode the columnwise copy of
+rows gathered through a row map (zero rows where the map is negative): the zero-padded row
+groups of a grouped columnwise block copy, read in place instead of written out first.
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ QUANTIZE_KERNELS: dict[str, list[QuantizeKernel]] = {}
 KERNEL_KEYS: dict[str, Callable[[Any, str], Optional[Hashable]]] = {}
 #: (rowwise child's key, columnwise child's key, columnwise_source) -> fused hybrid kernel.
 HYBRID_QUANTIZE_KERNELS: dict[tuple[Hashable, Hashable, str], QuantizeKernel] = {}
+#: quantizer class name -> (supports(q, x2, rows), run(q, x2, row_map, rowwise) -> (rowwise storage of x2
+#: or None, columnwise storage of the gathered rows)).
+ROW_MAPPED_KERNELS: dict[str, tuple[Callable[..., bool], Callable[..., Any]]] = {}
 _ENABLED = [True]
 _REPORTED: set[str] = set()
 
@@ -60,6 +67,27 @@ def register_hybrid_quantize_kernel(rowwise_key: Hashable, columnwise_key: Hasha
                                     kernel: QuantizeKernel) -> None:
     """Register a fused kernel for hybrids whose children have these kernel keys and source."""
     HYBRID_QUANTIZE_KERNELS[(rowwise_key, columnwise_key, source)] = kernel
+
+
+def register_row_mapped_kernel(quantizer_class: str, supports: Callable[..., bool], run: Callable[..., Any]) -> None:
+    """Register a columnwise encode through a row map for quantizers of class name
+    ``quantizer_class``: ``supports(q, x2, rows)`` says whether it takes ``rows`` gathered rows
+    of ``x2``; ``run(q, x2, row_map, rowwise)`` must return exactly
+    ``(q.encode(x2, True, False) if rowwise else None, q.encode(gathered, False, True))`` where
+    row r of ``gathered`` is ``x2[row_map[r]]``, or zeros where ``row_map[r] < 0`` (every row
+    of x2 mapped once). Callers go around ``q.encode``: an ``encode`` replaced on an instance
+    is not called (``quantizers.grouped`` plans only around a replaced ``quantize``)."""
+    ROW_MAPPED_KERNELS[quantizer_class] = (supports, run)
+
+
+def row_mapped_kernel(q: Any, x2: torch.Tensor, rows: int) -> Optional[Callable[..., Any]]:
+    """The registered ``run(q, x2, row_map, rowwise)`` for a columnwise copy of ``rows`` rows of ``x2``
+    gathered by a row map (see ``register_row_mapped_kernel``), or None where none fits (the
+    caller then gathers the rows and encodes)."""
+    entry = ROW_MAPPED_KERNELS.get(type(q).__name__)
+    if entry is None or not _ENABLED[0] or not entry[0](q, x2, rows):
+        return None
+    return entry[1]
 
 
 def kernel_key(q: Any, direction: str) -> Optional[Hashable]:

@@ -52,7 +52,7 @@ from ..formats.common import HIGH_PRECISION_DTYPES, as_2d
 from ..tensors import Float8BlockStorage, Float8Storage, HybridStorage, MXFP8Storage, NVFP4Storage, known_amax
 from .base import all_reduce_amax
 from .backends import (QuantizeKernel, hybrid_quantize_kernel, register_hybrid_quantize_kernel,
-                       register_kernel_key, register_quantize_kernel)
+                       register_kernel_key, register_quantize_kernel, register_row_mapped_kernel)
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -67,11 +67,12 @@ def _kernels(name: str) -> ModuleType:
 _INT32_TILE_LIMIT = 2**31 // 256 - 1
 
 
-def _device_ok(x: torch.Tensor) -> bool:
+def _device_ok(x: torch.Tensor, rows: Optional[int] = None) -> bool:
+    """Whether the kernels take ``x`` (``rows``: as many rows gathered from it instead)."""
     if not (HAVE_TRITON and x.is_cuda and x.dtype in HIGH_PRECISION_DTYPES):
         return False
     cols = x.shape[-1] if x.dim() else 1
-    rows = x.numel() // max(cols, 1)
+    rows = max(rows or 0, x.numel() // max(cols, 1))
     return rows + cols + sum(abs(s) for s in x.stride()) < _INT32_TILE_LIMIT
 
 
@@ -157,6 +158,25 @@ def _mxfp8_run(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool,
                                          columnwise=columnwise)
     return MXFP8Storage(x.shape, x.dtype, _payload(row, "data", "scale"), _payload(col, "data", "scale"),
                         label=q.label, **q.storage_meta())
+
+
+def _mxfp8_row_mapped_supports(q: Any, x2: torch.Tensor, rows: int) -> bool:
+    """1D MXFP8 of a CUDA input whose gathered ``rows`` still fit the kernels' int32 tiles."""
+    return not q.with_2d_quantization and x2.dim() == 2 and _device_ok(x2, rows)
+
+
+def _mxfp8_row_mapped_run(q: Any, x2: torch.Tensor, row_map: torch.Tensor,
+                          rowwise: bool) -> tuple[Optional[MXFP8Storage], MXFP8Storage]:
+    """(x2's own rowwise copy if ``rowwise``, the MXFP8 1D columnwise copy of the rows of x2
+    gathered by ``row_map``) in one pass, no gathered copy written
+    (``triton_mxfp8.quantize(row_map=...)``)."""
+    with _on_device(x2):
+        row, col = _kernels("triton_mxfp8").quantize(x2, q.dtype, rule=q.scale_rule, rowwise=rowwise,
+                                                     row_map=row_map)
+    rows = (MXFP8Storage(x2.shape, x2.dtype, _payload(row, "data", "scale"), None, label=q.label,
+                         **q.storage_meta()) if rowwise else None)
+    return rows, MXFP8Storage((row_map.shape[0], x2.shape[1]), x2.dtype, None, _payload(col, "data", "scale"),
+                              label=q.label, **q.storage_meta())
 
 
 # ---------------------------------------------------------------------------- NVFP4
@@ -360,5 +380,6 @@ if HAVE_TRITON:
         register_quantize_kernel(_name, _kernel)
     for _name, _key in KERNEL_KEY_FUNCTIONS.items():
         register_kernel_key(_name, _key)
+    register_row_mapped_kernel("MXFP8Quantizer", _mxfp8_row_mapped_supports, _mxfp8_row_mapped_run)
     for (_row, _col, _src), _kernel in HYBRID_KERNELS.items():
         register_hybrid_quantize_kernel(_row, _col, _src, _kernel)

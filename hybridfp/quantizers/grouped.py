@@ -41,7 +41,7 @@ from ..tensors import HybridStorage, MXFP8Storage, QuantizedStorage, QuantizedTe
 from ..tensors.slicing import adjacent_rows
 from ..tensors.storage import COLUMNWISE, ROWWISE, Payload
 from . import fast
-from .backends import QUANTIZE_KERNELS, kernels_on
+from .backends import QUANTIZE_KERNELS, kernels_on, row_mapped_kernel
 from .base import Quantizer
 from .float8_block import Float8BlockQuantizer
 from .hybrid import HybridQuantizer
@@ -302,20 +302,55 @@ def pad_row_groups(src: torch.Tensor, splits: Sequence[int], block: int) -> tupl
     starts = _offsets(splits, block)
     if all(m % block == 0 for m in splits):
         return src, starts
-    total = starts[-1] + ceil_div(splits[-1], block) * block
-    # destination row of source row r: r + (padding before its group), in O(1) ops for all groups
+    total = _padded_total(splits, block, starts)
+    index = _padded_rows(src, splits, starts)
+    if kernels_on() and fast._device_ok(src) and (src.shape[1] <= 1 or src.stride(1) == 1):
+        with fast._on_device(src):
+            return fast._kernels("triton_pad_rows").pad_rows(src, _row_map(index, total, src)), starts
+    out = src.new_zeros(total, src.shape[1])
+    out.index_copy_(0, index, src)
+    return out, starts
+
+
+def encode_padded_columns(q: Quantizer, src: torch.Tensor, splits: Sequence[int], block: int,
+                          rowwise: bool = False) -> tuple[Optional[QuantizedStorage], QuantizedStorage, list[int]]:
+    """(``q.encode(src, True, False)`` if ``rowwise`` else None, ``q``'s columnwise-only encode
+    of ``pad_row_groups(src, splits, block)``, the groups' start rows). Where a kernel reads
+    rows through a row map (``row_mapped_kernel``: MXFP8 1D on CUDA) the padded copy is never
+    written and both copies come from one read of ``src`` (one pass instead of three: rowwise,
+    padding, columnwise)."""
+    starts = _offsets(splits, block)
+    if not all(m % block == 0 for m in splits) and src.dim() == 2:
+        total = _padded_total(splits, block, starts)
+        run = row_mapped_kernel(q, src, total)
+        if run is not None:
+            rows, cols = run(q, src, _row_map(_padded_rows(src, splits, starts), total, src), rowwise)
+            return rows, cols, starts
+    rows = q.encode(src, True, False, None) if rowwise else None
+    padded, starts = pad_row_groups(src, splits, block)
+    return rows, q.encode(padded, False, True, None), starts
+
+
+def _padded_total(splits: Sequence[int], block: int, starts: Sequence[int]) -> int:
+    """Rows of the zero-padded groups (``starts``: their start rows)."""
+    return starts[-1] + ceil_div(splits[-1], block) * block
+
+
+def _padded_rows(src: torch.Tensor, splits: Sequence[int], starts: Sequence[int]) -> torch.Tensor:
+    """The destination row in the padded groups of every source row, in O(1) ops for all groups:
+    source row r moves down by the padding before its group."""
     shifts, counts = device_tensor([[p - s for p, s in zip(starts, _offsets(splits, 1))], list(splits)],
                                    src.device).unbind(0)
     index = torch.arange(src.shape[0], device=src.device) + torch.repeat_interleave(
         shifts, counts, output_size=src.shape[0])  # output_size: no device sync
-    if kernels_on() and fast._device_ok(src) and (src.shape[1] <= 1 or src.stride(1) == 1):
-        row_map = torch.full((total,), -1, dtype=torch.int32, device=src.device)
-        row_map[index] = torch.arange(src.shape[0], dtype=torch.int32, device=src.device)
-        with fast._on_device(src):
-            return fast._kernels("triton_pad_rows").pad_rows(src, row_map), starts
-    out = src.new_zeros(total, src.shape[1])
-    out.index_copy_(0, index, src)
-    return out, starts
+    return index
+
+
+def _row_map(index: torch.Tensor, total: int, src: torch.Tensor) -> torch.Tensor:
+    """int32 [total]: the source row of each padded row, -1 for padding (what the kernels read)."""
+    row_map = torch.full((total,), -1, dtype=torch.int32, device=src.device)
+    row_map[index] = torch.arange(src.shape[0], dtype=torch.int32, device=src.device)
+    return row_map
 
 
 def _row_payloads(storage: QuantizedStorage, splits: Sequence[int],
@@ -365,6 +400,12 @@ def _quantize_planned(quantizers: Sequence[Optional[Quantizer]], plan: _Plan, x:
         own_rows = [_rebuild(p, p.payloads[ROWWISE], None, _rowwise_child(q).label, m) if q is not None else None
                     for q, p, m in zip(quantizers, own, splits)]
         return _assemble(quantizers, x, splits, None, cols, col_starts, own_rows)
+    if (plan.row_q is not None and plan.col_q is plan.row_q and not plan.scaled
+            and not any(_derives_columnwise(q) for q in used)):
+        # one plain quantizer for both copies of padded groups: one encode of x writes its
+        # rowwise copy and the padded groups' columnwise copy (a row-mapped kernel) where one fits
+        rows, cols, col_starts = encode_padded_columns(plan.row_q, x, splits, plan.col_block, rowwise=True)
+        return _assemble(quantizers, x, splits, rows, cols, col_starts, [None] * len(splits))
     rows = plan.row_q.encode(x, True, False, None) if plan.row_q is not None and not plan.scaled else None
     own_rows: list[Optional[QuantizedStorage]] = [None] * len(splits)
     scaled_rows: Optional[torch.Tensor] = None
@@ -387,8 +428,7 @@ def _quantize_planned(quantizers: Sequence[Optional[Quantizer]], plan: _Plan, x:
                    torch.cat([r.dequantize(torch.float32, ROWWISE) for r in own_rows]))
         else:
             src = x
-        padded, col_starts = pad_row_groups(src, splits, plan.col_block)
-        cols = plan.col_q.encode(padded, False, True, None)
+        _, cols, col_starts = encode_padded_columns(plan.col_q, src, splits, plan.col_block)
     return _assemble(quantizers, x, splits, rows, cols, col_starts, own_rows)
 
 
