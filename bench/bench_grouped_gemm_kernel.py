@@ -21,12 +21,13 @@ from bench.common import parser, require_cuda
 #: (name, rows per expert, K, N): fc1 and fc2 of the 8-expert MoE layer of bench_moe
 SHAPES = [("fc1 fprop 8x(4096->28672)", [4099, 0, 1, 5077, 6000, 31, 8192, 9368], 4096, 28672),
           ("fc2 fprop 8x(14336->4096)", [4099, 0, 1, 5077, 6000, 31, 8192, 9368], 14336, 4096)]
-#: (BM, BN, BK, warps, stages)
-TILES = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4),
-         (128, 128, 32, 4, 4), (256, 128, 64, 8, 3)]
+#: ((BM, BN, BK, warps, stages), group_m: the L2 swizzle's row tiles per group, 1 = none)
+TILES = [((128, 256, 64, 8, 3), 1), ((128, 128, 64, 8, 3), 8), ((128, 256, 64, 8, 3), 8),
+         ((128, 256, 64, 8, 3), 16), ((128, 256, 64, 8, 4), 8), ((256, 128, 64, 8, 3), 8),
+         ((256, 128, 64, 8, 4), 8), ((128, 256, 32, 8, 5), 8), ((128, 128, 64, 4, 4), 8)]
 
 
-def run(tiles: list[tuple[int, int, int, int, int]]) -> list[dict[str, Any]]:
+def run(tiles: list[tuple[tuple[int, int, int, int, int], int]]) -> list[dict[str, Any]]:
     """One row per (shape, variant): ms, TFLOP/s, ratio to torch._grouped_mm."""
     from hybridfp.kernels import triton_grouped_gemm as tg
     rows: list[dict[str, Any]] = []
@@ -41,15 +42,15 @@ def run(tiles: list[tuple[int, int, int, int, int]]) -> list[dict[str, Any]]:
         base = common.bench_ms(lambda: torch._grouped_mm(a, b.transpose(1, 2), offs=offs), 100, 500)
         rows.append(dict(shape=name, variant="torch._grouped_mm (no epilogue)", ms=base,
                          tflops=flop / base / 1e9, vs_grouped_mm=1.0))
-        for t in tiles:
-            def step(t=t):
-                return tg.grouped_rows(a, b, splits, scale_a=sa, scale_b=sb, tile=t)
+        for t, g in tiles:
+            def step(t=t, g=g):
+                return tg.grouped_rows(a, b, splits, scale_a=sa, scale_b=sb, tile=t, group_m=g)
             try:
                 ms = common.bench_ms(step, 100, 500)
             except Exception as e:  # noqa: BLE001 - a tile that does not fit (shared memory) is reported
-                rows.append(dict(shape=name, variant=f"triton {t}", error=f"{type(e).__name__}: {str(e)[:100]}"))
+                rows.append(dict(shape=name, variant=f"triton {t} g{g}", error=f"{type(e).__name__}: {str(e)[:100]}"))
                 continue
-            rows.append(dict(shape=name, variant=f"triton {t}", ms=ms, tflops=flop / ms / 1e9, vs_grouped_mm=base / ms))
+            rows.append(dict(shape=name, variant=f"triton {t} g{g}", ms=ms, tflops=flop / ms / 1e9, vs_grouped_mm=base / ms))
     return rows
 
 

@@ -52,6 +52,11 @@ TARGETS = {"hybridfp FP8 current": 1.30, "hybridfp MXFP8": 0.90,
 #: row-scaled NVFP4 fprop is a candidate today)
 TRITON_VARIANTS = ("hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)",)
 TRITON_SUFFIX = " [Triton grouped]"
+#: recipes timed a second time with each expert's weight its own tensor (GroupedLinear
+#: ``pack_weights=False``): big per-tensor-scaled weights are then quantized one by one instead
+#: of through the grouped quantization of the packed buffer (quantizers/grouped._worth_stacking)
+UNPACKED_VARIANTS = ("hybridfp FP8 current",)
+UNPACKED_SUFFIX = " [unpacked weights]"
 
 
 def with_triton_grouped(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
@@ -111,11 +116,11 @@ class BF16MoE(nn.Module):
 class HybridMoE(nn.Module):
     """The same layer with two hybridfp GroupedLinear (weights copied from the baseline)."""
 
-    def __init__(self, base: BF16MoE) -> None:
+    def __init__(self, base: BF16MoE, pack_weights: bool = True) -> None:
         super().__init__()
         e, f2, d = base.w1.shape
         self.router = nn.Parameter(base.router.detach().clone())
-        kw = {"bias": False, "params_dtype": torch.bfloat16, "device": common.DEVICE}
+        kw = {"bias": False, "params_dtype": torch.bfloat16, "device": common.DEVICE, "pack_weights": pack_weights}
         self.fc1 = hybridfp.GroupedLinear(e, d, f2, name="experts.fc1", **kw)
         self.fc2 = hybridfp.GroupedLinear(e, f2 // 2, d, name="experts.fc2", **kw)
         with torch.no_grad():
@@ -173,6 +178,10 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
     for name, recipe in RECIPES:
         if name in TRITON_VARIANTS:
             variants.append((name + TRITON_SUFFIX, hf, lambda r=recipe(): hybridfp.autocast(recipe=r)))
+    unpacked = HybridMoE(base, pack_weights=False) if UNPACKED_VARIANTS else None
+    for name, recipe in RECIPES:
+        if name in UNPACKED_VARIANTS:
+            variants.append((name + UNPACKED_SUFFIX, unpacked, lambda r=recipe(): hybridfp.autocast(recipe=r)))
     rows: list[dict[str, Any]] = []
     ref_y = None
     for name, model, ctx in variants:
@@ -204,7 +213,7 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
             r["steady_x_bf16_grouped"] = t0_steady / r["ms_steady"]
         if "ms" in r and t0:
             r["x_bf16_grouped"] = t0 / r["ms"]
-            r["target"] = TARGETS.get(r["variant"].removesuffix(TRITON_SUFFIX))
+            r["target"] = TARGETS.get(r["variant"].removesuffix(TRITON_SUFFIX).removesuffix(UNPACKED_SUFFIX))
     return rows
 
 

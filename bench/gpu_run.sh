@@ -23,8 +23,8 @@ for i in "${!SH[@]}"; do grep -E "^(FAILED|ERROR)" "$R/tests_$i.log" | head -15;
 n=0
 for b in "$@"; do
     n=$((n + 1)); t1=$(date +%s)
-    # shellcheck disable=SC2086
-    timeout "${BENCH_TIMEOUT:-200}" python3 -m bench.$b > "$R/bench_$n.log" 2>&1
+    # eval: an argument may quote its own words (--only "a|b c")
+    eval "timeout ${BENCH_TIMEOUT:-200} python3 -m bench.$b" > "$R/bench_$n.log" 2>&1
     echo "== bench.$b rc=$? $(( $(date +%s) - t1 )) s"; tail -n "${TAIL:-25}" "$R/bench_$n.log" | cut -c1-160
 done
 tar czf "$OUT/r.tgz" -C "$OUT" r && rm -rf "$R"

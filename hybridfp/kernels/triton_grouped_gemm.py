@@ -30,8 +30,12 @@ from ._common import bf16_nan16, empty
 from .host import device_tensor
 from .triton_epilogue import OUT_CODE, store_out
 
-#: (BM, BN, BK, warps, stages): a common Hopper shape for BF16 tl.dot; untuned (issue #5).
-TILE = (128, 128, 64, 8, 3)
+#: (BM, BN, BK, warps, stages): the fastest of bench_grouped_gemm_kernel's sweep on the H200 (s12)
+TILE = (128, 256, 64, 8, 3)
+#: Row tiles that share a sweep over the column tiles (L2 swizzle). Programs launched together
+#: then read GROUP_M row tiles and a few column tiles instead of one column tile and every row
+#: tile of a wave (on the 8-expert fc1 a wave read ~130 MB of A for 2 MB of B: memory-bound).
+GROUP_M = 8
 
 
 @triton.jit
@@ -45,12 +49,19 @@ def _load_bf16(ptrs, mask, BITS: tl.constexpr):
 
 
 @triton.jit
-def _grouped_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, tiles_ptr, N,
+def _grouped_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, tiles_ptr, T, N,
                     sam, sak, sbe, sbn, sbk, sa_e, soe, som,
                     SA: tl.constexpr, SB: tl.constexpr, BIAS: tl.constexpr, OUT: tl.constexpr,
                     NAN16: tl.constexpr, BITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, KALIGN: tl.constexpr):
-    t = tl.program_id(0)
+                    BK: tl.constexpr, KALIGN: tl.constexpr, GROUP: tl.constexpr):
+    # one program per (row tile t of the table, column tile j), swizzled: GROUP consecutive row
+    # tiles run over the column tiles together, so a wave's operands stay in L2
+    pid = tl.program_id(0)
+    per_group = GROUP * tl.cdiv(N, BN)
+    first = (pid // per_group) * GROUP
+    size = tl.minimum(T - first, GROUP)
+    t = first + (pid % per_group) % size
+    j = (pid % per_group) // size
     # tile table row: expert, first row, end row, first k, end k
     e = tl.load(tiles_ptr + t * 5)
     r0 = tl.load(tiles_ptr + t * 5 + 1)
@@ -61,7 +72,7 @@ def _grouped_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, tiles_ptr, 
     k0 = tl.multiple_of(tl.load(tiles_ptr + t * 5 + 3), KALIGN)
     k1 = tl.multiple_of(tl.load(tiles_ptr + t * 5 + 4), KALIGN)
     rows = r0 + tl.arange(0, BM)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    cols = j * BN + tl.arange(0, BN)
     r64, c64, e64 = rows.to(tl.int64), cols.to(tl.int64), e.to(tl.int64)
     rmask, cmask = rows < r1, cols < N
     acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -122,7 +133,7 @@ def _alignment(bounds: list[int]) -> int:
 def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, tiles: torch.Tensor, n: int,
             sbe: int, sa: Optional[torch.Tensor], sa_e: int, sb: Optional[torch.Tensor],
             bias: Optional[torch.Tensor], soe: int, tile: tuple[int, int, int, int, int],
-            kalign: int) -> torch.Tensor:
+            kalign: int, group_m: int = GROUP_M) -> torch.Tensor:
     """Run the kernel over ``tiles`` (``_tiles``: the table and its ``kalign``)."""
     if tiles.shape[0] == 0 or n == 0:
         return out
@@ -132,13 +143,13 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, tiles: torch.Te
     bits = not a.is_cuda  # the interpreter (see _load_bf16)
     if bits:
         a, b = a.view(torch.int16), b.view(torch.int16)
-    grid = (tiles.shape[0], triton.cdiv(n, bn))
+    grid = (tiles.shape[0] * triton.cdiv(n, bn),)
     _grouped_kernel[grid](a, b, sa if sa is not None else dummy, sb if sb is not None else dummy,
-                          bias if bias is not None else dummy, dst, tiles, n,
+                          bias if bias is not None else dummy, dst, tiles, tiles.shape[0], n,
                           a.stride(0), a.stride(1), sbe, b.stride(-2), b.stride(-1), sa_e, soe, out.stride(-2),
                           SA=sa is not None, SB=sb is not None, BIAS=bias is not None,
                           OUT=OUT_CODE[out.dtype], NAN16=bf16_nan16(a.device),
-                          BITS=bits, BM=bm, BN=bn, BK=bk, KALIGN=kalign, num_warps=warps, num_stages=stages,
+                          BITS=bits, BM=bm, BN=bn, BK=bk, KALIGN=kalign, GROUP=group_m, num_warps=warps, num_stages=stages,
                           enable_fp_fusion=False)
     return out
 
@@ -146,7 +157,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, tiles: torch.Te
 def grouped_rows(a: torch.Tensor, b: torch.Tensor, splits: list[int], *, scale_a: Optional[torch.Tensor] = None,
                  scale_b: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
                  out_dtype: torch.dtype = torch.bfloat16,
-                 tile: tuple[int, int, int, int, int] = TILE) -> torch.Tensor:
+                 tile: tuple[int, int, int, int, int] = TILE, group_m: int = GROUP_M) -> torch.Tensor:
     """fprop / dgrad: ``out[r_e + i, j] = ep(Σ_k a[r_e + i, k] b[e, j, k])`` for expert e's rows.
 
     ``a`` [Σ splits, K] and ``b`` [E, N, K] BF16 (any strides); ``scale_a`` [Σ splits] (per row),
@@ -165,13 +176,13 @@ def grouped_rows(a: torch.Tensor, b: torch.Tensor, splits: list[int], *, scale_a
     starts = [sum(splits[:i]) for i in range(e + 1)]
     ranges = [(starts[i], starts[i + 1]) for i in range(e)]
     tiles, kalign = _tiles(ranges, [(0, k)] * e, tile[0], a.device)
-    return _launch(a, b, out, tiles, n, b.stride(0), scale_a, 0, scale_b, bias, 0, tile, kalign)
+    return _launch(a, b, out, tiles, n, b.stride(0), scale_a, 0, scale_b, bias, 0, tile, kalign, group_m)
 
 
 def grouped_reduction(a: torch.Tensor, b: torch.Tensor, splits: list[int], *,
                       scale_a: Optional[torch.Tensor] = None, scale_b: Optional[torch.Tensor] = None,
                       out_dtype: torch.dtype = torch.bfloat16,
-                      tile: tuple[int, int, int, int, int] = TILE) -> torch.Tensor:
+                      tile: tuple[int, int, int, int, int] = TILE, group_m: int = GROUP_M) -> torch.Tensor:
     """wgrad: ``out[e, i, j] = ep(Σ_{k in expert e's columns} a[i, k] b[j, k])``.
 
     ``a`` [M, Σ splits], ``b`` [N, Σ splits] BF16; ``scale_a`` [E, M], ``scale_b`` [E, N] FP32 or
@@ -197,4 +208,4 @@ def grouped_reduction(a: torch.Tensor, b: torch.Tensor, splits: list[int], *,
             v = v * (sa_i[:, None] * sb_i[None, :])
         out[i] = v.to(out_dtype)
     tiles, kalign = _tiles([(0, m)] * e, [(starts[i], starts[i + 1]) for i in range(e)], tile[0], a.device)
-    return _launch(a, b, out, tiles, n, 0, scale_a, m, scale_b, None, m * n, tile, kalign)
+    return _launch(a, b, out, tiles, n, 0, scale_a, m, scale_b, None, m * n, tile, kalign, group_m)

@@ -85,6 +85,27 @@ def test_rows_kernel_fp32_and_one_rounding(scaled):
 
 
 @interpreter_only
+def test_swizzle_covers_every_tile_once():
+    """The L2 swizzle (``group_m``) only reorders programs: with outputs poisoned, every group
+    size (1, one that leaves a short last group, more than the row tiles) gives the same bits in
+    both arrangements (a tile run twice or never would show)."""
+    torch.manual_seed(2)
+    e, k, n = len(SPLITS), 40, 40  # 9 row tiles and 3 column tiles of TINY
+    a, b = torch.randn(sum(SPLITS), k).bfloat16(), torch.randn(e, n, k).bfloat16()
+    ar, br = torch.randn(n, sum(SPLITS)).bfloat16(), torch.randn(n + 8, sum(SPLITS)).bfloat16()
+    with poisoned_outputs():
+        rows = [tg.grouped_rows(a, b, SPLITS, tile=TINY, group_m=g) for g in (1, 2, 4, 16)]
+        red = [tg.grouped_reduction(ar, br, SPLITS, tile=TINY, group_m=g) for g in (1, 2, 4, 16)]
+    want = torch.cat([a[r - m:r].float() @ b[i].float().t()
+                      for i, (m, r) in enumerate(zip(SPLITS, torch.tensor(SPLITS).cumsum(0).tolist()))])
+    assert _rel(rows[0].float(), want) < 2 ** -8
+    for got in rows[1:]:
+        assert torch.equal(got.view(torch.int16), rows[0].view(torch.int16))
+    for got in red[1:]:
+        assert torch.equal(got.view(torch.int16), red[0].view(torch.int16))
+
+
+@interpreter_only
 def test_reduction_kernel_with_empty_experts():
     torch.manual_seed(1)
     e, m, n = len(SPLITS), 24, 20
