@@ -35,7 +35,7 @@ TILE = (128, 256, 64, 8, 3)
 #: Row tiles that share a sweep over the column tiles (L2 swizzle). Programs launched together
 #: then read GROUP_M row tiles and a few column tiles instead of one column tile and every row
 #: tile of a wave (on the 8-expert fc1 a wave read ~130 MB of A for 2 MB of B: memory-bound).
-GROUP_M = 8
+GROUP_M = 16
 
 
 @triton.jit
