@@ -95,8 +95,13 @@ CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
 
 
 def compile_sm90(fn: Any, signature: dict[str, str], constexprs: dict[str, Any], num_warps: int) -> Any:
-    """``fn`` compiled for sm90 with the given argument types (constexprs by value)."""
-    names = list(inspect.signature(fn.fn).parameters)
+    """``fn`` compiled for sm90 with the given argument types (constexprs by value); a parameter
+    given neither takes its default as a constexpr (an optional argument left out, as the launch
+    leaves it)."""
+    params = inspect.signature(fn.fn).parameters
+    names = list(params)
+    constexprs = {**{n: p.default for n, p in params.items() if n not in signature and n not in constexprs
+                     and p.default is not inspect.Parameter.empty}, **constexprs}
     sig = {n: ("constexpr" if n in constexprs else signature[n]) for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in _DIV if n in names}
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
@@ -110,7 +115,7 @@ def opcode_counts(cubin: bytes) -> collections.Counter:
         f.write(cubin)
         f.flush()
         sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    return collections.Counter(re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass))
+    return collections.Counter(re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass))
 
 
 def main(argv: list[str] | None = None) -> None:
