@@ -1,0 +1,83 @@
+"""Tile sweep of the BF16 decode kernels (``hybridfp.kernels.triton_decode``), which Hopper's
+MXFP8 / NVFP4 GEMMs run on every operand (the MoE MXFP8 step spent 7.4 ms of 72 in them, s12).
+
+For the rowwise and the (transposed) columnwise copy of a 16384 x 4096 BF16 tensor quantized
+to MXFP8 1D and NVFP4 1D: each tile's device time (CUDA-graph replay), its bandwidth against a
+device-to-device copy of this process (bytes read: codes + scales; written: 2 per element), and
+whether its output equals the default tile's bit for bit (a tile that differs is a bug).
+
+    python -m bench.bench_decode_tiles [--out results.json]
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+import torch
+
+from bench import common
+from bench.bench_quantize_kernels import copy_gbps, graph_ms
+from bench.common import parser, require_cuda
+
+#: (tile rows, tile cols, warps); None: the kernel's default
+TILES: list[Optional[tuple[int, int, int]]] = [
+    None, (8, 512, 4), (16, 512, 4), (16, 512, 8), (32, 512, 8), (8, 1024, 4), (8, 1024, 8),
+    (16, 1024, 8), (4, 1024, 4), (32, 256, 4), (4, 512, 2), (2, 1024, 4)]
+
+
+def _copies(x: torch.Tensor) -> list[tuple[str, Any, int, int]]:
+    """(name, decode call taking launch options, bytes read, elements) of each copy to decode."""
+    from hybridfp.kernels import triton_decode, triton_mxfp8, triton_nvfp4
+    out = []
+    row, col = triton_mxfp8.quantize(x, torch.float8_e4m3fn)
+    for what, (data, scale) in (("mxfp8 row", row), ("mxfp8 col", col)):
+        out.append((what, lambda d=data, s=scale, **kw: triton_decode.decode_mxfp8(d, s, **kw),
+                    data.nbytes + scale.nbytes, data.numel()))
+    amax = x.abs().amax().float()
+    for what, (packed, scale) in zip(("nvfp4 row", "nvfp4 col"), triton_nvfp4.quantize_1d(x, amax, amax)):
+        cols = packed.shape[1] * 2
+        out.append((what, lambda p=packed, s=scale, n=cols, **kw: triton_decode.decode_nvfp4(p, s, n, **kw),
+                    packed.nbytes + scale.nbytes, packed.shape[0] * cols))
+    return out
+
+
+def run() -> list[dict[str, Any]]:
+    torch.manual_seed(0)
+    x = torch.randn(16384, 4096, device="cuda", dtype=torch.bfloat16)
+    copy = copy_gbps(x)
+    rows: list[dict[str, Any]] = []
+    for name, decode, read, n in _copies(x):
+        want = decode()
+        for tile in TILES:
+            kw = {} if tile is None else {"tile": tile[:2], "num_warps": tile[2]}
+            label = "default" if tile is None else f"{tile[:2]} nw{tile[2]}"
+            try:
+                got = decode(**kw)
+                same = torch.equal(got.view(torch.int16), want.view(torch.int16))
+                ms = graph_ms(lambda kw=kw: decode(**kw))
+            except Exception as e:  # noqa: BLE001 - a tile that does not compile is reported
+                rows.append(dict(copy=name, tile=label, error=f"{type(e).__name__}: {str(e)[:100]}"))
+                continue
+            gbps = (read + 2 * n) / ms / 1e6
+            rows.append(dict(copy=name, tile=label, ms=ms, pct_of_copy=100 * gbps / copy, bitwise_default=same))
+    return rows
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = parser(__doc__.splitlines()[0])
+    args = p.parse_args(argv)
+    require_cuda()
+    rows = run()
+    print("| copy | tile | ms | % of copy | = default |\n|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['copy']} | {r['tile']} | {r['error']} | | |")
+        else:
+            print(f"| {r['copy']} | {r['tile']} | {r['ms']:.4f} | {r['pct_of_copy']:.1f} | {r['bitwise_default']} |")
+    if args.out is not None:
+        args.out.write_text(json.dumps({"name": "decode_tiles", "env": common.environment(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
