@@ -11,14 +11,13 @@ whether its output equals the default tile's bit for bit (a tile that differs is
 
 from __future__ import annotations
 
-import json
 from typing import Any, Optional
 
 import torch
 
 from bench import common
 from bench.bench_quantize_kernels import copy_gbps, graph_ms
-from bench.common import parser, require_cuda
+from bench.common import finish, md_table, parser, require_cuda
 
 #: (tile rows, tile cols, warps); None: the kernel's default
 TILES: list[Optional[tuple[int, int, int]]] = [
@@ -69,15 +68,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = p.parse_args(argv)
     require_cuda()
     rows = run()
-    print("| copy | tile | ms | % of copy | = default |\n|---|---|---|---|---|")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['copy']} | {r['tile']} | {r['error']} | | |")
-        else:
-            print(f"| {r['copy']} | {r['tile']} | {r['ms']:.4f} | {r['pct_of_copy']:.1f} | {r['bitwise_default']} |")
-    if args.out is not None:
-        args.out.write_text(json.dumps({"name": "decode_tiles", "env": common.environment(), "rows": rows}, indent=1))
-
+    md = md_table(["copy", "tile", "ms", "% of copy", "= default"],
+                  [(r["copy"], r["tile"], r.get("ms", r.get("error")), r.get("pct_of_copy"), r.get("bitwise_default"))
+                   for r in rows])
+    finish("decode_tiles", {"env": common.environment(), "rows": rows, "markdown": md}, args.out)
 
 if __name__ == "__main__":
     main()

@@ -10,13 +10,12 @@ several tiles. Median ms (``bench.common.bench_ms``: do_bench) and TFLOP/s, with
 
 from __future__ import annotations
 
-import json
 from typing import Any, Optional
 
 import torch
 
 from bench import common
-from bench.common import parser, require_cuda
+from bench.common import finish, md_table, parser, require_cuda
 
 #: (name, rows per expert, K, N): fc1 and fc2 of the 8-expert MoE layer of bench_moe
 SHAPES = [("fc1 fprop 8x(4096->28672)", [4099, 0, 1, 5077, 6000, 31, 8192, 9368], 4096, 28672),
@@ -59,16 +58,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = p.parse_args(argv)
     require_cuda()
     rows = run(TILES[:2] if args.quick else TILES)
-    print("| shape | variant | ms | TFLOP/s | x torch._grouped_mm |\n|---|---|---|---|---|")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['shape']} | {r['variant']} | {r['error']} | | |")
-        else:
-            print(f"| {r['shape']} | {r['variant']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['vs_grouped_mm']:.3f} |")
-    if args.out is not None:
-        args.out.write_text(json.dumps({"name": "grouped_gemm_kernel", "env": common.environment(), "rows": rows},
-                                       indent=1))
-
+    md = md_table(["shape", "variant", "ms", "TFLOP/s", "x torch._grouped_mm"],
+                  [(r["shape"], r["variant"], r.get("ms", r.get("error")), r.get("tflops"), r.get("vs_grouped_mm"))
+                   for r in rows])
+    finish("grouped_gemm_kernel", {"env": common.environment(), "rows": rows, "markdown": md}, args.out)
 
 if __name__ == "__main__":
     main()
