@@ -15,9 +15,8 @@ from typing import Any, Optional
 
 import torch
 
-from bench import common
 from bench.bench_quantize_kernels import copy_gbps, graph_ms
-from bench.common import finish, md_table, parser, require_cuda
+from bench.common import finish_rows, parser, require_cuda
 
 #: (tile rows, tile cols, warps); None: the kernel's default
 TILES: list[Optional[tuple[int, int, int]]] = [
@@ -67,11 +66,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     p = parser(__doc__.splitlines()[0])
     args = p.parse_args(argv)
     require_cuda()
-    rows = run()
-    md = md_table(["copy", "tile", "ms", "% of copy", "= default"],
-                  [(r["copy"], r["tile"], r.get("ms", r.get("error")), r.get("pct_of_copy"), r.get("bitwise_default"))
-                   for r in rows])
-    finish("decode_tiles", {"env": common.environment(), "rows": rows, "markdown": md}, args.out)
+    columns = [("copy", "copy"), ("tile", "tile"), ("ms", "ms"), ("% of copy", "pct_of_copy"),
+               ("= default", "bitwise_default")]
+    finish_rows("decode_tiles", columns, run(), args.out)
+
 
 if __name__ == "__main__":
     main()

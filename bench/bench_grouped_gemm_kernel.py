@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 
 from bench import common
-from bench.common import finish, md_table, parser, require_cuda
+from bench.common import finish_rows, parser, require_cuda
 
 #: (name, rows per expert, K, N): fc1 and fc2 of the 8-expert MoE layer of bench_moe
 SHAPES = [("fc1 fprop 8x(4096->28672)", [4099, 0, 1, 5077, 6000, 31, 8192, 9368], 4096, 28672),
@@ -57,11 +57,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     p = parser(__doc__.splitlines()[0])
     args = p.parse_args(argv)
     require_cuda()
-    rows = run(TILES[:2] if args.quick else TILES)
-    md = md_table(["shape", "variant", "ms", "TFLOP/s", "x torch._grouped_mm"],
-                  [(r["shape"], r["variant"], r.get("ms", r.get("error")), r.get("tflops"), r.get("vs_grouped_mm"))
-                   for r in rows])
-    finish("grouped_gemm_kernel", {"env": common.environment(), "rows": rows, "markdown": md}, args.out)
+    columns = [("shape", "shape"), ("variant", "variant"), ("ms", "ms"), ("TFLOP/s", "tflops"),
+               ("x torch._grouped_mm", "vs_grouped_mm")]
+    finish_rows("grouped_gemm_kernel", columns, run(TILES[:2] if args.quick else TILES), args.out)
+
 
 if __name__ == "__main__":
     main()

@@ -167,3 +167,11 @@ def profile_step(step: Callable[[], Any], title: str) -> str:
         text += "\n### by self CPU time\n" + avg.table(sort_by="self_cpu_time_total", row_limit=20,
                                                           max_name_column_width=70)
     return text
+
+
+def finish_rows(name: str, columns: list[tuple[str, str]], rows: list[dict[str, Any]], out: Optional[Path]) -> None:
+    """``finish`` for a benchmark whose result is a list of row dicts: the table has one column
+    per (header, key); a row that failed shows its ``error`` in place of its "ms"."""
+    md = md_table([h for h, _ in columns],
+                  [[r.get(k, r.get("error") if k == "ms" else None) for _, k in columns] for r in rows])
+    finish(name, {"env": environment(), "rows": rows, "markdown": md}, out)
