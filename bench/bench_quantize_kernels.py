@@ -181,6 +181,21 @@ def run_sweep(x: torch.Tensor, copy: float, only: Optional[list[str]] = None) ->
             x, E4M3, block=b, num_warps=n, rowwise=False)))
         variants.append((f"mxfp8 row {blk} nw{nw}", lambda b=blk, n=nw: triton_mxfp8.quantize(
             x, E4M3, block=b, num_warps=n, columnwise=False)))
+    # MXFP8 1D method="natural" (columnwise copy from natural [rs, BC] slices, triton_mxfp8.col_copy_natural)
+    # against the "slices" rows above; (64, 256) / 4 and (64, 128) / 2 hold fewer replicated column scales
+    # per element (offline SASS), so "slices" is timed there too
+    for blk, nw in [((64, 256), 4), ((64, 128), 2)]:
+        variants.append((f"mxfp8 row+col {blk} nw{nw}",
+                         lambda b=blk, n=nw: triton_mxfp8.quantize(x, E4M3, block=b, num_warps=n)))
+        variants.append((f"mxfp8 col {blk} nw{nw}", lambda b=blk, n=nw: triton_mxfp8.quantize(
+            x, E4M3, block=b, num_warps=n, rowwise=False)))
+    for blk, nw in [((64, 128), 4), ((128, 128), 4), ((32, 128), 4), ((64, 256), 8), ((64, 256), 4), ((64, 128), 2)]:
+        for rs in (8, 16, 32):
+            variants.append((f"mxfp8 natural row+col {blk} rs{rs} nw{nw}",
+                             lambda b=blk, n=nw, r=rs: triton_mxfp8.quantize(x, E4M3, block=b, num_warps=n,
+                                                                             method="natural", row_slice=r)))
+            variants.append((f"mxfp8 natural col {blk} rs{rs} nw{nw}", lambda b=blk, n=nw, r=rs: triton_mxfp8.quantize(
+                x, E4M3, block=b, num_warps=n, method="natural", row_slice=r, rowwise=False)))
     for blk, nw in [((64, 64), 8), ((64, 128), 8), ((128, 128), 8), ((32, 128), 4)]:
         variants.append((f"fp8 cast pass row+col {blk} nw{nw}", lambda b=blk, n=nw: triton_fp8_tensorwise.quantize(
             x, E4M3, amax=g, block=b, num_warps=n)))
@@ -254,6 +269,14 @@ def run_sweep(x: torch.Tensor, copy: float, only: Optional[list[str]] = None) ->
         x, E4M3, row_map=rmap)))
     variants.append(("grouped mxfp8 col, 8 experts: row map", lambda: triton_mxfp8.quantize(
         x, E4M3, rowwise=False, row_map=rmap)))
+    for blk, nw, rs in [((64, 128), 4, 32), ((64, 128), 4, 16), ((64, 256), 4, 32), ((64, 128), 2, 32),
+                        ((128, 128), 4, 32)]:
+        variants.append((f"grouped mxfp8 natural row map row+col, 8 experts {blk} rs{rs} nw{nw}",
+                         lambda b=blk, n=nw, r=rs: triton_mxfp8.quantize(x, E4M3, row_map=rmap, block=b, num_warps=n,
+                                                                         method="natural", row_slice=r)))
+        variants.append((f"grouped mxfp8 natural row map col, 8 experts {blk} rs{rs} nw{nw}",
+                         lambda b=blk, n=nw, r=rs: triton_mxfp8.quantize(x, E4M3, row_map=rmap, block=b, num_warps=n,
+                                                                         method="natural", row_slice=r, rowwise=False)))
     out = []
     for name, fn in variants:
         if only and not any(o in name for o in only):

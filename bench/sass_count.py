@@ -63,6 +63,15 @@ CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
        for what, row, col, mapped in [("row+col", True, True, False), ("row", True, False, False),
                                       ("col", False, True, False), ("col, row map", False, True, True),
                                       ("row+col, row map", True, True, True)]},
+    # MXFP8 1D method="natural": the columnwise copy from natural [rs, BC] slices (the rowwise one unchanged)
+    **{f"mxfp8 natural {what} {t} rs{rs} nw{nw}": (
+        "triton_mxfp8", "_mxfp8_1d_kernel", _MX_SIG,
+        dict(_FP8, sxc=1, ROW=row, COL=col, DTYPE=1, BR=t[0], BC=t[1], PACK=True, HW=True, MAP=mapped, NATURAL=True,
+             RS=rs), t[0] * t[1] // (32 * nw), nw)
+       for what, row, col, mapped in [("row+col", True, True, False), ("col", False, True, False),
+                                      ("col, row map", False, True, True), ("row+col, row map", True, True, True)]
+       for t, nw in [((64, 128), 4), ((128, 128), 4), ((32, 128), 4), ((64, 256), 8), ((64, 256), 4), ((64, 128), 2)]
+       for rs in (8, 16, 32)},
     **{f"nvfp4 row + mxfp8 col {src} (32, 64)": (
         "triton_hybrid_nvfp4", "_nvfp4_mxfp8_kernel",
         dict(_MX_SIG, amax_ptr="*fp32", RCP6="fp32"),

@@ -3,11 +3,16 @@
 - 1D: rowwise 1x32 blocks ``[R, C]`` + E8M0 ``[R, ceil(C/32)]``, and columnwise 32x1 blocks
   stored transposed ``[C, R]`` + ``[C, ceil(R/32)]``, from the same [BR, BC] tile (read from
   device memory once; the columnwise copy re-reads it from cache as transposed [BC, 32]
-  tiles whose 32 rows sit in one thread: ``_common.load_rows32_t``).
+  tiles whose 32 rows sit in one thread: ``_common.load_rows32_t``; ``method="slices"``, the
+  default). ``method="natural"`` (:func:`col_copy_natural`): the columnwise pass re-reads each
+  32-row block in natural [ROW_SLICE, BC] slices instead (row-major vector loads, as FP8 block's
+  "natural"), the 32x1 amax is a running max over the slices, and the codes of four rows of a
+  column join into one int32 word inside a thread, so the transposed stores stay wide.
 - 2D: 32x32 tiles; the columnwise copy is the rowwise one transposed (data and scales).
 
-Bitwise equal to ``formats.mxfp8`` (tests/kernels/test_kernels_mxfp8.py): the E8M0 byte is
-computed from the FP32 amax bits exactly as ``e8m0_from_amax``; ``x / 2**k`` is computed as
+Bitwise equal to ``formats.mxfp8`` (tests/kernels/test_kernels_mxfp8.py; "natural" against
+"slices" too: test_kernels_mxfp8_natural.py): the E8M0 byte is computed from the FP32 amax
+bits exactly as ``e8m0_from_amax``; ``x / 2**k`` is computed as
 ``x * 2**-k`` with the reciprocal built from bits (both are the correctly rounded value of the
 same real number, and every 2**-k for a valid byte is an FP32 number), then clamped and
 rounded to the FP8 grid by ``_common.fp8_encode``. Data are written as uint8 code bytes into
@@ -26,6 +31,7 @@ import triton.language as tl
 from ._common import (program_tile, load_tile, DTYPE_CODE, Copies, amax_nan, check_int32_tiles, empty, f32, fp8_encode,
                       fp8_params, hw_fp8, kernel_input, load_f32, load_rows32_t, store_transposed_u8,
                       store_words_t, tile_offsets)
+from .triton_fp8_block import abs_bits, bits_amax
 
 BLOCK = 32
 _BLOCK = tl.constexpr(BLOCK)  # the same, visible inside kernels
@@ -96,19 +102,126 @@ def row_copy(x, mask, r0, c0, R, C, rd_ptr, rs_ptr, RCEIL: tl.constexpr, EMAX: t
 
 
 @triton.jit
+def _natural_rows(xbase, lr, lc, rmax, cmask, sxr, sxc, DTYPE: tl.constexpr, mbase, MAP: tl.constexpr):
+    """Tile rows ``lr`` ([N], tile-local; ``rmax`` rows left from the tile origin) of columns
+    ``lc`` as a natural [N, BC] FP32 slice (row-major: vector loads along the columns), zeros
+    past the tensor. ``MAP``: tile row i is source row ``mbase[i]`` of the source whose column
+    base is ``xbase`` (zeros where negative), as in ``_common.load_rows32_t``."""
+    ok = lr < rmax
+    if MAP:
+        src = tl.load(mbase + lr, mask=ok, other=-1)
+        return load_f32(xbase + src.to(tl.int64)[:, None] * sxr + (lc * sxc)[None, :],
+                        (src >= 0)[:, None] & cmask[None, :], DTYPE)
+    else:
+        return load_f32(xbase + tile_offsets(lr, lc, sxr, sxc), ok[:, None] & cmask[None, :], DTYPE)
+
+
+@triton.jit
+def _codes(x, inv, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, HW: tl.constexpr):
+    """FP8 codes (int32) of a natural slice ``x`` [N, BC] scaled by its columns' ``inv`` [BC]."""
+    return fp8_encode(x * inv[None, :], FP8_MAX, MBITS, BIAS, HW).to(tl.int32)
+
+
+@triton.jit
+def _store_rows4_t(cd_ptr, q0, q1, q2, q3, l4, lc, cmask, r0, c0, pr, R, BR: tl.constexpr, PACK: tl.constexpr):
+    """Store the codes ``qk`` (int32, [N, BC], natural layout) of tile rows ``4 * l4 + k`` (tile
+    origin (r0, c0) = (pr * BR, c0) of an [R, C] input) transposed into the [C, R] byte array.
+
+    The four rows of a word sit in one thread (same register position of four slices), so
+    ``PACK`` (R % 4 == 0) joins them into one little-endian int32 without data exchange and the
+    word tile leaves transposed through the compiler's shared-memory layout conversion (N
+    consecutive words per column: wide stores). Else four byte stores."""
+    lr4 = l4 * 4
+    if PACK:
+        w = q0 | (q1 << 8) | (q2 << 16) | (q3 << 24)
+        # word (c, r / 4) of the [C, R / 4] view; pr * (BR // 4) keeps the 16-byte alignment visible
+        wbase = cd_ptr.to(tl.pointer_type(tl.int32)) + c0.to(tl.int64) * (R // 4) + pr * (BR // 4)
+        # the row test on word indices: constant over runs of 4 words, so the stores stay vectors
+        wmask = ((pr * (BR // 4) + l4) < R // 4)[:, None] & cmask[None, :]
+        tl.store(wbase + tile_offsets(l4, lc, 1, R // 4), w, mask=wmask)
+    else:
+        bbase = cd_ptr + c0.to(tl.int64) * R + r0
+        off = tile_offsets(lr4, lc, 1, R)
+        tl.store(bbase + off, q0.to(tl.uint8), mask=((r0 + lr4) < R)[:, None] & cmask[None, :])
+        tl.store(bbase + off + 1, q1.to(tl.uint8), mask=((r0 + lr4 + 1) < R)[:, None] & cmask[None, :])
+        tl.store(bbase + off + 2, q2.to(tl.uint8), mask=((r0 + lr4 + 2) < R)[:, None] & cmask[None, :])
+        tl.store(bbase + off + 3, q3.to(tl.uint8), mask=((r0 + lr4 + 3) < R)[:, None] & cmask[None, :])
+
+
+@triton.jit
+def col_copy_natural(xbase, r0, c0, pr, R, C, sxr, sxc, cd_ptr, cs_ptr, mbase, RCEIL: tl.constexpr,
+                     EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr, RCP,
+                     HW: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                     RS: tl.constexpr, PACK: tl.constexpr, MAP: tl.constexpr):
+    """Columnwise 32x1 copy of the [BR, BC] tile at (r0, c0) = (pr * BR, c0) (``xbase`` points at
+    it; ``MAP``: at the source's column c0, rows through ``mbase``, the map at r0), stored
+    transposed, and its E8M0 bytes, from natural [RS, BC] slices (``RS`` rows, 4 .. 32, dividing
+    32) of each 32-row block, each read as four [RS / 4, BC] slices of rows 4i + k.
+
+    The block amax is a running max of the |x| bits over those slices (one integer max per
+    element in registers) and one reduction across rows per block. With RS = 32 the block's
+    slices stay in registers for the codes (one read); smaller slices read the block twice (amax,
+    then codes) but hold fewer registers."""
+    lc = tl.arange(0, BC)
+    cmask = (c0 + lc) < C
+    rmax = R - r0
+    nbr = tl.cdiv(R, _BLOCK)
+    N: tl.constexpr = RS // 4
+    for b in tl.static_range(BR // _BLOCK):
+        if RS == _BLOCK:  # the whole block in registers: amax and codes from one read
+            l4 = b * N + tl.arange(0, N)
+            x0 = _natural_rows(xbase, l4 * 4, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP)
+            x1 = _natural_rows(xbase, l4 * 4 + 1, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP)
+            x2 = _natural_rows(xbase, l4 * 4 + 2, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP)
+            x3 = _natural_rows(xbase, l4 * 4 + 3, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP)
+            m = tl.maximum(tl.maximum(abs_bits(x0), abs_bits(x1)), tl.maximum(abs_bits(x2), abs_bits(x3)))
+            e = _e8m0_byte(bits_amax(tl.max(m, 0)), RCEIL, EMAX, RCP)
+            inv = _e8m0_inverse(e)
+            q0 = _codes(x0, inv, FP8_MAX, MBITS, BIAS, HW)
+            q1 = _codes(x1, inv, FP8_MAX, MBITS, BIAS, HW)
+            q2 = _codes(x2, inv, FP8_MAX, MBITS, BIAS, HW)
+            q3 = _codes(x3, inv, FP8_MAX, MBITS, BIAS, HW)
+            _store_rows4_t(cd_ptr, q0, q1, q2, q3, l4, lc, cmask, r0, c0, pr, R, BR, PACK)
+        else:
+            m = tl.zeros([N, BC], tl.int32)
+            for s in tl.static_range(_BLOCK // RS):
+                l4 = (b * _BLOCK + s * RS) // 4 + tl.arange(0, N)
+                for k in tl.static_range(4):
+                    m = tl.maximum(m, abs_bits(_natural_rows(xbase, l4 * 4 + k, lc, rmax, cmask, sxr, sxc, DTYPE,
+                                                             mbase, MAP)))
+            e = _e8m0_byte(bits_amax(tl.max(m, 0)), RCEIL, EMAX, RCP)
+            inv = _e8m0_inverse(e)
+            for s in tl.static_range(_BLOCK // RS):
+                l4 = (b * _BLOCK + s * RS) // 4 + tl.arange(0, N)
+                q0 = _codes(_natural_rows(xbase, l4 * 4, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP), inv,
+                            FP8_MAX, MBITS, BIAS, HW)
+                q1 = _codes(_natural_rows(xbase, l4 * 4 + 1, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP), inv,
+                            FP8_MAX, MBITS, BIAS, HW)
+                q2 = _codes(_natural_rows(xbase, l4 * 4 + 2, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP), inv,
+                            FP8_MAX, MBITS, BIAS, HW)
+                q3 = _codes(_natural_rows(xbase, l4 * 4 + 3, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP), inv,
+                            FP8_MAX, MBITS, BIAS, HW)
+                _store_rows4_t(cd_ptr, q0, q1, q2, q3, l4, lc, cmask, r0, c0, pr, R, BR, PACK)
+        blk = pr * (BR // _BLOCK) + b
+        tl.store(cs_ptr + (c0 + lc).to(tl.int64) * nbr + blk, e.to(tl.uint8),
+                 mask=cmask & ((lc * 0 + blk) < nbr))  # a vector test: see _common._row
+
+
+@triton.jit
 def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.constexpr, RCP,
                      ROW: tl.constexpr, COL: tl.constexpr, RCEIL: tl.constexpr,
                      EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
                      FP8_MAX: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr,
                      BC: tl.constexpr, PACK: tl.constexpr, HW: tl.constexpr, map_ptr,
-                     MAP: tl.constexpr):
+                     MAP: tl.constexpr, NATURAL: tl.constexpr = False, RS: tl.constexpr = 32):
     """One [BR, BC] tile per program. Rowwise 1x32 blocks from the natural tile (a block's 32
     columns sit in a few neighbouring threads); columnwise 32x1 blocks from transposed
     [BC, 32] tiles re-read from cache (``_common.load_rows32_t``: register-local block amax,
     word stores), one per 32 rows. (Transposing each 32-row slice in registers instead,
     ``tl.trans``, measured 0.181 vs 0.142 ms row+col on the H200: not kept.) ``MAP``: the R rows
     are ``x[map_ptr[r]]`` (zero where negative), and the rowwise copy goes to the source's own
-    rows."""
+    rows. ``NATURAL``: the columnwise copy from natural [RS, BC] slices instead
+    (:func:`col_copy_natural`)."""
     pr, pc = program_tile(C, BR, BC)
     r0, c0 = pr * BR, pc * BC
     lc = tl.arange(0, BC)
@@ -127,7 +240,10 @@ def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.c
             mask = ((r0 + lr) < R)[:, None] & ((c0 + lc) < C)[None, :]
             x = load_f32(xbase + tile_offsets(lr, lc, sxr, sxc), mask, DTYPE)
             row_copy(x, mask, r0, c0, R, C, rd_ptr, rs_ptr, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW)
-    if COL:
+    if COL and NATURAL:
+        col_copy_natural(xbase, r0, c0, pr, R, C, sxr, sxc, cd_ptr, cs_ptr, map_ptr + r0, RCEIL, EMAX, MBITS, BIAS,
+                         FP8_MAX, RCP, HW, DTYPE, BR, BC, RS, PACK, MAP)
+    elif COL:
         cmask = (c0 + lc) < C
         nbr = tl.cdiv(R, _BLOCK)
         for b in tl.static_range(BR // _BLOCK):
@@ -164,10 +280,16 @@ def _mxfp8_2d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.c
         tl.store(cs_ptr + sc[None, :] * nbr + sr[:, None], e8, mask=smask)
 
 
+#: 1D columnwise methods: "slices" (transposed [BC, 32] slices, ``_common.load_rows32_t``; the
+#: default until "natural" is timed on the H200) and "natural" (:func:`col_copy_natural`).
+METHODS = ("slices", "natural")
+
+
 def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block_2d: bool = False,
              rowwise: bool = True, columnwise: bool = True, block: Optional[tuple[int, int]] = None,
              num_warps: Optional[int] = None, pack: bool = True,
-             row_map: Optional[torch.Tensor] = None) -> Copies:
+             row_map: Optional[torch.Tensor] = None, method: str = "slices",
+             row_slice: Optional[int] = None) -> Copies:
     """MXFP8-quantize 2D ``x2`` (any strides); returns ``(row, col)``, each ``(data, scale)`` or
     None: the same tensors as ``formats.mxfp8.quantize_1d(x2)`` / ``quantize_1d(x2.t())``
     (``block_2d``: ``quantize_2d(x2)`` and its transpose). ``block``: the tile (multiples of 32;
@@ -180,9 +302,25 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
     (``kernels.triton_pad_rows.pad_rows``'s output), without writing that tensor: the
     zero-padded expert groups of a grouped columnwise copy. The rowwise copy stays x2's own
     ([R, C], from the same read of each row).
+    ``method`` (1D columnwise copy; the same bytes either way): "slices" re-reads each 32-row
+    block as a transposed [BC, 32] tile, one column per thread; "natural" re-reads it in natural
+    ``row_slice``-row slices (4, 8, 16 or 32; default 32: the block stays in registers) with
+    vector loads and packs four rows' codes into an int32 word per thread (not for FP32 input:
+    see ``triton_fp8_block.natural_pack``). Not yet timed on the H200; offline sm90 counts favour
+    (64, 256) / 4 or (64, 128) / 2 warps for it (fewer replicated column scales per element).
     """
     if rule not in ("rceil", "floor"):
         raise ValueError(f"rule={rule!r} is unknown; use 'rceil' or 'floor'.")
+    if method not in METHODS or (method == "natural" and block_2d):
+        raise ValueError(f"method={method!r} is unknown for block_2d={block_2d}; use 'slices' or "
+                         "'natural' (1D only).")
+    natural = method == "natural"
+    rslice = 32 if row_slice is None else row_slice
+    if row_slice is not None and not natural:
+        raise ValueError("row_slice is for method='natural'; leave it out for 'slices'.")
+    if rslice not in (4, 8, 16, 32):
+        raise ValueError(f"row_slice={row_slice} must be 4, 8, 16 or 32 (rows per natural slice of a "
+                         "32-row block).")
     rows, cols = x2.shape
     src_rows = rows
     if row_map is not None:
@@ -220,11 +358,15 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
     cd, cs = (col[0].view(torch.uint8), col[1]) if col else (dummy, dummy)
     kernel = _mxfp8_2d_kernel if block_2d else _mxfp8_1d_kernel
     mapped = {} if block_2d else {"map_ptr": row_map if row_map is not None else dummy, "MAP": row_map is not None}
+    # word stores need R % 4 == 0; "natural" also not for FP32 input (the Triton 3.6 miscompile
+    # of its packed stores in the FP8 block kernel: triton_fp8_block.natural_pack)
+    packed = pack and rows % 4 == 0 and not (natural and x2.dtype == torch.float32)
+    method_args = {"NATURAL": True, "RS": rslice} if natural else {}
     grid = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)
     extra = {"num_warps": num_warps or (8 if block_2d else min(max(bc // 32, 1), 8))}
     kernel[grid](kernel_input(x2), rd, rs, cd, cs, rows, cols, x2.stride(0), x2.stride(1), f32(1.0 / fmax),
                  ROW=rowwise, COL=columnwise, RCEIL=rule == "rceil",
                  EMAX={3: 8, 2: 15}[mbits], MBITS=mbits, BIAS=bias, FP8_MAX=fmax,
                  DTYPE=DTYPE_CODE[x2.dtype], BR=br, BC=bc,
-                 PACK=pack and rows % 4 == 0, HW=hw_fp8(dev), **mapped, **extra)
+                 PACK=packed, HW=hw_fp8(dev), **mapped, **method_args, **extra)
     return row, col
