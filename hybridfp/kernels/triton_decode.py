@@ -46,9 +46,13 @@ _PLAIN, _E8M0, _POW2_F32, _NVFP4 = (tl.constexpr(i) for i in range(4))
 #: default tile (rows, cols), 4 warps. 32 x 256 was the fastest of four tiles on the H200 for
 #: every decode (bench/bench_gemm_pairs.py); a later sweep with smaller tiles found 8 x 512
 #: faster for the 1x32 / 1x16 block decodes (MXFP8 0.081 vs 0.102 ms, NVFP4 pairs 0.063 vs
-#: 0.068 ms at 8192^2: fewer registers per thread, 108 vs 255 for MXFP8): _TILE_1D.
+#: 0.068 ms at 8192^2: fewer registers per thread, 108 vs 255 for MXFP8): _TILE_1D. Session
+#: 12's sweep (bench/bench_decode_tiles.py, 16384x4096, every tile bitwise the old default's)
+#: found 4 x 512 on 2 warps 5 % faster again for MXFP8 (0.0727 vs 0.0769 ms rowwise, 0.0736 vs
+#: 0.0777 columnwise) and 1-2 % for NVFP4: _TILE_1D / _WARPS_1D.
 _TILE = (32, 256)
-_TILE_1D = (8, 512)
+_TILE_1D = (4, 512)
+_WARPS_1D = 2
 
 
 @triton.jit
@@ -173,9 +177,11 @@ def _decode_kernel(src_ptr, s_ptr, out_ptr, R, C, src_stride, s_stride, NSR, NSC
 
 def _launch(src: torch.Tensor, scale: torch.Tensor | None, cols: int, kind: int, *,
             fp8_dtype: torch.dtype = torch.float8_e4m3fn, block: tuple[int, int] = (1, 1),
-            tile: Optional[tuple[int, int]] = None, num_warps: int = 4, pairs: bool = False) -> torch.Tensor:
+            tile: Optional[tuple[int, int]] = None, num_warps: Optional[int] = None,
+            pairs: bool = False) -> torch.Tensor:
     """Decode the [rows, cols] copy whose raw bytes are ``src`` (last dim contiguous).
-    ``pairs`` (NVFP4, even ``cols``): write two elements per int32 word."""
+    ``pairs`` (NVFP4, even ``cols``): write two elements per int32 word. ``tile`` / ``num_warps``
+    default to ``_TILE_1D`` / ``_WARPS_1D`` for 1x32 and 1x16 block scales, else ``_TILE`` / 4."""
     rows = src.shape[0]
     out = empty((rows, cols), torch.bfloat16, src.device)
     if out.numel() == 0:
@@ -183,7 +189,9 @@ def _launch(src: torch.Tensor, scale: torch.Tensor | None, cols: int, kind: int,
     if src.stride(-1) != 1:
         src = src.contiguous()
     sr, sc = block
-    tile = tile or (_TILE_1D if sr == 1 and kind in (_E8M0.value, _NVFP4.value) else _TILE)
+    one_d = sr == 1 and kind in (_E8M0.value, _NVFP4.value)
+    tile = tile or (_TILE_1D if one_d else _TILE)
+    num_warps = num_warps or (_WARPS_1D if one_d else 4)
     br, bc = tile[0], max(tile[1], sc)
     if scale is None:
         scale = src  # _PLAIN reads no scales; the kernel still takes a pointer argument

@@ -341,9 +341,8 @@ def _padded_rows(src: torch.Tensor, splits: Sequence[int], starts: Sequence[int]
     source row r moves down by the padding before its group."""
     shifts, counts = device_tensor([[p - s for p, s in zip(starts, _offsets(splits, 1))], list(splits)],
                                    src.device).unbind(0)
-    index = torch.arange(src.shape[0], device=src.device) + torch.repeat_interleave(
+    return torch.arange(src.shape[0], device=src.device) + torch.repeat_interleave(
         shifts, counts, output_size=src.shape[0])  # output_size: no device sync
-    return index
 
 
 def _row_map(index: torch.Tensor, total: int, src: torch.Tensor) -> torch.Tensor:
