@@ -63,10 +63,11 @@ CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
        for what, row, col, mapped in [("row+col", True, True, False), ("row", True, False, False),
                                       ("col", False, True, False), ("col, row map", False, True, True),
                                       ("row+col, row map", True, True, True)]},
-    # MXFP8 1D method="natural": the columnwise copy from natural [rs, BC] slices (the rowwise one unchanged)
+    # MXFP8 1D method="natural": the columnwise copy from natural [rs, BC] slices (the rowwise one unchanged),
+    # one inline-PTX FP8 conversion per element (triton_mxfp8.NATURAL_HW)
     **{f"mxfp8 natural {what} {t} rs{rs} nw{nw}": (
         "triton_mxfp8", "_mxfp8_1d_kernel", _MX_SIG,
-        dict(_FP8, sxc=1, ROW=row, COL=col, DTYPE=1, BR=t[0], BC=t[1], PACK=True, HW=True, MAP=mapped, NATURAL=True,
+        dict(_FP8, sxc=1, ROW=row, COL=col, DTYPE=1, BR=t[0], BC=t[1], PACK=True, HW=2, MAP=mapped, NATURAL=True,
              RS=rs), t[0] * t[1] // (32 * nw), nw)
        for what, row, col, mapped in [("row+col", True, True, False), ("col", False, True, False),
                                       ("col, row map", False, True, True), ("row+col, row map", True, True, True)]

@@ -348,15 +348,44 @@ def _hw_fp8_code(v, MBITS: tl.constexpr):
         hw = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
         hw = v.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    return _fp8_nan_select(v, hw)
+
+
+@triton.jit
+def _fp8_nan_select(v, hw):
+    """``hw`` (uint8 codes of FP32 ``v``) with NaNs as 0x7F | sign, torch's byte."""
     nan = (((v.to(tl.int32, bitcast=True) >> 24) & 0x80) | 0x7F).to(tl.uint8)
     return tl.where(v != v, nan, hw)
 
 
 @triton.jit
+def _asm_fp8_code(v, MBITS: tl.constexpr):
+    """The same byte as :func:`_hw_fp8_code`, one ``cvt.rn.satfinite.e4m3x2 / e5m2x2.f32`` per
+    element (the other half of the pair is 0.0) through inline PTX instead of Triton's own
+    conversion, which pairs neighbouring register elements. Why: with Triton 3.6 on the H200
+    some tile / layout combinations of the "natural" columnwise passes (4-row int32 words stored
+    transposed) gave wrong bytes with Triton's conversion while the software encode was right
+    (notes/quantize_kernels.md, sessions 11 and 13); one conversion per element leaves nothing
+    to pair. Costs one more ``F2FP`` per two elements."""
+    if MBITS == 3:
+        b = tl.inline_asm_elementwise(
+            "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, 0f00000000, $1; cvt.u32.u16 $0, t; }",
+            "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        b = tl.inline_asm_elementwise(
+            "{ .reg .b16 t; cvt.rn.satfinite.e5m2x2.f32 t, 0f00000000, $1; cvt.u32.u16 $0, t; }",
+            "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
+    return _fp8_nan_select(v, b.to(tl.uint8))
+
+
+@triton.jit
 def fp8_encode(v, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, HW: tl.constexpr = False):
     """FP8 code bytes of FP32 ``v`` saturated to ±FP8_MAX (SPEC §2: round to nearest even,
-    saturate): the hardware conversion on the GPU, which saturates itself; elsewhere
-    :func:`clamp_sym` then :func:`fp8_code`'s integer rounding."""
+    saturate): the hardware conversion on the GPU, which saturates itself (``HW`` 1: Triton's
+    conversion; 2: one inline-PTX conversion per element, :func:`_asm_fp8_code`); elsewhere
+    (``HW`` 0) :func:`clamp_sym` then :func:`fp8_code`'s integer rounding."""
+    if HW == 2:
+        return _asm_fp8_code(v, MBITS)
     if HW:
         return _hw_fp8_code(v, MBITS)
     return fp8_code(clamp_sym(v, FP8_MAX), MBITS, BIAS)

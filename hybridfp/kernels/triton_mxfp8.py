@@ -283,6 +283,10 @@ def _mxfp8_2d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.c
 #: 1D columnwise methods: "slices" (transposed [BC, 32] slices, ``_common.load_rows32_t``; the
 #: default until "natural" is timed on the H200) and "natural" (:func:`col_copy_natural`).
 METHODS = ("slices", "natural")
+#: ``fp8_encode``'s HW for the "natural" method on GPUs with the FP8 conversion: 2, one
+#: inline-PTX conversion per element. With Triton's paired conversion (1) the H200 gave wrong
+#: columnwise bytes at (64, 256) / 4 warps for BF16 input (s13; the default tile was right).
+NATURAL_HW = 2
 
 
 def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block_2d: bool = False,
@@ -368,5 +372,5 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
                  ROW=rowwise, COL=columnwise, RCEIL=rule == "rceil",
                  EMAX={3: 8, 2: 15}[mbits], MBITS=mbits, BIAS=bias, FP8_MAX=fmax,
                  DTYPE=DTYPE_CODE[x2.dtype], BR=br, BC=bc,
-                 PACK=packed, HW=hw_fp8(dev), **mapped, **method_args, **extra)
+                 PACK=packed, HW=(NATURAL_HW if natural else True) if hw_fp8(dev) else False, **mapped, **method_args, **extra)
     return row, col

@@ -158,6 +158,12 @@ def test_natural_errors():
 #: GPU sizes: the dense input, and 8 experts' routed rows (awkward counts, an empty expert)
 #: summing to 40000 at hidden 4096, whose first HEAD padded rows are checked against the reference.
 GPU_SHAPE = (16384, 4096)
+#: the tiles the GPU test runs "natural" at: each row_slice at the default tile, and the tiles
+#: bench_quantize_kernels sweeps ((64, 128) / 2 warps: the fastest columnwise-only, s13)
+NATURAL_GPU_CONFIGS = [dict(row_slice=rs) for rs in (8, 16, 32)] + [
+    dict(block=(64, 256), num_warps=4), dict(block=(64, 256), num_warps=8), dict(block=(64, 128), num_warps=2),
+    dict(block=(128, 128), num_warps=4), dict(block=(32, 128), num_warps=4),
+    dict(block=(64, 128), num_warps=2, row_slice=16)]
 MOE_SPLITS = [5003, 0, 1, 7077, 9000, 31, 12800, 6088]
 HIDDEN = HEAD = 4096
 
@@ -177,11 +183,14 @@ def test_natural_gpu_bitwise(case):
         rm = _row_map(_padded_rows(x, MOE_SPLITS, starts), _padded_total(MOE_SPLITS, 32, starts), x)
     else:
         x = gpu_input(GPU_SHAPE, torch.float32 if case == "fp32" else torch.bfloat16, specials=True)
-    configs = [dict(row_slice=rs) for rs in (8, 16, 32)] + [
-        dict(block=(64, 256), num_warps=4), dict(block=(64, 128), num_warps=2), dict(block=(128, 128), num_warps=4)]
-    for kw in configs:
+    failed = []  # every config runs: a miscompile shows up as a pattern over tiles, not one
+    for kw in NATURAL_GPU_CONFIGS:
         for rowwise in (True, False):
-            check_natural(x, rowwise=rowwise, row_map=rm, reference=False, **kw)
+            try:
+                check_natural(x, rowwise=rowwise, row_map=rm, reference=False, **kw)
+            except AssertionError as err:
+                failed.append(f"rowwise={rowwise}: {err}".splitlines()[0])
+    assert not failed, "\n".join(failed)
     with poisoned_outputs(0x7F):
         row, col = triton_mxfp8.quantize(x, E4M3, row_map=rm, method="natural")
     torch.cuda.synchronize()
