@@ -47,7 +47,8 @@ def check_natural(x: torch.Tensor, dtype: torch.dtype = E4M3, rule: str = "rceil
     ``formats.mxfp8`` copies of x and of the row-mapped (gathered) tensor's transpose."""
     args = dict(rule=rule, rowwise=rowwise, row_map=row_map)
     with poisoned_outputs(0x7F):
-        want = triton_mxfp8.quantize(x, dtype, **args, block=kw.get("block"), num_warps=kw.get("num_warps"))
+        want = triton_mxfp8.quantize(x, dtype, **args, block=kw.get("block"), num_warps=kw.get("num_warps"),
+                                     method="slices")
     with poisoned_outputs(0x7F):
         got = triton_mxfp8.quantize(x, dtype, **args, method="natural", **kw)
     for i, d in enumerate(("rowwise", "columnwise")):
@@ -204,3 +205,40 @@ def test_natural_gpu_bitwise(case):
         d, s = mxfp8.quantize_1d(head.t(), E4M3)
         _same((col[0][:, :HEAD], col[1][:, :HEAD // 32]), (d, s), "columnwise natural (row map) vs reference")
         _same(row, mxfp8.quantize_1d(x, E4M3), "rowwise natural (row map) vs reference")
+
+
+def test_default_method_choice():
+    """No method named: "natural" on its measured tile for a columnwise-only 1D copy of 16-bit
+    input with no tile asked for; "slices" (and the caller's tile) for everything else."""
+    choose = triton_mxfp8._default_method
+    bf, f32 = torch.empty(2, 2, dtype=torch.bfloat16), torch.empty(2, 2)
+    assert choose(bf, False, True, False, None, None) == ("natural", *triton_mxfp8.COL_ONLY_NATURAL)
+    assert choose(bf.half(), False, True, False, None, None)[0] == "natural"
+    assert choose(bf, True, True, False, None, None) == ("slices", None, None)
+    assert choose(f32, False, True, False, None, None) == ("slices", None, None)
+    assert choose(bf, False, True, True, None, None) == ("slices", None, None)
+    assert choose(bf, False, True, False, (32, 128), None) == ("slices", (32, 128), None)
+    assert choose(bf, False, True, False, None, 4) == ("slices", None, 4)
+
+
+@interpreter_only
+@pytest.mark.parametrize("row_map", [False, True], ids=["plain", "row map"])
+def test_default_columnwise_only_is_natural_and_exact(row_map):
+    """The default columnwise-only call (now "natural" on (64, 128) / 2 warps) gives the bytes of
+    "slices" and of the reference, with and without a row map."""
+    x = edge_tensor((100, 160), torch.bfloat16, seed=5, specials=True)
+    rm = None
+    if row_map:
+        rm = torch.full((160,), -1, dtype=torch.int32)
+        rm[torch.randperm(160, generator=torch.Generator().manual_seed(1))[:100]] = torch.arange(100, dtype=torch.int32)
+    with poisoned_outputs(0x7F):
+        got = triton_mxfp8.quantize(x, E4M3, rowwise=False, row_map=rm)
+    with poisoned_outputs(0x7F):
+        want = triton_mxfp8.quantize(x, E4M3, rowwise=False, row_map=rm, method="slices")
+    assert got[0] is None
+    _same(got[1], want[1], "default columnwise-only vs slices")
+    src = x
+    if rm is not None:
+        src = torch.zeros(160, 160, dtype=x.dtype)
+        src[rm >= 0] = x[rm[rm >= 0].long()]
+    _same(got[1], mxfp8.quantize_1d(src.t(), E4M3), "default columnwise-only vs reference")
