@@ -264,10 +264,12 @@ def run_sweep(x: torch.Tensor, copy: float, only: Optional[list[str]] = None) ->
     rmap = _row_map(_padded_rows(x, splits, starts), total, x)
     variants.append(("grouped mxfp8 row+col, 8 experts: row, pad, col (3 passes)", lambda: (
         triton_mxfp8.quantize(x, E4M3, columnwise=False),
-        triton_mxfp8.quantize(triton_pad_rows.pad_rows(x, rmap), E4M3, rowwise=False))))
+        triton_mxfp8.quantize(triton_pad_rows.pad_rows(x, rmap), E4M3, rowwise=False, method="slices"))))
     variants.append(("grouped mxfp8 row+col, 8 experts: row map (1 pass)", lambda: triton_mxfp8.quantize(
         x, E4M3, row_map=rmap)))
-    variants.append(("grouped mxfp8 col, 8 experts: row map", lambda: triton_mxfp8.quantize(
+    variants.append(("grouped mxfp8 col, 8 experts: row map, slices", lambda: triton_mxfp8.quantize(
+        x, E4M3, rowwise=False, row_map=rmap, method="slices")))
+    variants.append(("grouped mxfp8 col, 8 experts: row map, default", lambda: triton_mxfp8.quantize(
         x, E4M3, rowwise=False, row_map=rmap)))
     for blk, nw, rs in [((64, 128), 4, 32), ((64, 128), 4, 16), ((64, 256), 4, 32), ((64, 128), 2, 32),
                         ((128, 128), 4, 32)]:
