@@ -46,12 +46,13 @@ RECIPES: list[tuple[str, Callable[[], hybridfp.Recipe]]] = [
 ]
 TARGETS = {"hybridfp FP8 current": 1.30, "hybridfp MXFP8": 0.90,
            "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)": 0.90}
-#: recipes timed a second time with grouped_gemm's Triton path allowed on CUDA (it is opt-in
-#: there: verified, but slower than per expert so far; gemm/grouped_triton.VERIFIED_ON)
-#: (FP8 per-tensor pairs keep cuBLAS FP8 and MXFP8 takes torch._grouped_mm: only Composer-2's
-#: row-scaled NVFP4 fprop is a candidate today)
+#: recipes timed twice more: with grouped_gemm's Triton path forced on and forced off on CUDA
+#: (its default there: from gemm/grouped_triton.MANY_EXPERTS experts on). FP8 per-tensor pairs
+#: keep cuBLAS FP8 and MXFP8 takes torch._grouped_mm: only Composer-2's row-scaled NVFP4 fprop
+#: is a candidate today.
 TRITON_VARIANTS = ("hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)",)
 TRITON_SUFFIX = " [Triton grouped]"
+PER_EXPERT_SUFFIX = " [per-expert GEMMs]"
 #: recipes timed a second time with each expert's weight its own tensor (GroupedLinear
 #: ``pack_weights=False``): big per-tensor-scaled weights are then quantized one by one instead
 #: of through the grouped quantization of the packed buffer (quantizers/grouped._worth_stacking)
@@ -59,15 +60,19 @@ UNPACKED_VARIANTS = ("hybridfp FP8 current",)
 UNPACKED_SUFFIX = " [unpacked weights]"
 
 
-def with_triton_grouped(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """``step`` (forward and backward) with the Triton grouped path allowed on CUDA."""
+def with_triton_grouped(step: Callable[[], torch.Tensor], on: bool) -> Callable[[], torch.Tensor]:
+    """``step`` (forward and backward) with the Triton grouped path on CUDA taken for any
+    number of experts (``on``) or for none."""
     def run() -> torch.Tensor:
-        saved = grouped_triton.VERIFIED_ON
-        grouped_triton.VERIFIED_ON = saved | {"cuda"}
+        saved = grouped_triton.VERIFIED_ON, grouped_triton.MANY_EXPERTS
+        if on:
+            grouped_triton.VERIFIED_ON = saved[0] | {"cuda"}
+        else:
+            grouped_triton.MANY_EXPERTS = 1 << 30
         try:
             return step()
         finally:
-            grouped_triton.VERIFIED_ON = saved
+            grouped_triton.VERIFIED_ON, grouped_triton.MANY_EXPERTS = saved
     return run
 
 
@@ -177,7 +182,8 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
         variants.append((name, hf, lambda r=recipe(): hybridfp.autocast(recipe=r)))
     for name, recipe in RECIPES:
         if name in TRITON_VARIANTS:
-            variants.append((name + TRITON_SUFFIX, hf, lambda r=recipe(): hybridfp.autocast(recipe=r)))
+            for suffix in (TRITON_SUFFIX, PER_EXPERT_SUFFIX):
+                variants.append((name + suffix, hf, lambda r=recipe(): hybridfp.autocast(recipe=r)))
     unpacked = HybridMoE(base, pack_weights=False) if UNPACKED_VARIANTS else None
     for name, recipe in RECIPES:
         if name in UNPACKED_VARIANTS:
@@ -188,8 +194,8 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
         row: dict[str, Any] = {"config": f"{e} experts, ffn {f}", "variant": name}
         try:
             step = make_step(model, x, dy, ctx)
-            if name.endswith(TRITON_SUFFIX):
-                step = with_triton_grouped(step)
+            if name.endswith((TRITON_SUFFIX, PER_EXPERT_SUFFIX)):
+                step = with_triton_grouped(step, on=name.endswith(TRITON_SUFFIX))
             before = Counter(PATH_COUNTS)
             y = step().detach().float()
             paths = Counter(PATH_COUNTS) - before
@@ -213,7 +219,10 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
             r["steady_x_bf16_grouped"] = t0_steady / r["ms_steady"]
         if "ms" in r and t0:
             r["x_bf16_grouped"] = t0 / r["ms"]
-            r["target"] = TARGETS.get(r["variant"].removesuffix(TRITON_SUFFIX).removesuffix(UNPACKED_SUFFIX))
+            base_name = r["variant"]
+            for suffix in (TRITON_SUFFIX, PER_EXPERT_SUFFIX, UNPACKED_SUFFIX):
+                base_name = base_name.removesuffix(suffix)
+            r["target"] = TARGETS.get(base_name)
     return rows
 
 

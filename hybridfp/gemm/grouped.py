@@ -33,8 +33,9 @@ Paths, first that applies (``grouped_path`` says which and why):
    the elements off the correctly rounded value) against 4.9e-6 without it.
 3. ``grouped_triton`` — BF16-exact pairs that paths 1-2 cannot finish exactly (an epilogue
    factor, a bias, an FP32 / FP16 output): one Triton grouped GEMM with a per-expert FP32
-   epilogue (``grouped_triton.py``). Used where ``grouped_triton.VERIFIED_ON`` lists the
-   device type (none yet: it awaits its H200 run) or when the caller forces it.
+   epilogue (``grouped_triton.py``). Used on CUDA from ``grouped_triton.MANY_EXPERTS`` experts
+   on (the per-expert loop is host-bound there), for any count where
+   ``grouped_triton.VERIFIED_ON`` lists the device type, or when the caller forces it.
 4. ``per_expert`` — everything else: ``gemm()`` per expert (its backend per pair, or the
    exact emulation with its report). Always on the CPU.
 
@@ -113,8 +114,8 @@ def grouped_gemm(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: s
     [n] bias or None per expert. ``grouped_mm``: the grouped BF16 matmul of path 1 (default
     ``torch._grouped_mm`` on CUDA devices that have it); passing one forces path 1 wherever the
     operands allow it, the CPU included (tests). ``use_triton``: take (True) or never take
-    (False) the Triton grouped path where paths 1-2 do not apply; None: where
-    ``grouped_triton.VERIFIED_ON`` lists the device type.
+    (False) the Triton grouped path where paths 1-2 do not apply; None: as
+    ``grouped_triton.enabled`` decides (CUDA from ``MANY_EXPERTS`` experts on).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is unknown; use 'TN' (fprop), 'NN' (dgrad) or 'NT' (wgrad).")
@@ -152,7 +153,7 @@ def grouped_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage],
     chosen on formats; where neither applies, the Triton grouped path if enabled and able.
     ``ms``: the experts' m (``_check_shapes``'s result) if known."""
     path, why = _torch_path(sa, sb, layout, out_dtype, has_bias, forced, ms)
-    if path != PER_EXPERT or not grouped_triton.enabled(sa[0].device, use_triton):
+    if path != PER_EXPERT or not grouped_triton.enabled(sa[0].device, use_triton, len(sa)):
         return path, why
     da, db = LAYOUTS[layout]
     keys = {(a.format_key(da), b.format_key(db)) for a, b in zip(sa, sb)}

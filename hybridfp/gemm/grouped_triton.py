@@ -13,7 +13,8 @@ Not taken (the caller keeps its per-expert loop): pairs with a native cuBLAS FP8
 per-tensor, FP8 block: FP8 tensor cores), copies that do not decode exactly into BF16, a
 one-sided RHT pair, mixed bias / no-bias experts, an empty reduction in fprop / dgrad.
 
-On CUDA the path is taken by default only where :data:`VERIFIED_ON` lists the device type.
+On CUDA the path is taken by default from :data:`MANY_EXPERTS` experts on (where the
+per-expert loop is host-bound), for any count only where :data:`VERIFIED_ON` lists the device type.
 Its GPU tests (``tests/kernels/test_kernels_grouped_gemm.py -m gpu``) pass on the H200
 (2026-11-29), but the untuned kernel is slower than the per-expert loop it would replace:
 the Composer-2 MoE layer (8 experts, ffn 14336) took 179 ms with it against 117 ms per
@@ -28,7 +29,8 @@ reduction per expert); wgrad's bounds are the routed token counts, so it usually
 with an L2 swizzle added: the kernel runs at 0.87 / 0.88 of ``torch._grouped_mm`` on the MoE
 fc1 / fc2 shapes (``python -m bench.bench_grouped_gemm_kernel``), but the 8-expert Composer-2
 layer is still faster per expert (0.786 vs 0.755 of BF16 grouped, ``bench_moe``'s "[Triton
-grouped]" row), so the path stays opt-in.
+grouped]" row), so the path stays opt-in there. At 64 experts (ffn 1408) it is 2.5 times faster
+than the per-expert loop (session 13): the default from :data:`MANY_EXPERTS` experts on.
 """
 
 from __future__ import annotations
@@ -43,18 +45,27 @@ from .bf16_decode import HAVE_TRITON, bf16_exact_reason, decode_bf16
 from .gemm import LAYOUTS
 from .joined import joined_rows
 
-#: Device types on which ``grouped_gemm`` takes this path by default (empty: verified on the
-#: H200 but slower than the per-expert loop there; see the module docstring).
+#: Device types on which ``grouped_gemm`` takes this path by default for any number of experts
+#: (empty: verified on the H200 but, at 8 large experts, not faster than the per-expert loop
+#: there; see the module docstring).
 VERIFIED_ON: frozenset = frozenset()
+#: On CUDA the path is taken by default from this many experts on: the per-expert loop then
+#: costs a launch sequence per expert and the layer turns host-bound. H200 (s13, bench_moe):
+#: Composer-2 at 64 experts (ffn 1408) 74.6 ms with this path against 188.6 per expert (steady
+#: 92.8 vs 117.2); at 8 experts (ffn 14336) level (80.7 vs 81.0; s12 0.755 vs 0.786 of BF16).
+#: 16 sits between the two measured points.
+MANY_EXPERTS: int = 16
 #: output dtypes the kernel writes
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def enabled(device: torch.device, use_triton: Optional[bool]) -> bool:
-    """Whether to consider this path: forced by the caller, else by :data:`VERIFIED_ON`."""
+def enabled(device: torch.device, use_triton: Optional[bool], experts: int = 1) -> bool:
+    """Whether to consider this path: forced by the caller, else by :data:`VERIFIED_ON`, else
+    on CUDA for :data:`MANY_EXPERTS` experts or more."""
     if use_triton is not None:
         return use_triton
-    return HAVE_TRITON and torch.device(device).type in VERIFIED_ON
+    kind = torch.device(device).type
+    return HAVE_TRITON and (kind in VERIFIED_ON or (kind == "cuda" and experts >= MANY_EXPERTS))
 
 
 def unsupported(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,

@@ -187,6 +187,19 @@ def test_not_taken_by_default_anywhere_yet():
     assert grouped_path(sa, sb, "TN", torch.bfloat16, False)[0] == "per_expert"
 
 
+def test_default_on_cuda_from_many_experts():
+    """The default: on CUDA from MANY_EXPERTS experts on, never on the CPU by count alone; a
+    caller's use_triton wins either way."""
+    from hybridfp.gemm import grouped_triton
+    many = grouped_triton.MANY_EXPERTS
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert grouped_triton.enabled(cuda, None, many) == grouped_triton.HAVE_TRITON
+    assert not grouped_triton.enabled(cuda, None, many - 1)
+    assert not grouped_triton.enabled(cpu, None, 10 * many)
+    assert not grouped_triton.enabled(cuda, False, 10 * many)
+    assert grouped_triton.enabled(cpu, True, 1)
+
+
 # ---------------------------------------------------------------------------- GPU
 GPU_CASES = [("nvfp4_1d", "TN"), ("nvfp4_2d", "NN"), ("nvfp4_rht", "NT"), ("mxfp8", "TN"), ("mxfp8", "NT")]
 

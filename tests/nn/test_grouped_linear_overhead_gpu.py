@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import torch
 from nn_cases import assert_bitwise
-from test_grouped_linear_overhead import FACTORIES, per_expert_loop
+from test_grouped_linear_overhead import FACTORIES, per_expert_gemms, per_expert_loop
 
 from hybridfp import CustomRecipe, GroupedLinear, autocast
 
@@ -60,6 +60,7 @@ def test_step_equals_per_expert_loop_64_experts(name, monkeypatch):
     torch.manual_seed(1)
     m = GroupedLinear(64, HIDDEN, FFN, bias=False, params_dtype=torch.bfloat16, device="cuda")
     fresh = copy.deepcopy(m)
+    per_expert_gemms(monkeypatch)  # the grouped quantization is under test here, not the GEMM path
     got = cuda_step(m, FACTORIES[name], SPLITS64)
     per_expert_loop(monkeypatch)
     want = cuda_step(fresh, FACTORIES[name], SPLITS64)
@@ -67,6 +68,30 @@ def test_step_equals_per_expert_loop_64_experts(name, monkeypatch):
     assert_bitwise(got[1], want[1], f"{name} input grad")
     for n in want[2]:
         assert_bitwise(got[2][n], want[2][n], f"{name} {n}.grad")
+
+
+def test_64_experts_default_takes_triton_grouped_fprop(monkeypatch):
+    """At 64 experts the default Composer-2 step runs its row-scaled NVFP4 fprop as one Triton
+    grouped GEMM (grouped_triton.MANY_EXPERTS). Against the per-expert loop: the output agrees
+    to FP32 accumulation order (only the order of the K sum differs, then one BF16 rounding:
+    relative norm error 1e-4, no difference above one BF16 ulp of the largest output), and the
+    gradients, whose GEMMs do not read the output, are bitwise equal."""
+    from hybridfp.gemm.grouped import PATH_COUNTS
+    torch.manual_seed(1)
+    m = GroupedLinear(64, HIDDEN, FFN, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    fresh = copy.deepcopy(m)
+    before = PATH_COUNTS.copy()
+    got = cuda_step(m, FACTORIES["nvfp4_row_scaled_fwd_mxfp8_bwd"], SPLITS64)
+    assert (PATH_COUNTS - before)[("fprop", "grouped_triton")] == 1
+    per_expert_loop(monkeypatch)
+    want = cuda_step(fresh, FACTORIES["nvfp4_row_scaled_fwd_mxfp8_bwd"], SPLITS64)
+    err = ((got[0].float() - want[0].float()).norm() / want[0].float().norm()).item()
+    assert err < 1e-4, f"Triton grouped fprop vs per expert: relative error {err:.3g}"
+    worst = ((got[0].float() - want[0].float()).abs().max() / want[0].float().abs().max()).item()
+    assert worst <= 2.0 ** -7, f"Triton grouped fprop vs per expert: max difference {worst:.3g} of max |y|"
+    assert_bitwise(got[1], want[1], "input grad")
+    for n in want[2]:
+        assert_bitwise(got[2][n], want[2][n], f"{n}.grad")
 
 
 #: Recipes whose GroupedLinear step should queue all its work without waiting for the GPU.
