@@ -57,22 +57,28 @@ PER_EXPERT_SUFFIX = " [per-expert GEMMs]"
 #: ``pack_weights=False``): big per-tensor-scaled weights are then quantized one by one instead
 #: of through the grouped quantization of the packed buffer (quantizers/grouped._worth_stacking)
 UNPACKED_VARIANTS = ("hybridfp FP8 current",)
+#: FP8 per-tensor timed once more with its per-expert cuBLAS FP8 GEMMs replaced by the Triton
+#: grouped BF16-decoded GEMM (grouped_triton.TAKE_NATIVE_FP8; for many small experts)
+FP8_TRITON_VARIANTS = ("hybridfp FP8 current",)
+FP8_TRITON_SUFFIX = " [FP8 via Triton grouped]"
 UNPACKED_SUFFIX = " [unpacked weights]"
 
 
-def with_triton_grouped(step: Callable[[], torch.Tensor], on: bool) -> Callable[[], torch.Tensor]:
+def with_triton_grouped(step: Callable[[], torch.Tensor], on: bool,
+                        native_fp8: bool = False) -> Callable[[], torch.Tensor]:
     """``step`` (forward and backward) with the Triton grouped path on CUDA taken for any
-    number of experts (``on``) or for none."""
+    number of experts (``on``) or for none; ``native_fp8``: FP8 pairs too."""
     def run() -> torch.Tensor:
-        saved = grouped_triton.VERIFIED_ON, grouped_triton.MANY_EXPERTS
+        saved = grouped_triton.VERIFIED_ON, grouped_triton.MANY_EXPERTS, grouped_triton.TAKE_NATIVE_FP8
         if on:
             grouped_triton.VERIFIED_ON = saved[0] | {"cuda"}
         else:
             grouped_triton.MANY_EXPERTS = 1 << 30
+        grouped_triton.TAKE_NATIVE_FP8 = native_fp8
         try:
             return step()
         finally:
-            grouped_triton.VERIFIED_ON, grouped_triton.MANY_EXPERTS = saved
+            grouped_triton.VERIFIED_ON, grouped_triton.MANY_EXPERTS, grouped_triton.TAKE_NATIVE_FP8 = saved
     return run
 
 
@@ -188,14 +194,18 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
     for name, recipe in RECIPES:
         if name in UNPACKED_VARIANTS:
             variants.append((name + UNPACKED_SUFFIX, unpacked, lambda r=recipe(): hybridfp.autocast(recipe=r)))
+    for name, recipe in RECIPES:
+        if name in FP8_TRITON_VARIANTS:
+            variants.append((name + FP8_TRITON_SUFFIX, hf, lambda r=recipe(): hybridfp.autocast(recipe=r)))
     rows: list[dict[str, Any]] = []
     ref_y = None
     for name, model, ctx in variants:
         row: dict[str, Any] = {"config": f"{e} experts, ffn {f}", "variant": name}
         try:
             step = make_step(model, x, dy, ctx)
-            if name.endswith((TRITON_SUFFIX, PER_EXPERT_SUFFIX)):
-                step = with_triton_grouped(step, on=name.endswith(TRITON_SUFFIX))
+            if name.endswith((TRITON_SUFFIX, PER_EXPERT_SUFFIX, FP8_TRITON_SUFFIX)):
+                step = with_triton_grouped(step, on=not name.endswith(PER_EXPERT_SUFFIX),
+                                           native_fp8=name.endswith(FP8_TRITON_SUFFIX))
             before = Counter(PATH_COUNTS)
             y = step().detach().float()
             paths = Counter(PATH_COUNTS) - before
@@ -220,7 +230,7 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
         if "ms" in r and t0:
             r["x_bf16_grouped"] = t0 / r["ms"]
             base_name = r["variant"]
-            for suffix in (TRITON_SUFFIX, PER_EXPERT_SUFFIX, UNPACKED_SUFFIX):
+            for suffix in (TRITON_SUFFIX, PER_EXPERT_SUFFIX, UNPACKED_SUFFIX, FP8_TRITON_SUFFIX):
                 base_name = base_name.removesuffix(suffix)
             r["target"] = TARGETS.get(base_name)
     return rows

@@ -55,6 +55,11 @@ VERIFIED_ON: frozenset = frozenset()
 #: 92.8 vs 117.2); at 8 experts (ffn 14336) level (80.7 vs 81.0; s12 0.755 vs 0.786 of BF16).
 #: 16 sits between the two measured points.
 MANY_EXPERTS: int = 16
+#: Whether pairs that have a native cuBLAS FP8 kernel per expert (FP8 per-tensor / block) may
+#: take this path too, decoded into BF16 (exact) at BF16 tensor-core speed. Off: per expert
+#: they run on FP8 tensor cores. A measuring switch for many small experts, where the
+#: per-expert loop is host-bound (bench_moe's "[FP8 via Triton grouped]" row).
+TAKE_NATIVE_FP8: bool = False
 #: output dtypes the kernel writes
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -73,7 +78,7 @@ def unsupported(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], 
     """Why this path cannot take the experts' pairs (None: it can)."""
     if out_dtype not in OUT_DTYPES:
         return f"output dtype {out_dtype}"
-    if native_fp8:
+    if native_fp8 and not TAKE_NATIVE_FP8:
         return "native cuBLAS FP8 kernel per expert"
     da, db = LAYOUTS[layout]
     for e, (a, b) in enumerate(zip(sa, sb)):
