@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ._common import (DTYPE_CODE, program_tile, Copies, amax_nan, check_int32_tiles, current_scale, empty, f32,
-                      fp8_encode, fp8_params, hw_fp8, kernel_input, load_f32, load_rows32_t, nan_max,
+                      asm_fp8_bits, fp8_encode, fp8_params, hw_fp8, kernel_input, load_f32, load_rows32_t, nan_max,
                       store_transposed_u8, store_words_t, tile_offsets)
 
 
@@ -169,6 +169,8 @@ def fp8_bytes(v, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
     tests feed -NaN inputs and pass with ``0x7F | sign``), so its byte is the constant 0x7F and
     the per-element sign extraction goes (~2 instructions per element). The select itself stays
     (see ``_common._hw_fp8_code``: dropping it broke the transposed copies on the H200)."""
+    if HW == 2:  # one inline-PTX conversion per element (_common._asm_fp8_code)
+        return tl.where(v != v, tl.full(v.shape, 0x7F, tl.uint8), asm_fp8_bits(v, MBITS))
     if HW:
         if MBITS == 3:
             hw = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
