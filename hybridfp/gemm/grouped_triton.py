@@ -13,24 +13,20 @@ Not taken (the caller keeps its per-expert loop): pairs with a native cuBLAS FP8
 per-tensor, FP8 block: FP8 tensor cores), copies that do not decode exactly into BF16, a
 one-sided RHT pair, mixed bias / no-bias experts, an empty reduction in fprop / dgrad.
 
-On CUDA the path is taken by default from :data:`MANY_EXPERTS` experts on (where the
-per-expert loop is host-bound), for any count only where :data:`VERIFIED_ON` lists the device type.
-Its GPU tests (``tests/kernels/test_kernels_grouped_gemm.py -m gpu``) pass on the H200
-(2026-11-29), but the untuned kernel is slower than the per-expert loop it would replace:
-the Composer-2 MoE layer (8 experts, ffn 14336) took 179 ms with it against 117 ms per
-expert, and 368 vs 394 ms at 64 experts (ffn 1408), so it stays opt-in
-(``grouped_gemm(..., use_triton=True)``) until it is faster. Tests force it anywhere (the
-interpreter on the CPU). Session 11 found why it was slow offline (``bench.sass_count``): the
-reduction bounds come from the tile table, so the compiler could not prove aligned K runs and
-loaded every operand element on its own (64 2-byte loads per thread per stage, no cp.async);
-the ``KALIGN`` promise gives 16-byte cp.async loads. That helps fprop / dgrad (the whole
-reduction per expert); wgrad's bounds are the routed token counts, so it usually runs with
-``KALIGN`` 1 (zero-padding each expert's reduction to 8 would fix that). Timed in session 12
-with an L2 swizzle added: the kernel runs at 0.87 / 0.88 of ``torch._grouped_mm`` on the MoE
-fc1 / fc2 shapes (``python -m bench.bench_grouped_gemm_kernel``), but the 8-expert Composer-2
-layer is still faster per expert (0.786 vs 0.755 of BF16 grouped, ``bench_moe``'s "[Triton
-grouped]" row), so the path stays opt-in there. At 64 experts (ffn 1408) it is 2.5 times faster
-than the per-expert loop (session 13): the default from :data:`MANY_EXPERTS` experts on.
+On CUDA the path is taken by default from :data:`MANY_EXPERTS` experts on, where the
+per-expert loop is host-bound; for any count only where :data:`VERIFIED_ON` lists the device
+type (empty); the caller may force it either way (``grouped_gemm(..., use_triton=...)``; tests
+force it on the CPU, in the interpreter). Its GPU tests (``tests/kernels/test_kernels_grouped_gemm.py
+-m gpu``, and the 64-expert step in ``tests/nn/test_grouped_linear_overhead_gpu.py``) pass on the
+H200. How fast (``bench_grouped_gemm_kernel``, ``bench_moe``'s "[Triton grouped]" and
+"[per-expert GEMMs]" rows):
+
+- the kernel alone: 0.87 / 0.88 of ``torch._grouped_mm`` on the 8-expert MoE's fc1 / fc2
+  (session 12: the ``KALIGN`` promise of 16-byte aligned K runs gives cp.async loads, and an
+  L2 swizzle; wgrad's bounds are the routed token counts, so it usually runs with ``KALIGN`` 1);
+- the Composer-2 MoE layer at 64 experts (ffn 1408): 74.6-93.7 ms against 158-189 ms with
+  per-expert GEMMs (session 13); at 8 experts (ffn 14336) no faster (77.5-81.0 ms per expert,
+  80.2-80.7 with this path).
 """
 
 from __future__ import annotations
@@ -50,15 +46,14 @@ from .joined import joined_rows
 #: there; see the module docstring).
 VERIFIED_ON: frozenset = frozenset()
 #: On CUDA the path is taken by default from this many experts on: the per-expert loop then
-#: costs a launch sequence per expert and the layer turns host-bound. H200 (s13, bench_moe):
-#: Composer-2 at 64 experts (ffn 1408) 74.6 ms with this path against 188.6 per expert (steady
-#: 92.8 vs 117.2); at 8 experts (ffn 14336) level (80.7 vs 81.0; s12 0.755 vs 0.786 of BF16).
-#: 16 sits between the two measured points.
+#: costs a launch sequence per expert and the layer turns host-bound (the figures above: about
+#: 2x faster at 64 experts, no faster at 8). 16 sits between the two measured points.
 MANY_EXPERTS: int = 16
 #: Whether pairs that have a native cuBLAS FP8 kernel per expert (FP8 per-tensor / block) may
 #: take this path too, decoded into BF16 (exact) at BF16 tensor-core speed. Off: per expert
-#: they run on FP8 tensor cores. A measuring switch for many small experts, where the
-#: per-expert loop is host-bound (bench_moe's "[FP8 via Triton grouped]" row).
+#: they run on FP8 tensor cores. A measuring switch (bench_moe's "[FP8 via Triton grouped]"
+#: row): on the H200 (s13) the FP8-current MoE step took 131 vs 50 ms with it at 64 experts and
+#: 388 vs 45 ms at 8 (wgrad runs with KALIGN 1 there), so it stays off.
 TAKE_NATIVE_FP8: bool = False
 #: output dtypes the kernel writes
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
