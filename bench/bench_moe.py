@@ -186,17 +186,13 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
     variants: list[tuple[str, nn.Module, Optional[Callable[[], Any]]]] = [("BF16 grouped", base, None)]
     for name, recipe in RECIPES:
         variants.append((name, hf, lambda r=recipe(): hybridfp.autocast(recipe=r)))
-    for name, recipe in RECIPES:
-        if name in TRITON_VARIANTS:
-            for suffix in (TRITON_SUFFIX, PER_EXPERT_SUFFIX):
-                variants.append((name + suffix, hf, lambda r=recipe(): hybridfp.autocast(recipe=r)))
     unpacked = HybridMoE(base, pack_weights=False) if UNPACKED_VARIANTS else None
-    for name, recipe in RECIPES:
-        if name in UNPACKED_VARIANTS:
-            variants.append((name + UNPACKED_SUFFIX, unpacked, lambda r=recipe(): hybridfp.autocast(recipe=r)))
-    for name, recipe in RECIPES:
-        if name in FP8_TRITON_VARIANTS:
-            variants.append((name + FP8_TRITON_SUFFIX, hf, lambda r=recipe(): hybridfp.autocast(recipe=r)))
+    extras = [(TRITON_VARIANTS, (TRITON_SUFFIX, PER_EXPERT_SUFFIX), hf),
+              (UNPACKED_VARIANTS, (UNPACKED_SUFFIX,), unpacked), (FP8_TRITON_VARIANTS, (FP8_TRITON_SUFFIX,), hf)]
+    for names, suffixes, model in extras:
+        for name, recipe in RECIPES:
+            if name in names:
+                variants += [(name + sx, model, lambda r=recipe(): hybridfp.autocast(recipe=r)) for sx in suffixes]
     rows: list[dict[str, Any]] = []
     ref_y = None
     for name, model, ctx in variants:
@@ -229,10 +225,7 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
             r["steady_x_bf16_grouped"] = t0_steady / r["ms_steady"]
         if "ms" in r and t0:
             r["x_bf16_grouped"] = t0 / r["ms"]
-            base_name = r["variant"]
-            for suffix in (TRITON_SUFFIX, PER_EXPERT_SUFFIX, UNPACKED_SUFFIX, FP8_TRITON_SUFFIX):
-                base_name = base_name.removesuffix(suffix)
-            r["target"] = TARGETS.get(base_name)
+            r["target"] = TARGETS.get(r["variant"].split(" [")[0])  # the recipe's name, without a variant suffix
     return rows
 
 

@@ -389,9 +389,10 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
     method_args = {"NATURAL": True, "RS": rslice} if natural else {}
     grid = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)
     extra = {"num_warps": num_warps or (8 if block_2d else min(max(bc // 32, 1), 8))}
+    hw = (NATURAL_HW if natural else True) if hw_fp8(dev) else False
     kernel[grid](kernel_input(x2), rd, rs, cd, cs, rows, cols, x2.stride(0), x2.stride(1), f32(1.0 / fmax),
                  ROW=rowwise, COL=columnwise, RCEIL=rule == "rceil",
                  EMAX={3: 8, 2: 15}[mbits], MBITS=mbits, BIAS=bias, FP8_MAX=fmax,
                  DTYPE=DTYPE_CODE[x2.dtype], BR=br, BC=bc,
-                 PACK=packed, HW=(NATURAL_HW if natural else True) if hw_fp8(dev) else False, **mapped, **method_args, **extra)
+                 PACK=packed, HW=hw, **mapped, **method_args, **extra)
     return row, col
