@@ -105,15 +105,17 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--shape", type=int, nargs=2, default=SHAPE)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                    help="input dtype (FP32 master weights / activations take other kernel branches)")
     ap.add_argument("--only", default=None, help="sweep only: variants whose name contains one of these "
                     "'|'-separated texts (names hold commas), and skip the quantizer table")
     args = ap.parse_args()
     torch.manual_seed(0)
     shape = tuple(args.shape)
     x = (torch.randn(shape, device=DEVICE) * torch.exp2(torch.randint(-4, 4, (shape[0], 1), device=DEVICE))
-         ).to(torch.bfloat16)
+         ).to(getattr(torch, args.dtype))
     copy = copy_gbps(x)
-    print(f"copy: {copy:.0f} GB/s (read + write, {x.nbytes / 2**20:.0f} MiB BF16)")
+    print(f"copy: {copy:.0f} GB/s (read + write, {x.nbytes / 2**20:.0f} MiB {args.dtype})")
     if args.only:  # a quick A/B of kernel variants
         sweep = run_sweep(x, copy, args.only.split("|"))
         if args.out:

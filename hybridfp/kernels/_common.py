@@ -367,6 +367,13 @@ def _asm_fp8_code(v, MBITS: tl.constexpr):
     transposed) gave wrong bytes with Triton's conversion while the software encode was right
     (notes/quantize_kernels.md, sessions 11 and 13); one conversion per element leaves nothing
     to pair. Costs one more ``F2FP`` per two elements."""
+    return _fp8_nan_select(v, asm_fp8_bits(v, MBITS))
+
+
+@triton.jit
+def asm_fp8_bits(v, MBITS: tl.constexpr):
+    """The hardware's saturating FP8 byte of FP32 ``v`` (uint8; a NaN gives the hardware's NaN
+    byte), one ``cvt`` per element: see :func:`_asm_fp8_code`."""
     if MBITS == 3:
         b = tl.inline_asm_elementwise(
             "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, 0f00000000, $1; cvt.u32.u16 $0, t; }",
@@ -375,7 +382,7 @@ def _asm_fp8_code(v, MBITS: tl.constexpr):
         b = tl.inline_asm_elementwise(
             "{ .reg .b16 t; cvt.rn.satfinite.e5m2x2.f32 t, 0f00000000, $1; cvt.u32.u16 $0, t; }",
             "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
-    return _fp8_nan_select(v, b.to(tl.uint8))
+    return b.to(tl.uint8)
 
 
 @triton.jit

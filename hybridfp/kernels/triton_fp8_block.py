@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ._common import (DTYPE_CODE, program_tile, Copies, amax_nan, check_int32_tiles, current_scale, empty, f32,
-                      fp8_encode, fp8_params, hw_fp8, kernel_input, load_f32, load_rows32_t, nan_max,
+                      asm_fp8_bits, fp8_encode, fp8_params, hw_fp8, kernel_input, load_f32, load_rows32_t, nan_max,
                       store_transposed_u8, store_words_t, tile_offsets)
 
 
@@ -169,6 +169,8 @@ def fp8_bytes(v, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
     tests feed -NaN inputs and pass with ``0x7F | sign``), so its byte is the constant 0x7F and
     the per-element sign extraction goes (~2 instructions per element). The select itself stays
     (see ``_common._hw_fp8_code``: dropping it broke the transposed copies on the H200)."""
+    if HW == 2:  # one inline-PTX conversion per element (_common._asm_fp8_code)
+        return tl.where(v != v, tl.full(v.shape, 0x7F, tl.uint8), asm_fp8_bits(v, MBITS))
     if HW:
         if MBITS == 3:
             hw = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
@@ -400,11 +402,20 @@ SLICES_SLICES = (128, 16)
 
 def natural_pack(pack: bool, x2: torch.Tensor) -> bool:
     """Whether the "natural" columnwise pass may store 4-row int32 words (else byte stores,
-    the same bytes). Not for FP32 input: on the H200 (Triton 3.6) the packed path miscompiles
-    there, leaving wrong bytes at odd input columns (configuration-dependent rows; PACK off,
-    the software FP8 encode, BF16 / FP16 inputs and column-major FP32 were all bitwise; s11
-    diagnosis in notes/quantize_kernels.md). ``test_fp8_block_gpu_options`` guards it."""
-    return pack and x2.shape[0] % 4 == 0 and x2.dtype != torch.float32
+    the same bytes): R % 4 == 0. FP32 input needs :func:`natural_hw`'s conversion for it."""
+    return pack and x2.shape[0] % 4 == 0
+
+
+def natural_hw(x2: torch.Tensor):
+    """``fp8_encode``'s HW for the "natural" passes on ``x2``'s device: for FP32 input one
+    inline-PTX conversion per element (2). With Triton's paired conversion (1) the H200 (Triton
+    3.6) left wrong bytes at odd input columns in the packed stores of FP32 input (s11); with
+    one conversion per element all 39 configurations of ``bench/diag_natural_fp32.py --asm``
+    were bitwise (s13). BF16 / FP16 keep Triton's conversion (bitwise there at the tested tiles;
+    2 costs one more ``cvt`` per two elements, not yet timed). ``test_fp8_block_gpu_options``
+    guards both."""
+    hw = hw_fp8(x2.device)
+    return 2 if hw and x2.dtype == torch.float32 else hw
 
 
 def quantize(x2: torch.Tensor, dtype: torch.dtype, *, block_dim: int = 1, block_size: int = 128,
@@ -471,7 +482,7 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, block_dim: int = 1, block_
         _fp8_block_1d_kernel[grid](
             kernel_input(x2), rd, rs, cd, cs, rows, cols, x2.stride(0), x2.stride(1), f32(eps), ROW=rowwise,
             COL=columnwise, POW2=power_2_scale, MBITS=mbits, BIAS=bias, FP8_MAX=fmax, B=b,
-            DTYPE=DTYPE_CODE[x2.dtype], CR=cw, HW=hw_fp8(dev), PACK=natural_pack(pack, x2), RW=rw,
+            DTYPE=DTYPE_CODE[x2.dtype], CR=cw, HW=natural_hw(x2), PACK=natural_pack(pack, x2), RW=rw,
             EVEN=rows % b == 0 and cols % b == 0, num_warps=num_warps or 4)
         return row, col
     kernel = _fp8_block_2d_kernel if block_dim == 2 else _fp8_block_1d_t_kernel

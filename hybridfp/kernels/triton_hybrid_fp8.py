@@ -26,7 +26,7 @@ import triton.language as tl
 from ._common import (DTYPE_CODE, check_int32_tiles, current_scale, empty, f32, fp8_params, hw_fp8,
                       kernel_input, tile_offsets)
 from .triton_fp8_block import (NATURAL_SLICES, SLICES_SLICES, abs_bits, bits_amax, columnwise_1d, columnwise_1d_t,
-                               fp8_bytes, load_x, natural_pack)
+                               fp8_bytes, load_x, natural_hw, natural_pack)
 
 
 @triton.jit
@@ -135,7 +135,7 @@ def quantize(x2: torch.Tensor, amax: torch.Tensor, row_dtype: torch.dtype, col_d
         kernel_input(x2), amax.float().contiguous(), rd.view(torch.uint8), sinv, cd.view(torch.uint8), cs,
         rows, cols, x2.stride(0), x2.stride(1), f32(row_eps), f32(col_eps), ROW_POW2=row_power_2_scale,
         ROW_MBITS=rm, ROW_BIAS=rb, ROW_MAX=rmax, COL_POW2=col_power_2_scale, COL_MBITS=cm, COL_BIAS=cb,
-        COL_MAX=cmax, B=b, CW=cw, RW=rw, DTYPE=DTYPE_CODE[x2.dtype], HW=hw_fp8(dev),
+        COL_MAX=cmax, B=b, CW=cw, RW=rw, DTYPE=DTYPE_CODE[x2.dtype], HW=natural_hw(x2) if nat else hw_fp8(dev),
         PACK=natural_pack(pack, x2) if nat else pack and rows % 4 == 0, NATURAL=nat,
         EVEN=rows % b == 0 and cols % b == 0, num_warps=num_warps or 4)
     return (rd, sinv), (cd, cs)

@@ -301,7 +301,7 @@ def _default_method(x2: torch.Tensor, rowwise: bool, columnwise: bool, block_2d:
                     block: Optional[tuple[int, int]], num_warps: Optional[int]):
     """(method, block, num_warps) when the caller names no method: "natural" with its measured
     tile for a columnwise-only 1D copy of BF16 / FP16 input and no tile asked for, else "slices"
-    with the caller's tile (FP32 input: "natural" stores bytes there, not timed)."""
+    with the caller's tile (FP32 input: "natural" not timed there)."""
     if (columnwise and not rowwise and not block_2d and block is None and num_warps is None
             and x2.dtype in (torch.bfloat16, torch.float16)):
         return ("natural", *COL_ONLY_NATURAL)
@@ -329,8 +329,9 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
     "natural" for a columnwise-only copy of 16-bit input, else "slices"): "slices" re-reads each 32-row
     block as a transposed [BC, 32] tile, one column per thread; "natural" re-reads it in natural
     ``row_slice``-row slices (4, 8, 16 or 32; default 32: the block stays in registers) with
-    vector loads and packs four rows' codes into an int32 word per thread (not for FP32 input:
-    see ``triton_fp8_block.natural_pack``)."""
+    vector loads and packs four rows' codes into an int32 word per thread (with one inline-PTX
+    FP8 conversion per element, ``NATURAL_HW``, which FP32 input needs for its packed stores:
+    ``triton_fp8_block.natural_hw``)."""
     if rule not in ("rceil", "floor"):
         raise ValueError(f"rule={rule!r} is unknown; use 'rceil' or 'floor'.")
     if method is None:
@@ -382,9 +383,9 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
     cd, cs = (col[0].view(torch.uint8), col[1]) if col else (dummy, dummy)
     kernel = _mxfp8_2d_kernel if block_2d else _mxfp8_1d_kernel
     mapped = {} if block_2d else {"map_ptr": row_map if row_map is not None else dummy, "MAP": row_map is not None}
-    # word stores need R % 4 == 0; "natural" also not for FP32 input (the Triton 3.6 miscompile
-    # of its packed stores in the FP8 block kernel: triton_fp8_block.natural_pack)
-    packed = pack and rows % 4 == 0 and not (natural and x2.dtype == torch.float32)
+    # word stores need R % 4 == 0; "natural" runs NATURAL_HW's per-element conversion, with
+    # which FP32 packed stores are right too (triton_fp8_block.natural_hw)
+    packed = pack and rows % 4 == 0
     method_args = {"NATURAL": True, "RS": rslice} if natural else {}
     grid = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)
     extra = {"num_warps": num_warps or (8 if block_2d else min(max(bc // 32, 1), 8))}
