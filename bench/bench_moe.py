@@ -175,9 +175,10 @@ def device_ms(step: Callable[[], Any]) -> float:
 
 
 def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = None,
-                 profiles: Optional[list[str]] = None) -> list[dict[str, Any]]:
+                 profiles: Optional[list[str]] = None, only: Optional[list[str]] = None) -> list[dict[str, Any]]:
     """Every variant of one config, in one process, ratios against its BF16 grouped baseline;
-    variants whose name contains ``profile`` also get a one-step profile in ``profiles``."""
+    variants whose name contains ``profile`` also get a one-step profile in ``profiles``.
+    ``only``: just the variants whose name equals one of these (the baseline always runs)."""
     torch.manual_seed(0)
     base = BF16MoE(e, d, f)
     x = torch.randn(tokens, d, device=common.DEVICE, dtype=torch.bfloat16, requires_grad=True)
@@ -193,6 +194,8 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
         for name, recipe in RECIPES:
             if name in names:
                 variants += [(name + sx, model, lambda r=recipe(): hybridfp.autocast(recipe=r)) for sx in suffixes]
+    if only is not None:
+        variants = [v for v in variants if v[0] == "BF16 grouped" or v[0] in only]
     rows: list[dict[str, Any]] = []
     ref_y = None
     for name, model, ctx in variants:
@@ -235,9 +238,12 @@ def main(argv=None) -> None:
     p.add_argument("--experts", type=int, default=None, help="only the config with this many experts")
     p.add_argument("--profile", default=None, help="profile one step of the variants whose name "
                    "contains this text (written to moe_profile.txt in --results-dir)")
+    p.add_argument("--variants", default=None, help="only these '|'-separated variant names (the recipe "
+                   "rows' names, with a suffix for the extra variants), besides the BF16 baseline")
     args = p.parse_args(argv)
     require_cuda()
     warnings.simplefilter("ignore")
+    only = args.variants.split("|") if args.variants else None
     env = environment()
     rows: list[dict[str, Any]] = []
     profiles: list[str] = []
@@ -247,7 +253,7 @@ def main(argv=None) -> None:
         p.error(f"--experts {args.experts}: the configs have {[c[0] for c in CONFIGS]} experts")
     tokens, d = (1024, 512) if args.quick else (TOKENS, HIDDEN)
     for e, f in configs:
-        rows += bench_config(e, f, tokens, d, args.profile, profiles)
+        rows += bench_config(e, f, tokens, d, args.profile, profiles, only)
     table = md_table(["config", "variant", "ms", "x BF16 grouped", "target", "steady ms", "steady x BF16 grouped",
                       "host ms", "GPU busy", "rel err vs BF16", "paths"], [
         (r["config"], r["variant"], r.get("ms", r.get("error")), r.get("x_bf16_grouped"), r.get("target"),

@@ -8,7 +8,7 @@ re-quantized each step (caches cleared, as after an optimizer update). No GPU ne
 counts say how much host work per step scales with the number of experts.
 
     python -m bench.bench_moe_overhead [--experts 64] [--hidden 64] [--ffn 128] [--reps 20]
-        [--cuda-paths [--stub-cublas]] [--profile "bf16 (high_precision)"]
+        [--cuda-paths [--stub-cublas] [--stub-grouped-mm]] [--profile "bf16 (high_precision)"]
 """
 
 from __future__ import annotations
@@ -124,6 +124,19 @@ def stub_cublas(setattr: Callable = setattr) -> None:
     setattr(grouped, "_fp8_rowwise_unsupported", rowwise_unsupported)
 
 
+def stub_grouped_mm(setattr: Callable = setattr) -> None:
+    """This process only: ``torch._grouped_mm`` replaced by a stub returning an output of the
+    right shape (2D x 3D: [M, N]; 2D x 2D: [G, M, N]), so a step's time is host work only (the
+    CPU's grouped matmul of the BF16 path otherwise takes a third of it)."""
+    def grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
+        dtype = out_dtype or a.dtype
+        if b.dim() == 3:
+            return torch.empty(a.shape[0], b.shape[-1], dtype=dtype)
+        return torch.empty(offs.shape[0], a.shape[0], b.shape[1], dtype=dtype)
+
+    setattr(torch, "_grouped_mm", grouped_mm)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--experts", type=int, default=64)
@@ -137,6 +150,8 @@ def main(argv=None) -> None:
     p.add_argument("--stub-cublas", action="store_true", help="with --cuda-paths: also take the cuBLAS FP8 "
                    "backends the GPU takes (per-expert / grouped FP8 GEMMs), their matmuls replaced by "
                    "shape-only stubs, so the time is the host work of the GPU's FP8 path")
+    p.add_argument("--stub-grouped-mm", action="store_true", help="with --cuda-paths: torch._grouped_mm "
+                   "replaced by a shape-only stub too (the step's time is then host work only)")
     p.add_argument("--profile", default=None, help="cProfile one recipe (its name) and print the top 30 "
                    "functions by own time")
     args = p.parse_args(argv)
@@ -146,6 +161,8 @@ def main(argv=None) -> None:
         grouped._grouped_mm_device = lambda device: True  # this process only: a measuring switch
         if args.stub_cublas:
             stub_cublas()
+        if args.stub_grouped_mm:
+            stub_grouped_mm()
     torch.manual_seed(0)
     splits = splits_for(args.experts, args.tokens_per_expert)
     m = hybridfp.GroupedLinear(args.experts, args.hidden, args.ffn, bias=False, params_dtype=torch.bfloat16)

@@ -53,6 +53,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from ..kernels.host import device_tensor
+from ..tensors.expert_tensors import ExpertTensors
 from ..tensors.slicing import adjacent_rows
 from ..tensors.storage import GemmOperand, QuantizedStorage
 from . import fast
@@ -61,6 +62,7 @@ from .bf16_decode import bf16_exact_reason
 from .gemm import GEMM_OF_LAYOUT, LAYOUTS, gemm, operand_storage
 from . import grouped_triton
 from .grouped_bf16 import BF16_ALIGN, GroupedMM, offsets, run_bf16
+from .grouped_joined import run_joined
 from .joined import joined_rows
 
 GROUPED_BF16, GROUPED_FP8_ROWWISE, PER_EXPERT = "grouped_bf16", "grouped_fp8_rowwise", "per_expert"
@@ -125,11 +127,15 @@ def grouped_gemm(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: s
     if biases is not None and (layout != "TN" or len(biases) != len(A)):
         raise ValueError("grouped_gemm biases are for fprop ('TN') only, one (or None) per expert; got "
                          f"{len(biases)} for {len(A)} experts with layout {layout!r}.")
+    has_bias = biases is not None and any(b is not None for b in biases)
+    joined = _run_joined(A, B, layout, out_dtype, has_bias, grouped_mm)
+    if joined is not None:
+        PATH_COUNTS[(GEMM_OF_LAYOUT[layout], GROUPED_BF16)] += 1
+        return joined
     da, db = LAYOUTS[layout]
     sa = [operand_storage(a, da, f"A[{e}]") for e, a in enumerate(A)]
     sb = [operand_storage(b, db, f"B[{e}]") for e, b in enumerate(B)]
     ms = _check_shapes(sa, sb, layout)  # the experts' m, read once for every use below
-    has_bias = biases is not None and any(b is not None for b in biases)
     path, _ = grouped_path(sa, sb, layout, out_dtype, has_bias, forced=grouped_mm is not None,
                            use_triton=use_triton, ms=ms)
     out: Optional[Union[torch.Tensor, list[torch.Tensor]]] = None
@@ -144,6 +150,29 @@ def grouped_gemm(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: s
         out = _run_per_expert(A, B, layout, out_dtype, biases, sa, sb, ms)
     PATH_COUNTS[(GEMM_OF_LAYOUT[layout], path)] += 1
     return out
+
+
+def _run_joined(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: str, out_dtype: torch.dtype,
+                has_bias: bool, grouped_mm: Optional[GroupedMM]) -> Optional[Union[torch.Tensor, list[torch.Tensor]]]:
+    """Path 1 straight on two ``ExpertTensors``' joined copies (``grouped_joined.py``), when
+    ``_torch_path``'s rules give path 1 for them: decided once on the joined storages (one
+    format per operand, so one answer for every expert). None: the per-expert code decides."""
+    if not (isinstance(A, ExpertTensors) and isinstance(B, ExpertTensors)) or len(A) != len(B):
+        return None
+    da, db = LAYOUTS[layout]
+    ja, jb = A.joined(da), B.joined(db)
+    if ja is None or jb is None or out_dtype != torch.bfloat16 or has_bias or len(A) > _MAX_GROUPS:
+        return None
+    sa, sb = ja.storage.part(da), jb.storage.part(db)
+    device = sa.device
+    if select(sa.format_key(da), sb.format_key(db), layout, device) in (fast.TENSORWISE_BACKEND, *_NATIVE_FP8):
+        return None
+    if not (grouped_mm is not None or _grouped_mm_device(device)):
+        return None
+    if (bf16_exact_reason(sa, da) is not None or bf16_exact_reason(sb, db) is not None
+            or sa.has_epilogue_scale(da) or sb.has_epilogue_scale(db)):
+        return None
+    return run_joined(ja, jb, A.splits, B.splits, layout, grouped_mm or torch_grouped_mm)
 
 
 def grouped_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,

@@ -27,7 +27,8 @@ from ..gemm.grouped import grouped_gemm
 from ..quantizers import HybridQuantizer, Quantizer
 from ..quantizers.grouped import quantize_grouped, quantize_weights_grouped
 from ..recipes import current_autocast
-from ..tensors import QuantizedTensor
+from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
+from ..tensors.expert_tensors import ExpertTensors
 from ..tensors.slicing import adjacent_rows
 from .base import SLOTS, QuantizedModule
 from .grouped_saved import restore_experts, save_experts
@@ -56,8 +57,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         with torch_autocast_off(x):
             qxs, qws = _fprop_operands(x, m_splits, weights, lcs, needs_dgrad, needs_wgrad)
             y = grouped_gemm(qxs, qws, "TN", out_dtype=x.dtype, biases=list(biases) if has_bias else None)
-        saved_xs = [_saved_input(xi, qx, lcs[i]) if needs_wgrad[i] else None
-                    for i, (xi, qx) in enumerate(zip(torch.split(x, m_splits), qxs))]
+        saved_xs = _saved_inputs(x, m_splits, qxs, lcs, needs_wgrad)
         # the experts' copies are views of a few shared buffers: saved as those (grouped_saved)
         tx, ctx.saved_x = save_experts(saved_xs)
         tw, ctx.saved_w = save_experts(qws if needs_dgrad else [None] * n)
@@ -78,8 +78,8 @@ class GroupedLinearFunction(torch.autograd.Function):
         needs_wgrad = [ctx.needs_input_grad[4 + i] for i in range(n)]
         with torch_autocast_off(dy):
             qdys = _quantize_grads(dy, ctx.m_splits, ctx.lcs, needs_dgrad, needs_wgrad)
-            qxs = [_wgrad_input(saved_xs[i], lc) if needs_wgrad[i] else None
-                   for i, lc in enumerate(ctx.lcs)]
+            qxs = (saved_xs if isinstance(saved_xs, ExpertTensors) else
+                   [_wgrad_input(saved_xs[i], lc) if needs_wgrad[i] else None for i, lc in enumerate(ctx.lcs)])
             dbs = ([bias_grad(dyi, dt) for dyi, dt in zip(torch.split(dy, ctx.m_splits), ctx.b_dtypes)]
                    if ctx.has_bias else [])
             dx = (grouped_gemm(qdys, saved_ws, "NN", out_dtype=ctx.x_dtype)
@@ -136,6 +136,18 @@ def _quantize_grads(dy: torch.Tensor, m_splits: list[int], lcs: list[LinearConte
     return quantize_grouped(qs, dy.detach().contiguous(), m_splits)
 
 
+def _saved_inputs(x: torch.Tensor, m_splits: list[int], qxs: Sequence[torch.Tensor], lcs: list[LinearContext],
+                  needs_wgrad: list[bool]) -> Sequence[Optional[torch.Tensor]]:
+    """Every expert's ``_saved_input`` (None where its wgrad is not needed); experts held as
+    joined copies (``ExpertTensors``) stay so, their rowwise copies dropped."""
+    if (isinstance(qxs, ExpertTensors) and all(needs_wgrad) and qxs.has_direction(COLUMNWISE)
+            and not any(lc.save_original_input and lc.input_q.is_requantization_safe() for lc in lcs)):
+        qxs.drop(ROWWISE)
+        return qxs
+    return [_saved_input(xi, qx, lcs[i]) if needs_wgrad[i] else None
+            for i, (xi, qx) in enumerate(zip(torch.split(x, m_splits), qxs))]
+
+
 def _saved_input(x2: torch.Tensor, qx: torch.Tensor, lc: LinearContext) -> torch.Tensor:
     """What wgrad needs of x: the original (``save_original_input`` with a requantization-safe
     quantizer) or the columnwise copy, the rowwise one dropped now that fprop is done."""
@@ -156,6 +168,8 @@ def _wgrad_input(saved_x: torch.Tensor, lc: LinearContext) -> torch.Tensor:
 def _wgrads(qdys: list[Optional[torch.Tensor]], qxs: list[Optional[torch.Tensor]],
             w_dtypes: list[torch.dtype]) -> list[Optional[torch.Tensor]]:
     """dW per expert (None where not needed): one grouped wgrad per weight dtype present."""
+    if isinstance(qxs, ExpertTensors) and len(set(w_dtypes)) == 1:  # every expert, one call
+        return list(grouped_gemm(qdys, qxs, "NT", out_dtype=w_dtypes[0]))
     dws: list[Optional[torch.Tensor]] = [None] * len(qdys)
     for dtype in dict.fromkeys(w_dtypes):
         idx = [i for i, qx in enumerate(qxs) if qx is not None and w_dtypes[i] == dtype]
@@ -164,6 +178,11 @@ def _wgrads(qdys: list[Optional[torch.Tensor]], qxs: list[Optional[torch.Tensor]
             for i, dw in zip(idx, outs):
                 dws[i] = dw
     return dws
+
+
+#: ``_wcache`` key of the experts' weights quantized together (``ExpertTensors``); the
+#: per-expert entries use the expert index.
+_GROUP_SLOT = -1
 
 
 class GroupedLinear(QuantizedModule):
@@ -239,10 +258,24 @@ class GroupedLinear(QuantizedModule):
         return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else []
 
     def quantized_weights(self, weights: Sequence[torch.Tensor], qs: Sequence[Quantizer],
-                          columnwise: bool) -> list[torch.Tensor]:
+                          columnwise: bool) -> Sequence[torch.Tensor]:
         """Every expert's ``quantized_weight`` (same cache entries), the ones not cached quantized
         together by ``quantize_weights_grouped`` (one encoding of the stacked weights where the
-        formats allow; bitwise each expert's own)."""
+        formats allow; bitwise each expert's own). All experts quantized as views of shared
+        encodings come back (and are cached) as one ``ExpertTensors``."""
+        group_keys = None
+        if not any(isinstance(w, QuantizedTensor) for w in weights):
+            # every expert's key at once: a hit returns the experts' joined copies as cached
+            group_keys = tuple(self._weight_key(w, q) for w, q in zip(weights, qs))
+            hit = self._wcache.pop(_GROUP_SLOT, None)
+            if hit is not None and (not columnwise or hit[1].has_direction(COLUMNWISE)):
+                if hit[0] == group_keys:
+                    self._wcache[_GROUP_SLOT] = hit
+                    return hit[1]
+                # some weights changed: the unchanged experts keep their quantized tensors
+                # (per-expert entries from here on), the changed ones are quantized below
+                for i, (key, qw) in enumerate(zip(hit[0], hit[1])):
+                    self._wcache[i] = (key, qw, hit[2][i])
         out: list[Optional[torch.Tensor]] = [None] * len(weights)
         missing, keys = [], []  # keys read before quantizing (as quantized_weight does)
         for i, (w, q) in enumerate(zip(weights, qs)):
@@ -258,6 +291,11 @@ class GroupedLinear(QuantizedModule):
             for i in missing:
                 qs[i].set_usage(rowwise=True, columnwise=columnwise)
             qws = quantize_weights_grouped([qs[i] for i in missing], [weights[i] for i in missing])
+            if isinstance(qws, ExpertTensors) and len(missing) == len(weights):
+                # all experts quantized together as views of shared encodings: cached as one
+                # entry (its per-expert tensors are built only if something asks for them)
+                self._wcache[_GROUP_SLOT] = (group_keys, qws, list(weights))
+                return qws
             for i, key, qw in zip(missing, keys, qws):
                 self._wcache[i] = (key, qw, weights[i])
                 out[i] = qw

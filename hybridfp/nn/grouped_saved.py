@@ -16,7 +16,9 @@ tensor of every expert) as one tensor where their layout allows:
 - ``OWN``: anything else, one saved tensor per expert (as before).
 
 Each expert's storage is described by a small record (class, shape, options, payload slots)
-instead of a skeleton storage object, and rebuilt once in backward. The rebuilt tensors are
+instead of a skeleton storage object, and rebuilt once in backward. Experts held as an
+``ExpertTensors`` (every expert views of a few joined copies) are saved as those copies'
+tensors and handed back as an ``ExpertTensors`` again: no per-expert record at all. The rebuilt tensors are
 views of the same memory as the forward's, with the same shapes, strides and options, so the
 backward GEMMs compute bitwise what they computed on the forward's objects.
 """
@@ -29,6 +31,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 
 from ..tensors import HybridStorage, IdentityStorage, QuantizedStorage, QuantizedTensor
+from ..tensors.expert_tensors import Cutter, ExpertTensors, JoinedCopy
 from ..tensors.slicing import adjacent_rows
 from ..tensors.storage import COLUMNWISE, DIRECTIONS, ROWWISE
 
@@ -44,9 +47,23 @@ class SavedExperts:
     slots: Optional[list[tuple[str, Any]]]  # None: experts of different layouts, saved in order
 
 
-def save_experts(ts: Sequence[Optional[torch.Tensor]]) -> tuple[list[torch.Tensor], SavedExperts]:
-    """The plain tensors to save for the experts' ``ts`` (None, plain or quantized tensors) and
-    the record that ``restore_experts`` rebuilds them from."""
+@dataclass
+class SavedJoined:
+    """How to rebuild an ``ExpertTensors`` from its saved joined copies: per direction (the
+    index of its storage's skeleton, the group starts); per skeleton the count of its tensors."""
+
+    splits: list[int]
+    cut: Cutter
+    skeletons: list[tuple[QuantizedStorage, int]]
+    directions: dict[str, tuple[int, Optional[list[int]]]]
+
+
+def save_experts(ts: Sequence[Optional[torch.Tensor]]
+                 ) -> tuple[list[torch.Tensor], "SavedExperts | SavedJoined"]:
+    """The plain tensors to save for the experts' ``ts`` (None, plain or quantized tensors, or
+    an ``ExpertTensors``) and the record that ``restore_experts`` rebuilds them from."""
+    if isinstance(ts, ExpertTensors):
+        return _save_joined(ts)
     flats: list[list[torch.Tensor]] = []
     items: list[Optional[tuple]] = []
     for t in ts:
@@ -70,8 +87,11 @@ def save_experts(ts: Sequence[Optional[torch.Tensor]]) -> tuple[list[torch.Tenso
     return saved, SavedExperts(items, slots)
 
 
-def restore_experts(rec: SavedExperts, tensors: Sequence[torch.Tensor]) -> list[Optional[torch.Tensor]]:
+def restore_experts(rec: "SavedExperts | SavedJoined", tensors: Sequence[torch.Tensor]
+                    ) -> "list[Optional[torch.Tensor]] | ExpertTensors":
     """Inverse of :func:`save_experts`, from the saved tensors (as saved-tensor hooks return them)."""
+    if isinstance(rec, SavedJoined):
+        return _restore_joined(rec, tensors)
     it = iter(tensors)
     n = sum(item is not None for item in rec.items)
     columns = None if rec.slots is None else [_restore_slot(kind, arg, it, n) for kind, arg in rec.slots]
@@ -86,6 +106,30 @@ def restore_experts(rec: SavedExperts, tensors: Sequence[torch.Tensor]) -> list[
         e += 1
         out.append(next(mine) if item[0] == "t" else QuantizedTensor(_build(item[1], mine), item[2]))
     return out
+
+
+def _save_joined(ts: ExpertTensors) -> tuple[list[torch.Tensor], SavedJoined]:
+    """The joined copies' payload tensors (a storage shared by both directions once) and skeletons."""
+    saved: list[torch.Tensor] = []
+    skeletons: list[tuple[QuantizedStorage, int]] = []
+    index: dict[int, int] = {}
+    directions: dict[str, tuple[int, Optional[list[int]]]] = {}
+    for d in ts.directions():
+        j = ts.joined(d)
+        if id(j.storage) not in index:
+            flat, skeleton = j.storage.split_tensors()
+            index[id(j.storage)] = len(skeletons)
+            skeletons.append((skeleton, len(flat)))
+            saved.extend(flat)
+        directions[d] = (index[id(j.storage)], j.starts)
+    return saved, SavedJoined(ts.splits, ts.cutter, skeletons, directions)
+
+
+def _restore_joined(rec: SavedJoined, tensors: Sequence[torch.Tensor]) -> ExpertTensors:
+    it = iter(tensors)
+    storages = [skeleton.with_tensors([next(it) for _ in range(n)]) for skeleton, n in rec.skeletons]
+    joined = {d: JoinedCopy(storages[i], starts) for d, (i, starts) in rec.directions.items()}
+    return ExpertTensors(rec.splits, joined, rec.cut)
 
 
 # ---------------------------------------------------------------------------- slots

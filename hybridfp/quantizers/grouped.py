@@ -31,13 +31,15 @@ the rowwise copies (dequantized once when they are shared).
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from functools import partial
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
 from ..formats.common import HIGH_PRECISION_DTYPES, ceil_div, check_input
 from ..kernels.host import device_tensor
 from ..tensors import HybridStorage, MXFP8Storage, QuantizedStorage, QuantizedTensor
+from ..tensors.expert_tensors import ExpertTensors, JoinedCopy
 from ..tensors.slicing import adjacent_rows
 from ..tensors.storage import COLUMNWISE, ROWWISE, Payload
 from . import fast
@@ -101,12 +103,20 @@ def _column_block(q: Quantizer) -> Optional[int]:
     return None if rule is None or q.uses_randomness() else rule(q)
 
 
+GroupedResult = Union[list[Optional[QuantizedTensor]], ExpertTensors]
+
+
 def quantize_grouped(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor,
-                     splits: Sequence[int]) -> list[Optional[QuantizedTensor]]:
+                     splits: Sequence[int]) -> GroupedResult:
     """``[quantizers[e].quantize(x_e) for each row group x_e of x]``, bitwise, with shared
     encodings where the formats allow (module docstring). ``quantizers[e] is None``: expert e
     needs no copy (its entry is None). ``x``: [Σ splits, K] high-precision, no autograd (call it
-    inside an autograd.Function or under no_grad)."""
+    inside an autograd.Function or under no_grad).
+
+    Where every expert's tensor is only views of the shared encodings (plain quantizers of one
+    usage, every copy shared: Identity, MXFP8), the result is an ``ExpertTensors``: a sequence of
+    the same per-expert tensors, built on first access, that also hands the shared encodings to
+    the grouped GEMM and the saved-for-backward record (``tensors/expert_tensors.py``)."""
     splits = [int(m) for m in splits]
     if len(quantizers) != len(splits):
         raise ValueError(f"quantize_grouped: {len(quantizers)} quantizers for {len(splits)} row groups; "
@@ -130,7 +140,7 @@ def quantize_grouped(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor,
 
 
 def quantize_weights_grouped(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor]
-                             ) -> list[QuantizedTensor]:
+                             ) -> Union[list[QuantizedTensor], ExpertTensors]:
     """``[q.quantize(w) for q, w in zip(quantizers, weights)]`` for experts' [N, K] weights of
     one shape, bitwise: the weights are stacked to [E*N, K] (a view when they are consecutive
     blocks of one buffer, else one copy) and quantized as row
@@ -143,7 +153,8 @@ def quantize_weights_grouped(quantizers: Sequence[Quantizer], weights: Sequence[
     with torch.no_grad():
         if not _worth_stacking(quantizers, weights):
             if _passthrough(quantizers, weights):
-                return [_wrap_weight(q, w) for q, w in zip(quantizers, weights)]
+                return (_passthrough_group(quantizers, weights)
+                        or [_wrap_weight(q, w) for q, w in zip(quantizers, weights)])
             return [q.quantize(w) for q, w in zip(quantizers, weights)]
         # weights that are consecutive blocks of one buffer (views of a stacked [E, N, K]
         # tensor) are viewed as the stack; otherwise one stacking copy (GroupedLinear's own
@@ -154,7 +165,7 @@ def quantize_weights_grouped(quantizers: Sequence[Quantizer], weights: Sequence[
             stacked = torch.stack(list(weights))
         stacked = stacked.reshape(-1, shape[1])
         out = quantize_grouped(list(quantizers), stacked, [shape[0]] * len(weights))
-    return [t for t in out if t is not None]
+    return out if isinstance(out, ExpertTensors) else [t for t in out if t is not None]
 
 
 def _passthrough(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor]) -> bool:
@@ -167,6 +178,18 @@ def _passthrough(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor
     return all(type(q) is IdentityQuantizer and not ({"quantize", "encode", "reference_encode"} & vars(q).keys())
                and q.dtype in (None, w.dtype) and w.dtype in HIGH_PRECISION_DTYPES
                and (q.rowwise_usage or q.columnwise_usage) for q, w in zip(quantizers, weights))
+
+
+def _passthrough_group(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor]) -> Optional[ExpertTensors]:
+    """The passthrough experts (``_passthrough``) as one joined Identity copy when the weights
+    are consecutive blocks of one buffer (``GroupedLinear``'s packed weights): its per-expert
+    tensors are ``_wrap_weight``'s (the same values, as views of the buffer)."""
+    stacked = adjacent_rows(list(weights)) if len(weights) > 1 else None
+    if stacked is None or any(q.rowwise_usage != quantizers[0].rowwise_usage
+                              or q.columnwise_usage != quantizers[0].columnwise_usage for q in quantizers):
+        return None
+    rows = quantizers[0].reference_encode(stacked.reshape(-1, weights[0].shape[1]), True, False)
+    return _expert_group(quantizers, [weights[0].shape[0]] * len(weights), rows, None, None, False, None)
 
 
 def _wrap_weight(q: IdentityQuantizer, w: torch.Tensor) -> QuantizedTensor:
@@ -445,9 +468,12 @@ def _assemble(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor, splits
               row_starts: Optional[list[int]] = None) -> list[Optional[QuantizedTensor]]:
     """Each expert's tensor from the shared encodings (``rows`` with groups starting at
     ``row_starts``, default unpadded; ``cols`` with groups starting at ``col_starts``) or its
-    own rowwise encoding (``own_rows``)."""
-    row_payloads = _row_payloads(rows, splits, row_starts) if rows is not None else None
+    own rowwise encoding (``own_rows``); an ``ExpertTensors`` where they are views only."""
     views = isinstance(cols, COLUMN_VIEWS)
+    group = _expert_group(quantizers, splits, rows, cols, col_starts, views, row_starts)
+    if group is not None:
+        return group
+    row_payloads = _row_payloads(rows, splits, row_starts) if rows is not None else None
     col_payloads = (_column_payloads(cols, col_starts, splits, views)
                     if cols is not None and any(q is not None and q.columnwise_usage for q in quantizers) else None)
     out: list[Optional[QuantizedTensor]] = []
@@ -470,6 +496,68 @@ def _assemble(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor, splits
             col_part = _rebuild(cols, None, col_payloads[e], _columnwise_child(q).label, m)
             col_part.columnwise_zero_padded = views  # slices of the zero-padded groups (``pad_row_groups``)
         out.append(QuantizedTensor(_expert_storage(q, xs[e], row_part, col_part), q))
+    return out
+
+
+def _expert_group(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[int],
+                  rows: Optional[QuantizedStorage], cols: Optional[QuantizedStorage],
+                  col_starts: Optional[list[int]], views: bool, row_starts: Optional[list[int]]
+                  ) -> Optional[ExpertTensors]:
+    """The experts' tensors as joined copies when each one is only views of the shared
+    encodings (what ``_direct_storage`` builds for every expert, with one usage for all): the
+    unpadded rowwise encoding, and a columnwise copy handed out as column-slice views
+    (``COLUMN_VIEWS``) or shared with the rows (Identity). None otherwise (hybrids, an expert
+    without a quantizer or with its own encoding, FP8 block's per-expert contiguous copies)."""
+    qs = list(quantizers)
+    if (row_starts is not None or not qs or sum(splits) == 0
+            or any(q is None or isinstance(q, HybridQuantizer) for q in qs)):
+        return None
+    usage = {(q.rowwise_usage, q.columnwise_usage) for q in qs}
+    if len(usage) > 1:
+        return None
+    rowwise, columnwise = usage.pop()
+    joined: dict[str, JoinedCopy] = {}
+    if row_local_mode(qs[0]) == SHARED:  # Identity: one payload, both copies (the rows read transposed)
+        if rows is None:
+            return None
+        p = rows.payloads[ROWWISE]
+        whole = _rebuild(rows, p, p, qs[0].label, sum(splits))
+        joined = {d: JoinedCopy(whole, None) for d, use in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if use}
+    else:
+        if rowwise:
+            if rows is None:
+                return None
+            joined[ROWWISE] = JoinedCopy(rows, None)
+        if columnwise:
+            if cols is None or col_starts is None or not views:
+                return None
+            joined[COLUMNWISE] = JoinedCopy(cols, list(col_starts))
+    if not joined:
+        return None
+    return ExpertTensors(splits, joined, partial(_cut_experts, qs, list(splits)))
+
+
+def _cut_experts(qs: list[Quantizer], splits: list[int], joined: dict[str, JoinedCopy]) -> list[QuantizedTensor]:
+    """The per-expert tensors of ``_expert_group``'s joined copies: the storages
+    ``_direct_storage`` makes, holding the directions ``joined`` holds."""
+    rowwise, columnwise = ROWWISE in joined, COLUMNWISE in joined
+    out: list[QuantizedTensor] = []
+    if row_local_mode(qs[0]) == SHARED:
+        whole = next(iter(joined.values())).storage
+        for q, p, m in zip(qs, _row_payloads(whole, splits), splits):
+            out.append(QuantizedTensor(_rebuild(whole, p if rowwise else None, p if columnwise else None,
+                                                q.label, m), q))
+        return out
+    rows = joined[ROWWISE].storage if rowwise else None
+    row_pl = _row_payloads(rows, splits) if rows is not None else None
+    cols = joined[COLUMNWISE] if columnwise else None
+    col_pl = _column_payloads(cols.storage, cols.starts, splits, True) if cols is not None else None
+    for e, (q, m) in enumerate(zip(qs, splits)):
+        like = rows if rows is not None else cols.storage
+        s = _rebuild(like, row_pl[e] if row_pl is not None else None, col_pl[e] if col_pl is not None else None,
+                     q.label, m)
+        s.columnwise_zero_padded = columnwise  # slices of the zero-padded groups (``pad_row_groups``)
+        out.append(QuantizedTensor(s, q))
     return out
 
 

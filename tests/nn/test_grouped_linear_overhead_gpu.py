@@ -94,6 +94,31 @@ def test_64_experts_default_takes_triton_grouped_fprop(monkeypatch):
         assert_bitwise(got[2][n], want[2][n], f"{n}.grad")
 
 
+@pytest.mark.parametrize("name", ["high_precision", "mxfp8"])
+def test_64_experts_run_on_joined_copies(name, monkeypatch):
+    """At 64 experts BF16 and MXFP8 steps run all three GEMMs on the experts' joined copies
+    (``gemm/grouped_joined.py``) without building a per-expert tensor, bitwise the step whose
+    GEMMs take the per-expert lists (the same torch._grouped_mm path)."""
+    from hybridfp.gemm import grouped as g
+    from hybridfp.quantizers import grouped as qg
+    torch.manual_seed(1)
+    m = GroupedLinear(64, HIDDEN, FFN, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    fresh = copy.deepcopy(m)
+    built = []
+    real_cut = qg._cut_experts
+    monkeypatch.setattr(qg, "_cut_experts", lambda *a: built.append(len(a[1])) or real_cut(*a))
+    g.PATH_COUNTS.clear()
+    got = cuda_step(m, FACTORIES[name], SPLITS64)
+    assert built == [] and dict(g.PATH_COUNTS) == {
+        ("fprop", "grouped_bf16"): 1, ("dgrad", "grouped_bf16"): 1, ("wgrad", "grouped_bf16"): 1}
+    monkeypatch.setattr(g, "_run_joined", lambda *a: None)
+    want = cuda_step(fresh, FACTORIES[name], SPLITS64)
+    assert_bitwise(got[0], want[0], f"{name} output")
+    assert_bitwise(got[1], want[1], f"{name} input grad")
+    for n in want[2]:
+        assert_bitwise(got[2][n], want[2][n], f"{name} {n}.grad")
+
+
 #: Recipes whose GroupedLinear step should queue all its work without waiting for the GPU.
 NO_SYNC = ["high_precision", "mxfp8", "current_scaling", "float8_block_scaling", "nvfp4_row_scaled_fwd_mxfp8_bwd"]
 

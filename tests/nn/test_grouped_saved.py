@@ -14,7 +14,7 @@ from nn_cases import FORMATS, assert_bitwise, make_data
 import hybridfp
 from hybridfp import CustomRecipe, factories
 from hybridfp.nn import grouped_linear
-from hybridfp.nn.grouped_saved import SavedExperts, restore_experts, save_experts
+from hybridfp.nn.grouped_saved import SavedExperts, SavedJoined, restore_experts, save_experts
 from hybridfp.tensors import HybridStorage, QuantizedTensor
 
 pytestmark = pytest.mark.filterwarnings("ignore::hybridfp.gemm.EmulatedGemmWarning")  # CPU: expected
@@ -86,7 +86,7 @@ def test_restored_experts_are_the_saved_ones(name, save_original, monkeypatch):
     def check(ts):
         tensors, rec = save_experts(ts)
         assert all(type(t) is torch.Tensor for t in tensors)
-        assert isinstance(rec, SavedExperts)
+        assert isinstance(rec, (SavedExperts, SavedJoined))
         back = restore_experts(rec, tensors)
         assert len(back) == len(ts)
         for e, (a, b) in enumerate(zip(ts, back)):
