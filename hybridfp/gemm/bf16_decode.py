@@ -33,7 +33,6 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..formats import nvfp4
 from ..tensors import Float8BlockStorage, Float8Storage, IdentityStorage, MXFP8Storage, NVFP4Storage
 from ..tensors.storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
 
@@ -63,7 +62,7 @@ def _mxfp8(s: QuantizedStorage, direction: str) -> GemmOperand:
 
 def _fp8(s: QuantizedStorage, direction: str) -> GemmOperand:
     p = s.payload(direction)
-    return GemmOperand(_kernels().decode_fp8(p["data"]), p["scale_inv"], p["data"].shape[1])
+    return GemmOperand(_kernels().decode_fp8(p["data"]), s.epilogue_scale(direction), p["data"].shape[1])
 
 
 def _fp8_block(s: QuantizedStorage, direction: str) -> GemmOperand:
@@ -78,7 +77,7 @@ def _nvfp4(s: QuantizedStorage, direction: str) -> GemmOperand:
     p = s.payload(direction)
     k, stored, rht_on = s.reduction_layout(direction)
     v = _kernels().decode_nvfp4(p["data"], p["scale"], stored, block_2d=bool(s.meta["block_2d"]))
-    return GemmOperand(v, nvfp4.shared_global_decode_scale(p["amax"]), k, rht_on)
+    return GemmOperand(v, s.epilogue_scale(direction), k, rht_on)
 
 
 #: storage class -> its Triton decode (CUDA). A new format opts in here.

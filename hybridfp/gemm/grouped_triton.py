@@ -32,14 +32,16 @@ H200. How fast (``bench_grouped_gemm_kernel``, ``bench_moe``'s "[Triton grouped]
 from __future__ import annotations
 
 import importlib
+from itertools import accumulate
 from typing import Optional, Sequence, Union
 
 import torch
 
-from ..tensors.storage import GemmOperand, QuantizedStorage
-from .bf16_decode import HAVE_TRITON, bf16_exact_reason, decode_bf16
+from ..kernels.host import device_tensor
+from ..tensors.storage import QuantizedStorage
+from .bf16_decode import HAVE_TRITON, bf16_exact_reason, decode_bf16, decode_bf16_joined
 from .gemm import LAYOUTS
-from .joined import joined_rows
+from .joined import joined_rows, joined_values, spanned_rows
 
 #: Device types on which ``grouped_gemm`` takes this path by default for any number of experts
 #: (empty: verified on the H200 but, at 8 large experts, not faster than the per-expert loop
@@ -87,16 +89,17 @@ def _kernels():
     return importlib.import_module("hybridfp.kernels.triton_grouped_gemm")
 
 
-def _spread(ops: Sequence[GemmOperand], sizes: Sequence[int], device: torch.device) -> Optional[torch.Tensor]:
+def _spread(scales: Sequence[Optional[torch.Tensor]], sizes: Sequence[int], device: torch.device
+            ) -> Optional[torch.Tensor]:
     """The experts' global scales (None = 1, 0-d, or one per row) spread to ``sizes[e]`` values
     each and concatenated ([Σ sizes] FP32); None when no expert has one."""
-    if all(op.scale is None for op in ops):
+    if all(sc is None for sc in scales):
         return None
     one = torch.ones((), dtype=torch.float32, device=device)
     parts = []
-    for op, n in zip(ops, sizes):
-        s = one if op.scale is None else op.scale.to(torch.float32)
-        parts.append(s.expand(n) if s.dim() == 0 else s)
+    for sc, n in zip(scales, sizes):
+        sc = one if sc is None else sc.to(torch.float32)
+        parts.append(sc.expand(n) if sc.dim() == 0 else sc)
     return torch.cat(parts)
 
 
@@ -119,19 +122,41 @@ def run(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: 
     device = sa[0].device
     if layout == "NT":
         return _run_reduction(sa, sb, da, db, out_dtype, device)
-    ops_b = [decode_bf16(b, db, cache=True) for b in sb]  # B of fprop / dgrad: the weights
-    n, k = ops_b[0].values.shape
+    weights = _weights_operand(sb, db)  # B of fprop / dgrad: the weights
+    if weights is None:
+        return None
+    mat_b, scales_b, rhts_b = weights
+    _, n, k = mat_b.shape
     usable, bias = _bias(biases, n, device)
     rows = _rows_operand(sa, da, device)
     if not usable or rows is None or k == 0:
         return None
     mat_a, scale_a, rhts = rows
-    if mat_a.shape[1] != k or any(r != ob.rht or ob.values.shape[1] != k for r, ob in zip(rhts, ops_b)):
+    if mat_a.shape[1] != k or any(r != rb for r, rb in zip(rhts, rhts_b)):
         return None
-    scale_b = _spread(ops_b, [n] * len(ops_b), device)
+    scale_b = _spread(scales_b, [n] * len(sb), device)
     return _kernels().grouped_rows(
-        mat_a, torch.stack([op.values for op in ops_b]), [s.rows for s in sa], out_dtype=out_dtype,
+        mat_a, mat_b, [s.rows for s in sa], out_dtype=out_dtype,
         bias=bias, scale_a=scale_a, scale_b=None if scale_b is None else scale_b.reshape(len(sb), n))
+
+
+def _weights_operand(sb: Sequence[QuantizedStorage], db: str
+                     ) -> Optional[tuple[torch.Tensor, list[Optional[torch.Tensor]], list[bool]]]:
+    """(B [E, n, k] BF16, each expert's epilogue scale, each expert's RHT flag). The experts'
+    stacked weights (adjacent row blocks of one encoding, per-expert global scales allowed:
+    ``joined_values``) are decoded in one call, cached while unchanged, and viewed [E, n, k];
+    otherwise each expert's copy is decoded (cached) and stacked. None if their decoded shapes
+    differ."""
+    joined = joined_values(sb, db)
+    if joined is not None:
+        whole = decode_bf16_joined(joined, sb, db, cache=True)
+        values = whole.values.contiguous()  # the decoders write contiguous tensors: no copy
+        scales = [b.part(db).epilogue_scale(db) for b in sb]  # each expert's own, not the first's
+        return values.view(len(sb), values.shape[0] // len(sb), values.shape[1]), scales, [whole.rht] * len(sb)
+    ops = [decode_bf16(b, db, cache=True) for b in sb]
+    if len({tuple(op.values.shape) for op in ops}) > 1:
+        return None
+    return torch.stack([op.values for op in ops]), [op.scale for op in ops], [op.rht for op in ops]
 
 
 def _rows_operand(sa: Sequence[QuantizedStorage], da: str, device: torch.device
@@ -142,12 +167,34 @@ def _rows_operand(sa: Sequence[QuantizedStorage], da: str, device: torch.device
     joined = joined_rows(sa, da)
     if joined is not None:
         whole = decode_bf16(joined, da)
-        return whole.values, _spread([whole], [whole.values.shape[0]], device), [whole.rht] * len(sa)
+        return whole.values, _spread([whole.scale], [whole.values.shape[0]], device), [whole.rht] * len(sa)
+    span = spanned_rows(sa, da)
+    if span is not None:
+        # one decode of the rows spanning the experts' (a padded encode's rowwise copy read at
+        # the groups' padded starts), then one gather of the experts' own rows
+        storage, starts = span
+        whole = decode_bf16(storage, da)
+        if whole.scale is not None and whole.scale.dim() != 1:
+            return None
+        sizes = [s.rows for s in sa]
+        index = _span_rows(starts, sizes, device)
+        scale = None if whole.scale is None else whole.scale.to(torch.float32).index_select(0, index)
+        return whole.values.index_select(0, index), scale, [whole.rht] * len(sa)
     ops = [decode_bf16(a, da) for a in sa]
     if len({op.values.shape[1] for op in ops}) > 1:
         return None
     sizes = [op.values.shape[0] for op in ops]
-    return torch.cat([op.values for op in ops]), _spread(ops, sizes, device), [op.rht for op in ops]
+    return torch.cat([op.values for op in ops]), _spread([op.scale for op in ops], sizes, device), [op.rht for op in ops]
+
+
+def _span_rows(starts: Sequence[int], sizes: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The rows of a span that belong to the experts (expert e: ``starts[e]`` on, ``sizes[e]``
+    rows), in order, as an int64 index in O(1) ops: row r of the result moves down by the gaps
+    before its expert."""
+    total = sum(sizes)
+    before = [0] + list(accumulate(sizes))[:-1]  # each expert's first row in the result
+    shifts, counts = device_tensor([[s - b for s, b in zip(starts, before)], list(sizes)], device).unbind(0)
+    return torch.arange(total, device=device) + torch.repeat_interleave(shifts, counts, output_size=total)
 
 
 def _run_reduction(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], da: str, db: str,
@@ -161,7 +208,8 @@ def _run_reduction(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage
     splits = [op.values.shape[1] for op in ops_a]
     mat_a = torch.cat([op.values for op in ops_a], dim=1)
     mat_b = torch.cat([op.values for op in ops_b], dim=1)
-    scale_a, scale_b = _spread(ops_a, [m] * len(sa), device), _spread(ops_b, [n] * len(sb), device)
+    scale_a = _spread([op.scale for op in ops_a], [m] * len(sa), device)
+    scale_b = _spread([op.scale for op in ops_b], [n] * len(sb), device)
     out = _kernels().grouped_reduction(
         mat_a, mat_b, splits, out_dtype=out_dtype,
         scale_a=None if scale_a is None else scale_a.reshape(len(sa), m),

@@ -98,3 +98,95 @@ def _adjacent_columns(ts: Sequence[torch.Tensor], starts: Sequence[int], width: 
     if view.storage_offset() + (view.shape[0] - 1) * stride + width > t0.untyped_storage().nbytes() // t0.element_size():
         return None
     return view
+
+
+def joined_values(storages: Sequence[QuantizedStorage], direction: str) -> Optional[QuantizedStorage]:
+    """One storage whose ``direction`` block decode gives the experts' values stacked by rows,
+    WITHOUT copying: as :func:`joined_rows`, but a payload entry that is not indexed by rows (a
+    per-expert global amax or scale_inv) may differ between experts and is taken from the first,
+    so the joined copy's epilogue scale is the first expert's only (callers take each expert's
+    from ``epilogue_scale``); row-indexed entries may be blocked (``(0, div)``, every expert a
+    whole number of blocks). For the experts' stacked weights with per-expert global scales
+    (NVFP4), which ``joined_rows`` refuses. None otherwise."""
+    if direction != ROWWISE:
+        return None
+    parts = [s.part(direction) for s in storages]
+    first = parts[0]
+    if any(type(p) is not type(first) or p.meta != first.meta or p.cols != first.cols for p in parts):
+        return None
+    index = first._row_index[direction]
+    payloads = [p.payload(direction) for p in parts]
+    if any(p.rows == 0 for p in parts) or any(set(pl) != set(payloads[0]) for pl in payloads):
+        return None
+    joined: dict[str, torch.Tensor] = {}
+    for name, spec in ((n, index.get(n)) for n in payloads[0]):
+        if spec is None:  # per tensor: the first expert's (its scale is not the others')
+            joined[name] = payloads[0][name]
+            continue
+        axis, div = spec
+        if axis != 0 or any(p.rows % div for p in parts):
+            return None
+        t = adjacent_rows([pl[name] for pl in payloads])
+        if t is None:
+            return None
+        joined[name] = t
+    rows = sum(p.rows for p in parts)
+    return type(first)(torch.Size((rows, first.cols)), first.dtype, joined, None, label=first.label, **first.meta)
+
+
+def spanned_rows(storages: Sequence[QuantizedStorage], direction: str
+                 ) -> Optional[tuple[QuantizedStorage, list[int]]]:
+    """One storage spanning the experts' ``direction`` copies and each expert's first row in it,
+    WITHOUT copying, when every copy is a row block of one buffer, in order, with gaps allowed
+    between them (a rowwise copy of zero-padded groups read at the groups' padded starts:
+    ``quantize_grouped``'s one hybrid pass) and every payload entry indexed by single rows
+    (``(0, 1)``: per-row scales included, no per-tensor entry). The rows in the gaps are other
+    rows of the same encoding; callers keep only each expert's own. None otherwise."""
+    if direction != ROWWISE:
+        return None
+    parts = [s.part(direction) for s in storages]
+    first = parts[0]
+    if any(type(p) is not type(first) or p.meta != first.meta or p.cols != first.cols for p in parts):
+        return None
+    index = first._row_index[direction]
+    payloads = [p.payload(direction) for p in parts]
+    if any(index.get(n) != (0, 1) for n in payloads[0]) or any(set(pl) != set(payloads[0]) for pl in payloads):
+        return None
+    starts: Optional[list[int]] = None
+    joined: dict[str, torch.Tensor] = {}
+    for name in payloads[0]:
+        found = _row_span([pl[name] for pl in payloads])
+        if found is None or (starts is not None and found[1] != starts):
+            return None
+        joined[name], starts = found
+    rows = joined[next(iter(joined))].shape[0]
+    storage = type(first)(torch.Size((rows, first.cols)), first.dtype, joined, None, label=first.label, **first.meta)
+    return storage, starts
+
+
+def _row_span(ts: Sequence[torch.Tensor]) -> Optional[tuple[torch.Tensor, list[int]]]:
+    """The view from the first tensor's first row to the last one's last row of one buffer
+    (same storage, dtype and trailing shape, contiguous rows, one row stride, starts in order
+    without overlap) and each tensor's first row in it; else None."""
+    t0 = ts[0]
+    inner = t0.shape[1:]
+    width = 1
+    for d in inner:
+        width *= d
+    if not all(t.is_contiguous() for t in ts) or width == 0:
+        return None
+    base, off0 = t0.untyped_storage().data_ptr(), t0.storage_offset()
+    starts, end = [], 0
+    for t in ts:
+        if (t.dtype != t0.dtype or t.shape[1:] != inner or t.untyped_storage().data_ptr() != base
+                or (t.storage_offset() - off0) % width):
+            return None
+        start = (t.storage_offset() - off0) // width
+        if start < end:
+            return None
+        starts.append(start)
+        end = start + t.shape[0]
+    if off0 + end * width > t0.untyped_storage().nbytes() // t0.element_size():
+        return None
+    strides = [width] + list(t0.stride()[1:]) if t0.dim() > 1 else [1]
+    return t0.as_strided((end, *inner), strides, off0), starts

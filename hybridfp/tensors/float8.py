@@ -42,7 +42,11 @@ class Float8Storage(QuantizedStorage):
         """FP8 E4M3/E5M2 codes are exact in BF16 (scale_inv stays in the epilogue)."""
         return None
 
+    def epilogue_scale(self, direction: str) -> Optional[torch.Tensor]:
+        """The per-tensor scale_inv."""
+        return self.payload(direction)["scale_inv"]
+
     def gemm_operand(self, direction: str) -> GemmOperand:
         """FP8 values as stored; the per-tensor scale_inv goes to the epilogue."""
         p = self.payload(direction)
-        return GemmOperand(p["data"].float(), p["scale_inv"], p["data"].shape[1])
+        return GemmOperand(p["data"].float(), self.epilogue_scale(direction), p["data"].shape[1])

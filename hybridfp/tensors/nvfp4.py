@@ -91,8 +91,11 @@ class NVFP4Storage(QuantizedStorage):
         p = self.payload(direction)
         decode = nvfp4.decode_blocks_2d if self.meta["block_2d"] else nvfp4.decode_blocks_1d
         k, stored, rht_on = self.reduction_layout(direction)
-        s_dec = nvfp4.shared_global_decode_scale(p["amax"])
-        return GemmOperand(decode(p["data"], p["scale"], stored), s_dec, k, rht_on)
+        return GemmOperand(decode(p["data"], p["scale"], stored), self.epilogue_scale(direction), k, rht_on)
+
+    def epilogue_scale(self, direction: str) -> Optional[torch.Tensor]:
+        """S_dec from the global amax (per tensor, or per row when row-scaled)."""
+        return nvfp4.shared_global_decode_scale(self.payload(direction)["amax"])
 
     def reduction_layout(self, direction: str) -> tuple[int, int, bool]:
         """(logical reduction length k, stored length, RHT on) of one copy: an RHT copy keeps

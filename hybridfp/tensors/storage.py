@@ -208,6 +208,12 @@ class QuantizedStorage(Dim0Slicing, ABC):
         GEMM's epilogue (known from the format, without decoding)."""
         return False
 
+    def epilogue_scale(self, direction: str) -> Optional[torch.Tensor]:
+        """The ``scale`` that ``gemm_operand(direction)`` (and its BF16 decode) carries for the
+        epilogue, without decoding the values (None: no factor)."""
+        self.payload(direction)  # the clear error if the copy is not held
+        return None
+
     def bf16_exact_reason(self, direction: str) -> Optional[str]:
         """None if the ``direction`` copy's block-decoded values (``gemm_operand(direction).values``)
         are all exactly representable in BF16, so a BF16 tensor-core GEMM with FP32 accumulation

@@ -256,3 +256,59 @@ def test_kernel_alignment_promise_only_when_true(monkeypatch):
     tg.grouped_reduction(torch.randn(4, 48).bfloat16(), torch.randn(6, 48).bfloat16(), [17, 31], tile=TINY)
     tg.grouped_reduction(torch.randn(4, 48).bfloat16(), torch.randn(6, 48).bfloat16(), [0, 17, 0, 31], tile=TINY)
     assert seen == [8, 4, 1, 8, 2, 1, 1]
+
+
+def _composer2_operands(splits: list[int], k: int, n: int, device: str):
+    """Composer-2's fprop operands as GroupedLinear makes them: x by ``quantize_grouped`` with
+    the hybrid (row-scaled NVFP4 rows read at the padded groups' starts, MXFP8 columns derived),
+    the weights stacked by ``quantize_weights_grouped`` (NVFP4 with a global amax per expert);
+    and the same per expert, quantized one by one."""
+    from hybridfp.quantizers.grouped import quantize_grouped, quantize_weights_grouped
+    rd = "rowwise_dequantized"
+    xq = [hybridfp.HybridQuantizer(hybridfp.NVFP4Quantizer(row_scaled_nvfp4=True), hybridfp.MXFP8Quantizer(), rd)
+          for _ in splits]
+    wq = [hybridfp.HybridQuantizer(hybridfp.NVFP4Quantizer(), hybridfp.MXFP8Quantizer(), rd) for _ in splits]
+    g = torch.Generator(device=device).manual_seed(5)
+    x = torch.randn(sum(splits), k, generator=g, device=device).bfloat16()
+    buf = torch.stack([torch.randn(n, k, generator=g, device=device) * 2.0 ** (e % 5 - 2)
+                       for e in range(len(splits))]).bfloat16()  # packed, as GroupedLinear keeps them
+    ws = list(buf)
+    X, W = quantize_grouped(xq, x, splits), quantize_weights_grouped(wq, ws)
+    each_x = [q.quantize(xe) for q, xe in zip(xq, torch.split(x, splits))]
+    each_w = [q.quantize(w) for q, w in zip(wq, ws)]
+    return X, W, each_x, each_w
+
+
+def _check_fprop_decodes_once(device: str, monkeypatch) -> None:
+    from hybridfp.gemm import bf16_decode, grouped_triton
+    splits, k, n = ([0, 19, 45, 1, 33], 64, 48) if device == "cpu" else ([0, 517, 33, 1024, 1, 250, 96, 700], 4096, 1408)
+    X, W, each_x, each_w = _composer2_operands(splits, k, n, device)
+    decodes = []
+    real = grouped_triton.decode_bf16
+    monkeypatch.setattr(grouped_triton, "decode_bf16", lambda s, d, **kw: decodes.append(s.rows) or real(s, d, **kw))
+    real_joined = grouped_triton.decode_bf16_joined
+    monkeypatch.setattr(grouped_triton, "decode_bf16_joined",
+                        lambda s, parts, d, **kw: decodes.append(s.rows) or real_joined(s, parts, d, **kw))
+    bf16_decode.clear_decode_cache()
+    got = grouped_gemm(X, W, "TN", use_triton=True)
+    assert len(decodes) == 2, decodes  # x's span and the weights, once each
+    decodes.clear()
+    bf16_decode.clear_decode_cache()
+    want = grouped_gemm(each_x, each_w, "TN", use_triton=True)
+    assert len(decodes) == 2 * len(splits)  # every expert's x and weight on their own
+    assert torch.equal(got, want)
+
+
+@interpreter_only
+def test_grouped_fprop_decodes_shared_encodings_once(monkeypatch):
+    """Composer-2's grouped fprop on the Triton path decodes x's rows (a padded encode read at
+    the groups' starts: ``spanned_rows``) and the stacked weights (per-expert global scales:
+    ``joined_values``) in one call each, not per expert, and equals bitwise the same path on
+    the per-expert quantizations (the same values and scales reach the same kernel)."""
+    _check_fprop_decodes_once("cpu", monkeypatch)
+
+
+@gpu
+def test_grouped_fprop_decodes_shared_encodings_once_gpu(monkeypatch):
+    """The same at the MoE benchmark's expert shape on the GPU."""
+    _check_fprop_decodes_once("cuda", monkeypatch)
