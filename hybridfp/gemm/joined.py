@@ -24,14 +24,12 @@ def joined_rows(storages: Sequence[QuantizedStorage], direction: str) -> Optiona
     when they are consecutive row blocks of one buffer (``quantize_grouped``'s shared row-local
     encodings): the rowwise copy, every payload tensor indexed by row (``_row_index`` (0, 1)),
     contiguous and adjacent in memory, one class and options. None otherwise."""
-    if direction != ROWWISE:
+    found = _rowwise_parts(storages, direction)
+    if found is None:
         return None
-    parts = [s.part(direction) for s in storages]
+    parts, all_payloads, index = found
     first = parts[0]
-    if any(type(p) is not type(first) or p.meta != first.meta or p.cols != first.cols for p in parts):
-        return None
-    index = first._row_index[direction]
-    payloads = [p.payload(direction) for p in parts if p.rows > 0]
+    payloads = [pl for p, pl in zip(parts, all_payloads) if p.rows > 0]
     if not payloads or any(index.get(n) != (0, 1) for n in payloads[0]):
         return None
     joined: dict[str, torch.Tensor] = {}
@@ -108,15 +106,11 @@ def joined_values(storages: Sequence[QuantizedStorage], direction: str) -> Optio
     from ``epilogue_scale``); row-indexed entries may be blocked (``(0, div)``, every expert a
     whole number of blocks). For the experts' stacked weights with per-expert global scales
     (NVFP4), which ``joined_rows`` refuses. None otherwise."""
-    if direction != ROWWISE:
+    found = _rowwise_parts(storages, direction)
+    if found is None:
         return None
-    parts = [s.part(direction) for s in storages]
-    first = parts[0]
-    if any(type(p) is not type(first) or p.meta != first.meta or p.cols != first.cols for p in parts):
-        return None
-    index = first._row_index[direction]
-    payloads = [p.payload(direction) for p in parts]
-    if any(p.rows == 0 for p in parts) or any(set(pl) != set(payloads[0]) for pl in payloads):
+    parts, payloads, index = found
+    if any(p.rows == 0 for p in parts):
         return None
     joined: dict[str, torch.Tensor] = {}
     for name, spec in ((n, index.get(n)) for n in payloads[0]):
@@ -130,8 +124,24 @@ def joined_values(storages: Sequence[QuantizedStorage], direction: str) -> Optio
         if t is None:
             return None
         joined[name] = t
-    rows = sum(p.rows for p in parts)
+    first, rows = parts[0], sum(p.rows for p in parts)
     return type(first)(torch.Size((rows, first.cols)), first.dtype, joined, None, label=first.label, **first.meta)
+
+
+def _rowwise_parts(storages: Sequence[QuantizedStorage], direction: str):
+    """(the experts' single-format parts, their ``direction`` payloads, the row index) when
+    ``direction`` is rowwise and the parts share class, options, width and payload names;
+    else None."""
+    if direction != ROWWISE:
+        return None
+    parts = [s.part(direction) for s in storages]
+    first = parts[0]
+    if any(type(p) is not type(first) or p.meta != first.meta or p.cols != first.cols for p in parts):
+        return None
+    payloads = [p.payload(direction) for p in parts]
+    if any(set(pl) != set(payloads[0]) for pl in payloads):
+        return None
+    return parts, payloads, first._row_index[direction]
 
 
 def spanned_rows(storages: Sequence[QuantizedStorage], direction: str
@@ -142,15 +152,12 @@ def spanned_rows(storages: Sequence[QuantizedStorage], direction: str
     ``quantize_grouped``'s one hybrid pass) and every payload entry indexed by single rows
     (``(0, 1)``: per-row scales included, no per-tensor entry). The rows in the gaps are other
     rows of the same encoding; callers keep only each expert's own. None otherwise."""
-    if direction != ROWWISE:
+    found = _rowwise_parts(storages, direction)
+    if found is None:
         return None
-    parts = [s.part(direction) for s in storages]
+    parts, payloads, index = found
     first = parts[0]
-    if any(type(p) is not type(first) or p.meta != first.meta or p.cols != first.cols for p in parts):
-        return None
-    index = first._row_index[direction]
-    payloads = [p.payload(direction) for p in parts]
-    if any(index.get(n) != (0, 1) for n in payloads[0]) or any(set(pl) != set(payloads[0]) for pl in payloads):
+    if any(index.get(n) != (0, 1) for n in payloads[0]):
         return None
     starts: Optional[list[int]] = None
     joined: dict[str, torch.Tensor] = {}

@@ -35,6 +35,18 @@ def _step(m: GroupedLinear, factory, out: int):
     return [y.detach(), x.grad] + [p.grad for p in m.parameters()]
 
 
+#: every GEMM of a step on path 1 (torch._grouped_mm)
+ALL_GROUPED_BF16 = {("fprop", "grouped_bf16"): 1, ("dgrad", "grouped_bf16"): 1, ("wgrad", "grouped_bf16"): 1}
+
+
+def count_cuts(monkeypatch) -> list[int]:
+    """A list that records the expert count of every per-expert build from joined copies."""
+    built: list[int] = []
+    real_cut = qgrouped._cut_experts
+    monkeypatch.setattr(qgrouped, "_cut_experts", lambda *a: built.append(len(a[1])) or real_cut(*a))
+    return built
+
+
 def _grouped_path_on_cpu(monkeypatch) -> None:
     """The CUDA choice of path 1 (``torch._grouped_mm``) on the CPU, as bench_moe_overhead does."""
     monkeypatch.setattr(grouped, "_grouped_mm_device", lambda device: True)
@@ -50,9 +62,7 @@ def test_joined_step_equals_per_expert_lists(name, out, monkeypatch):
     torch.manual_seed(1)
     m = GroupedLinear(len(SPLITS), IN, out, bias=False, params_dtype=torch.bfloat16)
     fresh = copy.deepcopy(m)
-    built = []
-    real_cut = qgrouped._cut_experts
-    monkeypatch.setattr(qgrouped, "_cut_experts", lambda *a: built.append(len(a[1])) or real_cut(*a))
+    built = count_cuts(monkeypatch)
     grouped.PATH_COUNTS.clear()
     got = _step(m, RECIPES[name], out)
     joined_counts = dict(grouped.PATH_COUNTS)
@@ -62,7 +72,7 @@ def test_joined_step_equals_per_expert_lists(name, out, monkeypatch):
         grouped.PATH_COUNTS.clear()
         want = _step(fresh, RECIPES[name], out)
         assert dict(grouped.PATH_COUNTS) == joined_counts  # the same path for each GEMM
-    assert joined_counts == {("fprop", "grouped_bf16"): 1, ("dgrad", "grouped_bf16"): 1, ("wgrad", "grouped_bf16"): 1}
+    assert joined_counts == ALL_GROUPED_BF16
     for i, (a, b) in enumerate(zip(got, want)):
         assert_bitwise(a, b, f"{name} output {i}")
     if name == "bf16" or out == 128:

@@ -99,18 +99,16 @@ def test_64_experts_run_on_joined_copies(name, monkeypatch):
     """At 64 experts BF16 and MXFP8 steps run all three GEMMs on the experts' joined copies
     (``gemm/grouped_joined.py``) without building a per-expert tensor, bitwise the step whose
     GEMMs take the per-expert lists (the same torch._grouped_mm path)."""
+    from test_grouped_joined import ALL_GROUPED_BF16, count_cuts
+
     from hybridfp.gemm import grouped as g
-    from hybridfp.quantizers import grouped as qg
     torch.manual_seed(1)
     m = GroupedLinear(64, HIDDEN, FFN, bias=False, params_dtype=torch.bfloat16, device="cuda")
     fresh = copy.deepcopy(m)
-    built = []
-    real_cut = qg._cut_experts
-    monkeypatch.setattr(qg, "_cut_experts", lambda *a: built.append(len(a[1])) or real_cut(*a))
+    built = count_cuts(monkeypatch)
     g.PATH_COUNTS.clear()
     got = cuda_step(m, FACTORIES[name], SPLITS64)
-    assert built == [] and dict(g.PATH_COUNTS) == {
-        ("fprop", "grouped_bf16"): 1, ("dgrad", "grouped_bf16"): 1, ("wgrad", "grouped_bf16"): 1}
+    assert built == [] and dict(g.PATH_COUNTS) == ALL_GROUPED_BF16
     monkeypatch.setattr(g, "_run_joined", lambda *a: None)
     want = cuda_step(fresh, FACTORIES[name], SPLITS64)
     assert_bitwise(got[0], want[0], f"{name} output")
