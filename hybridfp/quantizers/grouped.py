@@ -470,7 +470,9 @@ def _assemble(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor, splits
     ``row_starts``, default unpadded; ``cols`` with groups starting at ``col_starts``) or its
     own rowwise encoding (``own_rows``); an ``ExpertTensors`` where they are views only."""
     views = isinstance(cols, COLUMN_VIEWS)
-    group = _expert_group(quantizers, splits, rows, cols, col_starts, views, row_starts)
+    group = (_hybrid_group(quantizers, splits, rows, cols, col_starts, views, row_starts, x.dtype)
+             if any(isinstance(q, HybridQuantizer) for q in quantizers) else
+             _expert_group(quantizers, splits, rows, cols, col_starts, views, row_starts))
     if group is not None:
         return group
     row_payloads = _row_payloads(rows, splits, row_starts) if rows is not None else None
@@ -535,6 +537,52 @@ def _expert_group(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[in
     if not joined:
         return None
     return ExpertTensors(splits, joined, partial(_cut_experts, qs, list(splits)))
+
+
+def _hybrid_group(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[int],
+                  rows: Optional[QuantizedStorage], cols: Optional[QuantizedStorage],
+                  col_starts: Optional[list[int]], views: bool, row_starts: Optional[list[int]],
+                  dtype: torch.dtype) -> Optional[ExpertTensors]:
+    """``_expert_group`` for hybrids: every expert's rowwise part a row slice of the shared
+    rowwise encoding (at ``row_starts`` if the groups were padded) and, if asked for, its
+    columnwise part a column-slice view of the shared columnwise one — what ``_expert_storage``
+    builds — and no idle child that ``_expert_storage`` would have ``observe`` the input (a
+    side effect that must not wait for a lazy build). None otherwise."""
+    qs = list(quantizers)
+    if not qs or sum(splits) == 0 or any(not isinstance(q, HybridQuantizer) for q in qs) or rows is None:
+        return None
+    usage = {(q.rowwise_usage, q.columnwise_usage, q.columnwise_source) for q in qs}
+    if len(usage) > 1:
+        return None
+    rowwise, columnwise, source = usage.pop()
+    if not rowwise or (not columnwise and source == "original"):
+        return None  # an idle child observes the input
+    joined = {ROWWISE: JoinedCopy(rows, None if row_starts is None else list(row_starts))}
+    if columnwise:
+        if cols is None or col_starts is None or not views:
+            return None
+        joined[COLUMNWISE] = JoinedCopy(cols, list(col_starts))
+    return ExpertTensors(splits, joined, partial(_cut_hybrids, qs, list(splits), dtype))
+
+
+def _cut_hybrids(qs: list[Quantizer], splits: list[int], dtype: torch.dtype,
+                 joined: dict[str, JoinedCopy]) -> list[QuantizedTensor]:
+    """The per-expert hybrid tensors of ``_hybrid_group``'s joined copies (``_expert_storage``'s
+    hybrid storages), holding the directions ``joined`` holds."""
+    rows, cols = joined.get(ROWWISE), joined.get(COLUMNWISE)
+    row_pl = _row_payloads(rows.storage, splits, rows.starts) if rows is not None else None
+    col_pl = _column_payloads(cols.storage, cols.starts, splits, True) if cols is not None else None
+    width = (rows or cols).storage.cols
+    out: list[QuantizedTensor] = []
+    for e, (q, m) in enumerate(zip(qs, splits)):
+        row_part = (_rebuild(rows.storage, row_pl[e], None, q.rowwise_quantizer.label, m)
+                    if rows is not None else None)
+        col_part = None
+        if cols is not None:
+            col_part = _rebuild(cols.storage, None, col_pl[e], q.columnwise_quantizer.label, m)
+            col_part.columnwise_zero_padded = True  # slices of the zero-padded groups
+        out.append(QuantizedTensor(HybridStorage(torch.Size((m, width)), dtype, row_part, col_part, label=q.label), q))
+    return out
 
 
 def _cut_experts(qs: list[Quantizer], splits: list[int], joined: dict[str, JoinedCopy]) -> list[QuantizedTensor]:

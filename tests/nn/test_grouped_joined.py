@@ -137,3 +137,29 @@ def test_weight_group_cached_until_a_weight_changes(monkeypatch):
     assert torch.equal(first, again)
     assert torch.equal(first[:10], changed[:10]) and torch.equal(first[20:], changed[20:])
     assert not torch.equal(first[10:20], changed[10:20])
+
+
+def test_hybrid_experts_are_joined_and_equal_each_quantize():
+    """Composer-2's input hybrid (row-scaled NVFP4 rows read at the padded groups' starts,
+    MXFP8 columns derived from them): one ExpertTensors whose experts equal each expert's own
+    quantization in both copies; after dropping the rows (what backward keeps) the experts hold
+    the columnwise part only, and the saved record is the joined copy."""
+    from hybridfp import HybridQuantizer, NVFP4Quantizer
+    from hybridfp.nn.grouped_saved import SavedJoined, restore_experts, save_experts
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(sum(SPLITS), IN, generator=g).bfloat16()
+    qs = [HybridQuantizer(NVFP4Quantizer(row_scaled_nvfp4=True), MXFP8Quantizer(), "rowwise_dequantized")
+          for _ in SPLITS]
+    got = quantize_grouped(qs, x, SPLITS)
+    assert isinstance(got, ExpertTensors) and got.joined("rowwise").starts is not None  # padded starts
+    for e, (q, xe) in enumerate(zip(qs, torch.split(x, SPLITS))):
+        want = q.quantize(xe)
+        for d in ("rowwise", "columnwise"):
+            assert_bitwise(got[e].dequantize(torch.float32, d), want.dequantize(torch.float32, d), f"expert {e} {d}")
+    got.drop("rowwise")
+    assert all(t.directions() == ("columnwise",) for t in got)
+    tensors, rec = save_experts(got)
+    assert isinstance(rec, SavedJoined) and len(tensors) == 2  # MXFP8 data and scales
+    back = restore_experts(rec, tensors)
+    for a, b in zip(got, back):
+        assert_bitwise(a.dequantize(torch.float32, "columnwise"), b.dequantize(torch.float32, "columnwise"), "restored")
