@@ -293,7 +293,10 @@ class GroupedLinear(QuantizedModule):
             qws = quantize_weights_grouped([qs[i] for i in missing], [weights[i] for i in missing])
             if isinstance(qws, ExpertTensors) and len(missing) == len(weights):
                 # all experts quantized together as views of shared encodings: cached as one
-                # entry (its per-expert tensors are built only if something asks for them)
+                # entry (its per-expert tensors are built only if something asks for them);
+                # per-expert entries of older weights would only hold memory now
+                for i in range(len(weights)):
+                    self._wcache.pop(i, None)
                 self._wcache[_GROUP_SLOT] = (group_keys, qws, list(weights))
                 return qws
             for i, key, qw in zip(missing, keys, qws):

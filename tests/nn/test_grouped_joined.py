@@ -163,3 +163,19 @@ def test_hybrid_experts_are_joined_and_equal_each_quantize():
     back = restore_experts(rec, tensors)
     for a, b in zip(got, back):
         assert_bitwise(a.dequantize(torch.float32, "columnwise"), b.dequantize(torch.float32, "columnwise"), "restored")
+
+
+def test_weight_group_replaces_per_expert_entries():
+    """After a partial change (per-expert cache entries) and then a change of every weight (one
+    joined entry again), no per-expert entry of the older weights stays cached."""
+    m = GroupedLinear(3, IN, 64, bias=False, params_dtype=torch.bfloat16)
+    x = torch.randn(30, IN).bfloat16()
+    with torch.no_grad(), autocast(recipe=CustomRecipe(qfactory=factories.mxfp8)):
+        m(x, [10] * 3)
+        m.weight0.mul_(2)
+        m(x, [10] * 3)
+        assert sorted(m._wcache) == [0, 1, 2]
+        for w in m.weights():
+            w.mul_(2)
+        m(x, [10] * 3)
+    assert list(m._wcache) == [-1]
