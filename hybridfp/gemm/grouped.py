@@ -161,16 +161,13 @@ def _run_joined(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: st
         return None
     da, db = LAYOUTS[layout]
     ja, jb = A.joined(da), B.joined(db)
-    if ja is None or jb is None or out_dtype != torch.bfloat16 or has_bias or len(A) > _MAX_GROUPS:
+    if ja is None or jb is None or len(A) > _MAX_GROUPS:
         return None
-    sa, sb = ja.storage.part(da), jb.storage.part(db)
-    device = sa.device
-    if select(sa.format_key(da), sb.format_key(db), layout, device) in (fast.TENSORWISE_BACKEND, *_NATIVE_FP8):
-        return None
-    if not (grouped_mm is not None or _grouped_mm_device(device)):
-        return None
-    if (bf16_exact_reason(sa, da) is not None or bf16_exact_reason(sb, db) is not None
-            or sa.has_epilogue_scale(da) or sb.has_epilogue_scale(db)):
+    # the same rules on the two joined storages as on the experts' (one format per operand);
+    # run_joined checks the experts' own dims
+    path, _ = _torch_path([ja.storage.part(da)], [jb.storage.part(db)], layout, out_dtype, has_bias,
+                          grouped_mm is not None)
+    if path != GROUPED_BF16:
         return None
     return run_joined(ja, jb, A.splits, B.splits, layout, grouped_mm or torch_grouped_mm)
 

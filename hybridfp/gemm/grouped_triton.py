@@ -32,12 +32,11 @@ H200. How fast (``bench_grouped_gemm_kernel``, ``bench_moe``'s "[Triton grouped]
 from __future__ import annotations
 
 import importlib
-from itertools import accumulate
 from typing import Optional, Sequence, Union
 
 import torch
 
-from ..kernels.host import device_tensor
+from ..quantizers.grouped import padded_row_index
 from ..tensors.storage import QuantizedStorage
 from .bf16_decode import HAVE_TRITON, bf16_exact_reason, decode_bf16, decode_bf16_joined
 from .gemm import LAYOUTS
@@ -177,7 +176,7 @@ def _rows_operand(sa: Sequence[QuantizedStorage], da: str, device: torch.device
         if whole.scale is not None and whole.scale.dim() != 1:
             return None
         sizes = [s.rows for s in sa]
-        index = _span_rows(starts, sizes, device)
+        index = padded_row_index(sizes, starts, device)  # each expert's rows in the span
         scale = None if whole.scale is None else whole.scale.to(torch.float32).index_select(0, index)
         return whole.values.index_select(0, index), scale, [whole.rht] * len(sa)
     ops = [decode_bf16(a, da) for a in sa]
@@ -186,15 +185,6 @@ def _rows_operand(sa: Sequence[QuantizedStorage], da: str, device: torch.device
     sizes = [op.values.shape[0] for op in ops]
     return torch.cat([op.values for op in ops]), _spread([op.scale for op in ops], sizes, device), [op.rht for op in ops]
 
-
-def _span_rows(starts: Sequence[int], sizes: Sequence[int], device: torch.device) -> torch.Tensor:
-    """The rows of a span that belong to the experts (expert e: ``starts[e]`` on, ``sizes[e]``
-    rows), in order, as an int64 index in O(1) ops: row r of the result moves down by the gaps
-    before its expert."""
-    total = sum(sizes)
-    before = [0] + list(accumulate(sizes))[:-1]  # each expert's first row in the result
-    shifts, counts = device_tensor([[s - b for s, b in zip(starts, before)], list(sizes)], device).unbind(0)
-    return torch.arange(total, device=device) + torch.repeat_interleave(shifts, counts, output_size=total)
 
 
 def _run_reduction(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], da: str, db: str,

@@ -360,12 +360,19 @@ def _padded_total(splits: Sequence[int], block: int, starts: Sequence[int]) -> i
 
 
 def _padded_rows(src: torch.Tensor, splits: Sequence[int], starts: Sequence[int]) -> torch.Tensor:
-    """The destination row in the padded groups of every source row, in O(1) ops for all groups:
-    source row r moves down by the padding before its group."""
+    """The destination row in the padded groups of every source row of ``src``."""
+    return padded_row_index(splits, starts, src.device)
+
+
+def padded_row_index(splits: Sequence[int], starts: Sequence[int], device: torch.device) -> torch.Tensor:
+    """int64 [Σ splits]: for every row of the groups stacked unpadded, its row in a layout
+    where group e starts at row ``starts[e]`` (zero-padded groups; a padded encode read back),
+    in O(1) ops for all groups: row r moves down by the padding before its group."""
+    total = sum(splits)
     shifts, counts = device_tensor([[p - s for p, s in zip(starts, _offsets(splits, 1))], list(splits)],
-                                   src.device).unbind(0)
-    return torch.arange(src.shape[0], device=src.device) + torch.repeat_interleave(
-        shifts, counts, output_size=src.shape[0])  # output_size: no device sync
+                                   device).unbind(0)
+    return torch.arange(total, device=device) + torch.repeat_interleave(
+        shifts, counts, output_size=total)  # output_size: no device sync
 
 
 def _row_map(index: torch.Tensor, total: int, src: torch.Tensor) -> torch.Tensor:
