@@ -31,7 +31,7 @@ from torch import nn
 import hybridfp
 from bench import common
 from bench.common import bench_ms, bench_ms_steady, environment, finish, md_table, parser, profile_step, require_cuda
-from hybridfp.gemm import grouped_triton
+from hybridfp.gemm import grouped_fp8, grouped_triton
 from hybridfp.gemm.grouped import PATH_COUNTS
 from hybridfp.nn.base import QuantizedModule
 
@@ -57,28 +57,30 @@ PER_EXPERT_SUFFIX = " [per-expert GEMMs]"
 #: ``pack_weights=False``): big per-tensor-scaled weights are then quantized one by one instead
 #: of through the grouped quantization of the packed buffer (quantizers/grouped._worth_stacking)
 UNPACKED_VARIANTS = ("hybridfp FP8 current",)
-#: FP8 per-tensor timed once more with its per-expert cuBLAS FP8 GEMMs replaced by the Triton
-#: grouped BF16-decoded GEMM (grouped_triton.TAKE_NATIVE_FP8; for many small experts)
+#: FP8 per-tensor timed twice more: with the Triton FP8 grouped GEMM taking fprop too (instead
+#: of torch._scaled_grouped_mm: grouped_fp8.OVER_SCALED_GROUPED_MM), and with the per-expert
+#: cuBLAS loop for the GEMMs it takes by default at many experts (PER_EXPERT_SUFFIX)
 FP8_TRITON_VARIANTS = ("hybridfp FP8 current",)
-FP8_TRITON_SUFFIX = " [FP8 via Triton grouped]"
+FP8_TRITON_SUFFIX = " [FP8 Triton grouped everywhere]"
 UNPACKED_SUFFIX = " [unpacked weights]"
 
 
 def with_triton_grouped(step: Callable[[], torch.Tensor], on: bool,
-                        native_fp8: bool = False) -> Callable[[], torch.Tensor]:
-    """``step`` (forward and backward) with the Triton grouped path on CUDA taken for any
-    number of experts (``on``) or for none; ``native_fp8``: FP8 pairs too."""
+                        fp8_everywhere: bool = False) -> Callable[[], torch.Tensor]:
+    """``step`` (forward and backward) with the Triton grouped paths on CUDA taken for any
+    number of experts (``on``) or for none; ``fp8_everywhere``: the FP8 grouped GEMM also for
+    the E4M3 GEMMs torch._scaled_grouped_mm takes by default."""
     def run() -> torch.Tensor:
-        saved = grouped_triton.VERIFIED_ON, grouped_triton.MANY_EXPERTS, grouped_triton.TAKE_NATIVE_FP8
+        saved = grouped_triton.VERIFIED_ON, grouped_triton.MANY_EXPERTS, grouped_fp8.OVER_SCALED_GROUPED_MM
         if on:
             grouped_triton.VERIFIED_ON = saved[0] | {"cuda"}
         else:
             grouped_triton.MANY_EXPERTS = 1 << 30
-        grouped_triton.TAKE_NATIVE_FP8 = native_fp8
+        grouped_fp8.OVER_SCALED_GROUPED_MM = fp8_everywhere
         try:
             return step()
         finally:
-            grouped_triton.VERIFIED_ON, grouped_triton.MANY_EXPERTS, grouped_triton.TAKE_NATIVE_FP8 = saved
+            grouped_triton.VERIFIED_ON, grouped_triton.MANY_EXPERTS, grouped_fp8.OVER_SCALED_GROUPED_MM = saved
     return run
 
 
@@ -189,7 +191,7 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
         variants.append((name, hf, lambda r=recipe(): hybridfp.autocast(recipe=r)))
     unpacked = HybridMoE(base, pack_weights=False) if UNPACKED_VARIANTS else None
     extras = [(TRITON_VARIANTS, (TRITON_SUFFIX, PER_EXPERT_SUFFIX), hf),
-              (UNPACKED_VARIANTS, (UNPACKED_SUFFIX,), unpacked), (FP8_TRITON_VARIANTS, (FP8_TRITON_SUFFIX,), hf)]
+              (UNPACKED_VARIANTS, (UNPACKED_SUFFIX,), unpacked), (FP8_TRITON_VARIANTS, (FP8_TRITON_SUFFIX, PER_EXPERT_SUFFIX), hf)]
     for names, suffixes, model in extras:
         for name, recipe in RECIPES:
             if name in names:
@@ -204,7 +206,7 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
             step = make_step(model, x, dy, ctx)
             if name.endswith((TRITON_SUFFIX, PER_EXPERT_SUFFIX, FP8_TRITON_SUFFIX)):
                 step = with_triton_grouped(step, on=not name.endswith(PER_EXPERT_SUFFIX),
-                                           native_fp8=name.endswith(FP8_TRITON_SUFFIX))
+                                           fp8_everywhere=name.endswith(FP8_TRITON_SUFFIX))
             before = Counter(PATH_COUNTS)
             y = step().detach().float()
             paths = Counter(PATH_COUNTS) - before

@@ -137,10 +137,22 @@ def _padded(s: QuantizedStorage, direction: str, data: torch.Tensor, rows: int, 
     (``columnwise_zero_tail``: an MoE expert's columnwise copy, whose wgrad reduction is its
     token count), else ``pad_fp8``'s padded copy."""
     r, k = data.shape
-    if (r, k) != (rows, cols) and r == rows and direction == COLUMNWISE and s.columnwise_zero_tail \
-            and data.stride(1) == 1 and data.stride(0) >= cols and _fits(data, r, cols):
-        return data.as_strided((r, cols), (data.stride(0), 1))
+    if (r, k) != (rows, cols) and r == rows:
+        view = zero_tail_view(s, direction, data, cols)
+        if view is not None:
+            return view
     return cublas_fp8.pad_fp8(data, rows, cols)
+
+
+def zero_tail_view(s: QuantizedStorage, direction: str, data: torch.Tensor, cols: int) -> Optional[torch.Tensor]:
+    """``data`` [r, k] of ``s``'s ``direction`` copy widened to [r, cols] (cols >= k) as a view of
+    the same memory, if its rows continue with zero codes that far (``columnwise_zero_tail``:
+    an MoE expert's columnwise copy, whose wgrad reduction is its token count), else None."""
+    r = data.shape[0]
+    if direction == COLUMNWISE and s.columnwise_zero_tail and data.stride(1) == 1 \
+            and data.stride(0) >= cols and _fits(data, r, cols):
+        return data.as_strided((r, cols), (data.stride(0), 1))
+    return None
 
 
 def _fits(data: torch.Tensor, rows: int, cols: int) -> bool:

@@ -60,13 +60,14 @@ from . import fast
 from .backends import emulate, report_emulated, select
 from .bf16_decode import bf16_exact_reason
 from .gemm import GEMM_OF_LAYOUT, LAYOUTS, gemm, operand_storage
-from . import grouped_triton
+from . import grouped_fp8, grouped_triton
 from .grouped_bf16 import BF16_ALIGN, GroupedMM, offsets, run_bf16
 from .grouped_joined import run_joined
 from .joined import joined_rows
 
 GROUPED_BF16, GROUPED_FP8_ROWWISE, PER_EXPERT = "grouped_bf16", "grouped_fp8_rowwise", "per_expert"
 GROUPED_TRITON = "grouped_triton"
+GROUPED_FP8_TRITON = grouped_fp8.GROUPED_FP8_TRITON
 #: (GEMM, path) -> calls; diagnostics for benchmarks and tests (which path each GEMM took).
 PATH_COUNTS: Counter = Counter()
 #: TMA needs 16-byte aligned strides and group starts: 16 FP8 elements (BF16: grouped_bf16).
@@ -145,6 +146,8 @@ def grouped_gemm(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: s
         out = _run_fp8_rowwise(sa, sb, layout)
     elif path == GROUPED_TRITON:
         out = grouped_triton.run(sa, sb, layout, out_dtype, biases)
+    elif path == GROUPED_FP8_TRITON:
+        out = grouped_fp8.run(sa, sb, layout, out_dtype, biases)
     if out is None:  # per expert (also when a copy turned out to carry an epilogue factor)
         path = PER_EXPERT
         out = _run_per_expert(A, B, layout, out_dtype, biases, sa, sb, ms)
@@ -179,7 +182,10 @@ def grouped_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage],
     chosen on formats; where neither applies, the Triton grouped path if enabled and able.
     ``ms``: the experts' m (``_check_shapes``'s result) if known."""
     path, why = _torch_path(sa, sb, layout, out_dtype, has_bias, forced, ms)
-    if path != PER_EXPERT or not grouped_triton.enabled(sa[0].device, use_triton, len(sa)):
+    triton_on = grouped_triton.enabled(sa[0].device, use_triton, len(sa))
+    if triton_on and path in (PER_EXPERT, GROUPED_FP8_ROWWISE) and grouped_fp8.per_tensor_fp8(sa, sb, layout):
+        return _fp8_path(sa, sb, layout, out_dtype, path, why, ms)
+    if path != PER_EXPERT or not triton_on:
         return path, why
     da, db = LAYOUTS[layout]
     keys = {(a.format_key(da), b.format_key(db)) for a, b in zip(sa, sb)}
@@ -188,6 +194,24 @@ def grouped_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage],
     if why_not is not None:
         return PER_EXPERT, f"{why}; Triton grouped path: {why_not}"
     return GROUPED_TRITON, f"Triton grouped GEMM, FP32 epilogue (torch's grouped paths: {why})"
+
+
+def _fp8_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,
+              out_dtype: torch.dtype, path: str, why: str, ms: Optional[Sequence[int]]) -> tuple[str, str]:
+    """Per-tensor FP8 experts with the Triton paths on: the Triton FP8 grouped GEMM
+    (``grouped_fp8.py``) unless path 2 takes them (kept unless ``OVER_SCALED_GROUPED_MM``),
+    the experts are big enough for cuBLAS per expert, or the device lacks FP8 tensor cores."""
+    if path == GROUPED_FP8_ROWWISE and not grouped_fp8.OVER_SCALED_GROUPED_MM:
+        return path, why
+    n, k = _fixed_dims(sa, sb, layout)
+    # the experts' varying dim: their m (fprop / dgrad) or their reduction (wgrad: token counts)
+    sizes = [_dims(a, b, layout)[2] for a, b in zip(sa, sb)] if layout == "NT" else _ms(sa, sb, layout, ms)
+    if per_expert_fp8_faster(sizes, n, k):
+        return PER_EXPERT, "experts large enough for cuBLAS's per-expert FP8 kernels (faster than a grouped one)"
+    why_not = grouped_fp8.unsupported(sa, layout, out_dtype)
+    if why_not is not None:
+        return PER_EXPERT, f"{why}; Triton FP8 grouped path: {why_not}"
+    return GROUPED_FP8_TRITON, f"Triton FP8 grouped GEMM (torch's grouped paths: {why})"
 
 
 def _torch_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,
@@ -325,17 +349,12 @@ def _run_fp8_rowwise(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStora
     else:
         mat_b = torch.stack([p["data"].view(torch.uint8) for p in pb]).view(torch.float8_e4m3fn).transpose(1, 2)
     # per-row / per-column scale vectors in a few ops for all experts (not three per expert)
-    sa_e = torch.stack([_scalar(p["scale_inv"]) for p in pa]).float()
+    sa_e = torch.stack([grouped_fp8.scalar(p["scale_inv"]) for p in pa]).float()
     scale_a = sa_e.repeat_interleave(device_tensor(ms, sa_e.device), output_size=sum(ms))
-    scale_b = torch.stack([_scalar(p["scale_inv"]) for p in pb]).float()[:, None].expand(len(pb), n)
+    scale_b = torch.stack([grouped_fp8.scalar(p["scale_inv"]) for p in pb]).float()[:, None].expand(len(pb), n)
     return torch._scaled_grouped_mm(mat_a, mat_b, scale_a.contiguous(), scale_b.contiguous(),
                                     offs=offsets(ms, mat_a.device), out_dtype=torch.bfloat16,
                                     use_fast_accum=False)  # see the module docstring
-
-
-def _scalar(t: torch.Tensor) -> torch.Tensor:
-    """``t.reshape(())`` without a view op when ``t`` is 0-d already (one per expert)."""
-    return t if t.dim() == 0 else t.reshape(())
 
 
 def _run_per_expert(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: str, out_dtype: torch.dtype,

@@ -102,7 +102,7 @@ def _spread(scales: Sequence[Optional[torch.Tensor]], sizes: Sequence[int], devi
     return torch.cat(parts)
 
 
-def _bias(biases: Optional[Sequence[Optional[torch.Tensor]]], n: int, device: torch.device
+def stacked_bias(biases: Optional[Sequence[Optional[torch.Tensor]]], n: int, device: torch.device
           ) -> tuple[bool, Optional[torch.Tensor]]:
     """(usable, [E, n] FP32 bias or None): every expert has a bias, or none has."""
     if biases is None or all(b is None for b in biases):
@@ -126,7 +126,7 @@ def run(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: 
         return None
     mat_b, scales_b, rhts_b = weights
     _, n, k = mat_b.shape
-    usable, bias = _bias(biases, n, device)
+    usable, bias = stacked_bias(biases, n, device)
     rows = _rows_operand(sa, da, device)
     if not usable or rows is None or k == 0:
         return None

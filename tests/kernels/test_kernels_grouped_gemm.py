@@ -146,6 +146,8 @@ def test_grouped_triton_path_equals_per_expert(fmt, layout):
     # dgrad of an all-RHT quantizer pairs dy's plain rowwise copy with W's RHT columnwise copy:
     # a one-sided RHT (no exact BF16 product), which the path hands back to the per-expert loop
     path = "per_expert" if (fmt, layout) == ("nvfp4_rht", "NN") else GROUPED_TRITON
+    if fmt == "fp8_e4m3":  # per-tensor FP8 pairs take the FP8 grouped kernel (test_kernels_grouped_fp8_gemm.py)
+        path = "grouped_fp8_triton"
     assert (PATH_COUNTS - before) == {(("fprop", "dgrad", "wgrad")[list(OPERANDS).index(layout)], path): 1}
     want = _per_expert(a, b, layout, out_dtype=torch.float32)
     pairs = zip(got, want) if layout == "NT" else [(got, want)]

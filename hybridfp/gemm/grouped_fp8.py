@@ -1,0 +1,106 @@
+"""Path ``grouped_fp8_triton`` of ``grouped_gemm``: per-tensor FP8 experts (FP8 current or
+delayed scaling, E4M3 / E5M2 in any mix) in one Triton FP8 grouped GEMM
+(``kernels/triton_grouped_fp8_gemm.py``) instead of one cuBLAS ``_scaled_mm`` per expert.
+
+Taken for the GEMMs ``torch._scaled_grouped_mm`` (path 2) cannot run — dgrad with E5M2
+gradients, every wgrad (its experts are grouped along the reduction) — when the experts are
+small enough that the per-expert loop is host-bound (``grouped.per_expert_fp8_faster`` says
+no), on CUDA from ``grouped_triton.MANY_EXPERTS`` experts on, or when the caller forces the
+Triton paths (``use_triton=True``; the CPU tests, in the interpreter).
+
+Numerics: the FP8 MMA with its partial sums promoted to FP32 every 128 products (SPEC §1's
+Hopper exception, as cuBLAS without fast accumulation), each expert's ``scale_inv`` pair
+applied in an FP32 epilogue with its bias, one rounding — what the per-expert cuBLAS path
+computes, up to the accumulation order. The operands are read where they lie: the experts'
+rowwise copies as rows of one buffer or not, the weights stacked or not, wgrad's columnwise
+copies in their zero-padded blocks (so the reduction runs over 16-aligned lengths).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Optional, Sequence, Union
+
+import torch
+
+from ..tensors.storage import QuantizedStorage
+from .fast import TENSORWISE, zero_tail_view
+from .gemm import LAYOUTS
+from .grouped_triton import stacked_bias
+
+GROUPED_FP8_TRITON = "grouped_fp8_triton"
+#: output dtypes the kernel writes
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: FP8 tensor cores through Triton: Ada / Hopper and later (the interpreter: anywhere).
+_MIN_CAPABILITY = (8, 9)
+#: Whether fprop / dgrad of E4M3 pairs take this path instead of ``torch._scaled_grouped_mm``
+#: (path 2). A measuring switch (``bench_moe``'s "[FP8 Triton grouped everywhere]" row).
+OVER_SCALED_GROUPED_MM: bool = False
+
+
+def _kernels():
+    return importlib.import_module("hybridfp.kernels.triton_grouped_fp8_gemm")
+
+
+def per_tensor_fp8(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str) -> bool:
+    """Whether every expert's pair is per-tensor FP8 on both sides (any E4M3 / E5M2 mix)."""
+    da, db = LAYOUTS[layout]
+    return all(a.format_key(da)[0] == TENSORWISE and b.format_key(db)[0] == TENSORWISE for a, b in zip(sa, sb))
+
+
+def unsupported(sa: Sequence[QuantizedStorage], layout: str, out_dtype: torch.dtype) -> Optional[str]:
+    """Why this path cannot take per-tensor FP8 experts on their device (None: it can)."""
+    if out_dtype not in OUT_DTYPES:
+        return f"output dtype {out_dtype}"
+    device = torch.device(sa[0].device)
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < _MIN_CAPABILITY:
+        return "no FP8 tensor cores on this GPU"
+    return None
+
+
+def run(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str, out_dtype: torch.dtype,
+        biases: Optional[Sequence[Optional[torch.Tensor]]] = None
+        ) -> Optional[Union[torch.Tensor, list[torch.Tensor]]]:
+    """The experts' GEMMs in one launch, or None (mixed biases: the per-expert loop)."""
+    da, db = LAYOUTS[layout]
+    pa, pb = [s.payload(da) for s in sa], [s.payload(db) for s in sb]
+    device = sa[0].device
+    scale_a = torch.stack([scalar(p["scale_inv"]) for p in pa]).float()
+    scale_b = torch.stack([scalar(p["scale_inv"]) for p in pb]).float()
+    n = pb[0]["data"].shape[0]
+    if layout == "NT":
+        m = pa[0]["data"].shape[0]
+        a, ks_a = _reduction_operands(sa, pa, da)
+        b, ks_b = _reduction_operands(sb, pb, db)
+        ks = [ka if ka == kb else min(ka, kb) for ka, kb in zip(ks_a, ks_b)]
+        out = torch.empty((len(sa) * m, n), dtype=out_dtype, device=device)
+        _kernels().grouped_fp8(a, b, ks, scale_a, scale_b, out, [e * m for e in range(len(sa))])
+        return list(out.view(len(sa), m, n).unbind(0))
+    usable, bias = stacked_bias(biases, n, device)
+    if not usable:
+        return None
+    a, b = [p["data"] for p in pa], [p["data"] for p in pb]
+    ms = [t.shape[0] for t in a]
+    starts = [sum(ms[:e]) for e in range(len(ms))]
+    out = torch.empty((sum(ms), n), dtype=out_dtype, device=device)
+    return _kernels().grouped_fp8(a, b, [a[0].shape[1]] * len(a), scale_a, scale_b, out, starts, bias=bias)
+
+
+def _reduction_operands(ss: Sequence[QuantizedStorage], ps: Sequence[dict], direction: str
+                        ) -> tuple[list[torch.Tensor], list[int]]:
+    """wgrad operands (the experts' columnwise copies [rows, m_e]) and each one's reduction:
+    m_e rounded up to 16 where the copy continues with zero codes that far
+    (``fast.zero_tail_view``), else m_e. The zero products change nothing, and 16-aligned
+    lengths let the kernel use 16-byte loads."""
+    ops, ks = [], []
+    for s, p in zip(ss, ps):
+        data, k = p["data"], p["data"].shape[1]
+        wide = zero_tail_view(s, direction, data, -(-k // 16) * 16) if k % 16 else None
+        ops.append(data if wide is None else wide)
+        ks.append(k if wide is None else wide.shape[1])
+    return ops, ks
+
+
+def scalar(t: torch.Tensor) -> torch.Tensor:
+    """``t.reshape(())`` without a view op when ``t`` is 0-d already (one per expert)."""
+    return t if t.dim() == 0 else t.reshape(())

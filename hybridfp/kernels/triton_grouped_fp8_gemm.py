@@ -1,0 +1,176 @@
+"""Grouped FP8 x FP8 GEMM on FP8 tensor cores, one launch for every expert of an MoE layer, for
+per-tensor-scaled operands (FP8 current / delayed scaling) in any E4M3 / E5M2 mix.
+
+Why: at 64 small experts the per-expert cuBLAS loop is host-bound (four GEMMs a layer, one
+launch sequence each), and torch's grouped FP8 kernel (``torch._scaled_grouped_mm``) takes
+E4M3 rows only — not dgrad's E5M2 gradients nor wgrad's reduction-grouped operands.
+
+Each expert's operands are FP8 views with unit column stride, read where they lie:
+``out[o_e + i, j] = ep(Σ_{k < K_e} A_e[i, k] · B_e[j, k])`` with A_e [M_e, K_e], B_e [N, K_e] —
+fprop / dgrad: A_e the expert's rows of a [Σm, K] copy, B_e its weight copy; wgrad: A_e, B_e the
+expert's columnwise copies (its token count is the reduction). Per expert the kernel gets the
+element offset of A_e / B_e from the first expert's base pointer and their row strides, so no
+operand is stacked or copied (an FP8 element is one byte: element offsets are byte offsets;
+the experts' views may lie in different allocations of the same device).
+
+Accumulation (SPEC §1's documented Hopper exception): the FP8 MMA sums each ``PROMOTE``-long K
+chunk in its own reduced-precision accumulator, which is then added to an FP32 accumulator
+(Triton's ``max_num_imprecise_acc``) — cuBLAS's behaviour without fast accumulation, as the
+per-expert cuBLAS path. Epilogue in FP32 as ``hybridfp.gemm.emulate``: ``v = acc * (sa_e *
+sb_e)``, ``+ bias_e[j]``, one rounding to the output dtype (FMA contraction off).
+
+Under the interpreter (CPU tests) the codes are decoded to their exact FP32 values and summed
+in FP32 (``CODES``): the same products, the FP32 accumulation the MMA's promotion approximates.
+"""
+
+from __future__ import annotations
+
+from math import gcd
+from typing import Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import bf16_nan16
+from .host import device_tensor
+from .triton_decode import _fp8_f32
+from .triton_epilogue import OUT_CODE, store_out
+
+#: (BM, BN, BK, warps, stages) for the H200: bench_grouped_fp8_gemm's sweep (see notes).
+TILE = (128, 128, 128, 8, 4)
+#: K elements the FP8 MMA sums before its partial sum is added to the FP32 accumulator: one
+#: BK step of TILE (cuBLAS and DeepGEMM promote every 128 as well).
+PROMOTE = 128
+#: Row tiles that sweep the column tiles together (L2 swizzle, as triton_grouped_gemm).
+GROUP_M = 8
+
+
+@triton.jit
+def _kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, meta_ptr, tiles_ptr, T, N,
+            BIAS: tl.constexpr, OUT: tl.constexpr, NAN16: tl.constexpr, CODES: tl.constexpr,
+            E5A: tl.constexpr, E5B: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+            ALIGN: tl.constexpr, GROUP: tl.constexpr, PROMOTE: tl.constexpr):
+    # one program per (row tile t of the table, column tile j), GROUP row tiles sweeping the
+    # column tiles together so that a wave's operands stay in L2
+    pid = tl.program_id(0)
+    per_group = GROUP * tl.cdiv(N, BN)
+    first = (pid // per_group) * GROUP
+    size = tl.minimum(T - first, GROUP)
+    t = first + (pid % per_group) % size
+    j = (pid % per_group) // size
+    e = tl.load(tiles_ptr + t * 3)
+    r0 = tl.load(tiles_ptr + t * 3 + 1)
+    r1 = tl.load(tiles_ptr + t * 3 + 2)
+    meta = meta_ptr + e.to(tl.int64) * 6  # A offset, A row stride, B offset, B row stride, K, out row
+    # ALIGN (host-checked) divides every offset, stride and K: lets the compiler prove 16-byte
+    # vector loads and cp.async pipelining on FP8 rows
+    a_off = tl.multiple_of(tl.load(meta), ALIGN)
+    a_ld = tl.multiple_of(tl.load(meta + 1), ALIGN)
+    b_off = tl.multiple_of(tl.load(meta + 2), ALIGN)
+    b_ld = tl.multiple_of(tl.load(meta + 3), ALIGN)
+    k_e = tl.multiple_of(tl.load(meta + 4), ALIGN)
+    o_row = tl.load(meta + 5)
+    rows = r0 + tl.arange(0, BM)
+    cols = j * BN + tl.arange(0, BN)
+    rmask, cmask = rows < r1, cols < N
+    kk = tl.arange(0, BK)
+    a_ptrs = a_ptr + a_off + rows.to(tl.int64)[:, None] * a_ld + kk[None, :]
+    b_ptrs = b_ptr + b_off + cols.to(tl.int64)[None, :] * b_ld + kk[:, None]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, k_e, BK):
+        kmask = (k + kk) < k_e
+        a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
+        if CODES:  # the interpreter: exact FP32 values of the codes, FP32 sums
+            acc = tl.dot(_fp8_f32(a.to(tl.int32), E5A), _fp8_f32(b.to(tl.int32), E5B), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE)
+        a_ptrs += BK
+        b_ptrs += BK
+    e64 = e.to(tl.int64)
+    v = acc * (tl.load(sa_ptr + e64) * tl.load(sb_ptr + e64))
+    c64 = cols.to(tl.int64)
+    if BIAS:
+        v = v + tl.load(bias_ptr + e64 * N + c64, mask=cmask, other=0.0)[None, :]
+    optrs = out_ptr + (o_row + rows.to(tl.int64))[:, None] * N + c64[None, :]
+    store_out(optrs, v, rmask[:, None] & cmask[None, :], OUT, NAN16)
+
+
+def _check_operand(what: str, e: int, t: torch.Tensor, k: int) -> None:
+    if t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or t.dim() != 2 or t.shape[1] < k:
+        raise ValueError(f"grouped FP8 GEMM: {what}[{e}] must be a 2D E4M3 / E5M2 tensor with at least "
+                         f"{k} columns (its reduction); got {t.dtype} {tuple(t.shape)}.")
+    # a size-1 dim's stride is never used (torch gives such dims arbitrary strides)
+    if t.numel() and ((t.shape[1] > 1 and t.stride(1) != 1) or (t.shape[0] > 1 and t.stride(0) < k)):
+        raise ValueError(f"grouped FP8 GEMM: {what}[{e}] must have unit column stride and a row "
+                         f"stride of at least its reduction {k}; got strides {t.stride()}.")
+
+
+def grouped_fp8(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ks: Sequence[int],
+                scale_a: torch.Tensor, scale_b: torch.Tensor, out: torch.Tensor, out_rows: Sequence[int], *,
+                bias: Optional[torch.Tensor] = None, tile: tuple[int, int, int, int, int] = TILE,
+                promote: int = PROMOTE, group_m: int = GROUP_M) -> torch.Tensor:
+    """``out[out_rows[e] + i, j] = ep(Σ_{k < ks[e]} a[e][i, k] · b[e][j, k])`` for every expert e.
+
+    ``a[e]`` [M_e, ≥ ks[e]] and ``b[e]`` [N, ≥ ks[e]]: FP8 (E4M3 or E5M2, one dtype per side),
+    unit column stride; ``scale_a`` / ``scale_b``: FP32 [E], each expert's ``scale_inv``;
+    ``bias``: FP32 [E, N] or None; ``out``: contiguous [R, N] (BF16, FP16 or FP32) whose rows
+    ``out_rows[e] .. + M_e`` take expert e's result. An expert with M_e = 0 gets no program;
+    one with ks[e] = 0 writes its epilogue of zero sums. Returns ``out``."""
+    experts = len(a)
+    if len(b) != experts or len(ks) != experts or len(out_rows) != experts or experts == 0:
+        raise ValueError(f"grouped FP8 GEMM: one A, B, K and output row per expert; got {len(a)}, {len(b)}, "
+                         f"{len(ks)}, {len(out_rows)}.")
+    n = out.shape[1] if out.dim() == 2 else -1
+    if out.dim() != 2 or not out.is_contiguous() or out.dtype not in OUT_CODE:
+        raise ValueError(f"grouped FP8 GEMM: out must be a contiguous 2D BF16 / FP16 / FP32 tensor; got "
+                         f"{out.dtype} {tuple(out.shape)}.")
+    for what, s in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if s.dtype != torch.float32 or tuple(s.shape) != (experts,) or not s.is_contiguous():
+            raise ValueError(f"grouped FP8 GEMM: {what} must be contiguous FP32 [{experts}]; got {s.dtype} "
+                             f"{tuple(s.shape)}.")
+    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (experts, n) or not bias.is_contiguous()):
+        raise ValueError(f"grouped FP8 GEMM: bias must be contiguous FP32 [{experts}, {n}]; got {bias.dtype} "
+                         f"{tuple(bias.shape)}.")
+    for e in range(experts):
+        _check_operand("A", e, a[e], ks[e])
+        _check_operand("B", e, b[e], ks[e])
+        if b[e].shape[0] != n:
+            raise ValueError(f"grouped FP8 GEMM: B[{e}] has {b[e].shape[0]} rows; out has {n} columns.")
+        if out_rows[e] < 0 or out_rows[e] + a[e].shape[0] > out.shape[0]:
+            raise ValueError(f"grouped FP8 GEMM: expert {e}'s {a[e].shape[0]} result rows from row "
+                             f"{out_rows[e]} do not fit in out's {out.shape[0]} rows.")
+    if len({t.dtype for t in a}) > 1 or len({t.dtype for t in b}) > 1:
+        raise ValueError("grouped FP8 GEMM: every expert's A (and every B) must have the same FP8 dtype.")
+    bm, bn, bk, warps, stages = tile
+    if n == 0:
+        return out
+    base_a, base_b = a[0], b[0]
+    pa, pb = base_a.data_ptr(), base_b.data_ptr()
+    meta, tiles, align = [], [], 16
+    for e in range(experts):
+        m, k = a[e].shape[0], int(ks[e])
+        # an expert without rows or reduction reads nothing: its offsets stay 0
+        row = [a[e].data_ptr() - pa, a[e].stride(0), b[e].data_ptr() - pb, b[e].stride(0), k, int(out_rows[e])] \
+            if k and m else [0, 0, 0, 0, 0, int(out_rows[e])]
+        meta.append(row)
+        for v in row[:5]:
+            align = gcd(align, v)
+        tiles += [(e, r, min(r + bm, m)) for r in range(0, m, bm)]
+    align = gcd(gcd(align, pa % 16), pb % 16)
+    if not tiles:
+        return out
+    device = out.device
+    meta_t = device_tensor(meta, device, torch.int64)
+    tiles_t = device_tensor(tiles, device, torch.int32)
+    codes = not out.is_cuda  # the interpreter (see module docstring)
+    aa, bb = (base_a.view(torch.uint8), base_b.view(torch.uint8)) if codes else (base_a, base_b)
+    dst = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+    grid = (len(tiles) * triton.cdiv(n, bn),)
+    _kernel[grid](aa, bb, scale_a, scale_b, bias if bias is not None else scale_a, dst, meta_t, tiles_t,
+                  len(tiles), n, BIAS=bias is not None, OUT=OUT_CODE[out.dtype], NAN16=bf16_nan16(device),
+                  CODES=codes, E5A=base_a.dtype == torch.float8_e5m2, E5B=base_b.dtype == torch.float8_e5m2,
+                  BM=bm, BN=bn, BK=bk, ALIGN=align, GROUP=group_m, PROMOTE=min(promote, bk),
+                  num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+    return out
