@@ -74,7 +74,8 @@ def run(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: 
         b, ks_b = _reduction_operands(sb, pb, db)
         ks = [ka if ka == kb else min(ka, kb) for ka, kb in zip(ks_a, ks_b)]
         out = torch.empty((len(sa) * m, n), dtype=out_dtype, device=device)
-        _kernels().grouped_fp8(a, b, ks, scale_a, scale_b, out, [e * m for e in range(len(sa))])
+        k = _kernels()
+        k.grouped_fp8(a, b, ks, scale_a, scale_b, out, [e * m for e in range(len(sa))], tile=k.WGRAD_TILE)
         return list(out.view(len(sa), m, n).unbind(0))
     usable, bias = stacked_bias(biases, n, device)
     if not usable:

@@ -37,11 +37,16 @@ from .host import device_tensor
 from .triton_decode import _fp8_f32
 from .triton_epilogue import OUT_CODE, store_out
 
-#: (BM, BN, BK, warps, stages) for the H200: bench_grouped_fp8_gemm's sweep (see notes).
+#: (BM, BN, BK, warps, stages) for fprop / dgrad (rows grouped) on the H200: the fastest of
+#: bench_grouped_fp8_gemm's sweep at the 64-expert MoE shapes (session 15).
 TILE = (128, 128, 128, 8, 4)
-#: K elements the FP8 MMA sums before its partial sum is added to the FP32 accumulator: one
-#: BK step of TILE (cuBLAS and DeepGEMM promote every 128 as well).
+#: wgrad (reduction grouped: each expert's reduction is its few hundred tokens, so a program's
+#: K loop is short): a shallower K step and a deeper pipeline ran 10 % faster there.
+WGRAD_TILE = (128, 128, 64, 4, 5)
+#: K elements the FP8 MMA sums before its partial sum is added to the FP32 accumulator (at most
+#: one BK step; cuBLAS and DeepGEMM promote every 128 as well). Measured free on the H200.
 PROMOTE = 128
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: Row tiles that sweep the column tiles together (L2 swizzle, as triton_grouped_gemm).
 GROUP_M = 8
 
@@ -97,14 +102,18 @@ def _kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, meta_ptr, tiles_ptr
     store_out(optrs, v, rmask[:, None] & cmask[None, :], OUT, NAN16)
 
 
-def _check_operand(what: str, e: int, t: torch.Tensor, k: int) -> None:
-    if t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or t.dim() != 2 or t.shape[1] < k:
+def _operand_row(what: str, e: int, t: torch.Tensor, k: int) -> tuple[int, int, int]:
+    """(rows, row stride, data pointer) of expert e's operand, checked: FP8, 2D, at least ``k``
+    columns with unit stride (a size-1 dim's stride is never used: torch gives such dims
+    arbitrary strides)."""
+    shape, stride = t.shape, t.stride()
+    if len(shape) != 2 or shape[1] < k or t.dtype not in _FP8:
         raise ValueError(f"grouped FP8 GEMM: {what}[{e}] must be a 2D E4M3 / E5M2 tensor with at least "
-                         f"{k} columns (its reduction); got {t.dtype} {tuple(t.shape)}.")
-    # a size-1 dim's stride is never used (torch gives such dims arbitrary strides)
-    if t.numel() and ((t.shape[1] > 1 and t.stride(1) != 1) or (t.shape[0] > 1 and t.stride(0) < k)):
+                         f"{k} columns (its reduction); got {t.dtype} {tuple(shape)}.")
+    if (shape[1] > 1 and stride[1] != 1) or (shape[0] > 1 and stride[0] < k):
         raise ValueError(f"grouped FP8 GEMM: {what}[{e}] must have unit column stride and a row "
-                         f"stride of at least its reduction {k}; got strides {t.stride()}.")
+                         f"stride of at least its reduction {k}; got strides {tuple(stride)}.")
+    return shape[0], stride[0], t.data_ptr()
 
 
 def grouped_fp8(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ks: Sequence[int],
@@ -122,10 +131,10 @@ def grouped_fp8(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ks: Sequen
     if len(b) != experts or len(ks) != experts or len(out_rows) != experts or experts == 0:
         raise ValueError(f"grouped FP8 GEMM: one A, B, K and output row per expert; got {len(a)}, {len(b)}, "
                          f"{len(ks)}, {len(out_rows)}.")
-    n = out.shape[1] if out.dim() == 2 else -1
     if out.dim() != 2 or not out.is_contiguous() or out.dtype not in OUT_CODE:
         raise ValueError(f"grouped FP8 GEMM: out must be a contiguous 2D BF16 / FP16 / FP32 tensor; got "
                          f"{out.dtype} {tuple(out.shape)}.")
+    n = out.shape[1]
     for what, s in (("scale_a", scale_a), ("scale_b", scale_b)):
         if s.dtype != torch.float32 or tuple(s.shape) != (experts,) or not s.is_contiguous():
             raise ValueError(f"grouped FP8 GEMM: {what} must be contiguous FP32 [{experts}]; got {s.dtype} "
@@ -133,34 +142,39 @@ def grouped_fp8(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ks: Sequen
     if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (experts, n) or not bias.is_contiguous()):
         raise ValueError(f"grouped FP8 GEMM: bias must be contiguous FP32 [{experts}, {n}]; got {bias.dtype} "
                          f"{tuple(bias.shape)}.")
-    for e in range(experts):
-        _check_operand("A", e, a[e], ks[e])
-        _check_operand("B", e, b[e], ks[e])
-        if b[e].shape[0] != n:
-            raise ValueError(f"grouped FP8 GEMM: B[{e}] has {b[e].shape[0]} rows; out has {n} columns.")
-        if out_rows[e] < 0 or out_rows[e] + a[e].shape[0] > out.shape[0]:
-            raise ValueError(f"grouped FP8 GEMM: expert {e}'s {a[e].shape[0]} result rows from row "
-                             f"{out_rows[e]} do not fit in out's {out.shape[0]} rows.")
     if len({t.dtype for t in a}) > 1 or len({t.dtype for t in b}) > 1:
         raise ValueError("grouped FP8 GEMM: every expert's A (and every B) must have the same FP8 dtype.")
-    bm, bn, bk, warps, stages = tile
-    if n == 0:
-        return out
-    base_a, base_b = a[0], b[0]
-    pa, pb = base_a.data_ptr(), base_b.data_ptr()
-    meta, tiles, align = [], [], 16
+    bm = tile[0]
+    pa, pb = a[0].data_ptr(), b[0].data_ptr()
+    # one pass over the experts (at 64 experts this loop is most of the launch's host time):
+    # per expert its offsets from the first expert's pointers and strides, and its row tiles
+    meta, tiles, align, rows_out = [], [], 16, out.shape[0]
     for e in range(experts):
-        m, k = a[e].shape[0], int(ks[e])
-        # an expert without rows or reduction reads nothing: its offsets stay 0
-        row = [a[e].data_ptr() - pa, a[e].stride(0), b[e].data_ptr() - pb, b[e].stride(0), k, int(out_rows[e])] \
-            if k and m else [0, 0, 0, 0, 0, int(out_rows[e])]
+        k, o = int(ks[e]), int(out_rows[e])
+        m, lda, ptr_a = _operand_row("A", e, a[e], k)
+        nb, ldb, ptr_b = _operand_row("B", e, b[e], k)
+        if nb != n:
+            raise ValueError(f"grouped FP8 GEMM: B[{e}] has {nb} rows; out has {n} columns.")
+        if o < 0 or o + m > rows_out:
+            raise ValueError(f"grouped FP8 GEMM: expert {e}'s {m} result rows from row {o} do not fit "
+                             f"in out's {rows_out} rows.")
+        if k and m:
+            row = (ptr_a - pa, lda, ptr_b - pb, ldb, k, o)
+            align = gcd(gcd(gcd(gcd(gcd(align, row[0]), lda), row[2]), ldb), k)
+        else:  # reads nothing: offsets stay 0
+            row = (0, 0, 0, 0, 0, o)
         meta.append(row)
-        for v in row[:5]:
-            align = gcd(align, v)
         tiles += [(e, r, min(r + bm, m)) for r in range(0, m, bm)]
     align = gcd(gcd(align, pa % 16), pb % 16)
-    if not tiles:
+    if not tiles or n == 0:
         return out
+    return _launch(a[0], b[0], scale_a, scale_b, bias, out, meta, tiles, n, tile, promote, group_m, align)
+
+
+def _launch(base_a: torch.Tensor, base_b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+            bias: Optional[torch.Tensor], out: torch.Tensor, meta: list, tiles: list, n: int,
+            tile: tuple[int, int, int, int, int], promote: int, group_m: int, align: int) -> torch.Tensor:
+    bm, bn, bk, warps, stages = tile
     device = out.device
     meta_t = device_tensor(meta, device, torch.int64)
     tiles_t = device_tensor(tiles, device, torch.int32)

@@ -138,6 +138,9 @@ def test_64_experts_fp8_backward_on_triton_fp8_grouped(monkeypatch):
     assert_bitwise(got[0], want[0], "output")
     pairs = [("input grad", got[1], want[1])] + [(f"{n}.grad", got[2][n], want[2][n]) for n in want[2]]
     for what, a, b in pairs:
+        if b.float().norm() == 0:  # an expert without tokens: zero gradient on both paths
+            assert_bitwise(a, b, what)
+            continue
         err = ((a.float() - b.float()).norm() / b.float().norm()).item()
         print(f"\n{what}: Triton FP8 grouped vs cuBLAS per expert, relative difference {err:.3g}")
         assert err < 1e-3, f"{what}: relative difference {err:.3g}"
