@@ -31,6 +31,11 @@ Paths, first that applies (``grouped_path`` says which and why):
    Fast accumulation stays off even for fprop: measured on an H200 (torch 2.11, 4 x
    [2048, 4096] x [1408, 4096]) it added 4.6e-4 to the BF16 result's relative error (27% of
    the elements off the correctly rounded value) against 4.9e-6 without it.
+2b. ``grouped_fp8_triton`` — per-tensor FP8 pairs that path 2 does not take (E5M2 gradients in
+   dgrad, every wgrad; any E4M3 / E5M2 mix, any output dtype, a bias) while the experts are
+   small (``per_expert_fp8_faster`` says no), on CUDA from ``grouped_triton.MANY_EXPERTS``
+   experts on or when forced: one Triton FP8 grouped GEMM (``grouped_fp8.py``), the FP8 MMA
+   with FP32 promotion every 128 products as path 2 and cuBLAS (SPEC §1's exception).
 3. ``grouped_triton`` — BF16-exact pairs that paths 1-2 cannot finish exactly (an epilogue
    factor, a bias, an FP32 / FP16 output): one Triton grouped GEMM with a per-expert FP32
    epilogue (``grouped_triton.py``). Used on CUDA from ``grouped_triton.MANY_EXPERTS`` experts

@@ -692,6 +692,13 @@ def _assemble_scaled(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor,
             continue
         row = part.payloads[ROWWISE] if q.rowwise_usage else None
         col = part.payloads[COLUMNWISE] if q.columnwise_usage else None
+        if row is part.payloads[ROWWISE] and col is part.payloads[COLUMNWISE]:
+            # the expert keeps every copy the encoding wrote: its part is its storage (built
+            # fresh for this call, nobody else holds it), labelled, not rebuilt (64 experts x 3
+            # quantizations a step)
+            part.label = q.label
+            out.append(QuantizedTensor(part, q))
+            continue
         storage = _rebuild(part, row, col, q.label, m)
         storage.columnwise_zero_tail = col is not None and part.columnwise_zero_tail
         out.append(QuantizedTensor(storage, q))

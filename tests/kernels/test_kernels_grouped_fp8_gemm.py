@@ -111,6 +111,34 @@ def test_swizzle_groups_cover_every_tile_once():
         assert torch.equal(got, outs[0])
 
 
+def _nan_case(device: str, m: int, k: int, n: int):
+    """Two experts, E5M2 A with a NaN code in expert 1's row 3 and an inf code in its row 5."""
+    g = torch.Generator(device=device).manual_seed(7)
+    whole = _codes((2 * m, k), E5M2, g, device)
+    bits = whole.view(torch.uint8)
+    bits[m + 3, k // 2] = 0x7F  # NaN
+    bits[m + 5, 1] = 0x7C  # +inf
+    a = list(torch.split(whole, [m, m]))
+    b = [_codes((n, k), E4M3, g, device) for _ in range(2)]
+    ones = torch.ones(2, device=device)
+    return a, b, ones
+
+
+def _check_nan_rows(out: torch.Tensor, m: int) -> None:
+    bad = ~torch.isfinite(out.float())
+    assert bad[m + 3].all() and torch.isnan(out[m + 3].float()).all()  # NaN x anything
+    assert bad[m + 5].all()  # inf x finite nonzero: inf or NaN (both signs summed), never finite
+    assert bad.sum(1).count_nonzero() == 2  # no other row touched
+
+
+@interpreter_only
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy's NaN matmul
+def test_nan_and_inf_codes_propagate():
+    a, b, ones = _nan_case("cpu", 16, 64, 24)
+    out = tk.grouped_fp8(a, b, [64, 64], ones, ones, torch.empty(32, 24, dtype=torch.bfloat16), [0, 16], tile=TINY)
+    _check_nan_rows(out, 16)
+
+
 def test_kernel_rejects_bad_operands():
     x, w = torch.zeros(4, 32, dtype=E4M3), torch.zeros(8, 32, dtype=E4M3)
     ones = torch.ones(1)
@@ -202,6 +230,16 @@ def _fp64(t: torch.Tensor, direction: str) -> torch.Tensor:
 #: the FP8 MMA paths measured ~5e-6 there; 1e-4 as for cuBLAS's.
 GPU_EXCESS = 1e-4
 GPU_SPLITS = [1536, 0, 640, 2048, 1001, 1511, 256, 1200] * 8  # 64 experts, one empty per 8
+
+
+@gpu
+def test_nan_and_inf_codes_propagate_cuda():
+    """The FP8 MMA propagates NaN / inf codes as the exact sums do (no row but theirs)."""
+    a, b, ones = _nan_case("cuda", 300, 512, 256)
+    with poisoned_outputs():
+        out = tk.grouped_fp8(a, b, [512, 512], ones, ones, torch.empty(600, 256, dtype=torch.bfloat16, device="cuda"),
+                             [0, 300])
+    _check_nan_rows(out, 300)
 
 
 @gpu
