@@ -102,8 +102,9 @@ def ops_per_step(recipe: hybridfp.Recipe, experts: int, hidden: int = 64, ffn: i
 def stub_cublas(setattr: Callable = setattr) -> None:
     """This process only (a measuring switch): the cuBLAS FP8 backends selected as on an sm90 GPU,
     ``torch._scaled_mm`` / ``torch._scaled_grouped_mm`` replaced by stubs that return an output of
-    the right shape (no values), and the grouped rowwise FP8 path refused for E5M2 operands as on
-    the GPU. What remains of a step's time is the host's Python and aten work of the GPU path.
+    the right shape (no values), the grouped rowwise FP8 path refused for E5M2 operands as on
+    the GPU, and the Triton grouped paths taken as on CUDA (from ``MANY_EXPERTS`` experts), their
+    launches stubbed (the output returned unwritten). What remains of a step's time is the host's Python and aten work of the GPU path.
     ``setattr``: how to patch (a test passes pytest's ``monkeypatch.setattr`` to undo it)."""
     from hybridfp.gemm import fast, grouped
 
@@ -118,6 +119,15 @@ def stub_cublas(setattr: Callable = setattr) -> None:
         dtypes = {s.payload(da)["data"].dtype for s in sa} | {s.payload(db)["data"].dtype for s in sb}
         return None if dtypes == {torch.float8_e4m3fn} else "E4M3 only"
 
+    from hybridfp.gemm import grouped_triton
+    from hybridfp.kernels import triton_grouped_fp8_gemm, triton_grouped_gemm
+
+    def enabled(device, use_triton, experts=1):  # the CUDA rule on any device
+        return use_triton if use_triton is not None else experts >= grouped_triton.MANY_EXPERTS
+
+    setattr(grouped_triton, "enabled", enabled)
+    setattr(triton_grouped_fp8_gemm, "_launch", lambda *a: a[5])  # (base_a, base_b, sa, sb, bias, out, ...)
+    setattr(triton_grouped_gemm, "_launch", lambda a, b, out, *rest, **kw: out)
     setattr(fast, "_device_ok", lambda device, kind: True)
     setattr(torch, "_scaled_mm", scaled_mm)
     setattr(torch, "_scaled_grouped_mm", scaled_grouped_mm)
