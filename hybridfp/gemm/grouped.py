@@ -58,7 +58,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from ..kernels.host import device_tensor
-from ..tensors.expert_tensors import ExpertTensors
+from ..tensors.expert_tensors import ExpertTensors, JoinedCopy
 from ..tensors.slicing import adjacent_rows
 from ..tensors.storage import GemmOperand, QuantizedStorage
 from . import fast
@@ -134,10 +134,10 @@ def grouped_gemm(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: s
         raise ValueError("grouped_gemm biases are for fprop ('TN') only, one (or None) per expert; got "
                          f"{len(biases)} for {len(A)} experts with layout {layout!r}.")
     has_bias = biases is not None and any(b is not None for b in biases)
-    joined = _run_joined(A, B, layout, out_dtype, has_bias, grouped_mm)
+    joined = _run_joined(A, B, layout, out_dtype, has_bias, grouped_mm, biases, use_triton)
     if joined is not None:
-        PATH_COUNTS[(GEMM_OF_LAYOUT[layout], GROUPED_BF16)] += 1
-        return joined
+        PATH_COUNTS[(GEMM_OF_LAYOUT[layout], joined[1])] += 1
+        return joined[0]
     da, db = LAYOUTS[layout]
     sa = [operand_storage(a, da, f"A[{e}]") for e, a in enumerate(A)]
     sb = [operand_storage(b, db, f"B[{e}]") for e, b in enumerate(B)]
@@ -161,23 +161,53 @@ def grouped_gemm(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: s
 
 
 def _run_joined(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: str, out_dtype: torch.dtype,
-                has_bias: bool, grouped_mm: Optional[GroupedMM]) -> Optional[Union[torch.Tensor, list[torch.Tensor]]]:
-    """Path 1 straight on two ``ExpertTensors``' joined copies (``grouped_joined.py``), when
-    ``_torch_path``'s rules give path 1 for them: decided once on the joined storages (one
-    format per operand, so one answer for every expert). None: the per-expert code decides."""
+                has_bias: bool, grouped_mm: Optional[GroupedMM],
+                biases: Optional[Sequence[Optional[torch.Tensor]]] = None, use_triton: Optional[bool] = None
+                ) -> Optional[tuple[Union[torch.Tensor, list[torch.Tensor]], str]]:
+    """(result, path) straight on two ``ExpertTensors``' joined copies: path 1
+    (``grouped_joined.py``) when ``_torch_path``'s rules give it for them, decided once on the
+    joined storages (one format per operand, so one answer for every expert); FP8 per-expert
+    scaled copies on the Triton FP8 grouped GEMM (``grouped_fp8.run_joined``) when
+    ``_fp8_joined_path`` takes them. None: the per-expert code decides."""
     if not (isinstance(A, ExpertTensors) and isinstance(B, ExpertTensors)) or len(A) != len(B):
         return None
     da, db = LAYOUTS[layout]
     ja, jb = A.joined(da), B.joined(db)
     if ja is None or jb is None or len(A) > _MAX_GROUPS:
         return None
+    if ja.scales is not None or jb.scales is not None:
+        if ja.scales is None or jb.scales is None or not _fp8_joined_path(A, B, ja, jb, layout, out_dtype, use_triton):
+            return None
+        out = grouped_fp8.run_joined(ja, jb, A.splits, B.splits, layout, out_dtype, biases)
+        return None if out is None else (out, GROUPED_FP8_TRITON)
     # the same rules on the two joined storages as on the experts' (one format per operand);
     # run_joined checks the experts' own dims
     path, _ = _torch_path([ja.storage.part(da)], [jb.storage.part(db)], layout, out_dtype, has_bias,
                           grouped_mm is not None)
     if path != GROUPED_BF16:
         return None
-    return run_joined(ja, jb, A.splits, B.splits, layout, grouped_mm or torch_grouped_mm)
+    out = run_joined(ja, jb, A.splits, B.splits, layout, grouped_mm or torch_grouped_mm)
+    return None if out is None else (out, GROUPED_BF16)
+
+
+def _fp8_joined_path(A: ExpertTensors, B: ExpertTensors, ja: JoinedCopy, jb: JoinedCopy, layout: str,
+                     out_dtype: torch.dtype, use_triton: Optional[bool]) -> bool:
+    """Whether FP8 joined copies take the Triton FP8 grouped GEMM for this GEMM — all three
+    GEMMs, fprop included (the joined lane builds nothing per expert): the Triton paths on
+    (``grouped_triton.enabled``), small experts (``per_expert_fp8_faster`` says no: large ones
+    run faster on cuBLAS per expert, the experts cut out of the joined copies) and FP8 tensor
+    cores (``grouped_fp8.unsupported``)."""
+    if not grouped_triton.enabled(ja.storage.device, use_triton, len(A)):
+        return False
+    if layout == "NT":
+        sizes, fixed = A.splits, (ja.storage.cols, jb.storage.cols)
+    elif layout == "TN":
+        sizes, fixed = A.splits, (B.splits[0], ja.storage.cols)
+    else:
+        sizes, fixed = A.splits, (jb.storage.cols, ja.storage.cols)
+    if per_expert_fp8_faster(sizes, *fixed):
+        return False
+    return grouped_fp8.unsupported([ja.storage], layout, out_dtype) is None
 
 
 def grouped_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,

@@ -23,6 +23,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from ..tensors.expert_tensors import JoinedCopy
 from ..tensors.storage import QuantizedStorage
 from .fast import TENSORWISE, zero_tail_view
 from .gemm import LAYOUTS
@@ -105,3 +106,55 @@ def _reduction_operands(ss: Sequence[QuantizedStorage], ps: Sequence[dict], dire
 def scalar(t: torch.Tensor) -> torch.Tensor:
     """``t.reshape(())`` without a view op when ``t`` is 0-d already (one per expert)."""
     return t if t.dim() == 0 else t.reshape(())
+
+
+def run_joined(ja: JoinedCopy, jb: JoinedCopy, splits_a: Sequence[int], splits_b: Sequence[int], layout: str,
+               out_dtype: torch.dtype, biases: Optional[Sequence[Optional[torch.Tensor]]] = None
+               ) -> Optional[Union[torch.Tensor, list[torch.Tensor]]]:
+    """The experts' GEMMs straight on two FP8 ``ExpertTensors``' joined copies (per-expert
+    ``scales``; ``quantizers.grouped._scaled_group``): no per-expert tensor is built. Rows
+    joined [Σm, C] (unpadded); columns one [C, width] matrix, expert e at column ``starts[e]``,
+    zero codes to its block's 16-aligned end. None where the copies do not pair up (the caller
+    then runs the per-expert code)."""
+    da, db = LAYOUTS[layout]
+    a, b = ja.storage.payload(da)["data"], jb.storage.payload(db)["data"]
+    sa, sb = ja.scales.contiguous(), jb.scales.contiguous()
+    experts = len(splits_a)
+    k = _kernels()
+    if layout == "NT":  # dW_e [N, K] = dy_e^T x_e: both column matrices, the same blocks
+        if ja.starts != jb.starts or list(splits_a) != list(splits_b) or ja.starts is None:
+            return None
+        (n_rows, width), (k_rows, width_b) = a.shape, b.shape
+        if width != width_b:
+            return None
+        ends = ja.starts[1:] + [width]
+        ks = [e - s for s, e in zip(ja.starts, ends)]  # each block: its tokens, then zero codes
+        out = torch.empty((experts * n_rows, k_rows), dtype=out_dtype, device=a.device)
+        k.grouped_fp8_at(a, b, [n_rows] * experts, ja.starts, [width] * experts, jb.starts, [width] * experts, ks,
+                         sa, sb, out, [e * n_rows for e in range(experts)], tile=k.WGRAD_TILE)
+        return list(out.view(experts, n_rows, k_rows).unbind(0))
+    if ja.starts is not None:
+        return None
+    usable, bias = stacked_bias(biases, _width(jb, db, splits_b), a.device)
+    if not usable:
+        return None
+    ms, red = list(splits_a), a.shape[1]
+    starts = [sum(ms[:e]) for e in range(experts)]
+    if db == "rowwise":  # fprop: the stacked weights' rows, expert e's N rows from row e*N
+        if jb.starts is not None or len(set(splits_b)) != 1 or b.shape[1] != red:
+            return None
+        n = splits_b[0]
+        b_offs, b_ld = [e * n * red for e in range(experts)], red
+    else:  # dgrad: the weights' columnwise matrix [K, width], expert e's N columns at starts[e]
+        if jb.starts is None or any(m != red for m in splits_b):
+            return None
+        n, b_ld = b.shape[0], b.shape[1]
+        b_offs = list(jb.starts)
+    out = torch.empty((sum(ms), n), dtype=out_dtype, device=a.device)
+    return k.grouped_fp8_at(a, b, ms, [s * red for s in starts], [red] * experts, b_offs, [b_ld] * experts,
+                            [red] * experts, sa, sb, out, starts, bias=bias)
+
+
+def _width(jb: JoinedCopy, direction: str, splits: Sequence[int]) -> int:
+    """The output width N of fprop / dgrad: the weights' rows per expert or the column matrix's rows."""
+    return splits[0] if direction == "rowwise" else jb.storage.payload(direction)["data"].shape[0]

@@ -68,8 +68,14 @@ def block_shape_supported(m: int, n: int, k: int, a_block_dim: int, b_block_dim:
 
 
 def _ready(t: torch.Tensor) -> torch.Tensor:
-    """Row-major, 16-byte-aligned operand data (a copy only when it is neither)."""
-    if not t.is_contiguous():
+    """Row-major operand data with a 16-byte aligned pointer and row stride (a copy only when
+    not). A row stride above the width is taken as it is: measured on the H200 (torch 2.11,
+    ``bench/diag_scaled_mm_strides.py``) ``_scaled_mm`` reads such column slices of a wider
+    buffer (an MoE expert's columnwise copy in the joined [C, Σ m] matrix) as fast as
+    contiguous operands, bitwise equal."""
+    rows, cols = t.shape
+    row_major = (cols <= 1 or t.stride(1) == 1) and (rows <= 1 or t.stride(0) >= cols)
+    if not row_major or (rows > 1 and t.stride(0) * t.element_size() % 16):
         t = t.contiguous()
     if t.data_ptr() % 16:
         t = t.clone()

@@ -84,14 +84,14 @@ def _grouped_fp8_kernel(x_ptr, amax_ptr, meta_ptr, rd_ptr, cd_ptr, sinv_ptr, C, 
     end: its group g is found by binary search in the tiles' prefix sums (``SEARCH`` >=
     log2(G) steps), so only tiles with rows are launched, however uneven the groups. Rows
     scaled by the group's current scale; rowwise codes at [r, c]; columnwise codes at
-    ``offset + c * ld + (r - start)`` (the group's own transpose) for every row of the tile
+    ``offset + c * stride + (r - start)`` (the group's own transpose) for every row of the tile
     below ``ld`` — rows past the group's end read as zeros, so the tail up to ``ld`` gets zero
-    codes. ``meta``: int64 [5G + 1]: first row, rows, ld, column offset per group, then the
-    prefix sums of row tiles per group (G + 1)."""
+    codes. ``meta``: int64 [6G + 1]: first row, rows, ld, column offset, row stride per group,
+    then the prefix sums of row tiles per group (G + 1)."""
     pid = tl.program_id(0)
     nc = tl.cdiv(C, BC)
     t, pc = pid // nc, pid % nc
-    cum = meta_ptr + 4 * G
+    cum = meta_ptr + 5 * G
     lo = t * 0  # the last group whose first tile is <= t (empty groups are skipped over)
     hi = lo + G
     for _ in tl.static_range(SEARCH):
@@ -117,7 +117,8 @@ def _grouped_fp8_kernel(x_ptr, amax_ptr, meta_ptr, rd_ptr, cd_ptr, sinv_ptr, C, 
         tl.store(rd_ptr + tile_offsets(lr, lc, C, 1), code, mask=mask & ((lr[:, None] * 0 + m) < 0))
     if COL:
         ld = tl.load(meta_ptr + 2 * G + g).to(tl.int32)
-        store_transposed_rows_u8(cd_ptr + tl.load(meta_ptr + 3 * G + g), code, lr, lc, l0, c0, ld, ld, C, PACK)
+        stride = tl.load(meta_ptr + 4 * G + g).to(tl.int32)
+        store_transposed_rows_u8(cd_ptr + tl.load(meta_ptr + 3 * G + g), code, lr, lc, l0, c0, stride, ld, C, PACK)
     if pid == 0:  # every group's 1 / scale, empty groups included
         for g0 in range(0, G, BG):
             lg = g0 + tl.arange(0, BG)
@@ -128,8 +129,8 @@ def _grouped_fp8_kernel(x_ptr, amax_ptr, meta_ptr, rd_ptr, cd_ptr, sinv_ptr, C, 
 def quantize(x2: torch.Tensor, amax: torch.Tensor, splits: Sequence[int], dtype: torch.dtype, *,
              eps: float = 0.0, power_2_scale: bool = False, rowwise: bool = True, columnwise: bool = True,
              col_offsets: Optional[Sequence[int]] = None, col_lds: Optional[Sequence[int]] = None,
-             col_numel: Optional[int] = None, block: tuple[int, int] = (64, 128),
-             num_warps: Optional[int] = None):
+             col_numel: Optional[int] = None, col_stride: Optional[int] = None,
+             block: tuple[int, int] = (64, 128), num_warps: Optional[int] = None):
     """FP8 current scaling of the row groups of non-empty 2D ``x2`` (any strides; group e is the
     next ``splits[e]`` rows), each with its group's scale.
 
@@ -137,7 +138,9 @@ def quantize(x2: torch.Tensor, amax: torch.Tensor, splits: Sequence[int], dtype:
     Columnwise: group e's transpose [C, m_e] goes at element ``col_offsets[e]`` of one flat
     buffer of ``col_numel`` elements with row stride ``col_lds[e]``, m_e <= ld_e <= m_e rounded
     up to 16; row tails m_e .. ld_e - 1 hold zero codes (the copy zero-padded along its
-    reduction, as cuBLAS FP8 needs a multiple of 16). Offsets and strides multiples of 4 move
+    reduction, as cuBLAS FP8 needs a multiple of 16). ``col_stride``: one row stride for every
+    group instead (>= each ld_e): the groups' transposes side by side as column blocks of one
+    [C, col_stride] matrix, block e ``ld_e`` wide from column ``col_offsets[e]``. Offsets and strides multiples of 4 move
     four rows per 32-bit store. Returns ``(row_data or None, col_data or None, scale_inv)``:
     rowwise [R, C] in ``dtype``, columnwise flat [col_numel] in ``dtype``, ``scale_inv`` FP32
     [G]. ``block`` / ``num_warps``: tiles of (64, 128) / 8 warps, as the per-tensor kernel's
@@ -164,11 +167,16 @@ def quantize(x2: torch.Tensor, amax: torch.Tensor, splits: Sequence[int], dtype:
         if any(not m <= ld <= -(-m // 16) * 16 for m, ld in zip(splits, col_lds)):
             raise ValueError(f"col_lds {list(col_lds)} must lie between each group's rows and their "
                              "round-up to 16.")
-        if any(o < 0 or o + cols * ld > col_numel for o, ld in zip(col_offsets, col_lds)):
+        strides = list(col_lds) if col_stride is None else [col_stride] * groups
+        if any(ld > st for ld, st in zip(col_lds, strides)):
+            raise ValueError(f"col_stride {col_stride} is narrower than a group's block (col_lds {list(col_lds)}).")
+        if any(o < 0 or o + (cols - 1) * st + ld > col_numel for o, ld, st in zip(col_offsets, col_lds, strides)):
             raise ValueError(f"a columnwise block [{cols}, ld] at col_offsets {list(col_offsets)} overruns "
                              f"col_numel={col_numel}.")
     mbits, bias, fmax = fp8_params(dtype)
     check_int32_tiles(rows + 16, cols, *x2.stride())  # + 16: a row stride ld_e <= m_e + 15
+    if columnwise and col_stride is not None:
+        check_int32_tiles(col_stride)
     dev = x2.device
     rd = empty((rows, cols), dtype=dtype, device=dev) if rowwise else None
     cd = empty((col_numel,), dtype=dtype, device=dev) if columnwise else None
@@ -183,9 +191,10 @@ def quantize(x2: torch.Tensor, amax: torch.Tensor, splits: Sequence[int], dtype:
         cum.append(tiles)
     lds = list(col_lds) if columnwise else splits
     offs = list(col_offsets) if columnwise else [0] * groups
-    pack = columnwise and all(o % 4 == 0 for o in offs) and all(ld % 4 == 0 for ld in lds)
+    strides = strides if columnwise else lds
+    pack = columnwise and all(v % 4 == 0 for v in offs + lds + strides)
     # one host-to-device copy, queued (no stream sync), read by the kernel as it is (int64)
-    meta = device_tensor(starts + splits + lds + offs + cum, dev, torch.int64)
+    meta = device_tensor(starts + splits + lds + offs + strides + cum, dev, torch.int64)
     dummy = torch.empty(1, dtype=torch.uint8, device=dev)
     grid = (tiles * triton.cdiv(cols, bc),)  # rows > 0: at least one tile
     _grouped_fp8_kernel[grid](

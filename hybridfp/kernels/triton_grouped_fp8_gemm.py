@@ -131,17 +131,7 @@ def grouped_fp8(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ks: Sequen
     if len(b) != experts or len(ks) != experts or len(out_rows) != experts or experts == 0:
         raise ValueError(f"grouped FP8 GEMM: one A, B, K and output row per expert; got {len(a)}, {len(b)}, "
                          f"{len(ks)}, {len(out_rows)}.")
-    if out.dim() != 2 or not out.is_contiguous() or out.dtype not in OUT_CODE:
-        raise ValueError(f"grouped FP8 GEMM: out must be a contiguous 2D BF16 / FP16 / FP32 tensor; got "
-                         f"{out.dtype} {tuple(out.shape)}.")
-    n = out.shape[1]
-    for what, s in (("scale_a", scale_a), ("scale_b", scale_b)):
-        if s.dtype != torch.float32 or tuple(s.shape) != (experts,) or not s.is_contiguous():
-            raise ValueError(f"grouped FP8 GEMM: {what} must be contiguous FP32 [{experts}]; got {s.dtype} "
-                             f"{tuple(s.shape)}.")
-    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (experts, n) or not bias.is_contiguous()):
-        raise ValueError(f"grouped FP8 GEMM: bias must be contiguous FP32 [{experts}, {n}]; got {bias.dtype} "
-                         f"{tuple(bias.shape)}.")
+    n = _check_common(experts, out, scale_a, scale_b, bias)
     if len({t.dtype for t in a}) > 1 or len({t.dtype for t in b}) > 1:
         raise ValueError("grouped FP8 GEMM: every expert's A (and every B) must have the same FP8 dtype.")
     bm = tile[0]
@@ -155,9 +145,7 @@ def grouped_fp8(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ks: Sequen
         nb, ldb, ptr_b = _operand_row("B", e, b[e], k)
         if nb != n:
             raise ValueError(f"grouped FP8 GEMM: B[{e}] has {nb} rows; out has {n} columns.")
-        if o < 0 or o + m > rows_out:
-            raise ValueError(f"grouped FP8 GEMM: expert {e}'s {m} result rows from row {o} do not fit "
-                             f"in out's {rows_out} rows.")
+        _check_out_rows(e, o, m, rows_out)
         if k and m:
             row = (ptr_a - pa, lda, ptr_b - pb, ldb, k, o)
             align = gcd(gcd(gcd(gcd(gcd(align, row[0]), lda), row[2]), ldb), k)
@@ -169,6 +157,69 @@ def grouped_fp8(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ks: Sequen
     if not tiles or n == 0:
         return out
     return _launch(a[0], b[0], scale_a, scale_b, bias, out, meta, tiles, n, tile, promote, group_m, align)
+
+
+def grouped_fp8_at(base_a: torch.Tensor, base_b: torch.Tensor, ms: Sequence[int], a_offs: Sequence[int],
+                   a_lds: Sequence[int], b_offs: Sequence[int], b_lds: Sequence[int], ks: Sequence[int],
+                   scale_a: torch.Tensor, scale_b: torch.Tensor, out: torch.Tensor, out_rows: Sequence[int], *,
+                   bias: Optional[torch.Tensor] = None, tile: tuple[int, int, int, int, int] = TILE,
+                   promote: int = PROMOTE, group_m: int = GROUP_M) -> torch.Tensor:
+    """:func:`grouped_fp8` with the experts' operands given as places in two contiguous FP8
+    tensors (joined copies) instead of views: expert e's A is ``ms[e]`` rows of ``base_a`` from
+    element ``a_offs[e]`` with row stride ``a_lds[e]``, its B the N (``out``'s width) rows of
+    ``base_b`` from ``b_offs[e]`` with row stride ``b_lds[e]``, both ``ks[e]`` long. Every
+    expert's extent is checked to lie inside its base."""
+    experts = len(ms)
+    if any(len(v) != experts for v in (a_offs, a_lds, b_offs, b_lds, ks, out_rows)) or experts == 0:
+        raise ValueError("grouped FP8 GEMM: one row count, A / B offset and stride, K and output row per expert.")
+    n = _check_common(experts, out, scale_a, scale_b, bias)
+    for what, t in (("base_a", base_a), ("base_b", base_b)):
+        if t.dtype not in _FP8 or not t.is_contiguous():
+            raise ValueError(f"grouped FP8 GEMM: {what} must be a contiguous E4M3 / E5M2 tensor; got {t.dtype}, "
+                             f"strides {t.stride()}.")
+    bm, la, lb = tile[0], base_a.numel(), base_b.numel()
+    meta, tiles, align, rows_out = [], [], 16, out.shape[0]
+    for e in range(experts):
+        m, k, o = int(ms[e]), int(ks[e]), int(out_rows[e])
+        _check_out_rows(e, o, m, rows_out)
+        if k and m:
+            row = (int(a_offs[e]), int(a_lds[e]), int(b_offs[e]), int(b_lds[e]), k, o)
+            for what, off, ld, r, limit in (("A", row[0], row[1], m, la), ("B", row[2], row[3], n, lb)):
+                if off < 0 or (r > 1 and ld < k) or off + (r - 1) * ld + k > limit:
+                    raise ValueError(f"grouped FP8 GEMM: expert {e}'s {what} ({r} rows of {k} from element "
+                                     f"{off}, row stride {ld}) does not lie inside its base of {limit} elements.")
+            align = gcd(gcd(gcd(gcd(gcd(align, row[0]), row[1]), row[2]), row[3]), k)
+        else:
+            row = (0, 0, 0, 0, 0, o)
+        meta.append(row)
+        tiles += [(e, r, min(r + bm, m)) for r in range(0, m, bm)]
+    align = gcd(gcd(align, base_a.data_ptr() % 16), base_b.data_ptr() % 16)
+    if not tiles or n == 0:
+        return out
+    return _launch(base_a, base_b, scale_a, scale_b, bias, out, meta, tiles, n, tile, promote, group_m, align)
+
+
+def _check_out_rows(e: int, o: int, m: int, rows_out: int) -> None:
+    if o < 0 or o + m > rows_out:
+        raise ValueError(f"grouped FP8 GEMM: expert {e}'s {m} result rows from row {o} do not fit "
+                         f"in out's {rows_out} rows.")
+
+
+def _check_common(experts: int, out: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                  bias: Optional[torch.Tensor]) -> int:
+    """Check the output, scales and bias; returns N (out's width)."""
+    if out.dim() != 2 or not out.is_contiguous() or out.dtype not in OUT_CODE:
+        raise ValueError(f"grouped FP8 GEMM: out must be a contiguous 2D BF16 / FP16 / FP32 tensor; got "
+                         f"{out.dtype} {tuple(out.shape)}.")
+    n = out.shape[1]
+    for what, s in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if s.dtype != torch.float32 or tuple(s.shape) != (experts,) or not s.is_contiguous():
+            raise ValueError(f"grouped FP8 GEMM: {what} must be contiguous FP32 [{experts}]; got {s.dtype} "
+                             f"{tuple(s.shape)}.")
+    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (experts, n) or not bias.is_contiguous()):
+        raise ValueError(f"grouped FP8 GEMM: bias must be contiguous FP32 [{experts}, {n}]; got {bias.dtype} "
+                         f"{tuple(bias.shape)}.")
+    return n
 
 
 def _launch(base_a: torch.Tensor, base_b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,

@@ -56,6 +56,8 @@ class SavedJoined:
     cut: Cutter
     skeletons: list[tuple[QuantizedStorage, int]]
     directions: dict[str, tuple[int, Optional[list[int]]]]
+    #: per direction, the index among the saved tensors of its per-expert ``scales`` (if any)
+    scales: Optional[dict[str, int]] = None
 
 
 def save_experts(ts: Sequence[Optional[torch.Tensor]]
@@ -122,13 +124,21 @@ def _save_joined(ts: ExpertTensors) -> tuple[list[torch.Tensor], SavedJoined]:
             skeletons.append((skeleton, len(flat)))
             saved.extend(flat)
         directions[d] = (index[id(j.storage)], j.starts)
-    return saved, SavedJoined(ts.splits, ts.cutter, skeletons, directions)
+    # per-expert scales (FP8 current scaling) after the storages' tensors, one per direction
+    scales = {}
+    for d in ts.directions():
+        if ts.joined(d).scales is not None:
+            scales[d] = len(saved)
+            saved.append(ts.joined(d).scales)
+    return saved, SavedJoined(ts.splits, ts.cutter, skeletons, directions, scales or None)
 
 
 def _restore_joined(rec: SavedJoined, tensors: Sequence[torch.Tensor]) -> ExpertTensors:
     it = iter(tensors)
     storages = [skeleton.with_tensors([next(it) for _ in range(n)]) for skeleton, n in rec.skeletons]
-    joined = {d: JoinedCopy(storages[i], starts) for d, (i, starts) in rec.directions.items()}
+    scales = rec.scales or {}
+    joined = {d: JoinedCopy(storages[i], starts, tensors[scales[d]] if d in scales else None)
+              for d, (i, starts) in rec.directions.items()}
     return ExpertTensors(rec.splits, joined, rec.cut)
 
 

@@ -37,8 +37,8 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from ..formats.common import HIGH_PRECISION_DTYPES, ceil_div, check_input
-from ..kernels.host import device_tensor
-from ..tensors import HybridStorage, MXFP8Storage, QuantizedStorage, QuantizedTensor
+from ..kernels.host import device_constant, device_tensor
+from ..tensors import Float8Storage, HybridStorage, MXFP8Storage, QuantizedStorage, QuantizedTensor
 from ..tensors.expert_tensors import ExpertTensors, JoinedCopy
 from ..tensors.slicing import adjacent_rows
 from ..tensors.storage import COLUMNWISE, ROWWISE, Payload
@@ -50,8 +50,8 @@ from .hybrid import HybridQuantizer
 from .identity import IdentityQuantizer
 from .mxfp8 import MXFP8Quantizer
 from .nvfp4 import NVFP4Quantizer
-from .grouped_scaled import (BOTH, ROWS, _offsets, encode_group_scaled, fused_nvfp4_mxfp8_supported, group_scaled_mode,
-                             nvfp4_mxfp8_groups)
+from .grouped_scaled import (BOTH, ROWS, Fp8Joined, GroupScaled, _offsets, encode_group_scaled, fp8_parts,
+                             fused_nvfp4_mxfp8_supported, group_scaled_mode, nvfp4_mxfp8_groups)
 
 #: How a quantizer's rowwise copy relates to its rows: ``SEPARATE`` — row-local, and the
 #: columnwise copy is a separate encoding; ``SHARED`` — row-local, and both copies are the same
@@ -442,7 +442,7 @@ def _quantize_planned(quantizers: Sequence[Optional[Quantizer]], plan: _Plan, x:
         scaled = encode_group_scaled(plan.row_q, x, splits, True, False)
         own_rows = [_rebuild(p, p.payloads[ROWWISE], None, _rowwise_child(q).label, m)
                     if q is not None and (q.rowwise_usage or _derives_columnwise(q)) else None
-                    for q, p, m in zip(quantizers, scaled.parts, splits)]
+                    for q, p, m in zip(quantizers, scaled.parts(), splits)]
         scaled_rows = scaled.rows_fp32() if any(_derives_columnwise(q) for q in used) else None
     elif rows is None:  # per expert, where read (rowwise usage or a derived columnwise source)
         for e, (q, s, m) in enumerate(zip(quantizers, starts, splits)):
@@ -679,14 +679,18 @@ def _rebuild(like: QuantizedStorage, row: Optional[Payload], col: Optional[Paylo
 
 
 def _assemble_scaled(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor, splits: Sequence[int],
-                     q0: Quantizer) -> list[Optional[QuantizedTensor]]:
+                     q0: Quantizer) -> GroupedResult:
     """Plain quantizers whose every copy comes from one grouped encoding: each expert keeps the
-    copies its usage asks for."""
+    copies its usage asks for; an ``ExpertTensors`` on the joined copies where every expert
+    keeps the same ones (``_scaled_group``)."""
     used = [q for q in quantizers if q is not None]
     scaled = encode_group_scaled(q0, x, splits, any(q.rowwise_usage for q in used),
-                            any(q.columnwise_usage for q in used))
+                                 any(q.columnwise_usage for q in used))
+    group = _scaled_group(quantizers, splits, scaled, x.dtype)
+    if group is not None:
+        return group
     out: list[Optional[QuantizedTensor]] = []
-    for q, part, m in zip(quantizers, scaled.parts, splits):
+    for q, part, m in zip(quantizers, scaled.parts(), splits):
         if q is None:
             out.append(None)
             continue
@@ -694,8 +698,7 @@ def _assemble_scaled(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor,
         col = part.payloads[COLUMNWISE] if q.columnwise_usage else None
         if row is part.payloads[ROWWISE] and col is part.payloads[COLUMNWISE]:
             # the expert keeps every copy the encoding wrote: its part is its storage (built
-            # fresh for this call, nobody else holds it), labelled, not rebuilt (64 experts x 3
-            # quantizations a step)
+            # fresh for this call, nobody else holds it), labelled, not rebuilt
             part.label = q.label
             out.append(QuantizedTensor(part, q))
             continue
@@ -703,6 +706,45 @@ def _assemble_scaled(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor,
         storage.columnwise_zero_tail = col is not None and part.columnwise_zero_tail
         out.append(QuantizedTensor(storage, q))
     return out
+
+
+def _scaled_group(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[int], scaled: GroupScaled,
+                  dtype: torch.dtype) -> Optional[ExpertTensors]:
+    """FP8 current-scaled experts of one usage as their joined copies (``JoinedCopy`` with each
+    expert's ``scale_inv`` in ``scales``; the codes' storages at scale 1), the per-expert
+    tensors (``fp8_parts``: the storages each expert's own quantize holds) built on access."""
+    qs = list(quantizers)
+    j = scaled.fp8
+    if j is None or not qs or sum(splits) == 0 or any(q is None for q in qs):
+        return None
+    usage = {(q.rowwise_usage, q.columnwise_usage) for q in qs}
+    if len(usage) > 1:
+        return None
+    rowwise, columnwise = usage.pop()
+    one = device_constant([1.0], j.scale_inv.device).reshape(())  # the codes' own scale
+    fp8_dtype = qs[0].dtype
+    joined: dict[str, JoinedCopy] = {}
+    if rowwise:
+        joined[ROWWISE] = JoinedCopy(Float8Storage(j.rows.shape, dtype, {"data": j.rows, "scale_inv": one}, None,
+                                                   fp8_dtype=fp8_dtype), None, j.scale_inv)
+    if columnwise:
+        c, width = j.cols.shape
+        joined[COLUMNWISE] = JoinedCopy(Float8Storage(torch.Size((width, c)), dtype, None,
+                                                      {"data": j.cols, "scale_inv": one}, fp8_dtype=fp8_dtype),
+                                        list(j.col_starts), j.scale_inv)
+    return ExpertTensors(splits, joined, partial(_cut_scaled, qs, list(splits), dtype, fp8_dtype))
+
+
+def _cut_scaled(qs: list[Quantizer], splits: list[int], dtype: torch.dtype, fp8_dtype: torch.dtype,
+                joined: dict[str, JoinedCopy]) -> list[QuantizedTensor]:
+    """The per-expert tensors of ``_scaled_group``'s joined copies."""
+    rows, cols = joined.get(ROWWISE), joined.get(COLUMNWISE)
+    some = rows or cols
+    j = Fp8Joined(rows.storage.payload(ROWWISE)["data"] if rows is not None else None,
+                  cols.storage.payload(COLUMNWISE)["data"] if cols is not None else None,
+                  some.scales, list(cols.starts) if cols is not None else [])
+    parts = fp8_parts(j, splits, dtype, fp8_dtype, [q.label for q in qs])
+    return [QuantizedTensor(p, q) for p, q in zip(parts, qs)]
 
 
 def _column_payloads(storage: QuantizedStorage, starts: Sequence[int], splits: Sequence[int],

@@ -49,11 +49,13 @@ def _offsets(splits: Sequence[int], block: int) -> list[int]:
 
 class GroupScaled(NamedTuple):
     """A grouped per-tensor-scaled encoding: every expert's storage (its own amax and scale; the
-    copies asked for) and the rowwise copies dequantized, stacked [Σ m_e, K] FP32 (a callable:
-    only a derived columnwise source needs it)."""
+    copies asked for; a callable: built when asked) and the rowwise copies dequantized, stacked
+    [Σ m_e, K] FP32 (a callable: only a derived columnwise source needs it); ``fp8``: the
+    joined copies behind the parts of FP8 current scaling (``Fp8Joined``), else None."""
 
-    parts: list[QuantizedStorage]
+    parts: Callable[[], list[QuantizedStorage]]
     rows_fp32: Callable[[], torch.Tensor]
+    fp8: Optional["Fp8Joined"] = None
 
 
 class _GroupScaledRule(NamedTuple):
@@ -115,23 +117,19 @@ def _block_offsets(sizes: Sequence[int], element_size: int) -> tuple[list[int], 
     return starts, at
 
 
-def _column_blocks(t: torch.Tensor, widths: Sequence[int], lds: Sequence[int]) -> list[torch.Tensor]:
-    """Column group e of ``t`` [K, W] (``widths[e]`` columns, any strides) as a [K, w_e] view
-    with row stride ``lds[e]`` (>= w_e) of one zero-initialized buffer written by one scatter
-    (``_block_offsets``; row tails past w_e hold zeros). With ``t = data.t()`` they are the row
-    groups' transposes (``triton_grouped_fp8``'s layout)."""
+def _column_matrix(t: torch.Tensor, widths: Sequence[int], starts: Sequence[int], stride: int) -> torch.Tensor:
+    """Column groups of ``t`` [K, W] (``widths[e]`` columns each, in order) placed at columns
+    ``starts[e]`` of one zero-initialized [K, stride] matrix, written by one scatter (columns
+    between the groups hold zeros). With ``t = data.t()`` it is ``triton_grouped_fp8``'s
+    joined columnwise layout: each row group's transpose side by side."""
     k, w = t.shape
-    offs, total = _block_offsets([k * ld for ld in lds], t.element_size())
-    meta = device_tensor([_offsets(widths, 1), list(widths), offs, list(lds)], t.device)
-    start, width, off, ldv = meta.unbind(0)
-    start_c, off_c, ld_c = (_per_row(v, width, w) for v in (start, off, ldv))
-    j = torch.arange(w, device=t.device)
-    dest = (off_c + j - start_c)[None, :] + torch.arange(k, device=t.device)[:, None] * ld_c[None, :]
+    meta = device_tensor([_offsets(widths, 1), list(widths), list(starts)], t.device)
+    start, width, dst = meta.unbind(0)
+    shift = _per_row(dst - start, width, w)  # destination column - source column, per column
     bits = _BITS_DTYPE[t.element_size()]
-    flat = torch.zeros(total, dtype=bits, device=t.device)
-    flat.index_put_((dest,), t.view(bits))
-    flat = flat.view(t.dtype)
-    return [flat.as_strided((k, wd), (ld, 1), o) for wd, ld, o in zip(widths, lds, offs)]
+    out = torch.zeros((k, stride), dtype=bits, device=t.device)
+    out.index_copy_(1, torch.arange(w, device=t.device) + shift, t.view(bits))
+    return out.view(t.dtype)
 
 
 def padded_ld(m: int) -> int:
@@ -140,24 +138,77 @@ def padded_ld(m: int) -> int:
     return ceil_div(m, 16) * 16
 
 
+def column_starts(splits: Sequence[int]) -> tuple[list[int], int]:
+    """(first column of each expert's block, total width) of the joined FP8 columnwise matrix:
+    blocks ``padded_ld(m_e)`` wide, side by side (16-aligned starts: cuBLAS reads 16-byte
+    aligned operands)."""
+    starts, at = [], 0
+    for m in splits:
+        starts.append(at)
+        at += padded_ld(m)
+    return starts, at
+
+
+class Fp8Joined(NamedTuple):
+    """FP8 current scaling of every expert as joined copies: ``rows`` [Σm, C] codes (or None);
+    ``cols`` [C, width] codes (or None): expert e's transpose at columns ``col_starts[e]`` ..
+    + m_e, then zero codes up to ``padded_ld(m_e)``; ``scale_inv`` FP32 [E], each expert's."""
+
+    rows: Optional[torch.Tensor]
+    cols: Optional[torch.Tensor]
+    scale_inv: torch.Tensor
+    col_starts: list[int]
+
+
+def fp8_parts(j: Fp8Joined, splits: Sequence[int], dtype: torch.dtype, fp8_dtype: torch.dtype,
+              labels: Optional[Sequence[str]] = None) -> list[QuantizedStorage]:
+    """Every expert's ``Float8Storage`` cut out of the joined copies (views; its own scale_inv):
+    the storage its own ``quantize`` would hold, its columnwise copy a column slice of the joined
+    matrix that continues with zero codes to a multiple of 16 (``columnwise_zero_tail``)."""
+    cols_n = (j.rows if j.rows is not None else j.cols.t()).shape[1]
+    sinvs = j.scale_inv.unbind(0)
+    rds = torch.split(j.rows, list(splits)) if j.rows is not None else None
+    cds = (torch.split(j.cols, _gaps_and_blocks(splits, j.col_starts, j.cols.shape[1]), dim=1)[1::2]
+           if j.cols is not None else None)
+    parts: list[QuantizedStorage] = []
+    for e, m in enumerate(splits):
+        row = {"data": rds[e], "scale_inv": sinvs[e]} if rds is not None else None
+        col = {"data": cds[e], "scale_inv": sinvs[e]} if cds is not None else None
+        part = Float8Storage(torch.Size((m, cols_n)), dtype, row, col, fp8_dtype=fp8_dtype,
+                             label=labels[e] if labels is not None else "")
+        part.columnwise_zero_tail = col is not None
+        parts.append(part)
+    return parts
+
+
+def _gaps_and_blocks(splits: Sequence[int], starts: Sequence[int], width: int) -> list[int]:
+    """Split sizes along the joined matrix's columns: gap, block, gap, block, ..., gap (one
+    ``split`` cuts every expert's columns as views)."""
+    sizes, at = [], 0
+    for s, m in zip(starts, splits):
+        sizes += [s - at, m]
+        at = s + m
+    return sizes + [width - at]
+
+
 def _fp8_current_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], rowwise: bool,
                         columnwise: bool, kernel: bool) -> GroupScaled:
     """FP8 current scaling per expert (SPEC §2.1): scale_e from expert e's amax. Columnwise
-    copies: each expert's transpose [C, m_e] with row stride ``padded_ld(m_e)`` and zero tails
-    (``columnwise_zero_tail``)."""
+    copies: each expert's transpose [C, m_e] as columns of one [C, Σ padded_ld(m_e)] matrix,
+    zero codes up to its block's end (``column_starts``, ``columnwise_zero_tail``)."""
     rows, cols = x.shape
     lds = [padded_ld(m) for m in splits]
-    cds: Optional[list[torch.Tensor]] = None
+    starts, width = column_starts(splits)
+    cd: Optional[torch.Tensor] = None
     if kernel:
         k = fast._kernels("triton_grouped_fp8")
         group = _row_groups(splits, x.device)
         amax = _reduced(q, k.group_amax(x, group, len(splits)))
-        offs, total = _block_offsets([cols * ld for ld in lds], 1)
-        rd, cd, sinv = k.quantize(x, amax, splits, q.dtype, eps=q.amax_epsilon, power_2_scale=q.force_pow_2_scales,
-                                  rowwise=rowwise, columnwise=columnwise, col_offsets=offs, col_lds=lds,
-                                  col_numel=total)
-        if cd is not None:  # row tails past m_e written as zero codes by the kernel
-            cds = [cd.as_strided((cols, m), (ld, 1), o) for m, ld, o in zip(splits, lds, offs)]
+        rd, flat, sinv = k.quantize(x, amax, splits, q.dtype, eps=q.amax_epsilon, power_2_scale=q.force_pow_2_scales,
+                                    rowwise=rowwise, columnwise=columnwise, col_offsets=starts, col_lds=lds,
+                                    col_numel=cols * width, col_stride=width)
+        if flat is not None:  # block tails past m_e written as zero codes by the kernel
+            cd = flat.view(cols, width)
     else:
         counts = device_tensor(list(splits), x.device)
         amax = _reduced(q, _segment_amax(x, counts))
@@ -165,20 +216,12 @@ def _fp8_current_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], ro
         sinv = torch.ones_like(scale) / scale  # IEEE division, as fp8_tensorwise.quantize
         data = saturating_cast_fp8(x.float() * _per_row(scale, counts, rows)[:, None], q.dtype)
         rd = data if rowwise else None
-        cds = _column_blocks(data.t(), splits, lds) if columnwise else None
-    sinvs = sinv.unbind(0)
-    rds = torch.split(rd, list(splits)) if rd is not None else None
-    parts: list[QuantizedStorage] = []
-    for e, m in enumerate(splits):
-        row = {"data": rds[e], "scale_inv": sinvs[e]} if rds is not None else None
-        col = {"data": cds[e], "scale_inv": sinvs[e]} if cds is not None else None
-        part = Float8Storage(torch.Size((m, cols)), x.dtype, row, col, fp8_dtype=q.dtype)
-        part.columnwise_zero_tail = col is not None
-        parts.append(part)
+        cd = _column_matrix(data.t(), splits, starts, width) if columnwise else None
+    joined = Fp8Joined(rd, cd, sinv, starts)
 
     def rows_fp32() -> torch.Tensor:  # each expert's decode
         return rd.float() * _per_row(sinv, device_tensor(list(splits), x.device), rows)[:, None]
-    return GroupScaled(parts, rows_fp32)
+    return GroupScaled(lambda: fp8_parts(joined, splits, x.dtype, q.dtype), rows_fp32, joined)
 
 
 def _nvfp4_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], rowwise: bool,
@@ -199,10 +242,11 @@ def _nvfp4_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], rowwise:
         row_amax = _per_row(amax, counts, rows)
         data, scale = nvfp4.quantize_1d(x, row_amax)
     meta = q.storage_meta()
-    parts: list[QuantizedStorage] = [
-        NVFP4Storage(torch.Size((m, cols)), x.dtype, {"data": d, "scale": s, "amax": a}, None, **meta)
-        for m, d, s, a in zip(splits, torch.split(data, list(splits)), torch.split(scale, list(splits)),
-                              amax.unbind(0))]
+
+    def parts() -> list[QuantizedStorage]:
+        return [NVFP4Storage(torch.Size((m, cols)), x.dtype, {"data": d, "scale": s, "amax": a}, None, **meta)
+                for m, d, s, a in zip(splits, torch.split(data, list(splits)), torch.split(scale, list(splits)),
+                                      amax.unbind(0))]
 
     def rows_fp32() -> torch.Tensor:
         whole = NVFP4Storage(x.shape, x.dtype, {"data": data, "scale": scale, "amax": row_amax}, None,

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
+import torch
+
 from .quantized_tensor import QuantizedTensor
 from .storage import COLUMNWISE, DIRECTIONS, ROWWISE, QuantizedStorage
 
@@ -28,10 +30,15 @@ class JoinedCopy(NamedTuple):
     unpadded (its rows are Σ m_e; a BF16 Identity columnwise copy is the same rows, read
     transposed). Otherwise each expert's group starts at logical row ``starts[e]`` of
     ``storage``, the rows up to the next start holding zero codes (a columnwise block copy of the
-    groups zero-padded to whole blocks)."""
+    groups zero-padded to whole blocks).
+
+    ``scales``: per-tensor-scaled experts (FP8 current scaling: each expert its own amax):
+    FP32 [E], expert e's ``scale_inv``; ``storage`` then holds the codes at scale 1, so its own
+    decode is not the experts' values — expert e's are its rows' decode times ``scales[e]``."""
 
     storage: QuantizedStorage
     starts: Optional[list[int]]
+    scales: Optional[torch.Tensor] = None
 
 
 #: joined copies -> the per-expert tensors cut out of them (one per expert)

@@ -49,17 +49,19 @@ def check_grouped(q, x: torch.Tensor, splits, rowwise: bool, columnwise: bool, w
     if x.is_cuda:
         assert select_quantize_kernel(q, x, rowwise, columnwise) is not None
     with poisoned_outputs(0x7F):
-        got = encode_group_scaled(q, x, splits, rowwise, columnwise, kernel=None if x.is_cuda else True).parts
+        got = encode_group_scaled(q, x, splits, rowwise, columnwise, kernel=None if x.is_cuda else True).parts()
     for e, (part, xe) in enumerate(zip(got, torch.split(x, splits))):
         want = q.copy().reference_encode(xe, rowwise, columnwise)
         assert_storage_bitwise(part, want, f"{what} expert {e} ({xe.shape[0]} rows)")
-        if columnwise:  # its own transpose: a 16-byte aligned view whose rows continue with
-            # zero codes up to a multiple of 16 (the cuBLAS wgrad reads it padded, no copy)
+        if columnwise:  # its own transpose: a 16-byte aligned column slice of the joined
+            # [C, Σ padded m] matrix whose rows continue with zero codes up to a multiple of 16
+            # (the cuBLAS / Triton wgrad reads it padded, no copy)
             col = part.payload("columnwise")["data"]
             m, ld = xe.shape[0], padded_ld(xe.shape[0])
-            assert col.shape == (x.shape[1], m) and col.stride() == (ld, 1) and col.data_ptr() % 16 == 0
+            width = sum(padded_ld(s) for s in splits)
+            assert col.shape == (x.shape[1], m) and col.stride() == (width, 1) and col.data_ptr() % 16 == 0
             assert part.columnwise_zero_tail
-            tail = col.as_strided((x.shape[1], ld), (ld, 1))[:, m:]
+            tail = col.as_strided((x.shape[1], ld), (width, 1))[:, m:]
             assert not tail.view(torch.uint8).any(), f"{what} expert {e}: nonzero row tail"
 
 
@@ -86,7 +88,7 @@ def test_grouped_fp8_nan_expert_gets_scale_one():
     x = grouped_input(splits, 33, torch.bfloat16, specials=False)
     x[7, 3] = float("nan")
     x[14, 0] = float("inf")
-    got = encode_group_scaled(Float8CurrentScalingQuantizer(), x, splits, True, True, kernel=True).parts
+    got = encode_group_scaled(Float8CurrentScalingQuantizer(), x, splits, True, True, kernel=True).parts()
     sinv = torch.stack([p.payload("rowwise")["scale_inv"] for p in got])
     assert sinv[1] == 1 and sinv[2] == 1 and sinv[0] != 1
     check_grouped(Float8CurrentScalingQuantizer(), x, splits, True, True, "nan/inf experts")

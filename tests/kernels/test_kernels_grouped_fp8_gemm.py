@@ -278,3 +278,50 @@ def test_moe_shapes_vs_fp64_cuda(layout, ffn):
     assert err - ideal <= GPU_EXCESS
     if layout == "NT":
         assert torch.equal(out[1], torch.zeros_like(out[1]))  # the empty expert
+
+
+# ---------------------------------------------------------------------------- joined copies, CPU
+@interpreter_only
+@pytest.mark.parametrize("out_features", [48, 40], ids=["N=48", "N=40"])
+def test_fp8_step_on_joined_copies(out_features, monkeypatch):
+    """FP8 current scaling (E4M3 x and W, E5M2 dy): x, dy and the stacked weights come as joined
+    copies with per-expert scales (``quantizers.grouped._scaled_group``); with the Triton paths
+    on (as on CUDA from 16 experts; forced here, in the interpreter) all three GEMMs run on them
+    (``grouped_fp8.run_joined``) and no per-expert tensor is built. Against the same step on the
+    per-expert lists (the exact emulation per expert on the CPU): FP32 weight gradients at FP32
+    accumulation level (relative 1e-6), the FP32 output and input gradient too. N=40: the
+    weights' columnwise blocks are padded to 48 (dgrad reads 40 of each)."""
+    from hybridfp import CustomRecipe, GroupedLinear, autocast, factories
+    from hybridfp.gemm import grouped, grouped_triton
+    from hybridfp.quantizers import grouped as qgrouped
+    splits, hidden = [0, 19, 45, 1, 33, 16], 32
+    built: list[int] = []
+    real_cut = qgrouped._cut_scaled
+    monkeypatch.setattr(qgrouped, "_cut_scaled", lambda *a: built.append(len(a[1])) or real_cut(*a))
+
+    def step(m):
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(sum(splits), hidden, generator=g).requires_grad_()
+        dy = torch.randn(sum(splits), out_features, generator=g)
+        with autocast(recipe=CustomRecipe(qfactory=factories.current_scaling)):
+            y = m(x, splits)
+        y.backward(dy)
+        return [y.detach(), x.grad] + [p.grad for p in m.parameters()]
+
+    torch.manual_seed(1)
+    m = GroupedLinear(len(splits), hidden, out_features, bias=False, params_dtype=torch.float32)
+    import copy
+    fresh = copy.deepcopy(m)
+    monkeypatch.setattr(grouped_triton, "VERIFIED_ON", frozenset({"cpu"}))
+    before = PATH_COUNTS.copy()
+    got = step(m)
+    assert (PATH_COUNTS - before) == {(g, GROUPED_FP8_TRITON): 1 for g in ("fprop", "dgrad", "wgrad")}
+    assert built == [], built
+    monkeypatch.setattr(grouped_triton, "VERIFIED_ON", frozenset())
+    want = step(fresh)
+    assert built, "the reference step runs on the per-expert tensors"
+    for i, (a, b) in enumerate(zip(got, want)):
+        if b.norm() == 0:  # an expert without tokens
+            assert torch.equal(a, b), i
+        else:
+            assert _rel(a, b) < 1e-6, (i, _rel(a, b))

@@ -117,26 +117,31 @@ def test_64_experts_run_on_joined_copies(name, monkeypatch):
         assert_bitwise(got[2][n], want[2][n], f"{name} {n}.grad")
 
 
-def test_64_experts_fp8_backward_on_triton_fp8_grouped(monkeypatch):
-    """At 64 experts the FP8-current step runs dgrad (E5M2 dy) and wgrad as one Triton FP8
-    grouped GEMM each (gemm/grouped_fp8.py), fprop on torch._scaled_grouped_mm. Against the
-    same step with per-expert cuBLAS for those two: the output is bitwise equal (same fprop
-    path), the gradients differ only by the FP8 MMA's accumulation (both promote to FP32 every
-    K block): relative norm difference below 1e-3 (a wrong scale or expert would be O(1); BF16
-    rounding flips alone give ~1e-4)."""
+def test_64_experts_fp8_on_joined_copies_and_triton_fp8_grouped(monkeypatch):
+    """At 64 experts the FP8-current step holds x, dy and the stacked weights as joined copies
+    with per-expert scales and runs all three GEMMs on them as one Triton FP8 grouped GEMM each
+    (gemm/grouped_fp8.py), building no per-expert tensor. Against the same step with per-expert
+    cuBLAS GEMMs on the per-expert tensors: output and gradients differ only by the FP8 MMA's
+    accumulation order (both promote to FP32 every K block): relative norm difference below
+    1e-3 (a wrong scale, expert or block would be O(1); BF16 rounding flips alone give ~1e-4);
+    an expert without tokens gets the same zero gradient."""
     from hybridfp.gemm import grouped as g
+    from hybridfp.quantizers import grouped as qg
+    built: list[int] = []
+    real_cut = qg._cut_scaled
+    monkeypatch.setattr(qg, "_cut_scaled", lambda *a: built.append(len(a[1])) or real_cut(*a))
     torch.manual_seed(1)
     m = GroupedLinear(64, HIDDEN, FFN, bias=False, params_dtype=torch.bfloat16, device="cuda")
     fresh = copy.deepcopy(m)
     before = Counter(g.PATH_COUNTS)
     got = cuda_step(m, FACTORIES["current_scaling"], SPLITS64)
     paths = Counter(g.PATH_COUNTS) - before
-    assert paths == Counter({("fprop", "grouped_fp8_rowwise"): 1, ("dgrad", "grouped_fp8_triton"): 1,
-                             ("wgrad", "grouped_fp8_triton"): 1}), paths
+    assert paths == Counter({(gemm, "grouped_fp8_triton"): 1 for gemm in ("fprop", "dgrad", "wgrad")}), paths
+    assert built == [], built
     per_expert_gemms(monkeypatch)
     want = cuda_step(fresh, FACTORIES["current_scaling"], SPLITS64)
-    assert_bitwise(got[0], want[0], "output")
-    pairs = [("input grad", got[1], want[1])] + [(f"{n}.grad", got[2][n], want[2][n]) for n in want[2]]
+    pairs = [("output", got[0], want[0]), ("input grad", got[1], want[1])]
+    pairs += [(f"{n}.grad", got[2][n], want[2][n]) for n in want[2]]
     for what, a, b in pairs:
         if b.float().norm() == 0:  # an expert without tokens: zero gradient on both paths
             assert_bitwise(a, b, what)

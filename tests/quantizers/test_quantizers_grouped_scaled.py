@@ -18,6 +18,7 @@ from hybridfp.quantizers import (Float8CurrentScalingQuantizer, Float8Quantizer,
 from hybridfp.quantizers import grouped as qgrouped
 from hybridfp.quantizers.grouped import BOTH, ROWS, group_scaled_mode, quantize_grouped
 from hybridfp.recipes import QuantizerRole
+from hybridfp.tensors.expert_tensors import ExpertTensors
 from hybridfp.tensors.storage import COLUMNWISE, DIRECTIONS, ROWWISE
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -91,19 +92,28 @@ def test_fp8_current_grouped_bitwise(config, specials, usage):
 
 def test_fp8_current_shares_one_encoding():
     """Rowwise copies are adjacent row slices of one buffer; columnwise copies are each expert's
-    own [K, m_e] transpose, 16-byte aligned views into one buffer (no per-expert copy) with row
-    stride m_e rounded up to 16 and zero tails (``columnwise_zero_tail``); both copies of an
-    expert share one scale_inv tensor, as the quantizer's own storage does."""
+    own [K, m_e] transpose, 16-byte aligned column slices of one [K, Σ padded m] matrix (no
+    per-expert copy), each continuing with zero codes to m_e rounded up to 16 (``columnwise_zero_tail``); both copies of an
+    expert share one scale_inv tensor, as the quantizer's own storage does. The experts come
+    as an ``ExpertTensors`` (every expert keeps both copies): the joined copies, each expert's
+    scale_inv in ``scales``."""
     x = data()
     qs = [Float8CurrentScalingQuantizer() for _ in SPLITS]
-    got = [t.qstorage for t in quantize_grouped(qs, x, SPLITS)]
+    experts = quantize_grouped(qs, x, SPLITS)
+    assert isinstance(experts, ExpertTensors) and not experts.materialized
+    width = sum(-(-m // 16) * 16 for m in SPLITS)
+    cols = experts.joined(COLUMNWISE)
+    assert cols.storage.payload(COLUMNWISE)["data"].shape == (x.shape[1], width)
+    assert cols.starts == [sum(-(-m // 16) * 16 for m in SPLITS[:e]) for e in range(len(SPLITS))]
+    assert experts.joined(ROWWISE).scales is cols.scales and cols.scales.shape == (len(SPLITS),)
+    got = [t.qstorage for t in experts]
     row0, col0 = got[0].payload(ROWWISE)["data"], got[0].payload(COLUMNWISE)["data"]
     for s in got:
         row, col = s.payload(ROWWISE), s.payload(COLUMNWISE)
         assert row["data"].untyped_storage().data_ptr() == row0.untyped_storage().data_ptr()
         assert col["data"].untyped_storage().data_ptr() == col0.untyped_storage().data_ptr()
         m = s.shape[0]
-        assert col["data"].stride() == (-(-m // 16) * 16, 1) and s.columnwise_zero_tail
+        assert col["data"].stride() == (width, 1) and s.columnwise_zero_tail
         assert col["data"].data_ptr() % 16 == 0 and row["scale_inv"] is col["scale_inv"]
         assert col["data"].data_ptr() % 16 == 0  # cuBLAS reads 16-byte aligned operands
 
