@@ -17,9 +17,19 @@ import torch
 from bench.common import bench_ms, require_cuda
 
 
+#: (m, n, k, width of the buffer the strided operands are column slices of): a 64-expert wgrad
+#: (ffn 1408) and the 8-expert layer's fc1 / fc2 wgrads (ffn 14336, ~4096 tokens per expert)
+SHAPES = [(4096, 2816, 512, 32768), (28672, 4096, 4096, 32896), (4096, 14336, 4096, 32896)]
+
+
 def main() -> None:
     require_cuda()
-    m, n, k, wide = 4096, 2816, 512, 32768
+    for m, n, k, wide in SHAPES:
+        print(f"[{m}, {k}] x [{n}, {k}] in rows of {wide}:")
+        _case(m, n, k, wide)
+
+
+def _case(m: int, n: int, k: int, wide: int) -> None:
     one = torch.ones((), device="cuda")
     a_buf = (torch.randn(m, wide, device="cuda") * 4).to(torch.float8_e5m2)
     b_buf = (torch.randn(n, wide, device="cuda") * 4).to(torch.float8_e4m3fn)
@@ -31,9 +41,9 @@ def main() -> None:
         try:
             got = torch._scaled_mm(x, y.t(), one, one, out_dtype=torch.bfloat16)
             t = bench_ms(lambda: torch._scaled_mm(x, y.t(), one, one, out_dtype=torch.bfloat16), 50, 200)
-            print(f"{name}: ran, {t:.3f} ms vs contiguous {t_c:.3f} ms, bitwise equal: {torch.equal(got, want)}")
+            print(f"  {name}: ran, {t:.3f} ms vs contiguous {t_c:.3f} ms, bitwise equal: {torch.equal(got, want)}")
         except Exception as e:  # noqa: BLE001 - the question is whether it raises
-            print(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+            print(f"  {name}: {type(e).__name__}: {str(e)[:200]}")
 
 
 if __name__ == "__main__":
