@@ -39,7 +39,7 @@ def main(argv=None) -> None:
     args = parser(__doc__.splitlines()[0]).parse_args(argv)
     require_cuda()
     from hybridfp.kernels.triton_grouped_fp8 import group_amax, quantize
-    from hybridfp.quantizers.grouped_scaled import _block_offsets, _row_groups, padded_ld
+    from hybridfp.quantizers.grouped_scaled import _row_groups, column_starts, padded_ld
 
     rows_out = []
     for r, c, e in ([(4096, 1024, 8)] if args.quick else SHAPES):
@@ -47,13 +47,13 @@ def main(argv=None) -> None:
         splits = splits_for(r, e)
         group = _row_groups(splits, x.device)
         lds = [padded_ld(m) for m in splits]
-        offs, total = _block_offsets([c * ld for ld in lds], 1)
+        starts, width = column_starts(splits)  # the joined [c, width] columnwise matrix
         amax = group_amax(x, group, e)
         n = r * c
         t_amax = bench_ms(lambda: group_amax(x, group, e))
         row = {"shape": f"{r}x{c}, {e} experts", "amax ms": t_amax, "amax x copy": copy_ms(2 * n) / t_amax}
-        t = bench_ms(lambda: quantize(x, amax, splits, torch.float8_e4m3fn, col_offsets=offs, col_lds=lds,
-                                      col_numel=total))
+        t = bench_ms(lambda: quantize(x, amax, splits, torch.float8_e4m3fn, col_offsets=starts, col_lds=lds,
+                                      col_numel=c * width, col_stride=width))
         row["cast row+col ms"] = t
         row["cast x copy"] = copy_ms(4 * n) / t  # 2 bytes read, 1 + 1 written
         rows_out.append(row)

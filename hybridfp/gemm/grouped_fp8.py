@@ -8,6 +8,13 @@ small enough that the per-expert loop is host-bound (``grouped.per_expert_fp8_fa
 no), on CUDA from ``grouped_triton.MANY_EXPERTS`` experts on, or when the caller forces the
 Triton paths (``use_triton=True``; the CPU tests, in the interpreter).
 
+Experts held as joined copies (``ExpertTensors`` of FP8 current scaling: rows [Σm, C], columns
+one [C, Σ padded m] matrix, each expert's ``scale_inv`` in ``JoinedCopy.scales``) take all three
+GEMMs here, fprop included (:func:`run_joined`, called by ``grouped._run_joined``): nothing is
+built per expert. On the H200 (bench_moe, 64 experts x ffn 1408) that took the FP8-current MoE
+step from 0.29x to 0.45x of BF16 ``torch._grouped_mm`` (the per-expert objects were most of its
+host time).
+
 Numerics: the FP8 MMA with its partial sums promoted to FP32 every 128 products (SPEC §1's
 Hopper exception, as cuBLAS without fast accumulation), each expert's ``scale_inv`` pair
 applied in an FP32 epilogue with its bias, one rounding — what the per-expert cuBLAS path
@@ -34,8 +41,9 @@ GROUPED_FP8_TRITON = "grouped_fp8_triton"
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: FP8 tensor cores through Triton: Ada / Hopper and later (the interpreter: anywhere).
 _MIN_CAPABILITY = (8, 9)
-#: Whether fprop / dgrad of E4M3 pairs take this path instead of ``torch._scaled_grouped_mm``
-#: (path 2). A measuring switch (``bench_moe``'s "[FP8 Triton grouped everywhere]" row).
+#: Whether fprop / dgrad of E4M3 pairs given as per-expert lists take this path instead of
+#: ``torch._scaled_grouped_mm`` (path 2). A measuring switch (``bench_moe``'s "[FP8 Triton
+#: grouped everywhere]" row; joined copies take this path for every GEMM regardless).
 OVER_SCALED_GROUPED_MM: bool = False
 
 

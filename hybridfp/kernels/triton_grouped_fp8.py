@@ -13,10 +13,13 @@ quantize_grouped``'s layout). Two passes:
   scale from its amax (``_common.current_scale``), ``fp8(clamp(x * scale))`` by
   ``_common.fp8_encode``, and ``scale_inv = 1 / scale`` per group (IEEE division). The rowwise
   data is [R, C]; the columnwise data is each group's own transpose [C, m_e], written at a
-  given element offset of one flat buffer with a given row stride ``ld_e`` (m_e <= ld_e <= m_e
-  rounded up to 16; the caller starts each block 16-byte aligned, as cuBLAS reads its
-  operands) — so every expert's columnwise copy is a view, ready for a per-expert TN GEMM, not
-  a column slice of a [C, R] transpose that would need a copy. A tile's rows start at a
+  given element offset of one flat buffer with a given row stride (its own ``ld_e``, or one
+  ``col_stride`` for all: the groups' transposes side by side as column blocks of one [C, W]
+  matrix, ``quantizers.grouped_scaled``'s joined layout), each block ``ld_e`` wide (m_e <=
+  ld_e <= m_e rounded up to 16; the caller starts each block 16-byte aligned, as cuBLAS reads
+  its operands) — so every expert's columnwise copy is a view, ready for a per-expert TN GEMM
+  (``torch._scaled_mm`` reads a row stride above the width as it is) or the grouped FP8
+  GEMM. A tile's rows start at a
   multiple of its height within its group, so four rows go as one 32-bit word when the strides
   and offsets are multiples of 4 (as ``triton_fp8_tensorwise``), and the group's last tile
   writes zero codes for rows m_e .. ld_e - 1: the [C, ld_e] block is then the copy zero-padded

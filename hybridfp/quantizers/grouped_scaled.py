@@ -106,17 +106,6 @@ def _segment_amax(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
 _BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _block_offsets(sizes: Sequence[int], element_size: int) -> tuple[list[int], int]:
-    """(start of each block, total) in elements for blocks laid end to end, each starting 16-byte
-    aligned: cuBLAS reads its operand pointers 16-byte aligned, as a fresh tensor is."""
-    align = max(16 // element_size, 1)
-    starts, at = [], 0
-    for n in sizes:
-        starts.append(at)
-        at += ceil_div(n, align) * align
-    return starts, at
-
-
 def _column_matrix(t: torch.Tensor, widths: Sequence[int], starts: Sequence[int], stride: int) -> torch.Tensor:
     """Column groups of ``t`` [K, W] (``widths[e]`` columns each, in order) placed at columns
     ``starts[e]`` of one zero-initialized [K, stride] matrix, written by one scatter (columns

@@ -70,10 +70,10 @@ class QuantizedStorage(Dim0Slicing, ABC):
     #: break that promise; ``gemm.joined.joined_columns`` reads it.
     columnwise_zero_padded: bool = False
     #: True when each row of every columnwise payload tensor continues in memory with zero
-    #: codes up to its row stride (``quantizers.grouped_scaled``'s FP8 experts, each transpose
-    #: [C, m_e] in a [C, m_e rounded up to 16] block): the copy zero-padded along its reduction
-    #: is a view, which the cuBLAS FP8 wgrad reads instead of making a padded copy. Kept by
-    #: ``with_tensors`` only, like ``columnwise_zero_padded``.
+    #: codes up to its width rounded up to 16 (``quantizers.grouped_scaled``'s FP8 experts,
+    #: each transpose [C, m_e] a column slice of one [C, Σ padded m] matrix): the copy
+    #: zero-padded along its reduction is a view, which the FP8 wgrads read instead of making
+    #: a padded copy. Kept by ``with_tensors`` only, like ``columnwise_zero_padded``.
     columnwise_zero_tail: bool = False
 
     def __init_subclass__(cls, **kwargs: object) -> None:
