@@ -168,7 +168,9 @@ def _run_joined(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: st
     (``grouped_joined.py``) when ``_torch_path``'s rules give it for them, decided once on the
     joined storages (one format per operand, so one answer for every expert); FP8 per-expert
     scaled copies on the Triton FP8 grouped GEMM (``grouped_fp8.run_joined``) when
-    ``_fp8_joined_path`` takes them. None: the per-expert code decides."""
+    ``_fp8_joined_path`` takes them; an fprop with an epilogue factor on the Triton grouped
+    GEMM (``grouped_triton.run_joined``) where ``grouped_path`` would take it. None: the
+    per-expert code decides."""
     if not (isinstance(A, ExpertTensors) and isinstance(B, ExpertTensors)) or len(A) != len(B):
         return None
     da, db = LAYOUTS[layout]
@@ -184,10 +186,16 @@ def _run_joined(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: st
     # run_joined checks the experts' own dims
     path, _ = _torch_path([ja.storage.part(da)], [jb.storage.part(db)], layout, out_dtype, has_bias,
                           grouped_mm is not None)
-    if path != GROUPED_BF16:
-        return None
-    out = run_joined(ja, jb, A.splits, B.splits, layout, grouped_mm or torch_grouped_mm)
-    return None if out is None else (out, GROUPED_BF16)
+    if path == GROUPED_BF16:
+        out = run_joined(ja, jb, A.splits, B.splits, layout, grouped_mm or torch_grouped_mm)
+        return None if out is None else (out, GROUPED_BF16)
+    if (path == PER_EXPERT and layout == "TN" and grouped_triton.enabled(ja.storage.device, use_triton, len(A))
+            and grouped_triton.unsupported([ja.storage], [jb.storage], layout, out_dtype, False) is None):
+        # an epilogue factor / bias / FP32 output on joined rows (Composer-2's fprop): the Triton
+        # grouped GEMM straight on them, as grouped_path would choose for the experts' views
+        out = grouped_triton.run_joined(ja, jb, A.splits, B.splits, layout, out_dtype, biases)
+        return None if out is None else (out, GROUPED_TRITON)
+    return None
 
 
 def _fp8_joined_path(A: ExpertTensors, B: ExpertTensors, ja: JoinedCopy, jb: JoinedCopy, layout: str,

@@ -37,6 +37,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..quantizers.grouped import padded_row_index
+from ..tensors.expert_tensors import JoinedCopy
 from ..tensors.storage import QuantizedStorage
 from .bf16_decode import HAVE_TRITON, bf16_exact_reason, decode_bf16, decode_bf16_joined
 from .gemm import LAYOUTS
@@ -205,3 +206,39 @@ def _run_reduction(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage
         scale_a=None if scale_a is None else scale_a.reshape(len(sa), m),
         scale_b=None if scale_b is None else scale_b.reshape(len(sb), n))
     return list(out.unbind(0))
+
+
+def run_joined(ja: JoinedCopy, jb: JoinedCopy, splits_a: Sequence[int], splits_b: Sequence[int], layout: str,
+               out_dtype: torch.dtype, biases: Optional[Sequence[Optional[torch.Tensor]]] = None
+               ) -> Optional[torch.Tensor]:
+    """fprop on two ``ExpertTensors``' joined rowwise copies (x's, its groups at ``ja.starts``
+    if padded; the stacked weights', N rows per expert), computing what :func:`run` computes on
+    the experts' views without building them: x's span decoded once and its experts' rows
+    gathered, the weights decoded once (cached while unchanged) with their per-row epilogue
+    scales (a row-scaled joined copy holds each expert's global scale on its rows). None where
+    the copies do not pair up (dgrad / wgrad, uneven weights, a one-sided RHT)."""
+    if layout != "TN" or len(set(splits_b)) != 1 or ja.scales is not None or jb.scales is not None:
+        return None
+    experts, n = len(splits_a), splits_b[0]
+    if jb.starts is not None and jb.starts != [e * n for e in range(experts)]:
+        return None  # padding between the experts' weights: not one [E, n, k] operand
+    device = ja.storage.device
+    whole_a = decode_bf16(ja.storage, "rowwise")
+    whole_b = decode_bf16(jb.storage, "rowwise", cache=True)
+    if whole_a.rht != whole_b.rht or whole_a.values.shape[1] != whole_b.values.shape[1] or n == 0:
+        return None
+    if any(sc is not None and sc.dim() != 1 for sc in (whole_a.scale, whole_b.scale)):
+        return None  # a per-tensor factor would be one expert's only
+    usable, bias = stacked_bias(biases, n, device)
+    if not usable:
+        return None
+    values, scale_a = whole_a.values, whole_a.scale
+    if ja.starts is not None:  # each expert's rows in the padded span
+        index = padded_row_index(splits_a, ja.starts, device)
+        values = values.index_select(0, index)
+        scale_a = None if scale_a is None else scale_a.index_select(0, index)
+    mat_b = whole_b.values.contiguous()
+    scale_b = None if whole_b.scale is None else whole_b.scale.to(torch.float32).reshape(experts, n)
+    return _kernels().grouped_rows(
+        values, mat_b.view(experts, n, mat_b.shape[1]), list(splits_a), out_dtype=out_dtype, bias=bias,
+        scale_a=None if scale_a is None else scale_a.to(torch.float32).contiguous(), scale_b=scale_b)

@@ -50,8 +50,9 @@ from .hybrid import HybridQuantizer
 from .identity import IdentityQuantizer
 from .mxfp8 import MXFP8Quantizer
 from .nvfp4 import NVFP4Quantizer
-from .grouped_scaled import (BOTH, ROWS, Fp8Joined, GroupScaled, _offsets, encode_group_scaled, fp8_parts,
-                             fused_nvfp4_mxfp8_supported, group_scaled_mode, nvfp4_mxfp8_groups)
+from .grouped_scaled import (BOTH, ROWS, Fp8Joined, GroupScaled, HybridGroups, _offsets, encode_group_scaled,
+                             expert_nvfp4_rows, fp8_parts, fused_nvfp4_mxfp8_supported, group_scaled_mode,
+                             nvfp4_mxfp8_groups)
 
 #: How a quantizer's rowwise copy relates to its rows: ``SEPARATE`` — row-local, and the
 #: columnwise copy is a separate encoding; ``SHARED`` — row-local, and both copies are the same
@@ -425,10 +426,13 @@ def _quantize_planned(quantizers: Sequence[Optional[Quantizer]], plan: _Plan, x:
         # NVFP4 (per-expert global amax) -> MXFP8 from the rowwise value: one fused kernel pass
         # over the zero-padded groups writes both copies (no FP32 dequantized copy in memory)
         padded, col_starts = pad_row_groups(x, splits, plan.col_block)
-        own, cols = nvfp4_mxfp8_groups(used[0], padded, splits, col_starts)
+        hg = nvfp4_mxfp8_groups(used[0], padded, splits, col_starts)
+        group = _scaled_hybrid_group(quantizers, splits, hg, col_starts, x.dtype)
+        if group is not None:
+            return group
         own_rows = [_rebuild(p, p.payloads[ROWWISE], None, _rowwise_child(q).label, m) if q is not None else None
-                    for q, p, m in zip(quantizers, own, splits)]
-        return _assemble(quantizers, x, splits, None, cols, col_starts, own_rows)
+                    for q, p, m in zip(quantizers, hg.rows, splits)]
+        return _assemble(quantizers, x, splits, None, hg.cols, col_starts, own_rows)
     if (plan.row_q is not None and plan.col_q is plan.row_q and not plan.scaled
             and not any(_derives_columnwise(q) for q in used)):
         # one plain quantizer for both copies of padded groups: one encode of x writes its
@@ -570,6 +574,53 @@ def _hybrid_group(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[in
             return None
         joined[COLUMNWISE] = JoinedCopy(cols, list(col_starts))
     return ExpertTensors(splits, joined, partial(_cut_hybrids, qs, list(splits), dtype))
+
+
+def _scaled_hybrid_group(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[int], hg: HybridGroups,
+                         starts: list[int], dtype: torch.dtype) -> Optional[ExpertTensors]:
+    """``_hybrid_group`` for ``nvfp4_mxfp8_groups``' experts (NVFP4 with each expert's global
+    amax -> MXFP8; Composer-2's weights): the rowwise joined copy is the padded groups' codes as
+    one row-scaled NVFP4 storage (each row with its expert's amax), the columnwise one the
+    shared MXFP8 copy; the per-expert tensors (``_cut_scaled_hybrids``) are the storages the
+    per-expert path builds: plain 1D NVFP4 rows with the expert's own amax. None unless every
+    expert is a hybrid of one usage reading its rows."""
+    qs = list(quantizers)
+    if not qs or sum(splits) == 0 or any(not isinstance(q, HybridQuantizer) for q in qs):
+        return None
+    usage = {(q.rowwise_usage, q.columnwise_usage) for q in qs}
+    if len(usage) > 1:
+        return None
+    rowwise, columnwise = usage.pop()
+    if not rowwise:
+        return None
+    joined = {ROWWISE: JoinedCopy(hg.whole_rows, list(starts))}
+    if columnwise:
+        joined[COLUMNWISE] = JoinedCopy(hg.cols, list(starts))
+    return ExpertTensors(splits, joined, partial(_cut_scaled_hybrids, qs, list(splits), dtype))
+
+
+def _cut_scaled_hybrids(qs: list[Quantizer], splits: list[int], dtype: torch.dtype,
+                        joined: dict[str, JoinedCopy]) -> list[QuantizedTensor]:
+    """The per-expert hybrid tensors of ``_scaled_hybrid_group``'s joined copies: rows as plain
+    1D NVFP4 with the expert's amax (its rows' amax in the row-scaled joined copy; 0 for an
+    expert without rows, as the segmented amax gives), columns as ``_cut_hybrids`` cuts them."""
+    rows, cols = joined[ROWWISE], joined.get(COLUMNWISE)
+    whole = rows.storage
+    p = whole.payload(ROWWISE)
+    zero = p["amax"].new_zeros(())
+    amax = torch.stack([p["amax"][s] if m else zero for s, m in zip(rows.starts, splits)])
+    row_parts = expert_nvfp4_rows(p["data"], p["scale"], amax, splits, rows.starts, whole.cols, whole.dtype,
+                                  {**whole.meta, "row_scaled": False})
+    col_pl = _column_payloads(cols.storage, cols.starts, splits, True) if cols is not None else None
+    out: list[QuantizedTensor] = []
+    for e, (q, m, row_part) in enumerate(zip(qs, splits, row_parts)):
+        row_part.label = q.rowwise_quantizer.label
+        col_part = None
+        if cols is not None:
+            col_part = _rebuild(cols.storage, None, col_pl[e], q.columnwise_quantizer.label, m)
+            col_part.columnwise_zero_padded = True  # slices of the zero-padded groups
+        out.append(QuantizedTensor(HybridStorage(torch.Size((m, whole.cols)), dtype, row_part, col_part, label=q.label), q))
+    return out
 
 
 def _cut_hybrids(qs: list[Quantizer], splits: list[int], dtype: torch.dtype,

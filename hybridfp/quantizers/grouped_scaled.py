@@ -244,8 +244,20 @@ def _nvfp4_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], rowwise:
     return GroupScaled(parts, rows_fp32)
 
 
+class HybridGroups(NamedTuple):
+    """:func:`nvfp4_mxfp8_groups`' result: each expert's NVFP4 rowwise storage (row slices, its
+    own amax), the shared MXFP8 columnwise storage of the padded groups, the padded groups'
+    rowwise copy as one row-scaled NVFP4 storage (each row with its expert's amax: the joined
+    copy the experts' rows are slices of) and the experts' amax (FP32 [E])."""
+
+    rows: list[QuantizedStorage]
+    cols: QuantizedStorage
+    whole_rows: QuantizedStorage
+    amax: torch.Tensor
+
+
 def nvfp4_mxfp8_groups(hq: Quantizer, padded: torch.Tensor, splits: Sequence[int], starts: Sequence[int]
-                       ) -> tuple[list[QuantizedStorage], QuantizedStorage]:
+                       ) -> HybridGroups:
     """A Hybrid(NVFP4 1D with a global amax, MXFP8 1D, "rowwise_dequantized") on every row
     group, from the groups zero-padded to 32 rows (``padded``, group e at row ``starts[e]``):
     one segmented amax and ONE fused kernel pass (``kernels.triton_hybrid_nvfp4``, row-scaled
@@ -266,11 +278,20 @@ def nvfp4_mxfp8_groups(hq: Quantizer, padded: torch.Tensor, splits: Sequence[int
             padded, amax[group], cq.dtype, rule=cq.scale_rule, rowwise=True, columnwise=True,
             source="rowwise_dequantized")
     meta = rq.storage_meta()
-    rows = [NVFP4Storage(torch.Size((m, cols)), padded.dtype,
-                         {"data": row[0][s:s + m], "scale": row[1][s:s + m], "amax": a}, None, **meta)
-            for m, s, a in zip(splits, starts, amax.unbind(0))]
+    rows = expert_nvfp4_rows(row[0], row[1], amax, splits, starts, cols, padded.dtype, meta)
     whole = MXFP8Storage(padded.shape, torch.float32, None, {"data": col[0], "scale": col[1]}, **cq.storage_meta())
-    return rows, whole
+    whole_rows = NVFP4Storage(padded.shape, padded.dtype, {"data": row[0], "scale": row[1], "amax": amax[group]}, None,
+                              **{**meta, "row_scaled": True})
+    return HybridGroups(rows, whole, whole_rows, amax)
+
+
+def expert_nvfp4_rows(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, splits: Sequence[int],
+                      starts: Sequence[int], cols: int, dtype: torch.dtype, meta: dict) -> list[QuantizedStorage]:
+    """Each expert's 1D NVFP4 rowwise storage ([m_e, cols], its own global ``amax[e]``) as row
+    slices of the padded groups' codes and block scales (group e from row ``starts[e]``)."""
+    return [NVFP4Storage(torch.Size((m, cols)), dtype, {"data": data[s:s + m], "scale": scale[s:s + m], "amax": a},
+                         None, **meta)
+            for m, s, a in zip(splits, starts, amax.unbind(0))]
 
 
 def fused_nvfp4_mxfp8_supported(hq: Quantizer, x: torch.Tensor) -> bool:

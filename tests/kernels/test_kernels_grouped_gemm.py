@@ -314,3 +314,56 @@ def test_grouped_fprop_decodes_shared_encodings_once(monkeypatch):
 def test_grouped_fprop_decodes_shared_encodings_once_gpu(monkeypatch):
     """The same at the MoE benchmark's expert shape on the GPU."""
     _check_fprop_decodes_once("cuda", monkeypatch)
+
+
+# ---------------------------------------------------------------------------- joined copies, CPU
+@interpreter_only
+@pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # empty experts' amax 0
+def test_composer2_step_on_joined_copies(monkeypatch):
+    """Composer-2 (row-scaled NVFP4 x, NVFP4 weights with each expert's global amax, MXFP8
+    backward): x and the stacked weights come as joined copies (the weights' rows one row-scaled
+    NVFP4 storage: ``quantizers.grouped._scaled_hybrid_group``), so fprop runs the Triton
+    grouped GEMM on them (``grouped_triton.run_joined``) and dgrad / wgrad the grouped BF16 path,
+    no per-expert tensor built; bitwise the step whose GEMMs take the per-expert lists (the
+    same kernels on the same decoded operands)."""
+    import copy
+
+    from hybridfp import CustomRecipe, GroupedLinear, autocast, factories
+    from hybridfp.gemm import grouped, grouped_triton
+    from hybridfp.quantizers import fast as qfast
+    from hybridfp.quantizers import grouped as qgrouped
+    monkeypatch.setattr(qfast, "_device_ok", lambda *a: True)  # the kernel routes, interpreted
+    monkeypatch.setattr(grouped, "_grouped_mm_device", lambda device: True)  # path 1 on the CPU
+    monkeypatch.setattr(grouped_triton, "VERIFIED_ON", frozenset({"cpu"}))
+    built: list[str] = []
+    for name in ("_cut_hybrids", "_cut_scaled_hybrids", "_cut_experts"):
+        real = getattr(qgrouped, name)
+        monkeypatch.setattr(qgrouped, name, lambda *a, _n=name, _r=real: built.append(_n) or _r(*a))
+    splits, hidden, out = [0, 19, 45, 1, 33], 64, 64
+
+    def step(m):
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(sum(splits), hidden, generator=g).bfloat16().requires_grad_()
+        dy = torch.randn(sum(splits), out, generator=g).bfloat16()
+        with autocast(recipe=CustomRecipe(qfactory=factories.nvfp4_row_scaled_fwd_mxfp8_bwd)):
+            y = m(x, splits)
+        y.backward(dy)
+        return [y.detach(), x.grad] + [p.grad for p in m.parameters()]
+
+    torch.manual_seed(1)
+    m = GroupedLinear(len(splits), hidden, out, bias=False, params_dtype=torch.bfloat16)
+    fresh = copy.deepcopy(m)
+    before = PATH_COUNTS.copy()
+    got = step(m)
+    assert (PATH_COUNTS - before) == {("fprop", "grouped_triton"): 1, ("dgrad", "grouped_bf16"): 1,
+                                      ("wgrad", "grouped_bf16"): 1}
+    assert built == [], built
+    with monkeypatch.context() as mp:
+        mp.setattr(grouped, "_run_joined", lambda *a: None)  # the per-expert-list code
+        before = PATH_COUNTS.copy()
+        want = step(fresh)
+        assert (PATH_COUNTS - before) == {("fprop", "grouped_triton"): 1, ("dgrad", "grouped_bf16"): 1,
+                                          ("wgrad", "grouped_bf16"): 1}
+    assert built, "the reference step builds the per-expert tensors"
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), i
