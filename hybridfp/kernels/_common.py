@@ -560,3 +560,15 @@ def global_amax(x2: torch.Tensor, *, block: tuple[int, int] = (64, 128)) -> torc
     amax_kernel[grid](kernel_input(x2), out, rows, cols, x2.stride(0), x2.stride(1),
                       DTYPE=DTYPE_CODE[x2.dtype], BR=br, BC=bc, num_warps=8)
     return out.view(torch.float32)
+
+
+@triton.jit
+def swizzled_tile(pid, T, N, BN: tl.constexpr, GROUP: tl.constexpr):
+    """(row tile t of a T-entry tile table, column tile j) of program ``pid`` in a grid of
+    T x cdiv(N, BN) programs, swizzled: GROUP consecutive row tiles sweep the column tiles
+    together, so a wave's operands stay in L2 (the grouped GEMMs)."""
+    per_group = GROUP * tl.cdiv(N, BN)
+    first = (pid // per_group) * GROUP
+    size = tl.minimum(T - first, GROUP)
+    return first + (pid % per_group) % size, (pid % per_group) // size
+

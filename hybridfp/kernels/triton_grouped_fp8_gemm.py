@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import bf16_nan16
+from ._common import bf16_nan16, swizzled_tile
 from .host import device_tensor
 from .triton_decode import _fp8_f32
 from .triton_epilogue import OUT_CODE, store_out
@@ -56,14 +56,8 @@ def _kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, meta_ptr, tiles_ptr
             BIAS: tl.constexpr, OUT: tl.constexpr, NAN16: tl.constexpr, CODES: tl.constexpr,
             E5A: tl.constexpr, E5B: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
             ALIGN: tl.constexpr, GROUP: tl.constexpr, PROMOTE: tl.constexpr):
-    # one program per (row tile t of the table, column tile j), GROUP row tiles sweeping the
-    # column tiles together so that a wave's operands stay in L2
-    pid = tl.program_id(0)
-    per_group = GROUP * tl.cdiv(N, BN)
-    first = (pid // per_group) * GROUP
-    size = tl.minimum(T - first, GROUP)
-    t = first + (pid % per_group) % size
-    j = (pid % per_group) // size
+    # one program per (row tile t of the table, column tile j), swizzled for L2 reuse
+    t, j = swizzled_tile(tl.program_id(0), T, N, BN, GROUP)
     e = tl.load(tiles_ptr + t * 3)
     r0 = tl.load(tiles_ptr + t * 3 + 1)
     r1 = tl.load(tiles_ptr + t * 3 + 2)

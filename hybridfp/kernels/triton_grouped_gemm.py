@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import bf16_nan16, empty
+from ._common import bf16_nan16, empty, swizzled_tile
 from .host import device_tensor
 from .triton_epilogue import OUT_CODE, store_out
 
@@ -54,14 +54,8 @@ def _grouped_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, tiles_ptr, 
                     SA: tl.constexpr, SB: tl.constexpr, BIAS: tl.constexpr, OUT: tl.constexpr,
                     NAN16: tl.constexpr, BITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, KALIGN: tl.constexpr, GROUP: tl.constexpr):
-    # one program per (row tile t of the table, column tile j), swizzled: GROUP consecutive row
-    # tiles run over the column tiles together, so a wave's operands stay in L2
-    pid = tl.program_id(0)
-    per_group = GROUP * tl.cdiv(N, BN)
-    first = (pid // per_group) * GROUP
-    size = tl.minimum(T - first, GROUP)
-    t = first + (pid % per_group) % size
-    j = (pid % per_group) // size
+    # one program per (row tile t of the table, column tile j), swizzled for L2 reuse
+    t, j = swizzled_tile(tl.program_id(0), T, N, BN, GROUP)
     # tile table row: expert, first row, end row, first k, end k
     e = tl.load(tiles_ptr + t * 5)
     r0 = tl.load(tiles_ptr + t * 5 + 1)

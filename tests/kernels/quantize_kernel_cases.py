@@ -244,3 +244,17 @@ def check_gpu(q, x: torch.Tensor, rowwise: bool = True, columnwise: bool = True)
             got = q.encode(x, rowwise, columnwise, seed)
     torch.cuda.synchronize()
     assert_storage_bitwise(got, want, f"{q!r} {tuple(x.shape)} {x.dtype}")
+
+
+def moe_step(m, splits: list[int], factory, dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
+    """One GroupedLinear forward + backward under ``factory``'s recipe on fixed random x / dy
+    (CPU, ``dtype``): [output, input grad, parameter grads...]."""
+    from hybridfp import CustomRecipe, autocast
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(sum(splits), m.in_features, generator=g).to(dtype).requires_grad_()
+    dy = torch.randn(sum(splits), m.out_features, generator=g).to(dtype)
+    with autocast(recipe=CustomRecipe(qfactory=factory)):
+        y = m(x, splits)
+    y.backward(dy)
+    return [y.detach(), x.grad] + [p.grad for p in m.parameters()]
+

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quantize_kernel_cases import gpu, interpreter_only
+from quantize_kernel_cases import gpu, interpreter_only, moe_step
 
 import hybridfp
 from hybridfp.gemm import gemm, grouped_gemm
@@ -291,8 +291,10 @@ def test_fp8_step_on_joined_copies(out_features, monkeypatch):
     per-expert lists (the exact emulation per expert on the CPU): FP32 weight gradients at FP32
     accumulation level (relative 1e-6), the FP32 output and input gradient too. N=40: the
     weights' columnwise blocks are padded to 48 (dgrad reads 40 of each)."""
-    from hybridfp import CustomRecipe, GroupedLinear, autocast, factories
-    from hybridfp.gemm import grouped, grouped_triton
+    import copy
+
+    from hybridfp import GroupedLinear, factories
+    from hybridfp.gemm import grouped_triton
     from hybridfp.quantizers import grouped as qgrouped
     splits, hidden = [0, 19, 45, 1, 33, 16], 32
     built: list[int] = []
@@ -300,17 +302,10 @@ def test_fp8_step_on_joined_copies(out_features, monkeypatch):
     monkeypatch.setattr(qgrouped, "_cut_scaled", lambda *a: built.append(len(a[1])) or real_cut(*a))
 
     def step(m):
-        g = torch.Generator().manual_seed(3)
-        x = torch.randn(sum(splits), hidden, generator=g).requires_grad_()
-        dy = torch.randn(sum(splits), out_features, generator=g)
-        with autocast(recipe=CustomRecipe(qfactory=factories.current_scaling)):
-            y = m(x, splits)
-        y.backward(dy)
-        return [y.detach(), x.grad] + [p.grad for p in m.parameters()]
+        return moe_step(m, splits, factories.current_scaling, torch.float32)
 
     torch.manual_seed(1)
     m = GroupedLinear(len(splits), hidden, out_features, bias=False, params_dtype=torch.float32)
-    import copy
     fresh = copy.deepcopy(m)
     monkeypatch.setattr(grouped_triton, "VERIFIED_ON", frozenset({"cpu"}))
     before = PATH_COUNTS.copy()

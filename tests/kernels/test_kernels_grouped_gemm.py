@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quantize_kernel_cases import gpu, interpreter_only
+from quantize_kernel_cases import gpu, interpreter_only, moe_step
 
 import hybridfp
 from hybridfp.gemm import gemm, grouped_gemm
@@ -328,7 +328,7 @@ def test_composer2_step_on_joined_copies(monkeypatch):
     same kernels on the same decoded operands)."""
     import copy
 
-    from hybridfp import CustomRecipe, GroupedLinear, autocast, factories
+    from hybridfp import GroupedLinear, factories
     from hybridfp.gemm import grouped, grouped_triton
     from hybridfp.quantizers import fast as qfast
     from hybridfp.quantizers import grouped as qgrouped
@@ -342,13 +342,7 @@ def test_composer2_step_on_joined_copies(monkeypatch):
     splits, hidden, out = [0, 19, 45, 1, 33], 64, 64
 
     def step(m):
-        g = torch.Generator().manual_seed(3)
-        x = torch.randn(sum(splits), hidden, generator=g).bfloat16().requires_grad_()
-        dy = torch.randn(sum(splits), out, generator=g).bfloat16()
-        with autocast(recipe=CustomRecipe(qfactory=factories.nvfp4_row_scaled_fwd_mxfp8_bwd)):
-            y = m(x, splits)
-        y.backward(dy)
-        return [y.detach(), x.grad] + [p.grad for p in m.parameters()]
+        return moe_step(m, splits, factories.nvfp4_row_scaled_fwd_mxfp8_bwd)
 
     torch.manual_seed(1)
     m = GroupedLinear(len(splits), hidden, out, bias=False, params_dtype=torch.bfloat16)
