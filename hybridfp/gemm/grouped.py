@@ -204,7 +204,7 @@ def _fp8_joined_path(A: ExpertTensors, B: ExpertTensors, ja: JoinedCopy, jb: Joi
     GEMMs, fprop included (the joined lane builds nothing per expert): the Triton paths on
     (``grouped_triton.enabled``), small experts (``per_expert_fp8_faster`` says no: large ones
     run faster on cuBLAS per expert, the experts cut out of the joined copies) and FP8 tensor
-    cores (``grouped_fp8.unsupported``)."""
+    cores where verified (``grouped_fp8.unsupported``)."""
     if not grouped_triton.enabled(ja.storage.device, use_triton, len(A)):
         return False
     if layout == "NT":
@@ -243,7 +243,7 @@ def _fp8_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], la
               out_dtype: torch.dtype, path: str, why: str, ms: Optional[Sequence[int]]) -> tuple[str, str]:
     """Per-tensor FP8 experts with the Triton paths on: the Triton FP8 grouped GEMM
     (``grouped_fp8.py``) unless path 2 takes them (kept unless ``OVER_SCALED_GROUPED_MM``),
-    the experts are big enough for cuBLAS per expert, or the device lacks FP8 tensor cores."""
+    the experts are big enough for cuBLAS per expert, or the GPU is not one it is verified on."""
     if path == GROUPED_FP8_ROWWISE and not grouped_fp8.OVER_SCALED_GROUPED_MM:
         return path, why
     n, k = _fixed_dims(sa, sb, layout)

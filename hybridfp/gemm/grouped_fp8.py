@@ -39,8 +39,10 @@ from .grouped_triton import stacked_bias
 GROUPED_FP8_TRITON = "grouped_fp8_triton"
 #: output dtypes the kernel writes
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-#: FP8 tensor cores through Triton: Ada / Hopper and later (the interpreter: anywhere).
-_MIN_CAPABILITY = (8, 9)
+#: GPU architectures (compute capability major) where this path is verified: Hopper (the
+#: H200's GPU tests). Ada and Blackwell have FP8 MMA too, with their own accumulation
+#: behaviour: unverified, so they keep cuBLAS per expert. (The interpreter: anywhere.)
+VERIFIED_MAJOR = (9,)
 #: Whether fprop / dgrad of E4M3 pairs given as per-expert lists take this path instead of
 #: ``torch._scaled_grouped_mm`` (path 2). A measuring switch (``bench_moe``'s "[FP8 Triton
 #: grouped everywhere]" row; joined copies take this path for every GEMM regardless).
@@ -62,8 +64,8 @@ def unsupported(sa: Sequence[QuantizedStorage], layout: str, out_dtype: torch.dt
     if out_dtype not in OUT_DTYPES:
         return f"output dtype {out_dtype}"
     device = torch.device(sa[0].device)
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < _MIN_CAPABILITY:
-        return "no FP8 tensor cores on this GPU"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] not in VERIFIED_MAJOR:
+        return f"verified on sm{VERIFIED_MAJOR[0]}x (Hopper) only; cuBLAS per expert elsewhere"
     return None
 
 
@@ -81,7 +83,7 @@ def run(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: 
         m = pa[0]["data"].shape[0]
         a, ks_a = _reduction_operands(sa, pa, da)
         b, ks_b = _reduction_operands(sb, pb, db)
-        ks = [ka if ka == kb else min(ka, kb) for ka, kb in zip(ks_a, ks_b)]
+        ks = [min(ka, kb) for ka, kb in zip(ks_a, ks_b)]  # a zero tail read on one side only adds nothing
         out = torch.empty((len(sa) * m, n), dtype=out_dtype, device=device)
         k = _kernels()
         k.grouped_fp8(a, b, ks, scale_a, scale_b, out, [e * m for e in range(len(sa))], tile=k.WGRAD_TILE)
