@@ -207,13 +207,10 @@ def _fp8_joined_path(A: ExpertTensors, B: ExpertTensors, ja: JoinedCopy, jb: Joi
     cores where verified (``grouped_fp8.unsupported``)."""
     if not grouped_triton.enabled(ja.storage.device, use_triton, len(A)):
         return False
-    if layout == "NT":
-        sizes, fixed = A.splits, (ja.storage.cols, jb.storage.cols)
-    elif layout == "TN":
-        sizes, fixed = A.splits, (B.splits[0], ja.storage.cols)
-    else:
-        sizes, fixed = A.splits, (jb.storage.cols, ja.storage.cols)
-    if per_expert_fp8_faster(sizes, *fixed):
+    # the dims every expert shares: NT (m, n); TN / NN (n, k). A's splits are the varying dim
+    fixed = {"NT": (ja.storage.cols, jb.storage.cols), "TN": (B.splits[0], ja.storage.cols),
+             "NN": (jb.storage.cols, ja.storage.cols)}[layout]
+    if per_expert_fp8_faster(A.splits, *fixed):
         return False
     return grouped_fp8.unsupported([ja.storage], layout, out_dtype) is None
 

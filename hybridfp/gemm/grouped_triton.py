@@ -170,22 +170,33 @@ def _rows_operand(sa: Sequence[QuantizedStorage], da: str, device: torch.device
         return whole.values, _spread([whole.scale], [whole.values.shape[0]], device), [whole.rht] * len(sa)
     span = spanned_rows(sa, da)
     if span is not None:
-        # one decode of the rows spanning the experts' (a padded encode's rowwise copy read at
-        # the groups' padded starts), then one gather of the experts' own rows
-        storage, starts = span
-        whole = decode_bf16(storage, da)
-        if whole.scale is not None and whole.scale.dim() != 1:
-            return None
-        sizes = [s.rows for s in sa]
-        index = padded_row_index(sizes, starts, device)  # each expert's rows in the span
-        scale = None if whole.scale is None else whole.scale.to(torch.float32).index_select(0, index)
-        return whole.values.index_select(0, index), scale, [whole.rht] * len(sa)
+        gathered = _gathered_rows(span[0], da, span[1], [s.rows for s in sa], device)
+        return None if gathered is None else (*gathered[:2], [gathered[2]] * len(sa))
     ops = [decode_bf16(a, da) for a in sa]
     if len({op.values.shape[1] for op in ops}) > 1:
         return None
     sizes = [op.values.shape[0] for op in ops]
     return torch.cat([op.values for op in ops]), _spread([op.scale for op in ops], sizes, device), [op.rht for op in ops]
 
+
+
+def _gathered_rows(storage: QuantizedStorage, direction: str, starts: Optional[Sequence[int]],
+                   sizes: Sequence[int], device: torch.device
+                   ) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor], bool]]:
+    """(the experts' rows [Σ sizes, k] BF16, their scales per row FP32 or None, the RHT flag)
+    from one decode of ``storage`` — rows spanning the experts', expert e's group from row
+    ``starts[e]`` (a padded encode read at the groups' padded starts; None: consecutive) — and
+    one gather of the experts' own rows. None where a per-tensor factor would be one expert's
+    only."""
+    whole = decode_bf16(storage, direction)
+    if whole.scale is not None and whole.scale.dim() != 1:
+        return None
+    values, scale = whole.values, None if whole.scale is None else whole.scale.to(torch.float32)
+    if starts is not None:
+        index = padded_row_index(sizes, starts, device)  # each expert's rows in the span
+        values = values.index_select(0, index)
+        scale = None if scale is None else scale.index_select(0, index)
+    return values, scale, whole.rht
 
 
 def _run_reduction(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], da: str, db: str,
@@ -223,22 +234,16 @@ def run_joined(ja: JoinedCopy, jb: JoinedCopy, splits_a: Sequence[int], splits_b
     if jb.starts is not None and jb.starts != [e * n for e in range(experts)]:
         return None  # padding between the experts' weights: not one [E, n, k] operand
     device = ja.storage.device
-    whole_a = decode_bf16(ja.storage, "rowwise")
+    rows = _gathered_rows(ja.storage, "rowwise", ja.starts, splits_a, device)
     whole_b = decode_bf16(jb.storage, "rowwise", cache=True)
-    if whole_a.rht != whole_b.rht or whole_a.values.shape[1] != whole_b.values.shape[1] or n == 0:
-        return None
-    if any(sc is not None and sc.dim() != 1 for sc in (whole_a.scale, whole_b.scale)):
+    if whole_b.scale is not None and whole_b.scale.dim() != 1:
         return None  # a per-tensor factor would be one expert's only
+    if rows is None or rows[2] != whole_b.rht or rows[0].shape[1] != whole_b.values.shape[1] or n == 0:
+        return None
     usable, bias = stacked_bias(biases, n, device)
     if not usable:
         return None
-    values, scale_a = whole_a.values, whole_a.scale
-    if ja.starts is not None:  # each expert's rows in the padded span
-        index = padded_row_index(splits_a, ja.starts, device)
-        values = values.index_select(0, index)
-        scale_a = None if scale_a is None else scale_a.index_select(0, index)
     mat_b = whole_b.values.contiguous()
     scale_b = None if whole_b.scale is None else whole_b.scale.to(torch.float32).reshape(experts, n)
-    return _kernels().grouped_rows(
-        values, mat_b.view(experts, n, mat_b.shape[1]), list(splits_a), out_dtype=out_dtype, bias=bias,
-        scale_a=None if scale_a is None else scale_a.to(torch.float32).contiguous(), scale_b=scale_b)
+    return _kernels().grouped_rows(rows[0], mat_b.view(experts, n, mat_b.shape[1]), list(splits_a),
+                                   out_dtype=out_dtype, bias=bias, scale_a=rows[1], scale_b=scale_b)

@@ -40,7 +40,7 @@ from ..formats.common import HIGH_PRECISION_DTYPES, ceil_div, check_input
 from ..kernels.host import device_constant, device_tensor
 from ..tensors import Float8Storage, HybridStorage, MXFP8Storage, QuantizedStorage, QuantizedTensor
 from ..tensors.expert_tensors import ExpertTensors, JoinedCopy
-from ..tensors.slicing import adjacent_rows
+from ..tensors.slicing import adjacent_rows, column_slices
 from ..tensors.storage import COLUMNWISE, ROWWISE, Payload
 from . import fast
 from .backends import QUANTIZE_KERNELS, kernels_on, row_mapped_kernel
@@ -816,20 +816,6 @@ def _column_payloads(storage: QuantizedStorage, starts: Sequence[int], splits: S
         axis, div = index[name]
         if axis != 1:
             raise AssertionError(f"{type(storage).__name__} columnwise {name}: expected row index on axis 1")
-        for p, part in zip(out, _column_slices(t, [s // div for s in starts], [ceil_div(m, div) for m in splits])):
+        for p, part in zip(out, column_slices(t, [s // div for s in starts], [ceil_div(m, div) for m in splits])):
             p[name] = part if views else part.contiguous()
     return out
-
-
-def _column_slices(t: torch.Tensor, begins: Sequence[int], widths: Sequence[int]) -> list[torch.Tensor]:
-    """Columns [begin_e, begin_e + width_e) of ``t`` for every e (in order, not overlapping) as
-    views, from one ``split`` over the slices and the gaps between them (one op for all experts
-    instead of a ``narrow`` each)."""
-    sizes, at = [], 0
-    for b, w in zip(begins, widths):
-        sizes += [b - at, w]
-        at = b + w
-    sizes.append(t.shape[1] - at)
-    return list(torch.split(t, sizes, dim=1)[1::2])
-
-

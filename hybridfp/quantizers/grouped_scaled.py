@@ -16,6 +16,7 @@ from ..formats import fp8_tensorwise, nvfp4
 from ..formats.common import amax_nan, ceil_div, saturating_cast_fp8
 from ..kernels.host import device_tensor
 from ..tensors import Float8Storage, MXFP8Storage, NVFP4Storage, QuantizedStorage
+from ..tensors.slicing import column_slices
 from ..tensors.storage import ROWWISE
 from . import fast
 from .backends import kernels_on, select_quantize_kernel
@@ -157,8 +158,7 @@ def fp8_parts(j: Fp8Joined, splits: Sequence[int], dtype: torch.dtype, fp8_dtype
     cols_n = (j.rows if j.rows is not None else j.cols.t()).shape[1]
     sinvs = j.scale_inv.unbind(0)
     rds = torch.split(j.rows, list(splits)) if j.rows is not None else None
-    cds = (torch.split(j.cols, _gaps_and_blocks(splits, j.col_starts, j.cols.shape[1]), dim=1)[1::2]
-           if j.cols is not None else None)
+    cds = column_slices(j.cols, j.col_starts, splits) if j.cols is not None else None
     parts: list[QuantizedStorage] = []
     for e, m in enumerate(splits):
         row = {"data": rds[e], "scale_inv": sinvs[e]} if rds is not None else None
@@ -168,16 +168,6 @@ def fp8_parts(j: Fp8Joined, splits: Sequence[int], dtype: torch.dtype, fp8_dtype
         part.columnwise_zero_tail = col is not None
         parts.append(part)
     return parts
-
-
-def _gaps_and_blocks(splits: Sequence[int], starts: Sequence[int], width: int) -> list[int]:
-    """Split sizes along the joined matrix's columns: gap, block, gap, block, ..., gap (one
-    ``split`` cuts every expert's columns as views)."""
-    sizes, at = [], 0
-    for s, m in zip(starts, splits):
-        sizes += [s - at, m]
-        at = s + m
-    return sizes + [width - at]
 
 
 def _fp8_current_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], rowwise: bool,

@@ -144,3 +144,15 @@ def adjacent_rows(ts: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
         strides.insert(0, step)
         step *= max(d, 1)
     return t0.as_strided(size, strides, t0.storage_offset())
+
+
+def column_slices(t: torch.Tensor, begins: Sequence[int], widths: Sequence[int]) -> list[torch.Tensor]:
+    """Columns [begin_e, begin_e + width_e) of 2D ``t`` for every e (in order, not overlapping)
+    as views, from one ``split`` over the slices and the gaps between them (one op for all MoE
+    experts instead of a ``narrow`` each)."""
+    sizes, at = [], 0
+    for b, w in zip(begins, widths):
+        sizes += [b - at, w]
+        at = b + w
+    sizes.append(t.shape[1] - at)
+    return list(torch.split(t, sizes, dim=1)[1::2])
