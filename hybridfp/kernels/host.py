@@ -31,6 +31,14 @@ def device_tensor(values: Values, device: Union[torch.device, str], dtype: torch
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
+def to_device(t: torch.Tensor, device: Union[torch.device, str]) -> torch.Tensor:
+    """Host tensor ``t`` on ``device`` without a host-device sync (as :func:`device_tensor`)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @lru_cache(maxsize=None)
 def _constant(values: tuple, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return device_tensor(list(values), device, dtype)
