@@ -51,7 +51,7 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 GROUP_M = 8
 #: Per-expert fields of the kernel's metadata: A offset, A row stride, B offset, B row stride,
 #: K, first output row, rows (M_e).
-_FIELDS = 7
+_FIELDS = tl.constexpr(7)
 
 
 @triton.jit
