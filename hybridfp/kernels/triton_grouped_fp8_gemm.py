@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ._common import bf16_nan16, expert_row_tile, swizzled_tile
-from .host import to_device
+from .host import tile_plan, to_device
 from .triton_decode import _fp8_f32
 from .triton_epilogue import OUT_CODE, store_out
 
@@ -49,7 +49,7 @@ PROMOTE = 128
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: Row tiles that sweep the column tiles together (L2 swizzle, as triton_grouped_gemm).
 GROUP_M = 8
-#: Per-expert fields of the kernel's metadata: A offset, A row stride, B offset, B row stride,
+#: Per-expert fields of the kernel's metadata (after the E + 1 row tile prefix sums): A offset, A row stride, B offset, B row stride,
 #: K, first output row, rows (M_e).
 _FIELDS = tl.constexpr(7)
 
@@ -60,7 +60,7 @@ def _kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, meta_ptr, T, N, E,
             E5A: tl.constexpr, E5B: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
             ALIGN: tl.constexpr, GROUP: tl.constexpr, PROMOTE: tl.constexpr, EP: tl.constexpr):
     # one program per (row tile t, column tile j), swizzled for L2 reuse; row tile t's expert
-    # from the tile-count prefix sums at the start of meta (see _plan)
+    # from the tile-count prefix sums at the start of meta (host.tile_plan)
     t, j = swizzled_tile(tl.program_id(0), T, N, BN, GROUP)
     e, te = expert_row_tile(meta_ptr, t, E, EP)
     # A offset, A row stride, B offset, B row stride, K, out row, rows
@@ -246,21 +246,12 @@ def _check_common(experts: int, out: torch.Tensor, scale_a: torch.Tensor, scale_
     return n
 
 
-def _plan(meta: torch.Tensor, bm: int) -> tuple[torch.Tensor, int]:
-    """The kernel's metadata (int64, host): the experts' row tile prefix sums [E + 1] then their
-    ``_FIELDS`` per-expert fields (``meta`` [E, 7]); and T, the number of row tiles."""
-    counts = (meta[:, 6] + (bm - 1)) // bm
-    firsts = torch.zeros(meta.shape[0] + 1, dtype=torch.int64)
-    torch.cumsum(counts, 0, out=firsts[1:])
-    return torch.cat([firsts, meta.reshape(-1)]), int(firsts[-1])
-
-
 def _launch(base_a: torch.Tensor, base_b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
             bias: Optional[torch.Tensor], out: torch.Tensor, meta: torch.Tensor, n: int,
             tile: tuple[int, int, int, int, int], promote: int, group_m: int, align: int) -> torch.Tensor:
     bm, bn, bk, warps, stages = tile
     experts = meta.shape[0]
-    packed, row_tiles = _plan(meta, bm)
+    packed, row_tiles = tile_plan(meta[:, 6], meta, bm)
     if row_tiles == 0 or n == 0:
         return out
     device = out.device
