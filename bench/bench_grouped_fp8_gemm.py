@@ -6,7 +6,7 @@ BF16 operands of the same shape (the MoE benchmark's baseline). Tiles swept; ``p
 (no FP32 promotion: fast accumulation, not used by hybridfp) shows what the promotion costs.
 Median ms (do_bench, L2 flushed) and TFLOP/s.
 
-    python -m bench.bench_grouped_fp8_gemm [--out results.json] [--quick: default tile only]
+    python -m bench.bench_grouped_fp8_gemm [--out results.json] [--quick: default tile only] [--wgrad]
 """
 
 from __future__ import annotations
@@ -25,6 +25,12 @@ HIDDEN, FFN, ROWS, EXPERTS = 4096, 1408, 32768, 64
 TILES = [((128, 128, 128, 8, 4), 8, 128), ((128, 128, 128, 8, 4), 8, 1 << 30), ((128, 256, 128, 8, 3), 8, 128),
          ((128, 128, 128, 4, 4), 8, 128), ((128, 128, 64, 4, 5), 8, 64), ((64, 128, 128, 4, 4), 8, 128),
          ((128, 64, 128, 4, 4), 8, 128), ((128, 128, 128, 8, 3), 1, 128)]
+#: ``--wgrad``: the reduction-grouped GEMMs only (short K loops: each expert's few hundred
+#: tokens), over shallower / smaller tiles that let more programs share an SM
+WGRAD_TILES = [((128, 128, 64, 4, 5), 8, 64), ((128, 128, 64, 4, 3), 8, 64), ((128, 128, 64, 4, 4), 8, 64),
+               ((64, 128, 64, 4, 4), 8, 64), ((128, 64, 64, 4, 4), 8, 64), ((128, 128, 32, 4, 6), 8, 32),
+               ((128, 256, 64, 8, 3), 8, 64), ((256, 128, 64, 8, 3), 8, 64), ((128, 128, 64, 8, 4), 8, 64),
+               ((128, 128, 64, 4, 5), 16, 64), ((128, 128, 64, 4, 5), 2, 64), ((64, 64, 64, 4, 4), 8, 64)]
 
 
 def _fp8(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -62,13 +68,15 @@ def _cublas_loop(c: dict[str, Any], sa: torch.Tensor, sb: torch.Tensor) -> Calla
     return run
 
 
-def run(tiles: list[tuple[tuple[int, int, int, int, int], int, int]]) -> list[dict[str, Any]]:
+def run(tiles: list[tuple[tuple[int, int, int, int, int], int, int]], only: str = "") -> list[dict[str, Any]]:
     from hybridfp.kernels import triton_grouped_fp8_gemm as tk
     splits = splits_for(ROWS, EXPERTS)
     rows: list[dict[str, Any]] = []
     sa = torch.rand(EXPERTS, device="cuda") + 0.5
     sb = torch.rand(EXPERTS, device="cuda") + 0.5
     for name, c in _cases(splits):
+        if only not in name:
+            continue
         flop = 2.0 * c["m"] * c["n"] * c["k"] if c["rows"] else 2.0 * EXPERTS * c["m"] * c["n"] * (c["k"] / EXPERTS)
         out_rows = [sum(splits[:i]) for i in range(EXPERTS)] if c["rows"] else [i * c["m"] for i in range(EXPERTS)]
         out = torch.empty((c["m"] if c["rows"] else EXPERTS * c["m"], c["n"]), device="cuda", dtype=torch.bfloat16)
@@ -104,11 +112,13 @@ def run(tiles: list[tuple[tuple[int, int, int, int, int], int, int]]) -> list[di
 
 def main(argv: Optional[list[str]] = None) -> None:
     p = parser(__doc__.splitlines()[0])
+    p.add_argument("--wgrad", action="store_true", help="the wgrad GEMMs only, over WGRAD_TILES")
     args = p.parse_args(argv)
     require_cuda()
     columns = [("GEMM", "gemm"), ("variant", "variant"), ("ms", "ms"), ("TFLOP/s", "tflops"),
                ("x cuBLAS loop", "vs_cublas")]
-    finish_rows("grouped_fp8_gemm", columns, run(TILES[:1] if args.quick else TILES), args.out)
+    finish_rows("grouped_fp8_gemm", columns, run(WGRAD_TILES if args.wgrad else TILES[:1] if args.quick else TILES,
+                                                       "wgrad" if args.wgrad else ""), args.out)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from triton.compiler import ASTSource
 
 #: arguments specialised as divisible by 16 where a kernel has them (the last line: the grouped GEMM's)
 _DIV = ("x_ptr", "rd_ptr", "rs_ptr", "cd_ptr", "cs_ptr", "R", "C", "sxr",
-        "a_ptr", "b_ptr", "sa_ptr", "sb_ptr", "bias_ptr", "out_ptr", "tiles_ptr", "N", "sam", "sbe", "sbn", "soe",
+        "a_ptr", "b_ptr", "sa_ptr", "sb_ptr", "bias_ptr", "out_ptr", "meta_ptr", "N", "sam", "sbe", "sbn", "soe",
         "som")
 _NV_SIG = dict(x_ptr="*i16", ramax_ptr="*fp32", camax_ptr="*fp32", rd_ptr="*u8", rs_ptr="*u8", cd_ptr="*u8",
                cs_ptr="*u8", R="i32", C="i32", sxr="i32", RCP6="fp32", rk0="i32", rk1="i32", ck0="i32", ck1="i32")
@@ -98,9 +98,9 @@ CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
     **{f"grouped gemm (128, 128, 64) KALIGN {ka}": (
         "triton_grouped_gemm", "_grouped_kernel",
         dict(a_ptr="*bf16", b_ptr="*bf16", sa_ptr="*fp32", sb_ptr="*fp32", bias_ptr="*fp32", out_ptr="*i16",
-             tiles_ptr="*i32", N="i32", sam="i32", sbe="i32", sbn="i32", sa_e="i32", soe="i32", som="i32"),
+             meta_ptr="*i64", T="i32", N="i32", E="i32", sam="i32", sbe="i32", sbn="i32", sa_e="i32", soe="i32", som="i32"),
         dict(sak=1, sbk=1, SA=True, SB=True, BIAS=False, OUT=0, NAN16=0x7FC0, BITS=False, BM=128, BN=128, BK=64,
-             KALIGN=ka), 64, 8) for ka in (1, 8)},
+             KALIGN=ka, GROUP=16, EP=128), 64, 8) for ka in (1, 8)},
 }
 
 

@@ -140,29 +140,28 @@ def run_joined(ja: JoinedCopy, jb: JoinedCopy, splits_a: Sequence[int], splits_b
         ends = ja.starts[1:] + [width]
         ks = [e - s for s, e in zip(ja.starts, ends)]  # each block: its tokens, then zero codes
         out = torch.empty((experts * n_rows, k_rows), dtype=out_dtype, device=a.device)
-        k.grouped_fp8_at(a, b, [n_rows] * experts, ja.starts, [width] * experts, jb.starts, [width] * experts, ks,
-                         sa, sb, out, [e * n_rows for e in range(experts)], tile=k.WGRAD_TILE)
+        k.grouped_fp8_at(a, b, n_rows, ja.starts, width, jb.starts, width, ks, sa, sb, out,
+                         torch.arange(experts) * n_rows, tile=k.WGRAD_TILE)
         return list(out.view(experts, n_rows, k_rows).unbind(0))
     if ja.starts is not None:
         return None
     usable, bias = stacked_bias(biases, _width(jb, db, splits_b), a.device)
     if not usable:
         return None
-    ms, red = list(splits_a), a.shape[1]
-    starts = [sum(ms[:e]) for e in range(experts)]
+    ms, red = torch.tensor(splits_a, dtype=torch.int64), a.shape[1]
+    starts = torch.cumsum(ms, 0) - ms
     if db == "rowwise":  # fprop: the stacked weights' rows, expert e's N rows from row e*N
         if jb.starts is not None or len(set(splits_b)) != 1 or b.shape[1] != red:
             return None
         n = splits_b[0]
-        b_offs, b_ld = [e * n * red for e in range(experts)], red
+        b_offs, b_ld = torch.arange(experts) * (n * red), red
     else:  # dgrad: the weights' columnwise matrix [K, width], expert e's N columns at starts[e]
         if jb.starts is None or any(m != red for m in splits_b):
             return None
         n, b_ld = b.shape[0], b.shape[1]
-        b_offs = list(jb.starts)
-    out = torch.empty((sum(ms), n), dtype=out_dtype, device=a.device)
-    return k.grouped_fp8_at(a, b, ms, [s * red for s in starts], [red] * experts, b_offs, [b_ld] * experts,
-                            [red] * experts, sa, sb, out, starts, bias=bias)
+        b_offs = jb.starts
+    out = torch.empty((sum(splits_a), n), dtype=out_dtype, device=a.device)
+    return k.grouped_fp8_at(a, b, ms, starts * red, red, b_offs, b_ld, red, sa, sb, out, starts, bias=bias)
 
 
 def _width(jb: JoinedCopy, direction: str, splits: Sequence[int]) -> int:

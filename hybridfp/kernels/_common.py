@@ -572,3 +572,16 @@ def swizzled_tile(pid, T, N, BN: tl.constexpr, GROUP: tl.constexpr):
     size = tl.minimum(T - first, GROUP)
     return first + (pid % per_group) % size, (pid % per_group) // size
 
+
+
+@triton.jit
+def expert_row_tile(meta_ptr, t, E, EP: tl.constexpr):
+    """(expert e, its row tile index) of row tile ``t`` of a grouped GEMM whose per-expert tile
+    counts are given as the prefix sums ``meta_ptr[0 .. E]`` (non-decreasing, ``meta_ptr[E]`` the
+    total T > t; ``EP`` a power of two > E). One vector load and a count instead of a per-tile
+    table: e is the last expert whose first tile is at or before t (experts without tiles share
+    their neighbour's prefix and are skipped), so the host builds E + 1 numbers, not T rows."""
+    i = tl.arange(0, EP)
+    firsts = tl.load(meta_ptr + i, mask=i <= E, other=t + 1)
+    e = tl.sum((firsts <= t).to(tl.int32), 0) - 1
+    return e, t - tl.load(meta_ptr + e)

@@ -31,6 +31,14 @@ def device_tensor(values: Values, device: Union[torch.device, str], dtype: torch
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
+def to_device(t: torch.Tensor, device: Union[torch.device, str]) -> torch.Tensor:
+    """Host tensor ``t`` on ``device`` without a host-device sync (as :func:`device_tensor`)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @lru_cache(maxsize=None)
 def _constant(values: tuple, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return device_tensor(list(values), device, dtype)
@@ -41,3 +49,14 @@ def device_constant(values: Sequence[float], device: Union[torch.device, str], d
     """A constant table (e.g. the E2M1 values, the RHT signs) on ``device``, copied once per
     (values, device, dtype) and shared afterwards: callers must not write to it."""
     return _constant(tuple(values), torch.device(device), dtype)
+
+
+def tile_plan(rows: torch.Tensor, fields: torch.Tensor, bm: int) -> tuple[torch.Tensor, int]:
+    """Metadata of a grouped GEMM whose programs find their expert themselves
+    (``_common.expert_row_tile``): int64 host tensor of the experts' row tile prefix sums
+    [E + 1] (expert e gets ceil(rows[e] / bm) row tiles) followed by ``fields`` [E, F]
+    flattened; and T, the number of row tiles. ``rows``: [E] int64 (0: no program)."""
+    firsts = torch.zeros(rows.shape[0] + 1, dtype=torch.int64)
+    torch.cumsum((rows + (bm - 1)) // bm, 0, out=firsts[1:])
+    return torch.cat([firsts, fields.reshape(-1)]), int(firsts[-1])
+

@@ -8,7 +8,7 @@ quantize_grouped``'s layout). Two passes:
   one atomic max of the amax bits when all its rows are one group (the common case: groups of
   hundreds of rows), else one per row. Also serves NVFP4's per-expert global amax.
 - :func:`quantize` (FP8 current scaling, SPEC §2.1): tiles that never straddle two groups (one
-  program per row tile of each group, the group found by a binary search over the groups' tile
+  program per row tile of each group, the group found from the prefix sums of the groups' tile
   counts, so each tile has one scale and uneven groups launch no idle programs) — the group's
   scale from its amax (``_common.current_scale``), ``fp8(clamp(x * scale))`` by
   ``_common.fp8_encode``, and ``scale_inv = 1 / scale`` per group (IEEE division). The rowwise
@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (DTYPE_CODE, amax_bits, amax_nan, check_int32_tiles, current_scale, empty, f32,
+from ._common import (DTYPE_CODE, amax_bits, amax_nan, check_int32_tiles, current_scale, empty, expert_row_tile, f32,
                       fp8_encode, fp8_params, hw_fp8, kernel_input, load_f32, load_tile, store_transposed_rows_u8,
                       tile_offsets)
 from .host import device_tensor
@@ -59,7 +59,12 @@ def _group_amax_kernel(x_ptr, group_ptr, out_ptr, R, C, sxr, sxc: tl.constexpr, 
     if low == first:  # one group in the tile: one atomic instead of BR
         tl.atomic_max(out_ptr + first, amax_bits(amax_nan(row, 0)))
     else:
-        tl.atomic_max(out_ptr + g, amax_bits(row), mask=rmask)
+        # a tile across a group boundary: one atomic for each of its first and last groups
+        # (every row's own atomic on the same few addresses serialized: 64 experts' amax ran at
+        # half the speed of 8 experts'), per row only for groups wholly inside the tile
+        tl.atomic_max(out_ptr + low, amax_bits(amax_nan(tl.where(g == low, row, 0.0), 0)))
+        tl.atomic_max(out_ptr + first, amax_bits(amax_nan(tl.where(g == first, row, 0.0), 0)))
+        tl.atomic_max(out_ptr + g, amax_bits(row), mask=rmask & (g > low) & (g < first))
 
 
 def group_amax(x2: torch.Tensor, row_group: torch.Tensor, groups: int, *,
@@ -82,10 +87,10 @@ def _grouped_fp8_kernel(x_ptr, amax_ptr, meta_ptr, rd_ptr, cd_ptr, sinv_ptr, C, 
                         COL: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
                         FP8_MAX: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr,
                         BC: tl.constexpr, BG: tl.constexpr, HW: tl.constexpr, PACK: tl.constexpr,
-                        ANCHOR: tl.constexpr, SEARCH: tl.constexpr):
+                        ANCHOR: tl.constexpr, GP: tl.constexpr):
     """Row tile t = ``program_id(0) //`` column tiles of all the groups' row tiles laid end to
-    end: its group g is found by binary search in the tiles' prefix sums (``SEARCH`` >=
-    log2(G) steps), so only tiles with rows are launched, however uneven the groups. Rows
+    end: its group g is found from the tiles' prefix sums (``_common.expert_row_tile``; ``GP``
+    a power of two > G), so only tiles with rows are launched, however uneven the groups. Rows
     scaled by the group's current scale; rowwise codes at [r, c]; columnwise codes at
     ``offset + c * stride + (r - start)`` (the group's own transpose) for every row of the tile
     below ``ld`` — rows past the group's end read as zeros, so the tail up to ``ld`` gets zero
@@ -94,16 +99,11 @@ def _grouped_fp8_kernel(x_ptr, amax_ptr, meta_ptr, rd_ptr, cd_ptr, sinv_ptr, C, 
     pid = tl.program_id(0)
     nc = tl.cdiv(C, BC)
     t, pc = pid // nc, pid % nc
-    cum = meta_ptr + 5 * G
-    lo = t * 0  # the last group whose first tile is <= t (empty groups are skipped over)
-    hi = lo + G
-    for _ in tl.static_range(SEARCH):
-        mid = (lo + hi) // 2
-        go = tl.load(cum + mid).to(tl.int32) <= t
-        lo = tl.where(go, mid, lo)
-        hi = tl.where(go, hi, mid)
-    g = lo
-    l0 = (t - tl.load(cum + g).to(tl.int32)) * BR
+    # the last group whose first tile is <= t (empty groups are skipped over): one vector load of
+    # the prefix sums instead of a binary search's log2(G) dependent loads (H200, 32768 x 4096 in
+    # 64 groups: 0.289 -> 0.206 ms, now about as fast as 8 groups' 0.185)
+    g, gt = expert_row_tile(meta_ptr + 5 * G, t, G, GP)
+    l0 = gt.to(tl.int32) * BR
     m = tl.load(meta_ptr + G + g).to(tl.int32)
     r0 = tl.load(meta_ptr + g).to(tl.int32) + l0
     c0 = pc * BC
@@ -205,6 +205,6 @@ def quantize(x2: torch.Tensor, amax: torch.Tensor, splits: Sequence[int], dtype:
         rd.view(torch.uint8) if rowwise else dummy, cd.view(torch.uint8) if columnwise else dummy, sinv,
         cols, groups, x2.stride(0), x2.stride(1), f32(eps), POW2=power_2_scale, ROW=rowwise,
         COL=columnwise, MBITS=mbits, BIAS=bias, FP8_MAX=fmax, DTYPE=DTYPE_CODE[x2.dtype], BR=br, BC=bc,
-        BG=128, HW=hw_fp8(dev), PACK=pack, ANCHOR=not rowwise, SEARCH=max(groups, 1).bit_length(),
+        BG=128, HW=hw_fp8(dev), PACK=pack, ANCHOR=not rowwise, GP=triton.next_power_of_2(groups + 1),
         num_warps=num_warps or 8)
     return rd, cd, sinv[:, 0]

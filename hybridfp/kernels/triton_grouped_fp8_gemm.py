@@ -26,14 +26,14 @@ in FP32 (``CODES``): the same products, the FP32 accumulation the MMA's promotio
 from __future__ import annotations
 
 from math import gcd
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import bf16_nan16, swizzled_tile
-from .host import device_tensor
+from ._common import bf16_nan16, expert_row_tile, swizzled_tile
+from .host import tile_plan, to_device
 from .triton_decode import _fp8_f32
 from .triton_epilogue import OUT_CODE, store_out
 
@@ -41,27 +41,32 @@ from .triton_epilogue import OUT_CODE, store_out
 #: bench_grouped_fp8_gemm's sweep at the 64-expert MoE shapes (session 15).
 TILE = (128, 128, 128, 8, 4)
 #: wgrad (reduction grouped: each expert's reduction is its few hundred tokens, so a program's
-#: K loop is short): a shallower K step and a deeper pipeline ran 10 % faster there.
-WGRAD_TILE = (128, 128, 64, 4, 5)
+#: K loop is short): a shallower K step and pipeline ran faster there — (128, 128, 64) / 4 warps /
+#: 3 stages 1.84 / 0.94 ms at the 64-expert fc1 / fc2 wgrad against 1.95 / 1.01 with 5 stages
+#: and 2.14 / 1.12 with TILE (bench_grouped_fp8_gemm --wgrad, session 16; 12 tiles swept)
+WGRAD_TILE = (128, 128, 64, 4, 3)
 #: K elements the FP8 MMA sums before its partial sum is added to the FP32 accumulator (at most
 #: one BK step; cuBLAS and DeepGEMM promote every 128 as well). Measured free on the H200.
 PROMOTE = 128
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: Row tiles that sweep the column tiles together (L2 swizzle, as triton_grouped_gemm).
 GROUP_M = 8
+#: Per-expert fields of the kernel's metadata (after the E + 1 row tile prefix sums): A offset, A row stride, B offset, B row stride,
+#: K, first output row, rows (M_e).
+_FIELDS = tl.constexpr(7)
 
 
 @triton.jit
-def _kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, meta_ptr, tiles_ptr, T, N,
+def _kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, meta_ptr, T, N, E,
             BIAS: tl.constexpr, OUT: tl.constexpr, NAN16: tl.constexpr, CODES: tl.constexpr,
             E5A: tl.constexpr, E5B: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-            ALIGN: tl.constexpr, GROUP: tl.constexpr, PROMOTE: tl.constexpr):
-    # one program per (row tile t of the table, column tile j), swizzled for L2 reuse
+            ALIGN: tl.constexpr, GROUP: tl.constexpr, PROMOTE: tl.constexpr, EP: tl.constexpr):
+    # one program per (row tile t, column tile j), swizzled for L2 reuse; row tile t's expert
+    # from the tile-count prefix sums at the start of meta (host.tile_plan)
     t, j = swizzled_tile(tl.program_id(0), T, N, BN, GROUP)
-    e = tl.load(tiles_ptr + t * 3)
-    r0 = tl.load(tiles_ptr + t * 3 + 1)
-    r1 = tl.load(tiles_ptr + t * 3 + 2)
-    meta = meta_ptr + e.to(tl.int64) * 6  # A offset, A row stride, B offset, B row stride, K, out row
+    e, te = expert_row_tile(meta_ptr, t, E, EP)
+    # A offset, A row stride, B offset, B row stride, K, out row, rows
+    meta = meta_ptr + (E + 1) + e.to(tl.int64) * _FIELDS
     # ALIGN (host-checked) divides every offset, stride and K: lets the compiler prove 16-byte
     # vector loads and cp.async pipelining on FP8 rows
     a_off = tl.multiple_of(tl.load(meta), ALIGN)
@@ -70,9 +75,9 @@ def _kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, meta_ptr, tiles_ptr
     b_ld = tl.multiple_of(tl.load(meta + 3), ALIGN)
     k_e = tl.multiple_of(tl.load(meta + 4), ALIGN)
     o_row = tl.load(meta + 5)
-    rows = r0 + tl.arange(0, BM)
+    rows = te * BM + tl.arange(0, BM)
     cols = j * BN + tl.arange(0, BN)
-    rmask, cmask = rows < r1, cols < N
+    rmask, cmask = rows < tl.load(meta + 6), cols < N
     kk = tl.arange(0, BK)
     a_ptrs = a_ptr + a_off + rows.to(tl.int64)[:, None] * a_ld + kk[None, :]
     b_ptrs = b_ptr + b_off + cols.to(tl.int64)[None, :] * b_ld + kk[:, None]
@@ -128,11 +133,10 @@ def grouped_fp8(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ks: Sequen
     n = _check_common(experts, out, scale_a, scale_b, bias)
     if len({t.dtype for t in a}) > 1 or len({t.dtype for t in b}) > 1:
         raise ValueError("grouped FP8 GEMM: every expert's A (and every B) must have the same FP8 dtype.")
-    bm = tile[0]
     pa, pb = a[0].data_ptr(), b[0].data_ptr()
-    # one pass over the experts (at 64 experts this loop is most of the launch's host time):
-    # per expert its offsets from the first expert's pointers and strides, and its row tiles
-    meta, tiles, align, rows_out = [], [], 16, out.shape[0]
+    # one pass over the views (their pointers and strides are only known one by one): per
+    # expert its offsets from the first expert's pointers, strides, K, output row and rows
+    meta, align, rows_out = [], 16, out.shape[0]
     for e in range(experts):
         k, o = int(ks[e]), int(out_rows[e])
         m, lda, ptr_a = _operand_row("A", e, a[e], k)
@@ -141,56 +145,84 @@ def grouped_fp8(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ks: Sequen
             raise ValueError(f"grouped FP8 GEMM: B[{e}] has {nb} rows; out has {n} columns.")
         _check_out_rows(e, o, m, rows_out)
         if k and m:
-            row = (ptr_a - pa, lda, ptr_b - pb, ldb, k, o)
-            align = gcd(gcd(gcd(gcd(gcd(align, row[0]), lda), row[2]), ldb), k)
+            meta.append((ptr_a - pa, lda, ptr_b - pb, ldb, k, o, m))
+            align = gcd(gcd(gcd(gcd(gcd(align, ptr_a - pa), lda), ptr_b - pb), ldb), k)
         else:  # reads nothing: offsets stay 0
-            row = (0, 0, 0, 0, 0, o)
-        meta.append(row)
-        tiles += [(e, r, min(r + bm, m)) for r in range(0, m, bm)]
+            meta.append((0, 0, 0, 0, 0, o, m))
     align = gcd(gcd(align, pa % 16), pb % 16)
-    if not tiles or n == 0:
-        return out
-    return _launch(a[0], b[0], scale_a, scale_b, bias, out, meta, tiles, n, tile, promote, group_m, align)
+    return _launch(a[0], b[0], scale_a, scale_b, bias, out, torch.tensor(meta, dtype=torch.int64), n, tile,
+                   promote, group_m, align)
 
 
-def grouped_fp8_at(base_a: torch.Tensor, base_b: torch.Tensor, ms: Sequence[int], a_offs: Sequence[int],
-                   a_lds: Sequence[int], b_offs: Sequence[int], b_lds: Sequence[int], ks: Sequence[int],
-                   scale_a: torch.Tensor, scale_b: torch.Tensor, out: torch.Tensor, out_rows: Sequence[int], *,
-                   bias: Optional[torch.Tensor] = None, tile: tuple[int, int, int, int, int] = TILE,
-                   promote: int = PROMOTE, group_m: int = GROUP_M) -> torch.Tensor:
+Ints = Union[int, Sequence[int], torch.Tensor]
+
+
+def grouped_fp8_at(base_a: torch.Tensor, base_b: torch.Tensor, ms: Ints, a_offs: Ints, a_lds: Ints,
+                   b_offs: Ints, b_lds: Ints, ks: Ints, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                   out: torch.Tensor, out_rows: Ints, *, bias: Optional[torch.Tensor] = None,
+                   tile: tuple[int, int, int, int, int] = TILE, promote: int = PROMOTE,
+                   group_m: int = GROUP_M) -> torch.Tensor:
     """:func:`grouped_fp8` with the experts' operands given as places in two contiguous FP8
     tensors (joined copies) instead of views: expert e's A is ``ms[e]`` rows of ``base_a`` from
     element ``a_offs[e]`` with row stride ``a_lds[e]``, its B the N (``out``'s width) rows of
-    ``base_b`` from ``b_offs[e]`` with row stride ``b_lds[e]``, both ``ks[e]`` long. Every
-    expert's extent is checked to lie inside its base."""
-    experts = len(ms)
-    if any(len(v) != experts for v in (a_offs, a_lds, b_offs, b_lds, ks, out_rows)) or experts == 0:
-        raise ValueError("grouped FP8 GEMM: one row count, A / B offset and stride, K and output row per expert.")
+    ``base_b`` from ``b_offs[e]`` with row stride ``b_lds[e]``, both ``ks[e]`` long. Each
+    per-expert argument is a sequence of host ints (or a CPU int tensor) with one value per
+    expert (E: ``scale_a``'s length), or one int for all of them. Every expert's extent is checked to lie inside its base.
+
+    The host work is a few vectorized ops on [E] CPU tensors (no per-expert Python loop, no
+    per-tile table): at 64 experts the loop it replaces cost about 0.4 ms a call."""
+    experts = scale_a.numel()  # checked below: scale_a is [E]
+    if experts == 0:
+        raise ValueError("grouped FP8 GEMM: at least one expert (scale_a is empty).")
     n = _check_common(experts, out, scale_a, scale_b, bias)
     for what, t in (("base_a", base_a), ("base_b", base_b)):
         if t.dtype not in _FP8 or not t.is_contiguous():
             raise ValueError(f"grouped FP8 GEMM: {what} must be a contiguous E4M3 / E5M2 tensor; got {t.dtype}, "
                              f"strides {t.stride()}.")
-    bm, la, lb = tile[0], base_a.numel(), base_b.numel()
-    meta, tiles, align, rows_out = [], [], 16, out.shape[0]
-    for e in range(experts):
-        m, k, o = int(ms[e]), int(ks[e]), int(out_rows[e])
-        _check_out_rows(e, o, m, rows_out)
-        if k and m:
-            row = (int(a_offs[e]), int(a_lds[e]), int(b_offs[e]), int(b_lds[e]), k, o)
-            for what, off, ld, r, limit in (("A", row[0], row[1], m, la), ("B", row[2], row[3], n, lb)):
-                if off < 0 or (r > 1 and ld < k) or off + (r - 1) * ld + k > limit:
-                    raise ValueError(f"grouped FP8 GEMM: expert {e}'s {what} ({r} rows of {k} from element "
-                                     f"{off}, row stride {ld}) does not lie inside its base of {limit} elements.")
-            align = gcd(gcd(gcd(gcd(gcd(align, row[0]), row[1]), row[2]), row[3]), k)
-        else:
-            row = (0, 0, 0, 0, 0, o)
-        meta.append(row)
-        tiles += [(e, r, min(r + bm, m)) for r in range(0, m, bm)]
-    align = gcd(gcd(align, base_a.data_ptr() % 16), base_b.data_ptr() % 16)
-    if not tiles or n == 0:
-        return out
-    return _launch(base_a, base_b, scale_a, scale_b, bias, out, meta, tiles, n, tile, promote, group_m, align)
+    names = ("ms", "ks", "out_rows", "A offsets", "A row strides", "B offsets", "B row strides")
+    table = torch.tensor([_host_ints(w, v, experts) for w, v in zip(names, (ms, ks, out_rows, a_offs, a_lds, b_offs,
+                                                                             b_lds))], dtype=torch.int64)
+    m, k, o, a_off, a_ld, b_off, b_ld = table.unbind(0)
+    la, lb = base_a.numel(), base_b.numel()
+    # every check in one vector pass; the first failing expert is re-checked one by one for its message
+    active = (k > 0) & (m > 0)
+    bad = (o < 0) | (o + m > out.shape[0]) | (active & (
+        (a_off < 0) | ((m > 1) & (a_ld < k)) | (a_off + (m - 1) * a_ld + k > la)
+        | (b_off < 0) | ((n > 1) & (b_ld < k)) | (b_off + (n - 1) * b_ld + k > lb)))
+    if bad.any():
+        _raise_for(int(bad.nonzero()[0, 0]), table, n, out.shape[0], la, lb)
+    # experts that read nothing keep offsets, strides and K at 0 (their rows still get the
+    # epilogue of zero sums)
+    fields = torch.stack((a_off, a_ld, b_off, b_ld, k), 1) * active[:, None]
+    low = fields.remainder(16)
+    low = torch.where(low > 0, low & -low, 16).min()  # the lowest set bit: gcd(16, ...) of all of them
+    align = gcd(gcd(int(low), base_a.data_ptr() % 16), base_b.data_ptr() % 16)
+    return _launch(base_a, base_b, scale_a, scale_b, bias, out, torch.cat((fields, o[:, None], m[:, None]), 1), n,
+                   tile, promote, group_m, align)
+
+
+def _host_ints(what: str, v: Ints, experts: int) -> list[int]:
+    """``v`` as a list of ``experts`` host ints (one int: the same for every expert)."""
+    if isinstance(v, int):
+        return [v] * experts
+    values = v.tolist() if isinstance(v, torch.Tensor) else list(v)
+    if isinstance(values, int):  # a 0-d tensor
+        return [values] * experts
+    if len(values) != experts:
+        raise ValueError(f"grouped FP8 GEMM: {what} needs one value per expert ({experts}) or one for all; got "
+                         f"{len(values)}.")
+    return values
+
+
+def _raise_for(e: int, table: torch.Tensor, n: int, rows_out: int, la: int, lb: int) -> None:
+    """The error for expert e, which failed ``grouped_fp8_at``'s vector checks."""
+    m, k, o, a_off, a_ld, b_off, b_ld = table[:, e].tolist()
+    _check_out_rows(e, o, m, rows_out)
+    for what, off, ld, r, limit in (("A", a_off, a_ld, m, la), ("B", b_off, b_ld, n, lb)):
+        if off < 0 or (r > 1 and ld < k) or off + (r - 1) * ld + k > limit:
+            raise ValueError(f"grouped FP8 GEMM: expert {e}'s {what} ({r} rows of {k} from element {off}, row "
+                             f"stride {ld}) does not lie inside its base of {limit} elements.")
+    raise AssertionError(f"grouped FP8 GEMM: expert {e} failed a vector check that its own checks pass.")
 
 
 def _check_out_rows(e: int, o: int, m: int, rows_out: int) -> None:
@@ -217,19 +249,22 @@ def _check_common(experts: int, out: torch.Tensor, scale_a: torch.Tensor, scale_
 
 
 def _launch(base_a: torch.Tensor, base_b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-            bias: Optional[torch.Tensor], out: torch.Tensor, meta: list, tiles: list, n: int,
+            bias: Optional[torch.Tensor], out: torch.Tensor, meta: torch.Tensor, n: int,
             tile: tuple[int, int, int, int, int], promote: int, group_m: int, align: int) -> torch.Tensor:
     bm, bn, bk, warps, stages = tile
+    experts = meta.shape[0]
+    packed, row_tiles = tile_plan(meta[:, 6], meta, bm)
+    if row_tiles == 0 or n == 0:
+        return out
     device = out.device
-    meta_t = device_tensor(meta, device, torch.int64)
-    tiles_t = device_tensor(tiles, device, torch.int32)
     codes = not out.is_cuda  # the interpreter (see module docstring)
     aa, bb = (base_a.view(torch.uint8), base_b.view(torch.uint8)) if codes else (base_a, base_b)
     dst = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
-    grid = (len(tiles) * triton.cdiv(n, bn),)
-    _kernel[grid](aa, bb, scale_a, scale_b, bias if bias is not None else scale_a, dst, meta_t, tiles_t,
-                  len(tiles), n, BIAS=bias is not None, OUT=OUT_CODE[out.dtype], NAN16=bf16_nan16(device),
+    grid = (row_tiles * triton.cdiv(n, bn),)
+    _kernel[grid](aa, bb, scale_a, scale_b, bias if bias is not None else scale_a, dst, to_device(packed, device),
+                  row_tiles, n, experts, BIAS=bias is not None, OUT=OUT_CODE[out.dtype], NAN16=bf16_nan16(device),
                   CODES=codes, E5A=base_a.dtype == torch.float8_e5m2, E5B=base_b.dtype == torch.float8_e5m2,
                   BM=bm, BN=bn, BK=bk, ALIGN=align, GROUP=group_m, PROMOTE=min(promote, bk),
-                  num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+                  EP=triton.next_power_of_2(experts + 1), num_warps=warps, num_stages=stages,
+                  enable_fp_fusion=False)
     return out

@@ -10,8 +10,10 @@ stored copies ``out_e[i, j] = Σ_k A_e[i, k] · B_e[j, k]``, in two arrangements
 - reduction grouped (wgrad): ``A`` [M, ΣK_e], ``B`` [N, ΣK_e] (expert e's reduction
   ``[k_e, k_{e+1})``); ``out`` [E, M, N].
 
-A host-built tile table lists, per program, the expert, its row range and its reduction range,
-so zero-size experts get no program. Each program accumulates ``tl.dot`` products in FP32
+The host hands the kernel each expert's row range and reduction range and the prefix sums of
+the experts' row tile counts; each program finds its expert from those (``_common.
+expert_row_tile``), so zero-size experts get no program and the host builds E rows, not one
+per tile. Each program accumulates ``tl.dot`` products in FP32
 (tensor cores; SPEC §1: exact up to accumulation order), then computes exactly what
 ``hybridfp.gemm.emulate`` does after its matmul, in the same FP32 order (FMA contraction off):
 ``v = acc * (sa[i] * sb[j])`` (a missing side is 1), ``v = v + bias[j]``, one rounding to the
@@ -26,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import bf16_nan16, empty, swizzled_tile
-from .host import device_tensor
+from ._common import bf16_nan16, empty, expert_row_tile, swizzled_tile
+from .host import tile_plan, to_device
 from .triton_epilogue import OUT_CODE, store_out
 
 #: (BM, BN, BK, warps, stages): the fastest of bench_grouped_gemm_kernel's sweep on the H200 (s12)
@@ -49,22 +51,24 @@ def _load_bf16(ptrs, mask, BITS: tl.constexpr):
 
 
 @triton.jit
-def _grouped_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, tiles_ptr, T, N,
+def _grouped_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, meta_ptr, T, N, E,
                     sam, sak, sbe, sbn, sbk, sa_e, soe, som,
                     SA: tl.constexpr, SB: tl.constexpr, BIAS: tl.constexpr, OUT: tl.constexpr,
                     NAN16: tl.constexpr, BITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, KALIGN: tl.constexpr, GROUP: tl.constexpr):
-    # one program per (row tile t of the table, column tile j), swizzled for L2 reuse
+                    BK: tl.constexpr, KALIGN: tl.constexpr, GROUP: tl.constexpr, EP: tl.constexpr):
+    # one program per (row tile t, column tile j), swizzled for L2 reuse; row tile t's expert
+    # from the tile-count prefix sums at the start of meta (host.tile_plan)
     t, j = swizzled_tile(tl.program_id(0), T, N, BN, GROUP)
-    # tile table row: expert, first row, end row, first k, end k
-    e = tl.load(tiles_ptr + t * 5)
-    r0 = tl.load(tiles_ptr + t * 5 + 1)
-    r1 = tl.load(tiles_ptr + t * 5 + 2)
+    e, te = expert_row_tile(meta_ptr, t, E, EP)
+    # the expert's first row, end row, first k, end k
+    meta = meta_ptr + (E + 1) + e.to(tl.int64) * 4
+    r0 = tl.load(meta) + te * BM
+    r1 = tl.load(meta + 1)
     # KALIGN: every reduction range starts and ends on a multiple of it (the host checks). The
     # hint is what lets the compiler prove 16-byte aligned, uniformly masked K runs: without it
     # every operand element was its own 2-byte load (no vector loads, no cp.async pipelining)
-    k0 = tl.multiple_of(tl.load(tiles_ptr + t * 5 + 3), KALIGN)
-    k1 = tl.multiple_of(tl.load(tiles_ptr + t * 5 + 4), KALIGN)
+    k0 = tl.multiple_of(tl.load(meta + 2), KALIGN)
+    k1 = tl.multiple_of(tl.load(meta + 3), KALIGN)
     rows = r0 + tl.arange(0, BM)
     cols = j * BN + tl.arange(0, BN)
     r64, c64, e64 = rows.to(tl.int64), cols.to(tl.int64), e.to(tl.int64)
@@ -95,18 +99,18 @@ def _grouped_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, tiles_ptr, 
     store_out(optrs, v, rmask[:, None] & cmask[None, :], OUT, NAN16)
 
 
-def _tiles(row_ranges: list[tuple[int, int]], k_ranges: list[tuple[int, int]], bm: int,
-           device: torch.device) -> tuple[torch.Tensor, int]:
-    """([T, 5] int32: (expert, r0, r1, k0, k1) per program, the kernel's ``KALIGN``: the largest
-    of 8, 4, 2, 1 dividing every k0 and k1 in the table, so the promise holds by construction).
-    Experts with no rows or no reduction get no program (their output stays as the caller
-    initialised it)."""
-    rows = []
-    for e, ((r0, r1), (k0, k1)) in enumerate(zip(row_ranges, k_ranges)):
-        if k1 <= k0:
-            continue
-        rows += [(e, r, min(r + bm, r1), k0, k1) for r in range(r0, r1, bm)]
-    return device_tensor(rows, device, torch.int32).reshape(-1, 5), _alignment([v for t in rows for v in t[3:]])
+def _plan(row_ranges: list[tuple[int, int]], k_ranges: list[tuple[int, int]], bm: int
+          ) -> tuple[torch.Tensor, int, int]:
+    """(the kernel's metadata: ``host.tile_plan`` of the experts' (r0, r1, k0, k1); T, its row
+    tiles; ``KALIGN``: the largest of 8, 4, 2, 1 dividing every k0 and k1 of an expert with
+    programs, so the promise holds by construction). Experts with no rows or no reduction get
+    no program (their output stays as the caller initialised it)."""
+    meta = torch.tensor([(r0, r1, k0, k1) for (r0, r1), (k0, k1) in zip(row_ranges, k_ranges)],
+                        dtype=torch.int64).reshape(-1, 4)
+    rows = torch.where(meta[:, 3] > meta[:, 2], meta[:, 1] - meta[:, 0], 0)
+    packed, row_tiles = tile_plan(rows, meta, bm)
+    bounds = meta[rows > 0, 2:].reshape(-1).tolist()
+    return packed, row_tiles, _alignment(bounds)
 
 
 def _check(what: str, t: Optional[torch.Tensor], shape: tuple[int, ...]) -> None:
@@ -124,12 +128,13 @@ def _alignment(bounds: list[int]) -> int:
     return 1
 
 
-def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, tiles: torch.Tensor, n: int,
+def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, plan: tuple[torch.Tensor, int, int], n: int,
             sbe: int, sa: Optional[torch.Tensor], sa_e: int, sb: Optional[torch.Tensor],
             bias: Optional[torch.Tensor], soe: int, tile: tuple[int, int, int, int, int],
-            kalign: int, group_m: int = GROUP_M) -> torch.Tensor:
-    """Run the kernel over ``tiles`` (``_tiles``: the table and its ``kalign``)."""
-    if tiles.shape[0] == 0 or n == 0:
+            group_m: int = GROUP_M) -> torch.Tensor:
+    """Run the kernel over ``plan`` (``_plan``: the metadata, its row tiles and ``KALIGN``)."""
+    meta, row_tiles, kalign = plan
+    if row_tiles == 0 or n == 0:
         return out
     bm, bn, bk, warps, stages = tile
     dst = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
@@ -137,13 +142,15 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, tiles: torch.Te
     bits = not a.is_cuda  # the interpreter (see _load_bf16)
     if bits:
         a, b = a.view(torch.int16), b.view(torch.int16)
-    grid = (tiles.shape[0] * triton.cdiv(n, bn),)
+    experts = (meta.shape[0] - 1) // 5  # E + 1 prefix sums, then 4 fields per expert
+    grid = (row_tiles * triton.cdiv(n, bn),)
     _grouped_kernel[grid](a, b, sa if sa is not None else dummy, sb if sb is not None else dummy,
-                          bias if bias is not None else dummy, dst, tiles, tiles.shape[0], n,
+                          bias if bias is not None else dummy, dst, to_device(meta, out.device), row_tiles, n, experts,
                           a.stride(0), a.stride(1), sbe, b.stride(-2), b.stride(-1), sa_e, soe, out.stride(-2),
                           SA=sa is not None, SB=sb is not None, BIAS=bias is not None,
                           OUT=OUT_CODE[out.dtype], NAN16=bf16_nan16(a.device),
-                          BITS=bits, BM=bm, BN=bn, BK=bk, KALIGN=kalign, GROUP=group_m, num_warps=warps, num_stages=stages,
+                          BITS=bits, BM=bm, BN=bn, BK=bk, KALIGN=kalign, GROUP=group_m,
+                          EP=triton.next_power_of_2(experts + 1), num_warps=warps, num_stages=stages,
                           enable_fp_fusion=False)
     return out
 
@@ -169,8 +176,8 @@ def grouped_rows(a: torch.Tensor, b: torch.Tensor, splits: list[int], *, scale_a
     out = empty((m, n), out_dtype, a.device)
     starts = [sum(splits[:i]) for i in range(e + 1)]
     ranges = [(starts[i], starts[i + 1]) for i in range(e)]
-    tiles, kalign = _tiles(ranges, [(0, k)] * e, tile[0], a.device)
-    return _launch(a, b, out, tiles, n, b.stride(0), scale_a, 0, scale_b, bias, 0, tile, kalign, group_m)
+    return _launch(a, b, out, _plan(ranges, [(0, k)] * e, tile[0]), n, b.stride(0), scale_a, 0, scale_b, bias, 0,
+                   tile, group_m)
 
 
 def grouped_reduction(a: torch.Tensor, b: torch.Tensor, splits: list[int], *,
@@ -201,5 +208,5 @@ def grouped_reduction(a: torch.Tensor, b: torch.Tensor, splits: list[int], *,
             sb_i = scale_b[i] if scale_b is not None else ones.expand(n)
             v = v * (sa_i[:, None] * sb_i[None, :])
         out[i] = v.to(out_dtype)
-    tiles, kalign = _tiles([(0, m)] * e, [(starts[i], starts[i + 1]) for i in range(e)], tile[0], a.device)
-    return _launch(a, b, out, tiles, n, 0, scale_a, m, scale_b, None, m * n, tile, kalign, group_m)
+    plan = _plan([(0, m)] * e, [(starts[i], starts[i + 1]) for i in range(e)], tile[0])
+    return _launch(a, b, out, plan, n, 0, scale_a, m, scale_b, None, m * n, tile, group_m)

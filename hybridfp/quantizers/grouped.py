@@ -237,22 +237,35 @@ class _Plan:
         self.scaled = scaled
 
 
+#: type -> whether it is a HybridQuantizer (the plan asks for every expert of every call: a dict
+#: lookup instead of an ABC isinstance check)
+_HYBRID_TYPES: dict[type, bool] = {}
+
+
+def _is_hybrid(q: Quantizer) -> bool:
+    t = type(q)
+    hybrid = _HYBRID_TYPES.get(t)
+    if hybrid is None:
+        hybrid = _HYBRID_TYPES[t] = issubclass(t, HybridQuantizer)
+    return hybrid
+
+
 def _rowwise_child(q: Quantizer) -> Quantizer:
-    return q.rowwise_quantizer if isinstance(q, HybridQuantizer) else q
+    return q.rowwise_quantizer if _is_hybrid(q) else q
 
 
 def _columnwise_child(q: Quantizer) -> Quantizer:
-    return q.columnwise_quantizer if isinstance(q, HybridQuantizer) else q
+    return q.columnwise_quantizer if _is_hybrid(q) else q
 
 
 def _derives_columnwise(q: Quantizer) -> bool:
-    return (isinstance(q, HybridQuantizer) and q.columnwise_usage
-            and q.columnwise_source == "rowwise_dequantized")
+    return _is_hybrid(q) and q.columnwise_usage and q.columnwise_source == "rowwise_dequantized"
 
 
 def _same_settings(qs: Sequence[Quantizer]) -> bool:
     first = qs[0]
-    return all(type(q) is type(first) and q.settings() == first.settings() for q in qs)
+    kind, ref = type(first), first.settings()
+    return all(q is first or (type(q) is kind and q.settings() == ref) for q in qs)
 
 
 def _plan(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[int]) -> Optional[_Plan]:

@@ -112,6 +112,12 @@ def test_group_amax_kernel():
     got = group_amax(x, group, len(splits))
     want = torch.stack([xe.abs().amax() if xe.numel() else torch.zeros(()) for xe in torch.split(x, splits)])
     assert_tensor_bitwise(got, want.float(), "group amax")
+    # NaN in the tile's first group (row 66), in a group wholly inside it (row 70) and in its
+    # last group (row 100): each reaches its own group only
+    x[66, 3], x[70, 0], x[100, 199] = float("nan"), float("nan"), float("nan")
+    got = group_amax(x, group, len(splits))
+    assert torch.isnan(got[[1, 2, 4]]).all() and not torch.isnan(got[[0, 3, 5]]).any()
+    assert_tensor_bitwise(got[[0, 3, 5]], want[[0, 3, 5]].float(), "group amax beside NaN groups")
 
 
 @gpu
