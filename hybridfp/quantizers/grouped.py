@@ -444,7 +444,7 @@ def _quantize_planned(quantizers: Sequence[Optional[Quantizer]], plan: _Plan, x:
         if group is not None:
             return group
         own_rows = [_rebuild(p, p.payloads[ROWWISE], None, _rowwise_child(q).label, m) if q is not None else None
-                    for q, p, m in zip(quantizers, hg.rows, splits)]
+                    for q, p, m in zip(quantizers, hg.rows(), splits)]
         return _assemble(quantizers, x, splits, None, hg.cols, col_starts, own_rows)
     if (plan.row_q is not None and plan.col_q is plan.row_q and not plan.scaled
             and not any(_derives_columnwise(q) for q in used)):

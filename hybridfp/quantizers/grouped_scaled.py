@@ -8,6 +8,7 @@ one cast pass that scales each row by its expert's value — bitwise what each e
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -236,11 +237,13 @@ def _nvfp4_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], rowwise:
 
 class HybridGroups(NamedTuple):
     """:func:`nvfp4_mxfp8_groups`' result: each expert's NVFP4 rowwise storage (row slices, its
-    own amax), the shared MXFP8 columnwise storage of the padded groups, the padded groups'
-    rowwise copy as one row-scaled NVFP4 storage (each row with its expert's amax: the joined
-    copy the experts' rows are slices of) and the experts' amax (FP32 [E])."""
+    own amax; a callable: built when asked — the joined path never asks, and 64 experts' storages
+    were most of the Composer-2 step's per-expert objects), the shared MXFP8 columnwise storage of
+    the padded groups, the padded groups' rowwise copy as one row-scaled NVFP4 storage (each row
+    with its expert's amax: the joined copy the experts' rows are slices of) and the experts' amax
+    (FP32 [E])."""
 
-    rows: list[QuantizedStorage]
+    rows: Callable[[], list[QuantizedStorage]]
     cols: QuantizedStorage
     whole_rows: QuantizedStorage
     amax: torch.Tensor
@@ -268,7 +271,7 @@ def nvfp4_mxfp8_groups(hq: Quantizer, padded: torch.Tensor, splits: Sequence[int
             padded, amax[group], cq.dtype, rule=cq.scale_rule, rowwise=True, columnwise=True,
             source="rowwise_dequantized")
     meta = rq.storage_meta()
-    rows = expert_nvfp4_rows(row[0], row[1], amax, splits, starts, cols, padded.dtype, meta)
+    rows = partial(expert_nvfp4_rows, row[0], row[1], amax, list(splits), list(starts), cols, padded.dtype, meta)
     whole = MXFP8Storage(padded.shape, torch.float32, None, {"data": col[0], "scale": col[1]}, **cq.storage_meta())
     whole_rows = NVFP4Storage(padded.shape, padded.dtype, {"data": row[0], "scale": row[1], "amax": amax[group]}, None,
                               **{**meta, "row_scaled": True})

@@ -342,6 +342,9 @@ def test_composer2_step_on_joined_copies(monkeypatch):
     for name in ("_cut_hybrids", "_cut_scaled_hybrids", "_cut_experts"):
         real = getattr(qgrouped, name)
         monkeypatch.setattr(qgrouped, name, lambda *a, _n=name, _r=real: built.append(_n) or _r(*a))
+    from hybridfp.quantizers import grouped_scaled
+    real_rows = grouped_scaled.expert_nvfp4_rows  # the per-expert NVFP4 rows: built only on access
+    monkeypatch.setattr(grouped_scaled, "expert_nvfp4_rows", lambda *a: built.append("rows") or real_rows(*a))
     splits, hidden, out = [0, 19, 45, 1, 33], 64, 64
 
     def step(m):
