@@ -101,6 +101,20 @@ CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
              meta_ptr="*i64", T="i32", N="i32", E="i32", sam="i32", sbe="i32", sbn="i32", sa_e="i32", soe="i32", som="i32"),
         dict(sak=1, sbk=1, SA=True, SB=True, BIAS=False, OUT=0, NAN16=0x7FC0, BITS=False, BM=128, BN=128, BK=64,
              KALIGN=ka, GROUP=16, EP=128), 64, 8) for ka in (1, 8)},
+    # the FP8 grouped GEMM's wgrad (E5M2 dy x E4M3 x, BF16 out) and the grouped FP8 quantize (row +
+    # col): also the quickest offline check that a change to either still compiles for sm90
+    "grouped fp8 gemm wgrad (128, 128, 64)": (
+        "triton_grouped_fp8_gemm", "_kernel",
+        dict(a_ptr="*fp8e5", b_ptr="*fp8e4nv", sa_ptr="*fp32", sb_ptr="*fp32", bias_ptr="*fp32", out_ptr="*i16",
+             meta_ptr="*i64", T="i32", N="i32", E="i32"),
+        dict(BIAS=False, OUT=1, NAN16=0x7FC0, CODES=False, E5A=True, E5B=False, BM=128, BN=128, BK=64, ALIGN=16,
+             GROUP=8, PROMOTE=64, EP=128), 128, 4),
+    "grouped fp8 quantize row+col (64, 128)": (
+        "triton_grouped_fp8", "_grouped_fp8_kernel",
+        dict(x_ptr="*i16", amax_ptr="*fp32", meta_ptr="*i64", rd_ptr="*u8", cd_ptr="*u8", sinv_ptr="*fp32",
+             C="i32", G="i32", sxr="i32", eps="fp32"),
+        dict(sxc=1, POW2=False, ROW=True, COL=True, MBITS=3, BIAS=7, FP8_MAX=448.0, DTYPE=1, BR=64, BC=128, BG=128,
+             HW=True, PACK=True, ANCHOR=False, GP=128), 32, 8),
 }
 
 

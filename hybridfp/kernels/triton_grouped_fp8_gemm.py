@@ -98,7 +98,7 @@ def _kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, meta_ptr, T, N, E,
     if BIAS:
         v = v + tl.load(bias_ptr + e64 * N + c64, mask=cmask, other=0.0)[None, :]
     optrs = out_ptr + (o_row + rows.to(tl.int64))[:, None] * N + c64[None, :]
-    store_out(optrs, v, rmask[:, None] & cmask[None, :], OUT, NAN16)
+    store_out(optrs, v, rmask[:, None] & cmask[None, :], OUT, NAN16, HW=not CODES)
 
 
 def _operand_row(what: str, e: int, t: torch.Tensor, k: int) -> tuple[int, int, int]:

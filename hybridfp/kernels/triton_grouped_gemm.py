@@ -96,7 +96,7 @@ def _grouped_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, meta_ptr, T
     if BIAS:
         v = v + tl.load(bias_ptr + e64 * N + c64, mask=cmask, other=0.0)[None, :]
     optrs = out_ptr + e64 * soe + r64[:, None] * som + c64[None, :]
-    store_out(optrs, v, rmask[:, None] & cmask[None, :], OUT, NAN16)
+    store_out(optrs, v, rmask[:, None] & cmask[None, :], OUT, NAN16, HW=not BITS)
 
 
 def _plan(row_ranges: list[tuple[int, int]], k_ranges: list[tuple[int, int]], bm: int

@@ -99,3 +99,41 @@ def test_gpu_epilogue_matches_emulate(out_dtype):
     bias = torch.randn(1031, device="cuda")
     _check(acc, sa, sb, bias, out_dtype, False, "cuda")
     _check(acc, sa, None, None, out_dtype, True, "cuda")
+
+
+def _bf16_store_cases(device: str) -> torch.Tensor:
+    """FP32 values whose BF16 rounding is delicate: ties (even / odd), just above / below ties,
+    FP32 subnormals, the largest finite values (round up to inf), ±inf, NaNs of both signs and
+    payloads, zeros of both signs, plus random values over the whole exponent range."""
+    bits = [0x3F808000, 0x3F818000, 0x3F808001, 0x3F807FFF, 0x00000001, 0x00008000, 0x00018000, 0x807FFFFF,
+            0x7F7FFFFF, 0x7F7F8000, 0x7F7F7FFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000,
+            0x7F800001, 0x7FBFFFFF, 0x00000000, 0x80000000]
+    g = torch.Generator().manual_seed(3)
+    rnd = torch.randint(-(1 << 31), (1 << 31) - 1, (1 << 16,), generator=g, dtype=torch.int64)
+    return torch.cat([torch.tensor(bits, dtype=torch.int64), rnd]).to(torch.int32).view(torch.float32).to(device)
+
+
+@gpu
+def test_gpu_hardware_bf16_store_is_bitwise_the_integer_rounding():
+    """``store_out``'s hardware BF16 path (HW=True: the grouped GEMMs' epilogues) writes the same
+    bits as its integer round-to-nearest-even path, and as torch's own cast, for every value
+    class (NaNs become torch's NaN bits either way)."""
+    import triton
+    import triton.language as tl
+
+    from hybridfp.kernels._common import bf16_nan16
+
+    @triton.jit
+    def store(v_ptr, out_ptr, n, NAN16: tl.constexpr, HW: tl.constexpr):
+        i = tl.program_id(0) * 1024 + tl.arange(0, 1024)
+        v = tl.load(v_ptr + i, mask=i < n, other=0.0)
+        triton_epilogue.store_out(out_ptr + i, v, i < n, 1, NAN16, HW)
+
+    v = _bf16_store_cases("cuda")
+    outs = []
+    for hw in (False, True):
+        out = torch.full((v.numel(),), 0x5A5A, dtype=torch.int16, device="cuda")  # poisoned
+        store[(triton.cdiv(v.numel(), 1024),)](v, out, v.numel(), NAN16=bf16_nan16(v.device), HW=hw)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[1], v.to(torch.bfloat16).view(torch.int16))
