@@ -167,10 +167,12 @@ def grouped_fp8_at(base_a: torch.Tensor, base_b: torch.Tensor, ms: Ints, a_offs:
     element ``a_offs[e]`` with row stride ``a_lds[e]``, its B the N (``out``'s width) rows of
     ``base_b`` from ``b_offs[e]`` with row stride ``b_lds[e]``, both ``ks[e]`` long. Each
     per-expert argument is a sequence of host ints (or a CPU int tensor) with one value per
-    expert (E: ``scale_a``'s length), or one int for all of them. Every expert's extent is checked to lie inside its base.
+    expert (E: ``scale_a``'s length), or one int for all of them. Every expert's extent is
+    checked to lie inside its base.
 
     The host work is a few vectorized ops on [E] CPU tensors (no per-expert Python loop, no
-    per-tile table): at 64 experts the loop it replaces cost about 0.4 ms a call."""
+    per-tile table): at 64 experts 210 us a call on the CI host, against 313 (fprop) and 842 us
+    (wgrad: a 1408-row tile table) for the loop it replaced."""
     experts = scale_a.numel()  # checked below: scale_a is [E]
     if experts == 0:
         raise ValueError("grouped FP8 GEMM: at least one expert (scale_a is empty).")

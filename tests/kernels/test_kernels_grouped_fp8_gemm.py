@@ -155,6 +155,38 @@ def test_kernel_rejects_bad_operands():
                        torch.empty(8, 8), [0, 4])
 
 
+@interpreter_only
+def test_joined_bases_equal_views_and_check_every_extent():
+    """``grouped_fp8_at`` (operands as places in two joined bases; per-expert arguments as lists,
+    CPU tensors or one int for all) gives the bits ``grouped_fp8`` gives on the same operands as
+    views; an expert whose rows, offsets or strides leave its base, or whose output rows leave
+    ``out``, is named in the error."""
+    g = torch.Generator().manual_seed(4)
+    e, k, n = len(SPLITS), 48, 24
+    a_base = _codes((sum(SPLITS), k), E5M2, g)
+    b_base = _codes((e * n, k), E4M3, g)
+    sa, sb = torch.rand(e, generator=g) + 0.5, torch.rand(e, generator=g) + 0.5
+    starts = [sum(SPLITS[:i]) for i in range(e)]
+    want = tk.grouped_fp8(list(torch.split(a_base, SPLITS)), list(b_base.view(e, n, k).unbind(0)), [k] * e, sa, sb,
+                          torch.empty(sum(SPLITS), n), starts, tile=TINY)
+    with poisoned_outputs():
+        got = tk.grouped_fp8_at(a_base, b_base, SPLITS, torch.tensor(starts) * k, k, torch.arange(e) * (n * k), k, k,
+                                sa, sb, torch.empty(sum(SPLITS), n), starts, tile=TINY)
+    assert torch.equal(got, want)
+    args = dict(base_a=a_base, base_b=b_base, ms=SPLITS, a_offs=[s * k for s in starts], a_lds=k,
+                b_offs=[i * n * k for i in range(e)], b_lds=k, ks=k, scale_a=sa, scale_b=sb,
+                out=torch.empty(sum(SPLITS), n), out_rows=starts, tile=TINY)
+    for change, match in ((dict(b_offs=[i * n * k for i in range(e - 1)] + [(e - 1) * n * k + 1]),
+                           r"expert 4's B \(24 rows of 48 from element 4609"),
+                          (dict(a_lds=[k, k, k - 1, k, k]), r"expert 2's A \(45 rows of 48 .* row stride 47\)"),
+                          (dict(out_rows=starts[:-1] + [starts[-1] + 1]), "expert 4's 33 result rows from row 66"),
+                          (dict(ks=[k] * 4), r"ks needs one value per expert \(5\)")):
+        with pytest.raises(ValueError, match=match):
+            tk.grouped_fp8_at(**{**args, **change})
+    # an empty expert (SPLITS[0] = 0) may point anywhere: it reads nothing
+    tk.grouped_fp8_at(**{**args, "a_offs": [10 ** 9] + args["a_offs"][1:]})
+
+
 # ---------------------------------------------------------------------------- grouped_gemm, CPU
 def _experts(splits, k, n, dy_dtype, seed=0):
     """Per-expert FP8 current-scaled x, w (E4M3) and dy (``dy_dtype``), each at its own scale."""
