@@ -573,7 +573,6 @@ def swizzled_tile(pid, T, N, BN: tl.constexpr, GROUP: tl.constexpr):
     return first + (pid % per_group) % size, (pid % per_group) // size
 
 
-
 @triton.jit
 def expert_row_tile(meta_ptr, t, E, EP: tl.constexpr):
     """(expert e, its row tile index) of row tile ``t`` of a grouped GEMM whose per-expert tile

@@ -59,4 +59,3 @@ def tile_plan(rows: torch.Tensor, fields: torch.Tensor, bm: int) -> tuple[torch.
     firsts = torch.zeros(rows.shape[0] + 1, dtype=torch.int64)
     torch.cumsum((rows + (bm - 1)) // bm, 0, out=firsts[1:])
     return torch.cat([firsts, fields.reshape(-1)]), int(firsts[-1])
-
