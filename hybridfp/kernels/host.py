@@ -57,5 +57,6 @@ def tile_plan(rows: torch.Tensor, fields: torch.Tensor, bm: int) -> tuple[torch.
     [E + 1] (expert e gets ceil(rows[e] / bm) row tiles) followed by ``fields`` [E, F]
     flattened; and T, the number of row tiles. ``rows``: [E] int64 (0: no program)."""
     firsts = torch.zeros(rows.shape[0] + 1, dtype=torch.int64)
-    torch.cumsum((rows + (bm - 1)) // bm, 0, out=firsts[1:])
+    # clamped: the kernels' lookup needs non-decreasing sums (callers reject negative counts)
+    torch.cumsum((rows.clamp_min(0) + (bm - 1)) // bm, 0, out=firsts[1:])
     return torch.cat([firsts, fields.reshape(-1)]), int(firsts[-1])

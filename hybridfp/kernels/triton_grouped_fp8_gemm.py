@@ -25,6 +25,7 @@ in FP32 (``CODES``): the same products, the FP32 accumulation the MMA's promotio
 
 from __future__ import annotations
 
+import numbers
 from math import gcd
 from typing import Optional, Sequence, Union
 
@@ -181,16 +182,20 @@ def grouped_fp8_at(base_a: torch.Tensor, base_b: torch.Tensor, ms: Ints, a_offs:
         if t.dtype not in _FP8 or not t.is_contiguous():
             raise ValueError(f"grouped FP8 GEMM: {what} must be a contiguous E4M3 / E5M2 tensor; got {t.dtype}, "
                              f"strides {t.stride()}.")
-    names = ("ms", "ks", "out_rows", "A offsets", "A row strides", "B offsets", "B row strides")
-    table = torch.tensor([_host_ints(w, v, experts) for w, v in zip(names, (ms, ks, out_rows, a_offs, a_lds, b_offs,
-                                                                             b_lds))], dtype=torch.int64)
+    table = torch.tensor([_host_ints(w, v, experts) for w, v in zip(_NAMES, (ms, ks, out_rows, a_offs, a_lds, b_offs,
+                                                                              b_lds))], dtype=torch.int64)
+    # every value in [0, 2**48] first (no tensor has more elements), so the extent arithmetic
+    # below cannot wrap around in int64
+    out_of_range = (table < 0) | (table > _MAX_VALUE)
+    if out_of_range.any():
+        i, e = (int(v) for v in out_of_range.nonzero()[0])
+        raise ValueError(f"grouped FP8 GEMM: {_NAMES[i]}[{e}] is {int(table[i, e])}; every count, offset and stride "
+                         f"must lie in [0, 2**48].")
     m, k, o, a_off, a_ld, b_off, b_ld = table.unbind(0)
     la, lb = base_a.numel(), base_b.numel()
     # every check in one vector pass; the first failing expert is re-checked one by one for its message
     active = (k > 0) & (m > 0)
-    bad = (o < 0) | (o + m > out.shape[0]) | (active & (
-        (a_off < 0) | ((m > 1) & (a_ld < k)) | (a_off + (m - 1) * a_ld + k > la)
-        | (b_off < 0) | ((n > 1) & (b_ld < k)) | (b_off + (n - 1) * b_ld + k > lb)))
+    bad = (o + m > out.shape[0]) | (active & (_overruns(a_off, a_ld, m, k, la) | _overruns(b_off, b_ld, n, k, lb)))
     if bad.any():
         _raise_for(int(bad.nonzero()[0, 0]), table, n, out.shape[0], la, lb)
     # experts that read nothing keep offsets, strides and K at 0 (their rows still get the
@@ -203,11 +208,28 @@ def grouped_fp8_at(base_a: torch.Tensor, base_b: torch.Tensor, ms: Ints, a_offs:
                    tile, promote, group_m, align)
 
 
+#: ``grouped_fp8_at``'s per-expert arguments, in its table's row order (error messages)
+_NAMES = ("ms", "ks", "out_rows", "a_offs", "a_lds", "b_offs", "b_lds")
+#: Largest count, offset or stride ``grouped_fp8_at`` takes: products of two stay below 2**63
+#: only through the division in ``_overruns``; sums of three stay below 2**50.
+_MAX_VALUE = 1 << 48
+
+
+def _overruns(off: torch.Tensor, ld: torch.Tensor, rows, k: torch.Tensor, limit: int) -> torch.Tensor:
+    """Whether ``rows`` rows of ``k`` elements from ``off`` with row stride ``ld`` leave a base
+    of ``limit`` elements (or overlap themselves: ld < k), per expert, without forming
+    ``(rows - 1) * ld`` (which may not fit in int64): (rows - 1) <= room // ld."""
+    room = limit - off - k  # every term in [0, 2**48]: no wrap-around
+    rows = torch.as_tensor(rows)
+    many = rows > 1
+    return (room < 0) | (many & ((ld < k) | (rows - 1 > room.clamp_min(0) // ld.clamp_min(1))))
+
+
 def _host_ints(what: str, v: Ints, experts: int) -> list[int]:
     """``v`` as a list of ``experts`` host ints (one int: the same for every expert)."""
-    if isinstance(v, int):
-        return [v] * experts
-    values = v.tolist() if isinstance(v, torch.Tensor) else list(v)
+    if isinstance(v, numbers.Integral):
+        return [int(v)] * experts
+    values = v.tolist() if isinstance(v, torch.Tensor) else [int(x) for x in v]
     if isinstance(values, int):  # a 0-d tensor
         return [values] * experts
     if len(values) != experts:

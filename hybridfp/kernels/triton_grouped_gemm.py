@@ -167,9 +167,9 @@ def grouped_rows(a: torch.Tensor, b: torch.Tensor, splits: list[int], *, scale_a
         raise ValueError(f"grouped_rows: a [M, K] and b [E, N, K] must be BF16; got {a.dtype} "
                          f"{tuple(a.shape)}, {b.dtype} {tuple(b.shape)}.")
     (m, k), (e, n, kb) = a.shape, b.shape
-    if kb != k or e != len(splits) or sum(splits) != m or k == 0:
+    if kb != k or e != len(splits) or sum(splits) != m or k == 0 or min(splits, default=0) < 0:
         raise ValueError(f"grouped_rows: a {tuple(a.shape)}, b {tuple(b.shape)} and splits (sum "
-                         f"{sum(splits)}, {len(splits)} experts) do not fit together (K > 0).")
+                         f"{sum(splits)}, {len(splits)} experts, none negative) do not fit together (K > 0).")
     _check("scale_a", scale_a, (m,))
     _check("scale_b", scale_b, (e, n))
     _check("bias", bias, (e, n))
@@ -193,9 +193,9 @@ def grouped_reduction(a: torch.Tensor, b: torch.Tensor, splits: list[int], *,
                          f"{tuple(a.shape)}, {b.dtype} {tuple(b.shape)}.")
     (m, k), (n, kb) = a.shape, b.shape
     e = len(splits)
-    if kb != k or sum(splits) != k:
+    if kb != k or sum(splits) != k or min(splits, default=0) < 0:
         raise ValueError(f"grouped_reduction: a {tuple(a.shape)}, b {tuple(b.shape)} and splits (sum "
-                         f"{sum(splits)}) do not fit together.")
+                         f"{sum(splits)}, none negative) do not fit together.")
     _check("scale_a", scale_a, (e, m))
     _check("scale_b", scale_b, (e, n))
     out = empty((e, m, n), out_dtype, a.device)

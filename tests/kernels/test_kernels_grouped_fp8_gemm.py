@@ -176,15 +176,60 @@ def test_joined_bases_equal_views_and_check_every_extent():
     args = dict(base_a=a_base, base_b=b_base, ms=SPLITS, a_offs=[s * k for s in starts], a_lds=k,
                 b_offs=[i * n * k for i in range(e)], b_lds=k, ks=k, scale_a=sa, scale_b=sb,
                 out=torch.empty(sum(SPLITS), n), out_rows=starts, tile=TINY)
-    for change, match in ((dict(b_offs=[i * n * k for i in range(e - 1)] + [(e - 1) * n * k + 1]),
-                           r"expert 4's B \(24 rows of 48 from element 4609"),
+    a_offs, b_offs = args["a_offs"], args["b_offs"]
+    for change, match in ((dict(b_offs=b_offs[:-1] + [b_offs[-1] + 1]), r"expert 4's B \(24 rows of 48 from element 4609"),
+                          (dict(b_lds=[k, k, k, k - 1, k]), r"expert 3's B \(24 rows of 48 .* row stride 47\)"),
                           (dict(a_lds=[k, k, k - 1, k, k]), r"expert 2's A \(45 rows of 48 .* row stride 47\)"),
+                          # the last row of expert 4 would end one element past base_a
+                          (dict(a_offs=a_offs[:-1] + [a_offs[-1] + 1]), r"expert 4's A \(33 rows of 48 from element 3121"),
+                          (dict(a_lds=[k, k, k, k, k + 1]), r"expert 4's A \(33 rows of 48 .* row stride 49\)"),
                           (dict(out_rows=starts[:-1] + [starts[-1] + 1]), "expert 4's 33 result rows from row 66"),
-                          (dict(ks=[k] * 4), r"ks needs one value per expert \(5\)")):
+                          (dict(ks=[k] * 4), r"ks needs one value per expert \(5\)"),
+                          # negative or huge values: rejected before any arithmetic that could wrap
+                          (dict(a_offs=a_offs[:2] + [-k] + a_offs[3:]), r"a_offs\[2\] is -48"),
+                          (dict(b_offs=[-1] + b_offs[1:]), r"b_offs\[0\] is -1"),
+                          (dict(out_rows=[-1] + starts[1:]), r"out_rows\[0\] is -1"),
+                          (dict(ms=[0, 19, 45, -1, 34]), r"ms\[3\] is -1"),
+                          (dict(out_rows=starts[:-1] + [2 ** 63 - 1]), r"out_rows\[4\] is 9223372036854775807"),
+                          (dict(a_lds=[k, k, 2 ** 62, k, k]), r"a_lds\[2\] is 4611686018427387904")):
         with pytest.raises(ValueError, match=match):
             tk.grouped_fp8_at(**{**args, **change})
+    # a stride whose product with the rows would wrap int64 is caught by the division form
+    with pytest.raises(ValueError, match=r"expert 2's A \(45 rows of 48 .* row stride 281474976710656\)"):
+        tk.grouped_fp8_at(**{**args, "a_lds": [k, k, 2 ** 48, k, k]})
     # an empty expert (SPLITS[0] = 0) may point anywhere: it reads nothing
     tk.grouped_fp8_at(**{**args, "a_offs": [10 ** 9] + args["a_offs"][1:]})
+
+
+@interpreter_only
+def test_alignment_promise_is_the_largest_that_holds(monkeypatch):
+    """``ALIGN`` (the ``tl.multiple_of`` promise on offsets, strides and K, which the compiled
+    kernel's 16-byte loads rely on and the interpreter cannot check) divides every field of every
+    expert that reads, and is the largest power of two <= 16 that does."""
+    seen = []
+    real = tk._kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                experts = args[9]
+                fields = args[6].cpu()[experts + 1:].reshape(experts, 7)[:, :5]
+                rows = fields[fields[:, 4] > 0]  # experts that read
+                assert bool((rows % kw["ALIGN"] == 0).all())
+                assert kw["ALIGN"] == 16 or bool((rows % (2 * kw["ALIGN"]) != 0).any())
+                seen.append(kw["ALIGN"])
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(tk, "_kernel", Spy())
+    g = torch.Generator().manual_seed(5)
+    base_a, base_b = _codes((4096,), E4M3, g), _codes((4096,), E4M3, g)
+    ones = torch.ones(2)
+    for offs, k, want in (([0, 32], 16, 16), ([8, 40], 16, 8), ([8, 12], 16, 4), ([0, 16], 12, 4), ([0, 16], 6, 2),
+                          ([1, 16], 16, 1)):
+        tk.grouped_fp8_at(base_a, base_b, [3, 2], offs, 64, [0, 640], 64, k, ones, ones,
+                          torch.empty(5, 8), [0, 3], tile=TINY)
+        assert seen[-1] == want, (offs, k, seen[-1])
 
 
 # ---------------------------------------------------------------------------- grouped_gemm, CPU

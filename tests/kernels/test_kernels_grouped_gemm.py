@@ -130,6 +130,12 @@ def test_kernel_rejects_bad_shapes():
         tg.grouped_rows(a, b, [1, 3], scale_b=torch.ones(3))
     with pytest.raises(ValueError, match="BF16"):
         tg.grouped_reduction(a.float(), a.float(), [4, 4])
+    # negative counts summing right would make the programs' expert lookup read and write
+    # outside the operands (its tile prefix sums must not decrease)
+    with pytest.raises(ValueError, match="none negative"):
+        tg.grouped_rows(a, b, [-16, 20])
+    with pytest.raises(ValueError, match="none negative"):
+        tg.grouped_reduction(a, a, [-8, 16])
 
 
 # ---------------------------------------------------------------------------- grouped_gemm, CPU
