@@ -177,10 +177,12 @@ def device_ms(step: Callable[[], Any]) -> float:
 
 
 def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = None,
-                 profiles: Optional[list[str]] = None, only: Optional[list[str]] = None) -> list[dict[str, Any]]:
+                 profiles: Optional[list[str]] = None, only: Optional[list[str]] = None,
+                 stacks: bool = False) -> list[dict[str, Any]]:
     """Every variant of one config, in one process, ratios against its BF16 grouped baseline;
     variants whose name contains ``profile`` also get a one-step profile in ``profiles``.
-    ``only``: just the variants whose name equals one of these (the baseline always runs)."""
+    ``only``: just the variants whose name equals one of these (the baseline always runs);
+    ``stacks``: the profiles also list the copy ops by call stack."""
     torch.manual_seed(0)
     base = BF16MoE(e, d, f)
     x = torch.randn(tokens, d, device=common.DEVICE, dtype=torch.bfloat16, requires_grad=True)
@@ -218,7 +220,7 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
             if common.DEVICE == "cuda":
                 row["gpu_busy"] = device_ms(step) / row["ms"]
             if profile and profiles is not None and any(t and t in name for t in profile.split("|")):
-                profiles.append(profile_step(step, f"{row['config']}: {name}"))
+                profiles.append(profile_step(step, f"{row['config']}: {name}", stacks))
         except Exception as err:  # noqa: BLE001 - record the failure, keep the other variants
             row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
         rows.append(row)
@@ -240,6 +242,8 @@ def main(argv=None) -> None:
     p.add_argument("--experts", type=int, default=None, help="only the config with this many experts")
     p.add_argument("--profile", default=None, help="profile one step of the variants whose name "
                    "contains this text (written to moe_profile.txt in --results-dir)")
+    p.add_argument("--profile-stacks", action="store_true", help="the profiles also list the copy ops "
+                   "(copy_, clone, cat, ...) by Python call stack")
     p.add_argument("--variants", default=None, help="only these '|'-separated variant names (the recipe "
                    "rows' names, with a suffix for the extra variants), besides the BF16 baseline")
     args = p.parse_args(argv)
@@ -255,7 +259,7 @@ def main(argv=None) -> None:
         p.error(f"--experts {args.experts}: the configs have {[c[0] for c in CONFIGS]} experts")
     tokens, d = (1024, 512) if args.quick else (TOKENS, HIDDEN)
     for e, f in configs:
-        rows += bench_config(e, f, tokens, d, args.profile, profiles, only)
+        rows += bench_config(e, f, tokens, d, args.profile, profiles, only, args.profile_stacks)
     table = md_table(["config", "variant", "ms", "x BF16 grouped", "target", "steady ms", "steady x BF16 grouped",
                       "host ms", "GPU busy", "rel err vs BF16", "paths"], [
         (r["config"], r["variant"], r.get("ms", r.get("error")), r.get("x_bf16_grouped"), r.get("target"),

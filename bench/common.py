@@ -152,11 +152,33 @@ def require_cuda() -> None:
         sys.exit("bench: needs a CUDA GPU (run it on the lent H200 through the device tool).")
 
 
-def profile_step(step: Callable[[], Any], title: str) -> str:
-    """The kernels and ops of one step, by self device time (torch.profiler), as text."""
+#: ops that copy tensor data, listed by call stack with ``profile_step(stacks=True)``
+COPY_OPS = ("aten::copy_", "aten::clone", "aten::cat", "aten::contiguous", "aten::_to_copy", "aten::index_put_")
+
+
+def _copies_by_stack(prof: Any, depth: int = 8) -> str:
+    """The copy ops of a profile (``COPY_OPS``) grouped by their Python call stack, by device time
+    (CPU time without a GPU): which line of which file asked for each copy."""
+    rows = []
+    for ev in prof.key_averages(group_by_stack_n=depth):
+        if ev.key in COPY_OPS:
+            dev = getattr(ev, "device_time_total", 0.0) if DEVICE == "cuda" else ev.cpu_time_total
+            rows.append((dev, ev.key, ev.count, [f for f in ev.stack if "torch/" not in f and "built-in" not in f]))
+    rows.sort(key=lambda r: -r[0])
+    lines = [f"- {key} x{n}: {dev / 1000:.3f} ms\n" + "".join(f"    {f}\n" for f in stack)
+             for dev, key, n, stack in rows[:30]]
+    return "\n### copies by call stack (device ms incl. children)\n" + "".join(lines)
+
+
+def profile_step(step: Callable[[], Any], title: str, stacks: bool = False) -> str:
+    """The kernels and ops of one step, by self device time (torch.profiler), as text;
+    ``stacks``: also the copy ops by call stack (:func:`_copies_by_stack`)."""
     acts = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
-    with torch.profiler.profile(activities=acts) as prof:
+    # torch >= 2.11 records Python frames only with the verbose experimental config
+    extra = {"with_stack": True, "experimental_config": torch._C._profiler._ExperimentalConfig(verbose=True)} \
+        if stacks else {}
+    with torch.profiler.profile(activities=acts, **extra) as prof:
         step()
         if DEVICE == "cuda":
             torch.cuda.synchronize()
@@ -166,6 +188,8 @@ def profile_step(step: Callable[[], Any], title: str) -> str:
     if DEVICE == "cuda":  # host side too: runtime calls (launches, syncs, allocations) and ops
         text += "\n### by self CPU time\n" + avg.table(sort_by="self_cpu_time_total", row_limit=20,
                                                           max_name_column_width=70)
+    if stacks:
+        text += _copies_by_stack(prof)
     return text
 
 

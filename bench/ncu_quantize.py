@@ -34,6 +34,11 @@ def _cases(x: torch.Tensor) -> dict[str, Callable[[], object]]:
         "fp8_block_row": lambda: triton_fp8_block.quantize(x, torch.float8_e4m3fn, columnwise=False),
         "fp8_block_col": lambda: triton_fp8_block.quantize(x, torch.float8_e4m3fn, rowwise=False),
         "mxfp8": lambda: triton_mxfp8.quantize(x, torch.float8_e4m3fn),
+        # "natural" row+col: both copies from one read of 32-row natural slices
+        "mxfp8_natural": lambda: triton_mxfp8.quantize(x, torch.float8_e4m3fn, method="natural", block=(64, 128),
+                                                       num_warps=2),
+        "mxfp8_natural_col": lambda: triton_mxfp8.quantize(x, torch.float8_e4m3fn, rowwise=False),
+        "mxfp8_row": lambda: triton_mxfp8.quantize(x, torch.float8_e4m3fn, columnwise=False),
         "nvfp4": lambda: triton_nvfp4.quantize_1d(x, row_amax, row_amax),
         "hybrid_fp8": lambda: triton_hybrid_fp8.quantize(x, amax, torch.float8_e4m3fn, torch.float8_e4m3fn),
     }

@@ -71,7 +71,8 @@ def store_out(optrs, v, mask, OUT: tl.constexpr, NAN16: tl.constexpr, HW: tl.con
 @triton.jit
 def _epilogue_kernel(acc_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, acc_stride, os0, os1: tl.constexpr,
                      SA: tl.constexpr, SB: tl.constexpr, BIAS: tl.constexpr, ACCUM: tl.constexpr,
-                     OUT: tl.constexpr, NAN16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                     OUT: tl.constexpr, NAN16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     HW: tl.constexpr = False):
     pid = tl.program_id(0)
     nn = tl.cdiv(N, BN)
     rows = (pid // nn) * BM + tl.arange(0, BM)
@@ -87,7 +88,7 @@ def _epilogue_kernel(acc_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, acc_strid
     optrs = out_ptr + r64[:, None] * os0 + c64[None, :] * os1
     if ACCUM:
         v = _load_out(optrs, mask, OUT) + v
-    store_out(optrs, v, mask, OUT, NAN16)
+    store_out(optrs, v, mask, OUT, NAN16, HW)
 
 
 def _scale_kind(s: Optional[torch.Tensor], n: int, what: str) -> int:
@@ -132,5 +133,5 @@ def epilogue(acc: torch.Tensor, scale_a: Optional[torch.Tensor], scale_b: Option
                            out.stride(0), out.stride(1), SA=sa_kind, SB=sb_kind,
                            BIAS=bias32 is not None, ACCUM=accumulate_into is not None,
                            OUT=OUT_CODE[out.dtype], NAN16=bf16_nan16(acc.device),
-                           BM=bm, BN=bn, num_warps=num_warps, enable_fp_fusion=False)
+                           BM=bm, BN=bn, HW=acc.is_cuda, num_warps=num_warps, enable_fp_fusion=False)
     return out

@@ -101,6 +101,17 @@ def test_gpu_epilogue_matches_emulate(out_dtype):
     _check(acc, sa, None, None, out_dtype, True, "cuda")
 
 
+@gpu
+def test_gpu_epilogue_bf16_special_values():
+    """The epilogue kernel's BF16 store (the hardware conversion on the GPU) on the delicate
+    values of :func:`_bf16_store_cases` (ties, subnormals, overflow, NaNs, ±inf), alone and with
+    a unit scale and a zero bias (same values), equals emulate's epilogue bit for bit."""
+    acc = _bf16_store_cases("cuda").reshape(-1, 4)
+    _check(acc, None, None, None, torch.bfloat16, False, "cuda")
+    _check(acc, torch.ones(acc.shape[0], device="cuda"), None, torch.zeros(4, device="cuda"), torch.bfloat16,
+           False, "cuda")
+
+
 def _bf16_store_cases(device: str) -> torch.Tensor:
     """FP32 values whose BF16 rounding is delicate: ties (even / odd), just above / below ties,
     FP32 subnormals, the largest finite values (round up to inf), ±inf, NaNs of both signs and
