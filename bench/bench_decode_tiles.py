@@ -18,10 +18,11 @@ import torch
 from bench.bench_quantize_kernels import copy_gbps, graph_ms
 from bench.common import finish_rows, parser, require_cuda
 
-#: (tile rows, tile cols, warps); None: the kernel's default
-TILES: list[Optional[tuple[int, int, int]]] = [
-    None, (8, 512, 4), (16, 512, 4), (16, 512, 8), (32, 512, 8), (8, 1024, 4), (8, 1024, 8),
-    (16, 1024, 8), (4, 1024, 4), (32, 256, 4), (4, 512, 2), (2, 1024, 4)]
+#: (tile rows, tile cols, warps[, register cap]); None: the kernel's default. The default (4, 512) / 2
+#: holds 128 registers a thread (offline, s17): smaller tiles and caps trade them for occupancy.
+TILES: list[Optional[tuple[int, ...]]] = [
+    None, (8, 512, 4), (16, 512, 8), (4, 1024, 4), (4, 512, 2), (2, 1024, 4), (4, 512, 4), (2, 512, 2),
+    (4, 256, 2), (2, 512, 1), (4, 512, 2, 96), (4, 512, 2, 80), (2, 512, 2, 64), (4, 512, 4, 64)]
 
 
 def _copies(x: torch.Tensor) -> list[tuple[str, Any, int, int]]:
@@ -48,8 +49,8 @@ def run() -> list[dict[str, Any]]:
     for name, decode, read, n in _copies(x):
         want = decode()
         for tile in TILES:
-            kw = {} if tile is None else {"tile": tile[:2], "num_warps": tile[2]}
-            label = "default" if tile is None else f"{tile[:2]} nw{tile[2]}"
+            kw = {} if tile is None else {"tile": tile[:2], "num_warps": tile[2], "maxnreg": (tile[3:] or (None,))[0]}
+            label = "default" if tile is None else f"{tile[:2]} nw{tile[2]}" + (f" maxnreg{tile[3]}" if tile[3:] else "")
             try:
                 got = decode(**kw)
                 same = torch.equal(got.view(torch.int16), want.view(torch.int16))

@@ -281,6 +281,18 @@ def run_sweep(x: torch.Tensor, copy: float, only: Optional[list[str]] = None) ->
         variants.append((f"grouped mxfp8 natural row map col, 8 experts {blk} rs{rs} nw{nw}",
                          lambda b=blk, n=nw, r=rs: triton_mxfp8.quantize(x, E4M3, row_map=rmap, block=b, num_warps=n,
                                                                          method="natural", row_slice=r, rowwise=False)))
+    # register caps (more programs per SM; ncu s17: the row+col kernel is register-limited to 43.75 %
+    # occupancy at 72 registers, the natural columnwise one to 25 % at 118)
+    for mr in (64, 56):
+        variants.append((f"mxfp8 row+col (64, 128) nw4 maxnreg{mr}", lambda m=mr: triton_mxfp8.quantize(
+            x, E4M3, maxnreg=m)))
+        variants.append((f"grouped mxfp8 row+col, 8 experts: row map maxnreg{mr}", lambda m=mr: triton_mxfp8.quantize(
+            x, E4M3, row_map=rmap, maxnreg=m)))
+    for mr in (104, 96):
+        variants.append((f"mxfp8 natural col (64, 128) rs32 nw2 maxnreg{mr}", lambda m=mr: triton_mxfp8.quantize(
+            x, E4M3, rowwise=False, maxnreg=m)))
+        variants.append((f"grouped mxfp8 col, 8 experts: row map, default maxnreg{mr}",
+                         lambda m=mr: triton_mxfp8.quantize(x, E4M3, rowwise=False, row_map=rmap, maxnreg=m)))
     out = []
     for name, fn in variants:
         if only and not any(o in name for o in only):

@@ -160,12 +160,14 @@ def _exact_bf16_gemm(device: torch.device) -> Iterator[None]:
 
 def bf16_gemm(a: GemmOperand, b: GemmOperand, *, out_dtype: torch.dtype = torch.bfloat16,
               bias: Optional[torch.Tensor] = None,
-              accumulate_into: Optional[torch.Tensor] = None) -> torch.Tensor:
+              accumulate_into: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """out[m, n] = (Σ_k a[m, k] b[n, k]) * sa[m] * sb[n] (+ bias) of BF16-decoded operands.
 
     CUDA: cuBLAS BF16 with FP32 accumulation + the Triton epilogue. Elsewhere: an IEEE FP32
     matmul of the same BF16 values (exact products, FP32 accumulation) and ``emulate``'s
-    epilogue, so the path is testable on the CPU.
+    epilogue, so the path is testable on the CPU. ``out`` (an [m, n] ``out_dtype`` tensor, no
+    ``accumulate_into``): on CUDA the result is written there (the grouped per-expert path's
+    rows of the joined output, without a copy); elsewhere it may come back as a new tensor.
     """
     av, bv = a.values, b.values
     if av.dtype != torch.bfloat16 or bv.dtype != torch.bfloat16:
@@ -180,8 +182,12 @@ def bf16_gemm(a: GemmOperand, b: GemmOperand, *, out_dtype: torch.dtype = torch.
     plain = a.scale is None and b.scale is None and bias is None and accumulate_into is None
     if plain and out_dtype == torch.bfloat16:
         with _exact_bf16_gemm(av.device):
-            return torch.mm(av, bv.t())  # FP32 accumulation, one rounding to BF16
-    return finish(bf16_mm_fp32(av, bv), a, b, out_dtype, bias, accumulate_into)
+            # FP32 accumulation, one rounding to BF16. Into ``out`` only where cuBLAS sees what a
+            # fresh result would give it (contiguous, 16-byte aligned), so it picks the same kernel
+            if out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0:
+                return torch.mm(av, bv.t(), out=out)
+            return torch.mm(av, bv.t())
+    return finish(bf16_mm_fp32(av, bv), a, b, out_dtype, bias, accumulate_into, out)
 
 
 def bf16_mm_fp32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -198,19 +204,21 @@ def bf16_mm_fp32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def finish(acc: torch.Tensor, a: GemmOperand, b: GemmOperand, out_dtype: torch.dtype,
-           bias: Optional[torch.Tensor] = None, accumulate_into: Optional[torch.Tensor] = None) -> torch.Tensor:
+           bias: Optional[torch.Tensor] = None, accumulate_into: Optional[torch.Tensor] = None,
+           out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``emulate``'s epilogue on an FP32 accumulator: global / per-row scales of ``a`` and
-    ``b``, bias, one cast (or ``accumulate_into +=``); one Triton pass on CUDA."""
+    ``b``, bias, one cast (or ``accumulate_into +=``); one Triton pass on CUDA, which writes
+    into ``out`` when given (elsewhere the result may be a new tensor)."""
     plain = a.scale is None and b.scale is None and bias is None and accumulate_into is None
     if plain and out_dtype == torch.float32:
-        return acc
+        return acc if out is None else out.copy_(acc)
     if acc.device.type != "cuda":
         return epilogue(acc, a, b, out_dtype, bias, accumulate_into)
     kernel = _epilogue()
     if not kernel.supported(out_dtype, accumulate_into):
         return epilogue(acc, a, b, out_dtype, bias, accumulate_into)
     with torch.cuda.device(acc.device):
-        return kernel.epilogue(acc, a.scale, b.scale, bias, out_dtype, accumulate_into)
+        return kernel.epilogue(acc, a.scale, b.scale, bias, out_dtype, accumulate_into, out=out)
 
 
 def _emulated(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, why: str,
@@ -246,33 +254,37 @@ def _on_bf16(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, out_dtype:
 
 def run(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, *,
         out_dtype: torch.dtype = torch.bfloat16, bias: Optional[torch.Tensor] = None,
-        accumulate_into: Optional[torch.Tensor] = None, fast_accumulation: bool = False) -> torch.Tensor:
+        accumulate_into: Optional[torch.Tensor] = None, fast_accumulation: bool = False,
+        out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The GEMM ``layout`` selects on two single-format storages (see the module doc).
-    ``fast_accumulation`` changes nothing here: BF16 tensor cores accumulate in FP32."""
+    ``fast_accumulation`` changes nothing here: BF16 tensor cores accumulate in FP32. ``out``:
+    see :func:`bf16_gemm` (``Backend.writes_out``)."""
     return _on_bf16(sa, sb, layout, out_dtype, bias, accumulate_into, lambda pa, pb, a, b: bf16_gemm(
-        a, b, out_dtype=out_dtype, bias=bias, accumulate_into=accumulate_into))
+        a, b, out_dtype=out_dtype, bias=bias, accumulate_into=accumulate_into, out=out))
 
 
 def run_split(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, *,
               out_dtype: torch.dtype = torch.bfloat16, bias: Optional[torch.Tensor] = None,
-              accumulate_into: Optional[torch.Tensor] = None, fast_accumulation: bool = False) -> torch.Tensor:
+              accumulate_into: Optional[torch.Tensor] = None, fast_accumulation: bool = False,
+              out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A one-sided RHT pair (``bf16_split_rht``): decode both copies into BF16, then
     ``split_gemm`` (the RHT side inverse-transformed and split into BF16 parts, up to three
     BF16 GEMMs summed in FP32) and ``emulate``'s epilogue. Copies that do not decode into BF16,
     or RHT values the split cannot hold exactly, run ``emulate`` (reported once per reason).
-    ``fast_accumulation`` changes nothing here: BF16 tensor cores accumulate in FP32."""
+    ``fast_accumulation`` changes nothing here: BF16 tensor cores accumulate in FP32; ``out``: see
+    :func:`bf16_gemm`."""
     def compute(pa: QuantizedStorage, pb: QuantizedStorage, a: GemmOperand, b: GemmOperand) -> torch.Tensor:
         acc = split_gemm(a, b, bf16_mm_fp32)
         if acc is None:
             side = "A" if a.rht else "B"
             return _emulated(pa, pb, layout, f"{side}: {INEXACT}", out_dtype, bias, accumulate_into,
                              missing="exact BF16 split path here")
-        return finish(acc, a, b, out_dtype, bias, accumulate_into)
+        return finish(acc, a, b, out_dtype, bias, accumulate_into, out)
     return _on_bf16(sa, sb, layout, out_dtype, bias, accumulate_into, compute)
 
 
-BF16_TENSORCORE_BACKEND = Backend("bf16_tensorcore", supports, run)
+BF16_TENSORCORE_BACKEND = Backend("bf16_tensorcore", supports, run, writes_out=True)
 register_backend(BF16_TENSORCORE_BACKEND)
 #: Disjoint from bf16_tensorcore's pairs (exactly one copy RHT'd), so the order is immaterial.
-BF16_SPLIT_RHT_BACKEND = Backend("bf16_split_rht", supports_split, run_split)
+BF16_SPLIT_RHT_BACKEND = Backend("bf16_split_rht", supports_split, run_split, writes_out=True)
 register_backend(BF16_SPLIT_RHT_BACKEND)

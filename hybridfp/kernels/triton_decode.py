@@ -178,10 +178,11 @@ def _decode_kernel(src_ptr, s_ptr, out_ptr, R, C, src_stride, s_stride, NSR, NSC
 def _launch(src: torch.Tensor, scale: torch.Tensor | None, cols: int, kind: int, *,
             fp8_dtype: torch.dtype = torch.float8_e4m3fn, block: tuple[int, int] = (1, 1),
             tile: Optional[tuple[int, int]] = None, num_warps: Optional[int] = None,
-            pairs: bool = False) -> torch.Tensor:
+            pairs: bool = False, maxnreg: Optional[int] = None) -> torch.Tensor:
     """Decode the [rows, cols] copy whose raw bytes are ``src`` (last dim contiguous).
     ``pairs`` (NVFP4, even ``cols``): write two elements per int32 word. ``tile`` / ``num_warps``
-    default to ``_TILE_1D`` / ``_WARPS_1D`` for 1x32 and 1x16 block scales, else ``_TILE`` / 4."""
+    default to ``_TILE_1D`` / ``_WARPS_1D`` for 1x32 and 1x16 block scales, else ``_TILE`` / 4;
+    ``maxnreg``: a register cap per thread (GPU compile option), default none."""
     rows = src.shape[0]
     out = empty((rows, cols), torch.bfloat16, src.device)
     if out.numel() == 0:
@@ -203,7 +204,8 @@ def _launch(src: torch.Tensor, scale: torch.Tensor | None, cols: int, kind: int,
                          scale.stride(0), scale.shape[0], scale.shape[1], KIND=kind,
                          E5M2=fp8_dtype == torch.float8_e5m2, SR=sr, SC=sc, SAFE_E=bias + mbits,
                          NAN16=bf16_nan16(src.device), BR=br, BC=bc,
-                         PAIRS=pairs, num_warps=num_warps)
+                         PAIRS=pairs, num_warps=num_warps,
+                         **({"maxnreg": maxnreg} if maxnreg is not None and src.is_cuda else {}))
     return out
 
 

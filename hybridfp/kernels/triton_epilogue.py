@@ -110,8 +110,10 @@ def supported(out_dtype: torch.dtype, accumulate_into: Optional[torch.Tensor]) -
 def epilogue(acc: torch.Tensor, scale_a: Optional[torch.Tensor], scale_b: Optional[torch.Tensor],
              bias: Optional[torch.Tensor], out_dtype: torch.dtype,
              accumulate_into: Optional[torch.Tensor] = None, *, block: tuple[int, int] = (32, 128),
-             num_warps: int = 4) -> torch.Tensor:
-    """The result of an FP32 accumulator ``acc`` [m, n] (row-major), see the module doc."""
+             num_warps: int = 4, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The result of an FP32 accumulator ``acc`` [m, n] (row-major), see the module doc;
+    ``out`` (an [m, n] ``out_dtype`` tensor, any strides; not with ``accumulate_into``): written
+    there instead of a new tensor."""
     if acc.dtype != torch.float32 or acc.dim() != 2 or acc.stride(1) != 1:
         raise ValueError(f"epilogue: acc must be a row-major 2D FP32 tensor; got {acc.dtype} "
                          f"{tuple(acc.shape)} strides {acc.stride()}.")
@@ -120,7 +122,13 @@ def epilogue(acc: torch.Tensor, scale_a: Optional[torch.Tensor], scale_b: Option
                          f"{(accumulate_into.dtype if accumulate_into is not None else out_dtype)}.")
     m, n = acc.shape
     sa_kind, sb_kind = _scale_kind(scale_a, m, "scale_a"), _scale_kind(scale_b, n, "scale_b")
-    out = accumulate_into if accumulate_into is not None else empty((m, n), out_dtype, acc.device)
+    if out is not None and (accumulate_into is not None or out.shape != (m, n) or out.dtype != out_dtype
+                            or out.device != acc.device):
+        raise ValueError(f"epilogue: out must be a [{m}, {n}] {out_dtype} tensor on {acc.device} and "
+                         f"accumulate_into None; got {out.dtype} {tuple(out.shape)} on {out.device}"
+                         f"{' with accumulate_into' if accumulate_into is not None else ''}.")
+    if out is None:
+        out = accumulate_into if accumulate_into is not None else empty((m, n), out_dtype, acc.device)
     if out.numel() == 0:
         return out
     bias32 = bias.to(device=acc.device, dtype=torch.float32).contiguous() if bias is not None else None

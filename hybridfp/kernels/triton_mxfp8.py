@@ -118,39 +118,6 @@ def _natural_rows(xbase, lr, lc, rmax, cmask, sxr, sxc, DTYPE: tl.constexpr, mba
 
 
 @triton.jit
-def _row_slice(x, lr, lc, rmax, cmask, r0, c0, C, rd_ptr, rs_ptr, mbase, RCEIL: tl.constexpr, EMAX: tl.constexpr,
-               MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr, RCP, HW: tl.constexpr,
-               MAP: tl.constexpr):
-    """Rowwise 1x32 copy of a natural slice ``x`` [N, BC] (tile rows ``lr``, columns ``c0 + lc``
-    of the tile at (r0, c0); ``rmax`` rows left from r0): FP8 codes into ``rd_ptr`` [R, C] and
-    E8M0 bytes into ``rs_ptr`` [R, ceil(C / 32)], as :func:`row_copy` does for a whole tile.
-    A block's 32 columns sit in a few neighbouring threads of the natural layout, so the block
-    amax is a short shuffle reduction and the slice never leaves registers. ``MAP``: tile row
-    i goes to source row ``mbase[i]`` (skipped where negative)."""
-    N: tl.constexpr = x.shape[0]
-    BC: tl.constexpr = x.shape[1]
-    xb = tl.reshape(x, [N, BC // _BLOCK, _BLOCK])
-    e = _e8m0_byte(amax_nan(xb, 2), RCEIL, EMAX, RCP)
-    code = fp8_encode(tl.reshape(xb * _e8m0_inverse(e)[:, :, None], [N, BC]), FP8_MAX, MBITS, BIAS, HW)
-    nbc = tl.cdiv(C, _BLOCK)
-    b0 = c0 // _BLOCK
-    lb = tl.arange(0, BC // _BLOCK)
-    bmask = ((b0 + lb) < nbc)[None, :]
-    ok = lr < rmax
-    if MAP:  # arbitrary source rows: 64-bit row offsets (as row_copy's MAP path)
-        src = tl.load(mbase + lr, mask=ok, other=-1)
-        rows = src.to(tl.int64)
-        keep = (src >= 0)[:, None]
-        tl.store(rd_ptr + c0 + rows[:, None] * C + lc[None, :], code, mask=keep & cmask[None, :])
-        tl.store(rs_ptr + b0 + rows[:, None] * nbc + lb[None, :], e.to(tl.uint8), mask=keep & bmask)
-    else:
-        tl.store(rd_ptr + r0.to(tl.int64) * C + c0 + tile_offsets(lr, lc, C, 1), code,
-                 mask=ok[:, None] & cmask[None, :])
-        tl.store(rs_ptr + r0.to(tl.int64) * nbc + b0 + tile_offsets(lr, lb, nbc, 1), e.to(tl.uint8),
-                 mask=ok[:, None] & bmask)
-
-
-@triton.jit
 def _codes(x, inv, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, HW: tl.constexpr):
     """FP8 codes (int32) of a natural slice ``x`` [N, BC] scaled by its columns' ``inv`` [BC]."""
     return fp8_encode(x * inv[None, :], FP8_MAX, MBITS, BIAS, HW).to(tl.int32)
@@ -186,8 +153,7 @@ def _store_rows4_t(cd_ptr, q0, q1, q2, q3, l4, lc, cmask, r0, c0, pr, R, BR: tl.
 def col_copy_natural(xbase, r0, c0, pr, R, C, sxr, sxc, cd_ptr, cs_ptr, mbase, RCEIL: tl.constexpr,
                      EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr, RCP,
                      HW: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                     RS: tl.constexpr, PACK: tl.constexpr, MAP: tl.constexpr, ROW: tl.constexpr = False,
-                     rd_ptr=None, rs_ptr=None):
+                     RS: tl.constexpr, PACK: tl.constexpr, MAP: tl.constexpr):
     """Columnwise 32x1 copy of the [BR, BC] tile at (r0, c0) = (pr * BR, c0) (``xbase`` points at
     it; ``MAP``: at the source's column c0, rows through ``mbase``, the map at r0), stored
     transposed, and its E8M0 bytes, from natural [RS, BC] slices (``RS`` rows, 4 .. 32, dividing
@@ -196,8 +162,7 @@ def col_copy_natural(xbase, r0, c0, pr, R, C, sxr, sxc, cd_ptr, cs_ptr, mbase, R
     The block amax is a running max of the |x| bits over those slices (one integer max per
     element in registers) and one reduction across rows per block. With RS = 32 the block's
     slices stay in registers for the codes (one read); smaller slices read the block twice (amax,
-    then codes) but hold fewer registers. ``ROW`` (RS = 32 only): the rowwise 1x32 copy too, from
-    the same slices (:func:`_row_slice`), so the tile is read from memory once and never re-read."""
+    then codes) but hold fewer registers."""
     lc = tl.arange(0, BC)
     cmask = (c0 + lc) < C
     rmax = R - r0
@@ -210,15 +175,6 @@ def col_copy_natural(xbase, r0, c0, pr, R, C, sxr, sxc, cd_ptr, cs_ptr, mbase, R
             x1 = _natural_rows(xbase, l4 * 4 + 1, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP)
             x2 = _natural_rows(xbase, l4 * 4 + 2, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP)
             x3 = _natural_rows(xbase, l4 * 4 + 3, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP)
-            if ROW:
-                _row_slice(x0, l4 * 4, lc, rmax, cmask, r0, c0, C, rd_ptr, rs_ptr, mbase, RCEIL, EMAX, MBITS, BIAS,
-                           FP8_MAX, RCP, HW, MAP)
-                _row_slice(x1, l4 * 4 + 1, lc, rmax, cmask, r0, c0, C, rd_ptr, rs_ptr, mbase, RCEIL, EMAX, MBITS,
-                           BIAS, FP8_MAX, RCP, HW, MAP)
-                _row_slice(x2, l4 * 4 + 2, lc, rmax, cmask, r0, c0, C, rd_ptr, rs_ptr, mbase, RCEIL, EMAX, MBITS,
-                           BIAS, FP8_MAX, RCP, HW, MAP)
-                _row_slice(x3, l4 * 4 + 3, lc, rmax, cmask, r0, c0, C, rd_ptr, rs_ptr, mbase, RCEIL, EMAX, MBITS,
-                           BIAS, FP8_MAX, RCP, HW, MAP)
             m = tl.maximum(tl.maximum(abs_bits(x0), abs_bits(x1)), tl.maximum(abs_bits(x2), abs_bits(x3)))
             e = _e8m0_byte(bits_amax(tl.max(m, 0)), RCEIL, EMAX, RCP)
             inv = _e8m0_inverse(e)
@@ -274,9 +230,7 @@ def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.c
         xbase = x_ptr + c0.to(tl.int64) * sxc
     else:
         xbase = x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc
-    # "natural" with 32-row slices writes the rowwise copy from the columnwise pass's own slices
-    FUSED: tl.constexpr = ROW and COL and NATURAL and RS == 32
-    if ROW and not FUSED:
+    if ROW:
         lr = tl.arange(0, BR)
         if MAP:  # tile row i is source row src[i]; the rowwise copy keeps the source's rows
             src = tl.load(map_ptr + r0 + lr, mask=(r0 + lr) < R, other=-1)
@@ -289,7 +243,7 @@ def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.c
             row_copy(x, mask, r0, c0, R, C, rd_ptr, rs_ptr, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW)
     if COL and NATURAL:
         col_copy_natural(xbase, r0, c0, pr, R, C, sxr, sxc, cd_ptr, cs_ptr, map_ptr + r0, RCEIL, EMAX, MBITS, BIAS,
-                         FP8_MAX, RCP, HW, DTYPE, BR, BC, RS, PACK, MAP, FUSED, rd_ptr, rs_ptr)
+                         FP8_MAX, RCP, HW, DTYPE, BR, BC, RS, PACK, MAP)
     elif COL:
         cmask = (c0 + lc) < C
         nbr = tl.cdiv(R, _BLOCK)
@@ -358,7 +312,7 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
              rowwise: bool = True, columnwise: bool = True, block: Optional[tuple[int, int]] = None,
              num_warps: Optional[int] = None, pack: bool = True,
              row_map: Optional[torch.Tensor] = None, method: Optional[str] = None,
-             row_slice: Optional[int] = None) -> Copies:
+             row_slice: Optional[int] = None, maxnreg: Optional[int] = None) -> Copies:
     """MXFP8-quantize 2D ``x2`` (any strides); returns ``(row, col)``, each ``(data, scale)`` or
     None: the same tensors as ``formats.mxfp8.quantize_1d(x2)`` / ``quantize_1d(x2.t())``
     (``block_2d``: ``quantize_2d(x2)`` and its transpose). ``block``: the tile (multiples of 32;
@@ -377,7 +331,8 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
     ``row_slice``-row slices (4, 8, 16 or 32; default 32: the block stays in registers) with
     vector loads and packs four rows' codes into an int32 word per thread (with one inline-PTX
     FP8 conversion per element, ``NATURAL_HW``, which FP32 input needs for its packed stores:
-    ``triton_fp8_block.natural_hw``)."""
+    ``triton_fp8_block.natural_hw``). ``maxnreg``: a register cap per thread for the compiled
+    kernel (more programs per SM; the same bytes), default none."""
     if rule not in ("rceil", "floor"):
         raise ValueError(f"rule={rule!r} is unknown; use 'rceil' or 'floor'.")
     if method is None:
@@ -435,6 +390,8 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
     method_args = {"NATURAL": True, "RS": rslice} if natural else {}
     grid = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)
     extra = {"num_warps": num_warps or (8 if block_2d else min(max(bc // 32, 1), 8))}
+    if maxnreg is not None and hw_fp8(dev):  # a compile option of the GPU backend only
+        extra["maxnreg"] = maxnreg
     hw = (NATURAL_HW if natural else True) if hw_fp8(dev) else False
     kernel[grid](kernel_input(x2), rd, rs, cd, cs, rows, cols, x2.stride(0), x2.stride(1), f32(1.0 / fmax),
                  ROW=rowwise, COL=columnwise, RCEIL=rule == "rceil",

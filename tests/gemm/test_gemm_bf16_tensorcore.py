@@ -234,6 +234,14 @@ def test_gpu_gemm_selects_backend_and_is_exact(layout, fmt_a, fmt_b):
     start = into.clone()
     gemm(a, b, layout, accumulate_into=into, bias=bias)
     assert rel_err(into - start - bias, ref) < 1e-5
+    # writes_out: the backend writes into rows of a larger buffer (the grouped per-expert path's
+    # joined output) and returns them, bit for bit the fresh result; the rows around stay poisoned
+    for dtype, fresh in ((torch.bfloat16, out16), (torch.float32, out)):
+        buf = torch.full((out.shape[0] + 32, out.shape[1]), float("nan"), dtype=dtype, device="cuda")
+        dst = buf[16:16 + out.shape[0]]
+        assert backend.run(sa, sb, layout, out_dtype=dtype, out=dst) is dst
+        assert torch.equal(dst, fresh)
+        assert bool(buf[:16].isnan().all()) and bool(buf[16 + out.shape[0]:].isnan().all())
 
 
 @gpu

@@ -84,6 +84,26 @@ def test_epilogue_matches_emulate(ka, kb, with_bias, out_dtype, accumulate):
 
 
 @interpreter_only
+def test_epilogue_writes_into_out():
+    """``out``: the result lands in the given rows of a larger buffer (the grouped per-expert
+    path's joined output), bit for bit a fresh result's, and nothing around them changes; a
+    wrong ``out``, or ``out`` with ``accumulate_into``, is refused by name."""
+    acc, sa, bias = _acc(M, N), _scale("vector", M), torch.randn(N)
+    for dtype in (torch.bfloat16, torch.float32):
+        fresh = triton_epilogue.epilogue(acc, sa, None, bias, dtype)
+        buf = torch.full((M + 5, N), float("nan"), dtype=dtype)
+        dst = buf[2:2 + M]
+        assert triton_epilogue.epilogue(acc, sa, None, bias, dtype, out=dst) is dst
+        assert torch.equal(dst.view(torch.uint8), fresh.view(torch.uint8))
+        assert bool(buf[:2].isnan().all()) and bool(buf[2 + M:].isnan().all())
+    with pytest.raises(ValueError, match="out must be"):
+        triton_epilogue.epilogue(acc, None, None, None, torch.bfloat16, out=torch.empty(M, N))
+    with pytest.raises(ValueError, match="accumulate_into"):
+        into = torch.zeros(M, N, dtype=torch.bfloat16)
+        triton_epilogue.epilogue(acc, None, None, None, torch.bfloat16, into, out=into)
+
+
+@interpreter_only
 def test_epilogue_empty_and_bad_scale():
     out = triton_epilogue.epilogue(torch.empty(0, 5), None, None, None, torch.bfloat16)
     assert out.shape == (0, 5)
