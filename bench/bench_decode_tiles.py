@@ -18,11 +18,12 @@ import torch
 from bench.bench_quantize_kernels import copy_gbps, graph_ms
 from bench.common import finish_rows, parser, require_cuda
 
-#: (tile rows, tile cols, warps[, register cap]); None: the kernel's default. The default (4, 512) / 2
-#: holds 128 registers a thread (offline, s17): smaller tiles and caps trade them for occupancy.
+#: (tile rows, tile cols, warps[, register cap: 0 none]); None: the kernel's default (MXFP8: capped at
+#: triton_decode._MAXNREG_E8M0_1D). Uncapped, (4, 512) / 2 holds 128 registers a thread (offline, s17).
 TILES: list[Optional[tuple[int, ...]]] = [
-    None, (8, 512, 4), (16, 512, 8), (4, 1024, 4), (4, 512, 2), (2, 1024, 4), (4, 512, 4), (2, 512, 2),
-    (4, 256, 2), (2, 512, 1), (4, 512, 2, 96), (4, 512, 2, 80), (2, 512, 2, 64), (4, 512, 4, 64)]
+    None, (4, 512, 2, 0), (8, 512, 4), (4, 1024, 4), (2, 512, 1), (4, 512, 2, 96), (4, 512, 2, 88),
+    (4, 512, 2, 80), (4, 512, 2, 72), (4, 512, 2, 64), (2, 512, 1, 80), (2, 512, 1, 64), (4, 512, 4, 80),
+    (8, 512, 4, 80), (4, 1024, 4, 80)]
 
 
 def _copies(x: torch.Tensor) -> list[tuple[str, Any, int, int]]:
@@ -49,7 +50,7 @@ def run() -> list[dict[str, Any]]:
     for name, decode, read, n in _copies(x):
         want = decode()
         for tile in TILES:
-            kw = {} if tile is None else {"tile": tile[:2], "num_warps": tile[2], "maxnreg": (tile[3:] or (None,))[0]}
+            kw = {} if tile is None else {"tile": tile[:2], "num_warps": tile[2], "maxnreg": (tile[3:] or (0,))[0]}
             label = "default" if tile is None else f"{tile[:2]} nw{tile[2]}" + (f" maxnreg{tile[3]}" if tile[3:] else "")
             try:
                 got = decode(**kw)

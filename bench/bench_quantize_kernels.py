@@ -293,6 +293,17 @@ def run_sweep(x: torch.Tensor, copy: float, only: Optional[list[str]] = None) ->
             x, E4M3, rowwise=False, maxnreg=m)))
         variants.append((f"grouped mxfp8 col, 8 experts: row map, default maxnreg{mr}",
                          lambda m=mr: triton_mxfp8.quantize(x, E4M3, rowwise=False, row_map=rmap, maxnreg=m)))
+    # the fused NVFP4 + MXFP8 kernel (Composer-2's inputs and weights): 78 / 125 registers (rd / orig)
+    rs_amax = x.float().abs().amax(1)
+    for mr in (0, 96, 64):
+        for src in ("rowwise_dequantized", "original"):
+            variants.append((f"hybrid nvfp4+mxfp8 {src[:4]} row-scaled (32, 64) nw2 maxnreg{mr}",
+                             lambda m=mr, s=src: triton_hybrid_nvfp4.quantize(x, rs_amax, E4M3, source=s, maxnreg=m)))
+    # the natural columnwise-only pass at more tiles, and capped
+    for blk, nw, mr in [((128, 128), 2, 0), ((64, 64), 1, 0), ((128, 64), 1, 0), ((64, 128), 2, 112),
+                        ((32, 128), 2, 0), ((64, 256), 4, 0)]:
+        variants.append((f"mxfp8 natural col {blk} rs32 nw{nw} maxnreg{mr}", lambda b=blk, n=nw, m=mr: triton_mxfp8.quantize(
+            x, E4M3, rowwise=False, block=b, num_warps=n, method="natural", maxnreg=m or None)))
     out = []
     for name, fn in variants:
         if only and not any(o in name for o in only):

@@ -53,6 +53,12 @@ _PLAIN, _E8M0, _POW2_F32, _NVFP4 = (tl.constexpr(i) for i in range(4))
 _TILE = (32, 256)
 _TILE_1D = (4, 512)
 _WARPS_1D = 2
+#: register cap of the MXFP8 1x32 decode (session 17): the rare exact path for small scales
+#: (``_pow2_scale_exact``) makes the compiler hold 128 registers a thread, which limits the
+#: kernel to 25 % occupancy; capped at 80 (a few spills, on that path) it ran 0.0638 vs 0.0716 ms
+#: rowwise and 0.0645 vs 0.0725 columnwise at 16384x4096 on the H200 (80 vs 71 % of copy), bit
+#: for bit the same (bench/bench_decode_tiles.py). NVFP4's decode gained nothing from a cap.
+_MAXNREG_E8M0_1D = 80
 
 
 @triton.jit
@@ -182,7 +188,8 @@ def _launch(src: torch.Tensor, scale: torch.Tensor | None, cols: int, kind: int,
     """Decode the [rows, cols] copy whose raw bytes are ``src`` (last dim contiguous).
     ``pairs`` (NVFP4, even ``cols``): write two elements per int32 word. ``tile`` / ``num_warps``
     default to ``_TILE_1D`` / ``_WARPS_1D`` for 1x32 and 1x16 block scales, else ``_TILE`` / 4;
-    ``maxnreg``: a register cap per thread (GPU compile option), default none."""
+    ``maxnreg``: a register cap per thread (GPU compile option; 0: none), default
+    ``_MAXNREG_E8M0_1D`` for the MXFP8 1x32 decode at its default tile, else none."""
     rows = src.shape[0]
     out = empty((rows, cols), torch.bfloat16, src.device)
     if out.numel() == 0:
@@ -191,6 +198,9 @@ def _launch(src: torch.Tensor, scale: torch.Tensor | None, cols: int, kind: int,
         src = src.contiguous()
     sr, sc = block
     one_d = sr == 1 and kind in (_E8M0.value, _NVFP4.value)
+    if maxnreg is None:  # the measured cap belongs to the default tile
+        default_tile = tile is None and num_warps is None
+        maxnreg = _MAXNREG_E8M0_1D if default_tile and one_d and kind == _E8M0.value else 0
     tile = tile or (_TILE_1D if one_d else _TILE)
     num_warps = num_warps or (_WARPS_1D if one_d else 4)
     br, bc = tile[0], max(tile[1], sc)
@@ -205,7 +215,7 @@ def _launch(src: torch.Tensor, scale: torch.Tensor | None, cols: int, kind: int,
                          E5M2=fp8_dtype == torch.float8_e5m2, SR=sr, SC=sc, SAFE_E=bias + mbits,
                          NAN16=bf16_nan16(src.device), BR=br, BC=bc,
                          PAIRS=pairs, num_warps=num_warps,
-                         **({"maxnreg": maxnreg} if maxnreg is not None and src.is_cuda else {}))
+                         **({"maxnreg": maxnreg} if maxnreg and src.is_cuda else {}))
     return out
 
 

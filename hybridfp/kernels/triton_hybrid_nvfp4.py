@@ -129,7 +129,8 @@ def _nvfp4_mxfp8_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, s
 
 def quantize(x2: torch.Tensor, row_amax: torch.Tensor, col_dtype: torch.dtype, *, rule: str = "rceil",
              rowwise: bool = True, columnwise: bool = True, source: str = "rowwise_dequantized",
-             block: tuple[int, int] = (32, 64), num_warps: Optional[int] = None, pack: bool = True) -> Copies:
+             block: tuple[int, int] = (32, 64), num_warps: Optional[int] = None, pack: bool = True,
+             maxnreg: Optional[int] = None) -> Copies:
     """NVFP4 rowwise + MXFP8 columnwise of non-empty 2D ``x2`` (any strides) in one pass.
 
     ``row_amax``: the NVFP4 global amax (0-d) or per-row amaxes ([R], row-scaled), already
@@ -139,7 +140,8 @@ def quantize(x2: torch.Tensor, row_amax: torch.Tensor, col_dtype: torch.dtype, *
     the FP32 dequantized rowwise value (``source="rowwise_dequantized"``) or ``x2``
     (``"original"``); None unless ``columnwise``. ``block``: (rows, columns) per program,
     multiples of 32; default (32, 64) with BC / 32 warps (the H200 sweep's fastest: 0.228 ms for
-    16384x4096 BF16 row+col, 0.371 ms at (32, 128)).
+    16384x4096 BF16 row+col, 0.371 ms at (32, 128)). ``maxnreg``: a register cap per thread (GPU
+    compile option), default none.
     """
     if source not in ("original", "rowwise_dequantized"):
         raise ValueError(f"source={source!r} is unknown; use 'original' or 'rowwise_dequantized'.")
@@ -169,5 +171,5 @@ def quantize(x2: torch.Tensor, row_amax: torch.Tensor, col_dtype: torch.dtype, *
         SRC_DEQ=source == "rowwise_dequantized", RCEIL=rule == "rceil", EMAX={3: 8, 2: 15}[mbits],
         MBITS=mbits, BIAS=bias, FP8_MAX=fmax, DTYPE=DTYPE_CODE[x2.dtype], BR=br, BC=bc,
         PACK=pack and rows % 4 == 0, WORDS=cols % 8 == 0, HW=hw_fp8(dev),
-        num_warps=num_warps or min(max(bc // 32, 1), 8))
+        num_warps=num_warps or min(max(bc // 32, 1), 8), **({"maxnreg": maxnreg} if maxnreg and hw_fp8(dev) else {}))
     return row, col
