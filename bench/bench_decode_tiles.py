@@ -21,9 +21,9 @@ from bench.common import finish_rows, parser, require_cuda
 #: (tile rows, tile cols, warps[, register cap: 0 none]); None: the kernel's default (MXFP8: capped at
 #: triton_decode._MAXNREG_E8M0_1D). Uncapped, (4, 512) / 2 holds 128 registers a thread (offline, s17).
 TILES: list[Optional[tuple[int, ...]]] = [
-    None, (4, 512, 2, 0), (8, 512, 4), (4, 1024, 4), (2, 512, 1), (4, 512, 2, 96), (4, 512, 2, 88),
-    (4, 512, 2, 80), (4, 512, 2, 72), (4, 512, 2, 64), (2, 512, 1, 80), (2, 512, 1, 64), (4, 512, 4, 80),
-    (8, 512, 4, 80), (4, 1024, 4, 80)]
+    None, (4, 512, 2, 0), (8, 512, 4), (4, 1024, 4), (2, 512, 1), (4, 512, 2, 96), (4, 512, 2, 80),
+    (4, 512, 2, 72), (4, 512, 2, 64), (4, 512, 2, 56), (4, 512, 2, 48), (2, 512, 1, 64), (2, 512, 1, 48),
+    (8, 512, 4, 64), (4, 1024, 4, 64)]
 
 
 def _copies(x: torch.Tensor) -> list[tuple[str, Any, int, int]]:

@@ -55,10 +55,11 @@ _TILE_1D = (4, 512)
 _WARPS_1D = 2
 #: register cap of the MXFP8 1x32 decode (session 17): the rare exact path for small scales
 #: (``_pow2_scale_exact``) makes the compiler hold 128 registers a thread, which limits the
-#: kernel to 25 % occupancy; capped at 80 (a few spills, on that path) it ran 0.0638 vs 0.0716 ms
-#: rowwise and 0.0645 vs 0.0725 columnwise at 16384x4096 on the H200 (80 vs 71 % of copy), bit
-#: for bit the same (bench/bench_decode_tiles.py). NVFP4's decode gained nothing from a cap.
-_MAXNREG_E8M0_1D = 80
+#: kernel to 25 % occupancy. Capped (spills land on that path), at 16384x4096 on the H200
+#: (bench/bench_decode_tiles.py, bit for bit the uncapped output), rowwise / columnwise ms:
+#: none 0.0727 / 0.0738, 96 0.0668 / 0.0672, 80 0.0647 / 0.0657, 72 0.0627 / 0.0632, 64
+#: 0.0616 / 0.0618 (84 % of copy). NVFP4's decode gained nothing from a cap (73-76 % either way).
+_MAXNREG_E8M0_1D = 64
 
 
 @triton.jit
