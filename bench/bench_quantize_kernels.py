@@ -293,6 +293,15 @@ def run_sweep(x: torch.Tensor, copy: float, only: Optional[list[str]] = None) ->
             x, E4M3, rowwise=False, maxnreg=m)))
         variants.append((f"grouped mxfp8 col, 8 experts: row map, default maxnreg{mr}",
                          lambda m=mr: triton_mxfp8.quantize(x, E4M3, rowwise=False, row_map=rmap, maxnreg=m)))
+    # "slices" store widths (ncu s17: L2 write requests of the transposed copies bound the kernel)
+    for w, mr in [(0, None), (1, None), (1, 72), (2, None), (2, 72)]:
+        tag = f"wide{w}" + (f" maxnreg{mr}" if mr else "")
+        variants.append((f"mxfp8 row+col (64, 128) nw4 {tag}", lambda w=w, m=mr: triton_mxfp8.quantize(
+            x, E4M3, wide_stores=w, maxnreg=m, method="slices")))
+        variants.append((f"mxfp8 col slices (64, 128) nw4 {tag}", lambda w=w, m=mr: triton_mxfp8.quantize(
+            x, E4M3, rowwise=False, wide_stores=w, maxnreg=m, method="slices")))
+        variants.append((f"grouped mxfp8 row+col, 8 experts: row map {tag}", lambda w=w, m=mr: triton_mxfp8.quantize(
+            x, E4M3, row_map=rmap, wide_stores=w, maxnreg=m)))
     # the fused NVFP4 + MXFP8 kernel (Composer-2's inputs and weights): 78 / 125 registers (rd / orig)
     rs_amax = x.float().abs().amax(1)
     for mr in (0, 96, 64):

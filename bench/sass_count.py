@@ -26,14 +26,14 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 #: arguments specialised as divisible by 16 where a kernel has them (the last line: the grouped GEMM's)
-_DIV = ("x_ptr", "rd_ptr", "rs_ptr", "cd_ptr", "cs_ptr", "R", "C", "sxr",
+_DIV = ("x_ptr", "rd_ptr", "rs_ptr", "cd_ptr", "cs_ptr", "R", "C", "NBR", "sxr",
         "a_ptr", "b_ptr", "sa_ptr", "sb_ptr", "bias_ptr", "out_ptr", "meta_ptr", "N", "sam", "sbe", "sbn", "soe",
         "som")
 _NV_SIG = dict(x_ptr="*i16", ramax_ptr="*fp32", camax_ptr="*fp32", rd_ptr="*u8", rs_ptr="*u8", cd_ptr="*u8",
                cs_ptr="*u8", R="i32", C="i32", sxr="i32", RCP6="fp32", rk0="i32", rk1="i32", ck0="i32", ck1="i32")
 _NV = dict(sxc=1, ROW=True, COL=True, ROW_SCALED=False, ROW_WORDS=True, COL_WORDS=True, HW=True, DTYPE=1,
            BF16_NAN=0x7FC0)
-_MX_SIG = dict(x_ptr="*i16", rd_ptr="*u8", rs_ptr="*u8", cd_ptr="*u8", cs_ptr="*u8", R="i32", C="i32", sxr="i32",
+_MX_SIG = dict(x_ptr="*i16", rd_ptr="*u8", rs_ptr="*u8", cd_ptr="*u8", cs_ptr="*u8", R="i32", C="i32", NBR="i32", sxr="i32",
                RCP="fp32", map_ptr="*i32")
 _FP8 = dict(RCEIL=True, EMAX=8, MBITS=3, BIAS=7, FP8_MAX=448.0)
 #: FP8 block 1D (E4M3, power-of-two scales, 1x128 / 128x1, BF16 input, the default "natural" 128 / 32 rows);

@@ -249,22 +249,29 @@ def nan_max(a, b):
 
 
 @triton.jit
-def store_words_t(ptr, code, lc, c0, r, R, C, PACK: tl.constexpr):
+def store_words_t(ptr, code, lc, c0, r, R, C, PACK: tl.constexpr, WIDE: tl.constexpr = False):
     """Store a transposed [BC, 32] uint8 code tile (rows ``r .. r + 31`` of columns ``c0 + lc``
     of an [R, C] tensor; ``r`` absolute) into the [C, R] byte array at ``ptr``. With ``PACK``
-    (R % 4 == 0) each column's 32 codes go as eight little-endian int32 words, two 16-byte
-    stores per thread (whole 32-byte sectors); else bytewise."""
+    (R % 4 == 0) each column's 32 codes go as eight little-endian int32 words: two 16-byte
+    stores per thread, or with ``WIDE`` one [BC, 8] word store, which the compiler lays out
+    two threads per column (through shared memory) so that each L2 write request carries a
+    whole 32-byte sector instead of half of one (ncu, s17: the transposed copies are bound by
+    the L2's request rate, not by bytes); else bytewise."""
     BC: tl.constexpr = code.shape[0]
     cmask = (c0 + lc) < C
     if PACK:
         w = tl.reshape(code.to(tl.int32), [BC, 8, 4])
         w = tl.sum(w << (tl.arange(0, 4) * 8)[None, None, :], axis=2)  # disjoint bits: sum == or
-        lo, hi = tl.split(tl.permute(tl.reshape(w, [BC, 2, 4]), (0, 2, 1)))  # words 0-3, 4-7
-        l4 = tl.arange(0, 4)
         base = ptr.to(tl.pointer_type(tl.int32)) + c0.to(tl.int64) * (R // 4) + r // 4
-        off = tile_offsets(lc, l4, R // 4, 1)
-        tl.store(base + off, lo, mask=cmask[:, None] & ((r // 4 + l4) < R // 4)[None, :])
-        tl.store(base + off + 4, hi, mask=cmask[:, None] & ((r // 4 + 4 + l4) < R // 4)[None, :])
+        if WIDE:
+            l8 = tl.arange(0, 8)
+            tl.store(base + tile_offsets(lc, l8, R // 4, 1), w, mask=cmask[:, None] & ((r // 4 + l8) < R // 4)[None, :])
+        else:
+            lo, hi = tl.split(tl.permute(tl.reshape(w, [BC, 2, 4]), (0, 2, 1)))  # words 0-3, 4-7
+            l4 = tl.arange(0, 4)
+            off = tile_offsets(lc, l4, R // 4, 1)
+            tl.store(base + off, lo, mask=cmask[:, None] & ((r // 4 + l4) < R // 4)[None, :])
+            tl.store(base + off + 4, hi, mask=cmask[:, None] & ((r // 4 + 4 + l4) < R // 4)[None, :])
     else:
         l32 = tl.arange(0, 32)
         base = ptr + c0.to(tl.int64) * R + r

@@ -209,12 +209,13 @@ def col_copy_natural(xbase, r0, c0, pr, R, C, sxr, sxc, cd_ptr, cs_ptr, mbase, R
 
 
 @triton.jit
-def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.constexpr, RCP,
+def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, NBR, sxr, sxc: tl.constexpr, RCP,
                      ROW: tl.constexpr, COL: tl.constexpr, RCEIL: tl.constexpr,
                      EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
                      FP8_MAX: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr,
                      BC: tl.constexpr, PACK: tl.constexpr, HW: tl.constexpr, map_ptr,
-                     MAP: tl.constexpr, NATURAL: tl.constexpr = False, RS: tl.constexpr = 32):
+                     MAP: tl.constexpr, NATURAL: tl.constexpr = False, RS: tl.constexpr = 32,
+                     WIDE: tl.constexpr = 0):
     """One [BR, BC] tile per program. Rowwise 1x32 blocks from the natural tile (a block's 32
     columns sit in a few neighbouring threads); columnwise 32x1 blocks from transposed
     [BC, 32] tiles re-read from cache (``_common.load_rows32_t``: register-local block amax,
@@ -244,16 +245,29 @@ def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.c
     if COL and NATURAL:
         col_copy_natural(xbase, r0, c0, pr, R, C, sxr, sxc, cd_ptr, cs_ptr, map_ptr + r0, RCEIL, EMAX, MBITS, BIAS,
                          FP8_MAX, RCP, HW, DTYPE, BR, BC, RS, PACK, MAP)
+    elif COL and WIDE == 2 and BR == 2 * _BLOCK:
+        # both 32-row blocks' scale bytes of a column leave in one 2-byte store (NBR, the scale
+        # row length, is an argument so that the compiler sees its alignment)
+        cmask = (c0 + lc) < C
+        xt = load_rows32_t(xbase, 0, lc, R - r0, cmask, sxr, sxc, DTYPE, map_ptr + r0, MAP)
+        e0, code = col_block_32(xt, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW)
+        store_words_t(cd_ptr, code, lc, c0, r0, R, C, PACK, True)
+        xt = load_rows32_t(xbase, _BLOCK, lc, R - r0, cmask, sxr, sxc, DTYPE, map_ptr + r0, MAP)
+        e1, code = col_block_32(xt, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW)
+        store_words_t(cd_ptr, code, lc, c0, r0 + _BLOCK, R, C, PACK, True)
+        l2 = tl.arange(0, 2)
+        blk = pr * 2 + l2
+        tl.store(cs_ptr + (c0 + lc).to(tl.int64)[:, None] * NBR + blk[None, :], tl.join(e0, e1).to(tl.uint8),
+                 mask=cmask[:, None] & (blk < NBR)[None, :])
     elif COL:
         cmask = (c0 + lc) < C
-        nbr = tl.cdiv(R, _BLOCK)
         for b in tl.static_range(BR // _BLOCK):
             xt = load_rows32_t(xbase, b * _BLOCK, lc, R - r0, cmask, sxr, sxc, DTYPE, map_ptr + r0, MAP)
             e, code = col_block_32(xt, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW)
-            store_words_t(cd_ptr, code, lc, c0, r0 + b * _BLOCK, R, C, PACK)
+            store_words_t(cd_ptr, code, lc, c0, r0 + b * _BLOCK, R, C, PACK, WIDE != 0)
             blk = pr * (BR // _BLOCK) + b
-            tl.store(cs_ptr + (c0 + lc).to(tl.int64) * nbr + blk, e.to(tl.uint8),
-                     mask=cmask & ((lc * 0 + blk) < nbr))  # a vector test: see _common._row
+            tl.store(cs_ptr + (c0 + lc).to(tl.int64) * NBR + blk, e.to(tl.uint8),
+                     mask=cmask & ((lc * 0 + blk) < NBR))  # a vector test: see _common._row
 
 
 @triton.jit
@@ -280,6 +294,9 @@ def _mxfp8_2d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.c
         store_transposed_u8(cd_ptr, code, lr, lc, r0, c0, R, C, PACK)
         tl.store(cs_ptr + sc[None, :] * nbr + sr[:, None], e8, mask=smask)
 
+
+#: "slices" store width (``quantize``'s ``wide_stores``): 0, 1 or 2
+WIDE_STORES = 0
 
 #: 1D columnwise methods: "slices" (transposed [BC, 32] slices, ``_common.load_rows32_t``) and
 #: "natural" (:func:`col_copy_natural`).
@@ -312,7 +329,8 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
              rowwise: bool = True, columnwise: bool = True, block: Optional[tuple[int, int]] = None,
              num_warps: Optional[int] = None, pack: bool = True,
              row_map: Optional[torch.Tensor] = None, method: Optional[str] = None,
-             row_slice: Optional[int] = None, maxnreg: Optional[int] = None) -> Copies:
+             row_slice: Optional[int] = None, maxnreg: Optional[int] = None,
+             wide_stores: Optional[int] = None) -> Copies:
     """MXFP8-quantize 2D ``x2`` (any strides); returns ``(row, col)``, each ``(data, scale)`` or
     None: the same tensors as ``formats.mxfp8.quantize_1d(x2)`` / ``quantize_1d(x2.t())``
     (``block_2d``: ``quantize_2d(x2)`` and its transpose). ``block``: the tile (multiples of 32;
@@ -332,7 +350,10 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
     vector loads and packs four rows' codes into an int32 word per thread (with one inline-PTX
     FP8 conversion per element, ``NATURAL_HW``, which FP32 input needs for its packed stores:
     ``triton_fp8_block.natural_hw``). ``maxnreg``: a register cap per thread for the compiled
-    kernel (more programs per SM; the same bytes), default none."""
+    kernel (more programs per SM; the same bytes), default none. ``wide_stores`` ("slices"): 1,
+    each column's packed codes leave in one store two threads wide (whole 32-byte sectors per L2
+    request, ``_common.store_words_t``); 2, also both 32-row blocks' scale bytes of a column in
+    one store (64-row tiles); 0 neither; default ``WIDE_STORES``."""
     if rule not in ("rceil", "floor"):
         raise ValueError(f"rule={rule!r} is unknown; use 'rceil' or 'floor'.")
     if method is None:
@@ -388,12 +409,15 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
     # which FP32 packed stores are right too (triton_fp8_block.natural_hw)
     packed = pack and rows % 4 == 0
     method_args = {"NATURAL": True, "RS": rslice} if natural else {}
+    if not block_2d and not natural:
+        method_args["WIDE"] = WIDE_STORES if wide_stores is None else wide_stores
     grid = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)
     extra = {"num_warps": num_warps or (8 if block_2d else min(max(bc // 32, 1), 8))}
     if maxnreg is not None and hw_fp8(dev):  # a compile option of the GPU backend only
         extra["maxnreg"] = maxnreg
     hw = (NATURAL_HW if natural else True) if hw_fp8(dev) else False
-    kernel[grid](kernel_input(x2), rd, rs, cd, cs, rows, cols, x2.stride(0), x2.stride(1), f32(1.0 / fmax),
+    kernel[grid](kernel_input(x2), rd, rs, cd, cs, rows, cols, *(() if block_2d else (nbr,)), x2.stride(0),
+                 x2.stride(1), f32(1.0 / fmax),
                  ROW=rowwise, COL=columnwise, RCEIL=rule == "rceil",
                  EMAX={3: 8, 2: 15}[mbits], MBITS=mbits, BIAS=bias, FP8_MAX=fmax,
                  DTYPE=DTYPE_CODE[x2.dtype], BR=br, BC=bc,

@@ -121,6 +121,44 @@ def test_mxfp8_gpu_tiles(shape, tile):
                 assert torch.equal(got[1], want[1].contiguous()), f"{tile} {d} scales"
 
 
+@interpreter_only
+@pytest.mark.parametrize("wide", [1, 2])
+def test_mxfp8_wide_stores(wide):
+    x = torch.randn(96, 200).to(torch.bfloat16)
+    x[3, 5], x[17, 0] = float("nan"), float("inf")
+    _check_wide_stores(x, wide)
+
+
+@gpu
+@pytest.mark.parametrize("wide", [1, 2])
+@pytest.mark.parametrize("shape", [(4096, 4096), (1000, 4160)], ids=str)
+def test_mxfp8_gpu_wide_stores(shape, wide):
+    _check_wide_stores(gpu_input(shape, torch.bfloat16, specials=True), wide)
+
+
+def _check_wide_stores(x: torch.Tensor, wide: int) -> None:
+    """The "slices" columnwise copy with wide stores (``wide_stores``: codes two threads wide per
+    column; 2: also both blocks' scale bytes in one store) writes the reference's bytes: both
+    copies, columnwise alone, a row map of padded groups; outputs poisoned."""
+    from hybridfp.kernels._common import poisoned_outputs
+    want_row, want_col = mxfp8.quantize_1d(x, E4M3), mxfp8.quantize_1d(x.t(), E4M3)
+    for rowwise in (True, False):
+        with poisoned_outputs():
+            row, col = triton_mxfp8.quantize(x, E4M3, rowwise=rowwise, wide_stores=wide, method="slices")
+        got = ([row] if rowwise else []) + [col]
+        want = ([want_row] if rowwise else []) + [want_col]
+        for (gd, gs), (wd, ws) in zip(got, want):
+            assert torch.equal(gd.view(torch.uint8), wd.view(torch.uint8)) and torch.equal(gs, ws)
+    # a row map (the grouped copies' zero-padded groups): equal to the default stores' bytes
+    rmap = torch.arange(-7, x.shape[0], dtype=torch.int32, device=x.device)
+    rmap[rmap < 0] = -1
+    base = triton_mxfp8.quantize(x, E4M3, row_map=rmap, wide_stores=0)
+    with poisoned_outputs():
+        wide_out = triton_mxfp8.quantize(x, E4M3, row_map=rmap, wide_stores=wide)
+    for a, b in zip(base, wide_out):
+        assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
+
+
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("rowwise,columnwise", [(True, True), (True, False), (False, True)])
