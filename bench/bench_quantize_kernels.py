@@ -308,13 +308,12 @@ def run_sweep(x: torch.Tensor, copy: float, only: Optional[list[str]] = None) ->
             x, E4M3, rowwise=False, wide_stores=w)))
         variants.append((f"grouped mxfp8 col, 8 experts: row map, natural wide{w}", lambda w=w: triton_mxfp8.quantize(
             x, E4M3, rowwise=False, row_map=rmap, wide_stores=w)))
+    rs_amax = x.float().abs().amax(1)
     for w in (False, True):
         for src in ("rowwise_dequantized", "original"):
             variants.append((f"hybrid nvfp4+mxfp8 {src[:4]} row-scaled (32, 64) nw2 wide{int(w)}",
-                             lambda w=w, s=src: triton_hybrid_nvfp4.quantize(
-                                 x, x.float().abs().amax(1), E4M3, source=s, wide_stores=w)))
+                             lambda w=w, s=src: triton_hybrid_nvfp4.quantize(x, rs_amax, E4M3, source=s, wide_stores=w)))
     # the fused NVFP4 + MXFP8 kernel (Composer-2's inputs and weights): 78 / 125 registers (rd / orig)
-    rs_amax = x.float().abs().amax(1)
     for mr in (0, 96, 64):
         for src in ("rowwise_dequantized", "original"):
             variants.append((f"hybrid nvfp4+mxfp8 {src[:4]} row-scaled (32, 64) nw2 maxnreg{mr}",
