@@ -374,6 +374,8 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
     0 neither; default ``WIDE_STORES``."""
     if rule not in ("rceil", "floor"):
         raise ValueError(f"rule={rule!r} is unknown; use 'rceil' or 'floor'.")
+    if wide_stores not in (None, 0, 1, 2):
+        raise ValueError(f"wide_stores={wide_stores!r} must be 0, 1 or 2 (or None for WIDE_STORES).")
     if method is None:
         method, block, num_warps = _default_method(x2, rowwise, columnwise, block_2d, block, num_warps)
     if method not in METHODS or (method == "natural" and block_2d):

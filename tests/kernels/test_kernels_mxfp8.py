@@ -129,6 +129,11 @@ def test_mxfp8_wide_stores(wide):
     _check_wide_stores(x, wide)
 
 
+def test_mxfp8_wide_stores_refuses_unknown_width():
+    with pytest.raises(ValueError, match="wide_stores=3"):
+        triton_mxfp8.quantize(torch.ones(32, 32, dtype=torch.bfloat16), E4M3, wide_stores=3)
+
+
 @gpu
 @pytest.mark.parametrize("wide", [1, 2])
 @pytest.mark.parametrize("shape", [(4096, 4096), (1000, 4160)], ids=str)
