@@ -311,8 +311,10 @@ def run_sweep(x: torch.Tensor, copy: float, only: Optional[list[str]] = None) ->
     rs_amax = x.float().abs().amax(1)
     for w in (False, True):
         for src in ("rowwise_dequantized", "original"):
-            variants.append((f"hybrid nvfp4+mxfp8 {src[:4]} row-scaled (32, 64) nw2 wide{int(w)}",
-                             lambda w=w, s=src: triton_hybrid_nvfp4.quantize(x, rs_amax, E4M3, source=s, wide_stores=w)))
+            for blk in ((32, 64), (64, 64)):
+                variants.append((f"hybrid nvfp4+mxfp8 {src[:4]} row-scaled {blk} nw2 wide{int(w)}",
+                                 lambda w=w, s=src, b=blk: triton_hybrid_nvfp4.quantize(
+                                     x, rs_amax, E4M3, source=s, block=b, num_warps=2, wide_stores=w)))
     # the fused NVFP4 + MXFP8 kernel (Composer-2's inputs and weights): 78 / 125 registers (rd / orig)
     for mr in (0, 96, 64):
         for src in ("rowwise_dequantized", "original"):
