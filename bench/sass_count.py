@@ -57,9 +57,10 @@ CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
         "triton_nvfp4", "_nvfp4_amax_kernel",
         dict(x_ptr="*i16", amax_ptr="*i32", row_amax_ptr="*i32", rht_amax_ptr="*i32", R="i32", C="i32", sxr="i32"),
         dict(sxc=1, AMAX=True, ROW_AMAX=False, RHT_AMAX=True, DTYPE=1, BF16_NAN=0x7FC0, HW=True, BT=2, BC=256), 64, 4),
+    # WIDE=2: triton_mxfp8.WIDE_STORES, what quantize launches ("slices" columnwise stores)
     **{f"mxfp8 {what} (64, 128)": ("triton_mxfp8", "_mxfp8_1d_kernel", _MX_SIG,
                                    dict(_FP8, sxc=1, ROW=row, COL=col, DTYPE=1, BR=64, BC=128, PACK=True, HW=True,
-                                        MAP=mapped), 64, 4)
+                                        MAP=mapped, WIDE=2), 64, 4)
        for what, row, col, mapped in [("row+col", True, True, False), ("row", True, False, False),
                                       ("col", False, True, False), ("col, row map", False, True, True),
                                       ("row+col, row map", True, True, True)]},

@@ -166,8 +166,10 @@ def bf16_gemm(a: GemmOperand, b: GemmOperand, *, out_dtype: torch.dtype = torch.
     CUDA: cuBLAS BF16 with FP32 accumulation + the Triton epilogue. Elsewhere: an IEEE FP32
     matmul of the same BF16 values (exact products, FP32 accumulation) and ``emulate``'s
     epilogue, so the path is testable on the CPU. ``out`` (an [m, n] ``out_dtype`` tensor, no
-    ``accumulate_into``): on CUDA the result is written there (the grouped per-expert path's
-    rows of the joined output, without a copy); elsewhere it may come back as a new tensor.
+    ``accumulate_into``): on CUDA the result is written there where the kernel can (the Triton
+    epilogue: any strides; cuBLAS BF16: contiguous, 16-byte aligned, operands not recording
+    gradients), e.g. the grouped per-expert path's rows of the joined output; any other result
+    comes back as a new tensor, which the caller copies (``Backend.writes_out``).
     """
     av, bv = a.values, b.values
     if av.dtype != torch.bfloat16 or bv.dtype != torch.bfloat16:
@@ -183,8 +185,11 @@ def bf16_gemm(a: GemmOperand, b: GemmOperand, *, out_dtype: torch.dtype = torch.
     if plain and out_dtype == torch.bfloat16:
         with _exact_bf16_gemm(av.device):
             # FP32 accumulation, one rounding to BF16. Into ``out`` only where cuBLAS sees what a
-            # fresh result would give it (contiguous, 16-byte aligned), so it picks the same kernel
-            if out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0:
+            # fresh result would give it (contiguous, 16-byte aligned), so it picks the same kernel;
+            # not while autograd records the operands (mm's out= has no derivative; BF16
+            # Identity copies are the inputs themselves)
+            recording = torch.is_grad_enabled() and (av.requires_grad or bv.requires_grad)
+            if out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0 and not recording:
                 return torch.mm(av, bv.t(), out=out)
             return torch.mm(av, bv.t())
     return finish(bf16_mm_fp32(av, bv), a, b, out_dtype, bias, accumulate_into, out)

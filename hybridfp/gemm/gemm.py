@@ -53,7 +53,9 @@ def gemm(A: torch.Tensor, B: torch.Tensor, layout: str = "TN", *, out_dtype: tor
     [m, n] tensor of ``out_dtype`` on the operands' device with unit column stride (e.g. one
     expert's rows of a grouped result) that receives the result and is returned — written
     directly by the cuBLAS FP8 per-tensor kernel when it can (contiguous, 16-byte aligned, no
-    padded output columns or FP32 intermediate), copied there otherwise.
+    padded output columns or FP32 intermediate) and by the BF16 tensor-core backends on CUDA
+    (their epilogue kernel, or cuBLAS BF16 into a contiguous 16-byte aligned ``out``), copied
+    there otherwise.
 
     ``fast_accumulation``: let Hopper's FP8 tensor cores keep partial sums in their reduced
     precision over the whole k loop (cuBLAS fast accumulation; only the FP8 per-tensor cuBLAS

@@ -154,9 +154,9 @@ def quantize(x2: torch.Tensor, row_amax: torch.Tensor, col_dtype: torch.dtype, *
     (``"original"``); None unless ``columnwise``. ``block``: (rows, columns) per program,
     multiples of 32; default (32, 64) with BC / 32 warps (the H200 sweep's fastest: 0.228 ms for
     16384x4096 BF16 row+col, 0.371 ms at (32, 128)). ``maxnreg``: a register cap per thread (GPU
-    compile option), default none. ``wide_stores``: the columnwise codes leave two threads wide
-    per column (whole-sector L2 requests, ``_common.store_words_t``), and with 64-row tiles both
-    blocks' scale bytes of a column in one store; default ``WIDE_STORES``.
+    compile option; CUDA only), default none (or 0). ``wide_stores``: the columnwise codes leave
+    two threads wide per column (whole-sector L2 requests, ``_common.store_words_t``), and with
+    64-row tiles both blocks' scale bytes of a column in one store; default ``WIDE_STORES``.
     """
     if source not in ("original", "rowwise_dequantized"):
         raise ValueError(f"source={source!r} is unknown; use 'original' or 'rowwise_dequantized'.")
@@ -188,5 +188,5 @@ def quantize(x2: torch.Tensor, row_amax: torch.Tensor, col_dtype: torch.dtype, *
         MBITS=mbits, BIAS=bias, FP8_MAX=fmax, DTYPE=DTYPE_CODE[x2.dtype], BR=br, BC=bc,
         PACK=pack and rows % 4 == 0, WORDS=cols % 8 == 0, HW=hw_fp8(dev),
         WIDE=WIDE_STORES if wide_stores is None else wide_stores,
-        num_warps=num_warps or min(max(bc // 32, 1), 8), **({"maxnreg": maxnreg} if maxnreg and hw_fp8(dev) else {}))
+        num_warps=num_warps or min(max(bc // 32, 1), 8), **({"maxnreg": maxnreg} if maxnreg and dev.type == "cuda" else {}))
     return row, col

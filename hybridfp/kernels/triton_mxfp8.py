@@ -367,11 +367,11 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
     vector loads and packs four rows' codes into an int32 word per thread (with one inline-PTX
     FP8 conversion per element, ``NATURAL_HW``, which FP32 input needs for its packed stores:
     ``triton_fp8_block.natural_hw``). ``maxnreg``: a register cap per thread for the compiled
-    kernel (more programs per SM; the same bytes), default none. ``wide_stores``: 1, each
-    column's packed codes leave in one store two threads wide (whole 32-byte sectors per L2
-    request, ``_common.store_words_t``; "slices"; "natural" stores whole sectors anyway); 2,
-    also both 32-row blocks' scale bytes of a column in one store (64-row tiles, both methods);
-    0 neither; default ``WIDE_STORES``."""
+    kernel (more programs per SM; the same bytes; CUDA only), default none (or 0). ``wide_stores``
+    (1D; the 2D path ignores it): 1, each column's packed codes leave in one store two threads
+    wide (whole 32-byte sectors per L2 request, ``_common.store_words_t``; "slices"; "natural"
+    stores whole sectors anyway); 2, also both 32-row blocks' scale bytes of a column in one
+    store (64-row tiles, both methods); 0 neither; default ``WIDE_STORES``."""
     if rule not in ("rceil", "floor"):
         raise ValueError(f"rule={rule!r} is unknown; use 'rceil' or 'floor'.")
     if wide_stores not in (None, 0, 1, 2):
@@ -433,7 +433,7 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
         method_args["WIDE"] = WIDE_STORES if wide_stores is None else wide_stores
     grid = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)
     extra = {"num_warps": num_warps or (8 if block_2d else min(max(bc // 32, 1), 8))}
-    if maxnreg is not None and hw_fp8(dev):  # a compile option of the GPU backend only
+    if maxnreg and dev.type == "cuda":  # a compile option of the GPU backend only; 0: no cap
         extra["maxnreg"] = maxnreg
     hw = (NATURAL_HW if natural else True) if hw_fp8(dev) else False
     kernel[grid](kernel_input(x2), rd, rs, cd, cs, rows, cols, *(() if block_2d else (nbr,)), x2.stride(0),

@@ -242,6 +242,10 @@ def test_gpu_gemm_selects_backend_and_is_exact(layout, fmt_a, fmt_b):
         assert backend.run(sa, sb, layout, out_dtype=dtype, out=dst) is dst
         assert torch.equal(dst, fresh)
         assert bool(buf[:16].isnan().all()) and bool(buf[16 + out.shape[0]:].isnan().all())
+        # a row stride != n: the epilogue writes it, or cuBLAS's fresh result is copied by gemm()
+        wide = torch.full((out.shape[0], out.shape[1] + 8), float("nan"), dtype=dtype, device="cuda")
+        assert gemm(a, b, layout, out_dtype=dtype, out=wide[:, :out.shape[1]]) is not None
+        assert torch.equal(wide[:, :out.shape[1]], fresh) and bool(wide[:, out.shape[1]:].isnan().all())
 
 
 @gpu

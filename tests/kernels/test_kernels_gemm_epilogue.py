@@ -96,6 +96,12 @@ def test_epilogue_writes_into_out():
         assert triton_epilogue.epilogue(acc, sa, None, bias, dtype, out=dst) is dst
         assert torch.equal(dst.view(torch.uint8), fresh.view(torch.uint8))
         assert bool(buf[:2].isnan().all()) and bool(buf[2 + M:].isnan().all())
+        wide = torch.full((M + 5, N + 7), float("nan"), dtype=dtype)  # row stride != n
+        dst = wide[2:2 + M, 3:3 + N]
+        assert triton_epilogue.epilogue(acc, sa, None, bias, dtype, out=dst) is dst
+        assert torch.equal(dst.contiguous().view(torch.uint8), fresh.view(torch.uint8))
+        dst.fill_(0)
+        assert bool(wide.isnan().sum() == wide.numel() - M * N)
     with pytest.raises(ValueError, match="out must be"):
         triton_epilogue.epilogue(acc, None, None, None, torch.bfloat16, out=torch.empty(M, N))
     with pytest.raises(ValueError, match="accumulate_into"):

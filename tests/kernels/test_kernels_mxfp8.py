@@ -136,7 +136,7 @@ def test_mxfp8_wide_stores_refuses_unknown_width():
 
 @gpu
 @pytest.mark.parametrize("wide", [1, 2])
-@pytest.mark.parametrize("shape", [(4096, 4096), (1000, 4160)], ids=str)
+@pytest.mark.parametrize("shape", [(4096, 4096), (1000, 4160), (2080, 4160)], ids=str)
 def test_mxfp8_gpu_wide_stores(shape, wide):
     _check_wide_stores(gpu_input(shape, torch.bfloat16, specials=True), wide)
 
@@ -154,14 +154,16 @@ def _check_wide_stores(x: torch.Tensor, wide: int) -> None:
         want = ([want_row] if rowwise else []) + [want_col]
         for (gd, gs), (wd, ws) in zip(got, want):
             assert torch.equal(gd.view(torch.uint8), wd.view(torch.uint8)) and torch.equal(gs, ws)
-    # a row map (the grouped copies' zero-padded groups): equal to the default stores' bytes
-    rmap = torch.arange(-7, x.shape[0], dtype=torch.int32, device=x.device)
-    rmap[rmap < 0] = -1
-    base = triton_mxfp8.quantize(x, E4M3, row_map=rmap, wide_stores=0)
-    with poisoned_outputs():
-        wide_out = triton_mxfp8.quantize(x, E4M3, row_map=rmap, wide_stores=wide)
-    for a, b in zip(base, wide_out):
-        assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
+    # row maps (the grouped copies' zero-padded groups) of 7 and 8 padding rows: byte and packed
+    # word stores; equal to the default stores' bytes
+    for pad in (7, 8):
+        rmap = torch.arange(-pad, x.shape[0], dtype=torch.int32, device=x.device)
+        rmap[rmap < 0] = -1
+        base = triton_mxfp8.quantize(x, E4M3, row_map=rmap, wide_stores=0, method="slices")
+        with poisoned_outputs():
+            wide_out = triton_mxfp8.quantize(x, E4M3, row_map=rmap, wide_stores=wide, method="slices")
+        for a, b in zip(base, wide_out):
+            assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
 
 
 @gpu
