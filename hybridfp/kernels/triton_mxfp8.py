@@ -257,29 +257,25 @@ def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, NBR, sxr, sxc:
     if COL and NATURAL:
         col_copy_natural(xbase, r0, c0, pr, R, C, sxr, sxc, cd_ptr, cs_ptr, map_ptr + r0, RCEIL, EMAX, MBITS, BIAS,
                          FP8_MAX, RCP, HW, DTYPE, BR, BC, RS, PACK, MAP, NBR, WIDE == 2)
-    elif COL and WIDE == 2 and BR == 2 * _BLOCK:
-        # both 32-row blocks' scale bytes of a column leave in one 2-byte store (NBR, the scale
-        # row length, is an argument so that the compiler sees its alignment)
-        cmask = (c0 + lc) < C
-        xt = load_rows32_t(xbase, 0, lc, R - r0, cmask, sxr, sxc, DTYPE, map_ptr + r0, MAP)
-        e0, code = col_block_32(xt, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW)
-        store_words_t(cd_ptr, code, lc, c0, r0, R, C, PACK, True)
-        xt = load_rows32_t(xbase, _BLOCK, lc, R - r0, cmask, sxr, sxc, DTYPE, map_ptr + r0, MAP)
-        e1, code = col_block_32(xt, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW)
-        store_words_t(cd_ptr, code, lc, c0, r0 + _BLOCK, R, C, PACK, True)
-        l2 = tl.arange(0, 2)
-        blk = pr * 2 + l2
-        tl.store(cs_ptr + (c0 + lc).to(tl.int64)[:, None] * NBR + blk[None, :], tl.join(e0, e1).to(tl.uint8),
-                 mask=cmask[:, None] & (blk < NBR)[None, :])
     elif COL:
         cmask = (c0 + lc) < C
         for b in tl.static_range(BR // _BLOCK):
             xt = load_rows32_t(xbase, b * _BLOCK, lc, R - r0, cmask, sxr, sxc, DTYPE, map_ptr + r0, MAP)
             e, code = col_block_32(xt, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW)
             store_words_t(cd_ptr, code, lc, c0, r0 + b * _BLOCK, R, C, PACK, WIDE != 0)
-            blk = pr * (BR // _BLOCK) + b
-            tl.store(cs_ptr + (c0 + lc).to(tl.int64) * NBR + blk, e.to(tl.uint8),
-                     mask=cmask & ((lc * 0 + blk) < NBR))  # a vector test: see _common._row
+            if WIDE == 2 and BR == 2 * _BLOCK:
+                # both blocks' scale bytes of a column in one 2-byte store (NBR, the scale row
+                # length, is an argument so that the compiler sees its alignment)
+                if b == 0:
+                    e_first = e
+                else:
+                    blk2 = pr * 2 + tl.arange(0, 2)
+                    tl.store(cs_ptr + (c0 + lc).to(tl.int64)[:, None] * NBR + blk2[None, :],
+                             tl.join(e_first, e).to(tl.uint8), mask=cmask[:, None] & (blk2 < NBR)[None, :])
+            else:
+                blk = pr * (BR // _BLOCK) + b
+                tl.store(cs_ptr + (c0 + lc).to(tl.int64) * NBR + blk, e.to(tl.uint8),
+                         mask=cmask & ((lc * 0 + blk) < NBR))  # a vector test: see _common._row
 
 
 @triton.jit
