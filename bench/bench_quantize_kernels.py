@@ -302,8 +302,20 @@ def run_sweep(x: torch.Tensor, copy: float, only: Optional[list[str]] = None) ->
             x, E4M3, rowwise=False, wide_stores=w, maxnreg=m, method="slices")))
         variants.append((f"grouped mxfp8 row+col, 8 experts: row map {tag}", lambda w=w, m=mr: triton_mxfp8.quantize(
             x, E4M3, row_map=rmap, wide_stores=w, maxnreg=m)))
-    # the fused NVFP4 + MXFP8 kernel (Composer-2's inputs and weights): 78 / 125 registers (rd / orig)
+    # the natural columnwise pass with paired scale bytes, and the fused NVFP4 + MXFP8 kernel's wide stores
+    for w in (0, 2):
+        variants.append((f"mxfp8 natural col (64, 128) rs32 nw2 wide{w}", lambda w=w: triton_mxfp8.quantize(
+            x, E4M3, rowwise=False, wide_stores=w)))
+        variants.append((f"grouped mxfp8 col, 8 experts: row map, natural wide{w}", lambda w=w: triton_mxfp8.quantize(
+            x, E4M3, rowwise=False, row_map=rmap, wide_stores=w)))
     rs_amax = x.float().abs().amax(1)
+    for w in (False, True):
+        for src in ("rowwise_dequantized", "original"):
+            for blk in ((32, 64), (64, 64)):
+                variants.append((f"hybrid nvfp4+mxfp8 {src[:4]} row-scaled {blk} nw2 wide{int(w)}",
+                                 lambda w=w, s=src, b=blk: triton_hybrid_nvfp4.quantize(
+                                     x, rs_amax, E4M3, source=s, block=b, num_warps=2, wide_stores=w)))
+    # the fused NVFP4 + MXFP8 kernel (Composer-2's inputs and weights): 78 / 125 registers (rd / orig)
     for mr in (0, 96, 64):
         for src in ("rowwise_dequantized", "original"):
             variants.append((f"hybrid nvfp4+mxfp8 {src[:4]} row-scaled (32, 64) nw2 maxnreg{mr}",

@@ -58,8 +58,9 @@ _WARPS_1D = 2
 #: kernel to 25 % occupancy. Capped (spills land on that path), at 16384x4096 on the H200
 #: (bench/bench_decode_tiles.py, bit for bit the uncapped output), rowwise / columnwise ms:
 #: none 0.0727 / 0.0738, 96 0.0668 / 0.0672, 80 0.0647 / 0.0657, 72 0.0627 / 0.0632, 64
-#: 0.0616 / 0.0618 (84 % of copy). NVFP4's decode gained nothing from a cap (73-76 % either way).
-_MAXNREG_E8M0_1D = 64
+#: 0.0616 / 0.0618 (84 % of copy), 56 0.058 / 0.058 (88 %), 48 0.068 / 0.068. NVFP4's decode gained
+#: nothing from a cap (73-76 % either way).
+_MAXNREG_E8M0_1D = 56
 
 
 @triton.jit

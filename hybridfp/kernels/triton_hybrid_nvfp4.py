@@ -89,12 +89,12 @@ def _dequantized(code, sdb, s_dec, BR: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _nvfp4_mxfp8_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.constexpr, RCP6, RCP,
+def _nvfp4_mxfp8_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, NBR, sxr, sxc: tl.constexpr, RCP6, RCP,
                         ROW: tl.constexpr, COL: tl.constexpr, ROW_SCALED: tl.constexpr,
                         SRC_DEQ: tl.constexpr, RCEIL: tl.constexpr, EMAX: tl.constexpr,
                         MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr,
                         DTYPE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                        PACK: tl.constexpr, WORDS: tl.constexpr, HW: tl.constexpr):
+                        PACK: tl.constexpr, WORDS: tl.constexpr, HW: tl.constexpr, WIDE: tl.constexpr = False):
     """ROW: store the NVFP4 rowwise copy. COL: the MXFP8 columnwise copy, of the dequantized
     rowwise value with SRC_DEQ (computed whether or not ROW stores it), else of x. Each 32-row
     slice of the tile is read once (coalesced rows); its columnwise source is transposed in
@@ -121,16 +121,29 @@ def _nvfp4_mxfp8_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, s
                 src = _dequantized(code, sdb, s_dec, 32, BC)
         if COL:
             e, qc = col_block_32(tl.trans(src), RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW)
-            store_words_t(cd_ptr, qc, lc, c0, r0, R, C, PACK)
-            blk = pr * (BR // 32) + b
-            tl.store(cs_ptr + (c0 + lc).to(tl.int64) * nbr + blk, e.to(tl.uint8),
-                     mask=cmask & ((lc * 0 + blk) < nbr))  # a vector test: see _common._row
+            store_words_t(cd_ptr, qc, lc, c0, r0, R, C, PACK, WIDE)
+            if WIDE and BR == 64:  # both blocks' scale bytes of a column in one 2-byte store
+                if b == 0:
+                    e_first = e
+                else:
+                    blk2 = pr * 2 + tl.arange(0, 2)
+                    tl.store(cs_ptr + (c0 + lc).to(tl.int64)[:, None] * NBR + blk2[None, :],
+                             tl.join(e_first, e).to(tl.uint8), mask=cmask[:, None] & (blk2 < NBR)[None, :])
+            else:
+                blk = pr * (BR // 32) + b
+                tl.store(cs_ptr + (c0 + lc).to(tl.int64) * nbr + blk, e.to(tl.uint8),
+                         mask=cmask & ((lc * 0 + blk) < nbr))  # a vector test: see _common._row
+
+
+#: columnwise code stores two threads wide per column (as ``triton_mxfp8.WIDE_STORES``; not yet
+#: timed on the GPU for this kernel)
+WIDE_STORES = True
 
 
 def quantize(x2: torch.Tensor, row_amax: torch.Tensor, col_dtype: torch.dtype, *, rule: str = "rceil",
              rowwise: bool = True, columnwise: bool = True, source: str = "rowwise_dequantized",
              block: tuple[int, int] = (32, 64), num_warps: Optional[int] = None, pack: bool = True,
-             maxnreg: Optional[int] = None) -> Copies:
+             maxnreg: Optional[int] = None, wide_stores: Optional[bool] = None) -> Copies:
     """NVFP4 rowwise + MXFP8 columnwise of non-empty 2D ``x2`` (any strides) in one pass.
 
     ``row_amax``: the NVFP4 global amax (0-d) or per-row amaxes ([R], row-scaled), already
@@ -141,7 +154,9 @@ def quantize(x2: torch.Tensor, row_amax: torch.Tensor, col_dtype: torch.dtype, *
     (``"original"``); None unless ``columnwise``. ``block``: (rows, columns) per program,
     multiples of 32; default (32, 64) with BC / 32 warps (the H200 sweep's fastest: 0.228 ms for
     16384x4096 BF16 row+col, 0.371 ms at (32, 128)). ``maxnreg``: a register cap per thread (GPU
-    compile option; CUDA only), default none (or 0).
+    compile option; CUDA only), default none (or 0). ``wide_stores``: the columnwise codes leave
+    two threads wide per column (whole-sector L2 requests, ``_common.store_words_t``), and with
+    64-row tiles both blocks' scale bytes of a column in one store; default ``WIDE_STORES``.
     """
     if source not in ("original", "rowwise_dequantized"):
         raise ValueError(f"source={source!r} is unknown; use 'original' or 'rowwise_dequantized'.")
@@ -166,10 +181,12 @@ def quantize(x2: torch.Tensor, row_amax: torch.Tensor, col_dtype: torch.dtype, *
     _nvfp4_mxfp8_kernel[grid](
         kernel_input(x2), row_amax.float().contiguous(), row[0] if row else dummy,
         row[1].view(torch.uint8) if row else dummy, col[0].view(torch.uint8) if col else dummy,
-        col[1] if col else dummy, rows, cols, x2.stride(0), x2.stride(1), RCP6, f32(1.0 / fmax),
+        col[1] if col else dummy, rows, cols, triton.cdiv(rows, MX_BLOCK), x2.stride(0), x2.stride(1), RCP6,
+        f32(1.0 / fmax),
         ROW=rowwise, COL=columnwise, ROW_SCALED=row_amax.dim() == 1,
         SRC_DEQ=source == "rowwise_dequantized", RCEIL=rule == "rceil", EMAX={3: 8, 2: 15}[mbits],
         MBITS=mbits, BIAS=bias, FP8_MAX=fmax, DTYPE=DTYPE_CODE[x2.dtype], BR=br, BC=bc,
         PACK=pack and rows % 4 == 0, WORDS=cols % 8 == 0, HW=hw_fp8(dev),
+        WIDE=WIDE_STORES if wide_stores is None else wide_stores,
         num_warps=num_warps or min(max(bc // 32, 1), 8), **({"maxnreg": maxnreg} if maxnreg and dev.type == "cuda" else {}))
     return row, col

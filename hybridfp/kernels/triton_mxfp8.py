@@ -153,7 +153,8 @@ def _store_rows4_t(cd_ptr, q0, q1, q2, q3, l4, lc, cmask, r0, c0, pr, R, BR: tl.
 def col_copy_natural(xbase, r0, c0, pr, R, C, sxr, sxc, cd_ptr, cs_ptr, mbase, RCEIL: tl.constexpr,
                      EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr, RCP,
                      HW: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                     RS: tl.constexpr, PACK: tl.constexpr, MAP: tl.constexpr):
+                     RS: tl.constexpr, PACK: tl.constexpr, MAP: tl.constexpr, NBR=0,
+                     PAIR_SCALES: tl.constexpr = False):
     """Columnwise 32x1 copy of the [BR, BC] tile at (r0, c0) = (pr * BR, c0) (``xbase`` points at
     it; ``MAP``: at the source's column c0, rows through ``mbase``, the map at r0), stored
     transposed, and its E8M0 bytes, from natural [RS, BC] slices (``RS`` rows, 4 .. 32, dividing
@@ -162,7 +163,9 @@ def col_copy_natural(xbase, r0, c0, pr, R, C, sxr, sxc, cd_ptr, cs_ptr, mbase, R
     The block amax is a running max of the |x| bits over those slices (one integer max per
     element in registers) and one reduction across rows per block. With RS = 32 the block's
     slices stay in registers for the codes (one read); smaller slices read the block twice (amax,
-    then codes) but hold fewer registers."""
+    then codes) but hold fewer registers. ``PAIR_SCALES`` (64-row tiles; ``NBR`` the scale row
+    length, an argument so that the compiler sees its alignment): both blocks' scale bytes of a
+    column leave in one 2-byte store (one L2 request instead of two)."""
     lc = tl.arange(0, BC)
     cmask = (c0 + lc) < C
     rmax = R - r0
@@ -203,9 +206,18 @@ def col_copy_natural(xbase, r0, c0, pr, R, C, sxr, sxc, cd_ptr, cs_ptr, mbase, R
                 q3 = _codes(_natural_rows(xbase, l4 * 4 + 3, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP), inv,
                             FP8_MAX, MBITS, BIAS, HW)
                 _store_rows4_t(cd_ptr, q0, q1, q2, q3, l4, lc, cmask, r0, c0, pr, R, BR, PACK)
-        blk = pr * (BR // _BLOCK) + b
-        tl.store(cs_ptr + (c0 + lc).to(tl.int64) * nbr + blk, e.to(tl.uint8),
-                 mask=cmask & ((lc * 0 + blk) < nbr))  # a vector test: see _common._row
+        if PAIR_SCALES and BR == 2 * _BLOCK:  # both blocks' scale bytes of a column in one store
+            if b == 0:
+                e_first = e
+            else:
+                l2 = tl.arange(0, 2)
+                blk2 = pr * 2 + l2
+                tl.store(cs_ptr + (c0 + lc).to(tl.int64)[:, None] * NBR + blk2[None, :],
+                         tl.join(e_first, e).to(tl.uint8), mask=cmask[:, None] & (blk2 < NBR)[None, :])
+        else:
+            blk = pr * (BR // _BLOCK) + b
+            tl.store(cs_ptr + (c0 + lc).to(tl.int64) * nbr + blk, e.to(tl.uint8),
+                     mask=cmask & ((lc * 0 + blk) < nbr))  # a vector test: see _common._row
 
 
 @triton.jit
@@ -244,7 +256,7 @@ def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, NBR, sxr, sxc:
             row_copy(x, mask, r0, c0, R, C, rd_ptr, rs_ptr, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW)
     if COL and NATURAL:
         col_copy_natural(xbase, r0, c0, pr, R, C, sxr, sxc, cd_ptr, cs_ptr, map_ptr + r0, RCEIL, EMAX, MBITS, BIAS,
-                         FP8_MAX, RCP, HW, DTYPE, BR, BC, RS, PACK, MAP)
+                         FP8_MAX, RCP, HW, DTYPE, BR, BC, RS, PACK, MAP, NBR, WIDE == 2)
     elif COL:
         cmask = (c0 + lc) < C
         for b in tl.static_range(BR // _BLOCK):
@@ -352,10 +364,10 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
     FP8 conversion per element, ``NATURAL_HW``, which FP32 input needs for its packed stores:
     ``triton_fp8_block.natural_hw``). ``maxnreg``: a register cap per thread for the compiled
     kernel (more programs per SM; the same bytes; CUDA only), default none (or 0). ``wide_stores``
-    (1D "slices" only; the "natural" and 2D paths ignore it): 1, each column's packed codes leave
-    in one store two threads wide (whole 32-byte sectors per L2 request,
-    ``_common.store_words_t``); 2, also both 32-row blocks' scale bytes of a column in one store
-    (64-row tiles); 0 neither; default ``WIDE_STORES``."""
+    (1D; the 2D path ignores it): 1, each column's packed codes leave in one store two threads
+    wide (whole 32-byte sectors per L2 request, ``_common.store_words_t``; "slices"; "natural"
+    stores whole sectors anyway); 2, also both 32-row blocks' scale bytes of a column in one
+    store (64-row tiles, both methods); 0 neither; default ``WIDE_STORES``."""
     if rule not in ("rceil", "floor"):
         raise ValueError(f"rule={rule!r} is unknown; use 'rceil' or 'floor'.")
     if wide_stores not in (None, 0, 1, 2):
@@ -413,7 +425,7 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
     # which FP32 packed stores are right too (triton_fp8_block.natural_hw)
     packed = pack and rows % 4 == 0
     method_args = {"NATURAL": True, "RS": rslice} if natural else {}
-    if not block_2d and not natural:
+    if not block_2d:  # "natural": 2 pairs its scale bytes (its codes already leave as whole sectors)
         method_args["WIDE"] = WIDE_STORES if wide_stores is None else wide_stores
     grid = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)
     extra = {"num_warps": num_warps or (8 if block_2d else min(max(bc // 32, 1), 8))}
