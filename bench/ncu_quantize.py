@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from hybridfp.kernels import (_common, triton_fp8_block, triton_fp8_tensorwise, triton_hybrid_fp8,
-                              triton_mxfp8, triton_nvfp4)
+                              triton_hybrid_nvfp4, triton_mxfp8, triton_nvfp4)
 
 ROWS, COLS = 16384, 4096
 
@@ -27,6 +27,7 @@ ROWS, COLS = 16384, 4096
 def _cases(x: torch.Tensor) -> dict[str, Callable[[], object]]:
     amax = _common.global_amax(x)
     row_amax = x.float().abs().amax()
+    row_amaxes = x.float().abs().amax(dim=1)
     return {
         "copy": lambda: x.clone(),
         "fp8_cast": lambda: triton_fp8_tensorwise.quantize(x, torch.float8_e4m3fn, amax=amax),
@@ -41,6 +42,10 @@ def _cases(x: torch.Tensor) -> dict[str, Callable[[], object]]:
         "mxfp8_row": lambda: triton_mxfp8.quantize(x, torch.float8_e4m3fn, columnwise=False),
         "nvfp4": lambda: triton_nvfp4.quantize_1d(x, row_amax, row_amax),
         "hybrid_fp8": lambda: triton_hybrid_fp8.quantize(x, amax, torch.float8_e4m3fn, torch.float8_e4m3fn),
+        # Composer-2's operand: NVFP4 row-scaled rowwise + MXFP8 columnwise of its dequantized value
+        "nvfp4_mxfp8_rd": lambda: triton_hybrid_nvfp4.quantize(x, row_amaxes, torch.float8_e4m3fn),
+        "nvfp4_mxfp8_orig": lambda: triton_hybrid_nvfp4.quantize(x, row_amaxes, torch.float8_e4m3fn,
+                                                                 source="original"),
     }
 
 

@@ -8,7 +8,7 @@
 export PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 NCU=${NCU:-/usr/local/cuda/bin/ncu}
-n=$(( 3 * $# ))
+n=${LAUNCHES:-$(( 3 * $# ))}  # LAUNCHES: when a case launches more than one kernel
 # METRICS (comma-separated ncu metric names): those instead of the sections, one table per launch
 if [ -n "${METRICS:-}" ]; then what=(--metrics "$METRICS"); else
     what=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy

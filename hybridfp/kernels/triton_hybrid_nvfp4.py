@@ -135,8 +135,10 @@ def _nvfp4_mxfp8_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, N
                          mask=cmask & ((lc * 0 + blk) < nbr))  # a vector test: see _common._row
 
 
-#: columnwise code stores two threads wide per column (as ``triton_mxfp8.WIDE_STORES``; not yet
-#: timed on the GPU for this kernel)
+#: columnwise code stores two threads wide per column (as ``triton_mxfp8.WIDE_STORES``). H200, s18
+#: (16384x4096 BF16, row-scaled, ms wide off / on): rowwise-dequantized source (32, 64) 0.216 /
+#: 0.216, (64, 64) 0.246 / 0.245; original source (32, 64) 0.172 / 0.173, (64, 64) 0.201 / 0.193.
+#: Neutral at the default tile: this kernel is not bound by its store requests.
 WIDE_STORES = True
 
 
