@@ -3,6 +3,8 @@
 # `git archive <sha> hybridfp | tar x -C _ab_old`) against this tree's, alternating twice, so
 # host-bound rows are compared on the same host. Usage (device): bash bench/ab_moe.sh <sha> <bench_moe args>
 export HYBRIDFP_COMMIT=$1; shift
+# the old tree is an ignored folder: it reaches the device only when the run names it in `carry`
+[ -d _ab_old/hybridfp ] || { echo "ab_moe: no _ab_old/hybridfp here (carry it: carry=[\"_ab_old\"])"; exit 2; }
 ROOT=$PWD; R=${OUT:-/tmp/out}/r; mkdir -p "$R"
 for i in 1 2; do
   for t in old new; do
