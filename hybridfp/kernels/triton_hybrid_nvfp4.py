@@ -29,11 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (program_tile, DTYPE_CODE, Copies, amax_nan, check_int32_tiles, e2m1_code_sat, e2m1_value,
-                      e4m3_value, empty, f32, fp8_params, hw_fp8, kernel_input, load_f32,
-                      store_words_t, tile_offsets)
+from ._common import (program_tile, DTYPE_CODE, Copies, amax_nan, check_int32_tiles, empty, f32, fp8_params,
+                      hw_fp8, kernel_input, load_f32, store_words_t, tile_offsets)
 from .triton_mxfp8 import col_block_32
-from .triton_nvfp4 import RCP6, block_scales, global_scales, pack_last
+from .triton_nvfp4 import RCP6, block_scales_dec, e2m1_rne, global_scales, pack_last
 
 MX_BLOCK = 32
 NV_BLOCK = 16
@@ -52,18 +51,23 @@ def _scales(amax_ptr, r, R, N: tl.constexpr, ROW_SCALED: tl.constexpr):
 @triton.jit
 def _rowwise(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, RCP6, ROW: tl.constexpr,
              HW: tl.constexpr, WORDS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    """NVFP4 1x16 rowwise codes [BR, BC] and E4M3 block scales [BR, BC / 16] of the natural
-    tile ``x`` (``s_enc``/``s_dec``: 0-d or [BR, 1] row-scaled); with ROW also stored (packed
-    codes, 0 past C: the odd-width padding nibble)."""
+    """NVFP4 1x16 rowwise copy of the natural tile ``x`` [BR, BC] (``s_enc``/``s_dec``: 0-d or
+    [BR, 1] row-scaled), with ROW stored (packed codes, 0 past C: the odd-width padding nibble;
+    E4M3 block scales). Returns the FP32 dequantized value ``(q * fp32(S_dec_b)) * S_dec``, left
+    to right as ``NVFP4Storage.decode`` (the first product is exact); the E2M1 value q comes
+    from the rounding itself (``triton_nvfp4.e2m1_rne``), not from a decode of the code."""
     rmask = (r0 + lr) < R
     xb = tl.reshape(x, [BR, BC // 16, 16])
-    sdb, enc = block_scales(amax_nan(xb, 2), s_enc, s_dec, RCP6, HW)
-    code = tl.reshape(e2m1_code_sat(xb * enc[:, :, None]), [BR, BC])
-    code = tl.where(((c0 + lc) < C)[None, :], code, 0)
+    sdb, enc, dec = block_scales_dec(amax_nan(xb, 2), s_enc, s_dec, RCP6, HW)
+    code, q = e2m1_rne(xb * enc[:, :, None])  # q: the E2M1 value * 2**-22; NaN elements: fixed per word below
     if ROW:
+        code = tl.where(((c0 + lc) < C)[None, :], tl.reshape(code, [BR, BC]), 0)
+        # a block is NaN iff its encode scale is (block_scales): its codes are sign bits only
+        nan = tl.reshape(tl.broadcast_to((enc != enc)[:, :, None], [BR, BC // 16, 2]), [BR, BC // 8])
         if WORDS:  # C % 8 == 0: 8 codes (one thread's columns) per int32 store
             w = tl.reshape(code, [BR, BC // 8, 8])
             w = tl.sum(w << (tl.arange(0, 8) * 4)[None, None, :], axis=2)  # disjoint bits: sum == or
+            w = tl.where(nan, w & -0x77777778, w)  # 0x88888888
             lw = tl.arange(0, BC // 8)
             wbase = rd_ptr.to(tl.pointer_type(tl.int32)) + r0.to(tl.int64) * (C // 8) + c0 // 8
             tl.store(wbase + tile_offsets(lr, lw, C // 8, 1), w,
@@ -71,21 +75,16 @@ def _rowwise(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, RCP6, ROW: t
         else:
             nb = (C + 1) // 2
             lb = tl.arange(0, BC // 2)
+            nan2 = tl.reshape(tl.broadcast_to(nan[:, :, None], [BR, BC // 8, 4]), [BR, BC // 2])
+            byte = pack_last(code, BR, BC)
             tl.store(rd_ptr + r0.to(tl.int64) * nb + c0 // 2 + tile_offsets(lr, lb, nb, 1),
-                     pack_last(code, BR, BC), mask=rmask[:, None] & ((c0 // 2 + lb) < nb)[None, :])
+                     tl.where(nan2, byte & 0x88, byte), mask=rmask[:, None] & ((c0 // 2 + lb) < nb)[None, :])
         nbc = tl.cdiv(C, 16)
         ls = tl.arange(0, BC // 16)
         tl.store(rs_ptr + r0.to(tl.int64) * nbc + c0 // 16 + tile_offsets(lr, ls, nbc, 1), sdb,
                  mask=rmask[:, None] & ((c0 // 16 + ls) < nbc)[None, :])
-    return code, sdb
-
-
-@triton.jit
-def _dequantized(code, sdb, s_dec, BR: tl.constexpr, BC: tl.constexpr):
-    """The FP32 dequantized NVFP4 value of a natural [BR, BC] tile: ``(q * fp32(S_dec_b)) *
-    S_dec``, left to right as ``NVFP4Storage.decode`` (the first product is exact)."""
-    q = tl.reshape(e2m1_value(code), [BR, BC // 16, 16])
-    return tl.reshape(q * e4m3_value(sdb)[:, :, None], [BR, BC]) * s_dec
+    # q * 2**-22 times fp32(S_dec_b) * 2**22 (exact): q * fp32(S_dec_b), rounded once as the decode does
+    return tl.reshape(q * (dec * 4194304.0)[:, :, None], [BR, BC]) * s_dec
 
 
 @triton.jit
@@ -115,10 +114,9 @@ def _nvfp4_mxfp8_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, N
             if ROW_SCALED:
                 s_enc = s_enc[:, None]
                 s_dec = s_dec[:, None]
-            code, sdb = _rowwise(x, r0, c0, l32, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, RCP6, ROW, HW, WORDS,
-                                 32, BC)
+            deq = _rowwise(x, r0, c0, l32, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, RCP6, ROW, HW, WORDS, 32, BC)
             if SRC_DEQ:
-                src = _dequantized(code, sdb, s_dec, 32, BC)
+                src = deq
         if COL:
             e, qc = col_block_32(tl.trans(src), RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW)
             store_words_t(cd_ptr, qc, lc, c0, r0, R, C, PACK, WIDE)
