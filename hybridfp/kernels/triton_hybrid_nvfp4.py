@@ -174,11 +174,13 @@ WIDE_STORES = True
 #: how each 32-row block reaches the columnwise copy: "trans" (``tl.trans`` of the whole block)
 #: or "natural" (four [8, BC] slices of rows 4i + k; see :func:`_nvfp4_mxfp8_kernel`)
 METHODS = ("trans", "natural")
-#: the default method and each method's default (block, warps). "natural" (s18, offline sm90, row-scaled
-#: rowwise-dequantized source): 53 instructions / element at (32, 128) / 2 warps against "trans"'s 70
-#: at (32, 64) / 2. NOT YET TIMED on the GPU.
+#: the default method and each method's default (block, warps). H200, s18 (16384x4096 BF16,
+#: row-scaled, CUDA graphs; bench_quantize_kernels --sweep --only method), ms rowwise-dequantized /
+#: original source: "natural" (32, 64) / 2 warps 0.172 / 0.142, (32, 128) / 4 0.188 / 0.162, (32, 128)
+#: / 2 0.201 / 0.142; "trans" (32, 64) / 2 0.178 / 0.152 (0.216 / 0.172 before e2m1_rne), wider
+#: tiles 0.25-0.74. Offline sm90: 63 vs 70 instructions / element (rd).
 METHOD = "natural"
-DEFAULT_TILES = {"trans": ((32, 64), 2), "natural": ((32, 128), 2)}
+DEFAULT_TILES = {"trans": ((32, 64), 2), "natural": ((32, 64), 2)}
 
 
 def quantize(x2: torch.Tensor, row_amax: torch.Tensor, col_dtype: torch.dtype, *, rule: str = "rceil",
