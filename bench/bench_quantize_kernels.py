@@ -315,6 +315,15 @@ def run_sweep(x: torch.Tensor, copy: float, only: Optional[list[str]] = None) ->
                 variants.append((f"hybrid nvfp4+mxfp8 {src[:4]} row-scaled {blk} nw2 wide{int(w)}",
                                  lambda w=w, s=src, b=blk: triton_hybrid_nvfp4.quantize(
                                      x, rs_amax, E4M3, source=s, block=b, num_warps=2, wide_stores=w)))
+    # the fused NVFP4 + MXFP8 kernel's methods ("trans": tl.trans of each 32-row block; "natural": four
+    # [8, BC] slices of rows 4i + k), row-scaled as Composer-2 runs it
+    for m in ("trans", "natural"):
+        for src in ("rowwise_dequantized", "original"):
+            for blk, nw in [((32, 64), 2), ((32, 128), 2), ((64, 64), 2), ((64, 128), 4), ((32, 128), 4),
+                            ((32, 256), 4)]:
+                variants.append((f"hybrid nvfp4+mxfp8 {src[:4]} row-scaled {blk} nw{nw} method {m}",
+                                 lambda m=m, s=src, b=blk, n=nw: triton_hybrid_nvfp4.quantize(
+                                     x, rs_amax, E4M3, source=s, block=b, num_warps=n, method=m)))
     # the fused NVFP4 + MXFP8 kernel (Composer-2's inputs and weights): 78 / 125 registers (rd / orig)
     for mr in (0, 96, 64):
         for src in ("rowwise_dequantized", "original"):

@@ -79,6 +79,16 @@ CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
         dict(_MX_SIG, amax_ptr="*fp32", RCP6="fp32"),
         dict(_FP8, sxc=1, ROW=True, COL=True, ROW_SCALED=False, SRC_DEQ=src == "rd", DTYPE=1, BR=32, BC=64,
              PACK=True, WORDS=True, HW=True), 32, 2) for src in ("rd", "orig")},
+    # method="natural": four [8, BC] row slices per 32-row block, one FP8 conversion per element; row-scaled
+    # (Composer-2's operand), WIDE as launched
+    **{f"nvfp4 row + mxfp8 col {src} {m} row-scaled {t} nw{nw}": (
+        "triton_hybrid_nvfp4", "_nvfp4_mxfp8_kernel",
+        dict(_MX_SIG, amax_ptr="*fp32", RCP6="fp32"),
+        dict(_FP8, sxc=1, ROW=True, COL=True, ROW_SCALED=True, SRC_DEQ=src == "rd", DTYPE=1, BR=t[0], BC=t[1],
+             PACK=True, WORDS=True, HW=2 if m == "natural" else True, WIDE=True, NATURAL=m == "natural"),
+        t[0] * t[1] // (32 * nw), nw)
+       for src in ("rd", "orig") for m in ("trans", "natural")
+       for t, nw in [((32, 64), 2), ((64, 64), 2), ((32, 128), 2), ((64, 128), 4)]},
     "mxfp8 row + nvfp4 rht col (2, 64)": (
         "triton_hybrid_mxfp8_nvfp4", "_mxfp8_nvfp4_kernel",
         dict(x_ptr="*i16", camax_ptr="*fp32", rd_ptr="*u8", rs_ptr="*u8", cd_ptr="*u8", cs_ptr="*u8", R="i32",

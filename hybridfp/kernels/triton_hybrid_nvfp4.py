@@ -29,22 +29,22 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (program_tile, DTYPE_CODE, Copies, amax_nan, check_int32_tiles, e2m1_code_sat, e2m1_value,
-                      e4m3_value, empty, f32, fp8_params, hw_fp8, kernel_input, load_f32,
-                      store_words_t, tile_offsets)
-from .triton_mxfp8 import col_block_32
-from .triton_nvfp4 import RCP6, block_scales, global_scales, pack_last
+from ._common import (program_tile, DTYPE_CODE, Copies, amax_nan, check_int32_tiles, empty, f32, fp8_params,
+                      hw_fp8, kernel_input, load_f32, store_words_t, tile_offsets)
+from .triton_mxfp8 import NATURAL_HW, col_block_32, col_block_rows4, natural_rows, store_scales_t
+from .triton_nvfp4 import RCP6, block_scales_dec, e2m1_rne, global_scales, pack_last
 
 MX_BLOCK = 32
 NV_BLOCK = 16
 
 
 @triton.jit
-def _scales(amax_ptr, r, R, N: tl.constexpr, ROW_SCALED: tl.constexpr):
-    """(S_enc, S_dec): 0-d from the global amax, or [N] for rows r .. r + N (row-scaled; rows
-    past R take the last row's, only multiplied by zeros)."""
+def _scales(amax_ptr, rows, R, ROW_SCALED: tl.constexpr):
+    """(S_enc, S_dec): 0-d from the global amax, or [N, 1] for the [N] absolute ``rows``
+    (row-scaled; rows past R take the last row's, only multiplied by zeros)."""
     if ROW_SCALED:
-        return global_scales(amax_ptr + tl.minimum(r + tl.arange(0, N), R - 1))
+        s_enc, s_dec = global_scales(amax_ptr + tl.minimum(rows, R - 1))
+        return s_enc[:, None], s_dec[:, None]
     else:
         return global_scales(amax_ptr)
 
@@ -52,18 +52,23 @@ def _scales(amax_ptr, r, R, N: tl.constexpr, ROW_SCALED: tl.constexpr):
 @triton.jit
 def _rowwise(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, RCP6, ROW: tl.constexpr,
              HW: tl.constexpr, WORDS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    """NVFP4 1x16 rowwise codes [BR, BC] and E4M3 block scales [BR, BC / 16] of the natural
-    tile ``x`` (``s_enc``/``s_dec``: 0-d or [BR, 1] row-scaled); with ROW also stored (packed
-    codes, 0 past C: the odd-width padding nibble)."""
+    """NVFP4 1x16 rowwise copy of the natural tile ``x`` [BR, BC] (``s_enc``/``s_dec``: 0-d or
+    [BR, 1] row-scaled), with ROW stored (packed codes, 0 past C: the odd-width padding nibble;
+    E4M3 block scales). Returns the FP32 dequantized value ``(q * fp32(S_dec_b)) * S_dec``, left
+    to right as ``NVFP4Storage.decode`` (the first product is exact); the E2M1 value q comes
+    from the rounding itself (``triton_nvfp4.e2m1_rne``), not from a decode of the code."""
     rmask = (r0 + lr) < R
     xb = tl.reshape(x, [BR, BC // 16, 16])
-    sdb, enc = block_scales(amax_nan(xb, 2), s_enc, s_dec, RCP6, HW)
-    code = tl.reshape(e2m1_code_sat(xb * enc[:, :, None]), [BR, BC])
-    code = tl.where(((c0 + lc) < C)[None, :], code, 0)
+    sdb, enc, dec = block_scales_dec(amax_nan(xb, 2), s_enc, s_dec, RCP6, HW)
+    code, q = e2m1_rne(xb * enc[:, :, None])  # q: the E2M1 value * 2**-22; NaN elements: fixed per word below
     if ROW:
+        code = tl.where(((c0 + lc) < C)[None, :], tl.reshape(code, [BR, BC]), 0)
+        # a block is NaN iff its encode scale is (block_scales): its codes are sign bits only
+        nan = tl.reshape(tl.broadcast_to((enc != enc)[:, :, None], [BR, BC // 16, 2]), [BR, BC // 8])
         if WORDS:  # C % 8 == 0: 8 codes (one thread's columns) per int32 store
             w = tl.reshape(code, [BR, BC // 8, 8])
             w = tl.sum(w << (tl.arange(0, 8) * 4)[None, None, :], axis=2)  # disjoint bits: sum == or
+            w = tl.where(nan, w & -0x77777778, w)  # 0x88888888
             lw = tl.arange(0, BC // 8)
             wbase = rd_ptr.to(tl.pointer_type(tl.int32)) + r0.to(tl.int64) * (C // 8) + c0 // 8
             tl.store(wbase + tile_offsets(lr, lw, C // 8, 1), w,
@@ -71,21 +76,16 @@ def _rowwise(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, RCP6, ROW: t
         else:
             nb = (C + 1) // 2
             lb = tl.arange(0, BC // 2)
+            nan2 = tl.reshape(tl.broadcast_to(nan[:, :, None], [BR, BC // 8, 4]), [BR, BC // 2])
+            byte = pack_last(code, BR, BC)
             tl.store(rd_ptr + r0.to(tl.int64) * nb + c0 // 2 + tile_offsets(lr, lb, nb, 1),
-                     pack_last(code, BR, BC), mask=rmask[:, None] & ((c0 // 2 + lb) < nb)[None, :])
+                     tl.where(nan2, byte & 0x88, byte), mask=rmask[:, None] & ((c0 // 2 + lb) < nb)[None, :])
         nbc = tl.cdiv(C, 16)
         ls = tl.arange(0, BC // 16)
         tl.store(rs_ptr + r0.to(tl.int64) * nbc + c0 // 16 + tile_offsets(lr, ls, nbc, 1), sdb,
                  mask=rmask[:, None] & ((c0 // 16 + ls) < nbc)[None, :])
-    return code, sdb
-
-
-@triton.jit
-def _dequantized(code, sdb, s_dec, BR: tl.constexpr, BC: tl.constexpr):
-    """The FP32 dequantized NVFP4 value of a natural [BR, BC] tile: ``(q * fp32(S_dec_b)) *
-    S_dec``, left to right as ``NVFP4Storage.decode`` (the first product is exact)."""
-    q = tl.reshape(e2m1_value(code), [BR, BC // 16, 16])
-    return tl.reshape(q * e4m3_value(sdb)[:, :, None], [BR, BC]) * s_dec
+    # q * 2**-22 times fp32(S_dec_b) * 2**22 (exact): q * fp32(S_dec_b), rounded once as the decode does
+    return tl.reshape(q * (dec * 4194304.0)[:, :, None], [BR, BC]) * s_dec
 
 
 @triton.jit
@@ -94,45 +94,75 @@ def _nvfp4_mxfp8_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, N
                         SRC_DEQ: tl.constexpr, RCEIL: tl.constexpr, EMAX: tl.constexpr,
                         MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr,
                         DTYPE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                        PACK: tl.constexpr, WORDS: tl.constexpr, HW: tl.constexpr, WIDE: tl.constexpr = False):
+                        PACK: tl.constexpr, WORDS: tl.constexpr, HW: tl.constexpr, WIDE: tl.constexpr = False,
+                        NATURAL: tl.constexpr = False):
     """ROW: store the NVFP4 rowwise copy. COL: the MXFP8 columnwise copy, of the dequantized
     rowwise value with SRC_DEQ (computed whether or not ROW stores it), else of x. Each 32-row
-    slice of the tile is read once (coalesced rows); its columnwise source is transposed in
-    registers (``tl.trans``: the compiler's shared-memory layout change)."""
+    block of the tile is read once (coalesced rows), either
+
+    - whole, its columnwise source transposed by ``tl.trans`` (the compiler keeps the natural
+      layout: the column amax and the 4-row code words then need cross-thread exchanges), or
+    - ``NATURAL``: as four [8, BC] slices of rows 4i + k (``triton_mxfp8.natural_rows``), each
+      quantized rowwise on its own; a column's four rows of a code word then sit in one thread
+      (``triton_mxfp8.col_block_rows4``: no exchange, wide transposed stores)."""
     pr, pc = program_tile(C, BR, BC)
     lc = tl.arange(0, BC)
-    l32 = tl.arange(0, 32)
     cmask = (pc * BC + lc) < C
     nbr = tl.cdiv(R, 32)
-    for b in tl.static_range(BR // 32):
-        r0, c0 = pr * BR + b * 32, pc * BC
-        mask = ((r0 + l32) < R)[:, None] & cmask[None, :]
-        x = load_f32(x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc + tile_offsets(l32, lc, sxr, sxc),
-                     mask, DTYPE)
-        src = x
-        if ROW or SRC_DEQ:
-            s_enc, s_dec = _scales(amax_ptr, r0, R, 32, ROW_SCALED)
-            if ROW_SCALED:
-                s_enc = s_enc[:, None]
-                s_dec = s_dec[:, None]
-            code, sdb = _rowwise(x, r0, c0, l32, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, RCP6, ROW, HW, WORDS,
-                                 32, BC)
-            if SRC_DEQ:
-                src = _dequantized(code, sdb, s_dec, 32, BC)
-        if COL:
-            e, qc = col_block_32(tl.trans(src), RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW)
-            store_words_t(cd_ptr, qc, lc, c0, r0, R, C, PACK, WIDE)
-            if WIDE and BR == 64:  # both blocks' scale bytes of a column in one 2-byte store
+    c0 = pc * BC
+    if NATURAL:
+        r0 = pr * BR
+        xbase = x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc
+        for b in tl.static_range(BR // 32):
+            l4 = b * 8 + tl.arange(0, 8)  # tile-local word rows
+            x0 = natural_rows(xbase, l4 * 4, lc, R - r0, cmask, sxr, sxc, DTYPE, amax_ptr, False)
+            x1 = natural_rows(xbase, l4 * 4 + 1, lc, R - r0, cmask, sxr, sxc, DTYPE, amax_ptr, False)
+            x2 = natural_rows(xbase, l4 * 4 + 2, lc, R - r0, cmask, sxr, sxc, DTYPE, amax_ptr, False)
+            x3 = natural_rows(xbase, l4 * 4 + 3, lc, R - r0, cmask, sxr, sxc, DTYPE, amax_ptr, False)
+            if ROW or SRC_DEQ:
+                d0 = _slice_rowwise(x0, r0, c0, l4 * 4, lc, R, C, amax_ptr, rd_ptr, rs_ptr, RCP6, ROW, ROW_SCALED,
+                                    HW, WORDS, BC)
+                d1 = _slice_rowwise(x1, r0, c0, l4 * 4 + 1, lc, R, C, amax_ptr, rd_ptr, rs_ptr, RCP6, ROW,
+                                    ROW_SCALED, HW, WORDS, BC)
+                d2 = _slice_rowwise(x2, r0, c0, l4 * 4 + 2, lc, R, C, amax_ptr, rd_ptr, rs_ptr, RCP6, ROW,
+                                    ROW_SCALED, HW, WORDS, BC)
+                d3 = _slice_rowwise(x3, r0, c0, l4 * 4 + 3, lc, R, C, amax_ptr, rd_ptr, rs_ptr, RCP6, ROW,
+                                    ROW_SCALED, HW, WORDS, BC)
+                if SRC_DEQ:
+                    x0, x1, x2, x3 = d0, d1, d2, d3
+            if COL:
+                e = col_block_rows4(x0, x1, x2, x3, cd_ptr, l4, lc, cmask, r0, c0, pr, R, RCEIL, EMAX, MBITS, BIAS,
+                                    FP8_MAX, RCP, HW, BR, PACK)
                 if b == 0:
                     e_first = e
-                else:
-                    blk2 = pr * 2 + tl.arange(0, 2)
-                    tl.store(cs_ptr + (c0 + lc).to(tl.int64)[:, None] * NBR + blk2[None, :],
-                             tl.join(e_first, e).to(tl.uint8), mask=cmask[:, None] & (blk2 < NBR)[None, :])
-            else:
-                blk = pr * (BR // 32) + b
-                tl.store(cs_ptr + (c0 + lc).to(tl.int64) * nbr + blk, e.to(tl.uint8),
-                         mask=cmask & ((lc * 0 + blk) < nbr))  # a vector test: see _common._row
+                store_scales_t(cs_ptr, e_first, e, b, pr, c0, lc, cmask, nbr, NBR, BR, WIDE)
+    else:
+        l32 = tl.arange(0, 32)
+        for b in tl.static_range(BR // 32):
+            r0 = pr * BR + b * 32
+            mask = ((r0 + l32) < R)[:, None] & cmask[None, :]
+            x = load_f32(x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc + tile_offsets(l32, lc, sxr, sxc),
+                         mask, DTYPE)
+            src = x
+            if ROW or SRC_DEQ:
+                deq = _slice_rowwise(x, r0, c0, l32, lc, R, C, amax_ptr, rd_ptr, rs_ptr, RCP6, ROW, ROW_SCALED, HW,
+                                     WORDS, BC)
+                if SRC_DEQ:
+                    src = deq
+            if COL:
+                e, qc = col_block_32(tl.trans(src), RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW)
+                store_words_t(cd_ptr, qc, lc, c0, r0, R, C, PACK, WIDE)
+                if b == 0:
+                    e_first = e
+                store_scales_t(cs_ptr, e_first, e, b, pr, c0, lc, cmask, nbr, NBR, BR, WIDE)
+
+
+@triton.jit
+def _slice_rowwise(x, r0, c0, lr, lc, R, C, amax_ptr, rd_ptr, rs_ptr, RCP6, ROW: tl.constexpr,
+                   ROW_SCALED: tl.constexpr, HW: tl.constexpr, WORDS: tl.constexpr, BC: tl.constexpr):
+    """:func:`_rowwise` of the rows ``r0 + lr`` of ``x`` with their global scales."""
+    s_enc, s_dec = _scales(amax_ptr, r0 + lr, R, ROW_SCALED)
+    return _rowwise(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, RCP6, ROW, HW, WORDS, x.shape[0], BC)
 
 
 #: columnwise code stores two threads wide per column (as ``triton_mxfp8.WIDE_STORES``). H200, s18
@@ -141,11 +171,23 @@ def _nvfp4_mxfp8_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, N
 #: Neutral at the default tile: this kernel is not bound by its store requests.
 WIDE_STORES = True
 
+#: how each 32-row block reaches the columnwise copy: "trans" (``tl.trans`` of the whole block)
+#: or "natural" (four [8, BC] slices of rows 4i + k; see :func:`_nvfp4_mxfp8_kernel`)
+METHODS = ("trans", "natural")
+#: the default method and each method's default (block, warps). H200, s18 (16384x4096 BF16,
+#: row-scaled, CUDA graphs; bench_quantize_kernels --sweep --only method), ms rowwise-dequantized /
+#: original source: "natural" (32, 64) / 2 warps 0.172 / 0.142, (32, 128) / 4 0.188 / 0.162, (32, 128)
+#: / 2 0.201 / 0.142; "trans" (32, 64) / 2 0.178 / 0.152 (0.216 / 0.172 before e2m1_rne), wider
+#: tiles 0.25-0.74. Offline sm90: 63 vs 70 instructions / element (rd).
+METHOD = "natural"
+DEFAULT_TILES = {"trans": ((32, 64), 2), "natural": ((32, 64), 2)}
+
 
 def quantize(x2: torch.Tensor, row_amax: torch.Tensor, col_dtype: torch.dtype, *, rule: str = "rceil",
              rowwise: bool = True, columnwise: bool = True, source: str = "rowwise_dequantized",
-             block: tuple[int, int] = (32, 64), num_warps: Optional[int] = None, pack: bool = True,
-             maxnreg: Optional[int] = None, wide_stores: Optional[bool] = None) -> Copies:
+             block: Optional[tuple[int, int]] = None, num_warps: Optional[int] = None, pack: bool = True,
+             maxnreg: Optional[int] = None, wide_stores: Optional[bool] = None,
+             method: Optional[str] = None) -> Copies:
     """NVFP4 rowwise + MXFP8 columnwise of non-empty 2D ``x2`` (any strides) in one pass.
 
     ``row_amax``: the NVFP4 global amax (0-d) or per-row amaxes ([R], row-scaled), already
@@ -154,12 +196,19 @@ def quantize(x2: torch.Tensor, row_amax: torch.Tensor, col_dtype: torch.dtype, *
     E8M0 scales) as ``formats.mxfp8.quantize_1d(src.t(), col_dtype, rule=rule)`` with ``src``
     the FP32 dequantized rowwise value (``source="rowwise_dequantized"``) or ``x2``
     (``"original"``); None unless ``columnwise``. ``block``: (rows, columns) per program,
-    multiples of 32; default (32, 64) with BC / 32 warps (the H200 sweep's fastest: 0.228 ms for
-    16384x4096 BF16 row+col, 0.371 ms at (32, 128)). ``maxnreg``: a register cap per thread (GPU
+    multiples of 32, with ``num_warps`` (default BC / 32, at most 8); both default to the
+    method's ``DEFAULT_TILES``. ``maxnreg``: a register cap per thread (GPU
     compile option; CUDA only), default none (or 0). ``wide_stores``: the columnwise codes leave
     two threads wide per column (whole-sector L2 requests, ``_common.store_words_t``), and with
     64-row tiles both blocks' scale bytes of a column in one store; default ``WIDE_STORES``.
+    ``method``: one of ``METHODS`` (default ``METHOD``); "natural" converts to FP8 one element at
+    a time on the GPU (``triton_mxfp8.NATURAL_HW``), as the MXFP8 natural pass does.
     """
+    method = method or METHOD
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is unknown; use one of {METHODS}.")
+    if block is None:
+        block, num_warps = DEFAULT_TILES[method][0], num_warps or DEFAULT_TILES[method][1]
     if source not in ("original", "rowwise_dequantized"):
         raise ValueError(f"source={source!r} is unknown; use 'original' or 'rowwise_dequantized'.")
     if rule not in ("rceil", "floor"):
@@ -188,7 +237,8 @@ def quantize(x2: torch.Tensor, row_amax: torch.Tensor, col_dtype: torch.dtype, *
         ROW=rowwise, COL=columnwise, ROW_SCALED=row_amax.dim() == 1,
         SRC_DEQ=source == "rowwise_dequantized", RCEIL=rule == "rceil", EMAX={3: 8, 2: 15}[mbits],
         MBITS=mbits, BIAS=bias, FP8_MAX=fmax, DTYPE=DTYPE_CODE[x2.dtype], BR=br, BC=bc,
-        PACK=pack and rows % 4 == 0, WORDS=cols % 8 == 0, HW=hw_fp8(dev),
-        WIDE=WIDE_STORES if wide_stores is None else wide_stores,
+        PACK=pack and rows % 4 == 0, WORDS=cols % 8 == 0,
+        HW=(NATURAL_HW if method == "natural" else True) if hw_fp8(dev) else False,
+        WIDE=WIDE_STORES if wide_stores is None else wide_stores, NATURAL=method == "natural",
         num_warps=num_warps or min(max(bc // 32, 1), 8), **({"maxnreg": maxnreg} if maxnreg and dev.type == "cuda" else {}))
     return row, col

@@ -103,7 +103,7 @@ def row_copy(x, mask, r0, c0, R, C, rd_ptr, rs_ptr, RCEIL: tl.constexpr, EMAX: t
 
 
 @triton.jit
-def _natural_rows(xbase, lr, lc, rmax, cmask, sxr, sxc, DTYPE: tl.constexpr, mbase, MAP: tl.constexpr):
+def natural_rows(xbase, lr, lc, rmax, cmask, sxr, sxc, DTYPE: tl.constexpr, mbase, MAP: tl.constexpr):
     """Tile rows ``lr`` ([N], tile-local; ``rmax`` rows left from the tile origin) of columns
     ``lc`` as a natural [N, BC] FP32 slice (row-major: vector loads along the columns), zeros
     past the tensor. ``MAP``: tile row i is source row ``mbase[i]`` of the source whose column
@@ -150,6 +150,44 @@ def _store_rows4_t(cd_ptr, q0, q1, q2, q3, l4, lc, cmask, r0, c0, pr, R, BR: tl.
 
 
 @triton.jit
+def col_block_rows4(x0, x1, x2, x3, cd_ptr, l4, lc, cmask, r0, c0, pr, R, RCEIL: tl.constexpr,
+                    EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr, RCP,
+                    HW: tl.constexpr, BR: tl.constexpr, PACK: tl.constexpr):
+    """The 32x1 blocks of one 32-row block of a [BR, BC] tile held as four natural FP32 slices
+    ``xk`` [8, BC] of tile rows ``4 * l4 + k`` (zeros past the tensor): codes stored transposed
+    (:func:`_store_rows4_t`), E8M0 bytes [BC] returned. The amax is a max of the |x| bits over
+    the four slices in registers and one reduction across the slice rows."""
+    m = tl.maximum(tl.maximum(abs_bits(x0), abs_bits(x1)), tl.maximum(abs_bits(x2), abs_bits(x3)))
+    e = _e8m0_byte(bits_amax(tl.max(m, 0)), RCEIL, EMAX, RCP)
+    inv = _e8m0_inverse(e)
+    q0 = _codes(x0, inv, FP8_MAX, MBITS, BIAS, HW)
+    q1 = _codes(x1, inv, FP8_MAX, MBITS, BIAS, HW)
+    q2 = _codes(x2, inv, FP8_MAX, MBITS, BIAS, HW)
+    q3 = _codes(x3, inv, FP8_MAX, MBITS, BIAS, HW)
+    _store_rows4_t(cd_ptr, q0, q1, q2, q3, l4, lc, cmask, r0, c0, pr, R, BR, PACK)
+    return e
+
+
+@triton.jit
+def store_scales_t(cs_ptr, e_first, e, b: tl.constexpr, pr, c0, lc, cmask, nbr, NBR, BR: tl.constexpr,
+                   PAIR: tl.constexpr):
+    """Store the E8M0 bytes ``e`` [BC] of 32-row block ``b`` of row tile ``pr`` (BR rows) into the
+    [C, nbr] scale array. ``PAIR`` with 64-row tiles: nothing at b = 0, and at b = 1 both blocks'
+    bytes of a column (``e_first``, ``e``) in one 2-byte store, one L2 request instead of two
+    (``NBR``, the scale row length, is then an argument so that the compiler sees its
+    alignment)."""
+    if PAIR and BR == 2 * _BLOCK:
+        if b == 1:
+            blk2 = pr * 2 + tl.arange(0, 2)
+            tl.store(cs_ptr + (c0 + lc).to(tl.int64)[:, None] * NBR + blk2[None, :],
+                     tl.join(e_first, e).to(tl.uint8), mask=cmask[:, None] & (blk2 < NBR)[None, :])
+    else:
+        blk = pr * (BR // _BLOCK) + b
+        tl.store(cs_ptr + (c0 + lc).to(tl.int64) * nbr + blk, e.to(tl.uint8),
+                 mask=cmask & ((lc * 0 + blk) < nbr))  # a vector test: see _common._row
+
+
+@triton.jit
 def col_copy_natural(xbase, r0, c0, pr, R, C, sxr, sxc, cd_ptr, cs_ptr, mbase, RCEIL: tl.constexpr,
                      EMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr, RCP,
                      HW: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
@@ -174,50 +212,35 @@ def col_copy_natural(xbase, r0, c0, pr, R, C, sxr, sxc, cd_ptr, cs_ptr, mbase, R
     for b in tl.static_range(BR // _BLOCK):
         if RS == _BLOCK:  # the whole block in registers: amax and codes from one read
             l4 = b * N + tl.arange(0, N)
-            x0 = _natural_rows(xbase, l4 * 4, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP)
-            x1 = _natural_rows(xbase, l4 * 4 + 1, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP)
-            x2 = _natural_rows(xbase, l4 * 4 + 2, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP)
-            x3 = _natural_rows(xbase, l4 * 4 + 3, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP)
-            m = tl.maximum(tl.maximum(abs_bits(x0), abs_bits(x1)), tl.maximum(abs_bits(x2), abs_bits(x3)))
-            e = _e8m0_byte(bits_amax(tl.max(m, 0)), RCEIL, EMAX, RCP)
-            inv = _e8m0_inverse(e)
-            q0 = _codes(x0, inv, FP8_MAX, MBITS, BIAS, HW)
-            q1 = _codes(x1, inv, FP8_MAX, MBITS, BIAS, HW)
-            q2 = _codes(x2, inv, FP8_MAX, MBITS, BIAS, HW)
-            q3 = _codes(x3, inv, FP8_MAX, MBITS, BIAS, HW)
-            _store_rows4_t(cd_ptr, q0, q1, q2, q3, l4, lc, cmask, r0, c0, pr, R, BR, PACK)
+            e = col_block_rows4(natural_rows(xbase, l4 * 4, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP),
+                                natural_rows(xbase, l4 * 4 + 1, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP),
+                                natural_rows(xbase, l4 * 4 + 2, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP),
+                                natural_rows(xbase, l4 * 4 + 3, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP),
+                                cd_ptr, l4, lc, cmask, r0, c0, pr, R, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW,
+                                BR, PACK)
         else:
             m = tl.zeros([N, BC], tl.int32)
             for s in tl.static_range(_BLOCK // RS):
                 l4 = (b * _BLOCK + s * RS) // 4 + tl.arange(0, N)
                 for k in tl.static_range(4):
-                    m = tl.maximum(m, abs_bits(_natural_rows(xbase, l4 * 4 + k, lc, rmax, cmask, sxr, sxc, DTYPE,
+                    m = tl.maximum(m, abs_bits(natural_rows(xbase, l4 * 4 + k, lc, rmax, cmask, sxr, sxc, DTYPE,
                                                              mbase, MAP)))
             e = _e8m0_byte(bits_amax(tl.max(m, 0)), RCEIL, EMAX, RCP)
             inv = _e8m0_inverse(e)
             for s in tl.static_range(_BLOCK // RS):
                 l4 = (b * _BLOCK + s * RS) // 4 + tl.arange(0, N)
-                q0 = _codes(_natural_rows(xbase, l4 * 4, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP), inv,
+                q0 = _codes(natural_rows(xbase, l4 * 4, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP), inv,
                             FP8_MAX, MBITS, BIAS, HW)
-                q1 = _codes(_natural_rows(xbase, l4 * 4 + 1, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP), inv,
+                q1 = _codes(natural_rows(xbase, l4 * 4 + 1, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP), inv,
                             FP8_MAX, MBITS, BIAS, HW)
-                q2 = _codes(_natural_rows(xbase, l4 * 4 + 2, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP), inv,
+                q2 = _codes(natural_rows(xbase, l4 * 4 + 2, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP), inv,
                             FP8_MAX, MBITS, BIAS, HW)
-                q3 = _codes(_natural_rows(xbase, l4 * 4 + 3, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP), inv,
+                q3 = _codes(natural_rows(xbase, l4 * 4 + 3, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP), inv,
                             FP8_MAX, MBITS, BIAS, HW)
                 _store_rows4_t(cd_ptr, q0, q1, q2, q3, l4, lc, cmask, r0, c0, pr, R, BR, PACK)
-        if PAIR_SCALES and BR == 2 * _BLOCK:  # both blocks' scale bytes of a column in one store
-            if b == 0:
-                e_first = e
-            else:
-                l2 = tl.arange(0, 2)
-                blk2 = pr * 2 + l2
-                tl.store(cs_ptr + (c0 + lc).to(tl.int64)[:, None] * NBR + blk2[None, :],
-                         tl.join(e_first, e).to(tl.uint8), mask=cmask[:, None] & (blk2 < NBR)[None, :])
-        else:
-            blk = pr * (BR // _BLOCK) + b
-            tl.store(cs_ptr + (c0 + lc).to(tl.int64) * nbr + blk, e.to(tl.uint8),
-                     mask=cmask & ((lc * 0 + blk) < nbr))  # a vector test: see _common._row
+        if b == 0:
+            e_first = e
+        store_scales_t(cs_ptr, e_first, e, b, pr, c0, lc, cmask, nbr, NBR, BR, PAIR_SCALES)
 
 
 @triton.jit
@@ -263,19 +286,9 @@ def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, NBR, sxr, sxc:
             xt = load_rows32_t(xbase, b * _BLOCK, lc, R - r0, cmask, sxr, sxc, DTYPE, map_ptr + r0, MAP)
             e, code = col_block_32(xt, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW)
             store_words_t(cd_ptr, code, lc, c0, r0 + b * _BLOCK, R, C, PACK, WIDE != 0)
-            if WIDE == 2 and BR == 2 * _BLOCK:
-                # both blocks' scale bytes of a column in one 2-byte store (NBR, the scale row
-                # length, is an argument so that the compiler sees its alignment)
-                if b == 0:
-                    e_first = e
-                else:
-                    blk2 = pr * 2 + tl.arange(0, 2)
-                    tl.store(cs_ptr + (c0 + lc).to(tl.int64)[:, None] * NBR + blk2[None, :],
-                             tl.join(e_first, e).to(tl.uint8), mask=cmask[:, None] & (blk2 < NBR)[None, :])
-            else:
-                blk = pr * (BR // _BLOCK) + b
-                tl.store(cs_ptr + (c0 + lc).to(tl.int64) * NBR + blk, e.to(tl.uint8),
-                         mask=cmask & ((lc * 0 + blk) < NBR))  # a vector test: see _common._row
+            if b == 0:
+                e_first = e
+            store_scales_t(cs_ptr, e_first, e, b, pr, c0, lc, cmask, NBR, NBR, BR, WIDE == 2)
 
 
 @triton.jit

@@ -56,13 +56,20 @@ def global_scales(amax_ptr):
 @triton.jit
 def block_scales(block_amax, s_enc, s_dec, RCP6, HW: tl.constexpr):
     """(E4M3 S_dec_b code byte, FP32 encode scale) of block amaxes (SPEC §2.5 order)."""
+    sdb, enc, _ = block_scales_dec(block_amax, s_enc, s_dec, RCP6, HW)
+    return sdb, enc
+
+
+@triton.jit
+def block_scales_dec(block_amax, s_enc, s_dec, RCP6, HW: tl.constexpr):
+    """:func:`block_scales` and the FP32 value of S_dec_b (exact; NaN for 0x7F / 0xFF)."""
     sdb = fp8_encode(block_amax * (s_enc * RCP6), 448.0, 3, 7, HW)
     if HW:  # the hardware's exact E4M3 -> FP32 conversion (0x7F / 0xFF: NaN), not the bit decode
         dec = sdb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
         dec = e4m3_value(sdb)
     enc = tl.math.div_rn(tl.full(block_amax.shape, 1.0, tl.float32), dec * s_dec)
-    return sdb, clamp_max(enc, 3.4028234663852886e38)
+    return sdb, clamp_max(enc, 3.4028234663852886e38), dec
 
 
 @triton.jit
@@ -238,10 +245,33 @@ def _e2m1_mag(v):
     subnormal product is below E's ulp, so an FMA gives the same sum) and the sum stays in
     E's binade, so its bits are ``E + k`` with k = s / 2**(e' - 1) rounded, and the code is
     ``k + 2 e'``. ~7 instructions instead of the comparator and select chains."""
+    e, r = _e2m1_round(v)
+    return r - e + ((e >> 22) - 254)
+
+
+@triton.jit
+def _e2m1_round(v):
+    """(E's bits, the rounded sum's bits) of :func:`_e2m1_mag`'s rounding."""
     s = tl.minimum(tl.abs(v), 6.0)
     e = tl.maximum(s.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000)
     r = (s * 2.384185791015625e-07 + e.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
-    return r - e + ((e >> 22) - 254)
+    return e, r
+
+
+@triton.jit
+def e2m1_rne(v):
+    """(E2M1 code (int32, bit 3 = sign), ``q * 2**-22``) of FP32 ``v`` by RNE, saturating at ±6:
+    the code is ``e2m1_code_sat(v)`` and q its value (``e2m1_value``), for every non-NaN ``v``
+    (NaN: the caller's). ``q * 2**-22`` is the rounded magnitude read back from
+    :func:`_e2m1_mag`'s sum, ``r - E`` (exact: r and E share a binade), with v's sign: one
+    instruction instead of the code's bit decode. The caller multiplies it by its factor
+    times 2**22 (an exact power-of-two scaling), which gives the same product as q times the
+    factor: one real number, rounded once."""
+    e, r = _e2m1_round(v)
+    sign = v.to(tl.int32, bitcast=True) & -0x80000000
+    code = (r - e + ((e >> 22) - 254)) | ((sign >> 28) & 8)
+    mag = r.to(tl.float32, bitcast=True) - e.to(tl.float32, bitcast=True)
+    return code, (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -109,22 +109,26 @@ def test_hybrid_kernel_empty(pair, shape):
 
 
 @interpreter_only
+@pytest.mark.parametrize("method", ["trans", "natural"])
 @pytest.mark.parametrize("source", ["original", RD])
-@pytest.mark.parametrize("shape,dtype,block,finite_amax", [
-    ((70, 100), torch.float32, (32, 64), True), ((33, 50), torch.float16, (32, 32), False),
-    ((160, 96), torch.bfloat16, (64, 64), True), ((40, 17), torch.bfloat16, (32, 64), False)], ids=str)
-def test_nvfp4_mxfp8_kernel_tiles(source, shape, dtype, block, finite_amax):
-    """The fused NVFP4 row + MXFP8 col kernel at several tiles against the ``formats``
-    references: E2M1 code and value from one rounding FMA (``_e2m1_round``), NaN blocks under
-    a finite global amax (their codes cleared per block) and under a NaN one, R and C not
-    multiples of 32 or 8 (bytewise rows), the original source re-read transposed from cache,
-    a transposed (strided) view for (160, 96)."""
+@pytest.mark.parametrize("shape,dtype,block,finite_amax,row_scaled", [
+    ((70, 100), torch.float32, (32, 64), True, False), ((33, 50), torch.float16, (32, 32), False, False),
+    ((160, 96), torch.bfloat16, (64, 64), True, True), ((40, 17), torch.bfloat16, (32, 64), False, True),
+    ((66, 136), torch.bfloat16, (64, 128), True, True)], ids=str)
+def test_nvfp4_mxfp8_kernel_tiles(method, source, shape, dtype, block, finite_amax, row_scaled):
+    """The fused NVFP4 row + MXFP8 col kernel at several tiles and both methods against the
+    ``formats`` references: E2M1 code and value from one rounding FMA
+    (``triton_nvfp4.e2m1_rne``), NaN blocks under a finite global amax (their codes cleared per
+    block) and under a NaN one, per-row amaxes (row-scaled), R and C not multiples of 32 or 8
+    (bytewise rows), R % 4 != 0 (byte stores of the natural columnwise codes), a transposed
+    (strided) view for (160, 96)."""
     from hybridfp.formats import mxfp8, nvfp4
     from hybridfp.kernels import triton_hybrid_nvfp4
     x = edge_tensor(shape, dtype, seed=shape[1], specials=True)
     x = x.t() if shape == (160, 96) else x
-    amax = (x.float().nan_to_num(0.0) if finite_amax else x.float()).abs().amax()
-    (rd, rs), (cd, cs) = triton_hybrid_nvfp4.quantize(x, amax, E4M3, source=source, block=block)
+    amax = (x.float().nan_to_num(0.0) if finite_amax else x.float()).abs()
+    amax = amax.amax(dim=1) if row_scaled else amax.amax()
+    (rd, rs), (cd, cs) = triton_hybrid_nvfp4.quantize(x, amax, E4M3, source=source, block=block, method=method)
     want_rd, want_rs = nvfp4.quantize_1d(x, amax)
     src = nvfp4.dequantize_1d(want_rd, want_rs, amax, x.shape[1]) if source == RD else x
     want_cd, want_cs = mxfp8.quantize_1d(src.t(), E4M3)
@@ -135,19 +139,23 @@ def test_nvfp4_mxfp8_kernel_tiles(source, shape, dtype, block, finite_amax):
 
 @gpu
 @pytest.mark.parametrize("source", ["original", RD])
-@pytest.mark.parametrize("tile", [((32, 64), 2), ((32, 128), 4), ((32, 32), 1), ((64, 64), 2)], ids=str)
+@pytest.mark.parametrize("tile", [((32, 64), 2, "trans"), ((32, 128), 4, "trans"), ((32, 32), 1, "trans"),
+                                  ((64, 64), 2, "trans"), ((32, 64), 2, "natural"), ((32, 128), 2, "natural"),
+                                  ((64, 64), 2, "natural"), ((64, 128), 4, "natural"), ((32, 128), 4, "natural")],
+                         ids=str)
 def test_nvfp4_mxfp8_gpu_tiles(source, tile):
-    """The fused NVFP4 row + MXFP8 col kernel at the tiles to time, on the GPU (the hardware
-    FP8 conversion with its per-word NaN select, ``_e2m1_round``'s FMA), awkward shape and a
-    transposed view, NaN blocks under a finite global amax; outputs poisoned."""
+    """The fused NVFP4 row + MXFP8 col kernel at the tiles to time, both methods, on the GPU
+    (the hardware FP8 conversions, ``e2m1_rne``'s FMA), awkward shape and a transposed view, NaN
+    blocks under a finite global amax, global and per-row amaxes; outputs poisoned."""
     from hybridfp.formats import mxfp8, nvfp4
     from hybridfp.kernels import triton_hybrid_nvfp4
     base = gpu_input((1000 + 17, 4160), torch.bfloat16, specials=True)
-    for x in (base, base.t()):
-        amax = x.float().nan_to_num(0.0).abs().amax()
+    for x, row_scaled in ((base, False), (base.t(), False), (base, True)):
+        amax = x.float().nan_to_num(0.0).abs()
+        amax = amax.amax(dim=1) if row_scaled else amax.amax()
         with poisoned_outputs():
             (rd, rs), (cd, cs) = triton_hybrid_nvfp4.quantize(x, amax, E4M3, source=source, block=tile[0],
-                                                               num_warps=tile[1])
+                                                               num_warps=tile[1], method=tile[2])
         want_rd, want_rs = nvfp4.quantize_1d(x, amax)
         src = nvfp4.dequantize_1d(want_rd, want_rs, amax, x.shape[1]) if source == RD else x
         want_cd, want_cs = mxfp8.quantize_1d(src.t(), E4M3)
