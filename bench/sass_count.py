@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 #: arguments specialised as divisible by 16 where a kernel has them (the last line: the grouped GEMM's)
-_DIV = ("x_ptr", "rd_ptr", "rs_ptr", "cd_ptr", "cs_ptr", "R", "C", "NBR", "sxr",
+_DIV = ("x_ptr", "src_ptr", "s_ptr", "out_ptr", "src_stride", "s_stride", "rd_ptr", "rs_ptr", "cd_ptr", "cs_ptr", "R", "C", "NBR", "sxr",
         "a_ptr", "b_ptr", "sa_ptr", "sb_ptr", "bias_ptr", "out_ptr", "meta_ptr", "N", "sam", "sbe", "sbn", "soe",
         "som")
 _NV_SIG = dict(x_ptr="*i16", ramax_ptr="*fp32", camax_ptr="*fp32", rd_ptr="*u8", rs_ptr="*u8", cd_ptr="*u8",
@@ -89,6 +89,14 @@ CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
         t[0] * t[1] // (32 * nw), nw)
        for src in ("rd", "orig") for m in ("trans", "natural")
        for t, nw in [((32, 64), 2), ((64, 64), 2), ((32, 128), 2), ((64, 128), 4)]},
+    # the BF16 decodes at their default 1D tile (4, 512) / 2 warps (triton_decode._TILE_1D)
+    **{f"decode {what} (4, 512)": (
+        "triton_decode", "_decode_kernel",
+        dict(src_ptr="*u8", s_ptr="*u8", out_ptr="*i32" if kind == 3 else "*i16", R="i32", C="i32", src_stride="i32",
+             s_stride="i32", NSR="i32", NSC="i32"),
+        dict(KIND=kind, E5M2=False, SR=1, SC=16 if kind == 3 else 32, SAFE_E=10, NAN16=0x7FFF, BR=4, BC=512,
+             PAIRS=kind == 3), 4 * 512 // 64, 2)
+       for what, kind in [("nvfp4 pairs", 3), ("mxfp8", 1)]},
     "mxfp8 row + nvfp4 rht col (2, 64)": (
         "triton_hybrid_mxfp8_nvfp4", "_mxfp8_nvfp4_kernel",
         dict(x_ptr="*i16", camax_ptr="*fp32", rd_ptr="*u8", rs_ptr="*u8", cd_ptr="*u8", cs_ptr="*u8", R="i32",

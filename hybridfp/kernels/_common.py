@@ -422,12 +422,14 @@ def e4m3_value(code):
 
 @triton.jit
 def e2m1_value(code):
-    """FP32 value of E2M1 codes (int32, bit 3 = sign): magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 built
-    from bits (m >= 2: exponent (m >> 1) - 1, one fraction bit m & 1; m == 1: 0.5); code 8 is
-    -0.0, as ``formats.nvfp4.decode_e2m1`` gives."""
-    m = code & 7
-    bits = tl.where(m >= 2, (((m >> 1) + 126) << 23) | ((m & 1) << 22), tl.where(m == 1, 126 << 23, 0))
-    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+    """FP32 value of E2M1 codes (int32 0..15, bit 3 = sign), as ``formats.nvfp4.decode_e2m1``
+    (code 8 is -0.0). The magnitude bits m placed at FP32 bits 22-24 read as m * 2**-127 with
+    one fraction bit, the E2M1 layout itself: m = 1 is the subnormal 2**-127 (0.5 * 2**-126),
+    m >= 2 the normal 2**(e - 127) * (1 + f / 2) for m = 2e + f. One exact multiply by 2**126
+    gives 0, 0.5, 1, 1.5, 2, 3, 4, 6 — instead of compares and selects on m (Triton lowers a
+    float32 multiply without flushing subnormals; the GPU decode tests check every code)."""
+    bits = ((code & 7) << 22) | ((code << 28) & -0x80000000)
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2**126
 
 
 @triton.jit
