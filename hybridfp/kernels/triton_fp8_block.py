@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ._common import (DTYPE_CODE, program_tile, Copies, amax_nan, check_int32_tiles, current_scale, empty, f32,
-                      asm_fp8_bits, fp8_encode, fp8_params, hw_fp8, kernel_input, load_f32, load_rows32_t, nan_max,
+                      asm_fp8_bits, fp8_encode, fp8_encode_rowwise, fp8_params, hw_fp8, kernel_input, load_f32, load_rows32_t, nan_max,
                       store_transposed_u8, store_words_t, tile_offsets)
 
 
@@ -163,12 +163,17 @@ def block_inv(scale, POW2: tl.constexpr):
 
 
 @triton.jit
-def fp8_bytes(v, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, HW: tl.constexpr):
+def fp8_bytes(v, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, HW: tl.constexpr,
+              ROWWISE: tl.constexpr = False):
     """``_common.fp8_encode`` of products ``v = x * scale`` computed on the device, with a
     cheaper NaN byte on the GPU: a NaN product there is the canonical NaN (positive; the GPU
     tests feed -NaN inputs and pass with ``0x7F | sign``), so its byte is the constant 0x7F and
     the per-element sign extraction goes (~2 instructions per element). The select itself stays
-    (see ``_common._hw_fp8_code``: dropping it broke the transposed copies on the H200)."""
+    for transposed copies (see ``_common._hw_fp8_code``: dropping it broke them on the H200);
+    ``ROWWISE`` (codes stored in the natural layout): E4M3 without it
+    (``_common.fp8_encode_rowwise``)."""
+    if ROWWISE and HW == 1 and MBITS == 3:
+        return fp8_encode_rowwise(v, FP8_MAX, MBITS, BIAS, HW)
     if HW == 2:  # one inline-PTX conversion per element (_common._asm_fp8_code)
         return tl.where(v != v, tl.full(v.shape, 0x7F, tl.uint8), asm_fp8_bits(v, MBITS))
     if HW:
@@ -218,7 +223,7 @@ def row_pass_1d(xbase, r0, c0, R, C, sxr, sxc, eps, rd_ptr, rs_ptr, pc, POW2: tl
             cacc = tl.maximum(cacc, a)
         if ROW:
             scale = block_scale(bits_amax(tl.max(a, 1)), eps, FP8_MAX, POW2)  # [RW]
-            code = fp8_bytes(x * scale[:, None], FP8_MAX, MBITS, BIAS, HW)
+            code = fp8_bytes(x * scale[:, None], FP8_MAX, MBITS, BIAS, HW, True)
             inv = block_inv(scale, POW2)
             if EVEN:
                 tl.store(rbase + tile_offsets(lr, lc, C, 1), code)

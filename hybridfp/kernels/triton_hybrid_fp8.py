@@ -48,7 +48,7 @@ def _rowwise_tensorwise(xbase, r0, c0, R, C, sxr, sxc, scale, rd_ptr, MBITS: tl.
         x = load_x(xbase + tile_offsets(lr, lc, sxr, sxc), mask, DTYPE, EVEN)
         if COLAMAX:
             cacc = tl.maximum(cacc, abs_bits(x))
-        code = fp8_bytes(x * scale, FP8_MAX, MBITS, BIAS, HW)
+        code = fp8_bytes(x * scale, FP8_MAX, MBITS, BIAS, HW, True)
         if EVEN:
             tl.store(rbase + tile_offsets(lr, lc, C, 1), code)
         else:

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ._common import (program_tile, load_tile, DTYPE_CODE, Copies, amax_nan, check_int32_tiles, empty, f32, fp8_encode,
+                      fp8_encode_rowwise,
                       fp8_params, hw_fp8, kernel_input, load_f32, load_rows32_t, store_transposed_u8,
                       store_words_t, tile_offsets)
 from .triton_fp8_block import abs_bits, bits_amax
@@ -87,7 +88,7 @@ def row_copy(x, mask, r0, c0, R, C, rd_ptr, rs_ptr, RCEIL: tl.constexpr, EMAX: t
     xb = tl.reshape(x, [BR, BC // _BLOCK, _BLOCK])
     e = _e8m0_byte(amax_nan(xb, 2), RCEIL, EMAX, RCP)
     y = tl.reshape(xb * _e8m0_inverse(e)[:, :, None], [BR, BC])
-    code = fp8_encode(y, FP8_MAX, MBITS, BIAS, HW)
+    code = fp8_encode_rowwise(y, FP8_MAX, MBITS, BIAS, HW)
     nbc = tl.cdiv(C, _BLOCK)
     b0 = c0 // _BLOCK
     lb = tl.arange(0, BC // _BLOCK)
