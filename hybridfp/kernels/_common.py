@@ -411,7 +411,7 @@ def fp8_encode_rowwise(v, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.c
     (rowwise) layout. E4M3 with Triton's conversion (``HW`` 1): the hardware byte alone, no NaN
     select. A NaN product on the GPU is the canonical NaN (positive), whose satfinite E4M3 byte is
     0x7F, torch's byte for it, so the select changed nothing; it cost the byte unpacking around
-    each converted pair (sm90: 16 -> 11 instructions per element for the MXFP8 rowwise copy). The
+    each converted pair (sm90: 16 -> 10 instructions per element for the MXFP8 rowwise copy). The
     select stays for E5M2 (the hardware's NaN byte can be 0x7E), for the per-element conversion
     (HW 2) and in :func:`fp8_encode` for transposed copies (:func:`_hw_fp8_code` says why)."""
     if HW == 1 and MBITS == 3:
