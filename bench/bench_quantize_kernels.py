@@ -229,14 +229,16 @@ def run_sweep(x: torch.Tensor, copy: float, only: Optional[list[str]] = None) ->
                          lambda m=m, c=cw, r=rw, n=nw: triton_hybrid_fp8.quantize(
                              x, g, E4M3, E4M3, chunk=c, row_slice=r, num_warps=n, method=m)))
     for blk, nw in [((32, 64), 2), ((32, 64), 1), ((32, 128), 2), ((32, 128), 4), ((32, 32), 1), ((64, 64), 2)]:
+        # the "trans" method these rows were first timed with (the "method" rows below compare both)
         variants.append((f"hybrid nvfp4+mxfp8 rd cast {blk} nw{nw}",
-                         lambda b=blk, n=nw: triton_hybrid_nvfp4.quantize(x, g, E4M3, block=b, num_warps=n)))
+                         lambda b=blk, n=nw: triton_hybrid_nvfp4.quantize(x, g, E4M3, block=b, num_warps=n,
+                                                                          method="trans")))
         variants.append((f"hybrid nvfp4+mxfp8 orig cast {blk} nw{nw}",
                          lambda b=blk, n=nw: triton_hybrid_nvfp4.quantize(x, g, E4M3, block=b, num_warps=n,
-                                                                          source="original")))
+                                                                          source="original", method="trans")))
         variants.append((f"hybrid nvfp4->mxfp8 rd col only {blk} nw{nw}",
                          lambda b=blk, n=nw: triton_hybrid_nvfp4.quantize(x, g, E4M3, block=b, num_warps=n,
-                                                                          rowwise=False)))
+                                                                          rowwise=False, method="trans")))
     for blk, nw in [((4, 64), 8), ((2, 64), 4), ((4, 128), 8), ((8, 64), 8), ((2, 128), 4), ((1, 256), 4),
                     ((1, 128), 2), ((2, 256), 8), ((2, 256), 4)]:
         variants.append((f"nvfp4 1d cast {blk} nw{nw}", lambda b=blk, n=nw: triton_nvfp4.quantize_1d(
@@ -312,9 +314,10 @@ def run_sweep(x: torch.Tensor, copy: float, only: Optional[list[str]] = None) ->
     for w in (False, True):
         for src in ("rowwise_dequantized", "original"):
             for blk in ((32, 64), (64, 64)):
-                variants.append((f"hybrid nvfp4+mxfp8 {src[:4]} row-scaled {blk} nw2 wide{int(w)}",
+                variants.append((f"hybrid nvfp4+mxfp8 {src[:4]} row-scaled {blk} nw2 wide{int(w)} (trans)",
                                  lambda w=w, s=src, b=blk: triton_hybrid_nvfp4.quantize(
-                                     x, rs_amax, E4M3, source=s, block=b, num_warps=2, wide_stores=w)))
+                                     x, rs_amax, E4M3, source=s, block=b, num_warps=2, wide_stores=w,
+                                     method="trans")))
     # the fused NVFP4 + MXFP8 kernel's methods ("trans": tl.trans of each 32-row block; "natural": four
     # [8, BC] slices of rows 4i + k), row-scaled as Composer-2 runs it
     for m in ("trans", "natural"):
@@ -324,10 +327,10 @@ def run_sweep(x: torch.Tensor, copy: float, only: Optional[list[str]] = None) ->
                 variants.append((f"hybrid nvfp4+mxfp8 {src[:4]} row-scaled {blk} nw{nw} method {m}",
                                  lambda m=m, s=src, b=blk, n=nw: triton_hybrid_nvfp4.quantize(
                                      x, rs_amax, E4M3, source=s, block=b, num_warps=n, method=m)))
-    # the fused NVFP4 + MXFP8 kernel (Composer-2's inputs and weights): 78 / 125 registers (rd / orig)
+    # the fused NVFP4 + MXFP8 kernel (Composer-2's inputs and weights) at its default method and tile, capped
     for mr in (0, 96, 64):
         for src in ("rowwise_dequantized", "original"):
-            variants.append((f"hybrid nvfp4+mxfp8 {src[:4]} row-scaled (32, 64) nw2 maxnreg{mr}",
+            variants.append((f"hybrid nvfp4+mxfp8 {src[:4]} row-scaled default maxnreg{mr}",
                              lambda m=mr, s=src: triton_hybrid_nvfp4.quantize(x, rs_amax, E4M3, source=s, maxnreg=m)))
     # the natural columnwise-only pass at more tiles, and capped
     for blk, nw, mr in [((128, 128), 2, 0), ((64, 64), 1, 0), ((128, 64), 1, 0), ((64, 128), 2, 112),

@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 #: arguments specialised as divisible by 16 where a kernel has them (the last line: the grouped GEMM's)
-_DIV = ("x_ptr", "src_ptr", "s_ptr", "out_ptr", "src_stride", "s_stride", "rd_ptr", "rs_ptr", "cd_ptr", "cs_ptr", "R", "C", "NBR", "sxr",
+_DIV = ("x_ptr", "src_ptr", "s_ptr", "src_stride", "s_stride", "rd_ptr", "rs_ptr", "cd_ptr", "cs_ptr", "R", "C", "NBR", "sxr",
         "a_ptr", "b_ptr", "sa_ptr", "sb_ptr", "bias_ptr", "out_ptr", "meta_ptr", "N", "sam", "sbe", "sbn", "soe",
         "som")
 _NV_SIG = dict(x_ptr="*i16", ramax_ptr="*fp32", camax_ptr="*fp32", rd_ptr="*u8", rs_ptr="*u8", cd_ptr="*u8",
@@ -65,11 +65,11 @@ CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
                                       ("col", False, True, False), ("col, row map", False, True, True),
                                       ("row+col, row map", True, True, True)]},
     # MXFP8 1D method="natural": the columnwise copy from natural [rs, BC] slices (the rowwise one unchanged),
-    # one inline-PTX FP8 conversion per element (triton_mxfp8.NATURAL_HW)
+    # one inline-PTX FP8 conversion per element (triton_mxfp8.NATURAL_HW), WIDE as launched (paired scale bytes)
     **{f"mxfp8 natural {what} {t} rs{rs} nw{nw}": (
         "triton_mxfp8", "_mxfp8_1d_kernel", _MX_SIG,
         dict(_FP8, sxc=1, ROW=row, COL=col, DTYPE=1, BR=t[0], BC=t[1], PACK=True, HW=2, MAP=mapped, NATURAL=True,
-             RS=rs), t[0] * t[1] // (32 * nw), nw)
+             RS=rs, WIDE=2), t[0] * t[1] // (32 * nw), nw)
        for what, row, col, mapped in [("row+col", True, True, False), ("col", False, True, False),
                                       ("col, row map", False, True, True), ("row+col, row map", True, True, True)]
        for t, nw in [((64, 128), 4), ((128, 128), 4), ((32, 128), 4), ((64, 256), 8), ((64, 256), 4), ((64, 128), 2)]

@@ -117,13 +117,17 @@ def blocks_2d(x: torch.Tensor, br: int, bc: int) -> torch.Tensor:
 
 
 def amax_nan(x: torch.Tensor, dim: int | tuple[int, ...] | None = None) -> torch.Tensor:
-    """max|x| in FP32 that propagates NaN (torch.amax does) and is 0 for empty input."""
+    """max|x| in FP32 that propagates NaN (torch.amax does) as the positive quiet NaN, and is 0
+    for empty input. The NaN is made canonical because torch's CPU reduction of a strided view
+    can return a NaN with the sign bit set (0xFFFFFFFF), which would then reach the scale and
+    code bytes (E4M3 0xFF instead of 0x7F) depending on the input's memory layout."""
     a = x.float().abs()
     if a.numel() == 0:
         if dim is None:
             return torch.zeros((), dtype=torch.float32, device=x.device)
         return a.amax(dim=dim) if all(a.shape[d] > 0 for d in _dims(dim)) else _empty_reduce(a, dim)
-    return a.amax() if dim is None else a.amax(dim=dim)
+    m = a.amax() if dim is None else a.amax(dim=dim)
+    return torch.where(m.isnan(), torch.full_like(m, float("nan")), m)
 
 
 def _dims(dim: int | tuple[int, ...]) -> tuple[int, ...]:

@@ -437,11 +437,11 @@ def e4m3_value(code):
 @triton.jit
 def e2m1_value(code):
     """FP32 value of E2M1 codes (int32 0..15, bit 3 = sign), as ``formats.nvfp4.decode_e2m1``
-    (code 8 is -0.0). The magnitude bits m placed at FP32 bits 22-24 read as m * 2**-127 with
-    one fraction bit, the E2M1 layout itself: m = 1 is the subnormal 2**-127 (0.5 * 2**-126),
-    m >= 2 the normal 2**(e - 127) * (1 + f / 2) for m = 2e + f. One exact multiply by 2**126
-    gives 0, 0.5, 1, 1.5, 2, 3, 4, 6 — instead of compares and selects on m (Triton lowers a
-    float32 multiply without flushing subnormals; the GPU decode tests check every code)."""
+    (code 8 is -0.0). The magnitude bits m = 2e + f placed at FP32 bits 22-24 (exponent field e,
+    one fraction bit f: E2M1's own layout) read as E2M1(m) * 2**-126: m = 1 is the subnormal
+    2**-127, m >= 2 the normal 2**(e - 127) * (1 + f / 2). One exact multiply by 2**126 gives
+    0, 0.5, 1, 1.5, 2, 3, 4, 6, instead of compares and selects on m (Triton lowers a float32
+    multiply without flushing subnormals; the GPU decode tests check every code)."""
     bits = ((code & 7) << 22) | ((code << 28) & -0x80000000)
     return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2**126
 

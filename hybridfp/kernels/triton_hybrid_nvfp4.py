@@ -5,17 +5,23 @@ NVFP4 1x16 (per-tensor or row-scaled global amax), columnwise copy MXFP8 32x1 of
 the original input (``columnwise_source="original"``) or the exact FP32 dequantized rowwise
 value (``"rowwise_dequantized"``): ``(e2m1 * fp32(S_dec_b)) * S_dec``, computed in registers,
 never written to memory. An amax pass (``triton_nvfp4.amaxes``) comes first; then one program
-per [BR, BC] tile:
+per [BR, BC] tile, one 32-row block at a time:
 
-- rowwise: the natural tile, NVFP4 blocks along the columns (as ``triton_nvfp4``), packed
-  codes and E4M3 scales stored, per 32-row slice;
-- columnwise: the same 32-row slice (or, for the dequantized source, its FP32 dequantized
-  NVFP4 value, computed from the rowwise codes and scales already in registers) transposed
-  with ``tl.trans`` (a shared-memory layout change) into [BC, 32], so that a column's 32 rows
-  sit in one thread; then ``triton_mxfp8.col_block_32`` and word stores. An earlier version
-  re-read the slice transposed from cache and recomputed the NVFP4 blocks in that layout
-  (warp shuffles): 2.2-3.5x the NVFP4 quantize alone on the H200, and wrong at awkward shapes
-  on the GPU (right in the interpreter).
+- rowwise: NVFP4 blocks along the columns, packed codes and E4M3 scales stored. The
+  dequantized value comes from the rounding itself (``triton_nvfp4.e2m1_rne``: the rounded
+  magnitude the FMA already holds) times the block scale's FP32 value from the scale
+  computation (``block_scales_dec``), then S_dec: no decode of the stored codes;
+- columnwise, ``method="natural"`` (the default): the block is read as four [8, BC] slices of
+  rows 4i + k, each quantized rowwise on its own, so that the four rows of a column's code
+  word sit in one thread (``triton_mxfp8.col_block_rows4``, as the MXFP8 natural pass:
+  no data exchange, wide transposed stores);
+- columnwise, ``method="trans"``: the whole [32, BC] block ``tl.trans``-posed into [BC, 32] and
+  ``triton_mxfp8.col_block_32``. The compiler keeps the natural register layout, so the column
+  amax and the 4-row words take cross-thread exchanges (the slower method on the H200).
+
+An earlier version re-read the block transposed from cache and recomputed the NVFP4 blocks in
+that layout (warp shuffles): 2.2-3.5x the NVFP4 quantize alone on the H200, and wrong at
+awkward shapes on the GPU (right in the interpreter).
 
 Bitwise equal to the two children run separately (and so to ``formats``): the NVFP4 arithmetic
 is ``triton_nvfp4``'s (same helpers, SPEC §2.5 order), the MXFP8 ``triton_mxfp8``'s.
@@ -31,7 +37,7 @@ import triton.language as tl
 
 from ._common import (program_tile, DTYPE_CODE, Copies, amax_nan, check_int32_tiles, empty, f32, fp8_params,
                       hw_fp8, kernel_input, load_f32, store_words_t, tile_offsets)
-from .triton_mxfp8 import NATURAL_HW, col_block_32, col_block_rows4, natural_rows, store_scales_t
+from .triton_mxfp8 import NATURAL_HW, col_block_32, col_block_rows4, natural_rows4, store_scales_t
 from .triton_nvfp4 import RCP6, block_scales_dec, e2m1_rne, global_scales, pack_last
 
 MX_BLOCK = 32
@@ -115,10 +121,7 @@ def _nvfp4_mxfp8_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, N
         xbase = x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc
         for b in tl.static_range(BR // 32):
             l4 = b * 8 + tl.arange(0, 8)  # tile-local word rows
-            x0 = natural_rows(xbase, l4 * 4, lc, R - r0, cmask, sxr, sxc, DTYPE, amax_ptr, False)
-            x1 = natural_rows(xbase, l4 * 4 + 1, lc, R - r0, cmask, sxr, sxc, DTYPE, amax_ptr, False)
-            x2 = natural_rows(xbase, l4 * 4 + 2, lc, R - r0, cmask, sxr, sxc, DTYPE, amax_ptr, False)
-            x3 = natural_rows(xbase, l4 * 4 + 3, lc, R - r0, cmask, sxr, sxc, DTYPE, amax_ptr, False)
+            x0, x1, x2, x3 = natural_rows4(xbase, l4, lc, R - r0, cmask, sxr, sxc, DTYPE, amax_ptr, False)
             if ROW or SRC_DEQ:
                 d0 = _slice_rowwise(x0, r0, c0, l4 * 4, lc, R, C, amax_ptr, rd_ptr, rs_ptr, RCP6, ROW, ROW_SCALED,
                                     HW, WORDS, BC)
@@ -165,10 +168,12 @@ def _slice_rowwise(x, r0, c0, lr, lc, R, C, amax_ptr, rd_ptr, rs_ptr, RCP6, ROW:
     return _rowwise(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, RCP6, ROW, HW, WORDS, x.shape[0], BC)
 
 
-#: columnwise code stores two threads wide per column (as ``triton_mxfp8.WIDE_STORES``). H200, s18
-#: (16384x4096 BF16, row-scaled, ms wide off / on): rowwise-dequantized source (32, 64) 0.216 /
-#: 0.216, (64, 64) 0.246 / 0.245; original source (32, 64) 0.172 / 0.173, (64, 64) 0.201 / 0.193.
-#: Neutral at the default tile: this kernel is not bound by its store requests.
+#: wide columnwise stores. "trans": a column's code words leave two threads wide
+#: (``_common.store_words_t``); both methods: with 64-row tiles both blocks' scale bytes of a column
+#: in one 2-byte store (``triton_mxfp8.store_scales_t``). "natural"'s code words are wide anyway.
+#: H200, s18, "trans" before ``e2m1_rne`` (16384x4096 BF16, row-scaled, ms wide off / on):
+#: rowwise-dequantized source (32, 64) 0.216 / 0.216, (64, 64) 0.246 / 0.245; original source
+#: (32, 64) 0.172 / 0.173, (64, 64) 0.201 / 0.193: neutral, the kernel is bound by instruction issue.
 WIDE_STORES = True
 
 #: how each 32-row block reaches the columnwise copy: "trans" (``tl.trans`` of the whole block)
@@ -178,7 +183,7 @@ METHODS = ("trans", "natural")
 #: row-scaled, CUDA graphs; bench_quantize_kernels --sweep --only method), ms rowwise-dequantized /
 #: original source: "natural" (32, 64) / 2 warps 0.172 / 0.142, (32, 128) / 4 0.188 / 0.162, (32, 128)
 #: / 2 0.201 / 0.142; "trans" (32, 64) / 2 0.178 / 0.152 (0.216 / 0.172 before e2m1_rne), wider
-#: tiles 0.25-0.74. Offline sm90: 63 vs 70 instructions / element (rd).
+#: tiles 0.25-0.74. Offline sm90 (Triton 3.6): 63 vs 70 instructions / element (rd).
 METHOD = "natural"
 DEFAULT_TILES = {"trans": ((32, 64), 2), "natural": ((32, 64), 2)}
 
@@ -198,9 +203,10 @@ def quantize(x2: torch.Tensor, row_amax: torch.Tensor, col_dtype: torch.dtype, *
     (``"original"``); None unless ``columnwise``. ``block``: (rows, columns) per program,
     multiples of 32, with ``num_warps`` (default BC / 32, at most 8); both default to the
     method's ``DEFAULT_TILES``. ``maxnreg``: a register cap per thread (GPU
-    compile option; CUDA only), default none (or 0). ``wide_stores``: the columnwise codes leave
-    two threads wide per column (whole-sector L2 requests, ``_common.store_words_t``), and with
-    64-row tiles both blocks' scale bytes of a column in one store; default ``WIDE_STORES``.
+    compile option; CUDA only), default none (or 0). ``wide_stores``: with 64-row tiles both
+    blocks' scale bytes of a column in one store, and for "trans" the columnwise codes two
+    threads wide per column (whole-sector L2 requests, ``_common.store_words_t``); default
+    ``WIDE_STORES``.
     ``method``: one of ``METHODS`` (default ``METHOD``); "natural" converts to FP8 one element at
     a time on the GPU (``triton_mxfp8.NATURAL_HW``), as the MXFP8 natural pass does.
     """

@@ -119,6 +119,15 @@ def natural_rows(xbase, lr, lc, rmax, cmask, sxr, sxc, DTYPE: tl.constexpr, mbas
 
 
 @triton.jit
+def natural_rows4(xbase, l4, lc, rmax, cmask, sxr, sxc, DTYPE: tl.constexpr, mbase, MAP: tl.constexpr):
+    """The four natural slices of tile rows ``4 * l4 + k``, k = 0..3 (:func:`natural_rows`)."""
+    return (natural_rows(xbase, l4 * 4, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP),
+            natural_rows(xbase, l4 * 4 + 1, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP),
+            natural_rows(xbase, l4 * 4 + 2, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP),
+            natural_rows(xbase, l4 * 4 + 3, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP))
+
+
+@triton.jit
 def _codes(x, inv, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, HW: tl.constexpr):
     """FP8 codes (int32) of a natural slice ``x`` [N, BC] scaled by its columns' ``inv`` [BC]."""
     return fp8_encode(x * inv[None, :], FP8_MAX, MBITS, BIAS, HW).to(tl.int32)
@@ -173,7 +182,9 @@ def col_block_rows4(x0, x1, x2, x3, cd_ptr, l4, lc, cmask, r0, c0, pr, R, RCEIL:
 def store_scales_t(cs_ptr, e_first, e, b: tl.constexpr, pr, c0, lc, cmask, nbr, NBR, BR: tl.constexpr,
                    PAIR: tl.constexpr):
     """Store the E8M0 bytes ``e`` [BC] of 32-row block ``b`` of row tile ``pr`` (BR rows) into the
-    [C, nbr] scale array. ``PAIR`` with 64-row tiles: nothing at b = 0, and at b = 1 both blocks'
+    [C, nbr] scale array. ``nbr`` and ``NBR`` are the same value, ceil(R / 32): the unpaired store
+    keeps the one each caller used before this helper existed (an in-kernel ``cdiv`` or the
+    argument), so that their compiled code stayed the GPU-tested one. ``PAIR`` with 64-row tiles: nothing at b = 0, and at b = 1 both blocks'
     bytes of a column (``e_first``, ``e``) in one 2-byte store, one L2 request instead of two
     (``NBR``, the scale row length, is then an argument so that the compiler sees its
     alignment)."""
@@ -213,12 +224,9 @@ def col_copy_natural(xbase, r0, c0, pr, R, C, sxr, sxc, cd_ptr, cs_ptr, mbase, R
     for b in tl.static_range(BR // _BLOCK):
         if RS == _BLOCK:  # the whole block in registers: amax and codes from one read
             l4 = b * N + tl.arange(0, N)
-            e = col_block_rows4(natural_rows(xbase, l4 * 4, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP),
-                                natural_rows(xbase, l4 * 4 + 1, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP),
-                                natural_rows(xbase, l4 * 4 + 2, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP),
-                                natural_rows(xbase, l4 * 4 + 3, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP),
-                                cd_ptr, l4, lc, cmask, r0, c0, pr, R, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW,
-                                BR, PACK)
+            x0, x1, x2, x3 = natural_rows4(xbase, l4, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP)
+            e = col_block_rows4(x0, x1, x2, x3, cd_ptr, l4, lc, cmask, r0, c0, pr, R, RCEIL, EMAX, MBITS, BIAS,
+                                FP8_MAX, RCP, HW, BR, PACK)
         else:
             m = tl.zeros([N, BC], tl.int32)
             for s in tl.static_range(_BLOCK // RS):

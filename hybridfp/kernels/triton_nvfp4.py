@@ -246,6 +246,12 @@ def _e2m1_mag(v):
     E's binade, so its bits are ``E + k`` with k = s / 2**(e' - 1) rounded, and the code is
     ``k + 2 e'``. ~7 instructions instead of the comparator and select chains."""
     e, r = _e2m1_round(v)
+    return _e2m1_mag_of(e, r)
+
+
+@triton.jit
+def _e2m1_mag_of(e, r):
+    """The magnitude code k + 2 e' from :func:`_e2m1_round`'s (E, r) bits."""
     return r - e + ((e >> 22) - 254)
 
 
@@ -269,7 +275,7 @@ def e2m1_rne(v):
     factor: one real number, rounded once."""
     e, r = _e2m1_round(v)
     sign = v.to(tl.int32, bitcast=True) & -0x80000000
-    code = (r - e + ((e >> 22) - 254)) | ((sign >> 28) & 8)
+    code = _e2m1_mag_of(e, r) | ((sign >> 28) & 8)
     mag = r.to(tl.float32, bitcast=True) - e.to(tl.float32, bitcast=True)
     return code, (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 

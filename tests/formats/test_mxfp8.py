@@ -483,3 +483,22 @@ def test_rceil_requantize_half_max_hand_case(device):
     assert s.tolist() == [[127]] and q.float().cpu().tolist() == [[224.0, 3.0]]
     q2, s2 = quantize_1d(dequantize_1d(q, s))
     assert s2.tolist() == [[126]] and q2.float().cpu().tolist() == [[448.0, 6.0]]
+
+
+def test_nan_is_canonical_whatever_the_layout():
+    """A NaN block amax is the positive quiet NaN for a strided view too: torch's CPU reduction
+    of a transposed view can return a NaN with the sign bit set, which made the reference's
+    scale and code bytes depend on the input's memory layout (E8M0 / E4M3 bytes, NVFP4 codes)."""
+    from hybridfp.formats import nvfp4
+    from hybridfp.formats.common import amax_nan
+    x = torch.randn(16, 45, dtype=torch.bfloat16)
+    x[3, 5], x[7, 2], x[9, 40] = float("nan"), -float("nan"), -float("nan")
+    for t in (x, x.t()):
+        m = amax_nan(t, dim=1)
+        assert set(m.view(torch.int32)[m.isnan()].tolist()) == {0x7FC00000}
+    xt = x.t()
+    for a, b in zip(mxfp8.quantize_1d(xt, torch.float8_e4m3fn), mxfp8.quantize_1d(xt.contiguous(), torch.float8_e4m3fn)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    g = xt.float().nan_to_num(0.0).abs().amax()
+    for a, b in zip(nvfp4.quantize_1d(xt, g), nvfp4.quantize_1d(xt.contiguous(), g)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))

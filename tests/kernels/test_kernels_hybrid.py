@@ -122,19 +122,38 @@ def test_nvfp4_mxfp8_kernel_tiles(method, source, shape, dtype, block, finite_am
     block) and under a NaN one, per-row amaxes (row-scaled), R and C not multiples of 32 or 8
     (bytewise rows), R % 4 != 0 (byte stores of the natural columnwise codes), a transposed
     (strided) view for (160, 96)."""
-    from hybridfp.formats import mxfp8, nvfp4
-    from hybridfp.kernels import triton_hybrid_nvfp4
     x = edge_tensor(shape, dtype, seed=shape[1], specials=True)
     x = x.t() if shape == (160, 96) else x
     amax = (x.float().nan_to_num(0.0) if finite_amax else x.float()).abs()
     amax = amax.amax(dim=1) if row_scaled else amax.amax()
-    (rd, rs), (cd, cs) = triton_hybrid_nvfp4.quantize(x, amax, E4M3, source=source, block=block, method=method)
+    _check_nvfp4_mxfp8(x, amax, source, block=block, method=method)
+
+
+def _check_nvfp4_mxfp8(x, amax, source, **kw):
+    """The fused NVFP4 row + MXFP8 col kernel's copies of ``x`` equal the ``formats`` references."""
+    from hybridfp.formats import mxfp8, nvfp4
+    from hybridfp.kernels import triton_hybrid_nvfp4
+    (rd, rs), (cd, cs) = triton_hybrid_nvfp4.quantize(x, amax, E4M3, source=source, **kw)
     want_rd, want_rs = nvfp4.quantize_1d(x, amax)
     src = nvfp4.dequantize_1d(want_rd, want_rs, amax, x.shape[1]) if source == RD else x
     want_cd, want_cs = mxfp8.quantize_1d(src.t(), E4M3)
-    assert torch.equal(rd, want_rd) and torch.equal(rs.view(torch.uint8), want_rs.view(torch.uint8))
-    assert torch.equal(cd.view(torch.uint8), want_cd.contiguous().view(torch.uint8))
-    assert torch.equal(cs, want_cs.contiguous())
+    assert torch.equal(rd, want_rd) and torch.equal(rs.view(torch.uint8), want_rs.view(torch.uint8)), kw
+    assert torch.equal(cd.view(torch.uint8), want_cd.contiguous().view(torch.uint8)), kw
+    assert torch.equal(cs, want_cs.contiguous()), kw
+
+
+@interpreter_only
+@pytest.mark.parametrize("method", ["trans", "natural"])
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("block", [(128, 32), (64, 64), (96, 32)], ids=str)
+def test_nvfp4_mxfp8_kernel_store_widths(method, wide, block):
+    """Both store widths (narrow code words and unpaired scale bytes; wide words and paired
+    64-row scales) and tiles of three and four 32-row blocks (several unpaired scale stores a
+    tile), rows not a multiple of the tile, row-scaled, NaN blocks."""
+    x = edge_tensor((230, 72), torch.bfloat16, seed=5, specials=True)
+    amax = x.float().nan_to_num(0.0).abs().amax(dim=1)
+    for source in ("original", RD):
+        _check_nvfp4_mxfp8(x, amax, source, block=block, method=method, wide_stores=wide)
 
 
 @gpu
