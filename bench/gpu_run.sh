@@ -2,7 +2,7 @@
 # One device call for a focused check: `gpu` test shards in parallel (the suite is compile-bound,
 # so several pytest processes share the host's cores), then benchmarks one after another (never
 # beside the tests: the host-bound ones would measure the test processes' CPU load).
-tests/nn/test_x.py" TEST_TIMEOUT=300 \$|tests/nn/test_x.py" TEST_TIMEOUT=300 \
+#   SHARDS='tests/a.py tests/b.py -k "not slow"|tests/nn/test_x.py' TEST_TIMEOUT=300 \
 #     bash bench/gpu_run.sh "bench_moe --experts 8" "bench_grouped_gemm_kernel --quick"
 # Each benchmark argument is `bench.<name> [args]`, run with a BENCH_TIMEOUT (default 200 s) and
 # its log tail printed. Logs and JSON land in $OUT (at most 8 files come back: one tarball).
