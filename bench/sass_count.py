@@ -81,13 +81,15 @@ CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
              PACK=True, WORDS=True, HW=True), 32, 2) for src in ("rd", "orig")},
     # method="natural": four [8, BC] row slices per 32-row block, one FP8 conversion per element; row-scaled
     # (Composer-2's operand), WIDE as launched
-    **{f"nvfp4 row + mxfp8 col {src} {m} row-scaled {t} nw{nw}": (
+    # (Composer-2's weights: the same kernel with one global amax, "global")
+    **{f"nvfp4 row + mxfp8 col {src} {m} {scaled} {t} nw{nw}": (
         "triton_hybrid_nvfp4", "_nvfp4_mxfp8_kernel",
         dict(_MX_SIG, amax_ptr="*fp32", RCP6="fp32"),
-        dict(_FP8, sxc=1, ROW=True, COL=True, ROW_SCALED=True, SRC_DEQ=src == "rd", DTYPE=1, BR=t[0], BC=t[1],
-             PACK=True, WORDS=True, HW=2 if m == "natural" else True, WIDE=True, NATURAL=m == "natural"),
+        dict(_FP8, sxc=1, ROW=True, COL=True, ROW_SCALED=scaled == "row-scaled", SRC_DEQ=src == "rd", DTYPE=1,
+             BR=t[0], BC=t[1], PACK=True, WORDS=True, HW=2 if m == "natural" else True, WIDE=True,
+             NATURAL=m == "natural"),
         t[0] * t[1] // (32 * nw), nw)
-       for src in ("rd", "orig") for m in ("trans", "natural")
+       for src in ("rd", "orig") for m in ("trans", "natural") for scaled in ("row-scaled", "global")
        for t, nw in [((32, 64), 2), ((64, 64), 2), ((32, 128), 2), ((64, 128), 4)]},
     # the BF16 decodes at their default 1D tile (4, 512) / 2 warps (triton_decode._TILE_1D)
     **{f"decode {what} (4, 512)": (

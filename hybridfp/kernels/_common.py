@@ -420,6 +420,21 @@ def fp8_encode_rowwise(v, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.c
 
 
 @triton.jit
+def e4m3_word4(y0, y1, y2, y3):
+    """The little-endian int32 of the satfinite E4M3 bytes of FP32 products ``y0 .. y3`` computed
+    on the GPU (byte k from ``yk``): two paired ``cvt.rn.satfinite.e4m3x2.f32`` (the first operand
+    goes to the upper byte) and one move, instead of four per-element conversions, their byte
+    extraction and shifts. No NaN select, as :func:`fp8_encode_rowwise`: a NaN product on the
+    GPU is the canonical (positive) NaN, whose byte is 0x7F, torch's. The pairs are explicit
+    operands here, so the pairing of Triton's own conversion (:func:`_hw_fp8_code`) plays no
+    part. For packed transposed stores whose four rows of a word sit in one thread."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+        "mov.b32 $0, {lo, hi}; }",
+        "=r,r,r,r,r", [y0, y1, y2, y3], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
 def e4m3_value(code):
     """FP32 value of E4M3 code bytes (0x7F / 0xFF: NaN)."""
     c = code.to(tl.int32)

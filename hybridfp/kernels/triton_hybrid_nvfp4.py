@@ -45,14 +45,11 @@ NV_BLOCK = 16
 
 
 @triton.jit
-def _scales(amax_ptr, rows, R, ROW_SCALED: tl.constexpr):
-    """(S_enc, S_dec): 0-d from the global amax, or [N, 1] for the [N] absolute ``rows``
-    (row-scaled; rows past R take the last row's, only multiplied by zeros)."""
-    if ROW_SCALED:
-        s_enc, s_dec = global_scales(amax_ptr + tl.minimum(rows, R - 1))
-        return s_enc[:, None], s_dec[:, None]
-    else:
-        return global_scales(amax_ptr)
+def _row_scales(amax_ptr, rows, R):
+    """(S_enc, S_dec) [N, 1] of the [N] absolute ``rows`` from their amaxes (row-scaled; rows past
+    R take the last row's, only multiplied by zeros)."""
+    s_enc, s_dec = global_scales(amax_ptr + tl.minimum(rows, R - 1))
+    return s_enc[:, None], s_dec[:, None]
 
 
 @triton.jit
@@ -116,6 +113,12 @@ def _nvfp4_mxfp8_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, N
     cmask = (pc * BC + lc) < C
     nbr = tl.cdiv(R, 32)
     c0 = pc * BC
+    if ROW_SCALED:
+        g_enc, g_dec = 1.0, 1.0  # unused: each slice's rows have their own scales
+    else:
+        # once per program: inside the slice loop the compiler reloaded the amax after every store
+        # (they might alias) and redid both divisions, ~4 instructions per element (sm90 SASS)
+        g_enc, g_dec = global_scales(amax_ptr)
     if NATURAL:
         r0 = pr * BR
         xbase = x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc
@@ -123,13 +126,13 @@ def _nvfp4_mxfp8_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, N
             l4 = b * 8 + tl.arange(0, 8)  # tile-local word rows
             x0, x1, x2, x3 = natural_rows4(xbase, l4, lc, R - r0, cmask, sxr, sxc, DTYPE, amax_ptr, False)
             if ROW or SRC_DEQ:
-                d0 = _slice_rowwise(x0, r0, c0, l4 * 4, lc, R, C, amax_ptr, rd_ptr, rs_ptr, RCP6, ROW, ROW_SCALED,
-                                    HW, WORDS, BC)
-                d1 = _slice_rowwise(x1, r0, c0, l4 * 4 + 1, lc, R, C, amax_ptr, rd_ptr, rs_ptr, RCP6, ROW,
+                d0 = _slice_rowwise(x0, r0, c0, l4 * 4, lc, R, C, amax_ptr, g_enc, g_dec, rd_ptr, rs_ptr, RCP6, ROW,
                                     ROW_SCALED, HW, WORDS, BC)
-                d2 = _slice_rowwise(x2, r0, c0, l4 * 4 + 2, lc, R, C, amax_ptr, rd_ptr, rs_ptr, RCP6, ROW,
+                d1 = _slice_rowwise(x1, r0, c0, l4 * 4 + 1, lc, R, C, amax_ptr, g_enc, g_dec, rd_ptr, rs_ptr, RCP6, ROW,
                                     ROW_SCALED, HW, WORDS, BC)
-                d3 = _slice_rowwise(x3, r0, c0, l4 * 4 + 3, lc, R, C, amax_ptr, rd_ptr, rs_ptr, RCP6, ROW,
+                d2 = _slice_rowwise(x2, r0, c0, l4 * 4 + 2, lc, R, C, amax_ptr, g_enc, g_dec, rd_ptr, rs_ptr, RCP6, ROW,
+                                    ROW_SCALED, HW, WORDS, BC)
+                d3 = _slice_rowwise(x3, r0, c0, l4 * 4 + 3, lc, R, C, amax_ptr, g_enc, g_dec, rd_ptr, rs_ptr, RCP6, ROW,
                                     ROW_SCALED, HW, WORDS, BC)
                 if SRC_DEQ:
                     x0, x1, x2, x3 = d0, d1, d2, d3
@@ -148,8 +151,8 @@ def _nvfp4_mxfp8_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, N
                          mask, DTYPE)
             src = x
             if ROW or SRC_DEQ:
-                deq = _slice_rowwise(x, r0, c0, l32, lc, R, C, amax_ptr, rd_ptr, rs_ptr, RCP6, ROW, ROW_SCALED, HW,
-                                     WORDS, BC)
+                deq = _slice_rowwise(x, r0, c0, l32, lc, R, C, amax_ptr, g_enc, g_dec, rd_ptr, rs_ptr, RCP6, ROW,
+                                     ROW_SCALED, HW, WORDS, BC)
                 if SRC_DEQ:
                     src = deq
             if COL:
@@ -161,10 +164,14 @@ def _nvfp4_mxfp8_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, N
 
 
 @triton.jit
-def _slice_rowwise(x, r0, c0, lr, lc, R, C, amax_ptr, rd_ptr, rs_ptr, RCP6, ROW: tl.constexpr,
+def _slice_rowwise(x, r0, c0, lr, lc, R, C, amax_ptr, g_enc, g_dec, rd_ptr, rs_ptr, RCP6, ROW: tl.constexpr,
                    ROW_SCALED: tl.constexpr, HW: tl.constexpr, WORDS: tl.constexpr, BC: tl.constexpr):
-    """:func:`_rowwise` of the rows ``r0 + lr`` of ``x`` with their global scales."""
-    s_enc, s_dec = _scales(amax_ptr, r0 + lr, R, ROW_SCALED)
+    """:func:`_rowwise` of the rows ``r0 + lr`` of ``x`` with their global scales: the rows' own
+    (``ROW_SCALED``, from ``amax_ptr``) or the tensor's ``g_enc`` / ``g_dec``."""
+    if ROW_SCALED:
+        s_enc, s_dec = _row_scales(amax_ptr, r0 + lr, R)
+    else:
+        s_enc, s_dec = g_enc, g_dec
     return _rowwise(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, RCP6, ROW, HW, WORDS, x.shape[0], BC)
 
 
