@@ -87,7 +87,7 @@ CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
         dict(_MX_SIG, amax_ptr="*fp32", RCP6="fp32"),
         dict(_FP8, sxc=1, ROW=True, COL=True, ROW_SCALED=scaled == "row-scaled", SRC_DEQ=src == "rd", DTYPE=1,
              BR=t[0], BC=t[1], PACK=True, WORDS=True, HW=2 if m == "natural" else True, WIDE=True,
-             NATURAL=m == "natural"),
+             NATURAL=m == "natural", GRID2=True),
         t[0] * t[1] // (32 * nw), nw)
        for src in ("rd", "orig") for m in ("trans", "natural") for scaled in ("row-scaled", "global")
        for t, nw in [((32, 64), 2), ((64, 64), 2), ((32, 128), 2), ((64, 128), 4)]},

@@ -552,11 +552,29 @@ def current_scale(amax, eps, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
 
 
 @triton.jit
-def program_tile(C, BR: tl.constexpr, BC: tl.constexpr):
-    """(pr, pc): the [BR, BC] tile of this program, tiles numbered row-major over C columns."""
+def program_tile(C, BR: tl.constexpr, BC: tl.constexpr, GRID2: tl.constexpr = False):
+    """(pr, pc): the [BR, BC] tile of this program, tiles numbered row-major over C columns;
+    ``GRID2``: launched on :func:`tile_grid`'s 2D grid (column tile, row tile), where no integer
+    division is needed (~30 instructions a thread, ~1 an element for 32-element threads)."""
+    if GRID2:
+        return tl.program_id(1), tl.program_id(0)
     pid = tl.program_id(0)
     nc = tl.cdiv(C, BC)
     return pid // nc, pid % nc
+
+
+#: the most row tiles :func:`tile_grid` puts on a 2D grid (CUDA's limit of the grid's y extent)
+GRID_Y_MAX = 65535
+
+
+def tile_grid(rows: int, cols: int, br: int, bc: int) -> tuple[tuple[int, ...], bool]:
+    """(launch grid, GRID2 for :func:`program_tile`) of [br, bc] tiles: (column tiles, row tiles)
+    while the row tiles fit the grid's y extent (the x index runs fastest, so programs start in the
+    same row-major order as on a 1D grid), else one dimension of all tiles."""
+    nr, nc = triton.cdiv(rows, br), triton.cdiv(cols, bc)
+    if nr <= GRID_Y_MAX:
+        return (nc, nr), True
+    return (nr * nc,), False
 
 
 @triton.jit

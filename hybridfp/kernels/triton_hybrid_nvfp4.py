@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ._common import (program_tile, DTYPE_CODE, Copies, amax_nan, check_int32_tiles, empty, f32, fp8_params,
-                      hw_fp8, kernel_input, load_f32, store_words_t, tile_offsets)
+                      hw_fp8, kernel_input, load_f32, store_words_t, tile_grid, tile_offsets)
 from .triton_mxfp8 import NATURAL_HW, col_block_32, col_block_rows4, natural_rows4, store_scales_t
 from .triton_nvfp4 import RCP6, block_scales_dec, e2m1_rne, global_scales, pack_last
 
@@ -98,7 +98,7 @@ def _nvfp4_mxfp8_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, N
                         MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr,
                         DTYPE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
                         PACK: tl.constexpr, WORDS: tl.constexpr, HW: tl.constexpr, WIDE: tl.constexpr = False,
-                        NATURAL: tl.constexpr = False):
+                        NATURAL: tl.constexpr = False, GRID2: tl.constexpr = False):
     """ROW: store the NVFP4 rowwise copy. COL: the MXFP8 columnwise copy, of the dequantized
     rowwise value with SRC_DEQ (computed whether or not ROW stores it), else of x. Each 32-row
     block of the tile is read once (coalesced rows), either
@@ -108,7 +108,7 @@ def _nvfp4_mxfp8_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, N
     - ``NATURAL``: as four [8, BC] slices of rows 4i + k (``triton_mxfp8.natural_rows``), each
       quantized rowwise on its own; a column's four rows of a code word then sit in one thread
       (``triton_mxfp8.col_block_rows4``: no exchange, wide transposed stores)."""
-    pr, pc = program_tile(C, BR, BC)
+    pr, pc = program_tile(C, BR, BC, GRID2)
     lc = tl.arange(0, BC)
     cmask = (pc * BC + lc) < C
     nbr = tl.cdiv(R, 32)
@@ -241,7 +241,7 @@ def quantize(x2: torch.Tensor, row_amax: torch.Tensor, col_dtype: torch.dtype, *
         col = (empty((cols, rows), dtype=col_dtype, device=dev),
                empty((cols, triton.cdiv(rows, MX_BLOCK)), dtype=torch.uint8, device=dev))
     dummy = torch.empty(1, dtype=torch.uint8, device=dev)
-    grid = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)
+    grid, grid2 = tile_grid(rows, cols, br, bc)
     _nvfp4_mxfp8_kernel[grid](
         kernel_input(x2), row_amax.float().contiguous(), row[0] if row else dummy,
         row[1].view(torch.uint8) if row else dummy, col[0].view(torch.uint8) if col else dummy,
@@ -252,6 +252,6 @@ def quantize(x2: torch.Tensor, row_amax: torch.Tensor, col_dtype: torch.dtype, *
         MBITS=mbits, BIAS=bias, FP8_MAX=fmax, DTYPE=DTYPE_CODE[x2.dtype], BR=br, BC=bc,
         PACK=pack and rows % 4 == 0, WORDS=cols % 8 == 0,
         HW=(NATURAL_HW if method == "natural" else True) if hw_fp8(dev) else False,
-        WIDE=WIDE_STORES if wide_stores is None else wide_stores, NATURAL=method == "natural",
+        WIDE=WIDE_STORES if wide_stores is None else wide_stores, NATURAL=method == "natural", GRID2=grid2,
         num_warps=num_warps or min(max(bc // 32, 1), 8), **({"maxnreg": maxnreg} if maxnreg and dev.type == "cuda" else {}))
     return row, col
