@@ -38,18 +38,19 @@ import triton.language as tl
 from ._common import (program_tile, DTYPE_CODE, Copies, amax_nan, check_int32_tiles, empty, f32, fp8_params,
                       hw_fp8, kernel_input, load_f32, store_words_t, tile_grid, tile_offsets)
 from .triton_mxfp8 import NATURAL_HW, col_block_32, col_block_rows4, natural_rows4, store_scales_t
-from .triton_nvfp4 import RCP6, block_scales_dec, e2m1_rne, global_scales, pack_last
+from .triton_nvfp4 import RCP6, block_scales_dec, e2m1_rne, global_scales, pack_last, row_scales
 
 MX_BLOCK = 32
 NV_BLOCK = 16
 
 
 @triton.jit
-def _row_scales(amax_ptr, rows, R):
-    """(S_enc, S_dec) [N, 1] of the [N] absolute ``rows`` from their amaxes (row-scaled; rows past
-    R take the last row's, only multiplied by zeros)."""
-    s_enc, s_dec = global_scales(amax_ptr + tl.minimum(rows, R - 1))
-    return s_enc[:, None], s_dec[:, None]
+def _row_scales(scales_ptr, rows, R):
+    """(S_enc, S_dec) [N, 1] of the [N] absolute ``rows`` (row-scaled), loaded from the
+    ``triton_nvfp4.row_scales`` pairs at ``scales_ptr`` (rows past R take the last row's, only
+    multiplied by zeros)."""
+    r = tl.minimum(rows, R - 1)
+    return tl.load(scales_ptr + 2 * r)[:, None], tl.load(scales_ptr + 2 * r + 1)[:, None]
 
 
 @triton.jit
@@ -99,7 +100,8 @@ def _nvfp4_mxfp8_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, N
                         DTYPE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
                         PACK: tl.constexpr, WORDS: tl.constexpr, HW: tl.constexpr, WIDE: tl.constexpr = False,
                         NATURAL: tl.constexpr = False, GRID2: tl.constexpr = False):
-    """ROW: store the NVFP4 rowwise copy. COL: the MXFP8 columnwise copy, of the dequantized
+    """``amax_ptr``: the global amax, or with ROW_SCALED each row's (S_enc, S_dec)
+    (``triton_nvfp4.row_scales``). ROW: store the NVFP4 rowwise copy. COL: the MXFP8 columnwise copy, of the dequantized
     rowwise value with SRC_DEQ (computed whether or not ROW stores it), else of x. Each 32-row
     block of the tile is read once (coalesced rows), either
 
@@ -167,7 +169,8 @@ def _nvfp4_mxfp8_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, N
 def _slice_rowwise(x, r0, c0, lr, lc, R, C, amax_ptr, g_enc, g_dec, rd_ptr, rs_ptr, RCP6, ROW: tl.constexpr,
                    ROW_SCALED: tl.constexpr, HW: tl.constexpr, WORDS: tl.constexpr, BC: tl.constexpr):
     """:func:`_rowwise` of the rows ``r0 + lr`` of ``x`` with their global scales: the rows' own
-    (``ROW_SCALED``, from ``amax_ptr``) or the tensor's ``g_enc`` / ``g_dec``."""
+    (``ROW_SCALED``: ``amax_ptr`` holds the rows' (S_enc, S_dec) pairs) or the tensor's ``g_enc`` /
+    ``g_dec``."""
     if ROW_SCALED:
         s_enc, s_dec = _row_scales(amax_ptr, r0 + lr, R)
     else:
@@ -242,12 +245,14 @@ def quantize(x2: torch.Tensor, row_amax: torch.Tensor, col_dtype: torch.dtype, *
                empty((cols, triton.cdiv(rows, MX_BLOCK)), dtype=torch.uint8, device=dev))
     dummy = torch.empty(1, dtype=torch.uint8, device=dev)
     grid, grid2 = tile_grid(rows, cols, br, bc)
+    row_scaled = row_amax.dim() == 1
     _nvfp4_mxfp8_kernel[grid](
-        kernel_input(x2), row_amax.float().contiguous(), row[0] if row else dummy,
+        kernel_input(x2), row_scales(row_amax) if row_scaled else row_amax.float().contiguous(),
+        row[0] if row else dummy,
         row[1].view(torch.uint8) if row else dummy, col[0].view(torch.uint8) if col else dummy,
         col[1] if col else dummy, rows, cols, triton.cdiv(rows, MX_BLOCK), x2.stride(0), x2.stride(1), RCP6,
         f32(1.0 / fmax),
-        ROW=rowwise, COL=columnwise, ROW_SCALED=row_amax.dim() == 1,
+        ROW=rowwise, COL=columnwise, ROW_SCALED=row_scaled,
         SRC_DEQ=source == "rowwise_dequantized", RCEIL=rule == "rceil", EMAX={3: 8, 2: 15}[mbits],
         MBITS=mbits, BIAS=bias, FP8_MAX=fmax, DTYPE=DTYPE_CODE[x2.dtype], BR=br, BC=bc,
         PACK=pack and rows % 4 == 0, WORDS=cols % 8 == 0,
