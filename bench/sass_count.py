@@ -97,7 +97,7 @@ CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
         dict(src_ptr="*u8", s_ptr="*u8", out_ptr="*i32" if kind == 3 else "*i16", R="i32", C="i32", src_stride="i32",
              s_stride="i32", NSR="i32", NSC="i32"),
         dict(KIND=kind, E5M2=False, SR=1, SC=16 if kind == 3 else 32, SAFE_E=10, NAN16=0x7FFF, BR=4, BC=512,
-             PAIRS=kind == 3), 4 * 512 // 64, 2)
+             PAIRS=kind == 3, GRID2=True), 4 * 512 // 64, 2)
        for what, kind in [("nvfp4 pairs", 3), ("mxfp8", 1)]},
     "mxfp8 row + nvfp4 rht col (2, 64)": (
         "triton_hybrid_mxfp8_nvfp4", "_mxfp8_nvfp4_kernel",
