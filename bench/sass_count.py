@@ -60,7 +60,7 @@ CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
     # WIDE=2: triton_mxfp8.WIDE_STORES, what quantize launches ("slices" columnwise stores)
     **{f"mxfp8 {what} (64, 128)": ("triton_mxfp8", "_mxfp8_1d_kernel", _MX_SIG,
                                    dict(_FP8, sxc=1, ROW=row, COL=col, DTYPE=1, BR=64, BC=128, PACK=True, HW=True,
-                                        MAP=mapped, WIDE=2), 64, 4)
+                                        MAP=mapped, WIDE=2, GRID2=True), 64, 4)
        for what, row, col, mapped in [("row+col", True, True, False), ("row", True, False, False),
                                       ("col", False, True, False), ("col, row map", False, True, True),
                                       ("row+col, row map", True, True, True)]},
@@ -69,7 +69,7 @@ CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
     **{f"mxfp8 natural {what} {t} rs{rs} nw{nw}": (
         "triton_mxfp8", "_mxfp8_1d_kernel", _MX_SIG,
         dict(_FP8, sxc=1, ROW=row, COL=col, DTYPE=1, BR=t[0], BC=t[1], PACK=True, HW=2, MAP=mapped, NATURAL=True,
-             RS=rs, WIDE=2), t[0] * t[1] // (32 * nw), nw)
+             RS=rs, WIDE=2, GRID2=True), t[0] * t[1] // (32 * nw), nw)
        for what, row, col, mapped in [("row+col", True, True, False), ("col", False, True, False),
                                       ("col, row map", False, True, True), ("row+col, row map", True, True, True)]
        for t, nw in [((64, 128), 4), ((128, 128), 4), ((32, 128), 4), ((64, 256), 8), ((64, 256), 4), ((64, 128), 2)]

@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from ._common import (program_tile, load_tile, DTYPE_CODE, Copies, amax_nan, check_int32_tiles, e4m3_word4, empty,
-                      f32, fp8_encode, fp8_encode_rowwise, fp8_params, hw_fp8, kernel_input, load_f32, load_rows32_t, store_transposed_u8,
-                      store_words_t, tile_offsets)
+                      f32, fp8_encode, fp8_encode_rowwise, fp8_params, hw_fp8, kernel_input, load_f32, load_rows32_t,
+                      store_transposed_u8, store_words_t, tile_grid, tile_offsets)
 from .triton_fp8_block import abs_bits, bits_amax
 
 BLOCK = 32
@@ -275,7 +275,7 @@ def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, NBR, sxr, sxc:
                      FP8_MAX: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr,
                      BC: tl.constexpr, PACK: tl.constexpr, HW: tl.constexpr, map_ptr,
                      MAP: tl.constexpr, NATURAL: tl.constexpr = False, RS: tl.constexpr = 32,
-                     WIDE: tl.constexpr = 0):
+                     WIDE: tl.constexpr = 0, GRID2: tl.constexpr = False):
     """One [BR, BC] tile per program. Rowwise 1x32 blocks from the natural tile (a block's 32
     columns sit in a few neighbouring threads); columnwise 32x1 blocks from transposed
     [BC, 32] tiles re-read from cache (``_common.load_rows32_t``: register-local block amax,
@@ -283,8 +283,8 @@ def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, NBR, sxr, sxc:
     ``tl.trans``, measured 0.181 vs 0.142 ms row+col on the H200: not kept.) ``MAP``: the R rows
     are ``x[map_ptr[r]]`` (zero where negative), and the rowwise copy goes to the source's own
     rows. ``NATURAL``: the columnwise copy from natural [RS, BC] slices instead
-    (:func:`col_copy_natural`)."""
-    pr, pc = program_tile(C, BR, BC)
+    (:func:`col_copy_natural`). ``GRID2``: launched on ``_common.tile_grid``'s 2D grid."""
+    pr, pc = program_tile(C, BR, BC, GRID2)
     r0, c0 = pr * BR, pc * BC
     lc = tl.arange(0, BC)
     if MAP:  # rows come through the map: the base is the source's column c0
@@ -465,7 +465,9 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
     method_args = {"NATURAL": True, "RS": rslice} if natural else {}
     if not block_2d:  # "natural": 2 pairs its scale bytes (its codes already leave as whole sectors)
         method_args["WIDE"] = WIDE_STORES if wide_stores is None else wide_stores
-    grid = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)
+        grid, method_args["GRID2"] = tile_grid(rows, cols, br, bc)
+    else:
+        grid = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)
     extra = {"num_warps": num_warps or (8 if block_2d else min(max(bc // 32, 1), 8))}
     if maxnreg and dev.type == "cuda":  # a compile option of the GPU backend only; 0: no cap
         extra["maxnreg"] = maxnreg
