@@ -327,6 +327,11 @@ def run_sweep(x: torch.Tensor, copy: float, only: Optional[list[str]] = None) ->
                 variants.append((f"hybrid nvfp4+mxfp8 {src[:4]} row-scaled {blk} nw{nw} method {m}",
                                  lambda m=m, s=src, b=blk, n=nw: triton_hybrid_nvfp4.quantize(
                                      x, rs_amax, E4M3, source=s, block=b, num_warps=n, method=m)))
+    # the same kernel with one global amax (Composer-2's weights) at its default method and tile
+    g_amax = rs_amax.amax()
+    for src in ("rowwise_dequantized", "original"):
+        variants.append((f"hybrid nvfp4+mxfp8 {src[:4]} global default",
+                         lambda s=src: triton_hybrid_nvfp4.quantize(x, g_amax, E4M3, source=s)))
     # the fused NVFP4 + MXFP8 kernel (Composer-2's inputs and weights) at its default method and tile, capped
     for mr in (0, 96, 64):
         for src in ("rowwise_dequantized", "original"):

@@ -60,7 +60,7 @@ CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
     # WIDE=2: triton_mxfp8.WIDE_STORES, what quantize launches ("slices" columnwise stores)
     **{f"mxfp8 {what} (64, 128)": ("triton_mxfp8", "_mxfp8_1d_kernel", _MX_SIG,
                                    dict(_FP8, sxc=1, ROW=row, COL=col, DTYPE=1, BR=64, BC=128, PACK=True, HW=True,
-                                        MAP=mapped, WIDE=2), 64, 4)
+                                        MAP=mapped, WIDE=2, GRID2=True), 64, 4)
        for what, row, col, mapped in [("row+col", True, True, False), ("row", True, False, False),
                                       ("col", False, True, False), ("col, row map", False, True, True),
                                       ("row+col, row map", True, True, True)]},
@@ -69,7 +69,7 @@ CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
     **{f"mxfp8 natural {what} {t} rs{rs} nw{nw}": (
         "triton_mxfp8", "_mxfp8_1d_kernel", _MX_SIG,
         dict(_FP8, sxc=1, ROW=row, COL=col, DTYPE=1, BR=t[0], BC=t[1], PACK=True, HW=2, MAP=mapped, NATURAL=True,
-             RS=rs, WIDE=2), t[0] * t[1] // (32 * nw), nw)
+             RS=rs, WIDE=2, GRID2=True), t[0] * t[1] // (32 * nw), nw)
        for what, row, col, mapped in [("row+col", True, True, False), ("col", False, True, False),
                                       ("col, row map", False, True, True), ("row+col, row map", True, True, True)]
        for t, nw in [((64, 128), 4), ((128, 128), 4), ((32, 128), 4), ((64, 256), 8), ((64, 256), 4), ((64, 128), 2)]
@@ -81,13 +81,15 @@ CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
              PACK=True, WORDS=True, HW=True), 32, 2) for src in ("rd", "orig")},
     # method="natural": four [8, BC] row slices per 32-row block, one FP8 conversion per element; row-scaled
     # (Composer-2's operand), WIDE as launched
-    **{f"nvfp4 row + mxfp8 col {src} {m} row-scaled {t} nw{nw}": (
+    # (Composer-2's weights: the same kernel with one global amax, "global")
+    **{f"nvfp4 row + mxfp8 col {src} {m} {scaled} {t} nw{nw}": (
         "triton_hybrid_nvfp4", "_nvfp4_mxfp8_kernel",
         dict(_MX_SIG, amax_ptr="*fp32", RCP6="fp32"),
-        dict(_FP8, sxc=1, ROW=True, COL=True, ROW_SCALED=True, SRC_DEQ=src == "rd", DTYPE=1, BR=t[0], BC=t[1],
-             PACK=True, WORDS=True, HW=2 if m == "natural" else True, WIDE=True, NATURAL=m == "natural"),
+        dict(_FP8, sxc=1, ROW=True, COL=True, ROW_SCALED=scaled == "row-scaled", SRC_DEQ=src == "rd", DTYPE=1,
+             BR=t[0], BC=t[1], PACK=True, WORDS=True, HW=2 if m == "natural" else True, WIDE=True,
+             NATURAL=m == "natural", GRID2=True),
         t[0] * t[1] // (32 * nw), nw)
-       for src in ("rd", "orig") for m in ("trans", "natural")
+       for src in ("rd", "orig") for m in ("trans", "natural") for scaled in ("row-scaled", "global")
        for t, nw in [((32, 64), 2), ((64, 64), 2), ((32, 128), 2), ((64, 128), 4)]},
     # the BF16 decodes at their default 1D tile (4, 512) / 2 warps (triton_decode._TILE_1D)
     **{f"decode {what} (4, 512)": (
@@ -95,7 +97,7 @@ CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
         dict(src_ptr="*u8", s_ptr="*u8", out_ptr="*i32" if kind == 3 else "*i16", R="i32", C="i32", src_stride="i32",
              s_stride="i32", NSR="i32", NSC="i32"),
         dict(KIND=kind, E5M2=False, SR=1, SC=16 if kind == 3 else 32, SAFE_E=10, NAN16=0x7FFF, BR=4, BC=512,
-             PAIRS=kind == 3), 4 * 512 // 64, 2)
+             PAIRS=kind == 3, GRID2=True), 4 * 512 // 64, 2)
        for what, kind in [("nvfp4 pairs", 3), ("mxfp8", 1)]},
     "mxfp8 row + nvfp4 rht col (2, 64)": (
         "triton_hybrid_mxfp8_nvfp4", "_mxfp8_nvfp4_kernel",

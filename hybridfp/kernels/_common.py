@@ -420,6 +420,21 @@ def fp8_encode_rowwise(v, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.c
 
 
 @triton.jit
+def e4m3_word4(y0, y1, y2, y3):
+    """The little-endian int32 of the satfinite E4M3 bytes of FP32 products ``y0 .. y3`` computed
+    on the GPU (byte k from ``yk``): two paired ``cvt.rn.satfinite.e4m3x2.f32`` (the first operand
+    goes to the upper byte) and one move, instead of four per-element conversions, their byte
+    extraction and shifts. No NaN select, as :func:`fp8_encode_rowwise`: a NaN product on the
+    GPU is the canonical (positive) NaN, whose byte is 0x7F, torch's. The pairs are explicit
+    operands here, so the pairing of Triton's own conversion (:func:`_hw_fp8_code`) plays no
+    part. For packed transposed stores whose four rows of a word sit in one thread."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+        "mov.b32 $0, {lo, hi}; }",
+        "=r,r,r,r,r", [y0, y1, y2, y3], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
 def e4m3_value(code):
     """FP32 value of E4M3 code bytes (0x7F / 0xFF: NaN)."""
     c = code.to(tl.int32)
@@ -537,11 +552,29 @@ def current_scale(amax, eps, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
 
 
 @triton.jit
-def program_tile(C, BR: tl.constexpr, BC: tl.constexpr):
-    """(pr, pc): the [BR, BC] tile of this program, tiles numbered row-major over C columns."""
+def program_tile(C, BR: tl.constexpr, BC: tl.constexpr, GRID2: tl.constexpr = False):
+    """(pr, pc): the [BR, BC] tile of this program, tiles numbered row-major over C columns;
+    ``GRID2``: launched on :func:`tile_grid`'s 2D grid (column tile, row tile), where no integer
+    division is needed (~30 instructions a thread, ~1 an element for 32-element threads)."""
+    if GRID2:
+        return tl.program_id(1), tl.program_id(0)
     pid = tl.program_id(0)
     nc = tl.cdiv(C, BC)
     return pid // nc, pid % nc
+
+
+#: the most row tiles :func:`tile_grid` puts on a 2D grid (CUDA's limit of the grid's y extent)
+GRID_Y_MAX = 65535
+
+
+def tile_grid(rows: int, cols: int, br: int, bc: int) -> tuple[tuple[int, ...], bool]:
+    """(launch grid, GRID2 for :func:`program_tile`) of [br, bc] tiles: (column tiles, row tiles)
+    while the row tiles fit the grid's y extent (the x index runs fastest, so programs start in the
+    same row-major order as on a 1D grid), else one dimension of all tiles."""
+    nr, nc = triton.cdiv(rows, br), triton.cdiv(cols, bc)
+    if nr <= GRID_Y_MAX:
+        return (nc, nr), True
+    return (nr * nc,), False
 
 
 @triton.jit

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import bf16_nan16, e2m1_value, empty, program_tile
+from ._common import bf16_nan16, e2m1_value, empty, program_tile, tile_grid
 
 #: kernel kinds: FP8 codes alone, x E8M0 bytes, x power-of-two FP32, packed E2M1 x E4M3
 _PLAIN, _E8M0, _POW2_F32, _NVFP4 = (tl.constexpr(i) for i in range(4))
@@ -117,8 +117,8 @@ def _expand(s, BR: tl.constexpr, BC: tl.constexpr, SC: tl.constexpr):
 def _decode_kernel(src_ptr, s_ptr, out_ptr, R, C, src_stride, s_stride, NSR, NSC,
                    KIND: tl.constexpr, E5M2: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr,
                    SAFE_E: tl.constexpr, NAN16: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                   PAIRS: tl.constexpr = False):
-    pr, pc = program_tile(C, BR, BC)
+                   PAIRS: tl.constexpr = False, GRID2: tl.constexpr = False):
+    pr, pc = program_tile(C, BR, BC, GRID2)
     rows = pr * BR + tl.arange(0, BR)
     cols = pc * BC + tl.arange(0, BC)
     r64 = rows.to(tl.int64)
@@ -211,12 +211,12 @@ def _launch(src: torch.Tensor, scale: torch.Tensor | None, cols: int, kind: int,
     elif scale.stride(-1) != 1:
         scale = scale.contiguous()
     mbits, bias = (2, 15) if fp8_dtype == torch.float8_e5m2 else (3, 7)
-    grid = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)
+    grid, grid2 = tile_grid(rows, cols, br, bc)
     _decode_kernel[grid](src, scale, out.view(torch.int32 if pairs else torch.int16), rows, cols, src.stride(0),
                          scale.stride(0), scale.shape[0], scale.shape[1], KIND=kind,
                          E5M2=fp8_dtype == torch.float8_e5m2, SR=sr, SC=sc, SAFE_E=bias + mbits,
                          NAN16=bf16_nan16(src.device), BR=br, BC=bc,
-                         PAIRS=pairs, num_warps=num_warps,
+                         PAIRS=pairs, GRID2=grid2, num_warps=num_warps,
                          **({"maxnreg": maxnreg} if maxnreg and src.is_cuda else {}))
     return out
 

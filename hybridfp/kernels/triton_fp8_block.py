@@ -31,9 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (DTYPE_CODE, program_tile, Copies, amax_nan, check_int32_tiles, current_scale, empty, f32,
-                      asm_fp8_bits, fp8_encode, fp8_encode_rowwise, fp8_params, hw_fp8, kernel_input, load_f32, load_rows32_t, nan_max,
-                      store_transposed_u8, store_words_t, tile_offsets)
+from ._common import (DTYPE_CODE, program_tile, Copies, amax_nan, check_int32_tiles, current_scale, e4m3_word4,
+                      empty, f32, asm_fp8_bits, fp8_encode, fp8_encode_rowwise, fp8_params, hw_fp8, kernel_input,
+                      load_f32, load_rows32_t, nan_max, store_transposed_u8, store_words_t, tile_offsets)
 
 
 @triton.jit
@@ -238,11 +238,15 @@ def row_pass_1d(xbase, r0, c0, R, C, sxr, sxc, eps, rd_ptr, rs_ptr, pc, POW2: tl
 
 
 @triton.jit
-def _col_code4(xbase, lr4, lc, mask, k, scale, sxr, sxc, FP8_MAX: tl.constexpr, MBITS: tl.constexpr,
-               BIAS: tl.constexpr, DTYPE: tl.constexpr, HW: tl.constexpr, EVEN: tl.constexpr):
-    """Column-scaled codes (int32) of tile rows ``lr4 + k`` ([CR / 4, B], natural layout)."""
-    x = load_x(xbase + tile_offsets(lr4 + k, lc, sxr, sxc), mask, DTYPE, EVEN)
-    return fp8_bytes(x * scale[None, :], FP8_MAX, MBITS, BIAS, HW).to(tl.int32)
+def _col_x4(xbase, lr4, lc, mask, k, scale, sxr, sxc, DTYPE: tl.constexpr, EVEN: tl.constexpr):
+    """Column-scaled FP32 values of tile rows ``lr4 + k`` ([CR / 4, B], natural layout)."""
+    return load_x(xbase + tile_offsets(lr4 + k, lc, sxr, sxc), mask, DTYPE, EVEN) * scale[None, :]
+
+
+@triton.jit
+def _col_code4(y, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, HW: tl.constexpr):
+    """The FP8 codes (int32) of the column-scaled values ``y``."""
+    return fp8_bytes(y, FP8_MAX, MBITS, BIAS, HW).to(tl.int32)
 
 
 @triton.jit
@@ -265,15 +269,17 @@ def columnwise_1d(xbase, r0, c0, R, C, sxr, sxc, amax, eps, cd_ptr, cs_ptr, pr, 
         l4 = j * (CR // 4) + tl.arange(0, CR // 4)  # tile-local word rows
         lr4 = l4 * 4
         mask = ((r0 + lr4) < R)[:, None] & cmask[None, :]
-        q0 = _col_code4(xbase, lr4, lc, mask, 0, scale, sxr, sxc, FP8_MAX, MBITS, BIAS, DTYPE, HW, EVEN)
-        q1 = _col_code4(xbase, lr4, lc, mask & ((r0 + lr4 + 1) < R)[:, None], 1, scale, sxr, sxc, FP8_MAX,
-                        MBITS, BIAS, DTYPE, HW, EVEN)
-        q2 = _col_code4(xbase, lr4, lc, mask & ((r0 + lr4 + 2) < R)[:, None], 2, scale, sxr, sxc, FP8_MAX,
-                        MBITS, BIAS, DTYPE, HW, EVEN)
-        q3 = _col_code4(xbase, lr4, lc, mask & ((r0 + lr4 + 3) < R)[:, None], 3, scale, sxr, sxc, FP8_MAX,
-                        MBITS, BIAS, DTYPE, HW, EVEN)
+        y0 = _col_x4(xbase, lr4, lc, mask, 0, scale, sxr, sxc, DTYPE, EVEN)
+        y1 = _col_x4(xbase, lr4, lc, mask & ((r0 + lr4 + 1) < R)[:, None], 1, scale, sxr, sxc, DTYPE, EVEN)
+        y2 = _col_x4(xbase, lr4, lc, mask & ((r0 + lr4 + 2) < R)[:, None], 2, scale, sxr, sxc, DTYPE, EVEN)
+        y3 = _col_x4(xbase, lr4, lc, mask & ((r0 + lr4 + 3) < R)[:, None], 3, scale, sxr, sxc, DTYPE, EVEN)
         if PACK:
-            w = q0 | (q1 << 8) | (q2 << 16) | (q3 << 24)
+            if HW and MBITS == 3:  # two paired conversions a word, no NaN select (_common.e4m3_word4)
+                w = e4m3_word4(y0, y1, y2, y3)
+            else:
+                w = (_col_code4(y0, FP8_MAX, MBITS, BIAS, HW) | (_col_code4(y1, FP8_MAX, MBITS, BIAS, HW) << 8)
+                     | (_col_code4(y2, FP8_MAX, MBITS, BIAS, HW) << 16)
+                     | (_col_code4(y3, FP8_MAX, MBITS, BIAS, HW) << 24))
             # word (c, r / 4) of the [C, R / 4] int32 view; pr * (B // 4) keeps the 16-byte alignment visible
             wbase = cd_ptr.to(tl.pointer_type(tl.int32)) + c0.to(tl.int64) * (R // 4) + pr * (B // 4)
             if EVEN:
@@ -283,10 +289,13 @@ def columnwise_1d(xbase, r0, c0, R, C, sxr, sxc, amax, eps, cd_ptr, cs_ptr, pr, 
         else:
             bbase = cd_ptr + c0.to(tl.int64) * R + r0
             off = tile_offsets(lr4, lc, 1, R)
-            tl.store(bbase + off, q0.to(tl.uint8), mask=mask)
-            tl.store(bbase + off + 1, q1.to(tl.uint8), mask=mask & ((r0 + lr4 + 1) < R)[:, None])
-            tl.store(bbase + off + 2, q2.to(tl.uint8), mask=mask & ((r0 + lr4 + 2) < R)[:, None])
-            tl.store(bbase + off + 3, q3.to(tl.uint8), mask=mask & ((r0 + lr4 + 3) < R)[:, None])
+            tl.store(bbase + off, _col_code4(y0, FP8_MAX, MBITS, BIAS, HW).to(tl.uint8), mask=mask)
+            tl.store(bbase + off + 1, _col_code4(y1, FP8_MAX, MBITS, BIAS, HW).to(tl.uint8),
+                     mask=mask & ((r0 + lr4 + 1) < R)[:, None])
+            tl.store(bbase + off + 2, _col_code4(y2, FP8_MAX, MBITS, BIAS, HW).to(tl.uint8),
+                     mask=mask & ((r0 + lr4 + 2) < R)[:, None])
+            tl.store(bbase + off + 3, _col_code4(y3, FP8_MAX, MBITS, BIAS, HW).to(tl.uint8),
+                     mask=mask & ((r0 + lr4 + 3) < R)[:, None])
     inv = block_inv(scale, POW2)
     if EVEN:
         tl.store(cs_ptr + (c0 + lc).to(tl.int64) * tl.cdiv(R, B) + pr, inv)

@@ -36,23 +36,21 @@ import triton
 import triton.language as tl
 
 from ._common import (program_tile, DTYPE_CODE, Copies, amax_nan, check_int32_tiles, empty, f32, fp8_params,
-                      hw_fp8, kernel_input, load_f32, store_words_t, tile_offsets)
+                      hw_fp8, kernel_input, load_f32, store_words_t, tile_grid, tile_offsets)
 from .triton_mxfp8 import NATURAL_HW, col_block_32, col_block_rows4, natural_rows4, store_scales_t
-from .triton_nvfp4 import RCP6, block_scales_dec, e2m1_rne, global_scales, pack_last
+from .triton_nvfp4 import RCP6, block_scales_dec, e2m1_rne, global_scales, pack_last, row_scales
 
 MX_BLOCK = 32
 NV_BLOCK = 16
 
 
 @triton.jit
-def _scales(amax_ptr, rows, R, ROW_SCALED: tl.constexpr):
-    """(S_enc, S_dec): 0-d from the global amax, or [N, 1] for the [N] absolute ``rows``
-    (row-scaled; rows past R take the last row's, only multiplied by zeros)."""
-    if ROW_SCALED:
-        s_enc, s_dec = global_scales(amax_ptr + tl.minimum(rows, R - 1))
-        return s_enc[:, None], s_dec[:, None]
-    else:
-        return global_scales(amax_ptr)
+def _row_scales(scales_ptr, rows, R):
+    """(S_enc, S_dec) [N, 1] of the [N] absolute ``rows`` (row-scaled), loaded from the
+    ``triton_nvfp4.row_scales`` pairs at ``scales_ptr`` (rows past R take the last row's, only
+    multiplied by zeros)."""
+    r = tl.minimum(rows, R - 1)
+    return tl.load(scales_ptr + 2 * r)[:, None], tl.load(scales_ptr + 2 * r + 1)[:, None]
 
 
 @triton.jit
@@ -101,8 +99,9 @@ def _nvfp4_mxfp8_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, N
                         MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr,
                         DTYPE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
                         PACK: tl.constexpr, WORDS: tl.constexpr, HW: tl.constexpr, WIDE: tl.constexpr = False,
-                        NATURAL: tl.constexpr = False):
-    """ROW: store the NVFP4 rowwise copy. COL: the MXFP8 columnwise copy, of the dequantized
+                        NATURAL: tl.constexpr = False, GRID2: tl.constexpr = False):
+    """``amax_ptr``: the global amax, or with ROW_SCALED each row's (S_enc, S_dec)
+    (``triton_nvfp4.row_scales``). ROW: store the NVFP4 rowwise copy. COL: the MXFP8 columnwise copy, of the dequantized
     rowwise value with SRC_DEQ (computed whether or not ROW stores it), else of x. Each 32-row
     block of the tile is read once (coalesced rows), either
 
@@ -111,11 +110,17 @@ def _nvfp4_mxfp8_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, N
     - ``NATURAL``: as four [8, BC] slices of rows 4i + k (``triton_mxfp8.natural_rows``), each
       quantized rowwise on its own; a column's four rows of a code word then sit in one thread
       (``triton_mxfp8.col_block_rows4``: no exchange, wide transposed stores)."""
-    pr, pc = program_tile(C, BR, BC)
+    pr, pc = program_tile(C, BR, BC, GRID2)
     lc = tl.arange(0, BC)
     cmask = (pc * BC + lc) < C
     nbr = tl.cdiv(R, 32)
     c0 = pc * BC
+    if ROW_SCALED:
+        g_enc, g_dec = 1.0, 1.0  # unused: each slice's rows have their own scales
+    else:
+        # once per program: inside the slice loop the compiler reloaded the amax after every store
+        # (they might alias) and redid both divisions, ~4 instructions per element (sm90 SASS)
+        g_enc, g_dec = global_scales(amax_ptr)
     if NATURAL:
         r0 = pr * BR
         xbase = x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc
@@ -123,13 +128,13 @@ def _nvfp4_mxfp8_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, N
             l4 = b * 8 + tl.arange(0, 8)  # tile-local word rows
             x0, x1, x2, x3 = natural_rows4(xbase, l4, lc, R - r0, cmask, sxr, sxc, DTYPE, amax_ptr, False)
             if ROW or SRC_DEQ:
-                d0 = _slice_rowwise(x0, r0, c0, l4 * 4, lc, R, C, amax_ptr, rd_ptr, rs_ptr, RCP6, ROW, ROW_SCALED,
-                                    HW, WORDS, BC)
-                d1 = _slice_rowwise(x1, r0, c0, l4 * 4 + 1, lc, R, C, amax_ptr, rd_ptr, rs_ptr, RCP6, ROW,
+                d0 = _slice_rowwise(x0, r0, c0, l4 * 4, lc, R, C, amax_ptr, g_enc, g_dec, rd_ptr, rs_ptr, RCP6, ROW,
                                     ROW_SCALED, HW, WORDS, BC)
-                d2 = _slice_rowwise(x2, r0, c0, l4 * 4 + 2, lc, R, C, amax_ptr, rd_ptr, rs_ptr, RCP6, ROW,
+                d1 = _slice_rowwise(x1, r0, c0, l4 * 4 + 1, lc, R, C, amax_ptr, g_enc, g_dec, rd_ptr, rs_ptr, RCP6, ROW,
                                     ROW_SCALED, HW, WORDS, BC)
-                d3 = _slice_rowwise(x3, r0, c0, l4 * 4 + 3, lc, R, C, amax_ptr, rd_ptr, rs_ptr, RCP6, ROW,
+                d2 = _slice_rowwise(x2, r0, c0, l4 * 4 + 2, lc, R, C, amax_ptr, g_enc, g_dec, rd_ptr, rs_ptr, RCP6, ROW,
+                                    ROW_SCALED, HW, WORDS, BC)
+                d3 = _slice_rowwise(x3, r0, c0, l4 * 4 + 3, lc, R, C, amax_ptr, g_enc, g_dec, rd_ptr, rs_ptr, RCP6, ROW,
                                     ROW_SCALED, HW, WORDS, BC)
                 if SRC_DEQ:
                     x0, x1, x2, x3 = d0, d1, d2, d3
@@ -148,8 +153,8 @@ def _nvfp4_mxfp8_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, N
                          mask, DTYPE)
             src = x
             if ROW or SRC_DEQ:
-                deq = _slice_rowwise(x, r0, c0, l32, lc, R, C, amax_ptr, rd_ptr, rs_ptr, RCP6, ROW, ROW_SCALED, HW,
-                                     WORDS, BC)
+                deq = _slice_rowwise(x, r0, c0, l32, lc, R, C, amax_ptr, g_enc, g_dec, rd_ptr, rs_ptr, RCP6, ROW,
+                                     ROW_SCALED, HW, WORDS, BC)
                 if SRC_DEQ:
                     src = deq
             if COL:
@@ -161,10 +166,15 @@ def _nvfp4_mxfp8_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, N
 
 
 @triton.jit
-def _slice_rowwise(x, r0, c0, lr, lc, R, C, amax_ptr, rd_ptr, rs_ptr, RCP6, ROW: tl.constexpr,
+def _slice_rowwise(x, r0, c0, lr, lc, R, C, amax_ptr, g_enc, g_dec, rd_ptr, rs_ptr, RCP6, ROW: tl.constexpr,
                    ROW_SCALED: tl.constexpr, HW: tl.constexpr, WORDS: tl.constexpr, BC: tl.constexpr):
-    """:func:`_rowwise` of the rows ``r0 + lr`` of ``x`` with their global scales."""
-    s_enc, s_dec = _scales(amax_ptr, r0 + lr, R, ROW_SCALED)
+    """:func:`_rowwise` of the rows ``r0 + lr`` of ``x`` with their global scales: the rows' own
+    (``ROW_SCALED``: ``amax_ptr`` holds the rows' (S_enc, S_dec) pairs) or the tensor's ``g_enc`` /
+    ``g_dec``."""
+    if ROW_SCALED:
+        s_enc, s_dec = _row_scales(amax_ptr, r0 + lr, R)
+    else:
+        s_enc, s_dec = g_enc, g_dec
     return _rowwise(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, RCP6, ROW, HW, WORDS, x.shape[0], BC)
 
 
@@ -234,17 +244,19 @@ def quantize(x2: torch.Tensor, row_amax: torch.Tensor, col_dtype: torch.dtype, *
         col = (empty((cols, rows), dtype=col_dtype, device=dev),
                empty((cols, triton.cdiv(rows, MX_BLOCK)), dtype=torch.uint8, device=dev))
     dummy = torch.empty(1, dtype=torch.uint8, device=dev)
-    grid = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)
+    grid, grid2 = tile_grid(rows, cols, br, bc)
+    row_scaled = row_amax.dim() == 1
     _nvfp4_mxfp8_kernel[grid](
-        kernel_input(x2), row_amax.float().contiguous(), row[0] if row else dummy,
+        kernel_input(x2), row_scales(row_amax) if row_scaled else row_amax.float().contiguous(),
+        row[0] if row else dummy,
         row[1].view(torch.uint8) if row else dummy, col[0].view(torch.uint8) if col else dummy,
         col[1] if col else dummy, rows, cols, triton.cdiv(rows, MX_BLOCK), x2.stride(0), x2.stride(1), RCP6,
         f32(1.0 / fmax),
-        ROW=rowwise, COL=columnwise, ROW_SCALED=row_amax.dim() == 1,
+        ROW=rowwise, COL=columnwise, ROW_SCALED=row_scaled,
         SRC_DEQ=source == "rowwise_dequantized", RCEIL=rule == "rceil", EMAX={3: 8, 2: 15}[mbits],
         MBITS=mbits, BIAS=bias, FP8_MAX=fmax, DTYPE=DTYPE_CODE[x2.dtype], BR=br, BC=bc,
         PACK=pack and rows % 4 == 0, WORDS=cols % 8 == 0,
         HW=(NATURAL_HW if method == "natural" else True) if hw_fp8(dev) else False,
-        WIDE=WIDE_STORES if wide_stores is None else wide_stores, NATURAL=method == "natural",
+        WIDE=WIDE_STORES if wide_stores is None else wide_stores, NATURAL=method == "natural", GRID2=grid2,
         num_warps=num_warps or min(max(bc // 32, 1), 8), **({"maxnreg": maxnreg} if maxnreg and dev.type == "cuda" else {}))
     return row, col

@@ -29,10 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (program_tile, load_tile, DTYPE_CODE, Copies, amax_nan, check_int32_tiles, empty, f32, fp8_encode,
-                      fp8_encode_rowwise,
-                      fp8_params, hw_fp8, kernel_input, load_f32, load_rows32_t, store_transposed_u8,
-                      store_words_t, tile_offsets)
+from ._common import (program_tile, load_tile, DTYPE_CODE, Copies, amax_nan, check_int32_tiles, e4m3_word4, empty,
+                      f32, fp8_encode, fp8_encode_rowwise, fp8_params, hw_fp8, kernel_input, load_f32, load_rows32_t,
+                      store_transposed_u8, store_words_t, tile_grid, tile_offsets)
 from .triton_fp8_block import abs_bits, bits_amax
 
 BLOCK = 32
@@ -43,17 +42,21 @@ _BLOCK = tl.constexpr(BLOCK)  # the same, visible inside kernels
 def _e8m0_byte(amax, RCEIL: tl.constexpr, EMAX: tl.constexpr, RCP):
     """``formats.mxfp8.e8m0_from_amax`` (int32 byte) of non-negative block amaxes."""
     if RCEIL:
+        # the exponent of v = amax * RCP rounded up: adding 2**23 - 1 carries into the exponent
+        # field iff the mantissa is non-zero (normal v). A subnormal v's byte is 1 iff
+        # v > 2**-127 (mantissa above 0x400000): add 0x3FFFFF there instead. min 0xFE: the top
+        # binade does not round up, and inf lands there (SPEC: inf -> 0xFE). NaN (bits above
+        # inf's; the sum wraps negative) -> 0xFF. Integer tests only: ~7 instructions a scale
+        # instead of ~17, and in the natural passes every thread holding a column computes it.
         bits = (amax * RCP).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        exp = bits >> 23
-        man = bits & 0x7FFFFF
-        tiny = (exp == 0) & (man <= 0x400000)
-        up = (man != 0) & (exp != 0xFE) & (tiny == 0)
-        e = exp + up.to(tl.int32)
+        e = tl.minimum((bits + tl.where(bits < 0x800000, 0x3FFFFF, 0x7FFFFF)) >> 23, 0xFE)
+        e = tl.where(bits > 0x7F800000, 0xFF, e)
     else:
         exp = (amax.to(tl.int32, bitcast=True) & 0x7FFFFFFF) >> 23
         e = tl.minimum(tl.maximum(exp - EMAX, 0), 0xFE)
-    e = tl.where(amax == float("inf"), 0xFE, e)
-    return tl.where(amax != amax, 0xFF, e)
+        e = tl.where(amax == float("inf"), 0xFE, e)
+        e = tl.where(amax != amax, 0xFF, e)
+    return e
 
 
 @triton.jit
@@ -134,6 +137,34 @@ def _codes(x, inv, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexp
 
 
 @triton.jit
+def _store_words4_t(cd_ptr, w, l4, lc, cmask, c0, pr, R, BR: tl.constexpr):
+    """Store the int32 code words ``w`` [N, BC] (rows ``4 * l4 .. + 3`` of the tile's columns, little
+    endian) transposed into the [C, R] byte array (R % 4 == 0)."""
+    # word (c, r / 4) of the [C, R / 4] view; pr * (BR // 4) keeps the 16-byte alignment visible
+    wbase = cd_ptr.to(tl.pointer_type(tl.int32)) + c0.to(tl.int64) * (R // 4) + pr * (BR // 4)
+    # the row test on word indices: constant over runs of 4 words, so the stores stay vectors
+    wmask = ((pr * (BR // 4) + l4) < R // 4)[:, None] & cmask[None, :]
+    tl.store(wbase + tile_offsets(l4, lc, 1, R // 4), w, mask=wmask)
+
+
+@triton.jit
+def _codes_rows4_t(cd_ptr, x0, x1, x2, x3, inv, l4, lc, cmask, r0, c0, pr, R, FP8_MAX: tl.constexpr,
+                   MBITS: tl.constexpr, BIAS: tl.constexpr, HW: tl.constexpr, BR: tl.constexpr,
+                   PACK: tl.constexpr):
+    """The FP8 codes of the four natural slices ``xk`` (tile rows ``4 * l4 + k``) scaled by their
+    columns' ``inv``, stored transposed. Packed E4M3 on the GPU's per-element path (``HW`` 2):
+    each word from two paired conversions (``_common.e4m3_word4``; sm90: about 3 instructions
+    per element fewer than four conversions, their NaN selects and the byte packing)."""
+    if PACK and HW == 2 and MBITS == 3:
+        w = e4m3_word4(x0 * inv[None, :], x1 * inv[None, :], x2 * inv[None, :], x3 * inv[None, :])
+        _store_words4_t(cd_ptr, w, l4, lc, cmask, c0, pr, R, BR)
+    else:
+        _store_rows4_t(cd_ptr, _codes(x0, inv, FP8_MAX, MBITS, BIAS, HW), _codes(x1, inv, FP8_MAX, MBITS, BIAS, HW),
+                       _codes(x2, inv, FP8_MAX, MBITS, BIAS, HW), _codes(x3, inv, FP8_MAX, MBITS, BIAS, HW),
+                       l4, lc, cmask, r0, c0, pr, R, BR, PACK)
+
+
+@triton.jit
 def _store_rows4_t(cd_ptr, q0, q1, q2, q3, l4, lc, cmask, r0, c0, pr, R, BR: tl.constexpr, PACK: tl.constexpr):
     """Store the codes ``qk`` (int32, [N, BC], natural layout) of tile rows ``4 * l4 + k`` (tile
     origin (r0, c0) = (pr * BR, c0) of an [R, C] input) transposed into the [C, R] byte array.
@@ -144,12 +175,7 @@ def _store_rows4_t(cd_ptr, q0, q1, q2, q3, l4, lc, cmask, r0, c0, pr, R, BR: tl.
     consecutive words per column: wide stores). Else four byte stores."""
     lr4 = l4 * 4
     if PACK:
-        w = q0 | (q1 << 8) | (q2 << 16) | (q3 << 24)
-        # word (c, r / 4) of the [C, R / 4] view; pr * (BR // 4) keeps the 16-byte alignment visible
-        wbase = cd_ptr.to(tl.pointer_type(tl.int32)) + c0.to(tl.int64) * (R // 4) + pr * (BR // 4)
-        # the row test on word indices: constant over runs of 4 words, so the stores stay vectors
-        wmask = ((pr * (BR // 4) + l4) < R // 4)[:, None] & cmask[None, :]
-        tl.store(wbase + tile_offsets(l4, lc, 1, R // 4), w, mask=wmask)
+        _store_words4_t(cd_ptr, q0 | (q1 << 8) | (q2 << 16) | (q3 << 24), l4, lc, cmask, c0, pr, R, BR)
     else:
         bbase = cd_ptr + c0.to(tl.int64) * R + r0
         off = tile_offsets(lr4, lc, 1, R)
@@ -170,11 +196,7 @@ def col_block_rows4(x0, x1, x2, x3, cd_ptr, l4, lc, cmask, r0, c0, pr, R, RCEIL:
     m = tl.maximum(tl.maximum(abs_bits(x0), abs_bits(x1)), tl.maximum(abs_bits(x2), abs_bits(x3)))
     e = _e8m0_byte(bits_amax(tl.max(m, 0)), RCEIL, EMAX, RCP)
     inv = _e8m0_inverse(e)
-    q0 = _codes(x0, inv, FP8_MAX, MBITS, BIAS, HW)
-    q1 = _codes(x1, inv, FP8_MAX, MBITS, BIAS, HW)
-    q2 = _codes(x2, inv, FP8_MAX, MBITS, BIAS, HW)
-    q3 = _codes(x3, inv, FP8_MAX, MBITS, BIAS, HW)
-    _store_rows4_t(cd_ptr, q0, q1, q2, q3, l4, lc, cmask, r0, c0, pr, R, BR, PACK)
+    _codes_rows4_t(cd_ptr, x0, x1, x2, x3, inv, l4, lc, cmask, r0, c0, pr, R, FP8_MAX, MBITS, BIAS, HW, BR, PACK)
     return e
 
 
@@ -238,15 +260,9 @@ def col_copy_natural(xbase, r0, c0, pr, R, C, sxr, sxc, cd_ptr, cs_ptr, mbase, R
             inv = _e8m0_inverse(e)
             for s in tl.static_range(_BLOCK // RS):
                 l4 = (b * _BLOCK + s * RS) // 4 + tl.arange(0, N)
-                q0 = _codes(natural_rows(xbase, l4 * 4, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP), inv,
-                            FP8_MAX, MBITS, BIAS, HW)
-                q1 = _codes(natural_rows(xbase, l4 * 4 + 1, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP), inv,
-                            FP8_MAX, MBITS, BIAS, HW)
-                q2 = _codes(natural_rows(xbase, l4 * 4 + 2, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP), inv,
-                            FP8_MAX, MBITS, BIAS, HW)
-                q3 = _codes(natural_rows(xbase, l4 * 4 + 3, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP), inv,
-                            FP8_MAX, MBITS, BIAS, HW)
-                _store_rows4_t(cd_ptr, q0, q1, q2, q3, l4, lc, cmask, r0, c0, pr, R, BR, PACK)
+                x0, x1, x2, x3 = natural_rows4(xbase, l4, lc, rmax, cmask, sxr, sxc, DTYPE, mbase, MAP)
+                _codes_rows4_t(cd_ptr, x0, x1, x2, x3, inv, l4, lc, cmask, r0, c0, pr, R, FP8_MAX, MBITS, BIAS, HW,
+                               BR, PACK)
         if b == 0:
             e_first = e
         store_scales_t(cs_ptr, e_first, e, b, pr, c0, lc, cmask, nbr, NBR, BR, PAIR_SCALES)
@@ -259,7 +275,7 @@ def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, NBR, sxr, sxc:
                      FP8_MAX: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr,
                      BC: tl.constexpr, PACK: tl.constexpr, HW: tl.constexpr, map_ptr,
                      MAP: tl.constexpr, NATURAL: tl.constexpr = False, RS: tl.constexpr = 32,
-                     WIDE: tl.constexpr = 0):
+                     WIDE: tl.constexpr = 0, GRID2: tl.constexpr = False):
     """One [BR, BC] tile per program. Rowwise 1x32 blocks from the natural tile (a block's 32
     columns sit in a few neighbouring threads); columnwise 32x1 blocks from transposed
     [BC, 32] tiles re-read from cache (``_common.load_rows32_t``: register-local block amax,
@@ -267,8 +283,8 @@ def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, NBR, sxr, sxc:
     ``tl.trans``, measured 0.181 vs 0.142 ms row+col on the H200: not kept.) ``MAP``: the R rows
     are ``x[map_ptr[r]]`` (zero where negative), and the rowwise copy goes to the source's own
     rows. ``NATURAL``: the columnwise copy from natural [RS, BC] slices instead
-    (:func:`col_copy_natural`)."""
-    pr, pc = program_tile(C, BR, BC)
+    (:func:`col_copy_natural`). ``GRID2``: launched on ``_common.tile_grid``'s 2D grid."""
+    pr, pc = program_tile(C, BR, BC, GRID2)
     r0, c0 = pr * BR, pc * BC
     lc = tl.arange(0, BC)
     if MAP:  # rows come through the map: the base is the source's column c0
@@ -449,7 +465,9 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
     method_args = {"NATURAL": True, "RS": rslice} if natural else {}
     if not block_2d:  # "natural": 2 pairs its scale bytes (its codes already leave as whole sectors)
         method_args["WIDE"] = WIDE_STORES if wide_stores is None else wide_stores
-    grid = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)
+        grid, method_args["GRID2"] = tile_grid(rows, cols, br, bc)
+    else:
+        grid = (triton.cdiv(rows, br) * triton.cdiv(cols, bc),)
     extra = {"num_warps": num_warps or (8 if block_2d else min(max(bc // 32, 1), 8))}
     if maxnreg and dev.type == "cuda":  # a compile option of the GPU backend only; 0: no cap
         extra["maxnreg"] = maxnreg

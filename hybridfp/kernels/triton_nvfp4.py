@@ -54,6 +54,27 @@ def global_scales(amax_ptr):
 
 
 @triton.jit
+def _row_scales_kernel(amax_ptr, out_ptr, N, B: tl.constexpr):
+    """``out[i] = (S_enc, S_dec)`` of ``amax[i]`` (:func:`global_scales`), for i < N."""
+    i = tl.program_id(0) * B + tl.arange(0, B)
+    s_enc, s_dec = global_scales(amax_ptr + tl.minimum(i, N - 1))
+    tl.store(out_ptr + 2 * i, s_enc, mask=i < N)
+    tl.store(out_ptr + 2 * i + 1, s_dec, mask=i < N)
+
+
+def row_scales(amax: torch.Tensor) -> torch.Tensor:
+    """[N, 2] FP32 (S_enc, S_dec) of the [N] FP32 amaxes, by :func:`global_scales` (bitwise the
+    kernels' own): a row-scaled kernel then loads a row's scales instead of dividing twice in
+    every thread that holds part of the row (~9 instructions an element in the fused NVFP4 +
+    MXFP8 kernel's (32, 64) tiles)."""
+    n = amax.numel()
+    out = torch.empty((n, 2), dtype=torch.float32, device=amax.device)
+    if n:
+        _row_scales_kernel[(triton.cdiv(n, 1024),)](amax.float().contiguous(), out, n, B=1024, num_warps=4)
+    return out
+
+
+@triton.jit
 def block_scales(block_amax, s_enc, s_dec, RCP6, HW: tl.constexpr):
     """(E4M3 S_dec_b code byte, FP32 encode scale) of block amaxes (SPEC §2.5 order)."""
     sdb, enc, _ = block_scales_dec(block_amax, s_enc, s_dec, RCP6, HW)

@@ -97,6 +97,17 @@ def test_decode_matches_reference(name, shape):
 
 
 @interpreter_only
+@pytest.mark.parametrize("name", ["mxfp8_1d", "nvfp4_1d", "block_1d"])
+def test_decode_grid_fallback(monkeypatch, name):
+    """Past the 2D grid's row-tile limit (patched down to 2 here) the decode launches on the 1D
+    grid (``_common.tile_grid``): the same values."""
+    from hybridfp.kernels import _common
+    monkeypatch.setattr(_common, "GRID_Y_MAX", 2)
+    assert not _common.tile_grid(40, 64, 4, 512)[1]
+    _check_all_copies(name, edge_tensor((40, 64), torch.float32, seed=7))
+
+
+@interpreter_only
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2", "mxfp8_1d", "mxfp8_e5m2", "block_1d", "nvfp4_1d"])
 def test_decode_specials(name):
     """NaN / inf inputs: NaN blocks (MXFP8 scale 0xFF, NVFP4 NaN E4M3 scale) and E5M2 inf."""

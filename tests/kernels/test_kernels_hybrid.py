@@ -156,6 +156,21 @@ def test_nvfp4_mxfp8_kernel_store_widths(method, wide, block):
         _check_nvfp4_mxfp8(x, amax, source, block=block, method=method, wide_stores=wide)
 
 
+@interpreter_only
+@pytest.mark.parametrize("y_max", [1, 2, 3, 4])
+def test_nvfp4_mxfp8_kernel_grid_fallback(monkeypatch, y_max):
+    """The fused kernel on its 2D grid (column tile, row tile) and, where the row tiles exceed
+    the grid's y limit (patched down to 1-3 here; CUDA's is 65535), on the 1D grid with the
+    division: the same bytes either way, global and per-row amaxes (4 row tiles of 32 rows)."""
+    from hybridfp.kernels import _common
+    monkeypatch.setattr(_common, "GRID_Y_MAX", y_max)
+    x = edge_tensor((100, 72), torch.bfloat16, seed=9, specials=True)
+    assert _common.tile_grid(100, 72, 32, 64) == (((2, 4), True) if y_max >= 4 else ((8,), False))
+    for amax in (x.float().nan_to_num(0.0).abs().amax(), x.float().nan_to_num(0.0).abs().amax(dim=1)):
+        for method in ("trans", "natural"):
+            _check_nvfp4_mxfp8(x, amax, RD, block=(32, 64), method=method)
+
+
 @gpu
 @pytest.mark.parametrize("source", ["original", RD])
 @pytest.mark.parametrize("tile", [((32, 64), 2, "trans"), ((32, 128), 4, "trans"), ((32, 32), 1, "trans"),

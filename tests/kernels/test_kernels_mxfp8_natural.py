@@ -103,6 +103,16 @@ def test_natural_columnwise_only_and_strided():
 
 
 @interpreter_only
+def test_grid_fallback(monkeypatch):
+    """Past the 2D grid's row-tile limit (patched down to 1 here) both methods launch on the 1D
+    grid (``_common.tile_grid``): "natural" still equals "slices" and the reference."""
+    from hybridfp.kernels import _common
+    monkeypatch.setattr(_common, "GRID_Y_MAX", 1)
+    assert not _common.tile_grid(96, 72, 32, 64)[1]
+    check_natural(edge_tensor((96, 72), torch.bfloat16, seed=13, specials=True), block=(32, 64), num_warps=2)
+
+
+@interpreter_only
 def test_natural_packed_equals_bytes():
     """``pack=False`` (byte stores) and the packed words give the same bytes (BF16, R % 4 == 0)."""
     x = edge_tensor((64, 64), torch.bfloat16, seed=9, specials=True)

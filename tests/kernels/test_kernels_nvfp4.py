@@ -71,6 +71,38 @@ def test_nvfp4_kernel_extreme_amax(fill):
         check_against_reference(NVFP4Quantizer(**cfg), x)
 
 
+def _row_scale_amaxes(device: str) -> torch.Tensor:
+    """Row amaxes that take every branch of the global scale rule: 0, subnormal, tiny (S_enc
+    clamps to FP32_MAX), ordinary, huge (S_enc rounds to a subnormal or 0), inf, NaN."""
+    special = torch.tensor([0.0, 1e-45, 1e-40, 1e-30, 7.3e-36, 1.0, 2688.0, 448.0 * 6, 3e38, 3.4028234663852886e38,
+                            float("inf"), float("nan")])
+    rand = torch.randn(1037, generator=torch.Generator().manual_seed(3)).abs() * torch.exp2(
+        torch.randint(-60, 60, (1037,), generator=torch.Generator().manual_seed(4)).float())
+    return torch.cat([special, rand]).to(device)
+
+
+def _check_row_scales(device: str) -> None:
+    """``triton_nvfp4.row_scales``: each row's (S_enc, S_dec), bitwise ``formats.nvfp4``'s
+    global encode / decode scales (the fused NVFP4 + MXFP8 kernel loads them instead of dividing);
+    an empty vector gives an empty [0, 2]."""
+    amax = _row_scale_amaxes(device)
+    got = triton_nvfp4.row_scales(amax)
+    want = torch.stack([nvfp4.global_encode_scale(amax), nvfp4.global_decode_scale(amax)], dim=1)
+    assert got.shape == (amax.numel(), 2)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert triton_nvfp4.row_scales(amax[:0]).shape == (0, 2)
+
+
+@interpreter_only
+def test_row_scales_match_formats():
+    _check_row_scales("cpu")
+
+
+@gpu
+def test_row_scales_match_formats_gpu():
+    _check_row_scales("cuda")
+
+
 @interpreter_only
 @pytest.mark.parametrize("shape", EMPTY_SHAPES, ids=str)
 @pytest.mark.parametrize("config", CONFIGS)
