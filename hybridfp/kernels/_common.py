@@ -413,7 +413,9 @@ def fp8_encode_rowwise(v, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.c
     0x7F, torch's byte for it, so the select changed nothing; it cost the byte unpacking around
     each converted pair (sm90: 16 -> 10 instructions per element for the MXFP8 rowwise copy). The
     select stays for E5M2 (the hardware's NaN byte can be 0x7E), for the per-element conversion
-    (HW 2) and in :func:`fp8_encode` for transposed copies (:func:`_hw_fp8_code` says why)."""
+    (HW 2) and in :func:`fp8_encode` for transposed copies of Triton's paired conversion
+    (:func:`_hw_fp8_code` says why); transposed E4M3 words whose rows sit in one thread go
+    without it through :func:`e4m3_word4`."""
     if HW == 1 and MBITS == 3:
         return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     return fp8_encode(v, FP8_MAX, MBITS, BIAS, HW)

@@ -171,7 +171,8 @@ def fp8_bytes(v, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
     the per-element sign extraction goes (~2 instructions per element). The select itself stays
     for transposed copies (see ``_common._hw_fp8_code``: dropping it broke them on the H200);
     ``ROWWISE`` (codes stored in the natural layout): E4M3 without it
-    (``_common.fp8_encode_rowwise``)."""
+    (``_common.fp8_encode_rowwise``). The natural columnwise pass packs E4M3 words by
+    ``_common.e4m3_word4`` instead (:func:`columnwise_1d`)."""
     if ROWWISE and HW == 1 and MBITS == 3:
         return fp8_encode_rowwise(v, FP8_MAX, MBITS, BIAS, HW)
     if HW == 2:  # one inline-PTX conversion per element (_common._asm_fp8_code)
@@ -426,7 +427,8 @@ def natural_hw(x2: torch.Tensor):
     3.6) left wrong bytes at odd input columns in the packed stores of FP32 input (s11); with
     one conversion per element all 39 configurations of ``bench/diag_natural_fp32.py --asm``
     were bitwise (s13). BF16 / FP16 keep Triton's conversion (bitwise there at the tested tiles;
-    2 costs one more ``cvt`` per two elements, not yet timed). ``test_fp8_block_gpu_options``
+    2 costs one more ``cvt`` per two elements, not yet timed). Packed E4M3 words take
+    ``_common.e4m3_word4`` (explicitly paired) under either. ``test_fp8_block_gpu_options``
     guards both."""
     hw = hw_fp8(x2.device)
     return 2 if hw and x2.dtype == torch.float32 else hw

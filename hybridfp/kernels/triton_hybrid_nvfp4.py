@@ -217,8 +217,9 @@ def quantize(x2: torch.Tensor, row_amax: torch.Tensor, col_dtype: torch.dtype, *
     blocks' scale bytes of a column in one store, and for "trans" the columnwise codes two
     threads wide per column (whole-sector L2 requests, ``_common.store_words_t``); default
     ``WIDE_STORES``.
-    ``method``: one of ``METHODS`` (default ``METHOD``); "natural" converts to FP8 one element at
-    a time on the GPU (``triton_mxfp8.NATURAL_HW``), as the MXFP8 natural pass does.
+    ``method``: one of ``METHODS`` (default ``METHOD``); "natural" converts to FP8 by inline PTX
+    on the GPU (``triton_mxfp8.NATURAL_HW``: a code word from two paired conversions), as the
+    MXFP8 natural pass does.
     """
     method = method or METHOD
     if method not in METHODS:

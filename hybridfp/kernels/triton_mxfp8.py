@@ -352,9 +352,11 @@ WIDE_STORES = 2
 #: 1D columnwise methods: "slices" (transposed [BC, 32] slices, ``_common.load_rows32_t``) and
 #: "natural" (:func:`col_copy_natural`).
 METHODS = ("slices", "natural")
-#: ``fp8_encode``'s HW for the "natural" method on GPUs with the FP8 conversion: 2, one
-#: inline-PTX conversion per element. With Triton's paired conversion (1) the H200 gave wrong
-#: columnwise bytes at (64, 256) / 4 warps for BF16 input (s13; the default tile was right).
+#: ``fp8_encode``'s HW for the "natural" method on GPUs with the FP8 conversion: 2, conversions
+#: by inline PTX whose pairing is explicit: packed E4M3 words from two paired conversions
+#: (``_common.e4m3_word4``), else one per element. With Triton's own paired conversion (1) the
+#: H200 gave wrong columnwise bytes at (64, 256) / 4 warps for BF16 input (s13; the default tile
+#: was right).
 NATURAL_HW = 2
 
 
@@ -398,9 +400,9 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
     "natural" for a columnwise-only copy of 16-bit input, else "slices"): "slices" re-reads each 32-row
     block as a transposed [BC, 32] tile, one column per thread; "natural" re-reads it in natural
     ``row_slice``-row slices (4, 8, 16 or 32; default 32: the block stays in registers) with
-    vector loads and packs four rows' codes into an int32 word per thread (with one inline-PTX
-    FP8 conversion per element, ``NATURAL_HW``, which FP32 input needs for its packed stores:
-    ``triton_fp8_block.natural_hw``). ``maxnreg``: a register cap per thread for the compiled
+    vector loads and packs four rows' codes into an int32 word per thread (inline-PTX FP8
+    conversions, ``NATURAL_HW``: E4M3 words from two paired conversions; FP32 input needs
+    explicit pairing for its packed stores: ``triton_fp8_block.natural_hw``). ``maxnreg``: a register cap per thread for the compiled
     kernel (more programs per SM; the same bytes; CUDA only), default none (or 0). ``wide_stores``
     (1D; the 2D path ignores it): 1, each column's packed codes leave in one store two threads
     wide (whole 32-byte sectors per L2 request, ``_common.store_words_t``; "slices"; "natural"
