@@ -323,7 +323,7 @@ def run_sweep(x: torch.Tensor, copy: float, only: Optional[list[str]] = None) ->
     for m in ("trans", "natural"):
         for src in ("rowwise_dequantized", "original"):
             for blk, nw in [((32, 64), 2), ((32, 128), 2), ((64, 64), 2), ((64, 128), 4), ((32, 128), 4),
-                            ((32, 256), 4)]:
+                            ((32, 256), 4), ((32, 64), 1), ((32, 32), 1)]:
                 variants.append((f"hybrid nvfp4+mxfp8 {src[:4]} row-scaled {blk} nw{nw} method {m}",
                                  lambda m=m, s=src, b=blk, n=nw: triton_hybrid_nvfp4.quantize(
                                      x, rs_amax, E4M3, source=s, block=b, num_warps=n, method=m)))

@@ -90,7 +90,7 @@ CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
              NATURAL=m == "natural", GRID2=True),
         t[0] * t[1] // (32 * nw), nw)
        for src in ("rd", "orig") for m in ("trans", "natural") for scaled in ("row-scaled", "global")
-       for t, nw in [((32, 64), 2), ((64, 64), 2), ((32, 128), 2), ((64, 128), 4)]},
+       for t, nw in [((32, 64), 2), ((64, 64), 2), ((32, 128), 2), ((64, 128), 4), ((32, 64), 1), ((32, 32), 1)]},
     # the BF16 decodes at their default 1D tile (4, 512) / 2 warps (triton_decode._TILE_1D)
     **{f"decode {what} (4, 512)": (
         "triton_decode", "_decode_kernel",
