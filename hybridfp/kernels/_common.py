@@ -262,20 +262,30 @@ def store_words_t(ptr, code, lc, c0, r, R, C, PACK: tl.constexpr, WIDE: tl.const
     if PACK:
         w = tl.reshape(code.to(tl.int32), [BC, 8, 4])
         w = tl.sum(w << (tl.arange(0, 4) * 8)[None, None, :], axis=2)  # disjoint bits: sum == or
-        base = ptr.to(tl.pointer_type(tl.int32)) + c0.to(tl.int64) * (R // 4) + r // 4
-        if WIDE:
-            l8 = tl.arange(0, 8)
-            tl.store(base + tile_offsets(lc, l8, R // 4, 1), w, mask=cmask[:, None] & ((r // 4 + l8) < R // 4)[None, :])
-        else:
-            lo, hi = tl.split(tl.permute(tl.reshape(w, [BC, 2, 4]), (0, 2, 1)))  # words 0-3, 4-7
-            l4 = tl.arange(0, 4)
-            off = tile_offsets(lc, l4, R // 4, 1)
-            tl.store(base + off, lo, mask=cmask[:, None] & ((r // 4 + l4) < R // 4)[None, :])
-            tl.store(base + off + 4, hi, mask=cmask[:, None] & ((r // 4 + 4 + l4) < R // 4)[None, :])
+        store_code_words_t(ptr, w, lc, c0, r, R, C, WIDE)
     else:
         l32 = tl.arange(0, 32)
         base = ptr + c0.to(tl.int64) * R + r
         tl.store(base + tile_offsets(lc, l32, R, 1), code, mask=cmask[:, None] & ((r + l32) < R)[None, :])
+
+
+@triton.jit
+def store_code_words_t(ptr, w, lc, c0, r, R, C, WIDE: tl.constexpr = False):
+    """Store [BC, 8] int32 code words (rows ``r .. r + 31`` of columns ``c0 + lc``, word j = rows
+    4j .. 4j + 3; R % 4 == 0) into the [C, R] byte array at ``ptr``, as :func:`store_words_t`
+    does (``WIDE``: one [BC, 8] store, else two 16-byte stores per thread)."""
+    BC: tl.constexpr = w.shape[0]
+    cmask = (c0 + lc) < C
+    base = ptr.to(tl.pointer_type(tl.int32)) + c0.to(tl.int64) * (R // 4) + r // 4
+    if WIDE:
+        l8 = tl.arange(0, 8)
+        tl.store(base + tile_offsets(lc, l8, R // 4, 1), w, mask=cmask[:, None] & ((r // 4 + l8) < R // 4)[None, :])
+    else:
+        lo, hi = tl.split(tl.permute(tl.reshape(w, [BC, 2, 4]), (0, 2, 1)))  # words 0-3, 4-7
+        l4 = tl.arange(0, 4)
+        off = tile_offsets(lc, l4, R // 4, 1)
+        tl.store(base + off, lo, mask=cmask[:, None] & ((r // 4 + l4) < R // 4)[None, :])
+        tl.store(base + off + 4, hi, mask=cmask[:, None] & ((r // 4 + 4 + l4) < R // 4)[None, :])
 
 
 @triton.jit
@@ -434,6 +444,25 @@ def e4m3_word4(y0, y1, y2, y3):
         "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
         "mov.b32 $0, {lo, hi}; }",
         "=r,r,r,r,r", [y0, y1, y2, y3], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def e4m3_words_t(y, HW: tl.constexpr):
+    """The int32 code words of a transposed [BC, 32] FP32 tile ``y`` (a column's 32 rows: with
+    ``load_rows32_t``'s layout all in one thread): [BC, 8], word j holding rows 4j .. 4j + 3
+    little endian, E4M3 saturated. The four rows of each word are split out in registers, so on
+    the GPU (``HW``) a word is :func:`e4m3_word4`'s two paired conversions with no NaN select
+    (the transposed copies' select stays only with Triton's own pairing); elsewhere the
+    interpreter's :func:`fp8_code` bytes, packed."""
+    BC: tl.constexpr = y.shape[0]
+    ev, od = tl.split(tl.reshape(y, [BC, 8, 2, 2]))  # rows 4j + 2a and 4j + 2a + 1
+    y0, y2 = tl.split(ev)
+    y1, y3 = tl.split(od)
+    if HW:
+        return e4m3_word4(y0, y1, y2, y3)
+    return (fp8_encode(y0, 448.0, 3, 7, HW).to(tl.int32) | (fp8_encode(y1, 448.0, 3, 7, HW).to(tl.int32) << 8)
+            | (fp8_encode(y2, 448.0, 3, 7, HW).to(tl.int32) << 16)
+            | (fp8_encode(y3, 448.0, 3, 7, HW).to(tl.int32) << 24))
 
 
 @triton.jit

@@ -29,9 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (program_tile, load_tile, DTYPE_CODE, Copies, amax_nan, check_int32_tiles, e4m3_word4, empty,
-                      f32, fp8_encode, fp8_encode_rowwise, fp8_params, hw_fp8, kernel_input, load_f32, load_rows32_t,
-                      store_transposed_u8, store_words_t, tile_grid, tile_offsets)
+from ._common import (program_tile, load_tile, DTYPE_CODE, Copies, amax_nan, check_int32_tiles, e4m3_word4,
+                      e4m3_words_t, empty, f32, fp8_encode, fp8_encode_rowwise, fp8_params, hw_fp8, kernel_input,
+                      load_f32, load_rows32_t, store_code_words_t, store_transposed_u8, store_words_t, tile_grid,
+                      tile_offsets)
 from .triton_fp8_block import abs_bits, bits_amax
 
 BLOCK = 32
@@ -309,8 +310,13 @@ def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, NBR, sxr, sxc:
         cmask = (c0 + lc) < C
         for b in tl.static_range(BR // _BLOCK):
             xt = load_rows32_t(xbase, b * _BLOCK, lc, R - r0, cmask, sxr, sxc, DTYPE, map_ptr + r0, MAP)
-            e, code = col_block_32(xt, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW)
-            store_words_t(cd_ptr, code, lc, c0, r0 + b * _BLOCK, R, C, PACK, WIDE != 0)
+            if PACK and MBITS == 3:  # E4M3 words of explicitly paired conversions (_common.e4m3_words_t)
+                e = _e8m0_byte(amax_nan(xt, 1), RCEIL, EMAX, RCP)
+                store_code_words_t(cd_ptr, e4m3_words_t(xt * _e8m0_inverse(e)[:, None], HW), lc, c0,
+                                   r0 + b * _BLOCK, R, C, WIDE != 0)
+            else:
+                e, code = col_block_32(xt, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW)
+                store_words_t(cd_ptr, code, lc, c0, r0 + b * _BLOCK, R, C, PACK, WIDE != 0)
             if b == 0:
                 e_first = e
             store_scales_t(cs_ptr, e_first, e, b, pr, c0, lc, cmask, NBR, NBR, BR, WIDE == 2)
