@@ -65,7 +65,7 @@ CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
                                       ("col", False, True, False), ("col, row map", False, True, True),
                                       ("row+col, row map", True, True, True)]},
     # MXFP8 1D method="natural": the columnwise copy from natural [rs, BC] slices (the rowwise one unchanged),
-    # one inline-PTX FP8 conversion per element (triton_mxfp8.NATURAL_HW), WIDE as launched (paired scale bytes)
+    # E4M3 code words from two paired inline-PTX conversions (_common.e4m3_word4), WIDE as launched
     **{f"mxfp8 natural {what} {t} rs{rs} nw{nw}": (
         "triton_mxfp8", "_mxfp8_1d_kernel", _MX_SIG,
         dict(_FP8, sxc=1, ROW=row, COL=col, DTYPE=1, BR=t[0], BC=t[1], PACK=True, HW=2, MAP=mapped, NATURAL=True,
@@ -79,7 +79,7 @@ CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
         dict(_MX_SIG, amax_ptr="*fp32", RCP6="fp32"),
         dict(_FP8, sxc=1, ROW=True, COL=True, ROW_SCALED=False, SRC_DEQ=src == "rd", DTYPE=1, BR=32, BC=64,
              PACK=True, WORDS=True, HW=True), 32, 2) for src in ("rd", "orig")},
-    # method="natural": four [8, BC] row slices per 32-row block, one FP8 conversion per element; row-scaled
+    # method="natural": four [8, BC] row slices per 32-row block, code words from paired conversions; row-scaled
     # (Composer-2's operand), WIDE as launched
     # (Composer-2's weights: the same kernel with one global amax, "global")
     **{f"nvfp4 row + mxfp8 col {src} {m} {scaled} {t} nw{nw}": (

@@ -247,8 +247,10 @@ def quantize(x2: torch.Tensor, row_amax: torch.Tensor, col_dtype: torch.dtype, *
     dummy = torch.empty(1, dtype=torch.uint8, device=dev)
     grid, grid2 = tile_grid(rows, cols, br, bc)
     row_scaled = row_amax.dim() == 1
+    # the rows' scales only where the kernel reads them (a rowwise copy or its dequantized value)
+    needs_scales = row_scaled and (rowwise or source == "rowwise_dequantized")
     _nvfp4_mxfp8_kernel[grid](
-        kernel_input(x2), row_scales(row_amax) if row_scaled else row_amax.float().contiguous(),
+        kernel_input(x2), row_scales(row_amax) if needs_scales else row_amax.float().contiguous(),
         row[0] if row else dummy,
         row[1].view(torch.uint8) if row else dummy, col[0].view(torch.uint8) if col else dummy,
         col[1] if col else dummy, rows, cols, triton.cdiv(rows, MX_BLOCK), x2.stride(0), x2.stride(1), RCP6,

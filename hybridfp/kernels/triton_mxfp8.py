@@ -467,8 +467,10 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
     cd, cs = (col[0].view(torch.uint8), col[1]) if col else (dummy, dummy)
     kernel = _mxfp8_2d_kernel if block_2d else _mxfp8_1d_kernel
     mapped = {} if block_2d else {"map_ptr": row_map if row_map is not None else dummy, "MAP": row_map is not None}
-    # word stores need R % 4 == 0; "natural" runs NATURAL_HW's per-element conversion, with
-    # which FP32 packed stores are right too (triton_fp8_block.natural_hw)
+    # word stores need R % 4 == 0; packed E4M3 words come from explicitly paired conversions
+    # (_common.e4m3_word4 / e4m3_words_t) in both methods; "natural" converts E5M2 and unpacked
+    # codes one element at a time (NATURAL_HW), with which FP32 packed stores are right too
+    # (triton_fp8_block.natural_hw)
     packed = pack and rows % 4 == 0
     method_args = {"NATURAL": True, "RS": rslice} if natural else {}
     if not block_2d:  # "natural": 2 pairs its scale bytes (its codes already leave as whole sectors)
