@@ -458,11 +458,20 @@ def e4m3_words_t(y, HW: tl.constexpr):
     ev, od = tl.split(tl.reshape(y, [BC, 8, 2, 2]))  # rows 4j + 2a and 4j + 2a + 1
     y0, y2 = tl.split(ev)
     y1, y3 = tl.split(od)
-    if HW:
+    return fp8_word4(y0, y1, y2, y3, 448.0, 3, 7, HW)
+
+
+@triton.jit
+def fp8_word4(y0, y1, y2, y3, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, HW: tl.constexpr):
+    """The little-endian int32 of the FP8 codes of ``y0 .. y3`` (byte k from ``yk``): E4M3 on the
+    GPU by :func:`e4m3_word4` (explicit pairs, no NaN select), else :func:`fp8_encode`'s bytes
+    packed (the interpreter; E5M2 keeps its select)."""
+    if HW and MBITS == 3:
         return e4m3_word4(y0, y1, y2, y3)
-    return (fp8_encode(y0, 448.0, 3, 7, HW).to(tl.int32) | (fp8_encode(y1, 448.0, 3, 7, HW).to(tl.int32) << 8)
-            | (fp8_encode(y2, 448.0, 3, 7, HW).to(tl.int32) << 16)
-            | (fp8_encode(y3, 448.0, 3, 7, HW).to(tl.int32) << 24))
+    return (fp8_encode(y0, FP8_MAX, MBITS, BIAS, HW).to(tl.int32)
+            | (fp8_encode(y1, FP8_MAX, MBITS, BIAS, HW).to(tl.int32) << 8)
+            | (fp8_encode(y2, FP8_MAX, MBITS, BIAS, HW).to(tl.int32) << 16)
+            | (fp8_encode(y3, FP8_MAX, MBITS, BIAS, HW).to(tl.int32) << 24))
 
 
 @triton.jit

@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (program_tile, load_tile, DTYPE_CODE, Copies, amax_nan, check_int32_tiles, e4m3_word4,
-                      e4m3_words_t, empty, f32, fp8_encode, fp8_encode_rowwise, fp8_params, hw_fp8, kernel_input,
+from ._common import (program_tile, load_tile, DTYPE_CODE, Copies, amax_nan, check_int32_tiles,
+                      e4m3_words_t, empty, f32, fp8_encode, fp8_encode_rowwise, fp8_params, fp8_word4, hw_fp8, kernel_input,
                       load_f32, load_rows32_t, store_code_words_t, store_transposed_u8, store_words_t, tile_grid,
                       tile_offsets)
 from .triton_fp8_block import abs_bits, bits_amax
@@ -153,37 +153,33 @@ def _codes_rows4_t(cd_ptr, x0, x1, x2, x3, inv, l4, lc, cmask, r0, c0, pr, R, FP
                    MBITS: tl.constexpr, BIAS: tl.constexpr, HW: tl.constexpr, BR: tl.constexpr,
                    PACK: tl.constexpr):
     """The FP8 codes of the four natural slices ``xk`` (tile rows ``4 * l4 + k``) scaled by their
-    columns' ``inv``, stored transposed. Packed E4M3 on the GPU's per-element path (``HW`` 2):
-    each word from two paired conversions (``_common.e4m3_word4``; sm90: about 3 instructions
-    per element fewer than four conversions, their NaN selects and the byte packing)."""
-    if PACK and HW == 2 and MBITS == 3:
-        w = e4m3_word4(x0 * inv[None, :], x1 * inv[None, :], x2 * inv[None, :], x3 * inv[None, :])
+    columns' ``inv``, stored transposed. Packed: one word per four rows (``_common.fp8_word4``:
+    E4M3 on the GPU from two paired conversions; sm90: about 3 instructions per element fewer
+    than four conversions, their NaN selects and the byte packing)."""
+    if PACK:
+        w = fp8_word4(x0 * inv[None, :], x1 * inv[None, :], x2 * inv[None, :], x3 * inv[None, :], FP8_MAX, MBITS,
+                      BIAS, HW)
         _store_words4_t(cd_ptr, w, l4, lc, cmask, c0, pr, R, BR)
     else:
-        _store_rows4_t(cd_ptr, _codes(x0, inv, FP8_MAX, MBITS, BIAS, HW), _codes(x1, inv, FP8_MAX, MBITS, BIAS, HW),
-                       _codes(x2, inv, FP8_MAX, MBITS, BIAS, HW), _codes(x3, inv, FP8_MAX, MBITS, BIAS, HW),
-                       l4, lc, cmask, r0, c0, pr, R, BR, PACK)
+        _store_bytes4_t(cd_ptr, _codes(x0, inv, FP8_MAX, MBITS, BIAS, HW), _codes(x1, inv, FP8_MAX, MBITS, BIAS, HW),
+                        _codes(x2, inv, FP8_MAX, MBITS, BIAS, HW), _codes(x3, inv, FP8_MAX, MBITS, BIAS, HW),
+                        l4, lc, cmask, r0, c0, R)
 
 
 @triton.jit
-def _store_rows4_t(cd_ptr, q0, q1, q2, q3, l4, lc, cmask, r0, c0, pr, R, BR: tl.constexpr, PACK: tl.constexpr):
+def _store_bytes4_t(cd_ptr, q0, q1, q2, q3, l4, lc, cmask, r0, c0, R):
     """Store the codes ``qk`` (int32, [N, BC], natural layout) of tile rows ``4 * l4 + k`` (tile
-    origin (r0, c0) = (pr * BR, c0) of an [R, C] input) transposed into the [C, R] byte array.
-
-    The four rows of a word sit in one thread (same register position of four slices), so
-    ``PACK`` (R % 4 == 0) joins them into one little-endian int32 without data exchange and the
-    word tile leaves transposed through the compiler's shared-memory layout conversion (N
-    consecutive words per column: wide stores). Else four byte stores."""
+    origin (r0, c0) of an [R, C] input) transposed into the [C, R] byte array, byte by byte (R % 4
+    != 0; packed words go through :func:`_store_words4_t`: the four rows of a word sit in one
+    thread, same register position of four slices, so they join without data exchange and the
+    word tile leaves transposed through the compiler's shared-memory layout conversion)."""
     lr4 = l4 * 4
-    if PACK:
-        _store_words4_t(cd_ptr, q0 | (q1 << 8) | (q2 << 16) | (q3 << 24), l4, lc, cmask, c0, pr, R, BR)
-    else:
-        bbase = cd_ptr + c0.to(tl.int64) * R + r0
-        off = tile_offsets(lr4, lc, 1, R)
-        tl.store(bbase + off, q0.to(tl.uint8), mask=((r0 + lr4) < R)[:, None] & cmask[None, :])
-        tl.store(bbase + off + 1, q1.to(tl.uint8), mask=((r0 + lr4 + 1) < R)[:, None] & cmask[None, :])
-        tl.store(bbase + off + 2, q2.to(tl.uint8), mask=((r0 + lr4 + 2) < R)[:, None] & cmask[None, :])
-        tl.store(bbase + off + 3, q3.to(tl.uint8), mask=((r0 + lr4 + 3) < R)[:, None] & cmask[None, :])
+    bbase = cd_ptr + c0.to(tl.int64) * R + r0
+    off = tile_offsets(lr4, lc, 1, R)
+    tl.store(bbase + off, q0.to(tl.uint8), mask=((r0 + lr4) < R)[:, None] & cmask[None, :])
+    tl.store(bbase + off + 1, q1.to(tl.uint8), mask=((r0 + lr4 + 1) < R)[:, None] & cmask[None, :])
+    tl.store(bbase + off + 2, q2.to(tl.uint8), mask=((r0 + lr4 + 2) < R)[:, None] & cmask[None, :])
+    tl.store(bbase + off + 3, q3.to(tl.uint8), mask=((r0 + lr4 + 3) < R)[:, None] & cmask[None, :])
 
 
 @triton.jit
@@ -192,7 +188,7 @@ def col_block_rows4(x0, x1, x2, x3, cd_ptr, l4, lc, cmask, r0, c0, pr, R, RCEIL:
                     HW: tl.constexpr, BR: tl.constexpr, PACK: tl.constexpr):
     """The 32x1 blocks of one 32-row block of a [BR, BC] tile held as four natural FP32 slices
     ``xk`` [8, BC] of tile rows ``4 * l4 + k`` (zeros past the tensor): codes stored transposed
-    (:func:`_store_rows4_t`), E8M0 bytes [BC] returned. The amax is a max of the |x| bits over
+    (:func:`_codes_rows4_t`), E8M0 bytes [BC] returned. The amax is a max of the |x| bits over
     the four slices in registers and one reduction across the slice rows."""
     m = tl.maximum(tl.maximum(abs_bits(x0), abs_bits(x1)), tl.maximum(abs_bits(x2), abs_bits(x3)))
     e = _e8m0_byte(bits_amax(tl.max(m, 0)), RCEIL, EMAX, RCP)
