@@ -31,8 +31,8 @@ _DECODED_MODE = ["auto"]
 
 
 def set_decoded_copies(mode: str) -> str:
-    """How modules built from now on hold their weight / grad_output copies (returns the old
-    mode): "auto" (default) — as BF16 decodes where the quantizers can write them
+    """How modules hold their weight / grad_output copies from their next forward on (a
+    changed mode rebuilds their quantizers; returns the old mode): "auto" (default) — as BF16 decodes where the quantizers can write them
     (``Quantizer.can_hold_decoded``: 1D MXFP8) and every GEMM that reads them decodes them
     anyway (``gemm.reads_bf16_decodes``: MXFP8 pairs on CUDA's BF16 tensor cores), one pass
     instead of a quantize and a decode; "always" — wherever the quantizers can, on any device
@@ -113,7 +113,7 @@ class QuantizedModule(nn.Module):
         The recipe is asked once per slot (per expert for grouped modules) at build time, not
         on every forward. A rebuild drops cached quantized weights.
         """
-        key = state.key()
+        key = (state.key(), _DECODED_MODE[0])
         if key != self._qkey:
             built: dict[str, list[Quantizer]] = {}
             for slot in SLOTS:
