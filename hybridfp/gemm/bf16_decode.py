@@ -177,7 +177,9 @@ def decode_bf16_joined(joined: QuantizedStorage, parts: Sequence[QuantizedStorag
     (``gemm.joined``: the experts' stacked weights). ``cache``: keep the decode under the first
     part's data tensor while every part's payload is unchanged (the joined storage itself is a
     new object on every call), so micro-batches reuse one decode of all the experts' weights."""
-    if not cache:
+    if not cache or type(joined.part(direction)) in VIEWS:
+        # a free decode is not cached: its values are the payload itself, and an entry holding
+        # them would keep its own weak key alive (decoded copies: one leaked weight copy a step)
         return decode_bf16(joined, direction)
     keys = [_validity(p.part(direction), direction) for p in parts]
     if any(k is None for k in keys):

@@ -78,15 +78,38 @@ def col_block_32(xt, RCEIL: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexp
 
 
 @triton.jit
+def decoded_values(y, e, MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr, HW: tl.constexpr,
+                   NAN16: tl.constexpr):
+    """What a decoded copy stores for the scaled elements ``y`` (FP32, ``x * 2**(127 - e)``) of
+    blocks with E8M0 bytes ``e`` (int32, ``y``'s shape): ``bf16(fp32(fp8(y) * 2**(e - 127)))``.
+    On the GPU (``HW``) a BF16 tensor: the hardware's satfinite FP8 conversion and its exact
+    widening back, one IEEE FP32 multiply (subnormals kept: no ``.ftz``) and the hardware's
+    round-to-nearest-even BF16 conversion (NaN as torch's GPU cast gives it), in the compiler's
+    own FP8 / BF16 types, about 5 instructions an element. Elsewhere (the interpreter, whose
+    BF16 cast truncates) int16 BF16 bits by the integer rounding of ``fp8_encode`` and
+    ``triton_decode.e8m0_scaled_bits``."""
+    if HW:
+        f8 = y.to(tl.float8e4nv) if MBITS == 3 else y.to(tl.float8e5)
+        s = tl.where(e == 255, 0x7FC00000, tl.where(e == 0, 0x400000, e << 23)).to(tl.float32, bitcast=True)
+        out = (f8.to(tl.float32) * s).to(tl.bfloat16)
+    else:
+        code = fp8_encode(y, FP8_MAX, MBITS, BIAS, HW)
+        out = e8m0_scaled_bits(_fp8_f32(code.to(tl.int32), MBITS == 2), e, NAN16).to(tl.int16)
+    return out
+
+
+@triton.jit
 def col_decoded_32(xt, cd_ptr, lc, c0, r, R, C, RCEIL: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr,
                    BIAS: tl.constexpr, FP8_MAX: tl.constexpr, RCP, HW: tl.constexpr, NAN16: tl.constexpr):
     """The BF16 decode of the 32x1 blocks of a transposed FP32 tile ``xt`` [BC, 32] (rows
     ``r .. r + 31`` of columns ``c0 + lc`` of an [R, C] input) stored transposed into the [C, R]
-    int16 array at ``cd_ptr``: each thread's column leaves as 64 contiguous bytes."""
-    e, code = col_block_32(xt, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW)
-    bits = e8m0_scaled_bits(_fp8_f32(code.to(tl.int32), MBITS == 2), tl.broadcast_to(e[:, None], xt.shape), NAN16)
+    BF16 (GPU) / int16 (interpreter) array at ``cd_ptr``: each thread's column leaves as 64
+    contiguous bytes."""
+    e = _e8m0_byte(amax_nan(xt, 1), RCEIL, EMAX, RCP)
+    vals = decoded_values(xt * _e8m0_inverse(e)[:, None], tl.broadcast_to(e[:, None], xt.shape), MBITS, BIAS,
+                          FP8_MAX, HW, NAN16)
     l32 = tl.arange(0, _BLOCK)
-    tl.store(cd_ptr + c0.to(tl.int64) * R + r + tile_offsets(lc, l32, R, 1), bits.to(tl.int16),
+    tl.store(cd_ptr + c0.to(tl.int64) * R + r + tile_offsets(lc, l32, R, 1), vals,
              mask=((c0 + lc) < C)[:, None] & ((r + l32) < R)[None, :])
 
 
@@ -107,10 +130,11 @@ def row_copy(x, mask, r0, c0, R, C, rd_ptr, rs_ptr, RCEIL: tl.constexpr, EMAX: t
     xb = tl.reshape(x, [BR, BC // _BLOCK, _BLOCK])
     e = _e8m0_byte(amax_nan(xb, 2), RCEIL, EMAX, RCP)
     y = tl.reshape(xb * _e8m0_inverse(e)[:, :, None], [BR, BC])
-    code = fp8_encode_rowwise(y, FP8_MAX, MBITS, BIAS, HW)
     if DECODED:
         ee = tl.reshape(tl.broadcast_to(e[:, :, None], [BR, BC // _BLOCK, _BLOCK]), [BR, BC])
-        code = e8m0_scaled_bits(_fp8_f32(code.to(tl.int32), MBITS == 2), ee, NAN16).to(tl.int16)
+        code = decoded_values(y, ee, MBITS, BIAS, FP8_MAX, HW, NAN16)
+    else:
+        code = fp8_encode_rowwise(y, FP8_MAX, MBITS, BIAS, HW)
     nbc = tl.cdiv(C, _BLOCK)
     b0 = c0 // _BLOCK
     lb = tl.arange(0, BC // _BLOCK)
@@ -494,8 +518,8 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
                    empty((nbc, nbr) if block_2d else (cols, nbr), dtype=torch.uint8, device=dev))
     if rows * cols == 0:
         return row, col
-    # decoded: BF16 bits as int16 (the interpreter's BF16 cast truncates)
-    view = torch.int16 if decoded else torch.uint8
+    # decoded: BF16 on the GPU, BF16 bits as int16 in the interpreter (its BF16 cast truncates)
+    view = (torch.bfloat16 if hw_fp8(dev) else torch.int16) if decoded else torch.uint8
     if x2.numel() == 0:  # a map of padding rows only (an empty rowwise copy)
         if col is not None:
             col[0].view(view).zero_()

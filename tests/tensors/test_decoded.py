@@ -71,3 +71,16 @@ def test_only_eligible_formats():
     nv = NVFP4Quantizer().reference_encode(torch.randn(32, 64), True, False)
     with pytest.raises(TypeError, match="can be held decoded"):
         DecodedStorage.of(nv)
+
+
+def test_joined_decode_is_not_cached():
+    """A decoded copy's BF16 decode is its payload: the weight-decode cache must not keep an
+    entry for it (the entry would hold its own weak key alive: one leaked weight copy a step)."""
+    from hybridfp.gemm import bf16_decode
+    _, dec = _pair()
+    before = len(bf16_decode._CACHE)
+    for d in (ROWWISE, COLUMNWISE):
+        op = bf16_decode.decode_bf16_joined(dec, [dec], d, cache=True)
+        assert op.values is dec.payload(d)["data"]
+        assert bf16_decode.decode_bf16(dec, d, cache=True).values is dec.payload(d)["data"]
+    assert len(bf16_decode._CACHE) == before
