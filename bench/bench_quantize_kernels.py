@@ -294,9 +294,12 @@ def run_sweep(x: torch.Tensor, copy: float, only: Optional[list[str]] = None) ->
                      ("grouped row+col, 8 experts", {"row_map": rmap})]:
         variants.append((f"mxfp8 {what}: codes + decodes", lambda k=kw: codes_then_decodes(**k)))
         variants.append((f"mxfp8 {what}: decoded", lambda k=kw: triton_mxfp8.quantize(x, E4M3, decoded=True, **k)))
-    for blk, nw in [((64, 128), 4), ((32, 128), 4), ((64, 64), 2), ((32, 64), 2), ((128, 128), 4), ((64, 256), 8)]:
+    for blk, nw in [((64, 128), 4), ((32, 128), 4), ((64, 64), 2), ((32, 64), 2), ((32, 256), 8), ((32, 128), 2)]:
         variants.append((f"mxfp8 row+col: decoded {blk} nw{nw}", lambda b=blk, n=nw: triton_mxfp8.quantize(
             x, E4M3, decoded=True, block=b, num_warps=n)))
+        variants.append((f"mxfp8 grouped row+col, 8 experts: decoded {blk} nw{nw}",
+                         lambda b=blk, n=nw: triton_mxfp8.quantize(x, E4M3, decoded=True, row_map=rmap, block=b,
+                                                                   num_warps=n)))
     # register caps (more programs per SM; ncu s17: the row+col kernel is register-limited to 43.75 %
     # occupancy at 72 registers, the natural columnwise one to 25 % at 118)
     for mr in (64, 56):

@@ -65,11 +65,11 @@ CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
                                       ("col", False, True, False), ("col, row map", False, True, True),
                                       ("row+col, row map", True, True, True)]},
     # MXFP8 1D copies written as their BF16 decodes (quantize(decoded=True): "slices", BF16 on the GPU, no scales)
-    **{f"mxfp8 decoded {what} (64, 128)": ("triton_mxfp8", "_mxfp8_1d_kernel",
+    **{f"mxfp8 decoded {what} (32, 128)": ("triton_mxfp8", "_mxfp8_1d_kernel",
                                            dict(_MX_SIG, rd_ptr="*bf16", cd_ptr="*bf16"),
-                                           dict(_FP8, sxc=1, ROW=row, COL=col, DTYPE=1, BR=64, BC=128, PACK=True,
+                                           dict(_FP8, sxc=1, ROW=row, COL=col, DTYPE=1, BR=32, BC=128, PACK=True,
                                                 HW=True, MAP=mapped, WIDE=2, GRID2=True, DECODED=True, NAN16=0x7FFF),
-                                           64, 4)
+                                           32, 4)
        for what, row, col, mapped in [("row+col", True, True, False), ("row", True, False, False),
                                       ("col", False, True, False), ("row+col, row map", True, True, True)]},
     # MXFP8 1D method="natural": the columnwise copy from natural [rs, BC] slices (the rowwise one unchanged),
