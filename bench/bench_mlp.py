@@ -52,6 +52,8 @@ RECIPES = [
     ("hybridfp NVFP4 (2D weights, RHT, SR)", lambda: hybridfp.NVFP4BlockScaling()),
 ]
 #: Recipes that also get a row with the fused SwiGLU (models that have an activation).
+#: recipes also timed with their weight / grad_output copies kept as codes (``common.decoded_mode``)
+CODES_RECIPES = ("hybridfp MXFP8", "hybridfp NVFP4 fwd / MXFP8 bwd")
 FUSED_RECIPES = ("hybridfp FP8 current", "hybridfp FP8 block", "hybridfp hybrid FP8-current fwd / FP8-block bwd",
                  "hybridfp MXFP8", "hybridfp NVFP4 fwd / MXFP8 bwd", "hybridfp NVFP4 (2D weights, RHT, SR)")
 FUSED = " + fused SwiGLU"
@@ -149,6 +151,9 @@ def bench_model(kind: str, make: Callable[[Callable], nn.Module], x: torch.Tenso
         variants.append((name, hf, hf, lambda r=recipe(): hybridfp.autocast(recipe=r)))
         if fuse is not None and name in FUSED_RECIPES:
             variants.append((name + FUSED, fuse(hf), hf, lambda r=recipe(): hybridfp.autocast(recipe=r)))
+        if name in CODES_RECIPES:  # the A/B of copies written as BF16 decodes (the CUDA default)
+            variants.append((name + common.CODES_SUFFIX, hf, hf,
+                             lambda r=recipe(): common.decoded_mode("never", hybridfp.autocast(recipe=r))))
     if compiled:  # compiled variants last: each checks the deadline before compiling
         variants.append(("BF16 torch.compile", torch.compile(base), base, contextlib.nullcontext))
     f8, why = torchao_status()

@@ -63,6 +63,11 @@ UNPACKED_VARIANTS = ("hybridfp FP8 current",)
 FP8_TRITON_VARIANTS = ("hybridfp FP8 current",)
 FP8_TRITON_SUFFIX = " [FP8 Triton grouped everywhere]"
 UNPACKED_SUFFIX = " [unpacked weights]"
+#: recipes timed a second time with their weight / grad_output copies kept as codes and scales
+#: (``hybridfp.nn.set_decoded_copies("never")``) instead of written as BF16 decodes by the
+#: quantize kernels (the CUDA default where every GEMM decodes them): the A/B of that change
+CODES_VARIANTS = ("hybridfp MXFP8", "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)")
+CODES_SUFFIX = common.CODES_SUFFIX
 
 
 def with_triton_grouped(step: Callable[[], torch.Tensor], on: bool,
@@ -194,6 +199,10 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
     unpacked = HybridMoE(base, pack_weights=False) if UNPACKED_VARIANTS else None
     extras = [(TRITON_VARIANTS, (TRITON_SUFFIX, PER_EXPERT_SUFFIX), hf),
               (UNPACKED_VARIANTS, (UNPACKED_SUFFIX,), unpacked), (FP8_TRITON_VARIANTS, (FP8_TRITON_SUFFIX, PER_EXPERT_SUFFIX), hf)]
+    for name, recipe in RECIPES:
+        if name in CODES_VARIANTS:
+            variants.append((name + CODES_SUFFIX, hf,
+                             lambda r=recipe(): common.decoded_mode("never", hybridfp.autocast(recipe=r))))
     for names, suffixes, model in extras:
         for name, recipe in RECIPES:
             if name in names:

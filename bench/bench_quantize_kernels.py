@@ -283,6 +283,23 @@ def run_sweep(x: torch.Tensor, copy: float, only: Optional[list[str]] = None) ->
         variants.append((f"grouped mxfp8 natural row map col, 8 experts {blk} rs{rs} nw{nw}",
                          lambda b=blk, n=nw, r=rs: triton_mxfp8.quantize(x, E4M3, row_map=rmap, block=b, num_warps=n,
                                                                          method="natural", row_slice=r, rowwise=False)))
+    # copies written as their BF16 decodes (decoded=True, "slices") against codes plus the decodes the GEMMs
+    # would run (triton_decode.decode_mxfp8 of each copy): the A/B of hybridfp.nn.set_decoded_copies
+    from hybridfp.kernels import triton_decode
+
+    def codes_then_decodes(**kw):
+        row, col = triton_mxfp8.quantize(x, E4M3, **kw)
+        return [triton_decode.decode_mxfp8(*c) for c in (row, col) if c is not None]
+    for what, kw in [("row+col", {}), ("row", {"columnwise": False}), ("col", {"rowwise": False}),
+                     ("grouped row+col, 8 experts", {"row_map": rmap})]:
+        variants.append((f"mxfp8 {what}: codes + decodes", lambda k=kw: codes_then_decodes(**k)))
+        variants.append((f"mxfp8 {what}: decoded", lambda k=kw: triton_mxfp8.quantize(x, E4M3, decoded=True, **k)))
+    for blk, nw in [((64, 128), 4), ((32, 128), 4), ((64, 64), 2), ((32, 64), 2), ((32, 256), 8), ((32, 128), 2)]:
+        variants.append((f"mxfp8 row+col: decoded {blk} nw{nw}", lambda b=blk, n=nw: triton_mxfp8.quantize(
+            x, E4M3, decoded=True, block=b, num_warps=n)))
+        variants.append((f"mxfp8 grouped row+col, 8 experts: decoded {blk} nw{nw}",
+                         lambda b=blk, n=nw: triton_mxfp8.quantize(x, E4M3, decoded=True, row_map=rmap, block=b,
+                                                                   num_warps=n)))
     # register caps (more programs per SM; ncu s17: the row+col kernel is register-limited to 43.75 %
     # occupancy at 72 registers, the natural columnwise one to 25 % at 118)
     for mr in (64, 56):

@@ -8,6 +8,7 @@ flushed between runs, warm-up excluded).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import platform
@@ -17,7 +18,7 @@ import sys
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -199,3 +200,20 @@ def finish_rows(name: str, columns: list[tuple[str, str]], rows: list[dict[str, 
     md = md_table([h for h, _ in columns],
                   [[r.get(k, r.get("error") if k == "ms" else None) for _, k in columns] for r in rows])
     finish(name, {"env": environment(), "rows": rows, "markdown": md}, out)
+
+
+#: variant-name suffix of a recipe timed with its weight / grad_output copies kept as codes
+CODES_SUFFIX = " [codes, decoded per GEMM]"
+
+
+@contextlib.contextmanager
+def decoded_mode(mode: str, inner: Any) -> Iterator[None]:
+    """``inner`` (an autocast context) with ``hybridfp.nn.set_decoded_copies(mode)`` around it
+    (modules rebuild their quantizers when the mode changes)."""
+    from hybridfp.nn import set_decoded_copies
+    old = set_decoded_copies(mode)
+    try:
+        with inner:
+            yield
+    finally:
+        set_decoded_copies(old)

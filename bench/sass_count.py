@@ -64,6 +64,14 @@ CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
        for what, row, col, mapped in [("row+col", True, True, False), ("row", True, False, False),
                                       ("col", False, True, False), ("col, row map", False, True, True),
                                       ("row+col, row map", True, True, True)]},
+    # MXFP8 1D copies written as their BF16 decodes (quantize(decoded=True): "slices", BF16 on the GPU, no scales)
+    **{f"mxfp8 decoded {what} (32, 128)": ("triton_mxfp8", "_mxfp8_1d_kernel",
+                                           dict(_MX_SIG, rd_ptr="*bf16", cd_ptr="*bf16"),
+                                           dict(_FP8, sxc=1, ROW=row, COL=col, DTYPE=1, BR=32, BC=128, PACK=True,
+                                                HW=True, MAP=mapped, WIDE=2, GRID2=True, DECODED=True, NAN16=0x7FFF),
+                                           32, 4)
+       for what, row, col, mapped in [("row+col", True, True, False), ("row", True, False, False),
+                                      ("col", False, True, False), ("row+col, row map", True, True, True)]},
     # MXFP8 1D method="natural": the columnwise copy from natural [rs, BC] slices (the rowwise one unchanged),
     # E4M3 code words from two paired inline-PTX conversions (_common.e4m3_word4), WIDE as launched
     **{f"mxfp8 natural {what} {t} rs{rs} nw{nw}": (

@@ -1,7 +1,7 @@
 """GEMM dispatch: layout -> operand copies -> backend (fast kernel or exact emulation)."""
 
 from .backends import (BACKENDS, EMULATED, Backend, EmulatedGemmWarning, describe_key, emulate,
-                       register_backend, report_emulated, select)
+                       reads_bf16_decodes, register_backend, report_emulated, select)
 from .gemm import GEMM_OF_LAYOUT, LAYOUTS, gemm, operand_storage
 # Registration order matters (later registrations take precedence): the cuBLAS FP8 backends
 # come after the BF16 tensor-core one, so they keep the pairs FP8 tensor cores serve.
@@ -9,7 +9,7 @@ from . import bf16_tensorcore  # noqa: E402,F401  registers the exact BF16 tenso
 from . import fast  # noqa: E402,F401  registers the cuBLAS FP8 backends
 
 __all__ = ["BACKENDS", "EMULATED", "Backend", "EmulatedGemmWarning", "GEMM_OF_LAYOUT", "LAYOUTS",
-           "describe_key", "emulate", "gemm", "operand_storage", "register_backend",
+           "describe_key", "emulate", "gemm", "operand_storage", "reads_bf16_decodes", "register_backend",
            "report_emulated", "select"]
 from .grouped import grouped_gemm  # noqa: E402  one grouped kernel call for the experts of an MoE layer
 __all__ += ["grouped_gemm"]

@@ -41,6 +41,9 @@ class Backend:
     supports: Callable[[FormatKey, FormatKey, str, torch.device], bool]
     run: Callable[..., torch.Tensor]
     writes_out: bool = False
+    #: it reads both operands as their BF16 block decodes (``bf16_decode.decode_bf16``), so a
+    #: copy held decoded (``tensors.decoded``) costs it nothing
+    reads_bf16_decodes: bool = False
 
 
 BACKENDS: list[Backend] = []
@@ -59,6 +62,13 @@ def select(key_a: FormatKey, key_b: FormatKey, layout: str, device: torch.device
         if b.supports(key_a, key_b, layout, device):
             return b
     return None
+
+
+def reads_bf16_decodes(key_a: FormatKey, key_b: FormatKey, layout: str, device: torch.device) -> bool:
+    """Whether the GEMM of this pair on ``device`` reads both operands as BF16 decodes (its
+    backend's ``reads_bf16_decodes``); False where it is emulated."""
+    backend = select(key_a, key_b, layout, device)
+    return backend is not None and backend.reads_bf16_decodes
 
 
 def report_emulated(gemm_name: str, role: str, key_a: FormatKey, key_b: FormatKey,

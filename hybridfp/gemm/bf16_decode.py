@@ -34,6 +34,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..tensors import Float8BlockStorage, Float8Storage, IdentityStorage, MXFP8Storage, NVFP4Storage
+from ..tensors.decoded import DECODED_CLASSES
 from ..tensors.storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -100,8 +101,15 @@ def _identity(s: QuantizedStorage, direction: str) -> GemmOperand:
     return GemmOperand(v, None, v.shape[1])
 
 
+def _decoded(s: QuantizedStorage, direction: str) -> GemmOperand:
+    """A copy held as its BF16 decode (``tensors.decoded``): its data, stored orientation."""
+    v = s.payload(direction)["data"]
+    return GemmOperand(v, None, v.shape[1])
+
+
 #: storage class -> a decode that is already free (no kernel, nothing worth caching).
-VIEWS: dict[type, Callable[[QuantizedStorage, str], GemmOperand]] = {IdentityStorage: _identity}
+VIEWS: dict[type, Callable[[QuantizedStorage, str], GemmOperand]] = {
+    IdentityStorage: _identity, **{cls: _decoded for cls in DECODED_CLASSES.values()}}
 
 
 def _identity_transposed(s: QuantizedStorage, direction: str) -> Optional[torch.Tensor]:
@@ -169,7 +177,9 @@ def decode_bf16_joined(joined: QuantizedStorage, parts: Sequence[QuantizedStorag
     (``gemm.joined``: the experts' stacked weights). ``cache``: keep the decode under the first
     part's data tensor while every part's payload is unchanged (the joined storage itself is a
     new object on every call), so micro-batches reuse one decode of all the experts' weights."""
-    if not cache:
+    if not cache or type(joined.part(direction)) in VIEWS:
+        # a free decode is not cached: its values are the payload itself, and an entry holding
+        # them would keep its own weak key alive (decoded copies: one leaked weight copy a step)
         return decode_bf16(joined, direction)
     keys = [_validity(p.part(direction), direction) for p in parts]
     if any(k is None for k in keys):

@@ -288,7 +288,7 @@ def run_split(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, *,
     return _on_bf16(sa, sb, layout, out_dtype, bias, accumulate_into, compute)
 
 
-BF16_TENSORCORE_BACKEND = Backend("bf16_tensorcore", supports, run, writes_out=True)
+BF16_TENSORCORE_BACKEND = Backend("bf16_tensorcore", supports, run, writes_out=True, reads_bf16_decodes=True)
 register_backend(BF16_TENSORCORE_BACKEND)
 #: Disjoint from bf16_tensorcore's pairs (exactly one copy RHT'd), so the order is immaterial.
 BF16_SPLIT_RHT_BACKEND = Backend("bf16_split_rht", supports_split, run_split, writes_out=True)

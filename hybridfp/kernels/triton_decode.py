@@ -108,6 +108,23 @@ def _pow2_scale_exact(v, e, NAN16: tl.constexpr):
 
 
 @triton.jit
+def e8m0_scaled_bits(v, e, NAN16: tl.constexpr):
+    """BF16 bits (int32) of ``bf16(fp32(v * 2**(e - 127)))``: FP8 values ``v`` (exact FP32, as
+    :func:`_fp8_f32` gives) times their E8M0 bytes ``e`` (int32, ``v``'s shape), as
+    ``formats.mxfp8.dequantize_1d(...).to(bfloat16)`` computes it — for kernels that write a
+    decoded copy themselves (``triton_mxfp8``'s ``decoded``). One IEEE FP32 multiply (2**-127
+    is the subnormal 0x400000, as ``e8m0_to_float`` builds it; Triton's FP32 multiply keeps
+    subnormals: no ``.ftz`` in its PTX, checked by ``bench/sass_count.py``'s decoded cases)
+    and a round-to-nearest-even of the product's bits to BF16, subnormals included: about 8
+    instructions an element and no branch (the decode kernel's tile test and integer path held
+    255 registers in a 64-element-per-thread quantize tile)."""
+    s = tl.where(e == 0, 0x400000, e << 23)
+    p = (v * tl.where(e == 255, 0x7FC00000, s).to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+    bits = (p + 0x7FFF + ((p >> 16) & 1)) >> 16
+    return tl.where((p & 0x7FFFFFFF) > 0x7F800000, NAN16, bits)
+
+
+@triton.jit
 def _expand(s, BR: tl.constexpr, BC: tl.constexpr, SC: tl.constexpr):
     """Per-row block values ``s`` [BR, BC/SC] broadcast to the elements of a [BR, BC] tile."""
     return tl.reshape(tl.broadcast_to(s[:, :, None], (BR, BC // SC, SC)), (BR, BC))

@@ -29,10 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (program_tile, load_tile, DTYPE_CODE, Copies, amax_nan, check_int32_tiles,
+from ._common import (program_tile, load_tile, DTYPE_CODE, Copies, amax_nan, bf16_nan16, check_int32_tiles,
                       e4m3_words_t, empty, f32, fp8_encode, fp8_encode_rowwise, fp8_params, fp8_word4, hw_fp8, kernel_input,
                       load_f32, load_rows32_t, store_code_words_t, store_transposed_u8, store_words_t, tile_grid,
                       tile_offsets)
+from .triton_decode import _fp8_f32, e8m0_scaled_bits
 from .triton_fp8_block import abs_bits, bits_amax
 
 BLOCK = 32
@@ -77,14 +78,51 @@ def col_block_32(xt, RCEIL: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexp
 
 
 @triton.jit
+def decoded_values(y, e, MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr, HW: tl.constexpr,
+                   NAN16: tl.constexpr):
+    """What a decoded copy stores for the scaled elements ``y`` (FP32, ``x * 2**(127 - e)``) of
+    blocks with E8M0 bytes ``e`` (int32, ``y``'s shape): ``bf16(fp32(fp8(y) * 2**(e - 127)))``.
+    On the GPU (``HW``) a BF16 tensor: the hardware's satfinite FP8 conversion and its exact
+    widening back, one IEEE FP32 multiply (subnormals kept: no ``.ftz``) and the hardware's
+    round-to-nearest-even BF16 conversion (NaN as torch's GPU cast gives it), in the compiler's
+    own FP8 / BF16 types, about 5 instructions an element. Elsewhere (the interpreter, whose
+    BF16 cast truncates) int16 BF16 bits by the integer rounding of ``fp8_encode`` and
+    ``triton_decode.e8m0_scaled_bits``."""
+    if HW:
+        f8 = y.to(tl.float8e4nv) if MBITS == 3 else y.to(tl.float8e5)
+        s = tl.where(e == 255, 0x7FC00000, tl.where(e == 0, 0x400000, e << 23)).to(tl.float32, bitcast=True)
+        out = (f8.to(tl.float32) * s).to(tl.bfloat16)
+    else:
+        code = fp8_encode(y, FP8_MAX, MBITS, BIAS, HW)
+        out = e8m0_scaled_bits(_fp8_f32(code.to(tl.int32), MBITS == 2), e, NAN16).to(tl.int16)
+    return out
+
+
+@triton.jit
+def col_decoded_32(xt, cd_ptr, lc, c0, r, R, C, RCEIL: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr,
+                   BIAS: tl.constexpr, FP8_MAX: tl.constexpr, RCP, HW: tl.constexpr, NAN16: tl.constexpr):
+    """The BF16 decode of the 32x1 blocks of a transposed FP32 tile ``xt`` [BC, 32] (rows
+    ``r .. r + 31`` of columns ``c0 + lc`` of an [R, C] input) stored transposed into the [C, R]
+    BF16 (GPU) / int16 (interpreter) array at ``cd_ptr``: each thread's column leaves as 64
+    contiguous bytes."""
+    e = _e8m0_byte(amax_nan(xt, 1), RCEIL, EMAX, RCP)
+    vals = decoded_values(xt * _e8m0_inverse(e)[:, None], tl.broadcast_to(e[:, None], xt.shape), MBITS, BIAS,
+                          FP8_MAX, HW, NAN16)
+    l32 = tl.arange(0, _BLOCK)
+    tl.store(cd_ptr + c0.to(tl.int64) * R + r + tile_offsets(lc, l32, R, 1), vals,
+             mask=((c0 + lc) < C)[:, None] & ((r + l32) < R)[None, :])
+
+
+@triton.jit
 def row_copy(x, mask, r0, c0, R, C, rd_ptr, rs_ptr, RCEIL: tl.constexpr, EMAX: tl.constexpr,
              MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr, RCP, HW: tl.constexpr,
-             src=None, MAP: tl.constexpr = False):
+             src=None, MAP: tl.constexpr = False, DECODED: tl.constexpr = False, NAN16: tl.constexpr = 0):
     """Rowwise 1x32 copy of the FP32 tile ``x`` [BR, BC] (origin (r0, c0) of an [R, C] input,
     ``c0`` a multiple of BC; ``mask`` its in-bounds elements): FP8 codes into ``rd_ptr``
     [R, C], E8M0 bytes into ``rs_ptr`` [R, ceil(C / 32)]. A block's 32 columns sit in a few
     neighbouring threads. ``MAP``: tile row i goes to output row ``src[i]`` instead (skipped
-    where negative: a padding row of a row map)."""
+    where negative: a padding row of a row map). ``DECODED``: the copy's BF16 decode instead
+    (int16 bits into ``rd_ptr``; no scales)."""
     BR: tl.constexpr = x.shape[0]
     BC: tl.constexpr = x.shape[1]
     lr = tl.arange(0, BR)
@@ -92,19 +130,26 @@ def row_copy(x, mask, r0, c0, R, C, rd_ptr, rs_ptr, RCEIL: tl.constexpr, EMAX: t
     xb = tl.reshape(x, [BR, BC // _BLOCK, _BLOCK])
     e = _e8m0_byte(amax_nan(xb, 2), RCEIL, EMAX, RCP)
     y = tl.reshape(xb * _e8m0_inverse(e)[:, :, None], [BR, BC])
-    code = fp8_encode_rowwise(y, FP8_MAX, MBITS, BIAS, HW)
+    if DECODED:
+        ee = tl.reshape(tl.broadcast_to(e[:, :, None], [BR, BC // _BLOCK, _BLOCK]), [BR, BC])
+        code = decoded_values(y, ee, MBITS, BIAS, FP8_MAX, HW, NAN16)
+    else:
+        code = fp8_encode_rowwise(y, FP8_MAX, MBITS, BIAS, HW)
     nbc = tl.cdiv(C, _BLOCK)
     b0 = c0 // _BLOCK
     lb = tl.arange(0, BC // _BLOCK)
     if MAP:
         rows = src.to(tl.int64)
         tl.store(rd_ptr + c0 + rows[:, None] * C + lc[None, :], code, mask=mask)
-        smask = (src >= 0)[:, None] & ((b0 + lb) < nbc)[None, :]
-        tl.store(rs_ptr + b0 + rows[:, None] * nbc + lb[None, :], e.to(tl.uint8), mask=smask)
+        if not DECODED:
+            smask = (src >= 0)[:, None] & ((b0 + lb) < nbc)[None, :]
+            tl.store(rs_ptr + b0 + rows[:, None] * nbc + lb[None, :], e.to(tl.uint8), mask=smask)
     else:
         tl.store(rd_ptr + r0.to(tl.int64) * C + c0 + tile_offsets(lr, lc, C, 1), code, mask=mask)
-        smask = ((r0 + lr) < R)[:, None] & ((b0 + lb) < nbc)[None, :]
-        tl.store(rs_ptr + r0.to(tl.int64) * nbc + b0 + tile_offsets(lr, lb, nbc, 1), e.to(tl.uint8), mask=smask)
+        if not DECODED:
+            smask = ((r0 + lr) < R)[:, None] & ((b0 + lb) < nbc)[None, :]
+            tl.store(rs_ptr + r0.to(tl.int64) * nbc + b0 + tile_offsets(lr, lb, nbc, 1), e.to(tl.uint8),
+                     mask=smask)
 
 
 @triton.jit
@@ -272,7 +317,8 @@ def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, NBR, sxr, sxc:
                      FP8_MAX: tl.constexpr, DTYPE: tl.constexpr, BR: tl.constexpr,
                      BC: tl.constexpr, PACK: tl.constexpr, HW: tl.constexpr, map_ptr,
                      MAP: tl.constexpr, NATURAL: tl.constexpr = False, RS: tl.constexpr = 32,
-                     WIDE: tl.constexpr = 0, GRID2: tl.constexpr = False):
+                     WIDE: tl.constexpr = 0, GRID2: tl.constexpr = False, DECODED: tl.constexpr = False,
+                     NAN16: tl.constexpr = 0):
     """One [BR, BC] tile per program. Rowwise 1x32 blocks from the natural tile (a block's 32
     columns sit in a few neighbouring threads); columnwise 32x1 blocks from transposed
     [BC, 32] tiles re-read from cache (``_common.load_rows32_t``: register-local block amax,
@@ -280,7 +326,9 @@ def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, NBR, sxr, sxc:
     ``tl.trans``, measured 0.181 vs 0.142 ms row+col on the H200: not kept.) ``MAP``: the R rows
     are ``x[map_ptr[r]]`` (zero where negative), and the rowwise copy goes to the source's own
     rows. ``NATURAL``: the columnwise copy from natural [RS, BC] slices instead
-    (:func:`col_copy_natural`). ``GRID2``: launched on ``_common.tile_grid``'s 2D grid."""
+    (:func:`col_copy_natural`). ``GRID2``: launched on ``_common.tile_grid``'s 2D grid.
+    ``DECODED`` ("slices" only): both copies as their BF16 decodes (int16 bits into ``rd_ptr`` /
+    ``cd_ptr``, no scales; ``NAN16`` the NaN bits a BF16 cast gives on the device)."""
     pr, pc = program_tile(C, BR, BC, GRID2)
     r0, c0 = pr * BR, pc * BC
     lc = tl.arange(0, BC)
@@ -294,11 +342,13 @@ def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, NBR, sxr, sxc:
             src = tl.load(map_ptr + r0 + lr, mask=(r0 + lr) < R, other=-1)
             mask = (src >= 0)[:, None] & ((c0 + lc) < C)[None, :]
             x = load_f32(xbase + src.to(tl.int64)[:, None] * sxr + (lc * sxc)[None, :], mask, DTYPE)
-            row_copy(x, mask, r0, c0, R, C, rd_ptr, rs_ptr, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW, src, MAP)
+            row_copy(x, mask, r0, c0, R, C, rd_ptr, rs_ptr, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW, src, MAP,
+                     DECODED, NAN16)
         else:
             mask = ((r0 + lr) < R)[:, None] & ((c0 + lc) < C)[None, :]
             x = load_f32(xbase + tile_offsets(lr, lc, sxr, sxc), mask, DTYPE)
-            row_copy(x, mask, r0, c0, R, C, rd_ptr, rs_ptr, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW)
+            row_copy(x, mask, r0, c0, R, C, rd_ptr, rs_ptr, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW,
+                     DECODED=DECODED, NAN16=NAN16)
     if COL and NATURAL:
         col_copy_natural(xbase, r0, c0, pr, R, C, sxr, sxc, cd_ptr, cs_ptr, map_ptr + r0, RCEIL, EMAX, MBITS, BIAS,
                          FP8_MAX, RCP, HW, DTYPE, BR, BC, RS, PACK, MAP, NBR, WIDE == 2)
@@ -306,16 +356,20 @@ def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, NBR, sxr, sxc:
         cmask = (c0 + lc) < C
         for b in tl.static_range(BR // _BLOCK):
             xt = load_rows32_t(xbase, b * _BLOCK, lc, R - r0, cmask, sxr, sxc, DTYPE, map_ptr + r0, MAP)
-            if PACK and MBITS == 3:  # E4M3 words of explicitly paired conversions (_common.e4m3_words_t)
+            if DECODED:
+                col_decoded_32(xt, cd_ptr, lc, c0, r0 + b * _BLOCK, R, C, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW,
+                               NAN16)
+            elif PACK and MBITS == 3:  # E4M3 words of explicitly paired conversions (_common.e4m3_words_t)
                 e = _e8m0_byte(amax_nan(xt, 1), RCEIL, EMAX, RCP)
                 store_code_words_t(cd_ptr, e4m3_words_t(xt * _e8m0_inverse(e)[:, None], HW), lc, c0,
                                    r0 + b * _BLOCK, R, C, WIDE != 0)
             else:
                 e, code = col_block_32(xt, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW)
                 store_words_t(cd_ptr, code, lc, c0, r0 + b * _BLOCK, R, C, PACK, WIDE != 0)
-            if b == 0:
-                e_first = e
-            store_scales_t(cs_ptr, e_first, e, b, pr, c0, lc, cmask, NBR, NBR, BR, WIDE == 2)
+            if not DECODED:
+                if b == 0:
+                    e_first = e
+                store_scales_t(cs_ptr, e_first, e, b, pr, c0, lc, cmask, NBR, NBR, BR, WIDE == 2)
 
 
 @triton.jit
@@ -369,6 +423,12 @@ NATURAL_HW = 2
 COL_ONLY_NATURAL = ((64, 128), 2)
 
 
+#: decoded copies' default tile and warps. H200, 16384x4096 BF16, row+col (ms): (64, 128) / 4 0.122,
+#: (32, 128) / 4 0.110 (93 % of copy), (32, 64) / 2 0.112, (64, 64) / 2 0.117, (64, 256) / 8 0.119;
+#: quantize to codes plus the two decodes the GEMMs then run: 0.204.
+DECODED_TILE = ((32, 128), 4)
+
+
 def _default_method(x2: torch.Tensor, rowwise: bool, columnwise: bool, block_2d: bool,
                     block: Optional[tuple[int, int]], num_warps: Optional[int]):
     """(method, block, num_warps) when the caller names no method: "natural" with its measured
@@ -385,7 +445,7 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
              num_warps: Optional[int] = None, pack: bool = True,
              row_map: Optional[torch.Tensor] = None, method: Optional[str] = None,
              row_slice: Optional[int] = None, maxnreg: Optional[int] = None,
-             wide_stores: Optional[int] = None) -> Copies:
+             wide_stores: Optional[int] = None, decoded: bool = False) -> Copies:
     """MXFP8-quantize 2D ``x2`` (any strides); returns ``(row, col)``, each ``(data, scale)`` or
     None: the same tensors as ``formats.mxfp8.quantize_1d(x2)`` / ``quantize_1d(x2.t())``
     (``block_2d``: ``quantize_2d(x2)`` and its transpose). ``block``: the tile (multiples of 32;
@@ -409,13 +469,20 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
     (1D; the 2D path ignores it): 1, each column's packed codes leave in one store two threads
     wide (whole 32-byte sectors per L2 request, ``_common.store_words_t``; "slices"; "natural"
     stores whole sectors anyway); 2, also both 32-row blocks' scale bytes of a column in one
-    store (64-row tiles, both methods); 0 neither; default ``WIDE_STORES``."""
+    store (64-row tiles, both methods); 0 neither; default ``WIDE_STORES``. ``decoded`` (1D,
+    "slices"): each copy as its BF16 decode instead, ``(values, None)``:
+    ``formats.mxfp8.dequantize_1d`` of the codes and scales above rounded to BF16 (exact;
+    ``tensors.decoded``), in the layout of the codes, from the same pass."""
     if rule not in ("rceil", "floor"):
         raise ValueError(f"rule={rule!r} is unknown; use 'rceil' or 'floor'.")
     if wide_stores not in (None, 0, 1, 2):
         raise ValueError(f"wide_stores={wide_stores!r} must be 0, 1 or 2 (or None for WIDE_STORES).")
+    if decoded and (block_2d or method == "natural"):
+        raise ValueError("decoded=True writes 1D copies by the 'slices' method; pass block_2d=False and "
+                         "method=None or 'slices'.")
     if method is None:
-        method, block, num_warps = _default_method(x2, rowwise, columnwise, block_2d, block, num_warps)
+        method, block, num_warps = (("slices", block or DECODED_TILE[0], num_warps or DECODED_TILE[1]) if decoded
+                                    else _default_method(x2, rowwise, columnwise, block_2d, block, num_warps))
     if method not in METHODS or (method == "natural" and block_2d):
         raise ValueError(f"method={method!r} is unknown for block_2d={block_2d}; use 'slices' or "
                          "'natural' (1D only).")
@@ -445,22 +512,29 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
     dev = x2.device
     nbr, nbc = triton.cdiv(rows, BLOCK), triton.cdiv(cols, BLOCK)
     row = col = None
-    if rowwise:
-        row = (empty((src_rows, cols), dtype=dtype, device=dev),
-               empty((nbr if block_2d else src_rows, nbc), dtype=torch.uint8, device=dev))
-    if columnwise:
-        col = (empty((cols, rows), dtype=dtype, device=dev),
-               empty((nbc, nbr) if block_2d else (cols, nbr), dtype=torch.uint8, device=dev))
+    if decoded:
+        row = (empty((src_rows, cols), dtype=torch.bfloat16, device=dev), None) if rowwise else None
+        col = (empty((cols, rows), dtype=torch.bfloat16, device=dev), None) if columnwise else None
+    else:
+        if rowwise:
+            row = (empty((src_rows, cols), dtype=dtype, device=dev),
+                   empty((nbr if block_2d else src_rows, nbc), dtype=torch.uint8, device=dev))
+        if columnwise:
+            col = (empty((cols, rows), dtype=dtype, device=dev),
+                   empty((nbc, nbr) if block_2d else (cols, nbr), dtype=torch.uint8, device=dev))
     if rows * cols == 0:
         return row, col
+    # decoded: BF16 on the GPU, BF16 bits as int16 in the interpreter (its BF16 cast truncates)
+    view = (torch.bfloat16 if hw_fp8(dev) else torch.int16) if decoded else torch.uint8
     if x2.numel() == 0:  # a map of padding rows only (an empty rowwise copy)
         if col is not None:
-            col[0].view(torch.uint8).zero_()
-            col[1].zero_()  # E8M0 0x00 (2**-127): the reference's byte for an all-zero block
+            col[0].view(view).zero_()
+            if col[1] is not None:
+                col[1].zero_()  # E8M0 0x00 (2**-127): the reference's byte for an all-zero block
         return row, col
     dummy = torch.empty(1, dtype=torch.uint8, device=dev)
-    rd, rs = (row[0].view(torch.uint8), row[1]) if row else (dummy, dummy)
-    cd, cs = (col[0].view(torch.uint8), col[1]) if col else (dummy, dummy)
+    rd, rs = (row[0].view(view), dummy if row[1] is None else row[1]) if row else (dummy, dummy)
+    cd, cs = (col[0].view(view), dummy if col[1] is None else col[1]) if col else (dummy, dummy)
     kernel = _mxfp8_2d_kernel if block_2d else _mxfp8_1d_kernel
     mapped = {} if block_2d else {"map_ptr": row_map if row_map is not None else dummy, "MAP": row_map is not None}
     # word stores need R % 4 == 0; packed E4M3 words come from explicitly paired conversions
@@ -469,6 +543,8 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
     # (triton_fp8_block.natural_hw)
     packed = pack and rows % 4 == 0
     method_args = {"NATURAL": True, "RS": rslice} if natural else {}
+    if decoded:
+        method_args.update(DECODED=True, NAN16=bf16_nan16(dev))
     if not block_2d:  # "natural": 2 pairs its scale bytes (its codes already leave as whole sectors)
         method_args["WIDE"] = WIDE_STORES if wide_stores is None else wide_stores
         grid, method_args["GRID2"] = tile_grid(rows, cols, br, bc)

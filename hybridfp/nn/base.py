@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..gemm import report_emulated
+from ..gemm import reads_bf16_decodes, report_emulated
 from ..quantizers import Quantizer
 from ..recipes import AutocastState, QuantizerRole
 from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
@@ -22,6 +22,26 @@ GEMMS = (
     ("dgrad", "NN", ("grad_output", ROWWISE), ("weight", COLUMNWISE)),
     ("wgrad", "NT", ("grad_output", COLUMNWISE), ("input", COLUMNWISE)),
 )
+
+#: Slots whose copies are only ever GEMM operands (never saved as the module's activations):
+#: candidates for copies held as their BF16 decodes (``Quantizer.hold_decoded``).
+DECODED_SLOTS = ("weight", "grad_output")
+DECODED_MODES = ("auto", "always", "never")
+_DECODED_MODE = ["auto"]
+
+
+def set_decoded_copies(mode: str) -> str:
+    """How modules hold their weight / grad_output copies from their next forward on (a
+    changed mode rebuilds their quantizers; returns the old mode): "auto" (default) — as BF16 decodes where the quantizers can write them
+    (``Quantizer.can_hold_decoded``: 1D MXFP8) and every GEMM that reads them decodes them
+    anyway (``gemm.reads_bf16_decodes``: MXFP8 pairs on CUDA's BF16 tensor cores), one pass
+    instead of a quantize and a decode; "always" — wherever the quantizers can, on any device
+    (tests: the CPU runs the same plumbing); "never" — codes and scales. Results are bitwise
+    the same in every mode."""
+    if mode not in DECODED_MODES:
+        raise ValueError(f"decoded copies mode {mode!r} is unknown; use one of {DECODED_MODES}.")
+    old, _DECODED_MODE[0] = _DECODED_MODE[0], mode
+    return old
 
 
 class QuantizedModule(nn.Module):
@@ -93,7 +113,7 @@ class QuantizedModule(nn.Module):
         The recipe is asked once per slot (per expert for grouped modules) at build time, not
         on every forward. A rebuild drops cached quantized weights.
         """
-        key = state.key()
+        key = (state.key(), _DECODED_MODE[0])
         if key != self._qkey:
             built: dict[str, list[Quantizer]] = {}
             for slot in SLOTS:
@@ -107,6 +127,7 @@ class QuantizedModule(nn.Module):
                     qs.append(q)
                 built[slot] = qs
             self._validate_quantizers(built)
+            self._hold_decoded(built)
             self._quantizers, self._qkey = built, key
             self._reads_known_amax = self.reads_recorded_amax and any(
                 q.reads_known_amax for qs in built.values() for q in qs)
@@ -129,6 +150,18 @@ class QuantizedModule(nn.Module):
 
     def _validate_quantizers(self, built: dict[str, list[Quantizer]]) -> None:
         """Hook for module-specific checks (GroupedLinear needs homogeneous experts)."""
+
+    def _hold_decoded(self, built: dict[str, list[Quantizer]]) -> None:
+        """Set ``hold_decoded`` on the ``DECODED_SLOTS`` quantizers (``set_decoded_copies``)."""
+        mode, device = _DECODED_MODE[0], self._device()
+        for slot in DECODED_SLOTS:
+            qs = built[slot]
+            on = mode != "never" and all(q.can_hold_decoded() for q in qs) and (
+                mode == "always" or (device.type == "cuda" and all(
+                    reads_bf16_decodes(built[sa][0].format_key(da), built[sb][0].format_key(db), layout, device)
+                    for _, layout, (sa, da), (sb, db) in GEMMS if slot in (sa, sb))))
+            for q in qs:
+                q.hold_decoded = on
 
     def _report_emulated(self, built: dict[str, list[Quantizer]]) -> None:
         device = self._device()

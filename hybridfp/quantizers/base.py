@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..formats.common import check_input
-from ..tensors import QuantizedStorage, QuantizedTensor
+from ..tensors import DecodedStorage, QuantizedStorage, QuantizedTensor
 from .backends import select_quantize_kernel
 from ..tensors.storage import COLUMNWISE, ROWWISE
 
@@ -55,12 +55,35 @@ class Quantizer(ABC):
     #: (``hybridfp.tensors.known_amax``) instead of its own amax pass; modules tell the autocast
     #: region, so kernels that can record one (the fused SwiGLU) do it only where it is read.
     reads_known_amax: ClassVar[bool] = False
+    _hold_decoded: bool = False  # see ``hold_decoded`` (a class default for subclasses' own __init__)
 
     def __init__(self, *, rowwise: bool = True, columnwise: bool = True) -> None:
         self.rowwise_usage = bool(rowwise)
         self.columnwise_usage = bool(columnwise)
         #: The slot this quantizer serves (a QuantizerRole or None), set by recipes.
         self.role: Optional[Any] = None
+        self._hold_decoded = False
+
+    # ------------------------------------------------------------------ decoded copies
+    def can_hold_decoded(self) -> bool:
+        """Whether this quantizer can write its copies as their exact BF16 block decode
+        (``tensors.decoded``; formats opt in, default no)."""
+        return False
+
+    @property
+    def hold_decoded(self) -> bool:
+        """Whether ``encode`` returns the copies as their BF16 decode instead of codes: the same
+        values and GEMM results, for copies only read by GEMMs that decode them anyway (BF16
+        tensor cores), one pass instead of a quantize and a decode. Set by modules."""
+        return self._hold_decoded
+
+    @hold_decoded.setter
+    def hold_decoded(self, on: bool) -> None:
+        if on and not self.can_hold_decoded():
+            role = f" (role: {self.label})" if self.label else ""
+            raise ValueError(f"{self!r}{role} cannot hold its copies decoded in BF16 (only 1D MXFP8 "
+                             "quantizers can); leave hold_decoded False.")
+        self._hold_decoded = bool(on)
 
     # ------------------------------------------------------------------ usage
     def set_usage(self, *, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
@@ -107,8 +130,13 @@ class Quantizer(ABC):
         """
         kernel = select_quantize_kernel(self, x, rowwise, columnwise)
         if kernel is not None:
-            return kernel.run(self, x, rowwise, columnwise, seed)
-        return self.reference_encode(x, rowwise, columnwise, seed)
+            storage = kernel.run(self, x, rowwise, columnwise, seed)
+        else:
+            storage = self.reference_encode(x, rowwise, columnwise, seed)
+        if self.hold_decoded and not isinstance(storage, DecodedStorage):
+            # kernels write decoded copies themselves; this is the reference (CPU, empty inputs)
+            storage = DecodedStorage.of(storage)
+        return storage
 
     @abstractmethod
     def reference_encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool,

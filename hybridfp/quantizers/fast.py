@@ -49,7 +49,8 @@ from typing import Any, Callable, Hashable, Optional
 import torch
 
 from ..formats.common import HIGH_PRECISION_DTYPES, as_2d
-from ..tensors import Float8BlockStorage, Float8Storage, HybridStorage, MXFP8Storage, NVFP4Storage, known_amax
+from ..tensors import (DecodedMXFP8Storage, Float8BlockStorage, Float8Storage, HybridStorage, MXFP8Storage,
+                       NVFP4Storage, QuantizedStorage, known_amax)
 from .base import all_reduce_amax
 from .backends import (QuantizeKernel, hybrid_quantize_kernel, register_hybrid_quantize_kernel,
                        register_kernel_key, register_quantize_kernel, register_row_mapped_kernel)
@@ -155,8 +156,17 @@ def _mxfp8_run(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool,
     with _on_device(x):
         row, col = _kernels("triton_mxfp8").quantize(as_2d(x), q.dtype, rule=q.scale_rule,
                                          block_2d=q.with_2d_quantization, rowwise=rowwise,
-                                         columnwise=columnwise)
-    return MXFP8Storage(x.shape, x.dtype, _payload(row, "data", "scale"), _payload(col, "data", "scale"),
+                                         columnwise=columnwise, decoded=q.hold_decoded)
+    return _mxfp8_storage(q, x.shape, x.dtype, row, col)
+
+
+def _mxfp8_storage(q: Any, shape: torch.Size, dtype: torch.dtype, row, col) -> QuantizedStorage:
+    """The storage of the kernel's copies: codes and scales, or their BF16 decodes
+    (``q.hold_decoded``)."""
+    if q.hold_decoded:
+        return DecodedMXFP8Storage(shape, dtype, _payload(row, "data"), _payload(col, "data"), label=q.label,
+                                   **q.storage_meta())
+    return MXFP8Storage(shape, dtype, _payload(row, "data", "scale"), _payload(col, "data", "scale"),
                         label=q.label, **q.storage_meta())
 
 
@@ -166,17 +176,15 @@ def _mxfp8_row_mapped_supports(q: Any, x2: torch.Tensor, rows: int) -> bool:
 
 
 def _mxfp8_row_mapped_run(q: Any, x2: torch.Tensor, row_map: torch.Tensor,
-                          rowwise: bool) -> tuple[Optional[MXFP8Storage], MXFP8Storage]:
+                          rowwise: bool) -> tuple[Optional[QuantizedStorage], QuantizedStorage]:
     """(x2's own rowwise copy if ``rowwise``, the MXFP8 1D columnwise copy of the rows of x2
     gathered by ``row_map``) in one pass, no gathered copy written
     (``triton_mxfp8.quantize(row_map=...)``)."""
     with _on_device(x2):
         row, col = _kernels("triton_mxfp8").quantize(x2, q.dtype, rule=q.scale_rule, rowwise=rowwise,
-                                                     row_map=row_map)
-    rows = (MXFP8Storage(x2.shape, x2.dtype, _payload(row, "data", "scale"), None, label=q.label,
-                         **q.storage_meta()) if rowwise else None)
-    return rows, MXFP8Storage((row_map.shape[0], x2.shape[1]), x2.dtype, None, _payload(col, "data", "scale"),
-                              label=q.label, **q.storage_meta())
+                                                     row_map=row_map, decoded=q.hold_decoded)
+    rows = _mxfp8_storage(q, x2.shape, x2.dtype, row, None) if rowwise else None
+    return rows, _mxfp8_storage(q, torch.Size((row_map.shape[0], x2.shape[1])), x2.dtype, None, col)
 
 
 # ---------------------------------------------------------------------------- NVFP4

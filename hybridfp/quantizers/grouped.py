@@ -38,7 +38,8 @@ import torch
 
 from ..formats.common import HIGH_PRECISION_DTYPES, ceil_div, check_input
 from ..kernels.host import device_constant, device_tensor
-from ..tensors import Float8Storage, HybridStorage, MXFP8Storage, QuantizedStorage, QuantizedTensor
+from ..tensors import (DecodedMXFP8Storage, Float8Storage, HybridStorage, MXFP8Storage, QuantizedStorage,
+                       QuantizedTensor)
 from ..tensors.expert_tensors import ExpertTensors, JoinedCopy
 from ..tensors.slicing import adjacent_rows, column_slices
 from ..tensors.storage import COLUMNWISE, ROWWISE, Payload
@@ -74,7 +75,7 @@ ROW_TILE: dict[type, Callable[[Quantizer], Optional[int]]] = {
 #: grouped GEMM decodes them as one buffer (``gemm.joined.joined_columns``: MXFP8, BF16 path).
 #: Other shared block copies (FP8 block: per-expert cuBLAS FP8 GEMMs, which read contiguous
 #: operands) get one contiguous copy per expert here, once, not one per GEMM call.
-COLUMN_VIEWS: tuple[type, ...] = (MXFP8Storage,)
+COLUMN_VIEWS: tuple[type, ...] = (MXFP8Storage, DecodedMXFP8Storage)
 #: Rows per block of a columnwise copy that holds block scales only (no per-tensor entry).
 COLUMN_BLOCK: dict[type, Callable[[Quantizer], Optional[int]]] = {
     MXFP8Quantizer: lambda q: 32,

@@ -53,6 +53,10 @@ class MXFP8Quantizer(Quantizer):
                 col = {"data": d, "scale": s}
         return MXFP8Storage(x.shape, x.dtype, row, col, label=self.label, **self.storage_meta())
 
+    def can_hold_decoded(self) -> bool:
+        """1D blocks: the quantize kernel writes the BF16 decodes directly."""
+        return not self.with_2d_quantization
+
     def storage_meta(self) -> dict[str, object]:
         return {"fp8_dtype": self.dtype, "block_2d": self.with_2d_quantization}
 

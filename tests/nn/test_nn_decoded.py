@@ -1,0 +1,93 @@
+"""Weight / grad_output copies held as their BF16 decodes (``nn.set_decoded_copies``): every
+module's forward and backward are bitwise those with codes, and the modes pick the slots."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import hybridfp
+from hybridfp import CustomRecipe, GroupedLinear, LayerNormLinear, Linear, autocast, factories
+from hybridfp.nn import set_decoded_copies
+from hybridfp.tensors import DecodedMXFP8Storage
+
+HAS_CUDA = torch.cuda.is_available()
+RECIPES = {
+    "mxfp8": lambda: hybridfp.MXFP8BlockScaling(),
+    "composer2": lambda: CustomRecipe(qfactory=factories.nvfp4_row_scaled_fwd_mxfp8_bwd),
+    "fp8_current": lambda: hybridfp.Float8CurrentScaling(),
+}
+#: slots held decoded under "always" (the quantizers that can: 1D MXFP8, not hybrids)
+DECODED = {"mxfp8": {"weight", "grad_output"}, "composer2": {"grad_output"}, "fp8_current": set()}
+#: Composer-2 is plain MXFP8 outside grouped linears (its hybrids are the experts' input / weight)
+PLAIN = {("composer2", "linear"), ("composer2", "layernorm_linear")}
+
+
+@pytest.fixture(autouse=True)
+def _restore_mode():
+    old = set_decoded_copies("auto")
+    yield
+    set_decoded_copies(old)
+
+
+def _module(kind: str, device: str):
+    torch.manual_seed(0)
+    if kind == "linear":
+        return Linear(64, 96, device=device)
+    if kind == "layernorm_linear":
+        return LayerNormLinear(64, 96, device=device)
+    return GroupedLinear(4, 64, 96, device=device)
+
+
+def _step(mode: str, kind: str, recipe: str, device: str = "cpu", rows: int = 70, splits=(20, 0, 33, 17)):
+    set_decoded_copies(mode)
+    m = _module(kind, device)
+    g = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(rows, 64, generator=g, device=device).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(rows, 96, generator=g, device=device).to(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with autocast(recipe=RECIPES[recipe]()):
+            y = m(x, list(splits)) if kind == "grouped" else m(x)
+        y.backward(dy)
+    held = {slot for slot, qs in m._quantizers.items() if qs[0].hold_decoded}
+    return [y.detach(), x.grad] + [p.grad for p in m.parameters() if p.grad is not None], held, m
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("kind", ["linear", "layernorm_linear", "grouped"])
+def test_decoded_equals_codes(kind, recipe):
+    want, held_never, _ = _step("never", kind, recipe)
+    got, held, m = _step("always", kind, recipe)
+    assert held_never == set() and held == DECODED["mxfp8" if (recipe, kind) in PLAIN else recipe]
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    if "weight" in held and kind != "grouped":
+        assert type(m._wcache[0][1].qstorage) is DecodedMXFP8Storage
+
+
+def test_auto_is_off_without_decoding_gemms():
+    """On the CPU every MXFP8 GEMM is emulated (nothing decodes to BF16): codes stay."""
+    _, held, _ = _step("auto", "linear", "mxfp8")
+    assert held == set()
+
+
+def test_unknown_mode():
+    with pytest.raises(ValueError, match="decoded copies mode"):
+        set_decoded_copies("sometimes")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("recipe", ["mxfp8", "composer2"])
+@pytest.mark.parametrize("kind", ["linear", "grouped"])
+def test_auto_on_cuda_is_decoded_and_bitwise(kind, recipe):
+    rows, splits = 4160, (1000, 0, 1999, 1161)
+    want, _, _ = _step("never", kind, recipe, "cuda", rows, splits)
+    got, held, _ = _step("auto", kind, recipe, "cuda", rows, splits)
+    assert held == DECODED["mxfp8" if (recipe, kind) in PLAIN else recipe]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

@@ -1,0 +1,86 @@
+"""Copies held as their BF16 decodes (``tensors/decoded.py``): the same values, format key and
+GEMM operand as the codes they decode, through slicing, saving and the GEMM."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from hybridfp import QuantizedTensor
+from hybridfp.gemm import gemm
+from hybridfp.quantizers import MXFP8Quantizer, NVFP4Quantizer
+from hybridfp.tensors import COLUMNWISE, ROWWISE, DecodedMXFP8Storage, DecodedStorage
+
+
+def _pair(fp8_dtype=torch.float8_e4m3fn, shape=(96, 64), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.logspace(-3, 3, shape[-1])
+    codes = MXFP8Quantizer(fp8_dtype).reference_encode(x, True, True)
+    return codes, DecodedStorage.of(codes)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_same_values_key_and_operand(fp8_dtype):
+    codes, dec = _pair(fp8_dtype)
+    assert type(dec) is DecodedMXFP8Storage and dec.meta == codes.meta
+    for d in (ROWWISE, COLUMNWISE):
+        assert dec.format_key(d) == codes.format_key(d)
+        assert torch.equal(_bits(dec.dequantize(direction=d)), _bits(codes.dequantize(direction=d)))
+        a, b = dec.gemm_operand(d), codes.gemm_operand(d)
+        assert torch.equal(_bits(a.values), _bits(b.values)) and a.scale is None and a.k == b.k
+        assert dec.payload(d)["data"].dtype == torch.bfloat16
+    assert "held as its BF16 decode" in dec.describe()
+    assert dec.nbytes() == 2 * 2 * codes.rows * codes.cols
+
+
+def test_slicing_keeps_values():
+    codes, dec = _pair(shape=(96, 64))
+    part_c, part_d = codes.slice_dim0(32, 64), dec.slice_dim0(32, 64)
+    for d in (ROWWISE, COLUMNWISE):
+        assert torch.equal(part_d.dequantize(direction=d), part_c.dequantize(direction=d))
+
+
+def test_gemm_equals_codes():
+    a_codes, a_dec = _pair(seed=1)
+    b_codes, b_dec = _pair(seed=2, shape=(48, 64))
+    want = gemm(QuantizedTensor(a_codes), QuantizedTensor(b_codes), "TN", out_dtype=torch.float32)
+    got = gemm(QuantizedTensor(a_dec), QuantizedTensor(b_codes), "TN", out_dtype=torch.float32)
+    got2 = gemm(QuantizedTensor(a_dec), QuantizedTensor(b_dec), "TN", out_dtype=torch.float32)
+    assert torch.equal(got, want) and torch.equal(got2, want)
+
+
+def test_save_and_load():
+    _, dec = _pair()
+    t = QuantizedTensor(dec)
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=True)
+    assert type(back.qstorage) is DecodedMXFP8Storage
+    for d in (ROWWISE, COLUMNWISE):
+        assert torch.equal(back.dequantize(direction=d), t.dequantize(direction=d))
+
+
+def test_only_eligible_formats():
+    nv = NVFP4Quantizer().reference_encode(torch.randn(32, 64), True, False)
+    with pytest.raises(TypeError, match="can be held decoded"):
+        DecodedStorage.of(nv)
+
+
+def test_joined_decode_is_not_cached():
+    """A decoded copy's BF16 decode is its payload: the weight-decode cache must not keep an
+    entry for it (the entry would hold its own weak key alive: one leaked weight copy a step)."""
+    from hybridfp.gemm import bf16_decode
+    _, dec = _pair()
+    before = len(bf16_decode._CACHE)
+    for d in (ROWWISE, COLUMNWISE):
+        op = bf16_decode.decode_bf16_joined(dec, [dec], d, cache=True)
+        assert op.values is dec.payload(d)["data"]
+        assert bf16_decode.decode_bf16(dec, d, cache=True).values is dec.payload(d)["data"]
+    assert len(bf16_decode._CACHE) == before
