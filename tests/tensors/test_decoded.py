@@ -10,8 +10,8 @@ import torch
 
 from hybridfp import QuantizedTensor
 from hybridfp.gemm import gemm
-from hybridfp.quantizers import MXFP8Quantizer, NVFP4Quantizer
-from hybridfp.tensors import COLUMNWISE, ROWWISE, DecodedMXFP8Storage, DecodedStorage
+from hybridfp.quantizers import Float8CurrentScalingQuantizer, HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer
+from hybridfp.tensors import COLUMNWISE, ROWWISE, DecodedMXFP8Storage, DecodedNVFP4Storage, DecodedStorage
 
 
 def _pair(fp8_dtype=torch.float8_e4m3fn, shape=(96, 64), seed=0):
@@ -68,9 +68,45 @@ def test_save_and_load():
 
 
 def test_only_eligible_formats():
-    nv = NVFP4Quantizer().reference_encode(torch.randn(32, 64), True, False)
+    rht = NVFP4Quantizer(with_rht=True).reference_encode(torch.randn(32, 64), False, True)
+    with pytest.raises(TypeError, match="transformed domain"):
+        DecodedStorage.of(rht)
+    fp8 = Float8CurrentScalingQuantizer().reference_encode(torch.randn(32, 64), True, True)
     with pytest.raises(TypeError, match="can be held decoded"):
-        DecodedStorage.of(nv)
+        DecodedStorage.of(fp8)
+    with pytest.raises(ValueError, match="cannot hold only"):
+        _pair()[0].with_decoded(frozenset({ROWWISE}))
+
+
+@pytest.mark.parametrize("kw", [{}, {"row_scaled_nvfp4": True}, {"with_2d_quantization": True}], ids=str)
+def test_nvfp4_rows_same_values_scale_and_gemm(kw):
+    """An NVFP4 rowwise copy held decoded keeps its amax: the same S_dec (per tensor or per row),
+    dequantized values, row slices and GEMM results."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 96, generator=g) * torch.logspace(-2, 2, 64)[:, None]
+    codes = NVFP4Quantizer(**kw).reference_encode(x, True, False)
+    dec = DecodedStorage.of(codes)
+    assert type(dec) is DecodedNVFP4Storage and dec.format_key(ROWWISE) == codes.format_key(ROWWISE)
+    assert dec.payload(ROWWISE)["amax"] is codes.payload(ROWWISE)["amax"]
+    assert torch.equal(dec.epilogue_scale(ROWWISE), codes.epilogue_scale(ROWWISE))
+    assert torch.equal(_bits(dec.dequantize(direction=ROWWISE)), _bits(codes.dequantize(direction=ROWWISE)))
+    if kw.get("row_scaled_nvfp4"):
+        assert torch.equal(dec.slice_dim0(16, 48).dequantize(), codes.slice_dim0(16, 48).dequantize())
+    w = MXFP8Quantizer().reference_encode(torch.randn(40, 96, generator=g), True, False)
+    want = gemm(QuantizedTensor(codes), QuantizedTensor(w), "TN", out_dtype=torch.float32)
+    assert torch.equal(gemm(QuantizedTensor(dec), QuantizedTensor(w), "TN", out_dtype=torch.float32), want)
+
+
+def test_hybrid_parts_decoded():
+    hq = HybridQuantizer(NVFP4Quantizer(), MXFP8Quantizer(), "rowwise_dequantized")
+    h = hq.reference_encode(torch.randn(64, 64), True, True)
+    only_row = h.with_decoded(frozenset({ROWWISE}))
+    assert type(only_row.part(ROWWISE)) is DecodedNVFP4Storage and only_row.part(COLUMNWISE) is h.part(COLUMNWISE)
+    both = h.with_decoded(frozenset({ROWWISE, COLUMNWISE}))
+    assert type(both.part(COLUMNWISE)) is DecodedMXFP8Storage
+    for d in (ROWWISE, COLUMNWISE):
+        assert torch.equal(both.dequantize(direction=d), h.dequantize(direction=d))
+    assert h.with_decoded(frozenset()) is h
 
 
 def test_joined_decode_is_not_cached():
