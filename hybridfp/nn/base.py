@@ -4,6 +4,7 @@ reporting GEMMs that run emulated."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Optional
 
 import torch
@@ -39,7 +40,9 @@ def set_decoded_copies(mode: str) -> str:
     (``gemm.reads_bf16_decodes``: MXFP8 / NVFP4 pairs on CUDA's BF16 tensor cores), one pass
     instead of a quantize and a decode; "always" — wherever the quantizers can, on any device
     (tests: the CPU runs the same plumbing); "never" — codes and scales. Results are bitwise
-    the same in every mode."""
+    the same in every mode wherever the GEMMs decode to BF16 ("auto" holds nothing else; on
+    emulated pairs "always" rounds MXFP8 values below 2**-133 to BF16's grid, see
+    ``tensors.decoded``)."""
     if mode not in DECODED_MODES:
         raise ValueError(f"decoded copies mode {mode!r} is unknown; use one of {DECODED_MODES}.")
     old, _DECODED_MODE[0] = _DECODED_MODE[0], mode
@@ -156,8 +159,15 @@ class QuantizedModule(nn.Module):
     def _hold_decoded(self, built: dict[str, list[Quantizer]]) -> None:
         """Set ``hold_decoded`` on every quantizer (``DECODED_COPIES``, ``set_decoded_copies``)."""
         mode, device = _DECODED_MODE[0], self._device()
+        # a quantizer object a factory handed to several slots holds nothing decoded: its
+        # setting would serve another slot too (an input's saved columnwise copy in BF16)
+        seen = Counter(id(q) for qs in built.values() for q in {id(q): q for q in qs}.values())
         for slot, candidates in DECODED_COPIES.items():
             qs = built[slot]
+            if any(seen[id(q)] > 1 for q in qs):
+                for q in qs:
+                    q.hold_decoded = ()
+                continue
             want = frozenset(d for d in candidates if mode == "always" or (
                 mode == "auto" and device.type == "cuda" and all(
                     reads_bf16_decodes(built[sa][0].format_key(da), built[sb][0].format_key(db), layout, device)

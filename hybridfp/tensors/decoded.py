@@ -15,7 +15,9 @@ tensor or per row: S_dec stays out of the values, as in the source's GEMM operan
 the source's options and format key, so GEMM backends, reports and error messages treat it as
 the source format (``DECODED_CLASSES``; an NVFP4 copy with RHT is not eligible: its values live
 in the transformed domain with a padded length). Values, dequantization and every GEMM result
-are bitwise those of the source storage.
+are bitwise those of the source storage on the BF16 path (the GEMMs decode the same BF16 values
+there); against the exact FP32 emulation, MXFP8 blocks with an E8M0 scale below 2**-124 holding
+FP8 subnormals differ by less than 2**-133 an element (``MXFP8Storage.bf16_exact_reason``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import ClassVar, Optional
 
 import torch
 
-from ..formats import nvfp4
+from ..formats import mxfp8, nvfp4
 from .mxfp8 import MXFP8Storage
 from .nvfp4 import NVFP4Storage
 from .storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
@@ -37,6 +39,8 @@ class DecodedStorage(QuantizedStorage):
     source: ClassVar[type[QuantizedStorage]]
     #: source payload entries kept as they are (those its epilogue factor is computed from)
     kept: ClassVar[tuple[str, ...]] = ()
+    #: rows per block of the source's columnwise copy
+    source_block: ClassVar[int] = 1
     _row_index = {ROWWISE: {"data": (0, 1)}, COLUMNWISE: {"data": (1, 1)}}
 
     @classmethod
@@ -53,6 +57,11 @@ class DecodedStorage(QuantizedStorage):
     def _payload_layout(cls, direction: str, rows: int, cols: int, meta: dict[str, object]):
         r, c = (rows, cols) if direction == ROWWISE else (cols, rows)
         return {"data": ((r, c), torch.bfloat16)}
+
+    def column_group_block(self) -> int:
+        """The source format's columnwise block (the decoded data is indexed by single rows, but
+        zero-padded groups were padded to the source's blocks)."""
+        return self.source_block
 
     def with_decoded(self, directions: frozenset) -> "DecodedStorage":
         """Itself: every copy is decoded already."""
@@ -103,6 +112,7 @@ class DecodedMXFP8Storage(DecodedStorage):
     """MXFP8 copies (1x32 / 32x1 blocks) held as their BF16 decode."""
 
     source = MXFP8Storage
+    source_block = mxfp8.BLOCK
     format_name = MXFP8Storage.format_name
     precision_rank = MXFP8Storage.precision_rank
     _meta_defaults = MXFP8Storage._meta_defaults
@@ -114,6 +124,7 @@ class DecodedNVFP4Storage(DecodedStorage):
     epilogue factor S_dec comes from, as ``NVFP4Storage``'s."""
 
     source = NVFP4Storage
+    source_block = nvfp4.BLOCK
     format_name = NVFP4Storage.format_name
     precision_rank = NVFP4Storage.precision_rank
     _meta_defaults = NVFP4Storage._meta_defaults

@@ -184,6 +184,11 @@ class QuantizedStorage(Dim0Slicing, ABC):
         return cls(state["shape"], state["dtype"], p["rowwise"], p["columnwise"], label=state["label"],
                    **state["meta"])
 
+    def column_group_block(self) -> int:
+        """Rows per block of the columnwise copy: zero-padded row groups (``quantize_grouped``)
+        are padded to a multiple of it (the largest row divisor of its payload tensors)."""
+        return max((v[1] for v in self._row_index[COLUMNWISE].values() if v is not None), default=1)
+
     def with_decoded(self, directions: frozenset) -> "QuantizedStorage":
         """This storage with its copies of ``directions`` held as their BF16 decodes
         (``tensors.decoded``, the reference decode): itself where none of them is held; a

@@ -98,3 +98,16 @@ def test_auto_on_cuda_is_decoded_and_bitwise(kind, recipe):
     assert held == DECODED["mxfp8" if (recipe, kind) in PLAIN else recipe]
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def test_quantizer_shared_by_slots_holds_nothing():
+    """A factory that hands one quantizer object to several slots: holding its copies decoded for
+    the weight would hold the input's saved columnwise copy in BF16 too, so nothing is held."""
+    shared = hybridfp.MXFP8Quantizer()
+    set_decoded_copies("always")
+    m = Linear(64, 96)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with autocast(recipe=CustomRecipe(qfactory=lambda role: shared)):
+            m(torch.randn(8, 64))
+    assert all(not qs[0].hold_decoded for qs in m._quantizers.values())

@@ -120,3 +120,40 @@ def test_joined_decode_is_not_cached():
         assert op.values is dec.payload(d)["data"]
         assert bf16_decode.decode_bf16(dec, d, cache=True).values is dec.payload(d)["data"]
     assert len(bf16_decode._CACHE) == before
+
+
+@pytest.mark.parametrize("kind", ["mxfp8", "nvfp4_rows", "nvfp4_row_scaled"])
+def test_bf16_path_keeps_the_epilogue_factor(kind):
+    """The BF16 tensor-core path (``decode_bf16`` + ``bf16_gemm``, CPU here) on a decoded copy
+    equals it on the codes: NVFP4's S_dec (per tensor / per row) must reach the epilogue."""
+    from hybridfp.gemm.bf16_decode import decode_bf16
+    from hybridfp.gemm.bf16_tensorcore import bf16_gemm
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(48, 64, generator=g) * torch.logspace(-2, 2, 48)[:, None]
+    q = {"mxfp8": MXFP8Quantizer(), "nvfp4_rows": NVFP4Quantizer(),
+         "nvfp4_row_scaled": NVFP4Quantizer(row_scaled_nvfp4=True)}[kind]
+    codes = q.reference_encode(x, True, False)
+    w = decode_bf16(MXFP8Quantizer().reference_encode(torch.randn(40, 64, generator=g), True, False), ROWWISE)
+    a_codes, a_dec = decode_bf16(codes, ROWWISE), decode_bf16(DecodedStorage.of(codes), ROWWISE)
+    assert (a_codes.scale is None) == (a_dec.scale is None)
+    if a_codes.scale is not None:
+        assert torch.equal(a_codes.scale, a_dec.scale)
+    assert torch.equal(bf16_gemm(a_dec, w, out_dtype=torch.float32), bf16_gemm(a_codes, w, out_dtype=torch.float32))
+
+
+def test_grouped_columns_join_at_the_source_block():
+    """Experts' decoded MXFP8 columnwise copies of zero-padded groups (splits not multiples of 32)
+    join into one operand as their codes do (``gemm.joined.joined_columns``)."""
+    from hybridfp.gemm.joined import joined_columns
+    from hybridfp.quantizers.grouped import quantize_grouped
+    splits = [20, 0, 33, 17]
+    x = torch.randn(sum(splits), 64, generator=torch.Generator().manual_seed(2))
+    out = {}
+    for held in ((), (ROWWISE, COLUMNWISE)):
+        qs = [MXFP8Quantizer(rowwise=False) for _ in splits]
+        for q in qs:
+            q.hold_decoded = held
+        out[held] = joined_columns([t.qstorage for t in quantize_grouped(qs, x, splits)])
+    (codes, starts), (dec, dec_starts) = out[()], out[(ROWWISE, COLUMNWISE)]
+    assert type(dec) is DecodedMXFP8Storage and dec_starts == starts == [0, 32, 32, 96]
+    assert torch.equal(dec.dequantize(direction=COLUMNWISE), codes.dequantize(direction=COLUMNWISE))
