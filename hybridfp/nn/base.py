@@ -29,6 +29,11 @@ GEMMS = (
 #: decodes (``Quantizer.hold_decoded``).
 DECODED_COPIES = {"weight": (ROWWISE, COLUMNWISE), "grad_output": (ROWWISE, COLUMNWISE), "input": (ROWWISE,)}
 DECODED_MODES = ("auto", "always", "never")
+#: Quantizer classes whose decoded copies "auto" leaves off on CUDA until their GPU tests pass
+#: (tests/nn/test_nn_decoded.py, tests/nn/test_nn_gpu.py): the NVFP4 -> MXFP8 hybrids' (session
+#: 20: kernels GPU-tested bitwise; a CPU-found fix of their GEMM operand's S_dec not yet on the
+#: GPU). "always" holds them on any device.
+UNVERIFIED_ON_CUDA = frozenset({"HybridQuantizer"})
 _DECODED_MODE = ["auto"]
 
 
@@ -173,6 +178,8 @@ class QuantizedModule(nn.Module):
                     reads_bf16_decodes(built[sa][0].format_key(da), built[sb][0].format_key(db), layout, device)
                     for _, layout, (sa, da), (sb, db) in GEMMS if (slot, d) in ((sa, da), (sb, db)))))
             held = frozenset.intersection(*(q.decodable(want) for q in qs)) if qs and mode != "never" else frozenset()
+            if mode == "auto" and any(type(q).__name__ in UNVERIFIED_ON_CUDA for q in qs):
+                held = frozenset()
             for q in qs:
                 q.hold_decoded = held
 
