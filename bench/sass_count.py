@@ -87,6 +87,18 @@ CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
         dict(_MX_SIG, amax_ptr="*fp32", RCP6="fp32"),
         dict(_FP8, sxc=1, ROW=True, COL=True, ROW_SCALED=False, SRC_DEQ=src == "rd", DTYPE=1, BR=32, BC=64,
              PACK=True, WORDS=True, HW=True), 32, 2) for src in ("rd", "orig")},
+    # copies written as their BF16 decodes (quantize(decoded=...)): Composer-2's input (row-scaled, rows decoded,
+    # columns as codes: "natural") and weights (global amax, both decoded: "trans")
+    "nvfp4 row decoded + mxfp8 col rd natural row-scaled (32, 64) nw2": (
+        "triton_hybrid_nvfp4", "_nvfp4_mxfp8_kernel", dict(_MX_SIG, amax_ptr="*fp32", RCP6="fp32", rd_ptr="*i16"),
+        dict(_FP8, sxc=1, ROW=True, COL=True, ROW_SCALED=True, SRC_DEQ=True, DTYPE=1, BR=32, BC=64, PACK=True,
+             WORDS=True, HW=2, WIDE=True, NATURAL=True, GRID2=True, DEC_ROW=True, NAN16=0x7FFF), 32, 2),
+    "nvfp4 row + mxfp8 col both decoded rd trans global (32, 64) nw2": (
+        "triton_hybrid_nvfp4", "_nvfp4_mxfp8_kernel",
+        dict(_MX_SIG, amax_ptr="*fp32", RCP6="fp32", rd_ptr="*i16", cd_ptr="*bf16"),
+        dict(_FP8, sxc=1, ROW=True, COL=True, ROW_SCALED=False, SRC_DEQ=True, DTYPE=1, BR=32, BC=64, PACK=True,
+             WORDS=True, HW=True, WIDE=True, NATURAL=False, GRID2=True, DEC_ROW=True, DEC_COL=True, NAN16=0x7FFF),
+        32, 2),
     # method="natural": four [8, BC] row slices per 32-row block, code words from paired conversions; row-scaled
     # (Composer-2's operand), WIDE as launched
     # (Composer-2's weights: the same kernel with one global amax, "global")

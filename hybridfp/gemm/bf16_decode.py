@@ -102,9 +102,10 @@ def _identity(s: QuantizedStorage, direction: str) -> GemmOperand:
 
 
 def _decoded(s: QuantizedStorage, direction: str) -> GemmOperand:
-    """A copy held as its BF16 decode (``tensors.decoded``): its data, stored orientation."""
+    """A copy held as its BF16 decode (``tensors.decoded``): its data, stored orientation, and
+    the source format's epilogue factor (NVFP4's S_dec from the amax it keeps)."""
     v = s.payload(direction)["data"]
-    return GemmOperand(v, None, v.shape[1])
+    return GemmOperand(v, s.epilogue_scale(direction), v.shape[1])
 
 
 #: storage class -> a decode that is already free (no kernel, nothing worth caching).

@@ -61,7 +61,7 @@ def joined_columns(storages: Sequence[QuantizedStorage]) -> Optional[tuple[Quant
     payloads = [p.payload(COLUMNWISE) for p in parts]
     if any(index.get(n) is None or index[n][0] != 1 for n in payloads[0]):
         return None
-    block = max(index[n][1] for n in payloads[0])
+    block = first.column_group_block()
     starts, row = [], 0
     for p in parts:  # the padded layout the payloads must sit in
         starts.append(row)

@@ -35,9 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (program_tile, DTYPE_CODE, Copies, amax_nan, check_int32_tiles, empty, f32, fp8_params,
+from ._common import (program_tile, DTYPE_CODE, Copies, amax_nan, bf16_nan16, check_int32_tiles, empty, f32, fp8_params,
                       hw_fp8, kernel_input, load_f32, store_words_t, tile_grid, tile_offsets)
-from .triton_mxfp8 import NATURAL_HW, col_block_32, col_block_rows4, natural_rows4, store_scales_t
+from .triton_decode import _top_half
+from .triton_mxfp8 import NATURAL_HW, col_block_32, col_block_rows4, col_decoded_32, natural_rows4, store_scales_t
 from .triton_nvfp4 import RCP6, block_scales_dec, e2m1_rne, global_scales, pack_last, row_scales
 
 MX_BLOCK = 32
@@ -55,17 +56,25 @@ def _row_scales(scales_ptr, rows, R):
 
 @triton.jit
 def _rowwise(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, RCP6, ROW: tl.constexpr,
-             HW: tl.constexpr, WORDS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+             HW: tl.constexpr, WORDS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+             DEC_ROW: tl.constexpr = False, NAN16: tl.constexpr = 0):
     """NVFP4 1x16 rowwise copy of the natural tile ``x`` [BR, BC] (``s_enc``/``s_dec``: 0-d or
     [BR, 1] row-scaled), with ROW stored (packed codes, 0 past C: the odd-width padding nibble;
     E4M3 block scales). Returns the FP32 dequantized value ``(q * fp32(S_dec_b)) * S_dec``, left
     to right as ``NVFP4Storage.decode`` (the first product is exact); the E2M1 value q comes
-    from the rounding itself (``triton_nvfp4.e2m1_rne``), not from a decode of the code."""
+    from the rounding itself (``triton_nvfp4.e2m1_rne``), not from a decode of the code.
+    ``DEC_ROW``: ROW stores the copy's BF16 block decode ``q * fp32(S_dec_b)`` instead (int16
+    bits into ``rd_ptr``, exact: at most 6 significant bits; no scales; S_dec stays with the
+    global amax)."""
     rmask = (r0 + lr) < R
     xb = tl.reshape(x, [BR, BC // 16, 16])
     sdb, enc, dec = block_scales_dec(amax_nan(xb, 2), s_enc, s_dec, RCP6, HW)
     code, q = e2m1_rne(xb * enc[:, :, None])  # q: the E2M1 value * 2**-22; NaN elements: fixed per word below
-    if ROW:
+    if ROW and DEC_ROW:  # the block decode below (the compiler computes it once)
+        blocks = tl.reshape(q * (dec * 4194304.0)[:, :, None], [BR, BC])
+        tl.store(rd_ptr + r0.to(tl.int64) * C + c0 + tile_offsets(lr, lc, C, 1), _top_half(blocks, NAN16).to(tl.int16),
+                 mask=rmask[:, None] & ((c0 + lc) < C)[None, :])
+    elif ROW:
         code = tl.where(((c0 + lc) < C)[None, :], tl.reshape(code, [BR, BC]), 0)
         # a block is NaN iff its encode scale is (block_scales): its codes are sign bits only
         nan = tl.reshape(tl.broadcast_to((enc != enc)[:, :, None], [BR, BC // 16, 2]), [BR, BC // 8])
@@ -99,7 +108,8 @@ def _nvfp4_mxfp8_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, N
                         MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr,
                         DTYPE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
                         PACK: tl.constexpr, WORDS: tl.constexpr, HW: tl.constexpr, WIDE: tl.constexpr = False,
-                        NATURAL: tl.constexpr = False, GRID2: tl.constexpr = False):
+                        NATURAL: tl.constexpr = False, GRID2: tl.constexpr = False, DEC_ROW: tl.constexpr = False,
+                        DEC_COL: tl.constexpr = False, NAN16: tl.constexpr = 0):
     """``amax_ptr``: the global amax, or with ROW_SCALED each row's (S_enc, S_dec)
     (``triton_nvfp4.row_scales``). ROW: store the NVFP4 rowwise copy. COL: the MXFP8 columnwise copy, of the dequantized
     rowwise value with SRC_DEQ (computed whether or not ROW stores it), else of x. Each 32-row
@@ -109,7 +119,10 @@ def _nvfp4_mxfp8_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, N
       layout: the column amax and the 4-row code words then need cross-thread exchanges), or
     - ``NATURAL``: as four [8, BC] slices of rows 4i + k (``triton_mxfp8.natural_rows``), each
       quantized rowwise on its own; a column's four rows of a code word then sit in one thread
-      (``triton_mxfp8.col_block_rows4``: no exchange, wide transposed stores)."""
+      (``triton_mxfp8.col_block_rows4``: no exchange, wide transposed stores).
+
+    ``DEC_ROW`` / ``DEC_COL``: that copy as its BF16 decode instead (``quantize``'s
+    ``decoded``; DEC_COL with the "trans" method only: ``triton_mxfp8.col_decoded_32``)."""
     pr, pc = program_tile(C, BR, BC, GRID2)
     lc = tl.arange(0, BC)
     cmask = (pc * BC + lc) < C
@@ -129,13 +142,13 @@ def _nvfp4_mxfp8_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, N
             x0, x1, x2, x3 = natural_rows4(xbase, l4, lc, R - r0, cmask, sxr, sxc, DTYPE, amax_ptr, False)
             if ROW or SRC_DEQ:
                 d0 = _slice_rowwise(x0, r0, c0, l4 * 4, lc, R, C, amax_ptr, g_enc, g_dec, rd_ptr, rs_ptr, RCP6, ROW,
-                                    ROW_SCALED, HW, WORDS, BC)
+                                    ROW_SCALED, HW, WORDS, BC, DEC_ROW, NAN16)
                 d1 = _slice_rowwise(x1, r0, c0, l4 * 4 + 1, lc, R, C, amax_ptr, g_enc, g_dec, rd_ptr, rs_ptr, RCP6, ROW,
-                                    ROW_SCALED, HW, WORDS, BC)
+                                    ROW_SCALED, HW, WORDS, BC, DEC_ROW, NAN16)
                 d2 = _slice_rowwise(x2, r0, c0, l4 * 4 + 2, lc, R, C, amax_ptr, g_enc, g_dec, rd_ptr, rs_ptr, RCP6, ROW,
-                                    ROW_SCALED, HW, WORDS, BC)
+                                    ROW_SCALED, HW, WORDS, BC, DEC_ROW, NAN16)
                 d3 = _slice_rowwise(x3, r0, c0, l4 * 4 + 3, lc, R, C, amax_ptr, g_enc, g_dec, rd_ptr, rs_ptr, RCP6, ROW,
-                                    ROW_SCALED, HW, WORDS, BC)
+                                    ROW_SCALED, HW, WORDS, BC, DEC_ROW, NAN16)
                 if SRC_DEQ:
                     x0, x1, x2, x3 = d0, d1, d2, d3
             if COL:
@@ -154,10 +167,13 @@ def _nvfp4_mxfp8_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, N
             src = x
             if ROW or SRC_DEQ:
                 deq = _slice_rowwise(x, r0, c0, l32, lc, R, C, amax_ptr, g_enc, g_dec, rd_ptr, rs_ptr, RCP6, ROW,
-                                     ROW_SCALED, HW, WORDS, BC)
+                                     ROW_SCALED, HW, WORDS, BC, DEC_ROW, NAN16)
                 if SRC_DEQ:
                     src = deq
-            if COL:
+            if COL and DEC_COL:
+                col_decoded_32(tl.trans(src), cd_ptr, lc, c0, r0, R, C, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW,
+                               NAN16)
+            elif COL:
                 e, qc = col_block_32(tl.trans(src), RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW)
                 store_words_t(cd_ptr, qc, lc, c0, r0, R, C, PACK, WIDE)
                 if b == 0:
@@ -167,7 +183,8 @@ def _nvfp4_mxfp8_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, N
 
 @triton.jit
 def _slice_rowwise(x, r0, c0, lr, lc, R, C, amax_ptr, g_enc, g_dec, rd_ptr, rs_ptr, RCP6, ROW: tl.constexpr,
-                   ROW_SCALED: tl.constexpr, HW: tl.constexpr, WORDS: tl.constexpr, BC: tl.constexpr):
+                   ROW_SCALED: tl.constexpr, HW: tl.constexpr, WORDS: tl.constexpr, BC: tl.constexpr,
+                   DEC_ROW: tl.constexpr = False, NAN16: tl.constexpr = 0):
     """:func:`_rowwise` of the rows ``r0 + lr`` of ``x`` with their global scales: the rows' own
     (``ROW_SCALED``: ``amax_ptr`` holds the rows' (S_enc, S_dec) pairs) or the tensor's ``g_enc`` /
     ``g_dec``."""
@@ -175,7 +192,8 @@ def _slice_rowwise(x, r0, c0, lr, lc, R, C, amax_ptr, g_enc, g_dec, rd_ptr, rs_p
         s_enc, s_dec = _row_scales(amax_ptr, r0 + lr, R)
     else:
         s_enc, s_dec = g_enc, g_dec
-    return _rowwise(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, RCP6, ROW, HW, WORDS, x.shape[0], BC)
+    return _rowwise(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, RCP6, ROW, HW, WORDS, x.shape[0], BC,
+                    DEC_ROW, NAN16)
 
 
 #: wide columnwise stores. "trans": a column's code words leave two threads wide
@@ -202,7 +220,7 @@ def quantize(x2: torch.Tensor, row_amax: torch.Tensor, col_dtype: torch.dtype, *
              rowwise: bool = True, columnwise: bool = True, source: str = "rowwise_dequantized",
              block: Optional[tuple[int, int]] = None, num_warps: Optional[int] = None, pack: bool = True,
              maxnreg: Optional[int] = None, wide_stores: Optional[bool] = None,
-             method: Optional[str] = None) -> Copies:
+             method: Optional[str] = None, decoded: tuple[bool, bool] = (False, False)) -> Copies:
     """NVFP4 rowwise + MXFP8 columnwise of non-empty 2D ``x2`` (any strides) in one pass.
 
     ``row_amax``: the NVFP4 global amax (0-d) or per-row amaxes ([R], row-scaled), already
@@ -220,7 +238,18 @@ def quantize(x2: torch.Tensor, row_amax: torch.Tensor, col_dtype: torch.dtype, *
     ``method``: one of ``METHODS`` (default ``METHOD``); "natural" converts to FP8 by inline PTX
     on the GPU (``triton_mxfp8.NATURAL_HW``: a code word from two paired conversions), as the
     MXFP8 natural pass does.
+    ``decoded`` (rowwise, columnwise): that copy as its BF16 decode instead, ``(values, None)``:
+    the rowwise copy's ``formats.nvfp4.decode_blocks_1d`` (block-decoded, S_dec left to the
+    global amax), the columnwise copy's ``formats.mxfp8.dequantize_1d``, both rounded to BF16
+    (exact; ``tensors.decoded``). A decoded columnwise copy takes the "trans" method (its
+    transposed [BC, 32] block: ``triton_mxfp8.col_decoded_32``), its default tile unless given.
     """
+    dec_row, dec_col = decoded
+    if dec_col and columnwise:
+        if method == "natural":
+            raise ValueError("a decoded columnwise copy is written by the 'trans' method; pass method=None or "
+                             "'trans'.")
+        method = "trans"
     method = method or METHOD
     if method not in METHODS:
         raise ValueError(f"method={method!r} is unknown; use one of {METHODS}.")
@@ -238,28 +267,36 @@ def quantize(x2: torch.Tensor, row_amax: torch.Tensor, col_dtype: torch.dtype, *
     mbits, bias, fmax = fp8_params(col_dtype)
     dev = x2.device
     row = col = None
+    hw = (NATURAL_HW if method == "natural" else True) if hw_fp8(dev) else False
     if rowwise:
-        row = (empty((rows, (cols + 1) // 2), dtype=torch.uint8, device=dev),
-               empty((rows, triton.cdiv(cols, NV_BLOCK)), dtype=torch.float8_e4m3fn, device=dev))
+        row = ((empty((rows, cols), dtype=torch.bfloat16, device=dev), None) if dec_row else
+               (empty((rows, (cols + 1) // 2), dtype=torch.uint8, device=dev),
+                empty((rows, triton.cdiv(cols, NV_BLOCK)), dtype=torch.float8_e4m3fn, device=dev)))
     if columnwise:
-        col = (empty((cols, rows), dtype=col_dtype, device=dev),
-               empty((cols, triton.cdiv(rows, MX_BLOCK)), dtype=torch.uint8, device=dev))
+        col = ((empty((cols, rows), dtype=torch.bfloat16, device=dev), None) if dec_col else
+               (empty((cols, rows), dtype=col_dtype, device=dev),
+                empty((cols, triton.cdiv(rows, MX_BLOCK)), dtype=torch.uint8, device=dev)))
     dummy = torch.empty(1, dtype=torch.uint8, device=dev)
+    # decoded rows: exact BF16 bits as int16; decoded columns: BF16 on the GPU (the hardware
+    # conversions of triton_mxfp8.decoded_values), int16 bits in the interpreter
+    rd = (row[0].view(torch.int16) if dec_row else row[0]) if row else dummy
+    rs = row[1].view(torch.uint8) if row and not dec_row else dummy
+    cd = ((col[0] if hw else col[0].view(torch.int16)) if dec_col else col[0].view(torch.uint8)) if col else dummy
+    cs = col[1] if col and not dec_col else dummy
     grid, grid2 = tile_grid(rows, cols, br, bc)
     row_scaled = row_amax.dim() == 1
     # the rows' scales only where the kernel reads them (a rowwise copy or its dequantized value)
     needs_scales = row_scaled and (rowwise or source == "rowwise_dequantized")
     _nvfp4_mxfp8_kernel[grid](
         kernel_input(x2), row_scales(row_amax) if needs_scales else row_amax.float().contiguous(),
-        row[0] if row else dummy,
-        row[1].view(torch.uint8) if row else dummy, col[0].view(torch.uint8) if col else dummy,
-        col[1] if col else dummy, rows, cols, triton.cdiv(rows, MX_BLOCK), x2.stride(0), x2.stride(1), RCP6,
+        rd, rs, cd, cs, rows, cols, triton.cdiv(rows, MX_BLOCK), x2.stride(0), x2.stride(1), RCP6,
         f32(1.0 / fmax),
         ROW=rowwise, COL=columnwise, ROW_SCALED=row_scaled,
         SRC_DEQ=source == "rowwise_dequantized", RCEIL=rule == "rceil", EMAX={3: 8, 2: 15}[mbits],
         MBITS=mbits, BIAS=bias, FP8_MAX=fmax, DTYPE=DTYPE_CODE[x2.dtype], BR=br, BC=bc,
         PACK=pack and rows % 4 == 0, WORDS=cols % 8 == 0,
-        HW=(NATURAL_HW if method == "natural" else True) if hw_fp8(dev) else False,
-        WIDE=WIDE_STORES if wide_stores is None else wide_stores, NATURAL=method == "natural", GRID2=grid2,
+        HW=hw, WIDE=WIDE_STORES if wide_stores is None else wide_stores, NATURAL=method == "natural", GRID2=grid2,
+        **({"DEC_ROW": True} if dec_row and rowwise else {}), **({"DEC_COL": True} if dec_col and columnwise else {}),
+        **({"NAN16": bf16_nan16(dev)} if (dec_row and rowwise) or (dec_col and columnwise) else {}),
         num_warps=num_warps or min(max(bc // 32, 1), 8), **({"maxnreg": maxnreg} if maxnreg and dev.type == "cuda" else {}))
     return row, col

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from ..formats.common import check_input
-from ..tensors import DecodedStorage, QuantizedStorage, QuantizedTensor
+from ..tensors import QuantizedStorage, QuantizedTensor
 from .backends import select_quantize_kernel
-from ..tensors.storage import COLUMNWISE, ROWWISE
+from ..tensors.storage import COLUMNWISE, ROWWISE, check_direction
 
 
 def all_reduce_amax(amax: torch.Tensor, group: Optional[Any]) -> torch.Tensor:
@@ -55,35 +55,44 @@ class Quantizer(ABC):
     #: (``hybridfp.tensors.known_amax``) instead of its own amax pass; modules tell the autocast
     #: region, so kernels that can record one (the fused SwiGLU) do it only where it is read.
     reads_known_amax: ClassVar[bool] = False
-    _hold_decoded: bool = False  # see ``hold_decoded`` (a class default for subclasses' own __init__)
+    _hold_decoded: frozenset = frozenset()  # see ``hold_decoded`` (a class default for subclasses' own __init__)
 
     def __init__(self, *, rowwise: bool = True, columnwise: bool = True) -> None:
         self.rowwise_usage = bool(rowwise)
         self.columnwise_usage = bool(columnwise)
         #: The slot this quantizer serves (a QuantizerRole or None), set by recipes.
         self.role: Optional[Any] = None
-        self._hold_decoded = False
 
     # ------------------------------------------------------------------ decoded copies
-    def can_hold_decoded(self) -> bool:
-        """Whether this quantizer can write its copies as their exact BF16 block decode
-        (``tensors.decoded``; formats opt in, default no)."""
+    def decodable(self, want: frozenset) -> frozenset:
+        """The directions of ``want`` whose copies this quantizer's ``encode`` can write as
+        their exact BF16 block decode (``tensors.decoded``) while its other copies keep codes;
+        formats opt in (default none)."""
+        return frozenset()
+
+    def decodable_part(self, direction: str) -> bool:
+        """Whether this quantizer, as a hybrid's ``direction`` child, can write that copy
+        decoded (the hybrid kernel's part; default no)."""
         return False
 
     @property
-    def hold_decoded(self) -> bool:
-        """Whether ``encode`` returns the copies as their BF16 decode instead of codes: the same
-        values and GEMM results, for copies only read by GEMMs that decode them anyway (BF16
-        tensor cores), one pass instead of a quantize and a decode. Set by modules."""
+    def hold_decoded(self) -> frozenset:
+        """The directions whose copies ``encode`` returns as their BF16 decode instead of codes:
+        the same values and GEMM results, for copies only read by GEMMs that decode them anyway
+        (BF16 tensor cores), one pass instead of a quantize and a decode. Set by modules."""
         return self._hold_decoded
 
     @hold_decoded.setter
-    def hold_decoded(self, on: bool) -> None:
-        if on and not self.can_hold_decoded():
+    def hold_decoded(self, directions) -> None:
+        want = frozenset(directions)
+        for d in want:
+            check_direction(d)
+        if self.decodable(want) != want:
             role = f" (role: {self.label})" if self.label else ""
-            raise ValueError(f"{self!r}{role} cannot hold its copies decoded in BF16 (only 1D MXFP8 "
-                             "quantizers can); leave hold_decoded False.")
-        self._hold_decoded = bool(on)
+            raise ValueError(f"{self!r}{role} cannot hold its {'+'.join(sorted(want))} copies decoded in BF16 "
+                             "(1D MXFP8 quantizers hold both copies decoded; NVFP4 -> MXFP8 hybrids any); "
+                             "leave hold_decoded empty.")
+        self._hold_decoded = want
 
     # ------------------------------------------------------------------ usage
     def set_usage(self, *, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
@@ -133,9 +142,9 @@ class Quantizer(ABC):
             storage = kernel.run(self, x, rowwise, columnwise, seed)
         else:
             storage = self.reference_encode(x, rowwise, columnwise, seed)
-        if self.hold_decoded and not isinstance(storage, DecodedStorage):
+        if self.hold_decoded:
             # kernels write decoded copies themselves; this is the reference (CPU, empty inputs)
-            storage = DecodedStorage.of(storage)
+            storage = storage.with_decoded(self.hold_decoded)
         return storage
 
     @abstractmethod

@@ -49,8 +49,9 @@ from typing import Any, Callable, Hashable, Optional
 import torch
 
 from ..formats.common import HIGH_PRECISION_DTYPES, as_2d
-from ..tensors import (DecodedMXFP8Storage, Float8BlockStorage, Float8Storage, HybridStorage, MXFP8Storage,
-                       NVFP4Storage, QuantizedStorage, known_amax)
+from ..tensors import (DecodedMXFP8Storage, DecodedNVFP4Storage, Float8BlockStorage, Float8Storage, HybridStorage,
+                       MXFP8Storage, NVFP4Storage, QuantizedStorage, known_amax)
+from ..tensors.storage import COLUMNWISE, ROWWISE
 from .base import all_reduce_amax
 from .backends import (QuantizeKernel, hybrid_quantize_kernel, register_hybrid_quantize_kernel,
                        register_kernel_key, register_quantize_kernel, register_row_mapped_kernel)
@@ -156,7 +157,7 @@ def _mxfp8_run(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool,
     with _on_device(x):
         row, col = _kernels("triton_mxfp8").quantize(as_2d(x), q.dtype, rule=q.scale_rule,
                                          block_2d=q.with_2d_quantization, rowwise=rowwise,
-                                         columnwise=columnwise, decoded=q.hold_decoded)
+                                         columnwise=columnwise, decoded=bool(q.hold_decoded))
     return _mxfp8_storage(q, x.shape, x.dtype, row, col)
 
 
@@ -182,7 +183,7 @@ def _mxfp8_row_mapped_run(q: Any, x2: torch.Tensor, row_map: torch.Tensor,
     (``triton_mxfp8.quantize(row_map=...)``)."""
     with _on_device(x2):
         row, col = _kernels("triton_mxfp8").quantize(x2, q.dtype, rule=q.scale_rule, rowwise=rowwise,
-                                                     row_map=row_map, decoded=q.hold_decoded)
+                                                     row_map=row_map, decoded=bool(q.hold_decoded))
     rows = _mxfp8_storage(q, x2.shape, x2.dtype, row, None) if rowwise else None
     return rows, _mxfp8_storage(q, torch.Size((row_map.shape[0], x2.shape[1])), x2.dtype, None, col)
 
@@ -284,8 +285,9 @@ def _hybrid_both(hq: Any, x: torch.Tensor, rowwise: bool, columnwise: bool) -> b
 
 
 def _hybrid_nvfp4_mxfp8_supports(hq: Any, x: torch.Tensor, rowwise: bool, columnwise: bool) -> bool:
+    # a rowwise-only copy held decoded too (the NVFP4 kernel writes codes only)
     derive = hq.columnwise_source == "rowwise_dequantized"
-    return _device_ok(x) and columnwise and (rowwise or derive)
+    return _device_ok(x) and ((columnwise and (rowwise or derive)) or (rowwise and ROWWISE in hq.hold_decoded))
 
 
 def _hybrid_nvfp4_mxfp8_run(hq: Any, x: torch.Tensor, rowwise: bool, columnwise: bool,
@@ -295,7 +297,8 @@ def _hybrid_nvfp4_mxfp8_run(hq: Any, x: torch.Tensor, rowwise: bool, columnwise:
     the columnwise copy asked for, the rowwise copy is computed in registers and not stored."""
     rq, cq = hq.rowwise_quantizer, hq.columnwise_quantizer
     derive = hq.columnwise_source == "rowwise_dequantized"
-    if x.numel() == 0 or not (columnwise and (rowwise or derive)):
+    dec_row, dec_col = ROWWISE in hq.hold_decoded, COLUMNWISE in hq.hold_decoded
+    if x.numel() == 0 or not ((columnwise and (rowwise or derive)) or (rowwise and dec_row)):
         return hq.reference_encode(x, rowwise, columnwise, seed)
     x2 = as_2d(x)
     rs = rq.row_scaled_nvfp4
@@ -303,14 +306,18 @@ def _hybrid_nvfp4_mxfp8_run(hq: Any, x: torch.Tensor, rowwise: bool, columnwise:
         g, per_row, _ = _kernels("triton_nvfp4").amaxes(x2, amax=not rs, row_amax=rs)
         amax = per_row if rs else _reduce(g, rq)
         row, col = _kernels("triton_hybrid_nvfp4").quantize(
-            x2, amax, cq.dtype, rule=cq.scale_rule, rowwise=rowwise, columnwise=True,
-            source=hq.columnwise_source)
-    rp = None if row is None else NVFP4Storage(
-        x.shape, x.dtype, {"data": row[0], "scale": row[1], "amax": amax}, None, label=rq.label,
-        **rq.storage_meta())
-    # The reference's columnwise child reads the FP32 dequantized value: its storage says FP32.
-    cp = MXFP8Storage(x.shape, torch.float32 if derive else x.dtype, None, {"data": col[0], "scale": col[1]},
-                      label=cq.label, **cq.storage_meta())
+            x2, amax, cq.dtype, rule=cq.scale_rule, rowwise=rowwise, columnwise=columnwise,
+            source=hq.columnwise_source, decoded=(dec_row, dec_col))
+    rp = None
+    if row is not None:  # codes and block scales, or their BF16 decode (hold_decoded)
+        rp = (DecodedNVFP4Storage if dec_row else NVFP4Storage)(
+            x.shape, x.dtype, {**_payload(row[:1] if dec_row else row, "data", "scale"), "amax": amax}, None,
+            label=rq.label, **rq.storage_meta())
+    cp = None
+    if col is not None:  # the reference's columnwise child reads the FP32 dequantized value: FP32
+        cp = (DecodedMXFP8Storage if dec_col else MXFP8Storage)(
+            x.shape, torch.float32 if derive else x.dtype, None, _payload(col[:1] if dec_col else col, "data", "scale"),
+            label=cq.label, **cq.storage_meta())
     return HybridStorage(x.shape, x.dtype, rp, cp, label=hq.label)
 
 

@@ -623,8 +623,8 @@ def _cut_scaled_hybrids(qs: list[Quantizer], splits: list[int], dtype: torch.dty
     p = whole.payload(ROWWISE)
     zero = p["amax"].new_zeros(())
     amax = torch.stack([p["amax"][s] if m else zero for s, m in zip(rows.starts, splits)])
-    row_parts = expert_nvfp4_rows(p["data"], p["scale"], amax, splits, rows.starts, whole.cols, whole.dtype,
-                                  {**whole.meta, "row_scaled": False})
+    row_parts = expert_nvfp4_rows(type(whole), {n: t for n, t in p.items() if n != "amax"}, amax, splits,
+                                  rows.starts, whole.cols, whole.dtype, {**whole.meta, "row_scaled": False})
     col_pl = _column_payloads(cols.storage, cols.starts, splits, True) if cols is not None else None
     out: list[QuantizedTensor] = []
     for e, (q, m, row_part) in enumerate(zip(qs, splits, row_parts)):

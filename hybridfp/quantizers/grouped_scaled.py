@@ -16,9 +16,10 @@ import torch
 from ..formats import fp8_tensorwise, nvfp4
 from ..formats.common import amax_nan, ceil_div, saturating_cast_fp8
 from ..kernels.host import device_tensor
-from ..tensors import Float8Storage, MXFP8Storage, NVFP4Storage, QuantizedStorage
+from ..tensors import (DecodedMXFP8Storage, DecodedNVFP4Storage, Float8Storage, MXFP8Storage, NVFP4Storage,
+                       QuantizedStorage)
 from ..tensors.slicing import column_slices
-from ..tensors.storage import ROWWISE
+from ..tensors.storage import COLUMNWISE, ROWWISE
 from . import fast
 from .backends import kernels_on, select_quantize_kernel
 from .base import Quantizer, all_reduce_amax
@@ -265,25 +266,31 @@ def nvfp4_mxfp8_groups(hq: Quantizer, padded: torch.Tensor, splits: Sequence[int
     padded_splits = [ceil_div(m, 32) * 32 for m in splits]
     cols = padded.shape[1]
     group = _row_groups(padded_splits, padded.device)
+    dec_row, dec_col = ROWWISE in hq.hold_decoded, COLUMNWISE in hq.hold_decoded
     with fast._on_device(padded):
         amax = _reduced(rq, fast._kernels("triton_grouped_fp8").group_amax(padded, group, len(splits)))
         row, col = fast._kernels("triton_hybrid_nvfp4").quantize(
             padded, amax[group], cq.dtype, rule=cq.scale_rule, rowwise=True, columnwise=True,
-            source="rowwise_dequantized")
+            source="rowwise_dequantized", decoded=(dec_row, dec_col))
     meta = rq.storage_meta()
-    rows = partial(expert_nvfp4_rows, row[0], row[1], amax, list(splits), list(starts), cols, padded.dtype, meta)
-    whole = MXFP8Storage(padded.shape, torch.float32, None, {"data": col[0], "scale": col[1]}, **cq.storage_meta())
-    whole_rows = NVFP4Storage(padded.shape, padded.dtype, {"data": row[0], "scale": row[1], "amax": amax[group]}, None,
-                              **{**meta, "row_scaled": True})
+    # the copies held as their BF16 decodes (``hold_decoded``): the same layout, no block scales
+    row_cls, row_pl = (DecodedNVFP4Storage, {"data": row[0]}) if dec_row else (
+        NVFP4Storage, {"data": row[0], "scale": row[1]})
+    col_cls, col_pl = (DecodedMXFP8Storage, {"data": col[0]}) if dec_col else (
+        MXFP8Storage, {"data": col[0], "scale": col[1]})
+    rows = partial(expert_nvfp4_rows, row_cls, row_pl, amax, list(splits), list(starts), cols, padded.dtype, meta)
+    whole = col_cls(padded.shape, torch.float32, None, col_pl, **cq.storage_meta())
+    whole_rows = row_cls(padded.shape, padded.dtype, {**row_pl, "amax": amax[group]}, None, **{**meta, "row_scaled": True})
     return HybridGroups(rows, whole, whole_rows, amax)
 
 
-def expert_nvfp4_rows(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, splits: Sequence[int],
-                      starts: Sequence[int], cols: int, dtype: torch.dtype, meta: dict) -> list[QuantizedStorage]:
-    """Each expert's 1D NVFP4 rowwise storage ([m_e, cols], its own global ``amax[e]``) as row
-    slices of the padded groups' codes and block scales (group e from row ``starts[e]``)."""
-    return [NVFP4Storage(torch.Size((m, cols)), dtype, {"data": data[s:s + m], "scale": scale[s:s + m], "amax": a},
-                         None, **meta)
+def expert_nvfp4_rows(cls: type[QuantizedStorage], payload: dict[str, torch.Tensor], amax: torch.Tensor,
+                      splits: Sequence[int], starts: Sequence[int], cols: int, dtype: torch.dtype,
+                      meta: dict) -> list[QuantizedStorage]:
+    """Each expert's 1D NVFP4 rowwise storage of class ``cls`` (``NVFP4Storage``, or its decoded
+    form) ([m_e, cols], its own global ``amax[e]``) as row slices of the padded groups' row-indexed
+    ``payload`` tensors (codes and block scales, or decoded values; group e from row ``starts[e]``)."""
+    return [cls(torch.Size((m, cols)), dtype, {**{n: t[s:s + m] for n, t in payload.items()}, "amax": a}, None, **meta)
             for m, s, a in zip(splits, starts, amax.unbind(0))]
 
 

@@ -87,6 +87,14 @@ class HybridQuantizer(Quantizer):
             self.rowwise_quantizer.observe(x)
         return HybridStorage(x.shape, x.dtype, row if rowwise else None, col, label=self.label)
 
+    def decodable(self, want: frozenset) -> frozenset:
+        """Any of ``want`` when both children can write their copy decoded as parts
+        (``decodable_part``: NVFP4 1D rowwise -> MXFP8 1D columnwise, the fused kernel's pair),
+        else none."""
+        ok = (self.rowwise_quantizer.decodable_part("rowwise")
+              and self.columnwise_quantizer.decodable_part("columnwise"))
+        return frozenset(want) if ok else frozenset()
+
     def _allocate(self, shape, dtype, device, rowwise, columnwise):  # type: ignore[override]
         row = self.rowwise_quantizer._allocate(shape, dtype, device, True, False) if rowwise else None
         col = self.columnwise_quantizer._allocate(shape, dtype, device, False, True) if columnwise else None

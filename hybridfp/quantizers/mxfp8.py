@@ -53,9 +53,14 @@ class MXFP8Quantizer(Quantizer):
                 col = {"data": d, "scale": s}
         return MXFP8Storage(x.shape, x.dtype, row, col, label=self.label, **self.storage_meta())
 
-    def can_hold_decoded(self) -> bool:
-        """1D blocks: the quantize kernel writes the BF16 decodes directly."""
-        return not self.with_2d_quantization
+    def decodable(self, want: frozenset) -> frozenset:
+        """1D blocks, both copies (one storage holds both: all of them decoded or none); the
+        quantize kernel writes the BF16 decodes directly."""
+        return want if (not self.with_2d_quantization and want == {"rowwise", "columnwise"}) else frozenset()
+
+    def decodable_part(self, direction: str) -> bool:
+        """A 1D columnwise copy (the fused NVFP4 -> MXFP8 kernel's)."""
+        return direction == "columnwise" and not self.with_2d_quantization
 
     def storage_meta(self) -> dict[str, object]:
         return {"fp8_dtype": self.dtype, "block_2d": self.with_2d_quantization}

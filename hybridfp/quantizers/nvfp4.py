@@ -139,6 +139,11 @@ class NVFP4Quantizer(Quantizer):
         """False with stochastic rounding: a second quantization draws new random numbers."""
         return not self.stochastic_rounding
 
+    def decodable_part(self, direction: str) -> bool:
+        """As a hybrid's rowwise child, 1D without stochastic rounding: the fused NVFP4 -> MXFP8
+        kernel's rowwise copy (its block decode; S_dec stays with the amax)."""
+        return direction == "rowwise" and not self.with_2d_quantization and not self.stochastic_rounding
+
     def storage_meta(self) -> dict[str, object]:
         return {"block_2d": self.with_2d_quantization, "rht": self.with_rht,
                 "row_scaled": self.row_scaled_nvfp4}

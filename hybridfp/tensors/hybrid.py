@@ -44,6 +44,14 @@ class HybridStorage(QuantizedStorage):
                 raise ValueError(f"the {d} part of a hybrid must hold only its {d} copy; "
                                  f"got {part.describe()} holding {part.directions()}.")
 
+    def with_decoded(self, directions: frozenset) -> "HybridStorage":
+        """Each part of ``directions`` held as its BF16 decode (``QuantizedStorage.with_decoded``)."""
+        parts = {d: (p.with_decoded(frozenset({d}) & frozenset(directions)) if p is not None else None)
+                 for d, p in self.parts.items()}
+        if all(parts[d] is self.parts[d] for d in parts):
+            return self
+        return HybridStorage(self.shape, self.dtype, parts[ROWWISE], parts[COLUMNWISE], label=self.label)
+
     @property
     def rowwise_storage(self) -> Optional[QuantizedStorage]:
         """Storage of the rowwise (forward) copy, or None."""

@@ -184,6 +184,24 @@ class QuantizedStorage(Dim0Slicing, ABC):
         return cls(state["shape"], state["dtype"], p["rowwise"], p["columnwise"], label=state["label"],
                    **state["meta"])
 
+    def column_group_block(self) -> int:
+        """Rows per block of the columnwise copy: zero-padded row groups (``quantize_grouped``)
+        are padded to a multiple of it (the largest row divisor of its payload tensors)."""
+        return max((v[1] for v in self._row_index[COLUMNWISE].values() if v is not None), default=1)
+
+    def with_decoded(self, directions: frozenset) -> "QuantizedStorage":
+        """This storage with its copies of ``directions`` held as their BF16 decodes
+        (``tensors.decoded``, the reference decode): itself where none of them is held; a
+        single-format storage converts all of its copies or none (a hybrid, part by part)."""
+        from .decoded import DecodedStorage  # decoded.py builds on this module
+        held = set(self.directions())
+        if not held & set(directions):
+            return self
+        if not held <= set(directions):
+            raise ValueError(f"{self.describe()} holds {sorted(held)}: one storage cannot hold only its "
+                             f"{sorted(held & set(directions))} copies decoded.")
+        return DecodedStorage.of(self)
+
     def part(self, direction: str) -> "QuantizedStorage":
         """The single-format storage holding ``direction`` (itself; hybrids return a part)."""
         self.payload(direction)  # raises MissingDirectionError naming direction and role

@@ -47,7 +47,8 @@ def load_quantizer_state(model: nn.Module, recipe: Recipe, saved: dict[str, dict
                     raise ValueError(f"checkpoint quantizer for {name}.{slot} is a {type(old).__name__} "
                                      f"but the recipe builds a {type(live).__name__}; resume with the "
                                      "recipe the checkpoint was trained with.")
-                live.__dict__.update(old.__dict__)
+                # which copies are held decoded is this device's policy (nn.base), not state
+                live.__dict__.update({k: v for k, v in old.__dict__.items() if k != "_hold_decoded"})
 
 
 def rng_state() -> dict[str, Any]:

@@ -35,9 +35,12 @@ CONFIGS = {
 }
 
 
+BOTH = ("rowwise", "columnwise")
+
+
 def _decoding(**kw) -> MXFP8Quantizer:
     q = MXFP8Quantizer(**kw)
-    q.hold_decoded = True
+    q.hold_decoded = BOTH
     return q
 
 
@@ -111,10 +114,13 @@ def test_decoded_refusals():
         triton_mxfp8.quantize(torch.ones(32, 32), torch.float8_e4m3fn, block_2d=True, decoded=True)
     with pytest.raises(ValueError, match="slices"):
         triton_mxfp8.quantize(torch.ones(32, 32), torch.float8_e4m3fn, method="natural", decoded=True)
-    for q in (MXFP8Quantizer(with_2d_quantization=True), NVFP4Quantizer()):
-        with pytest.raises(ValueError, match="cannot hold its copies decoded"):
-            q.hold_decoded = True
-        q.hold_decoded = False  # allowed: the default
+    for q, want in ((MXFP8Quantizer(with_2d_quantization=True), BOTH), (NVFP4Quantizer(), BOTH),
+                    (MXFP8Quantizer(), ("rowwise",))):  # one storage: both copies decoded or none
+        with pytest.raises(ValueError, match="cannot hold its"):
+            q.hold_decoded = want
+        q.hold_decoded = ()  # allowed: the default
+    with pytest.raises(ValueError, match="direction"):
+        MXFP8Quantizer().hold_decoded = ("forward",)
 
 
 @gpu

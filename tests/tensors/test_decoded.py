@@ -10,8 +10,8 @@ import torch
 
 from hybridfp import QuantizedTensor
 from hybridfp.gemm import gemm
-from hybridfp.quantizers import MXFP8Quantizer, NVFP4Quantizer
-from hybridfp.tensors import COLUMNWISE, ROWWISE, DecodedMXFP8Storage, DecodedStorage
+from hybridfp.quantizers import Float8CurrentScalingQuantizer, HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer
+from hybridfp.tensors import COLUMNWISE, ROWWISE, DecodedMXFP8Storage, DecodedNVFP4Storage, DecodedStorage
 
 
 def _pair(fp8_dtype=torch.float8_e4m3fn, shape=(96, 64), seed=0):
@@ -68,9 +68,45 @@ def test_save_and_load():
 
 
 def test_only_eligible_formats():
-    nv = NVFP4Quantizer().reference_encode(torch.randn(32, 64), True, False)
+    rht = NVFP4Quantizer(with_rht=True).reference_encode(torch.randn(32, 64), False, True)
+    with pytest.raises(TypeError, match="transformed domain"):
+        DecodedStorage.of(rht)
+    fp8 = Float8CurrentScalingQuantizer().reference_encode(torch.randn(32, 64), True, True)
     with pytest.raises(TypeError, match="can be held decoded"):
-        DecodedStorage.of(nv)
+        DecodedStorage.of(fp8)
+    with pytest.raises(ValueError, match="cannot hold only"):
+        _pair()[0].with_decoded(frozenset({ROWWISE}))
+
+
+@pytest.mark.parametrize("kw", [{}, {"row_scaled_nvfp4": True}, {"with_2d_quantization": True}], ids=str)
+def test_nvfp4_rows_same_values_scale_and_gemm(kw):
+    """An NVFP4 rowwise copy held decoded keeps its amax: the same S_dec (per tensor or per row),
+    dequantized values, row slices and GEMM results."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 96, generator=g) * torch.logspace(-2, 2, 64)[:, None]
+    codes = NVFP4Quantizer(**kw).reference_encode(x, True, False)
+    dec = DecodedStorage.of(codes)
+    assert type(dec) is DecodedNVFP4Storage and dec.format_key(ROWWISE) == codes.format_key(ROWWISE)
+    assert dec.payload(ROWWISE)["amax"] is codes.payload(ROWWISE)["amax"]
+    assert torch.equal(dec.epilogue_scale(ROWWISE), codes.epilogue_scale(ROWWISE))
+    assert torch.equal(_bits(dec.dequantize(direction=ROWWISE)), _bits(codes.dequantize(direction=ROWWISE)))
+    if kw.get("row_scaled_nvfp4"):
+        assert torch.equal(dec.slice_dim0(16, 48).dequantize(), codes.slice_dim0(16, 48).dequantize())
+    w = MXFP8Quantizer().reference_encode(torch.randn(40, 96, generator=g), True, False)
+    want = gemm(QuantizedTensor(codes), QuantizedTensor(w), "TN", out_dtype=torch.float32)
+    assert torch.equal(gemm(QuantizedTensor(dec), QuantizedTensor(w), "TN", out_dtype=torch.float32), want)
+
+
+def test_hybrid_parts_decoded():
+    hq = HybridQuantizer(NVFP4Quantizer(), MXFP8Quantizer(), "rowwise_dequantized")
+    h = hq.reference_encode(torch.randn(64, 64), True, True)
+    only_row = h.with_decoded(frozenset({ROWWISE}))
+    assert type(only_row.part(ROWWISE)) is DecodedNVFP4Storage and only_row.part(COLUMNWISE) is h.part(COLUMNWISE)
+    both = h.with_decoded(frozenset({ROWWISE, COLUMNWISE}))
+    assert type(both.part(COLUMNWISE)) is DecodedMXFP8Storage
+    for d in (ROWWISE, COLUMNWISE):
+        assert torch.equal(both.dequantize(direction=d), h.dequantize(direction=d))
+    assert h.with_decoded(frozenset()) is h
 
 
 def test_joined_decode_is_not_cached():
@@ -84,3 +120,40 @@ def test_joined_decode_is_not_cached():
         assert op.values is dec.payload(d)["data"]
         assert bf16_decode.decode_bf16(dec, d, cache=True).values is dec.payload(d)["data"]
     assert len(bf16_decode._CACHE) == before
+
+
+@pytest.mark.parametrize("kind", ["mxfp8", "nvfp4_rows", "nvfp4_row_scaled"])
+def test_bf16_path_keeps_the_epilogue_factor(kind):
+    """The BF16 tensor-core path (``decode_bf16`` + ``bf16_gemm``, CPU here) on a decoded copy
+    equals it on the codes: NVFP4's S_dec (per tensor / per row) must reach the epilogue."""
+    from hybridfp.gemm.bf16_decode import decode_bf16
+    from hybridfp.gemm.bf16_tensorcore import bf16_gemm
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(48, 64, generator=g) * torch.logspace(-2, 2, 48)[:, None]
+    q = {"mxfp8": MXFP8Quantizer(), "nvfp4_rows": NVFP4Quantizer(),
+         "nvfp4_row_scaled": NVFP4Quantizer(row_scaled_nvfp4=True)}[kind]
+    codes = q.reference_encode(x, True, False)
+    w = decode_bf16(MXFP8Quantizer().reference_encode(torch.randn(40, 64, generator=g), True, False), ROWWISE)
+    a_codes, a_dec = decode_bf16(codes, ROWWISE), decode_bf16(DecodedStorage.of(codes), ROWWISE)
+    assert (a_codes.scale is None) == (a_dec.scale is None)
+    if a_codes.scale is not None:
+        assert torch.equal(a_codes.scale, a_dec.scale)
+    assert torch.equal(bf16_gemm(a_dec, w, out_dtype=torch.float32), bf16_gemm(a_codes, w, out_dtype=torch.float32))
+
+
+def test_grouped_columns_join_at_the_source_block():
+    """Experts' decoded MXFP8 columnwise copies of zero-padded groups (splits not multiples of 32)
+    join into one operand as their codes do (``gemm.joined.joined_columns``)."""
+    from hybridfp.gemm.joined import joined_columns
+    from hybridfp.quantizers.grouped import quantize_grouped
+    splits = [20, 0, 33, 17]
+    x = torch.randn(sum(splits), 64, generator=torch.Generator().manual_seed(2))
+    out = {}
+    for held in ((), (ROWWISE, COLUMNWISE)):
+        qs = [MXFP8Quantizer(rowwise=False) for _ in splits]
+        for q in qs:
+            q.hold_decoded = held
+        out[held] = joined_columns([t.qstorage for t in quantize_grouped(qs, x, splits)])
+    (codes, starts), (dec, dec_starts) = out[()], out[(ROWWISE, COLUMNWISE)]
+    assert type(dec) is DecodedMXFP8Storage and dec_starts == starts == [0, 32, 32, 96]
+    assert torch.equal(dec.dequantize(direction=COLUMNWISE), codes.dequantize(direction=COLUMNWISE))
