@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import inspect
 import re
 import subprocess
@@ -173,27 +174,45 @@ def compile_sm90(fn: Any, signature: dict[str, str], constexprs: dict[str, Any],
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
-def opcode_counts(cubin: bytes) -> collections.Counter:
-    """SASS opcodes of a cubin (predicated instructions counted by their opcode)."""
+def sass_text(cubin: bytes) -> str:
+    """cuobjdump's SASS listing of a cubin."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    return collections.Counter(re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass))
+        return subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def opcode_counts(cubin: bytes) -> collections.Counter:
+    """SASS opcodes of a cubin (predicated instructions counted by their opcode)."""
+    return collections.Counter(re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass_text(cubin)))
+
+
+def instruction_md5(cubin: bytes) -> str:
+    """md5 of the instruction stream (addresses dropped): equal for identical compiled code, so
+    a change meant to leave a path alone can be checked against another tree offline."""
+    lines = [line.split("*/", 1)[-1] for line in sass_text(cubin).splitlines() if "/*" in line and "*/" in line]
+    return hashlib.md5("\n".join(lines).encode()).hexdigest()
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--case", action="append", choices=list(CASES), help="default: every case")
     p.add_argument("--top", type=int, default=8, help="opcodes listed per case")
+    p.add_argument("--md5", action="store_true", help="print each case's instruction-stream md5 instead "
+                   "(compare with the same cases compiled from another tree, e.g. a worktree of main)")
     args = p.parse_args(argv)
     import importlib
-    print("| case | instructions / thread | per element | top opcodes |\n|---|---|---|---|")
+    if not args.md5:
+        print("| case | instructions / thread | per element | top opcodes |\n|---|---|---|---|")
     for name in args.case or CASES:
         mod, kernel, sig, consts, per_thread, warps = CASES[name]
         fn = getattr(importlib.import_module(f"hybridfp.kernels.{mod}"), kernel)
-        counts = opcode_counts(compile_sm90(fn, sig, consts, warps).asm["cubin"])
+        cubin = compile_sm90(fn, sig, consts, warps).asm["cubin"]
+        if args.md5:
+            print(f"{instruction_md5(cubin)}  {name}")
+            continue
+        counts = opcode_counts(cubin)
         total = sum(counts.values())
         top = ", ".join(f"{op} {n}" for op, n in counts.most_common(args.top))
         print(f"| {name} | {total} | {total / per_thread:.0f} | {top} |")
