@@ -212,8 +212,14 @@ class Quantizer(ABC):
             raise ValueError(f"update_quantized: source shape {tuple(src.shape)} differs from "
                              f"destination {dst.qstorage.describe()}.")
         check_input(src, "update_quantized source")
-        storage = self.encode(src.detach(), dst.has_direction(ROWWISE), dst.has_direction(COLUMNWISE),
-                              self.draw_seed() if self.uses_randomness() else None)
+        # write dst's own layout: its decoded copies decoded, its codes as codes, whatever this
+        # quantizer holds now (make_empty allocates codes; a module may hold decoded copies)
+        held, self._hold_decoded = self._hold_decoded, dst.qstorage.decoded_directions()
+        try:
+            storage = self.encode(src.detach(), dst.has_direction(ROWWISE), dst.has_direction(COLUMNWISE),
+                                  self.draw_seed() if self.uses_randomness() else None)
+        finally:
+            self._hold_decoded = held
         dst.qstorage.copy_payload_(storage)
         return dst
 

@@ -58,6 +58,10 @@ class DecodedStorage(QuantizedStorage):
         r, c = (rows, cols) if direction == ROWWISE else (cols, rows)
         return {"data": ((r, c), torch.bfloat16)}
 
+    def decoded_directions(self) -> frozenset:
+        """Every held direction."""
+        return frozenset(self.directions())
+
     def column_group_block(self) -> int:
         """The source format's columnwise block (the decoded data is indexed by single rows, but
         zero-padded groups were padded to the source's blocks)."""

@@ -44,6 +44,10 @@ class HybridStorage(QuantizedStorage):
                 raise ValueError(f"the {d} part of a hybrid must hold only its {d} copy; "
                                  f"got {part.describe()} holding {part.directions()}.")
 
+    def decoded_directions(self) -> frozenset:
+        """The directions whose part holds its copy decoded."""
+        return frozenset(d for d, p in self.parts.items() if p is not None and d in p.decoded_directions())
+
     def with_decoded(self, directions: frozenset) -> "HybridStorage":
         """Each part of ``directions`` held as its BF16 decode (``QuantizedStorage.with_decoded``)."""
         parts = {d: (p.with_decoded(frozenset({d}) & frozenset(directions)) if p is not None else None)

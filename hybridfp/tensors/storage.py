@@ -184,6 +184,10 @@ class QuantizedStorage(Dim0Slicing, ABC):
         return cls(state["shape"], state["dtype"], p["rowwise"], p["columnwise"], label=state["label"],
                    **state["meta"])
 
+    def decoded_directions(self) -> frozenset:
+        """The directions whose copies this storage holds as BF16 decodes (``tensors.decoded``)."""
+        return frozenset()
+
     def column_group_block(self) -> int:
         """Rows per block of the columnwise copy: zero-padded row groups (``quantize_grouped``)
         are padded to a multiple of it (the largest row divisor of its payload tensors)."""

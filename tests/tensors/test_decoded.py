@@ -11,7 +11,7 @@ import torch
 from hybridfp import QuantizedTensor
 from hybridfp.gemm import gemm
 from hybridfp.quantizers import Float8CurrentScalingQuantizer, HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer
-from hybridfp.tensors import COLUMNWISE, ROWWISE, DecodedMXFP8Storage, DecodedNVFP4Storage, DecodedStorage
+from hybridfp.tensors import COLUMNWISE, ROWWISE, DecodedMXFP8Storage, DecodedNVFP4Storage, DecodedStorage, MXFP8Storage
 
 
 def _pair(fp8_dtype=torch.float8_e4m3fn, shape=(96, 64), seed=0):
@@ -157,3 +157,26 @@ def test_grouped_columns_join_at_the_source_block():
     (codes, starts), (dec, dec_starts) = out[()], out[(ROWWISE, COLUMNWISE)]
     assert type(dec) is DecodedMXFP8Storage and dec_starts == starts == [0, 32, 32, 96]
     assert torch.equal(dec.dequantize(direction=COLUMNWISE), codes.dequantize(direction=COLUMNWISE))
+
+
+@pytest.mark.parametrize("empty_first", [True, False])
+def test_copy_into_keeps_the_destination_layout(empty_first):
+    """``copy_`` into a quantized tensor re-quantizes into its own layout: a ``make_empty``
+    destination (codes) from a quantizer that holds decoded copies, and a decoded destination
+    from a quantizer that holds none."""
+    q = MXFP8Quantizer()
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(4))
+    if empty_first:
+        q.hold_decoded = (ROWWISE, COLUMNWISE)
+        dst = q.make_empty((64, 64))
+        want_cls = MXFP8Storage
+    else:
+        q.hold_decoded = (ROWWISE, COLUMNWISE)
+        dst = q.quantize(torch.zeros(64, 64))
+        q.hold_decoded = ()
+        want_cls = DecodedMXFP8Storage
+    dst.copy_(x)
+    assert type(dst.qstorage) is want_cls
+    ref = MXFP8Quantizer().reference_encode(x, True, True)
+    for d in (ROWWISE, COLUMNWISE):
+        assert torch.equal(dst.dequantize(direction=d), ref.dequantize(direction=d))
