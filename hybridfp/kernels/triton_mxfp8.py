@@ -122,7 +122,8 @@ def row_copy(x, mask, r0, c0, R, C, rd_ptr, rs_ptr, RCEIL: tl.constexpr, EMAX: t
     [R, C], E8M0 bytes into ``rs_ptr`` [R, ceil(C / 32)]. A block's 32 columns sit in a few
     neighbouring threads. ``MAP``: tile row i goes to output row ``src[i]`` instead (skipped
     where negative: a padding row of a row map). ``DECODED``: the copy's BF16 decode instead
-    (int16 bits into ``rd_ptr``; no scales)."""
+    (into ``rd_ptr``: BF16 on the GPU, int16 bits in the interpreter, :func:`decoded_values`;
+    no scales)."""
     BR: tl.constexpr = x.shape[0]
     BC: tl.constexpr = x.shape[1]
     lr = tl.arange(0, BR)
@@ -327,7 +328,8 @@ def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, NBR, sxr, sxc:
     are ``x[map_ptr[r]]`` (zero where negative), and the rowwise copy goes to the source's own
     rows. ``NATURAL``: the columnwise copy from natural [RS, BC] slices instead
     (:func:`col_copy_natural`). ``GRID2``: launched on ``_common.tile_grid``'s 2D grid.
-    ``DECODED`` ("slices" only): both copies as their BF16 decodes (int16 bits into ``rd_ptr`` /
+    ``DECODED`` ("slices" only): both copies as their BF16 decodes (BF16 on the GPU, int16 bits in the
+    interpreter, into ``rd_ptr`` /
     ``cd_ptr``, no scales; ``NAN16`` the NaN bits a BF16 cast gives on the device)."""
     pr, pc = program_tile(C, BR, BC, GRID2)
     r0, c0 = pr * BR, pc * BC
