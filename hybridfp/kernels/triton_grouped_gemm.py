@@ -82,16 +82,27 @@ def _grouped_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, meta_ptr, T
         b = _load_bf16(b_ptr + e64 * sbe + c64[None, :] * sbn + kk.to(tl.int64)[:, None] * sbk,
                        kmask[:, None] & cmask[None, :], BITS)
         acc = tl.dot(a, b, acc)
+    _epilogue(acc, r64, c64, rmask, cmask, e64, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, sa_e, soe, som,
+              SA, SB, BIAS, OUT, NAN16, BITS)
+
+
+@triton.jit
+def _epilogue(acc, r64, c64, rmask, cmask, e64, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, sa_e, soe, som,
+              SA: tl.constexpr, SB: tl.constexpr, BIAS: tl.constexpr, OUT: tl.constexpr, NAN16: tl.constexpr,
+              BITS: tl.constexpr):
+    """Store ``ep(acc)`` for the tile's rows ``r64`` and columns ``c64`` of expert ``e64``: what
+    ``gemm.emulate`` does after its matmul, in its FP32 order (shared by both kernels, so the
+    pointer and TMA variants compute the same epilogue)."""
     v = acc
     if SA or SB:
         if SA:
             sa = tl.load(sa_ptr + e64 * sa_e + r64, mask=rmask, other=1.0)
         else:
-            sa = tl.full((BM,), 1.0, tl.float32)
+            sa = tl.full((acc.shape[0],), 1.0, tl.float32)
         if SB:
             sb = tl.load(sb_ptr + e64 * N + c64, mask=cmask, other=1.0)
         else:
-            sb = tl.full((BN,), 1.0, tl.float32)
+            sb = tl.full((acc.shape[1],), 1.0, tl.float32)
         v = v * (sa[:, None] * sb[None, :])
     if BIAS:
         v = v + tl.load(bias_ptr + e64 * N + c64, mask=cmask, other=0.0)[None, :]
