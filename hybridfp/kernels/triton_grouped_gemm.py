@@ -265,6 +265,8 @@ def _tma_rows_kernel(a_desc, b_desc, sa_ptr, sb_ptr, bias_ptr, out_ptr, meta_ptr
         # B is [E * N, K]: expert e's column j * BN is row e * N + j * BN (int32: the host checks)
         b_row = e * N + j * BN
         acc = tl.zeros((BM, BN), dtype=tl.float32)
+        # WS on this (inner) loop: Triton 3.6's Hopper pass partitions it (with 4 warps); on the
+        # tile loop it left the sm90 code unchanged (sass_count --resources)
         for kt in tl.range(0, k_tiles, warp_specialize=WS):
             a = _widen(a_desc.load([r0, kt * BK]), BITS)
             b = _widen(b_desc.load([b_row, kt * BK]), BITS)
