@@ -192,12 +192,9 @@ class TmaConfig:
     ``num_warps`` / ``num_stages`` (shared-memory ring depth of the K loop); ``group_m``: row
     tiles per L2 swizzle group; ``programs``: persistent programs (None: one per SM on CUDA, 4 in
     the interpreter). ``flatten``: the persistent tile loop and the K loop pipelined as one
-    loop, so the next tile's loads overlap this tile's epilogue. ``warp_specialize``: the K loop
-    split into a TMA producer warp group and MMA consumer warp groups (``tl.range``'s option;
-    compiled offline for sm90 with Triton 3.6 it takes effect only with ``warps=4``, which then
-    runs 12 warps: a producer and two consumers, registers moved to the consumers; with 8 warps
-    the code is unchanged, and combined with ``flatten`` it is dropped and the code spills, hence
-    refused)."""
+    loop, so the next tile's loads overlap this tile's epilogue. No warp specialization:
+    ``tl.range(..., warp_specialize=True)`` on the K loop compiles for sm90 with Triton 3.6 (with 4 warps: a producer and two consumer warp
+    groups), but on the H200 its first config hung past 200 s in the GPU test (session 21)."""
 
     bm: int = 128
     bn: int = 256
@@ -206,13 +203,7 @@ class TmaConfig:
     stages: int = 3
     group_m: int = GROUP_M
     flatten: bool = False
-    warp_specialize: bool = False
     programs: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        if self.flatten and self.warp_specialize:
-            raise ValueError("TmaConfig: flatten and warp_specialize together compile without warp "
-                             "specialization and spill registers (Triton 3.6, sm90); choose one.")
 
 
 #: The TMA kernel's default: the pointer kernel's best tile until the H200 sweep
@@ -229,10 +220,6 @@ TMA_CONFIGS: dict[str, TmaConfig] = {
     "128x256x64 w8 s3 g8": TmaConfig(group_m=8),
     "256x128x64 w8 s3": TmaConfig(bm=256, bn=128),
     "128x128x64 w8 s5 flat": TmaConfig(bn=128, stages=5, flatten=True),
-    "128x256x64 w4 s3 ws": TmaConfig(warps=4, warp_specialize=True),
-    "128x256x64 w4 s4 ws": TmaConfig(warps=4, stages=4, warp_specialize=True),
-    "128x128x64 w4 s4 ws": TmaConfig(bn=128, warps=4, stages=4, warp_specialize=True),
-    "256x128x64 w4 s3 ws": TmaConfig(bm=256, bn=128, warps=4, warp_specialize=True),
 }
 
 
@@ -250,8 +237,7 @@ def _widen(x, BITS: tl.constexpr):
 def _tma_rows_kernel(a_desc, b_desc, sa_ptr, sb_ptr, bias_ptr, out_ptr, meta_ptr, T, N, K, E, som, P,
                      SA: tl.constexpr, SB: tl.constexpr, BIAS: tl.constexpr, OUT: tl.constexpr,
                      NAN16: tl.constexpr, BITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, GROUP: tl.constexpr, EP: tl.constexpr, FLATTEN: tl.constexpr,
-                     WS: tl.constexpr):
+                     BK: tl.constexpr, GROUP: tl.constexpr, EP: tl.constexpr, FLATTEN: tl.constexpr):
     # P persistent programs; program p takes tiles p, p + P, ... of the same swizzled order as
     # the pointer kernel's grid (so a wave's operands stay in L2 the same way)
     tiles = T * tl.cdiv(N, BN)
@@ -265,9 +251,7 @@ def _tma_rows_kernel(a_desc, b_desc, sa_ptr, sb_ptr, bias_ptr, out_ptr, meta_ptr
         # B is [E * N, K]: expert e's column j * BN is row e * N + j * BN (int32: the host checks)
         b_row = e * N + j * BN
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        # WS on this (inner) loop: Triton 3.6's Hopper pass partitions it (with 4 warps); on the
-        # tile loop it left the sm90 code unchanged (sass_count --resources)
-        for kt in tl.range(0, k_tiles, warp_specialize=WS):
+        for kt in range(0, k_tiles):
             a = _widen(a_desc.load([r0, kt * BK]), BITS)
             b = _widen(b_desc.load([b_row, kt * BK]), BITS)
             acc = tl.dot(a, b.T, acc)
@@ -319,7 +303,7 @@ def _launch_tma(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, plan: tuple
         bias if bias is not None else dummy, dst, to_device(meta, out.device), row_tiles, n, k, e, out.stride(0),
         programs, SA=sa is not None, SB=sb is not None, BIAS=bias is not None, OUT=OUT_CODE[out.dtype],
         NAN16=bf16_nan16(out.device), BITS=bits, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=cfg.group_m,
-        EP=triton.next_power_of_2(e + 1), FLATTEN=cfg.flatten, WS=cfg.warp_specialize,
+        EP=triton.next_power_of_2(e + 1), FLATTEN=cfg.flatten,
         num_warps=cfg.warps, num_stages=cfg.stages, enable_fp_fusion=False)
     return out
 
