@@ -6,6 +6,9 @@ several tiles. Median ms (``bench.common.bench_ms``: do_bench) and TFLOP/s, with
 ``torch._grouped_mm`` on the same operands (no epilogue: the speed the kernel should approach).
 
     python -m bench.bench_grouped_gemm_kernel [--out results.json] [--quick: the first two tiles only]
+    python -m bench.bench_grouped_gemm_kernel --tma   # the TMA kernel's configs (TMA_CONFIGS) against
+        torch._grouped_mm, the pointer kernel at its default tile, and cuBLAS (grouped, else per expert)
+        with an FP32 output plus the epilogue as torch ops, on the same operands
 """
 
 from __future__ import annotations
@@ -53,13 +56,76 @@ def run(tiles: list[tuple[tuple[int, int, int, int, int], int]]) -> list[dict[st
     return rows
 
 
+def _grouped_mm_fp32_epilogue(a: torch.Tensor, bt: torch.Tensor, offs: torch.Tensor, sa: torch.Tensor,
+                              sb_rows: torch.Tensor) -> torch.Tensor:
+    """The alternative the kernel must beat: cuBLAS's grouped GEMM to FP32, then the per-row /
+    per-column scales and the BF16 cast as separate passes (speed only: torch ops, not the
+    kernel's rounding order)."""
+    return torch._grouped_mm(a, bt, offs=offs, out_dtype=torch.float32).mul_(sa[:, None]).mul_(sb_rows).bfloat16()
+
+
+def _per_expert_fp32_epilogue(a: torch.Tensor, b: torch.Tensor, splits: list[int], sa: torch.Tensor,
+                              sb: torch.Tensor) -> list[torch.Tensor]:
+    """The same per expert: cuBLAS BF16 GEMM to FP32 (``torch.mm(out_dtype=)``, as
+    ``gemm/bf16_tensorcore.py`` calls it), the scales and the cast as torch ops."""
+    outs, r = [], 0
+    for e, m in enumerate(splits):
+        if m:
+            out = torch.mm(a[r:r + m], b[e].t(), out_dtype=torch.float32)
+            outs.append(out.mul_(sa[r:r + m, None]).mul_(sb[e]).bfloat16())
+        r += m
+    return outs
+
+
+def run_tma() -> list[dict[str, Any]]:
+    """One row per (shape, variant): the TMA kernel at every TMA_CONFIGS entry next to the
+    baselines, all on the same operands with the row-scaled NVFP4 epilogue (per-row and
+    per-column FP32 scales, BF16 output)."""
+    from hybridfp.kernels import triton_grouped_gemm as tg
+    rows: list[dict[str, Any]] = []
+    for name, splits, k, n in SHAPES:
+        m = sum(splits)
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(len(splits), n, k, device="cuda", dtype=torch.bfloat16)
+        sa = torch.rand(m, device="cuda") + 0.5
+        sb = torch.rand(len(splits), n, device="cuda") + 0.5
+        counts = torch.tensor(splits, device="cuda")
+        offs = counts.cumsum(0).to(torch.int32)
+        sb_rows = sb.repeat_interleave(counts, dim=0)
+        flop = 2.0 * m * n * k
+        base = common.bench_ms(lambda: torch._grouped_mm(a, b.transpose(1, 2), offs=offs), 100, 500)
+        variants = {"torch._grouped_mm FP32 out + epilogue as 3 torch passes":
+                    lambda: _grouped_mm_fp32_epilogue(a, b.transpose(1, 2), offs, sa, sb_rows),
+                    "per-expert torch.mm FP32 out + epilogue as 3 torch passes":
+                    lambda: _per_expert_fp32_epilogue(a, b, splits, sa, sb),
+                    f"pointer {tg.TILE} g{tg.GROUP_M}":
+                    lambda: tg.grouped_rows(a, b, splits, scale_a=sa, scale_b=sb, kernel="pointer")}
+        for cname, cfg in tg.TMA_CONFIGS.items():
+            variants[f"tma {cname} g{cfg.group_m}"] = (
+                lambda cfg=cfg: tg.grouped_rows(a, b, splits, scale_a=sa, scale_b=sb, kernel="tma", tma=cfg))
+        rows.append(dict(shape=name, variant="torch._grouped_mm (no epilogue)", ms=base,
+                         tflops=flop / base / 1e9, vs_grouped_mm=1.0))
+        for variant, step in variants.items():
+            try:
+                ms = common.bench_ms(step, 100, 500)
+            except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory) is reported
+                rows.append(dict(shape=name, variant=variant, error=f"{type(e).__name__}: {str(e)[:100]}"))
+                continue
+            rows.append(dict(shape=name, variant=variant, ms=ms, tflops=flop / ms / 1e9, vs_grouped_mm=base / ms))
+    return rows
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     p = parser(__doc__.splitlines()[0])
+    p.add_argument("--tma", action="store_true", help="the TMA kernel's configs against the baselines instead")
     args = p.parse_args(argv)
     require_cuda()
     columns = [("shape", "shape"), ("variant", "variant"), ("ms", "ms"), ("TFLOP/s", "tflops"),
                ("x torch._grouped_mm", "vs_grouped_mm")]
-    finish_rows("grouped_gemm_kernel", columns, run(TILES[:2] if args.quick else TILES), args.out)
+    if args.tma:
+        finish_rows("grouped_gemm_kernel_tma", columns, run_tma(), args.out)
+    else:
+        finish_rows("grouped_gemm_kernel", columns, run(TILES[:2] if args.quick else TILES), args.out)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ any device time is spent. Each case compiles one kernel with Triton's nvidia bac
 disassembles the cubin with the wheel's ``cuobjdump -sass`` and counts opcodes.
 
     python -m bench.sass_count [--case NAME ...] [--top 8]
+    python -m bench.sass_count --resources --match "grouped gemm"   # registers, shared memory,
+        TMA / wgmma / local-memory opcodes, warp-specialized partitions
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from triton.compiler import ASTSource
 #: arguments specialised as divisible by 16 where a kernel has them (the last line: the grouped GEMM's)
 _DIV = ("x_ptr", "src_ptr", "s_ptr", "src_stride", "s_stride", "rd_ptr", "rs_ptr", "cd_ptr", "cs_ptr", "R", "C", "NBR", "sxr",
         "a_ptr", "b_ptr", "sa_ptr", "sb_ptr", "bias_ptr", "out_ptr", "meta_ptr", "N", "sam", "sbe", "sbn", "soe",
-        "som")
+        "som", "K")
 _NV_SIG = dict(x_ptr="*i16", ramax_ptr="*fp32", camax_ptr="*fp32", rd_ptr="*u8", rs_ptr="*u8", cd_ptr="*u8",
                cs_ptr="*u8", R="i32", C="i32", sxr="i32", RCP6="fp32", rk0="i32", rk1="i32", ck0="i32", ck1="i32")
 _NV = dict(sxc=1, ROW=True, COL=True, ROW_SCALED=False, ROW_WORDS=True, COL_WORDS=True, HW=True, DTYPE=1,
@@ -43,8 +45,36 @@ _FB_SIG = dict(x_ptr="*i16", rd_ptr="*u8", rs_ptr="*fp32", cd_ptr="*u8", cs_ptr=
                sxr="i32", eps="fp32")
 _FB = dict(sxc=1, POW2=True, MBITS=3, BIAS=7, FP8_MAX=448.0, B=128, DTYPE=1, CR=128, HW=True, PACK=True, RW=32,
            EVEN=True)
-#: name -> (module, kernel, signature, constexprs, elements per thread of the tile, warps).
-CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
+#: The TMA rows kernel of the grouped GEMM: host descriptors over BF16 A [M, K] / B [E * N, K],
+#: BF16 output (what the MoE benchmark launches), row and column scales.
+_TMA_SIG = dict(sa_ptr="*fp32", sb_ptr="*fp32", bias_ptr="*fp32", out_ptr="*i16", meta_ptr="*i64", T="i32", N="i32",
+                K="i32", E="i32", som="i32", P="i32")
+
+
+#: TMA_CONFIGS of the kernel module spelled out (this module imports no hybridfp code at import time):
+#: name -> (BM, BN, BK, warps, stages, flatten)
+_TMA_SPECS: dict[str, tuple[int, int, int, int, int, bool]] = {
+    "128x256x64 w8 s3": (128, 256, 64, 8, 3, False),
+    "128x256x64 w8 s4": (128, 256, 64, 8, 4, False),
+    "128x256x64 w8 s3 flat": (128, 256, 64, 8, 3, True),
+    "128x256x64 w8 s4 flat": (128, 256, 64, 8, 4, True),
+    "256x128x64 w8 s3": (256, 128, 64, 8, 3, False),
+    "128x128x64 w8 s5 flat": (128, 128, 64, 8, 5, True),
+}
+
+
+def _tma_case(name: str) -> tuple:
+    """The sass_count case of the TMA rows kernel at ``_TMA_SPECS[name]``."""
+    bm, bn, bk, warps, stages, flatten = _TMA_SPECS[name]
+    sig = dict(_TMA_SIG, a_desc=f"tensordesc<bf16[{bm},{bk}]>", b_desc=f"tensordesc<bf16[{bn},{bk}]>")
+    consts = dict(SA=True, SB=True, BIAS=False, OUT=1, NAN16=0x7FFF, BITS=False, BM=bm, BN=bn, BK=bk, GROUP=16, EP=16,
+                  FLATTEN=flatten)
+    return ("triton_grouped_gemm", "_tma_rows_kernel", sig, consts, bm * bn // (32 * warps), warps,
+            dict(num_stages=stages, enable_fp_fusion=False))
+
+
+#: name -> (module, kernel, signature, constexprs, elements per thread of the tile, warps[, compile options]).
+CASES: dict[str, tuple] = {
     "nvfp4 row+col (2, 128)": ("triton_nvfp4", "_nvfp4_1d_kernel", _NV_SIG,
                                dict(_NV, SR=False, RHT=False, BT=2, BC=128), 32, 4),
     "nvfp4 rht row+col (2, 64)": ("triton_nvfp4", "_nvfp4_1d_kernel", _NV_SIG,
@@ -157,13 +187,16 @@ CASES: dict[str, tuple[str, str, dict, dict, int, int]] = {
              C="i32", G="i32", sxr="i32", eps="fp32"),
         dict(sxc=1, POW2=False, ROW=True, COL=True, MBITS=3, BIAS=7, FP8_MAX=448.0, DTYPE=1, BR=64, BC=128, BG=128,
              HW=True, PACK=True, ANCHOR=False, GP=128), 32, 8),
+    # the TMA rows kernel (kernel="tma"): UTMALDG loads feeding HGMMA, LDL / STL spills, registers
+    **{f"grouped gemm tma {name}": _tma_case(name) for name in _TMA_SPECS},
 }
 
 
-def compile_sm90(fn: Any, signature: dict[str, str], constexprs: dict[str, Any], num_warps: int) -> Any:
+def compile_sm90(fn: Any, signature: dict[str, str], constexprs: dict[str, Any], num_warps: int,
+                 **options: Any) -> Any:
     """``fn`` compiled for sm90 with the given argument types (constexprs by value); a parameter
     given neither takes its default as a constexpr (an optional argument left out, as the launch
-    leaves it)."""
+    leaves it). ``options``: further compile options (``num_stages``, ``enable_fp_fusion``)."""
     params = inspect.signature(fn.fn).parameters
     names = list(params)
     constexprs = {**{n: p.default for n, p in params.items() if n not in signature and n not in constexprs
@@ -171,7 +204,7 @@ def compile_sm90(fn: Any, signature: dict[str, str], constexprs: dict[str, Any],
     sig = {n: ("constexpr" if n in constexprs else signature[n]) for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in _DIV if n in names}
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, **options})
 
 
 def sass_text(cubin: bytes) -> str:
@@ -195,20 +228,48 @@ def instruction_md5(cubin: bytes) -> str:
     return hashlib.md5("\n".join(lines).encode()).hexdigest()
 
 
+def resources(compiled: Any) -> dict[str, Any]:
+    """What decides a GEMM kernel's occupancy and pipelining: registers per thread and local
+    memory (``cuobjdump -res-usage``), dynamic shared memory, warp-specialized partitions (TTGIR)
+    and the TMA load / wgmma / spill opcodes."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    cubin = compiled.asm["cubin"]
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    counts = opcode_counts(cubin)
+    found = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", usage))
+    return dict(regs=int(found.get("REG", 0)), stack=int(found.get("STACK", 0)), shared=compiled.metadata.shared,
+                partitions=len(re.findall(r"partition\d+\(", compiled.asm["ttgir"])),
+                **{op: counts[op] for op in ("UTMALDG", "HGMMA", "LDGSTS", "LDL", "STL", "USETMAXREG")})
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--case", action="append", choices=list(CASES), help="default: every case")
+    p.add_argument("--match", help="the cases whose name contains this (with or instead of --case)")
     p.add_argument("--top", type=int, default=8, help="opcodes listed per case")
+    p.add_argument("--resources", action="store_true", help="registers, shared memory, TMA / wgmma / spill "
+                   "opcodes per case instead (the GEMM kernels)")
     p.add_argument("--md5", action="store_true", help="print each case's instruction-stream md5 instead "
                    "(compare with the same cases compiled from another tree, e.g. a worktree of main)")
     args = p.parse_args(argv)
     import importlib
-    if not args.md5:
+    if args.resources:
+        print("| case | regs | stack | shared B | partitions | UTMALDG | HGMMA | LDGSTS | LDL | STL | USETMAXREG |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|")
+    elif not args.md5:
         print("| case | instructions / thread | per element | top opcodes |\n|---|---|---|---|")
-    for name in args.case or CASES:
-        mod, kernel, sig, consts, per_thread, warps = CASES[name]
+    names = (args.case or []) + [n for n in CASES if args.match and args.match in n]
+    for name in names or CASES:
+        mod, kernel, sig, consts, per_thread, warps, *options = CASES[name]
         fn = getattr(importlib.import_module(f"hybridfp.kernels.{mod}"), kernel)
-        cubin = compile_sm90(fn, sig, consts, warps).asm["cubin"]
+        compiled = compile_sm90(fn, sig, consts, warps, **(options[0] if options else {}))
+        cubin = compiled.asm["cubin"]
+        if args.resources:
+            print(f"| {name} | " + " | ".join(str(v) for v in resources(compiled).values()) + " |", flush=True)
+            continue
         if args.md5:
             print(f"{instruction_md5(cubin)}  {name}")
             continue

@@ -18,15 +18,32 @@ per tile. Each program accumulates ``tl.dot`` products in FP32
 ``hybridfp.gemm.emulate`` does after its matmul, in the same FP32 order (FMA contraction off):
 ``v = acc * (sa[i] * sb[j])`` (a missing side is 1), ``v = v + bias[j]``, one rounding to the
 output dtype (BF16 on the bits, round to nearest even, torch's NaN bits).
+
+Two kernels compute the rows-grouped product (``grouped_rows(kernel=...)``), the same sums and
+the same epilogue (``_epilogue``), differing only in how operands reach the tensor cores:
+
+- ``"pointer"`` (``_grouped_kernel``): one program per output tile, masked pointer loads
+  (cp.async); any strides and alignment; also the reduction-grouped kernel;
+- ``"tma"`` (``_tma_rows_kernel``, Hopper+): a persistent grid (one program per SM looping over
+  the swizzled tiles) reading A and B through host-built TMA descriptors (``TensorDescriptor``),
+  which feed wgmma from shared memory. It needs what TMA needs (``tma_applies``): unit inner
+  strides, 16-byte aligned bases and row strides (K % 8 == 0 for contiguous BF16), B's experts
+  stacked as one [E * N, K] matrix. A tile running past its expert's last row reads the next
+  expert's rows, and one past the last column tile reads the next expert's weights: those
+  output rows / columns are masked at the store; past the matrices' ends and in the K tail TMA
+  fills zeros. A tile's reduction runs over the same K tiles in the same order in both kernels.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import bf16_nan16, empty, expert_row_tile, swizzled_tile
 from .host import tile_plan, to_device
@@ -82,16 +99,27 @@ def _grouped_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, meta_ptr, T
         b = _load_bf16(b_ptr + e64 * sbe + c64[None, :] * sbn + kk.to(tl.int64)[:, None] * sbk,
                        kmask[:, None] & cmask[None, :], BITS)
         acc = tl.dot(a, b, acc)
+    _epilogue(acc, r64, c64, rmask, cmask, e64, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, sa_e, soe, som,
+              SA, SB, BIAS, OUT, NAN16, BITS)
+
+
+@triton.jit
+def _epilogue(acc, r64, c64, rmask, cmask, e64, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, sa_e, soe, som,
+              SA: tl.constexpr, SB: tl.constexpr, BIAS: tl.constexpr, OUT: tl.constexpr, NAN16: tl.constexpr,
+              BITS: tl.constexpr):
+    """Store ``ep(acc)`` for the tile's rows ``r64`` and columns ``c64`` of expert ``e64``: what
+    ``gemm.emulate`` does after its matmul, in its FP32 order (shared by both kernels, so the
+    pointer and TMA variants compute the same epilogue)."""
     v = acc
     if SA or SB:
         if SA:
             sa = tl.load(sa_ptr + e64 * sa_e + r64, mask=rmask, other=1.0)
         else:
-            sa = tl.full((BM,), 1.0, tl.float32)
+            sa = tl.full((acc.shape[0],), 1.0, tl.float32)
         if SB:
             sb = tl.load(sb_ptr + e64 * N + c64, mask=cmask, other=1.0)
         else:
-            sb = tl.full((BN,), 1.0, tl.float32)
+            sb = tl.full((acc.shape[1],), 1.0, tl.float32)
         v = v * (sa[:, None] * sb[None, :])
     if BIAS:
         v = v + tl.load(bias_ptr + e64 * N + c64, mask=cmask, other=0.0)[None, :]
@@ -155,14 +183,161 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, plan: tuple[tor
     return out
 
 
+
+@dataclass(frozen=True)
+class TmaConfig:
+    """Tile and loop schedule of the TMA rows kernel (``_tma_rows_kernel``).
+
+    ``bm, bn, bk``: the output tile and the K step; ``warps``, ``stages``: the launch's
+    ``num_warps`` / ``num_stages`` (shared-memory ring depth of the K loop); ``group_m``: row
+    tiles per L2 swizzle group; ``programs``: persistent programs (None: one per SM on CUDA, 4 in
+    the interpreter). ``flatten``: the persistent tile loop and the K loop pipelined as one
+    loop, so the next tile's loads overlap this tile's epilogue. No warp specialization:
+    ``tl.range(..., warp_specialize=True)`` on the K loop compiles for sm90 with Triton 3.6 (with 4 warps: a producer and two consumer warp
+    groups), but on the H200 its first config hung past 200 s in the GPU test (session 21)."""
+
+    bm: int = 128
+    bn: int = 256
+    bk: int = 64
+    warps: int = 8
+    stages: int = 3
+    group_m: int = GROUP_M
+    flatten: bool = False
+    programs: Optional[int] = None
+
+
+#: The TMA kernel's default: the fastest of ``bench.bench_grouped_gemm_kernel --tma`` on the H200
+#: (session 21, 34bb1c4): the 8-expert MoE's fc1 / fc2 fprop at 1.014x / 1.013x the time of
+#: ``torch._grouped_mm`` without an epilogue (the unflattened loop 0.996x / 1.004x, the pointer
+#: kernel 0.928x / 0.952x in the same run).
+TMA_CONFIG = TmaConfig(flatten=True)
+#: Configs the benchmark sweeps (name -> config): tile shapes and ring depths whose shared memory
+#: fits the H200's 227 KB with a BF16 output (sass_count: the "grouped gemm tma" cases), with and
+#: without the flattened loop, and warp specialized (4 warps: see TmaConfig).
+TMA_CONFIGS: dict[str, TmaConfig] = {
+    "128x256x64 w8 s3": TmaConfig(),
+    "128x256x64 w8 s4": TmaConfig(stages=4),
+    "128x256x64 w8 s3 flat": TmaConfig(flatten=True),
+    "128x256x64 w8 s4 flat": TmaConfig(stages=4, flatten=True),
+    "128x256x64 w8 s3 g8": TmaConfig(group_m=8),
+    "256x128x64 w8 s3": TmaConfig(bm=256, bn=128),
+    "128x128x64 w8 s5 flat": TmaConfig(bn=128, stages=5, flatten=True),
+}
+
+
+@triton.jit
+def _widen(x, BITS: tl.constexpr):
+    """A loaded BF16 operand tile for ``tl.dot``; ``BITS`` (the interpreter): int16 bits widened
+    to their exact FP32 value (as ``_load_bf16``)."""
+    if BITS:
+        return (x.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x
+
+
+@triton.jit
+def _tma_rows_kernel(a_desc, b_desc, sa_ptr, sb_ptr, bias_ptr, out_ptr, meta_ptr, T, N, K, E, som, P,
+                     SA: tl.constexpr, SB: tl.constexpr, BIAS: tl.constexpr, OUT: tl.constexpr,
+                     NAN16: tl.constexpr, BITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, GROUP: tl.constexpr, EP: tl.constexpr, FLATTEN: tl.constexpr):
+    # P persistent programs; program p takes tiles p, p + P, ... of the same swizzled order as
+    # the pointer kernel's grid (so a wave's operands stay in L2 the same way)
+    tiles = T * tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    for tile in tl.range(tl.program_id(0), tiles, P, flatten=FLATTEN):
+        t, j = swizzled_tile(tile, T, N, BN, GROUP)
+        e, te = expert_row_tile(meta_ptr, t, E, EP)
+        meta = meta_ptr + (E + 1) + e.to(tl.int64) * 4  # (r0, r1, k0, k1): k is [0, K) here
+        r0 = (tl.load(meta) + te * BM).to(tl.int32)
+        r1 = tl.load(meta + 1)
+        # B is [E * N, K]: expert e's column j * BN is row e * N + j * BN (int32: the host checks)
+        b_row = e * N + j * BN
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kt in range(0, k_tiles):
+            a = _widen(a_desc.load([r0, kt * BK]), BITS)
+            b = _widen(b_desc.load([b_row, kt * BK]), BITS)
+            acc = tl.dot(a, b.T, acc)
+        rows = r0 + tl.arange(0, BM)
+        cols = j * BN + tl.arange(0, BN)
+        _epilogue(acc, rows.to(tl.int64), cols.to(tl.int64), rows < r1, cols < N, e.to(tl.int64), sa_ptr, sb_ptr,
+                  bias_ptr, out_ptr, N, 0, 0, som, SA, SB, BIAS, OUT, NAN16, BITS)
+
+
+def tma_applies(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the TMA kernel can read ``a`` [M, K] and ``b`` [E, N, K] (BF16) as they are:
+    unit inner strides, 16-byte aligned bases and row strides, B's experts one [E * N, K]
+    matrix (``b.stride(0) == N * b.stride(1)``), coordinates within int32. Where it does not,
+    ``grouped_rows`` runs the pointer kernel (the same computation)."""
+    (m, k), (e, n, _) = a.shape, b.shape
+    size = a.element_size()
+    return (a.stride(1) == 1 and b.stride(2) == 1 and (e <= 1 or b.stride(0) == n * b.stride(1))
+            and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+            and (a.stride(0) * size) % 16 == 0 and (b.stride(1) * size) % 16 == 0
+            and max(m, e * n, k) < 2**31)
+
+
+@lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _launch_tma(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, plan: tuple[torch.Tensor, int, int],
+                sa: Optional[torch.Tensor], sb: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                cfg: TmaConfig) -> torch.Tensor:
+    """Run the TMA kernel over ``plan`` (``_plan``'s metadata and row tiles; its KALIGN is not
+    needed: TMA reads any K tail itself)."""
+    meta, row_tiles, _ = plan
+    (m, k), (e, n, _) = a.shape, b.shape
+    if row_tiles == 0 or n == 0:
+        return out
+    dst = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+    dummy = out
+    bits = not a.is_cuda  # the interpreter: BF16 read as its int16 bits (see _load_bf16)
+    if bits:
+        a, b = a.view(torch.int16), b.view(torch.int16)
+    a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], [cfg.bm, cfg.bk])
+    b_desc = TensorDescriptor(b, [e * n, k], [b.stride(1), 1], [cfg.bn, cfg.bk])
+    tiles = row_tiles * triton.cdiv(n, cfg.bn)
+    programs = cfg.programs or (_sm_count(a.device.index or 0) if a.is_cuda else 4)
+    programs = min(programs, tiles)
+    _tma_rows_kernel[(programs,)](
+        a_desc, b_desc, sa if sa is not None else dummy, sb if sb is not None else dummy,
+        bias if bias is not None else dummy, dst, to_device(meta, out.device), row_tiles, n, k, e, out.stride(0),
+        programs, SA=sa is not None, SB=sb is not None, BIAS=bias is not None, OUT=OUT_CODE[out.dtype],
+        NAN16=bf16_nan16(out.device), BITS=bits, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=cfg.group_m,
+        EP=triton.next_power_of_2(e + 1), FLATTEN=cfg.flatten,
+        num_warps=cfg.warps, num_stages=cfg.stages, enable_fp_fusion=False)
+    return out
+
+
+def _rows_kernel(kernel: Optional[str], a: torch.Tensor, b: torch.Tensor) -> str:
+    """The kernel ``grouped_rows`` runs: the caller's choice (``"tma"`` only where
+    ``tma_applies``: said, not replaced), else TMA on a Hopper-or-newer GPU where it applies and
+    the pointer kernel elsewhere (the interpreter included). Both compute the same sums."""
+    if kernel not in (None, "tma", "pointer"):
+        raise ValueError(f"grouped_rows: kernel must be 'tma', 'pointer' or None; got {kernel!r}.")
+    if kernel == "tma" and not tma_applies(a, b):
+        raise ValueError(f"grouped_rows: kernel='tma' needs unit inner strides, 16-byte aligned bases and row "
+                         f"strides (K % 8 == 0 for contiguous BF16) and b's experts stacked as one [E*N, K] "
+                         f"matrix; got a strides {a.stride()}, b strides {b.stride()}. Use kernel='pointer' "
+                         f"(or None) for these operands.")
+    if kernel is None:
+        hopper = a.is_cuda and torch.cuda.get_device_capability(a.device) >= (9, 0)
+        kernel = "tma" if hopper and tma_applies(a, b) else "pointer"
+    return kernel
+
+
 def grouped_rows(a: torch.Tensor, b: torch.Tensor, splits: list[int], *, scale_a: Optional[torch.Tensor] = None,
                  scale_b: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
                  out_dtype: torch.dtype = torch.bfloat16,
-                 tile: tuple[int, int, int, int, int] = TILE, group_m: int = GROUP_M) -> torch.Tensor:
+                 tile: tuple[int, int, int, int, int] = TILE, group_m: int = GROUP_M,
+                 kernel: Optional[str] = None, tma: TmaConfig = TMA_CONFIG) -> torch.Tensor:
     """fprop / dgrad: ``out[r_e + i, j] = ep(Σ_k a[r_e + i, k] b[e, j, k])`` for expert e's rows.
 
     ``a`` [Σ splits, K] and ``b`` [E, N, K] BF16 (any strides); ``scale_a`` [Σ splits] (per row),
-    ``scale_b`` and ``bias`` [E, N], all FP32 or None; returns [Σ splits, N] in ``out_dtype``."""
+    ``scale_b`` and ``bias`` [E, N], all FP32 or None; returns [Σ splits, N] in ``out_dtype``.
+    ``kernel``: ``"pointer"`` (``tile``, ``group_m``), ``"tma"`` (``tma``; a ValueError where
+    ``tma_applies`` is false) or None (``_rows_kernel``: TMA on Hopper+ where it applies)."""
     if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or a.dim() != 2 or b.dim() != 3:
         raise ValueError(f"grouped_rows: a [M, K] and b [E, N, K] must be BF16; got {a.dtype} "
                          f"{tuple(a.shape)}, {b.dtype} {tuple(b.shape)}.")
@@ -176,6 +351,8 @@ def grouped_rows(a: torch.Tensor, b: torch.Tensor, splits: list[int], *, scale_a
     out = empty((m, n), out_dtype, a.device)
     starts = [sum(splits[:i]) for i in range(e + 1)]
     ranges = [(starts[i], starts[i + 1]) for i in range(e)]
+    if _rows_kernel(kernel, a, b) == "tma":
+        return _launch_tma(a, b, out, _plan(ranges, [(0, k)] * e, tma.bm), scale_a, scale_b, bias, tma)
     return _launch(a, b, out, _plan(ranges, [(0, k)] * e, tile[0]), n, b.stride(0), scale_a, 0, scale_b, bias, 0,
                    tile, group_m)
 

@@ -1,0 +1,110 @@
+"""BF16 grouped GEMM (``torch._grouped_mm``, CUTLASS) against cuBLAS per expert (``torch.mm``), the
+8-expert MoE's GEMMs, on operands of three kinds of values.
+
+Both compute each output once from an FP32 accumulator rounded to BF16, so either is an exact
+path for the BF16-decoded copies of MXFP8 / NVFP4 (``gemm/grouped.py`` path 1); the question is
+which is faster for large experts. The operands' values change the tensor cores' power and so
+the clock: "randn" (full BF16 mantissas), "mxfp8" (E4M3 values times powers of two: 3 mantissa
+bits) and "nvfp4" (E2M1 times E4M3 scales: at most 5 significant bits), the last two like the
+decoded copies a hybridfp MoE step multiplies.
+
+Per shape and value kind: median ms (``do_bench``) of the grouped call and of the per-expert loop
+writing into slices of one output, and their ratio (>1: per expert is faster).
+
+    python -m bench.bench_grouped_vs_per_expert [--out results.json] [--quick]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from bench import common
+from bench.common import finish_rows, parser, require_cuda
+
+#: rows per expert: bench_grouped_gemm_kernel's awkward split and an even one (top-2 of 16384 tokens)
+SPLITS = {"awkward": [4099, 0, 1, 5077, 6000, 31, 8192, 9368], "even": [4096] * 8}
+#: (name, layout, M-side per expert, N, K): the MoE layer's fc1 / fc2 GEMMs (ffn 14336, hidden 4096)
+GEMMS = [("fc1 fprop", "TN", 4096, 28672), ("fc2 fprop", "TN", 14336, 4096),
+         ("fc1 dgrad", "NN", 28672, 4096), ("fc1 wgrad", "NT", 28672, 4096)]
+
+
+def values(kind: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """BF16 operand of ``shape`` whose values are those of ``kind`` (see the module docstring)."""
+    x = torch.randn(shape, device="cuda")
+    if kind == "mxfp8":
+        x = x.to(torch.float8_e4m3fn).float() * 2.0 ** torch.randint(-3, 3, shape[:-1] + (1,), device="cuda")
+    elif kind == "nvfp4":
+        grid = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], device="cuda")
+        codes = grid[torch.randint(0, 8, shape, device="cuda")] * torch.where(torch.rand(shape, device="cuda") < 0.5, -1, 1)
+        scale = (torch.rand(shape[:-1] + (1,), device="cuda") * 4 + 0.5).to(torch.float8_e4m3fn).float()
+        x = codes * scale
+    return x.bfloat16()
+
+
+def case(layout: str, k_in: int, n: int, splits: list[int], kind: str
+         ) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """(grouped call, per-expert loop) for one GEMM of the layer on fresh operands."""
+    m, e = sum(splits), len(splits)
+    starts = [sum(splits[:i]) for i in range(e)]
+    offs = torch.tensor(splits, device="cuda").cumsum(0).to(torch.int32)
+    if layout in ("TN", "NN"):  # rows grouped: x [M, K] and W stored [E, N, K] (TN) / [E, K, N] (NN)
+        x = values(kind, (m, k_in))
+        w = values(kind, (e, n, k_in) if layout == "TN" else (e, k_in, n))
+        wt = w.transpose(1, 2) if layout == "TN" else w
+        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+
+        def loop() -> torch.Tensor:
+            for i, (r, s) in enumerate(zip(starts, splits)):
+                if s:
+                    torch.mm(x[r:r + s], wt[i], out=out[r:r + s])
+            return out
+        return (lambda: torch._grouped_mm(x, wt, offs=offs)), loop
+    # wgrad: dW_e [N, K] = dy_e^T x_e; dy stored transposed [N, M] as the columnwise copy is
+    dyt, x = values(kind, (k_in, m)), values(kind, (m, n))
+    out = torch.empty(e, k_in, n, device="cuda", dtype=torch.bfloat16)
+
+    def loop_w() -> torch.Tensor:
+        for i, (r, s) in enumerate(zip(starts, splits)):
+            if s:
+                torch.mm(dyt[:, r:r + s], x[r:r + s], out=out[i])
+            else:
+                out[i].zero_()
+        return out
+    return (lambda: torch._grouped_mm(dyt, x, offs=offs)), loop_w
+
+
+def run(quick: bool) -> list[dict[str, Any]]:
+    """One row per (GEMM, split, value kind)."""
+    rows: list[dict[str, Any]] = []
+    kinds = ["randn", "nvfp4"] if quick else ["randn", "mxfp8", "nvfp4"]
+    for name, layout, k_in, n in GEMMS:
+        for sname, splits in SPLITS.items():
+            if quick:
+                splits = [max(1, s // 16) if s else 0 for s in splits]
+            for kind in kinds:
+                grouped, loop = case(layout, k_in if not quick else k_in // 16, n if not quick else n // 16,
+                                     splits, kind)
+                g, p = common.bench_ms(grouped, 50, 300), common.bench_ms(loop, 50, 300)
+                flop = 2.0 * sum(splits) * k_in * n
+                rows.append(dict(gemm=name, splits=sname, values=kind, grouped_ms=g, per_expert_ms=p,
+                                 grouped_tflops=flop / g / 1e9, per_expert_tflops=flop / p / 1e9,
+                                 grouped_over_per_expert=g / p))
+                torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = parser(__doc__.splitlines()[0])
+    args = p.parse_args(argv)
+    require_cuda()
+    finish_rows("grouped_vs_per_expert", [
+        ("GEMM", "gemm"), ("splits", "splits"), ("values", "values"), ("grouped ms", "grouped_ms"),
+        ("per-expert ms", "per_expert_ms"), ("grouped TFLOP/s", "grouped_tflops"),
+        ("per-expert TFLOP/s", "per_expert_tflops"), ("grouped / per-expert time", "grouped_over_per_expert")],
+        run(args.quick), args.out)
+
+
+if __name__ == "__main__":
+    main()
