@@ -84,11 +84,11 @@ def run(quick: bool) -> list[dict[str, Any]]:
         for sname, splits in SPLITS.items():
             if quick:
                 splits = [-(-s // 256) * 16 for s in splits]  # still multiples of 16
+            kk, nn = (k_in // 16, n // 16) if quick else (k_in, n)
             for kind in kinds:
-                grouped, loop = case(layout, k_in if not quick else k_in // 16, n if not quick else n // 16,
-                                     splits, kind)
+                grouped, loop = case(layout, kk, nn, splits, kind)
                 g, p = common.bench_ms(grouped, 50, 300), common.bench_ms(loop, 50, 300)
-                flop = 2.0 * sum(splits) * k_in * n
+                flop = 2.0 * sum(splits) * kk * nn
                 rows.append(dict(gemm=name, splits=sname, values=kind, grouped_ms=g, per_expert_ms=p,
                                  grouped_tflops=flop / g / 1e9, per_expert_tflops=flop / p / 1e9,
                                  grouped_over_per_expert=g / p))

@@ -52,22 +52,23 @@ _TMA_SIG = dict(sa_ptr="*fp32", sb_ptr="*fp32", bias_ptr="*fp32", out_ptr="*i16"
 
 
 #: TMA_CONFIGS of the kernel module spelled out (this module imports no hybridfp code at import time):
-#: name -> (BM, BN, BK, warps, stages, flatten)
-_TMA_SPECS: dict[str, tuple[int, int, int, int, int, bool]] = {
-    "128x256x64 w8 s3": (128, 256, 64, 8, 3, False),
-    "128x256x64 w8 s4": (128, 256, 64, 8, 4, False),
-    "128x256x64 w8 s3 flat": (128, 256, 64, 8, 3, True),
-    "128x256x64 w8 s4 flat": (128, 256, 64, 8, 4, True),
-    "256x128x64 w8 s3": (256, 128, 64, 8, 3, False),
-    "128x128x64 w8 s5 flat": (128, 128, 64, 8, 5, True),
+#: name -> (BM, BN, BK, warps, stages, flatten, swizzle group)
+_TMA_SPECS: dict[str, tuple[int, int, int, int, int, bool, int]] = {
+    "128x256x64 w8 s3": (128, 256, 64, 8, 3, False, 16),
+    "128x256x64 w8 s4": (128, 256, 64, 8, 4, False, 16),
+    "128x256x64 w8 s3 flat": (128, 256, 64, 8, 3, True, 16),
+    "128x256x64 w8 s4 flat": (128, 256, 64, 8, 4, True, 16),
+    "128x256x64 w8 s3 g8": (128, 256, 64, 8, 3, False, 8),
+    "256x128x64 w8 s3": (256, 128, 64, 8, 3, False, 16),
+    "128x128x64 w8 s5 flat": (128, 128, 64, 8, 5, True, 16),
 }
 
 
 def _tma_case(name: str) -> tuple:
     """The sass_count case of the TMA rows kernel at ``_TMA_SPECS[name]``."""
-    bm, bn, bk, warps, stages, flatten = _TMA_SPECS[name]
+    bm, bn, bk, warps, stages, flatten, group = _TMA_SPECS[name]
     sig = dict(_TMA_SIG, a_desc=f"tensordesc<bf16[{bm},{bk}]>", b_desc=f"tensordesc<bf16[{bn},{bk}]>")
-    consts = dict(SA=True, SB=True, BIAS=False, OUT=1, NAN16=0x7FFF, BITS=False, BM=bm, BN=bn, BK=bk, GROUP=16, EP=16,
+    consts = dict(SA=True, SB=True, BIAS=False, OUT=1, NAN16=0x7FFF, BITS=False, BM=bm, BN=bn, BK=bk, GROUP=group, EP=16,
                   FLATTEN=flatten)
     return ("triton_grouped_gemm", "_tma_rows_kernel", sig, consts, bm * bn // (32 * warps), warps,
             dict(num_stages=stages, enable_fp_fusion=False))

@@ -58,13 +58,20 @@ GROUP_M = 16
 
 
 @triton.jit
+def _widen(x, BITS: tl.constexpr):
+    """A loaded BF16 operand tile for ``tl.dot``; ``BITS`` (the interpreter): int16 bits widened
+    to their exact FP32 value (as ``_load_bf16``)."""
+    if BITS:
+        return (x.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x
+
+
+@triton.jit
 def _load_bf16(ptrs, mask, BITS: tl.constexpr):
     """A BF16 tile for ``tl.dot``. ``BITS`` (the interpreter, whose BF16 loads are not usable):
     the operand arrives as int16 bits and is widened to its exact FP32 value instead."""
-    if BITS:
-        return (tl.load(ptrs, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    else:
-        return tl.load(ptrs, mask=mask, other=0.0)
+    return _widen(tl.load(ptrs, mask=mask, other=0), BITS)
 
 
 @triton.jit
@@ -183,7 +190,6 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, plan: tuple[tor
     return out
 
 
-
 @dataclass(frozen=True)
 class TmaConfig:
     """Tile and loop schedule of the TMA rows kernel (``_tma_rows_kernel``).
@@ -193,8 +199,9 @@ class TmaConfig:
     tiles per L2 swizzle group; ``programs``: persistent programs (None: one per SM on CUDA, 4 in
     the interpreter). ``flatten``: the persistent tile loop and the K loop pipelined as one
     loop, so the next tile's loads overlap this tile's epilogue. No warp specialization:
-    ``tl.range(..., warp_specialize=True)`` on the K loop compiles for sm90 with Triton 3.6 (with 4 warps: a producer and two consumer warp
-    groups), but on the H200 its first config hung past 200 s in the GPU test (session 21)."""
+    ``tl.range(..., warp_specialize=True)`` on the K loop compiles for sm90 with Triton 3.6 (with
+    4 warps: a producer and two consumer warp groups), but on the H200 its first config hung
+    past 200 s in the GPU test (session 21)."""
 
     bm: int = 128
     bn: int = 256
@@ -213,7 +220,7 @@ class TmaConfig:
 TMA_CONFIG = TmaConfig(flatten=True)
 #: Configs the benchmark sweeps (name -> config): tile shapes and ring depths whose shared memory
 #: fits the H200's 227 KB with a BF16 output (sass_count: the "grouped gemm tma" cases), with and
-#: without the flattened loop, and warp specialized (4 warps: see TmaConfig).
+#: without the flattened loop.
 TMA_CONFIGS: dict[str, TmaConfig] = {
     "128x256x64 w8 s3": TmaConfig(),
     "128x256x64 w8 s4": TmaConfig(stages=4),
@@ -223,16 +230,6 @@ TMA_CONFIGS: dict[str, TmaConfig] = {
     "256x128x64 w8 s3": TmaConfig(bm=256, bn=128),
     "128x128x64 w8 s5 flat": TmaConfig(bn=128, stages=5, flatten=True),
 }
-
-
-@triton.jit
-def _widen(x, BITS: tl.constexpr):
-    """A loaded BF16 operand tile for ``tl.dot``; ``BITS`` (the interpreter): int16 bits widened
-    to their exact FP32 value (as ``_load_bf16``)."""
-    if BITS:
-        return (x.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    else:
-        return x
 
 
 @triton.jit
@@ -263,21 +260,29 @@ def _tma_rows_kernel(a_desc, b_desc, sa_ptr, sb_ptr, bias_ptr, out_ptr, meta_ptr
                   bias_ptr, out_ptr, N, 0, 0, som, SA, SB, BIAS, OUT, NAN16, BITS)
 
 
+#: Rows / columns a tile may reach past the operands' ends (the largest TmaConfig tile side):
+#: the kernel's row and column indices are int32, so the operands keep this margin below 2**31.
+_TILE_MARGIN = 256
+
+
 def tma_applies(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the TMA kernel can read ``a`` [M, K] and ``b`` [E, N, K] (BF16) as they are:
-    unit inner strides, 16-byte aligned bases and row strides, B's experts one [E * N, K]
-    matrix (``b.stride(0) == N * b.stride(1)``), coordinates within int32. Where it does not,
-    ``grouped_rows`` runs the pointer kernel (the same computation)."""
+    unit inner strides, rows that do not overlap (a stride-0 broadcast is left to the pointer
+    kernel), 16-byte aligned bases and row strides, B's experts one [E * N, K] matrix
+    (``b.stride(0) == N * b.stride(1)``), row / column indices of every tile within int32.
+    Where it does not, ``grouped_rows`` runs the pointer kernel (the same computation)."""
     (m, k), (e, n, _) = a.shape, b.shape
     size = a.element_size()
     return (a.stride(1) == 1 and b.stride(2) == 1 and (e <= 1 or b.stride(0) == n * b.stride(1))
+            and a.stride(0) >= k and b.stride(1) >= k
             and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
             and (a.stride(0) * size) % 16 == 0 and (b.stride(1) * size) % 16 == 0
-            and max(m, e * n, k) < 2**31)
+            and max(m, e * n, k) + _TILE_MARGIN < 2**31)
 
 
 @lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``index`` (one persistent program each)."""
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
@@ -316,7 +321,12 @@ def _rows_kernel(kernel: Optional[str], a: torch.Tensor, b: torch.Tensor) -> str
     the pointer kernel elsewhere (the interpreter included). Both compute the same sums."""
     if kernel not in (None, "tma", "pointer"):
         raise ValueError(f"grouped_rows: kernel must be 'tma', 'pointer' or None; got {kernel!r}.")
-    if kernel == "tma" and not tma_applies(a, b):
+    empty_out = a.shape[0] * b.shape[1] == 0  # nothing runs: no operand is read
+    if kernel == "tma" and a.is_cuda and torch.cuda.get_device_capability(a.device) < (9, 0):
+        raise ValueError(f"grouped_rows: kernel='tma' needs a Hopper or newer GPU (TMA); "
+                         f"{torch.cuda.get_device_name(a.device)} is sm"
+                         f"{''.join(map(str, torch.cuda.get_device_capability(a.device)))}. Use kernel='pointer' (or None).")
+    if kernel == "tma" and not empty_out and not tma_applies(a, b):
         raise ValueError(f"grouped_rows: kernel='tma' needs unit inner strides, 16-byte aligned bases and row "
                          f"strides (K % 8 == 0 for contiguous BF16) and b's experts stacked as one [E*N, K] "
                          f"matrix; got a strides {a.stride()}, b strides {b.stride()}. Use kernel='pointer' "
@@ -337,7 +347,9 @@ def grouped_rows(a: torch.Tensor, b: torch.Tensor, splits: list[int], *, scale_a
     ``a`` [Σ splits, K] and ``b`` [E, N, K] BF16 (any strides); ``scale_a`` [Σ splits] (per row),
     ``scale_b`` and ``bias`` [E, N], all FP32 or None; returns [Σ splits, N] in ``out_dtype``.
     ``kernel``: ``"pointer"`` (``tile``, ``group_m``), ``"tma"`` (``tma``; a ValueError where
-    ``tma_applies`` is false) or None (``_rows_kernel``: TMA on Hopper+ where it applies)."""
+    ``tma_applies`` is false) or None (``_rows_kernel``: TMA on Hopper+ where it applies).
+    ``tile`` / ``group_m`` other than the defaults configure the pointer kernel only: a
+    ValueError if the TMA kernel would run (pass ``kernel="pointer"``, or ``tma=``)."""
     if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or a.dim() != 2 or b.dim() != 3:
         raise ValueError(f"grouped_rows: a [M, K] and b [E, N, K] must be BF16; got {a.dtype} "
                          f"{tuple(a.shape)}, {b.dtype} {tuple(b.shape)}.")
@@ -351,7 +363,11 @@ def grouped_rows(a: torch.Tensor, b: torch.Tensor, splits: list[int], *, scale_a
     out = empty((m, n), out_dtype, a.device)
     starts = [sum(splits[:i]) for i in range(e + 1)]
     ranges = [(starts[i], starts[i + 1]) for i in range(e)]
-    if _rows_kernel(kernel, a, b) == "tma":
+    chosen = _rows_kernel(kernel, a, b)
+    if chosen == "tma" and (tuple(tile) != TILE or group_m != GROUP_M):
+        raise ValueError(f"grouped_rows: tile={tile} / group_m={group_m} configure the pointer kernel, but the "
+                         f"TMA kernel runs here; pass kernel='pointer' to time that tile, or a TmaConfig as tma=.")
+    if chosen == "tma":
         return _launch_tma(a, b, out, _plan(ranges, [(0, k)] * e, tma.bm), scale_a, scale_b, bias, tma)
     return _launch(a, b, out, _plan(ranges, [(0, k)] * e, tile[0]), n, b.stride(0), scale_a, 0, scale_b, bias, 0,
                    tile, group_m)
