@@ -12,6 +12,8 @@ Variants: "BF16 grouped" — the same layer with stacked [E, out, in] BF16 weigh
 GroupedLinear (BF16 parameters) under CustomRecipe(high_precision), Float8CurrentScaling,
 MXFP8BlockScaling and the Composer-2 factory nvfp4_row_scaled_fwd_mxfp8_bwd. "x BF16 grouped" =
 baseline time / time (>1 is faster). "paths": which ``grouped_gemm`` path each GEMM took.
+Extra rows (suffixes) time a recipe again with one switch flipped in the same process, e.g.
+"[cuBLAS per expert BF16]": path 1's grouped BF16 GEMMs as cuBLAS per expert.
 
     python -m bench.bench_moe [--results-dir DIR] [--out results.json] [--quick] [--profile TEXT]
 """
@@ -68,6 +70,23 @@ UNPACKED_SUFFIX = " [unpacked weights]"
 #: quantize kernels (the CUDA default where every GEMM decodes them): the A/B of that change
 CODES_VARIANTS = ("hybridfp MXFP8", "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)")
 CODES_SUFFIX = common.CODES_SUFFIX
+#: recipes timed a second time with path 1's grouped BF16 GEMMs run as cuBLAS per expert
+#: (``hybridfp.gemm.grouped.BF16_PER_GROUP_CUBLAS``) instead of one CUTLASS ``torch._grouped_mm``
+PER_GROUP_VARIANTS = ("hybridfp MXFP8", "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)")
+PER_GROUP_SUFFIX = " [cuBLAS per expert BF16]"
+
+
+def with_per_group_cublas(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """``step`` with ``grouped.BF16_PER_GROUP_CUBLAS`` on (restored after each call)."""
+    from hybridfp.gemm import grouped
+
+    def run() -> torch.Tensor:
+        saved, grouped.BF16_PER_GROUP_CUBLAS = grouped.BF16_PER_GROUP_CUBLAS, True
+        try:
+            return step()
+        finally:
+            grouped.BF16_PER_GROUP_CUBLAS = saved
+    return run
 
 
 def with_triton_grouped(step: Callable[[], torch.Tensor], on: bool,
@@ -198,7 +217,8 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
         variants.append((name, hf, lambda r=recipe(): hybridfp.autocast(recipe=r)))
     unpacked = HybridMoE(base, pack_weights=False) if UNPACKED_VARIANTS else None
     extras = [(TRITON_VARIANTS, (TRITON_SUFFIX, PER_EXPERT_SUFFIX), hf),
-              (UNPACKED_VARIANTS, (UNPACKED_SUFFIX,), unpacked), (FP8_TRITON_VARIANTS, (FP8_TRITON_SUFFIX, PER_EXPERT_SUFFIX), hf)]
+              (UNPACKED_VARIANTS, (UNPACKED_SUFFIX,), unpacked), (FP8_TRITON_VARIANTS, (FP8_TRITON_SUFFIX, PER_EXPERT_SUFFIX), hf),
+              (PER_GROUP_VARIANTS, (PER_GROUP_SUFFIX,), hf)]
     for name, recipe in RECIPES:
         if name in CODES_VARIANTS:
             variants.append((name + CODES_SUFFIX, hf,
@@ -218,6 +238,8 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
             if name.endswith((TRITON_SUFFIX, PER_EXPERT_SUFFIX, FP8_TRITON_SUFFIX)):
                 step = with_triton_grouped(step, on=not name.endswith(PER_EXPERT_SUFFIX),
                                            fp8_everywhere=name.endswith(FP8_TRITON_SUFFIX))
+            if name.endswith(PER_GROUP_SUFFIX):
+                step = with_per_group_cublas(step)
             before = Counter(PATH_COUNTS)
             y = step().detach().float()
             paths = Counter(PATH_COUNTS) - before

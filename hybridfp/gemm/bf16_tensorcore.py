@@ -146,7 +146,7 @@ def supports_split(key_a: FormatKey, key_b: FormatKey, layout: str, device: torc
 
 
 @contextmanager
-def _exact_bf16_gemm(device: torch.device) -> Iterator[None]:
+def exact_bf16_gemm(device: torch.device) -> Iterator[None]:
     """No BF16 split-K reductions in cuBLAS, no autocast around the GEMM; restored after."""
     flags = torch.backends.cuda.matmul
     old = flags.allow_bf16_reduced_precision_reduction
@@ -183,7 +183,7 @@ def bf16_gemm(a: GemmOperand, b: GemmOperand, *, out_dtype: torch.dtype = torch.
                        GemmOperand(bv.float(), b.scale, b.k, b.rht), out_dtype, bias, accumulate_into)
     plain = a.scale is None and b.scale is None and bias is None and accumulate_into is None
     if plain and out_dtype == torch.bfloat16:
-        with _exact_bf16_gemm(av.device):
+        with exact_bf16_gemm(av.device):
             # FP32 accumulation, one rounding to BF16. Into ``out`` only where cuBLAS sees what a
             # fresh result would give it (contiguous, 16-byte aligned), so it picks the same kernel;
             # not while autograd records the operands (mm's out= has no derivative; BF16
@@ -202,7 +202,7 @@ def bf16_mm_fp32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     FP32 matmul of the same values (what ``emulate`` runs), so CPU tests run the same path.
     """
     if x.device.type == "cuda":
-        with _exact_bf16_gemm(x.device):
+        with exact_bf16_gemm(x.device):
             return torch.mm(x, y.t(), out_dtype=torch.float32)
     with _ieee_fp32(), torch.autocast(x.device.type, enabled=False):
         return x.float() @ y.float().t()

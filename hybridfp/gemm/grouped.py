@@ -53,6 +53,7 @@ from __future__ import annotations
 
 from collections import Counter
 from functools import lru_cache
+from itertools import accumulate
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -66,7 +67,7 @@ from .backends import emulate, report_emulated, select
 from .bf16_decode import bf16_exact_reason
 from .gemm import GEMM_OF_LAYOUT, LAYOUTS, gemm, operand_storage
 from . import grouped_fp8, grouped_triton
-from .grouped_bf16 import BF16_ALIGN, GroupedMM, offsets, run_bf16
+from .grouped_bf16 import BF16_ALIGN, GroupedMM, offsets, per_group_mm, run_bf16
 from .grouped_joined import run_joined
 from .joined import joined_rows
 
@@ -82,21 +83,34 @@ _MAX_GROUPS = 1023
 _NATIVE_FP8 = (fast.TENSORWISE_BACKEND, fast.BLOCK_BACKEND)
 
 
-def torch_grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """The CUDA grouped matmul: ``torch._grouped_mm`` (BF16 in, FP32 accumulation, BF16 out)."""
-    return torch._grouped_mm(mat_a, mat_b, offs=offs)
+#: Path 1's grouped matmul on CUDA: False, ``torch._grouped_mm`` (CUTLASS, one launch); True,
+#: ``grouped_bf16.per_group_mm`` (cuBLAS per expert, the same result semantics). A measuring
+#: switch (``bench_moe``'s "[cuBLAS per expert]" rows): in session 21's Composer-2 profile the
+#: per-expert cuBLAS fprop GEMMs ran at ~820 TFLOP/s on decoded NVFP4 values and CUTLASS's grouped
+#: backward GEMMs at ~775 on MXFP8 values (not a like-for-like comparison), so it is off until
+#: ``bench_grouped_vs_per_expert`` and an A/B of the MoE step say otherwise.
+BF16_PER_GROUP_CUBLAS: bool = False
 
 
-def reference_grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def torch_grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """The CUDA grouped matmul of path 1 (BF16 in, FP32 accumulation, BF16 out):
+    ``torch._grouped_mm`` over the groups of ``sizes``, or cuBLAS per group
+    (``grouped_bf16.per_group_mm``) where :data:`BF16_PER_GROUP_CUBLAS` is set."""
+    if BF16_PER_GROUP_CUBLAS:
+        return per_group_mm(mat_a, mat_b, sizes)
+    return torch._grouped_mm(mat_a, mat_b, offs=offsets(sizes, mat_a.device))
+
+
+def reference_grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     """``torch._grouped_mm``'s result computed exactly (FP32 products and accumulation per group,
     one rounding to ``mat_a``'s dtype), by the exact emulation ``gemm`` uses; runs anywhere.
 
-    2D × 3D: rows ``offs[g-1]:offs[g]`` of ``mat_a`` times ``mat_b[g]``; 2D × 2D: columns of
-    ``mat_a`` / rows of ``mat_b`` in that range, result [G, m, n] (zeros for an empty group).
+    2D × 3D: group g's ``sizes[g]`` rows of ``mat_a`` times ``mat_b[g]``; 2D × 2D: group g's
+    columns of ``mat_a`` / rows of ``mat_b``, result [G, m, n] (zeros for an empty group).
     Operands go to :func:`emulate` as [m, k] and [n, k] row-major FP32, as ``gemm`` hands it
     block-decoded copies, so equal values give bitwise-equal results on one device.
     """
-    ends = [int(e) for e in offs.tolist()]
+    ends = list(accumulate(int(s) for s in sizes))
     starts = [0] + ends[:-1]
     if mat_b.dim() == 3:
         parts = [_emulate_bf16(mat_a[s:e], mat_b[g].t()) for g, (s, e) in enumerate(zip(starts, ends))]

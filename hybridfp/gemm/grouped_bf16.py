@@ -17,17 +17,45 @@ from ..tensors.slicing import adjacent_rows
 from ..quantizers.grouped import pad_row_groups
 from ..tensors.storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
 from .bf16_decode import decode_bf16, decode_bf16_joined, held_transpose
+from .bf16_tensorcore import exact_bf16_gemm
 from .gemm import LAYOUTS
 from .joined import joined_columns, joined_rows
 
-#: (mat_a, mat_b, offs) -> BF16 result, with ``torch._grouped_mm``'s semantics.
-GroupedMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+#: (mat_a, mat_b, sizes) -> BF16 result, with ``torch._grouped_mm``'s semantics for the groups of
+#: ``sizes`` (host ints: rows of ``mat_a`` for 2D x 3D, the reduction for 2D x 2D).
+GroupedMM = Callable[[torch.Tensor, torch.Tensor, Sequence[int]], torch.Tensor]
 #: TMA needs 16-byte aligned strides and group starts: 8 BF16 elements.
 BF16_ALIGN = 8
 
 
 def offsets(sizes: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The groups' end offsets on ``device`` (int32), as ``torch._grouped_mm``'s ``offs``."""
     return device_tensor(list(accumulate(sizes)), device, torch.int32)
+
+
+def per_group_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """A :data:`GroupedMM` as one ``torch.mm`` per group (cuBLAS on CUDA), writing straight into
+    slices of one result: ``torch._grouped_mm``'s result and semantics (BF16 in, FP32
+    accumulation, one rounding to BF16; a 2D x 2D group with an empty reduction gives zeros), with
+    cuBLAS's BF16 split-K reductions off (``bf16_tensorcore.exact_bf16_gemm``), so SPEC §1 holds
+    as for one expert. An alternative to CUTLASS's grouped kernel for large groups, where
+    cuBLAS's per-shape kernels may run faster (``grouped.BF16_PER_GROUP_CUBLAS``)."""
+    starts = list(accumulate([0] + list(sizes)))
+    with exact_bf16_gemm(mat_a.device):
+        if mat_b.dim() == 3:  # rows grouped: [Σm, k] · [G, k, n] -> [Σm, n]
+            out = torch.empty(starts[-1], mat_b.shape[-1], dtype=mat_a.dtype, device=mat_a.device)
+            for g, m in enumerate(sizes):
+                if m:
+                    torch.mm(mat_a[starts[g]:starts[g + 1]], mat_b[g], out=out[starts[g]:starts[g + 1]])
+            return out
+        # reduction grouped: [m, Σk] · [Σk, n] -> [G, m, n]
+        out = torch.empty(len(sizes), mat_a.shape[0], mat_b.shape[1], dtype=mat_a.dtype, device=mat_a.device)
+        for g, k in enumerate(sizes):
+            if k:
+                torch.mm(mat_a[:, starts[g]:starts[g + 1]], mat_b[starts[g]:starts[g + 1]], out=out[g])
+            else:
+                out[g].zero_()
+        return out
 
 
 def run_bf16(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,
@@ -58,19 +86,18 @@ def run_bf16(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], lay
     if ops_a is None or ops_b is None or ops_a[1] != ops_b[1]:  # an epilogue factor; a one-sided RHT
         return None
     (vals_a, _), (vals_b, _) = ops_a, ops_b
-    device = vals_a[0].device if vals_a is not None else rows_a[0].device
     if layout != "NT":  # rows grouped: [Σm, k] · [E, k, n]
         mat_a = whole_a.values if whole_a is not None else torch.cat(vals_a)
         mat_b = (_experts_kn(whole_b.values, len(sb), db) if whole_b is not None else
                  _stack_transposed(vals_b, rows_b))
-        return grouped_mm(mat_a, mat_b, offsets(ms, device))
+        return grouped_mm(mat_a, mat_b, ms)
     # Reduction grouped: [m, Σk] · [Σk, n]. Each group starts 16-byte aligned (TMA): pad every
     # expert's reduction to a multiple of 8 with zeros, which add nothing to the FP32 sums.
     ks = [v.shape[1] for v in vals_a] if vals_a is not None else [r.shape[0] for r in rows_a]
     padded = [-(-k // BF16_ALIGN) * BF16_ALIGN for k in ks]
     mat_a = _cat_columns(vals_a, padded, rows_a)
     mat_b = _cat_columns(vals_b, padded, rows_b).t()
-    return _wgrad_result(grouped_mm(mat_a, mat_b, offsets(padded, device)), ks)
+    return _wgrad_result(grouped_mm(mat_a, mat_b, padded), ks)
 
 
 def _decoded_values(storages: Sequence[QuantizedStorage], direction: str, whole: Optional[GemmOperand],
@@ -144,7 +171,7 @@ def _run_bf16_joined_wgrad(sa: Sequence[QuantizedStorage], sb: Sequence[Quantize
     if oa.scale is not None or ob.scale is not None or oa.rht != ob.rht:
         return None
     ends = ja[1][1:] + [ja[0].rows]
-    out = grouped_mm(oa.values, ob.values.t(), offsets([e - s for s, e in zip(ja[1], ends)], oa.values.device))
+    out = grouped_mm(oa.values, ob.values.t(), [e - s for s, e in zip(ja[1], ends)])
     return _wgrad_result(out, [s.part(COLUMNWISE).rows for s in sa])
 
 

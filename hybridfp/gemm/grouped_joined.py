@@ -21,7 +21,7 @@ from ..tensors.storage import COLUMNWISE, ROWWISE, GemmOperand
 # the modules, not their functions: tests count decodes / padding passes by patching them there
 from . import bf16_decode, grouped_bf16
 from .gemm import LAYOUTS
-from .grouped_bf16 import BF16_ALIGN, GroupedMM, _experts_kn, _wgrad_result, offsets
+from .grouped_bf16 import BF16_ALIGN, GroupedMM, _experts_kn, _wgrad_result
 
 
 def run_joined(ja: JoinedCopy, jb: JoinedCopy, splits_a: Sequence[int], splits_b: Sequence[int], layout: str,
@@ -39,7 +39,7 @@ def run_joined(ja: JoinedCopy, jb: JoinedCopy, splits_a: Sequence[int], splits_b
     mat_b = _weights_kn(jb, db, splits_b)
     if mat_b is None or whole_a.scale is not None or whole_a.rht:
         return None
-    return grouped_mm(whole_a.values, mat_b, offsets(splits_a, whole_a.values.device))
+    return grouped_mm(whole_a.values, mat_b, splits_a)
 
 
 def _fixed_n(j: JoinedCopy, direction: str, splits: Sequence[int]) -> Optional[int]:
@@ -93,7 +93,7 @@ def _wgrad(ja: JoinedCopy, jb: JoinedCopy, splits_a: Sequence[int], splits_b: Se
             return None
         ends = ja.starts[1:] + [ja.storage.rows]
         sizes = [e - s for s, e in zip(ja.starts, ends)]
-        out = grouped_mm(oa.values, ob.values.t(), offsets(sizes, oa.values.device))
+        out = grouped_mm(oa.values, ob.values.t(), sizes)
         return _wgrad_result(out, splits_a)
     if ja.starts is None and jb.starts is None:
         da_, db_ = ja.storage.payload(COLUMNWISE)["data"], jb.storage.payload(COLUMNWISE)["data"]
@@ -103,5 +103,5 @@ def _wgrad(ja: JoinedCopy, jb: JoinedCopy, splits_a: Sequence[int], splits_b: Se
         padded = [-(-m // BF16_ALIGN) * BF16_ALIGN for m in splits_a]
         mat_a = grouped_bf16.pad_row_groups(da_, splits_a, BF16_ALIGN)[0].t()
         mat_b = grouped_bf16.pad_row_groups(db_, splits_b, BF16_ALIGN)[0].t().t()
-        return _wgrad_result(grouped_mm(mat_a, mat_b, offsets(padded, da_.device)), splits_a)
+        return _wgrad_result(grouped_mm(mat_a, mat_b, padded), splits_a)
     return None

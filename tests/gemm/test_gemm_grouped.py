@@ -37,9 +37,9 @@ class CountingMM:
     def __init__(self) -> None:
         self.calls = 0
 
-    def __call__(self, mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    def __call__(self, mat_a: torch.Tensor, mat_b: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         self.calls += 1
-        return reference_grouped_mm(mat_a, mat_b, offs)
+        return reference_grouped_mm(mat_a, mat_b, sizes)
 
 
 def sources(splits: list[int], seed: int = 0) -> dict[str, list[torch.Tensor]]:
@@ -205,12 +205,12 @@ def test_reference_grouped_mm_semantics():
     g = torch.Generator().manual_seed(5)
     a = torch.randn(10, 16, generator=g).bfloat16()
     b = torch.randn(3, 8, 16, generator=g).bfloat16()
-    offs = torch.tensor([3, 3, 10], dtype=torch.int32)
-    out = reference_grouped_mm(a, b.transpose(1, 2), offs)
+    sizes = [3, 0, 7]
+    out = reference_grouped_mm(a, b.transpose(1, 2), sizes)
     want = torch.cat([(a[:3].float() @ b[0].float().t()), (a[3:].float() @ b[2].float().t())]).bfloat16()
     assert torch.equal(out, want)
     dy = torch.randn(10, 8, generator=g).bfloat16()
-    w = reference_grouped_mm(dy.t().contiguous(), a, offs)
+    w = reference_grouped_mm(dy.t().contiguous(), a, sizes)
     assert w.shape == (3, 8, 16) and torch.equal(w[1], torch.zeros(8, 16, dtype=torch.bfloat16))
     assert torch.equal(w[2], (dy[3:].float().t() @ a[3:].float()).bfloat16())
 
@@ -321,9 +321,9 @@ def test_shared_rowwise_encoding_is_read_without_copy(fmt, layout):
     B = [make()(w.bfloat16()) for w in src["w"]]
     seen = []
 
-    def mm(mat_a, mat_b, offs):
+    def mm(mat_a, mat_b, sizes):
         seen.append(mat_a)
-        return reference_grouped_mm(mat_a, mat_b, offs)
+        return reference_grouped_mm(mat_a, mat_b, sizes)
     got = grouped_gemm(A, B, layout, grouped_mm=mm)
     assert_same(got, per_expert(A, B, layout))
     assert len(seen) == 1 and seen[0].shape == a_src.shape
@@ -367,12 +367,12 @@ def test_shared_encodings_reach_the_grouped_mm_as_one_decode(layout):
     wa, wb = OPERANDS[layout]
     seen = []
 
-    def mm(mat_a, mat_b, offs):
-        seen.append((mat_a, mat_b, offs.tolist()))
-        return reference_grouped_mm(mat_a, mat_b, offs)
+    def mm(mat_a, mat_b, sizes):
+        seen.append((mat_a, mat_b, list(sizes)))
+        return reference_grouped_mm(mat_a, mat_b, sizes)
     got = grouped_gemm(ops[wa], ops[wb], layout, grouped_mm=mm)
     want = per_expert(ops[wa], ops[wb], layout)
-    (mat_a, mat_b, offs), = seen
+    (mat_a, mat_b, sizes), = seen
     if layout != "NT":
         assert_same(got, want)
         e, k, n = mat_b.shape
@@ -381,7 +381,7 @@ def test_shared_encodings_reach_the_grouped_mm_as_one_decode(layout):
         return
     padded = [-(-m // 32) * 32 for m in splits]
     assert tuple(mat_a.shape) == (N, sum(padded)) and tuple(mat_b.shape) == (sum(padded), K)
-    assert offs == torch.tensor(padded).cumsum(0).tolist()
+    assert sizes == padded
     for m, g, w in zip(splits, got, want):
         if m == 0:
             assert torch.equal(g, torch.zeros(N, K, dtype=torch.bfloat16))
@@ -562,13 +562,13 @@ def test_identity_wgrad_pads_adjacent_rows_in_one_pass(monkeypatch):
     monkeypatch.setattr(grouped_bf16, "pad_row_groups", lambda *a: pads.append(a[1]) or real(*a))
     seen = []
 
-    def mm(mat_a, mat_b, offs):
-        seen.append((mat_a.shape, mat_b.shape, offs.tolist()))
-        return reference_grouped_mm(mat_a, mat_b, offs)
+    def mm(mat_a, mat_b, sizes):
+        seen.append((mat_a.shape, mat_b.shape, list(sizes)))
+        return reference_grouped_mm(mat_a, mat_b, sizes)
     got = grouped_gemm(DY, X, "NT", grouped_mm=mm)
     assert pads == [splits, splits]
     padded = [-(-m // 8) * 8 for m in splits]
-    assert seen == [((N, sum(padded)), (sum(padded), K), torch.tensor(padded).cumsum(0).tolist())]
+    assert seen == [((N, sum(padded)), (sum(padded), K), padded)]
     want = per_expert(DY, X, "NT")
     for m, g, w in zip(splits, got, want):
         if m == 0:

@@ -1,0 +1,103 @@
+"""``grouped_bf16.per_group_mm``: path 1's grouped matmul as one ``torch.mm`` per group (cuBLAS on
+CUDA), ``torch._grouped_mm``'s semantics (BF16 in, FP32 accumulation, one rounding; zeros for an
+empty reduction group), behind the measuring switch ``grouped.BF16_PER_GROUP_CUBLAS``.
+
+Bitwise checks use small-integer operands: every product and partial sum is an integer far
+below 2**24, exact in FP32 in any order, so every correct FP32-accumulating GEMM (the reference
+emulation, CPU ``torch.mm``, cuBLAS) gives the same BF16 bits. On random MXFP8 operands the
+per-expert ``gemm`` loop and ``per_group_mm`` differ only in FP32 summation order: within one
+BF16 rounding (2**-8 relative, norm-wise) of each other.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_gemm_grouped import ODD, OPERANDS, per_expert, quantized
+
+from hybridfp.gemm import grouped, grouped_gemm
+from hybridfp.gemm.grouped import reference_grouped_mm
+from hybridfp.gemm.grouped_bf16 import per_group_mm
+
+
+def _ints(shape: tuple[int, ...], g: torch.Generator, device: str = "cpu") -> torch.Tensor:
+    return torch.randint(-4, 5, shape, generator=g).to(device=device, dtype=torch.bfloat16)
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-300)).item()
+
+
+@pytest.mark.parametrize("sizes", [[3, 0, 7, 1], [0, 0, 5], [4]])
+def test_rows_grouped_bitwise_on_exact_sums(sizes):
+    """2D x 3D: group g's rows times ``mat_b[g]``, each row written once into one result."""
+    g = torch.Generator().manual_seed(1)
+    a, b = _ints((sum(sizes), 40), g), _ints((len(sizes), 40, 24), g)
+    got = per_group_mm(a, b, sizes)
+    assert got.dtype == torch.bfloat16 and got.shape == (sum(sizes), 24)
+    assert torch.equal(got, reference_grouped_mm(a, b, sizes))
+
+
+@pytest.mark.parametrize("sizes", [[3, 0, 7, 1], [0, 8], [5]])
+def test_reduction_grouped_bitwise_and_zero_groups(sizes):
+    """2D x 2D: group g's slice of the reduction; an empty group is zeros (poisoned first)."""
+    g = torch.Generator().manual_seed(2)
+    a, b = _ints((16, sum(sizes)), g), _ints((sum(sizes), 24), g)
+    got = per_group_mm(a, b, sizes)
+    assert got.shape == (len(sizes), 16, 24)
+    assert torch.equal(got, reference_grouped_mm(a, b, sizes))
+    for e, k in enumerate(sizes):
+        if k == 0:
+            assert torch.equal(got[e], torch.zeros(16, 24, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("layout", list(OPERANDS))
+def test_grouped_gemm_with_per_group_mm(layout):
+    """Through ``grouped_gemm``'s path 1 (MXFP8 experts, an empty one, odd sizes): within one BF16
+    rounding of the per-expert ``gemm`` loop (only the FP32 summation order differs)."""
+    ops = quantized(["mxfp8_1d"] * 4, ODD)
+    wa, wb = OPERANDS[layout]
+    got = grouped_gemm(ops[wa], ops[wb], layout, grouped_mm=per_group_mm)
+    want = per_expert(ops[wa], ops[wb], layout)
+    pairs = zip(got, want) if layout == "NT" else [(got, want)]
+    for g_, w_ in pairs:
+        assert g_.shape == w_.shape and g_.dtype == w_.dtype
+        if w_.numel():
+            assert _rel(g_, w_) < 2 ** -8
+
+
+def test_switch_selects_per_group_mm(monkeypatch):
+    """``torch_grouped_mm`` (path 1's default matmul) takes ``per_group_mm`` when the switch is on."""
+    calls = []
+    monkeypatch.setattr(grouped, "per_group_mm", lambda *a: calls.append(a[2]) or per_group_mm(*a))
+    monkeypatch.setattr(grouped, "BF16_PER_GROUP_CUBLAS", True)
+    g = torch.Generator().manual_seed(3)
+    a, b = _ints((9, 16), g), _ints((2, 16, 8), g)
+    assert torch.equal(grouped.torch_grouped_mm(a, b, [4, 5]), reference_grouped_mm(a, b, [4, 5]))
+    assert calls == [[4, 5]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rows_grouped", [True, False])
+def test_gpu_per_group_mm_equals_grouped_mm_on_exact_sums(rows_grouped):
+    """cuBLAS per group and CUTLASS's grouped kernel give the same bits where every FP32 sum is
+    exact (integer operands), at MoE-like shapes (an empty group, sizes multiples of 16 as
+    ``torch._grouped_mm`` needs); random operands agree within one BF16 rounding."""
+    sizes = [512, 0, 1040, 16, 2000]
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    makers = {"ints": lambda s: _ints(s, g, "cuda"),
+              "randn": lambda s: torch.randn(s, generator=g).bfloat16().cuda()}
+    for kind, make in makers.items():
+        if rows_grouped:
+            a, b = make((sum(sizes), 1024)), make((len(sizes), 1024, 1408))
+        else:
+            a, b = make((1408, sum(sizes))), make((sum(sizes), 1024))
+        got = per_group_mm(a, b, sizes)
+        want = torch._grouped_mm(a, b, offs=grouped.offsets(sizes, a.device))
+        if not rows_grouped:
+            want[1].zero_()  # an empty reduction group: hybridfp zeroes it (grouped_bf16._wgrad_result)
+        if kind == "ints":
+            assert torch.equal(got, want)
+        else:
+            assert _rel(got, want) < 2 ** -8
