@@ -13,7 +13,7 @@ several tiles. Median ms (``bench.common.bench_ms``: do_bench) and TFLOP/s, with
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -29,8 +29,13 @@ TILES = [((128, 256, 64, 8, 3), 1), ((128, 128, 64, 8, 3), 8), ((128, 256, 64, 8
          ((256, 128, 64, 8, 4), 8), ((128, 256, 32, 8, 5), 8), ((128, 128, 64, 4, 4), 8)]
 
 
-def run(tiles: list[tuple[tuple[int, int, int, int, int], int]]) -> list[dict[str, Any]]:
-    """One row per (shape, variant): ms, TFLOP/s, ratio to torch._grouped_mm."""
+Variants = Callable[..., dict[str, Callable[[], Any]]]
+
+
+def _sweep(variants: Variants) -> list[dict[str, Any]]:
+    """One row per (shape, variant): ms, TFLOP/s and the ratio to ``torch._grouped_mm`` (no
+    epilogue) on the same operands; ``variants(tg, a, b, sa, sb, splits)`` names the calls to time
+    (a call that fails, e.g. a tile whose shared memory does not fit, is reported as its error)."""
     from hybridfp.kernels import triton_grouped_gemm as tg
     rows: list[dict[str, Any]] = []
     for name, splits, k, n in SHAPES:
@@ -44,22 +49,30 @@ def run(tiles: list[tuple[tuple[int, int, int, int, int], int]]) -> list[dict[st
         base = common.bench_ms(lambda: torch._grouped_mm(a, b.transpose(1, 2), offs=offs), 100, 500)
         rows.append(dict(shape=name, variant="torch._grouped_mm (no epilogue)", ms=base,
                          tflops=flop / base / 1e9, vs_grouped_mm=1.0))
-        for t, g in tiles:
-            def step(t=t, g=g):
-                return tg.grouped_rows(a, b, splits, scale_a=sa, scale_b=sb, tile=t, group_m=g, kernel="pointer")
+        for variant, step in variants(tg, a, b, sa, sb, splits).items():
             try:
                 ms = common.bench_ms(step, 100, 500)
-            except Exception as e:  # noqa: BLE001 - a tile that does not fit (shared memory) is reported
-                rows.append(dict(shape=name, variant=f"triton {t} g{g}", error=f"{type(e).__name__}: {str(e)[:100]}"))
+            except Exception as e:  # noqa: BLE001 - reported in the table, the sweep goes on
+                rows.append(dict(shape=name, variant=variant, error=f"{type(e).__name__}: {str(e)[:100]}"))
                 continue
-            rows.append(dict(shape=name, variant=f"triton {t} g{g}", ms=ms, tflops=flop / ms / 1e9, vs_grouped_mm=base / ms))
+            rows.append(dict(shape=name, variant=variant, ms=ms, tflops=flop / ms / 1e9, vs_grouped_mm=base / ms))
     return rows
+
+
+def run(tiles: list[tuple[tuple[int, int, int, int, int], int]]) -> list[dict[str, Any]]:
+    """The pointer kernel at each (tile, swizzle group) of ``tiles``."""
+    def variants(tg, a, b, sa, sb, splits):
+        return {f"triton {t} g{g}": (lambda t=t, g=g: tg.grouped_rows(a, b, splits, scale_a=sa, scale_b=sb, tile=t,
+                                                                      group_m=g, kernel="pointer"))
+                for t, g in tiles}
+    return _sweep(variants)
 
 
 def _per_expert_fp32_epilogue(a: torch.Tensor, b: torch.Tensor, splits: list[int], sa: torch.Tensor,
                               sb: torch.Tensor) -> list[torch.Tensor]:
-    """The alternative the kernel must beat, per expert: cuBLAS BF16 GEMM to FP32 (``torch.mm(out_dtype=)``, as
-    ``gemm/bf16_tensorcore.py`` calls it), the scales and the cast as torch ops."""
+    """The alternative the kernel must beat, per expert: cuBLAS BF16 GEMM to FP32
+    (``torch.mm(out_dtype=)``, as ``gemm/bf16_tensorcore.py`` calls it), the scales and the cast
+    as torch ops."""
     outs, r = [], 0
     for e, m in enumerate(splits):
         if m:
@@ -70,39 +83,20 @@ def _per_expert_fp32_epilogue(a: torch.Tensor, b: torch.Tensor, splits: list[int
 
 
 def run_tma() -> list[dict[str, Any]]:
-    """One row per (shape, variant): the TMA kernel at every TMA_CONFIGS entry next to the
-    baselines, all on the same operands with the row-scaled NVFP4 epilogue (per-row and
-    per-column FP32 scales, BF16 output)."""
-    from hybridfp.kernels import triton_grouped_gemm as tg
-    rows: list[dict[str, Any]] = []
-    for name, splits, k, n in SHAPES:
-        m = sum(splits)
-        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(len(splits), n, k, device="cuda", dtype=torch.bfloat16)
-        sa = torch.rand(m, device="cuda") + 0.5
-        sb = torch.rand(len(splits), n, device="cuda") + 0.5
-        offs = torch.tensor(splits, device="cuda").cumsum(0).to(torch.int32)
-        flop = 2.0 * m * n * k
-        base = common.bench_ms(lambda: torch._grouped_mm(a, b.transpose(1, 2), offs=offs), 100, 500)
-        # (torch._grouped_mm with an FP32 output would be the other baseline; torch 2.11 refuses it
-        # for BF16 inputs: "Grouped gemm output dtype must match `mat_a` dtype", s21)
-        variants = {"per-expert torch.mm FP32 out + epilogue as 3 torch passes":
-                    lambda: _per_expert_fp32_epilogue(a, b, splits, sa, sb),
-                    f"pointer {tg.TILE} g{tg.GROUP_M}":
-                    lambda: tg.grouped_rows(a, b, splits, scale_a=sa, scale_b=sb, kernel="pointer")}
+    """The TMA kernel at every TMA_CONFIGS entry next to the baselines, all with the row-scaled
+    NVFP4 epilogue (per-row and per-column FP32 scales, BF16 output). (torch._grouped_mm with an
+    FP32 output would be the other baseline; torch 2.11 refuses it for BF16 inputs: "Grouped gemm
+    output dtype must match `mat_a` dtype", s21.)"""
+    def variants(tg, a, b, sa, sb, splits):
+        out = {"per-expert torch.mm FP32 out + epilogue as 3 torch passes":
+               lambda: _per_expert_fp32_epilogue(a, b, splits, sa, sb),
+               f"pointer {tg.TILE} g{tg.GROUP_M}":
+               lambda: tg.grouped_rows(a, b, splits, scale_a=sa, scale_b=sb, kernel="pointer")}
         for cname, cfg in tg.TMA_CONFIGS.items():
-            variants[f"tma {cname}" + ("" if " g" in cname else f" g{cfg.group_m}")] = (
+            out[f"tma {cname}" + ("" if " g" in cname else f" g{cfg.group_m}")] = (
                 lambda cfg=cfg: tg.grouped_rows(a, b, splits, scale_a=sa, scale_b=sb, kernel="tma", tma=cfg))
-        rows.append(dict(shape=name, variant="torch._grouped_mm (no epilogue)", ms=base,
-                         tflops=flop / base / 1e9, vs_grouped_mm=1.0))
-        for variant, step in variants.items():
-            try:
-                ms = common.bench_ms(step, 100, 500)
-            except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory) is reported
-                rows.append(dict(shape=name, variant=variant, error=f"{type(e).__name__}: {str(e)[:100]}"))
-                continue
-            rows.append(dict(shape=name, variant=variant, ms=ms, tflops=flop / ms / 1e9, vs_grouped_mm=base / ms))
-    return rows
+        return out
+    return _sweep(variants)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
