@@ -26,6 +26,12 @@ from hybridfp.kernels._common import poisoned_outputs
 #: BK 32 and 64 (K = 96 / 160: a multiple of 32, not of 64), 3 persistent programs
 TINY32 = tg.TmaConfig(bm=16, bn=16, bk=32, warps=4, stages=1, programs=3)
 TINY64 = dataclasses.replace(TINY32, bk=64)
+#: the same tiles computing the transposed product (MxConfig.swap); compared with the TMA kernel at
+#: the plain TmaConfig (same tiles, same K order)
+TINY32_SWAP = tgm.MxConfig(**dataclasses.asdict(TINY32), swap=True)
+TINY64_SWAP = tgm.MxConfig(**dataclasses.asdict(TINY64), swap=True)
+CONFIGS = [TINY32, TINY64, TINY32_SWAP, TINY64_SWAP]
+CONFIG_IDS = ["bk32", "bk64", "bk32-swap", "bk64-swap"]
 #: (splits, K, N): empty experts first, last and between; a one-row expert; N not a multiple of 16
 CASES = [([0, 19, 45, 1, 33], 96, 24), ([1, 0, 0, 7], 32, 40), ([33, 1, 0], 64, 16), ([5], 160, 9)]
 #: E8M0 bytes placed on a few blocks by the "extremes" operands: tiny (products under BF16's
@@ -78,14 +84,19 @@ def reference_decode(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return mxfp8.dequantize_1d(f8.reshape(e * n, k), scales.reshape(e * n, k // 32)).to(torch.bfloat16).view(e, n, k)
 
 
+def _plain(cfg: tg.TmaConfig) -> tg.TmaConfig:
+    """The TmaConfig part of an MxConfig (what _tma_rows_kernel runs at)."""
+    return tg.TmaConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(tg.TmaConfig)})
+
+
 def _both(a, codes, scales, splits, cfg, **kw):
     fused = tgm.grouped_rows_mxfp8b(a, codes, scales, splits, tma=cfg, **kw)
-    two_pass = tg.grouped_rows(a, reference_decode(codes, scales), splits, kernel="tma", tma=cfg, **kw)
+    two_pass = tg.grouped_rows(a, reference_decode(codes, scales), splits, kernel="tma", tma=_plain(cfg), **kw)
     return fused, two_pass
 
 
 @interpreter_only
-@pytest.mark.parametrize("cfg", [TINY32, TINY64], ids=["bk32", "bk64"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize("scaled,bias", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("splits,k,n", CASES, ids=[f"{len(s)}e-k{k}-n{n}" for s, k, n in CASES])
 def test_fused_equals_two_pass_bitwise(splits, k, n, scaled, bias, cfg):
@@ -100,7 +111,7 @@ def test_fused_equals_two_pass_bitwise(splits, k, n, scaled, bias, cfg):
 
 
 @interpreter_only
-@pytest.mark.parametrize("cfg", [TINY32, TINY64], ids=["bk32", "bk64"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize("splits,k,n", CASES, ids=[f"{len(s)}e-k{k}-n{n}" for s, k, n in CASES])
 def test_fused_extremes_bitwise(splits, k, n, cfg):
     """Tiny E8M0 bytes (decoded values BF16 subnormals or zero), huge ones (inf products), NaN
@@ -128,9 +139,10 @@ def test_fp8_dtypes_and_schedules():
     want = tg.grouped_rows(a, reference_decode(codes, scales), splits, kernel="tma", tma=TINY32, **kw)
     got = tgm.grouped_rows_mxfp8b(a, codes.view(torch.float8_e4m3fn), scales, splits, tma=TINY32, **kw)
     assert torch.equal(_bits(got), _bits(want))
-    for cfg in (dict(programs=1), dict(programs=64, group_m=1), dict(group_m=2, flatten=True)):
+    for cfg in (dict(programs=1), dict(programs=64, group_m=1), dict(group_m=2, flatten=True), dict(swap=True)):
         with poisoned_outputs():
-            got = tgm.grouped_rows_mxfp8b(a, codes, scales, splits, tma=dataclasses.replace(TINY32, **cfg), **kw)
+            got = tgm.grouped_rows_mxfp8b(a, codes, scales, splits, tma=dataclasses.replace(TINY32_SWAP, **{
+                "swap": False, **cfg}), **kw)
         assert torch.equal(_bits(got), _bits(want)), cfg
     c5 = codes.view(torch.float8_e5m2)
     w5 = mxfp8.dequantize_1d(c5.reshape(-1, k), scales.reshape(-1, k // 32)).to(torch.bfloat16).view(len(splits), n, k)
@@ -194,7 +206,7 @@ def test_gpu_fused_equals_two_pass_bitwise(name, case, extremes):
     kw = dict(scale_a=sa, scale_b=sb, bias=bs)
     with poisoned_outputs():
         fused = tgm.grouped_rows_mxfp8b(a, codes, scales, splits, tma=cfg, **kw)
-        two_pass = tg.grouped_rows(a, w, splits, kernel="tma", tma=cfg, **kw)
+        two_pass = tg.grouped_rows(a, w, splits, kernel="tma", tma=_plain(cfg), **kw)
         assert torch.equal(_bits(fused), _bits(two_pass)), f"seed {seed}"
         if not extremes:
             assert torch.isfinite(fused).all(), f"seed {seed}"
@@ -204,5 +216,5 @@ def test_gpu_fused_equals_two_pass_bitwise(name, case, extremes):
             if "shared memory" not in str(err).lower() and "OutOfResources" not in type(err).__name__:
                 raise
             pytest.skip(f"{name}: an FP32 output exceeds the shared memory ({type(err).__name__})")
-        two_pass32 = tg.grouped_rows(a, w, splits, kernel="tma", tma=cfg, out_dtype=torch.float32, **kw)
+        two_pass32 = tg.grouped_rows(a, w, splits, kernel="tma", tma=_plain(cfg), out_dtype=torch.float32, **kw)
         assert torch.equal(_bits(fused32), _bits(two_pass32)), f"seed {seed}"
