@@ -80,10 +80,20 @@ def run(quick: bool) -> list[dict[str, Any]]:
               lambda: tg.grouped_rows(a, w, splits, kernel="tma"), flop, base)
         for cname, cfg in configs.items():
             plain = tg.TmaConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(tg.TmaConfig)})
+            bits = "?"
             try:
                 got = tgm.grouped_rows_mxfp8b(a, codes, scales, splits, tma=cfg)
-                want = tg.grouped_rows(a, w, splits, kernel="tma", tma=plain)
-                bits = "equal" if torch.equal(got.view(torch.int16), want.view(torch.int16)) else "DIFFER"
+                # the TMA kernel at the same tiles; fewer stages where its BF16 rings do not fit (the
+                # ring depth only pipelines the loads)
+                for stages in range(plain.stages, 0, -1):
+                    try:
+                        want = tg.grouped_rows(a, w, splits, kernel="tma", tma=dataclasses.replace(plain, stages=stages))
+                        break
+                    except Exception as err:  # noqa: BLE001
+                        if "OutOfResources" not in type(err).__name__ or stages == 1:
+                            raise
+                same = torch.equal(got.view(torch.int16), want.view(torch.int16))
+                bits = ("equal" if same else "DIFFER") + ("" if stages == plain.stages else f" (ref s{stages})")
             except Exception as err:  # noqa: BLE001 - reported in the row
                 bits = f"{type(err).__name__}"
             _time(rows, name, f"(c) fused mxfp8b {cname}",
