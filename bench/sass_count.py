@@ -84,6 +84,8 @@ _MX_TMA_SPECS: dict[str, tuple[int, int, int, int, int, bool, int, bool]] = {
     "128x128x64 w8 s4": (128, 128, 64, 8, 4, False, 16, False),
     "128x256x64 w8 s3 swap": (128, 256, 64, 8, 3, False, 16, True),
     "128x128x64 w8 s4 swap": (128, 128, 64, 8, 4, False, 16, True),
+    "256x128x64 w8 s3 swap": (256, 128, 64, 8, 3, False, 16, True),
+    "256x128x128 w8 s3 swap": (256, 128, 128, 8, 3, False, 16, True),
 }
 
 

@@ -72,17 +72,23 @@ MX_CONFIGS: dict[str, MxConfig] = {
     "128x128x64 w8 s4": MxConfig(bn=128, stages=4),
     "128x256x64 w8 s3 swap": MxConfig(swap=True),
     "128x128x64 w8 s4 swap": MxConfig(bn=128, stages=4, swap=True),
+    # the decode is paid once per row tile: BM 256 halves it per MMA (wgmma n = BM = 256)
+    "256x128x64 w8 s3 swap": MxConfig(bm=256, bn=128, swap=True),
+    "256x128x128 w8 s3 swap": MxConfig(bm=256, bn=128, bk=128, swap=True),
 }
 
 
 @triton.jit
 def _decode_tile(c, e, E5M2: tl.constexpr, BITS: tl.constexpr, NAN16: tl.constexpr):
     """B's BF16 operand tile from FP8 code bytes ``c`` (uint8 [BN, BK]) and their E8M0 bytes
-    ``e`` (int32, ``c``'s shape): ``bf16(fp32(code) * 2**(e - 127))`` bit for bit the reference
-    decode. ``BITS`` (the interpreter): the exact FP32 value of those BF16 bits instead (what
-    ``_widen`` makes of the in-memory decode's int16 bits)."""
+    ``e`` (int32 [BN, BK / 32], one per 32 codes of a row): ``bf16(fp32(code) * 2**(e - 127))``
+    bit for bit the reference decode. The power of two is built once per block and then
+    broadcast to the block's codes. ``BITS`` (the interpreter): the exact FP32 value of those
+    BF16 bits instead (what ``_widen`` makes of the in-memory decode's int16 bits)."""
+    BN: tl.constexpr = c.shape[0]
+    BK: tl.constexpr = c.shape[1]
     if BITS:
-        bits = e8m0_scaled_bits(_fp8_f32(c.to(tl.int32), E5M2), e, NAN16)
+        bits = e8m0_scaled_bits(_fp8_f32(c.to(tl.int32), E5M2), _expand(e, BN, BK, 32), NAN16)
         return _widen(bits.to(tl.int16), True)
     else:
         if E5M2:
@@ -90,7 +96,7 @@ def _decode_tile(c, e, E5M2: tl.constexpr, BITS: tl.constexpr, NAN16: tl.constex
         else:
             v = c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         s = tl.where(e == 255, 0x7FC00000, tl.where(e == 0, 0x400000, e << 23)).to(tl.float32, bitcast=True)
-        return (v * s).to(tl.bfloat16)
+        return (v * _expand(s, BN, BK, 32)).to(tl.bfloat16)
 
 
 @triton.jit
@@ -155,7 +161,7 @@ def _tma_rows_mxfp8b_kernel(a_desc, b_desc, bs_ptr, sa_ptr, sb_ptr, bias_ptr, ou
             s_next = tl.load(sptr + kb[None, :], mask=rmask & (kb < KB)[None, :], other=127)
             a = _widen(a_desc.load([r0, kt * BK]), BITS)
             c = b_desc.load([b_row, kt * BK])
-            b = _decode_tile(c, _expand(s, BN, BK, 32), E5M2, BITS, NAN16)
+            b = _decode_tile(c, s, E5M2, BITS, NAN16)
             if SWAP:
                 acc = tl.dot(b, a.T, acc)
             else:

@@ -169,6 +169,21 @@ def test_fp8_dtypes_and_schedules():
     assert torch.equal(_bits(got5), _bits(want5))
 
 
+@interpreter_only
+@pytest.mark.parametrize("tile", [dict(bm=32, bn=16), dict(bm=16, bn=32, bk=64)], ids=str)
+@pytest.mark.parametrize("swap", [False, True])
+def test_non_square_tiles(tile, swap):
+    """BM != BN (the transposed epilogue's rows and columns cannot be confused), against the TMA
+    kernel at the same tiles."""
+    splits, k, n = [0, 19, 45, 1, 33], 96, 40
+    a, codes, scales, sa, sb, bs = _mx_operands(splits, k, n, 3, scaled=True, bias=True, extremes=True)
+    cfg = dataclasses.replace(TINY32_SWAP, swap=swap, **tile)
+    with poisoned_outputs():
+        for dt in (torch.float32, torch.bfloat16):
+            fused, two_pass = _both(a, codes, scales, splits, cfg, out_dtype=dt, scale_a=sa, scale_b=sb, bias=bs)
+            assert torch.equal(_bits(fused), _bits(two_pass)), dt
+
+
 def test_refusals_name_the_tensor():
     a = torch.zeros(6, 64, dtype=torch.bfloat16)
     codes = torch.zeros(2, 8, 64, dtype=torch.uint8)
