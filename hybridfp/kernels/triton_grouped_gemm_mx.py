@@ -205,6 +205,14 @@ def _check_operands(a: torch.Tensor, b_codes: torch.Tensor, b_scales: torch.Tens
               f"of K); got {b_scales.dtype} {tuple(b_scales.shape)}.")
     if cfg.bk % BLOCK:
         _fail(f"the TmaConfig's bk = {cfg.bk} must be a multiple of {BLOCK} (a K tile holds whole blocks).")
+    devices = {t.device for t in (a, b_codes, b_scales)}
+    if len(devices) != 1:
+        _fail(f"a, b_codes and b_scales must be on one device; got {sorted(map(str, devices))}.")
+    if a.is_cuda and torch.cuda.get_device_capability(a.device) < (9, 0):
+        _fail(f"needs a Hopper or newer GPU (TMA); {torch.cuda.get_device_name(a.device)} is not. Decode B "
+              f"(triton_decode.decode_mxfp8) and use triton_grouped_gemm.grouped_rows(kernel='pointer').")
+    if m * n == 0:  # an empty output: nothing is read, no layout to refuse (as grouped_rows)
+        return
     if a.stride(1) != 1 or a.stride(0) < k or a.data_ptr() % 16 or (a.stride(0) * 2) % 16:
         _fail(f"a must have unit inner stride, rows not overlapping and a 16-byte aligned base and row "
               f"stride (TMA); got strides {a.stride()} (call .contiguous() on it; K % 8 == 0).")
@@ -217,12 +225,6 @@ def _check_operands(a: torch.Tensor, b_codes: torch.Tensor, b_scales: torch.Tens
               f"{b_scales.stride()} (call .contiguous() on it).")
     if max(m, e * n, k) + _TILE_MARGIN >= 2**31:
         _fail(f"a {tuple(a.shape)} / b_codes {tuple(b_codes.shape)}: tile indices must stay within int32.")
-    devices = {t.device for t in (a, b_codes, b_scales)}
-    if len(devices) != 1:
-        _fail(f"a, b_codes and b_scales must be on one device; got {sorted(map(str, devices))}.")
-    if a.is_cuda and torch.cuda.get_device_capability(a.device) < (9, 0):
-        _fail(f"needs a Hopper or newer GPU (TMA); {torch.cuda.get_device_name(a.device)} is not. Decode B "
-              f"(triton_decode.decode_mxfp8) and use triton_grouped_gemm.grouped_rows(kernel='pointer').")
 
 
 def grouped_rows_mxfp8b(a: torch.Tensor, b_codes: torch.Tensor, b_scales: torch.Tensor, splits: list[int], *,

@@ -209,6 +209,9 @@ def test_refusals_name_the_tensor():
         f(torch.zeros(64, 6, dtype=torch.bfloat16).t(), codes, scales, [2, 4])
     with pytest.raises(ValueError, match="scale_b"):
         f(a, codes, scales, [2, 4], scale_b=torch.ones(8))
+    # empty outputs: nothing is read, so no layout is refused
+    assert f(a[:0], codes, scales, [0, 0]).shape == (0, 8)
+    assert f(a, torch.zeros(2, 0, 64, dtype=torch.uint8), torch.zeros(2, 0, 2, dtype=torch.uint8), [2, 4]).shape == (6, 0)
 
 
 # ---------------------------------------------------------------------------- GPU
