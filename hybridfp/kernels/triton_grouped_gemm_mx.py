@@ -29,7 +29,17 @@ rests on the decoded tile being bitwise the in-memory decode's tile:
 - column tiles reaching past an expert's N read the next expert's rows (real codes and scales,
   NaN included): only their output columns, masked at the store, see them.
 
-Limitations: A stays BF16; B rowwise only (fprop: W.rowwise [N, K], reduction along the blocks).
+Compiled offline for sm90 (Triton 3.6, ``bench/sass_count.py --resources --match mxfp8b``): the
+decode is ``cvt.rn.f16x2.e4m3x2`` + ``cvt.f32.f16`` (hardware, no integer sequence), ``mul.rn.f32``
+(no ``.ftz``), ``cvt.rn.bf16x2.f32``. Plain tiles stage the decoded tile in shared memory and wait
+for each wgmma (``pendings = 0``: decode and MMA serialize); ``MxConfig.swap`` keeps it in registers
+as wgmma's first operand (``pendings = 3``). The decode is paid once per row tile, so its cost per
+MMA falls with BM: K-loop instructions a warp per K tile, 128x256x64 swap 403, 256x128x64 swap 251,
+against 78-86 for the BF16 kernel. Not yet run on a GPU.
+
+Limitations: A stays BF16; B rowwise 1x32 blocks only (fprop: W.rowwise [N, K]; dgrad's W.columnwise,
+stored transposed [K, N] with 1x32 blocks along the reduction, has the same layout; 32x32 blocks
+would need the scale row index ``row // 32``).
 """
 
 from __future__ import annotations
