@@ -31,7 +31,7 @@ from triton.compiler import ASTSource
 #: arguments specialised as divisible by 16 where a kernel has them (the last line: the grouped GEMM's)
 _DIV = ("x_ptr", "src_ptr", "s_ptr", "src_stride", "s_stride", "rd_ptr", "rs_ptr", "cd_ptr", "cs_ptr", "R", "C", "NBR", "sxr",
         "a_ptr", "b_ptr", "sa_ptr", "sb_ptr", "bias_ptr", "out_ptr", "meta_ptr", "N", "sam", "sbe", "sbn", "soe",
-        "som", "K")
+        "som", "K", "bs_ptr", "sbs")
 _NV_SIG = dict(x_ptr="*i16", ramax_ptr="*fp32", camax_ptr="*fp32", rd_ptr="*u8", rs_ptr="*u8", cd_ptr="*u8",
                cs_ptr="*u8", R="i32", C="i32", sxr="i32", RCP6="fp32", rk0="i32", rk1="i32", ck0="i32", ck1="i32")
 _NV = dict(sxc=1, ROW=True, COL=True, ROW_SCALED=False, ROW_WORDS=True, COL_WORDS=True, HW=True, DTYPE=1,
@@ -71,6 +71,32 @@ def _tma_case(name: str) -> tuple:
     consts = dict(SA=True, SB=True, BIAS=False, OUT=1, NAN16=0x7FFF, BITS=False, BM=bm, BN=bn, BK=bk, GROUP=group, EP=16,
                   FLATTEN=flatten)
     return ("triton_grouped_gemm", "_tma_rows_kernel", sig, consts, bm * bn // (32 * warps), warps,
+            dict(num_stages=stages, enable_fp_fusion=False))
+
+
+#: The fused MXFP8-B prototype (triton_grouped_gemm_mx.MX_CONFIGS spelled out): B's codes through a uint8
+#: descriptor, its E8M0 bytes through pointer loads (row stride K / 32: divisible by 16 at the MoE's K)
+#: name -> (BM, BN, BK, warps, stages, flatten, swizzle group, swap)
+_MX_TMA_SPECS: dict[str, tuple[int, int, int, int, int, bool, int, bool]] = {
+    "128x256x64 w8 s3": (128, 256, 64, 8, 3, False, 16, False),
+    "128x256x64 w8 s3 flat": (128, 256, 64, 8, 3, True, 16, False),
+    "128x256x128 w8 s3": (128, 256, 128, 8, 3, False, 16, False),
+    "128x128x64 w8 s4": (128, 128, 64, 8, 4, False, 16, False),
+    "128x256x64 w8 s3 swap": (128, 256, 64, 8, 3, False, 16, True),
+    "128x128x64 w8 s4 swap": (128, 128, 64, 8, 4, False, 16, True),
+    "256x128x64 w8 s3 swap": (256, 128, 64, 8, 3, False, 16, True),
+    "256x128x128 w8 s3 swap": (256, 128, 128, 8, 3, False, 16, True),
+}
+
+
+def _mx_tma_case(name: str) -> tuple:
+    """The sass_count case of the fused MXFP8-B TMA rows kernel at ``_MX_TMA_SPECS[name]``."""
+    bm, bn, bk, warps, stages, flatten, group, swap = _MX_TMA_SPECS[name]
+    sig = dict(_TMA_SIG, a_desc=f"tensordesc<bf16[{bm},{bk}]>", b_desc=f"tensordesc<u8[{bn},{bk}]>", bs_ptr="*u8",
+               sbs="i32")
+    consts = dict(SA=True, SB=True, BIAS=False, OUT=1, NAN16=0x7FFF, BITS=False, E5M2=False, BM=bm, BN=bn, BK=bk,
+                  GROUP=group, EP=16, FLATTEN=flatten, SWAP=swap)
+    return ("triton_grouped_gemm_mx", "_tma_rows_mxfp8b_kernel", sig, consts, bm * bn // (32 * warps), warps,
             dict(num_stages=stages, enable_fp_fusion=False))
 
 
@@ -190,6 +216,8 @@ CASES: dict[str, tuple] = {
              HW=True, PACK=True, ANCHOR=False, GP=128), 32, 8),
     # the TMA rows kernel (kernel="tma"): UTMALDG loads feeding HGMMA, LDL / STL spills, registers
     **{f"grouped gemm tma {name}": _tma_case(name) for name in _TMA_SPECS},
+    # the fused MXFP8-B prototype: B decoded in registers (cvt e4m3 -> f16/f32, FP32 multiply, cvt bf16)
+    **{f"grouped gemm tma mxfp8b {name}": _mx_tma_case(name) for name in _MX_TMA_SPECS},
 }
 
 

@@ -1,0 +1,284 @@
+"""Prototype (opt-in, not on any default path): the TMA rows kernel of the grouped GEMM with B
+read as MXFP8 codes and decoded to BF16 in registers, inside the K loop.
+
+``grouped_rows_mxfp8b(a, b_codes, b_scales, splits, ...)`` computes what
+``triton_grouped_gemm.grouped_rows(a, decode(b), splits, kernel="tma", tma=cfg)`` computes, where
+``decode(b)`` is the BF16 block decode of the MXFP8 rowwise copy (``formats.mxfp8.dequantize_1d(
+codes, scales).to(bfloat16)``, what ``gemm.bf16_decode`` and ``triton_decode.decode_mxfp8``
+produce), but without writing and re-reading that decoded copy: per K tile the program reads
+B's FP8 codes (1 byte an element, a TMA descriptor over the uint8 view) and its E8M0 bytes
+(BK/32 per row, pointer loads), decodes them to BF16 and hands the tile to ``tl.dot`` with A's
+BF16 tile. Everything else is ``_tma_rows_kernel``'s: the persistent swizzled schedule, the
+expert lookup, the K tiles in the same order, the same ``_epilogue``.
+
+The property (tests/kernels/test_kernels_grouped_gemm_mx.py, interpreter and GPU): at the same
+``TmaConfig`` the output equals, bit for bit, ``_tma_rows_kernel`` on the in-memory decode. It
+rests on the decoded tile being bitwise the in-memory decode's tile:
+
+- an element is ``bf16(fp32(code) * 2**(e - 127))``: the FP8 code widened exactly (hardware
+  ``cvt`` on the GPU), one IEEE FP32 multiply by the power of two built from the bits (byte 0 is
+  the FP32 subnormal 2**-127, 0xFF is NaN; Triton emits no ``.ftz``, so products below FP32's
+  normal range are rounded, not flushed) and one round-to-nearest-even to BF16 (hardware
+  ``cvt.rn.bf16.f32``: NaN as torch's GPU cast gives it) — the reference's two roundings; the
+  interpreter (whose BF16 cast truncates) takes the integer path of
+  ``triton_decode.e8m0_scaled_bits`` and widens the bits as ``_widen`` does;
+- what lies outside B is zero, as TMA's fill gives the BF16 path: codes past the matrix end
+  and past K are zero-filled by TMA and their scale bytes are read as 127 (1.0), so no NaN
+  scale can meet a fill. K must be a multiple of 32 (whole blocks: a partial last block would
+  put its scale, possibly NaN, on filled codes);
+- column tiles reaching past an expert's N read the next expert's rows (real codes and scales,
+  NaN included): only their output columns, masked at the store, see them.
+
+Compiled offline for sm90 (Triton 3.6, ``bench/sass_count.py --resources --match mxfp8b``): the
+decode is ``cvt.rn.f16x2.e4m3x2`` + ``cvt.f32.f16`` (hardware, no integer sequence), ``mul.rn.f32``
+(no ``.ftz``), ``cvt.rn.bf16x2.f32``. Plain tiles stage the decoded tile in shared memory and wait
+for each wgmma (``pendings = 0``: decode and MMA serialize); ``MxConfig.swap`` keeps it in registers
+as wgmma's first operand (``pendings = 3``). The decode is paid once per row tile, so its cost per
+MMA falls with BM: K-loop instructions a warp per K tile, 128x256x64 swap 403, 256x128x64 swap 251,
+against 78-86 for the BF16 kernel. Not yet run on a GPU.
+
+Limitations: A stays BF16; B rowwise 1x32 blocks only (fprop: W.rowwise [N, K]; dgrad's W.columnwise,
+stored transposed [K, N] with 1x32 blocks along the reduction, has the same layout; 32x32 blocks
+would need the scale row index ``row // 32``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ._common import bf16_nan16, empty, expert_row_tile, swizzled_tile
+from .host import to_device
+from .triton_decode import _expand, _fp8_f32, e8m0_scaled_bits
+from .triton_epilogue import OUT_CODE, store_out
+from .triton_grouped_gemm import (_TILE_MARGIN, TMA_CONFIG, TmaConfig, _check, _epilogue, _plan, _sm_count,
+                                  _widen)
+
+#: elements per E8M0 scale (MXFP8 1x32 blocks)
+BLOCK = 32
+
+
+@dataclass(frozen=True)
+class MxConfig(TmaConfig):
+    """A ``TmaConfig`` (the same tile and schedule as ``_tma_rows_kernel``'s, which the bitwise
+    comparison runs at) plus ``swap``: compute the transposed tile ``dec(B) · Aᵀ`` [BN, BM], so
+    the decoded B is wgmma's first operand, which may stay in registers (the decoded tile then
+    needs no shared-memory round trip, and no buffer that serializes decode and MMA); the
+    epilogue stores it transposed (``_epilogue_t``)."""
+
+    swap: bool = False
+
+
+#: Configs the benchmark / sass_count compare (BK a multiple of 32).
+MX_CONFIGS: dict[str, MxConfig] = {
+    "128x256x64 w8 s3": MxConfig(),
+    "128x256x64 w8 s3 flat": MxConfig(flatten=True),
+    "128x256x128 w8 s3": MxConfig(bk=128),
+    "128x128x64 w8 s4": MxConfig(bn=128, stages=4),
+    "128x256x64 w8 s3 swap": MxConfig(swap=True),
+    "128x128x64 w8 s4 swap": MxConfig(bn=128, stages=4, swap=True),
+    # the decode is paid once per row tile: BM 256 halves it per MMA (wgmma n = BM = 256)
+    "256x128x64 w8 s3 swap": MxConfig(bm=256, bn=128, swap=True),
+    "256x128x128 w8 s3 swap": MxConfig(bm=256, bn=128, bk=128, swap=True),
+}
+
+
+@triton.jit
+def _decode_tile(c, e, E5M2: tl.constexpr, BITS: tl.constexpr, NAN16: tl.constexpr):
+    """B's BF16 operand tile from FP8 code bytes ``c`` (uint8 [BN, BK]) and their E8M0 bytes
+    ``e`` (int32 [BN, BK / 32], one per 32 codes of a row): ``bf16(fp32(code) * 2**(e - 127))``
+    bit for bit the reference decode. The power of two is built once per block and then
+    broadcast to the block's codes. ``BITS`` (the interpreter): the exact FP32 value of those
+    BF16 bits instead (what ``_widen`` makes of the in-memory decode's int16 bits)."""
+    BN: tl.constexpr = c.shape[0]
+    BK: tl.constexpr = c.shape[1]
+    if BITS:
+        bits = e8m0_scaled_bits(_fp8_f32(c.to(tl.int32), E5M2), _expand(e, BN, BK, 32), NAN16)
+        return _widen(bits.to(tl.int16), True)
+    else:
+        if E5M2:
+            v = c.to(tl.float8e5, bitcast=True).to(tl.float32)
+        else:
+            v = c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        s = tl.where(e == 255, 0x7FC00000, tl.where(e == 0, 0x400000, e << 23)).to(tl.float32, bitcast=True)
+        return (v * _expand(s, BN, BK, 32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _epilogue_t(acc, r64, c64, rmask, cmask, e64, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, som,
+                SA: tl.constexpr, SB: tl.constexpr, BIAS: tl.constexpr, OUT: tl.constexpr, NAN16: tl.constexpr,
+                BITS: tl.constexpr):
+    """``_epilogue`` of a transposed accumulator ``acc`` [BN, BM] (``SWAP``): the same FP32
+    operations on the same values (``sb * sa`` is ``sa * sb``: IEEE multiplication commutes)."""
+    v = acc
+    if SA or SB:
+        if SA:
+            sa = tl.load(sa_ptr + r64, mask=rmask, other=1.0)
+        else:
+            sa = tl.full((acc.shape[1],), 1.0, tl.float32)
+        if SB:
+            sb = tl.load(sb_ptr + e64 * N + c64, mask=cmask, other=1.0)
+        else:
+            sb = tl.full((acc.shape[0],), 1.0, tl.float32)
+        v = v * (sb[:, None] * sa[None, :])
+    if BIAS:
+        v = v + tl.load(bias_ptr + e64 * N + c64, mask=cmask, other=0.0)[:, None]
+    optrs = out_ptr + r64[None, :] * som + c64[:, None]
+    store_out(optrs, v, cmask[:, None] & rmask[None, :], OUT, NAN16, HW=not BITS)
+
+
+@triton.jit
+def _tma_rows_mxfp8b_kernel(a_desc, b_desc, bs_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, meta_ptr, T, N, K, E,
+                            som, sbs, P,
+                            SA: tl.constexpr, SB: tl.constexpr, BIAS: tl.constexpr, OUT: tl.constexpr,
+                            NAN16: tl.constexpr, BITS: tl.constexpr, E5M2: tl.constexpr, BM: tl.constexpr,
+                            BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, EP: tl.constexpr,
+                            FLATTEN: tl.constexpr, SWAP: tl.constexpr):
+    # _tma_rows_kernel with B's tile decoded from codes (b_desc: uint8 [E * N, K]) and E8M0 bytes
+    # (bs_ptr: [E * N, K / 32], row stride sbs) in registers; K % 32 == 0 (whole blocks)
+    tiles = T * tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    KB = K // 32  # scale bytes per row
+    NB: tl.constexpr = BK // 32  # scale bytes per row of a K tile
+    ROWS = E * N
+    for tile in tl.range(tl.program_id(0), tiles, P, flatten=FLATTEN):
+        t, j = swizzled_tile(tile, T, N, BN, GROUP)
+        e, te = expert_row_tile(meta_ptr, t, E, EP)
+        meta = meta_ptr + (E + 1) + e.to(tl.int64) * 4  # (r0, r1, k0, k1): k is [0, K) here
+        r0 = (tl.load(meta) + te * BM).to(tl.int32)
+        r1 = tl.load(meta + 1)
+        b_row = e * N + j * BN
+        brows = b_row + tl.arange(0, BN)
+        sptr = bs_ptr + brows.to(tl.int64)[:, None] * sbs
+        rmask = (brows < ROWS)[:, None]
+        # the scale bytes of K tile kt + 1 are loaded in iteration kt (their latency hides behind the
+        # tile's decode and MMA: Triton does not pipeline a load that feeds arithmetic, not a dot);
+        # past the matrix or past K: the neutral byte 127 (the codes there are TMA's zeros)
+        kb = tl.arange(0, NB)
+        s_next = tl.load(sptr + kb[None, :], mask=rmask & (kb < KB)[None, :], other=127)
+        if SWAP:
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kt in range(0, k_tiles):
+            s = s_next.to(tl.int32)
+            kb = (kt + 1) * NB + tl.arange(0, NB)
+            s_next = tl.load(sptr + kb[None, :], mask=rmask & (kb < KB)[None, :], other=127)
+            a = _widen(a_desc.load([r0, kt * BK]), BITS)
+            c = b_desc.load([b_row, kt * BK])
+            b = _decode_tile(c, s, E5M2, BITS, NAN16)
+            if SWAP:
+                acc = tl.dot(b, a.T, acc)
+            else:
+                acc = tl.dot(a, b.T, acc)
+        rows = r0 + tl.arange(0, BM)
+        cols = j * BN + tl.arange(0, BN)
+        if SWAP:
+            _epilogue_t(acc, rows.to(tl.int64), cols.to(tl.int64), rows < r1, cols < N, e.to(tl.int64), sa_ptr,
+                        sb_ptr, bias_ptr, out_ptr, N, som, SA, SB, BIAS, OUT, NAN16, BITS)
+        else:
+            _epilogue(acc, rows.to(tl.int64), cols.to(tl.int64), rows < r1, cols < N, e.to(tl.int64), sa_ptr, sb_ptr,
+                      bias_ptr, out_ptr, N, 0, 0, som, SA, SB, BIAS, OUT, NAN16, BITS)
+
+
+_CODE_DTYPES = (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _fail(msg: str) -> None:
+    raise ValueError(f"grouped_rows_mxfp8b: {msg}")
+
+
+def _check_operands(a: torch.Tensor, b_codes: torch.Tensor, b_scales: torch.Tensor, splits: list[int],
+                    cfg: TmaConfig) -> None:
+    """Shapes, dtypes and what TMA needs, each refusal naming the tensor and the fix."""
+    if a.dtype != torch.bfloat16 or a.dim() != 2:
+        _fail(f"a must be a BF16 [M, K] matrix; got {a.dtype} {tuple(a.shape)}.")
+    if b_codes.dtype not in _CODE_DTYPES or b_codes.dim() != 3:
+        _fail(f"b_codes must be the MXFP8 rowwise codes [E, N, K] as float8_e4m3fn / float8_e5m2 or uint8 "
+              f"(E4M3 bytes); got {b_codes.dtype} {tuple(b_codes.shape)}.")
+    (m, k), (e, n, kb) = a.shape, b_codes.shape
+    if kb != k or k == 0:
+        _fail(f"a {tuple(a.shape)} and b_codes {tuple(b_codes.shape)} must share K > 0.")
+    if k % BLOCK:
+        _fail(f"K = {k} must be a multiple of {BLOCK} (whole MXFP8 blocks); pad K, or decode B "
+              f"(triton_decode.decode_mxfp8) and use triton_grouped_gemm.grouped_rows.")
+    if e != len(splits) or sum(splits) != m or min(splits, default=0) < 0:
+        _fail(f"splits (sum {sum(splits)}, {len(splits)} experts, none negative) must give a's {m} rows to "
+              f"b_codes' {e} experts.")
+    if b_scales.dtype != torch.uint8 or tuple(b_scales.shape) != (e, n, k // BLOCK):
+        _fail(f"b_scales must be the E8M0 bytes (uint8) of shape {(e, n, k // BLOCK)} (one per 32 elements "
+              f"of K); got {b_scales.dtype} {tuple(b_scales.shape)}.")
+    if cfg.bk % BLOCK:
+        _fail(f"the TmaConfig's bk = {cfg.bk} must be a multiple of {BLOCK} (a K tile holds whole blocks).")
+    devices = {t.device for t in (a, b_codes, b_scales)}
+    if len(devices) != 1:
+        _fail(f"a, b_codes and b_scales must be on one device; got {sorted(map(str, devices))}.")
+    if a.is_cuda and torch.cuda.get_device_capability(a.device) < (9, 0):
+        _fail(f"needs a Hopper or newer GPU (TMA); {torch.cuda.get_device_name(a.device)} is not. Decode B "
+              f"(triton_decode.decode_mxfp8) and use triton_grouped_gemm.grouped_rows(kernel='pointer').")
+    if m * n == 0:  # an empty output: nothing is read, no layout to refuse (as grouped_rows)
+        return
+    if a.stride(1) != 1 or a.stride(0) < k or a.data_ptr() % 16 or (a.stride(0) * 2) % 16:
+        _fail(f"a must have unit inner stride, rows not overlapping and a 16-byte aligned base and row "
+              f"stride (TMA); got strides {a.stride()} (call .contiguous() on it; K % 8 == 0).")
+    if (b_codes.stride(2) != 1 or b_codes.stride(1) < k or (e > 1 and b_codes.stride(0) != n * b_codes.stride(1))
+            or b_codes.data_ptr() % 16 or b_codes.stride(1) % 16):
+        _fail(f"b_codes must be one [E*N, K] matrix (experts stacked), unit inner stride, 16-byte aligned base "
+              f"and row stride (TMA); got strides {b_codes.stride()} (call .contiguous() on it; K % 16 == 0).")
+    if b_scales.stride(2) != 1 or (e > 1 and b_scales.stride(0) != n * b_scales.stride(1)):
+        _fail(f"b_scales must be one [E*N, K/32] matrix (experts stacked) with unit inner stride; got strides "
+              f"{b_scales.stride()} (call .contiguous() on it).")
+    if max(m, e * n, k) + _TILE_MARGIN >= 2**31:
+        _fail(f"a {tuple(a.shape)} / b_codes {tuple(b_codes.shape)}: tile indices must stay within int32.")
+
+
+def grouped_rows_mxfp8b(a: torch.Tensor, b_codes: torch.Tensor, b_scales: torch.Tensor, splits: list[int], *,
+                        scale_a: Optional[torch.Tensor] = None, scale_b: Optional[torch.Tensor] = None,
+                        bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16,
+                        tma: TmaConfig = TMA_CONFIG) -> torch.Tensor:
+    """fprop with MXFP8 weights: ``out[r_e + i, j] = ep(Σ_k a[r_e + i, k] · w_e[j, k])`` with
+    ``w_e = dequantize_1d(b_codes[e], b_scales[e])`` (bitwise ``grouped_rows(a, w, splits,
+    kernel="tma", tma=tma)`` on the BF16 decode ``w``, without materialising it).
+
+    ``a`` [Σ splits, K] BF16; ``b_codes`` [E, N, K] FP8 codes (float8_e4m3fn / float8_e5m2, or
+    uint8 read as E4M3), ``b_scales`` [E, N, K/32] E8M0 bytes, K % 32 == 0; ``scale_a`` [Σ splits],
+    ``scale_b`` / ``bias`` [E, N] FP32 or None; returns [Σ splits, N] in ``out_dtype``. ``tma``: a
+    ``TmaConfig``, or an ``MxConfig`` (``swap``: the transposed product). Hopper+
+    GPU, or CPU tensors under ``TRITON_INTERPRET=1``."""
+    _check_operands(a, b_codes, b_scales, splits, tma)
+    (m, k), (e, n, _) = a.shape, b_codes.shape
+    _check("scale_a", scale_a, (m,))
+    _check("scale_b", scale_b, (e, n))
+    _check("bias", bias, (e, n))
+    out = empty((m, n), out_dtype, a.device)
+    starts = [sum(splits[:i]) for i in range(e + 1)]
+    meta, row_tiles, _ = _plan([(starts[i], starts[i + 1]) for i in range(e)], [(0, k)] * e, tma.bm)
+    if row_tiles == 0 or n == 0:
+        return out
+    cfg = tma
+    dst = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+    bits = not a.is_cuda  # the interpreter: BF16 read as its int16 bits
+    if bits:
+        a = a.view(torch.int16)
+    e5m2 = b_codes.dtype == torch.float8_e5m2
+    codes = b_codes.view(torch.uint8)
+    a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], [cfg.bm, cfg.bk])
+    b_desc = TensorDescriptor(codes, [e * n, k], [codes.stride(1), 1], [cfg.bn, cfg.bk])
+    tiles = row_tiles * triton.cdiv(n, cfg.bn)
+    programs = cfg.programs or (_sm_count(a.device.index or 0) if a.is_cuda else 4)
+    programs = min(programs, tiles)
+    dummy = out
+    _tma_rows_mxfp8b_kernel[(programs,)](
+        a_desc, b_desc, b_scales, scale_a if scale_a is not None else dummy,
+        scale_b if scale_b is not None else dummy, bias if bias is not None else dummy, dst,
+        to_device(meta, out.device), row_tiles, n, k, e, out.stride(0), b_scales.stride(1), programs,
+        SA=scale_a is not None, SB=scale_b is not None, BIAS=bias is not None, OUT=OUT_CODE[out.dtype],
+        NAN16=bf16_nan16(out.device), BITS=bits, E5M2=e5m2, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=cfg.group_m,
+        EP=triton.next_power_of_2(e + 1), FLATTEN=cfg.flatten, SWAP=bool(getattr(cfg, "swap", False)),
+        num_warps=cfg.warps, num_stages=cfg.stages, enable_fp_fusion=False)
+    return out
