@@ -33,7 +33,7 @@ from torch import nn
 import hybridfp
 from bench import common
 from bench.common import bench_ms, bench_ms_steady, environment, finish, md_table, parser, profile_step, require_cuda
-from hybridfp.gemm import grouped_fp8, grouped_triton
+from hybridfp.gemm import grouped, grouped_fp8, grouped_triton
 from hybridfp.gemm.grouped import PATH_COUNTS
 from hybridfp.nn.base import QuantizedModule
 
@@ -78,8 +78,6 @@ PER_GROUP_SUFFIX = " [cuBLAS per expert BF16]"
 
 def with_per_group_cublas(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
     """``step`` with ``grouped.BF16_PER_GROUP_CUBLAS`` on (restored after each call)."""
-    from hybridfp.gemm import grouped
-
     def run() -> torch.Tensor:
         saved, grouped.BF16_PER_GROUP_CUBLAS = grouped.BF16_PER_GROUP_CUBLAS, True
         try:

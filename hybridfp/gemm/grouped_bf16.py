@@ -16,7 +16,7 @@ from ..kernels.host import device_tensor
 from ..tensors.slicing import adjacent_rows
 from ..quantizers.grouped import pad_row_groups
 from ..tensors.storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
-from .bf16_decode import decode_bf16, decode_bf16_joined, held_transpose
+from .bf16_decode import HAVE_TRITON, decode_bf16, decode_bf16_joined, held_transpose
 from .bf16_tensorcore import exact_bf16_gemm
 from .gemm import LAYOUTS
 from .joined import joined_columns, joined_rows
@@ -33,23 +33,39 @@ def offsets(sizes: Sequence[int], device: torch.device) -> torch.Tensor:
     return device_tensor(list(accumulate(sizes)), device, torch.int32)
 
 
+def _output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised result, poisoned inside ``kernels._common.poisoned_outputs`` (tests: an
+    element left unwritten shows) where Triton is installed; the kernels module needs Triton,
+    which a CPU-only install of the library does not have."""
+    if HAVE_TRITON:
+        from ..kernels._common import empty  # imported here: Triton is optional on the CPU
+        return empty(shape, dtype, device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def per_group_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     """A :data:`GroupedMM` as one ``torch.mm`` per group (cuBLAS on CUDA), writing straight into
     slices of one result: ``torch._grouped_mm``'s result and semantics (BF16 in, FP32
     accumulation, one rounding to BF16; a 2D x 2D group with an empty reduction gives zeros), with
-    cuBLAS's BF16 split-K reductions off (``bf16_tensorcore.exact_bf16_gemm``), so SPEC §1 holds
-    as for one expert. An alternative to CUTLASS's grouped kernel for large groups, where
-    cuBLAS's per-shape kernels may run faster (``grouped.BF16_PER_GROUP_CUBLAS``)."""
-    starts = list(accumulate([0] + list(sizes)))
+    cuBLAS's BF16 split-K reductions and autocast off (``bf16_tensorcore.exact_bf16_gemm``), so
+    SPEC §1 holds as for one expert. An alternative to CUTLASS's grouped kernel for large groups,
+    where cuBLAS's per-shape kernels may run faster (``grouped.BF16_PER_GROUP_CUBLAS``). Operands
+    are the decoded copies the GEMM path hands it (no autograd: ``out=`` slices)."""
+    sizes = [int(x) for x in sizes]
+    groups, total = (mat_b.shape[0], mat_a.shape[0]) if mat_b.dim() == 3 else (len(sizes), mat_a.shape[1])
+    if min(sizes, default=0) < 0 or len(sizes) != groups or sum(sizes) != total:
+        raise ValueError(f"per_group_mm: sizes {sizes} must be {groups} non-negative group sizes summing to "
+                         f"{total} (mat_a {tuple(mat_a.shape)}, mat_b {tuple(mat_b.shape)}).")
+    starts = list(accumulate([0] + sizes))
     with exact_bf16_gemm(mat_a.device):
         if mat_b.dim() == 3:  # rows grouped: [Σm, k] · [G, k, n] -> [Σm, n]
-            out = torch.empty(starts[-1], mat_b.shape[-1], dtype=mat_a.dtype, device=mat_a.device)
+            out = _output((starts[-1], mat_b.shape[-1]), mat_a.dtype, mat_a.device)
             for g, m in enumerate(sizes):
                 if m:
                     torch.mm(mat_a[starts[g]:starts[g + 1]], mat_b[g], out=out[starts[g]:starts[g + 1]])
             return out
         # reduction grouped: [m, Σk] · [Σk, n] -> [G, m, n]
-        out = torch.empty(len(sizes), mat_a.shape[0], mat_b.shape[1], dtype=mat_a.dtype, device=mat_a.device)
+        out = _output((len(sizes), mat_a.shape[0], mat_b.shape[1]), mat_a.dtype, mat_a.device)
         for g, k in enumerate(sizes):
             if k:
                 torch.mm(mat_a[:, starts[g]:starts[g + 1]], mat_b[starts[g]:starts[g + 1]], out=out[g])

@@ -108,6 +108,14 @@ def _pow2_scale_exact(v, e, NAN16: tl.constexpr):
 
 
 @triton.jit
+def e8m0_f32(e):
+    """The FP32 values of E8M0 bytes ``e`` (int32), as ``formats.mxfp8.e8m0_to_float`` gives them:
+    2**(e - 127) built from its bits (byte 0 is the subnormal 2**-127 = 0x400000, which a shift
+    of the exponent field cannot express), 255 NaN."""
+    return tl.where(e == 255, 0x7FC00000, tl.where(e == 0, 0x400000, e << 23)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def e8m0_scaled_bits(v, e, NAN16: tl.constexpr):
     """BF16 bits (int32) of ``bf16(fp32(v * 2**(e - 127)))``: FP8 values ``v`` (exact FP32, as
     :func:`_fp8_f32` gives) times their E8M0 bytes ``e`` (int32, ``v``'s shape), as

@@ -45,7 +45,7 @@ would need the scale row index ``row // 32``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NoReturn, Optional
 
 import torch
 import triton
@@ -54,7 +54,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import bf16_nan16, empty, expert_row_tile, swizzled_tile
 from .host import to_device
-from .triton_decode import _expand, _fp8_f32, e8m0_scaled_bits
+from .triton_decode import _expand, _fp8_f32, e8m0_f32, e8m0_scaled_bits
 from .triton_epilogue import OUT_CODE, store_out
 from .triton_grouped_gemm import (_TILE_MARGIN, TMA_CONFIG, TmaConfig, _check, _epilogue, _plan, _sm_count,
                                   _widen)
@@ -105,8 +105,7 @@ def _decode_tile(c, e, E5M2: tl.constexpr, BITS: tl.constexpr, NAN16: tl.constex
             v = c.to(tl.float8e5, bitcast=True).to(tl.float32)
         else:
             v = c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        s = tl.where(e == 255, 0x7FC00000, tl.where(e == 0, 0x400000, e << 23)).to(tl.float32, bitcast=True)
-        return (v * _expand(s, BN, BK, 32)).to(tl.bfloat16)
+        return (v * _expand(e8m0_f32(e), BN, BK, 32)).to(tl.bfloat16)
 
 
 @triton.jit
@@ -189,7 +188,7 @@ def _tma_rows_mxfp8b_kernel(a_desc, b_desc, bs_ptr, sa_ptr, sb_ptr, bias_ptr, ou
 _CODE_DTYPES = (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _fail(msg: str) -> None:
+def _fail(msg: str) -> NoReturn:
     raise ValueError(f"grouped_rows_mxfp8b: {msg}")
 
 
@@ -213,8 +212,9 @@ def _check_operands(a: torch.Tensor, b_codes: torch.Tensor, b_scales: torch.Tens
     if b_scales.dtype != torch.uint8 or tuple(b_scales.shape) != (e, n, k // BLOCK):
         _fail(f"b_scales must be the E8M0 bytes (uint8) of shape {(e, n, k // BLOCK)} (one per 32 elements "
               f"of K); got {b_scales.dtype} {tuple(b_scales.shape)}.")
-    if cfg.bk % BLOCK:
-        _fail(f"the TmaConfig's bk = {cfg.bk} must be a multiple of {BLOCK} (a K tile holds whole blocks).")
+    if cfg.bk % BLOCK or cfg.bk & (cfg.bk - 1):
+        _fail(f"the TmaConfig's bk = {cfg.bk} must be a power of two and a multiple of {BLOCK} (a K tile "
+              f"holds whole blocks; Triton's block shapes are powers of two).")
     devices = {t.device for t in (a, b_codes, b_scales)}
     if len(devices) != 1:
         _fail(f"a, b_codes and b_scales must be on one device; got {sorted(map(str, devices))}.")
@@ -251,6 +251,8 @@ def grouped_rows_mxfp8b(a: torch.Tensor, b_codes: torch.Tensor, b_scales: torch.
     ``TmaConfig``, or an ``MxConfig`` (``swap``: the transposed product). Hopper+
     GPU, or CPU tensors under ``TRITON_INTERPRET=1``."""
     _check_operands(a, b_codes, b_scales, splits, tma)
+    if out_dtype not in OUT_CODE:
+        _fail(f"out_dtype must be one of {sorted(map(str, OUT_CODE))}; got {out_dtype}.")
     (m, k), (e, n, _) = a.shape, b_codes.shape
     _check("scale_a", scale_a, (m,))
     _check("scale_b", scale_b, (e, n))

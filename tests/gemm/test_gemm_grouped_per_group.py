@@ -18,6 +18,7 @@ from test_gemm_grouped import ODD, OPERANDS, per_expert, quantized
 from hybridfp.gemm import grouped, grouped_gemm
 from hybridfp.gemm.grouped import reference_grouped_mm
 from hybridfp.gemm.grouped_bf16 import per_group_mm
+from hybridfp.kernels._common import poisoned_outputs
 
 
 def _ints(shape: tuple[int, ...], g: torch.Generator, device: str = "cpu") -> torch.Tensor:
@@ -40,10 +41,12 @@ def test_rows_grouped_bitwise_on_exact_sums(sizes):
 
 @pytest.mark.parametrize("sizes", [[3, 0, 7, 1], [0, 8], [5]])
 def test_reduction_grouped_bitwise_and_zero_groups(sizes):
-    """2D x 2D: group g's slice of the reduction; an empty group is zeros (poisoned first)."""
+    """2D x 2D: group g's slice of the reduction; an empty group is zeros (the result is
+    poisoned before the GEMMs: an unwritten element shows)."""
     g = torch.Generator().manual_seed(2)
     a, b = _ints((16, sum(sizes)), g), _ints((sum(sizes), 24), g)
-    got = per_group_mm(a, b, sizes)
+    with poisoned_outputs():
+        got = per_group_mm(a, b, sizes)
     assert got.shape == (len(sizes), 16, 24)
     assert torch.equal(got, reference_grouped_mm(a, b, sizes))
     for e, k in enumerate(sizes):
@@ -66,6 +69,36 @@ def test_grouped_gemm_with_per_group_mm(layout):
             assert _rel(g_, w_) < 2 ** -8
 
 
+def test_exact_settings_and_bad_sizes(monkeypatch):
+    """Every ``torch.mm`` runs with cuBLAS's BF16 split-K reduction off and autocast off, even
+    when the caller has both on (the CPU ignores the flag: recorded, not inferred from bits);
+    sizes that do not describe the groups are refused."""
+    seen = []
+    real_mm = torch.mm
+
+    def mm(*args, **kw):
+        seen.append((torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+                     torch.is_autocast_enabled("cpu")))
+        return real_mm(*args, **kw)
+    g = torch.Generator().manual_seed(4)
+    a, b = _ints((9, 16), g), _ints((2, 16, 8), g)
+    flags = torch.backends.cuda.matmul  # a module-like object: set and restored by hand
+    old = flags.allow_bf16_reduced_precision_reduction
+    monkeypatch.setattr(torch, "mm", mm)
+    try:
+        flags.allow_bf16_reduced_precision_reduction = True
+        with torch.autocast("cpu", dtype=torch.float16):
+            per_group_mm(a, b, [4, 5])
+            per_group_mm(a.t().contiguous(), _ints((9, 8), g), [4, 5])
+        assert flags.allow_bf16_reduced_precision_reduction  # restored after
+    finally:
+        flags.allow_bf16_reduced_precision_reduction = old
+    assert seen == [(False, False)] * 4
+    for bad in ([4, 4], [10, -1], [9]):
+        with pytest.raises(ValueError, match="group sizes"):
+            per_group_mm(a, b, bad)
+
+
 def test_switch_selects_per_group_mm(monkeypatch):
     """``torch_grouped_mm`` (path 1's default matmul) takes ``per_group_mm`` when the switch is on."""
     calls = []
@@ -85,7 +118,8 @@ def test_gpu_per_group_mm_equals_grouped_mm_on_exact_sums(rows_grouped):
     exact (integer operands), at MoE-like shapes (an empty group, sizes multiples of 16 as
     ``torch._grouped_mm`` needs); random operands agree within one BF16 rounding."""
     sizes = [512, 0, 1040, 16, 2000]
-    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    seed = int(torch.randint(0, 2**31, (1,)))
+    g = torch.Generator().manual_seed(seed)
     makers = {"ints": lambda s: _ints(s, g, "cuda"),
               "randn": lambda s: torch.randn(s, generator=g).bfloat16().cuda()}
     for kind, make in makers.items():
@@ -98,6 +132,6 @@ def test_gpu_per_group_mm_equals_grouped_mm_on_exact_sums(rows_grouped):
         if not rows_grouped:
             want[1].zero_()  # an empty reduction group: hybridfp zeroes it (grouped_bf16._wgrad_result)
         if kind == "ints":
-            assert torch.equal(got, want)
+            assert torch.equal(got, want), f"seed {seed}"
         else:
-            assert _rel(got, want) < 2 ** -8
+            assert _rel(got, want) < 2 ** -8, f"seed {seed}"

@@ -16,12 +16,15 @@ import dataclasses
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from quantize_kernel_cases import gpu, interpreter_only
 
 from hybridfp.formats import mxfp8
 from hybridfp.kernels import triton_grouped_gemm as tg
 from hybridfp.kernels import triton_grouped_gemm_mx as tgm
 from hybridfp.kernels._common import poisoned_outputs
+from hybridfp.kernels.triton_decode import e8m0_f32
 
 #: BK 32 and 64 (K = 96 / 160: a multiple of 32, not of 64), 3 persistent programs
 TINY32 = tg.TmaConfig(bm=16, bn=16, bk=32, warps=4, stages=1, programs=3)
@@ -188,6 +191,23 @@ def test_non_square_tiles(tile, swap):
             assert torch.equal(_bits(fused), _bits(two_pass)), dt
 
 
+@triton.jit
+def _e8m0_values(e_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, e8m0_f32(tl.load(e_ptr + i).to(tl.int32)))
+
+
+@interpreter_only
+def test_e8m0_scale_values_all_bytes():
+    """The power of two the GPU branch of the fused decode multiplies by (``triton_decode.e8m0_f32``;
+    the interpreter tests above run the integer branch): every byte's FP32 bits equal
+    ``formats.mxfp8.e8m0_to_float``'s, the subnormal 2**-127 and the NaN included."""
+    e = torch.arange(256, dtype=torch.int32)
+    out = torch.empty(256, dtype=torch.float32)
+    _e8m0_values[(1,)](e, out, N=256)
+    assert torch.equal(out.view(torch.int32), mxfp8.e8m0_to_float(e.to(torch.uint8)).view(torch.int32))
+
+
 def test_refusals_name_the_tensor():
     a = torch.zeros(6, 64, dtype=torch.bfloat16)
     codes = torch.zeros(2, 8, 64, dtype=torch.uint8)
@@ -207,6 +227,10 @@ def test_refusals_name_the_tensor():
         f(a, codes, scales, [2, 3])
     with pytest.raises(ValueError, match="bk = 48"):
         f(a, codes, scales, [2, 4], tma=dataclasses.replace(TINY32, bk=48))
+    with pytest.raises(ValueError, match="bk = 96 must be a power of two"):
+        f(a, codes, scales, [2, 4], tma=dataclasses.replace(TINY32, bk=96))
+    with pytest.raises(ValueError, match="out_dtype"):
+        f(a, codes, scales, [2, 4], out_dtype=torch.int32)
     with pytest.raises(ValueError, match="b_codes must be one"):
         f(a, torch.zeros(2, 12, 64, dtype=torch.uint8)[:, :8], scales, [2, 4])
     with pytest.raises(ValueError, match="a must have unit inner stride"):
