@@ -233,6 +233,19 @@ TMA_CONFIGS: dict[str, TmaConfig] = {
 
 
 @triton.jit
+def tma_tile(meta_ptr, tile, T, N, E, BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr, EP: tl.constexpr):
+    """Where persistent tile ``tile`` lies, in the pointer kernel's swizzled order: (expert e,
+    column tile j, first row r0 in A, expert's end row r1, first row of B's [E * N, K] view)."""
+    t, j = swizzled_tile(tile, T, N, BN, GROUP)
+    e, te = expert_row_tile(meta_ptr, t, E, EP)
+    meta = meta_ptr + (E + 1) + e.to(tl.int64) * 4  # (r0, r1, k0, k1): k is [0, K) here
+    r0 = (tl.load(meta) + te * BM).to(tl.int32)
+    r1 = tl.load(meta + 1)
+    # B is [E * N, K]: expert e's column j * BN is row e * N + j * BN (int32: the host checks)
+    return e, j, r0, r1, e * N + j * BN
+
+
+@triton.jit
 def _tma_rows_kernel(a_desc, b_desc, sa_ptr, sb_ptr, bias_ptr, out_ptr, meta_ptr, T, N, K, E, som, P,
                      SA: tl.constexpr, SB: tl.constexpr, BIAS: tl.constexpr, OUT: tl.constexpr,
                      NAN16: tl.constexpr, BITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -242,13 +255,7 @@ def _tma_rows_kernel(a_desc, b_desc, sa_ptr, sb_ptr, bias_ptr, out_ptr, meta_ptr
     tiles = T * tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
     for tile in tl.range(tl.program_id(0), tiles, P, flatten=FLATTEN):
-        t, j = swizzled_tile(tile, T, N, BN, GROUP)
-        e, te = expert_row_tile(meta_ptr, t, E, EP)
-        meta = meta_ptr + (E + 1) + e.to(tl.int64) * 4  # (r0, r1, k0, k1): k is [0, K) here
-        r0 = (tl.load(meta) + te * BM).to(tl.int32)
-        r1 = tl.load(meta + 1)
-        # B is [E * N, K]: expert e's column j * BN is row e * N + j * BN (int32: the host checks)
-        b_row = e * N + j * BN
+        e, j, r0, r1, b_row = tma_tile(meta_ptr, tile, T, N, E, BM, BN, GROUP, EP)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for kt in range(0, k_tiles):
             a = _widen(a_desc.load([r0, kt * BK]), BITS)

@@ -52,12 +52,12 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._common import bf16_nan16, empty, expert_row_tile, swizzled_tile
+from ._common import bf16_nan16, empty
 from .host import to_device
 from .triton_decode import _expand, _fp8_f32, e8m0_f32, e8m0_scaled_bits
 from .triton_epilogue import OUT_CODE, store_out
 from .triton_grouped_gemm import (_TILE_MARGIN, TMA_CONFIG, TmaConfig, _check, _epilogue, _plan, _sm_count,
-                                  _widen)
+                                  _widen, tma_tile)
 
 #: elements per E8M0 scale (MXFP8 1x32 blocks)
 BLOCK = 32
@@ -146,12 +146,7 @@ def _tma_rows_mxfp8b_kernel(a_desc, b_desc, bs_ptr, sa_ptr, sb_ptr, bias_ptr, ou
     NB: tl.constexpr = BK // 32  # scale bytes per row of a K tile
     ROWS = E * N
     for tile in tl.range(tl.program_id(0), tiles, P, flatten=FLATTEN):
-        t, j = swizzled_tile(tile, T, N, BN, GROUP)
-        e, te = expert_row_tile(meta_ptr, t, E, EP)
-        meta = meta_ptr + (E + 1) + e.to(tl.int64) * 4  # (r0, r1, k0, k1): k is [0, K) here
-        r0 = (tl.load(meta) + te * BM).to(tl.int32)
-        r1 = tl.load(meta + 1)
-        b_row = e * N + j * BN
+        e, j, r0, r1, b_row = tma_tile(meta_ptr, tile, T, N, E, BM, BN, GROUP, EP)
         brows = b_row + tl.arange(0, BN)
         sptr = bs_ptr + brows.to(tl.int64)[:, None] * sbs
         rmask = (brows < ROWS)[:, None]
