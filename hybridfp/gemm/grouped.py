@@ -85,7 +85,7 @@ _NATIVE_FP8 = (fast.TENSORWISE_BACKEND, fast.BLOCK_BACKEND)
 
 #: Path 1's grouped matmul on CUDA: False, ``torch._grouped_mm`` (CUTLASS, one launch); True,
 #: ``grouped_bf16.per_group_mm`` (cuBLAS per expert, the same result semantics). A measuring
-#: switch (``bench_moe``'s "[cuBLAS per expert]" rows): in session 21's Composer-2 profile the
+#: switch (``bench_moe``'s "[cuBLAS per expert BF16]" rows): in session 21's Composer-2 profile the
 #: per-expert cuBLAS fprop GEMMs ran at ~820 TFLOP/s on decoded NVFP4 values and CUTLASS's grouped
 #: backward GEMMs at ~775 on MXFP8 values (not a like-for-like comparison), so it is off until
 #: ``bench_grouped_vs_per_expert`` and an A/B of the MoE step say otherwise.
