@@ -126,8 +126,7 @@ def e8m0_scaled_bits(v, e, NAN16: tl.constexpr):
     and a round-to-nearest-even of the product's bits to BF16, subnormals included: about 8
     instructions an element and no branch (the decode kernel's tile test and integer path held
     255 registers in a 64-element-per-thread quantize tile)."""
-    s = tl.where(e == 0, 0x400000, e << 23)
-    p = (v * tl.where(e == 255, 0x7FC00000, s).to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+    p = (v * e8m0_f32(e)).to(tl.int32, bitcast=True)
     bits = (p + 0x7FFF + ((p >> 16) & 1)) >> 16
     return tl.where((p & 0x7FFFFFFF) > 0x7F800000, NAN16, bits)
 
