@@ -9,6 +9,7 @@ several tiles. Median ms (``bench.common.bench_ms``: do_bench) and TFLOP/s, with
     python -m bench.bench_grouped_gemm_kernel --tma   # the TMA kernel's configs (TMA_CONFIGS) against
         torch._grouped_mm, the pointer kernel at its default tile, and cuBLAS (grouped, else per expert)
         with an FP32 output plus the epilogue as torch ops, on the same operands
+    python -m bench.bench_grouped_gemm_kernel --tma-f32   # its FP32-output configs (TMA_F32_CONFIGS)
 """
 
 from __future__ import annotations
@@ -82,6 +83,24 @@ def _per_expert_fp32_epilogue(a: torch.Tensor, b: torch.Tensor, splits: list[int
     return outs
 
 
+def run_tma_f32() -> list[dict[str, Any]]:
+    """The TMA kernel's FP32-output configs (TMA_F32_CONFIGS) with the same epilogue, against
+    cuBLAS per expert with an FP32 output (``torch.mm(out_dtype=)``, no epilogue)."""
+    def variants(tg, a, b, sa, sb, splits):
+        def per_expert():
+            r = 0
+            for e, m in enumerate(splits):
+                if m:
+                    torch.mm(a[r:r + m], b[e].t(), out_dtype=torch.float32)
+                r += m
+        out = {"per-expert torch.mm FP32 out (no epilogue)": per_expert}
+        for cname, cfg in tg.TMA_F32_CONFIGS.items():
+            out[f"tma f32 {cname}"] = (lambda cfg=cfg: tg.grouped_rows(
+                a, b, splits, scale_a=sa, scale_b=sb, kernel="tma", tma=cfg, out_dtype=torch.float32))
+        return out
+    return _sweep(variants)
+
+
 def run_tma() -> list[dict[str, Any]]:
     """The TMA kernel at every TMA_CONFIGS entry next to the baselines, all with the row-scaled
     NVFP4 epilogue (per-row and per-column FP32 scales, BF16 output). (torch._grouped_mm with an
@@ -102,11 +121,14 @@ def run_tma() -> list[dict[str, Any]]:
 def main(argv: Optional[list[str]] = None) -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--tma", action="store_true", help="the TMA kernel's configs against the baselines instead")
+    p.add_argument("--tma-f32", action="store_true", help="the TMA kernel's FP32-output configs instead")
     args = p.parse_args(argv)
     require_cuda()
     columns = [("shape", "shape"), ("variant", "variant"), ("ms", "ms"), ("TFLOP/s", "tflops"),
                ("x torch._grouped_mm", "vs_grouped_mm")]
-    if args.tma:
+    if args.tma_f32:
+        finish_rows("grouped_gemm_kernel_tma_f32", columns, run_tma_f32(), args.out)
+    elif args.tma:
         finish_rows("grouped_gemm_kernel_tma", columns, run_tma(), args.out)
     else:
         finish_rows("grouped_gemm_kernel", columns, run(TILES[:2] if args.quick else TILES), args.out)

@@ -11,7 +11,7 @@ decoded copies a hybridfp MoE step multiplies.
 Per shape and value kind: median ms (``do_bench``) of the grouped call and of the per-expert loop
 writing into slices of one output, and their ratio (>1: per expert is faster).
 
-    python -m bench.bench_grouped_vs_per_expert [--out results.json] [--quick]
+    python -m bench.bench_grouped_vs_per_expert [--experts 8 64] [--out results.json] [--quick]
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ SPLITS = {"uneven": [4096, 0, 16, 5072, 6000, 32, 8192, 9360], "even": [4096] * 
 #: (name, layout, M-side per expert, N, K): the MoE layer's fc1 / fc2 GEMMs (ffn 14336, hidden 4096)
 GEMMS = [("fc1 fprop", "TN", 4096, 28672), ("fc2 fprop", "TN", 14336, 4096),
          ("fc1 dgrad", "NN", 28672, 4096), ("fc1 wgrad", "NT", 28672, 4096)]
+#: 64 experts, ffn 1408 (bench_moe's other config): 512 rows per expert on average
+SPLITS64 = {"uneven": [16 * ((i * 37) % 61) for i in range(64)], "even": [512] * 64}
+GEMMS64 = [("fc1 fprop", "TN", 4096, 2816), ("fc2 fprop", "TN", 1408, 4096),
+           ("fc1 dgrad", "NN", 2816, 4096), ("fc1 wgrad", "NT", 2816, 4096)]
 
 
 def values(kind: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -76,12 +80,13 @@ def case(layout: str, k_in: int, n: int, splits: list[int], kind: str
     return (lambda: torch._grouped_mm(dyt, x, offs=offs)), loop_w
 
 
-def run(quick: bool) -> list[dict[str, Any]]:
-    """One row per (GEMM, split, value kind)."""
+def run(quick: bool, experts: int = 8) -> list[dict[str, Any]]:
+    """One row per (GEMM, split, value kind) of the ``experts`` (8 or 64) config."""
     rows: list[dict[str, Any]] = []
     kinds = ["randn", "nvfp4"] if quick else ["randn", "mxfp8", "nvfp4"]
-    for name, layout, k_in, n in GEMMS:
-        for sname, splits in SPLITS.items():
+    gemms, split_sets = (GEMMS, SPLITS) if experts == 8 else (GEMMS64, SPLITS64)
+    for name, layout, k_in, n in gemms:
+        for sname, splits in split_sets.items():
             if quick:
                 splits = [-(-s // 256) * 16 for s in splits]  # still multiples of 16
             kk, nn = (k_in // 16, n // 16) if quick else (k_in, n)
@@ -89,7 +94,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
                 grouped, loop = case(layout, kk, nn, splits, kind)
                 g, p = common.bench_ms(grouped, 50, 300), common.bench_ms(loop, 50, 300)
                 flop = 2.0 * sum(splits) * kk * nn
-                rows.append(dict(gemm=name, splits=sname, values=kind, grouped_ms=g, per_expert_ms=p,
+                rows.append(dict(experts=experts, gemm=name, splits=sname, values=kind, grouped_ms=g, per_expert_ms=p,
                                  grouped_tflops=flop / g / 1e9, per_expert_tflops=flop / p / 1e9,
                                  grouped_over_per_expert=g / p))
                 torch.cuda.empty_cache()
@@ -98,13 +103,15 @@ def run(quick: bool) -> list[dict[str, Any]]:
 
 def main(argv: Optional[list[str]] = None) -> None:
     p = parser(__doc__.splitlines()[0])
+    p.add_argument("--experts", type=int, choices=(8, 64), nargs="+", default=[8],
+                   help="the 8-expert (ffn 14336) and / or 64-expert (ffn 1408) MoE's GEMMs")
     args = p.parse_args(argv)
     require_cuda()
     finish_rows("grouped_vs_per_expert", [
-        ("GEMM", "gemm"), ("splits", "splits"), ("values", "values"), ("grouped ms", "grouped_ms"),
+        ("experts", "experts"), ("GEMM", "gemm"), ("splits", "splits"), ("values", "values"), ("grouped ms", "grouped_ms"),
         ("per-expert ms", "per_expert_ms"), ("grouped TFLOP/s", "grouped_tflops"),
         ("per-expert TFLOP/s", "per_expert_tflops"), ("grouped / per-expert time", "grouped_over_per_expert")],
-        run(args.quick), args.out)
+        [r for e in args.experts for r in run(args.quick, e)], args.out)
 
 
 if __name__ == "__main__":

@@ -70,16 +70,18 @@ UNPACKED_SUFFIX = " [unpacked weights]"
 #: quantize kernels (the CUDA default where every GEMM decodes them): the A/B of that change
 CODES_VARIANTS = ("hybridfp MXFP8", "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)")
 CODES_SUFFIX = common.CODES_SUFFIX
-#: recipes timed a second time with path 1's grouped BF16 GEMMs run as cuBLAS per expert
-#: (``hybridfp.gemm.grouped.BF16_PER_GROUP_CUBLAS``) instead of one CUTLASS ``torch._grouped_mm``
+#: recipes timed twice more with path 1's grouped BF16 GEMMs forced to cuBLAS per expert and to
+#: one CUTLASS ``torch._grouped_mm`` (``hybridfp.gemm.grouped.BF16_PER_GROUP_CUBLAS``; the
+#: default, None, picks by size: ``grouped.per_group_wins``)
 PER_GROUP_VARIANTS = ("hybridfp MXFP8", "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)")
 PER_GROUP_SUFFIX = " [cuBLAS per expert BF16]"
+CUTLASS_SUFFIX = " [CUTLASS grouped BF16]"
 
 
-def with_per_group_cublas(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """``step`` with ``grouped.BF16_PER_GROUP_CUBLAS`` on (restored after each call)."""
+def with_per_group_cublas(step: Callable[[], torch.Tensor], on: bool) -> Callable[[], torch.Tensor]:
+    """``step`` with ``grouped.BF16_PER_GROUP_CUBLAS`` set to ``on`` (restored after each call)."""
     def run() -> torch.Tensor:
-        saved, grouped.BF16_PER_GROUP_CUBLAS = grouped.BF16_PER_GROUP_CUBLAS, True
+        saved, grouped.BF16_PER_GROUP_CUBLAS = grouped.BF16_PER_GROUP_CUBLAS, on
         try:
             return step()
         finally:
@@ -216,7 +218,7 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
     unpacked = HybridMoE(base, pack_weights=False) if UNPACKED_VARIANTS else None
     extras = [(TRITON_VARIANTS, (TRITON_SUFFIX, PER_EXPERT_SUFFIX), hf),
               (UNPACKED_VARIANTS, (UNPACKED_SUFFIX,), unpacked), (FP8_TRITON_VARIANTS, (FP8_TRITON_SUFFIX, PER_EXPERT_SUFFIX), hf),
-              (PER_GROUP_VARIANTS, (PER_GROUP_SUFFIX,), hf)]
+              (PER_GROUP_VARIANTS, (PER_GROUP_SUFFIX, CUTLASS_SUFFIX), hf)]
     for name, recipe in RECIPES:
         if name in CODES_VARIANTS:
             variants.append((name + CODES_SUFFIX, hf,
@@ -236,8 +238,8 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
             if name.endswith((TRITON_SUFFIX, PER_EXPERT_SUFFIX, FP8_TRITON_SUFFIX)):
                 step = with_triton_grouped(step, on=not name.endswith(PER_EXPERT_SUFFIX),
                                            fp8_everywhere=name.endswith(FP8_TRITON_SUFFIX))
-            if name.endswith(PER_GROUP_SUFFIX):
-                step = with_per_group_cublas(step)
+            if name.endswith((PER_GROUP_SUFFIX, CUTLASS_SUFFIX)):
+                step = with_per_group_cublas(step, on=name.endswith(PER_GROUP_SUFFIX))
             before = Counter(PATH_COUNTS)
             y = step().detach().float()
             paths = Counter(PATH_COUNTS) - before

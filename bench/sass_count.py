@@ -62,13 +62,23 @@ _TMA_SPECS: dict[str, tuple[int, int, int, int, int, bool, int]] = {
     "256x128x64 w8 s3": (256, 128, 64, 8, 3, False, 16),
     "128x128x64 w8 s5 flat": (128, 128, 64, 8, 5, True, 16),
 }
+#: FP32-output configs (TMA_F32_CONFIGS spelled out): the epilogue's layout change takes BM x BN x 4
+#: bytes of shared memory beside the K ring, so the BF16 default (s3) does not fit
+_TMA_F32_SPECS: dict[str, tuple[int, int, int, int, int, bool, int]] = {
+    "128x256x64 w8 s2 flat": (128, 256, 64, 8, 2, True, 16),
+    "128x128x64 w8 s4 flat": (128, 128, 64, 8, 4, True, 16),
+    "128x128x64 w8 s5 flat": (128, 128, 64, 8, 5, True, 16),
+    "256x128x64 w8 s2 flat": (256, 128, 64, 8, 2, True, 16),
+}
 
 
-def _tma_case(name: str) -> tuple:
-    """The sass_count case of the TMA rows kernel at ``_TMA_SPECS[name]``."""
-    bm, bn, bk, warps, stages, flatten, group = _TMA_SPECS[name]
-    sig = dict(_TMA_SIG, a_desc=f"tensordesc<bf16[{bm},{bk}]>", b_desc=f"tensordesc<bf16[{bn},{bk}]>")
-    consts = dict(SA=True, SB=True, BIAS=False, OUT=1, NAN16=0x7FFF, BITS=False, BM=bm, BN=bn, BK=bk, GROUP=group, EP=16,
+def _tma_case(name: str, f32: bool = False) -> tuple:
+    """The sass_count case of the TMA rows kernel at ``_TMA_SPECS[name]`` (BF16 output) or
+    ``_TMA_F32_SPECS[name]`` (``f32``: FP32 output)."""
+    bm, bn, bk, warps, stages, flatten, group = (_TMA_F32_SPECS if f32 else _TMA_SPECS)[name]
+    sig = dict(_TMA_SIG, a_desc=f"tensordesc<bf16[{bm},{bk}]>", b_desc=f"tensordesc<bf16[{bn},{bk}]>",
+               out_ptr="*fp32" if f32 else "*i16")
+    consts = dict(SA=True, SB=True, BIAS=False, OUT=0 if f32 else 1, NAN16=0x7FFF, BITS=False, BM=bm, BN=bn, BK=bk, GROUP=group, EP=16,
                   FLATTEN=flatten)
     return ("triton_grouped_gemm", "_tma_rows_kernel", sig, consts, bm * bn // (32 * warps), warps,
             dict(num_stages=stages, enable_fp_fusion=False))
@@ -216,6 +226,7 @@ CASES: dict[str, tuple] = {
              HW=True, PACK=True, ANCHOR=False, GP=128), 32, 8),
     # the TMA rows kernel (kernel="tma"): UTMALDG loads feeding HGMMA, LDL / STL spills, registers
     **{f"grouped gemm tma {name}": _tma_case(name) for name in _TMA_SPECS},
+    **{f"grouped gemm tma f32 {name}": _tma_case(name, f32=True) for name in _TMA_F32_SPECS},
     # the fused MXFP8-B prototype: B decoded in registers (cvt e4m3 -> f16/f32, FP32 multiply, cvt bf16)
     **{f"grouped gemm tma mxfp8b {name}": _mx_tma_case(name) for name in _MX_TMA_SPECS},
 }

@@ -83,20 +83,36 @@ _MAX_GROUPS = 1023
 _NATIVE_FP8 = (fast.TENSORWISE_BACKEND, fast.BLOCK_BACKEND)
 
 
-#: Path 1's grouped matmul on CUDA: False, ``torch._grouped_mm`` (CUTLASS, one launch); True,
-#: ``grouped_bf16.per_group_mm`` (cuBLAS per expert, the same result semantics). A measuring
-#: switch (``bench_moe``'s "[cuBLAS per expert BF16]" rows): in session 21's Composer-2 profile the
-#: per-expert cuBLAS fprop GEMMs ran at ~820 TFLOP/s on decoded NVFP4 values and CUTLASS's grouped
-#: backward GEMMs at ~775 on MXFP8 values (not a like-for-like comparison), so it is off until
-#: ``bench_grouped_vs_per_expert`` and an A/B of the MoE step say otherwise.
-BF16_PER_GROUP_CUBLAS: bool = False
+#: Path 1's grouped matmul on CUDA: True, ``grouped_bf16.per_group_mm`` (cuBLAS per expert, the
+#: same result semantics); False, ``torch._grouped_mm`` (CUTLASS, one launch); None (default),
+#: :func:`per_group_wins` decides by the groups' count and size.
+BF16_PER_GROUP_CUBLAS: Optional[bool] = None
+#: :func:`per_group_wins`'s bounds: at most this many groups (each is a launch and ~10 µs of host
+#: work, which a many-expert MoE step cannot afford: it is host-bound at 64 experts) ...
+PER_GROUP_MAX_GROUPS = 16
+#: ... of at least this many rows (or reduction columns) on average.
+PER_GROUP_MIN_MEAN = 1024
+
+
+def per_group_wins(sizes: Sequence[int]) -> bool:
+    """Whether cuBLAS per group beats CUTLASS's grouped kernel for groups of ``sizes``: few large
+    groups. Measured on the H200 (session 22, ``bench.bench_grouped_vs_per_expert``): at 8
+    experts of the Llama-3-8B-sized MoE (2048 rows each on average, some empty or 16 rows), cuBLAS
+    per expert was 1-8 % faster in every GEMM (fprop, dgrad, wgrad; random and decoded MXFP8 /
+    NVFP4 values), and the whole MoE step 3.6 % (MXFP8) / 0.7 % (Composer-2) faster (10
+    back-to-back steps: 4.5 % / 2.6 %)."""
+    return 0 < len(sizes) <= PER_GROUP_MAX_GROUPS and sum(sizes) >= PER_GROUP_MIN_MEAN * len(sizes)
 
 
 def torch_grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
-    """The CUDA grouped matmul of path 1 (BF16 in, FP32 accumulation, BF16 out):
-    ``torch._grouped_mm`` over the groups of ``sizes``, or cuBLAS per group
-    (``grouped_bf16.per_group_mm``) where :data:`BF16_PER_GROUP_CUBLAS` is set."""
-    if BF16_PER_GROUP_CUBLAS:
+    """The CUDA grouped matmul of path 1 (BF16 in, FP32 accumulation, BF16 out): cuBLAS per group
+    (``grouped_bf16.per_group_mm``) or ``torch._grouped_mm`` over the groups of ``sizes``, as
+    :data:`BF16_PER_GROUP_CUBLAS` says (None: :func:`per_group_wins`). Both compute each output
+    from one FP32 accumulator rounded once (SPEC §1)."""
+    use = BF16_PER_GROUP_CUBLAS
+    if use is None:
+        use = per_group_wins(sizes)
+    if use:
         return per_group_mm(mat_a, mat_b, sizes)
     return torch._grouped_mm(mat_a, mat_b, offs=offsets(sizes, mat_a.device))
 

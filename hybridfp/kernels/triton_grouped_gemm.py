@@ -230,6 +230,24 @@ TMA_CONFIGS: dict[str, TmaConfig] = {
     "256x128x64 w8 s3": TmaConfig(bm=256, bn=128),
     "128x128x64 w8 s5 flat": TmaConfig(bn=128, stages=5, flatten=True),
 }
+#: Configs for an FP32 output (name -> config). The epilogue stores through shared memory
+#: (a BM x BN x 4 byte layout change beside the K ring), so the BF16 default needs 278 KB with an
+#: FP32 output, past the H200's 227 KB (an OutOfResources at launch, session 22); these fit
+#: (``bench.sass_count --resources --match "tma f32"``: 164-229 KB).
+TMA_F32_CONFIGS: dict[str, TmaConfig] = {
+    "128x256x64 w8 s2 flat": TmaConfig(stages=2, flatten=True),
+    "128x128x64 w8 s4 flat": TmaConfig(bn=128, stages=4, flatten=True),
+    "128x128x64 w8 s5 flat": TmaConfig(bn=128, stages=5, flatten=True),
+    "256x128x64 w8 s2 flat": TmaConfig(bm=256, bn=128, stages=2, flatten=True),
+}
+#: The TMA kernel's default for an FP32 output (see TMA_F32_CONFIGS).
+TMA_F32_CONFIG = TMA_F32_CONFIGS["128x128x64 w8 s4 flat"]
+
+
+def default_tma_config(out_dtype: torch.dtype) -> TmaConfig:
+    """The TMA kernel's config for outputs of ``out_dtype``: :data:`TMA_F32_CONFIG` for FP32 (its
+    epilogue's shared memory), :data:`TMA_CONFIG` for 16-bit outputs."""
+    return TMA_F32_CONFIG if out_dtype == torch.float32 else TMA_CONFIG
 
 
 @triton.jit
@@ -348,13 +366,14 @@ def grouped_rows(a: torch.Tensor, b: torch.Tensor, splits: list[int], *, scale_a
                  scale_b: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
                  out_dtype: torch.dtype = torch.bfloat16,
                  tile: tuple[int, int, int, int, int] = TILE, group_m: int = GROUP_M,
-                 kernel: Optional[str] = None, tma: TmaConfig = TMA_CONFIG) -> torch.Tensor:
+                 kernel: Optional[str] = None, tma: Optional[TmaConfig] = None) -> torch.Tensor:
     """fprop / dgrad: ``out[r_e + i, j] = ep(Σ_k a[r_e + i, k] b[e, j, k])`` for expert e's rows.
 
     ``a`` [Σ splits, K] and ``b`` [E, N, K] BF16 (any strides); ``scale_a`` [Σ splits] (per row),
     ``scale_b`` and ``bias`` [E, N], all FP32 or None; returns [Σ splits, N] in ``out_dtype``.
-    ``kernel``: ``"pointer"`` (``tile``, ``group_m``), ``"tma"`` (``tma``; a ValueError where
-    ``tma_applies`` is false) or None (``_rows_kernel``: TMA on Hopper+ where it applies).
+    ``kernel``: ``"pointer"`` (``tile``, ``group_m``), ``"tma"`` (``tma``, None:
+    ``default_tma_config(out_dtype)``; a ValueError where ``tma_applies`` is false) or None
+    (``_rows_kernel``: TMA on Hopper+ where it applies).
     ``tile`` / ``group_m`` other than the defaults configure the pointer kernel only: a
     ValueError if the TMA kernel would run (pass ``kernel="pointer"``, or ``tma=``)."""
     if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or a.dim() != 2 or b.dim() != 3:
@@ -375,7 +394,8 @@ def grouped_rows(a: torch.Tensor, b: torch.Tensor, splits: list[int], *, scale_a
         raise ValueError(f"grouped_rows: tile={tile} / group_m={group_m} configure the pointer kernel, but the "
                          f"TMA kernel runs here; pass kernel='pointer' to time that tile, or a TmaConfig as tma=.")
     if chosen == "tma":
-        return _launch_tma(a, b, out, _plan(ranges, [(0, k)] * e, tma.bm), scale_a, scale_b, bias, tma)
+        cfg = tma or default_tma_config(out_dtype)
+        return _launch_tma(a, b, out, _plan(ranges, [(0, k)] * e, cfg.bm), scale_a, scale_b, bias, cfg)
     return _launch(a, b, out, _plan(ranges, [(0, k)] * e, tile[0]), n, b.stride(0), scale_a, 0, scale_b, bias, 0,
                    tile, group_m)
 

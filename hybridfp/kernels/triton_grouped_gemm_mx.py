@@ -56,7 +56,7 @@ from ._common import bf16_nan16, empty
 from .host import to_device
 from .triton_decode import _expand, _fp8_f32, e8m0_f32, e8m0_scaled_bits
 from .triton_epilogue import OUT_CODE, store_out
-from .triton_grouped_gemm import (_TILE_MARGIN, TMA_CONFIG, TmaConfig, _check, _epilogue, _plan, _sm_count,
+from .triton_grouped_gemm import (_TILE_MARGIN, TmaConfig, default_tma_config, _check, _epilogue, _plan, _sm_count,
                                   _widen, tma_tile)
 
 #: elements per E8M0 scale (MXFP8 1x32 blocks)
@@ -235,7 +235,7 @@ def _check_operands(a: torch.Tensor, b_codes: torch.Tensor, b_scales: torch.Tens
 def grouped_rows_mxfp8b(a: torch.Tensor, b_codes: torch.Tensor, b_scales: torch.Tensor, splits: list[int], *,
                         scale_a: Optional[torch.Tensor] = None, scale_b: Optional[torch.Tensor] = None,
                         bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16,
-                        tma: TmaConfig = TMA_CONFIG) -> torch.Tensor:
+                        tma: Optional[TmaConfig] = None) -> torch.Tensor:
     """fprop with MXFP8 weights: ``out[r_e + i, j] = ep(Σ_k a[r_e + i, k] · w_e[j, k])`` with
     ``w_e = dequantize_1d(b_codes[e], b_scales[e])`` (bitwise ``grouped_rows(a, w, splits,
     kernel="tma", tma=tma)`` on the BF16 decode ``w``, without materialising it).
@@ -243,8 +243,10 @@ def grouped_rows_mxfp8b(a: torch.Tensor, b_codes: torch.Tensor, b_scales: torch.
     ``a`` [Σ splits, K] BF16; ``b_codes`` [E, N, K] FP8 codes (float8_e4m3fn / float8_e5m2, or
     uint8 read as E4M3), ``b_scales`` [E, N, K/32] E8M0 bytes, K % 32 == 0; ``scale_a`` [Σ splits],
     ``scale_b`` / ``bias`` [E, N] FP32 or None; returns [Σ splits, N] in ``out_dtype``. ``tma``: a
-    ``TmaConfig``, or an ``MxConfig`` (``swap``: the transposed product). Hopper+
+    ``TmaConfig``, or an ``MxConfig`` (``swap``: the transposed product), None:
+    ``default_tma_config(out_dtype)`` (an FP32 output needs its smaller shared memory). Hopper+
     GPU, or CPU tensors under ``TRITON_INTERPRET=1``."""
+    tma = tma or default_tma_config(out_dtype)
     _check_operands(a, b_codes, b_scales, splits, tma)
     if out_dtype not in OUT_CODE:
         _fail(f"out_dtype must be one of {sorted(map(str, OUT_CODE))}; got {out_dtype}.")

@@ -110,6 +110,26 @@ def test_switch_selects_per_group_mm(monkeypatch):
     assert calls == [[4, 5]]
 
 
+def test_size_rule_picks_per_group_for_few_large_groups(monkeypatch):
+    """The default (switch None) takes cuBLAS per group for few large groups (8 experts of 2048
+    rows on average, empty ones allowed) and CUTLASS's grouped kernel for many or small groups;
+    the switch forces either way."""
+    assert grouped.BF16_PER_GROUP_CUBLAS is None
+    wins = grouped.per_group_wins
+    assert wins([4096, 0, 16, 5072, 6000, 32, 8192, 9360]) and wins([1024] * 16)
+    assert not wins([512] * 8) and not wins([2048] * 17) and not wins([]) and not wins([0, 0])
+    calls = []
+    monkeypatch.setattr(grouped, "per_group_mm", lambda *a: calls.append(a[2]) or per_group_mm(*a))
+    monkeypatch.setattr(grouped, "PER_GROUP_MIN_MEAN", 4)  # tiny CPU groups count as large
+    g = torch.Generator().manual_seed(5)
+    a, b = _ints((9, 16), g), _ints((2, 16, 8), g)
+    assert torch.equal(grouped.torch_grouped_mm(a, b, [4, 5]), reference_grouped_mm(a, b, [4, 5]))
+    assert calls == [[4, 5]]
+    monkeypatch.setattr(grouped, "BF16_PER_GROUP_CUBLAS", False)
+    assert torch.equal(grouped.torch_grouped_mm(a, b, [4, 5]), reference_grouped_mm(a, b, [4, 5]))
+    assert calls == [[4, 5]]  # forced off: torch._grouped_mm ran
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("rows_grouped", [True, False])

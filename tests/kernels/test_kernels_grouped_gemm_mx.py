@@ -7,7 +7,11 @@ same order from the same BF16 values. Compared as raw bits (NaN outputs included
 shapes with empty, one-row and odd-sized experts, K a multiple of 32 but not of BK, N not a
 multiple of BN, scales / bias on and off, FP32 / BF16 / FP16 outputs, E8M0 extremes (bytes 0..10
 whose products fall under BF16's normal range, 253 / 254 whose products overflow, 0xFF = NaN)
-and NaN codes. GPU (``-m gpu``): the MoE shapes' structure at every ``MX_CONFIGS`` entry.
+and NaN codes. GPU (``-m gpu``): the MoE shapes' structure at every ``MX_CONFIGS`` entry,
+bitwise for the plain tiles; the swap tiles (``MxConfig.swap``: the transposed product
+``dec(B) · Aᵀ``) within FP32-accumulation error only, because on the H200 wgmma sums a product
+and its transpose in different orders (session 22: bits differed in ~all runs; the interpreter's
+dot is order-symmetric, so there they stay bitwise).
 """
 
 from __future__ import annotations
@@ -253,10 +257,11 @@ GPU_CASES = [([0, 517, 2048, 1, 1999, 640, 3000, 1024], 2048, 1408),
 @pytest.mark.parametrize("extremes", [False, True], ids=["plain", "extremes"])
 @pytest.mark.parametrize("case", range(len(GPU_CASES)))
 @pytest.mark.parametrize("name", list(tgm.MX_CONFIGS))
-def test_gpu_fused_equals_two_pass_bitwise(name, case, extremes):
+def test_gpu_fused_equals_two_pass(name, case, extremes):
     """Every MX_CONFIGS entry, BF16 and FP32 outputs (FP32 skipped where its shared memory does not
     fit), per-row / per-column scales and bias: the fused kernel's bits equal the TMA kernel's on
-    the reference decode; the Triton decode kernel (the current two-pass path) gives that decode."""
+    the reference decode (swap tiles: ``_close``); the Triton decode kernel (the current two-pass
+    path) gives that decode."""
     from hybridfp.kernels.triton_decode import decode_mxfp8
     splits, k, n = GPU_CASES[case]
     seed = int(torch.randint(0, 2**31, (1,)))
@@ -271,7 +276,7 @@ def test_gpu_fused_equals_two_pass_bitwise(name, case, extremes):
     with poisoned_outputs():
         fused = tgm.grouped_rows_mxfp8b(a, codes, scales, splits, tma=cfg, **kw)
         two_pass = two_pass_tma(a, w, splits, cfg, **kw)
-        assert torch.equal(_bits(fused), _bits(two_pass)), f"seed {seed}"
+        _same(fused, two_pass, cfg, 2 ** -7, f"seed {seed}")
         if not extremes:
             assert torch.isfinite(fused).all(), f"seed {seed}"
         try:
@@ -281,4 +286,18 @@ def test_gpu_fused_equals_two_pass_bitwise(name, case, extremes):
                 raise
             pytest.skip(f"{name}: an FP32 output exceeds the shared memory ({type(err).__name__})")
         two_pass32 = two_pass_tma(a, w, splits, cfg, out_dtype=torch.float32, **kw)
-        assert torch.equal(_bits(fused32), _bits(two_pass32)), f"seed {seed}"
+        _same(fused32, two_pass32, cfg, 1e-5, f"seed {seed}")
+
+
+def _same(got: torch.Tensor, want: torch.Tensor, cfg: tg.TmaConfig, bound: float, what: str) -> None:
+    """Bitwise for plain tiles; for swap tiles the same non-finite positions and values, and the
+    finite ones within ``bound`` relative (Frobenius) error: FP32 accumulation order (BF16 outputs:
+    2**-7, a rounding of each side plus the order; FP32: 1e-5 at K ~2000)."""
+    if not getattr(cfg, "swap", False):
+        assert torch.equal(_bits(got), _bits(want)), what
+        return
+    fin = torch.isfinite(want)
+    assert torch.equal(fin, torch.isfinite(got)), what
+    assert torch.equal(got[~fin].float().nan_to_num(), want[~fin].float().nan_to_num()), what
+    g, w = got[fin].double(), want[fin].double()
+    assert ((g - w).norm() / w.norm().clamp_min(1e-300)).item() < bound, what

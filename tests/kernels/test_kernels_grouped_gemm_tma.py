@@ -161,8 +161,8 @@ def _gpu_operands(splits: list[int], k: int, n: int, seed: int, k_pad: int = 0):
 def test_gpu_tma_rows_vs_fp64(name, case):
     """8 experts (one empty, a one-row one, odd sizes): every benchmarked config against an FP64
     reference, the BF16 output its FP32 output rounded once, and within FP32-accumulation error
-    of the pointer kernel. The FP32 output only where its shared memory fits (a skip; never for
-    the default config, which production runs with FP32 outputs too)."""
+    of the pointer kernel. The FP32 output at this config only where its shared memory fits (a
+    skip otherwise: FP32 outputs take ``TMA_F32_CONFIGS``, tested below)."""
     splits, k, n = GPU_CASES[case]
     seed = int(torch.randint(0, 2**31, (1,)))
     a, b, sa, sb, bias = _gpu_operands(splits, k, n, seed)
@@ -177,13 +177,27 @@ def test_gpu_tma_rows_vs_fp64(name, case):
         except Exception as err:  # noqa: BLE001 - out of shared memory: the BF16 check above stands
             if "shared memory" not in str(err).lower() and "OutOfResources" not in type(err).__name__:
                 raise
-            assert cfg != tg.TMA_CONFIG, "the default TMA config must fit with an FP32 output"
             pytest.skip(f"{name}: an FP32 output exceeds the shared memory ({type(err).__name__})")
         assert _rel(out32, ref) < 1e-5, f"seed {seed}"
         assert torch.equal(out16, out32.to(torch.bfloat16)), f"seed {seed}"
         ptr32 = tg.grouped_rows(a, b, splits, scale_a=sa, scale_b=sb, bias=bias, out_dtype=torch.float32,
                                 kernel="pointer")
         assert _rel(out32, ptr32) < 1e-5, f"seed {seed}"
+
+
+@gpu
+@pytest.mark.parametrize("name", list(tg.TMA_F32_CONFIGS))
+def test_gpu_tma_f32_configs_vs_fp64(name):
+    """Every FP32-output config launches (its shared memory fits: the BF16 default's does not)
+    and is within FP32-accumulation error of FP64; the default for FP32 is one of them."""
+    assert tg.default_tma_config(torch.float32) in tg.TMA_F32_CONFIGS.values()
+    splits, k, n = GPU_CASES[1]
+    seed = int(torch.randint(0, 2**31, (1,)))
+    a, b, sa, sb, bias = _gpu_operands(splits, k, n, seed)
+    with poisoned_outputs():
+        out32 = tg.grouped_rows(a, b, splits, scale_a=sa, scale_b=sb, bias=bias, out_dtype=torch.float32,
+                                kernel="tma", tma=tg.TMA_F32_CONFIGS[name])
+    assert _rel(out32, _reference(a, b, splits, sa, sb, bias)) < 1e-5, f"seed {seed}"
 
 
 @gpu
