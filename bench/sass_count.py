@@ -86,26 +86,22 @@ def _tma_case(name: str, f32: bool = False) -> tuple:
 
 #: The fused MXFP8-B prototype (triton_grouped_gemm_mx.MX_CONFIGS spelled out): B's codes through a uint8
 #: descriptor, its E8M0 bytes through pointer loads (row stride K / 32: divisible by 16 at the MoE's K)
-#: name -> (BM, BN, BK, warps, stages, flatten, swizzle group, swap)
-_MX_TMA_SPECS: dict[str, tuple[int, int, int, int, int, bool, int, bool]] = {
-    "128x256x64 w8 s3": (128, 256, 64, 8, 3, False, 16, False),
-    "128x256x64 w8 s3 flat": (128, 256, 64, 8, 3, True, 16, False),
-    "128x256x128 w8 s3": (128, 256, 128, 8, 3, False, 16, False),
-    "128x128x64 w8 s4": (128, 128, 64, 8, 4, False, 16, False),
-    "128x256x64 w8 s3 swap": (128, 256, 64, 8, 3, False, 16, True),
-    "128x128x64 w8 s4 swap": (128, 128, 64, 8, 4, False, 16, True),
-    "256x128x64 w8 s3 swap": (256, 128, 64, 8, 3, False, 16, True),
-    "256x128x128 w8 s3 swap": (256, 128, 128, 8, 3, False, 16, True),
+#: name -> (BM, BN, BK, warps, stages, flatten, swizzle group)
+_MX_TMA_SPECS: dict[str, tuple[int, int, int, int, int, bool, int]] = {
+    "128x256x64 w8 s3": (128, 256, 64, 8, 3, False, 16),
+    "128x256x64 w8 s3 flat": (128, 256, 64, 8, 3, True, 16),
+    "128x256x128 w8 s3": (128, 256, 128, 8, 3, False, 16),
+    "128x128x64 w8 s4": (128, 128, 64, 8, 4, False, 16),
 }
 
 
 def _mx_tma_case(name: str) -> tuple:
     """The sass_count case of the fused MXFP8-B TMA rows kernel at ``_MX_TMA_SPECS[name]``."""
-    bm, bn, bk, warps, stages, flatten, group, swap = _MX_TMA_SPECS[name]
+    bm, bn, bk, warps, stages, flatten, group = _MX_TMA_SPECS[name]
     sig = dict(_TMA_SIG, a_desc=f"tensordesc<bf16[{bm},{bk}]>", b_desc=f"tensordesc<u8[{bn},{bk}]>", bs_ptr="*u8",
                sbs="i32")
     consts = dict(SA=True, SB=True, BIAS=False, OUT=1, NAN16=0x7FFF, BITS=False, E5M2=False, BM=bm, BN=bn, BK=bk,
-                  GROUP=group, EP=16, FLATTEN=flatten, SWAP=swap)
+                  GROUP=group, EP=16, FLATTEN=flatten)
     return ("triton_grouped_gemm_mx", "_tma_rows_mxfp8b_kernel", sig, consts, bm * bn // (32 * warps), warps,
             dict(num_stages=stages, enable_fp_fusion=False))
 

@@ -31,11 +31,15 @@ rests on the decoded tile being bitwise the in-memory decode's tile:
 
 Compiled offline for sm90 (Triton 3.6, ``bench/sass_count.py --resources --match mxfp8b``): the
 decode is ``cvt.rn.f16x2.e4m3x2`` + ``cvt.f32.f16`` (hardware, no integer sequence), ``mul.rn.f32``
-(no ``.ftz``), ``cvt.rn.bf16x2.f32``. Plain tiles stage the decoded tile in shared memory and wait
-for each wgmma (``pendings = 0``: decode and MMA serialize); ``MxConfig.swap`` keeps it in registers
-as wgmma's first operand (``pendings = 3``). The decode is paid once per row tile, so its cost per
-MMA falls with BM: K-loop instructions a warp per K tile, 128x256x64 swap 403, 256x128x64 swap 251,
-against 78-86 for the BF16 kernel. Not yet run on a GPU.
+(no ``.ftz``), ``cvt.rn.bf16x2.f32``. The decoded tile is staged in shared memory and each wgmma
+waited for (``pendings = 0``: decode and MMA serialize).
+
+Measured on the H200 (session 22, ``bench.bench_grouped_gemm_mx``; the 8-expert MoE's fc1 / fc2
+fprop): 0.59x / 0.55x the speed of ``torch._grouped_mm`` on the decode at 128x256x64, against
+0.95x / 0.92x for the two passes it replaces (decode, then the TMA kernel), bitwise equal to
+them. So it stays a prototype. A transposed form (the decoded B as wgmma's register operand:
+0.94x / 0.89x) gave whole blocks of inf outputs on the GPU where the two-pass result is finite
+(the interpreter agreed bitwise) and was removed.
 
 Limitations: A stays BF16; B rowwise 1x32 blocks only (fprop: W.rowwise [N, K]; dgrad's W.columnwise,
 stored transposed [K, N] with 1x32 blocks along the reduction, has the same layout; 32x32 blocks
@@ -44,7 +48,6 @@ would need the scale row index ``row // 32``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NoReturn, Optional
 
 import torch
@@ -55,7 +58,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ._common import bf16_nan16, empty
 from .host import to_device
 from .triton_decode import _expand, _fp8_f32, e8m0_f32, e8m0_scaled_bits
-from .triton_epilogue import OUT_CODE, store_out
+from .triton_epilogue import OUT_CODE
 from .triton_grouped_gemm import (_TILE_MARGIN, TmaConfig, default_tma_config, _check, _epilogue, _plan, _sm_count,
                                   _widen, tma_tile)
 
@@ -63,28 +66,12 @@ from .triton_grouped_gemm import (_TILE_MARGIN, TmaConfig, default_tma_config, _
 BLOCK = 32
 
 
-@dataclass(frozen=True)
-class MxConfig(TmaConfig):
-    """A ``TmaConfig`` (the same tile and schedule as ``_tma_rows_kernel``'s, which the bitwise
-    comparison runs at) plus ``swap``: compute the transposed tile ``dec(B) · Aᵀ`` [BN, BM], so
-    the decoded B is wgmma's first operand, which may stay in registers (the decoded tile then
-    needs no shared-memory round trip, and no buffer that serializes decode and MMA); the
-    epilogue stores it transposed (``_epilogue_t``)."""
-
-    swap: bool = False
-
-
 #: Configs the benchmark / sass_count compare (BK a multiple of 32).
-MX_CONFIGS: dict[str, MxConfig] = {
-    "128x256x64 w8 s3": MxConfig(),
-    "128x256x64 w8 s3 flat": MxConfig(flatten=True),
-    "128x256x128 w8 s3": MxConfig(bk=128),
-    "128x128x64 w8 s4": MxConfig(bn=128, stages=4),
-    "128x256x64 w8 s3 swap": MxConfig(swap=True),
-    "128x128x64 w8 s4 swap": MxConfig(bn=128, stages=4, swap=True),
-    # the decode is paid once per row tile: BM 256 halves it per MMA (wgmma n = BM = 256)
-    "256x128x64 w8 s3 swap": MxConfig(bm=256, bn=128, swap=True),
-    "256x128x128 w8 s3 swap": MxConfig(bm=256, bn=128, bk=128, swap=True),
+MX_CONFIGS: dict[str, TmaConfig] = {
+    "128x256x64 w8 s3": TmaConfig(),
+    "128x256x64 w8 s3 flat": TmaConfig(flatten=True),
+    "128x256x128 w8 s3": TmaConfig(bk=128),
+    "128x128x64 w8 s4": TmaConfig(bn=128, stages=4),
 }
 
 
@@ -109,35 +96,12 @@ def _decode_tile(c, e, E5M2: tl.constexpr, BITS: tl.constexpr, NAN16: tl.constex
 
 
 @triton.jit
-def _epilogue_t(acc, r64, c64, rmask, cmask, e64, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, som,
-                SA: tl.constexpr, SB: tl.constexpr, BIAS: tl.constexpr, OUT: tl.constexpr, NAN16: tl.constexpr,
-                BITS: tl.constexpr):
-    """``_epilogue`` of a transposed accumulator ``acc`` [BN, BM] (``SWAP``): the same FP32
-    operations on the same values (``sb * sa`` is ``sa * sb``: IEEE multiplication commutes)."""
-    v = acc
-    if SA or SB:
-        if SA:
-            sa = tl.load(sa_ptr + r64, mask=rmask, other=1.0)
-        else:
-            sa = tl.full((acc.shape[1],), 1.0, tl.float32)
-        if SB:
-            sb = tl.load(sb_ptr + e64 * N + c64, mask=cmask, other=1.0)
-        else:
-            sb = tl.full((acc.shape[0],), 1.0, tl.float32)
-        v = v * (sb[:, None] * sa[None, :])
-    if BIAS:
-        v = v + tl.load(bias_ptr + e64 * N + c64, mask=cmask, other=0.0)[:, None]
-    optrs = out_ptr + r64[None, :] * som + c64[:, None]
-    store_out(optrs, v, cmask[:, None] & rmask[None, :], OUT, NAN16, HW=not BITS)
-
-
-@triton.jit
 def _tma_rows_mxfp8b_kernel(a_desc, b_desc, bs_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, meta_ptr, T, N, K, E,
                             som, sbs, P,
                             SA: tl.constexpr, SB: tl.constexpr, BIAS: tl.constexpr, OUT: tl.constexpr,
                             NAN16: tl.constexpr, BITS: tl.constexpr, E5M2: tl.constexpr, BM: tl.constexpr,
                             BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, EP: tl.constexpr,
-                            FLATTEN: tl.constexpr, SWAP: tl.constexpr):
+                            FLATTEN: tl.constexpr):
     # _tma_rows_kernel with B's tile decoded from codes (b_desc: uint8 [E * N, K]) and E8M0 bytes
     # (bs_ptr: [E * N, K / 32], row stride sbs) in registers; K % 32 == 0 (whole blocks)
     tiles = T * tl.cdiv(N, BN)
@@ -155,10 +119,7 @@ def _tma_rows_mxfp8b_kernel(a_desc, b_desc, bs_ptr, sa_ptr, sb_ptr, bias_ptr, ou
         # past the matrix or past K: the neutral byte 127 (the codes there are TMA's zeros)
         kb = tl.arange(0, NB)
         s_next = tl.load(sptr + kb[None, :], mask=rmask & (kb < KB)[None, :], other=127)
-        if SWAP:
-            acc = tl.zeros((BN, BM), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
         for kt in range(0, k_tiles):
             s = s_next.to(tl.int32)
             kb = (kt + 1) * NB + tl.arange(0, NB)
@@ -166,18 +127,11 @@ def _tma_rows_mxfp8b_kernel(a_desc, b_desc, bs_ptr, sa_ptr, sb_ptr, bias_ptr, ou
             a = _widen(a_desc.load([r0, kt * BK]), BITS)
             c = b_desc.load([b_row, kt * BK])
             b = _decode_tile(c, s, E5M2, BITS, NAN16)
-            if SWAP:
-                acc = tl.dot(b, a.T, acc)
-            else:
-                acc = tl.dot(a, b.T, acc)
+            acc = tl.dot(a, b.T, acc)
         rows = r0 + tl.arange(0, BM)
         cols = j * BN + tl.arange(0, BN)
-        if SWAP:
-            _epilogue_t(acc, rows.to(tl.int64), cols.to(tl.int64), rows < r1, cols < N, e.to(tl.int64), sa_ptr,
-                        sb_ptr, bias_ptr, out_ptr, N, som, SA, SB, BIAS, OUT, NAN16, BITS)
-        else:
-            _epilogue(acc, rows.to(tl.int64), cols.to(tl.int64), rows < r1, cols < N, e.to(tl.int64), sa_ptr, sb_ptr,
-                      bias_ptr, out_ptr, N, 0, 0, som, SA, SB, BIAS, OUT, NAN16, BITS)
+        _epilogue(acc, rows.to(tl.int64), cols.to(tl.int64), rows < r1, cols < N, e.to(tl.int64), sa_ptr, sb_ptr,
+                  bias_ptr, out_ptr, N, 0, 0, som, SA, SB, BIAS, OUT, NAN16, BITS)
 
 
 _CODE_DTYPES = (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -243,8 +197,8 @@ def grouped_rows_mxfp8b(a: torch.Tensor, b_codes: torch.Tensor, b_scales: torch.
     ``a`` [Σ splits, K] BF16; ``b_codes`` [E, N, K] FP8 codes (float8_e4m3fn / float8_e5m2, or
     uint8 read as E4M3), ``b_scales`` [E, N, K/32] E8M0 bytes, K % 32 == 0; ``scale_a`` [Σ splits],
     ``scale_b`` / ``bias`` [E, N] FP32 or None; returns [Σ splits, N] in ``out_dtype``. ``tma``: a
-    ``TmaConfig``, or an ``MxConfig`` (``swap``: the transposed product), None:
-    ``default_tma_config(out_dtype)`` (an FP32 output needs its smaller shared memory). Hopper+
+    ``TmaConfig`` (None: ``default_tma_config(out_dtype)``: an FP32 output needs its smaller
+    shared memory). Hopper+
     GPU, or CPU tensors under ``TRITON_INTERPRET=1``."""
     tma = tma or default_tma_config(out_dtype)
     _check_operands(a, b_codes, b_scales, splits, tma)
@@ -278,6 +232,6 @@ def grouped_rows_mxfp8b(a: torch.Tensor, b_codes: torch.Tensor, b_scales: torch.
         to_device(meta, out.device), row_tiles, n, k, e, out.stride(0), b_scales.stride(1), programs,
         SA=scale_a is not None, SB=scale_b is not None, BIAS=bias is not None, OUT=OUT_CODE[out.dtype],
         NAN16=bf16_nan16(out.device), BITS=bits, E5M2=e5m2, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=cfg.group_m,
-        EP=triton.next_power_of_2(e + 1), FLATTEN=cfg.flatten, SWAP=bool(getattr(cfg, "swap", False)),
+        EP=triton.next_power_of_2(e + 1), FLATTEN=cfg.flatten,
         num_warps=cfg.warps, num_stages=cfg.stages, enable_fp_fusion=False)
     return out
