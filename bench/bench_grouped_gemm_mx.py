@@ -85,7 +85,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
         _time(rows, name, f"    tma grouped_rows alone ({tg.TMA_CONFIG.bm}x{tg.TMA_CONFIG.bn}x{tg.TMA_CONFIG.bk})",
               lambda: tg.grouped_rows(a, w, splits, kernel="tma"), flop, base)
         for cname, cfg in configs.items():
-            plain = tg.TmaConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(tg.TmaConfig)})
+            plain = cfg
             bits = "?"
             try:
                 got = tgm.grouped_rows_mxfp8b(a, codes, scales, splits, tma=cfg)

@@ -95,12 +95,13 @@ _MX_TMA_SPECS: dict[str, tuple[int, int, int, int, int, bool, int]] = {
 }
 
 
-def _mx_tma_case(name: str) -> tuple:
-    """The sass_count case of the fused MXFP8-B TMA rows kernel at ``_MX_TMA_SPECS[name]``."""
-    bm, bn, bk, warps, stages, flatten, group = _MX_TMA_SPECS[name]
+def _mx_tma_case(name: str, f32: bool = False) -> tuple:
+    """The sass_count case of the fused MXFP8-B TMA rows kernel at ``_MX_TMA_SPECS[name]`` (BF16
+    output) or ``_TMA_F32_SPECS[name]`` (``f32``: FP32 output, the configs it defaults to then)."""
+    bm, bn, bk, warps, stages, flatten, group = (_TMA_F32_SPECS if f32 else _MX_TMA_SPECS)[name]
     sig = dict(_TMA_SIG, a_desc=f"tensordesc<bf16[{bm},{bk}]>", b_desc=f"tensordesc<u8[{bn},{bk}]>", bs_ptr="*u8",
-               sbs="i32")
-    consts = dict(SA=True, SB=True, BIAS=False, OUT=1, NAN16=0x7FFF, BITS=False, E5M2=False, BM=bm, BN=bn, BK=bk,
+               sbs="i32", out_ptr="*fp32" if f32 else "*i16")
+    consts = dict(SA=True, SB=True, BIAS=False, OUT=0 if f32 else 1, NAN16=0x7FFF, BITS=False, E5M2=False, BM=bm, BN=bn, BK=bk,
                   GROUP=group, EP=16, FLATTEN=flatten)
     return ("triton_grouped_gemm_mx", "_tma_rows_mxfp8b_kernel", sig, consts, bm * bn // (32 * warps), warps,
             dict(num_stages=stages, enable_fp_fusion=False))
@@ -225,6 +226,7 @@ CASES: dict[str, tuple] = {
     **{f"grouped gemm tma f32 {name}": _tma_case(name, f32=True) for name in _TMA_F32_SPECS},
     # the fused MXFP8-B prototype: B decoded in registers (cvt e4m3 -> f16/f32, FP32 multiply, cvt bf16)
     **{f"grouped gemm tma mxfp8b {name}": _mx_tma_case(name) for name in _MX_TMA_SPECS},
+    "grouped gemm tma mxfp8b f32 128x128x64 w8 s4 flat": _mx_tma_case("128x128x64 w8 s4 flat", f32=True),
 }
 
 

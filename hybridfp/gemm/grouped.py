@@ -14,8 +14,10 @@ Paths, first that applies (``grouped_path`` says which and why):
 1. ``grouped_bf16`` — every expert's pair block-decodes exactly into BF16
    (``bf16_decode.bf16_exact_reason`` is None for both copies) AND has no epilogue factor
    (MXFP8, power-of-two FP8 block, BF16; no per-tensor ``scale_inv`` or NVFP4 ``S_dec``), the
-   output is BF16 and there is no bias: decode with ``decode_bf16``, one ``torch._grouped_mm``
-   (BF16 tensor cores, FP32 accumulation, one rounding to BF16 — SPEC §1 exactly). Epilogue
+   output is BF16 and there is no bias: decode with ``decode_bf16``, one ``torch_grouped_mm``
+   (CUTLASS's ``torch._grouped_mm``, or cuBLAS per expert for few large experts:
+   ``per_group_wins``; BF16 tensor cores, FP32 accumulation, one rounding to BF16 — SPEC §1
+   exactly). Epilogue
    factors are excluded because ``torch._grouped_mm`` writes only its input dtype (BF16; torch
    2.11-2.13 reject ``out_dtype=float32`` for BF16 inputs), so a factor applied afterwards would
    round twice. Likewise an FP32 output (FP32 parameters' wgrad) or a bias (added in FP32
@@ -97,10 +99,11 @@ PER_GROUP_MIN_MEAN = 1024
 def per_group_wins(sizes: Sequence[int]) -> bool:
     """Whether cuBLAS per group beats CUTLASS's grouped kernel for groups of ``sizes``: few large
     groups. Measured on the H200 (session 22, ``bench.bench_grouped_vs_per_expert``): at 8
-    experts of the Llama-3-8B-sized MoE (2048 rows each on average, some empty or 16 rows), cuBLAS
-    per expert was 1-8 % faster in every GEMM (fprop, dgrad, wgrad; random and decoded MXFP8 /
-    NVFP4 values), and the whole MoE step 3.6 % (MXFP8) / 0.7 % (Composer-2) faster (10
-    back-to-back steps: 4.5 % / 2.6 %)."""
+    experts of the Llama-3-8B-sized MoE (4096 rows each on average, some empty or 16 rows),
+    cuBLAS per expert was 1-8 % faster in every GEMM (fprop, dgrad, wgrad; random and decoded
+    MXFP8 / NVFP4 values) and the whole MoE step 3.6 % (MXFP8) / 0.7 % (Composer-2) faster (10
+    back-to-back steps: 4.5 % / 2.6 %); at 64 experts of 512 rows on average it was 8-58 %
+    slower. The bounds between those two points (16 groups, 1024 rows) are not measured."""
     return 0 < len(sizes) <= PER_GROUP_MAX_GROUPS and sum(sizes) >= PER_GROUP_MIN_MEAN * len(sizes)
 
 
@@ -108,10 +111,12 @@ def torch_grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, sizes: Sequence[i
     """The CUDA grouped matmul of path 1 (BF16 in, FP32 accumulation, BF16 out): cuBLAS per group
     (``grouped_bf16.per_group_mm``) or ``torch._grouped_mm`` over the groups of ``sizes``, as
     :data:`BF16_PER_GROUP_CUBLAS` says (None: :func:`per_group_wins`). Both compute each output
-    from one FP32 accumulator rounded once (SPEC §1)."""
+    from one FP32 accumulator rounded once (SPEC §1). Operands recording autograd take
+    ``torch._grouped_mm`` (``per_group_mm`` writes into slices of one result: no autograd)."""
     use = BF16_PER_GROUP_CUBLAS
     if use is None:
-        use = per_group_wins(sizes)
+        use = per_group_wins(sizes) and not (
+            torch.is_grad_enabled() and (mat_a.requires_grad or mat_b.requires_grad))
     if use:
         return per_group_mm(mat_a, mat_b, sizes)
     return torch._grouped_mm(mat_a, mat_b, offs=offsets(sizes, mat_a.device))
@@ -150,7 +155,7 @@ def grouped_gemm(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: s
     order; an expert with m_e = 0 contributes no rows); for "NT", a list of the experts' [n, k]
     results (views of one [E, n, k] tensor on the grouped paths). ``biases`` (fprop only): one
     [n] bias or None per expert. ``grouped_mm``: the grouped BF16 matmul of path 1 (default
-    ``torch._grouped_mm`` on CUDA devices that have it); passing one forces path 1 wherever the
+    ``torch_grouped_mm`` on CUDA devices that have ``torch._grouped_mm``); passing one forces path 1 wherever the
     operands allow it, the CPU included (tests). ``use_triton``: take (True) or never take
     (False) the Triton grouped path where paths 1-2 do not apply; None: as
     ``grouped_triton.enabled`` decides (CUDA from ``MANY_EXPERTS`` experts on).

@@ -1,5 +1,6 @@
 """Path 1 of ``grouped_gemm`` (``grouped.py``'s docstring): the experts' copies decoded to BF16
-(exactly, no epilogue factor) and one ``torch._grouped_mm``, with the operand layouts it
+(exactly, no epilogue factor) and one grouped matmul (``grouped.torch_grouped_mm``: CUTLASS's
+``torch._grouped_mm``, or cuBLAS per group for few large groups), with the operand layouts it
 takes: rows grouped for fprop / dgrad ([Σm, k] · [E, k, n]), the reduction grouped for wgrad
 ([m, Σk] · [Σk, n], each expert's reduction zero-padded to the TMA alignment). Copies that are
 blocks of one shared encoding are decoded joined, and operands are gathered without a copy
@@ -48,9 +49,9 @@ def per_group_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, sizes: Sequence[int])
     slices of one result: ``torch._grouped_mm``'s result and semantics (BF16 in, FP32
     accumulation, one rounding to BF16; a 2D x 2D group with an empty reduction gives zeros), with
     cuBLAS's BF16 split-K reductions and autocast off (``bf16_tensorcore.exact_bf16_gemm``), so
-    SPEC §1 holds as for one expert. An alternative to CUTLASS's grouped kernel for large groups,
-    where cuBLAS's per-shape kernels may run faster (``grouped.BF16_PER_GROUP_CUBLAS``). Operands
-    are the decoded copies the GEMM path hands it (no autograd: ``out=`` slices)."""
+    SPEC §1 holds as for one expert. The CUDA default for few large groups, where cuBLAS's
+    per-shape kernels run faster than CUTLASS's grouped kernel (``grouped.per_group_wins``).
+    Operands are the decoded copies the GEMM path hands it (no autograd: ``out=`` slices)."""
     sizes = [int(x) for x in sizes]
     groups, total = (mat_b.shape[0], mat_a.shape[0]) if mat_b.dim() == 3 else (len(sizes), mat_a.shape[1])
     if min(sizes, default=0) < 0 or len(sizes) != groups or sum(sizes) != total:

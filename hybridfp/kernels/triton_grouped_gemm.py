@@ -246,7 +246,9 @@ TMA_F32_CONFIG = TMA_F32_CONFIGS["128x128x64 w8 s4 flat"]
 
 def default_tma_config(out_dtype: torch.dtype) -> TmaConfig:
     """The TMA kernel's config for outputs of ``out_dtype``: :data:`TMA_F32_CONFIG` for FP32 (its
-    epilogue's shared memory), :data:`TMA_CONFIG` for 16-bit outputs."""
+    epilogue's shared memory), :data:`TMA_CONFIG` for 16-bit outputs. The two tile the K loop
+    alike (BK 64) but differ in BN, so on the GPU a BF16 output and an FP32 output of one
+    product agree to FP32 accumulation order (SPEC §1), not bit for bit."""
     return TMA_F32_CONFIG if out_dtype == torch.float32 else TMA_CONFIG
 
 

@@ -1,6 +1,7 @@
 """``grouped_bf16.per_group_mm``: path 1's grouped matmul as one ``torch.mm`` per group (cuBLAS on
 CUDA), ``torch._grouped_mm``'s semantics (BF16 in, FP32 accumulation, one rounding; zeros for an
-empty reduction group), behind the measuring switch ``grouped.BF16_PER_GROUP_CUBLAS``.
+empty reduction group), the CUDA default for few large groups (``grouped.per_group_wins``;
+``grouped.BF16_PER_GROUP_CUBLAS`` forces either way).
 
 Bitwise checks use small-integer operands: every product and partial sum is an integer far
 below 2**24, exact in FP32 in any order, so every correct FP32-accumulating GEMM (the reference
@@ -111,9 +112,10 @@ def test_switch_selects_per_group_mm(monkeypatch):
 
 
 def test_size_rule_picks_per_group_for_few_large_groups(monkeypatch):
-    """The default (switch None) takes cuBLAS per group for few large groups (8 experts of 2048
-    rows on average, empty ones allowed) and CUTLASS's grouped kernel for many or small groups;
-    the switch forces either way."""
+    """The default (switch None) takes cuBLAS per group for few large groups (8 experts of 4096
+    rows on average, empty ones allowed) and CUTLASS's grouped kernel for many or small groups
+    and for operands recording autograd (``per_group_mm`` writes ``out=`` slices); the switch
+    forces either way."""
     assert grouped.BF16_PER_GROUP_CUBLAS is None
     wins = grouped.per_group_wins
     assert wins([4096, 0, 16, 5072, 6000, 32, 8192, 9360]) and wins([1024] * 16)
@@ -123,6 +125,14 @@ def test_size_rule_picks_per_group_for_few_large_groups(monkeypatch):
     monkeypatch.setattr(grouped, "PER_GROUP_MIN_MEAN", 4)  # tiny CPU groups count as large
     g = torch.Generator().manual_seed(5)
     a, b = _ints((9, 16), g), _ints((2, 16, 8), g)
+    assert torch.equal(grouped.torch_grouped_mm(a, b, [4, 5]), reference_grouped_mm(a, b, [4, 5]))
+    assert calls == [[4, 5]]
+    ag = a.clone().requires_grad_()
+    y = grouped.torch_grouped_mm(ag, b, [4, 5])  # recording autograd: torch._grouped_mm
+    assert calls == [[4, 5]] and y.requires_grad
+    y.float().sum().backward()
+    assert ag.grad is not None and ag.grad.shape == ag.shape
+    monkeypatch.setattr(grouped, "PER_GROUP_MIN_MEAN", 5)  # mean 4.5: too small now
     assert torch.equal(grouped.torch_grouped_mm(a, b, [4, 5]), reference_grouped_mm(a, b, [4, 5]))
     assert calls == [[4, 5]]
     monkeypatch.setattr(grouped, "BF16_PER_GROUP_CUBLAS", False)
