@@ -11,7 +11,7 @@ decoded copies a hybridfp MoE step multiplies.
 Per shape and value kind: median ms (``do_bench``) of the grouped call and of the per-expert loop
 writing into slices of one output, and their ratio (>1: per expert is faster).
 
-    python -m bench.bench_grouped_vs_per_expert [--experts 8 64] [--out results.json] [--quick]
+    python -m bench.bench_grouped_vs_per_expert [--experts 8 16 32 64] [--out results.json] [--quick]
 """
 
 from __future__ import annotations
@@ -26,13 +26,30 @@ from bench.common import finish_rows, parser, require_cuda
 #: rows per expert (top-2 of 16384 tokens): uneven with an empty expert, and even. Multiples of 16:
 #: ``torch._grouped_mm`` asserts 16-row aligned groups (hybridfp's grouped_bf16 path pads to them).
 SPLITS = {"uneven": [4096, 0, 16, 5072, 6000, 32, 8192, 9360], "even": [4096] * 8}
-#: (name, layout, M-side per expert, N, K): the MoE layer's fc1 / fc2 GEMMs (ffn 14336, hidden 4096)
-GEMMS = [("fc1 fprop", "TN", 4096, 28672), ("fc2 fprop", "TN", 14336, 4096),
-         ("fc1 dgrad", "NN", 28672, 4096), ("fc1 wgrad", "NT", 28672, 4096)]
 #: 64 experts, ffn 1408 (bench_moe's other config): 512 rows per expert on average
 SPLITS64 = {"uneven": [16 * ((i * 37) % 61) for i in range(64)], "even": [512] * 64}
-GEMMS64 = [("fc1 fprop", "TN", 4096, 2816), ("fc2 fprop", "TN", 1408, 4096),
-           ("fc1 dgrad", "NN", 2816, 4096), ("fc1 wgrad", "NT", 2816, 4096)]
+#: experts -> ffn of the other configs (the 32768 routed rows spread over more, smaller experts):
+#: where ``grouped.per_group_wins``'s bounds lie (16 experts of 2048 rows, 32 of 1024)
+FFN = {8: 14336, 16: 4096, 32: 2048, 64: 1408}
+
+
+def gemms(ffn: int) -> list[tuple[str, str, int, int]]:
+    """The MoE layer's GEMMs at expert FFN width ``ffn`` (hidden 4096, SwiGLU: fc1 is 2 * ffn
+    wide), as (name, layout, K of x or dy, N)."""
+    return [("fc1 fprop", "TN", 4096, 2 * ffn), ("fc2 fprop", "TN", ffn, 4096),
+            ("fc1 dgrad", "NN", 2 * ffn, 4096), ("fc1 wgrad", "NT", 2 * ffn, 4096)]
+
+
+def split_sets(experts: int) -> dict[str, list[int]]:
+    """Uneven (multiples of 16, an empty expert) and even row counts summing to 32768."""
+    if experts == 8:
+        return SPLITS
+    if experts == 64:
+        return SPLITS64
+    mean = 32768 // experts
+    uneven = [16 * (((i * 37) % 61) * mean // (30 * 16)) for i in range(experts)]
+    uneven[-1] += 32768 - sum(uneven)
+    return {"uneven": uneven, "even": [mean] * experts}
 
 
 def values(kind: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -81,12 +98,12 @@ def case(layout: str, k_in: int, n: int, splits: list[int], kind: str
 
 
 def run(quick: bool, experts: int = 8) -> list[dict[str, Any]]:
-    """One row per (GEMM, split, value kind) of the ``experts`` (8 or 64) config."""
+    """One row per (GEMM, split, value kind) of the ``experts`` config (a key of FFN)."""
     rows: list[dict[str, Any]] = []
     kinds = ["randn", "nvfp4"] if quick else ["randn", "mxfp8", "nvfp4"]
-    gemms, split_sets = (GEMMS, SPLITS) if experts == 8 else (GEMMS64, SPLITS64)
-    for name, layout, k_in, n in gemms:
-        for sname, splits in split_sets.items():
+    sets = split_sets(experts)
+    for name, layout, k_in, n in gemms(FFN[experts]):
+        for sname, splits in sets.items():
             if quick:
                 splits = [-(-s // 256) * 16 for s in splits]  # still multiples of 16
             kk, nn = (k_in // 16, n // 16) if quick else (k_in, n)
@@ -103,8 +120,8 @@ def run(quick: bool, experts: int = 8) -> list[dict[str, Any]]:
 
 def main(argv: Optional[list[str]] = None) -> None:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--experts", type=int, choices=(8, 64), nargs="+", default=[8],
-                   help="the 8-expert (ffn 14336) and / or 64-expert (ffn 1408) MoE's GEMMs")
+    p.add_argument("--experts", type=int, choices=sorted(FFN), nargs="+", default=[8],
+                   help="the MoE's GEMMs at these expert counts (ffn: FFN)")
     args = p.parse_args(argv)
     require_cuda()
     finish_rows("grouped_vs_per_expert", [
