@@ -89,21 +89,21 @@ _NATIVE_FP8 = (fast.TENSORWISE_BACKEND, fast.BLOCK_BACKEND)
 #: same result semantics); False, ``torch._grouped_mm`` (CUTLASS, one launch); None (default),
 #: :func:`per_group_wins` decides by the groups' count and size.
 BF16_PER_GROUP_CUBLAS: Optional[bool] = None
-#: :func:`per_group_wins`'s bounds: at most this many groups (each is a launch and ~10 µs of host
-#: work, which a many-expert MoE step cannot afford: it is host-bound at 64 experts) ...
+#: :func:`per_group_wins`'s bounds: at most this many groups (each is a launch and host work,
+#: which a many-expert MoE step cannot afford) ...
 PER_GROUP_MAX_GROUPS = 16
 #: ... of at least this many rows (or reduction columns) on average.
-PER_GROUP_MIN_MEAN = 1024
+PER_GROUP_MIN_MEAN = 2048
 
 
 def per_group_wins(sizes: Sequence[int]) -> bool:
     """Whether cuBLAS per group beats CUTLASS's grouped kernel for groups of ``sizes``: few large
-    groups. Measured on the H200 (session 22, ``bench.bench_grouped_vs_per_expert``): at 8
-    experts of the Llama-3-8B-sized MoE (4096 rows each on average, some empty or 16 rows),
-    cuBLAS per expert was 1-8 % faster in every GEMM (fprop, dgrad, wgrad; random and decoded
-    MXFP8 / NVFP4 values) and the whole MoE step 3.6 % (MXFP8) / 0.7 % (Composer-2) faster (10
-    back-to-back steps: 4.5 % / 2.6 %); at 64 experts of 512 rows on average it was 8-58 %
-    slower. The bounds between those two points (16 groups, 1024 rows) are not measured."""
+    groups. Measured on the H200 (session 22, ``bench.bench_grouped_vs_per_expert --experts 8 16
+    32 64``: the MoE's fc1 / fc2 fprop, dgrad and wgrad over 32768 routed rows, random and
+    decoded MXFP8 / NVFP4 values, even and uneven splits), cuBLAS per expert against CUTLASS:
+    8 experts of 4096 rows on average 1-8 % faster in every GEMM, 16 of 2048 0-7 % faster (one
+    case 6 % slower), 32 of 1024 a wash (-5 % to +6 %), 64 of 512 8-58 % slower. The whole
+    8-expert MoE step: MXFP8 2.7-3.7 %, Composer-2 0.7-2.4 % faster (two runs)."""
     return 0 < len(sizes) <= PER_GROUP_MAX_GROUPS and sum(sizes) >= PER_GROUP_MIN_MEAN * len(sizes)
 
 

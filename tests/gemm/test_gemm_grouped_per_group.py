@@ -118,8 +118,8 @@ def test_size_rule_picks_per_group_for_few_large_groups(monkeypatch):
     forces either way."""
     assert grouped.BF16_PER_GROUP_CUBLAS is None
     wins = grouped.per_group_wins
-    assert wins([4096, 0, 16, 5072, 6000, 32, 8192, 9360]) and wins([1024] * 16)
-    assert not wins([512] * 8) and not wins([2048] * 17) and not wins([]) and not wins([0, 0])
+    assert wins([4096, 0, 16, 5072, 6000, 32, 8192, 9360]) and wins([2048] * 16)
+    assert not wins([1024] * 32) and not wins([1024] * 8) and not wins([512] * 64) and not wins([2048] * 17) and not wins([]) and not wins([0, 0])
     calls = []
     monkeypatch.setattr(grouped, "per_group_mm", lambda *a: calls.append(a[2]) or per_group_mm(*a))
     monkeypatch.setattr(grouped, "PER_GROUP_MIN_MEAN", 4)  # tiny CPU groups count as large
