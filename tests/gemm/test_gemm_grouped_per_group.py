@@ -165,3 +165,25 @@ def test_gpu_per_group_mm_equals_grouped_mm_on_exact_sums(rows_grouped):
             assert torch.equal(got, want), f"seed {seed}"
         else:
             assert _rel(got, want) < 2 ** -8, f"seed {seed}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_per_group_mm_long_reduction_is_exact():
+    """A shape that invites cuBLAS's split-K (one reduction group of 16384 into a 64 x 64
+    output, the size rule's kind of group): with integer operands every FP32 partial sum is
+    exact (|sum| <= 16384 * 16 < 2**24), so the result must equal the exact sums rounded once to
+    BF16 — a split-K reduced in BF16 would round partial sums and differ. Run with the process
+    allowing BF16 reduced-precision reductions: ``exact_bf16_gemm`` must turn them off."""
+    seed = int(torch.randint(0, 2**31, (1,)))
+    g = torch.Generator().manual_seed(seed)
+    a, b = _ints((64, 16384), g, "cuda"), _ints((16384, 64), g, "cuda")
+    want = (a.double().cpu() @ b.double().cpu()).to(torch.bfloat16)[None]
+    saved = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
+    try:
+        assert grouped.per_group_wins([16384])
+        got = per_group_mm(a, b, [16384])
+    finally:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = saved
+    assert torch.equal(got.cpu(), want), f"seed {seed}"
