@@ -155,8 +155,8 @@ def grouped_gemm(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: s
     order; an expert with m_e = 0 contributes no rows); for "NT", a list of the experts' [n, k]
     results (views of one [E, n, k] tensor on the grouped paths). ``biases`` (fprop only): one
     [n] bias or None per expert. ``grouped_mm``: the grouped BF16 matmul of path 1 (default
-    ``torch_grouped_mm`` on CUDA devices that have ``torch._grouped_mm``); passing one forces path 1 wherever the
-    operands allow it, the CPU included (tests). ``use_triton``: take (True) or never take
+    ``torch_grouped_mm`` on CUDA devices that have ``torch._grouped_mm``); passing one forces
+    path 1 wherever the operands allow it, the CPU included (tests). ``use_triton``: take (True) or never take
     (False) the Triton grouped path where paths 1-2 do not apply; None: as
     ``grouped_triton.enabled`` decides (CUDA from ``MANY_EXPERTS`` experts on).
     """
