@@ -85,21 +85,20 @@ def run(quick: bool) -> list[dict[str, Any]]:
         _time(rows, name, f"    tma grouped_rows alone ({tg.TMA_CONFIG.bm}x{tg.TMA_CONFIG.bn}x{tg.TMA_CONFIG.bk})",
               lambda: tg.grouped_rows(a, w, splits, kernel="tma"), flop, base)
         for cname, cfg in configs.items():
-            plain = cfg
             bits = "?"
             try:
                 got = tgm.grouped_rows_mxfp8b(a, codes, scales, splits, tma=cfg)
                 # the TMA kernel at the same tiles; fewer stages where its BF16 rings do not fit (the
                 # ring depth only pipelines the loads)
-                for stages in range(plain.stages, 0, -1):
+                for stages in range(cfg.stages, 0, -1):
                     try:
-                        want = tg.grouped_rows(a, w, splits, kernel="tma", tma=dataclasses.replace(plain, stages=stages))
+                        want = tg.grouped_rows(a, w, splits, kernel="tma", tma=dataclasses.replace(cfg, stages=stages))
                         break
                     except Exception as err:  # noqa: BLE001
                         if not _out_of_shared_memory(err) or stages == 1:
                             raise
                 same = torch.equal(got.view(torch.int16), want.view(torch.int16))
-                bits = ("equal" if same else "DIFFER") + ("" if stages == plain.stages else f" (ref s{stages})")
+                bits = ("equal" if same else "DIFFER") + ("" if stages == cfg.stages else f" (ref s{stages})")
             except Exception as err:  # noqa: BLE001 - reported in the row
                 bits = f"{type(err).__name__}"
             _time(rows, name, f"(c) fused mxfp8b {cname}",

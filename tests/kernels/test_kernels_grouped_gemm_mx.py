@@ -95,10 +95,9 @@ def two_pass_tma(a: torch.Tensor, w: torch.Tensor, splits: list[int], cfg: tg.Tm
     """``grouped_rows(kernel="tma")`` on the decode ``w`` at ``cfg``'s tiles; where its BF16 rings
     do not fit the shared memory (the fused kernel's B ring holds 1-byte codes: e.g. 128x256x128 s3),
     at fewer stages: the ring depth only pipelines the loads, the tiles and their K order stay."""
-    plain = cfg
-    for stages in range(plain.stages, 0, -1):
+    for stages in range(cfg.stages, 0, -1):
         try:
-            return tg.grouped_rows(a, w, splits, kernel="tma", tma=dataclasses.replace(plain, stages=stages), **kw)
+            return tg.grouped_rows(a, w, splits, kernel="tma", tma=dataclasses.replace(cfg, stages=stages), **kw)
         except Exception as err:  # noqa: BLE001 - only running out of shared memory is retried
             if not _out_of_shared_memory(err) or stages == 1:
                 raise
