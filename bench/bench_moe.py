@@ -76,6 +76,10 @@ CODES_SUFFIX = common.CODES_SUFFIX
 PER_GROUP_VARIANTS = ("hybridfp MXFP8", "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)")
 PER_GROUP_SUFFIX = " [cuBLAS per expert BF16]"
 CUTLASS_SUFFIX = " [CUTLASS grouped BF16]"
+#: with ``--micro-batches N`` (N > 1) every recipe, the baseline included, is timed a second time
+#: as N micro-batches per weight update (gradient accumulation: the weights are quantized once
+#: for N forward + backward passes); those rows' ratios are against the baseline's N-micro-batch row
+MICRO_SUFFIX = " [{n} micro-batches a weight update]"
 
 
 def with_per_group_cublas(step: Callable[[], torch.Tensor], on: bool) -> Callable[[], torch.Tensor]:
@@ -172,7 +176,12 @@ class HybridMoE(nn.Module):
         return r.unpermute(self.fc2(swiglu(h), splits), x.shape[0])
 
 
-def make_step(model: nn.Module, x: torch.Tensor, dy: torch.Tensor, ctx: Optional[Callable[[], Any]]):
+def make_step(model: nn.Module, x: torch.Tensor, dy: torch.Tensor, ctx: Optional[Callable[[], Any]],
+              micro_batches: int = 1):
+    """One timed step: ``micro_batches`` forward + backward passes of ``x`` (gradients
+    accumulating, as between two optimizer updates), hybridfp's quantized weights cleared once
+    at its start (re-quantized as after an optimizer update, then reused by the later
+    micro-batches through the modules' weight caches)."""
     caches = [m for m in model.modules() if isinstance(m, QuantizedModule)]
 
     def step() -> torch.Tensor:
@@ -180,12 +189,13 @@ def make_step(model: nn.Module, x: torch.Tensor, dy: torch.Tensor, ctx: Optional
         x.grad = None
         for m in caches:
             m._wcache.clear()  # re-quantize weights every step (as after an optimizer step)
-        if ctx is None:
-            y = model(x)
-        else:
-            with ctx():
+        for _ in range(micro_batches):
+            if ctx is None:
                 y = model(x)
-        y.backward(dy)
+            else:
+                with ctx():
+                    y = model(x)
+            y.backward(dy)
         return y
     return step
 
@@ -202,11 +212,12 @@ def device_ms(step: Callable[[], Any]) -> float:
 
 def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = None,
                  profiles: Optional[list[str]] = None, only: Optional[list[str]] = None,
-                 stacks: bool = False) -> list[dict[str, Any]]:
+                 stacks: bool = False, micro_batches: int = 1) -> list[dict[str, Any]]:
     """Every variant of one config, in one process, ratios against its BF16 grouped baseline;
     variants whose name contains ``profile`` also get a one-step profile in ``profiles``.
     ``only``: just the variants whose name equals one of these (the baseline always runs);
-    ``stacks``: the profiles also list the copy ops by call stack."""
+    ``stacks``: the profiles also list the copy ops by call stack; ``micro_batches`` > 1: the
+    baseline and the recipes timed again as that many micro-batches a weight update."""
     torch.manual_seed(0)
     base = BF16MoE(e, d, f)
     x = torch.randn(tokens, d, device=common.DEVICE, dtype=torch.bfloat16, requires_grad=True)
@@ -229,12 +240,17 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
                 variants += [(name + sx, model, lambda r=recipe(): hybridfp.autocast(recipe=r)) for sx in suffixes]
     if only is not None:
         variants = [v for v in variants if v[0] == "BF16 grouped" or v[0] in only]
+    micro = [(1, v) for v in variants]
+    if micro_batches > 1:
+        sx = MICRO_SUFFIX.format(n=micro_batches)
+        micro += [(micro_batches, (name + sx, model, ctx)) for name, model, ctx in variants
+                  if name == "BF16 grouped" or name in dict(RECIPES)]
     rows: list[dict[str, Any]] = []
     ref_y = None
-    for name, model, ctx in variants:
-        row: dict[str, Any] = {"config": f"{e} experts, ffn {f}", "variant": name}
+    for n_micro, (name, model, ctx) in micro:
+        row: dict[str, Any] = {"config": f"{e} experts, ffn {f}", "variant": name, "micro_batches": n_micro}
         try:
-            step = make_step(model, x, dy, ctx)
+            step = make_step(model, x, dy, ctx, n_micro)
             if name.endswith((TRITON_SUFFIX, PER_EXPERT_SUFFIX, FP8_TRITON_SUFFIX)):
                 step = with_triton_grouped(step, on=not name.endswith(PER_EXPERT_SUFFIX),
                                            fp8_everywhere=name.endswith(FP8_TRITON_SUFFIX))
@@ -257,8 +273,10 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
         rows.append(row)
         if common.DEVICE == "cuda":
             torch.cuda.empty_cache()
-    t0, t0_steady = rows[0].get("ms"), rows[0].get("ms_steady")
+    base_rows = {r["micro_batches"]: r for r in rows if r["variant"].startswith("BF16 grouped")}
     for r in rows:
+        # each row against the baseline with as many micro-batches a weight update
+        t0, t0_steady = base_rows[r["micro_batches"]].get("ms"), base_rows[r["micro_batches"]].get("ms_steady")
         if "ms_steady" in r and t0_steady:
             r["steady_x_bf16_grouped"] = t0_steady / r["ms_steady"]
         if "ms" in r and t0:
@@ -275,6 +293,8 @@ def main(argv=None) -> None:
                    "contains this text (written to moe_profile.txt in --results-dir)")
     p.add_argument("--profile-stacks", action="store_true", help="the profiles also list the copy ops "
                    "(copy_, clone, cat, ...) by Python call stack")
+    p.add_argument("--micro-batches", type=int, default=1, help="N > 1: also time every recipe and the "
+                   "baseline as N forward + backward passes a weight update (weights quantized once)")
     p.add_argument("--variants", default=None, help="only these '|'-separated variant names (the recipe "
                    "rows' names, with a suffix for the extra variants), besides the BF16 baseline")
     args = p.parse_args(argv)
@@ -290,7 +310,8 @@ def main(argv=None) -> None:
         p.error(f"--experts {args.experts}: the configs have {[c[0] for c in CONFIGS]} experts")
     tokens, d = (1024, 512) if args.quick else (TOKENS, HIDDEN)
     for e, f in configs:
-        rows += bench_config(e, f, tokens, d, args.profile, profiles, only, args.profile_stacks)
+        rows += bench_config(e, f, tokens, d, args.profile, profiles, only, args.profile_stacks,
+                             args.micro_batches)
     table = md_table(["config", "variant", "ms", "x BF16 grouped", "target", "steady ms", "steady x BF16 grouped",
                       "host ms", "GPU busy", "rel err vs BF16", "paths"], [
         (r["config"], r["variant"], r.get("ms", r.get("error")), r.get("x_bf16_grouped"), r.get("target"),
