@@ -73,6 +73,7 @@ class QuantizedModule(nn.Module):
         self._num_sets = num_quantizer_sets
         self._qkey: Optional[tuple] = None
         self._quantizers: dict[str, list[Quantizer]] = {}
+        self._stateful: list[Quantizer] = []  # of _quantizers: those with state (``Quantizer.has_state``)
         self._wcache: dict[int, tuple[tuple, QuantizedTensor, torch.Tensor]] = {}
         self._forward_versions: tuple = ()
         self._reads_known_amax = False  # any built quantizer reads recorded amaxes (see quantizers())
@@ -139,11 +140,14 @@ class QuantizedModule(nn.Module):
             self._validate_quantizers(built)
             self._hold_decoded(built)
             self._quantizers, self._qkey = built, key
+            # the quantizers whose state can move: the only ones asked for versions and step
+            # ends (an MoE layer holds three per expert; most formats keep no state)
+            self._stateful = [q for qs in built.values() for q in qs if q.has_state()]
             self._reads_known_amax = self.reads_recorded_amax and any(
                 q.reads_known_amax for qs in built.values() for q in qs)
             self._wcache.clear()
             self._report_emulated(built)
-        versions = tuple(q.state_version() for qs in self._quantizers.values() for q in qs)
+        versions = tuple(q.state_version() for q in self._stateful)
         if not state.replay:
             self._forward_versions = versions
         elif versions != self._forward_versions:
@@ -200,9 +204,8 @@ class QuantizedModule(nn.Module):
 
     def finish_step(self, amax_reduction_group: Optional[Any] = None) -> None:
         """End of an autocast region: stateful quantizers update (delayed scaling)."""
-        for qs in self._quantizers.values():
-            for q in qs:
-                q.finish_step(amax_reduction_group)
+        for q in self._stateful:
+            q.finish_step(amax_reduction_group)
 
     # ------------------------------------------------------------------ weights
     def quantized_weight(self, weight: torch.Tensor, q: Quantizer, columnwise: bool, index: int = 0) -> QuantizedTensor:

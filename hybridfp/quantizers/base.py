@@ -182,6 +182,13 @@ class Quantizer(ABC):
         """Changes whenever the quantizer's state changes what it would produce (cache key)."""
         return 0
 
+    def has_state(self) -> bool:
+        """Whether ``finish_step`` / ``state_version`` can ever do anything: a class that
+        overrides either. Modules call them only on such quantizers (an MoE layer holds three
+        per expert, and most formats keep no state)."""
+        cls = type(self)
+        return cls.finish_step is not Quantizer.finish_step or cls.state_version is not Quantizer.state_version
+
     def format_key(self, direction: str) -> Hashable:
         """The format of the ``direction`` copy this quantizer makes (GEMM backend lookup)."""
         return self.storage_cls.key_for(direction, {**self.storage_cls._meta_defaults, **self.storage_meta()})

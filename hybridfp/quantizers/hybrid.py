@@ -127,6 +127,10 @@ class HybridQuantizer(Quantizer):
         """Both children's versions."""
         return (self.rowwise_quantizer.state_version(), self.columnwise_quantizer.state_version())
 
+    def has_state(self) -> bool:
+        """Whether either child keeps state."""
+        return self.rowwise_quantizer.has_state() or self.columnwise_quantizer.has_state()
+
     def format_key(self, direction: str):
         """The format of the child that makes ``direction``'s copy."""
         child = self.rowwise_quantizer if direction == "rowwise" else self.columnwise_quantizer
