@@ -284,9 +284,15 @@ def _fingerprint(q: Optional[Quantizer]) -> Hashable:
     ``quantize`` wrapper, and its rowwise child's amax-reduction group."""
     if q is None:
         return None
-    child = _rowwise_child(q)
-    return (id(q), q.rowwise_usage, q.columnwise_usage, "quantize" in q.__dict__,
-            getattr(child, "with_amax_reduction", False), id(getattr(child, "amax_reduction_group", None)))
+    # instance attributes read directly: this runs for every expert of every call
+    own = q.__dict__
+    child = own.get("rowwise_quantizer", q).__dict__  # a hybrid's rowwise child, else q itself
+    try:
+        usage = own["rowwise_usage"], own["columnwise_usage"]
+    except KeyError:  # a subclass that computes its usage
+        usage = q.rowwise_usage, q.columnwise_usage
+    return (id(q), *usage, "quantize" in own,
+            child.get("with_amax_reduction", False), id(child.get("amax_reduction_group")))
 
 
 def _plan_key(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[int]) -> tuple:
