@@ -76,6 +76,11 @@ CODES_SUFFIX = common.CODES_SUFFIX
 PER_GROUP_VARIANTS = ("hybridfp MXFP8", "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)")
 PER_GROUP_SUFFIX = " [cuBLAS per expert BF16]"
 CUTLASS_SUFFIX = " [CUTLASS grouped BF16]"
+#: recipes timed again with quantize_grouped's plan memo off (every call plans afresh, as before
+#: the memo, and still builds the memo's key): the A/B of the host time it saves, overstated by
+#: the key's cost
+PLAN_VARIANTS = ("hybridfp MXFP8", "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)")
+NO_PLAN_MEMO_SUFFIX = " [plans not remembered]"
 #: with ``--micro-batches N`` (N > 1) every recipe, the baseline included, is timed a second time
 #: as N micro-batches per weight update (gradient accumulation: the weights are quantized once
 #: for N forward + backward passes); those rows' ratios are against the baseline's N-micro-batch row
@@ -90,6 +95,20 @@ def with_per_group_cublas(step: Callable[[], torch.Tensor], on: bool) -> Callabl
             return step()
         finally:
             grouped.BF16_PER_GROUP_CUBLAS = saved
+    return run
+
+
+def without_plan_memo(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """``step`` with ``quantizers.grouped``'s plan memo holding nothing (restored after each call)."""
+    from hybridfp.quantizers import grouped as qgrouped
+
+    def run() -> torch.Tensor:
+        saved, qgrouped._PLANS_KEPT = qgrouped._PLANS_KEPT, 0
+        qgrouped._PLANS.clear()
+        try:
+            return step()
+        finally:
+            qgrouped._PLANS_KEPT = saved
     return run
 
 
@@ -229,7 +248,8 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
     unpacked = HybridMoE(base, pack_weights=False) if UNPACKED_VARIANTS else None
     extras = [(TRITON_VARIANTS, (TRITON_SUFFIX, PER_EXPERT_SUFFIX), hf),
               (UNPACKED_VARIANTS, (UNPACKED_SUFFIX,), unpacked), (FP8_TRITON_VARIANTS, (FP8_TRITON_SUFFIX, PER_EXPERT_SUFFIX), hf),
-              (PER_GROUP_VARIANTS, (PER_GROUP_SUFFIX, CUTLASS_SUFFIX), hf)]
+              (PER_GROUP_VARIANTS, (PER_GROUP_SUFFIX, CUTLASS_SUFFIX), hf),
+              (PLAN_VARIANTS, (NO_PLAN_MEMO_SUFFIX,), hf)]
     for name, recipe in RECIPES:
         if name in CODES_VARIANTS:
             variants.append((name + CODES_SUFFIX, hf,
@@ -254,6 +274,8 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
             if name.endswith((TRITON_SUFFIX, PER_EXPERT_SUFFIX, FP8_TRITON_SUFFIX)):
                 step = with_triton_grouped(step, on=not name.endswith(PER_EXPERT_SUFFIX),
                                            fp8_everywhere=name.endswith(FP8_TRITON_SUFFIX))
+            if name.endswith(NO_PLAN_MEMO_SUFFIX):
+                step = without_plan_memo(step)
             if name.endswith((PER_GROUP_SUFFIX, CUTLASS_SUFFIX)):
                 step = with_per_group_cublas(step, on=name.endswith(PER_GROUP_SUFFIX))
             before = Counter(PATH_COUNTS)
