@@ -1,0 +1,114 @@
+"""Diagnosis (H200): where the host time of a 64-expert ``bench_moe`` step goes, by phase.
+
+cProfile inflates every Python call several times over and cannot see time spent in aten
+dispatch and CUDA launches as such; a CPU run cannot see the launches at all. This wraps a
+handful of functions of the GPU path in wall-clock timers (inclusive, nested: a phase's time
+includes the phases it calls), runs ``--steps`` steps of ``bench_moe``'s layer per recipe, each
+started on an idle GPU, and reports host milliseconds per step for every phase, with the step's
+and the BF16 baseline's host time for reference.
+
+    python -m bench.diag_moe_host_phases [--experts 64] [--steps 10] [--recipe TEXT]
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import warnings
+from collections import defaultdict
+from typing import Any, Callable, Optional
+
+import torch
+
+import hybridfp
+from bench import bench_moe, common
+from bench.bench_moe import CONFIGS, HIDDEN, RECIPES, TOKENS, BF16MoE, HybridMoE, make_step
+from bench.common import finish, md_table, parser, require_cuda
+from hybridfp.nn import grouped_linear
+
+TIMES: dict[str, float] = defaultdict(float)
+CALLS: dict[str, int] = defaultdict(int)
+
+
+def _timed(name: str, fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TIMES[name] += time.perf_counter() - t0
+            CALLS[name] += 1
+    return run
+
+
+def instrument() -> None:
+    """Wrap the phases (this process only)."""
+    gl = grouped_linear
+    for attr in ("quantize_grouped", "quantize_weights_grouped", "grouped_gemm", "save_experts",
+                 "restore_experts", "_quantize_inputs", "_quantize_grads", "_wgrads", "_saved_inputs"):
+        setattr(gl, attr, _timed(attr, getattr(gl, attr)))
+    fn = gl.GroupedLinearFunction
+    fn.forward = staticmethod(_timed("GroupedLinearFunction.forward", fn.forward))
+    fn.backward = staticmethod(_timed("GroupedLinearFunction.backward", fn.backward))
+    for cls, attr in ((gl.GroupedLinear, "quantized_weights"), (gl.GroupedLinear, "quantizers"),
+                      (gl.GroupedLinear, "forward"), (bench_moe.Routing, "__init__"),
+                      (bench_moe.HybridMoE, "forward")):
+        setattr(cls, attr, _timed(f"{cls.__name__}.{attr}", getattr(cls, attr)))
+    torch.autograd.backward = _timed("torch.autograd.backward", torch.autograd.backward)
+
+
+def host_phases(step: Callable[[], Any], steps: int) -> tuple[float, dict[str, tuple[float, float]]]:
+    """(host ms per step, phase -> (calls per step, host ms per step)); each step starts on an
+    idle GPU."""
+    TIMES.clear()
+    CALLS.clear()
+    total = 0.0
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        total += time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return total * 1e3 / steps, {k: (CALLS[k] / steps, TIMES[k] * 1e3 / steps) for k in TIMES}
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--recipe", default=None, help="only recipes whose name contains this text")
+    args = p.parse_args(argv)
+    require_cuda()
+    warnings.simplefilter("ignore")
+    f = dict(CONFIGS)[args.experts]
+    torch.manual_seed(0)
+    base = BF16MoE(args.experts, HIDDEN, f)
+    x = torch.randn(TOKENS, HIDDEN, device=common.DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(TOKENS, HIDDEN, device=common.DEVICE, dtype=torch.bfloat16)
+    model = HybridMoE(base)
+    base_step = make_step(base, x, dy, None)
+    for _ in range(3):
+        base_step()
+    base_ms, _ = host_phases(base_step, args.steps)
+    instrument()
+    tables = []
+    for name, make in RECIPES:
+        if args.recipe and args.recipe not in name:
+            continue
+        recipe = make()
+        step = make_step(model, x, dy, lambda r=recipe: hybridfp.autocast(recipe=r))
+        for _ in range(3):
+            step()
+        ms, phases = host_phases(step, args.steps)
+        rows = [("step", 1, ms)] + [(k, c, t) for k, (c, t) in sorted(phases.items(), key=lambda kv: -kv[1][1])]
+        tables.append(f"#### {name}: host {ms:.2f} ms a step (BF16 grouped baseline {base_ms:.2f} ms)\n\n"
+                      + md_table(["phase (inclusive)", "calls / step", "host ms / step"], rows))
+        torch.cuda.empty_cache()
+    md = (f"### Host time by phase, {args.experts} experts (ffn {f}), {args.steps} steps each started on an "
+          "idle GPU\n\n" + "\n\n".join(tables) + "\n")
+    finish("diag_moe_host_phases", {"env": common.environment(), "markdown": md}, args.out)
+
+
+if __name__ == "__main__":
+    main()
