@@ -282,7 +282,7 @@ class GroupedLinear(QuantizedModule):
             if isinstance(w, QuantizedTensor):  # already quantized (quantized parameters)
                 out[i] = w
                 continue
-            key = self._weight_key(w, q)
+            key = group_keys[i] if group_keys is not None else self._weight_key(w, q)
             out[i] = self._cached_weight(i, key, columnwise)
             if out[i] is None:
                 missing.append(i)

@@ -44,9 +44,9 @@ def group_scaled_mode(q: Quantizer) -> Optional[str]:
 def _offsets(splits: Sequence[int], block: int) -> list[int]:
     """Start row of each group once every group is padded to whole blocks."""
     out, at = [], 0
-    for m in splits:
+    for m in splits:  # ceil_div inlined: this runs for every expert, several times a call
         out.append(at)
-        at += ceil_div(m, block) * block
+        at += -(-m // block) * block
     return out
 
 
