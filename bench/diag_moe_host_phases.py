@@ -7,7 +7,7 @@ includes the phases it calls), runs ``--steps`` steps of ``bench_moe``'s layer p
 started on an idle GPU, and reports host milliseconds per step for every phase, with the step's
 and the BF16 baseline's host time for reference.
 
-    python -m bench.diag_moe_host_phases [--experts 64] [--steps 10] [--recipe TEXT]
+    python -m bench.diag_moe_host_phases [--experts 64] [--steps 10] [--recipe TEXT] [--deep]
 """
 
 from __future__ import annotations
@@ -58,6 +58,35 @@ def instrument() -> None:
     torch.autograd.backward = _timed("torch.autograd.backward", torch.autograd.backward)
 
 
+#: ``--deep``: inner functions wrapped too, as (module, attribute) — a module-level function is
+#: patched in every module that calls it by name (its own and the importers)
+DEEP = [
+    ("hybridfp.quantizers.grouped", "_plan"), ("hybridfp.quantizers.grouped", "_quantize_planned"),
+    ("hybridfp.quantizers.grouped", "_assemble"), ("hybridfp.quantizers.grouped", "encode_padded_columns"),
+    ("hybridfp.quantizers.grouped", "pad_row_groups"), ("hybridfp.quantizers.grouped", "padded_row_index"),
+    ("hybridfp.quantizers.grouped", "_row_map"), ("hybridfp.quantizers.grouped", "_worth_stacking"),
+    ("hybridfp.quantizers.grouped", "device_tensor"), ("hybridfp.quantizers.grouped_scaled", "device_tensor"),
+    ("hybridfp.gemm.grouped", "device_tensor"), ("hybridfp.gemm.grouped_bf16", "device_tensor"),
+    ("hybridfp.gemm.grouped", "_run_joined"), ("hybridfp.gemm.grouped_joined", "_wgrad"),
+    ("hybridfp.gemm.grouped_joined", "_weights_kn"), ("hybridfp.gemm.bf16_decode", "decode_bf16"),
+    ("hybridfp.gemm.bf16_decode", "decode_bf16_joined"), ("hybridfp.tensors.slicing", "adjacent_rows"),
+    ("hybridfp.quantizers.grouped", "adjacent_rows"), ("hybridfp.nn.grouped_linear", "adjacent_rows"),
+]
+
+
+def instrument_deep() -> None:
+    """Wrap ``DEEP`` and every Triton launch (``JITFunction.run``) too."""
+    import importlib
+
+    import triton.runtime.jit as jit
+
+    for mod, attr in DEEP:
+        m = importlib.import_module(mod)
+        setattr(m, attr, _timed(f"{attr} ({mod.rsplit('.', 1)[-1]})" if attr == "device_tensor" else attr,
+                                getattr(m, attr)))
+    jit.JITFunction.run = _timed("Triton launch (JITFunction.run)", jit.JITFunction.run)
+
+
 def host_phases(step: Callable[[], Any], steps: int) -> tuple[float, dict[str, tuple[float, float]]]:
     """(host ms per step, phase -> (calls per step, host ms per step)); each step starts on an
     idle GPU."""
@@ -78,6 +107,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--recipe", default=None, help="only recipes whose name contains this text")
+    p.add_argument("--deep", action="store_true", help="also time inner functions (``DEEP``) and Triton launches")
     args = p.parse_args(argv)
     require_cuda()
     warnings.simplefilter("ignore")
@@ -92,6 +122,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         base_step()
     base_ms, _ = host_phases(base_step, args.steps)
     instrument()
+    if args.deep:
+        instrument_deep()
     tables = []
     for name, make in RECIPES:
         if args.recipe and args.recipe not in name:
