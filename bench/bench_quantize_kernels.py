@@ -259,13 +259,13 @@ def run_sweep(x: torch.Tensor, copy: float, only: Optional[list[str]] = None) ->
     # MoE: 8 experts' routed rows (awkward counts) -> their MXFP8 rowwise copy and the 32-padded
     # groups' columnwise copy: three passes (rowwise, pad_rows, columnwise) or one through the row map
     from hybridfp.kernels import triton_pad_rows
-    from hybridfp.quantizers.grouped import _offsets, _padded_rows, _padded_total, _row_map
+    from hybridfp.quantizers.grouped import _offsets, _padded_total, _row_map
     rows = x.shape[0]  # 8 groups with awkward counts (an empty one) covering x's rows
     splits = [rows // 8 + 3, 0, 1, rows // 8 + 29, rows // 8 + 952, 31, rows // 4]
     splits.append(rows - sum(splits))
     starts = _offsets(splits, 32)
     total = _padded_total(splits, 32, starts)
-    rmap = _row_map(_padded_rows(x, splits, starts), total, x)
+    rmap = _row_map(splits, starts, total, x)
     variants.append(("grouped mxfp8 row+col, 8 experts: row, pad, col (3 passes)", lambda: (
         triton_mxfp8.quantize(x, E4M3, columnwise=False),
         triton_mxfp8.quantize(triton_pad_rows.pad_rows(x, rmap), E4M3, rowwise=False, method="slices"))))

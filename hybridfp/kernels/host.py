@@ -13,8 +13,9 @@ helpers are not meant for captured regions.)
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from functools import lru_cache
-from typing import Sequence, Union
+from typing import Callable, Hashable, Sequence, Union
 
 import torch
 
@@ -49,6 +50,31 @@ def device_constant(values: Sequence[float], device: Union[torch.device, str], d
     """A constant table (e.g. the E2M1 values, the RHT signs) on ``device``, copied once per
     (values, device, dtype) and shared afterwards: callers must not write to it."""
     return _constant(tuple(values), torch.device(device), dtype)
+
+
+#: Recent ``step_metadata`` tensors (a handful: one MoE step's routing makes a few).
+_STEP_METADATA: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+STEP_METADATA_KEPT = 16
+
+
+def step_metadata(key: Hashable, device: Union[torch.device, str], build: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``build()`` (a small read-only metadata tensor on ``device``: group offsets, row maps)
+    remembered by ``key`` for later calls on the same device and stream. An MoE step asks for the
+    same ones several times (every layer's input and gradient share the routing's splits:
+    ~50 us of host time each on the H200 for a pinned copy and a few launches); callers must not
+    write to the result. On CUDA the key includes the current stream, so a tensor is never
+    read on another stream before its producing work there has run."""
+    device = torch.device(device)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    full = (key, device, stream)
+    hit = _STEP_METADATA.get(full)
+    if hit is not None:
+        _STEP_METADATA.move_to_end(full)
+        return hit
+    out = _STEP_METADATA[full] = build()
+    if len(_STEP_METADATA) > STEP_METADATA_KEPT:
+        _STEP_METADATA.popitem(last=False)
+    return out
 
 
 def tile_plan(rows: torch.Tensor, fields: torch.Tensor, bm: int) -> tuple[torch.Tensor, int]:

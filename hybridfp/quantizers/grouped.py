@@ -38,7 +38,7 @@ from typing import Callable, Hashable, Optional, Sequence, Union
 import torch
 
 from ..formats.common import HIGH_PRECISION_DTYPES, ceil_div, check_input
-from ..kernels.host import device_constant, device_tensor
+from ..kernels.host import device_constant, device_tensor, step_metadata
 from ..tensors import (DecodedMXFP8Storage, Float8Storage, HybridStorage, MXFP8Storage, QuantizedStorage,
                        QuantizedTensor)
 from ..tensors.expert_tensors import ExpertTensors, JoinedCopy
@@ -388,12 +388,11 @@ def pad_row_groups(src: torch.Tensor, splits: Sequence[int], block: int) -> tupl
     if all(m % block == 0 for m in splits):
         return src, starts
     total = _padded_total(splits, block, starts)
-    index = _padded_rows(src, splits, starts)
     if kernels_on() and fast._device_ok(src) and (src.shape[1] <= 1 or src.stride(1) == 1):
         with fast._on_device(src):
-            return fast._kernels("triton_pad_rows").pad_rows(src, _row_map(index, total, src)), starts
+            return fast._kernels("triton_pad_rows").pad_rows(src, _row_map(splits, starts, total, src)), starts
     out = src.new_zeros(total, src.shape[1])
-    out.index_copy_(0, index, src)
+    out.index_copy_(0, _padded_rows(src, splits, starts), src)
     return out, starts
 
 
@@ -409,7 +408,7 @@ def encode_padded_columns(q: Quantizer, src: torch.Tensor, splits: Sequence[int]
         total = _padded_total(splits, block, starts)
         run = row_mapped_kernel(q, src, total)
         if run is not None:
-            rows, cols = run(q, src, _row_map(_padded_rows(src, splits, starts), total, src), rowwise)
+            rows, cols = run(q, src, _row_map(splits, starts, total, src), rowwise)
             return rows, cols, starts
     rows = q.encode(src, True, False, None) if rowwise else None
     padded, starts = pad_row_groups(src, splits, block)
@@ -429,19 +428,27 @@ def _padded_rows(src: torch.Tensor, splits: Sequence[int], starts: Sequence[int]
 def padded_row_index(splits: Sequence[int], starts: Sequence[int], device: torch.device) -> torch.Tensor:
     """int64 [Σ splits]: for every row of the groups stacked unpadded, its row in a layout
     where group e starts at row ``starts[e]`` (zero-padded groups; a padded encode read back),
-    in O(1) ops for all groups: row r moves down by the padding before its group."""
-    total = sum(splits)
-    shifts, counts = device_tensor([[p - s for p, s in zip(starts, _offsets(splits, 1))], list(splits)],
-                                   device).unbind(0)
-    return torch.arange(total, device=device) + torch.repeat_interleave(
-        shifts, counts, output_size=total)  # output_size: no device sync
+    in O(1) ops for all groups: row r moves down by the padding before its group. Shared by the
+    calls of one routing (``host.step_metadata``): read-only."""
+    splits, starts = tuple(int(m) for m in splits), tuple(starts)
+
+    def build() -> torch.Tensor:
+        total = sum(splits)
+        shifts, counts = device_tensor([[p - s for p, s in zip(starts, _offsets(splits, 1))], list(splits)],
+                                       device).unbind(0)
+        return torch.arange(total, device=device) + torch.repeat_interleave(
+            shifts, counts, output_size=total)  # output_size: no device sync
+    return step_metadata(("padded rows", splits, starts), device, build)
 
 
-def _row_map(index: torch.Tensor, total: int, src: torch.Tensor) -> torch.Tensor:
-    """int32 [total]: the source row of each padded row, -1 for padding (what the kernels read)."""
-    row_map = torch.full((total,), -1, dtype=torch.int32, device=src.device)
-    row_map[index] = torch.arange(src.shape[0], dtype=torch.int32, device=src.device)
-    return row_map
+def _row_map(splits: Sequence[int], starts: Sequence[int], total: int, src: torch.Tensor) -> torch.Tensor:
+    """int32 [total]: the source row of each padded row, -1 for padding (what the kernels read);
+    shared by the calls of one routing (``host.step_metadata``): read-only."""
+    def build() -> torch.Tensor:
+        row_map = torch.full((total,), -1, dtype=torch.int32, device=src.device)
+        row_map[_padded_rows(src, splits, starts)] = torch.arange(src.shape[0], dtype=torch.int32, device=src.device)
+        return row_map
+    return step_metadata(("row map", tuple(splits), tuple(starts), total), src.device, build)
 
 
 def _row_payloads(storage: QuantizedStorage, splits: Sequence[int],

@@ -186,12 +186,12 @@ def test_natural_gpu_bitwise(case):
     specials, poisoned outputs): "natural" at each row_slice and a few tiles, both copies and the
     columnwise one alone, bitwise equal to "slices"; the default natural call also to the
     reference (on a slice of the columnwise copy for the MoE case)."""
-    from hybridfp.quantizers.grouped import _offsets, _padded_rows, _padded_total, _row_map
+    from hybridfp.quantizers.grouped import _offsets, _padded_total, _row_map
     rm = None
     if case == "moe":
         x = gpu_input((sum(MOE_SPLITS), HIDDEN), torch.bfloat16, specials=True)
         starts = _offsets(MOE_SPLITS, 32)
-        rm = _row_map(_padded_rows(x, MOE_SPLITS, starts), _padded_total(MOE_SPLITS, 32, starts), x)
+        rm = _row_map(MOE_SPLITS, starts, _padded_total(MOE_SPLITS, 32, starts), x)
     else:
         x = gpu_input(GPU_SHAPE, torch.float32 if case == "fp32" else torch.bfloat16, specials=True)
     failed = []  # every config runs: a miscompile shows up as a pattern over tiles, not one

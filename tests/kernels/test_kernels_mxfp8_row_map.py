@@ -23,7 +23,7 @@ from hybridfp.kernels import triton_mxfp8  # noqa: E402
 from hybridfp.kernels._common import poisoned_outputs  # noqa: E402
 from hybridfp.quantizers import MXFP8Quantizer, fast  # noqa: E402
 from hybridfp.quantizers import grouped as qgrouped  # noqa: E402
-from hybridfp.quantizers.grouped import _offsets, _padded_rows, _padded_total, _row_map, quantize_grouped  # noqa: E402
+from hybridfp.quantizers.grouped import _offsets, _padded_total, _row_map, quantize_grouped  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -34,7 +34,7 @@ def row_map_for(x: torch.Tensor, splits: list[int]) -> tuple[torch.Tensor, torch
     """(the int32 row map of the 32-padded groups, the padded tensor itself, built on the CPU)."""
     starts = _offsets(splits, 32)
     total = _padded_total(splits, 32, starts)
-    rm = _row_map(_padded_rows(x, splits, starts), total, x)
+    rm = _row_map(splits, starts, total, x)
     padded = torch.zeros(total, x.shape[1], dtype=x.dtype, device=x.device)
     padded[rm >= 0] = x[rm[rm >= 0].long()]
     return rm, padded
@@ -180,7 +180,7 @@ def test_row_map_gpu_moe_groups(dtype):
     x = gpu_input((sum(splits), 4096), dtype, specials=True)
     starts = _offsets(splits, 32)
     total = _padded_total(splits, 32, starts)
-    rm = _row_map(_padded_rows(x, splits, starts), total, x)
+    rm = _row_map(splits, starts, total, x)
     padded = triton_pad_rows.pad_rows(x, rm)
     with poisoned_outputs(0x7F):
         (rd, rs), (cd, cs) = triton_mxfp8.quantize(x, E4M3, row_map=rm)
