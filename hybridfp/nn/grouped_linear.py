@@ -221,6 +221,10 @@ class GroupedLinear(QuantizedModule):
             if bias:
                 self.register_parameter(f"bias{i}", nn.Parameter(torch.empty(out_features, **kw).uniform_(-bound, bound)))
         self.pack_weights = pack_weights
+        # the experts' LinearContexts of the last forward and what they were built from: they
+        # hold nothing per call, so a forward with the same quantizers reuses them
+        self._lcs: list[LinearContext] = []
+        self._lcs_key: Optional[tuple] = None
         self._pack()
 
     def _pack(self) -> None:
@@ -347,9 +351,12 @@ class GroupedLinear(QuantizedModule):
         qs = self.quantizers(state)
         x = self.torch_autocast_input(x)
         grad_enabled = torch.is_grad_enabled()
-        lcs = [LinearContext(qs["input"][i], qs["weight"][i], qs["grad_output"][i], self, i,
-                             self.save_original_input, grad_enabled) for i in range(self.num_gemms)]
-        return GroupedLinearFunction.apply(x, splits, lcs, self.use_bias, *self.weights(), *self.biases())
+        last = self._lcs_key  # (the quantizers dict itself, held: its id cannot be reused, flags)
+        if last is None or last[0] is not qs or last[1:] != (self.save_original_input, grad_enabled):
+            self._lcs = [LinearContext(qs["input"][i], qs["weight"][i], qs["grad_output"][i], self, i,
+                                       self.save_original_input, grad_enabled) for i in range(self.num_gemms)]
+            self._lcs_key = (qs, self.save_original_input, grad_enabled)
+        return GroupedLinearFunction.apply(x, splits, self._lcs, self.use_bias, *self.weights(), *self.biases())
 
     def extra_repr(self) -> str:
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
