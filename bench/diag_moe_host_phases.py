@@ -65,6 +65,7 @@ DEEP = [
     ("hybridfp.quantizers.grouped", "_assemble"), ("hybridfp.quantizers.grouped", "encode_padded_columns"),
     ("hybridfp.quantizers.grouped", "pad_row_groups"), ("hybridfp.quantizers.grouped", "padded_row_index"),
     ("hybridfp.quantizers.grouped", "_row_map"), ("hybridfp.quantizers.grouped", "_worth_stacking"),
+    ("hybridfp.gemm.grouped_triton", "padded_row_index"),
     ("hybridfp.quantizers.grouped", "device_tensor"), ("hybridfp.quantizers.grouped_scaled", "device_tensor"),
     ("hybridfp.gemm.grouped", "device_tensor"), ("hybridfp.gemm.grouped_bf16", "device_tensor"),
     ("hybridfp.gemm.grouped", "_run_joined"), ("hybridfp.gemm.grouped_joined", "_wgrad"),

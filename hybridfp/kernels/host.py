@@ -62,18 +62,28 @@ def step_metadata(key: Hashable, device: Union[torch.device, str], build: Callab
     remembered by ``key`` for later calls on the same device and stream. An MoE step asks for the
     same ones several times (every layer's input and gradient share the routing's splits:
     ~50 us of host time each on the H200 for a pinned copy and a few launches); callers must not
-    write to the result. On CUDA the key includes the current stream, so a tensor is never
-    read on another stream before its producing work there has run."""
+    write to the result. The key also holds the current CUDA stream (a tensor is never read on
+    another stream before its producing work there has run) and whether inference mode is on (an
+    inference tensor cannot be saved for backward). Under CUDA-graph capture nothing is
+    remembered (a captured tensor is only computed at replay)."""
     device = torch.device(device)
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
-    full = (key, device, stream)
+    stream = None
+    if device.type == "cuda":
+        if device.index is None:  # "cuda" is the current device: its stream handles are its own
+            device = torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_current_stream_capturing():
+            return build()
+        stream = torch.cuda.current_stream(device).cuda_stream
+    full = (key, device, stream, torch.is_inference_mode_enabled())
     hit = _STEP_METADATA.get(full)
     if hit is not None:
-        _STEP_METADATA.move_to_end(full)
         return hit
     out = _STEP_METADATA[full] = build()
-    if len(_STEP_METADATA) > STEP_METADATA_KEPT:
-        _STEP_METADATA.popitem(last=False)
+    while len(_STEP_METADATA) > STEP_METADATA_KEPT:
+        try:  # first in, first out; another thread may have removed it already
+            _STEP_METADATA.popitem(last=False)
+        except KeyError:
+            break
     return out
 
 

@@ -118,7 +118,7 @@ def _quantize_inputs(x: torch.Tensor, m_splits: list[int], lcs: list[LinearConte
     for lc, wgrad in zip(lcs, needs_wgrad):
         save_original = lc.save_original_input and lc.input_q.is_requantization_safe()
         lc.input_q.set_usage(rowwise=True, columnwise=wgrad and not save_original)
-    return quantize_grouped([lc.input_q for lc in lcs], x, m_splits)
+    return quantize_grouped([lc.input_q for lc in lcs], x, m_splits, _plans(lcs))
 
 
 def _quantize_grads(dy: torch.Tensor, m_splits: list[int], lcs: list[LinearContext], needs_dgrad: bool,
@@ -133,7 +133,17 @@ def _quantize_grads(dy: torch.Tensor, m_splits: list[int], lcs: list[LinearConte
             qs.append(None)
     # detached: under create_graph=True backward runs with grad enabled and dy may require
     # grad; the quantization is not differentiated through (as Linear's backward)
-    return quantize_grouped(qs, dy.detach().contiguous(), m_splits)
+    return quantize_grouped(qs, dy.detach().contiguous(), m_splits, _plans(lcs))
+
+
+def _memo(module: Any) -> Optional[dict]:
+    """``module``'s plan memo for ``quantize_grouped`` (None: plan afresh)."""
+    return getattr(module, "_plans", None)
+
+
+def _plans(lcs: list[LinearContext]) -> Optional[dict]:
+    """The owning module's plan memo (``_memo``)."""
+    return _memo(lcs[0].module) if lcs else None
 
 
 def _saved_inputs(x: torch.Tensor, m_splits: list[int], qxs: Sequence[torch.Tensor], lcs: list[LinearContext],
@@ -225,6 +235,8 @@ class GroupedLinear(QuantizedModule):
         # hold nothing per call, so a forward with the same quantizers reuses them
         self._lcs: list[LinearContext] = []
         self._lcs_key: Optional[tuple] = None
+        # quantize_grouped's plans for this module's quantizers (``plans=``), emptied with them
+        self._plans: dict = {}
         self._pack()
 
     def _pack(self) -> None:
@@ -294,7 +306,8 @@ class GroupedLinear(QuantizedModule):
         if missing:
             for i in missing:
                 qs[i].set_usage(rowwise=True, columnwise=columnwise)
-            qws = quantize_weights_grouped([qs[i] for i in missing], [weights[i] for i in missing])
+            qws = quantize_weights_grouped([qs[i] for i in missing], [weights[i] for i in missing],
+                                           _memo(self))
             if isinstance(qws, ExpertTensors) and len(missing) == len(weights):
                 # all experts quantized together as views of shared encodings: cached as one
                 # entry (its per-expert tensors are built only if something asks for them);
@@ -355,6 +368,8 @@ class GroupedLinear(QuantizedModule):
         if last is None or last[0] is not qs or last[1:] != (self.save_original_input, grad_enabled):
             self._lcs = [LinearContext(qs["input"][i], qs["weight"][i], qs["grad_output"][i], self, i,
                                        self.save_original_input, grad_enabled) for i in range(self.num_gemms)]
+            if last is None or last[0] is not qs:
+                self._plans = {}  # new quantizers: the old plans' keys name the old ones
             self._lcs_key = (qs, self.save_original_input, grad_enabled)
         return GroupedLinearFunction.apply(x, splits, self._lcs, self.use_bias, *self.weights(), *self.biases())
 

@@ -185,7 +185,8 @@ class Quantizer(ABC):
     def has_state(self) -> bool:
         """Whether ``finish_step`` / ``state_version`` can ever do anything: a class that
         overrides either. Modules call them only on such quantizers (an MoE layer holds three
-        per expert, and most formats keep no state)."""
+        per expert, and most formats keep no state), decided when they build their quantizers:
+        a method replaced on one instance later is not seen; override it in a subclass."""
         cls = type(self)
         return cls.finish_step is not Quantizer.finish_step or cls.state_version is not Quantizer.state_version
 

@@ -31,7 +31,6 @@ the rowwise copies (dequantized once when they are shared).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from functools import partial
 from typing import Callable, Hashable, Optional, Sequence, Union
 
@@ -110,7 +109,7 @@ GroupedResult = Union[list[Optional[QuantizedTensor]], ExpertTensors]
 
 
 def quantize_grouped(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor,
-                     splits: Sequence[int]) -> GroupedResult:
+                     splits: Sequence[int], plans: Optional[PlanMemo] = None) -> GroupedResult:
     """``[quantizers[e].quantize(x_e) for each row group x_e of x]``, bitwise, with shared
     encodings where the formats allow (module docstring). ``quantizers[e] is None``: expert e
     needs no copy (its entry is None). ``x``: [Σ splits, K] high-precision, no autograd (call it
@@ -131,7 +130,7 @@ def quantize_grouped(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor,
         raise ValueError("quantize_grouped does not record autograd; call it with grad disabled "
                          "(inside an autograd.Function) or on x.detach().")
     used = [q for q in quantizers if q is not None]
-    plan = _plan(quantizers, splits)
+    plan = _plan(quantizers, splits, plans)
     if plan is None:
         return [None if q is None else q.quantize(xe) for q, xe in zip(quantizers, torch.split(x, splits))]
     for q in used:
@@ -142,8 +141,8 @@ def quantize_grouped(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor,
     return _quantize_planned(quantizers, plan, x, splits)
 
 
-def quantize_weights_grouped(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor]
-                             ) -> Union[list[QuantizedTensor], ExpertTensors]:
+def quantize_weights_grouped(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor],
+                             plans: Optional[PlanMemo] = None) -> Union[list[QuantizedTensor], ExpertTensors]:
     """``[q.quantize(w) for q, w in zip(quantizers, weights)]`` for experts' [N, K] weights of
     one shape, bitwise: the weights are stacked to [E*N, K] (a view when they are consecutive
     blocks of one buffer, else one copy) and quantized as row
@@ -154,7 +153,7 @@ def quantize_weights_grouped(quantizers: Sequence[Quantizer], weights: Sequence[
         raise ValueError(f"quantize_weights_grouped: the experts' weights must be 2D of one shape; got "
                          f"{sorted({tuple(w.shape) for w in weights})}.")
     with torch.no_grad():
-        if not _worth_stacking(quantizers, weights):
+        if not _worth_stacking(quantizers, weights, plans):
             if _passthrough(quantizers, weights):
                 return (_passthrough_group(quantizers, weights)
                         or [_wrap_weight(q, w) for q, w in zip(quantizers, weights)])
@@ -167,7 +166,7 @@ def quantize_weights_grouped(quantizers: Sequence[Quantizer], weights: Sequence[
         if stacked is None:
             stacked = torch.stack(list(weights))
         stacked = stacked.reshape(-1, shape[1])
-        out = quantize_grouped(list(quantizers), stacked, [shape[0]] * len(weights))
+        out = quantize_grouped(list(quantizers), stacked, [shape[0]] * len(weights), plans)
     return out if isinstance(out, ExpertTensors) else [t for t in out if t is not None]
 
 
@@ -202,7 +201,8 @@ def _wrap_weight(q: IdentityQuantizer, w: torch.Tensor) -> QuantizedTensor:
     return QuantizedTensor(q.reference_encode(w.detach(), q.rowwise_usage, q.columnwise_usage), q)
 
 
-def _worth_stacking(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor]) -> bool:
+def _worth_stacking(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor],
+                    plans: Optional[PlanMemo] = None) -> bool:
     """Whether one encoding of the stacked weights saves work: some copy is shared, and not
     only Identity passthroughs (each expert's is a view of its weight; stacking would copy),
     and, for per-tensor scales (``BOTH``: the stack shares launches, not encodings), weights
@@ -210,7 +210,7 @@ def _worth_stacking(quantizers: Sequence[Quantizer], weights: Sequence[torch.Ten
     (``STACK_SCALED_MAX_NUMEL``), or already one buffer."""
     if len(weights) < 2 or len({w.dtype for w in weights}) > 1:
         return False
-    plan = _plan(list(quantizers), [weights[0].shape[0]] * len(weights))
+    plan = _plan(list(quantizers), [weights[0].shape[0]] * len(weights), plans)
     if plan is None:
         return False
     if plan.scaled == BOTH and weights[0].numel() > STACK_SCALED_MAX_NUMEL:
@@ -270,12 +270,13 @@ def _same_settings(qs: Sequence[Quantizer]) -> bool:
     return all(q is first or (type(q) is kind and q.settings() == ref) for q in qs)
 
 
-#: Recent plans by ``_plan_key``; each entry holds its quantizers, so no id in a key can be
-#: reused by another object while the entry lives. At 64 experts planning walked every
-#: expert's quantizer a dozen times per call, four calls per layer and step (~0.4 ms of host
-#: time each on the H200's host); a module's quantizers are the same objects every step.
-_PLANS: "OrderedDict[tuple, tuple[tuple, Optional[_Plan]]]" = OrderedDict()
-_PLANS_KEPT = 64
+#: A caller's memo of plans (``quantize_grouped(..., plans=)``): ``_plan_key`` -> plan. The owner
+#: of the quantizers keeps it (``GroupedLinear``: one per module, emptied when its quantizers are
+#: rebuilt), so it lives and dies with them and never mixes two owners' quantizers. At 64 experts
+#: planning walks every expert's quantizer a dozen times a call, four calls per layer and step.
+PlanMemo = dict
+#: Entries a memo keeps before it starts over (usage and split patterns of one module: a few).
+PLANS_KEPT = 32
 
 
 def _fingerprint(q: Optional[Quantizer]) -> Hashable:
@@ -286,7 +287,7 @@ def _fingerprint(q: Optional[Quantizer]) -> Hashable:
         return None
     # instance attributes read directly: this runs for every expert of every call
     own = q.__dict__
-    child = own.get("rowwise_quantizer", q).__dict__  # a hybrid's rowwise child, else q itself
+    child = _rowwise_child(q).__dict__
     try:
         usage = own["rowwise_usage"], own["columnwise_usage"]
     except KeyError:  # a subclass that computes its usage
@@ -301,19 +302,21 @@ def _plan_key(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[int]) 
             all(m % 128 == 0 for m in splits))
 
 
-def _plan(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[int]) -> Optional[_Plan]:
+def _plan(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[int],
+          plans: Optional[PlanMemo] = None) -> Optional[_Plan]:
     """The shared encodings for these experts, or None when nothing can be shared (then each
-    expert quantizes on its own, ``quantize`` and all); remembered for the same quantizers in
-    the same state (``_plan_key``)."""
+    expert quantizes on its own, ``quantize`` and all); taken from / kept in ``plans`` when
+    given (the key holds ids: the memo's owner keeps those quantizers alive while it lives)."""
+    if plans is None:
+        return _new_plan(quantizers, splits)
     key = _plan_key(quantizers, splits)
-    hit = _PLANS.get(key)
-    if hit is not None:
-        _PLANS.move_to_end(key)
-        return hit[1]
-    plan = _new_plan(quantizers, splits)
-    _PLANS[key] = (tuple(quantizers), plan)
-    if len(_PLANS) > _PLANS_KEPT:
-        _PLANS.popitem(last=False)
+    try:
+        return plans[key]
+    except KeyError:
+        pass
+    if len(plans) >= PLANS_KEPT:
+        plans.clear()
+    plan = plans[key] = _new_plan(quantizers, splits)
     return plan
 
 

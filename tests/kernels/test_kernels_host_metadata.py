@@ -36,6 +36,14 @@ def test_same_key_same_tensor_other_key_built_anew():
     assert b is not a and int(b) == 2 and built == [1, 2]
 
 
+def test_inference_mode_tensors_are_not_handed_to_autograd_calls():
+    with torch.inference_mode():
+        inside = grouped_bf16.offsets([6, 2], "cpu")
+    outside = grouped_bf16.offsets([6, 2], "cpu")
+    assert inside.is_inference() and not outside.is_inference()
+    assert torch.equal(inside, outside)
+
+
 def test_memo_is_bounded():
     for i in range(host.STEP_METADATA_KEPT + 5):
         host.step_metadata(("bounded", i), "cpu", lambda i=i: torch.tensor([i]))

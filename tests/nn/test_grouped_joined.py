@@ -124,7 +124,7 @@ def test_weight_group_cached_until_a_weight_changes(monkeypatch):
     from hybridfp.nn import grouped_linear
     calls = []
     real = grouped_linear.quantize_weights_grouped
-    monkeypatch.setattr(grouped_linear, "quantize_weights_grouped", lambda qs, ws: calls.append(len(ws)) or real(qs, ws))
+    monkeypatch.setattr(grouped_linear, "quantize_weights_grouped", lambda qs, ws, plans=None: calls.append(len(ws)) or real(qs, ws, plans))
     m = GroupedLinear(4, IN, 64, bias=False, params_dtype=torch.bfloat16)
     x = torch.randn(40, IN).bfloat16()
     with torch.no_grad(), autocast(recipe=CustomRecipe(qfactory=factories.mxfp8)):

@@ -25,11 +25,11 @@ AWKWARD = [0, 19, 45, 1, 33]  # an empty expert, counts not multiples of 16 / 32
 FACTORIES = {**factories.BASE, **factories.ZOO}
 
 
-def _quantize_each(quantizers, x, splits):
+def _quantize_each(quantizers, x, splits, plans=None):
     return [None if q is None else q.quantize(xe) for q, xe in zip(quantizers, torch.split(x, list(splits)))]
 
 
-def _quantize_weights_each(quantizers, weights):
+def _quantize_weights_each(quantizers, weights, plans=None):
     return [q.quantize(w.detach()) for q, w in zip(quantizers, weights)]
 
 
@@ -103,9 +103,9 @@ def test_weights_quantized_once_per_change(monkeypatch):
     calls: list[int] = []
     real = grouped_linear.quantize_weights_grouped
 
-    def spy(qs, ws):
+    def spy(qs, ws, plans=None):
         calls.append(len(ws))
-        return real(qs, ws)
+        return real(qs, ws, plans)
     monkeypatch.setattr(grouped_linear, "quantize_weights_grouped", spy)
     m = GroupedLinear(4, IN, 64, bias=False, params_dtype=torch.bfloat16)
     x = torch.randn(40, IN).bfloat16()

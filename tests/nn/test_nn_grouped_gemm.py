@@ -134,7 +134,7 @@ def test_inference_matches_per_expert(grouped_on_cpu, monkeypatch):
     assert_bitwise(got, forward(), "output")
 
 
-def _quantize_each(quantizers, x, splits):
+def _quantize_each(quantizers, x, splits, plans=None):
     """The per-expert loop ``quantize_grouped`` replaces: each expert's own ``quantize``."""
     return [None if q is None else q.quantize(xe) for q, xe in zip(quantizers, torch.split(x, splits))]
 
