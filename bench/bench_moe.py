@@ -81,6 +81,9 @@ CUTLASS_SUFFIX = " [CUTLASS grouped BF16]"
 #: the memo): the A/B of the host time it saves
 PLAN_VARIANTS = ("hybridfp MXFP8", "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)")
 NO_PLAN_MEMO_SUFFIX = " [plans not remembered]"
+#: ... and with the routing's metadata (offsets, padded-row indexes, row maps) built at every use
+#: instead of once a pass (``kernels.host.step_metadata``)
+NO_METADATA_MEMO_SUFFIX = " [metadata not shared]"
 #: with ``--micro-batches N`` (N > 1) every recipe, the baseline included, is timed a second time
 #: as N micro-batches per weight update (gradient accumulation: the weights are quantized once
 #: for N forward + backward passes); those rows' ratios are against the baseline's N-micro-batch row
@@ -110,6 +113,21 @@ def without_plan_memo(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Te
             return step()
         finally:
             grouped_linear._memo = saved
+    return run
+
+
+def without_metadata_memo(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """``step`` with ``step_metadata`` building its tensor at every call (restored after each call)."""
+    from hybridfp.gemm import grouped_bf16
+    from hybridfp.quantizers import grouped as qgrouped
+
+    def run() -> torch.Tensor:
+        saved = qgrouped.step_metadata, grouped_bf16.step_metadata
+        qgrouped.step_metadata = grouped_bf16.step_metadata = lambda key, device, build: build()
+        try:
+            return step()
+        finally:
+            qgrouped.step_metadata, grouped_bf16.step_metadata = saved
     return run
 
 
@@ -253,7 +271,7 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
     extras = [(TRITON_VARIANTS, (TRITON_SUFFIX, PER_EXPERT_SUFFIX), hf),
               (UNPACKED_VARIANTS, (UNPACKED_SUFFIX,), unpacked), (FP8_TRITON_VARIANTS, (FP8_TRITON_SUFFIX, PER_EXPERT_SUFFIX), hf),
               (PER_GROUP_VARIANTS, (PER_GROUP_SUFFIX, CUTLASS_SUFFIX), hf),
-              (PLAN_VARIANTS, (NO_PLAN_MEMO_SUFFIX,), hf)]
+              (PLAN_VARIANTS, (NO_PLAN_MEMO_SUFFIX, NO_METADATA_MEMO_SUFFIX), hf)]
     for name, recipe in RECIPES:
         if name in CODES_VARIANTS:
             variants.append((name + CODES_SUFFIX, hf,
@@ -280,6 +298,8 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
                                            fp8_everywhere=name.endswith(FP8_TRITON_SUFFIX))
             if name.endswith(NO_PLAN_MEMO_SUFFIX):
                 step = without_plan_memo(step)
+            if name.endswith(NO_METADATA_MEMO_SUFFIX):
+                step = without_metadata_memo(step)
             if name.endswith((PER_GROUP_SUFFIX, CUTLASS_SUFFIX)):
                 step = with_per_group_cublas(step, on=name.endswith(PER_GROUP_SUFFIX))
             before = Counter(PATH_COUNTS)
