@@ -8,7 +8,7 @@ re-quantized each step (caches cleared, as after an optimizer update). No GPU ne
 counts say how much host work per step scales with the number of experts.
 
     python -m bench.bench_moe_overhead [--experts 64] [--hidden 64] [--ffn 128] [--reps 20]
-        [--cuda-paths [--stub-cublas] [--stub-grouped-mm]] [--profile "bf16 (high_precision)"]
+        [--cuda-paths [--stub-cublas] [--stub-grouped-mm] [--stub-kernels]] [--profile "bf16 (high_precision)"]
 """
 
 from __future__ import annotations
@@ -99,6 +99,54 @@ def ops_per_step(recipe: hybridfp.Recipe, experts: int, hidden: int = 64, ffn: i
     return sum(counter.ops.values())
 
 
+def stub_kernels(setattr: Callable = setattr) -> None:
+    """This process only (a measuring switch): the fused quantize kernels taken as on CUDA
+    (``quantizers.fast._device_ok`` true for any high-precision tensor), every Triton launch a
+    no-op (compiled or interpreted), so a step's host work is what the GPU's quantize path
+    runs in Python and aten. Pair it with ``stub_cublas`` and ``stub_grouped_mm``."""
+    import triton.runtime.interpreter as interpreter
+    import triton.runtime.jit as jit
+
+    from hybridfp.formats.common import HIGH_PRECISION_DTYPES
+    from hybridfp.quantizers import fast
+
+    def no_launch(self, *args, **kwargs):
+        return None
+
+    setattr(jit.JITFunction, "run", no_launch)
+    setattr(interpreter.InterpretedFunction, "run", no_launch)
+    setattr(fast, "_device_ok", lambda x, rows=None: x.dtype in HIGH_PRECISION_DTYPES)
+
+
+def python_calls_per_step(recipe: hybridfp.Recipe, experts: int, hidden: int = 64, ffn: int = 128,
+                          tokens_per_expert: int = 24) -> int:
+    """Python function calls (``sys.setprofile`` "call" events: frames, generator steps
+    included) one forward + backward step makes after a warm-up step, on the CPU: a
+    deterministic measure of the host's Python work, unlike its time on a shared machine."""
+    import sys
+
+    torch.manual_seed(0)
+    splits = splits_for(experts, tokens_per_expert)
+    m = hybridfp.GroupedLinear(experts, hidden, ffn, bias=False, params_dtype=torch.bfloat16)
+    x = torch.randn(sum(splits), hidden, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(sum(splits), ffn, dtype=torch.bfloat16)
+    step = make_step(m, x, dy, splits, recipe)
+    calls = [0]
+
+    def count(frame, event, arg):
+        if event == "call":
+            calls[0] += 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step()
+        sys.setprofile(count)
+        try:
+            step()
+        finally:
+            sys.setprofile(None)
+    return calls[0]
+
+
 def stub_cublas(setattr: Callable = setattr) -> None:
     """This process only (a measuring switch): the cuBLAS FP8 backends selected as on an sm90 GPU,
     ``torch._scaled_mm`` / ``torch._scaled_grouped_mm`` replaced by stubs that return an output of
@@ -164,6 +212,8 @@ def main(argv=None) -> None:
                    "shape-only stubs, so the time is the host work of the GPU's FP8 path")
     p.add_argument("--stub-grouped-mm", action="store_true", help="with --cuda-paths: torch._grouped_mm "
                    "replaced by a shape-only stub too (the step's time is then host work only)")
+    p.add_argument("--stub-kernels", action="store_true", help="with --cuda-paths: the fused quantize "
+                   "kernels taken as on CUDA, every Triton launch a no-op (``stub_kernels``)")
     p.add_argument("--profile", default=None, help="cProfile one recipe (its name) and print the top 30 "
                    "functions by own time")
     args = p.parse_args(argv)
@@ -175,6 +225,9 @@ def main(argv=None) -> None:
             stub_cublas()
         if args.stub_grouped_mm:
             stub_grouped_mm()
+        if args.stub_kernels:
+            stub_kernels()
+            hybridfp.nn.set_decoded_copies("always")  # the copies the GPU's kernels write
     torch.manual_seed(0)
     splits = splits_for(args.experts, args.tokens_per_expert)
     m = hybridfp.GroupedLinear(args.experts, args.hidden, args.ffn, bias=False, params_dtype=torch.bfloat16)
@@ -182,11 +235,12 @@ def main(argv=None) -> None:
     dy = torch.randn(sum(splits), args.ffn, dtype=torch.bfloat16)
     print(f"{args.experts} experts, hidden {args.hidden}, ffn {args.ffn}, {sum(splits)} tokens, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print("| recipe | ms / step | ops / step | ops / expert |\n|---|---|---|---|")
+    print("| recipe | ms / step | ops / step | ops / expert | Python calls / step |\n|---|---|---|---|---|")
     for name, recipe in RECIPES.items():
         step = make_step(m, x, dy, splits, recipe())
         ms, ops = measure(step, args.reps)
-        print(f"| {name} | {ms:.2f} | {ops} | {ops / args.experts:.1f} |")
+        calls = python_calls_per_step(recipe(), args.experts, args.hidden, args.ffn, args.tokens_per_expert)
+        print(f"| {name} | {ms:.2f} | {ops} | {ops / args.experts:.1f} | {calls} |")
         if name == args.profile:
             import cProfile
             import pstats

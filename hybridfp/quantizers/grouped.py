@@ -31,8 +31,11 @@ the rowwise copies (dequantized once when they are shared).
 
 from __future__ import annotations
 
+import operator
 from functools import partial
-from typing import Callable, Hashable, Optional, Sequence, Union
+from itertools import repeat
+from operator import attrgetter
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -245,7 +248,16 @@ _HYBRID_TYPES: dict[type, bool] = {}
 
 
 def _is_hybrid(q: Optional[Quantizer]) -> bool:
-    t = type(q)
+    return _is_type_hybrid(type(q))
+
+
+def _any_hybrid(qs: Sequence[Optional[Quantizer]]) -> bool:
+    """Whether some quantizer in ``qs`` is a hybrid (one lookup per distinct type, not per
+    expert: this is asked for every expert list of every call)."""
+    return any(map(_is_type_hybrid, set(map(type, qs))))
+
+
+def _is_type_hybrid(t: type) -> bool:
     hybrid = _HYBRID_TYPES.get(t)
     if hybrid is None:
         hybrid = _HYBRID_TYPES[t] = issubclass(t, HybridQuantizer)
@@ -279,27 +291,21 @@ PlanMemo = dict
 PLANS_KEPT = 32
 
 
-def _fingerprint(q: Optional[Quantizer]) -> Hashable:
-    """What a plan may depend on that can change on a live quantizer: its identity (settings
-    are constructor arguments, fixed for its life), usage flags, an instance-level
-    ``quantize`` wrapper, and its rowwise child's amax-reduction group."""
-    if q is None:
-        return None
-    # instance attributes read directly: this runs for every expert of every call
-    own = q.__dict__
-    child = _rowwise_child(q).__dict__
-    try:
-        usage = own["rowwise_usage"], own["columnwise_usage"]
-    except KeyError:  # a subclass that computes its usage
-        usage = q.rowwise_usage, q.columnwise_usage
-    return (id(q), *usage, "quantize" in own,
-            child.get("with_amax_reduction", False), id(child.get("amax_reduction_group")))
+_USAGE = attrgetter("rowwise_usage", "columnwise_usage")
 
 
 def _plan_key(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[int]) -> tuple:
-    # the splits enter a plan only through their divisibility by a row block (1, 32 or 128)
-    return (tuple(map(_fingerprint, quantizers)), all(m % 32 == 0 for m in splits),
-            all(m % 128 == 0 for m in splits))
+    """What a plan may depend on that can change on live quantizers: their identities (settings
+    are constructor arguments, fixed for their life), usage flags, instance-level ``quantize``
+    wrappers, their rowwise children's amax-reduction groups; and the splits' divisibility by
+    a row block (1, 32 or 128). Built with C-level maps: it runs for every expert of every call."""
+    used = [q for q in quantizers if q is not None]
+    children = list(map(_rowwise_child, used)) if _any_hybrid(used) else used
+    return (tuple(map(id, quantizers)), tuple(map(_USAGE, used)),
+            any(map(operator.contains, map(vars, used), repeat("quantize"))),
+            tuple([(getattr(c, "with_amax_reduction", False), id(getattr(c, "amax_reduction_group", None)))
+                   for c in children]),
+            not any(map((32).__rmod__, splits)), not any(map((128).__rmod__, splits)))  # m % 32, m % 128
 
 
 def _plan(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[int],
@@ -488,7 +494,7 @@ def _quantize_planned(quantizers: Sequence[Optional[Quantizer]], plan: _Plan, x:
         return _assemble(quantizers, x, splits, both.part(ROWWISE), both.part(COLUMNWISE), col_starts, [],
                          row_starts=col_starts)
     if (plan.row_q is not None and plan.col_q is plan.row_q  # one plain quantizer for both copies
-            and all(m % plan.col_block == 0 for m in splits)):
+            and not any(map(plan.col_block.__rmod__, splits))):  # every m % col_block == 0
         # no padding (e.g. stacked weights): one call writes both copies (one kernel pass)
         both = plan.row_q.encode(x, True, True, None)
         return _assemble(quantizers, x, splits, both, both, starts, [])
@@ -505,7 +511,7 @@ def _quantize_planned(quantizers: Sequence[Optional[Quantizer]], plan: _Plan, x:
                     for q, p, m in zip(quantizers, hg.rows(), splits)]
         return _assemble(quantizers, x, splits, None, hg.cols, col_starts, own_rows)
     if (plan.row_q is not None and plan.col_q is plan.row_q and not plan.scaled
-            and not any(_derives_columnwise(q) for q in used)):
+            and not (_any_hybrid(used) and any(_derives_columnwise(q) for q in used))):
         # one plain quantizer for both copies of padded groups: one encode of x writes its
         # rowwise copy and the padded groups' columnwise copy (a row-mapped kernel) where one fits
         rows, cols, col_starts = encode_padded_columns(plan.row_q, x, splits, plan.col_block, rowwise=True)
@@ -553,7 +559,7 @@ def _assemble(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor, splits
     own rowwise encoding (``own_rows``); an ``ExpertTensors`` where they are views only."""
     views = isinstance(cols, COLUMN_VIEWS)
     group = (_hybrid_group(quantizers, splits, rows, cols, col_starts, views, row_starts, x.dtype)
-             if any(_is_hybrid(q) for q in quantizers) else
+             if _any_hybrid(quantizers) else
              _expert_group(quantizers, splits, rows, cols, col_starts, views, row_starts))
     if group is not None:
         return group
@@ -594,7 +600,7 @@ def _expert_group(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[in
     without a quantizer or with its own encoding, FP8 block's per-expert contiguous copies)."""
     qs = list(quantizers)
     if (row_starts is not None or not qs or sum(splits) == 0
-            or any(q is None or _is_hybrid(q) for q in qs)):
+            or None in qs or _any_hybrid(qs)):
         return None
     usage = {(q.rowwise_usage, q.columnwise_usage) for q in qs}
     if len(usage) > 1:

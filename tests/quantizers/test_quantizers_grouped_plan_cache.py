@@ -134,7 +134,7 @@ def test_grouped_linear_keeps_one_memo_per_module_and_drops_it_with_its_quantize
     # each module's plans name its own quantizers only (no global memo for many layers to thrash)
     for m in layers:
         own = {id(q) for qs in m._quantizers.values() for q in qs}
-        assert m._plans and all(f is None or f[0] in own for key in m._plans for f in key[0])
+        assert m._plans and all(i == id(None) or i in own for key in m._plans for i in key[0])
     old = dict(layers[0]._plans)
     with hybridfp.autocast(recipe=hybridfp.Float8CurrentScaling()):  # new quantizers: a new memo
         layers[0](x, [8, 0, 17, 15])
