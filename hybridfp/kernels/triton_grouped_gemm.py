@@ -158,7 +158,7 @@ def _alignment(bounds: list[int]) -> int:
     """The largest of 8, 4, 2, 1 dividing every reduction bound (8 BF16 elements: one 16-byte
     vector load)."""
     for a in (8, 4, 2):
-        if all(b % a == 0 for b in bounds):
+        if not any(map(a.__rmod__, bounds)):  # every b % a == 0 (C-level: one bound per expert)
             return a
     return 1
 

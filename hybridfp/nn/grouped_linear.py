@@ -100,7 +100,7 @@ def _fprop_operands(x: torch.Tensor, m_splits: list[int], weights: Sequence[torc
         lc = lcs[i]
         return lc.module.quantized_weight(weights[i], lc.weight_q, columnwise=needs_dgrad, index=lc.weight_index)
 
-    if any(lc.input_q.uses_randomness() or lc.weight_q.uses_randomness() for lc in lcs):
+    if _draws_randomly(lcs):
         qxs, qws = [], []
         for i, xi in enumerate(torch.split(x, m_splits)):
             qxs.append(_quantize_inputs(xi, [xi.shape[0]], lcs[i:i + 1], needs_wgrad[i:i + 1])[0])
@@ -108,6 +108,15 @@ def _fprop_operands(x: torch.Tensor, m_splits: list[int], weights: Sequence[torc
         return qxs, qws
     qxs = _quantize_inputs(x, m_splits, lcs, needs_wgrad)
     return qxs, lcs[0].module.quantized_weights(weights, [lc.weight_q for lc in lcs], needs_dgrad)
+
+
+def _draws_randomly(lcs: list[LinearContext]) -> bool:
+    """Whether an input or weight quantizer of some expert draws random numbers; for the
+    module's own LinearContexts, the answer it keeps with them (settings are fixed)."""
+    module = lcs[0].module if lcs else None
+    if module is not None and lcs is getattr(module, "_lcs", None):
+        return module._lcs_random
+    return any(lc.input_q.uses_randomness() or lc.weight_q.uses_randomness() for lc in lcs)
 
 
 def _quantize_inputs(x: torch.Tensor, m_splits: list[int], lcs: list[LinearContext],
@@ -235,6 +244,7 @@ class GroupedLinear(QuantizedModule):
         # hold nothing per call, so a forward with the same quantizers reuses them
         self._lcs: list[LinearContext] = []
         self._lcs_key: Optional[tuple] = None
+        self._lcs_random = False  # whether _lcs's input / weight quantizers draw random numbers
         # quantize_grouped's plans for this module's quantizers (``plans=``), emptied with them
         self._plans: dict = {}
         self._pack()
@@ -368,6 +378,7 @@ class GroupedLinear(QuantizedModule):
         if last is None or last[0] is not qs or last[1:] != (self.save_original_input, grad_enabled):
             self._lcs = [LinearContext(qs["input"][i], qs["weight"][i], qs["grad_output"][i], self, i,
                                        self.save_original_input, grad_enabled) for i in range(self.num_gemms)]
+            self._lcs_random = any(lc.input_q.uses_randomness() or lc.weight_q.uses_randomness() for lc in self._lcs)
             if last is None or last[0] is not qs:
                 self._plans = {}  # new quantizers: the old plans' keys name the old ones
             self._lcs_key = (qs, self.save_original_input, grad_enabled)

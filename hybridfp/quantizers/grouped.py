@@ -240,6 +240,9 @@ class _Plan:
                  col_q: Optional[Quantizer], col_block: Optional[int], scaled: Optional[str] = None) -> None:
         self.row_q, self.row_block, self.col_q, self.col_block = row_q, row_block, col_q, col_block
         self.scaled = scaled
+        # whether any / every expert derives its columnwise source from its rowwise value: set by
+        # ``_new_plan`` (usage is part of a remembered plan's key, so they hold while it is used)
+        self.derives_any = self.derives_all = False
 
 
 #: type -> whether it is a HybridQuantizer (the plan asks for every expert of every call: a dict
@@ -292,6 +295,7 @@ PLANS_KEPT = 32
 
 
 _USAGE = attrgetter("rowwise_usage", "columnwise_usage")
+_ROWWISE_CHILD = attrgetter("rowwise_quantizer")
 
 
 def _plan_key(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[int]) -> tuple:
@@ -300,7 +304,13 @@ def _plan_key(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[int]) 
     wrappers, their rowwise children's amax-reduction groups; and the splits' divisibility by
     a row block (1, 32 or 128). Built with C-level maps: it runs for every expert of every call."""
     used = [q for q in quantizers if q is not None]
-    children = list(map(_rowwise_child, used)) if _any_hybrid(used) else used
+    kinds = set(map(type, used))
+    if not any(map(_is_type_hybrid, kinds)):
+        children = used
+    elif all(map(_is_type_hybrid, kinds)):
+        children = list(map(_ROWWISE_CHILD, used))
+    else:
+        children = [_rowwise_child(q) for q in used]
     return (tuple(map(id, quantizers)), tuple(map(_USAGE, used)),
             any(map(operator.contains, map(vars, used), repeat("quantize"))),
             tuple([(getattr(c, "with_amax_reduction", False), id(getattr(c, "amax_reduction_group", None)))
@@ -342,7 +352,10 @@ def _new_plan(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[int]) 
     col_q, col_block = _col_plan(quantizers, used, row_q is not None)
     if row_q is None and col_q is None:
         return None
-    return _Plan(row_q, row_block, col_q, col_block, scaled)
+    plan = _Plan(row_q, row_block, col_q, col_block, scaled)
+    derives = [_derives_columnwise(q) for q in used]
+    plan.derives_any, plan.derives_all = any(derives), all(derives)
+    return plan
 
 
 def _scaled_plan(used: Sequence[Quantizer]) -> Optional[str]:
@@ -394,7 +407,7 @@ def pad_row_groups(src: torch.Tensor, splits: Sequence[int], block: int) -> tupl
     every group already is), and the groups' start rows. On CUDA one Triton pass
     (``kernels.triton_pad_rows``); elsewhere a zero fill and an ``index_copy_``."""
     starts = _offsets(splits, block)
-    if all(m % block == 0 for m in splits):
+    if not any(map(block.__rmod__, splits)):  # every m % block == 0: no padding
         return src, starts
     total = _padded_total(splits, block, starts)
     if kernels_on() and fast._device_ok(src) and (src.shape[1] <= 1 or src.stride(1) == 1):
@@ -413,7 +426,7 @@ def encode_padded_columns(q: Quantizer, src: torch.Tensor, splits: Sequence[int]
     written and both copies come from one read of ``src`` (one pass instead of three: rowwise,
     padding, columnwise)."""
     starts = _offsets(splits, block)
-    if not all(m % block == 0 for m in splits) and src.dim() == 2:
+    if any(map(block.__rmod__, splits)) and src.dim() == 2:  # some m % block: padding
         total = _padded_total(splits, block, starts)
         run = row_mapped_kernel(q, src, total)
         if run is not None:
@@ -498,7 +511,7 @@ def _quantize_planned(quantizers: Sequence[Optional[Quantizer]], plan: _Plan, x:
         # no padding (e.g. stacked weights): one call writes both copies (one kernel pass)
         both = plan.row_q.encode(x, True, True, None)
         return _assemble(quantizers, x, splits, both, both, starts, [])
-    if (plan.scaled == ROWS and plan.col_q is not None and all(_derives_columnwise(q) for q in used)
+    if (plan.scaled == ROWS and plan.col_q is not None and plan.derives_all
             and fused_nvfp4_mxfp8_supported(used[0], x)):
         # NVFP4 (per-expert global amax) -> MXFP8 from the rowwise value: one fused kernel pass
         # over the zero-padded groups writes both copies (no FP32 dequantized copy in memory)
@@ -511,7 +524,7 @@ def _quantize_planned(quantizers: Sequence[Optional[Quantizer]], plan: _Plan, x:
                     for q, p, m in zip(quantizers, hg.rows(), splits)]
         return _assemble(quantizers, x, splits, None, hg.cols, col_starts, own_rows)
     if (plan.row_q is not None and plan.col_q is plan.row_q and not plan.scaled
-            and not (_any_hybrid(used) and any(_derives_columnwise(q) for q in used))):
+            and not plan.derives_any):
         # one plain quantizer for both copies of padded groups: one encode of x writes its
         # rowwise copy and the padded groups' columnwise copy (a row-mapped kernel) where one fits
         rows, cols, col_starts = encode_padded_columns(plan.row_q, x, splits, plan.col_block, rowwise=True)
@@ -524,14 +537,14 @@ def _quantize_planned(quantizers: Sequence[Optional[Quantizer]], plan: _Plan, x:
         own_rows = [_rebuild(p, p.payloads[ROWWISE], None, _rowwise_child(q).label, m)
                     if q is not None and (q.rowwise_usage or _derives_columnwise(q)) else None
                     for q, p, m in zip(quantizers, scaled.parts(), splits)]
-        scaled_rows = scaled.rows_fp32() if any(_derives_columnwise(q) for q in used) else None
+        scaled_rows = scaled.rows_fp32() if plan.derives_any else None
     elif rows is None:  # per expert, where read (rowwise usage or a derived columnwise source)
         for e, (q, s, m) in enumerate(zip(quantizers, starts, splits)):
             if q is not None and (q.rowwise_usage or _derives_columnwise(q)):
                 own_rows[e] = _rowwise_child(q).encode(x[s:s + m], True, False, None)
     cols, col_starts = None, None
     if plan.col_q is not None:
-        if any(_derives_columnwise(q) for q in used):
+        if plan.derives_any:
             # the forward's value exactly, in FP32 (as HybridQuantizer.reference_encode)
             src = (rows.dequantize(torch.float32, ROWWISE) if rows is not None else scaled_rows
                    if scaled_rows is not None else
@@ -547,7 +560,7 @@ def _one_hybrid_pass(plan: _Plan, used: Sequence[Quantizer]) -> bool:
     settings of the) experts' hybrid: a row-local rowwise child, a columnwise block child
     derived from the rowwise value, every expert deriving it."""
     return (plan.row_q is not None and plan.row_block == 1 and not plan.scaled and plan.col_q is not None
-            and all(_derives_columnwise(q) for q in used))
+            and plan.derives_all)
 
 
 def _assemble(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor, splits: Sequence[int],
