@@ -214,6 +214,16 @@ class HybridMoE(nn.Module):
         return r.unpermute(self.fc2(swiglu(h), splits), x.shape[0])
 
 
+def moe_layer(e: int, f: int, tokens: int = TOKENS, d: int = HIDDEN) -> tuple[BF16MoE, "HybridMoE", torch.Tensor, torch.Tensor]:
+    """(the BF16 baseline layer, the hybridfp layer with its weights, x, dy): seeded, on
+    ``common.DEVICE``, as every MoE benchmark and diagnosis builds them."""
+    torch.manual_seed(0)
+    base = BF16MoE(e, d, f)
+    x = torch.randn(tokens, d, device=common.DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, d, device=common.DEVICE, dtype=torch.bfloat16)
+    return base, HybridMoE(base), x, dy
+
+
 def make_step(model: nn.Module, x: torch.Tensor, dy: torch.Tensor, ctx: Optional[Callable[[], Any]],
               micro_batches: int = 1):
     """One timed step: ``micro_batches`` forward + backward passes of ``x`` (gradients
@@ -259,11 +269,7 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
     ``only``: just the variants whose name equals one of these (the baseline always runs);
     ``stacks``: the profiles also list the copy ops by call stack; ``micro_batches`` > 1: the
     baseline and the recipes timed again as that many micro-batches a weight update."""
-    torch.manual_seed(0)
-    base = BF16MoE(e, d, f)
-    x = torch.randn(tokens, d, device=common.DEVICE, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(tokens, d, device=common.DEVICE, dtype=torch.bfloat16)
-    hf = HybridMoE(base)
+    base, hf, x, dy = moe_layer(e, f, tokens, d)
     variants: list[tuple[str, nn.Module, Optional[Callable[[], Any]]]] = [("BF16 grouped", base, None)]
     for name, recipe in RECIPES:
         variants.append((name, hf, lambda r=recipe(): hybridfp.autocast(recipe=r)))

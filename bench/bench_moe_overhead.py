@@ -81,15 +81,22 @@ def measure(step: Callable[[], None], reps: int) -> tuple[float, int]:
     return statistics.median(times), sum(counter.ops.values())
 
 
-def ops_per_step(recipe: hybridfp.Recipe, experts: int, hidden: int = 64, ffn: int = 128,
-                 tokens_per_expert: int = 24) -> int:
-    """Aten ops one forward + backward step dispatches (after a warm-up step), on the CPU."""
+def layer_step(recipe: hybridfp.Recipe, experts: int, hidden: int = 64, ffn: int = 128,
+               tokens_per_expert: int = 24) -> Callable[[], None]:
+    """One forward + backward step of a fresh ``GroupedLinear`` (seeded) on the CPU, with
+    ``splits_for``'s counts."""
     torch.manual_seed(0)
     splits = splits_for(experts, tokens_per_expert)
     m = hybridfp.GroupedLinear(experts, hidden, ffn, bias=False, params_dtype=torch.bfloat16)
     x = torch.randn(sum(splits), hidden, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(sum(splits), ffn, dtype=torch.bfloat16)
-    step = make_step(m, x, dy, splits, recipe)
+    return make_step(m, x, dy, splits, recipe)
+
+
+def ops_per_step(recipe: hybridfp.Recipe, experts: int, hidden: int = 64, ffn: int = 128,
+                 tokens_per_expert: int = 24) -> int:
+    """Aten ops one forward + backward step dispatches (after a warm-up step), on the CPU."""
+    step = layer_step(recipe, experts, hidden, ffn, tokens_per_expert)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         step()
@@ -125,12 +132,7 @@ def python_calls_per_step(recipe: hybridfp.Recipe, experts: int, hidden: int = 6
     deterministic measure of the host's Python work, unlike its time on a shared machine."""
     import sys
 
-    torch.manual_seed(0)
-    splits = splits_for(experts, tokens_per_expert)
-    m = hybridfp.GroupedLinear(experts, hidden, ffn, bias=False, params_dtype=torch.bfloat16)
-    x = torch.randn(sum(splits), hidden, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(sum(splits), ffn, dtype=torch.bfloat16)
-    step = make_step(m, x, dy, splits, recipe)
+    step = layer_step(recipe, experts, hidden, ffn, tokens_per_expert)
     calls = [0]
 
     def count(frame, event, arg):

@@ -22,7 +22,7 @@ import torch
 
 import hybridfp
 from bench import bench_moe, common
-from bench.bench_moe import CONFIGS, HIDDEN, RECIPES, TOKENS, BF16MoE, HybridMoE, make_step
+from bench.bench_moe import CONFIGS, RECIPES, make_step, moe_layer
 from bench.common import finish, md_table, parser, require_cuda
 from hybridfp.nn import grouped_linear
 
@@ -113,11 +113,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     require_cuda()
     warnings.simplefilter("ignore")
     f = dict(CONFIGS)[args.experts]
-    torch.manual_seed(0)
-    base = BF16MoE(args.experts, HIDDEN, f)
-    x = torch.randn(TOKENS, HIDDEN, device=common.DEVICE, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(TOKENS, HIDDEN, device=common.DEVICE, dtype=torch.bfloat16)
-    model = HybridMoE(base)
+    base, model, x, dy = moe_layer(args.experts, f)
     base_step = make_step(base, x, dy, None)
     for _ in range(3):
         base_step()

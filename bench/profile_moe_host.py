@@ -23,7 +23,7 @@ import torch
 
 import hybridfp
 from bench import common
-from bench.bench_moe import HIDDEN, RECIPES, TOKENS, BF16MoE, HybridMoE, make_step
+from bench.bench_moe import HIDDEN, RECIPES, TOKENS, make_step, moe_layer
 from bench.common import parser, require_cuda
 
 
@@ -36,12 +36,9 @@ def profile_recipe(recipe_text: str, experts: int, ffn: int, tokens: int, hidden
         raise SystemExit(f"profile_moe_host: no bench_moe recipe name contains {recipe_text!r}; names: "
                          + "; ".join(n for n, _ in RECIPES))
     name, make = found[0]
-    torch.manual_seed(0)
-    base = BF16MoE(experts, hidden, ffn)
-    x = torch.randn(tokens, hidden, device=common.DEVICE, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(tokens, hidden, device=common.DEVICE, dtype=torch.bfloat16)
+    _, model, x, dy = moe_layer(experts, ffn, tokens, hidden)
     recipe = make()
-    step = make_step(HybridMoE(base), x, dy, lambda: hybridfp.autocast(recipe=recipe))
+    step = make_step(model, x, dy, lambda: hybridfp.autocast(recipe=recipe))
     for _ in range(2):
         step()
     _sync()
