@@ -31,10 +31,9 @@ the rowwise copies (dequantized once when they are shared).
 
 from __future__ import annotations
 
-import operator
 from functools import partial
 from itertools import repeat
-from operator import attrgetter
+from operator import attrgetter, contains
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -312,7 +311,7 @@ def _plan_key(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[int]) 
     else:
         children = [_rowwise_child(q) for q in used]
     return (tuple(map(id, quantizers)), tuple(map(_USAGE, used)),
-            any(map(operator.contains, map(vars, used), repeat("quantize"))),
+            any(map(contains, map(vars, used), repeat("quantize"))),
             tuple([(getattr(c, "with_amax_reduction", False), id(getattr(c, "amax_reduction_group", None)))
                    for c in children]),
             not any(map((32).__rmod__, splits)), not any(map((128).__rmod__, splits)))  # m % 32, m % 128
@@ -452,7 +451,7 @@ def padded_row_index(splits: Sequence[int], starts: Sequence[int], device: torch
     where group e starts at row ``starts[e]`` (zero-padded groups; a padded encode read back),
     in O(1) ops for all groups: row r moves down by the padding before its group. Shared by the
     calls of one routing (``host.step_metadata``): read-only."""
-    splits, starts = tuple(int(m) for m in splits), tuple(starts)
+    splits, starts = tuple(map(int, splits)), tuple(starts)
 
     def build() -> torch.Tensor:
         total = sum(splits)
