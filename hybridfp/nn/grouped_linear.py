@@ -116,6 +116,11 @@ def _draws_randomly(lcs: list[LinearContext]) -> bool:
     module = lcs[0].module if lcs else None
     if module is not None and lcs is getattr(module, "_lcs", None):
         return module._lcs_random
+    return _any_random(lcs)
+
+
+def _any_random(lcs: list[LinearContext]) -> bool:
+    """Whether an input or weight quantizer of some expert draws random numbers (asked anew)."""
     return any(lc.input_q.uses_randomness() or lc.weight_q.uses_randomness() for lc in lcs)
 
 
@@ -378,7 +383,7 @@ class GroupedLinear(QuantizedModule):
         if last is None or last[0] is not qs or last[1:] != (self.save_original_input, grad_enabled):
             self._lcs = [LinearContext(qs["input"][i], qs["weight"][i], qs["grad_output"][i], self, i,
                                        self.save_original_input, grad_enabled) for i in range(self.num_gemms)]
-            self._lcs_random = any(lc.input_q.uses_randomness() or lc.weight_q.uses_randomness() for lc in self._lcs)
+            self._lcs_random = _any_random(self._lcs)
             if last is None or last[0] is not qs:
                 self._plans = {}  # new quantizers: the old plans' keys name the old ones
             self._lcs_key = (qs, self.save_original_input, grad_enabled)
