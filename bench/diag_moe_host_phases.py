@@ -72,6 +72,11 @@ DEEP = [
     ("hybridfp.gemm.grouped_joined", "_weights_kn"), ("hybridfp.gemm.bf16_decode", "decode_bf16"),
     ("hybridfp.gemm.bf16_decode", "decode_bf16_joined"), ("hybridfp.tensors.slicing", "adjacent_rows"),
     ("hybridfp.quantizers.grouped", "adjacent_rows"), ("hybridfp.nn.grouped_linear", "adjacent_rows"),
+    # FP8 current scaling's grouped path (its 64-expert host time is twice MXFP8's)
+    ("hybridfp.quantizers.grouped", "encode_group_scaled"), ("hybridfp.quantizers.grouped_scaled", "_row_groups"),
+    ("hybridfp.kernels.triton_grouped_fp8", "group_amax"), ("hybridfp.kernels.triton_grouped_fp8", "quantize"),
+    ("hybridfp.kernels.triton_grouped_fp8_gemm", "grouped_fp8_at"), ("hybridfp.kernels.triton_grouped_fp8_gemm", "_launch"),
+    ("hybridfp.kernels.triton_grouped_fp8_gemm", "tile_plan"), ("hybridfp.gemm.grouped_fp8", "run_joined"),
 ]
 
 
@@ -103,12 +108,29 @@ def host_phases(step: Callable[[], Any], steps: int) -> tuple[float, dict[str, t
     return total * 1e3 / steps, {k: (CALLS[k] / steps, TIMES[k] * 1e3 / steps) for k in TIMES}
 
 
+def aten_host(step: Callable[[], Any], steps: int, top: int) -> list[tuple[str, float, float]]:
+    """The ``top`` aten ops by self CPU time per step over ``steps`` steps (torch.profiler, CPU
+    activity only: what each op costs the host, launches included), as (op, calls, ms) a step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    ops = [e for e in prof.key_averages() if e.key.startswith("aten::") or e.key.startswith("cuda")]
+    ops.sort(key=lambda e: -e.self_cpu_time_total)
+    return [(e.key, e.count / steps, e.self_cpu_time_total / 1e3 / steps) for e in ops[:top]]
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--recipe", default=None, help="only recipes whose name contains this text")
     p.add_argument("--deep", action="store_true", help="also time inner functions (``DEEP``) and Triton launches")
+    p.add_argument("--aten", type=int, default=0, help="also list the N aten ops with the most host (self CPU) "
+                   "time a step (torch.profiler, CPU activity only)")
     args = p.parse_args(argv)
     require_cuda()
     warnings.simplefilter("ignore")
@@ -133,6 +155,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         rows = [("step", 1, ms)] + [(k, c, t) for k, (c, t) in sorted(phases.items(), key=lambda kv: -kv[1][1])]
         tables.append(f"#### {name}: host {ms:.2f} ms a step (BF16 grouped baseline {base_ms:.2f} ms)\n\n"
                       + md_table(["phase (inclusive)", "calls / step", "host ms / step"], rows))
+        if args.aten:
+            tables.append(f"{name}, aten ops by host self time (profiled: times inflated alike)\n\n"
+                          + md_table(["aten op", "calls / step", "self host ms / step"],
+                                     aten_host(step, args.steps, args.aten)))
         torch.cuda.empty_cache()
     md = (f"### Host time by phase, {args.experts} experts (ffn {f}), {args.steps} steps each started on an "
           "idle GPU\n\n" + "\n\n".join(tables) + "\n")

@@ -26,6 +26,7 @@ copies in their zero-padded blocks (so the reduction runs over 16-aligned length
 from __future__ import annotations
 
 import importlib
+from itertools import accumulate
 from typing import Optional, Sequence, Union
 
 import torch
@@ -141,27 +142,29 @@ def run_joined(ja: JoinedCopy, jb: JoinedCopy, splits_a: Sequence[int], splits_b
         ks = [e - s for s, e in zip(ja.starts, ends)]  # each block: its tokens, then zero codes
         out = torch.empty((experts * n_rows, k_rows), dtype=out_dtype, device=a.device)
         k.grouped_fp8_at(a, b, n_rows, ja.starts, width, jb.starts, width, ks, sa, sb, out,
-                         torch.arange(experts) * n_rows, tile=k.WGRAD_TILE)
+                         [e * n_rows for e in range(experts)], tile=k.WGRAD_TILE)
         return list(out.view(experts, n_rows, k_rows).unbind(0))
     if ja.starts is not None:
         return None
     usable, bias = stacked_bias(biases, _width(jb, db, splits_b), a.device)
     if not usable:
         return None
-    ms, red = torch.tensor(splits_a, dtype=torch.int64), a.shape[1]
-    starts = torch.cumsum(ms, 0) - ms
+    # host lists, not CPU tensors: a torch op on [E] costs ~10x a list comprehension
+    ms, red = list(splits_a), a.shape[1]
+    starts = list(accumulate(ms, initial=0))[:-1]
     if db == "rowwise":  # fprop: the stacked weights' rows, expert e's N rows from row e*N
         if jb.starts is not None or len(set(splits_b)) != 1 or b.shape[1] != red:
             return None
         n = splits_b[0]
-        b_offs, b_ld = torch.arange(experts) * (n * red), red
+        b_offs, b_ld = [e * n * red for e in range(experts)], red
     else:  # dgrad: the weights' columnwise matrix [K, width], expert e's N columns at starts[e]
         if jb.starts is None or any(m != red for m in splits_b):
             return None
         n, b_ld = b.shape[0], b.shape[1]
         b_offs = jb.starts
     out = torch.empty((sum(splits_a), n), dtype=out_dtype, device=a.device)
-    return k.grouped_fp8_at(a, b, ms, starts * red, red, b_offs, b_ld, red, sa, sb, out, starts, bias=bias)
+    return k.grouped_fp8_at(a, b, ms, [s * red for s in starts], red, b_offs, b_ld, red, sa, sb, out, starts,
+                            bias=bias)
 
 
 def _width(jb: JoinedCopy, direction: str, splits: Sequence[int]) -> int:

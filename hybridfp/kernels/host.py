@@ -17,6 +17,7 @@ from collections import OrderedDict
 from functools import lru_cache
 from typing import Callable, Hashable, Sequence, Union
 
+import numpy as np
 import torch
 
 Values = Union[Sequence[int], Sequence[float], Sequence[Sequence[int]]]
@@ -87,12 +88,13 @@ def step_metadata(key: Hashable, device: Union[torch.device, str], build: Callab
     return out
 
 
-def tile_plan(rows: torch.Tensor, fields: torch.Tensor, bm: int) -> tuple[torch.Tensor, int]:
+def tile_plan(rows: np.ndarray, fields: np.ndarray, bm: int) -> tuple[torch.Tensor, int]:
     """Metadata of a grouped GEMM whose programs find their expert themselves
     (``_common.expert_row_tile``): int64 host tensor of the experts' row tile prefix sums
     [E + 1] (expert e gets ceil(rows[e] / bm) row tiles) followed by ``fields`` [E, F]
-    flattened; and T, the number of row tiles. ``rows``: [E] int64 (0: no program)."""
-    firsts = torch.zeros(rows.shape[0] + 1, dtype=torch.int64)
+    flattened; and T, the number of row tiles. ``rows``: [E] int64 (0: no program).
+    numpy: a few ops on [E] host vectors, each ~10x cheaper than a torch CPU op."""
+    firsts = np.zeros(rows.shape[0] + 1, dtype=np.int64)
     # clamped: the kernels' lookup needs non-decreasing sums (callers reject negative counts)
-    torch.cumsum((rows.clamp_min(0) + (bm - 1)) // bm, 0, out=firsts[1:])
-    return torch.cat([firsts, fields.reshape(-1)]), int(firsts[-1])
+    np.cumsum((np.maximum(rows, 0) + (bm - 1)) // bm, out=firsts[1:])
+    return torch.from_numpy(np.concatenate([firsts, fields.reshape(-1)])), int(firsts[-1])

@@ -43,7 +43,7 @@ import triton.language as tl
 from ._common import (DTYPE_CODE, amax_bits, amax_nan, check_int32_tiles, current_scale, empty, expert_row_tile, f32,
                       fp8_encode, fp8_params, hw_fp8, kernel_input, load_f32, load_tile, store_transposed_rows_u8,
                       tile_offsets)
-from .host import device_tensor
+from .host import device_tensor, step_metadata
 
 
 @triton.jit
@@ -129,6 +129,22 @@ def _grouped_fp8_kernel(x_ptr, amax_ptr, meta_ptr, rd_ptr, cd_ptr, sinv_ptr, C, 
             tl.store(sinv_ptr + lg * 4, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s), mask=lg < G)
 
 
+def _group_meta(splits: tuple[int, ...], lds: tuple[int, ...], offs: tuple[int, ...], strides: tuple[int, ...],
+                br: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """(``_grouped_fp8_kernel``'s metadata on ``device``, its row tiles): one queued host-to-device
+    copy (no stream sync), shared by the calls of one routing (``host.step_metadata``: an MoE
+    step's x and h, dy and dh lay out their groups alike): read-only."""
+    starts, cum, at, tiles = [], [0], 0, 0
+    for m in splits:
+        starts.append(at)
+        at += m
+        tiles += -(-m // br)
+        cum.append(tiles)
+    meta = step_metadata(("grouped fp8 meta", splits, lds, offs, strides, br), device,
+                         lambda: device_tensor(starts + list(splits + lds + offs + strides) + cum, device, torch.int64))
+    return meta, tiles
+
+
 def quantize(x2: torch.Tensor, amax: torch.Tensor, splits: Sequence[int], dtype: torch.dtype, *,
              eps: float = 0.0, power_2_scale: bool = False, rowwise: bool = True, columnwise: bool = True,
              col_offsets: Optional[Sequence[int]] = None, col_lds: Optional[Sequence[int]] = None,
@@ -186,18 +202,11 @@ def quantize(x2: torch.Tensor, amax: torch.Tensor, splits: Sequence[int], dtype:
     # one 16-byte slot per expert: cuBLAS (torch._scaled_mm) rejects a scale pointer that is
     # not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED), and each expert's scale_inv is a view
     sinv = empty((groups, 4), dtype=torch.float32, device=dev)
-    starts, cum, at, tiles = [], [0], 0, 0
-    for m in splits:
-        starts.append(at)
-        at += m
-        tiles += -(-m // br)
-        cum.append(tiles)
     lds = list(col_lds) if columnwise else splits
     offs = list(col_offsets) if columnwise else [0] * groups
     strides = strides if columnwise else lds
     pack = columnwise and not any(map((4).__rmod__, offs + lds + strides))  # every v % 4 == 0
-    # one host-to-device copy, queued (no stream sync), read by the kernel as it is (int64)
-    meta = device_tensor(starts + splits + lds + offs + strides + cum, dev, torch.int64)
+    meta, tiles = _group_meta(tuple(splits), tuple(lds), tuple(offs), tuple(strides), br, dev)
     dummy = torch.empty(1, dtype=torch.uint8, device=dev)
     grid = (tiles * triton.cdiv(cols, bc),)  # rows > 0: at least one tile
     _grouped_fp8_kernel[grid](

@@ -29,6 +29,7 @@ import numbers
 from math import gcd
 from typing import Optional, Sequence, Union
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -151,7 +152,7 @@ def grouped_fp8(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ks: Sequen
         else:  # reads nothing: offsets stay 0
             meta.append((0, 0, 0, 0, 0, o, m))
     align = gcd(gcd(align, pa % 16), pb % 16)
-    return _launch(a[0], b[0], scale_a, scale_b, bias, out, torch.tensor(meta, dtype=torch.int64), n, tile,
+    return _launch(a[0], b[0], scale_a, scale_b, bias, out, np.array(meta, dtype=np.int64).reshape(-1, 7), n, tile,
                    promote, group_m, align)
 
 
@@ -171,9 +172,10 @@ def grouped_fp8_at(base_a: torch.Tensor, base_b: torch.Tensor, ms: Ints, a_offs:
     expert (E: ``scale_a``'s length), or one int for all of them. Every expert's extent is
     checked to lie inside its base.
 
-    The host work is a few vectorized ops on [E] CPU tensors (no per-expert Python loop, no
-    per-tile table): at 64 experts 210 us a call on the CI host, against 313 (fprop) and 842 us
-    (wgrad: a 1408-row tile table) for the loop it replaced."""
+    The host work is a few vectorized numpy ops on [E] vectors (no per-expert Python loop, no
+    per-tile table). With torch CPU tensors instead it took ~1 ms a call at 64 experts on the
+    H200's host (``diag_moe_host_phases --deep``, FP8 current: 5.7 ms of a 22.6 ms step's host
+    time in 6 calls)."""
     experts = scale_a.numel()  # checked below: scale_a is [E]
     if experts == 0:
         raise ValueError("grouped FP8 GEMM: at least one expert (scale_a is empty).")
@@ -182,29 +184,31 @@ def grouped_fp8_at(base_a: torch.Tensor, base_b: torch.Tensor, ms: Ints, a_offs:
         if t.dtype not in _FP8 or not t.is_contiguous():
             raise ValueError(f"grouped FP8 GEMM: {what} must be a contiguous E4M3 / E5M2 tensor; got {t.dtype}, "
                              f"strides {t.stride()}.")
-    table = torch.tensor([_host_ints(w, v, experts) for w, v in zip(_NAMES, (ms, ks, out_rows, a_offs, a_lds, b_offs,
-                                                                              b_lds))], dtype=torch.int64)
+    # numpy, not torch, for these [E] host vectors: ~1 us an op against ~10-20 us for a torch CPU
+    # op on the H200's host (64 experts: ~40 ops a call, 0.6 ms of a 1 ms call with torch)
+    table = np.array([_host_ints(w, v, experts) for w, v in zip(_NAMES, (ms, ks, out_rows, a_offs, a_lds, b_offs,
+                                                                        b_lds))], dtype=np.int64)
     # every value in [0, 2**48] first (no tensor has more elements), so the extent arithmetic
     # below cannot wrap around in int64
     out_of_range = (table < 0) | (table > _MAX_VALUE)
     if out_of_range.any():
-        i, e = (int(v) for v in out_of_range.nonzero()[0])
+        i, e = (int(v) for v in np.argwhere(out_of_range)[0])
         raise ValueError(f"grouped FP8 GEMM: {_NAMES[i]}[{e}] is {int(table[i, e])}; every count, offset and stride "
                          f"must lie in [0, 2**48].")
-    m, k, o, a_off, a_ld, b_off, b_ld = table.unbind(0)
+    m, k, o, a_off, a_ld, b_off, b_ld = table
     la, lb = base_a.numel(), base_b.numel()
     # every check in one vector pass; the first failing expert is re-checked one by one for its message
     active = (k > 0) & (m > 0)
     bad = (o + m > out.shape[0]) | (active & (_overruns(a_off, a_ld, m, k, la) | _overruns(b_off, b_ld, n, k, lb)))
     if bad.any():
-        _raise_for(int(bad.nonzero()[0, 0]), table, n, out.shape[0], la, lb)
+        _raise_for(int(np.flatnonzero(bad)[0]), table, n, out.shape[0], la, lb)
     # experts that read nothing keep offsets, strides and K at 0 (their rows still get the
     # epilogue of zero sums)
-    fields = torch.stack((a_off, a_ld, b_off, b_ld, k), 1) * active[:, None]
-    low = fields.remainder(16)
-    low = torch.where(low > 0, low & -low, 16).min()  # the lowest set bit: gcd(16, ...) of all of them
+    fields = np.stack((a_off, a_ld, b_off, b_ld, k), 1) * active[:, None]
+    low = fields % 16
+    low = np.where(low > 0, low & -low, 16).min()  # the lowest set bit: gcd(16, ...) of all of them
     align = gcd(gcd(int(low), base_a.data_ptr() % 16), base_b.data_ptr() % 16)
-    return _launch(base_a, base_b, scale_a, scale_b, bias, out, torch.cat((fields, o[:, None], m[:, None]), 1), n,
+    return _launch(base_a, base_b, scale_a, scale_b, bias, out, np.concatenate((fields, o[:, None], m[:, None]), 1), n,
                    tile, promote, group_m, align)
 
 
@@ -215,21 +219,21 @@ _NAMES = ("ms", "ks", "out_rows", "a_offs", "a_lds", "b_offs", "b_lds")
 _MAX_VALUE = 1 << 48
 
 
-def _overruns(off: torch.Tensor, ld: torch.Tensor, rows, k: torch.Tensor, limit: int) -> torch.Tensor:
+def _overruns(off: np.ndarray, ld: np.ndarray, rows, k: np.ndarray, limit: int) -> np.ndarray:
     """Whether ``rows`` rows of ``k`` elements from ``off`` with row stride ``ld`` leave a base
     of ``limit`` elements (or overlap themselves: ld < k), per expert, without forming
     ``(rows - 1) * ld`` (which may not fit in int64): (rows - 1) <= room // ld."""
     room = limit - off - k  # every term in [0, 2**48]: no wrap-around
-    rows = torch.as_tensor(rows)
+    rows = np.asarray(rows, dtype=np.int64)
     many = rows > 1
-    return (room < 0) | (many & ((ld < k) | (rows - 1 > room.clamp_min(0) // ld.clamp_min(1))))
+    return (room < 0) | (many & ((ld < k) | (rows - 1 > np.maximum(room, 0) // np.maximum(ld, 1))))
 
 
 def _host_ints(what: str, v: Ints, experts: int) -> list[int]:
     """``v`` as a list of ``experts`` host ints (one int: the same for every expert)."""
     if isinstance(v, numbers.Integral):
         return [int(v)] * experts
-    values = v.tolist() if isinstance(v, torch.Tensor) else [int(x) for x in v]
+    values = v.tolist() if isinstance(v, (torch.Tensor, np.ndarray)) else [int(x) for x in v]
     if isinstance(values, int):  # a 0-d tensor
         return [values] * experts
     if len(values) != experts:
@@ -238,7 +242,7 @@ def _host_ints(what: str, v: Ints, experts: int) -> list[int]:
     return values
 
 
-def _raise_for(e: int, table: torch.Tensor, n: int, rows_out: int, la: int, lb: int) -> None:
+def _raise_for(e: int, table: np.ndarray, n: int, rows_out: int, la: int, lb: int) -> None:
     """The error for expert e, which failed ``grouped_fp8_at``'s vector checks."""
     m, k, o, a_off, a_ld, b_off, b_ld = table[:, e].tolist()
     _check_out_rows(e, o, m, rows_out)
@@ -273,7 +277,7 @@ def _check_common(experts: int, out: torch.Tensor, scale_a: torch.Tensor, scale_
 
 
 def _launch(base_a: torch.Tensor, base_b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-            bias: Optional[torch.Tensor], out: torch.Tensor, meta: torch.Tensor, n: int,
+            bias: Optional[torch.Tensor], out: torch.Tensor, meta: np.ndarray, n: int,
             tile: tuple[int, int, int, int, int], promote: int, group_m: int, align: int) -> torch.Tensor:
     bm, bn, bk, warps, stages = tile
     experts = meta.shape[0]

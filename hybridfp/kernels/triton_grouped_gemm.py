@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -140,9 +141,9 @@ def _plan(row_ranges: list[tuple[int, int]], k_ranges: list[tuple[int, int]], bm
     tiles; ``KALIGN``: the largest of 8, 4, 2, 1 dividing every k0 and k1 of an expert with
     programs, so the promise holds by construction). Experts with no rows or no reduction get
     no program (their output stays as the caller initialised it)."""
-    meta = torch.tensor([(r0, r1, k0, k1) for (r0, r1), (k0, k1) in zip(row_ranges, k_ranges)],
-                        dtype=torch.int64).reshape(-1, 4)
-    rows = torch.where(meta[:, 3] > meta[:, 2], meta[:, 1] - meta[:, 0], 0)
+    meta = np.array([(r0, r1, k0, k1) for (r0, r1), (k0, k1) in zip(row_ranges, k_ranges)],
+                    dtype=np.int64).reshape(-1, 4)
+    rows = np.where(meta[:, 3] > meta[:, 2], meta[:, 1] - meta[:, 0], 0)
     packed, row_tiles = tile_plan(rows, meta, bm)
     bounds = meta[rows > 0, 2:].reshape(-1).tolist()
     return packed, row_tiles, _alignment(bounds)
