@@ -48,12 +48,19 @@ class GroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, m_splits: list[int], lcs: list[LinearContext],  # type: ignore[override]
-                has_bias: bool, *params: torch.Tensor) -> torch.Tensor:
+                has_bias: bool, stacked: Optional[Sequence[torch.Tensor]], *params: torch.Tensor) -> torch.Tensor:
+        """``params``: the experts' weights then biases (one Parameter each), or with ``stacked``
+        (the experts' weights as views of one [E, N, K] Parameter, see ``single_parameter``)
+        that Parameter and the [E, N] bias: its gradient comes back stacked."""
         n = len(lcs)
-        weights, biases = params[:n], (params[n:] if has_bias else (None,) * n)
+        if stacked is not None:
+            weights, biases = stacked, (params[1].unbind(0) if has_bias else (None,) * n)
+            needs_wgrad = [ctx.needs_input_grad[5] and lcs[0].grad_enabled] * n
+        else:
+            weights, biases = params[:n], (params[n:] if has_bias else (None,) * n)
+            needs_wgrad = [ctx.needs_input_grad[5 + i] and lcs[0].grad_enabled for i in range(n)]
         grad_enabled = lcs[0].grad_enabled  # see LinearContext
         needs_dgrad = ctx.needs_input_grad[0] and grad_enabled
-        needs_wgrad = [ctx.needs_input_grad[4 + i] and grad_enabled for i in range(n)]
         with torch_autocast_off(x):
             qxs, qws = _fprop_operands(x, m_splits, weights, lcs, needs_dgrad, needs_wgrad)
             y = grouped_gemm(qxs, qws, "TN", out_dtype=x.dtype, biases=list(biases) if has_bias else None)
@@ -63,7 +70,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         tw, ctx.saved_w = save_experts(qws if needs_dgrad else [None] * n)
         ctx.n_x = len(tx)
         ctx.save_for_backward(*tx, *tw)
-        ctx.lcs, ctx.m_splits, ctx.has_bias = lcs, m_splits, has_bias
+        ctx.lcs, ctx.m_splits, ctx.has_bias, ctx.stacked = lcs, m_splits, has_bias, stacked is not None
         ctx.x_dtype, ctx.w_dtypes = x.dtype, [w.dtype for w in weights]
         ctx.b_dtypes = [b.dtype for b in biases] if has_bias else None
         return y
@@ -75,7 +82,8 @@ class GroupedLinearFunction(torch.autograd.Function):
         saved_ws = restore_experts(ctx.saved_w, saved[ctx.n_x:])
         n = len(ctx.lcs)
         needs_dgrad = ctx.needs_input_grad[0]
-        needs_wgrad = [ctx.needs_input_grad[4 + i] for i in range(n)]
+        needs_wgrad = ([ctx.needs_input_grad[5]] * n if ctx.stacked else
+                       [ctx.needs_input_grad[5 + i] for i in range(n)])
         with torch_autocast_off(dy):
             qdys = _quantize_grads(dy, ctx.m_splits, ctx.lcs, needs_dgrad, needs_wgrad)
             qxs = (saved_xs if isinstance(saved_xs, ExpertTensors) else
@@ -85,7 +93,19 @@ class GroupedLinearFunction(torch.autograd.Function):
             dx = (grouped_gemm(qdys, saved_ws, "NN", out_dtype=ctx.x_dtype)
                   if needs_dgrad else None)
             dws = _wgrads(qdys, qxs, ctx.w_dtypes)
-        return (dx, None, None, None, *dws, *dbs)
+        if ctx.stacked:  # one [E, N, K] gradient (and one [E, N] bias gradient)
+            return (dx, None, None, None, None, _stack(dws), *([_stack(dbs)] if ctx.has_bias else []))
+        return (dx, None, None, None, None, *dws, *dbs)
+
+
+def _stack(ts: Sequence[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
+    """The experts' gradients as one [E, ...] tensor: the buffer they are views of when they lie
+    back to back in it (the joined wgrad writes one), else a stacked copy; None if none was
+    computed."""
+    if ts[0] is None:
+        return None
+    whole = adjacent_rows(ts)
+    return whole.view(len(ts), *ts[0].shape) if whole is not None else torch.stack(list(ts))
 
 
 def _fprop_operands(x: torch.Tensor, m_splits: list[int], weights: Sequence[torch.Tensor],
@@ -220,7 +240,16 @@ class GroupedLinear(QuantizedModule):
     experts x 14336 on the H200, s10 profile). The packing survives ``.to()`` / ``.cuda()``
     (re-packed after the move); parameters replaced from outside (FSDP2, ``load_state_dict(
     assign=True)``) are used as they are. ``safetensors.torch.save_file`` refuses tensors that
-    share storage: save ``{k: v.clone()}`` there, or build with ``pack_weights=False``."""
+    share storage: save ``{k: v.clone()}`` there, or build with ``pack_weights=False``.
+
+    ``single_parameter`` (default False): one Parameter ``weight`` [num_gemms, out, in] (and
+    ``bias`` [num_gemms, out]) instead of ``weight{i}`` / ``bias{i}``, as torch-native MoE
+    code (``torch._grouped_mm`` layers) holds its experts. Autograd then accumulates one
+    gradient instead of one per expert (two AccumulateGrad calls a layer instead of 2 x
+    num_gemms: ~1 ms of host time a step at 64 experts on the H200), and an optimizer steps one
+    tensor. The experts' values, quantization and results are bitwise those of the per-expert
+    Parameters with the same seed; an in-place change re-quantizes every expert (one version
+    counter). ``load_state_dict`` takes either layout's keys."""
 
     module_type = "grouped_linear"
     #: The experts' per-tensor scales come from one segmented amax over all of them
@@ -230,20 +259,34 @@ class GroupedLinear(QuantizedModule):
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True, *,
                  params_dtype: Optional[torch.dtype] = None, device: Optional[torch.device | str] = None,
                  save_original_input: bool = False, name: Optional[str] = None,
-                 pack_weights: bool = True) -> None:
+                 pack_weights: bool = True, single_parameter: bool = False) -> None:
         super().__init__(name, num_quantizer_sets=num_gemms)
         if num_gemms < 1:
             raise ValueError(f"GroupedLinear needs num_gemms >= 1; got {num_gemms}.")
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.use_bias, self.save_original_input = bias, save_original_input
+        self.single_parameter = single_parameter
         kw = {"dtype": params_dtype or torch.float32, "device": device}
         bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
-        for i in range(num_gemms):
-            w = nn.Parameter(torch.empty(out_features, in_features, **kw))
+        if single_parameter:
+            self.weight = nn.Parameter(torch.empty(num_gemms, out_features, in_features, **kw))
+            self.bias = nn.Parameter(torch.empty(num_gemms, out_features, **kw)) if bias else None
+        for i in range(num_gemms):  # per expert, in the same order either way: the same init
+            w = self.weight[i] if single_parameter else nn.Parameter(torch.empty(out_features, in_features, **kw))
             nn.init.kaiming_uniform_(w, a=math.sqrt(5))
-            self.register_parameter(f"weight{i}", w)
-            if bias:
-                self.register_parameter(f"bias{i}", nn.Parameter(torch.empty(out_features, **kw).uniform_(-bound, bound)))
+            b = (self.bias[i] if single_parameter else nn.Parameter(torch.empty(out_features, **kw))) if bias else None
+            if b is not None:
+                with torch.no_grad():
+                    b.uniform_(-bound, bound)
+            if not single_parameter:
+                self.register_parameter(f"weight{i}", w)
+                if b is not None:
+                    self.register_parameter(f"bias{i}", b)
+        # single_parameter: the experts' weights as detached views of ``weight`` (sharing its
+        # version counter) and what they were made from; kept so that the weight cache's keys
+        # (which hold each weight's identity) stay the same from one forward to the next
+        self._views: list[list[torch.Tensor]] = [[], []]
+        self._views_key: Optional[tuple] = None
         self.pack_weights = pack_weights
         # the experts' LinearContexts of the last forward and what they were built from: they
         # hold nothing per call, so a forward with the same quantizers reuses them
@@ -258,6 +301,8 @@ class GroupedLinear(QuantizedModule):
         """Move the expert weights into one buffer (``pack_weights``), unless they already are
         consecutive slices of one or are not plain dense tensors (DTensor shards, quantized
         parameters, meta tensors: their storage belongs to someone else)."""
+        if self.single_parameter:  # one buffer already
+            return
         ws = self.weights()
         if not self.pack_weights or len(ws) < 2:
             return
@@ -273,6 +318,21 @@ class GroupedLinear(QuantizedModule):
                 # re-quantizes that expert only), unlike Parameters made from views
                 w.data = b
 
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
+        """``nn.Module``'s, after rewriting the other layout's keys into this module's (``weight{i}``
+        / ``bias{i}`` stacked into ``weight`` / ``bias`` with ``single_parameter``, and back), so a
+        checkpoint loads into either layout. ``load_state_dict`` hands this a copy of the dict."""
+        for name in ("weight", "bias"):
+            per_expert = [f"{prefix}{name}{i}" for i in range(self.num_gemms)]
+            if self.single_parameter and prefix + name not in state_dict and all(k in state_dict for k in per_expert):
+                state_dict[prefix + name] = torch.stack([state_dict.pop(k) for k in per_expert])
+            elif not self.single_parameter and prefix + name in state_dict and per_expert[0] not in state_dict:
+                whole = state_dict[prefix + name]
+                if torch.is_tensor(whole) and whole.dim() >= 1 and whole.shape[0] == self.num_gemms:
+                    del state_dict[prefix + name]
+                    state_dict.update(zip(per_expert, whole.unbind(0)))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def _apply(self, fn: Any, recurse: bool = True) -> "GroupedLinear":
         """``nn.Module._apply`` (``.to()``, ``.cuda()``, ``.half()``: each parameter moved on its
         own), then the weights re-packed into one buffer."""
@@ -280,13 +340,32 @@ class GroupedLinear(QuantizedModule):
         self._pack()
         return out
 
-    def weights(self) -> list[nn.Parameter]:
-        """Expert weights in order."""
+    def weights(self) -> list[torch.Tensor]:
+        """Expert weights in order: the Parameters ``weight{i}``, or with ``single_parameter``
+        views of ``weight`` [i] (detached: gradients reach ``weight`` through ``forward``)."""
+        if self.single_parameter:
+            return self._expert_views()[0]
         return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
 
-    def biases(self) -> list[nn.Parameter]:
-        """Expert biases in order (empty without bias)."""
-        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else []
+    def biases(self) -> list[torch.Tensor]:
+        """Expert biases in order (empty without bias); detached views of ``bias`` with
+        ``single_parameter``."""
+        if not self.use_bias:
+            return []
+        if self.single_parameter:
+            return self._expert_views()[1]
+        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+
+    def _expert_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``single_parameter``: per-expert detached views of ``weight`` and ``bias``, made again
+        only when a parameter's tensor changes (``.to()``, ``.data =``, ``load_state_dict(assign=
+        True)``): an in-place update keeps them (their version counter is the parameter's)."""
+        w, b = self.weight, self.bias
+        key = tuple((id(t), t.data_ptr(), t.shape, t.dtype, t.device) for t in (w, b) if t is not None)
+        if key != self._views_key:
+            self._views = [list(w.detach().unbind(0)), list(b.detach().unbind(0)) if b is not None else []]
+            self._views_key = key
+        return self._views[0], self._views[1]
 
     def quantized_weights(self, weights: Sequence[torch.Tensor], qs: Sequence[Quantizer],
                           columnwise: bool) -> Sequence[torch.Tensor]:
@@ -372,9 +451,12 @@ class GroupedLinear(QuantizedModule):
         splits = self._check_splits(x, m_splits)
         state = current_autocast()
         if state is None:
-            bs = self.biases() or [None] * self.num_gemms
-            outs = [self.high_precision_linear(xi, w, b)
-                    for xi, w, b in zip(torch.split(x, splits), self.weights(), bs)]
+            if self.single_parameter:  # autograd views, so that the gradients reach the Parameters
+                ws = self.weight.unbind(0)
+                bs = self.bias.unbind(0) if self.use_bias else [None] * self.num_gemms
+            else:
+                ws, bs = self.weights(), self.biases() or [None] * self.num_gemms
+            outs = [self.high_precision_linear(xi, w, b) for xi, w, b in zip(torch.split(x, splits), ws, bs)]
             return torch.cat(outs)
         qs = self.quantizers(state)
         x = self.torch_autocast_input(x)
@@ -387,8 +469,12 @@ class GroupedLinear(QuantizedModule):
             if last is None or last[0] is not qs:
                 self._plans = {}  # new quantizers: the old plans' keys name the old ones
             self._lcs_key = (qs, self.save_original_input, grad_enabled)
-        return GroupedLinearFunction.apply(x, splits, self._lcs, self.use_bias, *self.weights(), *self.biases())
+        if self.single_parameter:
+            params = (self.weight, self.bias) if self.use_bias else (self.weight,)
+            return GroupedLinearFunction.apply(x, splits, self._lcs, self.use_bias, self._expert_views()[0], *params)
+        return GroupedLinearFunction.apply(x, splits, self._lcs, self.use_bias, None, *self.weights(), *self.biases())
 
     def extra_repr(self) -> str:
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
-                f"out_features={self.out_features}, bias={self.use_bias}")
+                f"out_features={self.out_features}, bias={self.use_bias}"
+                + (", single_parameter=True" if self.single_parameter else ""))

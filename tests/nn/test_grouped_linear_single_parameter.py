@@ -1,0 +1,159 @@
+"""GroupedLinear(single_parameter=True): one [E, N, K] weight Parameter (and one [E, N] bias).
+
+It must change nothing but the parameters' layout: the same init for the same seed, bitwise the
+same outputs and gradients as per-expert Parameters under every recipe (the stacked gradient is
+the per-expert gradients stacked), the weight cache still reused between forwards and refreshed
+after an in-place update, checkpoints loading across the two layouts, and one AccumulateGrad per
+parameter instead of one per expert."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hybridfp
+from hybridfp import factories
+from hybridfp.recipes import (CustomRecipe, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
+                              NVFP4BlockScaling)
+
+RECIPES = {
+    "none": None,
+    "high_precision": lambda: CustomRecipe(qfactory=factories.high_precision),
+    "mxfp8": MXFP8BlockScaling,
+    "fp8_current": Float8CurrentScaling,
+    "fp8_block": Float8BlockScaling,
+    "nvfp4": NVFP4BlockScaling,  # stochastic rounding: the experts quantize one by one
+    "composer2": lambda: CustomRecipe(qfactory=factories.nvfp4_row_scaled_fwd_mxfp8_bwd),
+}
+SPLITS = [40, 0, 72, 16]
+
+
+def _pair(bias: bool, num: int = 4, k: int = 64, n: int = 32, dtype=torch.float32):
+    torch.manual_seed(0)
+    single = hybridfp.GroupedLinear(num, k, n, bias=bias, params_dtype=dtype, single_parameter=True, name="single")
+    torch.manual_seed(0)
+    per_expert = hybridfp.GroupedLinear(num, k, n, bias=bias, params_dtype=dtype, name="per_expert")
+    return single, per_expert
+
+
+def _stacked_grads(m: hybridfp.GroupedLinear) -> list:
+    if m.single_parameter:
+        return [m.weight.grad] + ([m.bias.grad] if m.use_bias else [])
+    ws = [w.grad for w in m.weights()]
+    return [torch.stack(ws)] + ([torch.stack([b.grad for b in m.biases()])] if m.use_bias else [])
+
+
+def test_same_init_and_layout():
+    single, per_expert = _pair(bias=True)
+    assert [n for n, _ in single.named_parameters()] == ["weight", "bias"]
+    assert single.weight.shape == (4, 32, 64) and single.bias.shape == (4, 32)
+    assert torch.equal(single.weight, torch.stack(per_expert.weights()))
+    assert torch.equal(single.bias, torch.stack(per_expert.biases()))
+    assert all(not w.requires_grad for w in single.weights())  # detached views
+    assert single.weights()[2].data_ptr() == single.weight[2].data_ptr()
+    assert "single_parameter=True" in repr(single)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_bitwise_equal_to_per_expert_parameters(name, bias):
+    """Output, input gradient, weight and bias gradients equal bit for bit over two SGD steps
+    (the second re-quantizes the weights after the optimizer's in-place update)."""
+    single, per_expert = _pair(bias)
+    torch.manual_seed(1)
+    x = torch.randn(sum(SPLITS), 64)
+    dy = torch.randn(sum(SPLITS), 32)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (single, per_expert)]
+    for step in range(2):
+        results = []
+        for m, opt in zip((single, per_expert), opts):
+            xi = x.clone().requires_grad_(True)
+            opt.zero_grad()
+            torch.manual_seed(10 + step)  # the same random draws (stochastic rounding) for both
+            if RECIPES[name] is None:
+                y = m(xi, SPLITS)
+            else:
+                with hybridfp.autocast(recipe=RECIPES[name]()):
+                    y = m(xi, SPLITS)
+            y.backward(dy)
+            results.append((y.detach(), xi.grad, _stacked_grads(m)))
+            opt.step()
+        (y0, g0, p0), (y1, g1, p1) = results
+        assert torch.equal(y0, y1) and torch.equal(g0, g1)
+        assert len(p0) == len(p1) and all(torch.equal(a, b) for a, b in zip(p0, p1))
+    assert torch.equal(single.weight, torch.stack(per_expert.weights()))
+
+
+def test_one_accumulate_grad_per_parameter():
+    single, per_expert = _pair(bias=True)
+    x = torch.randn(sum(SPLITS), 64, requires_grad=True)
+    for m, expected in ((single, 3), (per_expert, 9)):  # x's own included
+        with hybridfp.autocast(recipe=MXFP8BlockScaling()):
+            y = m(x, SPLITS)
+        accumulates = [f for f, _ in y.grad_fn.next_functions if f is not None and "AccumulateGrad" in type(f).__name__]
+        assert len(accumulates) == expected
+
+
+def test_weight_cache_kept_between_forwards_and_refreshed_after_update(monkeypatch):
+    """The experts' views stay the same objects, so a second forward reuses the quantized
+    weights; an in-place update (one version counter) re-quantizes them."""
+    from hybridfp.nn import grouped_linear
+
+    calls = []
+    real = grouped_linear.quantize_weights_grouped
+    monkeypatch.setattr(grouped_linear, "quantize_weights_grouped", lambda *a, **k: calls.append(1) or real(*a, **k))
+    single, _ = _pair(bias=False)
+    x = torch.randn(sum(SPLITS), 64)
+    with hybridfp.autocast(recipe=MXFP8BlockScaling()):
+        y0 = single(x, SPLITS)
+        assert single(x, SPLITS).equal(y0) and len(calls) == 1
+        with torch.no_grad():
+            single.weight.mul_(0.5)
+        y1 = single(x, SPLITS)
+    assert len(calls) == 2 and not torch.equal(y0, y1)
+
+
+def test_gradients_accumulate_over_micro_batches():
+    single, per_expert = _pair(bias=True)
+    xs = [torch.randn(sum(SPLITS), 64) for _ in range(2)]
+    for m in (single, per_expert):
+        with hybridfp.autocast(recipe=Float8CurrentScaling()):
+            for x in xs:
+                m(x, SPLITS).square().sum().backward()
+    for a, b in zip(_stacked_grads(single), _stacked_grads(per_expert)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_state_dict_loads_across_layouts(bias):
+    single, per_expert = _pair(bias)
+    with torch.no_grad():
+        for p in per_expert.parameters():
+            p.add_(torch.randn_like(p))
+    single.load_state_dict(per_expert.state_dict())
+    assert torch.equal(single.weight, torch.stack(per_expert.weights()))
+    other = hybridfp.GroupedLinear(4, 64, 32, bias=bias, name="other")
+    other.load_state_dict(single.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(other.weights(), per_expert.weights()))
+    assert all(torch.equal(a, b) for a, b in zip(other.biases(), per_expert.biases()))
+    # a wrong expert count is an error naming the key, not a silent reshape
+    wrong = hybridfp.GroupedLinear(3, 64, 32, bias=bias, single_parameter=True)
+    with pytest.raises(RuntimeError, match="weight"):
+        wrong.load_state_dict(per_expert.state_dict())
+
+
+def test_views_follow_moves_and_replaced_tensors():
+    single, _ = _pair(bias=True)
+    x = torch.randn(sum(SPLITS), 64)
+    with hybridfp.autocast(recipe=MXFP8BlockScaling()):
+        y = single(x, SPLITS)
+    single.double()
+    assert all(w.dtype == torch.float64 and w.data_ptr() == single.weight[i].data_ptr()
+               for i, w in enumerate(single.weights()))
+    single.float()
+    with hybridfp.autocast(recipe=MXFP8BlockScaling()):
+        assert torch.equal(single(x, SPLITS), y)
+    single.weight = torch.nn.Parameter(single.weight.detach() * 2)
+    assert single.weights()[1].data_ptr() == single.weight[1].data_ptr()
+    with hybridfp.autocast(recipe=MXFP8BlockScaling()):
+        assert not torch.equal(single(x, SPLITS), y)
