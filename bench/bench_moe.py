@@ -84,6 +84,10 @@ NO_PLAN_MEMO_SUFFIX = " [plans not remembered]"
 #: ... and with the routing's metadata (offsets, padded-row indexes, row maps) built at every use
 #: instead of once a pass (``kernels.host.step_metadata``)
 NO_METADATA_MEMO_SUFFIX = " [metadata not shared]"
+#: The same recipes with ``GroupedLinear(single_parameter=True)``: one [E, N, K] weight Parameter
+#: a layer (as the baseline holds them) instead of one per expert.
+SINGLE_PARAM_VARIANTS = tuple(name for name, _ in RECIPES)
+SINGLE_PARAM_SUFFIX = " [one weight Parameter]"
 #: with ``--micro-batches N`` (N > 1) every recipe, the baseline included, is timed a second time
 #: as N micro-batches per weight update (gradient accumulation: the weights are quantized once
 #: for N forward + backward passes); those rows' ratios are against the baseline's N-micro-batch row
@@ -195,17 +199,18 @@ class BF16MoE(nn.Module):
 class HybridMoE(nn.Module):
     """The same layer with two hybridfp GroupedLinear (weights copied from the baseline)."""
 
-    def __init__(self, base: BF16MoE, pack_weights: bool = True) -> None:
+    def __init__(self, base: BF16MoE, pack_weights: bool = True, single_parameter: bool = False) -> None:
         super().__init__()
         e, f2, d = base.w1.shape
         self.router = nn.Parameter(base.router.detach().clone())
-        kw = {"bias": False, "params_dtype": torch.bfloat16, "device": common.DEVICE, "pack_weights": pack_weights}
+        kw = {"bias": False, "params_dtype": torch.bfloat16, "device": common.DEVICE, "pack_weights": pack_weights,
+              "single_parameter": single_parameter}
         self.fc1 = hybridfp.GroupedLinear(e, d, f2, name="experts.fc1", **kw)
         self.fc2 = hybridfp.GroupedLinear(e, f2 // 2, d, name="experts.fc2", **kw)
         with torch.no_grad():
-            for i in range(e):
-                getattr(self.fc1, f"weight{i}").copy_(base.w1[i])
-                getattr(self.fc2, f"weight{i}").copy_(base.w2[i])
+            for fc, w in ((self.fc1, base.w1), (self.fc2, base.w2)):
+                for mine, theirs in zip(fc.weights(), w):  # views of ``weight`` with single_parameter
+                    mine.copy_(theirs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         r = Routing(x, self.router, TOP_K)
@@ -274,10 +279,12 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
     for name, recipe in RECIPES:
         variants.append((name, hf, lambda r=recipe(): hybridfp.autocast(recipe=r)))
     unpacked = HybridMoE(base, pack_weights=False) if UNPACKED_VARIANTS else None
+    single = HybridMoE(base, single_parameter=True) if SINGLE_PARAM_VARIANTS else None
     extras = [(TRITON_VARIANTS, (TRITON_SUFFIX, PER_EXPERT_SUFFIX), hf),
               (UNPACKED_VARIANTS, (UNPACKED_SUFFIX,), unpacked), (FP8_TRITON_VARIANTS, (FP8_TRITON_SUFFIX, PER_EXPERT_SUFFIX), hf),
               (PER_GROUP_VARIANTS, (PER_GROUP_SUFFIX, CUTLASS_SUFFIX), hf),
-              (PLAN_VARIANTS, (NO_PLAN_MEMO_SUFFIX, NO_METADATA_MEMO_SUFFIX), hf)]
+              (PLAN_VARIANTS, (NO_PLAN_MEMO_SUFFIX, NO_METADATA_MEMO_SUFFIX), hf),
+              (SINGLE_PARAM_VARIANTS, (SINGLE_PARAM_SUFFIX,), single)]
     for name, recipe in RECIPES:
         if name in CODES_VARIANTS:
             variants.append((name + CODES_SUFFIX, hf,

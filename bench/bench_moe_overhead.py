@@ -82,12 +82,13 @@ def measure(step: Callable[[], None], reps: int) -> tuple[float, int]:
 
 
 def layer_step(recipe: hybridfp.Recipe, experts: int, hidden: int = 64, ffn: int = 128,
-               tokens_per_expert: int = 24) -> Callable[[], None]:
+               tokens_per_expert: int = 24, single_parameter: bool = False) -> Callable[[], None]:
     """One forward + backward step of a fresh ``GroupedLinear`` (seeded) on the CPU, with
     ``splits_for``'s counts."""
     torch.manual_seed(0)
     splits = splits_for(experts, tokens_per_expert)
-    m = hybridfp.GroupedLinear(experts, hidden, ffn, bias=False, params_dtype=torch.bfloat16)
+    m = hybridfp.GroupedLinear(experts, hidden, ffn, bias=False, params_dtype=torch.bfloat16,
+                               single_parameter=single_parameter)
     x = torch.randn(sum(splits), hidden, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(sum(splits), ffn, dtype=torch.bfloat16)
     return make_step(m, x, dy, splits, recipe)
@@ -126,13 +127,13 @@ def stub_kernels(setattr: Callable = setattr) -> None:
 
 
 def python_calls_per_step(recipe: hybridfp.Recipe, experts: int, hidden: int = 64, ffn: int = 128,
-                          tokens_per_expert: int = 24) -> int:
+                          tokens_per_expert: int = 24, single_parameter: bool = False) -> int:
     """Python function calls (``sys.setprofile`` "call" events: frames, generator steps
     included) one forward + backward step makes after a warm-up step, on the CPU: a
     deterministic measure of the host's Python work, unlike its time on a shared machine."""
     import sys
 
-    step = layer_step(recipe, experts, hidden, ffn, tokens_per_expert)
+    step = layer_step(recipe, experts, hidden, ffn, tokens_per_expert, single_parameter)
     calls = [0]
 
     def count(frame, event, arg):
@@ -216,6 +217,8 @@ def main(argv=None) -> None:
                    "replaced by a shape-only stub too (the step's time is then host work only)")
     p.add_argument("--stub-kernels", action="store_true", help="with --cuda-paths: the fused quantize "
                    "kernels taken as on CUDA, every Triton launch a no-op (``stub_kernels``)")
+    p.add_argument("--single-parameter", action="store_true", help="GroupedLinear(single_parameter=True): "
+                   "one [E, N, K] weight Parameter instead of one per expert")
     p.add_argument("--profile", default=None, help="cProfile one recipe (its name) and print the top 30 "
                    "functions by own time")
     args = p.parse_args(argv)
@@ -232,7 +235,8 @@ def main(argv=None) -> None:
             hybridfp.nn.set_decoded_copies("always")  # the copies the GPU's kernels write
     torch.manual_seed(0)
     splits = splits_for(args.experts, args.tokens_per_expert)
-    m = hybridfp.GroupedLinear(args.experts, args.hidden, args.ffn, bias=False, params_dtype=torch.bfloat16)
+    m = hybridfp.GroupedLinear(args.experts, args.hidden, args.ffn, bias=False, params_dtype=torch.bfloat16,
+                               single_parameter=args.single_parameter)
     x = torch.randn(sum(splits), args.hidden, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(sum(splits), args.ffn, dtype=torch.bfloat16)
     print(f"{args.experts} experts, hidden {args.hidden}, ffn {args.ffn}, {sum(splits)} tokens, "
@@ -241,7 +245,8 @@ def main(argv=None) -> None:
     for name, recipe in RECIPES.items():
         step = make_step(m, x, dy, splits, recipe())
         ms, ops = measure(step, args.reps)
-        calls = python_calls_per_step(recipe(), args.experts, args.hidden, args.ffn, args.tokens_per_expert)
+        calls = python_calls_per_step(recipe(), args.experts, args.hidden, args.ffn, args.tokens_per_expert,
+                                      args.single_parameter)
         print(f"| {name} | {ms:.2f} | {ops} | {ops / args.experts:.1f} | {calls} |")
         if name == args.profile:
             import cProfile

@@ -157,3 +157,30 @@ def test_views_follow_moves_and_replaced_tensors():
     assert single.weights()[1].data_ptr() == single.weight[1].data_ptr()
     with hybridfp.autocast(recipe=MXFP8BlockScaling()):
         assert not torch.equal(single(x, SPLITS), y)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["high_precision", "mxfp8", "fp8_current", "composer2"])
+def test_bitwise_equal_on_cuda_at_64_experts(name):
+    """The CUDA paths of many experts (joined copies, grouped kernels, the joined wgrad whose
+    buffer becomes the stacked gradient) give the single Parameter the same bits."""
+    torch.manual_seed(0)
+    single = hybridfp.GroupedLinear(64, 256, 128, bias=False, params_dtype=torch.bfloat16, device="cuda",
+                                    single_parameter=True)
+    torch.manual_seed(0)
+    per_expert = hybridfp.GroupedLinear(64, 256, 128, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    g = torch.Generator().manual_seed(1)
+    splits = torch.randint(0, 97, (64,), generator=g).tolist()
+    splits[3] = 0
+    x = torch.randn(sum(splits), 256, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(sum(splits), 128, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for m in (single, per_expert):
+        xi = x.clone().requires_grad_(True)
+        with hybridfp.autocast(recipe=RECIPES[name]()):
+            y = m(xi, splits)
+        y.backward(dy)
+        results.append((y, xi.grad, _stacked_grads(m)[0]))
+    (y0, g0, w0), (y1, g1, w1) = results
+    assert torch.equal(y0, y1) and torch.equal(g0, g1) and torch.equal(w0, w1)
