@@ -219,14 +219,16 @@ class HybridMoE(nn.Module):
         return r.unpermute(self.fc2(swiglu(h), splits), x.shape[0])
 
 
-def moe_layer(e: int, f: int, tokens: int = TOKENS, d: int = HIDDEN) -> tuple[BF16MoE, "HybridMoE", torch.Tensor, torch.Tensor]:
+def moe_layer(e: int, f: int, tokens: int = TOKENS, d: int = HIDDEN, single_parameter: bool = False
+              ) -> tuple[BF16MoE, "HybridMoE", torch.Tensor, torch.Tensor]:
     """(the BF16 baseline layer, the hybridfp layer with its weights, x, dy): seeded, on
-    ``common.DEVICE``, as every MoE benchmark and diagnosis builds them."""
+    ``common.DEVICE``, as every MoE benchmark and diagnosis builds them; ``single_parameter``:
+    the hybridfp layer's GroupedLinears hold one [E, N, K] weight Parameter each."""
     torch.manual_seed(0)
     base = BF16MoE(e, d, f)
     x = torch.randn(tokens, d, device=common.DEVICE, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, d, device=common.DEVICE, dtype=torch.bfloat16)
-    return base, HybridMoE(base), x, dy
+    return base, HybridMoE(base, single_parameter=single_parameter), x, dy
 
 
 def make_step(model: nn.Module, x: torch.Tensor, dy: torch.Tensor, ctx: Optional[Callable[[], Any]],

@@ -129,13 +129,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--recipe", default=None, help="only recipes whose name contains this text")
     p.add_argument("--deep", action="store_true", help="also time inner functions (``DEEP``) and Triton launches")
+    p.add_argument("--single-parameter", action="store_true", help="GroupedLinear(single_parameter=True): one "
+                   "[E, N, K] weight Parameter a layer")
     p.add_argument("--aten", type=int, default=0, help="also list the N aten ops with the most host (self CPU) "
                    "time a step (torch.profiler, CPU activity only)")
     args = p.parse_args(argv)
     require_cuda()
     warnings.simplefilter("ignore")
     f = dict(CONFIGS)[args.experts]
-    base, model, x, dy = moe_layer(args.experts, f)
+    base, model, x, dy = moe_layer(args.experts, f, single_parameter=args.single_parameter)
     base_step = make_step(base, x, dy, None)
     for _ in range(3):
         base_step()
@@ -161,7 +163,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                                      aten_host(step, args.steps, args.aten)))
         torch.cuda.empty_cache()
     md = (f"### Host time by phase, {args.experts} experts (ffn {f}), {args.steps} steps each started on an "
-          "idle GPU\n\n" + "\n\n".join(tables) + "\n")
+          f"idle GPU{', one weight Parameter a layer' if args.single_parameter else ''}\n\n" + "\n\n".join(tables) + "\n")
     finish("diag_moe_host_phases", {"env": common.environment(), "markdown": md}, args.out)
 
 
