@@ -186,8 +186,14 @@ def grouped_fp8_at(base_a: torch.Tensor, base_b: torch.Tensor, ms: Ints, a_offs:
                              f"strides {t.stride()}.")
     # numpy, not torch, for these [E] host vectors: ~1 us an op against ~10-20 us for a torch CPU
     # op on the H200's host (64 experts: ~40 ops a call, 0.6 ms of a 1 ms call with torch)
-    table = np.array([_host_ints(w, v, experts) for w, v in zip(_NAMES, (ms, ks, out_rows, a_offs, a_lds, b_offs,
-                                                                        b_lds))], dtype=np.int64)
+    lists = [_host_ints(w, v, experts) for w, v in zip(_NAMES, (ms, ks, out_rows, a_offs, a_lds, b_offs, b_lds))]
+    try:
+        table = np.array(lists, dtype=np.int64)
+    except OverflowError:  # a value outside int64: the same error as one outside [0, 2**48]
+        i, e, v = next((i, e, v) for i, row in enumerate(lists) for e, v in enumerate(row)
+                       if not -(1 << 63) <= v < (1 << 63))
+        raise ValueError(f"grouped FP8 GEMM: {_NAMES[i]}[{e}] is {v}; every count, offset and stride must lie "
+                         f"in [0, 2**48].") from None
     # every value in [0, 2**48] first (no tensor has more elements), so the extent arithmetic
     # below cannot wrap around in int64
     out_of_range = (table < 0) | (table > _MAX_VALUE)

@@ -325,18 +325,31 @@ class GroupedLinear(QuantizedModule):
         for name in ("weight", "bias"):
             per_expert = [f"{prefix}{name}{i}" for i in range(self.num_gemms)]
             if self.single_parameter and prefix + name not in state_dict and all(k in state_dict for k in per_expert):
-                state_dict[prefix + name] = torch.stack([state_dict.pop(k) for k in per_expert])
+                parts = [state_dict[k] for k in per_expert]
+                # experts of different shapes are left as they are: torch then reports the keys
+                if all(torch.is_tensor(t) and t.shape == parts[0].shape for t in parts):
+                    for k in per_expert:
+                        del state_dict[k]
+                    state_dict[prefix + name] = torch.stack(parts)
             elif not self.single_parameter and prefix + name in state_dict and per_expert[0] not in state_dict:
                 whole = state_dict[prefix + name]
                 if torch.is_tensor(whole) and whole.dim() >= 1 and whole.shape[0] == self.num_gemms:
                     del state_dict[prefix + name]
-                    state_dict.update(zip(per_expert, whole.unbind(0)))
+                    # copies, not views of one tensor: with assign=True each expert keeps its own
+                    # version counter (an update to one re-quantizes that expert only)
+                    state_dict.update(zip(per_expert, (t.clone() for t in whole.unbind(0))))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._pack()  # assign=True put new tensors in place: back into one buffer
 
     def _apply(self, fn: Any, recurse: bool = True) -> "GroupedLinear":
         """``nn.Module._apply`` (``.to()``, ``.cuda()``, ``.half()``: each parameter moved on its
         own), then the weights re-packed into one buffer."""
         out = super()._apply(fn, recurse)
+        if self.single_parameter:
+            # the views (and the cached quantized weights keyed by them) belong to the old tensor:
+            # dropped now, so a move (``.cpu()`` to offload) frees it
+            self._views, self._views_key = [[], []], None
+            self._wcache.clear()
         self._pack()
         return out
 
@@ -361,6 +374,11 @@ class GroupedLinear(QuantizedModule):
         only when a parameter's tensor changes (``.to()``, ``.data =``, ``load_state_dict(assign=
         True)``): an in-place update keeps them (their version counter is the parameter's)."""
         w, b = self.weight, self.bias
+        for what, t in (("weight", w), ("bias", b)):
+            if isinstance(t, QuantizedTensor):
+                raise ValueError(f"GroupedLinear {self.name or ''}: single_parameter=True takes a high-precision "
+                                 f"{what} [num_gemms, ...]; got a quantized one. Quantized parameters need one "
+                                 "per expert: build the module with single_parameter=False (weight{i}).")
         key = tuple((id(t), t.data_ptr(), t.shape, t.dtype, t.device) for t in (w, b) if t is not None)
         if key != self._views_key:
             self._views = [list(w.detach().unbind(0)), list(b.detach().unbind(0)) if b is not None else []]

@@ -191,7 +191,10 @@ def test_joined_bases_equal_views_and_check_every_extent():
                           (dict(out_rows=[-1] + starts[1:]), r"out_rows\[0\] is -1"),
                           (dict(ms=[0, 19, 45, -1, 34]), r"ms\[3\] is -1"),
                           (dict(out_rows=starts[:-1] + [2 ** 63 - 1]), r"out_rows\[4\] is 9223372036854775807"),
-                          (dict(a_lds=[k, k, 2 ** 62, k, k]), r"a_lds\[2\] is 4611686018427387904")):
+                          (dict(a_lds=[k, k, 2 ** 62, k, k]), r"a_lds\[2\] is 4611686018427387904"),
+                          # outside int64 altogether: the same error, not numpy's OverflowError
+                          (dict(b_offs=b_offs[:3] + [2 ** 64] + b_offs[4:]), r"b_offs\[3\] is 18446744073709551616"),
+                          (dict(ms=[0, 19, -(2 ** 70), 45, 34]), r"ms\[2\] is -1180591620717411303424")):
         with pytest.raises(ValueError, match=match):
             tk.grouped_fp8_at(**{**args, **change})
     # a stride whose product with the rows would wrap int64 is caught by the division form

@@ -8,6 +8,9 @@ parameter instead of one per expert."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -157,6 +160,48 @@ def test_views_follow_moves_and_replaced_tensors():
     assert single.weights()[1].data_ptr() == single.weight[1].data_ptr()
     with hybridfp.autocast(recipe=MXFP8BlockScaling()):
         assert not torch.equal(single(x, SPLITS), y)
+
+
+def test_a_move_frees_the_old_tensor():
+    """The per-expert views and the quantized weights cached under them belong to the old
+    tensor: a move (``.double()``, ``.cpu()`` to offload) drops them, so nothing keeps it."""
+    single, _ = _pair(bias=True)
+    with hybridfp.autocast(recipe=MXFP8BlockScaling()):
+        single(torch.randn(sum(SPLITS), 64), SPLITS)
+    old = weakref.ref(single.weights()[0])
+    single.double()
+    gc.collect()
+    assert old() is None and single.weights()[0].dtype == torch.float64
+
+
+def test_quantized_weight_parameter_refused():
+    single, _ = _pair(bias=False)
+    q = hybridfp.Float8CurrentScalingQuantizer(torch.float8_e4m3fn)
+    single.weight = torch.nn.Parameter(q(single.weight.detach()))
+    with pytest.raises(ValueError, match="single_parameter=True takes a high-precision weight"):
+        with hybridfp.autocast(recipe=Float8CurrentScaling()):
+            single(torch.randn(sum(SPLITS), 64), SPLITS)
+
+
+def test_state_dict_experts_of_other_shapes_reported_by_key():
+    single, _ = _pair(bias=False)
+    sd = {f"weight{i}": torch.zeros(32, 64 if i != 2 else 63) for i in range(4)}
+    with pytest.raises(RuntimeError, match="weight2"):
+        single.load_state_dict(sd)
+
+
+def test_assigned_per_expert_weights_keep_their_own_versions():
+    """``load_state_dict(assign=True)`` of a stacked checkpoint into per-expert Parameters gives
+    each expert its own tensor (an update to one re-quantizes that expert only), packed again."""
+    single, per_expert = _pair(bias=True)
+    per_expert.load_state_dict(single.state_dict(), assign=True)
+    before = [w._version for w in per_expert.weights()]
+    with torch.no_grad():
+        per_expert.weight1.add_(1.0)
+    after = [w._version for w in per_expert.weights()]
+    assert after[1] == before[1] + 1 and after[0] == before[0] and after[2] == before[2]
+    from hybridfp.tensors.slicing import adjacent_rows
+    assert adjacent_rows(per_expert.weights()) is not None
 
 
 @pytest.mark.gpu
