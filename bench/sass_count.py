@@ -109,6 +109,10 @@ def _mx_tma_case(name: str, f32: bool = False) -> tuple:
 
 #: name -> (module, kernel, signature, constexprs, elements per thread of the tile, warps[, compile options]).
 CASES: dict[str, tuple] = {
+    "split rht (32, 8)": ("triton_split_rht", "_split_kernel",
+                          dict(y_ptr="*i16", out_ptr="*i16", flags_ptr="*i32", R="i32", K="i32", KP="i32", sy0="i32",
+                               sy1="i32", so0="i32"),
+                          dict(DTYPE=1, SIGNS=0b1101011111101000, BR=32, BT=8), 32, 4, {"enable_fp_fusion": False}),
     "nvfp4 row+col (2, 128)": ("triton_nvfp4", "_nvfp4_1d_kernel", _NV_SIG,
                                dict(_NV, SR=False, RHT=False, BT=2, BC=128), 32, 4),
     "nvfp4 rht row+col (2, 64)": ("triton_nvfp4", "_nvfp4_1d_kernel", _NV_SIG,

@@ -1,4 +1,4 @@
-"""``split_bf16``: the exact GEMM of a one-sided RHT pair as (at most) three BF16 GEMMs.
+"""``split_bf16``: the exact GEMM of a one-sided RHT pair as one BF16 GEMM over its split parts.
 
 A GEMM that pairs an NVFP4 copy with the random Hadamard transform (RHT) on its reduction
 dim with a copy that has none (e.g. wgrad of MXFP8 dy.col x NVFP4-RHT x.col) cannot stay in
@@ -8,8 +8,8 @@ fit in BF16. They fit in three BF16 numbers:
 
     v   = _to_original_domain(decode(R))           # FP32: exactly what emulate multiplies
     hi  = bf16(v); mid = bf16(v - hi); lo = bf16(v - hi - mid)   # each subtraction exact
-    acc = P · loᵀ + P · midᵀ + P · hiᵀ            # P: the other (BF16-exact) operand;
-                                                   # BF16 GEMMs, FP32 accumulation
+    acc = [P | P | P] · [hi | mid | lo]ᵀ            # P: the other (BF16-exact) operand;
+                                                   # one BF16 GEMM, FP32 accumulation
 
 FP32 keeps a 24-bit significand and BF16 8, so ``v == hi + mid + lo`` exactly for
 normal-range values; below about 2**-110 the bits ``lo`` must carry fall under BF16's
@@ -19,11 +19,14 @@ to the order of the FP32 additions (SPEC §1). The split is checked on the devic
 synchronizing read of three flags); :func:`split_gemm` returns None when it is not exact and
 the caller runs (and reports) the emulation instead.
 
-Parts that are all zero are not multiplied (adding an all-zero product changes nothing).
+Parts that are all zero are left out (on CUDA only trailing ones; adding an all-zero product
+changes nothing).
 For an NVFP4-RHT copy that is the usual case for ``lo``: each 16-element RHT tile lies in one
 NVFP4 block (one E4M3 scale, 4 significant bits), so an inverse-transformed value is a
 multiple of 1/8 of that scale below 24x it (8 bits): at most 12 significant bits, which
-``hi`` and ``mid`` hold. So such a GEMM costs two BF16 GEMMs plus the inverse transform.
+``hi`` and ``mid`` hold. So such a GEMM costs one BF16 GEMM over twice the reduction plus the
+inverse transform (on CUDA one Triton pass that also splits: ``kernels/triton_split_rht.py``):
+about half a BF16 GEMM's speed, its bound while the values stay exact.
 
 Device independence: the BF16 GEMM is passed in (``mm``: cuBLAS BF16 with FP32 output on
 CUDA, an IEEE FP32 matmul of the same values on the CPU; see ``bf16_tensorcore``), so the CPU
@@ -32,6 +35,7 @@ tests run this exact code path.
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable, Optional
 
 import torch
@@ -82,23 +86,41 @@ def split_gemm(a: GemmOperand, b: GemmOperand, mm: BF16MM) -> Optional[torch.Ten
     when the RHT side's values do not split exactly (see the module doc; run ``emulate``).
 
     ``a``, ``b``: BF16-decoded operands, exactly one with ``rht``; the other's values are
-    multiplied as they are, the RHT side's after the inverse transform and the split.
+    multiplied as they are, the RHT side's after the inverse transform and the split. The
+    parts sit side by side along the reduction ([hi | mid (| lo)]) against the plain operand
+    repeated as often, so one BF16 GEMM over the longer reduction sums every part's products
+    in its FP32 accumulator (SPEC §1: the emulation's accumulator up to the order of the FP32
+    additions).
     """
     if a.rht == b.rht:
         raise ValueError(f"split_gemm takes a one-sided RHT pair; got rht={a.rht} on both sides.")
     plain, transformed = (b, a) if a.rht else (a, b)
     if plain.values.dtype != torch.bfloat16:
         raise ValueError(f"split_gemm: the non-RHT operand must be BF16-decoded; got {plain.values.dtype}.")
-    v = original_domain_values(transformed)
-    if v.shape[1] != plain.values.shape[1]:
-        raise ValueError(f"split_gemm: reduction lengths differ: {plain.values.shape[1]} (plain) vs "
-                         f"{v.shape[1]} (RHT operand after the inverse transform).")
-    parts = exact_parts(v)
-    del v
+    k = plain.values.shape[1]
+    if transformed.k != k:
+        raise ValueError(f"split_gemm: reduction lengths differ: {k} (plain) vs {transformed.k} (RHT operand "
+                         "after the inverse transform).")
+    parts = _parts(transformed)
     if parts is None:
         return None
-    acc: Optional[torch.Tensor] = None
-    for part in reversed(parts):  # smallest first: the larger products land on a partial sum last
-        prod = mm(part, plain.values) if a.rht else mm(plain.values, part)
-        acc = prod if acc is None else acc.add_(prod)
-    return acc
+    reps = parts.shape[1] // k if k else 1
+    wide = plain.values if reps == 1 else plain.values.repeat(1, reps)
+    return mm(parts, wide) if a.rht else mm(wide, parts)
+
+
+def _parts(op: GemmOperand) -> Optional[torch.Tensor]:
+    """The RHT operand's exact BF16 parts side by side, [rows, parts * k] (hi, then mid / lo
+    where not all zero), or None if they do not hold its values exactly. CUDA: one Triton pass
+    (``kernels/triton_split_rht.py``, one synchronizing read of its three flags); elsewhere
+    PyTorch (``original_domain_values`` + ``exact_parts``)."""
+    if op.values.is_cuda:
+        kernel = importlib.import_module("hybridfp.kernels.triton_split_rht")
+        both, flags = kernel.inverse_rht_split(op.values, op.k)
+        inexact, mid, lo = flags.tolist()
+        if inexact:
+            return None
+        # a view of the first parts (row stride 3k): the GEMM reads it in place
+        return both[:, :(3 if lo else 2 if mid else 1) * op.k]
+    parts = exact_parts(original_domain_values(op))
+    return None if parts is None else torch.cat(parts, 1)
