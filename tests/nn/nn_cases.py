@@ -232,3 +232,24 @@ class GatedMLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(swiglu(self.gate(x), self.up(x)))
+
+
+def train_side_by_side(models: tuple[torch.nn.Module, ...], x: torch.Tensor, dy: torch.Tensor,
+                       forward: Callable[[torch.nn.Module, torch.Tensor, int], torch.Tensor],
+                       grads: Callable[[torch.nn.Module], list], steps: int = 2) -> list[list[tuple]]:
+    """``steps`` SGD steps (lr 0.1) of each model on the same x / dy, in turn within a step:
+    per step, per model, (output, input gradient, ``grads(model)``). ``forward(model, x, step)``
+    runs the model (inside whatever autocast it needs)."""
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    history = []
+    for step in range(steps):
+        results = []
+        for m, opt in zip(models, opts):
+            xi = x.clone().requires_grad_(True)
+            opt.zero_grad()
+            y = forward(m, xi, step)
+            y.backward(dy)
+            results.append((y.detach(), xi.grad, grads(m)))
+            opt.step()
+        history.append(results)
+    return history

@@ -13,6 +13,7 @@ import torch
 import hybridfp
 from hybridfp.recipes import Float8CurrentScaling, MXFP8BlockScaling
 from hybridfp.tensors.slicing import adjacent_rows
+from nn_cases import train_side_by_side
 
 
 def _pair(num: int = 3, k: int = 64, n: int = 32, bias: bool = True):
@@ -83,18 +84,12 @@ def test_packed_bitwise_equal_to_unpacked(recipe):
     torch.manual_seed(1)
     x = torch.randn(sum(splits), 64)
     dy = torch.randn(sum(splits), 32)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (packed, plain)]
-    for _ in range(2):
-        outs = []
-        for m, opt in zip((packed, plain), opts):
-            xi = x.clone().requires_grad_(True)
-            opt.zero_grad()
-            with hybridfp.autocast(recipe=recipe()):
-                y = m(xi, splits)
-            y.backward(dy)
-            outs.append((y.detach(), xi.grad, [p.grad for p in m.parameters()]))
-            opt.step()
-        (y0, g0, p0), (y1, g1, p1) = outs
+    def forward(m, xi, step):
+        with hybridfp.autocast(recipe=recipe()):
+            return m(xi, splits)
+
+    for (y0, g0, p0), (y1, g1, p1) in train_side_by_side((packed, plain), x, dy, forward,
+                                                          lambda m: [p.grad for p in m.parameters()]):
         assert torch.equal(y0, y1) and torch.equal(g0, g1)
         assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(p0, p1))
     assert adjacent_rows(packed.weights()) is not None  # the optimizer updated in place

@@ -18,6 +18,7 @@ import hybridfp
 from hybridfp import factories
 from hybridfp.recipes import (CustomRecipe, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
                               NVFP4BlockScaling)
+from nn_cases import train_side_by_side
 
 RECIPES = {
     "none": None,
@@ -66,22 +67,15 @@ def test_bitwise_equal_to_per_expert_parameters(name, bias):
     torch.manual_seed(1)
     x = torch.randn(sum(SPLITS), 64)
     dy = torch.randn(sum(SPLITS), 32)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (single, per_expert)]
-    for step in range(2):
-        results = []
-        for m, opt in zip((single, per_expert), opts):
-            xi = x.clone().requires_grad_(True)
-            opt.zero_grad()
-            torch.manual_seed(10 + step)  # the same random draws (stochastic rounding) for both
-            if RECIPES[name] is None:
-                y = m(xi, SPLITS)
-            else:
-                with hybridfp.autocast(recipe=RECIPES[name]()):
-                    y = m(xi, SPLITS)
-            y.backward(dy)
-            results.append((y.detach(), xi.grad, _stacked_grads(m)))
-            opt.step()
-        (y0, g0, p0), (y1, g1, p1) = results
+
+    def forward(m, xi, step):
+        torch.manual_seed(10 + step)  # the same random draws (stochastic rounding) for both
+        if RECIPES[name] is None:
+            return m(xi, SPLITS)
+        with hybridfp.autocast(recipe=RECIPES[name]()):
+            return m(xi, SPLITS)
+
+    for (y0, g0, p0), (y1, g1, p1) in train_side_by_side((single, per_expert), x, dy, forward, _stacked_grads):
         assert torch.equal(y0, y1) and torch.equal(g0, g1)
         assert len(p0) == len(p1) and all(torch.equal(a, b) for a, b in zip(p0, p1))
     assert torch.equal(single.weight, torch.stack(per_expert.weights()))
