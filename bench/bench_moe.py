@@ -32,7 +32,7 @@ from torch import nn
 
 import hybridfp
 from bench import common
-from bench.common import bench_ms, bench_ms_steady, environment, finish, md_table, parser, profile_step, require_cuda
+from bench.common import bench_ms, bench_ms_steady, bench_pair, environment, finish, md_table, parser, profile_step, require_cuda
 from hybridfp.gemm import grouped, grouped_fp8, grouped_triton
 from hybridfp.gemm.grouped import PATH_COUNTS
 from hybridfp.kernels import host
@@ -92,6 +92,8 @@ SINGLE_PARAM_SUFFIX = " [one weight Parameter]"
 #: as N micro-batches per weight update (gradient accumulation: the weights are quantized once
 #: for N forward + backward passes); those rows' ratios are against the baseline's N-micro-batch row
 MICRO_SUFFIX = " [{n} micro-batches a weight update]"
+#: ``--paired``: rounds of (baseline, variant) timed alternately for the "paired" ratio
+PAIR_ROUNDS = 3
 
 
 def with_per_group_cublas(step: Callable[[], torch.Tensor], on: bool) -> Callable[[], torch.Tensor]:
@@ -270,12 +272,14 @@ def device_ms(step: Callable[[], Any]) -> float:
 
 def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = None,
                  profiles: Optional[list[str]] = None, only: Optional[list[str]] = None,
-                 stacks: bool = False, micro_batches: int = 1) -> list[dict[str, Any]]:
+                 stacks: bool = False, micro_batches: int = 1, paired: bool = False) -> list[dict[str, Any]]:
     """Every variant of one config, in one process, ratios against its BF16 grouped baseline;
     variants whose name contains ``profile`` also get a one-step profile in ``profiles``.
     ``only``: just the variants whose name equals one of these (the baseline always runs);
     ``stacks``: the profiles also list the copy ops by call stack; ``micro_batches`` > 1: the
-    baseline and the recipes timed again as that many micro-batches a weight update."""
+    baseline and the recipes timed again as that many micro-batches a weight update; ``paired``:
+    each row also timed alternately with its baseline (``bench_pair``, ``PAIR_ROUNDS`` rounds),
+    so that drift of the lent machine's clocks or host load lands on both sides of the ratio."""
     base, hf, x, dy = moe_layer(e, f, tokens, d)
     variants: list[tuple[str, nn.Module, Optional[Callable[[], Any]]]] = [("BF16 grouped", base, None)]
     for name, recipe in RECIPES:
@@ -304,6 +308,7 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
                   if name == "BF16 grouped" or name in dict(RECIPES)]
     rows: list[dict[str, Any]] = []
     ref_y = None
+    base_steps: dict[int, Callable[[], torch.Tensor]] = {}  # the baseline's step per micro-batch count
     for n_micro, (name, model, ctx) in micro:
         row: dict[str, Any] = {"config": f"{e} experts, ffn {f}", "variant": name, "micro_batches": n_micro}
         try:
@@ -325,6 +330,11 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
             row["rel_err_vs_bf16"] = ((y - ref_y).norm() / ref_y.norm()).item()
             row["ms"] = bench_ms(step, warmup_ms=50, rep_ms=300)
             row["ms_steady"], row["host_ms"] = bench_ms_steady(step, steps=10)
+            if name.startswith("BF16 grouped"):
+                base_steps[n_micro] = step
+            elif paired and n_micro in base_steps:
+                tb, tv = bench_pair(base_steps[n_micro], step, rounds=PAIR_ROUNDS)
+                row["paired_x_bf16_grouped"] = tb / tv
             if common.DEVICE == "cuda":
                 row["gpu_busy"] = device_ms(step) / row["ms"]
             if profile and profiles is not None and any(t and t in name for t in profile.split("|")):
@@ -356,6 +366,8 @@ def main(argv=None) -> None:
                    "(copy_, clone, cat, ...) by Python call stack")
     p.add_argument("--micro-batches", type=int, default=1, help="N > 1: also time every recipe and the "
                    "baseline as N forward + backward passes a weight update (weights quantized once)")
+    p.add_argument("--paired", action="store_true", help="also time each row alternately with its baseline "
+                   f"({PAIR_ROUNDS} rounds): a ratio that the lent machine's drift does not bias")
     p.add_argument("--variants", default=None, help="only these '|'-separated variant names (the recipe "
                    "rows' names, with a suffix for the extra variants), besides the BF16 baseline")
     args = p.parse_args(argv)
@@ -372,17 +384,20 @@ def main(argv=None) -> None:
     tokens, d = (1024, 512) if args.quick else (TOKENS, HIDDEN)
     for e, f in configs:
         rows += bench_config(e, f, tokens, d, args.profile, profiles, only, args.profile_stacks,
-                             args.micro_batches)
-    table = md_table(["config", "variant", "ms", "x BF16 grouped", "target", "steady ms", "steady x BF16 grouped",
-                      "host ms", "GPU busy", "rel err vs BF16", "paths"], [
-        (r["config"], r["variant"], r.get("ms", r.get("error")), r.get("x_bf16_grouped"), r.get("target"),
-         r.get("ms_steady"), r.get("steady_x_bf16_grouped"), r.get("host_ms"), r.get("gpu_busy"),
-         r.get("rel_err_vs_bf16"), r.get("paths")) for r in rows])
+                             args.micro_batches, args.paired)
+    table = md_table(["config", "variant", "ms", "x BF16 grouped", "target", "steady ms", "steady x BF16 grouped"]
+                     + (["paired x BF16 grouped"] if args.paired else [])
+                     + ["host ms", "GPU busy", "rel err vs BF16", "paths"], [
+        [r["config"], r["variant"], r.get("ms", r.get("error")), r.get("x_bf16_grouped"), r.get("target"),
+         r.get("ms_steady"), r.get("steady_x_bf16_grouped")] + ([r.get("paired_x_bf16_grouped")] if args.paired else [])
+        + [r.get("host_ms"), r.get("gpu_busy"), r.get("rel_err_vs_bf16"), r.get("paths")] for r in rows])
     md = (f"### MoE FFN forward + backward ({tokens} tokens, hidden {d}, top-{TOP_K}, SwiGLU; median, "
           "do_bench)\n\n\"x BF16 grouped\" = torch._grouped_mm BF16 layer time / time (>1 is faster); "
           "hybridfp weights are re-quantized every step. \"steady\": 10 back-to-back steps (the host may "
           "run ahead, as in a training loop); \"host ms\": the host's time for one step started on an idle GPU. \"GPU busy\" = device time of one step's "
-          "kernels (torch.profiler) / its wall time: well below 1 means host-bound.\n\n" + table + "\n")
+          "kernels (torch.profiler) / its wall time: well below 1 means host-bound."
+          + (f" \"paired\": median over {PAIR_ROUNDS} rounds of the baseline and the row timed one after "
+             "the other." if args.paired else "") + "\n\n" + table + "\n")
     result = {"env": env, "rows": rows, "markdown": md}
     if args.results_dir is not None:
         args.results_dir.mkdir(parents=True, exist_ok=True)
