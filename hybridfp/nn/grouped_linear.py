@@ -53,13 +53,13 @@ class GroupedLinearFunction(torch.autograd.Function):
         (the experts' weights as views of one [E, N, K] Parameter, see ``single_parameter``)
         that Parameter and the [E, N] bias: its gradient comes back stacked."""
         n = len(lcs)
+        grad_enabled = lcs[0].grad_enabled  # see LinearContext
         if stacked is not None:
             weights, biases = stacked, (params[1].unbind(0) if has_bias else (None,) * n)
-            needs_wgrad = [ctx.needs_input_grad[5] and lcs[0].grad_enabled] * n
+            needs_wgrad = [ctx.needs_input_grad[5] and grad_enabled] * n
         else:
             weights, biases = params[:n], (params[n:] if has_bias else (None,) * n)
-            needs_wgrad = [ctx.needs_input_grad[5 + i] and lcs[0].grad_enabled for i in range(n)]
-        grad_enabled = lcs[0].grad_enabled  # see LinearContext
+            needs_wgrad = [ctx.needs_input_grad[5 + i] and grad_enabled for i in range(n)]
         needs_dgrad = ctx.needs_input_grad[0] and grad_enabled
         with torch_autocast_off(x):
             qxs, qws = _fprop_operands(x, m_splits, weights, lcs, needs_dgrad, needs_wgrad)
