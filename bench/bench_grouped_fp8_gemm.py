@@ -7,6 +7,7 @@ BF16 operands of the same shape (the MoE benchmark's baseline). Tiles swept; ``p
 Median ms (do_bench, L2 flushed) and TFLOP/s.
 
     python -m bench.bench_grouped_fp8_gemm [--out results.json] [--quick: default tile only] [--wgrad]
+        [--tma: the pointer kernel's defaults against the TMA kernel's configs, every GEMM]
 """
 
 from __future__ import annotations
@@ -68,8 +69,10 @@ def _cublas_loop(c: dict[str, Any], sa: torch.Tensor, sb: torch.Tensor) -> Calla
     return run
 
 
-def run(tiles: list[tuple[tuple[int, int, int, int, int], int, int]], only: str = "") -> list[dict[str, Any]]:
+def run(tiles: list[tuple[tuple[int, int, int, int, int], int, int]], only: str = "",
+        tma: bool = False) -> list[dict[str, Any]]:
     from hybridfp.kernels import triton_grouped_fp8_gemm as tk
+    from hybridfp.kernels.triton_grouped_fp8_tma import CONFIGS
     splits = splits_for(ROWS, EXPERTS)
     rows: list[dict[str, Any]] = []
     sa = torch.rand(EXPERTS, device="cuda") + 0.5
@@ -87,6 +90,11 @@ def run(tiles: list[tuple[tuple[int, int, int, int, int], int, int]], only: str 
                              vs_cublas=None if base is None else base / ms))
             return ms
         base = add("cuBLAS _scaled_mm per expert", _cublas_loop(c, sa, sb))
+        if not c["rows"]:  # BF16 wgrad as the MoE baseline runs it: 2D x 2D, groups along K
+            bf_a = torch.randn(c["m"], c["k"], device="cuda", dtype=torch.bfloat16)
+            bf_b = torch.randn(c["k"], c["n"], device="cuda", dtype=torch.bfloat16)
+            offs = torch.tensor(splits, device="cuda").cumsum(0).to(torch.int32)
+            add("BF16 torch._grouped_mm", lambda: torch._grouped_mm(bf_a, bf_b, offs=offs), base)
         if c["rows"]:
             bf_a = torch.randn(c["m"], c["k"], device="cuda", dtype=torch.bfloat16)
             bf_b = torch.randn(EXPERTS, c["k"], c["n"], device="cuda", dtype=torch.bfloat16)
@@ -99,6 +107,16 @@ def run(tiles: list[tuple[tuple[int, int, int, int, int], int, int]], only: str 
                 rb = torch.ones(EXPERTS, c["n"], device="cuda")
                 add("torch._scaled_grouped_mm", lambda: torch._scaled_grouped_mm(
                     whole, stacked, ra, rb, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=False), base)
+        if tma:
+            default = tk.TILE if c["rows"] else tk.WGRAD_TILE
+            tiles = [(default, tk.GROUP_M, tk.PROMOTE)]
+            for cname, cfg in CONFIGS.items():
+                def step_tma(cfg=cfg):
+                    return tk.grouped_fp8(c["a"], c["b"], c["ks"], sa, sb, out, out_rows, tma=cfg)
+                try:
+                    add(f"triton TMA {cname}", step_tma, base)
+                except Exception as e:  # noqa: BLE001 - a config that does not fit is reported
+                    rows.append(dict(gemm=name, variant=f"triton TMA {cname}", error=f"{type(e).__name__}: {str(e)[:100]}"))
         for t, g, p in tiles:
             def step(t=t, g=g, p=p):
                 return tk.grouped_fp8(c["a"], c["b"], c["ks"], sa, sb, out, out_rows, tile=t, group_m=g, promote=p)
@@ -113,12 +131,14 @@ def run(tiles: list[tuple[tuple[int, int, int, int, int], int, int]], only: str 
 def main(argv: Optional[list[str]] = None) -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--wgrad", action="store_true", help="the wgrad GEMMs only, over WGRAD_TILES")
+    p.add_argument("--tma", action="store_true", help="every GEMM: the pointer kernel's default tile against "
+                   "the TMA kernel's configs (triton_grouped_fp8_tma.CONFIGS)")
     args = p.parse_args(argv)
     require_cuda()
     columns = [("GEMM", "gemm"), ("variant", "variant"), ("ms", "ms"), ("TFLOP/s", "tflops"),
                ("x cuBLAS loop", "vs_cublas")]
     finish_rows("grouped_fp8_gemm", columns, run(WGRAD_TILES if args.wgrad else TILES[:1] if args.quick else TILES,
-                                                       "wgrad" if args.wgrad else ""), args.out)
+                                                       "wgrad" if args.wgrad else "", tma=args.tma), args.out)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,12 @@ SINGLE_PARAM_SUFFIX = " [one weight Parameter]"
 #: as N micro-batches per weight update (gradient accumulation: the weights are quantized once
 #: for N forward + backward passes); those rows' ratios are against the baseline's N-micro-batch row
 MICRO_SUFFIX = " [{n} micro-batches a weight update]"
+#: FP8 current timed again with the grouped FP8 GEMM's TMA kernel (grouped_fp8.TMA_ROWS /
+#: TMA_WGRAD set to FP8_TMA's config names; ``--fp8-tma ROWS/WGRAD`` picks others), on the
+#: per-expert and the one-Parameter layer
+FP8_TMA_VARIANTS = ("hybridfp FP8 current",)
+FP8_TMA_SUFFIX = " [FP8 TMA grouped GEMM]"
+FP8_TMA = ["128x128x128 w8 s4", "128x128x64 w4 s4"]
 #: ``--paired``: rounds of (baseline, variant) timed alternately for the "paired" ratio
 PAIR_ROUNDS = 3
 
@@ -134,6 +140,18 @@ def without_metadata_memo(step: Callable[[], torch.Tensor]) -> Callable[[], torc
             return step()
         finally:
             qgrouped.step_metadata, grouped_bf16.step_metadata = saved
+    return run
+
+
+def with_fp8_tma(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """``step`` with the grouped FP8 GEMM's TMA kernel (``FP8_TMA``: rows / wgrad config names)."""
+    def run() -> torch.Tensor:
+        saved = grouped_fp8.TMA_ROWS, grouped_fp8.TMA_WGRAD
+        grouped_fp8.TMA_ROWS, grouped_fp8.TMA_WGRAD = FP8_TMA
+        try:
+            return step()
+        finally:
+            grouped_fp8.TMA_ROWS, grouped_fp8.TMA_WGRAD = saved
     return run
 
 
@@ -290,7 +308,8 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
               (UNPACKED_VARIANTS, (UNPACKED_SUFFIX,), unpacked), (FP8_TRITON_VARIANTS, (FP8_TRITON_SUFFIX, PER_EXPERT_SUFFIX), hf),
               (PER_GROUP_VARIANTS, (PER_GROUP_SUFFIX, CUTLASS_SUFFIX), hf),
               (PLAN_VARIANTS, (NO_PLAN_MEMO_SUFFIX, NO_METADATA_MEMO_SUFFIX), hf),
-              (SINGLE_PARAM_VARIANTS, (SINGLE_PARAM_SUFFIX,), single)]
+              (SINGLE_PARAM_VARIANTS, (SINGLE_PARAM_SUFFIX,), single),
+              (FP8_TMA_VARIANTS, (FP8_TMA_SUFFIX,), hf), (FP8_TMA_VARIANTS, (SINGLE_PARAM_SUFFIX + FP8_TMA_SUFFIX,), single)]
     for name, recipe in RECIPES:
         if name in CODES_VARIANTS:
             variants.append((name + CODES_SUFFIX, hf,
@@ -316,6 +335,8 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
             if name.endswith((TRITON_SUFFIX, PER_EXPERT_SUFFIX, FP8_TRITON_SUFFIX)):
                 step = with_triton_grouped(step, on=not name.endswith(PER_EXPERT_SUFFIX),
                                            fp8_everywhere=name.endswith(FP8_TRITON_SUFFIX))
+            if name.endswith(FP8_TMA_SUFFIX):
+                step = with_fp8_tma(step)
             if name.endswith(NO_PLAN_MEMO_SUFFIX):
                 step = without_plan_memo(step)
             if name.endswith(NO_METADATA_MEMO_SUFFIX):
@@ -370,8 +391,13 @@ def main(argv=None) -> None:
                    f"({PAIR_ROUNDS} rounds): a ratio that the lent machine's drift does not bias")
     p.add_argument("--variants", default=None, help="only these '|'-separated variant names (the recipe "
                    "rows' names, with a suffix for the extra variants), besides the BF16 baseline")
+    p.add_argument("--fp8-tma", default=None, help="ROWS/WGRAD: the TMA kernel configs (names in "
+                   "kernels.triton_grouped_fp8_tma.CONFIGS) of the FP8 TMA variants, default "
+                   + "/".join(FP8_TMA))
     args = p.parse_args(argv)
     require_cuda()
+    if args.fp8_tma:
+        FP8_TMA[:] = args.fp8_tma.split("/")
     warnings.simplefilter("ignore")
     only = args.variants.split("|") if args.variants else None
     env = environment()

@@ -107,6 +107,19 @@ def _mx_tma_case(name: str, f32: bool = False) -> tuple:
             dict(num_stages=stages, enable_fp_fusion=False))
 
 
+def _fp8_tma_case(name: str) -> tuple:
+    """The sass_count case of the grouped FP8 TMA kernel (device-built descriptors) at
+    ``triton_grouped_fp8_tma.CONFIGS[name]``: wgrad's operands (E5M2 dy x E4M3 x), BF16 output."""
+    from hybridfp.kernels.triton_grouped_fp8_tma import CONFIGS
+    c = CONFIGS[name]
+    sig = dict(a_ptr="*fp8e5", b_ptr="*fp8e4nv", sa_ptr="*fp32", sb_ptr="*fp32", bias_ptr="*fp32", out_ptr="*i16",
+               meta_ptr="*i64", T="i32", N="i32", E="i32", P="i32")
+    consts = dict(BIAS=False, OUT=1, NAN16=0x7FC0, CODES=False, E5A=True, E5B=False, BM=c.bm, BN=c.bn, BK=c.bk,
+                  GROUP=c.group_m, PROMOTE=min(128, c.bk), EP=128, FLATTEN=c.flatten)
+    return ("triton_grouped_fp8_tma", "_kernel", sig, consts, c.bm * c.bn // (32 * c.warps), c.warps,
+            dict(num_stages=c.stages, enable_fp_fusion=False))
+
+
 #: name -> (module, kernel, signature, constexprs, elements per thread of the tile, warps[, compile options]).
 CASES: dict[str, tuple] = {
     "split rht (32, 8)": ("triton_split_rht", "_split_kernel",
@@ -231,6 +244,10 @@ CASES: dict[str, tuple] = {
     # the fused MXFP8-B prototype: B decoded in registers (cvt e4m3 -> f16/f32, FP32 multiply, cvt bf16)
     **{f"grouped gemm tma mxfp8b {name}": _mx_tma_case(name) for name in _MX_TMA_SPECS},
     "grouped gemm tma mxfp8b f32 128x128x64 w8 s4 flat": _mx_tma_case("128x128x64 w8 s4 flat", f32=True),
+    # the grouped FP8 GEMM's TMA kernel (descriptors built on the device, persistent grid)
+    **{f"grouped fp8 gemm tma {name}": _fp8_tma_case(name) for name in
+       ("128x128x128 w8 s4", "128x128x128 w8 s4 flat", "128x256x128 w8 s3", "128x256x128 w8 s3 flat",
+        "128x128x64 w4 s4", "128x128x64 w4 s4 flat", "128x256x64 w8 s4 flat", "128x128x128 w4 s3 flat")},
 }
 
 

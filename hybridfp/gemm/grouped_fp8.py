@@ -48,10 +48,23 @@ VERIFIED_MAJOR = (9,)
 #: ``torch._scaled_grouped_mm`` (path 2). A measuring switch (``bench_moe``'s "[FP8 Triton
 #: grouped everywhere]" row; joined copies take this path for every GEMM regardless).
 OVER_SCALED_GROUPED_MM: bool = False
+#: The grouped FP8 GEMM's TMA kernel (``kernels/triton_grouped_fp8_tma.py``) for fprop / dgrad
+#: (``TMA_ROWS``) and wgrad (``TMA_WGRAD``) on CUDA: a name in its ``CONFIGS``, or None for the
+#: pointer kernel (the same sums). Set where it measured faster on the H200 (bench_grouped_fp8_gemm
+#: --tma); the interpreter keeps the pointer kernel unless a test asks for the TMA one.
+TMA_ROWS: Optional[str] = None
+TMA_WGRAD: Optional[str] = None
 
 
 def _kernels():
     return importlib.import_module("hybridfp.kernels.triton_grouped_fp8_gemm")
+
+
+def _tma(name: Optional[str], device: torch.device):
+    """The TMA kernel's config called ``name`` for operands on ``device`` (CUDA only), or None."""
+    if name is None or torch.device(device).type != "cuda":
+        return None
+    return importlib.import_module("hybridfp.kernels.triton_grouped_fp8_tma").CONFIGS[name]
 
 
 def per_tensor_fp8(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str) -> bool:
@@ -87,7 +100,8 @@ def run(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: 
         ks = [min(ka, kb) for ka, kb in zip(ks_a, ks_b)]  # a zero tail read on one side only adds nothing
         out = torch.empty((len(sa) * m, n), dtype=out_dtype, device=device)
         k = _kernels()
-        k.grouped_fp8(a, b, ks, scale_a, scale_b, out, [e * m for e in range(len(sa))], tile=k.WGRAD_TILE)
+        k.grouped_fp8(a, b, ks, scale_a, scale_b, out, [e * m for e in range(len(sa))], tile=k.WGRAD_TILE,
+                      prefer_tma=_tma(TMA_WGRAD, device))
         return list(out.view(len(sa), m, n).unbind(0))
     usable, bias = stacked_bias(biases, n, device)
     if not usable:
@@ -96,7 +110,8 @@ def run(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: 
     ms = [t.shape[0] for t in a]
     starts = [sum(ms[:e]) for e in range(len(ms))]
     out = torch.empty((sum(ms), n), dtype=out_dtype, device=device)
-    return _kernels().grouped_fp8(a, b, [a[0].shape[1]] * len(a), scale_a, scale_b, out, starts, bias=bias)
+    return _kernels().grouped_fp8(a, b, [a[0].shape[1]] * len(a), scale_a, scale_b, out, starts, bias=bias,
+                                  prefer_tma=_tma(TMA_ROWS, device))
 
 
 def _reduction_operands(ss: Sequence[QuantizedStorage], ps: Sequence[dict], direction: str
@@ -142,7 +157,7 @@ def run_joined(ja: JoinedCopy, jb: JoinedCopy, splits_a: Sequence[int], splits_b
         ks = [e - s for s, e in zip(ja.starts, ends)]  # each block: its tokens, then zero codes
         out = torch.empty((experts * n_rows, k_rows), dtype=out_dtype, device=a.device)
         k.grouped_fp8_at(a, b, n_rows, ja.starts, width, jb.starts, width, ks, sa, sb, out,
-                         [e * n_rows for e in range(experts)], tile=k.WGRAD_TILE)
+                         [e * n_rows for e in range(experts)], tile=k.WGRAD_TILE, prefer_tma=_tma(TMA_WGRAD, a.device))
         return list(out.view(experts, n_rows, k_rows).unbind(0))
     if ja.starts is not None:
         return None
@@ -164,7 +179,7 @@ def run_joined(ja: JoinedCopy, jb: JoinedCopy, splits_a: Sequence[int], splits_b
         b_offs = jb.starts
     out = torch.empty((sum(splits_a), n), dtype=out_dtype, device=a.device)
     return k.grouped_fp8_at(a, b, ms, [s * red for s in starts], red, b_offs, b_ld, red, sa, sb, out, starts,
-                            bias=bias)
+                            bias=bias, prefer_tma=_tma(TMA_ROWS, a.device))
 
 
 def _width(jb: JoinedCopy, direction: str, splits: Sequence[int]) -> int:

@@ -38,6 +38,7 @@ from ._common import bf16_nan16, expert_row_tile, swizzled_tile
 from .host import tile_plan, to_device
 from .triton_decode import _fp8_f32
 from .triton_epilogue import OUT_CODE, store_out
+from .triton_grouped_fp8_tma import Fp8TmaConfig, applies as tma_applies, launch as launch_tma
 
 #: (BM, BN, BK, warps, stages) for fprop / dgrad (rows grouped) on the H200: the fastest of
 #: bench_grouped_fp8_gemm's sweep at the 64-expert MoE shapes (session 15).
@@ -120,14 +121,16 @@ def _operand_row(what: str, e: int, t: torch.Tensor, k: int) -> tuple[int, int, 
 def grouped_fp8(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ks: Sequence[int],
                 scale_a: torch.Tensor, scale_b: torch.Tensor, out: torch.Tensor, out_rows: Sequence[int], *,
                 bias: Optional[torch.Tensor] = None, tile: tuple[int, int, int, int, int] = TILE,
-                promote: int = PROMOTE, group_m: int = GROUP_M) -> torch.Tensor:
+                promote: int = PROMOTE, group_m: int = GROUP_M, tma: Optional[Fp8TmaConfig] = None,
+                prefer_tma: Optional[Fp8TmaConfig] = None) -> torch.Tensor:
     """``out[out_rows[e] + i, j] = ep(Σ_{k < ks[e]} a[e][i, k] · b[e][j, k])`` for every expert e.
 
     ``a[e]`` [M_e, ≥ ks[e]] and ``b[e]`` [N, ≥ ks[e]]: FP8 (E4M3 or E5M2, one dtype per side),
     unit column stride; ``scale_a`` / ``scale_b``: FP32 [E], each expert's ``scale_inv``;
     ``bias``: FP32 [E, N] or None; ``out``: contiguous [R, N] (BF16, FP16 or FP32) whose rows
     ``out_rows[e] .. + M_e`` take expert e's result. An expert with M_e = 0 gets no program;
-    one with ks[e] = 0 writes its epilogue of zero sums. Returns ``out``."""
+    one with ks[e] = 0 writes its epilogue of zero sums. ``tma`` / ``prefer_tma``: the TMA kernel
+    (``triton_grouped_fp8_tma``) instead of the pointer kernel (``_launch``). Returns ``out``."""
     experts = len(a)
     if len(b) != experts or len(ks) != experts or len(out_rows) != experts or experts == 0:
         raise ValueError(f"grouped FP8 GEMM: one A, B, K and output row per expert; got {len(a)}, {len(b)}, "
@@ -153,7 +156,7 @@ def grouped_fp8(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], ks: Sequen
             meta.append((0, 0, 0, 0, 0, o, m))
     align = gcd(gcd(align, pa % 16), pb % 16)
     return _launch(a[0], b[0], scale_a, scale_b, bias, out, np.array(meta, dtype=np.int64).reshape(-1, 7), n, tile,
-                   promote, group_m, align)
+                   promote, group_m, align, tma, prefer_tma)
 
 
 Ints = Union[int, Sequence[int], torch.Tensor]
@@ -163,7 +166,8 @@ def grouped_fp8_at(base_a: torch.Tensor, base_b: torch.Tensor, ms: Ints, a_offs:
                    b_offs: Ints, b_lds: Ints, ks: Ints, scale_a: torch.Tensor, scale_b: torch.Tensor,
                    out: torch.Tensor, out_rows: Ints, *, bias: Optional[torch.Tensor] = None,
                    tile: tuple[int, int, int, int, int] = TILE, promote: int = PROMOTE,
-                   group_m: int = GROUP_M) -> torch.Tensor:
+                   group_m: int = GROUP_M, tma: Optional[Fp8TmaConfig] = None,
+                   prefer_tma: Optional[Fp8TmaConfig] = None) -> torch.Tensor:
     """:func:`grouped_fp8` with the experts' operands given as places in two contiguous FP8
     tensors (joined copies) instead of views: expert e's A is ``ms[e]`` rows of ``base_a`` from
     element ``a_offs[e]`` with row stride ``a_lds[e]``, its B the N (``out``'s width) rows of
@@ -215,7 +219,7 @@ def grouped_fp8_at(base_a: torch.Tensor, base_b: torch.Tensor, ms: Ints, a_offs:
     low = np.where(low > 0, low & -low, 16).min()  # the lowest set bit: gcd(16, ...) of all of them
     align = gcd(gcd(int(low), base_a.data_ptr() % 16), base_b.data_ptr() % 16)
     return _launch(base_a, base_b, scale_a, scale_b, bias, out, np.concatenate((fields, o[:, None], m[:, None]), 1), n,
-                   tile, promote, group_m, align)
+                   tile, promote, group_m, align, tma, prefer_tma)
 
 
 #: ``grouped_fp8_at``'s per-expert arguments, in its table's row order (error messages)
@@ -284,7 +288,18 @@ def _check_common(experts: int, out: torch.Tensor, scale_a: torch.Tensor, scale_
 
 def _launch(base_a: torch.Tensor, base_b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
             bias: Optional[torch.Tensor], out: torch.Tensor, meta: np.ndarray, n: int,
-            tile: tuple[int, int, int, int, int], promote: int, group_m: int, align: int) -> torch.Tensor:
+            tile: tuple[int, int, int, int, int], promote: int, group_m: int, align: int,
+            tma: Optional[Fp8TmaConfig] = None, prefer_tma: Optional[Fp8TmaConfig] = None) -> torch.Tensor:
+    """Run the pointer kernel (``tile``), or the TMA kernel: ``tma`` (an error where it cannot
+    read the operands) or ``prefer_tma`` (where it can; else the pointer kernel, the same sums)."""
+    if tma is None and prefer_tma is not None and tma_applies(meta, n, align):
+        tma = prefer_tma
+    if tma is not None:
+        if not tma_applies(meta, n, align):
+            raise ValueError(f"grouped FP8 GEMM: the TMA kernel needs every operand base, expert offset, row stride "
+                             f"and K a multiple of 16 bytes (found {align}) and every dimension below 2**31; "
+                             f"pass tma=None for these operands (the pointer kernel: the same sums).")
+        return launch_tma(base_a, base_b, scale_a, scale_b, bias, out, meta, n, tma, promote)
     bm, bn, bk, warps, stages = tile
     experts = meta.shape[0]
     packed, row_tiles = tile_plan(meta[:, 6], meta, bm)

@@ -1,0 +1,177 @@
+"""TMA form of the grouped FP8 GEMM (``triton_grouped_fp8_gemm``): the same sums and epilogue,
+with the operands read through per-expert tensor descriptors built on the device and a
+persistent grid.
+
+Why: the pointer kernel reads each FP8 tile with cp.async (one 16-byte request per thread and
+row); at the 64-expert MoE's shapes it ran fprop / dgrad at ~750 TFLOP/s and the short-K wgrad
+at ~410, no faster than BF16's grouped GEMM (session 24's profile: 5.8 of an FP8 step's 13.4 ms
+of kernels). The BF16 grouped GEMM gained 7 % from TMA plus a persistent grid (session 21).
+
+Why descriptors built on the device: each expert's operands are a sub-matrix of a joined copy
+(fprop / dgrad: the expert's rows; wgrad: the expert's zero-padded block of token columns). A
+descriptor whose shape is exactly that sub-matrix makes TMA fill zeros past the expert's rows
+and past its reduction, so no tile ever reads another expert's codes (a host descriptor over
+the whole copy would read the next expert's block in a K tail, and 0 x inf from there would
+be NaN). The kernel builds two descriptors a tile (``tl.make_tensor_descriptor``: a 128-byte
+tensor map in a global workspace, ``triton.set_allocator``).
+
+What TMA needs, checked by the host (``applies``): every base (the copy's pointer plus the
+expert's byte offset) and row stride a multiple of 16 bytes (``ALIGN == 16`` in the pointer
+kernel's terms), and every row count, reduction and width below 2**31 (descriptor shapes are
+int32).
+
+Accumulation and epilogue: as the pointer kernel (FP8 MMA promoted to FP32 every ``PROMOTE``
+products, ``v = acc * (sa_e * sb_e) (+ bias_e)``, one rounding). A tile sums the same K tiles
+in the same order as the pointer kernel with the same BK, so for equal tiles the two agree
+bitwise on the GPU. Under the interpreter the codes are decoded to their FP32 values and summed
+in FP32 (``CODES``), as in the pointer kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from ._common import bf16_nan16, expert_row_tile, swizzled_tile
+from .host import tile_plan, to_device
+from .triton_decode import _fp8_f32
+from .triton_epilogue import OUT_CODE, store_out
+
+
+@dataclass(frozen=True)
+class Fp8TmaConfig:
+    """Tile and schedule of the TMA kernel: output tile ``bm`` x ``bn``, K step ``bk``,
+    ``warps`` / ``stages`` (the K loop's shared-memory ring), ``group_m`` (L2 swizzle),
+    ``flatten`` (the persistent tile loop and the K loop pipelined as one, so a tile's first
+    loads overlap the previous tile's epilogue), ``programs`` (None: one per SM on CUDA, 4 in
+    the interpreter)."""
+
+    bm: int = 128
+    bn: int = 128
+    bk: int = 128
+    warps: int = 8
+    stages: int = 4
+    group_m: int = 8
+    flatten: bool = False
+    programs: Optional[int] = None
+
+
+#: Configs ``bench_grouped_fp8_gemm --tma`` sweeps (name -> config).
+CONFIGS: dict[str, Fp8TmaConfig] = {
+    "128x128x128 w8 s4": Fp8TmaConfig(),
+    "128x128x128 w8 s4 flat": Fp8TmaConfig(flatten=True),
+    "128x256x128 w8 s3": Fp8TmaConfig(bn=256, stages=3),
+    "128x256x128 w8 s3 flat": Fp8TmaConfig(bn=256, stages=3, flatten=True),
+    "128x128x64 w4 s4": Fp8TmaConfig(bk=64, warps=4, stages=4),
+    "128x128x64 w4 s4 flat": Fp8TmaConfig(bk=64, warps=4, stages=4, flatten=True),
+    "128x256x64 w8 s4 flat": Fp8TmaConfig(bn=256, bk=64, stages=4, flatten=True),
+    "128x128x128 w4 s3 flat": Fp8TmaConfig(warps=4, stages=3, flatten=True),
+}
+
+
+@triton.jit
+def _kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, meta_ptr, T, N, E, P,
+            BIAS: tl.constexpr, OUT: tl.constexpr, NAN16: tl.constexpr, CODES: tl.constexpr,
+            E5A: tl.constexpr, E5B: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+            GROUP: tl.constexpr, PROMOTE: tl.constexpr, EP: tl.constexpr, FLATTEN: tl.constexpr):
+    # P persistent programs take the tiles of the pointer kernel's swizzled order round-robin
+    tiles = T * tl.cdiv(N, BN)
+    for tile in tl.range(tl.program_id(0), tiles, P, flatten=FLATTEN):
+        t, j = swizzled_tile(tile, T, N, BN, GROUP)
+        e, te = expert_row_tile(meta_ptr, t, E, EP)
+        te = te.to(tl.int32)  # descriptor coordinates are int32 (rows < 2**31: applies())
+        # A offset, A row stride, B offset, B row stride, K, out row, rows (triton_grouped_fp8_gemm)
+        meta = meta_ptr + (E + 1) + e.to(tl.int64) * 7
+        a_off = tl.load(meta)
+        a_ld = tl.load(meta + 1)
+        b_off = tl.load(meta + 2)
+        b_ld = tl.load(meta + 3)
+        k_e = tl.load(meta + 4).to(tl.int32)
+        o_row = tl.load(meta + 5)
+        m_e = tl.load(meta + 6).to(tl.int32)
+        # descriptors of exactly this expert's operands: zeros past its rows and its reduction
+        # (an expert with k_e = 0 loads nothing; its descriptors get a width of 1 to stay valid)
+        width = tl.maximum(k_e, 1)
+        a_desc = tl.make_tensor_descriptor(a_ptr + a_off, shape=[m_e, width], strides=[a_ld, 1],
+                                           block_shape=[BM, BK])
+        b_desc = tl.make_tensor_descriptor(b_ptr + b_off, shape=[N, width], strides=[b_ld, 1],
+                                           block_shape=[BN, BK])
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, k_e, BK):
+            a = a_desc.load([te * BM, k])
+            b = b_desc.load([j * BN, k])
+            if CODES:  # the interpreter: exact FP32 values of the codes, FP32 sums
+                acc = tl.dot(_fp8_f32(a.to(tl.int32), E5A), _fp8_f32(b.to(tl.int32), E5B).T, acc,
+                             input_precision="ieee")
+            else:
+                acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=PROMOTE)
+        rows = te * BM + tl.arange(0, BM)
+        cols = j * BN + tl.arange(0, BN)
+        rmask, cmask = rows < m_e, cols < N
+        e64, c64 = e.to(tl.int64), cols.to(tl.int64)
+        v = acc * (tl.load(sa_ptr + e64) * tl.load(sb_ptr + e64))
+        if BIAS:
+            v = v + tl.load(bias_ptr + e64 * N + c64, mask=cmask, other=0.0)[None, :]
+        optrs = out_ptr + (o_row + rows.to(tl.int64))[:, None] * N + c64[None, :]
+        store_out(optrs, v, rmask[:, None] & cmask[None, :], OUT, NAN16, HW=not CODES)
+
+
+def applies(meta: np.ndarray, n: int, align: int) -> bool:
+    """Whether the TMA kernel can read the experts of ``meta`` (the pointer kernel's [E, 7]
+    table: A offset, A row stride, B offset, B row stride, K, out row, rows) given the
+    alignment ``align`` the host found for every base, offset, stride and K: 16 bytes, and every
+    descriptor dimension within int32."""
+    return align == 16 and max(int(meta[:, 4].max(initial=0)), int(meta[:, 6].max(initial=0)), n) < 2**31
+
+
+@lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``index`` (one persistent program each)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _workspace(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
+    """Triton's allocator for the descriptors' global workspace (128 bytes a descriptor and
+    program), on the current CUDA device (the launch's)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """Give Triton :func:`_workspace` as its allocator unless the program has set its own (a
+    user's allocator is kept: any CUDA allocation serves)."""
+    from triton.runtime import _allocation  # Triton's allocator state: no public getter
+
+    current = _allocation._allocator.get()
+    if isinstance(current, _allocation.NullAllocator):
+        triton.set_allocator(_workspace)
+
+
+def launch(base_a: torch.Tensor, base_b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+           bias: Optional[torch.Tensor], out: torch.Tensor, meta: np.ndarray, n: int, cfg: Fp8TmaConfig,
+           promote: int) -> torch.Tensor:
+    """Run the TMA kernel over ``meta`` (see :func:`applies`; the caller checked it)."""
+    experts = meta.shape[0]
+    packed, row_tiles = tile_plan(meta[:, 6], meta, cfg.bm)
+    if row_tiles == 0 or n == 0:
+        return out
+    device = out.device
+    codes = not out.is_cuda  # the interpreter (module docstring)
+    aa, bb = (base_a.view(torch.uint8), base_b.view(torch.uint8)) if codes else (base_a, base_b)
+    dst = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+    tiles = row_tiles * triton.cdiv(n, cfg.bn)
+    programs = min(cfg.programs or (_sm_count(device.index or 0) if out.is_cuda else 4), tiles)
+    _ensure_allocator()
+    _kernel[(programs,)](aa, bb, scale_a, scale_b, bias if bias is not None else scale_a, dst,
+                         to_device(packed, device), row_tiles, n, experts, programs,
+                         BIAS=bias is not None, OUT=OUT_CODE[out.dtype], NAN16=bf16_nan16(device), CODES=codes,
+                         E5A=base_a.dtype == torch.float8_e5m2, E5B=base_b.dtype == torch.float8_e5m2,
+                         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=cfg.group_m, PROMOTE=min(promote, cfg.bk),
+                         EP=triton.next_power_of_2(experts + 1), FLATTEN=cfg.flatten,
+                         num_warps=cfg.warps, num_stages=cfg.stages, enable_fp_fusion=False)
+    return out
