@@ -91,9 +91,11 @@ def run(tiles: list[tuple[tuple[int, int, int, int, int], int, int]], only: str 
             return ms
         base = add("cuBLAS _scaled_mm per expert", _cublas_loop(c, sa, sb))
         if not c["rows"]:  # BF16 wgrad as the MoE baseline runs it: 2D x 2D, groups along K
-            bf_a = torch.randn(c["m"], c["k"], device="cuda", dtype=torch.bfloat16)
-            bf_b = torch.randn(c["k"], c["n"], device="cuda", dtype=torch.bfloat16)
-            offs = torch.tensor(splits, device="cuda").cumsum(0).to(torch.int32)
+            # (CUTLASS needs 16-byte aligned group offsets: the 16-padded token counts, +0.4 % work)
+            lds = c["ks"]
+            bf_a = torch.randn(c["m"], sum(lds), device="cuda", dtype=torch.bfloat16)
+            bf_b = torch.randn(sum(lds), c["n"], device="cuda", dtype=torch.bfloat16)
+            offs = torch.tensor(lds, device="cuda").cumsum(0).to(torch.int32)
             add("BF16 torch._grouped_mm", lambda: torch._grouped_mm(bf_a, bf_b, offs=offs), base)
         if c["rows"]:
             bf_a = torch.randn(c["m"], c["k"], device="cuda", dtype=torch.bfloat16)
