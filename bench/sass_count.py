@@ -247,7 +247,8 @@ CASES: dict[str, tuple] = {
     # the grouped FP8 GEMM's TMA kernel (descriptors built on the device, persistent grid)
     **{f"grouped fp8 gemm tma {name}": _fp8_tma_case(name) for name in
        ("128x128x128 w8 s4", "128x128x128 w8 s4 flat", "128x256x128 w8 s3", "128x256x128 w8 s3 flat",
-        "128x128x64 w4 s4", "128x128x64 w4 s4 flat", "128x256x64 w8 s4 flat", "128x128x128 w4 s3 flat")},
+        "128x128x64 w4 s4", "128x128x64 w4 s4 flat", "128x256x64 w8 s4 flat", "128x128x128 w4 s3 flat",
+        "256x128x128 w8 s3", "128x256x128 w8 s2", "128x256x64 w8 s3", "128x256x128 w8 s3 g16", "256x128x64 w8 s4")},
 }
 
 

@@ -72,6 +72,11 @@ CONFIGS: dict[str, Fp8TmaConfig] = {
     "128x128x64 w4 s4 flat": Fp8TmaConfig(bk=64, warps=4, stages=4, flatten=True),
     "128x256x64 w8 s4 flat": Fp8TmaConfig(bn=256, bk=64, stages=4, flatten=True),
     "128x128x128 w4 s3 flat": Fp8TmaConfig(warps=4, stages=3, flatten=True),
+    "256x128x128 w8 s3": Fp8TmaConfig(bm=256, stages=3),
+    "128x256x128 w8 s2": Fp8TmaConfig(bn=256, stages=2),
+    "128x256x64 w8 s3": Fp8TmaConfig(bn=256, bk=64, stages=3),
+    "128x256x128 w8 s3 g16": Fp8TmaConfig(bn=256, stages=3, group_m=16),
+    "256x128x64 w8 s4": Fp8TmaConfig(bm=256, bk=64, stages=4),
 }
 
 
