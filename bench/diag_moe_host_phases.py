@@ -77,6 +77,12 @@ DEEP = [
     ("hybridfp.kernels.triton_grouped_fp8", "group_amax"), ("hybridfp.kernels.triton_grouped_fp8", "quantize"),
     ("hybridfp.kernels.triton_grouped_fp8_gemm", "grouped_fp8_at"), ("hybridfp.kernels.triton_grouped_fp8_gemm", "_launch"),
     ("hybridfp.kernels.triton_grouped_fp8_gemm", "tile_plan"), ("hybridfp.gemm.grouped_fp8", "run_joined"),
+    # grouped_gemm's own pieces (BF16 high_precision's grouped_gemm took ~450 us a call, s24)
+    ("hybridfp.gemm.grouped", "_torch_path"), ("hybridfp.gemm.grouped", "run_joined"),
+    ("hybridfp.gemm.grouped", "torch_grouped_mm"), ("hybridfp.gemm.grouped", "_fp8_joined_path"),
+    ("hybridfp.gemm.grouped_bf16", "offsets"),
+    ("hybridfp.nn.grouped_linear", "_wgrads"), ("hybridfp.gemm.grouped_joined", "_wgrad_result"),
+    ("hybridfp.kernels.triton_grouped_fp8_gemm", "launch_tma"),
 ]
 
 
