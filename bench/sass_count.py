@@ -115,7 +115,7 @@ def _fp8_tma_case(name: str) -> tuple:
     sig = dict(a_ptr="*fp8e5", b_ptr="*fp8e4nv", sa_ptr="*fp32", sb_ptr="*fp32", bias_ptr="*fp32", out_ptr="*i16",
                meta_ptr="*i64", T="i32", N="i32", E="i32", P="i32")
     consts = dict(BIAS=False, OUT=1, NAN16=0x7FC0, CODES=False, E5A=True, E5B=False, BM=c.bm, BN=c.bn, BK=c.bk,
-                  GROUP=c.group_m, PROMOTE=min(128, c.bk), EP=128, FLATTEN=c.flatten)
+                  GROUP=c.group_m, PROMOTE=min(128, c.bk), EP=128, FLATTEN=c.flatten, STORE_TMA=c.tma_store)
     return ("triton_grouped_fp8_tma", "_kernel", sig, consts, c.bm * c.bn // (32 * c.warps), c.warps,
             dict(num_stages=c.stages, enable_fp_fusion=False))
 
@@ -248,7 +248,8 @@ CASES: dict[str, tuple] = {
     **{f"grouped fp8 gemm tma {name}": _fp8_tma_case(name) for name in
        ("128x128x128 w8 s4", "128x128x128 w8 s4 flat", "128x256x128 w8 s3", "128x256x128 w8 s3 flat",
         "128x128x64 w4 s4", "128x128x64 w4 s4 flat", "128x256x64 w8 s4 flat", "128x128x128 w4 s3 flat",
-        "256x128x128 w8 s3", "128x256x128 w8 s2", "128x256x64 w8 s3", "128x256x128 w8 s3 g16", "256x128x64 w8 s4")},
+        "256x128x128 w8 s3", "128x256x128 w8 s2", "128x256x64 w8 s3", "128x256x128 w8 s3 g16", "256x128x64 w8 s4",
+        "128x256x128 w8 s3 store", "128x128x128 w8 s4 store", "256x128x128 w8 s3 store", "128x256x128 w8 s2 store")},
 }
 
 

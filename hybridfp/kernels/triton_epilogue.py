@@ -48,24 +48,30 @@ def _load_out(ptrs, mask, OUT: tl.constexpr):
 
 
 @triton.jit
-def store_out(optrs, v, mask, OUT: tl.constexpr, NAN16: tl.constexpr, HW: tl.constexpr = False):
-    """Store FP32 ``v`` in the output dtype (OUT_CODE) with one rounding: BF16 on the bits
-    (round to nearest even; torch's NaN bits ``NAN16``), FP16 by Triton's cast, FP32 as is.
-    ``HW`` (compiled code only: the interpreter's BF16 cast truncates): BF16 by the hardware's
-    round-to-nearest-even conversion, two values an instruction, NaN still made ``NAN16`` —
-    bitwise the integer path's result (GPU test), in a third of its instructions, which the
-    grouped GEMMs' epilogues pay once per output element."""
+def out_value(v, OUT: tl.constexpr, NAN16: tl.constexpr, HW: tl.constexpr = False):
+    """FP32 ``v`` in the output dtype (OUT_CODE) with one rounding, as stored: BF16 as its int16
+    bits (round to nearest even on the bits; torch's NaN bits ``NAN16``), FP16 by Triton's cast,
+    FP32 as is. ``HW`` (compiled code only: the interpreter's BF16 cast truncates): BF16 by the
+    hardware's round-to-nearest-even conversion, two values an instruction, NaN still made
+    ``NAN16`` — bitwise the integer path's result (GPU test), in a third of its instructions,
+    which the grouped GEMMs' epilogues pay once per output element."""
     if OUT == 1 and HW:
         h = v.to(tl.bfloat16).to(tl.int16, bitcast=True)
-        tl.store(optrs, tl.where(v != v, tl.full(v.shape, NAN16, tl.int16), h), mask=mask)
+        return tl.where(v != v, tl.full(v.shape, NAN16, tl.int16), h)
     elif OUT == 1:
         b = v.to(tl.int32, bitcast=True)
         b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-        tl.store(optrs, tl.where(v != v, NAN16, b).to(tl.int16), mask=mask)
+        return tl.where(v != v, NAN16, b).to(tl.int16)
     elif OUT == 2:
-        tl.store(optrs, v.to(tl.float16), mask=mask)
+        return v.to(tl.float16)
     else:
-        tl.store(optrs, v, mask=mask)
+        return v
+
+
+@triton.jit
+def store_out(optrs, v, mask, OUT: tl.constexpr, NAN16: tl.constexpr, HW: tl.constexpr = False):
+    """Store FP32 ``v`` at ``optrs`` in the output dtype (:func:`out_value`)."""
+    tl.store(optrs, out_value(v, OUT, NAN16, HW), mask=mask)
 
 
 @triton.jit

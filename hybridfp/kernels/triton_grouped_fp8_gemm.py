@@ -292,13 +292,14 @@ def _launch(base_a: torch.Tensor, base_b: torch.Tensor, scale_a: torch.Tensor, s
             tma: Optional[Fp8TmaConfig] = None, prefer_tma: Optional[Fp8TmaConfig] = None) -> torch.Tensor:
     """Run the pointer kernel (``tile``), or the TMA kernel: ``tma`` (an error where it cannot
     read the operands) or ``prefer_tma`` (where it can; else the pointer kernel, the same sums)."""
-    if tma is None and prefer_tma is not None and tma_applies(meta, n, align):
+    if tma is None and prefer_tma is not None and tma_applies(meta, n, align, out, prefer_tma):
         tma = prefer_tma
     if tma is not None:
-        if not tma_applies(meta, n, align):
+        if not tma_applies(meta, n, align, out, tma):
             raise ValueError(f"grouped FP8 GEMM: the TMA kernel needs every operand base, expert offset, row stride "
-                             f"and K a multiple of 16 bytes (found {align}) and every dimension below 2**31; "
-                             f"pass tma=None for these operands (the pointer kernel: the same sums).")
+                             f"and K a multiple of 16 bytes (found {align}), every dimension below 2**31 and, "
+                             f"with tma_store, out's base and rows 16-byte aligned; pass tma=None for these "
+                             f"operands (the pointer kernel: the same sums).")
         return launch_tma(base_a, base_b, scale_a, scale_b, bias, out, meta, n, tma, promote)
     bm, bn, bk, warps, stages = tile
     experts = meta.shape[0]

@@ -41,7 +41,7 @@ import triton.language as tl
 from ._common import bf16_nan16, expert_row_tile, swizzled_tile
 from .host import tile_plan, to_device
 from .triton_decode import _fp8_f32
-from .triton_epilogue import OUT_CODE, store_out
+from .triton_epilogue import OUT_CODE, out_value, store_out
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,9 @@ class Fp8TmaConfig:
     ``warps`` / ``stages`` (the K loop's shared-memory ring), ``group_m`` (L2 swizzle),
     ``flatten`` (the persistent tile loop and the K loop pipelined as one, so a tile's first
     loads overlap the previous tile's epilogue), ``programs`` (None: one per SM on CUDA, 4 in
-    the interpreter)."""
+    the interpreter), ``tma_store``: the output tile written through a per-expert descriptor
+    (an asynchronous bulk store: the next tile's loads and MMAs run while it drains; rows past
+    the expert's are clipped by the descriptor) instead of masked pointer stores."""
 
     bm: int = 128
     bn: int = 128
@@ -60,6 +62,7 @@ class Fp8TmaConfig:
     group_m: int = 8
     flatten: bool = False
     programs: Optional[int] = None
+    tma_store: bool = False
 
 
 #: Configs ``bench_grouped_fp8_gemm --tma`` sweeps (name -> config).
@@ -77,6 +80,10 @@ CONFIGS: dict[str, Fp8TmaConfig] = {
     "128x256x64 w8 s3": Fp8TmaConfig(bn=256, bk=64, stages=3),
     "128x256x128 w8 s3 g16": Fp8TmaConfig(bn=256, stages=3, group_m=16),
     "256x128x64 w8 s4": Fp8TmaConfig(bm=256, bk=64, stages=4),
+    "128x256x128 w8 s3 store": Fp8TmaConfig(bn=256, stages=3, tma_store=True),
+    "128x128x128 w8 s4 store": Fp8TmaConfig(tma_store=True),
+    "256x128x128 w8 s3 store": Fp8TmaConfig(bm=256, stages=3, tma_store=True),
+    "128x256x128 w8 s2 store": Fp8TmaConfig(bn=256, stages=2, tma_store=True),
 }
 
 
@@ -84,7 +91,8 @@ CONFIGS: dict[str, Fp8TmaConfig] = {
 def _kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, meta_ptr, T, N, E, P,
             BIAS: tl.constexpr, OUT: tl.constexpr, NAN16: tl.constexpr, CODES: tl.constexpr,
             E5A: tl.constexpr, E5B: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-            GROUP: tl.constexpr, PROMOTE: tl.constexpr, EP: tl.constexpr, FLATTEN: tl.constexpr):
+            GROUP: tl.constexpr, PROMOTE: tl.constexpr, EP: tl.constexpr, FLATTEN: tl.constexpr,
+            STORE_TMA: tl.constexpr):
     # P persistent programs take the tiles of the pointer kernel's swizzled order round-robin
     tiles = T * tl.cdiv(N, BN)
     for tile in tl.range(tl.program_id(0), tiles, P, flatten=FLATTEN):
@@ -116,23 +124,33 @@ def _kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, meta_ptr, T, N, E, 
                              input_precision="ieee")
             else:
                 acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=PROMOTE)
-        rows = te * BM + tl.arange(0, BM)
         cols = j * BN + tl.arange(0, BN)
-        rmask, cmask = rows < m_e, cols < N
+        cmask = cols < N
         e64, c64 = e.to(tl.int64), cols.to(tl.int64)
         v = acc * (tl.load(sa_ptr + e64) * tl.load(sb_ptr + e64))
         if BIAS:
             v = v + tl.load(bias_ptr + e64 * N + c64, mask=cmask, other=0.0)[None, :]
-        optrs = out_ptr + (o_row + rows.to(tl.int64))[:, None] * N + c64[None, :]
-        store_out(optrs, v, rmask[:, None] & cmask[None, :], OUT, NAN16, HW=not CODES)
+        if STORE_TMA:  # the expert's [m_e, N] output rows: rows past them are not written
+            o_desc = tl.make_tensor_descriptor(out_ptr + o_row * N, shape=[m_e, N], strides=[N, 1],
+                                               block_shape=[BM, BN])
+            o_desc.store([te * BM, j * BN], out_value(v, OUT, NAN16, HW=not CODES))
+        else:
+            rows = te * BM + tl.arange(0, BM)
+            optrs = out_ptr + (o_row + rows.to(tl.int64))[:, None] * N + c64[None, :]
+            store_out(optrs, v, (rows < m_e)[:, None] & cmask[None, :], OUT, NAN16, HW=not CODES)
 
 
-def applies(meta: np.ndarray, n: int, align: int) -> bool:
+def applies(meta: np.ndarray, n: int, align: int, out: Optional[torch.Tensor] = None,
+            cfg: Optional[Fp8TmaConfig] = None) -> bool:
     """Whether the TMA kernel can read the experts of ``meta`` (the pointer kernel's [E, 7]
     table: A offset, A row stride, B offset, B row stride, K, out row, rows) given the
     alignment ``align`` the host found for every base, offset, stride and K: 16 bytes, and every
-    descriptor dimension within int32."""
-    return align == 16 and max(int(meta[:, 4].max(initial=0)), int(meta[:, 6].max(initial=0)), n) < 2**31
+    descriptor dimension within int32; with ``cfg.tma_store`` also write ``out``: a 16-byte
+    aligned base and row (N elements)."""
+    if align != 16 or max(int(meta[:, 4].max(initial=0)), int(meta[:, 6].max(initial=0)), n) >= 2**31:
+        return False
+    return not (cfg is not None and cfg.tma_store and out is not None
+                and (out.data_ptr() % 16 or (n * out.element_size()) % 16))
 
 
 @lru_cache(maxsize=None)
@@ -177,6 +195,6 @@ def launch(base_a: torch.Tensor, base_b: torch.Tensor, scale_a: torch.Tensor, sc
                          BIAS=bias is not None, OUT=OUT_CODE[out.dtype], NAN16=bf16_nan16(device), CODES=codes,
                          E5A=base_a.dtype == torch.float8_e5m2, E5B=base_b.dtype == torch.float8_e5m2,
                          BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=cfg.group_m, PROMOTE=min(promote, cfg.bk),
-                         EP=triton.next_power_of_2(experts + 1), FLATTEN=cfg.flatten,
+                         EP=triton.next_power_of_2(experts + 1), FLATTEN=cfg.flatten, STORE_TMA=cfg.tma_store,
                          num_warps=cfg.warps, num_stages=cfg.stages, enable_fp_fusion=False)
     return out

@@ -31,6 +31,8 @@ SPLITS = [0, 19, 45, 1, 33]
 #: fewer than the tiles, so each program takes several)
 TINY = (16, 16, 32, 4, 1)
 TMA_TINY = tt.Fp8TmaConfig(bm=16, bn=16, bk=32, warps=4, stages=1, programs=3)
+#: the same with the output written through a descriptor (bulk stores clipped at the expert's rows)
+TMA_TINY_STORE = tt.Fp8TmaConfig(bm=16, bn=16, bk=32, warps=4, stages=1, programs=3, tma_store=True)
 
 
 def _codes(shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator, device: str = "cpu") -> torch.Tensor:
@@ -47,8 +49,9 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @interpreter_only
 @pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E4M3)])
-@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_rows_grouped_equals_pointer_kernel(dtypes, out_dtype):
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cfg", [TMA_TINY, TMA_TINY_STORE], ids=["pointer stores", "TMA stores"])
+def test_rows_grouped_equals_pointer_kernel(dtypes, out_dtype, cfg):
     """fprop / dgrad: the experts' rows of one buffer, stacked weights, a bias; empty and
     one-row experts; N not a multiple of BN (40 over tiles of 16); bitwise the pointer kernel."""
     g = torch.Generator().manual_seed(0)
@@ -62,7 +65,7 @@ def test_rows_grouped_equals_pointer_kernel(dtypes, out_dtype):
                           tile=TINY)
     with poisoned_outputs():
         got = tk.grouped_fp8(a, b, [k] * e, sa, sb, torch.empty(sum(SPLITS), n, dtype=out_dtype), starts, bias=bias,
-                             tma=TMA_TINY)
+                             tma=cfg)
     assert torch.equal(got, want)
     ref = torch.cat([(x.double() @ y.double().t()) * (sa[i].double() * sb[i].double()) + bias[i].double()
                      for i, (x, y) in enumerate(zip(a, b))])
@@ -91,7 +94,8 @@ def _joined_wgrad(g: torch.Generator, ks: list[int], rows_a: int, rows_b: int, p
 
 @interpreter_only
 @pytest.mark.parametrize("poison_tails", [False, True], ids=["plain", "inf-NaN past every reduction"])
-def test_reduction_grouped_reads_only_its_expert(poison_tails):
+@pytest.mark.parametrize("cfg", [TMA_TINY, TMA_TINY_STORE], ids=["pointer stores", "TMA stores"])
+def test_reduction_grouped_reads_only_its_expert(poison_tails, cfg):
     """wgrad on joined copies (``grouped_fp8_at``): reductions that end inside a K tile (every
     BK-long tile of the last one would reach the next expert's block), a zero-length one; the
     result is the pointer kernel's, bitwise, and finite where the next block is inf / NaN."""
@@ -105,7 +109,7 @@ def test_reduction_grouped_reads_only_its_expert(poison_tails):
     rows = [i * m for i in range(e)]
     want = tk.grouped_fp8_at(*args, torch.empty(e * m, n), rows, tile=TINY)
     with poisoned_outputs():
-        got = tk.grouped_fp8_at(*args, torch.empty(e * m, n), rows, tma=TMA_TINY)
+        got = tk.grouped_fp8_at(*args, torch.empty(e * m, n), rows, tma=cfg)
     assert torch.isfinite(got).all()
     assert torch.equal(got, want)
     for i, (s, k) in enumerate(zip(starts, used)):
@@ -126,11 +130,12 @@ def test_persistent_programs_cover_every_tile_once(programs):
     ones = torch.ones(len(SPLITS))
     starts = [sum(SPLITS[:i]) for i in range(len(SPLITS))]
     want = tk.grouped_fp8(a, b, [k] * len(a), ones, ones, torch.empty(sum(SPLITS), n), starts, tile=TINY)
-    for flatten in (False, True):
-        cfg = tt.Fp8TmaConfig(bm=16, bn=16, bk=32, warps=4, stages=1, programs=programs, flatten=flatten)
+    for flatten, store in ((False, False), (True, False), (False, True)):
+        cfg = tt.Fp8TmaConfig(bm=16, bn=16, bk=32, warps=4, stages=1, programs=programs, flatten=flatten,
+                              tma_store=store)
         with poisoned_outputs():
             got = tk.grouped_fp8(a, b, [k] * len(a), ones, ones, torch.empty(sum(SPLITS), n), starts, tma=cfg)
-        assert torch.equal(got, want), flatten
+        assert torch.equal(got, want), (flatten, store)
 
 
 def test_tma_needs_16_byte_alignment():
@@ -145,6 +150,11 @@ def test_tma_needs_16_byte_alignment():
     assert not tt.applies(np.array([[8, 64, 0, 64, 16, 0, 3]]), 8, 8)
     assert tt.applies(np.array([[16, 64, 0, 64, 16, 0, 3]]), 8, 16)
     assert not tt.applies(np.array([[16, 64, 0, 64, 16, 0, 2 ** 31]]), 8, 16)
+    # TMA stores need 16-byte output rows: N = 12 BF16 values are 24 bytes
+    meta = np.array([[16, 64, 0, 64, 16, 0, 3]])
+    assert tt.applies(meta, 12, 16, torch.empty(3, 12, dtype=torch.bfloat16), TMA_TINY)
+    assert not tt.applies(meta, 12, 16, torch.empty(3, 12, dtype=torch.bfloat16), TMA_TINY_STORE)
+    assert tt.applies(meta, 12, 16, torch.empty(3, 12), TMA_TINY_STORE)
     if os.environ.get("TRITON_INTERPRET") == "1":
         want = tk.grouped_fp8_at(*args, torch.empty(5, 8), [0, 3], tile=TINY)
         got = tk.grouped_fp8_at(*args, torch.empty(5, 8), [0, 3], tile=TINY, prefer_tma=TMA_TINY)
