@@ -70,7 +70,7 @@ def _cublas_loop(c: dict[str, Any], sa: torch.Tensor, sb: torch.Tensor) -> Calla
 
 
 def run(tiles: list[tuple[tuple[int, int, int, int, int], int, int]], only: str = "",
-        tma: bool = False) -> list[dict[str, Any]]:
+        tma: bool = False, tma_configs: Optional[list[str]] = None) -> list[dict[str, Any]]:
     from hybridfp.kernels import triton_grouped_fp8_gemm as tk
     from hybridfp.kernels.triton_grouped_fp8_tma import CONFIGS
     splits = splits_for(ROWS, EXPERTS)
@@ -113,6 +113,8 @@ def run(tiles: list[tuple[tuple[int, int, int, int, int], int, int]], only: str 
             default = tk.TILE if c["rows"] else tk.WGRAD_TILE
             tiles = [(default, tk.GROUP_M, tk.PROMOTE)]
             for cname, cfg in CONFIGS.items():
+                if tma_configs and cname not in tma_configs:
+                    continue
                 def step_tma(cfg=cfg):
                     return tk.grouped_fp8(c["a"], c["b"], c["ks"], sa, sb, out, out_rows, tma=cfg)
                 try:
@@ -135,12 +137,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--wgrad", action="store_true", help="the wgrad GEMMs only, over WGRAD_TILES")
     p.add_argument("--tma", action="store_true", help="every GEMM: the pointer kernel's default tile against "
                    "the TMA kernel's configs (triton_grouped_fp8_tma.CONFIGS)")
+    p.add_argument("--tma-configs", default=None, help="with --tma: only these '|'-separated config names")
     args = p.parse_args(argv)
     require_cuda()
     columns = [("GEMM", "gemm"), ("variant", "variant"), ("ms", "ms"), ("TFLOP/s", "tflops"),
                ("x cuBLAS loop", "vs_cublas")]
     finish_rows("grouped_fp8_gemm", columns, run(WGRAD_TILES if args.wgrad else TILES[:1] if args.quick else TILES,
-                                                       "wgrad" if args.wgrad else "", tma=args.tma), args.out)
+                                                       "wgrad" if args.wgrad else "", tma=args.tma,
+                                                       tma_configs=args.tma_configs.split("|") if args.tma_configs else None),
+                args.out)
 
 
 if __name__ == "__main__":
