@@ -92,12 +92,12 @@ SINGLE_PARAM_SUFFIX = " [one weight Parameter]"
 #: as N micro-batches per weight update (gradient accumulation: the weights are quantized once
 #: for N forward + backward passes); those rows' ratios are against the baseline's N-micro-batch row
 MICRO_SUFFIX = " [{n} micro-batches a weight update]"
-#: FP8 current timed again with the grouped FP8 GEMM's TMA kernel (grouped_fp8.TMA_ROWS /
-#: TMA_WGRAD set to FP8_TMA's config names; ``--fp8-tma ROWS/WGRAD`` picks others), on the
-#: per-expert and the one-Parameter layer
+#: FP8 current timed again with the grouped FP8 GEMM's pointer kernel (grouped_fp8.TMA_ROWS /
+#: TMA_WGRAD set to FP8_TMA: None, None; ``--fp8-tma ROWS/WGRAD`` names TMA configs instead),
+#: on the per-expert and the one-Parameter layer: the A/B of the TMA kernel (the default)
 FP8_TMA_VARIANTS = ("hybridfp FP8 current",)
-FP8_TMA_SUFFIX = " [FP8 TMA grouped GEMM]"
-FP8_TMA = ["128x128x128 w8 s4", "128x128x64 w4 s4"]
+FP8_TMA_SUFFIX = " [FP8 pointer grouped GEMM]"
+FP8_TMA: list = [None, None]
 #: ``--paired``: rounds of (baseline, variant) timed alternately for the "paired" ratio
 PAIR_ROUNDS = 3
 
@@ -144,7 +144,8 @@ def without_metadata_memo(step: Callable[[], torch.Tensor]) -> Callable[[], torc
 
 
 def with_fp8_tma(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """``step`` with the grouped FP8 GEMM's TMA kernel (``FP8_TMA``: rows / wgrad config names)."""
+    """``step`` with the grouped FP8 GEMM's kernels set by ``FP8_TMA`` (rows / wgrad: a TMA
+    config name or None for the pointer kernel)."""
     def run() -> torch.Tensor:
         saved = grouped_fp8.TMA_ROWS, grouped_fp8.TMA_WGRAD
         grouped_fp8.TMA_ROWS, grouped_fp8.TMA_WGRAD = FP8_TMA
@@ -392,8 +393,8 @@ def main(argv=None) -> None:
     p.add_argument("--variants", default=None, help="only these '|'-separated variant names (the recipe "
                    "rows' names, with a suffix for the extra variants), besides the BF16 baseline")
     p.add_argument("--fp8-tma", default=None, help="ROWS/WGRAD: the TMA kernel configs (names in "
-                   "kernels.triton_grouped_fp8_tma.CONFIGS) of the FP8 TMA variants, default "
-                   + "/".join(FP8_TMA))
+                   "kernels.triton_grouped_fp8_tma.CONFIGS) the FP8 A/B variants take instead of the pointer "
+                   "kernel")
     args = p.parse_args(argv)
     require_cuda()
     if args.fp8_tma:
