@@ -144,27 +144,36 @@ def quantize_grouped(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor,
 
 
 def quantize_weights_grouped(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor],
-                             plans: Optional[PlanMemo] = None) -> Union[list[QuantizedTensor], ExpertTensors]:
+                             plans: Optional[PlanMemo] = None, stacked: Optional[torch.Tensor] = None
+                             ) -> Union[list[QuantizedTensor], ExpertTensors]:
     """``[q.quantize(w) for q, w in zip(quantizers, weights)]`` for experts' [N, K] weights of
     one shape, bitwise: the weights are stacked to [E*N, K] (a view when they are consecutive
     blocks of one buffer, else one copy) and quantized as row
     groups of N rows, so row-local / tile-local copies and columnwise block copies (N a whole
-    number of blocks: no padding) are encoded once for all experts."""
+    number of blocks: no padding) are encoded once for all experts. ``stacked``: the caller's
+    [E, N, K] tensor whose ``unbind(0)`` views ``weights`` are (``GroupedLinear(single_parameter=
+    True)``), used as the stack without checking the views one by one."""
     shape = weights[0].shape
     if any(w.shape != shape or w.dim() != 2 for w in weights):
         raise ValueError(f"quantize_weights_grouped: the experts' weights must be 2D of one shape; got "
                          f"{sorted({tuple(w.shape) for w in weights})}.")
+    if stacked is not None and (stacked.dim() != 3 or stacked.shape[0] != len(weights) or stacked.shape[1:] != shape
+                                or not stacked.is_contiguous()):
+        raise ValueError(f"quantize_weights_grouped: stacked must be the contiguous [{len(weights)}, "
+                         f"{', '.join(map(str, shape))}] tensor the weights are views of; got "
+                         f"{tuple(stacked.shape)}, strides {stacked.stride()}.")
     with torch.no_grad():
-        if not _worth_stacking(quantizers, weights, plans):
+        if not _worth_stacking(quantizers, weights, plans, stacked):
             if _passthrough(quantizers, weights):
-                return (_passthrough_group(quantizers, weights)
+                return (_passthrough_group(quantizers, weights, stacked)
                         or [_wrap_weight(q, w) for q, w in zip(quantizers, weights)])
             return [q.quantize(w) for q, w in zip(quantizers, weights)]
         # weights that are consecutive blocks of one buffer (views of a stacked [E, N, K]
         # tensor) are viewed as the stack; otherwise one stacking copy (GroupedLinear's own
         # experts are separate tensors: views of one buffer would share one version counter,
         # and changing one expert would re-quantize them all)
-        stacked = adjacent_rows(list(weights))
+        if stacked is None:
+            stacked = adjacent_rows(list(weights))
         if stacked is None:
             stacked = torch.stack(list(weights))
         stacked = stacked.reshape(-1, shape[1])
@@ -184,11 +193,15 @@ def _passthrough(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor
                and (q.rowwise_usage or q.columnwise_usage) for q, w in zip(quantizers, weights))
 
 
-def _passthrough_group(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor]) -> Optional[ExpertTensors]:
+def _passthrough_group(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor],
+                       stacked: Optional[torch.Tensor] = None) -> Optional[ExpertTensors]:
     """The passthrough experts (``_passthrough``) as one joined Identity copy when the weights
-    are consecutive blocks of one buffer (``GroupedLinear``'s packed weights): its per-expert
-    tensors are ``_wrap_weight``'s (the same values, as views of the buffer)."""
-    stacked = adjacent_rows(list(weights)) if len(weights) > 1 else None
+    are consecutive blocks of one buffer (``GroupedLinear``'s packed weights, or ``stacked``):
+    its per-expert tensors are ``_wrap_weight``'s (the same values, as views of the buffer)."""
+    if stacked is None:
+        stacked = adjacent_rows(list(weights)) if len(weights) > 1 else None
+    elif len(weights) < 2:
+        stacked = None
     if stacked is None or any(q.rowwise_usage != quantizers[0].rowwise_usage
                               or q.columnwise_usage != quantizers[0].columnwise_usage for q in quantizers):
         return None
@@ -204,7 +217,7 @@ def _wrap_weight(q: IdentityQuantizer, w: torch.Tensor) -> QuantizedTensor:
 
 
 def _worth_stacking(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor],
-                    plans: Optional[PlanMemo] = None) -> bool:
+                    plans: Optional[PlanMemo] = None, stacked: Optional[torch.Tensor] = None) -> bool:
     """Whether one encoding of the stacked weights saves work: some copy is shared, and not
     only Identity passthroughs (each expert's is a view of its weight; stacking would copy),
     and, for per-tensor scales (``BOTH``: the stack shares launches, not encodings), weights
@@ -216,7 +229,7 @@ def _worth_stacking(quantizers: Sequence[Quantizer], weights: Sequence[torch.Ten
     if plan is None:
         return False
     if plan.scaled == BOTH and weights[0].numel() > STACK_SCALED_MAX_NUMEL:
-        return adjacent_rows(list(weights)) is not None
+        return stacked is not None or adjacent_rows(list(weights)) is not None
     return any(q is not None and not isinstance(q, IdentityQuantizer) for q in (plan.row_q, plan.col_q))
 
 

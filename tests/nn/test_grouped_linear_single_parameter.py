@@ -110,6 +110,45 @@ def test_weight_cache_kept_between_forwards_and_refreshed_after_update(monkeypat
     assert len(calls) == 2 and not torch.equal(y0, y1)
 
 
+@pytest.mark.parametrize("name", ["high_precision", "fp8_current", "mxfp8"])
+def test_weights_quantized_from_the_parameter_itself(name, monkeypatch):
+    """The experts' weights are quantized from the one Parameter as the stack (no per-expert keys,
+    no view-by-view adjacency check), cached under one key that a recipe change or an update
+    invalidates; the result is what the per-expert Parameters give (bitwise)."""
+    from hybridfp.nn import grouped_linear
+    from hybridfp.quantizers import grouped as qgrouped
+
+    stacks, adjacency = [], []
+    real, real_adj = grouped_linear.quantize_weights_grouped, qgrouped.adjacent_rows
+    monkeypatch.setattr(grouped_linear, "quantize_weights_grouped",
+                        lambda *a, **k: stacks.append(k.get("stacked")) or real(*a, **k))
+    monkeypatch.setattr(qgrouped, "adjacent_rows", lambda ts: adjacency.append(len(ts)) or real_adj(ts))
+    single, per_expert = _pair(bias=False)
+    x = torch.randn(sum(SPLITS), 64)
+    with hybridfp.autocast(recipe=RECIPES[name]()):
+        y = single(x, SPLITS)
+        assert single(x, SPLITS).equal(y)
+        want = per_expert(x, SPLITS)
+    assert torch.equal(y, want)
+    assert len(stacks) == 2 and stacks[0] is not None and stacks[0].data_ptr() == single.weight.data_ptr()
+    assert stacks[1] is None and adjacency  # the per-expert module checks its views
+    adjacency.clear()
+    with hybridfp.autocast(recipe=RECIPES[name]()):
+        single(x, SPLITS)
+    assert len(stacks) == 2 and not adjacency  # cached: nothing quantized, nothing checked
+    with hybridfp.autocast(recipe=Float8BlockScaling()):  # another recipe: quantized anew
+        single(x, SPLITS)
+    assert len(stacks) == 3
+
+
+def test_stacked_weights_must_be_the_views_stack():
+    from hybridfp.quantizers.grouped import quantize_weights_grouped
+    w = torch.randn(4, 8, 16)
+    qs = [hybridfp.MXFP8Quantizer() for _ in range(4)]
+    with pytest.raises(ValueError, match=r"stacked must be the contiguous \[4, 8, 16\] tensor"):
+        quantize_weights_grouped(qs, list(w.unbind(0)), stacked=w.transpose(1, 2).contiguous().transpose(1, 2))
+
+
 def test_gradients_accumulate_over_micro_batches():
     single, per_expert = _pair(bias=True)
     xs = [torch.randn(sum(SPLITS), 64) for _ in range(2)]
