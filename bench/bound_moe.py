@@ -33,7 +33,7 @@ import torch
 import hybridfp
 from bench import common
 from bench.bench_moe import CONFIGS, TOKENS, TOP_K, HIDDEN, make_step, moe_layer
-from bench.common import finish, md_table, parser, require_cuda
+from bench.common import environment, finish, md_table, parser, require_cuda
 
 #: bytes a quantized element moves at least, per recipe and floor (module docstring)
 FLOORS = {"FP8 current (amax read, cast read, one FP8 write)": 5,
@@ -74,7 +74,7 @@ def run(experts: int) -> dict[str, Any]:
     def floor_ms(nbytes: int) -> float:
         return (weights + acts) * nbytes / bw / 1e6
 
-    out: dict[str, Any] = dict(experts=experts, ffn=f, bf16_step_ms=t_bf16, bf16_gemm_ms=g_bf16, shared_ms=shared,
+    out: dict[str, Any] = dict(env=environment(), experts=experts, ffn=f, bf16_step_ms=t_bf16, bf16_gemm_ms=g_bf16, shared_ms=shared,
                                mxfp8_step_ms=t_mx, mxfp8_gemm_ms=g_mx, fp8_step_ms=t_fp8,
                                fp8_gemm_ms=ops_fp8.get("_kernel", 0.0), copy_GBps=bw,
                                quantized_elements=weights + acts, bounds=[])
