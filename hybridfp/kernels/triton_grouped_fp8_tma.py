@@ -30,7 +30,6 @@ in FP32 (``CODES``), as in the pointer kernel.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Optional
 
 import numpy as np
@@ -42,48 +41,44 @@ from ._common import bf16_nan16, expert_row_tile, swizzled_tile
 from .host import tile_plan, to_device
 from .triton_decode import _fp8_f32
 from .triton_epilogue import OUT_CODE, out_value, store_out
+from .triton_grouped_gemm import TmaConfig, _sm_count
 
 
 @dataclass(frozen=True)
-class Fp8TmaConfig:
-    """Tile and schedule of the TMA kernel: output tile ``bm`` x ``bn``, K step ``bk``,
-    ``warps`` / ``stages`` (the K loop's shared-memory ring), ``group_m`` (L2 swizzle),
-    ``flatten`` (the persistent tile loop and the K loop pipelined as one, so a tile's first
-    loads overlap the previous tile's epilogue), ``programs`` (None: one per SM on CUDA, 4 in
-    the interpreter), ``tma_store``: the output tile written through a per-expert descriptor
+class Fp8TmaConfig(TmaConfig):
+    """Tile and schedule of the FP8 TMA kernel: the BF16 TMA kernel's (``TmaConfig``: tile
+    ``bm`` x ``bn``, K step ``bk``, ``warps``, ``stages``, ``group_m``, ``flatten``,
+    ``programs``), plus ``tma_store``: the output tile written through a per-expert descriptor
     (an asynchronous bulk store: the next tile's loads and MMAs run while it drains; rows past
     the expert's are clipped by the descriptor) instead of masked pointer stores."""
 
-    bm: int = 128
-    bn: int = 128
-    bk: int = 128
-    warps: int = 8
-    stages: int = 4
-    group_m: int = 8
-    flatten: bool = False
-    programs: Optional[int] = None
     tma_store: bool = False
+
+
+def _config(bm: int, bn: int, bk: int, warps: int, stages: int, **kw) -> Fp8TmaConfig:
+    """A swept config: L2 swizzle groups of 8 row tiles (the pointer kernel's GROUP_M)."""
+    return Fp8TmaConfig(bm=bm, bn=bn, bk=bk, warps=warps, stages=stages, **{"group_m": 8, **kw})
 
 
 #: Configs ``bench_grouped_fp8_gemm --tma`` sweeps (name -> config).
 CONFIGS: dict[str, Fp8TmaConfig] = {
-    "128x128x128 w8 s4": Fp8TmaConfig(),
-    "128x128x128 w8 s4 flat": Fp8TmaConfig(flatten=True),
-    "128x256x128 w8 s3": Fp8TmaConfig(bn=256, stages=3),
-    "128x256x128 w8 s3 flat": Fp8TmaConfig(bn=256, stages=3, flatten=True),
-    "128x128x64 w4 s4": Fp8TmaConfig(bk=64, warps=4, stages=4),
-    "128x128x64 w4 s4 flat": Fp8TmaConfig(bk=64, warps=4, stages=4, flatten=True),
-    "128x256x64 w8 s4 flat": Fp8TmaConfig(bn=256, bk=64, stages=4, flatten=True),
-    "128x128x128 w4 s3 flat": Fp8TmaConfig(warps=4, stages=3, flatten=True),
-    "256x128x128 w8 s3": Fp8TmaConfig(bm=256, stages=3),
-    "128x256x128 w8 s2": Fp8TmaConfig(bn=256, stages=2),
-    "128x256x64 w8 s3": Fp8TmaConfig(bn=256, bk=64, stages=3),
-    "128x256x128 w8 s3 g16": Fp8TmaConfig(bn=256, stages=3, group_m=16),
-    "256x128x64 w8 s4": Fp8TmaConfig(bm=256, bk=64, stages=4),
-    "128x256x128 w8 s3 store": Fp8TmaConfig(bn=256, stages=3, tma_store=True),
-    "128x128x128 w8 s4 store": Fp8TmaConfig(tma_store=True),
-    "256x128x128 w8 s3 store": Fp8TmaConfig(bm=256, stages=3, tma_store=True),
-    "128x256x128 w8 s2 store": Fp8TmaConfig(bn=256, stages=2, tma_store=True),
+    "128x128x128 w8 s4": _config(128, 128, 128, 8, 4),
+    "128x128x128 w8 s4 flat": _config(128, 128, 128, 8, 4, flatten=True),
+    "128x256x128 w8 s3": _config(128, 256, 128, 8, 3),
+    "128x256x128 w8 s3 flat": _config(128, 256, 128, 8, 3, flatten=True),
+    "128x128x64 w4 s4": _config(128, 128, 64, 4, 4),
+    "128x128x64 w4 s4 flat": _config(128, 128, 64, 4, 4, flatten=True),
+    "128x256x64 w8 s4 flat": _config(128, 256, 64, 8, 4, flatten=True),
+    "128x128x128 w4 s3 flat": _config(128, 128, 128, 4, 3, flatten=True),
+    "256x128x128 w8 s3": _config(256, 128, 128, 8, 3),
+    "128x256x128 w8 s2": _config(128, 256, 128, 8, 2),
+    "128x256x64 w8 s3": _config(128, 256, 64, 8, 3),
+    "128x256x128 w8 s3 g16": _config(128, 256, 128, 8, 3, group_m=16),
+    "256x128x64 w8 s4": _config(256, 128, 64, 8, 4),
+    "128x256x128 w8 s3 store": _config(128, 256, 128, 8, 3, tma_store=True),
+    "128x128x128 w8 s4 store": _config(128, 128, 128, 8, 4, tma_store=True),
+    "256x128x128 w8 s3 store": _config(256, 128, 128, 8, 3, tma_store=True),
+    "128x256x128 w8 s2 store": _config(128, 256, 128, 8, 2, tma_store=True),
 }
 
 
@@ -151,12 +146,6 @@ def applies(meta: np.ndarray, n: int, align: int, out: Optional[torch.Tensor] = 
         return False
     return not (cfg is not None and cfg.tma_store and out is not None
                 and (out.data_ptr() % 16 or (n * out.element_size()) % 16))
-
-
-@lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    """Streaming multiprocessors of CUDA device ``index`` (one persistent program each)."""
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _workspace(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
