@@ -293,7 +293,7 @@ def _launch(base_a: torch.Tensor, base_b: torch.Tensor, scale_a: torch.Tensor, s
     """Run the pointer kernel (``tile``), or the TMA kernel: ``tma`` (an error where it cannot
     read the operands) or ``prefer_tma`` (where it can; else the pointer kernel, the same sums)."""
     if tma is None and prefer_tma is not None and tma_applies(meta, n, align, out, prefer_tma):
-        tma = prefer_tma
+        return launch_tma(base_a, base_b, scale_a, scale_b, bias, out, meta, n, prefer_tma, promote)
     if tma is not None:
         if not tma_applies(meta, n, align, out, tma):
             raise ValueError(f"grouped FP8 GEMM: the TMA kernel needs every operand base, expert offset, row stride "
