@@ -107,11 +107,13 @@ def _mx_tma_case(name: str, f32: bool = False) -> tuple:
             dict(num_stages=stages, enable_fp_fusion=False))
 
 
+from hybridfp.kernels.triton_grouped_fp8_tma import CONFIGS as FP8_TMA_CONFIGS  # noqa: E402 (its cases)
+
+
 def _fp8_tma_case(name: str) -> tuple:
     """The sass_count case of the grouped FP8 TMA kernel (device-built descriptors) at
     ``triton_grouped_fp8_tma.CONFIGS[name]``: wgrad's operands (E5M2 dy x E4M3 x), BF16 output."""
-    from hybridfp.kernels.triton_grouped_fp8_tma import CONFIGS
-    c = CONFIGS[name]
+    c = FP8_TMA_CONFIGS[name]
     sig = dict(a_ptr="*fp8e5", b_ptr="*fp8e4nv", sa_ptr="*fp32", sb_ptr="*fp32", bias_ptr="*fp32", out_ptr="*i16",
                meta_ptr="*i64", T="i32", N="i32", E="i32", P="i32")
     consts = dict(BIAS=False, OUT=1, NAN16=0x7FC0, CODES=False, E5A=True, E5B=False, BM=c.bm, BN=c.bn, BK=c.bk,
@@ -245,11 +247,7 @@ CASES: dict[str, tuple] = {
     **{f"grouped gemm tma mxfp8b {name}": _mx_tma_case(name) for name in _MX_TMA_SPECS},
     "grouped gemm tma mxfp8b f32 128x128x64 w8 s4 flat": _mx_tma_case("128x128x64 w8 s4 flat", f32=True),
     # the grouped FP8 GEMM's TMA kernel (descriptors built on the device, persistent grid)
-    **{f"grouped fp8 gemm tma {name}": _fp8_tma_case(name) for name in
-       ("128x128x128 w8 s4", "128x128x128 w8 s4 flat", "128x256x128 w8 s3", "128x256x128 w8 s3 flat",
-        "128x128x64 w4 s4", "128x128x64 w4 s4 flat", "128x256x64 w8 s4 flat", "128x128x128 w4 s3 flat",
-        "256x128x128 w8 s3", "128x256x128 w8 s2", "128x256x64 w8 s3", "128x256x128 w8 s3 g16", "256x128x64 w8 s4",
-        "128x256x128 w8 s3 store", "128x128x128 w8 s4 store", "256x128x128 w8 s3 store", "128x256x128 w8 s2 store")},
+    **{f"grouped fp8 gemm tma {name}": _fp8_tma_case(name) for name in FP8_TMA_CONFIGS},
 }
 
 
