@@ -159,8 +159,8 @@ class MXFP8BlockScaling(_BuiltinRecipe):
 class NVFP4BlockScaling(_BuiltinRecipe):
     """NVFP4 with NVIDIA's per-role defaults (SPEC §2.5), each switch can be turned off.
 
-    weight: 2D 16x16, no RHT, no SR. grad_output: 1D, RHT on the columnwise copy, SR.
-    input and everything else: 1D, RHT on the columnwise copy. ``row_scaled_activation``
+    weight: 2D 16x16, no RHT, no SR. Gradients (grad_output, grad_input): 1D, RHT on the
+    columnwise copy, SR. input and output: 1D, RHT on the columnwise copy, no SR. ``row_scaled_activation``
     makes the input's rowwise copy row-scaled (its columnwise copy stays per-tensor NVFP4).
     """
 
@@ -174,7 +174,7 @@ class NVFP4BlockScaling(_BuiltinRecipe):
         t = _tensor_type(role)
         if t == "weight":
             return NVFP4Quantizer(with_2d_quantization=not self.disable_2d_quantization)
-        if t == "grad_output":
+        if _is_grad(role):  # every backward slot rounds stochastically, as TE's recipe does
             return NVFP4Quantizer(with_rht=not self.disable_rht,
                                   stochastic_rounding=not self.disable_stochastic_rounding)
         if t == "input" and self.row_scaled_activation:

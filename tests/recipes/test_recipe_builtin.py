@@ -172,7 +172,7 @@ def test_nvfp4_switches(switch, role):
     t = _t(role)
     if t == "weight":
         want = NV_1D if switch == "disable_2d_quantization" else NV_WEIGHT
-    elif t == "grad_output":
+    elif t in ("grad_output", "grad_input"):  # every backward slot: RHT + SR (TE's recipe)
         want = nvfp4(rht=rht, sr=switch != "disable_stochastic_rounding")
     else:
         want = nvfp4(rht=rht)
