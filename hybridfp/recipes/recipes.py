@@ -160,8 +160,9 @@ class NVFP4BlockScaling(_BuiltinRecipe):
     """NVFP4 with NVIDIA's per-role defaults (SPEC §2.5), each switch can be turned off.
 
     weight: 2D 16x16, no RHT, no SR. Gradients (grad_output, grad_input): 1D, RHT on the
-    columnwise copy, SR. input and output: 1D, RHT on the columnwise copy, no SR. ``row_scaled_activation``
-    makes the input's rowwise copy row-scaled (its columnwise copy stays per-tensor NVFP4).
+    columnwise copy, SR. input and output: 1D, RHT on the columnwise copy, no SR.
+    ``row_scaled_activation`` makes the input's rowwise copy row-scaled (its columnwise copy
+    stays per-tensor NVFP4).
     """
 
     disable_rht: bool = False
