@@ -17,6 +17,8 @@ from ..recipes import AutocastState, QuantizerRole
 from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
 
 SLOTS = ("input", "weight", "grad_output")
+#: The slots quantized in the forward pass, inside the autocast region.
+FORWARD_SLOTS = ("input", "weight")
 #: The three GEMMs of a linear: (name, layout, (slot, direction) of A, (slot, direction) of B).
 GEMMS = (
     ("fprop", "TN", ("input", ROWWISE), ("weight", ROWWISE)),
@@ -206,6 +208,16 @@ class QuantizedModule(nn.Module):
         """End of an autocast region: stateful quantizers update (delayed scaling)."""
         for q in self._stateful:
             q.finish_step(amax_reduction_group)
+
+    def discard_step(self) -> None:
+        """An autocast region this module ran in raised: its forward quantizers (the slots of
+        ``FORWARD_SLOTS``) drop the amaxes they recorded there, so the failed step changes no
+        scale. Gradient quantizers keep theirs: they record in backward passes, which normally
+        run between regions and belong to the step that the next region's end finishes."""
+        for slot in FORWARD_SLOTS:
+            for q in self._quantizers.get(slot, ()):
+                if q.has_state():
+                    q.discard_step()
 
     # ------------------------------------------------------------------ weights
     def quantized_weight(self, weight: torch.Tensor, q: Quantizer, columnwise: bool, index: int = 0) -> QuantizedTensor:

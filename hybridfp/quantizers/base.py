@@ -28,6 +28,35 @@ def all_reduce_amax(amax: torch.Tensor, group: Optional[Any]) -> torch.Tensor:
     return amax
 
 
+def check_state_keys(q: "Quantizer", state: dict, want: dict[str, Any]) -> None:
+    """Check a state handed to ``q.set_state`` against the entries ``q`` keeps (``want``: name
+    -> current value): the same keys, and tensors of the same shape and dtype.
+
+    Raises
+    ------
+    ValueError
+        Naming the quantizer (and role), and the missing / unexpected keys or the mismatching
+        tensor.
+    """
+    who = f"{type(q).__name__}" + (f" (role: {q.label})" if q.label else "")
+    if not isinstance(state, dict):
+        raise ValueError(f"{who}.set_state: needs a dict from get_state(); got {type(state).__name__}.")
+    missing, unexpected = sorted(set(want) - set(state)), sorted(set(state) - set(want))
+    if missing or unexpected:
+        raise ValueError(f"{who}.set_state: the state does not match this quantizer: missing keys "
+                         f"{missing}, unexpected keys {unexpected}.")
+    for name, cur in want.items():
+        new = state[name]
+        if torch.is_tensor(cur):
+            if not torch.is_tensor(new) or new.shape != cur.shape or new.dtype != cur.dtype:
+                got = (f"{tuple(new.shape)} {new.dtype}" if torch.is_tensor(new) else type(new).__name__)
+                raise ValueError(f"{who}.set_state: {name!r} must be a tensor of shape {tuple(cur.shape)} "
+                                 f"and dtype {cur.dtype} (this quantizer's settings); got {got}.")
+        elif type(new) is not type(cur):
+            raise ValueError(f"{who}.set_state: {name!r} must be a {type(cur).__name__}; got "
+                             f"{type(new).__name__}.")
+
+
 class _QuantizeSTE(torch.autograd.Function):
     """Quantize in forward; pass the gradient straight through in backward."""
 
@@ -174,6 +203,35 @@ class Quantizer(ABC):
 
     def finish_step(self, amax_reduction_group: Optional[Any] = None) -> None:
         """End of a training step (autocast region): update any per-step state (no-op here)."""
+
+    def discard_step(self) -> None:
+        """Forget what was recorded since the last ``finish_step`` (the autocast region raised),
+        so the state is as before the step. No-op for stateless formats."""
+
+    def get_state(self) -> dict[str, torch.Tensor | int | float | bool | str]:
+        """The quantizer's state as tensors and plain values (a module's extra state):
+        ``{}`` for stateless formats.
+
+        Returns
+        -------
+        A dict of name -> tensor (a copy, not the live state) / int / float / bool / str.
+        """
+        return {}
+
+    def set_state(self, state: dict) -> None:
+        """Restore a state from :meth:`get_state`, bitwise.
+
+        Parameters
+        ----------
+        state:
+            A dict as :meth:`get_state` returns.
+
+        Raises
+        ------
+        ValueError
+            If ``state`` has keys this quantizer does not keep (a stateless one keeps none).
+        """
+        check_state_keys(self, state, {})
 
     def set_amax_reduction_group(self, group: Optional[Any]) -> None:
         """All-reduce per-tensor amaxes over ``group`` (no-op for formats without them)."""

@@ -5,11 +5,19 @@ of the active recipe and quantizes its GEMM operands; outside, it runs in high p
 When the region ends, stateful quantizers (delayed scaling) of the modules that ran in it
 finish their step: amax all-reduced over ``amax_reduction_group`` if given, scale updated,
 history rolled. Gradient quantizers used in a backward pass finish at the next region's end,
-so every quantization uses the scale of the previous update (SPEC §2.2).
+so every quantization uses the scale of the previous update (SPEC §2.2). A region whose body
+raises commits nothing: the forward quantizers of the modules that ran in it discard the
+amaxes recorded there (``discard_step``), so a failed step leaves the scales as they were.
+
+Regions belong to the thread that entered them, as ``torch.autocast``'s do: each thread has
+its own stack of regions, and a thread started inside a region starts outside any (high
+precision). Autograd may run a backward pass on another thread; nothing in a backward pass
+reads the region (``hybridfp.checkpoint`` re-enters its region on the thread that recomputes).
 """
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Optional
@@ -32,6 +40,11 @@ class AutocastState:
     #: Per-region memos of the modules (e.g. the input quantization several Linears share),
     #: dropped when the region ends so nothing they hold outlives it.
     scratch: dict = field(default_factory=dict)
+    #: This region's identity (a new object per ``autocast`` region, compared by ``is``):
+    #: modules' cached quantized weights are valid only in the region whose token they hold.
+    #: ``replay_region``'s ``dataclasses.replace`` copies it, so a checkpoint recomputation
+    #: uses the quantized weights of the forward it replays.
+    token: object = field(default_factory=object)
 
     def key(self) -> tuple:
         """What a module's quantizers depend on: recipe configuration and reduction group."""
@@ -43,12 +56,26 @@ class AutocastState:
             self.modules.append(module)
 
 
-_STACK: list[Optional[AutocastState]] = []
+class _ThreadRegions(threading.local):
+    """Each thread's stack of regions (None for an ``enabled=False`` one): a new thread starts
+    with an empty stack, whatever region the thread that started it is in."""
+
+    def __init__(self) -> None:
+        self.stack: list[Optional[AutocastState]] = []
+
+
+_REGIONS = _ThreadRegions()
+
+
+def _stack() -> list[Optional[AutocastState]]:
+    """The calling thread's stack of regions."""
+    return _REGIONS.stack
 
 
 def current_autocast() -> Optional[AutocastState]:
-    """The innermost enabled region, or None (high precision)."""
-    return _STACK[-1] if _STACK else None
+    """The calling thread's innermost region, or None (high precision)."""
+    stack = _stack()
+    return stack[-1] if stack else None
 
 
 def default_recipe() -> Recipe:
@@ -60,23 +87,56 @@ def default_recipe() -> Recipe:
 def autocast(enabled: bool = True, recipe: Optional[Recipe] = None,
              amax_reduction_group: Optional[Any] = None) -> Iterator[Optional[AutocastState]]:
     """Run hybridfp modules with quantized GEMMs from ``recipe`` (or in high precision if
-    ``enabled`` is False). ``amax_reduction_group``: a process group over which per-tensor
-    amaxes are all-reduced (data/tensor parallel ranks must agree on scales)."""
+    ``enabled`` is False), in the calling thread.
+
+    Parameters
+    ----------
+    enabled:
+        False runs the region in high precision (e.g. inside an enabled region).
+    recipe:
+        The quantization recipe (default: :func:`default_recipe`).
+    amax_reduction_group:
+        A process group over which per-tensor amaxes are all-reduced (data/tensor parallel
+        ranks must agree on scales).
+
+    Returns
+    -------
+    A context manager yielding the region's :class:`AutocastState` (None when disabled).
+    When the body finishes, the stateful quantizers of the modules that ran finish their step;
+    when it raises, their forward quantizers discard what they recorded in the region instead.
+
+    Raises
+    ------
+    TypeError
+        If ``recipe`` is not a hybridfp Recipe.
+    """
     if recipe is not None and not isinstance(recipe, Recipe):
         raise TypeError(f"autocast(recipe=...) needs a hybridfp Recipe (e.g. CustomRecipe(qfactory=f)); "
                         f"got {type(recipe).__name__}.")
     if recipe is None:
         recipe = default_recipe()
     state = AutocastState(recipe, amax_reduction_group) if enabled else None
-    _STACK.append(state)
+    stack = _stack()
+    stack.append(state)
     try:
         yield state
-    finally:
-        _STACK.pop()
+    except BaseException:
+        _leave(stack, state)
         if state is not None:
-            state.scratch.clear()
             for module in state.modules:
-                module.finish_step(amax_reduction_group)
+                module.discard_step()
+        raise
+    _leave(stack, state)
+    if state is not None:
+        for module in state.modules:
+            module.finish_step(amax_reduction_group)
+
+
+def _leave(stack: list[Optional[AutocastState]], state: Optional[AutocastState]) -> None:
+    """Pop ``state`` (the innermost region of this thread) and drop its memos."""
+    stack.pop()
+    if state is not None:
+        state.scratch.clear()
 
 
 @contextmanager
@@ -84,8 +144,9 @@ def replay_region(state: Optional[AutocastState]) -> Iterator[None]:
     """Re-enter a finished region to recompute one of its forwards (activation
     checkpointing): same recipe and quantizers, no step end (stateful quantizers are not
     finished twice)."""
-    _STACK.append(None if state is None else replace(state, modules=[], replay=True, scratch={}))
+    stack = _stack()  # the recomputing thread's (autograd may recompute on its own thread)
+    stack.append(None if state is None else replace(state, modules=[], replay=True, scratch={}))
     try:
         yield
     finally:
-        _STACK.pop()
+        stack.pop()
