@@ -246,6 +246,48 @@ def check_gpu(q, x: torch.Tensor, rowwise: bool = True, columnwise: bool = True)
     assert_storage_bitwise(got, want, f"{q!r} {tuple(x.shape)} {x.dtype}")
 
 
+#: integers that E4M3 and E5M2 both hold exactly (E5M2's 2 mantissa bits reach 7)
+_EXACT_INTS = 7
+
+
+def exact_sum_codes(shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator, reduction: int,
+                    device: str = "cpu") -> torch.Tensor:
+    """FP8 codes ``i * 2**p`` (|i| <= 7, |p| <= s) whose products sum exactly in FP32 in any
+    order over a reduction of ``reduction`` terms, so two kernels that sum them in different
+    orders (the interpreter's numpy dot sums in an order set by the CPU's BLAS kernel) give the
+    same bits.
+
+    Every product is a multiple of 2**-2s with magnitude <= 49 * 2**2s, so every partial sum of
+    ``reduction`` of them is a multiple of 2**-2s below ``reduction * 49 * 2**2s``; FP32 holds all
+    such values exactly while that is <= 2**24 * 2**-2s. ``s`` is the largest of 3, 2, 1, 0 that
+    fits (many magnitudes where the reduction allows).
+
+    Parameters
+    ----------
+    shape, dtype, g, device
+        The codes' shape, FP8 dtype, random generator and device.
+    reduction
+        The longest reduction (K) the codes take part in.
+
+    Returns
+    -------
+    torch.Tensor
+        Finite FP8 codes (no NaN / inf).
+
+    Raises
+    ------
+    ValueError
+        If even ``s = 0`` (integers 0..7) cannot keep ``reduction`` terms exact.
+    """
+    for s in (3, 2, 1, 0):
+        if reduction * _EXACT_INTS ** 2 * 2 ** (4 * s) <= 2 ** 24:
+            break
+    else:
+        raise ValueError(f"exact_sum_codes: a reduction of {reduction} terms is too long to sum exactly in FP32")
+    ints = torch.randint(-_EXACT_INTS, _EXACT_INTS + 1, shape, generator=g, device=device).float()
+    return (ints * torch.exp2(torch.randint(-s, s + 1, shape, generator=g, device=device).float())).to(dtype)
+
+
 def moe_step(m, splits: list[int], factory, dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
     """One GroupedLinear forward + backward under ``factory``'s recipe on fixed random x / dy
     (CPU, ``dtype``): [output, input grad, parameter grads...]."""
