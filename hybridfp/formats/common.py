@@ -49,6 +49,31 @@ def fp8_max(dtype: torch.dtype) -> float:
     return FP8_MAX[fp8_dtype(dtype)]
 
 
+def min_pow2_scale(dtype: torch.dtype) -> float:
+    """Smallest power-of-two scale whose inverse keeps ``fp8_max * scale_inv`` finite in FP32.
+
+    With ``fp8_max = m * 2**E`` (m in [1, 2)) that is ``2**(E - 127)``: E4M3 2**-119, E5M2
+    2**-112. A power-of-two scale below it (from a block amax above ``fp8_max / 2**(E - 127)``,
+    about 2.98e38) would let the block's largest code decode to ``2**128`` = inf.
+
+    Parameters
+    ----------
+    dtype : torch.dtype
+        The FP8 element type (or its name, ``"e4m3"`` / ``"e5m2"``).
+
+    Returns
+    -------
+    float
+        The scale, a power of two.
+
+    Raises
+    ------
+    ValueError
+        If ``dtype`` is not an FP8 element type.
+    """
+    return 2.0 ** (math.frexp(fp8_max(dtype))[1] - 1 - 127)
+
+
 def saturating_cast_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Cast FP32 ``x`` to FP8 with round-to-nearest-even, saturating ±inf/overflow to ±max.
 

@@ -23,6 +23,16 @@ sync):
   elements are quantized (saturating) with scale 1. TE's kernel would give a NaN scale and
   an all-NaN block; SPEC §2.1's "not finite -> scale 1" is followed instead. A block
   containing ±inf likewise gets scale 1 and the inf saturates to ±fp8_max.
+- Near the FP32 maximum, power-of-two scales saturate instead of decoding to inf: the scale
+  is at least :func:`common.min_pow2_scale` (E4M3 2**-119, E5M2 2**-112), the smallest power
+  of two with ``fp8_max * scale_inv`` finite. Only blocks with amax above
+  ``fp8_max / min_pow2_scale`` (about 2.98e38) are affected; their elements beyond that
+  saturate to ±fp8_max, decoding to ±fp8_max * 2**119 (E4M3) / * 2**112 (E5M2), about
+  ±2.98e38. (Without the bound, amax 3.4e38 got scale 2**-120 and its element rounded up to
+  256, which decodes to 2**128 = inf.) Scales that are not powers of two need no bound:
+  ``fp8_max * (1 / (fp8_max / amax))`` is within a few ulps of amax and stays finite for
+  every finite amax. Decode is the FP32 product ``data * scale_inv`` (a pair whose value is
+  beyond FP32's range would give ±inf); a finite input never produces such a pair.
 - ``quantize(dequantize(q))`` reproduces the dequantized values bit for bit, and the same
   data bits wherever the block scale is unchanged. With power-of-two scales a block whose
   amax rounded DOWN onto fp8_max / 2 (e.g. E4M3 amax 225 -> 224) gets twice the scale on
@@ -33,7 +43,8 @@ from __future__ import annotations
 
 import torch
 
-from .common import amax_nan, blocks_2d, ceil_div, check_2d, expand_blocks_2d, saturating_cast_fp8
+from .common import (amax_nan, blocks_2d, ceil_div, check_2d, expand_blocks_2d, min_pow2_scale,
+                     saturating_cast_fp8)
 from .fp8_tensorwise import current_scale
 
 DEFAULT_BLOCK: int = 128
@@ -66,6 +77,9 @@ def _quantize(x: torch.Tensor, dtype: torch.dtype, br: int, bc: int, power_2_sca
     rows, cols = xf.shape
     amax = amax_nan(blocks_2d(xf, br, bc), dim=-1)
     scale = current_scale(amax, dtype, eps=eps, power_2_scale=power_2_scale)
+    if power_2_scale:
+        # A smaller power of two would let the block's largest code decode to inf.
+        scale = scale.clamp_min(min_pow2_scale(dtype))
     data = saturating_cast_fp8(xf * expand_blocks_2d(scale, br, bc, rows, cols), dtype)
     return data, _reciprocal(scale)
 

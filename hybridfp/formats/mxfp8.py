@@ -28,9 +28,16 @@ Resolved SPEC ambiguities (the lead should keep SPEC in sync):
 - NaN: a block with any NaN gets byte 0xFF and all-NaN data (``x / NaN``); other blocks
   are untouched. ±inf (no NaN): byte 0xFE (2**127) under both rules; the inf saturates to
   ±fp8_max (dequantizing back to ±inf) and the block's finite elements become 0.
-- No finite amax reaches the satfinite clamp: FP32_MAX gives byte 247 (rceil E4M3),
-  240 (rceil E5M2), 246 / 239 (floor). The rceil 0xFE clamp is only reachable for
-  v > 2**127, i.e. from inf; it is kept (and unit-tested) for fidelity with TE.
+- Near the FP32 maximum a finite block saturates instead of decoding to inf: a finite
+  amax's byte is at most ``254 - emax_elem`` (E4M3 246, E5M2 239), the largest scale with
+  ``fp8_max * scale`` finite. Under rceil an amax above ``fp8_max * 2**(127 - emax_elem)``
+  (about 2.98e38) would get byte 247 / 240, and an element rounding up to the next power of
+  two (amax 3.4e38: 3.4e38 / 2**120 -> 256) would decode to 2**128 = inf; with the cap its
+  elements beyond fp8_max * 2**119 (E4M3) / 2**112 (E5M2) saturate to ±fp8_max, decoding to
+  about ±2.98e38. Floor never exceeds the cap (FP32_MAX gives 246 / 239). The rceil 0xFE
+  clamp is only reachable from inf; it is kept (and unit-tested) for fidelity with TE.
+- Decode is the exact FP32 product ``data * 2**(byte - 127)``; a pair beyond FP32's range
+  gives ±inf. Only 0xFE (from an inf amax) makes such pairs: an inf input decodes to inf.
 - Tiny blocks (rceil byte 0 with 0 < amax <= 448 * 2**-127): we divide by 2**-127 as SPEC
   says. TE's kernel multiplies by ``exp2f_rcp(0) == 1`` instead, which turns such blocks into
   zeros; our data can be non-zero there. Only blocks with amax < 2**-118 are affected.
@@ -65,6 +72,8 @@ EMAX_ELEM: dict[torch.dtype, int] = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 
 
 E8M0_NAN: int = 0xFF
 E8M0_MAX: int = 0xFE
+#: Largest E8M0 byte of a finite amax, per element type: fp8_max * 2**(byte - 127) finite.
+E8M0_MAX_FINITE: dict[torch.dtype, int] = {t: E8M0_MAX - e for t, e in EMAX_ELEM.items()}
 _E8M0_BIAS: int = 127
 _MANT_MASK: int = 0x7FFFFF
 _HALF_SUBNORMAL: int = 0x400000  # mantissa bits of 2**-127 as an FP32 subnormal
@@ -99,7 +108,8 @@ def e8m0_from_amax(
 
     ``rule="rceil"``: TE / cuBLAS, the block max never saturates. ``rule="floor"``: OCP spec,
     ``2**(floor(log2(amax)) - emax_elem)`` clamped to E8M0's range. Under both: amax 0 -> 0,
-    NaN -> 0xFF, inf -> 0xFE. Everything is exact integer work on the FP32 bits.
+    NaN -> 0xFF, inf -> 0xFE, a finite amax at most ``E8M0_MAX_FINITE[dtype]`` (saturation
+    near the FP32 maximum). Everything is exact integer work on the FP32 bits.
     """
     dtype = fp8_dtype(dtype)
     if rule not in _RULES:
@@ -112,6 +122,8 @@ def e8m0_from_amax(
         # backend (1/448 and 1/57344 are not halfway cases, so double->float rounds once).
         rcp = torch.full((), 1.0 / FP8_MAX[dtype], dtype=torch.float32, device=a.device)  # no host copy
         e = _e8m0_ceil(a * rcp)  # v == 0 has exponent and mantissa 0 -> byte 0
+        # A larger byte could decode the block's largest code to inf (the inf amax is set below).
+        e = e.clamp(max=E8M0_MAX_FINITE[dtype])
     else:
         # floor(log2(a)) + 127 = a's exponent field for normal a. A subnormal a (field 0) has
         # floor(log2(a)) <= -127, so the exact result is negative and clamps to 0 just as the

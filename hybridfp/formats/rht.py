@@ -9,6 +9,17 @@ tile t along the last dim, u = t * s (exact), then the in-place fast Walsh-Hadam
 with h = 1, 2, 4, 8 ((a, b) -> (a + b, a - b) for pairs (i, i + h) inside groups of 2h), then
 * 0.25 (exact, barring FP32 underflow). H16 is symmetric, so this is t · diag(s) · H16 / 4.
 
+Near the FP32 maximum (finite in, finite out): the butterfly's sums reach 16 max|u|, so a
+tile whose max |x| is at least ``PRESCALE_FROM`` (2**124) is transformed as
+``butterfly(u * 2**-4) * 4`` instead: no intermediate sum can overflow, and since scaling by
+a power of two commutes with FP32 rounding away from the subnormal range, this is the same
+function up to the tile's tiny elements. Every other tile keeps the plain order above, bit for
+bit. The result is then saturated to ±max of ``out_dtype`` (NaN kept) before it is rounded:
+a tile's true transform can reach 4 max|x| (all of u equal), beyond the dtype's range, and
+rounding a BF16 / FP16 result can overflow too (FP16 inputs above 16384). The inverse
+transform does the same (pre-scaled tiles of max |y| >= 2**124, saturated to ±FP32_MAX). A
+tile holding ±inf gives NaN (inf - inf in the butterfly), as before.
+
 Decisions (SPEC asks for them to be documented):
 - The transform result is rounded to ``out_dtype``, default the input's dtype, before anything
   downstream (global amax, quantization) sees it. For BF16 inputs this matches TE's reference,
@@ -26,6 +37,9 @@ from hybridfp.formats.common import blocks_1d, check_input
 from hybridfp.kernels.host import device_constant
 
 TILE: int = 16
+#: A tile with max |x| at or above this is transformed pre-scaled by PRESCALE (no overflow).
+PRESCALE_FROM: float = 2.0**124
+PRESCALE: float = 2.0**-4
 #: TE's fixed RHT sign vector (SPEC §2.5).
 RHT_SIGNS: tuple[int, ...] = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 
@@ -61,29 +75,53 @@ def _signs(like: torch.Tensor) -> torch.Tensor:
     return device_constant(RHT_SIGNS, like.device)  # copied once per device, no sync
 
 
+def _tile_prescale(tiles: torch.Tensor) -> torch.Tensor:
+    """Per-tile factor [..., 1]: PRESCALE where the tile's max |value| reaches PRESCALE_FROM
+    (there the butterfly's sums, up to 16 times it, could overflow FP32), else 1. NaN: 1."""
+    big = tiles.abs().amax(dim=-1, keepdim=True) >= PRESCALE_FROM
+    return torch.where(big, PRESCALE, 1.0)
+
+
+def _butterfly_scaled(u: torch.Tensor) -> torch.Tensor:
+    """``_butterfly(u) * 0.25`` computed without overflow: tiles that could overflow are
+    pre-scaled by PRESCALE and post-scaled by 0.25 / PRESCALE (exact powers of two); the
+    others take the plain order (bitwise unchanged). An unrepresentable result is ±inf here."""
+    p = _tile_prescale(u)
+    return _butterfly(u * p) * (0.25 / p)
+
+
+def _saturate(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Clamp FP32 ``y`` to ±max of ``dtype`` (NaN kept), so rounding to it cannot overflow."""
+    m = torch.finfo(dtype).max
+    return y.clamp(-m, m)
+
+
 def apply_rht(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Apply R to each 16-element tile of 2D ``x`` [R, C]; returns [R, ceil16(C)] in out_dtype.
 
-    ``out_dtype`` defaults to ``x.dtype`` (see the module docstring for why).
+    ``out_dtype`` defaults to ``x.dtype`` (see the module docstring for why). Results beyond
+    ``out_dtype``'s range saturate to its ±max (module docstring: near the FP32 maximum).
     """
     check_input(x, "x")
     if x.dim() != 2:
         raise ValueError(
             f"apply_rht expects 2D [R, C] (flatten leading dims); got {tuple(x.shape)}."
         )
+    out_dtype = x.dtype if out_dtype is None else out_dtype
     tiles = blocks_1d(x.float(), TILE)  # zero-padded to ceil16(C): [R, nb, 16]
-    y = _butterfly(tiles * _signs(tiles)) * 0.25
+    y = _butterfly_scaled(tiles * _signs(tiles))
     y = y.reshape(x.shape[0], tiles.shape[1] * TILE)
-    return y.to(x.dtype if out_dtype is None else out_dtype)
+    return _saturate(y, out_dtype).to(out_dtype)
 
 
 def apply_inverse_rht(y: torch.Tensor, cols: int) -> torch.Tensor:
-    """FP32 y · Rᵀ per tile (= butterfly, * 0.25, then * s), cropped to ``cols`` columns."""
+    """FP32 y · Rᵀ per tile (= butterfly, * 0.25, then * s), cropped to ``cols`` columns;
+    saturated to ±FP32_MAX (module docstring: near the FP32 maximum)."""
     check_input(y, "y")
     if y.dim() != 2 or y.shape[1] % TILE:
         raise ValueError(f"apply_inverse_rht expects 2D [R, 16k]; got {tuple(y.shape)}.")
     if not 0 <= cols <= y.shape[1] or y.shape[1] - cols >= TILE:
         raise ValueError(f"cols={cols} does not fit an RHT output of width {y.shape[1]}.")
     tiles = y.float().reshape(y.shape[0], y.shape[1] // TILE, TILE)
-    x = (_butterfly(tiles) * 0.25) * _signs(tiles)
+    x = _saturate(_butterfly_scaled(tiles), torch.float32) * _signs(tiles)
     return x.reshape(y.shape)[:, :cols]

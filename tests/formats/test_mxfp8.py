@@ -68,7 +68,8 @@ def ref_e8m0(a: float, dtype: torch.dtype, rule: str) -> int:
         return 0
     m, e = math.frexp(v)  # v = m * 2**e, m in [0.5, 1)
     k = e - 1 if m == 0.5 else e  # smallest k with 2**k >= v
-    return min(max(k + 127, 0), 254)
+    # finite amax: at most the largest byte with fp8_max * 2**(byte - 127) finite
+    return min(max(k + 127, 0), 254 - EMAX[dtype])
 
 
 def ref_quantize(x: torch.Tensor, dtype: torch.dtype, rule: str, br: int) -> tuple:
@@ -124,14 +125,17 @@ HAND = [
     (511.99997, E4M3, 128, 127),
     (512.0, E4M3, 128, 128),
     (0.0, E4M3, 0, 0),
-    (FP32_MAX, E4M3, 247, 246),  # 2**128 / 448 = 2**119.19 -> 120 + 127; floor 254 - 8
+    # 2**128 / 448 = 2**119.19 -> 120 + 127 = 247, capped at 254 - 8 so 448 * scale is
+    # finite (E8M0_MAX_FINITE); floor 254 - 8
+    (FP32_MAX, E4M3, 246, 246),
+    (next_up(448.0 * 2.0**119), E4M3, 246, 246),  # the first amax the cap changes (was 247)
     (INF, E4M3, 254, 254),
     (NAN, E4M3, 255, 255),
     (57344.0, E5M2, 127, 127),
     (next_up(57344.0), E5M2, 128, 127),
     (65536.0, E5M2, 128, 128),
     (1.0, E5M2, 112, 112),  # v = 1.75 * 2**-16 -> 111 + 1; floor 127 - 15
-    (FP32_MAX, E5M2, 240, 239),
+    (FP32_MAX, E5M2, 239, 239),  # rceil 240 capped at 254 - 15
     (INF, E5M2, 254, 254),
     (NAN, E5M2, 255, 255),
 ]
