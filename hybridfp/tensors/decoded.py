@@ -28,8 +28,9 @@ import torch
 
 from ..formats import mxfp8, nvfp4
 from .mxfp8 import MXFP8Storage
-from .nvfp4 import NVFP4Storage
+from .nvfp4 import NVFP4Storage, check_row_scaled
 from .storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
+from .validation import InvalidStateError
 
 
 class DecodedStorage(QuantizedStorage):
@@ -120,6 +121,7 @@ class DecodedMXFP8Storage(DecodedStorage):
     format_name = MXFP8Storage.format_name
     precision_rank = MXFP8Storage.precision_rank
     _meta_defaults = MXFP8Storage._meta_defaults
+    _meta_choices = MXFP8Storage._meta_choices
 
 
 class DecodedNVFP4Storage(DecodedStorage):
@@ -148,6 +150,13 @@ class DecodedNVFP4Storage(DecodedStorage):
     @classmethod
     def _shared_names(cls, meta: dict[str, object]) -> frozenset[str]:
         return NVFP4Storage._shared_names(meta)
+
+    def _check_options(self) -> None:
+        """NVFP4's combinations, and no RHT copy (its values live in the transformed domain)."""
+        check_row_scaled(self)
+        if self.has(COLUMNWISE) and self.meta["rht"]:
+            raise InvalidStateError(f"{self.describe()}: a columnwise copy with rht=True cannot be "
+                                    "held decoded (its values live in the transformed domain).")
 
     @classmethod
     def _ineligible(cls, storage: QuantizedStorage, direction: str) -> Optional[str]:

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
+from .storage import COLUMNWISE, FP8_DTYPES, ROWWISE, GemmOperand, QuantizedStorage
 
 
 class Float8Storage(QuantizedStorage):
@@ -20,6 +20,7 @@ class Float8Storage(QuantizedStorage):
     format_name = "FP8 per-tensor"
     precision_rank = 2
     _meta_defaults = {"fp8_dtype": torch.float8_e4m3fn}
+    _meta_choices = {"fp8_dtype": FP8_DTYPES}
     _row_index = {
         ROWWISE: {"data": (0, 1), "scale_inv": None},
         COLUMNWISE: {"data": (1, 1), "scale_inv": None},

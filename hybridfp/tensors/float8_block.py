@@ -15,7 +15,7 @@ import torch
 
 from ..formats import fp8_block
 from ..formats.common import ceil_div
-from .storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
+from .storage import COLUMNWISE, FP8_DTYPES, ROWWISE, GemmOperand, QuantizedStorage
 
 
 class Float8BlockStorage(QuantizedStorage):
@@ -24,6 +24,7 @@ class Float8BlockStorage(QuantizedStorage):
     format_name = "FP8 block"
     precision_rank = 2
     _meta_defaults = {"fp8_dtype": torch.float8_e4m3fn, "block_dim": 1, "block": 128, "pow2_scales": True}
+    _meta_choices = {"fp8_dtype": FP8_DTYPES, "block_dim": (1, 2)}
 
     @property
     def _row_index(self):  # type: ignore[override]

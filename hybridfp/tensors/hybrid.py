@@ -13,8 +13,13 @@ from typing import Callable, Optional
 
 import torch
 
-from .storage import (COLUMNWISE, DIRECTIONS, ROWWISE, STORAGE_REGISTRY, MissingDirectionError,
-                      QuantizedStorage, check_direction)
+from .storage import (COLUMNWISE, DIRECTIONS, ROWWISE, MissingDirectionError, QuantizedStorage,
+                      check_direction, storage_class)
+from .validation import (InvalidStateError, check_keys, check_label, check_nominal_dtype, check_shape,
+                         require_dict)
+
+#: Keys of a hybrid's saved state (``to_state``).
+HYBRID_STATE_KEYS = ("cls", "shape", "dtype", "label", "parts")
 
 
 class HybridStorage(QuantizedStorage):
@@ -106,10 +111,61 @@ class HybridStorage(QuantizedStorage):
 
     @classmethod
     def from_state(cls, state: dict) -> "HybridStorage":
-        """Rebuild both parts, each by its own class."""
-        parts = {d: (STORAGE_REGISTRY[p["cls"]].from_state(p) if p is not None else None)
-                 for d, p in state["parts"].items()}
-        return cls(state["shape"], state["dtype"], parts[ROWWISE], parts[COLUMNWISE], label=state["label"])
+        """Rebuild both parts, each by its own (single-format) class; every field is checked.
+
+        Raises
+        ------
+        InvalidStateError
+            A field is missing or of the wrong kind, a part is not a single-format storage
+            holding its own direction only, or disagrees with the header (see :meth:`validate`).
+        """
+        what = "saved Hybrid tensor"
+        state = require_dict(state, f"{what} state")
+        check_keys(state, HYBRID_STATE_KEYS, f"{what} state")
+        saved = require_dict(state["parts"], f"{what} parts")
+        check_keys(saved, DIRECTIONS, f"{what} parts")
+        parts: dict[str, Optional[QuantizedStorage]] = {}
+        for d in DIRECTIONS:
+            p = saved[d]
+            if p is None:
+                parts[d] = None
+                continue
+            part_cls = storage_class(require_dict(p, f"{what} {d} part").get("cls"), f"{what} {d} part")
+            if issubclass(part_cls, HybridStorage):
+                raise InvalidStateError(f"{what}: its {d} part is a HybridStorage; a hybrid's parts are "
+                                        "single-format storages.")
+            parts[d] = part_cls.from_state(p)
+        check_shape(state["shape"], what)
+        check_nominal_dtype(state["dtype"], what)
+        check_label(state["label"], what)
+        try:
+            out = cls(state["shape"], state["dtype"], parts[ROWWISE], parts[COLUMNWISE], label=state["label"])
+        except ValueError as e:  # no part, or a part holding another direction
+            raise InvalidStateError(f"{what}: {e}") from e
+        out.validate()
+        return out
+
+    def validate(self) -> None:
+        """The header's fields, and each part: valid itself, of the hybrid's shape, holding
+        only its own direction.
+
+        Raises
+        ------
+        InvalidStateError
+            Naming the part and field, what it holds and what was expected.
+        """
+        what = self.describe()
+        check_shape(tuple(self.shape), what)
+        check_nominal_dtype(self.dtype, what)
+        check_label(self.label, what)
+        for d, p in self.row_index_parts.items():
+            if p.directions() != (d,):
+                raise InvalidStateError(f"{what}: its {d} part holds {list(p.directions())}; expected "
+                                        f"only {d}.")
+            if p.shape != self.shape:
+                raise InvalidStateError(f"{what}: its {d} part has shape {tuple(p.shape)}; expected "
+                                        f"{tuple(self.shape)}.")
+            p.validate()
 
     def format_key(self, direction: str) -> tuple:
         """The key of the part holding ``direction``."""

@@ -10,7 +10,9 @@ from typing import Optional
 
 import torch
 
+from ..formats.common import HIGH_PRECISION_DTYPES
 from .storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
+from .validation import InvalidStateError, same_tensor
 
 
 class IdentityStorage(QuantizedStorage):
@@ -66,11 +68,30 @@ class IdentityStorage(QuantizedStorage):
 
     @classmethod
     def from_state(cls, state: dict) -> "IdentityStorage":
-        """Both directions share one payload, as when quantized."""
-        p = state["payloads"]
-        if p["rowwise"] is not None and p["columnwise"] is not None:
-            p = {"rowwise": p["rowwise"], "columnwise": p["rowwise"]}
-        return cls(state["shape"], state["dtype"], p["rowwise"], p["columnwise"], label=state["label"])
+        """Both directions share one payload, as when quantized; every field is checked.
+
+        Raises
+        ------
+        InvalidStateError
+            A field disagrees with the header (see ``QuantizedStorage.validate``), or the two
+            copies are different tensors (one tensor serves both).
+        """
+        p = cls._checked_state(state)
+        if p[ROWWISE] is not None and p[COLUMNWISE] is not None:
+            a, b = p[ROWWISE].get("data"), p[COLUMNWISE].get("data")
+            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and same_tensor(a, b)):
+                raise InvalidStateError(
+                    f"saved {cls.format_name} tensor of shape {tuple(state['shape'])}: its rowwise and "
+                    "columnwise 'data' must be one tensor (both copies of an Identity tensor are the "
+                    "same values); got two different ones.")
+            p = {ROWWISE: p[ROWWISE], COLUMNWISE: p[ROWWISE]}
+        out = cls(state["shape"], state["dtype"], p[ROWWISE], p[COLUMNWISE], label=state["label"])
+        out.validate()
+        return out
+
+    def expected_payload(self, direction: str) -> dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]]:
+        """One [rows, cols] tensor in any high-precision dtype (the quantizer's cast)."""
+        return {"data": ((self.rows, self.cols), HIGH_PRECISION_DTYPES)}
 
     def bf16_exact_reason(self, direction: str) -> Optional[str]:
         """Only BF16 values are BF16; an exact GEMM of FP32/FP16 values needs FP32 products."""

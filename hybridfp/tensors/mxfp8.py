@@ -15,7 +15,7 @@ import torch
 
 from ..formats import mxfp8
 from ..formats.common import ceil_div
-from .storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
+from .storage import COLUMNWISE, FP8_DTYPES, ROWWISE, GemmOperand, QuantizedStorage
 
 
 class MXFP8Storage(QuantizedStorage):
@@ -24,6 +24,7 @@ class MXFP8Storage(QuantizedStorage):
     format_name = "MXFP8"
     precision_rank = 2
     _meta_defaults = {"fp8_dtype": torch.float8_e4m3fn, "block_2d": False}
+    _meta_choices = {"fp8_dtype": FP8_DTYPES}
 
     @property
     def _row_index(self):  # type: ignore[override]

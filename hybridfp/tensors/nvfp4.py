@@ -21,6 +21,7 @@ import torch
 from ..formats import nvfp4
 from ..formats.common import ceil_div
 from .storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
+from .validation import InvalidStateError
 
 
 class NVFP4Storage(QuantizedStorage):
@@ -59,6 +60,11 @@ class NVFP4Storage(QuantizedStorage):
             "scale": ((sr, ceil_div(c, b)), torch.float8_e4m3fn),
             "amax": (amax_shape, torch.float32),
         }
+
+    def _check_options(self) -> None:
+        """Row scaling is a forward-activation format: rowwise only, no RHT, no 2D blocks (as
+        ``NVFP4Quantizer`` refuses them)."""
+        check_row_scaled(self)
 
     @classmethod
     def _shared_names(cls, meta: dict[str, object]) -> frozenset[str]:
@@ -103,3 +109,16 @@ class NVFP4Storage(QuantizedStorage):
         k = self.cols if direction == ROWWISE else self.rows
         rht_on = direction == COLUMNWISE and bool(self.meta["rht"])
         return k, (ceil_div(k, nvfp4.BLOCK) * nvfp4.BLOCK if rht_on else k), rht_on
+
+
+def check_row_scaled(storage: QuantizedStorage) -> None:
+    """Raise InvalidStateError for a row-scaled NVFP4 storage with options or a copy that
+    ``NVFP4Quantizer(row_scaled_nvfp4=True)`` never makes."""
+    if not storage.meta["row_scaled"]:
+        return
+    clash = [n for n in ("rht", "block_2d") if storage.meta[n]]
+    if storage.has(COLUMNWISE):
+        clash.append("a columnwise copy")
+    if clash:
+        raise InvalidStateError(f"{storage.describe()}: row_scaled=True cannot be combined with "
+                                f"{', '.join(clash)} (row-scaled NVFP4 is a rowwise-only forward format).")

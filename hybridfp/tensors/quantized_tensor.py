@@ -13,7 +13,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .storage import STORAGE_REGISTRY, QuantizedStorage
+from .storage import QuantizedStorage, storage_class
+from .validation import check_flag, require_dict
 
 #: aten op -> handler(func, args, kwargs). Filled by ``hybridfp.tensors.dispatch``.
 DISPATCH_TABLE: dict[Any, Callable[..., Any]] = {}
@@ -115,12 +116,25 @@ def storage_state(storage: QuantizedStorage) -> dict[str, Any]:
 
 
 def storage_from_state(state: dict[str, Any]) -> QuantizedStorage:
-    """Inverse of :func:`storage_state` (the class is looked up by name in the registry)."""
-    return STORAGE_REGISTRY[state["cls"]].from_state(state)
+    """Inverse of :func:`storage_state` (the class is looked up by name in the registry).
+
+    The state usually comes from a file: every field is checked before anything reads it.
+
+    Raises
+    ------
+    InvalidStateError
+        (a ValueError) naming the field that is missing, of the wrong kind, or disagrees with
+        the header or the format, and what was expected.
+    """
+    state = require_dict(state, "saved quantized tensor state")
+    return storage_class(state.get("cls")).from_state(state)
 
 
 def _rebuild_quantized_tensor(state: dict[str, Any], requires_grad: bool,
                               is_param: bool = False) -> QuantizedTensor:
+    # called by torch.load with whatever the file holds: check the flags as well as the state
+    check_flag(requires_grad, "saved quantized tensor requires_grad")
+    check_flag(is_param, "saved quantized tensor is_param")
     t = QuantizedTensor(storage_from_state(state), None, requires_grad=requires_grad)
     if is_param:
         t._is_param = True  # what nn.Parameter(QuantizedTensor) sets (its isinstance check)

@@ -25,6 +25,8 @@ import torch
 
 from ..formats import rht
 from .slicing import Dim0Slicing
+from .validation import (InvalidStateError, check_keys, check_label, check_nominal_dtype, check_option,
+                         check_payload_tensor, check_shape, require_dict)
 
 ROWWISE = "rowwise"
 COLUMNWISE = "columnwise"
@@ -39,6 +41,28 @@ STORAGE_REGISTRY: dict[str, type["QuantizedStorage"]] = {}
 
 class MissingDirectionError(RuntimeError):
     """A quantized tensor was asked for a copy (rowwise/columnwise) it does not hold."""
+
+
+#: FP8 element dtypes a format option may name.
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: Keys of a single-format storage's saved state (``to_state``).
+STATE_KEYS = ("cls", "shape", "dtype", "label", "meta", "payloads")
+
+
+def storage_class(name: object, what: str = "saved quantized tensor") -> type["QuantizedStorage"]:
+    """The concrete storage class a saved state names (by its registered class name).
+
+    Raises
+    ------
+    InvalidStateError
+        ``name`` is not the name of a concrete registered storage class.
+    """
+    cls = STORAGE_REGISTRY.get(name) if isinstance(name, str) else None
+    if cls is None or cls.format_name == "?":  # "?": an abstract base (no format of its own)
+        known = sorted(n for n, c in STORAGE_REGISTRY.items() if c.format_name != "?")
+        raise InvalidStateError(f"{what}: field 'cls' = {name!r} is not a known storage class; expected "
+                                f"one of {known}.")
+    return cls
 
 
 def check_direction(direction: str) -> str:
@@ -61,6 +85,9 @@ class QuantizedStorage(Dim0Slicing, ABC):
     precision_rank: ClassVar[int] = 0
     _row_index: ClassVar[dict[str, dict[str, RowIndex]]] = {}
     _meta_defaults: ClassVar[dict[str, object]] = {}
+    #: The values an option may take (checked on load); options absent here take any value of
+    #: their default's kind (a bool, a positive int).
+    _meta_choices: ClassVar[dict[str, tuple]] = {}
     #: Sharing structure handed on by ``with_tensors`` (None: read it from the payloads).
     _slot_groups: Optional[list[list[tuple[str, str]]]] = None
     #: True when the columnwise payload tensors are column slices of one shared encoding of
@@ -179,10 +206,81 @@ class QuantizedStorage(Dim0Slicing, ABC):
 
     @classmethod
     def from_state(cls, state: dict) -> "QuantizedStorage":
-        """Inverse of :meth:`to_state`."""
-        p = state["payloads"]
-        return cls(state["shape"], state["dtype"], p["rowwise"], p["columnwise"], label=state["label"],
-                   **state["meta"])
+        """Inverse of :meth:`to_state`, for a state read from a file: every field is checked.
+
+        Raises
+        ------
+        InvalidStateError
+            A field is missing, of the wrong kind, or disagrees with the header or the format
+            (see :meth:`validate`).
+        """
+        p = cls._checked_state(state)
+        out = cls(state["shape"], state["dtype"], p[ROWWISE], p[COLUMNWISE], label=state["label"],
+                  **state["meta"])
+        out.validate()
+        return out
+
+    @classmethod
+    def _checked_state(cls, state: object) -> dict:
+        """The payloads of a saved state whose keys, header and option names are checked (what
+        the constructor needs before :meth:`validate` can look at the rest)."""
+        what = f"saved {cls.format_name} tensor"
+        state = require_dict(state, f"{what} state")
+        check_keys(state, STATE_KEYS, f"{what} state")
+        check_shape(state["shape"], what)
+        check_nominal_dtype(state["dtype"], what)
+        check_label(state["label"], what)
+        meta = require_dict(state["meta"], f"{what} options")
+        unknown = sorted(str(k) for k in meta if k not in cls._meta_defaults)
+        if unknown:
+            raise InvalidStateError(f"{what}: unknown options {unknown}; {cls.format_name} takes "
+                                    f"{sorted(cls._meta_defaults)}.")
+        payloads = require_dict(state["payloads"], f"{what} payloads")
+        check_keys(payloads, DIRECTIONS, f"{what} payload directions")
+        if all(payloads[d] is None for d in DIRECTIONS):
+            raise InvalidStateError(f"{what} holds no payload: at least one of {list(DIRECTIONS)} is needed.")
+        for d in DIRECTIONS:
+            if payloads[d] is not None:
+                require_dict(payloads[d], f"{what} {d} payload")
+        return payloads
+
+    def validate(self) -> None:
+        """Check that every field agrees with the others and with the format: nominal dtype,
+        label, known option values, and per held copy the payload names, tensor kinds, shapes
+        and dtypes the header shape and options imply, all on one device.
+
+        Raises
+        ------
+        InvalidStateError
+            Naming the field, what it holds and what was expected.
+        """
+        what = self.describe()
+        check_shape(tuple(self.shape), what)
+        check_nominal_dtype(self.dtype, what)
+        check_label(self.label, what)
+        for name, default in self._meta_defaults.items():
+            check_option(name, self.meta[name], default, self._meta_choices.get(name), what)
+        self._check_options()
+        devices = set()
+        for d in self.directions():
+            p = require_dict(self.payloads[d], f"{what}: {d} payload")
+            expected = self.expected_payload(d)
+            check_keys(p, expected, f"{what}: {d} payload")
+            for name, (shape, dtypes) in expected.items():
+                check_payload_tensor(p[name], name, d, shape, dtypes, what)
+                devices.add(p[name].device)
+        if len(devices) > 1:
+            raise InvalidStateError(f"{what}: payload tensors lie on several devices {sorted(map(str, devices))}; "
+                                    "expected one.")
+
+    def _check_options(self) -> None:
+        """Combinations of options the format does not make (a hook; each option alone is
+        checked by :meth:`validate`)."""
+
+    def expected_payload(self, direction: str) -> dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]]:
+        """Payload name -> (shape, allowed dtypes) of the ``direction`` copy for this header."""
+        layout = self._payload_layout(direction, self.rows, self.cols, self.meta)
+        return {n: (tuple(s), (t,)) for n, (s, t) in layout.items()}
 
     def decoded_directions(self) -> frozenset:
         """The directions whose copies this storage holds as BF16 decodes (``tensors.decoded``)."""
