@@ -23,14 +23,21 @@ Resolved SPEC ambiguities (the lead should keep SPEC in sync):
   overflows) to FP32_MAX, after the ``2**margin`` division. SPEC §2.2 is silent and TE does
   not clamp there; an inf scale would make ``0 * scale`` NaN, so we clamp as §2.1 does.
 - ``delayed_update`` accepts a history of shape [L] (scale 0-d) or [L, n] (scale [n], one
-  column per tensor, TE's layout); the reduction is over dim 0 and NaN propagates, so one
-  NaN in the history keeps the old scale until it is rolled out.
+  column per tensor, TE's layout); the reduction is over dim 0.
+- A non-finite amax (Inf / NaN, recorded in slot 0) is not committed: that update keeps the
+  old scale and the old history (slot 0 zeroed, no roll). TE would keep it in the window and
+  freeze the scale for the whole history length (1024 steps by default); SPEC §2.2 asks only
+  that a non-finite amax keep the old scale.
+- ``margin`` is limited by :func:`max_margin`, so that the scale and its inverse stay finite
+  and non-zero for every finite amax (a larger one makes outputs NaN or zero).
 
 Known edge (inherent to the format, TE alike): an input within 2^-4 of FP32_MAX can round up
 to the next FP8 value, and its dequantized value then overflows to inf.
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
 
 import torch
 
@@ -91,8 +98,9 @@ def dequantize(
 def record_amax(amax_history: torch.Tensor, amax: torch.Tensor) -> None:
     """Record an amax in slot 0 of the history, in place: ``h[0] = maximum(h[0], amax)``.
 
-    ``torch.maximum`` propagates NaN, so a NaN amax makes the next update keep the old
-    scale (as SPEC §2.2 asks for a non-finite amax).
+    Slot 0 is the pending slot: it holds the largest amax since the last update, committed to
+    the window by :func:`delayed_update`. ``torch.maximum`` propagates NaN, so a NaN amax
+    reaches the update, which then commits nothing (as for Inf).
     """
     amax_history[0] = torch.maximum(amax_history[0], amax.float().to(amax_history.device))
 
@@ -110,7 +118,10 @@ def delayed_update(
     ``amax = history.max(0)`` (``algo="max"``) or ``history[0]`` (``"most_recent"``);
     ``new_scale = (fp8_max / amax) / 2**margin``, the old scale kept where amax <= 0 or is
     not finite, an inf result clamped to FP32_MAX. ``new_history`` is the history rolled by
-    -1 along dim 0 with slot 0 zeroed (TE's layout). The inputs are not modified.
+    -1 along dim 0 with slot 0 zeroed (TE's layout). Where the pending amax (slot 0) is not
+    finite, nothing is committed: the old scale, and the old history with slot 0 zeroed
+    (decided on the device, per column: no host synchronization). The inputs are not
+    modified; see :func:`uncommitted` for which columns were skipped.
     """
     if algo == "max":
         # amax (unlike max) propagates NaN, which must keep the old scale.
@@ -124,8 +135,45 @@ def delayed_update(
     old = scale.float()
     new = (torch.full_like(amax, fp8_max(dtype)) / amax) / float(2.0**margin)
     new = torch.where(torch.isinf(new), torch.full_like(new, FP32_MAX), new)
-    keep = ~(amax > 0) | ~torch.isfinite(amax)
+    skipped = uncommitted(amax_history)
+    keep = ~(amax > 0) | ~torch.isfinite(amax) | skipped
     new_scale = torch.where(keep, old, new)
-    new_history = torch.roll(amax_history, -1, 0)
-    new_history[0] = 0
+    rolled = torch.roll(amax_history, -1, 0)
+    rolled[0] = 0
+    unrolled = amax_history.clone()
+    unrolled[0] = 0
+    new_history = torch.where(skipped, unrolled, rolled)  # [n] broadcasts over [L, n]
     return new_history, new_scale
+
+
+def uncommitted(amax_history: torch.Tensor) -> torch.Tensor:
+    """Where the pending amax (slot 0) is Inf or NaN: the columns :func:`delayed_update` leaves
+    uncommitted (a bool tensor of slot 0's shape, on its device)."""
+    return ~torch.isfinite(amax_history[0])
+
+
+@lru_cache(maxsize=None)
+def max_margin(dtype: torch.dtype) -> int:
+    """The largest ``margin`` for which :func:`delayed_update` gives a finite, non-zero scale
+    with a finite inverse for every finite amax (8 for E4M3, 15 for E5M2).
+
+    The smallest scale comes from the largest amax, FP32_MAX: ``(fp8_max / FP32_MAX) /
+    2**margin``; its inverse ``scale_inv`` overflows first, so that is the bound.
+
+    Parameters
+    ----------
+    dtype:
+        The FP8 element dtype.
+
+    Returns
+    -------
+    The bound, computed with the update's own FP32 operations.
+    """
+    one = torch.ones((), dtype=torch.float32)
+    smallest = torch.full_like(one, fp8_max(dtype)) / torch.full_like(one, FP32_MAX)
+    margin = 0
+    while True:
+        scale = smallest / float(2.0 ** (margin + 1))
+        if not (scale > 0 and torch.isfinite(one / scale)):
+            return margin
+        margin += 1

@@ -6,6 +6,9 @@ Hopper's TN-only FP8 GEMM consumes), so it costs a transpose, not a second quant
 
 from __future__ import annotations
 
+import math
+import numbers
+import warnings
 from typing import Any, Hashable, Optional
 
 import torch
@@ -13,7 +16,111 @@ import torch
 from ..formats import fp8_tensorwise
 from ..formats.common import amax_nan, as_2d, fp8_dtype as _fp8_dtype
 from ..tensors import Float8Storage, QuantizedStorage
-from .base import Quantizer, all_reduce_amax
+from .base import Quantizer, all_reduce_amax, check_state_keys
+
+
+class NonFiniteAmaxWarning(RuntimeWarning):
+    """A delayed-scaling quantizer recorded an Inf or NaN amax: that step kept the previous
+    scale and left the amax out of the history (warned once per quantizer)."""
+
+
+def check_amax_epsilon(value: object) -> float:
+    """``amax_epsilon`` as a float.
+
+    Raises
+    ------
+    ValueError
+        Unless it is a finite real number >= 0 (a NaN / Inf floor makes every scale 1 or 0).
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"amax_epsilon={value!r} must be a finite number >= 0 (the floor of the amax "
+                         "a scale is computed from; 0 turns it off).")
+    return float(value)
+
+
+def check_history_len(value: object) -> int:
+    """``amax_history_len`` as an int.
+
+    Raises
+    ------
+    ValueError
+        Unless it is an integer >= 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"amax_history_len={value!r} must be an integer >= 1 (the number of steps "
+                         "whose amaxes the scale is computed from).")
+    return int(value)
+
+
+def check_margin(value: object, dtype: torch.dtype) -> int:
+    """``margin`` as an int.
+
+    Raises
+    ------
+    ValueError
+        Unless it is an integer in [0, ``fp8_tensorwise.max_margin(dtype)``]: a larger margin
+        makes the scale of a large amax zero or its inverse infinite (NaN outputs).
+    """
+    top = fp8_tensorwise.max_margin(dtype)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value <= top:
+        raise ValueError(f"margin={value!r} must be an integer in [0, {top}] for {dtype} (the scale is "
+                         f"divided by 2**margin; beyond {top} the scale of a large amax or its inverse "
+                         "leaves FP32's range and outputs become NaN).")
+    return int(value)
+
+
+class _NonFiniteSeen:
+    """Whether a delayed-scaling quantizer skipped an update for an Inf / NaN amax, told to the
+    host without waiting for the device.
+
+    On the CPU the flag is read at once. On CUDA a read (``.item()``) would stall the host
+    until the GPU catches up, at every step; instead the OR of the flags stays on the device,
+    an update queues its copy into pinned host memory behind a CUDA event, and a later update
+    reads that copy once the event has completed (``Event.query`` does not wait). So the
+    warning comes one or more steps late, and costs two tiny kernels and a 1-byte copy a step.
+    """
+
+    def __init__(self) -> None:
+        self.warned = False
+        self._seen: Optional[torch.Tensor] = None  # device: OR of the skipped flags so far
+        self._host: Optional[torch.Tensor] = None  # pinned copy of ``_seen``
+        self._event: Optional[Any] = None  # completes when ``_host`` holds the copy
+
+    def note(self, skipped: torch.Tensor) -> bool:
+        """Add one update's skipped flags; True when a skip is known and not yet reported."""
+        if self.warned:
+            return False
+        if skipped.device.type != "cuda":
+            return bool(skipped.any())
+        flag = skipped.any()
+        self._seen = flag if self._seen is None else self._seen | flag
+        if self._event is not None and not self._event.query():
+            return False  # the copy queued earlier has not landed; look again next update
+        if self._event is not None and bool(self._host):
+            return True
+        if self._host is None:
+            self._host = torch.zeros((), dtype=torch.bool, pin_memory=True)
+        self._host.copy_(self._seen, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+        return False
+
+    def report(self, q: Quantizer) -> None:
+        """Warn once, naming ``q``'s role, and stop tracking."""
+        self.warned, self._seen, self._host, self._event = True, None, None, None
+        role = f" (role: {q.label})" if q.label else ""
+        warnings.warn(f"{type(q).__name__}{role}: an amax recorded in a step was Inf or NaN; that step kept "
+                      "the previous scale and left the amax out of the history. Inf / NaN in this tensor "
+                      "usually means diverging training or bad inputs. (Warned once per quantizer.)",
+                      NonFiniteAmaxWarning, stacklevel=4)
+
+    def __getstate__(self) -> dict:
+        # copies and pickles keep whether the warning was given, not the device-side tracking
+        return {"warned": self.warned}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+        self.warned = bool(state.get("warned", False))
 
 
 def _float8_storage(q: Quantizer, x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
@@ -37,9 +144,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
         super().__init__(rowwise=rowwise, columnwise=columnwise)
         self.dtype = _fp8_dtype(fp8_dtype)
         self.force_pow_2_scales = bool(force_pow_2_scales)
-        if amax_epsilon < 0:
-            raise ValueError(f"amax_epsilon={amax_epsilon} must be >= 0.")
-        self.amax_epsilon = float(amax_epsilon)
+        self.amax_epsilon = check_amax_epsilon(amax_epsilon)
         self.with_amax_reduction = bool(with_amax_reduction)
         self.amax_reduction_group = amax_reduction_group
 
@@ -73,7 +178,27 @@ class Float8Quantizer(Quantizer):
     """FP8 delayed scaling: quantize with the scale from the last update, record the amax.
 
     Call :meth:`update_scale` once per step (recipes do it when an autocast region ends).
-    Not requantization-safe: the scale changes between steps.
+    Not requantization-safe: the scale changes between steps. Slot 0 of ``amax_history`` is
+    the pending slot (the largest amax since the last update): an update commits it, unless it
+    is Inf or NaN (then the step keeps its scale and history, and a
+    :class:`NonFiniteAmaxWarning` is given once); :meth:`discard_step` drops it.
+
+    Parameters
+    ----------
+    fp8_dtype:
+        E4M3 (default) or E5M2.
+    amax_history_len:
+        An integer >= 1: the steps whose amaxes the scale comes from.
+    amax_compute_algo:
+        "max" (over the history) or "most_recent".
+    margin:
+        An integer in [0, ``formats.fp8_tensorwise.max_margin(fp8_dtype)``]: the scale is
+        divided by ``2**margin``.
+
+    Raises
+    ------
+    ValueError
+        For an option outside its range (the message names it and the range).
     """
 
     storage_cls = Float8Storage
@@ -84,16 +209,16 @@ class Float8Quantizer(Quantizer):
                  margin: int = 0) -> None:
         super().__init__(rowwise=rowwise, columnwise=columnwise)
         self.dtype = _fp8_dtype(fp8_dtype)
-        if amax_history_len < 1:
-            raise ValueError(f"amax_history_len={amax_history_len} must be >= 1.")
+        amax_history_len = check_history_len(amax_history_len)
         if amax_compute_algo not in ("max", "most_recent"):
             raise ValueError(f"amax_compute_algo={amax_compute_algo!r} is unknown; use 'max' or 'most_recent'.")
         self.amax_compute_algo = amax_compute_algo
-        self.margin = int(margin)
+        self.margin = check_margin(margin, self.dtype)
         self.amax_history = torch.zeros(amax_history_len, dtype=torch.float32)
         self.scale = torch.ones((), dtype=torch.float32)
         self._recorded = False  # an amax was recorded since the last update
         self._updates = 0
+        self._nonfinite = _NonFiniteSeen()
 
     def _state_to(self, device: torch.device) -> None:
         if self.scale.device != device:
@@ -117,13 +242,27 @@ class Float8Quantizer(Quantizer):
         self.record_amax(amax_nan(x))
 
     def update_scale(self, amax_reduction_group: Optional[Any] = None) -> None:
-        """End-of-step update: (optionally all-reduce the newest amax,) new scale, roll history."""
+        """End-of-step update: (optionally all-reduce the pending amax,) new scale, roll history;
+        a non-finite pending amax commits nothing (decided on the device: no host sync).
+
+        Parameters
+        ----------
+        amax_reduction_group:
+            A process group over which the pending amax is all-reduced (MAX) first.
+        """
         if amax_reduction_group is not None:
-            all_reduce_amax(self.amax_history[0:1], amax_reduction_group)
+            pending = self.amax_history[0:1]
+            # NaN -> Inf: a MAX reduction's NaN handling varies by backend, Inf's does not, so
+            # every rank sees the non-finite amax and skips the same step
+            pending.copy_(torch.where(torch.isnan(pending), torch.full_like(pending, math.inf), pending))
+            all_reduce_amax(pending, amax_reduction_group)
+        skipped = fp8_tensorwise.uncommitted(self.amax_history)
         self.amax_history, self.scale = fp8_tensorwise.delayed_update(
             self.amax_history, self.scale, self.dtype, margin=self.margin, algo=self.amax_compute_algo)
         self._recorded = False
         self._updates += 1
+        if self._nonfinite.note(skipped):
+            self._nonfinite.report(self)
 
     def finish_step(self, amax_reduction_group: Optional[Any] = None) -> None:
         """Update the scale if this quantizer recorded an amax since its last update."""
@@ -133,6 +272,47 @@ class Float8Quantizer(Quantizer):
     def state_version(self) -> int:
         """Number of scale updates so far (a cached quantized weight is stale after one)."""
         return self._updates
+
+    def discard_step(self) -> None:
+        """Drop the amaxes recorded since the last update (the pending slot), as if the step had
+        not run: the next update sees only later ones."""
+        if self._recorded:
+            self.amax_history[0] = 0
+            self._recorded = False
+
+    def _state_entries(self) -> dict[str, torch.Tensor | int | bool]:
+        return {"amax_history": self.amax_history, "scale": self.scale, "updates": self._updates,
+                "recorded": self._recorded}
+
+    def get_state(self) -> dict[str, torch.Tensor | int | bool]:
+        """``amax_history`` (slot 0: the pending amax), ``scale``, ``updates`` (the update
+        count, :meth:`state_version`) and ``recorded`` (whether slot 0 holds an amax to commit);
+        tensors are copies.
+
+        Returns
+        -------
+        The state, tensors and plain values only.
+        """
+        return {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in self._state_entries().items()}
+
+    def set_state(self, state: dict) -> None:
+        """Restore :meth:`get_state`'s dict bitwise (tensors copied to this quantizer's device).
+
+        Parameters
+        ----------
+        state:
+            A dict from :meth:`get_state` of a quantizer with the same ``amax_history_len``.
+
+        Raises
+        ------
+        ValueError
+            Naming missing / unexpected keys, or a tensor of another shape or dtype.
+        """
+        check_state_keys(self, state, self._state_entries())
+        device = self.scale.device
+        self.amax_history = state["amax_history"].detach().to(device, copy=True)
+        self.scale = state["scale"].detach().to(device, copy=True)
+        self._updates, self._recorded = state["updates"], state["recorded"]
 
     def is_requantization_safe(self) -> bool:
         """False: the scale moves at every update."""

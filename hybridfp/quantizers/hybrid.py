@@ -118,6 +118,45 @@ class HybridQuantizer(Quantizer):
         self.rowwise_quantizer.finish_step(amax_reduction_group)
         self.columnwise_quantizer.finish_step(amax_reduction_group)
 
+    def discard_step(self) -> None:
+        """Both children discard the step."""
+        self.rowwise_quantizer.discard_step()
+        self.columnwise_quantizer.discard_step()
+
+    def get_state(self) -> dict:
+        """The children's states, keys prefixed ``rowwise.`` / ``columnwise.``.
+
+        Returns
+        -------
+        A flat dict of tensors and plain values ({} when neither child keeps state).
+        """
+        return {f"{prefix}.{k}": v for prefix, child in self._children() for k, v in child.get_state().items()}
+
+    def set_state(self, state: dict) -> None:
+        """Hand each child its part of ``state`` (keys ``rowwise.*`` / ``columnwise.*``).
+
+        Parameters
+        ----------
+        state:
+            A dict from :meth:`get_state`.
+
+        Raises
+        ------
+        ValueError
+            For a key without either prefix, or a child's own mismatch.
+        """
+        if not isinstance(state, dict):
+            raise ValueError(f"HybridQuantizer.set_state: needs a dict from get_state(); got {type(state).__name__}.")
+        stray = sorted(k for k in state if not str(k).startswith(("rowwise.", "columnwise.")))
+        if stray:
+            raise ValueError(f"HybridQuantizer.set_state: unexpected keys {stray} (keys start with "
+                             "'rowwise.' or 'columnwise.').")
+        for prefix, child in self._children():
+            child.set_state({k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + ".")})
+
+    def _children(self) -> tuple[tuple[str, Quantizer], tuple[str, Quantizer]]:
+        return (("rowwise", self.rowwise_quantizer), ("columnwise", self.columnwise_quantizer))
+
     def set_amax_reduction_group(self, group) -> None:
         """Both children reduce over ``group``."""
         self.rowwise_quantizer.set_amax_reduction_group(group)
