@@ -5,7 +5,8 @@ from .convert import convert, set_names
 from .grouped_linear import GroupedLinear
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
+from .linear_function import SaveOriginalInputIgnoredWarning
 from .swiglu import SwiGLU, swiglu
 
 __all__ = ["GEMMS", "GroupedLinear", "LayerNormLinear", "Linear", "QuantizedModule", "SLOTS",
-           "SwiGLU", "convert", "set_decoded_copies", "set_names", "swiglu"]
+           "SaveOriginalInputIgnoredWarning", "SwiGLU", "convert", "set_decoded_copies", "set_names", "swiglu"]

@@ -32,7 +32,7 @@ from ..tensors.expert_tensors import ExpertTensors
 from ..tensors.slicing import adjacent_rows
 from .base import SLOTS, QuantizedModule
 from .grouped_saved import restore_experts, save_experts
-from .linear_function import LinearContext, bias_grad, torch_autocast_off
+from .linear_function import LinearContext, bias_grad, keeps_original_input, torch_autocast_off
 
 
 class GroupedLinearFunction(torch.autograd.Function):
@@ -150,8 +150,7 @@ def _quantize_inputs(x: torch.Tensor, m_splits: list[int], lcs: list[LinearConte
     ``forward_gemm`` quantizes them, in one ``quantize_grouped`` call (shared row-local
     encodings)."""
     for lc, wgrad in zip(lcs, needs_wgrad):
-        save_original = lc.save_original_input and lc.input_q.is_requantization_safe()
-        lc.input_q.set_usage(rowwise=True, columnwise=wgrad and not save_original)
+        lc.input_q.set_usage(rowwise=True, columnwise=wgrad and not keeps_original_input(lc))
     return quantize_grouped([lc.input_q for lc in lcs], x, m_splits, _plans(lcs))
 
 
@@ -185,7 +184,7 @@ def _saved_inputs(x: torch.Tensor, m_splits: list[int], qxs: Sequence[torch.Tens
     """Every expert's ``_saved_input`` (None where its wgrad is not needed); experts held as
     joined copies (``ExpertTensors``) stay so, their rowwise copies dropped."""
     if (isinstance(qxs, ExpertTensors) and all(needs_wgrad) and qxs.has_direction(COLUMNWISE)
-            and not any(lc.save_original_input and lc.input_q.is_requantization_safe() for lc in lcs)):
+            and not any(keeps_original_input(lc) for lc in lcs)):
         qxs.drop(ROWWISE)
         return qxs
     return [_saved_input(xi, qx, lcs[i]) if needs_wgrad[i] else None
@@ -195,7 +194,7 @@ def _saved_inputs(x: torch.Tensor, m_splits: list[int], qxs: Sequence[torch.Tens
 def _saved_input(x2: torch.Tensor, qx: torch.Tensor, lc: LinearContext) -> torch.Tensor:
     """What wgrad needs of x: the original (``save_original_input`` with a requantization-safe
     quantizer) or the columnwise copy, the rowwise one dropped now that fprop is done."""
-    if lc.save_original_input and lc.input_q.is_requantization_safe():
+    if keeps_original_input(lc):
         return x2
     qx.update_usage(rowwise_usage=False)
     return qx

@@ -21,8 +21,9 @@ class Linear(QuantizedModule):
     ``params_dtype``: dtype of the (master) weight and bias, FP32 by default; any optimizer
     works on them. ``save_original_input``: keep the high-precision input for wgrad and
     quantize its columnwise copy in backward (saves memory when the input is kept anyway);
-    ignored — the quantized forward value is saved — when the input quantizer is not
-    requantization-safe (stochastic rounding, delayed scaling, rowwise_dequantized).
+    ignored, with a ``SaveOriginalInputIgnoredWarning`` once per module, when the input
+    quantizer is not requantization-safe (stochastic rounding): the quantized forward value
+    is saved. Refused (ValueError) with an FP8 delayed-scaling input quantizer.
     Under ``torch.autocast`` as well, the input takes the autocast dtype as ``nn.Linear``'s
     does (so does the output); the quantized GEMMs themselves are unaffected by it.
     """

@@ -13,13 +13,14 @@ recompute — see ordinary tensors) and are re-assembled in backward.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from ..gemm import gemm
-from ..quantizers import Quantizer
+from ..quantizers import Float8Quantizer, HybridQuantizer, Quantizer
 from ..tensors import QuantizedStorage, QuantizedTensor
 from .shared_input import quantize_input
 
@@ -50,6 +51,65 @@ class LinearContext:
     scratch: Optional[dict] = None
 
 
+class SaveOriginalInputIgnoredWarning(UserWarning):
+    """``save_original_input=True`` is ignored: the input quantizer cannot make the same copy
+    again in backward, so the quantized forward value is saved instead (said once per module)."""
+
+
+def _uses_delayed_scaling(q: Quantizer) -> bool:
+    """Whether ``q`` (or a child of a hybrid ``q``) is an FP8 delayed-scaling quantizer."""
+    children = (q.rowwise_quantizer, q.columnwise_quantizer) if isinstance(q, HybridQuantizer) else (q,)
+    return any(isinstance(c, Float8Quantizer) for c in children)
+
+
+def _module_text(module: Any) -> str:
+    return f"{type(module).__name__} {getattr(module, 'name', '') or ''}".rstrip()
+
+
+def keeps_original_input(lc: LinearContext) -> bool:
+    """Whether wgrad re-quantizes the kept high-precision input (``save_original_input``).
+
+    The option is a hint the input quantizer may veto (TransformerEngine's semantics): only a
+    requantization-safe quantizer makes the same columnwise copy in backward as it would have
+    in forward. A vetoed hint warns once per module; with delayed scaling it is refused, as
+    TransformerEngine refuses it for its DelayedScaling recipe.
+
+    Parameters
+    ----------
+    lc:
+        The layer's context (its ``save_original_input``, input quantizer and module).
+
+    Returns
+    -------
+    bool
+        True to save the original input, False to save the quantized forward copy.
+
+    Raises
+    ------
+    ValueError
+        ``save_original_input=True`` with an FP8 delayed-scaling input quantizer.
+    """
+    if not lc.save_original_input:
+        return False
+    q = lc.input_q
+    if q.is_requantization_safe():
+        return True
+    who = _module_text(lc.module)
+    if _uses_delayed_scaling(q):
+        raise ValueError(f"{who}: save_original_input=True cannot be used with delayed scaling (input "
+                         f"quantizer {q!r}): its scale moves with the amax history, so wgrad would not "
+                         "read the copy the forward step saw. Build the module with "
+                         "save_original_input=False, or use a current-scaling recipe.")
+    if not getattr(lc.module, "_save_original_input_warned", False):
+        lc.module._save_original_input_warned = True  # once per module: it holds for every step
+        warnings.warn(f"{who}: save_original_input=True is ignored: its input quantizer {q!r} is not "
+                      "requantization-safe (stochastic rounding or moving state), so the quantized "
+                      "forward copy is saved for wgrad instead. Build the module with "
+                      "save_original_input=False to keep this and silence the warning.",
+                      SaveOriginalInputIgnoredWarning, stacklevel=2)
+    return False
+
+
 def pack(t: Optional[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
     """Split a (quantized) tensor into plain tensors + a skeleton to rebuild it from them."""
     if t is None:
@@ -75,7 +135,7 @@ def forward_gemm(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
                  ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """fprop of one [M, K] input against one weight; returns (y, what wgrad needs of x, what
     dgrad needs of W) — None where that gradient is not needed."""
-    save_original = lc.save_original_input and lc.input_q.is_requantization_safe()
+    save_original = keeps_original_input(lc)
     qx = quantize_input(x2, lc.input_q, True, needs_wgrad and not save_original, lc.scratch)
     qw = lc.module.quantized_weight(weight, lc.weight_q, columnwise=needs_dgrad, index=lc.weight_index)
     y = gemm(qx, qw, "TN", out_dtype=x2.dtype, bias=bias, fast_accumulation=lc.fprop_fast_accumulation)

@@ -176,10 +176,19 @@ class HybridQuantizer(Quantizer):
         return child.format_key(direction)
 
     def is_requantization_safe(self) -> bool:
-        """Safe only from the original source with two safe children."""
-        return (self.columnwise_source == "original"
-                and self.rowwise_quantizer.is_requantization_safe()
-                and self.columnwise_quantizer.is_requantization_safe())
+        """Safe when both children are (TransformerEngine's rule), whatever the source.
+
+        With "rowwise_dequantized" too: the columnwise child reads dequantize(rowwise(x)), and
+        a safe rowwise child makes the same rowwise copy of the same x again, so quantizing
+        the kept original later (only the columnwise copy, as backward does) gives the
+        forward's copies bit for bit (tests/quantizers/test_te_semantics.py).
+
+        Returns
+        -------
+        bool
+            True when neither child draws random numbers nor keeps moving state.
+        """
+        return self.rowwise_quantizer.is_requantization_safe() and self.columnwise_quantizer.is_requantization_safe()
 
     def copy(self) -> "HybridQuantizer":
         """Copies of both children, same source mode and usage."""
