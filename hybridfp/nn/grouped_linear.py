@@ -18,6 +18,7 @@ expert (each expert's amax history; each quantization's seed).
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Optional, Sequence
 
 import torch
@@ -96,6 +97,33 @@ class GroupedLinearFunction(torch.autograd.Function):
         if ctx.stacked:  # one [E, N, K] gradient (and one [E, N] bias gradient)
             return (dx, None, None, None, None, _stack(dws), *([_stack(dbs)] if ctx.has_bias else []))
         return (dx, None, None, None, None, *dws, *dbs)
+
+
+def _split_counts(m_splits: Any, who: str) -> list[int]:
+    """``m_splits`` as Python ints, refusing anything that is not integer counts (a float
+    would be truncated and a string read digit by digit: rows silently routed elsewhere)."""
+    given = repr(m_splits) if len(repr(m_splits)) <= 80 else repr(m_splits)[:77] + "..."
+    if torch.is_tensor(m_splits):
+        if m_splits.dtype.is_floating_point or m_splits.dtype.is_complex or m_splits.dtype == torch.bool:
+            raise TypeError(f"{who}: m_splits is a {m_splits.dtype} tensor; pass integer row counts "
+                            "(an int64 tensor or a list of ints).")
+        if m_splits.dim() != 1:
+            raise ValueError(f"{who}: m_splits must be a one-dimensional tensor of row counts; got "
+                             f"shape {tuple(m_splits.shape)}.")
+        return [int(m) for m in m_splits.tolist()]
+    if isinstance(m_splits, (str, bytes)) or not isinstance(m_splits, Sequence):
+        raise TypeError(f"{who}: m_splits={given} is not a sequence of ints; pass the number of rows "
+                        "of each expert, e.g. [4, 0, 9] (or an int64 tensor).")
+    splits = []
+    for m in m_splits:
+        if isinstance(m, bool):
+            raise TypeError(f"{who}: m_splits={given} holds {m!r}; pass int row counts.")
+        try:
+            splits.append(operator.index(m))
+        except TypeError:
+            raise TypeError(f"{who}: m_splits={given} holds {m!r} ({type(m).__name__}); pass int row "
+                            "counts.") from None
+    return splits
 
 
 def _stack(ts: Sequence[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
@@ -455,9 +483,32 @@ class GroupedLinear(QuantizedModule):
         self._wcache[_STACK_SLOT] = (key, qws, w)
         return qws
 
-    def _check_splits(self, x: torch.Tensor, m_splits: Sequence[int]) -> list[int]:
-        splits = [int(m) for m in (m_splits.tolist() if torch.is_tensor(m_splits) else m_splits)]
+    def _check_splits(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor) -> list[int]:
+        """``m_splits`` as a list of ints, checked against the experts and the input's rows.
+
+        Parameters
+        ----------
+        x:
+            The [tokens, in_features] input.
+        m_splits:
+            Rows per expert: a sequence of non-negative Python ints (``operator.index``-able,
+            not bool), or a 1-D integer tensor (read once with ``tolist()``: a CUDA tensor
+            costs the one host sync it always did).
+
+        Returns
+        -------
+        list[int]
+            The row counts.
+
+        Raises
+        ------
+        TypeError
+            Not a sequence / tensor of integers (floats, strings, None, bools).
+        ValueError
+            Wrong number of entries, a negative entry, or a sum other than ``x``'s rows.
+        """
         who = f"GroupedLinear {self.name or ''}".rstrip()
+        splits = _split_counts(m_splits, who)
         if len(splits) != self.num_gemms:
             raise ValueError(f"{who}: m_splits has {len(splits)} entries; it needs one per expert "
                              f"({self.num_gemms}).")
@@ -483,7 +534,7 @@ class GroupedLinear(QuantizedModule):
                 raise ValueError(f"role {qs[0].role}: experts use different columnwise_source values "
                                  f"({sorted(sources)}); use one for every expert.")
 
-    def forward(self, x: torch.Tensor, m_splits: Sequence[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """x: [sum(m_splits), in_features] -> [sum(m_splits), out_features]."""
         if x.dim() != 2 or x.shape[-1] != self.in_features:
             raise ValueError(f"GroupedLinear {self.name}: input must be [tokens, {self.in_features}]; "
