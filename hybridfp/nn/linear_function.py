@@ -13,6 +13,7 @@ recompute — see ordinary tensors) and are re-assembled in backward.
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -189,7 +190,8 @@ class LinearFunction(torch.autograd.Function):
                 lc: LinearContext) -> torch.Tensor:
         needs_dgrad = ctx.needs_input_grad[0] and lc.grad_enabled
         needs_wgrad = ctx.needs_input_grad[1] and lc.grad_enabled
-        x2 = x.reshape(-1, x.shape[-1])
+        # explicit row count: reshape(-1, 0) is ambiguous for in_features == 0
+        x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
         with torch_autocast_off(x):
             y, saved_x, saved_w = forward_gemm(x2, weight, bias, lc, needs_dgrad, needs_wgrad)
         tx, ctx.skel_x = pack(saved_x)
@@ -207,7 +209,7 @@ class LinearFunction(torch.autograd.Function):
         saved_x = unpack(ctx.skel_x, list(saved[:ctx.n_x]))
         saved_w = unpack(ctx.skel_w, list(saved[ctx.n_x:]))
         needs_dgrad, needs_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dy2 = dy.reshape(-1, dy.shape[-1])
+        dy2 = dy.reshape(math.prod(dy.shape[:-1]), dy.shape[-1])
         with torch_autocast_off(dy):
             dx, dw = backward_gemms(dy2, saved_x, saved_w, ctx.lc, ctx.x_dtype, ctx.w_dtype,
                                     needs_dgrad, needs_wgrad)
