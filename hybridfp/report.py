@@ -124,11 +124,28 @@ def report(rows: int = 1024, cols: int = 1024, seed: int = 0) -> str:
     return "\n".join(lines)
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1 (an empty tensor has no SQNR)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer; got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1; got {value}")
+    return value
+
+
 def main(argv: Optional[list[str]] = None) -> None:
-    """CLI entry point."""
+    """CLI entry point.
+
+    Raises
+    ------
+    SystemExit
+        Status 2 with argparse's one-line message for a bad option (e.g. a size below 1).
+    """
     p = argparse.ArgumentParser(prog="hybridfp-report", description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int, default=1024)
-    p.add_argument("--cols", type=int, default=1024)
+    p.add_argument("--rows", type=_positive_int, default=1024, help="rows of the test tensors (at least 1)")
+    p.add_argument("--cols", type=_positive_int, default=1024, help="columns of the test tensors (at least 1)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     print(report(args.rows, args.cols, args.seed))

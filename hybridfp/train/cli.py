@@ -15,20 +15,24 @@ import argparse
 import json
 import math
 import sys
+import tempfile
 import time
 import warnings
+from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import Optional, Sequence, TypeVar
+from typing import Any, Optional, Sequence, TypeVar
 
 import torch
 
 from ..gemm import EmulatedGemmWarning
 from .data import DataError, load_data
-from .loop import DTYPES, FIXED_ON_RESUME, RunResult, TrainConfig, count_params, train_recipe
+from .files import atomic_write_text
+from .loop import (DTYPES, FIXED_ON_RESUME, MetricsLog, RunResult, TrainConfig, count_params, plan_resume,
+                   train_recipe)
 from .model import PRESETS, GPTConfig
 from .parallel import RESULTS_FILE, run_parallel, write_results
 from .plot import plot_losses
-from .recipes_by_name import known_names, parse_recipe, parse_recipe_list
+from .recipes_by_name import NamedRecipe, known_names, parse_recipe, parse_recipe_list
 from .report import summary_markdown, write_summary
 
 T = TypeVar("T")
@@ -56,7 +60,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-interval", type=int, help="evaluate every N steps (and at the end)")
     p.add_argument("--eval-iters", type=int, help="validation batches per evaluation")
     p.add_argument("--checkpoint-interval", type=int, default=0,
-                   help="also checkpoint every N steps (default: only at the end)")
+                   help="also checkpoint every N steps (default 0: only at the end)")
     p.add_argument("--device", help="cpu (default) or cuda")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="activation dtype (default bf16)")
     p.add_argument("--seed", type=int, default=None)
@@ -94,6 +98,79 @@ def _steps(args: argparse.Namespace, tokens_per_step: int) -> Optional[int]:
     return math.ceil(args.tokens / tokens_per_step) if args.tokens is not None else None
 
 
+#: Types a run.json value may have, by the annotation of its TrainConfig / GPTConfig field.
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "Optional[str]": (str, type(None)),
+    "GPTConfig": (dict,),
+}
+
+
+def _check_fields(cls: type, data: Any, where: str, path: Path) -> None:
+    """``data`` (from run.json) has only ``cls``'s fields, each of its type, and every field
+    without a default (a field added since the run was started takes its default)."""
+    if not isinstance(data, dict):
+        raise _damaged(path, f"{where} is a {type(data).__name__}, not an object")
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise _damaged(path, f"{where} has unknown setting(s) {', '.join(unknown)}")
+    for f in fields(cls):
+        if f.name not in data:
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise _damaged(path, f"{where} lacks {f.name!r}")
+            continue
+        value, types = data[f.name], _JSON_TYPES.get(str(f.type), (object,))
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise _damaged(path, f"{where}.{f.name} is {value!r}, not of type {f.type}")
+
+
+def _damaged(path: Path, why: str) -> ValueError:
+    return ValueError(f"--resume: {path} is damaged ({why}); hybridfp train writes it when a run starts: "
+                      "restore it, or start the run again without --resume.")
+
+
+def read_run_json(path: Path) -> tuple[dict[str, Any], list[str]]:
+    """The settings and recipe labels of the run to resume, checked.
+
+    Parameters
+    ----------
+    path:
+        The run's ``run.json``.
+
+    Returns
+    -------
+    tuple
+        (settings as stored, for :func:`config_from_args`; the recipes' labels).
+
+    Raises
+    ------
+    FileNotFoundError
+        No run.json: nothing to resume there.
+    ValueError
+        run.json is not JSON, or lacks or mistypes a setting or the recipe list.
+    """
+    if not path.is_file():
+        raise FileNotFoundError(f"--resume: {path} not found; nothing to resume in {path.parent} "
+                                "(pass the --out of the run to continue).")
+    try:
+        saved = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _damaged(path, f"not valid JSON: {' '.join(str(e).split())}") from None
+    if not isinstance(saved, dict):
+        raise _damaged(path, f"it holds a {type(saved).__name__}, not an object with config and recipes")
+    recipes = saved.get("recipes")
+    if not (isinstance(recipes, list) and recipes and all(isinstance(r, str) and r.strip() for r in recipes)):
+        raise _damaged(path, "'recipes' is not a non-empty list of recipe names")
+    config = saved.get("config")
+    _check_fields(TrainConfig, config, "config", path)
+    _check_fields(GPTConfig, config.get("model"), "config.model", path)
+    try:  # the dataclasses' own checks (head sizes...)
+        TrainConfig(**{**config, "model": GPTConfig(**config["model"])})
+    except (TypeError, ValueError) as e:
+        raise _damaged(path, " ".join(str(e).split())) from None
+    return config, recipes
+
+
 def config_from_args(args: argparse.Namespace, saved: Optional[dict] = None) -> TrainConfig:
     """The run's settings: the preset's, overridden by explicit flags.
 
@@ -104,8 +181,8 @@ def config_from_args(args: argparse.Namespace, saved: Optional[dict] = None) -> 
         cfg = TrainConfig(**{**saved, "model": GPTConfig(**saved["model"])})
         for key in FIXED_ON_RESUME:
             given = getattr(args, key, None)
-            if key != "preset" and given is not None and given != saved[key]:
-                print(f"note: --resume keeps {key}={saved[key]!r} from the run in progress "
+            if key != "preset" and given is not None and given != getattr(cfg, key):
+                print(f"note: --resume keeps {key}={getattr(cfg, key)!r} from the run in progress "
                       f"(ignoring {given!r})", file=sys.stderr)
         cfg.steps = _pick(_steps(args, cfg.tokens_per_step), cfg.steps)
         cfg.eval_interval = _pick(args.eval_interval, cfg.eval_interval)
@@ -126,6 +203,9 @@ def config_from_args(args: argparse.Namespace, saved: Optional[dict] = None) -> 
     for key in ("steps", "batch_size", "seq_len", "eval_interval", "eval_iters", "lr_decay_steps"):
         if getattr(cfg, key) < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be at least 1; got {getattr(cfg, key)}.")
+    if cfg.checkpoint_interval < 0:
+        raise ValueError(f"--checkpoint-interval must be 0 (checkpoint only at the end) or a positive "
+                         f"number of steps; got {cfg.checkpoint_interval}.")
     if cfg.lr <= 0 or cfg.warmup < 0:
         raise ValueError(f"--lr must be positive and --warmup non-negative; got {cfg.lr}, {cfg.warmup}.")
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
@@ -134,34 +214,73 @@ def config_from_args(args: argparse.Namespace, saved: Optional[dict] = None) -> 
     return cfg
 
 
+def parse_recipes(args: argparse.Namespace, saved: Optional[list[str]]) -> list[NamedRecipe]:
+    """The recipes to train: ``--recipe``, else ``--compare``, else the resumed run's, else
+    :data:`DEFAULT_COMPARE`. An empty ``--recipe`` / ``--compare`` is an error, not the default.
+
+    Raises
+    ------
+    ValueError
+        An empty or unknown recipe.
+    """
+    if args.recipe is not None:
+        if not args.recipe.strip():
+            raise ValueError("--recipe is empty; give a recipe name (hybridfp train --list-recipes), "
+                             "or leave --recipe out for the default comparison.")
+        return [parse_recipe(args.recipe)]
+    if args.compare is not None:
+        if not args.compare.strip():
+            raise ValueError("--compare is empty; give comma-separated recipe names, or leave --compare "
+                             "out for the default comparison.")
+        return parse_recipe_list(args.compare)
+    return parse_recipe_list(",".join(saved) if saved else DEFAULT_COMPARE)
+
+
+def prepare_out(out: Path) -> None:
+    """Create the output folder and check that files can be written there.
+
+    Raises
+    ------
+    ValueError
+        ``out`` is a file, or cannot be created or written to (the message says which).
+    """
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; pass a directory for the run's outputs.")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot write there ({e.strerror or e}); pass a writable "
+                         "directory.") from None
+
+
 def run_train(args: argparse.Namespace) -> int:
     """Run ``hybridfp train`` with parsed arguments; returns the exit status."""
     if args.list_recipes:
         print("\n".join(known_names()))
         print("per_gemm:fprop=F,dgrad=D,wgrad=W   package.module:function")
         return 0
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be at least 1; got {args.jobs}.")
     out = Path(args.out or f"runs/{args.preset}")
-    saved_run = None
-    if args.resume:
-        run_json = out / "run.json"
-        if not run_json.is_file():
-            raise FileNotFoundError(f"--resume: {run_json} not found; nothing to resume in {out} "
-                                    "(pass the --out of the run to continue).")
-        saved_run = json.loads(run_json.read_text())
-    cfg = config_from_args(args, saved_run["config"] if saved_run else None)
-    if args.recipe:
-        recipes = [parse_recipe(args.recipe)]
-    elif args.compare:
-        recipes = parse_recipe_list(args.compare)
-    else:
-        recipes = parse_recipe_list(",".join(saved_run["recipes"]) if saved_run else DEFAULT_COMPARE)
+    saved_config, saved_recipes = read_run_json(out / "run.json") if args.resume else (None, None)
+    cfg = config_from_args(args, saved_config)
+    recipes = parse_recipes(args, saved_recipes)
+    prepare_out(out)
     data = load_data(cfg.data, args.cache_dir)
     for split, toks in (("train", data.train), ("validation", data.val)):
         if len(toks) < cfg.seq_len + 1:
             raise DataError(f"the {split} split of {data.source} has {len(toks)} tokens; --seq-len "
                             f"{cfg.seq_len} needs at least {cfg.seq_len + 1}.")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "run.json").write_text(json.dumps(
+    parallel = args.jobs > 1 and len(recipes) > 1
+    # Every checkpoint is checked before any recipe trains: a bad one stops the run with the
+    # others' files untouched. (Worker processes check their own.)
+    resumes: dict[str, bool] = {}
+    if args.resume and not parallel:
+        MetricsLog(out / "metrics.jsonl").read()  # a damaged line stops the run here
+        resumes = {r.label: plan_resume(cfg, r, out) for r in recipes}
+    atomic_write_text(out / "run.json", json.dumps(
         {"config": cfg.to_dict(), "recipes": [r.label for r in recipes]}, indent=1))
     if not args.resume:  # a new run: start a new metrics file (old checkpoints get overwritten)
         (out / "metrics.jsonl").unlink(missing_ok=True)
@@ -179,17 +298,14 @@ def run_train(args: argparse.Namespace) -> int:
     results: list[RunResult] = []
     t0 = time.perf_counter()
     title = f"hybridfp train, preset {cfg.preset}"
-    if args.jobs < 1:
-        raise ValueError(f"--jobs must be at least 1; got {args.jobs}.")
     failed: list[str] = []
-    parallel = args.jobs > 1 and len(recipes) > 1
     if parallel:
         results, failed = run_parallel(cfg, recipes, out, args.jobs, args.resume, args.cache_dir)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EmulatedGemmWarning)  # listed in summary.md instead
         for named in [] if parallel else recipes:
-            resume = args.resume and (out / "checkpoints" / f"{named.slug}.pt").is_file()
-            results.append(train_recipe(cfg, named, data, out, resume=resume, progress=not args.no_progress))
+            results.append(train_recipe(cfg, named, data, out, resume=resumes.get(named.label, False),
+                                        progress=not args.no_progress))
             results[-1].model = None  # free memory before the next recipe
             plot_losses(results, out / "loss.png", title=title)
             write_summary(out / "summary.md", results, cfg, info)
@@ -213,8 +329,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return run_train(args)
-    except (ValueError, FileNotFoundError, FloatingPointError) as e:
-        print(f"hybridfp {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, OSError, FloatingPointError) as e:
+        # one line, argparse's form and exit status: the messages say what to do
+        print(f"hybridfp {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
 
 

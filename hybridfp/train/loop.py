@@ -29,10 +29,12 @@ from tqdm import tqdm
 from .. import autocast
 from ..gemm import EMULATED, describe_key, select
 from ..nn import GEMMS, QuantizedModule
-from ..recipes import AutocastState
-from .checkpoint import (load_checkpoint, load_quantizer_state, quantizer_state, rng_state,
-                         save_checkpoint, set_rng_state)
+from ..quantizers import Quantizer
+from ..recipes import AutocastState, Recipe
+from .checkpoint import (CheckpointError, check_belongs, load_checkpoint, rng_state, save_checkpoint,
+                         set_rng_state)
 from .data import TokenData, get_batch, val_batches
+from .files import atomic_write_text
 from .model import GPT, GPTConfig
 from .recipes_by_name import NamedRecipe
 
@@ -145,13 +147,33 @@ def count_params(cfg: TrainConfig, vocab_size: int) -> int:
         return GPT(mcfg).num_params()
 
 
+def _quantizer_snapshot(model: torch.nn.Module, recipe: Recipe) -> dict[str, dict[str, list[Quantizer]]]:
+    """In memory: module name -> slot -> copies of the module's quantizers for ``recipe``
+    (never written to a file; checkpoints carry quantizer state in ``model.state_dict()``)."""
+    state = AutocastState(recipe)
+    return copy.deepcopy({name: {slot: list(qs) for slot, qs in m.quantizers(state).items()}
+                          for name, m in model.named_modules() if isinstance(m, QuantizedModule)})
+
+
+def _restore_quantizers(model: torch.nn.Module, recipe: Recipe,
+                        saved: dict[str, dict[str, list[Quantizer]]]) -> None:
+    """Put back the state of :func:`_quantizer_snapshot` (same model, same recipe)."""
+    state = AutocastState(recipe)
+    for name, m in model.named_modules():
+        if isinstance(m, QuantizedModule):
+            for slot, live_qs in m.quantizers(state).items():
+                for live, old in zip(live_qs, saved[name][slot], strict=True):
+                    # which copies are held decoded is the module's policy (nn.base), not state
+                    live.__dict__.update({k: v for k, v in old.__dict__.items() if k != "_hold_decoded"})
+
+
 @torch.no_grad()
 def evaluate(model: GPT, named: NamedRecipe, data: TokenData, cfg: TrainConfig) -> float:
     """Mean loss over the fixed validation batches, with the recipe's quantized forward.
 
     Evaluation leaves the quantizers' state (delayed scaling's amax history and scale) as it
     found it, so a run's training trajectory does not depend on how often it is evaluated."""
-    saved = copy.deepcopy(quantizer_state(model, named.recipe))
+    saved = _quantizer_snapshot(model, named.recipe)
     model.eval()
     losses = []
     # The validation batches do not depend on the run's seed: runs at several seeds (the noise
@@ -161,7 +183,7 @@ def evaluate(model: GPT, named: NamedRecipe, data: TokenData, cfg: TrainConfig) 
             _, loss = model(x.to(cfg.device), y.to(cfg.device))
         losses.append(loss.float().item())
     model.train()
-    load_quantizer_state(model, named.recipe, saved)
+    _restore_quantizers(model, named.recipe, saved)
     return sum(losses) / len(losses)
 
 
@@ -187,6 +209,24 @@ def emulated_pairs(model: torch.nn.Module, named: NamedRecipe, device: str) -> l
     return [f"{k} ({counts[k]} module{'s' * (counts[k] > 1)})" for k in keys]
 
 
+class MetricsError(ValueError):
+    """A line of metrics.jsonl that is not a metrics record; the message names the line."""
+
+
+def _parse_record(line: str, where: str) -> dict[str, Any]:
+    """One metrics.jsonl line -> its record (a JSON object with a str recipe and an int step)."""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise MetricsError(f"{where}: not valid JSON ({e.msg}); fix or delete that line, then run "
+                           "again.") from None
+    if not (isinstance(rec, dict) and isinstance(rec.get("recipe"), str)
+            and isinstance(rec.get("step"), int) and not isinstance(rec.get("step"), bool)):
+        raise MetricsError(f"{where}: not a metrics record (a JSON object with a string 'recipe' and "
+                           "an integer 'step'); fix or delete that line, then run again.")
+    return rec
+
+
 class MetricsLog:
     """metrics.jsonl: one JSON object per line, every recipe of the run in one file."""
 
@@ -194,22 +234,107 @@ class MetricsLog:
         self.path = path
 
     def read(self, label: Optional[str] = None) -> list[dict[str, Any]]:
-        """All records (or one recipe's), in file order."""
+        """All records (or one recipe's), in file order.
+
+        Raises
+        ------
+        MetricsError
+            A line is not a record (the message gives the file and line number).
+        """
         if not self.path.is_file():
             return []
-        recs = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        recs = [_parse_record(line, f"{self.path}:{i}")
+                for i, line in enumerate(self.path.read_text().splitlines(), 1) if line.strip()]
         return [r for r in recs if label is None or r["recipe"] == label]
 
+    def last_step(self, label: str) -> Optional[int]:
+        """The highest step recorded for ``label``, None when it has no record."""
+        return max((r["step"] for r in self.read(label)), default=None)
+
     def truncate(self, label: str, after_step: int) -> None:
-        """Drop ``label``'s records past ``after_step`` (all of them for after_step < 0)."""
+        """Drop ``label``'s records past ``after_step`` (all of them for after_step < 0).
+
+        The file is replaced atomically: a run killed meanwhile leaves every recipe's history."""
         keep = [r for r in self.read() if r["recipe"] != label or r["step"] <= after_step]
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in keep))
 
     def append(self, record: dict[str, Any]) -> None:
         """Add one record."""
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+def checkpoint_path(out_dir: Path, named: NamedRecipe) -> Path:
+    """Where ``named``'s checkpoint lives under the run's output folder."""
+    return out_dir / "checkpoints" / f"{named.slug}.pt"
+
+
+def run_config(cfg: TrainConfig, named: NamedRecipe) -> TrainConfig:
+    """The run's settings for one recipe: ``NAME@seed=K`` replaces ``cfg.seed``."""
+    return cfg if named.seed is None else replace(cfg, seed=named.seed)
+
+
+def _check_resumable(ck: dict[str, Any], path: Path, named: NamedRecipe, cfg: TrainConfig) -> None:
+    """The checkpoint is this recipe's, from this run, and not past the target step."""
+    check_belongs(ck, path, named.label, cfg.to_dict(), FIXED_ON_RESUME)
+    if ck["step"] > cfg.steps:
+        raise CheckpointError(f"--resume: the checkpoint {path} is at step {ck['step']}, past --steps "
+                              f"{cfg.steps}; pass --steps {ck['step']} or more.")
+
+
+def plan_resume(cfg: TrainConfig, named: NamedRecipe, out_dir: Path) -> bool:
+    """Whether ``named`` continues from its checkpoint in ``out_dir`` (True) or starts at step 0
+    (False: no checkpoint and no step trained in metrics.jsonl, e.g. a recipe added to the run).
+
+    Parameters
+    ----------
+    cfg:
+        The run's settings.
+    named:
+        The recipe.
+    out_dir:
+        The run's output folder.
+
+    Returns
+    -------
+    bool
+        True when a checkpoint of this recipe and run is there.
+
+    Raises
+    ------
+    CheckpointError
+        The checkpoint is unreadable, not tensors and plain data, of another recipe or run, or
+        past ``cfg.steps``; or it is missing while metrics.jsonl records steps of the recipe
+        (starting over would silently drop them).
+    MetricsError
+        metrics.jsonl has a damaged line.
+    """
+    cfg = run_config(cfg, named)
+    path = checkpoint_path(out_dir, named)
+    if not path.is_file():
+        done = MetricsLog(out_dir / "metrics.jsonl").last_step(named.label)
+        if done:
+            raise CheckpointError(
+                f"--resume: no checkpoint for recipe {named.label!r} at {path}, but metrics.jsonl has "
+                f"its steps up to step {done}; resuming would restart it from step 0. Restore the "
+                "checkpoint, or delete the recipe's lines in metrics.jsonl to train it again.")
+        return False
+    # mapped, not read: only the settings are looked at here
+    _check_resumable(load_checkpoint(path, "cpu", mmap=True), path, named, cfg)
+    return True
+
+
+def _restore(model: torch.nn.Module, opt: torch.optim.Optimizer, ck: dict[str, Any], path: Path) -> None:
+    """Load the model (its quantizer state included), optimizer and RNG states of ``ck``."""
+    try:
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        set_rng_state(ck["rng"])
+    except (RuntimeError, ValueError, TypeError, KeyError) as e:
+        detail = " ".join(str(e).split())
+        detail = detail if len(detail) <= 300 else detail[:300] + "..."
+        raise CheckpointError(f"--resume: {path} does not fit this run's model, optimizer or generator "
+                              f"({type(e).__name__}: {detail}).") from None
 
 
 def train_recipe(cfg: TrainConfig, named: NamedRecipe, data: TokenData, out_dir: Path, *,
@@ -218,9 +343,8 @@ def train_recipe(cfg: TrainConfig, named: NamedRecipe, data: TokenData, out_dir:
     """Train (or resume) one recipe for ``cfg.steps`` steps; write metrics and a checkpoint.
 
     A recipe given with its own seed (``bf16@seed=1``) replaces ``cfg.seed`` for this run."""
-    if named.seed is not None:
-        cfg = replace(cfg, seed=named.seed)
-    ckpt_path = out_dir / "checkpoints" / f"{named.slug}.pt"
+    cfg = run_config(cfg, named)
+    ckpt_path = checkpoint_path(out_dir, named)
     metrics = MetricsLog(out_dir / "metrics.jsonl")
     model = build_model(cfg, data.vocab_size)
     opt = make_optimizer(model, cfg)
@@ -228,14 +352,9 @@ def train_recipe(cfg: TrainConfig, named: NamedRecipe, data: TokenData, out_dir:
     start = 0
     if resume:
         ck = load_checkpoint(ckpt_path, cfg.device)
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
-        load_quantizer_state(model, named.recipe, ck["quantizers"])
-        set_rng_state(ck["rng"])
+        _check_resumable(ck, ckpt_path, named, cfg)
+        _restore(model, opt, ck, ckpt_path)
         start, result.tokens, result.train_seconds = ck["step"], ck["tokens"], ck["train_seconds"]
-        if start > cfg.steps:
-            raise ValueError(f"--resume: the checkpoint {ckpt_path} is at step {start}, past --steps "
-                             f"{cfg.steps}; pass --steps {start} or more.")
         metrics.truncate(named.label, start)
         log(f"[{named.label}] resumed from {ckpt_path} at step {start}")
     else:
@@ -283,8 +402,7 @@ def train_recipe(cfg: TrainConfig, named: NamedRecipe, data: TokenData, out_dir:
                                      "or try a higher-precision recipe.")
         if (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0) or done == cfg.steps:
             save_checkpoint(ckpt_path, {
-                "step": done, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                "quantizers": quantizer_state(model, named.recipe), "rng": rng_state(),
+                "step": done, "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng_state(),
                 "tokens": result.tokens, "train_seconds": result.train_seconds,
                 "recipe": named.label, "config": cfg.to_dict()})
     bar.close()
@@ -294,5 +412,6 @@ def train_recipe(cfg: TrainConfig, named: NamedRecipe, data: TokenData, out_dir:
     return result
 
 
-__all__ = ["DTYPES", "FIXED_ON_RESUME", "MetricsLog", "RunResult", "TrainConfig", "build_model", "count_params",
-           "emulated_pairs", "evaluate", "lr_at", "make_optimizer", "train_recipe"]
+__all__ = ["DTYPES", "FIXED_ON_RESUME", "MetricsError", "MetricsLog", "RunResult", "TrainConfig", "build_model",
+           "checkpoint_path", "count_params", "emulated_pairs", "evaluate", "lr_at", "make_optimizer",
+           "plan_resume", "run_config", "train_recipe"]

@@ -8,18 +8,23 @@ Accepted (case-insensitive, ``_`` and ``-`` interchangeable):
 - every zoo factory by name (``hybridfp.factories.ZOO``), plus short aliases without
   ``row-scaled`` (``nvfp4-fwd-mxfp8-bwd``) and with ``hp`` for ``high-precision``;
 - ``per_gemm:fprop=F,dgrad=D,wgrad=W`` with format names from ``hybridfp.factories.FORMAT_NAMES``;
-- ``package.module:function`` — a user factory ``role -> Quantizer`` (wrapped in
-  ``CustomRecipe``), a ``Recipe`` instance, or a ``Recipe`` subclass (instantiated).
+- ``package.module:attr`` — a ``Recipe`` instance; a ``Recipe`` subclass (instantiated); a
+  factory ``def f(role) -> Quantizer`` (wrapped in ``CustomRecipe``); or a function
+  ``def f() -> Recipe`` (called). The return annotation is what makes a function one of ours:
+  nothing else named on the command line is ever called (``os:system`` is refused unrun).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
+import typing
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from .. import factories
+from ..quantizers import Quantizer
 from ..recipes import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                        MXFP8BlockScaling, NVFP4BlockScaling, Recipe)
 
@@ -98,9 +103,13 @@ def parse_per_gemm(spec: str) -> NamedRecipe:
     kv: dict[str, str] = {}
     for item in filter(None, (s.strip() for s in body.split(","))):
         key, sep, value = item.partition("=")
-        if not sep or key.strip() not in PER_GEMM_KEYS:
+        key = key.strip()
+        if not sep or key not in PER_GEMM_KEYS:
             raise ValueError(f"per_gemm recipe {spec!r}: {item!r} is not one of fprop=F, dgrad=D, wgrad=W.")
-        kv[key.strip()] = value.strip().lower().replace("-", "_")
+        if key in kv:  # a second value would silently win
+            raise ValueError(f"per_gemm recipe {spec!r}: {key} is given twice; give each of fprop, dgrad "
+                             "and wgrad once.")
+        kv[key] = value.strip().lower().replace("-", "_")
     missing = [k for k in PER_GEMM_KEYS if k not in kv]
     if missing:
         raise ValueError(f"per_gemm recipe {spec!r} lacks {', '.join(missing)}; give all three, e.g. "
@@ -111,8 +120,53 @@ def parse_per_gemm(spec: str) -> NamedRecipe:
                        f"per GEMM: fprop {kv['fprop']}, dgrad {kv['dgrad']}, wgrad {kv['wgrad']}")
 
 
+def _annotated_return(obj: Any) -> Optional[type]:
+    """The class a Python function (or a callable instance's ``__call__``) is annotated to
+    return; None for anything else (builtins, classes, unannotated or non-class annotations)."""
+    if isinstance(obj, type):
+        return None
+    target = obj if inspect.isfunction(obj) or inspect.ismethod(obj) else getattr(type(obj), "__call__", None)
+    if not (inspect.isfunction(target) or inspect.ismethod(target)):
+        return None
+    try:
+        ret = typing.get_type_hints(target).get("return")
+    except Exception:  # an annotation that does not resolve: not a declared factory
+        return None
+    return ret if isinstance(ret, type) else None
+
+
+def _takes(obj: Callable, n_args: int) -> bool:
+    """Whether ``obj`` can be called with ``n_args`` positional arguments."""
+    try:
+        inspect.signature(obj).bind(*([None] * n_args))
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def parse_user_recipe(spec: str) -> NamedRecipe:
-    """``package.module:attr``: a factory, a Recipe instance or a Recipe subclass."""
+    """``package.module:attr`` -> NamedRecipe.
+
+    ``attr`` must be a ``Recipe`` instance, a ``Recipe`` subclass (instantiated), a quantizer
+    factory annotated ``def f(role) -> Quantizer`` (wrapped in ``CustomRecipe``), or a function
+    annotated ``def f() -> Recipe`` (called once). Anything else is refused without being
+    called: a command line must not run arbitrary callables (``os:system``).
+
+    Parameters
+    ----------
+    spec:
+        ``package.module:attr`` (``attr`` may be dotted).
+
+    Returns
+    -------
+    NamedRecipe
+        Labelled ``spec``.
+
+    Raises
+    ------
+    ValueError
+        The module does not import, has no such attribute, or the attribute is none of the above.
+    """
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -128,10 +182,21 @@ def parse_user_recipe(spec: str) -> NamedRecipe:
         return NamedRecipe(spec, obj, f"user recipe {type(obj).__name__}")
     if isinstance(obj, type) and issubclass(obj, Recipe):
         return NamedRecipe(spec, obj(), f"user recipe {obj.__name__}()")
-    if callable(obj):
+    ret = _annotated_return(obj)
+    if ret is not None and issubclass(ret, Quantizer) and _takes(obj, 1):
         return NamedRecipe(spec, CustomRecipe(qfactory=obj), "user factory (CustomRecipe)")
-    raise ValueError(f"recipe {spec!r}: {attr} is a {type(obj).__name__}; it must be a factory "
-                     "role -> Quantizer, a hybridfp Recipe, or a Recipe subclass.")
+    if ret is not None and issubclass(ret, Recipe) and _takes(obj, 0):
+        recipe = obj()
+        if not isinstance(recipe, Recipe):
+            raise ValueError(f"recipe {spec!r}: {attr}() is annotated to return a Recipe but returned a "
+                             f"{type(recipe).__name__}.")
+        return NamedRecipe(spec, recipe, f"user recipe {type(recipe).__name__} from {attr}()")
+    raise ValueError(
+        f"recipe {spec!r}: {attr} is a {type(obj).__name__}"
+        + (f" annotated to return {ret.__name__}" if ret is not None else "")
+        + "; it must be a hybridfp Recipe, a Recipe subclass, a factory annotated "
+        "`def f(role) -> Quantizer`, or a function annotated `def f() -> Recipe` (nothing else named "
+        "on the command line is called).")
 
 
 def parse_recipe(spec: str) -> NamedRecipe:

@@ -76,8 +76,8 @@ def test_per_gemm_unknown_format_lists_formats():
 
 def test_module_function_factory(tmp_path, monkeypatch):
     (tmp_path / "my_recipes.py").write_text(
-        "from hybridfp import MXFP8Quantizer, IdentityQuantizer, Float8CurrentScaling\n"
-        "def fwd_only(role):\n"
+        "from hybridfp import MXFP8Quantizer, IdentityQuantizer, Float8CurrentScaling, Quantizer\n"
+        "def fwd_only(role) -> Quantizer:\n"
         "    return MXFP8Quantizer() if role is not None and role.tensor_type != 'grad_output' "
         "else IdentityQuantizer()\n"
         "RECIPE = Float8CurrentScaling(use_power_2_scales=True)\n"

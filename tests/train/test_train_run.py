@@ -76,8 +76,8 @@ def test_resume_is_bitwise_identical(tmp_path, cache, recipes):
     _train(cache, split, "--resume", "--steps", "20")
     for label in recipes.split(","):
         assert _losses(split, label) == _losses(full, label)  # every step's losses, exactly
-        a = torch.load(full / "checkpoints" / f"{label}.pt", weights_only=False)
-        b = torch.load(split / "checkpoints" / f"{label}.pt", weights_only=False)
+        a = torch.load(full / "checkpoints" / f"{label}.pt", weights_only=True)
+        b = torch.load(split / "checkpoints" / f"{label}.pt", weights_only=True)
         assert a["step"] == b["step"] == 20
         for k, v in a["model"].items():
             assert torch.equal(v, b["model"][k]), f"{label}: parameter {k} differs after resume"
@@ -179,7 +179,8 @@ def test_bad_jobs_and_devices(tmp_path, cache, capsys):
 def test_a_failing_worker_leaves_the_others(tmp_path, cache, monkeypatch, capsys):
     """A recipe that fails in its worker is reported (exit status 1); the others' results
     are still gathered into the summary and metrics."""
-    (tmp_path / "badfactory_mod.py").write_text("def factory(role):\n    return None\n")
+    (tmp_path / "badfactory_mod.py").write_text("from hybridfp.quantizers import Quantizer\n"
+                                                "def factory(role) -> Quantizer:\n    return None\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     out = tmp_path / "r"
