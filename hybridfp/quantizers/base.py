@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..formats.common import check_input
 from ..tensors import QuantizedStorage, QuantizedTensor
 from .backends import select_quantize_kernel
-from ..tensors.storage import COLUMNWISE, ROWWISE, check_direction
+from ..tensors.storage import COLUMNWISE, ROWWISE, MissingDirectionError, check_direction
 
 
 def all_reduce_amax(amax: torch.Tensor, group: Optional[Any]) -> torch.Tensor:
@@ -272,22 +272,72 @@ class Quantizer(ABC):
         return self.storage_cls.allocate(shape, dtype, device, self._directions(rowwise, columnwise),
                                          label=self.label, **self.storage_meta())
 
-    def update_quantized(self, src: torch.Tensor, dst: QuantizedTensor) -> QuantizedTensor:
-        """Re-quantize ``src`` into ``dst``'s existing buffers, in place (same copies held)."""
+    def update_quantized(self, src: torch.Tensor, dst: QuantizedTensor, *,
+                         directions: Optional[tuple[str, ...]] = None) -> QuantizedTensor:
+        """Re-quantize ``src`` into ``dst``'s existing buffers, in place.
+
+        The copies written are those of this quantizer's usage (TransformerEngine's
+        semantics), or ``directions`` when given (``dst.copy_(src)`` passes the copies ``dst``
+        holds). A copy ``dst`` holds outside them is dropped from ``dst``, not kept: it would
+        still hold the old value next to the new one, so fprop and the backward GEMMs would
+        silently read two different tensors.
+
+        Parameters
+        ----------
+        src:
+            The new high-precision value, of ``dst``'s shape.
+        dst:
+            A quantized tensor made by this quantizer (or ``make_empty``).
+        directions:
+            The copies to write ("rowwise" / "columnwise"); None: this quantizer's usage.
+
+        Returns
+        -------
+        QuantizedTensor
+            ``dst``.
+
+        Raises
+        ------
+        ValueError
+            Shapes differ, an invalid source, or no copy selected.
+        MissingDirectionError
+            A selected copy ``dst`` does not hold (a copy cannot be added in place).
+        """
         if tuple(src.shape) != tuple(dst.shape):
             raise ValueError(f"update_quantized: source shape {tuple(src.shape)} differs from "
                              f"destination {dst.qstorage.describe()}.")
         check_input(src, "update_quantized source")
+        want = self._update_directions(dst, directions)
         # write dst's own layout: its decoded copies decoded, its codes as codes, whatever this
         # quantizer holds now (make_empty allocates codes; a module may hold decoded copies)
-        held, self._hold_decoded = self._hold_decoded, dst.qstorage.decoded_directions()
+        held, self._hold_decoded = self._hold_decoded, dst.qstorage.decoded_directions() & frozenset(want)
         try:
-            storage = self.encode(src.detach(), dst.has_direction(ROWWISE), dst.has_direction(COLUMNWISE),
+            storage = self.encode(src.detach(), ROWWISE in want, COLUMNWISE in want,
                                   self.draw_seed() if self.uses_randomness() else None)
         finally:
             self._hold_decoded = held
+        stale = [d for d in dst.directions() if d not in want]
+        if stale:
+            dst.update_usage(**{f"{d}_usage": False for d in stale})
         dst.qstorage.copy_payload_(storage)
         return dst
+
+    def _update_directions(self, dst: QuantizedTensor, directions: Optional[tuple[str, ...]]) -> tuple[str, ...]:
+        """The copies ``update_quantized`` writes, each checked to be held by ``dst``."""
+        if directions is None:
+            want = self._directions(self.rowwise_usage, self.columnwise_usage)
+        else:
+            want = tuple(d for d in (ROWWISE, COLUMNWISE) if d in {check_direction(x) for x in directions})
+        if not want:
+            raise ValueError(f"update_quantized: {self!r} selects no copy (rowwise_usage=False and "
+                             "columnwise_usage=False); enable the copies to write with set_usage().")
+        for d in want:
+            if not dst.has_direction(d):
+                raise MissingDirectionError(
+                    f"update_quantized: {dst.qstorage.describe()} holds no {d} copy to write in place "
+                    f"(it holds: {', '.join(dst.directions()) or 'none'}); quantize anew with "
+                    f"{d}_usage=True, or set_usage({d}=False) on {self!r} to leave it out.")
+        return want
 
     def check_columnwise(self) -> None:
         """Raise a clear error if this quantizer cannot make a columnwise copy (default: it can)."""

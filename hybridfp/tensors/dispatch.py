@@ -95,7 +95,8 @@ def _requantize_into(dst: QuantizedTensor, src: torch.Tensor) -> None:
             "quantizer (e.g. it was loaded from a checkpoint). Call tensor.set_quantizer(q) "
             "first, or dequantize it."
         )
-    dst._quantizer.update_quantized(src.to(dst.device), dst)
+    # torch's copy_: dst takes src's value in every copy it holds, whatever the usage is now
+    dst._quantizer.update_quantized(src.to(dst.device), dst, directions=dst.directions())
 
 
 @implements(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
