@@ -46,12 +46,14 @@ def _e8m0_byte(amax, RCEIL: tl.constexpr, EMAX: tl.constexpr, RCP):
     if RCEIL:
         # the exponent of v = amax * RCP rounded up: adding 2**23 - 1 carries into the exponent
         # field iff the mantissa is non-zero (normal v). A subnormal v's byte is 1 iff
-        # v > 2**-127 (mantissa above 0x400000): add 0x3FFFFF there instead. min 0xFE: the top
-        # binade does not round up, and inf lands there (SPEC: inf -> 0xFE). NaN (bits above
-        # inf's; the sum wraps negative) -> 0xFF. Integer tests only: ~7 instructions a scale
-        # instead of ~17, and in the natural passes every thread holding a column computes it.
+        # v > 2**-127 (mantissa above 0x400000): add 0x3FFFFF there instead. A finite amax's
+        # byte is at most 254 - EMAX (fp8_max * scale finite: saturation near the FP32
+        # maximum); inf gets 0xFE (SPEC). NaN (bits above inf's; the sum wraps negative) ->
+        # 0xFF. Integer tests only: ~8 instructions a scale instead of ~17, and in the natural
+        # passes every thread holding a column computes it.
         bits = (amax * RCP).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        e = tl.minimum((bits + tl.where(bits < 0x800000, 0x3FFFFF, 0x7FFFFF)) >> 23, 0xFE)
+        cap = tl.where(bits >= 0x7F800000, 0xFE, 254 - EMAX)
+        e = tl.minimum((bits + tl.where(bits < 0x800000, 0x3FFFFF, 0x7FFFFF)) >> 23, cap)
         e = tl.where(bits > 0x7F800000, 0xFF, e)
     else:
         exp = (amax.to(tl.int32, bitcast=True) & 0x7FFFFFFF) >> 23
