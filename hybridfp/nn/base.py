@@ -20,6 +20,28 @@ SLOTS = ("input", "weight", "grad_output")
 #: The slots quantized in the forward pass, inside the autocast region.
 FORWARD_SLOTS = ("input", "weight")
 #: The three GEMMs of a linear: (name, layout, (slot, direction) of A, (slot, direction) of B).
+#: Layout version of the quantizer state a module keeps in ``state_dict`` (``get_extra_state``).
+EXTRA_STATE_VERSION = 1
+
+
+def _describe(q: Quantizer) -> dict[str, str]:
+    """What a saved quantizer state must match: class names (a hybrid's children too) and the
+    formats of the two copies."""
+    parts = [getattr(q, n) for n in ("rowwise_quantizer", "columnwise_quantizer") if hasattr(q, n)]
+    kind = type(q).__name__ + (f"({', '.join(type(c).__name__ for c in parts)})" if parts else "")
+    return {"kind": kind, "format": f"rowwise {q.format_key(ROWWISE)}; columnwise {q.format_key(COLUMNWISE)}"}
+
+
+def _module_name(module: nn.Module) -> str:
+    """A module's class and qualified name, for error messages."""
+    return f"{type(module).__name__} {getattr(module, 'name', '')}".rstrip()
+
+
+def _summary(obj: Any) -> str:
+    """A short description of an unexpected extra state, for error messages."""
+    if isinstance(obj, dict):
+        return f"a dict with keys {sorted(map(str, obj))[:8]}"
+    return type(obj).__name__
 GEMMS = (
     ("fprop", "TN", ("input", ROWWISE), ("weight", ROWWISE)),
     ("dgrad", "NN", ("grad_output", ROWWISE), ("weight", COLUMNWISE)),
@@ -143,6 +165,7 @@ class QuantizedModule(nn.Module):
             self._hold_decoded(built)
             self._quantizers, self._qkey = built, key
             # the quantizers whose state can move: the only ones asked for versions and step
+            self._restore_loaded_state(built)
             # ends (an MoE layer holds three per expert; most formats keep no state)
             self._stateful = [q for qs in built.values() for q in qs if q.has_state()]
             self._reads_known_amax = self.reads_recorded_amax and any(
@@ -222,6 +245,119 @@ class QuantizedModule(nn.Module):
     # ------------------------------------------------------------------ weights
     def quantized_weight(self, weight: torch.Tensor, q: Quantizer, columnwise: bool, index: int = 0) -> QuantizedTensor:
         """The weight quantized by ``q``, cached until the weight, the quantizer's state or
+    # ------------------------------------------------------------------ quantizer state
+    #: A quantizer state loaded before this module built its quantizers (``set_extra_state``),
+    #: applied when they are built; None when there is none.
+    _loaded_state: Optional[dict] = None
+
+    def get_extra_state(self) -> dict:
+        """The quantizers' state for ``state_dict`` (delayed scaling's amax history and scale):
+        tensors and plain values only, so ``torch.load(weights_only=True)`` and
+        ``torch.distributed.checkpoint`` take it.
+
+        Returns
+        -------
+        ``{"version": 1, "built": False}`` for a module that has not built quantizers (nothing to
+        restore), else ``{"version": 1, "built": True, "quantizers": {"<slot>.<set>": {"kind":
+        class names, "format": the copies' formats, "state": Quantizer.get_state()}}}``, one
+        entry per slot and quantizer set (an expert of GroupedLinear); a state loaded and not
+        yet applied is returned as loaded.
+        """
+        if self._quantizers:
+            return {"version": EXTRA_STATE_VERSION, "built": True, "quantizers": {
+                f"{slot}.{i}": {**_describe(q), "state": q.get_state()}
+                for slot, qs in self._quantizers.items() for i, q in enumerate(qs)}}
+        if self._loaded_state is not None:
+            return self._loaded_state
+        return {"version": EXTRA_STATE_VERSION, "built": False}
+
+    def set_extra_state(self, state: Any) -> None:
+        """Restore :meth:`get_extra_state`'s dict: at once into quantizers already built, else
+        kept and applied when the first forward under a recipe builds them (which then checks
+        that they are the saved ones). A module saved before it ran drops any quantizers built
+        here (the next forward builds fresh ones, as the saved module would have).
+
+        Parameters
+        ----------
+        state:
+            The module's ``_extra_state`` entry of a state dict.
+
+        Raises
+        ------
+        ValueError
+            For a state of another layout; one that says quantizers were saved but holds none
+            (``torch.distributed.checkpoint`` loaded into a module that had not built its
+            quantizers); or, when applied at once, quantizers that differ from the saved ones
+            (see :meth:`quantizers`).
+        """
+        who = _module_name(self)
+        if not isinstance(state, dict) or state.get("version") != EXTRA_STATE_VERSION or "built" not in state:
+            raise ValueError(f"{who}: the '_extra_state' entry is not a hybridfp quantizer state (version "
+                             f"{EXTRA_STATE_VERSION}); got {_summary(state)}.")
+        if not state["built"]:
+            self._loaded_state = None
+            self._qkey = None  # rebuild fresh quantizers at the next forward
+            return
+        if not isinstance(state.get("quantizers"), dict) or not state["quantizers"]:
+            raise ValueError(
+                f"{who}: the loaded state says the saved module had built its quantizers, but holds "
+                "no quantizer state. torch.distributed.checkpoint loads only the entries of the "
+                "state_dict it is given: take that state_dict from a model whose modules have built "
+                "their quantizers (run one forward under hybridfp.autocast with the recipe first).")
+        if self._quantizers:
+            self._apply_quantizer_state(state, self._quantizers)
+            self.invalidate_weight_cache()  # weights were quantized with the old scales
+            self._loaded_state = None
+        else:
+            self._loaded_state = state
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
+                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+        """``nn.Module``'s, accepting a state dict without this module's ``_extra_state`` (a plain
+        PyTorch model's, or saved before quantizer state was kept): the quantizers then start
+        fresh, as they would without a checkpoint."""
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        key = prefix + "_extra_state"
+        if key not in state_dict and key in missing_keys:
+            missing_keys.remove(key)
+
+    def _restore_loaded_state(self, built: dict[str, list[Quantizer]]) -> None:
+        """Apply a state loaded before the quantizers existed to the ones just built."""
+        if self._loaded_state is not None:
+            self._apply_quantizer_state(self._loaded_state, built)
+            self._loaded_state = None
+
+    def _apply_quantizer_state(self, state: dict, built: dict[str, list[Quantizer]]) -> None:
+        """Check that ``state`` was saved from quantizers like ``built`` (per slot and set: class
+        names and formats), then set each one's state; all or nothing."""
+        who, saved = _module_name(self), state["quantizers"]
+        names = {f"{slot}.{i}": q for slot, qs in built.items() for i, q in enumerate(qs)}
+        if set(saved) != set(names):
+            raise ValueError(f"{who}: the loaded quantizer state has the slots / sets {sorted(saved)}, "
+                             f"this module builds {sorted(names)}; load it into a module of the same shape.")
+        for name, q in names.items():
+            slot, index = name.rsplit(".", 1)
+            mine, theirs = _describe(q), {k: saved[name].get(k) for k in ("kind", "format")}
+            if mine != theirs:
+                raise ValueError(
+                    f"{who}: slot {slot!r} (quantizer set {index}): the loaded state was saved from "
+                    f"{theirs['kind']} [{theirs['format']}], the active recipe builds {mine['kind']} "
+                    f"[{mine['format']}]. Run under the recipe the checkpoint was saved with, or drop "
+                    "this module's '_extra_state' entry to start its quantizers fresh.")
+        before = {name: q.get_state() for name, q in names.items()}
+        try:
+            for name, q in names.items():
+                try:
+                    q.set_state(saved[name].get("state", {}))
+                except ValueError as e:
+                    slot, index = name.rsplit(".", 1)
+                    raise ValueError(f"{who}: slot {slot!r} (quantizer set {index}): {e}") from None
+        except ValueError:
+            for name, q in names.items():
+                q.set_state(before[name])
+            raise
+
         the recipe changes (so micro-batches of one step quantize it once)."""
         if isinstance(weight, QuantizedTensor):  # already quantized (quantized parameters)
             return weight
