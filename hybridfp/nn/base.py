@@ -19,7 +19,6 @@ from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
 SLOTS = ("input", "weight", "grad_output")
 #: The slots quantized in the forward pass, inside the autocast region.
 FORWARD_SLOTS = ("input", "weight")
-#: The three GEMMs of a linear: (name, layout, (slot, direction) of A, (slot, direction) of B).
 #: Layout version of the quantizer state a module keeps in ``state_dict`` (``get_extra_state``).
 EXTRA_STATE_VERSION = 1
 
@@ -42,6 +41,9 @@ def _summary(obj: Any) -> str:
     if isinstance(obj, dict):
         return f"a dict with keys {sorted(map(str, obj))[:8]}"
     return type(obj).__name__
+
+
+#: The three GEMMs of a linear: (name, layout, (slot, direction) of A, (slot, direction) of B).
 GEMMS = (
     ("fprop", "TN", ("input", ROWWISE), ("weight", ROWWISE)),
     ("dgrad", "NN", ("grad_output", ROWWISE), ("weight", COLUMNWISE)),
@@ -162,10 +164,10 @@ class QuantizedModule(nn.Module):
                     qs.append(q)
                 built[slot] = qs
             self._validate_quantizers(built)
+            self._restore_loaded_state(built)
             self._hold_decoded(built)
             self._quantizers, self._qkey = built, key
             # the quantizers whose state can move: the only ones asked for versions and step
-            self._restore_loaded_state(built)
             # ends (an MoE layer holds three per expert; most formats keep no state)
             self._stateful = [q for qs in built.values() for q in qs if q.has_state()]
             self._reads_known_amax = self.reads_recorded_amax and any(
@@ -242,9 +244,6 @@ class QuantizedModule(nn.Module):
                 if q.has_state():
                     q.discard_step()
 
-    # ------------------------------------------------------------------ weights
-    def quantized_weight(self, weight: torch.Tensor, q: Quantizer, columnwise: bool, index: int = 0) -> QuantizedTensor:
-        """The weight quantized by ``q``, cached until the weight, the quantizer's state or
     # ------------------------------------------------------------------ quantizer state
     #: A quantizer state loaded before this module built its quantizers (``set_extra_state``),
     #: applied when they are built; None when there is none.
@@ -358,6 +357,9 @@ class QuantizedModule(nn.Module):
                 q.set_state(before[name])
             raise
 
+    # ------------------------------------------------------------------ weights
+    def quantized_weight(self, weight: torch.Tensor, q: Quantizer, columnwise: bool, index: int = 0) -> QuantizedTensor:
+        """The weight quantized by ``q``, cached until the weight, the quantizer's state or
         the recipe changes (so micro-batches of one step quantize it once)."""
         if isinstance(weight, QuantizedTensor):  # already quantized (quantized parameters)
             return weight
