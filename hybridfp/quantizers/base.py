@@ -151,11 +151,24 @@ class Quantizer(ABC):
 
     def _quantize_no_grad(self, x: torch.Tensor) -> QuantizedTensor:
         if not (self.rowwise_usage or self.columnwise_usage):
-            raise ValueError(f"{self!r} has rowwise_usage=False and columnwise_usage=False: "
-                             "enable at least one with set_usage().")
+            return QuantizedTensor(self._quantize_nothing(x), self)
         seed = self.draw_seed() if self.uses_randomness() else None
         storage = self.encode(x.detach(), self.rowwise_usage, self.columnwise_usage, seed)
         return QuantizedTensor(storage, self)
+
+    def _quantize_nothing(self, x: torch.Tensor) -> QuantizedStorage:
+        """``quantize`` with both usages off. A plain quantizer refuses, as TransformerEngine's
+        do (a tensor of one format with no copy has nothing to be); a hybrid returns an empty
+        one (see HybridQuantizer).
+
+        Raises
+        ------
+        ValueError
+            Always, naming the quantizer and what to enable.
+        """
+        role = f" (role: {self.label})" if self.label else ""
+        raise ValueError(f"{self!r}{role} has rowwise_usage=False and columnwise_usage=False: "
+                         "enable at least one with set_usage().")
 
     def encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool,
                seed: Optional[int] = None) -> QuantizedStorage:

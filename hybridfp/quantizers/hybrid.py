@@ -23,7 +23,9 @@ class HybridQuantizer(Quantizer):
         backward of the forward value; a real format: double quantization).
 
     Only requested copies are computed; with "rowwise_dequantized" and only the columnwise
-    copy requested, a transient rowwise result is made and discarded.
+    copy requested, a transient rowwise result is made and discarded. With both usages off,
+    ``quantize`` returns an empty hybrid (shape and dtype, no copy; reading a value from it
+    raises), as TransformerEngine's does; its children see nothing.
     """
 
     storage_cls = HybridStorage
@@ -87,6 +89,11 @@ class HybridQuantizer(Quantizer):
             self.rowwise_quantizer.observe(x)
         return HybridStorage(x.shape, x.dtype, row if rowwise else None, col, label=self.label)
 
+    def _quantize_nothing(self, x: torch.Tensor) -> QuantizedStorage:
+        """The empty hybrid of ``x``'s shape, dtype and device (no child runs or observes:
+        nothing is quantized)."""
+        return HybridStorage(x.shape, x.dtype, None, None, label=self.label, device=x.device)
+
     def decodable(self, want: frozenset) -> frozenset:
         """Any of ``want`` when both children can write their copy decoded as parts
         (``decodable_part``: NVFP4 1D rowwise -> MXFP8 1D columnwise, the fused kernel's pair),
@@ -98,7 +105,7 @@ class HybridQuantizer(Quantizer):
     def _allocate(self, shape, dtype, device, rowwise, columnwise):  # type: ignore[override]
         row = self.rowwise_quantizer._allocate(shape, dtype, device, True, False) if rowwise else None
         col = self.columnwise_quantizer._allocate(shape, dtype, device, False, True) if columnwise else None
-        return HybridStorage(shape, dtype, row, col, label=self.label)
+        return HybridStorage(shape, dtype, row, col, label=self.label, device=device)
 
     @property
     def reads_known_amax(self) -> bool:  # type: ignore[override]

@@ -35,13 +35,18 @@ class HybridStorage(QuantizedStorage):
         columnwise_storage: Optional[QuantizedStorage],
         *,
         label: str = "",
+        device: torch.device | str | None = None,
     ) -> None:
         self.shape = torch.Size(shape)
         self.dtype = dtype
         self.label = label
         self.meta = {}
-        if rowwise_storage is None and columnwise_storage is None:
-            raise ValueError(f"{self.describe()} needs at least one of its two copies.")
+        # An empty hybrid (a quantizer with both usages off, as TransformerEngine's) has no
+        # payload to take its device from: it is given one.
+        self._device = None if device is None else torch.device(device)
+        if rowwise_storage is None and columnwise_storage is None and device is None:
+            raise ValueError(f"{self.describe()} needs at least one of its two copies (or, empty, "
+                             "a device).")
         self.parts: dict[str, Optional[QuantizedStorage]] = {
             ROWWISE: rowwise_storage, COLUMNWISE: columnwise_storage}
         for d, part in self.parts.items():
@@ -60,6 +65,14 @@ class HybridStorage(QuantizedStorage):
         if all(parts[d] is self.parts[d] for d in parts):
             return self
         return HybridStorage(self.shape, self.dtype, parts[ROWWISE], parts[COLUMNWISE], label=self.label)
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        """The parts' device; an empty hybrid's own."""
+        for p in self.parts.values():
+            if p is not None:
+                return p.device
+        return self._device
 
     @property
     def rowwise_storage(self) -> Optional[QuantizedStorage]:
@@ -188,6 +201,11 @@ class HybridStorage(QuantizedStorage):
     def preferred_direction(self) -> str:
         """The copy whose format is more precise (rowwise on ties)."""
         held = [d for d in DIRECTIONS if self.has(d)]
+        if not held:
+            raise MissingDirectionError(
+                f"{self.describe()} holds no copy (quantized with rowwise_usage=False and "
+                "columnwise_usage=False): it has no value to read. Quantize with the copy you "
+                "need (quantizer.set_usage(rowwise=True) or columnwise=True).")
         return max(held, key=lambda d: (self.parts[d].precision_rank, d == ROWWISE))
 
     @property

@@ -60,10 +60,13 @@ def test_both_usages_off(name):
         q(make_input((4, 32)))
 
 
-def test_both_usages_off_hybrid():
+def test_both_usages_off_hybrid_is_empty_and_reading_it_fails():
+    """A hybrid returns an empty tensor (test_te_semantics.py); its value cannot be read."""
     h = HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(), rowwise=False, columnwise=False)
-    with pytest.raises(ValueError, match="enable at least one with set_usage"):
-        h(make_input((4, 32)))
+    y = h(make_input((4, 32)))
+    assert y.directions() == ()
+    with pytest.raises(MissingDirectionError, match="holds no copy.*set_usage"):
+        y.dequantize()
 
 
 @pytest.mark.parametrize("held,missing", [(ROWWISE, COLUMNWISE), (COLUMNWISE, ROWWISE)])
