@@ -82,7 +82,13 @@ class _BuiltinRecipe(Recipe):
 
 @dataclass
 class DelayedScaling(_BuiltinRecipe):
-    """FP8 per-tensor delayed scaling (scale from the amax history, updated per step)."""
+    """FP8 per-tensor delayed scaling (scale from the amax history, updated per step).
+
+    Options are checked when the recipe is made (``ValueError`` naming the option and its
+    range): ``margin`` an integer in [0, ``max_margin``] of the formats used (8 for E4M3, 15
+    for E5M2: beyond it the scale of a large amax or its inverse leaves FP32's range),
+    ``amax_history_len`` an integer >= 1, ``amax_compute_algo`` "max" or "most_recent".
+    """
 
     fp8_format: str = "HYBRID"
     margin: int = 0
@@ -99,7 +105,11 @@ class DelayedScaling(_BuiltinRecipe):
 
 @dataclass
 class Float8CurrentScaling(_BuiltinRecipe):
-    """FP8 per-tensor current scaling (each tensor's own amax)."""
+    """FP8 per-tensor current scaling (each tensor's own amax).
+
+    ``amax_epsilon`` (the amax floor) must be a finite number >= 0, checked when the recipe is
+    made.
+    """
 
     fp8_format: str = "HYBRID"
     use_power_2_scales: bool = False
