@@ -5,6 +5,11 @@ memory, nominal dtype), pin_memory, ``copy_``, views/reshapes that keep the last
 split / slice along dim 0 at block boundaries, new_zeros / new_empty / empty_like /
 zeros_like, zero_. Everything else dequantizes, runs in high precision and warns once per op;
 in-place ops on a quantized tensor re-quantize the result into it through its quantizer.
+
+The wrapper reports contiguous strides and storage offset 0 over its own elements, so ops
+that read memory layout (``as_strided``) get the value in that layout: row-major, in memory of
+its own (a columnwise copy decodes transposed; an Identity slice is a view into a larger
+tensor), and a view reaching outside the tensor is a clear error.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ import warnings
 import torch
 from torch.utils._pytree import tree_map
 
+from .hybrid import HybridStorage
+from .identity import IdentityStorage
 from .quantized_tensor import FALLBACK, QuantizedTensor, implements
-from .storage import QuantizedStorage
+from .storage import DIRECTIONS, MissingDirectionError, QuantizedStorage
 
 aten = torch.ops.aten
 _WARNED: set[str] = set()
@@ -78,6 +85,7 @@ def _copy(func, args, kwargs):
     if tuple(src.shape) != tuple(dst.shape):
         raise ValueError(f"copy_ shape mismatch: {tuple(src.shape)} into {dst._storage.describe()}.")
     if isinstance(src, QuantizedTensor):
+        _check_copies_held(dst._storage, src._storage)
         try:
             dst._storage.copy_payload_(src._storage.map_tensors(lambda x: x.to(dst.device)))
             return dst
@@ -85,6 +93,40 @@ def _copy(func, args, kwargs):
             src = src.dequantize(dst.dtype)  # another format: re-quantize its value
     _requantize_into(dst, src)
     return dst
+
+
+def _copy_format(s: QuantizedStorage, direction: str):
+    """The format key of ``s``'s ``direction`` copy, held or not (None: a hybrid's absent part,
+    whose format is unknown)."""
+    if isinstance(s, HybridStorage):
+        part = s.parts[direction]
+        return None if part is None else part.format_key(direction)
+    return type(s).key_for(direction, s.meta)
+
+
+def _check_copies_held(dst: QuantizedStorage, src: QuantizedStorage) -> None:
+    """Refuse ``dst.copy_(src)`` of one format when ``src`` lacks a copy ``dst`` holds.
+
+    Copying would have to re-quantize that copy from the value of another one (a second
+    quantization, e.g. the columnwise blocks from the rowwise-rounded values), which is not a
+    copy. Tensors of different formats are re-quantized from the source's value by design;
+    Identity holds one tensor for both copies, so either serves.
+    """
+    missing = [d for d in dst.directions() if not src.has(d)]
+    if not missing or (isinstance(dst, IdentityStorage) and isinstance(src, IdentityStorage)):
+        return
+    keys = [(_copy_format(dst, d), _copy_format(src, d)) for d in DIRECTIONS]
+    if any(a is not None and b is not None and a != b for a, b in keys):
+        return  # another format: its value is re-quantized
+    held = " and ".join(src.directions())
+    holds, value = (f"only its {held}", f"the source's {held} value") if held else ("no", "nothing")
+    raise MissingDirectionError(
+        f"copy_: the source {src.describe()} holds {holds} copy; the destination {dst.describe()} "
+        f"also holds its {' and '.join(missing)} copy, which copying would have to re-quantize "
+        f"from {value} (a second quantization). Quantize the source with the copies the destination holds "
+        f"(quantizer.set_usage({missing[0]}=True)), drop them from the destination first "
+        f"(dst.update_usage({missing[0]}_usage=False)), or copy a high-precision value "
+        "explicitly (dst.copy_(src.dequantize())) to re-quantize it.")
 
 
 def _requantize_into(dst: QuantizedTensor, src: torch.Tensor) -> None:
@@ -175,6 +217,41 @@ def _like(func, args, kwargs):
     return _allocate_like(t, t.shape, kwargs, 0.0 if func is aten.zeros_like.default else None)
 
 
+def _dense(t: QuantizedTensor) -> torch.Tensor:
+    """``t``'s value as the wrapper presents it: row-major, offset 0, in memory of its own (a
+    columnwise copy decodes transposed; an Identity slice is a view into its parent)."""
+    v = t.dequantize()
+    owned = (v.is_contiguous() and v.storage_offset() == 0
+             and v.untyped_storage().nbytes() == v.numel() * v.element_size())
+    return v if owned else v.clone(memory_format=torch.contiguous_format)
+
+
+def _check_strided_view(t: QuantizedTensor, size, stride, offset: int) -> None:
+    """Raise unless the view (size, stride, offset) stays inside ``t``'s own elements."""
+    if offset < 0 or any(s < 0 for s in stride) or len(size) != len(stride):
+        raise ValueError(f"as_strided of {t._storage.describe()}: size {list(size)}, stride "
+                         f"{list(stride)}, offset {offset} is not a valid view.")
+    if any(n == 0 for n in size):
+        return
+    last = offset + sum((n - 1) * s for n, s in zip(size, stride))
+    if last >= t.numel():
+        raise ValueError(
+            f"as_strided of {t._storage.describe()}: size {list(size)}, stride {list(stride)}, "
+            f"offset {offset} reaches element {last}, outside the tensor's {t.numel()} elements "
+            f"({' x '.join(map(str, t.shape))}). A QuantizedTensor (a slice too) has memory of its "
+            "own: offsets count from its first element (its storage_offset() is 0).")
+
+
+@implements(aten.as_strided.default)
+def _as_strided(func, args, kwargs):
+    t, size, stride = args[0], args[1], args[2]
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+    offset = 0 if offset is None else offset
+    _check_strided_view(t, size, stride, offset)
+    _warn_once(func)
+    return _dense(t).as_strided(size, stride, offset)
+
+
 @implements(aten.zero_.default)
 def _zero(func, args, kwargs):
     args[0]._storage.zero_()
@@ -192,16 +269,21 @@ def _mutated_quantized(func, args, kwargs) -> list[QuantizedTensor]:
     return out
 
 
-def _fallback(func, args, kwargs):
+def _warn_once(func) -> None:
+    """Say once per op that it dequantizes its QuantizedTensor operands."""
     name = str(func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else func)
     if name not in _WARNED:
         _WARNED.add(name)
         warnings.warn(
             f"hybridfp: aten.{name} has no quantized implementation; the QuantizedTensor "
-            "operands are dequantized and the op runs in high precision.", stacklevel=3)
+            "operands are dequantized and the op runs in high precision.", stacklevel=4)
+
+
+def _fallback(func, args, kwargs):
+    _warn_once(func)
     mutated = _mutated_quantized(func, args, kwargs)
-    deq = {id(t): t.dequantize() for t in mutated}
-    unwrap = lambda x: (deq.get(id(x)) if id(x) in deq else x.dequantize()) if isinstance(x, QuantizedTensor) else x
+    deq = {id(t): _dense(t) for t in mutated}
+    unwrap = lambda x: (deq.get(id(x)) if id(x) in deq else _dense(x)) if isinstance(x, QuantizedTensor) else x
     out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
     for t in mutated:  # write the high-precision result back by re-quantizing
         _requantize_into(t, deq[id(t)])

@@ -28,15 +28,34 @@ class IdentityStorage(QuantizedStorage):
         raise TypeError("IdentityStorage is allocated with IdentityStorage.allocate_like")
 
     @classmethod
-    def allocate(cls, shape, dtype, device, directions, *, label="", fill=None, **meta):  # type: ignore[override]
-        """An empty high-precision tensor shared by the requested directions."""
+    def allocate(cls, shape, dtype, device, directions, *, label="", fill=None,  # type: ignore[override]
+                 data_dtype: Optional[torch.dtype] = None, **meta):
+        """An empty high-precision tensor shared by the requested directions.
+
+        Parameters
+        ----------
+        dtype
+            The nominal dtype (what ``dequantize()`` returns by default).
+        data_dtype
+            The dtype the data is held in (an ``IdentityQuantizer(dtype=...)`` cast); None:
+            ``dtype``.
+        """
         shape = torch.Size(shape)
         rows = shape[:-1].numel() if len(shape) else 1
         cols = shape[-1] if len(shape) else 1
-        data = (torch.empty if fill is None else torch.zeros)((rows, cols), dtype=dtype, device=device)
+        data = (torch.empty if fill is None else torch.zeros)((rows, cols), dtype=data_dtype or dtype,
+                                                              device=device)
         p = {"data": data}
         return cls(shape, dtype, p if ROWWISE in directions else None,
                    p if COLUMNWISE in directions else None, label=label)
+
+    def allocate_like(self, shape: torch.Size, dtype: torch.dtype, fill: Optional[float] = None,
+                      device: torch.device | str | None = None) -> "IdentityStorage":
+        """An empty (or zero) storage of another shape and nominal ``dtype`` holding its data in
+        this one's data dtype: the quantizer's cast is part of the format, so a later
+        ``copy_`` into it neither rounds (FP32 held under a BF16 nominal dtype) nor widens."""
+        return type(self).allocate(shape, dtype, device or self.device, self.directions(), label=self.label,
+                                   fill=fill, data_dtype=self.tensors()[0].dtype)
 
     def tensors(self) -> list[torch.Tensor]:
         """The one data tensor (shared by both directions)."""

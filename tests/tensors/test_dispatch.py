@@ -10,7 +10,7 @@ import torch
 
 import hybridfp
 from hybridfp import QuantizedTensor
-from hybridfp.tensors import COLUMNWISE, ROWWISE
+from hybridfp.tensors import COLUMNWISE, ROWWISE, MissingDirectionError
 from tensor_cases import (BY_NAME, assert_bitwise, assert_same_payloads, case_params, data_ptrs,
                           expected_nbytes, make_input, quantize)
 
@@ -147,11 +147,14 @@ def test_copy_other_format_requantizes_its_value(dst_case, src_case):
     assert_same_payloads(dst, quantize(dst_case, src.dequantize()))
 
 
-def test_copy_from_a_tensor_missing_a_copy_requantizes():
-    """The source lacks the columnwise copy the destination holds: re-quantize its value."""
+def test_copy_from_a_tensor_missing_a_copy_is_refused():
+    """The source lacks the columnwise copy the destination holds: copying would re-quantize
+    it from the rowwise value, so it is refused; re-quantizing the value is explicit."""
     dst = hybridfp.MXFP8Quantizer()(make_input(SHAPE, seed=1))
     src = hybridfp.MXFP8Quantizer(columnwise=False)(make_input(SHAPE, seed=2))
-    dst.copy_(src)
+    with pytest.raises(MissingDirectionError, match="holds only its rowwise copy"):
+        dst.copy_(src)
+    dst.copy_(src.dequantize())
     assert dst.directions() == (ROWWISE, COLUMNWISE)
     assert_same_payloads(dst, hybridfp.MXFP8Quantizer()(src.dequantize()))
 
