@@ -15,6 +15,7 @@ from ..gemm import reads_bf16_decodes, report_emulated
 from ..quantizers import Quantizer
 from ..recipes import AutocastState, QuantizerRole
 from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
+from .weight_cache import WeightEntry, WeightKey, new_entry, reusable
 
 SLOTS = ("input", "weight", "grad_output")
 #: The slots quantized in the forward pass, inside the autocast region.
@@ -100,7 +101,9 @@ class QuantizedModule(nn.Module):
         self._qkey: Optional[tuple] = None
         self._quantizers: dict[str, list[Quantizer]] = {}
         self._stateful: list[Quantizer] = []  # of _quantizers: those with state (``Quantizer.has_state``)
-        self._wcache: dict[int, tuple[tuple, QuantizedTensor, torch.Tensor]] = {}
+        # cached quantized weights by slot (expert index; GroupedLinear's joined entries use
+        # negative slots): see weight_cache.py for when an entry may be reused
+        self._wcache: dict[int, WeightEntry] = {}
         self._forward_versions: tuple = ()
         self._reads_known_amax = False  # any built quantizer reads recorded amaxes (see quantizers())
 
@@ -172,7 +175,7 @@ class QuantizedModule(nn.Module):
             self._stateful = [q for qs in built.values() for q in qs if q.has_state()]
             self._reads_known_amax = self.reads_recorded_amax and any(
                 q.reads_known_amax for qs in built.values() for q in qs)
-            self._wcache.clear()
+            self._wcache.clear()  # also the kept copies: is_first_microbatch=False then raises
             self._report_emulated(built)
         versions = tuple(q.state_version() for q in self._stateful)
         if not state.replay:
@@ -358,38 +361,65 @@ class QuantizedModule(nn.Module):
             raise
 
     # ------------------------------------------------------------------ weights
-    def quantized_weight(self, weight: torch.Tensor, q: Quantizer, columnwise: bool, index: int = 0) -> QuantizedTensor:
-        """The weight quantized by ``q``, cached until the weight, the quantizer's state or
-        the recipe changes (so micro-batches of one step quantize it once)."""
+    def quantized_weight(self, weight: torch.Tensor, q: Quantizer, columnwise: bool, index: int = 0, *,
+                         region: Optional[object] = None,
+                         is_first_microbatch: Optional[bool] = None) -> QuantizedTensor:
+        """The weight quantized by ``q``, from the cache where the rule of ``weight_cache``
+        allows: within the autocast region ``region`` (its ``AutocastState.token``; None: no
+        reuse) while the weight, the quantizer's state and the recipe are unchanged, and across
+        regions only as ``is_first_microbatch`` asks (TransformerEngine's semantics).
+
+        Parameters
+        ----------
+        weight: the (master) weight; a ``QuantizedTensor`` (quantized parameter) is returned as is.
+        q: the weight quantizer. columnwise: the call needs the columnwise copy (dgrad).
+        index: the cache slot (the expert of a GroupedLinear).
+        region: the active region's token. is_first_microbatch: None, True or False.
+
+        Returns
+        -------
+        The quantized weight.
+
+        Raises
+        ------
+        RuntimeError: ``is_first_microbatch=False`` without a matching kept copy.
+        """
         if isinstance(weight, QuantizedTensor):  # already quantized (quantized parameters)
             return weight
         key = self._weight_key(weight, q)
-        hit = self._cached_weight(index, key, columnwise)
+        hit = self._cached_weight(index, weight, key, columnwise, region, is_first_microbatch)
         if hit is not None:
             return hit
         q.set_usage(rowwise=True, columnwise=columnwise)
         with torch.no_grad():
             qw = q.quantize(weight.detach())
-        # ``key`` stays valid after quantizing: delayed scaling's state moves only at step ends.
-        # Holding ``weight`` keeps its id from being recycled while the entry lives.
-        self._wcache[index] = (key, qw, weight)
+        # ``key`` stays valid after quantizing: delayed scaling's state moves only at region ends
+        self._wcache[index] = new_entry(self._wcache.get(index), key, qw, weight, region, is_first_microbatch)
         return qw
 
-    def _weight_key(self, weight: torch.Tensor, q: Quantizer) -> tuple:
-        """The weight cache's key. The weight object itself is part of it (a new tensor at a
-        recycled address must not hit); writes through ``.data`` bypass _version: call
-        invalidate_weight_cache()."""
-        return (weight._version, weight.data_ptr(), id(weight), q.state_version(), self._qkey)
+    def _weight_key(self, weight: torch.Tensor, q: Quantizer) -> WeightKey:
+        """What a quantized weight depends on besides the weight object (compared by identity,
+        held by the entry) and the region: its version counter, the quantizer state, the
+        recipe. Never an address: see weight_cache.py (ranks must decide alike)."""
+        return WeightKey(weight._version, q.state_version(), self._qkey)
 
-    def _cached_weight(self, index: int, key: tuple, columnwise: bool) -> Optional[QuantizedTensor]:
-        """The cached quantized weight ``index`` if its key matches and it holds the copies
-        asked for, else None."""
-        hit = self._wcache.get(index)
-        if hit is not None and hit[0] == key and (not columnwise or hit[1].has_direction(COLUMNWISE)):
-            return hit[1]
+    def _cached_weight(self, index: int, weight: Any, key: WeightKey, columnwise: bool,
+                       region: Optional[object], is_first_microbatch: Optional[bool]) -> Optional[QuantizedTensor]:
+        """The cached quantized weight of slot ``index`` if this call may reuse it
+        (``weight_cache.reusable``), else None; raises for ``is_first_microbatch=False``
+        without a matching kept copy."""
+        entry = self._wcache.get(index)
+        if reusable(entry, weight, key, columnwise, region, is_first_microbatch, self._who()):
+            return entry.qw  # type: ignore[union-attr]
         return None
 
+    def _who(self) -> str:
+        """The module's class and name, for messages."""
+        return f"{type(self).__name__} {self.name}".rstrip()
+
     def invalidate_weight_cache(self) -> None:
-        """Forget cached quantized weights: needed after writing a weight through ``.data``
-        (e.g. an EMA swap), which does not bump the parameter's version counter."""
+        """Forget cached quantized weights, kept ones included. Entries already expire with
+        their autocast region; this is needed only after a write that bypasses the version
+        counter (``.data``) between two calls of the module inside one region. Call it on every
+        rank: cache hits must be the same everywhere (see weight_cache.py)."""
         self._wcache.clear()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -34,6 +34,18 @@ from ..tensors.slicing import adjacent_rows
 from .base import SLOTS, QuantizedModule
 from .grouped_saved import restore_experts, save_experts
 from .linear_function import LinearContext, bias_grad, keeps_original_input, torch_autocast_off
+from .weight_cache import WeightKey, check_is_first_microbatch, join_keys, new_entry, reusable, split_entry
+
+
+class WeightReuse(NamedTuple):
+    """What the weight cache decides with in one forward (see nn/weight_cache.py)."""
+
+    region: Optional[object]  #: the autocast region's token
+    is_first_microbatch: Optional[bool]  #: TransformerEngine's forward argument
+
+
+#: Position of the first parameter among GroupedLinearFunction.forward's inputs.
+_PARAMS = 6
 
 
 class GroupedLinearFunction(torch.autograd.Function):
@@ -49,21 +61,23 @@ class GroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, m_splits: list[int], lcs: list[LinearContext],  # type: ignore[override]
-                has_bias: bool, stacked: Optional[Sequence[torch.Tensor]], *params: torch.Tensor) -> torch.Tensor:
+                has_bias: bool, stacked: Optional[Sequence[torch.Tensor]], reuse: "WeightReuse",
+                *params: torch.Tensor) -> torch.Tensor:
         """``params``: the experts' weights then biases (one Parameter each), or with ``stacked``
         (the experts' weights as views of one [E, N, K] Parameter, see ``single_parameter``)
-        that Parameter and the [E, N] bias: its gradient comes back stacked."""
+        that Parameter and the [E, N] bias: its gradient comes back stacked. ``reuse``: the
+        region token and ``is_first_microbatch`` the weight cache decides with."""
         n = len(lcs)
         grad_enabled = lcs[0].grad_enabled  # see LinearContext
         if stacked is not None:
             weights, biases = stacked, (params[1].unbind(0) if has_bias else (None,) * n)
-            needs_wgrad = [ctx.needs_input_grad[5] and grad_enabled] * n
+            needs_wgrad = [ctx.needs_input_grad[_PARAMS] and grad_enabled] * n
         else:
             weights, biases = params[:n], (params[n:] if has_bias else (None,) * n)
-            needs_wgrad = [ctx.needs_input_grad[5 + i] and grad_enabled for i in range(n)]
+            needs_wgrad = [ctx.needs_input_grad[_PARAMS + i] and grad_enabled for i in range(n)]
         needs_dgrad = ctx.needs_input_grad[0] and grad_enabled
         with torch_autocast_off(x):
-            qxs, qws = _fprop_operands(x, m_splits, weights, lcs, needs_dgrad, needs_wgrad)
+            qxs, qws = _fprop_operands(x, m_splits, weights, lcs, needs_dgrad, needs_wgrad, reuse)
             y = grouped_gemm(qxs, qws, "TN", out_dtype=x.dtype, biases=list(biases) if has_bias else None)
         saved_xs = _saved_inputs(x, m_splits, qxs, lcs, needs_wgrad)
         # the experts' copies are views of a few shared buffers: saved as those (grouped_saved)
@@ -83,8 +97,8 @@ class GroupedLinearFunction(torch.autograd.Function):
         saved_ws = restore_experts(ctx.saved_w, saved[ctx.n_x:])
         n = len(ctx.lcs)
         needs_dgrad = ctx.needs_input_grad[0]
-        needs_wgrad = ([ctx.needs_input_grad[5]] * n if ctx.stacked else
-                       [ctx.needs_input_grad[5 + i] for i in range(n)])
+        needs_wgrad = ([ctx.needs_input_grad[_PARAMS]] * n if ctx.stacked else
+                       [ctx.needs_input_grad[_PARAMS + i] for i in range(n)])
         with torch_autocast_off(dy):
             qdys = _quantize_grads(dy, ctx.m_splits, ctx.lcs, needs_dgrad, needs_wgrad)
             qxs = (saved_xs if isinstance(saved_xs, ExpertTensors) else
@@ -95,8 +109,8 @@ class GroupedLinearFunction(torch.autograd.Function):
                   if needs_dgrad else None)
             dws = _wgrads(qdys, qxs, ctx.w_dtypes)
         if ctx.stacked:  # one [E, N, K] gradient (and one [E, N] bias gradient)
-            return (dx, None, None, None, None, _stack(dws), *([_stack(dbs)] if ctx.has_bias else []))
-        return (dx, None, None, None, None, *dws, *dbs)
+            return (dx, None, None, None, None, None, _stack(dws), *([_stack(dbs)] if ctx.has_bias else []))
+        return (dx, None, None, None, None, None, *dws, *dbs)
 
 
 def _split_counts(m_splits: Any, who: str) -> list[int]:
@@ -137,8 +151,8 @@ def _stack(ts: Sequence[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
 
 
 def _fprop_operands(x: torch.Tensor, m_splits: list[int], weights: Sequence[torch.Tensor],
-                    lcs: list[LinearContext], needs_dgrad: bool, needs_wgrad: list[bool]
-                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                    lcs: list[LinearContext], needs_dgrad: bool, needs_wgrad: list[bool],
+                    reuse: WeightReuse) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Every expert's fprop operands: x (``_quantize_inputs``) and the cached quantized W.
 
     With random draws (stochastic rounding) on an input or weight quantizer, the experts
@@ -146,7 +160,8 @@ def _fprop_operands(x: torch.Tensor, m_splits: list[int], weights: Sequence[torc
     same seed from torch's generator; otherwise all inputs go in one grouped call first."""
     def weight(i: int) -> torch.Tensor:
         lc = lcs[i]
-        return lc.module.quantized_weight(weights[i], lc.weight_q, columnwise=needs_dgrad, index=lc.weight_index)
+        return lc.module.quantized_weight(weights[i], lc.weight_q, columnwise=needs_dgrad, index=lc.weight_index,
+                                          region=reuse.region, is_first_microbatch=reuse.is_first_microbatch)
 
     if _draws_randomly(lcs):
         qxs, qws = [], []
@@ -155,7 +170,7 @@ def _fprop_operands(x: torch.Tensor, m_splits: list[int], weights: Sequence[torc
             qws.append(weight(i))
         return qxs, qws
     qxs = _quantize_inputs(x, m_splits, lcs, needs_wgrad)
-    return qxs, lcs[0].module.quantized_weights(weights, [lc.weight_q for lc in lcs], needs_dgrad)
+    return qxs, lcs[0].module.quantized_weights(weights, [lc.weight_q for lc in lcs], needs_dgrad, *reuse)
 
 
 def _draws_randomly(lcs: list[LinearContext]) -> bool:
@@ -415,38 +430,39 @@ class GroupedLinear(QuantizedModule):
             self._views_key = key
         return self._views[0], self._views[1]
 
-    def quantized_weights(self, weights: Sequence[torch.Tensor], qs: Sequence[Quantizer],
-                          columnwise: bool) -> Sequence[torch.Tensor]:
-        """Every expert's ``quantized_weight`` (same cache entries), the ones not cached quantized
-        together by ``quantize_weights_grouped`` (one encoding of the stacked weights where the
-        formats allow; bitwise each expert's own). All experts quantized as views of shared
-        encodings come back (and are cached) as one ``ExpertTensors``."""
+    def quantized_weights(self, weights: Sequence[torch.Tensor], qs: Sequence[Quantizer], columnwise: bool,
+                          region: Optional[object] = None,
+                          is_first_microbatch: Optional[bool] = None) -> Sequence[torch.Tensor]:
+        """Every expert's ``quantized_weight`` (same cache entries and rule, nn/weight_cache.py),
+        the ones not reusable quantized together by ``quantize_weights_grouped`` (one encoding of
+        the stacked weights where the formats allow; bitwise each expert's own). All experts
+        quantized as views of shared encodings come back (and are cached) as one
+        ``ExpertTensors``. ``region`` / ``is_first_microbatch``: as ``quantized_weight``'s, for
+        every expert at once."""
         if self.single_parameter and weights is self._views[0]:
-            return self._quantized_stack(qs, columnwise)
-        group_keys = None
-        if not any(isinstance(w, QuantizedTensor) for w in weights):
-            # every expert's key at once: a hit returns the experts' joined copies as cached
-            group_keys = tuple(self._weight_key(w, q) for w, q in zip(weights, qs))
-            hit = self._wcache.pop(_GROUP_SLOT, None)
-            if hit is not None and (not columnwise or hit[1].has_direction(COLUMNWISE)):
-                if hit[0] == group_keys:
-                    self._wcache[_GROUP_SLOT] = hit
-                    return hit[1]
+            return self._quantized_stack(qs, columnwise, region, is_first_microbatch)
+        who = self._who()
+        keys: list = [None if isinstance(w, QuantizedTensor) else self._weight_key(w, q) for w, q in zip(weights, qs)]
+        joined = self._wcache.pop(_GROUP_SLOT, None)
+        if joined is not None:
+            if None not in keys and reusable(joined, list(weights), join_keys(keys), columnwise, region,
+                                             is_first_microbatch, who):
+                self._wcache[_GROUP_SLOT] = joined
+                return joined.qw
+            if is_first_microbatch is None:
                 # some weights changed: the unchanged experts keep their quantized tensors
-                # (per-expert entries from here on), the changed ones are quantized below
-                for i, (key, qw) in enumerate(zip(hit[0], hit[1])):
-                    self._wcache[i] = (key, qw, hit[2][i])
+                # (per-expert entries from here on, same region), the others are quantized below
+                for i, entry in enumerate(split_entry(joined)):
+                    self._wcache[i] = entry
         out: list[Optional[torch.Tensor]] = [None] * len(weights)
-        missing, keys = [], []  # keys read before quantizing (as quantized_weight does)
-        for i, (w, q) in enumerate(zip(weights, qs)):
-            if isinstance(w, QuantizedTensor):  # already quantized (quantized parameters)
+        missing = []  # keys were read before quantizing (as quantized_weight does)
+        for i, (w, key) in enumerate(zip(weights, keys)):
+            if key is None:  # already quantized (quantized parameters)
                 out[i] = w
-                continue
-            key = group_keys[i] if group_keys is not None else self._weight_key(w, q)
-            out[i] = self._cached_weight(i, key, columnwise)
-            if out[i] is None:
+            elif reusable(self._wcache.get(i), w, key, columnwise, region, is_first_microbatch, who):
+                out[i] = self._wcache[i].qw
+            else:
                 missing.append(i)
-                keys.append(key)
         if missing:
             for i in missing:
                 qs[i].set_usage(rowwise=True, columnwise=columnwise)
@@ -458,29 +474,31 @@ class GroupedLinear(QuantizedModule):
                 # per-expert entries of older weights would only hold memory now
                 for i in range(len(weights)):
                     self._wcache.pop(i, None)
-                self._wcache[_GROUP_SLOT] = (group_keys, qws, list(weights))
+                self._wcache[_GROUP_SLOT] = new_entry(joined, join_keys(keys), qws, list(weights), region,
+                                                      is_first_microbatch)
                 return qws
-            for i, key, qw in zip(missing, keys, qws):
-                self._wcache[i] = (key, qw, weights[i])
+            for i, qw in zip(missing, qws):
+                self._wcache[i] = new_entry(self._wcache.get(i), keys[i], qw, weights[i], region, is_first_microbatch)
                 out[i] = qw
         return out  # type: ignore[return-value]
 
-    def _quantized_stack(self, qs: Sequence[Quantizer], columnwise: bool) -> Sequence[torch.Tensor]:
-        """``quantized_weights`` of ``single_parameter``'s expert views: one cache entry keyed
-        by the one Parameter (its version counter is every expert's), the stacked weight handed
+    def _quantized_stack(self, qs: Sequence[Quantizer], columnwise: bool, region: Optional[object] = None,
+                         is_first_microbatch: Optional[bool] = None) -> Sequence[torch.Tensor]:
+        """``quantized_weights`` of ``single_parameter``'s expert views: one cache entry for the
+        one Parameter (its version counter is every expert's; the quantizers are the module's,
+        rebuilt only with a new recipe key, which empties the cache), the stacked weight handed
         to ``quantize_weights_grouped`` as it is. The per-expert path built 64 keys and checked
-        the views' adjacency twice a call (~0.5 ms of host time a step at 64 experts on the H200,
-        session 25); the results are the same tensors."""
+        the views' adjacency twice a call (~0.5 ms of host time a step at 64 experts on the
+        H200); the results are the same tensors."""
         w = self.weight
-        key = (w._version, w.data_ptr(), id(w), tuple(map(id, qs)),
-               tuple(q.state_version() for q in self._stateful), self._qkey)
-        hit = self._wcache.get(_STACK_SLOT)
-        if hit is not None and hit[0] == key and (not columnwise or hit[1].has_direction(COLUMNWISE)):
-            return hit[1]
+        key = WeightKey(w._version, tuple(q.state_version() for q in self._stateful), self._qkey)
+        entry = self._wcache.get(_STACK_SLOT)
+        if reusable(entry, w, key, columnwise, region, is_first_microbatch, self._who()):
+            return entry.qw  # type: ignore[union-attr]
         for q in qs:
             q.set_usage(rowwise=True, columnwise=columnwise)
         qws = quantize_weights_grouped(qs, self._views[0], _memo(self), stacked=w.detach())
-        self._wcache[_STACK_SLOT] = (key, qws, w)
+        self._wcache[_STACK_SLOT] = new_entry(entry, key, qws, w, region, is_first_microbatch)
         return qws
 
     def _check_splits(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor) -> list[int]:
@@ -534,8 +552,12 @@ class GroupedLinear(QuantizedModule):
                 raise ValueError(f"role {qs[0].role}: experts use different columnwise_source values "
                                  f"({sorted(sources)}); use one for every expert.")
 
-    def forward(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        """x: [sum(m_splits), in_features] -> [sum(m_splits), out_features]."""
+    def forward(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor,
+                is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        """x: [sum(m_splits), in_features] -> [sum(m_splits), out_features].
+        ``is_first_microbatch``: as ``Linear.forward``'s (TransformerEngine's weight reuse across
+        autocast regions, for every expert at once; see ``hybridfp.nn.weight_cache``)."""
+        check_is_first_microbatch(is_first_microbatch, self._who())
         if x.dim() != 2 or x.shape[-1] != self.in_features:
             raise ValueError(f"GroupedLinear {self.name}: input must be [tokens, {self.in_features}]; "
                              f"got {tuple(x.shape)}.")
@@ -560,10 +582,13 @@ class GroupedLinear(QuantizedModule):
             if last is None or last[0] is not qs:
                 self._plans = {}  # new quantizers: the old plans' keys name the old ones
             self._lcs_key = (qs, self.save_original_input, grad_enabled)
+        reuse = WeightReuse(state.token, is_first_microbatch)
         if self.single_parameter:
             params = (self.weight, self.bias) if self.use_bias else (self.weight,)
-            return GroupedLinearFunction.apply(x, splits, self._lcs, self.use_bias, self._expert_views()[0], *params)
-        return GroupedLinearFunction.apply(x, splits, self._lcs, self.use_bias, None, *self.weights(), *self.biases())
+            return GroupedLinearFunction.apply(x, splits, self._lcs, self.use_bias, self._expert_views()[0], reuse,
+                                               *params)
+        return GroupedLinearFunction.apply(x, splits, self._lcs, self.use_bias, None, reuse, *self.weights(),
+                                           *self.biases())
 
     def extra_repr(self) -> str:
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, "

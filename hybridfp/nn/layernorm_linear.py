@@ -12,6 +12,7 @@ from ..recipes import current_autocast
 from .base import QuantizedModule
 from .linear import Linear
 from .linear_function import LinearContext, LinearFunction
+from .weight_cache import check_is_first_microbatch
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -43,8 +44,10 @@ class LayerNormLinear(QuantizedModule):
             return F.rms_norm(x, (self.in_features,), w, self.eps)
         return F.layer_norm(x, (self.in_features,), w, self.layer_norm_bias.to(x.dtype), self.eps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """norm, then the (quantized inside autocast) linear."""
+    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        """norm, then the (quantized inside autocast) linear. ``is_first_microbatch``: as
+        ``Linear.forward``'s (TransformerEngine's weight reuse across regions)."""
+        check_is_first_microbatch(is_first_microbatch, self._who())
         self.check_input_features(x)
         h = self.norm(x)
         state = current_autocast()
@@ -55,7 +58,8 @@ class LayerNormLinear(QuantizedModule):
         lc = LinearContext(qs["input"][0], qs["weight"][0], qs["grad_output"][0], self,
                            save_original_input=self.save_original_input,
                            grad_enabled=torch.is_grad_enabled(),
-                           fprop_fast_accumulation=state.recipe.fprop_fast_accumulation)
+                           fprop_fast_accumulation=state.recipe.fprop_fast_accumulation,
+                           region=state.token, is_first_microbatch=is_first_microbatch)
         return LinearFunction.apply(h, self.weight, self.bias, lc)
 
     def extra_repr(self) -> str:

@@ -11,6 +11,7 @@ from torch import nn
 from ..recipes import current_autocast
 from .base import QuantizedModule
 from .linear_function import LinearContext, LinearFunction
+from .weight_cache import check_is_first_microbatch
 
 
 class Linear(QuantizedModule):
@@ -46,8 +47,15 @@ class Linear(QuantizedModule):
             bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
             nn.init.uniform_(self.bias, -bound, bound)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Quantized inside autocast, high precision outside."""
+    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        """Quantized inside autocast, high precision outside.
+
+        ``is_first_microbatch`` (TransformerEngine's argument; ignored outside autocast): None
+        quantizes the weight once per autocast region; True quantizes it and keeps the copy
+        for later regions; False reuses the kept copy (the weight must not have changed since)
+        and raises RuntimeError if none matches. See ``hybridfp.nn.weight_cache``.
+        """
+        check_is_first_microbatch(is_first_microbatch, self._who())
         self.check_input_features(x)
         state = current_autocast()
         if state is None:
@@ -58,7 +66,8 @@ class Linear(QuantizedModule):
                            save_original_input=self.save_original_input,
                            grad_enabled=torch.is_grad_enabled(),
                            fprop_fast_accumulation=state.recipe.fprop_fast_accumulation,
-                           scratch=state.scratch)
+                           scratch=state.scratch, region=state.token,
+                           is_first_microbatch=is_first_microbatch)
         return LinearFunction.apply(x, self.weight, self.bias, lc)
 
     def extra_repr(self) -> str:

@@ -50,6 +50,12 @@ class LinearContext:
     #: The autocast region's memo (``AutocastState.scratch``): an input quantized by an equal
     #: quantizer earlier in the region is taken from it (``shared_input``); None: never shared.
     scratch: Optional[dict] = None
+    #: The autocast region's token (``AutocastState.token``): the weight cache's entries are
+    #: reused only in the region that made them (None: never reused). See nn/weight_cache.py.
+    region: Optional[object] = None
+    #: TransformerEngine's forward argument: None, or True (quantize the weight and keep it for
+    #: later regions) / False (reuse the kept copy). See nn/weight_cache.py.
+    is_first_microbatch: Optional[bool] = None
 
 
 class SaveOriginalInputIgnoredWarning(UserWarning):
@@ -138,7 +144,8 @@ def forward_gemm(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     dgrad needs of W) — None where that gradient is not needed."""
     save_original = keeps_original_input(lc)
     qx = quantize_input(x2, lc.input_q, True, needs_wgrad and not save_original, lc.scratch)
-    qw = lc.module.quantized_weight(weight, lc.weight_q, columnwise=needs_dgrad, index=lc.weight_index)
+    qw = lc.module.quantized_weight(weight, lc.weight_q, columnwise=needs_dgrad, index=lc.weight_index,
+                                    region=lc.region, is_first_microbatch=lc.is_first_microbatch)
     y = gemm(qx, qw, "TN", out_dtype=x2.dtype, bias=bias, fast_accumulation=lc.fprop_fast_accumulation)
     saved_x: Optional[torch.Tensor] = None
     if needs_wgrad:

@@ -1,6 +1,8 @@
 """Quantized-weight cache and recipe switches (SPEC §4).
 
-The weight is quantized once per step however many micro-batches run; it is quantized again
+The weight is quantized once per autocast region however many forwards run in it, and once
+per step across the micro-batch regions of a step when they pass ``is_first_microbatch``
+(True on the first, False on the others); it is quantized again in every new region otherwise,
 when the weight changes (optimizer step: ``weight._version`` moves), when the quantizer's
 state changes (delayed scaling's update at the region's end), and when the recipe changes.
 A recipe or factory switched between steps takes effect at the next step.
@@ -12,9 +14,9 @@ import copy
 
 import pytest
 import torch
-from nn_cases import CountingFactory, assert_bitwise, call, make_data, make_module, run_step
+from nn_cases import CountingFactory, assert_bitwise, call, make_data, make_module, run_step, splits_for
 
-from hybridfp import (CustomRecipe, DelayedScaling, Float8CurrentScaling, HybridQuantizer,
+from hybridfp import (CustomRecipe, DelayedScaling, Float8CurrentScaling, GroupedLinear, HybridQuantizer,
                       IdentityQuantizer, MXFP8BlockScaling, MXFP8Quantizer, NVFP4BlockScaling,
                       NVFP4Quantizer, autocast)
 from hybridfp.factories import current_scaling, mxfp8, nvfp4, per_gemm
@@ -23,10 +25,17 @@ pytestmark = pytest.mark.filterwarnings("ignore::hybridfp.gemm.EmulatedGemmWarni
 KINDS = ["linear", "layernorm", "grouped"]
 
 
-def _micro_batch(m, recipe, x, dy) -> None:
+def _micro_batch(m, recipe, x, dy, is_first_microbatch=None) -> None:
     with autocast(recipe=recipe):
-        y = call(m, x)
+        y = _call(m, x, is_first_microbatch)
     y.backward(dy)
+
+
+def _call(m, x, is_first_microbatch=None):
+    """``call`` with TransformerEngine's ``is_first_microbatch`` forward argument."""
+    if isinstance(m, GroupedLinear):
+        return m(x, splits_for(x.shape[0]), is_first_microbatch=is_first_microbatch)
+    return m(x, is_first_microbatch=is_first_microbatch)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -39,20 +48,24 @@ def test_weight_quantized_once_per_step(base, kind):
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     x, dy = make_data(seed=2)
     versions = [w._version for n, w in m.named_parameters() if n.startswith("weight")]
-    # Two micro-batches of one step, one autocast region each (gradient accumulation).
-    _micro_batch(m, recipe, x, dy)
-    _micro_batch(m, recipe, x * 0.5, dy)
+    # Two micro-batches of one step, one autocast region each (gradient accumulation): the
+    # second reuses the first's weight when asked to.
+    _micro_batch(m, recipe, x, dy, is_first_microbatch=True)
+    _micro_batch(m, recipe, x * 0.5, dy, is_first_microbatch=False)
     assert counting.count("weight") == experts
     assert counting.count("input") == 2 * experts  # activations are quantized every time
     # One region with two forwards: still cached.
     with autocast(recipe=recipe):
         call(m, x).sum() + call(m, x).sum()
-    assert counting.count("weight") == experts
+    assert counting.count("weight") == 2 * experts
+    # Without is_first_microbatch a new region quantizes anew (a .data write is then seen).
+    _micro_batch(m, recipe, x, dy)
+    assert counting.count("weight") == 3 * experts
     opt.step()
     new_versions = [w._version for n, w in m.named_parameters() if n.startswith("weight")]
     assert all(a > b for a, b in zip(new_versions, versions))
     _micro_batch(m, recipe, x, dy)
-    assert counting.count("weight") == 2 * experts, "an optimizer step must re-quantize the weight"
+    assert counting.count("weight") == 4 * experts, "an optimizer step must re-quantize the weight"
     # The cached weight is the updated one: same numbers as a module never cached.
     fresh = copy.deepcopy(m)
     fresh._wcache.clear()
@@ -98,8 +111,14 @@ def test_weight_requantized_after_recipe_switch():
     recipes = [CustomRecipe(first), CustomRecipe(second)]
     m = make_module("grouped")
     x, dy = make_data(seed=4)
+    last = None
     for r in [0, 0, 1, 1, 0]:
-        run_step(m, x, dy, recipes[r])
+        # micro-batches of one step (no optimizer step): the first of each recipe keeps its weight
+        if r != last:
+            with autocast(recipe=recipes[r]), pytest.raises(RuntimeError, match="none is kept"):
+                _call(m, x, is_first_microbatch=False)  # the switch dropped the kept copy
+        _micro_batch(m, recipes[r], x, dy, is_first_microbatch=r != last)
+        last = r
     # Each switch rebuilds the quantizers and drops the cache: one quantization per expert
     # at the first step after a switch, none at a repeated step.
     assert first.count("weight") == 2 * 3 and second.count("weight") == 3

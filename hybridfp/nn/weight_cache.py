@@ -1,0 +1,164 @@
+"""When a module may reuse a weight it quantized earlier instead of quantizing it again.
+
+The rule (``QuantizedModule.quantized_weight``, ``GroupedLinear.quantized_weights``):
+
+- A cached quantized weight is valid only inside the ``hybridfp.autocast`` region it was made
+  in (the region's ``AutocastState.token``; a checkpoint replay region carries its forward
+  region's token, so a recomputation reads the weight its forward read). Any write to a weight
+  between two regions is therefore seen, including writes that leave the version counter as
+  it was: ``p.data.add_`` in custom optimizers, EMA swaps through ``.data``, ``p.data = t``,
+  FSDP2's copy of the all-gathered weight (``_unsafe_preserve_version_counter``).
+- Inside one region an entry is reused while the call passes the same weight object with the
+  same version counter, the quantizer state and recipe are those it was quantized with, and it
+  holds the copies the call needs (a missing columnwise copy quantizes again).
+- Across regions reuse is explicit, with TransformerEngine's ``is_first_microbatch`` forward
+  argument: None (default) follows the two rules above; True quantizes anew and keeps the copy
+  for later regions; False reuses the kept copy as it is (the caller promises the weight did
+  not change, e.g. the later micro-batches of one step) and raises if none is kept, or if the
+  recipe, the quantizer state (delayed scaling updates at every region end: run its
+  micro-batches in one region instead), the weight object or its version counter moved since,
+  or if it lacks a copy the call needs.
+
+What is not seen: a write that bypasses the version counter *between two calls of one module
+inside one region* (an optimizer step through ``.data`` between two forwards of one region);
+call ``invalidate_weight_cache()`` (on every rank) after such a write. FSDP2 re-gathering a
+module's weight between two calls in one region is unaffected: it gathers the same shard
+values (the optimizer steps between regions).
+
+Every rank decides the same: a decision compares only what the same program makes equal on
+every rank — the region token and the weight by identity (``is``; both held by the entry, so
+neither address can be recycled for another object while it lives), version counters (moved by
+the same in-place ops everywhere; FSDP2's copies leave them), quantizer state versions (moved
+at region ends), the recipe key and the copies the call needs. No data pointer enters: an
+allocator may or may not hand a re-gathered weight its old address, differently per rank, and a
+cache hit on one rank but not another would skip a delayed-scaling amax record there (and with
+it the amax all-reduce at the region's end, where the other ranks would wait).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Sequence
+
+from ..tensors import COLUMNWISE
+
+
+class WeightKey(NamedTuple):
+    """What a quantized weight's values depend on besides the weight object itself."""
+
+    versions: Any  #: the weight's ``_version`` (a tuple of them for several weights)
+    state: Any  #: the quantizer's ``state_version()`` (a tuple for several quantizers)
+    recipe: Any  #: the module's quantizer key (recipe configuration, decoded-copies mode)
+
+
+class WeightEntry(NamedTuple):
+    """One cached quantized weight (or several experts' as one entry)."""
+
+    key: WeightKey
+    qw: Any  #: a QuantizedTensor, a list of them or an ExpertTensors
+    weight: Any  #: the weight tensor (or list of tensors) it was made from, held
+    region: object  #: the token of the autocast region it was made in
+    kept: bool  #: kept for later regions (made by a call with ``is_first_microbatch=True``)
+
+
+def check_is_first_microbatch(value: Any, who: str) -> None:
+    """Raises TypeError unless ``value`` is None, True or False."""
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{who}: is_first_microbatch must be None, True or False; got {value!r}.")
+
+
+def same_weights(a: Any, b: Any) -> bool:
+    """The same tensor object(s): identity, element by element for lists."""
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b)
+                and all(x is y for x, y in zip(a, b)))
+    return a is b
+
+
+def has_columnwise(qw: Any) -> bool:
+    """Whether a cached value (one tensor, a list of them, or an ExpertTensors) holds the
+    columnwise copy the dgrad GEMM reads."""
+    if isinstance(qw, (list, tuple)):
+        return all(t.has_direction(COLUMNWISE) for t in qw)
+    return qw.has_direction(COLUMNWISE)
+
+
+def reusable(entry: Optional[WeightEntry], weight: Any, key: WeightKey, columnwise: bool,
+             region: Optional[object], is_first_microbatch: Optional[bool], who: str) -> bool:
+    """Whether ``entry`` may serve this call (see the module docstring for the rule).
+
+    Parameters
+    ----------
+    entry: the cached entry of this slot, or None.
+    weight: the weight tensor (or list of tensors) of this call.
+    key: this call's ``WeightKey``.
+    columnwise: whether the call needs the columnwise copy (a dgrad will read it).
+    region: the active region's token (None: no region, nothing is reused).
+    is_first_microbatch: None, True or False (TransformerEngine's semantics).
+    who: the module, for error messages.
+
+    Returns
+    -------
+    True to reuse ``entry.qw``, False to quantize anew.
+
+    Raises
+    ------
+    RuntimeError: ``is_first_microbatch=False`` and the kept copy is missing or does not match.
+    """
+    if is_first_microbatch is True:
+        return False
+    if is_first_microbatch is False:
+        _check_kept(entry, weight, key, columnwise, who)
+        return True
+    return (entry is not None and region is not None and entry.region is region
+            and same_weights(entry.weight, weight) and entry.key == key
+            and (not columnwise or has_columnwise(entry.qw)))
+
+
+def _check_kept(entry: Optional[WeightEntry], weight: Any, key: WeightKey, columnwise: bool, who: str) -> None:
+    """Raises unless ``entry`` is a kept copy that ``is_first_microbatch=False`` may reuse."""
+    fix = "call with is_first_microbatch=True first (the first micro-batch of each step)"
+    if entry is None or not entry.kept:
+        raise RuntimeError(f"{who}: is_first_microbatch=False reuses the weight quantized by an earlier "
+                           "call with is_first_microbatch=True, but none is kept (none made since the "
+                           f"module's quantizers were built for this recipe, or a later call replaced it); {fix}.")
+    if entry.key.recipe != key.recipe:
+        raise RuntimeError(f"{who}: is_first_microbatch=False, but the recipe changed since the kept "
+                           f"weight was quantized; {fix}.")
+    if entry.key.state != key.state:
+        raise RuntimeError(f"{who}: is_first_microbatch=False, but the weight's quantizer state changed "
+                           "since the kept weight was quantized (delayed scaling updates its scale when "
+                           "a region ends: run the micro-batches of one step in one autocast region, "
+                           f"which reuses the weight by itself); {fix}.")
+    if not same_weights(entry.weight, weight):
+        raise RuntimeError(f"{who}: is_first_microbatch=False, but the weight Parameter was replaced since "
+                           f"the kept weight was quantized; {fix}.")
+    if entry.key.versions != key.versions:
+        raise RuntimeError(f"{who}: is_first_microbatch=False, but the weight changed in place since the "
+                           f"kept weight was quantized (an optimizer step?); {fix}.")
+    if columnwise and not has_columnwise(entry.qw):
+        raise RuntimeError(f"{who}: is_first_microbatch=False and this call needs the weight's columnwise "
+                           "copy (its input requires grad), but the kept weight was quantized without it "
+                           f"(no dgrad in that call); {fix} with grad enabled.")
+
+
+def new_entry(old: Optional[WeightEntry], key: WeightKey, qw: Any, weight: Any,
+              region: Optional[object], is_first_microbatch: Optional[bool]) -> WeightEntry:
+    """The entry for a weight just quantized. It is kept for later regions when asked
+    (``is_first_microbatch=True``) or when it replaces a copy kept in this same region (a
+    call that needed the columnwise copy the kept one lacked)."""
+    kept = is_first_microbatch is True or (
+        old is not None and old.kept and region is not None and old.region is region)
+    return WeightEntry(key, qw, weight, region, kept)
+
+
+def join_keys(keys: Sequence[WeightKey]) -> WeightKey:
+    """One key for several weights quantized as one entry (an MoE layer's experts)."""
+    return WeightKey(tuple(k.versions for k in keys), tuple(k.state for k in keys),
+                     keys[0].recipe if keys else None)
+
+
+def split_entry(entry: WeightEntry) -> list[WeightEntry]:
+    """The per-weight entries of a joined one (``join_keys``): same region, same keptness."""
+    k = entry.key
+    return [WeightEntry(WeightKey(v, s, k.recipe), qw, w, entry.region, entry.kept)
+            for v, s, qw, w in zip(k.versions, k.state, entry.qw, entry.weight)]
