@@ -11,8 +11,9 @@ Pass 2 (``_nvfp4_1d_kernel``, one [16 BT, BC] tile per program):
   (columns 8 g + m, register-local splits) and stored as one int32 per 8 columns;
 - columnwise 16x1 blocks from 16 row slices of the tile (row ``16 t + i`` of slice i; re-read
   from cache, not from device memory), optionally RHT'd (the 16-point transform is plain
-  elementwise FP32 arithmetic in ``formats.rht``'s exact butterfly order, rounded to the
-  input dtype): a block is elementwise across the slices, so there is no cross-thread
+  elementwise FP32 arithmetic in ``formats.rht``'s exact butterfly order, with its pre-scale
+  of tiles whose max |x| reaches 2**124, saturated and rounded to the input dtype): a block is
+  elementwise across the slices, so there is no cross-thread
   reduction, and its 16 codes are one int64 word stored transposed. Without RHT and with
   R % 16 != 0 (rows not whole words) the natural tile is transposed and packed bytewise.
 - ``_nvfp4_2d_kernel``: 16x16 tiles; the columnwise copy is the rowwise one transposed.
@@ -119,15 +120,47 @@ def _round_in(y, DTYPE: tl.constexpr, BF16_NAN: tl.constexpr, HW: tl.constexpr):
 
 
 @triton.jit
-def _rht16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+def _rht_prescale(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
+    """Per 16-element tile (elementwise over the slices): (p, q) = (2**-4, 4) where the tile's
+    max |x| reaches ``formats.rht.PRESCALE_FROM`` (2**124: the butterfly's sums could
+    overflow), else (1, 0.25). A NaN tile: (1, 0.25)."""
+    big = _amax16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15) >= 2.0**124
+    return tl.where(big, 0.0625, 1.0), tl.where(big, 4.0, 0.25)
+
+
+@triton.jit
+def _saturate(y, DTYPE: tl.constexpr):
+    """``formats.rht._saturate``: FP32 ``y`` clamped to ±max of the input dtype (DTYPE code),
+    NaN kept, so rounding to that dtype cannot overflow."""
+    if DTYPE == 1:
+        m = 3.3895313892515355e38  # BF16 max (0x7F7F)
+    elif DTYPE == 2:
+        m = 65504.0
+    else:
+        m = 3.4028234663852886e38
+    return tl.minimum(tl.maximum(y, -m, propagate_nan=tl.PropagateNan.ALL), m,
+                      propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _rht_out(y, q, DTYPE: tl.constexpr, BF16_NAN: tl.constexpr, HW: tl.constexpr):
+    """A butterfly sum's output: * q, saturated, rounded to the input dtype."""
+    return _round_in(_saturate(y * q, DTYPE), DTYPE, BF16_NAN, HW)
+
+
+@triton.jit
+def _rht16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, p, q,
            DTYPE: tl.constexpr, BF16_NAN: tl.constexpr, HW: tl.constexpr, RAW: tl.constexpr = False):
-    """``formats.rht.apply_rht`` on 16 elementwise slices: signs, butterfly h = 1, 2, 4, 8,
-    * 0.25, round to the input dtype (every step in the reference's FP32 order). ``RAW``: the
-    butterfly's FP32 sums only (no * 0.25, no rounding: the amax pass rounds its amax once)."""
-    x0, x1, x2, x3 = x0 * 1.0, x1 * 1.0, x2 * 1.0, x3 * -1.0
-    x4, x5, x6, x7 = x4 * 1.0, x5 * -1.0, x6 * -1.0, x7 * -1.0
-    x8, x9, x10, x11 = x8 * -1.0, x9 * -1.0, x10 * -1.0, x11 * 1.0
-    x12, x13, x14, x15 = x12 * -1.0, x13 * 1.0, x14 * -1.0, x15 * -1.0
+    """``formats.rht.apply_rht`` on 16 elementwise slices: signs times the pre-scale ``p``
+    (exact, one rounding of x s p as the reference's (x s) p), butterfly h = 1, 2, 4, 8, * ``q``
+    (0.25 / p), saturated and rounded to the input dtype (every step in the reference's FP32
+    order; (p, q) from :func:`_rht_prescale`). ``RAW``: the butterfly's FP32 sums only (no
+    * q, no rounding: the amax pass scales its per-tile amaxes and rounds once)."""
+    n = -p
+    x0, x1, x2, x3 = x0 * p, x1 * p, x2 * p, x3 * n
+    x4, x5, x6, x7 = x4 * p, x5 * n, x6 * n, x7 * n
+    x8, x9, x10, x11 = x8 * n, x9 * n, x10 * n, x11 * p
+    x12, x13, x14, x15 = x12 * n, x13 * p, x14 * n, x15 * n
     x0, x1 = _bf(x0, x1)
     x2, x3 = _bf(x2, x3)
     x4, x5 = _bf(x4, x5)
@@ -162,14 +195,14 @@ def _rht16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
     x7, x15 = _bf(x7, x15)
     if RAW:
         return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
-    return (_round_in(x0 * 0.25, DTYPE, BF16_NAN, HW), _round_in(x1 * 0.25, DTYPE, BF16_NAN, HW),
-            _round_in(x2 * 0.25, DTYPE, BF16_NAN, HW), _round_in(x3 * 0.25, DTYPE, BF16_NAN, HW),
-            _round_in(x4 * 0.25, DTYPE, BF16_NAN, HW), _round_in(x5 * 0.25, DTYPE, BF16_NAN, HW),
-            _round_in(x6 * 0.25, DTYPE, BF16_NAN, HW), _round_in(x7 * 0.25, DTYPE, BF16_NAN, HW),
-            _round_in(x8 * 0.25, DTYPE, BF16_NAN, HW), _round_in(x9 * 0.25, DTYPE, BF16_NAN, HW),
-            _round_in(x10 * 0.25, DTYPE, BF16_NAN, HW), _round_in(x11 * 0.25, DTYPE, BF16_NAN, HW),
-            _round_in(x12 * 0.25, DTYPE, BF16_NAN, HW), _round_in(x13 * 0.25, DTYPE, BF16_NAN, HW),
-            _round_in(x14 * 0.25, DTYPE, BF16_NAN, HW), _round_in(x15 * 0.25, DTYPE, BF16_NAN, HW))
+    return (_rht_out(x0, q, DTYPE, BF16_NAN, HW), _rht_out(x1, q, DTYPE, BF16_NAN, HW),
+            _rht_out(x2, q, DTYPE, BF16_NAN, HW), _rht_out(x3, q, DTYPE, BF16_NAN, HW),
+            _rht_out(x4, q, DTYPE, BF16_NAN, HW), _rht_out(x5, q, DTYPE, BF16_NAN, HW),
+            _rht_out(x6, q, DTYPE, BF16_NAN, HW), _rht_out(x7, q, DTYPE, BF16_NAN, HW),
+            _rht_out(x8, q, DTYPE, BF16_NAN, HW), _rht_out(x9, q, DTYPE, BF16_NAN, HW),
+            _rht_out(x10, q, DTYPE, BF16_NAN, HW), _rht_out(x11, q, DTYPE, BF16_NAN, HW),
+            _rht_out(x12, q, DTYPE, BF16_NAN, HW), _rht_out(x13, q, DTYPE, BF16_NAN, HW),
+            _rht_out(x14, q, DTYPE, BF16_NAN, HW), _rht_out(x15, q, DTYPE, BF16_NAN, HW))
 
 
 @triton.jit
@@ -183,9 +216,8 @@ def _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, I: tl.constexpr, DTYPE: tl.cons
 
 @triton.jit
 def _tile_slices(xbase, lt, lc, rmax, cmask, sxr, sxc, RHT: tl.constexpr, DTYPE: tl.constexpr,
-                 BF16_NAN: tl.constexpr, HW: tl.constexpr, RAW: tl.constexpr = False):
-    """The 16 row slices of a tile (16-row groups along lt, columns lc), RHT'd with ``RHT``
-    (``RAW``: :func:`_rht16`'s unscaled, unrounded butterfly sums)."""
+                 BF16_NAN: tl.constexpr, HW: tl.constexpr):
+    """The 16 row slices of a tile (16-row groups along lt, columns lc), RHT'd with ``RHT``."""
     x0 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 0, DTYPE)
     x1 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 1, DTYPE)
     x2 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 2, DTYPE)
@@ -203,8 +235,9 @@ def _tile_slices(xbase, lt, lc, rmax, cmask, sxr, sxc, RHT: tl.constexpr, DTYPE:
     x14 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 14, DTYPE)
     x15 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 15, DTYPE)
     if RHT:
-        return _rht16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, DTYPE, BF16_NAN, HW,
-                      RAW)
+        p, q = _rht_prescale(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+        return _rht16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, p, q, DTYPE,
+                      BF16_NAN, HW)
     else:
         return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
 
@@ -436,12 +469,17 @@ def _nvfp4_amax_kernel(x_ptr, amax_ptr, row_amax_ptr, rht_amax_ptr, R, C, sxr, s
         if ROW_AMAX:
             tl.atomic_max(row_amax_ptr + r0 + lr, amax_bits(ra), mask=(r0 + lr) < R)
     if RHT_AMAX:
-        # Rounding is monotone, so max|round(S * 0.25)| = round(max|S| * 0.25): the butterfly
-        # sums S are reduced raw and the tile's amax is scaled and rounded once.
-        s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15 = _tile_slices(
-            xbase, tl.arange(0, BT), lc, R - r0, cmask, sxr, sxc, True, DTYPE, BF16_NAN, HW, True)
-        a = amax_nan(amax_nan(_amax16(s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15), 1), 0)
-        tl.atomic_max(rht_amax_ptr, amax_bits(_round_in(a * 0.25, DTYPE, BF16_NAN, HW)))
+        # Scaling, saturation and rounding are monotone, so max|round(sat(S * q))| =
+        # round(sat(max(max|S| * q))): the butterfly sums S are reduced raw per 16-element
+        # tile, scaled by that tile's q, and the tile's amax is saturated and rounded once.
+        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _tile_slices(
+            xbase, tl.arange(0, BT), lc, R - r0, cmask, sxr, sxc, False, DTYPE, BF16_NAN, HW)
+        p, q = _rht_prescale(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+        s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15 = _rht16(
+            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, p, q, DTYPE, BF16_NAN, HW, True)
+        m = _amax16(s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15) * q
+        a = amax_nan(amax_nan(m, 1), 0)
+        tl.atomic_max(rht_amax_ptr, amax_bits(_round_in(_saturate(a, DTYPE), DTYPE, BF16_NAN, HW)))
 
 
 @triton.jit
