@@ -113,8 +113,8 @@ def test_weight_cache_kept_between_forwards_and_refreshed_after_update(monkeypat
 @pytest.mark.parametrize("name", ["high_precision", "fp8_current", "mxfp8"])
 def test_weights_quantized_from_the_parameter_itself(name, monkeypatch):
     """The experts' weights are quantized from the one Parameter as the stack (no per-expert keys,
-    no view-by-view adjacency check), cached under one key that a recipe change or an update
-    invalidates; the result is what the per-expert Parameters give (bitwise)."""
+    no view-by-view adjacency check), cached as one entry (in its region, or kept through
+    is_first_microbatch) that a recipe change or an update invalidates; the result is what the per-expert Parameters give (bitwise)."""
     from hybridfp.nn import grouped_linear
     from hybridfp.quantizers import grouped as qgrouped
 
@@ -134,11 +134,14 @@ def test_weights_quantized_from_the_parameter_itself(name, monkeypatch):
     assert stacks[1] is None and adjacency  # the per-expert module checks its views
     adjacency.clear()
     with hybridfp.autocast(recipe=RECIPES[name]()):
-        single(x, SPLITS)
-    assert len(stacks) == 2 and not adjacency  # cached: nothing quantized, nothing checked
+        single(x, SPLITS, is_first_microbatch=True)
+    assert len(stacks) == 3
+    with hybridfp.autocast(recipe=RECIPES[name]()):
+        single(x, SPLITS, is_first_microbatch=False)
+    assert len(stacks) == 3 and not adjacency  # kept: nothing quantized, nothing checked
     with hybridfp.autocast(recipe=Float8BlockScaling()):  # another recipe: quantized anew
         single(x, SPLITS)
-    assert len(stacks) == 3
+    assert len(stacks) == 4
 
 
 def test_stacked_weights_must_be_the_views_stack():
