@@ -3,10 +3,15 @@
 ``TRITON_INTERPRET`` is read when ``@triton.jit`` decorates a function (Triton's own
 ``tl.max`` / ``tl.cdiv`` included), so it must be set before anything imports Triton. This file
 is loaded before any test module is collected, so a test module that imports a kernel module
-at its top (``hybridfp.kernels._common`` imports Triton) cannot turn the interpreter tests of
-the directories collected after it into skips (session 21: ``tests/gemm`` importing
-``poisoned_outputs`` skipped ~1200 of them). ``tests/kernels/conftest.py`` does the same for
-runs of that directory alone.
+at its top (``hybridfp.kernels._common`` imports Triton, e.g. ``tests/gemm`` importing
+``poisoned_outputs``) cannot turn the interpreter tests of the directories collected after it
+into skips. ``tests/kernels/conftest.py`` does the same for runs of that directory alone.
+
+Every test must pass on every CPU (Intel / AMD, AVX2 / AVX-512): the order of FP32 sums on the
+CPU (the interpreter's numpy dots, torch's CPU matmuls) depends on the BLAS kernel the machine
+selects, so two different summation orders are compared bitwise only on exact-sum inputs and
+within a stated bound otherwise. ``tests/README.md`` gives the rule and how to find tests that
+break it (one run per ``OPENBLAS_CORETYPE`` family, ``MKL_CBWR``).
 """
 
 from __future__ import annotations

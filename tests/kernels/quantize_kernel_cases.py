@@ -250,12 +250,12 @@ def check_gpu(q, x: torch.Tensor, rowwise: bool = True, columnwise: bool = True)
 _EXACT_INTS = 7
 
 
-def exact_sum_codes(shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator, reduction: int,
+def exact_sum_values(shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator, reduction: int,
                     device: str = "cpu") -> torch.Tensor:
-    """FP8 codes ``i * 2**p`` (|i| <= 7, |p| <= s) whose products sum exactly in FP32 in any
-    order over a reduction of ``reduction`` terms, so two kernels that sum them in different
-    orders (the interpreter's numpy dot sums in an order set by the CPU's BLAS kernel) give the
-    same bits.
+    """Values ``i * 2**p`` (|i| <= 7, |p| <= s; exact in E4M3, E5M2, BF16, FP16) whose products
+    sum exactly in FP32 in any order over a reduction of ``reduction`` terms, so two kernels that
+    sum them in different orders (the interpreter's numpy dot sums in an order set by the CPU's
+    BLAS kernel and the operands' layouts) give the same bits on every CPU.
 
     Every product is a multiple of 2**-2s with magnitude <= 49 * 2**2s, so every partial sum of
     ``reduction`` of them is a multiple of 2**-2s below ``reduction * 49 * 2**2s``; FP32 holds all
@@ -265,14 +265,14 @@ def exact_sum_codes(shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generat
     Parameters
     ----------
     shape, dtype, g, device
-        The codes' shape, FP8 dtype, random generator and device.
+        The values' shape, dtype (FP8, BF16, FP16 or FP32), random generator and device.
     reduction
-        The longest reduction (K) the codes take part in.
+        The longest reduction (K) the values take part in.
 
     Returns
     -------
     torch.Tensor
-        Finite FP8 codes (no NaN / inf).
+        Finite values (no NaN / inf codes).
 
     Raises
     ------
@@ -283,7 +283,8 @@ def exact_sum_codes(shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generat
         if reduction * _EXACT_INTS ** 2 * 2 ** (4 * s) <= 2 ** 24:
             break
     else:
-        raise ValueError(f"exact_sum_codes: a reduction of {reduction} terms is too long to sum exactly in FP32")
+        raise ValueError(f"exact_sum_values: reduction={reduction} is too long to sum exactly in FP32; "
+                         "use a reduction of at most 342392 terms")
     ints = torch.randint(-_EXACT_INTS, _EXACT_INTS + 1, shape, generator=g, device=device).float()
     return (ints * torch.exp2(torch.randint(-s, s + 1, shape, generator=g, device=device).float())).to(dtype)
 

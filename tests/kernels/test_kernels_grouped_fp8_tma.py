@@ -4,7 +4,7 @@ descriptors built on the device, a persistent grid.
 CPU (interpreter): the codes' exact values summed in FP32 per K tile, as the pointer kernel
 does. The interpreter's dots are numpy matmuls whose summation order follows the CPU's BLAS
 kernel and the operands' layouts (which differ between the two kernels), so the bitwise checks
-use codes whose sums are exact in FP32 in any order (``exact_sum_codes``); an FP32 output is
+use codes whose sums are exact in FP32 in any order (``exact_sum_values``); an FP32 output is
 the FP64 product at FP32-accumulation level. What the descriptors add is checked directly: no tile
 reads past its expert (inf / NaN codes placed right after every expert's rows and reduction
 leave every result finite), and the persistent programs cover every tile once (poisoned
@@ -19,7 +19,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from quantize_kernel_cases import exact_sum_codes, gpu, interpreter_only, moe_step
+from quantize_kernel_cases import exact_sum_values, gpu, interpreter_only, moe_step
 
 from hybridfp.gemm import grouped_fp8
 from hybridfp.gemm.grouped import GROUPED_FP8_TRITON, PATH_COUNTS
@@ -58,8 +58,8 @@ def test_rows_grouped_equals_pointer_kernel(dtypes, out_dtype, cfg):
     one-row experts; N not a multiple of BN (40 over tiles of 16); bitwise the pointer kernel."""
     g = torch.Generator().manual_seed(0)
     e, k, n = len(SPLITS), 64, 40
-    a = list(torch.split(exact_sum_codes((sum(SPLITS), k), dtypes[0], g, k), SPLITS))
-    b = list(exact_sum_codes((e, n, k), dtypes[1], g, k).unbind(0))
+    a = list(torch.split(exact_sum_values((sum(SPLITS), k), dtypes[0], g, k), SPLITS))
+    b = list(exact_sum_values((e, n, k), dtypes[1], g, k).unbind(0))
     sa, sb = torch.rand(e, generator=g) + 0.25, torch.rand(e, generator=g) * 1e-3
     bias = torch.randn(e, n, generator=g)
     starts = [sum(SPLITS[:i]) for i in range(e)]
@@ -81,8 +81,8 @@ def _joined_wgrad(g: torch.Generator, ks: list[int], rows_a: int, rows_b: int, p
     columns hold +inf (A) / NaN (B) codes and the block's reduction stops before them, so a
     tile that read past its expert's reduction into them would make its result non-finite."""
     width = sum(ks)
-    a = exact_sum_codes((rows_a, width), E5M2, g, max(ks))
-    b = exact_sum_codes((rows_b, width), E4M3, g, max(ks))
+    a = exact_sum_values((rows_a, width), E5M2, g, max(ks))
+    b = exact_sum_values((rows_b, width), E4M3, g, max(ks))
     starts = np.cumsum([0] + ks[:-1]).tolist()
     used = list(ks)
     if poison_tails:
@@ -127,8 +127,8 @@ def test_persistent_programs_cover_every_tile_once(programs):
     loop form write every output element once: the same bits, poisoned outputs."""
     g = torch.Generator().manual_seed(2)
     k, n = 32, 40
-    a = list(torch.split(exact_sum_codes((sum(SPLITS), k), E4M3, g, k), SPLITS))
-    b = [exact_sum_codes((n, k), E4M3, g, k) for _ in SPLITS]
+    a = list(torch.split(exact_sum_values((sum(SPLITS), k), E4M3, g, k), SPLITS))
+    b = [exact_sum_values((n, k), E4M3, g, k) for _ in SPLITS]
     ones = torch.ones(len(SPLITS))
     starts = [sum(SPLITS[:i]) for i in range(len(SPLITS))]
     want = tk.grouped_fp8(a, b, [k] * len(a), ones, ones, torch.empty(sum(SPLITS), n), starts, tile=TINY)
