@@ -4,6 +4,11 @@ A backend says which (operand format, operand format, layout, device) it serves;
 returns the first that does, else None, meaning the exact emulation path (SPEC §1:
 block-decode both operands exactly in FP32, multiply with FP32 accumulation, apply per-tensor
 / per-row global scales in the epilogue, cast). Emulation runs anywhere, including CPU CI.
+
+Two Identity copies held in the output dtype are no quantized pair at all: ``gemm`` runs them
+as torch's own op in that dtype (:func:`identity_gemm`), the op ``F.linear`` and its autograd
+run, so an all-Identity recipe is the module run outside autocast, bit for bit, on every
+device (an FP32 accumulation rounded once can differ from torch's BF16 kernel in the last bit).
 """
 
 from __future__ import annotations
@@ -14,9 +19,11 @@ from dataclasses import dataclass
 from typing import Callable, Hashable, Iterator, Optional
 
 import torch
+import torch.nn.functional as F
 
 from ..formats import rht
-from ..tensors.storage import GemmOperand
+from ..tensors import IdentityStorage, QuantizedStorage
+from ..tensors.storage import ROWWISE, GemmOperand
 
 FormatKey = Hashable
 
@@ -155,3 +162,45 @@ def epilogue(acc: torch.Tensor, a: GemmOperand, b: GemmOperand, out_dtype: torch
         accumulate_into.copy_(accumulate_into.float() + out)
         return accumulate_into
     return out.to(out_dtype)
+
+
+def identity_pair(sa: QuantizedStorage, da: str, sb: QuantizedStorage, db: str, out_dtype: torch.dtype,
+                  bias: Optional[torch.Tensor], accumulate_into: Optional[torch.Tensor]
+                  ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """The two operands in their stored orientation ([m, k], [n, k]) if both are Identity copies
+    held in ``out_dtype`` (a bias, if any, too) with no accumulation: the pair whose GEMM is
+    torch's own op (:func:`identity_gemm`). None otherwise (other formats, mixed dtypes, an
+    FP32 accumulation into ``accumulate_into``: the exact path)."""
+    if type(sa) is not IdentityStorage or type(sb) is not IdentityStorage or accumulate_into is not None:
+        return None
+    a, b = sa.payload(da)["data"], sb.payload(db)["data"]
+    if a.dtype != out_dtype or b.dtype != out_dtype or (bias is not None and bias.dtype != out_dtype):
+        return None
+    return (a if da == ROWWISE else a.t()), (b if db == ROWWISE else b.t())
+
+
+def identity_gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """a [m, k] · b [n, k]ᵀ (+ bias) of high-precision tensors of one dtype, by torch's own op
+    in that dtype: ``F.linear(a, b, bias)``, i.e. ``addmm(bias, a, bᵀ)`` or ``mm(a, bᵀ)``.
+
+    This is the op sequence of ``F.linear`` and its autograd on the same tensors: fprop
+    ``F.linear(x, W, b)``; dgrad ``mm(dy, W)`` (b is W's columnwise copy, a transposed view of
+    W, so bᵀ is W itself); wgrad ``mm(dyᵀ, x)``. Torch's kernels accumulate BF16 / FP16
+    products in FP32; FP32 matmuls follow torch's precision settings, as outside autocast.
+
+    Parameters
+    ----------
+    a, b
+        The operands in their stored orientation, reduction along the last dim, one dtype.
+    bias
+        [n] in the same dtype, or None.
+
+    Returns
+    -------
+    torch.Tensor
+        [m, n] in the operands' dtype.
+    """
+    # torch.autocast (AMP) around the caller would recast the operands: not the op F.linear
+    # runs outside any autocast
+    with torch.autocast(a.device.type, enabled=False):
+        return F.linear(a, b, bias)

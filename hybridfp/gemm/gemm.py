@@ -10,7 +10,9 @@ its reduction along the last dimension, so each layout is ``A_s[m, k] · B_s[n, 
 | "NT"   | wgrad | columnwise | columnwise | dW[N, K] = dy[M, N]ᵀ · x[M, K]     |
 
 Operands are QuantizedTensors (any format, hybrids included) or plain tensors (used
-unquantized). Any pair is legal; pairs without a fast kernel run the exact emulation.
+unquantized). Any pair is legal; pairs without a fast kernel run the exact emulation. Two
+Identity copies (or plain tensors) held in the output dtype run torch's own op in that dtype,
+as ``F.linear`` and its autograd do (``backends.identity_gemm``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from ..formats.common import as_2d
 from ..tensors import IdentityStorage, QuantizedStorage, QuantizedTensor
 from ..tensors.storage import COLUMNWISE, ROWWISE
-from .backends import emulate, report_emulated, select
+from .backends import emulate, identity_gemm, identity_pair, report_emulated, select
 
 LAYOUTS: dict[str, tuple[str, str]] = {
     "TN": (ROWWISE, ROWWISE),
@@ -85,6 +87,10 @@ def gemm(A: torch.Tensor, B: torch.Tensor, layout: str = "TN", *, out_dtype: tor
         if out.device != sa.device:
             raise ValueError(f"gemm {layout} ({GEMM_OF_LAYOUT[layout]}): out is on {out.device}, the "
                              f"operands on {sa.device}.")
+    plain = identity_pair(sa, da, sb, db, out_dtype, bias, accumulate_into)
+    if plain is not None:  # no quantized operand: torch's own op, as F.linear runs it
+        res = identity_gemm(*plain, bias)
+        return res if out is None else out.copy_(res)
     key_a, key_b = sa.format_key(da), sb.format_key(db)
     backend = select(key_a, key_b, layout, sa.device)
     if backend is not None:
