@@ -10,9 +10,10 @@ from .mxfp8 import MXFP8Storage
 from .nvfp4 import NVFP4Storage
 from .quantized_tensor import QuantizedTensor
 from .storage import COLUMNWISE, DIRECTIONS, ROWWISE, MissingDirectionError, QuantizedStorage
+from .validation import InvalidStateError
 
 __all__ = [
     "COLUMNWISE", "DIRECTIONS", "ROWWISE", "DecodedMXFP8Storage", "DecodedNVFP4Storage", "DecodedStorage", "Float8BlockStorage", "Float8Storage", "HybridStorage",
-    "IdentityStorage", "MXFP8Storage", "MissingDirectionError", "NVFP4Storage", "QuantizedStorage",
+    "IdentityStorage", "InvalidStateError", "MXFP8Storage", "MissingDirectionError", "NVFP4Storage", "QuantizedStorage",
     "QuantizedTensor",
 ]
