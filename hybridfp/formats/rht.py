@@ -14,11 +14,12 @@ tile whose max |x| is at least ``PRESCALE_FROM`` (2**124) is transformed as
 ``butterfly(u * 2**-4) * 4`` instead: no intermediate sum can overflow, and since scaling by
 a power of two commutes with FP32 rounding away from the subnormal range, this is the same
 function up to the tile's tiny elements. Every other tile keeps the plain order above, bit for
-bit. The result is then saturated to ±max of ``out_dtype`` (NaN kept) before it is rounded:
-a tile's true transform can reach 4 max|x| (all of u equal), beyond the dtype's range, and
-rounding a BF16 / FP16 result can overflow too (FP16 inputs above 16384). The inverse
+bit. A tile of finite values is then saturated to ±max of ``out_dtype`` before it is
+rounded: its true transform can reach 4 max|x| (all of u equal), beyond the dtype's range,
+and rounding a BF16 / FP16 result can overflow too (FP16 inputs above 16384). The inverse
 transform does the same (pre-scaled tiles of max |y| >= 2**124, saturated to ±FP32_MAX). A
-tile holding ±inf gives NaN (inf - inf in the butterfly), as before.
+tile holding ±inf is not saturated: its results stay ±inf (NaN where two infs meet), as a
+NaN tile's stay NaN.
 
 Decisions (SPEC asks for them to be documented):
 - The transform result is rounded to ``out_dtype``, default the input's dtype, before anything
@@ -75,24 +76,16 @@ def _signs(like: torch.Tensor) -> torch.Tensor:
     return device_constant(RHT_SIGNS, like.device)  # copied once per device, no sync
 
 
-def _tile_prescale(tiles: torch.Tensor) -> torch.Tensor:
-    """Per-tile factor [..., 1]: PRESCALE where the tile's max |value| reaches PRESCALE_FROM
-    (there the butterfly's sums, up to 16 times it, could overflow FP32), else 1. NaN: 1."""
-    big = tiles.abs().amax(dim=-1, keepdim=True) >= PRESCALE_FROM
-    return torch.where(big, PRESCALE, 1.0)
-
-
-def _butterfly_scaled(u: torch.Tensor) -> torch.Tensor:
-    """``_butterfly(u) * 0.25`` computed without overflow: tiles that could overflow are
-    pre-scaled by PRESCALE and post-scaled by 0.25 / PRESCALE (exact powers of two); the
-    others take the plain order (bitwise unchanged). An unrepresentable result is ±inf here."""
-    p = _tile_prescale(u)
-    return _butterfly(u * p) * (0.25 / p)
-
-
-def _saturate(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Clamp FP32 ``y`` to ±max of ``dtype`` (NaN kept), so rounding to it cannot overflow."""
-    m = torch.finfo(dtype).max
+def _butterfly_scaled(u: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``_butterfly(u) * 0.25`` over [..., 16] tiles, computed without overflow and saturated
+    to ±max of ``dtype``. A tile whose max |u| reaches PRESCALE_FROM (its sums, up to 16 times
+    that, could overflow FP32) is pre-scaled by PRESCALE and post-scaled by 0.25 / PRESCALE
+    (exact powers of two); the others take the plain order (bitwise unchanged). Only tiles of
+    finite values saturate: a tile holding ±inf keeps its inf / NaN results."""
+    a = u.abs().amax(dim=-1, keepdim=True)  # NaN propagates: p = 1, bound = max (NaN kept)
+    p = torch.where(a >= PRESCALE_FROM, PRESCALE, 1.0)
+    y = _butterfly(u * p) * (0.25 / p)
+    m = torch.where(a == float("inf"), float("inf"), torch.finfo(dtype).max)
     return y.clamp(-m, m)
 
 
@@ -109,9 +102,8 @@ def apply_rht(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Te
         )
     out_dtype = x.dtype if out_dtype is None else out_dtype
     tiles = blocks_1d(x.float(), TILE)  # zero-padded to ceil16(C): [R, nb, 16]
-    y = _butterfly_scaled(tiles * _signs(tiles))
-    y = y.reshape(x.shape[0], tiles.shape[1] * TILE)
-    return _saturate(y, out_dtype).to(out_dtype)
+    y = _butterfly_scaled(tiles * _signs(tiles), out_dtype)
+    return y.reshape(x.shape[0], tiles.shape[1] * TILE).to(out_dtype)
 
 
 def apply_inverse_rht(y: torch.Tensor, cols: int) -> torch.Tensor:
@@ -123,5 +115,5 @@ def apply_inverse_rht(y: torch.Tensor, cols: int) -> torch.Tensor:
     if not 0 <= cols <= y.shape[1] or y.shape[1] - cols >= TILE:
         raise ValueError(f"cols={cols} does not fit an RHT output of width {y.shape[1]}.")
     tiles = y.float().reshape(y.shape[0], y.shape[1] // TILE, TILE)
-    x = _saturate(_butterfly_scaled(tiles), torch.float32) * _signs(tiles)
+    x = _butterfly_scaled(tiles, torch.float32) * _signs(tiles)
     return x.reshape(y.shape)[:, :cols]

@@ -120,41 +120,43 @@ def _round_in(y, DTYPE: tl.constexpr, BF16_NAN: tl.constexpr, HW: tl.constexpr):
 
 
 @triton.jit
-def _rht_prescale(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
-    """Per 16-element tile (elementwise over the slices): (p, q) = (2**-4, 4) where the tile's
-    max |x| reaches ``formats.rht.PRESCALE_FROM`` (2**124: the butterfly's sums could
-    overflow), else (1, 0.25). A NaN tile: (1, 0.25)."""
-    big = _amax16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15) >= 2.0**124
-    return tl.where(big, 0.0625, 1.0), tl.where(big, 4.0, 0.25)
+def _rht_prescale(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                  DTYPE: tl.constexpr):
+    """Per 16-element tile (elementwise over the slices), as ``formats.rht._butterfly_scaled``:
+    (p, q) = (2**-4, 4) where the tile's max |x| reaches ``formats.rht.PRESCALE_FROM`` (2**124:
+    the butterfly's sums could overflow), else (1, 0.25); the saturation bound m: the input
+    dtype's max (DTYPE code), inf for a tile holding ±inf (not saturated). NaN: (1, 0.25, max)."""
+    a = _amax16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+    big = a >= 2.0**124
+    if DTYPE == 1:
+        top = 3.3895313892515355e38  # BF16 max (0x7F7F)
+    elif DTYPE == 2:
+        top = 65504.0
+    else:
+        top = 3.4028234663852886e38
+    return tl.where(big, 0.0625, 1.0), tl.where(big, 4.0, 0.25), tl.where(a == float("inf"), float("inf"), top)
 
 
 @triton.jit
-def _saturate(y, DTYPE: tl.constexpr):
-    """``formats.rht._saturate``: FP32 ``y`` clamped to ±max of the input dtype (DTYPE code),
-    NaN kept, so rounding to that dtype cannot overflow."""
-    if DTYPE == 1:
-        m = 3.3895313892515355e38  # BF16 max (0x7F7F)
-    elif DTYPE == 2:
-        m = 65504.0
-    else:
-        m = 3.4028234663852886e38
+def _saturate(y, m):
+    """clamp(y, -m, m), NaN kept (``formats.rht._butterfly_scaled``'s saturation)."""
     return tl.minimum(tl.maximum(y, -m, propagate_nan=tl.PropagateNan.ALL), m,
                       propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
-def _rht_out(y, q, DTYPE: tl.constexpr, BF16_NAN: tl.constexpr, HW: tl.constexpr):
-    """A butterfly sum's output: * q, saturated, rounded to the input dtype."""
-    return _round_in(_saturate(y * q, DTYPE), DTYPE, BF16_NAN, HW)
+def _rht_out(y, q, m, DTYPE: tl.constexpr, BF16_NAN: tl.constexpr, HW: tl.constexpr):
+    """A butterfly sum's output: * q, saturated at ±m, rounded to the input dtype."""
+    return _round_in(_saturate(y * q, m), DTYPE, BF16_NAN, HW)
 
 
 @triton.jit
-def _rht16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, p, q,
+def _rht16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, p, q, m,
            DTYPE: tl.constexpr, BF16_NAN: tl.constexpr, HW: tl.constexpr, RAW: tl.constexpr = False):
     """``formats.rht.apply_rht`` on 16 elementwise slices: signs times the pre-scale ``p``
     (exact, one rounding of x s p as the reference's (x s) p), butterfly h = 1, 2, 4, 8, * ``q``
-    (0.25 / p), saturated and rounded to the input dtype (every step in the reference's FP32
-    order; (p, q) from :func:`_rht_prescale`). ``RAW``: the butterfly's FP32 sums only (no
+    (0.25 / p), saturated at ±m and rounded to the input dtype (every step in the reference's
+    FP32 order; (p, q, m) from :func:`_rht_prescale`). ``RAW``: the butterfly's FP32 sums only (no
     * q, no rounding: the amax pass scales its per-tile amaxes and rounds once)."""
     n = -p
     x0, x1, x2, x3 = x0 * p, x1 * p, x2 * p, x3 * n
@@ -195,14 +197,14 @@ def _rht16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
     x7, x15 = _bf(x7, x15)
     if RAW:
         return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
-    return (_rht_out(x0, q, DTYPE, BF16_NAN, HW), _rht_out(x1, q, DTYPE, BF16_NAN, HW),
-            _rht_out(x2, q, DTYPE, BF16_NAN, HW), _rht_out(x3, q, DTYPE, BF16_NAN, HW),
-            _rht_out(x4, q, DTYPE, BF16_NAN, HW), _rht_out(x5, q, DTYPE, BF16_NAN, HW),
-            _rht_out(x6, q, DTYPE, BF16_NAN, HW), _rht_out(x7, q, DTYPE, BF16_NAN, HW),
-            _rht_out(x8, q, DTYPE, BF16_NAN, HW), _rht_out(x9, q, DTYPE, BF16_NAN, HW),
-            _rht_out(x10, q, DTYPE, BF16_NAN, HW), _rht_out(x11, q, DTYPE, BF16_NAN, HW),
-            _rht_out(x12, q, DTYPE, BF16_NAN, HW), _rht_out(x13, q, DTYPE, BF16_NAN, HW),
-            _rht_out(x14, q, DTYPE, BF16_NAN, HW), _rht_out(x15, q, DTYPE, BF16_NAN, HW))
+    return (_rht_out(x0, q, m, DTYPE, BF16_NAN, HW), _rht_out(x1, q, m, DTYPE, BF16_NAN, HW),
+            _rht_out(x2, q, m, DTYPE, BF16_NAN, HW), _rht_out(x3, q, m, DTYPE, BF16_NAN, HW),
+            _rht_out(x4, q, m, DTYPE, BF16_NAN, HW), _rht_out(x5, q, m, DTYPE, BF16_NAN, HW),
+            _rht_out(x6, q, m, DTYPE, BF16_NAN, HW), _rht_out(x7, q, m, DTYPE, BF16_NAN, HW),
+            _rht_out(x8, q, m, DTYPE, BF16_NAN, HW), _rht_out(x9, q, m, DTYPE, BF16_NAN, HW),
+            _rht_out(x10, q, m, DTYPE, BF16_NAN, HW), _rht_out(x11, q, m, DTYPE, BF16_NAN, HW),
+            _rht_out(x12, q, m, DTYPE, BF16_NAN, HW), _rht_out(x13, q, m, DTYPE, BF16_NAN, HW),
+            _rht_out(x14, q, m, DTYPE, BF16_NAN, HW), _rht_out(x15, q, m, DTYPE, BF16_NAN, HW))
 
 
 @triton.jit
@@ -235,8 +237,8 @@ def _tile_slices(xbase, lt, lc, rmax, cmask, sxr, sxc, RHT: tl.constexpr, DTYPE:
     x14 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 14, DTYPE)
     x15 = _slice(xbase, lt, lc, rmax, cmask, sxr, sxc, 15, DTYPE)
     if RHT:
-        p, q = _rht_prescale(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
-        return _rht16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, p, q, DTYPE,
+        p, q, m = _rht_prescale(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, DTYPE)
+        return _rht16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, p, q, m, DTYPE,
                       BF16_NAN, HW)
     else:
         return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
@@ -474,12 +476,13 @@ def _nvfp4_amax_kernel(x_ptr, amax_ptr, row_amax_ptr, rht_amax_ptr, R, C, sxr, s
         # tile, scaled by that tile's q, and the tile's amax is saturated and rounded once.
         x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _tile_slices(
             xbase, tl.arange(0, BT), lc, R - r0, cmask, sxr, sxc, False, DTYPE, BF16_NAN, HW)
-        p, q = _rht_prescale(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+        p, q, m = _rht_prescale(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, DTYPE)
         s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15 = _rht16(
-            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, p, q, DTYPE, BF16_NAN, HW, True)
-        m = _amax16(s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15) * q
-        a = amax_nan(amax_nan(m, 1), 0)
-        tl.atomic_max(rht_amax_ptr, amax_bits(_round_in(_saturate(a, DTYPE), DTYPE, BF16_NAN, HW)))
+            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, p, q, m, DTYPE, BF16_NAN, HW,
+            True)
+        t = _saturate(_amax16(s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15) * q, m)
+        a = amax_nan(amax_nan(t, 1), 0)
+        tl.atomic_max(rht_amax_ptr, amax_bits(_round_in(a, DTYPE, BF16_NAN, HW)))
 
 
 @triton.jit

@@ -197,3 +197,14 @@ def test_rht_ordinary_inputs_unchanged(dtype):
     want = (rht._butterfly(u) * 0.25).reshape(8, 64).to(dtype)
     assert torch.equal(rht.apply_rht(x).view(torch.int16 if dtype != torch.float32 else torch.int32),
                        want.view(torch.int16 if dtype != torch.float32 else torch.int32))
+
+
+def test_rht_inf_tile_is_not_saturated():
+    """An inf input is not finite: its tile keeps ±inf results (no silent finite value)."""
+    x = torch.zeros(1, 32)
+    x[0, 3] = float("inf")
+    x[0, 16:] = FP32_MAX  # a finite tile next to it saturates
+    y = rht.apply_rht(x)
+    assert torch.isinf(y[0, :16]).all()
+    assert torch.isfinite(y[0, 16:]).all()
+    assert torch.isinf(rht.apply_inverse_rht(y, 32)[0, :16]).any()
