@@ -71,7 +71,7 @@ def hybrid(row: tuple, col: tuple, src: str = "original") -> tuple:
 
 NV_INPUT = nvfp4(rht=True)            # NVFP4 recipe, input and "else": RHT on the columnwise copy
 NV_WEIGHT = nvfp4(two_d=True)         # NVFP4 recipe, weight: 16x16 blocks
-NV_GRAD = nvfp4(rht=True, sr=True)    # NVFP4 recipe, grad_output: RHT + stochastic rounding
+NV_GRAD = nvfp4(rht=True, sr=True)    # NVFP4 recipe, gradients: RHT + stochastic rounding
 NV_1D = nvfp4()                       # plain 1D NVFP4
 NV_ROW = nvfp4(row_scaled=True)       # row-scaled NVFP4 (forward activations)
 
@@ -96,7 +96,7 @@ def base_expected(name: str, role: Optional[QuantizerRole]) -> tuple:
     if name == "mxfp8":
         return mxfp8()
     if name == "nvfp4":
-        return NV_WEIGHT if t == "weight" else NV_GRAD if t == "grad_output" else NV_INPUT
+        return NV_WEIGHT if t == "weight" else NV_GRAD if grad else NV_INPUT  # every backward slot: RHT + SR
     raise KeyError(name)
 
 

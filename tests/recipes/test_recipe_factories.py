@@ -158,7 +158,7 @@ def _fmt(name: str, t):
         "fp8_delayed": fp8_delayed(E5M2 if grad else E4M3),
         "fp8_block": fp8_block(2 if t == "weight" else 1), "mxfp8": mxfp8(),
         # NVFP4 1D: RHT on the wgrad operands' columnwise copies, SR on gradients.
-        "nvfp4": NV_1D if t == "weight" else NV_GRAD if t == "grad_output" else NV_INPUT,
+        "nvfp4": NV_1D if t == "weight" else NV_GRAD if grad else NV_INPUT,
     }[name]
 
 
