@@ -15,7 +15,6 @@ model is built) and sees the same batches, so loss differences come from the rec
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import time
@@ -29,7 +28,6 @@ from tqdm import tqdm
 from .. import autocast
 from ..gemm import EMULATED, describe_key, select
 from ..nn import GEMMS, QuantizedModule
-from ..quantizers import Quantizer
 from ..recipes import AutocastState, Recipe
 from .checkpoint import (CheckpointError, check_belongs, load_checkpoint, rng_state, save_checkpoint,
                          set_rng_state)
@@ -147,24 +145,21 @@ def count_params(cfg: TrainConfig, vocab_size: int) -> int:
         return GPT(mcfg).num_params()
 
 
-def _quantizer_snapshot(model: torch.nn.Module, recipe: Recipe) -> dict[str, dict[str, list[Quantizer]]]:
-    """In memory: module name -> slot -> copies of the module's quantizers for ``recipe``
-    (never written to a file; checkpoints carry quantizer state in ``model.state_dict()``)."""
+def _quantizer_states(model: torch.nn.Module, recipe: Recipe) -> list[dict[str, Any]]:
+    """``Quantizer.get_state()`` of every quantizer of ``model``'s hybridfp modules for
+    ``recipe``, in module order (copies: the live state may move on)."""
     state = AutocastState(recipe)
-    return copy.deepcopy({name: {slot: list(qs) for slot, qs in m.quantizers(state).items()}
-                          for name, m in model.named_modules() if isinstance(m, QuantizedModule)})
+    return [q.get_state() for m in model.modules() if isinstance(m, QuantizedModule)
+            for qs in m.quantizers(state).values() for q in qs]
 
 
-def _restore_quantizers(model: torch.nn.Module, recipe: Recipe,
-                        saved: dict[str, dict[str, list[Quantizer]]]) -> None:
-    """Put back the state of :func:`_quantizer_snapshot` (same model, same recipe)."""
+def _set_quantizer_states(model: torch.nn.Module, recipe: Recipe, saved: list[dict[str, Any]]) -> None:
+    """Inverse of :func:`_quantizer_states` (same model, same recipe)."""
     state = AutocastState(recipe)
-    for name, m in model.named_modules():
-        if isinstance(m, QuantizedModule):
-            for slot, live_qs in m.quantizers(state).items():
-                for live, old in zip(live_qs, saved[name][slot], strict=True):
-                    # which copies are held decoded is the module's policy (nn.base), not state
-                    live.__dict__.update({k: v for k, v in old.__dict__.items() if k != "_hold_decoded"})
+    live = [q for m in model.modules() if isinstance(m, QuantizedModule)
+            for qs in m.quantizers(state).values() for q in qs]
+    for q, s in zip(live, saved, strict=True):
+        q.set_state(s)
 
 
 @torch.no_grad()
@@ -173,7 +168,7 @@ def evaluate(model: GPT, named: NamedRecipe, data: TokenData, cfg: TrainConfig) 
 
     Evaluation leaves the quantizers' state (delayed scaling's amax history and scale) as it
     found it, so a run's training trajectory does not depend on how often it is evaluated."""
-    saved = _quantizer_snapshot(model, named.recipe)
+    saved = _quantizer_states(model, named.recipe)
     model.eval()
     losses = []
     # The validation batches do not depend on the run's seed: runs at several seeds (the noise
@@ -183,7 +178,7 @@ def evaluate(model: GPT, named: NamedRecipe, data: TokenData, cfg: TrainConfig) 
             _, loss = model(x.to(cfg.device), y.to(cfg.device))
         losses.append(loss.float().item())
     model.train()
-    _restore_quantizers(model, named.recipe, saved)
+    _set_quantizer_states(model, named.recipe, saved)
     return sum(losses) / len(losses)
 
 

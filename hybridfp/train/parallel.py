@@ -20,7 +20,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .loop import RunResult, TrainConfig
+from .files import atomic_write_text
+from .loop import MetricsLog, RunResult, TrainConfig
 from .recipes_by_name import NamedRecipe
 
 #: TrainConfig fields forwarded as flags (resolved values, not the preset's defaults).
@@ -58,7 +59,7 @@ def worker_argv(cfg: TrainConfig, named: NamedRecipe, part: Path, device: str, r
 
 def write_results(path: Path, results: Sequence[RunResult]) -> None:
     """``results.json``: what summary.md needs from each run besides its metrics."""
-    path.write_text(json.dumps([{"label": r.label, "description": r.description, "tokens": r.tokens,
+    atomic_write_text(path, json.dumps([{"label": r.label, "description": r.description, "tokens": r.tokens,
                                  "train_seconds": r.train_seconds, "emulated": r.emulated,
                                  "checkpoint": r.checkpoint} for r in results], indent=1))
 
@@ -66,8 +67,7 @@ def write_results(path: Path, results: Sequence[RunResult]) -> None:
 def read_result(part: Path, label: str) -> RunResult:
     """One worker's RunResult, its metrics included."""
     entry = next(e for e in json.loads((part / RESULTS_FILE).read_text()) if e["label"] == label)
-    records = [r for r in (json.loads(line) for line in (part / "metrics.jsonl").read_text().splitlines())
-               if r["recipe"] == label]
+    records = MetricsLog(part / "metrics.jsonl").read(label)
     return RunResult(entry["label"], entry["description"], records, entry["emulated"], entry["tokens"],
                      entry["train_seconds"], entry["checkpoint"])
 
@@ -108,7 +108,6 @@ def run_parallel(cfg: TrainConfig, recipes: Sequence[NamedRecipe], out: Path, n_
                 log(f"[{label}] done in {time.time() - t0:.0f} s")
     results = [read_result(out / "parts" / named.slug, named.label) for named in recipes
                if named.label not in failed_labels]
-    with open(out / "metrics.jsonl", "w") as f:
-        for r in results:
-            f.writelines(json.dumps(rec) + "\n" for rec in r.records)
+    # replaced whole: a kill while gathering leaves the previous gathered file
+    atomic_write_text(out / "metrics.jsonl", "".join(json.dumps(rec) + "\n" for r in results for rec in r.records))
     return results, failed

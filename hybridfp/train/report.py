@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from .files import atomic_write_text
 from .loop import RunResult, TrainConfig
 from .plot import BASELINE
 
@@ -62,6 +63,5 @@ def summary_markdown(results: Sequence[RunResult], cfg: TrainConfig, info: dict[
 
 def write_summary(path: Path, results: Sequence[RunResult], cfg: TrainConfig, info: dict[str, Any]) -> Path:
     """Write summary.md and return its path."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(summary_markdown(results, cfg, info))
+    atomic_write_text(path, summary_markdown(results, cfg, info))
     return path

@@ -79,10 +79,22 @@ def test_resume_is_bitwise_identical(tmp_path, cache, recipes):
         a = torch.load(full / "checkpoints" / f"{label}.pt", weights_only=True)
         b = torch.load(split / "checkpoints" / f"{label}.pt", weights_only=True)
         assert a["step"] == b["step"] == 20
-        for k, v in a["model"].items():
-            assert torch.equal(v, b["model"][k]), f"{label}: parameter {k} differs after resume"
+        assert a["model"].keys() == b["model"].keys()
+        for k, v in a["model"].items():  # parameters, and quantizer state as modules' extra state
+            assert _same(v, b["model"][k]), f"{label}: state {k} differs after resume"
         for (ka, va), (kb, vb) in zip(a["optimizer"]["state"].items(), b["optimizer"]["state"].items()):
             assert all(torch.equal(va[s], vb[s]) for s in ("exp_avg", "exp_avg_sq"))
+
+
+def _same(a, b) -> bool:
+    """Bitwise equality of nested state (tensors, dicts, lists, plain values)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return a == b
 
 
 def test_resume_without_a_run_is_a_clear_error(tmp_path, capsys):
