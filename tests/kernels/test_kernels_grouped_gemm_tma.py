@@ -3,10 +3,12 @@
 It computes what the pointer kernel computes (the same K tiles in the same order, the same
 ``_epilogue``), so, as for that kernel (test_kernels_grouped_gemm.py): FP32 outputs within
 FP32-accumulation error of an FP64 reference (relative ≤ 1e-6 at these sizes), a 16-bit output
-its FP32 output rounded once (bitwise). Under the interpreter both kernels reduce the same FP32
-tiles with the same ``tl.dot`` calls, so at equal tile sizes they also agree bitwise; that is a
-property of the interpreter, asserted here to catch a tile read from the wrong place (on the GPU
-only the bound is claimed). CPU: tiny shapes with empty, one-row and odd-sized experts, K and N
+its FP32 output rounded once (bitwise). Under the interpreter both kernels reduce the same
+tiles, but each ``tl.dot`` is a numpy matmul whose summation order follows the CPU's BLAS kernel
+and the operands' layouts (the TMA kernel's B tile is transposed, the pointer kernel's is not),
+so the two agree bitwise only where every sum is exact: the bitwise comparison with the pointer
+kernel, there to catch a tile read from the wrong place, runs on exact-sum operands
+(``exact_sum_values``; on the GPU only the bound is claimed). CPU: tiny shapes with empty, one-row and odd-sized experts, K and N
 not multiples of the block; GPU (``-m gpu``): the MoE shapes' structure at every ``TMA_CONFIGS``
 entry, outputs poisoned.
 """
@@ -17,7 +19,7 @@ import dataclasses
 
 import pytest
 import torch
-from quantize_kernel_cases import gpu, interpreter_only
+from quantize_kernel_cases import exact_sum_values, gpu, interpreter_only
 
 from hybridfp.kernels import triton_grouped_gemm as tg
 from hybridfp.kernels._common import poisoned_outputs
@@ -36,10 +38,12 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _operands(splits: list[int], k: int, n: int, scaled: bool, bias: bool, seed: int = 0):
+    """A and the stacked B as BF16 values whose sums are exact in FP32 in any order (the
+    kernels compared bitwise sum them in different orders); FP32 epilogue factors."""
     g = torch.Generator().manual_seed(seed)
     e, m = len(splits), sum(splits)
-    a = torch.randn(m, k, generator=g).bfloat16()
-    b = torch.randn(e, n, k, generator=g).bfloat16()
+    a = exact_sum_values((m, k), torch.bfloat16, g, k)
+    b = exact_sum_values((e, n, k), torch.bfloat16, g, k)
     sa = torch.rand(m, generator=g) + 0.5 if scaled else None
     sb = torch.rand(e, n, generator=g) + 0.5 if scaled else None
     bs = torch.randn(e, n, generator=g) if bias else None
