@@ -76,10 +76,8 @@ def _quantize(x: torch.Tensor, dtype: torch.dtype, br: int, bc: int, power_2_sca
     xf = x.float()
     rows, cols = xf.shape
     amax = amax_nan(blocks_2d(xf, br, bc), dim=-1)
+    # with power_2_scale, at least min_pow2_scale: a smaller one would decode the largest code to inf
     scale = current_scale(amax, dtype, eps=eps, power_2_scale=power_2_scale)
-    if power_2_scale:
-        # A smaller power of two would let the block's largest code decode to inf.
-        scale = scale.clamp_min(min_pow2_scale(dtype))
     data = saturating_cast_fp8(xf * expand_blocks_2d(scale, br, bc, rows, cols), dtype)
     return data, _reciprocal(scale)
 

@@ -31,8 +31,10 @@ Resolved SPEC ambiguities (the lead should keep SPEC in sync):
 - ``margin`` is limited by :func:`max_margin`, so that the scale and its inverse stay finite
   and non-zero for every finite amax (a larger one makes outputs NaN or zero).
 
-Known edge (inherent to the format, TE alike): an input within 2^-4 of FP32_MAX can round up
-to the next FP8 value, and its dequantized value then overflows to inf.
+- Power-of-two scales are at least :func:`common.min_pow2_scale` (E4M3 2**-119, E5M2
+  2**-112): rounding ``fp8_max / amax`` down for an amax above about 2.98e38 would otherwise
+  give a scale whose largest code decodes to ``2**128`` = inf. Such tensors saturate to
+  ``±fp8_max * min_pow2_scale`` instead, so a finite input always decodes finite.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from functools import lru_cache
 
 import torch
 
-from hybridfp.formats.common import FP32_MAX, fp8_max, pow2_floor, saturating_cast_fp8
+from hybridfp.formats.common import FP32_MAX, fp8_max, min_pow2_scale, pow2_floor, saturating_cast_fp8
 
 #: Valid values of ``delayed_update(algo=...)`` (TE's ``amax_compute_algo``).
 AMAX_COMPUTE_ALGOS: tuple[str, ...] = ("max", "most_recent")
@@ -57,7 +59,8 @@ def current_scale(
     """Scale from an amax, elementwise on any shape (SPEC §2.1); returns FP32.
 
     ``a = max(amax, eps)``; ``scale = fp8_max / a``; 1 where ``a`` is 0 or not finite;
-    FP32_MAX where the division overflows; optionally rounded down to a power of two.
+    FP32_MAX where the division overflows; optionally rounded down to a power of two, and then
+    at least ``min_pow2_scale(dtype)`` (a finite input never decodes to inf).
     """
     m = fp8_max(dtype)
     # clamp_min keeps NaN (torch propagates NaN through clamp), so the test below catches it.
@@ -68,7 +71,7 @@ def current_scale(
     if power_2_scale:
         # scale >= 448 / FP32_MAX is always a normal FP32 number, so clearing the mantissa
         # is an exact round-down (1 and FP32_MAX map to 1 and 2**127).
-        scale = pow2_floor(scale)
+        scale = pow2_floor(scale).clamp_min(min_pow2_scale(dtype))
     return scale
 
 

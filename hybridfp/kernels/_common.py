@@ -577,10 +577,20 @@ def round_to_dtype(y, DTYPE: tl.constexpr, BF16_NAN: tl.constexpr):
 
 
 @triton.jit
+def min_pow2_scale(FP8_MAX: tl.constexpr):
+    """``formats.common.min_pow2_scale``: 2**(E - 127) for FP8_MAX = m 2**E, the smallest
+    power-of-two scale whose inverse keeps ``FP8_MAX * scale_inv`` finite (folded by the
+    compiler: E4M3 2**-119, E5M2 2**-112)."""
+    fb = tl.full([], FP8_MAX, tl.float32).to(tl.int32, bitcast=True)
+    return ((((fb >> 23) & 0xFF) - 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def current_scale(amax, eps, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
     """``formats.fp8_tensorwise.current_scale``: fp8_max / max(amax, eps); 1 where that amax
     is 0 or not finite; FP32_MAX where the division overflows; optionally rounded down to a
-    power of two (mantissa cleared)."""
+    power of two (mantissa cleared) and then at least :func:`min_pow2_scale` (near the FP32
+    maximum the tensor saturates instead of decoding to inf)."""
     a = tl.where(amax < eps, eps, amax)
     scale = tl.math.div_rn(tl.full(a.shape, FP8_MAX, tl.float32), a)
     scale = tl.where(scale == float("inf"), 3.4028234663852886e38, scale)
@@ -588,6 +598,7 @@ def current_scale(amax, eps, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
     scale = tl.where(bad, 1.0, scale)
     if POW2:
         scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+        scale = tl.maximum(scale, min_pow2_scale(FP8_MAX))  # never NaN: a bad amax gave 1
     return scale
 
 

@@ -19,8 +19,8 @@ so the 1D path also avoids IEEE divisions for power-of-two scales (:func:`block_
 
 B = 128 by default (any power of two >= 32 works). Bitwise equal to ``formats.fp8_block``:
 the block scale is ``_common.current_scale`` of the NaN-propagating block amax (FP32 IEEE
-division, optional power-of-two round-down, then at least :func:`min_pow2_scale`: saturation
-near the FP32 maximum, :func:`block_current_scale`), ``scale_inv = 1 / scale`` (IEEE), data
+division, optional power-of-two round-down, then at least ``_common.min_pow2_scale``:
+saturation near the FP32 maximum), ``scale_inv = 1 / scale`` (IEEE), data
 ``fp8(clamp(x * scale))`` by ``_common.fp8_encode``.
 """
 
@@ -47,26 +47,6 @@ def _chunk(xbase, lr, rmask, lc0, c0, C, sxr, sxc, DTYPE: tl.constexpr, CW: tl.c
 
 
 @triton.jit
-def min_pow2_scale(FP8_MAX: tl.constexpr):
-    """``formats.common.min_pow2_scale``: 2**(E - 127) for FP8_MAX = m 2**E, the smallest
-    power-of-two scale whose inverse keeps ``FP8_MAX * scale_inv`` finite (folded by the
-    compiler: E4M3 2**-119, E5M2 2**-112)."""
-    fb = tl.full([], FP8_MAX, tl.float32).to(tl.int32, bitcast=True)
-    return ((((fb >> 23) & 0xFF) - 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def block_current_scale(amax, eps, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
-    """A block's scale as ``formats.fp8_block``: ``_common.current_scale``, and with ``POW2``
-    at least :func:`min_pow2_scale` (near the FP32 maximum the block saturates instead of
-    decoding to inf)."""
-    scale = current_scale(amax, eps, FP8_MAX, POW2)
-    if POW2:
-        scale = tl.maximum(scale, min_pow2_scale(FP8_MAX))  # never NaN: current_scale gives 1
-    return scale
-
-
-@triton.jit
 def columnwise_1d_t(xbase, r0, c0, R, C, sxr, sxc, eps, cd_ptr, cs_ptr, pr, POW2: tl.constexpr,
                   MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr, B: tl.constexpr,
                   CW: tl.constexpr, DTYPE: tl.constexpr, HW: tl.constexpr, PACK: tl.constexpr):
@@ -81,7 +61,7 @@ def columnwise_1d_t(xbase, r0, c0, R, C, sxr, sxc, eps, cd_ptr, cs_ptr, pr, POW2
     amax = tl.zeros([CW], tl.float32)
     for s in tl.range(0, B // 32, loop_unroll_factor=1):
         amax = nan_max(amax, amax_nan(load_rows32_t(xbase, s * 32, lc, R - r0, cmask, sxr, sxc, DTYPE), 1))
-    scale = block_current_scale(amax, eps, FP8_MAX, POW2)
+    scale = current_scale(amax, eps, FP8_MAX, POW2)
     for s in tl.range(0, B // 32, loop_unroll_factor=1):
         xt = load_rows32_t(xbase, s * 32, lc, R - r0, cmask, sxr, sxc, DTYPE)
         code = fp8_encode(xt * scale[:, None], FP8_MAX, MBITS, BIAS, HW)
@@ -104,7 +84,7 @@ def _rowwise_1d(xbase, r0, c0, R, C, sxr, sxc, eps, rd_ptr, rs_ptr, pc, POW2: tl
         rmask = (r0 + lr) < R
         mask = rmask[:, None] & cmask[None, :]
         x = load_f32(xbase + tile_offsets(lr, lc, sxr, sxc), mask, DTYPE)
-        scale = block_current_scale(amax_nan(x, 1), eps, FP8_MAX, POW2)  # [RW]
+        scale = current_scale(amax_nan(x, 1), eps, FP8_MAX, POW2)  # [RW]
         code = fp8_encode(x * scale[:, None], FP8_MAX, MBITS, BIAS, HW)
         tl.store(rbase + tile_offsets(lr, lc, C, 1), code, mask=mask)
         tl.store(rs_ptr + (r0 + lr).to(tl.int64) * tl.cdiv(C, B) + pc,
@@ -151,7 +131,7 @@ def bits_amax(m):
 
 @triton.jit
 def block_scale(amax, eps, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
-    """:func:`block_current_scale` ``(amax, eps, FP8_MAX, POW2)``, bit for bit; with ``POW2`` by integer
+    """``_common.current_scale`` ``(amax, eps, FP8_MAX, POW2)``, bit for bit; with ``POW2`` by integer
     arithmetic on the exponents instead of an IEEE division (a division is ~15 instructions and a
     thread computes one per block row or column it touches).
 
@@ -171,7 +151,7 @@ def block_scale(amax, eps, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
         e = tl.maximum(tl.minimum(e, 254), ((fb >> 23) & 0xFF) - 127)
         scale = (e << 23).to(tl.float32, bitcast=True)
         return tl.where((a == 0) | (ab >= 0x7F800000), 1.0, scale)
-    return block_current_scale(amax, eps, FP8_MAX, POW2)
+    return current_scale(amax, eps, FP8_MAX, POW2)
 
 
 @triton.jit
@@ -370,7 +350,7 @@ def _fp8_block_2d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: 
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
         nan = tl.maximum(nan, tl.max((x != x).to(tl.int32), axis=0))
     a = tl.where(tl.max(nan, axis=0) > 0, float("nan"), tl.max(amax, axis=0))
-    scale = block_current_scale(a, eps, FP8_MAX, POW2)
+    scale = current_scale(a, eps, FP8_MAX, POW2)
     rbase = rd_ptr + r0.to(tl.int64) * C + c0
     for j in tl.range(0, B // CW, loop_unroll_factor=1):
         x, lc, mask = _chunk(xbase, lr, rmask, j * CW, c0, C, sxr, sxc, DTYPE, CW)
@@ -406,7 +386,7 @@ def _fp8_block_tile_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc
     x = load_f32(x_ptr + r0.to(tl.int64) * sxr + c0.to(tl.int64) * sxc + tile_offsets(lr, lc, sxr, sxc),
                  mask, DTYPE)
     if TWO_D:
-        scale = block_current_scale(amax_nan(amax_nan(x, 1), 0), eps, FP8_MAX, POW2)
+        scale = current_scale(amax_nan(amax_nan(x, 1), 0), eps, FP8_MAX, POW2)
         code = fp8_encode(x * scale, FP8_MAX, MBITS, BIAS, HW)
         inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
         if ROW:
@@ -419,13 +399,13 @@ def _fp8_block_tile_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc
             tl.store(cs_ptr + pc * tl.cdiv(R, B) + pr, inv)
     else:
         if ROW:
-            scale = block_current_scale(amax_nan(x, 1), eps, FP8_MAX, POW2)  # [B], one per row
+            scale = current_scale(amax_nan(x, 1), eps, FP8_MAX, POW2)  # [B], one per row
             code = fp8_encode(x * scale[:, None], FP8_MAX, MBITS, BIAS, HW)
             tl.store(rd_ptr + r0.to(tl.int64) * C + c0 + tile_offsets(lr, lc, C, 1), code, mask=mask)
             tl.store(rs_ptr + (r0 + lr).to(tl.int64) * tl.cdiv(C, B) + pc,
                      tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=rmask)
         if COL:
-            scale = block_current_scale(amax_nan(x, 0), eps, FP8_MAX, POW2)  # [B], one per column
+            scale = current_scale(amax_nan(x, 0), eps, FP8_MAX, POW2)  # [B], one per column
             code = fp8_encode(x * scale[None, :], FP8_MAX, MBITS, BIAS, HW)
             store_transposed_u8(cd_ptr, code, lr, lc, r0, c0, R, C, PACK)
             tl.store(cs_ptr + (c0 + lc).to(tl.int64) * tl.cdiv(R, B) + pr,

@@ -228,13 +228,14 @@ def test_dequantize_hand_values():
     assert bits32(out.float()) == bits32((data.float() * f32(1.0 / 3.0)).bfloat16().float())
 
 
-def test_dequantize_overflow_near_fp32_max():
-    # 3.2965e38 * 2^-120 = 248 ties to 256 (even), and 256 * 2^120 = 2^128 overflows FP32.
-    # The format can't avoid this (TE does the same); only inputs within 2^-4 of FP32_MAX hit it.
+def test_dequantize_saturates_near_fp32_max():
+    # 3.2965e38 * 2^-120 = 248 would tie to 256 (even), and 256 * 2^120 = 2^128 overflows FP32:
+    # power-of-two scales stay >= min_pow2_scale (2^-119 for E4M3), so the value saturates to
+    # 448 * 2^119 instead.
     x = torch.tensor([[3.2964854295465914e38]])
     data, scale_inv = current(x, E4M3, power_2_scale=True)
-    assert data.float().item() == 256.0 and scale_inv.item() == 2.0**120
-    assert dequantize(data, scale_inv).item() == math.inf
+    assert data.float().item() == 448.0 and scale_inv.item() == 2.0**119
+    assert dequantize(data, scale_inv).item() == 448.0 * 2.0**119
 
 
 @pytest.mark.parametrize("dtype, floor_db", [(E4M3, 30.0), (E5M2, 24.0)])
@@ -249,8 +250,8 @@ def test_sqnr_gaussian(dtype, floor_db, pow2):
 
 # ---------------------------------------------------------------- properties
 
-# |x| <= 2^127: a value within 2^-4 of FP32_MAX may round up to a dequantized inf (see
-# test_dequantize_overflow_near_fp32_max), which the bound below does not cover.
+# |x| <= 2^127: values near FP32_MAX saturate (test_dequantize_saturates_near_fp32_max), which
+# the bound below does not cover.
 finite32 = st.floats(min_value=-(2.0**127), max_value=2.0**127, width=32)
 
 

@@ -3,7 +3,7 @@ to inf or NaN.
 
 What saturation gives, per format (documented in each module's docstring):
 
-- FP8 block, power-of-two scales: the scale is at least 2**(floor(log2 fp8_max) - 127)
+- FP8 per-tensor and block, power-of-two scales: the scale is at least 2**(floor(log2 fp8_max) - 127)
   (E4M3 2**-119, E5M2 2**-112), so the block's largest code decodes finite; elements beyond
   fp8_max / scale saturate to ±fp8_max * 2**119 (E4M3) / ±fp8_max * 2**112 (E5M2).
 - MXFP8 (rceil): a finite amax's E8M0 byte is at most 254 - emax_elem (E4M3 246, E5M2 239);
@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridfp.formats import fp8_block, mxfp8, nvfp4, rht
+from hybridfp.formats import fp8_block, fp8_tensorwise, mxfp8, nvfp4, rht
 from hybridfp.formats.common import FP32_MAX, FP8_MAX
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -45,6 +45,23 @@ def _assert_saturated(y: torch.Tensor, x: torch.Tensor) -> None:
     """Finite, and never of the opposite sign to x."""
     assert torch.isfinite(y).all(), y[~torch.isfinite(y)]
     assert (torch.sign(y) * torch.sign(x) >= 0).all()
+
+
+# --------------------------------------------------------------------------- FP8 per tensor
+@pytest.mark.parametrize("dtype,sat", [(torch.float8_e4m3fn, SAT_E4M3),
+                                       (torch.float8_e5m2, SAT_E5M2)])
+@pytest.mark.parametrize("pow2", [True, False])
+def test_fp8_tensorwise_near_max_decodes_finite(dtype, sat, pow2):
+    """Current scaling of a tensor whose amax is near FP32_MAX: every element decodes finite;
+    with power-of-two scales the largest values saturate to fp8_max * min_pow2_scale**-1."""
+    x = _near_max_rows(64)
+    amax = x.abs().amax()
+    scale = fp8_tensorwise.current_scale(amax, dtype, power_2_scale=pow2)
+    data, scale_inv = fp8_tensorwise.quantize(x, scale, dtype)
+    y = data.float() * scale_inv
+    _assert_saturated(y, x)
+    if pow2:
+        assert y.abs().max().item() == sat
 
 
 # --------------------------------------------------------------------------- FP8 block

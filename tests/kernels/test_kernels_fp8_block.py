@@ -19,7 +19,8 @@ import triton.language as tl  # noqa: E402
 from hybridfp.formats import fp8_block  # noqa: E402
 from hybridfp.kernels import triton_fp8_block  # noqa: E402
 from hybridfp.kernels._common import fp8_params, poisoned_outputs  # noqa: E402
-from hybridfp.kernels.triton_fp8_block import block_current_scale, block_inv, block_scale  # noqa: E402
+from hybridfp.kernels._common import current_scale  # noqa: E402
+from hybridfp.kernels.triton_fp8_block import block_inv, block_scale  # noqa: E402
 from hybridfp.quantizers import Float8BlockQuantizer, HybridQuantizer, fast  # noqa: E402
 from hybridfp.quantizers.backends import kernels_enabled  # noqa: E402
 
@@ -247,12 +248,12 @@ def test_fp8_block_1d_methods_agree():
 
 @triton.jit
 def _scale_kernel(a_ptr, out_ptr, eps, N, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
-    """Per amax: block_current_scale, block_scale, IEEE 1 / block_current_scale, block_inv
+    """Per amax: current_scale, block_scale, IEEE 1 / current_scale, block_inv
     (power-of-two)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
     a = tl.load(a_ptr + offs, mask=m, other=0.0)
-    want = block_current_scale(a, eps, FP8_MAX, True)
+    want = current_scale(a, eps, FP8_MAX, True)
     got = block_scale(a, eps, FP8_MAX, True)
     tl.store(out_ptr + offs * 4, want, mask=m)
     tl.store(out_ptr + offs * 4 + 1, got, mask=m)
@@ -264,8 +265,7 @@ def _scale_kernel(a_ptr, out_ptr, eps, N, FP8_MAX: tl.constexpr, BLOCK: tl.const
 @pytest.mark.parametrize("fmax_dtype", [E4M3, E5M2], ids=str)
 def test_block_scale_matches_current_scale(fmax_dtype):
     """``block_scale`` / ``block_inv`` (power-of-two scales by exponent arithmetic, exact
-    reciprocal) equal ``block_current_scale`` (``current_scale`` with the finite-decode lower
-    bound) and the IEEE ``1 / scale`` bit for bit: every biased
+    reciprocal) equal ``_common.current_scale`` (with its finite-decode lower bound) and the IEEE ``1 / scale`` bit for bit: every biased
     exponent with mantissas at and around FP8_MAX's, subnormals, 0, inf, NaN, several eps."""
     fmax = fp8_params(fmax_dtype)[2]
     fbits = torch.tensor(fmax, dtype=torch.float32).view(torch.int32).item() & 0x7FFFFF
