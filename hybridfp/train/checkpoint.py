@@ -116,7 +116,8 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu", *, mma
     except pickle.UnpicklingError as e:
         raise CheckpointError(
             f"--resume: {path} holds objects other than tensors and plain data ({_refusal_reason(e)}); "
-            "hybridfp train writes only those, so the file was altered or written by something else. "
+            "hybridfp train writes only those, so the file was altered, written by something else, or "
+            "written by an earlier hybridfp train that pickled quantizer objects (train it again). "
             "Nothing in it was used: restore it from a trusted copy, or delete it and that recipe's "
             "lines in metrics.jsonl to train the recipe again.") from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
