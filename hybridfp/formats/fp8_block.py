@@ -1,4 +1,4 @@
-"""FP8 block scaling, DeepSeek-V3 style (SPEC §2.3).
+"""FP8 block scaling, DeepSeek-V3 style (numerics §2.3).
 
 - 1D: ``1 x block`` blocks along the last dim (inputs, gradients); scale_inv [R, ceil(C/block)].
 - 2D: ``block x block`` tiles (weights); scale_inv [ceil(R/block), ceil(C/block)].
@@ -15,21 +15,20 @@ rowwise result transposed, since ``quantize_2d(x.t())`` equals it bit for bit.
 Shapes not divisible by the block are zero-padded for the amax only (zeros never raise a
 block amax); ``data`` keeps the logical [R, C] shape.
 
-Resolved SPEC ambiguities (same rules as :mod:`fp8_tensorwise`, the lead should keep SPEC in
-sync):
+Behaviour where numerics §2.3 leaves a choice (same rules as :mod:`fp8_tensorwise`):
 
 - A block of zeros gets scale 1 (scale_inv 1) and zero data.
 - A block containing NaN gets scale 1: the NaN element stays NaN and the block's other
   elements are quantized (saturating) with scale 1. TE's kernel would give a NaN scale and
-  an all-NaN block; SPEC §2.1's "not finite -> scale 1" is followed instead. A block
+  an all-NaN block; numerics §2.1's "not finite -> scale 1" is followed instead. A block
   containing ±inf likewise gets scale 1 and the inf saturates to ±fp8_max.
 - Near the FP32 maximum, power-of-two scales saturate instead of decoding to inf: the scale
   is at least :func:`common.min_pow2_scale` (E4M3 2**-119, E5M2 2**-112), the smallest power
   of two with ``fp8_max * scale_inv`` finite. Only blocks with amax above
   ``fp8_max / min_pow2_scale`` (about 2.98e38) are affected; their elements beyond that
   saturate to ±fp8_max, decoding to ±fp8_max * 2**119 (E4M3) / * 2**112 (E5M2), about
-  ±2.98e38. (Without the bound, amax 3.4e38 got scale 2**-120 and its element rounded up to
-  256, which decodes to 2**128 = inf.) Scales that are not powers of two need no bound:
+  ±2.98e38. (Without the bound, amax 3.4e38 would get scale 2**-120 and its element would
+  round up to 256, which decodes to 2**128 = inf.) Scales that are not powers of two need no bound:
   ``fp8_max * (1 / (fp8_max / amax))`` is within a few ulps of amax and stays finite for
   every finite amax. Decode is the FP32 product ``data * scale_inv`` (a pair whose value is
   beyond FP32's range would give ±inf); a finite input never produces such a pair.
@@ -64,7 +63,7 @@ def _check_scale_shape(scale_inv: torch.Tensor, expected: tuple[int, int], what:
 
 
 def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
-    # Explicit IEEE division (SPEC §2), not torch.reciprocal.
+    # Explicit IEEE division (numerics §2), not torch.reciprocal.
     return torch.ones_like(scale) / scale
 
 

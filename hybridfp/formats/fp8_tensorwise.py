@@ -1,4 +1,4 @@
-"""FP8 per-tensor scaling: current scaling (SPEC §2.1) and delayed scaling (SPEC §2.2).
+"""FP8 per-tensor scaling: current scaling (numerics §2.1) and delayed scaling (numerics §2.2).
 
 The math follows TransformerEngine (TE) so that users migrating from it get the same bits:
 
@@ -12,21 +12,21 @@ Casts go through :func:`common.saturating_cast_fp8` (clamp in FP32, then an RNE 
 values beyond the finite range, ±inf included, saturate to ±fp8_max and never become NaN;
 NaN inputs stay NaN. ``scale_inv = 1 / scale`` is an IEEE FP32 division.
 
-Resolved SPEC ambiguities (the lead should keep SPEC in sync):
+Behaviour where numerics §2.1 / §2.2 leave a choice:
 
-- ``current_scale`` with a NaN amax returns scale 1 (SPEC: "if amax is ... not finite,
-  scale = 1"). TE's kernel would produce a NaN scale there; we follow SPEC, so a NaN input
+- ``current_scale`` with a NaN amax returns scale 1 (numerics §2.1: "if amax is ... not
+  finite, scale = 1"). TE's kernel would produce a NaN scale there; this follows numerics, so a NaN input
   element quantizes to NaN while the other elements stay finite.
 - ``eps`` is applied before the zero / non-finite test, as in TE: with ``eps > 0`` an
   all-zero tensor gets ``scale = fp8_max / eps``, not 1.
 - ``delayed_update`` clamps an infinite new scale (amax so small that ``fp8_max / amax``
-  overflows) to FP32_MAX, after the ``2**margin`` division. SPEC §2.2 is silent and TE does
+  overflows) to FP32_MAX, after the ``2**margin`` division. numerics §2.2 is silent and TE does
   not clamp there; an inf scale would make ``0 * scale`` NaN, so we clamp as §2.1 does.
 - ``delayed_update`` accepts a history of shape [L] (scale 0-d) or [L, n] (scale [n], one
   column per tensor, TE's layout); the reduction is over dim 0.
 - A non-finite amax (Inf / NaN, recorded in slot 0) is not committed: that update keeps the
   old scale and the old history (slot 0 zeroed, no roll). TE would keep it in the window and
-  freeze the scale for the whole history length (1024 steps by default); SPEC §2.2 asks only
+  freeze the scale for the whole history length (1024 steps by default); numerics §2.2 asks only
   that a non-finite amax keep the old scale.
 - ``margin`` is limited by :func:`max_margin`, so that the scale and its inverse stay finite
   and non-zero for every finite amax (a larger one makes outputs NaN or zero).
@@ -56,7 +56,7 @@ def current_scale(
     eps: float = 0.0,
     power_2_scale: bool = False,
 ) -> torch.Tensor:
-    """Scale from an amax, elementwise on any shape (SPEC §2.1); returns FP32.
+    """Scale from an amax, elementwise on any shape (numerics §2.1); returns FP32.
 
     ``a = max(amax, eps)``; ``scale = fp8_max / a``; 1 where ``a`` is 0 or not finite;
     FP32_MAX where the division overflows; optionally rounded down to a power of two, and then
@@ -86,7 +86,7 @@ def quantize(
     """
     s = scale.float().to(x.device)
     data = saturating_cast_fp8(x.float() * s, dtype)
-    # An explicit division rather than torch.reciprocal: SPEC §2 asks for IEEE division.
+    # An explicit division rather than torch.reciprocal: numerics §2 asks for IEEE division.
     scale_inv = torch.ones_like(s) / s
     return data, scale_inv
 
@@ -116,7 +116,7 @@ def delayed_update(
     margin: int = 0,
     algo: str = "max",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One delayed-scaling update (SPEC §2.2); returns ``(new_history, new_scale)``.
+    """One delayed-scaling update (numerics §2.2); returns ``(new_history, new_scale)``.
 
     ``amax = history.max(0)`` (``algo="max"``) or ``history[0]`` (``"most_recent"``);
     ``new_scale = (fp8_max / amax) / 2**margin``, the old scale kept where amax <= 0 or is

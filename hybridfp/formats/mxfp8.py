@@ -1,4 +1,4 @@
-"""MXFP8: OCP microscaling FP8 with E8M0 block scales (SPEC §2.4).
+"""MXFP8: OCP microscaling FP8 with E8M0 block scales (numerics §2.4).
 
 - 1D: ``1 x 32`` blocks along the last dim; scale [R, ceil(C/32)] as uint8 E8M0 bytes
   (value ``2**(byte - 127)``, 0xFF = NaN). The columnwise ``32 x 1`` copy is built by the
@@ -21,7 +21,7 @@ Scale rules (:func:`e8m0_from_amax`):
 where the quotient is an FP32 subnormal (rounded once, far below the FP8 grid). Dequantize is
 ``data.float() * scale``, exact in FP32 (an inf block gives 448 * 2**127 = inf back).
 
-Resolved SPEC ambiguities (the lead should keep SPEC in sync):
+Behaviour where numerics §2.4 leaves a choice:
 
 - Zeros: a block of zeros (amax 0) gets byte 0 (2**-127, "the smallest E8M0 scale") and
   zero data, under both rules. Zero padding of partial blocks never raises an amax.
@@ -38,8 +38,8 @@ Resolved SPEC ambiguities (the lead should keep SPEC in sync):
   clamp is only reachable from inf; it is kept (and unit-tested) for fidelity with TE.
 - Decode is the exact FP32 product ``data * 2**(byte - 127)``; a pair beyond FP32's range
   gives ±inf. Only 0xFE (from an inf amax) makes such pairs: an inf input decodes to inf.
-- Tiny blocks (rceil byte 0 with 0 < amax <= 448 * 2**-127): we divide by 2**-127 as SPEC
-  says. TE's kernel multiplies by ``exp2f_rcp(0) == 1`` instead, which turns such blocks into
+- Tiny blocks (rceil byte 0 with 0 < amax <= 448 * 2**-127): we divide by 2**-127 as numerics
+  §2.4 says. TE's kernel multiplies by ``exp2f_rcp(0) == 1`` instead, which turns such blocks into
   zeros; our data can be non-zero there. Only blocks with amax < 2**-118 are affected.
 - ``quantize(dequantize(q))`` reproduces the dequantized values bit for bit. With rceil the
   bytes can change: a block whose max rounded DOWN onto fp8_max / 2 (E4M3 amax 225 -> data
@@ -104,7 +104,7 @@ def _e8m0_ceil(v: torch.Tensor) -> torch.Tensor:
 def e8m0_from_amax(
     block_amax: torch.Tensor, dtype: torch.dtype, rule: str = "rceil"
 ) -> torch.Tensor:
-    """E8M0 scale bytes (uint8, same shape) for non-negative block amaxes (SPEC §2.4).
+    """E8M0 scale bytes (uint8, same shape) for non-negative block amaxes (numerics §2.4).
 
     ``rule="rceil"``: TE / cuBLAS, the block max never saturates. ``rule="floor"``: OCP spec,
     ``2**(floor(log2(amax)) - emax_elem)`` clamped to E8M0's range. Under both: amax 0 -> 0,

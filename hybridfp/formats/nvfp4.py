@@ -1,6 +1,6 @@
 """NVFP4: E2M1 elements in blocks of 16 with an E4M3 block scale and an FP32 global scale.
 
-SPEC §2.5 is normative; the FP32 arithmetic below follows it (and TE's kernels) step by step:
+numerics §2.5 is normative; the FP32 arithmetic below follows it (and TE's kernels) step by step:
 
     S_enc   = min(2688 / global_amax, FP32_MAX)        # 2688 = 448 * 6; 1 if amax is 0 / inf / NaN
     S_dec   = 1 / S_enc
@@ -9,14 +9,14 @@ SPEC §2.5 is normative; the FP32 arithmetic below follows it (and TE's kernels)
     q       = e2m1(clamp(x * encode, -6, 6))
     dequant = q * fp32(S_dec_b) * S_dec                  # left to right; q * S_dec_b is exact
 
-Decisions where SPEC is silent (the lead was told the same):
-- A NaN global amax gives S_enc = 1, like FP8 current scaling (SPEC names only 0 and inf).
+Decisions where numerics §2.5 is silent:
+- A NaN global amax gives S_enc = 1, like FP8 current scaling (numerics §2.5 names only 0 and inf).
 - NaN propagates through the block amax, so a block holding a NaN gets a NaN E4M3 scale and
   dequantizes to NaN everywhere; its element codes are 0 with the sign kept (meaningless).
 - ±inf elements saturate: with a per-tensor amax of inf, S_enc = 1 and the element becomes
   ±6 * 448 (the block scale saturates at 448, the element at 6).
 - A block whose S_dec_b underflows to 0 gets encode = FP32_MAX (1/0 clamped), so its codes are
-  arbitrary but it dequantizes to exactly 0, as SPEC requires.
+  arbitrary but it dequantizes to exactly 0, as numerics §2.5 requires.
 - Stochastic rounding: with lo <= |v| <= hi the neighbouring E2M1 values, round up iff
   rand < (|v| - lo) / (hi - lo). Both subtraction and division are exact in FP32 (Sterbenz /
   division by a power of two), so a kernel given the same uniform draws matches bit for bit.

@@ -1,4 +1,4 @@
-"""Random Hadamard transform (RHT) for NVFP4's wgrad operands (SPEC §2.5).
+"""Random Hadamard transform (RHT) for NVFP4's wgrad operands (numerics §2.5).
 
 R = diag(s) · H16 / 4, with H16 the Sylvester Hadamard matrix in natural order and s TE's
 fixed sign vector. R is orthogonal (H16 H16ᵀ = 16 I), so transforming both wgrad operands
@@ -21,7 +21,7 @@ transform does the same (pre-scaled tiles of max |y| >= 2**124, saturated to ±F
 tile holding ±inf is not saturated: its results stay ±inf (NaN where two infs meet), as a
 NaN tile's stay NaN.
 
-Decisions (SPEC asks for them to be documented):
+Decisions (numerics §2.5 asks for them to be documented):
 - The transform result is rounded to ``out_dtype``, default the input's dtype, before anything
   downstream (global amax, quantization) sees it. For BF16 inputs this matches TE's reference,
   which stores the RHT output in BF16; FP32 inputs stay FP32. Kernels must round the same way.
@@ -41,7 +41,7 @@ TILE: int = 16
 #: A tile with max |x| at or above this is transformed pre-scaled by PRESCALE (no overflow).
 PRESCALE_FROM: float = 2.0**124
 PRESCALE: float = 2.0**-4
-#: TE's fixed RHT sign vector (SPEC §2.5).
+#: TE's fixed RHT sign vector (numerics §2.5).
 RHT_SIGNS: tuple[int, ...] = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 
 
