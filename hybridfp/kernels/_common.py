@@ -1,12 +1,12 @@
 """Triton helpers shared by the quantize kernels: exact FP8 / E2M1 / BF16 rounding done in
-integer and FP32 arithmetic, NaN-propagating block amaxes, the scale rules of SPEC §2, and a
+integer and FP32 arithmetic, NaN-propagating block amaxes, the scale rules of numerics §2, and a
 global-amax kernel.
 
 Why no framework casts under the interpreter: with ``TRITON_INTERPRET=1`` Triton's
 ``.to(float8)`` mis-rounds values that round across a power of two, its E5M2 casts differ from
-torch's, overflow does not saturate, and ``.to(bfloat16)`` truncates (DESIGN.md, checked here
-too). So under the interpreter every kernel clamps, then rounds to the grid with the integer
-code of :func:`fp8_code` and stores the code bytes (uint8 views of the FP8 outputs). On the GPU
+torch's, overflow does not saturate, and ``.to(bfloat16)`` truncates. So under the
+interpreter every kernel clamps, then rounds to the grid with the integer code of
+:func:`fp8_code` and stores the code bytes (uint8 views of the FP8 outputs). On the GPU
 :func:`fp8_encode` uses the hardware conversion instead (``HW``, a constexpr chosen by the
 device: :func:`hw_fp8`): sm89+ ``cvt.rn.satfinite.e4m3x2/e5m2x2.f32`` is a correctly rounded
 RNE cast that also saturates, so it needs no clamp and gives the integer code's bits in ~1
@@ -26,8 +26,8 @@ product), so FMA contraction cannot change a bit.
 
 Signs: never negate a float that can be zero to give it a sign (``-v``): Triton 3.6 compiles
 unary minus as ``0 - v``, so -(+0.0) is +0.0 on the GPU while the interpreter (newer Triton)
-gives -0.0. Signs are OR-ed into the bits (:func:`e4m3_value`, :func:`e2m1_value`); that bug
-kept the NVFP4 decode kernel wrong on the H200 for a session.
+gives -0.0. Signs are OR-ed into the bits (:func:`e4m3_value`, :func:`e2m1_value`); a negation
+gives wrong zero signs on the GPU alone, which interpreter tests cannot catch.
 
 NaN: Triton's max reductions drop NaN on the GPU, so block amaxes carry a separate NaN flag
 (:func:`amax_nan`) and a NaN amax becomes the positive quiet NaN, as ``torch.amax`` of
@@ -255,8 +255,8 @@ def store_words_t(ptr, code, lc, c0, r, R, C, PACK: tl.constexpr, WIDE: tl.const
     (R % 4 == 0) each column's 32 codes go as eight little-endian int32 words: two 16-byte
     stores per thread, or with ``WIDE`` one [BC, 8] word store, which the compiler lays out
     two threads per column (through shared memory) so that each L2 write request carries a
-    whole 32-byte sector instead of half of one (ncu, s17: the transposed copies are bound by
-    the L2's request rate, not by bytes); else bytewise."""
+    whole 32-byte sector instead of half of one (Nsight Compute: the transposed copies are
+    bound by the L2's request rate, not by bytes); else bytewise."""
     BC: tl.constexpr = code.shape[0]
     cmask = (c0 + lc) < C
     if PACK:
@@ -354,13 +354,13 @@ def _hw_fp8_code(v, MBITS: tl.constexpr):
     NaN as 0x7F | sign (torch's byte; the hardware's E5M2 NaN byte can be 0x7E).
 
     The conversion rounds to nearest even and saturates by itself (finite overflow and ±inf
-    give ±max), so callers need no clamp (``fp8_encode``): that clamp was ~10 % of the FP8
-    per-tensor cast kernel's instructions (sm90 SASS: 912 -> 816 for a 32x128 tile). The NaN
+    give ±max), so callers need no clamp (``fp8_encode``): the clamp would be ~10 % of the FP8
+    per-tensor cast kernel's instructions (sm90 SASS: 912 vs 816 for a 32x128 tile). The NaN
     select stays although NaN products are the canonical NaN (byte 0x7F either way): without
-    it (651 instructions) the H200 run with Triton 3.6 gave wrong bytes in the transposed
-    copies (about half of those packed by ``store_transposed_u8``, an eighth of the grouped
-    kernel's byte stores) while the rowwise copies stayed right; the cause, presumably the
-    handling of the converted byte pairs in layout conversions, is not established."""
+    it (651 instructions) Triton 3.6 on the H200 gives wrong bytes in the transposed copies
+    (about half of those packed by ``store_transposed_u8``, an eighth of the grouped kernel's
+    byte stores) while the rowwise copies stay right; the cause, presumably the handling of the
+    converted byte pairs in layout conversions, is not established."""
     if MBITS == 3:
         hw = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
@@ -381,8 +381,8 @@ def _asm_fp8_code(v, MBITS: tl.constexpr):
     element (the other half of the pair is 0.0) through inline PTX instead of Triton's own
     conversion, which pairs neighbouring register elements. Why: with Triton 3.6 on the H200
     some tile / layout combinations of the "natural" columnwise passes (4-row int32 words stored
-    transposed) gave wrong bytes with Triton's conversion while the software encode was right
-    (notes/quantize_kernels.md, sessions 11 and 13); one conversion per element leaves nothing
+    transposed) give wrong bytes with Triton's conversion while the software encode is right
+    (docs/design/quantize-kernels.md); one conversion per element leaves nothing
     to pair. Costs one more ``F2FP`` per two elements."""
     return _fp8_nan_select(v, asm_fp8_bits(v, MBITS))
 
@@ -404,7 +404,7 @@ def asm_fp8_bits(v, MBITS: tl.constexpr):
 
 @triton.jit
 def fp8_encode(v, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, HW: tl.constexpr = False):
-    """FP8 code bytes of FP32 ``v`` saturated to ±FP8_MAX (SPEC §2: round to nearest even,
+    """FP8 code bytes of FP32 ``v`` saturated to ±FP8_MAX (numerics §2: round to nearest even,
     saturate): the hardware conversion on the GPU, which saturates itself (``HW`` 1: Triton's
     conversion; 2: one inline-PTX conversion per element, :func:`_asm_fp8_code`); elsewhere
     (``HW`` 0) :func:`clamp_sym` then :func:`fp8_code`'s integer rounding."""

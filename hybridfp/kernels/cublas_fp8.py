@@ -5,7 +5,7 @@ so every GEMM is ``out[m, n] = (a[m, k] · sa) (b[n, k] · sb)ᵀ`` — cuBLAS's
 only one Hopper's FP8 tensor cores take. ``b.t()`` is handed over as a column-major [k, n]
 view (no copy). Scales are dequantization factors (the storages' ``scale_inv``).
 
-Scale layouts torch 2.11 accepts (its ``_scaled_mm`` checks; DESIGN.md, measured on the H200):
+Scale layouts torch 2.11 accepts (its ``_scaled_mm`` checks, verified on the H200):
 
 | operand            | scale passed                | shape                 | strides          |
 |--------------------|-----------------------------|-----------------------|------------------|
@@ -53,7 +53,7 @@ def block_shape_supported(m: int, n: int, k: int, a_block_dim: int, b_block_dim:
     16. The scale tensors' leading dimensions must be 16-byte aligned for cuBLAS (TE pads
     them to 4 floats; torch's stride checks leave no room to pad): the leading dim of a
     1x128 A's scales is m, of a 1x128 B's scales n, of a 128x128 operand's ceil(k/128).
-    Seen on the H200 (torch 2.11): m % 4 != 0 is refused (CUBLAS_STATUS_NOT_SUPPORTED), and
+    On the H200 (torch 2.11): m % 4 != 0 is refused (CUBLAS_STATUS_NOT_SUPPORTED), and
     k/128 % 4 != 0 with a 128x128 operand gives WRONG results without an error.
     """
     if (a_block_dim, b_block_dim) not in BLOCK_PAIRS or m <= 0 or n <= 0:
@@ -69,10 +69,9 @@ def block_shape_supported(m: int, n: int, k: int, a_block_dim: int, b_block_dim:
 
 def _ready(t: torch.Tensor) -> torch.Tensor:
     """Row-major operand data with a 16-byte aligned pointer and row stride (a copy only when
-    not). A row stride above the width is taken as it is: measured on the H200 (torch 2.11,
-    ``bench/diag_scaled_mm_strides.py``) ``_scaled_mm`` reads such column slices of a wider
-    buffer (an MoE expert's columnwise copy in the joined [C, Σ m] matrix) as fast as
-    contiguous operands, bitwise equal."""
+    not). A row stride above the width is taken as it is: on the H200 (torch 2.11)
+    ``_scaled_mm`` reads such column slices of a wider buffer (an MoE expert's columnwise copy
+    in the joined [C, Σ m] matrix) as fast as contiguous operands, bitwise equal."""
     rows, cols = t.shape
     row_major = (cols <= 1 or t.stride(1) == 1) and (rows <= 1 or t.stride(0) >= cols)
     if not row_major or (rows > 1 and t.stride(0) * t.element_size() % 16):
@@ -163,8 +162,8 @@ def gemm_blockwise(a: torch.Tensor, a_scale_inv: torch.Tensor, a_block_dim: int,
     blocks, [ceil(rows/128), kb] for 128x128 tiles. cuBLAS applies each k block's scales
     when it promotes that block's partial sums into FP32, so there is no fast-accumulation
     mode (TE uses none for block scaling either). The bias goes through the FP32 epilogue
-    here; cuBLAS's own bias epilogue was seen correct with block scales (BF16 bias, 1x128 x
-    128x128, 2026-11-29 probe) but is not used until its GPU test covers every pair.
+    here; cuBLAS's own bias epilogue gives correct results with block scales for a BF16 bias at
+    1x128 x 128x128, but no GPU test covers every pair, so it is not used.
     """
     if (a_block_dim, b_block_dim) not in BLOCK_PAIRS:
         raise ValueError(f"cuBLAS block-scaled FP8 takes 1x128 x 1x128, 1x128 x 128x128 or "

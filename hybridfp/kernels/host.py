@@ -2,9 +2,9 @@
 
 ``torch.tensor(values, device="cuda")`` (and ``cpu_tensor.to("cuda")``) copies from pageable
 host memory, which PyTorch finishes with a stream synchronize: the host waits until the GPU has
-drained its queue, and the GPU then idles while the host prepares the next launches. An MoE
-step built ~20 such offset / split tensors (H200, 8 experts, ``bench_moe``'s profile: 23
-``cudaStreamSynchronize`` per step). Copies from pinned memory can be queued
+drained its queue, and the GPU then idles while the host prepares the next launches. An 8-expert
+MoE step needs ~20 such offset / split tensors, so as many ``cudaStreamSynchronize`` calls per
+step if they were built that way. Copies from pinned memory can be queued
 (``non_blocking``); outside CUDA-graph capture PyTorch's pinned-memory cache keeps the block
 until the copy has run (it records an event on the copy's stream), so the temporary is safe to
 drop. (Under graph capture a captured copy would read the host block at replay time: these

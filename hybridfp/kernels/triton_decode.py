@@ -26,9 +26,9 @@ code in both modes; the interpreter gets NaN / inf codes wrong (E4M3 0x7F -> 480
 on the device (``_common.bf16_nan_bits``). Outputs are written as int16 bits (the
 interpreter's BF16 cast truncates).
 
-Speed (H200, 8192^2, bench/bench_gemm_pairs.py): 0.39-0.50 of device-copy bandwidth (bytes
-read + written) — below the ~0.9 a plain dequantize kernel reached (DESIGN.md); decode plus
-cuBLAS BF16 still runs at 0.89-1.05x a BF16 GEMM. Closing that gap is open work.
+Speed: the decode reaches well under device-copy bandwidth (bytes read + written), less than a
+plain dequantize kernel, and decode plus cuBLAS BF16 runs close to a BF16 GEMM (``python -m
+bench.bench_gemm_pairs`` on an NVIDIA H200 measures both).
 """
 
 from __future__ import annotations
@@ -43,23 +43,18 @@ from ._common import bf16_nan16, e2m1_value, empty, program_tile, tile_grid
 
 #: kernel kinds: FP8 codes alone, x E8M0 bytes, x power-of-two FP32, packed E2M1 x E4M3
 _PLAIN, _E8M0, _POW2_F32, _NVFP4 = (tl.constexpr(i) for i in range(4))
-#: default tile (rows, cols), 4 warps. 32 x 256 was the fastest of four tiles on the H200 for
-#: every decode (bench/bench_gemm_pairs.py); a later sweep with smaller tiles found 8 x 512
-#: faster for the 1x32 / 1x16 block decodes (MXFP8 0.081 vs 0.102 ms, NVFP4 pairs 0.063 vs
-#: 0.068 ms at 8192^2: fewer registers per thread, 108 vs 255 for MXFP8): _TILE_1D. Session
-#: 12's sweep (bench/bench_decode_tiles.py, 16384x4096, every tile bitwise the old default's)
-#: found 4 x 512 on 2 warps 5 % faster again for MXFP8 (0.0727 vs 0.0769 ms rowwise, 0.0736 vs
-#: 0.0777 columnwise) and 1-2 % for NVFP4: _TILE_1D / _WARPS_1D.
+#: default tile (rows, cols), 4 warps: the fastest tile for the per-tensor and 2D-block decodes
+#: (``python -m bench.bench_gemm_pairs`` on an NVIDIA H200). The 1x32 / 1x16 block decodes are
+#: faster with short, wide tiles (fewer registers per thread): _TILE_1D on _WARPS_1D warps, the
+#: fastest tile for them on an NVIDIA H200 (every tile's output is bitwise the same).
 _TILE = (32, 256)
 _TILE_1D = (4, 512)
 _WARPS_1D = 2
-#: register cap of the MXFP8 1x32 decode (session 17): the rare exact path for small scales
+#: register cap of the MXFP8 1x32 decode: the rare exact path for small scales
 #: (``_pow2_scale_exact``) makes the compiler hold 128 registers a thread, which limits the
-#: kernel to 25 % occupancy. Capped (spills land on that path), at 16384x4096 on the H200
-#: (bench/bench_decode_tiles.py, bit for bit the uncapped output), rowwise / columnwise ms:
-#: none 0.0727 / 0.0738, 96 0.0668 / 0.0672, 80 0.0647 / 0.0657, 72 0.0627 / 0.0632, 64
-#: 0.0616 / 0.0618 (84 % of copy), 56 0.058 / 0.058 (88 %), 48 0.068 / 0.068. NVFP4's decode gained
-#: nothing from a cap (73-76 % either way).
+#: kernel to 25 % occupancy. With a cap the spills land on that path; 56 is the fastest cap on
+#: an NVIDIA H200 (output bit for bit the uncapped one; a lower cap is slower again). NVFP4's
+#: decode does not gain from a cap.
 _MAXNREG_E8M0_1D = 56
 
 
@@ -122,7 +117,7 @@ def e8m0_scaled_bits(v, e, NAN16: tl.constexpr):
     ``formats.mxfp8.dequantize_1d(...).to(bfloat16)`` computes it — for kernels that write a
     decoded copy themselves (``triton_mxfp8``'s ``decoded``). One IEEE FP32 multiply (2**-127
     is the subnormal 0x400000, as ``e8m0_to_float`` builds it; Triton's FP32 multiply keeps
-    subnormals: no ``.ftz`` in its PTX, checked by ``bench/sass_count.py``'s decoded cases)
+    subnormals: no ``.ftz`` in its PTX, checked by ``bench/tools/sass_count.py``'s decoded cases)
     and a round-to-nearest-even of the product's bits to BF16, subnormals included: about 8
     instructions an element and no branch (the decode kernel's tile test and integer path held
     255 registers in a 64-element-per-thread quantize tile)."""
@@ -172,8 +167,7 @@ def _decode_kernel(src_ptr, s_ptr, out_ptr, R, C, src_stride, s_stride, NSR, NSC
             # Element j sits in byte j // 2 (low nibble first); each byte is read for both of
             # its elements (the second read hits the cache). The sign comes from the code bit,
             # never from a float negation: Triton 3.6 lowers ``-x`` to ``0 - x``, which turns
-            # E2M1's -0.0 (code 8) into +0.0 — the bug that kept this kernel off on CUDA until
-            # 2026-11-29.
+            # E2M1's -0.0 (code 8) into +0.0 on the GPU.
             byte = tl.load(src_ptr + r64[:, None] * src_stride + (cols // 2)[None, :], mask=mask,
                            other=0).to(tl.int32)
             code = (byte >> ((cols & 1) * 4)[None, :]) & 15
@@ -224,7 +218,7 @@ def _launch(src: torch.Tensor, scale: torch.Tensor | None, cols: int, kind: int,
         src = src.contiguous()
     sr, sc = block
     one_d = sr == 1 and kind in (_E8M0.value, _NVFP4.value)
-    if maxnreg is None:  # the measured cap belongs to the default tile
+    if maxnreg is None:  # the cap is tuned for the default tile
         default_tile = tile is None and num_warps is None
         maxnreg = _MAXNREG_E8M0_1D if default_tile and one_d and kind == _E8M0.value else 0
     tile = tile or (_TILE_1D if one_d else _TILE)
@@ -281,9 +275,9 @@ def decode_fp8_block(data: torch.Tensor, scale_inv: torch.Tensor, *, block: int 
 
 
 #: Device types on which the NVFP4 decode writes element pairs as int32 words (one read per
-#: byte, full-width stores) by default. CUDA since its GPU bitwise tests
-#: (tests/kernels/test_kernels_decode.py: ``test_gpu_nvfp4_pairs``) passed on the H200
-#: (2026-11-29): 0.068 ms for an 8192^2 operand against 0.30 ms per element.
+#: byte, full-width stores) by default. On CUDA the pairs form is bitwise the per-element one
+#: (tests/kernels/test_kernels_decode.py: ``test_gpu_nvfp4_pairs``) and several times faster
+#: (``python -m bench.bench_gemm_pairs``).
 PAIRS_BY_DEFAULT = frozenset({"cpu", "cuda"})
 
 

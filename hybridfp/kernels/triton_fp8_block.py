@@ -1,21 +1,20 @@
-"""FP8 block-scaling quantize kernels (SPEC §2.3, DeepSeek-V3 style), one read per tile.
+"""FP8 block-scaling quantize kernels (numerics §2.3, DeepSeek-V3 style), one read per tile.
 
 - 1D: rowwise 1xB blocks (``data [R, C]``, ``scale_inv [R, ceil(C/B)]``) and columnwise Bx1
   blocks re-quantized from the same tile, stored transposed (``[C, R]``, ``[C, ceil(R/B)]``).
-  ``method="natural"`` (:func:`_fp8_block_1d_kernel`): the tile is read from device
+  ``method="natural"`` (:func:`_fp8_block_1d_kernel`, the default): the tile is read from device
   memory once in natural [RW, B] slices (vector loads) for the rowwise copy, and the same pass
   keeps a register-local running max of |x| per column, reduced once per tile to the Bx1 block
   amaxes; the columnwise pass then re-reads the tile from cache, also in natural slices, and
   packs four rows' codes of a column into an int32 word inside each thread
-  (:func:`columnwise_1d`). ``method="slices"`` (:func:`_fp8_block_1d_t_kernel`, the default
-  until "natural" is timed on the H200): the columnwise pass over transposed [CW, 32] sub-tiles
-  (``_common.load_rows32_t``, read twice).
+  (:func:`columnwise_1d`). ``method="slices"`` (:func:`_fp8_block_1d_t_kernel`): the columnwise pass
+  over transposed [CW, 32] sub-tiles (``_common.load_rows32_t``, read twice).
 - 2D: BxB tiles; the columnwise copy is the rowwise one transposed (data and scale_inv).
 
 Tile-local int32 offsets, the hardware FP8 conversion on the GPU and int32-packed transposed
-stores (``_common`` says why). The kernels are instruction-issue bound (notes/quantize_kernels.md),
-so the 1D path also avoids IEEE divisions for power-of-two scales (:func:`block_scale`,
-:func:`block_inv`) and masks on interior tiles (``EVEN``).
+stores (``_common`` says why). The kernels are instruction-issue bound
+(docs/design/quantize-kernels.md), so the 1D path also avoids IEEE divisions for power-of-two
+scales (:func:`block_scale`, :func:`block_inv`) and masks on interior tiles (``EVEN``).
 
 B = 128 by default (any power of two >= 32 works). Bitwise equal to ``formats.fp8_block``:
 the block scale is ``_common.current_scale`` of the NaN-propagating block amax (FP32 IEEE
@@ -172,7 +171,7 @@ def fp8_bytes(v, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
     cheaper NaN byte on the GPU: a NaN product there is the canonical NaN (positive; the GPU
     tests feed -NaN inputs and pass with ``0x7F | sign``), so its byte is the constant 0x7F and
     the per-element sign extraction goes (~2 instructions per element). The select itself stays
-    for transposed copies (see ``_common._hw_fp8_code``: dropping it broke them on the H200);
+    for transposed copies (see ``_common._hw_fp8_code``: without it they are wrong on the H200);
     ``ROWWISE`` (codes stored in the natural layout): E4M3 without it
     (``_common.fp8_encode_rowwise``). The natural columnwise pass packs E4M3 words by
     ``_common.e4m3_word4`` instead (:func:`columnwise_1d`)."""
@@ -412,7 +411,8 @@ def _fp8_block_tile_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc
                      tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=cmask)
 
 
-#: 1D defaults (rows per columnwise slice, rows per rowwise slice), the H200 sweep's fastest:
+#: 1D defaults (rows per columnwise slice, rows per rowwise slice), the fastest of
+#: ``python -m bench.bench_quantize_kernels --sweep`` on an NVIDIA H200:
 #: "natural" 128 / 32 (also the fused FP8-current + block kernel's), "slices" 128 columns / 16.
 NATURAL_SLICES = (128, 32)
 SLICES_SLICES = (128, 16)
@@ -427,11 +427,11 @@ def natural_pack(pack: bool, x2: torch.Tensor) -> bool:
 def natural_hw(x2: torch.Tensor):
     """``fp8_encode``'s HW for the "natural" passes on ``x2``'s device: for FP32 input one
     inline-PTX conversion per element (2). With Triton's paired conversion (1) the H200 (Triton
-    3.6) left wrong bytes at odd input columns in the packed stores of FP32 input (s11); with
-    one conversion per element all 39 configurations of ``bench/diag_natural_fp32.py --asm``
-    were bitwise (s13). BF16 / FP16 keep Triton's conversion (bitwise there at the tested tiles;
-    2 costs one more ``cvt`` per two elements, not yet timed). Packed E4M3 words take
-    ``_common.e4m3_word4`` (explicitly paired) under either. ``test_fp8_block_gpu_options``
+    3.6) leaves wrong bytes at odd input columns in the packed stores of FP32 input; with one
+    conversion per element every tested configuration is bitwise. BF16 / FP16 keep Triton's
+    conversion (bitwise there at the tested tiles; 2 costs one more ``cvt`` per two elements).
+    Packed E4M3 words take ``_common.e4m3_word4`` (explicitly paired) under either.
+    ``test_fp8_block_gpu_options``
     guards both."""
     hw = hw_fp8(x2.device)
     return 2 if hw and x2.dtype == torch.float32 else hw
@@ -452,10 +452,9 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, block_dim: int = 1, block_
     column per thread). 2D: walked in ``chunk``-column slices (default 16 / 4 warps).
     ``pack``: transposed stores as int32 words of four rows when R % 4 == 0 (same bytes).
     ``method="tile"``: one whole tile in registers instead (``chunk`` / ``row_slice`` unused;
-    :func:`_fp8_block_tile_kernel`); the same bits. Defaults from H200 sweeps at 16384x4096 BF16
-    row+col: 2D "tile" (0.110 ms vs 0.239 ms sliced, 8 warps); 1D "natural" 128 / 32 rows
-    (0.110 ms; 64 / 32: 0.113, 32 / 16: 0.115, 8 warps: 0.127-0.148; "slices" 0.155, "tile"
-    0.217; bench/results/2026-12-02-s11.md).
+    :func:`_fp8_block_tile_kernel`); the same bits. The defaults (2D "tile" on 8 warps, 1D
+    "natural" 128 / 32 rows on 4 warps) are the fastest row+col methods and tiles of ``python -m
+    bench.bench_quantize_kernels --sweep`` on an NVIDIA H200.
     """
     method = method or ("tile" if block_dim == 2 else "natural")
     if method not in ("natural", "slices", "tile") or (method == "natural" and block_dim == 2):

@@ -1,4 +1,4 @@
-"""FP8 per-tensor quantize kernels (SPEC §2.1 current scaling, §2.2 delayed scaling).
+"""FP8 per-tensor quantize kernels (numerics §2.1 current scaling, §2.2 delayed scaling).
 
 Tile-local int32 offsets, the hardware FP8 conversion on the GPU (``_common`` says why both).
 
@@ -70,13 +70,10 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, amax: Optional[torch.Tenso
     the recorded amax (0-d FP32). ``pack``: write the transposed copy as int32 words of four
     rows when R % 4 == 0 (same bytes, fewer store instructions). ``anchor`` (columnwise only):
     compile in a never-taken rowwise store, which keeps the tile in the coalesced natural
-    layout (without it Triton 3.6 lays the tile out for the transposed store: 0.179 ms vs
-    0.084 ms for both copies at 16384x4096 on the H200). ``block`` / ``num_warps``: default
-    the H200's fastest (CUDA-graph device time at the Llama-3-8B MLP's four operand shapes,
-    E4M3 and E5M2, ``bench/bench_fp8_shapes.py``, 2026-12-01): both copies (128, 64) / 4 warps,
-    0.86-0.89 of copy bandwidth against 0.62-0.68 for the previous (64, 128) / 8 (whose 95 %
-    in the single-shape sweep did not hold at these shapes); one copy (32, 128) / 4 warps,
-    0.97 (rowwise).
+    layout (without it Triton 3.6 lays the tile out for the transposed store, about half as
+    fast on the H200). ``block`` / ``num_warps``: default the H200's fastest at the Llama-3-8B
+    MLP's four operand shapes, E4M3 and E5M2 (CUDA-graph device time): both copies (128, 64) /
+    4 warps, one copy (32, 128) / 4 warps, each near device-copy bandwidth.
     """
     if (amax is None) == (scale is None):
         raise ValueError("pass exactly one of amax (current scaling) or scale (delayed scaling).")

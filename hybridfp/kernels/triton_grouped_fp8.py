@@ -7,7 +7,7 @@ quantize_grouped``'s layout). Two passes:
 - :func:`group_amax`: max|x| of every group (NaN-propagating, 0 for an empty group): per tile
   one atomic max of the amax bits when all its rows are one group (the common case: groups of
   hundreds of rows), else one per row. Also serves NVFP4's per-expert global amax.
-- :func:`quantize` (FP8 current scaling, SPEC §2.1): tiles that never straddle two groups (one
+- :func:`quantize` (FP8 current scaling, numerics §2.1): tiles that never straddle two groups (one
   program per row tile of each group, the group found from the prefix sums of the groups' tile
   counts, so each tile has one scale and uneven groups launch no idle programs) — the group's
   scale from its amax (``_common.current_scale``), ``fp8(clamp(x * scale))`` by
@@ -24,9 +24,8 @@ quantize_grouped``'s layout). Two passes:
   and offsets are multiples of 4 (as ``triton_fp8_tensorwise``), and the group's last tile
   writes zero codes for rows m_e .. ld_e - 1: the [C, ld_e] block is then the copy zero-padded
   along its reduction (the expert's token count), which cuBLAS FP8 needs a multiple of 16,
-  with no padded copy per GEMM. (The row-tiled kernel before it stored single bytes at a
-  per-row group stride and zeroed the tails in a second launch: 3.35 ms against 2.19 ms for the
-  8-expert MoE layer's four activations on the H200.)
+  with no padded copy per GEMM. (Storing single bytes at a per-row group stride and zeroing the
+  tails in a second launch is slower.)
 
 Bitwise equal, per group, to ``triton_fp8_tensorwise`` / ``formats.fp8_tensorwise`` on that
 group alone (same helpers, same operation order; the scale depends only on the group's amax).
@@ -60,8 +59,9 @@ def _group_amax_kernel(x_ptr, group_ptr, out_ptr, R, C, sxr, sxc: tl.constexpr, 
         tl.atomic_max(out_ptr + first, amax_bits(amax_nan(row, 0)))
     else:
         # a tile across a group boundary: one atomic for each of its first and last groups
-        # (every row's own atomic on the same few addresses serialized: 64 experts' amax ran at
-        # half the speed of 8 experts'), per row only for groups wholly inside the tile
+        # (every row's own atomic on the same few addresses would serialize them: 64 experts'
+        # amax would run at half the speed of 8 experts'), per row only for groups wholly inside
+        # the tile
         tl.atomic_max(out_ptr + low, amax_bits(amax_nan(tl.where(g == low, row, 0.0), 0)))
         tl.atomic_max(out_ptr + first, amax_bits(amax_nan(tl.where(g == first, row, 0.0), 0)))
         tl.atomic_max(out_ptr + g, amax_bits(row), mask=rmask & (g > low) & (g < first))
@@ -100,8 +100,8 @@ def _grouped_fp8_kernel(x_ptr, amax_ptr, meta_ptr, rd_ptr, cd_ptr, sinv_ptr, C, 
     nc = tl.cdiv(C, BC)
     t, pc = pid // nc, pid % nc
     # the last group whose first tile is <= t (empty groups are skipped over): one vector load of
-    # the prefix sums instead of a binary search's log2(G) dependent loads (H200, 32768 x 4096 in
-    # 64 groups: 0.289 -> 0.206 ms, now about as fast as 8 groups' 0.185)
+    # the prefix sums instead of a binary search's log2(G) dependent loads (with it, 64 groups
+    # quantize about as fast as 8)
     g, gt = expert_row_tile(meta_ptr + 5 * G, t, G, GP)
     l0 = gt.to(tl.int32) * BR
     m = tl.load(meta_ptr + G + g).to(tl.int32)
@@ -163,7 +163,7 @@ def quantize(x2: torch.Tensor, amax: torch.Tensor, splits: Sequence[int], dtype:
     four rows per 32-bit store. Returns ``(row_data or None, col_data or None, scale_inv)``:
     rowwise [R, C] in ``dtype``, columnwise flat [col_numel] in ``dtype``, ``scale_inv`` FP32
     [G]. ``block`` / ``num_warps``: tiles of (64, 128) / 8 warps, as the per-tensor kernel's
-    both-copies default (the H200 sweep's fastest there); the row block must be a multiple of
+    both-copies default (the fastest of the H200 sweep there); the row block must be a multiple of
     16 (the tail rule above).
     """
     rows, cols = x2.shape

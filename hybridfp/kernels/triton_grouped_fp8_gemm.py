@@ -13,7 +13,7 @@ element offset of A_e / B_e from the first expert's base pointer and their row s
 operand is stacked or copied (an FP8 element is one byte: element offsets are byte offsets;
 the experts' views may lie in different allocations of the same device).
 
-Accumulation (SPEC §1's documented Hopper exception): the FP8 MMA sums each ``PROMOTE``-long K
+Accumulation (numerics §1's documented Hopper exception): the FP8 MMA sums each ``PROMOTE``-long K
 chunk in its own reduced-precision accumulator, which is then added to an FP32 accumulator
 (Triton's ``max_num_imprecise_acc``) — cuBLAS's behaviour without fast accumulation, as the
 per-expert cuBLAS path. Epilogue in FP32 as ``hybridfp.gemm.emulate``: ``v = acc * (sa_e *
@@ -40,16 +40,16 @@ from .triton_decode import _fp8_f32
 from .triton_epilogue import OUT_CODE, store_out
 from .triton_grouped_fp8_tma import Fp8TmaConfig, applies as tma_applies, launch as launch_tma
 
-#: (BM, BN, BK, warps, stages) for fprop / dgrad (rows grouped) on the H200: the fastest of
-#: bench_grouped_fp8_gemm's sweep at the 64-expert MoE shapes (session 15).
+#: (BM, BN, BK, warps, stages) for fprop / dgrad (rows grouped): the fastest of ``python -m
+#: bench.bench_grouped_fp8_gemm``'s sweep at the 64-expert MoE shapes on an NVIDIA H200.
 TILE = (128, 128, 128, 8, 4)
 #: wgrad (reduction grouped: each expert's reduction is its few hundred tokens, so a program's
-#: K loop is short): a shallower K step and pipeline ran faster there — (128, 128, 64) / 4 warps /
-#: 3 stages 1.84 / 0.94 ms at the 64-expert fc1 / fc2 wgrad against 1.95 / 1.01 with 5 stages
-#: and 2.14 / 1.12 with TILE (bench_grouped_fp8_gemm --wgrad, session 16; 12 tiles swept)
+#: K loop is short): a shallower K step and pipeline is faster there than TILE or deeper
+#: pipelines (``python -m bench.bench_grouped_fp8_gemm --wgrad`` on an NVIDIA H200).
 WGRAD_TILE = (128, 128, 64, 4, 3)
 #: K elements the FP8 MMA sums before its partial sum is added to the FP32 accumulator (at most
-#: one BK step; cuBLAS and DeepGEMM promote every 128 as well). Measured free on the H200.
+#: one BK step; cuBLAS and DeepGEMM promote every 128 as well). It costs no measurable time on an
+#: NVIDIA H200.
 PROMOTE = 128
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: Row tiles that sweep the column tiles together (L2 swizzle, as triton_grouped_gemm).
@@ -177,9 +177,8 @@ def grouped_fp8_at(base_a: torch.Tensor, base_b: torch.Tensor, ms: Ints, a_offs:
     checked to lie inside its base.
 
     The host work is a few vectorized numpy ops on [E] vectors (no per-expert Python loop, no
-    per-tile table). With torch CPU tensors instead it took ~1 ms a call at 64 experts on the
-    H200's host (``diag_moe_host_phases --deep``, FP8 current: 5.7 ms of a 22.6 ms step's host
-    time in 6 calls)."""
+    per-tile table). With torch CPU tensors instead, the host work of the calls would be a large
+    share of a 64-expert MoE step's host time."""
     experts = scale_a.numel()  # checked below: scale_a is [E]
     if experts == 0:
         raise ValueError("grouped FP8 GEMM: at least one expert (scale_a is empty).")
@@ -188,8 +187,8 @@ def grouped_fp8_at(base_a: torch.Tensor, base_b: torch.Tensor, ms: Ints, a_offs:
         if t.dtype not in _FP8 or not t.is_contiguous():
             raise ValueError(f"grouped FP8 GEMM: {what} must be a contiguous E4M3 / E5M2 tensor; got {t.dtype}, "
                              f"strides {t.stride()}.")
-    # numpy, not torch, for these [E] host vectors: ~1 us an op against ~10-20 us for a torch CPU
-    # op on the H200's host (64 experts: ~40 ops a call, 0.6 ms of a 1 ms call with torch)
+    # numpy, not torch, for these [E] host vectors: a numpy op on a small vector costs about a
+    # tenth of a torch CPU op, and a call makes ~40 of them
     lists = [_host_ints(w, v, experts) for w, v in zip(_NAMES, (ms, ks, out_rows, a_offs, a_lds, b_offs, b_lds))]
     try:
         table = np.array(lists, dtype=np.int64)

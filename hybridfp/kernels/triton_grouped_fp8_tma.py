@@ -3,9 +3,9 @@ with the operands read through per-expert tensor descriptors built on the device
 persistent grid.
 
 Why: the pointer kernel reads each FP8 tile with cp.async (one 16-byte request per thread and
-row); at the 64-expert MoE's shapes it ran fprop / dgrad at ~750 TFLOP/s and the short-K wgrad
-at ~410, no faster than BF16's grouped GEMM (session 24's profile: 5.8 of an FP8 step's 13.4 ms
-of kernels). The BF16 grouped GEMM gained 7 % from TMA plus a persistent grid (session 21).
+row); at the 64-expert MoE's shapes that makes it no faster than BF16's grouped GEMM, and the
+grouped GEMMs are a large share of an FP8 step's kernel time (``python -m bench.bench_moe
+--profile``). TMA plus a persistent grid speeds up the BF16 grouped GEMM the same way.
 
 Why descriptors built on the device: each expert's operands are a sub-matrix of a joined copy
 (fprop / dgrad: the expert's rows; wgrad: the expert's zero-padded block of token columns). A
@@ -16,9 +16,10 @@ be NaN). The kernel builds two descriptors a tile, three with ``tma_store`` (the
 of the expert) (``tl.make_tensor_descriptor``: a 128-byte tensor map in a global workspace,
 ``triton.set_allocator``).
 
-Measured (session 25, ``bench_grouped_fp8_gemm --tma``): 256x128 tiles beat 128x128 / 128x256
-at every one of the 64-expert MoE's six GEMMs, -9 to -16 % against the pointer kernel; the
-short-K wgrad gains from the bulk stores (its epilogue is a large share of a tile's time).
+Tiles (``python -m bench.bench_grouped_fp8_gemm --tma`` on an NVIDIA H200): 256x128 tiles are
+the fastest of the sweep at every one of the 64-expert MoE's six GEMMs and faster than the
+pointer kernel; the short-K wgrad gains from the bulk stores (its epilogue is a large share of
+a tile's time).
 
 What TMA needs, checked by the host (``applies``): every base (the copy's pointer plus the
 expert's byte offset) and row stride a multiple of 16 bytes (``ALIGN == 16`` in the pointer
@@ -65,7 +66,7 @@ def _config(bm: int, bn: int, bk: int, warps: int, stages: int, **kw) -> Fp8TmaC
     return Fp8TmaConfig(bm=bm, bn=bn, bk=bk, warps=warps, stages=stages, **{"group_m": 8, **kw})
 
 
-#: Configs ``bench_grouped_fp8_gemm --tma`` sweeps (name -> config).
+#: Configs ``python -m bench.bench_grouped_fp8_gemm --tma`` sweeps (name -> config).
 CONFIGS: dict[str, Fp8TmaConfig] = {
     "128x128x128 w8 s4": _config(128, 128, 128, 8, 4),
     "128x128x128 w8 s4 flat": _config(128, 128, 128, 8, 4, flatten=True),

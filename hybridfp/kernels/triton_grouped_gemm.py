@@ -14,7 +14,7 @@ The host hands the kernel each expert's row range and reduction range and the pr
 the experts' row tile counts; each program finds its expert from those (``_common.
 expert_row_tile``), so zero-size experts get no program and the host builds E rows, not one
 per tile. Each program accumulates ``tl.dot`` products in FP32
-(tensor cores; SPEC §1: exact up to accumulation order), then computes exactly what
+(tensor cores; numerics §1: exact up to accumulation order), then computes exactly what
 ``hybridfp.gemm.emulate`` does after its matmul, in the same FP32 order (FMA contraction off):
 ``v = acc * (sa[i] * sb[j])`` (a missing side is 1), ``v = v + bias[j]``, one rounding to the
 output dtype (BF16 on the bits, round to nearest even, torch's NaN bits).
@@ -50,11 +50,12 @@ from ._common import bf16_nan16, empty, expert_row_tile, swizzled_tile
 from .host import tile_plan, to_device
 from .triton_epilogue import OUT_CODE, store_out
 
-#: (BM, BN, BK, warps, stages): the fastest of bench_grouped_gemm_kernel's sweep on the H200 (s12)
+#: (BM, BN, BK, warps, stages): the fastest of ``python -m bench.bench_grouped_gemm_kernel``'s sweep
+#: on an NVIDIA H200
 TILE = (128, 256, 64, 8, 3)
 #: Row tiles that share a sweep over the column tiles (L2 swizzle). Programs launched together
 #: then read GROUP_M row tiles and a few column tiles instead of one column tile and every row
-#: tile of a wave (on the 8-expert fc1 a wave read ~130 MB of A for 2 MB of B: memory-bound).
+#: tile of a wave (on the 8-expert fc1 such a wave reads ~130 MB of A for 2 MB of B: memory-bound).
 GROUP_M = 16
 
 
@@ -91,7 +92,7 @@ def _grouped_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, meta_ptr, T
     r1 = tl.load(meta + 1)
     # KALIGN: every reduction range starts and ends on a multiple of it (the host checks). The
     # hint is what lets the compiler prove 16-byte aligned, uniformly masked K runs: without it
-    # every operand element was its own 2-byte load (no vector loads, no cp.async pipelining)
+    # every operand element is its own 2-byte load (no vector loads, no cp.async pipelining)
     k0 = tl.multiple_of(tl.load(meta + 2), KALIGN)
     k1 = tl.multiple_of(tl.load(meta + 3), KALIGN)
     rows = r0 + tl.arange(0, BM)
@@ -201,8 +202,8 @@ class TmaConfig:
     the interpreter). ``flatten``: the persistent tile loop and the K loop pipelined as one
     loop, so the next tile's loads overlap this tile's epilogue. No warp specialization:
     ``tl.range(..., warp_specialize=True)`` on the K loop compiles for sm90 with Triton 3.6 (with
-    4 warps: a producer and two consumer warp groups), but on the H200 its first config hung
-    past 200 s in the GPU test (session 21)."""
+    4 warps: a producer and two consumer warp groups), but on an NVIDIA H200 it hangs in the GPU
+    test."""
 
     bm: int = 128
     bn: int = 256
@@ -214,14 +215,13 @@ class TmaConfig:
     programs: Optional[int] = None
 
 
-#: The TMA kernel's default: the fastest of ``bench.bench_grouped_gemm_kernel --tma`` on the H200
-#: (session 21, 34bb1c4): the 8-expert MoE's fc1 / fc2 fprop at 1.014x / 1.013x the time of
-#: ``torch._grouped_mm`` without an epilogue (the unflattened loop 0.996x / 1.004x, the pointer
-#: kernel 0.928x / 0.952x in the same run).
+#: The TMA kernel's default: the fastest config of ``python -m bench.bench_grouped_gemm_kernel
+#: --tma`` on an NVIDIA H200 (the 8-expert MoE's fc1 / fc2 fprop, against ``torch._grouped_mm``
+#: without an epilogue and against the pointer kernel).
 TMA_CONFIG = TmaConfig(flatten=True)
 #: Configs the benchmark sweeps (name -> config): tile shapes and ring depths whose shared memory
-#: fits the H200's 227 KB with a BF16 output (sass_count: the "grouped gemm tma" cases), with and
-#: without the flattened loop.
+#: fits the H200's 227 KB with a BF16 output (``python -m bench.tools.sass_count --resources
+#: --match "grouped gemm tma"``), with and without the flattened loop.
 TMA_CONFIGS: dict[str, TmaConfig] = {
     "128x256x64 w8 s3": TmaConfig(),
     "128x256x64 w8 s4": TmaConfig(stages=4),
@@ -233,8 +233,8 @@ TMA_CONFIGS: dict[str, TmaConfig] = {
 }
 #: Configs for an FP32 output (name -> config). The epilogue stores through shared memory
 #: (a BM x BN x 4 byte layout change beside the K ring), so the BF16 default needs 278 KB with an
-#: FP32 output, past the H200's 227 KB (an OutOfResources at launch, session 22); these fit
-#: (``bench.sass_count --resources --match "tma f32"``: 164-229 KB).
+#: FP32 output, past the H200's 227 KB (an OutOfResources at launch); these fit
+#: (``python -m bench.tools.sass_count --resources --match "tma f32"``).
 TMA_F32_CONFIGS: dict[str, TmaConfig] = {
     "128x256x64 w8 s2 flat": TmaConfig(stages=2, flatten=True),
     "128x128x64 w8 s4 flat": TmaConfig(bn=128, stages=4, flatten=True),
@@ -249,7 +249,7 @@ def default_tma_config(out_dtype: torch.dtype) -> TmaConfig:
     """The TMA kernel's config for outputs of ``out_dtype``: :data:`TMA_F32_CONFIG` for FP32 (its
     epilogue's shared memory), :data:`TMA_CONFIG` for 16-bit outputs. The two tile the K loop
     alike (BK 64) but differ in BN, so on the GPU a BF16 output and an FP32 output of one
-    product agree to FP32 accumulation order (SPEC §1), not bit for bit."""
+    product agree to FP32 accumulation order (numerics §1), not bit for bit."""
     return TMA_F32_CONFIG if out_dtype == torch.float32 else TMA_CONFIG
 
 

@@ -29,17 +29,17 @@ rests on the decoded tile being bitwise the in-memory decode's tile:
 - column tiles reaching past an expert's N read the next expert's rows (real codes and scales,
   NaN included): only their output columns, masked at the store, see them.
 
-Compiled offline for sm90 (Triton 3.6, ``bench/sass_count.py --resources --match mxfp8b``): the
-decode is ``cvt.rn.f16x2.e4m3x2`` + ``cvt.f32.f16`` (hardware, no integer sequence), ``mul.rn.f32``
-(no ``.ftz``), ``cvt.rn.bf16x2.f32``. The decoded tile is staged in shared memory and each wgmma
+Compiled offline for sm90 (Triton 3.6, ``python -m bench.tools.sass_count --resources --match
+mxfp8b``): the decode is ``cvt.rn.f16x2.e4m3x2`` + ``cvt.f32.f16`` (hardware, no integer
+sequence), ``mul.rn.f32`` (no ``.ftz``), ``cvt.rn.bf16x2.f32``. The decoded tile is staged in
+shared memory and each wgmma
 waited for (``pendings = 0``: decode and MMA serialize).
 
-Measured on the H200 (session 22, ``bench.bench_grouped_gemm_mx``; the 8-expert MoE's fc1 / fc2
-fprop): 0.59x / 0.55x the speed of ``torch._grouped_mm`` on the decode at 128x256x64, against
-0.95x / 0.92x for the two passes it replaces (decode, then the TMA kernel), bitwise equal to
-them. So it stays a prototype. A transposed form (the decoded B as wgmma's register operand:
-0.94x / 0.89x) gave whole blocks of inf outputs on the GPU where the two-pass result is finite
-(the interpreter agreed bitwise) and was removed.
+Speed: on an NVIDIA H200 (the 8-expert MoE's fc1 / fc2 fprop) this kernel is bitwise equal to
+the two passes it replaces (decode, then the TMA kernel) but clearly slower than them, so it is
+a prototype that no GEMM path selects. A transposed form (the decoded B as wgmma's register
+operand) gives whole blocks of inf outputs on the GPU where the two-pass result is finite (the
+interpreter agrees bitwise), so it is not offered.
 
 Limitations: A stays BF16; B rowwise 1x32 blocks only (fprop: W.rowwise [N, K]; dgrad's W.columnwise,
 stored transposed [K, N] with 1x32 blocks along the reduction, has the same layout; 32x32 blocks
@@ -66,7 +66,7 @@ from .triton_grouped_gemm import (_TILE_MARGIN, TmaConfig, default_tma_config, _
 BLOCK = 32
 
 
-#: Configs the benchmark / sass_count compare (BK a multiple of 32).
+#: Configs compared on the GPU and by ``bench.tools.sass_count`` (BK a multiple of 32).
 MX_CONFIGS: dict[str, TmaConfig] = {
     "128x256x64 w8 s3": TmaConfig(),
     "128x256x64 w8 s3 flat": TmaConfig(flatten=True),

@@ -56,8 +56,7 @@ def quantize(x2: torch.Tensor, col_amax: torch.Tensor, row_dtype: torch.dtype, *
     equal to ``triton_nvfp4.quantize_1d(x2, None, col_amax, rht=rht)`` (L = R, or R rounded up
     to 16 with RHT). ``col_amax``: the NVFP4 global amax (0-d; the post-RHT amax with RHT).
     ``block``: (16-row tiles, columns) per program, columns a multiple of 32; default (2, 128),
-    the plain NVFP4 kernel's tile (0.128 ms vs 0.144 at (2, 64), 16384x4096 BF16 with RHT on the
-    H200); 4 warps."""
+    the plain NVFP4 kernel's tile (faster than (2, 64) with RHT on the H200); 4 warps."""
     if rule not in ("rceil", "floor"):
         raise ValueError(f"rule={rule!r} is unknown; use 'rceil' or 'floor'.")
     rows, cols = x2.shape

@@ -1,4 +1,4 @@
-"""Fused hybrid quantize: NVFP4 1D rowwise + MXFP8 1D columnwise in one cast pass (SPEC §3).
+"""Fused hybrid quantize: NVFP4 1D rowwise + MXFP8 1D columnwise in one cast pass (numerics §3).
 
 The Composer-2 / ``per_gemm(fprop="nvfp4", wgrad or dgrad="mxfp8")`` operand: rowwise copy
 NVFP4 1x16 (per-tensor or row-scaled global amax), columnwise copy MXFP8 32x1 of either
@@ -19,12 +19,12 @@ per [BR, BC] tile, one 32-row block at a time:
   ``triton_mxfp8.col_block_32``. The compiler keeps the natural register layout, so the column
   amax and the 4-row words take cross-thread exchanges (the slower method on the H200).
 
-An earlier version re-read the block transposed from cache and recomputed the NVFP4 blocks in
-that layout (warp shuffles): 2.2-3.5x the NVFP4 quantize alone on the H200, and wrong at
-awkward shapes on the GPU (right in the interpreter).
+Re-reading the block transposed from cache and recomputing the NVFP4 blocks in that layout
+(warp shuffles) instead costs several times the NVFP4 quantize alone on the H200 and gives
+wrong bytes at awkward shapes on the GPU (right in the interpreter), so neither method does it.
 
 Bitwise equal to the two children run separately (and so to ``formats``): the NVFP4 arithmetic
-is ``triton_nvfp4``'s (same helpers, SPEC §2.5 order), the MXFP8 ``triton_mxfp8``'s.
+is ``triton_nvfp4``'s (same helpers, numerics §2.5 order), the MXFP8 ``triton_mxfp8``'s.
 """
 
 from __future__ import annotations
@@ -199,19 +199,17 @@ def _slice_rowwise(x, r0, c0, lr, lc, R, C, amax_ptr, g_enc, g_dec, rd_ptr, rs_p
 #: wide columnwise stores. "trans": a column's code words leave two threads wide
 #: (``_common.store_words_t``); both methods: with 64-row tiles both blocks' scale bytes of a column
 #: in one 2-byte store (``triton_mxfp8.store_scales_t``). "natural"'s code words are wide anyway.
-#: H200, s18, "trans" before ``e2m1_rne`` (16384x4096 BF16, row-scaled, ms wide off / on):
-#: rowwise-dequantized source (32, 64) 0.216 / 0.216, (64, 64) 0.246 / 0.245; original source
-#: (32, 64) 0.172 / 0.173, (64, 64) 0.201 / 0.193: neutral, the kernel is bound by instruction issue.
+#: On the H200 the wide stores are neutral to slightly faster: the kernel is bound by instruction
+#: issue.
 WIDE_STORES = True
 
 #: how each 32-row block reaches the columnwise copy: "trans" (``tl.trans`` of the whole block)
 #: or "natural" (four [8, BC] slices of rows 4i + k; see :func:`_nvfp4_mxfp8_kernel`)
 METHODS = ("trans", "natural")
-#: the default method and each method's default (block, warps). H200, s18 (16384x4096 BF16,
-#: row-scaled, CUDA graphs; bench_quantize_kernels --sweep --only method), ms rowwise-dequantized /
-#: original source: "natural" (32, 64) / 2 warps 0.172 / 0.142, (32, 128) / 4 0.188 / 0.162, (32, 128)
-#: / 2 0.201 / 0.142; "trans" (32, 64) / 2 0.178 / 0.152 (0.216 / 0.172 before e2m1_rne), wider
-#: tiles 0.25-0.74. Offline sm90 (Triton 3.6): 63 vs 70 instructions / element (rd).
+#: the default method and each method's default (block, warps): the fastest for both column
+#: sources of ``python -m bench.bench_quantize_kernels --sweep --only method`` on an NVIDIA H200
+#: (16384x4096 BF16, row-scaled); "natural" also compiles to fewer instructions per element for
+#: sm90 (Triton 3.6).
 METHOD = "natural"
 DEFAULT_TILES = {"trans": ((32, 64), 2), "natural": ((32, 64), 2)}
 

@@ -1,11 +1,11 @@
-"""MXFP8 quantize kernels (SPEC §2.4): one read of the input writes every requested copy.
+"""MXFP8 quantize kernels (numerics §2.4): one read of the input writes every requested copy.
 
 - 1D: rowwise 1x32 blocks ``[R, C]`` + E8M0 ``[R, ceil(C/32)]``, and columnwise 32x1 blocks
   stored transposed ``[C, R]`` + ``[C, ceil(R/32)]``, from the same [BR, BC] tile (read from
   device memory once; the columnwise copy re-reads it from cache as transposed [BC, 32]
   tiles whose 32 rows sit in one thread: ``_common.load_rows32_t``; ``method="slices"``, the
   default with the rowwise copy). ``method="natural"`` (:func:`col_copy_natural`; the default
-  for a columnwise-only copy of 16-bit input, 1.5x faster there): the columnwise pass re-reads each
+  for a columnwise-only copy of 16-bit input, faster there): the columnwise pass re-reads each
   32-row block in natural [ROW_SLICE, BC] slices instead (row-major vector loads, as FP8 block's
   "natural"), the 32x1 amax is a running max over the slices, and the codes of four rows of a
   column join into one int32 word inside a thread, so the transposed stores stay wide.
@@ -48,7 +48,7 @@ def _e8m0_byte(amax, RCEIL: tl.constexpr, EMAX: tl.constexpr, RCP):
         # field iff the mantissa is non-zero (normal v). A subnormal v's byte is 1 iff
         # v > 2**-127 (mantissa above 0x400000): add 0x3FFFFF there instead. A finite amax's
         # byte is at most 254 - EMAX (fp8_max * scale finite: saturation near the FP32
-        # maximum); inf gets 0xFE (SPEC). NaN (bits above inf's; the sum wraps negative) ->
+        # maximum); inf gets 0xFE (numerics §2.4). NaN (bits above inf's; the sum wraps negative) ->
         # 0xFF. Integer tests only: ~8 instructions a scale instead of ~17, and in the natural
         # passes every thread holding a column computes it.
         bits = (amax * RCP).to(tl.int32, bitcast=True) & 0x7FFFFFFF
@@ -250,11 +250,11 @@ def store_scales_t(cs_ptr, e_first, e, b: tl.constexpr, pr, c0, lc, cmask, nbr, 
                    PAIR: tl.constexpr):
     """Store the E8M0 bytes ``e`` [BC] of 32-row block ``b`` of row tile ``pr`` (BR rows) into the
     [C, nbr] scale array. ``nbr`` and ``NBR`` are the same value, ceil(R / 32): the unpaired store
-    keeps the one each caller used before this helper existed (an in-kernel ``cdiv`` or the
-    argument), so that their compiled code stayed the GPU-tested one. ``PAIR`` with 64-row tiles: nothing at b = 0, and at b = 1 both blocks'
-    bytes of a column (``e_first``, ``e``) in one 2-byte store, one L2 request instead of two
-    (``NBR``, the scale row length, is then an argument so that the compiler sees its
-    alignment)."""
+    uses ``nbr`` in the form each caller computes it (an in-kernel ``cdiv`` or the argument), so
+    that each caller's compiled code is the one its GPU tests cover. ``PAIR`` with 64-row tiles:
+    nothing at b = 0, and at b = 1 both blocks' bytes of a column (``e_first``, ``e``) in one
+    2-byte store, one L2 request instead of two (``NBR``, the scale row length, is then an
+    argument so that the compiler sees its alignment)."""
     if PAIR and BR == 2 * _BLOCK:
         if b == 1:
             blk2 = pr * 2 + tl.arange(0, 2)
@@ -326,7 +326,7 @@ def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, NBR, sxr, sxc:
     columns sit in a few neighbouring threads); columnwise 32x1 blocks from transposed
     [BC, 32] tiles re-read from cache (``_common.load_rows32_t``: register-local block amax,
     word stores), one per 32 rows. (Transposing each 32-row slice in registers instead,
-    ``tl.trans``, measured 0.181 vs 0.142 ms row+col on the H200: not kept.) ``MAP``: the R rows
+    ``tl.trans``, is slower on an NVIDIA H200.) ``MAP``: the R rows
     are ``x[map_ptr[r]]`` (zero where negative), and the rowwise copy goes to the source's own
     rows. ``NATURAL``: the columnwise copy from natural [RS, BC] slices instead
     (:func:`col_copy_natural`). ``GRID2``: launched on ``_common.tile_grid``'s 2D grid.
@@ -401,12 +401,12 @@ def _mxfp8_2d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.c
         tl.store(cs_ptr + sc[None, :] * nbr + sr[:, None], e8, mask=smask)
 
 
-#: "slices" store width (``quantize``'s ``wide_stores``): 0, 1 or 2. Nsight Compute (s17) showed
-#: the row+col kernel bound by the L2's request rate (tag lookups 77-81 % of peak, DRAM 40 %):
-#: each thread's 16-byte code stores to its own column were one L2 request per half sector, and
-#: each scale byte one request. 2 on the H200 at 16384x4096 BF16 (ms, wide 0 / 1 / 2): row+col
-#: 0.133 / 0.127 / 0.120, columnwise only 0.113 / 0.080 / 0.075, the 8-expert row-mapped copy
-#: 0.151 / 0.144 / 0.141.
+#: "slices" store width (``quantize``'s ``wide_stores``): 0, 1 or 2. With narrow stores the
+#: row+col kernel is bound by the L2's request rate, not by DRAM (Nsight Compute): each
+#: thread's 16-byte code stores to its own column are one L2 request per half sector, and each
+#: scale byte one request. 2 is the fastest width for row+col,
+#: columnwise-only and row-mapped copies (``python -m bench.bench_quantize_kernels`` on an NVIDIA
+#: H200).
 WIDE_STORES = 2
 
 #: 1D columnwise methods: "slices" (transposed [BC, 32] slices, ``_common.load_rows32_t``) and
@@ -415,29 +415,29 @@ METHODS = ("slices", "natural")
 #: ``fp8_encode``'s HW for the "natural" method on GPUs with the FP8 conversion: 2, conversions
 #: by inline PTX whose pairing is explicit: packed E4M3 words from two paired conversions
 #: (``_common.e4m3_word4``), else one per element. With Triton's own paired conversion (1) the
-#: H200 gave wrong columnwise bytes at (64, 256) / 4 warps for BF16 input (s13; the default tile
-#: was right).
+#: H200 gives wrong columnwise bytes at (64, 256) / 4 warps for BF16 input (the default tile is
+#: right).
 NATURAL_HW = 2
 
 
 #: the columnwise-only default of 16-bit inputs: "natural" on (64, 128) tiles over 2 warps, one
-#: 32-row block per slice. H200 (s13): 0.076 ms against 0.113 for "slices" at 16384x4096 BF16,
-#: 0.078 vs 0.117 for the 8-expert row-mapped MoE copy. Both copies together stay on "slices"
-#: (0.134 ms; "natural" at best 0.137).
+#: 32-row block per slice: faster than "slices" for a plain and for a row-mapped MoE copy; both
+#: copies together are faster on "slices" (``python -m bench.bench_quantize_kernels`` on an
+#: NVIDIA H200).
 COL_ONLY_NATURAL = ((64, 128), 2)
 
 
-#: decoded copies' default tile and warps. H200, 16384x4096 BF16, row+col (ms): (64, 128) / 4 0.122,
-#: (32, 128) / 4 0.110 (93 % of copy), (32, 64) / 2 0.112, (64, 64) / 2 0.117, (64, 256) / 8 0.119;
-#: quantize to codes plus the two decodes the GEMMs then run: 0.204.
+#: decoded copies' default tile and warps: the fastest row+col tile of ``python -m
+#: bench.bench_quantize_kernels`` on an NVIDIA H200, near device-copy bandwidth and well ahead
+#: of quantizing to codes plus the two decodes the GEMMs then run.
 DECODED_TILE = ((32, 128), 4)
 
 
 def _default_method(x2: torch.Tensor, rowwise: bool, columnwise: bool, block_2d: bool,
                     block: Optional[tuple[int, int]], num_warps: Optional[int]):
-    """(method, block, num_warps) when the caller names no method: "natural" with its measured
+    """(method, block, num_warps) when the caller names no method: "natural" with its benchmarked
     tile for a columnwise-only 1D copy of BF16 / FP16 input and no tile asked for, else "slices"
-    with the caller's tile (FP32 input: "natural" not timed there)."""
+    with the caller's tile (FP32 input: "natural" is not benchmarked there)."""
     if (columnwise and not rowwise and not block_2d and block is None and num_warps is None
             and x2.dtype in (torch.bfloat16, torch.float16)):
         return ("natural", *COL_ONLY_NATURAL)
@@ -454,7 +454,7 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
     None: the same tensors as ``formats.mxfp8.quantize_1d(x2)`` / ``quantize_1d(x2.t())``
     (``block_2d``: ``quantize_2d(x2)`` and its transpose). ``block``: the tile (multiples of 32;
     default 1D (64, 128) with BC / 32 warps: one column per thread in the columnwise copy, the
-    layout it is written for; 2D (64, 64) / 8 warps, the H200 sweep's fastest); ``pack``: write
+    layout it is written for; 2D (64, 64) / 8 warps, the fastest of the H200 sweep); ``pack``: write
     the transposed copy as int32 words of 4 rows when R % 4 == 0 (same bytes).
     ``row_map`` (1D; contiguous int32 on x2's device, each source row exactly once, entries <
     x2's rows; not checked: a device sync): the columnwise copy is that of the

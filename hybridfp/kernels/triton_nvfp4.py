@@ -1,4 +1,4 @@
-"""NVFP4 quantize kernels (SPEC §2.5): an amax pass, then one cast pass per tensor.
+"""NVFP4 quantize kernels (numerics §2.5): an amax pass, then one cast pass per tensor.
 
 Pass 1 (``_nvfp4_amax_kernel``): the global amax of x, the per-row amaxes (row-scaled), and
 the amax of RHT(xᵀ) rounded to the input dtype (post-RHT amax), all from one read, as int32
@@ -18,7 +18,7 @@ Pass 2 (``_nvfp4_1d_kernel``, one [16 BT, BC] tile per program):
   R % 16 != 0 (rows not whole words) the natural tile is transposed and packed bytewise.
 - ``_nvfp4_2d_kernel``: 16x16 tiles; the columnwise copy is the rowwise one transposed.
 
-Bitwise equal to ``formats.nvfp4`` / ``formats.rht`` (FP32 order of SPEC §2.5, IEEE divisions,
+Bitwise equal to ``formats.nvfp4`` / ``formats.rht`` (FP32 order of numerics §2.5, IEEE divisions,
 E4M3 block scales by ``_common.fp8_encode``, E2M1 by ``_common.e2m1_code_sat`` / ``e2m1_code_sr``,
 computed here by the equivalent integer forms :func:`_code_rne` / :func:`_code_sr`), tile-local int32
 offsets and the hardware E4M3 conversion on the GPU (``_common``). Stochastic rounding draws
@@ -41,7 +41,7 @@ from ._common import (program_tile, empty, DTYPE_CODE, FP32_MAX, amax_bits, amax
 from .triton_sr import draw_at, draws8_u16, sr_key
 
 BLOCK = 16
-#: fp32(1/6): the C++ ``1.0f / 6.0f`` of SPEC §2.5.
+#: fp32(1/6): the C++ ``1.0f / 6.0f`` of numerics §2.5.
 RCP6 = f32_div(1.0, 6.0)
 
 
@@ -77,7 +77,7 @@ def row_scales(amax: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def block_scales(block_amax, s_enc, s_dec, RCP6, HW: tl.constexpr):
-    """(E4M3 S_dec_b code byte, FP32 encode scale) of block amaxes (SPEC §2.5 order)."""
+    """(E4M3 S_dec_b code byte, FP32 encode scale) of block amaxes (numerics §2.5 order)."""
     sdb, enc, _ = block_scales_dec(block_amax, s_enc, s_dec, RCP6, HW)
     return sdb, enc
 
@@ -694,8 +694,8 @@ def amaxes(x2: torch.Tensor, *, amax: bool = True, row_amax: bool = False, rht_a
     """Pass 1 on non-empty 2D ``x2``: (global amax 0-d, per-row amax [R], amax of
     ``rht.apply_rht(x2.t(), x2.dtype)`` 0-d), each FP32 or None when not asked for.
     ``block``: (16-row tiles, columns) per program. Defaults: with the post-RHT amax (2, 256) /
-    4 warps — the H200 sweep's fastest (0.076 ms vs 0.101 ms for (4, 64) / 8 at 16384x4096
-    BF16: the wider tile loads the post-RHT slices as vectors); without it (4, 64) / 8."""
+    4 warps, the fastest of the H200 sweep (``python -m bench.bench_quantize_kernels --sweep``;
+    the wider tile loads the post-RHT slices as vectors); without it (4, 64) / 8."""
     if block is None:
         block = (2, 256) if rht_amax else (4, 64)
     if num_warps is None:
@@ -724,9 +724,9 @@ def quantize_1d(x2: torch.Tensor, row_amax: Optional[torch.Tensor], col_amax: Op
     ``quantize_1d(apply_rht(x2.t(), x2.dtype) if rht else x2.t(), col_amax)``.
     ``seed``: stochastic rounding with the Philox stream of ``triton_sr`` (rowwise copy:
     direction 0, columnwise: 1), i.e. the reference with ``rand=triton_sr.reference_draws``.
-    ``block``: (16-row tiles, columns) per program; default (2, 128) / 4 warps, the H200 sweep's
-    fastest with and without RHT / stochastic rounding at 16384x4096 BF16 (RHT+SR 0.199 ms vs
-    0.220 at (2, 64); (2, 256) within 1 %: bench/results/2026-12-02-s11.md)."""
+    ``block``: (16-row tiles, columns) per program; default (2, 128) / 4 warps, the fastest with
+    and without RHT / stochastic rounding of ``python -m bench.bench_quantize_kernels --sweep`` on
+    an NVIDIA H200."""
     rows, cols = x2.shape
     check_int32_tiles(rows, cols, *x2.stride())
     dev = x2.device

@@ -4,9 +4,8 @@ block encoding (``quantizers.grouped.pad_row_groups``).
 Output row r copies source row ``row_map[r]``, or is zero where ``row_map[r] < 0`` (the
 padding after each group). One read of the source and one write of the output: the PyTorch
 form (a zero fill of the whole output, then ``index_copy_`` through an int64 index) writes
-the output twice and ran at about a third of the copy bandwidth on the H200 (MoE layer,
-8 experts: 4.9 ms a step for the four padded activations). The elements move as raw bits
-(integers of the element's width), so the copy is bitwise for every dtype.
+the output twice and runs at about a third of the copy bandwidth on the H200. The elements move
+as raw bits (integers of the element's width), so the copy is bitwise for every dtype.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ import triton.language as tl
 from ..formats.rht import RHT_SIGNS, TILE
 from ._common import DTYPE_CODE, check_int32_tiles, kernel_input, load_f32
 
-#: Bit j set where the RHT's sign s_j is -1 (SPEC §2.5's fixed vector).
+#: Bit j set where the RHT's sign s_j is -1 (numerics §2.5's fixed vector).
 SIGN_MASK = sum(1 << j for j, s in enumerate(RHT_SIGNS) if s < 0)
 #: Rows x 16-element tiles a program transforms (H200-sized: 32 x 128 elements, 4 warps).
 BLOCK = (32, 8)

@@ -82,7 +82,8 @@ def _record_amax(amax_ptr, m, DTYPE: tl.constexpr, BF16_NAN: tl.constexpr):
     from ``m``, the magnitude bits of one program's values before their rounding to DTYPE:
     rounding (RNE) is monotone and odd, so max|round(v)| = round(max|v|); a NaN becomes the
     canonical quiet NaN (0x7FC00000, above inf), as ``_common.amax_bits`` has it. One atomic per
-    program (114688 on one address for 16384 x 14336) measured cheapest (``_swiglu_fwd_kernel``)."""
+    program (114688 on one address for 16384 x 14336) is the cheapest arrangement
+    (``_swiglu_fwd_kernel``)."""
     a = tl.max(m, 0)
     r = round_to_dtype(a.to(tl.float32, bitcast=True), DTYPE, BF16_NAN).to(tl.int32, bitcast=True)
     tl.atomic_max(amax_ptr, tl.where(a > 0x7F800000, 0x7FC00000, r))
@@ -92,10 +93,9 @@ def _record_amax(amax_ptr, m, DTYPE: tl.constexpr, BF16_NAN: tl.constexpr):
 def _swiglu_fwd_kernel(g_ptr, u_ptr, h_ptr, amax_ptr, N, sg, su, sh, DTYPE: tl.constexpr,
                        BF16_NAN: tl.constexpr, NAN16: tl.constexpr, EXACT_EXP: tl.constexpr,
                        BLOCK: tl.constexpr, AMAX: tl.constexpr):
-    """``AMAX``: also max|h| (see ``_record_amax``). Several rows per program (fewer atomics)
-    measured slower on the H200 at 16384 x 14336 with the amax: 2 / 4 / 8 / 16 rows took
-    0.43 / 0.45 / 0.51 / 1.11 ms forward and 0.89 / 0.93 / 3.12 / 3.20 ms backward, against
-    0.45 / 0.74 ms at one row (bench/bench_swiglu_amax.py, 2026-12-01)."""
+    """``AMAX``: also max|h| (see ``_record_amax``). One row per program: several rows
+    per program (fewer atomics) are slower on the H200 at 16384 x 14336 with the amax, backward
+    most of all."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
