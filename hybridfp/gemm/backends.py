@@ -1,7 +1,7 @@
 """GEMM backends: the registry fast kernels join, and the exact emulation backend.
 
 A backend says which (operand format, operand format, layout, device) it serves; ``select``
-returns the first that does, else None, meaning the exact emulation path (SPEC §1:
+returns the first that does, else None, meaning the exact emulation path (numerics §1:
 block-decode both operands exactly in FP32, multiply with FP32 accumulation, apply per-tensor
 / per-row global scales in the epilogue, cast). Emulation runs anywhere, including CPU CI.
 

@@ -3,7 +3,7 @@
 Hopper has no MXFP8/NVFP4 tensor-core path, but an element times its block scale is exact
 in BF16 for these formats (E4M3/E5M2 x E8M0: at most 4 significant bits; E2M1 x E4M3: at
 most 6; BF16 keeps 8), so a GEMM of block-decoded BF16 operands with FP32 accumulation
-computes SPEC §1's exact product. Per-tensor / per-row factors (FP8 ``scale_inv``, NVFP4
+computes numerics §1's exact product. Per-tensor / per-row factors (FP8 ``scale_inv``, NVFP4
 ``S_dec``) stay out of the values and go to the epilogue, as in :class:`GemmOperand`.
 
 ``bf16_exact_reason(storage, direction)`` says why a copy cannot be decoded exactly in BF16
@@ -89,8 +89,8 @@ DECODERS: dict[type, Callable[[QuantizedStorage, str], GemmOperand]] = {
     Float8BlockStorage: _fp8_block,
 }
 #: Kernels kept off CUDA until their GPU bitwise tests pass (tests/kernels/test_kernels_decode.py);
-#: those copies are decoded by the reference (PyTorch ops on the GPU: exact, slower). Empty since
-#: the NVFP4 kernel's -0.0 bug (Triton 3.6 negates as ``0 - x``) was found and fixed (issue #5).
+#: those copies are decoded by the reference (PyTorch ops on the GPU: exact, slower). Empty:
+#: every decode kernel passes them.
 UNVERIFIED_ON_CUDA: frozenset = frozenset()
 
 

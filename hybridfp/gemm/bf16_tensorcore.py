@@ -7,7 +7,7 @@ Hopper has no MXFP8 / NVFP4 MMA, but block-decoded values of these formats are e
     acc = torch.mm(A_bf16, B_bf16ᵀ, out_dtype=fp32)  # cuBLAS BF16, FP32 accumulation
     out = cast(acc * sa[:, None] * sb[None, :] + bias)   # one epilogue pass (triton_epilogue)
 
-which is SPEC §1's exact GEMM up to the order of the FP32 accumulation (products of BF16
+which is numerics §1's exact GEMM up to the order of the FP32 accumulation (products of BF16
 values are exact in FP32). Without scales, bias or accumulation a BF16 output comes straight
 from ``torch.mm`` (cuBLAS rounds its FP32 accumulator once). cuBLAS may otherwise reduce
 split-K partial sums in BF16 (torch's ``allow_bf16_reduced_precision_reduction``, on by
@@ -35,7 +35,7 @@ FP32 values; there is deliberately no separate "cublas_fp32" backend, which woul
 ``EmulatedGemmWarning``.
 
 Decoded weights: operand B of fprop (TN) and dgrad (NN) is the weight in a linear layer
-(SPEC §1), so its decode is cached on its payload (``decode_bf16(cache=True)``): micro-batches
+(numerics §1), so its decode is cached on its payload (``decode_bf16(cache=True)``): micro-batches
 of one step decode each weight copy once. ``cache_weight_decodes(False)`` turns that off
 (the cache holds a BF16 copy per weight copy until the quantized weight is dropped).
 """
@@ -60,7 +60,7 @@ from .split_bf16 import INEXACT, split_gemm
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 #: Format names whose copies can decode exactly into BF16 (given the options checked below).
 FORMATS = frozenset({"MXFP8", "NVFP4", "FP8 per-tensor", "FP8 block", "Identity"})
-#: Layouts whose operand B is a linear layer's weight (SPEC §1): its decode is cached.
+#: Layouts whose operand B is a linear layer's weight (numerics §1): its decode is cached.
 WEIGHT_B_LAYOUTS = frozenset({"TN", "NN"})
 _CACHE_WEIGHTS = [True]
 _REPORTED: set[tuple[str, str, str, str]] = set()
@@ -127,12 +127,12 @@ def supports(key_a: FormatKey, key_b: FormatKey, layout: str, device: torch.devi
     return layout in LAYOUTS and pair_supported(key_a, key_b) and _device_ok(device)
 
 
-#: Plain-side formats of a one-sided RHT pair not yet taken on CUDA (they stay on the reported
+#: Plain-side formats of a one-sided RHT pair kept off CUDA (they stay on the reported
 #: exact emulation until tests/gemm/test_gemm_split_rht.py's GPU test passes for them). Empty:
-#: Identity (BF16) x NVFP4-RHT was held back after its 8192x4096x14336 GPU test measured
-#: 1.6e-5 relative error against a 1e-5 bound; that is the H200 tensor cores' own BF16
-#: accumulation error at k = 14336 with 8-bit significands on both sides (the test now bounds
-#: it by a plain cuBLAS BF16 GEMM's error at the shape), and it passed on 2026-11-29.
+#: every plain side passes. Identity (BF16) x NVFP4-RHT reaches ~1.6e-5 relative error at
+#: 8192x4096x14336, the H200 tensor cores' own BF16 accumulation error at k = 14336 with 8-bit
+#: significands on both sides, so the test bounds it by a plain cuBLAS BF16 GEMM's error at the
+#: shape.
 SPLIT_UNVERIFIED_ON_CUDA: frozenset[str] = frozenset()
 
 

@@ -10,11 +10,11 @@ Element types: E4M3/E5M2 in any combination but E5M2 x E5M2 (cuBLAS has none). D
 CUDA sm89+ for per-tensor, sm90 (Hopper) for block scales. Operands arrive in the TN layout
 cuBLAS needs (every stored copy is [rows, k]), so no layout needs a transpose.
 
-Numerics (SPEC §1): FP32 accumulation reordered, plus Hopper's FP8 MMA exception (partial
+Numerics (numerics §1): FP32 accumulation reordered, plus Hopper's FP8 MMA exception (partial
 sums inside one promotion interval keep fewer than FP32's bits) — bounded in
 tests/kernels/test_kernels_cublas_fp8.py. ``gemm(fast_accumulation=True)`` (a recipe's
 ``fprop_fast_accumulation``, as TE and torchao use for fprop) keeps them for the whole k loop
-on the per-tensor backend: outside SPEC §1, so opt-in, with its own bound in those tests.
+on the per-tensor backend: outside numerics §1, so opt-in, with its own bound in those tests.
 
 A ``supports`` sees formats, not shapes. Per-tensor operands whose k or n is not a multiple of
 16 are zero-padded (a view for an MoE expert's zero-tailed columnwise copy, ``_padded`` below); a

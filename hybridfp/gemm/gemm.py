@@ -1,6 +1,6 @@
 """``gemm``: one entry point for every operand-format pair and the three GEMMs of a linear.
 
-Layouts name which copy of each operand a GEMM reads (SPEC §1); every copy is stored with
+Layouts name which copy of each operand a GEMM reads (numerics §1); every copy is stored with
 its reduction along the last dimension, so each layout is ``A_s[m, k] · B_s[n, k]ᵀ``:
 
 | layout | GEMM  | A copy     | B copy     | math                               |
@@ -62,8 +62,8 @@ def gemm(A: torch.Tensor, B: torch.Tensor, layout: str = "TN", *, out_dtype: tor
     ``fast_accumulation``: let Hopper's FP8 tensor cores keep partial sums in their reduced
     precision over the whole k loop (cuBLAS fast accumulation; only the FP8 per-tensor cuBLAS
     backend has it, the others accumulate in FP32 regardless). Off by default because it goes
-    beyond SPEC §1's exception (reduced precision inside one promotion interval): measured
-    1.6e-3 relative error at k = 2048 on the H200, vs 1e-4 with promotion. TE and torchao turn
+    beyond numerics §1's exception (reduced precision inside one promotion interval): on the
+    H200 it gives 1.6e-3 relative error at k = 2048, vs 1e-4 with promotion. TE and torchao turn
     it on for fprop; recipes do so with ``fprop_fast_accumulation=True``.
     """
     if layout not in LAYOUTS:

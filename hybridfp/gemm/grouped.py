@@ -16,7 +16,7 @@ Paths, first that applies (``grouped_path`` says which and why):
    (MXFP8, power-of-two FP8 block, BF16; no per-tensor ``scale_inv`` or NVFP4 ``S_dec``), the
    output is BF16 and there is no bias: decode with ``decode_bf16``, one ``torch_grouped_mm``
    (CUTLASS's ``torch._grouped_mm``, or cuBLAS per expert for few large experts:
-   ``per_group_wins``; BF16 tensor cores, FP32 accumulation, one rounding to BF16 — SPEC §1
+   ``per_group_wins``; BF16 tensor cores, FP32 accumulation, one rounding to BF16 — numerics §1
    exactly). Epilogue
    factors are excluded because ``torch._grouped_mm`` writes only its input dtype (BF16; torch
    2.11-2.13 reject ``out_dtype=float32`` for BF16 inputs), so a factor applied afterwards would
@@ -29,15 +29,15 @@ Paths, first that applies (``grouped_path`` says which and why):
    kernel): one ``torch._scaled_grouped_mm`` with per-row scale
    vectors built from the experts' ``scale_inv`` (epilogue: FP32 accumulator × scale_a[m] ×
    scale_b[e, n], one rounding). Accumulation is the FP8 MMA's with periodic FP32 promotion
-   (SPEC §1's documented Hopper exception), bounded in tests/gemm/test_gemm_grouped.py.
-   Fast accumulation stays off even for fprop: measured on an H200 (torch 2.11, 4 x
-   [2048, 4096] x [1408, 4096]) it added 4.6e-4 to the BF16 result's relative error (27% of
-   the elements off the correctly rounded value) against 4.9e-6 without it.
+   (numerics §1's documented Hopper exception), bounded in tests/gemm/test_gemm_grouped.py.
+   Fast accumulation stays off even for fprop: on an H200 (torch 2.11, 4 x [2048, 4096] x
+   [1408, 4096]) it adds 4.6e-4 to the BF16 result's relative error (27% of the elements off
+   the correctly rounded value) against 4.9e-6 without it.
 2b. ``grouped_fp8_triton`` — per-tensor FP8 pairs that path 2 does not take (E5M2 gradients in
    dgrad, every wgrad; any E4M3 / E5M2 mix, any output dtype, a bias) while the experts are
    small (``per_expert_fp8_faster`` says no), on CUDA from ``grouped_triton.MANY_EXPERTS``
    experts on or when forced: one Triton FP8 grouped GEMM (``grouped_fp8.py``), the FP8 MMA
-   with FP32 promotion every 128 products as path 2 and cuBLAS (SPEC §1's exception).
+   with FP32 promotion every 128 products as path 2 and cuBLAS (numerics §1's exception).
 3. ``grouped_triton`` — BF16-exact pairs that paths 1-2 cannot finish exactly (an epilogue
    factor, a bias, an FP32 / FP16 output): one Triton grouped GEMM with a per-expert FP32
    epilogue (``grouped_triton.py``). Used on CUDA from ``grouped_triton.MANY_EXPERTS`` experts
@@ -98,12 +98,11 @@ PER_GROUP_MIN_MEAN = 2048
 
 def per_group_wins(sizes: Sequence[int]) -> bool:
     """Whether cuBLAS per group beats CUTLASS's grouped kernel for groups of ``sizes``: few large
-    groups. Measured on the H200 (session 22, ``bench.bench_grouped_vs_per_expert --experts 8 16
-    32 64``: the MoE's fc1 / fc2 fprop, dgrad and wgrad over 32768 routed rows, random and
-    decoded MXFP8 / NVFP4 values, even and uneven splits), cuBLAS per expert against CUTLASS:
-    8 experts of 4096 rows on average 1-8 % faster in every GEMM, 16 of 2048 0-7 % faster (one
-    case 6 % slower), 32 of 1024 a wash (-5 % to +6 %), 64 of 512 8-58 % slower. The whole
-    8-expert MoE step: MXFP8 2.7-3.7 %, Composer-2 0.7-2.4 % faster (two runs)."""
+    groups. On the H200 (the MoE's fc1 / fc2 fprop, dgrad and wgrad over 32768 routed rows, even
+    and uneven splits), cuBLAS per expert is faster than CUTLASS in every GEMM at 8 experts of
+    4096 rows and mostly at 16 of 2048, about even at 32 of 1024, and clearly slower at 64 of
+    512; the 8-expert MXFP8 and Composer-2 MoE steps run faster with it (``python -m
+    bench.bench_moe``)."""
     return 0 < len(sizes) <= PER_GROUP_MAX_GROUPS and sum(sizes) >= PER_GROUP_MIN_MEAN * len(sizes)
 
 
@@ -111,7 +110,7 @@ def torch_grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, sizes: Sequence[i
     """The CUDA grouped matmul of path 1 (BF16 in, FP32 accumulation, BF16 out): cuBLAS per group
     (``grouped_bf16.per_group_mm``) or ``torch._grouped_mm`` over the groups of ``sizes``, as
     :data:`BF16_PER_GROUP_CUBLAS` says (None: :func:`per_group_wins`). Both compute each output
-    from one FP32 accumulator rounded once (SPEC §1). Operands recording autograd take
+    from one FP32 accumulator rounded once (numerics §1). Operands recording autograd take
     ``torch._grouped_mm`` (``per_group_mm`` writes into slices of one result: no autograd)."""
     use = BF16_PER_GROUP_CUBLAS
     if use is None:
@@ -327,11 +326,11 @@ def _torch_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], 
 
 
 #: Mean GEMM size (FLOPs per non-empty expert) from which per-tensor FP8 fprop / dgrad run as
-#: one cuBLAS ``_scaled_mm`` per expert rather than one ``torch._scaled_grouped_mm``: measured
-#: on the H200 (torch 2.11, MoE layer of 8 experts, ~4096 rows each, hidden 4096, ffn 14336),
-#: the grouped CUTLASS kernel ran fprop at ~1050 TFLOP/s and cuBLAS per expert at ~1380, while
-#: below ~1e11 FLOPs an expert's GEMM is too short to hide its ~50 us of host work (64 experts
-#: of ffn 1408: 1.2e10 each, host-bound).
+#: one cuBLAS ``_scaled_mm`` per expert rather than one ``torch._scaled_grouped_mm``: on the
+#: H200 (torch 2.11, MoE layer of 8 experts, ~4096 rows each, hidden 4096, ffn 14336) cuBLAS per
+#: expert runs fprop clearly faster than the grouped CUTLASS kernel, while below ~1e11 FLOPs an
+#: expert's GEMM is too short to hide its ~50 us of host work (64 experts of ffn 1408: 1.2e10
+#: each, host-bound).
 PER_EXPERT_FP8_FLOPS = 2.5e11
 
 
@@ -477,8 +476,8 @@ def _one_gemm(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], sa: Sequence
     """Expert e's GEMM as ``gemm()`` computes it, ``(e, bias, out) -> result``: where every pair
     selects one backend, that backend's ``run`` straight on the storages, without re-checking
     operands, keys and backend per expert (grouped_gemm checked the shapes; at 64 experts
-    ``gemm()`` per expert took 30 of an FP8 MoE step's 97 host ms under cProfile on the H200, 8
-    of them in cuBLAS) — the same backend call, so the same result; else ``gemm()`` itself."""
+    ``gemm()`` per expert would be about a third of an FP8 MoE step's host time) — the same
+    backend call, so the same result; else ``gemm()`` itself."""
     backend = _common_backend(sa, sb, layout)
     if backend is None:
         return lambda e, bias, out: gemm(A[e], B[e], layout, out_dtype=out_dtype, bias=bias, out=out)

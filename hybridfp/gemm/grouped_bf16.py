@@ -51,7 +51,7 @@ def per_group_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, sizes: Sequence[int])
     slices of one result: ``torch._grouped_mm``'s result and semantics (BF16 in, FP32
     accumulation, one rounding to BF16; a 2D x 2D group with an empty reduction gives zeros), with
     cuBLAS's BF16 split-K reductions and autocast off (``bf16_tensorcore.exact_bf16_gemm``), so
-    SPEC §1 holds as for one expert. The CUDA default for few large groups, where cuBLAS's
+    numerics §1 holds as for one expert. The CUDA default for few large groups, where cuBLAS's
     per-shape kernels run faster than CUTLASS's grouped kernel (``grouped.per_group_wins``).
     Operands are the decoded copies the GEMM path hands it (no autograd: ``out=`` slices)."""
     sizes = [int(x) for x in sizes]

@@ -11,11 +11,11 @@ Triton paths (``use_triton=True``; the CPU tests, in the interpreter).
 Experts held as joined copies (``ExpertTensors`` of FP8 current scaling: rows [Σm, C], columns
 one [C, Σ padded m] matrix, each expert's ``scale_inv`` in ``JoinedCopy.scales``) take all three
 GEMMs here, fprop included (:func:`run_joined`, called by ``grouped._run_joined``): nothing is
-built per expert. On the H200 (bench_moe, 64 experts x ffn 1408) that took the FP8-current MoE
-step from 0.29x to 0.45x of BF16 ``torch._grouped_mm`` (the per-expert objects were most of its
-host time).
+built per expert, since at 64 experts per-expert objects would be most of the FP8-current MoE
+step's host time (``python -m bench.bench_moe --experts 64`` on an NVIDIA H200 measures the
+step).
 
-Numerics: the FP8 MMA with its partial sums promoted to FP32 every 128 products (SPEC §1's
+Numerics: the FP8 MMA with its partial sums promoted to FP32 every 128 products (numerics §1's
 Hopper exception, as cuBLAS without fast accumulation), each expert's ``scale_inv`` pair
 applied in an FP32 epilogue with its bias, one rounding — what the per-expert cuBLAS path
 computes, up to the accumulation order. The operands are read where they lie: the experts'
@@ -45,17 +45,16 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: behaviour: unverified, so they keep cuBLAS per expert. (The interpreter: anywhere.)
 VERIFIED_MAJOR = (9,)
 #: Whether fprop / dgrad of E4M3 pairs given as per-expert lists take this path instead of
-#: ``torch._scaled_grouped_mm`` (path 2). A measuring switch (``bench_moe``'s "[FP8 Triton
-#: grouped everywhere]" row; joined copies take this path for every GEMM regardless).
+#: ``torch._scaled_grouped_mm`` (path 2). A benchmarking switch (``python -m bench.bench_moe``'s
+#: "[FP8 Triton grouped everywhere]" row; joined copies take this path for every GEMM regardless).
 OVER_SCALED_GROUPED_MM: bool = False
 #: The grouped FP8 GEMM's TMA kernel (``kernels/triton_grouped_fp8_tma.py``) for fprop / dgrad
 #: (``TMA_ROWS``) and wgrad (``TMA_WGRAD``) on CUDA where it can read the operands (16-byte
 #: aligned: the joined copies always are): a name in its ``CONFIGS``, or None for the pointer
-#: kernel. The fastest of ``bench_grouped_fp8_gemm --tma`` at the 64-expert MoE's six GEMMs on
-#: the H200 (session 25): 256x128 tiles, BK 128, 3 stages; wgrad with the bulk-store epilogue
-#: (its short K loop leaves the store exposed). fprop / dgrad 0.959 / 1.002 ms (fc1) and 0.585 /
-#: 0.505 (fc2) against the pointer kernel's 1.139 / 1.151 / 0.672 / 0.560; wgrad 1.518 / 0.801
-#: against 1.741 / 0.882: -12.6 % over the six (BF16 torch._grouped_mm: 6.63 ms, FP8 now 5.37).
+#: kernel. The fastest of ``python -m bench.bench_grouped_fp8_gemm --tma`` at the 64-expert
+#: MoE's six GEMMs on an NVIDIA H200, and faster than the pointer kernel in each: 256x128 tiles,
+#: BK 128, 3 stages; wgrad with the bulk-store epilogue (its short K loop leaves the store
+#: exposed).
 #: The interpreter keeps the pointer kernel unless a test asks for the TMA one.
 TMA_ROWS: Optional[str] = "256x128x128 w8 s3"
 TMA_WGRAD: Optional[str] = "256x128x128 w8 s3 store"

@@ -6,7 +6,7 @@ Triton grouped GEMM with an FP32 epilogue per expert (``kernels/triton_grouped_g
 Every copy is block-decoded into BF16 (exact; ``bf16_decode``), the decoded values of all
 experts are arranged as the kernel reads them (rows grouped for fprop / dgrad, reduction
 grouped for wgrad), and each expert's global scales are spread over its rows / columns, so the
-kernel applies ``acc * (sa[i] * sb[j]) + bias[j]`` in FP32 and rounds once: SPEC §1 up to the
+kernel applies ``acc * (sa[i] * sb[j]) + bias[j]`` in FP32 and rounds once: numerics §1 up to the
 FP32 accumulation order, like ``bf16_tensorcore`` for one expert.
 
 Not taken (the caller keeps its per-expert loop): pairs with a native cuBLAS FP8 kernel (FP8
@@ -18,17 +18,15 @@ per-expert loop is host-bound; for any count only where :data:`VERIFIED_ON` list
 type (empty); the caller may force it either way (``grouped_gemm(..., use_triton=...)``; tests
 force it on the CPU, in the interpreter). Its GPU tests (``tests/kernels/test_kernels_grouped_gemm.py
 -m gpu``, and the 64-expert step in ``tests/nn/test_grouped_linear_overhead_gpu.py``) pass on the
-H200. How fast (``bench_grouped_gemm_kernel``, ``bench_moe``'s "[Triton grouped]" and
-"[per-expert GEMMs]" rows):
+H200. Speed on the H200 (``python -m bench.bench_grouped_gemm_kernel --tma`` and ``python -m
+bench.bench_moe``'s "[Triton grouped]" and "[per-expert GEMMs]" rows):
 
-- the kernel alone, fprop / dgrad: the persistent TMA kernel 1.014 / 1.013 of
-  ``torch._grouped_mm``'s speed on the 8-expert MoE's fc1 / fc2 (session 21; the pointer kernel
-  0.93 / 0.95 in the same run, 0.87 / 0.88 in session 12). wgrad runs the pointer kernel
-  (its bounds are the routed token counts, so it usually runs with ``KALIGN`` 1);
-- the Composer-2 MoE layer at 64 experts (ffn 1408): 74.6-93.7 ms against 158-189 ms with
-  per-expert GEMMs (session 13); at 8 experts (ffn 14336) within 0.4 % of the per-expert loop
-  with the TMA kernel (66.7 vs 66.9 ms, session 21; 1.5 % slower with the pointer kernel), so
-  :data:`VERIFIED_ON` stays empty.
+- the kernel alone, fprop / dgrad: the persistent TMA kernel runs the 8-expert MoE's fc1 / fc2
+  on par with ``torch._grouped_mm``, the pointer kernel somewhat slower. wgrad runs the pointer
+  kernel (its bounds are the routed token counts, so it usually runs with ``KALIGN`` 1);
+- the Composer-2 MoE layer at 64 experts (ffn 1408): about twice as fast as with per-expert
+  GEMMs; at 8 experts (ffn 14336) on par with the per-expert loop, so :data:`VERIFIED_ON` is
+  empty.
 """
 
 from __future__ import annotations
@@ -50,14 +48,14 @@ from .joined import joined_rows, joined_values, spanned_rows
 #: there; see the module docstring).
 VERIFIED_ON: frozenset = frozenset()
 #: On CUDA the path is taken by default from this many experts on: the per-expert loop then
-#: costs a launch sequence per expert and the layer turns host-bound (the figures above: about
-#: 2x faster at 64 experts, no faster at 8). 16 sits between the two measured points.
+#: costs a launch sequence per expert and the layer turns host-bound (see the module docstring:
+#: about 2x faster at 64 experts, no faster at 8). 16 sits between the two measured points.
 MANY_EXPERTS: int = 16
 #: Whether pairs that have a native cuBLAS FP8 kernel per expert (FP8 per-tensor / block) may
 #: take this path too, decoded into BF16 (exact) at BF16 tensor-core speed. Off: per expert
-#: they run on FP8 tensor cores. A measuring switch (bench_moe's "[FP8 via Triton grouped]"
-#: row): on the H200 (s13) the FP8-current MoE step took 131 vs 50 ms with it at 64 experts and
-#: 388 vs 45 ms at 8 (wgrad runs with KALIGN 1 there), so it stays off.
+#: they run on FP8 tensor cores. A switch for comparisons: on the H200 the FP8-current
+#: MoE step is several times slower with it at 64 and at 8 experts (wgrad runs with KALIGN 1
+#: there), so it is off.
 TAKE_NATIVE_FP8: bool = False
 #: output dtypes the kernel writes
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

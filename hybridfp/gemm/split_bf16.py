@@ -2,7 +2,7 @@
 
 A GEMM that pairs an NVFP4 copy with the random Hadamard transform (RHT) on its reduction
 dim with a copy that has none (e.g. wgrad of MXFP8 dy.col x NVFP4-RHT x.col) cannot stay in
-the transformed domain: the exact GEMM (SPEC §1, ``backends.emulate``) first undoes the RHT
+the transformed domain: the exact GEMM (numerics §1, ``backends.emulate``) first undoes the RHT
 of that one side in FP32 (``backends._to_original_domain``), and those FP32 values do not
 fit in BF16. They fit in three BF16 numbers:
 
@@ -15,7 +15,7 @@ FP32 keeps a 24-bit significand and BF16 8, so ``v == hi + mid + lo`` exactly fo
 normal-range values; below about 2**-110 the bits ``lo`` must carry fall under BF16's
 subnormal grid (2**-133) and would be lost, and a non-finite ``v`` does not split at all.
 Every product of two BF16 numbers is exact in FP32, so ``acc`` is emulate's accumulator up
-to the order of the FP32 additions (SPEC §1). The split is checked on the device (one
+to the order of the FP32 additions (numerics §1). The split is checked on the device (one
 synchronizing read of three flags); :func:`split_gemm` returns None when it is not exact and
 the caller runs (and reports) the emulation instead.
 
@@ -89,7 +89,7 @@ def split_gemm(a: GemmOperand, b: GemmOperand, mm: BF16MM) -> Optional[torch.Ten
     multiplied as they are, the RHT side's after the inverse transform and the split. The
     parts sit side by side along the reduction ([hi | mid (| lo)]) against the plain operand
     repeated as often, so one BF16 GEMM over the longer reduction sums every part's products
-    in its FP32 accumulator (SPEC §1: the emulation's accumulator up to the order of the FP32
+    in its FP32 accumulator (numerics §1: the emulation's accumulator up to the order of the FP32
     additions).
     """
     if a.rht == b.rht:
