@@ -57,9 +57,8 @@ GEMMS = (
 DECODED_COPIES = {"weight": (ROWWISE, COLUMNWISE), "grad_output": (ROWWISE, COLUMNWISE), "input": (ROWWISE,)}
 DECODED_MODES = ("auto", "always", "never")
 #: Quantizer classes whose decoded copies "auto" leaves off on CUDA until their GPU tests pass
-#: (tests/nn/test_nn_decoded.py, tests/nn/test_nn_gpu.py). Empty: the NVFP4 -> MXFP8 hybrids'
-#: were listed until their S_dec fix passed on the H200 (session 21). "always" holds any
-#: listed class's copies on any device.
+#: (tests/nn/test_nn_decoded.py, tests/nn/test_nn_gpu.py). Empty: every class passes them on
+#: the H200. "always" holds any listed class's copies on any device.
 UNVERIFIED_ON_CUDA: frozenset[str] = frozenset()
 _DECODED_MODE = ["auto"]
 
@@ -316,7 +315,7 @@ class QuantizedModule(nn.Module):
     def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
                               missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
         """``nn.Module``'s, accepting a state dict without this module's ``_extra_state`` (a plain
-        PyTorch model's, or saved before quantizer state was kept): the quantizers then start
+        PyTorch model's, or one saved without quantizer state): the quantizers then start
         fresh, as they would without a checkpoint."""
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)

@@ -281,8 +281,8 @@ class GroupedLinear(QuantizedModule):
     ``pack_weights`` (default True): the expert weights live in one [num_gemms, out, in]
     buffer, each ``weight{i}`` a slice of it (its own Parameter, gradient, version counter
     and state_dict entry), so the grouped weight quantization reads them in place instead of
-    stacking them every step (``quantize_weights_grouped``; 2.3 ms of an MXFP8 step at 8
-    experts x 14336 on the H200, s10 profile). The packing survives ``.to()`` / ``.cuda()``
+    stacking them every step (``quantize_weights_grouped``; stacking costs milliseconds of an
+    MXFP8 step at 8 experts x 14336 on the H200). The packing survives ``.to()`` / ``.cuda()``
     (re-packed after the move); parameters replaced from outside (FSDP2, ``load_state_dict(
     assign=True)``) are used as they are. ``safetensors.torch.save_file`` refuses tensors that
     share storage: save ``{k: v.clone()}`` there, or build with ``pack_weights=False``.
@@ -487,7 +487,7 @@ class GroupedLinear(QuantizedModule):
         """``quantized_weights`` of ``single_parameter``'s expert views: one cache entry for the
         one Parameter (its version counter is every expert's; the quantizers are the module's,
         rebuilt only with a new recipe key, which empties the cache), the stacked weight handed
-        to ``quantize_weights_grouped`` as it is. The per-expert path built 64 keys and checked
+        to ``quantize_weights_grouped`` as it is. The per-expert path would build 64 keys and check
         the views' adjacency twice a call (~0.5 ms of host time a step at 64 experts on the
         H200); the results are the same tensors."""
         w = self.weight

@@ -2,8 +2,9 @@
 
 Every expert saves what its wgrad / dgrad read (x's columnwise copy or x itself, W's copies),
 as ``linear_function.pack`` does for one ``Linear``: plain payload tensors, so saved-tensor
-hooks (CPU offload, recompute) see ordinary tensors. With 64 experts that was 128 packs and
-unpacks and a few hundred saved tensors a step, all host work. Most of those tensors are
+hooks (CPU offload, recompute) see ordinary tensors. With 64 experts, packing each expert
+separately would be 128 packs and unpacks and a few hundred saved tensors a step, all host
+work. Most of those tensors are
 views of a few shared buffers (``quantize_grouped``'s shared encodings, the rows of x, the
 stacked weights' encodings), so the experts' tensors are saved per *slot* (the j-th payload
 tensor of every expert) as one tensor where their layout allows:

@@ -180,7 +180,7 @@ def backward_gemms(dy2: torch.Tensor, saved_x: Optional[torch.Tensor], saved_w: 
 
 def torch_autocast_off(t: torch.Tensor) -> torch.autocast:
     """Disable torch's autocast (AMP) on ``t``'s device: the exact GEMM path multiplies FP32
-    values, which autocast would silently run in BF16/FP16 (SPEC §1 allows no such error)."""
+    values, which autocast would silently run in BF16/FP16 (numerics §1 allows no such error)."""
     return torch.autocast(t.device.type, enabled=False)
 
 

@@ -1,4 +1,4 @@
-"""FP8 per-tensor quantizers: current scaling and delayed scaling (SPEC §2.1, §2.2).
+"""FP8 per-tensor quantizers: current scaling and delayed scaling (numerics §2.1, §2.2).
 
 Both copies share one scale; the columnwise copy is the rowwise data transposed (the layout
 Hopper's TN-only FP8 GEMM consumes), so it costs a transpose, not a second quantization.

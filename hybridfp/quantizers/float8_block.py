@@ -1,4 +1,4 @@
-"""FP8 block-scaling quantizer (DeepSeek-V3 style, SPEC §2.3)."""
+"""FP8 block-scaling quantizer (DeepSeek-V3 style, numerics §2.3)."""
 
 from __future__ import annotations
 

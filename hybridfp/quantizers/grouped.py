@@ -235,9 +235,9 @@ def _worth_stacking(quantizers: Sequence[Quantizer], weights: Sequence[torch.Ten
 
 #: Largest expert weight (elements) stacked for a grouped per-tensor-scaled quantization. The
 #: stack is a full read and write of the weights; quantizing each expert on its own costs two
-#: launches (amax, cast) instead. On the H200 an 8-expert layer of [28672, 4096] BF16 weights
-#: spent 0.7 ms a step stacking each of its two weights; at 64 experts of [2816, 4096]
-#: (11.5M elements) the step is host-bound and one launch for all beats 128.
+#: launches (amax, cast) instead. On the H200 stacking an 8-expert layer's [28672, 4096] BF16
+#: weights costs more than the launches it saves; at 64 experts of [2816, 4096] (11.5M
+#: elements) the step is host-bound and one launch for all beats 128.
 STACK_SCALED_MAX_NUMEL = 1 << 25
 
 
@@ -904,10 +904,10 @@ def _column_payloads(storage: QuantizedStorage, starts: Sequence[int], splits: S
                      views: bool) -> list[Payload]:
     """Every expert's columnwise payload: rows [start_e, start_e + m_e) of the shared copy:
     column-slice views of its transposed tensors (``views``, no copy: the grouped GEMM decodes
-    them as one buffer, ``gemm.joined.joined_columns``; copying every slice cost the MXFP8 MoE
+    them as one buffer, ``gemm.joined.joined_columns``; copying every slice would cost the MXFP8 MoE
     layer, 8 experts of ffn 14336, about 1 ms a step on the H200 for copies that path never
-    reads), else each expert's own contiguous copy of its slice (a scatter through an int64
-    index per element instead cost 47 ms)."""
+    reads), else each expert's own contiguous copy of its slice (far cheaper than a scatter
+    through an int64 index per element)."""
     index = storage._row_index[COLUMNWISE]
     out: list[Payload] = [{} for _ in splits]
     for name, t in storage.payload(COLUMNWISE).items():

@@ -2,7 +2,7 @@
 one tensor) of a quantizer whose per-tensor scale comes from the tensor's own amax (FP8
 current scaling; the rowwise copy of 1D NVFP4 with a global amax) take one segmented amax and
 one cast pass that scales each row by its expert's value — bitwise what each expert's own
-``quantize`` makes (SPEC: scales never straddle experts). On CUDA the Triton kernels
+``quantize`` makes (each expert is a tensor of its own: scales never straddle experts). On CUDA the Triton kernels
 (``kernels/triton_grouped_fp8.py``, ``triton_nvfp4``'s row-scaled path); elsewhere the formats.
 """
 
@@ -180,7 +180,7 @@ def fp8_parts(j: Fp8Joined, splits: Sequence[int], dtype: torch.dtype, fp8_dtype
 
 def _fp8_current_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], rowwise: bool,
                         columnwise: bool, kernel: bool) -> GroupScaled:
-    """FP8 current scaling per expert (SPEC §2.1): scale_e from expert e's amax. Columnwise
+    """FP8 current scaling per expert (numerics §2.1): scale_e from expert e's amax. Columnwise
     copies: each expert's transpose [C, m_e] as columns of one [C, Σ padded_ld(m_e)] matrix,
     zero codes up to its block's end (``column_starts``, ``columnwise_zero_tail``)."""
     rows, cols = x.shape
@@ -214,7 +214,7 @@ def _fp8_current_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], ro
 def _nvfp4_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], rowwise: bool,
                   columnwise: bool, kernel: bool) -> GroupScaled:
     """1D NVFP4 rowwise copies, each with its expert's global amax: row-scaled NVFP4 with the
-    expert's amax on each of its rows (SPEC §2.5's arithmetic is per row either way)."""
+    expert's amax on each of its rows (numerics §2.5's arithmetic is per row either way)."""
     if columnwise or not rowwise:
         raise ValueError("grouped NVFP4 encodes the rowwise copy only; quantize the columnwise copy per expert.")
     rows, cols = x.shape
@@ -244,9 +244,9 @@ def _nvfp4_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], rowwise:
 
 class HybridGroups(NamedTuple):
     """:func:`nvfp4_mxfp8_groups`' result: each expert's NVFP4 rowwise storage (row slices, its
-    own amax; a callable: built when asked — the joined path never asks, and 64 experts' storages
-    were most of the Composer-2 step's per-expert objects), the shared MXFP8 columnwise storage of
-    the padded groups, the padded groups' rowwise copy as one row-scaled NVFP4 storage (each row
+    own amax; a callable: built when asked — the joined path never asks, and 64 experts'
+    storages would be most of the Composer-2 step's per-expert objects), the shared MXFP8
+    columnwise storage of the padded groups, the padded groups' rowwise copy as one row-scaled NVFP4 storage (each row
     with its expert's amax: the joined copy the experts' rows are slices of) and the experts' amax
     (FP32 [E])."""
 
@@ -266,7 +266,7 @@ def nvfp4_mxfp8_groups(hq: Quantizer, padded: torch.Tensor, splits: Sequence[int
     an MXFP8 pass. Returns each expert's NVFP4 rowwise storage (row slices; its own amax) and
     the shared MXFP8 columnwise storage of the padded groups (FP32 nominal dtype: the reference
     derives it from the FP32 value). CUDA (or the interpreter) only; bitwise each expert's own
-    encode: padding rows are zeros (amax and codes unchanged), and SPEC §2.5's arithmetic is
+    encode: padding rows are zeros (amax and codes unchanged), and numerics §2.5's arithmetic is
     per row, so a row scaled by its expert's amax is encoded as under that global amax."""
     rq, cq = hq.rowwise_quantizer, hq.columnwise_quantizer
     padded_splits = [ceil_div(m, 32) * 32 for m in splits]

@@ -1,4 +1,4 @@
-"""HybridQuantizer: rowwise copy in one format, columnwise copy in another (SPEC §3)."""
+"""HybridQuantizer: rowwise copy in one format, columnwise copy in another (numerics §3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Identity quantizer: a high-precision passthrough for a direction or role (SPEC §2.6)."""
+"""Identity quantizer: a high-precision passthrough for a direction or role (numerics §2.6)."""
 
 from __future__ import annotations
 

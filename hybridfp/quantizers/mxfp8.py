@@ -1,4 +1,4 @@
-"""MXFP8 quantizer (OCP microscaling, SPEC §2.4)."""
+"""MXFP8 quantizer (OCP microscaling, numerics §2.4)."""
 
 from __future__ import annotations
 

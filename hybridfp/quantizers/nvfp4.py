@@ -1,4 +1,4 @@
-"""NVFP4 quantizer (SPEC §2.5): 1D / 2D blocks, RHT on the columnwise copy, stochastic
+"""NVFP4 quantizer (numerics §2.5): 1D / 2D blocks, RHT on the columnwise copy, stochastic
 rounding, row-scaled forward activations."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from .base import Quantizer, all_reduce_amax
 class NVFP4Quantizer(Quantizer):
     """E2M1 elements, E4M3 scale per 16 elements, FP32 global scale.
 
-    Options (all off by default; SPEC §2.5 lists the NVIDIA recipe defaults per role):
+    Options (all off by default; numerics §2.5 lists the NVIDIA recipe defaults per role):
 
     - ``with_rht``: random Hadamard transform of the columnwise copy (the wgrad operand;
       R cancels inside wgrad). ``with_post_rht_amax`` (default True) takes that copy's global
@@ -38,7 +38,7 @@ class NVFP4Quantizer(Quantizer):
         super().__init__(rowwise=rowwise, columnwise=columnwise)
         if row_scaled_nvfp4 and (with_rht or with_2d_quantization or stochastic_rounding):
             raise ValueError("row_scaled_nvfp4=True cannot be combined with with_rht, "
-                             "with_2d_quantization or stochastic_rounding (SPEC §2.5): row scaling "
+                             "with_2d_quantization or stochastic_rounding (numerics §2.5): row scaling "
                              "is for forward activations only.")
         if with_rht and with_2d_quantization:
             raise ValueError("with_rht=True applies to the columnwise copy of 1D-scaled tensors; "
@@ -82,7 +82,7 @@ class NVFP4Quantizer(Quantizer):
         row = col = None
         amax = None
         if self.with_2d_quantization:
-            # One quantization serves both copies, stochastic rounding included: SPEC §2.5
+            # One quantization serves both copies, stochastic rounding included: numerics §2.5
             # says 2D copies hold identical values (fprop and dgrad see the same weight).
             amax = self._global_amax(x2)
             d, s = nvfp4.quantize_2d(x2, amax, **self._sr(seed, 0, x.device))

@@ -5,7 +5,7 @@ of the active recipe and quantizes its GEMM operands; outside, it runs in high p
 When the region ends, stateful quantizers (delayed scaling) of the modules that ran in it
 finish their step: amax all-reduced over ``amax_reduction_group`` if given, scale updated,
 history rolled. Gradient quantizers used in a backward pass finish at the next region's end,
-so every quantization uses the scale of the previous update (SPEC §2.2). A region whose body
+so every quantization uses the scale of the previous update (numerics §2.2). A region whose body
 raises commits nothing: the forward quantizers of the modules that ran in it discard the
 amaxes recorded there (``discard_step``), so a failed step leaves the scales as they were.
 

@@ -1,4 +1,4 @@
-"""Quantizer factories for ``CustomRecipe(qfactory=...)`` (SPEC §5).
+"""Quantizer factories for ``CustomRecipe(qfactory=...)`` (numerics §5).
 
 Base factories reproduce the built-in recipes bit for bit. The zoo composes hybrids; those
 recipes are *unvalidated research recipes*: each docstring says what it is for and what
@@ -169,7 +169,7 @@ FORMAT_NAMES = ("bf16", "identity", "high_precision", "fp8", "fp8_current", "fp8
 
 
 class per_gemm:  # noqa: N801 - used like a function: per_gemm(fprop=..., dgrad=..., wgrad=...)
-    """Factory from three format names, one per GEMM (SPEC §1 mapping).
+    """Factory from three format names, one per GEMM (numerics §1 mapping).
 
     input -> Hybrid(row=F, col=W); weight -> Hybrid(row=F, col=D); grad_output ->
     Hybrid(row=D, col=W); a plain quantizer where the two directions are equal. Format names:

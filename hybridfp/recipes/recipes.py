@@ -1,4 +1,4 @@
-"""Recipes: what quantizer each role gets (SPEC §4-5).
+"""Recipes: what quantizer each role gets (numerics §4-5).
 
 A recipe answers ``quantizer(role) -> Quantizer`` once per slot when a module builds its
 quantizers. Built-in recipes are dataclasses with TransformerEngine's names and options;
@@ -46,7 +46,7 @@ class Recipe(ABC):
     """Base: maps a role to a new quantizer.
 
     ``fprop_fast_accumulation``: run fprop's FP8 per-tensor GEMMs with cuBLAS fast
-    accumulation (see :func:`hybridfp.gemm.gemm`; outside SPEC §1, hence off unless a recipe
+    accumulation (see :func:`hybridfp.gemm.gemm`; outside numerics §1, hence off unless a recipe
     turns it on). dgrad / wgrad and ``GroupedLinear`` experts always promote to FP32.
     """
 
@@ -167,7 +167,7 @@ class MXFP8BlockScaling(_BuiltinRecipe):
 
 @dataclass
 class NVFP4BlockScaling(_BuiltinRecipe):
-    """NVFP4 with NVIDIA's per-role defaults (SPEC §2.5), each switch can be turned off.
+    """NVFP4 with NVIDIA's per-role defaults (numerics §2.5), each switch can be turned off.
 
     weight: 2D 16x16, no RHT, no SR. Gradients (grad_output, grad_input): 1D, RHT on the
     columnwise copy, SR. input and output: 1D, RHT on the columnwise copy, no SR.
@@ -241,7 +241,8 @@ class _FactoryKey:
 
     A module keeps the key of the recipe it built its quantizers for; holding the factory keeps
     it alive, so a new factory can never reuse its address and pass for it (with an ``id`` key,
-    a fresh closure allocated where the previous step's one was freed kept the old quantizers).
+    a fresh closure allocated where the previous step's one was freed would keep the old
+    quantizers).
     Factories compare with their own ``__eq__``: functions by identity, ``per_gemm`` by its
     three format names. A deep copy shares the factory; a pickled key never matches again
     (closures do not pickle), so a module loaded from a pickle rebuilds its quantizers.

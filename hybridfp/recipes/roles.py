@@ -1,4 +1,4 @@
-"""QuantizerRole: which slot of which module a quantizer serves (SPEC §4)."""
+"""QuantizerRole: which slot of which module a quantizer serves (numerics §4)."""
 
 from __future__ import annotations
 

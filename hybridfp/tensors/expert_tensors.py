@@ -7,9 +7,9 @@ blocks). Where every expert's tensor is nothing but views of those encodings, it
 an ``ExpertTensors``: per direction one :class:`JoinedCopy` (the shared storage, and where each
 expert's group starts in it), plus a function that cuts the per-expert tensors out of them. The
 grouped GEMM (``gemm.grouped_joined``) and the saved-for-backward record (``nn.grouped_saved``)
-read the joined copies directly, so at 64 experts a step no longer builds, checks and re-joins
-64 storages per operand; anything else indexes or iterates it and gets the same per-expert
-``QuantizedTensor``s as before, built once (bitwise the same objects' contents: the cuts are the
+read the joined copies directly, so at 64 experts a step does not build, check and re-join 64
+storages per operand; anything else indexes or iterates it and gets the per-expert
+``QuantizedTensor``s ``quantize_grouped`` would otherwise return, built once (bitwise the same objects' contents: the cuts are the
 same views).
 """
 

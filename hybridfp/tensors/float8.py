@@ -1,4 +1,4 @@
-"""Storage of FP8 per-tensor scaled tensors (delayed or current scaling, SPEC §2.1-2.2).
+"""Storage of FP8 per-tensor scaled tensors (delayed or current scaling, numerics §2.1-2.2).
 
 rowwise: ``data`` [rows, cols] FP8, ``scale_inv`` 0-d FP32.
 columnwise: the same values transposed (``data`` [cols, rows]) with the same scale — Hopper's
@@ -33,7 +33,7 @@ class Float8Storage(QuantizedStorage):
 
     @classmethod
     def _shared_names(cls, meta: dict[str, object]) -> frozenset[str]:
-        return frozenset({"scale_inv"})  # one scale for both copies (SPEC §2.1)
+        return frozenset({"scale_inv"})  # one scale for both copies (numerics §2.1)
 
     def has_epilogue_scale(self, direction: str) -> bool:
         """Yes: the per-tensor scale_inv."""

@@ -1,4 +1,4 @@
-"""Storage of FP8 block-scaled tensors (DeepSeek-V3 style, SPEC §2.3).
+"""Storage of FP8 block-scaled tensors (DeepSeek-V3 style, numerics §2.3).
 
 1D (``block_dim=1``): rowwise 1x128 blocks, ``scale_inv`` [rows, ceil(cols/128)]; the
 columnwise copy is re-quantized from the source with 128x1 blocks and stored transposed:

@@ -1,4 +1,4 @@
-"""Storage of an unquantized (high-precision) tensor, SPEC §2.6.
+"""Storage of an unquantized (high-precision) tensor, numerics §2.6.
 
 One ``data`` tensor [rows, cols] serves both directions (a transposed use is a view), so
 holding both copies costs nothing extra.

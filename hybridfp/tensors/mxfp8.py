@@ -1,4 +1,4 @@
-"""Storage of MXFP8 tensors (OCP microscaling, SPEC §2.4).
+"""Storage of MXFP8 tensors (OCP microscaling, numerics §2.4).
 
 rowwise: ``data`` [rows, cols] FP8 and E8M0 ``scale`` (uint8) per 1x32 block
 [rows, ceil(cols/32)]. columnwise: 32x1 blocks, stored transposed (``data`` [cols, rows],

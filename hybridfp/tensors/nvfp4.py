@@ -1,4 +1,4 @@
-"""Storage of NVFP4 tensors (SPEC §2.5).
+"""Storage of NVFP4 tensors (numerics §2.5).
 
 rowwise: ``data`` uint8 [rows, ceil(cols/2)] (two E2M1 codes per byte, element 2i in the low
 nibble), ``scale`` E4M3 per 1x16 block [rows, ceil(cols/16)], ``amax`` the FP32 global amax

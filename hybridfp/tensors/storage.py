@@ -435,8 +435,8 @@ class QuantizedStorage(Dim0Slicing, ABC):
                 p = self.payloads[d]
                 for n in sorted(p):
                     by_id.setdefault(id(p[n]), []).append((d, n))
-            # not cached on the storage: the extra container per storage made Python's cyclic
-            # GC cost more than the recomputation (MoE, 64 experts, CPU profile: ~20 ms a step)
+            # not cached on the storage: the extra container per storage makes Python's cyclic
+            # GC cost more than the recomputation (MoE, 64 experts: ~20 ms a step on the CPU)
             groups = list(by_id.values())
         payloads = self.payloads
         held = [[(d, n) for d, n in g if payloads[d] is not None] for g in groups]
