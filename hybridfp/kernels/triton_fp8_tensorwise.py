@@ -72,7 +72,7 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, amax: Optional[torch.Tenso
     compile in a never-taken rowwise store, which keeps the tile in the coalesced natural
     layout (without it Triton 3.6 lays the tile out for the transposed store, about half as
     fast on the H200). ``block`` / ``num_warps``: default the H200's fastest at the Llama-3-8B
-    MLP's four operand shapes, E4M3 and E5M2 (CUDA-graph device time): both copies (128, 64) /
+    MLP's four operand shapes, E4M3 and E5M2 (timed under CUDA graphs): both copies (128, 64) /
     4 warps, one copy (32, 128) / 4 warps, each near device-copy bandwidth.
     """
     if (amax is None) == (scale is None):

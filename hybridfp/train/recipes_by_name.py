@@ -47,7 +47,7 @@ class NamedRecipe:
         return re.sub(r"[^A-Za-z0-9._=-]+", "-", self.label).strip("-")
 
 
-# label -> (maker, description). Built-ins first, then the zoo (SPEC §5).
+# label -> (maker, description). Built-ins first, then the zoo (numerics §5).
 BUILTIN: dict[str, tuple[Callable[[], Recipe], str]] = {
     "bf16": (lambda: CustomRecipe(qfactory=factories.high_precision),
              "high precision (Identity quantizers, same code path)"),
