@@ -1,1 +1,1 @@
-"""Benchmarks (run on the GPU machine): python -m bench.run_all."""
+"""Benchmarks: ``python -m bench`` runs them on a CUDA GPU (``--list`` names them); results in bench/results/."""

@@ -82,7 +82,7 @@ def bench_shape(name: str, m: int, n: int, k: int, layout: str) -> dict[str, Any
     def raw(fast: bool = False) -> torch.Tensor:
         return torch._scaled_mm(a8, b8.t(), pa["scale_inv"], pb["scale_inv"], out_dtype=torch.bfloat16,
                                 use_fast_accum=fast)
-    lib = lambda: gemm(A, B, layout)  # noqa: E731 - the default: FP32 promotion (SPEC §1)
+    lib = lambda: gemm(A, B, layout)  # noqa: E731 - the default: FP32 promotion (docs/numerics.md §1)
     row["tensorwise_equal_to_raw"] = bool(torch.equal(raw(), lib()))
     t_raw, t_lib = bench_pair(raw, lib)
     row["tensorwise_raw"], row["tensorwise_hybridfp"] = tflops(flops, t_raw), tflops(flops, t_lib)

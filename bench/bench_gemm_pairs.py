@@ -21,20 +21,18 @@ Ratios are against BF16 ``a @ b.t()`` of the same shape in the same process, tim
 alternately (``bench_pair``). The decode kernels' bandwidth (bytes read + written) is
 compared with a device copy, at 8192^2, for a few tile shapes.
 
-    python -m bench.bench_gemm_pairs [--results-dir DIR] [--out results.json] [--quick]
+    python -m bench.bench_gemm_pairs [--out results.json] [--quick]
 """
 
 from __future__ import annotations
 
-import json
 import warnings
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from bench import common
-from bench.common import (bench_ms, bench_pair, copy_bandwidth, environment, md_table, parser,
+from bench.common import (bench_ms, bench_pair, copy_bandwidth, environment, finish, md_table, parser,
                           require_cuda, tflops)
 from hybridfp import (Float8CurrentScalingQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer,
                       Quantizer)
@@ -147,7 +145,6 @@ def bench_decode(name: str, make: Maker, rows: int, cols: int, copy_gbps: float)
 
 def main(argv=None) -> None:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--results-dir", type=Path, default=None, help="write bench_gemm_pairs.{json,md} here")
     args = p.parse_args(argv)
     require_cuda()
     warnings.simplefilter("ignore")  # the emulated pair's report; what is measured is the time
@@ -171,15 +168,8 @@ def main(argv=None) -> None:
           "cold: both operands decoded per call; warm: B's decoded copy cached.\n\n" + gemm_table +
           f"\n\n### Decode kernels at {n}x{n} (bytes read + written; device copy "
           f"{copy['GBps']:.0f} GB/s)\n\n" + decode_table + "\n")
-    result = {"name": "gemm_pairs", "env": env, "copy_bandwidth": copy, "rows": rows,
-              "decodes": decodes, "markdown": md}
-    paths = [args.out] + ([args.results_dir / "bench_gemm_pairs.json"] if args.results_dir else [])
-    for path in filter(None, paths):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1, default=str))
-    if args.results_dir:
-        (args.results_dir / "bench_gemm_pairs.md").write_text(md)
-    print(md, flush=True)
+    finish("gemm_pairs", {"env": env, "copy_bandwidth": copy, "rows": rows, "decodes": decodes, "markdown": md},
+           args.out)
 
 
 if __name__ == "__main__":

@@ -10,17 +10,18 @@ step (weights re-quantized as after an optimizer update).
 Variants: "BF16 grouped" — the same layer with stacked [E, out, in] BF16 weights and
 ``torch._grouped_mm`` directly (the fair baseline, the ratio's denominator); hybridfp
 GroupedLinear (BF16 parameters) under CustomRecipe(high_precision), Float8CurrentScaling,
-MXFP8BlockScaling and the Composer-2 factory nvfp4_row_scaled_fwd_mxfp8_bwd. "x BF16 grouped" =
-baseline time / time (>1 is faster). "paths": which ``grouped_gemm`` path each GEMM took.
-Extra rows (suffixes) time a recipe again with one switch flipped in the same process, e.g.
+MXFP8BlockScaling and the Composer-2 factory nvfp4_row_scaled_fwd_mxfp8_bwd, each also with
+``GroupedLinear(single_parameter=True)`` ("[one weight Parameter]"). "x BF16 grouped" = baseline
+time / time (>1 is faster). "paths": which ``grouped_gemm`` path each GEMM took. With ``--ab``,
+extra rows (suffixes) time a recipe again with one switch flipped in the same process, e.g.
 "[cuBLAS per expert BF16]": path 1's grouped BF16 GEMMs as cuBLAS per expert.
 
-    python -m bench.bench_moe [--results-dir DIR] [--out results.json] [--quick] [--profile TEXT]
+    python -m bench.bench_moe [--experts 8|64] [--paired] [--micro-batches N] [--ab] [--variants 'A|B']
+        [--out results.json] [--quick] [--profile TEXT [--profile-out FILE]]
 """
 
 from __future__ import annotations
 
-import json
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -49,10 +50,10 @@ RECIPES: list[tuple[str, Callable[[], hybridfp.Recipe]]] = [
 ]
 TARGETS = {"hybridfp FP8 current": 1.30, "hybridfp MXFP8": 0.90,
            "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)": 0.90}
-#: recipes timed twice more: with grouped_gemm's Triton path forced on and forced off on CUDA
-#: (its default there: from gemm/grouped_triton.MANY_EXPERTS experts on). FP8 per-tensor pairs
-#: keep cuBLAS FP8 and MXFP8 takes torch._grouped_mm: only Composer-2's row-scaled NVFP4 fprop
-#: is a candidate today.
+#: ``--ab``: recipes timed twice more: with grouped_gemm's Triton path forced on and forced off
+#: on CUDA (its default there: from gemm/grouped_triton.MANY_EXPERTS experts on). FP8 per-tensor
+#: pairs keep cuBLAS FP8 and MXFP8 takes torch._grouped_mm: only Composer-2's row-scaled NVFP4
+#: fprop is a candidate.
 TRITON_VARIANTS = ("hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)",)
 TRITON_SUFFIX = " [Triton grouped]"
 PER_EXPERT_SUFFIX = " [per-expert GEMMs]"
@@ -68,7 +69,7 @@ FP8_TRITON_SUFFIX = " [FP8 Triton grouped everywhere]"
 UNPACKED_SUFFIX = " [unpacked weights]"
 #: recipes timed a second time with their weight / grad_output copies kept as codes and scales
 #: (``hybridfp.nn.set_decoded_copies("never")``) instead of written as BF16 decodes by the
-#: quantize kernels (the CUDA default where every GEMM decodes them): the A/B of that change
+#: quantize kernels (the CUDA default where every GEMM decodes them)
 CODES_VARIANTS = ("hybridfp MXFP8", "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)")
 CODES_SUFFIX = common.CODES_SUFFIX
 #: recipes timed twice more with path 1's grouped BF16 GEMMs forced to cuBLAS per expert and to
@@ -77,8 +78,8 @@ CODES_SUFFIX = common.CODES_SUFFIX
 PER_GROUP_VARIANTS = ("hybridfp MXFP8", "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)")
 PER_GROUP_SUFFIX = " [cuBLAS per expert BF16]"
 CUTLASS_SUFFIX = " [CUTLASS grouped BF16]"
-#: recipes timed again with quantize_grouped's plan memo off (every call plans afresh, as before
-#: the memo): the A/B of the host time it saves
+#: recipes timed again with quantize_grouped's plan memo off (every call plans afresh): the host
+#: time the memo saves
 PLAN_VARIANTS = ("hybridfp MXFP8", "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)")
 NO_PLAN_MEMO_SUFFIX = " [plans not remembered]"
 #: ... and with the routing's metadata (offsets, padded-row indexes, row maps) built at every use
@@ -94,7 +95,7 @@ SINGLE_PARAM_SUFFIX = " [one weight Parameter]"
 MICRO_SUFFIX = " [{n} micro-batches a weight update]"
 #: FP8 current timed again with the grouped FP8 GEMM's pointer kernel (grouped_fp8.TMA_ROWS /
 #: TMA_WGRAD set to FP8_TMA: None, None; ``--fp8-tma ROWS/WGRAD`` names TMA configs instead),
-#: on the per-expert and the one-Parameter layer: the A/B of the TMA kernel (the default)
+#: on the per-expert and the one-Parameter layer, against the TMA kernel (the default)
 FP8_TMA_VARIANTS = ("hybridfp FP8 current",)
 FP8_TMA_SUFFIX = " [FP8 pointer grouped GEMM]"
 FP8_TMA: list = [None, None]
@@ -291,14 +292,17 @@ def device_ms(step: Callable[[], Any]) -> float:
 
 def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = None,
                  profiles: Optional[list[str]] = None, only: Optional[list[str]] = None,
-                 stacks: bool = False, micro_batches: int = 1, paired: bool = False) -> list[dict[str, Any]]:
+                 stacks: bool = False, micro_batches: int = 1, paired: bool = False,
+                 ab: bool = False) -> list[dict[str, Any]]:
     """Every variant of one config, in one process, ratios against its BF16 grouped baseline;
     variants whose name contains ``profile`` also get a one-step profile in ``profiles``.
     ``only``: just the variants whose name equals one of these (the baseline always runs);
     ``stacks``: the profiles also list the copy ops by call stack; ``micro_batches`` > 1: the
     baseline and the recipes timed again as that many micro-batches a weight update; ``paired``:
     each row also timed alternately with its baseline (``bench_pair``, ``PAIR_ROUNDS`` rounds),
-    so that drift of the lent machine's clocks or host load lands on both sides of the ratio."""
+    so that drift of the GPU's clocks or the host's load lands on both sides of the ratio; ``ab``:
+    also the rows with one switch flipped (the ``*_VARIANTS`` tables; without it, only the
+    one-weight-Parameter rows)."""
     base, hf, x, dy = moe_layer(e, f, tokens, d)
     variants: list[tuple[str, nn.Module, Optional[Callable[[], Any]]]] = [("BF16 grouped", base, None)]
     for name, recipe in RECIPES:
@@ -311,8 +315,10 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
               (PLAN_VARIANTS, (NO_PLAN_MEMO_SUFFIX, NO_METADATA_MEMO_SUFFIX), hf),
               (SINGLE_PARAM_VARIANTS, (SINGLE_PARAM_SUFFIX,), single),
               (FP8_TMA_VARIANTS, (FP8_TMA_SUFFIX,), hf), (FP8_TMA_VARIANTS, (SINGLE_PARAM_SUFFIX + FP8_TMA_SUFFIX,), single)]
+    if not ab:
+        extras = [x for x in extras if x[1] == (SINGLE_PARAM_SUFFIX,)]
     for name, recipe in RECIPES:
-        if name in CODES_VARIANTS:
+        if ab and name in CODES_VARIANTS:
             variants.append((name + CODES_SUFFIX, hf,
                              lambda r=recipe(): common.decoded_mode("never", hybridfp.autocast(recipe=r))))
     for names, suffixes, model in extras:
@@ -380,16 +386,18 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
 
 def main(argv=None) -> None:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--results-dir", type=Path, default=None, help="write moe.json and moe.md here")
     p.add_argument("--experts", type=int, default=None, help="only the config with this many experts")
     p.add_argument("--profile", default=None, help="profile one step of the variants whose name "
-                   "contains this text (written to moe_profile.txt in --results-dir)")
+                   "contains this text ('|'-separated texts), written to --profile-out")
+    p.add_argument("--profile-out", type=Path, default=Path("moe_profile.txt"))
+    p.add_argument("--ab", action="store_true", help="also the rows with one switch flipped (Triton / per-expert "
+                   "GEMMs, unpacked weights, codes instead of decoded copies, memos off, FP8 pointer kernel)")
     p.add_argument("--profile-stacks", action="store_true", help="the profiles also list the copy ops "
                    "(copy_, clone, cat, ...) by Python call stack")
     p.add_argument("--micro-batches", type=int, default=1, help="N > 1: also time every recipe and the "
                    "baseline as N forward + backward passes a weight update (weights quantized once)")
     p.add_argument("--paired", action="store_true", help="also time each row alternately with its baseline "
-                   f"({PAIR_ROUNDS} rounds): a ratio that the lent machine's drift does not bias")
+                   f"({PAIR_ROUNDS} rounds): a ratio that clock or host drift does not bias")
     p.add_argument("--variants", default=None, help="only these '|'-separated variant names (the recipe "
                    "rows' names, with a suffix for the extra variants), besides the BF16 baseline")
     p.add_argument("--fp8-tma", default=None, help="ROWS/WGRAD: the TMA kernel configs (names in "
@@ -411,7 +419,7 @@ def main(argv=None) -> None:
     tokens, d = (1024, 512) if args.quick else (TOKENS, HIDDEN)
     for e, f in configs:
         rows += bench_config(e, f, tokens, d, args.profile, profiles, only, args.profile_stacks,
-                             args.micro_batches, args.paired)
+                             args.micro_batches, args.paired, args.ab)
     table = md_table(["config", "variant", "ms", "x BF16 grouped", "target", "steady ms", "steady x BF16 grouped"]
                      + (["paired x BF16 grouped"] if args.paired else [])
                      + ["host ms", "GPU busy", "rel err vs BF16", "paths"], [
@@ -426,12 +434,8 @@ def main(argv=None) -> None:
           + (f" \"paired\": median over {PAIR_ROUNDS} rounds of the baseline and the row timed one after "
              "the other." if args.paired else "") + "\n\n" + table + "\n")
     result = {"env": env, "rows": rows, "markdown": md}
-    if args.results_dir is not None:
-        args.results_dir.mkdir(parents=True, exist_ok=True)
-        (args.results_dir / "moe.json").write_text(json.dumps({"name": "moe", **result}, indent=1, default=str))
-        (args.results_dir / "moe.md").write_text(md)
-        if profiles:
-            (args.results_dir / "moe_profile.txt").write_text("\n\n".join(profiles))
+    if profiles:
+        args.profile_out.write_text("\n\n".join(profiles))
     finish("moe", result, args.out)  # prints the table last
 
 

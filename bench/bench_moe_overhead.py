@@ -7,7 +7,7 @@ ops are counted with a ``TorchDispatchMode`` (every aten op call, views included
 re-quantized each step (caches cleared, as after an optimizer update). No GPU needed; the
 counts say how much host work per step scales with the number of experts.
 
-    python -m bench.bench_moe_overhead [--experts 64] [--hidden 64] [--ffn 128] [--reps 20]
+    python -m bench.bench_moe_overhead [--experts 64] [--hidden 64] [--ffn 128] [--reps 20] [--out results.json] [--quick]
         [--cuda-paths [--stub-cublas] [--stub-grouped-mm] [--stub-kernels]] [--profile "bf16 (high_precision)"]
 """
 
@@ -18,12 +18,14 @@ import statistics
 import time
 import warnings
 from collections import Counter
+from pathlib import Path
 from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hybridfp
+from bench.common import environment, finish, md_table
 from hybridfp import factories
 
 RECIPES: dict[str, Callable[[], hybridfp.Recipe]] = {
@@ -207,6 +209,8 @@ def main(argv=None) -> None:
     p.add_argument("--ffn", type=int, default=128)
     p.add_argument("--tokens-per-expert", type=int, default=24)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--out", type=Path, default=None, help="write the results JSON here")
+    p.add_argument("--quick", action="store_true", help="5 repetitions")
     p.add_argument("--cuda-paths", action="store_true", help="take the grouped GEMM paths the GPU takes "
                    "(torch._grouped_mm on the CPU; decodes still the PyTorch reference) to see the host "
                    "work of the CUDA path")
@@ -222,6 +226,8 @@ def main(argv=None) -> None:
     p.add_argument("--profile", default=None, help="cProfile one recipe (its name) and print the top 30 "
                    "functions by own time")
     args = p.parse_args(argv)
+    if args.quick:
+        args.reps = 5
     warnings.simplefilter("ignore")
     if args.cuda_paths:
         from hybridfp.gemm import grouped
@@ -239,21 +245,26 @@ def main(argv=None) -> None:
                                single_parameter=args.single_parameter)
     x = torch.randn(sum(splits), args.hidden, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(sum(splits), args.ffn, dtype=torch.bfloat16)
-    print(f"{args.experts} experts, hidden {args.hidden}, ffn {args.ffn}, {sum(splits)} tokens, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print("| recipe | ms / step | ops / step | ops / expert | Python calls / step |\n|---|---|---|---|---|")
+    head = (f"{args.experts} experts, hidden {args.hidden}, ffn {args.ffn}, {sum(splits)} tokens, "
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    rows = []
     for name, recipe in RECIPES.items():
         step = make_step(m, x, dy, splits, recipe())
         ms, ops = measure(step, args.reps)
         calls = python_calls_per_step(recipe(), args.experts, args.hidden, args.ffn, args.tokens_per_expert,
                                       args.single_parameter)
-        print(f"| {name} | {ms:.2f} | {ops} | {ops / args.experts:.1f} | {calls} |")
+        rows.append(dict(recipe=name, ms=ms, ops=ops, ops_per_expert=ops / args.experts, python_calls=calls))
         if name == args.profile:
             import cProfile
             import pstats
             prof = cProfile.Profile()
             prof.runcall(lambda: [step() for _ in range(args.reps)])
             pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+    md = (f"### GroupedLinear host work per step on the CPU ({head})\n\n"
+          + md_table(["recipe", "ms / step", "ops / step", "ops / expert", "Python calls / step"],
+                     [(r["recipe"], r["ms"], r["ops"], r["ops_per_expert"], r["python_calls"]) for r in rows]) + "\n")
+    finish("moe_overhead", {"env": environment(), "args": {k: v for k, v in vars(args).items() if k != "out"},
+                            "rows": rows, "markdown": md}, args.out)
 
 
 if __name__ == "__main__":

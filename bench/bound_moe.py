@@ -18,7 +18,7 @@ and a training step with one micro-batch do). Per element, at least:
   the decoded values (their in-step time measured on the recipe's own step: decoded values run
   slightly faster than the baseline's); each tensor read once (2 bytes) and written as the two
   copies the GEMMs read, row and column: as BF16 decodes (2 + 2) for the GEMMs as they run
-  today, or (the generous floor) as FP8 codes read by a GEMM that decoded them for free (1 + 1).
+  on Hopper, or (the generous floor) as FP8 codes read by a GEMM that decoded them for free (1 + 1).
 
 The quantized tensors of one step: both layers' weights, the two inputs (x, the SwiGLU output)
 and the two output gradients. ``python -m bench.bound_moe [--experts 64]``
@@ -37,7 +37,7 @@ from bench.common import environment, finish, md_table, parser, require_cuda
 
 #: bytes a quantized element moves at least, per recipe and floor (module docstring)
 FLOORS = {"FP8 current (amax read, cast read, one FP8 write)": 5,
-          "MXFP8, BF16-decoded row + col copies (as run today)": 6,
+          "MXFP8, BF16-decoded row + col copies (as Hopper runs it)": 6,
           "MXFP8, FP8 row + col codes (a free in-GEMM decode)": 4}
 TARGETS = {"FP8 current": 1.30, "MXFP8": 0.90}
 
@@ -102,7 +102,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         ["its grouped FP8 GEMMs (Triton)", r["fp8_gemm_ms"]]]))
     print(f"\ncopy bandwidth {r['copy_GBps']:.0f} GB/s (read + write); {r['quantized_elements'] / 1e9:.3f} G "
           "elements quantized a step\n")
-    print(md_table(["floor", "GEMMs ms", "quantize ms", "step ms", "bound x BF16", "target", "device-time x BF16 now"],
+    print(md_table(["floor", "GEMMs ms", "quantize ms", "step ms", "bound x BF16", "target", "measured device-time x BF16"],
                    [[b["floor"], b["gemm_ms"], b["quantize_ms"], b["step_ms"], b["bound"], b["target"], b["measured"]]
                     for b in r["bounds"]]))
     finish("bound_moe", r, args.out)

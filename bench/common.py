@@ -47,8 +47,7 @@ def environment() -> dict[str, Any]:
                                        text=True, cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         env["commit"] = None
-    # The device machine's copy of the tree may carry no (or a stale) .git: the caller names
-    # the commit it sent, and that wins.
+    # A copy of the tree without (or with a stale) .git: HYBRIDFP_COMMIT names the commit.
     env["commit"] = os.environ.get("HYBRIDFP_COMMIT") or env["commit"]
     return env
 
@@ -139,7 +138,7 @@ def parser(description: str) -> argparse.ArgumentParser:
 
 
 def finish(name: str, result: dict[str, Any], out: Optional[Path]) -> None:
-    """Print the benchmark's Markdown and write its JSON (``out``) for run_all."""
+    """Print the benchmark's Markdown and write its JSON (``out``; ``python -m bench`` reads it)."""
     result = {"name": name, **result}
     print(result.get("markdown", ""), flush=True)
     if out is not None:
@@ -150,7 +149,7 @@ def finish(name: str, result: dict[str, Any], out: Optional[Path]) -> None:
 def require_cuda() -> None:
     """Benchmarks need the GPU; say so plainly otherwise."""
     if DEVICE == "cuda" and not torch.cuda.is_available():
-        sys.exit("bench: needs a CUDA GPU (run it on the lent H200 through the device tool).")
+        sys.exit("bench: needs a CUDA GPU.")
 
 
 #: ops that copy tensor data, listed by call stack with ``profile_step(stacks=True)``

@@ -1,4 +1,4 @@
-"""The convergence study (issue #6): every recipe trained on the same data within one device call.
+"""The convergence study: every recipe trained on the same data, side by side, within a time budget.
 
 Two comparisons run at once, each through ``hybridfp train --jobs`` (one worker process per
 recipe, spread over the visible GPUs):
@@ -13,7 +13,9 @@ measured rates include the sharing of the GPUs) gives each one's tokens/s, and t
 get as many steps as the slowest recipe of each comparison completes in the time budget
 (every recipe of a comparison trains the same steps, so the cosine schedules match).
 
-    python -m bench.convergence --out runs/convergence --budget-s 470
+    python -m bench.convergence --out runs/convergence --budget-s 470 [--json results.json]
+
+``--json``: the plan and each comparison's report (``bench.convergence_report``) as one JSON file.
 """
 
 from __future__ import annotations
@@ -67,12 +69,13 @@ def main(argv=None) -> None:
     p.add_argument("--dense-steps", type=int, default=None,
                    help="with --moe-steps: fixed step counts instead of the probe (no time estimate)")
     p.add_argument("--moe-steps", type=int, default=None)
+    p.add_argument("--json", type=Path, default=None, help="write the plan and the reports here")
     args = p.parse_args(argv)
     studies = {"dense": (args.dense_preset, args.dense_recipes), "moe": (args.moe_preset, args.moe_recipes)}
     t0 = time.time()
     if args.dense_steps and args.moe_steps:
-        # The probe's rates proved too noisy to plan by (2026-11-29: a plan for 450 s ran past
-        # 570 s); step counts measured in an earlier run are the reliable plan.
+        # Fixed step counts (from an earlier run) plan more reliably than the probe's rates, which
+        # vary with the GPUs' sharing (a plan for 450 s can run past 570 s).
         plan = {name: {"steps": steps, "recipes": studies[name][1]}
                 for name, steps in (("dense", args.dense_steps), ("moe", args.moe_steps))}
         return run_plan(args, studies, plan, t0)
@@ -114,6 +117,24 @@ def run_plan(args: argparse.Namespace, studies: dict, plan: dict, t0: float) -> 
         rc = proc.wait()
         log = (args.out / name / "driver.log").read_text()
         print(f"\n== {name} (rc {rc}, {time.time() - t0:.0f} s) ==\n" + log[-3500:], flush=True)
+    if args.json is not None:
+        write_json(args.json, args.out, plan)
+
+
+def write_json(path: Path, out: Path, plan: dict) -> None:
+    """The plan and, per comparison, its report's Markdown (or why there is none)."""
+    from bench.common import environment
+    from bench.convergence_report import report
+    studies = {}
+    for name in plan:
+        try:
+            studies[name] = {"report": report(out / name / "metrics.jsonl")}
+        except (OSError, SystemExit, ValueError) as e:
+            studies[name] = {"error": f"{type(e).__name__}: {e}"}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"name": "convergence", "env": environment(), "plan": plan, "studies": studies,
+                                "markdown": "\n\n".join(f"### {k}\n\n{v.get('report', v.get('error'))}"
+                                                         for k, v in studies.items())}, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 
 Prints, in markdown: the final validation loss of every recipe with its gap vs the first
 BF16 run and vs the mean of all BF16 runs (``bf16``, ``bf16@seed=K``: their spread is the
-noise floor the gaps must be read against), the issue's target where one is given, the
+noise floor the gaps must be read against), the target where one is given, the
 median tokens/s over the second half of the run; then the gap vs BF16 at every evaluation.
 """
 
@@ -17,7 +17,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-#: relative final val-loss gap targets vs BF16 (issue #6), by recipe label
+#: relative final val-loss gap targets vs BF16, by recipe label
 TARGETS = {"fp8": 0.25, "fp8-block": 0.25, "mxfp8": 0.25, "per_gemm:fprop=nvfp4,dgrad=mxfp8,wgrad=mxfp8": 1.0,
            "mxfp8-fwd-nvfp4-bwd": 0.5}
 

@@ -1,14 +1,14 @@
 """SASS instruction counts of the quantize kernels compiled offline for the H200 (sm90), no GPU needed.
 
-The quantize kernels are instruction-issue bound (Nsight, session 6): at ~4 TB/s a BF16 quantize
+The quantize kernels are instruction-issue bound (Nsight Compute): at ~4 TB/s a BF16 quantize
 can spend roughly 25 instructions per element, so the static count per thread of one tile,
 divided by the elements each thread handles, predicts a kernel's share of copy bandwidth before
 any device time is spent. Each case compiles one kernel with Triton's nvidia backend
 (``tt.divisibility`` 16 on pointers, sizes and the row stride, as the launches specialize them),
 disassembles the cubin with the wheel's ``cuobjdump -sass`` and counts opcodes.
 
-    python -m bench.sass_count [--case NAME ...] [--top 8]
-    python -m bench.sass_count --resources --match "grouped gemm"   # registers, shared memory,
+    python -m bench.tools.sass_count [--case NAME ...] [--top 8]
+    python -m bench.tools.sass_count --resources --match "grouped gemm"   # registers, shared memory,
         TMA / wgmma / local-memory opcodes, warp-specialized partitions
 """
 
@@ -63,7 +63,7 @@ _TMA_SPECS: dict[str, tuple[int, int, int, int, int, bool, int]] = {
     "128x128x64 w8 s5 flat": (128, 128, 64, 8, 5, True, 16),
 }
 #: FP32-output configs (TMA_F32_CONFIGS spelled out): the epilogue's layout change takes BM x BN x 4
-#: bytes of shared memory beside the K ring, so the BF16 default (s3) does not fit
+#: bytes of shared memory beside the K ring, so the BF16 default (3 stages) does not fit
 _TMA_F32_SPECS: dict[str, tuple[int, int, int, int, int, bool, int]] = {
     "128x256x64 w8 s2 flat": (128, 256, 64, 8, 2, True, 16),
     "128x128x64 w8 s4 flat": (128, 128, 64, 8, 4, True, 16),

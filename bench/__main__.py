@@ -1,0 +1,232 @@
+"""Run the benchmarks on a CUDA GPU, one process each, and print their headline figures.
+
+    python -m bench                 # every benchmark but those run by name only
+    python -m bench NAME [NAME ...] # a subset (python -m bench --list names them)
+    python -m bench --list
+    python -m bench --quick         # small sizes, a smoke test (results not kept unless --results-dir)
+
+Each benchmark writes ``bench/results/<name>.json`` (overwritten when it succeeds; a failed run
+leaves the previous file). ``bench/RESULTS.md`` holds the latest figures with their hardware.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+Rows = list[tuple[str, str]]
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    module: str
+    question: str
+    args: tuple[str, ...] = ()
+    #: run by ``python -m bench`` without names (False: only when named)
+    default: bool = True
+    #: the flag that names the JSON file the module writes
+    out_flag: str = "--out"
+    quick: bool = True
+    timeout_s: float = 1200.0
+    headline: Callable[[dict[str, Any]], Rows] = field(default=lambda r: [], compare=False)
+
+
+def _x(v: Optional[float], digits: int = 3) -> str:
+    return "-" if v is None else f"{v:.{digits}f}x"
+
+
+def _gemm(r: dict[str, Any]) -> Rows:
+    out: Rows = []
+    for row in r.get("rows", []):
+        if row.get("shape", "").startswith("8192"):
+            out.append(("FP8 per-tensor hybridfp.gemm / raw torch._scaled_mm, 8192^3", _x(row.get("tensorwise_ratio"))))
+            out.append((f"FP8 block ({row.get('block_pair')}) hybridfp.gemm / raw, 8192^3", _x(row.get("block_ratio"))))
+            out.append(("TFLOP/s BF16 / FP8 per-tensor hybridfp, 8192^3",
+                        f"{row.get('bf16', 0):.0f} / {row.get('tensorwise_hybridfp', 0):.0f}"))
+    return out
+
+
+def _gemm_pairs(r: dict[str, Any]) -> Rows:
+    return [(f"{row['pair']} {row['layout']} / BF16, 8192^3, cold / warm",
+             f"{_x(row.get('cold_ratio'))} / {_x(row.get('warm_ratio'))}")
+            for row in r.get("rows", []) if row.get("shape", "").startswith("8192")]
+
+
+def _quantize(r: dict[str, Any]) -> Rows:
+    return [(f"{row['quantizer']} row+col ({row.get('path')})", f"{row['x_copy']:.2f}x copy")
+            for row in r.get("rows", []) if row.get("directions") == "row+col" and "x_copy" in row]
+
+
+def _quantize_kernels(r: dict[str, Any]) -> Rows:
+    out: Rows = []
+    for row in r.get("rows", []):
+        if "vs_max_single" in row:
+            out.append((f"{row['case']}: fused / slower single (target <= 1.10)", _x(row["vs_max_single"], 2)))
+        elif "min_pct" in row and row["case"].endswith("row+col"):
+            out.append((f"{row['case']}", f"{row['min_pct']:.1f} % of copy"))
+    return out
+
+
+def _mlp(r: dict[str, Any]) -> Rows:
+    out: Rows = []
+    for row in r.get("rows", []):
+        if row.get("model", "").startswith("Llama") and row.get("variant") != "BF16 eager":
+            value = row.get("error", "?")
+            if row.get("speedup_vs_bf16_eager"):
+                value = f"{_x(row['speedup_vs_bf16_eager'], 2)} eager" + (
+                    f", {_x(row['speedup_vs_bf16_compile'], 2)} compiled" if row.get("speedup_vs_bf16_compile") else "")
+            out.append((f"MLP {row['variant']} vs BF16", value))
+    return out
+
+
+def _moe(r: dict[str, Any]) -> Rows:
+    out: Rows = []
+    for row in r.get("rows", []):
+        if row.get("variant", "").startswith("BF16 grouped"):
+            continue
+        value = row.get("error", "?")[:60]
+        if "x_bf16_grouped" in row:
+            value = _x(row["x_bf16_grouped"]) + (f", paired {_x(row['paired_x_bf16_grouped'])}"
+                                                 if "paired_x_bf16_grouped" in row else "")
+        out.append((f"{row['config']}: {row['variant']}", value))
+    return out
+
+
+def _bound_moe(r: dict[str, Any]) -> Rows:
+    return [(f"{b['floor']}", f"bound {_x(b['bound'])} (target {b['target']:.2f}x, device time now "
+                              f"{_x(b['measured'])})") for b in r.get("bounds", [])]
+
+
+def _grouped_gemm(r: dict[str, Any]) -> Rows:
+    out: Rows = []
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in r.get("rows", []):
+        groups.setdefault((row.get("part", "fp8"), row["gemm"]), []).append(row)
+    for (part, gemm), rows in groups.items():
+        base = next((x["ms"] for x in rows if x["variant"].removeprefix("BF16 ").startswith("torch._grouped_mm")), None)
+        ours = [x for x in rows if "ms" in x and x["variant"].startswith(("tma", "triton", "pointer"))]
+        if base and ours:
+            best = min(ours, key=lambda x: x["ms"])
+            out.append((f"{part} {gemm}: fastest Triton ({best['variant']})", f"{_x(base / best['ms'])} torch._grouped_mm"))
+    return out
+
+
+def _moe_overhead(r: dict[str, Any]) -> Rows:
+    return [(f"GroupedLinear step, {row['recipe']}", f"{row['ops_per_expert']:.1f} aten ops / expert, "
+                                                     f"{row['python_calls']} Python calls")
+            for row in r.get("rows", [])]
+
+
+def _convergence(r: dict[str, Any]) -> Rows:
+    return [(f"{name}: steps", str(p.get("steps"))) for name, p in r.get("plan", {}).items()]
+
+
+BENCHMARKS: dict[str, Benchmark] = {
+    "gemm": Benchmark("bench.bench_gemm", "FP8 GEMMs through hybridfp.gemm vs raw torch._scaled_mm and BF16",
+                      headline=_gemm),
+    "gemm_pairs": Benchmark("bench.bench_gemm_pairs", "MXFP8 / NVFP4 / mixed format pairs vs BF16 a @ b.t()",
+                            headline=_gemm_pairs),
+    "quantize": Benchmark("bench.bench_quantize", "each quantizer's quantize() vs copy bandwidth",
+                          headline=_quantize),
+    "quantize_kernels": Benchmark("bench.bench_quantize_kernels",
+                                  "quantize kernels' bandwidth; fused hybrids vs their single formats",
+                                  headline=_quantize_kernels),
+    "mlp": Benchmark("bench.bench_mlp", "Llama-3-8B MLP step vs BF16 eager / compiled, torchao float8",
+                     headline=_mlp),
+    "moe": Benchmark("bench.bench_moe", "MoE layer step, 8 experts x ffn 14336, vs BF16 torch._grouped_mm",
+                     ("--experts", "8"), headline=_moe),
+    "moe_64": Benchmark("bench.bench_moe", "MoE layer step, 64 experts x ffn 1408, vs BF16 torch._grouped_mm",
+                        ("--experts", "64", "--paired"), headline=_moe),
+    "bound_moe": Benchmark("bench.bound_moe", "the best ratio the 64-expert MoE allows, from measured parts",
+                           ("--experts", "64"), headline=_bound_moe),
+    "grouped_gemm": Benchmark("bench.bench_grouped_gemm", "Triton BF16 / FP8 grouped GEMMs vs torch._grouped_mm",
+                              headline=_grouped_gemm),
+    "moe_overhead": Benchmark("bench.bench_moe_overhead", "GroupedLinear host work per expert (runs on the CPU)",
+                              headline=_moe_overhead),
+    "convergence": Benchmark("bench.convergence", "validation loss of every recipe vs BF16 (trains ~10 minutes)",
+                             ("--out", "runs/convergence"), default=False, out_flag="--json", quick=False,
+                             timeout_s=1800.0, headline=_convergence),
+}
+
+
+def run_one(name: str, out: Path, quick: bool) -> tuple[Optional[dict[str, Any]], str]:
+    """One benchmark in its own process: (its JSON or None, a status word)."""
+    b = BENCHMARKS[name]
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", b.module, *b.args, b.out_flag, str(tmp)] + (["--quick"] if quick and b.quick else [])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=b.timeout_s, text=True, capture_output=True)
+    except subprocess.TimeoutExpired:
+        tmp.unlink(missing_ok=True)
+        return None, f"timed out after {b.timeout_s:.0f} s"
+    print(proc.stdout, flush=True)
+    if proc.returncode != 0 or not tmp.exists():
+        print(proc.stderr[-4000:], file=sys.stderr, flush=True)
+        tmp.unlink(missing_ok=True)
+        return None, f"failed (exit {proc.returncode})"
+    tmp.replace(out)
+    return json.loads(out.read_text()), f"{time.monotonic() - t0:.0f} s"
+
+
+def summary(results: dict[str, Optional[dict[str, Any]]], status: dict[str, str]) -> str:
+    """One Markdown table: every benchmark's headline rows, or its status when it failed."""
+    from bench.common import md_table
+    rows: list[tuple[str, str, str]] = []
+    for name, r in results.items():
+        lines = BENCHMARKS[name].headline(r) if r is not None else []
+        rows += [(name, label, value) for label, value in lines] or [(name, "", status.get(name, ""))]
+    return md_table(["benchmark", "row", "value"], rows)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    p.add_argument("names", nargs="*", metavar="NAME", help="benchmarks to run (default: all but the by-name ones)")
+    p.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    p.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the scripts")
+    p.add_argument("--results-dir", type=Path, default=None,
+                   help=f"where <name>.json goes (default {RESULTS_DIR.relative_to(ROOT)}; with --quick a "
+                        "temporary folder)")
+    args = p.parse_args(argv)
+    unknown = [n for n in args.names if n not in BENCHMARKS]
+    if unknown:
+        p.error(f"unknown benchmark {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}")
+    if args.list:
+        width = max(map(len, BENCHMARKS))
+        for name, b in BENCHMARKS.items():
+            print(f"{name:{width}s}  {b.question}" + ("" if b.default else " [by name only]"))
+        return 0
+    import torch
+    if not torch.cuda.is_available():
+        print("bench: no CUDA GPU on this machine; the benchmarks need one (python -m bench --list names them).",
+              file=sys.stderr)
+        return 2
+    names = args.names or [n for n, b in BENCHMARKS.items() if b.default]
+    with tempfile.TemporaryDirectory() as tmp:
+        results_dir = args.results_dir or (Path(tmp) if args.quick else RESULTS_DIR)
+        results_dir.mkdir(parents=True, exist_ok=True)
+        results: dict[str, Optional[dict[str, Any]]] = {}
+        status: dict[str, str] = {}
+        for name in names:
+            print(f"== {name}: {BENCHMARKS[name].question}", flush=True)
+            results[name], status[name] = run_one(name, results_dir / f"{name}.json", args.quick)
+            print(f"== {name}: {status[name]}", flush=True)
+    print("\n" + summary(results, status))
+    return 0 if all(r is not None for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
