@@ -102,7 +102,7 @@ def per_group_wins(sizes: Sequence[int]) -> bool:
     and uneven splits), cuBLAS per expert is faster than CUTLASS in every GEMM at 8 experts of
     4096 rows and mostly at 16 of 2048, about even at 32 of 1024, and clearly slower at 64 of
     512; the 8-expert MXFP8 and Composer-2 MoE steps run faster with it (``python -m
-    bench.bench_moe``)."""
+    bench.bench_moe``'s "[cuBLAS per expert BF16]" and "[CUTLASS grouped BF16]" rows)."""
     return 0 < len(sizes) <= PER_GROUP_MAX_GROUPS and sum(sizes) >= PER_GROUP_MIN_MEAN * len(sizes)
 
 

@@ -51,7 +51,7 @@ OVER_SCALED_GROUPED_MM: bool = False
 #: The grouped FP8 GEMM's TMA kernel (``kernels/triton_grouped_fp8_tma.py``) for fprop / dgrad
 #: (``TMA_ROWS``) and wgrad (``TMA_WGRAD``) on CUDA where it can read the operands (16-byte
 #: aligned: the joined copies always are): a name in its ``CONFIGS``, or None for the pointer
-#: kernel. The fastest of ``python -m bench.bench_grouped_fp8_gemm --tma`` at the 64-expert
+#: kernel. The fastest of ``python -m bench.bench_grouped_gemm --part fp8`` at the 64-expert
 #: MoE's six GEMMs on an NVIDIA H200, and faster than the pointer kernel in each: 256x128 tiles,
 #: BK 128, 3 stages; wgrad with the bulk-store epilogue (its short K loop leaves the store
 #: exposed).

@@ -18,7 +18,7 @@ per-expert loop is host-bound; for any count only where :data:`VERIFIED_ON` list
 type (empty); the caller may force it either way (``grouped_gemm(..., use_triton=...)``; tests
 force it on the CPU, in the interpreter). Its GPU tests (``tests/kernels/test_kernels_grouped_gemm.py
 -m gpu``, and the 64-expert step in ``tests/nn/test_grouped_linear_overhead_gpu.py``) pass on the
-H200. Speed on the H200 (``python -m bench.bench_grouped_gemm_kernel --tma`` and ``python -m
+H200. Speed on the H200 (``python -m bench.bench_grouped_gemm --part bf16`` and ``python -m
 bench.bench_moe``'s "[Triton grouped]" and "[per-expert GEMMs]" rows):
 
 - the kernel alone, fprop / dgrad: the persistent TMA kernel runs the 8-expert MoE's fc1 / fc2

@@ -411,8 +411,8 @@ def _fp8_block_tile_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc
                      tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=cmask)
 
 
-#: 1D defaults (rows per columnwise slice, rows per rowwise slice), the fastest of
-#: ``python -m bench.bench_quantize_kernels --sweep`` on an NVIDIA H200:
+#: 1D defaults (rows per columnwise slice, rows per rowwise slice), the fastest of a
+#: tile sweep on an NVIDIA H200:
 #: "natural" 128 / 32 (also the fused FP8-current + block kernel's), "slices" 128 columns / 16.
 NATURAL_SLICES = (128, 32)
 SLICES_SLICES = (128, 16)
@@ -453,8 +453,8 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, block_dim: int = 1, block_
     ``pack``: transposed stores as int32 words of four rows when R % 4 == 0 (same bytes).
     ``method="tile"``: one whole tile in registers instead (``chunk`` / ``row_slice`` unused;
     :func:`_fp8_block_tile_kernel`); the same bits. The defaults (2D "tile" on 8 warps, 1D
-    "natural" 128 / 32 rows on 4 warps) are the fastest row+col methods and tiles of ``python -m
-    bench.bench_quantize_kernels --sweep`` on an NVIDIA H200.
+    "natural" 128 / 32 rows on 4 warps) are the fastest row+col methods and tiles on an NVIDIA H200
+    (``python -m bench.bench_quantize_kernels`` measures the defaults' bandwidth).
     """
     method = method or ("tile" if block_dim == 2 else "natural")
     if method not in ("natural", "slices", "tile") or (method == "natural" and block_dim == 2):

@@ -41,11 +41,13 @@ from .triton_epilogue import OUT_CODE, store_out
 from .triton_grouped_fp8_tma import Fp8TmaConfig, applies as tma_applies, launch as launch_tma
 
 #: (BM, BN, BK, warps, stages) for fprop / dgrad (rows grouped): the fastest of ``python -m
-#: bench.bench_grouped_fp8_gemm``'s sweep at the 64-expert MoE shapes on an NVIDIA H200.
+#: bench.bench_grouped_gemm --part fp8 --pointer-tiles`` at the 64-expert MoE shapes on an
+#: NVIDIA H200.
 TILE = (128, 128, 128, 8, 4)
 #: wgrad (reduction grouped: each expert's reduction is its few hundred tokens, so a program's
 #: K loop is short): a shallower K step and pipeline is faster there than TILE or deeper
-#: pipelines (``python -m bench.bench_grouped_fp8_gemm --wgrad`` on an NVIDIA H200).
+#: pipelines (``python -m bench.bench_grouped_gemm --part fp8 --pointer-tiles
+#: --wgrad`` on an NVIDIA H200).
 WGRAD_TILE = (128, 128, 64, 4, 3)
 #: K elements the FP8 MMA sums before its partial sum is added to the FP32 accumulator (at most
 #: one BK step; cuBLAS and DeepGEMM promote every 128 as well). It costs no measurable time on an

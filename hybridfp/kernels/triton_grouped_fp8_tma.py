@@ -4,8 +4,8 @@ persistent grid.
 
 Why: the pointer kernel reads each FP8 tile with cp.async (one 16-byte request per thread and
 row); at the 64-expert MoE's shapes that makes it no faster than BF16's grouped GEMM, and the
-grouped GEMMs are a large share of an FP8 step's kernel time (``python -m bench.bench_moe
---profile``). TMA plus a persistent grid speeds up the BF16 grouped GEMM the same way.
+grouped GEMMs are a large share of an FP8 step's kernel time (a ``--profile`` run of
+``python -m bench.bench_moe``). TMA plus a persistent grid speeds up the BF16 grouped GEMM the same way.
 
 Why descriptors built on the device: each expert's operands are a sub-matrix of a joined copy
 (fprop / dgrad: the expert's rows; wgrad: the expert's zero-padded block of token columns). A
@@ -16,7 +16,7 @@ be NaN). The kernel builds two descriptors a tile, three with ``tma_store`` (the
 of the expert) (``tl.make_tensor_descriptor``: a 128-byte tensor map in a global workspace,
 ``triton.set_allocator``).
 
-Tiles (``python -m bench.bench_grouped_fp8_gemm --tma`` on an NVIDIA H200): 256x128 tiles are
+Tiles (``python -m bench.bench_grouped_gemm --part fp8`` on an NVIDIA H200): 256x128 tiles are
 the fastest of the sweep at every one of the 64-expert MoE's six GEMMs and faster than the
 pointer kernel; the short-K wgrad gains from the bulk stores (its epilogue is a large share of
 a tile's time).
@@ -66,7 +66,7 @@ def _config(bm: int, bn: int, bk: int, warps: int, stages: int, **kw) -> Fp8TmaC
     return Fp8TmaConfig(bm=bm, bn=bn, bk=bk, warps=warps, stages=stages, **{"group_m": 8, **kw})
 
 
-#: Configs ``python -m bench.bench_grouped_fp8_gemm --tma`` sweeps (name -> config).
+#: Configs ``python -m bench.bench_grouped_gemm --part fp8`` sweeps (name -> config).
 CONFIGS: dict[str, Fp8TmaConfig] = {
     "128x128x128 w8 s4": _config(128, 128, 128, 8, 4),
     "128x128x128 w8 s4 flat": _config(128, 128, 128, 8, 4, flatten=True),

@@ -50,8 +50,8 @@ from ._common import bf16_nan16, empty, expert_row_tile, swizzled_tile
 from .host import tile_plan, to_device
 from .triton_epilogue import OUT_CODE, store_out
 
-#: (BM, BN, BK, warps, stages): the fastest of ``python -m bench.bench_grouped_gemm_kernel``'s sweep
-#: on an NVIDIA H200
+#: (BM, BN, BK, warps, stages): the fastest of ``python -m bench.bench_grouped_gemm --part bf16
+#: --pointer-tiles`` on an NVIDIA H200
 TILE = (128, 256, 64, 8, 3)
 #: Row tiles that share a sweep over the column tiles (L2 swizzle). Programs launched together
 #: then read GROUP_M row tiles and a few column tiles instead of one column tile and every row
@@ -215,8 +215,8 @@ class TmaConfig:
     programs: Optional[int] = None
 
 
-#: The TMA kernel's default: the fastest config of ``python -m bench.bench_grouped_gemm_kernel
-#: --tma`` on an NVIDIA H200 (the 8-expert MoE's fc1 / fc2 fprop, against ``torch._grouped_mm``
+#: The TMA kernel's default: the fastest config of ``python -m bench.bench_grouped_gemm --part
+#: bf16`` on an NVIDIA H200 (the 8-expert MoE's fc1 / fc2 fprop, against ``torch._grouped_mm``
 #: without an epilogue and against the pointer kernel).
 TMA_CONFIG = TmaConfig(flatten=True)
 #: Configs the benchmark sweeps (name -> config): tile shapes and ring depths whose shared memory

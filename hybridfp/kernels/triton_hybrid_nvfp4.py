@@ -207,8 +207,7 @@ WIDE_STORES = True
 #: or "natural" (four [8, BC] slices of rows 4i + k; see :func:`_nvfp4_mxfp8_kernel`)
 METHODS = ("trans", "natural")
 #: the default method and each method's default (block, warps): the fastest for both column
-#: sources of ``python -m bench.bench_quantize_kernels --sweep --only method`` on an NVIDIA H200
-#: (16384x4096 BF16, row-scaled); "natural" also compiles to fewer instructions per element for
+#: sources on an NVIDIA H200 (16384x4096 BF16, row-scaled); "natural" also compiles to fewer instructions per element for
 #: sm90 (Triton 3.6).
 METHOD = "natural"
 DEFAULT_TILES = {"trans": ((32, 64), 2), "natural": ((32, 64), 2)}

@@ -405,8 +405,7 @@ def _mxfp8_2d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, sxr, sxc: tl.c
 #: row+col kernel is bound by the L2's request rate, not by DRAM (Nsight Compute): each
 #: thread's 16-byte code stores to its own column are one L2 request per half sector, and each
 #: scale byte one request. 2 is the fastest width for row+col,
-#: columnwise-only and row-mapped copies (``python -m bench.bench_quantize_kernels`` on an NVIDIA
-#: H200).
+#: columnwise-only and row-mapped copies on an NVIDIA H200.
 WIDE_STORES = 2
 
 #: 1D columnwise methods: "slices" (transposed [BC, 32] slices, ``_common.load_rows32_t``) and
@@ -422,14 +421,13 @@ NATURAL_HW = 2
 
 #: the columnwise-only default of 16-bit inputs: "natural" on (64, 128) tiles over 2 warps, one
 #: 32-row block per slice: faster than "slices" for a plain and for a row-mapped MoE copy; both
-#: copies together are faster on "slices" (``python -m bench.bench_quantize_kernels`` on an
-#: NVIDIA H200).
+#: copies together are faster on "slices" (NVIDIA H200).
 COL_ONLY_NATURAL = ((64, 128), 2)
 
 
-#: decoded copies' default tile and warps: the fastest row+col tile of ``python -m
-#: bench.bench_quantize_kernels`` on an NVIDIA H200, near device-copy bandwidth and well ahead
-#: of quantizing to codes plus the two decodes the GEMMs then run.
+#: decoded copies' default tile and warps: the fastest row+col tile on an NVIDIA H200,
+#: near device-copy bandwidth and well ahead of quantizing to codes plus the two decodes the
+#: GEMMs then run.
 DECODED_TILE = ((32, 128), 4)
 
 

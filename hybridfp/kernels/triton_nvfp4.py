@@ -694,8 +694,7 @@ def amaxes(x2: torch.Tensor, *, amax: bool = True, row_amax: bool = False, rht_a
     """Pass 1 on non-empty 2D ``x2``: (global amax 0-d, per-row amax [R], amax of
     ``rht.apply_rht(x2.t(), x2.dtype)`` 0-d), each FP32 or None when not asked for.
     ``block``: (16-row tiles, columns) per program. Defaults: with the post-RHT amax (2, 256) /
-    4 warps, the fastest of the H200 sweep (``python -m bench.bench_quantize_kernels --sweep``;
-    the wider tile loads the post-RHT slices as vectors); without it (4, 64) / 8."""
+    4 warps, the fastest on the H200 (the wider tile loads the post-RHT slices as vectors); without it (4, 64) / 8."""
     if block is None:
         block = (2, 256) if rht_amax else (4, 64)
     if num_warps is None:
@@ -725,8 +724,7 @@ def quantize_1d(x2: torch.Tensor, row_amax: Optional[torch.Tensor], col_amax: Op
     ``seed``: stochastic rounding with the Philox stream of ``triton_sr`` (rowwise copy:
     direction 0, columnwise: 1), i.e. the reference with ``rand=triton_sr.reference_draws``.
     ``block``: (16-row tiles, columns) per program; default (2, 128) / 4 warps, the fastest with
-    and without RHT / stochastic rounding of ``python -m bench.bench_quantize_kernels --sweep`` on
-    an NVIDIA H200."""
+    and without RHT / stochastic rounding on an NVIDIA H200."""
     rows, cols = x2.shape
     check_int32_tiles(rows, cols, *x2.stride())
     dev = x2.device
