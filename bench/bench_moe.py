@@ -22,6 +22,8 @@ extra rows (suffixes) time a recipe again with one switch flipped in the same pr
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -256,26 +258,23 @@ def moe_layer(e: int, f: int, tokens: int = TOKENS, d: int = HIDDEN, single_para
 def make_step(model: nn.Module, x: torch.Tensor, dy: torch.Tensor, ctx: Optional[Callable[[], Any]],
               micro_batches: int = 1):
     """One timed step: ``micro_batches`` forward + backward passes of ``x`` (gradients
-    accumulating, as between two optimizer updates), hybridfp's quantized weights cleared once
-    at its start (re-quantized as after an optimizer update, then reused by the later
-    micro-batches through the modules' weight caches)."""
+    accumulating, as between two optimizer updates) in one autocast region, hybridfp's quantized
+    weights cleared once at its start (re-quantized as after an optimizer update, then reused by
+    the later micro-batches: a cached weight lives for its autocast region)."""
     caches = [m for m in model.modules() if isinstance(m, QuantizedModule)]
 
     def step() -> torch.Tensor:
         model.zero_grad(set_to_none=True)
         x.grad = None
         for m in caches:
-            m._wcache.clear()  # re-quantize weights every step (as after an optimizer step)
-        for _ in range(micro_batches):
-            # every pass routes anew in training: the metadata shared by one routing's calls is
-            # built once a pass, not once for the whole benchmark (it reuses x and its routing)
-            host._STEP_METADATA.clear()
-            if ctx is None:
+            m.invalidate_weight_cache()  # re-quantize weights every step (as after an optimizer step)
+        with (nullcontext() if ctx is None else ctx()):
+            for _ in range(micro_batches):
+                # every pass routes anew in training: the metadata shared by one routing's calls
+                # is built once a pass, not once for the whole benchmark (it reuses x and its routing)
+                host._STEP_METADATA.clear()
                 y = model(x)
-            else:
-                with ctx():
-                    y = model(x)
-            y.backward(dy)
+                y.backward(dy)
         return y
     return step
 
