@@ -121,7 +121,7 @@ def make_step(model: nn.Module, params: list[nn.Parameter], ctx: Callable[[], An
             p.grad = None
         x.grad = None
         for m in hf:
-            m._wcache.clear()  # re-quantize weights every step (as after an optimizer step)
+            m.invalidate_weight_cache()  # re-quantize weights every step (as after an optimizer step)
         with ctx():
             y = model(x)
         y.backward(dy)

@@ -246,9 +246,9 @@ def test_default_config_follows_the_output_dtype(monkeypatch, dtype):
 
 
 def test_sass_count_specs_match_the_configs():
-    """``bench/sass_count.py`` spells the TMA configs out (it imports no hybridfp code at import
+    """``bench/tools/sass_count.py`` spells the TMA configs out (it imports no hybridfp code at import
     time); its copies must be the configs the kernels run."""
-    from bench import sass_count
+    from bench.tools import sass_count
     from hybridfp.kernels import triton_grouped_gemm_mx as tgm
 
     def spec(cfg: tg.TmaConfig) -> tuple:
