@@ -7,12 +7,17 @@
 
 Outputs under ``--out`` (default ``runs/<preset>``): metrics.jsonl, loss.png, summary.md,
 run.json (the settings, used by --resume) and checkpoints/<recipe>.pt.
+
+Needs the ``train`` extra (matplotlib, tqdm): ``pip install 'hybridfp[train]'``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
+import logging
 import math
 import sys
 import tempfile
@@ -20,7 +25,7 @@ import time
 import warnings
 from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import Any, Optional, Sequence, TypeVar
+from typing import Any, Iterator, Optional, Sequence, TypeVar
 
 import torch
 
@@ -36,6 +41,9 @@ from .recipes_by_name import NamedRecipe, known_names, parse_recipe, parse_recip
 from .report import summary_markdown, write_summary
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
+#: Modules of the ``train`` extra (pyproject.toml) that ``hybridfp train`` needs.
+TRAIN_EXTRA = ("matplotlib", "tqdm")
 DEFAULT_COMPARE = "bf16,fp8,per_gemm:fprop=nvfp4,dgrad=mxfp8,wgrad=mxfp8"
 
 
@@ -182,8 +190,8 @@ def config_from_args(args: argparse.Namespace, saved: Optional[dict] = None) -> 
         for key in FIXED_ON_RESUME:
             given = getattr(args, key, None)
             if key != "preset" and given is not None and given != getattr(cfg, key):
-                print(f"note: --resume keeps {key}={getattr(cfg, key)!r} from the run in progress "
-                      f"(ignoring {given!r})", file=sys.stderr)
+                logger.warning("note: --resume keeps %s=%r from the run in progress (ignoring %r)",
+                               key, getattr(cfg, key), given)
         cfg.steps = _pick(_steps(args, cfg.tokens_per_step), cfg.steps)
         cfg.eval_interval = _pick(args.eval_interval, cfg.eval_interval)
         cfg.device = _pick(args.device, cfg.device)
@@ -255,12 +263,31 @@ def prepare_out(out: Path) -> None:
                          "directory.") from None
 
 
+class MissingExtraError(ImportError):
+    """A module of the ``train`` extra is not installed; the message says how to install it."""
+
+
+def check_train_extra() -> None:
+    """Raise :class:`MissingExtraError` unless every module of :data:`TRAIN_EXTRA` imports."""
+    missing = []
+    for name in TRAIN_EXTRA:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        verb = "is" if len(missing) == 1 else "are"
+        raise MissingExtraError(f"{' and '.join(missing)} {verb} not installed; hybridfp train needs the "
+                                "train extra: pip install 'hybridfp[train]'")
+
+
 def run_train(args: argparse.Namespace) -> int:
     """Run ``hybridfp train`` with parsed arguments; returns the exit status."""
-    if args.list_recipes:
+    if args.list_recipes:  # the command's output, for scripts: stdout, not the log
         print("\n".join(known_names()))
         print("per_gemm:fprop=F,dgrad=D,wgrad=W   package.module:function")
         return 0
+    check_train_extra()
     if args.jobs < 1:
         raise ValueError(f"--jobs must be at least 1; got {args.jobs}.")
     out = Path(args.out or f"runs/{args.preset}")
@@ -287,10 +314,10 @@ def run_train(args: argparse.Namespace) -> int:
     params = count_params(cfg, data.vocab_size)
     device_name = (torch.cuda.get_device_name() if cfg.device.startswith("cuda")
                    else f"cpu ({torch.get_num_threads()} threads)")
-    print(f"data: {data.describe()}")
-    print(f"model: preset {cfg.preset}, {params:,} parameters; {cfg.steps} steps x {cfg.tokens_per_step:,} "
-          f"tokens on {device_name}")
-    print(f"recipes: {', '.join(r.label for r in recipes)}  ->  {out}/")
+    logger.info("data: %s", data.describe())
+    logger.info("model: preset %s, %s parameters; %d steps x %s tokens on %s", cfg.preset, f"{params:,}",
+                cfg.steps, f"{cfg.tokens_per_step:,}", device_name)
+    logger.info("recipes: %s  ->  %s/", ", ".join(r.label for r in recipes), out)
     info = {"params": params, "device": device_name, "data": data.source,
             "metrics": str(out / "metrics.jsonl"), "plot": str(out / "loss.png"),
             "resume_command": f"hybridfp train --resume --out {out} --steps {2 * cfg.steps}"
@@ -312,27 +339,63 @@ def run_train(args: argparse.Namespace) -> int:
             write_results(out / RESULTS_FILE, results)
     plot_losses(results, out / "loss.png", title=title)
     write_summary(out / "summary.md", results, cfg, info)
-    print()
-    print(summary_markdown(results, cfg, info).split("## GEMMs")[0].rstrip())
-    print(f"\ndone in {time.perf_counter() - t0:.0f} s")
-    print(f"plot:    {out / 'loss.png'}")
-    print(f"summary: {out / 'summary.md'}")
-    print(f"metrics: {out / 'metrics.jsonl'}")
+    logger.info("")
+    logger.info("%s", summary_markdown(results, cfg, info).split("## GEMMs")[0].rstrip())
+    logger.info("\ndone in %.0f s", time.perf_counter() - t0)
+    logger.info("plot:    %s", out / "loss.png")
+    logger.info("summary: %s", out / "summary.md")
+    logger.info("metrics: %s", out / "metrics.jsonl")
     if failed:
-        print("\nthese runs FAILED (the summary has the others):\n" + "\n".join(failed), file=sys.stderr)
+        logger.error("\nthese runs FAILED (the summary has the others):\n%s", "\n".join(failed))
         return 1
     return 0
+
+
+class _BelowWarning(logging.Filter):
+    """Passes INFO and DEBUG records only (WARNING and above go to stderr)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.WARNING
+
+
+@contextlib.contextmanager
+def console_logging() -> Iterator[None]:
+    """For the duration of a command: the ``hybridfp.train`` loggers print their messages as
+    they are, INFO to stdout and WARNING and above to stderr, and do not propagate further.
+
+    The streams are those of the moment it is entered (a caller that redirects ``sys.stdout``
+    or ``sys.stderr`` before running the command captures them); the logger's handlers, level
+    and propagation are restored afterwards.
+    """
+    root = logging.getLogger("hybridfp.train")
+    out, err = logging.StreamHandler(sys.stdout), logging.StreamHandler(sys.stderr)
+    out.addFilter(_BelowWarning())
+    err.setLevel(logging.WARNING)
+    saved = root.level, root.propagate
+    for h in (out, err):
+        h.setFormatter(logging.Formatter("%(message)s"))
+        root.addHandler(h)
+    root.setLevel(logging.INFO)
+    root.propagate = False
+    try:
+        yield
+    finally:
+        for h in (out, err):
+            root.removeHandler(h)
+        root.setLevel(saved[0])
+        root.propagate = saved[1]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``hybridfp`` console script."""
     args = build_parser().parse_args(argv)
-    try:
-        return run_train(args)
-    except (ValueError, OSError, FloatingPointError) as e:
-        # one line, argparse's form and exit status: the messages say what to do
-        print(f"hybridfp {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+    with console_logging():
+        try:
+            return run_train(args)
+        except (ValueError, OSError, FloatingPointError, MissingExtraError) as e:
+            # one line, argparse's form and exit status: the messages say what to do
+            logger.error("hybridfp %s: error: %s", args.command, " ".join(str(e).split()))
+            return 2
 
 
 def train_main(argv: Optional[Sequence[str]] = None) -> int:

@@ -6,7 +6,7 @@ forward pass.
         with hybridfp.autocast(recipe=recipe):         # quantized GEMMs in hybridfp modules
             loss = model(x, y)
         loss.backward()                                # backward GEMMs use the same quantizers
-        clip, AdamW step (warmup + cosine LR)
+        clip, AdamW step, LR scheduler step (warmup + cosine)
         every eval_interval steps and at the end: val loss (same recipe, no grad)
 
 Every recipe starts from the same initial weights (``torch.manual_seed(seed)`` before the
@@ -16,14 +16,15 @@ model is built) and sees the same batches, so loss differences come from the rec
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
-from tqdm import tqdm
+from torch.optim.lr_scheduler import LRScheduler
 
 from .. import autocast
 from ..gemm import EMULATED, describe_key, select
@@ -35,6 +36,8 @@ from .data import TokenData, get_batch, val_batches
 from .files import atomic_write_text
 from .model import GPT, GPTConfig
 from .recipes_by_name import NamedRecipe
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 #: Seed of the fixed validation batches (every run, whatever its own seed).
@@ -110,14 +113,53 @@ class RunResult:
         return self.tokens / self.train_seconds if self.train_seconds > 0 else 0.0
 
 
+def warmup_cosine(step: int, peak: float, warmup: int, decay_steps: int, min_ratio: float) -> float:
+    """The learning rate of ``step``: linear warmup to ``peak`` over ``warmup`` steps, then cosine
+    decay to ``min_ratio * peak`` at ``decay_steps``, constant after."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    if step >= decay_steps:
+        return peak * min_ratio
+    t = (step - warmup) / max(1, decay_steps - warmup)
+    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup, then cosine decay to ``min_lr_ratio * lr`` at ``lr_decay_steps``."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    if step >= cfg.lr_decay_steps:
-        return cfg.lr * cfg.min_lr_ratio
-    t = (step - cfg.warmup) / max(1, cfg.lr_decay_steps - cfg.warmup)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+    """The run's learning rate at ``step``: :func:`warmup_cosine` with ``cfg.lr`` as the peak,
+    ``cfg.warmup`` warmup steps, decay to ``min_lr_ratio * lr`` at ``lr_decay_steps``."""
+    return warmup_cosine(step, cfg.lr, cfg.warmup, cfg.lr_decay_steps, cfg.min_lr_ratio)
+
+
+class WarmupCosineLR(LRScheduler):
+    """:func:`warmup_cosine` as a ``torch.optim`` learning-rate scheduler, each parameter
+    group's initial learning rate as its peak.
+
+    The rate is computed from the step (``last_epoch``) in closed form, in the same float
+    operations as :func:`lr_at`, so it is bitwise the same. (``LambdaLR`` scales the initial
+    rate by a factor, ``peak * ((step + 1) / warmup)``, which rounds differently from
+    ``peak * (step + 1) / warmup`` at about a third of the warmup steps: 8 of the tiny
+    preset's 20, e.g. step 2 gives 0.00045 instead of 0.00045000000000000004.)
+
+    Parameters
+    ----------
+    optimizer:
+        The optimizer whose groups' ``lr`` it sets.
+    warmup, decay_steps, min_ratio:
+        As in :func:`warmup_cosine`.
+    last_epoch:
+        The last step done; -1 (default) for a new run. A resumed run passes the step it
+        resumes at minus one (its groups need ``initial_lr``, as ``torch.optim`` schedulers do).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, warmup: int, decay_steps: int, min_ratio: float,
+                 last_epoch: int = -1) -> None:
+        self.warmup, self.decay_steps, self.min_ratio = warmup, decay_steps, min_ratio
+        super().__init__(optimizer, last_epoch)
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of step ``last_epoch`` for each parameter group."""
+        return [warmup_cosine(self.last_epoch, base, self.warmup, self.decay_steps, self.min_ratio)
+                for base in self.base_lrs]
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -128,6 +170,16 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
     return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                               {"params": other, "weight_decay": 0.0}],
                              lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def make_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig, step: int = 0) -> WarmupCosineLR:
+    """The run's schedule (:func:`lr_at`) on ``opt``, its groups' learning rate set to that of
+    ``step``: 0 for a new run, the step a resumed run continues at (the schedule is a function
+    of the step and of settings a resumed run cannot change, so it is recomputed, not loaded)."""
+    if step > 0:
+        for group in opt.param_groups:
+            group["initial_lr"] = cfg.lr  # the peak; torch.optim's schedulers resume from it
+    return WarmupCosineLR(opt, cfg.warmup, cfg.lr_decay_steps, cfg.min_lr_ratio, last_epoch=step - 1)
 
 
 def build_model(cfg: TrainConfig, vocab_size: int) -> GPT:
@@ -333,11 +385,13 @@ def _restore(model: torch.nn.Module, opt: torch.optim.Optimizer, ck: dict[str, A
 
 
 def train_recipe(cfg: TrainConfig, named: NamedRecipe, data: TokenData, out_dir: Path, *,
-                 resume: bool = False, progress: bool = True,
-                 log: Callable[[str], None] = print) -> RunResult:
+                 resume: bool = False, progress: bool = True) -> RunResult:
     """Train (or resume) one recipe for ``cfg.steps`` steps; write metrics and a checkpoint.
 
-    A recipe given with its own seed (``bf16@seed=1``) replaces ``cfg.seed`` for this run."""
+    A recipe given with its own seed (``bf16@seed=1``) replaces ``cfg.seed`` for this run.
+    ``progress`` shows a tqdm bar (the ``train`` extra); a resume is logged at INFO."""
+    from tqdm import tqdm  # the train extra (hybridfp[train]); the CLI checks it is installed
+
     cfg = run_config(cfg, named)
     ckpt_path = checkpoint_path(out_dir, named)
     metrics = MetricsLog(out_dir / "metrics.jsonl")
@@ -351,21 +405,20 @@ def train_recipe(cfg: TrainConfig, named: NamedRecipe, data: TokenData, out_dir:
         _restore(model, opt, ck, ckpt_path)
         start, result.tokens, result.train_seconds = ck["step"], ck["tokens"], ck["train_seconds"]
         metrics.truncate(named.label, start)
-        log(f"[{named.label}] resumed from {ckpt_path} at step {start}")
+        logger.info("[%s] resumed from %s at step %d", named.label, ckpt_path, start)
     else:
         metrics.truncate(named.label, -1)
         torch.manual_seed(cfg.seed + 1)  # training randomness (stochastic rounding), per run
         val = evaluate(model, named, data, cfg)
         metrics.append({"step": 0, "recipe": named.label, "val_loss": val, "elapsed": 0.0})
+    sched = make_scheduler(opt, cfg, start)
     model.train()
     bar = tqdm(range(start, cfg.steps), desc=f"{named.label[:32]:<32}", initial=start, total=cfg.steps,
                disable=not progress, dynamic_ncols=True, leave=True)
     tps_ema = None
     for step in bar:
         t0 = time.perf_counter()
-        lr = lr_at(step, cfg)
-        for g in opt.param_groups:
-            g["lr"] = lr
+        lr = opt.param_groups[0]["lr"]  # the scheduler's (every group has the same)
         x, y = get_batch(data.train, cfg.batch_size, cfg.seq_len, cfg.seed, step)
         x, y = x.to(cfg.device), y.to(cfg.device)
         with autocast(recipe=named.recipe):
@@ -374,6 +427,7 @@ def train_recipe(cfg: TrainConfig, named: NamedRecipe, data: TokenData, out_dir:
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
+        sched.step()
         opt.zero_grad(set_to_none=True)
         train_loss = model.last_ce_loss.item()  # cross-entropy (the MoE aux loss is logged apart)
         dt = time.perf_counter() - t0
@@ -407,6 +461,6 @@ def train_recipe(cfg: TrainConfig, named: NamedRecipe, data: TokenData, out_dir:
     return result
 
 
-__all__ = ["DTYPES", "FIXED_ON_RESUME", "MetricsError", "MetricsLog", "RunResult", "TrainConfig", "build_model",
-           "checkpoint_path", "count_params", "emulated_pairs", "evaluate", "lr_at", "make_optimizer",
-           "plan_resume", "run_config", "train_recipe"]
+__all__ = ["DTYPES", "FIXED_ON_RESUME", "MetricsError", "MetricsLog", "RunResult", "TrainConfig", "WarmupCosineLR",
+           "build_model", "checkpoint_path", "count_params", "emulated_pairs", "evaluate", "lr_at",
+           "make_optimizer", "make_scheduler", "plan_resume", "run_config", "train_recipe", "warmup_cosine"]

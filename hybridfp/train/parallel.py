@@ -11,12 +11,13 @@ sequential run's.
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import time
 from collections import deque
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -28,6 +29,8 @@ from .recipes_by_name import NamedRecipe
 _FORWARDED = ("steps", "batch_size", "seq_len", "lr", "warmup", "lr_decay_steps", "eval_interval",
               "eval_iters", "checkpoint_interval", "dtype", "seed")
 RESULTS_FILE = "results.json"
+
+logger = logging.getLogger(__name__)
 
 
 def worker_devices(device: str, n_jobs: int) -> list[str]:
@@ -73,11 +76,11 @@ def read_result(part: Path, label: str) -> RunResult:
 
 
 def run_parallel(cfg: TrainConfig, recipes: Sequence[NamedRecipe], out: Path, n_jobs: int,
-                 resume: bool, cache_dir: Optional[str],
-                 log: Callable[[str], None] = print) -> tuple[list[RunResult], list[str]]:
+                 resume: bool, cache_dir: Optional[str]) -> tuple[list[RunResult], list[str]]:
     """Train every recipe in worker processes, ``n_jobs`` at a time. Returns the results of the
     runs that finished (in order) and one message per failed run (its log's tail): one
-    recipe's failure does not discard the others' hours."""
+    recipe's failure does not discard the others' hours. Each start and end is logged (INFO;
+    a failure at WARNING)."""
     devices = worker_devices(cfg.device, len(recipes))
     pending = deque(enumerate(recipes))
     running: dict[int, tuple[subprocess.Popen, Path, float]] = {}
@@ -92,7 +95,7 @@ def run_parallel(cfg: TrainConfig, recipes: Sequence[NamedRecipe], out: Path, n_
             argv = worker_argv(cfg, named, part, devices[i], resume, cache_dir)
             running[i] = (subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT), part, time.time())
             logf.close()
-            log(f"[{named.label}] started on {devices[i]} -> {part}/")
+            logger.info("[%s] started on %s -> %s/", named.label, devices[i], part)
         time.sleep(0.5)
         for i, (proc, part, t0) in list(running.items()):
             if proc.poll() is None:
@@ -103,9 +106,9 @@ def run_parallel(cfg: TrainConfig, recipes: Sequence[NamedRecipe], out: Path, n_
                 tail = "".join((part / "log.txt").read_text().splitlines(keepends=True)[-15:])
                 failed.append(f"{label} (exit {proc.returncode}; log {part / 'log.txt'}):\n{tail}")
                 failed_labels.add(label)
-                log(f"[{label}] FAILED after {time.time() - t0:.0f} s")
+                logger.warning("[%s] FAILED after %.0f s", label, time.time() - t0)
             else:
-                log(f"[{label}] done in {time.time() - t0:.0f} s")
+                logger.info("[%s] done in %.0f s", label, time.time() - t0)
     results = [read_result(out / "parts" / named.slug, named.label) for named in recipes
                if named.label not in failed_labels]
     # replaced whole: a kill while gathering leaves the previous gathered file

@@ -11,8 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Sequence
 
-from matplotlib.figure import Figure  # the object API renders with Agg; no pyplot, no display
-
 from .loop import RunResult
 
 BASELINE = "bf16"
@@ -34,7 +32,10 @@ def _series(r: RunResult, key: str) -> tuple[list[int], list[float]]:
 
 
 def plot_losses(results: Sequence[RunResult], path: Path, title: str = "") -> Path:
-    """Write the two-panel loss plot to ``path`` and return it."""
+    """Write the two-panel loss plot to ``path`` and return it (needs matplotlib: the ``train``
+    extra, ``pip install 'hybridfp[train]'``)."""
+    # the object API renders with Agg: no pyplot, no display
+    from matplotlib.figure import Figure
     base: Optional[RunResult] = next((r for r in results if r.label == BASELINE), None)
     steps_max = max((s for r in results for s in _series(r, "train_loss")[0]), default=1)
     span = max(1, steps_max // 20)

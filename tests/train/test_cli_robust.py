@@ -7,7 +7,10 @@ from __future__ import annotations
 import builtins
 import io
 import json
+import logging
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -225,6 +228,34 @@ def test_module_path_accepts_annotated_factories_and_recipe_makers(tmp_path, mon
     assert parse_recipe("user_recipes_good:make").recipe.use_power_2_scales is True
     with pytest.raises(ValueError, match="returned a int"):
         parse_recipe("user_recipes_good:make_wrong")
+
+
+def test_train_without_the_train_extra_is_one_line(tmp_path):
+    """Without matplotlib or tqdm (the train extra) the library imports, --list-recipes works,
+    and ``hybridfp train`` stops before anything is written, with one line that says what to
+    install."""
+    code = ("import sys; sys.modules['matplotlib'] = sys.modules['tqdm'] = None\n"
+            "import hybridfp, hybridfp.report, hybridfp.train\n"
+            "from hybridfp.train import cli\n"
+            "assert cli.main(['train', '--list-recipes']) == 0\n"
+            "sys.exit(cli.main(sys.argv[1:]))")
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-c", code, "train", "--steps", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == ["hybridfp train: error: matplotlib and tqdm are not installed; "
+                                             "hybridfp train needs the train extra: pip install 'hybridfp[train]'"]
+    assert not out.exists()
+
+
+def test_console_logging_leaves_the_logger_as_it_found_it(tmp_path, text, capsys):
+    """The command's handlers exist only while it runs: a library user's logging is untouched."""
+    log = logging.getLogger("hybridfp.train")
+    before = (list(log.handlers), log.level, log.propagate)
+    assert _run(text, tmp_path / "r", "--recipe", "bf16", "--steps", "1") == 0
+    assert (list(log.handlers), log.level, log.propagate) == before
+    printed = capsys.readouterr().out
+    assert printed.startswith("data: ") and f"summary: {tmp_path / 'r' / 'summary.md'}" in printed
 
 
 # ---------------------------------------------------------------- python -m hybridfp.report

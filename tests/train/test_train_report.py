@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+import pickle
+
 import pytest
 import torch
 
 from hybridfp.train import cli
 from hybridfp.train.checkpoint import rng_state, set_rng_state
-from hybridfp.train.loop import RunResult, count_params, lr_at
+from hybridfp.train.loop import RunResult, count_params, lr_at, make_optimizer, make_scheduler
 from hybridfp.train.model import GPT, PRESETS
 from hybridfp.train.plot import ema, plot_losses
 from hybridfp.train.report import relative_gap, summary_markdown
@@ -24,6 +27,65 @@ def test_lr_schedule_warmup_cosine_floor():
     floor = pytest.approx(cfg.min_lr_ratio)
     assert lr_at(100, cfg) == floor and lr_at(500, cfg) == floor
     assert all(lr_at(s, cfg) >= lr_at(s + 1, cfg) for s in range(10, 120))
+
+
+def _reference_lr(step, cfg):
+    """The schedule as the loop computed it before it became a torch.optim scheduler: the
+    scheduler must give these floats bit for bit."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    if step >= cfg.lr_decay_steps:
+        return cfg.lr * cfg.min_lr_ratio
+    t = (step - cfg.warmup) / max(1, cfg.lr_decay_steps - cfg.warmup)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def _optimizer(cfg):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3))  # a matrix and a vector: both param groups
+    return make_optimizer(model, cfg)
+
+
+@pytest.mark.parametrize("flags", [
+    ("--preset", "tiny"),                                                   # lr 3e-3, warmup 20, 200 steps
+    ("--preset", "gpt2-small", "--steps", "600"),                           # lr 6e-4, warmup 200
+    ("--preset", "test", "--steps", "50", "--lr-decay-steps", "30", "--warmup", "7", "--lr", "0.0007"),
+    ("--preset", "test", "--steps", "40", "--warmup", "0"),
+])
+def test_scheduler_gives_the_old_schedule_bitwise_and_resumes_from_the_step(flags):
+    """Over a whole run (and past the decay, as a resumed longer run sees it) the optimizer's
+    learning rate at each step is the old formula's float exactly; a scheduler rebuilt at step
+    k (a resumed run) continues with the same floats."""
+    cfg = cli.config_from_args(_args(*flags))
+    n = cfg.steps + 20
+    want = [_reference_lr(s, cfg) for s in range(n)]
+    opt = _optimizer(cfg)
+    sched = make_scheduler(opt, cfg)
+    got = []
+    for _ in range(n):
+        got.append([g["lr"] for g in opt.param_groups])
+        opt.step()
+        sched.step()
+    assert all(lrs == [w, w] for lrs, w in zip(got, want)), "not bitwise the old schedule"
+    assert [lr_at(s, cfg) for s in range(n)] == want
+    for k in (1, max(1, cfg.warmup - 1), cfg.warmup + 1, cfg.steps - 1, cfg.steps):
+        resumed = _optimizer(cfg)
+        resumed.load_state_dict(pickle.loads(pickle.dumps(opt.state_dict())))  # lr and initial_lr of another step
+        sched = make_scheduler(resumed, cfg, k)
+        for s in range(k, min(n, k + 30)):
+            assert [g["lr"] for g in resumed.param_groups] == [want[s], want[s]], (k, s)
+            resumed.step()
+            sched.step()
+
+
+def test_scheduler_resumes_an_optimizer_state_without_initial_lr():
+    """A checkpoint's optimizer state without ``initial_lr`` (no scheduler attached when it
+    was written) still resumes on the schedule."""
+    cfg = cli.config_from_args(_args("--preset", "test", "--steps", "30", "--warmup", "5"))
+    opt = _optimizer(cfg)
+    for g in opt.param_groups:
+        g["lr"] = 123.0
+    make_scheduler(opt, cfg, 3)
+    assert [g["lr"] for g in opt.param_groups] == [_reference_lr(3, cfg)] * 2
 
 
 def test_settings_from_flags_and_preset():
