@@ -38,8 +38,8 @@ from bench import common
 from bench.common import bench_ms, bench_ms_steady, bench_pair, environment, finish, md_table, parser, profile_step, require_cuda
 from hybridfp.gemm import grouped, grouped_fp8, grouped_triton
 from hybridfp.gemm.grouped import PATH_COUNTS
-from hybridfp.kernels import host
 from hybridfp.nn.base import QuantizedModule
+from hybridfp.utils.device import clear_step_metadata
 
 TOKENS, HIDDEN, TOP_K = 16384, 4096, 2
 CONFIGS = [(8, 14336), (64, 1408)]
@@ -85,7 +85,7 @@ CUTLASS_SUFFIX = " [CUTLASS grouped BF16]"
 PLAN_VARIANTS = ("hybridfp MXFP8", "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)")
 NO_PLAN_MEMO_SUFFIX = " [plans not remembered]"
 #: ... and with the routing's metadata (offsets, padded-row indexes, row maps) built at every use
-#: instead of once a pass (``kernels.host.step_metadata``)
+#: instead of once a pass (``utils.device.step_metadata``)
 NO_METADATA_MEMO_SUFFIX = " [metadata not shared]"
 #: The same recipes with ``GroupedLinear(single_parameter=True)``: one [E, N, K] weight Parameter
 #: a layer (as the baseline holds them) instead of one per expert.
@@ -272,7 +272,7 @@ def make_step(model: nn.Module, x: torch.Tensor, dy: torch.Tensor, ctx: Optional
             for _ in range(micro_batches):
                 # every pass routes anew in training: the metadata shared by one routing's calls
                 # is built once a pass, not once for the whole benchmark (it reuses x and its routing)
-                host._STEP_METADATA.clear()
+                clear_step_metadata()
                 y = model(x)
                 y.backward(dy)
         return y

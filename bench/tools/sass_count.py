@@ -84,29 +84,6 @@ def _tma_case(name: str, f32: bool = False) -> tuple:
             dict(num_stages=stages, enable_fp_fusion=False))
 
 
-#: The fused MXFP8-B prototype (triton_grouped_gemm_mx.MX_CONFIGS spelled out): B's codes through a uint8
-#: descriptor, its E8M0 bytes through pointer loads (row stride K / 32: divisible by 16 at the MoE's K)
-#: name -> (BM, BN, BK, warps, stages, flatten, swizzle group)
-_MX_TMA_SPECS: dict[str, tuple[int, int, int, int, int, bool, int]] = {
-    "128x256x64 w8 s3": (128, 256, 64, 8, 3, False, 16),
-    "128x256x64 w8 s3 flat": (128, 256, 64, 8, 3, True, 16),
-    "128x256x128 w8 s3": (128, 256, 128, 8, 3, False, 16),
-    "128x128x64 w8 s4": (128, 128, 64, 8, 4, False, 16),
-}
-
-
-def _mx_tma_case(name: str, f32: bool = False) -> tuple:
-    """The sass_count case of the fused MXFP8-B TMA rows kernel at ``_MX_TMA_SPECS[name]`` (BF16
-    output) or ``_TMA_F32_SPECS[name]`` (``f32``: FP32 output, the configs it defaults to then)."""
-    bm, bn, bk, warps, stages, flatten, group = (_TMA_F32_SPECS if f32 else _MX_TMA_SPECS)[name]
-    sig = dict(_TMA_SIG, a_desc=f"tensordesc<bf16[{bm},{bk}]>", b_desc=f"tensordesc<u8[{bn},{bk}]>", bs_ptr="*u8",
-               sbs="i32", out_ptr="*fp32" if f32 else "*i16")
-    consts = dict(SA=True, SB=True, BIAS=False, OUT=0 if f32 else 1, NAN16=0x7FFF, BITS=False, E5M2=False, BM=bm, BN=bn, BK=bk,
-                  GROUP=group, EP=16, FLATTEN=flatten)
-    return ("triton_grouped_gemm_mx", "_tma_rows_mxfp8b_kernel", sig, consts, bm * bn // (32 * warps), warps,
-            dict(num_stages=stages, enable_fp_fusion=False))
-
-
 from hybridfp.kernels.triton_grouped_fp8_tma import CONFIGS as FP8_TMA_CONFIGS  # noqa: E402 (its cases)
 
 
@@ -243,9 +220,6 @@ CASES: dict[str, tuple] = {
     # the TMA rows kernel (kernel="tma"): UTMALDG loads feeding HGMMA, LDL / STL spills, registers
     **{f"grouped gemm tma {name}": _tma_case(name) for name in _TMA_SPECS},
     **{f"grouped gemm tma f32 {name}": _tma_case(name, f32=True) for name in _TMA_F32_SPECS},
-    # the fused MXFP8-B prototype: B decoded in registers (cvt e4m3 -> f16/f32, FP32 multiply, cvt bf16)
-    **{f"grouped gemm tma mxfp8b {name}": _mx_tma_case(name) for name in _MX_TMA_SPECS},
-    "grouped gemm tma mxfp8b f32 128x128x64 w8 s4 flat": _mx_tma_case("128x128x64 w8 s4 flat", f32=True),
     # the grouped FP8 GEMM's TMA kernel (descriptors built on the device, persistent grid)
     **{f"grouped fp8 gemm tma {name}": _fp8_tma_case(name) for name in FP8_TMA_CONFIGS},
 }

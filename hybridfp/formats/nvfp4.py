@@ -52,7 +52,7 @@ from hybridfp.formats.common import (
     expand_blocks_2d,
     saturating_cast_fp8,
 )
-from hybridfp.kernels.host import device_constant
+from hybridfp.utils.device import device_constant
 
 BLOCK: int = 16
 E2M1_MAX: float = 6.0

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from hybridfp.formats.common import blocks_1d, check_input
-from hybridfp.kernels.host import device_constant
+from hybridfp.utils.device import device_constant
 
 TILE: int = 16
 #: A tile with max |x| at or above this is transformed pre-scaled by PRESCALE (no overflow).

@@ -60,7 +60,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from ..kernels.host import device_tensor
+from ..utils.device import device_tensor
 from ..tensors.expert_tensors import ExpertTensors, JoinedCopy
 from ..tensors.slicing import adjacent_rows
 from ..tensors.storage import GemmOperand, QuantizedStorage

@@ -13,7 +13,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from ..kernels.host import device_tensor, step_metadata
+from ..utils.device import device_tensor, step_metadata
 from ..tensors.slicing import adjacent_rows
 from ..quantizers.grouped import pad_row_groups
 from ..tensors.storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
@@ -31,7 +31,7 @@ BF16_ALIGN = 8
 
 def offsets(sizes: Sequence[int], device: torch.device) -> torch.Tensor:
     """The groups' end offsets on ``device`` (int32), as ``torch._grouped_mm``'s ``offs``
-    (shared by the calls of one routing: ``host.step_metadata``; read-only)."""
+    (shared by the calls of one routing: ``utils.device.step_metadata``; read-only)."""
     ends = tuple(accumulate(sizes))
     return step_metadata(("grouped_mm offs", ends), device, lambda: device_tensor(list(ends), device, torch.int32))
 

@@ -59,7 +59,7 @@ _MAXNREG_E8M0_1D = 56
 
 
 @triton.jit
-def _fp8_f32(c, E5M2: tl.constexpr):
+def fp8_f32(c, E5M2: tl.constexpr):
     """FP32 value of FP8 code bytes ``c`` (int32, 0..255): exact, specials from the bits."""
     if E5M2:
         v = c.to(tl.uint8).to(tl.float8e5, bitcast=True).to(tl.float32)
@@ -73,7 +73,7 @@ def _fp8_f32(c, E5M2: tl.constexpr):
 
 
 @triton.jit
-def _top_half(v, NAN16: tl.constexpr):
+def top_half(v, NAN16: tl.constexpr):
     """BF16 bits (int32, low 16 bits) of FP32 ``v`` that BF16 holds exactly (or inf / NaN)."""
     return tl.where(v != v, NAN16, v.to(tl.int32, bitcast=True) >> 16)
 
@@ -113,7 +113,7 @@ def e8m0_f32(e):
 @triton.jit
 def e8m0_scaled_bits(v, e, NAN16: tl.constexpr):
     """BF16 bits (int32) of ``bf16(fp32(v * 2**(e - 127)))``: FP8 values ``v`` (exact FP32, as
-    :func:`_fp8_f32` gives) times their E8M0 bytes ``e`` (int32, ``v``'s shape), as
+    :func:`fp8_f32` gives) times their E8M0 bytes ``e`` (int32, ``v``'s shape), as
     ``formats.mxfp8.dequantize_1d(...).to(bfloat16)`` computes it — for kernels that write a
     decoded copy themselves (``triton_mxfp8``'s ``decoded``). One IEEE FP32 multiply (2**-127
     is the subnormal 0x400000, as ``e8m0_to_float`` builds it; Triton's FP32 multiply keeps
@@ -159,9 +159,9 @@ def _decode_kernel(src_ptr, s_ptr, out_ptr, R, C, src_stride, s_stride, NSR, NSC
             wmask = (rows < R)[:, None] & (wcol < C // 2)[None, :]
             byte = tl.load(src_ptr + r64[:, None] * src_stride + wcol[None, :], mask=wmask,
                            other=0).to(tl.int32)
-            s = _expand(_fp8_f32(tl.load(sptr, mask=smask, other=0x38).to(tl.int32), False), BR, HB, SC // 2)
-            lo = _top_half(e2m1_value(byte & 15) * s, NAN16)
-            hi = _top_half(e2m1_value(byte >> 4) * s, NAN16)
+            s = _expand(fp8_f32(tl.load(sptr, mask=smask, other=0x38).to(tl.int32), False), BR, HB, SC // 2)
+            lo = top_half(e2m1_value(byte & 15) * s, NAN16)
+            hi = top_half(e2m1_value(byte >> 4) * s, NAN16)
             tl.store(out_ptr + r64[:, None] * (C // 2) + wcol[None, :], (lo & 0xFFFF) | (hi << 16), mask=wmask)
         else:
             # Element j sits in byte j // 2 (low nibble first); each byte is read for both of
@@ -171,14 +171,14 @@ def _decode_kernel(src_ptr, s_ptr, out_ptr, R, C, src_stride, s_stride, NSR, NSC
             byte = tl.load(src_ptr + r64[:, None] * src_stride + (cols // 2)[None, :], mask=mask,
                            other=0).to(tl.int32)
             code = (byte >> ((cols & 1) * 4)[None, :]) & 15
-            s = _fp8_f32(tl.load(sptr, mask=smask, other=0x38).to(tl.int32), False)  # E4M3 scales
-            bits = _top_half(e2m1_value(code) * _expand(s, BR, BC, SC), NAN16)
+            s = fp8_f32(tl.load(sptr, mask=smask, other=0x38).to(tl.int32), False)  # E4M3 scales
+            bits = top_half(e2m1_value(code) * _expand(s, BR, BC, SC), NAN16)
             tl.store(out_ptr + r64[:, None] * C + cols[None, :], bits.to(tl.int16), mask=mask)
     else:
         c = tl.load(src_ptr + r64[:, None] * src_stride + cols[None, :], mask=mask, other=0).to(tl.int32)
-        v = _fp8_f32(c, E5M2)
+        v = fp8_f32(c, E5M2)
         if KIND == _PLAIN:
-            bits = _top_half(v, NAN16)
+            bits = top_half(v, NAN16)
         else:
             if KIND == _E8M0:
                 e = tl.load(sptr, mask=smask, other=127).to(tl.int32)
@@ -192,11 +192,11 @@ def _decode_kernel(src_ptr, s_ptr, out_ptr, R, C, src_stride, s_stride, NSR, NSC
                 e = tl.where(e == 255, 255, e)
             if tl.min(tl.min(e, 1), 0) >= SAFE_E:
                 # Every product is a BF16 normal (or inf / NaN): one exact FP32 multiply.
-                bits = _top_half(v * _expand(s, BR, BC, SC), NAN16)
+                bits = top_half(v * _expand(s, BR, BC, SC), NAN16)
             else:
                 ee = _expand(e, BR, BC, SC)
                 # A NaN / inf scale (exponent 255) multiplies as IEEE does: NaN, inf or NaN.
-                special = _top_half(v * _expand(s, BR, BC, SC), NAN16)
+                special = top_half(v * _expand(s, BR, BC, SC), NAN16)
                 bits = tl.where(ee == 255, special, _pow2_scale_exact(v, ee, NAN16))
         tl.store(out_ptr + r64[:, None] * C + cols[None, :], bits.to(tl.int16), mask=mask)
 

@@ -39,10 +39,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..utils.device import device_tensor, step_metadata
 from ._common import (DTYPE_CODE, amax_bits, amax_nan, check_int32_tiles, current_scale, empty, expert_row_tile, f32,
                       fp8_encode, fp8_params, hw_fp8, kernel_input, load_f32, load_tile, store_transposed_rows_u8,
                       tile_offsets)
-from .host import device_tensor, step_metadata
 
 
 @triton.jit
@@ -132,7 +132,7 @@ def _grouped_fp8_kernel(x_ptr, amax_ptr, meta_ptr, rd_ptr, cd_ptr, sinv_ptr, C, 
 def _group_meta(splits: tuple[int, ...], lds: tuple[int, ...], offs: tuple[int, ...], strides: tuple[int, ...],
                 br: int, device: torch.device) -> tuple[torch.Tensor, int]:
     """(``_grouped_fp8_kernel``'s metadata on ``device``, its row tiles): one queued host-to-device
-    copy (no stream sync), shared by the calls of one routing (``host.step_metadata``: an MoE
+    copy (no stream sync), shared by the calls of one routing (``utils.device.step_metadata``: an MoE
     step's x and h, dy and dh lay out their groups alike): read-only."""
     starts, cum, at, tiles = [], [0], 0, 0
     for m in splits:

@@ -34,9 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..utils.device import tile_plan, to_device
 from ._common import bf16_nan16, expert_row_tile, swizzled_tile
-from .host import tile_plan, to_device
-from .triton_decode import _fp8_f32
+from .triton_decode import fp8_f32
 from .triton_epilogue import OUT_CODE, store_out
 from .triton_grouped_fp8_tma import Fp8TmaConfig, applies as tma_applies, launch as launch_tma
 
@@ -67,7 +67,7 @@ def _kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, meta_ptr, T, N, E,
             E5A: tl.constexpr, E5B: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
             ALIGN: tl.constexpr, GROUP: tl.constexpr, PROMOTE: tl.constexpr, EP: tl.constexpr):
     # one program per (row tile t, column tile j), swizzled for L2 reuse; row tile t's expert
-    # from the tile-count prefix sums at the start of meta (host.tile_plan)
+    # from the tile-count prefix sums at the start of meta (utils.device.tile_plan)
     t, j = swizzled_tile(tl.program_id(0), T, N, BN, GROUP)
     e, te = expert_row_tile(meta_ptr, t, E, EP)
     # A offset, A row stride, B offset, B row stride, K, out row, rows
@@ -92,7 +92,7 @@ def _kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, meta_ptr, T, N, E,
         a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
         if CODES:  # the interpreter: exact FP32 values of the codes, FP32 sums
-            acc = tl.dot(_fp8_f32(a.to(tl.int32), E5A), _fp8_f32(b.to(tl.int32), E5B), acc, input_precision="ieee")
+            acc = tl.dot(fp8_f32(a.to(tl.int32), E5A), fp8_f32(b.to(tl.int32), E5B), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE)
         a_ptrs += BK

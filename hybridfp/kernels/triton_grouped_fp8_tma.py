@@ -43,11 +43,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ..utils.device import sm_count, tile_plan, to_device
 from ._common import bf16_nan16, expert_row_tile, swizzled_tile
-from .host import tile_plan, to_device
-from .triton_decode import _fp8_f32
+from .triton_decode import fp8_f32
 from .triton_epilogue import OUT_CODE, out_value, store_out
-from .triton_grouped_gemm import TmaConfig, _sm_count
+from .triton_grouped_gemm import TmaConfig
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ def _kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, meta_ptr, T, N, E, 
             a = a_desc.load([te * BM, k])
             b = b_desc.load([j * BN, k])
             if CODES:  # the interpreter: exact FP32 values of the codes, FP32 sums
-                acc = tl.dot(_fp8_f32(a.to(tl.int32), E5A), _fp8_f32(b.to(tl.int32), E5B).T, acc,
+                acc = tl.dot(fp8_f32(a.to(tl.int32), E5A), fp8_f32(b.to(tl.int32), E5B).T, acc,
                              input_precision="ieee")
             else:
                 acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=PROMOTE)
@@ -183,7 +183,7 @@ def launch(base_a: torch.Tensor, base_b: torch.Tensor, scale_a: torch.Tensor, sc
     aa, bb = (base_a.view(torch.uint8), base_b.view(torch.uint8)) if codes else (base_a, base_b)
     dst = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
     tiles = row_tiles * triton.cdiv(n, cfg.bn)
-    programs = min(cfg.programs or (_sm_count(device.index or 0) if out.is_cuda else 4), tiles)
+    programs = min(cfg.programs or (sm_count(device.index or 0) if out.is_cuda else 4), tiles)
     _ensure_allocator()
     _kernel[(programs,)](aa, bb, scale_a, scale_b, bias if bias is not None else scale_a, dst,
                          to_device(packed, device), row_tiles, n, experts, programs,

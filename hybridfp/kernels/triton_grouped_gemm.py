@@ -37,7 +37,6 @@ the same epilogue (``_epilogue``), differing only in how operands reach the tens
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Optional
 
 import numpy as np
@@ -46,8 +45,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..utils.device import sm_count, tile_plan, to_device
 from ._common import bf16_nan16, empty, expert_row_tile, swizzled_tile
-from .host import tile_plan, to_device
 from .triton_epilogue import OUT_CODE, store_out
 
 #: (BM, BN, BK, warps, stages): the fastest of ``python -m bench.bench_grouped_gemm --part bf16
@@ -83,7 +82,7 @@ def _grouped_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, meta_ptr, T
                     NAN16: tl.constexpr, BITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, KALIGN: tl.constexpr, GROUP: tl.constexpr, EP: tl.constexpr):
     # one program per (row tile t, column tile j), swizzled for L2 reuse; row tile t's expert
-    # from the tile-count prefix sums at the start of meta (host.tile_plan)
+    # from the tile-count prefix sums at the start of meta (utils.device.tile_plan)
     t, j = swizzled_tile(tl.program_id(0), T, N, BN, GROUP)
     e, te = expert_row_tile(meta_ptr, t, E, EP)
     # the expert's first row, end row, first k, end k
@@ -138,7 +137,7 @@ def _epilogue(acc, r64, c64, rmask, cmask, e64, sa_ptr, sb_ptr, bias_ptr, out_pt
 
 def _plan(row_ranges: list[tuple[int, int]], k_ranges: list[tuple[int, int]], bm: int
           ) -> tuple[torch.Tensor, int, int]:
-    """(the kernel's metadata: ``host.tile_plan`` of the experts' (r0, r1, k0, k1); T, its row
+    """(the kernel's metadata: ``utils.device.tile_plan`` of the experts' (r0, r1, k0, k1); T, its row
     tiles; ``KALIGN``: the largest of 8, 4, 2, 1 dividing every k0 and k1 of an expert with
     programs, so the promise holds by construction). Experts with no rows or no reduction get
     no program (their output stays as the caller initialised it)."""
@@ -308,12 +307,6 @@ def tma_applies(a: torch.Tensor, b: torch.Tensor) -> bool:
             and max(m, e * n, k) + _TILE_MARGIN < 2**31)
 
 
-@lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    """Streaming multiprocessors of CUDA device ``index`` (one persistent program each)."""
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _launch_tma(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, plan: tuple[torch.Tensor, int, int],
                 sa: Optional[torch.Tensor], sb: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                 cfg: TmaConfig) -> torch.Tensor:
@@ -331,7 +324,7 @@ def _launch_tma(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, plan: tuple
     a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], [cfg.bm, cfg.bk])
     b_desc = TensorDescriptor(b, [e * n, k], [b.stride(1), 1], [cfg.bn, cfg.bk])
     tiles = row_tiles * triton.cdiv(n, cfg.bn)
-    programs = cfg.programs or (_sm_count(a.device.index or 0) if a.is_cuda else 4)
+    programs = cfg.programs or (sm_count(a.device.index or 0) if a.is_cuda else 4)
     programs = min(programs, tiles)
     _tma_rows_kernel[(programs,)](
         a_desc, b_desc, sa if sa is not None else dummy, sb if sb is not None else dummy,

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from ._common import (program_tile, DTYPE_CODE, Copies, amax_nan, bf16_nan16, check_int32_tiles, empty, f32, fp8_params,
                       hw_fp8, kernel_input, load_f32, store_words_t, tile_grid, tile_offsets)
-from .triton_decode import _top_half
+from .triton_decode import top_half
 from .triton_mxfp8 import NATURAL_HW, col_block_32, col_block_rows4, col_decoded_32, natural_rows4, store_scales_t
 from .triton_nvfp4 import RCP6, block_scales_dec, e2m1_rne, global_scales, pack_last, row_scales
 
@@ -72,7 +72,7 @@ def _rowwise(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, RCP6, ROW: t
     code, q = e2m1_rne(xb * enc[:, :, None])  # q: the E2M1 value * 2**-22; NaN elements: fixed per word below
     if ROW and DEC_ROW:  # the block decode below (the compiler computes it once)
         blocks = tl.reshape(q * (dec * 4194304.0)[:, :, None], [BR, BC])
-        tl.store(rd_ptr + r0.to(tl.int64) * C + c0 + tile_offsets(lr, lc, C, 1), _top_half(blocks, NAN16).to(tl.int16),
+        tl.store(rd_ptr + r0.to(tl.int64) * C + c0 + tile_offsets(lr, lc, C, 1), top_half(blocks, NAN16).to(tl.int16),
                  mask=rmask[:, None] & ((c0 + lc) < C)[None, :])
     elif ROW:
         code = tl.where(((c0 + lc) < C)[None, :], tl.reshape(code, [BR, BC]), 0)

@@ -33,7 +33,7 @@ from ._common import (program_tile, load_tile, DTYPE_CODE, Copies, amax_nan, bf1
                       e4m3_words_t, empty, f32, fp8_encode, fp8_encode_rowwise, fp8_params, fp8_word4, hw_fp8, kernel_input,
                       load_f32, load_rows32_t, store_code_words_t, store_transposed_u8, store_words_t, tile_grid,
                       tile_offsets)
-from .triton_decode import _fp8_f32, e8m0_scaled_bits
+from .triton_decode import fp8_f32, e8m0_scaled_bits
 from .triton_fp8_block import abs_bits, bits_amax
 
 BLOCK = 32
@@ -96,7 +96,7 @@ def decoded_values(y, e, MBITS: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.co
         out = (f8.to(tl.float32) * s).to(tl.bfloat16)
     else:
         code = fp8_encode(y, FP8_MAX, MBITS, BIAS, HW)
-        out = e8m0_scaled_bits(_fp8_f32(code.to(tl.int32), MBITS == 2), e, NAN16).to(tl.int16)
+        out = e8m0_scaled_bits(fp8_f32(code.to(tl.int32), MBITS == 2), e, NAN16).to(tl.int16)
     return out
 
 

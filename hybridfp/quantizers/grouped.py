@@ -39,7 +39,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from ..formats.common import HIGH_PRECISION_DTYPES, ceil_div, check_input
-from ..kernels.host import device_constant, device_tensor, step_metadata
+from ..utils.device import device_constant, device_tensor, step_metadata
 from ..tensors import (DecodedMXFP8Storage, Float8Storage, HybridStorage, MXFP8Storage, QuantizedStorage,
                        QuantizedTensor)
 from ..tensors.expert_tensors import ExpertTensors, JoinedCopy
@@ -463,7 +463,7 @@ def padded_row_index(splits: Sequence[int], starts: Sequence[int], device: torch
     """int64 [Σ splits]: for every row of the groups stacked unpadded, its row in a layout
     where group e starts at row ``starts[e]`` (zero-padded groups; a padded encode read back),
     in O(1) ops for all groups: row r moves down by the padding before its group. Shared by the
-    calls of one routing (``host.step_metadata``): read-only."""
+    calls of one routing (``utils.device.step_metadata``): read-only."""
     splits, starts = tuple(map(int, splits)), tuple(starts)
 
     def build() -> torch.Tensor:
@@ -477,7 +477,7 @@ def padded_row_index(splits: Sequence[int], starts: Sequence[int], device: torch
 
 def _row_map(splits: Sequence[int], starts: Sequence[int], total: int, src: torch.Tensor) -> torch.Tensor:
     """int32 [total]: the source row of each padded row, -1 for padding (what the kernels read);
-    shared by the calls of one routing (``host.step_metadata``): read-only."""
+    shared by the calls of one routing (``utils.device.step_metadata``): read-only."""
     def build() -> torch.Tensor:
         row_map = torch.full((total,), -1, dtype=torch.int32, device=src.device)
         row_map[_padded_rows(src, splits, starts)] = torch.arange(src.shape[0], dtype=torch.int32, device=src.device)

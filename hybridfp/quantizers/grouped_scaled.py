@@ -15,7 +15,7 @@ import torch
 
 from ..formats import fp8_tensorwise, nvfp4
 from ..formats.common import amax_nan, ceil_div, saturating_cast_fp8
-from ..kernels.host import device_tensor, step_metadata
+from ..utils.device import device_tensor, step_metadata
 from ..tensors import (DecodedMXFP8Storage, DecodedNVFP4Storage, Float8Storage, MXFP8Storage, NVFP4Storage,
                        QuantizedStorage)
 from ..tensors.slicing import column_slices
@@ -89,7 +89,7 @@ def _reduced(q: Quantizer, amax: torch.Tensor) -> torch.Tensor:
 
 def _row_groups(splits: Sequence[int], device: torch.device) -> torch.Tensor:
     """The group of each row, int32 [sum(splits)] on ``device`` (one queued copy of the counts),
-    shared by the calls of one routing (``host.step_metadata``: an MoE step's x, h, dy and dh
+    shared by the calls of one routing (``utils.device.step_metadata``: an MoE step's x, h, dy and dh
     share it; ~270 us of host each on the H200 when built every call): read-only."""
     splits = tuple(map(int, splits))
 

@@ -160,7 +160,7 @@ NO_SYNC = ["high_precision", "mxfp8", "current_scaling", "float8_block_scaling",
 def test_step_has_no_host_sync(name, experts):
     """With m_splits given as a list, a warmed-up forward + backward makes no host-device sync
     (``torch.cuda.set_sync_debug_mode("error")`` raises on any): every offset / split tensor is
-    queued from pinned memory (``kernels.host``). A sync drains the GPU's queue and leaves it
+    queued from pinned memory (``utils.device``). A sync drains the GPU's queue and leaves it
     idle while the host prepares the next launches (23 per MoE step cost ~8 % of the H200's
     time before)."""
     splits = SPLITS if experts == len(SPLITS) else SPLITS64

@@ -1,5 +1,7 @@
 """Host-side helpers for launching device work: small metadata tensors without a stream sync.
 
+Bottom layer (imports only torch and numpy): formats, kernels, quantizers and gemm all use it.
+
 ``torch.tensor(values, device="cuda")`` (and ``cpu_tensor.to("cuda")``) copies from pageable
 host memory, which PyTorch finishes with a stream synchronize: the host waits until the GPU has
 drained its queue, and the GPU then idles while the host prepares the next launches. An 8-expert
@@ -88,9 +90,25 @@ def step_metadata(key: Hashable, device: Union[torch.device, str], build: Callab
     return out
 
 
+@lru_cache(maxsize=None)
+def sm_count(index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``index`` (one persistent program each)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def clear_step_metadata() -> None:
+    """Forget every remembered :func:`step_metadata` tensor (a new routing builds its own)."""
+    _STEP_METADATA.clear()
+
+
+def step_metadata_count() -> int:
+    """How many :func:`step_metadata` tensors are remembered now (at most ``STEP_METADATA_KEPT``)."""
+    return len(_STEP_METADATA)
+
+
 def tile_plan(rows: np.ndarray, fields: np.ndarray, bm: int) -> tuple[torch.Tensor, int]:
     """Metadata of a grouped GEMM whose programs find their expert themselves
-    (``_common.expert_row_tile``): int64 host tensor of the experts' row tile prefix sums
+    (``hybridfp.kernels._common.expert_row_tile``): int64 host tensor of the experts' row tile prefix sums
     [E + 1] (expert e gets ceil(rows[e] / bm) row tiles) followed by ``fields`` [E, F]
     flattened; and T, the number of row tiles. ``rows``: [E] int64 (0: no program).
     numpy: a few ops on [E] host vectors, each ~10x cheaper than a torch CPU op."""

@@ -1,4 +1,4 @@
-"""``kernels.host.step_metadata``: small read-only metadata tensors shared by the calls of one
+"""``utils.device.step_metadata``: small read-only metadata tensors shared by the calls of one
 routing — the same key gives the same tensor, a different key (splits, starts, block, device)
 never does, the memo stays bounded, and the users (``grouped_bf16.offsets``,
 ``quantizers.grouped.padded_row_index`` / ``_row_map``) return the values they computed before
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from hybridfp.gemm import grouped_bf16
-from hybridfp.kernels import host
 from hybridfp.quantizers import grouped
 from hybridfp.quantizers.grouped_scaled import _offsets
+from hybridfp.utils import device
 
 
 def _fresh_index(splits, starts):
@@ -30,9 +30,9 @@ def test_same_key_same_tensor_other_key_built_anew():
         built.append(v)
         return torch.tensor([v])
 
-    a = host.step_metadata(("t", 1), "cpu", lambda: build(1))
-    assert host.step_metadata(("t", 1), "cpu", lambda: build(99)) is a
-    b = host.step_metadata(("t", 2), "cpu", lambda: build(2))
+    a = device.step_metadata(("t", 1), "cpu", lambda: build(1))
+    assert device.step_metadata(("t", 1), "cpu", lambda: build(99)) is a
+    b = device.step_metadata(("t", 2), "cpu", lambda: build(2))
     assert b is not a and int(b) == 2 and built == [1, 2]
 
 
@@ -45,9 +45,9 @@ def test_inference_mode_tensors_are_not_handed_to_autograd_calls():
 
 
 def test_memo_is_bounded():
-    for i in range(host.STEP_METADATA_KEPT + 5):
-        host.step_metadata(("bounded", i), "cpu", lambda i=i: torch.tensor([i]))
-    assert len(host._STEP_METADATA) <= host.STEP_METADATA_KEPT
+    for i in range(device.STEP_METADATA_KEPT + 5):
+        device.step_metadata(("bounded", i), "cpu", lambda i=i: torch.tensor([i]))
+    assert device.step_metadata_count() <= device.STEP_METADATA_KEPT
 
 
 @pytest.mark.parametrize("block", [32, 128])
