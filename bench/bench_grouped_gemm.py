@@ -265,10 +265,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     require_cuda()
     configs = args.configs.split("|") if args.configs else None
     if args.quick and configs is None:  # the kernels' defaults only
-        from hybridfp.gemm import grouped_fp8
+        from hybridfp import current_policy
         from hybridfp.kernels import triton_grouped_gemm as tg
+        pol = current_policy()
         configs = [k for k, v in tg.TMA_CONFIGS.items() if v == tg.TMA_CONFIG] + [
-            c for c in (grouped_fp8.TMA_ROWS, grouped_fp8.TMA_WGRAD) if c]
+            c for c in (pol.grouped_fp8_tma_rows, pol.grouped_fp8_tma_wgrad) if c]
     rows: list[dict[str, Any]] = []
     if args.part in (None, "bf16"):
         if args.pointer_tiles:

@@ -36,7 +36,6 @@ from torch import nn
 import hybridfp
 from bench import common
 from bench.common import bench_ms, bench_ms_steady, bench_pair, environment, finish, md_table, parser, profile_step, require_cuda
-from hybridfp.gemm import grouped, grouped_fp8, grouped_triton
 from hybridfp.gemm.grouped import PATH_COUNTS
 from hybridfp.nn.base import QuantizedModule
 from hybridfp.utils.device import clear_step_metadata
@@ -53,7 +52,7 @@ RECIPES: list[tuple[str, Callable[[], hybridfp.Recipe]]] = [
 TARGETS = {"hybridfp FP8 current": 1.30, "hybridfp MXFP8": 0.90,
            "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)": 0.90}
 #: ``--ab``: recipes timed twice more: with grouped_gemm's Triton path forced on and forced off
-#: on CUDA (its default there: from gemm/grouped_triton.MANY_EXPERTS experts on). FP8 per-tensor
+#: on CUDA (its default there: from the policy's many_experts experts on). FP8 per-tensor
 #: pairs keep cuBLAS FP8 and MXFP8 takes torch._grouped_mm: only Composer-2's row-scaled NVFP4
 #: fprop is a candidate.
 TRITON_VARIANTS = ("hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)",)
@@ -64,18 +63,18 @@ PER_EXPERT_SUFFIX = " [per-expert GEMMs]"
 #: of through the grouped quantization of the packed buffer (quantizers/grouped._worth_stacking)
 UNPACKED_VARIANTS = ("hybridfp FP8 current",)
 #: FP8 per-tensor timed twice more: with the Triton FP8 grouped GEMM taking fprop too (instead
-#: of torch._scaled_grouped_mm: grouped_fp8.OVER_SCALED_GROUPED_MM), and with the per-expert
+#: of torch._scaled_grouped_mm: the policy's over_scaled_grouped_mm), and with the per-expert
 #: cuBLAS loop for the GEMMs it takes by default at many experts (PER_EXPERT_SUFFIX)
 FP8_TRITON_VARIANTS = ("hybridfp FP8 current",)
 FP8_TRITON_SUFFIX = " [FP8 Triton grouped everywhere]"
 UNPACKED_SUFFIX = " [unpacked weights]"
 #: recipes timed a second time with their weight / grad_output copies kept as codes and scales
-#: (``hybridfp.nn.set_decoded_copies("never")``) instead of written as BF16 decodes by the
+#: (``hybridfp.policy(decoded_copies="never")``) instead of written as BF16 decodes by the
 #: quantize kernels (the CUDA default where every GEMM decodes them)
 CODES_VARIANTS = ("hybridfp MXFP8", "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)")
 CODES_SUFFIX = common.CODES_SUFFIX
 #: recipes timed twice more with path 1's grouped BF16 GEMMs forced to cuBLAS per expert and to
-#: one CUTLASS ``torch._grouped_mm`` (``hybridfp.gemm.grouped.BF16_PER_GROUP_CUBLAS``; the
+#: one CUTLASS ``torch._grouped_mm`` (the policy's ``bf16_per_group_cublas``; the
 #: default, None, picks by size: ``grouped.per_group_wins``)
 PER_GROUP_VARIANTS = ("hybridfp MXFP8", "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)")
 PER_GROUP_SUFFIX = " [cuBLAS per expert BF16]"
@@ -95,8 +94,9 @@ SINGLE_PARAM_SUFFIX = " [one weight Parameter]"
 #: as N micro-batches per weight update (gradient accumulation: the weights are quantized once
 #: for N forward + backward passes); those rows' ratios are against the baseline's N-micro-batch row
 MICRO_SUFFIX = " [{n} micro-batches a weight update]"
-#: FP8 current timed again with the grouped FP8 GEMM's pointer kernel (grouped_fp8.TMA_ROWS /
-#: TMA_WGRAD set to FP8_TMA: None, None; ``--fp8-tma ROWS/WGRAD`` names TMA configs instead),
+#: FP8 current timed again with the grouped FP8 GEMM's pointer kernel (the policy's
+#: grouped_fp8_tma_rows / grouped_fp8_tma_wgrad set to FP8_TMA: None, None; ``--fp8-tma
+#: ROWS/WGRAD`` names TMA configs instead),
 #: on the per-expert and the one-Parameter layer, against the TMA kernel (the default)
 FP8_TMA_VARIANTS = ("hybridfp FP8 current",)
 FP8_TMA_SUFFIX = " [FP8 pointer grouped GEMM]"
@@ -106,13 +106,10 @@ PAIR_ROUNDS = 3
 
 
 def with_per_group_cublas(step: Callable[[], torch.Tensor], on: bool) -> Callable[[], torch.Tensor]:
-    """``step`` with ``grouped.BF16_PER_GROUP_CUBLAS`` set to ``on`` (restored after each call)."""
+    """``step`` under the policy's ``bf16_per_group_cublas`` set to ``on``."""
     def run() -> torch.Tensor:
-        saved, grouped.BF16_PER_GROUP_CUBLAS = grouped.BF16_PER_GROUP_CUBLAS, on
-        try:
+        with hybridfp.policy(bf16_per_group_cublas=on):
             return step()
-        finally:
-            grouped.BF16_PER_GROUP_CUBLAS = saved
     return run
 
 
@@ -150,12 +147,8 @@ def with_fp8_tma(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]
     """``step`` with the grouped FP8 GEMM's kernels set by ``FP8_TMA`` (rows / wgrad: a TMA
     config name or None for the pointer kernel)."""
     def run() -> torch.Tensor:
-        saved = grouped_fp8.TMA_ROWS, grouped_fp8.TMA_WGRAD
-        grouped_fp8.TMA_ROWS, grouped_fp8.TMA_WGRAD = FP8_TMA
-        try:
+        with hybridfp.policy(grouped_fp8_tma_rows=FP8_TMA[0], grouped_fp8_tma_wgrad=FP8_TMA[1]):
             return step()
-        finally:
-            grouped_fp8.TMA_ROWS, grouped_fp8.TMA_WGRAD = saved
     return run
 
 
@@ -165,16 +158,11 @@ def with_triton_grouped(step: Callable[[], torch.Tensor], on: bool,
     number of experts (``on``) or for none; ``fp8_everywhere``: the FP8 grouped GEMM also for
     the E4M3 GEMMs torch._scaled_grouped_mm takes by default."""
     def run() -> torch.Tensor:
-        saved = grouped_triton.VERIFIED_ON, grouped_triton.MANY_EXPERTS, grouped_fp8.OVER_SCALED_GROUPED_MM
-        if on:
-            grouped_triton.VERIFIED_ON = saved[0] | {"cuda"}
-        else:
-            grouped_triton.MANY_EXPERTS = 1 << 30
-        grouped_fp8.OVER_SCALED_GROUPED_MM = fp8_everywhere
-        try:
+        pol = hybridfp.current_policy()
+        changes = (dict(grouped_triton_devices=pol.grouped_triton_devices | {"cuda"}) if on
+                   else dict(many_experts=1 << 30))
+        with hybridfp.policy(over_scaled_grouped_mm=fp8_everywhere, **changes):
             return step()
-        finally:
-            grouped_triton.VERIFIED_ON, grouped_triton.MANY_EXPERTS, grouped_fp8.OVER_SCALED_GROUPED_MM = saved
     return run
 
 

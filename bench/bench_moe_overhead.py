@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import hybridfp
 from bench.common import environment, finish, md_table
 from hybridfp import factories
+from hybridfp.config import current_policy
 
 RECIPES: dict[str, Callable[[], hybridfp.Recipe]] = {
     "bf16 (high_precision)": lambda: hybridfp.CustomRecipe(qfactory=factories.high_precision),
@@ -156,7 +157,8 @@ def stub_cublas(setattr: Callable = setattr) -> None:
     """This process only (a measuring switch): the cuBLAS FP8 backends selected as on an sm90 GPU,
     ``torch._scaled_mm`` / ``torch._scaled_grouped_mm`` replaced by stubs that return an output of
     the right shape (no values), the grouped rowwise FP8 path refused for E5M2 operands as on
-    the GPU, and the Triton grouped paths taken as on CUDA (from ``MANY_EXPERTS`` experts), their
+    the GPU, and the Triton grouped paths taken as on CUDA (from the policy's ``many_experts``
+    experts), their
     launches stubbed (the output returned unwritten). What remains of a step's time is the host's Python and aten work of the GPU path.
     ``setattr``: how to patch (a test passes pytest's ``monkeypatch.setattr`` to undo it)."""
     from hybridfp.gemm import fast, grouped
@@ -176,7 +178,7 @@ def stub_cublas(setattr: Callable = setattr) -> None:
     from hybridfp.kernels import triton_grouped_fp8_gemm, triton_grouped_gemm
 
     def enabled(device, use_triton, experts=1):  # the CUDA rule on any device
-        return use_triton if use_triton is not None else experts >= grouped_triton.MANY_EXPERTS
+        return use_triton if use_triton is not None else experts >= current_policy().many_experts
 
     setattr(grouped_triton, "enabled", enabled)
     setattr(triton_grouped_fp8_gemm, "_launch", lambda *a: a[5])  # (base_a, base_b, sa, sb, bias, out, ...)
@@ -199,7 +201,7 @@ def stub_grouped_mm(setattr: Callable = setattr) -> None:
 
     setattr(torch, "_grouped_mm", grouped_mm)
     from hybridfp.gemm import grouped
-    setattr(grouped, "BF16_PER_GROUP_CUBLAS", False)  # every group through the stub, whatever its size
+    setattr(grouped, "per_group_wins", lambda sizes: False)  # every group through the stub, whatever its size
 
 
 def main(argv=None) -> None:
@@ -238,33 +240,34 @@ def main(argv=None) -> None:
             stub_grouped_mm()
         if args.stub_kernels:
             stub_kernels()
-            hybridfp.nn.set_decoded_copies("always")  # the copies the GPU's kernels write
-    torch.manual_seed(0)
-    splits = splits_for(args.experts, args.tokens_per_expert)
-    m = hybridfp.GroupedLinear(args.experts, args.hidden, args.ffn, bias=False, params_dtype=torch.bfloat16,
-                               single_parameter=args.single_parameter)
-    x = torch.randn(sum(splits), args.hidden, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(sum(splits), args.ffn, dtype=torch.bfloat16)
-    head = (f"{args.experts} experts, hidden {args.hidden}, ffn {args.ffn}, {sum(splits)} tokens, "
-            f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    rows = []
-    for name, recipe in RECIPES.items():
-        step = make_step(m, x, dy, splits, recipe())
-        ms, ops = measure(step, args.reps)
-        calls = python_calls_per_step(recipe(), args.experts, args.hidden, args.ffn, args.tokens_per_expert,
-                                      args.single_parameter)
-        rows.append(dict(recipe=name, ms=ms, ops=ops, ops_per_expert=ops / args.experts, python_calls=calls))
-        if name == args.profile:
-            import cProfile
-            import pstats
-            prof = cProfile.Profile()
-            prof.runcall(lambda: [step() for _ in range(args.reps)])
-            pstats.Stats(prof).sort_stats("tottime").print_stats(30)
-    md = (f"### GroupedLinear host work per step on the CPU ({head})\n\n"
-          + md_table(["recipe", "ms / step", "ops / step", "ops / expert", "Python calls / step"],
-                     [(r["recipe"], r["ms"], r["ops"], r["ops_per_expert"], r["python_calls"]) for r in rows]) + "\n")
-    finish("moe_overhead", {"env": environment(), "args": {k: v for k, v in vars(args).items() if k != "out"},
-                            "rows": rows, "markdown": md}, args.out)
+    # with --stub-kernels: the copies the GPU's kernels write
+    with hybridfp.policy(decoded_copies="always" if args.cuda_paths and args.stub_kernels else "auto"):
+        torch.manual_seed(0)
+        splits = splits_for(args.experts, args.tokens_per_expert)
+        m = hybridfp.GroupedLinear(args.experts, args.hidden, args.ffn, bias=False, params_dtype=torch.bfloat16,
+                                   single_parameter=args.single_parameter)
+        x = torch.randn(sum(splits), args.hidden, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(sum(splits), args.ffn, dtype=torch.bfloat16)
+        head = (f"{args.experts} experts, hidden {args.hidden}, ffn {args.ffn}, {sum(splits)} tokens, "
+                f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+        rows = []
+        for name, recipe in RECIPES.items():
+            step = make_step(m, x, dy, splits, recipe())
+            ms, ops = measure(step, args.reps)
+            calls = python_calls_per_step(recipe(), args.experts, args.hidden, args.ffn, args.tokens_per_expert,
+                                          args.single_parameter)
+            rows.append(dict(recipe=name, ms=ms, ops=ops, ops_per_expert=ops / args.experts, python_calls=calls))
+            if name == args.profile:
+                import cProfile
+                import pstats
+                prof = cProfile.Profile()
+                prof.runcall(lambda: [step() for _ in range(args.reps)])
+                pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        md = (f"### GroupedLinear host work per step on the CPU ({head})\n\n"
+              + md_table(["recipe", "ms / step", "ops / step", "ops / expert", "Python calls / step"],
+                         [(r["recipe"], r["ms"], r["ops"], r["ops_per_expert"], r["python_calls"]) for r in rows]) + "\n")
+        finish("moe_overhead", {"env": environment(), "args": {k: v for k, v in vars(args).items() if k != "out"},
+                                "rows": rows, "markdown": md}, args.out)
 
 
 if __name__ == "__main__":

@@ -207,12 +207,8 @@ CODES_SUFFIX = " [codes, decoded per GEMM]"
 
 @contextlib.contextmanager
 def decoded_mode(mode: str, inner: Any) -> Iterator[None]:
-    """``inner`` (an autocast context) with ``hybridfp.nn.set_decoded_copies(mode)`` around it
-    (modules rebuild their quantizers when the mode changes)."""
-    from hybridfp.nn import set_decoded_copies
-    old = set_decoded_copies(mode)
-    try:
-        with inner:
-            yield
-    finally:
-        set_decoded_copies(old)
+    """``inner`` (an autocast context) inside ``hybridfp.policy(decoded_copies=mode)`` (modules
+    rebuild their quantizers when the mode changes)."""
+    from hybridfp import policy
+    with policy(decoded_copies=mode), inner:
+        yield

@@ -1,6 +1,7 @@
 """hybridfp: low-precision training in PyTorch with hybrid (per-direction) quantization."""
 
 from . import factories, gemm, nn
+from .config import Policy, current_policy, policy, use_policy
 from .integration import checkpoint
 from .nn import GroupedLinear, LayerNormLinear, Linear, SwiGLU, convert, set_names, swiglu
 from .quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
@@ -16,8 +17,8 @@ __all__ = [
     "CustomRecipe", "DelayedScaling", "Float8BlockQuantizer", "Float8BlockScaling",
     "Float8CurrentScaling", "Float8CurrentScalingQuantizer", "Float8Quantizer", "GroupedLinear",
     "HybridQuantizer", "IdentityQuantizer", "LayerNormLinear", "Linear", "MXFP8BlockScaling",
-    "MXFP8Quantizer", "MissingDirectionError", "NVFP4BlockScaling", "NVFP4Quantizer",
+    "MXFP8Quantizer", "MissingDirectionError", "NVFP4BlockScaling", "NVFP4Quantizer", "Policy",
     "QuantizedTensor", "Quantizer", "QuantizerRole", "Recipe", "SwiGLU", "autocast", "checkpoint",
-    "convert", "factories",
-    "gemm", "nn", "set_names", "swiglu",
+    "convert", "current_policy", "factories",
+    "gemm", "nn", "policy", "set_names", "swiglu", "use_policy",
 ]

@@ -16,9 +16,25 @@ break it (one run per ``OPENBLAS_CORETYPE`` family, ``MKL_CBWR``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+@pytest.fixture
+def set_policy(monkeypatch):
+    """``set_policy(**changes)``: the calling thread's ``hybridfp.config`` policy with ``changes``
+    (``Policy`` fields) for the rest of the test, undone with the test's other ``monkeypatch``
+    changes (in reverse order). Not inside a ``with hybridfp.policy(...)`` block: leaving the
+    block would restore the policy before the change and teardown the changed one."""
+    from hybridfp import config
+
+    def set_(**changes):
+        monkeypatch.setattr(config._CURRENT, "policy", dataclasses.replace(config.current_policy(), **changes))
+
+    return set_

@@ -35,14 +35,14 @@ Paths, first that applies (``grouped_path`` says which and why):
    the correctly rounded value) against 4.9e-6 without it.
 2b. ``grouped_fp8_triton`` — per-tensor FP8 pairs that path 2 does not take (E5M2 gradients in
    dgrad, every wgrad; any E4M3 / E5M2 mix, any output dtype, a bias) while the experts are
-   small (``per_expert_fp8_faster`` says no), on CUDA from ``grouped_triton.MANY_EXPERTS``
+   small (``per_expert_fp8_faster`` says no), on CUDA from the policy's ``many_experts``
    experts on or when forced: one Triton FP8 grouped GEMM (``grouped_fp8.py``), the FP8 MMA
    with FP32 promotion every 128 products as path 2 and cuBLAS (numerics §1's exception).
 3. ``grouped_triton`` — BF16-exact pairs that paths 1-2 cannot finish exactly (an epilogue
    factor, a bias, an FP32 / FP16 output): one Triton grouped GEMM with a per-expert FP32
-   epilogue (``grouped_triton.py``). Used on CUDA from ``grouped_triton.MANY_EXPERTS`` experts
-   on (the per-expert loop is host-bound there), for any count where
-   ``grouped_triton.VERIFIED_ON`` lists the device type, or when the caller forces it.
+   epilogue (``grouped_triton.py``). Used on CUDA from the policy's ``many_experts`` experts
+   on (the per-expert loop is host-bound there), for any count where its
+   ``grouped_triton_devices`` lists the device type, or when the caller forces it.
 4. ``per_expert`` — everything else: ``gemm()`` per expert (its backend per pair, or the
    exact emulation with its report). Always on the CPU.
 
@@ -60,6 +60,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from ..config import current_policy
 from ..utils.device import device_tensor
 from ..tensors.expert_tensors import ExpertTensors, JoinedCopy
 from ..tensors.slicing import adjacent_rows
@@ -76,7 +77,9 @@ from .joined import joined_rows
 GROUPED_BF16, GROUPED_FP8_ROWWISE, PER_EXPERT = "grouped_bf16", "grouped_fp8_rowwise", "per_expert"
 GROUPED_TRITON = "grouped_triton"
 GROUPED_FP8_TRITON = grouped_fp8.GROUPED_FP8_TRITON
-#: (GEMM, path) -> calls; diagnostics for benchmarks and tests (which path each GEMM took).
+#: (GEMM, path) -> calls: which path each grouped GEMM took, counted over the process (all
+#: threads) for benchmarks and tests. A diagnostic the library only ever adds to, never reads
+#: (no behaviour depends on it); read differences (``Counter(PATH_COUNTS) - before``).
 PATH_COUNTS: Counter = Counter()
 #: TMA needs 16-byte aligned strides and group starts: 16 FP8 elements (BF16: grouped_bf16).
 _FP8_ALIGN = 16
@@ -85,34 +88,29 @@ _MAX_GROUPS = 1023
 _NATIVE_FP8 = (fast.TENSORWISE_BACKEND, fast.BLOCK_BACKEND)
 
 
-#: Path 1's grouped matmul on CUDA: True, ``grouped_bf16.per_group_mm`` (cuBLAS per expert, the
-#: same result semantics); False, ``torch._grouped_mm`` (CUTLASS, one launch); None (default),
-#: :func:`per_group_wins` decides by the groups' count and size.
-BF16_PER_GROUP_CUBLAS: Optional[bool] = None
-#: :func:`per_group_wins`'s bounds: at most this many groups (each is a launch and host work,
-#: which a many-expert MoE step cannot afford) ...
-PER_GROUP_MAX_GROUPS = 16
-#: ... of at least this many rows (or reduction columns) on average.
-PER_GROUP_MIN_MEAN = 2048
 
 
 def per_group_wins(sizes: Sequence[int]) -> bool:
     """Whether cuBLAS per group beats CUTLASS's grouped kernel for groups of ``sizes``: few large
-    groups. On the H200 (the MoE's fc1 / fc2 fprop, dgrad and wgrad over 32768 routed rows, even
-    and uneven splits), cuBLAS per expert is faster than CUTLASS in every GEMM at 8 experts of
-    4096 rows and mostly at 16 of 2048, about even at 32 of 1024, and clearly slower at 64 of
-    512; the 8-expert MXFP8 and Composer-2 MoE steps run faster with it (``python -m
-    bench.bench_moe``'s "[cuBLAS per expert BF16]" and "[CUTLASS grouped BF16]" rows)."""
-    return 0 < len(sizes) <= PER_GROUP_MAX_GROUPS and sum(sizes) >= PER_GROUP_MIN_MEAN * len(sizes)
+    groups: at most the policy's ``per_group_max_groups`` (each is a launch and host work, which a
+    many-expert MoE step cannot afford) of at least ``per_group_min_mean`` rows (or reduction
+    columns) on average. On the H200 (the MoE's fc1 / fc2 fprop, dgrad and wgrad over 32768
+    routed rows, even and uneven splits), cuBLAS per expert is faster than CUTLASS in every GEMM
+    at 8 experts of 4096 rows and mostly at 16 of 2048, about even at 32 of 1024, and clearly
+    slower at 64 of 512; the 8-expert MXFP8 and Composer-2 MoE steps run faster with it
+    (``python -m bench.bench_moe``'s "[cuBLAS per expert BF16]" and "[CUTLASS grouped BF16]"
+    rows)."""
+    pol = current_policy()
+    return 0 < len(sizes) <= pol.per_group_max_groups and sum(sizes) >= pol.per_group_min_mean * len(sizes)
 
 
 def torch_grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     """The CUDA grouped matmul of path 1 (BF16 in, FP32 accumulation, BF16 out): cuBLAS per group
     (``grouped_bf16.per_group_mm``) or ``torch._grouped_mm`` over the groups of ``sizes``, as
-    :data:`BF16_PER_GROUP_CUBLAS` says (None: :func:`per_group_wins`). Both compute each output
+    the policy's ``bf16_per_group_cublas`` says (None: :func:`per_group_wins`). Both compute each output
     from one FP32 accumulator rounded once (numerics §1). Operands recording autograd take
     ``torch._grouped_mm`` (``per_group_mm`` writes into slices of one result: no autograd)."""
-    use = BF16_PER_GROUP_CUBLAS
+    use = current_policy().bf16_per_group_cublas
     if use is None:
         use = per_group_wins(sizes) and not (
             torch.is_grad_enabled() and (mat_a.requires_grad or mat_b.requires_grad))
@@ -157,7 +155,7 @@ def grouped_gemm(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: s
     ``torch_grouped_mm`` on CUDA devices that have ``torch._grouped_mm``); passing one forces
     path 1 wherever the operands allow it, the CPU included (tests). ``use_triton``: take (True) or never take
     (False) the Triton grouped path where paths 1-2 do not apply; None: as
-    ``grouped_triton.enabled`` decides (CUDA from ``MANY_EXPERTS`` experts on).
+    ``grouped_triton.enabled`` decides (CUDA from the policy's ``many_experts`` experts on).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is unknown; use 'TN' (fprop), 'NN' (dgrad) or 'NT' (wgrad).")
@@ -273,9 +271,10 @@ def grouped_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage],
 def _fp8_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,
               out_dtype: torch.dtype, path: str, why: str, ms: Optional[Sequence[int]]) -> tuple[str, str]:
     """Per-tensor FP8 experts with the Triton paths on: the Triton FP8 grouped GEMM
-    (``grouped_fp8.py``) unless path 2 takes them (kept unless ``OVER_SCALED_GROUPED_MM``),
+    (``grouped_fp8.py``) unless path 2 takes them (kept unless the policy's
+    ``over_scaled_grouped_mm``),
     the experts are big enough for cuBLAS per expert, or the GPU is not one it is verified on."""
-    if path == GROUPED_FP8_ROWWISE and not grouped_fp8.OVER_SCALED_GROUPED_MM:
+    if path == GROUPED_FP8_ROWWISE and not current_policy().over_scaled_grouped_mm:
         return path, why
     n, k = _fixed_dims(sa, sb, layout)
     # the experts' varying dim: their m (fprop / dgrad) or their reduction (wgrad: token counts)
@@ -325,20 +324,16 @@ def _torch_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], 
     return GROUPED_BF16, "BF16-exact pairs"
 
 
-#: Mean GEMM size (FLOPs per non-empty expert) from which per-tensor FP8 fprop / dgrad run as
-#: one cuBLAS ``_scaled_mm`` per expert rather than one ``torch._scaled_grouped_mm``: on the
-#: H200 (torch 2.11, MoE layer of 8 experts, ~4096 rows each, hidden 4096, ffn 14336) cuBLAS per
-#: expert runs fprop clearly faster than the grouped CUTLASS kernel, while below ~1e11 FLOPs an
-#: expert's GEMM is too short to hide its ~50 us of host work (64 experts of ffn 1408: 1.2e10
-#: each, host-bound).
-PER_EXPERT_FP8_FLOPS = 2.5e11
-
-
 def per_expert_fp8_faster(ms: Sequence[int], n: int, k: int) -> bool:
     """Whether experts with ``ms`` rows (fprop / dgrad: [m_e, k] x [k, n] each) are big enough
-    that per-expert cuBLAS FP8 GEMMs beat the grouped kernel (``PER_EXPERT_FP8_FLOPS``)."""
+    that per-expert cuBLAS FP8 GEMMs beat the grouped kernel: a mean GEMM size (FLOPs per
+    non-empty expert) of at least the policy's ``per_expert_fp8_flops``. On the H200 (torch 2.11,
+    MoE layer of 8 experts, ~4096 rows each, hidden 4096, ffn 14336) cuBLAS per expert runs
+    fprop clearly faster than the grouped CUTLASS kernel, while below ~1e11 FLOPs an expert's
+    GEMM is too short to hide its ~50 us of host work (64 experts of ffn 1408: 1.2e10 each,
+    host-bound)."""
     filled = [m for m in ms if m]
-    return bool(filled) and 2.0 * sum(filled) * n * k / len(filled) >= PER_EXPERT_FP8_FLOPS
+    return bool(filled) and 2.0 * sum(filled) * n * k / len(filled) >= current_policy().per_expert_fp8_flops
 
 
 @lru_cache(maxsize=None)

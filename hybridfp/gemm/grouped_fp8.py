@@ -5,7 +5,7 @@ delayed scaling, E4M3 / E5M2 in any mix) in one Triton FP8 grouped GEMM
 Taken for the GEMMs ``torch._scaled_grouped_mm`` (path 2) cannot run — dgrad with E5M2
 gradients, every wgrad (its experts are grouped along the reduction) — when the experts are
 small enough that the per-expert loop is host-bound (``grouped.per_expert_fp8_faster`` says
-no), on CUDA from ``grouped_triton.MANY_EXPERTS`` experts on, or when the caller forces the
+no), on CUDA from the policy's ``many_experts`` experts on, or when the caller forces the
 Triton paths (``use_triton=True``; the CPU tests, in the interpreter).
 
 Experts held as joined copies (``ExpertTensors`` of FP8 current scaling: rows [Σm, C], columns
@@ -31,6 +31,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from ..config import current_policy
 from ..tensors.expert_tensors import JoinedCopy
 from ..tensors.storage import QuantizedStorage
 from .fast import TENSORWISE, zero_tail_view
@@ -44,20 +45,11 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: H200's GPU tests). Ada and Blackwell have FP8 MMA too, with their own accumulation
 #: behaviour: unverified, so they keep cuBLAS per expert. (The interpreter: anywhere.)
 VERIFIED_MAJOR = (9,)
-#: Whether fprop / dgrad of E4M3 pairs given as per-expert lists take this path instead of
-#: ``torch._scaled_grouped_mm`` (path 2). A benchmarking switch (``python -m bench.bench_moe``'s
-#: "[FP8 Triton grouped everywhere]" row; joined copies take this path for every GEMM regardless).
-OVER_SCALED_GROUPED_MM: bool = False
-#: The grouped FP8 GEMM's TMA kernel (``kernels/triton_grouped_fp8_tma.py``) for fprop / dgrad
-#: (``TMA_ROWS``) and wgrad (``TMA_WGRAD``) on CUDA where it can read the operands (16-byte
-#: aligned: the joined copies always are): a name in its ``CONFIGS``, or None for the pointer
-#: kernel. The fastest of ``python -m bench.bench_grouped_gemm --part fp8`` at the 64-expert
-#: MoE's six GEMMs on an NVIDIA H200, and faster than the pointer kernel in each: 256x128 tiles,
-#: BK 128, 3 stages; wgrad with the bulk-store epilogue (its short K loop leaves the store
-#: exposed).
-#: The interpreter keeps the pointer kernel unless a test asks for the TMA one.
-TMA_ROWS: Optional[str] = "256x128x128 w8 s3"
-TMA_WGRAD: Optional[str] = "256x128x128 w8 s3 store"
+# Which kernel runs (the TMA kernel's config for fprop / dgrad and for wgrad, or the pointer
+# kernel) and whether per-expert E4M3 lists take this path over torch._scaled_grouped_mm are
+# the policy's grouped_fp8_tma_rows, grouped_fp8_tma_wgrad and over_scaled_grouped_mm
+# (hybridfp.config.Policy). The interpreter keeps the pointer kernel unless a test asks for
+# the TMA one.
 
 
 def _kernels():
@@ -65,10 +57,15 @@ def _kernels():
 
 
 def _tma(name: Optional[str], device: torch.device):
-    """The TMA kernel's config called ``name`` for operands on ``device`` (CUDA only), or None."""
+    """The TMA kernel's config called ``name`` (the policy's ``grouped_fp8_tma_rows`` /
+    ``grouped_fp8_tma_wgrad``) for operands on ``device`` (CUDA only), or None."""
     if name is None or torch.device(device).type != "cuda":
         return None
-    return importlib.import_module("hybridfp.kernels.triton_grouped_fp8_tma").CONFIGS[name]
+    configs = importlib.import_module("hybridfp.kernels.triton_grouped_fp8_tma").CONFIGS
+    if name not in configs:
+        raise ValueError(f"the policy's grouped FP8 TMA config {name!r} (Policy.grouped_fp8_tma_rows / "
+                         f"grouped_fp8_tma_wgrad) is unknown; use None or one of {sorted(configs)}.")
+    return configs[name]
 
 
 def per_tensor_fp8(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str) -> bool:
@@ -105,7 +102,7 @@ def run(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: 
         out = torch.empty((len(sa) * m, n), dtype=out_dtype, device=device)
         k = _kernels()
         k.grouped_fp8(a, b, ks, scale_a, scale_b, out, [e * m for e in range(len(sa))], tile=k.WGRAD_TILE,
-                      prefer_tma=_tma(TMA_WGRAD, device))
+                      prefer_tma=_tma(current_policy().grouped_fp8_tma_wgrad, device))
         return list(out.view(len(sa), m, n).unbind(0))
     usable, bias = stacked_bias(biases, n, device)
     if not usable:
@@ -115,7 +112,7 @@ def run(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: 
     starts = [sum(ms[:e]) for e in range(len(ms))]
     out = torch.empty((sum(ms), n), dtype=out_dtype, device=device)
     return _kernels().grouped_fp8(a, b, [a[0].shape[1]] * len(a), scale_a, scale_b, out, starts, bias=bias,
-                                  prefer_tma=_tma(TMA_ROWS, device))
+                                  prefer_tma=_tma(current_policy().grouped_fp8_tma_rows, device))
 
 
 def _reduction_operands(ss: Sequence[QuantizedStorage], ps: Sequence[dict], direction: str
@@ -161,7 +158,8 @@ def run_joined(ja: JoinedCopy, jb: JoinedCopy, splits_a: Sequence[int], splits_b
         ks = [e - s for s, e in zip(ja.starts, ends)]  # each block: its tokens, then zero codes
         out = torch.empty((experts * n_rows, k_rows), dtype=out_dtype, device=a.device)
         k.grouped_fp8_at(a, b, n_rows, ja.starts, width, jb.starts, width, ks, sa, sb, out,
-                         [e * n_rows for e in range(experts)], tile=k.WGRAD_TILE, prefer_tma=_tma(TMA_WGRAD, a.device))
+                         [e * n_rows for e in range(experts)], tile=k.WGRAD_TILE,
+                         prefer_tma=_tma(current_policy().grouped_fp8_tma_wgrad, a.device))
         return list(out.view(experts, n_rows, k_rows).unbind(0))
     if ja.starts is not None:
         return None
@@ -183,7 +181,7 @@ def run_joined(ja: JoinedCopy, jb: JoinedCopy, splits_a: Sequence[int], splits_b
         b_offs = jb.starts
     out = torch.empty((sum(splits_a), n), dtype=out_dtype, device=a.device)
     return k.grouped_fp8_at(a, b, ms, [s * red for s in starts], red, b_offs, b_ld, red, sa, sb, out, starts,
-                            bias=bias, prefer_tma=_tma(TMA_ROWS, a.device))
+                            bias=bias, prefer_tma=_tma(current_policy().grouped_fp8_tma_rows, a.device))
 
 
 def _width(jb: JoinedCopy, direction: str, splits: Sequence[int]) -> int:

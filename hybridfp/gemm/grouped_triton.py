@@ -13,9 +13,10 @@ Not taken (the caller keeps its per-expert loop): pairs with a native cuBLAS FP8
 per-tensor, FP8 block: FP8 tensor cores), copies that do not decode exactly into BF16, a
 one-sided RHT pair, mixed bias / no-bias experts, an empty reduction in fprop / dgrad.
 
-On CUDA the path is taken by default from :data:`MANY_EXPERTS` experts on, where the
-per-expert loop is host-bound; for any count only where :data:`VERIFIED_ON` lists the device
-type (empty); the caller may force it either way (``grouped_gemm(..., use_triton=...)``; tests
+On CUDA the path is taken by default from the policy's ``many_experts`` experts on
+(``hybridfp.config.Policy``), where the per-expert loop is host-bound; for any count only where
+its ``grouped_triton_devices`` lists the device type (default empty); the caller may force it
+either way (``grouped_gemm(..., use_triton=...)``; tests
 force it on the CPU, in the interpreter). Its GPU tests (``tests/kernels/test_kernels_grouped_gemm.py
 -m gpu``, and the 64-expert step in ``tests/nn/test_grouped_linear_overhead_gpu.py``) pass on the
 H200. Speed on the H200 (``python -m bench.bench_grouped_gemm --part bf16`` and ``python -m
@@ -25,8 +26,8 @@ bench.bench_moe``'s "[Triton grouped]" and "[per-expert GEMMs]" rows):
   on par with ``torch._grouped_mm``, the pointer kernel somewhat slower. wgrad runs the pointer
   kernel (its bounds are the routed token counts, so it usually runs with ``KALIGN`` 1);
 - the Composer-2 MoE layer at 64 experts (ffn 1408): about twice as fast as with per-expert
-  GEMMs; at 8 experts (ffn 14336) on par with the per-expert loop, so :data:`VERIFIED_ON` is
-  empty.
+  GEMMs; at 8 experts (ffn 14336) on par with the per-expert loop, so the policy's
+  ``grouped_triton_devices`` is empty by default.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from ..config import current_policy
 from ..quantizers.grouped import padded_row_index
 from ..tensors.expert_tensors import JoinedCopy
 from ..tensors.storage import QuantizedStorage
@@ -43,31 +45,17 @@ from .bf16_decode import HAVE_TRITON, bf16_exact_reason, decode_bf16, decode_bf1
 from .gemm import LAYOUTS
 from .joined import joined_rows, joined_values, spanned_rows
 
-#: Device types on which ``grouped_gemm`` takes this path by default for any number of experts
-#: (empty: verified on the H200 but, at 8 large experts, no faster than the per-expert loop
-#: there; see the module docstring).
-VERIFIED_ON: frozenset = frozenset()
-#: On CUDA the path is taken by default from this many experts on: the per-expert loop then
-#: costs a launch sequence per expert and the layer turns host-bound (see the module docstring:
-#: about 2x faster at 64 experts, no faster at 8). 16 sits between the two measured points.
-MANY_EXPERTS: int = 16
-#: Whether pairs that have a native cuBLAS FP8 kernel per expert (FP8 per-tensor / block) may
-#: take this path too, decoded into BF16 (exact) at BF16 tensor-core speed. Off: per expert
-#: they run on FP8 tensor cores. A switch for comparisons: on the H200 the FP8-current
-#: MoE step is several times slower with it at 64 and at 8 experts (wgrad runs with KALIGN 1
-#: there), so it is off.
-TAKE_NATIVE_FP8: bool = False
 #: output dtypes the kernel writes
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def enabled(device: torch.device, use_triton: Optional[bool], experts: int = 1) -> bool:
-    """Whether to consider this path: forced by the caller, else by :data:`VERIFIED_ON`, else
-    on CUDA for :data:`MANY_EXPERTS` experts or more."""
+    """Whether to consider this path: forced by the caller, else by the policy's
+    ``grouped_triton_devices``, else on CUDA for its ``many_experts`` experts or more."""
     if use_triton is not None:
         return use_triton
-    kind = torch.device(device).type
-    return HAVE_TRITON and (kind in VERIFIED_ON or (kind == "cuda" and experts >= MANY_EXPERTS))
+    kind, pol = torch.device(device).type, current_policy()
+    return HAVE_TRITON and (kind in pol.grouped_triton_devices or (kind == "cuda" and experts >= pol.many_experts))
 
 
 def unsupported(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,
@@ -75,7 +63,7 @@ def unsupported(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], 
     """Why this path cannot take the experts' pairs (None: it can)."""
     if out_dtype not in OUT_DTYPES:
         return f"output dtype {out_dtype}"
-    if native_fp8 and not TAKE_NATIVE_FP8:
+    if native_fp8 and not current_policy().grouped_triton_native_fp8:
         return "native cuBLAS FP8 kernel per expert"
     da, db = LAYOUTS[layout]
     for e, (a, b) in enumerate(zip(sa, sb)):

@@ -3,18 +3,19 @@
 ``torch.utils.checkpoint`` replays a forward during backward, outside the
 ``hybridfp.autocast`` region it first ran in, so hybridfp modules would recompute in high
 precision (and modules refuse to, with a clear error). ``hybridfp.checkpoint`` re-enters the
-original region for the replay: the same recipe, quantizers and cached quantized weights, and
-torch's saved RNG state, so stochastic rounding draws the same numbers and the recomputed
-activations are bitwise those of the forward.
+original region and ``hybridfp.config`` policy for the replay: the same recipe, quantizers and
+cached quantized weights, and torch's saved RNG state, so stochastic rounding draws the same
+numbers and the recomputed activations are bitwise those of the forward.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import Any, Callable
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, Iterator
 
 import torch.utils.checkpoint as torch_checkpoint
 
+from ..config import Policy, current_policy, use_policy
 from ..recipes import current_autocast, replay_region
 
 
@@ -27,7 +28,15 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if "context_fn" in kwargs:
         raise ValueError("hybridfp.checkpoint sets context_fn itself (to re-enter the autocast "
                          "region); wrap your own contexts inside `function` instead.")
-    state = current_autocast()
+    state, pol = current_autocast(), current_policy()
     return torch_checkpoint.checkpoint(
         function, *args, use_reentrant=False,
-        context_fn=lambda: (nullcontext(), replay_region(state)), **kwargs)
+        context_fn=lambda: (nullcontext(), _replay(state, pol)), **kwargs)
+
+
+@contextmanager
+def _replay(state: Any, pol: Policy) -> Iterator[None]:
+    """The recomputation's context: the forward's autocast region and policy (autograd may
+    recompute on another thread, which starts with the default policy)."""
+    with replay_region(state), use_policy(pol):
+        yield

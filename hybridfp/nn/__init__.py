@@ -1,6 +1,6 @@
 """hybridfp modules: Linear, LayerNormLinear, GroupedLinear, the SwiGLU activation, and model conversion."""
 
-from .base import GEMMS, SLOTS, QuantizedModule, set_decoded_copies
+from .base import GEMMS, SLOTS, QuantizedModule
 from .convert import convert, set_names
 from .grouped_linear import GroupedLinear
 from .layernorm_linear import LayerNormLinear
@@ -9,4 +9,4 @@ from .linear_function import SaveOriginalInputIgnoredWarning
 from .swiglu import SwiGLU, swiglu
 
 __all__ = ["GEMMS", "GroupedLinear", "LayerNormLinear", "Linear", "QuantizedModule", "SLOTS",
-           "SaveOriginalInputIgnoredWarning", "SwiGLU", "convert", "set_decoded_copies", "set_names", "swiglu"]
+           "SaveOriginalInputIgnoredWarning", "SwiGLU", "convert", "set_names", "swiglu"]

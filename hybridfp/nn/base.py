@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import Policy, current_policy
 from ..gemm import reads_bf16_decodes, report_emulated
 from ..quantizers import Quantizer
 from ..recipes import AutocastState, QuantizerRole
@@ -53,31 +54,8 @@ GEMMS = (
 
 #: Per slot, the copies that are only ever GEMM operands (never saved as the module's
 #: activations: the input's columnwise copy is): candidates for copies held as their BF16
-#: decodes (``Quantizer.hold_decoded``).
+#: decodes (``Quantizer.hold_decoded``), as the policy's ``decoded_copies`` says.
 DECODED_COPIES = {"weight": (ROWWISE, COLUMNWISE), "grad_output": (ROWWISE, COLUMNWISE), "input": (ROWWISE,)}
-DECODED_MODES = ("auto", "always", "never")
-#: Quantizer classes whose decoded copies "auto" leaves off on CUDA until their GPU tests pass
-#: (tests/nn/test_nn_decoded.py, tests/nn/test_nn_gpu.py). Empty: every class passes them on
-#: the H200. "always" holds any listed class's copies on any device.
-UNVERIFIED_ON_CUDA: frozenset[str] = frozenset()
-_DECODED_MODE = ["auto"]
-
-
-def set_decoded_copies(mode: str) -> str:
-    """How modules hold the copies of ``DECODED_COPIES`` from their next forward on (a changed
-    mode rebuilds their quantizers; returns the old mode): "auto" (default) — as BF16 decodes
-    where the quantizers can write them (``Quantizer.decodable``: 1D MXFP8's two copies, an
-    NVFP4 -> MXFP8 hybrid's either) and every GEMM that reads them decodes them anyway
-    (``gemm.reads_bf16_decodes``: MXFP8 / NVFP4 pairs on CUDA's BF16 tensor cores), one pass
-    instead of a quantize and a decode; "always" — wherever the quantizers can, on any device
-    (tests: the CPU runs the same plumbing); "never" — codes and scales. Results are bitwise
-    the same in every mode wherever the GEMMs decode to BF16 ("auto" holds nothing else; on
-    emulated pairs "always" rounds MXFP8 values below 2**-133 to BF16's grid, see
-    ``tensors.decoded``)."""
-    if mode not in DECODED_MODES:
-        raise ValueError(f"decoded copies mode {mode!r} is unknown; use one of {DECODED_MODES}.")
-    old, _DECODED_MODE[0] = _DECODED_MODE[0], mode
-    return old
 
 
 class QuantizedModule(nn.Module):
@@ -152,7 +130,9 @@ class QuantizedModule(nn.Module):
         The recipe is asked once per slot (per expert for grouped modules) at build time, not
         on every forward. A rebuild drops cached quantized weights.
         """
-        key = (state.key(), _DECODED_MODE[0])
+        pol = current_policy()
+        # the policy fields _hold_decoded reads: a changed one rebuilds (no stale hold_decoded)
+        key = (state.key(), pol.decoded_copies, pol.decoded_unverified_on_cuda)
         if key != self._qkey:
             built: dict[str, list[Quantizer]] = {}
             for slot in SLOTS:
@@ -167,7 +147,7 @@ class QuantizedModule(nn.Module):
                 built[slot] = qs
             self._validate_quantizers(built)
             self._restore_loaded_state(built)
-            self._hold_decoded(built)
+            self._hold_decoded(built, pol)
             self._quantizers, self._qkey = built, key
             # the quantizers whose state can move: the only ones asked for versions and step
             # ends (an MoE layer holds three per expert; most formats keep no state)
@@ -194,9 +174,10 @@ class QuantizedModule(nn.Module):
     def _validate_quantizers(self, built: dict[str, list[Quantizer]]) -> None:
         """Hook for module-specific checks (GroupedLinear needs homogeneous experts)."""
 
-    def _hold_decoded(self, built: dict[str, list[Quantizer]]) -> None:
-        """Set ``hold_decoded`` on every quantizer (``DECODED_COPIES``, ``set_decoded_copies``)."""
-        mode, device = _DECODED_MODE[0], self._device()
+    def _hold_decoded(self, built: dict[str, list[Quantizer]], pol: Policy) -> None:
+        """Set ``hold_decoded`` on every quantizer (``DECODED_COPIES``, as ``pol.decoded_copies``
+        says: see ``hybridfp.config.Policy``)."""
+        mode, device = pol.decoded_copies, self._device()
         # a quantizer object a factory handed to several slots holds nothing decoded: its
         # setting would serve another slot too (an input's saved columnwise copy in BF16)
         seen = Counter(id(q) for qs in built.values() for q in {id(q): q for q in qs}.values())
@@ -211,7 +192,7 @@ class QuantizedModule(nn.Module):
                     reads_bf16_decodes(built[sa][0].format_key(da), built[sb][0].format_key(db), layout, device)
                     for _, layout, (sa, da), (sb, db) in GEMMS if (slot, d) in ((sa, da), (sb, db)))))
             held = frozenset.intersection(*(q.decodable(want) for q in qs)) if qs and mode != "never" else frozenset()
-            if mode == "auto" and any(type(q).__name__ in UNVERIFIED_ON_CUDA for q in qs):
+            if mode == "auto" and any(type(q).__name__ in pol.decoded_unverified_on_cuda for q in qs):
                 held = frozenset()
             for q in qs:
                 q.hold_decoded = held

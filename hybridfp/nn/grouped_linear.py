@@ -24,6 +24,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
+from ..config import current_policy, use_policy
 from ..gemm.grouped import grouped_gemm
 from ..quantizers import HybridQuantizer, Quantizer
 from ..quantizers.grouped import quantize_grouped, quantize_weights_grouped
@@ -87,6 +88,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(*tx, *tw)
         ctx.lcs, ctx.m_splits, ctx.has_bias, ctx.stacked = lcs, m_splits, has_bias, stacked is not None
         ctx.x_dtype, ctx.w_dtypes = x.dtype, [w.dtype for w in weights]
+        ctx.policy = current_policy()  # backward may run on another thread: it re-enters this one
         ctx.b_dtypes = [b.dtype for b in biases] if has_bias else None
         return y
 
@@ -99,7 +101,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         needs_dgrad = ctx.needs_input_grad[0]
         needs_wgrad = ([ctx.needs_input_grad[_PARAMS]] * n if ctx.stacked else
                        [ctx.needs_input_grad[_PARAMS + i] for i in range(n)])
-        with torch_autocast_off(dy):
+        with use_policy(ctx.policy), torch_autocast_off(dy):
             qdys = _quantize_grads(dy, ctx.m_splits, ctx.lcs, needs_dgrad, needs_wgrad)
             qxs = (saved_xs if isinstance(saved_xs, ExpertTensors) else
                    [_wgrad_input(saved_xs[i], lc) if needs_wgrad[i] else None for i, lc in enumerate(ctx.lcs)])

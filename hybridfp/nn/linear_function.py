@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..config import current_policy, use_policy
 from ..gemm import gemm
 from ..quantizers import Float8Quantizer, HybridQuantizer, Quantizer
 from ..tensors import QuantizedStorage, QuantizedTensor
@@ -206,6 +207,7 @@ class LinearFunction(torch.autograd.Function):
         ctx.n_x = len(tx)
         ctx.save_for_backward(*tx, *tw)
         ctx.lc, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = lc, x.shape, x.dtype, weight.dtype
+        ctx.policy = current_policy()  # backward may run on another thread: it re-enters this one
         ctx.has_bias = bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -217,7 +219,7 @@ class LinearFunction(torch.autograd.Function):
         saved_w = unpack(ctx.skel_w, list(saved[ctx.n_x:]))
         needs_dgrad, needs_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dy2 = dy.reshape(math.prod(dy.shape[:-1]), dy.shape[-1])
-        with torch_autocast_off(dy):
+        with use_policy(ctx.policy), torch_autocast_off(dy):
             dx, dw = backward_gemms(dy2, saved_x, saved_w, ctx.lc, ctx.x_dtype, ctx.w_dtype,
                                     needs_dgrad, needs_wgrad)
             db = bias_grad(dy2, ctx.bias_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None

@@ -21,11 +21,12 @@ groups of a grouped columnwise block copy, read in place instead of written out 
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterator, Optional
+from typing import Any, Callable, Hashable, Optional
 
 import torch
+
+from ..config import current_policy
 
 
 class ReferenceQuantizeWarning(UserWarning):
@@ -49,7 +50,6 @@ HYBRID_QUANTIZE_KERNELS: dict[tuple[Hashable, Hashable, str], QuantizeKernel] = 
 #: quantizer class name -> (supports(q, x2, rows), run(q, x2, row_map, rowwise) -> (rowwise storage of x2
 #: or None, columnwise storage of the gathered rows)).
 ROW_MAPPED_KERNELS: dict[str, tuple[Callable[..., bool], Callable[..., Any]]] = {}
-_ENABLED = [True]
 _REPORTED: set[str] = set()
 
 
@@ -85,7 +85,7 @@ def row_mapped_kernel(q: Any, x2: torch.Tensor, rows: int) -> Optional[Callable[
     gathered by a row map (see ``register_row_mapped_kernel``), or None where none fits (the
     caller then gathers the rows and encodes)."""
     entry = ROW_MAPPED_KERNELS.get(type(q).__name__)
-    if entry is None or not _ENABLED[0] or not entry[0](q, x2, rows):
+    if entry is None or not current_policy().quantize_kernels or not entry[0](q, x2, rows):
         return None
     return entry[1]
 
@@ -105,27 +105,10 @@ def hybrid_quantize_kernel(hq: Any) -> Optional[QuantizeKernel]:
     return HYBRID_QUANTIZE_KERNELS.get((row, col, hq.columnwise_source))
 
 
-@contextmanager
-def kernels_enabled(enabled: bool) -> Iterator[None]:
-    """Turn fast quantize kernels off (or on) inside the block, e.g. to compare with the
-    reference."""
-    old = _ENABLED[0]
-    _ENABLED[0] = enabled
-    try:
-        yield
-    finally:
-        _ENABLED[0] = old
-
-
-def kernels_on() -> bool:
-    """Whether fast kernels may run (False inside ``kernels_enabled(False)``); for kernel paths
-    that are not a quantizer's own encode (grouped padding, fused grouped passes)."""
-    return _ENABLED[0]
-
-
 def select_quantize_kernel(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool) -> Optional[QuantizeKernel]:
-    """The kernel for this call, or None (reference). Reports a GPU fallback once."""
-    if not _ENABLED[0]:
+    """The kernel for this call, or None (reference: also wherever the policy turns
+    ``quantize_kernels`` off). Reports a GPU fallback once."""
+    if not current_policy().quantize_kernels:
         return None
     for k in QUANTIZE_KERNELS.get(type(q).__name__, ()):
         if k.supports(q, x, rowwise, columnwise):

@@ -38,6 +38,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from ..config import current_policy
 from ..formats.common import HIGH_PRECISION_DTYPES, ceil_div, check_input
 from ..utils.device import device_constant, device_tensor, step_metadata
 from ..tensors import (DecodedMXFP8Storage, Float8Storage, HybridStorage, MXFP8Storage, QuantizedStorage,
@@ -46,7 +47,7 @@ from ..tensors.expert_tensors import ExpertTensors, JoinedCopy
 from ..tensors.slicing import adjacent_rows, column_slices
 from ..tensors.storage import COLUMNWISE, ROWWISE, Payload
 from . import fast
-from .backends import QUANTIZE_KERNELS, kernels_on, row_mapped_kernel
+from .backends import QUANTIZE_KERNELS, row_mapped_kernel
 from .base import Quantizer
 from .float8_block import Float8BlockQuantizer
 from .hybrid import HybridQuantizer
@@ -422,7 +423,7 @@ def pad_row_groups(src: torch.Tensor, splits: Sequence[int], block: int) -> tupl
     if not any(map(block.__rmod__, splits)):  # every m % block == 0: no padding
         return src, starts
     total = _padded_total(splits, block, starts)
-    if kernels_on() and fast._device_ok(src) and (src.shape[1] <= 1 or src.stride(1) == 1):
+    if current_policy().quantize_kernels and fast._device_ok(src) and (src.shape[1] <= 1 or src.stride(1) == 1):
         with fast._on_device(src):
             return fast._kernels("triton_pad_rows").pad_rows(src, _row_map(splits, starts, total, src)), starts
     out = src.new_zeros(total, src.shape[1])

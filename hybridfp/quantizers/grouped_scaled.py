@@ -13,6 +13,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
+from ..config import current_policy
 from ..formats import fp8_tensorwise, nvfp4
 from ..formats.common import amax_nan, ceil_div, saturating_cast_fp8
 from ..utils.device import device_tensor, step_metadata
@@ -21,7 +22,7 @@ from ..tensors import (DecodedMXFP8Storage, DecodedNVFP4Storage, Float8Storage, 
 from ..tensors.slicing import column_slices
 from ..tensors.storage import COLUMNWISE, ROWWISE
 from . import fast
-from .backends import kernels_on, select_quantize_kernel
+from .backends import select_quantize_kernel
 from .base import Quantizer, all_reduce_amax
 from .float8 import Float8CurrentScalingQuantizer
 from .hybrid import HybridQuantizer
@@ -309,7 +310,7 @@ def fused_nvfp4_mxfp8_supported(hq: Quantizer, x: torch.Tensor) -> bool:
     rq, cq = hq.rowwise_quantizer, hq.columnwise_quantizer
     return (type(rq) is NVFP4Quantizer and group_scaled_mode(rq) == ROWS and not rq.with_rht
             and type(cq) is MXFP8Quantizer and not cq.with_2d_quantization and not cq.uses_randomness()
-            and x.numel() > 0 and kernels_on() and fast._device_ok(x))
+            and x.numel() > 0 and current_policy().quantize_kernels and fast._device_ok(x))
 
 
 #: Quantizers whose per-tensor scale comes from the tensor's own amax, so every expert's scale

@@ -23,7 +23,7 @@ from hybridfp import Float8BlockQuantizer, IdentityQuantizer, MXFP8Quantizer
 from hybridfp.gemm import BACKENDS, EmulatedGemmWarning, bf16_decode, bf16_tensorcore, emulate, fast, gemm, select
 from hybridfp.gemm.bf16_tensorcore import bf16_gemm, pair_supported, run
 from hybridfp.gemm.gemm import LAYOUTS, operand_storage
-from hybridfp.quantizers.backends import kernels_enabled
+from hybridfp import policy
 from hybridfp.tensors import COLUMNWISE, ROWWISE
 
 #: gemm_operands' formats but two that hold the same storages as others ("fp8_delayed": FP8
@@ -203,7 +203,7 @@ def _gpu_operands(layout: str, fa: str, fb: str):
         q = make(t)
         if fmt == "nvfp4_row_scaled":
             q.set_usage(rowwise=True, columnwise=False)
-        with kernels_enabled(False):  # the reference, run by PyTorch on the GPU
+        with policy(quantize_kernels=False):  # the reference, run by PyTorch on the GPU
             out.append(q(t))
     return out
 

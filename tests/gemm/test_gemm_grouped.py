@@ -480,7 +480,8 @@ def test_fp8_rowwise_path_reads_adjacent_rows_without_a_copy(monkeypatch):
 
 def test_per_expert_fp8_choice_by_expert_size():
     """Per-tensor FP8 fprop / dgrad go per expert (cuBLAS) when the mean expert GEMM reaches
-    ``PER_EXPERT_FP8_FLOPS`` (measured crossover, H200), else grouped; empty experts do not count."""
+    the policy's ``per_expert_fp8_flops`` (measured crossover, H200), else grouped; empty experts do
+    not count."""
     from hybridfp.gemm.grouped import per_expert_fp8_faster
     assert per_expert_fp8_faster([4096] * 8, 28672, 4096)  # bench_moe, 8 experts (fc1)
     assert per_expert_fp8_faster([4096] * 8, 4096, 14336)  # fc2 / dgrad
@@ -493,10 +494,10 @@ def test_per_expert_fp8_choice_by_expert_size():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("layout", ["TN", "NN"])
-def test_large_fp8_experts_run_per_expert_cublas_cuda(layout, monkeypatch):
-    """Experts at or above ``PER_EXPERT_FP8_FLOPS`` (forced here) take cuBLAS per expert for
+def test_large_fp8_experts_run_per_expert_cublas_cuda(layout, set_policy):
+    """Experts at or above the policy's ``per_expert_fp8_flops`` (forced here) take cuBLAS per expert for
     per-tensor FP8 fprop / dgrad, within the FP8 MMA bound of the grouped path against FP64."""
-    monkeypatch.setattr(grouped, "PER_EXPERT_FP8_FLOPS", 0.0)
+    set_policy(per_expert_fp8_flops=0.0)
     ops = gpu_operands("fp8_e4m3", 1408)
     wa, wb = OPERANDS[layout]
     da, db = grouped.LAYOUTS[layout]

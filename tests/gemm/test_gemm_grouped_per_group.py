@@ -16,6 +16,7 @@ import pytest
 import torch
 from test_gemm_grouped import ODD, OPERANDS, per_expert, quantized
 
+from hybridfp import current_policy
 from hybridfp.gemm import grouped, grouped_gemm
 from hybridfp.gemm.grouped import reference_grouped_mm
 from hybridfp.gemm.grouped_bf16 import per_group_mm
@@ -100,29 +101,29 @@ def test_exact_settings_and_bad_sizes(monkeypatch):
             per_group_mm(a, b, bad)
 
 
-def test_switch_selects_per_group_mm(monkeypatch):
+def test_switch_selects_per_group_mm(monkeypatch, set_policy):
     """``torch_grouped_mm`` (path 1's default matmul) takes ``per_group_mm`` when the switch is on."""
     calls = []
     monkeypatch.setattr(grouped, "per_group_mm", lambda *a: calls.append(a[2]) or per_group_mm(*a))
-    monkeypatch.setattr(grouped, "BF16_PER_GROUP_CUBLAS", True)
+    set_policy(bf16_per_group_cublas=True)
     g = torch.Generator().manual_seed(3)
     a, b = _ints((9, 16), g), _ints((2, 16, 8), g)
     assert torch.equal(grouped.torch_grouped_mm(a, b, [4, 5]), reference_grouped_mm(a, b, [4, 5]))
     assert calls == [[4, 5]]
 
 
-def test_size_rule_picks_per_group_for_few_large_groups(monkeypatch):
+def test_size_rule_picks_per_group_for_few_large_groups(monkeypatch, set_policy):
     """The default (switch None) takes cuBLAS per group for few large groups (8 experts of 4096
     rows on average, empty ones allowed) and CUTLASS's grouped kernel for many or small groups
     and for operands recording autograd (``per_group_mm`` writes ``out=`` slices); the switch
     forces either way."""
-    assert grouped.BF16_PER_GROUP_CUBLAS is None
+    assert current_policy().bf16_per_group_cublas is None
     wins = grouped.per_group_wins
     assert wins([4096, 0, 16, 5072, 6000, 32, 8192, 9360]) and wins([2048] * 16)
     assert not wins([1024] * 32) and not wins([1024] * 8) and not wins([512] * 64) and not wins([2048] * 17) and not wins([]) and not wins([0, 0])
     calls = []
     monkeypatch.setattr(grouped, "per_group_mm", lambda *a: calls.append(a[2]) or per_group_mm(*a))
-    monkeypatch.setattr(grouped, "PER_GROUP_MIN_MEAN", 4)  # tiny CPU groups count as large
+    set_policy(per_group_min_mean=4)  # tiny CPU groups count as large
     g = torch.Generator().manual_seed(5)
     a, b = _ints((9, 16), g), _ints((2, 16, 8), g)
     assert torch.equal(grouped.torch_grouped_mm(a, b, [4, 5]), reference_grouped_mm(a, b, [4, 5]))
@@ -132,10 +133,10 @@ def test_size_rule_picks_per_group_for_few_large_groups(monkeypatch):
     assert calls == [[4, 5]] and y.requires_grad
     y.float().sum().backward()
     assert ag.grad is not None and ag.grad.shape == ag.shape
-    monkeypatch.setattr(grouped, "PER_GROUP_MIN_MEAN", 5)  # mean 4.5: too small now
+    set_policy(per_group_min_mean=5)  # mean 4.5: too small now
     assert torch.equal(grouped.torch_grouped_mm(a, b, [4, 5]), reference_grouped_mm(a, b, [4, 5]))
     assert calls == [[4, 5]]
-    monkeypatch.setattr(grouped, "BF16_PER_GROUP_CUBLAS", False)
+    set_policy(bf16_per_group_cublas=False)
     assert torch.equal(grouped.torch_grouped_mm(a, b, [4, 5]), reference_grouped_mm(a, b, [4, 5]))
     assert calls == [[4, 5]]  # forced off: torch._grouped_mm ran
 

@@ -23,7 +23,7 @@ from hybridfp.gemm import bf16_decode
 from hybridfp.gemm.bf16_decode import DECODERS, decode_bf16, reference_decode_bf16
 from hybridfp.kernels import triton_decode
 from hybridfp.kernels._common import poisoned_outputs
-from hybridfp.quantizers.backends import kernels_enabled
+from hybridfp import policy
 from hybridfp.tensors import (COLUMNWISE, ROWWISE, Float8BlockStorage, Float8Storage, MXFP8Storage,
                               NVFP4Storage)
 
@@ -73,7 +73,7 @@ def _storages(name: str, x: torch.Tensor):
     q = QUANTIZERS[name]()
     if name == "nvfp4_row_scaled":
         q.set_usage(rowwise=True, columnwise=False)
-    with kernels_enabled(False):
+    with policy(quantize_kernels=False):
         return q(x).qstorage
 
 

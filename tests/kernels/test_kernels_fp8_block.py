@@ -22,7 +22,7 @@ from hybridfp.kernels._common import fp8_params, poisoned_outputs  # noqa: E402
 from hybridfp.kernels._common import current_scale  # noqa: E402
 from hybridfp.kernels.triton_fp8_block import block_inv, block_scale  # noqa: E402
 from hybridfp.quantizers import Float8BlockQuantizer, HybridQuantizer, fast  # noqa: E402
-from hybridfp.quantizers.backends import kernels_enabled  # noqa: E402
+from hybridfp import policy  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 
@@ -101,7 +101,7 @@ def test_fp8_block_dispatch_hybrid(monkeypatch):
     q = HybridQuantizer(Float8BlockQuantizer(block_scaling_dim=2), Float8BlockQuantizer(block_scaling_dim=1),
                         "rowwise_dequantized")
     got = q.quantize(x)
-    with kernels_enabled(False):
+    with policy(quantize_kernels=False):
         want = q.quantize(x)
     for d in ("rowwise", "columnwise"):
         assert_storage_bitwise(got.qstorage.part(d), want.qstorage.part(d), d)

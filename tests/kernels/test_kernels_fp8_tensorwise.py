@@ -18,7 +18,7 @@ from hybridfp.quantizers import (Float8CurrentScalingQuantizer, Float8Quantizer,
                                  fast)
 from hybridfp.quantizers import fast as fast_glue  # noqa: E402
 from hybridfp.quantizers import float8 as float8_quantizers  # noqa: E402
-from hybridfp.quantizers.backends import kernels_enabled  # noqa: E402
+from hybridfp import policy  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 
@@ -33,7 +33,7 @@ CURRENT = {
 def delayed(fp8_dtype=E4M3, margin: int = 0, amax: float = 7.0) -> Float8Quantizer:
     """A delayed-scaling quantizer one update in (E4M3, amax 7: scale 64)."""
     q = Float8Quantizer(fp8_dtype, margin=margin)
-    with kernels_enabled(False):
+    with policy(quantize_kernels=False):
         q.quantize(torch.full((1, 1), amax))
     q.update_scale()
     return q
@@ -130,7 +130,7 @@ def test_fp8_tensorwise_dispatch_hybrid(monkeypatch):
     q = HybridQuantizer(Float8CurrentScalingQuantizer(), delayed(E5M2), "rowwise_dequantized")
     ref = q.copy()
     got = q.quantize(x)
-    with kernels_enabled(False):
+    with policy(quantize_kernels=False):
         want = ref.quantize(x)
     for d in ("rowwise", "columnwise"):
         assert_storage_bitwise(got.qstorage.part(d), want.qstorage.part(d), d)

@@ -363,7 +363,7 @@ def test_moe_shapes_vs_fp64_cuda(layout, ffn):
 # ---------------------------------------------------------------------------- joined copies, CPU
 @interpreter_only
 @pytest.mark.parametrize("out_features", [48, 40], ids=["N=48", "N=40"])
-def test_fp8_step_on_joined_copies(out_features, monkeypatch):
+def test_fp8_step_on_joined_copies(out_features, monkeypatch, set_policy):
     """FP8 current scaling (E4M3 x and W, E5M2 dy): x, dy and the stacked weights come as joined
     copies with per-expert scales (``quantizers.grouped._scaled_group``); with the Triton paths
     on (as on CUDA from 16 experts; forced here, in the interpreter) all three GEMMs run on them
@@ -374,7 +374,6 @@ def test_fp8_step_on_joined_copies(out_features, monkeypatch):
     import copy
 
     from hybridfp import GroupedLinear, factories
-    from hybridfp.gemm import grouped_triton
     from hybridfp.quantizers import grouped as qgrouped
     splits, hidden = [0, 19, 45, 1, 33, 16], 32
     built: list[int] = []
@@ -387,12 +386,12 @@ def test_fp8_step_on_joined_copies(out_features, monkeypatch):
     torch.manual_seed(1)
     m = GroupedLinear(len(splits), hidden, out_features, bias=False, params_dtype=torch.float32)
     fresh = copy.deepcopy(m)
-    monkeypatch.setattr(grouped_triton, "VERIFIED_ON", frozenset({"cpu"}))
+    set_policy(grouped_triton_devices={"cpu"})
     before = PATH_COUNTS.copy()
     got = step(m)
     assert (PATH_COUNTS - before) == {(g, GROUPED_FP8_TRITON): 1 for g in ("fprop", "dgrad", "wgrad")}
     assert built == [], built
-    monkeypatch.setattr(grouped_triton, "VERIFIED_ON", frozenset())
+    set_policy(grouped_triton_devices=frozenset())
     want = step(fresh)
     assert built, "the reference step runs on the per-expert tensors"
     for i, (a, b) in enumerate(zip(got, want)):

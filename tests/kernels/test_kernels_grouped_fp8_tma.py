@@ -177,9 +177,9 @@ def _gamma(n: int) -> float:
 
 
 @interpreter_only
-def test_fp8_step_takes_the_tma_kernel(monkeypatch):
-    """A GroupedLinear FP8-current step on joined copies with ``grouped_fp8.TMA_ROWS`` /
-    ``TMA_WGRAD`` set (the interpreter's tiny config stands in for the CUDA one): all three GEMMs
+def test_fp8_step_takes_the_tma_kernel(monkeypatch, set_policy):
+    """A GroupedLinear FP8-current step on joined copies with the policy's ``grouped_fp8_tma_rows``
+    / ``grouped_fp8_tma_wgrad`` set (the interpreter's tiny config stands in for the CUDA one): all three GEMMs
     launch the TMA kernel, each launch's output is the pointer kernel's on the same operands up to
     FP32 summation order, and the step's outputs are the pointer-kernel step's within that bound.
 
@@ -191,10 +191,9 @@ def test_fp8_step_takes_the_tma_kernel(monkeypatch):
     The operands are random (the step quantizes N(0, 1) draws), so this is no bitwise claim; a
     tile read from the wrong place or a wrong scale is far outside it."""
     from hybridfp import GroupedLinear, factories
-    from hybridfp.gemm import grouped_triton
     splits, hidden, out_features = [0, 19, 45, 1, 33, 16], 32, 48
     k_max = max(hidden, out_features, *(-(-m // 16) * 16 for m in splits))  # wgrad: 16-padded token blocks
-    monkeypatch.setattr(grouped_triton, "VERIFIED_ON", frozenset({"cpu"}))
+    set_policy(grouped_triton_devices={"cpu"})
     real = tt.launch
     bounds: list[float] = []
 
@@ -223,8 +222,7 @@ def test_fp8_step_takes_the_tma_kernel(monkeypatch):
     configs = {name: tt.Fp8TmaConfig(bm=t[0], bn=t[1], bk=t[2], programs=3)
                for name, t in (("rows", tk.TILE), ("wgrad", tk.WGRAD_TILE))}
     monkeypatch.setattr(grouped_fp8, "_tma", lambda name, device: None if name is None else configs[name])
-    monkeypatch.setattr(grouped_fp8, "TMA_ROWS", "rows")
-    monkeypatch.setattr(grouped_fp8, "TMA_WGRAD", "wgrad")
+    set_policy(grouped_fp8_tma_rows="rows", grouped_fp8_tma_wgrad="wgrad")
     before = PATH_COUNTS.copy()
     got = step()
     assert (PATH_COUNTS - before) == {(gm, GROUPED_FP8_TRITON): 1 for gm in ("fprop", "dgrad", "wgrad")}

@@ -6,7 +6,7 @@ FP32 outputs are compared at FP32-accumulation level (relative error ≤ 1e-6 at
 and a 16-bit output must be its FP32 output rounded once (bitwise). CPU: the interpreter on
 tiny shapes with empty and odd-sized experts; GPU (``-m gpu``): MoE shapes against an FP64
 GEMM of the dequantized operands, outputs poisoned — passing them is what adds "cuda" to
-``grouped_triton.VERIFIED_ON`` (empty: opt-in, see gemm/grouped_triton.py).
+the policy's ``grouped_triton_devices`` (empty: opt-in, see gemm/grouped_triton.py).
 """
 
 from __future__ import annotations
@@ -188,7 +188,8 @@ def test_row_scaled_fprop_and_bias():
 
 
 def test_not_taken_by_default_anywhere_yet():
-    """VERIFIED_ON is empty: the path is verified on the H200 but slower than per expert there."""
+    """The policy's grouped_triton_devices is empty: the path is verified on the H200 but slower
+    than per expert there."""
     q = _experts("nvfp4_1d", [3, 5], 32, 16)
     sa = [operand_storage(x, "rowwise", "A") for x in q["x"]]
     sb = [operand_storage(w, "rowwise", "B") for w in q["w"]]
@@ -196,10 +197,10 @@ def test_not_taken_by_default_anywhere_yet():
 
 
 def test_default_on_cuda_from_many_experts():
-    """The default: on CUDA from MANY_EXPERTS experts on, never on the CPU by count alone; a
+    """The default: on CUDA from the policy's many_experts on, never on the CPU by count alone; a
     caller's use_triton wins either way."""
     from hybridfp.gemm import grouped_triton
-    many = grouped_triton.MANY_EXPERTS
+    many = hybridfp.current_policy().many_experts
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert grouped_triton.enabled(cuda, None, many) == grouped_triton.HAVE_TRITON
     assert not grouped_triton.enabled(cuda, None, many - 1)
@@ -328,7 +329,7 @@ def test_grouped_fprop_decodes_shared_encodings_once_gpu(monkeypatch):
 # ---------------------------------------------------------------------------- joined copies, CPU
 @interpreter_only
 @pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # empty experts' amax 0
-def test_composer2_step_on_joined_copies(monkeypatch):
+def test_composer2_step_on_joined_copies(monkeypatch, set_policy):
     """Composer-2 (row-scaled NVFP4 x, NVFP4 weights with each expert's global amax, MXFP8
     backward): x and the stacked weights come as joined copies (the weights' rows one row-scaled
     NVFP4 storage: ``quantizers.grouped._scaled_hybrid_group``), so fprop runs the Triton
@@ -338,12 +339,12 @@ def test_composer2_step_on_joined_copies(monkeypatch):
     import copy
 
     from hybridfp import GroupedLinear, factories
-    from hybridfp.gemm import grouped, grouped_triton
+    from hybridfp.gemm import grouped
     from hybridfp.quantizers import fast as qfast
     from hybridfp.quantizers import grouped as qgrouped
     monkeypatch.setattr(qfast, "_device_ok", lambda *a: True)  # the kernel routes, interpreted
     monkeypatch.setattr(grouped, "_grouped_mm_device", lambda device: True)  # path 1 on the CPU
-    monkeypatch.setattr(grouped_triton, "VERIFIED_ON", frozenset({"cpu"}))
+    set_policy(grouped_triton_devices={"cpu"})
     built: list[str] = []
     for name in ("_cut_hybrids", "_cut_scaled_hybrids", "_cut_experts"):
         real = getattr(qgrouped, name)

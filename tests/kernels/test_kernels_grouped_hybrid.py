@@ -71,10 +71,10 @@ def test_gpu_fused_grouped_hybrid_moe_shapes(monkeypatch):
 
 @interpreter_only
 def test_kernels_disabled_means_no_grouped_kernels(monkeypatch):
-    """Inside ``kernels_enabled(False)`` the grouped padding and the fused grouped pass stay off
+    """Inside ``policy(quantize_kernels=False)`` the grouped padding and the fused grouped pass stay off
     too (a reference comparison must not compare the kernels with themselves)."""
     from hybridfp.kernels import triton_pad_rows
-    from hybridfp.quantizers.backends import kernels_enabled
+    from hybridfp import policy
 
     monkeypatch.setattr(fast, "_device_ok", lambda x: True)
     used = []
@@ -83,7 +83,7 @@ def test_kernels_disabled_means_no_grouped_kernels(monkeypatch):
     monkeypatch.setattr(triton_pad_rows, "pad_rows", lambda *a: used.append("pad"))
     splits = [0, 5, 37]
     x = edge_tensor((sum(splits), 48), torch.float32, seed=2).bfloat16()
-    with kernels_enabled(False):
+    with policy(quantize_kernels=False):
         got = quantize_grouped([hybrid() for _ in splits], x, splits)
     assert used == []
     for g, xe in zip(got, torch.split(x, splits)):

@@ -25,8 +25,9 @@ from quantize_kernel_cases import (EMPTY_SHAPES, GPU_SHAPES, assert_storage_bitw
 from hybridfp.kernels._common import poisoned_outputs  # noqa: E402
 from hybridfp.quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, HybridQuantizer,  # noqa: E402
                                  IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, fast)
+from hybridfp import policy  # noqa: E402
 from hybridfp.quantizers.backends import (ReferenceQuantizeWarning, hybrid_quantize_kernel,  # noqa: E402
-                                          kernels_enabled, select_quantize_kernel)
+                                          select_quantize_kernel)
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 
@@ -303,7 +304,7 @@ def test_hybrid_dispatch_quantize(monkeypatch):
         hq = make()
         assert select_quantize_kernel(hq, x, True, True) is fast.HYBRID_KERNEL
         got = hq.quantize(x)
-        with kernels_enabled(False):
+        with policy(quantize_kernels=False):
             want = hq.quantize(x)
         for d in ("rowwise", "columnwise"):
             assert_storage_bitwise(got.qstorage.part(d), want.qstorage.part(d), f"{name} {d}")
@@ -320,7 +321,7 @@ def check_gpu_hybrid(hq: HybridQuantizer, x: torch.Tensor, rowwise: bool = True,
         separate = hq.copy().reference_encode(x, rowwise, columnwise)
         with poisoned_outputs(0x7F):
             got = hq.encode(x, rowwise, columnwise)
-    with kernels_enabled(False):
+    with policy(quantize_kernels=False):
         reference = hq.copy().reference_encode(x, rowwise, columnwise)
     torch.cuda.synchronize()
     what = f"{hq!r} {tuple(x.shape)} {x.dtype}"

@@ -19,7 +19,8 @@ from quantize_kernel_cases import (DTYPES, EMPTY_SHAPES, GPU_SHAPES, SHAPES, ass
 from hybridfp.formats import mxfp8  # noqa: E402
 from hybridfp.kernels import triton_mxfp8  # noqa: E402
 from hybridfp.quantizers import HybridQuantizer, MXFP8Quantizer, fast  # noqa: E402
-from hybridfp.quantizers.backends import kernels_enabled, select_quantize_kernel  # noqa: E402
+from hybridfp import policy  # noqa: E402
+from hybridfp.quantizers.backends import select_quantize_kernel  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 
@@ -81,7 +82,7 @@ def test_mxfp8_dispatch_and_hybrid(monkeypatch):
                              "rowwise_dequantized")
     assert select_quantize_kernel(hybrid.rowwise_quantizer, x, True, False) is fast.MXFP8_KERNEL
     got = hybrid.quantize(x)
-    with kernels_enabled(False):
+    with policy(quantize_kernels=False):
         want = hybrid.quantize(x)
     for d in ("rowwise", "columnwise"):
         assert_storage_bitwise(got.qstorage.part(d), want.qstorage.part(d), d)

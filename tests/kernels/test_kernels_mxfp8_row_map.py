@@ -157,7 +157,8 @@ def test_grouped_columnwise_reads_through_row_map(splits, monkeypatch):
 def test_row_mapped_kernel_selection():
     """Registered for MXFP8 1D on CUDA inputs only: 2D MXFP8, CPU tensors and the kernels
     switched off find none (the padded copy is then written and encoded)."""
-    from hybridfp.quantizers.backends import kernels_enabled, row_mapped_kernel
+    from hybridfp import policy
+    from hybridfp.quantizers.backends import row_mapped_kernel
     x = torch.randn(40, 64, dtype=torch.bfloat16)
     assert row_mapped_kernel(MXFP8Quantizer(), x, 64) is None  # a CPU tensor (not the interpreter's choice)
     fake_cuda = type("T", (), {"is_cuda": True, "dtype": torch.bfloat16, "shape": (40, 64),
@@ -165,7 +166,7 @@ def test_row_mapped_kernel_selection():
                                 "stride": lambda self: (64, 1)})()
     assert row_mapped_kernel(MXFP8Quantizer(), fake_cuda, 64) is fast._mxfp8_row_mapped_run
     assert row_mapped_kernel(MXFP8Quantizer(with_2d_quantization=True), fake_cuda, 64) is None
-    with kernels_enabled(False):
+    with policy(quantize_kernels=False):
         assert row_mapped_kernel(MXFP8Quantizer(), fake_cuda, 64) is None
 
 

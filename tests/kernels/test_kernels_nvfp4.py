@@ -19,7 +19,8 @@ from hybridfp.formats.common import amax_nan, blocks_1d, expand_blocks_1d  # noq
 from hybridfp.kernels import triton_nvfp4, triton_sr  # noqa: E402
 from hybridfp.quantizers import HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer, fast  # noqa: E402
 from hybridfp.quantizers import nvfp4 as nvfp4_quantizers  # noqa: E402
-from hybridfp.quantizers.backends import kernels_enabled, select_quantize_kernel  # noqa: E402
+from hybridfp import policy  # noqa: E402
+from hybridfp.quantizers.backends import select_quantize_kernel  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 
@@ -267,7 +268,7 @@ def test_nvfp4_dispatch_hybrids(monkeypatch):
               HybridQuantizer(NVFP4Quantizer(row_scaled_nvfp4=True, columnwise=False), MXFP8Quantizer(),
                               "rowwise_dequantized")):
         got = q.quantize(x)
-        with kernels_enabled(False):
+        with policy(quantize_kernels=False):
             want = q.quantize(x)
         for d in ("rowwise", "columnwise"):
             assert_storage_bitwise(got.qstorage.part(d), want.qstorage.part(d), f"{q!r} {d}")

@@ -1,7 +1,7 @@
 """Every module test runs twice on the CPU: with the default decoded-copies mode ("auto", which
 holds nothing decoded where GEMMs are emulated) and with "always", so every module path
 (checkpointing, saved tensors, shared inputs, grouped experts, ...) also runs on copies held as
-their BF16 decodes (``hybridfp.nn.set_decoded_copies``). On a GPU "auto" already holds them where
+their BF16 decodes (the policy's ``decoded_copies``). On a GPU "auto" already holds them where
 it matters, and the GPU tests are the expensive ones: they run once."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridfp.nn import set_decoded_copies
+import hybridfp
 
 MODES = ["auto"] + ([] if torch.cuda.is_available() else ["always"])
 
@@ -17,6 +17,5 @@ MODES = ["auto"] + ([] if torch.cuda.is_available() else ["always"])
 @pytest.fixture(autouse=True, params=MODES, ids=[f"decoded_{m}" for m in MODES])
 def decoded_copies_mode(request):
     """The decoded-copies mode of this run of the test (restored afterwards)."""
-    old = set_decoded_copies(request.param)
-    yield request.param
-    set_decoded_copies(old)
+    with hybridfp.policy(decoded_copies=request.param):
+        yield request.param

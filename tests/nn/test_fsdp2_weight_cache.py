@@ -31,7 +31,6 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import hybridfp as hfp
-from hybridfp.nn import set_decoded_copies
 
 pytestmark = pytest.mark.filterwarnings("ignore::hybridfp.gemm.EmulatedGemmWarning")  # CPU: expected
 
@@ -76,7 +75,6 @@ def _worker(rank: int, port: int, recipe_name: str, out_dir: str, decoded_mode: 
     from torch.distributed.fsdp import fully_shard
 
     torch.set_num_threads(1)
-    set_decoded_copies(decoded_mode)  # the parent's mode (module state is not inherited by spawn)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
     try:
@@ -85,7 +83,9 @@ def _worker(rank: int, port: int, recipe_name: str, out_dir: str, decoded_mode: 
             fully_shard(layer)  # reshard_after_forward=True: re-gathered for backward, each step
         fully_shard(model)
         group = dist.group.WORLD if recipe_name == "delayed" else None
-        losses = _train(model, recipe_name, group)
+        # the parent's decoded-copies mode (a spawned process starts with the default policy)
+        with hfp.policy(decoded_copies=decoded_mode):
+            losses = _train(model, recipe_name, group)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(losses))
     finally:
         dist.destroy_process_group()

@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
 from nn_cases import assert_bitwise
 
 from bench.bench_moe_overhead import RECIPES, ops_per_step
+import hybridfp
 from hybridfp import CustomRecipe, GroupedLinear, autocast
 from hybridfp import factories
-from hybridfp.gemm import grouped, grouped_triton
+from hybridfp.gemm import grouped
 from hybridfp.nn import grouped_linear
 from hybridfp.quantizers import Float8CurrentScalingQuantizer, MXFP8Quantizer
 
@@ -34,10 +36,11 @@ def _quantize_weights_each(quantizers, weights, plans=None):
 
 
 def per_expert_gemms(monkeypatch) -> None:
-    """No Triton grouped GEMM by expert count (its CUDA default from MANY_EXPERTS experts on):
+    """No Triton grouped GEMM by expert count (its CUDA default from the policy's many_experts on):
     its accumulation order differs from the per-expert GEMMs', so bitwise comparisons with
     the per-expert loop keep the pairs it would take on their per-expert GEMMs."""
-    monkeypatch.setattr(grouped_triton, "MANY_EXPERTS", 1 << 30)
+    # the thread's policy, undone with the other patches (as tests/conftest.py's set_policy)
+    monkeypatch.setattr(hybridfp.config._CURRENT, "policy", replace(hybridfp.current_policy(), many_experts=1 << 30))
 
 
 def per_expert_loop(monkeypatch) -> None:
@@ -210,16 +213,12 @@ CALLS_PER_EXPERT_GPU_PATHS = {"bf16 (high_precision)": 27, "mxfp8": 26, "fp8 cur
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_python_calls_per_expert_bounded_on_gpu_paths(name, monkeypatch):
     from bench.bench_moe_overhead import python_calls_per_step, stub_cublas, stub_grouped_mm, stub_kernels
-    from hybridfp.nn import set_decoded_copies
     monkeypatch.setattr(grouped, "_grouped_mm_device", lambda device: True)
     stub_cublas(monkeypatch.setattr)
     stub_grouped_mm(monkeypatch.setattr)
     stub_kernels(monkeypatch.setattr)
-    old = set_decoded_copies("always")  # the copies the GPU's quantize kernels write
-    try:
+    with hybridfp.policy(decoded_copies="always"):  # the copies the GPU's quantize kernels write
         small = python_calls_per_step(RECIPES[name](), 8)
         large = python_calls_per_step(RECIPES[name](), 32)
-    finally:
-        set_decoded_copies(old)
     per_expert = (large - small) / 24
     assert per_expert <= CALLS_PER_EXPERT_GPU_PATHS[name], f"{name}: {per_expert:.1f} Python calls per expert"

@@ -72,7 +72,7 @@ def test_step_equals_per_expert_loop_64_experts(name, monkeypatch):
 
 def test_64_experts_default_takes_triton_grouped_fprop(monkeypatch):
     """At 64 experts the default Composer-2 step runs its row-scaled NVFP4 fprop as one Triton
-    grouped GEMM (grouped_triton.MANY_EXPERTS). Against the per-expert loop: the output agrees
+    grouped GEMM (the policy's many_experts). Against the per-expert loop: the output agrees
     to FP32 accumulation order (only the order of the K sum differs, then one BF16 rounding:
     relative norm error 1e-4, no difference above one BF16 ulp of the largest output), and the
     gradients, whose GEMMs do not read the output, are bitwise equal."""
@@ -181,12 +181,12 @@ def test_step_has_no_host_sync(name, experts):
     assert torch.isfinite(x.grad.float()).all()
 
 
-def test_large_fp8_experts_step_equals_per_expert_loop(monkeypatch):
+def test_large_fp8_experts_step_equals_per_expert_loop(monkeypatch, set_policy):
     """FP8 current scaling with the large-expert choices forced (per-expert cuBLAS fprop, each
     weight quantized on its own instead of stacked): the per-expert loop's step bit for bit."""
     from hybridfp.gemm import grouped as g
     from hybridfp.quantizers import grouped as qg
-    monkeypatch.setattr(g, "PER_EXPERT_FP8_FLOPS", 0.0)
+    set_policy(per_expert_fp8_flops=0.0)
     monkeypatch.setattr(qg, "STACK_SCALED_MAX_NUMEL", 0)
     stacked = []
     real = qg._worth_stacking

@@ -1,4 +1,4 @@
-"""Weight / grad_output copies held as their BF16 decodes (``nn.set_decoded_copies``): every
+"""Weight / grad_output copies held as their BF16 decodes (the policy's ``decoded_copies``): every
 module's forward and backward are bitwise those with codes, and the modes pick the slots."""
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ import torch
 
 import hybridfp
 from hybridfp import CustomRecipe, GroupedLinear, LayerNormLinear, Linear, autocast, factories
-from hybridfp.nn import set_decoded_copies
-from hybridfp.nn.base import UNVERIFIED_ON_CUDA
 from hybridfp.tensors import DecodedMXFP8Storage
 
 HAS_CUDA = torch.cuda.is_available()
@@ -35,9 +33,8 @@ PLAIN = {("composer2", "linear"), ("composer2", "layernorm_linear")}
 
 @pytest.fixture(autouse=True)
 def _restore_mode():
-    old = set_decoded_copies("auto")
-    yield
-    set_decoded_copies(old)
+    with hybridfp.policy(decoded_copies="auto"):
+        yield
 
 
 def _module(kind: str, device: str):
@@ -50,12 +47,11 @@ def _module(kind: str, device: str):
 
 
 def _step(mode: str, kind: str, recipe: str, device: str = "cpu", rows: int = 70, splits=(20, 0, 33, 17)):
-    set_decoded_copies(mode)
     m = _module(kind, device)
     g = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(rows, 64, generator=g, device=device).to(torch.bfloat16).requires_grad_()
     dy = torch.randn(rows, 96, generator=g, device=device).to(torch.bfloat16)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), hybridfp.policy(decoded_copies=mode):
         warnings.simplefilter("ignore")
         with autocast(recipe=RECIPES[recipe]()):
             y = m(x, list(splits)) if kind == "grouped" else m(x)
@@ -84,8 +80,8 @@ def test_auto_is_off_without_decoding_gemms():
 
 
 def test_unknown_mode():
-    with pytest.raises(ValueError, match="decoded copies mode"):
-        set_decoded_copies("sometimes")
+    with pytest.raises(ValueError, match="Policy.decoded_copies"):
+        hybridfp.Policy(decoded_copies="sometimes")
 
 
 @pytest.mark.gpu
@@ -96,13 +92,14 @@ def test_unknown_mode():
 def test_decoded_on_cuda_is_bitwise(kind, recipe, mode):
     """On the GPU (BF16 tensor-core GEMMs, the fused kernels writing the decodes) every step equals
     the one with codes; "auto" holds what "always" does except the classes still in
-    ``UNVERIFIED_ON_CUDA``."""
+    the policy's ``decoded_unverified_on_cuda``."""
     rows, splits = 4160, (1000, 0, 1999, 1161)
     want, _, _ = _step("never", kind, recipe, "cuda", rows, splits)
     got, held, m = _step(mode, kind, recipe, "cuda", rows, splits)
     expected = DECODED["mxfp8" if (recipe, kind) in PLAIN else recipe]
     if mode == "auto":
-        expected = {slot: (set() if type(m._quantizers[slot][0]).__name__ in UNVERIFIED_ON_CUDA else held_)
+        unverified = hybridfp.current_policy().decoded_unverified_on_cuda
+        expected = {slot: (set() if type(m._quantizers[slot][0]).__name__ in unverified else held_)
                     for slot, held_ in expected.items()}
     assert held == expected
     for a, b in zip(got, want):
@@ -113,9 +110,8 @@ def test_quantizer_shared_by_slots_holds_nothing():
     """A factory that hands one quantizer object to several slots: holding its copies decoded for
     the weight would hold the input's saved columnwise copy in BF16 too, so nothing is held."""
     shared = hybridfp.MXFP8Quantizer()
-    set_decoded_copies("always")
     m = Linear(64, 96)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), hybridfp.policy(decoded_copies="always"):
         warnings.simplefilter("ignore")
         with autocast(recipe=CustomRecipe(qfactory=lambda role: shared)):
             m(torch.randn(8, 64))

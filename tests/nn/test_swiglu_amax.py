@@ -23,7 +23,7 @@ from hybridfp import Float8CurrentScaling, Float8CurrentScalingQuantizer, autoca
 from hybridfp.kernels import _common, triton_swiglu  # noqa: E402
 from hybridfp.kernels._common import poisoned_outputs  # noqa: E402
 from hybridfp.quantizers import fast  # noqa: E402
-from hybridfp.quantizers.backends import kernels_enabled  # noqa: E402
+from hybridfp import policy  # noqa: E402
 from hybridfp.tensors import known_amax  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning"),  # inf / NaN edge inputs
@@ -137,7 +137,7 @@ def test_fp8_current_uses_the_known_amax(fp8, monkeypatch):
     h = triton_swiglu.swiglu_forward(g, u, amax_out=buf)
     known_amax.remember(h, buf[0].view(torch.float32))
     q = Float8CurrentScalingQuantizer(fp8)
-    with kernels_enabled(False):
+    with policy(quantize_kernels=False):
         want = q.quantize(h).qstorage
     calls = []
     orig = _common.global_amax
@@ -164,7 +164,7 @@ def test_fused_hybrid_fp8_current_block_uses_the_known_amax(monkeypatch):
     h = triton_swiglu.swiglu_forward(g, u, amax_out=buf)
     known_amax.remember(h, buf[0].view(torch.float32))
     q = HybridQuantizer(Float8CurrentScalingQuantizer(), Float8BlockQuantizer(torch.float8_e5m2, block_scaling_dim=1))
-    with kernels_enabled(False):
+    with policy(quantize_kernels=False):
         want = q.quantize(h).qstorage
     calls = []
     orig = _common.global_amax

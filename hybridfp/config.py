@@ -1,0 +1,191 @@
+"""``Policy``: every behaviour switch of the library in one frozen, validated object.
+
+The policy chooses *how* hybridfp computes — which copies a module holds decoded, whether
+quantize kernels run, which grouped GEMM path an MoE layer's GEMMs take and with which kernel
+config — never *what*: wherever two settings are documented as exact alternatives their
+results are bitwise the same (the grouped paths differ only in FP32 summation order, as
+documented in ``gemm/grouped.py``). The defaults are what the library measures fastest on an
+NVIDIA H200; change them for comparisons, benchmarks and tests::
+
+    with hybridfp.policy(quantize_kernels=False):      # the PyTorch reference quantizers
+        ...
+    with hybridfp.use_policy(hybridfp.Policy(decoded_copies="never")):
+        ...
+
+A policy belongs to the thread that set it, as ``hybridfp.autocast`` regions and
+``torch.autocast`` do: each thread starts with the default ``Policy()``, whatever policy the
+thread that started it has. Autograd may run a backward pass on another thread, so the
+modules' autograd functions keep the policy of their forward and re-enter it in backward, and
+``hybridfp.checkpoint`` recomputes under the policy of the forward it replays.
+
+This module is the bottom layer of the package: it imports nothing from hybridfp.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, fields, replace
+from typing import Any, Iterator, Optional
+
+#: The values of :attr:`Policy.decoded_copies`.
+DECODED_COPIES_MODES = ("auto", "always", "never")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How hybridfp computes; see the module docstring. Every field is validated on
+    construction (a ``ValueError`` / ``TypeError`` naming the field)."""
+
+    decoded_copies: str = "auto"
+    """How modules hold the copies of ``nn.base.DECODED_COPIES`` (the copies that are only ever
+    GEMM operands). "auto" (default): as BF16 decodes where the quantizers can write them
+    (``Quantizer.decodable``: 1D MXFP8's two copies, an NVFP4 -> MXFP8 hybrid's either) and
+    every GEMM that reads them decodes them anyway (``gemm.reads_bf16_decodes``: MXFP8 / NVFP4
+    pairs on CUDA's BF16 tensor cores) — one pass instead of a quantize and a decode; "always":
+    wherever the quantizers can, on any device (the CPU runs the same plumbing); "never": codes
+    and scales. Results are bitwise the same in every mode wherever the GEMMs decode to BF16
+    ("auto" holds nothing else; on emulated pairs "always" rounds MXFP8 values below 2**-133 to
+    BF16's grid, see ``tensors.decoded``). A module whose policy changed rebuilds its
+    quantizers at its next forward."""
+
+    decoded_unverified_on_cuda: frozenset = frozenset()
+    """Quantizer class names whose decoded copies "auto" leaves off on CUDA until their GPU
+    tests pass (tests/nn/test_nn_decoded.py, tests/nn/test_nn_gpu.py). Default empty: every
+    class passes them on the H200. "always" holds any listed class's copies on any device."""
+
+    quantize_kernels: bool = True
+    """Whether ``Quantizer.encode`` and the grouped quantize passes (padding, fused grouped
+    passes, row-mapped columnwise copies) may run the fast kernels. Default True; False runs
+    the PyTorch reference everywhere (the kernels are tested bitwise against it), e.g. to
+    compare with it."""
+
+    many_experts: int = 16
+    """On CUDA the Triton grouped GEMMs (``gemm/grouped_triton.py``, and
+    ``gemm/grouped_fp8.py`` for per-tensor FP8) are taken by default from this many experts on:
+    the per-expert loop then costs a launch sequence per expert and the layer turns host-bound
+    (on the H200 about 2x faster at 64 experts, no faster at 8). Default 16, between the two
+    measured points."""
+
+    grouped_triton_devices: frozenset = frozenset()
+    """Device types (``"cuda"``, ``"cpu"``) on which the Triton grouped GEMMs are taken for any
+    number of experts. Default empty: verified on the H200 but, at 8 large experts, no faster
+    than the per-expert loop there. Tests add ``"cpu"`` to run them in the Triton interpreter."""
+
+    grouped_triton_native_fp8: bool = False
+    """Whether experts' pairs that have a native cuBLAS FP8 kernel (FP8 per-tensor / block) may
+    take the BF16 Triton grouped GEMM too, decoded into BF16 (exact). Default False: per expert
+    they run on FP8 tensor cores; on the H200 the FP8-current MoE step is several times slower
+    with it at 64 and at 8 experts (its wgrad runs with KALIGN 1)."""
+
+    over_scaled_grouped_mm: bool = False
+    """Whether fprop / dgrad of E4M3 experts given as per-expert lists take the Triton FP8
+    grouped GEMM instead of ``torch._scaled_grouped_mm`` (``gemm/grouped.py``'s path 2).
+    Default False; a benchmarking switch (``python -m bench.bench_moe``'s "[FP8 Triton grouped
+    everywhere]" row). Joined copies take the Triton FP8 path for every GEMM regardless."""
+
+    grouped_fp8_tma_rows: Optional[str] = "256x128x128 w8 s3"
+    """The Triton FP8 grouped GEMM's TMA kernel config for fprop / dgrad on CUDA, where it can
+    read the operands (16-byte aligned: joined copies always are): a name in
+    ``kernels/triton_grouped_fp8_tma.py``'s ``CONFIGS``, or None for the pointer kernel.
+    Default: 256x128 tiles, BK 128, 8 warps, 3 stages, the fastest of ``python -m
+    bench.bench_grouped_gemm --part fp8`` at the 64-expert MoE's GEMMs on an NVIDIA H200."""
+
+    grouped_fp8_tma_wgrad: Optional[str] = "256x128x128 w8 s3 store"
+    """As :attr:`grouped_fp8_tma_rows`, for wgrad. Default: the same tiles with the bulk-store
+    epilogue (wgrad's short K loop leaves the store exposed)."""
+
+    bf16_per_group_cublas: Optional[bool] = None
+    """The grouped BF16 matmul of ``gemm/grouped.py``'s path 1 on CUDA: True, cuBLAS per group
+    (``grouped_bf16.per_group_mm``, the same result semantics); False, ``torch._grouped_mm``
+    (CUTLASS, one launch); None (default), ``grouped.per_group_wins`` decides by the groups'
+    count and size (:attr:`per_group_max_groups`, :attr:`per_group_min_mean`)."""
+
+    per_group_max_groups: int = 16
+    """``per_group_wins``: cuBLAS per group only for at most this many groups (each is a launch
+    and host work, which a many-expert MoE step cannot afford) ..."""
+
+    per_group_min_mean: int = 2048
+    """... of at least this many rows (or reduction columns) on average. Default 16 and 2048:
+    on the H200 cuBLAS per expert is faster than CUTLASS at 8 experts of 4096 rows and mostly
+    at 16 of 2048, about even at 32 of 1024, clearly slower at 64 of 512."""
+
+    per_expert_fp8_flops: float = 2.5e11
+    """Mean GEMM size (FLOPs per non-empty expert) from which per-tensor FP8 experts run as one
+    cuBLAS ``_scaled_mm`` per expert rather than a grouped kernel. Default 2.5e11: on the H200
+    (torch 2.11, 8 experts of ~4096 rows, hidden 4096, ffn 14336) cuBLAS per expert runs fprop
+    clearly faster than the grouped CUTLASS kernel, while below ~1e11 FLOPs an expert's GEMM is
+    too short to hide its ~50 us of host work."""
+
+    def __post_init__(self) -> None:
+        if self.decoded_copies not in DECODED_COPIES_MODES:
+            raise ValueError(f"Policy.decoded_copies={self.decoded_copies!r} is unknown; use one of "
+                             f"{DECODED_COPIES_MODES}.")
+        for name in ("decoded_unverified_on_cuda", "grouped_triton_devices"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not isinstance(value, (frozenset, set, tuple, list)) or not all(
+                    isinstance(v, str) for v in value):
+                raise TypeError(f"Policy.{name} must be a set of names (str); got {value!r}.")
+            object.__setattr__(self, name, frozenset(value))
+        for name in ("quantize_kernels", "grouped_triton_native_fp8", "over_scaled_grouped_mm"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Policy.{name} must be True or False; got {getattr(self, name)!r}.")
+        if self.bf16_per_group_cublas is not None and not isinstance(self.bf16_per_group_cublas, bool):
+            raise TypeError(f"Policy.bf16_per_group_cublas must be True, False or None; got "
+                            f"{self.bf16_per_group_cublas!r}.")
+        for name in ("grouped_fp8_tma_rows", "grouped_fp8_tma_wgrad"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise TypeError(f"Policy.{name} must be a TMA config name or None; got {value!r}.")
+        for name in ("many_experts", "per_group_max_groups", "per_group_min_mean"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"Policy.{name} must be an integer >= 0; got {value!r}.")
+        value = self.per_expert_fp8_flops
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ValueError(f"Policy.per_expert_fp8_flops must be a number >= 0; got {value!r}.")
+
+
+#: The policy every thread starts with.
+DEFAULT_POLICY = Policy()
+
+
+class _ThreadPolicy(threading.local):
+    """Each thread's policy: a new thread starts with :data:`DEFAULT_POLICY`."""
+
+    def __init__(self) -> None:
+        self.policy = DEFAULT_POLICY
+
+
+_CURRENT = _ThreadPolicy()
+
+
+def current_policy() -> Policy:
+    """The calling thread's policy."""
+    return _CURRENT.policy
+
+
+@contextmanager
+def use_policy(p: Policy) -> Iterator[Policy]:
+    """Run the block under policy ``p`` in the calling thread; the previous policy is restored
+    when the block ends (also when it raises)."""
+    if not isinstance(p, Policy):
+        raise TypeError(f"use_policy needs a hybridfp Policy; got {type(p).__name__}.")
+    old, _CURRENT.policy = _CURRENT.policy, p
+    try:
+        yield p
+    finally:
+        _CURRENT.policy = old
+
+
+@contextmanager
+def policy(**changes: Any) -> Iterator[Policy]:
+    """Run the block under the calling thread's policy with ``changes`` applied (field names of
+    :class:`Policy`), e.g. ``with hybridfp.policy(quantize_kernels=False):``."""
+    known = {f.name for f in fields(Policy)}
+    unknown = sorted(set(changes) - known)
+    if unknown:
+        raise TypeError(f"Policy has no field {', '.join(map(repr, unknown))}; its fields are "
+                        f"{', '.join(sorted(known))}.")
+    with use_policy(replace(current_policy(), **changes)) as p:
+        yield p
