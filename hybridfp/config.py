@@ -2,9 +2,9 @@
 
 The policy chooses *how* hybridfp computes — which copies a module holds decoded, whether
 quantize kernels run, which grouped GEMM path an MoE layer's GEMMs take and with which kernel
-config — never *what*: wherever two settings are documented as exact alternatives their
-results are bitwise the same (the grouped paths differ only in FP32 summation order, as
-documented in ``gemm/grouped.py``). The defaults are what the library measures fastest on an
+config. Results are bitwise the same under every policy except where a field says otherwise
+(the grouped paths' FP32 summation order, documented in ``gemm/grouped.py``; "always" decoded
+copies on emulated GEMMs). The defaults are what the library measures fastest on an
 NVIDIA H200; change them for comparisons, benchmarks and tests::
 
     with hybridfp.policy(quantize_kernels=False):      # the PyTorch reference quantizers
@@ -88,8 +88,10 @@ class Policy:
     """The Triton FP8 grouped GEMM's TMA kernel config for fprop / dgrad on CUDA, where it can
     read the operands (16-byte aligned: joined copies always are): a name in
     ``kernels/triton_grouped_fp8_tma.py``'s ``CONFIGS``, or None for the pointer kernel.
-    Default: 256x128 tiles, BK 128, 8 warps, 3 stages, the fastest of ``python -m
-    bench.bench_grouped_gemm --part fp8`` at the 64-expert MoE's GEMMs on an NVIDIA H200."""
+    Default: 256x128 tiles, BK 128, 8 warps, 3 stages: the fastest of ``python -m
+    bench.bench_grouped_gemm --part fp8`` at the 64-expert MoE's six GEMMs on an NVIDIA H200,
+    and faster than the pointer kernel in each. The interpreter keeps the pointer kernel (CUDA
+    only)."""
 
     grouped_fp8_tma_wgrad: Optional[str] = "256x128x128 w8 s3 store"
     """As :attr:`grouped_fp8_tma_rows`, for wgrad. Default: the same tiles with the bulk-store
