@@ -76,6 +76,8 @@ def test_resume_is_bitwise_identical(tmp_path, cache, recipes):
     _train(cache, split, "--resume", "--steps", "20")
     for label in recipes.split(","):
         assert _losses(split, label) == _losses(full, label)  # every step's losses, exactly
+        lrs = [[r.get("lr") for r in _records(out) if r["recipe"] == label] for out in (split, full)]
+        assert lrs[0] == lrs[1]  # the resumed scheduler continues the schedule's floats
         a = torch.load(full / "checkpoints" / f"{label}.pt", weights_only=True)
         b = torch.load(split / "checkpoints" / f"{label}.pt", weights_only=True)
         assert a["step"] == b["step"] == 20
