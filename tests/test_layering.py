@@ -36,13 +36,7 @@ SELF_CONTAINED = {"config", "utils"}
 
 #: Imports against the order that remain, (file, imported module) -> why. An entry whose import
 #: is gone fails ``test_allowed_exceptions_still_exist``: delete it then.
-ALLOWED: dict[tuple[str, str], str] = {
-    # ``autocast`` also lives in hybridfp.recipes: ``from ..recipes import autocast`` removes it
-    ("hybridfp/train/loop.py", "hybridfp"): "train reads autocast from the top package",
-    # BASE and ZOO are defined in hybridfp/factories.py (top); defined in recipes/factories.py and
-    # re-exported by hybridfp/factories.py, train would import ``from ..recipes import factories``
-    ("hybridfp/train/recipes_by_name.py", "hybridfp.factories"): "train reads the factory tables BASE / ZOO",
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def module_name(path: Path) -> str:

@@ -203,3 +203,20 @@ class per_gemm:  # noqa: N801 - used like a function: per_gemm(fprop=..., dgrad=
 
     def __hash__(self) -> int:
         return hash((self.fprop, self.dgrad, self.wgrad))
+
+
+#: The base factories by name, each bitwise equal to its built-in recipe (numerics §5).
+BASE = {
+    "high_precision": high_precision, "delayed_scaling": delayed_scaling,
+    "current_scaling": current_scaling, "float8_block_scaling": float8_block_scaling,
+    "mxfp8": mxfp8, "nvfp4": nvfp4,
+}
+#: The zoo factories by name (numerics §5).
+ZOO = {
+    "high_precision_fwd_mxfp8_bwd": high_precision_fwd_mxfp8_bwd,
+    "mxfp8_fwd_nvfp4_bwd": mxfp8_fwd_nvfp4_bwd,
+    "nvfp4_1d_weight": nvfp4_1d_weight,
+    "mxfp8_fwd_high_precision_bwd": mxfp8_fwd_high_precision_bwd,
+    "nvfp4_row_scaled_fwd_mxfp8_bwd": nvfp4_row_scaled_fwd_mxfp8_bwd,
+    "nvfp4_row_scaled_fwd_high_precision_bwd": nvfp4_row_scaled_fwd_high_precision_bwd,
+}

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from .. import autocast
+from ..recipes import autocast
 from ..gemm import EMULATED, describe_key, select
 from ..nn import GEMMS, QuantizedModule
 from ..recipes import AutocastState, Recipe

@@ -23,7 +23,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .. import factories
+from ..recipes import factories
 from ..quantizers import Quantizer
 from ..recipes import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                        MXFP8BlockScaling, NVFP4BlockScaling, Recipe)
