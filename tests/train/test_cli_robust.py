@@ -22,15 +22,6 @@ from hybridfp.train.recipes_by_name import parse_recipe
 pytestmark = pytest.mark.filterwarnings("ignore::hybridfp.gemm.EmulatedGemmWarning")
 
 
-@pytest.fixture(scope="module")
-def text(tmp_path_factory):
-    """A small text corpus (byte tokens): a run of a few steps takes about a second."""
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_text("".join(f"line {i}: the quick brown fox jumps over {i * 7 % 13} lazy dogs\n"
-                            for i in range(300)))
-    return path
-
-
 def _run(text, out, *extra):
     """``hybridfp train`` at the smallest size; returns its exit status."""
     return cli.main(["train", "--preset", "test", "--data", str(text), "--out", str(out), "--no-progress",
