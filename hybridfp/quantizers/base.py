@@ -72,7 +72,24 @@ class _QuantizeSTE(torch.autograd.Function):
 
 
 class Quantizer(ABC):
-    """Base of every quantizer. Subclasses set ``storage_cls`` and implement ``encode``."""
+    """Base of every quantizer. Subclasses set ``storage_cls`` and implement ``reference_encode``.
+
+    A quantizer is called like a function: ``q(x)`` is ``q.quantize(x)``.
+
+    Parameters
+    ----------
+    rowwise:
+        Make the rowwise copy (the forward GEMM operand) on ``quantize``.
+    columnwise:
+        Make the columnwise copy (the transposed, backward GEMM operand) on ``quantize``.
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> q = hf.MXFP8Quantizer(columnwise=False)
+    >>> q(torch.randn(32, 64)).directions()
+    ('rowwise',)
+    """
 
     storage_cls: ClassVar[type[QuantizedStorage]]
     #: Short format name used in reports and error messages.
@@ -125,7 +142,23 @@ class Quantizer(ABC):
 
     # ------------------------------------------------------------------ usage
     def set_usage(self, *, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
-        """Choose which copies the next ``quantize`` produces (None keeps the current flag)."""
+        """Choose which copies the next ``quantize`` produces.
+
+        Parameters
+        ----------
+        rowwise:
+            Make the rowwise copy; None keeps the current flag.
+        columnwise:
+            Make the columnwise copy; None keeps the current flag.
+
+        Example
+        -------
+        >>> import torch, hybridfp as hf
+        >>> q = hf.Float8CurrentScalingQuantizer()
+        >>> q.set_usage(rowwise=False)
+        >>> q(torch.randn(16, 16)).directions()
+        ('columnwise',)
+        """
         if rowwise is not None:
             self.rowwise_usage = bool(rowwise)
         if columnwise is not None:
@@ -138,7 +171,39 @@ class Quantizer(ABC):
 
     # ------------------------------------------------------------------ quantize
     def quantize(self, x: torch.Tensor) -> QuantizedTensor:
-        """Quantize ``x`` into the requested copies; the gradient passes straight through."""
+        """Quantize ``x`` into the copies this quantizer's usage flags request.
+
+        The gradient passes straight through (the backward of ``quantize`` is the identity).
+
+        Parameters
+        ----------
+        x:
+            A float32, bfloat16 or float16 tensor of any shape (blocks run along the last dim).
+
+        Returns
+        -------
+        QuantizedTensor
+            Of ``x``'s shape and dtype, holding the requested copies and pointing back to this
+            quantizer.
+
+        Raises
+        ------
+        TypeError
+            ``x`` is already a QuantizedTensor, not a tensor, or not of a float dtype above.
+        ValueError
+            Both usage flags are off (a HybridQuantizer returns an empty hybrid instead), or
+            the format cannot make a requested copy (row-scaled NVFP4's columnwise copy).
+
+        Example
+        -------
+        >>> import torch, hybridfp as hf
+        >>> x = torch.randn(64, 128)
+        >>> qt = hf.MXFP8Quantizer().quantize(x)
+        >>> qt.shape, qt.directions()
+        (torch.Size([64, 128]), ('rowwise', 'columnwise'))
+        >>> bool((qt.dequantize() - x).abs().max() < 0.5)
+        True
+        """
         if isinstance(x, QuantizedTensor):
             raise TypeError(f"{self!r}: input is already a QuantizedTensor "
                             f"({x.qstorage.describe()}); dequantize() it first.")
@@ -227,7 +292,14 @@ class Quantizer(ABC):
 
         Returns
         -------
-        A dict of name -> tensor (a copy, not the live state) / int / float / bool / str.
+        dict
+            Name -> tensor (a copy, not the live state) / int / float / bool / str.
+
+        Example
+        -------
+        >>> import hybridfp as hf
+        >>> hf.MXFP8Quantizer().get_state()
+        {}
         """
         return {}
 
@@ -242,7 +314,14 @@ class Quantizer(ABC):
         Raises
         ------
         ValueError
-            If ``state`` has keys this quantizer does not keep (a stateless one keeps none).
+            If ``state`` is not a dict or has keys this quantizer does not keep (a stateless
+            one keeps none).
+
+        Example
+        -------
+        >>> import hybridfp as hf
+        >>> q = hf.MXFP8Quantizer()
+        >>> q.set_state(q.get_state())
         """
         check_state_keys(self, state, {})
 
@@ -275,7 +354,39 @@ class Quantizer(ABC):
     # ------------------------------------------------------------------ helpers
     def make_empty(self, shape: torch.Size | tuple[int, ...], *, dtype: torch.dtype = torch.float32,
                    device: torch.device | str | None = None, requires_grad: bool = False) -> QuantizedTensor:
-        """An uninitialized quantized tensor of ``shape`` with this quantizer's copies."""
+        """An uninitialized quantized tensor of ``shape`` with this quantizer's copies, to be
+        filled by :meth:`update_quantized`.
+
+        Parameters
+        ----------
+        shape:
+            The logical (high-precision) shape.
+        dtype:
+            The nominal dtype (what ``dequantize()`` returns).
+        device:
+            Where the buffers live (None: the CPU).
+        requires_grad:
+            Whether the result requires grad.
+
+        Returns
+        -------
+        QuantizedTensor
+            Holding the copies of this quantizer's usage flags, values unset.
+
+        Raises
+        ------
+        ValueError
+            The format cannot make a requested copy (row-scaled NVFP4's columnwise copy).
+
+        Example
+        -------
+        >>> import torch, hybridfp as hf
+        >>> q = hf.MXFP8Quantizer()
+        >>> t = q.make_empty((32, 64))
+        >>> _ = q.update_quantized(torch.ones(32, 64), t)
+        >>> t.dequantize().sum().item()
+        2048.0
+        """
         storage = self._allocate(torch.Size(shape), dtype, device or "cpu",
                                  self.rowwise_usage, self.columnwise_usage)
         return QuantizedTensor(storage, self, requires_grad=requires_grad)
@@ -312,9 +423,20 @@ class Quantizer(ABC):
         Raises
         ------
         ValueError
-            Shapes differ, an invalid source, or no copy selected.
+            Shapes differ, an unknown direction name, or no copy selected.
+        TypeError
+            ``src`` is not a float32 / bfloat16 / float16 tensor.
         MissingDirectionError
             A selected copy ``dst`` does not hold (a copy cannot be added in place).
+
+        Example
+        -------
+        >>> import torch, hybridfp as hf
+        >>> q = hf.Float8CurrentScalingQuantizer()
+        >>> t = q.quantize(torch.zeros(16, 16))
+        >>> _ = q.update_quantized(torch.ones(16, 16), t)
+        >>> t.dequantize().mean().item()
+        1.0
         """
         if tuple(src.shape) != tuple(dst.shape):
             raise ValueError(f"update_quantized: source shape {tuple(src.shape)} differs from "

@@ -132,7 +132,40 @@ def _float8_storage(q: Quantizer, x: torch.Tensor, scale: torch.Tensor, dtype: t
 
 
 class Float8CurrentScalingQuantizer(Quantizer):
-    """FP8 with a per-tensor scale computed from this tensor's own amax."""
+    """FP8 with a per-tensor scale computed from this tensor's own amax (numerics §2.1).
+
+    Stateless and deterministic: quantizing the same tensor again gives the same copies. Both
+    copies share the scale; the columnwise copy is the rowwise data transposed.
+
+    Parameters
+    ----------
+    fp8_dtype:
+        ``torch.float8_e4m3fn`` (default) / ``torch.float8_e5m2``, or "e4m3" / "e5m2".
+    rowwise, columnwise:
+        The copies ``quantize`` makes (see :meth:`Quantizer.set_usage`).
+    force_pow_2_scales:
+        Round the scale down to a power of two.
+    amax_epsilon:
+        A finite floor >= 0 for the amax the scale is computed from (0: none).
+    with_amax_reduction:
+        All-reduce (MAX) the amax over ``amax_reduction_group`` before computing the scale.
+    amax_reduction_group:
+        The process group of that reduction.
+
+    Raises
+    ------
+    ValueError
+        An ``fp8_dtype`` that is not an FP8 type, or an ``amax_epsilon`` that is negative,
+        not finite, or not a number.
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> q = hf.Float8CurrentScalingQuantizer("e4m3")
+    >>> x = torch.tensor([[448.0, 1.0]])
+    >>> q(x).dequantize()
+    tensor([[448.,   1.]])
+    """
 
     storage_cls = Float8Storage
     format_name = "fp8_current"
@@ -195,10 +228,23 @@ class Float8Quantizer(Quantizer):
         An integer in [0, ``formats.fp8_tensorwise.max_margin(fp8_dtype)``]: the scale is
         divided by ``2**margin``.
 
+    rowwise, columnwise:
+        The copies ``quantize`` makes (see :meth:`Quantizer.set_usage`).
+
     Raises
     ------
     ValueError
-        For an option outside its range (the message names it and the range).
+        For an option outside its range (the message names it and the range), an unknown
+        ``amax_compute_algo``, or an ``fp8_dtype`` that is not an FP8 type.
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> q = hf.Float8Quantizer(amax_history_len=4)
+    >>> _ = q(torch.full((4, 4), 2.0))   # quantized with scale 1; records amax 2
+    >>> q.update_scale()
+    >>> q.scale.item()                    # 448 / 2 (E4M3 max / amax)
+    224.0
     """
 
     storage_cls = Float8Storage
@@ -248,7 +294,16 @@ class Float8Quantizer(Quantizer):
         Parameters
         ----------
         amax_reduction_group:
-            A process group over which the pending amax is all-reduced (MAX) first.
+            A process group over which the pending amax is all-reduced (MAX) first; None
+            keeps the local amax.
+
+        Example
+        -------
+        >>> import torch, hybridfp as hf
+        >>> q = hf.Float8Quantizer(amax_history_len=2)
+        >>> _ = q(torch.ones(2, 2)); q.update_scale()
+        >>> q.state_version(), q.scale.item()
+        (1, 448.0)
         """
         if amax_reduction_group is not None:
             pending = self.amax_history[0:1]
@@ -291,7 +346,14 @@ class Float8Quantizer(Quantizer):
 
         Returns
         -------
-        The state, tensors and plain values only.
+        dict
+            The state, tensors and plain values only.
+
+        Example
+        -------
+        >>> import hybridfp as hf
+        >>> sorted(hf.Float8Quantizer(amax_history_len=8).get_state())
+        ['amax_history', 'recorded', 'scale', 'updates']
         """
         return {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in self._state_entries().items()}
 
@@ -306,7 +368,17 @@ class Float8Quantizer(Quantizer):
         Raises
         ------
         ValueError
-            Naming missing / unexpected keys, or a tensor of another shape or dtype.
+            Naming missing / unexpected keys, or a tensor of another shape or dtype (another
+            ``amax_history_len``).
+
+        Example
+        -------
+        >>> import torch, hybridfp as hf
+        >>> a, b = hf.Float8Quantizer(amax_history_len=4), hf.Float8Quantizer(amax_history_len=4)
+        >>> _ = a(torch.ones(2, 2)); a.update_scale()
+        >>> b.set_state(a.get_state())
+        >>> b.scale.item(), b.state_version()
+        (448.0, 1)
         """
         check_state_keys(self, state, self._state_entries())
         device = self.scale.device

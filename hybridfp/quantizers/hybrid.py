@@ -25,7 +25,38 @@ class HybridQuantizer(Quantizer):
     Only requested copies are computed; with "rowwise_dequantized" and only the columnwise
     copy requested, a transient rowwise result is made and discarded. With both usages off,
     ``quantize`` returns an empty hybrid (shape and dtype, no copy; reading a value from it
-    raises), as TransformerEngine's does; its children see nothing.
+    raises), as TransformerEngine's does; its children see nothing. A child that makes no
+    copy in a call still ``observe``\\ s the input (a delayed-scaling child records its amax).
+
+    Parameters
+    ----------
+    rowwise_quantizer:
+        A non-hybrid quantizer for the rowwise (forward) copy.
+    columnwise_quantizer:
+        A different non-hybrid quantizer object for the columnwise (backward) copy.
+    columnwise_source:
+        "original" or "rowwise_dequantized" (above).
+    rowwise, columnwise:
+        The copies ``quantize`` makes (see :meth:`Quantizer.set_usage`); the children's own
+        usage flags are not read.
+
+    Raises
+    ------
+    TypeError
+        A child is not a Quantizer, or is itself a HybridQuantizer.
+    ValueError
+        Both children are the same object, the columnwise child cannot make a columnwise copy
+        (row-scaled NVFP4), or ``columnwise_source`` is unknown.
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> q = hf.HybridQuantizer(hf.NVFP4Quantizer(), hf.MXFP8Quantizer())
+    >>> t = q(torch.randn(64, 64))
+    >>> t.qstorage.describe()
+    'Hybrid[NVFP4/MXFP8] tensor of shape (64, 64)'
+    >>> t.dequantize(direction="rowwise").shape
+    torch.Size([64, 64])
     """
 
     storage_cls = HybridStorage
@@ -135,7 +166,15 @@ class HybridQuantizer(Quantizer):
 
         Returns
         -------
-        A flat dict of tensors and plain values ({} when neither child keeps state).
+        dict
+            A flat dict of tensors and plain values ({} when neither child keeps state).
+
+        Example
+        -------
+        >>> import hybridfp as hf
+        >>> q = hf.HybridQuantizer(hf.Float8Quantizer(amax_history_len=4), hf.IdentityQuantizer())
+        >>> sorted(q.get_state())
+        ['rowwise.amax_history', 'rowwise.recorded', 'rowwise.scale', 'rowwise.updates']
         """
         return {f"{prefix}.{k}": v for prefix, child in self._children() for k, v in child.get_state().items()}
 
@@ -150,7 +189,13 @@ class HybridQuantizer(Quantizer):
         Raises
         ------
         ValueError
-            For a key without either prefix, or a child's own mismatch.
+            ``state`` is not a dict, a key has neither prefix, or a child's own mismatch.
+
+        Example
+        -------
+        >>> import hybridfp as hf
+        >>> q = hf.HybridQuantizer(hf.Float8Quantizer(amax_history_len=4), hf.IdentityQuantizer())
+        >>> q.copy().set_state(q.get_state())
         """
         if not isinstance(state, dict):
             raise ValueError(f"HybridQuantizer.set_state: needs a dict from get_state(); got {type(state).__name__}.")

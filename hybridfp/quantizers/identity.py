@@ -15,7 +15,30 @@ from .base import Quantizer
 class IdentityQuantizer(Quantizer):
     """Keeps the tensor unquantized (optionally cast to ``dtype``); both copies share it.
 
-    Without a cast the storage aliases the input (no copy), as a passthrough should.
+    Without a cast the storage aliases the input (no copy), as a passthrough should. The
+    result's nominal dtype stays the input's: ``dequantize()`` returns it in that dtype (the
+    values rounded through ``dtype`` when one is given).
+
+    Parameters
+    ----------
+    dtype:
+        float32, bfloat16, float16 or None (no cast).
+    rowwise, columnwise:
+        The copies ``quantize`` makes (see :meth:`Quantizer.set_usage`); both share one tensor.
+
+    Raises
+    ------
+    ValueError
+        For any other ``dtype``.
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> x = torch.tensor([[1.0 + 2**-10]])
+    >>> hf.IdentityQuantizer()(x).dequantize().item() == x.item()
+    True
+    >>> hf.IdentityQuantizer(torch.bfloat16)(x).dequantize()
+    tensor([[1.]])
     """
 
     storage_cls = IdentityStorage

@@ -15,10 +15,35 @@ _RULES = ("rceil", "floor")
 
 
 class MXFP8Quantizer(Quantizer):
-    """FP8 elements with an E8M0 scale per 32 (1x32 rowwise, 32x1 columnwise).
+    """FP8 elements with an E8M0 scale per 32 (1x32 rowwise, 32x1 columnwise), numerics §2.4.
 
-    ``scale_rule``: "rceil" (TE/cuBLAS default, block max never saturates) or "floor" (OCP).
-    ``with_2d_quantization``: 32x32 tiles (weights); both copies then hold the same values.
+    Stateless and deterministic; the columnwise copy of 1D blocks is quantized from the
+    source, not transposed from the rowwise one.
+
+    Parameters
+    ----------
+    fp8_dtype:
+        ``torch.float8_e4m3fn`` (default) / ``torch.float8_e5m2``, or "e4m3" / "e5m2".
+    rowwise, columnwise:
+        The copies ``quantize`` makes (see :meth:`Quantizer.set_usage`).
+    scale_rule:
+        "rceil" (TE/cuBLAS default, block max never saturates) or "floor" (OCP).
+    with_2d_quantization:
+        32x32 tiles (weights); both copies then hold the same values.
+
+    Raises
+    ------
+    ValueError
+        An unknown ``scale_rule``, or an ``fp8_dtype`` that is not an FP8 type.
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> q = hf.MXFP8Quantizer(scale_rule="floor")
+    >>> x = torch.randn(64, 64)
+    >>> t = q(x)
+    >>> t.directions(), t.quantized_nbytes()   # 2 x (4096 codes + 128 scales)
+    (('rowwise', 'columnwise'), 8448)
     """
 
     storage_cls = MXFP8Storage

@@ -25,6 +25,47 @@ class NVFP4Quantizer(Quantizer):
     - ``stochastic_rounding``: unbiased random rounding (gradients), drawn from torch's
       generator (``generator`` or the device default), so ``torch.manual_seed`` reproduces it.
     - ``row_scaled_nvfp4``: one global amax per row (forward activations only: rowwise copy).
+
+    Parameters
+    ----------
+    rowwise, columnwise:
+        The copies ``quantize`` makes (see :meth:`Quantizer.set_usage`).
+    with_rht:
+        Random Hadamard transform of the columnwise copy.
+    with_post_rht_amax:
+        With ``with_rht``: take the columnwise global amax after the transform.
+    with_2d_quantization:
+        16x16 tiles (weights).
+    stochastic_rounding:
+        Unbiased random rounding; the quantizer is then not requantization-safe.
+    row_scaled_nvfp4:
+        One global amax per row; the quantizer then makes no columnwise copy.
+    with_amax_reduction:
+        All-reduce (MAX) the global amax over ``amax_reduction_group``.
+    amax_reduction_group:
+        The process group of that reduction.
+    generator:
+        The ``torch.Generator`` stochastic-rounding seeds are drawn from (None: torch's
+        default CPU generator).
+
+    Raises
+    ------
+    ValueError
+        ``row_scaled_nvfp4`` with ``with_rht``, ``with_2d_quantization``,
+        ``stochastic_rounding`` or ``with_amax_reduction``; ``with_rht`` with
+        ``with_2d_quantization``. ``quantize`` / ``make_empty`` raise it too when a row-scaled
+        quantizer is asked for a columnwise copy.
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> x = torch.randn(128, 128)
+    >>> t = hf.NVFP4Quantizer(with_rht=True)(x)
+    >>> bool((t.dequantize(direction="columnwise") - x).norm() / x.norm() < 0.15)
+    True
+    >>> q = hf.NVFP4Quantizer(row_scaled_nvfp4=True, columnwise=False)
+    >>> q(x).directions()
+    ('rowwise',)
     """
 
     storage_cls = NVFP4Storage
