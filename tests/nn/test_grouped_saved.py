@@ -81,6 +81,8 @@ def _same_storage(a, b, what: str) -> None:
 def test_restored_experts_are_the_saved_ones(name, save_original, monkeypatch):
     """Every save of a real step, restored at once from the saved tensors: each expert's tensor
     is the one saved (same quantizer, storage layout and payload views)."""
+    if save_original and name == "fp8_delayed":
+        pytest.skip("save_original_input is refused for delayed-scaling inputs (test_module_inputs)")
     checked: list[int] = []
 
     def check(ts):
