@@ -26,7 +26,8 @@ class HybridQuantizer(Quantizer):
     copy requested, a transient rowwise result is made and discarded. With both usages off,
     ``quantize`` returns an empty hybrid (shape and dtype, no copy; reading a value from it
     raises), as TransformerEngine's does; its children see nothing. A child that makes no
-    copy in a call still sees the input through ``observe`` (a delayed-scaling child records its amax).
+    copy in a call still sees the input through ``observe`` (a delayed-scaling child records
+    its amax).
 
     Parameters
     ----------
