@@ -38,6 +38,26 @@ class QuantizedTensor(torch.Tensor):
 
     ``quantizer`` (optional) is the quantizer that made it; in-place updates
     (``copy_`` from a high-precision tensor, optimizer steps) re-quantize through it.
+    Usually made by ``Quantizer.quantize`` rather than constructed directly; ``torch.save`` /
+    ``torch.load(weights_only=True)`` round-trip it (the quantizer is not saved).
+
+    Parameters
+    ----------
+    storage:
+        The quantized storage (``hybridfp.tensors``): shape, nominal dtype, device and copies.
+    quantizer:
+        The quantizer that made it, or None.
+    requires_grad:
+        Whether it requires grad.
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> t = hf.Float8CurrentScalingQuantizer()(torch.ones(4, 8))
+    >>> t.qstorage.describe(), t.dtype
+    ('FP8 per-tensor tensor of shape (4, 8)', torch.float32)
+    >>> t.dequantize(torch.bfloat16).dtype
+    torch.bfloat16
     """
 
     _storage: QuantizedStorage
@@ -81,7 +101,35 @@ class QuantizedTensor(torch.Tensor):
     def dequantize(self, dtype: Optional[torch.dtype] = None, direction: Optional[str] = None) -> torch.Tensor:  # type: ignore[override]
         """High-precision value in the original shape and orientation.
 
-        ``direction``: "rowwise", "columnwise", or None for the more precise copy held.
+        Parameters
+        ----------
+        dtype:
+            The result's dtype (None: the nominal dtype, ``self.dtype``).
+        direction:
+            "rowwise", "columnwise", or None for the more precise copy held (rowwise on ties).
+
+        Returns
+        -------
+        torch.Tensor
+            A plain tensor of ``self.shape``.
+
+        Raises
+        ------
+        MissingDirectionError
+            The ``direction`` copy is not held (or no copy is: an empty hybrid).
+        ValueError
+            An unknown ``direction``.
+
+        Example
+        -------
+        >>> import torch, hybridfp as hf
+        >>> t = hf.MXFP8Quantizer(columnwise=False)(torch.ones(2, 32))
+        >>> t.dequantize(direction="rowwise").sum().item()
+        64.0
+        >>> t.dequantize(direction="columnwise")
+        Traceback (most recent call last):
+        ...
+        hybridfp.tensors.storage.MissingDirectionError: MXFP8 tensor of shape (2, 32) holds no columnwise copy (it holds: rowwise)...
         """
         return self._storage.dequantize(dtype, direction)
 
@@ -94,7 +142,28 @@ class QuantizedTensor(torch.Tensor):
         return self._storage.directions()
 
     def update_usage(self, rowwise_usage: Optional[bool] = None, columnwise_usage: Optional[bool] = None) -> None:
-        """Drop copies no longer needed (a dropped copy cannot be re-added)."""
+        """Drop copies no longer needed (a dropped copy cannot be re-added).
+
+        Parameters
+        ----------
+        rowwise_usage, columnwise_usage:
+            False drops that copy; True requires it to be held; None leaves it.
+
+        Raises
+        ------
+        MissingDirectionError
+            True for a copy that is not held (adding one needs the high-precision source).
+        ValueError
+            The call would leave no copy.
+
+        Example
+        -------
+        >>> import torch, hybridfp as hf
+        >>> t = hf.MXFP8Quantizer()(torch.ones(32, 32))
+        >>> t.update_usage(columnwise_usage=False)
+        >>> t.directions()
+        ('rowwise',)
+        """
         self._storage.update_usage(rowwise_usage, columnwise_usage)
 
     def quantized_nbytes(self) -> int:

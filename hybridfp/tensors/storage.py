@@ -40,7 +40,23 @@ STORAGE_REGISTRY: dict[str, type["QuantizedStorage"]] = {}
 
 
 class MissingDirectionError(RuntimeError):
-    """A quantized tensor was asked for a copy (rowwise/columnwise) it does not hold."""
+    """A quantized tensor was asked for a copy (rowwise/columnwise) it does not hold.
+
+    Raised when a GEMM or ``dequantize(direction=...)`` reads a copy that was not made
+    (quantize with that usage flag on), when ``update_usage`` is asked to add a copy, and
+    when ``Quantizer.update_quantized`` selects a copy its destination lacks. The message
+    names the tensor, the copies it holds and the fix. A ``RuntimeError``.
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> t = hf.MXFP8Quantizer(rowwise=False)(torch.ones(32, 32))
+    >>> try:
+    ...     t.dequantize(direction="rowwise")
+    ... except hf.MissingDirectionError as e:
+    ...     print("no rowwise copy")
+    no rowwise copy
+    """
 
 
 #: FP8 element dtypes a format option may name.
