@@ -79,7 +79,13 @@ def current_autocast() -> Optional[AutocastState]:
 
 
 def default_recipe() -> Recipe:
-    """The recipe used when ``autocast`` is given none: FP8 current scaling (E4M3/E5M2)."""
+    """The recipe used when ``autocast`` is given none: FP8 current scaling (E4M3/E5M2).
+
+    Returns
+    -------
+    Recipe
+        A new ``Float8CurrentScaling()``.
+    """
     return Float8CurrentScaling()
 
 
@@ -101,14 +107,26 @@ def autocast(enabled: bool = True, recipe: Optional[Recipe] = None,
 
     Returns
     -------
-    A context manager yielding the region's :class:`AutocastState` (None when disabled).
-    When the body finishes, the stateful quantizers of the modules that ran finish their step;
-    when it raises, their forward quantizers discard what they recorded in the region instead.
+    contextmanager
+        Yielding the region's :class:`AutocastState` (None when disabled). When the body
+        finishes, the stateful quantizers of the modules that ran finish their step; when it
+        raises, their forward quantizers discard what they recorded in the region instead.
 
     Raises
     ------
     TypeError
-        If ``recipe`` is not a hybridfp Recipe.
+        If ``recipe`` is not a hybridfp Recipe (raised on entering the region).
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> lin = hf.Linear(64, 32)
+    >>> x = torch.randn(8, 64, requires_grad=True)
+    >>> with hf.autocast(recipe=hf.MXFP8BlockScaling()):
+    ...     y = lin(x)
+    >>> y.sum().backward()            # the backward GEMMs run outside the region, quantized
+    >>> x.grad.shape
+    torch.Size([8, 64])
     """
     if recipe is not None and not isinstance(recipe, Recipe):
         raise TypeError(f"autocast(recipe=...) needs a hybridfp Recipe (e.g. CustomRecipe(qfactory=f)); "

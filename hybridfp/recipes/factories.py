@@ -25,32 +25,141 @@ def _t(role: Optional[QuantizerRole]) -> Optional[str]:
 
 # ---------------------------------------------------------------------------- base factories
 def high_precision(role: Optional[QuantizerRole]) -> Quantizer:
-    """Identity for every role: the BF16/FP32 baseline through the same code path."""
+    """Identity for every role: the BF16/FP32 baseline through the same code path.
+
+    Parameters
+    ----------
+    role:
+        The slot to fill (a QuantizerRole), or None when the consumer is unknown.
+
+    Returns
+    -------
+    Quantizer
+        A new quantizer.
+
+    Example
+    -------
+    >>> import hybridfp as hf
+    >>> from hybridfp.recipes import factories
+    >>> factories.high_precision(hf.QuantizerRole("linear", "weight"))
+    IdentityQuantizer(dtype=None)
+    """
     return IdentityQuantizer()
 
 
 def delayed_scaling(role: Optional[QuantizerRole]) -> Quantizer:
-    """FP8 per-tensor delayed scaling: E4M3 input/weight, E5M2 gradients (= DelayedScaling())."""
+    """FP8 per-tensor delayed scaling: E4M3 input/weight, E5M2 gradients (= DelayedScaling()).
+
+    Parameters
+    ----------
+    role:
+        The slot to fill (a QuantizerRole), or None when the consumer is unknown.
+
+    Returns
+    -------
+    Quantizer
+        A new quantizer, equal in settings to ``DelayedScaling().quantizer(role)``.
+
+    Example
+    -------
+    >>> import hybridfp as hf
+    >>> from hybridfp.recipes import factories
+    >>> factories.delayed_scaling(hf.QuantizerRole("linear", "grad_output")).dtype
+    torch.float8_e5m2
+    """
     return DelayedScaling().quantizer(role)
 
 
 def current_scaling(role: Optional[QuantizerRole]) -> Quantizer:
-    """FP8 per-tensor current scaling: E5M2 for gradients, else E4M3 (= Float8CurrentScaling())."""
+    """FP8 per-tensor current scaling: E5M2 for gradients, else E4M3 (= Float8CurrentScaling()).
+
+    Parameters
+    ----------
+    role:
+        The slot to fill (a QuantizerRole), or None when the consumer is unknown.
+
+    Returns
+    -------
+    Quantizer
+        A new quantizer, equal in settings to ``Float8CurrentScaling().quantizer(role)``.
+
+    Example
+    -------
+    >>> import hybridfp as hf
+    >>> from hybridfp.recipes import factories
+    >>> factories.current_scaling(hf.QuantizerRole("linear", "input")).dtype
+    torch.float8_e4m3fn
+    """
     return Float8CurrentScaling().quantizer(role)
 
 
 def float8_block_scaling(role: Optional[QuantizerRole]) -> Quantizer:
-    """FP8 block, pow2 scales: 128x128 weights, 1x128 else (= Float8BlockScaling())."""
+    """FP8 block, pow2 scales: 128x128 weights, 1x128 else (= Float8BlockScaling()).
+
+    Parameters
+    ----------
+    role:
+        The slot to fill (a QuantizerRole), or None when the consumer is unknown.
+
+    Returns
+    -------
+    Quantizer
+        A new quantizer, equal in settings to ``Float8BlockScaling().quantizer(role)``.
+
+    Example
+    -------
+    >>> import hybridfp as hf
+    >>> from hybridfp.recipes import factories
+    >>> factories.float8_block_scaling(hf.QuantizerRole("linear", "weight")).block_scaling_dim
+    2
+    """
     return Float8BlockScaling().quantizer(role)
 
 
 def mxfp8(role: Optional[QuantizerRole]) -> Quantizer:
-    """MXFP8 E4M3 for every role (= MXFP8BlockScaling())."""
+    """MXFP8 E4M3 for every role (= MXFP8BlockScaling()).
+
+    Parameters
+    ----------
+    role:
+        The slot to fill (a QuantizerRole), or None when the consumer is unknown.
+
+    Returns
+    -------
+    Quantizer
+        A new quantizer, equal in settings to ``MXFP8BlockScaling().quantizer(role)``.
+
+    Example
+    -------
+    >>> import hybridfp as hf
+    >>> from hybridfp.recipes import factories
+    >>> recipe = hf.CustomRecipe(factories.mxfp8)
+    >>> recipe.quantizer(None).format_name
+    'mxfp8'
+    """
     return MXFP8BlockScaling().quantizer(role)
 
 
 def nvfp4(role: Optional[QuantizerRole]) -> Quantizer:
-    """NVFP4 with NVIDIA's per-role defaults (= NVFP4BlockScaling())."""
+    """NVFP4 with NVIDIA's per-role defaults (= NVFP4BlockScaling()).
+
+    Parameters
+    ----------
+    role:
+        The slot to fill (a QuantizerRole), or None when the consumer is unknown.
+
+    Returns
+    -------
+    Quantizer
+        A new quantizer, equal in settings to ``NVFP4BlockScaling().quantizer(role)``.
+
+    Example
+    -------
+    >>> import hybridfp as hf
+    >>> from hybridfp.recipes import factories
+    >>> factories.nvfp4(hf.QuantizerRole("linear", "weight")).with_2d_quantization
+    True
+    """
     return NVFP4BlockScaling().quantizer(role)
 
 
@@ -61,6 +170,25 @@ def high_precision_fwd_mxfp8_bwd(role: Optional[QuantizerRole]) -> Quantizer:
     grad_output -> MXFP8; else -> Hybrid(row=Identity, col=MXFP8). Motivation: NVIDIA's NVFP4
     pretraining report finds most of the low-precision loss gap comes from fprop, so keeping
     only the forward GEMM precise isolates the backward's contribution.
+
+    Parameters
+    ----------
+    role:
+        The slot to fill (a QuantizerRole), or None when the consumer is unknown.
+
+    Returns
+    -------
+    Quantizer
+        A new quantizer (a HybridQuantizer except for grad_output).
+
+    Example
+    -------
+    >>> import hybridfp as hf
+    >>> from hybridfp.recipes import factories
+    >>> import torch
+    >>> q = factories.high_precision_fwd_mxfp8_bwd(hf.QuantizerRole("linear", "input"))
+    >>> q(torch.randn(32, 64)).qstorage.describe()
+    'Hybrid[Identity/MXFP8] tensor of shape (32, 64)'
     """
     if _t(role) == "grad_output":
         return MXFP8Quantizer()
@@ -75,6 +203,24 @@ def mxfp8_fwd_nvfp4_bwd(role: Optional[QuantizerRole]) -> Quantizer:
     MXFP8. Motivation: gradients tolerate NVFP4 with RHT + SR (NVFP4 report) while the forward
     keeps MXFP8 accuracy; the weight's backward copy is re-quantized from its MXFP8 value so
     dgrad sees the weight the forward used.
+
+    Parameters
+    ----------
+    role:
+        The slot to fill (a QuantizerRole), or None when the consumer is unknown.
+
+    Returns
+    -------
+    Quantizer
+        A new quantizer.
+
+    Example
+    -------
+    >>> import hybridfp as hf
+    >>> from hybridfp.recipes import factories
+    >>> q = factories.mxfp8_fwd_nvfp4_bwd(hf.QuantizerRole("linear", "weight"))
+    >>> q.rowwise_quantizer.format_name, q.columnwise_quantizer.format_name, q.columnwise_source
+    ('mxfp8', 'nvfp4', 'rowwise_dequantized')
     """
     t = _t(role)
     if t == "input":
@@ -92,6 +238,24 @@ def nvfp4_1d_weight(role: Optional[QuantizerRole]) -> Quantizer:
     weight -> Hybrid(row=NVFP4 1D, col=NVFP4 1D, rowwise_dequantized); else -> ``nvfp4``.
     Motivation: 2D 16x16 weight blocks exist so fprop and dgrad see the same weight; quantizing
     the columnwise copy from the rowwise-dequantized value gets that with finer 1D blocks.
+
+    Parameters
+    ----------
+    role:
+        The slot to fill (a QuantizerRole), or None when the consumer is unknown.
+
+    Returns
+    -------
+    Quantizer
+        A new quantizer.
+
+    Example
+    -------
+    >>> import hybridfp as hf
+    >>> from hybridfp.recipes import factories
+    >>> q = factories.nvfp4_1d_weight(hf.QuantizerRole("linear", "weight"))
+    >>> q.columnwise_source, q.rowwise_quantizer.with_2d_quantization
+    ('rowwise_dequantized', False)
     """
     if _t(role) == "weight":
         return HybridQuantizer(NVFP4Quantizer(), NVFP4Quantizer(), _RD)
@@ -104,6 +268,23 @@ def mxfp8_fwd_high_precision_bwd(role: Optional[QuantizerRole]) -> Quantizer:
     input, weight -> Hybrid(row=MXFP8, col=Identity, rowwise_dequantized); grad_output ->
     Identity. Motivation (RL fine-tuning): gradients must be those of the function the forward
     actually computed, so backward uses the dequantized forward operands, unquantized.
+
+    Parameters
+    ----------
+    role:
+        The slot to fill (a QuantizerRole), or None when the consumer is unknown.
+
+    Returns
+    -------
+    Quantizer
+        A new quantizer.
+
+    Example
+    -------
+    >>> import hybridfp as hf
+    >>> from hybridfp.recipes import factories
+    >>> factories.mxfp8_fwd_high_precision_bwd(hf.QuantizerRole("linear", "grad_output"))
+    IdentityQuantizer(dtype=None)
     """
     if _t(role) in ("input", "weight"):
         return HybridQuantizer(MXFP8Quantizer(), IdentityQuantizer(), _RD)
@@ -120,6 +301,26 @@ def nvfp4_row_scaled_fwd_mxfp8_bwd(role: Optional[QuantizerRole]) -> Quantizer:
     grouped_linear weight -> Hybrid(row=NVFP4 1D, col=MXFP8, rowwise_dequantized); everything
     else, plain linear included -> MXFP8. Motivation: the Composer 2 report trains MoE experts
     with row-scaled NVFP4 forward GEMMs and MXFP8 backward.
+
+    Parameters
+    ----------
+    role:
+        The slot to fill (a QuantizerRole), or None when the consumer is unknown.
+
+    Returns
+    -------
+    Quantizer
+        A new quantizer.
+
+    Example
+    -------
+    >>> import hybridfp as hf
+    >>> from hybridfp.recipes import factories
+    >>> q = factories.nvfp4_row_scaled_fwd_mxfp8_bwd(hf.QuantizerRole("grouped_linear", "input"))
+    >>> q.rowwise_quantizer.row_scaled_nvfp4, q.columnwise_quantizer.format_name
+    (True, 'mxfp8')
+    >>> factories.nvfp4_row_scaled_fwd_mxfp8_bwd(hf.QuantizerRole("linear", "input")).format_name
+    'mxfp8'
     """
     if role is not None and role.module_type == "grouped_linear":
         if role.tensor_type == "input":
@@ -136,6 +337,24 @@ def nvfp4_row_scaled_fwd_high_precision_bwd(role: Optional[QuantizerRole]) -> Qu
     input -> Hybrid(row=row-scaled NVFP4, col=Identity, rowwise_dequantized); weight ->
     Hybrid(row=NVFP4 1D, col=Identity, rowwise_dequantized); grad_output -> Identity; else ->
     Identity. Motivation: measures the forward-only cost of NVFP4 with exact backward math.
+
+    Parameters
+    ----------
+    role:
+        The slot to fill (a QuantizerRole), or None when the consumer is unknown.
+
+    Returns
+    -------
+    Quantizer
+        A new quantizer.
+
+    Example
+    -------
+    >>> import hybridfp as hf
+    >>> from hybridfp.recipes import factories
+    >>> q = factories.nvfp4_row_scaled_fwd_high_precision_bwd(hf.QuantizerRole("linear", "input"))
+    >>> q.rowwise_quantizer.row_scaled_nvfp4, q.columnwise_quantizer.format_name
+    (True, 'identity')
     """
     t = _t(role)
     if t == "input":
@@ -172,10 +391,40 @@ class per_gemm:  # noqa: N801 - used like a function: per_gemm(fprop=..., dgrad=
     """Factory from three format names, one per GEMM (numerics §1 mapping).
 
     input -> Hybrid(row=F, col=W); weight -> Hybrid(row=F, col=D); grad_output ->
-    Hybrid(row=D, col=W); a plain quantizer where the two directions are equal. Format names:
-    bf16, fp8 (current scaling; E5M2 for gradients), fp8_delayed, fp8_block, mxfp8, nvfp4 (1D;
-    RHT on wgrad operands, SR on gradients). Unknown roles (and None) get the fprop format.
-    Instances are picklable (a module-level class holding three strings).
+    Hybrid(row=D, col=W); a plain quantizer where the two directions are equal. Unknown roles
+    (and None) get the fprop format. Instances are picklable (a module-level class holding
+    three strings) and compare equal when their three names are, so a module keeps its
+    quantizers across an equal ``CustomRecipe(per_gemm(...))``.
+
+    Parameters
+    ----------
+    fprop, dgrad, wgrad:
+        Format names (``FORMAT_NAMES``): bf16 / identity / high_precision (no quantization),
+        fp8 (current scaling; E5M2 for gradients), fp8_current, fp8_delayed, fp8_block (as
+        their built-in recipes make them for the role), mxfp8, nvfp4 (1D; RHT on wgrad
+        operands, SR on gradients).
+
+    Returns
+    -------
+    per_gemm
+        A factory: calling it with a role returns a new Quantizer.
+
+    Raises
+    ------
+    ValueError
+        An unknown format name, naming the argument and the choices.
+
+    Example
+    -------
+    >>> import hybridfp as hf
+    >>> from hybridfp.recipes.factories import per_gemm
+    >>> f = per_gemm(fprop="mxfp8", dgrad="mxfp8", wgrad="nvfp4")
+    >>> q = f(hf.QuantizerRole("linear", "input"))   # fprop (rowwise) and wgrad (columnwise)
+    >>> q.rowwise_quantizer.format_name, q.columnwise_quantizer.format_name
+    ('mxfp8', 'nvfp4')
+    >>> f(hf.QuantizerRole("linear", "weight")).format_name   # fprop and dgrad agree
+    'mxfp8'
+    >>> recipe = hf.CustomRecipe(f)
     """
 
     def __init__(self, fprop: str, dgrad: str, wgrad: str) -> None:
@@ -186,7 +435,19 @@ class per_gemm:  # noqa: N801 - used like a function: per_gemm(fprop=..., dgrad=
         self.fprop, self.dgrad, self.wgrad = fprop, dgrad, wgrad
 
     def __call__(self, role: Optional[QuantizerRole]) -> Quantizer:
-        """The quantizer for ``role``."""
+        """The quantizer for ``role``.
+
+        Parameters
+        ----------
+        role:
+            The slot to fill, or None (the fprop format).
+
+        Returns
+        -------
+        Quantizer
+            A plain quantizer where the role's two GEMMs use one format, else a
+            HybridQuantizer (rowwise: the forward-side GEMM's format).
+        """
         t = _t(role)
         row, col = {"input": (self.fprop, self.wgrad), "weight": (self.fprop, self.dgrad),
                     "grad_output": (self.dgrad, self.wgrad)}.get(t or "", (self.fprop, self.fprop))

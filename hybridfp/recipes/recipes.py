@@ -45,22 +45,68 @@ def _fp8_for(fp8_format: str, role: Optional[QuantizerRole]) -> torch.dtype:
 class Recipe(ABC):
     """Base: maps a role to a new quantizer.
 
-    ``fprop_fast_accumulation``: run fprop's FP8 per-tensor GEMMs with cuBLAS fast
-    accumulation (see :func:`hybridfp.gemm.gemm`; outside numerics §1, hence off unless a recipe
-    turns it on). dgrad / wgrad and ``GroupedLinear`` experts always promote to FP32.
+    Subclass it (and implement :meth:`quantizer`) for a recipe of your own; a subclass that is
+    not a dataclass is identified by the recipe object itself (see :meth:`key`).
+
+    Attributes
+    ----------
+    fprop_fast_accumulation:
+        Run fprop's FP8 per-tensor GEMMs with cuBLAS fast accumulation (see
+        :func:`hybridfp.gemm.gemm`; outside numerics §1, hence off unless a recipe turns it
+        on). dgrad / wgrad and ``GroupedLinear`` experts always promote to FP32.
+
+    Example
+    -------
+    >>> import hybridfp as hf
+    >>> class AllMXFP8(hf.Recipe):
+    ...     def quantizer(self, role):
+    ...         return hf.MXFP8Quantizer()
+    >>> AllMXFP8().quantizer(hf.QuantizerRole("linear", "weight")).format_name
+    'mxfp8'
     """
 
     fprop_fast_accumulation: bool = False
 
     @abstractmethod
     def quantizer(self, role: Optional[QuantizerRole]) -> Quantizer:
-        """A fresh quantizer for ``role`` (None: consumer unknown)."""
+        """A fresh quantizer for ``role``.
+
+        Parameters
+        ----------
+        role:
+            The slot to fill; None when the consumer is unknown.
+
+        Returns
+        -------
+        Quantizer
+            A new quantizer, not shared with any other slot.
+
+        Example
+        -------
+        >>> import hybridfp as hf
+        >>> q = hf.Float8CurrentScaling().quantizer(hf.QuantizerRole("linear", "grad_output"))
+        >>> q.dtype
+        torch.float8_e5m2
+        """
 
     def key(self) -> Hashable:
         """Identity of the configuration: a change makes modules rebuild their quantizers.
 
         Dataclass recipes: their field values. Any other recipe: the recipe object itself
         (its ``__eq__``), unless it overrides ``key``.
+
+        Returns
+        -------
+        Hashable
+            Equal keys mean modules keep their quantizers and cached weights.
+
+        Example
+        -------
+        >>> import hybridfp as hf
+        >>> hf.MXFP8BlockScaling().key() == hf.MXFP8BlockScaling().key()
+        True
+        >>> hf.MXFP8BlockScaling().key() == hf.MXFP8BlockScaling(scale_rule="floor").key()
+        False
         """
         if not dataclasses.is_dataclass(self):
             return (type(self).__name__, _FactoryKey(self))
@@ -82,12 +128,35 @@ class _BuiltinRecipe(Recipe):
 
 @dataclass
 class DelayedScaling(_BuiltinRecipe):
-    """FP8 per-tensor delayed scaling (scale from the amax history, updated per step).
+    """FP8 per-tensor delayed scaling (scale from the amax history, updated per step):
+    :class:`~hybridfp.Float8Quantizer` for every role (numerics §2.2). The scales are updated
+    when an :func:`~hybridfp.autocast` region ends.
 
-    Options are checked when the recipe is made (``ValueError`` naming the option and its
-    range): ``margin`` an integer in [0, ``max_margin``] of the formats used (8 for E4M3, 15
-    for E5M2: beyond it the scale of a large amax or its inverse leaves FP32's range),
-    ``amax_history_len`` an integer >= 1, ``amax_compute_algo`` "max" or "most_recent".
+    Parameters
+    ----------
+    fp8_format:
+        "HYBRID" (E4M3 forward, E5M2 for gradients), "E4M3" or "E5M2".
+    margin:
+        An integer in [0, ``max_margin``] of the formats used (8 for E4M3, 15 for E5M2:
+        beyond it the scale of a large amax or its inverse leaves FP32's range).
+    amax_history_len:
+        An integer >= 1.
+    amax_compute_algo:
+        "max" or "most_recent".
+    fprop_fast_accumulation:
+        See :class:`Recipe`.
+
+    Raises
+    ------
+    ValueError
+        When the recipe is made, naming the option out of range and the range.
+
+    Example
+    -------
+    >>> import hybridfp as hf
+    >>> r = hf.DelayedScaling(amax_history_len=16)
+    >>> r.quantizer(hf.QuantizerRole("linear", "grad_output")).dtype
+    torch.float8_e5m2
     """
 
     fp8_format: str = "HYBRID"
@@ -105,10 +174,31 @@ class DelayedScaling(_BuiltinRecipe):
 
 @dataclass
 class Float8CurrentScaling(_BuiltinRecipe):
-    """FP8 per-tensor current scaling (each tensor's own amax).
+    """FP8 per-tensor current scaling (each tensor's own amax):
+    :class:`~hybridfp.Float8CurrentScalingQuantizer` for every role (numerics §2.1).
 
-    ``amax_epsilon`` (the amax floor) must be a finite number >= 0, checked when the recipe is
-    made.
+    Parameters
+    ----------
+    fp8_format:
+        "HYBRID" (E4M3 forward, E5M2 for gradients), "E4M3" or "E5M2".
+    use_power_2_scales:
+        Round scales down to powers of two.
+    amax_epsilon:
+        The amax floor: a finite number >= 0.
+    fprop_fast_accumulation:
+        See :class:`Recipe`.
+
+    Raises
+    ------
+    ValueError
+        When the recipe is made: an unknown ``fp8_format`` or an invalid ``amax_epsilon``.
+
+    Example
+    -------
+    >>> import hybridfp as hf
+    >>> q = hf.Float8CurrentScaling(fp8_format="E4M3").quantizer(None)
+    >>> q.format_name, q.dtype
+    ('fp8_current', torch.float8_e4m3fn)
     """
 
     fp8_format: str = "HYBRID"
@@ -125,7 +215,35 @@ class Float8CurrentScaling(_BuiltinRecipe):
 
 @dataclass
 class Float8BlockScaling(_BuiltinRecipe):
-    """FP8 block scaling: 1x128 activations/gradients, 128x128 weights (DeepSeek-V3)."""
+    """FP8 block scaling: 1x128 activations/gradients, 128x128 weights (DeepSeek-V3):
+    :class:`~hybridfp.Float8BlockQuantizer` for every role (numerics §2.3).
+
+    Parameters
+    ----------
+    fp8_format:
+        "E4M3" (default), "E5M2" or "HYBRID" (E5M2 for gradients).
+    x_block_scaling_dim, w_block_scaling_dim, grad_block_scaling_dim:
+        1 (1x128 blocks) or 2 (128x128 tiles) for activations, weights and gradients.
+    use_power_2_scales:
+        Round block scales down to powers of two.
+    amax_epsilon:
+        A floor >= 0 for each block's amax.
+
+    Raises
+    ------
+    ValueError
+        When the recipe is made: a block dim other than 1 or 2, an unknown ``fp8_format``, or
+        a negative ``amax_epsilon``.
+
+    Example
+    -------
+    >>> import hybridfp as hf
+    >>> r = hf.Float8BlockScaling()
+    >>> r.quantizer(hf.QuantizerRole("linear", "weight")).block_scaling_dim
+    2
+    >>> r.quantizer(hf.QuantizerRole("linear", "input")).block_scaling_dim
+    1
+    """
 
     fp8_format: str = "E4M3"
     x_block_scaling_dim: int = 1
@@ -153,7 +271,30 @@ class Float8BlockScaling(_BuiltinRecipe):
 
 @dataclass
 class MXFP8BlockScaling(_BuiltinRecipe):
-    """MXFP8 (E8M0 scale per 32 elements) for every role."""
+    """MXFP8 (E8M0 scale per 32 elements) for every role: :class:`~hybridfp.MXFP8Quantizer`
+    (numerics §2.4).
+
+    Parameters
+    ----------
+    fp8_format:
+        "E4M3" (default), "E5M2" or "HYBRID" (E5M2 for gradients).
+    scale_rule:
+        "rceil" (default) or "floor".
+    weight_2d:
+        32x32 tiles for weights (both copies then hold the same values).
+
+    Raises
+    ------
+    ValueError
+        When the recipe is made: an unknown ``fp8_format`` or ``scale_rule``.
+
+    Example
+    -------
+    >>> import hybridfp as hf
+    >>> q = hf.MXFP8BlockScaling(weight_2d=True).quantizer(hf.QuantizerRole("linear", "weight"))
+    >>> q.with_2d_quantization
+    True
+    """
 
     fp8_format: str = "E4M3"
     scale_rule: str = "rceil"
@@ -173,6 +314,25 @@ class NVFP4BlockScaling(_BuiltinRecipe):
     columnwise copy, SR. input and output: 1D, RHT on the columnwise copy, no SR.
     ``row_scaled_activation`` makes the input's rowwise copy row-scaled (its columnwise copy
     stays per-tensor NVFP4).
+
+    Parameters
+    ----------
+    disable_rht:
+        No random Hadamard transform on any columnwise copy.
+    disable_stochastic_rounding:
+        Round gradients to nearest.
+    disable_2d_quantization:
+        1D blocks for weights.
+    row_scaled_activation:
+        The input becomes ``HybridQuantizer(NVFP4Quantizer(row_scaled_nvfp4=True),
+        NVFP4Quantizer(with_rht=...))``.
+
+    Example
+    -------
+    >>> import hybridfp as hf
+    >>> q = hf.NVFP4BlockScaling().quantizer(hf.QuantizerRole("linear", "grad_output"))
+    >>> q.with_rht, q.stochastic_rounding
+    (True, True)
     """
 
     disable_rht: bool = False
@@ -200,7 +360,34 @@ class CustomRecipe(Recipe):
     The factory is called once per quantizer slot when a module builds its quantizers; it
     must return a Quantizer (IdentityQuantizer() for a slot that stays in high precision).
     Use a module-level function (picklable) so the recipe can be saved with a checkpoint.
-    ``fprop_fast_accumulation``: see :class:`Recipe`.
+    Modules rebuild their quantizers when the factory object changes (see :meth:`key`).
+
+    Parameters
+    ----------
+    qfactory:
+        A callable ``role -> Quantizer`` (``role`` a :class:`QuantizerRole` or None), e.g. one
+        of ``hybridfp.recipes.factories`` or ``factories.per_gemm(...)``.
+    fprop_fast_accumulation:
+        A bool; see :class:`Recipe`.
+
+    Raises
+    ------
+    TypeError
+        ``qfactory`` is not callable or ``fprop_fast_accumulation`` is not a bool. Later,
+        from :meth:`quantizer`: the factory returned something other than a Quantizer.
+    ValueError
+        From :meth:`quantizer`: the factory returned None.
+
+    Example
+    -------
+    >>> import hybridfp as hf
+    >>> def fp8_fwd_bf16_bwd(role):
+    ...     if role is not None and role.tensor_type in ("grad_output", "grad_input"):
+    ...         return hf.IdentityQuantizer()
+    ...     return hf.Float8CurrentScalingQuantizer()
+    >>> r = hf.CustomRecipe(fp8_fwd_bf16_bwd)
+    >>> r.quantizer(hf.QuantizerRole("linear", "grad_output")).format_name
+    'identity'
     """
 
     def __init__(self, qfactory: Callable[[Optional[QuantizerRole]], Quantizer], *,

@@ -31,6 +31,13 @@ class QuantizerRole:
     ------
     TypeError
         A field that is neither a string nor None.
+
+    Example
+    -------
+    >>> import hybridfp as hf
+    >>> role = hf.QuantizerRole("linear", "weight", "blocks.0.fc1")
+    >>> str(role), role.tensor_type
+    ('blocks.0.fc1.weight', 'weight')
     """
 
     module_type: Optional[str] = None
