@@ -35,7 +35,35 @@ DECODED_COPIES_MODES = ("auto", "always", "never")
 @dataclass(frozen=True)
 class Policy:
     """How hybridfp computes; see the module docstring. Every field is validated on
-    construction (a ``ValueError`` / ``TypeError`` naming the field)."""
+    construction (a ``ValueError`` / ``TypeError`` naming the field). Frozen: derive a changed
+    policy with ``dataclasses.replace`` or :func:`policy`.
+
+    Parameters
+    ----------
+    **fields:
+        Each field declared below (``decoded_copies``, ``quantize_kernels``,
+        ``many_experts``, ...), documented where it is declared; unset fields keep their
+        defaults. Only ``decoded_copies`` and the grouped-path switches can change results
+        (as their docstrings say).
+
+    Raises
+    ------
+    ValueError
+        An unknown ``decoded_copies`` mode, or a count / threshold that is not a number >= 0.
+    TypeError
+        A switch that is not a bool (``bf16_per_group_cublas``: bool or None), a set field that
+        is not a collection of str, or a TMA config that is not a non-empty str or None.
+
+    Example
+    -------
+    >>> import hybridfp as hf
+    >>> p = hf.Policy(decoded_copies="never", quantize_kernels=False)
+    >>> with hf.use_policy(p):
+    ...     hf.current_policy().decoded_copies
+    'never'
+    >>> hf.current_policy().decoded_copies
+    'auto'
+    """
 
     decoded_copies: str = "auto"
     """How modules hold the copies of ``nn.base.DECODED_COPIES`` (the copies that are only ever
@@ -63,20 +91,21 @@ class Policy:
     many_experts: int = 16
     """On CUDA the Triton grouped GEMMs (``gemm/grouped_triton.py``, and
     ``gemm/grouped_fp8.py`` for per-tensor FP8) are taken by default from this many experts on:
-    the per-expert loop then costs a launch sequence per expert and the layer turns host-bound
-    (on the H200 about 2x faster at 64 experts, no faster at 8). Default 16, between the two
-    measured points."""
+    the per-expert loop then costs a launch sequence per expert and the layer turns host-bound.
+    Default 16, between the 8- and 64-expert MoE layers that ``python -m bench.bench_moe --ab``
+    compares both paths on."""
 
     grouped_triton_devices: frozenset = frozenset()
     """Device types (``"cuda"``, ``"cpu"``) on which the Triton grouped GEMMs are taken for any
-    number of experts. Default empty: verified on the H200 but, at 8 large experts, no faster
-    than the per-expert loop there. Tests add ``"cpu"`` to run them in the Triton interpreter."""
+    number of experts. Default empty: below :attr:`many_experts` the per-expert loop keeps
+    them (``python -m bench.bench_moe --ab`` compares the two). Tests add ``"cpu"`` to run them
+    in the Triton interpreter."""
 
     grouped_triton_native_fp8: bool = False
     """Whether experts' pairs that have a native cuBLAS FP8 kernel (FP8 per-tensor / block) may
     take the BF16 Triton grouped GEMM too, decoded into BF16 (exact). Default False: per expert
-    they run on FP8 tensor cores; on the H200 the FP8-current MoE step is several times slower
-    with it at 64 and at 8 experts (its wgrad runs with KALIGN 1)."""
+    they run on FP8 tensor cores (the BF16 path's wgrad runs with KALIGN 1; ``python -m
+    bench.bench_moe --ab`` times both)."""
 
     over_scaled_grouped_mm: bool = False
     """Whether fprop / dgrad of E4M3 experts given as per-expert lists take the Triton FP8
@@ -88,10 +117,9 @@ class Policy:
     """The Triton FP8 grouped GEMM's TMA kernel config for fprop / dgrad on CUDA, where it can
     read the operands (16-byte aligned: joined copies always are): a name in
     ``kernels/triton_grouped_fp8_tma.py``'s ``CONFIGS``, or None for the pointer kernel.
-    Default: 256x128 tiles, BK 128, 8 warps, 3 stages: the fastest of ``python -m
-    bench.bench_grouped_gemm --part fp8`` at the 64-expert MoE's six GEMMs on an NVIDIA H200,
-    and faster than the pointer kernel in each. The interpreter keeps the pointer kernel (CUDA
-    only)."""
+    Default: 256x128 tiles, BK 128, 8 warps, 3 stages: the fastest config of ``python -m
+    bench.bench_grouped_gemm --part fp8`` at the 64-expert MoE's six GEMMs on an NVIDIA H200.
+    The interpreter keeps the pointer kernel (CUDA only)."""
 
     grouped_fp8_tma_wgrad: Optional[str] = "256x128x128 w8 s3 store"
     """As :attr:`grouped_fp8_tma_rows`, for wgrad. Default: the same tiles with the bulk-store
@@ -109,15 +137,16 @@ class Policy:
 
     per_group_min_mean: int = 2048
     """... of at least this many rows (or reduction columns) on average. Default 16 and 2048:
-    on the H200 cuBLAS per expert is faster than CUTLASS at 8 experts of 4096 rows and mostly
-    at 16 of 2048, about even at 32 of 1024, clearly slower at 64 of 512."""
+    the group counts and sizes up to which cuBLAS per expert is the faster of the two on an
+    NVIDIA H200 (``python -m bench.bench_moe --ab`` times both at 8 and 64 experts)."""
 
     per_expert_fp8_flops: float = 2.5e11
     """Mean GEMM size (FLOPs per non-empty expert) from which per-tensor FP8 experts run as one
-    cuBLAS ``_scaled_mm`` per expert rather than a grouped kernel. Default 2.5e11: on the H200
-    (torch 2.11, 8 experts of ~4096 rows, hidden 4096, ffn 14336) cuBLAS per expert runs fprop
-    clearly faster than the grouped CUTLASS kernel, while below ~1e11 FLOPs an expert's GEMM is
-    too short to hide its ~50 us of host work."""
+    cuBLAS ``_scaled_mm`` per expert rather than a grouped kernel. Default 2.5e11: between the
+    8-expert MoE layer (experts of ~4096 rows, hidden 4096, ffn 14336: about 4.8e11 FLOPs per
+    expert GEMM), where cuBLAS per expert is the faster on an NVIDIA H200, and small experts
+    whose GEMMs are too short to hide a launch's host work (``python -m bench.bench_grouped_gemm``
+    and ``python -m bench.bench_moe --ab`` time both)."""
 
     def __post_init__(self) -> None:
         if self.decoded_copies not in DECODED_COPIES_MODES:
@@ -163,14 +192,50 @@ _CURRENT = _ThreadPolicy()
 
 
 def current_policy() -> Policy:
-    """The calling thread's policy."""
+    """The calling thread's policy.
+
+    Returns
+    -------
+    Policy
+        The policy set by the innermost :func:`use_policy` / :func:`policy` block of this
+        thread, else the default ``Policy()``.
+
+    Example
+    -------
+    >>> import hybridfp as hf
+    >>> hf.current_policy() == hf.Policy()
+    True
+    """
     return _CURRENT.policy
 
 
 @contextmanager
 def use_policy(p: Policy) -> Iterator[Policy]:
     """Run the block under policy ``p`` in the calling thread; the previous policy is restored
-    when the block ends (also when it raises)."""
+    when the block ends (also when it raises).
+
+    Parameters
+    ----------
+    p:
+        The policy to run under.
+
+    Returns
+    -------
+    contextmanager
+        Yielding ``p``.
+
+    Raises
+    ------
+    TypeError
+        ``p`` is not a :class:`Policy` (raised on entering the block).
+
+    Example
+    -------
+    >>> import hybridfp as hf
+    >>> with hf.use_policy(hf.Policy(quantize_kernels=False)) as p:
+    ...     hf.current_policy() is p
+    True
+    """
     if not isinstance(p, Policy):
         raise TypeError(f"use_policy needs a hybridfp Policy; got {type(p).__name__}.")
     old, _CURRENT.policy = _CURRENT.policy, p
@@ -183,7 +248,32 @@ def use_policy(p: Policy) -> Iterator[Policy]:
 @contextmanager
 def policy(**changes: Any) -> Iterator[Policy]:
     """Run the block under the calling thread's policy with ``changes`` applied (field names of
-    :class:`Policy`), e.g. ``with hybridfp.policy(quantize_kernels=False):``."""
+    :class:`Policy`), e.g. ``with hybridfp.policy(quantize_kernels=False):``.
+
+    Parameters
+    ----------
+    **changes:
+        Field name -> new value.
+
+    Returns
+    -------
+    contextmanager
+        Yielding the policy in force inside the block.
+
+    Raises
+    ------
+    TypeError
+        A name that is not a field of :class:`Policy`, or a value of the wrong type.
+    ValueError
+        A value out of range (as :class:`Policy` checks).
+
+    Example
+    -------
+    >>> import hybridfp as hf
+    >>> with hf.policy(decoded_copies="never"):
+    ...     hf.current_policy().decoded_copies
+    'never'
+    """
     known = {f.name for f in fields(Policy)}
     unknown = sorted(set(changes) - known)
     if unknown:
