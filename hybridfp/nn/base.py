@@ -63,6 +63,13 @@ class QuantizedModule(nn.Module):
 
     ``name`` is the module's qualified name (set by ``hybridfp.convert`` / ``set_names``,
     or passed in); it appears in every role and error message.
+
+    Parameters
+    ----------
+    name:
+        The qualified name (None: "").
+    num_quantizer_sets:
+        Quantizers per slot (one per expert for GroupedLinear).
     """
 
     module_type = "linear"
@@ -239,11 +246,23 @@ class QuantizedModule(nn.Module):
 
         Returns
         -------
-        ``{"version": 1, "built": False}`` for a module that has not built quantizers (nothing to
-        restore), else ``{"version": 1, "built": True, "quantizers": {"<slot>.<set>": {"kind":
-        class names, "format": the copies' formats, "state": Quantizer.get_state()}}}``, one
-        entry per slot and quantizer set (an expert of GroupedLinear); a state loaded and not
-        yet applied is returned as loaded.
+        dict
+            ``{"version": 1, "built": False}`` for a module that has not built quantizers
+            (nothing to restore), else ``{"version": 1, "built": True, "quantizers":
+            {"<slot>.<set>": {"kind": class names, "format": the copies' formats, "state":
+            Quantizer.get_state()}}}``, one entry per slot and quantizer set (an expert of
+            GroupedLinear); a state loaded and not yet applied is returned as loaded.
+
+        Example
+        -------
+        >>> import torch, hybridfp as hf
+        >>> lin = hf.Linear(16, 16)
+        >>> lin.get_extra_state()
+        {'version': 1, 'built': False}
+        >>> with hf.autocast(recipe=hf.DelayedScaling(amax_history_len=4)):
+        ...     _ = lin(torch.randn(2, 16))
+        >>> sorted(lin.get_extra_state()["quantizers"])
+        ['grad_output.0', 'input.0', 'weight.0']
         """
         if self._quantizers:
             return {"version": EXTRA_STATE_VERSION, "built": True, "quantizers": {
@@ -271,6 +290,21 @@ class QuantizedModule(nn.Module):
             (``torch.distributed.checkpoint`` loaded into a module that had not built its
             quantizers); or, when applied at once, quantizers that differ from the saved ones
             (see :meth:`quantizers`).
+
+        Example
+        -------
+        >>> import torch, hybridfp as hf
+        >>> recipe = hf.DelayedScaling(amax_history_len=4)
+        >>> a, b = hf.Linear(16, 16), hf.Linear(16, 16)
+        >>> with hf.autocast(recipe=recipe):
+        ...     _ = a(torch.randn(2, 16))
+        >>> _ = b.load_state_dict(a.state_dict())   # calls set_extra_state; applied at b's build
+        >>> with hf.autocast(recipe=recipe):
+        ...     _ = b(torch.randn(2, 16))
+        >>> sa = a.get_extra_state()["quantizers"]["weight.0"]["state"]
+        >>> sb = b.get_extra_state()["quantizers"]["weight.0"]["state"]
+        >>> torch.equal(sa["scale"], sb["scale"])
+        True
         """
         who = _module_name(self)
         if not isinstance(state, dict) or state.get("version") != EXTRA_STATE_VERSION or "built" not in state:
@@ -401,5 +435,18 @@ class QuantizedModule(nn.Module):
         """Forget cached quantized weights, kept ones included. Entries already expire with
         their autocast region; this is needed only after a write that bypasses the version
         counter (``.data``) between two calls of the module inside one region. Call it on every
-        rank: cache hits must be the same everywhere (see weight_cache.py)."""
+        rank: cache hits must be the same everywhere (see weight_cache.py).
+
+        Example
+        -------
+        >>> import torch, hybridfp as hf
+        >>> lin = hf.Linear(32, 32)
+        >>> with hf.autocast(recipe=hf.MXFP8BlockScaling()):
+        ...     _ = lin(torch.randn(2, 32))
+        ...     _ = lin.weight.data.zero_()      # bypasses the version counter
+        ...     lin.invalidate_weight_cache()
+        ...     y = lin(torch.randn(2, 32))
+        >>> torch.equal(y, lin.bias.detach().expand(2, 32))   # the zeroed weight was used
+        True
+        """
         self._wcache.clear()

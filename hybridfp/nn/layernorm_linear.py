@@ -19,7 +19,32 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 class LayerNormLinear(QuantizedModule):
     """y = norm(x) Wᵀ + b. The norm runs in high precision; only the GEMMs are quantized,
-    with the same roles as ``Linear`` (module_type "linear")."""
+    with the same roles as ``Linear`` (module_type "linear").
+
+    Parameters
+    ----------
+    in_features, out_features, bias, params_dtype, device, save_original_input, name:
+        As :class:`Linear`'s (the weight and bias initialised as ``Linear``'s).
+    normalization:
+        "LayerNorm" (weight and bias: ``layer_norm_weight``, ``layer_norm_bias``) or
+        "RMSNorm" (weight only; ``layer_norm_bias`` is None).
+    eps:
+        The norm's epsilon.
+
+    Raises
+    ------
+    ValueError
+        An unknown ``normalization``; from ``forward``, as :meth:`Linear.forward`.
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> m = hf.LayerNormLinear(64, 32, normalization="RMSNorm")
+    >>> with hf.autocast(recipe=hf.MXFP8BlockScaling()):
+    ...     y = m(torch.randn(4, 64))
+    >>> y.shape, m.layer_norm_bias
+    (torch.Size([4, 32]), None)
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  normalization: str = "LayerNorm", eps: float = 1e-5,
@@ -45,8 +70,32 @@ class LayerNormLinear(QuantizedModule):
         return F.layer_norm(x, (self.in_features,), w, self.layer_norm_bias.to(x.dtype), self.eps)
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
-        """norm, then the (quantized inside autocast) linear. ``is_first_microbatch``: as
-        ``Linear.forward``'s (TransformerEngine's weight reuse across regions)."""
+        """norm, then the (quantized inside autocast) linear.
+
+        Parameters
+        ----------
+        x:
+            The input, [..., in_features].
+        is_first_microbatch:
+            As :meth:`Linear.forward`'s (TransformerEngine's weight reuse across regions).
+
+        Returns
+        -------
+        torch.Tensor
+            [..., out_features].
+
+        Raises
+        ------
+        ValueError, TypeError, RuntimeError
+            As :meth:`Linear.forward`.
+
+        Example
+        -------
+        >>> import torch, hybridfp as hf
+        >>> m = hf.LayerNormLinear(64, 32)
+        >>> m(torch.randn(2, 64)).shape            # outside autocast: high precision
+        torch.Size([2, 32])
+        """
         check_is_first_microbatch(is_first_microbatch, self._who())
         self.check_input_features(x)
         h = self.norm(x)

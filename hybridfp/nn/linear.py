@@ -19,14 +19,46 @@ class Linear(QuantizedModule):
 
     Inside ``hybridfp.autocast`` the GEMMs use the recipe's quantizers (roles
     ``<name>.input`` / ``.weight`` / ``.grad_output``); outside it runs in high precision.
-    ``params_dtype``: dtype of the (master) weight and bias, FP32 by default; any optimizer
-    works on them. ``save_original_input``: keep the high-precision input for wgrad and
-    quantize its columnwise copy in backward (saves memory when the input is kept anyway);
-    ignored, with a ``SaveOriginalInputIgnoredWarning`` once per module, when the input
-    quantizer is not requantization-safe (stochastic rounding): the quantized forward value
-    is saved. Refused (ValueError) with an FP8 delayed-scaling input quantizer.
     Under ``torch.autocast`` as well, the input takes the autocast dtype as ``nn.Linear``'s
     does (so does the output); the quantized GEMMs themselves are unaffected by it.
+
+    Parameters
+    ----------
+    in_features, out_features:
+        The weight is [out_features, in_features].
+    bias:
+        Whether to add a learnable bias.
+    params_dtype:
+        Dtype of the (master) weight and bias, FP32 by default; any optimizer works on them.
+    device:
+        Where the parameters are allocated.
+    save_original_input:
+        Keep the high-precision input for wgrad and quantize its columnwise copy in backward
+        (saves memory when the input is kept anyway). Ignored, with a
+        ``SaveOriginalInputIgnoredWarning`` once per module, when the input quantizer is not
+        requantization-safe (stochastic rounding): the quantized forward value is saved.
+    name:
+        The module's qualified name in roles and messages (``hybridfp.convert`` /
+        ``set_names`` set it); None: "".
+
+    Raises
+    ------
+    ValueError
+        From ``forward``: an input whose last dim is not ``in_features``; with
+        ``save_original_input``, an FP8 delayed-scaling input quantizer.
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> lin = hf.Linear(64, 32, name="fc1")
+    >>> x = torch.randn(8, 64, requires_grad=True)
+    >>> with hf.autocast(recipe=hf.Float8CurrentScaling()):
+    ...     y = lin(x)
+    >>> y.sum().backward()
+    >>> y.shape, lin.weight.grad.shape
+    (torch.Size([8, 32]), torch.Size([32, 64]))
+    >>> str(lin.quantizer_roles()["weight"][0])
+    'fc1.weight'
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
@@ -50,10 +82,42 @@ class Linear(QuantizedModule):
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         """Quantized inside autocast, high precision outside.
 
-        ``is_first_microbatch`` (TransformerEngine's argument; ignored outside autocast): None
-        quantizes the weight once per autocast region; True quantizes it and keeps the copy
-        for later regions; False reuses the kept copy (the weight must not have changed since)
-        and raises RuntimeError if none matches. See ``hybridfp.nn.weight_cache``.
+        Parameters
+        ----------
+        x:
+            The input, [..., in_features].
+        is_first_microbatch:
+            TransformerEngine's argument; ignored outside autocast. None quantizes the weight
+            once per autocast region; True quantizes it and keeps the copy for later regions;
+            False reuses the kept copy (the weight must not have changed since). See
+            ``hybridfp.nn.weight_cache``.
+
+        Returns
+        -------
+        torch.Tensor
+            [..., out_features], in ``x``'s dtype (the autocast dtype under ``torch.autocast``).
+
+        Raises
+        ------
+        ValueError
+            ``x``'s last dim is not ``in_features``; ``save_original_input`` with a
+            delayed-scaling input quantizer.
+        TypeError
+            ``is_first_microbatch`` is not None, True or False.
+        RuntimeError
+            ``is_first_microbatch=False`` with no matching kept copy; a forward recomputed in
+            backward outside ``hybridfp.autocast`` (use ``hybridfp.checkpoint``).
+
+        Example
+        -------
+        >>> import torch, hybridfp as hf
+        >>> lin, x = hf.Linear(64, 32), torch.randn(4, 64)
+        >>> with hf.autocast(recipe=hf.MXFP8BlockScaling()):
+        ...     y1 = lin(x, is_first_microbatch=True)    # quantizes W and keeps the copy
+        >>> with hf.autocast(recipe=hf.MXFP8BlockScaling()):
+        ...     y2 = lin(x, is_first_microbatch=False)   # reuses it
+        >>> torch.equal(y1, y2)
+        True
         """
         check_is_first_microbatch(is_first_microbatch, self._who())
         self.check_input_features(x)
