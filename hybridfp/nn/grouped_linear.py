@@ -283,8 +283,8 @@ class GroupedLinear(QuantizedModule):
     ``pack_weights`` (default True): the expert weights live in one [num_gemms, out, in]
     buffer, each ``weight{i}`` a slice of it (its own Parameter, gradient, version counter
     and state_dict entry), so the grouped weight quantization reads them in place instead of
-    stacking them every step (``quantize_weights_grouped``; stacking costs milliseconds of an
-    MXFP8 step at 8 experts x 14336 on the H200). The packing survives ``.to()`` / ``.cuda()``
+    stacking them every step (``quantize_weights_grouped``; ``python -m bench.bench_moe``'s
+    "[unpacked weights]" rows time the difference). The packing survives ``.to()`` / ``.cuda()``
     (re-packed after the move); parameters replaced from outside (FSDP2, ``load_state_dict(
     assign=True)``) are used as they are. ``safetensors.torch.save_file`` refuses tensors that
     share storage: save ``{k: v.clone()}`` there, or build with ``pack_weights=False``.
@@ -293,10 +293,43 @@ class GroupedLinear(QuantizedModule):
     ``bias`` [num_gemms, out]) instead of ``weight{i}`` / ``bias{i}``, as torch-native MoE
     code (``torch._grouped_mm`` layers) holds its experts. Autograd then accumulates one
     gradient instead of one per expert (two AccumulateGrad calls a layer instead of 2 x
-    num_gemms: ~1 ms of host time a step at 64 experts on the H200), and an optimizer steps one
-    tensor. The experts' values, quantization and results are bitwise those of the per-expert
-    Parameters with the same seed; an in-place change re-quantizes every expert (one version
-    counter). ``load_state_dict`` takes either layout's keys."""
+    num_gemms: less host work, timed by ``python -m bench.bench_moe``'s "[one weight
+    Parameter]" rows), and an optimizer steps one tensor. The experts' values, quantization
+    and results are bitwise those of the per-expert Parameters with the same seed; an in-place
+    change re-quantizes every expert (one version counter). ``load_state_dict`` takes either
+    layout's keys.
+
+    Parameters
+    ----------
+    num_gemms:
+        The number of experts, >= 1.
+    in_features, out_features:
+        Each expert's weight is [out_features, in_features].
+    bias:
+        Whether each expert has a learnable bias.
+    params_dtype, device, save_original_input, name:
+        As :class:`~hybridfp.Linear`'s.
+    pack_weights:
+        Keep the per-expert weights in one buffer (above).
+    single_parameter:
+        One [num_gemms, out, in] Parameter ``weight`` (above).
+
+    Raises
+    ------
+    ValueError
+        ``num_gemms`` < 1. From ``forward``: see :meth:`forward`.
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> experts = hf.GroupedLinear(3, 64, 32, name="moe.fc1")
+    >>> x = torch.randn(10, 64, requires_grad=True)
+    >>> with hf.autocast(recipe=hf.MXFP8BlockScaling()):
+    ...     y = experts(x, [4, 0, 6])        # rows 0-3: expert 0, rows 4-9: expert 2
+    >>> y.sum().backward()
+    >>> y.shape, experts.weight0.grad.shape
+    (torch.Size([10, 32]), torch.Size([32, 64]))
+    """
 
     module_type = "grouped_linear"
     #: The experts' per-tensor scales come from one segmented amax over all of them
@@ -490,8 +523,8 @@ class GroupedLinear(QuantizedModule):
         one Parameter (its version counter is every expert's; the quantizers are the module's,
         rebuilt only with a new recipe key, which empties the cache), the stacked weight handed
         to ``quantize_weights_grouped`` as it is. The per-expert path would build 64 keys and check
-        the views' adjacency twice a call (~0.5 ms of host time a step at 64 experts on the
-        H200); the results are the same tensors."""
+        the views' adjacency twice a call (host work a 64-expert MoE step cannot afford:
+        ``python -m bench.bench_moe_overhead``); the results are the same tensors."""
         w = self.weight
         key = WeightKey(w._version, tuple(q.state_version() for q in self._stateful), self._qkey)
         entry = self._wcache.get(_STACK_SLOT)
@@ -556,9 +589,44 @@ class GroupedLinear(QuantizedModule):
 
     def forward(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor,
                 is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
-        """x: [sum(m_splits), in_features] -> [sum(m_splits), out_features].
-        ``is_first_microbatch``: as ``Linear.forward``'s (TransformerEngine's weight reuse across
-        autocast regions, for every expert at once; see ``hybridfp.nn.weight_cache``)."""
+        """x: [sum(m_splits), in_features] -> [sum(m_splits), out_features]; expert i computes
+        ``x_i W_iᵀ + b_i`` on its ``m_splits[i]`` consecutive rows.
+
+        Parameters
+        ----------
+        x:
+            The [tokens, in_features] input, rows grouped by expert.
+        m_splits:
+            Rows per expert: a sequence of non-negative ints (zero allowed), or a 1-D integer
+            tensor (read once with ``tolist()``).
+        is_first_microbatch:
+            As :meth:`Linear.forward`'s (TransformerEngine's weight reuse across autocast
+            regions, for every expert at once; see ``hybridfp.nn.weight_cache``).
+
+        Returns
+        -------
+        torch.Tensor
+            [tokens, out_features].
+
+        Raises
+        ------
+        ValueError
+            ``x`` is not [tokens, in_features]; ``m_splits`` has the wrong length, a negative
+            entry, or a sum other than ``x``'s rows; the recipe returns hybrid quantizers for
+            some experts of a slot and plain ones for others (or mixed ``columnwise_source``).
+        TypeError
+            ``m_splits`` is not integer counts; ``is_first_microbatch`` not None / True /
+            False.
+        RuntimeError
+            As :meth:`Linear.forward`.
+
+        Example
+        -------
+        >>> import torch, hybridfp as hf
+        >>> experts = hf.GroupedLinear(2, 16, 8)
+        >>> experts(torch.randn(5, 16), torch.tensor([2, 3])).shape
+        torch.Size([5, 8])
+        """
         check_is_first_microbatch(is_first_microbatch, self._who())
         if x.dim() != 2 or x.shape[-1] != self.in_features:
             raise ValueError(f"GroupedLinear {self.name}: input must be [tokens, {self.in_features}]; "
