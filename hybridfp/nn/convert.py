@@ -11,7 +11,27 @@ from .linear import Linear
 
 
 def set_names(model: nn.Module) -> nn.Module:
-    """Give every hybridfp module without a name its qualified name in ``model``."""
+    """Give every hybridfp module without a name its qualified name in ``model``.
+
+    Names appear in every quantizer role and error message; modules named already keep theirs.
+
+    Parameters
+    ----------
+    model:
+        Any ``nn.Module`` tree.
+
+    Returns
+    -------
+    nn.Module
+        ``model`` (named in place).
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> model = torch.nn.Sequential(hf.Linear(8, 8), torch.nn.ReLU(), hf.Linear(8, 8))
+    >>> [m.name for m in hf.set_names(model) if isinstance(m, hf.Linear)]
+    ['0', '2']
+    """
     for name, m in model.named_modules():
         if isinstance(m, QuantizedModule) and not m.name:
             m.name = name
@@ -21,7 +41,38 @@ def set_names(model: nn.Module) -> nn.Module:
 def convert(model: nn.Module, recipe_filter: Optional[Callable[[str, nn.Module], bool]] = None) -> nn.Module:
     """Replace ``nn.Linear`` submodules (those ``recipe_filter(name, module)`` accepts; all by
     default) with ``hybridfp.nn.Linear`` sharing the same weight and bias Parameters, so an
-    optimizer built before the conversion keeps working. Returns ``model``."""
+    optimizer built before the conversion keeps working.
+
+    Only modules of exactly ``nn.Linear``'s type are replaced (not subclasses). Every hybridfp
+    module then gets its qualified name (:func:`set_names`).
+
+    Parameters
+    ----------
+    model:
+        The model, converted in place.
+    recipe_filter:
+        ``(qualified_name, module) -> bool``: which ``nn.Linear`` layers to convert; None:
+        all of them.
+
+    Returns
+    -------
+    nn.Module
+        ``model``.
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    >>> w = model[0].weight
+    >>> hf.convert(model, recipe_filter=lambda name, m: name != "2")
+    Sequential(
+      (0): Linear(in_features=8, out_features=16, bias=True)
+      (1): GELU(approximate='none')
+      (2): Linear(in_features=16, out_features=4, bias=True)
+    )
+    >>> type(model[0]).__module__, type(model[2]).__module__, model[0].weight is w
+    ('hybridfp.nn.linear', 'torch.nn.modules.linear', True)
+    """
     for name, m in list(model.named_modules()):
         for child_name, child in list(m.named_children()):
             full = f"{name}.{child_name}" if name else child_name

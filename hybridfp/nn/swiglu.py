@@ -124,7 +124,37 @@ class SwiGLUFunction(torch.autograd.Function):
 
 def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """``F.silu(g) * u`` for the gate ``g`` and up ``u`` projections (same shape, dtype, device),
-    fused on CUDA (module docstring); differentiable in both."""
+    fused on CUDA (module docstring); differentiable in both.
+
+    Parameters
+    ----------
+    g:
+        The gate projection's output (floating point).
+    u:
+        The up projection's output, of ``g``'s shape, dtype and device.
+
+    Returns
+    -------
+    torch.Tensor
+        ``silu(g) * u``, of ``g``'s shape and dtype.
+
+    Raises
+    ------
+    ValueError
+        Shapes or devices differ.
+    TypeError
+        Dtypes differ or are not floating point; on CUDA, a dtype other than float32,
+        bfloat16 or float16.
+    RuntimeError
+        On CUDA without Triton installed.
+
+    Example
+    -------
+    >>> import torch, torch.nn.functional as F, hybridfp as hf
+    >>> g, u = torch.randn(4, 8), torch.randn(4, 8)
+    >>> torch.equal(hf.swiglu(g, u), F.silu(g) * u)     # the CPU runs the eager ops
+    True
+    """
     _check_pair(g, u)
     return SwiGLUFunction.apply(g, u)
 
@@ -134,10 +164,46 @@ class SwiGLU(nn.Module):
 
     ``forward(gate, up)`` is :func:`swiglu`; ``forward(gate_up)`` with one tensor takes its last
     dimension as the halves [gate | up] (the output of a fused gate+up projection), read in place.
+    No parameters, no constructor arguments.
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> act = hf.SwiGLU()
+    >>> gate_up = torch.randn(4, 16)
+    >>> torch.equal(act(gate_up), hf.swiglu(gate_up[:, :8], gate_up[:, 8:]))
+    True
     """
 
     def forward(self, gate: torch.Tensor, up: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """silu(gate) * up; with ``up`` None, ``gate`` holds both halves along its last dim."""
+        """silu(gate) * up; with ``up`` None, ``gate`` holds both halves along its last dim.
+
+        Parameters
+        ----------
+        gate:
+            The gate projection's output, or [..., 2 * F] holding [gate | up] when ``up`` is
+            None.
+        up:
+            The up projection's output, or None.
+
+        Returns
+        -------
+        torch.Tensor
+            [..., F].
+
+        Raises
+        ------
+        ValueError
+            With one input, a 0-d tensor or an odd last dimension; otherwise as :func:`swiglu`.
+        TypeError, RuntimeError
+            As :func:`swiglu`.
+
+        Example
+        -------
+        >>> import torch, hybridfp as hf
+        >>> hf.SwiGLU()(torch.randn(2, 3, 10)).shape
+        torch.Size([2, 3, 5])
+        """
         if up is None:
             if gate.dim() == 0 or gate.shape[-1] % 2:
                 raise ValueError(f"SwiGLU with one input splits its last dimension in two halves [gate | up]; "
