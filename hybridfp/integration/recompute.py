@@ -21,7 +21,44 @@ from ..recipes import current_autocast, replay_region
 
 def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)`` whose
-    recomputation runs inside the autocast region active now (or none, if none is)."""
+    recomputation runs inside the autocast region active now (or none, if none is), under the
+    policy active now.
+
+    Parameters
+    ----------
+    function:
+        The forward to checkpoint.
+    *args:
+        Its arguments.
+    **kwargs:
+        Passed to ``torch.utils.checkpoint.checkpoint`` (e.g. ``preserve_rng_state``);
+        ``use_reentrant`` may only be False and ``context_fn`` is set here.
+
+    Returns
+    -------
+    Any
+        ``function(*args)``'s result, its activations recomputed in backward.
+
+    Raises
+    ------
+    ValueError
+        ``use_reentrant=True``, or a ``context_fn`` is given.
+    RuntimeError
+        In backward, when a module's stateful quantizers changed state since the forward
+        (delayed scaling updated at the region's end): run backward inside the region or use
+        a stateless recipe for checkpointed layers.
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> lin = hf.Linear(32, 32)
+    >>> x = torch.randn(4, 32, requires_grad=True)
+    >>> with hf.autocast(recipe=hf.MXFP8BlockScaling()):
+    ...     y = hf.checkpoint(lin, x)
+    >>> y.sum().backward()                    # lin's forward is recomputed, quantized
+    >>> x.grad.shape
+    torch.Size([4, 32])
+    """
     if kwargs.pop("use_reentrant", False):
         raise ValueError("hybridfp.checkpoint supports only use_reentrant=False (torch's "
                          "recommended mode): the reentrant mode cannot re-enter the region.")
