@@ -50,21 +50,67 @@ def gemm(A: torch.Tensor, B: torch.Tensor, layout: str = "TN", *, out_dtype: tor
          fast_accumulation: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Compute the GEMM ``layout`` selects (table above) on the copies it needs.
 
-    ``bias`` [n] is added in FP32 before the cast; ``accumulate_into`` (e.g. an FP32 main_grad
-    [n... ]) receives ``accumulate_into + result`` in place and is returned. ``out``: an
-    [m, n] tensor of ``out_dtype`` on the operands' device with unit column stride (e.g. one
-    expert's rows of a grouped result) that receives the result and is returned — written
-    directly by the cuBLAS FP8 per-tensor kernel when it can (contiguous, 16-byte aligned, no
-    padded output columns or FP32 intermediate) and by the BF16 tensor-core backends on CUDA
-    (their epilogue kernel, or cuBLAS BF16 into a contiguous 16-byte aligned ``out``), copied
-    there otherwise.
+    The pair's registered backend runs it (a fast kernel) where one serves the operands'
+    formats, layout and device; otherwise the exact emulation does, reported once per device,
+    GEMM and pair (``EmulatedGemmWarning``).
 
-    ``fast_accumulation``: let Hopper's FP8 tensor cores keep partial sums in their reduced
-    precision over the whole k loop (cuBLAS fast accumulation; only the FP8 per-tensor cuBLAS
-    backend has it, the others accumulate in FP32 regardless). Off by default because it goes
-    beyond numerics §1's exception (reduced precision inside one promotion interval): on the
-    H200 it gives 1.6e-3 relative error at k = 2048, vs 1e-4 with promotion. TE and torchao turn
-    it on for fprop; recipes do so with ``fprop_fast_accumulation=True``.
+    Parameters
+    ----------
+    A, B:
+        QuantizedTensors holding the copies the layout reads (any format, hybrids included),
+        or plain floating tensors (used unquantized). ``A`` is x (fprop) or dy (dgrad,
+        wgrad); ``B`` is W (fprop, dgrad) or x (wgrad).
+    layout:
+        "TN" (fprop), "NN" (dgrad) or "NT" (wgrad).
+    out_dtype:
+        The result's dtype (default bfloat16).
+    bias:
+        [n], added in FP32 before the cast.
+    accumulate_into:
+        [m, n] (e.g. an FP32 main_grad): receives ``accumulate_into + result`` in place and is
+        returned.
+    fast_accumulation:
+        Let Hopper's FP8 tensor cores keep partial sums in their reduced precision over the
+        whole k loop (cuBLAS fast accumulation; only the FP8 per-tensor cuBLAS backend has
+        it, the others accumulate in FP32 regardless). Off by default because it goes beyond
+        numerics §1's exception (reduced precision inside one promotion interval): on the H200
+        it gives 1.6e-3 relative error at k = 2048, vs 1e-4 with promotion. TE and torchao
+        turn it on for fprop; recipes do so with ``fprop_fast_accumulation=True``.
+    out:
+        An [m, n] tensor of ``out_dtype`` on the operands' device with unit column stride
+        (e.g. one expert's rows of a grouped result) that receives the result and is returned
+        — written directly by the cuBLAS FP8 per-tensor kernel when it can (contiguous,
+        16-byte aligned, no padded output columns or FP32 intermediate) and by the BF16
+        tensor-core backends on CUDA (their epilogue kernel, or cuBLAS BF16 into a contiguous
+        16-byte aligned ``out``), copied there otherwise.
+
+    Returns
+    -------
+    torch.Tensor
+        The [m, n] result in ``out_dtype`` (``accumulate_into`` or ``out`` when given).
+
+    Raises
+    ------
+    ValueError
+        An unknown layout; reduction lengths that differ; a ``bias``, ``accumulate_into`` or
+        ``out`` of the wrong shape (``out`` also: wrong dtype or device, non-unit column
+        stride, or given with ``accumulate_into``).
+    TypeError
+        An operand that is neither a floating tensor nor a QuantizedTensor.
+    MissingDirectionError
+        An operand lacks the copy the layout reads.
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> from hybridfp.gemm import gemm
+    >>> x, w = torch.randn(16, 64), torch.randn(32, 64)
+    >>> q = hf.MXFP8Quantizer()
+    >>> y = gemm(q(x), q(w), "TN", out_dtype=torch.float32)      # fprop: x · Wᵀ
+    >>> y.shape, bool((y - x @ w.t()).norm() / (x @ w.t()).norm() < 0.1)
+    (torch.Size([16, 32]), True)
+    >>> gemm(q(torch.randn(16, 32)), q(w), "NN").shape           # dgrad: dy · W
+    torch.Size([16, 64])
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is unknown; use 'TN' (fprop), 'NN' (dgrad) or 'NT' (wgrad).")
