@@ -212,7 +212,8 @@ def _passthrough_group(quantizers: Sequence[Quantizer], weights: Sequence[torch.
 
 def _wrap_weight(q: IdentityQuantizer, w: torch.Tensor) -> QuantizedTensor:
     """``q.quantize(w)`` for a passthrough ``q`` (``_passthrough``), without its dispatch
-    (quantize -> encode -> kernel lookup: ~1 ms a step at 64 experts): the reference encode,
+    (quantize -> encode -> kernel lookup, host work repeated per expert, timed by ``python -m
+    bench.bench_moe_overhead``): the reference encode,
     which wraps the detached weight, one payload for both copies."""
     return QuantizedTensor(q.reference_encode(w.detach(), q.rowwise_usage, q.columnwise_usage), q)
 
@@ -906,9 +907,9 @@ def _column_payloads(storage: QuantizedStorage, starts: Sequence[int], splits: S
     """Every expert's columnwise payload: rows [start_e, start_e + m_e) of the shared copy:
     column-slice views of its transposed tensors (``views``, no copy: the grouped GEMM decodes
     them as one buffer, ``gemm.joined.joined_columns``; copying every slice would cost the MXFP8 MoE
-    layer, 8 experts of ffn 14336, about 1 ms a step on the H200 for copies that path never
-    reads), else each expert's own contiguous copy of its slice (far cheaper than a scatter
-    through an int64 index per element)."""
+    layer a copy pass per expert that path never reads: ``python -m bench.bench_moe``), else
+    each expert's own contiguous copy of its slice (far cheaper than a scatter through an int64
+    index per element)."""
     index = storage._row_index[COLUMNWISE]
     out: list[Payload] = [{} for _ in splits]
     for name, t in storage.payload(COLUMNWISE).items():

@@ -91,7 +91,8 @@ def _reduced(q: Quantizer, amax: torch.Tensor) -> torch.Tensor:
 def _row_groups(splits: Sequence[int], device: torch.device) -> torch.Tensor:
     """The group of each row, int32 [sum(splits)] on ``device`` (one queued copy of the counts),
     shared by the calls of one routing (``utils.device.step_metadata``: an MoE step's x, h, dy and dh
-    share it; ~270 us of host each on the H200 when built every call): read-only."""
+    share it, so it is built once per routing, not per call: ``python -m
+    bench.bench_moe_overhead`` times the host work): read-only."""
     splits = tuple(map(int, splits))
 
     def build() -> torch.Tensor:
