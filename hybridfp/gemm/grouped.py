@@ -327,11 +327,9 @@ def _torch_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], 
 def per_expert_fp8_faster(ms: Sequence[int], n: int, k: int) -> bool:
     """Whether experts with ``ms`` rows (fprop / dgrad: [m_e, k] x [k, n] each) are big enough
     that per-expert cuBLAS FP8 GEMMs beat the grouped kernel: a mean GEMM size (FLOPs per
-    non-empty expert) of at least the policy's ``per_expert_fp8_flops``. On the H200 (torch 2.11,
-    MoE layer of 8 experts, ~4096 rows each, hidden 4096, ffn 14336) cuBLAS per expert runs
-    fprop clearly faster than the grouped CUTLASS kernel, while below ~1e11 FLOPs an expert's
-    GEMM is too short to hide its ~50 us of host work (64 experts of ffn 1408: 1.2e10 each,
-    host-bound)."""
+    non-empty expert) of at least the policy's ``per_expert_fp8_flops`` (where that threshold
+    comes from: its docstring in ``hybridfp.config``; ``python -m bench.bench_moe --ab`` times
+    both paths)."""
     filled = [m for m in ms if m]
     return bool(filled) and 2.0 * sum(filled) * n * k / len(filled) >= current_policy().per_expert_fp8_flops
 
