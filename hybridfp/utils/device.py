@@ -63,8 +63,8 @@ STEP_METADATA_KEPT = 16
 def step_metadata(key: Hashable, device: Union[torch.device, str], build: Callable[[], torch.Tensor]) -> torch.Tensor:
     """``build()`` (a small read-only metadata tensor on ``device``: group offsets, row maps)
     remembered by ``key`` for later calls on the same device and stream. An MoE step asks for the
-    same ones several times (every layer's input and gradient share the routing's splits:
-    ~50 us of host time each on the H200 for a pinned copy and a few launches); callers must not
+    same ones several times (every layer's input and gradient share the routing's splits; each
+    build is a pinned copy and a few launches of host work); callers must not
     write to the result. The key also holds the current CUDA stream (a tensor is never read on
     another stream before its producing work there has run) and whether inference mode is on (an
     inference tensor cannot be saved for backward). Under CUDA-graph capture nothing is
