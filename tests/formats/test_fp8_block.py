@@ -1,4 +1,4 @@
-"""Tests for FP8 block scaling, DeepSeek-V3 style (SPEC §2.3)."""
+"""Tests for FP8 block scaling, DeepSeek-V3 style (numerics §2.3)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def bits8(t: torch.Tensor) -> list[int]:
 
 
 def ref_scale(amax: float, dtype: torch.dtype, pow2: bool) -> float:
-    """Block scale by the SPEC's words, in scalar FP32 arithmetic (independent of the module)."""
+    """Block scale by the words of numerics §2.3, in scalar FP32 arithmetic (independent of the module)."""
     if amax == 0 or not math.isfinite(amax):
         return 1.0
     s = (torch.tensor(FP8_MAX[dtype]) / torch.tensor(amax)).item()  # FP32 IEEE division
@@ -192,7 +192,7 @@ def test_nan_and_inf_blocks(dtype):
     x[0, 4] = 1e6
     x[1, 200] = -math.inf
     data, scale_inv = quantize_1d(x, dtype)
-    # Non-finite block amax -> scale 1 (SPEC §2.1); the other blocks are unaffected.
+    # Non-finite block amax -> scale 1 (numerics §2.1); the other blocks are unaffected.
     assert scale_inv[0, 0].item() == 1.0 and scale_inv[1, 1].item() == 1.0
     q = data.float()
     assert math.isnan(q[0, 3].item()) and q[0, 4].item() == m and q[0, 5].item() == 0.25

@@ -1,4 +1,4 @@
-"""Tests for FP8 per-tensor current and delayed scaling (SPEC §2.1, §2.2)."""
+"""Tests for FP8 per-tensor current and delayed scaling (numerics §2.1, §2.2)."""
 
 from __future__ import annotations
 

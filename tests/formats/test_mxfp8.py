@@ -1,4 +1,4 @@
-"""Tests for hybridfp.formats.mxfp8 (SPEC §2.4): E8M0 scale rules, quantize/dequantize, edges."""
+"""Tests for hybridfp.formats.mxfp8 (numerics §2.4): E8M0 scale rules, quantize/dequantize, edges."""
 
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ HAND = [
     # 2**128 / 448 = 2**119.19 -> 120 + 127 = 247, capped at 254 - 8 so 448 * scale is
     # finite (E8M0_MAX_FINITE); floor 254 - 8
     (FP32_MAX, E4M3, 246, 246),
-    (next_up(448.0 * 2.0**119), E4M3, 246, 246),  # the first amax the cap changes (was 247)
+    (next_up(448.0 * 2.0**119), E4M3, 246, 246),  # the first amax the cap changes (247 without it)
     (INF, E4M3, 254, 254),
     (NAN, E4M3, 255, 255),
     (57344.0, E5M2, 127, 127),

@@ -120,7 +120,7 @@ def test_mxfp8_finite_amax_byte_cap_and_inf(dtype, rule):
     e = mxfp8.e8m0_from_amax(a, dtype, rule).tolist()
     cap = 254 - mxfp8.EMAX_ELEM[dtype]
     assert e[0] == cap and e[1] <= cap
-    assert e[2] == mxfp8.E8M0_MAX and e[3] == mxfp8.E8M0_NAN  # inf -> 0xFE, NaN -> 0xFF (SPEC)
+    assert e[2] == mxfp8.E8M0_MAX and e[3] == mxfp8.E8M0_NAN  # inf -> 0xFE, NaN -> 0xFF (numerics §2.4)
 
 
 @pytest.mark.parametrize("dtype", FP8_DTYPES)

@@ -1,4 +1,4 @@
-"""Tests for hybridfp.formats.nvfp4 (SPEC §2.5): E2M1 rounding, packing, scales, edge values."""
+"""Tests for hybridfp.formats.nvfp4 (numerics §2.5): E2M1 rounding, packing, scales, edge values."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tests for hybridfp.formats.rht (SPEC §2.5): the 16-point random Hadamard transform."""
+"""Tests for hybridfp.formats.rht (numerics §2.5): the 16-point random Hadamard transform."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ DEVICES = [
         "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
     ),
 ]
-SPEC_SIGNS = [1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1]
+REFERENCE_SIGNS = [1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1]
 
 
 def gen(seed: int) -> torch.Generator:
@@ -35,8 +35,8 @@ def f32(v: float) -> float:
 
 
 def reference_tile(t: list[float]) -> list[float]:
-    """SPEC order spelled out in scalar Python with FP32 rounding after every operation."""
-    u = [f32(a * s) for a, s in zip(t, SPEC_SIGNS)]
+    """The order of numerics §2.5 spelled out in scalar Python with FP32 rounding after every operation."""
+    u = [f32(a * s) for a, s in zip(t, REFERENCE_SIGNS)]
     h = 1
     while h < 16:
         for start in range(0, 16, 2 * h):
@@ -48,7 +48,7 @@ def reference_tile(t: list[float]) -> list[float]:
 
 
 def test_signs_and_hadamard() -> None:
-    assert list(RHT_SIGNS) == SPEC_SIGNS
+    assert list(RHT_SIGNS) == REFERENCE_SIGNS
     h = hadamard16()
     assert h.dtype == torch.float32 and h.shape == (16, 16)
     # Sylvester natural order: H[i, j] = (-1)^popcount(i & j).
@@ -59,7 +59,7 @@ def test_signs_and_hadamard() -> None:
 
 def test_rht_matrix_orthogonal() -> None:
     r = rht_matrix()
-    signs = torch.tensor(SPEC_SIGNS, dtype=torch.float32)
+    signs = torch.tensor(REFERENCE_SIGNS, dtype=torch.float32)
     assert torch.equal(r, torch.diag(signs) @ hadamard16() / 4)
     # Entries are ±1/4, so R Rᵀ sums sixteen ±1/16 terms: exact in FP32 (well inside 1e-6).
     assert (r @ r.t() - torch.eye(16)).abs().max().item() <= 1e-6
@@ -83,7 +83,7 @@ def test_butterfly_matches_matrix(device: str) -> None:
 def test_fixed_evaluation_order_bitwise() -> None:
     # 12-bit integers times 2**-8..2**8: every sum spans < 40 bits, so the double arithmetic in
     # reference_tile is exact before its single FP32 rounding, while FP32 (24 bits) must round.
-    # Only the exact SPEC order (signs, butterfly h = 1, 2, 4, 8, then * 0.25) gives every bit.
+    # Only the exact order of numerics §2.5 (signs, butterfly h = 1, 2, 4, 8, then * 0.25) gives every bit.
     g = gen(2)
     mant = torch.randint(-(2**12), 2**12, (8, 16), generator=g).float()
     x = mant * torch.exp2(torch.randint(-8, 9, (8, 16), generator=g).float())
