@@ -1,4 +1,4 @@
-"""GEMM operands of every format, and the FP64 reference a GEMM must match (SPEC §1).
+"""GEMM operands of every format, and the FP64 reference a GEMM must match (numerics §1).
 
 Shapes: x [M, K], W [N, K], dy [M, N] with M = 40, N = 24, K = 56 — none a multiple of 32,
 so every block format pads a partial block, and the NVFP4 RHT copy of a 40-row operand is
@@ -9,7 +9,7 @@ scale) changes the numbers by far more than the tolerance.
 The reference: the operand's stored copy as ``storage.gemm_operand`` exposes it (FP32
 block-decoded values, exact), promoted to FP64 and multiplied by its per-tensor / per-row
 scale in FP64; for an RHT copy paired with a non-RHT one, the inverse transform is applied in
-FP64 with R built here from SPEC §2.5 (not from the code under test); then an FP64 GEMM.
+FP64 with R built here from numerics §2.5 (not from the code under test); then an FP64 GEMM.
 
 Tolerance (REL_TOL = 1e-5 on ||out - ref|| / ||ref||): the emulation multiplies exact FP32
 values and accumulates in FP32 (K <= 56 terms), then applies the epilogue scales (two more
@@ -100,7 +100,7 @@ def operand(fmt: str, which: str) -> torch.Tensor:
 
 # ------------------------------------------------------------------ FP64 reference
 def _rht_matrix64() -> torch.Tensor:
-    """R = diag(s) H16 / 4 in FP64, from SPEC §2.5."""
+    """R = diag(s) H16 / 4 in FP64, from numerics §2.5."""
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < 16:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)

@@ -1,5 +1,5 @@
 """The BF16 tensor-core backend (``hybridfp.gemm.bf16_tensorcore``): exact GEMMs of pairs whose
-copies block-decode exactly into BF16 (SPEC §1), its pair table, its routing of the cases a
+copies block-decode exactly into BF16 (numerics §1), its pair table, its routing of the cases a
 format key cannot show to the exact emulation (reported once), the epilogue (global /
 per-row scales, bias, accumulate_into, output dtypes) and the weight-decode cache.
 

@@ -234,7 +234,7 @@ GPU_CASES = {
 #: accumulation error delta (relative) flips a rounding with probability ~ 2 delta / ulp and
 #: raises the squared error by ~ 4 delta**2 per element, so the excess over the ideal is
 #: ~ 2 delta**2 / 1.1e-3: FP32 accumulation (delta ~ sqrt(K) 2**-24 <= 7e-6) gives < 1e-7;
-#: 1e-5 catches delta >~ 7e-5 and any wrong scale or group. The FP8 MMA paths (SPEC §1's
+#: 1e-5 catches delta >~ 7e-5 and any wrong scale or group. The FP8 MMA paths (numerics §1's
 #: Hopper exception, no fast accumulation) measured an excess of 4.9e-6 on an H200 (1e-4
 #: relative error per element, as cuBLAS block FP8): bounded at 1e-4 here.
 GPU_EXCESS = {GROUPED_BF16: 1e-5, PER_EXPERT: 1e-5, GROUPED_FP8_ROWWISE: 1e-4}

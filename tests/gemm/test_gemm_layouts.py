@@ -1,4 +1,4 @@
-"""Layouts pick the copies of SPEC §1 and compute the linear layer's three GEMMs:
+"""Layouts pick the copies of numerics §1 and compute the linear layer's three GEMMs:
 
     TN fprop  y  = x Wᵀ   x.rowwise,     W.rowwise
     NN dgrad  dx = dy W   dy.rowwise,    W.columnwise
@@ -64,7 +64,7 @@ def test_layout_computes_the_linear_gemm(layout, x_col_rht):
 @pytest.mark.parametrize("layout", list(MATH))
 def test_layout_reads_the_right_copies(layout):
     """Reading the other copy of A or B (its values brought to the same orientation) would
-    give a clearly different product: only the SPEC §1 pair matches."""
+    give a clearly different product: only the numerics §1 pair matches."""
     t = _hybrids()
     a, b, _ = MATH[layout]
     out = gemm(t[a], t[b], layout, out_dtype=torch.float32)
@@ -93,7 +93,7 @@ def test_plain_tensors_give_the_plain_math(layout):
 
 
 def test_leading_dims_are_flattened():
-    """A [2, 20, K] input is the [40, K] operand of the GEMM (SPEC §1)."""
+    """A [2, 20, K] input is the [40, K] operand of the GEMM (numerics §1)."""
     q = HybridQuantizer(MXFP8Quantizer(), IdentityQuantizer())
     x3 = q(source("x").reshape(2, 20, -1))
     x2 = q(source("x"))

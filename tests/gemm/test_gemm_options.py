@@ -190,9 +190,9 @@ def restore_matmul_precision():
 
 @pytest.mark.parametrize("setting", ["new_api", "legacy_api", "matmul_precision", "onednn_bf16"])
 def test_emulation_works_with_any_reduced_precision_setting(setting, restore_matmul_precision):
-    """Regression: the emulation read ``torch.backends.cuda.matmul.allow_tf32``, which raises
-    once TF32 was set through torch's fp32_precision API, so every GEMM failed (on CPU too).
-    It also must not let a reduced-precision FP32 matmul setting (TF32, oneDNN BF16) reach
+    """The emulation does not read ``torch.backends.cuda.matmul.allow_tf32``, which raises once
+    TF32 is set through torch's fp32_precision API (every GEMM would fail, on CPU too). It also
+    must not let a reduced-precision FP32 matmul setting (TF32, oneDNN BF16) reach
     its exact product; the settings are restored afterwards."""
     cuda, onednn = torch.backends.cuda.matmul, torch.backends.mkldnn.matmul
     if setting == "new_api":

@@ -1,4 +1,4 @@
-"""Every pair of operand formats in every layout where both copies exist (SPEC §1: any pair
+"""Every pair of operand formats in every layout where both copies exist (numerics §1: any pair
 is legal) equals the FP64 GEMM of the operands' exact dequantized values; see
 gemm_operands.py for the operands, the reference and the tolerance."""
 

@@ -1,4 +1,4 @@
-"""The emulated-pair report (SPEC §1, DESIGN: "a slow path is never taken silently"): building
+"""The emulated-pair report (numerics §1: a slow path is never taken silently): building
 a module's quantizers warns once per (device, GEMM, format pair) that has no fast kernel,
 naming the role and both formats, and records it in ``hybridfp.gemm.EMULATED``; a registered
 backend that supports a pair is selected by ``gemm`` and silences the report for that pair."""

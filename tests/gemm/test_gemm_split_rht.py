@@ -10,7 +10,7 @@ the split asserted exact; registry wiring; the emulation fallback for values the
 hold. GPU (``-m gpu``): through ``gemm`` at 4096^3 and a Llama-3-8B-like wgrad shape.
 
 Tolerance (REL_TOL = 1e-5 on ||out - ref|| / ||ref||, ref: FP64 GEMM of the FP64-dequantized
-operands, the RHT undone in FP64 with R built from SPEC §2.5): every product of two BF16 values
+operands, the RHT undone in FP64 with R built from numerics §2.5): every product of two BF16 values
 is exact in FP32, so the only errors are the FP32 additions — k <= 256 per part GEMM, at most
 two more to combine the parts, two epilogue roundings (global scales): worst case ~(k + 4) u
 of Σ|a||b| with u = 2**-24 (1.6e-5 at k = 256), typical (random signs) ~sqrt(k) u ~ 1e-6.
@@ -50,7 +50,7 @@ PLAIN: dict[str, Maker] = {
 }
 RHT = "nvfp4_rht"
 MAKERS: dict[str, Maker] = {**PLAIN, RHT: lambda: NVFP4Quantizer(with_rht=True)}
-#: (layout, A format, B format): an RHT copy is always a columnwise one (SPEC §2.5), so the
+#: (layout, A format, B format): an RHT copy is always a columnwise one (numerics §2.5), so the
 #: pair occurs in NN (B = a weight's columnwise copy) and NT (wgrad, either side); never TN.
 PAIRS = ([("NN", p, RHT) for p in PLAIN] + [("NT", p, RHT) for p in PLAIN] + [("NT", RHT, p) for p in PLAIN])
 #: (m, n, k): k not a multiple of 16 nor 128 (the RHT copy pads k to 16), m or n = 1
@@ -185,8 +185,8 @@ def test_gemm_dispatches_to_run_split(layout, fmt_a, fmt_b, monkeypatch):
 
 
 def test_unverified_plain_side_not_taken(monkeypatch):
-    """A plain-side format listed in SPLIT_UNVERIFIED_ON_CUDA (none today; Identity was, until
-    its GPU test passed) stays on the reported emulation where the split backend is allowed,
+    """A plain-side format listed in SPLIT_UNVERIFIED_ON_CUDA (empty: every plain-side format
+    passes its GPU test) stays on the reported emulation where the split backend is allowed,
     the others do not."""
     monkeypatch.setattr(bf16_tensorcore, "_device_ok", lambda device: True)
     assert bf16_tensorcore.SPLIT_UNVERIFIED_ON_CUDA == frozenset()
