@@ -3,14 +3,14 @@
 CPU (CI): which format pairs / devices / shapes the backends claim, and the call conventions
 (operand and scale layouts) checked against a stand-in for ``torch._scaled_mm`` that applies
 torch 2.11's layout checks and computes the math in FP64.
-GPU (``-m gpu``, the H200): every supported pair x layout against an FP64 GEMM of the
+GPU (``-m gpu``, e.g. an NVIDIA H200): every supported pair x layout against an FP64 GEMM of the
 dequantized operands, on fresh random inputs with per-row / per-column magnitude spread (so
 a misplaced block scale shows), at a 4096-class shape and awkward ones.
 
-Bounds (relative Frobenius error vs FP64 of the dequantized operands, SPEC §1):
+Bounds (relative Frobenius error vs FP64 of the dequantized operands, numerics §1):
 - output rounding: half an ulp per element, at most u = 2^-8 (BF16), 2^-11 (FP16), 0 (FP32);
 - accumulation: FP32 alone gives ~1e-7 here (K = 4096); Hopper's FP8 MMA keeps fewer bits
-  inside each promotion interval (DESIGN: 1.3e-4 seen for block scales), and fprop's fast
+  inside each promotion interval (1.3e-4 seen for block scales on an NVIDIA H200), and fprop's fast
   accumulation keeps them over the whole k loop. TOL_MMA / TOL_FAST_ACCUM bound those;
   the measured values are recorded (HYBRIDFP_KERNEL_RECORD=path.json) and in the report.
 """
@@ -49,12 +49,12 @@ def gpu(test):
     return pytest.mark.gpu(pytest.mark.skipif(not HAS_SM90, reason="needs a Hopper (sm90) GPU")(test))
 
 
-# Accumulation bounds (see the module docstring). Measured on the H200 (torch 2.11, cuBLAS of
+# Accumulation bounds (see the module docstring). Measured on an NVIDIA H200 (torch 2.11, cuBLAS of
 # CUDA 13.0, 2026-11-29), FP32 output, K = 4096, these inputs: 2.4-2.9e-4 for every pair and
 # layout without fast accumulation, per-tensor and block alike (K = 2048, standard normal
 # inputs: 0.97-1.0e-4); 1.6-1.7e-3 for per-tensor fprop with fast accumulation; the FP32
 # emulation 2.5-5.2e-7. So per-tensor FP8 is NOT FP32-exact on Hopper either: it carries the
-# same MMA exception as the block path (SPEC §1).
+# same MMA exception as the block path (numerics §1).
 TOL_MMA = 5e-4         # FP8 MMA with FP32 promotion (per-tensor dgrad/wgrad, all block GEMMs)
 TOL_FAST_ACCUM = 5e-3  # per-tensor fprop, fast accumulation
 TOL_FP32 = 1e-6        # pure FP32 accumulation (the emulation)
@@ -122,7 +122,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def tol_acc(kind: str, layout: str) -> float:
-    """The bound of gemm()'s default (no fast accumulation: SPEC §1's Hopper exception only)."""
+    """The bound of gemm()'s default (no fast accumulation: numerics §1's Hopper exception only)."""
     return TOL_MMA
 
 
@@ -393,7 +393,7 @@ def test_backend_vs_fp64(kind, a, b, bda, bdb, layout):
 @pytest.mark.parametrize("layout", LAYOUT_NAMES)
 @gpu
 def test_fast_accumulation_only_when_asked(layout):
-    """Per-tensor FP8: gemm()'s default stays within SPEC §1's bound (TOL_MMA, which fast
+    """Per-tensor FP8: gemm()'s default stays within numerics §1's bound (TOL_MMA, which fast
     accumulation's ~1.6e-3 exceeds); fast_accumulation=True runs cuBLAS fast accumulation:
     within TOL_FAST_ACCUM, and not bitwise the default (so the flag reaches cuBLAS)."""
     m, n, k = REAL
@@ -538,7 +538,7 @@ def test_hybrid_linear_runs_on_cublas(monkeypatch):
         assert err < tol + 2 * U_OUT[torch.bfloat16], (name, err)
 
 
-# Raw kernel calls outside the shape policy: recorded, not asserted. Seen on the H200
+# Raw kernel calls outside the shape policy: recorded, not asserted. Seen on an NVIDIA H200
 # (2026-11-29): m % 4 != 0 with 1x128 A scales -> CUBLAS_STATUS_NOT_SUPPORTED; k/128 not a
 # multiple of 4 with a 128x128 operand -> silently WRONG results (relative error 0.69-0.98:
 # cuBLAS reads those scales with a padded leading dimension torch cannot express); a fused

@@ -299,7 +299,7 @@ def test_nvfp4_pairs_need_even_columns():
 @pytest.mark.parametrize("block_2d", [False, True])
 @pytest.mark.parametrize("shape", [(4096, 4096), (8192, 14336), (4113, 1000), (16, 30)], ids=str)
 def test_gpu_nvfp4_pairs(shape, block_2d):
-    """The pair-store variant on the H200 at real and awkward shapes, fresh random bytes,
+    """The pair-store variant on a CUDA GPU at real and awkward shapes, fresh random bytes,
     poisoned output (this test passing is why triton_decode.PAIRS_BY_DEFAULT holds "cuda")."""
     r, c = shape
     packed = torch.randint(0, 256, (r, -(-c // 2)), dtype=torch.uint8, device="cuda")

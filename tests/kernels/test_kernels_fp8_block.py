@@ -283,7 +283,7 @@ def test_block_scale_matches_current_scale(fmax_dtype):
         assert torch.equal(o[:, 2], o[:, 3]), f"scale_inv, eps={eps}"
 
 
-#: 1D configurations to time on the H200 (method, num_warps, chunk, row_slice).
+#: 1D configurations the GPU test runs (method, num_warps, chunk, row_slice).
 #: (None: the defaults, "natural" 128 / 32 rows on 4 warps.)
 GPU_1D_CONFIGS = [(None, None, None, None), ("natural", 4, 32, 16), ("natural", 2, 32, 16), ("natural", 1, 16, 8),
                   ("natural", 4, 64, 32), ("natural", 8, 128, 32), ("natural", 4, 64, 64),

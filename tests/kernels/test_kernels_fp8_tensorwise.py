@@ -162,7 +162,7 @@ def test_fp8_current_kernel_tiles(tile):
                                   ((128, 64), 8), ((64, 128), 4), ((32, 128), 4), ((64, 128), 8)], ids=str)
 @pytest.mark.parametrize("shape", [(4096, 4096), (1000, 4160)], ids=str)
 def test_fp8_current_gpu_tiles(shape, tile):
-    """Every tile the shape sweep (bench/bench_fp8_shapes.py) tries, both copies and each alone,
+    """Each of these tiles (``block`` / ``num_warps`` are public), both copies and each alone,
     bitwise the reference, outputs poisoned (a partial last row tile at 1000 rows)."""
     from hybridfp.kernels import _common, triton_fp8_tensorwise
     x = gpu_input(shape, torch.bfloat16, specials=True)

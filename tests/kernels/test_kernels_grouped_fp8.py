@@ -83,7 +83,7 @@ def test_grouped_fp8_current_kernel_bitwise(config, dtype, cols):
 
 @interpreter_only
 def test_grouped_fp8_nan_expert_gets_scale_one():
-    """A NaN in one expert makes only that expert's scale 1 (SPEC §2.1); the others keep theirs."""
+    """A NaN in one expert makes only that expert's scale 1 (numerics §2.1); the others keep theirs."""
     splits = [5, 6, 7]
     x = grouped_input(splits, 33, torch.bfloat16, specials=False)
     x[7, 3] = float("nan")

@@ -4,7 +4,7 @@ through it (gemm/grouped_fp8.py).
 CPU (interpreter): the codes' exact values summed in FP32, so an FP32 output is the FP64
 product of the decoded operands at FP32-accumulation level (relative error ≤ 1e-6 at these
 sizes) and a 16-bit output is the FP32 one rounded once (bitwise). GPU (``-m gpu``): the FP8 MMA
-with FP32 promotion every 128 products (SPEC §1's Hopper exception), bounded like the cuBLAS
+with FP32 promotion every 128 products (numerics §1's Hopper exception), bounded like the cuBLAS
 FP8 paths (tests/gemm/test_gemm_grouped.py), at MoE shapes, fresh inputs, poisoned outputs.
 """
 
@@ -326,7 +326,7 @@ def test_nan_and_inf_codes_propagate_cuda():
 @pytest.mark.parametrize("layout", list(OPERANDS))
 @pytest.mark.parametrize("ffn", [1408, 4096])
 def test_moe_shapes_vs_fp64_cuda(layout, ffn):
-    """64 FP8-current experts (E5M2 gradients) on the H200 against the FP64 GEMM of the
+    """64 FP8-current experts (E5M2 gradients) on a CUDA GPU against the FP64 GEMM of the
     dequantized copies; the grouped GEMM takes this path by default."""
     import os
 

@@ -242,7 +242,7 @@ GPU_SPLITS = [1536, 0, 640, 2048, 1001, 1511, 256, 1200] * 8  # 64 experts, one 
 @pytest.mark.parametrize("name", list(tt.CONFIGS))
 @pytest.mark.parametrize("gemm", ["fprop", "wgrad"])
 def test_moe_shapes_equal_pointer_kernel_cuda(name, gemm):
-    """At the 64-expert MoE's shapes (hidden 4096, ffn 1408) on the H200: every config against
+    """At the 64-expert MoE's shapes (hidden 4096, ffn 1408) on a CUDA GPU: every config against
     the pointer kernel at its BM / BN / BK (same K tiles, same promotion: the same bits), and
     within the FP8 paths' bound of the FP64 product (rel. error excess over BF16 rounding 1e-4).
     wgrad: joined column copies with inf / NaN codes right past every expert's reduction."""

@@ -1,7 +1,7 @@
 """The Triton grouped GEMM with a per-expert FP32 epilogue (kernels/triton_grouped_gemm.py) and
 ``grouped_gemm``'s path through it (gemm/grouped_triton.py).
 
-Exactness (SPEC §1): equal to the per-expert exact GEMM up to the FP32 accumulation order, so
+Exactness (numerics §1): equal to the per-expert exact GEMM up to the FP32 accumulation order, so
 FP32 outputs are compared at FP32-accumulation level (relative error ≤ 1e-6 at these sizes)
 and a 16-bit output must be its FP32 output rounded once (bitwise). CPU: the interpreter on
 tiny shapes with empty and odd-sized experts; GPU (``-m gpu``): MoE shapes against an FP64
@@ -188,7 +188,7 @@ def test_row_scaled_fprop_and_bias():
 
 
 def test_not_taken_by_default_anywhere_yet():
-    """The policy's grouped_triton_devices is empty: the path is verified on the H200 but slower
+    """The policy's grouped_triton_devices is empty: the path is verified on an H200 but slower
     than per expert there."""
     q = _experts("nvfp4_1d", [3, 5], 32, 16)
     sa = [operand_storage(x, "rowwise", "A") for x in q["x"]]

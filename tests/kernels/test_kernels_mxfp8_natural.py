@@ -169,8 +169,8 @@ def test_natural_errors():
 #: GPU sizes: the dense input, and 8 experts' routed rows (awkward counts, an empty expert)
 #: summing to 40000 at hidden 4096, whose first HEAD padded rows are checked against the reference.
 GPU_SHAPE = (16384, 4096)
-#: the tiles the GPU test runs "natural" at: each row_slice at the default tile, and the tiles
-#: bench_quantize_kernels sweeps ((64, 128) / 2 warps: the fastest columnwise-only, s13)
+#: the tiles the GPU test runs "natural" at: each row_slice at the default tile, and wider tiles
+#: ((64, 128) / 2 warps, ``COL_ONLY_NATURAL``: the fastest columnwise-only one on an NVIDIA H200)
 NATURAL_GPU_CONFIGS = [dict(row_slice=rs) for rs in (8, 16, 32)] + [
     dict(block=(64, 256), num_warps=4), dict(block=(64, 256), num_warps=8), dict(block=(64, 128), num_warps=2),
     dict(block=(128, 128), num_warps=4), dict(block=(32, 128), num_warps=4),
@@ -234,7 +234,7 @@ def test_default_method_choice():
 @interpreter_only
 @pytest.mark.parametrize("row_map", [False, True], ids=["plain", "row map"])
 def test_default_columnwise_only_is_natural_and_exact(row_map):
-    """The default columnwise-only call (now "natural" on (64, 128) / 2 warps) gives the bytes of
+    """The default columnwise-only call ("natural" on (64, 128) / 2 warps) gives the bytes of
     "slices" and of the reference, with and without a row map."""
     x = edge_tensor((100, 160), torch.bfloat16, seed=5, specials=True)
     rm = None

@@ -114,8 +114,8 @@ def test_nvfp4_kernel_empty(config, shape):
 @interpreter_only
 @pytest.mark.parametrize("block,warps", [((2, 256), 4), ((1, 512), 4), ((4, 64), 8)], ids=str)
 def test_nvfp4_amaxes_tiles(block, warps):
-    """The amax pass at the wider tiles the H200 sweep times (vector loads of the post-RHT
-    slices): the same global, per-row and post-RHT amaxes as the reference (partial tiles)."""
+    """The amax pass at wider tiles (vector loads of the post-RHT slices): the same global,
+    per-row and post-RHT amaxes as the reference (partial tiles)."""
     x = edge_tensor((300, 70), torch.float32, seed=12).clamp(-1e4, 1e4).to(torch.bfloat16)
     g, per_row, post = triton_nvfp4.amaxes(x, amax=True, row_amax=True, rht_amax=True, block=block,
                                            num_warps=warps)
@@ -382,10 +382,10 @@ def test_code_sr_thresholds_gpu():
 @pytest.mark.parametrize("block,warps", [((2, 128), 4), ((1, 256), 4), ((2, 256), 4), ((1, 128), 2)], ids=str)
 @pytest.mark.parametrize("shape", [(40, 200), (37, 131), (16, 8)], ids=str)
 def test_nvfp4_rht_sr_wide_tiles(block, warps, shape):
-    """RHT + stochastic rounding at the wider cast tiles timed on the H200 (several columns per
-    thread: vector slice loads, the draws computed in the slices' layout): R not a multiple of
-    16 (the RHT tail), C not a multiple of 8 / 16, partial tiles, NaN / inf blocks; both copies
-    equal the reference fed the kernel's Philox draws, bit for bit."""
+    """RHT + stochastic rounding at wider cast tiles (several columns per thread: vector slice
+    loads, the draws computed in the slices' layout): R not a multiple of 16 (the RHT tail), C
+    not a multiple of 8 / 16, partial tiles, NaN / inf blocks; both copies equal the reference
+    fed the kernel's Philox draws, bit for bit."""
     from quantize_kernel_cases import _assert_nvfp4_data_relaxed
     x = edge_tensor(shape, torch.bfloat16, seed=shape[1], specials=True)
     g, per_row, post = triton_nvfp4.amaxes(x, amax=True, row_amax=False, rht_amax=True, block=(2, 256),
