@@ -123,16 +123,15 @@ def test_weights_quantized_once_per_change(monkeypatch):
 
 
 #: Aten ops per extra expert in one forward + backward step on the CPU (bench_moe_overhead's
-#: shape; E=8 vs E=32). Measured with per-tensor scales grouped too (one segmented amax and one
-#: cast for all experts: FP8 current, NVFP4 1D rows) and shared columnwise copies handed out as
-#: views: bf16 23, mxfp8 73, fp8 current 31, fp8 block 65, composer-2 109 (before: 25, 85, 112,
-#: 76, 225; before any grouping: 24, 310, 113, 222, 404). What is left is mostly the CPU's
-#: per-expert exact emulation of the three GEMMs (~7-12 ops per expert and GEMM, decoding the
-#: copies that are not joined); the bounds leave ~10%. Composer-2 then went to 142: its input
-#: is now one hybrid encode of the zero-padded groups (the fused NVFP4 -> MXFP8 kernel on CUDA
-#: instead of a PyTorch FP32 dequantize of the rows), so its rowwise copies sit at padded starts
-#: and the CPU emulation decodes them per expert (on CUDA its row-scaled fprop runs per expert,
-#: decoding per expert, either way).
+#: shape; E=8 vs E=32), with per-tensor scales grouped (one segmented amax and one cast for all
+#: experts: FP8 current, NVFP4 1D rows) and shared columnwise copies handed out as views:
+#: bf16 23, mxfp8 73, fp8 current 31, fp8 block 65, composer-2 142. What is left is mostly the
+#: CPU's per-expert exact emulation of the three GEMMs (~7-12 ops per expert and GEMM, decoding
+#: the copies that are not joined). Composer-2's input is one hybrid encode of the zero-padded
+#: groups (the fused NVFP4 -> MXFP8 kernel on CUDA instead of a PyTorch FP32 dequantize of the
+#: rows), so its rowwise copies sit at padded starts and the CPU emulation decodes them per
+#: expert (on CUDA its row-scaled fprop runs per expert, decoding per expert, either way). The
+#: bounds leave ~10%. Counted by ``python -m bench.bench_moe_overhead``.
 OPS_PER_EXPERT = {"bf16 (high_precision)": 26, "mxfp8": 81, "fp8 current": 35, "fp8 block": 72,
                   "composer-2": 155}
 
@@ -177,12 +176,11 @@ def test_fp8_current_scales_computed_for_all_experts(monkeypatch):
 
 
 #: The same on the GPU's paths (grouped BF16 / FP8 GEMMs, cuBLAS FP8 backends; matmuls stubbed:
-#: ``bench_moe_overhead --cuda-paths --stub-cublas``), the host work an H200 step pays per
-#: expert. Session 7 measured (53e73fb -> 985663d): bf16 15.6 -> 9.0, mxfp8 10.0 -> 1.0, fp8
-#: current 17.8 -> 15.8, fp8 block 93.9 -> 84.9, composer-2 64.0 -> 53.0 (per-expert backend
-#: calls without gemm()'s checks, one split per payload, one padding pass for the BF16 wgrad,
-#: scale vectors in three ops). fp8 block and composer-2 still decode / emulate per expert on
-#: the CPU where the GPU runs cuBLAS or kernels. Bounds leave ~10%.
+#: ``python -m bench.bench_moe_overhead --cuda-paths --stub-cublas``), the host work an H200 step
+#: pays per expert: bf16 9.0, mxfp8 1.0, fp8 current 15.8, fp8 block 84.9, composer-2 53.0
+#: (per-expert backend calls without gemm()'s checks, one split per payload, one padding pass for
+#: the BF16 wgrad, scale vectors in three ops). fp8 block and composer-2 decode / emulate per
+#: expert on the CPU where the GPU runs cuBLAS or kernels. Bounds leave ~10%.
 OPS_PER_EXPERT_GPU_PATHS = {"bf16 (high_precision)": 10, "mxfp8": 2, "fp8 current": 17.5, "fp8 block": 94,
                             "composer-2": 59}
 
@@ -197,15 +195,15 @@ def test_ops_per_expert_bounded_on_gpu_paths(name, monkeypatch):
     assert per_expert <= OPS_PER_EXPERT_GPU_PATHS[name], f"{name}: {per_expert:.1f} ops per expert"
 
 
-#: Python function calls per expert a step on the GPU's paths (``bench_moe_overhead
+#: Python function calls per expert a step on the GPU's paths (``python -m bench.bench_moe_overhead
 #: --cuda-paths --stub-cublas --stub-grouped-mm --stub-kernels``: quantize kernels taken as on
 #: CUDA, every launch a no-op), growth from 8 to 32 experts: the host's per-expert Python work,
-#: counted deterministically (the sandbox's times are too noisy). Session 23 measured (7e118a9 ->
-#: now): bf16 90 -> 23, mxfp8 131 -> 22, fp8 current 44 -> -2, fp8 block 551 -> 443 (per-expert
-#: cuBLAS block GEMMs), composer-2 84 -> -24.5 (plans remembered per module with their
-#: derivation facts, C-level plan keys and hybrid checks, LinearContexts and their randomness
-#: reused; composer-2 is negative because its fprop moves to the Triton grouped GEMM from 16
-#: experts on). Bounds leave ~15 % (a few calls for the near-zero ones).
+#: counted deterministically (wall-clock times on a CPU are too noisy). Counted: bf16 23, mxfp8
+#: 22, fp8 current -2, fp8 block 443 (per-expert cuBLAS block GEMMs), composer-2 -24.5 (plans
+#: remembered per module with their derivation facts, C-level plan keys and hybrid checks,
+#: LinearContexts and their randomness reused; composer-2 is negative because its fprop moves to
+#: the Triton grouped GEMM from 16 experts on). Bounds leave ~15 % (a few calls for the near-zero
+#: ones).
 CALLS_PER_EXPERT_GPU_PATHS = {"bf16 (high_precision)": 27, "mxfp8": 26, "fp8 current": 3, "fp8 block": 510,
                               "composer-2": 3}
 

@@ -1,7 +1,7 @@
 """On the GPU (quantize kernels, grouped GEMM paths): a GroupedLinear step with the grouped
 quantization of x, dy and the stacked weights equals the per-expert loop bitwise, at the MoE
 benchmark's expert shape (hidden 4096, ffn 1408: whole 32- and 128-row weight blocks) with
-uneven token counts. Run on the lent H200 (``pytest -m gpu``)."""
+uneven token counts. Runs on a CUDA GPU (``pytest -m gpu``)."""
 
 from __future__ import annotations
 
@@ -161,8 +161,8 @@ def test_step_has_no_host_sync(name, experts):
     """With m_splits given as a list, a warmed-up forward + backward makes no host-device sync
     (``torch.cuda.set_sync_debug_mode("error")`` raises on any): every offset / split tensor is
     queued from pinned memory (``utils.device``). A sync drains the GPU's queue and leaves it
-    idle while the host prepares the next launches (23 per MoE step cost ~8 % of the H200's
-    time before)."""
+    idle while the host prepares the next launches (23 syncs in a MoE step cost ~8 % of its
+    time on an NVIDIA H200)."""
     splits = SPLITS if experts == len(SPLITS) else SPLITS64
     torch.manual_seed(1)
     m = GroupedLinear(experts, HIDDEN, FFN, bias=False, params_dtype=torch.bfloat16, device="cuda")
@@ -193,7 +193,8 @@ def test_large_fp8_experts_step_equals_per_expert_loop(monkeypatch, set_policy):
     monkeypatch.setattr(qg, "_worth_stacking", lambda *a: stacked.append(real(*a)) or stacked[-1])
     torch.manual_seed(1)
     # separate expert tensors: packed ones (one buffer) take the grouped weight quantization,
-    # which s12's A/B timed as fast as per expert at this size (bench_moe "[unpacked weights]")
+    # which is as fast as per expert at this size on an H200 (the "[unpacked weights]" row of
+    # ``python -m bench.bench_moe --experts 64``)
     m = GroupedLinear(len(SPLITS), HIDDEN, FFN, bias=False, params_dtype=torch.bfloat16, device="cuda",
                       pack_weights=False)
     fresh = copy.deepcopy(m)

@@ -1,4 +1,4 @@
-"""Module errors: each names what is wrong and what to do (SPEC §3-4)."""
+"""Module errors: each names what is wrong and what to do (numerics §3-4)."""
 
 from __future__ import annotations
 

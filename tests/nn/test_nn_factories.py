@@ -1,6 +1,6 @@
-"""Built-in and zoo factories (SPEC §5) run through every module.
+"""Built-in and zoo factories (numerics §5) run through every module.
 
-- Each base factory in a CustomRecipe equals its built-in recipe bitwise (SPEC §4).
+- Each base factory in a CustomRecipe equals its built-in recipe bitwise (numerics §4).
 - Every factory trains (forward + backward) with an SQNR floor per GEMM set by the least
   precise format that GEMM reads (see FLOORS).
 - The zoo's semantic claims that a module can check exactly: "high-precision backward of the

@@ -1,8 +1,8 @@
-"""fprop fast accumulation: off by default (SPEC §1), opt-in per recipe, fprop only.
+"""fprop fast accumulation: off by default (numerics §1), opt-in per recipe, fprop only.
 
 On the CPU no backend has fast accumulation, so these tests check the plumbing: what the
 recipe says reaches ``gemm(fast_accumulation=...)`` for fprop and nothing else, and gemm
-hands it to the selected backend. Its numerics are bounded on the H200 in
+hands it to the selected backend. Its numerics are bounded on a CUDA GPU in
 tests/kernels/test_kernels_cublas_fp8.py (test_fast_accumulation_only_when_asked).
 """
 

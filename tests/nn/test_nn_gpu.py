@@ -1,7 +1,7 @@
 """The module claims on a CUDA device, where fast GEMM backends (cuBLAS FP8, Triton) and
 quantize kernels replace the exact emulation. Bitwise statements compare runs on the same
-backend (SPEC §1): a hybrid's parts are plain storages of the same format, so they select the
-same kernel as the plain format. Run on the lent H200 (``pytest -m gpu``)."""
+backend (numerics §1): a hybrid's parts are plain storages of the same format, so they select the
+same kernel as the plain format. Runs on a CUDA GPU (``pytest -m gpu``)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ under autocast) queues all its work without waiting for the GPU, for every built
 the hybrids the benchmarks run: ``torch.cuda.set_sync_debug_mode("error")`` raises on any
 host-device synchronization. A sync drains the GPU's queue and leaves it idle while the host
 prepares the next launches (the NVFP4 MLP steps spend 19-29 ms of host time per 30-35 ms step
-on the H200, bench/results/2026-12-01-s8.md: this says whether waiting is part of it)."""
+on an NVIDIA H200, ``python -m bench.bench_mlp``: this says whether waiting is part of it)."""
 
 from __future__ import annotations
 

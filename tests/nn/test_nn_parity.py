@@ -1,4 +1,4 @@
-"""SPEC §3/§4: a hybrid whose two children are the built-in format for the role gives results
+"""numerics §3/§4: a hybrid whose two children are the built-in format for the role gives results
 bitwise equal to the built-in recipe, in every module — forward output, input gradient,
 weight / bias (and norm) gradients — over three training steps (delayed scaling updates its
 scales at each autocast region's end, so steps 2 and 3 use updated scales)."""
@@ -41,7 +41,7 @@ def test_delayed_scaling_steps_use_the_previous_amaxes():
     runs with the initial scale 1; a region's end updates the forward quantizers from the
     amaxes recorded so far (448 / max of the history, E4M3); gradient quantizers, which
     record in the backward after the region, update at the next region's end (57344 / amax,
-    E5M2), so every quantization uses the scale of the previous update (SPEC §2.2)."""
+    E5M2), so every quantization uses the scale of the previous update (numerics §2.2)."""
     m = make_module("linear")
     x1, dy1 = make_data(seed=1)
     x2, dy2 = make_data(seed=2)

@@ -1,4 +1,4 @@
-"""``save_original_input`` (SPEC §3 requantization safety).
+"""``save_original_input`` (numerics §3 requantization safety).
 
 With a requantization-safe input quantizer the module keeps the high-precision input for
 wgrad and quantizes its columnwise copy in backward: the same numbers as saving the quantized

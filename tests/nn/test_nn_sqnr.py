@@ -20,7 +20,7 @@ and follows from the single-operand SQNRs (measured on a 4096x64 Gaussian):
   input, both after the RHT) 15.2-16.2.  -> output >= 15.5 dB, dx >= 14 dB, dW >= 14.5 dB.
 
 Delayed scaling is measured at its second step: the first runs with the initial scale 1 by
-design (SPEC §2.2); from the second on it uses 448 / amax like current scaling.
+design (numerics §2.2); from the second on it uses 448 / amax like current scaling.
 """
 
 from __future__ import annotations

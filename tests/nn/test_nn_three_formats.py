@@ -1,4 +1,4 @@
-"""SPEC §1/§5 ``per_gemm``: three formats in one layer, one per GEMM.
+"""numerics §1/§5 ``per_gemm``: three formats in one layer, one per GEMM.
 
 With input = Hybrid(row=F, col=W), weight = Hybrid(row=F, col=D), grad_output = Hybrid(row=D,
 col=W), each GEMM reads exactly the operands a single-format run of its format reads. So,

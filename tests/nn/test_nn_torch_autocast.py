@@ -1,7 +1,7 @@
 """Modules under torch's own autocast (AMP) as well as hybridfp's.
 
 Like ``nn.Linear``, the GEMM input takes torch's autocast dtype; the GEMMs themselves stay
-exact (SPEC §1): torch's autocast must not turn the emulation's FP32 products into BF16 ones.
+exact (numerics §1): torch's autocast must not turn the emulation's FP32 products into BF16 ones.
 So a module under ``torch.autocast(bfloat16)`` gives the same bits as the same module fed a
 BF16 input without torch's autocast.
 """

@@ -1,4 +1,4 @@
-"""Quantized-weight cache and recipe switches (SPEC §4).
+"""Quantized-weight cache and recipe switches (numerics §4).
 
 The weight is quantized once per autocast region however many forwards run in it, and once
 per step across the micro-batch regions of a step when they pass ``is_first_microbatch``
