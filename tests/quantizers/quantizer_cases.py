@@ -1,6 +1,6 @@
 """Shared quantizer cases and an independent reference for the quantizer tests.
 
-The reference calls ``hybridfp.formats`` directly, as SPEC §2 defines each copy:
+The reference calls ``hybridfp.formats`` directly, as numerics §2 defines each copy:
 
 - per-tensor FP8 and every 2D format: the columnwise copy is the rowwise one transposed;
 - 1D block formats: the columnwise copy is the 1D quantization of ``x2.t()``;
@@ -134,7 +134,7 @@ def _nvfp4_transpose(p: Payload, cols: int) -> Payload:
 
 def reference(q: Quantizer, x: torch.Tensor, rowwise: bool = True, columnwise: bool = True,
               *, delayed_scale: Optional[torch.Tensor] = None) -> dict[str, Optional[Payload]]:
-    """The payloads SPEC §2 defines for ``q``'s settings, from ``hybridfp.formats`` directly.
+    """The payloads numerics §2 defines for ``q``'s settings, from ``hybridfp.formats`` directly.
 
     Stochastic rounding: one seed per call, one generator per direction (call :func:`seed_all` first).
     ``delayed_scale``: the scale a delayed quantizer holds before this quantization.
@@ -195,7 +195,7 @@ def _nvfp4_reference(q: NVFP4Quantizer, x: torch.Tensor, x2: torch.Tensor, rowwi
     row = col = None
     g = amax(x2)
     if q.with_2d_quantization:
-        # SPEC §2.5: 2D copies hold identical values, so one (possibly random) quantization
+        # numerics §2.5: 2D copies hold identical values, so one (possibly random) quantization
         # serves both: the columnwise copy is its transpose.
         d, s = nvfp4.quantize_2d(x2, g, **sr_for(0))
         row = {"data": d, "scale": s, "amax": g}

@@ -1,4 +1,4 @@
-"""HybridQuantizer (SPEC §3): parity with the plain format, columnwise_source, usage,
+"""HybridQuantizer (numerics §3): parity with the plain format, columnwise_source, usage,
 Identity children, delayed children, requantization safety, copy, make_empty, in-place update."""
 
 from __future__ import annotations

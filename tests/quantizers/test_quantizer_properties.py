@@ -1,6 +1,6 @@
 """Round-trip properties of the deterministic quantizers (hypothesis, small shapes).
 
-What SPEC §2 implies, and what these tests pin down:
+What numerics §2 implies, and what these tests pin down:
 
 - Identity, and MXFP8 with the OCP "floor" rule (scale from the block amax's exponent, which
   quantization never changes): ``quantize(dequantize(quantize(x)))`` has the same bytes.

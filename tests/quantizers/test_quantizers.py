@@ -1,5 +1,5 @@
-"""Each quantizer against hybridfp.formats (SPEC §2), usage flags (SPEC §3), delayed-scaling
-state (SPEC §2.2), stochastic rounding, make_empty, update_quantized, copy and the
+"""Each quantizer against hybridfp.formats (numerics §2), usage flags (numerics §3), delayed-scaling
+state (numerics §2.2), stochastic rounding, make_empty, update_quantized, copy and the
 straight-through gradient."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def test_matches_formats_reference(name, shape, dtype):
 @pytest.mark.parametrize("special", ["nan_inf", "inf", "huge", "zeros"])
 @pytest.mark.parametrize("name", NAMES)
 def test_edge_values_match_formats_reference(name, special):
-    """NaN/inf handling, saturation and all-zero tensors are the formats' (SPEC §2): the
+    """NaN/inf handling, saturation and all-zero tensors are the formats' (numerics §2): the
     quantizer must not add its own (e.g. in the global amax it computes)."""
     x = make_input((33, 50), torch.bfloat16, seed=4)
     if special == "zeros":
