@@ -1,4 +1,4 @@
-"""What SPEC §5 says each factory returns, spelled out as (class name, settings) trees.
+"""What numerics §5 says each factory returns, spelled out as (class name, settings) trees.
 
 ``describe(q)`` turns a quantizer into ``(class name, settings())`` with hybrid children
 described recursively, so two quantizers compare equal exactly when their classes and every
@@ -35,7 +35,7 @@ def describe(q: Quantizer) -> tuple[str, dict[str, Any]]:
             {k: describe(v) if isinstance(v, Quantizer) else v for k, v in q.settings().items()})
 
 
-# ------------------------------------------------------------------ SPEC §2 / §5 building blocks
+# ------------------------------------------------------------------ numerics §2 / §5 building blocks
 def identity() -> tuple:
     return ("IdentityQuantizer", {"dtype": None})
 
@@ -81,7 +81,7 @@ def _t(role: Optional[QuantizerRole]) -> Optional[str]:
 
 
 def base_expected(name: str, role: Optional[QuantizerRole]) -> tuple:
-    """SPEC §5 base factories. "Gradients" are grad_output and grad_input (SPEC §2.1 HYBRID:
+    """numerics §5 base factories. "Gradients" are grad_output and grad_input (numerics §2.1 HYBRID:
     E5M2 for gradients, as the built-in recipes do)."""
     t = _t(role)
     grad = t in GRADS
@@ -101,7 +101,7 @@ def base_expected(name: str, role: Optional[QuantizerRole]) -> tuple:
 
 
 def zoo_expected(name: str, role: Optional[QuantizerRole]) -> tuple:
-    """SPEC §5 zoo, entry by entry."""
+    """numerics §5 zoo, entry by entry."""
     t = _t(role)
     grouped = role is not None and role.module_type == "grouped_linear"
     if name == "high_precision_fwd_mxfp8_bwd":
@@ -112,7 +112,7 @@ def zoo_expected(name: str, role: Optional[QuantizerRole]) -> tuple:
     if name == "nvfp4_1d_weight":
         return hybrid(NV_1D, NV_1D, RD) if t == "weight" else base_expected("nvfp4", role)
     if name == "mxfp8_fwd_high_precision_bwd":
-        # SPEC lists input, weight and grad_output only; other roles get the forward format.
+        # numerics §5 lists input, weight and grad_output only; other roles get the forward format.
         return {"input": hybrid(mxfp8(), identity(), RD), "weight": hybrid(mxfp8(), identity(), RD),
                 "grad_output": identity()}.get(t, mxfp8())
     if name == "nvfp4_row_scaled_fwd_mxfp8_bwd":

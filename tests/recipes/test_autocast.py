@@ -1,5 +1,5 @@
 """``autocast``: enabled / disabled / nested regions, the default recipe, and the end-of-region
-step of stateful quantizers (delayed scaling, SPEC §2.2)."""
+step of stateful quantizers (delayed scaling, numerics §2.2)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Built-in and zoo factories (SPEC §5): what each returns per role, parity of the base
+"""Built-in and zoo factories (numerics §5): what each returns per role, parity of the base
 factories with the built-in recipes (settings and bitwise Linear results), per_gemm's
-mapping (SPEC §1), errors, pickling and equality."""
+mapping (numerics §1), errors, pickling and equality."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def test_public_factory_names():
 
 
 def test_zoo_rowwise_dequantized_only_on_forward_operands():
-    """SPEC §5 guidance: rowwise_dequantized for input/weight whose backward copy differs in
+    """numerics §5 guidance: rowwise_dequantized for input/weight whose backward copy differs in
     format; never for gradients."""
     for name, f in ZOO.items():
         for role in ROLES:
@@ -181,7 +181,7 @@ def test_per_gemm_mapping(triple, role):
 
 def test_per_gemm_keyword_form_and_gemm_formats():
     """Each GEMM reads the format it was given: fprop x.row/W.row, dgrad dy.row/W.col, wgrad
-    dy.col/x.col (SPEC §1), checked on the format keys the GEMM backends see."""
+    dy.col/x.col (numerics §1), checked on the format keys the GEMM backends see."""
     f = per_gemm(fprop="mxfp8", dgrad="fp8", wgrad="nvfp4")
     qs = {t: f(QuantizerRole("linear", t)) for t in ("input", "weight", "grad_output")}
     key = lambda t, d: qs[t].format_key(d)[0]  # noqa: E731

@@ -1,4 +1,4 @@
-"""When and how modules call a recipe (SPEC §4): once per slot at build, never per forward;
+"""When and how modules call a recipe (numerics §4): once per slot at build, never per forward;
 the roles they pass; what a factory may return; a recipe or factory changed between steps
 takes effect at the next step (quantizers rebuilt, cached quantized weights dropped)."""
 
@@ -214,9 +214,9 @@ def test_swapping_the_factory_takes_effect_at_the_next_step():
 
 
 def test_fresh_closures_are_told_apart():
-    """Regression: the recipe key used id(qfactory). A new closure built where the previous
-    step's (freed) closure lived got the same id and qualname, so the module kept the old
-    quantizers. Each step here makes a fresh closure and drops it."""
+    """A new closure built where the previous step's (freed) closure lived has the same id and
+    qualname; a recipe key of id(qfactory) would keep the old quantizers. Each step here makes
+    a fresh closure and drops it."""
     lin, x = hf.Linear(16, 8), torch.randn(4, 16)
 
     def make(kind):

@@ -1,4 +1,4 @@
-"""QuantizerRole (SPEC §4): validation, text form, value semantics."""
+"""QuantizerRole (numerics §4): validation, text form, value semantics."""
 
 from __future__ import annotations
 
