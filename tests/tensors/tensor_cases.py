@@ -55,7 +55,7 @@ PLAIN: dict[str, Callable[[], hybridfp.Quantizer]] = {
     "identity": hybridfp.IdentityQuantizer,
 }
 
-#: dequantize(direction=None) prefers the more precise copy (SPEC §1, DESIGN "hybrid")
+#: dequantize(direction=None) prefers the more precise copy (each storage's ``precision_rank``)
 RANK = {"nvfp4": 1, "nvfp4_rht": 1, "nvfp4_2d": 1, "nvfp4_row_scaled": 1, "identity": 3}
 
 
@@ -88,7 +88,7 @@ class Case:
         return self.row if direction == ROWWISE else self.col
 
     def col_source(self, x2: torch.Tensor) -> torch.Tensor:
-        """What the columnwise quantizer reads (SPEC §3 columnwise_source)."""
+        """What the columnwise quantizer reads (numerics §3 columnwise_source)."""
         if self.rowwise_dequantized:
             return ref_value(self.row, ROWWISE, x2).float()  # exact FP32 forward value
         return x2
@@ -123,7 +123,7 @@ CASES = [Case(k, k, None if k == "nvfp4_row_scaled" else k) for k in PLAIN] + [
 CASE_IDS = [c.name for c in CASES]
 BY_NAME = {c.name: c for c in CASES}
 
-#: Rows per dim-0 cut that keep every block of a copy whole (SPEC §2 block shapes).
+#: Rows per dim-0 cut that keep every block of a copy whole (numerics §2 block shapes).
 GRANULARITY = {
     "fp8_current": {ROWWISE: 1, COLUMNWISE: 1},
     "fp8_delayed": {ROWWISE: 1, COLUMNWISE: 1},
@@ -221,7 +221,7 @@ Layout = dict[str, tuple[tuple[int, ...], torch.dtype, str]]
 
 
 def layout(key: str, d: str, rows: int, cols: int, hp: torch.dtype = torch.float32) -> Layout:
-    """Expected payload names, shapes and dtypes of one copy (SPEC §2, storage docstrings)."""
+    """Expected payload names, shapes and dtypes of one copy (numerics §2, storage docstrings)."""
     r, c = (rows, cols) if d == ROWWISE else (cols, rows)
     f32, u8 = torch.float32, torch.uint8
     col_t = "T" if d == COLUMNWISE else ""
