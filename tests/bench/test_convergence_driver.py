@@ -1,5 +1,5 @@
 """bench.convergence with a fixed plan: both comparisons train (the unit-test presets, CPU, 3 steps)
-and their metrics feed bench.convergence_report — the path the H200 study runs.
+and their metrics feed bench.convergence_report — the path ``python -m bench convergence`` runs on a GPU.
 
 The presets are ``test``/``test-moe`` (2 layers, 8 x 64-token batches), not ``tiny``/``tiny-moe``:
 the driver's code path does not depend on the model size, and with evaluations every step (a
