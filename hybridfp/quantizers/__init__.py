@@ -1,7 +1,7 @@
 """Quantizers: one per format, the Identity passthrough and the per-direction HybridQuantizer."""
 
 from .base import Quantizer
-from .float8 import Float8CurrentScalingQuantizer, Float8Quantizer
+from .float8 import Float8CurrentScalingQuantizer, Float8Quantizer, NonFiniteAmaxWarning
 from .float8_block import Float8BlockQuantizer
 from .hybrid import HybridQuantizer
 from .identity import IdentityQuantizer
@@ -11,5 +11,5 @@ from . import fast as _fast  # noqa: F401,E402  (registers the Triton kernels fo
 
 __all__ = [
     "Float8BlockQuantizer", "Float8CurrentScalingQuantizer", "Float8Quantizer", "HybridQuantizer",
-    "IdentityQuantizer", "MXFP8Quantizer", "NVFP4Quantizer", "Quantizer",
+    "IdentityQuantizer", "MXFP8Quantizer", "NVFP4Quantizer", "NonFiniteAmaxWarning", "Quantizer",
 ]

@@ -15,7 +15,7 @@ from quantizer_cases import (CASES, DTYPES, EMPTY_LAST_DIM_SHAPES, ROWWISE_ONLY,
 from hybridfp import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
                       IdentityQuantizer, MissingDirectionError, MXFP8Quantizer, NVFP4Quantizer,
                       QuantizedTensor)
-from hybridfp.quantizers.float8 import NonFiniteAmaxWarning
+from hybridfp.quantizers import NonFiniteAmaxWarning
 from hybridfp.formats import nvfp4, rht
 from hybridfp.tensors import COLUMNWISE, DIRECTIONS, ROWWISE
 
