@@ -273,10 +273,10 @@ class QuantizedModule(nn.Module):
         return {"version": EXTRA_STATE_VERSION, "built": False}
 
     def set_extra_state(self, state: Any) -> None:
-        """Restore :meth:`get_extra_state`'s dict: at once into quantizers already built, else
-        kept and applied when the first forward under a recipe builds them (which then checks
-        that they are the saved ones). A module saved before it ran drops any quantizers built
-        here (the next forward builds fresh ones, as the saved module would have).
+        """Restore :meth:`get_extra_state`'s dict: the quantizers built so far are dropped, and
+        the state is applied when the next forward under a recipe builds new ones (which then
+        checks that they are the saved ones: same slots, classes and formats). A module saved
+        before it ran starts with fresh quantizers, as the saved module would have.
 
         Parameters
         ----------
@@ -286,10 +286,10 @@ class QuantizedModule(nn.Module):
         Raises
         ------
         ValueError
-            For a state of another layout; one that says quantizers were saved but holds none
-            (``torch.distributed.checkpoint`` loaded into a module that had not built its
-            quantizers); or, when applied at once, quantizers that differ from the saved ones
-            (see :meth:`quantizers`).
+            For a state of another layout, or one that says quantizers were saved but holds
+            none (``torch.distributed.checkpoint`` loaded into a module that had not built its
+            quantizers). The next forward raises one for quantizers that differ from the saved
+            ones.
 
         Example
         -------
@@ -311,8 +311,8 @@ class QuantizedModule(nn.Module):
             raise ValueError(f"{who}: the '_extra_state' entry is not a hybridfp quantizer state (version "
                              f"{EXTRA_STATE_VERSION}); got {_summary(state)}.")
         if not state["built"]:
+            self._drop_quantizers()  # the next forward builds fresh ones, as the saved module would
             self._loaded_state = None
-            self._qkey = None  # rebuild fresh quantizers at the next forward
             return
         if not isinstance(state.get("quantizers"), dict) or not state["quantizers"]:
             raise ValueError(
@@ -320,12 +320,17 @@ class QuantizedModule(nn.Module):
                 "no quantizer state. torch.distributed.checkpoint loads only the entries of the "
                 "state_dict it is given: take that state_dict from a model whose modules have built "
                 "their quantizers (run one forward under hybridfp.autocast with the recipe first).")
-        if self._quantizers:
-            self._apply_quantizer_state(state, self._quantizers)
-            self.invalidate_weight_cache()  # weights were quantized with the old scales
-            self._loaded_state = None
-        else:
-            self._loaded_state = state
+        # applied to the quantizers the next forward builds under its recipe and policy (and
+        # checked against them then): applied to the ones built now, a rebuild for another key
+        # before that forward would drop it
+        self._drop_quantizers()
+        self._loaded_state = state
+
+    def _drop_quantizers(self) -> None:
+        """Forget the built quantizers and what was quantized with them (the next forward builds
+        new ones)."""
+        self._quantizers, self._stateful, self._qkey = {}, [], None
+        self._wcache.clear()
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
                               missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:

@@ -21,6 +21,7 @@ import math
 import operator
 from typing import Any, NamedTuple, Optional, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -118,7 +119,10 @@ class GroupedLinearFunction(torch.autograd.Function):
 def _split_counts(m_splits: Any, who: str) -> list[int]:
     """``m_splits`` as Python ints, refusing anything that is not integer counts (a float
     would be truncated and a string read digit by digit: rows silently routed elsewhere)."""
-    given = repr(m_splits) if len(repr(m_splits)) <= 80 else repr(m_splits)[:77] + "..."
+    def given() -> str:  # the value for an error message, formatted only when one is raised
+        text = repr(m_splits)
+        return text if len(text) <= 80 else text[:77] + "..."
+
     if torch.is_tensor(m_splits):
         if m_splits.dtype.is_floating_point or m_splits.dtype.is_complex or m_splits.dtype == torch.bool:
             raise TypeError(f"{who}: m_splits is a {m_splits.dtype} tensor; pass integer row counts "
@@ -127,17 +131,22 @@ def _split_counts(m_splits: Any, who: str) -> list[int]:
             raise ValueError(f"{who}: m_splits must be a one-dimensional tensor of row counts; got "
                              f"shape {tuple(m_splits.shape)}.")
         return [int(m) for m in m_splits.tolist()]
+    if isinstance(m_splits, np.ndarray):  # numpy counts: the same checks as a tensor's
+        if m_splits.dtype.kind not in "iu" or m_splits.ndim != 1:
+            raise TypeError(f"{who}: m_splits is a numpy array of dtype {m_splits.dtype} and shape "
+                            f"{m_splits.shape}; pass one-dimensional integer row counts.")
+        return [int(m) for m in m_splits.tolist()]
     if isinstance(m_splits, (str, bytes)) or not isinstance(m_splits, Sequence):
-        raise TypeError(f"{who}: m_splits={given} is not a sequence of ints; pass the number of rows "
+        raise TypeError(f"{who}: m_splits={given()} is not a sequence of ints; pass the number of rows "
                         "of each expert, e.g. [4, 0, 9] (or an int64 tensor).")
     splits = []
     for m in m_splits:
         if isinstance(m, bool):
-            raise TypeError(f"{who}: m_splits={given} holds {m!r}; pass int row counts.")
+            raise TypeError(f"{who}: m_splits={given()} holds {m!r}; pass int row counts.")
         try:
             splits.append(operator.index(m))
         except TypeError:
-            raise TypeError(f"{who}: m_splits={given} holds {m!r} ({type(m).__name__}); pass int row "
+            raise TypeError(f"{who}: m_splits={given()} holds {m!r} ({type(m).__name__}); pass int row "
                             "counts.") from None
     return splits
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from nn_cases import FORMATS, assert_bitwise, assert_grads_bitwise, make_data, make_module, run_step
@@ -107,6 +108,7 @@ def _grouped() -> GroupedLinear:
     ([4, True, 8], r"m_splits.*True.*int"),
     (torch.tensor([4.0, 4.0, 5.0]), r"m_splits.*float32.*int64"),
     (torch.tensor([[4, 4, 5]]), r"m_splits.*one-dimensional"),
+    (np.array([4.0, 4.0, 5.0]), r"m_splits.*numpy.*float64.*integer"),
     ([4, 4], r"m_splits has 2 entries.*3"),
     ([4, -1, 10], r"m_splits.*negative"),
     ([4, 4, 4], r"m_splits sum to 12.*13 rows"),
@@ -120,8 +122,9 @@ def test_bad_m_splits_are_refused_naming_them(bad, what, quantized):
 
 
 @pytest.mark.parametrize("splits", [[4, 4, 5], (4, 4, 5), torch.tensor([4, 4, 5]),
-                                    torch.tensor([4, 4, 5], dtype=torch.int32)],
-                         ids=["list", "tuple", "int64_tensor", "int32_tensor"])
+                                    torch.tensor([4, 4, 5], dtype=torch.int32), np.array([4, 4, 5]),
+                                    [np.int64(4), np.int64(4), np.int64(5)]],
+                         ids=["list", "tuple", "int64_tensor", "int32_tensor", "numpy", "numpy_ints"])
 def test_good_m_splits_forms_agree(splits):
     m = _grouped()
     x = torch.randn(13, 32)

@@ -176,17 +176,53 @@ def test_extra_state_is_tensors_and_plain_data():
     assert any(isinstance(v, torch.Tensor) for v in leaves(extra))
 
 
-def test_load_into_a_module_that_already_ran_applies_at_once():
+def test_load_into_a_module_that_already_ran_replaces_its_quantizers():
     recipe = RECIPES["delayed"]()
     model, other = _fresh(), _fresh(seed=2)
     for s in range(3):
         _step(model, recipe, s)
     _step(other, recipe, 0)
     other.load_state_dict(_torch_roundtrip(model.state_dict()))
+    # saved again before any forward: the loaded state, not the replaced quantizers'
+    sd = other.state_dict()
     for slot in ("input", "weight", "grad_output"):
-        a, b = model.fc1._quantizers[slot][0], other.fc1._quantizers[slot][0]
-        assert torch.equal(a.scale, b.scale) and torch.equal(a.amax_history, b.amax_history)
+        got = sd["fc1._extra_state"]["quantizers"][f"{slot}.0"]["state"]
+        want = model.fc1._quantizers[slot][0]
+        assert torch.equal(got["scale"], want.scale) and torch.equal(got["amax_history"], want.amax_history)
     _assert_same(_step(other, recipe, 3), _step(model, recipe, 3))
+
+
+@pytest.mark.parametrize("first", ["delayed", "current"])
+def test_loaded_state_survives_a_rebuild_before_the_next_forward(first):
+    """A module that ran under another recipe, or whose next forward rebuilds its quantizers (a
+    changed policy), still resumes from the loaded state."""
+    recipe = RECIPES["delayed"]()
+    model = _fresh()
+    for s in range(3):
+        _step(model, recipe, s)
+    other = _fresh(seed=2)
+    _step(other, recipe if first == "delayed" else hf.Float8CurrentScaling(), 0)
+    other.load_state_dict(_torch_roundtrip(model.state_dict()))
+    with hf.policy(decoded_copies="never"):  # a key change: other rebuilds its quantizers
+        got = _step(other, recipe, 3)
+    # FP8 per-tensor copies are never held decoded: the policy changes no number, and model
+    # keeps its quantizers
+    _assert_same(got, _step(model, recipe, 3))
+
+
+def test_loading_an_unbuilt_state_drops_the_built_quantizers():
+    """A state saved before its module ran replaces what the module had built; a trained state
+    loaded after it is then applied, not lost."""
+    recipe = RECIPES["delayed"]()
+    trained = _fresh()
+    for s in range(3):
+        _step(trained, recipe, s)
+    other = _fresh(seed=2)
+    _step(other, recipe, 0)
+    other.load_state_dict(_torch_roundtrip(_fresh(seed=5).state_dict()))
+    assert other.fc1.get_extra_state() == {"version": 1, "built": False}
+    other.load_state_dict(_torch_roundtrip(trained.state_dict()))
+    _assert_same(_step(other, recipe, 3), _step(trained, recipe, 3))
 
 
 def test_module_that_never_ran_roundtrips():
