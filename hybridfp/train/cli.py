@@ -214,8 +214,9 @@ def config_from_args(args: argparse.Namespace, saved: Optional[dict] = None) -> 
     if cfg.checkpoint_interval < 0:
         raise ValueError(f"--checkpoint-interval must be 0 (checkpoint only at the end) or a positive "
                          f"number of steps; got {cfg.checkpoint_interval}.")
-    if cfg.lr <= 0 or cfg.warmup < 0:
-        raise ValueError(f"--lr must be positive and --warmup non-negative; got {cfg.lr}, {cfg.warmup}.")
+    if not (math.isfinite(cfg.lr) and cfg.lr > 0) or cfg.warmup < 0:  # NaN compares False either way
+        raise ValueError(f"--lr must be a finite positive number and --warmup non-negative; got "
+                         f"{cfg.lr}, {cfg.warmup}.")
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {cfg.device}: CUDA is not available in this torch build "
                          f"({torch.__version__}); use --device cpu.")

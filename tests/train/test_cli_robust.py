@@ -166,6 +166,12 @@ def test_negative_checkpoint_interval(tmp_path, text, capsys, value):
     assert "--checkpoint-interval" in _one_error_line(capsys)
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "0", "-1e-3"])
+def test_learning_rate_must_be_finite_and_positive(tmp_path, text, capsys, value):
+    assert _run(text, tmp_path / "run", "--recipe", "bf16", "--steps", "1", f"--lr={value}") == 2
+    assert "--lr" in _one_error_line(capsys)
+
+
 def test_checkpoint_interval_negative_on_resume(tmp_path, text, capsys):
     out = tmp_path / "run"
     assert _run(text, out, "--recipe", "bf16", "--steps", "1") == 0
