@@ -487,12 +487,13 @@ class GroupedLinear(QuantizedModule):
             return self._quantized_stack(qs, columnwise, region, is_first_microbatch)
         who = self._who()
         keys: list = [None if isinstance(w, QuantizedTensor) else self._weight_key(w, q) for w, q in zip(weights, qs)]
-        joined = self._wcache.pop(_GROUP_SLOT, None)
+        joined = self._wcache.get(_GROUP_SLOT)
         if joined is not None:
+            # reusable() may raise (is_first_microbatch=False): the entry stays for a retry
             if None not in keys and reusable(joined, list(weights), join_keys(keys), columnwise, region,
                                              is_first_microbatch, who):
-                self._wcache[_GROUP_SLOT] = joined
                 return joined.qw
+            del self._wcache[_GROUP_SLOT]
             if is_first_microbatch is None:
                 # some weights changed: the unchanged experts keep their quantized tensors
                 # (per-expert entries from here on, same region), the others are quantized below

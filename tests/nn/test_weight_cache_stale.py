@@ -18,7 +18,7 @@ import copy
 
 import pytest
 import torch
-from nn_cases import CountingFactory, assert_bitwise, call, make_data, make_module
+from nn_cases import CountingFactory, assert_bitwise, call, make_data, make_module, splits_for
 
 import hybridfp as hfp
 from hybridfp import (CustomRecipe, DelayedScaling, Float8CurrentScaling, GroupedLinear,
@@ -187,6 +187,21 @@ def test_is_first_microbatch_false_after_in_place_update_raises():
     opt.step()
     with autocast(recipe=MXFP8BlockScaling()), pytest.raises(RuntimeError, match="changed in place"):
         m(x, is_first_microbatch=False)
+
+
+def test_grouped_refused_reuse_keeps_the_entry_for_a_retry():
+    """A refused ``is_first_microbatch=False`` leaves the kept copy in place: a retry reports
+    the same cause, not "none is kept"."""
+    m = _module("grouped")
+    x, _ = make_data(seed=2)
+    splits = splits_for(x.shape[0])
+    with autocast(recipe=MXFP8BlockScaling()):
+        m(x, splits, is_first_microbatch=True)
+    with torch.no_grad():
+        next(m.parameters()).add_(1.0)  # an in-place step: the version counter moves
+    for _ in range(2):
+        with autocast(recipe=MXFP8BlockScaling()), pytest.raises(RuntimeError, match="changed in place"):
+            m(x, splits, is_first_microbatch=False)
 
 
 def test_is_first_microbatch_false_missing_columnwise_copy_raises():
