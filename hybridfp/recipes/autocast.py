@@ -13,6 +13,8 @@ Regions belong to the thread that entered them, as ``torch.autocast``'s do: each
 its own stack of regions, and a thread started inside a region starts outside any (high
 precision). Autograd may run a backward pass on another thread; nothing in a backward pass
 reads the region (``hybridfp.checkpoint`` re-enters its region on the thread that recomputes).
+Code that runs a forward on worker threads it starts itself (``torch.nn.DataParallel``'s
+replicas) must enter the region in those threads; use DDP / FSDP2 (one process per device).
 """
 
 from __future__ import annotations
