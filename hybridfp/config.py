@@ -113,7 +113,7 @@ class Policy:
     Default False; a benchmarking switch (``python -m bench.bench_moe``'s "[FP8 Triton grouped
     everywhere]" row). Joined copies take the Triton FP8 path for every GEMM regardless."""
 
-    grouped_fp8_tma_rows: Optional[str] = "256x128x128 w8 s3"
+    grouped_fp8_tma_rows: Optional[str] = "256x128x128 w8 st3"
     """The Triton FP8 grouped GEMM's TMA kernel config for fprop / dgrad on CUDA, where it can
     read the operands (16-byte aligned: joined copies always are): a name in
     ``kernels/triton_grouped_fp8_tma.py``'s ``CONFIGS``, or None for the pointer kernel.
@@ -121,7 +121,7 @@ class Policy:
     bench.bench_grouped_gemm --part fp8`` at the 64-expert MoE's six GEMMs on an NVIDIA H200.
     The interpreter keeps the pointer kernel (CUDA only)."""
 
-    grouped_fp8_tma_wgrad: Optional[str] = "256x128x128 w8 s3 store"
+    grouped_fp8_tma_wgrad: Optional[str] = "256x128x128 w8 st3 store"
     """As :attr:`grouped_fp8_tma_rows`, for wgrad. Default: the same tiles with the bulk-store
     epilogue (wgrad's short K loop leaves the store exposed)."""
 

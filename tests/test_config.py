@@ -22,7 +22,7 @@ def test_defaults():
     assert (p.decoded_copies, p.decoded_unverified_on_cuda, p.quantize_kernels) == ("auto", frozenset(), True)
     assert (p.many_experts, p.grouped_triton_devices, p.grouped_triton_native_fp8) == (16, frozenset(), False)
     assert p.over_scaled_grouped_mm is False
-    assert (p.grouped_fp8_tma_rows, p.grouped_fp8_tma_wgrad) == ("256x128x128 w8 s3", "256x128x128 w8 s3 store")
+    assert (p.grouped_fp8_tma_rows, p.grouped_fp8_tma_wgrad) == ("256x128x128 w8 st3", "256x128x128 w8 st3 store")
     assert (p.bf16_per_group_cublas, p.per_group_max_groups, p.per_group_min_mean) == (None, 16, 2048)
     assert p.per_expert_fp8_flops == 2.5e11
     hash(p)  # frozen: usable as a key

@@ -54,21 +54,21 @@ _TMA_SIG = dict(sa_ptr="*fp32", sb_ptr="*fp32", bias_ptr="*fp32", out_ptr="*i16"
 #: TMA_CONFIGS of the kernel module spelled out (this module imports no hybridfp code at import time):
 #: name -> (BM, BN, BK, warps, stages, flatten, swizzle group)
 _TMA_SPECS: dict[str, tuple[int, int, int, int, int, bool, int]] = {
-    "128x256x64 w8 s3": (128, 256, 64, 8, 3, False, 16),
-    "128x256x64 w8 s4": (128, 256, 64, 8, 4, False, 16),
-    "128x256x64 w8 s3 flat": (128, 256, 64, 8, 3, True, 16),
-    "128x256x64 w8 s4 flat": (128, 256, 64, 8, 4, True, 16),
-    "128x256x64 w8 s3 g8": (128, 256, 64, 8, 3, False, 8),
-    "256x128x64 w8 s3": (256, 128, 64, 8, 3, False, 16),
-    "128x128x64 w8 s5 flat": (128, 128, 64, 8, 5, True, 16),
+    "128x256x64 w8 st3": (128, 256, 64, 8, 3, False, 16),
+    "128x256x64 w8 st4": (128, 256, 64, 8, 4, False, 16),
+    "128x256x64 w8 st3 flat": (128, 256, 64, 8, 3, True, 16),
+    "128x256x64 w8 st4 flat": (128, 256, 64, 8, 4, True, 16),
+    "128x256x64 w8 st3 g8": (128, 256, 64, 8, 3, False, 8),
+    "256x128x64 w8 st3": (256, 128, 64, 8, 3, False, 16),
+    "128x128x64 w8 st5 flat": (128, 128, 64, 8, 5, True, 16),
 }
 #: FP32-output configs (TMA_F32_CONFIGS spelled out): the epilogue's layout change takes BM x BN x 4
 #: bytes of shared memory beside the K ring, so the BF16 default (3 stages) does not fit
 _TMA_F32_SPECS: dict[str, tuple[int, int, int, int, int, bool, int]] = {
-    "128x256x64 w8 s2 flat": (128, 256, 64, 8, 2, True, 16),
-    "128x128x64 w8 s4 flat": (128, 128, 64, 8, 4, True, 16),
-    "128x128x64 w8 s5 flat": (128, 128, 64, 8, 5, True, 16),
-    "256x128x64 w8 s2 flat": (256, 128, 64, 8, 2, True, 16),
+    "128x256x64 w8 st2 flat": (128, 256, 64, 8, 2, True, 16),
+    "128x128x64 w8 st4 flat": (128, 128, 64, 8, 4, True, 16),
+    "128x128x64 w8 st5 flat": (128, 128, 64, 8, 5, True, 16),
+    "256x128x64 w8 st2 flat": (256, 128, 64, 8, 2, True, 16),
 }
 
 

@@ -222,26 +222,26 @@ TMA_CONFIG = TmaConfig(flatten=True)
 #: fits the H200's 227 KB with a BF16 output (``python -m bench.tools.sass_count --resources
 #: --match "grouped gemm tma"``), with and without the flattened loop.
 TMA_CONFIGS: dict[str, TmaConfig] = {
-    "128x256x64 w8 s3": TmaConfig(),
-    "128x256x64 w8 s4": TmaConfig(stages=4),
-    "128x256x64 w8 s3 flat": TmaConfig(flatten=True),
-    "128x256x64 w8 s4 flat": TmaConfig(stages=4, flatten=True),
-    "128x256x64 w8 s3 g8": TmaConfig(group_m=8),
-    "256x128x64 w8 s3": TmaConfig(bm=256, bn=128),
-    "128x128x64 w8 s5 flat": TmaConfig(bn=128, stages=5, flatten=True),
+    "128x256x64 w8 st3": TmaConfig(),
+    "128x256x64 w8 st4": TmaConfig(stages=4),
+    "128x256x64 w8 st3 flat": TmaConfig(flatten=True),
+    "128x256x64 w8 st4 flat": TmaConfig(stages=4, flatten=True),
+    "128x256x64 w8 st3 g8": TmaConfig(group_m=8),
+    "256x128x64 w8 st3": TmaConfig(bm=256, bn=128),
+    "128x128x64 w8 st5 flat": TmaConfig(bn=128, stages=5, flatten=True),
 }
 #: Configs for an FP32 output (name -> config). The epilogue stores through shared memory
 #: (a BM x BN x 4 byte layout change beside the K ring), so the BF16 default needs 278 KB with an
 #: FP32 output, past the H200's 227 KB (an OutOfResources at launch); these fit
 #: (``python -m bench.tools.sass_count --resources --match "tma f32"``).
 TMA_F32_CONFIGS: dict[str, TmaConfig] = {
-    "128x256x64 w8 s2 flat": TmaConfig(stages=2, flatten=True),
-    "128x128x64 w8 s4 flat": TmaConfig(bn=128, stages=4, flatten=True),
-    "128x128x64 w8 s5 flat": TmaConfig(bn=128, stages=5, flatten=True),
-    "256x128x64 w8 s2 flat": TmaConfig(bm=256, bn=128, stages=2, flatten=True),
+    "128x256x64 w8 st2 flat": TmaConfig(stages=2, flatten=True),
+    "128x128x64 w8 st4 flat": TmaConfig(bn=128, stages=4, flatten=True),
+    "128x128x64 w8 st5 flat": TmaConfig(bn=128, stages=5, flatten=True),
+    "256x128x64 w8 st2 flat": TmaConfig(bm=256, bn=128, stages=2, flatten=True),
 }
 #: The TMA kernel's default for an FP32 output (see TMA_F32_CONFIGS).
-TMA_F32_CONFIG = TMA_F32_CONFIGS["128x128x64 w8 s4 flat"]
+TMA_F32_CONFIG = TMA_F32_CONFIGS["128x128x64 w8 st4 flat"]
 
 
 def default_tma_config(out_dtype: torch.dtype) -> TmaConfig:

@@ -477,10 +477,10 @@ def _nvfp4_amax_kernel(x_ptr, amax_ptr, row_amax_ptr, rht_amax_ptr, R, C, sxr, s
         x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _tile_slices(
             xbase, tl.arange(0, BT), lc, R - r0, cmask, sxr, sxc, False, DTYPE, BF16_NAN, HW)
         p, q, m = _rht_prescale(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, DTYPE)
-        s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15 = _rht16(
+        h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11, h12, h13, h14, h15 = _rht16(
             x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, p, q, m, DTYPE, BF16_NAN, HW,
             True)
-        t = _saturate(_amax16(s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15) * q, m)
+        t = _saturate(_amax16(h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11, h12, h13, h14, h15) * q, m)
         a = amax_nan(amax_nan(t, 1), 0)
         tl.atomic_max(rht_amax_ptr, amax_bits(_round_in(a, DTYPE, BF16_NAN, HW)))
 

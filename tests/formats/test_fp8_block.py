@@ -125,9 +125,9 @@ def test_non_pow2_scales_match_reference(kind, dtype):
 def test_half_inputs_equal_their_fp32_upcast(in_dtype, kind):
     x = (torch.randn(3, 260, generator=torch.Generator().manual_seed(2)) * 5).to(in_dtype)
     qfn = quantize_1d if kind == "1d" else quantize_2d
-    d1, s1 = qfn(x)
-    d2, s2 = qfn(x.float())
-    assert bits8(d1) == bits8(d2) and bits32(s1) == bits32(s2)
+    d1, sc1 = qfn(x)
+    d2, sc2 = qfn(x.float())
+    assert bits8(d1) == bits8(d2) and bits32(sc1) == bits32(sc2)
 
 
 # ---------------------------------------------------------------- hand-computed boundaries

@@ -466,18 +466,18 @@ def test_requantize_dequantized(
     x = _random_x(seed, rows, cols, base, spread, zero_frac).to(device)
     q, s = quant(x, dtype, rule=rule)
     d = deq(q, s)
-    q2, s2 = quant(d, dtype, rule=rule)
-    assert torch.equal(deq(q2, s2), d)  # values: always a fixed point
+    q2, sc2 = quant(d, dtype, rule=rule)
+    assert torch.equal(deq(q2, sc2), d)  # values: always a fixed point
     if rule == "floor":
-        assert torch.equal(s2, s) and torch.equal(ubytes(q2), ubytes(q))
+        assert torch.equal(sc2, s) and torch.equal(ubytes(q2), ubytes(q))
     else:
         # rceil: a block whose max landed on fp8_max / 2 halves its scale (same values).
         qf = q.float()
         qmax = amax_nan(blocks_2d(qf, BLOCK, BLOCK) if two_d else blocks_1d(qf, BLOCK), dim=-1)
         drop = (qmax == FMAX[dtype] / 2) & (s > 0)
-        assert torch.equal(s2.int(), s.int() - drop.int())
-        q3, s3 = quant(deq(q2, s2), dtype, rule=rule)
-        assert torch.equal(s3, s2) and torch.equal(ubytes(q3), ubytes(q2))
+        assert torch.equal(sc2.int(), s.int() - drop.int())
+        q3, sc3 = quant(deq(q2, sc2), dtype, rule=rule)
+        assert torch.equal(sc3, sc2) and torch.equal(ubytes(q3), ubytes(q2))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -485,8 +485,8 @@ def test_rceil_requantize_half_max_hand_case(device):
     x = torch.tensor([[225.0, 3.0]], device=device)
     q, s = quantize_1d(x)
     assert s.tolist() == [[127]] and q.float().cpu().tolist() == [[224.0, 3.0]]
-    q2, s2 = quantize_1d(dequantize_1d(q, s))
-    assert s2.tolist() == [[126]] and q2.float().cpu().tolist() == [[448.0, 6.0]]
+    q2, sc2 = quantize_1d(dequantize_1d(q, s))
+    assert sc2.tolist() == [[126]] and q2.float().cpu().tolist() == [[448.0, 6.0]]
 
 
 def test_nan_is_canonical_whatever_the_layout():

@@ -248,12 +248,12 @@ def test_nan_block_dequantizes_to_nan(device: str) -> None:
     assert torch.isnan(dq[1, 16:32]).all() and not torch.isnan(dq[0]).any()
     clean = x.clone()
     clean[1, 16:32] = 0.0
-    p2, s2 = quantize_1d(clean, g)  # other blocks are untouched by the NaN
-    assert torch.equal(dq[0], dequantize_1d(p2, s2, g, 40)[0].cpu())
+    p2, sc2 = quantize_1d(clean, g)  # other blocks are untouched by the NaN
+    assert torch.equal(dq[0], dequantize_1d(p2, sc2, g, 40)[0].cpu())
     # A NaN global amax falls back to S_enc = 1, like a global amax of exactly 2688.
     pn, sn = quantize_1d(clean, torch.tensor(NAN))
-    p1, s1 = quantize_1d(clean, torch.tensor(2688.0))
-    assert torch.equal(pn, p1) and torch.equal(ubytes(sn), ubytes(s1))
+    p1, sc1 = quantize_1d(clean, torch.tensor(2688.0))
+    assert torch.equal(pn, p1) and torch.equal(ubytes(sn), ubytes(sc1))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -326,10 +326,10 @@ def test_2d_equals_1d_when_tile_rows_share_amax(device: str) -> None:
     signs = torch.randint(0, 2, (32, 45), generator=gen) * 2.0 - 1
     x = (base * signs).to(device)
     g = amax_nan(x)
-    p1, s1 = quantize_1d(x, g)
-    p2, s2 = quantize_2d(x, g)
+    p1, sc1 = quantize_1d(x, g)
+    p2, sc2 = quantize_2d(x, g)
     assert torch.equal(p1, p2)
-    assert torch.equal(ubytes(s2), ubytes(s1)[::16])
+    assert torch.equal(ubytes(sc2), ubytes(sc1)[::16])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -532,7 +532,7 @@ def test_idempotence(data, mode: str) -> None:
     cols = x.shape[1]
     packed, s = quant(x, g)
     dq = dequant(packed, s, g, cols)
-    p2, s2 = quant(dq, g)
+    p2, sc2 = quant(dq, g)
     two_d = mode == "2d"
     codes, codes2 = unpack_fp4(packed, cols), unpack_fp4(p2, cols)
     top = _blocks((codes & 7).float(), two_d).amax(dim=-1)
@@ -543,7 +543,7 @@ def test_idempotence(data, mode: str) -> None:
     # encode = 1 / (S_dec_b * S_dec) is not clamped at FP32_MAX wherever S_dec_b > 0 here.
     assert (torch.tensor(1.0).div(sb * s_dec)[sb > 0] <= FP32_MAX).all()
     has6 = (top == 7) & (sb > 0)
-    same_scale = ubytes(s2) == ubytes(s)
+    same_scale = ubytes(sc2) == ubytes(s)
     assert same_scale[has6].all()
     differs = _blocks((codes != codes2).float(), two_d).amax(dim=-1) > 0  # zero padding: no diff
     assert not differs[has6].any()
@@ -553,7 +553,7 @@ def test_idempotence(data, mode: str) -> None:
     s_enc = global_encode_scale(g).reshape(s_dec.shape)
     predicted = block_decode_scale(top_val * sb * s_dec, s_enc)
     live = sb > 0
-    assert torch.equal(ubytes(predicted)[live], ubytes(s2)[live])
+    assert torch.equal(ubytes(predicted)[live], ubytes(sc2)[live])
     assert not differs[live & same_scale].any()
     # Every block with an E4M3-normal scale has top code 6, so it is covered above.
     assert has6[s.float() >= 2**-6].all()
@@ -566,8 +566,8 @@ def test_idempotence_fails_for_subnormal_scale() -> None:
     x = one_block([0.01875], "cpu")
     packed, s = quantize_1d(x, g)
     assert s.float().item() == 2**-8 and codes_of(packed, 16)[0, 0].item() == 6
-    p2, s2 = quantize_1d(dequantize_1d(packed, s, g, 16), g)
-    assert s2.float().item() == 2**-9 and codes_of(p2, 16)[0, 0].item() == 7
+    p2, sc2 = quantize_1d(dequantize_1d(packed, s, g, 16), g)
+    assert sc2.float().item() == 2**-9 and codes_of(p2, 16)[0, 0].item() == 7
 
 
 def test_shared_global_decode_scale_is_the_plain_one_and_follows_changes():
