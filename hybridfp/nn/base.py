@@ -33,11 +33,6 @@ def _describe(q: Quantizer) -> dict[str, str]:
     return {"kind": kind, "format": f"rowwise {q.format_key(ROWWISE)}; columnwise {q.format_key(COLUMNWISE)}"}
 
 
-def _module_name(module: nn.Module) -> str:
-    """A module's class and qualified name, for error messages."""
-    return f"{type(module).__name__} {getattr(module, 'name', '')}".rstrip()
-
-
 def _summary(obj: Any) -> str:
     """A short description of an unexpected extra state, for error messages."""
     if isinstance(obj, dict):
@@ -95,7 +90,7 @@ class QuantizedModule(nn.Module):
         """A clear error naming the module when x's last dim is not ``in_features`` (the GEMM
         would otherwise fail deep inside with operand shapes only)."""
         if x.dim() == 0 or x.shape[-1] != self.in_features:
-            who = f"{type(self).__name__} {self.name}".rstrip()
+            who = self._who()
             raise ValueError(f"{who}: the input has shape {tuple(x.shape)}; its last dimension must "
                              f"be in_features={self.in_features}.")
 
@@ -306,7 +301,7 @@ class QuantizedModule(nn.Module):
         >>> torch.equal(sa["scale"], sb["scale"])
         True
         """
-        who = _module_name(self)
+        who = self._who()
         if not isinstance(state, dict) or state.get("version") != EXTRA_STATE_VERSION or "built" not in state:
             raise ValueError(f"{who}: the '_extra_state' entry is not a hybridfp quantizer state (version "
                              f"{EXTRA_STATE_VERSION}); got {_summary(state)}.")
@@ -352,7 +347,7 @@ class QuantizedModule(nn.Module):
     def _apply_quantizer_state(self, state: dict, built: dict[str, list[Quantizer]]) -> None:
         """Check that ``state`` was saved from quantizers like ``built`` (per slot and set: class
         names and formats), then set each one's state; all or nothing."""
-        who, saved = _module_name(self), state["quantizers"]
+        who, saved = self._who(), state["quantizers"]
         names = {f"{slot}.{i}": q for slot, qs in built.items() for i, q in enumerate(qs)}
         if set(saved) != set(names):
             raise ValueError(f"{who}: the loaded quantizer state has the slots / sets {sorted(saved)}, "

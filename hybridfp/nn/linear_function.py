@@ -70,10 +70,6 @@ def _uses_delayed_scaling(q: Quantizer) -> bool:
     return any(isinstance(c, Float8Quantizer) for c in children)
 
 
-def _module_text(module: Any) -> str:
-    return f"{type(module).__name__} {getattr(module, 'name', '') or ''}".rstrip()
-
-
 def keeps_original_input(lc: LinearContext) -> bool:
     """Whether wgrad re-quantizes the kept high-precision input (``save_original_input``).
 
@@ -102,7 +98,7 @@ def keeps_original_input(lc: LinearContext) -> bool:
     q = lc.input_q
     if q.is_requantization_safe():
         return True
-    who = _module_text(lc.module)
+    who = lc.module._who()
     if _uses_delayed_scaling(q):
         raise ValueError(f"{who}: save_original_input=True cannot be used with delayed scaling (input "
                          f"quantizer {q!r}): its scale moves with the amax history, so wgrad would not "

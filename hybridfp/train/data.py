@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,8 @@ from typing import Iterator, Optional
 
 import numpy as np
 import torch
+
+from .files import atomic_write
 
 VAL_PERCENT = 5
 TAIL_VAL_FRACTION = 0.1
@@ -132,9 +133,7 @@ def load_stdlib_corpus(cache_dir: Optional[Path] = None, root: Optional[Path] = 
     try:
         cache.mkdir(parents=True, exist_ok=True)
         for name, arr in (("train.bin", train), ("val.bin", val)):
-            tmp = cache / f"{name}.tmp{os.getpid()}"
-            arr.tofile(tmp)
-            tmp.replace(cache / name)
+            atomic_write(cache / name, arr.tofile)
         (cache / "meta.json").write_text(json.dumps({"vocab_size": BYTE_VOCAB, "source": source}))
     except OSError:
         pass  # the cache is an optimisation only
