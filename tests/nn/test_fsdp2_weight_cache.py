@@ -89,6 +89,9 @@ def _worker(rank: int, port: int, recipe_name: str, out_dir: str, decoded_mode: 
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(losses))
     finally:
         dist.destroy_process_group()
+    # the results are written: leave without the interpreter's teardown, where a still-joinable
+    # C++ thread can abort the process ("terminate called without an active exception")
+    os._exit(0)
 
 
 def _free_port() -> int:
