@@ -1,12 +1,12 @@
 """The Triton grouped GEMM kernels against ``torch._grouped_mm`` and cuBLAS, at the MoE layer's shapes.
 
-- ``bf16``: ``kernels/triton_grouped_gemm.py`` (BF16 operands, the per-row / per-column FP32
+- ``bf16``: ``kernels/moe/triton_grouped_gemm.py`` (BF16 operands, the per-row / per-column FP32
   epilogue of row-scaled NVFP4) at the 8-expert MoE's fc1 / fc2 fprop (awkward counts, an empty
   expert). Every TMA config (``TMA_CONFIGS``) against ``torch._grouped_mm`` without an epilogue
   (the speed the kernel should approach), the pointer kernel at its default tile, and cuBLAS per
   expert with an FP32 output plus the epilogue as torch ops. ``torch._grouped_mm`` with an FP32
   output is no baseline: torch refuses it for BF16 inputs.
-- ``fp8``: ``kernels/triton_grouped_fp8_gemm.py`` / ``triton_grouped_fp8_tma.py`` at the
+- ``fp8``: ``kernels/moe/triton_grouped_fp8_gemm.py`` / ``triton_grouped_fp8_tma.py`` at the
   64-expert MoE's six GEMMs (hidden 4096, ffn 1408, 32768 routed rows, uneven counts): the
   pointer kernel's default tile and the TMA configs (``CONFIGS``) against the per-expert cuBLAS
   ``_scaled_mm`` loop, ``torch._scaled_grouped_mm`` where it applies (E4M3 fprop / dgrad) and
@@ -47,7 +47,7 @@ Variants = Callable[..., dict[str, Callable[[], Any]]]
 
 def _bf16_sweep(variants: Variants) -> list[dict[str, Any]]:
     """One row per (shape, variant); ``variants(tg, a, b, sa, sb, splits)`` names the calls to time."""
-    from hybridfp.kernels import triton_grouped_gemm as tg
+    from hybridfp.kernels.moe import triton_grouped_gemm as tg
     rows: list[dict[str, Any]] = []
     for name, splits, k, n in BF16_SHAPES:
         m = sum(splits)
@@ -195,8 +195,8 @@ def fp8(tiles: list[tuple[tuple[int, int, int, int, int], int, int]], only: str 
         tma: bool = False, configs: Optional[list[str]] = None) -> list[dict[str, Any]]:
     """One row per (GEMM, variant); ``tma``: the pointer kernel at its default tile and the TMA
     configs (``tiles`` ignored), else the pointer kernel at each of ``tiles``."""
-    from hybridfp.kernels import triton_grouped_fp8_gemm as tk
-    from hybridfp.kernels.triton_grouped_fp8_tma import CONFIGS
+    from hybridfp.kernels.moe import triton_grouped_fp8_gemm as tk
+    from hybridfp.kernels.moe.triton_grouped_fp8_tma import CONFIGS
     splits = splits_for(ROWS, EXPERTS)
     rows: list[dict[str, Any]] = []
     sa = torch.rand(EXPERTS, device="cuda") + 0.5
@@ -266,7 +266,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     configs = args.configs.split("|") if args.configs else None
     if args.quick and configs is None:  # the kernels' defaults only
         from hybridfp import current_policy
-        from hybridfp.kernels import triton_grouped_gemm as tg
+        from hybridfp.kernels.moe import triton_grouped_gemm as tg
         pol = current_policy()
         configs = [k for k, v in tg.TMA_CONFIGS.items() if v == tg.TMA_CONFIG] + [
             c for c in (pol.grouped_fp8_tma_rows, pol.grouped_fp8_tma_wgrad) if c]

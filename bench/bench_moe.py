@@ -36,7 +36,7 @@ from torch import nn
 import hybridfp
 from bench import common
 from bench.common import bench_ms, bench_ms_steady, bench_pair, environment, finish, md_table, parser, profile_step, require_cuda
-from hybridfp.gemm.grouped import PATH_COUNTS
+from hybridfp.moe.gemm import PATH_COUNTS
 from hybridfp.nn.base import QuantizedModule
 from hybridfp.utils.device import clear_step_metadata
 
@@ -116,7 +116,7 @@ def with_per_group_cublas(step: Callable[[], torch.Tensor], on: bool) -> Callabl
 def without_plan_memo(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
     """``step`` with GroupedLinear's plan memo not passed to ``quantize_grouped`` (every call
     plans afresh; restored after each call)."""
-    from hybridfp.nn import grouped_linear
+    from hybridfp.moe import grouped_linear
 
     def run() -> torch.Tensor:
         saved = grouped_linear._memo
@@ -130,8 +130,8 @@ def without_plan_memo(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Te
 
 def without_metadata_memo(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
     """``step`` with ``step_metadata`` building its tensor at every call (restored after each call)."""
-    from hybridfp.gemm import grouped_bf16
-    from hybridfp.quantizers import grouped as qgrouped
+    from hybridfp.moe import gemm_bf16 as grouped_bf16
+    from hybridfp.moe import quantize as qgrouped
 
     def run() -> torch.Tensor:
         saved = qgrouped.step_metadata, grouped_bf16.step_metadata
@@ -388,7 +388,7 @@ def main(argv=None) -> None:
     p.add_argument("--variants", default=None, help="only these '|'-separated variant names (the recipe "
                    "rows' names, with a suffix for the extra variants), besides the BF16 baseline")
     p.add_argument("--fp8-tma", default=None, help="ROWS/WGRAD: the TMA kernel configs (names in "
-                   "kernels.triton_grouped_fp8_tma.CONFIGS) the FP8 A/B variants take instead of the pointer "
+                   "kernels.moe.triton_grouped_fp8_tma.CONFIGS) the FP8 A/B variants take instead of the pointer "
                    "kernel")
     args = p.parse_args(argv)
     require_cuda()

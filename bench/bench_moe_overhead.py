@@ -161,7 +161,8 @@ def stub_cublas(setattr: Callable = setattr) -> None:
     experts), their
     launches stubbed (the output returned unwritten). What remains of a step's time is the host's Python and aten work of the GPU path.
     ``setattr``: how to patch (a test passes pytest's ``monkeypatch.setattr`` to undo it)."""
-    from hybridfp.gemm import fast, grouped
+    from hybridfp.gemm import fast
+    from hybridfp.moe import gemm as grouped
 
     def scaled_mm(a, b, scale_a=None, scale_b=None, bias=None, out_dtype=None, use_fast_accum=False, out=None):
         return out if out is not None else torch.empty(a.shape[0], b.shape[1], dtype=out_dtype)
@@ -174,8 +175,8 @@ def stub_cublas(setattr: Callable = setattr) -> None:
         dtypes = {s.payload(da)["data"].dtype for s in sa} | {s.payload(db)["data"].dtype for s in sb}
         return None if dtypes == {torch.float8_e4m3fn} else "E4M3 only"
 
-    from hybridfp.gemm import grouped_triton
-    from hybridfp.kernels import triton_grouped_fp8_gemm, triton_grouped_gemm
+    from hybridfp.moe import gemm_triton as grouped_triton
+    from hybridfp.kernels.moe import triton_grouped_fp8_gemm, triton_grouped_gemm
 
     def enabled(device, use_triton, experts=1):  # the CUDA rule on any device
         return use_triton if use_triton is not None else experts >= current_policy().many_experts
@@ -200,7 +201,7 @@ def stub_grouped_mm(setattr: Callable = setattr) -> None:
         return torch.empty(offs.shape[0], a.shape[0], b.shape[1], dtype=dtype)
 
     setattr(torch, "_grouped_mm", grouped_mm)
-    from hybridfp.gemm import grouped
+    from hybridfp.moe import gemm as grouped
     setattr(grouped, "per_group_wins", lambda sizes: False)  # every group through the stub, whatever its size
 
 
@@ -232,7 +233,7 @@ def main(argv=None) -> None:
         args.reps = 5
     warnings.simplefilter("ignore")
     if args.cuda_paths:
-        from hybridfp.gemm import grouped
+        from hybridfp.moe import gemm as grouped
         grouped._grouped_mm_device = lambda device: True  # this process only: a measuring switch
         if args.stub_cublas:
             stub_cublas()

@@ -1,9 +1,10 @@
 """hybridfp: low-precision training in PyTorch with hybrid (per-direction) quantization."""
 
-from . import factories, gemm, nn
+from . import factories, gemm, moe, nn
 from .config import Policy, current_policy, policy, use_policy
 from .integration import checkpoint
-from .nn import GroupedLinear, LayerNormLinear, Linear, SwiGLU, convert, set_names, swiglu
+from .moe import GroupedLinear
+from .nn import LayerNormLinear, Linear, SwiGLU, convert, set_names, swiglu
 from .quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
                          HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer,
                          Quantizer)
@@ -20,5 +21,5 @@ __all__ = [
     "MXFP8Quantizer", "MissingDirectionError", "NVFP4BlockScaling", "NVFP4Quantizer", "Policy",
     "QuantizedTensor", "Quantizer", "QuantizerRole", "Recipe", "SwiGLU", "autocast", "checkpoint",
     "convert", "current_policy", "factories",
-    "gemm", "nn", "policy", "set_names", "swiglu", "use_policy",
+    "gemm", "moe", "nn", "policy", "set_names", "swiglu", "use_policy",
 ]

@@ -3,7 +3,7 @@
 The policy chooses *how* hybridfp computes — which copies a module holds decoded, whether
 quantize kernels run, which grouped GEMM path an MoE layer's GEMMs take and with which kernel
 config. Results are bitwise the same under every policy except where a field says otherwise
-(the grouped paths' FP32 summation order, documented in ``gemm/grouped.py``; "always" decoded
+(the grouped paths' FP32 summation order, documented in ``moe/gemm.py``; "always" decoded
 copies on emulated GEMMs). The defaults are what the library measures fastest on an
 NVIDIA H200; change them for comparisons, benchmarks and tests::
 
@@ -89,8 +89,8 @@ class Policy:
     compare with it."""
 
     many_experts: int = 16
-    """On CUDA the Triton grouped GEMMs (``gemm/grouped_triton.py``, and
-    ``gemm/grouped_fp8.py`` for per-tensor FP8) are taken by default from this many experts on:
+    """On CUDA the Triton grouped GEMMs (``moe/gemm_triton.py``, and
+    ``moe/gemm_fp8.py`` for per-tensor FP8) are taken by default from this many experts on:
     the per-expert loop then costs a launch sequence per expert and the layer turns host-bound.
     Default 16, between the 8- and 64-expert MoE layers that ``python -m bench.bench_moe --ab``
     compares both paths on."""
@@ -109,14 +109,14 @@ class Policy:
 
     over_scaled_grouped_mm: bool = False
     """Whether fprop / dgrad of E4M3 experts given as per-expert lists take the Triton FP8
-    grouped GEMM instead of ``torch._scaled_grouped_mm`` (``gemm/grouped.py``'s path 2).
+    grouped GEMM instead of ``torch._scaled_grouped_mm`` (``moe/gemm.py``'s path 2).
     Default False; a benchmarking switch (``python -m bench.bench_moe``'s "[FP8 Triton grouped
     everywhere]" row). Joined copies take the Triton FP8 path for every GEMM regardless."""
 
     grouped_fp8_tma_rows: Optional[str] = "256x128x128 w8 st3"
     """The Triton FP8 grouped GEMM's TMA kernel config for fprop / dgrad on CUDA, where it can
     read the operands (16-byte aligned: joined copies always are): a name in
-    ``kernels/triton_grouped_fp8_tma.py``'s ``CONFIGS``, or None for the pointer kernel.
+    ``kernels/moe/triton_grouped_fp8_tma.py``'s ``CONFIGS``, or None for the pointer kernel.
     Default: 256x128 tiles, BK 128, 8 warps, 3 stages: the fastest config of ``python -m
     bench.bench_grouped_gemm --part fp8`` at the 64-expert MoE's six GEMMs on an NVIDIA H200.
     The interpreter keeps the pointer kernel (CUDA only)."""
@@ -126,7 +126,7 @@ class Policy:
     epilogue (wgrad's short K loop leaves the store exposed)."""
 
     bf16_per_group_cublas: Optional[bool] = None
-    """The grouped BF16 matmul of ``gemm/grouped.py``'s path 1 on CUDA: True, cuBLAS per group
+    """The grouped BF16 matmul of ``moe/gemm.py``'s path 1 on CUDA: True, cuBLAS per group
     (``grouped_bf16.per_group_mm``, the same result semantics); False, ``torch._grouped_mm``
     (CUTLASS, one launch); None (default), ``grouped.per_group_wins`` decides by the groups'
     count and size (:attr:`per_group_max_groups`, :attr:`per_group_min_mean`)."""

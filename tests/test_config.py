@@ -29,7 +29,7 @@ def test_defaults():
 
 
 def test_every_default_tma_config_exists():
-    tma = pytest.importorskip("hybridfp.kernels.triton_grouped_fp8_tma")
+    tma = pytest.importorskip("hybridfp.kernels.moe.triton_grouped_fp8_tma")
     assert {DEFAULT_POLICY.grouped_fp8_tma_rows, DEFAULT_POLICY.grouped_fp8_tma_wgrad} <= set(tma.CONFIGS)
 
 

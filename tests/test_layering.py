@@ -3,7 +3,7 @@
 Layers, lowest first::
 
     config, utils -> formats -> kernels -> tensors -> quantizers -> gemm -> recipes -> nn
-        -> integration -> train -> top (hybridfp/__init__.py, report.py, factories.py)
+        -> moe -> integration -> train -> top (hybridfp/__init__.py, report.py, factories.py)
 
 ``config`` and ``utils`` form the bottom: neither imports anything else of ``hybridfp`` (nor each
 other). Every ``import`` / ``from ... import`` (absolute or relative, at module level or inside a
@@ -28,8 +28,8 @@ PACKAGE = ROOT / "hybridfp"
 LAYERS = {
     "config": 0, "utils": 0,
     "formats": 1, "kernels": 2, "tensors": 3, "quantizers": 4, "gemm": 5, "recipes": 6, "nn": 7,
-    "integration": 8, "train": 9,
-    "top": 10,
+    "moe": 8, "integration": 9, "train": 10,
+    "top": 11,
 }
 #: Layers that import nothing of hybridfp but themselves.
 SELF_CONTAINED = {"config", "utils"}
@@ -168,7 +168,7 @@ def test_formats_and_utils_import_nothing_above():
 
 def test_kernels_share_no_private_names():
     bad = []
-    for path in sorted((PACKAGE / "kernels").glob("*.py")):
+    for path in sorted((PACKAGE / "kernels").rglob("*.py")):
         own = module_name(path)
         for line, module, names in imports(path):
             if layer_of(module) != "kernels" or module == own or module == "hybridfp.kernels._common":
@@ -177,6 +177,20 @@ def test_kernels_share_no_private_names():
             if private:
                 bad.append(f"{where(path, line)}: {', '.join(private)} from {module}")
     assert not bad, "kernel modules importing another kernel module's private names:\n" + "\n".join(bad)
+
+
+def test_dense_code_never_imports_the_moe_wing():
+    """``hybridfp.moe`` and ``hybridfp.kernels.moe`` serve the MoE layer alone: no module outside
+    them (and the parts above ``moe``) imports them, so dense code reads without the MoE."""
+    bad = []
+    for path in sources():
+        own = module_name(path)
+        if own.startswith(("hybridfp.moe", "hybridfp.kernels.moe")) or LAYERS[layer_of(own)] > LAYERS["moe"]:
+            continue
+        for line, module, _ in imports(path):
+            if module.startswith(("hybridfp.moe", "hybridfp.kernels.moe")):
+                bad.append(f"{where(path, line)}: {own} imports {module}")
+    assert not bad, "dense modules importing the MoE wing:\n" + "\n".join(bad)
 
 
 def test_layer_of():

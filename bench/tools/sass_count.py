@@ -84,7 +84,7 @@ def _tma_case(name: str, f32: bool = False) -> tuple:
             dict(num_stages=stages, enable_fp_fusion=False))
 
 
-from hybridfp.kernels.triton_grouped_fp8_tma import CONFIGS as FP8_TMA_CONFIGS  # noqa: E402 (its cases)
+from hybridfp.kernels.moe.triton_grouped_fp8_tma import CONFIGS as FP8_TMA_CONFIGS  # noqa: E402 (its cases)
 
 
 def _fp8_tma_case(name: str) -> tuple:

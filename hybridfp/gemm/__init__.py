@@ -11,5 +11,3 @@ from . import fast  # noqa: E402,F401  registers the cuBLAS FP8 backends
 __all__ = ["BACKENDS", "EMULATED", "Backend", "EmulatedGemmWarning", "GEMM_OF_LAYOUT", "LAYOUTS",
            "describe_key", "emulate", "gemm", "operand_storage", "reads_bf16_decodes", "register_backend",
            "report_emulated", "select"]
-from .grouped import grouped_gemm  # noqa: E402  one grouped kernel call for the experts of an MoE layer
-__all__ += ["grouped_gemm"]

@@ -175,7 +175,7 @@ def decode_bf16(storage: QuantizedStorage, direction: str, *, cache: bool = Fals
 def decode_bf16_joined(joined: QuantizedStorage, parts: Sequence[QuantizedStorage], direction: str, *,
                        cache: bool = False) -> GemmOperand:
     """``decode_bf16(joined, direction)`` for a storage that views the ``parts``' copies as one
-    (``gemm.joined``: the experts' stacked weights). ``cache``: keep the decode under the first
+    (``moe.joined``: the experts' stacked weights). ``cache``: keep the decode under the first
     part's data tensor while every part's payload is unchanged (the joined storage itself is a
     new object on every call), so micro-batches reuse one decode of all the experts' weights."""
     if not cache or type(joined.part(direction)) in VIEWS:

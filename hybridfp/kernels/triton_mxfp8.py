@@ -457,7 +457,7 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
     ``row_map`` (1D; contiguous int32 on x2's device, each source row exactly once, entries <
     x2's rows; not checked: a device sync): the columnwise copy is that of the
     [len(row_map), C] tensor whose row r is ``x2[row_map[r]]``, zeros where ``row_map[r] < 0``
-    (``kernels.triton_pad_rows.pad_rows``'s output), without writing that tensor: the
+    (``kernels.moe.triton_pad_rows.pad_rows``'s output), without writing that tensor: the
     zero-padded expert groups of a grouped columnwise copy. The rowwise copy stays x2's own
     ([R, C], from the same read of each row).
     ``method`` (1D columnwise copy; the same bytes either way; default: :func:`_default_method`,

@@ -76,7 +76,7 @@ def register_row_mapped_kernel(quantizer_class: str, supports: Callable[..., boo
     ``(q.encode(x2, True, False) if rowwise else None, q.encode(gathered, False, True))`` where
     row r of ``gathered`` is ``x2[row_map[r]]``, or zeros where ``row_map[r] < 0`` (every row
     of x2 mapped once). Callers go around ``q.encode``: an ``encode`` replaced on an instance
-    is not called (``quantizers.grouped`` plans only around a replaced ``quantize``)."""
+    is not called (``moe.quantize`` plans only around a replaced ``quantize``)."""
     ROW_MAPPED_KERNELS[quantizer_class] = (supports, run)
 
 

@@ -107,13 +107,13 @@ class QuantizedStorage(Dim0Slicing, ABC):
     #: Sharing structure handed on by ``with_tensors`` (None: read it from the payloads).
     _slot_groups: Optional[list[list[tuple[str, str]]]] = None
     #: True when the columnwise payload tensors are column slices of one shared encoding of
-    #: row groups zero-padded to whole blocks (``quantizers.grouped``), so the columns between
+    #: row groups zero-padded to whole blocks (``moe.quantize``), so the columns between
     #: this copy's end and its padded end hold zero codes. Kept by ``with_tensors`` only (same
     #: layout; saved-for-backward round trips), never by slicing or other rebuilds, which would
-    #: break that promise; ``gemm.joined.joined_columns`` reads it.
+    #: break that promise; ``moe.joined.joined_columns`` reads it.
     columnwise_zero_padded: bool = False
     #: True when each row of every columnwise payload tensor continues in memory with zero
-    #: codes up to its width rounded up to 16 (``quantizers.grouped_scaled``'s FP8 experts,
+    #: codes up to its width rounded up to 16 (``moe.quantize_scaled``'s FP8 experts,
     #: each transpose [C, m_e] a column slice of one [C, Σ padded m] matrix): the copy
     #: zero-padded along its reduction is a view, which the FP8 wgrads read instead of making
     #: a padded copy. Kept by ``with_tensors`` only, like ``columnwise_zero_padded``.

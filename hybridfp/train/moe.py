@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..nn import GroupedLinear, Linear
+from ..moe import GroupedLinear
+from ..nn import Linear
 
 if TYPE_CHECKING:  # model.py imports this module; the config type is for annotations only
     from .model import GPTConfig

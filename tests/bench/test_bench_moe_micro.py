@@ -8,7 +8,7 @@ import torch
 
 import hybridfp
 from bench import bench_moe, common
-from hybridfp.nn import grouped_linear
+from hybridfp.moe import grouped_linear
 
 
 def _layer(monkeypatch):

@@ -16,9 +16,10 @@ from gemm_operands import FORMATS as MAKERS
 from gemm_operands import ref_operand
 
 from hybridfp import Float8CurrentScalingQuantizer, NVFP4Quantizer
-from hybridfp.gemm import gemm, grouped_gemm
-from hybridfp.gemm import grouped, grouped_bf16
-from hybridfp.gemm.grouped import (GROUPED_BF16, GROUPED_FP8_ROWWISE, PATH_COUNTS, PER_EXPERT,
+from hybridfp.gemm import gemm
+from hybridfp.moe import grouped_gemm
+from hybridfp.moe import gemm as grouped, gemm_bf16 as grouped_bf16
+from hybridfp.moe.gemm import (GROUPED_BF16, GROUPED_FP8_ROWWISE, PATH_COUNTS, PER_EXPERT,
                                    reference_grouped_mm)
 
 K, N = 64, 48
@@ -306,7 +307,7 @@ def test_shared_rowwise_encoding_is_read_without_copy(fmt, layout):
     with an empty expert) reach the grouped matmul as one decode of the whole encoding — for
     BF16 Identity, the input itself — and the result equals the per-expert loop bitwise."""
     from hybridfp import Float8BlockQuantizer, IdentityQuantizer, MXFP8Quantizer
-    from hybridfp.quantizers.grouped import quantize_grouped
+    from hybridfp.moe.quantize import quantize_grouped
 
     make = {"identity": IdentityQuantizer, "mxfp8": MXFP8Quantizer,
             "fp8_block": lambda: Float8BlockQuantizer(block_scaling_dim=1)}[fmt]
@@ -334,7 +335,7 @@ def test_shared_rowwise_encoding_is_read_without_copy(fmt, layout):
 def test_joined_rows_refuses_separate_tensors():
     """Separately quantized experts (or a gap between slices) are not one buffer: None."""
     from hybridfp import MXFP8Quantizer
-    from hybridfp.gemm.joined import joined_rows
+    from hybridfp.moe.joined import joined_rows
 
     xs = sources(ODD)["x"]
     assert joined_rows([MXFP8Quantizer()(x).qstorage for x in xs], "rowwise") is None
@@ -355,7 +356,7 @@ def test_shared_encodings_reach_the_grouped_mm_as_one_decode(layout):
     per-expert loop bitwise; wgrad sums each expert's padding zeros too, so (as in the uneven
     test above) it is within one BF16 ulp of it, and an empty expert's dW is zero."""
     from hybridfp import MXFP8Quantizer
-    from hybridfp.quantizers.grouped import quantize_grouped, quantize_weights_grouped
+    from hybridfp.moe.quantize import quantize_grouped, quantize_weights_grouped
 
     splits = [0, 19, 45, 0, 33]
     src = sources(splits)
@@ -393,8 +394,8 @@ def test_joined_columns_needs_the_padded_layout():
     """Columnwise copies quantized separately, or slices of one copy (whose rows after a slice
     are data, not zero padding), are not joined."""
     from hybridfp import MXFP8Quantizer
-    from hybridfp.gemm.joined import joined_columns
-    from hybridfp.quantizers.grouped import quantize_grouped
+    from hybridfp.moe.joined import joined_columns
+    from hybridfp.moe.quantize import quantize_grouped
 
     xs = sources(ODD)["x"]
     assert joined_columns([MXFP8Quantizer()(x).qstorage for x in xs]) is None
@@ -411,7 +412,7 @@ def test_stacked_weight_decode_is_cached_while_unchanged(monkeypatch):
     repeated GEMMs on the same quantized weights (micro-batches), again after a weight changes."""
     from hybridfp import MXFP8Quantizer
     from hybridfp.gemm import bf16_decode
-    from hybridfp.quantizers.grouped import quantize_grouped, quantize_weights_grouped
+    from hybridfp.moe.quantize import quantize_grouped, quantize_weights_grouped
 
     splits = [16, 0, 40]
     src = sources(splits)
@@ -432,8 +433,8 @@ def test_stacked_weight_decode_is_cached_while_unchanged(monkeypatch):
 def test_all_empty_experts_are_not_joined():
     """Zero-width joins (every expert empty) are refused, not divided by."""
     from hybridfp import MXFP8Quantizer
-    from hybridfp.gemm.joined import joined_columns
-    from hybridfp.quantizers.grouped import quantize_grouped
+    from hybridfp.moe.joined import joined_columns
+    from hybridfp.moe.quantize import quantize_grouped
 
     got = quantize_grouped([MXFP8Quantizer() for _ in range(3)], torch.zeros(0, 1), [0, 0, 0])
     assert joined_columns([t.qstorage for t in got]) is None
@@ -444,8 +445,8 @@ def test_fp8_rowwise_path_reads_adjacent_rows_without_a_copy(monkeypatch):
     (x: one cast pass, row slices) and ``quantize_weights_grouped`` (stacked weights) are views
     of those buffers, equal to the cat / stack they replace (the matmul emulated on the CPU)."""
     from hybridfp import Float8CurrentScalingQuantizer
-    from hybridfp.gemm import grouped as g
-    from hybridfp.quantizers.grouped import quantize_grouped, quantize_weights_grouped
+    from hybridfp.moe import gemm as g
+    from hybridfp.moe.quantize import quantize_grouped, quantize_weights_grouped
 
     splits = [16, 0, 48, 32]
     src = sources(splits)
@@ -482,7 +483,7 @@ def test_per_expert_fp8_choice_by_expert_size():
     """Per-tensor FP8 fprop / dgrad go per expert (cuBLAS) when the mean expert GEMM reaches
     the policy's ``per_expert_fp8_flops`` (measured crossover, H200), else grouped; empty experts do
     not count."""
-    from hybridfp.gemm.grouped import per_expert_fp8_faster
+    from hybridfp.moe.gemm import per_expert_fp8_faster
     assert per_expert_fp8_faster([4096] * 8, 28672, 4096)  # bench_moe, 8 experts (fc1)
     assert per_expert_fp8_faster([4096] * 8, 4096, 14336)  # fc2 / dgrad
     assert not per_expert_fp8_faster([512] * 64, 2816, 4096)  # 64 experts of ffn 1408
@@ -552,7 +553,7 @@ def test_identity_wgrad_pads_adjacent_rows_in_one_pass(monkeypatch):
     result is within one BF16 ulp of the per-expert loop (the padding zeros add nothing, but a
     longer reduction may sum in another order), an empty expert's dW zero."""
     from hybridfp import IdentityQuantizer
-    from hybridfp.quantizers.grouped import quantize_grouped
+    from hybridfp.moe.quantize import quantize_grouped
 
     splits = [0, 19, 45, 0, 33]
     src = sources(splits)

@@ -17,9 +17,9 @@ import torch
 from test_gemm_grouped import ODD, OPERANDS, per_expert, quantized
 
 from hybridfp import current_policy
-from hybridfp.gemm import grouped, grouped_gemm
-from hybridfp.gemm.grouped import reference_grouped_mm
-from hybridfp.gemm.grouped_bf16 import per_group_mm
+from hybridfp.moe import gemm as grouped, grouped_gemm
+from hybridfp.moe.gemm import reference_grouped_mm
+from hybridfp.moe.gemm_bf16 import per_group_mm
 from hybridfp.kernels._common import poisoned_outputs
 
 

@@ -282,7 +282,7 @@ def test_expert_wgrad_reads_zero_tails_without_copies(fake_mm, monkeypatch):
     """An MoE expert's wgrad (k = its token count, not a multiple of 16) reads the grouped
     quantization's zero-tailed columnwise copies as padded views: no padded copy is made, and
     the result equals the one from padded copies."""
-    from hybridfp.quantizers.grouped import quantize_grouped
+    from hybridfp.moe.quantize import quantize_grouped
     splits, n, kdim = [37, 0, 50, 16], 48, 80
     g = torch.Generator().manual_seed(4)
     dy = torch.randn(sum(splits), n, generator=g).to(torch.bfloat16)
@@ -315,7 +315,7 @@ def test_zero_tail_dropped_by_copies_and_bounds_checked(fake_mm):
     bytes, so it loses ``columnwise_zero_tail``; a storage that still claims it over memory too
     short for the padded view (a one-row copy keeps its row stride) gets a padded copy, not an
     out-of-bounds view."""
-    from hybridfp.quantizers.grouped import quantize_grouped
+    from hybridfp.moe.quantize import quantize_grouped
     splits = [5, 9]
     for cols in (1, 24):
         x = torch.randn(sum(splits), cols).to(torch.bfloat16)
@@ -334,8 +334,9 @@ def test_per_expert_rows_written_into_one_result(fake_mm, monkeypatch):
     """grouped_gemm's per-expert path (cuBLAS FP8 per-tensor, here torch._scaled_mm's CPU
     stand-in) writes every expert's rows into one result: equal to the per-expert gemm()
     results concatenated, for fprop and dgrad, with an empty expert."""
-    from hybridfp.gemm import fast as gemm_fast, grouped
-    from hybridfp.quantizers.grouped import quantize_grouped
+    from hybridfp.gemm import fast as gemm_fast
+    from hybridfp.moe import gemm as grouped
+    from hybridfp.moe.quantize import quantize_grouped
     monkeypatch.setattr(gemm_fast, "_device_ok", lambda device, kind: True)
     monkeypatch.setattr(grouped, "_fp8_rowwise_unsupported", lambda *a: "forced per expert (test)")
     splits, n, k = [37, 0, 20], 48, 64

@@ -1,4 +1,4 @@
-"""Grouped per-tensor scaling kernels (hybridfp/kernels/triton_grouped_fp8.py), through
+"""Grouped per-tensor scaling kernels (hybridfp/kernels/moe/triton_grouped_fp8.py), through
 ``quantize_grouped``'s ``encode_group_scaled(kernel=True)``: every expert's FP8 current-scaling
 copies (rowwise, and its own transpose as the columnwise copy) and every expert's 1D NVFP4
 rowwise copy (its per-tensor amax expanded to its rows through ``triton_nvfp4``'s row-scaled
@@ -18,11 +18,11 @@ from quantize_kernel_cases import (DTYPES, assert_storage_bitwise, assert_tensor
                                    gpu, gpu_input, interpreter_only)
 
 from hybridfp.kernels._common import poisoned_outputs  # noqa: E402
-from hybridfp.kernels.triton_grouped_fp8 import group_amax  # noqa: E402
+from hybridfp.kernels.moe.triton_grouped_fp8 import group_amax  # noqa: E402
 from hybridfp.quantizers import Float8CurrentScalingQuantizer, NVFP4Quantizer  # noqa: E402
 from hybridfp.quantizers.backends import select_quantize_kernel  # noqa: E402
-from hybridfp.quantizers.grouped import encode_group_scaled  # noqa: E402
-from hybridfp.quantizers.grouped_scaled import padded_ld  # noqa: E402
+from hybridfp.moe.quantize import encode_group_scaled  # noqa: E402
+from hybridfp.moe.quantize_scaled import padded_ld  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 
@@ -185,7 +185,7 @@ def test_grouped_fp8_quantize_layouts(case, rowwise):
     group's rowwise rows and its transpose at its offset and row stride equal that group's own
     FP8 current-scaling encode bitwise, its row tail up to ld holds zero codes, and the bytes
     outside every block keep the poison (nothing written past a block)."""
-    from hybridfp.kernels.triton_grouped_fp8 import quantize
+    from hybridfp.kernels.moe.triton_grouped_fp8 import quantize
     splits, cols, ld_of, shift, block = DIRECT[case]
     lds = [ld_of(m) for m in splits]
     offs, numel = _layout(splits, cols, lds, shift)
@@ -213,7 +213,7 @@ def test_grouped_fp8_quantize_layouts(case, rowwise):
 
 @interpreter_only
 def test_grouped_fp8_quantize_refuses_bad_layouts():
-    from hybridfp.kernels.triton_grouped_fp8 import quantize
+    from hybridfp.kernels.moe.triton_grouped_fp8 import quantize
     splits = [5, 7]
     x = grouped_input(splits, 16, torch.bfloat16)
     amax = torch.ones(2)

@@ -1,5 +1,5 @@
-"""The Triton FP8 grouped GEMM (kernels/triton_grouped_fp8_gemm.py) and ``grouped_gemm``'s path
-through it (gemm/grouped_fp8.py).
+"""The Triton FP8 grouped GEMM (kernels/moe/triton_grouped_fp8_gemm.py) and ``grouped_gemm``'s path
+through it (moe/gemm_fp8.py).
 
 CPU (interpreter): the codes' exact values summed in FP32, so an FP32 output is the FP64
 product of the decoded operands at FP32-accumulation level (relative error ≤ 1e-6 at these
@@ -15,10 +15,11 @@ import torch
 from quantize_kernel_cases import gpu, interpreter_only, moe_step
 
 import hybridfp
-from hybridfp.gemm import gemm, grouped_gemm
-from hybridfp.gemm.grouped import GROUPED_FP8_TRITON, PATH_COUNTS, grouped_path
+from hybridfp.gemm import gemm
+from hybridfp.moe import grouped_gemm
+from hybridfp.moe.gemm import GROUPED_FP8_TRITON, PATH_COUNTS, grouped_path
 from hybridfp.gemm.gemm import LAYOUTS, operand_storage
-from hybridfp.kernels import triton_grouped_fp8_gemm as tk
+from hybridfp.kernels.moe import triton_grouped_fp8_gemm as tk
 from hybridfp.kernels._common import poisoned_outputs
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -158,7 +159,7 @@ def test_kernel_rejects_bad_operands():
 @interpreter_only
 def test_joined_bases_equal_views_and_check_every_extent():
     """``grouped_fp8_at`` (operands as places in two joined bases; per-expert arguments as lists,
-    CPU tensors or one int for all) gives the bits ``grouped_fp8`` gives on the same operands as
+    CPU tensors or one int for all) gives the bits ``gemm_fp8`` gives on the same operands as
     views; an expert whose rows, offsets or strides leave its base, or whose output rows leave
     ``out``, is named in the error."""
     g = torch.Generator().manual_seed(4)
@@ -269,7 +270,7 @@ def test_grouped_gemm_takes_the_fp8_path_and_equals_per_expert(layout, dy_dtype)
 def test_grouped_quantized_experts_and_fprop_bias():
     """The experts of one grouped quantization (rows of one buffer, columnwise copies in
     zero-padded blocks: wgrad reads 16-aligned reductions) and per-expert biases."""
-    from hybridfp.quantizers.grouped import quantize_grouped
+    from hybridfp.moe.quantize import quantize_grouped
     g = torch.Generator().manual_seed(4)
     k, n = 48, 32
     qs = [hybridfp.Float8CurrentScalingQuantizer(E4M3) for _ in SPLITS]
@@ -330,7 +331,7 @@ def test_moe_shapes_vs_fp64_cuda(layout, ffn):
     dequantized copies; the grouped GEMM takes this path by default."""
     import os
 
-    from hybridfp.quantizers.grouped import quantize_grouped
+    from hybridfp.moe.quantize import quantize_grouped
     g = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
     hidden, splits = 4096, GPU_SPLITS
     mags = torch.tensor([2.0 ** (e % 4 - 2) for e in range(len(splits))], device="cuda")
@@ -365,7 +366,7 @@ def test_moe_shapes_vs_fp64_cuda(layout, ffn):
 @pytest.mark.parametrize("out_features", [48, 40], ids=["N=48", "N=40"])
 def test_fp8_step_on_joined_copies(out_features, monkeypatch, set_policy):
     """FP8 current scaling (E4M3 x and W, E5M2 dy): x, dy and the stacked weights come as joined
-    copies with per-expert scales (``quantizers.grouped._scaled_group``); with the Triton paths
+    copies with per-expert scales (``moe.quantize._scaled_group``); with the Triton paths
     on (as on CUDA from 16 experts; forced here, in the interpreter) all three GEMMs run on them
     (``grouped_fp8.run_joined``) and no per-expert tensor is built. Against the same step on the
     per-expert lists (the exact emulation per expert on the CPU): FP32 weight gradients at FP32
@@ -374,7 +375,7 @@ def test_fp8_step_on_joined_copies(out_features, monkeypatch, set_policy):
     import copy
 
     from hybridfp import GroupedLinear, factories
-    from hybridfp.quantizers import grouped as qgrouped
+    from hybridfp.moe import quantize as qgrouped
     splits, hidden = [0, 19, 45, 1, 33, 16], 32
     built: list[int] = []
     real_cut = qgrouped._cut_scaled

@@ -1,4 +1,4 @@
-"""The TMA form of the grouped FP8 GEMM (kernels/triton_grouped_fp8_tma.py): per-expert tensor
+"""The TMA form of the grouped FP8 GEMM (kernels/moe/triton_grouped_fp8_tma.py): per-expert tensor
 descriptors built on the device, a persistent grid.
 
 CPU (interpreter): the codes' exact values summed in FP32 per K tile, as the pointer kernel
@@ -22,10 +22,10 @@ import pytest
 import torch
 from quantize_kernel_cases import exact_sum_values, gpu, interpreter_only, moe_step
 
-from hybridfp.gemm import grouped_fp8
-from hybridfp.gemm.grouped import GROUPED_FP8_TRITON, PATH_COUNTS
-from hybridfp.kernels import triton_grouped_fp8_gemm as tk
-from hybridfp.kernels import triton_grouped_fp8_tma as tt
+from hybridfp.moe import gemm_fp8 as grouped_fp8
+from hybridfp.moe.gemm import GROUPED_FP8_TRITON, PATH_COUNTS
+from hybridfp.kernels.moe import triton_grouped_fp8_gemm as tk
+from hybridfp.kernels.moe import triton_grouped_fp8_tma as tt
 from hybridfp.kernels._common import poisoned_outputs
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

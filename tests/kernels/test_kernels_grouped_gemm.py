@@ -1,12 +1,12 @@
-"""The Triton grouped GEMM with a per-expert FP32 epilogue (kernels/triton_grouped_gemm.py) and
-``grouped_gemm``'s path through it (gemm/grouped_triton.py).
+"""The Triton grouped GEMM with a per-expert FP32 epilogue (kernels/moe/triton_grouped_gemm.py) and
+``grouped_gemm``'s path through it (moe/gemm_triton.py).
 
 Exactness (numerics §1): equal to the per-expert exact GEMM up to the FP32 accumulation order, so
 FP32 outputs are compared at FP32-accumulation level (relative error ≤ 1e-6 at these sizes)
 and a 16-bit output must be its FP32 output rounded once (bitwise). CPU: the interpreter on
 tiny shapes with empty and odd-sized experts; GPU (``-m gpu``): MoE shapes against an FP64
 GEMM of the dequantized operands, outputs poisoned — passing them is what adds "cuda" to
-the policy's ``grouped_triton_devices`` (empty: opt-in, see gemm/grouped_triton.py).
+the policy's ``grouped_triton_devices`` (empty: opt-in, see moe/gemm_triton.py).
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import torch
 from quantize_kernel_cases import gpu, interpreter_only, moe_step
 
 import hybridfp
-from hybridfp.gemm import gemm, grouped_gemm
-from hybridfp.gemm.grouped import GROUPED_TRITON, PATH_COUNTS, grouped_path
+from hybridfp.gemm import gemm
+from hybridfp.moe import grouped_gemm
+from hybridfp.moe.gemm import GROUPED_TRITON, PATH_COUNTS, grouped_path
 from hybridfp.gemm.gemm import LAYOUTS, operand_storage
-from hybridfp.kernels import triton_grouped_gemm as tg
+from hybridfp.kernels.moe import triton_grouped_gemm as tg
 from hybridfp.kernels._common import poisoned_outputs
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -199,7 +200,7 @@ def test_not_taken_by_default_anywhere_yet():
 def test_default_on_cuda_from_many_experts():
     """The default: on CUDA from the policy's many_experts on, never on the CPU by count alone; a
     caller's use_triton wins either way."""
-    from hybridfp.gemm import grouped_triton
+    from hybridfp.moe import gemm_triton as grouped_triton
     many = hybridfp.current_policy().many_experts
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert grouped_triton.enabled(cuda, None, many) == grouped_triton.HAVE_TRITON
@@ -275,7 +276,7 @@ def _composer2_operands(splits: list[int], k: int, n: int, device: str):
     the hybrid (row-scaled NVFP4 rows read at the padded groups' starts, MXFP8 columns derived),
     the weights stacked by ``quantize_weights_grouped`` (NVFP4 with a global amax per expert);
     and the same per expert, quantized one by one."""
-    from hybridfp.quantizers.grouped import quantize_grouped, quantize_weights_grouped
+    from hybridfp.moe.quantize import quantize_grouped, quantize_weights_grouped
     rd = "rowwise_dequantized"
     xq = [hybridfp.HybridQuantizer(hybridfp.NVFP4Quantizer(row_scaled_nvfp4=True), hybridfp.MXFP8Quantizer(), rd)
           for _ in splits]
@@ -292,7 +293,8 @@ def _composer2_operands(splits: list[int], k: int, n: int, device: str):
 
 
 def _check_fprop_decodes_once(device: str, monkeypatch) -> None:
-    from hybridfp.gemm import bf16_decode, grouped_triton
+    from hybridfp.gemm import bf16_decode
+    from hybridfp.moe import gemm_triton as grouped_triton
     splits, k, n = ([0, 19, 45, 1, 33], 64, 48) if device == "cpu" else ([0, 517, 33, 1024, 1, 250, 96, 700], 4096, 1408)
     X, W, each_x, each_w = _composer2_operands(splits, k, n, device)
     decodes = []
@@ -332,16 +334,16 @@ def test_grouped_fprop_decodes_shared_encodings_once_gpu(monkeypatch):
 def test_composer2_step_on_joined_copies(monkeypatch, set_policy):
     """Composer-2 (row-scaled NVFP4 x, NVFP4 weights with each expert's global amax, MXFP8
     backward): x and the stacked weights come as joined copies (the weights' rows one row-scaled
-    NVFP4 storage: ``quantizers.grouped._scaled_hybrid_group``), so fprop runs the Triton
+    NVFP4 storage: ``moe.quantize._scaled_hybrid_group``), so fprop runs the Triton
     grouped GEMM on them (``grouped_triton.run_joined``) and dgrad / wgrad the grouped BF16 path,
     no per-expert tensor built; bitwise the step whose GEMMs take the per-expert lists (the
     same kernels on the same decoded operands)."""
     import copy
 
     from hybridfp import GroupedLinear, factories
-    from hybridfp.gemm import grouped
+    from hybridfp.moe import gemm as grouped
     from hybridfp.quantizers import fast as qfast
-    from hybridfp.quantizers import grouped as qgrouped
+    from hybridfp.moe import quantize as qgrouped
     monkeypatch.setattr(qfast, "_device_ok", lambda *a: True)  # the kernel routes, interpreted
     monkeypatch.setattr(grouped, "_grouped_mm_device", lambda device: True)  # path 1 on the CPU
     set_policy(grouped_triton_devices={"cpu"})
@@ -349,7 +351,7 @@ def test_composer2_step_on_joined_copies(monkeypatch, set_policy):
     for name in ("_cut_hybrids", "_cut_scaled_hybrids", "_cut_experts"):
         real = getattr(qgrouped, name)
         monkeypatch.setattr(qgrouped, name, lambda *a, _n=name, _r=real: built.append(_n) or _r(*a))
-    from hybridfp.quantizers import grouped_scaled
+    from hybridfp.moe import quantize_scaled as grouped_scaled
     real_rows = grouped_scaled.expert_nvfp4_rows  # the per-expert NVFP4 rows: built only on access
     monkeypatch.setattr(grouped_scaled, "expert_nvfp4_rows", lambda *a: built.append("rows") or real_rows(*a))
     splits, hidden, out = [0, 19, 45, 1, 33], 64, 64

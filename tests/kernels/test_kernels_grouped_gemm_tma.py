@@ -21,7 +21,7 @@ import pytest
 import torch
 from quantize_kernel_cases import exact_sum_values, gpu, interpreter_only
 
-from hybridfp.kernels import triton_grouped_gemm as tg
+from hybridfp.kernels.moe import triton_grouped_gemm as tg
 from hybridfp.kernels._common import poisoned_outputs
 
 #: the pointer kernel's tiny tile and the same tile for the TMA kernel, 3 persistent programs

@@ -18,8 +18,8 @@ from quantize_kernel_cases import assert_storage_bitwise, edge_tensor, gpu, gpu_
 
 from hybridfp.kernels._common import poisoned_outputs  # noqa: E402
 from hybridfp.quantizers import HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer, fast  # noqa: E402
-from hybridfp.quantizers import grouped_scaled  # noqa: E402
-from hybridfp.quantizers.grouped import quantize_grouped, quantize_weights_grouped  # noqa: E402
+from hybridfp.moe import quantize_scaled as grouped_scaled
+from hybridfp.moe.quantize import quantize_grouped, quantize_weights_grouped  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # empty experts' amax 0
 
@@ -32,7 +32,7 @@ def check(x: torch.Tensor, splits, monkeypatch, weights: bool = False) -> None:
     calls = []
     real = grouped_scaled.nvfp4_mxfp8_groups
     monkeypatch.setattr(grouped_scaled, "nvfp4_mxfp8_groups", lambda *a: calls.append(1) or real(*a))
-    import hybridfp.quantizers.grouped as qgrouped
+    import hybridfp.moe.quantize as qgrouped
     monkeypatch.setattr(qgrouped, "nvfp4_mxfp8_groups", grouped_scaled.nvfp4_mxfp8_groups)
     with poisoned_outputs(0x7F):
         if weights:
@@ -73,12 +73,12 @@ def test_gpu_fused_grouped_hybrid_moe_shapes(monkeypatch):
 def test_kernels_disabled_means_no_grouped_kernels(monkeypatch):
     """Inside ``policy(quantize_kernels=False)`` the grouped padding and the fused grouped pass stay off
     too (a reference comparison must not compare the kernels with themselves)."""
-    from hybridfp.kernels import triton_pad_rows
+    from hybridfp.kernels.moe import triton_pad_rows
     from hybridfp import policy
 
     monkeypatch.setattr(fast, "_device_ok", lambda x: True)
     used = []
-    import hybridfp.quantizers.grouped as qgrouped
+    import hybridfp.moe.quantize as qgrouped
     monkeypatch.setattr(qgrouped, "nvfp4_mxfp8_groups", lambda *a: used.append("fused"))
     monkeypatch.setattr(triton_pad_rows, "pad_rows", lambda *a: used.append("pad"))
     splits = [0, 5, 37]
@@ -98,7 +98,7 @@ def test_row_local_hybrid_through_the_kernels(dtype, monkeypatch):
     """Composer-2's input hybrid (row-scaled NVFP4 -> MXFP8 from the rowwise value) on the
     kernel route: ``pad_rows`` pads the groups, the fused hybrid kernel encodes the padded
     tensor (zero padding rows: row amax 0) — every expert equals its own reference encode."""
-    from hybridfp.kernels import triton_pad_rows
+    from hybridfp.kernels.moe import triton_pad_rows
 
     monkeypatch.setattr(fast, "_device_ok", lambda x: True)
     pads = []

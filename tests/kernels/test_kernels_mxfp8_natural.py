@@ -186,7 +186,7 @@ def test_natural_gpu_bitwise(case):
     specials, poisoned outputs): "natural" at each row_slice and a few tiles, both copies and the
     columnwise one alone, bitwise equal to "slices"; the default natural call also to the
     reference (on a slice of the columnwise copy for the MoE case)."""
-    from hybridfp.quantizers.grouped import _offsets, _padded_total, _row_map
+    from hybridfp.moe.quantize import _offsets, _padded_total, _row_map
     rm = None
     if case == "moe":
         x = gpu_input((sum(MOE_SPLITS), HIDDEN), torch.bfloat16, specials=True)

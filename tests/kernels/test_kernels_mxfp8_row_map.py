@@ -1,5 +1,5 @@
 """MXFP8 columnwise copies read through a row map (``triton_mxfp8.quantize(row_map=...)``) and
-the grouped path that uses them (``quantizers.grouped.encode_padded_columns``).
+the grouped path that uses them (``moe.quantize.encode_padded_columns``).
 
 The row-mapped kernel must give, bit for bit, the columnwise copy of the zero-padded row groups
 that ``pad_row_groups`` would have written; ``quantize_grouped`` then gives every expert its own
@@ -22,8 +22,8 @@ from hybridfp.formats import mxfp8  # noqa: E402
 from hybridfp.kernels import triton_mxfp8  # noqa: E402
 from hybridfp.kernels._common import poisoned_outputs  # noqa: E402
 from hybridfp.quantizers import MXFP8Quantizer, fast  # noqa: E402
-from hybridfp.quantizers import grouped as qgrouped  # noqa: E402
-from hybridfp.quantizers.grouped import _offsets, _padded_total, _row_map, quantize_grouped  # noqa: E402
+from hybridfp.moe import quantize as qgrouped
+from hybridfp.moe.quantize import _offsets, _padded_total, _row_map, quantize_grouped  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -176,7 +176,7 @@ def test_row_map_gpu_moe_groups(dtype):
     """8 experts' routed rows (awkward counts, an empty expert) at hidden 4096: the row-mapped
     pass's columnwise copy equals the one of the padded copy (pad_rows kernel, then the plain
     kernel), its rowwise copy the plain kernel's rowwise copy of x."""
-    from hybridfp.kernels import triton_pad_rows
+    from hybridfp.kernels.moe import triton_pad_rows
     splits = [4099, 0, 1, 2077, 3000, 31, 4096, 3080]
     x = gpu_input((sum(splits), 4096), dtype, specials=True)
     starts = _offsets(splits, 32)

@@ -22,7 +22,7 @@ from quantize_kernel_cases import (GPU_SHAPES, assert_storage_bitwise, edge_tens
 from hybridfp.kernels._common import poisoned_outputs  # noqa: E402
 from hybridfp.quantizers import HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer, fast  # noqa: E402
 from hybridfp.quantizers.backends import ReferenceQuantizeWarning  # noqa: E402
-from hybridfp.quantizers.grouped_scaled import nvfp4_mxfp8_groups  # noqa: E402
+from hybridfp.moe.quantize_scaled import nvfp4_mxfp8_groups  # noqa: E402
 from hybridfp.tensors import (COLUMNWISE, ROWWISE, DecodedMXFP8Storage, DecodedNVFP4Storage,  # noqa: E402
                               MXFP8Storage, NVFP4Storage)
 

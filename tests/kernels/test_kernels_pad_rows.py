@@ -1,4 +1,4 @@
-"""The row-group padding kernel (hybridfp/kernels/triton_pad_rows.py) and ``quantize_grouped``'s
+"""The row-group padding kernel (hybridfp/kernels/moe/triton_pad_rows.py) and ``quantize_grouped``'s
 ``pad_row_groups`` on top of it: the padded source of a shared columnwise block encoding equals, bit
 for bit, the PyTorch zero-fill + ``index_copy_`` form, for BF16 / FP16 / FP32 (NaN payloads,
 -0.0 and subnormals included: the elements move as raw bits), empty and one-row groups,
@@ -16,8 +16,8 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 from quantize_kernel_cases import edge_tensor, gpu, gpu_input, interpreter_only  # noqa: E402
 
 from hybridfp.kernels._common import poisoned_outputs  # noqa: E402
-from hybridfp.kernels.triton_pad_rows import pad_rows  # noqa: E402
-from hybridfp.quantizers import grouped as qgrouped  # noqa: E402
+from hybridfp.kernels.moe.triton_pad_rows import pad_rows  # noqa: E402
+from hybridfp.moe import quantize as qgrouped
 
 #: empty groups first and last, one-row groups, counts below / above / at a block
 SPLITS = [0, 1, 37, 0, 32, 5, 70, 0]

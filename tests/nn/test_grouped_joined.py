@@ -1,4 +1,4 @@
-"""GroupedLinear on joined copies (``tensors/expert_tensors.py``, ``gemm/grouped_joined.py``):
+"""GroupedLinear on joined copies (``moe/expert_tensors.py``, ``moe/gemm_joined.py``):
 where x, dy and the weights are quantized as views of shared encodings (BF16 Identity, MXFP8),
 a step on the grouped BF16 path (``torch._grouped_mm``, here the CPU's) never builds the
 per-expert tensors, and gives bitwise the step that builds them and runs the per-expert-list
@@ -14,11 +14,11 @@ import torch
 from nn_cases import assert_bitwise
 
 from hybridfp import CustomRecipe, GroupedLinear, autocast, factories
-from hybridfp.gemm import grouped
+from hybridfp.moe import gemm as grouped
 from hybridfp.quantizers import IdentityQuantizer, MXFP8Quantizer
-from hybridfp.quantizers import grouped as qgrouped
-from hybridfp.quantizers.grouped import quantize_grouped, quantize_weights_grouped
-from hybridfp.tensors.expert_tensors import ExpertTensors
+from hybridfp.moe import quantize as qgrouped
+from hybridfp.moe.quantize import quantize_grouped, quantize_weights_grouped
+from hybridfp.moe.expert_tensors import ExpertTensors
 
 IN = 64
 SPLITS = [0, 19, 45, 1, 33]  # an empty expert, counts not multiples of 8 / 32
@@ -121,7 +121,7 @@ def test_weight_group_cached_until_a_weight_changes(monkeypatch):
     """The joined weights are quantized once for repeated forwards; after one weight changes,
     only that expert is quantized again (the others keep their tensors) and the output moves
     only in that expert's rows."""
-    from hybridfp.nn import grouped_linear
+    from hybridfp.moe import grouped_linear
     calls = []
     real = grouped_linear.quantize_weights_grouped
     monkeypatch.setattr(grouped_linear, "quantize_weights_grouped", lambda qs, ws, plans=None: calls.append(len(ws)) or real(qs, ws, plans))
@@ -145,7 +145,7 @@ def test_hybrid_experts_are_joined_and_equal_each_quantize():
     quantization in both copies; after dropping the rows (what backward keeps) the experts hold
     the columnwise part only, and the saved record is the joined copy."""
     from hybridfp import HybridQuantizer, NVFP4Quantizer
-    from hybridfp.nn.grouped_saved import SavedJoined, restore_experts, save_experts
+    from hybridfp.moe.saved import SavedJoined, restore_experts, save_experts
     g = torch.Generator().manual_seed(4)
     x = torch.randn(sum(SPLITS), IN, generator=g).bfloat16()
     qs = [HybridQuantizer(NVFP4Quantizer(row_scaled_nvfp4=True), MXFP8Quantizer(), "rowwise_dequantized")

@@ -18,8 +18,8 @@ from bench.bench_moe_overhead import RECIPES, ops_per_step
 import hybridfp
 from hybridfp import CustomRecipe, GroupedLinear, autocast
 from hybridfp import factories
-from hybridfp.gemm import grouped
-from hybridfp.nn import grouped_linear
+from hybridfp.moe import gemm as grouped
+from hybridfp.moe import grouped_linear
 from hybridfp.quantizers import Float8CurrentScalingQuantizer, MXFP8Quantizer
 
 IN = 64

@@ -76,7 +76,7 @@ def test_64_experts_default_takes_triton_grouped_fprop(monkeypatch):
     to FP32 accumulation order (only the order of the K sum differs, then one BF16 rounding:
     relative norm error 1e-4, no difference above one BF16 ulp of the largest output), and the
     gradients, whose GEMMs do not read the output, are bitwise equal."""
-    from hybridfp.gemm.grouped import PATH_COUNTS
+    from hybridfp.moe.gemm import PATH_COUNTS
     torch.manual_seed(1)
     m = GroupedLinear(64, HIDDEN, FFN, bias=False, params_dtype=torch.bfloat16, device="cuda")
     fresh = copy.deepcopy(m)
@@ -97,11 +97,11 @@ def test_64_experts_default_takes_triton_grouped_fprop(monkeypatch):
 @pytest.mark.parametrize("name", ["high_precision", "mxfp8"])
 def test_64_experts_run_on_joined_copies(name, monkeypatch):
     """At 64 experts BF16 and MXFP8 steps run all three GEMMs on the experts' joined copies
-    (``gemm/grouped_joined.py``) without building a per-expert tensor, bitwise the step whose
+    (``moe/gemm_joined.py``) without building a per-expert tensor, bitwise the step whose
     GEMMs take the per-expert lists (the same torch._grouped_mm path)."""
     from test_grouped_joined import ALL_GROUPED_BF16, count_cuts
 
-    from hybridfp.gemm import grouped as g
+    from hybridfp.moe import gemm as g
     torch.manual_seed(1)
     m = GroupedLinear(64, HIDDEN, FFN, bias=False, params_dtype=torch.bfloat16, device="cuda")
     fresh = copy.deepcopy(m)
@@ -120,13 +120,13 @@ def test_64_experts_run_on_joined_copies(name, monkeypatch):
 def test_64_experts_fp8_on_joined_copies_and_triton_fp8_grouped(monkeypatch):
     """At 64 experts the FP8-current step holds x, dy and the stacked weights as joined copies
     with per-expert scales and runs all three GEMMs on them as one Triton FP8 grouped GEMM each
-    (gemm/grouped_fp8.py), building no per-expert tensor. Against the same step with per-expert
+    (moe/gemm_fp8.py), building no per-expert tensor. Against the same step with per-expert
     cuBLAS GEMMs on the per-expert tensors: output and gradients differ only by the FP8 MMA's
     accumulation order (both promote to FP32 every K block): relative norm difference below
     1e-3 (a wrong scale, expert or block would be O(1); BF16 rounding flips alone give ~1e-4);
     an expert without tokens gets the same zero gradient."""
-    from hybridfp.gemm import grouped as g
-    from hybridfp.quantizers import grouped as qg
+    from hybridfp.moe import gemm as g
+    from hybridfp.moe import quantize as qg
     built: list[int] = []
     real_cut = qg._cut_scaled
     monkeypatch.setattr(qg, "_cut_scaled", lambda *a: built.append(len(a[1])) or real_cut(*a))
@@ -184,8 +184,8 @@ def test_step_has_no_host_sync(name, experts):
 def test_large_fp8_experts_step_equals_per_expert_loop(monkeypatch, set_policy):
     """FP8 current scaling with the large-expert choices forced (per-expert cuBLAS fprop, each
     weight quantized on its own instead of stacked): the per-expert loop's step bit for bit."""
-    from hybridfp.gemm import grouped as g
-    from hybridfp.quantizers import grouped as qg
+    from hybridfp.moe import gemm as g
+    from hybridfp.moe import quantize as qg
     set_policy(per_expert_fp8_flops=0.0)
     monkeypatch.setattr(qg, "STACK_SCALED_MAX_NUMEL", 0)
     stacked = []

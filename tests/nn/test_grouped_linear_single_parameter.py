@@ -94,7 +94,7 @@ def test_one_accumulate_grad_per_parameter():
 def test_weight_cache_kept_between_forwards_and_refreshed_after_update(monkeypatch):
     """The experts' views stay the same objects, so a second forward reuses the quantized
     weights; an in-place update (one version counter) re-quantizes them."""
-    from hybridfp.nn import grouped_linear
+    from hybridfp.moe import grouped_linear
 
     calls = []
     real = grouped_linear.quantize_weights_grouped
@@ -115,8 +115,8 @@ def test_weights_quantized_from_the_parameter_itself(name, monkeypatch):
     """The experts' weights are quantized from the one Parameter as the stack (no per-expert keys,
     no view-by-view adjacency check), cached as one entry (in its region, or kept through
     is_first_microbatch) that a recipe change or an update invalidates; the result is what the per-expert Parameters give (bitwise)."""
-    from hybridfp.nn import grouped_linear
-    from hybridfp.quantizers import grouped as qgrouped
+    from hybridfp.moe import grouped_linear
+    from hybridfp.moe import quantize as qgrouped
 
     stacks, adjacency = [], []
     real, real_adj = grouped_linear.quantize_weights_grouped, qgrouped.adjacent_rows
@@ -145,7 +145,7 @@ def test_weights_quantized_from_the_parameter_itself(name, monkeypatch):
 
 
 def test_stacked_weights_must_be_the_views_stack():
-    from hybridfp.quantizers.grouped import quantize_weights_grouped
+    from hybridfp.moe.quantize import quantize_weights_grouped
     w = torch.randn(4, 8, 16)
     qs = [hybridfp.MXFP8Quantizer() for _ in range(4)]
     with pytest.raises(ValueError, match=r"stacked must be the contiguous \[4, 8, 16\] tensor"):

@@ -1,4 +1,4 @@
-"""What a GroupedLinear step saves for backward (``nn/grouped_saved.py``): the experts' tensors
+"""What a GroupedLinear step saves for backward (``moe/saved.py``): the experts' tensors
 saved per slot as one tensor where they are views of one buffer, rebuilt in backward as the
 same views. Checked: the rebuilt experts equal the forward's (class, options, flags, every
 payload tensor's memory, shape and strides), saved-tensor hooks see plain tensors only and an
@@ -13,8 +13,8 @@ from nn_cases import FORMATS, assert_bitwise, make_data
 
 import hybridfp
 from hybridfp import CustomRecipe, factories
-from hybridfp.nn import grouped_linear
-from hybridfp.nn.grouped_saved import SavedExperts, SavedJoined, restore_experts, save_experts
+from hybridfp.moe import grouped_linear
+from hybridfp.moe.saved import SavedExperts, SavedJoined, restore_experts, save_experts
 from hybridfp.tensors import HybridStorage, QuantizedTensor
 
 pytestmark = pytest.mark.filterwarnings("ignore::hybridfp.gemm.EmulatedGemmWarning")  # CPU: expected

@@ -14,9 +14,9 @@ from nn_cases import assert_bitwise, make_module
 
 from hybridfp import CustomRecipe, GroupedLinear, autocast
 from hybridfp import factories
-from hybridfp.gemm import grouped
-from hybridfp.nn import grouped_linear
-from hybridfp.gemm.grouped import GROUPED_BF16, PATH_COUNTS, PER_EXPERT, reference_grouped_mm
+from hybridfp.moe import gemm as grouped
+from hybridfp.moe import grouped_linear
+from hybridfp.moe.gemm import GROUPED_BF16, PATH_COUNTS, PER_EXPERT, reference_grouped_mm
 
 IN, OUT = 64, 32
 ALIGNED, ODD = [0, 16, 32], [0, 19, 29]

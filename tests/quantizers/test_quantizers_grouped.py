@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from hybridfp import factories
-from hybridfp.gemm.joined import joined_rows
-from hybridfp.quantizers.grouped import quantize_grouped, row_local_mode
+from hybridfp.moe.joined import joined_rows
+from hybridfp.moe.quantize import quantize_grouped, row_local_mode
 from hybridfp.recipes import QuantizerRole
 from hybridfp.tensors.storage import DIRECTIONS, ROWWISE
 
@@ -99,7 +99,7 @@ def test_derived_hybrid_is_one_encode_of_the_padded_groups():
     expert's rowwise payload is a row slice of one buffer at its padded start, its columnwise
     payload a column slice of another (``joined_columns`` reads them as one). Bitwise equality
     with each expert's own quantize: test_grouped_equals_per_expert_quantize."""
-    from hybridfp.gemm.joined import joined_columns
+    from hybridfp.moe.joined import joined_columns
 
     qs = build(FACTORIES["nvfp4_row_scaled_fwd_mxfp8_bwd"], "input", USAGES["both"])
     storages = [t.qstorage for t in quantize_grouped(qs, data(), SPLITS)]

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from hybridfp import factories
-from hybridfp.quantizers import grouped
-from hybridfp.quantizers.grouped import quantize_grouped
+from hybridfp.moe import quantize as grouped
+from hybridfp.moe.quantize import quantize_grouped
 
 from test_quantizers_grouped import USAGES, assert_same_storage, build
 

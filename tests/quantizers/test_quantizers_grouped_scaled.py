@@ -15,10 +15,10 @@ from test_quantizers_grouped import SPLITS, data
 from hybridfp import factories
 from hybridfp.quantizers import (Float8CurrentScalingQuantizer, Float8Quantizer, HybridQuantizer,
                                  MXFP8Quantizer, NVFP4Quantizer)
-from hybridfp.quantizers import grouped as qgrouped
-from hybridfp.quantizers.grouped import BOTH, ROWS, group_scaled_mode, quantize_grouped
+from hybridfp.moe import quantize as qgrouped
+from hybridfp.moe.quantize import BOTH, ROWS, group_scaled_mode, quantize_grouped
 from hybridfp.recipes import QuantizerRole
-from hybridfp.tensors.expert_tensors import ExpertTensors
+from hybridfp.moe.expert_tensors import ExpertTensors
 from hybridfp.tensors.storage import COLUMNWISE, DIRECTIONS, ROWWISE
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -188,7 +188,7 @@ def test_shared_columnwise_block_copies_are_views_of_one_padded_buffer():
     buffer and those starts, and the padding decodes to zeros. FP8 block copies (read per
     expert by cuBLAS) are each expert's own contiguous, 16-byte aligned copy, not joined."""
     from hybridfp.formats.common import ceil_div
-    from hybridfp.gemm.joined import joined_columns
+    from hybridfp.moe.joined import joined_columns
 
     role = QuantizerRole("grouped_linear", "input", "experts")
     x = data()

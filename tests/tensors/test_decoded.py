@@ -143,9 +143,9 @@ def test_bf16_path_keeps_the_epilogue_factor(kind):
 
 def test_grouped_columns_join_at_the_source_block():
     """Experts' decoded MXFP8 columnwise copies of zero-padded groups (splits not multiples of 32)
-    join into one operand as their codes do (``gemm.joined.joined_columns``)."""
-    from hybridfp.gemm.joined import joined_columns
-    from hybridfp.quantizers.grouped import quantize_grouped
+    join into one operand as their codes do (``moe.joined.joined_columns``)."""
+    from hybridfp.moe.joined import joined_columns
+    from hybridfp.moe.quantize import quantize_grouped
     splits = [20, 0, 33, 17]
     x = torch.randn(sum(splits), 64, generator=torch.Generator().manual_seed(2))
     out = {}

@@ -1,7 +1,7 @@
 """``utils.device.step_metadata``: small read-only metadata tensors shared by the calls of one
 routing — the same key gives the same tensor, a different key (splits, starts, block, device)
 never does, the memo stays bounded, and the users (``grouped_bf16.offsets``,
-``quantizers.grouped.padded_row_index`` / ``_row_map``) return the values they computed before
+``moe.quantize.padded_row_index`` / ``_row_map``) return the values they computed before
 the memo, for every split pattern in turn."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridfp.gemm import grouped_bf16
-from hybridfp.quantizers import grouped
-from hybridfp.quantizers.grouped_scaled import _offsets
+from hybridfp.moe import gemm_bf16 as grouped_bf16
+from hybridfp.moe import quantize as grouped
+from hybridfp.moe.quantize_scaled import _offsets
 from hybridfp.utils import device
 
 

@@ -1,5 +1,5 @@
 """Row groups zero-padded to whole blocks, in one pass: the source of a shared columnwise
-block encoding (``quantizers.grouped.pad_row_groups``).
+block encoding (``moe.quantize.pad_row_groups``).
 
 Output row r copies source row ``row_map[r]``, or is zero where ``row_map[r] < 0`` (the
 padding after each group). One read of the source and one write of the output: the PyTorch
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import empty
+from .._common import empty
 
 #: rows x columns per program: 16 KiB of BF16 (a 2-byte element moves in 8-byte vectors)
 _BR, _BC = 16, 512

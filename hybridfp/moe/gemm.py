@@ -11,7 +11,7 @@ own operands, quantized with its own scales. Written on stored copies (``A_s[m, 
 
 Paths, first that applies (``grouped_path`` says which and why):
 
-1. ``grouped_bf16`` — every expert's pair block-decodes exactly into BF16
+1. ``gemm_bf16`` — every expert's pair block-decodes exactly into BF16
    (``bf16_decode.bf16_exact_reason`` is None for both copies) AND has no epilogue factor
    (MXFP8, power-of-two FP8 block, BF16; no per-tensor ``scale_inv`` or NVFP4 ``S_dec``), the
    output is BF16 and there is no bias: decode with ``decode_bf16``, one ``torch_grouped_mm``
@@ -36,11 +36,11 @@ Paths, first that applies (``grouped_path`` says which and why):
 2b. ``grouped_fp8_triton`` — per-tensor FP8 pairs that path 2 does not take (E5M2 gradients in
    dgrad, every wgrad; any E4M3 / E5M2 mix, any output dtype, a bias) while the experts are
    small (``per_expert_fp8_faster`` says no), on CUDA from the policy's ``many_experts``
-   experts on or when forced: one Triton FP8 grouped GEMM (``grouped_fp8.py``), the FP8 MMA
+   experts on or when forced: one Triton FP8 grouped GEMM (``gemm_fp8.py``), the FP8 MMA
    with FP32 promotion every 128 products as path 2 and cuBLAS (numerics §1's exception).
-3. ``grouped_triton`` — BF16-exact pairs that paths 1-2 cannot finish exactly (an epilogue
+3. ``gemm_triton`` — BF16-exact pairs that paths 1-2 cannot finish exactly (an epilogue
    factor, a bias, an FP32 / FP16 output): one Triton grouped GEMM with a per-expert FP32
-   epilogue (``grouped_triton.py``). Used on CUDA from the policy's ``many_experts`` experts
+   epilogue (``gemm_triton.py``). Used on CUDA from the policy's ``many_experts`` experts
    on (the per-expert loop is host-bound there), for any count where its
    ``grouped_triton_devices`` lists the device type, or when the caller forces it.
 4. ``per_expert`` — everything else: ``gemm()`` per expert (its backend per pair, or the
@@ -62,21 +62,22 @@ import torch
 
 from ..config import current_policy
 from ..utils.device import device_tensor
-from ..tensors.expert_tensors import ExpertTensors, JoinedCopy
+from .expert_tensors import ExpertTensors, JoinedCopy
 from ..tensors.slicing import adjacent_rows
 from ..tensors.storage import GemmOperand, QuantizedStorage
-from . import fast
-from .backends import emulate, report_emulated, select
-from .bf16_decode import bf16_exact_reason
-from .gemm import GEMM_OF_LAYOUT, LAYOUTS, gemm, operand_storage
-from . import grouped_fp8, grouped_triton
-from .grouped_bf16 import BF16_ALIGN, GroupedMM, offsets, per_group_mm, run_bf16
-from .grouped_joined import run_joined
+from ..gemm import fast
+from ..gemm.backends import emulate, report_emulated, select
+from ..gemm.bf16_decode import bf16_exact_reason
+from ..gemm.gemm import GEMM_OF_LAYOUT, LAYOUTS, gemm, operand_storage
+from . import gemm_fp8
+from . import gemm_triton
+from .gemm_bf16 import BF16_ALIGN, GroupedMM, offsets, per_group_mm, run_bf16
+from .gemm_joined import run_joined
 from .joined import joined_rows
 
 GROUPED_BF16, GROUPED_FP8_ROWWISE, PER_EXPERT = "grouped_bf16", "grouped_fp8_rowwise", "per_expert"
 GROUPED_TRITON = "grouped_triton"
-GROUPED_FP8_TRITON = grouped_fp8.GROUPED_FP8_TRITON
+GROUPED_FP8_TRITON = gemm_fp8.GROUPED_FP8_TRITON
 #: (GEMM, path) -> calls: which path each grouped GEMM took, counted over the process (all
 #: threads) for benchmarks and tests. A diagnostic the library only ever adds to, never reads
 #: (no behaviour depends on it); read differences (``Counter(PATH_COUNTS) - before``).
@@ -106,7 +107,7 @@ def per_group_wins(sizes: Sequence[int]) -> bool:
 
 def torch_grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     """The CUDA grouped matmul of path 1 (BF16 in, FP32 accumulation, BF16 out): cuBLAS per group
-    (``grouped_bf16.per_group_mm``) or ``torch._grouped_mm`` over the groups of ``sizes``, as
+    (``gemm_bf16.per_group_mm``) or ``torch._grouped_mm`` over the groups of ``sizes``, as
     the policy's ``bf16_per_group_cublas`` says (None: :func:`per_group_wins`). Both compute each output
     from one FP32 accumulator rounded once (numerics §1). Operands recording autograd take
     ``torch._grouped_mm`` (``per_group_mm`` writes into slices of one result: no autograd)."""
@@ -155,7 +156,7 @@ def grouped_gemm(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: s
     ``torch_grouped_mm`` on CUDA devices that have ``torch._grouped_mm``); passing one forces
     path 1 wherever the operands allow it, the CPU included (tests). ``use_triton``: take (True) or never take
     (False) the Triton grouped path where paths 1-2 do not apply; None: as
-    ``grouped_triton.enabled`` decides (CUDA from the policy's ``many_experts`` experts on).
+    ``gemm_triton.enabled`` decides (CUDA from the policy's ``many_experts`` experts on).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is unknown; use 'TN' (fprop), 'NN' (dgrad) or 'NT' (wgrad).")
@@ -182,9 +183,9 @@ def grouped_gemm(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: s
     elif path == GROUPED_FP8_ROWWISE:
         out = _run_fp8_rowwise(sa, sb, layout)
     elif path == GROUPED_TRITON:
-        out = grouped_triton.run(sa, sb, layout, out_dtype, biases)
+        out = gemm_triton.run(sa, sb, layout, out_dtype, biases)
     elif path == GROUPED_FP8_TRITON:
-        out = grouped_fp8.run(sa, sb, layout, out_dtype, biases)
+        out = gemm_fp8.run(sa, sb, layout, out_dtype, biases)
     if out is None:  # per expert (also when a copy turned out to carry an epilogue factor)
         path = PER_EXPERT
         out = _run_per_expert(A, B, layout, out_dtype, biases, sa, sb, ms)
@@ -197,11 +198,11 @@ def _run_joined(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: st
                 biases: Optional[Sequence[Optional[torch.Tensor]]] = None, use_triton: Optional[bool] = None
                 ) -> Optional[tuple[Union[torch.Tensor, list[torch.Tensor]], str]]:
     """(result, path) straight on two ``ExpertTensors``' joined copies: path 1
-    (``grouped_joined.py``) when ``_torch_path``'s rules give it for them, decided once on the
+    (``gemm_joined.py``) when ``_torch_path``'s rules give it for them, decided once on the
     joined storages (one format per operand, so one answer for every expert); FP8 per-expert
-    scaled copies on the Triton FP8 grouped GEMM (``grouped_fp8.run_joined``) when
+    scaled copies on the Triton FP8 grouped GEMM (``gemm_fp8.run_joined``) when
     ``_fp8_joined_path`` takes them; an fprop with an epilogue factor on the Triton grouped
-    GEMM (``grouped_triton.run_joined``) where ``grouped_path`` would take it. None: the
+    GEMM (``gemm_triton.run_joined``) where ``grouped_path`` would take it. None: the
     per-expert code decides."""
     if not (isinstance(A, ExpertTensors) and isinstance(B, ExpertTensors)) or len(A) != len(B):
         return None
@@ -212,7 +213,7 @@ def _run_joined(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: st
     if ja.scales is not None or jb.scales is not None:
         if ja.scales is None or jb.scales is None or not _fp8_joined_path(A, B, ja, jb, layout, out_dtype, use_triton):
             return None
-        out = grouped_fp8.run_joined(ja, jb, A.splits, B.splits, layout, out_dtype, biases)
+        out = gemm_fp8.run_joined(ja, jb, A.splits, B.splits, layout, out_dtype, biases)
         return None if out is None else (out, GROUPED_FP8_TRITON)
     # the same rules on the two joined storages as on the experts' (one format per operand);
     # run_joined checks the experts' own dims
@@ -221,11 +222,11 @@ def _run_joined(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: st
     if path == GROUPED_BF16:
         out = run_joined(ja, jb, A.splits, B.splits, layout, grouped_mm or torch_grouped_mm)
         return None if out is None else (out, GROUPED_BF16)
-    if (path == PER_EXPERT and layout == "TN" and grouped_triton.enabled(ja.storage.device, use_triton, len(A))
-            and grouped_triton.unsupported([ja.storage], [jb.storage], layout, out_dtype, False) is None):
+    if (path == PER_EXPERT and layout == "TN" and gemm_triton.enabled(ja.storage.device, use_triton, len(A))
+            and gemm_triton.unsupported([ja.storage], [jb.storage], layout, out_dtype, False) is None):
         # an epilogue factor / bias / FP32 output on joined rows (Composer-2's fprop): the Triton
         # grouped GEMM straight on them, as grouped_path would choose for the experts' views
-        out = grouped_triton.run_joined(ja, jb, A.splits, B.splits, layout, out_dtype, biases)
+        out = gemm_triton.run_joined(ja, jb, A.splits, B.splits, layout, out_dtype, biases)
         return None if out is None else (out, GROUPED_TRITON)
     return None
 
@@ -234,17 +235,17 @@ def _fp8_joined_path(A: ExpertTensors, B: ExpertTensors, ja: JoinedCopy, jb: Joi
                      out_dtype: torch.dtype, use_triton: Optional[bool]) -> bool:
     """Whether FP8 joined copies take the Triton FP8 grouped GEMM for this GEMM — all three
     GEMMs, fprop included (the joined lane builds nothing per expert): the Triton paths on
-    (``grouped_triton.enabled``), small experts (``per_expert_fp8_faster`` says no: large ones
+    (``gemm_triton.enabled``), small experts (``per_expert_fp8_faster`` says no: large ones
     run faster on cuBLAS per expert, the experts cut out of the joined copies) and FP8 tensor
-    cores where verified (``grouped_fp8.unsupported``)."""
-    if not grouped_triton.enabled(ja.storage.device, use_triton, len(A)):
+    cores where verified (``gemm_fp8.unsupported``)."""
+    if not gemm_triton.enabled(ja.storage.device, use_triton, len(A)):
         return False
     # the dims every expert shares: NT (m, n); TN / NN (n, k). A's splits are the varying dim
     fixed = {"NT": (ja.storage.cols, jb.storage.cols), "TN": (B.splits[0], ja.storage.cols),
              "NN": (jb.storage.cols, ja.storage.cols)}[layout]
     if per_expert_fp8_faster(A.splits, *fixed):
         return False
-    return grouped_fp8.unsupported([ja.storage], layout, out_dtype) is None
+    return gemm_fp8.unsupported([ja.storage], layout, out_dtype) is None
 
 
 def grouped_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,
@@ -254,15 +255,15 @@ def grouped_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage],
     chosen on formats; where neither applies, the Triton grouped path if enabled and able.
     ``ms``: the experts' m (``_check_shapes``'s result) if known."""
     path, why = _torch_path(sa, sb, layout, out_dtype, has_bias, forced, ms)
-    triton_on = grouped_triton.enabled(sa[0].device, use_triton, len(sa))
-    if triton_on and path in (PER_EXPERT, GROUPED_FP8_ROWWISE) and grouped_fp8.per_tensor_fp8(sa, sb, layout):
+    triton_on = gemm_triton.enabled(sa[0].device, use_triton, len(sa))
+    if triton_on and path in (PER_EXPERT, GROUPED_FP8_ROWWISE) and gemm_fp8.per_tensor_fp8(sa, sb, layout):
         return _fp8_path(sa, sb, layout, out_dtype, path, why, ms)
     if path != PER_EXPERT or not triton_on:
         return path, why
     da, db = LAYOUTS[layout]
     keys = {(a.format_key(da), b.format_key(db)) for a, b in zip(sa, sb)}
     native = any(select(ka, kb, layout, sa[0].device) in _NATIVE_FP8 for ka, kb in keys)
-    why_not = grouped_triton.unsupported(sa, sb, layout, out_dtype, native)
+    why_not = gemm_triton.unsupported(sa, sb, layout, out_dtype, native)
     if why_not is not None:
         return PER_EXPERT, f"{why}; Triton grouped path: {why_not}"
     return GROUPED_TRITON, f"Triton grouped GEMM, FP32 epilogue (torch's grouped paths: {why})"
@@ -271,7 +272,7 @@ def grouped_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage],
 def _fp8_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,
               out_dtype: torch.dtype, path: str, why: str, ms: Optional[Sequence[int]]) -> tuple[str, str]:
     """Per-tensor FP8 experts with the Triton paths on: the Triton FP8 grouped GEMM
-    (``grouped_fp8.py``) unless path 2 takes them (kept unless the policy's
+    (``gemm_fp8.py``) unless path 2 takes them (kept unless the policy's
     ``over_scaled_grouped_mm``),
     the experts are big enough for cuBLAS per expert, or the GPU is not one it is verified on."""
     if path == GROUPED_FP8_ROWWISE and not current_policy().over_scaled_grouped_mm:
@@ -281,7 +282,7 @@ def _fp8_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], la
     sizes = [_dims(a, b, layout)[2] for a, b in zip(sa, sb)] if layout == "NT" else _ms(sa, sb, layout, ms)
     if per_expert_fp8_faster(sizes, n, k):
         return PER_EXPERT, "experts large enough for cuBLAS's per-expert FP8 kernels (faster than a grouped one)"
-    why_not = grouped_fp8.unsupported(sa, layout, out_dtype)
+    why_not = gemm_fp8.unsupported(sa, layout, out_dtype)
     if why_not is not None:
         return PER_EXPERT, f"{why}; Triton FP8 grouped path: {why_not}"
     return GROUPED_FP8_TRITON, f"Triton FP8 grouped GEMM (torch's grouped paths: {why})"
@@ -416,9 +417,9 @@ def _run_fp8_rowwise(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStora
     else:
         mat_b = torch.stack([p["data"].view(torch.uint8) for p in pb]).view(torch.float8_e4m3fn).transpose(1, 2)
     # per-row / per-column scale vectors in a few ops for all experts (not three per expert)
-    sa_e = torch.stack([grouped_fp8.scalar(p["scale_inv"]) for p in pa]).float()
+    sa_e = torch.stack([gemm_fp8.scalar(p["scale_inv"]) for p in pa]).float()
     scale_a = sa_e.repeat_interleave(device_tensor(ms, sa_e.device), output_size=sum(ms))
-    scale_b = torch.stack([grouped_fp8.scalar(p["scale_inv"]) for p in pb]).float()[:, None].expand(len(pb), n)
+    scale_b = torch.stack([gemm_fp8.scalar(p["scale_inv"]) for p in pb]).float()[:, None].expand(len(pb), n)
     return torch._scaled_grouped_mm(mat_a, mat_b, scale_a.contiguous(), scale_b.contiguous(),
                                     offs=offsets(ms, mat_a.device), out_dtype=torch.bfloat16,
                                     use_fast_accum=False)  # see the module docstring

@@ -32,7 +32,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 
 from ..tensors import HybridStorage, IdentityStorage, QuantizedStorage, QuantizedTensor
-from ..tensors.expert_tensors import Cutter, ExpertTensors, JoinedCopy
+from .expert_tensors import Cutter, ExpertTensors, JoinedCopy
 from ..tensors.slicing import adjacent_rows
 from ..tensors.storage import COLUMNWISE, DIRECTIONS, ROWWISE
 

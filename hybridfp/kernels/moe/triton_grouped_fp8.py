@@ -1,7 +1,7 @@
 """Grouped per-tensor scaling kernels: an MoE layer's experts (row groups of one tensor), each
 with its own per-tensor amax / FP8 scale, in one launch per pass instead of one per expert.
 
-The rows of one group are consecutive and the groups in order (``quantizers.grouped.
+The rows of one group are consecutive and the groups in order (``moe.quantize.
 quantize_grouped``'s layout). Two passes:
 
 - :func:`group_amax`: max|x| of every group (NaN-propagating, 0 for an empty group): per tile
@@ -15,7 +15,7 @@ quantize_grouped``'s layout). Two passes:
   data is [R, C]; the columnwise data is each group's own transpose [C, m_e], written at a
   given element offset of one flat buffer with a given row stride (its own ``ld_e``, or one
   ``col_stride`` for all: the groups' transposes side by side as column blocks of one [C, W]
-  matrix, ``quantizers.grouped_scaled``'s joined layout), each block ``ld_e`` wide (m_e <=
+  matrix, ``moe.quantize_scaled``'s joined layout), each block ``ld_e`` wide (m_e <=
   ld_e <= m_e rounded up to 16; the caller starts each block 16-byte aligned, as cuBLAS reads
   its operands) — so every expert's columnwise copy is a view, ready for a per-expert TN GEMM
   (``torch._scaled_mm`` reads a row stride above the width as it is) or the grouped FP8
@@ -39,8 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils.device import device_tensor, step_metadata
-from ._common import (DTYPE_CODE, amax_bits, amax_nan, check_int32_tiles, current_scale, empty, expert_row_tile, f32,
+from ...utils.device import device_tensor, step_metadata
+from .._common import (DTYPE_CODE, amax_bits, amax_nan, check_int32_tiles, current_scale, empty, expert_row_tile, f32,
                       fp8_encode, fp8_params, hw_fp8, kernel_input, load_f32, load_tile, store_transposed_rows_u8,
                       tile_offsets)
 

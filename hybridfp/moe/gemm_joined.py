@@ -1,7 +1,7 @@
-"""Path 1 of ``grouped_gemm`` (``grouped_bf16.py``) on ``ExpertTensors``' joined copies.
+"""Path 1 of ``grouped_gemm`` (``gemm_bf16.py``) on ``ExpertTensors``' joined copies.
 
 When both operands come from grouped quantizations whose every expert is views of shared
-encodings (``tensors/expert_tensors.py``), the grouped BF16 path needs nothing per expert: the
+encodings (``moe/expert_tensors.py``), the grouped BF16 path needs nothing per expert: the
 experts' m are the splits, the format checks are one storage's, and the operands are the joined
 copies' decodes. This computes exactly what ``run_bf16`` computes on the per-expert views of the
 same copies (it decodes the same joined tensors, gathers them the same way, and calls the same
@@ -16,12 +16,13 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..tensors.expert_tensors import JoinedCopy
+from .expert_tensors import JoinedCopy
 from ..tensors.storage import COLUMNWISE, ROWWISE, GemmOperand
 # the modules, not their functions: tests count decodes / padding passes by patching them there
-from . import bf16_decode, grouped_bf16
-from .gemm import LAYOUTS
-from .grouped_bf16 import BF16_ALIGN, GroupedMM, _experts_kn, _wgrad_result
+from ..gemm import bf16_decode
+from . import gemm_bf16
+from ..gemm.gemm import LAYOUTS
+from .gemm_bf16 import BF16_ALIGN, GroupedMM, _experts_kn, _wgrad_result
 
 
 def run_joined(ja: JoinedCopy, jb: JoinedCopy, splits_a: Sequence[int], splits_b: Sequence[int], layout: str,
@@ -101,7 +102,7 @@ def _wgrad(ja: JoinedCopy, jb: JoinedCopy, splits_a: Sequence[int], splits_b: Se
                 or not da_.is_contiguous() or not db_.is_contiguous()):
             return None
         padded = [-(-m // BF16_ALIGN) * BF16_ALIGN for m in splits_a]
-        mat_a = grouped_bf16.pad_row_groups(da_, splits_a, BF16_ALIGN)[0].t()
-        mat_b = grouped_bf16.pad_row_groups(db_, splits_b, BF16_ALIGN)[0].t().t()
+        mat_a = gemm_bf16.pad_row_groups(da_, splits_a, BF16_ALIGN)[0].t()
+        mat_b = gemm_bf16.pad_row_groups(db_, splits_b, BF16_ALIGN)[0].t().t()
         return _wgrad_result(grouped_mm(mat_a, mat_b, padded), splits_a)
     return None

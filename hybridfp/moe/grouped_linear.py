@@ -4,7 +4,7 @@
 expert i, zero allowed); expert i computes ``x_i W_iᵀ + b_i``. Each expert has its own
 quantizers per slot (role module_type "grouped_linear"), so per-tensor scales and blocks never
 straddle two experts. The GEMMs per expert are those of ``Linear`` (see linear_function); each
-of the three runs for all experts in one ``hybridfp.gemm.grouped_gemm`` call (one grouped
+of the three runs for all experts in one ``hybridfp.moe.grouped_gemm`` call (one grouped
 kernel where the operand formats allow it, else per expert). The experts' inputs and output
 gradients (and their stacked weights) are quantized together by ``quantize_grouped``, bitwise
 what each expert's own quantizer makes: a row-local rowwise copy (Identity, MXFP8 1x32, FP8
@@ -26,17 +26,17 @@ import torch
 from torch import nn
 
 from ..config import current_policy, use_policy
-from ..gemm.grouped import grouped_gemm
+from .gemm import grouped_gemm
 from ..quantizers import HybridQuantizer, Quantizer
-from ..quantizers.grouped import quantize_grouped, quantize_weights_grouped
+from .quantize import quantize_grouped, quantize_weights_grouped
 from ..recipes import current_autocast
 from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
-from ..tensors.expert_tensors import ExpertTensors
+from .expert_tensors import ExpertTensors
 from ..tensors.slicing import adjacent_rows
-from .base import SLOTS, QuantizedModule
-from .grouped_saved import restore_experts, save_experts
-from .linear_function import LinearContext, bias_grad, keeps_original_input, torch_autocast_off
-from .weight_cache import WeightKey, check_is_first_microbatch, join_keys, new_entry, reusable, split_entry
+from ..nn.base import SLOTS, QuantizedModule
+from .saved import restore_experts, save_experts
+from ..nn.linear_function import LinearContext, bias_grad, keeps_original_input, torch_autocast_off
+from ..nn.weight_cache import WeightKey, check_is_first_microbatch, join_keys, new_entry, reusable, split_entry
 
 
 class WeightReuse(NamedTuple):
@@ -342,7 +342,7 @@ class GroupedLinear(QuantizedModule):
 
     module_type = "grouped_linear"
     #: The experts' per-tensor scales come from one segmented amax over all of them
-    #: (quantizers/grouped_scaled.py), not from a recorded whole-tensor amax.
+    #: (moe/quantize_scaled.py), not from a recorded whole-tensor amax.
     reads_recorded_amax = False
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True, *,

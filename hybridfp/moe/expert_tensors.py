@@ -1,12 +1,12 @@
 """``ExpertTensors``: an MoE layer's per-expert quantized tensors held as the shared encodings
 they are views of, the per-expert objects built only when someone asks for them.
 
-``quantizers.grouped.quantize_grouped`` encodes a copy that never straddles two experts once for
+``moe.quantize.quantize_grouped`` encodes a copy that never straddles two experts once for
 all of them (a row-local rowwise copy; a columnwise block copy of the groups zero-padded to whole
 blocks). Where every expert's tensor is nothing but views of those encodings, it returns them as
 an ``ExpertTensors``: per direction one :class:`JoinedCopy` (the shared storage, and where each
 expert's group starts in it), plus a function that cuts the per-expert tensors out of them. The
-grouped GEMM (``gemm.grouped_joined``) and the saved-for-backward record (``nn.grouped_saved``)
+grouped GEMM (``moe.gemm_joined``) and the saved-for-backward record (``moe.saved``)
 read the joined copies directly, so at 64 experts a step does not build, check and re-join 64
 storages per operand; anything else indexes or iterates it and gets the per-expert
 ``QuantizedTensor``s ``quantize_grouped`` would otherwise return, built once (bitwise the same objects' contents: the cuts are the
@@ -19,8 +19,8 @@ from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 
-from .quantized_tensor import QuantizedTensor
-from .storage import COLUMNWISE, DIRECTIONS, ROWWISE, QuantizedStorage
+from ..tensors.quantized_tensor import QuantizedTensor
+from ..tensors.storage import COLUMNWISE, DIRECTIONS, ROWWISE, QuantizedStorage
 
 
 class JoinedCopy(NamedTuple):

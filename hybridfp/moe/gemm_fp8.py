@@ -1,6 +1,6 @@
 """Path ``grouped_fp8_triton`` of ``grouped_gemm``: per-tensor FP8 experts (FP8 current or
 delayed scaling, E4M3 / E5M2 in any mix) in one Triton FP8 grouped GEMM
-(``kernels/triton_grouped_fp8_gemm.py``) instead of one cuBLAS ``_scaled_mm`` per expert.
+(``kernels/moe/triton_grouped_fp8_gemm.py``) instead of one cuBLAS ``_scaled_mm`` per expert.
 
 Taken for the GEMMs ``torch._scaled_grouped_mm`` (path 2) cannot run — dgrad with E5M2
 gradients, every wgrad (its experts are grouped along the reduction) — when the experts are
@@ -32,11 +32,11 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..config import current_policy
-from ..tensors.expert_tensors import JoinedCopy
+from .expert_tensors import JoinedCopy
 from ..tensors.storage import QuantizedStorage
-from .fast import TENSORWISE, zero_tail_view
-from .gemm import LAYOUTS
-from .grouped_triton import stacked_bias
+from ..gemm.fast import TENSORWISE, zero_tail_view
+from ..gemm.gemm import LAYOUTS
+from .gemm_triton import stacked_bias
 
 GROUPED_FP8_TRITON = "grouped_fp8_triton"
 #: output dtypes the kernel writes
@@ -53,7 +53,7 @@ VERIFIED_MAJOR = (9,)
 
 
 def _kernels():
-    return importlib.import_module("hybridfp.kernels.triton_grouped_fp8_gemm")
+    return importlib.import_module("hybridfp.kernels.moe.triton_grouped_fp8_gemm")
 
 
 def _tma(name: Optional[str], device: torch.device):
@@ -61,7 +61,7 @@ def _tma(name: Optional[str], device: torch.device):
     ``grouped_fp8_tma_wgrad``) for operands on ``device`` (CUDA only), or None."""
     if name is None or torch.device(device).type != "cuda":
         return None
-    configs = importlib.import_module("hybridfp.kernels.triton_grouped_fp8_tma").CONFIGS
+    configs = importlib.import_module("hybridfp.kernels.moe.triton_grouped_fp8_tma").CONFIGS
     if name not in configs:
         raise ValueError(f"the policy's grouped FP8 TMA config {name!r} (Policy.grouped_fp8_tma_rows / "
                          f"grouped_fp8_tma_wgrad) is unknown; use None or one of {sorted(configs)}.")
@@ -139,7 +139,7 @@ def run_joined(ja: JoinedCopy, jb: JoinedCopy, splits_a: Sequence[int], splits_b
                out_dtype: torch.dtype, biases: Optional[Sequence[Optional[torch.Tensor]]] = None
                ) -> Optional[Union[torch.Tensor, list[torch.Tensor]]]:
     """The experts' GEMMs straight on two FP8 ``ExpertTensors``' joined copies (per-expert
-    ``scales``; ``quantizers.grouped._scaled_group``): no per-expert tensor is built. Rows
+    ``scales``; ``moe.quantize._scaled_group``): no per-expert tensor is built. Rows
     joined [Σm, C] (unpadded); columns one [C, width] matrix, expert e at column ``starts[e]``,
     zero codes to its block's 16-aligned end. None where the copies do not pair up (the caller
     then runs the per-expert code)."""

@@ -1,7 +1,7 @@
-"""Path ``grouped_triton`` of ``grouped_gemm``: the experts' BF16-exact pairs that
+"""Path ``gemm_triton`` of ``grouped_gemm``: the experts' BF16-exact pairs that
 ``torch._grouped_mm`` cannot finish exactly — an epilogue factor (FP8 per-tensor ``scale_inv``,
 NVFP4 ``S_dec``, row-scaled NVFP4's per-row scales), a bias, an FP32 / FP16 output — in one
-Triton grouped GEMM with an FP32 epilogue per expert (``kernels/triton_grouped_gemm.py``).
+Triton grouped GEMM with an FP32 epilogue per expert (``kernels/moe/triton_grouped_gemm.py``).
 
 Every copy is block-decoded into BF16 (exact; ``bf16_decode``), the decoded values of all
 experts are arranged as the kernel reads them (rows grouped for fprop / dgrad, reduction
@@ -38,11 +38,11 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..config import current_policy
-from ..quantizers.grouped import padded_row_index
-from ..tensors.expert_tensors import JoinedCopy
+from .quantize import padded_row_index
+from .expert_tensors import JoinedCopy
 from ..tensors.storage import QuantizedStorage
-from .bf16_decode import HAVE_TRITON, bf16_exact_reason, decode_bf16, decode_bf16_joined
-from .gemm import LAYOUTS
+from ..gemm.bf16_decode import HAVE_TRITON, bf16_exact_reason, decode_bf16, decode_bf16_joined
+from ..gemm.gemm import LAYOUTS
 from .joined import joined_rows, joined_values, spanned_rows
 
 #: output dtypes the kernel writes
@@ -74,7 +74,7 @@ def unsupported(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], 
 
 
 def _kernels():
-    return importlib.import_module("hybridfp.kernels.triton_grouped_gemm")
+    return importlib.import_module("hybridfp.kernels.moe.triton_grouped_gemm")
 
 
 def _spread(scales: Sequence[Optional[torch.Tensor]], sizes: Sequence[int], device: torch.device

@@ -10,7 +10,7 @@ expert's own contiguous copy, for its per-expert cuBLAS GEMMs):
 
 - rowwise copies that are *row-local* (``ROW_LOCAL``: every row's codes and scales depend on
   that row alone — Identity, MXFP8 1x32, FP8 block 1x128, row-scaled NVFP4) are encoded once
-  and sliced into views (adjacent: ``gemm.joined.joined_rows`` reads them without a copy);
+  and sliced into views (adjacent: ``moe.joined.joined_rows`` reads them without a copy);
   *tile-local* ones (``ROW_TILE``: MXFP8 32x32, FP8 block 128x128) likewise when every group
   is a multiple of the tile height (an MoE layer's stacked weights, ``quantize_weights_grouped``).
 - columnwise copies with blocks along the rows and no per-tensor scale (``COLUMN_BLOCK``: MXFP8
@@ -21,7 +21,7 @@ expert's own contiguous copy, for its per-expert cuBLAS GEMMs):
   encoded once too: a segmented amax gives every expert its own amax, and one cast pass scales
   each row by its expert's value (the same bits as the expert's own quantize); the FP8
   columnwise copy is written directly as each expert's own transpose [K, m_e]
-  (``grouped_scaled.py``).
+  (``quantize_scaled.py``).
 - delayed scaling (each expert records its amax into its own history), other per-tensor copies
   and copies with random draws are encoded per expert, as the per-expert loop does.
 
@@ -43,18 +43,18 @@ from ..formats.common import HIGH_PRECISION_DTYPES, ceil_div, check_input
 from ..utils.device import device_constant, device_tensor, step_metadata
 from ..tensors import (DecodedMXFP8Storage, Float8Storage, HybridStorage, MXFP8Storage, QuantizedStorage,
                        QuantizedTensor)
-from ..tensors.expert_tensors import ExpertTensors, JoinedCopy
+from .expert_tensors import ExpertTensors, JoinedCopy
 from ..tensors.slicing import adjacent_rows, column_slices
 from ..tensors.storage import COLUMNWISE, ROWWISE, Payload
-from . import fast
-from .backends import QUANTIZE_KERNELS, row_mapped_kernel
-from .base import Quantizer
-from .float8_block import Float8BlockQuantizer
-from .hybrid import HybridQuantizer
-from .identity import IdentityQuantizer
-from .mxfp8 import MXFP8Quantizer
-from .nvfp4 import NVFP4Quantizer
-from .grouped_scaled import (BOTH, ROWS, Fp8Joined, GroupScaled, HybridGroups, _offsets, encode_group_scaled,
+from ..quantizers import fast
+from ..quantizers.backends import QUANTIZE_KERNELS, row_mapped_kernel
+from ..quantizers.base import Quantizer
+from ..quantizers.float8_block import Float8BlockQuantizer
+from ..quantizers.hybrid import HybridQuantizer
+from ..quantizers.identity import IdentityQuantizer
+from ..quantizers.mxfp8 import MXFP8Quantizer
+from ..quantizers.nvfp4 import NVFP4Quantizer
+from .quantize_scaled import (BOTH, ROWS, Fp8Joined, GroupScaled, HybridGroups, _offsets, encode_group_scaled,
                              expert_nvfp4_rows, fp8_parts, fused_nvfp4_mxfp8_supported, group_scaled_mode,
                              nvfp4_mxfp8_groups)
 
@@ -75,7 +75,7 @@ ROW_TILE: dict[type, Callable[[Quantizer], Optional[int]]] = {
     Float8BlockQuantizer: lambda q: 128 if q.block_scaling_dim == 2 else None,
 }
 #: Columnwise copies handed to the experts as column-slice views of the shared encoding: the
-#: grouped GEMM decodes them as one buffer (``gemm.joined.joined_columns``: MXFP8, BF16 path).
+#: grouped GEMM decodes them as one buffer (``moe.joined.joined_columns``: MXFP8, BF16 path).
 #: Other shared block copies (FP8 block: per-expert cuBLAS FP8 GEMMs, which read contiguous
 #: operands) get one contiguous copy per expert here, once, not one per GEMM call.
 COLUMN_VIEWS: tuple[type, ...] = (MXFP8Storage, DecodedMXFP8Storage)
@@ -84,6 +84,12 @@ COLUMN_BLOCK: dict[type, Callable[[Quantizer], Optional[int]]] = {
     MXFP8Quantizer: lambda q: 32,
     Float8BlockQuantizer: lambda q: 128,
 }
+
+
+def _pad_rows_kernel():
+    """``kernels.moe.triton_pad_rows``, imported at first use (triton is optional)."""
+    from ..kernels.moe import triton_pad_rows
+    return triton_pad_rows
 
 
 def row_local_mode(q: Quantizer) -> Optional[str]:
@@ -121,7 +127,7 @@ def quantize_grouped(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor,
     Where every expert's tensor is only views of the shared encodings (plain quantizers of one
     usage, every copy shared: Identity, MXFP8), the result is an ``ExpertTensors``: a sequence of
     the same per-expert tensors, built on first access, that also hands the shared encodings to
-    the grouped GEMM and the saved-for-backward record (``tensors/expert_tensors.py``)."""
+    the grouped GEMM and the saved-for-backward record (``moe/expert_tensors.py``)."""
     splits = [int(m) for m in splits]
     if len(quantizers) != len(splits):
         raise ValueError(f"quantize_grouped: {len(quantizers)} quantizers for {len(splits)} row groups; "
@@ -419,14 +425,14 @@ def _col_plan(quantizers: Sequence[Optional[Quantizer]], used: Sequence[Quantize
 def pad_row_groups(src: torch.Tensor, splits: Sequence[int], block: int) -> tuple[torch.Tensor, list[int]]:
     """``src`` with each row group zero-padded to a multiple of ``block`` rows (no copy when
     every group already is), and the groups' start rows. On CUDA one Triton pass
-    (``kernels.triton_pad_rows``); elsewhere a zero fill and an ``index_copy_``."""
+    (``kernels/moe/triton_pad_rows.py``); elsewhere a zero fill and an ``index_copy_``."""
     starts = _offsets(splits, block)
     if not any(map(block.__rmod__, splits)):  # every m % block == 0: no padding
         return src, starts
     total = _padded_total(splits, block, starts)
     if current_policy().quantize_kernels and fast._device_ok(src) and (src.shape[1] <= 1 or src.stride(1) == 1):
         with fast._on_device(src):
-            return fast._kernels("triton_pad_rows").pad_rows(src, _row_map(splits, starts, total, src)), starts
+            return _pad_rows_kernel().pad_rows(src, _row_map(splits, starts, total, src)), starts
     out = src.new_zeros(total, src.shape[1])
     out.index_copy_(0, _padded_rows(src, splits, starts), src)
     return out, starts
@@ -906,7 +912,7 @@ def _column_payloads(storage: QuantizedStorage, starts: Sequence[int], splits: S
                      views: bool) -> list[Payload]:
     """Every expert's columnwise payload: rows [start_e, start_e + m_e) of the shared copy:
     column-slice views of its transposed tensors (``views``, no copy: the grouped GEMM decodes
-    them as one buffer, ``gemm.joined.joined_columns``; copying every slice would cost the MXFP8 MoE
+    them as one buffer, ``moe.joined.joined_columns``; copying every slice would cost the MXFP8 MoE
     layer a copy pass per expert that path never reads: ``python -m bench.bench_moe``), else
     each expert's own contiguous copy of its slice (far cheaper than a scatter through an int64
     index per element)."""

@@ -1,6 +1,6 @@
 """Expert copies that are consecutive blocks of one buffer, viewed as one storage.
 
-``quantizers.grouped.quantize_grouped`` encodes a row-local rowwise copy once for all experts
+``moe.quantize.quantize_grouped`` encodes a row-local rowwise copy once for all experts
 and hands out row-slice views (``joined_rows``); an MXFP8 columnwise copy (32x1 blocks) is
 encoded once from the groups zero-padded to whole blocks and handed out as column-slice views
 of its transposed tensors (``joined_columns``; FP8 block copies go to per-expert cuBLAS GEMMs

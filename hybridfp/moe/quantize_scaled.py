@@ -3,7 +3,7 @@ one tensor) of a quantizer whose per-tensor scale comes from the tensor's own am
 current scaling; the rowwise copy of 1D NVFP4 with a global amax) take one segmented amax and
 one cast pass that scales each row by its expert's value — bitwise what each expert's own
 ``quantize`` makes (each expert is a tensor of its own: scales never straddle experts). On CUDA the Triton kernels
-(``kernels/triton_grouped_fp8.py``, ``triton_nvfp4``'s row-scaled path); elsewhere the formats.
+(``kernels/moe/triton_grouped_fp8.py``, ``triton_nvfp4``'s row-scaled path); elsewhere the formats.
 """
 
 from __future__ import annotations
@@ -21,16 +21,22 @@ from ..tensors import (DecodedMXFP8Storage, DecodedNVFP4Storage, Float8Storage, 
                        QuantizedStorage)
 from ..tensors.slicing import column_slices
 from ..tensors.storage import COLUMNWISE, ROWWISE
-from . import fast
-from .backends import select_quantize_kernel
-from .base import Quantizer, all_reduce_amax
-from .float8 import Float8CurrentScalingQuantizer
-from .hybrid import HybridQuantizer
-from .mxfp8 import MXFP8Quantizer
-from .nvfp4 import NVFP4Quantizer
+from ..quantizers import fast
+from ..quantizers.backends import select_quantize_kernel
+from ..quantizers.base import Quantizer, all_reduce_amax
+from ..quantizers.float8 import Float8CurrentScalingQuantizer
+from ..quantizers.hybrid import HybridQuantizer
+from ..quantizers.mxfp8 import MXFP8Quantizer
+from ..quantizers.nvfp4 import NVFP4Quantizer
 
 #: Which copies a grouped per-tensor-scaled encoding (``GROUP_SCALED``, module end) writes.
 ROWS, BOTH = "rowwise", "both"
+
+
+def _fp8_kernels():
+    """``kernels.moe.triton_grouped_fp8``, imported at first use (triton is optional)."""
+    from ..kernels.moe import triton_grouped_fp8
+    return triton_grouped_fp8
 
 
 def group_scaled_mode(q: Quantizer) -> Optional[str]:
@@ -72,7 +78,7 @@ def encode_group_scaled(q: Quantizer, x: torch.Tensor, splits: Sequence[int], ro
     """The copies of every row group of 2D ``x`` as ``q.encode(x_e, rowwise, columnwise)`` makes
     them, bitwise, for a quantizer with ``group_scaled_mode(q)`` (``columnwise`` only for
     ``BOTH``), from one segmented amax and one cast pass. ``kernel``: the Triton kernels
-    (``kernels/triton_grouped_fp8.py``, ``triton_nvfp4``) or the PyTorch formats; None: the
+    (``kernels/moe/triton_grouped_fp8.py``, ``triton_nvfp4``) or the PyTorch formats; None: the
     kernels where q's own encode would take one (CUDA), else PyTorch. Labels are left empty."""
     splits = [int(m) for m in splits]
     if kernel is None:
@@ -190,7 +196,7 @@ def _fp8_current_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], ro
     starts, width = column_starts(splits)
     cd: Optional[torch.Tensor] = None
     if kernel:
-        k = fast._kernels("triton_grouped_fp8")
+        k = _fp8_kernels()
         group = _row_groups(splits, x.device)
         amax = _reduced(q, k.group_amax(x, group, len(splits)))
         rd, flat, sinv = k.quantize(x, amax, splits, q.dtype, eps=q.amax_epsilon, power_2_scale=q.force_pow_2_scales,
@@ -222,7 +228,7 @@ def _nvfp4_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], rowwise:
     rows, cols = x.shape
     if kernel:
         group = _row_groups(splits, x.device)
-        amax = _reduced(q, fast._kernels("triton_grouped_fp8").group_amax(x, group, len(splits)))
+        amax = _reduced(q, _fp8_kernels().group_amax(x, group, len(splits)))
         row_amax = amax[group]
         (data, scale), _ = fast._kernels("triton_nvfp4").quantize_1d(x, row_amax, None)
     else:
@@ -276,7 +282,7 @@ def nvfp4_mxfp8_groups(hq: Quantizer, padded: torch.Tensor, splits: Sequence[int
     group = _row_groups(padded_splits, padded.device)
     dec_row, dec_col = ROWWISE in hq.hold_decoded, COLUMNWISE in hq.hold_decoded
     with fast._on_device(padded):
-        amax = _reduced(rq, fast._kernels("triton_grouped_fp8").group_amax(padded, group, len(splits)))
+        amax = _reduced(rq, _fp8_kernels().group_amax(padded, group, len(splits)))
         row, col = fast._kernels("triton_hybrid_nvfp4").quantize(
             padded, amax[group], cq.dtype, rule=cq.scale_rule, rowwise=True, columnwise=True,
             source="rowwise_dequantized", decoded=(dec_row, dec_col))

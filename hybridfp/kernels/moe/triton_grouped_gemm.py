@@ -45,9 +45,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..utils.device import sm_count, tile_plan, to_device
-from ._common import bf16_nan16, empty, expert_row_tile, swizzled_tile
-from .triton_epilogue import OUT_CODE, store_out
+from ...utils.device import sm_count, tile_plan, to_device
+from .._common import bf16_nan16, empty, expert_row_tile, swizzled_tile
+from ..triton_epilogue import OUT_CODE, store_out
 
 #: (BM, BN, BK, warps, stages): the fastest of ``python -m bench.bench_grouped_gemm --part bf16
 #: --pointer-tiles`` on an NVIDIA H200

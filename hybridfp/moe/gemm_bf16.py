@@ -15,11 +15,11 @@ import torch
 
 from ..utils.device import device_tensor, step_metadata
 from ..tensors.slicing import adjacent_rows
-from ..quantizers.grouped import pad_row_groups
+from .quantize import pad_row_groups
 from ..tensors.storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
-from .bf16_decode import HAVE_TRITON, decode_bf16, decode_bf16_joined, held_transpose
-from .bf16_tensorcore import exact_bf16_gemm
-from .gemm import LAYOUTS
+from ..gemm.bf16_decode import HAVE_TRITON, decode_bf16, decode_bf16_joined, held_transpose
+from ..gemm.bf16_tensorcore import exact_bf16_gemm
+from ..gemm.gemm import LAYOUTS
 from .joined import joined_columns, joined_rows
 
 #: (mat_a, mat_b, sizes) -> BF16 result, with ``torch._grouped_mm``'s semantics for the groups of
