@@ -82,6 +82,18 @@ class Policy:
     tests pass (tests/nn/test_nn_decoded.py, tests/nn/test_nn_gpu.py). Default empty: every
     class passes them on the H200. "always" holds any listed class's copies on any device."""
 
+    decode_kernel_unverified_on_cuda: frozenset = frozenset()
+    """Storage class names (e.g. ``"MXFP8Storage"``) whose Triton BF16 decode kernel stays off
+    CUDA until its GPU bitwise tests pass (tests/kernels/test_kernels_decode.py); their copies
+    are decoded by the reference there (PyTorch ops on the GPU: exact, slower). Default empty:
+    every decode kernel passes them on the H200."""
+
+    split_unverified_on_cuda: frozenset = frozenset()
+    """Plain-side format names (``"Identity"``, ``"MXFP8"``, ...) of a one-sided RHT pair kept
+    off CUDA's ``split_bf16`` backend (they stay on the reported exact emulation) until
+    tests/gemm/test_gemm_split_rht.py's GPU test passes for them. Default empty: every plain
+    side passes it on the H200."""
+
     quantize_kernels: bool = True
     """Whether ``Quantizer.encode`` and the grouped quantize passes (padding, fused grouped
     passes, row-mapped columnwise copies) may run the fast kernels. Default True; False runs
@@ -140,6 +152,14 @@ class Policy:
     the group counts and sizes up to which cuBLAS per expert is the faster of the two on an
     NVIDIA H200 (``python -m bench.bench_moe --ab`` times both at 8 and 64 experts)."""
 
+    stack_scaled_max_numel: int = 1 << 25
+    """Largest expert weight (elements) stacked into one buffer for a grouped per-tensor-scaled
+    quantization (``moe.quantize_weights_grouped``). The stack is a full read and write of the
+    weights; quantizing each expert on its own costs two launches (amax, cast) instead. On an
+    NVIDIA H200 stacking an 8-expert layer's [28672, 4096] BF16 weights costs more than the
+    launches it saves; at 64 experts of [2816, 4096] (11.5M elements) the step is host-bound and
+    one launch for all beats 128. Results are the same bits either way."""
+
     per_expert_fp8_flops: float = 2.5e11
     """Mean GEMM size (FLOPs per non-empty expert) from which per-tensor FP8 experts run as one
     cuBLAS ``_scaled_mm`` per expert rather than a grouped kernel. Default 2.5e11: between the
@@ -152,7 +172,8 @@ class Policy:
         if self.decoded_copies not in DECODED_COPIES_MODES:
             raise ValueError(f"Policy.decoded_copies={self.decoded_copies!r} is unknown; use one of "
                              f"{DECODED_COPIES_MODES}.")
-        for name in ("decoded_unverified_on_cuda", "grouped_triton_devices"):
+        for name in ("decoded_unverified_on_cuda", "decode_kernel_unverified_on_cuda", "split_unverified_on_cuda",
+                     "grouped_triton_devices"):
             value = getattr(self, name)
             if isinstance(value, str) or not isinstance(value, (frozenset, set, tuple, list)) or not all(
                     isinstance(v, str) for v in value):
@@ -168,7 +189,7 @@ class Policy:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):
                 raise TypeError(f"Policy.{name} must be a TMA config name or None; got {value!r}.")
-        for name in ("many_experts", "per_group_max_groups", "per_group_min_mean"):
+        for name in ("many_experts", "per_group_max_groups", "per_group_min_mean", "stack_scaled_max_numel"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"Policy.{name} must be an integer >= 0; got {value!r}.")

@@ -11,7 +11,7 @@ computes numerics §1's exact product. Per-tensor / per-row factors (FP8 ``scale
 
 - on CUDA, through the Triton decode kernel registered for the storage's class
   (``DECODERS``; ``hybridfp.kernels.triton_decode``, bitwise equal to the reference), except
-  the classes in ``UNVERIFIED_ON_CUDA``;
+  the classes the policy's ``decode_kernel_unverified_on_cuda`` names;
 - elsewhere (CPU CI), by the reference: ``storage.gemm_operand(direction)`` rounded to BF16;
 - a BF16 Identity copy is its own data (a view; nothing to decode, on any device).
 
@@ -33,6 +33,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..config import current_policy
 from ..tensors import Float8BlockStorage, Float8Storage, IdentityStorage, MXFP8Storage, NVFP4Storage
 from ..tensors.decoded import DECODED_CLASSES
 from ..tensors.storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
@@ -88,10 +89,6 @@ DECODERS: dict[type, Callable[[QuantizedStorage, str], GemmOperand]] = {
     Float8Storage: _fp8,
     Float8BlockStorage: _fp8_block,
 }
-#: Kernels kept off CUDA until their GPU bitwise tests pass (tests/kernels/test_kernels_decode.py);
-#: those copies are decoded by the reference (PyTorch ops on the GPU: exact, slower). Empty:
-#: every decode kernel passes them.
-UNVERIFIED_ON_CUDA: frozenset = frozenset()
 
 
 def _identity(s: QuantizedStorage, direction: str) -> GemmOperand:
@@ -156,7 +153,8 @@ def decode_bf16(storage: QuantizedStorage, direction: str, *, cache: bool = Fals
     view = VIEWS.get(type(s))
     if view is not None:
         return view(s, direction)
-    on_gpu = HAVE_TRITON and s.device.type == "cuda" and type(s) not in UNVERIFIED_ON_CUDA
+    on_gpu = (HAVE_TRITON and s.device.type == "cuda"
+              and type(s).__name__ not in current_policy().decode_kernel_unverified_on_cuda)
     decoder = DECODERS.get(type(s)) if on_gpu else None
     if not cache:
         return _run(decoder, s, direction)

@@ -51,6 +51,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from ..config import current_policy
 from ..tensors.storage import GemmOperand, QuantizedStorage
 from .backends import Backend, FormatKey, _ieee_fp32, emulate, epilogue, register_backend, report_fallback
 from .bf16_decode import decode_bf16
@@ -127,22 +128,18 @@ def supports(key_a: FormatKey, key_b: FormatKey, layout: str, device: torch.devi
     return layout in LAYOUTS and pair_supported(key_a, key_b) and _device_ok(device)
 
 
-#: Plain-side formats of a one-sided RHT pair kept off CUDA (they stay on the reported
-#: exact emulation until tests/gemm/test_gemm_split_rht.py's GPU test passes for them). Empty:
-#: every plain side passes. Identity (BF16) x NVFP4-RHT reaches ~1.6e-5 relative error at
-#: 8192x4096x14336, the H200 tensor cores' own BF16 accumulation error at k = 14336 with 8-bit
-#: significands on both sides, so the test bounds it by a plain cuBLAS BF16 GEMM's error at the
-#: shape.
-SPLIT_UNVERIFIED_ON_CUDA: frozenset[str] = frozenset()
 
 
 def supports_split(key_a: FormatKey, key_b: FormatKey, layout: str, device: torch.device) -> bool:
     """``bf16_split_rht``'s predicate: a one-sided RHT pair, on a CUDA device with BF16 tensor
-    cores, whose plain side is not in :data:`SPLIT_UNVERIFIED_ON_CUDA`."""
+    cores, whose plain side the policy's ``split_unverified_on_cuda`` does not name. Identity
+    (BF16) x NVFP4-RHT reaches ~1.6e-5 relative error at 8192x4096x14336 on an NVIDIA H200: the
+    tensor cores' own BF16 accumulation error at k = 14336 with 8-bit significands on both
+    sides, so the GPU test bounds it by a plain cuBLAS BF16 GEMM's error at the shape."""
     if not (layout in LAYOUTS and split_pair_supported(key_a, key_b) and _device_ok(device)):
         return False
     names = {o[0] for o in (_opts(key_a), _opts(key_b)) if o is not None}
-    return not (names & SPLIT_UNVERIFIED_ON_CUDA)
+    return not (names & current_policy().split_unverified_on_cuda)
 
 
 @contextmanager

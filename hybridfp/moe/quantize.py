@@ -230,23 +230,17 @@ def _worth_stacking(quantizers: Sequence[Quantizer], weights: Sequence[torch.Ten
     only Identity passthroughs (each expert's is a view of its weight; stacking would copy),
     and, for per-tensor scales (``BOTH``: the stack shares launches, not encodings), weights
     small enough that the stacking copy costs less than the launches it saves
-    (``STACK_SCALED_MAX_NUMEL``), or already one buffer."""
+    (the policy's ``stack_scaled_max_numel``), or already one buffer."""
     if len(weights) < 2 or len({w.dtype for w in weights}) > 1:
         return False
     plan = _plan(list(quantizers), [weights[0].shape[0]] * len(weights), plans)
     if plan is None:
         return False
-    if plan.scaled == BOTH and weights[0].numel() > STACK_SCALED_MAX_NUMEL:
+    if plan.scaled == BOTH and weights[0].numel() > current_policy().stack_scaled_max_numel:
         return stacked is not None or adjacent_rows(list(weights)) is not None
     return any(q is not None and not isinstance(q, IdentityQuantizer) for q in (plan.row_q, plan.col_q))
 
 
-#: Largest expert weight (elements) stacked for a grouped per-tensor-scaled quantization. The
-#: stack is a full read and write of the weights; quantizing each expert on its own costs two
-#: launches (amax, cast) instead. On the H200 stacking an 8-expert layer's [28672, 4096] BF16
-#: weights costs more than the launches it saves; at 64 experts of [2816, 4096] (11.5M
-#: elements) the step is host-bound and one launch for all beats 128.
-STACK_SCALED_MAX_NUMEL = 1 << 25
 
 
 # ---------------------------------------------------------------------------- planning

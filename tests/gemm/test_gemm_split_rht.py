@@ -28,6 +28,8 @@ from typing import Callable
 
 import pytest
 import torch
+
+import hybridfp
 from gemm_operands import REL_TOL, fresh_reports, gpu, ref_operand, rel_err  # noqa: F401 (autouse fixture)
 
 from hybridfp import (Float8CurrentScalingQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer,
@@ -176,21 +178,21 @@ def test_registry_selects_the_split_backend_on_cuda(monkeypatch):
 
 
 @pytest.mark.parametrize("layout, fmt_a, fmt_b", [("NT", "mxfp8", RHT), ("NN", "identity_bf16", RHT)])
-def test_gemm_dispatches_to_run_split(layout, fmt_a, fmt_b, monkeypatch):
+def test_gemm_dispatches_to_run_split(layout, fmt_a, fmt_b, monkeypatch, set_policy):
     """``gemm`` with the backend allowed on the device (here: the CPU) runs ``run_split``,
     silently, and matches the FP64 reference — the body of the GPU test, at a small shape."""
     monkeypatch.setattr(bf16_tensorcore, "_device_ok", lambda device: True)
-    monkeypatch.setattr(bf16_tensorcore, "SPLIT_UNVERIFIED_ON_CUDA", frozenset())
+    set_policy(split_unverified_on_cuda=frozenset())
     _check_through_gemm(layout, fmt_a, fmt_b, (40, 56, 72), "cpu", seed=3)
 
 
-def test_unverified_plain_side_not_taken(monkeypatch):
-    """A plain-side format listed in SPLIT_UNVERIFIED_ON_CUDA (empty: every plain-side format
+def test_unverified_plain_side_not_taken(monkeypatch, set_policy):
+    """A plain-side format the policy's split_unverified_on_cuda lists (empty: every plain-side format
     passes its GPU test) stays on the reported emulation where the split backend is allowed,
     the others do not."""
     monkeypatch.setattr(bf16_tensorcore, "_device_ok", lambda device: True)
-    assert bf16_tensorcore.SPLIT_UNVERIFIED_ON_CUDA == frozenset()
-    monkeypatch.setattr(bf16_tensorcore, "SPLIT_UNVERIFIED_ON_CUDA", frozenset({"Identity"}))
+    assert hybridfp.current_policy().split_unverified_on_cuda == frozenset()
+    set_policy(split_unverified_on_cuda=frozenset({"Identity"}))
     for fa, want in (("identity_bf16", None), ("mxfp8", "bf16_split_rht")):
         a, b = operands("NN", fa, RHT, 8, 16, 32, seed=1, device="cpu")
         sa, sb = _storages("NN", a, b)
@@ -328,12 +330,12 @@ GPU_CASES = [("NT", "mxfp8", RHT, (4096, 4096, 4096)), ("NT", RHT, "mxfp8", (409
 @gpu
 @pytest.mark.parametrize("layout, fmt_a, fmt_b, shape", GPU_CASES,
                          ids=[f"{c[0]}-{c[1]}-{c[2]}-{'x'.join(map(str, c[3]))}" for c in GPU_CASES])
-def test_gpu_split_rht_through_gemm(layout, fmt_a, fmt_b, shape, monkeypatch):
+def test_gpu_split_rht_through_gemm(layout, fmt_a, fmt_b, shape, monkeypatch, set_policy):
     """Fresh random operands (seeded from os.urandom) quantized on the GPU; cuBLAS BF16 GEMMs
     of exact products with FP32 accumulation. Bound 1e-5 at k up to 14336 (typical
     random-sign FP32 accumulation error ~ u sqrt(k / 6) ~ 3e-6 even for a sequential sum), or
     twice a plain BF16 tensor-core GEMM's own error at the shape if larger
     (:func:`_tensor_core_error`: Hopper's accumulation is not IEEE FP32). Pairs in
-    SPLIT_UNVERIFIED_ON_CUDA are forced onto the backend here: this test is what clears them."""
-    monkeypatch.setattr(bf16_tensorcore, "SPLIT_UNVERIFIED_ON_CUDA", frozenset())
+    the policy's split_unverified_on_cuda are forced onto the backend here: this test is what clears them."""
+    set_policy(split_unverified_on_cuda=frozenset())
     _check_through_gemm(layout, fmt_a, fmt_b, shape, "cuda", seed=int.from_bytes(os.urandom(4), "little"))

@@ -63,9 +63,9 @@ def test_weights_in_one_buffer_are_not_stacked_by_a_copy(monkeypatch):
 
 
 @pytest.mark.parametrize("adjacent", [False, True])
-def test_large_per_tensor_scaled_weights_are_quantized_per_expert(monkeypatch, adjacent):
+def test_large_per_tensor_scaled_weights_are_quantized_per_expert(monkeypatch, set_policy, adjacent):
     """FP8 current scaling shares launches, not encodings: experts above
-    ``STACK_SCALED_MAX_NUMEL`` elements are quantized one by one (no stacking copy) unless they
+    the policy's ``stack_scaled_max_numel`` elements are quantized one by one (no stacking copy) unless they
     already are one buffer; below it they are stacked. Every way equals each expert's quantize."""
     from hybridfp.moe import quantize as qg
     name = "current_scaling"
@@ -75,7 +75,7 @@ def test_large_per_tensor_scaled_weights_are_quantized_per_expert(monkeypatch, a
     usage = [(True, True)] * len(ws)
     want = [q.quantize(w) for q, w in zip(build(FACTORIES[name], "weight", usage), ws)]
     for limit, stacked in ((ws[0].numel() - 1, adjacent), (ws[0].numel(), True)):
-        monkeypatch.setattr(qg, "STACK_SCALED_MAX_NUMEL", limit)
+        set_policy(stack_scaled_max_numel=limit)
         calls = []
         real = qg.quantize_grouped
         monkeypatch.setattr(qg, "quantize_grouped", lambda *a: calls.append(1) or real(*a))
