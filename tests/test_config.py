@@ -158,8 +158,8 @@ def test_kernels_off_runs_the_reference(monkeypatch):
         return q.reference_encode(2 * x, rowwise, columnwise, seed)
 
     kernel = backends.QuantizeKernel("test", lambda q, x, r, c: True, run)
-    monkeypatch.setitem(backends.QUANTIZE_KERNELS, "MXFP8Quantizer",
-                        [kernel, *backends.QUANTIZE_KERNELS.get("MXFP8Quantizer", [])])
+    monkeypatch.setitem(backends.QUANTIZE_KERNELS, hybridfp.MXFP8Quantizer,
+                        [kernel, *backends.QUANTIZE_KERNELS.get(hybridfp.MXFP8Quantizer, [])])
     q, x = hybridfp.MXFP8Quantizer(), torch.randn(32, 64)
     with policy(quantize_kernels=False):
         assert backends.select_quantize_kernel(q, x, True, True) is None

@@ -193,7 +193,7 @@ def _passthrough(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor
     wraps the weight itself): plain ``IdentityQuantizer`` instances (no subclass, nothing
     wrapped on the instance, no quantize kernel registered for them) asked for some copy, of
     the weights' own dtype (None or equal), weights of a dtype quantizers read."""
-    if QUANTIZE_KERNELS.get(IdentityQuantizer.__name__):
+    if QUANTIZE_KERNELS.get(IdentityQuantizer):
         return False
     return all(type(q) is IdentityQuantizer and not ({"quantize", "encode", "reference_encode"} & vars(q).keys())
                and q.dtype in (None, w.dtype) and w.dtype in HIGH_PRECISION_DTYPES

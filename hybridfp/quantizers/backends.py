@@ -1,6 +1,6 @@
 """Quantize-kernel registry: fast implementations of a quantizer's ``encode`` by device.
 
-A kernel registers for a quantizer class name with ``supports(q, x, rowwise, columnwise)``
+A kernel registers for a quantizer class (looked up by ``type(q)``: exactly that class) with ``supports(q, x, rowwise, columnwise)``
 and ``run(q, x, rowwise, columnwise, seed) -> storage``; it must produce exactly the storage
 ``q.reference_encode`` would (kernels are tested bitwise against it). ``Quantizer.encode``
 takes the first kernel that supports the call, else the PyTorch reference. On a GPU, running
@@ -42,24 +42,42 @@ class QuantizeKernel:
     run: Callable[..., Any]
 
 
-QUANTIZE_KERNELS: dict[str, list[QuantizeKernel]] = {}
-#: quantizer class name -> key(q, direction): the kernel variant q's settings select (or None).
-KERNEL_KEYS: dict[str, Callable[[Any, str], Optional[Hashable]]] = {}
+#: quantizer class -> its kernels, latest registration first.
+QUANTIZE_KERNELS: dict[type, list[QuantizeKernel]] = {}
+#: quantizer class -> key(q, direction): the kernel variant q's settings select (or None).
+KERNEL_KEYS: dict[type, Callable[[Any, str], Optional[Hashable]]] = {}
 #: (rowwise child's key, columnwise child's key, columnwise_source) -> fused hybrid kernel.
 HYBRID_QUANTIZE_KERNELS: dict[tuple[Hashable, Hashable, str], QuantizeKernel] = {}
-#: quantizer class name -> (supports(q, x2, rows), run(q, x2, row_map, rowwise) -> (rowwise storage of x2
+#: quantizer class -> (supports(q, x2, rows), run(q, x2, row_map, rowwise) -> (rowwise storage of x2
 #: or None, columnwise storage of the gathered rows)).
-ROW_MAPPED_KERNELS: dict[str, tuple[Callable[..., bool], Callable[..., Any]]] = {}
+ROW_MAPPED_KERNELS: dict[type, tuple[Callable[..., bool], Callable[..., Any]]] = {}
 _REPORTED: set[str] = set()
 
 
-def register_quantize_kernel(quantizer_class: str, kernel: QuantizeKernel) -> None:
-    """Register ``kernel`` for quantizers of class name ``quantizer_class`` (latest first)."""
+def register_quantize_kernel(quantizer_class: type, kernel: QuantizeKernel) -> None:
+    """Register ``kernel`` for quantizers of class ``quantizer_class`` (latest first).
+
+    Parameters
+    ----------
+    quantizer_class:
+        The quantizer class; instances of exactly this class use the kernel.
+    kernel:
+        Its ``supports`` / ``run`` pair; tried before kernels registered earlier.
+    """
     QUANTIZE_KERNELS.setdefault(quantizer_class, []).insert(0, kernel)
 
 
-def register_kernel_key(quantizer_class: str, key: Callable[[Any, str], Optional[Hashable]]) -> None:
-    """Register how quantizers of class name ``quantizer_class`` name their kernel variant."""
+def register_kernel_key(quantizer_class: type, key: Callable[[Any, str], Optional[Hashable]]) -> None:
+    """Register how quantizers of class ``quantizer_class`` name their kernel variant.
+
+    Parameters
+    ----------
+    quantizer_class:
+        The quantizer class (exactly this class).
+    key:
+        ``key(q, direction)``: the kernel variant q's settings select for that direction's
+        copy, or None where no fused kernel takes it.
+    """
     KERNEL_KEYS[quantizer_class] = key
 
 
@@ -69,8 +87,8 @@ def register_hybrid_quantize_kernel(rowwise_key: Hashable, columnwise_key: Hasha
     HYBRID_QUANTIZE_KERNELS[(rowwise_key, columnwise_key, source)] = kernel
 
 
-def register_row_mapped_kernel(quantizer_class: str, supports: Callable[..., bool], run: Callable[..., Any]) -> None:
-    """Register a columnwise encode through a row map for quantizers of class name
+def register_row_mapped_kernel(quantizer_class: type, supports: Callable[..., bool], run: Callable[..., Any]) -> None:
+    """Register a columnwise encode through a row map for quantizers of class
     ``quantizer_class``: ``supports(q, x2, rows)`` says whether it takes ``rows`` gathered rows
     of ``x2``; ``run(q, x2, row_map, rowwise)`` must return exactly
     ``(q.encode(x2, True, False) if rowwise else None, q.encode(gathered, False, True))`` where
@@ -84,7 +102,7 @@ def row_mapped_kernel(q: Any, x2: torch.Tensor, rows: int) -> Optional[Callable[
     """The registered ``run(q, x2, row_map, rowwise)`` for a columnwise copy of ``rows`` rows of ``x2``
     gathered by a row map (see ``register_row_mapped_kernel``), or None where none fits (the
     caller then gathers the rows and encodes)."""
-    entry = ROW_MAPPED_KERNELS.get(type(q).__name__)
+    entry = ROW_MAPPED_KERNELS.get(type(q))
     if entry is None or not current_policy().quantize_kernels or not entry[0](q, x2, rows):
         return None
     return entry[1]
@@ -92,7 +110,7 @@ def row_mapped_kernel(q: Any, x2: torch.Tensor, rows: int) -> Optional[Callable[
 
 def kernel_key(q: Any, direction: str) -> Optional[Hashable]:
     """The kernel variant ``q`` selects for its ``direction`` copy (None: no key registered)."""
-    key = KERNEL_KEYS.get(type(q).__name__)
+    key = KERNEL_KEYS.get(type(q))
     return None if key is None else key(q, direction)
 
 
@@ -110,7 +128,7 @@ def select_quantize_kernel(q: Any, x: torch.Tensor, rowwise: bool, columnwise: b
     ``quantize_kernels`` off). Reports a GPU fallback once."""
     if not current_policy().quantize_kernels:
         return None
-    for k in QUANTIZE_KERNELS.get(type(q).__name__, ()):
+    for k in QUANTIZE_KERNELS.get(type(q), ()):
         if k.supports(q, x, rowwise, columnwise):
             return k
     if x.is_cuda and q.has_fast_kernels:

@@ -53,6 +53,11 @@ from ..tensors import (DecodedMXFP8Storage, DecodedNVFP4Storage, Float8BlockStor
                        MXFP8Storage, NVFP4Storage, QuantizedStorage, known_amax)
 from ..tensors.storage import COLUMNWISE, ROWWISE
 from .base import all_reduce_amax
+from .float8 import Float8CurrentScalingQuantizer, Float8Quantizer
+from .float8_block import Float8BlockQuantizer
+from .hybrid import HybridQuantizer
+from .mxfp8 import MXFP8Quantizer
+from .nvfp4 import NVFP4Quantizer
 from .backends import (QuantizeKernel, hybrid_quantize_kernel, register_hybrid_quantize_kernel,
                        register_kernel_key, register_quantize_kernel, register_row_mapped_kernel)
 
@@ -251,11 +256,11 @@ def _nvfp4_key(q: Any, direction: str) -> Optional[Hashable]:
     return ("nvfp4", "1d_rht" if q.with_rht else "1d")
 
 
-KERNEL_KEY_FUNCTIONS: dict[str, Callable[[Any, str], Optional[Hashable]]] = {
-    "Float8CurrentScalingQuantizer": _fp8_current_key,
-    "Float8BlockQuantizer": _fp8_block_key,
-    "MXFP8Quantizer": _mxfp8_key,
-    "NVFP4Quantizer": _nvfp4_key,
+KERNEL_KEY_FUNCTIONS: dict[type, Callable[[Any, str], Optional[Hashable]]] = {
+    Float8CurrentScalingQuantizer: _fp8_current_key,
+    Float8BlockQuantizer: _fp8_block_key,
+    MXFP8Quantizer: _mxfp8_key,
+    NVFP4Quantizer: _nvfp4_key,
 }
 
 
@@ -380,21 +385,21 @@ FP8_BLOCK_KERNEL = QuantizeKernel("triton_fp8_block", _supports_any, _fp8_block_
 MXFP8_KERNEL = QuantizeKernel("triton_mxfp8", _supports_any, _mxfp8_run)
 NVFP4_KERNEL = QuantizeKernel("triton_nvfp4", _nvfp4_supports, _nvfp4_run)
 
-#: quantizer class name -> its Triton kernel (what tests call on CPU tensors).
-KERNELS: dict[str, QuantizeKernel] = {
-    "Float8CurrentScalingQuantizer": FP8_CURRENT_KERNEL,
-    "Float8Quantizer": FP8_DELAYED_KERNEL,
-    "Float8BlockQuantizer": FP8_BLOCK_KERNEL,
-    "MXFP8Quantizer": MXFP8_KERNEL,
-    "NVFP4Quantizer": NVFP4_KERNEL,
-    "HybridQuantizer": HYBRID_KERNEL,
+#: quantizer class -> its Triton kernel (what tests call on CPU tensors).
+KERNELS: dict[type, QuantizeKernel] = {
+    Float8CurrentScalingQuantizer: FP8_CURRENT_KERNEL,
+    Float8Quantizer: FP8_DELAYED_KERNEL,
+    Float8BlockQuantizer: FP8_BLOCK_KERNEL,
+    MXFP8Quantizer: MXFP8_KERNEL,
+    NVFP4Quantizer: NVFP4_KERNEL,
+    HybridQuantizer: HYBRID_KERNEL,
 }
 
 if HAVE_TRITON:
-    for _name, _kernel in KERNELS.items():
-        register_quantize_kernel(_name, _kernel)
-    for _name, _key in KERNEL_KEY_FUNCTIONS.items():
-        register_kernel_key(_name, _key)
-    register_row_mapped_kernel("MXFP8Quantizer", _mxfp8_row_mapped_supports, _mxfp8_row_mapped_run)
+    for _cls, _kernel in KERNELS.items():
+        register_quantize_kernel(_cls, _kernel)
+    for _cls, _key in KERNEL_KEY_FUNCTIONS.items():
+        register_kernel_key(_cls, _key)
+    register_row_mapped_kernel(MXFP8Quantizer, _mxfp8_row_mapped_supports, _mxfp8_row_mapped_run)
     for (_row, _col, _src), _kernel in HYBRID_KERNELS.items():
         register_hybrid_quantize_kernel(_row, _col, _src, _kernel)

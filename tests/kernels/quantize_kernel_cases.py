@@ -211,7 +211,7 @@ def shared_tensors(storage: QuantizedStorage) -> set[str]:
 def run_kernel(q, x: torch.Tensor, rowwise: bool = True, columnwise: bool = True,
                seed: Optional[int] = None) -> QuantizedStorage:
     """Run q's registered Triton kernel directly (on CPU tensors too, under the interpreter)."""
-    return fast.KERNELS[type(q).__name__].run(q, x, rowwise, columnwise, seed)
+    return fast.KERNELS[type(q)].run(q, x, rowwise, columnwise, seed)
 
 
 def check_against_reference(q, x: torch.Tensor, rowwise: bool = True, columnwise: bool = True,
@@ -233,7 +233,7 @@ def check_gpu(q, x: torch.Tensor, rowwise: bool = True, columnwise: bool = True)
     """On CUDA: ``q.encode`` picks q's Triton kernel (no reference fallback warning) and, with
     every output poisoned before launch, equals ``reference_encode`` bit for bit."""
     kernel = select_quantize_kernel(q, x, rowwise, columnwise)
-    assert kernel is fast.KERNELS[type(q).__name__], f"{q!r} on {x.device} selected {kernel}"
+    assert kernel is fast.KERNELS[type(q)], f"{q!r} on {x.device} selected {kernel}"
     seed = int.from_bytes(os.urandom(7), "little")
     ref_q = q.copy()
     with kernel_sr_stream():

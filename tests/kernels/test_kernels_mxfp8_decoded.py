@@ -124,7 +124,7 @@ def test_decoded_refusals():
 def test_decoded_gpu_bitwise(config, shape, rowwise, columnwise):
     x = gpu_input(shape, torch.bfloat16, specials=True)
     q = _decoding(**CONFIGS[config])
-    assert select_quantize_kernel(q, x, rowwise, columnwise) is fast.KERNELS["MXFP8Quantizer"]
+    assert select_quantize_kernel(q, x, rowwise, columnwise) is fast.KERNELS[MXFP8Quantizer]
     want = DecodedStorage.of(q.reference_encode(x, rowwise, columnwise))
     with warnings.catch_warnings():
         warnings.simplefilter("error", ReferenceQuantizeWarning)

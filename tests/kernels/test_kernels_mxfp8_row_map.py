@@ -137,8 +137,8 @@ def test_grouped_columnwise_reads_through_row_map(splits, monkeypatch):
     from hybridfp.quantizers import backends
     monkeypatch.setattr(fast, "_device_ok", lambda x, rows=None: True)
     mapped, padded = [], []
-    supports, run = backends.ROW_MAPPED_KERNELS["MXFP8Quantizer"]
-    monkeypatch.setitem(backends.ROW_MAPPED_KERNELS, "MXFP8Quantizer",
+    supports, run = backends.ROW_MAPPED_KERNELS[MXFP8Quantizer]
+    monkeypatch.setitem(backends.ROW_MAPPED_KERNELS, MXFP8Quantizer,
                         (supports, lambda *a: mapped.append(1) or run(*a)))
     real_pad = qgrouped.pad_row_groups
     monkeypatch.setattr(qgrouped, "pad_row_groups", lambda *a: padded.append(1) or real_pad(*a))
