@@ -10,7 +10,8 @@ per-expert offsets). Dense code never imports this package; it builds on the den
 from .expert_tensors import ExpertTensors, JoinedCopy
 from .gemm import grouped_gemm
 from .grouped_linear import GroupedLinear
-from .quantize import quantize_grouped, quantize_weights_grouped
+from .quantize import quantize_grouped
+from .quantize_weights import quantize_weights_grouped
 
 __all__ = ["ExpertTensors", "GroupedLinear", "JoinedCopy", "grouped_gemm", "quantize_grouped",
            "quantize_weights_grouped"]

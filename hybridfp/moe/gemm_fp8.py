@@ -25,7 +25,6 @@ copies in their zero-padded blocks (so the reduction runs over 16-aligned length
 
 from __future__ import annotations
 
-import importlib
 from itertools import accumulate
 from typing import Optional, Sequence, Union
 
@@ -53,7 +52,8 @@ VERIFIED_MAJOR = (9,)
 
 
 def _kernels():
-    return importlib.import_module("hybridfp.kernels.moe.triton_grouped_fp8_gemm")
+    from ..kernels.moe import triton_grouped_fp8_gemm
+    return triton_grouped_fp8_gemm
 
 
 def _tma(name: Optional[str], device: torch.device):
@@ -61,7 +61,7 @@ def _tma(name: Optional[str], device: torch.device):
     ``grouped_fp8_tma_wgrad``) for operands on ``device`` (CUDA only), or None."""
     if name is None or torch.device(device).type != "cuda":
         return None
-    configs = importlib.import_module("hybridfp.kernels.moe.triton_grouped_fp8_tma").CONFIGS
+    from ..kernels.moe.triton_grouped_fp8_tma import CONFIGS as configs
     if name not in configs:
         raise ValueError(f"the policy's grouped FP8 TMA config {name!r} (Policy.grouped_fp8_tma_rows / "
                          f"grouped_fp8_tma_wgrad) is unknown; use None or one of {sorted(configs)}.")
@@ -139,7 +139,7 @@ def run_joined(ja: JoinedCopy, jb: JoinedCopy, splits_a: Sequence[int], splits_b
                out_dtype: torch.dtype, biases: Optional[Sequence[Optional[torch.Tensor]]] = None
                ) -> Optional[Union[torch.Tensor, list[torch.Tensor]]]:
     """The experts' GEMMs straight on two FP8 ``ExpertTensors``' joined copies (per-expert
-    ``scales``; ``moe.quantize._scaled_group``): no per-expert tensor is built. Rows
+    ``scales``; ``moe.assemble._scaled_group``): no per-expert tensor is built. Rows
     joined [Σm, C] (unpadded); columns one [C, width] matrix, expert e at column ``starts[e]``,
     zero codes to its block's 16-aligned end. None where the copies do not pair up (the caller
     then runs the per-expert code)."""

@@ -28,7 +28,8 @@ from torch import nn
 from ..config import current_policy, use_policy
 from .gemm import grouped_gemm
 from ..quantizers import HybridQuantizer, Quantizer
-from .quantize import quantize_grouped, quantize_weights_grouped
+from .quantize import quantize_grouped
+from .quantize_weights import quantize_weights_grouped
 from ..recipes import current_autocast
 from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
 from .expert_tensors import ExpertTensors

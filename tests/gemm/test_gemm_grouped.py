@@ -356,7 +356,8 @@ def test_shared_encodings_reach_the_grouped_mm_as_one_decode(layout):
     per-expert loop bitwise; wgrad sums each expert's padding zeros too, so (as in the uneven
     test above) it is within one BF16 ulp of it, and an empty expert's dW is zero."""
     from hybridfp import MXFP8Quantizer
-    from hybridfp.moe.quantize import quantize_grouped, quantize_weights_grouped
+    from hybridfp.moe.quantize import quantize_grouped
+    from hybridfp.moe.quantize_weights import quantize_weights_grouped
 
     splits = [0, 19, 45, 0, 33]
     src = sources(splits)
@@ -412,7 +413,8 @@ def test_stacked_weight_decode_is_cached_while_unchanged(monkeypatch):
     repeated GEMMs on the same quantized weights (micro-batches), again after a weight changes."""
     from hybridfp import MXFP8Quantizer
     from hybridfp.gemm import bf16_decode
-    from hybridfp.moe.quantize import quantize_grouped, quantize_weights_grouped
+    from hybridfp.moe.quantize import quantize_grouped
+    from hybridfp.moe.quantize_weights import quantize_weights_grouped
 
     splits = [16, 0, 40]
     src = sources(splits)
@@ -446,7 +448,8 @@ def test_fp8_rowwise_path_reads_adjacent_rows_without_a_copy(monkeypatch):
     of those buffers, equal to the cat / stack they replace (the matmul emulated on the CPU)."""
     from hybridfp import Float8CurrentScalingQuantizer
     from hybridfp.moe import gemm as g
-    from hybridfp.moe.quantize import quantize_grouped, quantize_weights_grouped
+    from hybridfp.moe.quantize import quantize_grouped
+    from hybridfp.moe.quantize_weights import quantize_weights_grouped
 
     splits = [16, 0, 48, 32]
     src = sources(splits)

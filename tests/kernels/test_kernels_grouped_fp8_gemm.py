@@ -366,7 +366,7 @@ def test_moe_shapes_vs_fp64_cuda(layout, ffn):
 @pytest.mark.parametrize("out_features", [48, 40], ids=["N=48", "N=40"])
 def test_fp8_step_on_joined_copies(out_features, monkeypatch, set_policy):
     """FP8 current scaling (E4M3 x and W, E5M2 dy): x, dy and the stacked weights come as joined
-    copies with per-expert scales (``moe.quantize._scaled_group``); with the Triton paths
+    copies with per-expert scales (``moe.assemble._scaled_group``); with the Triton paths
     on (as on CUDA from 16 experts; forced here, in the interpreter) all three GEMMs run on them
     (``grouped_fp8.run_joined``) and no per-expert tensor is built. Against the same step on the
     per-expert lists (the exact emulation per expert on the CPU): FP32 weight gradients at FP32
@@ -375,7 +375,7 @@ def test_fp8_step_on_joined_copies(out_features, monkeypatch, set_policy):
     import copy
 
     from hybridfp import GroupedLinear, factories
-    from hybridfp.moe import quantize as qgrouped
+    from hybridfp.moe import assemble as qgrouped
     splits, hidden = [0, 19, 45, 1, 33, 16], 32
     built: list[int] = []
     real_cut = qgrouped._cut_scaled

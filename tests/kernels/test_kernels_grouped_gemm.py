@@ -276,7 +276,8 @@ def _composer2_operands(splits: list[int], k: int, n: int, device: str):
     the hybrid (row-scaled NVFP4 rows read at the padded groups' starts, MXFP8 columns derived),
     the weights stacked by ``quantize_weights_grouped`` (NVFP4 with a global amax per expert);
     and the same per expert, quantized one by one."""
-    from hybridfp.moe.quantize import quantize_grouped, quantize_weights_grouped
+    from hybridfp.moe.quantize import quantize_grouped
+    from hybridfp.moe.quantize_weights import quantize_weights_grouped
     rd = "rowwise_dequantized"
     xq = [hybridfp.HybridQuantizer(hybridfp.NVFP4Quantizer(row_scaled_nvfp4=True), hybridfp.MXFP8Quantizer(), rd)
           for _ in splits]
@@ -334,7 +335,7 @@ def test_grouped_fprop_decodes_shared_encodings_once_gpu(monkeypatch):
 def test_composer2_step_on_joined_copies(monkeypatch, set_policy):
     """Composer-2 (row-scaled NVFP4 x, NVFP4 weights with each expert's global amax, MXFP8
     backward): x and the stacked weights come as joined copies (the weights' rows one row-scaled
-    NVFP4 storage: ``moe.quantize._scaled_hybrid_group``), so fprop runs the Triton
+    NVFP4 storage: ``moe.assemble.scaled_hybrid_group``), so fprop runs the Triton
     grouped GEMM on them (``grouped_triton.run_joined``) and dgrad / wgrad the grouped BF16 path,
     no per-expert tensor built; bitwise the step whose GEMMs take the per-expert lists (the
     same kernels on the same decoded operands)."""
@@ -343,8 +344,8 @@ def test_composer2_step_on_joined_copies(monkeypatch, set_policy):
     from hybridfp import GroupedLinear, factories
     from hybridfp.moe import gemm as grouped
     from hybridfp.quantizers import fast as qfast
-    from hybridfp.moe import quantize as qgrouped
-    monkeypatch.setattr(qfast, "_device_ok", lambda *a: True)  # the kernel routes, interpreted
+    from hybridfp.moe import assemble as qgrouped
+    monkeypatch.setattr(qfast, "device_ok", lambda *a: True)  # the kernel routes, interpreted
     monkeypatch.setattr(grouped, "_grouped_mm_device", lambda device: True)  # path 1 on the CPU
     set_policy(grouped_triton_devices={"cpu"})
     built: list[str] = []

@@ -19,7 +19,8 @@ from quantize_kernel_cases import assert_storage_bitwise, edge_tensor, gpu, gpu_
 from hybridfp.kernels._common import poisoned_outputs  # noqa: E402
 from hybridfp.quantizers import HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer, fast  # noqa: E402
 from hybridfp.moe import quantize_scaled as grouped_scaled
-from hybridfp.moe.quantize import quantize_grouped, quantize_weights_grouped  # noqa: E402
+from hybridfp.moe.quantize import quantize_grouped  # noqa: E402
+from hybridfp.moe.quantize_weights import quantize_weights_grouped  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # empty experts' amax 0
 
@@ -51,7 +52,7 @@ def check(x: torch.Tensor, splits, monkeypatch, weights: bool = False) -> None:
 def test_fused_grouped_hybrid_equals_each_experts_encode(dtype, monkeypatch):
     """Empty experts, one-row experts, counts below / above 32; per-expert magnitudes so each
     expert's global amax differs; stacked weights (no padding) too."""
-    monkeypatch.setattr(fast, "_device_ok", lambda x: True)
+    monkeypatch.setattr(fast, "device_ok", lambda x: True)
     splits = [0, 1, 37, 0, 32, 5]
     mag = torch.cat([torch.full((m, 1), 2.0 ** (3 * e - 6)) for e, m in enumerate(splits)])
     x = (edge_tensor((sum(splits), 48), torch.float32, seed=5) * mag).to(dtype)
@@ -76,7 +77,7 @@ def test_kernels_disabled_means_no_grouped_kernels(monkeypatch):
     from hybridfp.kernels.moe import triton_pad_rows
     from hybridfp import policy
 
-    monkeypatch.setattr(fast, "_device_ok", lambda x: True)
+    monkeypatch.setattr(fast, "device_ok", lambda x: True)
     used = []
     import hybridfp.moe.quantize as qgrouped
     monkeypatch.setattr(qgrouped, "nvfp4_mxfp8_groups", lambda *a: used.append("fused"))
@@ -100,7 +101,7 @@ def test_row_local_hybrid_through_the_kernels(dtype, monkeypatch):
     tensor (zero padding rows: row amax 0) — every expert equals its own reference encode."""
     from hybridfp.kernels.moe import triton_pad_rows
 
-    monkeypatch.setattr(fast, "_device_ok", lambda x: True)
+    monkeypatch.setattr(fast, "device_ok", lambda x: True)
     pads = []
     real = triton_pad_rows.pad_rows
     monkeypatch.setattr(triton_pad_rows, "pad_rows", lambda *a: pads.append(1) or real(*a))

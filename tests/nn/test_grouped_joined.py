@@ -16,8 +16,9 @@ from nn_cases import assert_bitwise
 from hybridfp import CustomRecipe, GroupedLinear, autocast, factories
 from hybridfp.moe import gemm as grouped
 from hybridfp.quantizers import IdentityQuantizer, MXFP8Quantizer
-from hybridfp.moe import quantize as qgrouped
-from hybridfp.moe.quantize import quantize_grouped, quantize_weights_grouped
+from hybridfp.moe import assemble as qgrouped
+from hybridfp.moe.quantize import quantize_grouped
+from hybridfp.moe.quantize_weights import quantize_weights_grouped
 from hybridfp.moe.expert_tensors import ExpertTensors
 
 IN = 64

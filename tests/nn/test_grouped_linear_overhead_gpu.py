@@ -126,7 +126,7 @@ def test_64_experts_fp8_on_joined_copies_and_triton_fp8_grouped(monkeypatch):
     1e-3 (a wrong scale, expert or block would be O(1); BF16 rounding flips alone give ~1e-4);
     an expert without tokens gets the same zero gradient."""
     from hybridfp.moe import gemm as g
-    from hybridfp.moe import quantize as qg
+    from hybridfp.moe import assemble as qg
     built: list[int] = []
     real_cut = qg._cut_scaled
     monkeypatch.setattr(qg, "_cut_scaled", lambda *a: built.append(len(a[1])) or real_cut(*a))
@@ -185,7 +185,7 @@ def test_large_fp8_experts_step_equals_per_expert_loop(monkeypatch, set_policy):
     """FP8 current scaling with the large-expert choices forced (per-expert cuBLAS fprop, each
     weight quantized on its own instead of stacked): the per-expert loop's step bit for bit."""
     from hybridfp.moe import gemm as g
-    from hybridfp.moe import quantize as qg
+    from hybridfp.moe import quantize_weights as qg
     set_policy(per_expert_fp8_flops=0.0, stack_scaled_max_numel=0)
     stacked = []
     real = qg._worth_stacking

@@ -116,7 +116,7 @@ def test_weights_quantized_from_the_parameter_itself(name, monkeypatch):
     no view-by-view adjacency check), cached as one entry (in its region, or kept through
     is_first_microbatch) that a recipe change or an update invalidates; the result is what the per-expert Parameters give (bitwise)."""
     from hybridfp.moe import grouped_linear
-    from hybridfp.moe import quantize as qgrouped
+    from hybridfp.moe import quantize_weights as qgrouped
 
     stacks, adjacency = [], []
     real, real_adj = grouped_linear.quantize_weights_grouped, qgrouped.adjacent_rows
@@ -145,7 +145,7 @@ def test_weights_quantized_from_the_parameter_itself(name, monkeypatch):
 
 
 def test_stacked_weights_must_be_the_views_stack():
-    from hybridfp.moe.quantize import quantize_weights_grouped
+    from hybridfp.moe.quantize_weights import quantize_weights_grouped
     w = torch.randn(4, 8, 16)
     qs = [hybridfp.MXFP8Quantizer() for _ in range(4)]
     with pytest.raises(ValueError, match=r"stacked must be the contiguous \[4, 8, 16\] tensor"):

@@ -11,7 +11,8 @@ import torch
 
 from hybridfp import factories
 from hybridfp.moe.joined import joined_rows
-from hybridfp.moe.quantize import quantize_grouped, row_local_mode
+from hybridfp.moe.plan import row_local_mode
+from hybridfp.moe.quantize import quantize_grouped
 from hybridfp.recipes import QuantizerRole
 from hybridfp.tensors.storage import DIRECTIONS, ROWWISE
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from hybridfp import factories
-from hybridfp.moe import quantize as grouped
+from hybridfp.moe import plan as grouped
 from hybridfp.moe.quantize import quantize_grouped
 
 from test_quantizers_grouped import USAGES, assert_same_storage, build
@@ -43,8 +43,8 @@ def test_same_quantizers_reuse_the_plan_object():
     memo: dict = {}
     qs = build(factories.BASE["mxfp8"], "input", USAGES["both"])
     splits = [0, 19, 45, 1, 130, 0, 33]
-    first = grouped._plan(qs, splits, memo)
-    assert grouped._plan(qs, splits, memo) is first
+    first = grouped.plan_for(qs, splits, memo)
+    assert grouped.plan_for(qs, splits, memo) is first
     assert _same_plan(first, _fresh(qs, splits))
 
 
@@ -53,15 +53,15 @@ def test_usage_change_replans():
     qs = build(factories.BASE["mxfp8"], "input", USAGES["both"])
     splits = [0, 19, 45, 1, 130, 0, 33]
     x = _rows(splits)
-    both = grouped._plan(qs, splits, memo)
+    both = grouped.plan_for(qs, splits, memo)
     assert both.col_q is not None
     for q in qs:
         q.set_usage(rowwise=True, columnwise=False)
-    rows_only = grouped._plan(qs, splits, memo)
+    rows_only = grouped.plan_for(qs, splits, memo)
     assert rows_only.col_q is None and _same_plan(rows_only, _fresh(qs, splits))
     _check_bits(qs, x, splits, "rowwise only after both", memo)
     qs[3].set_usage(rowwise=False, columnwise=True)  # one expert changes: still a correct plan
-    assert _same_plan(grouped._plan(qs, splits, memo), _fresh(qs, splits))
+    assert _same_plan(grouped.plan_for(qs, splits, memo), _fresh(qs, splits))
     _check_bits(qs, x, splits, "one expert columnwise", memo)
 
 
@@ -71,10 +71,10 @@ def test_split_divisibility_change_replans():
     qs = build(factories.BASE["float8_block_scaling"], "weight", [(True, False)] * 3)
     whole, ragged = [128, 256, 128], [128, 200, 128]
     x = _rows(whole, 128)
-    tiled = grouped._plan(qs, whole, memo)
+    tiled = grouped.plan_for(qs, whole, memo)
     assert tiled is not None and tiled.row_block == 128
-    assert _same_plan(grouped._plan(qs, ragged, memo), _fresh(qs, ragged))
-    assert grouped._plan(qs, ragged, memo) is not tiled
+    assert _same_plan(grouped.plan_for(qs, ragged, memo), _fresh(qs, ragged))
+    assert grouped.plan_for(qs, ragged, memo) is not tiled
     _check_bits(qs, x, whole, "whole tiles", memo)
     _check_bits(qs, _rows(ragged, 128), ragged, "ragged tiles", memo)
 
@@ -83,11 +83,11 @@ def test_instance_quantize_wrapper_disables_sharing_after_a_cached_plan():
     memo: dict = {}
     qs = build(factories.BASE["mxfp8"], "input", USAGES["rowwise"])
     splits = [0, 19, 45, 1, 130, 0, 33]
-    assert grouped._plan(qs, splits, memo) is not None
+    assert grouped.plan_for(qs, splits, memo) is not None
     seen = []
     real = qs[2].quantize
     qs[2].quantize = lambda x: (seen.append(x.shape[0]), real(x))[1]  # a spy on one instance
-    assert grouped._plan(qs, splits, memo) is None  # every expert quantizes on its own: the spy sees its call
+    assert grouped.plan_for(qs, splits, memo) is None  # every expert quantizes on its own: the spy sees its call
     quantize_grouped(qs, _rows(splits), splits, memo)
     assert seen == [45]
 
@@ -96,17 +96,17 @@ def test_amax_reduction_group_change_replans():
     memo: dict = {}
     qs = build(factories.BASE["current_scaling"], "input", USAGES["rowwise"])
     splits = [0, 19, 45, 1, 130, 0, 33]
-    assert grouped._plan(qs, splits, memo) is not None
+    assert grouped.plan_for(qs, splits, memo) is not None
     qs[1].set_amax_reduction_group(object())  # one expert reduces over another group
-    assert _same_plan(grouped._plan(qs, splits, memo), _fresh(qs, splits))
-    assert grouped._plan(qs, splits, memo) is None  # amaxes reduced over different groups: per expert
+    assert _same_plan(grouped.plan_for(qs, splits, memo), _fresh(qs, splits))
+    assert grouped.plan_for(qs, splits, memo) is None  # amaxes reduced over different groups: per expert
 
 
 def test_memo_is_bounded():
     memo: dict = {}
     splits = [32, 32]
     for _ in range(grouped.PLANS_KEPT + 10):
-        grouped._plan(build(factories.BASE["mxfp8"], "input", [(True, True)] * 2), splits, memo)
+        grouped.plan_for(build(factories.BASE["mxfp8"], "input", [(True, True)] * 2), splits, memo)
     assert 0 < len(memo) <= grouped.PLANS_KEPT
 
 
@@ -116,8 +116,8 @@ def test_without_a_memo_every_call_plans_afresh(monkeypatch):
     real = grouped._new_plan
     monkeypatch.setattr(grouped, "_new_plan", lambda *a: (calls.append(1), real(*a))[1])
     splits = [0, 19, 45, 1, 130, 0, 33]
-    grouped._plan(qs, splits)
-    grouped._plan(qs, splits)
+    grouped.plan_for(qs, splits)
+    grouped.plan_for(qs, splits)
     assert len(calls) == 2
 
 

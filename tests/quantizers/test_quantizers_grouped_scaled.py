@@ -15,8 +15,9 @@ from test_quantizers_grouped import SPLITS, data
 from hybridfp import factories
 from hybridfp.quantizers import (Float8CurrentScalingQuantizer, Float8Quantizer, HybridQuantizer,
                                  MXFP8Quantizer, NVFP4Quantizer)
-from hybridfp.moe import quantize as qgrouped
-from hybridfp.moe.quantize import BOTH, ROWS, group_scaled_mode, quantize_grouped
+from hybridfp.moe import plan as qplan
+from hybridfp.moe.quantize import quantize_grouped
+from hybridfp.moe.quantize_scaled import BOTH, ROWS, group_scaled_mode
 from hybridfp.recipes import QuantizerRole
 from hybridfp.moe.expert_tensors import ExpertTensors
 from hybridfp.tensors.storage import COLUMNWISE, DIRECTIONS, ROWWISE
@@ -165,10 +166,10 @@ def test_plans():
     assert group_scaled_mode(NVFP4Quantizer(stochastic_rounding=True)) is None
     assert group_scaled_mode(NVFP4Quantizer(with_2d_quantization=True)) is None
     plain = [NVFP4Quantizer() for _ in range(3)]
-    assert qgrouped._plan(plain, [4, 4, 4]) is None  # rowwise + columnwise: per expert
+    assert qplan.plan_for(plain, [4, 4, 4]) is None  # rowwise + columnwise: per expert
     for q in plain:
         q.set_usage(rowwise=True, columnwise=False)
-    assert qgrouped._plan(plain, [4, 4, 4]).scaled == ROWS
+    assert qplan.plan_for(plain, [4, 4, 4]).scaled == ROWS
 
 
 def test_delayed_scaling_records_each_experts_amax():

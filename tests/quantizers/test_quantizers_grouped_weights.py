@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_quantizers_grouped import FACTORIES, assert_same_storage, build
 
-from hybridfp.moe.quantize import quantize_weights_grouped
+from hybridfp.moe.quantize_weights import quantize_weights_grouped
 
 K = 72
 
@@ -67,7 +67,7 @@ def test_large_per_tensor_scaled_weights_are_quantized_per_expert(monkeypatch, s
     """FP8 current scaling shares launches, not encodings: experts above
     the policy's ``stack_scaled_max_numel`` elements are quantized one by one (no stacking copy) unless they
     already are one buffer; below it they are stacked. Every way equals each expert's quantize."""
-    from hybridfp.moe import quantize as qg
+    from hybridfp.moe import quantize_weights as qg
     name = "current_scaling"
     ws = weights(48)
     if adjacent:
