@@ -112,7 +112,7 @@ def ops_per_step(recipe: hybridfp.Recipe, experts: int, hidden: int = 64, ffn: i
 
 def stub_kernels(setattr: Callable = setattr) -> None:
     """This process only (a measuring switch): the fused quantize kernels taken as on CUDA
-    (``quantizers.fast._device_ok`` true for any high-precision tensor), every Triton launch a
+    (``quantizers.fast.device_ok`` true for any high-precision tensor), every Triton launch a
     no-op (compiled or interpreted), so a step's host work is what the GPU's quantize path
     runs in Python and aten. Pair it with ``stub_cublas`` and ``stub_grouped_mm``."""
     import triton.runtime.interpreter as interpreter
@@ -126,7 +126,7 @@ def stub_kernels(setattr: Callable = setattr) -> None:
 
     setattr(jit.JITFunction, "run", no_launch)
     setattr(interpreter.InterpretedFunction, "run", no_launch)
-    setattr(fast, "_device_ok", lambda x, rows=None: x.dtype in HIGH_PRECISION_DTYPES)
+    setattr(fast, "device_ok", lambda x, rows=None: x.dtype in HIGH_PRECISION_DTYPES)
 
 
 def python_calls_per_step(recipe: hybridfp.Recipe, experts: int, hidden: int = 64, ffn: int = 128,

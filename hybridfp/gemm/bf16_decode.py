@@ -25,9 +25,7 @@ is the same object with the same ``data_ptr`` and ``_version`` — in-place re-q
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
-from types import ModuleType
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -49,36 +47,36 @@ def bf16_exact_reason(storage: QuantizedStorage, direction: str) -> Optional[str
     return storage.part(direction).bf16_exact_reason(direction)
 
 
-def _kernels() -> ModuleType:
-    """``hybridfp.kernels.triton_decode``, imported at first use: importing Triton fixes its
-    interpreted / compiled mode and costs about a second (see ``quantizers/fast.py``)."""
-    return importlib.import_module("hybridfp.kernels.triton_decode")
-
-
 # ---------------------------------------------------------------------------- kernel decoders
+# Each imports ``kernels.triton_decode`` at its first call: importing Triton fixes its interpreted /
+# compiled mode and costs about a second (see ``quantizers/fast.py``).
 def _mxfp8(s: QuantizedStorage, direction: str) -> GemmOperand:
+    from ..kernels import triton_decode
     p = s.payload(direction)
-    v = _kernels().decode_mxfp8(p["data"], p["scale"], block_2d=bool(s.meta["block_2d"]))
+    v = triton_decode.decode_mxfp8(p["data"], p["scale"], block_2d=bool(s.meta["block_2d"]))
     return GemmOperand(v, None, p["data"].shape[1])
 
 
 def _fp8(s: QuantizedStorage, direction: str) -> GemmOperand:
+    from ..kernels import triton_decode
     p = s.payload(direction)
-    return GemmOperand(_kernels().decode_fp8(p["data"]), s.epilogue_scale(direction), p["data"].shape[1])
+    return GemmOperand(triton_decode.decode_fp8(p["data"]), s.epilogue_scale(direction), p["data"].shape[1])
 
 
 def _fp8_block(s: QuantizedStorage, direction: str) -> GemmOperand:
+    from ..kernels import triton_decode
     p = s.payload(direction)
-    v = _kernels().decode_fp8_block(p["data"], p["scale_inv"], block=int(s.meta["block"]),
-                                    block_dim=int(s.meta["block_dim"]))
+    v = triton_decode.decode_fp8_block(p["data"], p["scale_inv"], block=int(s.meta["block"]),
+                                       block_dim=int(s.meta["block_dim"]))
     return GemmOperand(v, None, p["data"].shape[1])
 
 
 def _nvfp4(s: QuantizedStorage, direction: str) -> GemmOperand:
     """As ``NVFP4Storage.gemm_operand``: an RHT copy keeps its 16-padded stored length."""
+    from ..kernels import triton_decode
     p = s.payload(direction)
     k, stored, rht_on = s.reduction_layout(direction)
-    v = _kernels().decode_nvfp4(p["data"], p["scale"], stored, block_2d=bool(s.meta["block_2d"]))
+    v = triton_decode.decode_nvfp4(p["data"], p["scale"], stored, block_2d=bool(s.meta["block_2d"]))
     return GemmOperand(v, s.epilogue_scale(direction), k, rht_on)
 
 

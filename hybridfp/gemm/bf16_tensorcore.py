@@ -42,11 +42,9 @@ of one step decode each weight copy once. ``cache_weight_decodes(False)`` turns 
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 from contextlib import contextmanager
 from functools import lru_cache
-from types import ModuleType
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -78,12 +76,6 @@ def _opts(key: FormatKey) -> Optional[tuple[str, dict]]:
         return name, dict(opts)
     except (TypeError, ValueError):
         return None
-
-
-def _epilogue() -> ModuleType:
-    """``hybridfp.kernels.triton_epilogue``, imported at the first CUDA GEMM (Triton's import
-    fixes its interpreted / compiled mode; see ``quantizers/fast.py``)."""
-    return importlib.import_module("hybridfp.kernels.triton_epilogue")
 
 
 def _rht_flags(key_a: FormatKey, key_b: FormatKey) -> Optional[tuple[bool, bool]]:
@@ -216,11 +208,13 @@ def finish(acc: torch.Tensor, a: GemmOperand, b: GemmOperand, out_dtype: torch.d
         return acc if out is None else out.copy_(acc)
     if acc.device.type != "cuda":
         return epilogue(acc, a, b, out_dtype, bias, accumulate_into)
-    kernel = _epilogue()
-    if not kernel.supported(out_dtype, accumulate_into):
+    # imported at the first CUDA GEMM (Triton's import fixes its interpreted / compiled mode;
+    # see quantizers/fast.py)
+    from ..kernels import triton_epilogue
+    if not triton_epilogue.supported(out_dtype, accumulate_into):
         return epilogue(acc, a, b, out_dtype, bias, accumulate_into)
     with torch.cuda.device(acc.device):
-        return kernel.epilogue(acc, a.scale, b.scale, bias, out_dtype, accumulate_into, out=out)
+        return triton_epilogue.epilogue(acc, a.scale, b.scale, bias, out_dtype, accumulate_into, out=out)
 
 
 def _emulated(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, why: str,

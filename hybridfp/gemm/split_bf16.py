@@ -35,7 +35,6 @@ tests run this exact code path.
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable, Optional
 
 import torch
@@ -115,8 +114,8 @@ def _parts(op: GemmOperand) -> Optional[torch.Tensor]:
     (``kernels/triton_split_rht.py``, one synchronizing read of its three flags); elsewhere
     PyTorch (``original_domain_values`` + ``exact_parts``)."""
     if op.values.is_cuda:
-        kernel = importlib.import_module("hybridfp.kernels.triton_split_rht")
-        both, flags = kernel.inverse_rht_split(op.values, op.k)
+        from ..kernels import triton_split_rht
+        both, flags = triton_split_rht.inverse_rht_split(op.values, op.k)
         inexact, mid, lo = flags.tolist()
         if inexact:
             return None

@@ -32,7 +32,6 @@ bench.bench_moe``'s "[Triton grouped]" and "[per-expert GEMMs]" rows):
 
 from __future__ import annotations
 
-import importlib
 from typing import Optional, Sequence, Union
 
 import torch
@@ -74,7 +73,8 @@ def unsupported(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], 
 
 
 def _kernels():
-    return importlib.import_module("hybridfp.kernels.moe.triton_grouped_gemm")
+    from ..kernels.moe import triton_grouped_gemm
+    return triton_grouped_gemm
 
 
 def _spread(scales: Sequence[Optional[torch.Tensor]], sizes: Sequence[int], device: torch.device

@@ -83,7 +83,7 @@ def encode_group_scaled(q: Quantizer, x: torch.Tensor, splits: Sequence[int], ro
     splits = [int(m) for m in splits]
     if kernel is None:
         kernel = x.numel() > 0 and select_quantize_kernel(q, x, rowwise, columnwise) is not None
-    with fast._on_device(x):
+    with fast.on_device(x):
         return GROUP_SCALED[type(q)].encode(q, x, splits, rowwise, columnwise, kernel)
 
 
@@ -230,7 +230,8 @@ def _nvfp4_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], rowwise:
         group = _row_groups(splits, x.device)
         amax = _reduced(q, _fp8_kernels().group_amax(x, group, len(splits)))
         row_amax = amax[group]
-        (data, scale), _ = fast._kernels("triton_nvfp4").quantize_1d(x, row_amax, None)
+        from ..kernels import triton_nvfp4
+        (data, scale), _ = triton_nvfp4.quantize_1d(x, row_amax, None)
     else:
         counts = device_tensor(list(splits), x.device)
         amax = _reduced(q, _segment_amax(x, counts))
@@ -281,9 +282,10 @@ def nvfp4_mxfp8_groups(hq: Quantizer, padded: torch.Tensor, splits: Sequence[int
     cols = padded.shape[1]
     group = _row_groups(padded_splits, padded.device)
     dec_row, dec_col = ROWWISE in hq.hold_decoded, COLUMNWISE in hq.hold_decoded
-    with fast._on_device(padded):
+    from ..kernels import triton_hybrid_nvfp4
+    with fast.on_device(padded):
         amax = _reduced(rq, _fp8_kernels().group_amax(padded, group, len(splits)))
-        row, col = fast._kernels("triton_hybrid_nvfp4").quantize(
+        row, col = triton_hybrid_nvfp4.quantize(
             padded, amax[group], cq.dtype, rule=cq.scale_rule, rowwise=True, columnwise=True,
             source="rowwise_dequantized", decoded=(dec_row, dec_col))
     meta = rq.storage_meta()
@@ -317,7 +319,7 @@ def fused_nvfp4_mxfp8_supported(hq: Quantizer, x: torch.Tensor) -> bool:
     rq, cq = hq.rowwise_quantizer, hq.columnwise_quantizer
     return (type(rq) is NVFP4Quantizer and group_scaled_mode(rq) == ROWS and not rq.with_rht
             and type(cq) is MXFP8Quantizer and not cq.with_2d_quantization and not cq.uses_randomness()
-            and x.numel() > 0 and current_policy().quantize_kernels and fast._device_ok(x))
+            and x.numel() > 0 and current_policy().quantize_kernels and fast.device_ok(x))
 
 
 #: Quantizers whose per-tensor scale comes from the tensor's own amax, so every expert's scale

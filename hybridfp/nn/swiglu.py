@@ -22,10 +22,8 @@ read in place.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import math
-from types import ModuleType
 from typing import Any, Optional
 
 import torch
@@ -39,12 +37,6 @@ from ..tensors import known_amax
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 #: Dtypes the CUDA kernels take.
 KERNEL_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _kernels() -> ModuleType:
-    """``hybridfp.kernels.triton_swiglu``, imported at the first kernel call: Triton's import fixes
-    its compiled / interpreted mode, and CPU-only users skip its cost (see quantizers/fast.py)."""
-    return importlib.import_module("hybridfp.kernels.triton_swiglu")
 
 
 def _uses_kernels(g: torch.Tensor) -> bool:
@@ -96,7 +88,9 @@ class SwiGLUFunction(torch.autograd.Function):
         ctx.record_amax = state is not None and state.reads_known_amax
         if not _uses_kernels(g):
             return F.silu(g) * u
-        k = _kernels()
+        # imported at the first kernel call: Triton's import fixes its compiled / interpreted
+        # mode, and CPU-only users skip its cost (see quantizers/fast.py)
+        from ..kernels import triton_swiglu as k
         buf = k.amax_buffer(g, 1) if ctx.record_amax else None
         h = k.swiglu_forward(_rows(g), _rows(u), amax_out=buf)
         if buf is not None:
@@ -109,7 +103,7 @@ class SwiGLUFunction(torch.autograd.Function):
         g, u = ctx.saved_tensors
         need_g, need_u = ctx.needs_input_grad
         if _uses_kernels(g):  # one pass writes both (a second output costs less than a second pass)
-            k = _kernels()
+            from ..kernels import triton_swiglu as k
             buf = k.amax_buffer(g, 2) if ctx.record_amax else None
             dg, du = k.swiglu_backward(_rows(dh), _rows(g), _rows(u), amax_out=buf)
             if buf is not None:

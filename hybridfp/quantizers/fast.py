@@ -33,17 +33,16 @@ Empty inputs go to the reference (nothing to launch). ``run`` also works on CPU 
 Triton runs in interpreter mode (how the CPU tests call it); ``supports`` only selects the
 kernels for CUDA tensors. Without Triton nothing is registered.
 
-The kernel modules (and so Triton) are imported at the first kernel call, not with hybridfp:
-``@triton.jit`` fixes compiled vs interpreted mode (``TRITON_INTERPRET``) when Triton and the
-kernels are imported, and importing Triton costs about a second that CPU-only users skip.
+The kernel modules (and so Triton) are imported inside the functions that launch them, at the
+first kernel call, not with hybridfp: ``@triton.jit`` fixes compiled vs interpreted mode
+(``TRITON_INTERPRET``) when Triton and the kernels are imported, importing Triton costs about a
+second that CPU-only users skip, and Triton is an optional dependency.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
-from contextlib import nullcontext
-from types import ModuleType
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Hashable, Optional
 
 import torch
@@ -64,18 +63,27 @@ from .backends import (QuantizeKernel, hybrid_quantize_kernel, register_hybrid_q
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def _kernels(name: str) -> ModuleType:
-    """``hybridfp.kernels.<name>``, imported at first use (see the module docstring)."""
-    return importlib.import_module(f"hybridfp.kernels.{name}")
-
-
 #: Kernels index inside a tile with int32 offsets (``kernels._common.check_int32_tiles``):
 #: 256 * (rows + cols + strides) must stay below 2**31.
 _INT32_TILE_LIMIT = 2**31 // 256 - 1
 
 
-def _device_ok(x: torch.Tensor, rows: Optional[int] = None) -> bool:
-    """Whether the kernels take ``x`` (``rows``: as many rows gathered from it instead)."""
+def device_ok(x: torch.Tensor, rows: Optional[int] = None) -> bool:
+    """Whether the Triton quantize kernels take ``x``.
+
+    Parameters
+    ----------
+    x:
+        The input: a CUDA tensor of a high-precision dtype (with Triton installed) qualifies
+        while its rows, columns and strides fit the kernels' int32 in-tile offsets.
+    rows:
+        The kernel reads as many rows gathered from ``x`` (a row map) instead of x's own.
+
+    Returns
+    -------
+    bool
+        True where a kernel may run on ``x``.
+    """
     if not (HAVE_TRITON and x.is_cuda and x.dtype in HIGH_PRECISION_DTYPES):
         return False
     cols = x.shape[-1] if x.dim() else 1
@@ -83,8 +91,20 @@ def _device_ok(x: torch.Tensor, rows: Optional[int] = None) -> bool:
     return rows + cols + sum(abs(s) for s in x.stride()) < _INT32_TILE_LIMIT
 
 
-def _on_device(x: torch.Tensor):
-    """Launch on x's GPU (Triton launches on the current device)."""
+def on_device(x: torch.Tensor) -> AbstractContextManager:
+    """The context in which kernels for ``x`` launch: ``x``'s GPU made current (Triton launches
+    on the current device).
+
+    Parameters
+    ----------
+    x:
+        The kernel's input tensor.
+
+    Returns
+    -------
+    AbstractContextManager
+        ``torch.cuda.device(x.device)`` for a CUDA tensor, else a context that does nothing.
+    """
     return torch.cuda.device(x.device) if x.is_cuda else nullcontext()
 
 
@@ -101,7 +121,8 @@ def _tensor_amax(x2: torch.Tensor, q: Any) -> torch.Tensor:
     pass's read of x2; it is cloned before an in-place all-reduce so the record stays x2's own."""
     known = known_amax.recall(x2)
     if known is None:
-        return _reduce(_kernels("_common").global_amax(x2), q)
+        from ..kernels import _common
+        return _reduce(_common.global_amax(x2), q)
     return _reduce(known.clone() if q.with_amax_reduction else known, q)
 
 
@@ -117,9 +138,10 @@ def _fp8_current_run(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool,
     if x.numel() == 0:
         return q.reference_encode(x, rowwise, columnwise, seed)
     x2 = as_2d(x)
-    with _on_device(x):
+    from ..kernels import triton_fp8_tensorwise
+    with on_device(x):
         amax = _tensor_amax(x2, q)
-        rd, cd, scale_inv, _ = _kernels("triton_fp8_tensorwise").quantize(
+        rd, cd, scale_inv, _ = triton_fp8_tensorwise.quantize(
             x2, q.dtype, amax=amax, eps=q.amax_epsilon, power_2_scale=q.force_pow_2_scales,
             rowwise=rowwise, columnwise=columnwise)
     return _fp8_storage(q, x, rd, cd, scale_inv)
@@ -130,8 +152,9 @@ def _fp8_delayed_run(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool,
     if x.numel() == 0:
         return q.reference_encode(x, rowwise, columnwise, seed)
     q._state_to(x.device)
-    with _on_device(x):
-        rd, cd, scale_inv, amax = _kernels("triton_fp8_tensorwise").quantize(
+    from ..kernels import triton_fp8_tensorwise
+    with on_device(x):
+        rd, cd, scale_inv, amax = triton_fp8_tensorwise.quantize(
             as_2d(x), q.dtype, scale=q.scale, rowwise=rowwise, columnwise=columnwise)
     q.record_amax(amax)
     return _fp8_storage(q, x, rd, cd, scale_inv)
@@ -142,8 +165,9 @@ def _fp8_block_run(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool,
                    seed: Optional[int] = None):
     if x.numel() == 0:
         return q.reference_encode(x, rowwise, columnwise, seed)
-    with _on_device(x):
-        row, col = _kernels("triton_fp8_block").quantize(
+    from ..kernels import triton_fp8_block
+    with on_device(x):
+        row, col = triton_fp8_block.quantize(
             as_2d(x), q.dtype, block_dim=q.block_scaling_dim, power_2_scale=q.force_pow_2_scales,
             eps=q.amax_epsilon, rowwise=rowwise, columnwise=columnwise)
     return Float8BlockStorage(x.shape, x.dtype, _payload(row, "data", "scale_inv"),
@@ -159,10 +183,10 @@ def _mxfp8_run(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool,
                seed: Optional[int] = None):
     if x.numel() == 0:
         return q.reference_encode(x, rowwise, columnwise, seed)
-    with _on_device(x):
-        row, col = _kernels("triton_mxfp8").quantize(as_2d(x), q.dtype, rule=q.scale_rule,
-                                         block_2d=q.with_2d_quantization, rowwise=rowwise,
-                                         columnwise=columnwise, decoded=bool(q.hold_decoded))
+    from ..kernels import triton_mxfp8
+    with on_device(x):
+        row, col = triton_mxfp8.quantize(as_2d(x), q.dtype, rule=q.scale_rule, block_2d=q.with_2d_quantization,
+                                         rowwise=rowwise, columnwise=columnwise, decoded=bool(q.hold_decoded))
     return _mxfp8_storage(q, x.shape, x.dtype, row, col)
 
 
@@ -178,7 +202,7 @@ def _mxfp8_storage(q: Any, shape: torch.Size, dtype: torch.dtype, row, col) -> Q
 
 def _mxfp8_row_mapped_supports(q: Any, x2: torch.Tensor, rows: int) -> bool:
     """1D MXFP8 of a CUDA input whose gathered ``rows`` still fit the kernels' int32 tiles."""
-    return not q.with_2d_quantization and x2.dim() == 2 and _device_ok(x2, rows)
+    return not q.with_2d_quantization and x2.dim() == 2 and device_ok(x2, rows)
 
 
 def _mxfp8_row_mapped_run(q: Any, x2: torch.Tensor, row_map: torch.Tensor,
@@ -186,9 +210,10 @@ def _mxfp8_row_mapped_run(q: Any, x2: torch.Tensor, row_map: torch.Tensor,
     """(x2's own rowwise copy if ``rowwise``, the MXFP8 1D columnwise copy of the rows of x2
     gathered by ``row_map``) in one pass, no gathered copy written
     (``triton_mxfp8.quantize(row_map=...)``)."""
-    with _on_device(x2):
-        row, col = _kernels("triton_mxfp8").quantize(x2, q.dtype, rule=q.scale_rule, rowwise=rowwise,
-                                                     row_map=row_map, decoded=bool(q.hold_decoded))
+    from ..kernels import triton_mxfp8
+    with on_device(x2):
+        row, col = triton_mxfp8.quantize(x2, q.dtype, rule=q.scale_rule, rowwise=rowwise,
+                                         row_map=row_map, decoded=bool(q.hold_decoded))
     rows = _mxfp8_storage(q, x2.shape, x2.dtype, row, None) if rowwise else None
     return rows, _mxfp8_storage(q, torch.Size((row_map.shape[0], x2.shape[1])), x2.dtype, None, col)
 
@@ -196,7 +221,7 @@ def _mxfp8_row_mapped_run(q: Any, x2: torch.Tensor, row_map: torch.Tensor,
 # ---------------------------------------------------------------------------- NVFP4
 def _nvfp4_supports(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool) -> bool:
     # A row-scaled columnwise request is an error the reference raises.
-    return _device_ok(x) and not (q.row_scaled_nvfp4 and columnwise)
+    return device_ok(x) and not (q.row_scaled_nvfp4 and columnwise)
 
 
 def _nvfp4_run(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool,
@@ -207,8 +232,8 @@ def _nvfp4_run(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool,
         seed = q.draw_seed()
     x2 = as_2d(x)
     sr = q.stochastic_rounding
-    nv = _kernels("triton_nvfp4")
-    with _on_device(x):
+    from ..kernels import triton_nvfp4 as nv
+    with on_device(x):
         if q.with_2d_quantization:
             amax = _reduce(nv.amaxes(x2)[0], q)
             row, col = nv.quantize_2d(x2, amax, rowwise=rowwise, columnwise=columnwise,
@@ -229,7 +254,7 @@ def _nvfp4_run(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool,
 
 
 def _supports_any(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool) -> bool:
-    return _device_ok(x)
+    return device_ok(x)
 
 
 # ---------------------------------------------------------------------------- kernel keys
@@ -273,9 +298,10 @@ def _hybrid_fp8_current_block_run(hq: Any, x: torch.Tensor, rowwise: bool, colum
     if x.numel() == 0 or not (rowwise and columnwise):
         return hq.reference_encode(x, rowwise, columnwise, seed)
     x2 = as_2d(x)
-    with _on_device(x):
+    from ..kernels import triton_hybrid_fp8
+    with on_device(x):
         amax = _tensor_amax(x2, rq)
-        (rd, sinv), (cd, cs) = _kernels("triton_hybrid_fp8").quantize(
+        (rd, sinv), (cd, cs) = triton_hybrid_fp8.quantize(
             x2, amax, rq.dtype, cq.dtype, row_eps=rq.amax_epsilon, row_power_2_scale=rq.force_pow_2_scales,
             col_eps=cq.amax_epsilon, col_power_2_scale=cq.force_pow_2_scales)
     row = Float8Storage(x.shape, x.dtype, {"data": rd, "scale_inv": sinv}, None, label=rq.label,
@@ -286,13 +312,13 @@ def _hybrid_fp8_current_block_run(hq: Any, x: torch.Tensor, rowwise: bool, colum
 
 
 def _hybrid_both(hq: Any, x: torch.Tensor, rowwise: bool, columnwise: bool) -> bool:
-    return _device_ok(x) and rowwise and columnwise
+    return device_ok(x) and rowwise and columnwise
 
 
 def _hybrid_nvfp4_mxfp8_supports(hq: Any, x: torch.Tensor, rowwise: bool, columnwise: bool) -> bool:
     # a rowwise-only copy held decoded too (the NVFP4 kernel writes codes only)
     derive = hq.columnwise_source == "rowwise_dequantized"
-    return _device_ok(x) and ((columnwise and (rowwise or derive)) or (rowwise and ROWWISE in hq.hold_decoded))
+    return device_ok(x) and ((columnwise and (rowwise or derive)) or (rowwise and ROWWISE in hq.hold_decoded))
 
 
 def _hybrid_nvfp4_mxfp8_run(hq: Any, x: torch.Tensor, rowwise: bool, columnwise: bool,
@@ -307,10 +333,11 @@ def _hybrid_nvfp4_mxfp8_run(hq: Any, x: torch.Tensor, rowwise: bool, columnwise:
         return hq.reference_encode(x, rowwise, columnwise, seed)
     x2 = as_2d(x)
     rs = rq.row_scaled_nvfp4
-    with _on_device(x):
-        g, per_row, _ = _kernels("triton_nvfp4").amaxes(x2, amax=not rs, row_amax=rs)
+    from ..kernels import triton_hybrid_nvfp4, triton_nvfp4
+    with on_device(x):
+        g, per_row, _ = triton_nvfp4.amaxes(x2, amax=not rs, row_amax=rs)
         amax = per_row if rs else _reduce(g, rq)
-        row, col = _kernels("triton_hybrid_nvfp4").quantize(
+        row, col = triton_hybrid_nvfp4.quantize(
             x2, amax, cq.dtype, rule=cq.scale_rule, rowwise=rowwise, columnwise=columnwise,
             source=hq.columnwise_source, decoded=(dec_row, dec_col))
     rp = None
@@ -336,11 +363,11 @@ def _hybrid_mxfp8_nvfp4_run(hq: Any, x: torch.Tensor, rowwise: bool, columnwise:
         return hq.reference_encode(x, rowwise, columnwise, seed)
     x2 = as_2d(x)
     post_rht = cq.with_rht and cq.with_post_rht_amax
-    with _on_device(x):
-        g, _, rht_amax = _kernels("triton_nvfp4").amaxes(x2, amax=not post_rht, rht_amax=post_rht)
+    from ..kernels import triton_hybrid_mxfp8_nvfp4, triton_nvfp4
+    with on_device(x):
+        g, _, rht_amax = triton_nvfp4.amaxes(x2, amax=not post_rht, rht_amax=post_rht)
         amax = _reduce(rht_amax if post_rht else g, cq)
-        row, col = _kernels("triton_hybrid_mxfp8_nvfp4").quantize(x2, amax, rq.dtype, rule=rq.scale_rule,
-                                                                  rht=cq.with_rht)
+        row, col = triton_hybrid_mxfp8_nvfp4.quantize(x2, amax, rq.dtype, rule=rq.scale_rule, rht=cq.with_rht)
     rp = MXFP8Storage(x.shape, x.dtype, _payload(row, "data", "scale"), None, label=rq.label,
                       **rq.storage_meta())
     cp = NVFP4Storage(x.shape, x.dtype, None, {"data": col[0], "scale": col[1], "amax": amax}, label=cq.label,

@@ -298,7 +298,7 @@ def test_hybrid_kernel_registry():
 def test_hybrid_dispatch_quantize(monkeypatch):
     """With the device check opened to CPU tensors, quantize() selects the fused kernel and
     equals the reference path (kernels off)."""
-    monkeypatch.setattr(fast, "_device_ok", lambda x: True)
+    monkeypatch.setattr(fast, "device_ok", lambda x: True)
     x = edge_tensor((64, 96), torch.bfloat16, seed=9)
     for name, (make, kernel) in PAIRS.items():
         hq = make()

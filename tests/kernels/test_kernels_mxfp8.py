@@ -76,7 +76,7 @@ def test_mxfp8_kernel_zeros_and_tiles(block_2d):
 def test_mxfp8_dispatch_and_hybrid(monkeypatch):
     """With the device check opened to CPU tensors, quantize() (and a hybrid's children, with
     rowwise_dequantized) goes through the kernel and equals the reference path."""
-    monkeypatch.setattr(fast, "_device_ok", lambda x: True)
+    monkeypatch.setattr(fast, "device_ok", lambda x: True)
     x = edge_tensor((40, 64), torch.bfloat16, seed=7)
     hybrid = HybridQuantizer(MXFP8Quantizer(), MXFP8Quantizer(E5M2, scale_rule="floor"),
                              "rowwise_dequantized")

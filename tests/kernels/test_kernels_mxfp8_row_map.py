@@ -135,7 +135,7 @@ def test_grouped_columnwise_reads_through_row_map(splits, monkeypatch):
     copies equal its own encode, the row-mapped kernel ran once (both copies), and no padded
     copy was written."""
     from hybridfp.quantizers import backends
-    monkeypatch.setattr(fast, "_device_ok", lambda x, rows=None: True)
+    monkeypatch.setattr(fast, "device_ok", lambda x, rows=None: True)
     mapped, padded = [], []
     supports, run = backends.ROW_MAPPED_KERNELS[MXFP8Quantizer]
     monkeypatch.setitem(backends.ROW_MAPPED_KERNELS, MXFP8Quantizer,

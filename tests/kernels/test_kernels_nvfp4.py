@@ -261,7 +261,7 @@ def test_nvfp4_kernel_amax_reduction(monkeypatch):
 def test_nvfp4_dispatch_hybrids(monkeypatch):
     """MXFP8 forward / NVFP4 RHT backward, and NVFP4 double quantization (rowwise_dequantized),
     through quantize() with the kernels vs the reference path."""
-    monkeypatch.setattr(fast, "_device_ok", lambda x: True)
+    monkeypatch.setattr(fast, "device_ok", lambda x: True)
     x = edge_tensor((48, 64), torch.bfloat16, seed=12)
     for q in (HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(with_rht=True)),
               HybridQuantizer(NVFP4Quantizer(), NVFP4Quantizer(), "rowwise_dequantized"),

@@ -59,7 +59,7 @@ def check(src: torch.Tensor, splits, block: int) -> None:
 @pytest.mark.parametrize("block", [32, 128])
 def test_pad_rows_matches_the_reference_bitwise(dtype, block, monkeypatch):
     """The kernel path, forced on the CPU tensors the interpreter runs on."""
-    monkeypatch.setattr(qgrouped.fast, "_device_ok", lambda x: True)
+    monkeypatch.setattr(qgrouped.fast, "device_ok", lambda x: True)
     src = specials(edge_tensor((sum(SPLITS), 40), torch.float32, seed=3, specials=True).to(dtype))
     check(src, SPLITS, block)
     wide = specials(edge_tensor((sum(SPLITS), 2 * 40), torch.float32, seed=4).to(dtype))

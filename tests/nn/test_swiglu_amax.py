@@ -131,7 +131,7 @@ def test_swiglu_records_where_a_module_reads_it(monkeypatch):
 def test_fp8_current_uses_the_known_amax(fp8, monkeypatch):
     """The quantizer takes the recorded amax (its own amax pass is not run) and its result is
     the reference's, bitwise; a stale record (in-place write) is not used."""
-    monkeypatch.setattr(fast, "_device_ok", lambda x: True)
+    monkeypatch.setattr(fast, "device_ok", lambda x: True)
     g, u, _ = _inputs((24, 64), torch.bfloat16)
     buf = triton_swiglu.amax_buffer(g, 1)
     h = triton_swiglu.swiglu_forward(g, u, amax_out=buf)
@@ -158,7 +158,7 @@ def test_fused_hybrid_fp8_current_block_uses_the_known_amax(monkeypatch):
     """Hybrid(row=FP8 current, col=FP8 block 1D), the fused kernel of the hybrid recipe, takes the
     recorded amax too (its rowwise scale is the FP8-current one), bitwise the reference."""
     from hybridfp import Float8BlockQuantizer, HybridQuantizer
-    monkeypatch.setattr(fast, "_device_ok", lambda x: True)
+    monkeypatch.setattr(fast, "device_ok", lambda x: True)
     g, u, _ = _inputs((24, 256), torch.bfloat16)
     buf = triton_swiglu.amax_buffer(g, 1)
     h = triton_swiglu.swiglu_forward(g, u, amax_out=buf)
