@@ -134,7 +134,7 @@ CASES: dict[str, tuple] = {
        for what, row, col, mapped in [("row+col", True, True, False), ("row", True, False, False),
                                       ("col", False, True, False), ("row+col, row map", True, True, True)]},
     # MXFP8 1D method="natural": the columnwise copy from natural [rs, BC] slices (the rowwise one unchanged),
-    # E4M3 code words from two paired inline-PTX conversions (_common.e4m3_word4), WIDE as launched
+    # E4M3 code words from two paired inline-PTX conversions (_common_encode.e4m3_word4), WIDE as launched
     **{f"mxfp8 natural {what} {t} rs{rs} nw{nw}": (
         "triton_mxfp8", "_mxfp8_1d_kernel", _MX_SIG,
         dict(_FP8, sxc=1, ROW=row, COL=col, DTYPE=1, BR=t[0], BC=t[1], PACK=True, HW=2, MAP=mapped, NATURAL=True,

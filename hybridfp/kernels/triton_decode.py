@@ -23,7 +23,7 @@ least 2**-10 and never subnormal.
 FP8 codes are widened with Triton's FP8 -> FP32 conversion, which is exact for every finite
 code in both modes; the interpreter gets NaN / inf codes wrong (E4M3 0x7F -> 480, E5M2 inf ->
 65536), so those are set from the code bits. NaN results use the bits torch's BF16 cast gives
-on the device (``_common.bf16_nan_bits``). Outputs are written as int16 bits (the
+on the device (``_common_encode.bf16_nan_bits``). Outputs are written as int16 bits (the
 interpreter's BF16 cast truncates).
 
 Speed: the decode reaches well under device-copy bandwidth (bytes read + written), less than a
@@ -39,7 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import bf16_nan16, e2m1_value, empty, program_tile, tile_grid
+from ._common import empty, program_tile, tile_grid
+from ._common_encode import bf16_nan16, e2m1_value
 
 #: kernel kinds: FP8 codes alone, x E8M0 bytes, x power-of-two FP32, packed E2M1 x E4M3
 _PLAIN, _E8M0, _POW2_F32, _NVFP4 = (tl.constexpr(i) for i in range(4))

@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import bf16_nan16, empty
+from ._common import empty
+from ._common_encode import bf16_nan16
 
 #: output dtype -> constexpr code
 OUT_CODE: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

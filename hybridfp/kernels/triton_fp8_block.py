@@ -17,10 +17,10 @@ stores (``_common`` says why). The kernels are instruction-issue bound
 scales (:func:`block_scale`, :func:`block_inv`) and masks on interior tiles (``EVEN``).
 
 B = 128 by default (any power of two >= 32 works). Bitwise equal to ``formats.fp8_block``:
-the block scale is ``_common.current_scale`` of the NaN-propagating block amax (FP32 IEEE
-division, optional power-of-two round-down, then at least ``_common.min_pow2_scale``:
+the block scale is ``_common_encode.current_scale`` of the NaN-propagating block amax (FP32 IEEE
+division, optional power-of-two round-down, then at least ``_common_encode.min_pow2_scale``:
 saturation near the FP32 maximum), ``scale_inv = 1 / scale`` (IEEE), data
-``fp8(clamp(x * scale))`` by ``_common.fp8_encode``.
+``fp8(clamp(x * scale))`` by ``_common_encode.fp8_encode``.
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (DTYPE_CODE, program_tile, Copies, amax_nan, check_int32_tiles, current_scale, e4m3_word4,
-                      empty, f32, asm_fp8_bits, fp8_encode, fp8_encode_rowwise, fp8_params, hw_fp8, kernel_input,
-                      load_f32, load_rows32_t, nan_max, store_transposed_u8, store_words_t, tile_offsets)
+from ._common import (DTYPE_CODE, program_tile, Copies, amax_nan, check_int32_tiles, empty, kernel_input, load_f32,
+                      load_rows32_t, nan_max, store_transposed_u8, store_words_t, tile_offsets)
+from ._common_encode import (current_scale, e4m3_word4, f32, asm_fp8_bits, fp8_encode, fp8_encode_rowwise, fp8_params,
+                             hw_fp8)
 
 
 @triton.jit
@@ -130,7 +131,7 @@ def bits_amax(m):
 
 @triton.jit
 def block_scale(amax, eps, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
-    """``_common.current_scale`` ``(amax, eps, FP8_MAX, POW2)``, bit for bit; with ``POW2`` by integer
+    """``_common_encode.current_scale`` ``(amax, eps, FP8_MAX, POW2)``, bit for bit; with ``POW2`` by integer
     arithmetic on the exponents instead of an IEEE division (a division is ~15 instructions and a
     thread computes one per block row or column it touches).
 
@@ -167,17 +168,17 @@ def block_inv(scale, POW2: tl.constexpr):
 @triton.jit
 def fp8_bytes(v, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, HW: tl.constexpr,
               ROWWISE: tl.constexpr = False):
-    """``_common.fp8_encode`` of products ``v = x * scale`` computed on the device, with a
+    """``_common_encode.fp8_encode`` of products ``v = x * scale`` computed on the device, with a
     cheaper NaN byte on the GPU: a NaN product there is the canonical NaN (positive; the GPU
     tests feed -NaN inputs and pass with ``0x7F | sign``), so its byte is the constant 0x7F and
     the per-element sign extraction goes (~2 instructions per element). The select itself stays
-    for transposed copies (see ``_common._hw_fp8_code``: without it they are wrong on the H200);
+    for transposed copies (see ``_common_encode._hw_fp8_code``: without it they are wrong on the H200);
     ``ROWWISE`` (codes stored in the natural layout): E4M3 without it
-    (``_common.fp8_encode_rowwise``). The natural columnwise pass packs E4M3 words by
-    ``_common.e4m3_word4`` instead (:func:`columnwise_1d`)."""
+    (``_common_encode.fp8_encode_rowwise``). The natural columnwise pass packs E4M3 words by
+    ``_common_encode.e4m3_word4`` instead (:func:`columnwise_1d`)."""
     if ROWWISE and HW == 1 and MBITS == 3:
         return fp8_encode_rowwise(v, FP8_MAX, MBITS, BIAS, HW)
-    if HW == 2:  # one inline-PTX conversion per element (_common._asm_fp8_code)
+    if HW == 2:  # one inline-PTX conversion per element (_common_encode._asm_fp8_code)
         return tl.where(v != v, tl.full(v.shape, 0x7F, tl.uint8), asm_fp8_bits(v, MBITS))
     if HW:
         if MBITS == 3:
@@ -277,7 +278,7 @@ def columnwise_1d(xbase, r0, c0, R, C, sxr, sxc, amax, eps, cd_ptr, cs_ptr, pr, 
         y2 = _col_x4(xbase, lr4, lc, mask & ((r0 + lr4 + 2) < R)[:, None], 2, scale, sxr, sxc, DTYPE, EVEN)
         y3 = _col_x4(xbase, lr4, lc, mask & ((r0 + lr4 + 3) < R)[:, None], 3, scale, sxr, sxc, DTYPE, EVEN)
         if PACK:
-            if HW and MBITS == 3:  # two paired conversions a word, no NaN select (_common.e4m3_word4)
+            if HW and MBITS == 3:  # two paired conversions a word, no NaN select (_common_encode.e4m3_word4)
                 w = e4m3_word4(y0, y1, y2, y3)
             else:
                 w = (_col_code4(y0, FP8_MAX, MBITS, BIAS, HW) | (_col_code4(y1, FP8_MAX, MBITS, BIAS, HW) << 8)
@@ -430,7 +431,7 @@ def natural_hw(x2: torch.Tensor):
     3.6) leaves wrong bytes at odd input columns in the packed stores of FP32 input; with one
     conversion per element every tested configuration is bitwise. BF16 / FP16 keep Triton's
     conversion (bitwise there at the tested tiles; 2 costs one more ``cvt`` per two elements).
-    Packed E4M3 words take ``_common.e4m3_word4`` (explicitly paired) under either.
+    Packed E4M3 words take ``_common_encode.e4m3_word4`` (explicitly paired) under either.
     ``test_fp8_block_gpu_options``
     guards both."""
     hw = hw_fp8(x2.device)

@@ -8,8 +8,8 @@ Tile-local int32 offsets, the hardware FP8 conversion on the GPU (``_common`` sa
 - delayed scaling: one cast pass with the quantizer's scale; each program also folds its tile
   amax into an amax buffer (atomic max), which the caller records in the amax history.
 
-Bitwise equal to ``formats.fp8_tensorwise`` (scale rule ``_common.current_scale``, data
-``fp8(clamp(x * scale))`` by ``_common.fp8_encode``, ``scale_inv = 1 / scale``
+Bitwise equal to ``formats.fp8_tensorwise`` (scale rule ``_common_encode.current_scale``, data
+``fp8(clamp(x * scale))`` by ``_common_encode.fp8_encode``, ``scale_inv = 1 / scale``
 by IEEE division).
 """
 
@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (load_tile, empty, DTYPE_CODE, amax_bits, amax_nan, check_int32_tiles, current_scale,
-                      f32, fp8_encode, fp8_params, hw_fp8, kernel_input, store_transposed_u8,
-                      tile_offsets)
+from ._common import (load_tile, empty, DTYPE_CODE, amax_bits, amax_nan, check_int32_tiles, kernel_input,
+                      store_transposed_u8, tile_offsets)
+from ._common_encode import current_scale, f32, fp8_encode, fp8_params, hw_fp8
 
 
 @triton.jit

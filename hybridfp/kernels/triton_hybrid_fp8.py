@@ -6,7 +6,7 @@ The ``per_gemm(fprop="fp8", dgrad/wgrad="fp8_block")`` operand (numerics §3, co
 device memory and writes both copies:
 
 - rowwise: natural [RW, B] slices, ``fp8(clamp(x * scale))`` with the per-tensor scale computed
-  in every program from the amax (``_common.current_scale``), ``scale_inv`` by program 0;
+  in every program from the amax (``_common_encode.current_scale``), ``scale_inv`` by program 0;
 - columnwise: the rowwise pass also keeps the tile's column amaxes (a register-local running
   max, one reduction per tile); ``triton_fp8_block.columnwise_1d`` re-reads the tile from cache
   in natural slices and writes the Bx1-block codes transposed as int32 words.
@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (DTYPE_CODE, check_int32_tiles, current_scale, empty, f32, fp8_params, hw_fp8,
-                      kernel_input, tile_offsets)
+from ._common import DTYPE_CODE, check_int32_tiles, empty, kernel_input, tile_offsets
+from ._common_encode import current_scale, f32, fp8_params, hw_fp8
 from .triton_fp8_block import (NATURAL_SLICES, SLICES_SLICES, abs_bits, bits_amax, columnwise_1d, columnwise_1d_t,
                                fp8_bytes, load_x, natural_hw, natural_pack)
 

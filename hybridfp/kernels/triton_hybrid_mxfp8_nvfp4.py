@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (DTYPE_CODE, Copies, bf16_nan_bits, check_int32_tiles, empty, f32, fp8_params, hw_fp8,
-                      kernel_input, load_f32, tile_offsets)
+from ._common import DTYPE_CODE, Copies, check_int32_tiles, empty, kernel_input, load_f32, tile_offsets
+from ._common_encode import bf16_nan_bits, f32, fp8_params, hw_fp8
 from .triton_mxfp8 import row_copy
 from .triton_nvfp4 import BLOCK, RCP6, col_copy_bytes, col_copy_words, global_scales, tile_1d
 

@@ -35,8 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (program_tile, DTYPE_CODE, Copies, amax_nan, bf16_nan16, check_int32_tiles, empty, f32, fp8_params,
-                      hw_fp8, kernel_input, load_f32, store_words_t, tile_grid, tile_offsets)
+from ._common import (program_tile, DTYPE_CODE, Copies, amax_nan, check_int32_tiles, empty, kernel_input, load_f32,
+                      store_words_t, tile_grid, tile_offsets)
+from ._common_encode import bf16_nan16, f32, fp8_params, hw_fp8
 from .triton_decode import top_half
 from .triton_mxfp8 import NATURAL_HW, col_block_32, col_block_rows4, col_decoded_32, natural_rows4, store_scales_t
 from .triton_nvfp4 import RCP6, block_scales_dec, e2m1_rne, global_scales, pack_last, row_scales

@@ -16,7 +16,7 @@ Bitwise equal to ``formats.mxfp8`` (tests/kernels/test_kernels_mxfp8.py; "natura
 bits exactly as ``e8m0_from_amax``; ``x / 2**k`` is computed as
 ``x * 2**-k`` with the reciprocal built from bits (both are the correctly rounded value of the
 same real number, and every 2**-k for a valid byte is an FP32 number), then clamped and
-rounded to the FP8 grid by ``_common.fp8_encode``. Data are written as uint8 code bytes into
+rounded to the FP8 grid by ``_common_encode.fp8_encode``. Data are written as uint8 code bytes into
 the FP8 outputs (on the GPU the hardware conversion gives those bytes; tile-local int32
 offsets; ``_common`` says why).
 """
@@ -29,10 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (program_tile, load_tile, DTYPE_CODE, Copies, amax_nan, bf16_nan16, check_int32_tiles,
-                      e4m3_words_t, empty, f32, fp8_encode, fp8_encode_rowwise, fp8_params, fp8_word4, hw_fp8, kernel_input,
+from ._common import (program_tile, load_tile, DTYPE_CODE, Copies, amax_nan, check_int32_tiles, empty, kernel_input,
                       load_f32, load_rows32_t, store_code_words_t, store_transposed_u8, store_words_t, tile_grid,
                       tile_offsets)
+from ._common_encode import bf16_nan16, e4m3_words_t, f32, fp8_encode, fp8_encode_rowwise, fp8_params, fp8_word4, hw_fp8
 from .triton_decode import fp8_f32, e8m0_scaled_bits
 from .triton_fp8_block import abs_bits, bits_amax
 
@@ -201,7 +201,7 @@ def _codes_rows4_t(cd_ptr, x0, x1, x2, x3, inv, l4, lc, cmask, r0, c0, pr, R, FP
                    MBITS: tl.constexpr, BIAS: tl.constexpr, HW: tl.constexpr, BR: tl.constexpr,
                    PACK: tl.constexpr):
     """The FP8 codes of the four natural slices ``xk`` (tile rows ``4 * l4 + k``) scaled by their
-    columns' ``inv``, stored transposed. Packed: one word per four rows (``_common.fp8_word4``:
+    columns' ``inv``, stored transposed. Packed: one word per four rows (``_common_encode.fp8_word4``:
     E4M3 on the GPU from two paired conversions; sm90: about 3 instructions per element fewer
     than four conversions, their NaN selects and the byte packing)."""
     if PACK:
@@ -363,7 +363,7 @@ def _mxfp8_1d_kernel(x_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, NBR, sxr, sxc:
             if DECODED:
                 col_decoded_32(xt, cd_ptr, lc, c0, r0 + b * _BLOCK, R, C, RCEIL, EMAX, MBITS, BIAS, FP8_MAX, RCP, HW,
                                NAN16)
-            elif PACK and MBITS == 3:  # E4M3 words of explicitly paired conversions (_common.e4m3_words_t)
+            elif PACK and MBITS == 3:  # E4M3 words of explicitly paired conversions (_common_encode.e4m3_words_t)
                 e = _e8m0_byte(amax_nan(xt, 1), RCEIL, EMAX, RCP)
                 store_code_words_t(cd_ptr, e4m3_words_t(xt * _e8m0_inverse(e)[:, None], HW), lc, c0,
                                    r0 + b * _BLOCK, R, C, WIDE != 0)
@@ -413,7 +413,7 @@ WIDE_STORES = 2
 METHODS = ("slices", "natural")
 #: ``fp8_encode``'s HW for the "natural" method on GPUs with the FP8 conversion: 2, conversions
 #: by inline PTX whose pairing is explicit: packed E4M3 words from two paired conversions
-#: (``_common.e4m3_word4``), else one per element. With Triton's own paired conversion (1) the
+#: (``_common_encode.e4m3_word4``), else one per element. With Triton's own paired conversion (1) the
 #: H200 gives wrong columnwise bytes at (64, 256) / 4 warps for BF16 input (the default tile is
 #: right).
 NATURAL_HW = 2
@@ -540,7 +540,7 @@ def quantize(x2: torch.Tensor, dtype: torch.dtype, *, rule: str = "rceil", block
     kernel = _mxfp8_2d_kernel if block_2d else _mxfp8_1d_kernel
     mapped = {} if block_2d else {"map_ptr": row_map if row_map is not None else dummy, "MAP": row_map is not None}
     # word stores need R % 4 == 0; packed E4M3 words come from explicitly paired conversions
-    # (_common.e4m3_word4 / e4m3_words_t) in both methods; "natural" converts E5M2 and unpacked
+    # (_common_encode.e4m3_word4 / e4m3_words_t) in both methods; "natural" converts E5M2 and unpacked
     # codes one element at a time (NATURAL_HW), with which FP32 packed stores are right too
     # (triton_fp8_block.natural_hw)
     packed = pack and rows % 4 == 0

@@ -19,7 +19,7 @@ Pass 2 (``_nvfp4_1d_kernel``, one [16 BT, BC] tile per program):
 - ``_nvfp4_2d_kernel``: 16x16 tiles; the columnwise copy is the rowwise one transposed.
 
 Bitwise equal to ``formats.nvfp4`` / ``formats.rht`` (FP32 order of numerics §2.5, IEEE divisions,
-E4M3 block scales by ``_common.fp8_encode``, E2M1 by ``_common.e2m1_code_sat`` / ``e2m1_code_sr``,
+E4M3 block scales by ``_common_encode.fp8_encode``, E2M1 by ``_common_encode.e2m1_code_sat`` / ``e2m1_code_sr``,
 computed here by the equivalent integer forms :func:`_code_rne` / :func:`_code_sr`), tile-local int32
 offsets and the hardware E4M3 conversion on the GPU (``_common``). Stochastic rounding draws
 its uniforms in the kernel (Philox, ``triton_sr``: the stream is defined there and is not
@@ -35,9 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (program_tile, empty, DTYPE_CODE, FP32_MAX, amax_bits, amax_nan, bf16_nan_bits, check_int32_tiles,
-                      clamp_max, clamp_sym, e2m1_code_sat, e2m1_code_sr, e4m3_value, f32_div, fp8_encode, hw_fp8,
-                      kernel_input, load_f32, round_to_dtype, tile_offsets)
+from ._common import (program_tile, empty, DTYPE_CODE, amax_bits, amax_nan, check_int32_tiles, kernel_input, load_f32,
+                      tile_offsets)
+from ._common_encode import (FP32_MAX, bf16_nan_bits, clamp_max, clamp_sym, e2m1_code_sat, e2m1_code_sr, e4m3_value,
+                             f32_div, fp8_encode, hw_fp8, round_to_dtype)
 from .triton_sr import draw_at, draws8_u16, sr_key
 
 BLOCK = 16

@@ -44,7 +44,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ._common import DTYPE_CODE, bf16_nan16, bf16_nan_bits, empty, kernel_input, load_f32, round_to_dtype
+from ._common import DTYPE_CODE, empty, kernel_input, load_f32
+from ._common_encode import bf16_nan16, bf16_nan_bits, round_to_dtype
 from .triton_epilogue import store_out
 
 #: Columns per program at most: 2048 BF16 elements over 4 warps is 16 per thread, two 16-byte

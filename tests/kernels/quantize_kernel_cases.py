@@ -117,7 +117,7 @@ def gpu_input(shape: tuple[int, ...], dtype: torch.dtype, *, specials: bool = Fa
         flat[idx] = ev[torch.randint(0, ev.numel(), (4096,), generator=g, device="cuda")]
         flat[idx[:3]] = torch.tensor([float("nan"), float("inf"), float("-inf")], device="cuda")
         # -NaN and a NaN with low payload bits: the kernels must give the reference's bytes
-        # whatever NaN the input holds (hardware FP8 conversion, _common._hw_fp8_code)
+        # whatever NaN the input holds (hardware FP8 conversion, _common_encode._hw_fp8_code)
         flat[idx[3:5]] = torch.tensor([0xFFC00000, 0x7F800001], dtype=torch.int64,
                                       device="cuda").to(torch.int32).view(torch.float32)
     return x.to(dtype)

@@ -18,8 +18,8 @@ import triton.language as tl  # noqa: E402
 
 from hybridfp.formats import fp8_block  # noqa: E402
 from hybridfp.kernels import triton_fp8_block  # noqa: E402
-from hybridfp.kernels._common import fp8_params, poisoned_outputs  # noqa: E402
-from hybridfp.kernels._common import current_scale  # noqa: E402
+from hybridfp.kernels._common import poisoned_outputs  # noqa: E402
+from hybridfp.kernels._common_encode import current_scale, fp8_params  # noqa: E402
 from hybridfp.kernels.triton_fp8_block import block_inv, block_scale  # noqa: E402
 from hybridfp.quantizers import Float8BlockQuantizer, HybridQuantizer, fast  # noqa: E402
 from hybridfp import policy  # noqa: E402
@@ -265,7 +265,7 @@ def _scale_kernel(a_ptr, out_ptr, eps, N, FP8_MAX: tl.constexpr, BLOCK: tl.const
 @pytest.mark.parametrize("fmax_dtype", [E4M3, E5M2], ids=str)
 def test_block_scale_matches_current_scale(fmax_dtype):
     """``block_scale`` / ``block_inv`` (power-of-two scales by exponent arithmetic, exact
-    reciprocal) equal ``_common.current_scale`` (with its finite-decode lower bound) and the IEEE ``1 / scale`` bit for bit: every biased
+    reciprocal) equal ``_common_encode.current_scale`` (with its finite-decode lower bound) and the IEEE ``1 / scale`` bit for bit: every biased
     exponent with mantissas at and around FP8_MAX's, subnormals, 0, inf, NaN, several eps."""
     fmax = fp8_params(fmax_dtype)[2]
     fbits = torch.tensor(fmax, dtype=torch.float32).view(torch.int32).item() & 0x7FFFFF

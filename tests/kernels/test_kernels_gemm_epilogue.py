@@ -158,7 +158,7 @@ def test_gpu_hardware_bf16_store_is_bitwise_the_integer_rounding():
     import triton
     import triton.language as tl
 
-    from hybridfp.kernels._common import bf16_nan16
+    from hybridfp.kernels._common_encode import bf16_nan16
 
     @triton.jit
     def store(v_ptr, out_ptr, n, NAN16: tl.constexpr, HW: tl.constexpr):

@@ -10,8 +10,8 @@ quantize_grouped``'s layout). Two passes:
 - :func:`quantize` (FP8 current scaling, numerics §2.1): tiles that never straddle two groups (one
   program per row tile of each group, the group found from the prefix sums of the groups' tile
   counts, so each tile has one scale and uneven groups launch no idle programs) — the group's
-  scale from its amax (``_common.current_scale``), ``fp8(clamp(x * scale))`` by
-  ``_common.fp8_encode``, and ``scale_inv = 1 / scale`` per group (IEEE division). The rowwise
+  scale from its amax (``_common_encode.current_scale``), ``fp8(clamp(x * scale))`` by
+  ``_common_encode.fp8_encode``, and ``scale_inv = 1 / scale`` per group (IEEE division). The rowwise
   data is [R, C]; the columnwise data is each group's own transpose [C, m_e], written at a
   given element offset of one flat buffer with a given row stride (its own ``ld_e``, or one
   ``col_stride`` for all: the groups' transposes side by side as column blocks of one [C, W]
@@ -40,9 +40,9 @@ import triton
 import triton.language as tl
 
 from ...utils.device import device_tensor, step_metadata
-from .._common import (DTYPE_CODE, amax_bits, amax_nan, check_int32_tiles, current_scale, empty, expert_row_tile, f32,
-                      fp8_encode, fp8_params, hw_fp8, kernel_input, load_f32, load_tile, store_transposed_rows_u8,
-                      tile_offsets)
+from .._common import (DTYPE_CODE, amax_bits, amax_nan, check_int32_tiles, empty, expert_row_tile, kernel_input,
+                       load_f32, load_tile, store_transposed_rows_u8, tile_offsets)
+from .._common_encode import current_scale, f32, fp8_encode, fp8_params, hw_fp8
 
 
 @triton.jit

@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 
 from ...utils.device import tile_plan, to_device
-from .._common import bf16_nan16, expert_row_tile, swizzled_tile
+from .._common import expert_row_tile, swizzled_tile
+from .._common_encode import bf16_nan16
 from ..triton_decode import fp8_f32
 from ..triton_epilogue import OUT_CODE, store_out
 from .triton_grouped_fp8_tma import Fp8TmaConfig, applies as tma_applies, launch as launch_tma

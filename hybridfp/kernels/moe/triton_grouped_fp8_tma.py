@@ -44,7 +44,8 @@ import triton
 import triton.language as tl
 
 from ...utils.device import sm_count, tile_plan, to_device
-from .._common import bf16_nan16, expert_row_tile, swizzled_tile
+from .._common import expert_row_tile, swizzled_tile
+from .._common_encode import bf16_nan16
 from ..triton_decode import fp8_f32
 from ..triton_epilogue import OUT_CODE, out_value, store_out
 from .triton_grouped_gemm import TmaConfig

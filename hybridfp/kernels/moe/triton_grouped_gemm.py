@@ -46,7 +46,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...utils.device import sm_count, tile_plan, to_device
-from .._common import bf16_nan16, empty, expert_row_tile, swizzled_tile
+from .._common import empty, expert_row_tile, swizzled_tile
+from .._common_encode import bf16_nan16
 from ..triton_epilogue import OUT_CODE, store_out
 
 #: (BM, BN, BK, warps, stages): the fastest of ``python -m bench.bench_grouped_gemm --part bf16
