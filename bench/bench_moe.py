@@ -116,15 +116,18 @@ def with_per_group_cublas(step: Callable[[], torch.Tensor], on: bool) -> Callabl
 def without_plan_memo(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
     """``step`` with GroupedLinear's plan memo not passed to ``quantize_grouped`` (every call
     plans afresh; restored after each call)."""
-    from hybridfp.moe import grouped_linear
+    from hybridfp.moe import grouped_linear_function, grouped_weights
+    modules = (grouped_linear_function, grouped_weights)
 
     def run() -> torch.Tensor:
-        saved = grouped_linear._memo
-        grouped_linear._memo = lambda module: None
+        saved = [m.plan_memo for m in modules]
+        for m in modules:
+            m.plan_memo = lambda module: None
         try:
             return step()
         finally:
-            grouped_linear._memo = saved
+            for m, memo in zip(modules, saved):
+                m.plan_memo = memo
     return run
 
 

@@ -8,7 +8,7 @@ import torch
 
 import hybridfp
 from bench import bench_moe, common
-from hybridfp.moe import grouped_linear
+from hybridfp.moe import grouped_weights
 
 
 def _layer(monkeypatch):
@@ -23,13 +23,13 @@ def _layer(monkeypatch):
 def test_micro_batches_quantize_weights_once_and_accumulate(monkeypatch):
     base, model, x, dy = _layer(monkeypatch)
     calls = []
-    real = grouped_linear.quantize_weights_grouped
+    real = grouped_weights.quantize_weights_grouped
 
     def counting(qs, ws, plans=None):
         calls.append(len(ws))
         return real(qs, ws, plans)
 
-    monkeypatch.setattr(grouped_linear, "quantize_weights_grouped", counting)
+    monkeypatch.setattr(grouped_weights, "quantize_weights_grouped", counting)
     recipe = hybridfp.MXFP8BlockScaling()
     ctx = lambda: hybridfp.autocast(recipe=recipe)  # noqa: E731
     bench_moe.make_step(model, x, dy, ctx, micro_batches=1)()

@@ -122,10 +122,10 @@ def test_weight_group_cached_until_a_weight_changes(monkeypatch):
     """The joined weights are quantized once for repeated forwards; after one weight changes,
     only that expert is quantized again (the others keep their tensors) and the output moves
     only in that expert's rows."""
-    from hybridfp.moe import grouped_linear
+    from hybridfp.moe import grouped_weights
     calls = []
-    real = grouped_linear.quantize_weights_grouped
-    monkeypatch.setattr(grouped_linear, "quantize_weights_grouped", lambda qs, ws, plans=None: calls.append(len(ws)) or real(qs, ws, plans))
+    real = grouped_weights.quantize_weights_grouped
+    monkeypatch.setattr(grouped_weights, "quantize_weights_grouped", lambda qs, ws, plans=None: calls.append(len(ws)) or real(qs, ws, plans))
     m = GroupedLinear(4, IN, 64, bias=False, params_dtype=torch.bfloat16)
     x = torch.randn(40, IN).bfloat16()
     with torch.no_grad(), autocast(recipe=CustomRecipe(qfactory=factories.mxfp8)):

@@ -19,7 +19,7 @@ import hybridfp
 from hybridfp import CustomRecipe, GroupedLinear, autocast
 from hybridfp import factories
 from hybridfp.moe import gemm as grouped
-from hybridfp.moe import grouped_linear
+from hybridfp.moe import grouped_linear_function, grouped_weights
 from hybridfp.quantizers import Float8CurrentScalingQuantizer, MXFP8Quantizer
 
 IN = 64
@@ -46,8 +46,8 @@ def per_expert_gemms(monkeypatch) -> None:
 def per_expert_loop(monkeypatch) -> None:
     """The reference: every quantization and every GEMM per expert (``gemm()``)."""
     per_expert_gemms(monkeypatch)
-    monkeypatch.setattr(grouped_linear, "quantize_grouped", _quantize_each)
-    monkeypatch.setattr(grouped_linear, "quantize_weights_grouped", _quantize_weights_each)
+    monkeypatch.setattr(grouped_linear_function, "quantize_grouped", _quantize_each)
+    monkeypatch.setattr(grouped_weights, "quantize_weights_grouped", _quantize_weights_each)
     monkeypatch.setattr(grouped, "_emulated_operands", lambda sa, sb, layout: None)
     monkeypatch.setattr(grouped, "_common_backend", lambda sa, sb, layout: None)
 
@@ -104,12 +104,12 @@ def test_weights_quantized_once_per_change(monkeypatch):
     """The grouped weight quantization keeps ``quantized_weight``'s cache: a second forward
     re-quantizes nothing; changing one weight re-quantizes that expert only."""
     calls: list[int] = []
-    real = grouped_linear.quantize_weights_grouped
+    real = grouped_weights.quantize_weights_grouped
 
     def spy(qs, ws, plans=None):
         calls.append(len(ws))
         return real(qs, ws, plans)
-    monkeypatch.setattr(grouped_linear, "quantize_weights_grouped", spy)
+    monkeypatch.setattr(grouped_weights, "quantize_weights_grouped", spy)
     m = GroupedLinear(4, IN, 64, bias=False, params_dtype=torch.bfloat16)
     x = torch.randn(40, IN).bfloat16()
     recipe = CustomRecipe(qfactory=factories.mxfp8)

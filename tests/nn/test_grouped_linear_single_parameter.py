@@ -94,11 +94,11 @@ def test_one_accumulate_grad_per_parameter():
 def test_weight_cache_kept_between_forwards_and_refreshed_after_update(monkeypatch):
     """The experts' views stay the same objects, so a second forward reuses the quantized
     weights; an in-place update (one version counter) re-quantizes them."""
-    from hybridfp.moe import grouped_linear
+    from hybridfp.moe import grouped_weights
 
     calls = []
-    real = grouped_linear.quantize_weights_grouped
-    monkeypatch.setattr(grouped_linear, "quantize_weights_grouped", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = grouped_weights.quantize_weights_grouped
+    monkeypatch.setattr(grouped_weights, "quantize_weights_grouped", lambda *a, **k: calls.append(1) or real(*a, **k))
     single, _ = _pair(bias=False)
     x = torch.randn(sum(SPLITS), 64)
     with hybridfp.autocast(recipe=MXFP8BlockScaling()):
@@ -115,12 +115,12 @@ def test_weights_quantized_from_the_parameter_itself(name, monkeypatch):
     """The experts' weights are quantized from the one Parameter as the stack (no per-expert keys,
     no view-by-view adjacency check), cached as one entry (in its region, or kept through
     is_first_microbatch) that a recipe change or an update invalidates; the result is what the per-expert Parameters give (bitwise)."""
-    from hybridfp.moe import grouped_linear
+    from hybridfp.moe import grouped_weights
     from hybridfp.moe import quantize_weights as qgrouped
 
     stacks, adjacency = [], []
-    real, real_adj = grouped_linear.quantize_weights_grouped, qgrouped.adjacent_rows
-    monkeypatch.setattr(grouped_linear, "quantize_weights_grouped",
+    real, real_adj = grouped_weights.quantize_weights_grouped, qgrouped.adjacent_rows
+    monkeypatch.setattr(grouped_weights, "quantize_weights_grouped",
                         lambda *a, **k: stacks.append(k.get("stacked")) or real(*a, **k))
     monkeypatch.setattr(qgrouped, "adjacent_rows", lambda ts: adjacency.append(len(ts)) or real_adj(ts))
     single, per_expert = _pair(bias=False)

@@ -13,7 +13,7 @@ from nn_cases import FORMATS, assert_bitwise, make_data
 
 import hybridfp
 from hybridfp import CustomRecipe, factories
-from hybridfp.moe import grouped_linear
+from hybridfp.moe import grouped_linear_function
 from hybridfp.moe.saved import SavedExperts, SavedJoined, restore_experts, save_experts
 from hybridfp.tensors import HybridStorage, QuantizedTensor
 
@@ -102,7 +102,7 @@ def test_restored_experts_are_the_saved_ones(name, save_original, monkeypatch):
         checked.append(len(ts))
         return tensors, rec
 
-    monkeypatch.setattr(grouped_linear, "save_experts", check)
+    monkeypatch.setattr(grouped_linear_function, "save_experts", check)
     _step(name, save_original)
     assert checked == [len(SPLITS)] * 2
 
@@ -123,7 +123,7 @@ def test_shared_buffers_are_saved_once(name, monkeypatch):
         counts.append((len(tensors), each))
         return tensors, rec
 
-    monkeypatch.setattr(grouped_linear, "save_experts", spy)
+    monkeypatch.setattr(grouped_linear_function, "save_experts", spy)
     _step(name)
     (x_saved, x_each), (w_saved, w_each) = counts
     # (FP8 current: x's columnwise copies are each expert's transpose in a 16-padded block,

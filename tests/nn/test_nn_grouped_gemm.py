@@ -15,7 +15,7 @@ from nn_cases import assert_bitwise, make_module
 from hybridfp import CustomRecipe, GroupedLinear, autocast
 from hybridfp import factories
 from hybridfp.moe import gemm as grouped
-from hybridfp.moe import grouped_linear
+from hybridfp.moe import grouped_linear_function
 from hybridfp.moe.gemm import GROUPED_BF16, PATH_COUNTS, PER_EXPERT, reference_grouped_mm
 
 IN, OUT = 64, 32
@@ -158,7 +158,7 @@ def test_grouped_quantize_equals_per_expert_quantize(name, bias, grouped_mm, mon
     m = GroupedLinear(len(AWKWARD), IN, OUT, bias=bias, params_dtype=torch.bfloat16)
     fresh = copy.deepcopy(m)  # delayed scaling's state moves after a step
     got = step(m, AWKWARD, factory)
-    monkeypatch.setattr(grouped_linear, "quantize_grouped", _quantize_each)
+    monkeypatch.setattr(grouped_linear_function, "quantize_grouped", _quantize_each)
     want = step(fresh, AWKWARD, factory)
     assert got[3] == want[3]
     assert_bitwise(got[0], want[0], f"{name} output")
@@ -175,7 +175,7 @@ def test_save_original_input_requantizes_per_expert(monkeypatch):
     m = GroupedLinear(len(AWKWARD), IN, OUT, bias=False, params_dtype=torch.bfloat16, save_original_input=True)
     fresh = copy.deepcopy(m)
     got = step(m, AWKWARD, factories.mxfp8)
-    monkeypatch.setattr(grouped_linear, "quantize_grouped", _quantize_each)
+    monkeypatch.setattr(grouped_linear_function, "quantize_grouped", _quantize_each)
     want = step(fresh, AWKWARD, factories.mxfp8)
     for a, b, what in ((got[0], want[0], "output"), (got[1], want[1], "input grad")):
         assert_bitwise(a, b, what)

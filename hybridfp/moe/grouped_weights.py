@@ -1,0 +1,195 @@
+"""The experts' weight layouts of ``GroupedLinear`` and their quantized copies.
+
+``pack_weights``: the per-expert Parameters ``weight{i}`` live in one [E, N, K] buffer;
+``single_parameter``: one [E, N, K] Parameter ``weight`` whose ``unbind(0)`` views are the
+experts' weights. Either way the weights are quantized together (``quantize_weights_grouped``)
+and cached per expert (slots 0..E-1), for all experts quantized as one joined encoding
+(``_GROUP_SLOT``), or for the one Parameter (``_STACK_SLOT``) (``nn/weight_cache.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..quantizers import Quantizer
+from ..tensors import QuantizedTensor
+from ..tensors.slicing import adjacent_rows
+from ..nn.weight_cache import WeightKey, join_keys, new_entry, reusable, split_entry
+from .expert_tensors import ExpertTensors
+from .grouped_linear_function import plan_memo
+from .quantize_weights import quantize_weights_grouped
+
+#: ``_wcache`` key of the experts' weights quantized together (``ExpertTensors``); the
+#: per-expert entries use the expert index.
+_GROUP_SLOT = -1
+#: ``_wcache`` key of ``single_parameter``'s experts quantized from the one weight Parameter
+#: (``_quantized_stack``: a list or an ``ExpertTensors``, keyed by the Parameter).
+_STACK_SLOT = -2
+
+
+class GroupedWeights:
+    """``GroupedLinear``'s weight layouts (mixed in before ``QuantizedModule``): packing,
+    loading either layout's keys, re-packing after moves, the experts' weights and biases, and
+    their quantized copies through the module's weight cache."""
+
+    def _pack(self) -> None:
+        """Move the expert weights into one buffer (``pack_weights``), unless they already are
+        consecutive slices of one or are not plain dense tensors (DTensor shards, quantized
+        parameters, meta tensors: their storage belongs to someone else)."""
+        if self.single_parameter:  # one buffer already
+            return
+        ws = self.weights()
+        if not self.pack_weights or len(ws) < 2:
+            return
+        # plain dense tensors first: a wrapper subclass (DTensor) may not expose a data pointer
+        if any(type(w.data) is not torch.Tensor or w.is_meta or w.layout != torch.strided for w in ws):
+            return
+        if len({(w.shape, w.dtype, w.device) for w in ws}) > 1 or adjacent_rows(ws) is not None:
+            return
+        with torch.no_grad():
+            buf = torch.stack([w.detach() for w in ws])
+            for w, b in zip(ws, buf):
+                # .data keeps each Parameter's own version counter (a change to one expert
+                # re-quantizes that expert only), unlike Parameters made from views
+                w.data = b
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
+        """``nn.Module``'s, after rewriting the other layout's keys into this module's (``weight{i}``
+        / ``bias{i}`` stacked into ``weight`` / ``bias`` with ``single_parameter``, and back), so a
+        checkpoint loads into either layout. ``load_state_dict`` hands this a copy of the dict."""
+        for name in ("weight", "bias"):
+            per_expert = [f"{prefix}{name}{i}" for i in range(self.num_gemms)]
+            if self.single_parameter and prefix + name not in state_dict and all(k in state_dict for k in per_expert):
+                parts = [state_dict[k] for k in per_expert]
+                # experts of different shapes are left as they are: torch then reports the keys
+                if all(torch.is_tensor(t) and t.shape == parts[0].shape for t in parts):
+                    for k in per_expert:
+                        del state_dict[k]
+                    state_dict[prefix + name] = torch.stack(parts)
+            elif not self.single_parameter and prefix + name in state_dict and per_expert[0] not in state_dict:
+                whole = state_dict[prefix + name]
+                if torch.is_tensor(whole) and whole.dim() >= 1 and whole.shape[0] == self.num_gemms:
+                    del state_dict[prefix + name]
+                    # copies, not views of one tensor: with assign=True each expert keeps its own
+                    # version counter (an update to one re-quantizes that expert only)
+                    state_dict.update(zip(per_expert, (t.clone() for t in whole.unbind(0))))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._pack()  # assign=True put new tensors in place: back into one buffer
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "GroupedWeights":
+        """``nn.Module._apply`` (``.to()``, ``.cuda()``, ``.half()``: each parameter moved on its
+        own), then the weights re-packed into one buffer."""
+        out = super()._apply(fn, recurse)
+        if self.single_parameter:
+            # the views (and the cached quantized weights keyed by them) belong to the old tensor:
+            # dropped now, so a move (``.cpu()`` to offload) frees it
+            self._views, self._views_key = [[], []], None
+            self._wcache.clear()
+        self._pack()
+        return out
+
+    def weights(self) -> list[torch.Tensor]:
+        """Expert weights in order: the Parameters ``weight{i}``, or with ``single_parameter``
+        views of ``weight`` [i] (detached: gradients reach ``weight`` through ``forward``)."""
+        if self.single_parameter:
+            return self._expert_views()[0]
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    def biases(self) -> list[torch.Tensor]:
+        """Expert biases in order (empty without bias); detached views of ``bias`` with
+        ``single_parameter``."""
+        if not self.use_bias:
+            return []
+        if self.single_parameter:
+            return self._expert_views()[1]
+        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+
+    def _expert_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``single_parameter``: per-expert detached views of ``weight`` and ``bias``, made again
+        only when a parameter's tensor changes (``.to()``, ``.data =``, ``load_state_dict(assign=
+        True)``): an in-place update keeps them (their version counter is the parameter's)."""
+        w, b = self.weight, self.bias
+        for what, t in (("weight", w), ("bias", b)):
+            if isinstance(t, QuantizedTensor):
+                raise ValueError(f"GroupedLinear {self.name or ''}: single_parameter=True takes a high-precision "
+                                 f"{what} [num_gemms, ...]; got a quantized one. Quantized parameters need one "
+                                 "per expert: build the module with single_parameter=False (weight{i}).")
+        key = tuple((id(t), t.data_ptr(), t.shape, t.dtype, t.device) for t in (w, b) if t is not None)
+        if key != self._views_key:
+            self._views = [list(w.detach().unbind(0)), list(b.detach().unbind(0)) if b is not None else []]
+            self._views_key = key
+        return self._views[0], self._views[1]
+
+    def quantized_weights(self, weights: Sequence[torch.Tensor], qs: Sequence[Quantizer], columnwise: bool,
+                          region: Optional[object] = None,
+                          is_first_microbatch: Optional[bool] = None) -> Sequence[torch.Tensor]:
+        """Every expert's ``quantized_weight`` (same cache entries and rule, nn/weight_cache.py),
+        the ones not reusable quantized together by ``quantize_weights_grouped`` (one encoding of
+        the stacked weights where the formats allow; bitwise each expert's own). All experts
+        quantized as views of shared encodings come back (and are cached) as one
+        ``ExpertTensors``. ``region`` / ``is_first_microbatch``: as ``quantized_weight``'s, for
+        every expert at once."""
+        if self.single_parameter and weights is self._views[0]:
+            return self._quantized_stack(qs, columnwise, region, is_first_microbatch)
+        who = self._who()
+        keys: list = [None if isinstance(w, QuantizedTensor) else self._weight_key(w, q) for w, q in zip(weights, qs)]
+        joined = self._wcache.get(_GROUP_SLOT)
+        if joined is not None:
+            # reusable() may raise (is_first_microbatch=False): the entry stays for a retry
+            if None not in keys and reusable(joined, list(weights), join_keys(keys), columnwise, region,
+                                             is_first_microbatch, who):
+                return joined.qw
+            del self._wcache[_GROUP_SLOT]
+            if is_first_microbatch is None:
+                # some weights changed: the unchanged experts keep their quantized tensors
+                # (per-expert entries from here on, same region), the others are quantized below
+                for i, entry in enumerate(split_entry(joined)):
+                    self._wcache[i] = entry
+        out: list[Optional[torch.Tensor]] = [None] * len(weights)
+        missing = []  # keys were read before quantizing (as quantized_weight does)
+        for i, (w, key) in enumerate(zip(weights, keys)):
+            if key is None:  # already quantized (quantized parameters)
+                out[i] = w
+            elif reusable(self._wcache.get(i), w, key, columnwise, region, is_first_microbatch, who):
+                out[i] = self._wcache[i].qw
+            else:
+                missing.append(i)
+        if missing:
+            for i in missing:
+                qs[i].set_usage(rowwise=True, columnwise=columnwise)
+            qws = quantize_weights_grouped([qs[i] for i in missing], [weights[i] for i in missing],
+                                           plan_memo(self))
+            if isinstance(qws, ExpertTensors) and len(missing) == len(weights):
+                # all experts quantized together as views of shared encodings: cached as one
+                # entry (its per-expert tensors are built only if something asks for them);
+                # per-expert entries of older weights would only hold memory now
+                for i in range(len(weights)):
+                    self._wcache.pop(i, None)
+                self._wcache[_GROUP_SLOT] = new_entry(joined, join_keys(keys), qws, list(weights), region,
+                                                      is_first_microbatch)
+                return qws
+            for i, qw in zip(missing, qws):
+                self._wcache[i] = new_entry(self._wcache.get(i), keys[i], qw, weights[i], region, is_first_microbatch)
+                out[i] = qw
+        return out  # type: ignore[return-value]
+
+    def _quantized_stack(self, qs: Sequence[Quantizer], columnwise: bool, region: Optional[object] = None,
+                         is_first_microbatch: Optional[bool] = None) -> Sequence[torch.Tensor]:
+        """``quantized_weights`` of ``single_parameter``'s expert views: one cache entry for the
+        one Parameter (its version counter is every expert's; the quantizers are the module's,
+        rebuilt only with a new recipe key, which empties the cache), the stacked weight handed
+        to ``quantize_weights_grouped`` as it is. The per-expert path would build 64 keys and check
+        the views' adjacency twice a call (host work a 64-expert MoE step cannot afford:
+        ``python -m bench.bench_moe_overhead``); the results are the same tensors."""
+        w = self.weight
+        key = WeightKey(w._version, tuple(q.state_version() for q in self._stateful), self._qkey)
+        entry = self._wcache.get(_STACK_SLOT)
+        if reusable(entry, w, key, columnwise, region, is_first_microbatch, self._who()):
+            return entry.qw  # type: ignore[union-attr]
+        for q in qs:
+            q.set_usage(rowwise=True, columnwise=columnwise)
+        qws = quantize_weights_grouped(qs, self._views[0], plan_memo(self), stacked=w.detach())
+        self._wcache[_STACK_SLOT] = new_entry(entry, key, qws, w, region, is_first_microbatch)
+        return qws
