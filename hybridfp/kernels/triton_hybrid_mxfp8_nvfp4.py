@@ -7,7 +7,7 @@ or the post-RHT amax), one cast pass per [16 BT, BC] tile writes both copies:
 
 - MXFP8 1x32 rowwise blocks from the natural tile (``triton_mxfp8.row_copy``);
 - NVFP4 16x1 columnwise blocks from the tile's 16 row slices, re-read from cache and RHT'd in
-  registers, stored as int64 words of 16 codes (``triton_nvfp4``'s columnwise path, the same
+  registers, stored as int64 words of 16 codes (``triton_nvfp4_tile``'s columnwise path, the same
   code the plain NVFP4 kernel runs); without RHT and with R % 16 != 0, from the natural tile
   packed bytewise.
 
@@ -27,7 +27,7 @@ import triton.language as tl
 from ._common import DTYPE_CODE, Copies, check_int32_tiles, empty, kernel_input, load_f32, tile_offsets
 from ._common_encode import bf16_nan_bits, f32, fp8_params, hw_fp8
 from .triton_mxfp8 import row_copy
-from .triton_nvfp4 import BLOCK, RCP6, col_copy_bytes, col_copy_words, global_scales, tile_1d
+from .triton_nvfp4_tile import BLOCK, RCP6, col_copy_bytes, col_copy_words, global_scales, tile_1d
 
 
 @triton.jit

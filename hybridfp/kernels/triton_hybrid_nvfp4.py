@@ -8,7 +8,7 @@ never written to memory. An amax pass (``triton_nvfp4.amaxes``) comes first; the
 per [BR, BC] tile, one 32-row block at a time:
 
 - rowwise: NVFP4 blocks along the columns, packed codes and E4M3 scales stored. The
-  dequantized value comes from the rounding itself (``triton_nvfp4.e2m1_rne``: the rounded
+  dequantized value comes from the rounding itself (``triton_nvfp4_tile.e2m1_rne``: the rounded
   magnitude the FMA already holds) times the block scale's FP32 value from the scale
   computation (``block_scales_dec``), then S_dec: no decode of the stored codes;
 - columnwise, ``method="natural"`` (the default): the block is read as four [8, BC] slices of
@@ -40,7 +40,7 @@ from ._common import (program_tile, DTYPE_CODE, Copies, amax_nan, check_int32_ti
 from ._common_encode import bf16_nan16, f32, fp8_params, hw_fp8
 from .triton_decode import top_half
 from .triton_mxfp8 import NATURAL_HW, col_block_32, col_block_rows4, col_decoded_32, natural_rows4, store_scales_t
-from .triton_nvfp4 import RCP6, block_scales_dec, e2m1_rne, global_scales, pack_last, row_scales
+from .triton_nvfp4_tile import RCP6, block_scales_dec, e2m1_rne, global_scales, pack_last, row_scales
 
 MX_BLOCK = 32
 NV_BLOCK = 16
@@ -49,7 +49,7 @@ NV_BLOCK = 16
 @triton.jit
 def _row_scales(scales_ptr, rows, R):
     """(S_enc, S_dec) [N, 1] of the [N] absolute ``rows`` (row-scaled), loaded from the
-    ``triton_nvfp4.row_scales`` pairs at ``scales_ptr`` (rows past R take the last row's, only
+    ``triton_nvfp4_tile.row_scales`` pairs at ``scales_ptr`` (rows past R take the last row's, only
     multiplied by zeros)."""
     r = tl.minimum(rows, R - 1)
     return tl.load(scales_ptr + 2 * r)[:, None], tl.load(scales_ptr + 2 * r + 1)[:, None]
@@ -63,7 +63,7 @@ def _rowwise(x, r0, c0, lr, lc, R, C, s_enc, s_dec, rd_ptr, rs_ptr, RCP6, ROW: t
     [BR, 1] row-scaled), with ROW stored (packed codes, 0 past C: the odd-width padding nibble;
     E4M3 block scales). Returns the FP32 dequantized value ``(q * fp32(S_dec_b)) * S_dec``, left
     to right as ``NVFP4Storage.decode`` (the first product is exact); the E2M1 value q comes
-    from the rounding itself (``triton_nvfp4.e2m1_rne``), not from a decode of the code.
+    from the rounding itself (``triton_nvfp4_tile.e2m1_rne``), not from a decode of the code.
     ``DEC_ROW``: ROW stores the copy's BF16 block decode ``q * fp32(S_dec_b)`` instead (int16
     bits into ``rd_ptr``, exact: at most 6 significant bits; no scales; S_dec stays with the
     global amax)."""
@@ -112,7 +112,7 @@ def _nvfp4_mxfp8_kernel(x_ptr, amax_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr, R, C, N
                         NATURAL: tl.constexpr = False, GRID2: tl.constexpr = False, DEC_ROW: tl.constexpr = False,
                         DEC_COL: tl.constexpr = False, NAN16: tl.constexpr = 0):
     """``amax_ptr``: the global amax, or with ROW_SCALED each row's (S_enc, S_dec)
-    (``triton_nvfp4.row_scales``). ROW: store the NVFP4 rowwise copy. COL: the MXFP8 columnwise copy, of the dequantized
+    (``triton_nvfp4_tile.row_scales``). ROW: store the NVFP4 rowwise copy. COL: the MXFP8 columnwise copy, of the dequantized
     rowwise value with SRC_DEQ (computed whether or not ROW stores it), else of x. Each 32-row
     block of the tile is read once (coalesced rows), either
 

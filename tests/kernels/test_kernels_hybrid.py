@@ -119,7 +119,7 @@ def test_hybrid_kernel_empty(pair, shape):
 def test_nvfp4_mxfp8_kernel_tiles(method, source, shape, dtype, block, finite_amax, row_scaled):
     """The fused NVFP4 row + MXFP8 col kernel at several tiles and both methods against the
     ``formats`` references: E2M1 code and value from one rounding FMA
-    (``triton_nvfp4.e2m1_rne``), NaN blocks under a finite global amax (their codes cleared per
+    (``triton_nvfp4_tile.e2m1_rne``), NaN blocks under a finite global amax (their codes cleared per
     block) and under a NaN one, per-row amaxes (row-scaled), R and C not multiples of 32 or 8
     (bytewise rows), R % 4 != 0 (byte stores of the natural columnwise codes), a transposed
     (strided) view for (160, 96)."""

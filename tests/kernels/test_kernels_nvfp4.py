@@ -16,7 +16,7 @@ from quantize_kernel_cases import (DTYPES, EMPTY_SHAPES, GPU_SHAPES, SHAPES, ass
 
 from hybridfp.formats import nvfp4, rht  # noqa: E402
 from hybridfp.formats.common import amax_nan, blocks_1d, expand_blocks_1d  # noqa: E402
-from hybridfp.kernels import triton_nvfp4, triton_sr  # noqa: E402
+from hybridfp.kernels import triton_nvfp4, triton_nvfp4_tile, triton_sr  # noqa: E402
 from hybridfp.quantizers import HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer, fast  # noqa: E402
 from hybridfp.quantizers import nvfp4 as nvfp4_quantizers  # noqa: E402
 from hybridfp import policy  # noqa: E402
@@ -83,15 +83,15 @@ def _row_scale_amaxes(device: str) -> torch.Tensor:
 
 
 def _check_row_scales(device: str) -> None:
-    """``triton_nvfp4.row_scales``: each row's (S_enc, S_dec), bitwise ``formats.nvfp4``'s
+    """``triton_nvfp4_tile.row_scales``: each row's (S_enc, S_dec), bitwise ``formats.nvfp4``'s
     global encode / decode scales (the fused NVFP4 + MXFP8 kernel loads them instead of dividing);
     an empty vector gives an empty [0, 2]."""
     amax = _row_scale_amaxes(device)
-    got = triton_nvfp4.row_scales(amax)
+    got = triton_nvfp4_tile.row_scales(amax)
     want = torch.stack([nvfp4.global_encode_scale(amax), nvfp4.global_decode_scale(amax)], dim=1)
     assert got.shape == (amax.numel(), 2)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
-    assert triton_nvfp4.row_scales(amax[:0]).shape == (0, 2)
+    assert triton_nvfp4_tile.row_scales(amax[:0]).shape == (0, 2)
 
 
 @interpreter_only
@@ -327,7 +327,7 @@ import triton.language as tl  # noqa: E402
 def _code_sr_probe(v_ptr, u_ptr, out_ptr, N, HW: tl.constexpr, BLOCK_N: tl.constexpr):
     i = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = i < N
-    code = triton_nvfp4._code_sr(tl.load(v_ptr + i, mask=m, other=0.0), tl.load(u_ptr + i, mask=m, other=0), HW)
+    code = triton_nvfp4_tile._code_sr(tl.load(v_ptr + i, mask=m, other=0.0), tl.load(u_ptr + i, mask=m, other=0), HW)
     tl.store(out_ptr + i, code, mask=m)
 
 
