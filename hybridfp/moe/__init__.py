@@ -3,15 +3,15 @@
 ``GroupedLinear`` (one linear per expert, the experts' rows stacked), ``quantize_grouped`` /
 ``quantize_weights_grouped`` (the experts' row groups quantized with shared encodings where the
 formats allow), ``grouped_gemm`` (the experts' GEMMs of one layout in one grouped kernel call
-when exact) and ``ExpertTensors`` (the experts' quantized tensors held as joined copies plus
+when exact) and ``GroupedTensor`` (the experts' quantized tensors held as joined copies plus
 per-expert offsets). Dense code never imports this package; it builds on the dense layers below.
 """
 
-from .expert_tensors import ExpertTensors, JoinedCopy
+from .grouped_tensor import GroupedTensor, JoinedCopy
 from .gemm import grouped_gemm
 from .grouped_linear import GroupedLinear
 from .quantize import quantize_grouped
 from .quantize_weights import quantize_weights_grouped
 
-__all__ = ["ExpertTensors", "GroupedLinear", "JoinedCopy", "grouped_gemm", "quantize_grouped",
+__all__ = ["GroupedTensor", "GroupedLinear", "JoinedCopy", "grouped_gemm", "quantize_grouped",
            "quantize_weights_grouped"]

@@ -1,7 +1,7 @@
 """The experts' tensors of ``quantize_grouped`` built from its shared encodings.
 
 Where every expert's tensor is nothing but views of the shared encodings, the result is an
-``ExpertTensors`` (``expert_group``, ``hybrid_group``, ``scaled_hybrid_group``,
+``GroupedTensor`` (``expert_group``, ``hybrid_group``, ``scaled_hybrid_group``,
 ``_scaled_group``): the joined copies plus a cutter (``_cut_*``) that builds the per-expert
 tensors only when something indexes them. Otherwise ``assemble`` / ``assemble_scaled`` build
 each expert's tensor now, from slices of the shared copies (``_row_payloads``,
@@ -21,7 +21,7 @@ from ..tensors import Float8Storage, HybridStorage, QuantizedStorage, QuantizedT
 from ..tensors.slicing import column_slices
 from ..tensors.storage import COLUMNWISE, ROWWISE, Payload
 from ..quantizers.base import Quantizer
-from .expert_tensors import ExpertTensors, JoinedCopy
+from .grouped_tensor import GroupedTensor, JoinedCopy
 from .plan import (COLUMN_VIEWS, SHARED, any_hybrid, columnwise_child, derives_columnwise, is_hybrid,
                    row_local_mode, rowwise_child)
 from .quantize_scaled import (Fp8Joined, GroupScaled, HybridGroups, encode_group_scaled, expert_nvfp4_rows,
@@ -29,7 +29,7 @@ from .quantize_scaled import (Fp8Joined, GroupScaled, HybridGroups, encode_group
 
 #: ``quantize_grouped``'s result: the experts' tensors (None where an expert needs no copy), or
 #: their joined copies.
-GroupedResult = Union[list[Optional[QuantizedTensor]], ExpertTensors]
+GroupedResult = Union[list[Optional[QuantizedTensor]], GroupedTensor]
 
 
 def assemble(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor, splits: Sequence[int],
@@ -38,7 +38,7 @@ def assemble(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor, splits:
               row_starts: Optional[list[int]] = None) -> list[Optional[QuantizedTensor]]:
     """Each expert's tensor from the shared encodings (``rows`` with groups starting at
     ``row_starts``, default unpadded; ``cols`` with groups starting at ``col_starts``) or its
-    own rowwise encoding (``own_rows``); an ``ExpertTensors`` where they are views only."""
+    own rowwise encoding (``own_rows``); a ``GroupedTensor`` where they are views only."""
     views = isinstance(cols, COLUMN_VIEWS)
     group = (_hybrid_group(quantizers, splits, rows, cols, col_starts, views, row_starts, x.dtype)
              if any_hybrid(quantizers) else
@@ -74,7 +74,7 @@ def assemble(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor, splits:
 def expert_group(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[int],
                   rows: Optional[QuantizedStorage], cols: Optional[QuantizedStorage],
                   col_starts: Optional[list[int]], views: bool, row_starts: Optional[list[int]]
-                  ) -> Optional[ExpertTensors]:
+                  ) -> Optional[GroupedTensor]:
     """The experts' tensors as joined copies when each one is only views of the shared
     encodings (what ``_direct_storage`` builds for every expert, with one usage for all): the
     unpadded rowwise encoding, and a columnwise copy handed out as column-slice views
@@ -106,13 +106,13 @@ def expert_group(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[int
             joined[COLUMNWISE] = JoinedCopy(cols, list(col_starts))
     if not joined:
         return None
-    return ExpertTensors(splits, joined, partial(_cut_experts, qs, list(splits)))
+    return GroupedTensor(splits, joined, partial(_cut_experts, qs, list(splits)))
 
 
 def _hybrid_group(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[int],
                   rows: Optional[QuantizedStorage], cols: Optional[QuantizedStorage],
                   col_starts: Optional[list[int]], views: bool, row_starts: Optional[list[int]],
-                  dtype: torch.dtype) -> Optional[ExpertTensors]:
+                  dtype: torch.dtype) -> Optional[GroupedTensor]:
     """``expert_group`` for hybrids: every expert's rowwise part a row slice of the shared
     rowwise encoding (at ``row_starts`` if the groups were padded) and, if asked for, its
     columnwise part a column-slice view of the shared columnwise one — what ``_expert_storage``
@@ -132,11 +132,11 @@ def _hybrid_group(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[in
         if cols is None or col_starts is None or not views:
             return None
         joined[COLUMNWISE] = JoinedCopy(cols, list(col_starts))
-    return ExpertTensors(splits, joined, partial(_cut_hybrids, qs, list(splits), dtype))
+    return GroupedTensor(splits, joined, partial(_cut_hybrids, qs, list(splits), dtype))
 
 
 def scaled_hybrid_group(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[int], hg: HybridGroups,
-                         starts: list[int], dtype: torch.dtype) -> Optional[ExpertTensors]:
+                         starts: list[int], dtype: torch.dtype) -> Optional[GroupedTensor]:
     """``_hybrid_group`` for ``nvfp4_mxfp8_groups``' experts (NVFP4 with each expert's global
     amax -> MXFP8; Composer-2's weights): the rowwise joined copy is the padded groups' codes as
     one row-scaled NVFP4 storage (each row with its expert's amax), the columnwise one the
@@ -155,13 +155,13 @@ def scaled_hybrid_group(quantizers: Sequence[Optional[Quantizer]], splits: Seque
     joined = {ROWWISE: JoinedCopy(hg.whole_rows, list(starts))}
     if columnwise:
         joined[COLUMNWISE] = JoinedCopy(hg.cols, list(starts))
-    return ExpertTensors(splits, joined, partial(_cut_scaled_hybrids, qs, list(splits), dtype))
+    return GroupedTensor(splits, joined, partial(_cut_scaled_hybrids, qs, list(splits), dtype))
 
 
 def assemble_scaled(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor, splits: Sequence[int],
                      q0: Quantizer) -> GroupedResult:
     """Plain quantizers whose every copy comes from one grouped encoding: each expert keeps the
-    copies its usage asks for; an ``ExpertTensors`` on the joined copies where every expert
+    copies its usage asks for; a ``GroupedTensor`` on the joined copies where every expert
     keeps the same ones (``_scaled_group``)."""
     used = [q for q in quantizers if q is not None]
     scaled = encode_group_scaled(q0, x, splits, any(q.rowwise_usage for q in used),
@@ -189,7 +189,7 @@ def assemble_scaled(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor, 
 
 
 def _scaled_group(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[int], scaled: GroupScaled,
-                  dtype: torch.dtype) -> Optional[ExpertTensors]:
+                  dtype: torch.dtype) -> Optional[GroupedTensor]:
     """FP8 current-scaled experts of one usage as their joined copies (``JoinedCopy`` with each
     expert's ``scale_inv`` in ``scales``; the codes' storages at scale 1), the per-expert
     tensors (``fp8_parts``: the storages each expert's own quantize holds) built on access."""
@@ -212,7 +212,7 @@ def _scaled_group(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[in
         joined[COLUMNWISE] = JoinedCopy(Float8Storage(torch.Size((width, c)), dtype, None,
                                                       {"data": j.cols, "scale_inv": one}, fp8_dtype=fp8_dtype),
                                         list(j.col_starts), j.scale_inv)
-    return ExpertTensors(splits, joined, partial(_cut_scaled, qs, list(splits), dtype, fp8_dtype))
+    return GroupedTensor(splits, joined, partial(_cut_scaled, qs, list(splits), dtype, fp8_dtype))
 
 
 def _direct_storage(q: Quantizer, rows: Optional[QuantizedStorage], cols: Optional[QuantizedStorage],

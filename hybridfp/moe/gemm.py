@@ -62,7 +62,7 @@ import torch
 
 from ..config import current_policy
 from ..utils.device import device_tensor
-from .expert_tensors import ExpertTensors, JoinedCopy
+from .grouped_tensor import GroupedTensor, JoinedCopy
 from ..tensors.slicing import adjacent_rows
 from ..tensors.storage import GemmOperand, QuantizedStorage
 from ..gemm import fast
@@ -197,14 +197,14 @@ def _run_joined(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: st
                 has_bias: bool, grouped_mm: Optional[GroupedMM],
                 biases: Optional[Sequence[Optional[torch.Tensor]]] = None, use_triton: Optional[bool] = None
                 ) -> Optional[tuple[Union[torch.Tensor, list[torch.Tensor]], str]]:
-    """(result, path) straight on two ``ExpertTensors``' joined copies: path 1
+    """(result, path) straight on two ``GroupedTensor``' joined copies: path 1
     (``gemm_joined.py``) when ``_torch_path``'s rules give it for them, decided once on the
     joined storages (one format per operand, so one answer for every expert); FP8 per-expert
     scaled copies on the Triton FP8 grouped GEMM (``gemm_fp8.run_joined``) when
     ``_fp8_joined_path`` takes them; an fprop with an epilogue factor on the Triton grouped
     GEMM (``gemm_triton.run_joined``) where ``grouped_path`` would take it. None: the
     per-expert code decides."""
-    if not (isinstance(A, ExpertTensors) and isinstance(B, ExpertTensors)) or len(A) != len(B):
+    if not (isinstance(A, GroupedTensor) and isinstance(B, GroupedTensor)) or len(A) != len(B):
         return None
     da, db = LAYOUTS[layout]
     ja, jb = A.joined(da), B.joined(db)
@@ -231,7 +231,7 @@ def _run_joined(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: st
     return None
 
 
-def _fp8_joined_path(A: ExpertTensors, B: ExpertTensors, ja: JoinedCopy, jb: JoinedCopy, layout: str,
+def _fp8_joined_path(A: GroupedTensor, B: GroupedTensor, ja: JoinedCopy, jb: JoinedCopy, layout: str,
                      out_dtype: torch.dtype, use_triton: Optional[bool]) -> bool:
     """Whether FP8 joined copies take the Triton FP8 grouped GEMM for this GEMM — all three
     GEMMs, fprop included (the joined lane builds nothing per expert): the Triton paths on

@@ -8,7 +8,7 @@ small enough that the per-expert loop is host-bound (``grouped.per_expert_fp8_fa
 no), on CUDA from the policy's ``many_experts`` experts on, or when the caller forces the
 Triton paths (``use_triton=True``; the CPU tests, in the interpreter).
 
-Experts held as joined copies (``ExpertTensors`` of FP8 current scaling: rows [Σm, C], columns
+Experts held as joined copies (``GroupedTensor`` of FP8 current scaling: rows [Σm, C], columns
 one [C, Σ padded m] matrix, each expert's ``scale_inv`` in ``JoinedCopy.scales``) take all three
 GEMMs here, fprop included (:func:`run_joined`, called by ``grouped._run_joined``): nothing is
 built per expert, since at 64 experts per-expert objects would be most of the FP8-current MoE
@@ -31,7 +31,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..config import current_policy
-from .expert_tensors import JoinedCopy
+from .grouped_tensor import JoinedCopy
 from ..tensors.storage import QuantizedStorage
 from ..gemm.fast import TENSORWISE, zero_tail_view
 from ..gemm.gemm import LAYOUTS
@@ -138,7 +138,7 @@ def scalar(t: torch.Tensor) -> torch.Tensor:
 def run_joined(ja: JoinedCopy, jb: JoinedCopy, splits_a: Sequence[int], splits_b: Sequence[int], layout: str,
                out_dtype: torch.dtype, biases: Optional[Sequence[Optional[torch.Tensor]]] = None
                ) -> Optional[Union[torch.Tensor, list[torch.Tensor]]]:
-    """The experts' GEMMs straight on two FP8 ``ExpertTensors``' joined copies (per-expert
+    """The experts' GEMMs straight on two FP8 ``GroupedTensor``' joined copies (per-expert
     ``scales``; ``moe.assemble._scaled_group``): no per-expert tensor is built. Rows
     joined [Σm, C] (unpadded); columns one [C, width] matrix, expert e at column ``starts[e]``,
     zero codes to its block's 16-aligned end. None where the copies do not pair up (the caller

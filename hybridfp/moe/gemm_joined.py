@@ -1,7 +1,7 @@
-"""Path 1 of ``grouped_gemm`` (``gemm_bf16.py``) on ``ExpertTensors``' joined copies.
+"""Path 1 of ``grouped_gemm`` (``gemm_bf16.py``) on ``GroupedTensor``' joined copies.
 
 When both operands come from grouped quantizations whose every expert is views of shared
-encodings (``moe/expert_tensors.py``), the grouped BF16 path needs nothing per expert: the
+encodings (``moe/grouped_tensor.py``), the grouped BF16 path needs nothing per expert: the
 experts' m are the splits, the format checks are one storage's, and the operands are the joined
 copies' decodes. This computes exactly what ``run_bf16`` computes on the per-expert views of the
 same copies (it decodes the same joined tensors, gathers them the same way, and calls the same
@@ -16,7 +16,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .expert_tensors import JoinedCopy
+from .grouped_tensor import JoinedCopy
 from ..tensors.storage import COLUMNWISE, ROWWISE, GemmOperand
 # the modules, not their functions: tests count decodes / padding passes by patching them there
 from ..gemm import bf16_decode

@@ -38,7 +38,7 @@ import torch
 
 from ..config import current_policy
 from .quantize import padded_row_index
-from .expert_tensors import JoinedCopy
+from .grouped_tensor import JoinedCopy
 from ..tensors.storage import QuantizedStorage
 from ..gemm.bf16_decode import HAVE_TRITON, bf16_exact_reason, decode_bf16, decode_bf16_joined
 from ..gemm.gemm import LAYOUTS
@@ -210,7 +210,7 @@ def _run_reduction(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage
 def run_joined(ja: JoinedCopy, jb: JoinedCopy, splits_a: Sequence[int], splits_b: Sequence[int], layout: str,
                out_dtype: torch.dtype, biases: Optional[Sequence[Optional[torch.Tensor]]] = None
                ) -> Optional[torch.Tensor]:
-    """fprop on two ``ExpertTensors``' joined rowwise copies (x's, its groups at ``ja.starts``
+    """fprop on two ``GroupedTensor``' joined rowwise copies (x's, its groups at ``ja.starts``
     if padded; the stacked weights', N rows per expert), computing what :func:`run` computes on
     the experts' views without building them: x's span decoded once and its experts' rows
     gathered, the weights decoded once (cached while unchanged) with their per-row epilogue

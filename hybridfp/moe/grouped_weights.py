@@ -17,15 +17,15 @@ from ..quantizers import Quantizer
 from ..tensors import QuantizedTensor
 from ..tensors.slicing import adjacent_rows
 from ..nn.weight_cache import WeightKey, join_keys, new_entry, reusable, split_entry
-from .expert_tensors import ExpertTensors
+from .grouped_tensor import GroupedTensor
 from .grouped_linear_function import plan_memo
 from .quantize_weights import quantize_weights_grouped
 
-#: ``_wcache`` key of the experts' weights quantized together (``ExpertTensors``); the
+#: ``_wcache`` key of the experts' weights quantized together (``GroupedTensor``); the
 #: per-expert entries use the expert index.
 _GROUP_SLOT = -1
 #: ``_wcache`` key of ``single_parameter``'s experts quantized from the one weight Parameter
-#: (``_quantized_stack``: a list or an ``ExpertTensors``, keyed by the Parameter).
+#: (``_quantized_stack``: a list or a ``GroupedTensor``, keyed by the Parameter).
 _STACK_SLOT = -2
 
 
@@ -129,7 +129,7 @@ class GroupedWeights:
         the ones not reusable quantized together by ``quantize_weights_grouped`` (one encoding of
         the stacked weights where the formats allow; bitwise each expert's own). All experts
         quantized as views of shared encodings come back (and are cached) as one
-        ``ExpertTensors``. ``region`` / ``is_first_microbatch``: as ``quantized_weight``'s, for
+        ``GroupedTensor``. ``region`` / ``is_first_microbatch``: as ``quantized_weight``'s, for
         every expert at once."""
         if self.single_parameter and weights is self._views[0]:
             return self._quantized_stack(qs, columnwise, region, is_first_microbatch)
@@ -161,7 +161,7 @@ class GroupedWeights:
                 qs[i].set_usage(rowwise=True, columnwise=columnwise)
             qws = quantize_weights_grouped([qs[i] for i in missing], [weights[i] for i in missing],
                                            plan_memo(self))
-            if isinstance(qws, ExpertTensors) and len(missing) == len(weights):
+            if isinstance(qws, GroupedTensor) and len(missing) == len(weights):
                 # all experts quantized together as views of shared encodings: cached as one
                 # entry (its per-expert tensors are built only if something asks for them);
                 # per-expert entries of older weights would only hold memory now

@@ -43,9 +43,9 @@ def quantize_grouped(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor,
     inside an autograd.Function or under no_grad).
 
     Where every expert's tensor is only views of the shared encodings (plain quantizers of one
-    usage, every copy shared: Identity, MXFP8), the result is an ``ExpertTensors``: a sequence of
+    usage, every copy shared: Identity, MXFP8), the result is a ``GroupedTensor``: a sequence of
     the same per-expert tensors, built on first access, that also hands the shared encodings to
-    the grouped GEMM and the saved-for-backward record (``moe/expert_tensors.py``)."""
+    the grouped GEMM and the saved-for-backward record (``moe/grouped_tensor.py``)."""
     splits = [int(m) for m in splits]
     if len(quantizers) != len(splits):
         raise ValueError(f"quantize_grouped: {len(quantizers)} quantizers for {len(splits)} row groups; "

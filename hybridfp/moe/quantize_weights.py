@@ -17,7 +17,7 @@ from ..quantizers.backends import QUANTIZE_KERNELS
 from ..quantizers.base import Quantizer
 from ..quantizers.identity import IdentityQuantizer
 from .assemble import expert_group
-from .expert_tensors import ExpertTensors
+from .grouped_tensor import GroupedTensor
 from .plan import PlanMemo, plan_for
 from .quantize import quantize_grouped
 from .quantize_scaled import BOTH
@@ -25,7 +25,7 @@ from .quantize_scaled import BOTH
 
 def quantize_weights_grouped(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor],
                              plans: Optional[PlanMemo] = None, stacked: Optional[torch.Tensor] = None
-                             ) -> Union[list[QuantizedTensor], ExpertTensors]:
+                             ) -> Union[list[QuantizedTensor], GroupedTensor]:
     """``[q.quantize(w) for q, w in zip(quantizers, weights)]`` for experts' [N, K] weights of
     one shape, bitwise: the weights are stacked to [E*N, K] (a view when they are consecutive
     blocks of one buffer, else one copy) and quantized as row
@@ -58,7 +58,7 @@ def quantize_weights_grouped(quantizers: Sequence[Quantizer], weights: Sequence[
             stacked = torch.stack(list(weights))
         stacked = stacked.reshape(-1, shape[1])
         out = quantize_grouped(list(quantizers), stacked, [shape[0]] * len(weights), plans)
-    return out if isinstance(out, ExpertTensors) else [t for t in out if t is not None]
+    return out if isinstance(out, GroupedTensor) else [t for t in out if t is not None]
 
 
 def _passthrough(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor]) -> bool:
@@ -74,7 +74,7 @@ def _passthrough(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor
 
 
 def _passthrough_group(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor],
-                       stacked: Optional[torch.Tensor] = None) -> Optional[ExpertTensors]:
+                       stacked: Optional[torch.Tensor] = None) -> Optional[GroupedTensor]:
     """The passthrough experts (``_passthrough``) as one joined Identity copy when the weights
     are consecutive blocks of one buffer (``GroupedLinear``'s packed weights, or ``stacked``):
     its per-expert tensors are ``_wrap_weight``'s (the same values, as views of the buffer)."""

@@ -18,8 +18,8 @@ tensor of every expert) as one tensor where their layout allows:
 
 Each expert's storage is described by a small record (class, shape, options, payload slots)
 instead of a skeleton storage object, and rebuilt once in backward. Experts held as an
-``ExpertTensors`` (every expert views of a few joined copies) are saved as those copies'
-tensors and handed back as an ``ExpertTensors`` again: no per-expert record at all. The rebuilt tensors are
+``GroupedTensor`` (every expert views of a few joined copies) are saved as those copies'
+tensors and handed back as a ``GroupedTensor`` again: no per-expert record at all. The rebuilt tensors are
 views of the same memory as the forward's, with the same shapes, strides and options, so the
 backward GEMMs compute bitwise what they computed on the forward's objects.
 """
@@ -32,7 +32,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 
 from ..tensors import HybridStorage, IdentityStorage, QuantizedStorage, QuantizedTensor
-from .expert_tensors import Cutter, ExpertTensors, JoinedCopy
+from .grouped_tensor import Cutter, GroupedTensor, JoinedCopy
 from ..tensors.slicing import adjacent_rows
 from ..tensors.storage import COLUMNWISE, DIRECTIONS, ROWWISE
 
@@ -50,7 +50,7 @@ class SavedExperts:
 
 @dataclass
 class SavedJoined:
-    """How to rebuild an ``ExpertTensors`` from its saved joined copies: per direction (the
+    """How to rebuild a ``GroupedTensor`` from its saved joined copies: per direction (the
     index of its storage's skeleton, the group starts); per skeleton the count of its tensors."""
 
     splits: list[int]
@@ -64,8 +64,8 @@ class SavedJoined:
 def save_experts(ts: Sequence[Optional[torch.Tensor]]
                  ) -> tuple[list[torch.Tensor], "SavedExperts | SavedJoined"]:
     """The plain tensors to save for the experts' ``ts`` (None, plain or quantized tensors, or
-    an ``ExpertTensors``) and the record that ``restore_experts`` rebuilds them from."""
-    if isinstance(ts, ExpertTensors):
+    a ``GroupedTensor``) and the record that ``restore_experts`` rebuilds them from."""
+    if isinstance(ts, GroupedTensor):
         return _save_joined(ts)
     flats: list[list[torch.Tensor]] = []
     items: list[Optional[tuple]] = []
@@ -91,7 +91,7 @@ def save_experts(ts: Sequence[Optional[torch.Tensor]]
 
 
 def restore_experts(rec: "SavedExperts | SavedJoined", tensors: Sequence[torch.Tensor]
-                    ) -> "list[Optional[torch.Tensor]] | ExpertTensors":
+                    ) -> "list[Optional[torch.Tensor]] | GroupedTensor":
     """Inverse of :func:`save_experts`, from the saved tensors (as saved-tensor hooks return them)."""
     if isinstance(rec, SavedJoined):
         return _restore_joined(rec, tensors)
@@ -111,7 +111,7 @@ def restore_experts(rec: "SavedExperts | SavedJoined", tensors: Sequence[torch.T
     return out
 
 
-def _save_joined(ts: ExpertTensors) -> tuple[list[torch.Tensor], SavedJoined]:
+def _save_joined(ts: GroupedTensor) -> tuple[list[torch.Tensor], SavedJoined]:
     """The joined copies' payload tensors (a storage shared by both directions once) and skeletons."""
     saved: list[torch.Tensor] = []
     skeletons: list[tuple[QuantizedStorage, int]] = []
@@ -134,13 +134,13 @@ def _save_joined(ts: ExpertTensors) -> tuple[list[torch.Tensor], SavedJoined]:
     return saved, SavedJoined(ts.splits, ts.cutter, skeletons, directions, scales or None)
 
 
-def _restore_joined(rec: SavedJoined, tensors: Sequence[torch.Tensor]) -> ExpertTensors:
+def _restore_joined(rec: SavedJoined, tensors: Sequence[torch.Tensor]) -> GroupedTensor:
     it = iter(tensors)
     storages = [skeleton.with_tensors([next(it) for _ in range(n)]) for skeleton, n in rec.skeletons]
     scales = rec.scales or {}
     joined = {d: JoinedCopy(storages[i], starts, tensors[scales[d]] if d in scales else None)
               for d, (i, starts) in rec.directions.items()}
-    return ExpertTensors(rec.splits, joined, rec.cut)
+    return GroupedTensor(rec.splits, joined, rec.cut)
 
 
 # ---------------------------------------------------------------------------- slots

@@ -54,7 +54,7 @@ class WeightEntry(NamedTuple):
     """One cached quantized weight (or several experts' as one entry)."""
 
     key: WeightKey
-    qw: Any  #: a QuantizedTensor, a list of them or an ExpertTensors
+    qw: Any  #: a QuantizedTensor, a list of them or a GroupedTensor
     weight: Any  #: the weight tensor (or list of tensors) it was made from, held
     region: object  #: the token of the autocast region it was made in
     kept: bool  #: kept for later regions (made by a call with ``is_first_microbatch=True``)
@@ -75,7 +75,7 @@ def same_weights(a: Any, b: Any) -> bool:
 
 
 def has_columnwise(qw: Any) -> bool:
-    """Whether a cached value (one tensor, a list of them, or an ExpertTensors) holds the
+    """Whether a cached value (one tensor, a list of them, or a GroupedTensor) holds the
     columnwise copy the dgrad GEMM reads."""
     if isinstance(qw, (list, tuple)):
         return all(t.has_direction(COLUMNWISE) for t in qw)

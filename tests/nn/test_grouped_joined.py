@@ -1,8 +1,8 @@
-"""GroupedLinear on joined copies (``moe/expert_tensors.py``, ``moe/gemm_joined.py``):
+"""GroupedLinear on joined copies (``moe/grouped_tensor.py``, ``moe/gemm_joined.py``):
 where x, dy and the weights are quantized as views of shared encodings (BF16 Identity, MXFP8),
 a step on the grouped BF16 path (``torch._grouped_mm``, here the CPU's) never builds the
 per-expert tensors, and gives bitwise the step that builds them and runs the per-expert-list
-code of the same path. Also: ``ExpertTensors`` built lazily equal the per-expert quantizations,
+code of the same path. Also: ``GroupedTensor`` built lazily equal the per-expert quantizations,
 and the weights' joined copies are cached until a weight changes."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from hybridfp.quantizers import IdentityQuantizer, MXFP8Quantizer
 from hybridfp.moe import assemble as qgrouped
 from hybridfp.moe.quantize import quantize_grouped
 from hybridfp.moe.quantize_weights import quantize_weights_grouped
-from hybridfp.moe.expert_tensors import ExpertTensors
+from hybridfp.moe.grouped_tensor import GroupedTensor
 
 IN = 64
 SPLITS = [0, 19, 45, 1, 33]  # an empty expert, counts not multiples of 8 / 32
@@ -83,13 +83,13 @@ def test_joined_step_equals_per_expert_lists(name, out, monkeypatch):
 
 
 def test_lazy_experts_equal_each_quantize():
-    """An ExpertTensors indexes to each expert's own quantization (MXFP8 both copies, awkward
+    """An GroupedTensor indexes to each expert's own quantization (MXFP8 both copies, awkward
     splits), built once; dropping rowwise drops it from each built expert."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(sum(SPLITS), IN, generator=g).bfloat16()
     qs = [MXFP8Quantizer() for _ in SPLITS]
     got = quantize_grouped(qs, x, SPLITS)
-    assert isinstance(got, ExpertTensors) and not got.materialized
+    assert isinstance(got, GroupedTensor) and not got.materialized
     assert got.directions() == ("rowwise", "columnwise")
     for e, (q, xe) in enumerate(zip(qs, torch.split(x, SPLITS))):
         want = q.quantize(xe)
@@ -110,7 +110,7 @@ def test_identity_packed_weights_are_one_joined_copy():
     ws = list(buf)
     qs = [IdentityQuantizer() for _ in ws]
     got = quantize_weights_grouped(qs, ws)
-    assert isinstance(got, ExpertTensors)
+    assert isinstance(got, GroupedTensor)
     j = got.joined("rowwise")
     assert j.starts is None and j.storage.payload("rowwise")["data"].data_ptr() == buf.data_ptr()
     for t, w in zip(got, ws):
@@ -142,7 +142,7 @@ def test_weight_group_cached_until_a_weight_changes(monkeypatch):
 
 def test_hybrid_experts_are_joined_and_equal_each_quantize():
     """Composer-2's input hybrid (row-scaled NVFP4 rows read at the padded groups' starts,
-    MXFP8 columns derived from them): one ExpertTensors whose experts equal each expert's own
+    MXFP8 columns derived from them): one GroupedTensor whose experts equal each expert's own
     quantization in both copies; after dropping the rows (what backward keeps) the experts hold
     the columnwise part only, and the saved record is the joined copy."""
     from hybridfp import HybridQuantizer, NVFP4Quantizer
@@ -152,7 +152,7 @@ def test_hybrid_experts_are_joined_and_equal_each_quantize():
     qs = [HybridQuantizer(NVFP4Quantizer(row_scaled_nvfp4=True), MXFP8Quantizer(), "rowwise_dequantized")
           for _ in SPLITS]
     got = quantize_grouped(qs, x, SPLITS)
-    assert isinstance(got, ExpertTensors) and got.joined("rowwise").starts is not None  # padded starts
+    assert isinstance(got, GroupedTensor) and got.joined("rowwise").starts is not None  # padded starts
     for e, (q, xe) in enumerate(zip(qs, torch.split(x, SPLITS))):
         want = q.quantize(xe)
         for d in ("rowwise", "columnwise"):

@@ -19,7 +19,7 @@ from hybridfp.moe import plan as qplan
 from hybridfp.moe.quantize import quantize_grouped
 from hybridfp.moe.quantize_scaled import BOTH, ROWS, group_scaled_mode
 from hybridfp.recipes import QuantizerRole
-from hybridfp.moe.expert_tensors import ExpertTensors
+from hybridfp.moe.grouped_tensor import GroupedTensor
 from hybridfp.tensors.storage import COLUMNWISE, DIRECTIONS, ROWWISE
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -96,12 +96,12 @@ def test_fp8_current_shares_one_encoding():
     own [K, m_e] transpose, 16-byte aligned column slices of one [K, Σ padded m] matrix (no
     per-expert copy), each continuing with zero codes to m_e rounded up to 16 (``columnwise_zero_tail``); both copies of an
     expert share one scale_inv tensor, as the quantizer's own storage does. The experts come
-    as an ``ExpertTensors`` (every expert keeps both copies): the joined copies, each expert's
+    as a ``GroupedTensor`` (every expert keeps both copies): the joined copies, each expert's
     scale_inv in ``scales``."""
     x = data()
     qs = [Float8CurrentScalingQuantizer() for _ in SPLITS]
     experts = quantize_grouped(qs, x, SPLITS)
-    assert isinstance(experts, ExpertTensors) and not experts.materialized
+    assert isinstance(experts, GroupedTensor) and not experts.materialized
     width = sum(-(-m // 16) * 16 for m in SPLITS)
     cols = experts.joined(COLUMNWISE)
     assert cols.storage.payload(COLUMNWISE)["data"].shape == (x.shape[1], width)

@@ -1,10 +1,11 @@
-"""``ExpertTensors``: an MoE layer's per-expert quantized tensors held as the shared encodings
-they are views of, the per-expert objects built only when someone asks for them.
+"""``GroupedTensor``: an MoE layer's per-expert quantized tensors held as the shared encodings
+they are views of, the per-expert objects built only when someone asks for them
+(TransformerEngine's name for the same idea: one joined encoding plus per-expert offsets).
 
 ``moe.quantize.quantize_grouped`` encodes a copy that never straddles two experts once for
 all of them (a row-local rowwise copy; a columnwise block copy of the groups zero-padded to whole
 blocks). Where every expert's tensor is nothing but views of those encodings, it returns them as
-an ``ExpertTensors``: per direction one :class:`JoinedCopy` (the shared storage, and where each
+a ``GroupedTensor``: per direction one :class:`JoinedCopy` (the shared storage, and where each
 expert's group starts in it), plus a function that cuts the per-expert tensors out of them. The
 grouped GEMM (``moe.gemm_joined``) and the saved-for-backward record (``moe.saved``)
 read the joined copies directly, so at 64 experts a step does not build, check and re-join 64
@@ -45,13 +46,13 @@ class JoinedCopy(NamedTuple):
 Cutter = Callable[[dict[str, JoinedCopy]], list[QuantizedTensor]]
 
 
-class ExpertTensors(Sequence[QuantizedTensor]):
+class GroupedTensor(Sequence[QuantizedTensor]):
     """The experts' tensors of one grouped quantization (a ``Sequence`` of ``QuantizedTensor``),
     held as joined copies; ``cut`` builds the per-expert tensors on first access."""
 
     def __init__(self, splits: Sequence[int], joined: dict[str, JoinedCopy], cut: Cutter) -> None:
         if not joined or any(d not in DIRECTIONS for d in joined):
-            raise ValueError(f"ExpertTensors needs joined copies keyed by direction; got {sorted(joined)}.")
+            raise ValueError(f"GroupedTensor needs joined copies keyed by direction; got {sorted(joined)}.")
         self.splits = [int(m) for m in splits]
         self._joined = dict(joined)
         self._cut = cut
