@@ -1,6 +1,6 @@
 """hybridfp's mixture-of-experts wing: the MoE layer and what only it needs.
 
-``GroupedLinear`` (one linear per expert, the experts' rows stacked), ``quantize_grouped`` /
+``GroupedLinear`` (one linear per expert, the experts' rows joined), ``quantize_grouped`` /
 ``quantize_weights_grouped`` (the experts' row groups quantized with shared encodings where the
 formats allow), ``grouped_gemm`` (the experts' GEMMs of one layout in one grouped kernel call
 when exact) and ``GroupedTensor`` (the experts' quantized tensors held as joined copies plus

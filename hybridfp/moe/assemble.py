@@ -18,7 +18,7 @@ import torch
 from ..formats.common import ceil_div
 from ..utils.device import device_constant
 from ..tensors import Float8Storage, HybridStorage, QuantizedStorage, QuantizedTensor
-from ..tensors.slicing import column_slices
+from .joined import column_slices
 from ..tensors.storage import COLUMNWISE, ROWWISE, Payload
 from ..quantizers.base import Quantizer
 from .grouped_tensor import GroupedTensor, JoinedCopy

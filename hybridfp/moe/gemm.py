@@ -63,7 +63,7 @@ import torch
 from ..config import current_policy
 from ..utils.device import device_tensor
 from .grouped_tensor import GroupedTensor, JoinedCopy
-from ..tensors.slicing import adjacent_rows
+from .joined import joined_view
 from ..tensors.storage import GemmOperand, QuantizedStorage
 from ..gemm import fast
 from ..gemm.backends import emulate, report_emulated, select
@@ -149,7 +149,7 @@ def grouped_gemm(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: s
                  use_triton: Optional[bool] = None) -> Union[torch.Tensor, list[torch.Tensor]]:
     """The GEMM ``layout`` selects (``gemm``'s table) for every expert e on ``A[e]``, ``B[e]``.
 
-    Returns, for "TN" / "NN", one [Σ m_e, n] tensor (the experts' results stacked by rows, in
+    Returns, for "TN" / "NN", one [Σ m_e, n] tensor (the experts' results joined by rows, in
     order; an expert with m_e = 0 contributes no rows); for "NT", a list of the experts' [n, k]
     results (views of one [E, n, k] tensor on the grouped paths). ``biases`` (fprop only): one
     [n] bias or None per expert. ``grouped_mm``: the grouped BF16 matmul of path 1 (default
@@ -404,14 +404,14 @@ def _run_fp8_rowwise(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStora
     pa, pb = [s.payload(da) for s in sa], [s.payload(db) for s in sb]
     ms = [p["data"].shape[0] for p in pa]
     n = pb[0]["data"].shape[0]
-    # Adjacent row blocks of one buffer (grouped_scaled's one cast pass; stacked weights) are
+    # Joined row blocks of one buffer (grouped_scaled's one cast pass; joined weights) are
     # viewed as one operand without a copy; otherwise cat / stack on the bytes (not every torch
     # build concatenates float8 tensors).
     filled = [p["data"] for p in pa if p["data"].numel()]
-    mat_a = adjacent_rows(filled) if filled else None
+    mat_a = joined_view(filled) if filled else None
     if mat_a is None:
         mat_a = torch.cat([p["data"].view(torch.uint8) for p in pa]).view(torch.float8_e4m3fn)
-    whole_b = adjacent_rows([p["data"] for p in pb])
+    whole_b = joined_view([p["data"] for p in pb])
     if whole_b is not None:
         mat_b = whole_b.view(len(pb), n, whole_b.shape[1]).transpose(1, 2)
     else:
@@ -490,7 +490,7 @@ def _emulated_operands(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedSto
                        ) -> Optional[tuple[list[GemmOperand], list[GemmOperand]]]:
     """Every expert's GEMM operands as ``gemm()`` hands them to the exact emulation, or None if
     some pair has a fast backend (then ``gemm()`` per expert). A copy that is consecutive row
-    blocks of one buffer (``joined_rows``: shared row-local encodings, stacked weights) is
+    blocks of one buffer (``joined_rows``: shared row-local encodings, joined weights) is
     block-decoded once and cut by rows: elementwise decoding makes the cuts bitwise each
     expert's own decode. The emulation is reported once per pair, as ``gemm()`` does."""
     da, db = LAYOUTS[layout]

@@ -4,7 +4,7 @@
 takes: rows grouped for fprop / dgrad ([Σm, k] · [E, k, n]), the reduction grouped for wgrad
 ([m, Σk] · [Σk, n], each expert's reduction zero-padded to the TMA alignment). Copies that are
 blocks of one shared encoding are decoded joined, and operands are gathered without a copy
-where they are already adjacent."""
+where they are already joined."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from ..utils.device import device_tensor, step_metadata
-from ..tensors.slicing import adjacent_rows
+from .joined import joined_view
 from .quantize import pad_row_groups
 from ..tensors.storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
 from ..gemm.bf16_decode import HAVE_TRITON, decode_bf16, decode_bf16_joined, held_transpose
@@ -83,7 +83,7 @@ def run_bf16(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], lay
     ``ms``: the experts' m.
 
     Copies that are blocks of one shared encoding (``joined``: ``quantize_grouped``'s row-local
-    rowwise copies, stacked weights, zero-padded columnwise block copies) are decoded in one
+    rowwise copies, joined weights, zero-padded columnwise block copies) are decoded in one
     call straight into the grouped operand; the others per expert, then concatenated."""
     da, db = LAYOUTS[layout]
     if layout == "NT":
@@ -149,7 +149,7 @@ def _joined_operand(storages: Sequence[QuantizedStorage], direction: str, cache:
                     ) -> Optional[GemmOperand]:
     """The experts' ``direction`` copies decoded in one call when they are blocks of one
     encoding: consecutive row blocks (rowwise), or column slices without padding (columnwise
-    copies of stacked weights: every expert's rows a whole number of blocks). None otherwise.
+    copies of joined weights: every expert's rows a whole number of blocks). None otherwise.
     Values: [Σ rows, k] (rowwise) or [n, Σ k] (columnwise, stored transposed). ``cache``: see
     ``decode_bf16_joined``."""
     if direction == ROWWISE:
@@ -166,7 +166,7 @@ def _joined_operand(storages: Sequence[QuantizedStorage], direction: str, cache:
 
 
 def _experts_kn(values: torch.Tensor, experts: int, direction: str) -> torch.Tensor:
-    """[E, k, n] views (no copy) of B's joined decode: rowwise [E*n, k] (stacked weights'
+    """[E, k, n] views (no copy) of B's joined decode: rowwise [E*n, k] (joined weights'
     rowwise copies) or columnwise [n, E*k] (their transposed columnwise copies)."""
     values = values.contiguous()  # the decoders write contiguous tensors: no copy
     if direction == ROWWISE:
@@ -229,7 +229,7 @@ def _cat_columns(parts: Optional[Sequence[torch.Tensor]], widths: Sequence[int],
     if rows is not None or all(_t_contiguous(p) for p in parts):
         rows = rows if rows is not None else [p.t() for p in parts]
         filled = [r for r in rows if r.numel()]
-        whole = adjacent_rows(filled) if filled else None
+        whole = joined_view(filled) if filled else None
         heights = [r.shape[0] for r in rows]
         if whole is not None and whole.shape[0] == sum(heights) and all(
                 -(-h // BF16_ALIGN) * BF16_ALIGN == w for h, w in zip(heights, widths)):

@@ -19,7 +19,7 @@ Numerics: the FP8 MMA with its partial sums promoted to FP32 every 128 products 
 Hopper exception, as cuBLAS without fast accumulation), each expert's ``scale_inv`` pair
 applied in an FP32 epilogue with its bias, one rounding — what the per-expert cuBLAS path
 computes, up to the accumulation order. The operands are read where they lie: the experts'
-rowwise copies as rows of one buffer or not, the weights stacked or not, wgrad's columnwise
+rowwise copies as rows of one buffer or not, the weights joined or not, wgrad's columnwise
 copies in their zero-padded blocks (so the reduction runs over 16-aligned lengths).
 """
 
@@ -35,7 +35,7 @@ from .grouped_tensor import JoinedCopy
 from ..tensors.storage import QuantizedStorage
 from ..gemm.fast import TENSORWISE, zero_tail_view
 from ..gemm.gemm import LAYOUTS
-from .gemm_triton import stacked_bias
+from .gemm_triton import joined_bias
 
 GROUPED_FP8_TRITON = "grouped_fp8_triton"
 #: output dtypes the kernel writes
@@ -104,7 +104,7 @@ def run(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: 
         k.grouped_fp8(a, b, ks, scale_a, scale_b, out, [e * m for e in range(len(sa))], tile=k.WGRAD_TILE,
                       prefer_tma=_tma(current_policy().grouped_fp8_tma_wgrad, device))
         return list(out.view(len(sa), m, n).unbind(0))
-    usable, bias = stacked_bias(biases, n, device)
+    usable, bias = joined_bias(biases, n, device)
     if not usable:
         return None
     a, b = [p["data"] for p in pa], [p["data"] for p in pb]
@@ -163,13 +163,13 @@ def run_joined(ja: JoinedCopy, jb: JoinedCopy, splits_a: Sequence[int], splits_b
         return list(out.view(experts, n_rows, k_rows).unbind(0))
     if ja.starts is not None:
         return None
-    usable, bias = stacked_bias(biases, _width(jb, db, splits_b), a.device)
+    usable, bias = joined_bias(biases, _width(jb, db, splits_b), a.device)
     if not usable:
         return None
     # host lists, not CPU tensors: a torch op on [E] costs ~10x a list comprehension
     ms, red = list(splits_a), a.shape[1]
     starts = list(accumulate(ms, initial=0))[:-1]
-    if db == "rowwise":  # fprop: the stacked weights' rows, expert e's N rows from row e*N
+    if db == "rowwise":  # fprop: the joined weights' rows, expert e's N rows from row e*N
         if jb.starts is not None or len(set(splits_b)) != 1 or b.shape[1] != red:
             return None
         n = splits_b[0]

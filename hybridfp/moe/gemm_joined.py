@@ -6,7 +6,7 @@ experts' m are the splits, the format checks are one storage's, and the operands
 copies' decodes. This computes exactly what ``run_bf16`` computes on the per-expert views of the
 same copies (it decodes the same joined tensors, gathers them the same way, and calls the same
 grouped matmul), without building 64 storages per operand and re-discovering that they are
-adjacent. ``grouped.py`` decides whether path 1 applies (its ``_torch_path`` rules, on the
+joined. ``grouped.py`` decides whether path 1 applies (its ``_torch_path`` rules, on the
 joined storages); this runs it, or returns None where the per-expert code must (then it does).
 """
 
@@ -57,7 +57,7 @@ def _reductions(j: JoinedCopy, direction: str, splits: Sequence[int]) -> list[in
 
 def _weights_kn(jb: JoinedCopy, direction: str, splits: Sequence[int]) -> Optional[torch.Tensor]:
     """B of fprop / dgrad (the experts' weights) as [E, k, n]: the joined decode's views
-    (``_experts_kn``, the decode cached while the weights are unchanged), or the stacked rows
+    (``_experts_kn``, the decode cached while the weights are unchanged), or the joined rows
     of a BF16 Identity columnwise copy (what ``_stack_transposed`` copies out of the experts'
     held transposes: here a view when they are one contiguous buffer, else the same stack)."""
     s, experts = jb.storage, len(splits)

@@ -42,7 +42,7 @@ from .grouped_tensor import JoinedCopy
 from ..tensors.storage import QuantizedStorage
 from ..gemm.bf16_decode import HAVE_TRITON, bf16_exact_reason, decode_bf16, decode_bf16_joined
 from ..gemm.gemm import LAYOUTS
-from .joined import joined_rows, joined_values, spanned_rows
+from .joined import joined_rows, joined_values, joined_row_span
 
 #: output dtypes the kernel writes
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -91,7 +91,7 @@ def _spread(scales: Sequence[Optional[torch.Tensor]], sizes: Sequence[int], devi
     return torch.cat(parts)
 
 
-def stacked_bias(biases: Optional[Sequence[Optional[torch.Tensor]]], n: int, device: torch.device
+def joined_bias(biases: Optional[Sequence[Optional[torch.Tensor]]], n: int, device: torch.device
           ) -> tuple[bool, Optional[torch.Tensor]]:
     """(usable, [E, n] FP32 bias or None): every expert has a bias, or none has."""
     if biases is None or all(b is None for b in biases):
@@ -115,7 +115,7 @@ def run(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: 
         return None
     mat_b, scales_b, rhts_b = weights
     _, n, k = mat_b.shape
-    usable, bias = stacked_bias(biases, n, device)
+    usable, bias = joined_bias(biases, n, device)
     rows = _rows_operand(sa, da, device)
     if not usable or rows is None or k == 0:
         return None
@@ -131,7 +131,7 @@ def run(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: 
 def _weights_operand(sb: Sequence[QuantizedStorage], db: str
                      ) -> Optional[tuple[torch.Tensor, list[Optional[torch.Tensor]], list[bool]]]:
     """(B [E, n, k] BF16, each expert's epilogue scale, each expert's RHT flag). The experts'
-    stacked weights (adjacent row blocks of one encoding, per-expert global scales allowed:
+    joined weights (consecutive row blocks of one encoding, per-expert global scales allowed:
     ``joined_values``) are decoded in one call, cached while unchanged, and viewed [E, n, k];
     otherwise each expert's copy is decoded (cached) and stacked. None if their decoded shapes
     differ."""
@@ -150,13 +150,13 @@ def _weights_operand(sb: Sequence[QuantizedStorage], db: str
 def _rows_operand(sa: Sequence[QuantizedStorage], da: str, device: torch.device
                   ) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor], list[bool]]]:
     """(A [Σm_e, k] BF16, its scales per row [Σm_e] FP32 or None, each expert's RHT flag): one
-    decode when the experts' copies are adjacent rows of one encoding, else per expert and
+    decode when the experts' copies are joined rows of one encoding, else per expert and
     concatenated; None if the experts' stored lengths differ."""
     joined = joined_rows(sa, da)
     if joined is not None:
         whole = decode_bf16(joined, da)
         return whole.values, _spread([whole.scale], [whole.values.shape[0]], device), [whole.rht] * len(sa)
-    span = spanned_rows(sa, da)
+    span = joined_row_span(sa, da)
     if span is not None:
         gathered = _gathered_rows(span[0], da, span[1], [s.rows for s in sa], device)
         return None if gathered is None else (*gathered[:2], [gathered[2]] * len(sa))
@@ -211,7 +211,7 @@ def run_joined(ja: JoinedCopy, jb: JoinedCopy, splits_a: Sequence[int], splits_b
                out_dtype: torch.dtype, biases: Optional[Sequence[Optional[torch.Tensor]]] = None
                ) -> Optional[torch.Tensor]:
     """fprop on two ``GroupedTensor``' joined rowwise copies (x's, its groups at ``ja.starts``
-    if padded; the stacked weights', N rows per expert), computing what :func:`run` computes on
+    if padded; the joined weights', N rows per expert), computing what :func:`run` computes on
     the experts' views without building them: x's span decoded once and its experts' rows
     gathered, the weights decoded once (cached while unchanged) with their per-row epilogue
     scales (a row-scaled joined copy holds each expert's global scale on its rows). None where
@@ -228,7 +228,7 @@ def run_joined(ja: JoinedCopy, jb: JoinedCopy, splits_a: Sequence[int], splits_b
         return None  # a per-tensor factor would be one expert's only
     if rows is None or rows[2] != whole_b.rht or rows[0].shape[1] != whole_b.values.shape[1] or n == 0:
         return None
-    usable, bias = stacked_bias(biases, n, device)
+    usable, bias = joined_bias(biases, n, device)
     if not usable:
         return None
     mat_b = whole_b.values.contiguous()

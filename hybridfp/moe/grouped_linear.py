@@ -6,7 +6,7 @@ quantizers per slot (role module_type "grouped_linear"), so per-tensor scales an
 straddle two experts. The GEMMs per expert are those of ``Linear`` (see linear_function); each
 of the three runs for all experts in one ``hybridfp.moe.grouped_gemm`` call (one grouped
 kernel where the operand formats allow it, else per expert). The experts' inputs and output
-gradients (and their stacked weights) are quantized together by ``quantize_grouped``, bitwise
+gradients (and their joined weights) are quantized together by ``quantize_grouped``, bitwise
 what each expert's own quantizer makes: a row-local rowwise copy (Identity, MXFP8 1x32, FP8
 block 1x128, row-scaled NVFP4) is encoded once and handed out as row-slice views; per-tensor
 scales from the tensor's own amax (FP8 current scaling, NVFP4 1D rows) come from one segmented
@@ -14,8 +14,8 @@ amax and one cast pass for all experts (FP8 columnwise copies: each expert's own
 a view of one buffer); columnwise block copies are encoded once and copied out per expert. Delayed scaling and stochastic rounding stay per
 expert (each expert's amax history; each quantization's seed).
 
-The autograd function is ``grouped_linear_function.py``; the experts' weight layouts (packed,
-one Parameter) and their quantized cache are ``grouped_weights.py``.
+The autograd function is ``grouped_linear_function.py``; the experts' weight layouts (joined
+into one buffer, or one Parameter) and their quantized cache are ``grouped_weights.py``.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import torch
 from ..config import current_policy, use_policy
 from ..quantizers import Quantizer
 from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
-from ..tensors.slicing import adjacent_rows
+from .joined import joined_view
 from ..nn.linear_function import LinearContext, bias_grad, keeps_original_input, torch_autocast_off
 from .grouped_tensor import GroupedTensor
 from .gemm import grouped_gemm
@@ -106,7 +106,7 @@ def _stack(ts: Sequence[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
     computed."""
     if ts[0] is None:
         return None
-    whole = adjacent_rows(ts)
+    whole = joined_view(ts)
     return whole.view(len(ts), *ts[0].shape) if whole is not None else torch.stack(list(ts))
 
 

@@ -15,7 +15,7 @@ import torch
 
 from ..quantizers import Quantizer
 from ..tensors import QuantizedTensor
-from ..tensors.slicing import adjacent_rows
+from .joined import joined_view
 from ..nn.weight_cache import WeightKey, join_keys, new_entry, reusable, split_entry
 from .grouped_tensor import GroupedTensor
 from .grouped_linear_function import plan_memo
@@ -46,7 +46,7 @@ class GroupedWeights:
         # plain dense tensors first: a wrapper subclass (DTensor) may not expose a data pointer
         if any(type(w.data) is not torch.Tensor or w.is_meta or w.layout != torch.strided for w in ws):
             return
-        if len({(w.shape, w.dtype, w.device) for w in ws}) > 1 or adjacent_rows(ws) is not None:
+        if len({(w.shape, w.dtype, w.device) for w in ws}) > 1 or joined_view(ws) is not None:
             return
         with torch.no_grad():
             buf = torch.stack([w.detach() for w in ws])
@@ -127,7 +127,7 @@ class GroupedWeights:
                           is_first_microbatch: Optional[bool] = None) -> Sequence[torch.Tensor]:
         """Every expert's ``quantized_weight`` (same cache entries and rule, nn/weight_cache.py),
         the ones not reusable quantized together by ``quantize_weights_grouped`` (one encoding of
-        the stacked weights where the formats allow; bitwise each expert's own). All experts
+        the joined weights where the formats allow; bitwise each expert's own). All experts
         quantized as views of shared encodings come back (and are cached) as one
         ``GroupedTensor``. ``region`` / ``is_first_microbatch``: as ``quantized_weight``'s, for
         every expert at once."""

@@ -1,4 +1,7 @@
-"""Expert copies that are consecutive blocks of one buffer, viewed as one storage.
+"""Expert copies that are consecutive blocks of one buffer, viewed as one storage (joined).
+
+``joined_view`` / ``column_slices``: the tensor-level views (tensors that lie back to back in
+one buffer as one view; column slices of one tensor in one op).
 
 ``moe.quantize.quantize_grouped`` encodes a row-local rowwise copy once for all experts
 and hands out row-slice views (``joined_rows``); an MXFP8 columnwise copy (32x1 blocks) is
@@ -15,15 +18,53 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..tensors.slicing import adjacent_rows
 from ..tensors.storage import COLUMNWISE, ROWWISE, QuantizedStorage
 
 
+def joined_view(ts: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The view joining ``ts`` by rows if each starts where the previous one ends in one
+    contiguous buffer (so the view equals ``torch.cat(ts)``), else None."""
+    t0 = ts[0]
+    if not t0.is_contiguous():
+        return None
+    # one pass reading each tensor's attributes once (called per grouped GEMM operand on 64
+    # experts' slices); a tensor's storage start is data_ptr - offset, not a storage object
+    # made per tensor. The span must lie in t0's storage (the view is taken on it).
+    dtype, inner, device, size = t0.dtype, t0.shape[1:], t0.device, t0.element_size()
+    base = t0.data_ptr() - t0.storage_offset() * size
+    end = t0.data_ptr() + t0.numel() * size
+    for t in ts[1:]:
+        if (t.data_ptr() != end or t.dtype != dtype or t.shape[1:] != inner or not t.is_contiguous()
+                or t.device != device or end - t.storage_offset() * size != base):
+            return None
+        end += t.numel() * size
+    if end > base + t0.untyped_storage().nbytes():
+        return None
+    size = (sum(t.shape[0] for t in ts), *t0.shape[1:])
+    strides, step = [], 1  # row-major strides of ``size`` (a 1-row t0 may report any row stride)
+    for d in reversed(size):
+        strides.insert(0, step)
+        step *= max(d, 1)
+    return t0.as_strided(size, strides, t0.storage_offset())
+
+
+def column_slices(t: torch.Tensor, begins: Sequence[int], widths: Sequence[int]) -> list[torch.Tensor]:
+    """Columns [begin_e, begin_e + width_e) of 2D ``t`` for every e (in order, not overlapping)
+    as views, from one ``split`` over the slices and the gaps between them (one op for all MoE
+    experts instead of a ``narrow`` each)."""
+    sizes, at = [], 0
+    for b, w in zip(begins, widths):
+        sizes += [b - at, w]
+        at = b + w
+    sizes.append(t.shape[1] - at)
+    return list(torch.split(t, sizes, dim=1)[1::2])
+
+
 def joined_rows(storages: Sequence[QuantizedStorage], direction: str) -> Optional[QuantizedStorage]:
-    """One storage holding the experts' ``direction`` copies stacked by rows, WITHOUT copying —
+    """One storage holding the experts' ``direction`` copies joined by rows, WITHOUT copying —
     when they are consecutive row blocks of one buffer (``quantize_grouped``'s shared row-local
     encodings): the rowwise copy, every payload tensor indexed by row (``_row_index`` (0, 1)),
-    contiguous and adjacent in memory, one class and options. None otherwise."""
+    contiguous and joined in memory, one class and options. None otherwise."""
     found = _rowwise_parts(storages, direction)
     if found is None:
         return None
@@ -34,7 +75,7 @@ def joined_rows(storages: Sequence[QuantizedStorage], direction: str) -> Optiona
         return None
     joined: dict[str, torch.Tensor] = {}
     for name in payloads[0]:
-        t = adjacent_rows([p[name] for p in payloads])
+        t = joined_view([p[name] for p in payloads])
         if t is None:
             return None
         joined[name] = t
@@ -69,7 +110,7 @@ def joined_columns(storages: Sequence[QuantizedStorage]) -> Optional[tuple[Quant
     joined: dict[str, torch.Tensor] = {}
     for name in payloads[0]:
         div = index[name][1]
-        t = _adjacent_columns([pl[name] for pl in payloads], [s // div for s in starts], row // div)
+        t = _joined_columns_view([pl[name] for pl in payloads], [s // div for s in starts], row // div)
         if t is None:
             return None
         joined[name] = t
@@ -77,7 +118,7 @@ def joined_columns(storages: Sequence[QuantizedStorage]) -> Optional[tuple[Quant
     return storage, starts
 
 
-def _adjacent_columns(ts: Sequence[torch.Tensor], starts: Sequence[int], width: int) -> Optional[torch.Tensor]:
+def _joined_columns_view(ts: Sequence[torch.Tensor], starts: Sequence[int], width: int) -> Optional[torch.Tensor]:
     """The [rows, width] view that holds ``ts[e]`` at column ``starts[e]`` of one buffer (same
     storage, dtype, row count and row stride, unit column stride), else None."""
     t0 = ts[0]
@@ -99,12 +140,12 @@ def _adjacent_columns(ts: Sequence[torch.Tensor], starts: Sequence[int], width: 
 
 
 def joined_values(storages: Sequence[QuantizedStorage], direction: str) -> Optional[QuantizedStorage]:
-    """One storage whose ``direction`` block decode gives the experts' values stacked by rows,
+    """One storage whose ``direction`` block decode gives the experts' values joined by rows,
     WITHOUT copying: as :func:`joined_rows`, but a payload entry that is not indexed by rows (a
     per-expert global amax or scale_inv) may differ between experts and is taken from the first,
     so the joined copy's epilogue scale is the first expert's only (callers take each expert's
     from ``epilogue_scale``); row-indexed entries may be blocked (``(0, div)``, every expert a
-    whole number of blocks). For the experts' stacked weights with per-expert global scales
+    whole number of blocks). For the experts' joined weights with per-expert global scales
     (NVFP4), which ``joined_rows`` refuses. None otherwise."""
     found = _rowwise_parts(storages, direction)
     if found is None:
@@ -120,7 +161,7 @@ def joined_values(storages: Sequence[QuantizedStorage], direction: str) -> Optio
         axis, div = spec
         if axis != 0 or any(p.rows % div for p in parts):
             return None
-        t = adjacent_rows([pl[name] for pl in payloads])
+        t = joined_view([pl[name] for pl in payloads])
         if t is None:
             return None
         joined[name] = t
@@ -144,7 +185,7 @@ def _rowwise_parts(storages: Sequence[QuantizedStorage], direction: str):
     return parts, payloads, first._row_index[direction]
 
 
-def spanned_rows(storages: Sequence[QuantizedStorage], direction: str
+def joined_row_span(storages: Sequence[QuantizedStorage], direction: str
                  ) -> Optional[tuple[QuantizedStorage, list[int]]]:
     """One storage spanning the experts' ``direction`` copies and each expert's first row in it,
     WITHOUT copying, when every copy is a row block of one buffer, in order, with gaps allowed

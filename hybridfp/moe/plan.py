@@ -7,7 +7,7 @@ Per direction a copy is
 - *row-local* (``ROW_LOCAL``: every row's codes and scales depend on that row alone —
   Identity, MXFP8 1x32, FP8 block 1x128, row-scaled NVFP4): encoded once, cut per expert;
 - *tile-local* (``ROW_TILE``: MXFP8 32x32, FP8 block 128x128): likewise when every group is a
-  whole number of tiles (an MoE layer's stacked weights);
+  whole number of tiles (an MoE layer's joined weights);
 - *column blocks* (``COLUMN_BLOCK``: MXFP8 32x1, FP8 block 128x1 and 128x128 columnwise):
   encoded once from the groups zero-padded to whole blocks (zeros never raise a block amax,
   and a group's blocks then hold only its own rows);

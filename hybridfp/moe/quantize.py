@@ -90,7 +90,7 @@ def _run_hybrid_pass(quantizers: Sequence[Optional[Quantizer]], plan: Plan, x: t
 
 def _run_one_encode(quantizers: Sequence[Optional[Quantizer]], plan: Plan, x: torch.Tensor,
                     splits: Sequence[int]) -> GroupedResult:
-    """``ONE_ENCODE``: no padding (e.g. stacked weights): one call writes both copies (one
+    """``ONE_ENCODE``: no padding (e.g. joined weights): one call writes both copies (one
     kernel pass)."""
     both = plan.row_q.encode(x, True, True, None)
     return assemble(quantizers, x, splits, both, both, _offsets(splits, 1), [])
@@ -222,7 +222,7 @@ def _padded_rows(src: torch.Tensor, splits: Sequence[int], starts: Sequence[int]
 
 
 def padded_row_index(splits: Sequence[int], starts: Sequence[int], device: torch.device) -> torch.Tensor:
-    """int64 [Σ splits]: for every row of the groups stacked unpadded, its row in a layout
+    """int64 [Σ splits]: for every row of the groups joined unpadded, its row in a layout
     where group e starts at row ``starts[e]`` (zero-padded groups; a padded encode read back),
     in O(1) ops for all groups: row r moves down by the padding before its group. Shared by the
     calls of one routing (``utils.device.step_metadata``): read-only."""

@@ -19,7 +19,7 @@ from ..formats.common import amax_nan, ceil_div, saturating_cast_fp8
 from ..utils.device import device_tensor, step_metadata
 from ..tensors import (DecodedMXFP8Storage, DecodedNVFP4Storage, Float8Storage, MXFP8Storage, NVFP4Storage,
                        QuantizedStorage)
-from ..tensors.slicing import column_slices
+from .joined import column_slices
 from ..tensors.storage import COLUMNWISE, ROWWISE
 from ..quantizers import fast
 from ..quantizers.backends import select_quantize_kernel
@@ -59,7 +59,7 @@ def _offsets(splits: Sequence[int], block: int) -> list[int]:
 
 class GroupScaled(NamedTuple):
     """A grouped per-tensor-scaled encoding: every expert's storage (its own amax and scale; the
-    copies asked for; a callable: built when asked) and the rowwise copies dequantized, stacked
+    copies asked for; a callable: built when asked) and the rowwise copies dequantized, joined
     [Σ m_e, K] FP32 (a callable: only a derived columnwise source needs it); ``fp8``: the
     joined copies behind the parts of FP8 current scaling (``Fp8Joined``), else None."""
 

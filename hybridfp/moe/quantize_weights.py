@@ -12,7 +12,7 @@ import torch
 from ..config import current_policy
 from ..formats.common import HIGH_PRECISION_DTYPES
 from ..tensors import QuantizedTensor
-from ..tensors.slicing import adjacent_rows
+from .joined import joined_view
 from ..quantizers.backends import QUANTIZE_KERNELS
 from ..quantizers.base import Quantizer
 from ..quantizers.identity import IdentityQuantizer
@@ -27,12 +27,13 @@ def quantize_weights_grouped(quantizers: Sequence[Quantizer], weights: Sequence[
                              plans: Optional[PlanMemo] = None, stacked: Optional[torch.Tensor] = None
                              ) -> Union[list[QuantizedTensor], GroupedTensor]:
     """``[q.quantize(w) for q, w in zip(quantizers, weights)]`` for experts' [N, K] weights of
-    one shape, bitwise: the weights are stacked to [E*N, K] (a view when they are consecutive
+    one shape, bitwise: the weights are joined to [E*N, K] (a view when they are consecutive
     blocks of one buffer, else one copy) and quantized as row
     groups of N rows, so row-local / tile-local copies and columnwise block copies (N a whole
     number of blocks: no padding) are encoded once for all experts. ``stacked``: the caller's
     [E, N, K] tensor whose ``unbind(0)`` views ``weights`` are (``GroupedLinear(single_parameter=
-    True)``), used as the stack without checking the views one by one."""
+    True)``), used as the joined weights without checking the views one by one ("stacked" names
+    only that one [E, N, K] Parameter tensor, not joined copies of the experts' storages)."""
     shape = weights[0].shape
     if any(w.shape != shape or w.dim() != 2 for w in weights):
         raise ValueError(f"quantize_weights_grouped: the experts' weights must be 2D of one shape; got "
@@ -53,7 +54,7 @@ def quantize_weights_grouped(quantizers: Sequence[Quantizer], weights: Sequence[
         # experts are separate tensors: views of one buffer would share one version counter,
         # and changing one expert would re-quantize them all)
         if stacked is None:
-            stacked = adjacent_rows(list(weights))
+            stacked = joined_view(list(weights))
         if stacked is None:
             stacked = torch.stack(list(weights))
         stacked = stacked.reshape(-1, shape[1])
@@ -76,10 +77,10 @@ def _passthrough(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor
 def _passthrough_group(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor],
                        stacked: Optional[torch.Tensor] = None) -> Optional[GroupedTensor]:
     """The passthrough experts (``_passthrough``) as one joined Identity copy when the weights
-    are consecutive blocks of one buffer (``GroupedLinear``'s packed weights, or ``stacked``):
+    are consecutive blocks of one buffer (``GroupedLinear``'s weights joined by ``pack_weights``, or ``stacked``):
     its per-expert tensors are ``_wrap_weight``'s (the same values, as views of the buffer)."""
     if stacked is None:
-        stacked = adjacent_rows(list(weights)) if len(weights) > 1 else None
+        stacked = joined_view(list(weights)) if len(weights) > 1 else None
     elif len(weights) < 2:
         stacked = None
     if stacked is None or any(q.rowwise_usage != quantizers[0].rowwise_usage
@@ -99,7 +100,7 @@ def _wrap_weight(q: IdentityQuantizer, w: torch.Tensor) -> QuantizedTensor:
 
 def _worth_stacking(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor],
                     plans: Optional[PlanMemo] = None, stacked: Optional[torch.Tensor] = None) -> bool:
-    """Whether one encoding of the stacked weights saves work: some copy is shared, and not
+    """Whether one encoding of the joined weights saves work: some copy is shared, and not
     only Identity passthroughs (each expert's is a view of its weight; stacking would copy),
     and, for per-tensor scales (``BOTH``: the stack shares launches, not encodings), weights
     small enough that the stacking copy costs less than the launches it saves
@@ -110,5 +111,5 @@ def _worth_stacking(quantizers: Sequence[Quantizer], weights: Sequence[torch.Ten
     if plan is None:
         return False
     if plan.scaled == BOTH and weights[0].numel() > current_policy().stack_scaled_max_numel:
-        return stacked is not None or adjacent_rows(list(weights)) is not None
+        return stacked is not None or joined_view(list(weights)) is not None
     return any(q is not None and not isinstance(q, IdentityQuantizer) for q in (plan.row_q, plan.col_q))

@@ -6,13 +6,13 @@ hooks (CPU offload, recompute) see ordinary tensors. With 64 experts, packing ea
 separately would be 128 packs and unpacks and a few hundred saved tensors a step, all host
 work. Most of those tensors are
 views of a few shared buffers (``quantize_grouped``'s shared encodings, the rows of x, the
-stacked weights' encodings), so the experts' tensors are saved per *slot* (the j-th payload
+joined weights' encodings), so the experts' tensors are saved per *slot* (the j-th payload
 tensor of every expert) as one tensor where their layout allows:
 
 - ``SAME``: every expert holds the same tensor (saved once);
 - ``ROWS``: consecutive row blocks of one buffer (saved as the joined view, re-split by rows);
 - ``COLUMNS``: column slices of one buffer in order (saved as the view spanning them, gaps
-  included, re-split by columns: the grouped GEMM's ``joined_columns`` finds them adjacent
+  included, re-split by columns: the grouped GEMM's ``joined_columns`` finds them joined
   again, also after an offload round trip);
 - ``OWN``: anything else, one saved tensor per expert (as before).
 
@@ -33,7 +33,7 @@ import torch
 
 from ..tensors import HybridStorage, IdentityStorage, QuantizedStorage, QuantizedTensor
 from .grouped_tensor import Cutter, GroupedTensor, JoinedCopy
-from ..tensors.slicing import adjacent_rows
+from .joined import joined_view
 from ..tensors.storage import COLUMNWISE, DIRECTIONS, ROWWISE
 
 SAME, ROWS, COLUMNS, OWN = "same", "rows", "columns", "own"
@@ -152,7 +152,7 @@ def _save_slot(col: list[torch.Tensor], saved: list[torch.Tensor]) -> tuple[str,
         return SAME, None
     held = [t for t in col if t.numel()]  # an empty tensor's data_ptr() is 0, not its place
     if first.dim() >= 1 and held and all(t.shape[1:] == first.shape[1:] for t in col):
-        joined = adjacent_rows(held)
+        joined = joined_view(held)
         if joined is not None:
             saved.append(joined)
             return ROWS, [t.shape[0] for t in col]

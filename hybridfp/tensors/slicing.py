@@ -9,7 +9,7 @@ writes into it are refused where they would re-encode those (``check_writable``)
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -117,42 +117,3 @@ class Dim0Slicing:
             )
         hi = t.shape[axis] if stop == rows else ceil_div(stop, div)
         return t.narrow(axis, start // div, hi - start // div)
-
-
-def adjacent_rows(ts: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The view covering ``ts`` stacked by rows if each starts where the previous one ends in
-    one contiguous buffer (so the view equals ``torch.cat(ts)``), else None."""
-    t0 = ts[0]
-    if not t0.is_contiguous():
-        return None
-    # one pass reading each tensor's attributes once (called per grouped GEMM operand on 64
-    # experts' slices); a tensor's storage start is data_ptr - offset, not a storage object
-    # made per tensor. The span must lie in t0's storage (the view is taken on it).
-    dtype, inner, device, size = t0.dtype, t0.shape[1:], t0.device, t0.element_size()
-    base = t0.data_ptr() - t0.storage_offset() * size
-    end = t0.data_ptr() + t0.numel() * size
-    for t in ts[1:]:
-        if (t.data_ptr() != end or t.dtype != dtype or t.shape[1:] != inner or not t.is_contiguous()
-                or t.device != device or end - t.storage_offset() * size != base):
-            return None
-        end += t.numel() * size
-    if end > base + t0.untyped_storage().nbytes():
-        return None
-    size = (sum(t.shape[0] for t in ts), *t0.shape[1:])
-    strides, step = [], 1  # row-major strides of ``size`` (a 1-row t0 may report any row stride)
-    for d in reversed(size):
-        strides.insert(0, step)
-        step *= max(d, 1)
-    return t0.as_strided(size, strides, t0.storage_offset())
-
-
-def column_slices(t: torch.Tensor, begins: Sequence[int], widths: Sequence[int]) -> list[torch.Tensor]:
-    """Columns [begin_e, begin_e + width_e) of 2D ``t`` for every e (in order, not overlapping)
-    as views, from one ``split`` over the slices and the gaps between them (one op for all MoE
-    experts instead of a ``narrow`` each)."""
-    sizes, at = [], 0
-    for b, w in zip(begins, widths):
-        sizes += [b - at, w]
-        at = b + w
-    sizes.append(t.shape[1] - at)
-    return list(torch.split(t, sizes, dim=1)[1::2])

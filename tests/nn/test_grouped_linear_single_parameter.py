@@ -119,10 +119,10 @@ def test_weights_quantized_from_the_parameter_itself(name, monkeypatch):
     from hybridfp.moe import quantize_weights as qgrouped
 
     stacks, adjacency = [], []
-    real, real_adj = grouped_weights.quantize_weights_grouped, qgrouped.adjacent_rows
+    real, real_adj = grouped_weights.quantize_weights_grouped, qgrouped.joined_view
     monkeypatch.setattr(grouped_weights, "quantize_weights_grouped",
                         lambda *a, **k: stacks.append(k.get("stacked")) or real(*a, **k))
-    monkeypatch.setattr(qgrouped, "adjacent_rows", lambda ts: adjacency.append(len(ts)) or real_adj(ts))
+    monkeypatch.setattr(qgrouped, "joined_view", lambda ts: adjacency.append(len(ts)) or real_adj(ts))
     single, per_expert = _pair(bias=False)
     x = torch.randn(sum(SPLITS), 64)
     with hybridfp.autocast(recipe=RECIPES[name]()):
@@ -236,8 +236,8 @@ def test_assigned_per_expert_weights_keep_their_own_versions():
         per_expert.weight1.add_(1.0)
     after = [w._version for w in per_expert.weights()]
     assert after[1] == before[1] + 1 and after[0] == before[0] and after[2] == before[2]
-    from hybridfp.tensors.slicing import adjacent_rows
-    assert adjacent_rows(per_expert.weights()) is not None
+    from hybridfp.moe.joined import joined_view
+    assert joined_view(per_expert.weights()) is not None
 
 
 @pytest.mark.gpu

@@ -10,7 +10,7 @@ Each expert's operands are FP8 views with unit column stride, read where they li
 fprop / dgrad: A_e the expert's rows of a [Σm, K] copy, B_e its weight copy; wgrad: A_e, B_e the
 expert's columnwise copies (its token count is the reduction). Per expert the kernel gets the
 element offset of A_e / B_e from the first expert's base pointer and their row strides, so no
-operand is stacked or copied (an FP8 element is one byte: element offsets are byte offsets;
+operand is joined or copied (an FP8 element is one byte: element offsets are byte offsets;
 the experts' views may lie in different allocations of the same device).
 
 Accumulation (numerics §1's documented Hopper exception): the FP8 MMA sums each ``PROMOTE``-long K

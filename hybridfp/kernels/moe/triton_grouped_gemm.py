@@ -28,7 +28,7 @@ the same epilogue (``_epilogue``), differing only in how operands reach the tens
   the swizzled tiles) reading A and B through host-built TMA descriptors (``TensorDescriptor``),
   which feed wgmma from shared memory. It needs what TMA needs (``tma_applies``): unit inner
   strides, 16-byte aligned bases and row strides (K % 8 == 0 for contiguous BF16), B's experts
-  stacked as one [E * N, K] matrix. A tile running past its expert's last row reads the next
+  joined as one [E * N, K] matrix. A tile running past its expert's last row reads the next
   expert's rows, and one past the last column tile reads the next expert's weights: those
   output rows / columns are masked at the store; past the matrices' ends and in the K tail TMA
   fills zeros. A tile's reduction runs over the same K tiles in the same order in both kernels.
@@ -350,7 +350,7 @@ def _rows_kernel(kernel: Optional[str], a: torch.Tensor, b: torch.Tensor) -> str
                          f"{''.join(map(str, torch.cuda.get_device_capability(a.device)))}. Use kernel='pointer' (or None).")
     if kernel == "tma" and not empty_out and not tma_applies(a, b):
         raise ValueError(f"grouped_rows: kernel='tma' needs unit inner strides, 16-byte aligned bases and row "
-                         f"strides (K % 8 == 0 for contiguous BF16) and b's experts stacked as one [E*N, K] "
+                         f"strides (K % 8 == 0 for contiguous BF16) and b's experts joined as one [E*N, K] "
                          f"matrix; got a strides {a.stride()}, b strides {b.stride()}. Use kernel='pointer' "
                          f"(or None) for these operands.")
     if kernel is None:
