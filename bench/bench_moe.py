@@ -60,7 +60,7 @@ TRITON_SUFFIX = " [Triton grouped]"
 PER_EXPERT_SUFFIX = " [per-expert GEMMs]"
 #: recipes timed a second time with each expert's weight its own tensor (GroupedLinear
 #: ``pack_weights=False``): big per-tensor-scaled weights are then quantized one by one instead
-#: of through the grouped quantization of the packed buffer (moe/quantize_weights._worth_stacking)
+#: of through the grouped quantization of the joined buffer (moe/quantize_weights._worth_stacking)
 UNPACKED_VARIANTS = ("hybridfp FP8 current",)
 #: FP8 per-tensor timed twice more: with the Triton FP8 grouped GEMM taking fprop too (instead
 #: of torch._scaled_grouped_mm: the policy's over_scaled_grouped_mm), and with the per-expert

@@ -43,23 +43,42 @@ def quantize_weights_grouped(quantizers: Sequence[Quantizer], weights: Sequence[
         raise ValueError(f"quantize_weights_grouped: stacked must be the contiguous [{len(weights)}, "
                          f"{', '.join(map(str, shape))}] tensor the weights are views of; got "
                          f"{tuple(stacked.shape)}, strides {stacked.stride()}.")
+    joined = _JoinedWeights(weights, stacked)
     with torch.no_grad():
-        if not _worth_stacking(quantizers, weights, plans, stacked):
+        if not _worth_stacking(quantizers, weights, plans, joined):
             if _passthrough(quantizers, weights):
-                return (_passthrough_group(quantizers, weights, stacked)
+                return (_passthrough_group(quantizers, weights, joined)
                         or [_wrap_weight(q, w) for q, w in zip(quantizers, weights)])
             return [q.quantize(w) for q, w in zip(quantizers, weights)]
-        # weights that are consecutive blocks of one buffer (views of a stacked [E, N, K]
-        # tensor) are viewed as the stack; otherwise one stacking copy (GroupedLinear's own
-        # experts are separate tensors: views of one buffer would share one version counter,
-        # and changing one expert would re-quantize them all)
-        if stacked is None:
-            stacked = joined_view(list(weights))
-        if stacked is None:
-            stacked = torch.stack(list(weights))
-        stacked = stacked.reshape(-1, shape[1])
-        out = quantize_grouped(list(quantizers), stacked, [shape[0]] * len(weights), plans)
+        # weights that are consecutive blocks of one buffer are read as that buffer; otherwise
+        # one joining copy (GroupedLinear's own experts are separate tensors: views of one
+        # buffer would share one version counter, and changing one expert would re-quantize
+        # them all)
+        whole = joined.get()
+        if whole is None:
+            whole = torch.stack(list(weights))
+        whole = whole.reshape(-1, shape[1])
+        out = quantize_grouped(list(quantizers), whole, [shape[0]] * len(weights), plans)
     return out if isinstance(out, GroupedTensor) else [t for t in out if t is not None]
+
+
+class _JoinedWeights:
+    """The experts' weights as one buffer, looked for at most once per call: ``stacked`` when
+    the caller gave it, else the view joining them when they are consecutive blocks of one
+    buffer (``joined_view``); None for fewer than two experts or separate tensors."""
+
+    def __init__(self, weights: Sequence[torch.Tensor], stacked: Optional[torch.Tensor]) -> None:
+        self._weights, self._stacked, self._found = weights, stacked, False
+
+    def get(self) -> Optional[torch.Tensor]:
+        """The buffer ([E, N, K] or [E*N, K]), or None."""
+        if not self._found:
+            self._found = True
+            if len(self._weights) < 2:
+                self._stacked = None
+            elif self._stacked is None:
+                self._stacked = joined_view(list(self._weights))
+        return self._stacked
 
 
 def _passthrough(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor]) -> bool:
@@ -75,14 +94,11 @@ def _passthrough(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor
 
 
 def _passthrough_group(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor],
-                       stacked: Optional[torch.Tensor] = None) -> Optional[GroupedTensor]:
+                       joined: _JoinedWeights) -> Optional[GroupedTensor]:
     """The passthrough experts (``_passthrough``) as one joined Identity copy when the weights
     are consecutive blocks of one buffer (``GroupedLinear``'s weights joined by ``pack_weights``, or ``stacked``):
     its per-expert tensors are ``_wrap_weight``'s (the same values, as views of the buffer)."""
-    if stacked is None:
-        stacked = joined_view(list(weights)) if len(weights) > 1 else None
-    elif len(weights) < 2:
-        stacked = None
+    stacked = joined.get()
     if stacked is None or any(q.rowwise_usage != quantizers[0].rowwise_usage
                               or q.columnwise_usage != quantizers[0].columnwise_usage for q in quantizers):
         return None
@@ -99,7 +115,7 @@ def _wrap_weight(q: IdentityQuantizer, w: torch.Tensor) -> QuantizedTensor:
 
 
 def _worth_stacking(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor],
-                    plans: Optional[PlanMemo] = None, stacked: Optional[torch.Tensor] = None) -> bool:
+                    plans: Optional[PlanMemo], joined: _JoinedWeights) -> bool:
     """Whether one encoding of the joined weights saves work: some copy is shared, and not
     only Identity passthroughs (each expert's is a view of its weight; stacking would copy),
     and, for per-tensor scales (``BOTH``: the stack shares launches, not encodings), weights
@@ -111,5 +127,5 @@ def _worth_stacking(quantizers: Sequence[Quantizer], weights: Sequence[torch.Ten
     if plan is None:
         return False
     if plan.scaled == BOTH and weights[0].numel() > current_policy().stack_scaled_max_numel:
-        return stacked is not None or joined_view(list(weights)) is not None
+        return joined.get() is not None
     return any(q is not None and not isinstance(q, IdentityQuantizer) for q in (plan.row_q, plan.col_q))
