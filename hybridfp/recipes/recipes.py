@@ -23,6 +23,37 @@ from .roles import QuantizerRole
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 _FORMATS = ("E4M3", "E5M2", "HYBRID")
 _GRADS = ("grad_output", "grad_input")
+#: The values of ``backward_override`` (TransformerEngine's): None keeps the quantized backward;
+#: "high_precision" runs dgrad / wgrad in high precision on the original input and weight;
+#: "dequantized" runs them in high precision on the forward's dequantized rowwise copies.
+BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
+
+
+def check_backward_override(value: object, who: str) -> None:
+    """Raise a ValueError naming ``who`` unless ``value`` is one of ``BACKWARD_OVERRIDES``.
+
+    Parameters
+    ----------
+    value:
+        The ``backward_override`` to check.
+    who:
+        The recipe (class name) it belongs to, for the message.
+
+    Raises
+    ------
+    ValueError
+        ``value`` is not None, "high_precision" or "dequantized".
+
+    Example
+    -------
+    >>> from hybridfp.recipes.recipes import check_backward_override
+    >>> check_backward_override("dequantized", "MXFP8BlockScaling")   # accepted: no error
+    """
+    if not (value is None or (isinstance(value, str) and value in BACKWARD_OVERRIDES)):
+        raise ValueError(f"{who}: backward_override={value!r} is unknown; use None (quantized "
+                         "backward), 'high_precision' (dgrad / wgrad on the original input and "
+                         "weight) or 'dequantized' (dgrad / wgrad on the forward's dequantized "
+                         "input and weight).")
 
 
 def _is_grad(role: Optional[QuantizerRole]) -> bool:
@@ -54,6 +85,15 @@ class Recipe(ABC):
         Run fprop's FP8 per-tensor GEMMs with cuBLAS fast accumulation (see
         :func:`hybridfp.gemm.gemm`; outside numerics §1, hence off unless a recipe turns it
         on). dgrad / wgrad and ``GroupedLinear`` experts always promote to FP32.
+    backward_override:
+        None (default): dgrad and wgrad quantized as the roles say. "high_precision": they run
+        in high precision on the original operands (the saved input, the high-precision
+        weight, dy unquantized); the forward stays quantized. "dequantized": they run in high
+        precision on the forward's rowwise copies of x and W, dequantized (dy unquantized), so
+        backward sees exactly the values the forward multiplied. ``Linear``,
+        ``LayerNormLinear`` and ``LayerNormMLP`` honour it; ``GroupedLinear`` refuses it.
+        Fixed when the recipe is made: assigning it raises ``dataclasses.FrozenInstanceError``
+        (``dataclasses.replace(recipe, backward_override=...)`` makes a recipe with another).
 
     Example
     -------
@@ -66,6 +106,16 @@ class Recipe(ABC):
     """
 
     fprop_fast_accumulation: bool = False
+    backward_override: Optional[str] = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # backward_override is checked when the recipe is made; an assignment afterwards would
+        # skip that check (and the DelayedScaling refusal), so it is set once only
+        if name == "backward_override" and name in self.__dict__:
+            raise dataclasses.FrozenInstanceError(
+                f"{type(self).__name__}.backward_override is fixed when the recipe is made; make "
+                "a new recipe, e.g. dataclasses.replace(recipe, backward_override=...).")
+        super().__setattr__(name, value)
 
     @abstractmethod
     def quantizer(self, role: Optional[QuantizerRole]) -> Quantizer:
@@ -119,6 +169,7 @@ class _BuiltinRecipe(Recipe):
     first forward (one quantizer per GEMM operand role must build)."""
 
     def __post_init__(self) -> None:
+        check_backward_override(self.backward_override, type(self).__name__)
         for t in ("input", "weight", "grad_output"):
             try:
                 self.quantizer(QuantizerRole("linear", t))
@@ -145,11 +196,15 @@ class DelayedScaling(_BuiltinRecipe):
         "max" or "most_recent".
     fprop_fast_accumulation:
         See :class:`Recipe`.
+    backward_override:
+        None only (as TransformerEngine, delayed scaling refuses the other values: the
+        gradient quantizers' amax history would stop moving while the recipe still owns them).
 
     Raises
     ------
     ValueError
-        When the recipe is made, naming the option out of range and the range.
+        When the recipe is made, naming the option out of range and the range;
+        ``backward_override`` other than None.
 
     Example
     -------
@@ -164,6 +219,16 @@ class DelayedScaling(_BuiltinRecipe):
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
     fprop_fast_accumulation: bool = False
+    backward_override: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.backward_override is not None:
+            check_backward_override(self.backward_override, "DelayedScaling")
+            raise ValueError(f"DelayedScaling: backward_override={self.backward_override!r} is not "
+                             "supported with delayed scaling (as in TransformerEngine); use None, "
+                             "or a current-scaling or block recipe (e.g. Float8CurrentScaling) "
+                             "for a high-precision backward.")
+        super().__post_init__()
 
     def quantizer(self, role: Optional[QuantizerRole]) -> Quantizer:
         """Float8Quantizer with this recipe's history settings."""
@@ -187,11 +252,14 @@ class Float8CurrentScaling(_BuiltinRecipe):
         The amax floor: a finite number >= 0.
     fprop_fast_accumulation:
         See :class:`Recipe`.
+    backward_override:
+        None, "high_precision" or "dequantized"; see :class:`Recipe`.
 
     Raises
     ------
     ValueError
-        When the recipe is made: an unknown ``fp8_format`` or an invalid ``amax_epsilon``.
+        When the recipe is made: an unknown ``fp8_format`` or ``backward_override``, or an
+        invalid ``amax_epsilon``.
 
     Example
     -------
@@ -205,6 +273,7 @@ class Float8CurrentScaling(_BuiltinRecipe):
     use_power_2_scales: bool = False
     amax_epsilon: float = 0.0
     fprop_fast_accumulation: bool = False
+    backward_override: Optional[str] = None
 
     def quantizer(self, role: Optional[QuantizerRole]) -> Quantizer:
         """Float8CurrentScalingQuantizer: E5M2 for gradients under "HYBRID", else E4M3."""
@@ -228,12 +297,14 @@ class Float8BlockScaling(_BuiltinRecipe):
         Round block scales down to powers of two.
     amax_epsilon:
         A floor >= 0 for each block's amax.
+    backward_override:
+        None, "high_precision" or "dequantized"; see :class:`Recipe`.
 
     Raises
     ------
     ValueError
-        When the recipe is made: a block dim other than 1 or 2, an unknown ``fp8_format``, or
-        a negative ``amax_epsilon``.
+        When the recipe is made: a block dim other than 1 or 2, an unknown ``fp8_format`` or
+        ``backward_override``, or a negative ``amax_epsilon``.
 
     Example
     -------
@@ -251,6 +322,7 @@ class Float8BlockScaling(_BuiltinRecipe):
     grad_block_scaling_dim: int = 1
     use_power_2_scales: bool = True
     amax_epsilon: float = 0.0
+    backward_override: Optional[str] = None
 
     def __post_init__(self) -> None:
         for f in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
@@ -282,11 +354,14 @@ class MXFP8BlockScaling(_BuiltinRecipe):
         "rceil" (default) or "floor".
     weight_2d:
         32x32 tiles for weights (both copies then hold the same values).
+    backward_override:
+        None, "high_precision" or "dequantized"; see :class:`Recipe`.
 
     Raises
     ------
     ValueError
-        When the recipe is made: an unknown ``fp8_format`` or ``scale_rule``.
+        When the recipe is made: an unknown ``fp8_format``, ``scale_rule`` or
+        ``backward_override``.
 
     Example
     -------
@@ -299,6 +374,7 @@ class MXFP8BlockScaling(_BuiltinRecipe):
     fp8_format: str = "E4M3"
     scale_rule: str = "rceil"
     weight_2d: bool = False
+    backward_override: Optional[str] = None
 
     def quantizer(self, role: Optional[QuantizerRole]) -> Quantizer:
         """MXFP8Quantizer (32x32 tiles for weights when ``weight_2d``)."""
@@ -326,6 +402,13 @@ class NVFP4BlockScaling(_BuiltinRecipe):
     row_scaled_activation:
         The input becomes ``HybridQuantizer(NVFP4Quantizer(row_scaled_nvfp4=True),
         NVFP4Quantizer(with_rht=...))``.
+    backward_override:
+        None, "high_precision" or "dequantized"; see :class:`Recipe`.
+
+    Raises
+    ------
+    ValueError
+        When the recipe is made: an unknown ``backward_override``.
 
     Example
     -------
@@ -339,6 +422,7 @@ class NVFP4BlockScaling(_BuiltinRecipe):
     disable_stochastic_rounding: bool = False
     disable_2d_quantization: bool = False
     row_scaled_activation: bool = False
+    backward_override: Optional[str] = None
 
     def quantizer(self, role: Optional[QuantizerRole]) -> Quantizer:
         """NVFP4Quantizer configured for the role."""
@@ -369,6 +453,8 @@ class CustomRecipe(Recipe):
         of ``hybridfp.recipes.factories`` or ``factories.per_gemm(...)``.
     fprop_fast_accumulation:
         A bool; see :class:`Recipe`.
+    backward_override:
+        None, "high_precision" or "dequantized"; see :class:`Recipe`.
 
     Raises
     ------
@@ -376,7 +462,7 @@ class CustomRecipe(Recipe):
         ``qfactory`` is not callable or ``fprop_fast_accumulation`` is not a bool. Later,
         from :meth:`quantizer`: the factory returned something other than a Quantizer.
     ValueError
-        From :meth:`quantizer`: the factory returned None.
+        An unknown ``backward_override``. From :meth:`quantizer`: the factory returned None.
 
     Example
     -------
@@ -391,15 +477,17 @@ class CustomRecipe(Recipe):
     """
 
     def __init__(self, qfactory: Callable[[Optional[QuantizerRole]], Quantizer], *,
-                 fprop_fast_accumulation: bool = False) -> None:
+                 fprop_fast_accumulation: bool = False, backward_override: Optional[str] = None) -> None:
         if not callable(qfactory):
             raise TypeError(f"CustomRecipe(qfactory=...) needs a callable role -> Quantizer; got "
                             f"{type(qfactory).__name__}.")
         if not isinstance(fprop_fast_accumulation, bool):
             raise TypeError(f"CustomRecipe(fprop_fast_accumulation=...) must be a bool; got "
                             f"{fprop_fast_accumulation!r}.")
+        check_backward_override(backward_override, "CustomRecipe")
         self.qfactory = qfactory
         self.fprop_fast_accumulation = fprop_fast_accumulation
+        self.backward_override = backward_override
 
     def quantizer(self, role: Optional[QuantizerRole]) -> Quantizer:
         """Call the factory and check what it returned."""
@@ -415,11 +503,13 @@ class CustomRecipe(Recipe):
 
     def key(self) -> Hashable:
         """The factory itself: swapping the factory rebuilds quantizers (see _FactoryKey)."""
-        return ("CustomRecipe", _FactoryKey(self.qfactory), self.fprop_fast_accumulation)
+        return ("CustomRecipe", _FactoryKey(self.qfactory), self.fprop_fast_accumulation,
+                self.backward_override)
 
     def __repr__(self) -> str:
         fast = ", fprop_fast_accumulation=True" if self.fprop_fast_accumulation else ""
-        return f"CustomRecipe(qfactory={_name(self.qfactory)}{fast})"
+        override = f", backward_override={self.backward_override!r}" if self.backward_override else ""
+        return f"CustomRecipe(qfactory={_name(self.qfactory)}{fast}{override})"
 
 
 class _FactoryKey:
