@@ -171,6 +171,8 @@ class GroupedLinear(GroupedWeights, QuantizedModule):
         self._lcs_random = False  # whether _lcs's input / weight quantizers draw random numbers
         # quantize_grouped's plans for this module's quantizers (``plans=``), emptied with them
         self._plans: dict = {}
+        # pack_weights: the [E, N, K] buffer the experts' weights were moved into (``_pack``)
+        self._packed: Optional[torch.Tensor] = None
         self._pack()
 
     def _check_splits(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor) -> list[int]:

@@ -4,7 +4,9 @@
 ``single_parameter``: one [E, N, K] Parameter ``weight`` whose ``unbind(0)`` views are the
 experts' weights. Either way the weights are quantized together (``quantize_weights_grouped``)
 and cached per expert (slots 0..E-1), for all experts quantized as one joined encoding
-(``_GROUP_SLOT``), or for the one Parameter (``_STACK_SLOT``) (``nn/weight_cache.py``).
+(``_GROUP_SLOT``), or for the one Parameter (``_STACK_SLOT``) (``nn/weight_cache.py``). The
+module hands its layout to ``quantize_weights_grouped`` (``stacked=``: the packed buffer or the
+one Parameter), so the joined weights are read in place without looking for them.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import torch
 
 from ..quantizers import Quantizer
 from ..tensors import QuantizedTensor
-from .joined import joined_view
 from ..nn.weight_cache import WeightKey, join_keys, new_entry, reusable, split_entry
 from .grouped_tensor import GroupedTensor
 from .grouped_linear_function import plan_memo
@@ -35,18 +36,21 @@ class GroupedWeights:
     their quantized copies through the module's weight cache."""
 
     def _pack(self) -> None:
-        """Move the expert weights into one buffer (``pack_weights``), unless they already are
-        consecutive slices of one or are not plain dense tensors (DTensor shards, quantized
+        """Move the expert weights into one buffer (``pack_weights``) and remember it, unless they
+        still are its slices or are not plain dense tensors (DTensor shards, quantized
         parameters, meta tensors: their storage belongs to someone else)."""
         if self.single_parameter:  # one buffer already
             return
         ws = self.weights()
         if not self.pack_weights or len(ws) < 2:
+            self._packed = None
             return
         # plain dense tensors first: a wrapper subclass (DTensor) may not expose a data pointer
-        if any(type(w.data) is not torch.Tensor or w.is_meta or w.layout != torch.strided for w in ws):
+        if (any(type(w.data) is not torch.Tensor or w.is_meta or w.layout != torch.strided for w in ws)
+                or len({(w.shape, w.dtype, w.device) for w in ws}) > 1):
+            self._packed = None
             return
-        if len({(w.shape, w.dtype, w.device) for w in ws}) > 1 or joined_view(ws) is not None:
+        if self.packed_buffer(ws) is not None:
             return
         with torch.no_grad():
             buf = torch.stack([w.detach() for w in ws])
@@ -54,6 +58,32 @@ class GroupedWeights:
                 # .data keeps each Parameter's own version counter (a change to one expert
                 # re-quantizes that expert only), unlike Parameters made from views
                 w.data = b
+        self._packed = buf
+
+    def packed_buffer(self, weights: Optional[Sequence[torch.Tensor]] = None) -> Optional[torch.Tensor]:
+        """The [E, N, K] buffer ``pack_weights`` moved the experts' weights into, while each of
+        ``weights`` (default: the module's) still is its slice e; None otherwise (never packed,
+        a ``.data =`` or ``load_state_dict(assign=True)`` since, or ``single_parameter``, whose
+        buffer is the Parameter ``weight``).
+
+        Parameters
+        ----------
+        weights:
+            The experts' weights in order (the module's Parameters ``weight{i}``).
+
+        Returns
+        -------
+        The buffer, or None."""
+        buf = self._packed
+        ws = self.weights() if weights is None else weights
+        if buf is None or len(ws) != buf.shape[0]:
+            return None
+        # a replaced expert has another address or dtype; slice e starts e strides in
+        base, step, dtype = buf.data_ptr(), buf.stride(0) * buf.element_size(), buf.dtype
+        for e, w in enumerate(ws):
+            if w.data_ptr() != base + e * step or w.dtype != dtype or w.shape != buf.shape[1:]:
+                return None
+        return buf
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
         """``nn.Module``'s, after rewriting the other layout's keys into this module's (``weight{i}``
@@ -159,8 +189,10 @@ class GroupedWeights:
         if missing:
             for i in missing:
                 qs[i].set_usage(rowwise=True, columnwise=columnwise)
+            # every expert at once: the packed buffer is the joined weights (read in place)
+            packed = self.packed_buffer(weights) if len(missing) == len(weights) else None
             qws = quantize_weights_grouped([qs[i] for i in missing], [weights[i] for i in missing],
-                                           plan_memo(self))
+                                           plan_memo(self), stacked=packed)
             if isinstance(qws, GroupedTensor) and len(missing) == len(weights):
                 # all experts quantized together as views of shared encodings: cached as one
                 # entry (its per-expert tensors are built only if something asks for them);

@@ -12,7 +12,6 @@ import torch
 from ..config import current_policy
 from ..formats.common import HIGH_PRECISION_DTYPES
 from ..tensors import QuantizedTensor
-from .joined import joined_view
 from ..quantizers.backends import QUANTIZE_KERNELS
 from ..quantizers.base import Quantizer
 from ..quantizers.identity import IdentityQuantizer
@@ -27,13 +26,31 @@ def quantize_weights_grouped(quantizers: Sequence[Quantizer], weights: Sequence[
                              plans: Optional[PlanMemo] = None, stacked: Optional[torch.Tensor] = None
                              ) -> Union[list[QuantizedTensor], GroupedTensor]:
     """``[q.quantize(w) for q, w in zip(quantizers, weights)]`` for experts' [N, K] weights of
-    one shape, bitwise: the weights are joined to [E*N, K] (a view when they are consecutive
-    blocks of one buffer, else one copy) and quantized as row
-    groups of N rows, so row-local / tile-local copies and columnwise block copies (N a whole
-    number of blocks: no padding) are encoded once for all experts. ``stacked``: the caller's
-    [E, N, K] tensor whose ``unbind(0)`` views ``weights`` are (``GroupedLinear(single_parameter=
-    True)``), used as the joined weights without checking the views one by one ("stacked" names
-    only that one [E, N, K] Parameter tensor, not joined copies of the experts' storages)."""
+    one shape, bitwise: the weights are joined to [E*N, K] (``stacked`` viewed, else one copy)
+    and quantized as row groups of N rows, so row-local / tile-local copies and columnwise block
+    copies (N a whole number of blocks: no padding) are encoded once for all experts.
+
+    Parameters
+    ----------
+    quantizers, weights:
+        One quantizer and one [N, K] weight per expert.
+    plans:
+        The caller's plan memo (``plan.PlanMemo``), or None to plan afresh.
+    stacked:
+        The caller's contiguous [E, N, K] tensor whose ``unbind(0)`` views ``weights`` are
+        (``GroupedLinear``'s packed buffer, or its ``single_parameter`` Parameter): read in
+        place as the joined weights. The caller states the layout; the weights are never
+        inspected for one, so without it they are joined by one copy.
+
+    Returns
+    -------
+    The experts' tensors: a ``GroupedTensor`` where the encodings are shared, else a list.
+
+    Raises
+    ------
+    ValueError
+        Weights of different shapes, or a ``stacked`` that is not their contiguous stack.
+    """
     shape = weights[0].shape
     if any(w.shape != shape or w.dim() != 2 for w in weights):
         raise ValueError(f"quantize_weights_grouped: the experts' weights must be 2D of one shape; got "
@@ -43,42 +60,18 @@ def quantize_weights_grouped(quantizers: Sequence[Quantizer], weights: Sequence[
         raise ValueError(f"quantize_weights_grouped: stacked must be the contiguous [{len(weights)}, "
                          f"{', '.join(map(str, shape))}] tensor the weights are views of; got "
                          f"{tuple(stacked.shape)}, strides {stacked.stride()}.")
-    joined = _JoinedWeights(weights, stacked)
+    joined = stacked if len(weights) >= 2 else None
     with torch.no_grad():
         if not _worth_stacking(quantizers, weights, plans, joined):
             if _passthrough(quantizers, weights):
                 return (_passthrough_group(quantizers, weights, joined)
                         or [_wrap_weight(q, w) for q, w in zip(quantizers, weights)])
             return [q.quantize(w) for q, w in zip(quantizers, weights)]
-        # weights that are consecutive blocks of one buffer are read as that buffer; otherwise
-        # one joining copy (GroupedLinear's own experts are separate tensors: views of one
-        # buffer would share one version counter, and changing one expert would re-quantize
-        # them all)
-        whole = joined.get()
-        if whole is None:
-            whole = torch.stack(list(weights))
+        # the caller's buffer is read in place; otherwise one joining copy
+        whole = joined if joined is not None else torch.stack(list(weights))
         whole = whole.reshape(-1, shape[1])
         out = quantize_grouped(list(quantizers), whole, [shape[0]] * len(weights), plans)
     return out if isinstance(out, GroupedTensor) else [t for t in out if t is not None]
-
-
-class _JoinedWeights:
-    """The experts' weights as one buffer, looked for at most once per call: ``stacked`` when
-    the caller gave it, else the view joining them when they are consecutive blocks of one
-    buffer (``joined_view``); None for fewer than two experts or separate tensors."""
-
-    def __init__(self, weights: Sequence[torch.Tensor], stacked: Optional[torch.Tensor]) -> None:
-        self._weights, self._stacked, self._found = weights, stacked, False
-
-    def get(self) -> Optional[torch.Tensor]:
-        """The buffer ([E, N, K] or [E*N, K]), or None."""
-        if not self._found:
-            self._found = True
-            if len(self._weights) < 2:
-                self._stacked = None
-            elif self._stacked is None:
-                self._stacked = joined_view(list(self._weights))
-        return self._stacked
 
 
 def _passthrough(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor]) -> bool:
@@ -94,11 +87,10 @@ def _passthrough(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor
 
 
 def _passthrough_group(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor],
-                       joined: _JoinedWeights) -> Optional[GroupedTensor]:
-    """The passthrough experts (``_passthrough``) as one joined Identity copy when the weights
-    are consecutive blocks of one buffer (``GroupedLinear``'s weights joined by ``pack_weights``, or ``stacked``):
-    its per-expert tensors are ``_wrap_weight``'s (the same values, as views of the buffer)."""
-    stacked = joined.get()
+                       stacked: Optional[torch.Tensor]) -> Optional[GroupedTensor]:
+    """The passthrough experts (``_passthrough``) as one joined Identity copy over the caller's
+    ``stacked`` buffer (``GroupedLinear``'s packed weights or its one Parameter): its
+    per-expert tensors are ``_wrap_weight``'s (the same values, as views of the buffer)."""
     if stacked is None or any(q.rowwise_usage != quantizers[0].rowwise_usage
                               or q.columnwise_usage != quantizers[0].columnwise_usage for q in quantizers):
         return None
@@ -115,17 +107,17 @@ def _wrap_weight(q: IdentityQuantizer, w: torch.Tensor) -> QuantizedTensor:
 
 
 def _worth_stacking(quantizers: Sequence[Quantizer], weights: Sequence[torch.Tensor],
-                    plans: Optional[PlanMemo], joined: _JoinedWeights) -> bool:
+                    plans: Optional[PlanMemo], joined: Optional[torch.Tensor]) -> bool:
     """Whether one encoding of the joined weights saves work: some copy is shared, and not
     only Identity passthroughs (each expert's is a view of its weight; stacking would copy),
     and, for per-tensor scales (``BOTH``: the stack shares launches, not encodings), weights
     small enough that the stacking copy costs less than the launches it saves
-    (the policy's ``stack_scaled_max_numel``), or already one buffer."""
+    (the policy's ``stack_scaled_max_numel``), or already one buffer (``joined``: the caller's)."""
     if len(weights) < 2 or len({w.dtype for w in weights}) > 1:
         return False
     plan = plan_for(list(quantizers), [weights[0].shape[0]] * len(weights), plans)
     if plan is None:
         return False
     if plan.scaled == BOTH and weights[0].numel() > current_policy().stack_scaled_max_numel:
-        return joined.get() is not None
+        return joined is not None
     return any(q is not None and not isinstance(q, IdentityQuantizer) for q in (plan.row_q, plan.col_q))

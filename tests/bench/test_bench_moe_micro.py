@@ -25,9 +25,9 @@ def test_micro_batches_quantize_weights_once_and_accumulate(monkeypatch):
     calls = []
     real = grouped_weights.quantize_weights_grouped
 
-    def counting(qs, ws, plans=None):
+    def counting(qs, ws, plans=None, **k):
         calls.append(len(ws))
-        return real(qs, ws, plans)
+        return real(qs, ws, plans, **k)
 
     monkeypatch.setattr(grouped_weights, "quantize_weights_grouped", counting)
     recipe = hybridfp.MXFP8BlockScaling()

@@ -104,12 +104,12 @@ def test_lazy_experts_equal_each_quantize():
 
 
 def test_identity_packed_weights_are_one_joined_copy():
-    """Identity (BF16) weights that are consecutive blocks of one buffer come back as one joined
-    copy over that buffer; separate weights stay a list."""
+    """Identity (BF16) weights handed with the buffer they are views of (``stacked=``) come back
+    as one joined copy over that buffer; separate weights stay a list."""
     buf = torch.randn(3, 16, IN).bfloat16()
     ws = list(buf)
     qs = [IdentityQuantizer() for _ in ws]
-    got = quantize_weights_grouped(qs, ws)
+    got = quantize_weights_grouped(qs, ws, stacked=buf)
     assert isinstance(got, GroupedTensor)
     j = got.joined("rowwise")
     assert j.starts is None and j.storage.payload("rowwise")["data"].data_ptr() == buf.data_ptr()
@@ -125,7 +125,7 @@ def test_weight_group_cached_until_a_weight_changes(monkeypatch):
     from hybridfp.moe import grouped_weights
     calls = []
     real = grouped_weights.quantize_weights_grouped
-    monkeypatch.setattr(grouped_weights, "quantize_weights_grouped", lambda qs, ws, plans=None: calls.append(len(ws)) or real(qs, ws, plans))
+    monkeypatch.setattr(grouped_weights, "quantize_weights_grouped", lambda qs, ws, plans=None, **k: calls.append(len(ws)) or real(qs, ws, plans, **k))
     m = GroupedLinear(4, IN, 64, bias=False, params_dtype=torch.bfloat16)
     x = torch.randn(40, IN).bfloat16()
     with torch.no_grad(), autocast(recipe=CustomRecipe(qfactory=factories.mxfp8)):

@@ -31,7 +31,7 @@ def _quantize_each(quantizers, x, splits, plans=None):
     return [None if q is None else q.quantize(xe) for q, xe in zip(quantizers, torch.split(x, list(splits)))]
 
 
-def _quantize_weights_each(quantizers, weights, plans=None):
+def _quantize_weights_each(quantizers, weights, plans=None, stacked=None):
     return [q.quantize(w.detach()) for q, w in zip(quantizers, weights)]
 
 
@@ -106,9 +106,9 @@ def test_weights_quantized_once_per_change(monkeypatch):
     calls: list[int] = []
     real = grouped_weights.quantize_weights_grouped
 
-    def spy(qs, ws, plans=None):
+    def spy(qs, ws, plans=None, **k):
         calls.append(len(ws))
-        return real(qs, ws, plans)
+        return real(qs, ws, plans, **k)
     monkeypatch.setattr(grouped_weights, "quantize_weights_grouped", spy)
     m = GroupedLinear(4, IN, 64, bias=False, params_dtype=torch.bfloat16)
     x = torch.randn(40, IN).bfloat16()

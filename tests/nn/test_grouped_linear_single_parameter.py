@@ -112,17 +112,16 @@ def test_weight_cache_kept_between_forwards_and_refreshed_after_update(monkeypat
 
 @pytest.mark.parametrize("name", ["high_precision", "fp8_current", "mxfp8"])
 def test_weights_quantized_from_the_parameter_itself(name, monkeypatch):
-    """The experts' weights are quantized from the one Parameter as the stack (no per-expert keys,
-    no view-by-view adjacency check), cached as one entry (in its region, or kept through
+    """The experts' weights are quantized from the one Parameter as the stack (no per-expert keys),
+    as the per-expert module's from its packed buffer (each module hands its layout over:
+    ``stacked=``), cached as one entry (in its region, or kept through
     is_first_microbatch) that a recipe change or an update invalidates; the result is what the per-expert Parameters give (bitwise)."""
     from hybridfp.moe import grouped_weights
-    from hybridfp.moe import quantize_weights as qgrouped
 
-    stacks, adjacency = [], []
-    real, real_adj = grouped_weights.quantize_weights_grouped, qgrouped.joined_view
+    stacks = []
+    real = grouped_weights.quantize_weights_grouped
     monkeypatch.setattr(grouped_weights, "quantize_weights_grouped",
                         lambda *a, **k: stacks.append(k.get("stacked")) or real(*a, **k))
-    monkeypatch.setattr(qgrouped, "joined_view", lambda ts: adjacency.append(len(ts)) or real_adj(ts))
     single, per_expert = _pair(bias=False)
     x = torch.randn(sum(SPLITS), 64)
     with hybridfp.autocast(recipe=RECIPES[name]()):
@@ -131,14 +130,14 @@ def test_weights_quantized_from_the_parameter_itself(name, monkeypatch):
         want = per_expert(x, SPLITS)
     assert torch.equal(y, want)
     assert len(stacks) == 2 and stacks[0] is not None and stacks[0].data_ptr() == single.weight.data_ptr()
-    assert stacks[1] is None and adjacency  # the per-expert module checks its views
-    adjacency.clear()
+    # the per-expert module hands over its packed buffer
+    assert stacks[1] is not None and stacks[1].data_ptr() == per_expert.weight0.data_ptr()
     with hybridfp.autocast(recipe=RECIPES[name]()):
         single(x, SPLITS, is_first_microbatch=True)
     assert len(stacks) == 3
     with hybridfp.autocast(recipe=RECIPES[name]()):
         single(x, SPLITS, is_first_microbatch=False)
-    assert len(stacks) == 3 and not adjacency  # kept: nothing quantized, nothing checked
+    assert len(stacks) == 3  # kept: nothing quantized
     with hybridfp.autocast(recipe=Float8BlockScaling()):  # another recipe: quantized anew
         single(x, SPLITS)
     assert len(stacks) == 4

@@ -43,14 +43,15 @@ def test_mismatched_shapes_are_refused():
 
 
 def test_weights_in_one_buffer_are_not_stacked_by_a_copy(monkeypatch):
-    """Experts' weights that are consecutive blocks of one buffer are read as the stack itself
-    (no ``torch.stack`` copy); the result still equals each expert's own quantize bitwise."""
+    """Experts' weights handed with the buffer they are views of (``stacked=``: the caller states
+    its layout) are read as that buffer (no ``torch.stack`` copy); the result still equals each
+    expert's own quantize bitwise."""
     buf = torch.randn(4, 64, 96).bfloat16()
     weights = list(buf.unbind(0))
     stacks = []
     real = torch.stack
     monkeypatch.setattr(torch, "stack", lambda *a, **k: stacks.append(1) or real(*a, **k))
-    got = quantize_weights_grouped(build(FACTORIES["mxfp8"], "weight", [(True, True)] * 4), weights)
+    got = quantize_weights_grouped(build(FACTORIES["mxfp8"], "weight", [(True, True)] * 4), weights, stacked=buf)
     monkeypatch.undo()
     assert stacks == []
     for e, (g, w) in enumerate(zip(got, weights)):
@@ -66,12 +67,13 @@ def test_weights_in_one_buffer_are_not_stacked_by_a_copy(monkeypatch):
 def test_large_per_tensor_scaled_weights_are_quantized_per_expert(monkeypatch, set_policy, adjacent):
     """FP8 current scaling shares launches, not encodings: experts above
     the policy's ``stack_scaled_max_numel`` elements are quantized one by one (no stacking copy) unless they
-    already are one buffer; below it they are stacked. Every way equals each expert's quantize."""
+    already are one buffer (handed as ``stacked=``); below it they are stacked. Every way equals each expert's quantize."""
     from hybridfp.moe import quantize_weights as qg
     name = "current_scaling"
-    ws = weights(48)
+    ws, buf = weights(48), None
     if adjacent:
-        ws = list(torch.stack(ws).unbind(0))
+        buf = torch.stack(ws)
+        ws = list(buf.unbind(0))
     usage = [(True, True)] * len(ws)
     want = [q.quantize(w) for q, w in zip(build(FACTORIES[name], "weight", usage), ws)]
     for limit, stacked in ((ws[0].numel() - 1, adjacent), (ws[0].numel(), True)):
@@ -79,7 +81,7 @@ def test_large_per_tensor_scaled_weights_are_quantized_per_expert(monkeypatch, s
         calls = []
         real = qg.quantize_grouped
         monkeypatch.setattr(qg, "quantize_grouped", lambda *a: calls.append(1) or real(*a))
-        got = quantize_weights_grouped(build(FACTORIES[name], "weight", usage), ws)
+        got = quantize_weights_grouped(build(FACTORIES[name], "weight", usage), ws, stacked=buf)
         monkeypatch.setattr(qg, "quantize_grouped", real)
         assert (calls == [1]) == stacked, (limit, adjacent)
         for e, (g, w) in enumerate(zip(got, want)):
