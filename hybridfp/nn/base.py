@@ -72,6 +72,9 @@ class QuantizedModule(nn.Module):
     #: Whether this module's quantize calls may use an amax recorded by the kernel that wrote
     #: the input (``Quantizer.reads_known_amax``); see :meth:`quantizers`.
     reads_recorded_amax = True
+    #: Whether the module's backward honours a recipe's ``backward_override``; one that does
+    #: not refuses such a recipe (see :meth:`quantizers`) rather than ignore it.
+    supports_backward_override = False
 
     def __init__(self, name: Optional[str] = None, num_quantizer_sets: int = 1) -> None:
         super().__init__()
@@ -132,6 +135,11 @@ class QuantizedModule(nn.Module):
         The recipe is asked once per slot (per expert for grouped modules) at build time, not
         on every forward. A rebuild drops cached quantized weights.
         """
+        override = getattr(state.recipe, "backward_override", None)
+        if override is not None and not self.supports_backward_override:
+            raise NotImplementedError(
+                f"{self._who()}: the recipe's backward_override={override!r} is not implemented "
+                f"for {type(self).__name__}; use a recipe with backward_override=None for it.")
         pol = current_policy()
         # the policy fields _hold_decoded reads: a changed one rebuilds (no stale hold_decoded)
         key = (state.key(), pol.decoded_copies, pol.decoded_unverified_on_cuda)

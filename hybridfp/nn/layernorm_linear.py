@@ -46,6 +46,8 @@ class LayerNormLinear(QuantizedModule):
     (torch.Size([4, 32]), None)
     """
 
+    supports_backward_override = True
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  normalization: str = "LayerNorm", eps: float = 1e-5,
                  params_dtype: Optional[torch.dtype] = None, device: Optional[torch.device | str] = None,
@@ -108,6 +110,7 @@ class LayerNormLinear(QuantizedModule):
                            save_original_input=self.save_original_input,
                            grad_enabled=torch.is_grad_enabled(),
                            fprop_fast_accumulation=state.recipe.fprop_fast_accumulation,
+                           backward_override=state.recipe.backward_override,
                            region=state.token, is_first_microbatch=is_first_microbatch)
         return LinearFunction.apply(h, self.weight, self.bias, lc)
 

@@ -61,6 +61,8 @@ class Linear(QuantizedModule):
     'fc1.weight'
     """
 
+    supports_backward_override = True
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  params_dtype: Optional[torch.dtype] = None, device: Optional[torch.device | str] = None,
                  save_original_input: bool = False, name: Optional[str] = None) -> None:
@@ -130,6 +132,7 @@ class Linear(QuantizedModule):
                            save_original_input=self.save_original_input,
                            grad_enabled=torch.is_grad_enabled(),
                            fprop_fast_accumulation=state.recipe.fprop_fast_accumulation,
+                           backward_override=state.recipe.backward_override,
                            scratch=state.scratch, region=state.token,
                            is_first_microbatch=is_first_microbatch)
         return LinearFunction.apply(x, self.weight, self.bias, lc)

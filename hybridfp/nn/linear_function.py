@@ -9,6 +9,13 @@ Only the copies a pass needs are made: x.columnwise only if W needs a gradient, 
 only if x needs one, dy's copies likewise. Saved quantized tensors go through
 ``save_for_backward`` as their plain payload tensors (so saved-tensor hooks — CPU offload,
 recompute — see ordinary tensors) and are re-assembled in backward.
+
+The recipe's ``backward_override`` picks the backward GEMMs' operands (the GEMMs stay the ones
+above), with dy unquantized:
+
+    None:             dy quantized, W.columnwise, x.columnwise (the forward quantizes them)
+    "high_precision": dy, W and x themselves (x and W saved as they are; no columnwise copy)
+    "dequantized":    dy, dequant(W.rowwise), dequant(x.rowwise) (the rowwise copies saved)
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ import torch
 from ..config import current_policy, use_policy
 from ..gemm import gemm
 from ..quantizers import Float8Quantizer, HybridQuantizer, Quantizer
-from ..tensors import QuantizedStorage, QuantizedTensor
+from ..recipes.recipes import check_backward_override
+from ..tensors import ROWWISE, QuantizedStorage, QuantizedTensor
 from .shared_input import quantize_input
 
 
@@ -57,6 +65,9 @@ class LinearContext:
     #: TransformerEngine's forward argument: None, or True (quantize the weight and keep it for
     #: later regions) / False (reuse the kept copy). See nn/weight_cache.py.
     is_first_microbatch: Optional[bool] = None
+    #: The recipe's ``backward_override``: None (quantized backward), "high_precision" or
+    #: "dequantized" (see the module docstring).
+    backward_override: Optional[str] = None
 
 
 class SaveOriginalInputIgnoredWarning(UserWarning):
@@ -134,25 +145,67 @@ def unpack(skeleton: Any, tensors: list[torch.Tensor]) -> Optional[torch.Tensor]
     return QuantizedTensor(storage, skeleton[2])
 
 
+def backward_override(lc: LinearContext) -> Optional[str]:
+    """The recipe's ``backward_override`` for this layer, checked (a user recipe class may set
+    any value; the built-in ones check it when made).
+
+    Parameters
+    ----------
+    lc:
+        The layer's context.
+
+    Returns
+    -------
+    Optional[str]
+        None, "high_precision" or "dequantized".
+
+    Raises
+    ------
+    ValueError
+        An unknown value.
+    """
+    mode = lc.backward_override
+    if mode is not None:
+        check_backward_override(mode, f"{lc.module._who()}: the recipe's")
+    return mode
+
+
 def forward_gemm(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  lc: LinearContext, needs_dgrad: bool, needs_wgrad: bool
                  ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """fprop of one [M, K] input against one weight; returns (y, what wgrad needs of x, what
-    dgrad needs of W) — None where that gradient is not needed."""
-    save_original = keeps_original_input(lc)
-    qx = quantize_input(x2, lc.input_q, True, needs_wgrad and not save_original, lc.scratch)
-    qw = lc.module.quantized_weight(weight, lc.weight_q, columnwise=needs_dgrad, index=lc.weight_index,
-                                    region=lc.region, is_first_microbatch=lc.is_first_microbatch)
+    dgrad needs of W) — None where that gradient is not needed. With a ``backward_override``
+    no columnwise copy is made: backward reads x and W themselves ("high_precision") or their
+    rowwise copies ("dequantized")."""
+    mode = backward_override(lc)
+    if mode == "high_precision" and needs_dgrad and isinstance(weight, QuantizedTensor):
+        raise ValueError(f"{lc.module._who()}: backward_override='high_precision' reads the "
+                         "high-precision weight, but the weight is a QuantizedTensor (no "
+                         "high-precision value exists); use backward_override='dequantized'.")
+    save_original = mode is None and keeps_original_input(lc)
+    qx = quantize_input(x2, lc.input_q, True, needs_wgrad and mode is None and not save_original, lc.scratch)
+    qw = lc.module.quantized_weight(weight, lc.weight_q, columnwise=needs_dgrad and mode is None,
+                                    index=lc.weight_index, region=lc.region,
+                                    is_first_microbatch=lc.is_first_microbatch)
     y = gemm(qx, qw, "TN", out_dtype=x2.dtype, bias=bias, fast_accumulation=lc.fprop_fast_accumulation)
     saved_x: Optional[torch.Tensor] = None
     if needs_wgrad:
-        if save_original:
+        if save_original or mode == "high_precision":
             saved_x = x2
+        elif mode == "dequantized":
+            saved_x = qx  # its rowwise copy only (asked for no other)
         else:
             qx.update_usage(rowwise_usage=False)  # fprop is done with the rowwise copy
             saved_x = qx
-    saved_w = qw if needs_dgrad else None
+    saved_w = None
+    if needs_dgrad:
+        saved_w = weight if mode == "high_precision" else qw
     return y, saved_x, saved_w
+
+
+def _dequantized(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A saved rowwise copy as the high-precision value it stands for (a plain tensor as is)."""
+    return t.dequantize(direction=ROWWISE) if isinstance(t, QuantizedTensor) else t
 
 
 def backward_gemms(dy2: torch.Tensor, saved_x: Optional[torch.Tensor], saved_w: Optional[torch.Tensor],
@@ -162,15 +215,19 @@ def backward_gemms(dy2: torch.Tensor, saved_x: Optional[torch.Tensor], saved_w: 
     dx = dw = None
     if not (needs_dgrad or needs_wgrad):
         return dx, dw
-    lc.grad_q.set_usage(rowwise=needs_dgrad, columnwise=needs_wgrad)
-    qdy = lc.grad_q.quantize(dy2.contiguous())
-    if needs_dgrad:
-        dx = gemm(qdy, saved_w, "NN", out_dtype=x_dtype)
-    if needs_wgrad:
-        qx = saved_x
-        if not isinstance(saved_x, QuantizedTensor):  # saved the original: quantize it now
+    mode = lc.backward_override
+    if mode is None:
+        lc.grad_q.set_usage(rowwise=needs_dgrad, columnwise=needs_wgrad)
+        qdy = lc.grad_q.quantize(dy2.contiguous())
+        qx, qw = saved_x, saved_w
+        if needs_wgrad and not isinstance(saved_x, QuantizedTensor):  # the original: quantize it now
             lc.input_q.set_usage(rowwise=False, columnwise=True)
             qx = lc.input_q.quantize(saved_x)
+    else:  # high-precision operands: plain tensors, which gemm multiplies unquantized
+        qdy, qx, qw = dy2.contiguous(), _dequantized(saved_x), _dequantized(saved_w)
+    if needs_dgrad:
+        dx = gemm(qdy, qw, "NN", out_dtype=x_dtype)
+    if needs_wgrad:
         dw = gemm(qdy, qx, "NT", out_dtype=w_dtype)
     return dx, dw
 
