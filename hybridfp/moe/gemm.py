@@ -63,7 +63,7 @@ import torch
 from ..config import current_policy
 from ..utils.device import device_tensor
 from .grouped_tensor import GroupedTensor, JoinedCopy
-from .joined import joined_view
+from .joined import joined_of, joined_row_storage, joined_view
 from ..tensors.storage import GemmOperand, QuantizedStorage
 from ..gemm import fast
 from ..gemm.backends import emulate, report_emulated, select
@@ -177,18 +177,20 @@ def grouped_gemm(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: s
     ms = _check_shapes(sa, sb, layout)  # the experts' m, read once for every use below
     path, _ = grouped_path(sa, sb, layout, out_dtype, has_bias, forced=grouped_mm is not None,
                            use_triton=use_triton, ms=ms)
+    # the experts' copies a GroupedTensor holds joined, as its producer states them
+    ja, jb = joined_of(A, da), joined_of(B, db)
     out: Optional[Union[torch.Tensor, list[torch.Tensor]]] = None
     if path == GROUPED_BF16:
-        out = run_bf16(sa, sb, layout, grouped_mm or torch_grouped_mm, ms)
+        out = run_bf16(sa, sb, layout, grouped_mm or torch_grouped_mm, ms, ja, jb)
     elif path == GROUPED_FP8_ROWWISE:
-        out = _run_fp8_rowwise(sa, sb, layout)
+        out = _run_fp8_rowwise(sa, sb, layout, ja, jb)
     elif path == GROUPED_TRITON:
-        out = gemm_triton.run(sa, sb, layout, out_dtype, biases)
+        out = gemm_triton.run(sa, sb, layout, out_dtype, biases, ja, jb)
     elif path == GROUPED_FP8_TRITON:
         out = gemm_fp8.run(sa, sb, layout, out_dtype, biases)
     if out is None:  # per expert (also when a copy turned out to carry an epilogue factor)
         path = PER_EXPERT
-        out = _run_per_expert(A, B, layout, out_dtype, biases, sa, sb, ms)
+        out = _run_per_expert(A, B, layout, out_dtype, biases, sa, sb, ms, ja, jb)
     PATH_COUNTS[(GEMM_OF_LAYOUT[layout], path)] += 1
     return out
 
@@ -398,20 +400,24 @@ def _fp8_rowwise_unsupported(sa: Sequence[QuantizedStorage], sb: Sequence[Quanti
     return None
 
 
-def _run_fp8_rowwise(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str) -> torch.Tensor:
-    """Path 2: per-expert per-tensor scales as per-row / per-column scale vectors."""
+def _run_fp8_rowwise(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,
+                     ja: Optional[JoinedCopy] = None, jb: Optional[JoinedCopy] = None) -> torch.Tensor:
+    """Path 2: per-expert per-tensor scales as per-row / per-column scale vectors. ``ja`` /
+    ``jb``: the operands' joined copies, if their ``GroupedTensor`` holds them."""
     da, db = LAYOUTS[layout]
     pa, pb = [s.payload(da) for s in sa], [s.payload(db) for s in sb]
     ms = [p["data"].shape[0] for p in pa]
     n = pb[0]["data"].shape[0]
-    # Joined row blocks of one buffer (grouped_scaled's one cast pass; joined weights) are
-    # viewed as one operand without a copy; otherwise cat / stack on the bytes (not every torch
-    # build concatenates float8 tensors).
-    filled = [p["data"] for p in pa if p["data"].numel()]
-    mat_a = joined_view(filled) if filled else None
+    # Joined rowwise codes (grouped_scaled's one cast pass; joined weights) are the operand
+    # without a copy; otherwise cat / stack on the bytes (not every torch build concatenates
+    # float8 tensors).
+    mat_a = _fp8_rows(ja, da, ms)
+    if ja is None:
+        filled = [p["data"] for p in pa if p["data"].numel()]
+        mat_a = joined_view(filled) if filled else None
     if mat_a is None:
         mat_a = torch.cat([p["data"].view(torch.uint8) for p in pa]).view(torch.float8_e4m3fn)
-    whole_b = joined_view([p["data"] for p in pb])
+    whole_b = _fp8_rows(jb, db, [n] * len(pb)) if jb is not None else joined_view([p["data"] for p in pb])
     if whole_b is not None:
         mat_b = whole_b.view(len(pb), n, whole_b.shape[1]).transpose(1, 2)
     else:
@@ -427,14 +433,16 @@ def _run_fp8_rowwise(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStora
 
 def _run_per_expert(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: str, out_dtype: torch.dtype,
                     biases: Optional[Sequence[Optional[torch.Tensor]]], sa: Sequence[QuantizedStorage],
-                    sb: Sequence[QuantizedStorage], ms: Optional[Sequence[int]] = None
+                    sb: Sequence[QuantizedStorage], ms: Optional[Sequence[int]] = None,
+                    ja: Optional[JoinedCopy] = None, jb: Optional[JoinedCopy] = None
                     ) -> Union[torch.Tensor, list[torch.Tensor]]:
     """Path 4: ``gemm`` per expert; where every pair runs on the exact emulation, the same
     ``emulate`` per expert on operands decoded once per joined copy (``_emulated_operands``).
     fprop / dgrad write each expert's rows straight into the joined [Σm_e, n] result (``gemm``'s
-    ``out``: no concatenation pass over the whole output). ``ms``: the experts' m if known."""
+    ``out``: no concatenation pass over the whole output). ``ms``: the experts' m if known;
+    ``ja`` / ``jb``: the operands' joined copies, if their ``GroupedTensor`` holds them."""
     bs = biases if biases is not None else [None] * len(A)
-    ops = _emulated_operands(sa, sb, layout)
+    ops = _emulated_operands(sa, sb, layout, ja, jb)
     if ops is None:
         one = _one_gemm(A, B, sa, sb, layout, out_dtype)
         if layout == "NT":
@@ -486,11 +494,12 @@ def _one_gemm(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], sa: Sequence
     return run
 
 
-def _emulated_operands(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str
+def _emulated_operands(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,
+                       ja: Optional[JoinedCopy] = None, jb: Optional[JoinedCopy] = None
                        ) -> Optional[tuple[list[GemmOperand], list[GemmOperand]]]:
     """Every expert's GEMM operands as ``gemm()`` hands them to the exact emulation, or None if
-    some pair has a fast backend (then ``gemm()`` per expert). A copy that is consecutive row
-    blocks of one buffer (``joined_rows``: shared row-local encodings, joined weights) is
+    some pair has a fast backend (then ``gemm()`` per expert). A joined copy of back-to-back
+    row-local rows (``ja`` / ``jb``: shared row-local encodings, joined weights) is
     block-decoded once and cut by rows: elementwise decoding makes the cuts bitwise each
     expert's own decode. The emulation is reported once per pair, as ``gemm()`` does."""
     da, db = LAYOUTS[layout]
@@ -502,12 +511,13 @@ def _emulated_operands(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedSto
         return None
     for (ka, kb), role in pairs.items():
         report_emulated(GEMM_OF_LAYOUT[layout], role, ka, kb, layout, device)
-    return _decoded(sa, da), _decoded(sb, db)
+    return _decoded(sa, da, ja), _decoded(sb, db, jb)
 
 
-def _decoded(storages: Sequence[QuantizedStorage], direction: str) -> list[GemmOperand]:
-    """``s.gemm_operand(direction)`` per storage; a joined copy decoded in one call."""
-    joined = joined_rows(storages, direction)
+def _decoded(storages: Sequence[QuantizedStorage], direction: str, j: Optional[JoinedCopy]) -> list[GemmOperand]:
+    """``s.gemm_operand(direction)`` per storage; ``j``'s rows decoded in one call."""
+    joined = (joined_row_storage(j, direction, [s.part(direction).rows for s in storages]) if j is not None
+              else joined_rows(storages, direction))
     if joined is None:
         return [s.part(direction).gemm_operand(direction) for s in storages]
     whole = joined.gemm_operand(direction)
@@ -519,3 +529,12 @@ def _decoded(storages: Sequence[QuantizedStorage], direction: str) -> list[GemmO
         out.append(GemmOperand(whole.values[start:stop], scale, whole.k, whole.rht))
         start = stop
     return out
+
+
+def _fp8_rows(j: Optional[JoinedCopy], direction: str, sizes: Sequence[int]) -> Optional[torch.Tensor]:
+    """The FP8 codes of ``j`` when it holds the experts' rowwise copies back to back (per-expert
+    ``scales`` allowed: the codes are what path 2 reads), else None."""
+    if j is None or direction != "rowwise" or j.starts is not None and j.starts != list(accumulate([0] + list(sizes)))[:-1]:
+        return None
+    data = j.storage.part(direction).payload(direction)["data"]
+    return data if data.is_contiguous() and data.shape[0] == sum(sizes) else None

@@ -14,13 +14,13 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from ..utils.device import device_tensor, step_metadata
-from .joined import joined_view
 from .quantize import pad_row_groups
 from ..tensors.storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
 from ..gemm.bf16_decode import HAVE_TRITON, decode_bf16, decode_bf16_joined, held_transpose
 from ..gemm.bf16_tensorcore import exact_bf16_gemm
 from ..gemm.gemm import LAYOUTS
-from .joined import joined_columns, joined_rows
+from .grouped_tensor import JoinedCopy
+from .joined import joined_column_storage, joined_columns, joined_row_storage, joined_rows, joined_view
 
 #: (mat_a, mat_b, sizes) -> BF16 result, with ``torch._grouped_mm``'s semantics for the groups of
 #: ``sizes`` (host ints: rows of ``mat_a`` for 2D x 3D, the reduction for 2D x 2D).
@@ -78,21 +78,23 @@ def per_group_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, sizes: Sequence[int])
 
 
 def run_bf16(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,
-             grouped_mm: GroupedMM, ms: Sequence[int]) -> Optional[Union[torch.Tensor, list[torch.Tensor]]]:
+             grouped_mm: GroupedMM, ms: Sequence[int], ja: Optional[JoinedCopy] = None,
+             jb: Optional[JoinedCopy] = None) -> Optional[Union[torch.Tensor, list[torch.Tensor]]]:
     """Path 1, or None if some copy decodes with an epilogue factor (or a one-sided RHT).
-    ``ms``: the experts' m.
+    ``ms``: the experts' m; ``ja`` / ``jb``: the operands' joined copies, if their
+    ``GroupedTensor`` holds them.
 
-    Copies that are blocks of one shared encoding (``joined``: ``quantize_grouped``'s row-local
-    rowwise copies, joined weights, zero-padded columnwise block copies) are decoded in one
-    call straight into the grouped operand; the others per expert, then concatenated."""
+    Joined copies (``quantize_grouped``'s row-local rowwise copies, joined weights, zero-padded
+    columnwise block copies) are decoded in one call straight into the grouped operand; the
+    experts' own copies per expert, then concatenated."""
     da, db = LAYOUTS[layout]
     if layout == "NT":
-        out = _run_bf16_joined_wgrad(sa, sb, grouped_mm)
+        out = _run_bf16_joined_wgrad(sa, sb, grouped_mm, ja, jb)
         if out is not NotImplemented:
             return out
-    whole_a = _joined_operand(sa, da) if layout != "NT" else None
+    whole_a = _joined_operand(sa, da, ja) if layout != "NT" else None
     # B of fprop / dgrad is the experts' weights: the decode is cached while they are unchanged
-    whole_b = _joined_operand(sb, db, cache=True) if layout != "NT" else None
+    whole_b = _joined_operand(sb, db, jb, cache=True) if layout != "NT" else None
     if any(w is not None and w.scale is not None for w in (whole_a, whole_b)):
         return None
     # Operands the grouped copy reads transposed (dgrad's B, both of wgrad) are taken as the
@@ -114,8 +116,8 @@ def run_bf16(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], lay
     # expert's reduction to a multiple of 8 with zeros, which add nothing to the FP32 sums.
     ks = [v.shape[1] for v in vals_a] if vals_a is not None else [r.shape[0] for r in rows_a]
     padded = [-(-k // BF16_ALIGN) * BF16_ALIGN for k in ks]
-    mat_a = _cat_columns(vals_a, padded, rows_a)
-    mat_b = _cat_columns(vals_b, padded, rows_b).t()
+    mat_a = _cat_columns(vals_a, padded, rows_a, _held_rows(ja, rows_a, vals_a))
+    mat_b = _cat_columns(vals_b, padded, rows_b, _held_rows(jb, rows_b, vals_b)).t()
     return _wgrad_result(grouped_mm(mat_a, mat_b, padded), ks)
 
 
@@ -145,24 +147,41 @@ def _held_transposes(storages: Sequence[QuantizedStorage], direction: str) -> Op
     return out
 
 
-def _joined_operand(storages: Sequence[QuantizedStorage], direction: str, cache: bool = False
-                    ) -> Optional[GemmOperand]:
-    """The experts' ``direction`` copies decoded in one call when they are blocks of one
-    encoding: consecutive row blocks (rowwise), or column slices without padding (columnwise
+def _joined_operand(storages: Sequence[QuantizedStorage], direction: str, j: Optional[JoinedCopy],
+                    cache: bool = False) -> Optional[GemmOperand]:
+    """The experts' ``direction`` copies decoded in one call when ``j`` holds them joined:
+    back-to-back rows of a row-local encoding (rowwise), or columns without padding (columnwise
     copies of joined weights: every expert's rows a whole number of blocks). None otherwise.
     Values: [Σ rows, k] (rowwise) or [n, Σ k] (columnwise, stored transposed). ``cache``: see
     ``decode_bf16_joined``."""
+    sizes = [s.part(direction).rows for s in storages]
     if direction == ROWWISE:
-        joined = joined_rows(storages, direction)
+        joined = joined_row_storage(j, direction, sizes) if j is not None else joined_rows(storages, direction)
     else:
-        found = joined_columns(storages)
+        found = joined_column_storage(j, direction) if j is not None else joined_columns(storages)
         if found is None:
             return None
         joined, starts = found
-        sizes = [s.part(direction).rows for s in storages]
         if any(b - a != m for a, b, m in zip(starts, starts[1:] + [joined.rows], sizes)):
             return None  # padding between the copies: not one [E, k, n] operand
     return decode_bf16_joined(joined, storages, direction, cache=cache) if joined is not None else None
+
+
+def _held_rows(j: Optional[JoinedCopy], rows: Optional[Sequence[torch.Tensor]],
+               parts: Optional[Sequence[torch.Tensor]]) -> Optional[torch.Tensor]:
+    """The tensor ``j`` holds whose row blocks are the experts' held transposes ``rows`` (a BF16
+    Identity columnwise copy: the experts' rows, read transposed), contiguous; else None."""
+    if j is None:  # a list: its views joined if they are
+        rows = rows if rows is not None else [p.t() for p in parts] if parts is not None else None
+        filled = [r for r in rows if r.numel()] if rows is not None else None
+        whole = joined_view(filled) if filled else None
+        return whole if whole is not None and whole.shape[0] == sum(r.shape[0] for r in rows) else None
+    if rows is None or j.starts is not None or j.scales is not None:
+        return None
+    whole = held_transpose(j.storage, COLUMNWISE)
+    if whole is None or not whole.is_contiguous() or whole.shape[0] != sum(r.shape[0] for r in rows):
+        return None
+    return whole
 
 
 def _experts_kn(values: torch.Tensor, experts: int, direction: str) -> torch.Tensor:
@@ -177,11 +196,14 @@ def _experts_kn(values: torch.Tensor, experts: int, direction: str) -> torch.Ten
 
 
 def _run_bf16_joined_wgrad(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage],
-                           grouped_mm: GroupedMM) -> Union[None, list[torch.Tensor], object]:
-    """wgrad on joined columnwise copies of both operands with the same group layout: [m, Σk]
-    · [Σk, n] straight from the two decodes, each expert's zero padding inside its own group.
-    ``NotImplemented`` when the copies are not so joined (the caller then goes per expert)."""
-    ja, jb = joined_columns(sa), joined_columns(sb)
+                           grouped_mm: GroupedMM, j_a: Optional[JoinedCopy], j_b: Optional[JoinedCopy]
+                           ) -> Union[None, list[torch.Tensor], object]:
+    """wgrad on joined columnwise copies of both operands (``j_a``, ``j_b``) with the same group
+    layout: [m, Σk] · [Σk, n] straight from the two decodes, each expert's zero padding inside
+    its own group. ``NotImplemented`` when the copies are not so joined (the caller then goes
+    per expert)."""
+    ja = joined_column_storage(j_a, COLUMNWISE) if j_a is not None else joined_columns(sa)
+    jb = joined_column_storage(j_b, COLUMNWISE) if j_b is not None else joined_columns(sb)
     if ja is None or jb is None or ja[1] != jb[1] or ja[0].rows != jb[0].rows:
         return NotImplemented
     if any(-(-st // BF16_ALIGN) * BF16_ALIGN != st for st in ja[1]):
@@ -219,19 +241,19 @@ def _stack_transposed(parts: Optional[Sequence[torch.Tensor]], rows: Optional[Se
 
 
 def _cat_columns(parts: Optional[Sequence[torch.Tensor]], widths: Sequence[int],
-                 rows: Optional[Sequence[torch.Tensor]] = None) -> torch.Tensor:
+                 rows: Optional[Sequence[torch.Tensor]] = None, whole: Optional[torch.Tensor] = None
+                 ) -> torch.Tensor:
     """[rows, Σ widths]: part e in its columns, zero padding after it. Transposed views (BF16
     Identity columnwise copies) are gathered as row blocks of the transpose instead, so the
     copy never transposes (the result is then a column-major view). ``rows``: the parts'
-    transposes, if held (``parts`` may then be None; no view op per expert)."""
+    transposes, if held (``parts`` may then be None; no view op per expert); ``whole``: the
+    tensor whose consecutive row blocks they are, if a joined copy holds it (``_held_rows``)."""
     if rows is not None and not all(r.is_contiguous() for r in rows):
         rows, parts = None, [r.t() for r in rows]
     if rows is not None or all(_t_contiguous(p) for p in parts):
         rows = rows if rows is not None else [p.t() for p in parts]
-        filled = [r for r in rows if r.numel()]
-        whole = joined_view(filled) if filled else None
         heights = [r.shape[0] for r in rows]
-        if whole is not None and whole.shape[0] == sum(heights) and all(
+        if whole is not None and all(
                 -(-h // BF16_ALIGN) * BF16_ALIGN == w for h, w in zip(heights, widths)):
             # consecutive row blocks of one buffer (an Identity copy of x or dy): every group
             # zero-padded to a multiple of 8 rows in one pass (a Triton kernel on CUDA), not a

@@ -42,7 +42,7 @@ from .grouped_tensor import JoinedCopy
 from ..tensors.storage import QuantizedStorage
 from ..gemm.bf16_decode import HAVE_TRITON, bf16_exact_reason, decode_bf16, decode_bf16_joined
 from ..gemm.gemm import LAYOUTS
-from .joined import joined_rows, joined_values, joined_row_span
+from .joined import joined_row_span, joined_row_storage, joined_rows, joined_values, padded_row_span
 
 #: output dtypes the kernel writes
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -102,21 +102,22 @@ def joined_bias(biases: Optional[Sequence[Optional[torch.Tensor]]], n: int, devi
 
 
 def run(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str, out_dtype: torch.dtype,
-        biases: Optional[Sequence[Optional[torch.Tensor]]] = None
-        ) -> Optional[Union[torch.Tensor, list[torch.Tensor]]]:
+        biases: Optional[Sequence[Optional[torch.Tensor]]] = None, ja: Optional[JoinedCopy] = None,
+        jb: Optional[JoinedCopy] = None) -> Optional[Union[torch.Tensor, list[torch.Tensor]]]:
     """The experts' GEMMs in one kernel, or None when a decoded pair turns out unsuitable (a
-    one-sided RHT, stored lengths that differ, mixed biases, an empty fprop / dgrad reduction)."""
+    one-sided RHT, stored lengths that differ, mixed biases, an empty fprop / dgrad reduction).
+    ``ja`` / ``jb``: the operands' joined copies, if their ``GroupedTensor`` holds them."""
     da, db = LAYOUTS[layout]
     device = sa[0].device
     if layout == "NT":
         return _run_reduction(sa, sb, da, db, out_dtype, device)
-    weights = _weights_operand(sb, db)  # B of fprop / dgrad: the weights
+    weights = _weights_operand(sb, db, jb)  # B of fprop / dgrad: the weights
     if weights is None:
         return None
     mat_b, scales_b, rhts_b = weights
     _, n, k = mat_b.shape
     usable, bias = joined_bias(biases, n, device)
-    rows = _rows_operand(sa, da, device)
+    rows = _rows_operand(sa, da, device, ja)
     if not usable or rows is None or k == 0:
         return None
     mat_a, scale_a, rhts = rows
@@ -128,14 +129,15 @@ def run(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: 
         bias=bias, scale_a=scale_a, scale_b=None if scale_b is None else scale_b.reshape(len(sb), n))
 
 
-def _weights_operand(sb: Sequence[QuantizedStorage], db: str
+def _weights_operand(sb: Sequence[QuantizedStorage], db: str, jb: Optional[JoinedCopy]
                      ) -> Optional[tuple[torch.Tensor, list[Optional[torch.Tensor]], list[bool]]]:
     """(B [E, n, k] BF16, each expert's epilogue scale, each expert's RHT flag). The experts'
-    joined weights (consecutive row blocks of one encoding, per-expert global scales allowed:
-    ``joined_values``) are decoded in one call, cached while unchanged, and viewed [E, n, k];
-    otherwise each expert's copy is decoded (cached) and stacked. None if their decoded shapes
-    differ."""
-    joined = joined_values(sb, db)
+    joined weights (``jb``: back-to-back rows of one encoding, row-scaled where each expert has
+    its own global scale) are decoded in one call, cached while unchanged, and viewed [E, n, k]
+    (each expert's scale its own part's); otherwise each expert's copy is decoded (cached) and
+    stacked. None if their decoded shapes differ."""
+    joined = (joined_row_storage(jb, db, [b.part(db).rows for b in sb], single_rows=False) if jb is not None
+              else joined_values(sb, db))
     if joined is not None:
         whole = decode_bf16_joined(joined, sb, db, cache=True)
         values = whole.values.contiguous()  # the decoders write contiguous tensors: no copy
@@ -147,16 +149,16 @@ def _weights_operand(sb: Sequence[QuantizedStorage], db: str
     return torch.stack([op.values for op in ops]), [op.scale for op in ops], [op.rht for op in ops]
 
 
-def _rows_operand(sa: Sequence[QuantizedStorage], da: str, device: torch.device
+def _rows_operand(sa: Sequence[QuantizedStorage], da: str, device: torch.device, ja: Optional[JoinedCopy]
                   ) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor], list[bool]]]:
     """(A [Σm_e, k] BF16, its scales per row [Σm_e] FP32 or None, each expert's RHT flag): one
-    decode when the experts' copies are joined rows of one encoding, else per expert and
-    concatenated; None if the experts' stored lengths differ."""
-    joined = joined_rows(sa, da)
+    decode when ``ja`` holds the experts' rows joined (back to back, or at padded group starts),
+    else per expert and concatenated; None if the experts' stored lengths differ."""
+    joined = joined_row_storage(ja, da, [a.part(da).rows for a in sa]) if ja is not None else joined_rows(sa, da)
     if joined is not None:
         whole = decode_bf16(joined, da)
         return whole.values, _spread([whole.scale], [whole.values.shape[0]], device), [whole.rht] * len(sa)
-    span = joined_row_span(sa, da)
+    span = padded_row_span(ja, da) if ja is not None else joined_row_span(sa, da)
     if span is not None:
         gathered = _gathered_rows(span[0], da, span[1], [s.rows for s in sa], device)
         return None if gathered is None else (*gathered[:2], [gathered[2]] * len(sa))
