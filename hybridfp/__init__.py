@@ -4,7 +4,7 @@ from . import factories, gemm, moe, nn
 from .config import Policy, current_policy, policy, use_policy
 from .integration import checkpoint
 from .moe import GroupedLinear
-from .nn import LayerNormLinear, Linear, SwiGLU, convert, set_names, swiglu
+from .nn import LayerNormLinear, LayerNormMLP, Linear, SwiGLU, convert, set_names, swiglu
 from .quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
                          HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer,
                          Quantizer)
@@ -17,8 +17,8 @@ __version__ = "0.1.0"
 __all__ = [
     "CustomRecipe", "DelayedScaling", "Float8BlockQuantizer", "Float8BlockScaling",
     "Float8CurrentScaling", "Float8CurrentScalingQuantizer", "Float8Quantizer", "GroupedLinear",
-    "HybridQuantizer", "IdentityQuantizer", "LayerNormLinear", "Linear", "MXFP8BlockScaling",
-    "MXFP8Quantizer", "MissingDirectionError", "NVFP4BlockScaling", "NVFP4Quantizer", "Policy",
+    "HybridQuantizer", "IdentityQuantizer", "LayerNormLinear", "LayerNormMLP", "Linear",
+    "MXFP8BlockScaling", "MXFP8Quantizer", "MissingDirectionError", "NVFP4BlockScaling", "NVFP4Quantizer", "Policy",
     "QuantizedTensor", "Quantizer", "QuantizerRole", "Recipe", "SwiGLU", "autocast", "checkpoint",
     "convert", "current_policy", "factories",
     "gemm", "moe", "nn", "policy", "set_names", "swiglu", "use_policy",

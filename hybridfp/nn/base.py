@@ -129,6 +129,11 @@ class QuantizedModule(nn.Module):
         """The role of one of this module's slots."""
         return QuantizerRole(self.module_type, tensor_type, self.name)
 
+    def set_role(self, tensor_type: str, index: int) -> QuantizerRole:
+        """The role of quantizer set ``index`` of a slot: :meth:`role`, the same for every set
+        (GroupedLinear's experts), unless a module names its sets (LayerNormMLP: fc1, fc2)."""
+        return self.role(tensor_type)
+
     def quantizers(self, state: AutocastState) -> dict[str, list[Quantizer]]:
         """This module's quantizers for the active region, (re)built if the recipe changed.
 
@@ -146,9 +151,9 @@ class QuantizedModule(nn.Module):
         if key != self._qkey:
             built: dict[str, list[Quantizer]] = {}
             for slot in SLOTS:
-                role = self.role(slot)
                 qs = []
-                for _ in range(self._num_sets):
+                for index in range(self._num_sets):
+                    role = self.set_role(slot, index)
                     q = state.recipe.quantizer(role)
                     q.role = role
                     if state.amax_reduction_group is not None:  # keep a factory's own group otherwise

@@ -17,6 +17,22 @@ from .weight_cache import check_is_first_microbatch
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 
+def normalize(x: torch.Tensor, normalization: str, weight: torch.Tensor, bias: Optional[torch.Tensor],
+              eps: float) -> torch.Tensor:
+    """LayerNorm or RMSNorm over x's last dim, in x's dtype with FP32 statistics (torch's
+    kernels); the affine parameters are cast to x's dtype. Shared by the norm + GEMM modules."""
+    w = weight.to(x.dtype)
+    if normalization == "RMSNorm":
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    return F.layer_norm(x, (x.shape[-1],), w, bias.to(x.dtype), eps)  # type: ignore[union-attr]
+
+
+def check_normalization(normalization: str) -> None:
+    """Raise a ValueError naming the option unless it is "LayerNorm" or "RMSNorm"."""
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization={normalization!r} is unknown; use 'LayerNorm' or 'RMSNorm'.")
+
+
 class LayerNormLinear(QuantizedModule):
     """y = norm(x) Wᵀ + b. The norm runs in high precision; only the GEMMs are quantized,
     with the same roles as ``Linear`` (module_type "linear").
@@ -53,8 +69,7 @@ class LayerNormLinear(QuantizedModule):
                  params_dtype: Optional[torch.dtype] = None, device: Optional[torch.device | str] = None,
                  save_original_input: bool = False, name: Optional[str] = None) -> None:
         super().__init__(name)
-        if normalization not in NORMALIZATIONS:
-            raise ValueError(f"normalization={normalization!r} is unknown; use 'LayerNorm' or 'RMSNorm'.")
+        check_normalization(normalization)
         self.normalization, self.eps = normalization, eps
         self.in_features, self.out_features = in_features, out_features
         self.save_original_input = save_original_input
@@ -66,10 +81,7 @@ class LayerNormLinear(QuantizedModule):
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
         """The normalization, in x's dtype with FP32 statistics (torch's kernels)."""
-        w = self.layer_norm_weight.to(x.dtype)
-        if self.normalization == "RMSNorm":
-            return F.rms_norm(x, (self.in_features,), w, self.eps)
-        return F.layer_norm(x, (self.in_features,), w, self.layer_norm_bias.to(x.dtype), self.eps)
+        return normalize(x, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps)
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         """norm, then the (quantized inside autocast) linear.
