@@ -14,8 +14,9 @@ from torch import nn
 from ..config import Policy, current_policy
 from ..gemm import reads_bf16_decodes, report_emulated
 from ..quantizers import Quantizer
-from ..recipes import AutocastState, QuantizerRole
+from ..recipes import AutocastState, QuantizerRole, current_autocast
 from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
+from . import recompute
 from .weight_cache import WeightEntry, WeightKey, new_entry, reusable
 
 SLOTS = ("input", "weight", "grad_output")
@@ -31,6 +32,17 @@ def _describe(q: Quantizer) -> dict[str, str]:
     parts = [getattr(q, n) for n in ("rowwise_quantizer", "columnwise_quantizer") if hasattr(q, n)]
     kind = type(q).__name__ + (f"({', '.join(type(c).__name__ for c in parts)})" if parts else "")
     return {"kind": kind, "format": f"rowwise {q.format_key(ROWWISE)}; columnwise {q.format_key(COLUMNWISE)}"}
+
+
+def _replay_copies(quantizers: Optional[dict]) -> Optional[dict]:
+    """``quantizers`` (slot -> list) for a checkpoint record or replay: the stateful ones of the
+    forward slots as copies (their state now: a later region end moves the module's own; a
+    replay's quantizing must not record into the record's), the others as they are (the
+    gradient quantizer is the live one, as in a backward without recompute)."""
+    if quantizers is None or not any(q.has_state() for s in FORWARD_SLOTS for q in quantizers.get(s, ())):
+        return quantizers
+    return {slot: [q.copy() if slot in FORWARD_SLOTS and q.has_state() else q for q in qs]
+            for slot, qs in quantizers.items()}
 
 
 def _summary(obj: Any) -> str:
@@ -86,7 +98,6 @@ class QuantizedModule(nn.Module):
         # cached quantized weights by slot (expert index; GroupedLinear's joined entries use
         # negative slots): see weight_cache.py for when an entry may be reused
         self._wcache: dict[int, WeightEntry] = {}
-        self._forward_versions: tuple = ()
         self._reads_known_amax = False  # any built quantizer reads recorded amaxes (see quantizers())
 
     def check_input_features(self, x: torch.Tensor) -> None:
@@ -115,14 +126,36 @@ class QuantizedModule(nn.Module):
         return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
     def _refuse_silent_recompute(self) -> None:
-        """A quantized module running unquantized inside a backward pass is almost surely
-        torch.utils.checkpoint recomputing it outside hybridfp.autocast: that would silently
-        give high-precision gradients, so say what to use instead."""
-        if self._quantizers and torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
+        """A quantized module running unquantized inside a backward pass, and not as the replay
+        of a recorded call (``nn/recompute.py``), is a recomputation hybridfp did not recognise
+        (a checkpoint nested in another's recomputation, another recompute scheme): it would
+        silently give high-precision gradients, so say so instead."""
+        if (self._quantizers and torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
+                and not recompute.in_replay()):
             raise RuntimeError(
-                f"{type(self).__name__} {self.name}: forward recomputed during backward outside "
-                "hybridfp.autocast (torch.utils.checkpoint does not carry the autocast region), "
-                "which would run it in high precision. Use hybridfp.checkpoint(fn, *args) instead.")
+                f"{type(self).__name__} {self.name}: forward run during backward outside "
+                "hybridfp.autocast and not as a recognised torch.utils.checkpoint recomputation "
+                "(a checkpoint nested in another checkpoint's recomputation, or another recompute "
+                "scheme), which would run it in high precision. Checkpoint with "
+                "torch.utils.checkpoint without nesting, or enter hybridfp.autocast around it.")
+
+    # ------------------------------------------------------------------ checkpoint recompute
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """``nn.Module``'s call, recorded inside a ``torch.utils.checkpoint`` forward and
+        replayed in its recomputation (the forward's region, policy and quantizer state): see
+        ``hybridfp/nn/recompute.py``."""
+        replay = recompute.replay_for(self)
+        if replay is not None:
+            record, cursor = replay
+            # a checkpoint nested in the recomputed segment records the same call
+            recompute.record_call(self, record.state, record.policy, record.quantizers)
+            with recompute.replaying(record, cursor, _replay_copies(record.quantizers)):
+                return super().__call__(*args, **kwargs)
+        record = recompute.record_call(self, current_autocast(), current_policy())
+        out = super().__call__(*args, **kwargs)
+        if record is not None and record.state is not None:
+            record.quantizers = _replay_copies(self._quantizers)
+        return out
 
     # ------------------------------------------------------------------ quantizers
     def role(self, tensor_type: str) -> QuantizerRole:
@@ -145,6 +178,8 @@ class QuantizedModule(nn.Module):
             raise NotImplementedError(
                 f"{self._who()}: the recipe's backward_override={override!r} is not implemented "
                 f"for {type(self).__name__}; use a recipe with backward_override=None for it.")
+        if state.replay_quantizers is not None:  # a recomputation: the forward's quantizers
+            return state.replay_quantizers
         pol = current_policy()
         # the policy fields _hold_decoded reads: a changed one rebuilds (no stale hold_decoded)
         key = (state.key(), pol.decoded_copies, pol.decoded_unverified_on_cuda)
@@ -171,16 +206,6 @@ class QuantizedModule(nn.Module):
                 q.reads_known_amax for qs in built.values() for q in qs)
             self._wcache.clear()  # also the kept copies: is_first_microbatch=False then raises
             self._report_emulated(built)
-        versions = tuple(q.state_version() for q in self._stateful)
-        if not state.replay:
-            self._forward_versions = versions
-        elif versions != self._forward_versions:
-            raise RuntimeError(
-                f"{type(self).__name__} {self.name}: recomputing a checkpointed forward after its "
-                "quantizers changed state (delayed scaling updated its scales when the autocast "
-                "region ended), so the recomputation would not match the forward. Run backward "
-                "inside the autocast region, use a stateless recipe for checkpointed layers (e.g. "
-                "Float8CurrentScaling), or do not checkpoint them.")
         state.note_module(self)
         if self._reads_known_amax:
             state.reads_known_amax = True
@@ -420,6 +445,8 @@ class QuantizedModule(nn.Module):
         q.set_usage(rowwise=True, columnwise=columnwise)
         with torch.no_grad():
             qw = q.quantize(weight.detach())
+        if recompute.in_replay():  # a recomputation reads the cache, never replaces a later entry
+            return qw
         # ``key`` stays valid after quantizing: delayed scaling's state moves only at region ends
         self._wcache[index] = new_entry(self._wcache.get(index), key, qw, weight, region, is_first_microbatch)
         return qw

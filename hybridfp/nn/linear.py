@@ -107,8 +107,8 @@ class Linear(QuantizedModule):
         TypeError
             ``is_first_microbatch`` is not None, True or False.
         RuntimeError
-            ``is_first_microbatch=False`` with no matching kept copy; a forward recomputed in
-            backward outside ``hybridfp.autocast`` (use ``hybridfp.checkpoint``).
+            ``is_first_microbatch=False`` with no matching kept copy; a forward run in backward
+            outside ``hybridfp.autocast`` that is no recognised checkpoint recomputation.
 
         Example
         -------

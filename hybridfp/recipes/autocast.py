@@ -12,7 +12,9 @@ amaxes recorded there (``discard_step``), so a failed step leaves the scales as 
 Regions belong to the thread that entered them, as ``torch.autocast``'s do: each thread has
 its own stack of regions, and a thread started inside a region starts outside any (high
 precision). Autograd may run a backward pass on another thread; nothing in a backward pass
-reads the region (``hybridfp.checkpoint`` re-enters its region on the thread that recomputes).
+reads the region, except a ``torch.utils.checkpoint`` recomputation, which re-enters the
+region of the forward it replays on the thread that recomputes (``replay_region``, from the
+record each module call makes: ``hybridfp/nn/recompute.py``).
 Code that runs a forward on worker threads it starts itself (``torch.nn.DataParallel``'s
 replicas) must enter the region in those threads; use DDP / FSDP2 (one process per device).
 """
@@ -36,6 +38,9 @@ class AutocastState:
     modules: list[Any] = field(default_factory=list)
     #: True while an activation-checkpoint recomputation replays a forward of this region.
     replay: bool = False
+    #: In a replay: the quantizers of the module call replayed, as its forward used them (slot ->
+    #: list; stateful forward quantizers as copies of their state then), in place of the module's.
+    replay_quantizers: Optional[dict] = None
     #: True once a module that ran here has a quantizer that uses recorded amaxes
     #: (``Quantizer.reads_known_amax``): the fused SwiGLU records them only then.
     reads_known_amax: bool = False
@@ -160,12 +165,25 @@ def _leave(stack: list[Optional[AutocastState]], state: Optional[AutocastState])
 
 
 @contextmanager
-def replay_region(state: Optional[AutocastState]) -> Iterator[None]:
-    """Re-enter a finished region to recompute one of its forwards (activation
-    checkpointing): same recipe and quantizers, no step end (stateful quantizers are not
-    finished twice)."""
+def replay_region(state: Optional[AutocastState], *, quantizers: Optional[dict] = None,
+                  scratch: Optional[dict] = None) -> Iterator[None]:
+    """Re-enter a (possibly finished) region to recompute one of its forwards (activation
+    checkpointing) on the calling thread: same recipe, token and memos' rules, no step end
+    (stateful quantizers are not finished twice).
+
+    Parameters
+    ----------
+    state:
+        The forward's region (None: the forward ran outside any, in high precision).
+    quantizers:
+        The replayed module call's quantizers (``AutocastState.replay_quantizers``).
+    scratch:
+        The memo to use (shared by the replays of one recomputation; None: a fresh one).
+    """
     stack = _stack()  # the recomputing thread's (autograd may recompute on its own thread)
-    stack.append(None if state is None else replace(state, modules=[], replay=True, scratch={}))
+    stack.append(None if state is None else replace(
+        state, modules=[], replay=True, scratch={} if scratch is None else scratch,
+        replay_quantizers=quantizers))
     try:
         yield
     finally:

@@ -1,6 +1,6 @@
-"""hybridfp.checkpoint recomputes with the forward's quantization (bitwise equal gradients);
-torch's own checkpoint is refused with a clear message instead of silently running the
-recomputation in high precision."""
+"""hybridfp.checkpoint (a thin alias of torch.utils.checkpoint.checkpoint, non-reentrant by
+default) recomputes with the forward's quantization (bitwise equal gradients). torch's own
+checkpoint in both modes: tests/integration/test_torch_checkpoint.py."""
 
 import pytest
 import torch
@@ -62,28 +62,34 @@ def test_delayed_scaling_backward_inside_region_works():
         assert torch.equal(a, b)
 
 
-def test_delayed_scaling_recompute_after_scale_update_is_refused():
-    with pytest.raises(RuntimeError, match="changed state.*delayed scaling"):
-        _grads(hfp.DelayedScaling(), use_checkpoint=True, backward_inside=False)
+def test_delayed_scaling_backward_after_region_works():
+    """The recomputation quantizes with the forward's scales, not those updated at the region's
+    end (two steps: the second forward's scales are not the initial ones)."""
+    want, got = [], []
+    for out, use_checkpoint in ((want, False), (got, True)):
+        model = _mlp()
+        recipe = hfp.DelayedScaling(amax_history_len=4)
+        for step in range(2):
+            x = torch.randn(24, 32, generator=torch.Generator().manual_seed(step), requires_grad=True)
+            with hfp.autocast(recipe=recipe):
+                y = hfp.checkpoint(model, x) if use_checkpoint else model(x)
+            (y.float() ** 2).mean().backward()
+            out += [x.grad] + [p.grad.clone() for p in model.parameters()]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])
-def test_torch_checkpoint_is_refused_not_silently_high_precision(use_reentrant):
+def test_alias_is_torch_checkpoint_in_both_modes(use_reentrant):
+    want = _grads(RECIPES["mxfp8"](), use_checkpoint=False)
     model = _mlp()
-    x = torch.randn(8, 32, requires_grad=True)
-    with hfp.autocast(recipe=hfp.MXFP8BlockScaling()):
-        y = tc.checkpoint(model, x, use_reentrant=use_reentrant)
-    with pytest.raises(RuntimeError, match="hybridfp.checkpoint"):
-        y.sum().backward()
-
-
-def test_checkpoint_rejects_reentrant_and_context_fn():
-    model = _mlp()
-    x = torch.randn(8, 32, requires_grad=True)
-    with pytest.raises(ValueError, match="use_reentrant=False"):
-        hfp.checkpoint(model, x, use_reentrant=True)
-    with pytest.raises(ValueError, match="context_fn"):
-        hfp.checkpoint(model, x, context_fn=lambda: None)
+    x = torch.randn(24, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    torch.manual_seed(7)
+    with hfp.autocast(recipe=RECIPES["mxfp8"]()):
+        y = hfp.checkpoint(model, x, use_reentrant=use_reentrant)
+    (y.float() ** 2).mean().backward()
+    for a, b in zip([y.detach(), x.grad] + [p.grad for p in model.parameters()], want):
+        assert torch.equal(a, b)
 
 
 def test_high_precision_model_still_checkpoints_with_torch():

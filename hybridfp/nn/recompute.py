@@ -1,0 +1,258 @@
+"""What a module's forward records for ``torch.utils.checkpoint``, and how the recomputation
+replays it.
+
+``torch.utils.checkpoint`` recomputes a checkpointed segment's forward during backward: outside
+the ``hybridfp.autocast`` region and the policy the forward ran under, perhaps on another thread,
+and perhaps after delayed scaling moved its scales at the region's end. So every hybridfp module
+call in a checkpointed forward appends a :class:`Record` (its region, policy and quantizers, the
+stateful ones as copies) to the segment, held by torch's own object for that one forward: the
+checkpoint frame (``use_reentrant=False``) or the ``CheckpointFunction`` node
+(``use_reentrant=True``). Records thus live exactly as long as the segment can be recomputed, and
+no record serves another forward.
+
+A recomputation runs the segment's module calls in the forward's order: its k-th call replays
+the k-th record (the module must be the same one, else an error), inside the record's region and
+policy with the forward's quantizers. Each recomputation (one per backward pass: torch's graph
+task) keeps its own cursor, so a second backward over a retained graph replays from the start.
+Torch restores its RNG state for the recomputation, so stochastic rounding draws the same numbers.
+
+How torch marks the two phases (read here; ``tests/integration`` checks them on the installed
+torch, so a torch that changes them fails there, and a recomputation not recognised stays refused,
+never silently high precision):
+
+- non-reentrant: in forward the innermost saved-tensor hooks are ``_checkpoint_hook``'s (its
+  ``frame``); in the recomputation ``_recomputation_hook``'s (``target_frame_ref``, ``gid``);
+- reentrant: the forward runs inside ``CheckpointFunction.forward`` with grad mode off (its
+  ``ctx``, found on the calling thread's Python stack); the recomputation runs while autograd
+  executes that same ``ctx`` node (``torch._C._current_autograd_node()``).
+
+A module call belongs to every checkpointed forward it runs in (nested checkpoints), except
+that a non-reentrant checkpoint nested in a non-reentrant one's recomputation cannot be seen
+through (torch shows only the innermost hooks): a module running there raises, never silently
+quantizing otherwise than its forward did.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Iterator, Optional
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+
+from ..config import Policy, use_policy
+from ..recipes import AutocastState, replay_region
+
+#: The attribute of torch's checkpoint object (frame or ``ctx``) holding the segment's records.
+ATTRIBUTE = "_hybridfp_records"
+_FORWARD_HOOK = "_checkpoint_hook.__init__.<locals>.pack_hook"
+_RECOMPUTE_HOOK = "_recomputation_hook.__init__.<locals>.pack_hook"
+_REENTRANT_FORWARD = torch_checkpoint.CheckpointFunction.forward.__code__
+_REENTRANT_NODE = torch_checkpoint.CheckpointFunction._backward_cls
+#: How far up the Python stack a reentrant checkpoint's forward is looked for.
+MAX_STACK_DEPTH = 256
+
+
+@dataclass
+class Record:
+    """One module call of a checkpointed forward: what its recomputation re-enters.
+
+    ``quantizers``: the module's quantizers as the forward used them (None for a call outside
+    any region); stateful forward quantizers are copies taken after the call.
+    """
+
+    module: Any
+    state: Optional[AutocastState]
+    policy: Policy
+    quantizers: Optional[dict] = None
+
+
+@dataclass
+class _Cursor:
+    """One recomputation's progress through a segment's records, and the memos (``scratch``) of
+    the regions it replays, one per forward region, so inputs shared in the forward are shared."""
+
+    position: int = 0
+    scratch: dict = field(default_factory=dict)
+
+
+@dataclass
+class Segment:
+    """The records of one checkpointed forward, in call order, and its recomputations' cursors."""
+
+    records: list = field(default_factory=list)
+    cursors: dict = field(default_factory=dict)
+
+    def next_record(self, module: Any, phase: Hashable) -> tuple[Record, _Cursor]:
+        """The record the recomputation ``phase`` replays next, which must be ``module``'s.
+
+        Raises
+        ------
+        RuntimeError
+            The recomputation calls more modules than the forward did, or another one.
+        """
+        cursor = self.cursors.setdefault(phase, _Cursor())
+        k = cursor.position
+        who = getattr(module, "_who", lambda: type(module).__name__)()
+        if k >= len(self.records):
+            raise RuntimeError(
+                f"{who}: torch.utils.checkpoint recomputed more hybridfp module calls than its forward "
+                f"made ({len(self.records)}); the checkpointed function must run the same modules in "
+                "the same order each time.")
+        record = self.records[k]
+        if record.module is not module:
+            other = getattr(record.module, "_who", lambda: type(record.module).__name__)()
+            raise RuntimeError(
+                f"{who}: torch.utils.checkpoint's recomputation called it where the forward called "
+                f"{other} (call {k} of the segment); the checkpointed function must run the same "
+                "modules in the same order each time.")
+        cursor.position = k + 1
+        if cursor.position == len(self.records):
+            cursor.scratch.clear()  # done: nothing it memoised is read again
+        return record, cursor
+
+
+class _ThreadReplay(threading.local):
+    """How many replays the calling thread is inside (a replay of a module call nests none)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+
+_REPLAY = _ThreadReplay()
+
+
+def in_replay() -> bool:
+    """Whether the calling thread is replaying a recorded module call."""
+    return _REPLAY.depth > 0
+
+
+def _hook_cells() -> tuple[str, dict[str, Any]]:
+    """The innermost saved-tensor pack hook's qualified name and closure variables when it is
+    one of torch's checkpoint hooks, else ("", {})."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is None:
+        return "", {}
+    name = getattr(hooks[0], "__qualname__", "")
+    if name not in (_FORWARD_HOOK, _RECOMPUTE_HOOK):
+        return "", {}
+    pack = inspect.unwrap(hooks[0])  # torch wraps the recomputation's hook (dynamo disable)
+    cells = pack.__closure__ or ()
+    return name, dict(zip(pack.__code__.co_freevars, (c.cell_contents for c in cells)))
+
+
+def _reentrant_forward_ctxs() -> list[Any]:
+    """The ``ctx`` of every reentrant checkpoint whose forward is on this thread's stack."""
+    found, frame = [], sys._getframe(2)
+    for _ in range(MAX_STACK_DEPTH):
+        if frame is None:
+            break
+        if frame.f_code is _REENTRANT_FORWARD and frame.f_locals.get("ctx") is not None:
+            found.append(frame.f_locals["ctx"])
+        frame = frame.f_back
+    return found
+
+
+def recording_segments() -> list[Segment]:
+    """The records of every checkpointed forward running on this thread, innermost first (a
+    call inside nested checkpoints belongs to each: each may be recomputed)."""
+    name, cells = _hook_cells()
+    owners = [cells["frame"]] if name == _FORWARD_HOOK and cells.get("frame") is not None else []
+    if not torch.is_grad_enabled():  # a reentrant checkpoint runs its forward with grad mode off
+        owners += _reentrant_forward_ctxs()
+    segments = []
+    for owner in owners:
+        segment = getattr(owner, ATTRIBUTE, None)
+        if segment is None:
+            segment = Segment()
+            setattr(owner, ATTRIBUTE, segment)
+        segments.append(segment)
+    return segments
+
+
+def recording_segment() -> Optional[Segment]:
+    """The records of the innermost checkpointed forward running on this thread (None outside
+    one)."""
+    segments = recording_segments()
+    return segments[0] if segments else None
+
+
+def replaying_segment() -> Optional[tuple[Optional[Segment], Hashable]]:
+    """The segment torch is recomputing on this thread and the recomputation's key, or None
+    outside a recomputation; the segment is None when its forward recorded nothing."""
+    name, cells = _hook_cells()
+    if name == _RECOMPUTE_HOOK:
+        ref = cells.get("target_frame_ref")
+        frame = ref() if ref is not None else None
+        if frame is not None:
+            return getattr(frame, ATTRIBUTE, None), ("frame", cells.get("gid"))
+    task = torch._C._current_graph_task_id()
+    if task != -1:
+        # (grad mode may be off: a reentrant checkpoint nested in the segment runs its forward so)
+        node = torch._C._current_autograd_node()
+        if isinstance(node, _REENTRANT_NODE):
+            return getattr(node, ATTRIBUTE, None), ("node", task)
+        if name == _FORWARD_HOOK:
+            return None, ("nested", task)  # a checkpoint's forward inside a backward: see replay_for
+    return None
+
+
+def record_call(module: Any, state: Optional[AutocastState], policy: Policy,
+                quantizers: Optional[dict] = None) -> Optional[Record]:
+    """Append a record of ``module``'s call to every checkpointed forward running on this thread.
+
+    Returns
+    -------
+    Record or None
+        The record (its ``quantizers`` to be set once the call ran, unless given); None
+        outside a checkpointed forward.
+    """
+    segments = recording_segments()
+    if not segments:
+        return None
+    record = Record(module, state, policy, quantizers)
+    for segment in segments:
+        segment.records.append(record)
+    return record
+
+
+def replay_for(module: Any) -> Optional[tuple[Record, _Cursor]]:
+    """The record ``module``'s call replays when torch is recomputing a checkpointed segment
+    on this thread, else None.
+
+    Raises
+    ------
+    RuntimeError
+        A recomputation whose forward recorded no hybridfp module call, or one that calls
+        other modules than its forward did (see :meth:`Segment.next_record`).
+    """
+    found = replaying_segment()
+    if found is None:
+        return None
+    segment, phase = found
+    if segment is None:
+        who = getattr(module, "_who", lambda: type(module).__name__)()
+        raise RuntimeError(
+            f"{who}: torch.utils.checkpoint is recomputing a segment whose forward hybridfp cannot "
+            "find (a non-reentrant checkpoint nested in another non-reentrant checkpoint, or a "
+            "forward that ran under other saved-tensor hooks inside the checkpointed function), "
+            "so it cannot replay the forward's quantization. Do not nest non-reentrant "
+            "checkpoints, and enter saved-tensor hooks outside the checkpoint.")
+    return segment.next_record(module, phase)
+
+
+@contextmanager
+def replaying(record: Record, cursor: _Cursor, quantizers: Optional[dict]) -> Iterator[None]:
+    """Run one recorded call again: its region (``quantizers`` in place of the module's own;
+    the memo shared with the recomputation's other calls of that region) and its policy."""
+    scratch = None if record.state is None else cursor.scratch.setdefault(id(record.state), {})
+    _REPLAY.depth += 1
+    try:
+        with use_policy(record.policy), replay_region(record.state, quantizers=quantizers, scratch=scratch):
+            yield
+    finally:
+        _REPLAY.depth -= 1
