@@ -1,11 +1,13 @@
-"""The experts' tensors of ``quantize_grouped`` built from its shared encodings.
+"""The experts' tensors of ``quantize_grouped`` built from its shared encodings, always as a
+``GroupedTensor`` naming the joined copies (``moe/grouped_tensor.py``).
 
-Where every expert's tensor is nothing but views of the shared encodings, the result is an
-``GroupedTensor`` (``expert_group``, ``hybrid_group``, ``scaled_hybrid_group``,
-``_scaled_group``): the joined copies plus a cutter (``_cut_*``) that builds the per-expert
-tensors only when something indexes them. Otherwise ``assemble`` / ``assemble_scaled`` build
-each expert's tensor now, from slices of the shared copies (``_row_payloads``,
-``_column_payloads``) and the expert's own encoding of a copy that is not shared.
+Where every expert's tensor is nothing but views of the shared encodings, it is joined only
+(``expert_group``, ``_hybrid_group``, ``scaled_hybrid_group``, ``_scaled_group``): the joined
+copies plus a cutter (``_cut_*``) that builds the per-expert tensors only when something
+indexes them. Otherwise ``assemble`` / ``assemble_scaled`` build each expert's tensor now, from
+slices of the shared copies (``_row_payloads``, ``_column_payloads``) and the expert's own
+encoding of a copy that is not shared, and ``_built_group`` names the directions whose every
+expert's copy is still a view of one shared encoding.
 """
 
 from __future__ import annotations
@@ -27,18 +29,19 @@ from .plan import (COLUMN_VIEWS, SHARED, any_hybrid, columnwise_child, derives_c
 from .quantize_scaled import (Fp8Joined, GroupScaled, HybridGroups, encode_group_scaled, expert_nvfp4_rows,
                               fp8_parts)
 
-#: ``quantize_grouped``'s result: the experts' tensors (None where an expert needs no copy), or
-#: their joined copies.
+#: ``quantize_grouped``'s result: the experts' tensors (None where an expert needs no copy) as a
+#: ``GroupedTensor``, or a list where no copy is shared (each expert quantized on its own).
 GroupedResult = Union[list[Optional[QuantizedTensor]], GroupedTensor]
 
 
 def assemble(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor, splits: Sequence[int],
               rows: Optional[QuantizedStorage], cols: Optional[QuantizedStorage],
               col_starts: Optional[list[int]], own_rows: Sequence[Optional[QuantizedStorage]],
-              row_starts: Optional[list[int]] = None) -> list[Optional[QuantizedTensor]]:
+              row_starts: Optional[list[int]] = None, own_joined: Optional[JoinedCopy] = None) -> GroupedResult:
     """Each expert's tensor from the shared encodings (``rows`` with groups starting at
     ``row_starts``, default unpadded; ``cols`` with groups starting at ``col_starts``) or its
-    own rowwise encoding (``own_rows``); a ``GroupedTensor`` where they are views only."""
+    own rowwise encoding (``own_rows``; ``own_joined``: the joined copy they are views of, if
+    one encoding wrote them all); joined only where they are views only, else built."""
     views = isinstance(cols, COLUMN_VIEWS)
     group = (_hybrid_group(quantizers, splits, rows, cols, col_starts, views, row_starts, x.dtype)
              if any_hybrid(quantizers) else
@@ -68,7 +71,37 @@ def assemble(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor, splits:
             col_part = rebuild(cols, None, col_payloads[e], columnwise_child(q).label, m)
             col_part.columnwise_zero_padded = views  # slices of the zero-padded groups (``pad_row_groups``)
         out.append(QuantizedTensor(_expert_storage(q, xs[e], row_part, col_part), q))
-    return out
+    return _built_group(quantizers, splits, out, rows, cols, col_starts, views, row_starts, own_joined)
+
+
+def _built_group(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[int],
+                 out: list[Optional[QuantizedTensor]], rows: Optional[QuantizedStorage],
+                 cols: Optional[QuantizedStorage], col_starts: Optional[list[int]], views: bool,
+                 row_starts: Optional[list[int]], own_joined: Optional[JoinedCopy]) -> GroupedResult:
+    """``assemble``'s built experts ``out`` as a ``GroupedTensor`` naming the joined copies their
+    views come from: the rowwise one where every present expert holds its rowwise copy (a slice
+    of ``rows``, or of ``own_joined``), the columnwise one where every present expert holds its
+    columnwise copy as a column-slice view of ``cols`` (``COLUMN_VIEWS``), both the one Identity
+    payload (``SHARED``). ``out`` itself where nothing is joined."""
+    used = [q for q in quantizers if q is not None]
+    joined: dict[str, JoinedCopy] = {}
+    if not used or sum(splits) == 0:
+        return out
+    usage = {(q.rowwise_usage, q.columnwise_usage) for q in used}  # one set: not a test per expert
+    rowwise, columnwise = all(r for r, _ in usage), all(c for _, c in usage)
+    # one plan shares an encoding among quantizers of one format: the first speaks for all
+    if rows is not None and row_local_mode(used[0]) == SHARED:  # Identity: one payload
+        p = rows.payloads[ROWWISE]
+        whole = rebuild(rows, p, p, used[0].label, sum(splits))
+        joined = {d: JoinedCopy(whole, None) for d, use in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if use}
+    else:
+        if rowwise and rows is not None:
+            joined[ROWWISE] = JoinedCopy(rows, None if row_starts is None else list(row_starts))
+        elif rowwise and own_joined is not None:
+            joined[ROWWISE] = own_joined
+        if columnwise and views and cols is not None and col_starts is not None:
+            joined[COLUMNWISE] = JoinedCopy(cols, list(col_starts))
+    return GroupedTensor(splits, joined, experts=out) if joined else out
 
 
 def expert_group(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[int],
@@ -169,6 +202,7 @@ def assemble_scaled(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor, 
     group = _scaled_group(quantizers, splits, scaled, x.dtype)
     if group is not None:
         return group
+    fp8_dtype = getattr(q0, "dtype", None)
     out: list[Optional[QuantizedTensor]] = []
     for q, part, m in zip(quantizers, scaled.parts(), splits):
         if q is None:
@@ -185,7 +219,33 @@ def assemble_scaled(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor, 
         storage = rebuild(part, row, col, q.label, m)
         storage.columnwise_zero_tail = col is not None and part.columnwise_zero_tail
         out.append(QuantizedTensor(storage, q))
-    return out
+    joined = scaled_joined(scaled, x.dtype, fp8_dtype, all(q.rowwise_usage for q in used),
+                           all(q.columnwise_usage for q in used))
+    return GroupedTensor(splits, joined, experts=out) if joined and sum(splits) else out
+
+
+def scaled_joined(scaled: GroupScaled, dtype: torch.dtype, fp8_dtype: Optional[torch.dtype], rowwise: bool,
+                  columnwise: bool) -> dict[str, JoinedCopy]:
+    """The joined copies behind a grouped per-tensor-scaled encoding's parts, for the directions
+    asked for that it wrote: FP8 current scaling's codes at scale 1 with each expert's
+    ``scale_inv`` (``JoinedCopy.scales``); NVFP4's rows as one row-scaled storage (each row with
+    its expert's amax: the decode carries each expert's global scale per row)."""
+    j = scaled.fp8
+    joined: dict[str, JoinedCopy] = {}
+    if j is None:
+        if rowwise and scaled.whole_rows is not None:
+            joined[ROWWISE] = JoinedCopy(scaled.whole_rows(), None)
+        return joined
+    one = device_constant([1.0], j.scale_inv.device).reshape(())  # the codes' own scale
+    if rowwise and j.rows is not None:
+        joined[ROWWISE] = JoinedCopy(Float8Storage(j.rows.shape, dtype, {"data": j.rows, "scale_inv": one}, None,
+                                                   fp8_dtype=fp8_dtype), None, j.scale_inv)
+    if columnwise and j.cols is not None:
+        c, width = j.cols.shape
+        joined[COLUMNWISE] = JoinedCopy(Float8Storage(torch.Size((width, c)), dtype, None,
+                                                      {"data": j.cols, "scale_inv": one}, fp8_dtype=fp8_dtype),
+                                        list(j.col_starts), j.scale_inv)
+    return joined
 
 
 def _scaled_group(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[int], scaled: GroupScaled,
@@ -201,17 +261,8 @@ def _scaled_group(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[in
     if len(usage) > 1:
         return None
     rowwise, columnwise = usage.pop()
-    one = device_constant([1.0], j.scale_inv.device).reshape(())  # the codes' own scale
     fp8_dtype = qs[0].dtype
-    joined: dict[str, JoinedCopy] = {}
-    if rowwise:
-        joined[ROWWISE] = JoinedCopy(Float8Storage(j.rows.shape, dtype, {"data": j.rows, "scale_inv": one}, None,
-                                                   fp8_dtype=fp8_dtype), None, j.scale_inv)
-    if columnwise:
-        c, width = j.cols.shape
-        joined[COLUMNWISE] = JoinedCopy(Float8Storage(torch.Size((width, c)), dtype, None,
-                                                      {"data": j.cols, "scale_inv": one}, fp8_dtype=fp8_dtype),
-                                        list(j.col_starts), j.scale_inv)
+    joined = scaled_joined(scaled, dtype, fp8_dtype, rowwise, columnwise)
     return GroupedTensor(splits, joined, partial(_cut_scaled, qs, list(splits), dtype, fp8_dtype))
 
 

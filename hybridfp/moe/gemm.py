@@ -206,7 +206,8 @@ def _run_joined(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: st
     ``_fp8_joined_path`` takes them; an fprop with an epilogue factor on the Triton grouped
     GEMM (``gemm_triton.run_joined``) where ``grouped_path`` would take it. None: the
     per-expert code decides."""
-    if not (isinstance(A, GroupedTensor) and isinstance(B, GroupedTensor)) or len(A) != len(B):
+    if (not (isinstance(A, GroupedTensor) and isinstance(B, GroupedTensor)) or len(A) != len(B)
+            or not (A.joined_only and B.joined_only)):
         return None
     da, db = LAYOUTS[layout]
     ja, jb = A.joined(da), B.joined(db)

@@ -1,17 +1,27 @@
-"""``GroupedTensor``: an MoE layer's per-expert quantized tensors held as the shared encodings
-they are views of, the per-expert objects built only when someone asks for them
-(TransformerEngine's name for the same idea: one joined encoding plus per-expert offsets).
+"""``GroupedTensor``: an MoE layer's per-expert quantized tensors together with the shared
+encodings their copies are views of (TransformerEngine's name for the same idea: one joined
+encoding plus per-expert offsets).
 
 ``moe.quantize.quantize_grouped`` encodes a copy that never straddles two experts once for
 all of them (a row-local rowwise copy; a columnwise block copy of the groups zero-padded to whole
-blocks). Where every expert's tensor is nothing but views of those encodings, it returns them as
-a ``GroupedTensor``: per direction one :class:`JoinedCopy` (the shared storage, and where each
-expert's group starts in it), plus a function that cuts the per-expert tensors out of them. The
-grouped GEMM (``moe.gemm_joined``) and the saved-for-backward record (``moe.saved``)
-read the joined copies directly, so at 64 experts a step does not build, check and re-join 64
-storages per operand; anything else indexes or iterates it and gets the per-expert
-``QuantizedTensor``s ``quantize_grouped`` would otherwise return, built once (bitwise the same objects' contents: the cuts are the
-same views).
+blocks; the per-expert-scaled codes of one cast pass) and hands the experts' tensors out as a
+``GroupedTensor``: per direction whose every expert's copy is a view of one such encoding, one
+:class:`JoinedCopy` (the shared storage, and where each expert's group starts in it). Consumers
+read the joined copies from it — the grouped GEMM paths (``moe.gemm``, ``moe.gemm_joined``) and
+the saved-for-backward record (``moe.saved``) — instead of finding out from the experts' views
+that they are adjacent. A plain list of separately quantized experts stays valid input
+everywhere and is never read as joined.
+
+One type, two forms:
+
+- *joined only* (``cut``): every expert present and every copy it holds a view of a joined
+  copy. The per-expert ``QuantizedTensor``s are built only when something indexes or iterates
+  it (bitwise the tensors ``quantize_grouped`` would otherwise return: the cuts are the same
+  views), so at 64 experts a step does not build, check and re-join 64 storages per operand.
+- *built* (``experts``): the producer built the per-expert tensors now (an expert may be None:
+  it needs no copy), because some copies are the experts' own (encoded per expert, or
+  contiguous per-expert copies such as FP8 block columnwise copies for cuBLAS); ``joined`` names
+  the directions whose every present expert's copy is nevertheless a view of one storage.
 """
 
 from __future__ import annotations
@@ -31,7 +41,8 @@ class JoinedCopy(NamedTuple):
     unpadded (its rows are Σ m_e; a BF16 Identity columnwise copy is the same rows, read
     transposed). Otherwise each expert's group starts at logical row ``starts[e]`` of
     ``storage``, the rows up to the next start holding zero codes (a columnwise block copy of the
-    groups zero-padded to whole blocks).
+    groups zero-padded to whole blocks) or other rows of the same row-local encoding that no
+    expert reads (a rowwise copy of the padded groups).
 
     ``scales``: per-tensor-scaled experts (FP8 current scaling: each expert its own amax):
     FP32 [E], expert e's ``scale_inv``; ``storage`` then holds the codes at scale 1, so its own
@@ -46,20 +57,43 @@ class JoinedCopy(NamedTuple):
 Cutter = Callable[[dict[str, JoinedCopy]], list[QuantizedTensor]]
 
 
-class GroupedTensor(Sequence[QuantizedTensor]):
-    """The experts' tensors of one grouped quantization (a ``Sequence`` of ``QuantizedTensor``),
-    held as joined copies; ``cut`` builds the per-expert tensors on first access."""
+class GroupedTensor(Sequence[Optional[QuantizedTensor]]):
+    """The experts' tensors of one grouped quantization (a ``Sequence`` of ``QuantizedTensor``,
+    None for an expert without a copy) and the joined copies they are views of.
 
-    def __init__(self, splits: Sequence[int], joined: dict[str, JoinedCopy], cut: Cutter) -> None:
-        if not joined or any(d not in DIRECTIONS for d in joined):
+    Parameters
+    ----------
+    splits:
+        The experts' row counts.
+    joined:
+        Per direction held joined, its :class:`JoinedCopy`.
+    cut:
+        Joined-only form: builds the per-expert tensors from ``joined`` on first access (every
+        expert present, every copy it holds joined).
+    experts:
+        Built form: the per-expert tensors (None: no copy); exactly one of ``cut`` / ``experts``.
+
+    Raises
+    ------
+    ValueError
+        Joined copies not keyed by direction, a joined-only tensor without one, both or neither
+        of ``cut`` / ``experts``, or ``experts`` of another length than ``splits``."""
+
+    def __init__(self, splits: Sequence[int], joined: dict[str, JoinedCopy], cut: Optional[Cutter] = None,
+                 experts: Optional[Sequence[Optional[QuantizedTensor]]] = None) -> None:
+        if any(d not in DIRECTIONS for d in joined) or (cut is not None and not joined):
             raise ValueError(f"GroupedTensor needs joined copies keyed by direction; got {sorted(joined)}.")
+        if (cut is None) == (experts is None):
+            raise ValueError("GroupedTensor takes either cut (joined copies only) or experts (built), not both.")
+        if experts is not None and len(experts) != len(splits):
+            raise ValueError(f"GroupedTensor: {len(experts)} experts for {len(splits)} splits.")
         self.splits = [int(m) for m in splits]
         self._joined = dict(joined)
         self._cut = cut
-        self._items: Optional[list[QuantizedTensor]] = None
+        self._items: Optional[list[Optional[QuantizedTensor]]] = None if experts is None else list(experts)
 
     # ------------------------------------------------------------------ the sequence
-    def experts(self) -> list[QuantizedTensor]:
+    def experts(self) -> list[Optional[QuantizedTensor]]:
         """The per-expert tensors (built once, then the same objects)."""
         if self._items is None:
             self._items = self._cut(self._joined)
@@ -71,7 +105,7 @@ class GroupedTensor(Sequence[QuantizedTensor]):
     def __getitem__(self, i):  # type: ignore[override]
         return self.experts()[i]
 
-    def __iter__(self) -> Iterator[QuantizedTensor]:
+    def __iter__(self) -> Iterator[Optional[QuantizedTensor]]:
         return iter(self.experts())
 
     @property
@@ -79,33 +113,44 @@ class GroupedTensor(Sequence[QuantizedTensor]):
         """Whether the per-expert tensors were built (diagnostics and tests)."""
         return self._items is not None
 
+    @property
+    def joined_only(self) -> bool:
+        """Whether every expert is present and every copy it holds is a view of a joined copy
+        (the joined-only form): the joined GEMM lanes and the saved record then need nothing
+        per expert."""
+        return self._cut is not None
+
     # ------------------------------------------------------------------ joined copies
     def joined(self, direction: str) -> Optional[JoinedCopy]:
-        """The experts' ``direction`` copies as one storage, if held."""
+        """The experts' ``direction`` copies as one storage, if held so."""
         return self._joined.get(direction)
 
     def directions(self) -> tuple[str, ...]:
-        """The directions every expert holds, rowwise first."""
-        return tuple(d for d in DIRECTIONS if d in self._joined)
+        """The directions every expert holds (an absent expert holds none), rowwise first."""
+        return tuple(d for d in DIRECTIONS if self.has_direction(d))
 
     def has_direction(self, direction: str) -> bool:
-        """Whether every expert holds ``direction``'s copy."""
-        return direction in self._joined
+        """Whether every expert holds ``direction``'s copy (joined, or its own when built)."""
+        if self._cut is not None:
+            return direction in self._joined
+        return all(t is None or t.has_direction(direction) for t in self._items)
 
     def drop(self, direction: str) -> None:
         """Drop one direction from every expert (``update_usage(direction=False)`` on each)."""
-        if direction not in self._joined:
-            return
-        if len(self._joined) == 1:
-            raise ValueError(f"dropping the {direction} copies would leave the experts with no copy at all.")
-        del self._joined[direction]
+        if self._cut is not None:
+            if direction not in self._joined:
+                return
+            if len(self._joined) == 1:
+                raise ValueError(f"dropping the {direction} copies would leave the experts with no copy at all.")
+        self._joined.pop(direction, None)
         if self._items is not None:
             flag = {ROWWISE: "rowwise_usage", COLUMNWISE: "columnwise_usage"}[direction]
             for t in self._items:
-                t.update_usage(**{flag: False})
+                if t is not None:
+                    t.update_usage(**{flag: False})
 
     @property
-    def cutter(self) -> Cutter:
+    def cutter(self) -> Optional[Cutter]:
         """The function that cuts the per-expert tensors out of joined copies of this layout (to
-        rebuild the experts over the saved tensors handed back to backward)."""
+        rebuild the experts over the saved tensors handed back to backward); None when built."""
         return self._cut

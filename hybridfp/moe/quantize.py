@@ -29,7 +29,8 @@ from ..tensors.storage import COLUMNWISE, ROWWISE
 from ..quantizers import fast
 from ..quantizers.backends import row_mapped_kernel
 from ..quantizers.base import Quantizer
-from .assemble import GroupedResult, assemble, assemble_scaled, rebuild, scaled_hybrid_group
+from .assemble import GroupedResult, assemble, assemble_scaled, rebuild, scaled_hybrid_group, scaled_joined
+from .grouped_tensor import JoinedCopy
 from .plan import (BY_DIRECTION, HYBRID_PASS, ONE_ENCODE, PADDED_ENCODE, SCALED, SCALED_HYBRID, Plan, PlanMemo,
                    derives_columnwise, plan_for, rowwise_child)
 from .quantize_scaled import _offsets, encode_group_scaled, fused_nvfp4_mxfp8_supported, nvfp4_mxfp8_groups
@@ -111,7 +112,8 @@ def _run_scaled_hybrid(quantizers: Sequence[Optional[Quantizer]], plan: Plan, x:
         return group
     own_rows = [rebuild(p, p.payloads[ROWWISE], None, rowwise_child(q).label, m) if q is not None else None
                 for q, p, m in zip(quantizers, hg.rows(), splits)]
-    return assemble(quantizers, x, splits, None, hg.cols, col_starts, own_rows)
+    return assemble(quantizers, x, splits, None, hg.cols, col_starts, own_rows,
+                    own_joined=JoinedCopy(hg.whole_rows, list(col_starts)))
 
 
 def _run_padded_encode(quantizers: Sequence[Optional[Quantizer]], plan: Plan, x: torch.Tensor,
@@ -126,7 +128,7 @@ def _run_by_direction(quantizers: Sequence[Optional[Quantizer]], plan: Plan, x: 
                       splits: Sequence[int]) -> GroupedResult:
     """``BY_DIRECTION``: the rowwise copies (``_rowwise_copies``), then the columnwise copy
     of the padded groups from x or, derived, from the rowwise value."""
-    rows, own_rows, scaled_rows = _rowwise_copies(quantizers, plan, x, splits)
+    rows, own_rows, scaled_rows, own_joined = _rowwise_copies(quantizers, plan, x, splits)
     cols, col_starts = None, None
     if plan.col_q is not None:
         if plan.derives_any:
@@ -137,27 +139,31 @@ def _run_by_direction(quantizers: Sequence[Optional[Quantizer]], plan: Plan, x: 
         else:
             src = x
         _, cols, col_starts = encode_padded_columns(plan.col_q, src, splits, plan.col_block)
-    return assemble(quantizers, x, splits, rows, cols, col_starts, own_rows)
+    return assemble(quantizers, x, splits, rows, cols, col_starts, own_rows, own_joined=own_joined)
 
 
 def _rowwise_copies(quantizers: Sequence[Optional[Quantizer]], plan: Plan, x: torch.Tensor, splits: Sequence[int]
-                    ) -> tuple[Optional[QuantizedStorage], list[Optional[QuantizedStorage]], Optional[torch.Tensor]]:
+                    ) -> tuple[Optional[QuantizedStorage], list[Optional[QuantizedStorage]], Optional[torch.Tensor],
+                               Optional[JoinedCopy]]:
     """(the shared rowwise encoding or None, the experts' own rowwise storages where not shared,
-    the rows' FP32 value of a per-expert-scaled encoding when a columnwise copy derives from it)."""
+    the rows' FP32 value of a per-expert-scaled encoding when a columnwise copy derives from it,
+    the joined copy the own rowwise storages are views of when one encoding wrote them all)."""
     rows = plan.row_q.encode(x, True, False, None) if plan.row_q is not None and not plan.scaled else None
     own_rows: list[Optional[QuantizedStorage]] = [None] * len(splits)
     scaled_rows: Optional[torch.Tensor] = None
+    own_joined: Optional[JoinedCopy] = None
     if plan.scaled:  # every expert's rowwise copy from one grouped encoding (its own amax)
         scaled = encode_group_scaled(plan.row_q, x, splits, True, False)
         own_rows = [rebuild(p, p.payloads[ROWWISE], None, rowwise_child(q).label, m)
                     if q is not None and (q.rowwise_usage or derives_columnwise(q)) else None
                     for q, p, m in zip(quantizers, scaled.parts(), splits)]
         scaled_rows = scaled.rows_fp32() if plan.derives_any else None
+        own_joined = scaled_joined(scaled, x.dtype, getattr(plan.row_q, "dtype", None), True, False).get(ROWWISE)
     elif rows is None:  # per expert, where read (rowwise usage or a derived columnwise source)
         for e, (q, s, m) in enumerate(zip(quantizers, _offsets(splits, 1), splits)):
             if q is not None and (q.rowwise_usage or derives_columnwise(q)):
                 own_rows[e] = rowwise_child(q).encode(x[s:s + m], True, False, None)
-    return rows, own_rows, scaled_rows
+    return rows, own_rows, scaled_rows, own_joined
 
 
 #: ``Plan.strategy`` -> the pass that writes the experts' copies.

@@ -61,11 +61,14 @@ class GroupScaled(NamedTuple):
     """A grouped per-tensor-scaled encoding: every expert's storage (its own amax and scale; the
     copies asked for; a callable: built when asked) and the rowwise copies dequantized, joined
     [Σ m_e, K] FP32 (a callable: only a derived columnwise source needs it); ``fp8``: the
-    joined copies behind the parts of FP8 current scaling (``Fp8Joined``), else None."""
+    joined copies behind the parts of FP8 current scaling (``Fp8Joined``), else None;
+    ``whole_rows``: the rowwise copies the parts are row slices of as one row-scaled storage
+    (each row with its expert's amax; a callable), where the format has such a storage (NVFP4)."""
 
     parts: Callable[[], list[QuantizedStorage]]
     rows_fp32: Callable[[], torch.Tensor]
     fp8: Optional["Fp8Joined"] = None
+    whole_rows: Optional[Callable[[], QuantizedStorage]] = None
 
 
 class _GroupScaledRule(NamedTuple):
@@ -244,11 +247,14 @@ def _nvfp4_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], rowwise:
                 for m, d, s, a in zip(splits, torch.split(data, list(splits)), torch.split(scale, list(splits)),
                                       amax.unbind(0))]
 
+    def whole_rows() -> QuantizedStorage:
+        return NVFP4Storage(x.shape, x.dtype, {"data": data, "scale": scale, "amax": row_amax}, None,
+                            **{**meta, "row_scaled": True})
+
     def rows_fp32() -> torch.Tensor:
-        whole = NVFP4Storage(x.shape, x.dtype, {"data": data, "scale": scale, "amax": row_amax}, None,
-                             **{**meta, "row_scaled": True})
-        return whole.decode(ROWWISE)  # q x S_dec_b x S_dec per row: each expert's decode
-    return GroupScaled(parts, rows_fp32)
+        return whole_rows().decode(ROWWISE)  # q x S_dec_b x S_dec per row: each expert's decode
+    # row-scaled NVFP4 takes no RHT option (the RHT concerns the columnwise copy, not written here)
+    return GroupScaled(parts, rows_fp32, None, None if meta.get("rht") else whole_rows)
 
 
 class HybridGroups(NamedTuple):

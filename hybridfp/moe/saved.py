@@ -65,7 +65,7 @@ def save_experts(ts: Sequence[Optional[torch.Tensor]]
                  ) -> tuple[list[torch.Tensor], "SavedExperts | SavedJoined"]:
     """The plain tensors to save for the experts' ``ts`` (None, plain or quantized tensors, or
     a ``GroupedTensor``) and the record that ``restore_experts`` rebuilds them from."""
-    if isinstance(ts, GroupedTensor):
+    if isinstance(ts, GroupedTensor) and ts.joined_only:
         return _save_joined(ts)
     flats: list[list[torch.Tensor]] = []
     items: list[Optional[tuple]] = []

@@ -153,7 +153,8 @@ def new_entry(old: Optional[WeightEntry], key: WeightKey, qw: Any, weight: Any,
 
 def join_keys(keys: Sequence[WeightKey]) -> WeightKey:
     """One key for several weights quantized as one entry (an MoE layer's experts)."""
-    return WeightKey(tuple(k.versions for k in keys), tuple(k.state for k in keys),
+    # list comprehensions, not generators: one frame each, not one step per expert
+    return WeightKey(tuple([k.versions for k in keys]), tuple([k.state for k in keys]),
                      keys[0].recipe if keys else None)
 
 
