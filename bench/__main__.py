@@ -128,6 +128,12 @@ def _moe_overhead(r: dict[str, Any]) -> Rows:
             for row in r.get("rows", [])]
 
 
+def _offload(r: dict[str, Any]) -> Rows:
+    return [(f"CPU offload, {row['recipe']}: peak GiB off / on, step cost",
+             f"{row['peak_gib_off']:.2f} / {row['peak_gib_on']:.2f}, {_x(row['step_cost'])}"
+             + ("" if row.get("bitwise") else " (gradients differ)")) for row in r.get("rows", [])]
+
+
 def _convergence(r: dict[str, Any]) -> Rows:
     return [(f"{name}: steps", str(p.get("steps"))) for name, p in r.get("plan", {}).items()]
 
@@ -154,6 +160,8 @@ BENCHMARKS: dict[str, Benchmark] = {
                               headline=_grouped_gemm),
     "moe_overhead": Benchmark("bench.bench_moe_overhead", "GroupedLinear host work per expert (runs on the CPU)",
                               headline=_moe_overhead),
+    "offload": Benchmark("bench.bench_offload", "CPU offload of activations: peak memory and step time, 4 layers",
+                         headline=_offload),
     "convergence": Benchmark("bench.convergence", "validation loss of every recipe vs BF16 (trains ~10 minutes)",
                              ("--out", "runs/convergence"), default=False, out_flag="--json", quick=False,
                              timeout_s=1800.0, headline=_convergence),

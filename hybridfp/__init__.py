@@ -2,7 +2,7 @@
 
 from . import factories, gemm, moe, nn
 from .config import Policy, current_policy, policy, use_policy
-from .integration import checkpoint
+from .integration import checkpoint, get_cpu_offload_context, mark_not_offload
 from .moe import GroupedLinear
 from .nn import LayerNormLinear, LayerNormMLP, Linear, SwiGLU, convert, set_names, swiglu
 from .quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
@@ -20,6 +20,7 @@ __all__ = [
     "HybridQuantizer", "IdentityQuantizer", "LayerNormLinear", "LayerNormMLP", "Linear",
     "MXFP8BlockScaling", "MXFP8Quantizer", "MissingDirectionError", "NVFP4BlockScaling", "NVFP4Quantizer", "Policy",
     "QuantizedTensor", "Quantizer", "QuantizerRole", "Recipe", "SwiGLU", "autocast", "checkpoint",
+    "get_cpu_offload_context", "mark_not_offload",
     "convert", "current_policy", "factories",
     "gemm", "moe", "nn", "policy", "set_names", "swiglu", "use_policy",
 ]

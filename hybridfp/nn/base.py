@@ -34,6 +34,35 @@ def _describe(q: Quantizer) -> dict[str, str]:
     return {"kind": kind, "format": f"rowwise {q.format_key(ROWWISE)}; columnwise {q.format_key(COLUMNWISE)}"}
 
 
+#: The attribute :func:`mark_not_offload` sets: CPU offload leaves such a saved tensor in place.
+NOT_OFFLOADED = "_hybridfp_not_offloaded"
+
+
+def mark_not_offload(*tensors: Optional[torch.Tensor]) -> None:
+    """Keep these tensors where they are when a CPU offload context sees them saved for backward
+    (TransformerEngine's name). hybridfp marks the payloads of its cached quantized weights: the
+    module's weight cache holds them anyway, so moving them would free nothing. None is skipped.
+
+    Parameters
+    ----------
+    *tensors:
+        Plain tensors (for a ``QuantizedTensor``, its payload tensors are marked).
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> t = torch.zeros(4)
+    >>> hf.mark_not_offload(t)
+    >>> getattr(t, "_hybridfp_not_offloaded")
+    True
+    """
+    for t in tensors:
+        if isinstance(t, QuantizedTensor):
+            mark_not_offload(*t.qstorage.tensors())
+        elif t is not None:
+            setattr(t, NOT_OFFLOADED, True)
+
+
 def _replay_copies(quantizers: Optional[dict]) -> Optional[dict]:
     """``quantizers`` (slot -> list) for a checkpoint record or replay: the stateful ones of the
     forward slots as copies (their state now: a later region end moves the module's own; a
@@ -445,6 +474,7 @@ class QuantizedModule(nn.Module):
         q.set_usage(rowwise=True, columnwise=columnwise)
         with torch.no_grad():
             qw = q.quantize(weight.detach())
+        mark_not_offload(qw)  # the cache below holds it: offloading its saved copies frees nothing
         if recompute.in_replay():  # a recomputation reads the cache, never replaces a later entry
             return qw
         # ``key`` stays valid after quantizing: delayed scaling's state moves only at region ends

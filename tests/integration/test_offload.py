@@ -1,0 +1,287 @@
+"""hybridfp.get_cpu_offload_context on the CPU (the same code path as on CUDA, synchronous):
+gradients bitwise those without offload, the saved payloads really leave the layer (their
+device tensors are dropped, bytes counted), parameters / marked weights / small tensors stay,
+late reloads, several forwards before one backward, and clear errors for bad arguments.
+
+Offload copies bytes and backward reads the same bytes in the same layout, so the comparisons
+are bitwise (tests/README.md)."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hybridfp as hfp
+
+RECIPES = {
+    "mxfp8": lambda: hfp.MXFP8BlockScaling(),
+    "delayed": lambda: hfp.DelayedScaling(amax_history_len=4),
+    "nvfp4": lambda: hfp.NVFP4BlockScaling(),  # stochastic rounding on gradients
+}
+LAYERS = 4
+
+
+class Layer(nn.Module):
+    def __init__(self, d: int = 32, h: int = 64) -> None:
+        super().__init__()
+        self.fc1 = hfp.LayerNormLinear(d, h)
+        self.fc2 = hfp.Linear(h, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+def _model() -> nn.ModuleList:
+    torch.manual_seed(0)
+    return nn.ModuleList(Layer() for _ in range(LAYERS))
+
+
+def _forward(layers, x, context=None, sync=None):
+    h = x
+    for layer in layers:
+        if context is None:
+            h = layer(h)
+        else:
+            with context:
+                h = layer(h)
+            h = sync(h)
+    return h
+
+
+def _steps(recipe_name: str, offload: bool, steps: int = 2, thread: bool = False):
+    layers = _model()
+    opt = torch.optim.SGD(layers.parameters(), lr=0.5)
+    context, sync = hfp.get_cpu_offload_context(enabled=offload, num_layers=LAYERS - 1, model_layers=LAYERS,
+                                                min_tensor_size_to_offload=256)
+    out = []
+    for step in range(steps):
+        x = torch.randn(48, 32, generator=torch.Generator().manual_seed(step), requires_grad=True)
+        torch.manual_seed(10 + step)
+        with hfp.autocast(recipe=RECIPES[recipe_name]()):
+            loss = (_forward(layers, x, context if offload else None, sync).float() ** 2).mean()
+        if thread:
+            t = threading.Thread(target=loss.backward)
+            t.start()
+            t.join()
+        else:
+            loss.backward()
+        out += [loss.detach(), x.grad] + [p.grad.clone() for p in layers.parameters()]
+        opt.step()
+        opt.zero_grad()
+    return out, context
+
+
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
+def test_offload_gradients_are_bitwise(recipe_name):
+    want, _ = _steps(recipe_name, offload=False)
+    got, context = _steps(recipe_name, offload=True)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    s = context.stats
+    assert s.offloaded_tensors > 0 and s.offloaded_bytes > 0
+    assert (s.reloaded_tensors, s.reloaded_bytes) == (s.offloaded_tensors, s.offloaded_bytes)
+    assert s.late_reloads == 0  # every reload was started ahead, by the schedule
+
+
+def test_offload_backward_on_another_thread_is_bitwise():
+    want, _ = _steps("mxfp8", offload=False, steps=1)
+    got, _ = _steps("mxfp8", offload=True, steps=1, thread=True)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+class _Save(torch.autograd.Function):
+    """y = x * 2, saving x (so the test can watch x's lifetime)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        return dy * 2 + x * 0
+
+
+def test_offloaded_tensors_leave_the_device_when_their_offload_finishes():
+    """Layer 0's saved activation is dropped when layer model_layers - num_layers starts (only the
+    host copy is left), and backward gets the same values back."""
+    context, sync = hfp.get_cpu_offload_context(enabled=True, num_layers=1, model_layers=3,
+                                                min_tensor_size_to_offload=1)
+    x = torch.randn(64, 8, requires_grad=True)
+    refs = []
+    h = x
+    for i in range(3):
+        with context:
+            a = h.sin()  # a fresh activation, saved by _Save
+            refs.append(weakref.ref(a))
+            h = _Save.apply(a)
+        del a
+        h = sync(h)
+        gc.collect()
+        if i == 1:
+            assert refs[0]() is not None  # its offload finishes when layer 3 - 1 + 0 = 2 starts
+        if i == 2:
+            assert refs[0]() is None  # only the host copy is left
+    assert refs[1]() is not None and refs[2]() is not None  # layers 1, 2: not offloaded
+    assert context.stats.offloaded_tensors == 1 and context.stats.offloaded_bytes == 64 * 8 * 4
+    h.sum().backward()
+    x2 = x.detach().clone().requires_grad_()  # the same graph without offload
+    h2 = x2
+    for _ in range(3):
+        h2 = _Save.apply(h2.sin())
+    h2.sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+
+
+def test_quantized_payloads_move_as_they_are_and_weights_stay():
+    """A hybridfp Linear saves its input's columnwise copy (codes and scales: moved as bytes of
+    their own dtypes) and its weight's copy (held by the weight cache: kept)."""
+    seen = []
+    context, sync = hfp.get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2,
+                                                min_tensor_size_to_offload=1)
+    original = context._pack
+
+    def watching(t):
+        out = original(t)
+        seen.append((t.dtype, out is t))
+        return out
+
+    context._pack = watching
+    lin, lin2 = hfp.Linear(64, 64), hfp.Linear(64, 64)
+    x = torch.randn(32, 64, requires_grad=True)
+    with hfp.autocast(recipe=hfp.Float8CurrentScaling()):
+        with context:
+            h = lin(x)
+        h = sync(h)
+        with context:
+            y = lin2(h)
+        y = sync(y)
+    moved = [dtype for dtype, kept in seen if not kept]
+    assert torch.float8_e4m3fn in moved  # the input's FP8 codes, not a dequantized copy
+    assert context.stats.kept_tensors > 0  # the weight's payloads (marked by the weight cache)
+    w_payloads = lin._wcache[0].qw.qstorage.tensors()
+    assert all(getattr(t, "_hybridfp_not_offloaded", False) for t in w_payloads)
+    y.sum().backward()
+
+
+def test_parameters_and_small_tensors_stay_in_place():
+    lin = nn.Linear(64, 64)  # F.linear saves the weight Parameter and the input
+    context, sync = hfp.get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2)
+    x = torch.randn(8, 64, requires_grad=True)
+    with context:
+        h = lin(x * 1)  # a non-leaf input of 512 elements: below TE's default 2**20
+    h = sync(h)
+    with context:
+        y = lin(h)
+    sync(y).sum().backward()
+    assert context.stats.offloaded_tensors == 0 and context.stats.kept_tensors == 2
+
+    context, sync = hfp.get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2,
+                                                min_tensor_size_to_offload=0)
+    with context:
+        h = lin(x * 1)
+    h = sync(h)
+    # the input moves; the weight (saved by addmm as weight.t(), a view of the Parameter) stays
+    assert context.stats.offloaded_tensors == 1 and context.stats.kept_tensors == 1
+
+
+def test_late_reload_and_unfinished_offload_are_still_bitwise():
+    """A layer whose output skips sync_function's hook is reloaded when needed (late); a pass
+    shorter than model_layers never finishes its offloads (the tensors never left)."""
+    def run(offload: str):
+        torch.manual_seed(0)
+        layers = [hfp.Linear(32, 32) for _ in range(3)]
+        x = torch.randn(16, 32, requires_grad=True)
+        model_layers = 3 if offload == "late" else 5
+        context, sync = hfp.get_cpu_offload_context(enabled=True, num_layers=2, model_layers=model_layers,
+                                                    min_tensor_size_to_offload=1)
+        with hfp.autocast(recipe=hfp.MXFP8BlockScaling()):
+            h = x
+            for layer in layers:
+                with context:
+                    h = layer(h)
+                sync(h * 1)  # the hook goes on a tensor the loss does not use
+        h.sum().backward()
+        return x.grad, context.stats
+
+    torch.manual_seed(0)
+    layers = [hfp.Linear(32, 32) for _ in range(3)]
+    x = torch.randn(16, 32, requires_grad=True)
+    with hfp.autocast(recipe=hfp.MXFP8BlockScaling()):
+        h = x
+        for layer in layers:
+            h = layer(h)
+    h.sum().backward()
+    late, s_late = run("late")
+    unfinished, s_unfinished = run("unfinished")
+    assert torch.equal(late, x.grad) and torch.equal(unfinished, x.grad)
+    assert s_late.late_reloads == s_late.offloaded_tensors > 0
+    assert s_unfinished.reloaded_tensors == 0 < s_unfinished.offloaded_tensors
+
+
+def test_two_forwards_before_one_backward():
+    """Each pass of model_layers layers is its own iteration, held by its graph."""
+    def run(offload: bool):
+        layers = _model()
+        context, sync = hfp.get_cpu_offload_context(enabled=offload, num_layers=2, model_layers=LAYERS,
+                                                    min_tensor_size_to_offload=1)
+        losses = []
+        for step in range(2):
+            x = torch.randn(48, 32, generator=torch.Generator().manual_seed(step))
+            with hfp.autocast(recipe=hfp.MXFP8BlockScaling()):
+                losses.append(_forward(layers, x, context if offload else None, sync).square().mean())
+        (losses[0] + losses[1]).backward()
+        return [p.grad for p in layers.parameters()]
+
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(enabled=1), TypeError, "enabled must be a bool"),
+    (dict(enabled=True, num_layers=1.0, model_layers=2), TypeError, "num_layers must be an int"),
+    (dict(enabled=True, num_layers=2, model_layers=2), ValueError, "num_layers=2 with model_layers=2"),
+    (dict(enabled=True, num_layers=-1, model_layers=2), ValueError, "num_layers=-1"),
+    (dict(enabled=True, num_layers=0, model_layers=0), ValueError, "model_layers=0"),
+    (dict(enabled=True, num_layers=1, model_layers=2, offload_activations=False), ValueError,
+     "offload_activations=False"),
+    (dict(enabled=True, num_layers=1, model_layers=2, offload_weights=True), ValueError, "offload_weights=True"),
+    (dict(enabled=True, num_layers=1, model_layers=2, min_tensor_size_to_offload=-1), ValueError,
+     "min_tensor_size_to_offload=-1"),
+])
+def test_bad_arguments_are_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        hfp.get_cpu_offload_context(**kwargs)
+
+
+def test_misuse_is_refused():
+    context, sync = hfp.get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2)
+    with pytest.raises(RuntimeError, match="before the context was entered"):
+        sync(torch.zeros(1))
+    with context:
+        with pytest.raises(RuntimeError, match="already entered"):
+            context.__enter__()
+        with pytest.raises(RuntimeError, match="inside the context"):
+            sync(torch.zeros(1))
+    with pytest.raises(RuntimeError, match="before sync_function was called"):
+        with context:
+            pass
+    with pytest.raises(TypeError, match="layer's output tensor"):
+        sync([1])
+
+
+def test_disabled_is_a_no_op():
+    context, sync = hfp.get_cpu_offload_context(enabled=False)
+    t = torch.zeros(2)
+    with context:
+        pass
+    assert sync(t) is t
