@@ -163,7 +163,10 @@ class _Group:
         stats.reloaded_bytes += sum(_nbytes(m.host) for m in todo)
 
     def release_reloaded(self) -> None:
-        """Drop the reloaded device tensors (a later need copies them back again)."""
+        """Drop the reloaded device tensors (a later need copies them back again). Their memory
+        belongs to the current stream, which first waits for the side stream's writes into it."""
+        if any(m.reloaded is not None for m in self.moved):
+            self.streams.wait(self.reload_event)
         for m in self.moved:
             m.reloaded = None
 
