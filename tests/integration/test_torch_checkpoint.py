@@ -307,14 +307,14 @@ def test_records_belong_to_their_forward_and_go_with_it():
     with hfp.autocast(recipe=hfp.DelayedScaling()):
         y1 = tc.checkpoint(fn, torch.randn(4, 32, requires_grad=True), use_reentrant=False)
         y2 = tc.checkpoint(fn, torch.randn(4, 32, requires_grad=True), use_reentrant=False)
-    s1, s2 = seen
-    assert s1 is not s2 and len(s1.records) == len(s2.records) == 1
+    first, second = seen
+    assert first is not second and len(first.records) == len(second.records) == 1
     # delayed scaling: the record holds copies (a region end moves the module's own state)
-    assert (s1.records[0].quantizers["input"][0] is not lin._quantizers["input"][0]
-            and s1.records[0].quantizers["grad_output"][0] is lin._quantizers["grad_output"][0])
-    ref = weakref.ref(s1)
+    assert (first.records[0].quantizers["input"][0] is not lin._quantizers["input"][0]
+            and first.records[0].quantizers["grad_output"][0] is lin._quantizers["grad_output"][0])
+    ref = weakref.ref(first)
     seen.clear()
-    del s1, s2
+    del first, second
     y1.sum().backward()
     assert seen == [None]  # the recomputation records nothing (it replays)
     del y1
