@@ -3,7 +3,9 @@
 from . import factories, gemm, moe, nn
 from .config import Policy, current_policy, policy, use_policy
 from .integration import checkpoint, get_cpu_offload_context, mark_not_offload
+from .integration.master_weights import MasterWeightOptimizer, memory_per_parameter, quantize_master_weights
 from .moe import GroupedLinear
+from .nn.quantized_init import quantized_model_init
 from .nn import LayerNormLinear, LayerNormMLP, Linear, SwiGLU, convert, set_names, swiglu
 from .quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
                          HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer,
@@ -22,5 +24,6 @@ __all__ = [
     "QuantizedTensor", "Quantizer", "QuantizerRole", "Recipe", "SwiGLU", "autocast", "checkpoint",
     "get_cpu_offload_context", "mark_not_offload",
     "convert", "current_policy", "factories",
-    "gemm", "moe", "nn", "policy", "set_names", "swiglu", "use_policy",
+    "gemm", "moe", "nn", "policy", "quantized_model_init",
+    "MasterWeightOptimizer", "memory_per_parameter", "quantize_master_weights", "set_names", "swiglu", "use_policy",
 ]

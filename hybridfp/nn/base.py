@@ -16,7 +16,7 @@ from ..gemm import reads_bf16_decodes, report_emulated
 from ..quantizers import Quantizer
 from ..recipes import AutocastState, QuantizerRole, current_autocast
 from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
-from . import recompute
+from . import quantized_init, recompute
 from .weight_cache import WeightEntry, WeightKey, new_entry, reusable
 
 SLOTS = ("input", "weight", "grad_output")
@@ -116,6 +116,13 @@ class QuantizedModule(nn.Module):
     #: Whether the module's backward honours a recipe's ``backward_override``; one that does
     #: not refuses such a recipe (see :meth:`quantizers`) rather than ignore it.
     supports_backward_override = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # each subclass's constructor ends by quantizing its weights inside
+        # hybridfp.quantized_model_init (nn/quantized_init.py)
+        super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:
+            cls.__init__ = quantized_init.construction(cls.__dict__["__init__"])  # type: ignore[method-assign]
 
     def __init__(self, name: Optional[str] = None, num_quantizer_sets: int = 1) -> None:
         super().__init__()
@@ -224,6 +231,10 @@ class QuantizedModule(nn.Module):
                         q.set_amax_reduction_group(state.amax_reduction_group)
                     qs.append(q)
                 built[slot] = qs
+            quantized_init.adopt_weight_quantizers(self, built)  # quantized weight parameters
+            if state.amax_reduction_group is not None:
+                for q in built["weight"]:
+                    q.set_amax_reduction_group(state.amax_reduction_group)
             self._validate_quantizers(built)
             self._restore_loaded_state(built)
             self._hold_decoded(built, pol)
@@ -466,6 +477,11 @@ class QuantizedModule(nn.Module):
         RuntimeError: ``is_first_microbatch=False`` without a matching kept copy.
         """
         if isinstance(weight, QuantizedTensor):  # already quantized (quantized parameters)
+            if not weight.has_direction(ROWWISE) or (columnwise and not weight.has_direction(COLUMNWISE)):
+                raise ValueError(
+                    f"{self._who()}: the quantized weight holds the copies {list(weight.directions())}; "
+                    f"this call needs rowwise{' and columnwise' if columnwise else ''}. Create the module "
+                    "inside hybridfp.quantized_model_init (it quantizes both copies).")
             return weight
         key = self._weight_key(weight, q)
         hit = self._cached_weight(index, weight, key, columnwise, region, is_first_microbatch)

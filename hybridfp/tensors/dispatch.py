@@ -15,14 +15,14 @@ tensor), and a view reaching outside the tensor is a clear error.
 from __future__ import annotations
 
 import warnings
-
+from typing import Optional
 
 import torch
 from torch.utils._pytree import tree_map
 
 from .hybrid import HybridStorage
 from .identity import IdentityStorage
-from .quantized_tensor import FALLBACK, QuantizedTensor, implements
+from .quantized_tensor import FALLBACK, PARAM_NAME_ATTR, QuantizedTensor, implements
 from .storage import DIRECTIONS, MissingDirectionError, QuantizedStorage
 
 aten = torch.ops.aten
@@ -198,7 +198,11 @@ def _allocate_like(t: QuantizedTensor, shape, kwargs, fill) -> torch.Tensor:
                                        kwargs.get("device"))
     if kwargs.get("pin_memory"):
         storage = storage.map_tensors(lambda x: x.pin_memory())
-    return QuantizedTensor(storage, t._quantizer)
+    out = QuantizedTensor(storage, t._quantizer)
+    owner = _trained_name(t)
+    if owner is not None:  # an optimizer's state of a quantized parameter: refuses updates too
+        setattr(out, PARAM_NAME_ATTR, owner if owner.startswith("optimizer state") else f"optimizer state of {owner}")
+    return out
 
 
 @implements(aten.new_zeros.default, aten.new_empty.default)
@@ -279,7 +283,50 @@ def _warn_once(func) -> None:
             "operands are dequantized and the op runs in high precision.", stacklevel=4)
 
 
+def _trained_name(t: QuantizedTensor) -> Optional[str]:
+    """How messages name ``t`` if it is a parameter (or optimizer state made from one), else None."""
+    name = t.__dict__.get(PARAM_NAME_ATTR)
+    if name is not None:
+        return name
+    return f"parameter {t._storage.describe()}" if getattr(t, "_is_param", False) else None
+
+
+def _written_quantized(func, args, kwargs) -> list[QuantizedTensor]:
+    """The QuantizedTensors ``func`` writes, lists of tensors (``_foreach_*``, fused optimizers) included."""
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        v = args[i] if i < len(args) else kwargs.get(a.name)
+        out += [x for x in (v if isinstance(v, (list, tuple)) else (v,)) if isinstance(x, QuantizedTensor)]
+    return out
+
+
+#: In-place ops that set a value rather than update one (initialisation): re-quantized as usual.
+_VALUE_SETTERS = frozenset({"fill_", "uniform_", "normal_", "random_", "bernoulli_", "exponential_"})
+
+
+def _refuse_trained_update(func, args, kwargs) -> None:
+    """An in-place op other than a copy on a quantized parameter (or on optimizer state made from
+    one with ``zeros_like``) is an optimizer step applied to the quantized values: each update would
+    be rounded away or land on a stale scale and training diverges silently. Refuse it."""
+    op = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
+    if op in _VALUE_SETTERS:
+        return
+    for t in _written_quantized(func, args, kwargs):
+        name = _trained_name(t)
+        if name is not None:
+            raise RuntimeError(
+                f"hybridfp: in-place aten.{op} on {name} ({t._storage.describe()}), a quantized "
+                "parameter: an optimizer cannot update quantized weights in place (the update is "
+                "rounded into the low-precision format and its state would be quantized too). Train "
+                "quantized parameters with FP32 master weights: hybridfp.MasterWeightOptimizer("
+                "torch.optim.AdamW, model.parameters(), ...), or step FP32 masters yourself and call "
+                "hybridfp.quantize_master_weights(model_params, master_params).")
+
+
 def _fallback(func, args, kwargs):
+    _refuse_trained_update(func, args, kwargs)
     _warn_once(func)
     mutated = _mutated_quantized(func, args, kwargs)
     deq = {id(t): _dense(t) for t in mutated}

@@ -16,6 +16,10 @@ import torch
 from .storage import QuantizedStorage, storage_class
 from .validation import check_flag, require_dict
 
+#: The attribute naming a quantized parameter in messages ("Linear.weight"); optimizer state
+#: made from the parameter (``zeros_like``) carries it too, as "state of ...".
+PARAM_NAME_ATTR = "_hybridfp_param_name"
+
 #: aten op -> handler(func, args, kwargs). Filled by ``hybridfp.tensors.dispatch``.
 DISPATCH_TABLE: dict[Any, Callable[..., Any]] = {}
 #: Called for ops without a handler; set by ``hybridfp.tensors.dispatch``.
@@ -166,6 +170,16 @@ class QuantizedTensor(torch.Tensor):
         ('rowwise',)
         """
         self._storage.update_usage(rowwise_usage, columnwise_usage)
+
+    def get_high_precision_init_val(self) -> Optional[torch.Tensor]:
+        """The initial high-precision value kept by
+        ``quantized_model_init(preserve_high_precision_init_val=True)`` (on the CPU), or None
+        (TransformerEngine's name). Seed FP32 master weights with it."""
+        return self.__dict__.get("_high_precision_init_val")
+
+    def clear_high_precision_init_val(self) -> None:
+        """Free the value :meth:`get_high_precision_init_val` returns (TransformerEngine's name)."""
+        self.__dict__.pop("_high_precision_init_val", None)
 
     def quantized_nbytes(self) -> int:
         """Bytes held by the payloads (the format's true footprint)."""

@@ -1,0 +1,245 @@
+"""FP32 master weights for quantized primary weights (``hybridfp.quantized_model_init``).
+
+The optimizer steps FP32 copies (the masters) and holds its state for them; after each step
+every quantized parameter is re-quantized in place from its master by its own quantizer (the
+module's weight quantizer), so the weight the GEMMs read is the same function of the same FP32
+value as in a run whose weights are FP32 parameters: bitwise the same training.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from torch import nn
+
+from ..tensors import QuantizedTensor
+
+
+def quantize_master_weights(model_params: Iterable[torch.Tensor], master_params: Iterable[Optional[torch.Tensor]]) -> None:
+    """Re-quantize each quantized parameter in place from its FP32 master (TransformerEngine's name).
+
+    Each ``QuantizedTensor`` in ``model_params`` takes the value of the master at the same
+    position, encoded by the parameter's quantizer into the copies it holds (its buffers keep
+    their addresses). Plain parameters and None masters are skipped.
+
+    Parameters
+    ----------
+    model_params:
+        The model's parameters (quantized or not).
+    master_params:
+        Their high-precision masters, in the same order (None: no master).
+
+    Raises
+    ------
+    ValueError
+        The two sequences differ in length, or a master's shape differs from its parameter's.
+    RuntimeError
+        A quantized parameter without a quantizer (set one with ``param.set_quantizer``).
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> with hf.quantized_model_init(recipe=hf.MXFP8BlockScaling()):
+    ...     lin = hf.Linear(32, 32)
+    >>> master = torch.ones(32, 32)
+    >>> hf.quantize_master_weights([lin.weight], [master])
+    >>> lin.weight.dequantize().unique().tolist()
+    [1.0]
+    """
+    model_params, master_params = list(model_params), list(master_params)
+    if len(model_params) != len(master_params):
+        raise ValueError(f"quantize_master_weights: {len(model_params)} model parameters but "
+                         f"{len(master_params)} master parameters; pass one master (or None) per parameter.")
+    with torch.no_grad():
+        for i, (p, m) in enumerate(zip(model_params, master_params)):
+            if m is None or not isinstance(p, QuantizedTensor):
+                continue
+            if tuple(m.shape) != tuple(p.shape):
+                raise ValueError(f"quantize_master_weights: master {i} has shape {tuple(m.shape)}, its "
+                                 f"parameter {p.qstorage.describe()}.")
+            if p.quantizer is None:
+                raise RuntimeError(f"quantize_master_weights: parameter {i} ({p.qstorage.describe()}) has "
+                                   "no quantizer; call param.set_quantizer(q), or run one forward first.")
+            p.quantizer.update_quantized(m.detach(), p, directions=p.directions())
+
+
+def _master_of(p: torch.Tensor) -> nn.Parameter:
+    """An FP32 master for quantized ``p``: its preserved initial value, else its dequantized value."""
+    init = p.get_high_precision_init_val()  # type: ignore[attr-defined]
+    value = init if init is not None else p.dequantize(torch.float32)
+    return nn.Parameter(value.detach().to(device=p.device, dtype=torch.float32, copy=True))
+
+
+class MasterWeightOptimizer:
+    """A torch optimizer over FP32 masters of the quantized parameters.
+
+    Quantized parameters (``QuantizedTensor``) get an FP32 master (seeded from
+    ``get_high_precision_init_val()`` when kept, else the dequantized value); the wrapped
+    optimizer holds the masters (and its state for them) in their place, and plain parameters
+    as they are. :meth:`step` hands each master its parameter's gradient (as FP32), steps, and
+    re-quantizes the parameters (:func:`quantize_master_weights`).
+
+    Parameters
+    ----------
+    optimizer_class:
+        A ``torch.optim.Optimizer`` class (e.g. ``torch.optim.AdamW``).
+    params:
+        The model's parameters, or parameter groups (dicts with ``"params"``).
+    **kwargs:
+        The optimizer's arguments (lr, betas, weight_decay, foreach...).
+
+    Raises
+    ------
+    TypeError
+        ``optimizer_class`` is not an optimizer class.
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> recipe = hf.MXFP8BlockScaling()
+    >>> with hf.quantized_model_init(recipe=recipe, preserve_high_precision_init_val=True):
+    ...     lin = hf.Linear(32, 32)
+    >>> opt = hf.MasterWeightOptimizer(torch.optim.AdamW, lin.parameters(), lr=1e-3)
+    >>> with hf.autocast(recipe=recipe):
+    ...     loss = lin(torch.randn(4, 32)).square().mean()
+    >>> loss.backward()
+    >>> opt.step()
+    >>> opt.zero_grad()
+    >>> type(lin.weight).__name__, opt.master_of(lin.weight).dtype
+    ('QuantizedTensor', torch.float32)
+    """
+
+    def __init__(self, optimizer_class: Callable[..., torch.optim.Optimizer], params: Iterable[Any], **kwargs: Any) -> None:
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise TypeError(f"MasterWeightOptimizer: optimizer_class must be a torch.optim.Optimizer "
+                            f"class (e.g. torch.optim.AdamW), got {optimizer_class!r}.")
+        groups = list(params)
+        if groups and not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        self.model_params: list[torch.Tensor] = []
+        self.master_params: list[Optional[nn.Parameter]] = []
+        inner_groups = []
+        for g in groups:
+            ps = list(g["params"])
+            stepped = []
+            for p in ps:
+                m = _master_of(p) if isinstance(p, QuantizedTensor) else None
+                self.model_params.append(p)
+                self.master_params.append(m)
+                stepped.append(p if m is None else m)
+            inner_groups.append({**g, "params": stepped})
+        self.optimizer = optimizer_class(inner_groups, **kwargs)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The wrapped optimizer's groups (holding the masters in place of quantized parameters)."""
+        return self.optimizer.param_groups
+
+    def master_of(self, p: torch.Tensor) -> Optional[nn.Parameter]:
+        """The FP32 master of model parameter ``p`` (None for a plain parameter)."""
+        for q, m in zip(self.model_params, self.master_params):
+            if q is p:
+                return m
+        raise KeyError("MasterWeightOptimizer.master_of: not one of this optimizer's parameters.")
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """Gradients to the masters, one step of the wrapped optimizer, masters re-quantized."""
+        for p, m in zip(self.model_params, self.master_params):
+            if m is not None:
+                m.grad = None if p.grad is None else p.grad.detach().to(torch.float32)
+        out = self.optimizer.step(closure)
+        quantize_master_weights(self.model_params, self.master_params)
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of the model parameters and of the masters."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        for p in self.model_params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict plus the masters (plain tensors: weights_only loads)."""
+        return {"optimizer": self.optimizer.state_dict(),
+                "master_params": [None if m is None else m.detach().clone() for m in self.master_params]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s dict: masters copied, the optimizer's state loaded, and the
+        quantized parameters re-quantized from the loaded masters.
+
+        Raises
+        ------
+        ValueError
+            The dict is not one of :meth:`state_dict`, or holds another number of masters.
+        """
+        if not isinstance(state, dict) or set(state) != {"optimizer", "master_params"}:
+            raise ValueError("MasterWeightOptimizer.load_state_dict: expected the dict of "
+                             "MasterWeightOptimizer.state_dict() (keys 'optimizer', 'master_params').")
+        masters = state["master_params"]
+        if len(masters) != len(self.master_params) or any(
+                (a is None) != (b is None) for a, b in zip(masters, self.master_params)):
+            raise ValueError("MasterWeightOptimizer.load_state_dict: the saved masters do not match this "
+                             "optimizer's quantized parameters (another model or parameter order).")
+        with torch.no_grad():
+            for m, saved in zip(self.master_params, masters):
+                if m is not None:
+                    m.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def __repr__(self) -> str:
+        n = sum(m is not None for m in self.master_params)
+        return f"MasterWeightOptimizer({type(self.optimizer).__name__}, {n} FP32 masters)"
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    if isinstance(t, QuantizedTensor):
+        return t.quantized_nbytes()
+    return t.numel() * t.element_size()
+
+
+def memory_per_parameter(model: nn.Module, optimizer: Any) -> dict[str, float]:
+    """Bytes per model parameter held by the weights, the FP32 masters and the optimizer state
+    (gradients and activations excluded), and the same for BF16 training (BF16 weights, FP32
+    masters, the same optimizer state).
+
+    Parameters
+    ----------
+    model:
+        The model (its parameters are counted once each).
+    optimizer:
+        A :class:`MasterWeightOptimizer` or a torch optimizer, after at least one step (its state
+        exists then).
+
+    Returns
+    -------
+    dict
+        ``weights``, ``masters``, ``optimizer_state``, ``total`` and ``bf16_total`` (bytes per
+        parameter element).
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> lin = hf.Linear(32, 32, bias=False)
+    >>> opt = torch.optim.AdamW(lin.parameters())
+    >>> lin.weight.grad = torch.zeros(32, 32); opt.step()
+    >>> m = hf.memory_per_parameter(lin, opt)
+    >>> m["weights"], m["optimizer_state"], m["bf16_total"]
+    (4.0, 8.0, 14.0)
+    """
+    params = list({id(p): p for p in model.parameters()}.values())
+    n = sum(p.numel() for p in params)
+    inner = optimizer.optimizer if isinstance(optimizer, MasterWeightOptimizer) else optimizer
+    masters = [m for m in getattr(optimizer, "master_params", []) if m is not None]
+    weights = sum(_nbytes(p) for p in params)
+    master_bytes = sum(_nbytes(m) for m in masters)
+    state = sum(_nbytes(v) for s in inner.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor) and v.numel() > 1)
+    out = {"weights": weights / n, "masters": master_bytes / n, "optimizer_state": state / n}
+    out["total"] = out["weights"] + out["masters"] + out["optimizer_state"]
+    out["bf16_total"] = 2.0 + 4.0 + out["optimizer_state"]
+    return out

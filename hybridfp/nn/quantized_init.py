@@ -1,0 +1,182 @@
+"""``quantized_model_init``: hybridfp modules created inside hold their weights as
+``QuantizedTensor`` parameters in the recipe's weight format (TransformerEngine's name).
+
+A module finishing its construction inside the context (``QuantizedModule.__init_subclass__``
+wraps every subclass's ``__init__``) quantizes its weight parameters once, with the recipe's
+weight quantizer for its role, both copies (rowwise for fprop, columnwise for dgrad). Its
+forward then reads the parameter as the quantized weight (``QuantizedModule.quantized_weight``)
+and, when the module builds its quantizers, adopts the parameter's quantizer as its weight
+quantizer (:func:`adopt_weight_quantizers`): one quantizer, so delayed scaling's state is saved
+with the module and moves as in a high-precision-weight run. Updates come from FP32 master
+weights (``hybridfp.quantize_master_weights`` / ``hybridfp.MasterWeightOptimizer``).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+
+from ..recipes import Recipe, current_autocast
+from ..recipes.autocast import default_recipe
+from ..tensors import QuantizedTensor
+from ..tensors.quantized_tensor import PARAM_NAME_ATTR as PARAM_NAME
+
+
+@dataclass(frozen=True)
+class _InitConfig:
+    recipe: Recipe
+    preserve_high_precision_init_val: bool
+
+
+_ACTIVE: contextvars.ContextVar[Optional[_InitConfig]] = contextvars.ContextVar("hybridfp_quantized_init", default=None)
+#: Depth of QuantizedModule constructions under way: only the outermost one quantizes (a
+#: LayerNormMLP builds its fc1 / fc2 as Linears and owns their weights under its own roles).
+_BUILDING: contextvars.ContextVar[int] = contextvars.ContextVar("hybridfp_building", default=0)
+
+
+@contextmanager
+def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
+                         preserve_high_precision_init_val: bool = False) -> Iterator[None]:
+    """Create hybridfp modules whose weights are ``QuantizedTensor`` parameters.
+
+    Linear, LayerNormLinear and LayerNormMLP created inside hold each weight in the recipe's
+    weight format (both copies); biases and norm weights stay high precision. Train them with
+    FP32 master weights: ``hybridfp.MasterWeightOptimizer`` (a plain torch optimizer refuses
+    quantized parameters at its first step). GroupedLinear refuses the option.
+
+    Parameters
+    ----------
+    enabled:
+        False: modules are created as usual (high-precision weights).
+    recipe:
+        The recipe whose weight quantizers encode the weights; None: the active
+        ``hybridfp.autocast`` region's recipe, else ``Float8CurrentScaling()``. Run the model
+        under the same recipe (a different weight format is a clear error at its forward).
+    preserve_high_precision_init_val:
+        Keep each weight's initial high-precision value on the CPU
+        (``param.get_high_precision_init_val()``; free it with
+        ``param.clear_high_precision_init_val()``) to seed FP32 master weights exactly.
+
+    Raises
+    ------
+    NotImplementedError
+        A module inside that cannot hold quantized weights (GroupedLinear).
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> with hf.quantized_model_init(recipe=hf.MXFP8BlockScaling(), preserve_high_precision_init_val=True):
+    ...     lin = hf.Linear(64, 32)
+    >>> type(lin.weight).__name__, lin.weight.get_high_precision_init_val().dtype
+    ('QuantizedTensor', torch.float32)
+    >>> with hf.autocast(recipe=hf.MXFP8BlockScaling()):
+    ...     y = lin(torch.randn(4, 64))
+    >>> y.shape
+    torch.Size([4, 32])
+    """
+    if not enabled:
+        token = _ACTIVE.set(None)
+    else:
+        if recipe is None:
+            state = current_autocast()
+            recipe = state.recipe if state is not None else default_recipe()
+        if not isinstance(recipe, Recipe):
+            raise TypeError(f"quantized_model_init: recipe must be a hybridfp Recipe or None, got {type(recipe).__name__}.")
+        token = _ACTIVE.set(_InitConfig(recipe, bool(preserve_high_precision_init_val)))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _weight_slots(module: nn.Module) -> tuple[tuple[str, int], ...]:
+    """(parameter attribute, quantizer set) of each weight ``module`` holds, or a clear error."""
+    from .layernorm_linear import LayerNormLinear
+    from .layernorm_mlp import LayerNormMLP
+    from .linear import Linear
+
+    if isinstance(module, LayerNormMLP):
+        return (("fc1_weight", 0), ("fc2_weight", 1))
+    if isinstance(module, (Linear, LayerNormLinear)):
+        return (("weight", 0),)
+    raise NotImplementedError(
+        f"{type(module).__name__}: quantized_model_init(enabled=True) is not supported for this "
+        "module (its weights cannot be held as QuantizedTensor parameters); create it outside "
+        "quantized_model_init, or with quantized_model_init(enabled=False).")
+
+
+def construction(init: Any) -> Any:
+    """Wrap a QuantizedModule subclass's ``__init__``: the outermost construction finishing
+    inside ``quantized_model_init`` quantizes the module's weights."""
+
+    def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        token = _BUILDING.set(_BUILDING.get() + 1)
+        depth = self.__dict__.get("_hybridfp_init_depth", 0)
+        self.__dict__["_hybridfp_init_depth"] = depth + 1
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            self.__dict__["_hybridfp_init_depth"] = depth
+            _BUILDING.reset(token)
+        if depth == 0 and _BUILDING.get() == 0 and _ACTIVE.get() is not None:
+            quantize_module_weights(self, _ACTIVE.get())
+
+    wrapped.__wrapped__ = init  # type: ignore[attr-defined]
+    wrapped.__doc__, wrapped.__name__, wrapped.__qualname__ = init.__doc__, init.__name__, init.__qualname__
+    return wrapped
+
+
+def quantize_module_weights(module: Any, cfg: _InitConfig) -> None:
+    """Replace ``module``'s weight parameters by ``QuantizedTensor`` parameters (both copies)."""
+    for attr, index in _weight_slots(module):
+        p = getattr(module, attr)
+        if isinstance(p, QuantizedTensor):
+            continue
+        role = module.set_role("weight", index)
+        q = cfg.recipe.quantizer(role)
+        q.role = role
+        q.set_usage(rowwise=True, columnwise=True)
+        with torch.no_grad():
+            qw = q.quantize(p.detach())
+        param = nn.Parameter(qw, requires_grad=p.requires_grad)
+        setattr(param, PARAM_NAME, f"{type(module).__name__}.{attr}")
+        if cfg.preserve_high_precision_init_val:
+            param._high_precision_init_val = p.detach().to("cpu", copy=True)
+        setattr(module, attr, param)
+
+
+def _describe_format(q: Any) -> str:
+    from .base import _describe
+    d = _describe(q)
+    return f"{d['kind']} [{d['format']}]"
+
+
+def adopt_weight_quantizers(module: Any, built: dict) -> None:
+    """Make each quantized weight parameter's quantizer the module's weight quantizer of its set
+    (the one its forward, region ends and extra state use), after checking the active recipe
+    builds the same format; a parameter whose quantizer was lost (e.g. ``torch.load`` of the
+    parameter itself) takes the built one."""
+    try:
+        slots = _weight_slots(module)
+    except NotImplementedError:
+        return
+    for attr, index in slots:
+        p = getattr(module, attr, None)
+        if not isinstance(p, QuantizedTensor):
+            continue
+        mine, want = p.quantizer, built["weight"][index]
+        if mine is None:
+            p.set_quantizer(want)
+            continue
+        if _describe_format(mine) != _describe_format(want) or mine.settings() != want.settings():
+            raise ValueError(
+                f"{module._who()}: the weight '{attr}' is held quantized as {_describe_format(mine)} "
+                f"{mine.settings()}, but the active recipe's weight quantizer is {_describe_format(want)} "
+                f"{want.settings()}. Run the model under the recipe given to quantized_model_init.")
+        mine.role = want.role
+        built["weight"][index] = mine
