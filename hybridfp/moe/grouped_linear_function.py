@@ -88,7 +88,7 @@ class GroupedLinearFunction(torch.autograd.Function):
                        [ctx.needs_input_grad[_PARAMS + i] for i in range(n)])
         with use_policy(ctx.policy), torch_autocast_off(dy):
             qdys = _quantize_grads(dy, ctx.m_splits, ctx.lcs, needs_dgrad, needs_wgrad)
-            qxs = (saved_xs if isinstance(saved_xs, GroupedTensor) and saved_xs.joined_only else
+            qxs = (saved_xs if isinstance(saved_xs, GroupedTensor) else
                    [_wgrad_input(saved_xs[i], lc) if needs_wgrad[i] else None for i, lc in enumerate(ctx.lcs)])
             dbs = ([bias_grad(dyi, dt) for dyi, dt in zip(torch.split(dy, ctx.m_splits), ctx.b_dtypes)]
                    if ctx.has_bias else [])
@@ -184,9 +184,10 @@ def _plans(lcs: list[LinearContext]) -> Optional[dict]:
 
 def _saved_inputs(x: torch.Tensor, m_splits: list[int], qxs: Sequence[torch.Tensor], lcs: list[LinearContext],
                   needs_wgrad: list[bool]) -> Sequence[Optional[torch.Tensor]]:
-    """Every expert's ``_saved_input`` (None where its wgrad is not needed); experts held as
-    joined copies (``GroupedTensor``) stay so, their rowwise copies dropped."""
-    if (isinstance(qxs, GroupedTensor) and qxs.joined_only and all(needs_wgrad) and qxs.has_direction(COLUMNWISE)
+    """Every expert's ``_saved_input`` (None where its wgrad is not needed); experts held as a
+    ``GroupedTensor`` stay so when every one of them saves its columnwise copy, their rowwise
+    copies dropped."""
+    if (isinstance(qxs, GroupedTensor) and all(needs_wgrad) and qxs.has_direction(COLUMNWISE)
             and not any(keeps_original_input(lc) for lc in lcs)):
         qxs.drop(ROWWISE)
         return qxs
@@ -214,7 +215,7 @@ def _wgrad_input(saved_x: torch.Tensor, lc: LinearContext) -> torch.Tensor:
 def _wgrads(qdys: list[Optional[torch.Tensor]], qxs: list[Optional[torch.Tensor]],
             w_dtypes: list[torch.dtype]) -> list[Optional[torch.Tensor]]:
     """dW per expert (None where not needed): one grouped wgrad per weight dtype present."""
-    if isinstance(qxs, GroupedTensor) and qxs.joined_only and len(set(w_dtypes)) == 1:  # every expert, one call
+    if isinstance(qxs, GroupedTensor) and len(set(w_dtypes)) == 1:  # every expert, one call
         return list(grouped_gemm(qdys, qxs, "NT", out_dtype=w_dtypes[0]))
     dws: list[Optional[torch.Tensor]] = [None] * len(qdys)
     qdys = list(qdys)  # indexed per expert below: a GroupedTensor's tensors read once

@@ -17,11 +17,13 @@ tensor of every expert) as one tensor where their layout allows:
 - ``OWN``: anything else, one saved tensor per expert (as before).
 
 Each expert's storage is described by a small record (class, shape, options, payload slots)
-instead of a skeleton storage object, and rebuilt once in backward. Experts held as an
-``GroupedTensor`` (every expert views of a few joined copies) are saved as those copies'
-tensors and handed back as a ``GroupedTensor`` again: no per-expert record at all. The rebuilt tensors are
-views of the same memory as the forward's, with the same shapes, strides and options, so the
-backward GEMMs compute bitwise what they computed on the forward's objects.
+instead of a skeleton storage object, and rebuilt once in backward. Experts held as a
+``GroupedTensor`` are saved as its joined copies' tensors and handed back as a
+``GroupedTensor`` again: joined only, with no per-expert record at all; built, with a record
+per expert whose payload tensors of a joined direction are marked as cuts of the joined copy
+(rebuilt as the same views of it) and only the experts' own tensors saved by slot. The rebuilt
+tensors are views of the same memory as the forward's, with the same shapes, strides and
+options, so the backward GEMMs compute bitwise what they computed on the forward's objects.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 
 from ..tensors import HybridStorage, IdentityStorage, QuantizedStorage, QuantizedTensor
 from .grouped_tensor import Cutter, GroupedTensor, JoinedCopy
-from .joined import joined_view
+from .joined import column_slices, joined_view
 from ..tensors.storage import COLUMNWISE, DIRECTIONS, ROWWISE
 
 SAME, ROWS, COLUMNS, OWN = "same", "rows", "columns", "own"
@@ -54,19 +56,28 @@ class SavedJoined:
     index of its storage's skeleton, the group starts); per skeleton the count of its tensors."""
 
     splits: list[int]
-    cut: Cutter
+    cut: Optional[Cutter]
     skeletons: list[tuple[QuantizedStorage, int]]
     directions: dict[str, tuple[int, Optional[list[int]]]]
     #: per direction, the index among the saved tensors of its per-expert ``scales`` (if any)
     scales: Optional[dict[str, int]] = None
+    #: built form (``cut`` None): the experts' records and own tensors, saved after the copies'
+    experts: Optional[SavedExperts] = None
 
 
 def save_experts(ts: Sequence[Optional[torch.Tensor]]
                  ) -> tuple[list[torch.Tensor], "SavedExperts | SavedJoined"]:
     """The plain tensors to save for the experts' ``ts`` (None, plain or quantized tensors, or
     a ``GroupedTensor``) and the record that ``restore_experts`` rebuilds them from."""
-    if isinstance(ts, GroupedTensor) and ts.joined_only:
+    if isinstance(ts, GroupedTensor):
         return _save_joined(ts)
+    return _save_items(ts, frozenset())
+
+
+def _save_items(ts: Sequence[Optional[torch.Tensor]], cut: frozenset
+                ) -> tuple[list[torch.Tensor], SavedExperts]:
+    """The experts' records and their tensors by slot; payload tensors of the directions in
+    ``cut`` (held as joined copies, saved on their own) are marked, not saved."""
     flats: list[list[torch.Tensor]] = []
     items: list[Optional[tuple]] = []
     for t in ts:
@@ -75,7 +86,7 @@ def save_experts(ts: Sequence[Optional[torch.Tensor]]
             continue
         if isinstance(t, QuantizedTensor):
             flat: list[torch.Tensor] = []
-            items.append(("q", _describe(t.qstorage, flat), t.quantizer))
+            items.append(("q", _describe(t.qstorage, flat, cut), t.quantizer))
         else:
             flat = [t]
             items.append(("t",))
@@ -95,30 +106,39 @@ def restore_experts(rec: "SavedExperts | SavedJoined", tensors: Sequence[torch.T
     """Inverse of :func:`save_experts`, from the saved tensors (as saved-tensor hooks return them)."""
     if isinstance(rec, SavedJoined):
         return _restore_joined(rec, tensors)
-    it = iter(tensors)
+    return _restore_items(rec, iter(tensors), None)
+
+
+def _restore_items(rec: SavedExperts, it: Iterator[torch.Tensor], cut: Optional["_Cuts"]
+                   ) -> list[Optional[torch.Tensor]]:
+    """The experts of :func:`_save_items`, their marked payload tensors cut by ``cut``."""
     n = sum(item is not None for item in rec.items)
     columns = None if rec.slots is None else [_restore_slot(kind, arg, it, n) for kind, arg in rec.slots]
     out: list[Optional[torch.Tensor]] = []
     e = 0
-    for item in rec.items:
+    for expert, item in enumerate(rec.items):
         if item is None:
             out.append(None)
             continue
         # this expert's tensors: its entry of every slot, or the next ones in order
         mine = iter([c[e] for c in columns]) if columns is not None else it
         e += 1
-        out.append(next(mine) if item[0] == "t" else QuantizedTensor(_build(item[1], mine), item[2]))
+        out.append(next(mine) if item[0] == "t" else
+                   QuantizedTensor(_build(item[1], mine, cut, expert), item[2]))
     return out
 
 
 def _save_joined(ts: GroupedTensor) -> tuple[list[torch.Tensor], SavedJoined]:
-    """The joined copies' payload tensors (a storage shared by both directions once) and skeletons."""
+    """The joined copies' payload tensors (a storage shared by both directions once) and
+    skeletons; for a built ``GroupedTensor`` then the experts' records and own tensors."""
     saved: list[torch.Tensor] = []
     skeletons: list[tuple[QuantizedStorage, int]] = []
     index: dict[int, int] = {}
     directions: dict[str, tuple[int, Optional[list[int]]]] = {}
-    for d in ts.directions():
+    for d in DIRECTIONS:
         j = ts.joined(d)
+        if j is None:
+            continue
         if id(j.storage) not in index:
             flat, skeleton = j.storage.split_tensors()
             index[id(j.storage)] = len(skeletons)
@@ -127,11 +147,15 @@ def _save_joined(ts: GroupedTensor) -> tuple[list[torch.Tensor], SavedJoined]:
         directions[d] = (index[id(j.storage)], j.starts)
     # per-expert scales (FP8 current scaling) after the storages' tensors, one per direction
     scales = {}
-    for d in ts.directions():
+    for d in directions:
         if ts.joined(d).scales is not None:
             scales[d] = len(saved)
             saved.append(ts.joined(d).scales)
-    return saved, SavedJoined(ts.splits, ts.cutter, skeletons, directions, scales or None)
+    experts = None
+    if not ts.joined_only:  # built: the experts' records, their own tensors after the copies'
+        own, experts = _save_items(ts.experts(), frozenset(directions))
+        saved.extend(own)
+    return saved, SavedJoined(ts.splits, ts.cutter, skeletons, directions, scales or None, experts)
 
 
 def _restore_joined(rec: SavedJoined, tensors: Sequence[torch.Tensor]) -> GroupedTensor:
@@ -140,7 +164,37 @@ def _restore_joined(rec: SavedJoined, tensors: Sequence[torch.Tensor]) -> Groupe
     scales = rec.scales or {}
     joined = {d: JoinedCopy(storages[i], starts, tensors[scales[d]] if d in scales else None)
               for d, (i, starts) in rec.directions.items()}
-    return GroupedTensor(rec.splits, joined, rec.cut)
+    if rec.experts is None:
+        return GroupedTensor(rec.splits, joined, rec.cut)
+    for _ in scales:  # the scales were read by index above
+        next(it)
+    experts = _restore_items(rec.experts, it, _Cuts(joined, rec.splits))
+    return GroupedTensor(rec.splits, joined, experts=experts)
+
+
+class _Cuts:
+    """Expert e's payload tensors of a joined direction: the views of the joined copy's tensor
+    that ``quantize_grouped`` handed out (its group from ``starts[e]``, or back to back), cut
+    for every expert at once per tensor (one split, as ``assemble`` cuts them)."""
+
+    def __init__(self, joined: dict[str, JoinedCopy], splits: list[int]) -> None:
+        self.joined, self.splits = joined, splits
+        self._views: dict[tuple[str, str], list[torch.Tensor]] = {}
+
+    def __call__(self, expert: int, direction: str, name: str, axis: int, div: int) -> torch.Tensor:
+        views = self._views.get((direction, name))
+        if views is None:
+            j = self.joined[direction]
+            t = j.storage.payload(direction)[name]
+            widths = [-(-m // div) for m in self.splits]
+            if j.starts is None:  # back to back: one split
+                views = list(torch.split(t, widths, dim=axis))
+            elif axis == 0:  # rows from each group start (padding rows between)
+                views = [t.narrow(0, s // div, w) for s, w in zip(j.starts, widths)]
+            else:  # columns from each group start: the gaps split off too
+                views = column_slices(t, [s // div for s in j.starts], widths)
+            self._views[(direction, name)] = views
+        return views[expert]
 
 
 # ---------------------------------------------------------------------------- slots
@@ -199,33 +253,46 @@ def _column_span(col: list[torch.Tensor]) -> Optional[tuple[torch.Tensor, list[i
 
 
 # ---------------------------------------------------------------------------- storages
-def _describe(s: QuantizedStorage, flat: list[torch.Tensor]) -> tuple:
-    """A record of ``s`` without its tensors (appended to ``flat`` in ``tensors()`` order)."""
+def _describe(s: QuantizedStorage, flat: list[torch.Tensor], cut: frozenset = frozenset()) -> tuple:
+    """A record of ``s`` without its tensors (appended to ``flat`` in ``tensors()`` order). A
+    slot of a direction in ``cut`` indexed by rows is recorded as a cut (direction, name, axis,
+    div) of that direction's joined copy and not appended."""
     if isinstance(s, HybridStorage):
-        parts = {d: (_describe(p, flat) if p is not None else None) for d, p in s.parts.items()}
+        parts = {d: (_describe(p, flat, cut) if p is not None else None) for d, p in s.parts.items()}
         return (HybridStorage, s.shape, s.dtype, s.label, parts[ROWWISE], parts[COLUMNWISE])
     if isinstance(s, IdentityStorage):  # one data tensor for every held direction
         groups = [[(d, "data") for d in s.directions()]]
     else:
         groups = s._tensor_slots()
-    payloads = s.payloads
-    flat.extend(payloads[g[0][0]][g[0][1]] for g in groups)
+    payloads, cuts = s.payloads, []
+    index = s._row_index if cut else None
+    for g in groups:
+        spec = None
+        for d, n in g if cut else ():  # a plain loop: no generator frame per expert and slot
+            if d in cut and index[d].get(n) is not None:
+                spec = (d, n, *index[d][n])
+                break
+        cuts.append(spec)
+        if spec is None:
+            flat.append(payloads[g[0][0]][g[0][1]])
     return (type(s), s.shape, s.dtype, s.label, s.meta, groups, s.is_dim0_slice,
-            s.columnwise_zero_padded, s.columnwise_zero_tail)
+            s.columnwise_zero_padded, s.columnwise_zero_tail, cuts)
 
 
-def _build(desc: tuple, it: Iterator[torch.Tensor]) -> QuantizedStorage:
-    """The storage ``desc`` describes, its payload tensors taken from ``it`` (as ``with_tensors``)."""
+def _build(desc: tuple, it: Iterator[torch.Tensor], cut: Optional["_Cuts"] = None, expert: int = 0
+           ) -> QuantizedStorage:
+    """The storage ``desc`` describes, its payload tensors taken from ``it`` (as ``with_tensors``),
+    its marked slots cut out of the joined copies (``cut``, for ``expert``)."""
     if desc[0] is HybridStorage:
         _, shape, dtype, label, row, col = desc
-        rows = _build(row, it) if row is not None else None
-        cols = _build(col, it) if col is not None else None
+        rows = _build(row, it, cut, expert) if row is not None else None
+        cols = _build(col, it, cut, expert) if col is not None else None
         return HybridStorage(shape, dtype, rows, cols, label=label)
-    cls, shape, dtype, label, meta, groups, dim0_slice, zero_padded, zero_tail = desc
+    cls, shape, dtype, label, meta, groups, dim0_slice, zero_padded, zero_tail, cuts = desc
     held = {d for g in groups for d, _ in g}
     payloads: dict[str, Optional[dict]] = {d: ({} if d in held else None) for d in DIRECTIONS}
-    for g in groups:
-        t = next(it)
+    for g, spec in zip(groups, cuts):
+        t = next(it) if spec is None else cut(expert, *spec)
         for d, name in g:
             payloads[d][name] = t
     out = cls(shape, dtype, payloads[ROWWISE], payloads[COLUMNWISE], label=label, **meta)
