@@ -173,7 +173,7 @@ def adopt_weight_quantizers(module: Any, built: dict) -> None:
         if mine is None:
             p.set_quantizer(want)
             continue
-        if _describe_format(mine) != _describe_format(want) or mine.settings() != want.settings():
+        if _describe_format(mine) != _describe_format(want) or repr(mine.settings()) != repr(want.settings()):
             raise ValueError(
                 f"{module._who()}: the weight '{attr}' is held quantized as {_describe_format(mine)} "
                 f"{mine.settings()}, but the active recipe's weight quantizer is {_describe_format(want)} "

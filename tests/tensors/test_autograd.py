@@ -106,12 +106,12 @@ def test_load_state_dict_copies_in_place(case):
 
 
 @pytest.mark.parametrize("case", case_params())
-def test_sgd_step_requantizes_the_parameter(case):
-    """An optimizer's in-place update on a quantized weight lands re-quantized in its buffers."""
+def test_sgd_step_on_a_quantized_parameter_is_refused(case):
+    """An optimizer's in-place update of a quantized weight would round each step into the format:
+    refused, pointing at FP32 master weights; the parameter's buffers are unchanged."""
     p = torch.nn.Parameter(quantize(case, make_input((16, 32), seed=1)))
     p.grad = make_input((16, 32), seed=2)
-    ptrs = data_ptrs(p)
-    want = torch.add(p.dequantize(), p.grad, alpha=-0.5)
-    torch.optim.SGD([p], lr=0.5, foreach=False).step()
-    assert data_ptrs(p) == ptrs
-    assert_same_payloads(p, quantize(case, want))
+    before = [t.clone() for t in p.qstorage.tensors()]
+    with pytest.raises(RuntimeError, match="in-place aten.add_ on parameter.*MasterWeightOptimizer"):
+        torch.optim.SGD([p], lr=0.5, foreach=False).step()
+    assert all(torch.equal(a, b) for a, b in zip(p.qstorage.tensors(), before))

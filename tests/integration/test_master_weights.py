@@ -1,0 +1,121 @@
+"""Quantized primary weights with FP32 masters train bitwise as FP32 weights do: the weight
+each GEMM reads is the same quantizer's encoding of the same FP32 value, and the optimizer runs
+on the same FP32 values in the same order. A plain torch optimizer refuses quantized parameters."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import hybridfp as hfp
+
+from master_cases import RECIPES, batches, build, quantized_weights, step
+
+STEPS = 3
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_master_weights_train_bitwise_as_fp32_weights(name):
+    recipe_hp, recipe_q = RECIPES[name](), RECIPES[name]()
+    hp, q = build(recipe_hp, quantized=False), build(recipe_q, quantized=True)
+    assert set(quantized_weights(q)) == {"qkv.weight", "mlp.fc1_weight", "mlp.fc2_weight", "out.weight"}
+    opt_hp = torch.optim.AdamW(hp.parameters(), lr=1e-2, weight_decay=0.1)
+    opt_q = hfp.MasterWeightOptimizer(torch.optim.AdamW, q.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for model, opt, recipe in ((hp, opt_hp, recipe_hp), (q, opt_q, recipe_q)):
+        torch.manual_seed(5)  # stochastic rounding draws its seeds from torch's generator
+        losses.append([step(model, opt, recipe, x) for x in batches(STEPS)])
+    for i, (a, b) in enumerate(zip(*losses)):
+        assert torch.equal(a, b), f"{name}: loss of step {i} differs: {a.item()} vs {b.item()}"
+    hp_params = dict(hp.named_parameters())
+    for n, p in q.named_parameters():
+        master = opt_q.master_of(p)
+        assert torch.equal(master if master is not None else p, hp_params[n]), n
+    # one more forward: the FP32-weight run records the last weight's amax there, the quantized
+    # run recorded it when re-quantizing; both commit it at the region end
+    x = batches(STEPS + 1)[-1]
+    with torch.no_grad(), hfp.autocast(recipe=recipe_hp):
+        y_hp = hp(x)
+    with torch.no_grad(), hfp.autocast(recipe=recipe_q):
+        y_q = q(x)
+    assert torch.equal(y_hp, y_q)
+    # quantizer state (delayed scaling's history) moved as in the FP32-weight run
+    for (n, a), b in zip(hp.named_modules(), q.modules()):
+        if isinstance(a, hfp.nn.QuantizedModule):
+            sa, sb = a.get_extra_state(), b.get_extra_state()
+            for k in sa["quantizers"]:
+                for f, v in sa["quantizers"][k]["state"].items():
+                    w = sb["quantizers"][k]["state"][f]
+                    assert (torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w), (n, k, f)
+
+
+def test_forward_reads_the_parameter_without_requantizing(monkeypatch):
+    recipe = hfp.MXFP8BlockScaling()
+    q = build(recipe, quantized=True)
+    calls = []
+    for p in quantized_weights(q).values():
+        orig = p.quantizer.quantize
+        monkeypatch.setattr(p.quantizer, "quantize", lambda x, orig=orig: calls.append(1) or orig(x))
+    x = batches(1)[0].requires_grad_()
+    with hfp.autocast(recipe=recipe):
+        q(x).sum().backward()
+    assert calls == []
+    assert all(type(p.grad) is torch.Tensor and p.grad.dtype == torch.float32 for p in quantized_weights(q).values())
+
+
+def test_high_precision_init_val_is_kept_and_cleared():
+    q = build(hfp.NVFP4BlockScaling(), quantized=True)
+    hp = build(hfp.NVFP4BlockScaling(), quantized=False)
+    assert torch.equal(q.out.weight.get_high_precision_init_val(), hp.out.weight.detach())
+    q.out.weight.clear_high_precision_init_val()
+    assert q.out.weight.get_high_precision_init_val() is None
+    with hfp.quantized_model_init(recipe=hfp.MXFP8BlockScaling()):
+        lin = hfp.Linear(32, 32)
+    assert lin.weight.get_high_precision_init_val() is None
+
+
+@pytest.mark.parametrize("variant", [{"foreach": False}, {"foreach": True}, {"fused": True}, {}])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("opt_class", [torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD])
+def test_plain_optimizer_refuses_quantized_parameters(opt_class, variant, weight_decay):
+    recipe = hfp.MXFP8BlockScaling()
+    q = build(recipe, quantized=True)
+    before = {n: [t.clone() for t in p.qstorage.tensors()] for n, p in quantized_weights(q).items()}
+    kw = {"momentum": 0.9} if opt_class is torch.optim.SGD else {}
+    opt = opt_class(q.parameters(), lr=1e-2, weight_decay=weight_decay, **variant, **kw)
+    with hfp.autocast(recipe=recipe):
+        q(batches(1)[0]).square().mean().backward()
+    with pytest.raises(RuntimeError, match=r"in-place aten\.\w+ on .*(weight|state).*MasterWeightOptimizer"):
+        opt.step()
+    for n, p in quantized_weights(q).items():  # nothing written
+        assert all(torch.equal(a, b) for a, b in zip(p.qstorage.tensors(), before[n])), n
+
+
+def test_quantize_master_weights_checks_its_arguments():
+    q = build(hfp.MXFP8BlockScaling(), quantized=True)
+    with pytest.raises(ValueError, match="2 model parameters but 1 master"):
+        hfp.quantize_master_weights([q.out.weight, q.out.bias], [None])
+    with pytest.raises(ValueError, match="master 0 has shape"):
+        hfp.quantize_master_weights([q.out.weight], [torch.zeros(3)])
+
+
+def test_grouped_linear_refuses_quantized_model_init():
+    with hfp.quantized_model_init(recipe=hfp.MXFP8BlockScaling()):
+        with pytest.raises(NotImplementedError, match="GroupedLinear.*quantized_model_init"):
+            hfp.GroupedLinear(2, 32, 32)
+
+
+def test_another_weight_format_at_forward_is_a_clear_error():
+    q = build(hfp.MXFP8BlockScaling(), quantized=True)
+    with pytest.raises(ValueError, match="held quantized as .*MXFP8.*recipe given to quantized_model_init"):
+        with hfp.autocast(recipe=hfp.Float8CurrentScaling()):
+            q(batches(1)[0])
