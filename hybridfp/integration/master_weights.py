@@ -219,7 +219,8 @@ def memory_per_parameter(model: nn.Module, optimizer: Any) -> dict[str, float]:
     -------
     dict
         ``weights``, ``masters``, ``optimizer_state``, ``total`` and ``bf16_total`` (bytes per
-        parameter element).
+        parameter element, every parameter counted), and ``quantized_weight`` (bytes per element
+        of the quantized parameters alone, both copies and scales; 0 without any).
 
     Example
     -------
@@ -239,7 +240,10 @@ def memory_per_parameter(model: nn.Module, optimizer: Any) -> dict[str, float]:
     master_bytes = sum(_nbytes(m) for m in masters)
     state = sum(_nbytes(v) for s in inner.state.values() for v in s.values()
                 if isinstance(v, torch.Tensor) and v.numel() > 1)
-    out = {"weights": weights / n, "masters": master_bytes / n, "optimizer_state": state / n}
+    quantized = [p for p in params if isinstance(p, QuantizedTensor)]
+    nq = sum(p.numel() for p in quantized)
+    out = {"weights": weights / n, "masters": master_bytes / n, "optimizer_state": state / n,
+           "quantized_weight": sum(_nbytes(p) for p in quantized) / nq if nq else 0.0}
     out["total"] = out["weights"] + out["masters"] + out["optimizer_state"]
     out["bf16_total"] = 2.0 + 4.0 + out["optimizer_state"]
     return out

@@ -119,3 +119,21 @@ def test_another_weight_format_at_forward_is_a_clear_error():
     with pytest.raises(ValueError, match="held quantized as .*MXFP8.*recipe given to quantized_model_init"):
         with hfp.autocast(recipe=hfp.Float8CurrentScaling()):
             q(batches(1)[0])
+
+
+@pytest.mark.parametrize("recipe, weight_bytes", [
+    (hfp.MXFP8BlockScaling, 2 * (1 + 1 / 32)),       # two FP8 copies, an E8M0 scale per 32
+    (hfp.Float8CurrentScaling, 2 + 4 / 4096),         # two FP8 copies, one FP32 scale_inv
+    # weights in 16x16 blocks: two E2M1 copies, an E4M3 scale per 256 each, one FP32 amax
+    (hfp.NVFP4BlockScaling, 2 * (0.5 + 1 / 256) + 4 / 4096),
+])
+def test_memory_per_parameter_counts_the_real_buffers(recipe, weight_bytes):
+    r = recipe()
+    with hfp.quantized_model_init(recipe=r):
+        lin = hfp.Linear(64, 64, bias=False)
+    opt = hfp.MasterWeightOptimizer(torch.optim.AdamW, lin.parameters(), lr=1e-3)
+    step(lin, opt, r, torch.randn(4, 64))
+    m = hfp.memory_per_parameter(lin, opt)
+    assert m["quantized_weight"] == m["weights"] == pytest.approx(weight_bytes)
+    assert (m["masters"], m["optimizer_state"], m["bf16_total"]) == (4.0, 8.0, 14.0)
+    assert m["total"] == pytest.approx(weight_bytes + 12.0)
