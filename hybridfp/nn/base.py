@@ -180,6 +180,8 @@ class QuantizedModule(nn.Module):
         """``nn.Module``'s call, recorded inside a ``torch.utils.checkpoint`` forward and
         replayed in its recomputation (the forward's region, policy and quantizer state): see
         ``hybridfp/nn/recompute.py``."""
+        if torch.compiler.is_compiling():  # traced by torch.compile: nothing to record (nn/ops.py)
+            return super().__call__(*args, **kwargs)
         replay = recompute.replay_for(self)
         if replay is not None:
             record, cursor = replay

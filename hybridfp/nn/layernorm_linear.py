@@ -8,10 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..recipes import current_autocast
+from ..recipes import AutocastState, current_autocast
+from . import ops
 from .base import QuantizedModule
 from .linear import Linear
-from .linear_function import LinearContext, LinearFunction
+from .linear_function import LinearContext
 from .weight_cache import check_is_first_microbatch
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -78,6 +79,7 @@ class LayerNormLinear(QuantizedModule):
         self.layer_norm_bias = nn.Parameter(torch.zeros(in_features, **kw)) if normalization == "LayerNorm" else None
         lin = Linear(in_features, out_features, bias, params_dtype=kw["dtype"], device=device)
         self.weight, self.bias = lin.weight, lin.bias  # same init as Linear, owned here
+        ops.register(self)
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
         """The normalization, in x's dtype with FP32 statistics (torch's kernels)."""
@@ -116,15 +118,24 @@ class LayerNormLinear(QuantizedModule):
         state = current_autocast()
         if state is None:
             return self.high_precision_linear(h, self.weight, self.bias)
-        qs = self.quantizers(state)
         h = self.torch_autocast_input(h)
-        lc = LinearContext(qs["input"][0], qs["weight"][0], qs["grad_output"][0], self,
-                           save_original_input=self.save_original_input,
-                           grad_enabled=torch.is_grad_enabled(),
-                           fprop_fast_accumulation=state.recipe.fprop_fast_accumulation,
-                           backward_override=state.recipe.backward_override,
-                           region=state.token, is_first_microbatch=is_first_microbatch)
-        return LinearFunction.apply(h, self.weight, self.bias, lc)
+        return ops.quantized_linear(self, 0, h, self.weight, self.bias, state, is_first_microbatch)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        ops.register(self)  # a copy (deepcopy, unpickling) is reachable from the compiled ops too
+
+    def linear_context(self, state: AutocastState, index: int, is_first_microbatch: Optional[bool],
+                       grad_enabled: Optional[bool] = None) -> LinearContext:
+        """The GEMM's context in region ``state`` (no shared-input memo: the normalized input
+        is this module's own); ``grad_enabled`` None: torch's grad mode now."""
+        qs = self.quantizers(state)
+        return LinearContext(qs["input"][0], qs["weight"][0], qs["grad_output"][0], self,
+                             save_original_input=self.save_original_input,
+                             grad_enabled=torch.is_grad_enabled() if grad_enabled is None else grad_enabled,
+                             fprop_fast_accumulation=state.recipe.fprop_fast_accumulation,
+                             backward_override=state.recipe.backward_override,
+                             region=state.token, is_first_microbatch=is_first_microbatch)
 
     def extra_repr(self) -> str:
         return (f"{self.normalization}, in_features={self.in_features}, "

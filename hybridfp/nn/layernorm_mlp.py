@@ -18,10 +18,11 @@ from torch import nn
 from ..config import Policy
 from ..quantizers import Quantizer
 from ..recipes import AutocastState, QuantizerRole, current_autocast
+from . import ops
 from .base import QuantizedModule
 from .layernorm_linear import check_normalization, normalize
 from .linear import Linear
-from .linear_function import LinearContext, LinearFunction
+from .linear_function import LinearContext
 from .swiglu import swiglu
 from .weight_cache import check_is_first_microbatch
 
@@ -135,6 +136,11 @@ class LayerNormMLP(QuantizedModule):
         # the same initialisation as Linear's, owned here under TE's names
         self.fc1_weight, self.fc1_bias = fc1.weight, fc1.bias
         self.fc2_weight, self.fc2_bias = fc2.weight, fc2.bias
+        ops.register(self)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        ops.register(self)  # a copy (deepcopy, unpickling) is reachable from the compiled ops too
 
     def set_role(self, tensor_type: str, index: int) -> QuantizerRole:
         """Set 0 serves fc1, set 1 fc2: ``<name>.fc1`` / ``<name>.fc2`` (``fc1`` / ``fc2``
@@ -203,20 +209,20 @@ class LayerNormMLP(QuantizedModule):
         if state is None:
             a = activate(self.activation, self.high_precision_linear(h, self.fc1_weight, self.fc1_bias))
             return self.high_precision_linear(a, self.fc2_weight, self.fc2_bias)
-        qs = self.quantizers(state)
         h = self.torch_autocast_input(h)
-        lc1, lc2 = (self._context(qs, i, state, is_first_microbatch) for i in range(len(GEMM_SETS)))
-        y1 = LinearFunction.apply(h, self.fc1_weight, self.fc1_bias, lc1)
+        y1 = ops.quantized_linear(self, 0, h, self.fc1_weight, self.fc1_bias, state, is_first_microbatch)
         a = self.torch_autocast_input(activate(self.activation, y1))
-        return LinearFunction.apply(a, self.fc2_weight, self.fc2_bias, lc2)
+        return ops.quantized_linear(self, 1, a, self.fc2_weight, self.fc2_bias, state, is_first_microbatch)
 
-    def _context(self, qs: dict[str, list[Quantizer]], index: int, state: AutocastState,
-                 is_first_microbatch: Optional[bool]) -> LinearContext:
+    def linear_context(self, state: AutocastState, index: int, is_first_microbatch: Optional[bool],
+                       grad_enabled: Optional[bool] = None) -> LinearContext:
         """GEMM set ``index``'s context: its quantizers and weight-cache slot. No shared-input
-        memo: both inputs are this module's own intermediates, read by no other layer."""
+        memo: both inputs are this module's own intermediates, read by no other layer.
+        ``grad_enabled`` None: torch's grad mode now."""
+        qs = self.quantizers(state)
         return LinearContext(qs["input"][index], qs["weight"][index], qs["grad_output"][index], self,
                              weight_index=index, save_original_input=self.save_original_input,
-                             grad_enabled=torch.is_grad_enabled(),
+                             grad_enabled=torch.is_grad_enabled() if grad_enabled is None else grad_enabled,
                              fprop_fast_accumulation=state.recipe.fprop_fast_accumulation,
                              backward_override=state.recipe.backward_override,
                              region=state.token, is_first_microbatch=is_first_microbatch)

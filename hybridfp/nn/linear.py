@@ -8,9 +8,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..recipes import current_autocast
+from ..recipes import AutocastState, current_autocast
 from .base import QuantizedModule
-from .linear_function import LinearContext, LinearFunction
+from . import ops
+from .linear_function import LinearContext
 from .weight_cache import check_is_first_microbatch
 
 
@@ -73,6 +74,24 @@ class Linear(QuantizedModule):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **kw))
         self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
         self.reset_parameters()
+        ops.register(self)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        ops.register(self)  # a copy (deepcopy, unpickling) is reachable from the compiled ops too
+
+    def linear_context(self, state: AutocastState, index: int, is_first_microbatch: Optional[bool],
+                       grad_enabled: Optional[bool] = None) -> LinearContext:
+        """The GEMMs' context in region ``state`` (its quantizers, shared-input memo, weight
+        cache region); ``grad_enabled`` None: torch's grad mode now."""
+        qs = self.quantizers(state)
+        return LinearContext(qs["input"][0], qs["weight"][0], qs["grad_output"][0], self,
+                             save_original_input=self.save_original_input,
+                             grad_enabled=torch.is_grad_enabled() if grad_enabled is None else grad_enabled,
+                             fprop_fast_accumulation=state.recipe.fprop_fast_accumulation,
+                             backward_override=state.recipe.backward_override,
+                             scratch=state.scratch, region=state.token,
+                             is_first_microbatch=is_first_microbatch)
 
     def reset_parameters(self) -> None:
         """nn.Linear's initialisation."""
@@ -126,16 +145,8 @@ class Linear(QuantizedModule):
         state = current_autocast()
         if state is None:
             return self.high_precision_linear(x, self.weight, self.bias)
-        qs = self.quantizers(state)
         x = self.torch_autocast_input(x)
-        lc = LinearContext(qs["input"][0], qs["weight"][0], qs["grad_output"][0], self,
-                           save_original_input=self.save_original_input,
-                           grad_enabled=torch.is_grad_enabled(),
-                           fprop_fast_accumulation=state.recipe.fprop_fast_accumulation,
-                           backward_override=state.recipe.backward_override,
-                           scratch=state.scratch, region=state.token,
-                           is_first_microbatch=is_first_microbatch)
-        return LinearFunction.apply(x, self.weight, self.bias, lc)
+        return ops.quantized_linear(self, 0, x, self.weight, self.bias, state, is_first_microbatch)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

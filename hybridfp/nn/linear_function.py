@@ -171,12 +171,13 @@ def backward_override(lc: LinearContext) -> Optional[str]:
 
 
 def forward_gemm(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                 lc: LinearContext, needs_dgrad: bool, needs_wgrad: bool
-                 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+                 lc: LinearContext, needs_dgrad: bool, needs_wgrad: bool, run_gemm: bool = True
+                 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """fprop of one [M, K] input against one weight; returns (y, what wgrad needs of x, what
     dgrad needs of W) — None where that gradient is not needed. With a ``backward_override``
     no columnwise copy is made: backward reads x and W themselves ("high_precision") or their
-    rowwise copies ("dequantized")."""
+    rowwise copies ("dequantized"). ``run_gemm=False`` makes only the copies (y is None): the
+    compiled path's shape pass on meta tensors (``nn/ops.py``)."""
     mode = backward_override(lc)
     if mode == "high_precision" and needs_dgrad and isinstance(weight, QuantizedTensor):
         raise ValueError(f"{lc.module._who()}: backward_override='high_precision' reads the "
@@ -187,7 +188,8 @@ def forward_gemm(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     qw = lc.module.quantized_weight(weight, lc.weight_q, columnwise=needs_dgrad and mode is None,
                                     index=lc.weight_index, region=lc.region,
                                     is_first_microbatch=lc.is_first_microbatch)
-    y = gemm(qx, qw, "TN", out_dtype=x2.dtype, bias=bias, fast_accumulation=lc.fprop_fast_accumulation)
+    y = gemm(qx, qw, "TN", out_dtype=x2.dtype, bias=bias,
+             fast_accumulation=lc.fprop_fast_accumulation) if run_gemm else None
     saved_x: Optional[torch.Tensor] = None
     if needs_wgrad:
         if save_original or mode == "high_precision":

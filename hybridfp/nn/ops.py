@@ -1,0 +1,312 @@
+"""The quantized linear as two ``torch.library`` custom ops, so ``torch.compile`` traces a
+hybridfp module without a graph break.
+
+Eager calls run ``LinearFunction`` (``nn/linear_function.py``). Under ``torch.compile`` the
+module's forward calls ``hybridfp::linear_forward`` instead, and its registered backward
+``hybridfp::linear_backward``: Dynamo sees two opaque ops on plain tensors and never traces
+the quantizers, ``QuantizedTensor`` construction or the GEMM dispatch. Both ops run the same
+``forward_gemm`` / ``backward_gemms`` as the eager function, with the module's quantizers
+looked up when the op runs, so results are bitwise the eager ones and stateful quantizers
+(delayed scaling) record their amaxes as in eager (the region end updates them as usual).
+
+The forward op returns y and the payload tensors of what backward reads (the copies eager
+saves; an input saved as it is, ``save_original_input`` or ``backward_override=
+"high_precision"``, is saved by the autograd wrapper instead of being returned, since an op's
+outputs may not alias its inputs). Which payloads, with which shapes, is worked out by the
+same ``forward_gemm`` run on meta tensors with copies of the quantizers (the ops' fake
+implementation, and the backward's skeletons to rebuild the saved copies), memoized per
+module and call signature.
+
+The traced wrapper passes the module as ``id(module)`` (the registry below maps it back; a
+module registers itself when made or unpickled) and the recipe's configuration as a string,
+so Dynamo guards on it and a changed recipe recompiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import weakref
+from typing import Any, Optional
+
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from ..recipes import AutocastState, current_autocast
+from ..tensors import QuantizedTensor
+from .linear_function import (LinearContext, LinearFunction, backward_gemms, bias_grad, forward_gemm,
+                              pack, torch_autocast_off, unpack)
+
+#: id(module) -> module, for the ops (which take plain values only); entries die with modules.
+_MODULES: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+#: module -> {GEMM set index: its last forward's context (no region memo)} and the plan memo.
+_CONTEXTS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_PLANS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+# how backward reads x / W: not at all, the op's input itself, or payloads the op returned
+_NONE, _INPUT, _PAYLOAD = 0, 1, 2
+
+
+def register(module: Any) -> None:
+    """Make ``module`` reachable from the ops by ``id(module)`` (called by the modules when
+    made and when unpickled / deep-copied)."""
+    _MODULES[id(module)] = module
+
+
+def _module(key: int) -> Any:
+    module = _MODULES.get(key)
+    if module is None:
+        raise RuntimeError("hybridfp::linear_forward: the module of this compiled call is not "
+                           "registered (a hybridfp module made without its __init__?); build it "
+                           "with its constructor, or call hybridfp.nn.ops.register(module).")
+    return module
+
+
+def config_key(state: AutocastState) -> str:
+    """The recipe configuration a compiled graph was traced for (Dynamo guards on it)."""
+    return repr(state.recipe.key())
+
+
+class _MetaWeights:
+    """Stands in for the module in the meta shape pass: the weight is quantized directly (no
+    cache entry written), everything else is the module's."""
+
+    def __init__(self, module: Any) -> None:
+        self._m = module
+
+    def quantized_weight(self, weight: torch.Tensor, q: Any, columnwise: bool, index: int = 0, *,
+                         region: Optional[object] = None, is_first_microbatch: Optional[bool] = None) -> Any:
+        q.set_usage(rowwise=True, columnwise=columnwise)
+        return q.quantize(weight)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._m, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What backward reads of x and W, and the forward op's payload outputs (meta tensors)."""
+
+    x_form: int
+    x_skel: Any
+    x_meta: tuple
+    w_form: int
+    w_skel: Any
+    w_meta: tuple
+
+
+def _form(saved: Optional[torch.Tensor], given: torch.Tensor) -> tuple[int, Any, tuple]:
+    if saved is None:
+        return _NONE, None, ()
+    if saved is given:
+        return _INPUT, None, ()
+    tensors, skel = pack(saved)
+    return _PAYLOAD, skel, tuple(tensors)
+
+
+def _plan(lc: LinearContext, x_shape: tuple, x_dtype: torch.dtype, w_shape: tuple, w_dtype: torch.dtype,
+          needs_dgrad: bool, needs_wgrad: bool) -> _Plan:
+    """``forward_gemm``'s saved copies for these shapes, from a run on meta tensors with copies
+    of the quantizers (their state untouched), memoized per module and signature."""
+    module = lc.module
+    key = (getattr(module, "_qkey", None), lc.weight_index, x_shape, x_dtype, w_shape, w_dtype, needs_dgrad,
+           needs_wgrad, lc.backward_override, lc.save_original_input,
+           id(lc.input_q), id(lc.weight_q), id(lc.grad_q))
+    memo = _PLANS.setdefault(module, {})
+    if key in memo:
+        return memo[key]
+    with unset_fake_temporarily(), torch.no_grad():
+        x = torch.empty(x_shape, dtype=x_dtype, device="meta")
+        w = torch.empty(w_shape, dtype=w_dtype, device="meta")
+        meta_lc = dataclasses.replace(lc, input_q=lc.input_q.copy(), weight_q=lc.weight_q.copy(),
+                                      grad_q=lc.grad_q.copy(), module=_MetaWeights(module), scratch=None,
+                                      region=None, is_first_microbatch=None)
+        _, sx, sw = forward_gemm(x, w, None, meta_lc, needs_dgrad, needs_wgrad, run_gemm=False)
+    xf, xs, xm = _form(sx, x)
+    wf, ws, wm = _form(sw, w)
+    # the skeletons rebuild tensors of the live quantizers, not of the meta pass's copies
+    xs = None if xs is None else (xs[0], xs[1], lc.input_q)
+    ws = None if ws is None else (ws[0], ws[1], lc.weight_q)
+    plan = _Plan(xf, xs, xm, wf, ws, wm)
+    memo[key] = plan
+    return plan
+
+
+def _forward_context(module: Any, index: int, is_first_microbatch: int) -> LinearContext:
+    state = current_autocast()
+    if state is None:
+        raise RuntimeError(f"{module._who()}: a graph compiled inside hybridfp.autocast ran outside it; "
+                           "torch.compile guards on the region, so this is a stale graph: call "
+                           "torch._dynamo.reset().")
+    ifm = None if is_first_microbatch < 0 else bool(is_first_microbatch)
+    lc = module.linear_context(state, index, ifm, grad_enabled=True)
+    _CONTEXTS.setdefault(module, {})[index] = dataclasses.replace(lc, scratch=None, region=None)
+    return lc
+
+
+def _fresh(out: list[torch.Tensor], inputs: tuple) -> list[torch.Tensor]:
+    """An op's outputs may alias neither its inputs nor each other: clone any that would (an
+    identity copy holding the input itself). Cloning keeps the values, so results stay bitwise."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs if t is not None and t.numel()}
+    res = []
+    for t in out:
+        p = t.untyped_storage().data_ptr()
+        if t.numel() and p in seen:
+            t = t.clone()
+            p = t.untyped_storage().data_ptr()
+        seen.add(p)
+        res.append(t)
+    return res
+
+
+@torch.library.custom_op("hybridfp::linear_forward", mutates_args=())
+def linear_forward(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], key: int, index: int,
+                   config: str, needs_dgrad: bool, needs_wgrad: bool, is_first_microbatch: int) -> list[torch.Tensor]:
+    """fprop of GEMM set ``index`` of module ``key``: [y, payloads backward reads]."""
+    module = _module(key)
+    lc = _forward_context(module, index, is_first_microbatch)
+    if config != config_key(current_autocast()):  # type: ignore[arg-type]
+        raise RuntimeError(f"{module._who()}: the active recipe is not the one this graph was compiled "
+                           "for; call torch._dynamo.reset() (torch.compile guards on the recipe).")
+    with torch_autocast_off(x2):
+        y, sx, sw = forward_gemm(x2, weight, bias, lc, needs_dgrad, needs_wgrad)
+    plan = _plan(lc, tuple(x2.shape), x2.dtype, tuple(weight.shape), weight.dtype, needs_dgrad, needs_wgrad)
+    out = [y]
+    for form, skel, saved, given in ((plan.x_form, plan.x_skel, sx, x2), (plan.w_form, plan.w_skel, sw, weight)):
+        if form != (_NONE if saved is None else _INPUT if saved is given else _PAYLOAD):
+            raise RuntimeError(f"{module._who()}: the compiled graph expected other saved tensors than "
+                               "this call makes; call torch._dynamo.reset() to recompile.")
+        if form == _PAYLOAD:
+            out += _payloads(saved, skel, module)
+    return _fresh(out, (x2, weight, bias))
+
+
+def _payloads(t: Any, skel: Any, module: Any) -> list[torch.Tensor]:
+    """``t``'s payload tensors in the order of the meta pass's skeleton (the order the graph was
+    traced with: the grouping of a storage's tensors can differ between devices)."""
+    storage = t.qstorage
+    groups = skel[1]._tensor_slots()
+    slots = {(d, n) for d in storage.directions() for n in storage.payloads[d]}
+    if slots != {s for g in groups for s in g} or any(
+            any(storage.payloads[d][n] is not storage.payloads[g[0][0]][g[0][1]] for d, n in g) for g in groups):
+        raise RuntimeError(f"{module._who()}: the saved copy {storage.describe()} does not have the "
+                           "layout the compiled graph was traced with; call torch._dynamo.reset().")
+    return [storage.payloads[g[0][0]][g[0][1]] for g in groups]
+
+
+@linear_forward.register_fake
+def _linear_forward_fake(x2, weight, bias, key, index, config, needs_dgrad, needs_wgrad, is_first_microbatch):
+    module = _module(key)
+    lc = _forward_context(module, index, -1)
+    if isinstance(weight, QuantizedTensor):
+        raise NotImplementedError(f"{module._who()}: torch.compile of a module with a quantized "
+                                  "weight parameter is not supported; compile it with high-precision weights.")
+    plan = _plan(lc, tuple(x2.shape), x2.dtype, tuple(weight.shape), weight.dtype, needs_dgrad, needs_wgrad)
+    out = [x2.new_empty((x2.shape[0], weight.shape[0]))]
+    for m in plan.x_meta + plan.w_meta:
+        out.append(torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=x2.device))
+    return out
+
+
+@torch.library.custom_op("hybridfp::linear_backward", mutates_args=())
+def linear_backward(dy2: torch.Tensor, saved: list[torch.Tensor], key: int, index: int, in_features: int,
+                    x_dtype: torch.dtype, w_dtype: torch.dtype, needs_dgrad: bool, needs_wgrad: bool,
+                    bias_grad_dtype: Optional[torch.dtype]) -> list[torch.Tensor]:
+    """dgrad / wgrad / bias grad of GEMM set ``index`` of module ``key``: the gradients asked
+    for, in that order."""
+    module = _module(key)
+    lc = _CONTEXTS[module][index]
+    m, n = dy2.shape
+    plan = _plan(lc, (m, in_features), x_dtype, (n, in_features), w_dtype, needs_dgrad, needs_wgrad)
+    rest = list(saved)
+    sx = sw = None
+    if plan.x_form != _NONE:
+        k = 1 if plan.x_form == _INPUT else len(plan.x_meta)
+        sx = rest[0] if plan.x_form == _INPUT else unpack(plan.x_skel, rest[:k])
+        rest = rest[k:]
+    if plan.w_form != _NONE:
+        sw = rest[0] if plan.w_form == _INPUT else unpack(plan.w_skel, rest)
+    with torch_autocast_off(dy2):
+        dx, dw = backward_gemms(dy2, sx, sw, lc, x_dtype, w_dtype, needs_dgrad, needs_wgrad)
+        db = bias_grad(dy2, bias_grad_dtype) if bias_grad_dtype is not None else None
+    return _fresh([t for t in (dx, dw, db) if t is not None], (dy2, *saved))
+
+
+@linear_backward.register_fake
+def _linear_backward_fake(dy2, saved, key, index, in_features, x_dtype, w_dtype, needs_dgrad, needs_wgrad,
+                          bias_grad_dtype):
+    m, n = dy2.shape
+    out = []
+    if needs_dgrad:
+        out.append(dy2.new_empty((m, in_features), dtype=x_dtype))
+    if needs_wgrad:
+        out.append(dy2.new_empty((n, in_features), dtype=w_dtype))
+    if bias_grad_dtype is not None:
+        out.append(dy2.new_empty((n,), dtype=bias_grad_dtype))
+    return out
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: list) -> None:
+    x2, weight, bias, key, index, _config, needs_dgrad, needs_wgrad, _ifm = inputs
+    module = _module(key)
+    lc = _CONTEXTS[module][index]
+    plan = _plan(lc, tuple(x2.shape), x2.dtype, tuple(weight.shape), weight.dtype, needs_dgrad, needs_wgrad)
+    saved: list[torch.Tensor] = []
+    pos = 1
+    for form, meta, given in ((plan.x_form, plan.x_meta, x2), (plan.w_form, plan.w_meta, weight)):
+        if form == _INPUT:
+            saved.append(given)
+        elif form == _PAYLOAD:
+            saved += output[pos:pos + len(meta)]
+            pos += len(meta)
+    ctx.save_for_backward(*saved)
+    ctx.args = (key, index, x2.shape[1], x2.dtype, weight.dtype, needs_dgrad, needs_wgrad,
+                bias.dtype if bias is not None and bias.requires_grad else None)
+
+
+def _backward(ctx: Any, grads: list) -> tuple:
+    key, index, in_features, x_dtype, w_dtype, needs_dgrad, needs_wgrad, bias_dtype = ctx.args
+    out = list(linear_backward(grads[0].contiguous(), list(ctx.saved_tensors), key, index, in_features,
+                               x_dtype, w_dtype, needs_dgrad, needs_wgrad, bias_dtype))
+    dx = out.pop(0) if needs_dgrad else None
+    dw = out.pop(0) if needs_wgrad else None
+    db = out.pop(0) if bias_dtype is not None else None
+    return dx, dw, db, None, None, None, None, None, None
+
+
+torch.library.register_autograd("hybridfp::linear_forward", _backward, setup_context=_setup_context)
+
+
+def quantized_linear(module: Any, index: int, x: torch.Tensor, weight: torch.Tensor,
+                     bias: Optional[torch.Tensor], state: AutocastState,
+                     is_first_microbatch: Optional[bool]) -> torch.Tensor:
+    """GEMM set ``index`` of ``module`` on ``x`` inside the region ``state``: ``LinearFunction``
+    in eager mode, the custom ops under ``torch.compile`` (same numbers, no graph break).
+
+    Parameters
+    ----------
+    module:
+        A module with ``linear_context(state, index, is_first_microbatch, grad_enabled)``.
+    index:
+        The GEMM set (LayerNormMLP: 0 for fc1, 1 for fc2).
+    x, weight, bias:
+        The input [..., K], the weight [N, K] and the bias (or None).
+    state:
+        The active autocast region.
+    is_first_microbatch:
+        As ``Linear.forward``'s.
+
+    Returns
+    -------
+    torch.Tensor
+        [..., N] in ``x``'s dtype.
+    """
+    if not torch.compiler.is_compiling():
+        return LinearFunction.apply(x, weight, bias, module.linear_context(state, index, is_first_microbatch))
+    grad = torch.is_grad_enabled()
+    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    ifm = -1 if is_first_microbatch is None else int(is_first_microbatch)
+    out = torch.ops.hybridfp.linear_forward(x2, weight, bias, id(module), index, config_key(state),
+                                            grad and x.requires_grad, grad and weight.requires_grad, ifm)
+    y = out[0]
+    return y.reshape(*x.shape[:-1], y.shape[-1])
