@@ -79,16 +79,17 @@ def _built_group(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[int
                  cols: Optional[QuantizedStorage], col_starts: Optional[list[int]], views: bool,
                  row_starts: Optional[list[int]], own_joined: Optional[JoinedCopy]) -> GroupedResult:
     """``assemble``'s built experts ``out`` as a ``GroupedTensor`` naming the joined copies their
-    views come from: the rowwise one where every present expert holds its rowwise copy (a slice
-    of ``rows``, or of ``own_joined``), the columnwise one where every present expert holds its
-    columnwise copy as a column-slice view of ``cols`` (``COLUMN_VIEWS``), both the one Identity
-    payload (``SHARED``). ``out`` itself where nothing is joined."""
+    views come from (each encoded every expert's rows: an expert that does not hold a direction
+    leaves its group unread): the rowwise one where experts hold their rowwise copies as slices
+    of ``rows`` (or of ``own_joined``), the columnwise one where they hold column-slice views of
+    ``cols`` (``COLUMN_VIEWS``), both the one Identity payload (``SHARED``). ``out`` itself
+    where nothing is joined."""
     used = [q for q in quantizers if q is not None]
     joined: dict[str, JoinedCopy] = {}
     if not used or sum(splits) == 0:
         return out
     usage = {(q.rowwise_usage, q.columnwise_usage) for q in used}  # one set: not a test per expert
-    rowwise, columnwise = all(r for r, _ in usage), all(c for _, c in usage)
+    rowwise, columnwise = any(r for r, _ in usage), any(c for _, c in usage)
     # one plan shares an encoding among quantizers of one format: the first speaks for all
     if rows is not None and row_local_mode(used[0]) == SHARED:  # Identity: one payload
         p = rows.payloads[ROWWISE]

@@ -185,17 +185,20 @@ def _plans(lcs: list[LinearContext]) -> Optional[dict]:
 def _saved_inputs(x: torch.Tensor, m_splits: list[int], qxs: Sequence[torch.Tensor], lcs: list[LinearContext],
                   needs_wgrad: list[bool]) -> Sequence[Optional[torch.Tensor]]:
     """Every expert's ``_saved_input`` (None where its wgrad is not needed); experts held as a
-    ``GroupedTensor`` stay so when every one of them saves its columnwise copy, their rowwise
-    copies dropped."""
-    if (isinstance(qxs, GroupedTensor) and all(needs_wgrad) and qxs.has_direction(COLUMNWISE)
-            and not any(keeps_original_input(lc) for lc in lcs)):
-        qxs.drop(ROWWISE)
-        return qxs
+    ``GroupedTensor`` stay one (their rowwise copies dropped) when they save columnwise copies
+    it holds joined."""
+    if isinstance(qxs, GroupedTensor) and not any(keeps_original_input(lc) for lc in lcs):
+        if all(needs_wgrad) and qxs.has_direction(COLUMNWISE):
+            qxs.drop(ROWWISE)
+            return qxs
+        if qxs.joined(COLUMNWISE) is not None:  # some experts' wgrad: theirs, as views of the copy
+            keep = [_saved_input(None, qx, lc) if need else None for qx, lc, need in zip(qxs, lcs, needs_wgrad)]
+            return GroupedTensor(m_splits, {COLUMNWISE: qxs.joined(COLUMNWISE)}, experts=keep)
     return [_saved_input(xi, qx, lcs[i]) if needs_wgrad[i] else None
             for i, (xi, qx) in enumerate(zip(torch.split(x, m_splits), qxs))]
 
 
-def _saved_input(x2: torch.Tensor, qx: torch.Tensor, lc: LinearContext) -> torch.Tensor:
+def _saved_input(x2: Optional[torch.Tensor], qx: torch.Tensor, lc: LinearContext) -> torch.Tensor:
     """What wgrad needs of x: the original (``save_original_input`` with a requantization-safe
     quantizer) or the columnwise copy, the rowwise one dropped now that fprop is done."""
     if keeps_original_input(lc):
@@ -215,14 +218,19 @@ def _wgrad_input(saved_x: torch.Tensor, lc: LinearContext) -> torch.Tensor:
 def _wgrads(qdys: list[Optional[torch.Tensor]], qxs: list[Optional[torch.Tensor]],
             w_dtypes: list[torch.dtype]) -> list[Optional[torch.Tensor]]:
     """dW per expert (None where not needed): one grouped wgrad per weight dtype present."""
-    if isinstance(qxs, GroupedTensor) and len(set(w_dtypes)) == 1:  # every expert, one call
-        return list(grouped_gemm(qdys, qxs, "NT", out_dtype=w_dtypes[0]))
+    if (isinstance(qxs, GroupedTensor) and len(set(w_dtypes)) == 1
+            and (qxs.joined_only or None not in qxs.experts())):
+        return list(grouped_gemm(qdys, qxs, "NT", out_dtype=w_dtypes[0]))  # every expert, one call
     dws: list[Optional[torch.Tensor]] = [None] * len(qdys)
-    qdys = list(qdys)  # indexed per expert below: a GroupedTensor's tensors read once
     for dtype in dict.fromkeys(w_dtypes):
         idx = [i for i, qx in enumerate(qxs) if qx is not None and w_dtypes[i] == dtype]
-        if idx:
-            outs = grouped_gemm([qdys[i] for i in idx], [qxs[i] for i in idx], "NT", out_dtype=dtype)
+        if idx:  # a run of experts keeps its joined copies (GroupedTensor.select)
+            outs = grouped_gemm(_select(qdys, idx), _select(qxs, idx), "NT", out_dtype=dtype)
             for i, dw in zip(idx, outs):
                 dws[i] = dw
     return dws
+
+
+def _select(ts: Sequence[Optional[torch.Tensor]], idx: list[int]) -> Sequence[Optional[torch.Tensor]]:
+    """Experts ``idx`` of ``ts``: ``GroupedTensor.select`` (joined copies kept for a run), or a list."""
+    return ts.select(idx) if isinstance(ts, GroupedTensor) else [ts[i] for i in idx]

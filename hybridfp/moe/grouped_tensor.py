@@ -149,8 +149,45 @@ class GroupedTensor(Sequence[Optional[QuantizedTensor]]):
                 if t is not None:
                     t.update_usage(**{flag: False})
 
+    def select(self, idx: Sequence[int]) -> "GroupedTensor | list[Optional[QuantizedTensor]]":
+        """Experts ``idx`` (in order) as a built ``GroupedTensor`` whose joined copies are this
+        one's narrowed to their rows, when they are a consecutive run (their groups lie back to
+        back in every joined copy); else the list of their tensors.
+
+        Parameters
+        ----------
+        idx:
+            Expert indices, ascending.
+
+        Returns
+        -------
+        The selected experts."""
+        items = self.experts()
+        chosen = [items[i] for i in idx]
+        if not idx or list(idx) != list(range(idx[0], idx[0] + len(idx))):
+            return chosen
+        a, b = idx[0], idx[-1] + 1
+        joined = {d: _narrowed(j, self.splits, a, b) for d, j in self._joined.items()}
+        return GroupedTensor(self.splits[a:b], joined, experts=chosen) if joined else chosen
+
     @property
     def cutter(self) -> Optional[Cutter]:
         """The function that cuts the per-expert tensors out of joined copies of this layout (to
         rebuild the experts over the saved tensors handed back to backward); None when built."""
         return self._cut
+
+
+def _narrowed(j: JoinedCopy, splits: Sequence[int], a: int, b: int) -> JoinedCopy:
+    """``j`` restricted to experts [a, b): its storage's rows from expert a's group start to
+    expert b's (or the end), the starts shifted to it, the experts' ``scales``."""
+    starts = j.starts
+    if starts is None:
+        starts, at = [], 0
+        for m in splits:
+            starts.append(at)
+            at += m
+    lo, hi = starts[a], starts[b] if b < len(splits) else j.storage.rows
+    storage = j.storage.slice_dim0(lo, hi)
+    storage.is_dim0_slice = j.storage.is_dim0_slice  # the experts' copies, not a cut of them
+    return JoinedCopy(storage, None if j.starts is None else [s - lo for s in starts[a:b]],
+                      None if j.scales is None else j.scales[a:b])
