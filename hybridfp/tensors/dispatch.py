@@ -306,13 +306,17 @@ def _written_quantized(func, args, kwargs) -> list[QuantizedTensor]:
 _VALUE_SETTERS = frozenset({"fill_", "uniform_", "normal_", "random_", "bernoulli_", "exponential_"})
 
 
+def _is_value_setter(func) -> bool:
+    return (func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)) in _VALUE_SETTERS
+
+
 def _refuse_trained_update(func, args, kwargs) -> None:
     """An in-place op other than a copy on a quantized parameter (or on optimizer state made from
     one with ``zeros_like``) is an optimizer step applied to the quantized values: each update would
     be rounded away or land on a stale scale and training diverges silently. Refuse it."""
-    op = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
-    if op in _VALUE_SETTERS:
+    if _is_value_setter(func):
         return
+    op = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
     for t in _written_quantized(func, args, kwargs):
         name = _trained_name(t)
         if name is not None:
@@ -333,7 +337,14 @@ def _fallback(func, args, kwargs):
     unwrap = lambda x: (deq.get(id(x)) if id(x) in deq else _dense(x)) if isinstance(x, QuantizedTensor) else x
     out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
     for t in mutated:  # write the high-precision result back by re-quantizing
+        if _is_value_setter(func) and t._quantizer is not None and getattr(t, "_is_param", False):
+            # a parameter initialised anew (nn.init after quantized_model_init): what its quantizer
+            # recorded of the value it replaces (delayed scaling's pending amax) goes with it
+            t._quantizer.discard_step()
         _requantize_into(t, deq[id(t)])
+        if "_high_precision_init_val" in t.__dict__:  # an initialisation (nn.init) after creation:
+            # the kept initial value follows it, so masters seeded from it start where t does
+            t.__dict__["_high_precision_init_val"] = deq[id(t)].detach().to("cpu", copy=True)
     if mutated and out is not None:
         return mutated[0] if len(mutated) == 1 else out
     return out

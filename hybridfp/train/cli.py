@@ -69,6 +69,13 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-iters", type=int, help="validation batches per evaluation")
     p.add_argument("--checkpoint-interval", type=int, default=0,
                    help="also checkpoint every N steps (default 0: only at the end)")
+    p.add_argument("--quantized-weights", action="store_true",
+                   help="hold the hybridfp layers' weights quantized in the recipe's weight format "
+                        "(hybridfp.quantized_model_init) and train FP32 master weights "
+                        "(hybridfp.MasterWeightOptimizer); same results as without it")
+    p.add_argument("--recompute", action="store_true",
+                   help="recompute each transformer block in backward (torch.utils.checkpoint): "
+                        "less activation memory, same results")
     p.add_argument("--device", help="cpu (default) or cuda")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="activation dtype (default bf16)")
     p.add_argument("--seed", type=int, default=None)
@@ -196,6 +203,10 @@ def config_from_args(args: argparse.Namespace, saved: Optional[dict] = None) -> 
         cfg.eval_interval = _pick(args.eval_interval, cfg.eval_interval)
         cfg.device = _pick(args.device, cfg.device)
         cfg.checkpoint_interval = args.checkpoint_interval
+        cfg.recompute = bool(getattr(args, "recompute", False))
+        if getattr(args, "quantized_weights", False) and not cfg.quantized_weights:
+            logger.warning("note: --resume keeps quantized_weights=False from the run in progress "
+                           "(ignoring --quantized-weights)")
     else:
         preset = PRESETS[args.preset]
         batch_size, seq_len = _pick(args.batch_size, preset.batch_size), _pick(args.seq_len, preset.seq_len)
@@ -207,7 +218,9 @@ def config_from_args(args: argparse.Namespace, saved: Optional[dict] = None) -> 
             eval_interval=_pick(args.eval_interval, preset.eval_interval),
             eval_iters=_pick(args.eval_iters, preset.eval_iters), seed=_pick(args.seed, 0),
             device=_pick(args.device, "cpu"), dtype=_pick(args.dtype, "bf16"), data=args.data,
-            checkpoint_interval=args.checkpoint_interval)
+            checkpoint_interval=args.checkpoint_interval,
+            quantized_weights=bool(getattr(args, "quantized_weights", False)),
+            recompute=bool(getattr(args, "recompute", False)))
     for key in ("steps", "batch_size", "seq_len", "eval_interval", "eval_iters", "lr_decay_steps"):
         if getattr(cfg, key) < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be at least 1; got {getattr(cfg, key)}.")

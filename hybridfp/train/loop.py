@@ -28,7 +28,10 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from ..recipes import autocast
 from ..gemm import EMULATED, describe_key, select
+from ..integration.master_weights import MasterWeightOptimizer
 from ..nn import GEMMS, QuantizedModule
+from ..nn.quantized_init import quantized_model_init
+from ..tensors import QuantizedTensor
 from ..recipes import AutocastState, Recipe
 from .checkpoint import (CheckpointError, check_belongs, load_checkpoint, rng_state, save_checkpoint,
                          set_rng_state)
@@ -44,7 +47,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 VAL_SEED = 0
 #: Settings a resumed run takes from its checkpoint (changing them would change the run).
 FIXED_ON_RESUME = ("preset", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup", "lr_decay_steps",
-                   "weight_decay", "grad_clip", "seed", "dtype", "data", "eval_iters")
+                   "weight_decay", "grad_clip", "seed", "dtype", "data", "eval_iters", "quantized_weights")
 
 
 @dataclass
@@ -69,6 +72,8 @@ class TrainConfig:
     dtype: str = "bf16"
     data: Optional[str] = None
     checkpoint_interval: int = 0   # 0: only at the end of the run
+    quantized_weights: bool = False  # weights held quantized (quantized_model_init), FP32 masters
+    recompute: bool = False        # torch.utils.checkpoint per block
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (checkpoints, summary)."""
@@ -162,32 +167,50 @@ class WarmupCosineLR(LRScheduler):
                 for base in self.base_lrs]
 
 
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW, weight decay on matrices only (nanoGPT)."""
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer | MasterWeightOptimizer:
+    """AdamW, weight decay on matrices only (nanoGPT). With ``cfg.quantized_weights``: AdamW on
+    FP32 masters of the quantized weights (``MasterWeightOptimizer``, seeded from their kept
+    initial values, which are then freed)."""
     params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
     decay = [p for p in params if p.dim() >= 2]
     other = [p for p in params if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": other, "weight_decay": 0.0}],
-                             lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}]
+    kw: dict[str, Any] = {"lr": cfg.lr, "betas": (0.9, 0.95), "eps": 1e-8}
+    if not cfg.quantized_weights:
+        return torch.optim.AdamW(groups, **kw)
+    opt = MasterWeightOptimizer(torch.optim.AdamW, groups, **kw)
+    for p in params:
+        if isinstance(p, QuantizedTensor):
+            p.clear_high_precision_init_val()
+    return opt
 
 
-def make_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig, step: int = 0) -> WarmupCosineLR:
+def make_scheduler(opt: torch.optim.Optimizer | MasterWeightOptimizer, cfg: TrainConfig,
+                   step: int = 0) -> WarmupCosineLR:
     """The run's schedule (:func:`lr_at`) on ``opt``, its groups' learning rate set to that of
     ``step``: 0 for a new run, the step a resumed run continues at (the schedule is a function
     of the step and of settings a resumed run cannot change, so it is recomputed, not loaded)."""
+    if isinstance(opt, MasterWeightOptimizer):
+        opt = opt.optimizer  # the torch optimizer whose groups it steps
     if step > 0:
         for group in opt.param_groups:
             group["initial_lr"] = cfg.lr  # the peak; torch.optim's schedulers resume from it
     return WarmupCosineLR(opt, cfg.warmup, cfg.lr_decay_steps, cfg.min_lr_ratio, last_epoch=step - 1)
 
 
-def build_model(cfg: TrainConfig, vocab_size: int) -> GPT:
-    """The model with the run's initial weights (seeded: identical for every recipe)."""
+def build_model(cfg: TrainConfig, vocab_size: int, recipe: Optional[Recipe] = None) -> GPT:
+    """The model with the run's initial weights (seeded: identical for every recipe); with
+    ``cfg.quantized_weights`` its hybridfp modules hold their weights quantized by ``recipe``
+    (the initial FP32 values kept to seed the masters); ``cfg.recompute`` recomputes blocks."""
     mcfg = GPTConfig(**{**cfg.model.to_dict(), "vocab_size": vocab_size,
                         "block_size": max(cfg.model.block_size, cfg.seq_len)})
+    if cfg.quantized_weights and recipe is None:
+        raise ValueError("build_model: quantized_weights needs the recipe whose weight format holds them.")
     torch.manual_seed(cfg.seed)
-    return GPT(mcfg, DTYPES[cfg.dtype]).to(cfg.device)
+    with quantized_model_init(enabled=cfg.quantized_weights, recipe=recipe, preserve_high_precision_init_val=True):
+        model = GPT(mcfg, DTYPES[cfg.dtype]).to(cfg.device)
+    model.recompute = cfg.recompute
+    return model
 
 
 def count_params(cfg: TrainConfig, vocab_size: int) -> int:
@@ -395,7 +418,7 @@ def train_recipe(cfg: TrainConfig, named: NamedRecipe, data: TokenData, out_dir:
     cfg = run_config(cfg, named)
     ckpt_path = checkpoint_path(out_dir, named)
     metrics = MetricsLog(out_dir / "metrics.jsonl")
-    model = build_model(cfg, data.vocab_size)
+    model = build_model(cfg, data.vocab_size, named.recipe)
     opt = make_optimizer(model, cfg)
     result = RunResult(named.label, named.description, checkpoint=str(ckpt_path))
     start = 0

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..nn import LayerNormLinear, Linear, set_names
 from .moe import MoE, activation, make_norm
@@ -141,6 +142,8 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig, act_dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         self.cfg, self.act_dtype = cfg, act_dtype
+        #: Recompute each block in backward (torch.utils.checkpoint) while training with grad.
+        self.recompute = False
         self.last_ce_loss: Optional[torch.Tensor] = None
         self.last_aux_loss: Optional[torch.Tensor] = None
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
@@ -177,8 +180,9 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {idx.shape[1]} exceeds block_size={self.cfg.block_size}.")
         x = self.wte(idx).to(self.act_dtype)
         cos, sin = self.rope_cos.to(x.device), self.rope_sin.to(x.device)
+        recompute = self.recompute and self.training and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x, cos, sin)
+            x = checkpoint(block, x, cos, sin, use_reentrant=False) if recompute else block(x, cos, sin)
         h = self.final_norm(x.float())
         if isinstance(self.lm_head, Linear):
             logits = self.lm_head(h.to(self.act_dtype)).float()

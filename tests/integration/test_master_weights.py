@@ -137,3 +137,17 @@ def test_memory_per_parameter_counts_the_real_buffers(recipe, weight_bytes):
     assert m["quantized_weight"] == m["weights"] == pytest.approx(weight_bytes)
     assert (m["masters"], m["optimizer_state"], m["bf16_total"]) == (4.0, 8.0, 14.0)
     assert m["total"] == pytest.approx(weight_bytes + 12.0)
+
+
+def test_initialising_a_quantized_weight_again_follows_it():
+    """nn.init after quantized_model_init (a model's own init scheme): the weight, its kept
+    initial value and delayed scaling's pending amax are those of the new value."""
+    r = hfp.DelayedScaling(amax_history_len=4)
+    with hfp.quantized_model_init(recipe=r, preserve_high_precision_init_val=True):
+        lin = hfp.Linear(64, 64)
+    torch.manual_seed(3)
+    torch.nn.init.normal_(lin.weight, std=0.02)
+    torch.manual_seed(3)
+    want = torch.nn.init.normal_(torch.empty(64, 64), std=0.02)
+    assert torch.equal(lin.weight.get_high_precision_init_val(), want)
+    assert lin.weight.quantizer.amax_history[0] == want.abs().max()
