@@ -32,10 +32,11 @@ from typing import Any, Optional
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from ..config import current_policy
 from ..recipes import AutocastState, current_autocast
 from ..tensors import QuantizedTensor
 from .linear_function import (LinearContext, LinearFunction, backward_gemms, bias_grad, forward_gemm,
-                              pack, torch_autocast_off, unpack)
+                              torch_autocast_off)
 
 #: id(module) -> module, for the ops (which take plain values only); entries die with modules.
 _MODULES: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
@@ -63,8 +64,20 @@ def _module(key: int) -> Any:
 
 
 def config_key(state: AutocastState) -> str:
-    """The recipe configuration a compiled graph was traced for (Dynamo guards on it)."""
-    return repr(state.recipe.key())
+    """The configuration a compiled graph was traced for (Dynamo guards on it): the policy
+    fields the quantizers depend on (decoded copies) and the recipe: a dataclass recipe's field
+    values, a ``CustomRecipe``'s factory object and options, else the recipe object."""
+    pol = current_policy()
+    return repr((pol.decoded_copies, pol.decoded_unverified_on_cuda, _recipe_key(state.recipe)))
+
+
+def _recipe_key(recipe: Any) -> str:
+    if not dataclasses.is_dataclass(recipe):
+        factory = getattr(recipe, "qfactory", None)  # CustomRecipe: its factory and options
+        return repr((type(recipe).__name__, id(recipe if factory is None else factory),
+                     getattr(recipe, "fprop_fast_accumulation", None), getattr(recipe, "backward_override", None)))
+    return repr((type(recipe).__name__, tuple((f.name, repr(getattr(recipe, f.name)))
+                                              for f in dataclasses.fields(recipe))))
 
 
 class _MetaWeights:
@@ -96,12 +109,16 @@ class _Plan:
 
 
 def _form(saved: Optional[torch.Tensor], given: torch.Tensor) -> tuple[int, Any, tuple]:
+    """How backward reads ``saved``; for a quantized copy, its skeleton, its payload slots
+    grouped by the tensor they hold (``tensors()`` order) and the meta tensors."""
     if saved is None:
         return _NONE, None, ()
     if saved is given:
         return _INPUT, None, ()
-    tensors, skel = pack(saved)
-    return _PAYLOAD, skel, tuple(tensors)
+    storage = saved.qstorage
+    groups = storage._tensor_slots()
+    tensors, skel = storage.split_tensors()
+    return _PAYLOAD, (skel, groups), tuple(tensors)
 
 
 def _plan(lc: LinearContext, x_shape: tuple, x_dtype: torch.dtype, w_shape: tuple, w_dtype: torch.dtype,
@@ -125,8 +142,8 @@ def _plan(lc: LinearContext, x_shape: tuple, x_dtype: torch.dtype, w_shape: tupl
     xf, xs, xm = _form(sx, x)
     wf, ws, wm = _form(sw, w)
     # the skeletons rebuild tensors of the live quantizers, not of the meta pass's copies
-    xs = None if xs is None else (xs[0], xs[1], lc.input_q)
-    ws = None if ws is None else (ws[0], ws[1], lc.weight_q)
+    xs = None if xs is None else (*xs, lc.input_q)
+    ws = None if ws is None else (*ws, lc.weight_q)
     plan = _Plan(xf, xs, xm, wf, ws, wm)
     memo[key] = plan
     return plan
@@ -182,22 +199,28 @@ def linear_forward(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
 
 
 def _payloads(t: Any, skel: Any, module: Any) -> list[torch.Tensor]:
-    """``t``'s payload tensors in the order of the meta pass's skeleton (the order the graph was
-    traced with: the grouping of a storage's tensors can differ between devices)."""
-    storage = t.qstorage
-    groups = skel[1]._tensor_slots()
+    """``t``'s payload tensors grouped as the meta pass grouped them (the order the graph was
+    traced with: a real storage may list its tensors in another order)."""
+    storage, groups = t.qstorage, skel[1]
     slots = {(d, n) for d in storage.directions() for n in storage.payloads[d]}
     if slots != {s for g in groups for s in g} or any(
-            any(storage.payloads[d][n] is not storage.payloads[g[0][0]][g[0][1]] for d, n in g) for g in groups):
+            storage.payloads[d][n] is not storage.payloads[g[0][0]][g[0][1]] for g in groups for d, n in g):
         raise RuntimeError(f"{module._who()}: the saved copy {storage.describe()} does not have the "
                            "layout the compiled graph was traced with; call torch._dynamo.reset().")
     return [storage.payloads[g[0][0]][g[0][1]] for g in groups]
 
 
+def _rebuild(skel: Any, tensors: list[torch.Tensor]) -> QuantizedTensor:
+    """Inverse of :func:`_payloads` (as ``linear_function.unpack``)."""
+    storage, _groups, quantizer = skel
+    return QuantizedTensor(storage.with_tensors(list(tensors)), quantizer)
+
+
 @linear_forward.register_fake
 def _linear_forward_fake(x2, weight, bias, key, index, config, needs_dgrad, needs_wgrad, is_first_microbatch):
     module = _module(key)
-    lc = _forward_context(module, index, -1)
+    with unset_fake_temporarily():  # quantizers built here hold real state tensors (delayed scaling)
+        lc = _forward_context(module, index, -1)
     if isinstance(weight, QuantizedTensor):
         raise NotImplementedError(f"{module._who()}: torch.compile of a module with a quantized "
                                   "weight parameter is not supported; compile it with high-precision weights.")
@@ -222,10 +245,10 @@ def linear_backward(dy2: torch.Tensor, saved: list[torch.Tensor], key: int, inde
     sx = sw = None
     if plan.x_form != _NONE:
         k = 1 if plan.x_form == _INPUT else len(plan.x_meta)
-        sx = rest[0] if plan.x_form == _INPUT else unpack(plan.x_skel, rest[:k])
+        sx = rest[0] if plan.x_form == _INPUT else _rebuild(plan.x_skel, rest[:k])
         rest = rest[k:]
     if plan.w_form != _NONE:
-        sw = rest[0] if plan.w_form == _INPUT else unpack(plan.w_skel, rest)
+        sw = rest[0] if plan.w_form == _INPUT else _rebuild(plan.w_skel, rest)
     with torch_autocast_off(dy2):
         dx, dw = backward_gemms(dy2, sx, sw, lc, x_dtype, w_dtype, needs_dgrad, needs_wgrad)
         db = bias_grad(dy2, bias_grad_dtype) if bias_grad_dtype is not None else None
