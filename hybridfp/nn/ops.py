@@ -18,8 +18,15 @@ implementation, and the backward's skeletons to rebuild the saved copies), memoi
 module and call signature.
 
 The traced wrapper passes the module as ``id(module)`` (the registry below maps it back; a
-module registers itself when made or unpickled) and the recipe's configuration as a string,
-so Dynamo guards on it and a changed recipe recompiles.
+module registers itself when made or unpickled) and the configuration (recipe, decoded-copies
+policy) as a string, so Dynamo guards on it and a change recompiles. The backward op reads
+the context (quantizers, options) of the module's latest forward of that GEMM set, as the
+eager function reads the one its forward held: the same objects unless the recipe changed
+between a forward and its backward.
+
+Not covered (documented in README.md): a ``QuantizedTensor`` weight parameter (refused under
+compile), ``torch.utils.checkpoint`` records / replays of compiled calls (the module's
+``__call__`` records nothing while traced), and ``GroupedLinear``.
 """
 
 from __future__ import annotations
@@ -152,9 +159,11 @@ def _plan(lc: LinearContext, x_shape: tuple, x_dtype: torch.dtype, w_shape: tupl
 def _forward_context(module: Any, index: int, is_first_microbatch: int) -> LinearContext:
     state = current_autocast()
     if state is None:
-        raise RuntimeError(f"{module._who()}: a graph compiled inside hybridfp.autocast ran outside it; "
-                           "torch.compile guards on the region, so this is a stale graph: call "
-                           "torch._dynamo.reset().")
+        raise RuntimeError(f"{module._who()}: its compiled quantized GEMM ran outside hybridfp.autocast. "
+                           "A torch.utils.checkpoint inside a compiled function recomputes the forward "
+                           "in backward, outside the region: not supported under torch.compile; "
+                           "checkpoint without compiling, or compile without checkpointing hybridfp "
+                           "modules. Otherwise the graph is stale: call torch._dynamo.reset().")
     ifm = None if is_first_microbatch < 0 else bool(is_first_microbatch)
     lc = module.linear_context(state, index, ifm, grad_enabled=True)
     _CONTEXTS.setdefault(module, {})[index] = dataclasses.replace(lc, scratch=None, region=None)

@@ -137,3 +137,76 @@ def test_grouped_linear_breaks_are_counted(decoded_copies_mode: str) -> None:
 #: Graph breaks of one GroupedLinear call (2 experts, MXFP8) under torch.compile, by the
 #: decoded-copies mode of tests/nn/conftest.py.
 GROUPED_LINEAR_BREAKS = {"auto": 18, "always": 17}
+
+
+class _GatedMLP(torch.nn.Module):
+    """Hugging Face's gated MLP: gate and up read the same input (shared quantization)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = hf.Linear(64, 96), hf.Linear(64, 96), hf.Linear(96, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+def test_shared_input_gated_mlp_bitwise() -> None:
+    torch.manual_seed(6)
+    eager = _GatedMLP()
+    twin = copy.deepcopy(eager)
+    compiled = torch.compile(twin, fullgraph=True, backend="aot_eager")
+    x = torch.randn(8, 64)
+    a = _run(eager, x, hf.MXFP8BlockScaling(), 0) + [p.grad for p in eager.parameters()]
+    b = _run(compiled, x, hf.MXFP8BlockScaling(), 0) + [p.grad for p in twin.parameters()]
+    for u, v in zip(a, b):
+        assert torch.equal(u, v)
+
+
+def test_gpt_two_layers_one_graph_bitwise() -> None:
+    """hybridfp train's GPT (RMSNorm, RoPE attention, fused SwiGLU MLP), two layers."""
+    from hybridfp.train.model import GPT, GPTConfig
+
+    torch.manual_seed(7)
+    eager = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=2, block_size=32), act_dtype=torch.float32)
+    twin = copy.deepcopy(eager)
+    idx = torch.randint(0, 256, (2, 16))
+    with hf.autocast(recipe=hf.MXFP8BlockScaling()):
+        explained = torch._dynamo.explain(twin)(idx, idx)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    torch._dynamo.reset()
+    compiled = torch.compile(twin, fullgraph=True, backend="aot_eager")
+    losses = []
+    for model in (eager, compiled):
+        with hf.autocast(recipe=hf.MXFP8BlockScaling()):
+            out = model(idx, idx)
+        loss = out[1] if isinstance(out, tuple) else out
+        loss.backward()
+        losses.append(loss.detach())
+    assert torch.equal(losses[0], losses[1])
+    for p, q in zip(eager.parameters(), twin.parameters()):
+        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
+
+
+def test_is_first_microbatch_reuses_the_kept_weight() -> None:
+    torch.manual_seed(8)
+    m = hf.Linear(64, 32)
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        with hf.autocast(recipe=hf.MXFP8BlockScaling()):
+            ref = m(x, is_first_microbatch=True)
+        with hf.autocast(recipe=hf.MXFP8BlockScaling()):
+            got = compiled(x, is_first_microbatch=False)
+    assert torch.equal(ref, got)
+
+
+def test_checkpoint_inside_compiled_region_is_refused() -> None:
+    """Its recomputation would run the forward op outside the autocast region: a clear error."""
+    m = hf.Linear(64, 32)
+    compiled = torch.compile(lambda x: torch.utils.checkpoint.checkpoint(m, x, use_reentrant=False),
+                             fullgraph=True, backend="aot_eager")
+    x = torch.randn(8, 64, requires_grad=True)
+    with hf.autocast(recipe=hf.MXFP8BlockScaling()):
+        y = compiled(x)
+    with pytest.raises(RuntimeError, match="Linear: its compiled quantized GEMM ran outside hybridfp.autocast"):
+        y.sum().backward()
