@@ -431,7 +431,7 @@ def _column_payloads(storage: QuantizedStorage, starts: Sequence[int], splits: S
                      views: bool) -> list[Payload]:
     """Every expert's columnwise payload: rows [start_e, start_e + m_e) of the shared copy:
     column-slice views of its transposed tensors (``views``, no copy: the grouped GEMM decodes
-    them as one buffer, ``moe.joined.joined_columns``; copying every slice would cost the MXFP8 MoE
+    them as one buffer, the ``GroupedTensor``'s joined copy; copying every slice would cost the MXFP8 MoE
     layer a copy pass per expert that path never reads: ``python -m bench.bench_moe``), else
     each expert's own contiguous copy of its slice (far cheaper than a scatter through an int64
     index per element)."""

@@ -63,7 +63,7 @@ import torch
 from ..config import current_policy
 from ..utils.device import device_tensor
 from .grouped_tensor import GroupedTensor, JoinedCopy
-from .joined import joined_of, joined_row_storage, joined_view
+from .joined import joined_of, joined_row_storage
 from ..tensors.storage import GemmOperand, QuantizedStorage
 from ..gemm import fast
 from ..gemm.backends import emulate, report_emulated, select
@@ -73,7 +73,6 @@ from . import gemm_fp8
 from . import gemm_triton
 from .gemm_bf16 import BF16_ALIGN, GroupedMM, offsets, per_group_mm, run_bf16
 from .gemm_joined import run_joined
-from .joined import joined_rows
 
 GROUPED_BF16, GROUPED_FP8_ROWWISE, PER_EXPERT = "grouped_bf16", "grouped_fp8_rowwise", "per_expert"
 GROUPED_TRITON = "grouped_triton"
@@ -413,12 +412,9 @@ def _run_fp8_rowwise(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStora
     # without a copy; otherwise cat / stack on the bytes (not every torch build concatenates
     # float8 tensors).
     mat_a = _fp8_rows(ja, da, ms)
-    if ja is None:
-        filled = [p["data"] for p in pa if p["data"].numel()]
-        mat_a = joined_view(filled) if filled else None
     if mat_a is None:
         mat_a = torch.cat([p["data"].view(torch.uint8) for p in pa]).view(torch.float8_e4m3fn)
-    whole_b = _fp8_rows(jb, db, [n] * len(pb)) if jb is not None else joined_view([p["data"] for p in pb])
+    whole_b = _fp8_rows(jb, db, [n] * len(pb))
     if whole_b is not None:
         mat_b = whole_b.view(len(pb), n, whole_b.shape[1]).transpose(1, 2)
     else:
@@ -517,8 +513,7 @@ def _emulated_operands(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedSto
 
 def _decoded(storages: Sequence[QuantizedStorage], direction: str, j: Optional[JoinedCopy]) -> list[GemmOperand]:
     """``s.gemm_operand(direction)`` per storage; ``j``'s rows decoded in one call."""
-    joined = (joined_row_storage(j, direction, [s.part(direction).rows for s in storages]) if j is not None
-              else joined_rows(storages, direction))
+    joined = joined_row_storage(j, direction, [s.part(direction).rows for s in storages])
     if joined is None:
         return [s.part(direction).gemm_operand(direction) for s in storages]
     whole = joined.gemm_operand(direction)

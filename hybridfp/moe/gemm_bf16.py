@@ -20,7 +20,7 @@ from ..gemm.bf16_decode import HAVE_TRITON, decode_bf16, decode_bf16_joined, hel
 from ..gemm.bf16_tensorcore import exact_bf16_gemm
 from ..gemm.gemm import LAYOUTS
 from .grouped_tensor import JoinedCopy
-from .joined import joined_column_storage, joined_columns, joined_row_storage, joined_rows, joined_view
+from .joined import joined_column_storage, joined_row_storage
 
 #: (mat_a, mat_b, sizes) -> BF16 result, with ``torch._grouped_mm``'s semantics for the groups of
 #: ``sizes`` (host ints: rows of ``mat_a`` for 2D x 3D, the reduction for 2D x 2D).
@@ -116,8 +116,8 @@ def run_bf16(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], lay
     # expert's reduction to a multiple of 8 with zeros, which add nothing to the FP32 sums.
     ks = [v.shape[1] for v in vals_a] if vals_a is not None else [r.shape[0] for r in rows_a]
     padded = [-(-k // BF16_ALIGN) * BF16_ALIGN for k in ks]
-    mat_a = _cat_columns(vals_a, padded, rows_a, _held_rows(ja, rows_a, vals_a))
-    mat_b = _cat_columns(vals_b, padded, rows_b, _held_rows(jb, rows_b, vals_b)).t()
+    mat_a = _cat_columns(vals_a, padded, rows_a, _held_rows(ja, rows_a))
+    mat_b = _cat_columns(vals_b, padded, rows_b, _held_rows(jb, rows_b)).t()
     return _wgrad_result(grouped_mm(mat_a, mat_b, padded), ks)
 
 
@@ -156,9 +156,9 @@ def _joined_operand(storages: Sequence[QuantizedStorage], direction: str, j: Opt
     ``decode_bf16_joined``."""
     sizes = [s.part(direction).rows for s in storages]
     if direction == ROWWISE:
-        joined = joined_row_storage(j, direction, sizes) if j is not None else joined_rows(storages, direction)
+        joined = joined_row_storage(j, direction, sizes)
     else:
-        found = joined_column_storage(j, direction) if j is not None else joined_columns(storages)
+        found = joined_column_storage(j, direction)
         if found is None:
             return None
         joined, starts = found
@@ -167,16 +167,10 @@ def _joined_operand(storages: Sequence[QuantizedStorage], direction: str, j: Opt
     return decode_bf16_joined(joined, storages, direction, cache=cache) if joined is not None else None
 
 
-def _held_rows(j: Optional[JoinedCopy], rows: Optional[Sequence[torch.Tensor]],
-               parts: Optional[Sequence[torch.Tensor]]) -> Optional[torch.Tensor]:
+def _held_rows(j: Optional[JoinedCopy], rows: Optional[Sequence[torch.Tensor]]) -> Optional[torch.Tensor]:
     """The tensor ``j`` holds whose row blocks are the experts' held transposes ``rows`` (a BF16
     Identity columnwise copy: the experts' rows, read transposed), contiguous; else None."""
-    if j is None:  # a list: its views joined if they are
-        rows = rows if rows is not None else [p.t() for p in parts] if parts is not None else None
-        filled = [r for r in rows if r.numel()] if rows is not None else None
-        whole = joined_view(filled) if filled else None
-        return whole if whole is not None and whole.shape[0] == sum(r.shape[0] for r in rows) else None
-    if rows is None or j.starts is not None or j.scales is not None:
+    if j is None or rows is None or j.starts is not None or j.scales is not None:
         return None
     whole = held_transpose(j.storage, COLUMNWISE)
     if whole is None or not whole.is_contiguous() or whole.shape[0] != sum(r.shape[0] for r in rows):
@@ -202,8 +196,7 @@ def _run_bf16_joined_wgrad(sa: Sequence[QuantizedStorage], sb: Sequence[Quantize
     layout: [m, Σk] · [Σk, n] straight from the two decodes, each expert's zero padding inside
     its own group. ``NotImplemented`` when the copies are not so joined (the caller then goes
     per expert)."""
-    ja = joined_column_storage(j_a, COLUMNWISE) if j_a is not None else joined_columns(sa)
-    jb = joined_column_storage(j_b, COLUMNWISE) if j_b is not None else joined_columns(sb)
+    ja, jb = joined_column_storage(j_a, COLUMNWISE), joined_column_storage(j_b, COLUMNWISE)
     if ja is None or jb is None or ja[1] != jb[1] or ja[0].rows != jb[0].rows:
         return NotImplemented
     if any(-(-st // BF16_ALIGN) * BF16_ALIGN != st for st in ja[1]):

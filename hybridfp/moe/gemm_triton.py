@@ -42,7 +42,7 @@ from .grouped_tensor import JoinedCopy
 from ..tensors.storage import QuantizedStorage
 from ..gemm.bf16_decode import HAVE_TRITON, bf16_exact_reason, decode_bf16, decode_bf16_joined
 from ..gemm.gemm import LAYOUTS
-from .joined import joined_row_span, joined_row_storage, joined_rows, joined_values, padded_row_span
+from .joined import joined_row_storage, padded_row_span
 
 #: output dtypes the kernel writes
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -136,8 +136,7 @@ def _weights_operand(sb: Sequence[QuantizedStorage], db: str, jb: Optional[Joine
     its own global scale) are decoded in one call, cached while unchanged, and viewed [E, n, k]
     (each expert's scale its own part's); otherwise each expert's copy is decoded (cached) and
     stacked. None if their decoded shapes differ."""
-    joined = (joined_row_storage(jb, db, [b.part(db).rows for b in sb], single_rows=False) if jb is not None
-              else joined_values(sb, db))
+    joined = joined_row_storage(jb, db, [b.part(db).rows for b in sb], single_rows=False)
     if joined is not None:
         whole = decode_bf16_joined(joined, sb, db, cache=True)
         values = whole.values.contiguous()  # the decoders write contiguous tensors: no copy
@@ -154,11 +153,11 @@ def _rows_operand(sa: Sequence[QuantizedStorage], da: str, device: torch.device,
     """(A [Σm_e, k] BF16, its scales per row [Σm_e] FP32 or None, each expert's RHT flag): one
     decode when ``ja`` holds the experts' rows joined (back to back, or at padded group starts),
     else per expert and concatenated; None if the experts' stored lengths differ."""
-    joined = joined_row_storage(ja, da, [a.part(da).rows for a in sa]) if ja is not None else joined_rows(sa, da)
+    joined = joined_row_storage(ja, da, [a.part(da).rows for a in sa])
     if joined is not None:
         whole = decode_bf16(joined, da)
         return whole.values, _spread([whole.scale], [whole.values.shape[0]], device), [whole.rht] * len(sa)
-    span = padded_row_span(ja, da) if ja is not None else joined_row_span(sa, da)
+    span = padded_row_span(ja, da)
     if span is not None:
         gathered = _gathered_rows(span[0], da, span[1], [s.rows for s in sa], device)
         return None if gathered is None else (*gathered[:2], [gathered[2]] * len(sa))

@@ -59,7 +59,7 @@ ROW_TILE: dict[type, Callable[[Quantizer], Optional[int]]] = {
 
 
 #: Columnwise copies handed to the experts as column-slice views of the shared encoding: the
-#: grouped GEMM decodes them as one buffer (``moe.joined.joined_columns``: MXFP8, BF16 path).
+#: grouped GEMM decodes them as one buffer (the ``GroupedTensor``'s joined copy: MXFP8, BF16 path).
 #: Other shared block copies (FP8 block: per-expert cuBLAS FP8 GEMMs, which read contiguous
 #: operands) get one contiguous copy per expert here, once, not one per GEMM call.
 COLUMN_VIEWS: tuple[type, ...] = (MXFP8Storage, DecodedMXFP8Storage)

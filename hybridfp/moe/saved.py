@@ -5,16 +5,14 @@ as ``linear_function.pack`` does for one ``Linear``: plain payload tensors, so s
 hooks (CPU offload, recompute) see ordinary tensors. With 64 experts, packing each expert
 separately would be 128 packs and unpacks and a few hundred saved tensors a step, all host
 work. Most of those tensors are
-views of a few shared buffers (``quantize_grouped``'s shared encodings, the rows of x, the
-joined weights' encodings), so the experts' tensors are saved per *slot* (the j-th payload
-tensor of every expert) as one tensor where their layout allows:
+views of a few shared buffers (``quantize_grouped``'s joined copies, the rows of x), so the
+experts' own tensors are saved per *slot* (the j-th payload tensor of every expert) as one
+tensor where their layout allows:
 
 - ``SAME``: every expert holds the same tensor (saved once);
-- ``ROWS``: consecutive row blocks of one buffer (saved as the joined view, re-split by rows);
-- ``COLUMNS``: column slices of one buffer in order (saved as the view spanning them, gaps
-  included, re-split by columns: the grouped GEMM's ``joined_columns`` finds them joined
-  again, also after an offload round trip);
-- ``OWN``: anything else, one saved tensor per expert (as before).
+- ``ROWS``: consecutive row blocks of one buffer (the rows of x kept with
+  ``save_original_input``: saved as the joined view, re-split by rows);
+- ``OWN``: anything else, one saved tensor per expert.
 
 Each expert's storage is described by a small record (class, shape, options, payload slots)
 instead of a skeleton storage object, and rebuilt once in backward. Experts held as a
@@ -38,7 +36,7 @@ from .grouped_tensor import Cutter, GroupedTensor, JoinedCopy
 from .joined import column_slices, joined_view
 from ..tensors.storage import COLUMNWISE, DIRECTIONS, ROWWISE
 
-SAME, ROWS, COLUMNS, OWN = "same", "rows", "columns", "own"
+SAME, ROWS, OWN = "same", "rows", "own"
 
 
 @dataclass
@@ -210,10 +208,6 @@ def _save_slot(col: list[torch.Tensor], saved: list[torch.Tensor]) -> tuple[str,
         if joined is not None:
             saved.append(joined)
             return ROWS, [t.shape[0] for t in col]
-    span = _column_span(col)
-    if span is not None:
-        saved.append(span[0])
-        return COLUMNS, span[1]
     saved.extend(col)
     return OWN, len(col)
 
@@ -224,32 +218,7 @@ def _restore_slot(kind: str, arg: Any, it: Iterator[torch.Tensor], n: int) -> li
         return [next(it)] * n
     if kind == ROWS:
         return list(torch.split(next(it), arg))
-    if kind == COLUMNS:  # sizes alternate gap, slice, gap, ..., slice
-        return list(torch.split(next(it), arg, dim=1)[1::2])
     return [next(it) for _ in range(arg)]
-
-
-def _column_span(col: list[torch.Tensor]) -> Optional[tuple[torch.Tensor, list[int]]]:
-    """The [R, W] view spanning column slices ``col`` of one 2-D buffer (in order, not
-    overlapping, one row count R > 1 and row stride, unit column stride) and the split sizes
-    (gap before each slice, its width) that give them back; else None."""
-    t0 = col[0]
-    if t0.dim() != 2 or t0.shape[0] < 2:
-        return None
-    rows, stride, base = t0.shape[0], t0.stride(0), t0.untyped_storage().data_ptr()
-    sizes, at = [], t0.storage_offset()
-    for t in col:
-        if (t.dim() != 2 or t.shape[0] != rows or t.stride(0) != stride or t.dtype != t0.dtype
-                or (t.shape[1] > 1 and t.stride(1) != 1) or t.untyped_storage().data_ptr() != base
-                or t.storage_offset() < at):
-            return None
-        sizes += [t.storage_offset() - at, t.shape[1]]
-        at = t.storage_offset() + t.shape[1]
-    width = at - t0.storage_offset()
-    if width > stride or t0.storage_offset() % stride + width > stride:
-        return None  # the span would wrap into the next row
-    span = t0.as_strided((rows, width), (stride, 1), t0.storage_offset())
-    return span, sizes
 
 
 # ---------------------------------------------------------------------------- storages

@@ -332,17 +332,26 @@ def test_shared_rowwise_encoding_is_read_without_copy(fmt, layout):
         assert seen[0].data_ptr() == a_src.data_ptr()  # no copy at all
 
 
-def test_joined_rows_refuses_separate_tensors():
-    """Separately quantized experts (or a gap between slices) are not one buffer: None."""
+def test_lists_of_experts_are_never_joined(monkeypatch):
+    """Separately quantized experts (a plain list) are never read as joined, even when their
+    copies happen to be views of one buffer (slices of one quantization): each expert is
+    decoded on its own; the joined decode needs a ``GroupedTensor`` that states its copy."""
     from hybridfp import MXFP8Quantizer
-    from hybridfp.moe.joined import joined_rows
+    from hybridfp.gemm import bf16_decode
+    from hybridfp.moe import gemm_bf16
+    from hybridfp.moe.joined import joined_of
 
-    xs = sources(ODD)["x"]
-    assert joined_rows([MXFP8Quantizer()(x).qstorage for x in xs], "rowwise") is None
-    whole = torch.randn(80, K)
-    gapped = [MXFP8Quantizer()(whole)]  # one expert: trivially joined
-    assert joined_rows([s.qstorage for s in gapped], "rowwise") is not None
-    assert joined_rows([MXFP8Quantizer()(whole).qstorage], "columnwise") is None
+    splits = [32, 0, 48]
+    src = sources(splits)
+    whole = MXFP8Quantizer()(torch.cat(src["x"]).bfloat16())
+    A = [whole[0:32], whole[32:32], whole[32:80]]  # row slices of one encoding
+    B = [MXFP8Quantizer()(w.bfloat16()) for w in src["w"]]
+    assert joined_of(A, "rowwise") is None
+    joined = []
+    real = gemm_bf16.decode_bf16_joined
+    monkeypatch.setattr(gemm_bf16, "decode_bf16_joined", lambda *a, **k: joined.append(1) or real(*a, **k))
+    got = grouped_gemm(A, B, "TN", grouped_mm=reference_grouped_mm)
+    assert joined == [] and torch.equal(got, per_expert(A, B, "TN"))
 
 
 # ---------------------------------------------------------------- joined weights and columnwise copies
@@ -391,21 +400,20 @@ def test_shared_encodings_reach_the_grouped_mm_as_one_decode(layout):
         assert ((g.float() - w.float()).abs() <= ulp).all()
 
 
-def test_joined_columns_needs_the_padded_layout():
-    """Columnwise copies quantized separately, or slices of one copy (whose rows after a slice
-    are data, not zero padding), are not joined."""
-    from hybridfp import MXFP8Quantizer
-    from hybridfp.moe.joined import joined_columns
+def test_joined_columns_are_the_padded_layout():
+    """The joined columnwise copy ``quantize_grouped`` states is the zero-padded groups' (each
+    group from a whole block); a BF16 Identity copy (the rows, read transposed) or a copy with
+    per-expert scales is not read as padded columns."""
+    from hybridfp import IdentityQuantizer, MXFP8Quantizer
+    from hybridfp.moe.joined import joined_column_storage, joined_of
     from hybridfp.moe.quantize import quantize_grouped
 
-    xs = sources(ODD)["x"]
-    assert joined_columns([MXFP8Quantizer()(x).qstorage for x in xs]) is None
-    whole = MXFP8Quantizer()(torch.randn(96, K)).qstorage
-    assert joined_columns([whole.slice_dim0(0, 32), whole.slice_dim0(32, 96)]) is None
     splits = [40, 24]
     got = quantize_grouped([MXFP8Quantizer() for _ in splits], torch.randn(64, K), splits)
-    joined, starts = joined_columns([t.qstorage for t in got])
+    joined, starts = joined_column_storage(joined_of(got, "columnwise"), "columnwise")
     assert starts == [0, 64] and joined.rows == 96
+    ident = quantize_grouped([IdentityQuantizer() for _ in splits], torch.randn(64, K).bfloat16(), splits)
+    assert joined_column_storage(joined_of(ident, "columnwise"), "columnwise") is None
 
 
 def test_stacked_weight_decode_is_cached_while_unchanged(monkeypatch):
@@ -435,11 +443,11 @@ def test_stacked_weight_decode_is_cached_while_unchanged(monkeypatch):
 def test_all_empty_experts_are_not_joined():
     """Zero-width joins (every expert empty) are refused, not divided by."""
     from hybridfp import MXFP8Quantizer
-    from hybridfp.moe.joined import joined_columns
+    from hybridfp.moe.joined import joined_column_storage, joined_of
     from hybridfp.moe.quantize import quantize_grouped
 
     got = quantize_grouped([MXFP8Quantizer() for _ in range(3)], torch.zeros(0, 1), [0, 0, 0])
-    assert joined_columns([t.qstorage for t in got]) is None
+    assert joined_column_storage(joined_of(got, "columnwise"), "columnwise") is None
 
 
 def test_fp8_rowwise_path_reads_adjacent_rows_without_a_copy(monkeypatch):

@@ -2,7 +2,8 @@
 bit — every payload tensor of every copy — for every factory role, every usage combination
 (per expert too), zero-size experts and row counts that are not multiples of 16, 32 or 128;
 and formats with row-local rowwise scaling share one encoding (experts' payloads are adjacent
-row-slice views), which ``grouped_gemm`` then reads without a copy (``joined_rows``)."""
+row-slice views), which the result names as its joined copy (``GroupedTensor.joined``) and
+``grouped_gemm`` then reads without a copy."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import pytest
 import torch
 
 from hybridfp import factories
-from hybridfp.moe.joined import joined_rows
+from hybridfp.moe.joined import joined_column_storage, joined_of, joined_row_storage
 from hybridfp.moe.plan import row_local_mode
 from hybridfp.moe.quantize import quantize_grouped
 from hybridfp.recipes import QuantizerRole
-from hybridfp.tensors.storage import DIRECTIONS, ROWWISE
+from hybridfp.tensors.storage import COLUMNWISE, DIRECTIONS, ROWWISE
 
 K = 72  # not a multiple of 32 (MXFP8) or 128 (FP8 block): partial blocks along the row
 SPLITS = [0, 19, 45, 1, 130, 0, 33]
@@ -98,12 +99,11 @@ def test_derived_hybrid_is_one_encode_of_the_padded_groups():
     """A hybrid whose columnwise copy derives from a row-local rowwise copy (Composer-2's
     row-scaled NVFP4 -> MXFP8 input) is one encode of the groups zero-padded to 32 rows: every
     expert's rowwise payload is a row slice of one buffer at its padded start, its columnwise
-    payload a column slice of another (``joined_columns`` reads them as one). Bitwise equality
+    payload a column slice of another, the result's joined columnwise copy. Bitwise equality
     with each expert's own quantize: test_grouped_equals_per_expert_quantize."""
-    from hybridfp.moe.joined import joined_columns
-
     qs = build(FACTORIES["nvfp4_row_scaled_fwd_mxfp8_bwd"], "input", USAGES["both"])
-    storages = [t.qstorage for t in quantize_grouped(qs, data(), SPLITS)]
+    got = quantize_grouped(qs, data(), SPLITS)
+    storages = [t.qstorage for t in got]
     starts = [0]
     for m in SPLITS[:-1]:
         starts.append(starts[-1] + -(-m // 32) * 32)
@@ -112,19 +112,21 @@ def test_derived_hybrid_is_one_encode_of_the_padded_groups():
         assert len({t.untyped_storage().data_ptr() for t in ts}) == 1, n
         row = ts[0].stride(0)
         assert [(t.storage_offset() - ts[0].storage_offset()) // row for t in ts] == starts, n
-    found = joined_columns(storages)
+    found = joined_column_storage(joined_of(got, COLUMNWISE), COLUMNWISE)
     assert found is not None and found[1] == starts
+    cols = storages[1].part(COLUMNWISE).payload(COLUMNWISE)["data"]
+    assert cols.untyped_storage().data_ptr() == found[0].payload(COLUMNWISE)["data"].untyped_storage().data_ptr()
 
 
 @pytest.mark.parametrize("name", ["high_precision", "mxfp8", "float8_block_scaling"])
 def test_row_local_rowwise_copies_are_one_encoding(name):
-    """The experts' rowwise copies are row-slice views of one buffer: ``joined_rows`` stacks
-    them without a copy, and the stack equals the whole tensor's rowwise encoding."""
+    """The experts' rowwise copies are row-slice views of one buffer, the result's joined
+    rowwise copy, which equals the whole tensor's rowwise encoding."""
     qs = build(FACTORIES[name], "input", USAGES["both"])
     x = data()
     got = quantize_grouped(qs, x, SPLITS)
     storages = [t.qstorage for t in got]
-    joined = joined_rows(storages, ROWWISE)
+    joined = joined_row_storage(joined_of(got, ROWWISE), ROWWISE, SPLITS)
     assert joined is not None
     q = qs[0].rowwise_quantizer if hasattr(qs[0], "rowwise_quantizer") else qs[0]
     assert row_local_mode(q) is not None
@@ -139,11 +141,20 @@ def test_row_local_rowwise_copies_are_one_encoding(name):
 @pytest.mark.parametrize("name", ["current_scaling", "nvfp4", "delayed_scaling"])
 def test_per_tensor_scaled_formats_quantize_per_expert(name):
     """Per-tensor scales (FP8 per-tensor, NVFP4 global amax) are each expert's own, so the
-    experts' rowwise copies are never joined into one operand, even where one grouped encoding
-    made them (FP8 current, NVFP4 1D rows: test_quantizers_grouped_scaled.py)."""
+    experts' rowwise copies are never one operand of plain back-to-back rows, even where one
+    grouped encoding made them (test_quantizers_grouped_scaled.py): FP8 current's joined copy
+    carries each expert's scale apart (``scales``), NVFP4's is row-scaled (each row with its
+    expert's amax) where it has one (none with the RHT option); delayed scaling quantizes each
+    expert on its own (a list)."""
     qs = build(FACTORIES[name], "input", USAGES["both"])
     got = quantize_grouped(qs, data(), SPLITS)
-    assert joined_rows([t.qstorage for t in got], ROWWISE) is None
+    j = joined_of(got, ROWWISE)
+    if name == "delayed_scaling":
+        assert isinstance(got, list) and j is None
+    elif name == "current_scaling":
+        assert j.scales is not None and joined_row_storage(j, ROWWISE, SPLITS) is None
+    else:
+        assert j is None or (j.scales is None and j.storage.meta["row_scaled"])
 
 
 def test_errors_name_the_problem():

@@ -185,22 +185,24 @@ def test_delayed_scaling_records_each_experts_amax():
 def test_shared_columnwise_block_copies_are_views_of_one_padded_buffer():
     """MXFP8 columnwise copies shared by all experts (groups zero-padded to whole blocks): each
     expert's payload tensors are column-slice views of one buffer (no copy), starting at its
-    padded group start, marked ``columnwise_zero_padded``; ``joined_columns`` recovers the whole
-    buffer and those starts, and the padding decodes to zeros. FP8 block copies (read per
-    expert by cuBLAS) are each expert's own contiguous, 16-byte aligned copy, not joined."""
+    padded group start, marked ``columnwise_zero_padded``; the result's joined columnwise copy is
+    the whole buffer with those starts, and the padding decodes to zeros. FP8 block copies (read
+    per expert by cuBLAS) are each expert's own contiguous, 16-byte aligned copy, not joined."""
     from hybridfp.formats.common import ceil_div
-    from hybridfp.moe.joined import joined_columns
+    from hybridfp.moe.joined import joined_column_storage, joined_of
 
     role = QuantizerRole("grouped_linear", "input", "experts")
     x = data()
-    got = [t.qstorage for t in quantize_grouped([factories.float8_block_scaling(role) for _ in SPLITS], x, SPLITS)]
+    grouped = quantize_grouped([factories.float8_block_scaling(role) for _ in SPLITS], x, SPLITS)
+    got = [t.qstorage for t in grouped]
     for s in got:
         for name, t in s.payload(COLUMNWISE).items():
             assert t.is_contiguous() and t.data_ptr() % 16 == 0, name
-    assert not any(s.columnwise_zero_padded for s in got) and joined_columns(got) is None
+    assert not any(s.columnwise_zero_padded for s in got) and joined_of(grouped, COLUMNWISE) is None
 
     block = 32
-    got = [t.qstorage for t in quantize_grouped([factories.mxfp8(role) for _ in SPLITS], x, SPLITS)]
+    grouped = quantize_grouped([factories.mxfp8(role) for _ in SPLITS], x, SPLITS)
+    got = [t.qstorage for t in grouped]
     starts = [0]
     for m in SPLITS[:-1]:
         starts.append(starts[-1] + ceil_div(m, block) * block)
@@ -210,7 +212,7 @@ def test_shared_columnwise_block_copies_are_views_of_one_padded_buffer():
         assert [t.storage_offset() - ts[0].storage_offset() for t in ts] == [
             st // (1 if name == "data" else block) for st in starts], name
     assert all(s.part(COLUMNWISE).columnwise_zero_padded for s in got)
-    joined, js = joined_columns(got)
+    joined, js = joined_column_storage(joined_of(grouped, COLUMNWISE), COLUMNWISE)
     assert js == starts and joined.rows == starts[-1] + ceil_div(SPLITS[-1], block) * block
     whole = joined.dequantize(torch.float32, COLUMNWISE)  # [padded rows, K]
     for s, st, m in zip(got, starts, SPLITS):

@@ -143,8 +143,8 @@ def test_bf16_path_keeps_the_epilogue_factor(kind):
 
 def test_grouped_columns_join_at_the_source_block():
     """Experts' decoded MXFP8 columnwise copies of zero-padded groups (splits not multiples of 32)
-    join into one operand as their codes do (``moe.joined.joined_columns``)."""
-    from hybridfp.moe.joined import joined_columns
+    join into one operand as their codes do (the result's joined columnwise copy)."""
+    from hybridfp.moe.joined import joined_column_storage, joined_of
     from hybridfp.moe.quantize import quantize_grouped
     splits = [20, 0, 33, 17]
     x = torch.randn(sum(splits), 64, generator=torch.Generator().manual_seed(2))
@@ -153,7 +153,7 @@ def test_grouped_columns_join_at_the_source_block():
         qs = [MXFP8Quantizer(rowwise=False) for _ in splits]
         for q in qs:
             q.hold_decoded = held
-        out[held] = joined_columns([t.qstorage for t in quantize_grouped(qs, x, splits)])
+        out[held] = joined_column_storage(joined_of(quantize_grouped(qs, x, splits), COLUMNWISE), COLUMNWISE)
     (codes, starts), (dec, dec_starts) = out[()], out[(ROWWISE, COLUMNWISE)]
     assert type(dec) is DecodedMXFP8Storage and dec_starts == starts == [0, 32, 32, 96]
     assert torch.equal(dec.dequantize(direction=COLUMNWISE), codes.dequantize(direction=COLUMNWISE))
