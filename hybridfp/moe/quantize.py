@@ -43,10 +43,12 @@ def quantize_grouped(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor,
     needs no copy (its entry is None). ``x``: [Σ splits, K] high-precision, no autograd (call it
     inside an autograd.Function or under no_grad).
 
-    Where every expert's tensor is only views of the shared encodings (plain quantizers of one
-    usage, every copy shared: Identity, MXFP8), the result is a ``GroupedTensor``: a sequence of
-    the same per-expert tensors, built on first access, that also hands the shared encodings to
-    the grouped GEMM and the saved-for-backward record (``moe/grouped_tensor.py``)."""
+    Where a copy is shared, the result is a ``GroupedTensor``: a sequence of the same per-expert
+    tensors that also hands the shared encodings (its joined copies) to the grouped GEMM and the
+    saved-for-backward record (``moe/grouped_tensor.py``); where every expert's tensor is only
+    views of them (plain quantizers of one usage, every copy shared: Identity, MXFP8), the
+    per-expert tensors are built on first access. Experts each quantized on their own (no
+    plan, nothing shared) come back as a list."""
     splits = [int(m) for m in splits]
     if len(quantizers) != len(splits):
         raise ValueError(f"quantize_grouped: {len(quantizers)} quantizers for {len(splits)} row groups; "

@@ -110,7 +110,7 @@ class QuantizedStorage(Dim0Slicing, ABC):
     #: row groups zero-padded to whole blocks (``moe.quantize``), so the columns between
     #: this copy's end and its padded end hold zero codes. Kept by ``with_tensors`` only (same
     #: layout; saved-for-backward round trips), never by slicing or other rebuilds, which would
-    #: break that promise; ``moe.joined.joined_columns`` reads it.
+    #: break that promise (the grouped GEMM reads the experts' joined copy from their ``GroupedTensor``).
     columnwise_zero_padded: bool = False
     #: True when each row of every columnwise payload tensor continues in memory with zero
     #: codes up to its width rounded up to 16 (``moe.quantize_scaled``'s FP8 experts,

@@ -317,8 +317,8 @@ def _check_fprop_decodes_once(device: str, monkeypatch) -> None:
 @interpreter_only
 def test_grouped_fprop_decodes_shared_encodings_once(monkeypatch):
     """Composer-2's grouped fprop on the Triton path decodes x's rows (a padded encode read at
-    the groups' starts: ``joined_row_span``) and the stacked weights (per-expert global scales:
-    ``joined_values``) in one call each, not per expert, and equals bitwise the same path on
+    the groups' starts: ``padded_row_span``) and the stacked weights (per-expert global scales:
+    their row-scaled joined copy) in one call each, not per expert, and equals bitwise the same path on
     the per-expert quantizations (the same values and scales reach the same kernel)."""
     _check_fprop_decodes_once("cpu", monkeypatch)
 
