@@ -3,8 +3,9 @@
 The compiled calls run with ``backend="aot_eager"``: AOTAutograd traces forward and backward
 (the custom ops of hybridfp/nn/ops.py and the autograd around them) but runs each op as eager
 does, so the CPU executes the same arithmetic in the same order and bitwise equality is the
-right claim. Inductor would fuse and reorder the FP32 sums of the norm and the bias gradient
-(different summation order: tests/README.md), so it is not compared bitwise here.
+right claim. Inductor would fuse and reorder the norms' FP32 reductions (another summation
+order: tests/README.md), so under inductor only a Linear, all of whose results are outputs of
+the custom ops, is compared bitwise (test_inductor_linear_bitwise).
 """
 
 from __future__ import annotations
@@ -210,3 +211,18 @@ def test_checkpoint_inside_compiled_region_is_refused() -> None:
         y = compiled(x)
     with pytest.raises(RuntimeError, match="Linear: its compiled quantized GEMM ran outside hybridfp.autocast"):
         y.sum().backward()
+
+
+def test_inductor_linear_bitwise() -> None:
+    """With inductor (the default backend) a Linear's outputs are still bitwise eager: y, dx,
+    dW and db are all outputs of the custom ops, which run the eager code; nothing of the
+    module's arithmetic is left for inductor to fuse or reorder."""
+    torch.manual_seed(9)
+    eager = hf.Linear(64, 32)
+    twin = copy.deepcopy(eager)
+    compiled = torch.compile(twin, fullgraph=True)
+    x = torch.randn(8, 64)
+    a = _run(eager, x, hf.Float8CurrentScaling(), 0) + [eager.weight.grad, eager.bias.grad]
+    b = _run(compiled, x, hf.Float8CurrentScaling(), 0) + [twin.weight.grad, twin.bias.grad]
+    for u, v in zip(a, b):
+        assert torch.equal(u, v)
