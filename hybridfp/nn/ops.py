@@ -38,6 +38,7 @@ from typing import Any, Optional
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx.experimental.symbolic_shapes import guard_int
 
 from ..config import current_policy
 from ..recipes import AutocastState, current_autocast
@@ -113,6 +114,13 @@ class _Plan:
     w_form: int
     w_skel: Any
     w_meta: tuple
+
+
+def _sizes(t: torch.Tensor) -> tuple[int, ...]:
+    """``t``'s shape as ints: a symbolic size (dynamic shapes) is specialized, so each new size
+    traces again. The saved copies' shapes come from a meta pass at concrete sizes (block
+    counts and padding are not symbolic expressions of the formats' code)."""
+    return tuple(guard_int(d) for d in t.shape)
 
 
 def _form(saved: Optional[torch.Tensor], given: torch.Tensor) -> tuple[int, Any, tuple]:
@@ -233,8 +241,9 @@ def _linear_forward_fake(x2, weight, bias, key, index, config, needs_dgrad, need
     if isinstance(weight, QuantizedTensor):
         raise NotImplementedError(f"{module._who()}: torch.compile of a module with a quantized "
                                   "weight parameter is not supported; compile it with high-precision weights.")
-    plan = _plan(lc, tuple(x2.shape), x2.dtype, tuple(weight.shape), weight.dtype, needs_dgrad, needs_wgrad)
-    out = [x2.new_empty((x2.shape[0], weight.shape[0]))]
+    xs, ws = _sizes(x2), _sizes(weight)
+    plan = _plan(lc, xs, x2.dtype, ws, weight.dtype, needs_dgrad, needs_wgrad)
+    out = [x2.new_empty((xs[0], ws[0]))]
     for m in plan.x_meta + plan.w_meta:
         out.append(torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=x2.device))
     return out
@@ -282,7 +291,7 @@ def _setup_context(ctx: Any, inputs: tuple, output: list) -> None:
     x2, weight, bias, key, index, _config, needs_dgrad, needs_wgrad, _ifm = inputs
     module = _module(key)
     lc = _CONTEXTS[module][index]
-    plan = _plan(lc, tuple(x2.shape), x2.dtype, tuple(weight.shape), weight.dtype, needs_dgrad, needs_wgrad)
+    plan = _plan(lc, _sizes(x2), x2.dtype, _sizes(weight), weight.dtype, needs_dgrad, needs_wgrad)
     saved: list[torch.Tensor] = []
     pos = 1
     for form, meta, given in ((plan.x_form, plan.x_meta, x2), (plan.w_form, plan.w_meta, weight)):
@@ -292,7 +301,7 @@ def _setup_context(ctx: Any, inputs: tuple, output: list) -> None:
             saved += output[pos:pos + len(meta)]
             pos += len(meta)
     ctx.save_for_backward(*saved)
-    ctx.args = (key, index, x2.shape[1], x2.dtype, weight.dtype, needs_dgrad, needs_wgrad,
+    ctx.args = (key, index, guard_int(x2.shape[1]), x2.dtype, weight.dtype, needs_dgrad, needs_wgrad,
                 bias.dtype if bias is not None and bias.requires_grad else None)
 
 

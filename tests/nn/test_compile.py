@@ -226,3 +226,18 @@ def test_inductor_linear_bitwise() -> None:
     b = _run(compiled, x, hf.Float8CurrentScaling(), 0) + [twin.weight.grad, twin.bias.grad]
     for u, v in zip(a, b):
         assert torch.equal(u, v)
+
+
+def test_new_row_counts_trace_again() -> None:
+    """A second row count makes Dynamo mark the dim dynamic; the ops specialize it (the saved
+    copies' block shapes come from concrete sizes), so each count runs bitwise eager."""
+    torch.manual_seed(10)
+    eager = hf.Linear(64, 32)
+    twin = copy.deepcopy(eager)
+    compiled = torch.compile(twin, fullgraph=True, backend="aot_eager")
+    for rows in (8, 16, 40):
+        x = torch.randn(rows, 64)
+        a = _run(eager, x, hf.MXFP8BlockScaling(), 0) + [eager.weight.grad.clone()]
+        b = _run(compiled, x, hf.MXFP8BlockScaling(), 0) + [twin.weight.grad.clone()]
+        for u, v in zip(a, b):
+            assert torch.equal(u, v)
