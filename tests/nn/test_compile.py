@@ -241,3 +241,22 @@ def test_new_row_counts_trace_again() -> None:
         b = _run(compiled, x, hf.MXFP8BlockScaling(), 0) + [twin.weight.grad.clone()]
         for u, v in zip(a, b):
             assert torch.equal(u, v)
+
+
+def test_autocast_inside_the_compiled_function() -> None:
+    """The region is entered outside the compiled code: the ops read it when they run, and its
+    end (delayed scaling's update) runs in ``autocast``'s exit. Entered inside, Dynamo cannot
+    trace the region's construction: ``fullgraph=True`` raises, and without it Dynamo runs that
+    frame eagerly and compiles each module's call as its own graph (bitwise eager)."""
+    torch.manual_seed(11)
+    m = hf.Linear(64, 32)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        with hf.autocast(recipe=hf.MXFP8BlockScaling()):
+            return m(x)
+
+    x = torch.randn(8, 64)
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        torch.compile(step, fullgraph=True, backend="aot_eager")(x)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(step, backend="aot_eager")(x), step(x))
