@@ -67,7 +67,9 @@ class GroupedLinearFunction(torch.autograd.Function):
             y = grouped_gemm(qxs, qws, "TN", out_dtype=x.dtype, biases=list(biases) if has_bias else None)
         saved_xs = _saved_inputs(x, m_splits, qxs, lcs, needs_wgrad)
         # the experts' copies are views of a few shared buffers: saved as those (grouped_saved)
-        tx, ctx.saved_x = save_experts(saved_xs)
+        # every expert keeps its rows of x: x itself is saved (the caller states the layout)
+        whole_x = x if all(needs_wgrad) and all(keeps_original_input(lc) for lc in lcs) else None
+        tx, ctx.saved_x = save_experts(saved_xs, rows_of=whole_x)
         tw, ctx.saved_w = save_experts(qws if needs_dgrad else [None] * n)
         ctx.n_x = len(tx)
         ctx.save_for_backward(*tx, *tw)

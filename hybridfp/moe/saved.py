@@ -10,8 +10,8 @@ experts' own tensors are saved per *slot* (the j-th payload tensor of every expe
 tensor where their layout allows:
 
 - ``SAME``: every expert holds the same tensor (saved once);
-- ``ROWS``: consecutive row blocks of one buffer (the rows of x kept with
-  ``save_original_input``: saved as the joined view, re-split by rows);
+- ``ROWS``: the experts' plain tensors are the row blocks of one tensor the caller names (the
+  rows of x kept with ``save_original_input``): that tensor, re-split by rows;
 - ``OWN``: anything else, one saved tensor per expert.
 
 Each expert's storage is described by a small record (class, shape, options, payload slots)
@@ -33,7 +33,7 @@ import torch
 
 from ..tensors import HybridStorage, IdentityStorage, QuantizedStorage, QuantizedTensor
 from .grouped_tensor import Cutter, GroupedTensor, JoinedCopy
-from .joined import column_slices, joined_view
+from .joined import column_slices
 from ..tensors.storage import COLUMNWISE, DIRECTIONS, ROWWISE
 
 SAME, ROWS, OWN = "same", "rows", "own"
@@ -63,12 +63,26 @@ class SavedJoined:
     experts: Optional[SavedExperts] = None
 
 
-def save_experts(ts: Sequence[Optional[torch.Tensor]]
+def save_experts(ts: Sequence[Optional[torch.Tensor]], rows_of: Optional[torch.Tensor] = None
                  ) -> tuple[list[torch.Tensor], "SavedExperts | SavedJoined"]:
-    """The plain tensors to save for the experts' ``ts`` (None, plain or quantized tensors, or
-    a ``GroupedTensor``) and the record that ``restore_experts`` rebuilds them from."""
+    """The plain tensors to save for the experts' ``ts`` and the record that
+    ``restore_experts`` rebuilds them from.
+
+    Parameters
+    ----------
+    ts:
+        The experts' tensors: None, plain or quantized tensors, or a ``GroupedTensor``.
+    rows_of:
+        The tensor whose consecutive row blocks the experts' plain tensors ``ts`` are (every
+        expert present), saved instead of them; None: no such tensor.
+
+    Returns
+    -------
+    (tensors to save, record)."""
     if isinstance(ts, GroupedTensor):
         return _save_joined(ts)
+    if rows_of is not None:
+        return [rows_of], SavedExperts([("t",)] * len(ts), [(ROWS, [t.shape[0] for t in ts])])
     return _save_items(ts, frozenset())
 
 
@@ -202,12 +216,6 @@ def _save_slot(col: list[torch.Tensor], saved: list[torch.Tensor]) -> tuple[str,
     if all(t is first for t in col):
         saved.append(first)
         return SAME, None
-    held = [t for t in col if t.numel()]  # an empty tensor's data_ptr() is 0, not its place
-    if first.dim() >= 1 and held and all(t.shape[1:] == first.shape[1:] for t in col):
-        joined = joined_view(held)
-        if joined is not None:
-            saved.append(joined)
-            return ROWS, [t.shape[0] for t in col]
     saved.extend(col)
     return OWN, len(col)
 

@@ -85,8 +85,8 @@ def test_restored_experts_are_the_saved_ones(name, save_original, monkeypatch):
         pytest.skip("save_original_input is refused for delayed-scaling inputs (test_module_inputs)")
     checked: list[int] = []
 
-    def check(ts):
-        tensors, rec = save_experts(ts)
+    def check(ts, **k):
+        tensors, rec = save_experts(ts, **k)
         assert all(type(t) is torch.Tensor for t in tensors)
         assert isinstance(rec, (SavedExperts, SavedJoined))
         back = restore_experts(rec, tensors)
@@ -116,8 +116,8 @@ def test_shared_buffers_are_saved_once(name, monkeypatch):
     counts: list[tuple[int, int]] = []
     orig = save_experts
 
-    def spy(ts):
-        tensors, rec = orig(ts)
+    def spy(ts, **k):
+        tensors, rec = orig(ts, **k)
         each = sum(len(t.qstorage.tensors()) if isinstance(t, QuantizedTensor) else 1
                    for t in ts if t is not None)
         counts.append((len(tensors), each))
