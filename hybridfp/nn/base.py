@@ -15,7 +15,7 @@ from ..config import Policy, current_policy
 from ..gemm import reads_bf16_decodes, report_emulated
 from ..quantizers import Quantizer
 from ..recipes import AutocastState, QuantizerRole, current_autocast
-from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
+from ..tensors import COLUMNWISE, ROWWISE, MissingDirectionError, QuantizedTensor
 from . import quantized_init, recompute
 from .weight_cache import WeightEntry, WeightKey, new_entry, reusable
 
@@ -480,8 +480,10 @@ class QuantizedModule(nn.Module):
         """
         if isinstance(weight, QuantizedTensor):  # already quantized (quantized parameters)
             if not weight.has_direction(ROWWISE) or (columnwise and not weight.has_direction(COLUMNWISE)):
-                raise ValueError(
-                    f"{self._who()}: the quantized weight holds the copies {list(weight.directions())}; "
+                # raised in forward, before any GEMM: backward would fail later, farther from the cause
+                role = f" (role: {q.label})" if q.label else ""
+                raise MissingDirectionError(
+                    f"{self._who()}: the quantized weight{role} holds the copies {list(weight.directions())}; "
                     f"this call needs rowwise{' and columnwise' if columnwise else ''}. Create the module "
                     "inside hybridfp.quantized_model_init (it quantizes both copies).")
             return weight

@@ -102,19 +102,19 @@ def test_gemm_with_a_missing_copy_names_direction_and_role():
         gemm(dy, w, "NN")  # dgrad reads W's columnwise copy
 
 
-def test_prequantized_weight_without_columnwise_copy_fails_in_dgrad():
+def test_prequantized_weight_without_columnwise_copy_fails_in_forward():
     """A quantized weight given as the parameter is used as is: if it lacks the copy dgrad
-    needs, backward says so, naming the role."""
+    will need, the forward says so before any GEMM runs, naming the role."""
     m = make_module("linear", name="fc2")
     q = MXFP8Quantizer()
     q.role = m.role("weight")
     q.set_usage(rowwise=True, columnwise=False)
     m.weight = torch.nn.Parameter(q.quantize(m.weight.detach()))
-    x, dy = make_data()
+    x, _ = make_data()
     with autocast(recipe=MXFP8BlockScaling()):
-        y = m(x.clone().requires_grad_())
-    with pytest.raises(MissingDirectionError, match=r"role: fc2\.weight\) holds no columnwise copy"):
-        y.backward(dy)
+        with pytest.raises(MissingDirectionError, match=r"role: fc2\.weight\) holds the copies \['rowwise'\]; "
+                                                        r"this call needs rowwise and columnwise"):
+            m(x.clone().requires_grad_())
 
 
 # ---------------------------------------------------------------- forward-only formats
