@@ -156,7 +156,31 @@ def grouped_gemm(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: s
     path 1 wherever the operands allow it, the CPU included (tests). ``use_triton``: take (True) or never take
     (False) the Triton grouped path where paths 1-2 do not apply; None: as
     ``gemm_triton.enabled`` decides (CUDA from the policy's ``many_experts`` experts on).
+
+    Raises:
+        ValueError: an unknown layout, operand counts that differ (or none), biases outside
+            fprop or not one per expert, or experts' shapes that do not pair up.
     """
+    out = _grouped_gemm(A, B, layout, out_dtype, biases, grouped_mm, use_triton)
+    return list(out.unbind(0)) if layout == "NT" and isinstance(out, torch.Tensor) else out
+
+
+def grouped_wgrad(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], *,
+                  out_dtype: torch.dtype = torch.bfloat16, grouped_mm: Optional[GroupedMM] = None,
+                  use_triton: Optional[bool] = None) -> Union[torch.Tensor, list[torch.Tensor]]:
+    """``grouped_gemm(A, B, "NT", ...)`` as the path wrote it: one [E, n, k] tensor on the
+    grouped paths (the experts' results are its [n, k] slices), a list of separate [n, k]
+    tensors on the per-expert path. Lets a caller that wants one [E, n, k] gradient use the
+    grouped result as it is instead of stacking the experts' results again.
+
+    Parameters and Raises: as ``grouped_gemm``'s (no biases: wgrad takes none)."""
+    return _grouped_gemm(A, B, "NT", out_dtype, None, grouped_mm, use_triton)
+
+
+def _grouped_gemm(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: str, out_dtype: torch.dtype,
+                  biases: Optional[Sequence[Optional[torch.Tensor]]], grouped_mm: Optional[GroupedMM],
+                  use_triton: Optional[bool]) -> Union[torch.Tensor, list[torch.Tensor]]:
+    """``grouped_gemm``'s work; "NT" results as ``grouped_wgrad`` describes them."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is unknown; use 'TN' (fprop), 'NN' (dgrad) or 'NT' (wgrad).")
     if len(A) != len(B) or not A:

@@ -79,7 +79,7 @@ def per_group_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, sizes: Sequence[int])
 
 def run_bf16(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,
              grouped_mm: GroupedMM, ms: Sequence[int], ja: Optional[JoinedCopy] = None,
-             jb: Optional[JoinedCopy] = None) -> Optional[Union[torch.Tensor, list[torch.Tensor]]]:
+             jb: Optional[JoinedCopy] = None) -> Optional[torch.Tensor]:
     """Path 1, or None if some copy decodes with an epilogue factor (or a one-sided RHT).
     ``ms``: the experts' m; ``ja`` / ``jb``: the operands' joined copies, if their
     ``GroupedTensor`` holds them.
@@ -191,7 +191,7 @@ def _experts_kn(values: torch.Tensor, experts: int, direction: str) -> torch.Ten
 
 def _run_bf16_joined_wgrad(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage],
                            grouped_mm: GroupedMM, j_a: Optional[JoinedCopy], j_b: Optional[JoinedCopy]
-                           ) -> Union[None, list[torch.Tensor], object]:
+                           ) -> Union[None, torch.Tensor, object]:
     """wgrad on joined columnwise copies of both operands (``j_a``, ``j_b``) with the same group
     layout: [m, Σk] · [Σk, n] straight from the two decodes, each expert's zero padding inside
     its own group. ``NotImplemented`` when the copies are not so joined (the caller then goes
@@ -209,13 +209,13 @@ def _run_bf16_joined_wgrad(sa: Sequence[QuantizedStorage], sb: Sequence[Quantize
     return _wgrad_result(out, [s.part(COLUMNWISE).rows for s in sa])
 
 
-def _wgrad_result(out: torch.Tensor, ks: Sequence[int]) -> list[torch.Tensor]:
-    """The experts' [n, k] results of a grouped wgrad; an empty reduction is a zero result
+def _wgrad_result(out: torch.Tensor, ks: Sequence[int]) -> torch.Tensor:
+    """The experts' [E, n, k] result of a grouped wgrad; an empty reduction is a zero result
     (not left to the kernel)."""
     for e, k in enumerate(ks):
         if k == 0:
             out[e].zero_()
-    return list(out.unbind(0))
+    return out
 
 
 def _stack_transposed(parts: Optional[Sequence[torch.Tensor]], rows: Optional[Sequence[torch.Tensor]] = None

@@ -26,7 +26,7 @@ copies in their zero-padded blocks (so the reduction runs over 16-aligned length
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import torch
 
@@ -86,7 +86,7 @@ def unsupported(sa: Sequence[QuantizedStorage], layout: str, out_dtype: torch.dt
 
 def run(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str, out_dtype: torch.dtype,
         biases: Optional[Sequence[Optional[torch.Tensor]]] = None
-        ) -> Optional[Union[torch.Tensor, list[torch.Tensor]]]:
+        ) -> Optional[torch.Tensor]:
     """The experts' GEMMs in one launch, or None (mixed biases: the per-expert loop)."""
     da, db = LAYOUTS[layout]
     pa, pb = [s.payload(da) for s in sa], [s.payload(db) for s in sb]
@@ -103,7 +103,7 @@ def run(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: 
         k = _kernels()
         k.grouped_fp8(a, b, ks, scale_a, scale_b, out, [e * m for e in range(len(sa))], tile=k.WGRAD_TILE,
                       prefer_tma=_tma(current_policy().grouped_fp8_tma_wgrad, device))
-        return list(out.view(len(sa), m, n).unbind(0))
+        return out.view(len(sa), m, n)
     usable, bias = joined_bias(biases, n, device)
     if not usable:
         return None
@@ -137,7 +137,7 @@ def scalar(t: torch.Tensor) -> torch.Tensor:
 
 def run_joined(ja: JoinedCopy, jb: JoinedCopy, splits_a: Sequence[int], splits_b: Sequence[int], layout: str,
                out_dtype: torch.dtype, biases: Optional[Sequence[Optional[torch.Tensor]]] = None
-               ) -> Optional[Union[torch.Tensor, list[torch.Tensor]]]:
+               ) -> Optional[torch.Tensor]:
     """The experts' GEMMs straight on two FP8 ``GroupedTensor``' joined copies (per-expert
     ``scales``; ``moe.assemble._scaled_group``): no per-expert tensor is built. Rows
     joined [Σm, C] (unpadded); columns one [C, width] matrix, expert e at column ``starts[e]``,
@@ -160,7 +160,7 @@ def run_joined(ja: JoinedCopy, jb: JoinedCopy, splits_a: Sequence[int], splits_b
         k.grouped_fp8_at(a, b, n_rows, ja.starts, width, jb.starts, width, ks, sa, sb, out,
                          [e * n_rows for e in range(experts)], tile=k.WGRAD_TILE,
                          prefer_tma=_tma(current_policy().grouped_fp8_tma_wgrad, a.device))
-        return list(out.view(experts, n_rows, k_rows).unbind(0))
+        return out.view(experts, n_rows, k_rows)
     if ja.starts is not None:
         return None
     usable, bias = joined_bias(biases, _width(jb, db, splits_b), a.device)

@@ -12,7 +12,7 @@ joined storages); this runs it, or returns None where the per-expert code must (
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import torch
 
@@ -26,7 +26,7 @@ from .gemm_bf16 import BF16_ALIGN, GroupedMM, _experts_kn, _wgrad_result
 
 
 def run_joined(ja: JoinedCopy, jb: JoinedCopy, splits_a: Sequence[int], splits_b: Sequence[int], layout: str,
-               grouped_mm: GroupedMM) -> Optional[Union[torch.Tensor, list[torch.Tensor]]]:
+               grouped_mm: GroupedMM) -> Optional[torch.Tensor]:
     """The grouped BF16 GEMM ``layout`` on joined copies (A's experts split by ``splits_a``, B's
     by ``splits_b``), or None where ``run_bf16`` would not take its joined branches (shapes
     that do not pair up, alignment, a decode with an epilogue factor or one-sided RHT)."""
@@ -78,7 +78,7 @@ def _weights_kn(jb: JoinedCopy, direction: str, splits: Sequence[int]) -> Option
 
 
 def _wgrad(ja: JoinedCopy, jb: JoinedCopy, splits_a: Sequence[int], splits_b: Sequence[int],
-           grouped_mm: GroupedMM) -> Optional[list[torch.Tensor]]:
+           grouped_mm: GroupedMM) -> Optional[torch.Tensor]:
     """dW_e = dy_eᵀ x_e for every e, the reduction (the experts' rows) grouped: zero-padded
     column copies side by side (MXFP8: ``_run_bf16_joined_wgrad``), or BF16 rows padded to the
     TMA alignment in one pass (Identity: ``_cat_columns``)."""

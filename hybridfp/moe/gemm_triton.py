@@ -32,7 +32,7 @@ bench.bench_moe``'s "[Triton grouped]" and "[per-expert GEMMs]" rows):
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import torch
 
@@ -103,7 +103,7 @@ def joined_bias(biases: Optional[Sequence[Optional[torch.Tensor]]], n: int, devi
 
 def run(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str, out_dtype: torch.dtype,
         biases: Optional[Sequence[Optional[torch.Tensor]]] = None, ja: Optional[JoinedCopy] = None,
-        jb: Optional[JoinedCopy] = None) -> Optional[Union[torch.Tensor, list[torch.Tensor]]]:
+        jb: Optional[JoinedCopy] = None) -> Optional[torch.Tensor]:
     """The experts' GEMMs in one kernel, or None when a decoded pair turns out unsuitable (a
     one-sided RHT, stored lengths that differ, mixed biases, an empty fprop / dgrad reduction).
     ``ja`` / ``jb``: the operands' joined copies, if their ``GroupedTensor`` holds them."""
@@ -189,7 +189,7 @@ def _gathered_rows(storage: QuantizedStorage, direction: str, starts: Optional[S
 
 
 def _run_reduction(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], da: str, db: str,
-                   out_dtype: torch.dtype, device: torch.device) -> Optional[list[torch.Tensor]]:
+                   out_dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
     """wgrad: A_e [m, k_e], B_e [n, k_e] joined along the reduction; [E, m, n] out."""
     ops_a = [decode_bf16(a, da) for a in sa]
     ops_b = [decode_bf16(b, db) for b in sb]
@@ -205,7 +205,7 @@ def _run_reduction(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage
         mat_a, mat_b, splits, out_dtype=out_dtype,
         scale_a=None if scale_a is None else scale_a.reshape(len(sa), m),
         scale_b=None if scale_b is None else scale_b.reshape(len(sb), n))
-    return list(out.unbind(0))
+    return out
 
 
 def run_joined(ja: JoinedCopy, jb: JoinedCopy, splits_a: Sequence[int], splits_b: Sequence[int], layout: str,

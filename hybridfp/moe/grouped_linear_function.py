@@ -8,17 +8,16 @@ wgrad the same way.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
 
 from ..config import current_policy, use_policy
 from ..quantizers import Quantizer
 from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
-from .joined import joined_view
 from ..nn.linear_function import LinearContext, bias_grad, keeps_original_input, torch_autocast_off
 from .grouped_tensor import GroupedTensor
-from .gemm import grouped_gemm
+from .gemm import grouped_gemm, grouped_wgrad
 from .quantize import quantize_grouped
 from .saved import restore_experts, save_experts
 
@@ -96,20 +95,18 @@ class GroupedLinearFunction(torch.autograd.Function):
                    if ctx.has_bias else [])
             dx = (grouped_gemm(qdys, saved_ws, "NN", out_dtype=ctx.x_dtype)
                   if needs_dgrad else None)
-            dws = _wgrads(qdys, qxs, ctx.w_dtypes)
+            dws, dw_all = _wgrads(qdys, qxs, ctx.w_dtypes)
         if ctx.stacked:  # one [E, N, K] gradient (and one [E, N] bias gradient)
-            return (dx, None, None, None, None, None, _stack(dws), *([_stack(dbs)] if ctx.has_bias else []))
+            return (dx, None, None, None, None, None, _stack(dws, dw_all), *([_stack(dbs)] if ctx.has_bias else []))
         return (dx, None, None, None, None, None, *dws, *dbs)
 
 
-def _stack(ts: Sequence[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
-    """The experts' gradients as one [E, ...] tensor: the buffer they are views of when they lie
-    back to back in it (the joined wgrad writes one), else a stacked copy; None if none was
-    computed."""
+def _stack(ts: Sequence[Optional[torch.Tensor]], whole: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """The experts' gradients as one [E, ...] tensor: ``whole`` when the grouped GEMM wrote them
+    as one (``_wgrads`` says so), else a stacked copy; None if none was computed."""
     if ts[0] is None:
         return None
-    whole = joined_view(ts)
-    return whole.view(len(ts), *ts[0].shape) if whole is not None else torch.stack(list(ts))
+    return whole.contiguous() if whole is not None else torch.stack(list(ts))
 
 
 def _fprop_operands(x: torch.Tensor, m_splits: list[int], weights: Sequence[torch.Tensor],
@@ -218,19 +215,29 @@ def _wgrad_input(saved_x: torch.Tensor, lc: LinearContext) -> torch.Tensor:
 
 
 def _wgrads(qdys: list[Optional[torch.Tensor]], qxs: list[Optional[torch.Tensor]],
-            w_dtypes: list[torch.dtype]) -> list[Optional[torch.Tensor]]:
-    """dW per expert (None where not needed): one grouped wgrad per weight dtype present."""
+            w_dtypes: list[torch.dtype]) -> tuple[list[Optional[torch.Tensor]], Optional[torch.Tensor]]:
+    """(dW per expert (None where not needed), the [E, N, K] tensor they are the slices of when
+    one grouped wgrad wrote every expert's, else None): one grouped wgrad per weight dtype
+    present."""
     if (isinstance(qxs, GroupedTensor) and len(set(w_dtypes)) == 1
             and (qxs.joined_only or None not in qxs.experts())):
-        return list(grouped_gemm(qdys, qxs, "NT", out_dtype=w_dtypes[0]))  # every expert, one call
+        return _as_experts(grouped_wgrad(qdys, qxs, out_dtype=w_dtypes[0]))  # every expert, one call
     dws: list[Optional[torch.Tensor]] = [None] * len(qdys)
     for dtype in dict.fromkeys(w_dtypes):
         idx = [i for i, qx in enumerate(qxs) if qx is not None and w_dtypes[i] == dtype]
+        if len(idx) == len(qdys):  # every expert in one call
+            return _as_experts(grouped_wgrad(_select(qdys, idx), _select(qxs, idx), out_dtype=dtype))
         if idx:  # a run of experts keeps its joined copies (GroupedTensor.select)
             outs = grouped_gemm(_select(qdys, idx), _select(qxs, idx), "NT", out_dtype=dtype)
             for i, dw in zip(idx, outs):
                 dws[i] = dw
-    return dws
+    return dws, None
+
+
+def _as_experts(out: Union[torch.Tensor, list[torch.Tensor]]
+                ) -> tuple[list[Optional[torch.Tensor]], Optional[torch.Tensor]]:
+    """``grouped_wgrad``'s result as (the experts' [N, K] results, the [E, N, K] tensor or None)."""
+    return (list(out.unbind(0)), out) if isinstance(out, torch.Tensor) else (list(out), None)
 
 
 def _select(ts: Sequence[Optional[torch.Tensor]], idx: list[int]) -> Sequence[Optional[torch.Tensor]]:

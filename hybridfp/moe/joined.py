@@ -6,9 +6,7 @@ The grouped GEMM paths take a joined copy in a few forms, checked here on the co
 copies of the zero-padded groups side by side (``joined_column_storage``). ``joined_of`` gives
 an operand's joined copy: a plain list of experts (each quantized on its own) has none.
 
-``joined_view`` / ``column_slices``: tensor-level helpers (tensors that lie back to back in one
-buffer as one view — a layout a caller states, e.g. the experts' saved input rows; column
-slices of one tensor in one op).
+``column_slices``: column slices of one tensor in one op.
 """
 
 from __future__ import annotations
@@ -19,33 +17,6 @@ import torch
 
 from ..tensors.storage import COLUMNWISE, ROWWISE, QuantizedStorage
 from .grouped_tensor import GroupedTensor, JoinedCopy
-
-
-def joined_view(ts: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The view joining ``ts`` by rows if each starts where the previous one ends in one
-    contiguous buffer (so the view equals ``torch.cat(ts)``), else None."""
-    t0 = ts[0]
-    if not t0.is_contiguous():
-        return None
-    # one pass reading each tensor's attributes once (called per grouped GEMM operand on 64
-    # experts' slices); a tensor's storage start is data_ptr - offset, not a storage object
-    # made per tensor. The span must lie in t0's storage (the view is taken on it).
-    dtype, inner, device, size = t0.dtype, t0.shape[1:], t0.device, t0.element_size()
-    base = t0.data_ptr() - t0.storage_offset() * size
-    end = t0.data_ptr() + t0.numel() * size
-    for t in ts[1:]:
-        if (t.data_ptr() != end or t.dtype != dtype or t.shape[1:] != inner or not t.is_contiguous()
-                or t.device != device or end - t.storage_offset() * size != base):
-            return None
-        end += t.numel() * size
-    if end > base + t0.untyped_storage().nbytes():
-        return None
-    size = (sum(t.shape[0] for t in ts), *t0.shape[1:])
-    strides, step = [], 1  # row-major strides of ``size`` (a 1-row t0 may report any row stride)
-    for d in reversed(size):
-        strides.insert(0, step)
-        step *= max(d, 1)
-    return t0.as_strided(size, strides, t0.storage_offset())
 
 
 def column_slices(t: torch.Tensor, begins: Sequence[int], widths: Sequence[int]) -> list[torch.Tensor]:

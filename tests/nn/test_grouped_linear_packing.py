@@ -12,7 +12,6 @@ import torch
 
 import hybridfp
 from hybridfp.recipes import Float8CurrentScaling, MXFP8BlockScaling
-from hybridfp.moe.joined import joined_view
 from nn_cases import train_side_by_side
 
 
@@ -27,8 +26,8 @@ def _pair(num: int = 3, k: int = 64, n: int = 32, bias: bool = True):
 
 def test_packed_by_default_and_same_init():
     packed, plain = _pair()
-    assert joined_view(packed.weights()) is not None
-    assert joined_view(plain.weights()) is None
+    assert packed.packed_buffer() is not None
+    assert plain.packed_buffer() is None
     for a, b in zip(packed.weights(), plain.weights()):
         assert torch.equal(a, b) and isinstance(a, torch.nn.Parameter)
     assert list(dict(packed.named_parameters())) == list(dict(plain.named_parameters()))
@@ -44,17 +43,17 @@ def test_packed_versions_are_per_expert():
         packed.weight1.add_(1.0)
     after = [w._version for w in packed.weights()]
     assert after[1] == before[1] + 1 and after[0] == before[0] and after[2] == before[2]
-    assert joined_view(packed.weights()) is not None  # in place: still one buffer
+    assert packed.packed_buffer() is not None  # in place: still one buffer
 
 
 def test_packing_survives_moves():
     packed, _ = _pair()
     ref = [w.detach().clone() for w in packed.weights()]
     packed.to(torch.float64)
-    assert joined_view(packed.weights()) is not None
+    assert packed.packed_buffer() is not None
     assert all(w.dtype == torch.float64 and torch.equal(w, r.double()) for w, r in zip(packed.weights(), ref))
     packed.float()
-    assert joined_view(packed.weights()) is not None
+    assert packed.packed_buffer() is not None
     assert all(torch.equal(w, r) for w, r in zip(packed.weights(), ref))
 
 
@@ -64,7 +63,7 @@ def test_unpackable_weights_left_alone():
     packed, _ = _pair()
     packed.weight0.data = packed.weight0.data.double()
     packed._pack()
-    assert joined_view(packed.weights()) is None
+    assert packed.packed_buffer() is None
 
     class Shard(torch.Tensor):
         pass
@@ -72,7 +71,7 @@ def test_unpackable_weights_left_alone():
     other, _ = _pair()
     other.weight0 = torch.nn.Parameter(other.weight0.detach().clone().as_subclass(Shard))
     other.float()
-    assert type(other.weight0.data) is Shard and joined_view(other.weights()) is None
+    assert type(other.weight0.data) is Shard and other.packed_buffer() is None
 
 
 @pytest.mark.parametrize("recipe", [MXFP8BlockScaling, Float8CurrentScaling], ids=lambda r: r.__name__)
@@ -92,7 +91,7 @@ def test_packed_bitwise_equal_to_unpacked(recipe):
                                                           lambda m: [p.grad for p in m.parameters()]):
         assert torch.equal(y0, y1) and torch.equal(g0, g1)
         assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(p0, p1))
-    assert joined_view(packed.weights()) is not None  # the optimizer updated in place
+    assert packed.packed_buffer() is not None  # the optimizer updated in place
 
 
 def test_packed_weights_not_stacked_per_step(monkeypatch):
