@@ -58,7 +58,7 @@ def assemble(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor, splits:
             out.append(None)
             continue
         direct = _direct_storage(q, rows, cols, row_payloads[e] if rows is not None else None,
-                                 col_payloads[e] if col_payloads is not None else None, views, m)
+                                 col_payloads[e] if col_payloads is not None else None, m)
         if direct is not None:
             out.append(QuantizedTensor(direct, q))
             continue
@@ -69,7 +69,6 @@ def assemble(quantizers: Sequence[Optional[Quantizer]], x: torch.Tensor, splits:
         col_part = None
         if q.columnwise_usage and cols is not None:
             col_part = rebuild(cols, None, col_payloads[e], columnwise_child(q).label, m)
-            col_part.columnwise_zero_padded = views  # slices of the zero-padded groups (``pad_row_groups``)
         out.append(QuantizedTensor(_expert_storage(q, xs[e], row_part, col_part), q))
     return _built_group(quantizers, splits, out, rows, cols, col_starts, views, row_starts, own_joined)
 
@@ -268,7 +267,7 @@ def _scaled_group(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[in
 
 
 def _direct_storage(q: Quantizer, rows: Optional[QuantizedStorage], cols: Optional[QuantizedStorage],
-                    row_payload: Optional[Payload], col_payload: Optional[Payload], views: bool,
+                    row_payload: Optional[Payload], col_payload: Optional[Payload],
                     m: int) -> Optional[QuantizedStorage]:
     """A plain quantizer's expert storage straight from the shared payloads, when every copy it
     asks for is shared: the storage ``_expert_storage`` makes, as one object instead of a part
@@ -283,10 +282,8 @@ def _direct_storage(q: Quantizer, rows: Optional[QuantizedStorage], cols: Option
                         row_payload if q.columnwise_usage else None, q.label, m)
     if (q.rowwise_usage and rows is None) or (q.columnwise_usage and (cols is None or col_payload is None)):
         return None
-    out = rebuild(rows if q.rowwise_usage else cols, row_payload if q.rowwise_usage else None,
+    return rebuild(rows if q.rowwise_usage else cols, row_payload if q.rowwise_usage else None,
                    col_payload if q.columnwise_usage else None, q.label, m)
-    out.columnwise_zero_padded = views and q.columnwise_usage  # slices of the zero-padded groups
-    return out
 
 
 def _expert_storage(q: Quantizer, xe: torch.Tensor, row_part: Optional[QuantizedStorage],
@@ -317,7 +314,6 @@ def _expert_storage(q: Quantizer, xe: torch.Tensor, row_part: Optional[Quantized
     like = row_part if row_part is not None else col_part
     out = rebuild(like, row_part.payloads[ROWWISE] if row_part is not None and q.rowwise_usage else None,
                    col_part.payloads[COLUMNWISE] if col_part is not None else None, q.label, shape[0])
-    out.columnwise_zero_padded = col_part is not None and col_part.columnwise_zero_padded
     return out
 
 
@@ -340,7 +336,6 @@ def _cut_experts(qs: list[Quantizer], splits: list[int], joined: dict[str, Joine
         like = rows if rows is not None else cols.storage
         s = rebuild(like, row_pl[e] if row_pl is not None else None, col_pl[e] if col_pl is not None else None,
                      q.label, m)
-        s.columnwise_zero_padded = columnwise  # slices of the zero-padded groups (``pad_row_groups``)
         out.append(QuantizedTensor(s, q))
     return out
 
@@ -360,7 +355,6 @@ def _cut_hybrids(qs: list[Quantizer], splits: list[int], dtype: torch.dtype,
         col_part = None
         if cols is not None:
             col_part = rebuild(cols.storage, None, col_pl[e], q.columnwise_quantizer.label, m)
-            col_part.columnwise_zero_padded = True  # slices of the zero-padded groups
         out.append(QuantizedTensor(HybridStorage(torch.Size((m, width)), dtype, row_part, col_part, label=q.label), q))
     return out
 
@@ -384,7 +378,6 @@ def _cut_scaled_hybrids(qs: list[Quantizer], splits: list[int], dtype: torch.dty
         col_part = None
         if cols is not None:
             col_part = rebuild(cols.storage, None, col_pl[e], q.columnwise_quantizer.label, m)
-            col_part.columnwise_zero_padded = True  # slices of the zero-padded groups
         out.append(QuantizedTensor(HybridStorage(torch.Size((m, whole.cols)), dtype, row_part, col_part, label=q.label), q))
     return out
 

@@ -253,7 +253,7 @@ def _describe(s: QuantizedStorage, flat: list[torch.Tensor], cut: frozenset = fr
         if spec is None:
             flat.append(payloads[g[0][0]][g[0][1]])
     return (type(s), s.shape, s.dtype, s.label, s.meta, groups, s.is_dim0_slice,
-            s.columnwise_zero_padded, s.columnwise_zero_tail, cuts)
+            s.columnwise_zero_tail, cuts)
 
 
 def _build(desc: tuple, it: Iterator[torch.Tensor], cut: Optional["_Cuts"] = None, expert: int = 0
@@ -265,7 +265,7 @@ def _build(desc: tuple, it: Iterator[torch.Tensor], cut: Optional["_Cuts"] = Non
         rows = _build(row, it, cut, expert) if row is not None else None
         cols = _build(col, it, cut, expert) if col is not None else None
         return HybridStorage(shape, dtype, rows, cols, label=label)
-    cls, shape, dtype, label, meta, groups, dim0_slice, zero_padded, zero_tail, cuts = desc
+    cls, shape, dtype, label, meta, groups, dim0_slice, zero_tail, cuts = desc
     held = {d for g in groups for d, _ in g}
     payloads: dict[str, Optional[dict]] = {d: ({} if d in held else None) for d in DIRECTIONS}
     for g, spec in zip(groups, cuts):
@@ -275,5 +275,5 @@ def _build(desc: tuple, it: Iterator[torch.Tensor], cut: Optional["_Cuts"] = Non
     out = cls(shape, dtype, payloads[ROWWISE], payloads[COLUMNWISE], label=label, **meta)
     out._slot_groups = groups
     out.is_dim0_slice = dim0_slice
-    out.columnwise_zero_padded, out.columnwise_zero_tail = zero_padded, zero_tail
+    out.columnwise_zero_tail = zero_tail
     return out

@@ -109,7 +109,6 @@ class DecodedStorage(QuantizedStorage):
                         if storage.has(d) else None) for d in (ROWWISE, COLUMNWISE)}
         out = cls(storage.shape, storage.dtype, payloads[ROWWISE], payloads[COLUMNWISE], label=storage.label,
                   **storage.meta)
-        out.columnwise_zero_padded = storage.columnwise_zero_padded
         return out
 
 

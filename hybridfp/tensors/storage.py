@@ -106,17 +106,12 @@ class QuantizedStorage(Dim0Slicing, ABC):
     _meta_choices: ClassVar[dict[str, tuple]] = {}
     #: Sharing structure handed on by ``with_tensors`` (None: read it from the payloads).
     _slot_groups: Optional[list[list[tuple[str, str]]]] = None
-    #: True when the columnwise payload tensors are column slices of one shared encoding of
-    #: row groups zero-padded to whole blocks (``moe.quantize``), so the columns between
-    #: this copy's end and its padded end hold zero codes. Kept by ``with_tensors`` only (same
-    #: layout; saved-for-backward round trips), never by slicing or other rebuilds, which would
-    #: break that promise (the grouped GEMM reads the experts' joined copy from their ``GroupedTensor``).
-    columnwise_zero_padded: bool = False
     #: True when each row of every columnwise payload tensor continues in memory with zero
     #: codes up to its width rounded up to 16 (``moe.quantize_scaled``'s FP8 experts,
     #: each transpose [C, m_e] a column slice of one [C, Σ padded m] matrix): the copy
     #: zero-padded along its reduction is a view, which the FP8 wgrads read instead of making
-    #: a padded copy. Kept by ``with_tensors`` only, like ``columnwise_zero_padded``.
+    #: a padded copy. Kept by ``with_tensors`` only (same layout; saved-for-backward round
+    #: trips), never by slicing or other rebuilds, which would break that promise.
     columnwise_zero_tail: bool = False
 
     def __init_subclass__(cls, **kwargs: object) -> None:
@@ -491,7 +486,6 @@ class QuantizedStorage(Dim0Slicing, ABC):
                 payloads[d][n] = t
         out = self._new(self.shape, payloads)
         out._slot_groups = groups
-        out.columnwise_zero_padded = self.columnwise_zero_padded
         out.columnwise_zero_tail = self.columnwise_zero_tail
         return out
 

@@ -66,8 +66,7 @@ def _same_storage(a, b, what: str) -> None:
                 _same_storage(a.parts[d], b.parts[d], f"{what} {d}")
         return
     assert a.meta == b.meta and a.directions() == b.directions(), what
-    assert (a.columnwise_zero_padded, a.columnwise_zero_tail, a.is_dim0_slice) == (
-        b.columnwise_zero_padded, b.columnwise_zero_tail, b.is_dim0_slice), what
+    assert (a.columnwise_zero_tail, a.is_dim0_slice) == (b.columnwise_zero_tail, b.is_dim0_slice), what
     for d in a.directions():
         pa, pb = a.payload(d), b.payload(d)
         assert sorted(pa) == sorted(pb), what

@@ -185,7 +185,7 @@ def test_delayed_scaling_records_each_experts_amax():
 def test_shared_columnwise_block_copies_are_views_of_one_padded_buffer():
     """MXFP8 columnwise copies shared by all experts (groups zero-padded to whole blocks): each
     expert's payload tensors are column-slice views of one buffer (no copy), starting at its
-    padded group start, marked ``columnwise_zero_padded``; the result's joined columnwise copy is
+    padded group start; the result's joined columnwise copy is
     the whole buffer with those starts, and the padding decodes to zeros. FP8 block copies (read
     per expert by cuBLAS) are each expert's own contiguous, 16-byte aligned copy, not joined."""
     from hybridfp.formats.common import ceil_div
@@ -198,7 +198,7 @@ def test_shared_columnwise_block_copies_are_views_of_one_padded_buffer():
     for s in got:
         for name, t in s.payload(COLUMNWISE).items():
             assert t.is_contiguous() and t.data_ptr() % 16 == 0, name
-    assert not any(s.columnwise_zero_padded for s in got) and joined_of(grouped, COLUMNWISE) is None
+    assert joined_of(grouped, COLUMNWISE) is None
 
     block = 32
     grouped = quantize_grouped([factories.mxfp8(role) for _ in SPLITS], x, SPLITS)
@@ -211,7 +211,6 @@ def test_shared_columnwise_block_copies_are_views_of_one_padded_buffer():
         assert len({t.untyped_storage().data_ptr() for t in ts}) == 1, name
         assert [t.storage_offset() - ts[0].storage_offset() for t in ts] == [
             st // (1 if name == "data" else block) for st in starts], name
-    assert all(s.part(COLUMNWISE).columnwise_zero_padded for s in got)
     joined, js = joined_column_storage(joined_of(grouped, COLUMNWISE), COLUMNWISE)
     assert js == starts and joined.rows == starts[-1] + ceil_div(SPLITS[-1], block) * block
     whole = joined.dequantize(torch.float32, COLUMNWISE)  # [padded rows, K]
@@ -219,5 +218,3 @@ def test_shared_columnwise_block_copies_are_views_of_one_padded_buffer():
         assert torch.equal(whole[st:st + m], s.dequantize(torch.float32, COLUMNWISE))
         pad = whole[st + m:st + ceil_div(m, block) * block]
         assert torch.equal(pad, torch.zeros_like(pad))
-    # a slice of an expert's copy no longer promises zero padding after it
-    assert not got[0].slice_dim0(0, 1).part(COLUMNWISE).columnwise_zero_padded
