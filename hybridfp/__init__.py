@@ -4,6 +4,7 @@ from . import factories, gemm, moe, nn
 from .config import Policy, current_policy, policy, use_policy
 from .integration import checkpoint, get_cpu_offload_context, mark_not_offload
 from .integration.export import export_state_dict
+from .integration.safetensors_io import load_safetensors, save_safetensors
 from .integration.master_weights import MasterWeightOptimizer, memory_per_parameter, quantize_master_weights
 from .moe import GroupedLinear
 from .nn.quantized_init import quantized_model_init
@@ -26,5 +27,5 @@ __all__ = [
     "get_cpu_offload_context", "mark_not_offload",
     "convert", "current_policy", "factories",
     "gemm", "moe", "nn", "policy", "quantized_model_init",
-    "MasterWeightOptimizer", "export_state_dict", "memory_per_parameter", "quantize_master_weights", "set_names", "swiglu", "use_policy",
+    "MasterWeightOptimizer", "export_state_dict", "load_safetensors", "save_safetensors", "memory_per_parameter", "quantize_master_weights", "set_names", "swiglu", "use_policy",
 ]
