@@ -12,7 +12,7 @@ from ..recipes import AutocastState, current_autocast
 from . import ops
 from .base import QuantizedModule
 from .linear import Linear
-from .linear_function import LinearContext
+from .linear_function import LinearContext, region_context
 from .weight_cache import check_is_first_microbatch
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -129,13 +129,7 @@ class LayerNormLinear(QuantizedModule):
                        grad_enabled: Optional[bool] = None) -> LinearContext:
         """The GEMM's context in region ``state`` (no shared-input memo: the normalized input
         is this module's own); ``grad_enabled`` None: torch's grad mode now."""
-        qs = self.quantizers(state)
-        return LinearContext(qs["input"][0], qs["weight"][0], qs["grad_output"][0], self,
-                             save_original_input=self.save_original_input,
-                             grad_enabled=torch.is_grad_enabled() if grad_enabled is None else grad_enabled,
-                             fprop_fast_accumulation=state.recipe.fprop_fast_accumulation,
-                             backward_override=state.recipe.backward_override,
-                             region=state.token, is_first_microbatch=is_first_microbatch)
+        return region_context(self, state, 0, is_first_microbatch, grad_enabled, share_input=False)
 
     def extra_repr(self) -> str:
         return (f"{self.normalization}, in_features={self.in_features}, "

@@ -22,7 +22,7 @@ from . import ops
 from .base import QuantizedModule
 from .layernorm_linear import check_normalization, normalize
 from .linear import Linear
-from .linear_function import LinearContext
+from .linear_function import LinearContext, region_context
 from .swiglu import swiglu
 from .weight_cache import check_is_first_microbatch
 
@@ -219,13 +219,7 @@ class LayerNormMLP(QuantizedModule):
         """GEMM set ``index``'s context: its quantizers and weight-cache slot. No shared-input
         memo: both inputs are this module's own intermediates, read by no other layer.
         ``grad_enabled`` None: torch's grad mode now."""
-        qs = self.quantizers(state)
-        return LinearContext(qs["input"][index], qs["weight"][index], qs["grad_output"][index], self,
-                             weight_index=index, save_original_input=self.save_original_input,
-                             grad_enabled=torch.is_grad_enabled() if grad_enabled is None else grad_enabled,
-                             fprop_fast_accumulation=state.recipe.fprop_fast_accumulation,
-                             backward_override=state.recipe.backward_override,
-                             region=state.token, is_first_microbatch=is_first_microbatch)
+        return region_context(self, state, index, is_first_microbatch, grad_enabled, share_input=False)
 
     def extra_repr(self) -> str:
         return (f"{self.normalization}, hidden_size={self.hidden_size}, "

@@ -11,7 +11,7 @@ from torch import nn
 from ..recipes import AutocastState, current_autocast
 from .base import QuantizedModule
 from . import ops
-from .linear_function import LinearContext
+from .linear_function import LinearContext, region_context
 from .weight_cache import check_is_first_microbatch
 
 
@@ -84,14 +84,7 @@ class Linear(QuantizedModule):
                        grad_enabled: Optional[bool] = None) -> LinearContext:
         """The GEMMs' context in region ``state`` (its quantizers, shared-input memo, weight
         cache region); ``grad_enabled`` None: torch's grad mode now."""
-        qs = self.quantizers(state)
-        return LinearContext(qs["input"][0], qs["weight"][0], qs["grad_output"][0], self,
-                             save_original_input=self.save_original_input,
-                             grad_enabled=torch.is_grad_enabled() if grad_enabled is None else grad_enabled,
-                             fprop_fast_accumulation=state.recipe.fprop_fast_accumulation,
-                             backward_override=state.recipe.backward_override,
-                             scratch=state.scratch, region=state.token,
-                             is_first_microbatch=is_first_microbatch)
+        return region_context(self, state, 0, is_first_microbatch, grad_enabled, share_input=True)
 
     def reset_parameters(self) -> None:
         """nn.Linear's initialisation."""

@@ -70,6 +70,41 @@ class LinearContext:
     backward_override: Optional[str] = None
 
 
+def region_context(module: Any, state: Any, index: int, is_first_microbatch: Optional[bool],
+                   grad_enabled: Optional[bool], share_input: bool) -> LinearContext:
+    """GEMM set ``index``'s context in autocast region ``state``.
+
+    Parameters
+    ----------
+    module:
+        The owning ``QuantizedModule`` (its quantizers per slot, ``save_original_input``).
+    state:
+        The active ``AutocastState`` (its recipe's GEMM options, region token and memo).
+    index:
+        The GEMM set: the weight-cache slot and the quantizers' index.
+    is_first_microbatch:
+        TransformerEngine's weight-reuse argument (see nn/weight_cache.py).
+    grad_enabled:
+        torch's grad mode where the module was called; None: the mode now.
+    share_input:
+        Whether an input an equal quantizer already quantized in the region may be taken from
+        the region's memo (False for a module's own intermediates, which no other layer reads).
+
+    Returns
+    -------
+    LinearContext
+        What ``LinearFunction`` needs besides tensors.
+    """
+    qs = module.quantizers(state)
+    return LinearContext(qs["input"][index], qs["weight"][index], qs["grad_output"][index], module,
+                         weight_index=index, save_original_input=module.save_original_input,
+                         grad_enabled=torch.is_grad_enabled() if grad_enabled is None else grad_enabled,
+                         fprop_fast_accumulation=state.recipe.fprop_fast_accumulation,
+                         backward_override=state.recipe.backward_override,
+                         scratch=state.scratch if share_input else None, region=state.token,
+                         is_first_microbatch=is_first_microbatch)
+
+
 class SaveOriginalInputIgnoredWarning(UserWarning):
     """``save_original_input=True`` is ignored: the input quantizer cannot make the same copy
     again in backward, so the quantized forward value is saved instead (said once per module)."""
