@@ -116,6 +116,9 @@ class QuantizedModule(nn.Module):
     #: Whether the module's backward honours a recipe's ``backward_override``; one that does
     #: not refuses such a recipe (see :meth:`quantizers`) rather than ignore it.
     supports_backward_override = False
+    #: (parameter attribute, quantizer set) of each weight ``quantized_model_init`` may hold as a
+    #: QuantizedTensor parameter; empty: the module does not support it (it refuses).
+    quantized_weight_slots: tuple[tuple[str, int], ...] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # each subclass's constructor ends by quantizing its weights inside

@@ -64,6 +64,7 @@ class LayerNormLinear(QuantizedModule):
     """
 
     supports_backward_override = True
+    quantized_weight_slots = (("weight", 0),)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  normalization: str = "LayerNorm", eps: float = 1e-5,

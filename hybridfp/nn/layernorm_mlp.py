@@ -113,6 +113,7 @@ class LayerNormMLP(QuantizedModule):
     """
 
     supports_backward_override = True
+    quantized_weight_slots = (("fc1_weight", 0), ("fc2_weight", 1))
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, bias: bool = True, *,
                  normalization: str = "LayerNorm", activation: str = "gelu", eps: float = 1e-5,

@@ -63,6 +63,7 @@ class Linear(QuantizedModule):
     """
 
     supports_backward_override = True
+    quantized_weight_slots = (("weight", 0),)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  params_dtype: Optional[torch.dtype] = None, device: Optional[torch.device | str] = None,

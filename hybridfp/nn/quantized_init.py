@@ -96,18 +96,13 @@ def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
 
 def _weight_slots(module: nn.Module) -> tuple[tuple[str, int], ...]:
     """(parameter attribute, quantizer set) of each weight ``module`` holds, or a clear error."""
-    from .layernorm_linear import LayerNormLinear
-    from .layernorm_mlp import LayerNormMLP
-    from .linear import Linear
-
-    if isinstance(module, LayerNormMLP):
-        return (("fc1_weight", 0), ("fc2_weight", 1))
-    if isinstance(module, (Linear, LayerNormLinear)):
-        return (("weight", 0),)
-    raise NotImplementedError(
-        f"{type(module).__name__}: quantized_model_init(enabled=True) is not supported for this "
-        "module (its weights cannot be held as QuantizedTensor parameters); create it outside "
-        "quantized_model_init, or with quantized_model_init(enabled=False).")
+    slots = getattr(module, "quantized_weight_slots", ())
+    if not slots:
+        raise NotImplementedError(
+            f"{type(module).__name__}: quantized_model_init(enabled=True) is not supported for this "
+            "module (its weights cannot be held as QuantizedTensor parameters); create it outside "
+            "quantized_model_init, or with quantized_model_init(enabled=False).")
+    return slots
 
 
 def construction(init: Any) -> Any:
