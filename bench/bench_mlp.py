@@ -10,7 +10,8 @@ Variants: BF16 eager (nn.Linear), BF16 torch.compile, hybridfp under autocast wi
 Float8CurrentScaling, Float8BlockScaling, the hybrid per_gemm(fprop="fp8_current",
 dgrad="fp8_block", wgrad="fp8_block") as a CustomRecipe, MXFP8BlockScaling, per_gemm(fprop=
 "nvfp4", dgrad="mxfp8", wgrad="mxfp8") and NVFP4BlockScaling (NVIDIA's defaults); torchao float8 training
-(tensorwise, rowwise) compiled, when torchao imports. "speedup" = BF16 eager time / time.
+(tensorwise, rowwise) compiled, when torchao imports; hybridfp FP8 current (with and without fprop
+fast accumulation) and MXFP8 compiled too. "speedup" = BF16 eager time / time.
 For the MLP, "+ fused SwiGLU" rows run the same layers with ``hybridfp.swiglu`` (one Triton
 kernel each way) instead of eager ``F.silu(g) * u`` (silu + mul forward, two muls +
 silu_backward backward); the BF16 eager baseline stays unfused.
@@ -57,6 +58,8 @@ CODES_RECIPES = ("hybridfp MXFP8", "hybridfp NVFP4 fwd / MXFP8 bwd")
 FUSED_RECIPES = ("hybridfp FP8 current", "hybridfp FP8 block", "hybridfp hybrid FP8-current fwd / FP8-block bwd",
                  "hybridfp MXFP8", "hybridfp NVFP4 fwd / MXFP8 bwd", "hybridfp NVFP4 (2D weights, RHT, SR)")
 FUSED = " + fused SwiGLU"
+#: recipes also timed with the model under ``torch.compile(fullgraph=True)`` (beside torchao's)
+COMPILED_RECIPES = ("hybridfp FP8 current", "hybridfp FP8 current, fprop fast accumulation", "hybridfp MXFP8")
 #: Alternating rounds of (BF16 eager, variant) behind each "paired" ratio. The H200's clocks move
 #: by several per cent over a run (power limit), so a ratio of two medians taken a minute apart
 #: carries that drift; the paired one does not.
@@ -156,6 +159,10 @@ def bench_model(kind: str, make: Callable[[Callable], nn.Module], x: torch.Tenso
                              lambda r=recipe(): common.decoded_mode("never", hybridfp.autocast(recipe=r))))
     if compiled:  # compiled variants last: each checks the deadline before compiling
         variants.append(("BF16 torch.compile", torch.compile(base), base, contextlib.nullcontext))
+        for name, recipe in RECIPES:
+            if name in COMPILED_RECIPES:  # autocast outside, the model traced whole (fullgraph)
+                variants.append((name + " (compiled)", torch.compile(hf, fullgraph=True), hf,
+                                 lambda r=recipe(): hybridfp.autocast(recipe=r)))
     f8, why = torchao_status()
     if compiled and f8 is not None:
         for rname in ("tensorwise", "rowwise"):
