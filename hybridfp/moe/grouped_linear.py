@@ -37,6 +37,24 @@ from .grouped_linear_function import GroupedLinearFunction, WeightReuse, any_ran
 from .grouped_weights import GroupedWeights
 
 
+def _offsets_to_splits(offsets: Any, rows: int, who: str) -> list[int]:
+    """Cumulative row ends (``torch._grouped_mm``'s ``offs``) as rows per expert, checked."""
+    if not torch.is_tensor(offsets) or offsets.dim() != 1 or offsets.dtype.is_floating_point \
+            or offsets.dtype.is_complex or offsets.dtype == torch.bool:
+        raise TypeError(f"{who}: offsets must be a one-dimensional integer tensor of cumulative row "
+                        f"ends (e.g. torch.tensor([4, 4, 9], dtype=torch.int32)); got "
+                        f"{type(offsets).__name__}{'' if not torch.is_tensor(offsets) else f' {offsets.dtype} {tuple(offsets.shape)}'}.")
+    ends = [int(e) for e in offsets.tolist()]  # one host read, as for an m_splits tensor
+    splits = [b - a for a, b in zip([0] + ends[:-1], ends)]
+    if any(m < 0 for m in splits):
+        raise ValueError(f"{who}: offsets {ends} decrease; they are cumulative row ends, each at least "
+                         "the one before.")
+    if ends and ends[-1] != rows:
+        raise ValueError(f"{who}: offsets end at {ends[-1]} but the input has {rows} rows; the last "
+                         "offset is the number of rows.")
+    return splits
+
+
 def _split_counts(m_splits: Any, who: str) -> list[int]:
     """``m_splits`` as Python ints, refusing anything that is not integer counts (a float
     would be truncated and a string read digit by digit: rows silently routed elsewhere)."""
@@ -226,10 +244,15 @@ class GroupedLinear(GroupedWeights, QuantizedModule):
                 raise ValueError(f"role {qs[0].role}: experts use different columnwise_source values "
                                  f"({sorted(sources)}); use one for every expert.")
 
-    def forward(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor,
-                is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, m_splits: Optional[Sequence[int] | torch.Tensor] = None,
+                is_first_microbatch: Optional[bool] = None, *,
+                offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x: [sum(m_splits), in_features] -> [sum(m_splits), out_features]; expert i computes
         ``x_i W_iᵀ + b_i`` on its ``m_splits[i]`` consecutive rows.
+
+        Under ``torch.compile`` the call is one graph break (the model around it compiles):
+        the experts' quantized copies and GEMMs take their per-expert row counts on the host,
+        so the layer runs eagerly between two graphs, bitwise as in eager.
 
         Parameters
         ----------
@@ -237,10 +260,14 @@ class GroupedLinear(GroupedWeights, QuantizedModule):
             The [tokens, in_features] input, rows grouped by expert.
         m_splits:
             Rows per expert: a sequence of non-negative ints (zero allowed), or a 1-D integer
-            tensor (read once with ``tolist()``).
+            tensor (read once with ``tolist()``). Give it or ``offsets``.
         is_first_microbatch:
             As :meth:`Linear.forward`'s (TransformerEngine's weight reuse across autocast
             regions, for every expert at once; see ``hybridfp.nn.weight_cache``).
+        offsets:
+            Instead of ``m_splits``: the experts' cumulative row ends as a 1-D integer tensor on
+            any device (``torch._grouped_mm``'s ``offs``: expert i owns rows
+            ``offsets[i-1]:offsets[i]``, the last entry is the number of rows).
 
         Returns
         -------
@@ -251,7 +278,8 @@ class GroupedLinear(GroupedWeights, QuantizedModule):
         ------
         ValueError
             ``x`` is not [tokens, in_features]; ``m_splits`` has the wrong length, a negative
-            entry, or a sum other than ``x``'s rows; the recipe returns hybrid quantizers for
+            entry, or a sum other than ``x``'s rows; both or neither of ``m_splits`` and
+            ``offsets`` given; ``offsets`` decreasing or not ending at ``x``'s rows; the recipe returns hybrid quantizers for
             some experts of a slot and plain ones for others (or mixed ``columnwise_source``).
         TypeError
             ``m_splits`` is not integer counts; ``is_first_microbatch`` not None / True /
@@ -266,7 +294,19 @@ class GroupedLinear(GroupedWeights, QuantizedModule):
         >>> experts(torch.randn(5, 16), torch.tensor([2, 3])).shape
         torch.Size([5, 8])
         """
+        if torch.compiler.is_compiling():  # one break: the eager layer between two graphs
+            return self._forward_eagerly(x, m_splits, is_first_microbatch, offsets)
+        return self._forward(x, m_splits, is_first_microbatch, offsets)
+
+    def _forward(self, x: torch.Tensor, m_splits: Optional[Sequence[int] | torch.Tensor],
+                 is_first_microbatch: Optional[bool], offsets: Optional[torch.Tensor]) -> torch.Tensor:
+        """:meth:`forward`'s body."""
         check_is_first_microbatch(is_first_microbatch, self._who())
+        if (m_splits is None) == (offsets is None):
+            raise TypeError(f"{self._who()}: pass exactly one of m_splits (rows per "
+                            "expert) and offsets (cumulative row ends, as torch._grouped_mm's offs).")
+        if offsets is not None:
+            m_splits = _offsets_to_splits(offsets, x.shape[0], self._who())
         if x.dim() != 2 or x.shape[-1] != self.in_features:
             raise ValueError(f"GroupedLinear {self.name}: input must be [tokens, {self.in_features}]; "
                              f"got {tuple(x.shape)}.")
@@ -298,6 +338,10 @@ class GroupedLinear(GroupedWeights, QuantizedModule):
                                                *params)
         return GroupedLinearFunction.apply(x, splits, self._lcs, self.use_bias, None, reuse, *self.weights(),
                                            *self.biases())
+
+    #: Dynamo does not trace the layer (its per-expert row counts live on the host): under
+    #: torch.compile the forward runs eagerly, one graph break per call.
+    _forward_eagerly = torch.compiler.disable(_forward, recursive=True)
 
     def extra_repr(self) -> str:
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, "

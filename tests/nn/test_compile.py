@@ -17,7 +17,6 @@ import torch
 
 import hybridfp as hf
 from hybridfp import factories
-from hybridfp.moe import GroupedLinear
 
 RECIPES = {
     "current": hf.Float8CurrentScaling,
@@ -122,22 +121,6 @@ def test_policy_change_recompiles() -> None:
             y.sum().backward()
             outs.append((y.detach(), x.grad))
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-
-
-def test_grouped_linear_breaks_are_counted(decoded_copies_mode: str) -> None:
-    """GroupedLinear (hybridfp/moe/) does not take the custom-op path yet: Dynamo traces into
-    QuantizedTensor construction and breaks there. The count is pinned so a change is seen."""
-    torch.manual_seed(4)
-    m = GroupedLinear(2, 64, 32)
-    x = torch.randn(8, 64, requires_grad=True)
-    with hf.autocast(recipe=hf.MXFP8BlockScaling()):
-        explained = torch._dynamo.explain(m)(x, [4, 4])
-    assert explained.graph_break_count == GROUPED_LINEAR_BREAKS[decoded_copies_mode]
-
-
-#: Graph breaks of one GroupedLinear call (2 experts, MXFP8) under torch.compile, by the
-#: decoded-copies mode of tests/nn/conftest.py.
-GROUPED_LINEAR_BREAKS = {"auto": 18, "always": 17}
 
 
 class _GatedMLP(torch.nn.Module):
