@@ -113,6 +113,15 @@ class GroupedLinear(GroupedWeights, QuantizedModule):
     change re-quantizes every expert (one version counter). ``load_state_dict`` takes either
     layout's keys.
 
+    Under ``hybridfp.quantized_model_init`` each ``weight{i}`` is a ``QuantizedTensor``
+    Parameter (both copies, the expert's own quantizer; ``single_parameter=True`` refuses it),
+    read as held: no weight quantization in forward or backward. The GEMMs take the held
+    weights as a list of per-expert tensors, not as one joined encoding: the per-expert path
+    (the CPU; large experts on CUDA) reads them as they are, but CUDA's grouped BF16 and
+    ``torch._scaled_grouped_mm`` paths stack the experts' (decoded) copies into one [E, ...]
+    operand in each fprop and dgrad, a copy of every expert's weight per GEMM that a
+    high-precision weight's joined encoding (``pack_weights``) avoids.
+
     Parameters
     ----------
     num_gemms:

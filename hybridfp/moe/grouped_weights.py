@@ -35,6 +35,32 @@ class GroupedWeights:
     loading either layout's keys, re-packing after moves, the experts' weights and biases, and
     their quantized copies through the module's weight cache."""
 
+    @property
+    def quantized_weight_slots(self) -> tuple[tuple[str, int], ...]:
+        """``quantized_model_init``'s slots (``QuantizedModule.quantized_weight_slots``): each
+        expert's ``weight{i}`` with its own quantizer set ``i`` (per-expert scales and amax
+        histories, as the high-precision layer quantizes them).
+
+        Raises
+        ------
+        NotImplementedError
+            ``single_parameter=True``: one [E, N, K] Parameter would have to hold one encoding
+            for experts whose weight quantizers are separate (a per-tensor scale and an amax
+            history per expert), and a parameter's encoding is its quantizer's."""
+        if self.single_parameter:
+            raise NotImplementedError(
+                f"{self._who()}: quantized_model_init cannot hold a single_parameter=True layer's "
+                "weight quantized: its one [num_gemms, out, in] Parameter would need one encoding "
+                "for experts that each quantize with their own quantizer (per-expert scales and "
+                "amax histories). Build the layer with single_parameter=False (one quantized "
+                "Parameter weight{i} per expert), or outside quantized_model_init.")
+        return tuple((f"weight{i}", i) for i in range(self.num_gemms))
+
+    def after_weights_quantized(self) -> None:
+        """Called by ``quantized_model_init`` once the experts' weights are QuantizedTensor
+        parameters: the packed high-precision buffer they were slices of is let go."""
+        self._pack()
+
     def _pack(self) -> None:
         """Move the expert weights into one buffer (``pack_weights``) and remember it, unless they
         still are its slices or are not plain dense tensors (DTensor shards, quantized

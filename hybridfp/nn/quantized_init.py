@@ -44,10 +44,11 @@ def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
                          preserve_high_precision_init_val: bool = False) -> Iterator[None]:
     """Create hybridfp modules whose weights are ``QuantizedTensor`` parameters.
 
-    Linear, LayerNormLinear and LayerNormMLP created inside hold each weight in the recipe's
-    weight format (both copies); biases and norm weights stay high precision. Train them with
-    FP32 master weights: ``hybridfp.MasterWeightOptimizer`` (a plain torch optimizer refuses
-    quantized parameters at its first step). GroupedLinear refuses the option.
+    Linear, LayerNormLinear, LayerNormMLP and GroupedLinear (each expert's ``weight{i}``)
+    created inside hold each weight in the recipe's weight format (both copies); biases and
+    norm weights stay high precision. Train them with FP32 master weights:
+    ``hybridfp.MasterWeightOptimizer`` (a plain torch optimizer refuses quantized parameters at
+    its first step). A GroupedLinear with ``single_parameter=True`` refuses the option.
 
     Parameters
     ----------
@@ -65,7 +66,8 @@ def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
     Raises
     ------
     NotImplementedError
-        A module inside that cannot hold quantized weights (GroupedLinear).
+        A module inside that cannot hold quantized weights (GroupedLinear with
+        ``single_parameter=True``).
 
     Example
     -------
@@ -143,6 +145,11 @@ def quantize_module_weights(module: Any, cfg: _InitConfig) -> None:
         if cfg.preserve_high_precision_init_val:
             param._high_precision_init_val = p.detach().to("cpu", copy=True)
         setattr(module, attr, param)
+    # a module holding its weights in a shared buffer (GroupedLinear's pack_weights) lets go of
+    # the high-precision one now
+    after = getattr(module, "after_weights_quantized", None)
+    if callable(after):
+        after()
 
 
 def _describe_format(q: Any) -> str:

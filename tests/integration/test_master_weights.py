@@ -108,10 +108,10 @@ def test_quantize_master_weights_checks_its_arguments():
         hfp.quantize_master_weights([q.out.weight], [torch.zeros(3)])
 
 
-def test_grouped_linear_refuses_quantized_model_init():
+def test_single_parameter_grouped_linear_refuses_quantized_model_init():
     with hfp.quantized_model_init(recipe=hfp.MXFP8BlockScaling()):
-        with pytest.raises(NotImplementedError, match="GroupedLinear.*quantized_model_init"):
-            hfp.GroupedLinear(2, 32, 32)
+        with pytest.raises(NotImplementedError, match="quantized_model_init.*single_parameter=True"):
+            hfp.GroupedLinear(2, 32, 32, single_parameter=True)
 
 
 def test_another_weight_format_at_forward_is_a_clear_error():
