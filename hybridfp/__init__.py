@@ -8,6 +8,7 @@ from .integration.safetensors_io import load_safetensors, save_safetensors
 from .integration.master_weights import MasterWeightOptimizer, memory_per_parameter, quantize_master_weights
 from .moe import GroupedLinear
 from .nn.quantized_init import quantized_model_init
+from .nn.weight_cache import weight_caching
 from .nn import LayerNormLinear, LayerNormMLP, Linear, SwiGLU, convert, set_names, swiglu
 from .quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
                          HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer,
@@ -28,4 +29,5 @@ __all__ = [
     "convert", "current_policy", "factories",
     "gemm", "moe", "nn", "policy", "quantized_model_init",
     "MasterWeightOptimizer", "export_state_dict", "load_safetensors", "save_safetensors", "memory_per_parameter", "quantize_master_weights", "set_names", "swiglu", "use_policy",
+    "weight_caching",
 ]

@@ -19,6 +19,17 @@ The rule (``QuantizedModule.quantized_weight``, ``GroupedLinear.quantized_weight
   micro-batches in one region instead), the weight object or its version counter moved since,
   or if it lacks a copy the call needs.
 
+Delayed scaling moves a weight quantizer's scale at every region end, so without help a step
+split into several regions (gradient accumulation) encodes its high-precision weight once per
+region, each at another scale, where a quantized primary weight (``quantized_model_init``) holds
+the one encoding made at the optimizer step. :func:`weight_caching` is the opt-in that makes the
+two alike, as TransformerEngine's cached weight workspace (``is_first_microbatch=False``) is
+reused across its scale updates: inside it an entry made in the scope serves every later region
+of the scope while the weight object, its version counter and the recipe are unchanged, whatever
+the quantizer state did since; a region it serves records no weight amax, so delayed scaling's
+weight history and scale move as with a quantized primary weight (bitwise the same training).
+Checkpoint replays of a region it served read the same entry, also after the scope ended.
+
 What is not seen: a write that bypasses the version counter *between two calls of one module
 inside one region* (an optimizer step through ``.data`` between two forwards of one region);
 call ``invalidate_weight_cache()`` (on every rank) after such a write. FSDP2 re-gathering a
@@ -37,9 +48,53 @@ it the amax all-reduce at the region's end, where the other ranks would wait).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Sequence
+import contextvars
+from contextlib import contextmanager
+from typing import Any, Iterator, NamedTuple, Optional, Sequence
 
 from ..tensors import COLUMNWISE
+
+#: The active :func:`weight_caching` scope's token (None: none), per thread as autocast's region.
+_SCOPE: contextvars.ContextVar[Optional[object]] = contextvars.ContextVar("hybridfp_weight_scope", default=None)
+
+
+@contextmanager
+def weight_caching(enabled: bool = True) -> Iterator[None]:
+    """Quantize each high-precision weight once for all the autocast regions inside (the
+    micro-batches of one optimizer step), as a quantized primary weight is.
+
+    Inside, a module's cached quantized weight made in the scope is reused by its later regions
+    while the weight Parameter, its version counter (an in-place optimizer step moves it: the
+    next region quantizes anew) and the recipe are unchanged; delayed scaling's scale updates at
+    the region ends do not expire it (the weight keeps the encoding of its first region and its
+    quantizer records no amax in the regions that reuse it). So k regions per step with FP32
+    weights train bitwise as with ``quantized_model_init`` weights and FP32 masters. Nested
+    scopes are one scope. Writes that bypass the version counter (``p.data``) are not seen
+    inside: call ``module.invalidate_weight_cache()`` after one.
+
+    Parameters
+    ----------
+    enabled:
+        False: no scope (the default rule: a region's weights are its own).
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> lin, recipe = hf.Linear(32, 32), hf.DelayedScaling()
+    >>> with hf.weight_caching():
+    ...     for x in torch.randn(3, 4, 32):          # three micro-batches of one step
+    ...         with hf.autocast(recipe=recipe):
+    ...             y = lin(x)
+    ...         y.sum().backward()
+    >>> state = lin.get_extra_state()["quantizers"]  # one weight amax recorded: one update
+    >>> state["weight.0"]["state"]["updates"], state["input.0"]["state"]["updates"]
+    (1, 3)
+    """
+    token = _SCOPE.set(object() if enabled and _SCOPE.get() is None else _SCOPE.get() if enabled else None)
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
 
 
 class WeightKey(NamedTuple):
@@ -58,6 +113,9 @@ class WeightEntry(NamedTuple):
     weight: Any  #: the weight tensor (or list of tensors) it was made from, held
     region: object  #: the token of the autocast region it was made in
     kept: bool  #: kept for later regions (made by a call with ``is_first_microbatch=True``)
+    scope: object = None  #: the ``weight_caching`` scope it was made in (None: none)
+    #: tokens of the later regions it served in its scope (their checkpoint replays reuse it)
+    served: tuple = ()
 
 
 def check_is_first_microbatch(value: Any, who: str) -> None:
@@ -109,9 +167,33 @@ def reusable(entry: Optional[WeightEntry], weight: Any, key: WeightKey, columnwi
     if is_first_microbatch is False:
         _check_kept(entry, weight, key, columnwise, who)
         return True
-    return (entry is not None and region is not None and entry.region is region
-            and same_weights(entry.weight, weight) and entry.key == key
-            and (not columnwise or has_columnwise(entry.qw)))
+    if (entry is None or region is None or not same_weights(entry.weight, weight)
+            or (columnwise and not has_columnwise(entry.qw))):
+        return False
+    if entry.region is region:
+        return entry.key == key
+    return _scope_serves(entry, key, region)
+
+
+def _in_scope(entry: WeightEntry) -> bool:
+    """``entry`` was made in the active ``weight_caching`` scope."""
+    scope = _SCOPE.get()
+    return scope is not None and entry.scope is scope
+
+
+def _scope_serves(entry: WeightEntry, key: WeightKey, region: object) -> bool:
+    """Whether ``entry`` serves ``region`` through its ``weight_caching`` scope: the weight's
+    version and the recipe as when it was made (the quantizer state may have moved), and the
+    region either one it served already (a checkpoint replay, possibly after the scope ended) or
+    a new region of the active scope, which it then records as served."""
+    if entry.key.versions != key.versions or entry.key.recipe != key.recipe:
+        return False
+    if any(r is region for r in entry.served):
+        return True
+    if not _in_scope(entry):
+        return False
+    entry.served.append(region)  # a list made by new_entry: the entry stays one object
+    return True
 
 
 def _check_kept(entry: Optional[WeightEntry], weight: Any, key: WeightKey, columnwise: bool, who: str) -> None:
@@ -124,11 +206,11 @@ def _check_kept(entry: Optional[WeightEntry], weight: Any, key: WeightKey, colum
     if entry.key.recipe != key.recipe:
         raise RuntimeError(f"{who}: is_first_microbatch=False, but the recipe changed since the kept "
                            f"weight was quantized; {fix}.")
-    if entry.key.state != key.state:
+    if entry.key.state != key.state and not _in_scope(entry):
         raise RuntimeError(f"{who}: is_first_microbatch=False, but the weight's quantizer state changed "
                            "since the kept weight was quantized (delayed scaling updates its scale when "
                            "a region ends: run the micro-batches of one step in one autocast region, "
-                           f"which reuses the weight by itself); {fix}.")
+                           f"or inside hybridfp.weight_caching()); {fix}.")
     if not same_weights(entry.weight, weight):
         raise RuntimeError(f"{who}: is_first_microbatch=False, but the weight Parameter was replaced since "
                            f"the kept weight was quantized; {fix}.")
@@ -148,7 +230,7 @@ def new_entry(old: Optional[WeightEntry], key: WeightKey, qw: Any, weight: Any,
     call that needed the columnwise copy the kept one lacked)."""
     kept = is_first_microbatch is True or (
         old is not None and old.kept and region is not None and old.region is region)
-    return WeightEntry(key, qw, weight, region, kept)
+    return WeightEntry(key, qw, weight, region, kept, _SCOPE.get() if region is not None else None, [])
 
 
 def join_keys(keys: Sequence[WeightKey]) -> WeightKey:
@@ -161,5 +243,5 @@ def join_keys(keys: Sequence[WeightKey]) -> WeightKey:
 def split_entry(entry: WeightEntry) -> list[WeightEntry]:
     """The per-weight entries of a joined one (``join_keys``): same region, same keptness."""
     k = entry.key
-    return [WeightEntry(WeightKey(v, s, k.recipe), qw, w, entry.region, entry.kept)
+    return [WeightEntry(WeightKey(v, s, k.recipe), qw, w, entry.region, entry.kept, entry.scope, entry.served)
             for v, s, qw, w in zip(k.versions, k.state, entry.qw, entry.weight)]
