@@ -158,6 +158,9 @@ class GroupedLinear(GroupedWeights, QuantizedModule):
     #: The experts' per-tensor scales come from one segmented amax over all of them
     #: (moe/quantize_scaled.py), not from a recorded whole-tensor amax.
     reads_recorded_amax = False
+    #: The recipe's ``backward_override`` has Linear's meaning, per expert
+    #: (``grouped_linear_function.py``).
+    supports_backward_override = True
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True, *,
                  params_dtype: Optional[torch.dtype] = None, device: Optional[torch.device | str] = None,
@@ -333,13 +336,15 @@ class GroupedLinear(GroupedWeights, QuantizedModule):
         x = self.torch_autocast_input(x)
         grad_enabled = torch.is_grad_enabled()
         last = self._lcs_key  # (the quantizers dict itself, held: its id cannot be reused, flags)
-        if last is None or last[0] is not qs or last[1:] != (self.save_original_input, grad_enabled):
+        override = getattr(state.recipe, "backward_override", None)
+        if last is None or last[0] is not qs or last[1:] != (self.save_original_input, grad_enabled, override):
             self._lcs = [LinearContext(qs["input"][i], qs["weight"][i], qs["grad_output"][i], self, i,
-                                       self.save_original_input, grad_enabled) for i in range(self.num_gemms)]
+                                       self.save_original_input, grad_enabled, backward_override=override)
+                         for i in range(self.num_gemms)]
             self._lcs_random = any_random(self._lcs)
             if last is None or last[0] is not qs:
                 self._plans = {}  # new quantizers: the old plans' keys name the old ones
-            self._lcs_key = (qs, self.save_original_input, grad_enabled)
+            self._lcs_key = (qs, self.save_original_input, grad_enabled, override)
         reuse = WeightReuse(state.token, is_first_microbatch)
         if self.single_parameter:
             params = (self.weight, self.bias) if self.use_bias else (self.weight,)

@@ -4,6 +4,13 @@ Forward quantizes every expert's input (``quantize_grouped``) and weight (the mo
 runs fprop for all experts in one ``grouped_gemm`` call and saves the experts' copies for
 backward (``saved.py``); backward quantizes the output gradients together and runs dgrad and
 wgrad the same way.
+
+The recipe's ``backward_override`` has Linear's meaning per expert (``nn/linear_function.py``):
+the forward makes no columnwise copy and saves x's rows and the high-precision weights
+("high_precision") or the experts' rowwise copies ("dequantized"); backward runs each expert's
+dgrad and wgrad unquantized on those (dequantized) operands with dy unquantized, by
+``backward_gemms`` per expert: Linear's GEMMs, one expert at a time (no grouped kernel for
+these plain operands).
 """
 
 from __future__ import annotations
@@ -15,7 +22,8 @@ import torch
 from ..config import current_policy, use_policy
 from ..quantizers import Quantizer
 from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
-from ..nn.linear_function import LinearContext, bias_grad, keeps_original_input, torch_autocast_off
+from ..nn.linear_function import (LinearContext, backward_gemms, backward_override, bias_grad, keeps_original_input,
+                                  torch_autocast_off)
 from .grouped_tensor import GroupedTensor
 from .gemm import grouped_gemm, grouped_wgrad
 from .quantize import quantize_grouped
@@ -61,15 +69,31 @@ class GroupedLinearFunction(torch.autograd.Function):
             weights, biases = params[:n], (params[n:] if has_bias else (None,) * n)
             needs_wgrad = [ctx.needs_input_grad[_PARAMS + i] and grad_enabled for i in range(n)]
         needs_dgrad = ctx.needs_input_grad[0] and grad_enabled
+        mode = backward_override(lcs[0])  # one recipe: the same for every expert
+        if mode == "high_precision" and needs_dgrad and any(isinstance(w, QuantizedTensor) for w in weights):
+            raise ValueError(f"{lcs[0].module._who()}: backward_override='high_precision' reads the experts' "
+                             "high-precision weights, but they are QuantizedTensors (quantized_model_init: no "
+                             "high-precision value exists); use backward_override='dequantized'.")
+        # with an override backward reads no columnwise copy: none is made
+        col_wgrad = needs_wgrad if mode is None else [False] * n
         with torch_autocast_off(x):
-            qxs, qws = _fprop_operands(x, m_splits, weights, lcs, needs_dgrad, needs_wgrad, reuse)
+            qxs, qws = _fprop_operands(x, m_splits, weights, lcs, needs_dgrad and mode is None, col_wgrad, reuse)
             y = grouped_gemm(qxs, qws, "TN", out_dtype=x.dtype, biases=list(biases) if has_bias else None)
-        saved_xs = _saved_inputs(x, m_splits, qxs, lcs, needs_wgrad)
+        if mode is None:
+            saved_xs = _saved_inputs(x, m_splits, qxs, lcs, needs_wgrad)
+            keeps_x = all(keeps_original_input(lc) for lc in lcs)
+        elif mode == "high_precision":  # x's rows and the weights themselves
+            saved_xs, keeps_x = [xi if need else None for xi, need in zip(torch.split(x, m_splits), needs_wgrad)], True
+            qws = weights
+        else:  # "dequantized": the rowwise copies the forward multiplied
+            saved_xs = qxs if all(needs_wgrad) else [qx if need else None for qx, need in zip(qxs, needs_wgrad)]
+            keeps_x = False
         # the experts' copies are views of a few shared buffers: saved as those (grouped_saved)
         # every expert keeps its rows of x: x itself is saved (the caller states the layout)
-        whole_x = x if all(needs_wgrad) and all(keeps_original_input(lc) for lc in lcs) else None
+        whole_x = x if all(needs_wgrad) and keeps_x else None
         tx, ctx.saved_x = save_experts(saved_xs, rows_of=whole_x)
         tw, ctx.saved_w = save_experts(qws if needs_dgrad else [None] * n)
+        ctx.mode = mode
         ctx.n_x = len(tx)
         ctx.save_for_backward(*tx, *tw)
         ctx.lcs, ctx.m_splits, ctx.has_bias, ctx.stacked = lcs, m_splits, has_bias, stacked is not None
@@ -88,17 +112,35 @@ class GroupedLinearFunction(torch.autograd.Function):
         needs_wgrad = ([ctx.needs_input_grad[_PARAMS]] * n if ctx.stacked else
                        [ctx.needs_input_grad[_PARAMS + i] for i in range(n)])
         with use_policy(ctx.policy), torch_autocast_off(dy):
-            qdys = _quantize_grads(dy, ctx.m_splits, ctx.lcs, needs_dgrad, needs_wgrad)
-            qxs = (saved_xs if isinstance(saved_xs, GroupedTensor) else
-                   [_wgrad_input(saved_xs[i], lc) if needs_wgrad[i] else None for i, lc in enumerate(ctx.lcs)])
             dbs = ([bias_grad(dyi, dt) for dyi, dt in zip(torch.split(dy, ctx.m_splits), ctx.b_dtypes)]
                    if ctx.has_bias else [])
-            dx = (grouped_gemm(qdys, saved_ws, "NN", out_dtype=ctx.x_dtype)
-                  if needs_dgrad else None)
-            dws, dw_all = _wgrads(qdys, qxs, ctx.w_dtypes)
+            if ctx.mode is not None:
+                dx, dws, dw_all = *_override_grads(ctx, dy, saved_xs, saved_ws, needs_dgrad, needs_wgrad), None
+            else:
+                qdys = _quantize_grads(dy, ctx.m_splits, ctx.lcs, needs_dgrad, needs_wgrad)
+                qxs = (saved_xs if isinstance(saved_xs, GroupedTensor) else
+                       [_wgrad_input(saved_xs[i], lc) if needs_wgrad[i] else None for i, lc in enumerate(ctx.lcs)])
+                dx = (grouped_gemm(qdys, saved_ws, "NN", out_dtype=ctx.x_dtype)
+                      if needs_dgrad else None)
+                dws, dw_all = _wgrads(qdys, qxs, ctx.w_dtypes)
         if ctx.stacked:  # one [E, N, K] gradient (and one [E, N] bias gradient)
             return (dx, None, None, None, None, None, _stack(dws, dw_all), *([_stack(dbs)] if ctx.has_bias else []))
         return (dx, None, None, None, None, None, *dws, *dbs)
+
+
+def _override_grads(ctx: Any, dy: torch.Tensor, saved_xs: Sequence[Optional[torch.Tensor]],
+                    saved_ws: Sequence[Optional[torch.Tensor]], needs_dgrad: bool, needs_wgrad: list[bool]
+                    ) -> tuple[Optional[torch.Tensor], list[Optional[torch.Tensor]]]:
+    """(dx, dW per expert) of a ``backward_override``: each expert's dgrad and wgrad as Linear
+    runs them (``backward_gemms``: dy unquantized, the saved operands as they are or their
+    rowwise copies dequantized), one expert at a time."""
+    dxs, dws = [], []
+    for e, (dye, lc) in enumerate(zip(torch.split(dy, ctx.m_splits), ctx.lcs)):
+        dxe, dwe = backward_gemms(dye, saved_xs[e], saved_ws[e], lc, ctx.x_dtype, ctx.w_dtypes[e],
+                                  needs_dgrad, needs_wgrad[e])
+        dxs.append(dxe)
+        dws.append(dwe)
+    return (torch.cat(dxs) if needs_dgrad else None), dws
 
 
 def _stack(ts: Sequence[Optional[torch.Tensor]], whole: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:

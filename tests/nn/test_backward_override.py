@@ -155,12 +155,19 @@ def test_dequantized_saves_the_rowwise_copies_only(fmt):
     assert all(t.dtype != torch.float32 for t in saved if tuple(t.shape) in ((ROWS, IN), (OUT, IN)))
 
 
-def test_grouped_linear_refuses_an_override():
+def test_grouped_linear_honours_an_override():
+    """GroupedLinear runs the override (per expert; its references: tests/moe)."""
     m = make_module("grouped")
-    x = make_data()[0]
-    with pytest.raises(NotImplementedError, match="GroupedLinear.*backward_override='dequantized'"):
-        with hf.autocast(recipe=hf.MXFP8BlockScaling(backward_override="dequantized")):
-            m(x, [0, 19, ROWS - 19])
+    x, dy = make_data()
+    got, base = [], []
+    for recipe, out in ((hf.MXFP8BlockScaling(backward_override="dequantized"), got), (hf.MXFP8BlockScaling(), base)):
+        m.zero_grad(set_to_none=True)
+        with hf.autocast(recipe=recipe):
+            y = m(x, [0, 19, ROWS - 19])
+        y.backward(dy)
+        out.extend([y.detach(), m.weight1.grad])
+    assert_bitwise(got[0], base[0], "output")
+    assert not torch.equal(got[1], base[1])
 
 
 def test_a_user_recipe_with_an_unknown_override_is_refused_at_forward():
