@@ -8,14 +8,15 @@ nominal dtype, format options, which key holds which payload) as JSON in the hea
 modules' quantizer state (``_extra_state``: delayed scaling's amax history and scale) likewise,
 so training resumes where it stopped. Loading reads nothing but tensors and JSON, checks every
 field as ``torch.load(weights_only=True)`` does (``tensors.validation``) and copies the payloads
-into the model's own quantized parameters bitwise.
+into the model's own quantized parameters bitwise. With ``max_shard_size`` the same entries are
+written as a Hugging Face sharded checkpoint (``safetensors_shards``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ from torch import nn
 from ..tensors import QuantizedTensor
 from ..tensors.quantized_tensor import storage_from_state
 from ..tensors.validation import InvalidStateError
+from . import safetensors_shards as shards
 
 #: Header keys and tensor-key infix of hybridfp's own entries (reserved: user metadata may not
 #: use them).
@@ -30,8 +32,7 @@ RESERVED = "__hybridfp__"
 #: Version of the layout below; a file of another version is refused.
 FORMAT_VERSION = "1"
 _VERSION_KEY = f"{RESERVED}.version"
-_QUANTIZED = f"{RESERVED}.quantized."
-_EXTRA = f"{RESERVED}.extra."
+_QUANTIZED, _EXTRA = shards.ENTRY_PREFIXES  # "__hybridfp__.quantized.", "__hybridfp__.extra."
 _EXTRA_SUFFIX = "_extra_state"
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -99,31 +100,48 @@ def _decode(value: Any, get: Callable[[str], torch.Tensor], where: str) -> Any:
 
 
 # ---------------------------------------------------------------------- save
-def save_safetensors(model: nn.Module, path: PathLike, metadata: Optional[dict[str, str]] = None) -> None:
-    """Write ``model.state_dict()`` to a safetensors file, quantized weights as their payloads.
+def save_safetensors(model: Union[nn.Module, Mapping[str, Any]], path: PathLike,
+                     metadata: Optional[dict[str, str]] = None, *,
+                     max_shard_size: Optional[Union[int, str]] = None) -> None:
+    """Write ``model.state_dict()`` to a safetensors file, quantized weights as their payloads;
+    with ``max_shard_size``, to a directory of shards in the Hugging Face layout.
 
     Plain tensors keep their names (any safetensors reader gets them); each ``QuantizedTensor``
     (a weight held by ``quantized_model_init``) becomes its payload tensors,
     ``<name>.__hybridfp__.<direction>.<payload>``, described in the header as JSON; the
     quantizers' state (``_extra_state``) goes in the header too, its tensors under
     ``<module>._extra_state.<field>``. :func:`load_safetensors` reads it back bitwise. For plain
-    high-precision weights instead use ``safetensors.torch.save_file(export_state_dict(model))``.
+    high-precision weights pass ``export_state_dict(model)`` instead of the model.
+
+    Sharded: ``path`` is a directory; the entries are written in state-dict order into
+    ``model-00001-of-0000N.safetensors`` files of at most ``max_shard_size`` bytes of tensors
+    each (an entry larger than that gets a file of its own) and ``model.safetensors.index.json``
+    (``{"metadata": {"total_size": ..., <metadata>}, "weight_map": {tensor: file}}``); a
+    checkpoint that fits in one shard is ``model.safetensors`` alone, as Hugging Face writes it.
+    A quantized weight's payloads and its description, and a module's quantizer state, always
+    go into one file together; every shard's header carries ``metadata``. Shard and index files
+    of an earlier save in the directory that this save does not write are removed.
 
     Parameters
     ----------
     model:
-        Any module (hybridfp modules with quantized or high-precision weights).
+        Any module (hybridfp modules with quantized or high-precision weights), or a state dict
+        (e.g. ``export_state_dict(model)``: a plain checkpoint any safetensors reader loads).
     path:
-        The file to write.
+        The file to write; with ``max_shard_size``, the directory.
     metadata:
         Extra header entries (str -> str); keys starting with ``__hybridfp__`` are reserved.
+    max_shard_size:
+        None: one file. Otherwise the largest shard, an int of bytes or a string such as
+        ``"5GB"``, ``"500MB"`` (decimal units, as Hugging Face counts) or ``"2GiB"``.
 
     Raises
     ------
     ImportError
         safetensors is not installed (the ``hybridfp[safetensors]`` extra).
     ValueError
-        ``metadata`` is not str -> str or uses a reserved key.
+        ``metadata`` is not str -> str or uses a reserved key; ``max_shard_size`` is not a
+        positive size.
     TypeError
         A state-dict entry holds something other than tensors and plain data.
 
@@ -137,42 +155,72 @@ def save_safetensors(model: nn.Module, path: PathLike, metadata: Optional[dict[s
     >>> _ = hf.load_safetensors(b, path)
     >>> all(torch.equal(x, y) for x, y in zip(a.weight.qstorage.tensors(), b.weight.qstorage.tensors()))
     True
+    >>> folder = tempfile.mkdtemp()
+    >>> hf.save_safetensors(a, folder, max_shard_size="1KB")
+    >>> sorted(os.listdir(folder))
+    ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors', 'model.safetensors.index.json']
+    >>> _ = hf.load_safetensors(b, folder)
     """
     st = _safetensors()
-    header: dict[str, str] = {}
+    limit = None if max_shard_size is None else shards.parse_shard_size(max_shard_size)
+    base: dict[str, str] = {}
     for k, v in (metadata or {}).items():
         if not isinstance(k, str) or not isinstance(v, str):
             raise ValueError(f"save_safetensors: metadata must map str to str; got {k!r}: {type(v).__name__}.")
         if k.startswith(RESERVED):
             raise ValueError(f"save_safetensors: metadata key {k!r} is reserved (keys starting with {RESERVED!r} "
                              "hold hybridfp's own entries); rename it.")
-        header[k] = v
-    header[_VERSION_KEY] = FORMAT_VERSION
-    tensors: dict[str, torch.Tensor] = {}
+        base[k] = v
+    base[_VERSION_KEY] = FORMAT_VERSION
+    state = model.state_dict() if isinstance(model, nn.Module) else model
+    units = _units(state)
+    if limit is not None:
+        shards.write_sharded(os.fspath(path), base, units, limit, st.torch.save_file)
+        return
+    header, tensors = dict(base), {}
+    for unit in units:
+        header.update(unit.header)
+        tensors.update(unit.tensors)
+    st.torch.save_file(tensors, os.fspath(path), metadata=header)
+
+
+def _units(state: Mapping[str, Any]) -> list[shards.Unit]:
+    """The state dict's entries as units written together: a plain tensor; a quantized weight's
+    payloads and description; a module's quantizer state and its tensors."""
+    units: list[shards.Unit] = []
+    keys: set[str] = set()
     storages: set[int] = set()
 
-    def add(key: str, t: torch.Tensor) -> str:
-        if key in tensors:
-            raise ValueError(f"save_safetensors: two entries would be written under the key {key!r}.")
-        t = t.detach().contiguous()
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in storages and t.numel():  # safetensors refuses tensors sharing memory
-            t = t.clone()
-        storages.add(ptr)
-        tensors[key] = t
-        return key
+    def adder(unit: shards.Unit) -> Callable[[str, torch.Tensor], str]:
+        def add(key: str, t: torch.Tensor) -> str:
+            if key in keys:
+                raise ValueError(f"save_safetensors: two entries would be written under the key {key!r}.")
+            t = t.detach().contiguous()
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in storages and t.numel():  # safetensors refuses tensors sharing memory
+                t = t.clone()
+            storages.add(ptr)
+            keys.add(key)
+            unit.tensors[key] = t
+            return key
+        return add
 
-    for name, value in model.state_dict().items():
+    for name, value in state.items():
+        if not isinstance(name, str):
+            raise TypeError(f"save_safetensors: state-dict key {name!r} is not a str.")
+        unit = shards.Unit({}, {})
+        add = adder(unit)
         if name.rsplit(".", 1)[-1] == _EXTRA_SUFFIX:
-            enc = _encode(value, (), lambda p, t, n=name: add(".".join(map(str, (n,) + p)), t), name)
-            header[_EXTRA + name] = json.dumps(enc)
+            enc = _encode(value, (), lambda p, t, n=name, add=add: add(".".join(map(str, (n,) + p)), t), name)
+            unit.header[_EXTRA + name] = json.dumps(enc)
         elif isinstance(value, QuantizedTensor):
-            header[_QUANTIZED + name] = json.dumps({"storage": _encode_storage(name, value, add)})
+            unit.header[_QUANTIZED + name] = json.dumps({"storage": _encode_storage(name, value, add)})
         elif isinstance(value, torch.Tensor):
             add(name, value)
         else:
             raise TypeError(f"save_safetensors: state-dict entry {name!r} is a {type(value).__name__}, not a tensor.")
-    st.torch.save_file(tensors, os.fspath(path), metadata=header)
+        units.append(unit)
+    return units
 
 
 def _encode_storage(name: str, t: QuantizedTensor, add: Callable[[str, torch.Tensor], str]) -> Any:
@@ -193,20 +241,23 @@ def _encode_storage(name: str, t: QuantizedTensor, add: Callable[[str, torch.Ten
 
 # ---------------------------------------------------------------------- load
 def load_safetensors(model: nn.Module, path: PathLike, strict: bool = True) -> Any:
-    """Load a file written by :func:`save_safetensors` into ``model`` (or a plain safetensors
-    file into a model of plain weights): quantized weights get the saved payloads bitwise, the
-    quantizers the saved state (applied when the next forward builds them).
+    """Load a checkpoint written by :func:`save_safetensors` into ``model`` (or a plain
+    safetensors checkpoint into a model of plain weights): quantized weights get the saved
+    payloads bitwise, the quantizers the saved state (applied when the next forward builds them).
 
     ``model`` must hold its quantized weights in the saved formats (built under
     ``quantized_model_init`` with the saved recipe); every entry is checked before anything is
-    loaded.
+    loaded. A sharded checkpoint is read whole, after checking that its index and shards agree
+    (every shard present, holding the tensors the ``weight_map`` gives it and no other, its
+    metadata the index's).
 
     Parameters
     ----------
     model:
         The module to load into.
     path:
-        The file.
+        The file; for a sharded checkpoint its directory or its ``model.safetensors.index.json``
+        (a directory holding only ``model.safetensors`` reads that).
     strict:
         Refuse entries the model lacks and model entries the file lacks (as
         ``load_state_dict``); False loads what both have and reports the rest.
@@ -220,13 +271,16 @@ def load_safetensors(model: nn.Module, path: PathLike, strict: bool = True) -> A
     ------
     ImportError
         safetensors is not installed (the ``hybridfp[safetensors]`` extra).
+    FileNotFoundError
+        Nothing at ``path``, or a shard the index names is missing (naming it).
     KeyError
-        A tensor the header names is not in the file; with ``strict``, an entry missing or
-        unexpected. The message names the key.
+        A tensor the header or the weight_map names is not in the checkpoint; with ``strict``,
+        an entry missing or unexpected. The message names the key.
     ValueError
         (``InvalidStateError`` for quantized entries) a header entry that is not valid JSON, an
         unknown storage class or tag, payloads of the wrong dtype or shape, a quantized entry in
-        another format than the model's, a plain entry of another dtype or shape; naming the key.
+        another format than the model's, a plain entry of another dtype or shape; an index and
+        shards that disagree (metadata, which shard holds a tensor); naming the key or shard.
 
     Example
     -------
@@ -240,10 +294,11 @@ def load_safetensors(model: nn.Module, path: PathLike, strict: bool = True) -> A
     True
     """
     st = _safetensors()
-    where = os.fspath(path)
-    with st.safe_open(where, framework="pt", device="cpu") as f:
-        header = f.metadata() or {}
-        stored = {k: f.get_tensor(k) for k in f.keys()}
+    kind, where = shards.resolve(os.fspath(path))
+    if kind == "index":
+        header, stored = shards.read_sharded(where, st.safe_open)
+    else:
+        header, stored = shards.read_file(where, st.safe_open)
     version = header.get(_VERSION_KEY)
     if version is not None and version != FORMAT_VERSION:
         raise ValueError(f"load_safetensors: {where} has hybridfp layout version {version!r}; this hybridfp "
