@@ -115,7 +115,8 @@ class GroupedLinearFunction(torch.autograd.Function):
             dbs = ([bias_grad(dyi, dt) for dyi, dt in zip(torch.split(dy, ctx.m_splits), ctx.b_dtypes)]
                    if ctx.has_bias else [])
             if ctx.mode is not None:
-                dx, dws, dw_all = *_override_grads(ctx, dy, saved_xs, saved_ws, needs_dgrad, needs_wgrad), None
+                dx, dws = _override_grads(ctx, dy, saved_xs, saved_ws, needs_dgrad, needs_wgrad)
+                dw_all = None  # separate per-expert results: stacked for single_parameter
             else:
                 qdys = _quantize_grads(dy, ctx.m_splits, ctx.lcs, needs_dgrad, needs_wgrad)
                 qxs = (saved_xs if isinstance(saved_xs, GroupedTensor) else

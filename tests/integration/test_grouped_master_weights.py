@@ -20,7 +20,14 @@ from master_cases import RECIPES, quantized_weights
 STEPS = 3
 E, D, H, ROWS = 3, 64, 32, 32
 SPLITS = [0, 19, ROWS - 19]  # an empty expert and sizes that are not multiples of 16 / 32
-CASES = ("fp8_current", "mxfp8", "nvfp4", "hybrid_per_gemm")
+
+def _sr_inputs(role: hfp.QuantizerRole) -> hfp.quantizers.Quantizer:
+    """NVFP4 with stochastic rounding on inputs and gradients: the experts quantize one by one."""
+    return hfp.quantizers.NVFP4Quantizer(stochastic_rounding=role.tensor_type != "weight")
+
+
+RECIPES = {**RECIPES, "nvfp4_sr_inputs": lambda: hfp.CustomRecipe(qfactory=_sr_inputs)}
+CASES = ("fp8_current", "mxfp8", "nvfp4", "hybrid_per_gemm", "nvfp4_sr_inputs")
 
 
 @pytest.fixture(autouse=True)
@@ -87,8 +94,10 @@ def test_grouped_master_weights_train_bitwise_as_fp32_weights(name, pack_weights
         master = opt_q.master_of(p)
         assert torch.equal(master if master is not None else p, hp_params[n]), n
     x = batches(STEPS + 1)[-1]
+    torch.manual_seed(7)  # the same draws for stochastic rounding in both forwards
     with torch.no_grad(), hfp.autocast(recipe=recipe_hp):
         y_hp = hp(x)
+    torch.manual_seed(7)
     with torch.no_grad(), hfp.autocast(recipe=recipe_q):
         y_q = q(x)
     assert torch.equal(y_hp, y_q)
@@ -123,6 +132,8 @@ def test_forward_and_backward_read_the_held_copies_without_requantizing(monkeypa
     recipe = hfp.MXFP8BlockScaling()
     q = build(recipe, quantized=True)
     calls = []
+    import hybridfp.moe.grouped_weights as gw
+    monkeypatch.setattr(gw, "quantize_weights_grouped", lambda *a, **k: calls.append("grouped") or [])
     for p in quantized_weights(q).values():
         orig = p.quantizer.quantize
         monkeypatch.setattr(p.quantizer, "quantize", lambda x, orig=orig: calls.append(1) or orig(x))
