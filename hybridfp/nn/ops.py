@@ -24,9 +24,13 @@ the context (quantizers, options) of the module's latest forward of that GEMM se
 eager function reads the one its forward held: the same objects unless the recipe changed
 between a forward and its backward.
 
-Not covered (documented in README.md): a ``QuantizedTensor`` weight parameter (refused under
-compile), ``torch.utils.checkpoint`` records / replays of compiled calls (the module's
-``__call__`` records nothing while traced), and ``GroupedLinear``.
+A quantized weight parameter (``quantized_model_init``) goes in as its payload tensors (Dynamo
+does not trace ``QuantizedTensor``); the op rebuilds it on them, so fprop reads what eager's
+``quantized_weight`` returns, and saves them for dgrad as eager does. Its gradient is given to
+the parameter by a nested backward from the backward op (``.grad`` and hooks as in eager).
+
+Not covered (documented in README.md): ``torch.utils.checkpoint`` records / replays of
+compiled calls (the module's ``__call__`` records nothing while traced), and ``GroupedLinear``.
 """
 
 from __future__ import annotations
@@ -52,8 +56,9 @@ _MODULES: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary(
 _CONTEXTS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 _PLANS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
-# how backward reads x / W: not at all, the op's input itself, or payloads the op returned
-_NONE, _INPUT, _PAYLOAD = 0, 1, 2
+# how backward reads x / W: not at all, the op's input itself, payloads the op returned, or (a
+# quantized weight parameter) the held weight's payloads the op took as inputs
+_NONE, _INPUT, _PAYLOAD, _HELD = 0, 1, 2, 3
 
 
 def register(module: Any) -> None:
@@ -137,12 +142,14 @@ def _form(saved: Optional[torch.Tensor], given: torch.Tensor) -> tuple[int, Any,
 
 
 def _plan(lc: LinearContext, x_shape: tuple, x_dtype: torch.dtype, w_shape: tuple, w_dtype: torch.dtype,
-          needs_dgrad: bool, needs_wgrad: bool) -> _Plan:
+          needs_dgrad: bool, needs_wgrad: bool, held: bool = False) -> _Plan:
     """``forward_gemm``'s saved copies for these shapes, from a run on meta tensors with copies
-    of the quantizers (their state untouched), memoized per module and signature."""
+    of the quantizers (their state untouched), memoized per module and signature. ``held``: the
+    weight is a quantized parameter, whose payloads (the op's inputs) backward reads as eager's
+    saved weight does."""
     module = lc.module
     key = (getattr(module, "_qkey", None), lc.weight_index, x_shape, x_dtype, w_shape, w_dtype, needs_dgrad,
-           needs_wgrad, lc.backward_override, lc.save_original_input,
+           needs_wgrad, held, lc.backward_override, lc.save_original_input,
            id(lc.input_q), id(lc.weight_q), id(lc.grad_q))
     memo = _PLANS.setdefault(module, {})
     if key in memo:
@@ -159,6 +166,8 @@ def _plan(lc: LinearContext, x_shape: tuple, x_dtype: torch.dtype, w_shape: tupl
     # the skeletons rebuild tensors of the live quantizers, not of the meta pass's copies
     xs = None if xs is None else (*xs, lc.input_q)
     ws = None if ws is None else (*ws, lc.weight_q)
+    if held:  # forward_gemm saves the held weight itself (never a copy of it) when dgrad needs it
+        wf, ws, wm = (_HELD if needs_dgrad else _NONE), None, ()
     plan = _Plan(xf, xs, xm, wf, ws, wm)
     memo[key] = plan
     return plan
@@ -193,26 +202,84 @@ def _fresh(out: list[torch.Tensor], inputs: tuple) -> list[torch.Tensor]:
     return res
 
 
+#: What the forward op takes in the weight's place for a quantized weight parameter (which
+#: Dynamo cannot hand to an op): an empty tensor that requires grad when the parameter does, so
+#: the op's output is differentiable as eager's is. Its gradient is always None (never written);
+#: the weight's own reaches the parameter from the backward op (:func:`_accumulate_held_grad`).
+_HELD_WITH_GRAD = torch.empty(0, requires_grad=True)
+_HELD_NO_GRAD = torch.empty(0)
+
+
+def _held_param(module: Any, index: int) -> QuantizedTensor:
+    """The quantized weight parameter of GEMM set ``index`` (``quantized_weight_slots``)."""
+    for attr, i in module.quantized_weight_slots:
+        p = getattr(module, attr, None)
+        if i == index and isinstance(p, QuantizedTensor):
+            return p
+    raise RuntimeError(f"{module._who()}: the compiled graph was traced with a quantized weight for GEMM set "
+                       f"{index}, which the module no longer holds; call torch._dynamo.reset().")
+
+
+def _held_weight(module: Any, index: int, payloads: list[torch.Tensor]) -> QuantizedTensor:
+    """The held weight rebuilt on the payload tensors the op took (the parameter's own, unless a
+    recomputation or AOTAutograd hands copies): what eager's ``quantized_weight`` returns."""
+    p = _held_param(module, index)
+    try:
+        storage = p.qstorage.with_tensors(list(payloads))
+    except ValueError:
+        raise RuntimeError(f"{module._who()}: the quantized weight {p.qstorage.describe()} does not have the "
+                           "payload layout the compiled graph was traced with; call torch._dynamo.reset().") from None
+    return QuantizedTensor(storage, p.quantizer)
+
+
+class _HeldGrad(torch.autograd.Function):
+    """The edge from a gradient to a quantized weight parameter: backward hands it on as is."""
+
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return torch.zeros((), dtype=w.dtype, device=w.device).expand(w.shape)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return g
+
+
+def _accumulate_held_grad(param: QuantizedTensor, dw: torch.Tensor) -> None:
+    """Give ``dw`` to the quantized weight parameter through autograd (a nested backward from
+    the backward op): it accumulates into ``param.grad`` as eager's does (a plain tensor of the
+    weight's nominal dtype) and the parameter's hooks run (DDP's among them). The compiled
+    graph cannot take the parameter itself as an input (Dynamo does not trace
+    ``QuantizedTensor``)."""
+    with torch.enable_grad():
+        link = _HeldGrad.apply(param)
+    torch.autograd.backward(link, dw)
+
+
 @torch.library.custom_op("hybridfp::linear_forward", mutates_args=())
-def linear_forward(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], key: int, index: int,
-                   config: str, needs_dgrad: bool, needs_wgrad: bool, is_first_microbatch: int) -> list[torch.Tensor]:
-    """fprop of GEMM set ``index`` of module ``key``: [y, payloads backward reads]."""
+def linear_forward(x2: torch.Tensor, weight: torch.Tensor, weight_payloads: list[torch.Tensor],
+                   bias: Optional[torch.Tensor], key: int, index: int, config: str, needs_dgrad: bool,
+                   needs_wgrad: bool, is_first_microbatch: int, held: bool) -> list[torch.Tensor]:
+    """fprop of GEMM set ``index`` of module ``key``: [y, payloads backward reads]. ``held``: the
+    weight is the module's quantized parameter, rebuilt from ``weight_payloads`` (``weight`` is
+    then an empty stand-in)."""
     module = _module(key)
     lc = _forward_context(module, index, is_first_microbatch)
     if config != config_key(current_autocast()):  # type: ignore[arg-type]
         raise RuntimeError(f"{module._who()}: the active recipe is not the one this graph was compiled "
                            "for; call torch._dynamo.reset() (torch.compile guards on the recipe).")
+    w = _held_weight(module, index, weight_payloads) if held else weight
     with torch_autocast_off(x2):
-        y, sx, sw = forward_gemm(x2, weight, bias, lc, needs_dgrad, needs_wgrad)
-    plan = _plan(lc, tuple(x2.shape), x2.dtype, tuple(weight.shape), weight.dtype, needs_dgrad, needs_wgrad)
+        y, sx, sw = forward_gemm(x2, w, bias, lc, needs_dgrad, needs_wgrad)
+    plan = _plan(lc, tuple(x2.shape), x2.dtype, tuple(w.shape), w.dtype, needs_dgrad, needs_wgrad, held)
     out = [y]
-    for form, skel, saved, given in ((plan.x_form, plan.x_skel, sx, x2), (plan.w_form, plan.w_skel, sw, weight)):
-        if form != (_NONE if saved is None else _INPUT if saved is given else _PAYLOAD):
+    for form, skel, saved, given in ((plan.x_form, plan.x_skel, sx, x2), (plan.w_form, plan.w_skel, sw, w)):
+        same = _HELD if held and given is w else _INPUT
+        if form != (_NONE if saved is None else same if saved is given else _PAYLOAD):
             raise RuntimeError(f"{module._who()}: the compiled graph expected other saved tensors than "
                                "this call makes; call torch._dynamo.reset() to recompile.")
         if form == _PAYLOAD:
             out += _payloads(saved, skel, module)
-    return _fresh(out, (x2, weight, bias))
+    return _fresh(out, (x2, weight, bias, *weight_payloads))
 
 
 def _payloads(t: Any, skel: Any, module: Any) -> list[torch.Tensor]:
@@ -233,54 +300,68 @@ def _rebuild(skel: Any, tensors: list[torch.Tensor]) -> QuantizedTensor:
     return QuantizedTensor(storage.with_tensors(list(tensors)), quantizer)
 
 
+def _weight_meta(module: Any, index: int, weight: torch.Tensor, held: bool) -> tuple[tuple, torch.dtype]:
+    """The weight's shape (ints) and nominal dtype: the held parameter's, else ``weight``'s."""
+    if held:
+        p = _held_param(module, index)
+        return tuple(p.shape), p.dtype
+    return _sizes(weight), weight.dtype
+
+
 @linear_forward.register_fake
-def _linear_forward_fake(x2, weight, bias, key, index, config, needs_dgrad, needs_wgrad, is_first_microbatch):
+def _linear_forward_fake(x2, weight, weight_payloads, bias, key, index, config, needs_dgrad, needs_wgrad,
+                         is_first_microbatch, held):
     module = _module(key)
     with unset_fake_temporarily():  # quantizers built here hold real state tensors (delayed scaling)
         lc = _forward_context(module, index, -1)
-    if isinstance(weight, QuantizedTensor):
-        raise NotImplementedError(f"{module._who()}: torch.compile of a module with a quantized "
-                                  "weight parameter is not supported; compile it with high-precision weights.")
-    xs, ws = _sizes(x2), _sizes(weight)
-    plan = _plan(lc, xs, x2.dtype, ws, weight.dtype, needs_dgrad, needs_wgrad)
+    xs = _sizes(x2)
+    ws, w_dtype = _weight_meta(module, index, weight, held)
+    plan = _plan(lc, xs, x2.dtype, ws, w_dtype, needs_dgrad, needs_wgrad, held)
     out = [x2.new_empty((xs[0], ws[0]))]
     for m in plan.x_meta + plan.w_meta:
         out.append(torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=x2.device))
     return out
 
 
+@torch.fx.node.has_side_effect  # a held weight's gradient is given to the parameter, not returned
 @torch.library.custom_op("hybridfp::linear_backward", mutates_args=())
 def linear_backward(dy2: torch.Tensor, saved: list[torch.Tensor], key: int, index: int, in_features: int,
                     x_dtype: torch.dtype, w_dtype: torch.dtype, needs_dgrad: bool, needs_wgrad: bool,
-                    bias_grad_dtype: Optional[torch.dtype]) -> list[torch.Tensor]:
+                    bias_grad_dtype: Optional[torch.dtype], held: bool) -> list[torch.Tensor]:
     """dgrad / wgrad / bias grad of GEMM set ``index`` of module ``key``: the gradients asked
-    for, in that order."""
+    for, in that order; a held (quantized parameter) weight's gradient is accumulated into the
+    parameter instead of returned."""
     module = _module(key)
     lc = _CONTEXTS[module][index]
     m, n = dy2.shape
-    plan = _plan(lc, (m, in_features), x_dtype, (n, in_features), w_dtype, needs_dgrad, needs_wgrad)
+    plan = _plan(lc, (m, in_features), x_dtype, (n, in_features), w_dtype, needs_dgrad, needs_wgrad, held)
     rest = list(saved)
     sx = sw = None
     if plan.x_form != _NONE:
         k = 1 if plan.x_form == _INPUT else len(plan.x_meta)
         sx = rest[0] if plan.x_form == _INPUT else _rebuild(plan.x_skel, rest[:k])
         rest = rest[k:]
-    if plan.w_form != _NONE:
+    if plan.w_form == _HELD:
+        sw = _held_weight(module, index, rest)
+    elif plan.w_form != _NONE:
         sw = rest[0] if plan.w_form == _INPUT else _rebuild(plan.w_skel, rest)
     with torch_autocast_off(dy2):
         dx, dw = backward_gemms(dy2, sx, sw, lc, x_dtype, w_dtype, needs_dgrad, needs_wgrad)
         db = bias_grad(dy2, bias_grad_dtype) if bias_grad_dtype is not None else None
+    if held and dw is not None:
+        _accumulate_held_grad(_held_param(module, index), dw)
+        dw = None
     return _fresh([t for t in (dx, dw, db) if t is not None], (dy2, *saved))
 
 
 @linear_backward.register_fake
 def _linear_backward_fake(dy2, saved, key, index, in_features, x_dtype, w_dtype, needs_dgrad, needs_wgrad,
-                          bias_grad_dtype):
+                          bias_grad_dtype, held):
     m, n = dy2.shape
     out = []
     if needs_dgrad:
         out.append(dy2.new_empty((m, in_features), dtype=x_dtype))
-    if needs_wgrad:
+    if needs_wgrad and not held:
         out.append(dy2.new_empty((n, in_features), dtype=w_dtype))
     if bias_grad_dtype is not None:
         out.append(dy2.new_empty((n,), dtype=bias_grad_dtype))
@@ -288,31 +369,35 @@ def _linear_backward_fake(dy2, saved, key, index, in_features, x_dtype, w_dtype,
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: list) -> None:
-    x2, weight, bias, key, index, _config, needs_dgrad, needs_wgrad, _ifm = inputs
+    x2, weight, payloads, bias, key, index, _config, needs_dgrad, needs_wgrad, _ifm, held = inputs
     module = _module(key)
     lc = _CONTEXTS[module][index]
-    plan = _plan(lc, _sizes(x2), x2.dtype, _sizes(weight), weight.dtype, needs_dgrad, needs_wgrad)
+    ws, w_dtype = _weight_meta(module, index, weight, held)
+    plan = _plan(lc, _sizes(x2), x2.dtype, ws, w_dtype, needs_dgrad, needs_wgrad, held)
     saved: list[torch.Tensor] = []
     pos = 1
     for form, meta, given in ((plan.x_form, plan.x_meta, x2), (plan.w_form, plan.w_meta, weight)):
         if form == _INPUT:
             saved.append(given)
+        elif form == _HELD:
+            saved += list(payloads)
         elif form == _PAYLOAD:
             saved += output[pos:pos + len(meta)]
             pos += len(meta)
     ctx.save_for_backward(*saved)
-    ctx.args = (key, index, guard_int(x2.shape[1]), x2.dtype, weight.dtype, needs_dgrad, needs_wgrad,
-                bias.dtype if bias is not None and bias.requires_grad else None)
+    ctx.args = (key, index, guard_int(x2.shape[1]), x2.dtype, w_dtype, needs_dgrad, needs_wgrad,
+                bias.dtype if bias is not None and bias.requires_grad else None, held)
+    ctx.n_payloads = len(payloads)
 
 
 def _backward(ctx: Any, grads: list) -> tuple:
-    key, index, in_features, x_dtype, w_dtype, needs_dgrad, needs_wgrad, bias_dtype = ctx.args
+    key, index, in_features, x_dtype, w_dtype, needs_dgrad, needs_wgrad, bias_dtype, held = ctx.args
     out = list(linear_backward(grads[0].contiguous(), list(ctx.saved_tensors), key, index, in_features,
-                               x_dtype, w_dtype, needs_dgrad, needs_wgrad, bias_dtype))
+                               x_dtype, w_dtype, needs_dgrad, needs_wgrad, bias_dtype, held))
     dx = out.pop(0) if needs_dgrad else None
-    dw = out.pop(0) if needs_wgrad else None
+    dw = out.pop(0) if needs_wgrad and not held else None  # held: given to the parameter (None here)
     db = out.pop(0) if bias_dtype is not None else None
-    return dx, dw, db, None, None, None, None, None, None
+    return dx, dw, [None] * ctx.n_payloads, db, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("hybridfp::linear_forward", _backward, setup_context=_setup_context)
@@ -347,7 +432,12 @@ def quantized_linear(module: Any, index: int, x: torch.Tensor, weight: torch.Ten
     grad = torch.is_grad_enabled()
     x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     ifm = -1 if is_first_microbatch is None else int(is_first_microbatch)
-    out = torch.ops.hybridfp.linear_forward(x2, weight, bias, id(module), index, config_key(state),
-                                            grad and x.requires_grad, grad and weight.requires_grad, ifm)
+    held = isinstance(weight, QuantizedTensor)  # a quantized parameter: its payloads go in plain
+    needs_wgrad = grad and weight.requires_grad
+    payloads = weight.qstorage.tensors() if held else []
+    if held:
+        weight = _HELD_WITH_GRAD if needs_wgrad else _HELD_NO_GRAD
+    out = torch.ops.hybridfp.linear_forward(x2, weight, payloads, bias, id(module), index, config_key(state),
+                                            grad and x.requires_grad, needs_wgrad, ifm, held)
     y = out[0]
     return y.reshape(*x.shape[:-1], y.shape[-1])
