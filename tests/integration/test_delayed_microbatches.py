@@ -97,6 +97,40 @@ def test_micro_batch_regions_train_bitwise_as_quantized_primary_weights(name):
     _assert_same_states(_states(hp), _states(q))
 
 
+def test_grouped_linear_experts_alike():
+    """GroupedLinear's experts (quantized together, cached as one entry) follow the same rule."""
+    splits = [0, 19, ROWS - 19]
+
+    def build_experts(recipe, quantized):
+        torch.manual_seed(0)
+        with hfp.quantized_model_init(enabled=quantized, recipe=recipe, preserve_high_precision_init_val=True):
+            return hfp.GroupedLinear(3, D, D // 2)
+
+    def train(m, opt, recipe, scoped):
+        losses = []
+        for micro in _data():
+            with hfp.weight_caching(enabled=scoped):
+                for x in micro:
+                    with hfp.autocast(recipe=recipe):
+                        loss = m(x, splits).square().mean() / MICRO
+                    loss.backward()
+                    losses.append(loss.detach())
+            opt.step()
+            opt.zero_grad()
+        return losses
+
+    recipe_hp, recipe_q = hfp.DelayedScaling(amax_history_len=4), hfp.DelayedScaling(amax_history_len=4)
+    hp, q = build_experts(recipe_hp, False), build_experts(recipe_q, True)
+    losses_hp = train(hp, torch.optim.AdamW(hp.parameters(), lr=1e-2), recipe_hp, scoped=True)
+    opt_q = hfp.MasterWeightOptimizer(torch.optim.AdamW, q.parameters(), lr=1e-2)
+    losses_q = train(q, opt_q, recipe_q, scoped=False)
+    for i, (a, b) in enumerate(zip(losses_hp, losses_q)):
+        assert torch.equal(a, b), f"loss of region {i} differs: {a.item()} vs {b.item()}"
+    for n, p in q.named_parameters():
+        master = opt_q.master_of(p)
+        assert torch.equal(master if master is not None else p, dict(hp.named_parameters())[n]), n
+
+
 def test_weight_quantized_once_per_step_inside_the_scope():
     """Delayed scaling's weight quantizer records one amax per step inside the scope (one
     update), one per region without it; an in-place optimizer step inside the scope is seen."""
