@@ -49,11 +49,15 @@ it the amax all-reduce at the region's end, where the other ranks would wait).
 from __future__ import annotations
 
 import contextvars
+from collections import deque
 from contextlib import contextmanager
 from typing import Any, Iterator, NamedTuple, Optional, Sequence
 
 from ..tensors import COLUMNWISE
 
+#: How many regions an entry remembers having served in its scope (checkpoint replays of older
+#: ones, backward passes more regions late than this, quantize again).
+SERVED_REGIONS = 1024
 #: The active :func:`weight_caching` scope's token (None: none), per thread as autocast's region.
 _SCOPE: contextvars.ContextVar[Optional[object]] = contextvars.ContextVar("hybridfp_weight_scope", default=None)
 
@@ -114,8 +118,9 @@ class WeightEntry(NamedTuple):
     region: object  #: the token of the autocast region it was made in
     kept: bool  #: kept for later regions (made by a call with ``is_first_microbatch=True``)
     scope: object = None  #: the ``weight_caching`` scope it was made in (None: none)
-    #: tokens of the later regions it served in its scope (their checkpoint replays reuse it)
-    served: tuple = ()
+    #: tokens of the later regions it served in its scope (their checkpoint replays reuse it);
+    #: the latest ``SERVED_REGIONS``, so a scope around a whole run with frozen weights stays small
+    served: Any = ()
 
 
 def check_is_first_microbatch(value: Any, who: str) -> None:
@@ -156,7 +161,8 @@ def reusable(entry: Optional[WeightEntry], weight: Any, key: WeightKey, columnwi
 
     Returns
     -------
-    True to reuse ``entry.qw``, False to quantize anew.
+    True to reuse ``entry.qw``, False to quantize anew. Inside a :func:`weight_caching` scope
+    an entry made there also serves the scope's later regions (recorded on the entry).
 
     Raises
     ------
@@ -192,7 +198,7 @@ def _scope_serves(entry: WeightEntry, key: WeightKey, region: object) -> bool:
         return True
     if not _in_scope(entry):
         return False
-    entry.served.append(region)  # a list made by new_entry: the entry stays one object
+    entry.served.append(region)  # a deque made by new_entry: the entry stays one object
     return True
 
 
@@ -230,7 +236,8 @@ def new_entry(old: Optional[WeightEntry], key: WeightKey, qw: Any, weight: Any,
     call that needed the columnwise copy the kept one lacked)."""
     kept = is_first_microbatch is True or (
         old is not None and old.kept and region is not None and old.region is region)
-    return WeightEntry(key, qw, weight, region, kept, _SCOPE.get() if region is not None else None, [])
+    return WeightEntry(key, qw, weight, region, kept, _SCOPE.get() if region is not None else None,
+                       deque(maxlen=SERVED_REGIONS))
 
 
 def join_keys(keys: Sequence[WeightKey]) -> WeightKey:
