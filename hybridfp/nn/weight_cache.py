@@ -5,7 +5,7 @@ The rule (``QuantizedModule.quantized_weight``, ``GroupedLinear.quantized_weight
 - A cached quantized weight is valid only inside the ``hybridfp.autocast`` region it was made
   in (the region's ``AutocastState.token``; a checkpoint replay region carries its forward
   region's token, so a recomputation reads the weight its forward read). Any write to a weight
-  between two regions is therefore seen, including writes that leave the version counter as
+  between two regions is therefore seen (outside a :func:`weight_caching` scope), including writes that leave the version counter as
   it was: ``p.data.add_`` in custom optimizers, EMA swaps through ``.data``, ``p.data = t``,
   FSDP2's copy of the all-gathered weight (``_unsafe_preserve_version_counter``).
 - Inside one region an entry is reused while the call passes the same weight object with the
@@ -16,7 +16,7 @@ The rule (``QuantizedModule.quantized_weight``, ``GroupedLinear.quantized_weight
   for later regions; False reuses the kept copy as it is (the caller promises the weight did
   not change, e.g. the later micro-batches of one step) and raises if none is kept, or if the
   recipe, the quantizer state (delayed scaling updates at every region end: run its
-  micro-batches in one region instead), the weight object or its version counter moved since,
+  micro-batches in one region, or inside :func:`weight_caching`), the weight object or its version counter moved since,
   or if it lacks a copy the call needs.
 
 Delayed scaling moves a weight quantizer's scale at every region end, so without help a step
@@ -94,7 +94,8 @@ def weight_caching(enabled: bool = True) -> Iterator[None]:
     >>> state["weight.0"]["state"]["updates"], state["input.0"]["state"]["updates"]
     (1, 3)
     """
-    token = _SCOPE.set(object() if enabled and _SCOPE.get() is None else _SCOPE.get() if enabled else None)
+    outer = _SCOPE.get()
+    token = _SCOPE.set((outer if outer is not None else object()) if enabled else None)
     try:
         yield
     finally:
