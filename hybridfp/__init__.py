@@ -6,6 +6,7 @@ from .integration import checkpoint, get_cpu_offload_context, mark_not_offload
 from .integration.export import export_state_dict
 from .integration.safetensors_io import load_safetensors, save_safetensors
 from .integration.master_weights import MasterWeightOptimizer, memory_per_parameter, quantize_master_weights
+from .integration.fsdp import QuantizedGatherWeight, enable_quantized_all_gather
 from .moe import GroupedLinear
 from .nn.quantized_init import quantized_model_init
 from .nn.weight_cache import weight_caching
@@ -28,6 +29,6 @@ __all__ = [
     "get_cpu_offload_context", "mark_not_offload",
     "convert", "current_policy", "factories",
     "gemm", "moe", "nn", "policy", "quantized_model_init",
-    "MasterWeightOptimizer", "export_state_dict", "load_safetensors", "save_safetensors", "memory_per_parameter", "quantize_master_weights", "set_names", "swiglu", "use_policy",
+    "MasterWeightOptimizer", "QuantizedGatherWeight", "enable_quantized_all_gather", "export_state_dict", "load_safetensors", "save_safetensors", "memory_per_parameter", "quantize_master_weights", "set_names", "swiglu", "use_policy",
     "weight_caching",
 ]

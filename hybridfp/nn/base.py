@@ -489,6 +489,12 @@ class QuantizedModule(nn.Module):
                     f"{self._who()}: the quantized weight{role} holds the copies {list(weight.directions())}; "
                     f"this call needs rowwise{' and columnwise' if columnwise else ''}. Create the module "
                     "inside hybridfp.quantized_model_init (it quantizes both copies).")
+            if weight.qstorage.unallocated(ROWWISE):
+                raise RuntimeError(
+                    f"{self._who()}: the weight's rowwise copy has no memory: FSDP2 all-gathered only "
+                    "its columnwise copy (for backward) and this forward runs after that, as "
+                    "activation checkpointing's recomputation does. Gather both copies for this "
+                    "module: hybridfp.enable_quantized_all_gather(module, copies='both').")
             return weight
         key = self._weight_key(weight, q)
         hit = self._cached_weight(index, weight, key, columnwise, region, is_first_microbatch)

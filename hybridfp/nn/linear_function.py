@@ -31,7 +31,7 @@ from ..config import current_policy, use_policy
 from ..gemm import gemm
 from ..quantizers import Float8Quantizer, HybridQuantizer, Quantizer
 from ..recipes.recipes import check_backward_override
-from ..tensors import ROWWISE, QuantizedStorage, QuantizedTensor
+from ..tensors import COLUMNWISE, ROWWISE, QuantizedStorage, QuantizedTensor
 from .shared_input import quantize_input
 
 
@@ -263,6 +263,13 @@ def backward_gemms(dy2: torch.Tensor, saved_x: Optional[torch.Tensor], saved_w: 
     else:  # high-precision operands: plain tensors, which gemm multiplies unquantized
         qdy, qx, qw = dy2.contiguous(), _dequantized(saved_x), _dequantized(saved_w)
     if needs_dgrad:
+        if isinstance(qw, QuantizedTensor) and qw.has_direction(COLUMNWISE) and qw.qstorage.unallocated(COLUMNWISE):
+            raise RuntimeError(
+                f"{lc.module._who()}: the weight's columnwise copy has no memory: FSDP2 all-gathered "
+                "only its rowwise copy for the forward and did not gather again before backward (the "
+                "module's parameters stay gathered after forward: FSDP2's root module, or "
+                "reshard_after_forward=False). Gather both copies for this module: "
+                "hybridfp.enable_quantized_all_gather(module, copies='both').")
         dx = gemm(qdy, qw, "NN", out_dtype=x_dtype)
     if needs_wgrad:
         dw = gemm(qdy, qx, "NT", out_dtype=w_dtype)

@@ -252,6 +252,8 @@ def _as_strided(func, args, kwargs):
     offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
     offset = 0 if offset is None else offset
     _check_strided_view(t, size, stride, offset)
+    if offset == 0 and tuple(size) == tuple(t.shape) and tuple(stride) == tuple(t.stride()):
+        return _wrap(t._storage.map_tensors(lambda x: x), t)  # the whole tensor (FSDP2 views it so)
     _warn_once(func)
     return _dense(t).as_strided(size, stride, offset)
 

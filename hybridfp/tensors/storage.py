@@ -190,6 +190,12 @@ class QuantizedStorage(Dim0Slicing, ABC):
             )
         return p
 
+    def unallocated(self, direction: str) -> bool:
+        """Whether a payload tensor of the held ``direction`` copy has no memory (FSDP2 frees an
+        all-gathered weight's memory between gathers): reading it would crash, not raise."""
+        return any(t.numel() and t.untyped_storage().nbytes() == 0
+                   for t in self.part(direction).payloads[direction].values())
+
     def update_usage(self, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
         """Drop copies no longer needed. Only dropping is possible: adding needs the source."""
         for direction, want in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)):

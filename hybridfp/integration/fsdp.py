@@ -1,0 +1,284 @@
+"""FSDP2 with a quantized all-gather: the ranks send their weight shards already quantized.
+
+``enable_quantized_all_gather(model)`` (before ``fully_shard``) wraps each hybridfp module's
+high-precision weight in :class:`QuantizedGatherWeight`, which implements FSDP2's
+``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``: before an all-gather every rank quantizes
+its shard with the module's weight quantizer for the active recipe (per-tensor amaxes reduced
+over the shard group, so every rank encodes with the whole weight's scale) and packs the
+copies the GEMMs about to run read (``fsdp_layout``); after it, the whole weight is a
+``QuantizedTensor`` the module reads as it reads a quantized parameter, bitwise the
+quantization of the whole weight.
+
+Per direction (``copies="per_direction"``, the default): the forward's all-gather sends the
+rowwise copy (fprop reads it), the backward's — FSDP2 all-gathers again before backward when
+the module reshards after forward — the columnwise copy (dgrad reads it), quantized with the
+forward's quantizer state (a copy made at the forward gather: delayed scaling's scale may
+move at the region's end). Modules whose parameters stay gathered from forward to backward
+(FSDP2's root module, ``reshard_after_forward=False``) or whose forward is recomputed in
+backward (activation checkpointing) need both copies in one gather: ``copies="both"``; in
+per-direction mode reading a copy that was not gathered raises, naming that option.
+
+Both directions of one format send the same bytes (FSDP2 reuses a parameter's all-gather
+output, sized by its first gather, so a parameter sends one size every time; a hybrid of two
+formats pads the smaller copy).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from ..config import policy
+from ..recipes import current_autocast
+from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
+from .fsdp_layout import GatherLayout, assemble, gather_layout, pack, unpack
+
+aten = torch.ops.aten
+
+COPIES = ("per_direction", "both")
+_SETS = {"per_direction": ((ROWWISE,), (COLUMNWISE,)), "both": ((ROWWISE, COLUMNWISE),)}
+
+#: Ops FSDP2 applies to a parameter while sharding, moving and padding it: their results stay
+#: wrapped (they are the same weight's shards); every other op sees the plain tensor.
+_PRESERVE = {
+    aten.detach.default, aten.alias.default, aten.split.Tensor, aten.split_with_sizes.default,
+    aten.slice.Tensor, aten.view.default, aten._unsafe_view.default, aten.as_strided.default,
+    aten.new_zeros.default, aten.new_empty.default, aten.copy_.default, aten._to_copy.default,
+    aten._pin_memory.default, aten.clone.default, aten.narrow.default,
+}
+
+
+@dataclass
+class _Slot:
+    """What every shard of one weight shares: its module's weight slot and the gather state."""
+
+    module: "weakref.ref[nn.Module]"
+    attr: str
+    index: int
+    copies: str
+    #: the quantizer of the latest forward gather, copied: the backward gather encodes with it
+    backward_q: Optional[Any] = None
+    layouts: dict = field(default_factory=dict)
+
+
+class QuantizedGatherWeight(torch.Tensor):
+    """A high-precision weight (or its FSDP2 shard) whose FSDP2 all-gather is quantized.
+
+    Every op but the sharding ones FSDP2 applies runs on the plain tensor (the optimizer
+    updates it in place); saving gives the plain tensor.
+
+    Parameters
+    ----------
+    data:
+        The high-precision weight.
+    slot:
+        The module slot it belongs to (made by :func:`enable_quantized_all_gather`).
+    """
+
+    _hp: torch.Tensor
+    _slot: _Slot
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, slot: _Slot) -> "QuantizedGatherWeight":
+        t = torch.Tensor._make_wrapper_subclass(cls, data.shape, strides=data.stride(),
+                                                storage_offset=data.storage_offset(), dtype=data.dtype,
+                                                device=data.device, requires_grad=data.requires_grad)
+        t._hp, t._slot = data, slot
+        return t
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return f"QuantizedGatherWeight({self._hp!r})"
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        return self._hp.detach().__reduce_ex__(protocol)  # saved as the plain tensor
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        slot = None
+        wrappers = {}
+
+        def unwrap(t: "QuantizedGatherWeight") -> torch.Tensor:
+            nonlocal slot
+            slot = t._slot
+            wrappers[id(t._hp)] = t
+            return t._hp
+
+        out = func(*tree_map_only(cls, unwrap, args), **tree_map_only(cls, unwrap, kwargs))
+        if func in _PRESERVE:
+            return tree_map_only(torch.Tensor, lambda o: wrappers[id(o)] if id(o) in wrappers else cls(o, slot), out)
+        # in-place ops return their (unwrapped) first argument: hand back the wrapper itself
+        return tree_map_only(torch.Tensor, lambda o: wrappers.get(id(o), o), out)
+
+    # ------------------------------------------------------------------ FSDP2 extension
+    def fsdp_pre_all_gather(self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...],
+                            module: nn.Module, mp_policy: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """Quantize this rank's shard and pack the copies this gather sends (FSDP2 hook)."""
+        slot = self._slot
+        owner = slot.module()
+        who = f"{type(owner).__name__}.{slot.attr}" if owner is not None else slot.attr
+        group = mesh.get_group(mesh.ndim - 1)
+        in_backward = torch._C._current_graph_task_id() != -1
+        sets = _SETS[slot.copies]
+        if slot.copies == "both" or not in_backward:
+            state = current_autocast()
+            if state is None:
+                raise RuntimeError(
+                    f"{who}: FSDP2 all-gathers this weight quantized (enable_quantized_all_gather) but no "
+                    "hybridfp.autocast region is active; run the model's forward inside hybridfp.autocast.")
+            q = owner.quantizers(state)["weight"][slot.index]
+            _check_delayed(q, state, group, who)
+            q.set_amax_reduction_group(group)  # every rank encodes with the whole weight's scale
+            sent = sets[0]
+            if slot.copies == "per_direction":
+                slot.backward_q = q.copy()  # the forward's state: delayed scaling moves at region end
+                slot.backward_q.set_usage(rowwise=False, columnwise=True)
+        else:
+            if slot.backward_q is None:
+                raise RuntimeError(f"{who}: FSDP2's backward all-gather came before any forward gather.")
+            q, sent = slot.backward_q, sets[1]
+        param_dtype = getattr(mp_policy, "param_dtype", None) or self.dtype
+        src = self._hp.detach()
+        src = src.to(param_dtype) if param_dtype != src.dtype else src  # what the module would read
+        q.set_usage(rowwise=ROWWISE in sent, columnwise=COLUMNWISE in sent)
+        with torch.no_grad(), policy(decoded_copies="never"):  # codes travel, never BF16 decodes
+            shard = q.quantize(src)
+        layout = _layout(slot, q, src, sets)
+        return (pack(shard, layout, sent),), (layout, sent, shard, mesh.size(mesh.ndim - 1), outer_size[0], param_dtype)
+
+    def fsdp_post_all_gather(self, all_gather_outputs: tuple[torch.Tensor, ...], metadata: Any,
+                             param_dtype: torch.dtype, *, out: Optional[torch.Tensor] = None
+                             ) -> Optional[tuple[QuantizedTensor, tuple[torch.Tensor, ...]]]:
+        """Rebuild the whole quantized weight from the ranks' buffers (FSDP2 hook)."""
+        layout, sent, shard, world, rows, dtype = metadata
+        (gathered,) = all_gather_outputs
+        tensors = unpack(gathered, world, layout, sent)
+        gathered.untyped_storage().resize_(0)  # unpacked: FSDP2 allocates it again for the next gather
+        if out is None:
+            whole = _whole_with_room(shard, rows, tensors, layout, dtype)
+            inner = tuple(whole.qstorage.tensors())
+            _free_unsent(whole, sent)
+            return whole, inner
+        _refill(out, shard, tensors, sent)
+        return None
+
+
+def _layout(slot: _Slot, q: Any, src: torch.Tensor, sets: tuple) -> GatherLayout:
+    """The shard's gather layout for quantizer ``q`` (memoized per settings and shape)."""
+    key = (repr(q.settings()), type(q).__name__, tuple(src.shape), src.dtype)
+    layout = slot.layouts.get(key)
+    if layout is None:
+        probe_q = q.copy()
+        probe_q.set_amax_reduction_group(None)
+        probe_q.set_usage(rowwise=True, columnwise=True)
+        with torch.no_grad(), policy(decoded_copies="never"):
+            probe = probe_q.quantize(torch.empty(src.shape, dtype=src.dtype, device="meta"))
+        layout = slot.layouts[key] = gather_layout(probe, sets)
+    return layout
+
+
+def _check_delayed(q: Any, state: Any, group: Any, who: str) -> None:
+    """Delayed scaling's scale comes from each rank's amax history: the ranks agree only when
+    the region reduces the amaxes (its ``amax_reduction_group``)."""
+    if q.has_state() and state.amax_reduction_group is None:
+        raise ValueError(
+            f"{who}: the recipe's weight quantizer keeps a scale from its amax history (delayed "
+            "scaling); under FSDP2 each rank sees only its shard, so the ranks' scales would differ. "
+            "Pass amax_reduction_group=<the FSDP2 shard group> to hybridfp.autocast.")
+
+
+def _whole_with_room(shard: QuantizedTensor, rows: int, tensors: dict, layout: GatherLayout,
+                     dtype: torch.dtype) -> QuantizedTensor:
+    """The whole weight holding every copy any gather sends, those not sent now allocated
+    empty: later gathers refill these same tensors (autograd may have saved them)."""
+    probe, world = layout.probe.qstorage, rows // layout.shard_rows
+    every = {}
+    for d in probe.directions():
+        part = probe.part(d)
+        for name, t in part.payloads[d].items():
+            if (d, name) in tensors:
+                every[(d, name)] = tensors[(d, name)]
+            elif shard.qstorage.has(d):  # a per-tensor entry of a copy sent now
+                every[(d, name)] = shard.qstorage.part(d).payloads[d][name].clone()
+            else:  # a copy not sent now: room of the whole weight's size
+                spec, shape = part._row_index[d][name], list(t.shape)
+                if spec is not None:
+                    shape[spec[0]] *= world
+                every[(d, name)] = torch.empty(shape, dtype=t.dtype, device=shard.device)
+    return assemble(layout.probe, rows, every, dtype, quantizer=shard.quantizer)
+
+
+def _free_unsent(whole: QuantizedTensor, sent: tuple[str, ...]) -> None:
+    """Free the copies this gather did not send: reading one before a gather refills it fails."""
+    for d in whole.qstorage.directions():
+        if d not in sent:
+            for t in whole.qstorage.part(d).payloads[d].values():
+                t.untyped_storage().resize_(0)
+
+
+def _refill(out: QuantizedTensor, shard: QuantizedTensor, tensors: dict, sent: tuple[str, ...]) -> None:
+    """Copy a later gather's copies into the unsharded weight's own tensors (FSDP2 allocated
+    them again), keeping their version counters as FSDP2 does for its parameters."""
+    storage = out.qstorage
+    for d in sent:
+        dst = storage.part(d).payloads[d]
+        src_shard = shard.qstorage.part(d).payloads[d]
+        for name, t in dst.items():
+            src = tensors.get((d, name), src_shard[name])
+            with torch.autograd._unsafe_preserve_version_counter(t):
+                t.copy_(src)
+    _free_unsent(out, sent)
+
+
+def enable_quantized_all_gather(model: nn.Module, *, copies: str = "per_direction") -> int:
+    """Make FSDP2 all-gather the weights of ``model``'s hybridfp modules quantized.
+
+    Call it before ``fully_shard``. Each weight a hybridfp module quantizes for its GEMMs
+    (``quantized_weight_slots``: Linear's, LayerNormLinear's, LayerNormMLP's fc1 / fc2) becomes
+    a :class:`QuantizedGatherWeight` Parameter; the optimizer keeps updating the
+    high-precision shards. Run the forward inside ``hybridfp.autocast``.
+
+    Parameters
+    ----------
+    model:
+        The model (or one submodule: another call may give another part other ``copies``).
+    copies:
+        "per_direction": the forward gather sends the rowwise copy, the backward gather the
+        columnwise copy. "both": every gather sends both (modules not resharded after forward,
+        such as FSDP2's root module, and activation checkpointing).
+
+    Returns
+    -------
+    int
+        The number of weights wrapped.
+
+    Raises
+    ------
+    ValueError
+        An unknown ``copies``; a weight already sharded by FSDP2 (call this first).
+    """
+    if copies not in COPIES:
+        raise ValueError(f"enable_quantized_all_gather: copies={copies!r}; expected one of {COPIES}.")
+    n = 0
+    for module in model.modules():
+        for attr, index in getattr(module, "quantized_weight_slots", ()):
+            p = getattr(module, attr)
+            if isinstance(p, QuantizedGatherWeight):
+                p._slot.copies = copies
+                n += 1
+                continue
+            if isinstance(p, QuantizedTensor):
+                raise ValueError(f"{type(module).__name__}.{attr} is a QuantizedTensor parameter "
+                                 "(quantized_model_init); its all-gather is not quantized by this function.")
+            if type(p.data) is not torch.Tensor:
+                raise ValueError(f"{type(module).__name__}.{attr} is a {type(p.data).__name__}; call "
+                                 "enable_quantized_all_gather before fully_shard.")
+            slot = _Slot(weakref.ref(module), attr, index, copies)
+            setattr(module, attr, nn.Parameter(QuantizedGatherWeight(p.data, slot), requires_grad=p.requires_grad))
+            n += 1
+    return n

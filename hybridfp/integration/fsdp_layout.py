@@ -1,0 +1,226 @@
+"""How a quantized weight shard travels through FSDP2's all-gather: one byte buffer per rank.
+
+FSDP2 shards a weight along dim 0 and all-gathers its ranks' pieces by concatenating them
+along dim 0. A quantized shard is several payload tensors (codes, block scales, per-tensor
+scale) per copy, and a columnwise copy is stored transposed, so its rows run along dim 1.
+This module turns the payload of the copies a gather needs into one flat ``uint8`` buffer
+per rank (each row-indexed payload tensor with its row axis moved first, so the ranks' pieces
+follow each other) and, after the all-gather, cuts the ``[world, nbytes]`` result back into
+the whole weight's payload tensors, bitwise the ones quantizing the whole weight makes.
+
+Per-tensor entries (a scale, a global amax: not indexed by rows) are not gathered: every rank
+computes them alike (the amax reduced over the shard group) and the local ones are used.
+
+FSDP2 allocates a parameter's all-gather output once, from its first gather, and reuses it, so
+every gather of a parameter must send the same number of bytes: a layout is sized for the
+larger of the copies it may send (:attr:`GatherLayout.nbytes`); the forward (rowwise) and
+backward (columnwise) copies of one format are the same size, so only hybrids of two formats
+send padding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
+from ..tensors.hybrid import HybridStorage
+from ..tensors.storage import QuantizedStorage
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One row-indexed payload tensor of a shard as it sits in the gathered buffer."""
+
+    direction: str
+    name: str
+    dtype: torch.dtype
+    #: the row axis of the stored tensor and how many rows one index along it covers
+    axis: int
+    divisor: int
+    #: the shard's tensor with its row axis moved first
+    moved_shape: tuple[int, ...]
+    #: byte offset and size in each rank's buffer
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class GatherLayout:
+    """Where each gathered payload tensor sits in a rank's buffer, per set of copies sent."""
+
+    #: the copies each gather may send -> their pieces (offsets from 0)
+    pieces: dict
+    #: bytes per rank of every gather of this parameter (the largest set's)
+    nbytes: int
+    #: the shard's rows and the format's row granularity (rows per block of any copy)
+    shard_rows: int
+    granularity: int
+    #: a shard-shaped quantization holding every copy (meta tensors: shapes, dtypes, options)
+    probe: QuantizedTensor
+
+
+def _element_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _pieces(storage: QuantizedStorage, directions: tuple[str, ...]) -> tuple[list[Piece], int]:
+    pieces, offset = [], 0
+    for d in directions:
+        part = storage.part(d)
+        for name, t in sorted(part.payloads[d].items()):
+            spec = part._row_index[d][name]
+            if spec is None:
+                continue  # per-tensor: equal on every rank, not gathered
+            axis, div = spec
+            moved = tuple(t.movedim(axis, 0).shape)
+            nbytes = math.prod(moved) * _element_bytes(t.dtype)
+            pieces.append(Piece(d, name, t.dtype, axis, div, moved, offset, nbytes))
+            offset += nbytes
+    return pieces, offset
+
+
+def granularity(storage: QuantizedStorage) -> int:
+    """Rows per block of every copy ``storage`` holds (a shard must hold whole blocks)."""
+    g = 1
+    for d in storage.directions():
+        part = storage.part(d)
+        for spec in part._row_index[d].values():
+            if spec is not None:
+                g = math.lcm(g, spec[1])
+    return g
+
+
+def gather_layout(shape_probe: QuantizedTensor, sets: tuple[tuple[str, ...], ...]) -> GatherLayout:
+    """The layout of a shard quantized like ``shape_probe`` (a shard-shaped quantization with
+    every copy of ``sets``, e.g. made on the meta device), for gathers sending each of ``sets``.
+
+    Parameters
+    ----------
+    shape_probe:
+        The shard's quantization holding all copies any gather sends.
+    sets:
+        The sets of copies gathers send, e.g. ``((ROWWISE,), (COLUMNWISE,))``.
+
+    Returns
+    -------
+    GatherLayout
+        Pieces per set and the common per-rank size.
+
+    Raises
+    ------
+    ValueError
+        The shard's rows are not whole blocks of the format (a block would straddle two ranks).
+    """
+    storage = shape_probe.qstorage
+    g = granularity(storage)
+    rows = storage.rows
+    if rows % g:
+        raise ValueError(
+            f"{storage.describe()}: a shard of {rows} rows does not hold whole blocks of {g} rows, "
+            "so a block's scale would straddle two ranks. Shard the weight so that each rank's rows "
+            f"(out_features / world size) are a multiple of {g}.")
+    pieces = {s: _pieces(storage, s)[0] for s in sets}
+    nbytes = max(_pieces(storage, s)[1] for s in sets)
+    return GatherLayout(pieces, nbytes, rows, g, shape_probe)
+
+
+def pack(shard: QuantizedTensor, layout: GatherLayout, sent: tuple[str, ...]) -> torch.Tensor:
+    """The shard's copies ``sent`` as one ``uint8`` buffer of ``layout.nbytes`` bytes.
+
+    Parameters
+    ----------
+    shard:
+        The rank's quantized shard holding (at least) the copies ``sent``.
+    layout:
+        From :func:`gather_layout`.
+    sent:
+        One of the layout's sets of copies.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[layout.nbytes]`` uint8 on the shard's device (padding bytes are zero).
+    """
+    storage = shard.qstorage
+    out = torch.zeros(layout.nbytes, dtype=torch.uint8, device=storage.device)
+    for p in layout.pieces[sent]:
+        t = storage.part(p.direction).payloads[p.direction][p.name]
+        moved = t.movedim(p.axis, 0).contiguous()
+        if tuple(moved.shape) != p.moved_shape:
+            raise ValueError(f"{storage.describe()}: {p.direction} '{p.name}' has shape {tuple(moved.shape)} "
+                             f"(row axis first); the gather layout expects {p.moved_shape}.")
+        out[p.offset:p.offset + p.nbytes].copy_(moved.reshape(-1).view(torch.uint8))
+    return out
+
+
+def unpack(gathered: torch.Tensor, world: int, layout: GatherLayout, sent: tuple[str, ...]
+           ) -> dict[tuple[str, str], torch.Tensor]:
+    """The whole weight's row-indexed payload tensors from the all-gathered buffers.
+
+    Parameters
+    ----------
+    gathered:
+        ``[world * layout.nbytes]`` uint8: the ranks' buffers in rank order.
+    world:
+        The number of ranks.
+    layout, sent:
+        As given to :func:`pack`.
+
+    Returns
+    -------
+    dict
+        ``(direction, name)`` -> the whole tensor in its stored layout (new memory, never a
+        view of ``gathered``).
+    """
+    rows = gathered.view(world, layout.nbytes)
+    out = {}
+    for p in layout.pieces[sent]:
+        # always new memory: the caller may free the gathered buffer right away
+        chunk = rows[:, p.offset:p.offset + p.nbytes].clone(memory_format=torch.contiguous_format).view(p.dtype)
+        whole = chunk.reshape(world * p.moved_shape[0], *p.moved_shape[1:])
+        out[(p.direction, p.name)] = whole.movedim(0, p.axis).contiguous()
+    return out
+
+
+def assemble(shard: QuantizedTensor, rows: int, tensors: dict[tuple[str, str], torch.Tensor],
+             dtype: Optional[torch.dtype] = None, quantizer: Any = None) -> QuantizedTensor:
+    """A quantized tensor of ``rows`` rows from the whole row-indexed payload tensors and the
+    shard's per-tensor entries (shared, equal on every rank), holding the copies ``tensors``
+    names, with nominal dtype ``dtype`` (default: the shard's).
+
+    Parameters
+    ----------
+    shard:
+        The rank's quantized shard (format, options and per-tensor entries).
+    rows:
+        The whole weight's dim-0 size.
+    tensors:
+        From :func:`unpack`.
+    dtype:
+        The nominal dtype of the result.
+    quantizer:
+        The quantizer the result names (default: the shard's).
+
+    Returns
+    -------
+    QuantizedTensor
+        The whole weight.
+    """
+    storage = shard.qstorage
+    shape = torch.Size((rows, *storage.shape[1:]))
+    directions = tuple(d for d in (ROWWISE, COLUMNWISE) if any(k[0] == d for k in tensors))
+    payloads = {}
+    for d in directions:
+        part = storage.part(d)
+        payloads[d] = {name: tensors.get((d, name), t) for name, t in part.payloads[d].items()}
+    if isinstance(storage, HybridStorage):  # one part per copy, each a single-format storage
+        parts = {d: (storage.part(d)._new(shape, {ROWWISE: None, COLUMNWISE: None, d: payloads[d]}, dtype)
+                     if d in payloads else None) for d in (ROWWISE, COLUMNWISE)}
+        whole = HybridStorage(shape, dtype or storage.dtype, parts[ROWWISE], parts[COLUMNWISE], label=storage.label)
+    else:
+        whole = storage._new(shape, {ROWWISE: payloads.get(ROWWISE), COLUMNWISE: payloads.get(COLUMNWISE)}, dtype)
+    return QuantizedTensor(whole, quantizer if quantizer is not None else shard.quantizer)

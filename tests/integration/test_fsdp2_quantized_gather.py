@@ -1,0 +1,115 @@
+"""FSDP2 with the quantized all-gather trains like one process, sending quantized bytes.
+
+Each rank of a gloo group (2 and 4 processes on the CPU) trains the same bias-free MLP under
+``fully_shard`` with ``hybridfp.enable_quantized_all_gather``, on the same batch; one process
+trains the unsharded model. Why the losses are bitwise equal: every rank quantizes its shard
+with the whole weight's scale (per-tensor amaxes reduced over the shard group; block scales
+lie within a shard), so the gathered codes are the whole weight's; the GEMMs then run the same
+code on the same operands. The gradients are the same numbers on every rank (same batch), so
+the reduce-scatter's sum is exact (a power-of-two multiple) and its division by the world
+size too; SGD is elementwise.
+
+The bytes each all-gather sends are counted (the model has no biases, so an all-gather is one
+weight's shard): per direction, the copy the GEMMs read, against the BF16 shard's bytes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import hybridfp as hf
+from hybridfp import factories
+
+from spawn_ranks import run_ranks
+
+pytestmark = pytest.mark.filterwarnings("ignore::hybridfp.gemm.EmulatedGemmWarning")  # CPU: expected
+
+D, H, ROWS, STEPS = 512, 512, 16, 3
+RECIPES = {
+    "current": hf.Float8CurrentScaling,
+    "delayed": lambda: hf.DelayedScaling(amax_history_len=4),
+    "block": hf.Float8BlockScaling,
+    "mxfp8": hf.MXFP8BlockScaling,
+    "nvfp4": hf.NVFP4BlockScaling,
+    "hybrid_mxfp8_nvfp4": lambda: hf.CustomRecipe(qfactory=factories.mxfp8_fwd_nvfp4_bwd),
+    "hybrid_nvfp4_1d": lambda: hf.CustomRecipe(qfactory=factories.nvfp4_1d_weight),
+    "hybrid_nvfp4_mxfp8": lambda: hf.CustomRecipe(qfactory=hf.factories.per_gemm(
+        fprop="nvfp4", dgrad="mxfp8", wgrad="mxfp8")),
+}
+#: bytes sent per weight element / a BF16 weight's 2, forward and backward gathers
+_MX, _FP4_2D, _FP4_1D = (1 + 1 / 32) / 2, (0.5 + 1 / 256) / 2, (0.5 + 1 / 16) / 2
+RATIOS = {
+    "current": (0.5, 0.5), "delayed": (0.5, 0.5), "block": (0.5 + 4 / 128**2 / 2,) * 2,
+    "mxfp8": (_MX, _MX), "nvfp4": (_FP4_2D, _FP4_2D),
+    # two formats: both gathers send the larger copy's bytes (FSDP2 reuses one buffer size)
+    "hybrid_mxfp8_nvfp4": (_MX, _MX), "hybrid_nvfp4_1d": (_FP4_1D, _FP4_1D), "hybrid_nvfp4_mxfp8": (_MX, _MX),
+}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(hf.Linear(D, H, bias=False), nn.GELU(), hf.Linear(H, D, bias=False))
+
+
+def _train(model: nn.Module, recipe: str, group=None) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(1)
+    x, target = torch.randn(ROWS, D, generator=g), torch.randn(ROWS, D, generator=g)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        torch.manual_seed(2)  # NVFP4's stochastic rounding (gradients) draws from torch's generator
+        with hf.autocast(recipe=RECIPES[recipe](), amax_reduction_group=group):
+            y = model(x)
+        loss = nn.functional.mse_loss(y.float(), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _count_all_gathers(sent: list) -> None:
+    """Record the bytes of every all-gather FSDP2 issues (its collective's input)."""
+    import torch.distributed as dist
+    for name in ("all_gather_into_tensor", "all_gather_single"):
+        orig = getattr(dist, name, None)
+        if orig is not None:
+            def counting(out, inp, *a, _orig=orig, **k):
+                sent.append(inp.numel() * inp.element_size())
+                return _orig(out, inp, *a, **k)
+            setattr(dist, name, counting)
+
+
+def _fsdp_worker(rank: int, world: int, recipes: list[str]) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    sent: list[int] = []
+    _count_all_gathers(sent)
+    out = {}
+    for recipe in recipes:
+        model = _model()
+        assert hf.enable_quantized_all_gather(model) == 2
+        for layer in (model[0], model[2]):
+            fully_shard(layer)  # resharded after forward: gathered again (columnwise) for backward
+        fully_shard(model)
+        del sent[:]
+        group = dist.group.WORLD if recipe == "delayed" else None
+        out[recipe] = {"losses": _train(model, recipe, group), "sent": list(sent)}
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp2_quantized_gather_trains_as_one_process(world: int, tmp_path) -> None:
+    want = {r: _train(_model(), r) for r in RECIPES}
+    results = run_ranks(_fsdp_worker, world, (sorted(RECIPES),), tmp_path)
+    shard_bf16 = H // world * D * 2  # both weights are 512 x 512
+    for rank, got in enumerate(results):
+        for recipe in RECIPES:
+            assert got[recipe]["losses"] == want[recipe], (rank, recipe)
+            fwd, bwd = RATIOS[recipe]
+            # per step: fc1 and fc2 forward, then fc2 and fc1 backward
+            expected = [round(r * shard_bf16) for r in (fwd, fwd, bwd, bwd)] * STEPS
+            assert got[recipe]["sent"] == expected, (rank, recipe, got[recipe]["sent"][:4], expected[:4])
