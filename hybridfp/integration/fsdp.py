@@ -125,7 +125,7 @@ class QuantizedGatherWeight(torch.Tensor):
         group = mesh.get_group(mesh.ndim - 1)
         in_backward = torch._C._current_graph_task_id() != -1
         sets = _SETS[slot.copies]
-        if slot.copies == "both" or not in_backward:
+        if not in_backward:
             state = current_autocast()
             if state is None:
                 raise RuntimeError(
@@ -135,13 +135,11 @@ class QuantizedGatherWeight(torch.Tensor):
             _check_delayed(q, state, group, who)
             q.set_amax_reduction_group(group)  # every rank encodes with the whole weight's scale
             sent = sets[0]
-            if slot.copies == "per_direction":
-                slot.backward_q = q.copy()  # the forward's state: delayed scaling moves at region end
-                slot.backward_q.set_usage(rowwise=False, columnwise=True)
+            slot.backward_q = q.copy()  # the forward's state: delayed scaling moves at region end
         else:
             if slot.backward_q is None:
                 raise RuntimeError(f"{who}: FSDP2's backward all-gather came before any forward gather.")
-            q, sent = slot.backward_q, sets[1]
+            q, sent = slot.backward_q, sets[-1]
         param_dtype = getattr(mp_policy, "param_dtype", None) or self.dtype
         src = self._hp.detach()
         src = src.to(param_dtype) if param_dtype != src.dtype else src  # what the module would read

@@ -101,6 +101,52 @@ def _fsdp_worker(rank: int, world: int, recipes: list[str]) -> dict:
     return out
 
 
+class _Checkpointed(nn.Module):
+    """The MLP with each Linear's forward recomputed in backward (torch.utils.checkpoint)."""
+
+    def __init__(self, mlp: nn.Sequential) -> None:
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+        h = checkpoint(self.mlp[0], x, use_reentrant=False)
+        return checkpoint(self.mlp[2], self.mlp[1](h), use_reentrant=False)
+
+
+def _layouts_worker(rank: int, world: int) -> dict:
+    """Modules FSDP2 keeps gathered from forward to backward (the root's own) and forwards
+    recomputed after the backward gather: per-direction gathers refuse them with a clear
+    error, ``copies="both"`` trains them as one process does."""
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    for case in ("root", "checkpoint"):
+        for copies in ("per_direction", "both"):
+            model = _model()
+            hf.enable_quantized_all_gather(model, copies=copies)
+            if case == "checkpoint":
+                for layer in (model[0], model[2]):
+                    fully_shard(layer)
+                model = _Checkpointed(model)
+            fully_shard(model)  # "root": the Linears' weights are the root's own
+            try:
+                out[f"{case}-{copies}"] = _train(model, "mxfp8")
+            except RuntimeError as e:
+                out[f"{case}-{copies}"] = str(e)
+    return out
+
+
+def test_modules_gathered_once_need_both_copies(tmp_path) -> None:
+    want = _train(_model(), "mxfp8")
+    for got in run_ranks(_layouts_worker, 2, (), tmp_path):
+        assert got["root-both"] == want, got["root-both"]
+        assert got["checkpoint-both"] == want, got["checkpoint-both"]
+        assert "columnwise copy has no memory" in got["root-per_direction"]
+        assert "copies='both'" in got["root-per_direction"]
+        assert "rowwise copy has no memory" in got["checkpoint-per_direction"]
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_fsdp2_quantized_gather_trains_as_one_process(world: int, tmp_path) -> None:
     want = {r: _train(_model(), r) for r in RECIPES}
