@@ -45,6 +45,7 @@ def run_ranks(fn: Callable[..., Any], world: int, args: tuple, out_dir: Path) ->
     ``fn`` must be importable by the spawned processes (a module-level function of a test
     module). A rank that raises or hangs fails the calling test, naming the ranks.
     """
+    out_dir.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, str(out_dir))) for r in range(world)]

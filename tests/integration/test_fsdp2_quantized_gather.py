@@ -53,12 +53,12 @@ def _model() -> nn.Module:
     return nn.Sequential(hf.Linear(D, H, bias=False), nn.GELU(), hf.Linear(H, D, bias=False))
 
 
-def _train(model: nn.Module, recipe: str, group=None) -> list[float]:
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+def _train(model: nn.Module, recipe: str, group=None, steps: int = STEPS, opt=None) -> list[float]:
+    opt = opt or torch.optim.SGD(model.parameters(), lr=0.5)
     g = torch.Generator().manual_seed(1)
     x, target = torch.randn(ROWS, D, generator=g), torch.randn(ROWS, D, generator=g)
     losses = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         opt.zero_grad()
         torch.manual_seed(2)  # NVFP4's stochastic rounding (gradients) draws from torch's generator
         with hf.autocast(recipe=RECIPES[recipe](), amax_reduction_group=group):
@@ -159,3 +159,51 @@ def test_fsdp2_quantized_gather_trains_as_one_process(world: int, tmp_path) -> N
             # per step: fc1 and fc2 forward, then fc2 and fc1 backward
             expected = [round(r * shard_bf16) for r in (fwd, fwd, bwd, bwd)] * STEPS
             assert got[recipe]["sent"] == expected, (rank, recipe, got[recipe]["sent"][:4], expected[:4])
+
+
+def _momentum(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+
+
+def _resume_worker(rank: int, world: int, phase: str, ckpt: str, recipe: str) -> list[float]:
+    """Phase "save": one step, then a DCP checkpoint of model and optimizer; phase "load" (at
+    another world size): load it and train the remaining steps."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    hf.enable_quantized_all_gather(model)
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    opt = _momentum(model)
+    group = dist.group.WORLD if recipe == "delayed" else None
+    if phase == "save":
+        losses = _train(model, recipe, group, steps=1, opt=opt)
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+        return losses
+    with torch.no_grad(), hf.autocast(recipe=RECIPES[recipe](), amax_reduction_group=group):
+        model(torch.zeros(ROWS, D))  # builds the quantizers whose state the checkpoint holds
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return _train(model, recipe, group, steps=STEPS - 1, opt=opt)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "delayed"])
+def test_dcp_resume_resharded_from_2_to_4_ranks(recipe: str, tmp_path) -> None:
+    """k steps on 2 ranks, a torch.distributed.checkpoint, N - k steps on 4 ranks == N steps
+    of one process (the high-precision shards and the quantizers' extra state reshard)."""
+    model = _model()
+    want = _train(model, recipe, steps=STEPS, opt=_momentum(model))
+    ckpt = str(tmp_path / "ckpt")
+    first = run_ranks(_resume_worker, 2, ("save", ckpt, recipe), tmp_path / "save")
+    rest = run_ranks(_resume_worker, 4, ("load", ckpt, recipe), tmp_path / "load")
+    for losses in first:
+        assert losses == want[:1]
+    for losses in rest:
+        assert losses == want[1:]
