@@ -113,6 +113,10 @@ class QuantizedModule(nn.Module):
     #: Whether this module's quantize calls may use an amax recorded by the kernel that wrote
     #: the input (``Quantizer.reads_known_amax``); see :meth:`quantizers`.
     reads_recorded_amax = True
+    #: The tensor-parallel plan a ``hybridfp.ColwiseParallel`` / ``RowwiseParallel`` /
+    #: ``LayerNormMLPParallel`` style installed (its ``forward`` runs the module on the local
+    #: shards, its ``group`` reduces delayed scaling's amaxes); None: not parallelized.
+    _tensor_parallel: Any = None
     #: Whether the module's backward honours a recipe's ``backward_override``; one that does
     #: not refuses such a recipe (see :meth:`quantizers`) rather than ignore it.
     supports_backward_override = False
@@ -297,8 +301,15 @@ class QuantizedModule(nn.Module):
         """Slot -> roles of the quantizers built (empty before the first quantized forward)."""
         return {slot: [q.role for q in qs] for slot, qs in self._quantizers.items()}
 
+    def stateful_quantizers(self) -> list[Quantizer]:
+        """The quantizers keeping state (delayed scaling), which an autocast region's end updates."""
+        return list(self._stateful)
+
     def finish_step(self, amax_reduction_group: Optional[Any] = None) -> None:
         """End of an autocast region: stateful quantizers update (delayed scaling)."""
+        if self._tensor_parallel is not None and amax_reduction_group is None:
+            # operands split across the tensor-parallel ranks recorded the amax of their shard
+            amax_reduction_group = self._tensor_parallel.group
         for q in self._stateful:
             q.finish_step(amax_reduction_group)
 

@@ -9,6 +9,7 @@ copies its usage flags ask for (``rowwise_usage`` for the forward GEMM operand,
 from __future__ import annotations
 
 import copy as _copy
+import math
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Hashable, Optional
 
@@ -26,6 +27,44 @@ def all_reduce_amax(amax: torch.Tensor, group: Optional[Any]) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return amax
+
+
+def reduce_pending_amaxes(quantizers: list["Quantizer"], group: Any) -> int:
+    """All-reduce (MAX) the pending amaxes of ``quantizers`` over ``group`` in one collective
+    per device, in place, so their ``finish_step(None)`` then updates from the global amaxes
+    (TransformerEngine coalesces the region-end reduction the same way). NaN becomes Inf
+    first: a MAX reduction's NaN handling varies by backend, Inf's does not, so every rank
+    sees the non-finite amax and skips the same step.
+
+    Parameters
+    ----------
+    quantizers:
+        The quantizers finishing a step (each counted once; order must match across ranks).
+    group:
+        The process group.
+
+    Returns
+    -------
+    int
+        The number of all-reduces issued (one per device holding pending amaxes, else 0).
+    """
+    seen, slots = set(), []
+    for q in quantizers:
+        if id(q) not in seen:
+            seen.add(id(q))
+            slots.extend(q.pending_amaxes())
+    by_device: dict = {}
+    for t in slots:
+        by_device.setdefault(t.device, []).append(t)
+    for ts in by_device.values():
+        flat = torch.cat([t.reshape(-1) for t in ts]).float()
+        flat = torch.where(torch.isnan(flat), torch.full_like(flat, math.inf), flat)
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+        offset = 0
+        for t in ts:
+            t.copy_(flat[offset:offset + t.numel()].view(t.shape))
+            offset += t.numel()
+    return len(by_device)
 
 
 def check_state_keys(q: "Quantizer", state: dict, want: dict[str, Any]) -> None:
@@ -281,6 +320,12 @@ class Quantizer(ABC):
 
     def finish_step(self, amax_reduction_group: Optional[Any] = None) -> None:
         """End of a training step (autocast region): update any per-step state (no-op here)."""
+
+    def pending_amaxes(self) -> list[torch.Tensor]:
+        """The amaxes recorded since the last ``finish_step`` that it would all-reduce, as views
+        of the live state (:func:`reduce_pending_amaxes` reduces many quantizers' at once); none
+        for stateless formats."""
+        return []
 
     def discard_step(self) -> None:
         """Forget what was recorded since the last ``finish_step`` (the autocast region raised),

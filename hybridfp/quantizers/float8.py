@@ -319,6 +319,10 @@ class Float8Quantizer(Quantizer):
         if self._nonfinite.note(skipped):
             self._nonfinite.report(self)
 
+    def pending_amaxes(self) -> list[torch.Tensor]:
+        """The pending history slot, if an amax was recorded since the last update."""
+        return [self.amax_history[0:1]] if self._recorded else []
+
     def finish_step(self, amax_reduction_group: Optional[Any] = None) -> None:
         """Update the scale if this quantizer recorded an amax since its last update."""
         if self._recorded:

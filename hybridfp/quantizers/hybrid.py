@@ -157,6 +157,10 @@ class HybridQuantizer(Quantizer):
         self.rowwise_quantizer.finish_step(amax_reduction_group)
         self.columnwise_quantizer.finish_step(amax_reduction_group)
 
+    def pending_amaxes(self) -> list:
+        """Both children's."""
+        return self.rowwise_quantizer.pending_amaxes() + self.columnwise_quantizer.pending_amaxes()
+
     def discard_step(self) -> None:
         """Both children discard the step."""
         self.rowwise_quantizer.discard_step()

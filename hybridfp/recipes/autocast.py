@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Optional
 
+from ..quantizers.base import reduce_pending_amaxes
 from .recipes import Float8CurrentScaling, Recipe
 
 
@@ -153,8 +154,11 @@ def autocast(enabled: bool = True, recipe: Optional[Recipe] = None,
         raise
     _leave(stack, state)
     if state is not None:
+        if amax_reduction_group is not None:  # one all-reduce for every quantizer of the region
+            reduce_pending_amaxes([q for m in state.modules for q in m.stateful_quantizers()],
+                                  amax_reduction_group)
         for module in state.modules:
-            module.finish_step(amax_reduction_group)
+            module.finish_step(None)
 
 
 def _leave(stack: list[Optional[AutocastState]], state: Optional[AutocastState]) -> None:
