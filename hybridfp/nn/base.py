@@ -14,6 +14,7 @@ from torch import nn
 from ..config import Policy, current_policy
 from ..gemm import reads_bf16_decodes, report_emulated
 from ..quantizers import Quantizer
+from ..quantizers.base import reduce_pending_amaxes
 from ..recipes import AutocastState, QuantizerRole, current_autocast
 from ..tensors import COLUMNWISE, ROWWISE, MissingDirectionError, QuantizedTensor
 from . import quantized_init, recompute
@@ -307,9 +308,10 @@ class QuantizedModule(nn.Module):
 
     def finish_step(self, amax_reduction_group: Optional[Any] = None) -> None:
         """End of an autocast region: stateful quantizers update (delayed scaling)."""
-        if self._tensor_parallel is not None and amax_reduction_group is None:
-            # operands split across the tensor-parallel ranks recorded the amax of their shard
-            amax_reduction_group = self._tensor_parallel.group
+        if self._tensor_parallel is not None and amax_reduction_group is None and self._stateful:
+            # operands split across the tensor-parallel ranks recorded the amax of their shard:
+            # one all-reduce over the group for the module's quantizers, then local updates
+            reduce_pending_amaxes(self._stateful, self._tensor_parallel.group)
         for q in self._stateful:
             q.finish_step(amax_reduction_group)
 

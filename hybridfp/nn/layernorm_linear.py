@@ -113,6 +113,8 @@ class LayerNormLinear(QuantizedModule):
         >>> m(torch.randn(2, 64)).shape            # outside autocast: high precision
         torch.Size([2, 32])
         """
+        if self._tensor_parallel is not None:  # parallelized: runs on the local shards
+            return self._tensor_parallel.forward(self, x, is_first_microbatch)
         check_is_first_microbatch(is_first_microbatch, self._who())
         self.check_input_features(x)
         h = self.norm(x)

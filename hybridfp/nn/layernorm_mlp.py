@@ -203,6 +203,8 @@ class LayerNormMLP(QuantizedModule):
         >>> hf.LayerNormMLP(32, 64)(torch.randn(2, 32)).shape    # outside autocast: high precision
         torch.Size([2, 32])
         """
+        if self._tensor_parallel is not None:  # parallelized: runs on the local shards
+            return self._tensor_parallel.forward(self, x, is_first_microbatch)
         check_is_first_microbatch(is_first_microbatch, self._who())
         self.check_input_features(x)
         h = self.norm(x)

@@ -134,6 +134,8 @@ class Linear(QuantizedModule):
         >>> torch.equal(y1, y2)
         True
         """
+        if self._tensor_parallel is not None:  # parallelized: runs on the local shards
+            return self._tensor_parallel.forward(self, x, is_first_microbatch)
         check_is_first_microbatch(is_first_microbatch, self._who())
         self.check_input_features(x)
         state = current_autocast()

@@ -1,0 +1,221 @@
+"""One tensor-parallel quantized linear: each rank's GEMMs on its shard, with the collectives.
+
+Column-parallel (W [N/p, K] on each rank, rows of the whole weight):
+
+    fprop  y_r  = x · W_rᵀ                 x whole (or, sequence parallel, gathered quantized)
+    dgrad  dx   = Σ_r dy_r · W_r           all-reduce (sequence parallel: reduce-scatter rows)
+    wgrad  dW_r = dy_rᵀ · x                x's columnwise copy (sequence parallel: gathered)
+
+Row-parallel (W [N, K/p], columns of the whole weight; x [M, K/p], columns of the input):
+
+    fprop  y    = Σ_r x_r · W_rᵀ + b       all-reduce (sequence parallel: reduce-scatter rows)
+    dgrad  dx_r = dy · W_r                 dy whole (sequence parallel: all-gathered)
+    wgrad  dW_r = dyᵀ · x_r
+
+Which operands are split across the group, so their per-tensor amaxes (FP8 current scaling,
+NVFP4's global amax, delayed scaling's history) are reduced over it: column-parallel W and dy
+(along N) and, sequence parallel, x (along the rows); row-parallel x and W (along K). The others
+(column-parallel x without sequence parallelism, row-parallel dy) are whole and equal on every
+rank: no reduction. Partial sums travel in FP32 and the output is rounded once, as one process's
+GEMM rounds its FP32 accumulator once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from ..gemm import gemm
+from ..nn.linear_function import LinearContext, bias_grad, pack, torch_autocast_off, unpack
+from ..nn.shared_input import quantize_input
+from ..quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
+                          HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer)
+from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
+from .tensor_parallel_comm import all_gather_rows, all_reduce_sum, gather_quantized_rows, reduce_scatter_rows
+
+COLUMN, ROW = "column", "row"
+
+
+@dataclass(frozen=True)
+class ParallelGemm:
+    """How one GEMM set is split: ``kind`` "column" or "row", the group, and whether the
+    activation is sequence-parallel (split along its rows outside the layer)."""
+
+    kind: str
+    group: Any
+    world: int
+    sequence_parallel: bool
+    who: str
+
+    def split_slots(self) -> dict[str, Optional[str]]:
+        """Slot -> the dim along which that GEMM operand is split across the group ("rows" /
+        "cols" of its [rows, cols] 2D form), None where it is whole on every rank."""
+        if self.kind == COLUMN:
+            return {"input": "rows" if self.sequence_parallel else None, "weight": "rows", "grad_output": "cols"}
+        return {"input": "cols", "weight": "cols", "grad_output": None}
+
+
+def block_extent(q: Quantizer, direction: str) -> tuple[int, int]:
+    """(rows, cols) one block of ``q``'s ``direction`` copy spans in the original orientation;
+    (1, 1) for per-tensor formats.
+
+    Raises
+    ------
+    NotImplementedError
+        A quantizer class whose block layout this module does not know.
+    """
+    if isinstance(q, HybridQuantizer):
+        child = q.rowwise_quantizer if direction == ROWWISE else q.columnwise_quantizer
+        return block_extent(child, direction)
+    if isinstance(q, (Float8CurrentScalingQuantizer, Float8Quantizer, IdentityQuantizer)):
+        return (1, 1)
+    if isinstance(q, MXFP8Quantizer):
+        b, two_d = 32, q.with_2d_quantization
+    elif isinstance(q, NVFP4Quantizer):
+        b, two_d = 16, q.with_2d_quantization
+    elif isinstance(q, Float8BlockQuantizer):
+        b, two_d = 128, q.block_scaling_dim == 2
+    else:
+        raise NotImplementedError(f"tensor parallelism does not know the block layout of {type(q).__name__}; "
+                                  "use a built-in quantizer for the parallel layers.")
+    if two_d:
+        return (b, b)
+    return (1, b) if direction == ROWWISE else (b, 1)
+
+
+def _row_scaled(q: Quantizer) -> bool:
+    child = q.rowwise_quantizer if isinstance(q, HybridQuantizer) else q
+    return bool(getattr(child, "row_scaled_nvfp4", False))
+
+
+def check_split(q: Quantizer, slot: str, split: Optional[str], rows: int, cols: int, spec: ParallelGemm) -> None:
+    """Refuse a shard whose blocks would straddle two ranks (each copy's blocks must be whole
+    within every rank's part), and per-row scales of a row split along its columns.
+
+    Raises
+    ------
+    ValueError
+        Naming the layer, the slot, the local size and the block size to use.
+    """
+    if split is None:
+        return
+    for direction in (ROWWISE, COLUMNWISE):
+        ext = block_extent(q, direction)[0 if split == "rows" else 1]
+        local = rows if split == "rows" else cols
+        if local % ext:
+            raise ValueError(
+                f"{spec.who}: the {slot} is split across {spec.world} tensor-parallel ranks along its "
+                f"{split} ({local} on each), but its {direction} copy ({type(q).__name__}) is blocked every "
+                f"{ext} {split}, so a block would straddle two ranks. Choose sizes whose per-rank part is a "
+                f"multiple of {ext}, or another format for this layer.")
+    if split == "cols" and _row_scaled(q):
+        raise ValueError(f"{spec.who}: the {slot} is split along its columns across the tensor-parallel "
+                         "ranks, but its quantizer scales each row by the row's own amax (row_scaled_nvfp4), "
+                         "which no rank sees whole. Use per-tensor NVFP4 scaling for this layer.")
+
+
+def set_amax_groups(lc: LinearContext, spec: ParallelGemm) -> None:
+    """Per slot: reduce per-tensor amaxes over the group where the operand is split, not where
+    it is whole (a quantizer object serving both kinds of slot reduces: harmless there)."""
+    split = spec.split_slots()
+    qs = {"input": lc.input_q, "weight": lc.weight_q, "grad_output": lc.grad_q}
+    reduce: dict[int, bool] = {}
+    for slot, q in qs.items():
+        reduce[id(q)] = reduce.get(id(q), False) or split[slot] is not None
+    for q in qs.values():
+        q.set_amax_reduction_group(spec.group if reduce[id(q)] else None)
+
+
+@dataclass
+class WeightShard:
+    """The rank's weight shard as the quantized-weight cache sees it: ``source`` is the same
+    tensor object at every call (the DTensor's local tensor), so the cache's identity and
+    version rule holds (``nn/weight_cache.py``); the autograd input is its differentiable view."""
+
+    source: torch.Tensor
+
+
+class ParallelLinearFunction(torch.autograd.Function):
+    """The quantized GEMMs of one rank's shard, with the tensor-parallel collectives (see the
+    module docstring). Takes and returns 2D tensors."""
+
+    @staticmethod
+    def forward(ctx: Any, x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # type: ignore[override]
+                lc: LinearContext, spec: ParallelGemm, shard: WeightShard) -> torch.Tensor:
+        needs_dgrad = ctx.needs_input_grad[0] and lc.grad_enabled
+        needs_wgrad = ctx.needs_input_grad[1] and lc.grad_enabled
+        sp, group = spec.sequence_parallel, spec.group
+        with torch_autocast_off(x2):
+            qx = quantize_input(x2, lc.input_q, True, needs_wgrad, lc.scratch)
+            qw = lc.module.quantized_weight(shard.source, lc.weight_q, columnwise=needs_dgrad,
+                                            index=lc.weight_index, region=lc.region,
+                                            is_first_microbatch=lc.is_first_microbatch)
+            if spec.kind == COLUMN:
+                # sequence parallel: the local rows' rowwise copy is gathered, quantized (one scale
+                # for all ranks: the amax was reduced over the group when quantizing)
+                qin = gather_quantized_rows(qx, ROWWISE, group, f"{spec.who}: input") if sp else qx
+                y = gemm(qin, qw, "TN", out_dtype=x2.dtype, bias=bias,
+                         fast_accumulation=lc.fprop_fast_accumulation)
+            else:
+                part = gemm(qx, qw, "TN", out_dtype=torch.float32, fast_accumulation=lc.fprop_fast_accumulation)
+                y32 = reduce_scatter_rows(part, group) if sp else all_reduce_sum(part, group)
+                if bias is not None:  # after the sum: added once, as one process's epilogue adds it
+                    y32 = y32 + bias.float()
+                y = y32.to(x2.dtype)
+        saved_x = saved_w = None
+        if needs_wgrad:
+            qx.update_usage(rowwise_usage=False)  # fprop is done with the rowwise copy
+            saved_x = qx
+        if needs_dgrad:
+            saved_w = qw
+        tx, ctx.skel_x = pack(saved_x)
+        tw, ctx.skel_w = pack(saved_w)
+        ctx.n_x = len(tx)
+        ctx.save_for_backward(*tx, *tw)
+        ctx.lc, ctx.spec = lc, spec
+        ctx.x_dtype, ctx.w_dtype = x2.dtype, weight.dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor):  # type: ignore[override]
+        saved = ctx.saved_tensors
+        qx = unpack(ctx.skel_x, list(saved[:ctx.n_x]))
+        qw = unpack(ctx.skel_w, list(saved[ctx.n_x:]))
+        lc, spec = ctx.lc, ctx.spec
+        needs_dgrad, needs_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        sp, group = spec.sequence_parallel, spec.group
+        dx = dw = db = None
+        with torch_autocast_off(dy):
+            dy2 = dy.contiguous()
+            if spec.kind == ROW and sp:
+                dy2 = all_gather_rows(dy2, group)  # the output was reduce-scattered along the rows
+            if needs_dgrad or needs_wgrad:
+                lc.grad_q.set_usage(rowwise=needs_dgrad, columnwise=needs_wgrad)
+                qdy = lc.grad_q.quantize(dy2)
+            if needs_dgrad:
+                if spec.kind == COLUMN:
+                    part = gemm(qdy, qw, "NN", out_dtype=torch.float32)
+                    dx = (reduce_scatter_rows(part, group) if sp else all_reduce_sum(part, group)).to(ctx.x_dtype)
+                else:
+                    dx = gemm(qdy, qw, "NN", out_dtype=ctx.x_dtype)
+            if needs_wgrad:
+                if spec.kind == COLUMN and sp:
+                    qx = gather_quantized_rows(qx, COLUMNWISE, group, f"{spec.who}: input")
+                dw = gemm(qdy, qx, "NT", out_dtype=ctx.w_dtype)
+            if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+                db = bias_grad(dy2, ctx.bias_dtype)
+        return dx, dw, db, None, None, None
+
+
+def flat_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] as [rows, K] (explicit row count: reshape(-1, 0) is ambiguous for K == 0)."""
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+
+
+def is_quantized(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a quantized weight parameter (``quantized_model_init``)."""
+    return isinstance(t, QuantizedTensor)
