@@ -163,7 +163,8 @@ def check_same_on_ranks(values: Sequence[int], names: Sequence[str], group: dist
     size = dist.get_world_size(group)
     mine = torch.tensor(list(values), dtype=torch.int64, device=device)
     every = torch.empty(size * len(values), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(every, mine, group=group)
+    # all_gather_single is all_gather_into_tensor's newer name (the old one warns on torch 2.13)
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(every, mine, group=group)
     rows = every.view(size, len(values)).tolist()
     for j, name in enumerate(names):
         seen = [r[j] for r in rows]
