@@ -22,7 +22,7 @@ import torch
 from ..config import current_policy, use_policy
 from ..quantizers import Quantizer
 from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
-from ..nn.linear_function import (LinearContext, backward_gemms, backward_override, bias_grad, keeps_original_input,
+from ..nn.linear_function import (LinearContext, backward_gemms, backward_override, bias_grad, check_dgrad_weight, keeps_original_input,
                                   torch_autocast_off)
 from .grouped_tensor import GroupedTensor
 from .gemm import grouped_gemm, grouped_wgrad
@@ -121,6 +121,9 @@ class GroupedLinearFunction(torch.autograd.Function):
                 qdys = _quantize_grads(dy, ctx.m_splits, ctx.lcs, needs_dgrad, needs_wgrad)
                 qxs = (saved_xs if isinstance(saved_xs, GroupedTensor) else
                        [_wgrad_input(saved_xs[i], lc) if needs_wgrad[i] else None for i, lc in enumerate(ctx.lcs)])
+                if needs_dgrad and not isinstance(saved_ws, GroupedTensor):
+                    for w, lc in zip(saved_ws, ctx.lcs):
+                        check_dgrad_weight(w, lc.module._who())
                 dx = (grouped_gemm(qdys, saved_ws, "NN", out_dtype=ctx.x_dtype)
                       if needs_dgrad else None)
                 dws, dw_all = _wgrads(qdys, qxs, ctx.w_dtypes)

@@ -245,6 +245,31 @@ def _dequantized(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return t.dequantize(direction=ROWWISE) if isinstance(t, QuantizedTensor) else t
 
 
+def check_dgrad_weight(qw: Any, who: str) -> None:
+    """Refuse a saved weight whose columnwise copy has no memory (reading it would crash).
+
+    Parameters
+    ----------
+    qw:
+        The weight dgrad reads (a ``QuantizedTensor`` is checked; anything else passes).
+    who:
+        The module, for the message.
+
+    Raises
+    ------
+    RuntimeError
+        FSDP2 all-gathered only the rowwise copy for the forward and did not gather again
+        before backward.
+    """
+    if isinstance(qw, QuantizedTensor) and qw.has_direction(COLUMNWISE) and qw.qstorage.unallocated(COLUMNWISE):
+        raise RuntimeError(
+            f"{who}: the weight's columnwise copy has no memory: FSDP2 all-gathered only its "
+            "rowwise copy for the forward and did not gather again before backward (the module's "
+            "parameters stay gathered after forward: FSDP2's root module, or "
+            "reshard_after_forward=False). Gather both copies for this module: "
+            "hybridfp.enable_quantized_all_gather(module, copies='both').")
+
+
 def backward_gemms(dy2: torch.Tensor, saved_x: Optional[torch.Tensor], saved_w: Optional[torch.Tensor],
                    lc: LinearContext, x_dtype: torch.dtype, w_dtype: torch.dtype,
                    needs_dgrad: bool, needs_wgrad: bool) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -263,13 +288,7 @@ def backward_gemms(dy2: torch.Tensor, saved_x: Optional[torch.Tensor], saved_w: 
     else:  # high-precision operands: plain tensors, which gemm multiplies unquantized
         qdy, qx, qw = dy2.contiguous(), _dequantized(saved_x), _dequantized(saved_w)
     if needs_dgrad:
-        if isinstance(qw, QuantizedTensor) and qw.has_direction(COLUMNWISE) and qw.qstorage.unallocated(COLUMNWISE):
-            raise RuntimeError(
-                f"{lc.module._who()}: the weight's columnwise copy has no memory: FSDP2 all-gathered "
-                "only its rowwise copy for the forward and did not gather again before backward (the "
-                "module's parameters stay gathered after forward: FSDP2's root module, or "
-                "reshard_after_forward=False). Gather both copies for this module: "
-                "hybridfp.enable_quantized_all_gather(module, copies='both').")
+        check_dgrad_weight(qw, lc.module._who())
         dx = gemm(qdy, qw, "NN", out_dtype=x_dtype)
     if needs_wgrad:
         dw = gemm(qdy, qx, "NT", out_dtype=w_dtype)

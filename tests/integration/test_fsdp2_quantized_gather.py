@@ -114,6 +114,18 @@ class _Checkpointed(nn.Module):
         return checkpoint(self.mlp[2], self.mlp[1](h), use_reentrant=False)
 
 
+class _Experts(nn.Module):
+    """Two GroupedLinear layers of two experts (each expert's weight gathered on its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = hf.GroupedLinear(2, D, H, bias=False), hf.GroupedLinear(2, H, D, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(nn.functional.gelu(self.fc1(x, [6, 10])), [6, 10])
+
+
 def _layouts_worker(rank: int, world: int) -> dict:
     """Modules FSDP2 keeps gathered from forward to backward (the root's own) and forwards
     recomputed after the backward gather: per-direction gathers refuse them with a clear
@@ -134,12 +146,28 @@ def _layouts_worker(rank: int, world: int) -> dict:
                 out[f"{case}-{copies}"] = _train(model, "mxfp8")
             except RuntimeError as e:
                 out[f"{case}-{copies}"] = str(e)
+    for case in ("experts", "experts_root"):
+        model = _Experts()
+        assert hf.enable_quantized_all_gather(model) == 4
+        if case == "experts":
+            fully_shard(model.fc1)
+            fully_shard(model.fc2)
+        fully_shard(model)
+        try:
+            out[case] = _train(model, "mxfp8")
+        except RuntimeError as e:
+            out[case] = str(e)
     return out
 
 
 def test_modules_gathered_once_need_both_copies(tmp_path) -> None:
+    """Also GroupedLinear's experts: gathered per direction they train as one process; the
+    root's own refuse per-direction gathers as the dense modules do."""
     want = _train(_model(), "mxfp8")
+    want_experts = _train(_Experts(), "mxfp8")
     for got in run_ranks(_layouts_worker, 2, (), tmp_path):
+        assert got["experts"] == want_experts, got["experts"]
+        assert "columnwise copy has no memory" in got["experts_root"]
         assert got["root-both"] == want, got["root-both"]
         assert got["checkpoint-both"] == want, got["checkpoint-both"]
         assert "columnwise copy has no memory" in got["root-per_direction"]
