@@ -7,6 +7,7 @@ from .integration.export import export_state_dict
 from .integration.safetensors_io import load_safetensors, save_safetensors
 from .integration.master_weights import MasterWeightOptimizer, memory_per_parameter, quantize_master_weights
 from .integration.fsdp import QuantizedGatherWeight, enable_quantized_all_gather
+from .integration.tensor_parallel import ColwiseParallel, LayerNormMLPParallel, RowwiseParallel
 from .moe import ExpertDispatch, ExpertParallel, GroupedLinear, expert_combine, expert_dispatch
 from .nn.quantized_init import quantized_model_init
 from .nn.weight_cache import weight_caching
@@ -30,5 +31,6 @@ __all__ = [
     "convert", "current_policy", "factories",
     "gemm", "moe", "nn", "policy", "quantized_model_init",
     "MasterWeightOptimizer", "QuantizedGatherWeight", "enable_quantized_all_gather", "export_state_dict", "load_safetensors", "save_safetensors", "memory_per_parameter", "quantize_master_weights", "set_names", "swiglu", "use_policy",
+    "ColwiseParallel", "LayerNormMLPParallel", "RowwiseParallel",
     "weight_caching", "ExpertDispatch", "ExpertParallel", "expert_combine", "expert_dispatch",
 ]
