@@ -71,7 +71,7 @@ class _Plan:
                 got = Shard(got.dim + x.dim())
             if got != want:
                 raise ValueError(f"{self.who}: the input DTensor is placed {x.placements}; this layer takes "
-                                 f"{want} (its input_layouts). Redistribute it first.")
+                                 f"{want!r} (its input_layouts). Redistribute it first.")
             x = x.to_local()
         return x
 
@@ -217,6 +217,11 @@ def _install(module: nn.Module, plan: _Plan) -> nn.Module:
     return module
 
 
+def _cls(module: nn.Module) -> str:
+    """The module's class with its module path (torch.nn.Linear vs hybridfp's Linear)."""
+    return f"{type(module).__module__}.{type(module).__name__}"
+
+
 def _who(module: nn.Module) -> str:
     return f"{type(module).__name__} {getattr(module, 'name', '') or ''}".strip()
 
@@ -277,7 +282,7 @@ class ColwiseParallel(ParallelStyle):
         if not isinstance(module, (Linear, LayerNormLinear)):
             hint = " (use hybridfp.LayerNormMLPParallel)" if isinstance(module, LayerNormMLP) else ""
             raise TypeError(f"hybridfp.ColwiseParallel takes hybridfp.Linear or LayerNormLinear; got "
-                            f"{type(module).__name__}{hint}. For torch.nn.Linear use torch's ColwiseParallel.")
+                            f"{_cls(module)}{hint}. For torch.nn.Linear use torch's ColwiseParallel.")
         mesh = _mesh_1d(device_mesh, _who(module))
         _shard(module, "weight", mesh, Shard(0), self.src_data_rank)
         _shard(module, "bias", mesh, Shard(0), self.src_data_rank)
@@ -332,7 +337,7 @@ class RowwiseParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if type(module) is not Linear:
-            raise TypeError(f"hybridfp.RowwiseParallel takes hybridfp.Linear; got {type(module).__name__} (a "
+            raise TypeError(f"hybridfp.RowwiseParallel takes hybridfp.Linear; got {_cls(module)} (a "
                             "norm before a row-parallel GEMM would see only part of each row). For "
                             "torch.nn.Linear use torch's RowwiseParallel.")
         mesh = _mesh_1d(device_mesh, _who(module))
@@ -379,7 +384,7 @@ class LayerNormMLPParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, LayerNormMLP):
-            raise TypeError(f"hybridfp.LayerNormMLPParallel takes hybridfp.LayerNormMLP; got {type(module).__name__}.")
+            raise TypeError(f"hybridfp.LayerNormMLPParallel takes hybridfp.LayerNormMLP; got {_cls(module)}.")
         if module.activation in _GATED:
             raise NotImplementedError(
                 f"{_who(module)}: activation={module.activation!r} is gated: fc1's output holds [gate | up], "
