@@ -12,12 +12,13 @@ are that process's. The exchange itself is in ``expert_parallel_comm.py``.
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..quantizers import Quantizer
 from .expert_parallel_comm import expert_combine, expert_dispatch, resolve_group
 from .grouped_linear import GroupedLinear
 
@@ -47,6 +48,9 @@ class ExpertParallel(nn.Module):
         Check on every forward (one small all_gather each way) that the ranks agree on the
         number of experts and the rows' width and dtype; by default only the first forward
         checks (a rank whose dtype changes later is still caught by the routing message).
+    wire_quantizer:
+        Send the tokens encoded by this row-local quantizer (e.g. ``hybridfp.MXFP8Quantizer()``)
+        instead of in their dtype: see :func:`hybridfp.expert_dispatch`.
 
     Raises
     ------
@@ -79,7 +83,8 @@ class ExpertParallel(nn.Module):
 
     def __init__(self, experts: nn.Module, num_experts: int,
                  group: Union[None, dist.ProcessGroup, "dist.device_mesh.DeviceMesh"] = None, *,
-                 mesh_dim: Union[None, int, str] = None, check_each_call: bool = False) -> None:
+                 mesh_dim: Union[None, int, str] = None, check_each_call: bool = False,
+                 wire_quantizer: Optional[Quantizer] = None) -> None:
         super().__init__()
         pg = resolve_group(group, mesh_dim)
         size = dist.get_world_size(pg)
@@ -97,7 +102,7 @@ class ExpertParallel(nn.Module):
         self.experts = experts
         self.num_experts, self.num_local_experts = num_experts, local
         self.group, self.ep_size, self.ep_rank = pg, size, dist.get_rank(pg)
-        self.check_each_call = check_each_call
+        self.check_each_call, self.wire_quantizer = check_each_call, wire_quantizer
         self._checked = False  # the first forward checks the ranks agree (collective, every rank)
 
     @property
@@ -136,7 +141,8 @@ class ExpertParallel(nn.Module):
             raise ValueError(f"ExpertParallel: m_splits has {splits_len} entries; it needs one per "
                              f"global expert ({self.num_experts}).")
         check = self.check_each_call or not self._checked
-        local_x, local_splits, handle = expert_dispatch(x, m_splits, self.group, check=check)
+        local_x, local_splits, handle = expert_dispatch(x, m_splits, self.group, check=check,
+                                                      wire_quantizer=self.wire_quantizer)
         y = expert_combine(self.experts(local_x, local_splits), handle, check=check)
         self._checked = True
         return y

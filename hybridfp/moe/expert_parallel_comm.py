@@ -20,20 +20,20 @@ each gradient row is copied, not added to zero, so even a -0.0 survives).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from ..quantizers import Quantizer
+from .expert_parallel_wire import QuantizedExchange, wire_quantizer_checked
 from .grouped_linear import _split_counts
 
 #: dtypes by a small id sent with the routing counts, so that ranks disagreeing on the token
 #: dtype are told so instead of exchanging bytes of different widths
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn,
            torch.float8_e5m2, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
-#: entries after the counts in each rank's routing message: row width, dtype id
-_HEADER = 2
 
 
 def _dtype_id(dtype: torch.dtype) -> int:
@@ -175,8 +175,8 @@ def check_same_on_ranks(values: Sequence[int], names: Sequence[str], group: dist
 
 def expert_dispatch(x: torch.Tensor, m_splits: Union[Sequence[int], torch.Tensor],
              group: Union[None, dist.ProcessGroup, "dist.device_mesh.DeviceMesh"] = None, *,
-             mesh_dim: Union[None, int, str] = None, check: bool = True
-             ) -> tuple[torch.Tensor, list[int], ExpertDispatch]:
+             mesh_dim: Union[None, int, str] = None, check: bool = True,
+             wire_quantizer: Optional[Quantizer] = None) -> tuple[torch.Tensor, list[int], ExpertDispatch]:
     """Send each row of ``x`` to the rank that owns its expert (collective over ``group``).
 
     Parameters
@@ -195,6 +195,14 @@ def expert_dispatch(x: torch.Tensor, m_splits: Union[Sequence[int], torch.Tensor
         Also check, with one small all_gather, that every rank has the same number of experts
         and the same row width and dtype (a mismatch would otherwise exchange bytes of
         different sizes). The per-call routing message carries width and dtype in any case.
+    wire_quantizer:
+        Send the rows encoded by this quantizer's rowwise format (its bytes on the wire, e.g.
+        ``hybridfp.MXFP8Quantizer()``: 1 + 1/32 bytes an element) and decode them to ``x``'s
+        dtype on arrival; the backward sends the gradient in ``x``'s dtype (straight-through).
+        Row-local formats only (FP8 per-tensor, MXFP8 1x32, FP8 block 1x128); every rank must
+        pass an equal one. The experts then read the decoded rows: a recipe of the same
+        row-local format makes the same forward operand from them, its columnwise copy (weight
+        gradient) comes from the decoded rows (``hybridfp.moe.expert_parallel_wire``).
 
     Returns
     -------
@@ -207,9 +215,11 @@ def expert_dispatch(x: torch.Tensor, m_splits: Union[Sequence[int], torch.Tensor
     ------
     ValueError
         ``x`` not 2-D; ``m_splits`` of the wrong sum or with negative entries; experts not
-        divisible by the group's size; ranks disagreeing on experts, width or dtype.
+        divisible by the group's size; ranks disagreeing on experts, width, dtype or wire
+        encoding; a ``wire_quantizer`` with blocks spanning rows or stochastic rounding.
     TypeError
-        ``m_splits`` not integer counts; ``group`` of the wrong type.
+        ``m_splits`` not integer counts; ``group`` of the wrong type; ``wire_quantizer`` not a
+        single-format hybridfp Quantizer.
     RuntimeError
         torch.distributed not initialized.
 
@@ -247,23 +257,35 @@ def expert_dispatch(x: torch.Tensor, m_splits: Union[Sequence[int], torch.Tensor
                             ("the number of experts (len(m_splits))", "x's width", "x's dtype"),
                             pg, x.device, who)
     local = num_experts // size
-    # the routing message: per destination rank, its experts' counts, then width and dtype
+    if wire_quantizer is not None:
+        wire, row_bytes, once_bytes = wire_quantizer_checked(wire_quantizer, x.shape[1], x.device)
+    else:
+        wire, row_bytes, once_bytes = None, x.shape[1] * x.element_size(), 0
+    # after the counts, each rank's routing message says what its rows are: width, dtype id,
+    # bytes sent per row and once (a wire quantizer's encoding; else the rows' own bytes, 0)
+    head = [x.shape[1], _dtype_id(x.dtype), row_bytes, once_bytes]
+    # the routing message: per destination rank, its experts' counts, then the header
     msg = torch.tensor(splits, dtype=torch.int64).view(size, local)
-    msg = torch.cat([msg, torch.tensor([[x.shape[1], _dtype_id(x.dtype)]] * size)], 1).to(x.device)
+    msg = torch.cat([msg, torch.tensor([head] * size)], 1).to(x.device)
     got = torch.empty_like(msg)
     dist.all_to_all_single(got, msg, group=pg)
     got_rows = got.tolist()  # the host needs the counts: the exchange's split sizes
     for s, row in enumerate(got_rows):
-        if row[local:] != [x.shape[1], _dtype_id(x.dtype)]:
+        if row[local:local + 2] != head[:2]:
             raise ValueError(f"{who}: rank {s} sends rows of width {row[local]} (dtype id {row[local + 1]}) "
                              f"but rank {rank} has width {x.shape[1]} ({x.dtype}); every rank must "
                              "dispatch rows of one width and dtype.")
+        if row[local + 2:] != head[2:]:
+            raise ValueError(f"{who}: rank {s} sends {row[local + 2]} bytes a row (+ {row[local + 3]} once) "
+                             f"but rank {rank} sends {head[2]} (+ {head[3]}); every rank must pass an "
+                             "equal wire_quantizer (or none).")
     recv_counts = tuple(tuple(row[:local]) for row in got_rows)
     send_splits = [sum(splits[d * local:(d + 1) * local]) for d in range(size)]
     recv_splits = [sum(c) for c in recv_counts]
     local_splits = [sum(c[i] for c in recv_counts) for i in range(local)]
     order, inverse = _expert_major(recv_counts, x.device)
-    received = _exchange(x, recv_splits, send_splits, pg)
+    received = (_exchange(x, recv_splits, send_splits, pg) if wire is None
+                else QuantizedExchange.apply(x, wire, recv_splits, send_splits, pg))
     handle = ExpertDispatch(pg, num_experts, tuple(send_splits), tuple(recv_splits), recv_counts,
                             tuple(local_splits), order, inverse)
     return _Rows.apply(received, order, inverse), local_splits, handle

@@ -111,9 +111,10 @@ def _ep_worker(rank: int, world: int, num_experts: int, recipes: list[str]) -> d
     return out
 
 
-def _reference(num_experts: int, world: int, recipe: str) -> tuple[list, dict]:
-    """The single process: every expert, the ranks' rows regrouped by expert (rank order kept)."""
-    batches = [_batch(num_experts, r, recipe) for r in range(world)]
+def _reference(num_experts: int, world: int, recipe: str, batch=None) -> tuple[list, dict]:
+    """The single process: every expert, the ranks' rows regrouped by expert (rank order kept);
+    ``batch(num_experts, rank, recipe)`` gives a rank's rows (default ``_batch``)."""
+    batches = [(batch or _batch)(num_experts, r, recipe) for r in range(world)]
     pieces = []  # (expert, rank, rows of x, rows of dy)
     for r, (x, m_splits, dy) in enumerate(batches):
         for e, (xs, ds) in enumerate(zip(x.split(m_splits), dy.split(m_splits))):

@@ -62,6 +62,19 @@ def test_local_errors(one_rank) -> None:
         hf.expert_combine(x, {"rows": 5})
 
 
+def test_wire_quantizer_errors(one_rank) -> None:
+    x = torch.randn(4, 64)
+    hybrid = hf.HybridQuantizer(hf.MXFP8Quantizer(), hf.Float8CurrentScalingQuantizer())
+    with pytest.raises(TypeError, match="single-format hybridfp Quantizer.*forward \\(rowwise\\) format"):
+        hf.expert_dispatch(x, [4], wire_quantizer=hybrid)
+    with pytest.raises(TypeError, match="wire_quantizer must be"):
+        hf.expert_dispatch(x, [4], wire_quantizer="mxfp8")
+    with pytest.raises(ValueError, match="blocks spanning several rows"):
+        hf.expert_dispatch(x, [4], wire_quantizer=hf.MXFP8Quantizer(with_2d_quantization=True))
+    with pytest.raises(ValueError, match="stochastic rounding"):
+        hf.expert_dispatch(x, [4], wire_quantizer=hf.NVFP4Quantizer(stochastic_rounding=True))
+
+
 def _ranks_worker(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -83,6 +96,9 @@ def _ranks_worker(rank: int, world: int) -> dict:
         "width": error(lambda: hf.expert_dispatch(torch.randn(4, 8 if rank == 0 else 16), [2, 2], check=False)),
         "dtype": error(lambda: hf.expert_dispatch(x.to(torch.bfloat16 if rank else torch.float32), [2, 2])),
     }
+    # one rank sends its rows quantized, the other in FP32
+    out["wire"] = error(lambda: hf.expert_dispatch(
+        torch.randn(4, 64), [2, 2], check=False, wire_quantizer=hf.MXFP8Quantizer() if rank == 0 else None))
     _, _, handle = hf.expert_dispatch(x, [2, 2])
     out["combine_width"] = error(lambda: hf.expert_combine(torch.randn(handle.rows, 8 + rank), handle))
     # a 2-D mesh: the expert-parallel dimension is named; without the name it is refused
@@ -102,5 +118,7 @@ def test_errors_across_ranks(tmp_path) -> None:
         assert f"rank {1 - rank} sends rows of width {16 if rank == 0 else 8}" in got["width"], got
         assert "disagree on x's dtype" in got["dtype"], got
         assert "disagree on the experts' output width: [8, 9]" in got["combine_width"], got
+        assert "every rank must pass an equal wire_quantizer (or none)" in got["wire"], got
+        assert f"rank {1 - rank} sends {256 if rank == 0 else 66} bytes a row" in got["wire"], got
         assert "pass mesh_dim= naming the expert-parallel one" in got["mesh_no_dim"], got
         assert got["mesh_ok"] == [4, 8, rank, [rank]]
