@@ -143,11 +143,17 @@ class QuantizedGatherWeight(torch.Tensor):
         param_dtype = getattr(mp_policy, "param_dtype", None) or self.dtype
         src = self._hp.detach()
         src = src.to(param_dtype) if param_dtype != src.dtype else src  # what the module would read
+        world, total = mesh.size(mesh.ndim - 1), outer_size[0]
+        if src.shape[0] * world != total:
+            raise ValueError(f"{who}: FSDP2 shards its {total} rows unevenly over {world} ranks; a quantized "
+                             "all-gather needs out_features divisible by the world size.")
+        layout = _layout(slot, q, src, total, world, sets)
+        if not layout.aligned:  # encode whole blocks: the rows up to the next block boundary
+            src = _block_aligned_rows(src, layout, group)
         q.set_usage(rowwise=ROWWISE in sent, columnwise=COLUMNWISE in sent)
         with torch.no_grad(), policy(decoded_copies="never"):  # codes travel, never BF16 decodes
             shard = q.quantize(src)
-        layout = _layout(slot, q, src, sets)
-        return (pack(shard, layout, sent),), (layout, sent, shard, mesh.size(mesh.ndim - 1), outer_size[0], param_dtype)
+        return (pack(shard, layout, sent),), (layout, sent, shard, world, total, param_dtype)
 
     def fsdp_post_all_gather(self, all_gather_outputs: tuple[torch.Tensor, ...], metadata: Any,
                              param_dtype: torch.dtype, *, out: Optional[torch.Tensor] = None
@@ -166,18 +172,37 @@ class QuantizedGatherWeight(torch.Tensor):
         return None
 
 
-def _layout(slot: _Slot, q: Any, src: torch.Tensor, sets: tuple) -> GatherLayout:
-    """The shard's gather layout for quantizer ``q`` (memoized per settings and shape)."""
-    key = (repr(q.settings()), type(q).__name__, tuple(src.shape), src.dtype)
+def _layout(slot: _Slot, q: Any, src: torch.Tensor, total: int, world: int, sets: tuple) -> GatherLayout:
+    """The weight's gather layout for quantizer ``q`` (memoized per settings and shape)."""
+    key = (repr(q.settings()), type(q).__name__, tuple(src.shape), src.dtype, total, world)
     layout = slot.layouts.get(key)
     if layout is None:
         probe_q = q.copy()
         probe_q.set_amax_reduction_group(None)
         probe_q.set_usage(rowwise=True, columnwise=True)
-        with torch.no_grad(), policy(decoded_copies="never"):
-            probe = probe_q.quantize(torch.empty(src.shape, dtype=src.dtype, device="meta"))
-        layout = slot.layouts[key] = gather_layout(probe, sets)
+
+        def quantize_meta(rows: int) -> QuantizedTensor:
+            with torch.no_grad(), policy(decoded_copies="never"):
+                return probe_q.quantize(torch.empty((rows, *src.shape[1:]), dtype=src.dtype, device="meta"))
+        layout = slot.layouts[key] = gather_layout(quantize_meta, total, world, sets)
     return layout
+
+
+def _block_aligned_rows(src: torch.Tensor, layout: GatherLayout, group: Any) -> torch.Tensor:
+    """This rank's rows from its shard's first block boundary to the next rank's: the rows of
+    a block that straddles two shards are encoded by the rank where the block starts, which
+    takes them from the next rank (one all-gather of each rank's first rows: fewer than a
+    block, high precision)."""
+    import torch.distributed as dist
+    rank, world, n = dist.get_rank(group), len(layout.rank_rows), src.shape[0]
+    starts = [sum(layout.rank_rows[:r]) - r * n for r in range(world + 1)]  # offset in own shard
+    halo = max(starts[1:world])
+    firsts = torch.empty((world * halo, *src.shape[1:]), dtype=src.dtype, device=src.device)
+    dist.all_gather_into_tensor(firsts, src[:halo].contiguous(), group=group)
+    mine = src[starts[rank]:]
+    if rank + 1 < world:
+        mine = torch.cat([mine, firsts[(rank + 1) * halo:(rank + 1) * halo + starts[rank + 1]]])
+    return mine
 
 
 def _check_delayed(q: Any, state: Any, group: Any, who: str) -> None:
@@ -194,21 +219,17 @@ def _whole_with_room(shard: QuantizedTensor, rows: int, tensors: dict, layout: G
                      dtype: torch.dtype) -> QuantizedTensor:
     """The whole weight holding every copy any gather sends, those not sent now allocated
     empty: later gathers refill these same tensors (autograd may have saved them)."""
-    probe, world = layout.probe.qstorage, rows // layout.shard_rows
+    whole = layout.whole.qstorage
     every = {}
-    for d in probe.directions():
-        part = probe.part(d)
-        for name, t in part.payloads[d].items():
+    for d in whole.directions():
+        for name, t in whole.part(d).payloads[d].items():
             if (d, name) in tensors:
                 every[(d, name)] = tensors[(d, name)]
             elif shard.qstorage.has(d):  # a per-tensor entry of a copy sent now
                 every[(d, name)] = shard.qstorage.part(d).payloads[d][name].clone()
             else:  # a copy not sent now: room of the whole weight's size
-                spec, shape = part._row_index[d][name], list(t.shape)
-                if spec is not None:
-                    shape[spec[0]] *= world
-                every[(d, name)] = torch.empty(shape, dtype=t.dtype, device=shard.device)
-    return assemble(layout.probe, rows, every, dtype, quantizer=shard.quantizer)
+                every[(d, name)] = torch.empty(t.shape, dtype=t.dtype, device=shard.device)
+    return assemble(layout.whole, rows, every, dtype, quantizer=shard.quantizer)
 
 
 def _free_unsent(whole: QuantizedTensor, sent: tuple[str, ...]) -> None:

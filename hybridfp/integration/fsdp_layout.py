@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -56,11 +56,17 @@ class GatherLayout:
     pieces: dict
     #: bytes per rank of every gather of this parameter (the largest set's)
     nbytes: int
-    #: the shard's rows and the format's row granularity (rows per block of any copy)
-    shard_rows: int
+    #: rows each rank encodes (whole blocks: a shard's rows rounded to block boundaries)
+    rank_rows: tuple[int, ...]
+    #: the format's row granularity (rows per block of any copy)
     granularity: int
-    #: a shard-shaped quantization holding every copy (meta tensors: shapes, dtypes, options)
-    probe: QuantizedTensor
+    #: the whole weight quantized with every copy, on the meta device (shapes, dtypes, options)
+    whole: QuantizedTensor
+
+    @property
+    def aligned(self) -> bool:
+        """Whether every rank encodes exactly its FSDP2 shard (no block straddles two)."""
+        return len(set(self.rank_rows)) == 1
 
 
 def _element_bytes(dtype: torch.dtype) -> int:
@@ -94,38 +100,50 @@ def granularity(storage: QuantizedStorage) -> int:
     return g
 
 
-def gather_layout(shape_probe: QuantizedTensor, sets: tuple[tuple[str, ...], ...]) -> GatherLayout:
-    """The layout of a shard quantized like ``shape_probe`` (a shard-shaped quantization with
-    every copy of ``sets``, e.g. made on the meta device), for gathers sending each of ``sets``.
+def block_bounds(total: int, world: int, g: int) -> list[int]:
+    """Row boundaries of the ranks' encoded ranges: rank r encodes rows [b[r], b[r+1]), its
+    shard's start rounded up to a block boundary (the last ends at ``total``)."""
+    n = total // world
+    return [0] + [min(total, -(-r * n // g) * g) for r in range(1, world)] + [total]
+
+
+def gather_layout(quantize_meta: Callable[[int], QuantizedTensor], total: int, world: int,
+                  sets: tuple[tuple[str, ...], ...]) -> GatherLayout:
+    """The layout of a weight of ``total`` rows sharded over ``world`` ranks, for gathers
+    sending each of ``sets``.
 
     Parameters
     ----------
-    shape_probe:
-        The shard's quantization holding all copies any gather sends.
+    quantize_meta:
+        ``rows -> `` a meta-device quantization of that many rows with every copy of ``sets``.
+    total, world:
+        The whole weight's rows and the number of ranks (``total`` divisible by ``world``).
     sets:
         The sets of copies gathers send, e.g. ``((ROWWISE,), (COLUMNWISE,))``.
 
     Returns
     -------
     GatherLayout
-        Pieces per set and the common per-rank size.
+        Pieces per set (offsets sized for the largest rank's rows) and the per-rank size.
 
     Raises
     ------
     ValueError
-        The shard's rows are not whole blocks of the format (a block would straddle two ranks).
+        A rank would encode no rows (fewer rows per rank than one block of the format).
     """
-    storage = shape_probe.qstorage
-    g = granularity(storage)
-    rows = storage.rows
-    if rows % g:
+    whole = quantize_meta(total)
+    g = granularity(whole.qstorage)
+    bounds = block_bounds(total, world, g)
+    rank_rows = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+    if min(rank_rows) == 0 or total // world < g:  # a rank's rows must reach its next boundary
         raise ValueError(
-            f"{storage.describe()}: a shard of {rows} rows does not hold whole blocks of {g} rows, "
-            "so a block's scale would straddle two ranks. Shard the weight so that each rank's rows "
-            f"(out_features / world size) are a multiple of {g}.")
-    pieces = {s: _pieces(storage, s)[0] for s in sets}
-    nbytes = max(_pieces(storage, s)[1] for s in sets)
-    return GatherLayout(pieces, nbytes, rows, g, shape_probe)
+            f"{whole.qstorage.describe()}: {total // world} rows per rank is less than one block of "
+            f"{g} rows, so some rank would hold no whole block. Use fewer ranks for this weight, or "
+            "a format with smaller blocks.")
+    probe = quantize_meta(max(rank_rows))
+    pieces = {s: _pieces(probe.qstorage, s)[0] for s in sets}
+    nbytes = max(_pieces(probe.qstorage, s)[1] for s in sets)
+    return GatherLayout(pieces, nbytes, rank_rows, g, whole)
 
 
 def pack(shard: QuantizedTensor, layout: GatherLayout, sent: tuple[str, ...]) -> torch.Tensor:
@@ -150,10 +168,11 @@ def pack(shard: QuantizedTensor, layout: GatherLayout, sent: tuple[str, ...]) ->
     for p in layout.pieces[sent]:
         t = storage.part(p.direction).payloads[p.direction][p.name]
         moved = t.movedim(p.axis, 0).contiguous()
-        if tuple(moved.shape) != p.moved_shape:
+        if tuple(moved.shape[1:]) != p.moved_shape[1:] or moved.shape[0] > p.moved_shape[0]:
             raise ValueError(f"{storage.describe()}: {p.direction} '{p.name}' has shape {tuple(moved.shape)} "
-                             f"(row axis first); the gather layout expects {p.moved_shape}.")
-        out[p.offset:p.offset + p.nbytes].copy_(moved.reshape(-1).view(torch.uint8))
+                             f"(row axis first); the gather layout has room for {p.moved_shape}.")
+        flat = moved.reshape(-1).view(torch.uint8)
+        out[p.offset:p.offset + flat.numel()].copy_(flat)  # a rank with fewer rows leaves padding
     return out
 
 
@@ -179,9 +198,14 @@ def unpack(gathered: torch.Tensor, world: int, layout: GatherLayout, sent: tuple
     rows = gathered.view(world, layout.nbytes)
     out = {}
     for p in layout.pieces[sent]:
-        # always new memory: the caller may free the gathered buffer right away
-        chunk = rows[:, p.offset:p.offset + p.nbytes].clone(memory_format=torch.contiguous_format).view(p.dtype)
-        whole = chunk.reshape(world * p.moved_shape[0], *p.moved_shape[1:])
+        if layout.aligned:  # every rank's piece is full: one strided copy
+            # always new memory: the caller may free the gathered buffer right away
+            chunk = rows[:, p.offset:p.offset + p.nbytes].clone(memory_format=torch.contiguous_format).view(p.dtype)
+            whole = chunk.reshape(world * p.moved_shape[0], *p.moved_shape[1:])
+        else:  # each rank's encoded rows, cut from its padded piece
+            per_row = math.prod(p.moved_shape[1:]) * _element_bytes(p.dtype)
+            parts = [rows[r, p.offset:p.offset + -(-n // p.divisor) * per_row] for r, n in enumerate(layout.rank_rows)]
+            whole = torch.cat(parts).view(p.dtype).reshape(-1, *p.moved_shape[1:])
         out[(p.direction, p.name)] = whole.movedim(0, p.axis).contiguous()
     return out
 

@@ -235,3 +235,55 @@ def test_dcp_resume_resharded_from_2_to_4_ranks(recipe: str, tmp_path) -> None:
         assert losses == want[:1]
     for losses in rest:
         assert losses == want[1:]
+
+
+#: (recipe, rows per block) whose blocks straddle shards of one and a half blocks
+UNALIGNED = {2: [("block", 128), ("mxfp8", 32), ("nvfp4", 16)], 4: [("mxfp8", 32), ("nvfp4", 16)]}
+
+
+def _square_mlp(width: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(hf.Linear(width, width, bias=False), nn.GELU(), hf.Linear(width, width, bias=False))
+
+
+def _train_square(model: nn.Module, recipe: str, width: int) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(1)
+    x, target = torch.randn(ROWS, width, generator=g), torch.randn(ROWS, width, generator=g)
+    losses = []
+    for _ in range(2):
+        opt.zero_grad()
+        torch.manual_seed(2)
+        with hf.autocast(recipe=RECIPES[recipe]()):
+            y = model(x)
+        loss = nn.functional.mse_loss(y.float(), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _unaligned_worker(rank: int, world: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    for recipe, block in UNALIGNED[world]:
+        width = world * block * 3 // 2
+        model = _square_mlp(width)
+        hf.enable_quantized_all_gather(model)
+        for layer in (model[0], model[2]):
+            fully_shard(layer)
+        fully_shard(model)
+        out[recipe] = _train_square(model, recipe, width)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_shards_that_split_a_block_train_as_one_process(world: int, tmp_path) -> None:
+    """Each rank's rows are one and a half blocks (FP8 block 128x128, MXFP8 32-row columnwise
+    blocks, NVFP4 16x16): a straddling block is encoded by the rank where it starts, from its
+    rows and the next rank's first rows, so the gathered weight is still the whole weight's
+    quantization (TransformerEngine refuses FP8 block shards like these)."""
+    want = {r: _train_square(_square_mlp(world * b * 3 // 2), r, world * b * 3 // 2) for r, b in UNALIGNED[world]}
+    for got in run_ranks(_unaligned_worker, world, (), tmp_path):
+        assert got == want

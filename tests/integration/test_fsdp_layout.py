@@ -14,7 +14,7 @@ import torch
 
 import hybridfp as hf
 from hybridfp import factories
-from hybridfp.integration.fsdp_layout import assemble, gather_layout, pack, unpack
+from hybridfp.integration.fsdp_layout import assemble, block_bounds, gather_layout, pack, unpack
 from hybridfp.recipes import current_autocast
 from hybridfp.tensors import COLUMNWISE, ROWWISE, QuantizedTensor
 
@@ -39,6 +39,13 @@ def _weight_quantizer(recipe_name: str, rows: int, cols: int):
     return q, m.weight.detach()
 
 
+def _meta(q, cols: int):
+    def quantize_meta(rows: int) -> QuantizedTensor:
+        with hf.policy(decoded_copies="never"):
+            return q.quantize(torch.empty(rows, cols, device="meta"))
+    return quantize_meta
+
+
 def _payloads(t: QuantizedTensor) -> dict:
     st = t.qstorage
     return {(d, n): x for d in st.directions() for n, x in st.part(d).payloads[d].items()}
@@ -55,7 +62,8 @@ def test_pack_gather_unpack_is_the_whole(recipe: str, world: int, mode: str) -> 
         whole = q.quantize(w)
     n = rows // world
     shards = [QuantizedTensor(whole.qstorage.slice_dim0(r * n, (r + 1) * n), q) for r in range(world)]
-    layout = gather_layout(shards[0], SETS[mode])
+    layout = gather_layout(_meta(q, cols), rows, world, SETS[mode])
+    assert layout.aligned
     want = _payloads(whole)
     for sent in SETS[mode]:
         gathered = torch.cat([pack(s, layout, sent) for s in shards])
@@ -71,18 +79,40 @@ def test_one_format_sends_the_same_bytes_each_way() -> None:
     """Forward (rowwise) and backward (columnwise) copies of one format are the same size, so
     no padding is sent; a hybrid of two formats pads the smaller to the larger."""
     for recipe, padded in (("mxfp8", False), ("current", False), ("hybrid_mxfp8_nvfp4", True)):
-        q, w = _weight_quantizer(recipe, 256, 128)
-        with hf.policy(decoded_copies="never"):
-            shard = q.quantize(w[:128])
-        layout = gather_layout(shard, SETS["split"])
+        q, _ = _weight_quantizer(recipe, 256, 128)
+        layout = gather_layout(_meta(q, 128), 256, 2, SETS["split"])
         sizes = [sum(p.nbytes for p in layout.pieces[s]) for s in SETS["split"]]
         assert (sizes[0] != sizes[1]) == padded, (recipe, sizes)
         assert layout.nbytes == max(sizes)
 
 
-def test_shard_splitting_a_block_is_refused() -> None:
-    q, w = _weight_quantizer("block", 256, 128)
+@pytest.mark.parametrize("mode", sorted(SETS))
+@pytest.mark.parametrize("recipe", ["block", "mxfp8", "nvfp4", "hybrid_nvfp4_1d"])
+def test_blocks_straddling_shards_are_encoded_where_they_start(recipe: str, mode: str) -> None:
+    """Shards of one and a half blocks split every other block: each rank encodes its rows
+    from its first block boundary to the next rank's (the ranges ``block_bounds`` gives, a
+    dim-0 slice of the whole quantization at block boundaries), the pieces of unequal size are
+    padded to one per-rank size, and unpacking gives the whole weight's payloads."""
+    block = {"block": 128, "mxfp8": 32}.get(recipe, 16)
+    cols, world = 128, 4
+    rows = world * block * 3 // 2
+    torch.manual_seed(0)
+    q, w = _weight_quantizer(recipe, rows, cols)
     with hf.policy(decoded_copies="never"):
-        shard = q.quantize(w[:64])
-    with pytest.raises(ValueError, match="multiple of 128"):
-        gather_layout(shard, SETS["split"])
+        whole = q.quantize(w)
+    layout = gather_layout(_meta(q, cols), rows, world, SETS[mode])
+    assert not layout.aligned and sum(layout.rank_rows) == rows
+    b = block_bounds(rows, world, layout.granularity)
+    shards = [QuantizedTensor(whole.qstorage.slice_dim0(b[r], b[r + 1]), q) for r in range(world)]
+    want = _payloads(whole)
+    for sent in SETS[mode]:
+        gathered = torch.cat([pack(s, layout, sent) for s in shards])
+        got = assemble(shards[0], rows, unpack(gathered, world, layout, sent))
+        for key, t in _payloads(got).items():
+            assert torch.equal(t.reshape(-1).view(torch.uint8), want[key].reshape(-1).view(torch.uint8)), key
+
+
+def test_fewer_rows_per_rank_than_a_block_is_refused() -> None:
+    q, _ = _weight_quantizer("block", 256, 128)
+    with pytest.raises(ValueError, match="less than one block of 128 rows"):
+        gather_layout(_meta(q, 128), 256, 4, SETS["split"])
