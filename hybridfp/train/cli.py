@@ -4,6 +4,7 @@
     hybridfp train --compare bf16,fp8,mxfp8-fwd-nvfp4-bwd --steps 300
     hybridfp train --recipe per_gemm:fprop=nvfp4,dgrad=mxfp8,wgrad=mxfp8 --preset small --device cuda
     hybridfp train --resume --steps 400              # continue runs/tiny to step 400
+    torchrun --nproc-per-node 2 -m hybridfp.train --fsdp --recipe mxfp8   # sharded over 2 ranks
 
 Outputs under ``--out`` (default ``runs/<preset>``): metrics.jsonl, loss.png, summary.md,
 run.json (the settings, used by --resume) and checkpoints/<recipe>.pt.
@@ -31,6 +32,7 @@ import torch
 
 from ..gemm import EmulatedGemmWarning
 from .data import DataError, load_data
+from .distributed import Parallel, barrier, check_batch, check_parallel_args, finish, init_parallel
 from .files import atomic_write_text
 from .loop import (DTYPES, FIXED_ON_RESUME, MetricsLog, RunResult, TrainConfig, count_params, plan_resume,
                    train_recipe)
@@ -76,6 +78,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute", action="store_true",
                    help="recompute each transformer block in backward (torch.utils.checkpoint): "
                         "less activation memory, same results")
+    p.add_argument("--fsdp", action="store_true",
+                   help="under torchrun: shard the model over the ranks with FSDP2 (quantized "
+                        "all-gather); --batch-size stays the global batch, split over the ranks")
+    p.add_argument("--ep", type=int, default=1,
+                   help="under torchrun: spread each MoE layer's experts over groups of EP contiguous "
+                        "ranks (hybridfp.ExpertParallel); default 1: every rank holds every expert")
     p.add_argument("--device", help="cpu (default) or cuda")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="activation dtype (default bf16)")
     p.add_argument("--seed", type=int, default=None)
@@ -204,6 +212,7 @@ def config_from_args(args: argparse.Namespace, saved: Optional[dict] = None) -> 
         cfg.device = _pick(args.device, cfg.device)
         cfg.checkpoint_interval = args.checkpoint_interval
         cfg.recompute = bool(getattr(args, "recompute", False))
+        cfg.fsdp, cfg.ep = bool(getattr(args, "fsdp", False)), getattr(args, "ep", 1)
         if getattr(args, "quantized_weights", False) and not cfg.quantized_weights:
             logger.warning("note: --resume keeps quantized_weights=False from the run in progress "
                            "(ignoring --quantized-weights)")
@@ -220,7 +229,8 @@ def config_from_args(args: argparse.Namespace, saved: Optional[dict] = None) -> 
             device=_pick(args.device, "cpu"), dtype=_pick(args.dtype, "bf16"), data=args.data,
             checkpoint_interval=args.checkpoint_interval,
             quantized_weights=bool(getattr(args, "quantized_weights", False)),
-            recompute=bool(getattr(args, "recompute", False)))
+            recompute=bool(getattr(args, "recompute", False)),
+            fsdp=bool(getattr(args, "fsdp", False)), ep=getattr(args, "ep", 1))
     for key in ("steps", "batch_size", "seq_len", "eval_interval", "eval_iters", "lr_decay_steps"):
         if getattr(cfg, key) < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be at least 1; got {getattr(cfg, key)}.")
@@ -296,7 +306,16 @@ def check_train_extra() -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    """Run ``hybridfp train`` with parsed arguments; returns the exit status."""
+    """Run ``hybridfp train`` with parsed arguments; returns the exit status. With ``--fsdp`` /
+    ``--ep`` every rank of a ``torchrun`` launch runs it; rank 0 writes and logs."""
+    joined: list[Parallel] = []  # the process group joined, left when the run ends or fails
+    try:
+        return _run_train(args, joined)
+    finally:
+        finish(joined[0] if joined else None)
+
+
+def _run_train(args: argparse.Namespace, joined: list[Parallel]) -> int:
     if args.list_recipes:  # the command's output, for scripts: stdout, not the log
         print("\n".join(known_names()))
         print("per_gemm:fprop=F,dgrad=D,wgrad=W   package.module:function")
@@ -308,7 +327,20 @@ def run_train(args: argparse.Namespace) -> int:
     saved_config, saved_recipes = read_run_json(out / "run.json") if args.resume else (None, None)
     cfg = config_from_args(args, saved_config)
     recipes = parse_recipes(args, saved_recipes)
-    prepare_out(out)
+    check_parallel_args(cfg.fsdp, cfg.ep, cfg.quantized_weights, args.jobs)
+    par: Optional[Parallel] = None
+    if cfg.fsdp or cfg.ep > 1:
+        par = init_parallel(cfg.device, cfg.fsdp, cfg.ep, cfg.model.n_experts)
+        joined.append(par)
+        check_batch(cfg.batch_size, par)
+        cfg.device = par.device
+        if not par.is_main:  # rank 0 logs; the others say only what goes wrong
+            logging.getLogger("hybridfp.train").setLevel(logging.WARNING)
+    main = par is None or par.is_main
+    if main:
+        prepare_out(out)
+        (out / "checkpoints").mkdir(exist_ok=True)
+    barrier(par)
     data = load_data(cfg.data, args.cache_dir)
     for split, toks in (("train", data.train), ("validation", data.val)):
         if len(toks) < cfg.seq_len + 1:
@@ -321,21 +353,28 @@ def run_train(args: argparse.Namespace) -> int:
     if args.resume and not parallel:
         MetricsLog(out / "metrics.jsonl").read()  # a damaged line stops the run here
         resumes = {r.label: plan_resume(cfg, r, out) for r in recipes}
-    atomic_write_text(out / "run.json", json.dumps(
-        {"config": cfg.to_dict(), "recipes": [r.label for r in recipes]}, indent=1))
-    if not args.resume:  # a new run: start a new metrics file (old checkpoints get overwritten)
+    barrier(par)  # every rank has read run.json and the checkpoints before rank 0 rewrites them
+    if main:
+        atomic_write_text(out / "run.json", json.dumps(
+            {"config": cfg.to_dict(), "recipes": [r.label for r in recipes]}, indent=1))
+    if not args.resume and main:  # a new run: start a new metrics file (old checkpoints get overwritten)
         (out / "metrics.jsonl").unlink(missing_ok=True)
     params = count_params(cfg, data.vocab_size)
     device_name = (torch.cuda.get_device_name() if cfg.device.startswith("cuda")
                    else f"cpu ({torch.get_num_threads()} threads)")
+    resume_command = f"hybridfp train --resume --out {out} --steps {2 * cfg.steps}"
+    if par is not None:
+        device_name = f"{par.world} x {device_name}" + (" (FSDP2" if par.fsdp else " (") + \
+            (f", experts over {par.ep} ranks)" if par.ep > 1 else ")").replace("(, ", "(")
+        resume_command = (f"torchrun --nproc-per-node {par.world} -m hybridfp.train --resume --out {out} "
+                          f"--steps {2 * cfg.steps}" + " --fsdp" * par.fsdp + f" --ep {par.ep}" * (par.ep > 1))
     logger.info("data: %s", data.describe())
     logger.info("model: preset %s, %s parameters; %d steps x %s tokens on %s", cfg.preset, f"{params:,}",
                 cfg.steps, f"{cfg.tokens_per_step:,}", device_name)
     logger.info("recipes: %s  ->  %s/", ", ".join(r.label for r in recipes), out)
     info = {"params": params, "device": device_name, "data": data.source,
             "metrics": str(out / "metrics.jsonl"), "plot": str(out / "loss.png"),
-            "resume_command": f"hybridfp train --resume --out {out} --steps {2 * cfg.steps}"
-                              + (f" --jobs {args.jobs}" if args.jobs > 1 else "")}
+            "resume_command": resume_command + (f" --jobs {args.jobs}" if args.jobs > 1 else "")}
     results: list[RunResult] = []
     t0 = time.perf_counter()
     title = f"hybridfp train, preset {cfg.preset}"
@@ -346,11 +385,14 @@ def run_train(args: argparse.Namespace) -> int:
         warnings.simplefilter("ignore", EmulatedGemmWarning)  # listed in summary.md instead
         for named in [] if parallel else recipes:
             results.append(train_recipe(cfg, named, data, out, resume=resumes.get(named.label, False),
-                                        progress=not args.no_progress))
+                                        progress=not args.no_progress, par=par))
             results[-1].model = None  # free memory before the next recipe
-            plot_losses(results, out / "loss.png", title=title)
-            write_summary(out / "summary.md", results, cfg, info)
-            write_results(out / RESULTS_FILE, results)
+            if main:
+                plot_losses(results, out / "loss.png", title=title)
+                write_summary(out / "summary.md", results, cfg, info)
+                write_results(out / RESULTS_FILE, results)
+    if not main:
+        return 0
     plot_losses(results, out / "loss.png", title=title)
     write_summary(out / "summary.md", results, cfg, info)
     logger.info("")

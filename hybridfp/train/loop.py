@@ -36,6 +36,8 @@ from ..recipes import AutocastState, Recipe
 from .checkpoint import (CheckpointError, check_belongs, load_checkpoint, rng_state, save_checkpoint,
                          set_rng_state)
 from .data import TokenData, get_batch, val_batches
+from .dist_checkpoint import load_sharded, read_state, save_sharded, sharded_path
+from .distributed import Parallel, all_true, clip_grad_norm, mean_over_ranks, shard_model, sync_gradients
 from .files import atomic_write_text
 from .model import GPT, GPTConfig
 from .recipes_by_name import NamedRecipe
@@ -74,6 +76,8 @@ class TrainConfig:
     checkpoint_interval: int = 0   # 0: only at the end of the run
     quantized_weights: bool = False  # weights held quantized (quantized_model_init), FP32 masters
     recompute: bool = False        # torch.utils.checkpoint per block
+    fsdp: bool = False             # sharded by FSDP2 over the ranks of a torchrun launch
+    ep: int = 1                    # expert-parallel group size (torchrun)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (checkpoints, summary)."""
@@ -237,21 +241,43 @@ def _set_quantizer_states(model: torch.nn.Module, recipe: Recipe, saved: list[di
         q.set_state(s)
 
 
+def amax_group(model: torch.nn.Module, recipe: Recipe, par: Optional[Parallel]) -> Optional[Any]:
+    """The ``autocast(amax_reduction_group=...)`` of a sharded run: every rank for a recipe
+    with stateful (delayed-scaling) quantizers, whose amaxes are reduced at a region's end;
+    None otherwise (current scaling keeps each rank's own amax, as TransformerEngine does)."""
+    if par is None or par.world == 1:
+        return None
+    state = AutocastState(recipe)
+    stateful = any(q.has_state() for m in model.modules() if isinstance(m, QuantizedModule)
+                   for qs in m.quantizers(state).values() for q in qs)
+    if stateful and par.ep > 1:
+        raise ValueError(f"--ep with recipe {recipe!r}: its delayed-scaling amaxes are reduced over "
+                         "the ranks, which hold different experts at the same places; use a "
+                         "current-scaling or block-scaled recipe with --ep.")
+    return par.group if stateful else None
+
+
 @torch.no_grad()
-def evaluate(model: GPT, named: NamedRecipe, data: TokenData, cfg: TrainConfig) -> float:
+def evaluate(model: GPT, named: NamedRecipe, data: TokenData, cfg: TrainConfig,
+             par: Optional[Parallel] = None) -> float:
     """Mean loss over the fixed validation batches, with the recipe's quantized forward.
 
     Evaluation leaves the quantizers' state (delayed scaling's amax history and scale) as it
-    found it, so a run's training trajectory does not depend on how often it is evaluated."""
+    found it, so a run's training trajectory does not depend on how often it is evaluated.
+    Sharded (``par``): each rank scores its rows of every batch, the losses are averaged over
+    the ranks (a collective)."""
     saved = _quantizer_states(model, named.recipe)
+    group = amax_group(model, named.recipe, par)
     model.eval()
     losses = []
     # The validation batches do not depend on the run's seed: runs at several seeds (the noise
     # floor of a comparison) are then scored on the same text.
     for x, y in val_batches(data, cfg.batch_size, cfg.seq_len, VAL_SEED, cfg.eval_iters):
-        with autocast(recipe=named.recipe):
+        if par is not None:
+            x, y = x[par.rows(cfg.batch_size)], y[par.rows(cfg.batch_size)]
+        with autocast(recipe=named.recipe, amax_reduction_group=group):
             _, loss = model(x.to(cfg.device), y.to(cfg.device))
-        losses.append(loss.float().item())
+        losses.append(mean_over_ranks(loss.float(), par))
     model.train()
     _set_quantizer_states(model, named.recipe, saved)
     return sum(losses) / len(losses)
@@ -381,6 +407,19 @@ def plan_resume(cfg: TrainConfig, named: NamedRecipe, out_dir: Path) -> bool:
     """
     cfg = run_config(cfg, named)
     path = checkpoint_path(out_dir, named)
+    sharded = cfg.fsdp or cfg.ep > 1
+    if sharded:
+        path, other = sharded_path(path), path
+    else:
+        other = sharded_path(path)
+    if not path.exists() and other.exists():
+        how = ("a single process (without --fsdp / --ep)" if sharded else
+               "torchrun with --fsdp / --ep, as it was started")
+        raise CheckpointError(f"--resume: {named.label!r} has the checkpoint {other}, written by "
+                              f"{'one process' if sharded else 'a sharded run'}; resume it with {how}.")
+    if sharded and path.exists():
+        _check_resumable(read_state(path), path, named, cfg)
+        return True
     if not path.is_file():
         done = MetricsLog(out_dir / "metrics.jsonl").last_step(named.label)
         if done:
@@ -408,51 +447,73 @@ def _restore(model: torch.nn.Module, opt: torch.optim.Optimizer, ck: dict[str, A
 
 
 def train_recipe(cfg: TrainConfig, named: NamedRecipe, data: TokenData, out_dir: Path, *,
-                 resume: bool = False, progress: bool = True) -> RunResult:
+                 resume: bool = False, progress: bool = True, par: Optional[Parallel] = None) -> RunResult:
     """Train (or resume) one recipe for ``cfg.steps`` steps; write metrics and a checkpoint.
 
     A recipe given with its own seed (``bf16@seed=1``) replaces ``cfg.seed`` for this run.
-    ``progress`` shows a tqdm bar (the ``train`` extra); a resume is logged at INFO."""
+    ``progress`` shows a tqdm bar (the ``train`` extra); a resume is logged at INFO.
+    ``par``: a run spread over the ranks of a ``torchrun`` launch (``--fsdp`` / ``--ep``, see
+    ``distributed.py``); every rank calls this, rank 0 writes the metrics, the others none;
+    the checkpoint is a ``torch.distributed.checkpoint`` folder (``dist_checkpoint.py``)."""
     from tqdm import tqdm  # the train extra (hybridfp[train]); the CLI checks it is installed
 
     cfg = run_config(cfg, named)
     ckpt_path = checkpoint_path(out_dir, named)
+    main = par is None or par.is_main
     metrics = MetricsLog(out_dir / "metrics.jsonl")
     model = build_model(cfg, data.vocab_size, named.recipe)
+    if par is not None:
+        shard_model(model, par, named.recipe)
     opt = make_optimizer(model, cfg)
+    group = amax_group(model, named.recipe, par)
+    if par is not None:
+        ckpt_path = sharded_path(ckpt_path)
     result = RunResult(named.label, named.description, checkpoint=str(ckpt_path))
     start = 0
     if resume:
-        ck = load_checkpoint(ckpt_path, cfg.device)
-        _check_resumable(ck, ckpt_path, named, cfg)
-        _restore(model, opt, ck, ckpt_path)
+        if par is None:
+            ck = load_checkpoint(ckpt_path, cfg.device)
+            _check_resumable(ck, ckpt_path, named, cfg)
+            _restore(model, opt, ck, ckpt_path)
+        else:
+            ck = read_state(ckpt_path)
+            _check_resumable(ck, ckpt_path, named, cfg)
+            load_sharded(ckpt_path, model, opt, par, lambda: _quantizer_states(model, named.recipe))
         start, result.tokens, result.train_seconds = ck["step"], ck["tokens"], ck["train_seconds"]
-        metrics.truncate(named.label, start)
+        if main:
+            metrics.truncate(named.label, start)
         logger.info("[%s] resumed from %s at step %d", named.label, ckpt_path, start)
     else:
-        metrics.truncate(named.label, -1)
+        if main:
+            metrics.truncate(named.label, -1)
         torch.manual_seed(cfg.seed + 1)  # training randomness (stochastic rounding), per run
-        val = evaluate(model, named, data, cfg)
-        metrics.append({"step": 0, "recipe": named.label, "val_loss": val, "elapsed": 0.0})
+        val = evaluate(model, named, data, cfg, par)
+        if main:
+            metrics.append({"step": 0, "recipe": named.label, "val_loss": val, "elapsed": 0.0})
     sched = make_scheduler(opt, cfg, start)
     model.train()
     bar = tqdm(range(start, cfg.steps), desc=f"{named.label[:32]:<32}", initial=start, total=cfg.steps,
-               disable=not progress, dynamic_ncols=True, leave=True)
+               disable=not (progress and main), dynamic_ncols=True, leave=True)
     tps_ema = None
     for step in bar:
         t0 = time.perf_counter()
         lr = opt.param_groups[0]["lr"]  # the scheduler's (every group has the same)
         x, y = get_batch(data.train, cfg.batch_size, cfg.seq_len, cfg.seed, step)
+        if par is not None:  # this rank's rows of the global batch
+            x, y = x[par.rows(cfg.batch_size)], y[par.rows(cfg.batch_size)]
         x, y = x.to(cfg.device), y.to(cfg.device)
-        with autocast(recipe=named.recipe):
+        with autocast(recipe=named.recipe, amax_reduction_group=group):
             _, loss = model(x, y)
         loss.backward()
+        if par is not None:
+            sync_gradients(model, par)
         if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            clip_grad_norm(model, cfg.grad_clip, par)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        train_loss = model.last_ce_loss.item()  # cross-entropy (the MoE aux loss is logged apart)
+        # cross-entropy (the MoE aux loss is logged apart), the mean over the ranks' rows
+        train_loss = mean_over_ranks(model.last_ce_loss, par)
         dt = time.perf_counter() - t0
         result.train_seconds += dt
         result.tokens += cfg.tokens_per_step
@@ -462,23 +523,27 @@ def train_recipe(cfg: TrainConfig, named: NamedRecipe, data: TokenData, out_dir:
         rec: dict[str, Any] = {"step": done, "recipe": named.label, "train_loss": train_loss, "lr": lr,
                                "tokens_per_s": tps, "elapsed": result.train_seconds}
         if model.last_aux_loss is not None:
-            rec["aux_loss"] = model.last_aux_loss.item()
+            rec["aux_loss"] = mean_over_ranks(model.last_aux_loss, par)
         if done % cfg.eval_interval == 0 or done == cfg.steps:
-            rec["val_loss"] = evaluate(model, named, data, cfg)
-        metrics.append(rec)
+            rec["val_loss"] = evaluate(model, named, data, cfg, par)
+        if main:
+            metrics.append(rec)
         bar.set_postfix_str(f"loss {train_loss:.3f}, {tps_ema:,.0f} tok/s"
                             + (f", val {rec['val_loss']:.3f}" if "val_loss" in rec else ""))
-        if not math.isfinite(loss.item()):
+        if not all_true(math.isfinite(loss.item()), par):  # every rank stops together
             bar.close()
             raise FloatingPointError(f"[{named.label}] loss became {train_loss} at step {done}; lower --lr "
                                      "or try a higher-precision recipe.")
         if (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0) or done == cfg.steps:
-            save_checkpoint(ckpt_path, {
-                "step": done, "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng_state(),
-                "tokens": result.tokens, "train_seconds": result.train_seconds,
-                "recipe": named.label, "config": cfg.to_dict()})
+            info = {"step": done, "tokens": result.tokens, "train_seconds": result.train_seconds,
+                    "recipe": named.label, "config": cfg.to_dict()}
+            if par is None:
+                save_checkpoint(ckpt_path, {**info, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                                            "rng": rng_state()})
+            else:
+                save_sharded(ckpt_path, model, opt, info, par)
     bar.close()
-    result.records = metrics.read(named.label)
+    result.records = metrics.read(named.label) if main else []
     result.emulated = emulated_pairs(model, named, cfg.device)
     result.model = model
     return result

@@ -10,18 +10,21 @@
     aux     = E * sum_e f_e * P_e                        # Switch load-balancing loss
 
 f_e is the fraction of routed assignments that went to expert e, P_e the mean router
-probability of e.
+probability of e. Spread over ranks (``hybridfp train --fsdp / --ep``), f_e counts the routed
+rows of every rank (``stats_group``) and the experts may live on other ranks
+(:meth:`MoE.use_expert_parallel`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..moe import GroupedLinear
+from ..moe import ExpertParallel, GroupedLinear
 from ..nn import Linear
 
 if TYPE_CHECKING:  # model.py imports this module; the config type is for annotations only
@@ -55,11 +58,45 @@ def route(probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, 
     return gates, order, flat, m_splits
 
 
-def load_balancing_loss(probs: torch.Tensor, flat_experts: torch.Tensor) -> torch.Tensor:
-    """Switch-Transformer aux loss: E * sum_e (fraction routed to e) * (mean prob of e)."""
+def load_balancing_loss(probs: torch.Tensor, flat_experts: torch.Tensor,
+                        group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """Switch-Transformer aux loss: E * sum_e (fraction routed to e) * (mean prob of e).
+
+    With ``group`` the fractions count the routed rows of every rank of the group (integer
+    counts: exactly one process's for the ranks' rows together); the mean probability stays
+    this rank's, so the mean of the ranks' losses is the loss of their rows together."""
     E = probs.shape[-1]
-    frac = torch.bincount(flat_experts, minlength=E).float() / flat_experts.numel()
+    counts = torch.bincount(flat_experts, minlength=E)
+    total = flat_experts.numel()
+    if group is not None:
+        counts = counts.clone()
+        dist.all_reduce(counts, group=group)
+        total *= dist.get_world_size(group)
+    frac = counts.float() / total
     return E * (frac * probs.mean(0)).sum()
+
+
+class Experts(nn.Module):
+    """Some experts of an MoE layer: fc1 -> activation -> fc2, each a ``GroupedLinear``."""
+
+    def __init__(self, fc1: GroupedLinear, fc2: GroupedLinear, kind: str) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.kind = fc1, fc2, kind
+
+    def forward(self, x: torch.Tensor, m_splits: Sequence[int]) -> torch.Tensor:
+        """x [rows, C] grouped by expert -> [rows, C]."""
+        return self.fc2(activation(self.fc1(x, m_splits), self.kind), m_splits)
+
+
+def _keep_experts(full: GroupedLinear, first: int, count: int) -> GroupedLinear:
+    """A GroupedLinear of ``full``'s experts ``first .. first+count-1`` (their weights copied)."""
+    part = GroupedLinear(count, full.in_features, full.out_features, bias=False,
+                         device=full.weight0.device, params_dtype=full.weight0.dtype)
+    with torch.no_grad():
+        for i in range(count):
+            getattr(part, f"weight{i}").copy_(getattr(full, f"weight{first + i}"))
+    part.name = full.name
+    return part
 
 
 class MoE(nn.Module):
@@ -79,6 +116,30 @@ class MoE(nn.Module):
         self.fc2 = GroupedLinear(cfg.n_experts, cfg.moe_hidden, cfg.n_embd, bias=False)
         self.aux_loss: Optional[torch.Tensor] = None
         self.last_m_splits: list[int] = []
+        #: the ranks whose routed rows the load-balancing fractions count (None: this process's)
+        self.stats_group: Optional[dist.ProcessGroup] = None
+        #: the experts spread over an expert-parallel group (:meth:`use_expert_parallel`)
+        self.expert_parallel: Optional[ExpertParallel] = None
+
+    def use_expert_parallel(self, mesh: Any) -> None:
+        """Keep only this rank's experts and run them through :class:`hybridfp.ExpertParallel`
+        over the ``"ep"`` dimension of ``mesh``: rank ``e`` of the group keeps experts
+        ``e*L .. e*L+L-1`` (``L = n_experts / group size``) with their current weights.
+
+        Raises
+        ------
+        ValueError
+            ``n_experts`` is not a multiple of the group's size (from ExpertParallel).
+        """
+        size, rank = mesh["ep"].size(), mesh["ep"].get_local_rank()
+        if self.n_experts % size:
+            raise ValueError(f"MoE: {self.n_experts} experts do not split over an expert-parallel "
+                             f"group of {size} ranks; pick --ep dividing n_experts.")
+        local = self.n_experts // size
+        experts = Experts(_keep_experts(self.fc1, rank * local, local),
+                          _keep_experts(self.fc2, rank * local, local), self.kind)
+        del self.fc1, self.fc2
+        self.expert_parallel = ExpertParallel(experts, self.n_experts, mesh, mesh_dim="ep")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., C] -> [..., C]."""
@@ -90,10 +151,13 @@ class MoE(nn.Module):
             logits = self.router(h)
         probs = logits.softmax(-1)
         gates, order, flat, m_splits = route(probs, self.top_k)
-        self.aux_loss = load_balancing_loss(probs, flat)
+        self.aux_loss = load_balancing_loss(probs, flat, self.stats_group)
         self.last_m_splits = m_splits
         xs = h.to(x.dtype)[order // self.top_k]                        # [T*k, C] sorted by expert
-        ys = self.fc2(activation(self.fc1(xs, m_splits), self.kind), m_splits)
+        if self.expert_parallel is not None:                           # a collective over its group
+            ys = self.expert_parallel(xs, m_splits)
+        else:
+            ys = self.fc2(activation(self.fc1(xs, m_splits), self.kind), m_splits)
         y = torch.empty_like(ys)
         y[order] = ys                                                  # back to (token, slot) order
         y = (y.view(-1, self.top_k, shape[-1]).float() * gates.unsqueeze(-1)).sum(1)

@@ -1,0 +1,313 @@
+"""``hybridfp train --fsdp [--ep K]`` under ``torchrun``: one run spread over processes.
+
+Every rank builds the whole model from the run's seed (the single-process run's initial
+weights), then:
+
+- ``--fsdp``: ``hybridfp.enable_quantized_all_gather`` (``copies="both"`` for blocks under
+  ``--recompute`` and for the root's own hybridfp weights, which FSDP2 keeps gathered from
+  forward to backward), ``fully_shard`` on each block, then on the root;
+- ``--ep K``: each MoE layer keeps experts ``e*L .. e*L+L-1`` of its ``n_experts`` (``L =
+  n_experts / K``, ``e`` the rank's place in its expert-parallel group of K contiguous ranks)
+  and runs them through :class:`hybridfp.ExpertParallel`.
+
+The data: ``batch_size`` is global; rank ``r`` of ``W`` trains rows ``r*B/W .. (r+1)*B/W - 1``
+of the single-process run's batch, so the ranks together see its tokens. The objective is the
+mean of the ranks' losses (equal row counts: the global mean): FSDP2 averages the shared
+weights' gradients over the ranks; an expert's gradient already sums the losses of the K ranks
+whose rows it read, so it is summed over its replicas and divided by W. The MoE load-balancing
+loss counts the routed rows over every rank (as one process counts the whole batch).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+#: torchrun's variables that say where a process is.
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """How one run is spread over the processes of a ``torchrun`` launch.
+
+    Parameters
+    ----------
+    rank, world:
+        This process's rank and the number of processes.
+    device:
+        This rank's device (``cuda:<LOCAL_RANK>`` for a CUDA run).
+    fsdp:
+        The model is sharded with FSDP2 over every rank.
+    ep:
+        Expert-parallel group size (1: every rank holds every expert).
+    ep_mesh:
+        The 2-D ``DeviceMesh`` (``dp``, ``ep``) when ``ep > 1``: rank ``d*ep + e``.
+    """
+
+    rank: int
+    world: int
+    device: str
+    fsdp: bool
+    ep: int = 1
+    ep_mesh: Optional[Any] = None
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the process that writes metrics, logs, plots and the summary."""
+        return self.rank == 0
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """Every rank: the group the data (and a delayed-scaling amax) is spread over."""
+        return dist.group.WORLD
+
+    @property
+    def ep_group(self) -> Optional[dist.ProcessGroup]:
+        """The expert-parallel group of K contiguous ranks (None without ``--ep``)."""
+        return self.ep_mesh.get_group("ep") if self.ep_mesh is not None else None
+
+    @property
+    def expert_replica_group(self) -> Optional[dist.ProcessGroup]:
+        """The ranks holding the same experts (one per expert-parallel group)."""
+        return self.ep_mesh.get_group("dp") if self.ep_mesh is not None else None
+
+    def rows(self, batch_size: int) -> slice:
+        """This rank's rows of a global batch of ``batch_size`` rows."""
+        per = batch_size // self.world
+        return slice(self.rank * per, (self.rank + 1) * per)
+
+
+def check_parallel_args(fsdp: bool, ep: int, quantized_weights: bool, jobs: int) -> None:
+    """Refuse option combinations a sharded run does not support.
+
+    Raises
+    ------
+    ValueError
+        ``--ep`` below 1, ``--fsdp`` / ``--ep`` with ``--quantized-weights``, ``--jobs`` above
+        1 with ``--fsdp`` / ``--ep``.
+    """
+    if ep < 1:
+        raise ValueError(f"--ep must be at least 1 (the expert-parallel group size); got {ep}.")
+    if (fsdp or ep > 1) and quantized_weights:
+        raise ValueError(f"{'--fsdp' if fsdp else '--ep'} with --quantized-weights: a sharded run does "
+                         "not hold quantized primary weights yet (ROADMAP.md); drop --quantized-weights "
+                         "(FSDP2's all-gather already sends the weights quantized) or train in one process.")
+    if (fsdp or ep > 1) and jobs > 1:
+        raise ValueError("--jobs with --fsdp / --ep: a sharded run trains its recipes one after the "
+                         "other over all its ranks; drop --jobs.")
+
+
+def init_parallel(device: str, fsdp: bool, ep: int, n_experts: int) -> Parallel:
+    """Join the process group ``torchrun`` set up (gloo on the CPU, NCCL on CUDA).
+
+    Parameters
+    ----------
+    device:
+        The run's ``--device`` (``cpu`` or ``cuda``; a CUDA rank takes GPU ``LOCAL_RANK``).
+    fsdp, ep:
+        ``--fsdp`` and ``--ep``.
+    n_experts:
+        The preset's experts per MoE layer (0: dense).
+
+    Returns
+    -------
+    Parallel
+
+    Raises
+    ------
+    ValueError
+        Not started by ``torchrun`` (its variables missing); ``--ep`` on a dense preset, not
+        dividing the world size or the experts.
+    """
+    missing = [k for k in TORCHRUN_ENV if k not in os.environ]
+    if missing:
+        raise ValueError(f"--fsdp / --ep run one process per rank: start it with torchrun (e.g. "
+                         f"torchrun --nproc-per-node 2 -m hybridfp.train --fsdp ...); "
+                         f"{', '.join(missing)} not set.")
+    rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    if ep > 1:
+        if not n_experts:
+            raise ValueError(f"--ep {ep}: the preset is dense (no experts); use an MoE preset "
+                             "(tiny-moe, moe-small) or drop --ep.")
+        if world % ep:
+            raise ValueError(f"--ep {ep} does not divide the {world} ranks; each expert-parallel "
+                             "group is ep contiguous ranks.")
+        if n_experts % ep:
+            raise ValueError(f"--ep {ep} does not divide the preset's {n_experts} experts; each rank "
+                             "holds n_experts / ep of them.")
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
+    mesh = None
+    if ep > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cuda" if cuda else "cpu", (world // ep, ep), mesh_dim_names=("dp", "ep"))
+    return Parallel(rank=rank, world=world, device=device, fsdp=fsdp, ep=ep, ep_mesh=mesh)
+
+
+def check_batch(batch_size: int, par: Parallel) -> None:
+    """The global batch splits into equal parts, one per rank.
+
+    Raises
+    ------
+    ValueError
+        ``batch_size`` is not a multiple of the world size.
+    """
+    if batch_size % par.world:
+        raise ValueError(f"--batch-size {batch_size} is the global batch: it must be a multiple of the "
+                         f"{par.world} ranks (each reads batch_size / world rows).")
+
+
+def _quantized_gather_modules(model: nn.Module, recipe: Any) -> list[nn.Module]:
+    """The hybridfp modules of ``model`` whose weight ``recipe`` quantizes (not Identity): their
+    all-gather sends codes; an unquantized weight travels as FSDP2's plain all-gather sends it."""
+    from ..nn import QuantizedModule
+    from ..quantizers import IdentityQuantizer
+    from ..recipes import AutocastState
+
+    state = AutocastState(recipe)
+    return [m for m in model.modules() if isinstance(m, QuantizedModule) and m.quantized_weight_slots
+            and any(not isinstance(q, IdentityQuantizer) for q in m.quantizers(state)["weight"])]
+
+
+def shard_model(model: nn.Module, par: Parallel, recipe: Any) -> None:
+    """Spread ``model`` (a ``hybridfp.train`` GPT, the whole model on every rank) over the ranks:
+    experts over the expert-parallel group (``--ep``), weights sharded by FSDP2 (``--fsdp``).
+
+    Parameters
+    ----------
+    model:
+        The GPT, built from the run's seed on every rank.
+    par:
+        The run's :class:`Parallel`.
+    recipe:
+        The run's recipe: the weights it quantizes are all-gathered quantized.
+    """
+    from ..integration.fsdp import enable_quantized_all_gather
+    from .moe import MoE
+
+    moes = [b.mlp for b in model.blocks if isinstance(b.mlp, MoE)]
+    for moe in moes:
+        moe.stats_group = par.group  # the load-balancing loss counts every rank's rows
+        if par.ep > 1:
+            moe.use_expert_parallel(par.ep_mesh)
+    if not par.fsdp:
+        return
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = {id(m) for b in model.blocks for m in b.modules()}
+    for m in _quantized_gather_modules(model, recipe):
+        # Both copies in one gather where the module reads the forward's copy after backward's
+        # gather (a block recomputed in backward) or is gathered once for both passes (the
+        # root's own weights: the lm head, FSDP2 keeps them from forward to backward).
+        both = (model.recompute and id(m) in blocks) or id(m) not in blocks
+        enable_quantized_all_gather(m, copies="both" if both else "per_direction")
+    mesh = init_device_mesh(torch.device(par.device).type, (par.world,))
+    for moe in moes:
+        if moe.expert_parallel is not None:
+            # The ranks holding the same experts shard them; the sum over those replicas is
+            # divided by every rank, as each replica's gradient sums its ep group's losses.
+            experts = fully_shard(moe.expert_parallel.experts, mesh=par.ep_mesh["dp"])
+            experts.set_gradient_divide_factor(float(par.world))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of the experts spread by ``--ep`` (empty without it)."""
+    from .moe import MoE
+
+    return [p for m in model.modules() if isinstance(m, MoE) and m.expert_parallel is not None
+            for p in m.expert_parallel.parameters()]
+
+
+def sync_gradients(model: nn.Module, par: Parallel) -> None:
+    """``--ep`` without ``--fsdp``: average the replicated weights' gradients over every rank
+    and sum each expert's over its replicas, divided by every rank (see the module docstring).
+    Under ``--fsdp`` FSDP2's reduce-scatter does this (nothing to do)."""
+    if par.fsdp or par.world == 1:
+        return
+    experts = {id(p) for p in expert_parameters(model)}
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if id(p) not in experts:
+            dist.all_reduce(p.grad, group=par.group)
+        elif par.expert_replica_group is not None and par.world > par.ep:
+            dist.all_reduce(p.grad, group=par.expert_replica_group)
+        p.grad.div_(par.world)
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float, par: Optional[Parallel]) -> None:
+    """``torch.nn.utils.clip_grad_norm_`` over the whole model's gradients, wherever they live.
+
+    One process: torch's own. FSDP2 shards: their norm is a DTensor, made whole. Experts spread
+    by ``--ep``: their squared norms are summed over the expert-parallel group (each rank
+    holds other experts) and added to the replicated weights'.
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    if par is None:
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return
+    experts = {id(p) for p in expert_parameters(model)}
+    shared_p = [p for p in params if id(p) not in experts]
+    expert_p = [p for p in params if id(p) in experts]
+    shared, mine = [p.grad for p in shared_p], [p.grad for p in expert_p]
+    norm = torch.nn.utils.get_total_norm(shared)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    if mine:
+        sq = torch.nn.utils.get_total_norm(mine)
+        sq = (sq.full_tensor() if hasattr(sq, "full_tensor") else sq) ** 2
+        dist.all_reduce(sq, group=par.ep_group)
+        norm = (norm ** 2 + sq).sqrt()
+    for part in (shared_p, expert_p):  # apart: foreach ops take DTensors of one mesh only
+        if part:
+            torch.nn.utils.clip_grads_with_norm_(part, max_norm, norm)
+
+
+def mean_over_ranks(value: torch.Tensor, par: Optional[Parallel]) -> float:
+    """The mean over the ranks of a scalar each rank computed on its rows (the global mean:
+    the ranks hold equal row counts)."""
+    if par is None or par.world == 1:
+        return value.item()
+    t = value.detach().float().reshape(1).clone()
+    dist.all_reduce(t, group=par.group)
+    return (t / par.world).item()
+
+
+def all_true(flag: bool, par: Optional[Parallel]) -> bool:
+    """Whether ``flag`` holds on every rank (a collective: every rank calls it)."""
+    if par is None or par.world == 1:
+        return flag
+    t = torch.tensor([0 if flag else 1], dtype=torch.int64, device=par.device)
+    dist.all_reduce(t, group=par.group)
+    return int(t.item()) == 0
+
+
+def barrier(par: Optional[Parallel]) -> None:
+    """Wait for every rank (no-op in one process)."""
+    if par is not None and par.world > 1:
+        dist.barrier()
+
+
+def finish(par: Optional[Parallel]) -> None:
+    """Leave the process group (end of a ``torchrun`` run)."""
+    if par is not None and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+__all__ = ["Parallel", "TORCHRUN_ENV", "all_true", "barrier", "check_batch", "check_parallel_args",
+           "clip_grad_norm", "expert_parameters", "finish", "init_parallel", "mean_over_ranks", "shard_model", "sync_gradients"]
