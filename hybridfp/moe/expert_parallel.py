@@ -20,7 +20,7 @@ from torch import nn
 
 from ..quantizers import Quantizer
 from .expert_parallel_comm import expert_combine, expert_dispatch, resolve_group
-from .grouped_linear import GroupedLinear
+from .grouped_linear import GroupedLinear, _split_counts
 
 
 class ExpertParallel(nn.Module):
@@ -136,9 +136,9 @@ class ExpertParallel(nn.Module):
         -------
         See :class:`ExpertParallel`.
         """
-        splits_len = len(m_splits)
-        if splits_len != self.num_experts:
-            raise ValueError(f"ExpertParallel: m_splits has {splits_len} entries; it needs one per "
+        m_splits = _split_counts(m_splits, "ExpertParallel")  # one host read of a tensor
+        if len(m_splits) != self.num_experts:
+            raise ValueError(f"ExpertParallel: m_splits has {len(m_splits)} entries; it needs one per "
                              f"global expert ({self.num_experts}).")
         check = self.check_each_call or not self._checked
         local_x, local_splits, handle = expert_dispatch(x, m_splits, self.group, check=check,

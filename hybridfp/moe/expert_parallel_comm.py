@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from ..quantizers import Quantizer
-from .expert_parallel_wire import QuantizedExchange, wire_quantizer_checked
+from .expert_parallel_wire import _QuantizedExchange, checked_wire_quantizer
 from .grouped_linear import _split_counts
 
 #: dtypes by a small id sent with the routing counts, so that ranks disagreeing on the token
@@ -64,6 +64,15 @@ def resolve_group(group: Union[None, dist.ProcessGroup, "dist.device_mesh.Device
         A multi-dimensional mesh without ``mesh_dim``, or ``mesh_dim`` given with a group.
     TypeError
         ``group`` is neither.
+
+    Example
+    -------
+    >>> import torch.distributed as dist
+    >>> from hybridfp.moe.expert_parallel_comm import resolve_group
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> resolve_group(None) is dist.group.WORLD
+    True
+    >>> dist.destroy_process_group()
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("expert parallelism: torch.distributed is not initialized; call "
@@ -125,6 +134,10 @@ class ExpertDispatch:
         this rank's ``GroupedLinear``.
     order, inverse:
         The expert-major permutation of the received rows and its inverse (index tensors).
+
+    Example
+    -------
+    See :func:`expert_dispatch` (which returns one) and :func:`expert_combine` (which reads it).
     """
 
     group: dist.ProcessGroup
@@ -142,7 +155,7 @@ class ExpertDispatch:
         return sum(self.local_splits)
 
 
-def check_same_on_ranks(values: Sequence[int], names: Sequence[str], group: dist.ProcessGroup,
+def _check_same_on_ranks(values: Sequence[int], names: Sequence[str], group: dist.ProcessGroup,
                         device: torch.device, who: str) -> None:
     """Raise on every rank of ``group`` when the ranks' ``values`` differ (one all_gather).
 
@@ -253,12 +266,12 @@ def expert_dispatch(x: torch.Tensor, m_splits: Union[Sequence[int], torch.Tensor
         raise ValueError(f"{who}: m_splits sum to {sum(splits)} but x has {x.shape[0]} rows; pass the "
                          "rows of each expert, x's rows grouped by expert.")
     if check:
-        check_same_on_ranks((num_experts, x.shape[1], _dtype_id(x.dtype)),
+        _check_same_on_ranks((num_experts, x.shape[1], _dtype_id(x.dtype)),
                             ("the number of experts (len(m_splits))", "x's width", "x's dtype"),
                             pg, x.device, who)
     local = num_experts // size
     if wire_quantizer is not None:
-        wire, row_bytes, once_bytes = wire_quantizer_checked(wire_quantizer, x.shape[1], x.device)
+        wire, row_bytes, once_bytes = checked_wire_quantizer(wire_quantizer, x.shape[1], x.device)
     else:
         wire, row_bytes, once_bytes = None, x.shape[1] * x.element_size(), 0
     # after the counts, each rank's routing message says what its rows are: width, dtype id,
@@ -285,7 +298,7 @@ def expert_dispatch(x: torch.Tensor, m_splits: Union[Sequence[int], torch.Tensor
     local_splits = [sum(c[i] for c in recv_counts) for i in range(local)]
     order, inverse = _expert_major(recv_counts, x.device)
     received = (_exchange(x, recv_splits, send_splits, pg) if wire is None
-                else QuantizedExchange.apply(x, wire, recv_splits, send_splits, pg))
+                else _QuantizedExchange.apply(x, wire, recv_splits, send_splits, pg))
     handle = ExpertDispatch(pg, num_experts, tuple(send_splits), tuple(recv_splits), recv_counts,
                             tuple(local_splits), order, inverse)
     return _Rows.apply(received, order, inverse), local_splits, handle
@@ -345,10 +358,10 @@ def expert_combine(y: torch.Tensor, handle: ExpertDispatch, *, check: bool = Tru
         raise ValueError(f"{who}: y must be [{handle.rows}, out] (the rows expert_dispatch() gave this rank's "
                          f"experts, in its order); got shape {tuple(y.shape)}.")
     if check:
-        check_same_on_ranks((y.shape[1], _dtype_id(y.dtype)), ("the experts' output width", "its dtype"),
+        _check_same_on_ranks((y.shape[1], _dtype_id(y.dtype)), ("the experts' output width", "its dtype"),
                             handle.group, y.device, who)
     by_source = _Rows.apply(y, handle.inverse, handle.order)
     return _exchange(by_source, list(handle.send_splits), list(handle.recv_splits), handle.group)
 
 
-__all__ = ["ExpertDispatch", "check_same_on_ranks", "expert_combine", "expert_dispatch", "resolve_group"]
+__all__ = ["ExpertDispatch", "expert_combine", "expert_dispatch", "resolve_group"]

@@ -23,9 +23,16 @@ from ..quantizers import HybridQuantizer, Quantizer
 from ..tensors.storage import COLUMNWISE, ROWWISE, QuantizedStorage
 
 
-def wire_quantizer_checked(quantizer: object, cols: int, device: torch.device) -> tuple[Quantizer, int, int]:
+def checked_wire_quantizer(quantizer: object, cols: int, device: torch.device) -> tuple[Quantizer, int, int]:
     """A copy of ``quantizer`` for the wire (rowwise only, codes held, not decodes), checked,
     and the bytes it sends per row of ``cols`` elements and once per sender.
+
+    Parameters
+    ----------
+    quantizer:
+        The quantizer whose rowwise format the rows travel in.
+    cols, device:
+        The rows' width and device.
 
     Returns
     -------
@@ -38,6 +45,13 @@ def wire_quantizer_checked(quantizer: object, cols: int, device: torch.device) -
         Not a hybridfp ``Quantizer``, or a ``HybridQuantizer`` (pass its rowwise format's).
     ValueError
         Its rowwise copy is not row-local (2-D blocks), or it draws random numbers.
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> from hybridfp.moe.expert_parallel_wire import checked_wire_quantizer
+    >>> checked_wire_quantizer(hf.MXFP8Quantizer(), 64, torch.device("cpu"))[1:]  # codes + E8M0 scales
+    (66, 0)
     """
     if not isinstance(quantizer, Quantizer) or isinstance(quantizer, HybridQuantizer):
         raise TypeError(f"expert dispatch: wire_quantizer must be a single-format hybridfp Quantizer "
@@ -103,7 +117,7 @@ def _row_bytes(t: torch.Tensor) -> int:
     return n * t.element_size()
 
 
-class QuantizedExchange(torch.autograd.Function):
+class _QuantizedExchange(torch.autograd.Function):
     """Rows sent encoded by ``q`` and decoded on arrival (forward); the gradient sent back in
     the rows' dtype (backward, straight-through)."""
 
@@ -134,4 +148,4 @@ class QuantizedExchange(torch.autograd.Function):
         return back, None, None, None, None
 
 
-__all__ = ["QuantizedExchange", "wire_quantizer_checked"]
+__all__ = ["checked_wire_quantizer"]
