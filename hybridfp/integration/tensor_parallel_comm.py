@@ -3,20 +3,22 @@ high precision (autograd functions) or quantized (one copy of a ``QuantizedTenso
 
 All run ``torch.distributed`` collectives over the tensor-parallel group: all-reduce (SUM),
 all-gather and reduce-scatter along dim 0 (the flattened rows: sequence x batch). A quantized
-gather sends each row-indexed payload tensor of one copy (codes, block scales) as bytes, in the
-layout FSDP2's quantized gather uses (``fsdp_layout``); per-tensor entries are not sent: every
-rank computed them alike from an amax reduced over the group.
+gather sends each row-indexed payload tensor of one copy (codes, block scales) as bytes, its row
+axis first, all in one buffer per rank (the storage's row-index table says which axis of each
+payload tensor the rows run along: a columnwise copy is stored transposed); per-tensor entries
+are not sent: every rank computed them alike from an amax reduced over the group.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..tensors import QuantizedTensor
-from .fsdp_layout import assemble, gather_layout, granularity, pack, unpack
+from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
+from ..tensors.hybrid import HybridStorage
 
 
 def all_reduce_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
@@ -71,20 +73,41 @@ def gather_quantized_rows(q: QuantizedTensor, direction: str, group: Any, who: s
         ``m`` is not a multiple of the copy's rows per block (a block would straddle two ranks).
     """
     world = dist.get_world_size(group)
-    probe = QuantizedTensor(q.qstorage.shallow_copy(), q.quantizer)
-    probe.update_usage(rowwise_usage=direction == "rowwise", columnwise_usage=direction == "columnwise")
-    rows, g = probe.qstorage.rows, granularity(probe.qstorage)
+    storage = q.qstorage
+    part = storage.part(direction)
+    table = part._row_index[direction]
+    rows, g = storage.rows, 1
+    for spec in table.values():
+        if spec is not None:
+            g = math.lcm(g, spec[1])
     if rows % g:
         raise ValueError(
             f"{who}: each rank holds {rows} rows of the sequence-parallel input, but its {direction} copy "
-            f"({probe.qstorage.describe()}) is blocked every {g} rows, so a block would straddle two "
-            f"ranks. Make the local sequence x batch rows a multiple of {g}.")
-    sent = (direction,)
-    layout = gather_layout(probe, (sent,))
-    buf = pack(probe, layout, sent)
-    gathered = torch.empty(world * layout.nbytes, dtype=torch.uint8, device=buf.device)
+            f"({part.describe()}) is blocked every {g} rows, so a block would straddle two ranks. Make "
+            f"the local sequence x batch rows a multiple of {g}.")
+    payload = part.payloads[direction]
+    # each row-indexed tensor with its row axis first, as bytes, one after the other
+    pieces = [(name, spec[0], payload[name].movedim(spec[0], 0).contiguous())
+              for name, spec in sorted(table.items()) if spec is not None]
+    flat = [t.reshape(-1).view(torch.uint8) for _, _, t in pieces]
+    buf = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8, device=storage.device)
+    gathered = torch.empty(world * buf.numel(), dtype=torch.uint8, device=buf.device)
     dist.all_gather_into_tensor(gathered, buf, group=group)
-    return assemble(probe, world * rows, unpack(gathered, world, layout, sent))
+    per_rank = gathered.view(world, buf.numel())
+    whole = dict(payload)  # per-tensor entries: this rank's, equal on every rank
+    offset = 0
+    for (name, axis, t), b in zip(pieces, flat):
+        chunk = per_rank[:, offset:offset + b.numel()].contiguous().view(t.dtype)
+        whole[name] = chunk.reshape(world * t.shape[0], *t.shape[1:]).movedim(0, axis).contiguous()
+        offset += b.numel()
+    shape = torch.Size((world * storage.shape[0], *storage.shape[1:]))
+    payloads = {ROWWISE: None, COLUMNWISE: None, direction: whole}
+    if isinstance(storage, HybridStorage):  # one single-format part per copy
+        parts = {ROWWISE: None, COLUMNWISE: None, direction: part._new(shape, payloads)}
+        out = HybridStorage(shape, storage.dtype, parts[ROWWISE], parts[COLUMNWISE], label=storage.label)
+    else:
+        out = storage._new(shape, payloads)
+    return QuantizedTensor(out, q.quantizer)
 
 
 class CopyToParallel(torch.autograd.Function):
@@ -98,7 +121,7 @@ class CopyToParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor):  # type: ignore[override]
-        return all_reduce_sum(g, ctx.group), None
+        return all_reduce_sum(g.clone(), ctx.group), None  # autograd may still hold g
 
 
 class ReduceFromParallel(torch.autograd.Function):
