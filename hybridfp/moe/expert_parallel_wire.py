@@ -82,8 +82,8 @@ def _encode(q: Quantizer, x: torch.Tensor) -> tuple[QuantizedStorage, torch.Tens
 
 def _split_payload(storage: QuantizedStorage, rows: int) -> tuple[QuantizedStorage, torch.Tensor, torch.Tensor]:
     payload, index = storage.payload(ROWWISE), storage._row_index[ROWWISE]
-    per_row = [payload[n].contiguous().view(torch.uint8).reshape(rows, -1) for n in sorted(payload)
-               if index[n] is not None]
+    per_row = [payload[n].contiguous().view(torch.uint8).reshape(rows, _row_bytes(payload[n]))
+               for n in sorted(payload) if index[n] is not None]
     whole = [payload[n].contiguous().reshape(-1).view(torch.uint8) for n in sorted(payload) if index[n] is None]
     empty = torch.empty(0, dtype=torch.uint8, device=storage.device)
     return (storage, torch.cat(per_row, 1) if per_row else empty.view(rows, 0),

@@ -71,6 +71,8 @@ def test_wire_quantizer_errors(one_rank) -> None:
         hf.expert_dispatch(x, [4], wire_quantizer="mxfp8")
     with pytest.raises(ValueError, match="blocks spanning several rows"):
         hf.expert_dispatch(x, [4], wire_quantizer=hf.MXFP8Quantizer(with_2d_quantization=True))
+    with pytest.raises(ValueError, match="blocks spanning several rows"):
+        hf.expert_dispatch(x, [4], wire_quantizer=hf.Float8BlockQuantizer())  # 128x128 blocks
     with pytest.raises(ValueError, match="stochastic rounding"):
         hf.expert_dispatch(x, [4], wire_quantizer=hf.NVFP4Quantizer(stochastic_rounding=True))
 
@@ -106,6 +108,13 @@ def _ranks_worker(rank: int, world: int) -> dict:
     out["mesh_no_dim"] = error(lambda: hf.ExpertParallel(hf.GroupedLinear(1, 8, 8), 2, mesh))
     ep = hf.ExpertParallel(hf.GroupedLinear(1, 8, 8), 2, mesh, mesh_dim="ep")
     out["mesh_ok"] = list(ep(x, [3, 1]).shape) + [ep.ep_rank, list(ep.local_experts)]
+    # a rank without tokens still takes part (plain and quantized rows, forward and backward)
+    for wire in (None, hf.MXFP8Quantizer()):
+        ep = hf.ExpertParallel(hf.GroupedLinear(1, 64, 8), 2, wire_quantizer=wire)
+        rows = torch.randn(4 if rank == 0 else 0, 64, requires_grad=True)
+        y = ep(rows, [3, 1] if rank == 0 else [0, 0])
+        y.sum().backward()
+        out[f"empty-{wire is not None}"] = [list(y.shape), list(rows.grad.shape)]
     return out
 
 
@@ -122,3 +131,5 @@ def test_errors_across_ranks(tmp_path) -> None:
         assert f"rank {1 - rank} sends {256 if rank == 0 else 66} bytes a row" in got["wire"], got
         assert "pass mesh_dim= naming the expert-parallel one" in got["mesh_no_dim"], got
         assert got["mesh_ok"] == [4, 8, rank, [rank]]
+        rows = 4 if rank == 0 else 0
+        assert got["empty-False"] == got["empty-True"] == [[rows, 8], [rows, 64]], got

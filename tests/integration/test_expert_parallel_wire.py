@@ -87,3 +87,16 @@ def test_dispatch_sends_quantized_rows(tmp_path) -> None:
             assert got["sent"] == expect, (recipe, rank, got["sent"])
             # against the rows in BF16: MXFP8 (1 + 1/32) / 2, FP8 1/2 of the bytes
             assert expect[1][1] / (rows * D * 2) == (0.515625 if recipe == "mxfp8" else 0.5)
+
+
+@pytest.mark.parametrize("wire", [hf.MXFP8Quantizer(), hf.Float8CurrentScalingQuantizer(),
+                                  hf.Float8BlockQuantizer(block_scaling_dim=1)], ids=["mxfp8", "fp8_current", "fp8_block"])
+def test_rows_arrive_as_their_rowwise_decode(wire) -> None:
+    """One rank: each row-local format's rows arrive as the sender's rowwise decode, bitwise."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        x = torch.randn(7, 256) * torch.logspace(-3, 3, 7).unsqueeze(1)
+        local_x, _, _ = hf.expert_dispatch(x, [3, 4], wire_quantizer=wire)
+        assert torch.equal(local_x, wire.quantize(x).dequantize(direction="rowwise"))
+    finally:
+        dist.destroy_process_group()
