@@ -142,9 +142,9 @@ def delayed_update(
     keep = ~(amax > 0) | ~torch.isfinite(amax) | skipped
     new_scale = torch.where(keep, old, new)
     rolled = torch.roll(amax_history, -1, 0)
-    rolled[0] = 0
+    rolled[0].zero_()  # a kernel: assigning a Python scalar copies it from the host (a sync)
     unrolled = amax_history.clone()
-    unrolled[0] = 0
+    unrolled[0].zero_()
     new_history = torch.where(skipped, unrolled, rolled)  # [n] broadcasts over [L, n]
     return new_history, new_scale
 

@@ -336,7 +336,7 @@ class Float8Quantizer(Quantizer):
         """Drop the amaxes recorded since the last update (the pending slot), as if the step had
         not run: the next update sees only later ones."""
         if self._recorded:
-            self.amax_history[0] = 0
+            self.amax_history[0].zero_()  # a kernel, not a host-to-device copy
             self._recorded = False
 
     def _state_entries(self) -> dict[str, torch.Tensor | int | bool]:
