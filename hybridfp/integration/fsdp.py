@@ -18,13 +18,15 @@ move at the region's end). Modules whose parameters stay gathered from forward t
 backward (activation checkpointing) need both copies in one gather: ``copies="both"``; in
 per-direction mode reading a copy that was not gathered raises, naming that option.
 
-Both directions of one format send the same bytes (FSDP2 reuses a parameter's all-gather
-output, sized by its first gather, so a parameter sends one size every time; a hybrid of two
-formats pads the smaller copy).
+Each gather sends its copies' own bytes. FSDP2 sizes a parameter's all-gather output by its
+first gather and reuses it; the two copies of one format are the same size, and for a hybrid
+of two formats the output is dropped when the size changes, so FSDP2 makes one of the new size
+(``_gather_bytes``).
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -64,6 +66,9 @@ class _Slot:
     #: the quantizer of the latest forward gather, copied: the backward gather encodes with it
     backward_q: Optional[Any] = None
     layouts: dict = field(default_factory=dict)
+    #: FSDP2's record of the parameter (weakly), found at the first gather of a hybrid weight
+    fsdp_param: Optional[Any] = None
+    warned_padding: bool = False
 
 
 class QuantizedGatherWeight(torch.Tensor):
@@ -153,15 +158,16 @@ class QuantizedGatherWeight(torch.Tensor):
         q.set_usage(rowwise=ROWWISE in sent, columnwise=COLUMNWISE in sent)
         with torch.no_grad(), policy(decoded_copies="never"):  # codes travel, never BF16 decodes
             shard = q.quantize(src)
-        return (pack(shard, layout, sent),), (layout, sent, shard, world, total, param_dtype)
+        nbytes = _gather_bytes(self, slot, layout, sent, world, who)
+        return (pack(shard, layout, sent, nbytes),), (layout, sent, shard, world, total, param_dtype, nbytes)
 
     def fsdp_post_all_gather(self, all_gather_outputs: tuple[torch.Tensor, ...], metadata: Any,
                              param_dtype: torch.dtype, *, out: Optional[torch.Tensor] = None
                              ) -> Optional[tuple[QuantizedTensor, tuple[torch.Tensor, ...]]]:
         """Rebuild the whole quantized weight from the ranks' buffers (FSDP2 hook)."""
-        layout, sent, shard, world, rows, dtype = metadata
+        layout, sent, shard, world, rows, dtype, nbytes = metadata
         (gathered,) = all_gather_outputs
-        tensors = unpack(gathered, world, layout, sent)
+        tensors = unpack(gathered, world, layout, sent, nbytes)
         gathered.untyped_storage().resize_(0)  # unpacked: FSDP2 allocates it again for the next gather
         if out is None:
             whole = _whole_with_room(shard, rows, tensors, layout, dtype)
@@ -186,6 +192,54 @@ def _layout(slot: _Slot, q: Any, src: torch.Tensor, total: int, world: int, sets
                 return probe_q.quantize(torch.empty((rows, *src.shape[1:]), dtype=src.dtype, device="meta"))
         layout = slot.layouts[key] = gather_layout(quantize_meta, total, world, sets)
     return layout
+
+
+def _gather_bytes(local: torch.Tensor, slot: _Slot, layout: GatherLayout, sent: tuple, world: int,
+                  who: str) -> int:
+    """The bytes this gather sends per rank: the copies' own size. FSDP2 sizes a parameter's
+    all-gather output by its first gather and reuses it, so where a hybrid's two copies differ
+    in size the output made for the other one is dropped (FSDP2 then makes one of the new
+    size: it is only a transfer buffer, the weight's tensors are its own). Where FSDP2's
+    parameter record cannot be found (another torch version), every gather sends the larger
+    copy's size, padded, and a warning says so once."""
+    sizes = set(layout.set_bytes.values())
+    if len(sizes) == 1:
+        return layout.nbytes
+    record = slot.fsdp_param() if slot.fsdp_param is not None else None
+    if record is None:
+        record = _fsdp_param_of(local)
+        slot.fsdp_param = weakref.ref(record) if record is not None else None
+    if record is None or not hasattr(record, "all_gather_outputs"):
+        if not slot.warned_padding:
+            slot.warned_padding = True
+            warnings.warn(f"{who}: FSDP2's parameter record was not found (torch {torch.__version__}); "
+                          f"both gathers of this hybrid weight send {layout.nbytes} bytes per rank, the "
+                          "larger copy's size, padded.", stacklevel=3)
+        return layout.nbytes
+    nbytes = layout.set_bytes[sent]
+    outputs = record.all_gather_outputs
+    if outputs and outputs[0].numel() != nbytes * world:
+        record.all_gather_outputs = []  # FSDP2 allocates one of this gather's size
+    return nbytes
+
+
+def _fsdp_param_of(local: torch.Tensor) -> Any:
+    """FSDP2's record (``FSDPParam``) of the parameter whose local shard is ``local``, or None."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+    except ImportError:
+        return None
+    for ref in list(_module_state_mapping.values()):
+        state = ref() if isinstance(ref, weakref.ref) else ref
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [group] if group is not None else []
+        for group in groups:
+            for record in getattr(group, "fsdp_params", ()):
+                if getattr(record, "_sharded_local_tensor", None) is local:
+                    return record
+    return None
 
 
 def _block_aligned_rows(src: torch.Tensor, layout: GatherLayout, group: Any) -> torch.Tensor:

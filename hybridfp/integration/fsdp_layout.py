@@ -11,11 +11,10 @@ the whole weight's payload tensors, bitwise the ones quantizing the whole weight
 Per-tensor entries (a scale, a global amax: not indexed by rows) are not gathered: every rank
 computes them alike (the amax reduced over the shard group) and the local ones are used.
 
-FSDP2 allocates a parameter's all-gather output once, from its first gather, and reuses it, so
-every gather of a parameter must send the same number of bytes: a layout is sized for the
-larger of the copies it may send (:attr:`GatherLayout.nbytes`); the forward (rowwise) and
-backward (columnwise) copies of one format are the same size, so only hybrids of two formats
-send padding.
+A layout records each set of copies' bytes per rank (:attr:`GatherLayout.set_bytes`) and the
+largest (:attr:`GatherLayout.nbytes`): the forward (rowwise) and backward (columnwise) copies
+of one format are the same size; a hybrid of two formats sends each copy's own size where the
+caller can resize the all-gather's output (``fsdp.py``), else the larger one, padded.
 """
 
 from __future__ import annotations
@@ -54,8 +53,10 @@ class GatherLayout:
 
     #: the copies each gather may send -> their pieces (offsets from 0)
     pieces: dict
-    #: bytes per rank of every gather of this parameter (the largest set's)
+    #: bytes per rank of the largest set (what every gather sends where one size must do)
     nbytes: int
+    #: bytes per rank of each set alone
+    set_bytes: dict
     #: rows each rank encodes (whole blocks: a shard's rows rounded to block boundaries)
     rank_rows: tuple[int, ...]
     #: the format's row granularity (rows per block of any copy)
@@ -142,12 +143,14 @@ def gather_layout(quantize_meta: Callable[[int], QuantizedTensor], total: int, w
             "a format with smaller blocks.")
     probe = quantize_meta(max(rank_rows))
     pieces = {s: _pieces(probe.qstorage, s)[0] for s in sets}
-    nbytes = max(_pieces(probe.qstorage, s)[1] for s in sets)
-    return GatherLayout(pieces, nbytes, rank_rows, g, whole)
+    set_bytes = {s: _pieces(probe.qstorage, s)[1] for s in sets}
+    return GatherLayout(pieces, max(set_bytes.values()), set_bytes, rank_rows, g, whole)
 
 
-def pack(shard: QuantizedTensor, layout: GatherLayout, sent: tuple[str, ...]) -> torch.Tensor:
-    """The shard's copies ``sent`` as one ``uint8`` buffer of ``layout.nbytes`` bytes.
+def pack(shard: QuantizedTensor, layout: GatherLayout, sent: tuple[str, ...],
+         nbytes: Optional[int] = None) -> torch.Tensor:
+    """The shard's copies ``sent`` as one ``uint8`` buffer of ``nbytes`` bytes (default
+    ``layout.nbytes``; at least ``layout.set_bytes[sent]``).
 
     Parameters
     ----------
@@ -157,14 +160,16 @@ def pack(shard: QuantizedTensor, layout: GatherLayout, sent: tuple[str, ...]) ->
         From :func:`gather_layout`.
     sent:
         One of the layout's sets of copies.
+    nbytes:
+        The buffer's size.
 
     Returns
     -------
     torch.Tensor
-        ``[layout.nbytes]`` uint8 on the shard's device (padding bytes are zero).
+        ``[nbytes]`` uint8 on the shard's device (padding bytes are zero).
     """
     storage = shard.qstorage
-    out = torch.zeros(layout.nbytes, dtype=torch.uint8, device=storage.device)
+    out = torch.zeros(layout.nbytes if nbytes is None else nbytes, dtype=torch.uint8, device=storage.device)
     for p in layout.pieces[sent]:
         t = storage.part(p.direction).payloads[p.direction][p.name]
         moved = t.movedim(p.axis, 0).contiguous()
@@ -176,8 +181,8 @@ def pack(shard: QuantizedTensor, layout: GatherLayout, sent: tuple[str, ...]) ->
     return out
 
 
-def unpack(gathered: torch.Tensor, world: int, layout: GatherLayout, sent: tuple[str, ...]
-           ) -> dict[tuple[str, str], torch.Tensor]:
+def unpack(gathered: torch.Tensor, world: int, layout: GatherLayout, sent: tuple[str, ...],
+           nbytes: Optional[int] = None) -> dict[tuple[str, str], torch.Tensor]:
     """The whole weight's row-indexed payload tensors from the all-gathered buffers.
 
     Parameters
@@ -186,7 +191,7 @@ def unpack(gathered: torch.Tensor, world: int, layout: GatherLayout, sent: tuple
         ``[world * layout.nbytes]`` uint8: the ranks' buffers in rank order.
     world:
         The number of ranks.
-    layout, sent:
+    layout, sent, nbytes:
         As given to :func:`pack`.
 
     Returns
@@ -195,7 +200,7 @@ def unpack(gathered: torch.Tensor, world: int, layout: GatherLayout, sent: tuple
         ``(direction, name)`` -> the whole tensor in its stored layout (new memory, never a
         view of ``gathered``).
     """
-    rows = gathered.view(world, layout.nbytes)
+    rows = gathered.view(world, layout.nbytes if nbytes is None else nbytes)
     out = {}
     for p in layout.pieces[sent]:
         if layout.aligned:  # every rank's piece is full: one strided copy

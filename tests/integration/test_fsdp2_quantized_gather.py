@@ -43,8 +43,8 @@ _MX, _FP4_2D, _FP4_1D = (1 + 1 / 32) / 2, (0.5 + 1 / 256) / 2, (0.5 + 1 / 16) / 
 RATIOS = {
     "current": (0.5, 0.5), "delayed": (0.5, 0.5), "block": (0.5 + 4 / 128**2 / 2,) * 2,
     "mxfp8": (_MX, _MX), "nvfp4": (_FP4_2D, _FP4_2D),
-    # two formats: both gathers send the larger copy's bytes (FSDP2 reuses one buffer size)
-    "hybrid_mxfp8_nvfp4": (_MX, _MX), "hybrid_nvfp4_1d": (_FP4_1D, _FP4_1D), "hybrid_nvfp4_mxfp8": (_MX, _MX),
+    # two formats: each gather sends its own copy's bytes
+    "hybrid_mxfp8_nvfp4": (_MX, _FP4_1D), "hybrid_nvfp4_1d": (_FP4_1D, _FP4_1D), "hybrid_nvfp4_mxfp8": (_FP4_1D, _MX),
 }
 
 
