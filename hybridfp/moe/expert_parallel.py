@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..quantizers import Quantizer
-from .expert_parallel_comm import expert_combine, expert_dispatch, resolve_group
+from .expert_parallel_comm import _check_same_on_ranks, expert_combine, expert_dispatch, resolve_group
 from .grouped_linear import GroupedLinear, _split_counts
 
 
@@ -136,11 +136,17 @@ class ExpertParallel(nn.Module):
         -------
         See :class:`ExpertParallel`.
         """
-        m_splits = _split_counts(m_splits, "ExpertParallel")  # one host read of a tensor
-        if len(m_splits) != self.num_experts:
-            raise ValueError(f"ExpertParallel: m_splits has {len(m_splits)} entries; it needs one per "
-                             f"global expert ({self.num_experts}).")
         check = self.check_each_call or not self._checked
+        try:
+            m_splits = _split_counts(m_splits, "ExpertParallel")  # one host read of a tensor
+            if len(m_splits) != self.num_experts:
+                raise ValueError(f"ExpertParallel: m_splits has {len(m_splits)} entries; it needs one per "
+                                 f"global expert ({self.num_experts}).")
+        except (ValueError, TypeError) as e:
+            if not check:
+                raise
+            # the other ranks are about to check with this one: raise on all of them
+            _check_same_on_ranks((-1, -1, -1), (), self.group, x.device, "expert dispatch", refused=e)
         local_x, local_splits, handle = expert_dispatch(x, m_splits, self.group, check=check,
                                                       wire_quantizer=self.wire_quantizer)
         y = expert_combine(self.experts(local_x, local_splits), handle, check=check)

@@ -156,8 +156,9 @@ class ExpertDispatch:
 
 
 def _check_same_on_ranks(values: Sequence[int], names: Sequence[str], group: dist.ProcessGroup,
-                        device: torch.device, who: str) -> None:
-    """Raise on every rank of ``group`` when the ranks' ``values`` differ (one all_gather).
+                         device: torch.device, who: str, refused: Optional[Exception] = None) -> None:
+    """Raise on every rank of ``group`` when a rank refused its inputs or the ranks' ``values``
+    differ (one all_gather), so that no rank is left waiting in the exchange.
 
     Parameters
     ----------
@@ -167,29 +168,61 @@ def _check_same_on_ranks(values: Sequence[int], names: Sequence[str], group: dis
         The group and the device of the collective's tensors.
     who:
         The caller, for the message.
+    refused:
+        This rank's own error with its inputs, if any: raised here once every rank knows.
 
     Raises
     ------
-    ValueError
-        Some rank's values differ from another's (every rank raises the same message).
+    ValueError, TypeError
+        ``refused`` on its rank; on the others, a ValueError naming the ranks that refused;
+        else a ValueError when some rank's values differ (every rank raises the same message).
     """
     size = dist.get_world_size(group)
-    mine = torch.tensor(list(values), dtype=torch.int64, device=device)
-    every = torch.empty(size * len(values), dtype=torch.int64, device=device)
+    mine = torch.tensor([int(refused is not None), *values], dtype=torch.int64, device=device)
+    every = torch.empty(size * mine.numel(), dtype=torch.int64, device=device)
     # all_gather_single is all_gather_into_tensor's newer name (the old one warns on torch 2.13)
     getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(every, mine, group=group)
-    rows = every.view(size, len(values)).tolist()
-    for j, name in enumerate(names):
+    rows = every.view(size, mine.numel()).tolist()
+    if refused is not None:
+        raise refused
+    bad = [r for r, row in enumerate(rows) if row[0]]
+    if bad:
+        raise ValueError(f"{who}: rank(s) {bad} of the expert-parallel group refused their inputs (their "
+                         "error says why); no rows were exchanged.")
+    for j, name in enumerate(names, start=1):
         seen = [r[j] for r in rows]
         if len(set(seen)) > 1:
             raise ValueError(f"{who}: the ranks of the expert-parallel group disagree on {name}: "
                              f"{seen} (by rank); every rank must pass the same.")
 
 
+def _local_inputs(x: torch.Tensor, m_splits: Union[Sequence[int], torch.Tensor], size: int,
+                  wire_quantizer: Optional[Quantizer], who: str) -> tuple[list[int], Optional[Quantizer], int, int]:
+    """expert_dispatch's checks of one rank's own inputs: the row counts, the wire quantizer and
+    the bytes it sends per row and once (the rows' own bytes and 0 without one)."""
+    if x.dim() != 2:
+        raise ValueError(f"{who}: x must be [tokens, hidden]; got shape {tuple(x.shape)} (flatten the "
+                         "leading dimensions first).")
+    splits = _split_counts(m_splits, who)
+    if not splits or len(splits) % size:
+        raise ValueError(f"{who}: m_splits has {len(splits)} entries (experts) but the expert-parallel "
+                         f"group has {size} ranks; the number of experts must be a positive multiple "
+                         "of the group's size.")
+    if any(m < 0 for m in splits):
+        raise ValueError(f"{who}: m_splits {splits} has negative entries.")
+    if sum(splits) != x.shape[0]:
+        raise ValueError(f"{who}: m_splits sum to {sum(splits)} but x has {x.shape[0]} rows; pass the "
+                         "rows of each expert, x's rows grouped by expert.")
+    if wire_quantizer is None:
+        return splits, None, x.shape[1] * x.element_size(), 0
+    return (splits, *checked_wire_quantizer(wire_quantizer, x.shape[1], x.device))
+
+
 def expert_dispatch(x: torch.Tensor, m_splits: Union[Sequence[int], torch.Tensor],
-             group: Union[None, dist.ProcessGroup, "dist.device_mesh.DeviceMesh"] = None, *,
-             mesh_dim: Union[None, int, str] = None, check: bool = True,
-             wire_quantizer: Optional[Quantizer] = None) -> tuple[torch.Tensor, list[int], ExpertDispatch]:
+                    group: Union[None, dist.ProcessGroup, "dist.device_mesh.DeviceMesh"] = None, *,
+                    mesh_dim: Union[None, int, str] = None, check: bool = True,
+                    wire_quantizer: Optional[Quantizer] = None
+                    ) -> tuple[torch.Tensor, list[int], ExpertDispatch]:
     """Send each row of ``x`` to the rank that owns its expert (collective over ``group``).
 
     Parameters
@@ -251,29 +284,18 @@ def expert_dispatch(x: torch.Tensor, m_splits: Union[Sequence[int], torch.Tensor
     who = "expert dispatch"
     pg = resolve_group(group, mesh_dim)
     size, rank = dist.get_world_size(pg), dist.get_rank(pg)
-    if x.dim() != 2:
-        raise ValueError(f"{who}: x must be [tokens, hidden]; got shape {tuple(x.shape)} (flatten the "
-                         "leading dimensions first).")
-    splits = _split_counts(m_splits, who)
-    num_experts = len(splits)
-    if num_experts == 0 or num_experts % size:
-        raise ValueError(f"{who}: m_splits has {num_experts} entries (experts) but the expert-parallel "
-                         f"group has {size} ranks; the number of experts must be a positive multiple "
-                         "of the group's size.")
-    if any(m < 0 for m in splits):
-        raise ValueError(f"{who}: m_splits {splits} has negative entries.")
-    if sum(splits) != x.shape[0]:
-        raise ValueError(f"{who}: m_splits sum to {sum(splits)} but x has {x.shape[0]} rows; pass the "
-                         "rows of each expert, x's rows grouped by expert.")
+    try:
+        splits, wire, row_bytes, once_bytes = _local_inputs(x, m_splits, size, wire_quantizer, who)
+    except (ValueError, TypeError) as e:
+        if not check:
+            raise
+        # tell the other ranks first, so that none waits in the exchange for this one
+        _check_same_on_ranks((-1, -1, -1), (), pg, x.device, who, refused=e)
+    num_experts, local = len(splits), len(splits) // size
     if check:
         _check_same_on_ranks((num_experts, x.shape[1], _dtype_id(x.dtype)),
-                            ("the number of experts (len(m_splits))", "x's width", "x's dtype"),
-                            pg, x.device, who)
-    local = num_experts // size
-    if wire_quantizer is not None:
-        wire, row_bytes, once_bytes = checked_wire_quantizer(wire_quantizer, x.shape[1], x.device)
-    else:
-        wire, row_bytes, once_bytes = None, x.shape[1] * x.element_size(), 0
+                             ("the number of experts (len(m_splits))", "x's width", "x's dtype"),
+                             pg, x.device, who)
     # after the counts, each rank's routing message says what its rows are: width, dtype id,
     # bytes sent per row and once (a wire quantizer's encoding; else the rows' own bytes, 0)
     head = [x.shape[1], _dtype_id(x.dtype), row_bytes, once_bytes]
@@ -354,12 +376,15 @@ def expert_combine(y: torch.Tensor, handle: ExpertDispatch, *, check: bool = Tru
     if not isinstance(handle, ExpertDispatch):
         raise TypeError(f"{who}: handle must be the ExpertDispatch that expert_dispatch() returned; got "
                         f"{type(handle).__name__}.")
+    refused = None
     if y.dim() != 2 or y.shape[0] != handle.rows:
-        raise ValueError(f"{who}: y must be [{handle.rows}, out] (the rows expert_dispatch() gave this rank's "
-                         f"experts, in its order); got shape {tuple(y.shape)}.")
-    if check:
-        _check_same_on_ranks((y.shape[1], _dtype_id(y.dtype)), ("the experts' output width", "its dtype"),
-                            handle.group, y.device, who)
+        refused = ValueError(f"{who}: y must be [{handle.rows}, out] (the rows expert_dispatch() gave this "
+                             f"rank's experts, in its order); got shape {tuple(y.shape)}.")
+        if not check:
+            raise refused
+    if check:  # every rank raises when one refused its y: none waits in the exchange
+        _check_same_on_ranks((y.shape[-1], _dtype_id(y.dtype)), ("the experts' output width", "its dtype"),
+                             handle.group, y.device, who, refused)
     by_source = _Rows.apply(y, handle.inverse, handle.order)
     return _exchange(by_source, list(handle.send_splits), list(handle.recv_splits), handle.group)
 

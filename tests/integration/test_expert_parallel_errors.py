@@ -98,6 +98,12 @@ def _ranks_worker(rank: int, world: int) -> dict:
         "width": error(lambda: hf.expert_dispatch(torch.randn(4, 8 if rank == 0 else 16), [2, 2], check=False)),
         "dtype": error(lambda: hf.expert_dispatch(x.to(torch.bfloat16 if rank else torch.float32), [2, 2])),
     }
+    # one rank's own inputs are wrong: it raises its error, the others name it (none waits)
+    out["one_refuses"] = error(lambda: hf.expert_dispatch(x, [2, 2] if rank == 0 else [1, 1]))
+    out["one_refuses_module"] = error(lambda: hf.ExpertParallel(hf.GroupedLinear(1, 8, 8), 2)(
+        x, [2, 2] if rank == 0 else [2, 1, 1]))
+    _, _, handle = hf.expert_dispatch(x, [2, 2])
+    out["one_refuses_combine"] = error(lambda: hf.expert_combine(torch.randn(handle.rows + rank, 8), handle))
     # one rank sends its rows quantized, the other in FP32
     out["wire"] = error(lambda: hf.expert_dispatch(
         torch.randn(4, 64), [2, 2], check=False, wire_quantizer=hf.MXFP8Quantizer() if rank == 0 else None))
@@ -128,6 +134,14 @@ def test_errors_across_ranks(tmp_path) -> None:
         assert "disagree on x's dtype" in got["dtype"], got
         assert "disagree on the experts' output width: [8, 9]" in got["combine_width"], got
         assert "every rank must pass an equal wire_quantizer (or none)" in got["wire"], got
+        own = {"one_refuses": "m_splits sum to 2 but x has 4 rows",
+               "one_refuses_module": "m_splits has 3 entries; it needs one per global expert (2)",
+               "one_refuses_combine": "y must be [4, out]"}
+        for case, message in own.items():
+            if rank == 1:
+                assert message in got[case], (case, got[case])
+            else:
+                assert "rank(s) [1] of the expert-parallel group refused their inputs" in got[case], got[case]
         assert f"rank {1 - rank} sends {256 if rank == 0 else 66} bytes a row" in got["wire"], got
         assert "pass mesh_dim= naming the expert-parallel one" in got["mesh_no_dim"], got
         assert got["mesh_ok"] == [4, 8, rank, [rank]]
