@@ -46,8 +46,7 @@ def _wire_worker(rank: int, world: int, recipes: list[str]) -> dict:
     out = {}
     for recipe in recipes:
         model = _local(EXPERTS, world, rank, recipe)
-        ep = hf.ExpertParallel(model, EXPERTS, wire_quantizer=WIRE[recipe](ROLE), check_each_call=False)
-        ep._checked = True  # count the exchanges only (the agreement check is tested elsewhere)
+        ep = hf.ExpertParallel(model, EXPERTS, wire_quantizer=WIRE[recipe](ROLE))
         x, m_splits, dy = _batch(EXPERTS, rank, recipe)
         del sent[:]
         y = _run(ep, x, m_splits, dy, recipe)
@@ -80,13 +79,14 @@ def test_dispatch_sends_quantized_rows(tmp_path) -> None:
             # backward: the FP32 gradient of the rows the experts received
             rows, received = got["rows"], len(want_rows[rank]["local_x"]) // D
             per_row = D + D // 32 if recipe == "mxfp8" else D  # codes + E8M0 scales / codes
-            expect = [["to", WORLD * (local + 4) * 8], ["to", rows * per_row]]
+            # (the first call's agreement checks: dispatch's and combine's, int64 values)
+            expect = [["gather", 4 * 8], ["to", WORLD * (local + 4) * 8], ["to", rows * per_row]]
             if recipe == "current":
                 expect.append(["gather", 4])  # the sender's FP32 scale_inv
-            expect.append(["to", received * D * 4])
+            expect += [["gather", 3 * 8], ["to", received * D * 4]]
             assert got["sent"] == expect, (recipe, rank, got["sent"])
             # against the rows in BF16: MXFP8 (1 + 1/32) / 2, FP8 1/2 of the bytes
-            assert expect[1][1] / (rows * D * 2) == (0.515625 if recipe == "mxfp8" else 0.5)
+            assert expect[2][1] / (rows * D * 2) == (0.515625 if recipe == "mxfp8" else 0.5)
 
 
 @pytest.mark.parametrize("wire", [hf.MXFP8Quantizer(), hf.Float8CurrentScalingQuantizer(),
