@@ -108,6 +108,16 @@ def _ep_worker(rank: int, world: int, num_experts: int, recipes: list[str]) -> d
         out[recipe] = {"y": _bits(y), "dx": _bits(x.grad), "grads": _grads(model, ep.local_experts),
                        "local_x": _bits(local_x), "local_splits": local_splits,
                        "plain": type(y) is torch.Tensor and type(local_x) is torch.Tensor}
+    if world == 4:  # a 2 x 2 mesh: two expert-parallel groups of 2 ranks, each with 2 ranks' data
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+        ep_rank, recipe = mesh.get_local_rank("ep"), "mxfp8"
+        model = _local(4, 2, ep_rank, recipe)
+        ep = hf.ExpertParallel(model, 4, mesh, mesh_dim="ep")
+        x, m_splits, dy = _batch(4, ep_rank, recipe)
+        y = _run(ep, x, m_splits, dy, recipe)
+        out["mesh"] = {"ep_rank": ep_rank, "y": _bits(y), "dx": _bits(x.grad),
+                       "grads": _grads(model, ep.local_experts)}
     return out
 
 
@@ -162,3 +172,10 @@ def test_expert_parallel_matches_one_process(world: int, tmp_path) -> None:
             assert got["dx"] == want_rows[rank]["dx"], (recipe, rank)
             for name, bits in got["grads"].items():
                 assert bits == want_grads[name], (recipe, rank, name)
+    if world == 4:  # each group of the mesh trains as one process on its two ranks' rows
+        want_rows, want_grads = _reference(4, 2, "mxfp8")
+        assert [got["mesh"]["ep_rank"] for got in results] == [0, 1, 0, 1]
+        for rank, got in enumerate(results):
+            got, r = got["mesh"], got["mesh"]["ep_rank"]
+            assert got["y"] == want_rows[r]["y"] and got["dx"] == want_rows[r]["dx"], rank
+            assert all(bits == want_grads[name] for name, bits in got["grads"].items()), rank
