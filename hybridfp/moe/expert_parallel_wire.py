@@ -16,6 +16,8 @@ straight-through: the gradient of the decoded rows goes back to ``x``'s rows in 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -111,10 +113,8 @@ def _decode(template: QuantizedStorage, by_row: torch.Tensor, whole: torch.Tenso
 
 
 def _row_bytes(t: torch.Tensor) -> int:
-    n = 1
-    for s in t.shape[1:]:
-        n *= s
-    return n * t.element_size()
+    """Bytes of one row of a row-indexed payload tensor."""
+    return math.prod(t.shape[1:]) * t.element_size()
 
 
 class _QuantizedExchange(torch.autograd.Function):
