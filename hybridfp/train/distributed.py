@@ -215,11 +215,8 @@ def shard_model(model: nn.Module, par: Parallel, recipe: Any) -> None:
         enable_quantized_all_gather(m, copies="both" if both else "per_direction")
     mesh = init_device_mesh(torch.device(par.device).type, (par.world,))
     for moe in moes:
-        if moe.expert_parallel is not None:
-            # The ranks holding the same experts shard them; the sum over those replicas is
-            # divided by every rank, as each replica's gradient sums its ep group's losses.
-            experts = fully_shard(moe.expert_parallel.experts, mesh=par.ep_mesh["dp"])
-            experts.set_gradient_divide_factor(float(par.world))
+        if moe.expert_parallel is not None:  # sharded over the ranks holding the same experts
+            fully_shard(moe.expert_parallel.experts, mesh=par.ep_mesh["dp"])
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -234,10 +231,19 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def sync_gradients(model: nn.Module, par: Parallel) -> None:
-    """``--ep`` without ``--fsdp``: average the replicated weights' gradients over every rank
-    and sum each expert's over its replicas, divided by every rank (see the module docstring).
-    Under ``--fsdp`` FSDP2's reduce-scatter does this (nothing to do)."""
-    if par.fsdp or par.world == 1:
+    """Finish the gradients of a step: the replicated weights' averaged over every rank, each
+    expert's summed over its replicas and divided by every rank (see the module docstring).
+
+    Under ``--fsdp`` FSDP2's reduce-scatters have averaged them over their meshes: the experts'
+    over their ``world / ep`` replicas, so they are divided by ``ep`` here (FSDP2's own
+    ``set_gradient_divide_factor`` reduces with PREMUL_SUM, which gloo lacks). Without it (``--ep``
+    alone) they are all-reduced here."""
+    if par.world == 1:
+        return
+    if par.fsdp:
+        for p in expert_parameters(model):
+            if p.grad is not None:
+                p.grad.div_(par.ep)
         return
     experts = {id(p) for p in expert_parameters(model)}
     for p in model.parameters():

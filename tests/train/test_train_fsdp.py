@@ -1,0 +1,136 @@
+"""``hybridfp train --fsdp [--ep K]`` under torchrun (gloo, CPU) trains like one process.
+
+Why a bound and not bitwise: the global batch is split over the ranks, so each rank's
+weight-gradient GEMMs sum its own rows and FSDP2's reduce-scatter adds the ranks' sums: an FP32
+summation order other than one process's single GEMM over every row. The forward of a row is
+the same arithmetic on either side (same weights; MXFP8 scales its blocks along a row), so:
+
+- before any update (step 0's validation loss, step 1's training loss) the logged losses differ
+  only in the mean of the ranks' means against one mean over every row: a few FP32 ulps of
+  the loss (bound ``FIRST_RTOL``, 30x the 1e-7 seen);
+- after updates the weights differ by those gradient roundings, which AdamW (a per-element
+  division by the gradient's RMS) passes on at up to the learning rate for elements whose
+  gradient is near zero; over a handful of steps the losses then stay within ``LATER_RTOL``
+  (2e-3 relative; at most 6e-4 seen over 6 steps), far below what a wrong split of the batch,
+  a lost gradient average or a stale shard makes (a step moves the loss by more than 0.1 here:
+  a rank training on the other rank's rows gives another loss at step 1 already).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridfp.train import cli
+from hybridfp.train.distributed import Parallel, check_batch
+
+pytestmark = pytest.mark.filterwarnings("ignore::hybridfp.gemm.EmulatedGemmWarning")
+
+FIRST_RTOL = 3e-6
+LATER_RTOL = 2e-3
+COMMON = ["--no-progress", "--eval-interval", "2", "--eval-iters", "2"]
+
+
+def _torchrun(n: int, *argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(n), "-m", "hybridfp.train", *argv], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def _records(out: Path, recipe: str) -> list[dict]:
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["recipe"] == recipe]
+
+
+def _assert_close(got: list[dict], want: list[dict], keys: tuple[str, ...] = ("train_loss", "val_loss")) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in want]  # each step logged once (rank 0)
+    for g, w in zip(got, want):
+        for key in keys:
+            assert (key in g) == (key in w), (g, w)
+            if key in w:
+                first = g["step"] == 0 or (g["step"] == 1 and key == "train_loss")
+                tol = FIRST_RTOL if first else LATER_RTOL
+                assert abs(g[key] - w[key]) <= tol * abs(w[key]), (key, g, w)
+
+
+def _single(out: Path, *argv: str) -> None:
+    assert cli.main(["train", "--out", str(out), *argv]) == 0
+
+
+def _without_val(rec: dict) -> dict:
+    return {k: v for k, v in rec.items() if k != "val_loss"}
+
+
+def test_fsdp_trains_as_one_process_and_resumes_at_another_world_size(tmp_path, text) -> None:
+    """3 steps on 2 ranks (blocks recomputed: both copies gathered), a torch.distributed.checkpoint,
+    3 more on 4 ranks (DCP reshards the weights, AdamW's moments and delayed scaling's amax
+    history): within the bounds of 6 steps of one process."""
+    run = ["--preset", "test", "--lr-decay-steps", "6", "--data", str(text), *COMMON]
+    _single(tmp_path / "one", *run, "--compare", "mxfp8,fp8-delayed", "--steps", "6")
+    out = tmp_path / "sharded"
+    proc = _torchrun(2, "--fsdp", "--recompute", "--out", str(out), *run, "--compare", "mxfp8,fp8-delayed",
+                     "--steps", "3")
+    assert proc.stdout.count("done in") == 1  # rank 0 logs, the other rank does not
+    assert "2 x cpu" in (out / "summary.md").read_text()
+    for recipe in ("mxfp8", "fp8-delayed"):
+        want, got = _records(tmp_path / "one", recipe)[:4], _records(out, recipe)
+        want[3], got[3] = _without_val(want[3]), _without_val(got[3])  # step 3 ends the first part
+        _assert_close(got, want)
+        assert (out / "checkpoints" / f"{recipe}.dcp" / "train_state.json").is_file()
+        assert not (out / "checkpoints" / f"{recipe}.pt").exists()  # the single-process format
+    # a single process does not resume a sharded checkpoint: it says how to
+    assert cli.main(["train", "--resume", "--out", str(out), "--steps", "6", "--no-progress"]) == 2
+    # 16 rows per rank at 4 ranks: less than an MXFP8 block, so only the FP8 run goes on there
+    proc = _torchrun(4, "--fsdp", "--resume", "--recipe", "fp8-delayed", "--out", str(out), "--steps", "6",
+                     "--no-progress")
+    assert "resumed from" in proc.stdout and "at step 3" in proc.stdout
+    want, got = _records(tmp_path / "one", "fp8-delayed"), _records(out, "fp8-delayed")
+    want[3], got[3] = _without_val(want[3]), _without_val(got[3])
+    _assert_close(got, want)
+
+
+def test_expert_parallel_trains_as_one_process(tmp_path, text) -> None:
+    """The MoE preset's 4 experts over expert-parallel groups of 2 ranks: FSDP2 over a (dp=2,
+    ep=2) mesh on 4 ranks (the experts sharded over their 2 replicas), and --ep alone on 2 ranks
+    (MXFP8 experts). The load-balancing loss counts every rank's routed rows, so it too is one
+    process's (within the bounds)."""
+    run = ["--preset", "test-moe", "--steps", "3", "--data", str(text), *COMMON]
+    _single(tmp_path / "one", *run, "--compare", "bf16,mxfp8")
+    for n, recipe, flags in ((4, "bf16", ["--fsdp", "--ep", "2"]), (2, "mxfp8", ["--ep", "2"])):
+        out = tmp_path / f"ep-{n}"
+        _torchrun(n, *flags, "--recipe", recipe, "--out", str(out), *run)
+        _assert_close(_records(out, recipe), _records(tmp_path / "one", recipe),
+                      ("train_loss", "val_loss", "aux_loss"))
+
+
+def test_sharded_runs_refuse_what_they_cannot_do(tmp_path, text, monkeypatch, capsys) -> None:
+    base = ["train", "--out", str(tmp_path / "x"), "--data", str(text), "--no-progress", "--steps", "1"]
+    assert cli.main([*base, "--fsdp", "--quantized-weights"]) == 2
+    assert "--fsdp with --quantized-weights" in capsys.readouterr().err
+    assert cli.main([*base, "--fsdp"]) == 2  # not under torchrun
+    assert "start it with torchrun" in capsys.readouterr().err
+    assert cli.main([*base, "--fsdp", "--jobs", "2", "--compare", "bf16,fp8"]) == 2
+    assert "--jobs with --fsdp" in capsys.readouterr().err
+    for key, value in {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    assert cli.main([*base, "--preset", "test-moe", "--ep", "3"]) == 2
+    assert "does not divide the preset's 4 experts" in capsys.readouterr().err
+    assert cli.main([*base, "--preset", "test", "--ep", "3"]) == 2
+    assert "the preset is dense" in capsys.readouterr().err
+    assert cli.main([*base, "--preset", "test-moe", "--ep", "2"]) == 2
+    assert "--ep 2 does not divide the 3 ranks" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--batch-size 8 is the global batch: it must be a multiple of the 3"):
+        check_batch(8, Parallel(rank=0, world=3, device="cpu", fsdp=True))
+
+
+def test_each_rank_reads_its_rows_of_the_global_batch() -> None:
+    parts = [Parallel(rank=r, world=4, device="cpu", fsdp=True).rows(16) for r in range(4)]
+    assert [(s.start, s.stop) for s in parts] == [(0, 4), (4, 8), (8, 12), (12, 16)]
