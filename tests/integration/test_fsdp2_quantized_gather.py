@@ -53,10 +53,10 @@ def _model() -> nn.Module:
     return nn.Sequential(hf.Linear(D, H, bias=False), nn.GELU(), hf.Linear(H, D, bias=False))
 
 
-def _train(model: nn.Module, recipe: str, group=None, steps: int = STEPS, opt=None) -> list[float]:
+def _train(model: nn.Module, recipe: str, group=None, steps: int = STEPS, opt=None, width: int = D) -> list[float]:
     opt = opt or torch.optim.SGD(model.parameters(), lr=0.5)
     g = torch.Generator().manual_seed(1)
-    x, target = torch.randn(ROWS, D, generator=g), torch.randn(ROWS, D, generator=g)
+    x, target = torch.randn(ROWS, width, generator=g), torch.randn(ROWS, width, generator=g)
     losses = []
     for _ in range(steps):
         opt.zero_grad()
@@ -246,23 +246,6 @@ def _square_mlp(width: int) -> nn.Module:
     return nn.Sequential(hf.Linear(width, width, bias=False), nn.GELU(), hf.Linear(width, width, bias=False))
 
 
-def _train_square(model: nn.Module, recipe: str, width: int) -> list[float]:
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    g = torch.Generator().manual_seed(1)
-    x, target = torch.randn(ROWS, width, generator=g), torch.randn(ROWS, width, generator=g)
-    losses = []
-    for _ in range(2):
-        opt.zero_grad()
-        torch.manual_seed(2)
-        with hf.autocast(recipe=RECIPES[recipe]()):
-            y = model(x)
-        loss = nn.functional.mse_loss(y.float(), target)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
 def _unaligned_worker(rank: int, world: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
@@ -274,7 +257,7 @@ def _unaligned_worker(rank: int, world: int) -> dict:
         for layer in (model[0], model[2]):
             fully_shard(layer)
         fully_shard(model)
-        out[recipe] = _train_square(model, recipe, width)
+        out[recipe] = _train(model, recipe, steps=2, width=width)
     return out
 
 
@@ -284,6 +267,6 @@ def test_shards_that_split_a_block_train_as_one_process(world: int, tmp_path) ->
     blocks, NVFP4 16x16): a straddling block is encoded by the rank where it starts, from its
     rows and the next rank's first rows, so the gathered weight is still the whole weight's
     quantization (TransformerEngine refuses FP8 block shards like these)."""
-    want = {r: _train_square(_square_mlp(world * b * 3 // 2), r, world * b * 3 // 2) for r, b in UNALIGNED[world]}
+    want = {r: _train(_square_mlp(world * b * 3 // 2), r, steps=2, width=world * b * 3 // 2) for r, b in UNALIGNED[world]}
     for got in run_ranks(_unaligned_worker, world, (), tmp_path):
         assert got == want

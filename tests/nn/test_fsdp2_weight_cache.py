@@ -19,25 +19,19 @@ A deadlock fails the test through the process group's timeout and the join timeo
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-from datetime import timedelta
-from pathlib import Path
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 import hybridfp as hfp
+
+from spawn_ranks import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::hybridfp.gemm.EmulatedGemmWarning")  # CPU: expected
 
 WORLD = 2
 STEPS = 4
 D_IN, D_HID, D_OUT, ROWS = 64, 96, 32, 16
-JOIN_TIMEOUT_S = 120  # a rank stuck in a collective exits after the group's 60 s timeout first
 
 
 def _recipe(name: str) -> hfp.Recipe:
@@ -70,59 +64,23 @@ def _train(model: nn.Module, recipe_name: str, group=None) -> list[float]:
     return losses
 
 
-def _worker(rank: int, port: int, recipe_name: str, out_dir: str, decoded_mode: str) -> None:
+def _worker(rank: int, world: int, recipe_name: str, decoded_mode: str) -> list[float]:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
-    try:
-        model = _model()
-        for layer in (model[0], model[2]):
-            fully_shard(layer)  # reshard_after_forward=True: re-gathered for backward, each step
-        fully_shard(model)
-        group = dist.group.WORLD if recipe_name == "delayed" else None
-        # the parent's decoded-copies mode (a spawned process starts with the default policy)
-        with hfp.policy(decoded_copies=decoded_mode):
-            losses = _train(model, recipe_name, group)
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(losses))
-    finally:
-        dist.destroy_process_group()
-    # the results are written: leave without the interpreter's teardown, where a still-joinable
-    # C++ thread can abort the process ("terminate called without an active exception")
-    os._exit(0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run_ranks(recipe_name: str, out_dir: Path, decoded_mode: str) -> list[list[float]]:
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, recipe_name, str(out_dir), decoded_mode))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(JOIN_TIMEOUT_S)
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"ranks {hung} did not finish within {JOIN_TIMEOUT_S} s (a collective deadlocked)"
-    codes = [p.exitcode for p in procs]
-    assert codes == [0] * WORLD, f"rank exit codes {codes}"
-    return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(WORLD)]
+    model = _model()
+    for layer in (model[0], model[2]):
+        fully_shard(layer)  # reshard_after_forward=True: re-gathered for backward, each step
+    fully_shard(model)
+    group = dist.group.WORLD if recipe_name == "delayed" else None
+    # the parent's decoded-copies mode (a spawned process starts with the default policy)
+    with hfp.policy(decoded_copies=decoded_mode):
+        return _train(model, recipe_name, group)
 
 
 @pytest.mark.parametrize("recipe_name", ["mxfp8", "delayed"])
 def test_fsdp2_ranks_match_single_process(recipe_name, tmp_path, decoded_copies_mode):
     want = _train(_model(), recipe_name)
     assert len(set(want)) == STEPS, "the weights must change from step to step"
-    for rank, got in enumerate(_run_ranks(recipe_name, tmp_path, decoded_copies_mode)):
+    for rank, got in enumerate(run_ranks(_worker, WORLD, (recipe_name, decoded_copies_mode), tmp_path)):
         assert got == want, f"rank {rank}: losses {got} vs single process {want}"
