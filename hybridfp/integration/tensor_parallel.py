@@ -13,8 +13,8 @@ Sequence parallelism (``input_layouts=Shard(seq_dim)`` on the column-parallel la
 ``output_layouts=Shard(seq_dim)`` on the row-parallel one): the norm runs on the rank's own
 rows, its output is quantized there (amax reduced over the group) and all-gathered as the
 quantized rowwise copy for fprop, the columnwise copy again in backward for wgrad; the
-row-parallel output is reduce-scattered along the rows (its gradient all-gathered, in high
-precision). The sequence dimension must be the first dimension of size > 1 (``[S, B, H]`` with
+row-parallel output is reduce-scattered along the rows (its gradient quantized on each rank's
+rows and all-gathered quantized: the rowwise copy for dgrad, the columnwise copy for wgrad). The sequence dimension must be the first dimension of size > 1 (``[S, B, H]`` with
 ``Shard(0)``, or ``[1, S, H]`` with ``Shard(1)``), so each rank's rows are one contiguous
 block of the flattened rows.
 """
@@ -153,8 +153,10 @@ class _Plan:
                                       "parallelism; build the module with save_original_input=False.")
         splits = spec.split_slots()
         rows = x2.shape[0]
-        shapes = {"input": (rows, x2.shape[1]), "weight": tuple(w.shape),
-                  "grad_output": ((rows * spec.world if spec.sequence_parallel else rows), w.shape[0])}
+        # dy's rows on this rank: a column-parallel layer's whole, a row-parallel one's own share
+        dy_rows = rows if not spec.sequence_parallel else (rows * spec.world if spec.kind == COLUMN
+                                                           else rows // spec.world)
+        shapes = {"input": (rows, x2.shape[1]), "weight": tuple(w.shape), "grad_output": (dy_rows, w.shape[0])}
         for slot, q in (("input", lc.input_q), ("weight", lc.weight_q), ("grad_output", lc.grad_q)):
             check_split(q, slot, splits[slot], *shapes[slot], spec)
 
@@ -299,7 +301,8 @@ class RowwiseParallel(ParallelStyle):
     sequence parallelism) and the bias added once; torch's ``RowwiseParallel`` arguments.
 
     x and W are split along K, so their per-tensor amaxes are reduced over the group; dy is whole
-    on every rank (sequence parallel: all-gathered in high precision first).
+    on every rank (sequence parallel: each rank quantizes its rows with the amax reduced over the
+    group, and the copies are all-gathered quantized).
 
     Parameters
     ----------

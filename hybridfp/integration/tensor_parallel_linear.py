@@ -9,14 +9,16 @@ Column-parallel (W [N/p, K] on each rank, rows of the whole weight):
 Row-parallel (W [N, K/p], columns of the whole weight; x [M, K/p], columns of the input):
 
     fprop  y    = Σ_r x_r · W_rᵀ + b       all-reduce (sequence parallel: reduce-scatter rows)
-    dgrad  dx_r = dy · W_r                 dy whole (sequence parallel: all-gathered)
+    dgrad  dx_r = dy · W_r                 dy whole (sequence parallel: gathered quantized)
     wgrad  dW_r = dyᵀ · x_r
 
 Which operands are split across the group, so their per-tensor amaxes (FP8 current scaling,
 NVFP4's global amax, delayed scaling's history) are reduced over it: column-parallel W and dy
-(along N) and, sequence parallel, x (along the rows); row-parallel x and W (along K). The others
-(column-parallel x without sequence parallelism, row-parallel dy) are whole and equal on every
-rank: no reduction. Partial sums travel in FP32 and the output is rounded once, as one process's
+(along N) and, sequence parallel, x (along the rows); row-parallel x and W (along K) and,
+sequence parallel, dy (along the rows: each rank quantizes its rows, then its rowwise copy is
+all-gathered for dgrad and its columnwise copy for wgrad). The others (column-parallel x
+without sequence parallelism, row-parallel dy without it) are whole and equal on every rank:
+no reduction. Partial sums travel in FP32 and the output is rounded once, as one process's
 GEMM rounds its FP32 accumulator once.
 """
 
@@ -34,7 +36,7 @@ from ..nn.shared_input import quantize_input
 from ..quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
                           HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer)
 from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
-from .tensor_parallel_comm import all_gather_rows, all_reduce_sum, gather_quantized_rows, reduce_scatter_rows
+from .tensor_parallel_comm import all_reduce_sum, gather_quantized_rows, reduce_scatter_rows
 
 COLUMN, ROW = "column", "row"
 
@@ -55,7 +57,7 @@ class ParallelGemm:
         "cols" of its [rows, cols] 2D form), None where it is whole on every rank."""
         if self.kind == COLUMN:
             return {"input": "rows" if self.sequence_parallel else None, "weight": "rows", "grad_output": "cols"}
-        return {"input": "cols", "weight": "cols", "grad_output": None}
+        return {"input": "cols", "weight": "cols", "grad_output": "rows" if self.sequence_parallel else None}
 
 
 def block_extent(q: Quantizer, direction: str) -> tuple[int, int]:
@@ -189,25 +191,32 @@ class ParallelLinearFunction(torch.autograd.Function):
         needs_dgrad, needs_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         sp, group = spec.sequence_parallel, spec.group
         dx = dw = db = None
+        # the output of a sequence-parallel row-parallel layer was reduce-scattered along the rows:
+        # each rank quantizes its rows of dy (amax reduced), the copies are all-gathered quantized
+        gather_dy = spec.kind == ROW and sp
         with torch_autocast_off(dy):
             dy2 = dy.contiguous()
-            if spec.kind == ROW and sp:
-                dy2 = all_gather_rows(dy2, group)  # the output was reduce-scattered along the rows
             if needs_dgrad or needs_wgrad:
                 lc.grad_q.set_usage(rowwise=needs_dgrad, columnwise=needs_wgrad)
-                qdy = lc.grad_q.quantize(dy2)
+                qdy = qdy_row = qdy_col = lc.grad_q.quantize(dy2)
+                if gather_dy:
+                    who = f"{spec.who}: output gradient"
+                    qdy_row = gather_quantized_rows(qdy, ROWWISE, group, who) if needs_dgrad else None
+                    qdy_col = gather_quantized_rows(qdy, COLUMNWISE, group, who) if needs_wgrad else None
             if needs_dgrad:
                 if spec.kind == COLUMN:
-                    part = gemm(qdy, qw, "NN", out_dtype=torch.float32)
+                    part = gemm(qdy_row, qw, "NN", out_dtype=torch.float32)
                     dx = (reduce_scatter_rows(part, group) if sp else all_reduce_sum(part, group)).to(ctx.x_dtype)
                 else:
-                    dx = gemm(qdy, qw, "NN", out_dtype=ctx.x_dtype)
+                    dx = gemm(qdy_row, qw, "NN", out_dtype=ctx.x_dtype)
             if needs_wgrad:
                 if spec.kind == COLUMN and sp:
                     qx = gather_quantized_rows(qx, COLUMNWISE, group, f"{spec.who}: input")
-                dw = gemm(qdy, qx, "NT", out_dtype=ctx.w_dtype)
+                dw = gemm(qdy_col, qx, "NT", out_dtype=ctx.w_dtype)
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-                db = bias_grad(dy2, ctx.bias_dtype)
+                # sequence parallel: each rank's rows' sum, then summed over the group (in FP32)
+                db = (all_reduce_sum(dy2.float().sum(0), group).to(ctx.bias_dtype) if gather_dy
+                      else bias_grad(dy2, ctx.bias_dtype))
         return dx, dw, db, None, None, None
 
 

@@ -27,7 +27,8 @@ wrong scale, a missing reduction or a misplaced shard moves a parameter by far m
 whole quantization error, ~6 % for FP8 and ~25 % for NVFP4 of the update, in every element).
 
 The SP all-gathers are counted: the forward sends fc1's input as its quantized rowwise copy
-(FP8: 1 byte an element, 0.5x BF16; MXFP8 1 + 1/32; NVFP4 0.5 + 1/16).
+(FP8: 1 byte an element, 0.5x BF16; MXFP8 1 + 1/32; NVFP4 0.5 + 1/16), the backward fc2's dy
+as its rowwise and its columnwise copies and fc1's input as its columnwise copy.
 """
 
 from __future__ import annotations
@@ -58,9 +59,12 @@ RECIPES = {
 }
 #: relative L2 bound on trained parameters and losses (see the module docstring)
 BOUND = {"current": 2e-3, "delayed": 2e-3, "mxfp8": 2e-3, "nvfp4": 2e-2, "hybrid_nvfp4_mxfp8": 2e-2}
-#: bytes per element of fc1's gathered rowwise copy: FP8 codes, MXFP8 + E8M0 per 32, E2M1 + E4M3 per 16
-GATHER_BYTES = {"current": 1.0, "delayed": 1.0, "mxfp8": 1 + 1 / 32, "nvfp4": 0.5 + 1 / 16,
-                "hybrid_nvfp4_mxfp8": 0.5 + 1 / 16}
+_MX, _FP4 = 1 + 1 / 32, 0.5 + 1 / 16  # MXFP8: + E8M0 per 32; NVFP4: E2M1 + E4M3 per 16
+#: bytes per element of the gathered copies: (x rowwise, x columnwise, dy rowwise, dy columnwise)
+GATHER_BYTES = {"current": (1, 1, 1, 1), "delayed": (1, 1, 1, 1), "mxfp8": (_MX,) * 4,
+                "nvfp4": (_FP4,) * 4,
+                # x: NVFP4 row (fprop), MXFP8 col (wgrad); dy: MXFP8 (dgrad, wgrad)
+                "hybrid_nvfp4_mxfp8": (_FP4, _MX, _MX, _MX)}
 MODELS = ("mlp", "ln_mlp", "layernorm_mlp")
 
 
@@ -172,10 +176,12 @@ def _case(rank: int, world: int, kind: str, recipe: str, sp: bool) -> dict:
                 with hf.autocast(recipe=RECIPES[recipe]()):
                     y = tp(x_tp)
                 fwd_sent = list(sent)
+                sent.clear()
                 loss = (y.float() * (c[rows] if sp else c)).sum()
                 loss.backward()
         finally:
             dist.all_gather_into_tensor = orig_ag
+        bwd_sent = list(sent)
         sent.clear()
         total = loss.detach().clone()
         if sp:
@@ -186,7 +192,7 @@ def _case(rank: int, world: int, kind: str, recipe: str, sp: bool) -> dict:
         if step == 0:
             out["y_rel"] = _rel(y, y_ref[rows] if sp else y_ref)
             out["dx_rel"] = _rel(x_tp.grad, x_ref.grad[rows] if sp else x_ref.grad)
-            out["gathered"] = fwd_sent
+            out["gathered"] = [fwd_sent, sorted(bwd_sent)]
             out.update(_operand_checks(rr.calls, rt.calls, rank, world, sp))
         opt_r.step()
         opt_t.step()
@@ -246,12 +252,13 @@ def test_tensor_parallel_trains_like_one_process(world, tmp_path):
                 assert abs(lt - lr) <= bound * abs(lr), f"{what} rank {rank}: losses {res['loss_tp']} vs {res['loss_ref']}"
             worst = max(res["param_rel"].items(), key=lambda kv: kv[1])
             assert worst[1] <= bound, f"{what} rank {rank}: parameter {worst[0]} rel error {worst[1]}"
-            if sp:
-                want = math.ceil(ROWS // world * H * GATHER_BYTES[recipe])
-                assert res["gathered"] == [want], f"{what} rank {rank}: forward all-gathers sent {res['gathered']} bytes"
-                assert want <= 0.55 * ROWS // world * H * 2  # vs the BF16 rows: FP8 0.5x, MXFP8 0.52x
+            if sp:  # one quantized copy of a rank's [ROWS / world, H] rows per all-gather
+                x_row, x_col, dy_row, dy_col = (math.ceil(ROWS // world * H * b) for b in GATHER_BYTES[recipe])
+                want = [[x_row], sorted([x_col, dy_row, dy_col])]
+                assert res["gathered"] == want, f"{what} rank {rank}: all-gathers sent {res['gathered']} bytes"
+                assert max(x_row, x_col, dy_row, dy_col) <= 0.52 * (ROWS // world * H * 2)  # BF16: 2 bytes
             else:
-                assert res["gathered"] == [], f"{what}: no forward all-gather without sequence parallelism"
+                assert res["gathered"] == [[], []], f"{what}: no all-gather without sequence parallelism"
         # every step, every GEMM: the ranks encode with the same per-tensor scales (whole tensors'
         # alike anyway; a split one's only through the amax reduction: fc2's x, fc1's dy, ...)
         for step in range(STEPS):
