@@ -4,7 +4,8 @@ modules under one or several recipes, on data that ships with Python, and compar
 Modules: ``data`` (corpus, token files, batches), ``model`` / ``moe`` (GPT, presets),
 ``recipes_by_name`` (command-line recipe names), ``loop`` (one recipe's training),
 ``checkpoint`` (bitwise resume from tensors and plain data), ``files`` (atomic writes),
-``plot`` / ``report`` (loss.png, summary.md), ``cli``.
+``plot`` / ``report`` (loss.png, summary.md), ``parallel`` (``--jobs``), ``distributed`` /
+``dist_checkpoint`` (``--fsdp`` / ``--ep`` under torchrun, sharded checkpoints), ``cli``.
 """
 
 from .cli import DEFAULT_COMPARE, main, train_main

@@ -49,6 +49,13 @@ class Parallel:
         Expert-parallel group size (1: every rank holds every expert).
     ep_mesh:
         The 2-D ``DeviceMesh`` (``dp``, ``ep``) when ``ep > 1``: rank ``d*ep + e``.
+
+    Example
+    -------
+    >>> from hybridfp.train.distributed import Parallel
+    >>> par = Parallel(rank=1, world=4, device="cpu", fsdp=True)
+    >>> par.rows(16), par.is_main                  # rank 1's rows of a global batch of 16
+    (slice(4, 8, None), False)
     """
 
     rank: int
@@ -162,6 +169,14 @@ def check_batch(batch_size: int, par: Parallel) -> None:
     ------
     ValueError
         ``batch_size`` is not a multiple of the world size.
+
+    Example
+    -------
+    >>> from hybridfp.train.distributed import Parallel, check_batch
+    >>> check_batch(16, Parallel(rank=0, world=4, device="cpu", fsdp=True))   # 4 rows per rank
+    >>> check_batch(6, Parallel(rank=0, world=4, device="cpu", fsdp=True))
+    Traceback (most recent call last):
+    ValueError: --batch-size 6 is the global batch: it must be a multiple of the 4 ranks (each reads batch_size / world rows).
     """
     if batch_size % par.world:
         raise ValueError(f"--batch-size {batch_size} is the global batch: it must be a multiple of the "
