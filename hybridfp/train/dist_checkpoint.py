@@ -202,7 +202,10 @@ def load_sharded(path: Path, model: nn.Module, opt: torch.optim.Optimizer, par: 
                               f"{saved_ep} (any number of ranks it divides).")
     build_quantizers()
     rename = _expert_names(model, par)
-    msd, osd = _renamed(*get_state_dict(model, opt), rename)
+    local_msd, local_osd = get_state_dict(model, opt)
+    back = {rename(k): k for k in [*local_msd, *local_osd.get("state", {}),
+                                   *(k for g in local_osd.get("param_groups", []) for k in g["params"])]}
+    msd, osd = _renamed(local_msd, local_osd, rename)
     state: dict[str, Any] = {"model": msd, "optimizer": osd, "rng": {"cpu": torch.get_rng_state()}}
     try:
         dcp.load(state, storage_reader=_safe_reader(path))
@@ -212,9 +215,6 @@ def load_sharded(path: Path, model: nn.Module, opt: torch.optim.Optimizer, par: 
         detail = " ".join(str(e).split())
         raise CheckpointError(f"--resume: {path} does not fit this run's model or optimizer "
                               f"({type(e).__name__}: {detail[:300]}).") from None
-    back = {rename(k): k for k in list(msd) + list(osd.get("state", {}))}
-    for g in osd.get("param_groups", []):
-        back.update({rename(k): k for k in g["params"]})
     msd, osd = _renamed(state["model"], state["optimizer"], lambda k: back.get(k, k))
     set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
     torch.set_rng_state(state["rng"]["cpu"].cpu())

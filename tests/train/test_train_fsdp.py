@@ -96,18 +96,22 @@ def test_fsdp_trains_as_one_process_and_resumes_at_another_world_size(tmp_path, 
     _assert_close(got, want)
 
 
-def test_expert_parallel_trains_as_one_process(tmp_path, text) -> None:
-    """The MoE preset's 4 experts over expert-parallel groups of 2 ranks: FSDP2 over a (dp=2,
-    ep=2) mesh on 4 ranks (the experts sharded over their 2 replicas), and --ep alone on 2 ranks
-    (MXFP8 experts). The load-balancing loss counts every rank's routed rows, so it too is one
-    process's (within the bounds)."""
-    run = ["--preset", "test-moe", "--steps", "3", "--data", str(text), *COMMON]
-    _single(tmp_path / "one", *run, "--compare", "bf16,mxfp8")
-    for n, recipe, flags in ((4, "bf16", ["--fsdp", "--ep", "2"]), (2, "mxfp8", ["--ep", "2"])):
-        out = tmp_path / f"ep-{n}"
-        _torchrun(n, *flags, "--recipe", recipe, "--out", str(out), *run)
-        _assert_close(_records(out, recipe), _records(tmp_path / "one", recipe),
-                      ("train_loss", "val_loss", "aux_loss"))
+def test_expert_parallel_trains_as_one_process_and_resumes(tmp_path, text) -> None:
+    """The MoE preset's 4 experts over expert-parallel groups of 2 ranks: 2 steps of --ep alone
+    on 2 ranks (BF16 and MXFP8 experts), then BF16 resumed for 2 more under FSDP2 over a (dp=2,
+    ep=2) mesh on 4 ranks (the experts sharded over their 2 replicas; the checkpoint names each
+    expert globally, so DCP hands every rank its own). The load-balancing loss counts every
+    rank's routed rows, so it too is one process's (within the bounds)."""
+    run = ["--preset", "test-moe", "--lr-decay-steps", "4", "--data", str(text), *COMMON]
+    _single(tmp_path / "one", *run, "--compare", "bf16,mxfp8", "--steps", "4")
+    out, keys = tmp_path / "ep", ("train_loss", "val_loss", "aux_loss")
+    _torchrun(2, "--ep", "2", "--compare", "bf16,mxfp8", "--steps", "2", "--out", str(out), *run)
+    for recipe in ("bf16", "mxfp8"):
+        _assert_close(_records(out, recipe), _records(tmp_path / "one", recipe)[:3], keys)
+    proc = _torchrun(4, "--fsdp", "--ep", "2", "--resume", "--recipe", "bf16", "--steps", "4", "--out", str(out),
+                     "--no-progress")
+    assert "at step 2" in proc.stdout
+    _assert_close(_records(out, "bf16"), _records(tmp_path / "one", "bf16"), keys)
 
 
 def test_sharded_runs_refuse_what_they_cannot_do(tmp_path, text, monkeypatch, capsys) -> None:
