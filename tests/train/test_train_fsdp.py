@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from hybridfp.train import cli
 from hybridfp.train.distributed import Parallel, check_batch
@@ -138,3 +139,17 @@ def test_sharded_runs_refuse_what_they_cannot_do(tmp_path, text, monkeypatch, ca
 def test_each_rank_reads_its_rows_of_the_global_batch() -> None:
     parts = [Parallel(rank=r, world=4, device="cpu", fsdp=True).rows(16) for r in range(4)]
     assert [(s.start, s.stop) for s in parts] == [(0, 4), (4, 8), (8, 12), (12, 16)]
+
+
+def test_expert_parallel_refuses_delayed_scaling() -> None:
+    """Delayed scaling all-reduces every quantizer's amax at a region's end, in module order:
+    under --ep the ranks hold other experts at the same places, so it is refused; a
+    stateless recipe reduces nothing (each expert quantizes with its own amax)."""
+    import hybridfp as hf
+    from hybridfp.train.loop import amax_group
+
+    model = torch.nn.Sequential(hf.Linear(32, 32))
+    ep = Parallel(rank=0, world=2, device="cpu", fsdp=False, ep=2)
+    with pytest.raises(ValueError, match="--ep with recipe .*delayed-scaling amaxes"):
+        amax_group(model, hf.DelayedScaling(), ep)
+    assert amax_group(model, hf.MXFP8BlockScaling(), ep) is None
