@@ -271,8 +271,9 @@ def sync_gradients(model: nn.Module, par: Parallel) -> None:
         p.grad.div_(par.world)
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float, par: Optional[Parallel]) -> None:
-    """``torch.nn.utils.clip_grad_norm_`` over the whole model's gradients, wherever they live.
+def clip_grad_norm(model: nn.Module, max_norm: float, par: Optional[Parallel]) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over the whole model's gradients, wherever they live;
+    returns the norm before clipping (the same on every rank).
 
     One process: torch's own. FSDP2 shards: their norm is a DTensor, made whole. Experts spread
     by ``--ep``: their squared norms are summed over the expert-parallel group (each rank
@@ -280,8 +281,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float, par: Optional[Parallel]) -
     """
     params = [p for p in model.parameters() if p.grad is not None]
     if par is None:
-        torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
     experts = {id(p) for p in expert_parameters(model)}
     shared_p = [p for p in params if id(p) not in experts]
     expert_p = [p for p in params if id(p) in experts]
@@ -297,6 +297,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float, par: Optional[Parallel]) -
     for part in (shared_p, expert_p):  # apart: foreach ops take DTensors of one mesh only
         if part:
             torch.nn.utils.clip_grads_with_norm_(part, max_norm, norm)
+    return norm
 
 
 def mean_over_ranks(value: torch.Tensor, par: Optional[Parallel]) -> float:

@@ -29,6 +29,7 @@ import torch
 
 from hybridfp.train import cli
 from hybridfp.train.distributed import Parallel, check_batch
+from spawn_ranks import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::hybridfp.gemm.EmulatedGemmWarning")
 
@@ -56,7 +57,7 @@ def _assert_close(got: list[dict], want: list[dict], keys: tuple[str, ...] = ("t
         for key in keys:
             assert (key in g) == (key in w), (g, w)
             if key in w:
-                first = g["step"] == 0 or (g["step"] == 1 and key == "train_loss")
+                first = g["step"] == 0 or (g["step"] == 1 and key == "train_loss")  # before any update
                 tol = FIRST_RTOL if first else LATER_RTOL
                 assert abs(g[key] - w[key]) <= tol * abs(w[key]), (key, g, w)
 
@@ -153,3 +154,73 @@ def test_expert_parallel_refuses_delayed_scaling() -> None:
     with pytest.raises(ValueError, match="--ep with recipe .*delayed-scaling amaxes"):
         amax_group(model, hf.DelayedScaling(), ep)
     assert amax_group(model, hf.MXFP8BlockScaling(), ep) is None
+
+
+def _moe_model():
+    from hybridfp.train.model import GPT, GPTConfig
+
+    torch.manual_seed(0)  # wide enough for whole MXFP8 blocks of rows on each of 4 ranks
+    return GPT(GPTConfig(n_layer=1, n_head=2, n_embd=128, mlp_hidden=128, block_size=32, n_experts=4,
+                         top_k=2, moe_hidden=64))
+
+
+def _moe_batch():
+    g = torch.Generator().manual_seed(3)
+    return torch.randint(0, 256, (8, 32), generator=g), torch.randint(0, 256, (8, 32), generator=g)
+
+
+def _gradient_norms(model) -> dict:
+    """Each parameter's gradient norm, experts under their global names (mlp.fc1.weight<e>)."""
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        if ".expert_parallel.experts." in name:
+            moe = model.get_submodule(name.split(".expert_parallel.")[0])
+            local = int(name.rsplit("weight", 1)[1])
+            name = name.replace("expert_parallel.experts.", "").rsplit("weight", 1)[0] + \
+                f"weight{moe.expert_parallel.local_experts[local]}"
+        out[name] = g.float().norm().item()
+    return out
+
+
+def _ep_gradients_worker(rank: int, world: int) -> dict:
+    """One step's gradients of the MoE GPT spread over 4 ranks, (dp=2, ep=2), with and without
+    FSDP2, each rank on its rows of one global batch."""
+    import hybridfp as hf
+    from torch.distributed.device_mesh import init_device_mesh
+    from hybridfp.train.distributed import shard_model, sync_gradients
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "ep"))
+    x, y = _moe_batch()
+    out = {}
+    for fsdp in (True, False):
+        par = Parallel(rank=rank, world=world, device="cpu", fsdp=fsdp, ep=2, ep_mesh=mesh)
+        model = _moe_model()
+        shard_model(model, par, hf.MXFP8BlockScaling())
+        with hf.autocast(recipe=hf.MXFP8BlockScaling()):
+            _, loss = model(x[par.rows(8)], y[par.rows(8)])
+        loss.backward()
+        sync_gradients(model, par)
+        out["fsdp" if fsdp else "ep"] = _gradient_norms(model)
+    return out
+
+
+def test_expert_parallel_gradients_are_one_process(tmp_path) -> None:
+    """The gradients a sharded step leaves (FSDP2's reduce-scatter over a (dp=2, ep=2) mesh, or
+    --ep's own all-reduces) are one process's on the global batch: the replicated weights'
+    averaged over the 4 ranks, each expert's summed over its 2 replicas and divided by 4 (an
+    expert's gradient already sums its ep group's 2 losses). Within 1e-3 of each parameter's
+    gradient norm (other FP32 summation orders; an expert off by its group's size is 2x)."""
+    import hybridfp as hf
+
+    model = _moe_model()
+    x, y = _moe_batch()
+    with hf.autocast(recipe=hf.MXFP8BlockScaling()):
+        _, loss = model(x, y)
+    loss.backward()
+    want = _gradient_norms(model)
+    for got in run_ranks(_ep_gradients_worker, 4, (), tmp_path):
+        for mode in ("fsdp", "ep"):
+            assert got[mode].keys() >= {k for k in want if ".fc" not in k}, mode
+            for name, norm in got[mode].items():
+                assert abs(norm - want[name]) <= 1e-3 * want[name], (mode, name, norm, want[name])
