@@ -287,11 +287,15 @@ def _whole_with_room(shard: QuantizedTensor, rows: int, tensors: dict, layout: G
 
 
 def _free_unsent(whole: QuantizedTensor, sent: tuple[str, ...]) -> None:
-    """Free the copies this gather did not send: reading one before a gather refills it fails."""
-    for d in whole.qstorage.directions():
+    """Free the copies this gather did not send: reading one before a gather refills it fails.
+    A tensor both copies hold (high precision keeps one for both directions) stays."""
+    storage = whole.qstorage
+    kept = {id(t) for d in sent for t in storage.part(d).payloads[d].values()}
+    for d in storage.directions():
         if d not in sent:
-            for t in whole.qstorage.part(d).payloads[d].values():
-                t.untyped_storage().resize_(0)
+            for t in storage.part(d).payloads[d].values():
+                if id(t) not in kept:
+                    t.untyped_storage().resize_(0)
 
 
 def _refill(out: QuantizedTensor, shard: QuantizedTensor, tensors: dict, sent: tuple[str, ...]) -> None:

@@ -37,6 +37,8 @@ RECIPES = {
     "hybrid_nvfp4_1d": lambda: hf.CustomRecipe(qfactory=factories.nvfp4_1d_weight),
     "hybrid_nvfp4_mxfp8": lambda: hf.CustomRecipe(qfactory=hf.factories.per_gemm(
         fprop="nvfp4", dgrad="mxfp8", wgrad="mxfp8")),
+    # unquantized: one tensor serves both copies (the FP32 weight, twice a BF16 one's bytes)
+    "high_precision": lambda: hf.CustomRecipe(qfactory=factories.high_precision),
 }
 #: bytes sent per weight element / a BF16 weight's 2, forward and backward gathers
 _MX, _FP4_2D, _FP4_1D = (1 + 1 / 32) / 2, (0.5 + 1 / 256) / 2, (0.5 + 1 / 16) / 2
@@ -44,7 +46,7 @@ RATIOS = {
     "current": (0.5, 0.5), "delayed": (0.5, 0.5), "block": (0.5 + 4 / 128**2 / 2,) * 2,
     "mxfp8": (_MX, _MX), "nvfp4": (_FP4_2D, _FP4_2D),
     # two formats: each gather sends its own copy's bytes
-    "hybrid_mxfp8_nvfp4": (_MX, _FP4_1D), "hybrid_nvfp4_1d": (_FP4_1D, _FP4_1D), "hybrid_nvfp4_mxfp8": (_FP4_1D, _MX),
+    "high_precision": (2.0, 2.0), "hybrid_mxfp8_nvfp4": (_MX, _FP4_1D), "hybrid_nvfp4_1d": (_FP4_1D, _FP4_1D), "hybrid_nvfp4_mxfp8": (_FP4_1D, _MX),
 }
 
 
@@ -98,6 +100,9 @@ def _fsdp_worker(rank: int, world: int, recipes: list[str]) -> dict:
         del sent[:]
         group = dist.group.WORLD if recipe == "delayed" else None
         out[recipe] = {"losses": _train(model, recipe, group), "sent": list(sent)}
+        with torch.no_grad(), hf.autocast(recipe=RECIPES[recipe](), amax_reduction_group=group):
+            for _ in range(2):  # forwards without a backward gather between them
+                model(torch.ones(ROWS, D))
     return out
 
 
