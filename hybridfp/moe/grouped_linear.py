@@ -20,6 +20,7 @@ into one buffer, or one Parameter) and their quantized cache are ``grouped_weigh
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from typing import Any, Optional, Sequence
@@ -35,6 +36,15 @@ from ..nn.linear_function import LinearContext
 from ..nn.weight_cache import check_is_first_microbatch
 from .grouped_linear_function import GroupedLinearFunction, WeightReuse, any_random
 from .grouped_weights import GroupedWeights
+
+
+@functools.cache
+def _untraced_forward() -> Any:
+    """``GroupedLinear._forward`` hidden from Dynamo (its per-expert row counts live on the
+    host): under torch.compile the layer runs eagerly, one graph break per call. Made at the
+    first compiled call, not at import: ``torch.compiler.disable`` imports Dynamo, which
+    imports Triton, and Triton reads ``TRITON_INTERPRET`` once, when it is imported."""
+    return torch.compiler.disable(GroupedLinear._forward, recursive=True)
 
 
 def _offsets_to_splits(offsets: Any, rows: int, who: str) -> list[int]:
@@ -307,16 +317,20 @@ class GroupedLinear(GroupedWeights, QuantizedModule):
         torch.Size([5, 8])
         """
         if torch.compiler.is_compiling():  # one break: the eager layer between two graphs
-            return self._forward_eagerly(x, m_splits, is_first_microbatch, offsets)
+            return _untraced_forward()(self, x, m_splits, is_first_microbatch, offsets)
         return self._forward(x, m_splits, is_first_microbatch, offsets)
 
     def _forward(self, x: torch.Tensor, m_splits: Optional[Sequence[int] | torch.Tensor],
                  is_first_microbatch: Optional[bool], offsets: Optional[torch.Tensor]) -> torch.Tensor:
         """:meth:`forward`'s body."""
         check_is_first_microbatch(is_first_microbatch, self._who())
-        if (m_splits is None) == (offsets is None):
-            raise TypeError(f"{self._who()}: pass exactly one of m_splits (rows per "
-                            "expert) and offsets (cumulative row ends, as torch._grouped_mm's offs).")
+        if m_splits is None and offsets is None:
+            raise TypeError(f"{self._who()}: m_splits=None is not a sequence of ints; pass the number of "
+                            "rows of each expert, e.g. [4, 0, 9], or offsets= (cumulative row ends, as "
+                            "torch._grouped_mm's offs).")
+        if m_splits is not None and offsets is not None:
+            raise TypeError(f"{self._who()}: pass exactly one of m_splits (rows per expert) and offsets "
+                            "(cumulative row ends, as torch._grouped_mm's offs), not both.")
         if offsets is not None:
             m_splits = _offsets_to_splits(offsets, x.shape[0], self._who())
         if x.dim() != 2 or x.shape[-1] != self.in_features:
@@ -352,10 +366,6 @@ class GroupedLinear(GroupedWeights, QuantizedModule):
                                                *params)
         return GroupedLinearFunction.apply(x, splits, self._lcs, self.use_bias, None, reuse, *self.weights(),
                                            *self.biases())
-
-    #: Dynamo does not trace the layer (its per-expert row counts live on the host): under
-    #: torch.compile the forward runs eagerly, one graph break per call.
-    _forward_eagerly = torch.compiler.disable(_forward, recursive=True)
 
     def extra_repr(self) -> str:
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, "

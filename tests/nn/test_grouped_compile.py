@@ -96,7 +96,7 @@ def test_offsets_equal_m_splits() -> None:
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    ({}, TypeError, "exactly one of m_splits"),
+    ({}, TypeError, "m_splits=None is not a sequence of ints"),
     ({"m_splits": [4, 0, 6], "offsets": torch.tensor([4, 4, 10])}, TypeError, "exactly one of m_splits"),
     ({"offsets": torch.tensor([4, 3, 10])}, ValueError, "decrease"),
     ({"offsets": torch.tensor([4.0, 4.0, 10.0])}, TypeError, "integer tensor"),
