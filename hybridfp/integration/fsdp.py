@@ -26,6 +26,7 @@ of two formats the output is dropped when the size changes, so FSDP2 makes one o
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -59,7 +60,6 @@ _PRESERVE = {
 class _Slot:
     """What every shard of one weight shares: its module's weight slot and the gather state."""
 
-    module: "weakref.ref[nn.Module]"
     attr: str
     index: int
     copies: str
@@ -115,6 +115,8 @@ class QuantizedGatherWeight(torch.Tensor):
             return t._hp
 
         out = func(*tree_map_only(cls, unwrap, args), **tree_map_only(cls, unwrap, kwargs))
+        if func is aten.clone.default:  # a new weight (deepcopy): its own gather state
+            slot = dataclasses.replace(slot, backward_q=None, layouts={}, fsdp_param=None, warned_padding=False)
         if func in _PRESERVE:
             return tree_map_only(torch.Tensor, lambda o: wrappers[id(o)] if id(o) in wrappers else cls(o, slot), out)
         # in-place ops return their (unwrapped) first argument: hand back the wrapper itself
@@ -125,8 +127,8 @@ class QuantizedGatherWeight(torch.Tensor):
                             module: nn.Module, mp_policy: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
         """Quantize this rank's shard and pack the copies this gather sends (FSDP2 hook)."""
         slot = self._slot
-        owner = slot.module()
-        who = f"{type(owner).__name__}.{slot.attr}" if owner is not None else slot.attr
+        owner = module  # FSDP2's own record of the module holding the weight (a deepcopy's too)
+        who = f"{type(owner).__name__}.{slot.attr}"
         group = mesh.get_group(mesh.ndim - 1)
         in_backward = torch._C._current_graph_task_id() != -1
         sets = _SETS[slot.copies]
@@ -355,7 +357,7 @@ def enable_quantized_all_gather(model: nn.Module, *, copies: str = "per_directio
             if type(p.data) is not torch.Tensor:
                 raise ValueError(f"{type(module).__name__}.{attr} is a {type(p.data).__name__}; call "
                                  "enable_quantized_all_gather before fully_shard.")
-            slot = _Slot(weakref.ref(module), attr, index, copies)
+            slot = _Slot(attr, index, copies)
             setattr(module, attr, nn.Parameter(QuantizedGatherWeight(p.data, slot), requires_grad=p.requires_grad))
             n += 1
     return n
