@@ -20,7 +20,6 @@ into one buffer, or one Parameter) and their quantized cache are ``grouped_weigh
 
 from __future__ import annotations
 
-import functools
 import math
 import operator
 from typing import Any, Optional, Sequence
@@ -36,15 +35,6 @@ from ..nn.linear_function import LinearContext
 from ..nn.weight_cache import check_is_first_microbatch
 from .grouped_linear_function import GroupedLinearFunction, WeightReuse, any_random
 from .grouped_weights import GroupedWeights
-
-
-@functools.cache
-def _untraced_forward() -> Any:
-    """``GroupedLinear._forward`` hidden from Dynamo (its per-expert row counts live on the
-    host): under torch.compile the layer runs eagerly, one graph break per call. Made at the
-    first compiled call, not at import: ``torch.compiler.disable`` imports Dynamo, which
-    imports Triton, and Triton reads ``TRITON_INTERPRET`` once, when it is imported."""
-    return torch.compiler.disable(GroupedLinear._forward, recursive=True)
 
 
 def _offsets_to_splits(offsets: Any, rows: int, who: str) -> list[int]:
@@ -317,7 +307,10 @@ class GroupedLinear(GroupedWeights, QuantizedModule):
         torch.Size([5, 8])
         """
         if torch.compiler.is_compiling():  # one break: the eager layer between two graphs
-            return _untraced_forward()(self, x, m_splits, is_first_microbatch, offsets)
+            # torch.compiler.disable made here, not at import: it imports Dynamo, which imports
+            # Triton, and Triton reads TRITON_INTERPRET once, when it is imported
+            untraced = torch.compiler.disable(GroupedLinear._forward, recursive=True)
+            return untraced(self, x, m_splits, is_first_microbatch, offsets)
         return self._forward(x, m_splits, is_first_microbatch, offsets)
 
     def _forward(self, x: torch.Tensor, m_splits: Optional[Sequence[int] | torch.Tensor],

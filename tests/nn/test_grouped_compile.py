@@ -107,3 +107,18 @@ def test_offsets_errors(kwargs: dict, error: type, match: str) -> None:
     m = GroupedLinear(3, D, F)
     with pytest.raises(error, match=match):
         m(torch.randn(10, D), **kwargs)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_quantized_expert_weights_compile_bitwise(recipe: str) -> None:
+    """Experts made under quantized_model_init (their weights QuantizedTensor parameters) run
+    in the compiled model as in eager: same outputs and gradients, the weights' gradients plain."""
+    torch.manual_seed(0)
+    with hf.quantized_model_init(recipe=RECIPES[recipe]()):
+        eager = _Experts()
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model, backend="aot_eager")
+    x = torch.randn(24, D)
+    want, got = _step(eager, x, recipe), _step(compiled, x, recipe)
+    for w, g in zip(want, got):
+        assert type(g) is torch.Tensor and torch.equal(w, g)
