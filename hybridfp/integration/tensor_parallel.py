@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..nn import LayerNormLinear, LayerNormMLP, Linear
 from ..nn.layernorm_linear import normalize
@@ -54,8 +55,9 @@ class _Plan:
     module's forward calls :meth:`forward` (``hybridfp.nn``'s modules look it up)."""
 
     def __init__(self, mesh: DeviceMesh, kinds: tuple[str, ...], seq_dim: Optional[int],
-                 use_local_output: bool, who: str) -> None:
+                 use_local_output: bool, who: str, gated: bool = False) -> None:
         self.mesh, self.group = mesh, mesh.get_group()
+        self.gated = gated  # GEMM set 0's output is [gate_r | up_r] on each rank
         self.world = mesh.size()
         self.kinds, self.seq_dim, self.use_local_output = kinds, seq_dim, use_local_output
         self.sp = seq_dim is not None
@@ -122,7 +124,7 @@ class _Plan:
         else:
             x2 = module.torch_autocast_input(x2)
             lc = module.linear_context(state, index, is_first_microbatch)
-            self._check(state, lc, spec, x2, w_local)
+            self._check(state, lc, spec, x2, w_local, halves=self.gated and index == 0)
             set_amax_groups(lc, spec)
             y2 = ParallelLinearFunction.apply(x2, w_local, b_local, lc, spec, WeightShard(weight._local_tensor))
         return y2.reshape(self._out_shape(x, factor, y2.shape[-1]))
@@ -139,7 +141,8 @@ class _Plan:
         y = ReduceScatterRows.apply(part, self.group) if self.sp else ReduceFromParallel.apply(part, self.group)
         return y if b is None else y + b
 
-    def _check(self, state: Any, lc: Any, spec: ParallelGemm, x2: torch.Tensor, w: torch.Tensor) -> None:
+    def _check(self, state: Any, lc: Any, spec: ParallelGemm, x2: torch.Tensor, w: torch.Tensor,
+               halves: bool = False) -> None:
         if state.amax_reduction_group is not None:
             raise NotImplementedError(
                 f"{spec.who}: hybridfp.autocast(amax_reduction_group=...) with tensor parallelism: the "
@@ -158,7 +161,7 @@ class _Plan:
                                                            else rows // spec.world)
         shapes = {"input": (rows, x2.shape[1]), "weight": tuple(w.shape), "grad_output": (dy_rows, w.shape[0])}
         for slot, q in (("input", lc.input_q), ("weight", lc.weight_q), ("grad_output", lc.grad_q)):
-            check_split(q, slot, splits[slot], *shapes[slot], spec)
+            check_split(q, slot, splits[slot], *shapes[slot], spec, halves=halves and slot != "input")
 
     def _norm(self, module: Any, x: torch.Tensor) -> torch.Tensor:
         w = module.layer_norm_weight.to_local()
@@ -356,6 +359,15 @@ class LayerNormMLPParallel(ParallelStyle):
     ``fc2_bias`` replicated. fc1 and fc2 split their operands as :class:`ColwiseParallel` and
     :class:`RowwiseParallel` do.
 
+    A gated activation (swiglu, geglu, ...): fc1's output is [gate | up] (``2 * ffn`` rows of
+    ``fc1_weight``), and each rank holds the gate rows and the up rows of its own ffn slice,
+    ``[gate_r; up_r]``, so the activation runs on the rank's own fc1 output. ``fc1_weight`` /
+    ``fc1_bias`` are then placed ``_StridedShard(0, split_factor=2)`` (torch's placement for
+    "split in 2 along dim 0, then each part sharded"): the DTensor says which rows each rank
+    holds, so ``full_tensor()``, ``state_dict`` and ``torch.distributed.checkpoint`` give back
+    the unsharded ``[gate; up]`` weight. ffn_hidden_size must split evenly over the ranks, and
+    each half of a rank's fc1 rows must hold whole quantization blocks.
+
     Parameters
     ----------
     sequence_parallel:
@@ -370,9 +382,8 @@ class LayerNormMLPParallel(ParallelStyle):
     ------
     TypeError
         From ``parallelize_module``: a module other than ``LayerNormMLP``.
-    NotImplementedError
-        A gated activation (swiglu, geglu, ...): fc1's [gate | up] halves would have to be
-        sharded separately.
+    ValueError
+        A gated activation whose ffn_hidden_size does not split evenly over the ranks.
 
     Example
     -------
@@ -388,15 +399,21 @@ class LayerNormMLPParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, LayerNormMLP):
             raise TypeError(f"hybridfp.LayerNormMLPParallel takes hybridfp.LayerNormMLP; got {_cls(module)}.")
-        if module.activation in _GATED:
-            raise NotImplementedError(
-                f"{_who(module)}: activation={module.activation!r} is gated: fc1's output holds [gate | up], "
-                "which tensor parallelism would have to shard half by half. Use an ungated activation, or "
-                "two column-parallel Linears (gate, up) and a row-parallel one.")
         mesh = _mesh_1d(device_mesh, _who(module))
+        gated = module.activation in _GATED
+        fc1: Any = Shard(0)
+        if gated:
+            ffn = module.fc2_weight.shape[1]
+            if ffn % mesh.size():
+                raise ValueError(
+                    f"{_who(module)}: activation={module.activation!r} is gated, so each rank holds the gate "
+                    f"and the up rows of its own ffn slice; ffn_hidden_size={ffn} does not split evenly over "
+                    f"{mesh.size()} tensor-parallel ranks. Choose a multiple of {mesh.size()}.")
+            # [gate; up] split in two, then each half sharded: rank r holds [gate_r; up_r]
+            fc1 = _StridedShard(0, split_factor=2)
         for name, placement in (("layer_norm_weight", Replicate()), ("layer_norm_bias", Replicate()),
-                                ("fc1_weight", Shard(0)), ("fc1_bias", Shard(0)),
+                                ("fc1_weight", fc1), ("fc1_bias", fc1),
                                 ("fc2_weight", Shard(1)), ("fc2_bias", Replicate())):
             _shard(module, name, mesh, placement, self.src_data_rank)
         seq = self.seq_dim if self.sequence_parallel else None
-        return _install(module, _Plan(mesh, (COLUMN, ROW), seq, self.use_local_output, _who(module)))
+        return _install(module, _Plan(mesh, (COLUMN, ROW), seq, self.use_local_output, _who(module), gated))

@@ -93,9 +93,12 @@ def _row_scaled(q: Quantizer) -> bool:
     return bool(getattr(child, "row_scaled_nvfp4", False))
 
 
-def check_split(q: Quantizer, slot: str, split: Optional[str], rows: int, cols: int, spec: ParallelGemm) -> None:
+def check_split(q: Quantizer, slot: str, split: Optional[str], rows: int, cols: int, spec: ParallelGemm,
+                halves: bool = False) -> None:
     """Refuse a shard whose blocks would straddle two ranks (each copy's blocks must be whole
-    within every rank's part), and per-row scales of a row split along its columns.
+    within every rank's part), and per-row scales of a row split along its columns. ``halves``:
+    the split dim holds a gated fc1's [gate | up], each half sharded on its own, so each half of
+    the rank's part must hold whole blocks.
 
     Raises
     ------
@@ -107,10 +110,11 @@ def check_split(q: Quantizer, slot: str, split: Optional[str], rows: int, cols: 
     for direction in (ROWWISE, COLUMNWISE):
         ext = block_extent(q, direction)[0 if split == "rows" else 1]
         local = rows if split == "rows" else cols
+        local, of = (local // 2, " per half of the gated [gate | up]") if halves else (local, "")
         if local % ext:
             raise ValueError(
                 f"{spec.who}: the {slot} is split across {spec.world} tensor-parallel ranks along its "
-                f"{split} ({local} on each), but its {direction} copy ({type(q).__name__}) is blocked every "
+                f"{split} ({local} on each{of}), but its {direction} copy ({type(q).__name__}) is blocked every "
                 f"{ext} {split}, so a block would straddle two ranks. Choose sizes whose per-rank part is a "
                 f"multiple of {ext}, or another format for this layer.")
     if split == "cols" and _row_scaled(q):

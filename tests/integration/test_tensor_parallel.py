@@ -2,8 +2,11 @@
 
 Each rank of a gloo group (2 and 4 processes on the CPU) holds the same batch and trains a
 tensor-parallel copy of a tiny model (fc1 column-parallel, fc2 row-parallel: two Linears, a
-LayerNormLinear and a Linear, a LayerNormMLP), with and without sequence parallelism, a few
-SGD steps; the same rank trains the unparallelized model as the reference.
+LayerNormLinear and a Linear, a LayerNormMLP, a SwiGLU LayerNormMLP), with and without sequence
+parallelism, a few SGD steps; the same rank trains the unparallelized model as the reference.
+Before training, every parameter's ``full_tensor()`` in the state_dict is bitwise the
+unparallelized one, and the SwiGLU fc1's local shard is [gate_r; up_r] (the rank's ffn slice of
+each half, so the activation runs on the rank's own fc1 output).
 
 What is bitwise (quantization only, no sum order involved): every GEMM operand that is a slice
 of a tensor the reference also holds exactly — the weights (first step: the same values), the
@@ -65,20 +68,21 @@ GATHER_BYTES = {"current": (1, 1, 1, 1), "delayed": (1, 1, 1, 1), "mxfp8": (_MX,
                 "nvfp4": (_FP4,) * 4,
                 # x: NVFP4 row (fprop), MXFP8 col (wgrad); dy: MXFP8 (dgrad, wgrad)
                 "hybrid_nvfp4_mxfp8": (_FP4, _MX, _MX, _MX)}
-MODELS = ("mlp", "ln_mlp", "layernorm_mlp")
+MODELS = ("mlp", "ln_mlp", "layernorm_mlp", "swiglu_mlp")
 
 
 def _model(kind: str) -> nn.Module:
     torch.manual_seed(0)
-    if kind == "layernorm_mlp":
-        return nn.Sequential(hf.LayerNormMLP(H, F, activation="gelu", name="mlp"))
+    if kind in ("layernorm_mlp", "swiglu_mlp"):
+        act = "swiglu" if kind == "swiglu_mlp" else "gelu"
+        return nn.Sequential(hf.LayerNormMLP(H, F, activation=act, name="mlp"))
     fc1 = hf.Linear(H, F, name="fc1") if kind == "mlp" else hf.LayerNormLinear(H, F, name="fc1")
     return nn.Sequential(fc1, nn.GELU(), hf.Linear(F, H, name="fc2"))
 
 
 def _plan(kind: str, sp: bool) -> dict:
     from torch.distributed.tensor import Shard
-    if kind == "layernorm_mlp":
+    if kind in ("layernorm_mlp", "swiglu_mlp"):
         return {"0": hf.LayerNormMLPParallel(sequence_parallel=sp)}
     if sp:
         return {"0": hf.ColwiseParallel(input_layouts=Shard(0)), "2": hf.RowwiseParallel(output_layouts=Shard(0))}
@@ -151,11 +155,12 @@ def _case(rank: int, world: int, kind: str, recipe: str, sp: bool) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     ref = _model(kind)
     tp = parallelize_module(copy.deepcopy(ref), mesh, _plan(kind, sp))
+    out0 = _layout_checks(ref, tp, rank, world, gated=kind == "swiglu_mlp")
     g = torch.Generator().manual_seed(1)
     x, c = torch.randn(ROWS, H, generator=g), torch.randn(ROWS, H, generator=g)
     rows = slice(rank * ROWS // world, (rank + 1) * ROWS // world)
     opt_r, opt_t = torch.optim.SGD(ref.parameters(), lr=LR), torch.optim.SGD(tp.parameters(), lr=LR)
-    out: dict = {"loss_ref": [], "loss_tp": [], "gathered": [], "scales": [None] * STEPS}
+    out: dict = {"loss_ref": [], "loss_tp": [], "gathered": [], "scales": [None] * STEPS, **out0}
     sent: list[int] = []
     orig_ag = dist.all_gather_into_tensor
 
@@ -193,7 +198,7 @@ def _case(rank: int, world: int, kind: str, recipe: str, sp: bool) -> dict:
             out["y_rel"] = _rel(y, y_ref[rows] if sp else y_ref)
             out["dx_rel"] = _rel(x_tp.grad, x_ref.grad[rows] if sp else x_ref.grad)
             out["gathered"] = [fwd_sent, sorted(bwd_sent)]
-            out.update(_operand_checks(rr.calls, rt.calls, rank, world, sp))
+            out.update(_operand_checks(rr.calls, rt.calls, rank, world, sp, gated=kind == "swiglu_mlp"))
         opt_r.step()
         opt_t.step()
     names = dict(ref.named_parameters())
@@ -201,7 +206,23 @@ def _case(rank: int, world: int, kind: str, recipe: str, sp: bool) -> dict:
     return out
 
 
-def _operand_checks(ref_calls: list, tp_calls: list, rank: int, world: int, sp: bool) -> dict:
+def _layout_checks(ref: nn.Module, tp: nn.Module, rank: int, world: int, gated: bool) -> dict:
+    """Before training: the state_dict's DTensors give back the unsharded parameters bitwise,
+    and a gated fc1's local shard is [gate_r; up_r] (the rank's ffn slice of each half)."""
+    from torch.distributed.tensor import DTensor
+    want = {n: v for n, v in ref.state_dict().items() if isinstance(v, torch.Tensor)}  # not extra state
+    got = {n: (v.full_tensor() if isinstance(v, DTensor) else v) for n, v in tp.state_dict().items()
+           if isinstance(v, torch.Tensor)}
+    out = {"state_dict": sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)}
+    if gated:
+        local = {n: tp.state_dict()[n].to_local() for n in ("0.fc1_weight", "0.fc1_bias")}
+        halves = {n: [h.chunk(world)[rank] for h in want[n].chunk(2)] for n in local}
+        out["gate_up_local"] = all(torch.equal(local[n], torch.cat(halves[n])) for n in local)
+    return out
+
+
+def _operand_checks(ref_calls: list, tp_calls: list, rank: int, world: int, sp: bool,
+                    gated: bool = False) -> dict:
     """First step: which quantized operands are bitwise slices of the reference's (see the
     module docstring), and each rank's per-tensor scales of the operands that are not."""
     def by(calls, layout):
@@ -213,7 +234,11 @@ def _operand_checks(ref_calls: list, tp_calls: list, rank: int, world: int, sp: 
     (r2w, r1w), (t2w, t1w) = by(ref_calls, "NT"), by(tp_calls, "NT")
     n1 = t1f[2].shape[0]  # fc1's rows of out_features on this rank
     k2 = t2f[2].shape[1]  # fc2's columns of in_features on this rank
-    o1 = slice(rank * n1, (rank + 1) * n1)
+    o1: object = slice(rank * n1, (rank + 1) * n1)
+    if gated:  # the rank's rows of the gate half, then of the up half
+        ffn = r1f[2].shape[0] // 2
+        own = torch.arange(rank * n1 // 2, (rank + 1) * n1 // 2)
+        o1 = torch.cat([own, ffn + own])
     o2 = slice(rank * k2, (rank + 1) * k2)
     checks = {
         "fc1 x rowwise": torch.equal(t1f[1], r1f[1]),
@@ -243,6 +268,8 @@ def test_tensor_parallel_trains_like_one_process(world, tmp_path):
     for i, (kind, recipe, sp) in enumerate(cases):
         what = f"{kind} {recipe} sp={sp} world={world}"
         for rank, res in enumerate(r[i] for r in results):
+            assert res["state_dict"], f"{what} rank {rank}: state_dict's full_tensor() is not the unsharded model's"
+            assert res.get("gate_up_local", True), f"{what} rank {rank}: fc1's local shard is not [gate_r; up_r]"
             bad = [k for k, ok in res["bitwise"].items() if not ok]
             assert not bad, f"{what} rank {rank}: operands not bitwise the reference's slice: {bad}"
             bound = BOUND[recipe]

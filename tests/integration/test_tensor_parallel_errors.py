@@ -71,8 +71,11 @@ def _cases(rank: int, world: int) -> dict:
                                                               {"0": hf.RowwiseParallel()}))
     out["col_mlp"] = _error(lambda: parallelize_module(hf.LayerNormMLP(H, F), mesh, hf.ColwiseParallel()))
     out["col_torch"] = _error(lambda: parallelize_module(nn.Linear(H, F), mesh, hf.ColwiseParallel()))
-    out["gated"] = _error(lambda: parallelize_module(hf.LayerNormMLP(H, F, activation="swiglu"), mesh,
-                                                     hf.LayerNormMLPParallel()))
+    # gated: each half of a rank's fc1 rows (16 of the gate, 16 of the up rows) within MXFP8's 32-row blocks
+    out["gated_block"] = _error(lambda: run(parallelize_module(hf.LayerNormMLP(H, 32, activation="swiglu"), mesh,
+                                                               hf.LayerNormMLPParallel()), hf.MXFP8BlockScaling(), x))
+    out["gated_uneven"] = _error(lambda: parallelize_module(hf.LayerNormMLP(H, 33, activation="swiglu"), mesh,
+                                                            hf.LayerNormMLPParallel()))
     out["layout"] = _error(lambda: hf.ColwiseParallel(output_layouts=Replicate()))
     out["group"] = _error(lambda: run(parallelize_module(_mlp(), mesh, plan), hf.Float8CurrentScaling(), x,
                                       amax_reduction_group=dist.group.WORLD))
@@ -132,7 +135,9 @@ def results(tmp_path_factory):
     ("row_layernorm", "TypeError", ["RowwiseParallel", "LayerNormLinear"]),
     ("col_mlp", "TypeError", ["LayerNormMLPParallel"]),
     ("col_torch", "TypeError", ["torch's ColwiseParallel"]),
-    ("gated", "NotImplementedError", ["swiglu", "gate | up"]),
+    ("gated_block", "ValueError", ["weight", "16 on each per half of the gated [gate | up]",
+                                   "blocked every 32 rows"]),
+    ("gated_uneven", "ValueError", ["swiglu", "ffn_hidden_size=33", "multiple of 2"]),
     ("layout", "NotImplementedError", ["output_layouts", "Shard(-1)"]),
     ("group", "NotImplementedError", ["amax_reduction_group"]),
     ("override", "NotImplementedError", ["backward_override"]),
