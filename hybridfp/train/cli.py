@@ -84,6 +84,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, default=1,
                    help="under torchrun: spread each MoE layer's experts over groups of EP contiguous "
                         "ranks (hybridfp.ExpertParallel); default 1: every rank holds every expert")
+    p.add_argument("--tp", type=int, default=1,
+                   help="under torchrun: split each block's linears over groups of TP contiguous ranks "
+                        "(tensor parallelism; the heads must divide by TP); the batch is split over "
+                        "the world / TP data-parallel ranks")
     p.add_argument("--device", help="cpu (default) or cuda")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="activation dtype (default bf16)")
     p.add_argument("--seed", type=int, default=None)
@@ -213,6 +217,7 @@ def config_from_args(args: argparse.Namespace, saved: Optional[dict] = None) -> 
         cfg.checkpoint_interval = args.checkpoint_interval
         cfg.recompute = bool(getattr(args, "recompute", False))
         cfg.fsdp, cfg.ep = bool(getattr(args, "fsdp", False)), getattr(args, "ep", 1)
+        cfg.tp = getattr(args, "tp", 1)
         if getattr(args, "quantized_weights", False) and not cfg.quantized_weights:
             logger.warning("note: --resume keeps quantized_weights=False from the run in progress "
                            "(ignoring --quantized-weights)")
@@ -230,7 +235,7 @@ def config_from_args(args: argparse.Namespace, saved: Optional[dict] = None) -> 
             checkpoint_interval=args.checkpoint_interval,
             quantized_weights=bool(getattr(args, "quantized_weights", False)),
             recompute=bool(getattr(args, "recompute", False)),
-            fsdp=bool(getattr(args, "fsdp", False)), ep=getattr(args, "ep", 1))
+            fsdp=bool(getattr(args, "fsdp", False)), ep=getattr(args, "ep", 1), tp=getattr(args, "tp", 1))
     for key in ("steps", "batch_size", "seq_len", "eval_interval", "eval_iters", "lr_decay_steps"):
         if getattr(cfg, key) < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be at least 1; got {getattr(cfg, key)}.")
@@ -327,10 +332,13 @@ def _run_train(args: argparse.Namespace, joined: list[Parallel]) -> int:
     saved_config, saved_recipes = read_run_json(out / "run.json") if args.resume else (None, None)
     cfg = config_from_args(args, saved_config)
     recipes = parse_recipes(args, saved_recipes)
-    check_parallel_args(cfg.fsdp, cfg.ep, cfg.quantized_weights, args.jobs)
+    check_parallel_args(cfg.fsdp, cfg.ep, cfg.quantized_weights, args.jobs, cfg.tp)
+    if args.resume and cfg.tp > 1:
+        raise ValueError("--resume with --tp: a tensor-parallel run's checkpoint holds the attention's "
+                         "q/k/v rows grouped per rank and is not resumed yet (ROADMAP.md); start it again.")
     par: Optional[Parallel] = None
-    if cfg.fsdp or cfg.ep > 1:
-        par = init_parallel(cfg.device, cfg.fsdp, cfg.ep, cfg.model.n_experts)
+    if cfg.fsdp or cfg.ep > 1 or cfg.tp > 1:
+        par = init_parallel(cfg.device, cfg.fsdp, cfg.ep, cfg.model.n_experts, cfg.tp, cfg.model.n_head)
         joined.append(par)
         check_batch(cfg.batch_size, par)
         cfg.device = par.device
@@ -364,8 +372,9 @@ def _run_train(args: argparse.Namespace, joined: list[Parallel]) -> int:
                    else f"cpu ({torch.get_num_threads()} threads)")
     resume_command = f"hybridfp train --resume --out {out} --steps {2 * cfg.steps}"
     if par is not None:
-        device_name = f"{par.world} x {device_name}" + (" (FSDP2" if par.fsdp else " (") + \
-            (f", experts over {par.ep} ranks)" if par.ep > 1 else ")").replace("(, ", "(")
+        how = ["FSDP2"] * par.fsdp + [f"experts over {par.ep} ranks"] * (par.ep > 1) + \
+            [f"tensor parallel over {par.tp} ranks"] * (par.tp > 1)
+        device_name = f"{par.world} x {device_name} ({', '.join(how)})"
         resume_command = (f"torchrun --nproc-per-node {par.world} -m hybridfp.train --resume --out {out} "
                           f"--steps {2 * cfg.steps}" + " --fsdp" * par.fsdp + f" --ep {par.ep}" * (par.ep > 1))
     logger.info("data: %s", data.describe())

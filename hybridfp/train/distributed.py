@@ -49,6 +49,10 @@ class Parallel:
         Expert-parallel group size (1: every rank holds every expert).
     ep_mesh:
         The 2-D ``DeviceMesh`` (``dp``, ``ep``) when ``ep > 1``: rank ``d*ep + e``.
+    tp:
+        Tensor-parallel group size (1: none); see ``tensor_parallel.py``.
+    tp_mesh:
+        The 2-D ``DeviceMesh`` (``dp``, ``tp``) when ``tp > 1``: rank ``d*tp + t``.
 
     Example
     -------
@@ -64,6 +68,13 @@ class Parallel:
     fsdp: bool
     ep: int = 1
     ep_mesh: Optional[Any] = None
+    tp: int = 1
+    tp_mesh: Optional[Any] = None
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel ranks: each reads its own rows (a tensor-parallel group shares them)."""
+        return self.world // self.tp
 
     @property
     def is_main(self) -> bool:
@@ -72,8 +83,9 @@ class Parallel:
 
     @property
     def group(self) -> dist.ProcessGroup:
-        """Every rank: the group the data (and a delayed-scaling amax) is spread over."""
-        return dist.group.WORLD
+        """The group the data (and a delayed-scaling amax) is spread over: every rank, or under
+        ``--tp`` the ranks at this rank's place in their tensor-parallel groups."""
+        return self.tp_mesh.get_group("dp") if self.tp_mesh is not None else dist.group.WORLD
 
     @property
     def ep_group(self) -> Optional[dist.ProcessGroup]:
@@ -87,19 +99,27 @@ class Parallel:
 
     def rows(self, batch_size: int) -> slice:
         """This rank's rows of a global batch of ``batch_size`` rows."""
-        per = batch_size // self.world
-        return slice(self.rank * per, (self.rank + 1) * per)
+        per, d = batch_size // self.dp, self.rank // self.tp
+        return slice(d * per, (d + 1) * per)
 
 
-def check_parallel_args(fsdp: bool, ep: int, quantized_weights: bool, jobs: int) -> None:
+def check_parallel_args(fsdp: bool, ep: int, quantized_weights: bool, jobs: int, tp: int = 1) -> None:
     """Refuse option combinations a sharded run does not support.
 
     Raises
     ------
     ValueError
-        ``--ep`` below 1, ``--fsdp`` / ``--ep`` with ``--quantized-weights``, ``--jobs`` above
-        1 with ``--fsdp`` / ``--ep``.
+        ``--ep`` below 1, ``--fsdp`` / ``--ep`` / ``--tp`` with ``--quantized-weights``,
+        ``--jobs`` above 1 with ``--fsdp`` / ``--ep`` / ``--tp``.
     """
+    if tp < 1:
+        raise ValueError(f"--tp must be at least 1 (the tensor-parallel group size); got {tp}.")
+    if tp > 1 and quantized_weights:
+        raise ValueError("--tp with --quantized-weights: tensor parallelism does not shard quantized "
+                         "primary weights; drop --quantized-weights.")
+    if tp > 1 and jobs > 1:
+        raise ValueError("--jobs with --tp: a sharded run trains its recipes one after the other over "
+                         "all its ranks; drop --jobs.")
     if ep < 1:
         raise ValueError(f"--ep must be at least 1 (the expert-parallel group size); got {ep}.")
     if (fsdp or ep > 1) and quantized_weights:
@@ -111,17 +131,17 @@ def check_parallel_args(fsdp: bool, ep: int, quantized_weights: bool, jobs: int)
                          "other over all its ranks; drop --jobs.")
 
 
-def init_parallel(device: str, fsdp: bool, ep: int, n_experts: int) -> Parallel:
+def init_parallel(device: str, fsdp: bool, ep: int, n_experts: int, tp: int = 1, n_head: int = 1) -> Parallel:
     """Join the process group ``torchrun`` set up (gloo on the CPU, NCCL on CUDA).
 
     Parameters
     ----------
     device:
         The run's ``--device`` (``cpu`` or ``cuda``; a CUDA rank takes GPU ``LOCAL_RANK``).
-    fsdp, ep:
-        ``--fsdp`` and ``--ep``.
-    n_experts:
-        The preset's experts per MoE layer (0: dense).
+    fsdp, ep, tp:
+        ``--fsdp``, ``--ep`` and ``--tp``.
+    n_experts, n_head:
+        The preset's experts per MoE layer (0: dense) and attention heads.
 
     Returns
     -------
@@ -131,14 +151,17 @@ def init_parallel(device: str, fsdp: bool, ep: int, n_experts: int) -> Parallel:
     ------
     ValueError
         Not started by ``torchrun`` (its variables missing); ``--ep`` on a dense preset, not
-        dividing the world size or the experts.
+        dividing the world size or the experts; ``--tp`` as
+        :func:`~hybridfp.train.tensor_parallel.check_tensor_parallel` refuses it.
     """
     missing = [k for k in TORCHRUN_ENV if k not in os.environ]
     if missing:
-        raise ValueError(f"--fsdp / --ep run one process per rank: start it with torchrun (e.g. "
+        raise ValueError(f"--fsdp / --ep / --tp run one process per rank: start it with torchrun (e.g. "
                          f"torchrun --nproc-per-node 2 -m hybridfp.train --fsdp ...); "
                          f"{', '.join(missing)} not set.")
     rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    from .tensor_parallel import check_tensor_parallel
+    check_tensor_parallel(tp, world, n_head, n_experts, fsdp, ep)
     if ep > 1:
         if not n_experts:
             raise ValueError(f"--ep {ep}: the preset is dense (no experts); use an MoE preset "
@@ -159,7 +182,11 @@ def init_parallel(device: str, fsdp: bool, ep: int, n_experts: int) -> Parallel:
     if ep > 1:
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cuda" if cuda else "cpu", (world // ep, ep), mesh_dim_names=("dp", "ep"))
-    return Parallel(rank=rank, world=world, device=device, fsdp=fsdp, ep=ep, ep_mesh=mesh)
+    tp_mesh = None
+    if tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        tp_mesh = init_device_mesh("cuda" if cuda else "cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    return Parallel(rank=rank, world=world, device=device, fsdp=fsdp, ep=ep, ep_mesh=mesh, tp=tp, tp_mesh=tp_mesh)
 
 
 def check_batch(batch_size: int, par: Parallel) -> None:
@@ -178,9 +205,10 @@ def check_batch(batch_size: int, par: Parallel) -> None:
     Traceback (most recent call last):
     ValueError: --batch-size 6 is the global batch: it must be a multiple of the 4 ranks (each reads batch_size / world rows).
     """
-    if batch_size % par.world:
+    if batch_size % par.dp:
+        who = f"{par.world} ranks" if par.tp == 1 else f"{par.dp} data-parallel ranks (world / tp)"
         raise ValueError(f"--batch-size {batch_size} is the global batch: it must be a multiple of the "
-                         f"{par.world} ranks (each reads batch_size / world rows).")
+                         f"{who} (each reads batch_size / {'world' if par.tp == 1 else 'dp'} rows).")
 
 
 def _quantized_gather_modules(model: nn.Module, recipe: Any) -> list[nn.Module]:
@@ -211,6 +239,9 @@ def shard_model(model: nn.Module, par: Parallel, recipe: Any) -> None:
     from ..integration.fsdp import enable_quantized_all_gather
     from .moe import MoE
 
+    if par.tp > 1:
+        from .tensor_parallel import parallelize_blocks
+        parallelize_blocks(model, par.tp_mesh["tp"])
     moes = [b.mlp for b in model.blocks if isinstance(b.mlp, MoE)]
     for moe in moes:
         moe.stats_group = par.group  # the load-balancing loss counts every rank's rows
@@ -260,6 +291,14 @@ def sync_gradients(model: nn.Module, par: Parallel) -> None:
             if p.grad is not None:
                 p.grad.div_(par.ep)
         return
+    if par.tp > 1:  # the tensor-parallel ranks share their rows: average over the dp ranks
+        from .tensor_parallel import local_grad
+        for p in model.parameters():
+            if p.grad is not None and par.dp > 1:
+                g = local_grad(p.grad)
+                dist.all_reduce(g, group=par.group)
+                g.div_(par.dp)
+        return
     experts = {id(p) for p in expert_parameters(model)}
     for p in model.parameters():
         if p.grad is None:
@@ -282,6 +321,13 @@ def clip_grad_norm(model: nn.Module, max_norm: float, par: Optional[Parallel]) -
     params = [p for p in model.parameters() if p.grad is not None]
     if par is None:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if par.tp > 1:  # DTensors of the tp mesh and plain tensors: torch's foreach norm takes one kind
+        from .tensor_parallel import grad_norm_tp, local_grad
+        norm = grad_norm_tp(params, par.tp_mesh.get_group("tp"))
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch's clip_grads_with_norm_
+        for p in params:
+            local_grad(p.grad).mul_(coef.to(p.grad.dtype))
+        return norm
     experts = {id(p) for p in expert_parameters(model)}
     shared_p = [p for p in params if id(p) not in experts]
     expert_p = [p for p in params if id(p) in experts]
@@ -307,7 +353,7 @@ def mean_over_ranks(value: torch.Tensor, par: Optional[Parallel]) -> float:
         return value.item()
     t = value.detach().float().reshape(1).clone()
     dist.all_reduce(t, group=par.group)
-    return (t / par.world).item()
+    return (t / par.dp).item()
 
 
 def all_true(flag: bool, par: Optional[Parallel]) -> bool:

@@ -78,6 +78,7 @@ class TrainConfig:
     recompute: bool = False        # torch.utils.checkpoint per block
     fsdp: bool = False             # sharded by FSDP2 over the ranks of a torchrun launch
     ep: int = 1                    # expert-parallel group size (torchrun)
+    tp: int = 1                    # tensor-parallel group size (torchrun)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (checkpoints, summary)."""
@@ -250,6 +251,10 @@ def amax_group(model: torch.nn.Module, recipe: Recipe, par: Optional[Parallel]) 
     state = AutocastState(recipe)
     stateful = any(q.has_state() for m in model.modules() if isinstance(m, QuantizedModule)
                    for qs in m.quantizers(state).values() for q in qs)
+    if stateful and par.tp > 1:
+        raise ValueError(f"--tp with recipe {recipe!r}: delayed scaling's region-end amax reduction "
+                         "does not know which tensors the tensor-parallel ranks split; use a "
+                         "current-scaling or block-scaled recipe with --tp.")
     if stateful and par.ep > 1:
         raise ValueError(f"--ep with recipe {recipe!r}: its delayed-scaling amaxes are reduced over "
                          "the ranks, which hold different experts at the same places; use a "
@@ -373,6 +378,10 @@ def run_config(cfg: TrainConfig, named: NamedRecipe) -> TrainConfig:
 def _check_resumable(ck: dict[str, Any], path: Path, named: NamedRecipe, cfg: TrainConfig) -> None:
     """The checkpoint is this recipe's, from this run, and not past the target step."""
     check_belongs(ck, path, named.label, cfg.to_dict(), FIXED_ON_RESUME)
+    if ck.get("config", {}).get("tp", 1) > 1 or cfg.tp > 1:
+        raise CheckpointError(f"--resume: {path} is (or would be resumed) under --tp, whose checkpoints "
+                              "hold the attention's q/k/v rows grouped per tensor-parallel rank; a --tp "
+                              "run is not resumed yet (ROADMAP.md): start it again.")
     if ck["step"] > cfg.steps:
         raise CheckpointError(f"--resume: the checkpoint {path} is at step {ck['step']}, past --steps "
                               f"{cfg.steps}; pass --steps {ck['step']} or more.")
@@ -407,11 +416,16 @@ def plan_resume(cfg: TrainConfig, named: NamedRecipe, out_dir: Path) -> bool:
     """
     cfg = run_config(cfg, named)
     path = checkpoint_path(out_dir, named)
-    sharded = cfg.fsdp or cfg.ep > 1
+    sharded = cfg.fsdp or cfg.ep > 1 or cfg.tp > 1
     if sharded:
         path, other = sharded_path(path), path
     else:
         other = sharded_path(path)
+    dcp = path if sharded else other
+    if dcp.exists() and read_state(dcp).get("config", {}).get("tp", 1) > 1:
+        raise CheckpointError(f"--resume: {dcp} was written under --tp, with the attention's q/k/v rows "
+                              "grouped per tensor-parallel rank; a --tp run is not resumed yet "
+                              "(ROADMAP.md): start it again.")
     if not path.exists() and other.exists():
         how = ("a single process (without --fsdp / --ep)" if sharded else
                "torchrun with --fsdp / --ep, as it was started")

@@ -1,0 +1,130 @@
+"""``hybridfp train --tp K`` under ``torchrun``: each block's linears split over K ranks.
+
+The ranks form a (``dp``, ``tp``) ``DeviceMesh``: rank ``d*K + t``, each tensor-parallel group
+K contiguous ranks. Every rank builds the whole model from the run's seed (the single-process
+run's initial weights), then each block is parallelized with ``parallelize_module`` and
+hybridfp's styles: attention's ``qkv`` (LayerNormLinear) and the MLP's ``fc`` column-parallel,
+both ``proj`` row-parallel; the embedding, final norm and lm head stay whole on every rank.
+
+A column-parallel weight is split into K contiguous blocks of rows, but ``qkv``'s rows are
+``[q | k | v]`` (and a SwiGLU ``fc``'s ``[gate | up]``): before sharding their rows are
+reordered so that rank ``t``'s block holds its own heads' q, k and v (its hidden features'
+gate and up), ``[q_t | k_t | v_t]``; the attention then runs ``n_head / K`` heads per rank.
+A checkpoint of a ``--tp`` run stores that order, so it is not resumed (refused).
+
+The data: every rank of a tensor-parallel group reads the same rows; the global batch is split
+over the ``dp`` ranks only, and the replicated weights' gradients (and the sharded weights'
+local shards) are averaged over the ``dp`` group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def check_tensor_parallel(tp: int, world: int, n_head: int, n_experts: int, fsdp: bool, ep: int) -> None:
+    """Refuse a ``--tp`` the model or the launch cannot split.
+
+    Parameters
+    ----------
+    tp:
+        ``--tp``: the tensor-parallel group size.
+    world:
+        The number of ranks.
+    n_head, n_experts:
+        The preset's attention heads and experts per MoE layer.
+    fsdp, ep:
+        ``--fsdp`` and ``--ep``.
+
+    Raises
+    ------
+    ValueError
+        ``tp`` below 1, not dividing the ranks or the heads; with ``--fsdp``, ``--ep`` or an
+        MoE preset.
+
+    Example
+    -------
+    >>> from hybridfp.train.tensor_parallel import check_tensor_parallel
+    >>> check_tensor_parallel(2, world=4, n_head=2, n_experts=0, fsdp=False, ep=1)
+    >>> check_tensor_parallel(2, world=4, n_head=3, n_experts=0, fsdp=False, ep=1)
+    Traceback (most recent call last):
+    ValueError: --tp 2 does not divide the preset's 3 attention heads; each rank runs n_head / tp of them.
+    """
+    if tp < 1:
+        raise ValueError(f"--tp must be at least 1 (the tensor-parallel group size); got {tp}.")
+    if tp == 1:
+        return
+    if fsdp:
+        raise ValueError("--tp with --fsdp: FSDP2 over the data-parallel ranks of a tensor-parallel "
+                         "mesh is not supported yet (ROADMAP.md); use --tp alone or --fsdp alone.")
+    if ep > 1:
+        raise ValueError("--tp with --ep: a tensor-parallel MoE layer is not supported; use one of them.")
+    if n_experts:
+        raise ValueError(f"--tp {tp}: the preset has MoE layers ({n_experts} experts), which tensor "
+                         "parallelism does not split; use a dense preset or --ep.")
+    if world % tp:
+        raise ValueError(f"--tp {tp} does not divide the {world} ranks; each tensor-parallel group is "
+                         "tp contiguous ranks.")
+    if n_head % tp:
+        raise ValueError(f"--tp {tp} does not divide the preset's {n_head} attention heads; each rank "
+                         "runs n_head / tp of them.")
+
+
+def group_rows(w: torch.Tensor, parts: int, tp: int) -> torch.Tensor:
+    """Reorder the rows of ``w`` (``parts`` stacked blocks, e.g. ``[q | k | v]``) so that its
+    ``tp`` contiguous row blocks each hold their share of every part: ``[q_0 | k_0 | v_0 | q_1
+    | ...]``.
+
+    Example
+    -------
+    >>> import torch
+    >>> from hybridfp.train.tensor_parallel import group_rows
+    >>> group_rows(torch.arange(6.0).view(6, 1), parts=3, tp=2).flatten().tolist()
+    [0.0, 2.0, 4.0, 1.0, 3.0, 5.0]
+    """
+    return w.reshape(parts, tp, -1, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+
+
+def parallelize_blocks(model: nn.Module, mesh: Any) -> None:
+    """Split each block of a ``hybridfp.train`` GPT over the 1-D tensor-parallel ``mesh``
+    (see the module docstring): rows regrouped, then ``parallelize_module``."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from ..integration.tensor_parallel import ColwiseParallel, RowwiseParallel
+
+    tp = mesh.size()
+    for block in model.blocks:
+        with torch.no_grad():
+            block.attn.qkv.weight.copy_(group_rows(block.attn.qkv.weight, 3, tp))
+            if block.mlp.kind == "swiglu":
+                block.mlp.fc.weight.copy_(group_rows(block.mlp.fc.weight, 2, tp))
+        parallelize_module(block, mesh, {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+                                         "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})
+
+
+def local_grad(g: torch.Tensor) -> torch.Tensor:
+    """A gradient's tensor on this rank (a DTensor's local shard)."""
+    return g.to_local() if hasattr(g, "to_local") else g
+
+
+def grad_norm_tp(params: list[nn.Parameter], tp_group: dist.ProcessGroup) -> torch.Tensor:
+    """The global gradient norm of a tensor-parallel model: a sharded gradient's squared norm
+    summed over the group, a replicated one's counted once (the same on every rank)."""
+    sharded = torch.zeros((), dtype=torch.float32, device=params[0].grad.device)
+    whole = torch.zeros_like(sharded)
+    for p in params:
+        g = p.grad
+        sq = local_grad(g).float().pow(2).sum()
+        if hasattr(g, "placements") and any(pl.is_shard() for pl in g.placements):
+            sharded += sq
+        else:
+            whole += sq
+    dist.all_reduce(sharded, group=tp_group)
+    return (sharded + whole).sqrt()
+
+
+__all__ = ["check_tensor_parallel", "grad_norm_tp", "group_rows", "local_grad", "parallelize_blocks"]

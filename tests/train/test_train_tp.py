@@ -1,0 +1,134 @@
+"""``hybridfp train --tp K`` under torchrun (gloo, CPU) trains like one process.
+
+Why a bound and not bitwise: a row-parallel layer (both ``proj``) sums its input features in K
+FP32 partial GEMMs, all-reduced, where one process runs one GEMM over every feature: another
+FP32 summation order, rounded to the BF16 activations after it. MXFP8's emulated GEMM happens
+to give the same sums here (its losses came out equal), BF16's do not:
+
+- before any update (step 0's validation loss, step 1's training loss) only those output
+  roundings differ: a few 1e-7 of the loss were seen, bound ``FIRST_RTOL`` (2e-5);
+- after updates the weights differ by the gradients' roundings, which AdamW passes on at up
+  to the learning rate for elements whose gradient is near zero; over 4 steps the losses
+  stay within ``LATER_RTOL`` (2e-3 relative, as the FSDP2 test; 1.4e-5 seen).
+
+A wrong split is caught at the first bound: q/k/v rows not grouped per rank (rank 0 running q
+and half of k as its heads) moves step 0's validation loss by 8e-4 relative (40x
+``FIRST_RTOL``; seen by removing the regrouping).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridfp.train import cli
+from hybridfp.train.distributed import Parallel, check_batch
+
+pytestmark = pytest.mark.filterwarnings("ignore::hybridfp.gemm.EmulatedGemmWarning")
+
+FIRST_RTOL = 2e-5
+LATER_RTOL = 2e-3
+COMMON = ["--no-progress", "--eval-interval", "2", "--eval-iters", "2"]
+
+
+def _torchrun(n: int, *argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(n), "-m", "hybridfp.train", *argv], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def _records(out: Path, recipe: str) -> list[dict]:
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["recipe"] == recipe]
+
+
+def _assert_close(got: list[dict], want: list[dict]) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in want]  # each step logged once (rank 0)
+    for g, w in zip(got, want):
+        for key in ("train_loss", "val_loss"):
+            assert (key in g) == (key in w), (g, w)
+            if key in w:
+                first = g["step"] == 0 or (g["step"] == 1 and key == "train_loss")  # before any update
+                tol = FIRST_RTOL if first else LATER_RTOL
+                assert abs(g[key] - w[key]) <= tol * abs(w[key]), (key, g, w)
+
+
+def test_tensor_parallel_trains_as_one_process(tmp_path, text, capsys) -> None:
+    """4 steps of the test preset (2 heads, SwiGLU MLP, gradient clipping) with each block's
+    linears over 2 ranks, BF16 and MXFP8: within the bounds of one process's losses. The
+    checkpoint it leaves is not resumed (q/k/v rows grouped per rank): refused."""
+    run = ["--preset", "test", "--lr-decay-steps", "4", "--steps", "4", "--data", str(text), *COMMON,
+           "--compare", "bf16,mxfp8"]
+    assert cli.main(["train", "--out", str(tmp_path / "one"), *run]) == 0
+    out = tmp_path / "tp"
+    proc = _torchrun(2, "--tp", "2", "--out", str(out), *run)
+    assert proc.stdout.count("done in") == 1  # rank 0 logs, the other rank does not
+    assert "2 x cpu (1 threads) (tensor parallel over 2 ranks)" in (out / "summary.md").read_text()
+    for recipe in ("bf16", "mxfp8"):
+        _assert_close(_records(out, recipe), _records(tmp_path / "one", recipe))
+    resume = ["train", "--resume", "--out", str(out), "--steps", "6", "--no-progress"]
+    assert cli.main([*resume, "--tp", "2"]) == 2
+    assert "--resume with --tp" in capsys.readouterr().err
+    assert cli.main(resume) == 2  # nor by one process (or --fsdp)
+    assert "written under --tp" in capsys.readouterr().err
+
+
+def test_tensor_parallel_refuses_what_it_cannot_do(tmp_path, text, monkeypatch, capsys) -> None:
+    base = ["train", "--out", str(tmp_path / "x"), "--data", str(text), "--no-progress", "--steps", "1"]
+    assert cli.main([*base, "--tp", "2", "--quantized-weights"]) == 2
+    assert "--tp with --quantized-weights" in capsys.readouterr().err
+    assert cli.main([*base, "--tp", "2", "--jobs", "2", "--compare", "bf16,fp8"]) == 2
+    assert "--jobs with --tp" in capsys.readouterr().err
+    assert cli.main([*base, "--tp", "0"]) == 2
+    assert "--tp must be at least 1" in capsys.readouterr().err
+    assert cli.main([*base, "--tp", "2"]) == 2  # not under torchrun
+    assert "start it with torchrun" in capsys.readouterr().err
+    for key, value in {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    for extra, message in ((["--preset", "test", "--tp", "4"], "--tp 4 does not divide the preset's 2 attention heads"),
+                           (["--preset", "test", "--tp", "3"], "--tp 3 does not divide the 4 ranks"),
+                           (["--preset", "test", "--tp", "2", "--fsdp"], "--tp with --fsdp"),
+                           (["--preset", "test-moe", "--tp", "2", "--ep", "2"], "--tp with --ep"),
+                           (["--preset", "test-moe", "--tp", "2"], "the preset has MoE layers")):
+        assert cli.main([*base, *extra]) == 2, extra
+        assert message in capsys.readouterr().err, extra
+    with pytest.raises(ValueError, match="must be a multiple of the 2 data-parallel ranks"):
+        check_batch(7, Parallel(rank=0, world=4, device="cpu", fsdp=False, tp=2))
+
+
+def test_tensor_parallel_ranks_share_rows() -> None:
+    """(dp=2, tp=2): ranks 0, 1 read the first half of the batch, ranks 2, 3 the second."""
+    parts = [Parallel(rank=r, world=4, device="cpu", fsdp=False, tp=2).rows(16) for r in range(4)]
+    assert [(s.start, s.stop) for s in parts] == [(0, 8), (0, 8), (8, 16), (8, 16)]
+
+
+def test_tensor_parallel_refuses_delayed_scaling() -> None:
+    """Delayed scaling all-reduces every quantizer's amax at a region's end: the tensor-parallel
+    layers reduce their split operands' amaxes themselves, so it is refused at startup."""
+    import torch
+
+    import hybridfp as hf
+    from hybridfp.train.loop import amax_group
+
+    model = torch.nn.Sequential(hf.Linear(32, 32))
+    par = Parallel(rank=0, world=2, device="cpu", fsdp=False, tp=2)
+    with pytest.raises(ValueError, match="--tp with recipe .*delayed scaling"):
+        amax_group(model, hf.DelayedScaling(), par)
+    assert amax_group(model, hf.MXFP8BlockScaling(), par) is None
+
+
+def test_group_rows_puts_each_ranks_heads_together() -> None:
+    import torch
+
+    from hybridfp.train.tensor_parallel import group_rows
+
+    w = torch.arange(12.0).view(12, 1)  # [q0 q1 | k0 k1 | v0 v1], 2 rows each
+    assert group_rows(w, 3, 2).flatten().tolist() == [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]
