@@ -252,6 +252,14 @@ def shard_model(model: nn.Module, par: Parallel, recipe: Any) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    if par.tp > 1:  # 2-D: FSDP2 over the dp ranks of the tensor-parallel DTensors
+        # The quantized all-gather packs a whole weight's codes; a tensor-parallel shard's
+        # copies are not packed yet, so these weights travel as FSDP2's plain all-gather sends.
+        for block in model.blocks:
+            fully_shard(block, mesh=par.tp_mesh["dp"])
+        fully_shard(model, mesh=par.tp_mesh["dp"])
+        return
+
     blocks = {id(m) for b in model.blocks for m in b.modules()}
     for m in _quantized_gather_modules(model, recipe):
         # Both copies in one gather where the module reads the forward's copy after backward's
@@ -291,7 +299,7 @@ def sync_gradients(model: nn.Module, par: Parallel) -> None:
             if p.grad is not None:
                 p.grad.div_(par.ep)
         return
-    if par.tp > 1:  # the tensor-parallel ranks share their rows: average over the dp ranks
+    if par.tp > 1 and not par.fsdp:  # the tp ranks share their rows: average over the dp ranks
         from .tensor_parallel import local_grad
         for p in model.parameters():
             if p.grad is not None and par.dp > 1:
@@ -323,7 +331,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float, par: Optional[Parallel]) -
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     if par.tp > 1:  # DTensors of the tp mesh and plain tensors: torch's foreach norm takes one kind
         from .tensor_parallel import grad_norm_tp, local_grad
-        norm = grad_norm_tp(params, par.tp_mesh.get_group("tp"))
+        norm = grad_norm_tp(params, par.tp_mesh)
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch's clip_grads_with_norm_
         for p in params:
             local_grad(p.grad).mul_(coef.to(p.grad.dtype))

@@ -14,7 +14,9 @@ A checkpoint of a ``--tp`` run stores that order, so it is not resumed (refused)
 
 The data: every rank of a tensor-parallel group reads the same rows; the global batch is split
 over the ``dp`` ranks only, and the replicated weights' gradients (and the sharded weights'
-local shards) are averaged over the ``dp`` group.
+local shards) are averaged over the ``dp`` group. With ``--fsdp`` each block, then the root,
+is ``fully_shard``ed over the ``dp`` dimension (FSDP2's 2-D composition; its reduce-scatter
+averages over dp), the weights all-gathered as FSDP2 sends them (not quantized).
 """
 
 from __future__ import annotations
@@ -38,13 +40,12 @@ def check_tensor_parallel(tp: int, world: int, n_head: int, n_experts: int, fsdp
     n_head, n_experts:
         The preset's attention heads and experts per MoE layer.
     fsdp, ep:
-        ``--fsdp`` and ``--ep``.
+        ``--fsdp`` (composes: FSDP2 over the ``dp`` dimension) and ``--ep``.
 
     Raises
     ------
     ValueError
-        ``tp`` below 1, not dividing the ranks or the heads; with ``--fsdp``, ``--ep`` or an
-        MoE preset.
+        ``tp`` below 1, not dividing the ranks or the heads; with ``--ep`` or an MoE preset.
 
     Example
     -------
@@ -58,9 +59,6 @@ def check_tensor_parallel(tp: int, world: int, n_head: int, n_experts: int, fsdp
         raise ValueError(f"--tp must be at least 1 (the tensor-parallel group size); got {tp}.")
     if tp == 1:
         return
-    if fsdp:
-        raise ValueError("--tp with --fsdp: FSDP2 over the data-parallel ranks of a tensor-parallel "
-                         "mesh is not supported yet (ROADMAP.md); use --tp alone or --fsdp alone.")
     if ep > 1:
         raise ValueError("--tp with --ep: a tensor-parallel MoE layer is not supported; use one of them.")
     if n_experts:
@@ -111,20 +109,26 @@ def local_grad(g: torch.Tensor) -> torch.Tensor:
     return g.to_local() if hasattr(g, "to_local") else g
 
 
-def grad_norm_tp(params: list[nn.Parameter], tp_group: dist.ProcessGroup) -> torch.Tensor:
-    """The global gradient norm of a tensor-parallel model: a sharded gradient's squared norm
-    summed over the group, a replicated one's counted once (the same on every rank)."""
-    sharded = torch.zeros((), dtype=torch.float32, device=params[0].grad.device)
-    whole = torch.zeros_like(sharded)
+def grad_norm_tp(params: list[nn.Parameter], mesh: Any) -> torch.Tensor:
+    """The global gradient norm of a tensor-parallel model on the (``dp``, ``tp``) ``mesh``:
+    each gradient's squared norm summed over the mesh dimensions it is sharded along (``tp``
+    for a tensor-parallel shard, ``dp`` too under FSDP2, both: every rank), a replicated one's
+    counted once (the same on every rank)."""
+    sums: dict[tuple[str, ...], torch.Tensor] = {}
     for p in params:
         g = p.grad
+        dims: tuple[str, ...] = ()
+        if hasattr(g, "placements"):
+            names = g.device_mesh.mesh_dim_names or ()
+            dims = tuple(sorted(n for n, pl in zip(names, g.placements) if pl.is_shard()))
         sq = local_grad(g).float().pow(2).sum()
-        if hasattr(g, "placements") and any(pl.is_shard() for pl in g.placements):
-            sharded += sq
-        else:
-            whole += sq
-    dist.all_reduce(sharded, group=tp_group)
-    return (sharded + whole).sqrt()
+        sums[dims] = sums[dims] + sq if dims in sums else sq
+    total = torch.zeros((), dtype=torch.float32, device=params[0].grad.device)
+    for dims, sq in sums.items():
+        if dims:
+            dist.all_reduce(sq, group=mesh.get_group(dims[0]) if len(dims) == 1 else dist.group.WORLD)
+        total = total + sq
+    return total.sqrt()
 
 
 __all__ = ["check_tensor_parallel", "grad_norm_tp", "group_rows", "local_grad", "parallelize_blocks"]

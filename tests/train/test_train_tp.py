@@ -84,12 +84,15 @@ def test_tensor_parallel_trains_as_one_process(tmp_path, text, capsys) -> None:
 
 def test_tensor_parallel_with_data_parallel_trains_as_one_process(tmp_path, text) -> None:
     """4 ranks, a (dp=2, tp=2) mesh: each tensor-parallel pair reads its half of the batch and
-    the gradients are averaged over the 2 dp ranks; BF16 within the bounds of one process."""
-    run = ["--preset", "test", "--lr-decay-steps", "4", "--steps", "4", "--data", str(text), *COMMON,
-           "--recipe", "bf16"]
-    assert cli.main(["train", "--out", str(tmp_path / "one"), *run]) == 0
-    _torchrun(4, "--tp", "2", "--out", str(tmp_path / "tp"), *run)
+    the gradients are averaged over the 2 dp ranks, by the trainer (BF16) or by FSDP2 sharding
+    the tensor-parallel weights over dp (``--fsdp``, MXFP8): within the bounds of one process."""
+    run = ["--preset", "test", "--lr-decay-steps", "4", "--steps", "4", "--data", str(text), *COMMON]
+    assert cli.main(["train", "--out", str(tmp_path / "one"), *run, "--compare", "bf16,mxfp8"]) == 0
+    _torchrun(4, "--tp", "2", "--out", str(tmp_path / "tp"), *run, "--recipe", "bf16")
     _assert_close(_records(tmp_path / "tp", "bf16"), _records(tmp_path / "one", "bf16"))
+    proc = _torchrun(4, "--tp", "2", "--fsdp", "--out", str(tmp_path / "fsdp"), *run, "--recipe", "mxfp8")
+    assert "(FSDP2, tensor parallel over 2 ranks)" in proc.stdout
+    _assert_close(_records(tmp_path / "fsdp", "mxfp8"), _records(tmp_path / "one", "mxfp8"))
 
 
 def test_tensor_parallel_refuses_what_it_cannot_do(tmp_path, text, monkeypatch, capsys) -> None:
@@ -107,7 +110,6 @@ def test_tensor_parallel_refuses_what_it_cannot_do(tmp_path, text, monkeypatch, 
         monkeypatch.setenv(key, value)
     for extra, message in ((["--preset", "test", "--tp", "4"], "--tp 4 does not divide the preset's 2 attention heads"),
                            (["--preset", "test", "--tp", "3"], "--tp 3 does not divide the 4 ranks"),
-                           (["--preset", "test", "--tp", "2", "--fsdp"], "--tp with --fsdp"),
                            (["--preset", "test-moe", "--tp", "2", "--ep", "2"], "--tp with --ep"),
                            (["--preset", "test-moe", "--tp", "2"], "the preset has MoE layers")):
         assert cli.main([*base, *extra]) == 2, extra
