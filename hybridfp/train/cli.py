@@ -20,6 +20,7 @@ import importlib
 import json
 import logging
 import math
+import os
 import sys
 import tempfile
 import time
@@ -310,10 +311,11 @@ def check_train_extra() -> None:
                                 "train extra: pip install 'hybridfp[train]'")
 
 
-def run_train(args: argparse.Namespace) -> int:
+def run_train(args: argparse.Namespace, joined: Optional[list[Parallel]] = None) -> int:
     """Run ``hybridfp train`` with parsed arguments; returns the exit status. With ``--fsdp`` /
-    ``--ep`` every rank of a ``torchrun`` launch runs it; rank 0 writes and logs."""
-    joined: list[Parallel] = []  # the process group joined, left when the run ends or fails
+    ``--ep`` / ``--tp`` every rank of a ``torchrun`` launch runs it; rank 0 writes and logs.
+    ``joined`` (if given) receives the process group the run joined, left when it ends."""
+    joined = [] if joined is None else joined
     try:
         return _run_train(args, joined)
     finally:
@@ -454,13 +456,23 @@ def console_logging() -> Iterator[None]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``hybridfp`` console script."""
     args = build_parser().parse_args(argv)
+    joined: list[Parallel] = []
     with console_logging():
         try:
-            return run_train(args)
+            code = run_train(args, joined)
         except (ValueError, OSError, FloatingPointError, MissingExtraError) as e:
             # one line, argparse's form and exit status: the messages say what to do
             logger.error("hybridfp %s: error: %s", args.command, " ".join(str(e).split()))
-            return 2
+            code = 2
+    if joined and joined[0].world > 1:
+        # a rank of a torchrun launch, its group left and its output written: leave now. In the
+        # interpreter's teardown a process-group thread still joinable can abort the process
+        # ("terminate called without an active exception"), failing a finished run.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def train_main(argv: Optional[Sequence[str]] = None) -> int:
