@@ -18,10 +18,6 @@ the same arithmetic on either side (same weights; MXFP8 scales its blocks along 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,26 +25,13 @@ import torch
 
 from hybridfp.train import cli
 from hybridfp.train.distributed import Parallel, check_batch
+from torchrun_runs import COMMON, records, torchrun
 from spawn_ranks import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::hybridfp.gemm.EmulatedGemmWarning")
 
 FIRST_RTOL = 3e-6
 LATER_RTOL = 2e-3
-COMMON = ["--no-progress", "--eval-interval", "2", "--eval-iters", "2"]
-
-
-def _torchrun(n: int, *argv: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(n), "-m", "hybridfp.train", *argv], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc
-
-
-def _records(out: Path, recipe: str) -> list[dict]:
-    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["recipe"] == recipe]
 
 
 def _assert_close(got: list[dict], want: list[dict], keys: tuple[str, ...] = ("train_loss", "val_loss")) -> None:
@@ -77,12 +60,12 @@ def test_fsdp_trains_as_one_process_and_resumes_at_another_world_size(tmp_path, 
     run = ["--preset", "test", "--lr-decay-steps", "6", "--data", str(text), *COMMON]
     _single(tmp_path / "one", *run, "--compare", "mxfp8,fp8-delayed", "--steps", "6")
     out = tmp_path / "sharded"
-    proc = _torchrun(2, "--fsdp", "--recompute", "--out", str(out), *run, "--compare", "mxfp8,fp8-delayed",
+    proc = torchrun(2, "--fsdp", "--recompute", "--out", str(out), *run, "--compare", "mxfp8,fp8-delayed",
                      "--steps", "3")
     assert proc.stdout.count("done in") == 1  # rank 0 logs, the other rank does not
     assert "2 x cpu" in (out / "summary.md").read_text()
     for recipe in ("mxfp8", "fp8-delayed"):
-        want, got = _records(tmp_path / "one", recipe)[:4], _records(out, recipe)
+        want, got = records(tmp_path / "one", recipe)[:4], records(out, recipe)
         want[3], got[3] = _without_val(want[3]), _without_val(got[3])  # step 3 ends the first part
         _assert_close(got, want)
         assert (out / "checkpoints" / f"{recipe}.dcp" / "train_state.json").is_file()
@@ -90,10 +73,10 @@ def test_fsdp_trains_as_one_process_and_resumes_at_another_world_size(tmp_path, 
     # a single process does not resume a sharded checkpoint: it says how to
     assert cli.main(["train", "--resume", "--out", str(out), "--steps", "6", "--no-progress"]) == 2
     # 16 rows per rank at 4 ranks: less than an MXFP8 block, so only the FP8 run goes on there
-    proc = _torchrun(4, "--fsdp", "--resume", "--recipe", "fp8-delayed", "--out", str(out), "--steps", "6",
+    proc = torchrun(4, "--fsdp", "--resume", "--recipe", "fp8-delayed", "--out", str(out), "--steps", "6",
                      "--no-progress")
     assert "resumed from" in proc.stdout and "at step 3" in proc.stdout
-    want, got = _records(tmp_path / "one", "fp8-delayed"), _records(out, "fp8-delayed")
+    want, got = records(tmp_path / "one", "fp8-delayed"), records(out, "fp8-delayed")
     want[3], got[3] = _without_val(want[3]), _without_val(got[3])
     _assert_close(got, want)
 
@@ -107,13 +90,13 @@ def test_expert_parallel_trains_as_one_process_and_resumes(tmp_path, text) -> No
     run = ["--preset", "test-moe", "--lr-decay-steps", "4", "--data", str(text), *COMMON]
     _single(tmp_path / "one", *run, "--compare", "bf16,mxfp8", "--steps", "4")
     out, keys = tmp_path / "ep", ("train_loss", "val_loss", "aux_loss")
-    _torchrun(2, "--ep", "2", "--compare", "bf16,mxfp8", "--steps", "2", "--out", str(out), *run)
+    torchrun(2, "--ep", "2", "--compare", "bf16,mxfp8", "--steps", "2", "--out", str(out), *run)
     for recipe in ("bf16", "mxfp8"):
-        _assert_close(_records(out, recipe), _records(tmp_path / "one", recipe)[:3], keys)
-    proc = _torchrun(4, "--fsdp", "--ep", "2", "--resume", "--recipe", "bf16", "--steps", "4", "--out", str(out),
+        _assert_close(records(out, recipe), records(tmp_path / "one", recipe)[:3], keys)
+    proc = torchrun(4, "--fsdp", "--ep", "2", "--resume", "--recipe", "bf16", "--steps", "4", "--out", str(out),
                      "--no-progress")
     assert "at step 2" in proc.stdout
-    _assert_close(_records(out, "bf16"), _records(tmp_path / "one", "bf16"), keys)
+    _assert_close(records(out, "bf16"), records(tmp_path / "one", "bf16"), keys)
 
 
 def test_sharded_runs_refuse_what_they_cannot_do(tmp_path, text, monkeypatch, capsys) -> None:

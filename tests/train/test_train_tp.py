@@ -20,35 +20,16 @@ the batch) move step 2's training loss by 1.1e-3 (5x ``LATER_RTOL``).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from hybridfp.train import cli
 from hybridfp.train.distributed import Parallel, check_batch
+from torchrun_runs import COMMON, records, torchrun
 
 pytestmark = pytest.mark.filterwarnings("ignore::hybridfp.gemm.EmulatedGemmWarning")
 
 FIRST_RTOL = 2e-5
 LATER_RTOL = 2e-4
-COMMON = ["--no-progress", "--eval-interval", "2", "--eval-iters", "2"]
-
-
-def _torchrun(n: int, *argv: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(n), "-m", "hybridfp.train", *argv], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc
-
-
-def _records(out: Path, recipe: str) -> list[dict]:
-    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["recipe"] == recipe]
 
 
 def _assert_close(got: list[dict], want: list[dict]) -> None:
@@ -70,11 +51,11 @@ def test_tensor_parallel_trains_as_one_process(tmp_path, text, capsys) -> None:
            "--compare", "bf16,mxfp8"]
     assert cli.main(["train", "--out", str(tmp_path / "one"), *run]) == 0
     out = tmp_path / "tp"
-    proc = _torchrun(2, "--tp", "2", "--out", str(out), *run)
+    proc = torchrun(2, "--tp", "2", "--out", str(out), *run)
     assert proc.stdout.count("done in") == 1  # rank 0 logs, the other rank does not
     assert "2 x cpu (1 threads) (tensor parallel over 2 ranks)" in (out / "summary.md").read_text()
     for recipe in ("bf16", "mxfp8"):
-        _assert_close(_records(out, recipe), _records(tmp_path / "one", recipe))
+        _assert_close(records(out, recipe), records(tmp_path / "one", recipe))
     resume = ["train", "--resume", "--out", str(out), "--steps", "6", "--no-progress"]
     assert cli.main([*resume, "--tp", "2"]) == 2
     assert "--resume with --tp" in capsys.readouterr().err
@@ -88,11 +69,11 @@ def test_tensor_parallel_with_data_parallel_trains_as_one_process(tmp_path, text
     the tensor-parallel weights over dp (``--fsdp``, MXFP8): within the bounds of one process."""
     run = ["--preset", "test", "--lr-decay-steps", "4", "--steps", "4", "--data", str(text), *COMMON]
     assert cli.main(["train", "--out", str(tmp_path / "one"), *run, "--compare", "bf16,mxfp8"]) == 0
-    _torchrun(4, "--tp", "2", "--out", str(tmp_path / "tp"), *run, "--recipe", "bf16")
-    _assert_close(_records(tmp_path / "tp", "bf16"), _records(tmp_path / "one", "bf16"))
-    proc = _torchrun(4, "--tp", "2", "--fsdp", "--out", str(tmp_path / "fsdp"), *run, "--recipe", "mxfp8")
+    torchrun(4, "--tp", "2", "--out", str(tmp_path / "tp"), *run, "--recipe", "bf16")
+    _assert_close(records(tmp_path / "tp", "bf16"), records(tmp_path / "one", "bf16"))
+    proc = torchrun(4, "--tp", "2", "--fsdp", "--out", str(tmp_path / "fsdp"), *run, "--recipe", "mxfp8")
     assert "(FSDP2, tensor parallel over 2 ranks)" in proc.stdout
-    _assert_close(_records(tmp_path / "fsdp", "mxfp8"), _records(tmp_path / "one", "mxfp8"))
+    _assert_close(records(tmp_path / "fsdp", "mxfp8"), records(tmp_path / "one", "mxfp8"))
 
 
 def test_tensor_parallel_refuses_what_it_cannot_do(tmp_path, text, monkeypatch, capsys) -> None:
