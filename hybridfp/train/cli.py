@@ -4,6 +4,7 @@
     hybridfp train --compare bf16,fp8,mxfp8-fwd-nvfp4-bwd --steps 300
     hybridfp train --recipe per_gemm:fprop=nvfp4,dgrad=mxfp8,wgrad=mxfp8 --preset small --device cuda
     hybridfp train --resume --steps 400              # continue runs/tiny to step 400
+    hybridfp train --hf-config qwen3-moe-tiny        # a transformers architecture (hf extra)
     torchrun --nproc-per-node 2 -m hybridfp.train --fsdp --recipe mxfp8   # sharded over 2 ranks
 
 Outputs under ``--out`` (default ``runs/<preset>``): metrics.jsonl, loss.png, summary.md,
@@ -35,6 +36,7 @@ from ..gemm import EmulatedGemmWarning
 from .data import DataError, load_data
 from .distributed import Parallel, barrier, check_batch, check_parallel_args, finish, init_parallel
 from .files import atomic_write_text
+from .hf_model import build_hf_model, check_hf_config, quantized_share, read_hf_config, shipped_configs
 from .loop import (DTYPES, FIXED_ON_RESUME, MetricsLog, RunResult, TrainConfig, count_params, plan_resume,
                    train_recipe)
 from .model import PRESETS, GPTConfig
@@ -54,6 +56,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     """The options of ``hybridfp train`` (None = the preset's value)."""
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
                    help="model size and training defaults (default: tiny, a CPU demo)")
+    p.add_argument("--hf-config", dest="hf_config_path", metavar="PATH",
+                   help="train a transformers architecture instead of the GPT: a config.json, or "
+                        f"a shipped one ({', '.join(shipped_configs())}); the preset gives the "
+                        "training defaults (needs the hf extra: pip install 'hybridfp[hf]')")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--recipe", help="one recipe: a built-in or zoo name, per_gemm:fprop=F,dgrad=D,wgrad=W, "
                                     "or package.module:function (see --list-recipes)")
@@ -129,7 +135,7 @@ def _steps(args: argparse.Namespace, tokens_per_step: int) -> Optional[int]:
 #: Types a run.json value may have, by the annotation of its TrainConfig / GPTConfig field.
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
     "int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "Optional[str]": (str, type(None)),
-    "GPTConfig": (dict,),
+    "GPTConfig": (dict,), "Optional[dict]": (dict, type(None)),
 }
 
 
@@ -223,6 +229,8 @@ def config_from_args(args: argparse.Namespace, saved: Optional[dict] = None) -> 
             logger.warning("note: --resume keeps quantized_weights=False from the run in progress "
                            "(ignoring --quantized-weights)")
     else:
+        hf_name, hf_config = (read_hf_config(args.hf_config_path) if getattr(args, "hf_config_path", None)
+                              else (None, None))
         preset = PRESETS[args.preset]
         batch_size, seq_len = _pick(args.batch_size, preset.batch_size), _pick(args.seq_len, preset.seq_len)
         steps = _pick(_steps(args, max(1, batch_size * seq_len)), preset.steps)
@@ -236,7 +244,8 @@ def config_from_args(args: argparse.Namespace, saved: Optional[dict] = None) -> 
             checkpoint_interval=args.checkpoint_interval,
             quantized_weights=bool(getattr(args, "quantized_weights", False)),
             recompute=bool(getattr(args, "recompute", False)),
-            fsdp=bool(getattr(args, "fsdp", False)), ep=getattr(args, "ep", 1), tp=getattr(args, "tp", 1))
+            fsdp=bool(getattr(args, "fsdp", False)), ep=getattr(args, "ep", 1), tp=getattr(args, "tp", 1),
+            hf_config=hf_config, hf_name=hf_name)
     for key in ("steps", "batch_size", "seq_len", "eval_interval", "eval_iters", "lr_decay_steps"):
         if getattr(cfg, key) < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be at least 1; got {getattr(cfg, key)}.")
@@ -311,6 +320,36 @@ def check_train_extra() -> None:
                                 "train extra: pip install 'hybridfp[train]'")
 
 
+def check_hf_args(cfg: TrainConfig, jobs: int) -> None:
+    """Refuse the options an ``--hf-config`` run does not support (each named, with what to do).
+
+    Raises
+    ------
+    ValueError
+        ``--fsdp`` / ``--ep`` / ``--tp`` (the sharding plans are the built-in GPT's),
+        ``--quantized-weights`` (transformers builds ``nn.Linear`` weights, converted after), or
+        ``--jobs`` above 1.
+    MissingExtraError
+        transformers is not installed.
+    """
+    try:
+        importlib.import_module("transformers")
+    except ImportError:
+        raise MissingExtraError("transformers is not installed; --hf-config needs the hf extra: "
+                                "pip install 'hybridfp[hf]'") from None
+    refused = ["--fsdp"] * cfg.fsdp + [f"--ep {cfg.ep}"] * (cfg.ep > 1) + [f"--tp {cfg.tp}"] * (cfg.tp > 1)
+    if refused:
+        raise ValueError(f"{' '.join(refused)} with --hf-config: hybridfp train shards only the built-in GPT "
+                         "(its own FSDP2 / expert / tensor-parallel plans); train the transformers model in "
+                         "one process, or see docs/integrations.md for sharding it yourself.")
+    if cfg.quantized_weights:
+        raise ValueError("--quantized-weights with --hf-config: transformers builds plain nn.Linear weights, "
+                         "converted afterwards, so they are not created quantized; drop --quantized-weights.")
+    if jobs > 1:
+        raise ValueError("--jobs with --hf-config: worker processes rebuild only the built-in GPT; "
+                         "drop --jobs (the recipes train one after the other).")
+
+
 def run_train(args: argparse.Namespace, joined: Optional[list[Parallel]] = None) -> int:
     """Run ``hybridfp train`` with parsed arguments; returns the exit status. With ``--fsdp`` /
     ``--ep`` / ``--tp`` every rank of a ``torchrun`` launch runs it; rank 0 writes and logs.
@@ -330,10 +369,16 @@ def _run_train(args: argparse.Namespace, joined: list[Parallel]) -> int:
     check_train_extra()
     if args.jobs < 1:
         raise ValueError(f"--jobs must be at least 1; got {args.jobs}.")
-    out = Path(args.out or f"runs/{args.preset}")
+    hf_path = getattr(args, "hf_config_path", None)
+    out = Path(args.out or f"runs/{Path(hf_path).stem if hf_path else args.preset}")
     saved_config, saved_recipes = read_run_json(out / "run.json") if args.resume else (None, None)
     cfg = config_from_args(args, saved_config)
     recipes = parse_recipes(args, saved_recipes)
+    if args.resume and hf_path and read_hf_config(hf_path)[1] != cfg.hf_config:
+        raise ValueError(f"--resume --hf-config {hf_path}: the run in {out} trains another architecture "
+                         "(its run.json holds the config it started with); drop --hf-config or pass that one.")
+    if cfg.hf_config is not None:
+        check_hf_args(cfg, args.jobs)
     check_parallel_args(cfg.fsdp, cfg.ep, cfg.quantized_weights, args.jobs, cfg.tp)
     if args.resume and cfg.tp > 1:
         raise ValueError("--resume with --tp: a tensor-parallel run's checkpoint holds the attention's "
@@ -356,6 +401,8 @@ def _run_train(args: argparse.Namespace, joined: list[Parallel]) -> int:
         if len(toks) < cfg.seq_len + 1:
             raise DataError(f"the {split} split of {data.source} has {len(toks)} tokens; --seq-len "
                             f"{cfg.seq_len} needs at least {cfg.seq_len + 1}.")
+    if cfg.hf_config is not None:
+        check_hf_config(cfg.hf_config, data.vocab_size, cfg.seq_len)
     parallel = args.jobs > 1 and len(recipes) > 1
     # Every checkpoint is checked before any recipe trains: a bad one stops the run with the
     # others' files untouched. (Worker processes check their own.)
@@ -380,15 +427,22 @@ def _run_train(args: argparse.Namespace, joined: list[Parallel]) -> int:
         resume_command = (f"torchrun --nproc-per-node {par.world} -m hybridfp.train --resume --out {out} "
                           f"--steps {2 * cfg.steps}" + " --fsdp" * par.fsdp + f" --ep {par.ep}" * (par.ep > 1))
     logger.info("data: %s", data.describe())
-    logger.info("model: preset %s, %s parameters; %d steps x %s tokens on %s", cfg.preset, f"{params:,}",
+    logger.info("model: %s, %s parameters; %d steps x %s tokens on %s",
+                f"--hf-config {cfg.hf_name}" if cfg.hf_name else f"preset {cfg.preset}", f"{params:,}",
                 cfg.steps, f"{cfg.tokens_per_step:,}", device_name)
     logger.info("recipes: %s  ->  %s/", ", ".join(r.label for r in recipes), out)
     info = {"params": params, "device": device_name, "data": data.source,
             "metrics": str(out / "metrics.jsonl"), "plot": str(out / "loss.png"),
             "resume_command": resume_command + (f" --jobs {args.jobs}" if args.jobs > 1 else "")}
+    title = f"hybridfp train, preset {cfg.preset}"
+    if cfg.hf_config is not None:
+        arch = (cfg.hf_config.get("architectures") or [cfg.hf_config["model_type"]])[0]
+        inside, matrices = quantized_share(build_hf_model(cfg.hf_config, cfg.seed, device="meta"))
+        info["model"] = (f"{arch} `{cfg.hf_name}` ({params:,} parameters; {inside:,} of its {matrices:,} "
+                         f"weight-matrix elements in hybridfp modules), preset `{cfg.preset}`'s settings")
+        title = f"hybridfp train, {cfg.hf_name} ({arch})"
     results: list[RunResult] = []
     t0 = time.perf_counter()
-    title = f"hybridfp train, preset {cfg.preset}"
     failed: list[str] = []
     if parallel:
         results, failed = run_parallel(cfg, recipes, out, args.jobs, args.resume, args.cache_dir)

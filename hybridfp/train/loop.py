@@ -39,6 +39,7 @@ from .data import TokenData, get_batch, val_batches
 from .dist_checkpoint import load_sharded, read_state, save_sharded, sharded_path
 from .distributed import Parallel, all_true, clip_grad_norm, mean_over_ranks, shard_model, sync_gradients
 from .files import atomic_write_text
+from .hf_model import HFCausalLM, build_hf_model
 from .model import GPT, GPTConfig
 from .recipes_by_name import NamedRecipe
 
@@ -49,7 +50,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 VAL_SEED = 0
 #: Settings a resumed run takes from its checkpoint (changing them would change the run).
 FIXED_ON_RESUME = ("preset", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup", "lr_decay_steps",
-                   "weight_decay", "grad_clip", "seed", "dtype", "data", "eval_iters", "quantized_weights")
+                   "weight_decay", "grad_clip", "seed", "dtype", "data", "eval_iters", "quantized_weights",
+                   "hf_config")
 
 
 @dataclass
@@ -79,6 +81,8 @@ class TrainConfig:
     fsdp: bool = False             # sharded by FSDP2 over the ranks of a torchrun launch
     ep: int = 1                    # expert-parallel group size (torchrun)
     tp: int = 1                    # tensor-parallel group size (torchrun)
+    hf_config: Optional[dict] = None  # --hf-config: a transformers config (then ``model`` is unused)
+    hf_name: Optional[str] = None  # its name (the file's stem)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (checkpoints, summary)."""
@@ -203,14 +207,19 @@ def make_scheduler(opt: torch.optim.Optimizer | MasterWeightOptimizer, cfg: Trai
     return WarmupCosineLR(opt, cfg.warmup, cfg.lr_decay_steps, cfg.min_lr_ratio, last_epoch=step - 1)
 
 
-def build_model(cfg: TrainConfig, vocab_size: int, recipe: Optional[Recipe] = None) -> GPT:
+def build_model(cfg: TrainConfig, vocab_size: int, recipe: Optional[Recipe] = None) -> GPT | HFCausalLM:
     """The model with the run's initial weights (seeded: identical for every recipe); with
     ``cfg.quantized_weights`` its hybridfp modules hold their weights quantized by ``recipe``
-    (the initial FP32 values kept to seed the masters); ``cfg.recompute`` recomputes blocks."""
+    (the initial FP32 values kept to seed the masters); ``cfg.recompute`` recomputes blocks.
+    With ``cfg.hf_config``: that transformers architecture, converted (``hf_model.py``)."""
     mcfg = GPTConfig(**{**cfg.model.to_dict(), "vocab_size": vocab_size,
                         "block_size": max(cfg.model.block_size, cfg.seq_len)})
     if cfg.quantized_weights and recipe is None:
         raise ValueError("build_model: quantized_weights needs the recipe whose weight format holds them.")
+    if cfg.hf_config is not None:  # a transformers architecture (hf_model.py)
+        hf = build_hf_model(cfg.hf_config, cfg.seed, DTYPES[cfg.dtype], cfg.device)
+        hf.recompute = cfg.recompute
+        return hf
     torch.manual_seed(cfg.seed)
     with quantized_model_init(enabled=cfg.quantized_weights, recipe=recipe, preserve_high_precision_init_val=True):
         model = GPT(mcfg, DTYPES[cfg.dtype]).to(cfg.device)
@@ -221,6 +230,9 @@ def build_model(cfg: TrainConfig, vocab_size: int, recipe: Optional[Recipe] = No
 def count_params(cfg: TrainConfig, vocab_size: int) -> int:
     """The model's parameter count, without allocating it (built on the meta device)."""
     mcfg = GPTConfig(**{**cfg.model.to_dict(), "vocab_size": vocab_size})
+    if cfg.hf_config is not None:
+        with torch.device("meta"):
+            return build_hf_model(cfg.hf_config, cfg.seed, device="meta").num_params()
     with torch.device("meta"):
         return GPT(mcfg).num_params()
 

@@ -25,10 +25,12 @@ def summary_markdown(results: Sequence[RunResult], cfg: TrainConfig, info: dict[
     """The summary as Markdown text. ``info``: data source, parameter count, device name, paths."""
     base = next((r for r in results if r.label == BASELINE), None)
     base_val = base.final_val_loss if base else None
+    # the model: a preset's GPT, or ``info["model"]`` (hybridfp train --hf-config)
+    model = info.get("model") or f"Preset `{cfg.preset}` ({info.get('params', 0):,} parameters)"
     lines = [
         f"# hybridfp train: {', '.join(r.label for r in results)}",
         "",
-        f"Preset `{cfg.preset}` ({info.get('params', 0):,} parameters), {cfg.steps} steps of "
+        f"{model}, {cfg.steps} steps of "
         f"{cfg.batch_size} x {cfg.seq_len} tokens ({cfg.steps * cfg.tokens_per_step:,} tokens), "
         f"lr {cfg.lr:g}, seed {cfg.seed}, activations {cfg.dtype}, device {info.get('device', cfg.device)}.",
         f"Data: {info.get('data', '?')}.",
