@@ -11,7 +11,8 @@ from .integration.tensor_parallel import ColwiseParallel, LayerNormMLPParallel, 
 from .moe import ExpertDispatch, ExpertParallel, GroupedLinear, expert_combine, expert_dispatch
 from .nn.quantized_init import quantized_model_init
 from .nn.weight_cache import weight_caching
-from .nn import LayerNormLinear, LayerNormMLP, Linear, SwiGLU, convert, set_names, swiglu
+from .nn import LayerNormLinear, LayerNormMLP, Linear, SwiGLU, set_names, swiglu
+from .integration.transformers_convert import HighPrecisionWeightsWarning, convert, unconverted_weights
 from .quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
                          HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer,
                          Quantizer)
@@ -33,4 +34,5 @@ __all__ = [
     "MasterWeightOptimizer", "QuantizedGatherWeight", "enable_quantized_all_gather", "export_state_dict", "load_safetensors", "save_safetensors", "memory_per_parameter", "quantize_master_weights", "set_names", "swiglu", "use_policy",
     "ColwiseParallel", "LayerNormMLPParallel", "RowwiseParallel",
     "weight_caching", "ExpertDispatch", "ExpertParallel", "expert_combine", "expert_dispatch",
+    "HighPrecisionWeightsWarning", "unconverted_weights",
 ]

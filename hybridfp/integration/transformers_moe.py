@@ -1,0 +1,234 @@
+"""Hugging Face transformers' fused MoE experts run through ``GroupedLinear``.
+
+transformers (5.x) holds a layer's routed experts as two 3-D Parameters on one module:
+``gate_up_proj`` [E, 2I, H] (gate rows first, then up rows) and ``down_proj`` [E, H, I], called
+as ``experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])`` by the MoE block
+after the model's own router. :func:`experts_to_grouped` keeps that module (its class, its
+Parameters, its state-dict keys, its activation) and gives it two ``GroupedLinear`` children
+that *borrow* the Parameters (``single_parameter`` layout, [E, out, in]; they own none), and a
+forward that groups the token-expert pairs by expert (ours), runs the gate-up GEMMs, the
+model's own gating (``_apply_gate`` or ``act_fn(gate) * up``), the down GEMMs, and weights and
+combines the rows as the model's configured experts implementation does (``index_add_`` in
+expert order for "eager", the per-token sum over the top-k slots for "grouped_mm" /
+"batched_mm"). Nothing here imports transformers: the layout is recognised by its attributes.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..moe import GroupedLinear
+
+#: The combine of each transformers experts implementation: "index_add" (the module's own
+#: per-expert loop) or "sum" (transformers' grouped / batched kernels: a per-token sum over k).
+_COMBINE = {None: "index_add", "eager": "index_add", "grouped_mm": "sum", "batched_mm": "sum"}
+
+
+@dataclass(frozen=True)
+class FusedExpertsLayout:
+    """What :func:`fused_experts_layout` read off an experts module.
+
+    Parameters
+    ----------
+    num_experts, hidden, intermediate:
+        E, H and I of ``gate_up_proj`` [E, 2I, H] (or ``up_proj`` [E, I, H]) and ``down_proj``
+        [E, H, I].
+    gated:
+        ``gate_up_proj`` (gate and up rows, then the model's gating) rather than ``up_proj``.
+    bias:
+        The experts have ``*_bias`` Parameters [E, out].
+    """
+
+    num_experts: int
+    hidden: int
+    intermediate: int
+    gated: bool
+    bias: bool
+
+
+def _param(module: nn.Module, name: str) -> Optional[nn.Parameter]:
+    p = module._parameters.get(name)
+    return p if isinstance(p, nn.Parameter) else None
+
+
+def fused_experts_layout(module: nn.Module) -> tuple[Optional[FusedExpertsLayout], str]:
+    """Whether ``module`` holds transformers-style fused experts, and why not.
+
+    Parameters
+    ----------
+    module:
+        Any module.
+
+    Returns
+    -------
+    tuple
+        ``(layout, "")`` for a convertible experts module; ``(None, reason)`` for one that holds
+        3-D ``gate_up_proj`` / ``up_proj`` and ``down_proj`` Parameters in a layout hybridfp does
+        not convert (the reason names it); ``(None, "")`` for any other module.
+
+    Example
+    -------
+    >>> import torch
+    >>> from hybridfp.integration.transformers_moe import fused_experts_layout
+    >>> m = torch.nn.Module()
+    >>> m.gate_up_proj = torch.nn.Parameter(torch.zeros(4, 16, 8))
+    >>> m.down_proj = torch.nn.Parameter(torch.zeros(4, 8, 8))
+    >>> m.act_fn = torch.nn.SiLU()
+    >>> fused_experts_layout(m)[0]
+    FusedExpertsLayout(num_experts=4, hidden=8, intermediate=8, gated=True, bias=False)
+    """
+    down = _param(module, "down_proj")
+    gated = _param(module, "gate_up_proj") is not None
+    up = _param(module, "gate_up_proj" if gated else "up_proj")
+    if down is None or up is None or down.dim() != 3 or up.dim() != 3:
+        return None, ""
+    e, h, i = down.shape
+    if getattr(module, "is_transposed", False) or tuple(up.shape) != (e, (2 if gated else 1) * i, h):
+        return None, (f"experts weights {tuple(up.shape)} / {tuple(down.shape)} are not [E, out, in] "
+                      "(a transposed layout): hybridfp converts gate_up_proj [E, 2I, H] with "
+                      "down_proj [E, H, I]")
+    if gated and not getattr(module, "is_concatenated", True):
+        return None, "gate and up rows are interleaved; hybridfp converts the concatenated [gate; up] layout"
+    if getattr(module, "has_post_expert_norm", False) and not isinstance(getattr(module, "post_expert_norm", None),
+                                                                        nn.Module):
+        return None, "has_post_expert_norm without a post_expert_norm module"
+    if not callable(getattr(module, "_apply_gate", None)) and not callable(getattr(module, "act_fn", None)):
+        return None, "no act_fn / _apply_gate to apply between the two GEMMs"
+    num = getattr(module, "num_experts", e)
+    if num != e:
+        return None, f"num_experts={num} but the weights hold {e} experts"
+    names = ("gate_up_proj_bias" if gated else "up_proj_bias", "down_proj_bias")
+    biases = [_param(module, n) for n in names]
+    if any(b is not None for b in biases):
+        if any(b is None for b in biases) or tuple(biases[0].shape) != tuple(up.shape[:2]) \
+                or tuple(biases[1].shape) != (e, h):
+            return None, f"expert biases {names} missing or not [E, out]"
+    return FusedExpertsLayout(e, h, i, gated, biases[0] is not None), ""
+
+
+class _BorrowedExperts(GroupedLinear):
+    """A ``GroupedLinear`` (``single_parameter`` layout) whose weight and bias are Parameters of
+    another module, read at each use: a move, ``load_state_dict(assign=True)`` or FSDP2 that
+    replaces the owner's Parameter is followed, and the owner alone registers, saves and loads
+    them (state-dict keys unchanged)."""
+
+    def __init__(self, owner: nn.Module, weight: str, bias: Optional[str], name: str) -> None:
+        w = owner._parameters[weight]
+        super().__init__(w.shape[0], w.shape[2], w.shape[1], bias=bias is not None, params_dtype=w.dtype,
+                         device="meta", name=name, single_parameter=True)
+        # the owner's Parameters are read at each use (``__getattr__``), never registered here
+        self._parameters.pop("weight")
+        self._parameters.pop("bias", None)
+        # a plain attribute, not a submodule: the owner is this module's parent
+        object.__setattr__(self, "_owner", owner)
+        self._borrowed = {"weight": weight, "bias": bias}
+
+    def __getattr__(self, attr: str):
+        """``weight`` / ``bias``: the owner's Parameter ([E, out, in] / [E, out]; bias None
+        without one); anything else as ``nn.Module`` finds it."""
+        borrowed = self.__dict__.get("_borrowed")
+        if borrowed is not None and attr in borrowed:
+            return None if borrowed[attr] is None else self.__dict__["_owner"]._parameters[borrowed[attr]]
+        return super().__getattr__(attr)
+
+
+def _grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                             top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts' forward through ``GroupedLinear``: the same arguments and result as the
+    transformers experts module it replaces (``self`` is that module)."""
+    num_tokens, k = top_k_index.shape
+    combine = _COMBINE[getattr(getattr(self, "config", None), "_experts_implementation", None)]
+    expert_ids = top_k_index.reshape(-1)
+    # group the (token, slot) pairs by expert; stable: within an expert, token order
+    _, perm = torch.sort(expert_ids, stable=True)
+    rows = perm // k
+    m_splits = torch.bincount(expert_ids, minlength=self.num_experts)
+    x = hidden_states[rows]
+    h = self.hybridfp_up(x, m_splits)
+    if self.hybridfp_layout.gated:
+        h = self._apply_gate(h) if callable(getattr(self, "_apply_gate", None)) else \
+            (lambda g, u: self.act_fn(g) * u)(*h.chunk(2, dim=-1))
+    else:
+        h = self.act_fn(h)
+    y = self.hybridfp_down(h, m_splits)
+    if getattr(self, "has_post_expert_norm", False):
+        y = self.post_expert_norm(y)
+    weights = top_k_weights.reshape(-1)[perm]
+    if combine == "sum":  # transformers' grouped / batched kernels: back to (token, slot) order
+        y = y * weights.unsqueeze(-1)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.numel(), device=perm.device)
+        return y[inv].view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+    # the module's own loop: each expert's rows weighted, then added in expert order
+    y = y * weights[:, None]
+    out = torch.zeros_like(hidden_states)
+    return out.index_add_(0, rows, y.to(out.dtype))
+
+
+def experts_to_grouped(module: nn.Module, name: str = "") -> nn.Module:
+    """Run a transformers fused-experts module's GEMMs through ``GroupedLinear``, in place.
+
+    The module keeps its class, Parameters (the same objects: optimizers and checkpoints see no
+    change), state-dict keys, activation and gating; it gains two parameterless children
+    ``hybridfp_up`` and ``hybridfp_down`` (QuantizerRole module_type "grouped_linear", names
+    ``<name>.gate_up_proj`` (``<name>.up_proj`` without a gate) and ``<name>.down_proj``) and a
+    forward that groups the token-expert pairs by expert and combines the rows as the model's
+    experts implementation does.
+
+    Parameters
+    ----------
+    module:
+        A module :func:`fused_experts_layout` accepts (e.g. transformers' ``Qwen3MoeExperts``,
+        ``MixtralExperts``, ``Qwen2MoeExperts``, ``DeepseekV3NaiveMoe``).
+    name:
+        Its qualified name in the model (in the quantizer roles and errors).
+
+    Returns
+    -------
+    nn.Module
+        ``module``.
+
+    Raises
+    ------
+    ValueError
+        ``module`` is not a fused experts module hybridfp converts (the message says why), or a
+        ``config._experts_implementation`` whose combine hybridfp does not know.
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> from hybridfp.integration.transformers_moe import experts_to_grouped
+    >>> m = torch.nn.Module()
+    >>> m.num_experts = 4
+    >>> m.gate_up_proj = torch.nn.Parameter(torch.randn(4, 16, 8))
+    >>> m.down_proj = torch.nn.Parameter(torch.randn(4, 8, 8))
+    >>> m.act_fn = torch.nn.SiLU()
+    >>> m = experts_to_grouped(m, "layers.0.mlp.experts")
+    >>> out = m(torch.randn(5, 8), torch.randint(0, 4, (5, 2)), torch.rand(5, 2))
+    >>> out.shape, m.hybridfp_up.name, m.hybridfp_up.weight is m.gate_up_proj
+    (torch.Size([5, 8]), 'layers.0.mlp.experts.gate_up_proj', True)
+    """
+    layout, why = fused_experts_layout(module)
+    if layout is None:
+        raise ValueError(f"experts_to_grouped({name or type(module).__name__}): "
+                         f"{why or 'no 3-D gate_up_proj / up_proj and down_proj Parameters'}.")
+    impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    if impl not in _COMBINE:
+        raise ValueError(f"experts_to_grouped({name or type(module).__name__}): config._experts_implementation="
+                         f"{impl!r} is not one hybridfp follows ({sorted(k for k in _COMBINE if k)}); set "
+                         "it to 'eager' or 'grouped_mm' before convert.")
+    if not hasattr(module, "num_experts"):
+        module.num_experts = layout.num_experts
+    up = "gate_up_proj" if layout.gated else "up_proj"
+    prefix = f"{name}." if name else ""
+    module.hybridfp_layout = layout
+    module.hybridfp_up = _BorrowedExperts(module, up, f"{up}_bias" if layout.bias else None, prefix + up)
+    module.hybridfp_down = _BorrowedExperts(module, "down_proj", "down_proj_bias" if layout.bias else None,
+                                            prefix + "down_proj")
+    module.forward = types.MethodType(_grouped_experts_forward, module)
+    return module
