@@ -27,6 +27,7 @@ of two formats the output is dropped when the size changes, so FSDP2 makes one o
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -151,26 +152,32 @@ class QuantizedGatherWeight(torch.Tensor):
         src = self._hp.detach()
         src = src.to(param_dtype) if param_dtype != src.dtype else src  # what the module would read
         world, total = mesh.size(mesh.ndim - 1), outer_size[0]
-        if src.shape[0] * world != total:
-            raise ValueError(f"{who}: FSDP2 shards its {total} rows unevenly over {world} ranks; a quantized "
-                             "all-gather needs out_features divisible by the world size.")
         layout = _layout(slot, q, src, total, world, sets)
-        if not layout.aligned:  # encode whole blocks: the rows up to the next block boundary
+        if layout.halo:  # encode whole blocks: the rows up to the next block boundary
             src = _block_aligned_rows(src, layout, group)
         q.set_usage(rowwise=ROWWISE in sent, columnwise=COLUMNWISE in sent)
         with torch.no_grad(), policy(decoded_copies="never"):  # codes travel, never BF16 decodes
             shard = q.quantize(src)
-        nbytes = _gather_bytes(self, slot, layout, sent, world, who)
-        return (pack(shard, layout, sent, nbytes),), (layout, sent, shard, world, total, param_dtype, nbytes)
+        # uneven shards: FSDP2 takes only inputs of the padded shard's shape, so the bytes go as
+        # uint8 tensors of that shape, as many as they fill
+        padded = None if layout.even else (layout.shard_rows[0], *outer_size[1:])
+        nbytes = _gather_bytes(self, slot, layout, sent, world, who, math.prod(padded) if padded else 1)
+        buffer = pack(shard, layout, sent, nbytes)
+        inputs = (buffer,) if padded is None else tuple(buffer.view(-1, *padded).unbind(0))
+        return inputs, (layout, sent, shard, world, total, param_dtype, nbytes)
 
     def fsdp_post_all_gather(self, all_gather_outputs: tuple[torch.Tensor, ...], metadata: Any,
                              param_dtype: torch.dtype, *, out: Optional[torch.Tensor] = None
                              ) -> Optional[tuple[QuantizedTensor, tuple[torch.Tensor, ...]]]:
         """Rebuild the whole quantized weight from the ranks' buffers (FSDP2 hook)."""
         layout, sent, shard, world, rows, dtype, nbytes = metadata
-        (gathered,) = all_gather_outputs
+        if len(all_gather_outputs) == 1:
+            gathered = all_gather_outputs[0]
+        else:  # uneven shards: each rank's bytes are its pieces of the outputs, in order
+            gathered = torch.cat([o.reshape(world, -1) for o in all_gather_outputs], dim=1).reshape(-1)
         tensors = unpack(gathered, world, layout, sent, nbytes)
-        gathered.untyped_storage().resize_(0)  # unpacked: FSDP2 allocates it again for the next gather
+        for o in all_gather_outputs:  # unpacked: FSDP2 allocates them again for the next gather
+            o.untyped_storage().resize_(0)
         if out is None:
             whole = _whole_with_room(shard, rows, tensors, layout, dtype)
             inner = tuple(whole.qstorage.tensors())
@@ -197,16 +204,20 @@ def _layout(slot: _Slot, q: Any, src: torch.Tensor, total: int, world: int, sets
 
 
 def _gather_bytes(local: torch.Tensor, slot: _Slot, layout: GatherLayout, sent: tuple, world: int,
-                  who: str) -> int:
-    """The bytes this gather sends per rank: the copies' own size. FSDP2 sizes a parameter's
+                  who: str, unit: int = 1) -> int:
+    """The bytes this gather sends per rank: the copies' own size, rounded up to a multiple of
+    ``unit`` (an unevenly sharded weight's padded shard elements). FSDP2 sizes a parameter's
     all-gather output by its first gather and reuses it, so where a hybrid's two copies differ
     in size the output made for the other one is dropped (FSDP2 then makes one of the new
     size: it is only a transfer buffer, the weight's tensors are its own). Where FSDP2's
     parameter record cannot be found (another torch version), every gather sends the larger
     copy's size, padded, and a warning says so once."""
-    sizes = set(layout.set_bytes.values())
+    def whole(n: int) -> int:
+        return -(-n // unit) * unit
+
+    sizes = {whole(n) for n in layout.set_bytes.values()}
     if len(sizes) == 1:
-        return layout.nbytes
+        return whole(layout.nbytes)
     record = slot.fsdp_param() if slot.fsdp_param is not None else None
     if record is None:
         record = _fsdp_param_of(local)
@@ -217,11 +228,11 @@ def _gather_bytes(local: torch.Tensor, slot: _Slot, layout: GatherLayout, sent: 
             warnings.warn(f"{who}: FSDP2's parameter record was not found (torch {torch.__version__}); "
                           f"both gathers of this hybrid weight send {layout.nbytes} bytes per rank, the "
                           "larger copy's size, padded.", stacklevel=3)
-        return layout.nbytes
-    nbytes = layout.set_bytes[sent]
+        return whole(layout.nbytes)
+    nbytes = whole(layout.set_bytes[sent])
     outputs = record.all_gather_outputs
-    if outputs and outputs[0].numel() != nbytes * world:
-        record.all_gather_outputs = []  # FSDP2 allocates one of this gather's size
+    if outputs and sum(o.numel() for o in outputs) != nbytes * world:
+        record.all_gather_outputs = []  # FSDP2 allocates outputs of this gather's size
     return nbytes
 
 
@@ -246,19 +257,26 @@ def _fsdp_param_of(local: torch.Tensor) -> Any:
 
 def _block_aligned_rows(src: torch.Tensor, layout: GatherLayout, group: Any) -> torch.Tensor:
     """This rank's rows from its shard's first block boundary to the next rank's: the rows of
-    a block that straddles two shards are encoded by the rank where the block starts, which
-    takes them from the next rank (one all-gather of each rank's first rows: fewer than a
-    block, high precision)."""
+    a block that straddles shards are encoded by the rank where the block starts, which takes
+    them from the following ranks (one all-gather of each rank's first ``layout.halo`` rows,
+    high precision: fewer than a block, or a whole shard where blocks are longer than shards)."""
     import torch.distributed as dist
-    rank, world, n = dist.get_rank(group), len(layout.rank_rows), src.shape[0]
-    starts = [sum(layout.rank_rows[:r]) - r * n for r in range(world + 1)]  # offset in own shard
-    halo = max(starts[1:world])
+    rank, world, halo = dist.get_rank(group), len(layout.rank_rows), layout.halo
+    c = layout.shard_rows[0]  # FSDP2's chunk: rank j's shard starts at row j * c
+    first = src.new_zeros((halo, *src.shape[1:]))
+    first[:min(halo, src.shape[0])] = src[:halo]  # a shorter shard's first rows, zero-padded
     firsts = torch.empty((world * halo, *src.shape[1:]), dtype=src.dtype, device=src.device)
-    dist.all_gather_into_tensor(firsts, src[:halo].contiguous(), group=group)
-    mine = src[starts[rank]:]
-    if rank + 1 < world:
-        mine = torch.cat([mine, firsts[(rank + 1) * halo:(rank + 1) * halo + starts[rank + 1]]])
-    return mine
+    dist.all_gather_into_tensor(firsts, first, group=group)
+    lo = sum(layout.rank_rows[:rank])
+    hi = lo + layout.rank_rows[rank]
+    if hi == lo:  # no block starts in this shard
+        return src[:0]
+    pieces = [src[lo - rank * c:min(hi, rank * c + src.shape[0]) - rank * c]]
+    for j in range(rank + 1, world):
+        if j * c >= hi:
+            break
+        pieces.append(firsts[j * halo:j * halo + min(layout.shard_rows[j], hi - j * c)])
+    return torch.cat(pieces)
 
 
 def _check_delayed(q: Any, state: Any, group: Any, who: str) -> None:
@@ -320,7 +338,10 @@ def enable_quantized_all_gather(model: nn.Module, *, copies: str = "per_directio
     Call it before ``fully_shard``. Each weight a hybridfp module quantizes for its GEMMs
     (``quantized_weight_slots``: Linear's, LayerNormLinear's, LayerNormMLP's fc1 / fc2) becomes
     a :class:`QuantizedGatherWeight` Parameter; the optimizer keeps updating the
-    high-precision shards. Run the forward inside ``hybridfp.autocast``.
+    high-precision shards. Run the forward inside ``hybridfp.autocast``. A weight held quantized
+    (``quantized_model_init``) becomes a ``QuantizedPrimaryWeight``: its FP32 master is sharded
+    and each rank keeps its shard of the quantized weight, re-encoded once per optimizer step
+    (``hybridfp.quantize_sharded_weights``; ``MasterWeightOptimizer.step`` calls it).
 
     Parameters
     ----------
@@ -351,9 +372,11 @@ def enable_quantized_all_gather(model: nn.Module, *, copies: str = "per_directio
                 p._slot.copies = copies
                 n += 1
                 continue
-            if isinstance(p, QuantizedTensor):
-                raise ValueError(f"{type(module).__name__}.{attr} is a QuantizedTensor parameter "
-                                 "(quantized_model_init); its all-gather is not quantized by this function.")
+            if isinstance(p, QuantizedTensor):  # quantized_model_init: a quantized primary weight
+                from .fsdp_primary import primary_parameter
+                setattr(module, attr, primary_parameter(p, attr, index, copies))
+                n += 1
+                continue
             if type(p.data) is not torch.Tensor:
                 raise ValueError(f"{type(module).__name__}.{attr} is a {type(p.data).__name__}; call "
                                  "enable_quantized_all_gather before fully_shard.")

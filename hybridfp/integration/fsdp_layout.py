@@ -11,6 +11,12 @@ the whole weight's payload tensors, bitwise the ones quantizing the whole weight
 Per-tensor entries (a scale, a global amax: not indexed by rows) are not gathered: every rank
 computes them alike (the amax reduced over the shard group) and the local ones are used.
 
+FSDP2 shards ``total`` rows as ``torch.chunk`` does: ``c = ceil(total / world)`` rows per rank,
+the last ranks fewer (or none). Each rank encodes the rows from its shard's first block
+boundary to the next rank's (:func:`block_bounds`); a block that straddles shards is encoded
+where it starts, from the high-precision rows of the following shards' first rows
+(:attr:`GatherLayout.halo`; where a block is longer than a shard, a rank may encode none).
+
 A layout records each set of copies' bytes per rank (:attr:`GatherLayout.set_bytes`) and the
 largest (:attr:`GatherLayout.nbytes`): the forward (rowwise) and backward (columnwise) copies
 of one format are the same size; a hybrid of two formats sends each copy's own size where the
@@ -63,11 +69,21 @@ class GatherLayout:
     granularity: int
     #: the whole weight quantized with every copy, on the meta device (shapes, dtypes, options)
     whole: QuantizedTensor
+    #: FSDP2's shard rows per rank (``torch.chunk``: the last ranks may hold fewer, or none)
+    shard_rows: tuple[int, ...] = ()
+    #: the most rows a rank's encoded range takes from the start of a later rank's shard (0:
+    #: every rank encodes exactly its own shard)
+    halo: int = 0
 
     @property
     def aligned(self) -> bool:
-        """Whether every rank encodes exactly its FSDP2 shard (no block straddles two)."""
+        """Whether every rank encodes as many rows (a piece's bytes are the same on every rank)."""
         return len(set(self.rank_rows)) == 1
+
+    @property
+    def even(self) -> bool:
+        """Whether FSDP2 gives every rank as many rows (``total`` divisible by the world size)."""
+        return len(set(self.shard_rows)) <= 1
 
 
 def _element_bytes(dtype: torch.dtype) -> int:
@@ -101,11 +117,26 @@ def granularity(storage: QuantizedStorage) -> int:
     return g
 
 
+def shard_rows(total: int, world: int) -> tuple[int, ...]:
+    """FSDP2's rows per rank for ``total`` rows (``torch.chunk``: ``ceil(total / world)`` each,
+    the last ranks fewer or none)."""
+    c = -(-total // world)
+    return tuple(max(0, min(c, total - r * c)) for r in range(world))
+
+
 def block_bounds(total: int, world: int, g: int) -> list[int]:
     """Row boundaries of the ranks' encoded ranges: rank r encodes rows [b[r], b[r+1]), its
-    shard's start rounded up to a block boundary (the last ends at ``total``)."""
-    n = total // world
-    return [0] + [min(total, -(-r * n // g) * g) for r in range(1, world)] + [total]
+    shard's start rounded up to a block boundary (the last ends at ``total``). A shard shorter
+    than a block may hold no boundary: that rank's range is empty."""
+    c = -(-total // world)
+    return [0] + [min(total, -(-r * c // g) * g) for r in range(1, world)] + [total]
+
+
+def halo_rows(total: int, world: int, g: int) -> int:
+    """The most rows any rank's encoded range takes from the start of one later rank's shard."""
+    c, bounds, rows = -(-total // world), block_bounds(total, world, g), shard_rows(total, world)
+    return max([min(rows[j], bounds[r + 1] - j * c) for r in range(world) for j in range(r + 1, world)
+                if bounds[r] < bounds[r + 1]] + [0])
 
 
 def gather_layout(quantize_meta: Callable[[int], QuantizedTensor], total: int, world: int,
@@ -118,7 +149,7 @@ def gather_layout(quantize_meta: Callable[[int], QuantizedTensor], total: int, w
     quantize_meta:
         ``rows -> `` a meta-device quantization of that many rows with every copy of ``sets``.
     total, world:
-        The whole weight's rows and the number of ranks (``total`` divisible by ``world``).
+        The whole weight's rows and the number of ranks (FSDP2's shards: :func:`shard_rows`).
     sets:
         The sets of copies gathers send, e.g. ``((ROWWISE,), (COLUMNWISE,))``.
 
@@ -126,25 +157,16 @@ def gather_layout(quantize_meta: Callable[[int], QuantizedTensor], total: int, w
     -------
     GatherLayout
         Pieces per set (offsets sized for the largest rank's rows) and the per-rank size.
-
-    Raises
-    ------
-    ValueError
-        A rank would encode no rows (fewer rows per rank than one block of the format).
     """
     whole = quantize_meta(total)
     g = granularity(whole.qstorage)
     bounds = block_bounds(total, world, g)
     rank_rows = tuple(b - a for a, b in zip(bounds, bounds[1:]))
-    if min(rank_rows) == 0 or total // world < g:  # a rank's rows must reach its next boundary
-        raise ValueError(
-            f"{whole.qstorage.describe()}: {total // world} rows per rank is less than one block of "
-            f"{g} rows, so some rank would hold no whole block. Use fewer ranks for this weight, or "
-            "a format with smaller blocks.")
     probe = quantize_meta(max(rank_rows))
     pieces = {s: _pieces(probe.qstorage, s)[0] for s in sets}
     set_bytes = {s: _pieces(probe.qstorage, s)[1] for s in sets}
-    return GatherLayout(pieces, max(set_bytes.values()), set_bytes, rank_rows, g, whole)
+    return GatherLayout(pieces, max(set_bytes.values()), set_bytes, rank_rows, g, whole,
+                        shard_rows(total, world), halo_rows(total, world, g))
 
 
 def pack(shard: QuantizedTensor, layout: GatherLayout, sent: tuple[str, ...],

@@ -111,8 +111,3 @@ def test_blocks_straddling_shards_are_encoded_where_they_start(recipe: str, mode
         for key, t in _payloads(got).items():
             assert torch.equal(t.reshape(-1).view(torch.uint8), want[key].reshape(-1).view(torch.uint8)), key
 
-
-def test_fewer_rows_per_rank_than_a_block_is_refused() -> None:
-    q, _ = _weight_quantizer("block", 256, 128)
-    with pytest.raises(ValueError, match="less than one block of 128 rows"):
-        gather_layout(_meta(q, 128), 256, 4, SETS["split"])
