@@ -78,7 +78,10 @@ class MasterWeightOptimizer:
     ``get_high_precision_init_val()`` when kept, else the dequantized value); the wrapped
     optimizer holds the masters (and its state for them) in their place, and plain parameters
     as they are. :meth:`step` hands each master its parameter's gradient (as FP32), steps, and
-    re-quantizes the parameters (:func:`quantize_master_weights`).
+    re-quantizes the parameters (:func:`quantize_master_weights`). Under FSDP2
+    (``enable_quantized_all_gather`` on a ``quantized_model_init`` model) a sharded weight's
+    parameter is its FP32 master shard, stepped in place; :meth:`step` then re-encodes every
+    rank's quantized shards (``hybridfp.quantize_sharded_weights``: a collective).
 
     Parameters
     ----------
@@ -151,6 +154,12 @@ class MasterWeightOptimizer:
                 m.grad = None if p.grad is None else p.grad.detach().to(torch.float32)
         out = self.optimizer.step(closure)
         quantize_master_weights(self.model_params, self.master_params)
+        # FSDP2's quantized primary weights: the parameter is the FP32 master shard; each rank's
+        # quantized shard is re-encoded from it (one amax all-reduce for all of them)
+        from .fsdp_primary import is_primary_shard, quantize_sharded_weights
+        sharded = [p for p in self.model_params if is_primary_shard(p)]
+        if sharded:
+            quantize_sharded_weights(sharded)
         return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -23,7 +23,14 @@ from ..tensors.storage import COLUMNWISE, ROWWISE, MissingDirectionError, check_
 
 
 def all_reduce_amax(amax: torch.Tensor, group: Optional[Any]) -> torch.Tensor:
-    """All-reduce (MAX) ``amax`` in place over ``group`` so every rank uses the same scale."""
+    """All-reduce (MAX) ``amax`` in place over ``group`` so every rank uses the same scale.
+
+    A ``group`` with a ``reduce_amax(amax)`` method stands for an amax already reduced
+    elsewhere (FSDP2's quantized primary weights: one coalesced all-reduce for every weight,
+    ``integration/fsdp_primary.py``); it writes that amax into ``amax`` and returns it."""
+    reduce = getattr(group, "reduce_amax", None)
+    if reduce is not None:
+        return reduce(amax)
     if group is not None:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return amax

@@ -1,0 +1,300 @@
+"""Quantized primary weights under FSDP2: each rank holds its shard of the quantized weight.
+
+A model built under ``hybridfp.quantized_model_init`` holds its weights as ``QuantizedTensor``
+parameters. ``enable_quantized_all_gather(model)`` (before ``fully_shard``) turns each into a
+:class:`QuantizedPrimaryWeight`: the Parameter FSDP2 shards is the weight's FP32 master (seeded
+from ``get_high_precision_init_val()``, else the dequantized value), and every rank keeps, next
+to its master shard, its shard of the quantized weight (both copies). The weight is quantized
+once per optimizer step (:func:`quantize_sharded_weights`, which
+``hybridfp.MasterWeightOptimizer.step`` calls), not at every gather: an all-gather packs the
+stored codes of the copy the GEMMs about to run read (``fsdp_layout``; forward: rowwise,
+backward after ``reshard_after_forward``: columnwise; ``copies="both"``: both).
+
+Per-tensor scales (FP8 current scaling, NVFP4's global amax) come from the whole weight's amax:
+every weight's local amax goes into one coalesced all-reduce (MAX) per shard group, and each
+quantizer reads its weight's reduced amax in place of its own all-reduce
+(:class:`_ReducedAmax`). Delayed scaling encodes with its scale and records the reduced amax,
+so the history is the same on every rank. A block that straddles two shards is encoded by the
+rank where it starts, from the next rank's first high-precision rows (``fsdp.py``'s halo
+gather), so every code is the one a single process quantizing the whole weight makes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+from ..config import policy
+from ..formats.common import amax_nan
+from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
+from .fsdp import _SETS, QuantizedGatherWeight, _block_aligned_rows, _gather_bytes, _layout, _Slot
+from .fsdp_layout import assemble, gather_layout, pack, unpack
+
+
+@dataclass
+class _PrimarySlot(_Slot):
+    """A primary weight's shared state: its quantizer and this rank's quantized shard."""
+
+    quantizer: Any = None
+    #: the whole weight's nominal dtype (what the module reads, and its gradient's dtype)
+    nominal_dtype: Optional[torch.dtype] = None
+    #: this rank's rows of the quantized weight (its block-aligned range), both copies
+    shard: Optional[QuantizedTensor] = None
+    #: the master shard's version counter when ``shard`` was encoded (a later write: stale)
+    version: int = -1
+
+
+class _ReducedAmax:
+    """Stands in for a process group in a quantizer's amax reduction: the amax it would
+    all-reduce is this weight's amax, already reduced with every other weight's in one
+    collective (``quantizers.base.all_reduce_amax`` calls :meth:`reduce_amax`)."""
+
+    def __init__(self, amax: torch.Tensor) -> None:
+        self.amax = amax
+
+    def reduce_amax(self, amax: torch.Tensor) -> torch.Tensor:
+        """Write the reduced amax into ``amax`` (in place, as an all-reduce would)."""
+        return amax.copy_(self.amax.to(device=amax.device, dtype=amax.dtype).reshape(amax.shape))
+
+
+def _leaves(q: Any) -> list[Any]:
+    children = [getattr(q, n, None) for n in ("rowwise_quantizer", "columnwise_quantizer")]
+    return [c for c in children if c is not None] or [q]
+
+
+def _per_tensor(q: Any) -> bool:
+    """Whether quantizer ``q`` (a leaf) takes a per-tensor amax of its input."""
+    return hasattr(q, "amax_history") or hasattr(q, "with_amax_reduction")
+
+
+def _check_quantizer(q: Any, who: str) -> None:
+    """Refuse what a shard cannot encode as the whole weight: random draws (each rank would
+    draw its own) and amaxes of anything but the weight itself (RHT, per-row amaxes)."""
+    if q is None:
+        raise RuntimeError(f"{who}: the quantized weight has no quantizer; build the model under "
+                           "hybridfp.quantized_model_init(recipe=...).")
+    if q.uses_randomness():
+        raise ValueError(f"{who}: the weight quantizer {q!r} rounds stochastically; under FSDP2 each "
+                         "rank would draw its own numbers, so the shards would not be the whole weight's "
+                         "quantization. Use a weight quantizer without stochastic_rounding.")
+    for leaf in _leaves(q):
+        if getattr(leaf, "with_rht", False) or getattr(leaf, "row_scaled_nvfp4", False):
+            raise ValueError(f"{who}: the weight quantizer {leaf!r} takes an amax of a transformed tensor "
+                             "(with_rht) or per row (row_scaled_nvfp4); a quantized primary weight under "
+                             "FSDP2 supports per-tensor amaxes of the weight only. Use a weight quantizer "
+                             "without these options.")
+
+
+class QuantizedPrimaryWeight(QuantizedGatherWeight):
+    """The FP32 master (or its FSDP2 shard) of a quantized primary weight.
+
+    The optimizer updates it in place, as any parameter; its rank's quantized shard is
+    re-encoded from it by :func:`quantize_sharded_weights` (one coalesced amax all-reduce for
+    every weight) and FSDP2's all-gather sends those stored codes.
+
+    Parameters
+    ----------
+    data:
+        The FP32 master weight.
+    slot:
+        The module slot it belongs to (made by ``enable_quantized_all_gather``).
+    """
+
+    _slot: _PrimarySlot
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return f"QuantizedPrimaryWeight({self._hp!r})"
+
+    def fsdp_pre_all_gather(self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...],
+                            module: nn.Module, mp_policy: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """Pack this rank's stored quantized shard: the copies this gather sends (FSDP2 hook)."""
+        slot = self._slot
+        who = f"{type(module).__name__}.{slot.attr}"
+        world, total = mesh.size(mesh.ndim - 1), outer_size[0]
+        if slot.shard is None:  # the first gather: the weight was never quantized sharded
+            _quantize_items([(self, mesh.get_group(mesh.ndim - 1), world, total, who)])
+        elif self._hp._version != slot.version:
+            raise RuntimeError(
+                f"{who}: its FP32 master shard changed after its quantized shard was encoded, so a gather "
+                "would send stale codes. Step with hybridfp.MasterWeightOptimizer, or call "
+                "hybridfp.quantize_sharded_weights(model) after updating the masters (e.g. after a load).")
+        sent = _SETS[slot.copies][-1 if torch._C._current_graph_task_id() != -1 else 0]
+        layout = _layout(slot, slot.quantizer, self._hp, total, world, _SETS[slot.copies])
+        nbytes = _gather_bytes(self, slot, layout, sent, world, who)
+        dtype = getattr(mp_policy, "param_dtype", None) or slot.nominal_dtype
+        # the shard as holding only the copies sent: the whole weight makes room for the others
+        shard = slot.shard
+        sent_only = assemble(shard, shard.shape[0], {(d, n): t for d in sent
+                                                     for n, t in shard.qstorage.part(d).payloads[d].items()},
+                             quantizer=slot.quantizer)
+        return (pack(shard, layout, sent, nbytes),), (layout, sent, sent_only, world, total, dtype, nbytes)
+
+
+def _items(params: Iterable[Any]) -> list[tuple]:
+    """(local master shard, shard group, world, rows, name) of each sharded primary weight."""
+    out = []
+    for p in params:
+        local = getattr(p, "_local_tensor", p)
+        if isinstance(local, QuantizedPrimaryWeight):
+            if not hasattr(p, "device_mesh"):
+                raise ValueError(f"quantize_sharded_weights: {local._slot.attr} is not sharded yet; call it "
+                                 "after fully_shard (or let the first all-gather quantize it).")
+            mesh = p.device_mesh
+            out.append((local, mesh.get_group(mesh.ndim - 1), mesh.size(mesh.ndim - 1), p.shape[0], local._slot.attr))
+    return out
+
+
+def quantize_sharded_weights(params: Any) -> int:
+    """Quantize each sharded primary weight's shard from its FP32 master shard.
+
+    Every weight with a per-tensor scale contributes its local amax to ONE all-reduce (MAX)
+    per shard group; each rank then encodes its block-aligned rows (a straddling block's rows
+    taken from the next rank) with the whole weight's amax, bitwise the rows of the whole
+    weight's quantization. Delayed scaling records the reduced amax in its history.
+
+    Parameters
+    ----------
+    params:
+        A model (its parameters are scanned), or its parameters, after ``fully_shard``; the
+        parameters that are not quantized primary weights are skipped. Collective: every rank
+        of the shard group calls it with the same weights in the same order.
+
+    Returns
+    -------
+    int
+        The number of amax all-reduces issued (one per shard group holding a per-tensor-scaled
+        weight, else 0).
+
+    Raises
+    ------
+    ValueError
+        A weight sharded unevenly, or a weight quantizer a shard cannot reproduce (stochastic
+        rounding, RHT, per-row amaxes).
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> lin = torch.nn.Linear(4, 4)
+    >>> hf.quantize_sharded_weights(lin)   # no quantized primary weight: nothing to do
+    0
+    """
+    return _quantize_items(_items(params.parameters() if isinstance(params, nn.Module) else params))
+
+
+def _quantize_items(items: list[tuple]) -> int:
+    """:func:`quantize_sharded_weights` on ``_items``' tuples; the number of all-reduces."""
+    import torch.distributed as dist
+
+    amaxes: dict = {}  # group -> [(item index, local amax)]
+    for i, (local, group, world, total, who) in enumerate(items):
+        slot = local._slot
+        _check_quantizer(slot.quantizer, who)
+        if local.shape[0] * world != total:
+            raise ValueError(f"{who}: FSDP2 shards its {total} rows unevenly over {world} ranks; a quantized "
+                             "primary weight needs out_features divisible by the world size.")
+        if any(_per_tensor(q) for q in _leaves(slot.quantizer)):
+            amaxes.setdefault(group, []).append((i, amax_nan(local._hp.detach())))
+    reduced = {}
+    for group, entries in amaxes.items():  # one collective per group for all its weights
+        flat = torch.stack([a for _, a in entries]).float()
+        flat = torch.where(torch.isnan(flat), torch.full_like(flat, math.inf), flat)
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+        reduced.update({i: flat[k] for k, (i, _) in enumerate(entries)})
+    for i, (local, group, world, total, who) in enumerate(items):
+        _encode(local, group, world, total, reduced.get(i))
+    return len(amaxes)
+
+
+def _encode(local: QuantizedPrimaryWeight, group: Any, world: int, total: int,
+            amax: Optional[torch.Tensor]) -> None:
+    """Encode this rank's block-aligned rows of the weight into its quantized shard."""
+    slot = local._slot
+    q = slot.quantizer
+    src = local._hp.detach()
+    layout = _layout(slot, q, src, total, world, _SETS[slot.copies])
+    if getattr(layout, "halo", not layout.aligned):  # whole blocks: rows up to the next boundary
+        src = _block_aligned_rows(src, layout, group)
+    first = slot.shard is None
+    # the first encoding leaves delayed scaling's history as quantized_model_init left it
+    enc = q.copy() if first else q
+    enc.set_usage(rowwise=True, columnwise=True)
+    leaves = [leaf for leaf in _leaves(enc) if hasattr(leaf, "with_amax_reduction")]
+    saved = [(leaf.with_amax_reduction, leaf.amax_reduction_group) for leaf in leaves]
+    for leaf in leaves:
+        leaf.with_amax_reduction, leaf.amax_reduction_group = True, _ReducedAmax(amax)
+    try:
+        with torch.no_grad(), policy(decoded_copies="never"):  # codes travel, never BF16 decodes
+            shard = enc.quantize(src)
+    finally:
+        for leaf, (on, group_) in zip(leaves, saved):
+            leaf.with_amax_reduction, leaf.amax_reduction_group = on, group_
+    if not first:
+        for leaf in _leaves(enc):
+            if hasattr(leaf, "record_amax"):  # delayed: the history sees the whole weight's amax
+                leaf.record_amax(amax)
+    shard.set_quantizer(q)
+    slot.shard, slot.version = shard, local._hp._version
+
+
+def full_quantized_weight(param: Any) -> QuantizedTensor:
+    """The whole quantized weight (both copies) of a sharded primary weight, gathered.
+
+    Parameters
+    ----------
+    param:
+        A parameter ``enable_quantized_all_gather`` made from a ``QuantizedTensor`` parameter,
+        after ``fully_shard`` and at least one quantization of its shard. Collective over its
+        shard group.
+
+    Returns
+    -------
+    QuantizedTensor
+        The whole weight, bitwise the codes a single process quantizing its master makes.
+
+    Raises
+    ------
+    ValueError
+        ``param`` is not a sharded quantized primary weight, or was never quantized.
+    """
+    import torch.distributed as dist
+    local = getattr(param, "_local_tensor", param)
+    if not isinstance(local, QuantizedPrimaryWeight) or not hasattr(param, "device_mesh"):
+        raise ValueError("full_quantized_weight: expected a quantized primary weight sharded by fully_shard "
+                         f"(enable_quantized_all_gather on a quantized_model_init model), got {type(local).__name__}.")
+    slot = local._slot
+    if slot.shard is None:
+        raise ValueError(f"full_quantized_weight: {slot.attr} was never quantized sharded; call "
+                         "hybridfp.quantize_sharded_weights(model) first.")
+    mesh = param.device_mesh
+    group, world, total = mesh.get_group(mesh.ndim - 1), mesh.size(mesh.ndim - 1), param.shape[0]
+    both = (ROWWISE, COLUMNWISE)
+    probe = slot.quantizer.copy()
+    probe.set_usage(rowwise=True, columnwise=True)
+
+    def quantize_meta(rows: int) -> QuantizedTensor:
+        with torch.no_grad(), policy(decoded_copies="never"):
+            return probe.quantize(torch.empty((rows, *local.shape[1:]), dtype=local.dtype, device="meta"))
+    layout = gather_layout(quantize_meta, total, world, (both,))
+    buf = pack(slot.shard, layout, both)
+    out = torch.empty(world * buf.numel(), dtype=torch.uint8, device=buf.device)
+    dist.all_gather_into_tensor(out, buf, group=group)
+    return assemble(slot.shard, total, unpack(out, world, layout, both), slot.nominal_dtype, quantizer=slot.quantizer)
+
+
+def primary_parameter(p: QuantizedTensor, attr: str, index: int, copies: str) -> nn.Parameter:
+    """A quantized parameter as the FSDP2 parameter of a quantized primary weight: its FP32
+    master (its kept initial value, else its dequantized value) holding the quantizer."""
+    init = p.get_high_precision_init_val()
+    master = (init if init is not None else p.dequantize(torch.float32)).detach()
+    master = master.to(device=p.device, dtype=torch.float32, copy=True)
+    slot = _PrimarySlot(attr, index, copies, quantizer=p.quantizer, nominal_dtype=p.dtype)
+    return nn.Parameter(QuantizedPrimaryWeight(master, slot), requires_grad=p.requires_grad)
+
+
+def is_primary_shard(p: Any) -> bool:
+    """Whether ``p`` is a quantized primary weight (sharded or not yet)."""
+    return isinstance(getattr(p, "_local_tensor", p), QuantizedPrimaryWeight)
