@@ -1,0 +1,152 @@
+"""``hybridfp.convert`` is never silent: weights a matmul still reads outside hybridfp are
+listed in one ``HighPrecisionWeightsWarning`` (or refused with ``strict=True``); ``module_filter``
+picks what converts (``recipe_filter`` its former name); the output projection and embeddings
+stay in high precision unless asked. Plain PyTorch models, and tiny transformers models where
+transformers is installed."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import hybridfp as hfp
+
+
+class _MyLinear(nn.Linear):
+    """A subclass convert does not replace."""
+
+
+class _TransposedExperts(nn.Module):
+    """Fused experts stored [E, in, out] (gpt-oss's layout): recognised, not converted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_experts, self.is_transposed = 2, True
+        self.gate_up_proj = nn.Parameter(torch.zeros(2, 8, 16))
+        self.down_proj = nn.Parameter(torch.zeros(2, 8, 8))
+        self.act_fn = nn.SiLU()
+
+
+class _Toy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.norm = nn.LayerNorm(8)
+        self.fc = nn.Linear(8, 8)
+        self.custom = _MyLinear(8, 8)
+        self.conv = nn.Conv1d(8, 8, 1)
+        self.experts = _TransposedExperts()
+        self.lm_head = nn.Linear(8, 16, bias=False)
+
+
+def _record(fn):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn()
+    return out, [w for w in caught if issubclass(w.category, hfp.HighPrecisionWeightsWarning)]
+
+
+def test_one_warning_lists_every_weight_left_outside():
+    model, caught = _record(lambda: hfp.convert(_Toy()))
+    assert len(caught) == 1
+    text = str(caught[0].message)
+    assert "custom.weight [8, 8]" in text and "exact nn.Linear" in text
+    assert "conv.weight [8, 8, 1]" in text and "Conv1d" in text
+    assert "experts.gate_up_proj [2, 8, 16]" in text and "transposed" in text
+    assert "experts.down_proj [2, 8, 8]" in text
+    # converted, deliberate (lm_head) and lookups / norms are not in it
+    for name in ("fc.weight", "lm_head", "embed", "norm"):
+        assert name not in text
+    assert type(model.fc) is hfp.Linear and type(model.lm_head) is nn.Linear
+    deliberate = [w for w in hfp.unconverted_weights(model) if w.deliberate]
+    assert [w.name for w in deliberate] == ["lm_head.weight"] and "lm_head=True" in deliberate[0].why
+
+
+def test_strict_raises_and_names_the_weights():
+    with pytest.raises(ValueError, match=r"(?s)custom\.weight.*conv\.weight.*experts\.gate_up_proj.*strict"):
+        hfp.convert(_Toy(), strict=True)
+
+
+def test_module_filter_and_lm_head():
+    def keep(name, m):
+        return name not in ("custom", "conv", "experts")
+    # only what convert knows how to convert can be left out on purpose: the subclass and the
+    # convolution are still reported, the filtered nn.Linear is not
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    _, caught = _record(lambda: hfp.convert(model, module_filter=lambda name, m: name != "1"))
+    assert not caught and type(model[1]) is nn.Linear
+    assert [(w.name, w.deliberate, w.why) for w in hfp.unconverted_weights(
+        model, lambda name, m: name != "1")] == [("1.weight", True, "left out by module_filter")]
+    # recipe_filter: the same argument under its former name; both at once is refused
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    _, caught = _record(lambda: hfp.convert(model, recipe_filter=lambda name, m: name != "1"))
+    assert not caught and type(model[0]) is hfp.Linear and type(model[1]) is nn.Linear
+    with pytest.raises(TypeError, match="module_filter only"):
+        hfp.convert(model, module_filter=keep, recipe_filter=keep)
+    with pytest.raises(TypeError, match="module_filter only"):
+        hfp.nn.convert(model, module_filter=keep, recipe_filter=keep)
+    # lm_head=True converts the output projection, the same Parameter
+    toy = _Toy()
+    w = toy.lm_head.weight
+    _record(lambda: hfp.convert(toy, lm_head=True))
+    assert type(toy.lm_head) is hfp.Linear and toy.lm_head.weight is w
+    # the building block converts every nn.Linear, the output projection too, and says nothing
+    toy = _Toy()
+    _, caught = _record(lambda: hfp.nn.convert(toy))
+    assert not caught and type(toy.lm_head) is hfp.Linear
+
+
+def test_experts_to_grouped_refuses_what_it_cannot_convert():
+    from hybridfp.integration.transformers_moe import experts_to_grouped, fused_experts_layout
+    assert fused_experts_layout(nn.Linear(4, 4)) == (None, "")
+    with pytest.raises(ValueError, match="transposed"):
+        experts_to_grouped(_TransposedExperts(), "experts")
+    m = nn.Module()
+    m.gate_up_proj = nn.Parameter(torch.zeros(2, 16, 8))
+    m.down_proj = nn.Parameter(torch.zeros(2, 8, 8))
+    m.act_fn = nn.SiLU()
+    m.config = type("Config", (), {"_experts_implementation": "sonicmoe"})()
+    with pytest.raises(ValueError, match="'sonicmoe'.*'eager' or 'grouped_mm'"):
+        experts_to_grouped(m, "layers.0.experts")
+
+
+def _hf():
+    return pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_hf_lm_head_stays_high_precision_by_default(tied):
+    transformers = _hf()
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+                                      tie_word_embeddings=tied)
+    model = transformers.LlamaForCausalLM._from_config(config)
+    _, caught = _record(lambda: hfp.convert(model))
+    assert not caught
+    assert type(model.lm_head) is nn.Linear and type(model.model.layers[0].mlp.up_proj) is hfp.Linear
+    model = transformers.LlamaForCausalLM._from_config(config)
+    hfp.convert(model, lm_head=True)
+    assert type(model.lm_head) is hfp.Linear
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    assert hfp.unconverted_weights(model) == []
+
+
+def test_hf_save_pretrained_of_a_converted_dense_model(tmp_path):
+    """transformers' save_pretrained writes tensors only: the quantizer state stays out, and the
+    checkpoint loads into an unconverted model with the same keys."""
+    transformers = _hf()
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    model = hfp.convert(transformers.LlamaForCausalLM._from_config(config))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", hfp.gemm.EmulatedGemmWarning)
+        with hfp.autocast(recipe=hfp.DelayedScaling(amax_history_len=4)):
+            model(input_ids=torch.randint(0, 64, (2, 8)))
+    model.save_pretrained(tmp_path)
+    plain = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    want = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    assert plain.state_dict().keys() == want.keys()
+    assert all(torch.equal(plain.state_dict()[k], v) for k, v in want.items())
