@@ -380,9 +380,6 @@ def _run_train(args: argparse.Namespace, joined: list[Parallel]) -> int:
     if cfg.hf_config is not None:
         check_hf_args(cfg, args.jobs)
     check_parallel_args(cfg.fsdp, cfg.ep, cfg.quantized_weights, args.jobs, cfg.tp)
-    if args.resume and cfg.tp > 1:
-        raise ValueError("--resume with --tp: a tensor-parallel run's checkpoint holds the attention's "
-                         "q/k/v rows grouped per rank and is not resumed yet (ROADMAP.md); start it again.")
     par: Optional[Parallel] = None
     if cfg.fsdp or cfg.ep > 1 or cfg.tp > 1:
         par = init_parallel(cfg.device, cfg.fsdp, cfg.ep, cfg.model.n_experts, cfg.tp, cfg.model.n_head)

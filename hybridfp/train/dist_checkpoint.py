@@ -1,4 +1,4 @@
-"""Checkpoints of a sharded run (``hybridfp train --fsdp / --ep``): ``torch.distributed.checkpoint``.
+"""Checkpoints of a sharded run (``hybridfp train --fsdp / --ep / --tp``): ``torch.distributed.checkpoint``.
 
 ``checkpoints/<recipe>.dcp/`` holds, as a DCP checkpoint, the model's state dict (the FSDP2
 shards of the high-precision weights, every hybridfp module's quantizer state as its extra
@@ -7,6 +7,8 @@ the plain data of a single-process checkpoint (step, tokens, training time, reci
 and the run's expert-parallel size. DCP reshards on load, so a run resumes at another number
 of ranks; with ``--ep`` the experts are saved under their global names (``mlp.fc1.weight<e>``),
 their quantizer state per expert-parallel rank, so the resumed run keeps the ``--ep`` size.
+With ``--tp`` the weights whose rows each rank regroups (``tensor_parallel.grouped_weights``)
+are written in one process's row order, so any ``--tp`` (or none) reads them.
 
 The checkpoint is written to ``<recipe>.dcp.tmp`` and renamed when every rank has written its
 part: a run killed meanwhile leaves the previous checkpoint. DCP's own ``.metadata`` file is
@@ -108,6 +110,9 @@ def save_sharded(path: Path, model: nn.Module, opt: torch.optim.Optimizer, info:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = _renamed(*get_state_dict(model, opt), _expert_names(model, par))
+    if par.tp > 1:  # the q/k/v (gate/up) rows in one process's order: resumable at any --tp
+        from .tensor_parallel import grouped_weights, to_one_process_layout
+        to_one_process_layout(msd, osd, grouped_weights(model))
     tmp = path.with_name(path.name + ".tmp")
     if par.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -206,6 +211,10 @@ def load_sharded(path: Path, model: nn.Module, opt: torch.optim.Optimizer, par: 
     back = {rename(k): k for k in [*local_msd, *local_osd.get("state", {}),
                                    *(k for g in local_osd.get("param_groups", []) for k in g["params"])]}
     msd, osd = _renamed(local_msd, local_osd, rename)
+    undo: list = []
+    if par.tp > 1:  # read whole in one process's row order, then regrouped and sharded
+        from .tensor_parallel import expect_one_process_layout, grouped_weights
+        undo = expect_one_process_layout(msd, osd, grouped_weights(model))
     state: dict[str, Any] = {"model": msd, "optimizer": osd, "rng": {"cpu": torch.get_rng_state()}}
     try:
         dcp.load(state, storage_reader=_safe_reader(path))
@@ -215,6 +224,9 @@ def load_sharded(path: Path, model: nn.Module, opt: torch.optim.Optimizer, par: 
         detail = " ".join(str(e).split())
         raise CheckpointError(f"--resume: {path} does not fit this run's model or optimizer "
                               f"({type(e).__name__}: {detail[:300]}).") from None
+    if undo:
+        from .tensor_parallel import from_one_process_layout
+        from_one_process_layout(undo)
     msd, osd = _renamed(state["model"], state["optimizer"], lambda k: back.get(k, k))
     set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
     torch.set_rng_state(state["rng"]["cpu"].cpu())

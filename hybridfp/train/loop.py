@@ -390,10 +390,6 @@ def run_config(cfg: TrainConfig, named: NamedRecipe) -> TrainConfig:
 def _check_resumable(ck: dict[str, Any], path: Path, named: NamedRecipe, cfg: TrainConfig) -> None:
     """The checkpoint is this recipe's, from this run, and not past the target step."""
     check_belongs(ck, path, named.label, cfg.to_dict(), FIXED_ON_RESUME)
-    if ck.get("config", {}).get("tp", 1) > 1 or cfg.tp > 1:
-        raise CheckpointError(f"--resume: {path} is (or would be resumed) under --tp, whose checkpoints "
-                              "hold the attention's q/k/v rows grouped per tensor-parallel rank; a --tp "
-                              "run is not resumed yet (ROADMAP.md): start it again.")
     if ck["step"] > cfg.steps:
         raise CheckpointError(f"--resume: the checkpoint {path} is at step {ck['step']}, past --steps "
                               f"{cfg.steps}; pass --steps {ck['step']} or more.")
@@ -434,10 +430,6 @@ def plan_resume(cfg: TrainConfig, named: NamedRecipe, out_dir: Path) -> bool:
     else:
         other = sharded_path(path)
     dcp = path if sharded else other
-    if dcp.exists() and read_state(dcp).get("config", {}).get("tp", 1) > 1:
-        raise CheckpointError(f"--resume: {dcp} was written under --tp, with the attention's q/k/v rows "
-                              "grouped per tensor-parallel rank; a --tp run is not resumed yet "
-                              "(ROADMAP.md): start it again.")
     if not path.exists() and other.exists():
         how = ("a single process (without --fsdp / --ep)" if sharded else
                "torchrun with --fsdp / --ep, as it was started")

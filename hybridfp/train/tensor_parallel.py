@@ -10,7 +10,12 @@ A column-parallel weight is split into K contiguous blocks of rows, but ``qkv``'
 ``[q | k | v]`` (and a SwiGLU ``fc``'s ``[gate | up]``): before sharding their rows are
 reordered so that rank ``t``'s block holds its own heads' q, k and v (its hidden features'
 gate and up), ``[q_t | k_t | v_t]``; the attention then runs ``n_head / K`` heads per rank.
-A checkpoint of a ``--tp`` run stores that order, so it is not resumed (refused).
+A checkpoint of a ``--tp`` run stores these weights (and their AdamW moments) in one process's
+row order, ``[q | k | v]`` (gathered whole to be written, regrouped and sharded when read):
+it reads as any sharded run's, so it resumes at the same ``--tp`` bitwise, at another ``--tp``
+or under ``--fsdp`` alone (and a ``--fsdp`` checkpoint under ``--tp``). Still refused: resuming
+a sharded checkpoint in one process or a single-process checkpoint under torchrun (two file
+formats; ``loop.plan_resume``), and across ``--ep`` sizes (``dist_checkpoint``).
 
 The data: every rank of a tensor-parallel group reads the same rows; the global batch is split
 over the ``dp`` ranks only, and the replicated weights' gradients (and the sharded weights'
@@ -87,21 +92,104 @@ def group_rows(w: torch.Tensor, parts: int, tp: int) -> torch.Tensor:
     return w.reshape(parts, tp, -1, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
 
 
+def ungroup_rows(w: torch.Tensor, parts: int, tp: int) -> torch.Tensor:
+    """The inverse of :func:`group_rows`: ``[q_0 | k_0 | v_0 | q_1 | ...]`` back to ``[q | k | v]``.
+
+    Example
+    -------
+    >>> import torch
+    >>> from hybridfp.train.tensor_parallel import group_rows, ungroup_rows
+    >>> w = torch.arange(12.0).view(12, 1)
+    >>> torch.equal(ungroup_rows(group_rows(w, 3, 2), 3, 2), w)
+    True
+    """
+    return w.reshape(tp, parts, -1, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+
+
+def grouped_weights(model: nn.Module) -> dict[str, int]:
+    """State-dict name -> number of stacked parts, for the weights :func:`parallelize_blocks`
+    regroups per rank: each block's ``attn.qkv.weight`` (3: q, k, v) and a SwiGLU MLP's
+    ``mlp.fc.weight`` (2: gate, up); an MoE block's MLP is not split."""
+    from .model import MLP
+
+    out = {}
+    for i, block in enumerate(model.blocks):
+        out[f"blocks.{i}.attn.qkv.weight"] = 3
+        if isinstance(block.mlp, MLP) and block.mlp.kind == "swiglu":
+            out[f"blocks.{i}.mlp.fc.weight"] = 2
+    return out
+
+
+def _tp_size(t: Any) -> int:
+    names = t.device_mesh.mesh_dim_names or ()
+    return t.device_mesh.size(names.index("tp")) if "tp" in names else t.device_mesh.size()
+
+
+def _each_grouped(msd: dict, osd: dict, parts_of: dict[str, int]):
+    """(container, key, parts) of every regrouped tensor: the weight in ``msd`` and its
+    optimizer state of the same shape (AdamW's moments) in ``osd``."""
+    for name, parts in parts_of.items():
+        if name not in msd:
+            continue
+        yield msd, name, parts
+        per = osd.get("state", {}).get(name, {})
+        for key, v in per.items():
+            if isinstance(v, torch.Tensor) and v.shape == msd[name].shape:
+                yield per, key, parts
+
+
+def to_one_process_layout(msd: dict, osd: dict, parts_of: dict[str, int]) -> None:
+    """Before saving: each regrouped weight (and its optimizer state) as the single-process
+    run holds it, ``[q | k | v]`` (gathered whole, then written once), in place; the
+    checkpoint then reads as any other run's and reshards on load."""
+    for holder, key, parts in list(_each_grouped(msd, osd, parts_of)):
+        t = holder[key]
+        holder[key] = ungroup_rows(t.full_tensor(), parts, _tp_size(t))
+
+
+def expect_one_process_layout(msd: dict, osd: dict, parts_of: dict[str, int]) -> list[tuple]:
+    """Before loading: each regrouped entry replaced (in place) by an empty tensor of the
+    whole weight, which the load fills in the single-process layout; returns what
+    :func:`from_one_process_layout` needs to shard it back."""
+    undo = []
+    for holder, key, parts in list(_each_grouped(msd, osd, parts_of)):
+        t = holder[key]
+        undo.append((holder, key, parts, t.device_mesh, t.placements))
+        holder[key] = torch.empty(t.shape, dtype=t.dtype, device=t.to_local().device)
+    return undo
+
+
+def from_one_process_layout(undo: list[tuple]) -> None:
+    """After loading: each whole weight regrouped per rank and sharded as the run holds it."""
+    from torch.distributed.tensor import distribute_tensor
+
+    for holder, key, parts, mesh, placements in undo:
+        names = mesh.mesh_dim_names or ()
+        tp = mesh.size(names.index("tp")) if "tp" in names else mesh.size()
+        holder[key] = distribute_tensor(group_rows(holder[key], parts, tp), mesh, placements, src_data_rank=None)
+
+
 def parallelize_blocks(model: nn.Module, mesh: Any) -> None:
     """Split each block of a ``hybridfp.train`` GPT over the 1-D tensor-parallel ``mesh``
     (see the module docstring): rows regrouped, then ``parallelize_module``."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     from ..integration.tensor_parallel import ColwiseParallel, RowwiseParallel
+    from .model import MLP
 
     tp = mesh.size()
-    for block in model.blocks:
+    parts_of = grouped_weights(model)
+    for i, block in enumerate(model.blocks):
+        plan: dict[str, Any] = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel()}
+        if isinstance(block.mlp, MLP):  # an MoE layer stays whole on every rank (module docstring)
+            plan.update({"mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})
         with torch.no_grad():
-            block.attn.qkv.weight.copy_(group_rows(block.attn.qkv.weight, 3, tp))
-            if block.mlp.kind == "swiglu":
-                block.mlp.fc.weight.copy_(group_rows(block.mlp.fc.weight, 2, tp))
-        parallelize_module(block, mesh, {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
-                                         "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})
+            for name in ("attn.qkv", "mlp.fc"):
+                parts = parts_of.get(f"blocks.{i}.{name}.weight")
+                if parts:
+                    w = block.get_submodule(name).weight
+                    w.copy_(group_rows(w, parts, tp))
+        parallelize_module(block, mesh, plan)
 
 
 def local_grad(g: torch.Tensor) -> torch.Tensor:

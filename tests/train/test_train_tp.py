@@ -45,8 +45,8 @@ def _assert_close(got: list[dict], want: list[dict]) -> None:
 
 def test_tensor_parallel_trains_as_one_process(tmp_path, text, capsys) -> None:
     """4 steps of the test preset (2 heads, SwiGLU MLP, gradient clipping) with each block's
-    linears over 2 ranks, BF16 and MXFP8: within the bounds of one process's losses. The
-    checkpoint it leaves is not resumed (q/k/v rows grouped per rank): refused."""
+    linears over 2 ranks, BF16 and MXFP8: within the bounds of one process's losses. Its
+    sharded checkpoint resumes under torchrun (test_train_tp_resume.py), not in one process."""
     run = ["--preset", "test", "--lr-decay-steps", "4", "--steps", "4", "--data", str(text), *COMMON,
            "--compare", "bf16,mxfp8"]
     assert cli.main(["train", "--out", str(tmp_path / "one"), *run]) == 0
@@ -57,10 +57,8 @@ def test_tensor_parallel_trains_as_one_process(tmp_path, text, capsys) -> None:
     for recipe in ("bf16", "mxfp8"):
         _assert_close(records(out, recipe), records(tmp_path / "one", recipe))
     resume = ["train", "--resume", "--out", str(out), "--steps", "6", "--no-progress"]
-    assert cli.main([*resume, "--tp", "2"]) == 2
-    assert "--resume with --tp" in capsys.readouterr().err
-    assert cli.main(resume) == 2  # nor by one process (or --fsdp)
-    assert "written under --tp" in capsys.readouterr().err
+    assert cli.main(resume) == 2  # a sharded checkpoint: not by one process
+    assert "written by a sharded run" in capsys.readouterr().err
 
 
 def test_tensor_parallel_with_data_parallel_trains_as_one_process(tmp_path, text) -> None:
