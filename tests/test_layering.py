@@ -3,7 +3,10 @@
 Layers, lowest first::
 
     config, utils -> formats -> kernels -> tensors -> quantizers -> gemm -> recipes -> nn
-        -> moe -> integration -> train -> top (hybridfp/__init__.py, report.py, factories.py)
+        -> moe -> integration -> train, analyze -> top (hybridfp/__init__.py, report.py, factories.py)
+
+``analyze`` and ``train`` share a rank: the analysis builds the trainer's models, the trainer's
+command line runs the analysis.
 
 ``config`` and ``utils`` form the bottom: neither imports anything else of ``hybridfp`` (nor each
 other). Every ``import`` / ``from ... import`` (absolute or relative, at module level or inside a
@@ -28,7 +31,7 @@ PACKAGE = ROOT / "hybridfp"
 LAYERS = {
     "config": 0, "utils": 0,
     "formats": 1, "kernels": 2, "tensors": 3, "quantizers": 4, "gemm": 5, "recipes": 6, "nn": 7,
-    "moe": 8, "integration": 9, "train": 10,
+    "moe": 8, "integration": 9, "train": 10, "analyze": 10,
     "top": 11,
 }
 #: Layers that import nothing of hybridfp but themselves.
