@@ -7,6 +7,7 @@ from .integration.export import export_state_dict
 from .integration.safetensors_io import load_safetensors, save_safetensors
 from .integration.master_weights import MasterWeightOptimizer, memory_per_parameter, quantize_master_weights
 from .integration.fsdp import QuantizedGatherWeight, enable_quantized_all_gather
+from .integration.fsdp_amax import precompute_weight_amax
 from .integration.fsdp_primary import QuantizedPrimaryWeight, full_quantized_weight, quantize_sharded_weights
 from .integration.tensor_parallel import ColwiseParallel, LayerNormMLPParallel, RowwiseParallel
 from .moe import ExpertDispatch, ExpertParallel, GroupedLinear, expert_combine, expert_dispatch
@@ -20,6 +21,8 @@ from .quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Fl
 from .recipes import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                       MXFP8BlockScaling, NVFP4BlockScaling, QuantizerRole, Recipe, autocast)
 from .tensors import MissingDirectionError, QuantizedTensor
+# the function; its package stays importable as hybridfp.analyze.<module> (sys.modules)
+from .analyze import analyze  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -32,8 +35,9 @@ __all__ = [
     "get_cpu_offload_context", "mark_not_offload",
     "convert", "current_policy", "factories",
     "gemm", "moe", "nn", "policy", "quantized_model_init",
-    "MasterWeightOptimizer", "QuantizedGatherWeight", "enable_quantized_all_gather", "QuantizedPrimaryWeight", "full_quantized_weight", "quantize_sharded_weights", "export_state_dict", "load_safetensors", "save_safetensors", "memory_per_parameter", "quantize_master_weights", "set_names", "swiglu", "use_policy",
+    "MasterWeightOptimizer", "QuantizedGatherWeight", "enable_quantized_all_gather", "precompute_weight_amax", "QuantizedPrimaryWeight", "full_quantized_weight", "quantize_sharded_weights", "export_state_dict", "load_safetensors", "save_safetensors", "memory_per_parameter", "quantize_master_weights", "set_names", "swiglu", "use_policy",
     "ColwiseParallel", "LayerNormMLPParallel", "RowwiseParallel",
     "weight_caching", "ExpertDispatch", "ExpertParallel", "expert_combine", "expert_dispatch",
     "HighPrecisionWeightsWarning", "unconverted_weights",
+    "analyze",
 ]
