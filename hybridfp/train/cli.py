@@ -111,6 +111,11 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--list-recipes", action="store_true", help="print the recipe names and exit")
 
 
+def _analyze_doc() -> str:
+    from ..analyze import cli
+    return cli.__doc__ or ""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """``hybridfp`` with its subcommands."""
     parser = argparse.ArgumentParser(prog="hybridfp", description="hybridfp command line")
@@ -118,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a small GPT under one or more recipes and compare them",
                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_args(train)
+    from ..analyze.cli import add_analyze_args  # here: analyze imports train's model and data
+    analyze = sub.add_parser("analyze", help="measure each GEMM's error per format and recommend a recipe",
+                             description=_analyze_doc(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_analyze_args(analyze)
     return parser
 
 
@@ -510,7 +519,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     joined: list[Parallel] = []
     with console_logging():
         try:
-            code = run_train(args, joined)
+            if args.command == "analyze":
+                from ..analyze.cli import run_analyze
+                code = run_analyze(args)
+            else:
+                code = run_train(args, joined)
         except (ValueError, OSError, FloatingPointError, MissingExtraError) as e:
             # one line, argparse's form and exit status: the messages say what to do
             logger.error("hybridfp %s: error: %s", args.command, " ".join(str(e).split()))
