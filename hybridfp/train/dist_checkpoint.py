@@ -91,6 +91,18 @@ def _renamed(msd: dict, osd: dict, rename: Callable[[str], str]) -> tuple[dict, 
     return {rename(k): v for k, v in msd.items()}, osd
 
 
+def _torch_optimizer(opt: Any) -> torch.optim.Optimizer:
+    """The torch optimizer DCP reads: a ``MasterWeightOptimizer``'s own (under FSDP2 its
+    quantized primary weights' parameters are their FP32 masters, stepped in place)."""
+    from ..integration.master_weights import MasterWeightOptimizer
+    if isinstance(opt, MasterWeightOptimizer):
+        if any(m is not None for m in opt.master_params):
+            raise ValueError("a sharded checkpoint of a MasterWeightOptimizer holding separate masters is "
+                             "not written: under --fsdp every quantized weight's parameter is its master.")
+        return opt.optimizer
+    return opt
+
+
 def save_sharded(path: Path, model: nn.Module, opt: torch.optim.Optimizer, info: dict[str, Any],
                  par: Parallel) -> None:
     """Write the sharded checkpoint ``path`` (a collective: every rank calls it).
@@ -109,7 +121,7 @@ def save_sharded(path: Path, model: nn.Module, opt: torch.optim.Optimizer, info:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    msd, osd = _renamed(*get_state_dict(model, opt), _expert_names(model, par))
+    msd, osd = _renamed(*get_state_dict(model, _torch_optimizer(opt)), _expert_names(model, par))
     if par.tp > 1:  # the q/k/v (gate/up) rows in one process's order: resumable at any --tp
         from .tensor_parallel import grouped_weights, to_one_process_layout
         to_one_process_layout(msd, osd, grouped_weights(model))
@@ -207,7 +219,7 @@ def load_sharded(path: Path, model: nn.Module, opt: torch.optim.Optimizer, par: 
                               f"{saved_ep} (any number of ranks it divides).")
     build_quantizers()
     rename = _expert_names(model, par)
-    local_msd, local_osd = get_state_dict(model, opt)
+    local_msd, local_osd = get_state_dict(model, _torch_optimizer(opt))
     back = {rename(k): k for k in [*local_msd, *local_osd.get("state", {}),
                                    *(k for g in local_osd.get("param_groups", []) for k in g["params"])]}
     msd, osd = _renamed(local_msd, local_osd, rename)
@@ -228,7 +240,10 @@ def load_sharded(path: Path, model: nn.Module, opt: torch.optim.Optimizer, par: 
         from .tensor_parallel import from_one_process_layout
         from_one_process_layout(undo)
     msd, osd = _renamed(state["model"], state["optimizer"], lambda k: back.get(k, k))
-    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    set_state_dict(model, _torch_optimizer(opt), model_state_dict=msd, optim_state_dict=osd)
+    # quantized primary weights: each rank's quantized shard re-encoded from its loaded master
+    from ..integration.fsdp_primary import quantize_sharded_weights
+    quantize_sharded_weights(model)
     torch.set_rng_state(state["rng"]["cpu"].cpu())
 
 

@@ -109,7 +109,7 @@ def check_parallel_args(fsdp: bool, ep: int, quantized_weights: bool, jobs: int,
     Raises
     ------
     ValueError
-        ``--ep`` below 1, ``--fsdp`` / ``--ep`` / ``--tp`` with ``--quantized-weights``,
+        ``--ep`` below 1, ``--ep`` / ``--tp`` with ``--quantized-weights``,
         ``--jobs`` above 1 with ``--fsdp`` / ``--ep`` / ``--tp``.
     """
     if tp < 1:
@@ -122,10 +122,9 @@ def check_parallel_args(fsdp: bool, ep: int, quantized_weights: bool, jobs: int,
                          "all its ranks; drop --jobs.")
     if ep < 1:
         raise ValueError(f"--ep must be at least 1 (the expert-parallel group size); got {ep}.")
-    if (fsdp or ep > 1) and quantized_weights:
-        raise ValueError(f"{'--fsdp' if fsdp else '--ep'} with --quantized-weights: a sharded run does "
-                         "not hold quantized primary weights yet (ROADMAP.md); drop --quantized-weights "
-                         "(FSDP2's all-gather already sends the weights quantized) or train in one process.")
+    if ep > 1 and quantized_weights:
+        raise ValueError("--ep with --quantized-weights: expert parallelism does not hold quantized primary "
+                         "weights (ROADMAP.md); drop --quantized-weights, or shard with --fsdp alone.")
     if (fsdp or ep > 1) and jobs > 1:
         raise ValueError("--jobs with --fsdp / --ep: a sharded run trains its recipes one after the "
                          "other over all its ranks; drop --jobs.")
@@ -261,7 +260,12 @@ def shard_model(model: nn.Module, par: Parallel, recipe: Any) -> None:
         return
 
     blocks = {id(m) for b in model.blocks for m in b.modules()}
-    for m in _quantized_gather_modules(model, recipe):
+    from ..tensors import QuantizedTensor
+    # --quantized-weights: every weight held quantized becomes a sharded quantized primary weight
+    held = [m for m in model.modules()
+            if any(isinstance(getattr(m, a, None), QuantizedTensor) for a, _ in getattr(m, "quantized_weight_slots", ()))]
+    gathered = _quantized_gather_modules(model, recipe)
+    for m in gathered + [m for m in held if all(m is not g for g in gathered)]:
         # Both copies in one gather where the module reads the forward's copy after backward's
         # gather (a block recomputed in backward) or is gathered once for both passes (the
         # root's own weights: the lm head, FSDP2 keeps them from forward to backward).
