@@ -1,0 +1,372 @@
+"""torchtitan's model-config tree, converted to hybridfp before the model is built.
+
+torchtitan (>= 0.3.0) builds every model from a tree of ``Config`` dataclasses, and its model
+converters (float8, MX, LoRA) rewrite that tree before ``build()``. :func:`convert_model_config`
+does the same for hybridfp:
+
+- each selected ``Linear.Config`` becomes the config of a hybridfp ``Linear`` that is also a
+  torchtitan ``Module`` (its ``param_init`` / ``sharding_config`` kept, so ``init_states``
+  initializes it as before; parameter names ``weight`` / ``bias`` unchanged);
+- each selected ``GroupedExperts.Config`` becomes a ``GroupedExperts`` whose three expert GEMMs
+  run through :class:`hybridfp.GroupedLinear` (one ``[E, out, in]`` weight each) on the very
+  Parameters ``w1_EFD`` / ``w2_EDF`` / ``w3_EFD`` torchtitan created (same names, same objects:
+  optimizers, checkpoints and torchtitan's state-dict adapters see no change);
+- the root config becomes a subclass whose model runs its ``forward`` inside
+  ``hybridfp.autocast(recipe)`` (a pipeline stage is a copy of the model: each stage does too).
+
+torchtitan is imported only when these functions run, never when hybridfp is imported. The
+converter torchtitan's job config names is ``hybridfp.torchtitan.HybridFPConverter``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..moe import GroupedLinear
+from ..nn.linear import Linear as HybridLinear
+from ..recipes import Recipe, autocast
+
+#: Module fqns kept in high precision unless the caller says otherwise: the output projection
+#: (torchtitan names it ``lm_head``; older models ``output``) and the MoE routers' gates.
+DEFAULT_SKIP: tuple[str, ...] = ("lm_head", "output", "router")
+
+#: GroupedExperts' Parameters, their hybridfp GroupedLinear names and (in, out) sizes' keys.
+_EXPERT_WEIGHTS = ("w1_EFD", "w3_EFD", "w2_EDF")
+
+
+def fqn_matches(fqn: str, pattern: str) -> bool:
+    """Whether ``pattern``'s dotted parts appear as a contiguous run of ``fqn``'s parts.
+
+    ``"lm_head"`` matches ``"lm_head"``; ``"router"`` matches ``"layers.3.moe.router.gate"``;
+    ``"layers.0"`` matches ``"layers.0.attention.wo"`` but not ``"layers.10.attention.wo"``
+    (a plain substring test would).
+
+    Parameters
+    ----------
+    fqn:
+        A module's qualified name.
+    pattern:
+        A name or dotted run of names.
+
+    Returns
+    -------
+    bool
+
+    Example
+    -------
+    >>> from hybridfp.integration.torchtitan import fqn_matches
+    >>> fqn_matches("layers.3.moe.router.gate", "router"), fqn_matches("layers.10.wo", "layers.1")
+    (True, False)
+    """
+    parts, want = fqn.split("."), pattern.split(".")
+    return any(parts[i:i + len(want)] == want for i in range(len(parts) - len(want) + 1))
+
+
+@dataclass(frozen=True)
+class ModelConfigConversion:
+    """What :func:`convert_model_config` did.
+
+    Attributes
+    ----------
+    linears, experts:
+        Fqns of the ``Linear`` / ``GroupedExperts`` configs now built as hybridfp modules.
+    skipped:
+        ``fqn -> why`` for those kept in high precision (a filter, an unsupported subclass).
+    """
+
+    linears: tuple[str, ...] = ()
+    experts: tuple[str, ...] = ()
+    skipped: dict = field(default_factory=dict)
+
+
+def _tt() -> Any:
+    """torchtitan's classes this module converts (imported on first use)."""
+    try:
+        from torchtitan.models.common.linear import Linear
+        from torchtitan.models.common.moe import GroupedExperts
+        from torchtitan.protocols.module import Module
+    except ImportError as e:  # pragma: no cover - the tests skip without torchtitan
+        raise ImportError("hybridfp's torchtitan converter needs torchtitan >= 0.3.0: "
+                          "pip install 'hybridfp[torchtitan]'") from e
+    return Linear, GroupedExperts, Module
+
+
+def _refuse_sharded(who: str, parallel_dims: Any, what: Sequence[str]) -> None:
+    """Refuse torchtitan parallelisms whose shards a module cannot read (never a silent
+    wrong result): ``what`` names ParallelDims' ``<x>_enabled`` properties."""
+    on = [w for w in what if getattr(parallel_dims, f"{w}_enabled", False)]
+    if on:
+        raise NotImplementedError(
+            f"{who}: torchtitan's {' / '.join(w.upper() for w in on)} sharding is not supported by "
+            "hybridfp's torchtitan converter yet (its modules read whole weights; FSDP2 and "
+            "pipeline parallelism are supported). Set those degrees to 1, or keep these modules "
+            "in high precision with the converter's filter_fqns.")
+
+
+@functools.lru_cache(maxsize=None)
+def hybrid_linear_class() -> type:
+    """The hybridfp ``Linear`` that is also a torchtitan ``Module`` (built once).
+
+    Returns
+    -------
+    type
+        ``HybridFPLinear``; its ``Config`` extends torchtitan's ``Linear.Config`` with
+        ``hybridfp_name`` (the module's fqn, used in quantizer roles).
+    """
+    TTLinear, _, Module = _tt()
+
+    class HybridFPLinear(HybridLinear, Module):
+        """hybridfp ``Linear`` built from torchtitan's ``Linear.Config``."""
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(TTLinear.Config):
+            hybridfp_name: str = ""
+
+        def __init__(self, config: "HybridFPLinear.Config") -> None:
+            HybridLinear.__init__(self, config.in_features, config.out_features, bias=config.bias,
+                                  name=config.hybridfp_name)
+
+        def parallelize(self, parallel_dims: Any) -> None:
+            _refuse_sharded(f"hybridfp Linear {self.name!r}", parallel_dims, ("tp",))
+            Module.parallelize(self, parallel_dims)
+
+    return HybridFPLinear
+
+
+def _local(t: torch.Tensor, who: str) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+    if isinstance(t, DTensor):
+        raise NotImplementedError(
+            f"{who}: the expert weights are DTensors (torchtitan's expert / tensor parallelism); "
+            "hybridfp's torchtitan converter runs experts on whole weights only. Use FSDP2 / "
+            "pipeline parallelism, or keep the experts in high precision (experts=False).")
+    return t
+
+
+@functools.lru_cache(maxsize=None)
+def hybrid_experts_class(parent: type) -> type:
+    """A subclass of torchtitan's ``GroupedExperts`` (or of ``parent``, one of its subclasses
+    with the same three weights) whose GEMMs run through :class:`hybridfp.GroupedLinear`.
+
+    Parameters
+    ----------
+    parent:
+        ``GroupedExperts`` itself (other subclasses are refused by the converter).
+
+    Returns
+    -------
+    type
+        ``HybridFP<parent>``; its ``Config`` adds ``hybridfp_name`` (the module's fqn).
+    """
+    _, _, Module = _tt()
+
+    class HybridFPGroupedExperts(parent):  # type: ignore[misc, valid-type]
+        """torchtitan's experts (the same Parameters) on hybridfp GroupedLinear GEMMs.
+
+        The three GroupedLinear are kept outside the module tree (in a plain list): their
+        weights are this module's own Parameters, bound at each forward, so ``state_dict``,
+        FSDP2 and the optimizer see only ``w1_EFD`` / ``w2_EDF`` / ``w3_EFD``.
+        """
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(parent.Config):  # type: ignore[name-defined, misc]
+            hybridfp_name: str = ""
+
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            E, F_, D = config.num_experts, config.hidden_dim, config.dim
+            sizes = {"w1_EFD": (D, F_), "w3_EFD": (D, F_), "w2_EDF": (F_, D)}
+            prefix = f"{config.hybridfp_name}." if config.hybridfp_name else ""
+            # A plain list: not submodules (no second state_dict entry for the same weights).
+            self._hybridfp_experts = [
+                GroupedLinear(E, *sizes[w], bias=False, device="meta", single_parameter=True,
+                              name=prefix + w) for w in _EXPERT_WEIGHTS]
+
+        def parallelize(self, parallel_dims: Any) -> None:
+            _refuse_sharded(f"hybridfp experts {self._hybridfp_experts[0].name!r}", parallel_dims,
+                            ("tp", "ep", "etp"))
+            Module.parallelize(self, parallel_dims)
+
+        def hybridfp_grouped_linears(self) -> list[GroupedLinear]:
+            """The three GroupedLinear (w1, w3, w2), bound to this module's current Parameters."""
+            for gl, w in zip(self._hybridfp_experts, _EXPERT_WEIGHTS):
+                p = _local(getattr(self, w), gl.name)
+                if gl.weight is not p:
+                    gl.weight = p  # the same Parameter object: re-binds after FSDP2 / to_empty
+            return self._hybridfp_experts
+
+        def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+            gl1, gl3, gl2 = self.hybridfp_grouped_linears()
+            splits = num_tokens_per_expert_E
+            h = F.silu(gl1(x_RD, splits)) * gl3(x_RD, splits)
+            return gl2(h, splits).type_as(x_RD)
+
+    HybridFPGroupedExperts.__name__ = HybridFPGroupedExperts.__qualname__ = f"HybridFP{parent.__name__}"
+    return HybridFPGroupedExperts
+
+
+@functools.lru_cache(maxsize=None)
+def autocast_model_class(parent: type) -> type:
+    """A subclass of the root model class ``parent`` whose ``forward`` runs inside
+    ``hybridfp.autocast`` with the recipe its config holds.
+
+    Parameters
+    ----------
+    parent:
+        The torchtitan model class (``Llama3Model``, ``Qwen3Model``...).
+
+    Returns
+    -------
+    type
+        ``HybridFP<parent>``; its ``Config`` adds ``hybridfp_recipe`` (a ``hybridfp.Recipe``).
+    """
+
+    class HybridFPModel(parent):  # type: ignore[misc, valid-type]
+        @dataclass(kw_only=True, slots=True)
+        class Config(parent.Config):  # type: ignore[name-defined, misc]
+            hybridfp_recipe: Optional[Recipe] = None
+
+            def to_dict(self) -> dict:  # the recipe is logged by name, not as an object
+                d = parent.Config.to_dict(self)
+                d["hybridfp_recipe"] = type(self.hybridfp_recipe).__name__
+                return d
+
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self.hybridfp_recipe = config.hybridfp_recipe
+
+        @functools.wraps(parent.forward)  # torchtitan reads forward's signature
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            with autocast(recipe=self.hybridfp_recipe):
+                return parent.forward(self, *args, **kwargs)
+
+    HybridFPModel.__name__ = HybridFPModel.__qualname__ = f"HybridFP{parent.__name__}"
+    return HybridFPModel
+
+
+def _replace(parent: Any, attr: Any, new: Any) -> None:
+    if isinstance(parent, list):
+        parent[attr] = new
+    else:
+        setattr(parent, attr, new)
+
+
+def _copy(cfg: Any, cls: type, **extra: Any) -> Any:
+    return cls(**{f.name: getattr(cfg, f.name) for f in fields(cfg) if f.init}, **extra)
+
+
+def convert_model_config(model_config: Any, recipe: Recipe, *, fqns: Sequence[str] = (),
+                         filter_fqns: Sequence[str] = DEFAULT_SKIP, experts: bool = True,
+                         strict: bool = False) -> tuple[Any, ModelConfigConversion]:
+    """Rewrite a torchtitan model config so the built model trains with hybridfp.
+
+    Parameters
+    ----------
+    model_config:
+        A torchtitan ``BaseModel.Config`` (``model_registry(flavor).model``); its nested
+        configs are replaced in place.
+    recipe:
+        The hybridfp recipe the model's forward runs under.
+    fqns:
+        Convert only modules whose fqn matches one of these (:func:`fqn_matches`); empty: all.
+    filter_fqns:
+        Keep modules matching any of these in high precision (default :data:`DEFAULT_SKIP`:
+        ``lm_head`` / ``output`` and the routers).
+    experts:
+        Run ``GroupedExperts`` through ``hybridfp.GroupedLinear`` (False: keep them as they are).
+    strict:
+        Raise instead of warning when a ``Linear`` / ``GroupedExperts`` subclass the converter
+        does not know would stay in high precision.
+
+    Returns
+    -------
+    (config, ModelConfigConversion)
+        The new root config (a subclass of ``model_config``'s class) and what was converted.
+
+    Raises
+    ------
+    TypeError
+        ``recipe`` is not a ``hybridfp.Recipe``; ``model_config`` is no torchtitan model config.
+    ValueError
+        ``strict`` and an unknown ``Linear`` / ``GroupedExperts`` subclass is not filtered out.
+    """
+    import warnings
+
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"convert_model_config: recipe must be a hybridfp.Recipe; got "
+                        f"{type(recipe).__name__}.")
+    TTLinear, GroupedExperts, _ = _tt()
+    if not hasattr(model_config, "traverse") or not hasattr(type(model_config), "_owner"):
+        raise TypeError(f"convert_model_config: model_config must be a torchtitan model Config "
+                        f"(model_registry(flavor).model); got {type(model_config).__name__}.")
+    linears, convert_experts, skipped, unknown = [], [], {}, []
+
+    def selected(fqn: str) -> Optional[str]:
+        if fqns and not any(fqn_matches(fqn, p) for p in fqns):
+            return "not matched by fqns"
+        hit = [p for p in filter_fqns if fqn_matches(fqn, p)]
+        return f"filter_fqns {hit[0]!r}" if hit else None
+
+    lin_cls = hybrid_linear_class()
+    for fqn, cfg, parent, attr in list(model_config.traverse(TTLinear.Config)):
+        why = selected(fqn)
+        if why is None and type(cfg) is not TTLinear.Config:
+            why = f"{type(cfg).__qualname__} is not torchtitan's plain Linear.Config"
+            unknown.append(f"{fqn} ({why})")
+        if why is not None or parent is None:
+            skipped[fqn] = why or "the root config"
+            continue
+        _replace(parent, attr, _copy(cfg, lin_cls.Config, hybridfp_name=fqn))
+        linears.append(fqn)
+    for fqn, cfg, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
+        why = "experts=False" if not experts else selected(fqn)
+        if why is None and type(cfg) is not GroupedExperts.Config:
+            why = f"{type(cfg).__qualname__} is not torchtitan's plain GroupedExperts.Config"
+            unknown.append(f"{fqn} ({why})")
+        if why is not None or parent is None:
+            skipped[fqn] = why or "the root config"
+            continue
+        owner = type(cfg)._owner
+        _replace(parent, attr, _copy(cfg, hybrid_experts_class(owner).Config, hybridfp_name=fqn))
+        convert_experts.append(fqn)
+    if unknown:
+        msg = ("hybridfp torchtitan converter: these weights stay in high precision, their "
+               "module type being unknown to it: " + "; ".join(unknown)
+               + ". Name them in filter_fqns to keep them so knowingly.")
+        if strict:
+            raise ValueError(msg)
+        warnings.warn(msg, stacklevel=2)
+    root_cls = autocast_model_class(type(model_config)._owner)
+    root = _copy(model_config, root_cls.Config, hybridfp_recipe=recipe)
+    return root, ModelConfigConversion(tuple(linears), tuple(convert_experts), skipped)
+
+
+def hybridfp_weights(model: torch.nn.Module) -> dict[str, bool]:
+    """Every parameter of 2 or more dims of a (converted) torchtitan model -> whether a
+    hybridfp GEMM reads it.
+
+    Embedding tables and the modules kept in high precision map to False.
+
+    Parameters
+    ----------
+    model:
+        A model built from a config :func:`convert_model_config` returned (or any model).
+
+    Returns
+    -------
+    dict[str, bool]
+        Parameter fqn -> read by hybridfp.
+    """
+    read: set[int] = set()
+    for m in model.modules():
+        if isinstance(m, HybridLinear):
+            read.add(id(m.weight))
+        glists = getattr(m, "hybridfp_grouped_linears", None)
+        if callable(glists):
+            read.update(id(getattr(m, w)) for w in _EXPERT_WEIGHTS)
+    return {n: id(p) in read for n, p in model.named_parameters() if p.dim() >= 2}

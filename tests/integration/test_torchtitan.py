@@ -1,0 +1,251 @@
+"""hybridfp as a torchtitan model converter, on torchtitan's own debug models (CPU).
+
+The converter is applied the way a torchtitan job config applies its float8 / MX converters:
+``model_registry(flavor, converters=[HybridFPConverter.Config(...)])``. The models are the
+``debugmodel`` flavors of llama3 (dense) and qwen3 (``debugmodel_moe``: GroupedExperts with 3-D
+``w1_EFD`` / ``w2_EDF`` / ``w3_EFD``), cut to CPU size after the registry built them: fewer
+layers, narrower experts, and SDPA instead of FlexAttention (which has no CPU backward).
+
+Bounds against the unconverted model under the all-Identity recipe (``bf16``):
+- dense: the same FP32 values reach a GEMM on both sides, but through different code (hybridfp's
+  Identity GEMM vs ``F.linear``), so no bitwise claim: 1e-5 of the logits' scale (FP32 sums of
+  256-768 terms reordered differ by a few ulps);
+- MoE: torchtitan's own experts cast activations and weights to BF16 before ``torch._grouped_mm``
+  (relative error 2^-8 per operand), hybridfp's Identity experts keep FP32; the routed output
+  is a small part of the logits, whose scale bounds the difference at 2^-7 of it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan")
+
+from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention  # noqa: E402
+from torchtitan.models.common.linear import Linear as TTLinear  # noqa: E402
+from torchtitan.models.common.moe import GroupedExperts  # noqa: E402
+from torchtitan.models.llama3 import model_registry as llama3_registry  # noqa: E402
+from torchtitan.models.qwen3 import model_registry as qwen3_registry  # noqa: E402
+
+import hybridfp as hf  # noqa: E402
+from hybridfp.integration.torchtitan import fqn_matches  # noqa: E402
+from hybridfp.torchtitan import HybridFPConverter, hybridfp_weights  # noqa: E402
+
+from spawn_ranks import run_ranks  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::hybridfp.gemm.EmulatedGemmWarning")  # CPU: expected
+
+MODELS = {"llama3": (llama3_registry, "debugmodel", 2), "qwen3_moe": (qwen3_registry, "debugmodel_moe", 1)}
+BATCH, SEQ = 1, 8
+
+
+def _cpu_size(cfg, layers: int):
+    """The registry's config cut to CPU size (in place; works on a converted config too)."""
+    cfg.layers = cfg.layers[:layers]
+    for _, _, parent, attr in list(cfg.traverse(FlexAttention.Config)):
+        new = ScaledDotProductAttention.Config()
+        if isinstance(parent, list):
+            parent[attr] = new
+        else:
+            setattr(parent, attr, new)
+    for _, experts, _, _ in cfg.traverse(GroupedExperts.Config):
+        experts.hidden_dim = 32
+    return cfg
+
+
+def _config(name: str, converters=None):
+    registry, flavor, layers = MODELS[name]
+    return _cpu_size(registry(flavor, converters=converters).model, layers)
+
+
+def _build(cfg, like=None):
+    torch.manual_seed(0)
+    model = cfg.build()
+    model.init_states(buffer_device=torch.device("cpu"))
+    if like is not None:  # the same weights as the reference, loaded by their torchtitan names
+        res = model.load_state_dict(like.state_dict(), strict=False)
+        assert not res.unexpected_keys and all(k.endswith("_extra_state") for k in res.missing_keys)
+    return model
+
+
+def _tokens(vocab: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def _converted(name: str, recipe: str, **options):
+    cfg = _config(name, [HybridFPConverter.Config(recipe=recipe, **options)])
+    return cfg, _build(cfg, like=_build(_config(name)))
+
+
+def test_fqn_matches_whole_names():
+    assert fqn_matches("layers.0.moe.router.gate", "router")
+    assert fqn_matches("lm_head", "lm_head") and fqn_matches("layers.0.attention.wo", "layers.0")
+    assert not fqn_matches("layers.10.attention.wo", "layers.1")
+    assert not fqn_matches("layers.0.attention.output_proj", "output")
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_identity_recipe_matches_unconverted_model(name):
+    """Through torchtitan's registry: every Linear but lm_head / the router gate and every
+    expert weight runs through hybridfp; logits and gradients match the unconverted model."""
+    ref = _build(_config(name))
+    cfg = _config(name, [HybridFPConverter.Config(recipe="bf16")])
+    model = _build(cfg, like=ref)
+    # what runs through hybridfp: all weights of >= 2 dims but the embedding, lm_head, routers
+    read = hybridfp_weights(model)
+    kept = {n for n, r in read.items() if not r}
+    assert kept == {"tok_embeddings.weight", "lm_head.weight"} | {
+        n for n in read if fqn_matches(n, "router")}
+    linears = [m for n, m in model.named_modules() if isinstance(m, TTLinear)]
+    assert {type(m).__name__ for m in linears} == {"Linear"} and len(linears) == 1 + (name == "qwen3_moe")
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    assert len(experts) == (1 if name == "qwen3_moe" else 0)
+    expert_params = {n: p for n, p in model.named_parameters() if n.endswith("_EFD") or n.endswith("_EDF")}
+    assert all(read[n] for n in expert_params)
+    assert sum(p.numel() for p in expert_params.values()) == sum(
+        3 * c.num_experts * c.hidden_dim * c.dim for _, c, _, _ in cfg.traverse(GroupedExperts.Config))
+
+    x = _tokens(cfg.vocab_size)
+    y_ref, y = ref(x), model(x)
+    y_ref.float().pow(2).mean().backward()
+    y.float().pow(2).mean().backward()
+    tol = 1e-5 if name == "llama3" else 2.0 ** -7
+    assert (y - y_ref).abs().max() <= tol * y_ref.abs().max()
+    ref_grads = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        g, g_ref = p.grad, ref_grads[n].grad
+        assert (g - g_ref).abs().max() <= 8 * tol * g_ref.abs().max() + 1e-12, n
+    for m in experts:  # the GroupedLinear read torchtitan's own Parameters, and only those
+        gls = m.hybridfp_grouped_linears()
+        assert [gl.weight for gl in gls] == [m.w1_EFD, m.w3_EFD, m.w2_EDF]
+        assert all(gl.weight is w for gl, w in zip(gls, (m.w1_EFD, m.w3_EFD, m.w2_EDF)))
+        assert [n for n, _ in m.named_parameters()] == ["w1_EFD", "w2_EDF", "w3_EFD"]
+
+
+@pytest.mark.parametrize("name,recipe", [("llama3", "fp8"), ("qwen3_moe", "fp8"),
+                                         ("qwen3_moe", "nvfp4-fwd-mxfp8-bwd")])
+def test_quantized_recipe_trains_a_step(name, recipe):
+    """FP8 and a hybrid: quantization is active (the logits differ from the unconverted
+    model's), an optimizer step runs and changes every converted weight, the loss is finite."""
+    cfg, model = _converted(name, recipe)
+    ref = _build(_config(name))
+    x = _tokens(cfg.vocab_size)
+    with torch.no_grad():
+        y_ref = ref(x)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    y = model(x)
+    assert not torch.equal(y, y_ref)
+    loss = torch.nn.functional.cross_entropy(y.flatten(0, 1), _tokens(cfg.vocab_size, 2).flatten())
+    assert math.isfinite(loss.item())
+    loss.backward()
+    opt.step()
+    read = hybridfp_weights(model)
+    for n, p in model.named_parameters():
+        if read.get(n):
+            assert torch.isfinite(p.grad).all() and not torch.equal(p.detach(), before[n]), n
+
+
+def test_options_filter_and_recipe_path():
+    """fqns / filter_fqns pick the modules; a ``module:factory`` recipe path is accepted; the
+    output projection can be asked for."""
+    conv = HybridFPConverter.Config(recipe="hybridfp.factories:mxfp8_fwd_nvfp4_bwd",
+                                    fqns=["layers.1"], filter_fqns=["wo"]).build()
+    assert isinstance(conv.recipe, hf.CustomRecipe)
+    cfg = conv.convert(_config("llama3"))
+    done = conv.last_conversion
+    assert done.linears == ("layers.1.attention.qkv_linear.wqkv", "layers.1.feed_forward.w1",
+                            "layers.1.feed_forward.w2", "layers.1.feed_forward.w3")
+    assert done.skipped["layers.1.attention.wo"] == "filter_fqns 'wo'"
+    assert done.skipped["layers.0.feed_forward.w1"] == "not matched by fqns"
+    model = _build(cfg)
+    assert sum(hybridfp_weights(model).values()) == 4
+    with_head = HybridFPConverter.Config(recipe="fp8", filter_fqns=[]).build()
+    with_head.convert(_config("qwen3_moe"))
+    assert "lm_head" in with_head.last_conversion.linears
+    assert any(fqn_matches(f, "router") for f in with_head.last_conversion.linears)
+    no_experts = HybridFPConverter.Config(recipe="fp8", experts=False).build()
+    no_experts.convert(_config("qwen3_moe"))
+    assert no_experts.last_conversion.experts == ()
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="no-such-recipe"):
+        HybridFPConverter.Config(recipe="no-such-recipe").build()
+    with pytest.raises(ValueError, match="os"):
+        HybridFPConverter.Config(recipe="os:system").build()
+
+
+def test_unknown_linear_subclass_is_never_silent():
+    """A Linear subclass the converter does not know stays in high precision with a warning
+    naming it, or raises under strict=True."""
+    from torchtitan.models.common.linear import ScaledBiasRowwiseLinear
+    cfg = _config("llama3")
+    w2 = cfg.layers[0].feed_forward.w2
+    cfg.layers[0].feed_forward.w2 = ScaledBiasRowwiseLinear.Config(
+        in_features=w2.in_features, out_features=w2.out_features, param_init=w2.param_init)
+    with pytest.warns(UserWarning, match=r"layers\.0\.feed_forward\.w2 \(ScaledBiasRowwiseLinear"):
+        HybridFPConverter.Config(recipe="fp8").build().convert(cfg)
+    cfg.layers[0].feed_forward.w2 = ScaledBiasRowwiseLinear.Config(
+        in_features=w2.in_features, out_features=w2.out_features, param_init=w2.param_init)
+    with pytest.raises(ValueError, match="filter_fqns"):
+        HybridFPConverter.Config(recipe="fp8", strict=True).build().convert(cfg)
+
+
+def test_state_dict_names_unchanged_and_round_trip(tmp_path):
+    """Checkpoints keep torchtitan's parameter names (its state-dict adapters and DCP see the
+    same keys); a save / load (weights_only) gives the same outputs, bitwise."""
+    cfg, model = _converted("qwen3_moe", "fp8")
+    ref_keys = {k for k in _build(_config("qwen3_moe")).state_dict()}
+    sd = model.state_dict()
+    assert {k for k in sd if not k.endswith("_extra_state")} == ref_keys
+    x = _tokens(cfg.vocab_size)
+    with torch.no_grad():
+        y = model(x)
+    torch.save(sd, tmp_path / "m.pt")
+    other = _build(cfg)
+    other.load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True))
+    with torch.no_grad():
+        assert torch.equal(other(x), y)
+
+
+def _fsdp_rank(rank: int, world: int, names: list, recipe: str) -> dict:
+    """torchtitan's own FSDP2 application (apply_fsdp_to_decoder) on the converted models."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.distributed import fsdp
+    # torchtitan sums gradients unscaled (divide factor 1: a PREMUL_SUM reduce-scatter), which
+    # gloo lacks; FSDP2's default average of the ranks' identical gradients is the same value.
+    fsdp.disable_fsdp_gradient_division = lambda model: None
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for name in names:
+        cfg, model = _converted(name, recipe)
+        fsdp.apply_fsdp_to_decoder(model, mesh, torch.float32, torch.float32, pp_enabled=False)
+        y = model(_tokens(cfg.vocab_size))
+        y.float().pow(2).mean().backward()
+        read = hybridfp_weights(model)
+        out[name] = {"out": y.detach().flatten().tolist(),
+                     "grads": {n: p.grad.full_tensor().flatten().tolist()
+                               for n, p in model.named_parameters() if read.get(n)}}
+    return out
+
+
+def test_fsdp2_matches_one_process(tmp_path):
+    """torchtitan's FSDP2 on 2 gloo ranks, every rank given the same batch: outputs and the
+    hybridfp-read weights' gradients equal the one-process converted model's (the all-gather
+    is exact, so the same GEMMs run on the same operands; the reduce-scatter averages two
+    identical gradients: exact)."""
+    ranks = run_ranks(_fsdp_rank, 2, (list(MODELS), "fp8"), tmp_path)
+    for name in MODELS:
+        cfg, model = _converted(name, "fp8")
+        y = model(_tokens(cfg.vocab_size))
+        y.float().pow(2).mean().backward()
+        params = dict(model.named_parameters())
+        for r in ranks:
+            assert torch.equal(torch.tensor(r[name]["out"]), y.detach().flatten()), name
+            assert len(r[name]["grads"]) == sum(hybridfp_weights(model).values()), name
+            for n, g in r[name]["grads"].items():
+                assert torch.equal(torch.tensor(g), params[n].grad.flatten()), (name, n)
