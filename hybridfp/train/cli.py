@@ -445,7 +445,7 @@ def _run_train(args: argparse.Namespace, joined: list[Parallel]) -> int:
         arch = (cfg.hf_config.get("architectures") or [cfg.hf_config["model_type"]])[0]
         inside, matrices = quantized_share(build_hf_model(cfg.hf_config, cfg.seed, device="meta"))
         info["model"] = (f"{arch} `{cfg.hf_name}` ({params:,} parameters; {inside:,} of its {matrices:,} "
-                         f"weight-matrix elements in hybridfp modules), preset `{cfg.preset}`'s settings")
+                         f"weight-matrix elements read by hybridfp modules), preset `{cfg.preset}`'s settings")
         title = f"hybridfp train, {cfg.hf_name} ({arch})"
     results: list[RunResult] = []
     t0 = time.perf_counter()

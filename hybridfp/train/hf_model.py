@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..nn import QuantizedModule, convert
+from ..integration.transformers_convert import convert
+from ..nn import QuantizedModule
 
 #: The configs that ship with hybridfp (``--hf-config NAME``), in this package's hf_configs/.
 CONFIG_DIR = Path(__file__).resolve().parent / "hf_configs"
@@ -143,7 +144,8 @@ class HFCausalLM(nn.Module):
     ``router_aux_loss_coef`` times the model's load-balancing loss when it reports one (MoE
     configs with ``output_router_logits``). With ``act_dtype`` BF16 the forward runs under
     ``torch.autocast`` (hybridfp's modules take its dtype, as ``nn.Linear`` does); parameters
-    stay FP32. Setting ``recompute`` calls ``gradient_checkpointing_enable`` / ``_disable``.
+    stay FP32. Setting ``recompute`` turns transformers' gradient checkpointing on / off
+    (``activation_checkpointing_enable``, formerly ``gradient_checkpointing_enable``; non-reentrant).
 
     Parameters
     ----------
@@ -162,15 +164,19 @@ class HFCausalLM(nn.Module):
 
     @property
     def recompute(self) -> bool:
-        """Whether transformers' gradient checkpointing is on (non-reentrant torch.utils.checkpoint)."""
+        """Whether transformers' gradient checkpointing is on (non-reentrant ``torch.utils.checkpoint``)."""
         return self._recompute
 
     @recompute.setter
     def recompute(self, on: bool) -> None:
+        # transformers 5.x names it activation checkpointing (the gradient_ names are deprecated)
         if on:
-            self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(self.hf, "activation_checkpointing_enable"):
+                self.hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         elif self._recompute:
-            self.hf.gradient_checkpointing_disable()
+            (getattr(self.hf, "activation_checkpointing_disable", None) or self.hf.gradient_checkpointing_disable)()
         self._recompute = bool(on)
 
     def num_params(self) -> int:
@@ -245,7 +251,7 @@ def build_hf_model(config: dict[str, Any], seed: int, act_dtype: torch.dtype = t
 
 
 def quantized_share(model: nn.Module) -> tuple[int, int]:
-    """How many of the model's matrix parameters (>= 2-D) a hybridfp module holds, of all of them.
+    """How many of the model's matrix parameters (>= 2-D) a hybridfp module reads, of all of them.
 
     Parameters
     ----------
@@ -255,7 +261,7 @@ def quantized_share(model: nn.Module) -> tuple[int, int]:
     Returns
     -------
     tuple[int, int]
-        (elements of the matrices hybridfp modules hold, elements of every matrix), tied
+        (elements of the matrices hybridfp modules read, elements of every matrix), tied
         weights once.
 
     Example
@@ -266,8 +272,9 @@ def quantized_share(model: nn.Module) -> tuple[int, int]:
     >>> quantized_share(hf.convert(model))
     (64, 96)
     """
+    # a module that borrows another's Parameter (converted MoE experts) reads it as ``weight``
     inside = {id(p) for m in model.modules() if isinstance(m, QuantizedModule)
-              for p in m.parameters() if p.dim() >= 2}
+              for p in (*m.parameters(), getattr(m, "weight", None)) if isinstance(p, torch.Tensor)}
     mats = {id(p): p.numel() for p in model.parameters() if p.dim() >= 2}
     return sum(n for i, n in mats.items() if i in inside), sum(mats.values())
 
