@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_map_only
 from ..config import policy
 from ..recipes import current_autocast
 from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
+from .fsdp_amax import reduced_amax
 from .fsdp_layout import GatherLayout, assemble, gather_layout, pack, unpack
 
 aten = torch.ops.aten
@@ -70,6 +71,8 @@ class _Slot:
     #: FSDP2's record of the parameter (weakly), found at the first gather of a hybrid weight
     fsdp_param: Optional[Any] = None
     warned_padding: bool = False
+    #: the weight's amax reduced by precompute_weight_amax (fsdp_amax.py), else None
+    amax: Optional[Any] = None
 
 
 class QuantizedGatherWeight(torch.Tensor):
@@ -117,7 +120,8 @@ class QuantizedGatherWeight(torch.Tensor):
 
         out = func(*tree_map_only(cls, unwrap, args), **tree_map_only(cls, unwrap, kwargs))
         if func is aten.clone.default:  # a new weight (deepcopy): its own gather state
-            slot = dataclasses.replace(slot, backward_q=None, layouts={}, fsdp_param=None, warned_padding=False)
+            slot = dataclasses.replace(slot, backward_q=None, layouts={}, fsdp_param=None, warned_padding=False,
+                                       amax=None)
         if func in _PRESERVE:
             return tree_map_only(torch.Tensor, lambda o: wrappers[id(o)] if id(o) in wrappers else cls(o, slot), out)
         # in-place ops return their (unwrapped) first argument: hand back the wrapper itself
@@ -153,10 +157,12 @@ class QuantizedGatherWeight(torch.Tensor):
         src = src.to(param_dtype) if param_dtype != src.dtype else src  # what the module would read
         world, total = mesh.size(mesh.ndim - 1), outer_size[0]
         layout = _layout(slot, q, src, total, world, sets)
+        own = src
         if layout.halo:  # encode whole blocks: the rows up to the next block boundary
             src = _block_aligned_rows(src, layout, group)
         q.set_usage(rowwise=ROWWISE in sent, columnwise=COLUMNWISE in sent)
-        with torch.no_grad(), policy(decoded_copies="never"):  # codes travel, never BF16 decodes
+        # codes travel, never BF16 decodes; a precomputed amax replaces the per-gather all-reduce
+        with torch.no_grad(), policy(decoded_copies="never"), reduced_amax(q, self, layout.halo, own, who):
             shard = q.quantize(src)
         # uneven shards: FSDP2 takes only inputs of the padded shard's shape, so the bytes go as
         # uint8 tensors of that shape, as many as they fill
