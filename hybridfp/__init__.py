@@ -21,6 +21,8 @@ from .quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Fl
 from .recipes import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                       MXFP8BlockScaling, NVFP4BlockScaling, QuantizerRole, Recipe, autocast)
 from .tensors import MissingDirectionError, QuantizedTensor
+# the function; its package stays importable as hybridfp.analyze.<module> (sys.modules)
+from .analyze import analyze  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -37,4 +39,5 @@ __all__ = [
     "ColwiseParallel", "LayerNormMLPParallel", "RowwiseParallel",
     "weight_caching", "ExpertDispatch", "ExpertParallel", "expert_combine", "expert_dispatch",
     "HighPrecisionWeightsWarning", "unconverted_weights",
+    "analyze",
 ]
