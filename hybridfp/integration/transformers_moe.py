@@ -137,12 +137,28 @@ class _BorrowedExperts(GroupedLinear):
         return super().__getattr__(attr)
 
 
+def _combine_of(module: nn.Module, who: str) -> str:
+    """How ``module``'s configured experts implementation combines the rows (``_COMBINE``)."""
+    impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    if impl not in _COMBINE:
+        raise ValueError(f"{who}: config._experts_implementation={impl!r} is not one hybridfp follows "
+                         f"({sorted(k for k in _COMBINE if k)}); set it to 'eager' or 'grouped_mm' for "
+                         "the converted experts.")
+    return _COMBINE[impl]
+
+
 def _grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                              top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts' forward through ``GroupedLinear``: the same arguments and result as the
     transformers experts module it replaces (``self`` is that module)."""
+    who = f"experts {self.hybridfp_up.name.rsplit('.', 1)[0]}"
+    if getattr(self, "_is_expert_parallel", False):
+        # transformers' expert parallelism marks other ranks' experts with a sentinel index
+        raise NotImplementedError(f"{who}: converted experts do not run under transformers' expert "
+                                  "parallelism; use hybridfp.ExpertParallel, or leave these experts "
+                                  "out of convert (module_filter).")
     num_tokens, k = top_k_index.shape
-    combine = _COMBINE[getattr(getattr(self, "config", None), "_experts_implementation", None)]
+    combine = _combine_of(self, who)
     expert_ids = top_k_index.reshape(-1)
     # group the (token, slot) pairs by expert; stable: within an expert, token order
     _, perm = torch.sort(expert_ids, stable=True)
@@ -217,11 +233,7 @@ def experts_to_grouped(module: nn.Module, name: str = "") -> nn.Module:
     if layout is None:
         raise ValueError(f"experts_to_grouped({name or type(module).__name__}): "
                          f"{why or 'no 3-D gate_up_proj / up_proj and down_proj Parameters'}.")
-    impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
-    if impl not in _COMBINE:
-        raise ValueError(f"experts_to_grouped({name or type(module).__name__}): config._experts_implementation="
-                         f"{impl!r} is not one hybridfp follows ({sorted(k for k in _COMBINE if k)}); set "
-                         "it to 'eager' or 'grouped_mm' before convert.")
+    _combine_of(module, f"experts_to_grouped({name or type(module).__name__})")
     if not hasattr(module, "num_experts"):
         module.num_experts = layout.num_experts
     up = "gate_up_proj" if layout.gated else "up_proj"

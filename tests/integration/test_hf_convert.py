@@ -6,6 +6,7 @@ transformers is installed."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -111,6 +112,18 @@ def test_experts_to_grouped_refuses_what_it_cannot_convert():
     m.config = type("Config", (), {"_experts_implementation": "sonicmoe"})()
     with pytest.raises(ValueError, match="'sonicmoe'.*'eager' or 'grouped_mm'"):
         experts_to_grouped(m, "layers.0.experts")
+    m.config._experts_implementation = "eager"
+    experts_to_grouped(m, "layers.0.experts")
+    args = (torch.randn(3, 8), torch.tensor([[0, 1], [1, 0], [0, 1]]), torch.rand(3, 2))
+    clone = copy.deepcopy(m)  # the copy reads its own Parameters
+    assert clone.hybridfp_up.weight is clone.gate_up_proj and torch.equal(clone(*args), m(*args))
+    # what the forward cannot follow, changed after the conversion, is refused by name
+    m.config._experts_implementation = "sonicmoe"
+    with pytest.raises(ValueError, match="experts layers.0.experts: .*'sonicmoe'"):
+        m(*args)
+    m.config._experts_implementation, m._is_expert_parallel = "eager", True
+    with pytest.raises(NotImplementedError, match="layers.0.experts.*expert parallelism"):
+        m(*args)
 
 
 def _hf():
