@@ -163,3 +163,25 @@ def test_hf_save_pretrained_of_a_converted_dense_model(tmp_path):
     want = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     assert plain.state_dict().keys() == want.keys()
     assert all(torch.equal(plain.state_dict()[k], v) for k, v in want.items())
+
+
+class _ExpertMLP(nn.Module):
+    """One expert of the older ModuleList layout (transformers 4.x Mixtral: w1 gate, w3 up, w2 down)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w3, self.w2 = nn.Linear(8, 16, bias=False), nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False)
+
+    def forward(self, x):
+        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+def test_module_list_experts_run_one_linear_per_expert():
+    block = nn.Module()
+    block.gate = nn.Linear(8, 4, bias=False)
+    block.experts = nn.ModuleList([_ExpertMLP() for _ in range(4)])
+    params = list(block.parameters())
+    _, caught = _record(lambda: hfp.convert(block))
+    assert not caught and [id(p) for p in block.parameters()] == [id(p) for p in params]
+    assert all(type(getattr(e, n)) is hfp.Linear for e in block.experts for n in ("w1", "w2", "w3"))
+    assert hfp.unconverted_weights(block) == []
