@@ -83,10 +83,40 @@ def _weight_leaves(q: Any) -> list[Any]:
     return leaves
 
 
-def _takes_weight_amax(leaf: Any) -> bool:
-    """Whether the leaf all-reduces the amax of the weight itself (an RHT'd copy's is not)."""
-    return bool(getattr(leaf, "with_amax_reduction", False)) and not (
+def _reads_amax(leaf: Any) -> bool:
+    """Whether the leaf can reduce a per-tensor amax of the weight itself (an RHT'd copy's
+    amax, row-scaled NVFP4's per-row amaxes are other numbers)."""
+    return hasattr(leaf, "with_amax_reduction") and not getattr(leaf, "row_scaled_nvfp4", False) and not (
         getattr(leaf, "with_rht", False) and getattr(leaf, "with_post_rht_amax", False))
+
+
+def _takes_weight_amax(leaf: Any) -> bool:
+    """Whether the leaf all-reduces the amax of the weight itself at this gather."""
+    return bool(getattr(leaf, "with_amax_reduction", False)) and _reads_amax(leaf)
+
+
+def reads_weight_amax(quantizer: Any) -> bool:
+    """Whether a weight quantizer's gathers would use a precomputed amax (a per-tensor scale
+    of the weight itself: FP8 current scaling, NVFP4, such a side of a hybrid).
+
+    Parameters
+    ----------
+    quantizer:
+        A module's weight quantizer.
+
+    Returns
+    -------
+    bool
+        True where :func:`precompute_weight_amax` saves its gathers a collective.
+
+    Example
+    -------
+    >>> import hybridfp as hf
+    >>> from hybridfp.integration.fsdp_amax import reads_weight_amax
+    >>> reads_weight_amax(hf.Float8CurrentScalingQuantizer()), reads_weight_amax(hf.MXFP8Quantizer())
+    (True, False)
+    """
+    return any(_reads_amax(leaf) for leaf in _weight_leaves(quantizer))
 
 
 @contextmanager

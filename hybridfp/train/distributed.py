@@ -280,6 +280,41 @@ def shard_model(model: nn.Module, par: Parallel, recipe: Any) -> None:
     fully_shard(model, mesh=mesh)
 
 
+def weight_amax_precompute(model: nn.Module, par: Optional[Parallel], recipe: Any) -> int:
+    """The weights gathered quantized whose format has a per-tensor scale (FP8 current scaling,
+    NVFP4): after each optimizer step the loop calls ``hybridfp.precompute_weight_amax`` when
+    this is nonzero, so their gathers all-reduce no amax (one collective per step for all).
+
+    Parameters
+    ----------
+    model:
+        The model after :func:`shard_model`.
+    par:
+        The run's :class:`Parallel` (None: a single process).
+    recipe:
+        The run's recipe.
+
+    Returns
+    -------
+    int
+        The number of such weights (0 without ``--fsdp``).
+    """
+    if par is None or not par.fsdp:
+        return 0
+    from ..integration.fsdp import QuantizedGatherWeight
+    from ..integration.fsdp_amax import reads_weight_amax
+    from ..recipes import AutocastState
+
+    state, n = AutocastState(recipe), 0
+    for m in _quantized_gather_modules(model, recipe):
+        for attr, index in m.quantized_weight_slots:
+            w = getattr(m, attr)
+            if (isinstance(getattr(w, "_local_tensor", w), QuantizedGatherWeight)
+                    and reads_weight_amax(m.quantizers(state)["weight"][index])):
+                n += 1
+    return n
+
+
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters of the experts spread by ``--ep`` (empty without it)."""
     from .moe import MoE

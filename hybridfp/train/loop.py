@@ -28,6 +28,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from ..recipes import autocast
 from ..gemm import EMULATED, describe_key, select
+from ..integration.fsdp_amax import precompute_weight_amax
 from ..integration.master_weights import MasterWeightOptimizer
 from ..nn import GEMMS, QuantizedModule
 from ..nn.quantized_init import quantized_model_init
@@ -37,7 +38,8 @@ from .checkpoint import (CheckpointError, check_belongs, load_checkpoint, rng_st
                          set_rng_state)
 from .data import TokenData, get_batch, val_batches
 from .dist_checkpoint import load_sharded, read_state, save_sharded, sharded_path
-from .distributed import Parallel, all_true, clip_grad_norm, mean_over_ranks, shard_model, sync_gradients
+from .distributed import (Parallel, all_true, clip_grad_norm, mean_over_ranks, shard_model, sync_gradients,
+                          weight_amax_precompute)
 from .files import atomic_write_text
 from .hf_model import HFCausalLM, build_hf_model
 from .model import GPT, GPTConfig
@@ -484,6 +486,10 @@ def train_recipe(cfg: TrainConfig, named: NamedRecipe, data: TokenData, out_dir:
         shard_model(model, par, named.recipe)
     opt = make_optimizer(model, cfg)
     group = amax_group(model, named.recipe, par)
+    precomputed = weight_amax_precompute(model, par, named.recipe)
+    if precomputed and main:
+        logger.info("[%s] %d weights' amaxes reduced in one all-reduce per step (precompute_weight_amax)",
+                    named.label, precomputed)
     if par is not None:
         ckpt_path = sharded_path(ckpt_path)
     result = RunResult(named.label, named.description, checkpoint=str(ckpt_path))
@@ -528,6 +534,8 @@ def train_recipe(cfg: TrainConfig, named: NamedRecipe, data: TokenData, out_dir:
         if cfg.grad_clip > 0:
             clip_grad_norm(model, cfg.grad_clip, par)
         opt.step()
+        if precomputed:  # the next step's quantized gathers all-reduce no amax of their own
+            precompute_weight_amax(model)
         sched.step()
         opt.zero_grad(set_to_none=True)
         # cross-entropy (the MoE aux loss is logged apart), the mean over the ranks' rows
