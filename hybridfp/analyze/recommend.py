@@ -1,7 +1,7 @@
 """Recommend: per layer and GEMM the cheapest format within an error budget; the factory.
 
 Cheapest = the narrowest element (``Candidate.tier``: 4 < 8 < 16 bits); among formats of one
-width that meet the budget, the most accurate. ``high_precision`` meets every budget, so a
+width that meet the budget, the fastest GEMM (``Candidate.speed``), then the most accurate. ``high_precision`` meets every budget, so a
 GEMM no low-precision format serves stays unquantized.
 """
 
@@ -94,7 +94,7 @@ def recommend(analysis: Analysis, budget: Budget) -> dict[str, Choice]:
             need = budget.threshold(ref)
             ok = [f for f in analysis.formats_for(gemm)
                   if not math.isnan(analysis.output_db(layer, gemm, f)) and analysis.output_db(layer, gemm, f) >= need]
-            ok.sort(key=lambda f: (CANDIDATES[f].tier, -analysis.output_db(layer, gemm, f)))
+            ok.sort(key=lambda f: (CANDIDATES[f].tier, -CANDIDATES[f].speed, -analysis.output_db(layer, gemm, f)))
             picks.append(ok[0] if ok else "high_precision")
         out[layer] = (picks[0], picks[1], picks[2])
     return out
