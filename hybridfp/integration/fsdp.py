@@ -22,6 +22,12 @@ Each gather sends its copies' own bytes. FSDP2 sizes a parameter's all-gather ou
 first gather and reuses it; the two copies of one format are the same size, and for a hybrid
 of two formats the output is dropped when the size changes, so FSDP2 makes one of the new size
 (``_gather_bytes``).
+
+Any number of rows: where the world size does not divide them FSDP2 pads the last shards
+(``torch.chunk``) and takes only all-gather inputs of the padded shard's shape, so the bytes go
+as uint8 tensors of that shape; the layout cuts each rank's encoded rows back out, so padding
+never reaches the weight. ``fsdp_amax.precompute_weight_amax`` replaces the per-gather amax
+all-reduces by one per step.
 """
 
 from __future__ import annotations
