@@ -4,7 +4,7 @@ The converter is applied the way a torchtitan job config applies its float8 / MX
 ``model_registry(flavor, converters=[HybridFPConverter.Config(...)])``. The models are the
 ``debugmodel`` flavors of llama3 (dense) and qwen3 (``debugmodel_moe``: GroupedExperts with 3-D
 ``w1_EFD`` / ``w2_EDF`` / ``w3_EFD``), cut to CPU size after the registry built them: fewer
-layers, narrower experts, and SDPA instead of FlexAttention (which has no CPU backward).
+layers, 8 narrow experts (top 2), and SDPA instead of FlexAttention (which has no CPU backward).
 
 Bounds against the unconverted model under the all-Identity recipe (``bf16``):
 - dense: the same FP32 values reach a GEMM on both sides, but through different code (hybridfp's
@@ -26,7 +26,7 @@ pytest.importorskip("torchtitan")
 
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention  # noqa: E402
 from torchtitan.models.common.linear import Linear as TTLinear  # noqa: E402
-from torchtitan.models.common.moe import GroupedExperts  # noqa: E402
+from torchtitan.models.common.moe import GroupedExperts, MoE  # noqa: E402
 from torchtitan.models.llama3 import model_registry as llama3_registry  # noqa: E402
 from torchtitan.models.qwen3 import model_registry as qwen3_registry  # noqa: E402
 
@@ -40,6 +40,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::hybridfp.gemm.EmulatedGemmWarni
 
 MODELS = {"llama3": (llama3_registry, "debugmodel", 2), "qwen3_moe": (qwen3_registry, "debugmodel_moe", 1)}
 BATCH, SEQ = 1, 8
+EXPERTS, TOP_K = 8, 2
 
 
 def _cpu_size(cfg, layers: int):
@@ -51,8 +52,12 @@ def _cpu_size(cfg, layers: int):
             parent[attr] = new
         else:
             setattr(parent, attr, new)
-    for _, experts, _, _ in cfg.traverse(GroupedExperts.Config):
-        experts.hidden_dim = 32
+    for _, moe, _, _ in cfg.traverse(MoE.Config):  # 8 experts of width 32, top 2
+        moe.num_experts = moe.router.num_experts = moe.router.gate.out_features = EXPERTS
+        moe.router.top_k = TOP_K
+        experts, dispatcher = moe.routed_experts.inner_experts, moe.routed_experts.token_dispatcher
+        experts.num_experts, experts.hidden_dim = EXPERTS, 32
+        dispatcher.num_experts, dispatcher.top_k = EXPERTS, TOP_K
     return cfg
 
 
@@ -212,6 +217,39 @@ def test_state_dict_names_unchanged_and_round_trip(tmp_path):
         assert torch.equal(other(x), y)
 
 
+@pytest.mark.parametrize("policy", ["FullAC", "SelectiveAC"])
+def test_torchtitan_activation_checkpointing_replays_bitwise(policy):
+    """torchtitan's activation checkpointing (its own wrappers) on the converted MoE model: the
+    recomputation replays the same GEMMs on the same operands, so outputs and gradients equal
+    the run without it, bitwise."""
+    from torchtitan.distributed import activation_checkpoint as ac
+    cfg, model = _converted("qwen3_moe", "fp8")
+    x = _tokens(cfg.vocab_size)
+    y = model(x)
+    y.float().pow(2).mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    getattr(ac, policy).Config().build().apply(model)
+    y_ac = model(x)
+    y_ac.float().pow(2).mean().backward()
+    assert torch.equal(y_ac, y)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, grads[n.replace("._checkpoint_wrapped_module", "")]), n
+
+
+def test_tensor_and_expert_parallel_are_refused():
+    """torchtitan's TP / EP shard weights these modules would read whole: refused, naming the
+    module and what to do, before any forward."""
+    from types import SimpleNamespace
+    _, model = _converted("qwen3_moe", "fp8")
+    linear = model.layers["0"].attention.wo
+    experts = model.layers["0"].moe.routed_experts.inner_experts
+    with pytest.raises(NotImplementedError, match=r"'layers\.0\.attention\.wo'.*TP.*filter_fqns"):
+        linear.parallelize(SimpleNamespace(tp_enabled=True))
+    with pytest.raises(NotImplementedError, match=r"inner_experts\.w1_EFD'.*EP"):
+        experts.parallelize(SimpleNamespace(tp_enabled=False, ep_enabled=True))
+
+
 def _fsdp_rank(rank: int, world: int, names: list, recipe: str) -> dict:
     """torchtitan's own FSDP2 application (apply_fsdp_to_decoder) on the converted models."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -234,12 +272,12 @@ def _fsdp_rank(rank: int, world: int, names: list, recipe: str) -> dict:
 
 
 def test_fsdp2_matches_one_process(tmp_path):
-    """torchtitan's FSDP2 on 2 gloo ranks, every rank given the same batch: outputs and the
+    """torchtitan's FSDP2 (apply_fsdp_to_decoder) on 2 gloo ranks, every rank given the same batch: outputs and the
     hybridfp-read weights' gradients equal the one-process converted model's (the all-gather
     is exact, so the same GEMMs run on the same operands; the reduce-scatter averages two
     identical gradients: exact)."""
-    ranks = run_ranks(_fsdp_rank, 2, (list(MODELS), "fp8"), tmp_path)
-    for name in MODELS:
+    ranks = run_ranks(_fsdp_rank, 2, (["qwen3_moe"], "fp8"), tmp_path)  # Linear and experts
+    for name in ["qwen3_moe"]:
         cfg, model = _converted(name, "fp8")
         y = model(_tokens(cfg.vocab_size))
         y.float().pow(2).mean().backward()
