@@ -96,6 +96,12 @@ def _tt() -> Any:
     return Linear, GroupedExperts, Module
 
 
+def _name(cls: type, name: str) -> None:
+    """Readable names for a class made in a function and its nested Config (logs, reprs)."""
+    cls.__name__ = cls.__qualname__ = name
+    cls.Config.__qualname__ = f"{name}.Config"  # type: ignore[attr-defined]
+
+
 def _refuse_sharded(who: str, parallel_dims: Any, what: Sequence[str]) -> None:
     """Refuse torchtitan parallelisms whose shards a module cannot read (never a silent
     wrong result): ``what`` names ParallelDims' ``<x>_enabled`` properties."""
@@ -135,6 +141,7 @@ def hybrid_linear_class() -> type:
             _refuse_sharded(f"hybridfp Linear {self.name!r}", parallel_dims, ("tp",))
             Module.parallelize(self, parallel_dims)
 
+    _name(HybridFPLinear, "HybridFPLinear")
     return HybridFPLinear
 
 
@@ -206,7 +213,7 @@ def hybrid_experts_class(parent: type) -> type:
             h = F.silu(gl1(x_RD, splits)) * gl3(x_RD, splits)
             return gl2(h, splits).type_as(x_RD)
 
-    HybridFPGroupedExperts.__name__ = HybridFPGroupedExperts.__qualname__ = f"HybridFP{parent.__name__}"
+    _name(HybridFPGroupedExperts, f"HybridFP{parent.__name__}")
     return HybridFPGroupedExperts
 
 
@@ -245,7 +252,7 @@ def autocast_model_class(parent: type) -> type:
             with autocast(recipe=self.hybridfp_recipe):
                 return parent.forward(self, *args, **kwargs)
 
-    HybridFPModel.__name__ = HybridFPModel.__qualname__ = f"HybridFP{parent.__name__}"
+    _name(HybridFPModel, f"HybridFP{parent.__name__}")
     return HybridFPModel
 
 

@@ -85,6 +85,21 @@ def _converted(name: str, recipe: str, **options):
     return cfg, _build(cfg, like=_build(_config(name)))
 
 
+def test_readme_job_config_builds():
+    """README's torchtitan snippet, run as printed: the job config's model is converted."""
+    import re
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("\n## torchtitan\n", 1)[1].split("\n## ", 1)[0]
+    ns: dict = {}
+    exec(compile(re.findall(r"```\n(.*?)```", section, flags=re.S)[0], "README torchtitan", "exec"), ns)
+    job = ns["llama3_debugmodel_hybridfp"]()
+    model_config = job.model_spec.model
+    assert type(model_config).__qualname__ == "HybridFPLlama3Model.Config"
+    assert type(model_config.hybridfp_recipe).__name__ == "CustomRecipe"
+    assert isinstance(model_config.lm_head, TTLinear.Config) and type(model_config.lm_head) is TTLinear.Config
+
+
 def test_fqn_matches_whole_names():
     assert fqn_matches("layers.0.moe.router.gate", "router")
     assert fqn_matches("lm_head", "lm_head") and fqn_matches("layers.0.attention.wo", "layers.0")
