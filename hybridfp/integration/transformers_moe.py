@@ -166,11 +166,13 @@ def _grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k
     m_splits = torch.bincount(expert_ids, minlength=self.num_experts)
     x = hidden_states[rows]
     h = self.hybridfp_up(x, m_splits)
-    if self.hybridfp_layout.gated:
-        h = self._apply_gate(h) if callable(getattr(self, "_apply_gate", None)) else \
-            (lambda g, u: self.act_fn(g) * u)(*h.chunk(2, dim=-1))
-    else:
+    if not self.hybridfp_layout.gated:
         h = self.act_fn(h)
+    elif callable(getattr(self, "_apply_gate", None)):  # the model's own gating (transformers 5.x)
+        h = self._apply_gate(h)
+    else:
+        gate, up = h.chunk(2, dim=-1)
+        h = self.act_fn(gate) * up
     y = self.hybridfp_down(h, m_splits)
     if getattr(self, "has_post_expert_norm", False):
         y = self.post_expert_norm(y)

@@ -176,9 +176,14 @@ def test_experts_bitwise_on_exact_sums(impl):
         assert torch.equal(got, want)
 
 
+#: every recipe on two MoE models, every architecture under some recipe (the test's time)
+STEP_ARCHS = {"fp8": ("llama", "qwen3_moe", "deepseek_v3"), "mxfp8": ("qwen2_moe", "mixtral"),
+              "hybrid": ("qwen3_moe", "mixtral")}
+
+
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_one_optimizer_step(recipe):
-    for arch in ("qwen3_moe", "mixtral"):
+    for arch in STEP_ARCHS[recipe]:
         model = converted(build(arch))
         before = [p.detach().clone() for p in expert_params(model)]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -186,7 +191,7 @@ def test_one_optimizer_step(recipe):
             loss = model(input_ids=batch(), labels=batch()).loss
         loss.backward()
         opt.step()
-        assert torch.isfinite(loss) and grouped_ran(model)
+        assert torch.isfinite(loss) and (arch == "llama" or grouped_ran(model))
         assert all(not torch.equal(b, p) for b, p in zip(before, expert_params(model)))
         with torch.no_grad(), hfp.autocast(recipe=RECIPES[recipe]()):
             assert model(input_ids=batch(), labels=batch()).loss < loss  # the same batch again
@@ -216,7 +221,7 @@ def test_experts_get_their_own_roles():
             assert all(isinstance(q, hfp.Float8CurrentScalingQuantizer) for q in m._quantizers["weight"])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("arch", list(ARCHS))
 def test_generate(arch):
     model = build(arch).eval()
     prompt = batch()[:, :4]
