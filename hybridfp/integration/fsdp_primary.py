@@ -22,6 +22,7 @@ gather), so every code is the one a single process quantizing the whole weight m
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
@@ -31,7 +32,7 @@ from torch import nn
 from ..config import policy
 from ..formats.common import amax_nan
 from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
-from .fsdp import _SETS, QuantizedGatherWeight, _block_aligned_rows, _gather_bytes, _layout, _Slot
+from .fsdp import _SETS, QuantizedGatherWeight, _block_aligned_rows, _fsdp_param_of, _gather_bytes, _layout, _Slot
 from .fsdp_layout import assemble, gather_layout, pack, unpack
 
 
@@ -115,9 +116,10 @@ class QuantizedPrimaryWeight(QuantizedGatherWeight):
         slot = self._slot
         who = f"{type(module).__name__}.{slot.attr}"
         world, total = mesh.size(mesh.ndim - 1), outer_size[0]
+        param = _sharded_param(self, slot)
         if slot.shard is None:  # the first gather: the weight was never quantized sharded
-            _quantize_items([(self, mesh.get_group(mesh.ndim - 1), world, total, who)])
-        elif self._hp._version != slot.version:
+            _quantize_items([(param, self, mesh.get_group(mesh.ndim - 1), world, total, who)])
+        elif _version(param, self) != slot.version:
             raise RuntimeError(
                 f"{who}: its FP32 master shard changed after its quantized shard was encoded, so a gather "
                 "would send stale codes. Step with hybridfp.MasterWeightOptimizer, or call "
@@ -134,8 +136,24 @@ class QuantizedPrimaryWeight(QuantizedGatherWeight):
         return (pack(shard, layout, sent, nbytes),), (layout, sent, sent_only, world, total, dtype, nbytes)
 
 
+def _sharded_param(local: QuantizedPrimaryWeight, slot: _PrimarySlot) -> Optional[torch.Tensor]:
+    """FSDP2's sharded parameter (the DTensor) whose local tensor is ``local``, or None."""
+    record = slot.fsdp_param() if slot.fsdp_param is not None else None
+    if record is None:
+        record = _fsdp_param_of(local)
+        slot.fsdp_param = weakref.ref(record) if record is not None else None
+    return getattr(record, "sharded_param", None)
+
+
+def _version(param: Optional[torch.Tensor], local: torch.Tensor) -> int:
+    """Grows with every in-place write to the master shard: an optimizer (or a load) writes
+    through the DTensor, whose version counter moves, not its local tensor's."""
+    return (param._version if param is not None else 0) + local._version
+
+
 def _items(params: Iterable[Any]) -> list[tuple]:
-    """(local master shard, shard group, world, rows, name) of each sharded primary weight."""
+    """(parameter, local master shard, shard group, world, rows, name) of each sharded primary
+    weight."""
     out = []
     for p in params:
         local = getattr(p, "_local_tensor", p)
@@ -144,7 +162,7 @@ def _items(params: Iterable[Any]) -> list[tuple]:
                 raise ValueError(f"quantize_sharded_weights: {local._slot.attr} is not sharded yet; call it "
                                  "after fully_shard (or let the first all-gather quantize it).")
             mesh = p.device_mesh
-            out.append((local, mesh.get_group(mesh.ndim - 1), mesh.size(mesh.ndim - 1), p.shape[0], local._slot.attr))
+            out.append((p, local, mesh.get_group(mesh.ndim - 1), mesh.size(mesh.ndim - 1), p.shape[0], local._slot.attr))
     return out
 
 
@@ -190,7 +208,7 @@ def _quantize_items(items: list[tuple]) -> int:
     import torch.distributed as dist
 
     amaxes: dict = {}  # group -> [(item index, local amax)]
-    for i, (local, group, world, total, who) in enumerate(items):
+    for i, (param, local, group, world, total, who) in enumerate(items):
         slot = local._slot
         _check_quantizer(slot.quantizer, who)
         if local.shape[0] * world != total:
@@ -204,13 +222,13 @@ def _quantize_items(items: list[tuple]) -> int:
         flat = torch.where(torch.isnan(flat), torch.full_like(flat, math.inf), flat)
         dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
         reduced.update({i: flat[k] for k, (i, _) in enumerate(entries)})
-    for i, (local, group, world, total, who) in enumerate(items):
-        _encode(local, group, world, total, reduced.get(i))
+    for i, (param, local, group, world, total, who) in enumerate(items):
+        _encode(param, local, group, world, total, reduced.get(i))
     return len(amaxes)
 
 
-def _encode(local: QuantizedPrimaryWeight, group: Any, world: int, total: int,
-            amax: Optional[torch.Tensor]) -> None:
+def _encode(param: Optional[torch.Tensor], local: QuantizedPrimaryWeight, group: Any, world: int,
+            total: int, amax: Optional[torch.Tensor]) -> None:
     """Encode this rank's block-aligned rows of the weight into its quantized shard."""
     slot = local._slot
     q = slot.quantizer
@@ -237,7 +255,7 @@ def _encode(local: QuantizedPrimaryWeight, group: Any, world: int, total: int,
             if hasattr(leaf, "record_amax"):  # delayed: the history sees the whole weight's amax
                 leaf.record_amax(amax)
     shard.set_quantizer(q)
-    slot.shard, slot.version = shard, local._hp._version
+    slot.shard, slot.version = shard, _version(param, local)
 
 
 def full_quantized_weight(param: Any) -> QuantizedTensor:

@@ -132,7 +132,16 @@ def _sharded(recipe: str) -> nn.Module:
     return model
 
 
-def _fsdp_worker(rank: int, world: int, recipes: list[str]) -> dict:
+def _fsdp_worker(rank: int, world: int, recipes: list[str], ckpt: str) -> dict:
+    """Train every recipe sharded; at 2 ranks save DCP checkpoints (then the refusals), at 4
+    load them."""
+    models: dict = {}
+    out = _train_sharded(world, recipes, models)
+    out.update(_dcp_save(ckpt, models) if world == 2 else _dcp_load(ckpt))
+    return out
+
+
+def _train_sharded(world: int, recipes: list[str], models: dict) -> dict:
     import torch.distributed as dist
     from hybridfp.tensors import COLUMNWISE, ROWWISE
 
@@ -145,6 +154,7 @@ def _fsdp_worker(rank: int, world: int, recipes: list[str]) -> dict:
         initial = hf.quantize_sharded_weights(model)  # the first encoding (else: at the first gather)
         group = dist.group.WORLD if recipe == "delayed" else None
         losses, grads = _train(model, recipe, group, hooks)
+        models[recipe] = model
         layouts = []
         for layer in (model[0], model[2]):
             (layout,) = layer.weight.to_local()._slot.layouts.values()
@@ -155,14 +165,35 @@ def _fsdp_worker(rank: int, world: int, recipes: list[str]) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_primary_weights_train_as_one_process(world: int, tmp_path) -> None:
+@pytest.fixture(scope="module")
+def one_process() -> dict:
+    """Each recipe's single-process run: losses, last master gradients, quantized weights."""
     want = {}
     for recipe in RECIPES:
         model = _model(recipe)
         losses, grads = _train(model, recipe)
         want[recipe] = (losses, grads, [_payloads(model[0].weight), _payloads(model[2].weight)])
-    results = run_ranks(_fsdp_worker, world, (sorted(RECIPES),), tmp_path)
+    return want
+
+
+def test_primary_weights_train_as_one_process_and_reshard(tmp_path, one_process) -> None:
+    """2 ranks train and save a DCP checkpoint of the stateless recipes, 4 ranks train and load it."""
+    ckpt = str(tmp_path / "ckpt")
+    saved = run_ranks(_fsdp_worker, 2, (sorted(RECIPES), ckpt), tmp_path / "two")
+    loaded = run_ranks(_fsdp_worker, 4, (sorted(RECIPES), ckpt), tmp_path / "four")
+    _check_training(saved, 2, one_process)
+    _check_training(loaded, 4, one_process)
+    for got in loaded:
+        for recipe in DCP_RECIPES:
+            assert got["dcp"][recipe] == saved[0]["dcp"][recipe], recipe
+    for s in saved:
+        assert "changed after its quantized shard was encoded" in s["stale"], s["stale"]
+        assert "quantize_sharded_weights" in s["stale"]
+        assert s["requantized_loss"] != s["dcp"]["nvfp4"]["loss"]  # the halved master is what is gathered
+        assert "rounds stochastically" in s["sr"], s["sr"]
+
+
+def _check_training(results: list, world: int, want: dict) -> None:
     for rank, got in enumerate(results):
         for recipe, (losses, grads, weights) in want.items():
             g = got[recipe]
@@ -180,3 +211,67 @@ def test_primary_weights_train_as_one_process(world: int, tmp_path) -> None:
                 assert fwd == bwd == d // world * d
             if recipe in ("mxfp8", "nvfp4") and world == 4:  # a block straddles each boundary
                 assert len(set(rank_rows)) > 1, rank_rows
+
+
+DCP_RECIPES = ("current", "mxfp8", "nvfp4")  # stateless: the loaded masters alone define the weights
+
+
+def _batch(recipe: str) -> torch.Tensor:
+    return torch.randn(ROWS, _width(recipe), generator=torch.Generator().manual_seed(3))
+
+
+def _forward(model: nn.Module, recipe: str) -> float:
+    with torch.no_grad(), hf.autocast(recipe=RECIPES[recipe]()):
+        return model(_batch(recipe)).float().square().mean().item()
+
+
+def _whole(model: nn.Module) -> list:
+    """Digests of both weights' gathered quantized payloads and FP32 masters."""
+    return [[_payloads(hf.full_quantized_weight(layer.weight)), _digest(layer.weight.full_tensor())]
+            for layer in (model[0], model[2])]
+
+
+def _dcp_save(path: str, models: dict) -> dict:
+    """Save the trained models (FP32 master shards) with torch.distributed.checkpoint; a master
+    changed without re-encoding is refused at the next gather; a stochastically rounding weight
+    quantizer is refused."""
+    import torch.distributed.checkpoint as dcp
+
+    out = {"dcp": {}}
+    for recipe in DCP_RECIPES:
+        model = models[recipe]
+        dcp.save({"model": model.state_dict()}, checkpoint_id=f"{path}/{recipe}")
+        out["dcp"][recipe] = {"whole": _whole(model), "loss": _forward(model, recipe)}
+    with torch.no_grad():
+        model[0].weight.mul_(0.5)  # a plain update of the master: its quantized shard is now stale
+    try:
+        _forward(model, recipe)
+        out["stale"] = "no error"
+    except RuntimeError as e:
+        out["stale"] = str(e)
+    hf.quantize_sharded_weights(model)
+    out["requantized_loss"] = _forward(model, recipe)
+    model[0].weight.to_local()._slot.quantizer.stochastic_rounding = True
+    try:
+        hf.quantize_sharded_weights(model)
+        out["sr"] = "no error"
+    except ValueError as e:
+        out["sr"] = str(e)
+    return out
+
+
+def _dcp_load(path: str) -> dict:
+    """Load the checkpoint at another world size: the masters resharded, the quantized shards
+    re-encoded from them."""
+    import torch.distributed.checkpoint as dcp
+
+    out = {"dcp": {}}
+    for recipe in DCP_RECIPES:
+        model = _sharded(recipe)
+        _forward(model, recipe)  # the modules build their quantizers (their state is in the state_dict)
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=f"{path}/{recipe}")
+        model.load_state_dict(state["model"])
+        hf.quantize_sharded_weights(model)
+        out["dcp"][recipe] = {"whole": _whole(model), "loss": _forward(model, recipe)}
+    return out
