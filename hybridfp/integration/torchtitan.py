@@ -177,7 +177,8 @@ def hybrid_experts_class(parent: type) -> type:
 
         The three GroupedLinear are kept outside the module tree (in a plain list): their
         weights are this module's own Parameters, bound at each forward, so ``state_dict``,
-        FSDP2 and the optimizer see only ``w1_EFD`` / ``w2_EDF`` / ``w3_EFD``.
+        FSDP2 and the optimizer see only ``w1_EFD`` / ``w2_EDF`` / ``w3_EFD`` (and the
+        quantizers' state as this module's ``_extra_state``).
         """
 
         @dataclass(kw_only=True, slots=True)
@@ -206,6 +207,19 @@ def hybrid_experts_class(parent: type) -> type:
                 if gl.weight is not p:
                     gl.weight = p  # the same Parameter object: re-binds after FSDP2 / to_empty
             return self._hybridfp_experts
+
+        def get_extra_state(self) -> dict:
+            """The three GroupedLinear's quantizer state (delayed scaling's amax histories),
+            by weight name: the checkpoint carries it as hybridfp ``Linear``'s carries its own."""
+            return {w: gl.get_extra_state() for gl, w in zip(self._hybridfp_experts, _EXPERT_WEIGHTS)}
+
+        def set_extra_state(self, state: Any) -> None:
+            if not isinstance(state, dict) or set(state) != set(_EXPERT_WEIGHTS):
+                raise ValueError(f"{self._hybridfp_experts[0].name}: the checkpoint's experts state "
+                                 f"must map {list(_EXPERT_WEIGHTS)} to GroupedLinear states; got "
+                                 f"{sorted(state) if isinstance(state, dict) else type(state).__name__}.")
+            for gl, w in zip(self._hybridfp_experts, _EXPERT_WEIGHTS):
+                gl.set_extra_state(state[w])
 
         def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
             gl1, gl3, gl2 = self.hybridfp_grouped_linears()

@@ -216,20 +216,28 @@ def test_unknown_linear_subclass_is_never_silent():
 
 
 def test_state_dict_names_unchanged_and_round_trip(tmp_path):
-    """Checkpoints keep torchtitan's parameter names (its state-dict adapters and DCP see the
-    same keys); a save / load (weights_only) gives the same outputs, bitwise."""
-    cfg, model = _converted("qwen3_moe", "fp8")
-    ref_keys = {k for k in _build(_config("qwen3_moe")).state_dict()}
-    sd = model.state_dict()
-    assert {k for k in sd if not k.endswith("_extra_state")} == ref_keys
+    """Checkpoints keep torchtitan's parameter names (its state-dict adapters see the same
+    keys) plus the quantizers' ``_extra_state``; under delayed scaling a save / load
+    (weights_only) carries the amax histories: the next forward of the reloaded model equals
+    the original's, bitwise."""
+    cfg, model = _converted("qwen3_moe", "fp8-delayed")
+    ref_keys = set(_build(_config("qwen3_moe")).state_dict())
     x = _tokens(cfg.vocab_size)
     with torch.no_grad():
-        y = model(x)
+        model(x)  # the amax histories now hold this step
+    sd = model.state_dict()
+    assert {k for k in sd if not k.endswith("_extra_state")} == ref_keys
+    experts_state = sd["layers.0.moe.routed_experts.inner_experts._extra_state"]
+    assert sorted(experts_state) == ["w1_EFD", "w2_EDF", "w3_EFD"] and experts_state["w1_EFD"]["built"]
     torch.save(sd, tmp_path / "m.pt")
     other = _build(cfg)
     other.load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True))
     with torch.no_grad():
+        y = model(x)
         assert torch.equal(other(x), y)
+        fresh = _build(cfg)  # the same weights without the histories: another result
+        fresh.load_state_dict({k: v for k, v in sd.items() if not k.endswith("_extra_state")}, strict=False)
+        assert not torch.equal(fresh(x), y)
 
 
 @pytest.mark.parametrize("policy", ["FullAC", "SelectiveAC"])
