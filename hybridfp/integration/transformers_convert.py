@@ -29,7 +29,17 @@ _NOT_MATMUL = (nn.Embedding, nn.EmbeddingBag, nn.LayerNorm, nn.GroupNorm, nn.RMS
 
 class HighPrecisionWeightsWarning(UserWarning):
     """After ``hybridfp.convert``: weights that matmuls still read in high precision, outside
-    hybridfp, and that were not left out on purpose (``module_filter``, ``lm_head``, routers)."""
+    hybridfp, and that were not left out on purpose (``module_filter``, ``lm_head``, routers).
+
+    Example
+    -------
+    >>> import warnings, torch, hybridfp as hf
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     _ = hf.convert(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Conv1d(4, 4, 1)))
+    >>> [str(w.message).splitlines()[1] for w in caught if w.category is hf.HighPrecisionWeightsWarning]
+    ['  1.weight [4, 4, 1]: a Parameter of Conv1d, a module hybridfp does not convert']
+    """
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,15 @@ class UnconvertedWeight:
     deliberate:
         Left out on purpose (``module_filter``, the ``lm_head`` default, a MoE router):
         neither warned about nor refused by ``strict``.
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    >>> model.lm_head = torch.nn.Linear(4, 8)
+    >>> w, = hf.unconverted_weights(hf.convert(model))
+    >>> w.name, w.shape, w.deliberate
+    ('lm_head.weight', (8, 4), True)
     """
 
     name: str
