@@ -1,6 +1,7 @@
 """docs/integrations.md's Python snippets run as printed, in order, in one namespace (plain
 PyTorch, transformers dense / MoE / gradient checkpointing / saving, hybridfp train
---hf-config). Skipped without transformers (the hf extra; the test extra installs it)."""
+--hf-config, torchtitan). Skipped without transformers (the hf extra; the test extra installs
+it); the torchtitan snippet, the last, is skipped without torchtitan."""
 
 from __future__ import annotations
 
@@ -29,16 +30,24 @@ def test_integrations_doc_snippets_run(capsys):
     sections = _sections()
     titles = [t for t, _ in sections]
     for expected in ("Plain PyTorch", "Hugging Face transformers: dense models",
-                     "Hugging Face transformers: MoE models", "Gradient checkpointing", "Saving and loading"):
+                     "Hugging Face transformers: MoE models", "Gradient checkpointing", "Saving and loading",
+                     "torchtitan"):
         assert expected in titles, f"docs/integrations.md lost its {expected!r} snippet"
     ns: dict = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the CPU's once-per-pair emulation notices
         for i, (title, code) in enumerate(sections):
-            if "torchtitan" in code:
-                pytest.importorskip("torchtitan")
+            if title == "torchtitan":
+                continue
             exec(compile(code, f"docs/integrations.md block {i + 1} ({title})", "exec"), ns)
     printed = capsys.readouterr().out
     assert re.search(r"^Linear loss \d+\.\d{4}$", printed, flags=re.M)
     assert "hybridfp.nn.linear ['lm_head.weight']" in printed  # only the output projection stays out
     assert "4 expert Parameters through GroupedLinear" in printed
+    pytest.importorskip("torchtitan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i, (title, code) in enumerate(sections):
+            if title == "torchtitan":
+                exec(compile(code, f"docs/integrations.md block {i + 1} ({title})", "exec"), ns)
+    assert re.search(r"^torchtitan: \d+ of \d+ weights through hybridfp$", capsys.readouterr().out, flags=re.M)
