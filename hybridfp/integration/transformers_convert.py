@@ -117,8 +117,8 @@ def unconverted_weights(model: nn.Module, module_filter: Optional[ModuleFilter] 
                         lm_head: bool = False) -> list[UnconvertedWeight]:
     """Every weight (a Parameter of >= 2 dimensions) a matmul reads outside hybridfp.
 
-    Embeddings and norms are not listed (lookups and elementwise products); a Parameter a
-    hybridfp module reads (a Linear's, converted experts') is not listed even where another
+    Embeddings, norms and biases are not listed (lookups, elementwise products, additions); a
+    Parameter a hybridfp module reads (a Linear's, converted experts') is not listed even where another
     module holds it too (tied embeddings).
 
     Parameters
@@ -154,7 +154,9 @@ def unconverted_weights(model: nn.Module, module_filter: Optional[ModuleFilter] 
         if _is_norm(m) or isinstance(m, QuantizedModule):
             continue
         for pname, p in m.named_parameters(recurse=False):
-            if p.dim() < 2 or id(p) in read_by_hybridfp or id(p) in seen:
+            # a bias (even an experts' [E, out] one) is added, not read by a matmul
+            if p.dim() < 2 or pname == "bias" or pname.endswith("_bias") or id(p) in read_by_hybridfp \
+                    or id(p) in seen:
                 continue
             seen.add(id(p))
             full = f"{name}.{pname}" if name else pname

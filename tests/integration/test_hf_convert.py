@@ -185,3 +185,23 @@ def test_module_list_experts_run_one_linear_per_expert():
     assert not caught and [id(p) for p in block.parameters()] == [id(p) for p in params]
     assert all(type(getattr(e, n)) is hfp.Linear for e in block.experts for n in ("w1", "w2", "w3"))
     assert hfp.unconverted_weights(block) == []
+
+
+def test_hf_gpt_oss_transposed_experts_are_reported():
+    """gpt-oss holds its experts transposed ([E, in, out], interleaved gate / up, biases): not
+    converted, and the one warning says so for each layer; strict refuses the model."""
+    transformers = _hf()
+    config = transformers.GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                       num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                                       num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+                                       layer_types=["full_attention"] * 2)
+    model = transformers.GptOssForCausalLM._from_config(config)
+    _, caught = _record(lambda: hfp.convert(model))
+    assert len(caught) == 1
+    text = str(caught[0].message)
+    for layer in range(2):
+        assert f"model.layers.{layer}.mlp.experts.gate_up_proj [4, 32, 64]: MoE experts in a layout" in text
+        assert f"model.layers.{layer}.mlp.experts.down_proj [4, 32, 32]" in text
+    assert "router" not in text and "lm_head" not in text and "4 weight(s)" in text
+    with pytest.raises(ValueError, match="transposed"):
+        hfp.convert(transformers.GptOssForCausalLM._from_config(config), strict=True)
