@@ -121,6 +121,9 @@ def save_sharded(path: Path, model: nn.Module, opt: torch.optim.Optimizer, info:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    if par.tp > 1:  # every rank's delayed-scaling state the global one (tensor_parallel.py)
+        from .tensor_parallel import reduce_pending_amaxes_all
+        reduce_pending_amaxes_all(model)
     msd, osd = _renamed(*get_state_dict(model, _torch_optimizer(opt)), _expert_names(model, par))
     if par.tp > 1:  # the q/k/v (gate/up) rows in one process's order: resumable at any --tp
         from .tensor_parallel import grouped_weights, to_one_process_layout

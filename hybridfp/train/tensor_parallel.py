@@ -5,6 +5,11 @@ K contiguous ranks. Every rank builds the whole model from the run's seed (the s
 run's initial weights), then each block is parallelized with ``parallelize_module`` and
 hybridfp's styles: attention's ``qkv`` (LayerNormLinear) and the MLP's ``fc`` column-parallel,
 both ``proj`` row-parallel; the embedding, final norm and lm head stay whole on every rank.
+An MoE layer (``--preset test-moe``, ``moe-small``) is replicated over the tensor-parallel
+group: its input (the row-parallel attention output, all-reduced) is whole on every rank, and
+each rank routes every token and runs every expert on the full hidden size, as one process
+does, so the layer's output and gradients are one process's on the rank's rows (no expert
+sharding: nothing to regroup, no collective; the experts' compute is repeated K times).
 
 A column-parallel weight is split into K contiguous blocks of rows, but ``qkv``'s rows are
 ``[q | k | v]`` (and a SwiGLU ``fc``'s ``[gate | up]``): before sharding their rows are
@@ -16,6 +21,14 @@ it reads as any sharded run's, so it resumes at the same ``--tp`` bitwise, at an
 or under ``--fsdp`` alone (and a ``--fsdp`` checkpoint under ``--tp``). Still refused: resuming
 a sharded checkpoint in one process or a single-process checkpoint under torchrun (two file
 formats; ``loop.plan_resume``), and across ``--ep`` sizes (``dist_checkpoint``).
+
+Delayed scaling: a rank records the amax of its shard of a weight (and of a column-parallel
+output gradient) and of its rows; at the end of each forward, inside the autocast region, the
+model all-reduces (MAX) its stateful quantizers' pending amaxes over every rank, so the region's
+end updates every rank's scales from one process's amaxes (the tensor-parallel layers refuse
+``autocast(amax_reduction_group=...)``: they reduce their split operands over the
+tensor-parallel group only). A checkpoint is written after the same reduction of the last
+backward's gradient amaxes, so a resumed run starts from the global ones.
 
 The data: every rank of a tensor-parallel group reads the same rows; the global batch is split
 over the ``dp`` ranks only, and the replicated weights' gradients (and the sharded weights'
@@ -50,7 +63,7 @@ def check_tensor_parallel(tp: int, world: int, n_head: int, n_experts: int, fsdp
     Raises
     ------
     ValueError
-        ``tp`` below 1, not dividing the ranks or the heads; with ``--ep`` or an MoE preset.
+        ``tp`` below 1, not dividing the ranks or the heads; with ``--ep``.
 
     Example
     -------
@@ -66,9 +79,6 @@ def check_tensor_parallel(tp: int, world: int, n_head: int, n_experts: int, fsdp
         return
     if ep > 1:
         raise ValueError("--tp with --ep: a tensor-parallel MoE layer is not supported; use one of them.")
-    if n_experts:
-        raise ValueError(f"--tp {tp}: the preset has MoE layers ({n_experts} experts), which tensor "
-                         "parallelism does not split; use a dense preset or --ep.")
     if world % tp:
         raise ValueError(f"--tp {tp} does not divide the {world} ranks; each tensor-parallel group is "
                          "tp contiguous ranks.")
@@ -190,6 +200,40 @@ def parallelize_blocks(model: nn.Module, mesh: Any) -> None:
                     w = block.get_submodule(name).weight
                     w.copy_(group_rows(w, parts, tp))
         parallelize_module(block, mesh, plan)
+    # delayed scaling: every rank's scales from the whole tensors' amaxes (module docstring)
+    model.register_forward_hook(_reduce_amaxes_after_forward)
+
+
+def stateful_quantizers(model: nn.Module) -> list[Any]:
+    """The quantizers of ``model``'s hybridfp modules that keep state (delayed scaling), in
+    module order (the same on every rank); empty before the first quantized forward."""
+    from ..nn import QuantizedModule
+
+    return [q for m in model.modules() if isinstance(m, QuantizedModule) for q in m.stateful_quantizers()]
+
+
+def reduce_pending_amaxes_all(model: nn.Module) -> None:
+    """All-reduce (MAX) over every rank the amaxes ``model``'s stateful quantizers recorded
+    since their last update (a collective; nothing when the recipe keeps no state). A tensor
+    -parallel rank sees a shard of a weight and of a column-parallel output gradient, a
+    data-parallel rank its rows: the maximum over all ranks is the amax of the whole tensor,
+    one process's. Reducing early changes nothing later: a MAX reduction of maxima."""
+    from ..quantizers.base import reduce_pending_amaxes
+
+    qs = stateful_quantizers(model)
+    if qs:
+        reduce_pending_amaxes(qs, dist.group.WORLD)
+
+
+def _reduce_amaxes_after_forward(model: nn.Module, args: Any, output: Any) -> None:
+    """Forward hook of a tensor-parallel GPT: inside the autocast region, before its end
+    updates the scales (``hybridfp.autocast``'s own ``amax_reduction_group`` is refused by the
+    tensor-parallel layers, which reduce their split operands over the tensor-parallel group
+    only)."""
+    from ..recipes import current_autocast
+
+    if current_autocast() is not None:
+        reduce_pending_amaxes_all(model)
 
 
 def local_grad(g: torch.Tensor) -> torch.Tensor:
@@ -219,4 +263,6 @@ def grad_norm_tp(params: list[nn.Parameter], mesh: Any) -> torch.Tensor:
     return total.sqrt()
 
 
-__all__ = ["check_tensor_parallel", "grad_norm_tp", "group_rows", "local_grad", "parallelize_blocks"]
+__all__ = ["check_tensor_parallel", "expect_one_process_layout", "from_one_process_layout", "grad_norm_tp",
+           "group_rows", "grouped_weights", "local_grad", "parallelize_blocks", "reduce_pending_amaxes_all",
+           "stateful_quantizers", "to_one_process_layout", "ungroup_rows"]

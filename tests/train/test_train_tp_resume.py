@@ -20,7 +20,7 @@ from torchrun_runs import COMMON, records, torchrun
 
 pytestmark = pytest.mark.filterwarnings("ignore::hybridfp.gemm.EmulatedGemmWarning")
 
-RECIPES = ("bf16", "mxfp8")
+RECIPES = ("bf16", "mxfp8", "fp8-delayed")
 
 
 def _losses(out, recipe: str) -> list[tuple]:
@@ -28,8 +28,10 @@ def _losses(out, recipe: str) -> list[tuple]:
 
 
 def test_tensor_parallel_run_resumes_bitwise_and_across_layouts(tmp_path, text) -> None:
-    """2 steps + resume for 2 more equals 4 straight steps (``--tp 2``, 2 ranks, BF16 and
-    MXFP8); the 2-step ``--tp`` checkpoint resumes under ``--fsdp`` alone, and that run's
+    """2 steps + resume for 2 more equals 4 straight steps (``--tp 2``, 2 ranks, BF16, MXFP8
+    and FP8 delayed scaling, whose gradient amaxes of the last backward are reduced over the
+    ranks before the checkpoint is written), and the straight run trains as one process; the
+    2-step ``--tp`` checkpoint resumes under ``--fsdp`` alone, and that run's
     checkpoint (written by FSDP2) under ``--tp 2`` again, as one process trains."""
     run = ["--preset", "test", "--lr-decay-steps", "4", "--data", str(text), *COMMON,
            "--compare", ",".join(RECIPES)]
@@ -41,6 +43,7 @@ def test_tensor_parallel_run_resumes_bitwise_and_across_layouts(tmp_path, text) 
     torchrun(2, "--tp", "2", "--out", str(tmp_path / "tp"), *resume, "4")
     for recipe in RECIPES:
         assert _losses(tmp_path / "tp", recipe) == _losses(tmp_path / "straight", recipe), recipe
+        _assert_close(records(tmp_path / "straight", recipe), records(tmp_path / "one", recipe)[:5])
     torchrun(2, "--fsdp", "--out", str(tmp_path / "cross"), *resume, "4")  # --tp -> --fsdp
     torchrun(2, "--tp", "2", "--out", str(tmp_path / "cross"), *resume, "6")  # --fsdp -> --tp
     for recipe in RECIPES:

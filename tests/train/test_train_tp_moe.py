@@ -1,0 +1,33 @@
+"""``hybridfp train --tp K`` on an MoE preset trains like one process.
+
+The attention is tensor-parallel as in ``test_train_tp``; each MoE layer is replicated over the
+tensor-parallel group: its input is the whole residual stream on every rank, each rank routes
+every token and runs every expert on the full hidden size, as one process does. The only
+difference from one process is then ``test_train_tp``'s: the attention's row-parallel output
+projection sums its features in K FP32 partial GEMMs, all-reduced (bounds there). The router's
+top-k choice could amplify that (a token whose two best experts' scores tie to the last bit
+would switch experts); it did not here: the losses stayed within the same bounds.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridfp.train import cli
+from test_train_tp import _assert_close
+from torchrun_runs import COMMON, records, torchrun
+
+pytestmark = pytest.mark.filterwarnings("ignore::hybridfp.gemm.EmulatedGemmWarning")
+
+
+def test_tensor_parallel_moe_trains_as_one_process(tmp_path, text) -> None:
+    """``--preset test-moe`` (4 experts, top-2, load-balancing loss), 4 steps, each block's
+    attention over 2 ranks and its MoE layer whole on both, BF16 and MXFP8: within the bounds
+    of one process's losses."""
+    run = ["--preset", "test-moe", "--lr-decay-steps", "4", "--steps", "4", "--data", str(text), *COMMON,
+           "--compare", "bf16,mxfp8"]
+    assert cli.main(["train", "--out", str(tmp_path / "one"), *run]) == 0
+    proc = torchrun(2, "--tp", "2", "--out", str(tmp_path / "tp"), *run)
+    assert "tensor parallel over 2 ranks" in proc.stdout
+    for recipe in ("bf16", "mxfp8"):
+        _assert_close(records(tmp_path / "tp", recipe), records(tmp_path / "one", recipe))
