@@ -232,7 +232,7 @@ def convert(model: nn.Module, module_filter: Optional[ModuleFilter] = None, *, l
     Raises
     ------
     TypeError
-        Both ``module_filter`` and ``recipe_filter`` given.
+        Both ``module_filter`` and ``recipe_filter`` given, or a filter that is not callable.
     ValueError
         ``strict=True`` and weights a matmul reads outside hybridfp remain (listed).
 
@@ -249,6 +249,9 @@ def convert(model: nn.Module, module_filter: Optional[ModuleFilter] = None, *, l
         if module_filter is not None:
             raise TypeError("convert: pass module_filter only (recipe_filter is its former name), not both.")
         module_filter = recipe_filter
+    if module_filter is not None and not callable(module_filter):
+        raise TypeError(f"convert: module_filter must be a callable (qualified_name, module) -> bool; got "
+                        f"{type(module_filter).__name__}.")
     head = _output_projection(model)
 
     def accept(name: str, m: nn.Module) -> bool:

@@ -89,6 +89,8 @@ def test_module_filter_and_lm_head():
         hfp.convert(model, module_filter=keep, recipe_filter=keep)
     with pytest.raises(TypeError, match="module_filter only"):
         hfp.nn.convert(model, module_filter=keep, recipe_filter=keep)
+    with pytest.raises(TypeError, match="module_filter must be a callable"):
+        hfp.convert(model, module_filter="fc")
     # lm_head=True converts the output projection, the same Parameter
     toy = _Toy()
     w = toy.lm_head.weight
