@@ -47,6 +47,9 @@ class _PrimarySlot(_Slot):
     shard: Optional[QuantizedTensor] = None
     #: the master shard's version counter when ``shard`` was encoded (a later write: stale)
     version: int = -1
+    #: an optimizer stepped the master since ``shard`` was encoded (a foreach step writes a
+    #: DTensor without moving its version counter)
+    stepped: bool = False
 
 
 class _ReducedAmax:
@@ -119,7 +122,7 @@ class QuantizedPrimaryWeight(QuantizedGatherWeight):
         param = _sharded_param(self, slot)
         if slot.shard is None:  # the first gather: the weight was never quantized sharded
             _quantize_items([(param, self, mesh.get_group(mesh.ndim - 1), world, total, who)])
-        elif _version(param, self) != slot.version:
+        elif slot.stepped or _version(param, self) != slot.version:
             raise RuntimeError(
                 f"{who}: its FP32 master shard changed after its quantized shard was encoded, so a gather "
                 "would send stale codes. Step with hybridfp.MasterWeightOptimizer, or call "
@@ -255,7 +258,7 @@ def _encode(param: Optional[torch.Tensor], local: QuantizedPrimaryWeight, group:
             if hasattr(leaf, "record_amax"):  # delayed: the history sees the whole weight's amax
                 leaf.record_amax(amax)
     shard.set_quantizer(q)
-    slot.shard, slot.version = shard, _version(param, local)
+    slot.shard, slot.version, slot.stepped = shard, _version(param, local), False
 
 
 def full_quantized_weight(param: Any) -> QuantizedTensor:
@@ -310,7 +313,24 @@ def primary_parameter(p: QuantizedTensor, attr: str, index: int, copies: str) ->
     master = (init if init is not None else p.dequantize(torch.float32)).detach()
     master = master.to(device=p.device, dtype=torch.float32, copy=True)
     slot = _PrimarySlot(attr, index, copies, quantizer=p.quantizer, nominal_dtype=p.dtype)
+    if not _STEP_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+        _STEP_HOOK.append(register_optimizer_step_post_hook(_mark_stepped))
     return nn.Parameter(QuantizedPrimaryWeight(master, slot), requires_grad=p.requires_grad)
+
+
+#: the handle of :func:`_mark_stepped`, registered once for every torch optimizer of the process
+_STEP_HOOK: list = []
+
+
+def _mark_stepped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """After any torch optimizer's step: its quantized primary weights' shards are stale until
+    re-encoded (``MasterWeightOptimizer.step`` re-encodes them right after)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            local = getattr(p, "_local_tensor", p)
+            if isinstance(local, QuantizedPrimaryWeight):
+                local._slot.stepped = True
 
 
 def is_primary_shard(p: Any) -> bool:

@@ -191,6 +191,7 @@ def test_primary_weights_train_as_one_process_and_reshard(tmp_path, one_process)
         assert "quantize_sharded_weights" in s["stale"]
         assert s["requantized_loss"] != s["dcp"]["nvfp4"]["loss"]  # the halved master is what is gathered
         assert "rounds stochastically" in s["sr"], s["sr"]
+        assert "changed after its quantized shard was encoded" in s["foreach_stale"], s["foreach_stale"]
 
 
 def _check_training(results: list, world: int, want: dict) -> None:
@@ -251,6 +252,15 @@ def _dcp_save(path: str, models: dict) -> dict:
         out["stale"] = str(e)
     hf.quantize_sharded_weights(model)
     out["requantized_loss"] = _forward(model, recipe)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+    torch.optim.AdamW(model.parameters(), foreach=True).step()  # moves no DTensor version counter
+    try:
+        _forward(model, recipe)
+        out["foreach_stale"] = "no error"
+    except RuntimeError as e:
+        out["foreach_stale"] = str(e)
+    hf.quantize_sharded_weights(model)
     model[0].weight.to_local()._slot.quantizer.stochastic_rounding = True
     try:
         hf.quantize_sharded_weights(model)
