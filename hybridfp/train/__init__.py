@@ -5,16 +5,18 @@ Modules: ``data`` (corpus, token files, batches), ``model`` / ``moe`` (GPT, pres
 ``recipes_by_name`` (command-line recipe names), ``loop`` (one recipe's training),
 ``checkpoint`` (bitwise resume from tensors and plain data), ``files`` (atomic writes),
 ``plot`` / ``report`` (loss.png, summary.md), ``parallel`` (``--jobs``), ``distributed`` /
-``dist_checkpoint`` (``--fsdp`` / ``--ep`` under torchrun, sharded checkpoints), ``cli``.
+``dist_checkpoint`` (``--fsdp`` / ``--ep`` under torchrun, sharded checkpoints), ``hf_model``
+(``--hf-config``: a transformers architecture as the model), ``cli``.
 """
 
 from .cli import DEFAULT_COMPARE, main, train_main
 from .data import DataError, TokenData, load_data
+from .hf_model import HFCausalLM, build_hf_model, read_hf_config, shipped_configs
 from .loop import RunResult, TrainConfig, train_recipe
 from .model import GPT, PRESETS, GPTConfig, Preset
 from .moe import MoE
 from .recipes_by_name import NamedRecipe, known_names, parse_recipe, parse_recipe_list
 
-__all__ = ["DEFAULT_COMPARE", "DataError", "GPT", "GPTConfig", "MoE", "NamedRecipe", "PRESETS", "Preset",
-           "RunResult", "TokenData", "TrainConfig", "known_names", "load_data", "main",
-           "parse_recipe", "parse_recipe_list", "train_main", "train_recipe"]
+__all__ = ["DEFAULT_COMPARE", "DataError", "GPT", "GPTConfig", "HFCausalLM", "MoE", "NamedRecipe", "PRESETS",
+           "Preset", "RunResult", "TokenData", "TrainConfig", "build_hf_model", "known_names", "load_data", "main",
+           "parse_recipe", "parse_recipe_list", "read_hf_config", "shipped_configs", "train_main", "train_recipe"]
