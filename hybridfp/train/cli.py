@@ -7,7 +7,8 @@
     hybridfp train --hf-config qwen3-moe-tiny        # a transformers architecture (hf extra)
     torchrun --nproc-per-node 2 -m hybridfp.train --fsdp --recipe mxfp8   # sharded over 2 ranks
 
-Outputs under ``--out`` (default ``runs/<preset>``): metrics.jsonl, loss.png, summary.md,
+Outputs under ``--out`` (default ``runs/<preset>``; with --hf-config ``runs/<config name>``):
+metrics.jsonl, loss.png, summary.md,
 run.json (the settings, used by --resume) and checkpoints/<recipe>.pt.
 
 Needs the ``train`` extra (matplotlib, tqdm): ``pip install 'hybridfp[train]'``.
@@ -101,7 +102,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", help="DIR with train.bin/val.bin, DIR of text files, or a text/.bin FILE "
                                   "(default: the Python standard library's source)")
     p.add_argument("--cache-dir", help="where the default corpus is cached (default ~/.cache/hybridfp)")
-    p.add_argument("--out", help="output directory (default runs/<preset>)")
+    p.add_argument("--out", help="output directory (default runs/<preset>, or runs/<config name> with --hf-config)")
     p.add_argument("--resume", action="store_true",
                    help="continue the runs in --out from their checkpoints, bit for bit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

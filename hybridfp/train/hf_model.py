@@ -64,7 +64,8 @@ def read_hf_config(spec: str) -> tuple[str, dict[str, Any]]:
     Raises
     ------
     ValueError
-        The file is missing, not JSON, not an object, or lacks ``model_type`` / ``vocab_size``.
+        The file is missing, not JSON, not an object, or lacks ``model_type`` / a positive
+        integer ``vocab_size``.
 
     Example
     -------
@@ -89,6 +90,9 @@ def read_hf_config(spec: str) -> tuple[str, dict[str, Any]]:
         if key not in config:
             raise ValueError(f"--hf-config {path}: lacks {key!r} (a transformers config.json names its "
                              "model_type, e.g. 'llama', and its vocab_size).")
+    vocab = config["vocab_size"]
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        raise ValueError(f"--hf-config {path}: vocab_size is {vocab!r}; it must be a positive integer.")
     return path.stem, config
 
 

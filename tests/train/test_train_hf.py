@@ -167,6 +167,9 @@ def test_bad_configs_are_refused_naming_what_to_change(tmp_path, text, capsys):
     bad.write_text(json.dumps({"vocab_size": 256}))
     assert _train(text, tmp_path / "d", "--hf-config", str(bad), "--steps", "1") == 2
     assert "lacks 'model_type'" in _error(capsys)
+    bad.write_text(json.dumps({**config, "vocab_size": "256"}))
+    assert _train(text, tmp_path / "e", "--hf-config", str(bad), "--steps", "1") == 2
+    assert "vocab_size is '256'; it must be a positive integer" in _error(capsys)
 
 
 def test_resume_with_another_config_is_refused(tmp_path, text, capsys):
