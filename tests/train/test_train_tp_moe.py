@@ -6,7 +6,8 @@ every token and runs every expert on the full hidden size, as one process does. 
 difference from one process is then ``test_train_tp``'s: the attention's row-parallel output
 projection sums its features in K FP32 partial GEMMs, all-reduced (bounds there). The router's
 top-k choice could amplify that (a token whose two best experts' scores tie to the last bit
-would switch experts); it did not here: the losses stayed within the same bounds.
+would switch experts); it did not here: BF16's losses differed by at most 4.5e-6 relative,
+MXFP8's not at all, within the same bounds.
 """
 
 from __future__ import annotations
