@@ -23,8 +23,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::hybridfp.gemm.EmulatedGemmWarni
 
 def test_tensor_parallel_moe_trains_as_one_process(tmp_path, text) -> None:
     """``--preset test-moe`` (4 experts, top-2, load-balancing loss), 4 steps, each block's
-    attention over 2 ranks and its MoE layer whole on both, BF16 and MXFP8: within the bounds
-    of one process's losses."""
+    attention over 2 ranks and its MoE layer whole on both, BF16 and MXFP8, and MXFP8 on a
+    (dp=2, tp=2) mesh under ``--fsdp``: within the bounds of one process's losses."""
     run = ["--preset", "test-moe", "--lr-decay-steps", "4", "--steps", "4", "--data", str(text), *COMMON,
            "--compare", "bf16,mxfp8"]
     assert cli.main(["train", "--out", str(tmp_path / "one"), *run]) == 0
@@ -32,3 +32,7 @@ def test_tensor_parallel_moe_trains_as_one_process(tmp_path, text) -> None:
     assert "tensor parallel over 2 ranks" in proc.stdout
     for recipe in ("bf16", "mxfp8"):
         _assert_close(records(tmp_path / "tp", recipe), records(tmp_path / "one", recipe))
+    # 4 ranks, (dp=2, tp=2) under FSDP2: the experts' gradients averaged over dp, the
+    # load-balancing loss counting the dp ranks' rows (3.1e-5 relative seen)
+    torchrun(4, "--tp", "2", "--fsdp", "--out", str(tmp_path / "fsdp"), *run[:-2], "--recipe", "mxfp8")
+    _assert_close(records(tmp_path / "fsdp", "mxfp8"), records(tmp_path / "one", "mxfp8"))
