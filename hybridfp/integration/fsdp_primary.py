@@ -45,8 +45,9 @@ class _PrimarySlot(_Slot):
     nominal_dtype: Optional[torch.dtype] = None
     #: this rank's rows of the quantized weight (its block-aligned range), both copies
     shard: Optional[QuantizedTensor] = None
-    #: the master shard's version counter when ``shard`` was encoded (a later write: stale)
-    version: int = -1
+    #: the master's version counters when ``shard`` was encoded (a later write: stale): the
+    #: DTensor's, the local tensor's identity and its own
+    version: tuple = ()
     #: an optimizer stepped the master since ``shard`` was encoded (a foreach step writes a
     #: DTensor without moving its version counter)
     stepped: bool = False
@@ -122,21 +123,25 @@ class QuantizedPrimaryWeight(QuantizedGatherWeight):
         param = _sharded_param(self, slot)
         if slot.shard is None:  # the first gather: the weight was never quantized sharded
             _quantize_items([(param, self, mesh.get_group(mesh.ndim - 1), world, total, who)])
-        elif slot.stepped or _version(param, self) != slot.version:
+        elif slot.stepped or not _unchanged(slot, param, self):
             raise RuntimeError(
                 f"{who}: its FP32 master shard changed after its quantized shard was encoded, so a gather "
                 "would send stale codes. Step with hybridfp.MasterWeightOptimizer, or call "
                 "hybridfp.quantize_sharded_weights(model) after updating the masters (e.g. after a load).")
         sent = _SETS[slot.copies][-1 if torch._C._current_graph_task_id() != -1 else 0]
         layout = _layout(slot, slot.quantizer, self._hp, total, world, _SETS[slot.copies])
-        nbytes = _gather_bytes(self, slot, layout, sent, world, who)
+        # uneven shards: FSDP2 takes only inputs of the padded shard's shape (as in fsdp.py)
+        padded = None if layout.even else (layout.shard_rows[0], *outer_size[1:])
+        nbytes = _gather_bytes(self, slot, layout, sent, world, who, math.prod(padded) if padded else 1)
         dtype = getattr(mp_policy, "param_dtype", None) or slot.nominal_dtype
         # the shard as holding only the copies sent: the whole weight makes room for the others
         shard = slot.shard
         sent_only = assemble(shard, shard.shape[0], {(d, n): t for d in sent
                                                      for n, t in shard.qstorage.part(d).payloads[d].items()},
                              quantizer=slot.quantizer)
-        return (pack(shard, layout, sent, nbytes),), (layout, sent, sent_only, world, total, dtype, nbytes)
+        buffer = pack(shard, layout, sent, nbytes)
+        inputs = (buffer,) if padded is None else tuple(buffer.view(-1, *padded).unbind(0))
+        return inputs, (layout, sent, sent_only, world, total, dtype, nbytes)
 
 
 def _sharded_param(local: QuantizedPrimaryWeight, slot: _PrimarySlot) -> Optional[torch.Tensor]:
@@ -148,10 +153,20 @@ def _sharded_param(local: QuantizedPrimaryWeight, slot: _PrimarySlot) -> Optiona
     return getattr(record, "sharded_param", None)
 
 
-def _version(param: Optional[torch.Tensor], local: torch.Tensor) -> int:
-    """Grows with every in-place write to the master shard: an optimizer (or a load) writes
+def _version(param: Optional[torch.Tensor], local: torch.Tensor) -> tuple:
+    """Moves with every in-place write to the master shard: an optimizer (or a load) writes
     through the DTensor, whose version counter moves, not its local tensor's."""
-    return (param._version if param is not None else 0) + local._version
+    return (param._version if param is not None else -1, id(local), local._version)
+
+
+def _unchanged(slot: _PrimarySlot, param: Optional[torch.Tensor], local: torch.Tensor) -> bool:
+    """Whether the master shard is the one ``slot.shard`` was encoded from. FSDP2's lazy
+    initialization may replace a padded shard's local tensor by a copy (same values, a new
+    version counter): then the DTensor's counter alone decides."""
+    now = _version(param, local)
+    if now[1] != slot.version[1] and now[0] == slot.version[0]:
+        slot.version = now
+    return now == slot.version
 
 
 def _items(params: Iterable[Any]) -> list[tuple]:
@@ -193,8 +208,7 @@ def quantize_sharded_weights(params: Any) -> int:
     Raises
     ------
     ValueError
-        A weight sharded unevenly, or a weight quantizer a shard cannot reproduce (stochastic
-        rounding, RHT, per-row amaxes).
+        A weight quantizer a shard cannot reproduce (stochastic rounding, RHT, per-row amaxes).
 
     Example
     -------
@@ -214,9 +228,6 @@ def _quantize_items(items: list[tuple]) -> int:
     for i, (param, local, group, world, total, who) in enumerate(items):
         slot = local._slot
         _check_quantizer(slot.quantizer, who)
-        if local.shape[0] * world != total:
-            raise ValueError(f"{who}: FSDP2 shards its {total} rows unevenly over {world} ranks; a quantized "
-                             "primary weight needs out_features divisible by the world size.")
         if any(_per_tensor(q) for q in _leaves(slot.quantizer)):
             amaxes.setdefault(group, []).append((i, amax_nan(local._hp.detach())))
     reduced = {}

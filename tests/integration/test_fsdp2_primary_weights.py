@@ -12,8 +12,9 @@ FSDP2's reduce-scatter sum and its division by the world size are exact; AdamW i
 elementwise on the same FP32 values.
 
 The sizes make blocks straddle shard boundaries: 160 rows over 4 ranks are 40 per rank
-(MXFP8's 32-row and NVFP4's 16-row column blocks straddle); FP8 128x128 blocks run on 640 rows
-(320 or 160 per rank).
+(MXFP8's 32-row and NVFP4's 16-row column blocks straddle); FP8 128x128 blocks run on 256 rows
+(over 4 ranks a block spans two shards: ranks 0 and 2 encode 128 rows each, 1 and 3 none);
+150 rows of FP8 current scaling are sharded unevenly over 4 ranks (38, 38, 38, 36).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::hybridfp.gemm.EmulatedGemmWarni
 ROWS, STEPS = 16, 3
 RECIPES = {
     "current": hf.Float8CurrentScaling,
+    "current_uneven": hf.Float8CurrentScaling,  # 150 rows: 38, 38, 38, 36 on 4 ranks
     "delayed": lambda: hf.DelayedScaling(amax_history_len=4),
     "block": hf.Float8BlockScaling,
     "mxfp8": hf.MXFP8BlockScaling,
@@ -41,11 +43,11 @@ RECIPES = {
         fprop="nvfp4", dgrad="mxfp8", wgrad="mxfp8")),
 }
 #: weights with a per-tensor scale: their amaxes take one all-reduce per step (block formats none)
-PER_TENSOR = {"current", "delayed", "nvfp4", "hybrid_nvfp4_mxfp8"}
+PER_TENSOR = {"current", "current_uneven", "delayed", "nvfp4", "hybrid_nvfp4_mxfp8"}
 
 
 def _width(recipe: str) -> int:
-    return 640 if recipe == "block" else 160
+    return {"block": 256, "current_uneven": 150}.get(recipe, 160)
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -208,8 +210,8 @@ def _check_training(results: list, world: int, want: dict) -> None:
             # per step: fc1 and fc2 forward (rowwise copies), then fc2 and fc1 backward (columnwise)
             assert g["sent"] == [fwd, fwd, bwd, bwd] * STEPS, (rank, recipe, g["sent"][:4])
             d = _width(recipe)
-            if recipe in ("current", "delayed"):  # one FP8 byte per element of the shard
-                assert fwd == bwd == d // world * d
+            if recipe in ("current", "current_uneven", "delayed"):  # one FP8 byte per element of the shard
+                assert fwd == bwd == -(-d // world) * d
             if recipe in ("mxfp8", "nvfp4") and world == 4:  # a block straddles each boundary
                 assert len(set(rank_rows)) > 1, rank_rows
 
