@@ -109,9 +109,9 @@ def _refuse_sharded(who: str, parallel_dims: Any, what: Sequence[str]) -> None:
     if on:
         raise NotImplementedError(
             f"{who}: torchtitan's {' / '.join(w.upper() for w in on)} sharding is not supported by "
-            "hybridfp's torchtitan converter yet (its modules read whole weights; FSDP2 and "
-            "pipeline parallelism are supported). Set those degrees to 1, or keep these modules "
-            "in high precision with the converter's filter_fqns.")
+            "hybridfp's torchtitan converter yet (its modules read whole weights; FSDP2 is "
+            "supported). Set those degrees to 1, or keep these modules in high precision with "
+            "the converter's filter_fqns.")
 
 
 @functools.lru_cache(maxsize=None)
@@ -314,7 +314,8 @@ def convert_model_config(model_config: Any, recipe: Recipe, *, fqns: Sequence[st
     TypeError
         ``recipe`` is not a ``hybridfp.Recipe``; ``model_config`` is no torchtitan model config.
     ValueError
-        ``strict`` and an unknown ``Linear`` / ``GroupedExperts`` subclass is not filtered out.
+        ``strict`` and an unknown ``Linear`` / ``GroupedExperts`` subclass is not filtered out;
+        ``model_config`` converted already.
     """
     import warnings
 
@@ -325,6 +326,9 @@ def convert_model_config(model_config: Any, recipe: Recipe, *, fqns: Sequence[st
     if not hasattr(model_config, "traverse") or not hasattr(type(model_config), "_owner"):
         raise TypeError(f"convert_model_config: model_config must be a torchtitan model Config "
                         f"(model_registry(flavor).model); got {type(model_config).__name__}.")
+    if hasattr(model_config, "hybridfp_recipe"):
+        raise ValueError("convert_model_config: model_config is converted to hybridfp already (list "
+                         "HybridFPConverter once in model_registry's converters).")
     linears, convert_experts, skipped, unknown = [], [], {}, []
 
     def selected(fqn: str) -> Optional[str]:

@@ -310,3 +310,36 @@ def test_fsdp2_matches_one_process(tmp_path):
             assert len(r[name]["grads"]) == sum(hybridfp_weights(model).values()), name
             for n, g in r[name]["grads"].items():
                 assert torch.equal(torch.tensor(g), params[n].grad.flatten()), (name, n)
+
+
+def test_meta_device_build_as_torchtitan_trainer_does():
+    """torchtitan's trainer builds on the meta device, then ``to_empty`` and ``init_states``:
+    the converted model built so (its experts' GroupedLinear made on meta, bound to the real
+    Parameters at forward) computes what the directly built one does, bitwise."""
+    cfg, direct = _converted("qwen3_moe", "fp8")
+    with torch.device("meta"):
+        model = cfg.build()
+    model.to_empty(device="cpu")
+    model.init_states(buffer_device=torch.device("cpu"))
+    model.load_state_dict(direct.state_dict())
+    x = _tokens(cfg.vocab_size)
+    y, y_direct = model(x), direct(x)
+    assert torch.equal(y, y_direct)
+    y.float().pow(2).mean().backward()
+    y_direct.float().pow(2).mean().backward()
+    for (n, p), q in zip(model.named_parameters(), direct.parameters()):
+        assert torch.equal(p.grad, q.grad), n
+
+
+def test_converting_twice_is_refused():
+    cfg = _config("llama3", [HybridFPConverter.Config(recipe="fp8")])
+    with pytest.raises(ValueError, match="converted to hybridfp already"):
+        HybridFPConverter.Config(recipe="fp8").build().convert(cfg)
+
+
+def test_import_hybridfp_does_not_import_torchtitan():
+    import subprocess
+    import sys
+    code = "import sys, hybridfp, hybridfp.integration; print('torchtitan' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
