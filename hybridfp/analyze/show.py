@@ -54,6 +54,15 @@ def markdown_table(analysis: Analysis, plan: dict[str, Choice]) -> str:
             e = analysis.errors.get((layer, gemm, "nvfp4_1d"))
             flushed = "—" if e is None else f"{100 * e.flushed_fraction:.2f} %"
             lines.append(f"| {layer} | {t} | {s.kurtosis:.2f} | {s.block_spread:.2f} | {flushed} |")
+    lines += ["", "Cost (bytes per element the GEMMs read, measured over every GEMM, high_precision in the "
+              "analysis' FP32; GEMM speed vs BF16 as "
+              "hybridfp runs the pair on Hopper, from bench/RESULTS.md):", "",
+              "| format | bits | bytes / element | speed vs BF16 |", "|---|---|---|---|"]
+    for f in fmts:
+        sums = [e for (_, _, g), e in analysis.errors.items() if g == f]
+        nbytes, numel = sum(e.nbytes for e in sums), sum(e.numel for e in sums)
+        c = CANDIDATES[f]
+        lines.append(f"| {f} | {c.tier} | {nbytes / max(numel, 1):.3f} | {c.speed:.2f}x |")
     return "\n".join(lines)
 
 

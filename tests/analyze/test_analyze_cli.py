@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import pickle
+import re
 import sys
 
 from hybridfp.train import cli
@@ -20,6 +21,7 @@ def test_analyze_tiny_writes_outputs_and_its_factory_trains(tmp_path, monkeypatc
     assert f"factory: {out / 'recommended_recipe.py'}" in printed and "Budget: no worse than mxfp8" in printed
     table = (out / "analysis.md").read_text()
     assert "| blocks.3.mlp.proj | wgrad |" in table and "kurtosis" in table
+    assert re.search(r"\| nvfp4_1d \| 4 \| 0\.5\d\d \|", table)  # the cost table: bits, bytes read
     assert (out / "heatmap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     monkeypatch.syspath_prepend(str(out))
