@@ -139,8 +139,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if name not in PRESETS:
             raise SystemExit(f"--presets: {name!r} is unknown; use {', '.join(PRESETS)}.")
     budget = Budget(db=args.budget_db)
-    results = [validate_preset(name, seeds, args.steps, budget, args.data) for name in args.presets.split(",")]
-    print(markdown(results, budget, seeds, args.steps))
+    for name in args.presets.split(","):  # each preset's table as soon as it is done
+        print(markdown([validate_preset(name, seeds, args.steps, budget, args.data)], budget, seeds, args.steps),
+              flush=True)
 
 
 if __name__ == "__main__":
