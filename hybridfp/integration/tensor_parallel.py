@@ -364,8 +364,10 @@ class LayerNormMLPParallel(ParallelStyle):
     ``[gate_r; up_r]``, so the activation runs on the rank's own fc1 output. ``fc1_weight`` /
     ``fc1_bias`` are then placed ``_StridedShard(0, split_factor=2)`` (torch's placement for
     "split in 2 along dim 0, then each part sharded"): the DTensor says which rows each rank
-    holds, so ``full_tensor()``, ``state_dict`` and ``torch.distributed.checkpoint`` give back
-    the unsharded ``[gate; up]`` weight. ffn_hidden_size must split evenly over the ranks, and
+    holds, so ``full_tensor()`` and ``state_dict`` give back the unsharded ``[gate; up]``
+    weight. ``torch.distributed.checkpoint`` (torch 2.13) refuses to save it ("overlapping
+    chunks": it writes one contiguous chunk per rank): save ``full_tensor()`` instead, as
+    ``hybridfp train --tp`` does for its regrouped weights. ffn_hidden_size must split evenly over the ranks, and
     each half of a rank's fc1 rows must hold whole quantization blocks.
 
     Parameters
