@@ -18,6 +18,7 @@ Bounds against the unconverted model under the all-Identity recipe (``bf16``):
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import pytest
 import torch
@@ -190,6 +191,27 @@ def test_options_filter_and_recipe_path():
     no_experts = HybridFPConverter.Config(recipe="fp8", experts=False).build()
     no_experts.convert(_config("qwen3_moe"))
     assert no_experts.last_conversion.experts == ()
+
+
+def experts_mxfp8_rest_fp8(role: Optional[hf.QuantizerRole]) -> hf.Quantizer:
+    """A per-role factory named by path in the converter's options: the experts (their own
+    ``grouped_linear`` roles) MXFP8, the other GEMMs FP8 current scaling."""
+    from hybridfp.recipes import factories
+    experts = role is not None and role.module_type == "grouped_linear"
+    return (factories.mxfp8 if experts else factories.current_scaling)(role)
+
+
+def test_expert_roles_take_their_own_format():
+    cfg, model = _converted("qwen3_moe", "test_torchtitan:experts_mxfp8_rest_fp8")
+    model(_tokens(cfg.vocab_size))
+    experts = model.layers["0"].moe.routed_experts.inner_experts
+    gl = experts.hybridfp_grouped_linears()[0]
+    role = gl.quantizer_roles()["weight"][0]
+    assert (role.module_type, role.name) == ("grouped_linear", "layers.0.moe.routed_experts.inner_experts.w1_EFD")
+    wo = model.layers["0"].attention.wo
+    assert str(wo.quantizer_roles()["input"][0]) == "layers.0.attention.wo.input"
+    assert type(gl._quantizers["weight"][0]).__name__ == "MXFP8Quantizer"
+    assert type(wo._quantizers["weight"][0]).__name__ == "Float8CurrentScalingQuantizer"
 
 
 def test_bad_options_are_refused():
