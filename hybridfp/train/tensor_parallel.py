@@ -56,7 +56,8 @@ def check_tensor_parallel(tp: int, world: int, n_head: int, n_experts: int, fsdp
     world:
         The number of ranks.
     n_head, n_experts:
-        The preset's attention heads and experts per MoE layer.
+        The preset's attention heads and experts per MoE layer (an MoE layer is replicated over
+        the tensor-parallel group, any number of experts).
     fsdp, ep:
         ``--fsdp`` (composes: FSDP2 over the ``dp`` dimension) and ``--ep``.
 
