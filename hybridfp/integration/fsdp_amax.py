@@ -36,8 +36,9 @@ from ..formats.common import amax_nan
 class PrecomputedAmax:
     """One weight's amax as :func:`precompute_weight_amax` measured and reduced it."""
 
-    #: the sharded parameter (weakly) and the version counters of it and its local shard
+    #: the sharded parameter and its local shard (weakly), and their version counters
     param: Callable[[], Any]
+    shard: Callable[[], Any]
     versions: tuple[int, int]
     #: this rank's shard amax and the shard group's (FP32 0-d), of the dtype the gather encodes
     local: torch.Tensor
@@ -149,7 +150,10 @@ def reduced_amax(q: Any, local: Any, halo: int, src: torch.Tensor, who: str) -> 
         yield
         return
     param = pre.param()
-    if param is None or (param._version, local._version) != pre.versions:
+    # FSDP2's lazy init may put a padded shard's copy in place of the local tensor measured
+    # (same values, its own version counter): its amax is then what tells
+    if (param is None or param._version != pre.versions[0]
+            or (pre.shard() is local and local._version != pre.versions[1])):
         raise _stale(who, "its version counter moved")
     if pre.dtype != src.dtype:
         raise _stale(who, f"measured in {pre.dtype}, encoded in {src.dtype}")
@@ -239,7 +243,7 @@ def precompute_weight_amax(model: nn.Module) -> int:
         dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)  # the step's one collective
         for k, (record, local, amax, dtype) in enumerate(entries):
             param = record.sharded_param
-            local._slot.amax = PrecomputedAmax(weakref.ref(param), (param._version, local._version),
-                                               amax, flat[k].clone(), dtype)
+            local._slot.amax = PrecomputedAmax(weakref.ref(param), weakref.ref(local),
+                                               (param._version, local._version), amax, flat[k].clone(), dtype)
             n += 1
     return n

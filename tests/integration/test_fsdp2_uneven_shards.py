@@ -12,7 +12,7 @@ losses and the trained weight are bitwise the same (the reasoning of
 test_fsdp2_quantized_gather.py: same codes, same GEMMs, exact gradient sums). 35 rows are
 uneven on 2 and 4 ranks, 70 on 4 (18, 18, 18, 16), 36 on 4 ranks are 9-row shards (shorter
 than MXFP8's 32-row and FP8 block's 128-row blocks: some ranks encode no block), for the
-block formats.
+block formats. FP8 current and NVFP4 also train bitwise so with ``precompute_weight_amax``.
 """
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ RECIPES = {
     "high_precision": lambda: hf.CustomRecipe(qfactory=factories.high_precision),
 }
 CASES = {2: [(35, tuple(RECIPES))], 4: [(70, tuple(RECIPES)), (36, BLOCK_RECIPES)]}
+#: also trained with precompute_weight_amax: NVFP4's 16-row blocks straddle these shards, so a
+#: rank's encoded rows are not its shard (its amax check reads the shard)
+PRECOMPUTED = ("current", "nvfp4")
 
 
 def _model(rows: int) -> nn.Module:
@@ -60,8 +63,10 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().float().contiguous().numpy().tobytes()).hexdigest()
 
 
-def _train(model: nn.Module, recipe: str, group=None) -> dict:
+def _train(model: nn.Module, recipe: str, group=None, precompute: bool = False) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    if precompute:
+        hf.precompute_weight_amax(model)
     g = torch.Generator().manual_seed(1)
     x, target = torch.randn(BATCH, K, generator=g), torch.randn(BATCH, K, generator=g)
     x.requires_grad_(True)  # dgrad reads the weight's columnwise copy (the backward gather's)
@@ -74,6 +79,8 @@ def _train(model: nn.Module, recipe: str, group=None) -> dict:
         loss = nn.functional.mse_loss(y.float(), target)
         loss.backward()
         opt.step()
+        if precompute:
+            hf.precompute_weight_amax(model)
         losses.append(loss.item())
     w = model[0].weight
     return {"losses": losses, "weight": _digest(w.full_tensor() if hasattr(w, "full_tensor") else w)}
@@ -93,6 +100,13 @@ def _worker(rank: int, world: int) -> dict:
             fully_shard(model)
             group = dist.group.WORLD if recipe == "delayed" else None
             out[f"{rows}-{recipe}"] = _train(model, recipe, group)
+        for recipe in (r for r in PRECOMPUTED if r in recipes):  # the amax precomputed
+            model = _model(rows)
+            hf.enable_quantized_all_gather(model)
+            fully_shard(model[0])
+            fully_shard(model[2])
+            fully_shard(model)
+            out[f"{rows}-{recipe}-precomputed"] = _train(model, recipe, precompute=True)
     return out
 
 
@@ -102,3 +116,6 @@ def test_uneven_shards_train_as_one_process(world: int, tmp_path) -> None:
     for rank, got in enumerate(run_ranks(_worker, world, (), tmp_path)):
         for case in want:
             assert got[case] == want[case], (rank, case)
+        for rows, recipes in CASES[world]:
+            for recipe in (r for r in PRECOMPUTED if r in recipes):
+                assert got[f"{rows}-{recipe}-precomputed"] == want[f"{rows}-{recipe}"], (rank, rows, recipe)
