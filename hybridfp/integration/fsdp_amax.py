@@ -143,6 +143,17 @@ def reduced_amax(q: Any, local: Any, halo: int, src: torch.Tensor, who: str) -> 
     ------
     RuntimeError
         The weight changed since the precompute.
+
+    Example
+    -------
+    >>> import hybridfp as hf
+    >>> from hybridfp.integration.fsdp_amax import reduced_amax
+    >>> m = hf.Linear(4, 4)
+    >>> hf.enable_quantized_all_gather(m)
+    1
+    >>> q = hf.Float8CurrentScalingQuantizer()
+    >>> with reduced_amax(q, m.weight, 0, m.weight.detach(), "Linear.weight"):  # none precomputed
+    ...     t = q(m.weight.detach())
     """
     pre = local._slot.amax
     leaves = [leaf for leaf in _weight_leaves(q) if _takes_weight_amax(leaf)]

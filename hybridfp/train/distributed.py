@@ -298,6 +298,13 @@ def weight_amax_precompute(model: nn.Module, par: Optional[Parallel], recipe: An
     -------
     int
         The number of such weights (0 without ``--fsdp``).
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> from hybridfp.train.distributed import weight_amax_precompute
+    >>> weight_amax_precompute(torch.nn.Linear(4, 4), None, hf.Float8CurrentScaling())  # one process
+    0
     """
     if par is None or not par.fsdp:
         return 0
