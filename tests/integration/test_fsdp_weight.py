@@ -63,10 +63,13 @@ def test_a_deep_copy_has_weights_of_its_own() -> None:
     assert twin[0].weight._hp.data_ptr() != model[0].weight._hp.data_ptr()
 
 
-def test_bad_options_and_quantized_parameters_are_refused() -> None:
+def test_bad_options_refused_and_quantized_parameters_become_primary_weights() -> None:
     with pytest.raises(ValueError, match="copies='sideways'"):
         hf.enable_quantized_all_gather(_model(), copies="sideways")
     with hf.quantized_model_init(recipe=hf.MXFP8BlockScaling()):
         held = hf.Linear(64, 32)
-    with pytest.raises(ValueError, match="QuantizedTensor parameter"):
-        hf.enable_quantized_all_gather(held)
+    want = held.weight.dequantize()
+    assert hf.enable_quantized_all_gather(held) == 1
+    # the Parameter FSDP2 will shard is the FP32 master, seeded from the held weight's value
+    assert isinstance(held.weight.data, hf.QuantizedPrimaryWeight)
+    assert torch.equal(held.weight.data._hp.float(), want.float())
