@@ -429,7 +429,6 @@ def plan_resume(cfg: TrainConfig, named: NamedRecipe, out_dir: Path) -> bool:
         path, other = sharded_path(path), path
     else:
         other = sharded_path(path)
-    dcp = path if sharded else other
     if not path.exists() and other.exists():
         how = ("a single process (without --fsdp / --ep)" if sharded else
                "torchrun with --fsdp / --ep, as it was started")
