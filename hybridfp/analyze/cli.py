@@ -30,7 +30,8 @@ FACTORY_FILE = "recommended_recipe.py"
 
 def add_analyze_args(p: argparse.ArgumentParser) -> None:
     """The options of ``hybridfp analyze``."""
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model shape (default: tiny)")
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model shape (default: tiny); with --hf-config, only the batch size and sequence "
+                        "length defaults")
     p.add_argument("--hf-config", dest="hf_config_path", metavar="PATH",
                    help="a transformers config.json (or a shipped config's name) instead of --preset (hf extra)")
     p.add_argument("--data", help="token data as for hybridfp train (default: the stdlib corpus)")

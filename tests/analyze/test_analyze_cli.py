@@ -7,6 +7,8 @@ import pickle
 import re
 import sys
 
+import pytest
+
 from hybridfp.train import cli
 from hybridfp.train.recipes_by_name import parse_recipe
 
@@ -45,3 +47,17 @@ def test_analyze_refuses_bad_options(tmp_path, capsys):
     assert "hybridfp analyze: error: --batches must be at least 1" in capsys.readouterr().err
     assert cli.main(["analyze", "--max-rows", "-1", "--out", str(tmp_path)]) == 2
     assert "--max-rows must be at least 0" in capsys.readouterr().err
+
+
+def test_analyze_hf_config_sees_the_converted_experts(tmp_path, capsys):
+    # a transformers architecture: its fused MoE experts run through GroupedLinear, so they are analysed
+    pytest.importorskip("transformers")
+    out = tmp_path / "an"
+    assert cli.main(["analyze", "--hf-config", "qwen3-moe-tiny", "--out", str(out)]) == 0
+    assert f"factory: {out / 'recommended_recipe.py'}" in capsys.readouterr().out
+    table = (out / "analysis.md").read_text()
+    for gemm in ("fprop", "dgrad", "wgrad"):
+        assert f"| model.layers.0.mlp.experts.gate_up_proj | {gemm} |" in table
+        assert f"| model.layers.1.mlp.experts.down_proj | {gemm} |" in table
+    assert "lm_head" not in table  # kept in high precision by convert, so never a hybridfp GEMM
+
