@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .checkpoint import CheckpointError
-from .distributed import Parallel, barrier
+from .distributed import Parallel, barrier, masters_in_place
 from .files import atomic_write_text
 
 #: The plain-data file of a sharded checkpoint.
@@ -124,7 +124,8 @@ def save_sharded(path: Path, model: nn.Module, opt: torch.optim.Optimizer, info:
     if par.tp > 1:  # every rank's delayed-scaling state the global one (tensor_parallel.py)
         from .tensor_parallel import reduce_pending_amaxes_all
         reduce_pending_amaxes_all(model)
-    msd, osd = _renamed(*get_state_dict(model, _torch_optimizer(opt)), _expert_names(model, par))
+    with masters_in_place(model, opt) as torch_opt:  # --ep: separate FP32 masters saved as the weights
+        msd, osd = _renamed(*get_state_dict(model, _torch_optimizer(torch_opt)), _expert_names(model, par))
     if par.tp > 1:  # the q/k/v (gate/up) rows in one process's order: resumable at any --tp
         from .tensor_parallel import grouped_weights, to_one_process_layout
         to_one_process_layout(msd, osd, grouped_weights(model))
@@ -213,16 +214,27 @@ def load_sharded(path: Path, model: nn.Module, opt: torch.optim.Optimizer, par: 
     CheckpointError
         The checkpoint was written with another ``--ep``, or does not fit the model.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     saved_ep = read_state(path)["ep"]
     if saved_ep != par.ep:
         raise CheckpointError(f"--resume: {path} was written with --ep {saved_ep}; resume with --ep "
                               f"{saved_ep} (any number of ranks it divides).")
     build_quantizers()
     rename = _expert_names(model, par)
-    local_msd, local_osd = get_state_dict(model, _torch_optimizer(opt))
+    with masters_in_place(model, opt) as torch_opt:
+        _load_into(path, model, _torch_optimizer(torch_opt), par, rename)
+    # --ep: the quantized weights re-encoded from their loaded separate masters
+    from ..integration.master_weights import MasterWeightOptimizer, quantize_master_weights
+    if isinstance(opt, MasterWeightOptimizer):
+        quantize_master_weights(opt.model_params, opt.master_params)
+
+
+def _load_into(path: Path, model: nn.Module, opt: torch.optim.Optimizer, par: Parallel,
+               rename: Callable[[str], str]) -> None:
+    """:func:`load_sharded`'s DCP read into ``model`` and the torch optimizer ``opt``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    local_msd, local_osd = get_state_dict(model, opt)
     back = {rename(k): k for k in [*local_msd, *local_osd.get("state", {}),
                                    *(k for g in local_osd.get("param_groups", []) for k in g["params"])]}
     msd, osd = _renamed(local_msd, local_osd, rename)
@@ -243,7 +255,7 @@ def load_sharded(path: Path, model: nn.Module, opt: torch.optim.Optimizer, par: 
         from .tensor_parallel import from_one_process_layout
         from_one_process_layout(undo)
     msd, osd = _renamed(state["model"], state["optimizer"], lambda k: back.get(k, k))
-    set_state_dict(model, _torch_optimizer(opt), model_state_dict=msd, optim_state_dict=osd)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
     # quantized primary weights: each rank's quantized shard re-encoded from its loaded master
     from ..integration.fsdp_primary import quantize_sharded_weights
     quantize_sharded_weights(model)

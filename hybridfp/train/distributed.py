@@ -21,9 +21,10 @@ loss counts the routed rows over every rank (as one process counts the whole bat
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -109,7 +110,8 @@ def check_parallel_args(fsdp: bool, ep: int, quantized_weights: bool, jobs: int,
     Raises
     ------
     ValueError
-        ``--ep`` below 1, ``--ep`` / ``--tp`` with ``--quantized-weights``,
+        ``--ep`` below 1, ``--tp`` with ``--quantized-weights``, ``--ep`` with ``--fsdp`` and
+        ``--quantized-weights``,
         ``--jobs`` above 1 with ``--fsdp`` / ``--ep`` / ``--tp``.
     """
     if tp < 1:
@@ -122,9 +124,10 @@ def check_parallel_args(fsdp: bool, ep: int, quantized_weights: bool, jobs: int,
                          "all its ranks; drop --jobs.")
     if ep < 1:
         raise ValueError(f"--ep must be at least 1 (the expert-parallel group size); got {ep}.")
-    if ep > 1 and quantized_weights:
-        raise ValueError("--ep with --quantized-weights: expert parallelism does not hold quantized primary "
-                         "weights (ROADMAP.md); drop --quantized-weights, or shard with --fsdp alone.")
+    if ep > 1 and quantized_weights and fsdp:
+        raise ValueError("--ep with --fsdp and --quantized-weights: the experts sharded over their replicas "
+                         "are not quantized primary weights yet (ROADMAP.md); drop --fsdp (each rank then "
+                         "holds its experts' quantized weights whole) or --quantized-weights.")
     if (fsdp or ep > 1) and jobs > 1:
         raise ValueError("--jobs with --fsdp / --ep: a sharded run trains its recipes one after the "
                          "other over all its ranks; drop --jobs.")
@@ -364,6 +367,57 @@ def sync_gradients(model: nn.Module, par: Parallel) -> None:
         p.grad.div_(par.world)
 
 
+@contextmanager
+def masters_in_place(model: nn.Module, opt: Any) -> Iterator[Any]:
+    """For a sharded checkpoint of a run whose quantized weights have separate FP32 masters
+    (``--ep`` with ``--quantized-weights``): inside, each such weight's slot in ``model`` holds
+    its master (the ``MasterWeightOptimizer``'s parameter), so ``get_state_dict`` /
+    ``set_state_dict`` see the FP32 values the optimizer steps under the weight's own name.
+    The quantized parameters come back on exit; after a load, re-quantize them from the loaded
+    masters (``hybridfp.quantize_master_weights``).
+
+    Parameters
+    ----------
+    model:
+        The sharded model.
+    opt:
+        Its optimizer (a ``MasterWeightOptimizer`` or a torch optimizer).
+
+    Yields
+    ------
+    torch.optim.Optimizer
+        The torch optimizer DCP reads (a ``MasterWeightOptimizer``'s own).
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> from hybridfp.train.distributed import masters_in_place
+    >>> with hf.quantized_model_init(recipe=hf.MXFP8BlockScaling(), preserve_high_precision_init_val=True):
+    ...     lin = hf.Linear(32, 32, bias=False)
+    >>> opt = hf.MasterWeightOptimizer(torch.optim.AdamW, lin.parameters(), lr=1e-3)
+    >>> with masters_in_place(lin, opt) as torch_opt:
+    ...     lin.weight.dtype, torch_opt is opt.optimizer
+    (torch.float32, True)
+    >>> type(lin.weight).__name__
+    'QuantizedTensor'
+    """
+    from ..integration.master_weights import MasterWeightOptimizer
+
+    if not isinstance(opt, MasterWeightOptimizer):
+        yield opt
+        return
+    masters = {id(p): m for p, m in zip(opt.model_params, opt.master_params) if m is not None}
+    swapped = [(mod, name, p) for mod in model.modules() for name, p in list(mod._parameters.items())
+               if p is not None and id(p) in masters]
+    for mod, name, p in swapped:
+        mod._parameters[name] = masters[id(p)]
+    try:
+        yield opt.optimizer
+    finally:
+        for mod, name, p in swapped:
+            mod._parameters[name] = p
+
+
 def clip_grad_norm(model: nn.Module, max_norm: float, par: Optional[Parallel]) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over the whole model's gradients, wherever they live;
     returns the norm before clipping (the same on every rank).
@@ -432,4 +486,4 @@ def finish(par: Optional[Parallel]) -> None:
 
 
 __all__ = ["Parallel", "TORCHRUN_ENV", "all_true", "barrier", "check_batch", "check_parallel_args",
-           "clip_grad_norm", "expert_parameters", "finish", "init_parallel", "mean_over_ranks", "shard_model", "sync_gradients"]
+           "clip_grad_norm", "expert_parameters", "finish", "init_parallel", "masters_in_place", "mean_over_ranks", "shard_model", "sync_gradients"]

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..moe import ExpertParallel, GroupedLinear
 from ..nn import Linear
+from ..tensors import QuantizedTensor
 
 if TYPE_CHECKING:  # model.py imports this module; the config type is for annotations only
     from .model import GPTConfig
@@ -89,12 +90,19 @@ class Experts(nn.Module):
 
 
 def _keep_experts(full: GroupedLinear, first: int, count: int) -> GroupedLinear:
-    """A GroupedLinear of ``full``'s experts ``first .. first+count-1`` (their weights copied)."""
-    part = GroupedLinear(count, full.in_features, full.out_features, bias=False,
-                         device=full.weight0.device, params_dtype=full.weight0.dtype)
+    """A GroupedLinear of ``full``'s experts ``first .. first+count-1`` (their weights copied;
+    weights held quantized move over as they are: the same parameters, their kept FP32 initial
+    values seed the masters exactly as in one process)."""
+    quantized = isinstance(full.weight0, QuantizedTensor)
+    part = GroupedLinear(count, full.in_features, full.out_features, bias=False, device=full.weight0.device,
+                         params_dtype=full.weight0.dtype, pack_weights=not quantized)
     with torch.no_grad():
         for i in range(count):
-            getattr(part, f"weight{i}").copy_(getattr(full, f"weight{first + i}"))
+            w = getattr(full, f"weight{first + i}")
+            if quantized:
+                setattr(part, f"weight{i}", w)
+            else:
+                getattr(part, f"weight{i}").copy_(w)
     part.name = full.name
     return part
 
