@@ -7,10 +7,10 @@ quantizers, operand pairing), ``run`` (``analyze()``), ``recommend`` (budget, pl
 """
 
 from .candidates import CANDIDATES, GEMMS, Candidate, candidate, make_quantizer
-from .recommend import Budget, PlanFactory, factory_source, recommend, write_factory
+from .recommend import BUDGET_LIKE, Budget, PlanFactory, factory_source, recommend, write_factory
 from .run import Analysis, analyze
 from .show import heatmap, markdown_table, summary
 
-__all__ = ["Analysis", "Budget", "CANDIDATES", "Candidate", "GEMMS", "PlanFactory", "analyze", "candidate",
+__all__ = ["Analysis", "BUDGET_LIKE", "Budget", "CANDIDATES", "Candidate", "GEMMS", "PlanFactory", "analyze", "candidate",
            "factory_source", "heatmap", "make_quantizer", "markdown_table", "recommend", "summary",
            "write_factory"]

@@ -81,6 +81,8 @@ class Recorder:
         self.module_types: dict[str, str] = {}
         self._made: dict[tuple[str, str], int] = defaultdict(int)
         self._held: dict[tuple[str, int], dict[str, torch.Tensor]] = defaultdict(dict)
+        #: per probe key, the inputs of calls whose backward has not run yet (latest last)
+        self._inputs: dict[tuple[str, int], list[torch.Tensor]] = defaultdict(list)
         self._pending: set[tuple[str, int]] = set()
         self._delayed: dict[tuple, Quantizer] = {}
 
@@ -97,24 +99,54 @@ class Recorder:
 
     # ------------------------------------------------------------------ operands
     def see(self, key: tuple[str, int], tensor_type: str, x: torch.Tensor) -> None:
-        """One operand arrives (2D view, FP32)."""
+        """One operand arrives (2D view, FP32).
+
+        Parameters
+        ----------
+        key:
+            (layer name, set index) of the probe that saw it.
+        tensor_type:
+            "input", "weight" or "grad_output".
+        x:
+            The tensor the layer asked to quantize.
+
+        Raises
+        ------
+        ValueError
+            A grad_output whose token count differs from the input it pairs with (a layer
+            whose calls' backwards run out of order).
+        """
         x2 = x.reshape(-1, x.shape[-1]).float()
         held = self._held[key]
+        inputs = self._inputs[key]
         if tensor_type == "grad_output":
             if "weight" in held:
                 self._measure(key, "dgrad", x2, held["weight"])
-            if "input" in held:
-                self._measure(key, "wgrad", x2, held.pop("input"))
+            if inputs:
+                # a layer called several times before its backward (shared, tied or
+                # recomputed): autograd runs backward in reverse order of forward, so the
+                # latest input pairs with the first grad_output
+                x_in = inputs.pop()
+                if x_in.shape[0] != x2.shape[0]:
+                    raise ValueError(f"analyze: layer {key[0]!r}: a grad_output of {x2.shape[0]} tokens "
+                                     f"pairs with an input of {x_in.shape[0]}; its calls' backwards ran "
+                                     "out of reverse order, so wgrad cannot pair them.")
+                self._measure(key, "wgrad", x2, x_in)
             return
-        old = held.get(tensor_type)
+        old = inputs[-1] if tensor_type == "input" and inputs else held.get(tensor_type)
         if old is not None and old.data_ptr() == x2.data_ptr() and old.shape == x2.shape:
+            if tensor_type == "weight" and key in self._pending:
+                self._pending.discard(key)  # the same weight for a new call's input
+                self._measure(key, "fprop", inputs[-1], old)
             return  # the same tensor again (re-quantized for backward): measured already
-        held[tensor_type] = x2
         if tensor_type == "input":
+            inputs.append(x2)
             self._pending.add(key)
-        if key in self._pending and "input" in held and "weight" in held:
+        else:
+            held[tensor_type] = x2
+        if key in self._pending and inputs and "weight" in held:
             self._pending.discard(key)
-            self._measure(key, "fprop", held["input"], held["weight"])
+            self._measure(key, "fprop", inputs[-1], held["weight"])
 
     def _rows(self, t: torch.Tensor) -> torch.Tensor:
         """At most ``max_rows`` tokens, evenly spaced (not the first ones: early positions of a

@@ -21,7 +21,7 @@ import torch
 from ..train.data import get_batch, load_data
 from ..train.model import GPT, PRESETS, GPTConfig
 from .candidates import CANDIDATES
-from .recommend import Budget, recommend, write_factory
+from .recommend import BUDGET_LIKE, Budget, recommend, write_factory
 from .run import Analysis, analyze
 from .show import heatmap, markdown_table, summary
 
@@ -43,8 +43,9 @@ def add_analyze_args(p: argparse.ArgumentParser) -> None:
                         "reference quantizers within a minute on the tiny preset; 0: every token)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--budget-db", type=float, help="every GEMM output's SQNR must reach this many dB")
-    g.add_argument("--budget-like", choices=sorted(CANDIDATES),
-                   help="every GEMM output no worse than under this format (default: mxfp8)")
+    g.add_argument("--budget-like", choices=sorted(BUDGET_LIKE),
+                   help="every GEMM output no worse than under this format (default: mxfp8); formats "
+                        "that serve some GEMMs only (nvfp4_rht, nvfp4_row_scaled) set no bar for the others")
     p.add_argument("--formats", help=f"comma-separated candidates (default all: {','.join(CANDIDATES)})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")

@@ -18,6 +18,8 @@ from .candidates import CANDIDATES, GEMMS, candidate, make_quantizer
 from .run import Analysis
 
 Choice = tuple[str, str, str]  # (fprop, dgrad, wgrad) format names
+#: The formats ``Budget(like=...)`` accepts: those that serve every GEMM.
+BUDGET_LIKE: tuple[str, ...] = tuple(name for name, c in CANDIDATES.items() if c.gemms == GEMMS)
 
 
 @dataclass(frozen=True)
@@ -30,12 +32,13 @@ class Budget:
         Every GEMM output's SQNR must be at least this many dB.
     like:
         A format name: every GEMM output must be no worse than under that format (measured on
-        the same GEMM), e.g. "mxfp8".
+        the same GEMM), e.g. "mxfp8". It must serve every GEMM (``BUDGET_LIKE``): a format
+        measured on some GEMMs only (``nvfp4_rht``: wgrad) sets no bar for the others.
 
     Raises
     ------
     ValueError
-        Neither or both given, or an unknown format.
+        Neither or both given, an unknown format, or one that does not serve every GEMM.
 
     Example
     -------
@@ -51,8 +54,11 @@ class Budget:
         if (self.db is None) == (self.like is None):
             raise ValueError("Budget: give exactly one of db= (e.g. --budget-db 25) and like= (e.g. "
                              "--budget-like mxfp8).")
-        if self.like is not None:
-            candidate(self.like)
+        if self.like is not None and self.like not in BUDGET_LIKE:
+            c = candidate(self.like)
+            raise ValueError(f"Budget: like={self.like!r} cannot serve {', '.join(g for g in GEMMS if g not in c.gemms)} "
+                             f"(it serves {', '.join(c.gemms)} only), so it sets no bar there; use one of "
+                             f"{', '.join(BUDGET_LIKE)}, or db=.")
 
     def threshold(self, like_db: float) -> float:
         """The SQNR a GEMM output must reach, given that GEMM's SQNR under ``like``."""
@@ -81,7 +87,8 @@ def recommend(analysis: Analysis, budget: Budget) -> dict[str, Choice]:
     Raises
     ------
     ValueError
-        ``budget.like`` names a format the analysis did not measure.
+        ``budget.like`` names a format the analysis did not measure, or one whose SQNR on a
+        layer's GEMM is missing (names the layer and GEMM).
     """
     if budget.like is not None and budget.like not in analysis.formats:
         raise ValueError(f"budget like={budget.like!r}: the analysis did not measure it; measured: "
@@ -91,6 +98,10 @@ def recommend(analysis: Analysis, budget: Budget) -> dict[str, Choice]:
         picks = []
         for gemm in GEMMS:
             ref = analysis.output_db(layer, gemm, budget.like) if budget.like else math.nan
+            if budget.like is not None and math.isnan(ref):
+                raise ValueError(f"recommend: layer {layer!r}, {gemm}: no SQNR measured under the budget's "
+                                 f"like={budget.like!r}, so there is no bar to compare with; analyze that "
+                                 "GEMM under it, or use Budget(db=...).")
             need = budget.threshold(ref)
             ok = [f for f in analysis.formats_for(gemm)
                   if not math.isnan(analysis.output_db(layer, gemm, f)) and analysis.output_db(layer, gemm, f) >= need]
@@ -227,7 +238,29 @@ def _wrap(text: str, width: int = 96) -> list[str]:
 
 
 def write_factory(path: str | Path, plan: dict[str, Choice], budget: Budget, summary: str = "") -> Path:
-    """Write ``factory_source(...)`` to ``path`` (a ``.py`` file) and return it."""
+    """Write ``factory_source(plan, budget, summary)`` to ``path``, an importable module.
+
+    Parameters
+    ----------
+    path:
+        The file to write; it must end in ``.py``.
+    plan:
+        From ``recommend``.
+    budget:
+        The budget it meets (for the module's docstring).
+    summary:
+        A paragraph for the module's docstring.
+
+    Returns
+    -------
+    Path
+        ``path``.
+
+    Raises
+    ------
+    ValueError
+        ``path`` does not end in ``.py``.
+    """
     path = Path(path)
     if path.suffix != ".py":
         raise ValueError(f"write_factory: {path} must end in .py to be importable.")
