@@ -12,7 +12,9 @@ moments and quantizer states the checkpoint holds.
 from __future__ import annotations
 
 import pytest
+import torch
 
+from spawn_ranks import run_ranks
 from torchrun_runs import COMMON, records, torchrun
 from test_train_fsdp import _assert_close, _single
 
@@ -39,3 +41,47 @@ def test_ep_quantized_weights_train_as_one_process_and_resume_bitwise(tmp_path, 
     assert [r["step"] for r in got] == [r["step"] for r in want]
     for g, w in zip(got, want):
         assert {k: g.get(k) for k in KEYS} == {k: w.get(k) for k in KEYS}, (g, w)
+
+
+def _quantized_moe_model():
+    import hybridfp as hf
+    from hybridfp.train.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    with hf.quantized_model_init(recipe=hf.MXFP8BlockScaling(), preserve_high_precision_init_val=True):
+        return GPT(GPTConfig(n_layer=1, n_head=2, n_embd=64, mlp_hidden=64, block_size=32, n_experts=4,
+                             top_k=2, moe_hidden=64))
+
+
+def _ep_masters_worker(rank: int, world: int) -> list[list]:
+    """Each local expert weight of this rank under --ep 2: (name, held quantized, its FP32 master
+    bitwise the one-process model's master of the same global expert)."""
+    import hybridfp as hf
+    from torch.distributed.device_mesh import init_device_mesh
+    from hybridfp.train.distributed import Parallel, shard_model
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "ep"))
+    one = _quantized_moe_model()
+    want = hf.MasterWeightOptimizer(torch.optim.AdamW, one.parameters(), lr=1e-3)
+    model = _quantized_moe_model()
+    shard_model(model, Parallel(rank=rank, world=world, device="cpu", fsdp=False, ep=2, ep_mesh=mesh),
+                hf.MXFP8BlockScaling())
+    got = hf.MasterWeightOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-3)
+    out = []
+    for name, p in model.named_parameters():
+        if ".expert_parallel.experts." in name:
+            moe = model.get_submodule(name.split(".expert_parallel.")[0])
+            fc, local = name.rsplit(".", 2)[-2], int(name.rsplit("weight", 1)[1])
+            full = one.get_submodule(name.split(".expert_parallel.")[0] + "." + fc)
+            w = getattr(full, f"weight{moe.expert_parallel.local_experts[local]}")
+            master = got.master_of(p)
+            out.append([name, isinstance(p, hf.QuantizedTensor),
+                        master is not None and torch.equal(master, want.master_of(w))])
+    return out
+
+
+def test_ep_keeps_each_experts_weight_quantized_with_its_one_process_master(tmp_path) -> None:
+    """--ep moves each kept expert's quantized parameter (not a copy of its decoded value): it
+    stays a QuantizedTensor, and its FP32 master is bitwise the one-process run's."""
+    for got in run_ranks(_ep_masters_worker, 2, (), tmp_path):
+        assert len(got) == 4 and all(quantized and same for _, quantized, same in got), got
