@@ -342,7 +342,7 @@ class RowwiseParallel(ParallelStyle):
         self.use_local_output = use_local_output
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if type(module) is not Linear:
+        if not isinstance(module, Linear):  # a subclass too (torchtitan's converted Linear)
             raise TypeError(f"hybridfp.RowwiseParallel takes hybridfp.Linear; got {_cls(module)} (a "
                             "norm before a row-parallel GEMM would see only part of each row). For "
                             "torch.nn.Linear use torch's RowwiseParallel.")

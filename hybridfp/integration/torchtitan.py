@@ -138,8 +138,9 @@ def hybrid_linear_class() -> type:
                                   name=config.hybridfp_name)
 
         def parallelize(self, parallel_dims: Any) -> None:
-            _refuse_sharded(f"hybridfp Linear {self.name!r}", parallel_dims, ("tp",))
-            Module.parallelize(self, parallel_dims)
+            # TP: hybridfp's own styles from the stock sharding_config (torchtitan_parallel.py)
+            from .torchtitan_parallel import parallelize_linear
+            parallelize_linear(self, parallel_dims, Module)
 
     _name(HybridFPLinear, "HybridFPLinear")
     return HybridFPLinear

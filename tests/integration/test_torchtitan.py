@@ -282,15 +282,26 @@ def test_torchtitan_activation_checkpointing_replays_bitwise(policy):
         assert torch.equal(p.grad, grads[n.replace("._checkpoint_wrapped_module", "")]), n
 
 
-def test_tensor_and_expert_parallel_are_refused():
-    """torchtitan's TP / EP shard weights these modules would read whole: refused, naming the
-    module and what to do, before any forward."""
+def test_unsupported_parallelisms_are_refused():
+    """What hybridfp cannot run on torchtitan's shards is refused, naming the module, the
+    option and what to do, before any forward: TP under torchtitan's ``spmd_types`` backend
+    (its default: plain tensors typed per mesh axis, no DTensor shards), a Linear whose
+    sharding config replicates the weight on the tp axis, and expert parallelism."""
     from types import SimpleNamespace
+    import spmd_types as spmd
+    from torchtitan.models.common.decoder_sharding import colwise_config, dense_param_placement
+    from torchtitan.protocols.sharding import ShardingConfig
     _, model = _converted("qwen3_moe", "fp8")
     linear = model.layers["0"].attention.wo
     experts = model.layers["0"].moe.routed_experts.inner_experts
-    with pytest.raises(NotImplementedError, match=r"'layers\.0\.attention\.wo'.*TP.*filter_fqns"):
-        linear.parallelize(SimpleNamespace(tp_enabled=True))
+    linear._sharding_config = colwise_config()
+    with pytest.raises(NotImplementedError,
+                       match=r"'layers\.0\.attention\.wo'.*TP.*spmd_backend='spmd_types'.*partial_dtensor"):
+        linear.parallelize(SimpleNamespace(tp_enabled=True, spmd_backend="spmd_types"))
+    linear._parallelized = False
+    linear._sharding_config = ShardingConfig(state_shardings={"weight": dense_param_placement(tp=spmd.R)})
+    with pytest.raises(NotImplementedError, match=r"'layers\.0\.attention\.wo'.*tp axis.*filter_fqns"):
+        linear.parallelize(SimpleNamespace(tp_enabled=True, spmd_backend="partial_dtensor"))
     with pytest.raises(NotImplementedError, match=r"inner_experts\.w1_EFD'.*EP"):
         experts.parallelize(SimpleNamespace(tp_enabled=False, ep_enabled=True))
 
@@ -377,3 +388,68 @@ def test_import_hybridfp_does_not_import_torchtitan():
             if any("torchtitan" in n.split(".") for n in names):
                 bad.append(f"{path.relative_to(package)}:{node.lineno}")
     assert not bad, f"module-level imports of torchtitan: {bad}"
+
+
+def _tp_rank(rank: int, world: int, recipes: list) -> dict:
+    """torchtitan's own tensor parallelism (llama3's sharding config, ``Model.parallelize``)
+    on the converted llama3: each rank runs the batch; outputs and the weights' whole gradients."""
+    from torch.distributed.tensor import DTensor
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import parallel_dims
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+    parallel_dims.device_type = "cpu"  # torchtitan falls back to "cuda" when no GPU is found
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=world, pp=1, ep=1, world_size=world,
+                        spmd_backend="partial_dtensor")
+    out = {}
+    for recipe in recipes:
+        cfg = _config("llama3", [HybridFPConverter.Config(recipe=recipe)])
+        set_llama3_sharding_config(cfg, enable_sp=False)
+        model = _build(cfg, like=_build(_config("llama3")))
+        model.parallelize(dims)
+        wo, w1 = model.layers["0"].attention.wo, model.layers["0"].feed_forward.w1
+        y = model(_tokens(cfg.vocab_size))
+        y = y.full_tensor() if isinstance(y, DTensor) else y
+        y.float().pow(2).mean().backward()
+        out[recipe] = {
+            "placements": [str(wo.weight.placements), str(w1.weight.placements),
+                           type(wo._tensor_parallel).__name__],
+            "out": y.detach().flatten().tolist(),
+            "grads": {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).flatten().tolist()
+                      for n, p in model.named_parameters() if p.grad is not None}}
+    return out
+
+
+def test_torchtitan_tensor_parallel_matches_one_process(tmp_path):
+    """torchtitan's TP on 2 gloo ranks (llama3's stock sharding config, ``Model.parallelize``,
+    the ``partial_dtensor`` backend): every converted Linear runs hybridfp's own parallel style
+    (weights DTensors placed as torchtitan's, a hybridfp tensor-parallel plan installed), and
+    the logits and every weight's whole gradient match the one-process converted model.
+
+    Bounds: the row-parallel partial sums are all-reduced in FP32 (another summation order than
+    one process's K-sum), so no bitwise claim (~1e-7 of the logits' scale here). Identity
+    (``bf16``): 1e-5 of the logits' scale, as the dense bound above. FP8: the split operands
+    are quantized with the whole tensor's amax (reduced over the group), so the quantization is
+    the one process's; an FP32 ulp of reordering could still move a later activation across an
+    E4M3 rounding step, so the bound is 5e-4 of the scale: 8x under the distance between the
+    one-process FP8 and Identity models (asserted), so a rank quantizing with its own shard's
+    scales, or skipping quantization, fails it.
+    """
+    recipes = ["bf16", "fp8"]
+    ranks = run_ranks(_tp_rank, 2, (recipes,), tmp_path)
+    ys = {}
+    for recipe, tol in (("bf16", 1e-5), ("fp8", 5e-4)):
+        cfg = _config("llama3", [HybridFPConverter.Config(recipe=recipe)])
+        model = _build(cfg, like=_build(_config("llama3")))
+        y = model(_tokens(cfg.vocab_size))
+        y.float().pow(2).mean().backward()
+        grads = {n: p.grad.flatten() for n, p in model.named_parameters()}
+        scale, ys[recipe] = y.detach().abs().max(), y.detach()
+        for r in ranks:
+            got = r[recipe]
+            assert got["placements"] == ["(Shard(dim=1),)", "(Shard(dim=0),)", "_Plan"]
+            assert (torch.tensor(got["out"]) - y.detach().flatten()).abs().max() <= tol * scale, recipe
+            assert set(got["grads"]) == set(grads)
+            for n, g in got["grads"].items():
+                ref = grads[n]
+                assert (torch.tensor(g) - ref).abs().max() <= 8 * tol * ref.abs().max() + 1e-12, (recipe, n)
+    assert (ys["fp8"] - ys["bf16"]).abs().max() > 8 * 5e-4 * ys["bf16"].abs().max()
