@@ -80,7 +80,7 @@ def analyze(model: nn.Module, batches: Iterable[Any], *, loss_fn: Optional[Calla
         (model, batch) -> scalar loss; default: the model's scalar output, the scalar of a
         (logits, loss) pair, else ½·mean(output²).
     formats:
-        Candidate names (``hybridfp.analyze.CANDIDATES``); default all.
+        Candidate names (``from hybridfp.analyze import CANDIDATES``); default all.
     max_rows:
         Measure ``max_rows`` evenly spaced tokens of each GEMM only; None: all.
     seed:
