@@ -143,8 +143,13 @@ def _each_grouped(msd: dict, osd: dict, parts_of: dict[str, int]):
         if name not in msd:
             continue
         yield msd, name, parts
-        per = osd.get("state", {}).get(name, {})
-        for key, v in per.items():
+        per = osd.get("state", {}).get(name)
+        if per is None:
+            continue
+        # get_state_dict hands out the optimizer's own per-parameter dicts: replace entries in a copy,
+        # or saving would swap the live moments for whole tensors in another row order
+        per = osd["state"][name] = dict(per)
+        for key, v in list(per.items()):
             if isinstance(v, torch.Tensor) and v.shape == msd[name].shape:
                 yield per, key, parts
 
