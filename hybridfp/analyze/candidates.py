@@ -141,7 +141,36 @@ def make_quantizer(name: str, tensor_type: str, direction: Optional[str] = None)
 
 
 def dequantized(q: Quantizer, x: torch.Tensor, direction: str) -> tuple[torch.Tensor, int]:
-    """(the decoded ``direction`` copy of ``x`` in FP32, its bytes) -- as ``hybridfp.report``
-    measures it."""
+    """The decoded ``direction`` copy of ``x`` in FP32 and its bytes, as ``hybridfp.report``
+    measures them.
+
+    Parameters
+    ----------
+    q:
+        The quantizer (its usage must include ``direction``).
+    x:
+        The tensor to quantize.
+    direction:
+        "rowwise" or "columnwise".
+
+    Returns
+    -------
+    tuple
+        (decoded tensor in FP32, ``quantized_nbytes()`` of the quantized tensor).
+
+    Raises
+    ------
+    MissingDirectionError
+        ``q`` did not make the ``direction`` copy.
+
+    Example
+    -------
+    >>> import torch
+    >>> from hybridfp.analyze import make_quantizer
+    >>> from hybridfp.analyze.candidates import dequantized
+    >>> y, n = dequantized(make_quantizer("mxfp8", "input", "rowwise"), torch.ones(32, 32), "rowwise")
+    >>> y.dtype, bool((y == 1).all())
+    (torch.float32, True)
+    """
     t = q.quantize(x)
     return t.dequantize(torch.float32, direction), t.quantized_nbytes()

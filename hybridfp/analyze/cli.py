@@ -29,7 +29,17 @@ FACTORY_FILE = "recommended_recipe.py"
 
 
 def add_analyze_args(p: argparse.ArgumentParser) -> None:
-    """The options of ``hybridfp analyze``."""
+    """Add the options of ``hybridfp analyze`` to ``p``.
+
+    Parameters
+    ----------
+    p:
+        The parser (or subcommand parser) to extend.
+
+    Returns
+    -------
+    None
+    """
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model shape (default: tiny); with --hf-config, only the batch size and sequence "
                         "length defaults")
     p.add_argument("--hf-config", dest="hf_config_path", metavar="PATH",
@@ -58,7 +68,24 @@ def _positive(name: str, value: Optional[int]) -> None:
 
 
 def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, int, int, int]:
-    """(model in FP32, vocabulary, batch size, sequence length) for the arguments."""
+    """The model and batch shape the arguments ask for.
+
+    Parameters
+    ----------
+    args:
+        Parsed ``add_analyze_args`` options (preset, hf_config_path, batch_size, seq_len, seed,
+        device).
+
+    Returns
+    -------
+    tuple
+        (model in FP32, vocabulary size, batch size, sequence length).
+
+    Raises
+    ------
+    ValueError
+        ``--seq-len`` beyond the preset's block size, or a config ``check_hf_config`` refuses.
+    """
     preset = PRESETS[args.preset]
     batch_size = args.batch_size or preset.batch_size
     seq_len = args.seq_len or preset.seq_len
@@ -76,7 +103,23 @@ def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, int, int, in
 
 
 def run_analyze(args: argparse.Namespace) -> int:
-    """Run ``hybridfp analyze`` for parsed arguments; print the summary and the files written."""
+    """Run ``hybridfp analyze`` for parsed arguments; print the summary and the files written.
+
+    Parameters
+    ----------
+    args:
+        Parsed ``add_analyze_args`` options.
+
+    Returns
+    -------
+    int
+        The exit status, 0.
+
+    Raises
+    ------
+    ValueError
+        A non-positive count, a negative ``--max-rows``, an unknown format or a bad model option.
+    """
     for name in ("batches", "batch_size", "seq_len"):
         _positive("--" + name.replace("_", "-"), getattr(args, name))
     if args.max_rows < 0:
@@ -103,7 +146,27 @@ def run_analyze(args: argparse.Namespace) -> int:
 
 
 def write_outputs(result: Analysis, budget: Budget, out: Path) -> dict:
-    """analysis.md, heatmap.png and the factory file under ``out``; their paths and the summary."""
+    """Write analysis.md, heatmap.png and the factory file under ``out`` (created if missing).
+
+    Parameters
+    ----------
+    result:
+        From ``analyze``.
+    budget:
+        The budget the recommendation meets.
+    out:
+        The output directory.
+
+    Returns
+    -------
+    dict
+        summary (str), plan, and the paths table, heatmap, factory.
+
+    Raises
+    ------
+    ValueError
+        From ``recommend``: the budget's reference format was not measured.
+    """
     out.mkdir(parents=True, exist_ok=True)
     plan = recommend(result, budget)
     text = summary(result, plan, budget)

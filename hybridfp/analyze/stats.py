@@ -16,7 +16,29 @@ BLOCK = 16
 
 
 def db(signal: float, noise: float) -> float:
-    """10 log10(signal / noise); inf when the noise is zero, -inf when the signal is."""
+    """10 log10(signal / noise); inf when the noise is zero, -inf when the signal is.
+
+    Parameters
+    ----------
+    signal, noise:
+        Energies (sums of squares), at least 0.
+
+    Returns
+    -------
+    float
+        The ratio in dB.
+
+    Raises
+    ------
+    ValueError
+        A negative energy (``math.log10``'s domain).
+
+    Example
+    -------
+    >>> from hybridfp.analyze.stats import db
+    >>> db(100.0, 1.0)
+    20.0
+    """
     if noise == 0:
         return math.inf
     return -math.inf if signal == 0 else 10 * math.log10(signal / noise)
@@ -24,7 +46,32 @@ def db(signal: float, noise: float) -> float:
 
 def blocks_along(x: torch.Tensor, axis: int) -> torch.Tensor:
     """``x`` (2D) cut into blocks of ``BLOCK`` along ``axis`` (the GEMM's reduction axis),
-    zero-padded: [n_blocks, BLOCK]."""
+    zero-padded.
+
+    Parameters
+    ----------
+    x:
+        A 2D tensor.
+    axis:
+        0: blocks run down columns; 1: along rows.
+
+    Returns
+    -------
+    torch.Tensor
+        [n_blocks, BLOCK].
+
+    Raises
+    ------
+    IndexError
+        ``x`` has fewer than 2 dimensions.
+
+    Example
+    -------
+    >>> import torch
+    >>> from hybridfp.analyze.stats import blocks_along
+    >>> blocks_along(torch.ones(4, 20), 1).shape
+    torch.Size([8, 16])
+    """
     t = x.transpose(0, 1) if axis == 0 else x
     pad = (-t.shape[1]) % BLOCK
     if pad:

@@ -39,14 +39,54 @@ FIXED: dict[str, Choice] = {
 
 
 def predicted_error(analysis: Analysis, plan: dict[str, Choice]) -> float:
-    """Mean relative error energy (10^(-SQNR/10)) of the plan's GEMM outputs; 0 when exact."""
+    """Mean relative error energy (10^(-SQNR/10)) of the plan's GEMM outputs; 0 when exact.
+
+    Parameters
+    ----------
+    analysis:
+        From ``analyze``.
+    plan:
+        layer name -> (fprop, dgrad, wgrad) format names, for every layer of ``analysis``.
+
+    Returns
+    -------
+    float
+        The mean over layers and GEMMs; nan where a chosen format was not measured.
+
+    Raises
+    ------
+    KeyError
+        ``plan`` lacks a layer of ``analysis``.
+    """
     terms = [10 ** (-analysis.output_db(layer, gemm, plan[layer][i]) / 10)
              for layer in analysis.layers for i, gemm in enumerate(GEMMS)]
     return sum(terms) / len(terms)
 
 
 def spearman(a: Sequence[float], b: Sequence[float]) -> float:
-    """Spearman's rank correlation (average ranks for ties)."""
+    """Spearman's rank correlation (average ranks for ties).
+
+    Parameters
+    ----------
+    a, b:
+        Two samples of the same length (at least 1).
+
+    Returns
+    -------
+    float
+        In [-1, 1]; nan when either sample is constant.
+
+    Raises
+    ------
+    ZeroDivisionError
+        Empty samples.
+
+    Example
+    -------
+    >>> from hybridfp.analyze.validate import spearman
+    >>> spearman([1, 2, 3], [10, 30, 20])
+    0.5
+    """
     def ranks(v: Sequence[float]) -> list[float]:
         order = sorted(range(len(v)), key=lambda i: v[i])
         r = [0.0] * len(v)
@@ -76,7 +116,36 @@ def _analysis(preset: str, seed: int, data, index: int, max_rows: Optional[int])
 
 def validate_preset(preset: str, seeds: Sequence[int], steps: int, budget: Budget, data_path: Optional[str],
                     max_rows: Optional[int] = 128) -> dict:
-    """Predicted errors, loss gaps (mean over seeds), their rank correlation, budget check."""
+    """Predicted errors, loss gaps (mean over seeds), their rank correlation, budget check.
+
+    Per seed: analyzes one batch, recommends a plan within ``budget``, trains it and the fixed
+    plans (``FIXED``) for ``steps`` steps, and checks the plan's budget on a held-out batch.
+
+    Parameters
+    ----------
+    preset:
+        A training preset name (``hybridfp.train.model.PRESETS``).
+    seeds:
+        Seeds to average over.
+    steps:
+        Training steps per plan.
+    budget:
+        The budget the recommended plan meets.
+    data_path:
+        Token data as for ``hybridfp train``; None: the stdlib corpus.
+    max_rows:
+        As ``analyze``'s.
+
+    Returns
+    -------
+    dict
+        preset, names, predicted, gap, gaps (per seed), spearman, within_budget (per seed).
+
+    Raises
+    ------
+    KeyError
+        An unknown preset.
+    """
     p = PRESETS[preset]
     data = load_data(data_path)
     preds: dict[str, list[float]] = {}
@@ -111,7 +180,20 @@ def validate_preset(preset: str, seeds: Sequence[int], steps: int, budget: Budge
 
 
 def markdown(results: list[dict], budget: Budget, seeds: Sequence[int], steps: int) -> str:
-    """The validation table."""
+    """The validation table.
+
+    Parameters
+    ----------
+    results:
+        ``validate_preset`` results.
+    budget, seeds, steps:
+        What they were run with (the heading).
+
+    Returns
+    -------
+    str
+        Markdown: a heading line, then per preset its rank correlation and table.
+    """
     lines = [f"Budget {budget.describe()}; seeds {', '.join(map(str, seeds))}; {steps} steps.", ""]
     for r in results:
         lines += [f"**{r['preset']}**: Spearman rank correlation {r['spearman']:.2f}; the recommended plan "
@@ -126,7 +208,18 @@ def markdown(results: list[dict], budget: Budget, seeds: Sequence[int], steps: i
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """CLI entry point (``python -m hybridfp.analyze.validate``)."""
+    """CLI entry point (``python -m hybridfp.analyze.validate``): prints each preset's table.
+
+    Parameters
+    ----------
+    argv:
+        Arguments (default: ``sys.argv[1:]``).
+
+    Raises
+    ------
+    SystemExit
+        An unknown preset or a bad argument.
+    """
     ap = argparse.ArgumentParser(prog="python -m hybridfp.analyze.validate", description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default="test,test-moe")
     ap.add_argument("--seeds", default="0,1,2")
