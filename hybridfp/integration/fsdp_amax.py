@@ -212,7 +212,8 @@ def precompute_weight_amax(model: nn.Module) -> int:
     Returns
     -------
     int
-        The number of weights whose amax was reduced.
+        The number of weights whose amax was reduced (quantized primary weights are skipped:
+        ``hybridfp.quantize_sharded_weights`` reduces theirs; a model with only those: 0).
 
     Raises
     ------
@@ -231,11 +232,18 @@ def precompute_weight_amax(model: nn.Module) -> int:
     import torch.distributed as dist
 
     from .fsdp import QuantizedGatherWeight
+    from .fsdp_primary import QuantizedPrimaryWeight
 
     by_group: dict = {}
+    primary = 0
     for module in model.modules():
         for record in _records(module):
             local = record._sharded_local_tensor
+            if isinstance(local, QuantizedPrimaryWeight):
+                # quantize_sharded_weights reduces its amax when it encodes it; its gathers
+                # send stored codes and read no amax
+                primary += 1
+                continue
             if not isinstance(local, QuantizedGatherWeight):
                 continue
             mesh = record.shard_mesh_from_root
@@ -244,6 +252,8 @@ def precompute_weight_amax(model: nn.Module) -> int:
             with torch.no_grad():
                 amax = amax_nan(src.to(dtype) if dtype != src.dtype else src)
             by_group.setdefault(mesh.get_group(mesh.ndim - 1), []).append((record, local, amax, dtype))
+    if not by_group and primary:
+        return 0
     if not by_group:
         raise ValueError(
             f"precompute_weight_amax: {type(model).__name__} has no weight that FSDP2 gathers quantized; "

@@ -32,6 +32,7 @@ from torch import nn
 from ..config import policy
 from ..formats.common import amax_nan
 from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
+from .fsdp_amax import _reads_amax, _weight_leaves
 from .fsdp import _SETS, QuantizedGatherWeight, _block_aligned_rows, _fsdp_param_of, _gather_bytes, _layout, _Slot
 from .fsdp_layout import assemble, gather_layout, pack, unpack
 
@@ -48,9 +49,10 @@ class _PrimarySlot(_Slot):
     #: the master's version counters when ``shard`` was encoded (a later write: stale): the
     #: DTensor's, the local tensor's identity and its own
     version: tuple = ()
-    #: an optimizer stepped the master since ``shard`` was encoded (a foreach step writes a
-    #: DTensor without moving its version counter)
-    stepped: bool = False
+    #: the local master shard's amax and float64 sum when ``shard`` was encoded: a write that
+    #: moves no version counter (a foreach optimizer step on a DTensor, a ``.data`` write)
+    #: changes them (the sum catches updates that leave the largest element as it was)
+    fingerprint: Optional[torch.Tensor] = None
 
 
 class _ReducedAmax:
@@ -76,6 +78,20 @@ def _per_tensor(q: Any) -> bool:
     return hasattr(q, "amax_history") or hasattr(q, "with_amax_reduction")
 
 
+def _weight_amax_leaves(q: Any) -> list[Any]:
+    """The leaves of ``q`` that take the weight's own per-tensor amax (``fsdp_amax``'s rule):
+    they read the coalesced all-reduce's result."""
+    return [leaf for leaf in _weight_leaves(q) if _per_tensor(leaf) and (
+        _reads_amax(leaf) or not hasattr(leaf, "with_amax_reduction"))]
+
+
+def _derived_leaves(q: Any) -> list[Any]:
+    """The per-tensor leaves of ``q`` whose amax is not the weight's (a hybrid's columnwise child
+    reading the dequantized rowwise copy): each reduces its own amax over the shard group."""
+    weight = _weight_leaves(q)
+    return [leaf for leaf in _leaves(q) if _per_tensor(leaf) and all(leaf is not w for w in weight)]
+
+
 def _check_quantizer(q: Any, who: str) -> None:
     """Refuse what a shard cannot encode as the whole weight: random draws (each rank would
     draw its own) and amaxes of anything but the weight itself (RHT, per-row amaxes)."""
@@ -92,6 +108,13 @@ def _check_quantizer(q: Any, who: str) -> None:
                              "(with_rht) or per row (row_scaled_nvfp4); a quantized primary weight under "
                              "FSDP2 supports per-tensor amaxes of the weight only. Use a weight quantizer "
                              "without these options.")
+    for leaf in _derived_leaves(q):
+        if not hasattr(leaf, "with_amax_reduction"):
+            raise ValueError(f"{who}: the weight quantizer's columnwise child {leaf!r} reads the dequantized "
+                             "rowwise copy (columnwise_source='rowwise_dequantized') and keeps an amax history "
+                             "(delayed scaling); a quantized primary weight under FSDP2 cannot record that "
+                             "amax for the whole weight. Use columnwise_source='original' or a current-scaling "
+                             "columnwise quantizer.")
 
 
 class QuantizedPrimaryWeight(QuantizedGatherWeight):
@@ -123,7 +146,7 @@ class QuantizedPrimaryWeight(QuantizedGatherWeight):
         param = _sharded_param(self, slot)
         if slot.shard is None:  # the first gather: the weight was never quantized sharded
             _quantize_items([(param, self, mesh.get_group(mesh.ndim - 1), world, total, who)])
-        elif slot.stepped or not _unchanged(slot, param, self):
+        elif not _unchanged(slot, param, self):
             raise RuntimeError(
                 f"{who}: its FP32 master shard changed after its quantized shard was encoded, so a gather "
                 "would send stale codes. Step with hybridfp.MasterWeightOptimizer, or call "
@@ -166,7 +189,17 @@ def _unchanged(slot: _PrimarySlot, param: Optional[torch.Tensor], local: torch.T
     now = _version(param, local)
     if now[1] != slot.version[1] and now[0] == slot.version[0]:
         slot.version = now
-    return now == slot.version
+    return now == slot.version and _same_bits(_fingerprint(local), slot.fingerprint)
+
+
+def _fingerprint(local: torch.Tensor) -> torch.Tensor:
+    """The local master shard's amax and float64 sum (one pass each over this rank's shard)."""
+    x = getattr(local, "_hp", local).detach()
+    return torch.stack([amax_nan(x).double().reshape(()), x.sum(dtype=torch.float64)])
+
+
+def _same_bits(a: torch.Tensor, b: Optional[torch.Tensor]) -> bool:
+    return b is not None and bool(torch.equal(a.view(torch.int64), b.to(a.device).view(torch.int64)))
 
 
 def _items(params: Iterable[Any]) -> list[tuple]:
@@ -228,17 +261,24 @@ def _quantize_items(items: list[tuple]) -> int:
     for i, (param, local, group, world, total, who) in enumerate(items):
         slot = local._slot
         _check_quantizer(slot.quantizer, who)
-        if any(_per_tensor(q) for q in _leaves(slot.quantizer)):
+        if _weight_amax_leaves(slot.quantizer):
             amaxes.setdefault(group, []).append((i, amax_nan(local._hp.detach())))
     reduced = {}
     for group, entries in amaxes.items():  # one collective per group for all its weights
-        flat = torch.stack([a for _, a in entries]).float()
-        flat = torch.where(torch.isnan(flat), torch.full_like(flat, math.inf), flat)
-        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
-        reduced.update({i: flat[k] for k, (i, _) in enumerate(entries)})
+        flat = torch.stack([a for _, a in entries]).float().reshape(-1)
+        # NaN stays NaN, as one process's amax does: a MAX reduction's NaN handling varies by
+        # backend, so each amax travels with a NaN flag in the same collective
+        nan = torch.isnan(flat)
+        both = torch.cat([torch.where(nan, torch.zeros_like(flat), flat), nan.float()])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        n = flat.numel()
+        out = torch.where(both[n:] > 0, torch.full_like(flat, math.nan), both[:n])
+        reduced.update({i: out[k] for k, (i, _) in enumerate(entries)})
+    derived = 0
     for i, (param, local, group, world, total, who) in enumerate(items):
         _encode(param, local, group, world, total, reduced.get(i))
-    return len(amaxes)
+        derived += len(_derived_leaves(local._slot.quantizer))
+    return len(amaxes) + derived
 
 
 def _encode(param: Optional[torch.Tensor], local: QuantizedPrimaryWeight, group: Any, world: int,
@@ -254,10 +294,14 @@ def _encode(param: Optional[torch.Tensor], local: QuantizedPrimaryWeight, group:
     # the first encoding leaves delayed scaling's history as quantized_model_init left it
     enc = q.copy() if first else q
     enc.set_usage(rowwise=True, columnwise=True)
-    leaves = [leaf for leaf in _leaves(enc) if hasattr(leaf, "with_amax_reduction")]
+    own = [leaf for leaf in _weight_amax_leaves(enc) if hasattr(leaf, "with_amax_reduction")]
+    derived = _derived_leaves(enc)  # their amax (of the dequantized rowwise rows) is reduced here
+    leaves = own + derived
     saved = [(leaf.with_amax_reduction, leaf.amax_reduction_group) for leaf in leaves]
-    for leaf in leaves:
+    for leaf in own:
         leaf.with_amax_reduction, leaf.amax_reduction_group = True, _ReducedAmax(amax)
+    for leaf in derived:
+        leaf.with_amax_reduction, leaf.amax_reduction_group = True, group
     try:
         with torch.no_grad(), policy(decoded_copies="never"):  # codes travel, never BF16 decodes
             shard = enc.quantize(src)
@@ -265,11 +309,11 @@ def _encode(param: Optional[torch.Tensor], local: QuantizedPrimaryWeight, group:
         for leaf, (on, group_) in zip(leaves, saved):
             leaf.with_amax_reduction, leaf.amax_reduction_group = on, group_
     if not first:
-        for leaf in _leaves(enc):
+        for leaf in _weight_amax_leaves(enc):
             if hasattr(leaf, "record_amax"):  # delayed: the history sees the whole weight's amax
                 leaf.record_amax(amax)
     shard.set_quantizer(q)
-    slot.shard, slot.version, slot.stepped = shard, _version(param, local), False
+    slot.shard, slot.version, slot.fingerprint = shard, _version(param, local), _fingerprint(local)
 
 
 def full_quantized_weight(param: Any) -> QuantizedTensor:
@@ -324,24 +368,7 @@ def primary_parameter(p: QuantizedTensor, attr: str, index: int, copies: str) ->
     master = (init if init is not None else p.dequantize(torch.float32)).detach()
     master = master.to(device=p.device, dtype=torch.float32, copy=True)
     slot = _PrimarySlot(attr, index, copies, quantizer=p.quantizer, nominal_dtype=p.dtype)
-    if not _STEP_HOOK:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-        _STEP_HOOK.append(register_optimizer_step_post_hook(_mark_stepped))
     return nn.Parameter(QuantizedPrimaryWeight(master, slot), requires_grad=p.requires_grad)
-
-
-#: the handle of :func:`_mark_stepped`, registered once for every torch optimizer of the process
-_STEP_HOOK: list = []
-
-
-def _mark_stepped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """After any torch optimizer's step: its quantized primary weights' shards are stale until
-    re-encoded (``MasterWeightOptimizer.step`` re-encodes them right after)."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            local = getattr(p, "_local_tensor", p)
-            if isinstance(local, QuantizedPrimaryWeight):
-                local._slot.stepped = True
 
 
 def is_primary_shard(p: Any) -> bool:
