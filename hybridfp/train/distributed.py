@@ -313,13 +313,16 @@ def weight_amax_precompute(model: nn.Module, par: Optional[Parallel], recipe: An
         return 0
     from ..integration.fsdp import QuantizedGatherWeight
     from ..integration.fsdp_amax import reads_weight_amax
+    from ..integration.fsdp_primary import QuantizedPrimaryWeight
     from ..recipes import AutocastState
 
     state, n = AutocastState(recipe), 0
     for m in _quantized_gather_modules(model, recipe):
         for attr, index in m.quantized_weight_slots:
             w = getattr(m, attr)
-            if (isinstance(getattr(w, "_local_tensor", w), QuantizedGatherWeight)
+            local = getattr(w, "_local_tensor", w)
+            # a quantized primary weight's amax is reduced when it is encoded (once a step)
+            if (isinstance(local, QuantizedGatherWeight) and not isinstance(local, QuantizedPrimaryWeight)
                     and reads_weight_amax(m.quantizers(state)["weight"][index])):
                 n += 1
     return n
