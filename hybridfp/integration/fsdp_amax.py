@@ -16,7 +16,8 @@ where a block straddles shards; it catches writes that move no version counter, 
 ``foreach`` optimizer's on a DTensor). A weight changed since raises a clear error: call the
 function again after each optimizer step (or after loading weights). Quantizers whose amax is
 not the weight's own (NVFP4 with a post-RHT amax, a hybrid's columnwise side read from the
-dequantized rowwise copy) keep their per-gather all-reduce.
+dequantized rowwise copy) keep their per-gather all-reduce. Quantized primary weights
+(``fsdp_primary.py``) are skipped: their gathers send stored codes and read no amax.
 """
 
 from __future__ import annotations

@@ -13,10 +13,18 @@ backward after ``reshard_after_forward``: columnwise; ``copies="both"``: both).
 Per-tensor scales (FP8 current scaling, NVFP4's global amax) come from the whole weight's amax:
 every weight's local amax goes into one coalesced all-reduce (MAX) per shard group, and each
 quantizer reads its weight's reduced amax in place of its own all-reduce
-(:class:`_ReducedAmax`). Delayed scaling encodes with its scale and records the reduced amax,
-so the history is the same on every rank. A block that straddles two shards is encoded by the
+(:class:`_ReducedAmax`; NaN stays NaN, as in one process). Which leaves read the weight's own
+amax is ``fsdp_amax``'s rule (``_weight_leaves``): a hybrid's columnwise child reading the
+dequantized rowwise copy all-reduces that copy's amax over the shard group itself. Delayed
+scaling encodes with its scale and records the reduced amax, so the history is the same on
+every rank. A block that straddles two shards is encoded by the
 rank where it starts, from the next rank's first high-precision rows (``fsdp.py``'s halo
 gather), so every code is the one a single process quantizing the whole weight makes.
+
+A master written after its shard was encoded (a torch optimizer stepping it, a load, an
+in-place edit) makes the next gather raise: the version counters, and a fingerprint of the
+local master shard (its amax and float64 sum) for writes that move no counter (a ``foreach``
+step on a DTensor). No optimizer hook is installed: ``MasterWeightOptimizer.step`` re-encodes.
 """
 
 from __future__ import annotations
