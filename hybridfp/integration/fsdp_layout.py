@@ -119,7 +119,31 @@ def granularity(storage: QuantizedStorage) -> int:
 
 def shard_rows(total: int, world: int) -> tuple[int, ...]:
     """FSDP2's rows per rank for ``total`` rows (``torch.chunk``: ``ceil(total / world)`` each,
-    the last ranks fewer or none)."""
+    the last ranks fewer or none).
+
+    Parameters
+    ----------
+    total:
+        Rows of the whole weight (at least 0).
+    world:
+        Ranks sharing it (at least 1).
+
+    Returns
+    -------
+    tuple of int
+        Rows per rank, ``world`` entries summing to ``total``.
+
+    Raises
+    ------
+    ZeroDivisionError
+        ``world`` is 0.
+
+    Example
+    -------
+    >>> from hybridfp.integration.fsdp_layout import shard_rows
+    >>> shard_rows(10, 4)
+    (3, 3, 3, 1)
+    """
     c = -(-total // world)
     return tuple(max(0, min(c, total - r * c)) for r in range(world))
 
@@ -133,7 +157,33 @@ def block_bounds(total: int, world: int, g: int) -> list[int]:
 
 
 def halo_rows(total: int, world: int, g: int) -> int:
-    """The most rows any rank's encoded range takes from the start of one later rank's shard."""
+    """The most rows any rank's encoded range takes from the start of one later rank's shard.
+
+    Parameters
+    ----------
+    total:
+        Rows of the whole weight.
+    world:
+        Ranks sharing it (at least 1).
+    g:
+        Rows per scaling block (the encoded ranges start on multiples of it).
+
+    Returns
+    -------
+    int
+        The halo in rows; 0 when every shard starts on a block boundary.
+
+    Raises
+    ------
+    ZeroDivisionError
+        ``world`` or ``g`` is 0.
+
+    Example
+    -------
+    >>> from hybridfp.integration.fsdp_layout import halo_rows
+    >>> halo_rows(256, 2, 128), halo_rows(200, 2, 128)
+    (0, 28)
+    """
     c, bounds, rows = -(-total // world), block_bounds(total, world, g), shard_rows(total, world)
     return max([min(rows[j], bounds[r + 1] - j * c) for r in range(world) for j in range(r + 1, world)
                 if bounds[r] < bounds[r + 1]] + [0])
