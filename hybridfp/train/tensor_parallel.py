@@ -106,6 +106,25 @@ def group_rows(w: torch.Tensor, parts: int, tp: int) -> torch.Tensor:
 def ungroup_rows(w: torch.Tensor, parts: int, tp: int) -> torch.Tensor:
     """The inverse of :func:`group_rows`: ``[q_0 | k_0 | v_0 | q_1 | ...]`` back to ``[q | k | v]``.
 
+    Parameters
+    ----------
+    w:
+        The regrouped weight (rows first).
+    parts:
+        Stacked parts (3 for q, k, v).
+    tp:
+        Tensor-parallel ranks it was grouped for.
+
+    Returns
+    -------
+    torch.Tensor
+        A new tensor of ``w``'s shape, rows in the single-process order.
+
+    Raises
+    ------
+    RuntimeError
+        ``w``'s rows are not a multiple of ``parts * tp``.
+
     Example
     -------
     >>> import torch
@@ -120,7 +139,23 @@ def ungroup_rows(w: torch.Tensor, parts: int, tp: int) -> torch.Tensor:
 def grouped_weights(model: nn.Module) -> dict[str, int]:
     """State-dict name -> number of stacked parts, for the weights :func:`parallelize_blocks`
     regroups per rank: each block's ``attn.qkv.weight`` (3: q, k, v) and a SwiGLU MLP's
-    ``mlp.fc.weight`` (2: gate, up); an MoE block's MLP is not split."""
+    ``mlp.fc.weight`` (2: gate, up); an MoE block's MLP is not split.
+
+    Parameters
+    ----------
+    model:
+        A ``hybridfp.train`` GPT (it has ``blocks``).
+
+    Returns
+    -------
+    dict
+        State-dict name -> parts.
+
+    Raises
+    ------
+    AttributeError
+        ``model`` has no ``blocks``.
+    """
     from .model import MLP
 
     out = {}
@@ -157,7 +192,19 @@ def _each_grouped(msd: dict, osd: dict, parts_of: dict[str, int]):
 def to_one_process_layout(msd: dict, osd: dict, parts_of: dict[str, int]) -> None:
     """Before saving: each regrouped weight (and its optimizer state) as the single-process
     run holds it, ``[q | k | v]`` (gathered whole, then written once), in place; the
-    checkpoint then reads as any other run's and reshards on load."""
+    checkpoint then reads as any other run's and reshards on load.
+
+    Parameters
+    ----------
+    msd, osd:
+        The model and optimizer state dicts (DTensor entries), changed in place.
+    parts_of:
+        From :func:`grouped_weights`.
+
+    Returns
+    -------
+    None
+    """
     for holder, key, parts in list(_each_grouped(msd, osd, parts_of)):
         t = holder[key]
         holder[key] = ungroup_rows(t.full_tensor(), parts, _tp_size(t))
@@ -166,7 +213,20 @@ def to_one_process_layout(msd: dict, osd: dict, parts_of: dict[str, int]) -> Non
 def expect_one_process_layout(msd: dict, osd: dict, parts_of: dict[str, int]) -> list[tuple]:
     """Before loading: each regrouped entry replaced (in place) by an empty tensor of the
     whole weight, which the load fills in the single-process layout; returns what
-    :func:`from_one_process_layout` needs to shard it back."""
+    :func:`from_one_process_layout` needs to shard it back.
+
+    Parameters
+    ----------
+    msd, osd:
+        The model and optimizer state dicts (DTensor entries), changed in place.
+    parts_of:
+        From :func:`grouped_weights`.
+
+    Returns
+    -------
+    list of tuple
+        (holder, key, parts, mesh, placements) per replaced entry.
+    """
     undo = []
     for holder, key, parts in list(_each_grouped(msd, osd, parts_of)):
         t = holder[key]
@@ -176,7 +236,17 @@ def expect_one_process_layout(msd: dict, osd: dict, parts_of: dict[str, int]) ->
 
 
 def from_one_process_layout(undo: list[tuple]) -> None:
-    """After loading: each whole weight regrouped per rank and sharded as the run holds it."""
+    """After loading: each whole weight regrouped per rank and sharded as the run holds it.
+
+    Parameters
+    ----------
+    undo:
+        From :func:`expect_one_process_layout`, its holders now filled by the load.
+
+    Returns
+    -------
+    None
+    """
     from torch.distributed.tensor import distribute_tensor
 
     for holder, key, parts, mesh, placements in undo:
@@ -212,7 +282,18 @@ def parallelize_blocks(model: nn.Module, mesh: Any) -> None:
 
 def stateful_quantizers(model: nn.Module) -> list[Any]:
     """The quantizers of ``model``'s hybridfp modules that keep state (delayed scaling), in
-    module order (the same on every rank); empty before the first quantized forward."""
+    module order (the same on every rank); empty before the first quantized forward.
+
+    Parameters
+    ----------
+    model:
+        Any module holding hybridfp modules.
+
+    Returns
+    -------
+    list
+        The quantizers; empty when the recipe keeps no state.
+    """
     from ..nn import QuantizedModule
 
     return [q for m in model.modules() if isinstance(m, QuantizedModule) for q in m.stateful_quantizers()]
@@ -223,7 +304,22 @@ def reduce_pending_amaxes_all(model: nn.Module) -> None:
     since their last update (a collective; nothing when the recipe keeps no state). A tensor
     -parallel rank sees a shard of a weight and of a column-parallel output gradient, a
     data-parallel rank its rows: the maximum over all ranks is the amax of the whole tensor,
-    one process's. Reducing early changes nothing later: a MAX reduction of maxima."""
+    one process's. Reducing early changes nothing later: a MAX reduction of maxima.
+
+    Parameters
+    ----------
+    model:
+        The module whose stateful quantizers to reduce; every rank calls this.
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    RuntimeError
+        The default process group is not initialized while a quantizer keeps state.
+    """
     from ..quantizers.base import reduce_pending_amaxes
 
     qs = stateful_quantizers(model)
