@@ -108,7 +108,18 @@ class HybridFPConverter(QuantizationConverter):
 
         Returns
         -------
-        The converted root config (see :func:`hybridfp.integration.torchtitan.convert_model_config`).
+        config
+            The converted root config, a subclass of ``model_config``'s class (see
+            :func:`hybridfp.integration.torchtitan.convert_model_config`); what was converted is
+            kept in ``last_conversion``.
+
+        Raises
+        ------
+        TypeError
+            ``model_config`` is no torchtitan model config.
+        ValueError
+            ``strict`` and a ``Linear`` / ``GroupedExperts`` subclass hybridfp does not know is
+            not filtered out.
         """
         c = self.config
         root, done = convert_model_config(model_config, self.recipe, fqns=c.fqns,
