@@ -155,3 +155,15 @@ def test_primary_weight_encoding_staleness_and_hooks(tmp_path) -> None:
         assert got["train_precompute"] == 0 and got["precompute"] == 0, (rank, got)
         assert got["step_reduces"] == 1, (rank, got["step_reduces"])
         assert got["hooks_added"] == 0, rank
+
+
+def test_rowwise_dequantized_side_with_amax_history_is_refused() -> None:
+    """A delayed-scaling columnwise side read from the dequantized rowwise copy: its history
+    would need that copy's whole-weight amax, which the shard encodings do not record."""
+    from hybridfp.integration.fsdp_primary import _check_quantizer
+    q = hf.HybridQuantizer(hf.MXFP8Quantizer(), hf.Float8Quantizer(amax_history_len=4),
+                           columnwise_source="rowwise_dequantized")
+    with pytest.raises(ValueError, match="Linear.weight.*rowwise_dequantized.*amax history"):
+        _check_quantizer(q, "Linear.weight")
+    _check_quantizer(hf.HybridQuantizer(hf.MXFP8Quantizer(), hf.Float8CurrentScalingQuantizer(),
+                                        columnwise_source="rowwise_dequantized"), "Linear.weight")
