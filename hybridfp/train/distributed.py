@@ -110,8 +110,7 @@ def check_parallel_args(fsdp: bool, ep: int, quantized_weights: bool, jobs: int,
     Raises
     ------
     ValueError
-        ``--ep`` below 1, ``--tp`` with ``--quantized-weights``, ``--ep`` with ``--fsdp`` and
-        ``--quantized-weights``,
+        ``--ep`` below 1, ``--tp`` with ``--quantized-weights``,
         ``--jobs`` above 1 with ``--fsdp`` / ``--ep`` / ``--tp``.
     """
     if tp < 1:
@@ -124,10 +123,6 @@ def check_parallel_args(fsdp: bool, ep: int, quantized_weights: bool, jobs: int,
                          "all its ranks; drop --jobs.")
     if ep < 1:
         raise ValueError(f"--ep must be at least 1 (the expert-parallel group size); got {ep}.")
-    if ep > 1 and quantized_weights and fsdp:
-        raise ValueError("--ep with --fsdp and --quantized-weights: the experts sharded over their replicas "
-                         "are not quantized primary weights yet (ROADMAP.md); drop --fsdp (each rank then "
-                         "holds its experts' quantized weights whole) or --quantized-weights.")
     if (fsdp or ep > 1) and jobs > 1:
         raise ValueError("--jobs with --fsdp / --ep: a sharded run trains its recipes one after the "
                          "other over all its ranks; drop --jobs.")
