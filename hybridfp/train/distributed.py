@@ -8,7 +8,9 @@ weights), then:
   forward to backward), ``fully_shard`` on each block, then on the root;
 - ``--ep K``: each MoE layer keeps experts ``e*L .. e*L+L-1`` of its ``n_experts`` (``L =
   n_experts / K``, ``e`` the rank's place in its expert-parallel group of K contiguous ranks)
-  and runs them through :class:`hybridfp.ExpertParallel`.
+  and runs them through :class:`hybridfp.ExpertParallel`; with ``--quantized-weights`` it keeps
+  their quantized parameters themselves (FP32 masters seeded from their kept initial values, as
+  in one process), which ``--fsdp`` then shards as quantized primary weights over the replicas.
 
 The data: ``batch_size`` is global; rank ``r`` of ``W`` trains rows ``r*B/W .. (r+1)*B/W - 1``
 of the single-process run's batch, so the ranks together see its tokens. The objective is the
