@@ -118,8 +118,9 @@ def check_parallel_args(fsdp: bool, ep: int, quantized_weights: bool, jobs: int,
     if tp < 1:
         raise ValueError(f"--tp must be at least 1 (the tensor-parallel group size); got {tp}.")
     if tp > 1 and quantized_weights:
-        raise ValueError("--tp with --quantized-weights: tensor parallelism does not shard quantized "
-                         "primary weights; drop --quantized-weights.")
+        raise ValueError("--tp with --quantized-weights: the tensor-parallel styles do not shard quantized "
+                         "primary weights yet (ROADMAP.md); drop --quantized-weights (or use --fsdp / --ep "
+                         "with it).")
     if tp > 1 and jobs > 1:
         raise ValueError("--jobs with --tp: a sharded run trains its recipes one after the other over "
                          "all its ranks; drop --jobs.")
