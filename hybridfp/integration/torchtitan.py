@@ -146,13 +146,17 @@ def hybrid_linear_class() -> type:
     return HybridFPLinear
 
 
-def _local(t: torch.Tensor, who: str) -> torch.Tensor:
+def _local(t: torch.Tensor, who: str, expert_parallel: bool) -> torch.Tensor:
+    """The rank's experts under torchtitan's expert parallelism (``Shard(0)`` on the ``ep``
+    mesh: whole experts, so each runs on its own whole weight); any other DTensor refused."""
     from torch.distributed.tensor import DTensor
     if isinstance(t, DTensor):
+        if expert_parallel:
+            return t.to_local()  # autograd: the gradient reaches the DTensor Parameter
         raise NotImplementedError(
-            f"{who}: the expert weights are DTensors (torchtitan's expert / tensor parallelism); "
-            "hybridfp's torchtitan converter runs experts on whole weights only. Use FSDP2 / "
-            "pipeline parallelism, or keep the experts in high precision (experts=False).")
+            f"{who}: the expert weights are DTensors placed {t.placements} outside torchtitan's "
+            "expert parallelism; hybridfp's torchtitan converter runs experts on whole experts "
+            "only (FSDP2, EP, pipeline parallelism), or keep them in high precision (experts=False).")
     return t
 
 
@@ -197,16 +201,31 @@ def hybrid_experts_class(parent: type) -> type:
                               name=prefix + w) for w in _EXPERT_WEIGHTS]
 
         def parallelize(self, parallel_dims: Any) -> None:
-            _refuse_sharded(f"hybridfp experts {self._hybridfp_experts[0].name!r}", parallel_dims,
-                            ("tp", "ep", "etp"))
+            who = f"hybridfp experts {self._hybridfp_experts[0].name!r}"
+            # expert TP splits each expert's GEMMs (and their scales): not supported
+            _refuse_sharded(who, parallel_dims, ("tp", "etp"))
+            ep = bool(getattr(parallel_dims, "ep_enabled", False))
+            if ep:
+                from .torchtitan_parallel import refuse_backend
+                refuse_backend(who, parallel_dims, "EP")
             Module.parallelize(self, parallel_dims)
+            if ep:  # the weights are now Shard(0) on the ep mesh: this rank's experts only
+                self._hybridfp_expert_parallel = True
+                local = self.w1_EFD.to_local().shape[0]
+                self._hybridfp_experts = [
+                    GroupedLinear(local, gl.in_features, gl.out_features, bias=False, device="meta",
+                                  single_parameter=True, name=gl.name) for gl in self._hybridfp_experts]
 
         def hybridfp_grouped_linears(self) -> list[GroupedLinear]:
-            """The three GroupedLinear (w1, w3, w2), bound to this module's current Parameters."""
+            """The three GroupedLinear (w1, w3, w2), bound to this module's current Parameters
+            (under expert parallelism: this rank's experts, the local tensors of its shards)."""
+            ep = getattr(self, "_hybridfp_expert_parallel", False)
             for gl, w in zip(self._hybridfp_experts, _EXPERT_WEIGHTS):
-                p = _local(getattr(self, w), gl.name)
+                p = _local(getattr(self, w), gl.name, ep)
                 if gl.weight is not p:
-                    gl.weight = p  # the same Parameter object: re-binds after FSDP2 / to_empty
+                    # the same Parameter object (re-binds after FSDP2 / to_empty), or the EP
+                    # shard's local tensor (no Parameter: set past Module.__setattr__'s check)
+                    gl._parameters["weight"] = p
             return self._hybridfp_experts
 
         def get_extra_state(self) -> dict:

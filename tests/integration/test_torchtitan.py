@@ -284,9 +284,10 @@ def test_torchtitan_activation_checkpointing_replays_bitwise(policy):
 
 def test_unsupported_parallelisms_are_refused():
     """What hybridfp cannot run on torchtitan's shards is refused, naming the module, the
-    option and what to do, before any forward: TP under torchtitan's ``spmd_types`` backend
+    option and what to do, before any forward: TP / EP under torchtitan's ``spmd_types`` backend
     (its default: plain tensors typed per mesh axis, no DTensor shards), a Linear whose
-    sharding config replicates the weight on the tp axis, and expert parallelism."""
+    sharding config replicates the weight on the tp axis, and TP of the experts (each expert's
+    GEMMs split over ranks)."""
     from types import SimpleNamespace
     import spmd_types as spmd
     from torchtitan.models.common.decoder_sharding import colwise_config, dense_param_placement
@@ -302,8 +303,10 @@ def test_unsupported_parallelisms_are_refused():
     linear._sharding_config = ShardingConfig(state_shardings={"weight": dense_param_placement(tp=spmd.R)})
     with pytest.raises(NotImplementedError, match=r"'layers\.0\.attention\.wo'.*tp axis.*filter_fqns"):
         linear.parallelize(SimpleNamespace(tp_enabled=True, spmd_backend="partial_dtensor"))
-    with pytest.raises(NotImplementedError, match=r"inner_experts\.w1_EFD'.*EP"):
-        experts.parallelize(SimpleNamespace(tp_enabled=False, ep_enabled=True))
+    with pytest.raises(NotImplementedError, match=r"inner_experts\.w1_EFD'.*TP"):
+        experts.parallelize(SimpleNamespace(tp_enabled=True, ep_enabled=False))
+    with pytest.raises(NotImplementedError, match=r"inner_experts\.w1_EFD'.*EP.*spmd_backend='spmd_types'"):
+        experts.parallelize(SimpleNamespace(tp_enabled=False, ep_enabled=True, spmd_backend="spmd_types"))
 
 
 def _fsdp_rank(rank: int, world: int, names: list, recipe: str) -> dict:
@@ -397,7 +400,9 @@ def _tp_rank(rank: int, world: int, recipes: list) -> dict:
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import parallel_dims
     from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+    from torchtitan.distributed import utils as dist_utils
     parallel_dims.device_type = "cpu"  # torchtitan falls back to "cuda" when no GPU is found
+    dist_utils.set_spmd_backend("partial_dtensor")  # as torchtitan's trainer does from its config
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=world, pp=1, ep=1, world_size=world,
                         spmd_backend="partial_dtensor")
     out = {}
@@ -453,3 +458,67 @@ def test_torchtitan_tensor_parallel_matches_one_process(tmp_path):
                 ref = grads[n]
                 assert (torch.tensor(g) - ref).abs().max() <= 8 * tol * ref.abs().max() + 1e-12, (recipe, n)
     assert (ys["fp8"] - ys["bf16"]).abs().max() > 8 * 5e-4 * ys["bf16"].abs().max()
+
+
+def _ep_rank(rank: int, world: int, recipes: list) -> dict:
+    """torchtitan's own expert parallelism (qwen3's sharding config with ``enable_ep``,
+    ``Model.parallelize``: expert weights ``Shard(0)`` on the ep mesh, tokens all-to-all'd) on
+    the converted MoE model, every rank given the same batch."""
+    from torch.distributed.tensor import DTensor
+    from torchtitan.distributed import ParallelDims, parallel_dims
+    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+    from torchtitan.distributed import utils as dist_utils
+    parallel_dims.device_type = "cpu"  # torchtitan falls back to "cuda" when no GPU is found
+    dist_utils.set_spmd_backend("partial_dtensor")  # as torchtitan's trainer does from its config
+    dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=world, world_size=world,
+                        spmd_backend="partial_dtensor")
+    out = {}
+    for recipe in recipes:
+        cfg = _config("qwen3_moe", [HybridFPConverter.Config(recipe=recipe)])
+        set_qwen3_sharding_config(cfg, enable_sp=False, enable_ep=True)
+        model = _build(cfg, like=_build(_config("qwen3_moe")))
+        model.parallelize(dims)
+        experts = model.layers["0"].moe.routed_experts.inner_experts
+        y = model(_tokens(cfg.vocab_size))
+        y = y.full_tensor() if isinstance(y, DTensor) else y
+        y.float().pow(2).mean().backward()
+        out[recipe] = {
+            "experts": [str(experts.w1_EFD.placements), experts.hybridfp_grouped_linears()[0].num_gemms],
+            "out": y.detach().flatten().tolist(),
+            "grads": {n: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).flatten().tolist()
+                      for n, p in model.named_parameters() if p.grad is not None}}
+    return out
+
+
+def test_torchtitan_expert_parallel_matches_one_process(tmp_path):
+    """torchtitan's EP on 2 gloo ranks: each rank's converted experts read their local shard
+    (the DTensor's local tensor: EXPERTS / 2 whole experts) and run hybridfp.GroupedLinear on
+    it; the logits and the gradients match the one-process converted model (each rank's
+    experts see both ranks' copies of the batch: their gradients are twice the one-process
+    ones, the other weights' equal them).
+
+    Bounds: every expert is whole on one rank and quantized per expert (its own quantizer
+    set): the duplicated tokens leave each expert's input and dy amaxes unchanged, so every
+    operand quantizes as in one process; the GEMMs run on more rows and the routed outputs
+    come back through the all-to-all, summed in another order: 1e-5 of the logits' scale
+    (Identity and FP8 alike, ~1e-7 observed), 8x that for the gradients."""
+    recipes = ["bf16", "fp8"]
+    ranks = run_ranks(_ep_rank, 2, (recipes,), tmp_path)
+    tol = 1e-5
+    for recipe in recipes:
+        cfg = _config("qwen3_moe", [HybridFPConverter.Config(recipe=recipe)])
+        model = _build(cfg, like=_build(_config("qwen3_moe")))
+        y = model(_tokens(cfg.vocab_size))
+        y.float().pow(2).mean().backward()
+        params = dict(model.named_parameters())
+        for rank, r in enumerate(ranks):
+            got = r[recipe]
+            assert got["experts"] == ["(Shard(dim=0),)", EXPERTS // 2]
+            assert (torch.tensor(got["out"]) - y.detach().flatten()).abs().max() <= tol * y.abs().max()
+            assert set(got["grads"]) == set(params)
+            for n, g in got["grads"].items():
+                ref = params[n].grad
+                if n.endswith(("_EFD", "_EDF")):  # this rank's experts, from both ranks' tokens
+                    ref = 2 * ref.chunk(2)[rank]
+                ref = ref.flatten()
+                assert (torch.tensor(g) - ref).abs().max() <= 8 * tol * ref.abs().max() + 1e-12, (recipe, n)
