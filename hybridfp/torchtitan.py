@@ -57,6 +57,11 @@ class HybridFPConverter(QuantizationConverter):
     - ``strict``: raise (instead of warning) when an unknown ``Linear`` / ``GroupedExperts``
       subclass would stay in high precision.
 
+    Composes with torchtitan's FSDP2 and activation checkpointing, and with its tensor / expert
+    parallelism under ``parallelism.spmd_backend="partial_dtensor"`` (converted ``Linear`` run
+    ``hybridfp.ColwiseParallel`` / ``RowwiseParallel`` from their stock sharding configs;
+    converted experts run on their local shard); other backends are refused, naming the option.
+
     Parameters
     ----------
     config:

@@ -14,6 +14,11 @@ does the same for hybridfp:
 - the root config becomes a subclass whose model runs its ``forward`` inside
   ``hybridfp.autocast(recipe)`` (a pipeline stage is a copy of the model: each stage does too).
 
+Under torchtitan's tensor parallelism a converted ``Linear`` runs hybridfp's own parallel style
+(:mod:`hybridfp.integration.torchtitan_parallel`); under its expert parallelism the converted
+experts run ``GroupedLinear`` on their local shard (whole experts). Both need torchtitan's
+``partial_dtensor`` backend; TP of the experts themselves is refused.
+
 torchtitan is imported only when these functions run, never when hybridfp is imported. The
 converter torchtitan's job config names is ``hybridfp.torchtitan.HybridFPConverter``.
 """
@@ -109,9 +114,9 @@ def _refuse_sharded(who: str, parallel_dims: Any, what: Sequence[str]) -> None:
     if on:
         raise NotImplementedError(
             f"{who}: torchtitan's {' / '.join(w.upper() for w in on)} sharding is not supported by "
-            "hybridfp's torchtitan converter yet (its modules read whole weights; FSDP2 is "
-            "supported). Set those degrees to 1, or keep these modules in high precision with "
-            "the converter's filter_fqns.")
+            "hybridfp's torchtitan converter yet (each expert's GEMMs would be split over ranks; "
+            "FSDP2, EP and the dense layers' TP are supported). Set those degrees to 1, or keep "
+            "these modules in high precision with the converter's filter_fqns (or experts=False).")
 
 
 @functools.lru_cache(maxsize=None)
