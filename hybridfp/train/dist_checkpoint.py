@@ -91,18 +91,6 @@ def _renamed(msd: dict, osd: dict, rename: Callable[[str], str]) -> tuple[dict, 
     return {rename(k): v for k, v in msd.items()}, osd
 
 
-def _torch_optimizer(opt: Any) -> torch.optim.Optimizer:
-    """The torch optimizer DCP reads: a ``MasterWeightOptimizer``'s own (under FSDP2 its
-    quantized primary weights' parameters are their FP32 masters, stepped in place)."""
-    from ..integration.master_weights import MasterWeightOptimizer
-    if isinstance(opt, MasterWeightOptimizer):
-        if any(m is not None for m in opt.master_params):
-            raise ValueError("a sharded checkpoint of a MasterWeightOptimizer holding separate masters is "
-                             "not written: under --fsdp every quantized weight's parameter is its master.")
-        return opt.optimizer
-    return opt
-
-
 def save_sharded(path: Path, model: nn.Module, opt: torch.optim.Optimizer, info: dict[str, Any],
                  par: Parallel) -> None:
     """Write the sharded checkpoint ``path`` (a collective: every rank calls it).
@@ -125,7 +113,7 @@ def save_sharded(path: Path, model: nn.Module, opt: torch.optim.Optimizer, info:
         from .tensor_parallel import reduce_pending_amaxes_all
         reduce_pending_amaxes_all(model)
     with masters_in_place(model, opt) as torch_opt:  # --ep: separate FP32 masters saved as the weights
-        msd, osd = _renamed(*get_state_dict(model, _torch_optimizer(torch_opt)), _expert_names(model, par))
+        msd, osd = _renamed(*get_state_dict(model, torch_opt), _expert_names(model, par))
     if par.tp > 1:  # the q/k/v (gate/up) rows in one process's order: resumable at any --tp
         from .tensor_parallel import grouped_weights, to_one_process_layout
         to_one_process_layout(msd, osd, grouped_weights(model))
@@ -221,7 +209,7 @@ def load_sharded(path: Path, model: nn.Module, opt: torch.optim.Optimizer, par: 
     build_quantizers()
     rename = _expert_names(model, par)
     with masters_in_place(model, opt) as torch_opt:
-        _load_into(path, model, _torch_optimizer(torch_opt), par, rename)
+        _load_into(path, model, torch_opt, par, rename)
     # --ep: the quantized weights re-encoded from their loaded separate masters
     from ..integration.master_weights import MasterWeightOptimizer, quantize_master_weights
     if isinstance(opt, MasterWeightOptimizer):
