@@ -59,6 +59,17 @@ def refuse_backend(who: str, parallel_dims: Any, what: str) -> None:
     ------
     NotImplementedError
         ``parallel_dims.spmd_backend`` is not one of :data:`SUPPORTED_BACKENDS`.
+
+    Example
+    -------
+    >>> from types import SimpleNamespace
+    >>> from hybridfp.integration.torchtitan_parallel import refuse_backend
+    >>> refuse_backend("wo", SimpleNamespace(spmd_backend="partial_dtensor"), "TP")  # accepted
+    >>> try:
+    ...     refuse_backend("wo", SimpleNamespace(spmd_backend="spmd_types"), "TP")
+    ... except NotImplementedError as e:
+    ...     print(str(e)[:62])
+    wo: torchtitan's TP with parallelism.spmd_backend='spmd_types'
     """
     backend = getattr(parallel_dims, "spmd_backend", None)
     if backend not in SUPPORTED_BACKENDS:
@@ -91,12 +102,27 @@ def tensor_parallel_style(module: Any, who: str) -> Any:
     NotImplementedError
         A placement hybridfp's styles do not take (a replicated weight under TP, a column-parallel
         output redistributed, a row-parallel output other than replicated / sequence-sharded).
+
+    Example
+    -------
+    >>> from types import SimpleNamespace
+    >>> from torchtitan.models.common.decoder_sharding import colwise_config, rowwise_config
+    >>> from hybridfp.integration.torchtitan_parallel import tensor_parallel_style
+    >>> type(tensor_parallel_style(SimpleNamespace(_sharding_config=colwise_config()), "w1")).__name__
+    'ColwiseParallel'
+    >>> tensor_parallel_style(SimpleNamespace(_sharding_config=rowwise_config(output_sp=True)), "wo").seq_dim
+    1
     """
     sc = module._sharding_config
+    inputs = {**(sc.in_src_shardings or {}), **(sc.in_dst_shardings or {})}
+    sharded_in = {k: _tp_type(v) for k, v in inputs.items() if _shard_dim(_tp_type(v)) is not None}
     weight = _shard_dim(_tp_type(sc.state_shardings.get("weight")))
     if weight == 0:
+        if sharded_in:  # torchtitan's stock colwise_config declares none: its input is whole
+            raise NotImplementedError(f"{who}: a column-parallel Linear whose sharding_config declares a "
+                                      f"tp-sharded input {sharded_in} is not supported.")
         out_dst = _tp_type(sc.out_dst_shardings)
-        if out_dst is not None and _shard_dim(out_dst) not in (-1, 1):
+        if out_dst is not None and _shard_dim(out_dst) != -1:
             raise NotImplementedError(f"{who}: a column-parallel Linear whose output is redistributed "
                                       f"to {out_dst} on the tp axis is not supported.")
         return ColwiseParallel(use_local_output=False)
@@ -137,6 +163,17 @@ def parallelize_linear(module: Any, parallel_dims: Any, module_base: type) -> No
         TP under another ``spmd_backend``, or a placement hybridfp's styles do not take.
     ValueError
         The module was parallelized before.
+
+    Example
+    -------
+    >>> from types import SimpleNamespace
+    >>> from hybridfp.integration.torchtitan_parallel import parallelize_linear
+    >>> class Base:  # stands for torchtitan's Module
+    ...     @staticmethod
+    ...     def parallelize(module, dims):
+    ...         print("torchtitan's own parallelize")
+    >>> parallelize_linear(SimpleNamespace(_sharding_config=None), SimpleNamespace(tp_enabled=False), Base)
+    torchtitan's own parallelize
     """
     if not getattr(parallel_dims, "tp_enabled", False) or module._sharding_config is None:
         module_base.parallelize(module, parallel_dims)
