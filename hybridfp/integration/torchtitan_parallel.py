@@ -10,8 +10,8 @@ its stock sharding and applies hybridfp's own :class:`~hybridfp.ColwiseParallel`
 applies torchao's ``Float8ColwiseParallel``): the weight becomes the same DTensor torchtitan
 would make, each rank runs the module's quantized GEMM on its shard with the split operands'
 amaxes reduced over the group, and the output is the DTensor torchtitan's next module expects
-(column-parallel: ``Shard(-1)``; row-parallel: all-reduced ``Replicate()``, or with sequence
-parallelism reduce-scattered ``Shard(1)``).
+(column-parallel: ``Shard(-1)``; row-parallel: all-reduced ``Replicate()``). torchtitan's
+sequence parallelism is refused (not supported yet), naming its option.
 
 Only the ``partial_dtensor`` backend (DTensors on the ``tp`` / ``ep`` axes) is supported;
 torchtitan's ``spmd_types`` / ``full_dtensor`` backends are refused, naming the option.
@@ -20,8 +20,6 @@ torchtitan's ``spmd_types`` / ``full_dtensor`` backends are refused, naming the 
 from __future__ import annotations
 
 from typing import Any
-
-from torch.distributed.tensor import Shard
 
 from .tensor_parallel import ColwiseParallel, RowwiseParallel
 
@@ -101,7 +99,7 @@ def tensor_parallel_style(module: Any, who: str) -> Any:
     ------
     NotImplementedError
         A placement hybridfp's styles do not take (a replicated weight under TP, a column-parallel
-        output redistributed, a row-parallel output other than replicated / sequence-sharded).
+        output redistributed, a row-parallel output other than replicated (sequence parallelism).
 
     Example
     -------
@@ -110,8 +108,8 @@ def tensor_parallel_style(module: Any, who: str) -> Any:
     >>> from hybridfp.integration.torchtitan_parallel import tensor_parallel_style
     >>> type(tensor_parallel_style(SimpleNamespace(_sharding_config=colwise_config()), "w1")).__name__
     'ColwiseParallel'
-    >>> tensor_parallel_style(SimpleNamespace(_sharding_config=rowwise_config(output_sp=True)), "wo").seq_dim
-    1
+    >>> type(tensor_parallel_style(SimpleNamespace(_sharding_config=rowwise_config()), "wo")).__name__
+    'RowwiseParallel'
     """
     sc = module._sharding_config
     inputs = {**(sc.in_src_shardings or {}), **(sc.in_dst_shardings or {})}
@@ -132,12 +130,16 @@ def tensor_parallel_style(module: Any, who: str) -> Any:
         import spmd_types as spmd
         if seq is None and out_dst is not None and out_dst not in (spmd.R, spmd.I):
             raise NotImplementedError(f"{who}: a row-parallel Linear whose output stays {out_dst} on the "
-                                      "tp axis is not supported (hybridfp reduces it: Replicate or Shard).")
+                                      "tp axis is not supported (hybridfp all-reduces it: Replicate).")
         if seq is None and out_dst is None:
             raise NotImplementedError(f"{who}: a row-parallel Linear without an output redistribution "
                                       "(partial sums left to a later module) is not supported.")
-        return RowwiseParallel(output_layouts=Shard(seq) if seq is not None else None,
-                               use_local_output=False)
+        if seq is not None:
+            raise NotImplementedError(
+                f"{who}: torchtitan's sequence parallelism (a row-parallel output reduce-scattered "
+                f"along dim {seq}) is not supported by hybridfp's torchtitan converter yet; set "
+                "parallelism.enable_sequence_parallel=False.")
+        return RowwiseParallel(use_local_output=False)
     raise NotImplementedError(
         f"{who}: its sharding_config places the weight {_tp_type(sc.state_shardings.get('weight'))} on "
         "the tp axis; hybridfp's tensor parallelism takes Shard(0) (column-) or Shard(1) (row-parallel). "

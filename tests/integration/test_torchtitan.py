@@ -286,11 +286,11 @@ def test_unsupported_parallelisms_are_refused():
     """What hybridfp cannot run on torchtitan's shards is refused, naming the module, the
     option and what to do, before any forward: TP / EP under torchtitan's ``spmd_types`` backend
     (its default: plain tensors typed per mesh axis, no DTensor shards), a Linear whose
-    sharding config replicates the weight on the tp axis, and TP of the experts (each expert's
-    GEMMs split over ranks)."""
+    sharding config replicates the weight on the tp axis, sequence parallelism, and TP of the
+    experts (each expert's GEMMs split over ranks)."""
     from types import SimpleNamespace
     import spmd_types as spmd
-    from torchtitan.models.common.decoder_sharding import colwise_config, dense_param_placement
+    from torchtitan.models.common.decoder_sharding import colwise_config, dense_param_placement, rowwise_config
     from torchtitan.protocols.sharding import ShardingConfig
     _, model = _converted("qwen3_moe", "fp8")
     linear = model.layers["0"].attention.wo
@@ -302,6 +302,10 @@ def test_unsupported_parallelisms_are_refused():
     linear._parallelized = False
     linear._sharding_config = ShardingConfig(state_shardings={"weight": dense_param_placement(tp=spmd.R)})
     with pytest.raises(NotImplementedError, match=r"'layers\.0\.attention\.wo'.*tp axis.*filter_fqns"):
+        linear.parallelize(SimpleNamespace(tp_enabled=True, spmd_backend="partial_dtensor"))
+    linear._parallelized = False
+    linear._sharding_config = rowwise_config(output_sp=True)
+    with pytest.raises(NotImplementedError, match=r"'layers\.0\.attention\.wo'.*enable_sequence_parallel=False"):
         linear.parallelize(SimpleNamespace(tp_enabled=True, spmd_backend="partial_dtensor"))
     with pytest.raises(NotImplementedError, match=r"inner_experts\.w1_EFD'.*TP"):
         experts.parallelize(SimpleNamespace(tp_enabled=True, ep_enabled=False))
