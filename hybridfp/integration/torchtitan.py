@@ -235,7 +235,21 @@ def hybrid_experts_class(parent: type) -> type:
 
         def get_extra_state(self) -> dict:
             """The three GroupedLinear's quantizer state (delayed scaling's amax histories),
-            by weight name: the checkpoint carries it as hybridfp ``Linear``'s carries its own."""
+            by weight name: the checkpoint carries it as hybridfp ``Linear``'s carries its own.
+
+            Raises
+            ------
+            NotImplementedError
+                Under expert parallelism with a recipe that keeps state: each rank holds its own
+                experts' histories under one key, which a checkpoint would keep one rank's of.
+            """
+            if getattr(self, "_hybridfp_expert_parallel", False) and any(
+                    gl.stateful_quantizers() for gl in self._hybridfp_experts):
+                raise NotImplementedError(
+                    f"{self._hybridfp_experts[0].name}: saving the experts' quantizer state (delayed "
+                    "scaling's amax histories) under torchtitan's expert parallelism is not supported: "
+                    "each rank holds its own experts' state under one key. Use a recipe without state "
+                    "(current scaling, MXFP8, NVFP4) with EP, or train without EP.")
             return {w: gl.get_extra_state() for gl, w in zip(self._hybridfp_experts, _EXPERT_WEIGHTS)}
 
         def set_extra_state(self, state: Any) -> None:

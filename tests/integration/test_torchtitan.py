@@ -262,6 +262,19 @@ def test_state_dict_names_unchanged_and_round_trip(tmp_path):
         assert not torch.equal(fresh(x), y)
 
 
+def test_expert_parallel_state_with_histories_is_refused_at_save():
+    """Under EP each rank holds its own experts' amax histories under one state-dict key; a
+    checkpoint would keep one rank's, so saving them is refused rather than resumed wrongly
+    (the module is marked expert-parallel directly: the 2-rank EP run is tested above)."""
+    cfg, model = _converted("qwen3_moe", "fp8-delayed")
+    with torch.no_grad():
+        model(_tokens(cfg.vocab_size))
+    experts = model.get_submodule("layers.0.moe.routed_experts.inner_experts")
+    experts._hybridfp_expert_parallel = True
+    with pytest.raises(NotImplementedError, match="expert parallelism is not supported"):
+        model.state_dict()
+
+
 @pytest.mark.parametrize("policy", ["FullAC", "SelectiveAC"])
 def test_torchtitan_activation_checkpointing_replays_bitwise(policy):
     """torchtitan's activation checkpointing (its own wrappers) on the converted MoE model: the
