@@ -43,10 +43,9 @@ def _check_piece(piece: QuantizedTensor, whole: QuantizedTensor, full: dict, sta
 def test_views_of_leading_dims(case):
     t = quantize(case, make_input((4, 6, 64)))
     full = {d: t.dequantize(direction=d) for d in t.directions()}
-    views = {(24, 64): t.view(24, 64), (2, 12, 64): t.reshape(2, 12, 64), (24, 64): t.view(-1, 64),
-             (4, 6, 64): t.view(24, 64).view(4, 6, 64)}
-    views[(1, 24, 64)] = t.reshape(1, -1, 64)
-    for shape, v in views.items():
+    views = [((24, 64), t.view(24, 64)), ((2, 12, 64), t.reshape(2, 12, 64)), ((24, 64), t.view(-1, 64)),
+             ((4, 6, 64), t.view(24, 64).view(4, 6, 64)), ((1, 24, 64), t.reshape(1, -1, 64))]
+    for shape, v in views:
         assert type(v) is QuantizedTensor and tuple(v.shape) == shape
         assert data_ptrs(v) == data_ptrs(t)
         for d, value in full.items():
