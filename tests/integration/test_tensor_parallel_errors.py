@@ -81,6 +81,8 @@ def _cases(rank: int, world: int) -> dict:
                                       amax_reduction_group=dist.group.WORLD))
     out["override"] = _error(lambda: run(parallelize_module(_mlp(), mesh, plan),
                                          hf.Float8CurrentScaling(backward_override="high_precision"), x))
+    saves_input = _mlp(hf.Linear(H, F, name="fc1", save_original_input=True))
+    out["save_input"] = _error(lambda: run(parallelize_module(saves_input, mesh, plan), hf.Float8CurrentScaling(), x))
     row_scaled = hf.CustomRecipe(qfactory=_row_scaled_input)
     out["row_scaled"] = _error(lambda: run(parallelize_module(_mlp(), mesh, plan), row_scaled, x))
     dt_in = DTensor.from_local(x, mesh, [Shard(0)], run_check=False)
@@ -141,6 +143,7 @@ def results(tmp_path_factory):
     ("layout", "NotImplementedError", ["output_layouts", "Shard(-1)"]),
     ("group", "NotImplementedError", ["amax_reduction_group"]),
     ("override", "NotImplementedError", ["backward_override"]),
+    ("save_input", "NotImplementedError", ["fc1", "save_original_input=True", "save_original_input=False"]),
     ("row_scaled", "ValueError", ["row_scaled_nvfp4", "input"]),
     ("placement", "ValueError", ["placed", "Redistribute"]),
     ("quantized_init", "NotImplementedError", ["quantized_model_init"]),
