@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import os
 import socket
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch.multiprocessing as mp
 
@@ -62,3 +63,24 @@ def run_ranks(fn: Callable[..., Any], world: int, args: tuple, out_dir: Path) ->
     codes = [p.exitcode for p in procs]
     assert codes == [0] * world, f"rank exit codes {codes} (a rank raised: see its traceback above)"
     return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@contextmanager
+def counting_all_reduces() -> Iterator[list[int]]:
+    """Count ``torch.distributed.all_reduce`` calls made inside the block: each adds one to the
+    last entry of the yielded list (nothing while it is empty), so a caller appends an entry
+    per step and reads the counts per step."""
+    import torch.distributed as dist
+
+    counts: list[int] = []
+    orig = dist.all_reduce
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        if counts:
+            counts[-1] += 1
+        return orig(*args, **kwargs)
+    dist.all_reduce = counting
+    try:
+        yield counts
+    finally:
+        dist.all_reduce = orig

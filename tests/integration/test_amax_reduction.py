@@ -15,7 +15,7 @@ from torch import nn
 import hybridfp as hf
 from hybridfp import factories
 
-from spawn_ranks import run_ranks
+from spawn_ranks import counting_all_reduces, run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::hybridfp.gemm.EmulatedGemmWarning")  # CPU: expected
 
@@ -56,19 +56,12 @@ def _train(recipe: str, group=None, calls: list | None = None) -> list[float]:
 def _worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    calls: list[int] = []
-    orig = dist.all_reduce
-
-    def counting(*args, **kwargs):
-        if calls:
-            calls[-1] += 1
-        return orig(*args, **kwargs)
-    dist.all_reduce = counting
     out = {}
-    for recipe in RECIPES:
-        del calls[:]
-        calls.append(0)  # step 1's count (the loop appends the next step's)
-        out[recipe] = {"losses": _train(recipe, dist.group.WORLD, calls), "calls": calls[:STEPS]}
+    with counting_all_reduces() as calls:
+        for recipe in RECIPES:
+            del calls[:]
+            calls.append(0)  # step 1's count (the loop appends the next step's)
+            out[recipe] = {"losses": _train(recipe, dist.group.WORLD, calls), "calls": calls[:STEPS]}
     return out
 
 

@@ -25,7 +25,7 @@ from torch import nn
 import hybridfp as hf
 from hybridfp import factories
 
-from spawn_ranks import run_ranks
+from spawn_ranks import counting_all_reduces, run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::hybridfp.gemm.EmulatedGemmWarning")  # CPU: expected
 
@@ -123,23 +123,13 @@ def _stale_cases() -> dict:
 
 
 def _worker(rank: int, world: int) -> dict:
-    import torch.distributed as dist
-
-    calls: list[int] = []
-    orig = dist.all_reduce
-
-    def counting(*args, **kwargs):
-        if calls:
-            calls[-1] += 1
-        return orig(*args, **kwargs)
-    dist.all_reduce = counting
     out = {}
-    for recipe in RECIPES:
-        for precompute in (False, True):
-            del calls[:]
-            got = _train(_sharded(), recipe, precompute, calls)
-            out[f"{recipe}-{precompute}"] = {**got, "calls": calls[:STEPS]}
-    del calls[:]
+    with counting_all_reduces() as calls:
+        for recipe in RECIPES:
+            for precompute in (False, True):
+                del calls[:]
+                got = _train(_sharded(), recipe, precompute, calls)
+                out[f"{recipe}-{precompute}"] = {**got, "calls": calls[:STEPS]}
     out["stale"] = _stale_cases()
     return out
 

@@ -24,7 +24,7 @@ from torch import nn
 
 import hybridfp as hf
 
-from spawn_ranks import run_ranks
+from spawn_ranks import counting_all_reduces, run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::hybridfp.gemm.EmulatedGemmWarning")  # CPU: expected
 
@@ -72,7 +72,6 @@ def _forward(model: nn.Module) -> str:
 
 
 def _worker(rank: int, world: int) -> dict:
-    import torch.distributed as dist
     import torch.optim.optimizer as optim_mod
 
     from hybridfp.train.distributed import Parallel, weight_amax_precompute
@@ -123,23 +122,14 @@ def _worker(rank: int, world: int) -> dict:
     # 4. primary weights take no precompute: a MasterWeightOptimizer step is one all-reduce
     par = Parallel(rank=rank, world=world, device="cpu", fsdp=True)
     out["train_precompute"] = weight_amax_precompute(model, par, hf.Float8CurrentScaling())
-    calls = [0]
-    orig = dist.all_reduce
-
-    def counting(t, *a, **k):
-        calls[0] += 1
-        return orig(t, *a, **k)
-    dist.all_reduce = counting
-    try:
+    with counting_all_reduces() as calls:
         opt = hf.MasterWeightOptimizer(torch.optim.AdamW, model.parameters(), lr=1e-3)
         with hf.autocast(recipe=hf.Float8CurrentScaling()):
             model(torch.ones(4, IN)).float().square().mean().backward()
-        calls[0] = 0
+        calls.append(0)  # the step's count
         opt.step()
         out["precompute"] = hf.precompute_weight_amax(model)
         out["step_reduces"] = calls[0]
-    finally:
-        dist.all_reduce = orig
     out["after_step"] = _forward(model)
     out["hooks_added"] = len(optim_mod._global_optimizer_post_hooks) - hooks_before
     return out

@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 import hybridfp as hf
-from hybridfp import factories
 
 from spawn_ranks import run_ranks
+from test_fsdp2_quantized_gather import RECIPES  # every built-in recipe and three hybrids
 
 pytestmark = pytest.mark.filterwarnings("ignore::hybridfp.gemm.EmulatedGemmWarning")  # CPU: expected
 
@@ -34,18 +34,6 @@ K, BATCH, STEPS = 64, 8, 2
 #: (rows, recipes) per world size: every format where shards are uneven; 9-row shards with the
 #: block formats only
 BLOCK_RECIPES = ("block", "mxfp8", "nvfp4")
-RECIPES = {
-    "current": hf.Float8CurrentScaling,
-    "delayed": lambda: hf.DelayedScaling(amax_history_len=4),
-    "block": hf.Float8BlockScaling,
-    "mxfp8": hf.MXFP8BlockScaling,
-    "nvfp4": hf.NVFP4BlockScaling,
-    "hybrid_mxfp8_nvfp4": lambda: hf.CustomRecipe(qfactory=factories.mxfp8_fwd_nvfp4_bwd),
-    "hybrid_nvfp4_1d": lambda: hf.CustomRecipe(qfactory=factories.nvfp4_1d_weight),
-    "hybrid_nvfp4_mxfp8": lambda: hf.CustomRecipe(qfactory=hf.factories.per_gemm(
-        fprop="nvfp4", dgrad="mxfp8", wgrad="mxfp8")),
-    "high_precision": lambda: hf.CustomRecipe(qfactory=factories.high_precision),
-}
 CASES = {2: [(35, tuple(RECIPES))], 4: [(70, tuple(RECIPES)), (36, BLOCK_RECIPES)]}
 #: also trained with precompute_weight_amax: NVFP4's 16-row blocks straddle these shards, so a
 #: rank's encoded rows are not its shard (its amax check reads the shard)
