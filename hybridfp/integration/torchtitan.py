@@ -376,28 +376,23 @@ def convert_model_config(model_config: Any, recipe: Recipe, *, fqns: Sequence[st
         hit = [p for p in filter_fqns if fqn_matches(fqn, p)]
         return f"filter_fqns {hit[0]!r}" if hit else None
 
-    lin_cls = hybrid_linear_class()
-    for fqn, cfg, parent, attr in list(model_config.traverse(TTLinear.Config)):
-        why = selected(fqn)
-        if why is None and type(cfg) is not TTLinear.Config:
-            why = f"{type(cfg).__qualname__} is not torchtitan's plain Linear.Config"
-            unknown.append(f"{fqn} ({why})")
-        if why is not None or parent is None:
-            skipped[fqn] = why or "the root config"
-            continue
-        _replace(parent, attr, _copy(cfg, lin_cls.Config, hybridfp_name=fqn))
-        linears.append(fqn)
-    for fqn, cfg, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
-        why = "experts=False" if not experts else selected(fqn)
-        if why is None and type(cfg) is not GroupedExperts.Config:
-            why = f"{type(cfg).__qualname__} is not torchtitan's plain GroupedExperts.Config"
-            unknown.append(f"{fqn} ({why})")
-        if why is not None or parent is None:
-            skipped[fqn] = why or "the root config"
-            continue
-        owner = type(cfg)._owner
-        _replace(parent, attr, _copy(cfg, hybrid_experts_class(owner).Config, hybridfp_name=fqn))
-        convert_experts.append(fqn)
+    def convert_each(base: type, new_config: Any, done: list, off: Optional[str] = None) -> None:
+        """Swap every config of exactly ``base`` (not filtered) for ``new_config(cfg)``."""
+        for fqn, cfg, parent, attr in list(model_config.traverse(base)):
+            why = off or selected(fqn)
+            if why is None and type(cfg) is not base:
+                why = f"{type(cfg).__qualname__} is not torchtitan's plain {base.__qualname__}"
+                unknown.append(f"{fqn} ({why})")
+            if why is not None or parent is None:
+                skipped[fqn] = why or "the root config"
+                continue
+            _replace(parent, attr, _copy(cfg, new_config(cfg), hybridfp_name=fqn))
+            done.append(fqn)
+
+    lin_config = hybrid_linear_class().Config
+    convert_each(TTLinear.Config, lambda cfg: lin_config, linears)
+    convert_each(GroupedExperts.Config, lambda cfg: hybrid_experts_class(type(cfg)._owner).Config,
+                 convert_experts, None if experts else "experts=False")
     if unknown:
         msg = ("hybridfp torchtitan converter: these weights stay in high precision, their "
                "module type being unknown to it: " + "; ".join(unknown)
