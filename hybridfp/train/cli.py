@@ -99,9 +99,11 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu (default) or cuda")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="activation dtype (default bf16)")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--data", help="DIR with train.bin/val.bin, DIR of text files, or a text/.bin FILE "
-                                  "(default: the Python standard library's source)")
-    p.add_argument("--cache-dir", help="where the default corpus is cached (default ~/.cache/hybridfp)")
+    p.add_argument("--data", help="DIR with train.bin/val.bin, DIR of text files, a text/.bin FILE, or "
+                                  "'packages[:SIZE]': the installed packages' and stdlib's sources and "
+                                  "text, deduplicated (cap e.g. packages:50M) (default: the Python "
+                                  "standard library's source)")
+    p.add_argument("--cache-dir", help="where the built-in corpora are cached (default ~/.cache/hybridfp)")
     p.add_argument("--out", help="output directory (default runs/<preset>, or runs/<config name> with --hf-config)")
     p.add_argument("--resume", action="store_true",
                    help="continue the runs in --out from their checkpoints, bit for bit")

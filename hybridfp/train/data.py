@@ -9,6 +9,10 @@ Sources (all byte-level, vocab 256, unless token files say otherwise):
   split does not depend on the file system's listing order. Built once and cached as
   nanoGPT token files under the cache directory (never required: a failed cache write only
   costs a rebuild next time).
+- ``--data packages`` (``packages:SIZE`` caps it, e.g. ``packages:50M``): every source and text
+  file of the installed packages and the standard library, deduplicated, split by file
+  (``hybridfp.train.corpus``), cached the same way; its ``fingerprint`` identifies the files
+  (a local directory named ``packages`` is ``./packages``).
 - ``--data DIR`` holding ``train.bin`` and ``val.bin`` (nanoGPT uint16 token files; an
   optional ``meta.json`` with ``{"vocab_size": N}``).
 - ``--data DIR`` of text files (every non-hidden file without NUL bytes, sorted, split by
@@ -32,7 +36,8 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
-from .files import atomic_write
+from . import corpus
+from .files import atomic_write, atomic_write_text
 
 VAL_PERCENT = 5
 TAIL_VAL_FRACTION = 0.1
@@ -53,6 +58,8 @@ class TokenData:
     val: np.ndarray
     vocab_size: int
     source: str
+    #: What identifies the corpus's files (paths, sizes, contents) where one was computed.
+    fingerprint: str = ""
 
     def describe(self) -> str:
         """One line: where the tokens came from and how many."""
@@ -128,7 +135,7 @@ def load_stdlib_corpus(cache_dir: Optional[Path] = None, root: Optional[Path] = 
     source = f"Python {sysconfig.get_python_version()} stdlib ({len(files)} files)"
     if (cache / "train.bin").is_file() and (cache / "val.bin").is_file():
         train, val = _read_bin(cache / "train.bin"), _read_bin(cache / "val.bin")
-        return TokenData(train, val, BYTE_VOCAB, source + " [cached]")
+        return TokenData(train, val, BYTE_VOCAB, source + " [cached]", cache.name)
     train, val = split_documents([(p.relative_to(root).as_posix(), p.read_bytes()) for p in files])
     try:
         cache.mkdir(parents=True, exist_ok=True)
@@ -137,7 +144,7 @@ def load_stdlib_corpus(cache_dir: Optional[Path] = None, root: Optional[Path] = 
         (cache / "meta.json").write_text(json.dumps({"vocab_size": BYTE_VOCAB, "source": source}))
     except OSError:
         pass  # the cache is an optimisation only
-    return TokenData(train, val, BYTE_VOCAB, source)
+    return TokenData(train, val, BYTE_VOCAB, source, cache.name)
 
 
 # ---------------------------------------------------------------------------- user data
@@ -175,10 +182,69 @@ def text_files(directory: Path) -> list[Path]:
     return out
 
 
+def load_packages_corpus(cache_dir: Optional[Path] = None, max_bytes: int = corpus.DEFAULT_MAX_BYTES,
+                         roots: Optional[list[tuple[str, Path]]] = None) -> TokenData:
+    """The ``packages`` corpus (``hybridfp.train.corpus``), from the cache when its files are
+    unchanged.
+
+    Parameters
+    ----------
+    cache_dir : where builds are kept (default :func:`default_cache_dir`).
+    max_bytes : the size cap (bytes = tokens).
+    roots : (label, directory) pairs to read (default: this interpreter's stdlib and
+        site-packages, ``corpus.corpus_roots()``).
+
+    Returns
+    -------
+    TokenData : byte tokens; ``fingerprint`` names the selected files' paths, sizes and contents.
+
+    Raises
+    ------
+    DataError : no text file found under the roots.
+    """
+    roots = roots if roots is not None else corpus.corpus_roots()
+    files = corpus.list_files(roots)
+    where = ", ".join(str(r) for _, r in roots)
+    cache = Path(cache_dir or default_cache_dir()) / f"packages-{corpus.listing_key(files, max_bytes)}"
+    meta_path = cache / "meta.json"
+    if (cache / "train.bin").is_file() and (cache / "val.bin").is_file() and meta_path.is_file():
+        try:
+            meta = json.loads(meta_path.read_text())
+            train, val = _read_bin(cache / "train.bin"), _read_bin(cache / "val.bin")
+            return TokenData(train, val, BYTE_VOCAB, meta["source"] + " [cached]", meta["fingerprint"])
+        except (OSError, ValueError, KeyError, DataError):
+            pass  # a damaged cache entry: rebuilt below
+    build = corpus.select(files, max_bytes)
+    if not build.docs:
+        raise DataError(f"--data packages: no text file ({', '.join(corpus.TEXT_SUFFIXES)}) found under {where}.")
+    train, val = split_documents(list(build.docs))
+    source = (f"installed packages + stdlib corpus {build.fingerprint} ({len(build.docs):,} files, "
+              f"{build.n_bytes / 1e6:.1f} MB; {build.duplicates:,} duplicates left out; cap {max_bytes:,} bytes)")
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        for name, arr in (("train.bin", train), ("val.bin", val)):
+            atomic_write(cache / name, arr.tofile)
+        meta = {"vocab_size": BYTE_VOCAB, "source": source, "fingerprint": build.fingerprint,
+                "files": [rel for rel, _ in build.docs]}
+        atomic_write_text(meta_path, json.dumps(meta))
+    except OSError:
+        pass  # the cache is an optimisation only
+    return TokenData(train, val, BYTE_VOCAB, source, build.fingerprint)
+
+
 def load_data(path: Optional[str | Path] = None, cache_dir: Optional[str | Path] = None) -> TokenData:
     """Load ``path`` (see the module docstring), or the stdlib corpus when None."""
     if path is None:
         return load_stdlib_corpus(Path(cache_dir) if cache_dir else None)
+    try:
+        cap = corpus.parse_corpus_spec(str(path))
+    except corpus.CorpusSpecError as e:
+        raise DataError(str(e)) from None
+    if cap is not None:
+        if Path(path).exists():
+            raise DataError(f"--data {path}: a local path of that name exists too; pass ./{path} for it, "
+                            "or run elsewhere for the packages corpus.")
+        return load_packages_corpus(Path(cache_dir) if cache_dir else None, cap)
     p = Path(path).expanduser()
     if not p.exists():
         raise DataError(f"--data {path}: no such file or directory (expected a directory with "
