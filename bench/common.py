@@ -1,8 +1,12 @@
-"""What every benchmark shares: timing, the copy-bandwidth baseline, environment, results.
+"""What every benchmark shares: timing, the copy-bandwidth baseline, accuracy bounds,
+environment, results.
 
 Each benchmark runs in one process and measures its baselines in that process, so ratios
-compare like with like. Times are medians of ``triton.testing.do_bench`` (CUDA events, L2
-flushed between runs, warm-up excluded).
+compare like with like. Every reported ratio is a paired one (``bench.protocol.paired_ratio``);
+single times are medians of ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs,
+warm-up excluded). Each benchmark checks the error of what it times against an FP32 reference
+(``error_bound`` / ``check_error``) and fails when a baseline it needs is missing
+(``MissingBaselineError``).
 """
 
 from __future__ import annotations
@@ -95,8 +99,9 @@ def bench_ms_steady(fn: Callable[[], Any], steps: int = 20, warmup: int = 3,
 
 
 def bench_pair(a: Callable[[], Any], b: Callable[[], Any], rounds: int = 3) -> tuple[float, float]:
-    """Median ms of ``a`` and of ``b``, measured alternately (a, b, a, b, ...) so that clock or
-    temperature drift during the run does not land on one side of a ratio."""
+    """(median ms of ``a``, median ms of ``b``) over ``rounds`` alternate ``bench_ms`` calls.
+    Their quotient is a ratio of medians, not a paired ratio: a reported ratio comes from
+    ``bench.protocol.paired_ratio`` (median of per-round ratios, with its interval)."""
     ta, tb = [], []
     for _ in range(rounds):
         ta.append(bench_ms(a))
@@ -105,7 +110,10 @@ def bench_pair(a: Callable[[], Any], b: Callable[[], Any], rounds: int = 3) -> t
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> dict[str, float]:
-    """Device-to-device copy of ``nbytes``: GB/s counting bytes read plus bytes written."""
+    """Device-to-device copy of ``nbytes``: GB/s counting bytes read plus bytes written (1 MiB on
+    the CPU smoke path)."""
+    if DEVICE == "cpu":
+        nbytes = min(nbytes, 1 << 20)
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(src)
     ms = bench_ms(lambda: dst.copy_(src))
@@ -130,11 +138,88 @@ def md_table(headers: list[str], rows: Iterable[Iterable[Any]]) -> str:
 
 
 def parser(description: str) -> argparse.ArgumentParser:
-    """The arguments every benchmark takes."""
+    """The arguments every benchmark takes (``protocol_from`` reads the timing ones)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--out", type=Path, default=None, help="write the results JSON here")
     p.add_argument("--quick", action="store_true", help="smaller sizes (a smoke test)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="A/B rounds per paired ratio (default 10; --quick 3; < 10 is not reportable)")
+    p.add_argument("--samples", type=int, default=None,
+                   help="timed calls per side per round (default 10; --quick 2)")
     return p
+
+
+def protocol_from(args: argparse.Namespace) -> Any:
+    """The ``bench.protocol.Protocol`` the arguments ask for (smaller under ``--quick``)."""
+    from bench.protocol import Protocol
+    quick = getattr(args, "quick", False)
+    rounds = args.rounds if args.rounds is not None else (3 if quick else Protocol.rounds)
+    samples = args.samples if args.samples is not None else (2 if quick else Protocol.samples)
+    return Protocol(rounds=rounds, samples=samples, warmup=1 if quick else Protocol.warmup)
+
+
+def protocol_record(protocol: Any) -> dict[str, Any]:
+    """The protocol's fields for a results JSON, with whether its figures may be reported."""
+    return {"rounds": protocol.rounds, "samples": protocol.samples, "warmup": protocol.warmup,
+            "flush_l2": protocol.flush_l2, "reportable": protocol.reportable}
+
+
+# ---------------------------------------------------------------- accuracy bounds
+#: mantissa bits of each element format (docs/numerics.md); a value rounded to the format has a
+#: relative error of at most u = 2^-(bits + 1) (its normal range; block scales keep the
+#: elements there but for the smallest of a block)
+MANTISSA_BITS = {"fp32": 23, "bf16": 7, "e4m3": 3, "e5m2": 2, "e2m1": 1}
+#: slack for BF16 outputs and activations between GEMMs (a few roundings of 2^-9 each)
+BF16_SLACK = 2.0 ** -7
+
+
+class AccuracyError(RuntimeError):
+    """A benchmarked variant's result is further from the FP32 reference than its format allows."""
+
+
+class MissingBaselineError(RuntimeError):
+    """A baseline a reported ratio needs was not measured (not importable, failed, out of time)."""
+
+
+def unit_roundoff(fmt: str) -> float:
+    """2^-(mantissa bits + 1) of ``fmt`` (a ``MANTISSA_BITS`` key)."""
+    if fmt not in MANTISSA_BITS:
+        raise ValueError(f"unit_roundoff: unknown element format {fmt!r}; one of {sorted(MANTISSA_BITS)}")
+    return 2.0 ** -(MANTISSA_BITS[fmt] + 1)
+
+
+def error_bound(fwd: str, bwd: str, fwd_gemms: int, bwd_gemms: int) -> float:
+    """Bound on the relative Frobenius error (vs FP32) of a tensor computed through
+    ``fwd_gemms`` forward GEMMs (both operands in ``fwd``) and ``bwd_gemms`` backward GEMMs (one
+    operand in ``fwd``'s or ``bwd``'s format, the other in ``bwd``).
+
+    Rounding to a format with unit roundoff u gives a relative error of rms at most
+    sigma = u / sqrt(3) (uniform in +-u); a GEMM of independently rounded operands has a relative
+    error of rms sqrt(sigma_a^2 + sigma_b^2), and independent GEMM errors add in quadrature. The
+    bound is twice that rms, plus ``BF16_SLACK``:
+    ``2 sqrt(fwd_gemms 2 sigma_f^2 + bwd_gemms (sigma_f^2 + sigma_b^2)) + 2^-7``. One E4M3 GEMM:
+    0.10; one E2M1 (NVFP4) GEMM: 0.41; a wrong result (zeros, a wrong scale) is off by >= 1.
+    """
+    sf, sb = unit_roundoff(fwd) / 3 ** 0.5, unit_roundoff(bwd) / 3 ** 0.5
+    return 2 * (fwd_gemms * 2 * sf ** 2 + bwd_gemms * (sf ** 2 + sb ** 2)) ** 0.5 + BF16_SLACK
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative Frobenius error ``||out - ref|| / ||ref||`` in FP32 (inf when ``ref`` is zero
+    and ``out`` is not; NaN propagates)."""
+    out, ref = out.detach().float(), ref.detach().float()
+    if out.shape != ref.shape:
+        raise ValueError(f"rel_error: result shape {tuple(out.shape)} differs from the reference's {tuple(ref.shape)}")
+    den = ref.norm().item()
+    num = (out - ref).norm().item()
+    return num / den if den > 0 else (0.0 if num == 0 else float("inf"))
+
+
+def check_error(what: str, err: float, bound: float) -> None:
+    """Raise ``AccuracyError`` naming ``what`` when ``err`` is above ``bound`` (or NaN)."""
+    if not err <= bound:
+        raise AccuracyError(f"{what}: relative error {err:.4g} vs the FP32 reference exceeds its bound "
+                            f"{bound:.4g} (common.error_bound); the result is wrong, not just imprecise")
 
 
 def finish(name: str, result: dict[str, Any], out: Optional[Path]) -> None:

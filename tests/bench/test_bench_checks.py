@@ -1,0 +1,68 @@
+"""The benchmarks' checks: error bounds from the element formats, a wrong result failing the run,
+a missing baseline failing it by name, and CPU smoke runs (``common.DEVICE = "cpu"``, tiny sizes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bench import bench_gemm_pairs, common
+
+
+def test_error_bound_follows_mantissa_widths():
+    e4m3, e2m1, bf16 = (common.error_bound(f, f, 1, 0) for f in ("e4m3", "e2m1", "bf16"))
+    assert bf16 < e4m3 < e2m1 < 1.0  # a zero or wrongly scaled result (error >= 1) never passes
+    assert e4m3 == pytest.approx(2 * (2 * (2 ** -4) ** 2 / 3) ** 0.5 + 2 ** -7)
+    assert common.error_bound("e4m3", "e5m2", 1, 2) > common.error_bound("e4m3", "e4m3", 1, 2)
+    with pytest.raises(ValueError, match="'e3m3'"):
+        common.unit_roundoff("e3m3")
+
+
+def test_rel_error_and_check_error():
+    ref = torch.randn(64, 64)
+    assert common.rel_error(ref, ref) == 0.0
+    assert common.rel_error(torch.zeros_like(ref), ref) == pytest.approx(1.0)
+    assert common.rel_error(torch.zeros(3), torch.zeros(3)) == 0.0
+    common.check_error("ok", 0.01, 0.1)
+    with pytest.raises(common.AccuracyError, match="MLP y"):
+        common.check_error("MLP y", 0.2, 0.1)
+    with pytest.raises(common.AccuracyError, match="nan"):
+        common.check_error("MLP dx", float("nan"), 0.1)
+    with pytest.raises(ValueError, match="shape"):
+        common.rel_error(torch.zeros(2, 3), torch.zeros(3, 2))
+
+
+@pytest.fixture
+def tiny_pairs(monkeypatch):
+    monkeypatch.setattr(common, "DEVICE", "cpu")
+    monkeypatch.setattr(bench_gemm_pairs, "QUICK_SHAPES", {"TN": [("64^3", 64, 64, 64)], "NT": [("64^3", 64, 64, 64)]})
+    monkeypatch.setattr(bench_gemm_pairs, "DECODES", bench_gemm_pairs.DECODES[:1])
+    monkeypatch.setattr(bench_gemm_pairs, "TILES", bench_gemm_pairs.TILES[:1])
+    monkeypatch.setattr(bench_gemm_pairs, "QUICK_DECODE_N", 64)
+
+
+def test_gemm_pairs_quick_smoke(tiny_pairs, tmp_path):
+    torch.manual_seed(0)
+    out = tmp_path / "pairs.json"
+    bench_gemm_pairs.main(["--quick", "--rounds", "2", "--samples", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["protocol"]["reportable"] is False and result["failures"] == []
+    rows = result["rows"]
+    assert {r["pair"] for r in rows} == {p[0] for p in bench_gemm_pairs.PAIRS}
+    for r in rows:
+        assert 0 <= r["rel_err"] <= r["err_bound"]
+        for key in ("cold_vs_randn", "cold_vs_decoded", "warm_vs_randn", "warm_vs_decoded"):
+            assert len(r[key]["rounds"]) == 2 and r[key]["low"] <= r[key]["ratio"] <= r[key]["high"]
+    assert "NOT REPORTABLE" in result["markdown"]
+
+
+def test_gemm_pairs_wrong_output_fails_the_run(tiny_pairs, tmp_path, monkeypatch):
+    real = bench_gemm_pairs.gemm
+    monkeypatch.setattr(bench_gemm_pairs, "gemm", lambda A, B, layout: 2 * real(A, B, layout))
+    monkeypatch.setattr(bench_gemm_pairs, "PAIRS", bench_gemm_pairs.PAIRS[:1])
+    out = tmp_path / "pairs.json"
+    with pytest.raises(SystemExit, match="MXFP8 x MXFP8 TN 64\\^3: output: relative error"):
+        bench_gemm_pairs.main(["--quick", "--rounds", "1", "--samples", "1", "--out", str(out)])
+    assert json.loads(out.read_text())["failures"]  # the JSON still says what failed
