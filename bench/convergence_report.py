@@ -1,11 +1,24 @@
-"""Tables for ``docs/convergence.md`` from a convergence study's ``metrics.jsonl`` files.
+"""Statistics of a convergence study: each recipe's gap to BF16 over seeds, with a 95 % interval.
 
-    python -m bench.convergence_report docs/convergence/dense.metrics.jsonl.gz [--targets dense]
+    python -m bench.convergence_report runs/convergence/dense/metrics.jsonl [--json report.json]
 
-Prints, in markdown: the final validation loss of every recipe with its gap vs the first
-BF16 run and vs the mean of all BF16 runs (``bf16``, ``bf16@seed=K``: their spread is the
-noise floor the gaps must be read against), the target where one is given, the
-median tokens/s over the second half of the run; then the gap vs BF16 at every evaluation.
+Input: ``metrics.jsonl`` files of ``hybridfp train`` whose run labels are ``RECIPE@seed=K``
+(a label without ``@seed=`` is seed 0, the training default). Per recipe: the final validation
+loss of every seed, their mean and sample standard deviation; the gap to ``bf16`` in percent
+with a confidence interval, and a verdict against the recipe's target (:data:`TARGETS`):
+
+- **paired by seed** (used when the recipe and BF16 share at least two seeds): a seed fixes
+  the initial weights *and* the data order for every recipe, so the seed-to-seed noise is
+  largely common to a recipe and BF16 at the same seed; the per-seed relative differences
+  ``d_s = 100 (L_recipe,s - L_bf16,s) / L_bf16,s`` cancel it, and their Student-t interval
+  ``mean(d) +- t(0.975, n-1) sd(d) / sqrt(n)`` is much narrower than an unpaired one.
+- **Welch** otherwise (fewer than two shared seeds, both sides with two or more): the
+  difference of the means with the Welch-Satterthwaite degrees of freedom, relative to the
+  BF16 mean (whose own uncertainty is not propagated).
+
+Verdict for a target of ``x`` % (the recipe within ``x`` % of BF16, either side): ``met`` when
+the whole interval lies in ``[-x, +x]``, ``missed`` when it lies wholly outside, ``unresolved``
+when it straddles a bound or there is no interval (one seed).
 """
 
 from __future__ import annotations
@@ -13,76 +26,314 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable, Optional, Sequence
 
-#: relative final val-loss gap targets vs BF16, by recipe label
+#: Relative final val-loss gap targets vs BF16 (%), by recipe name.
 TARGETS = {"fp8": 0.25, "fp8-block": 0.25, "mxfp8": 0.25, "per_gemm:fprop=nvfp4,dgrad=mxfp8,wgrad=mxfp8": 1.0,
            "mxfp8-fwd-nvfp4-bwd": 0.5}
+BASELINE = "bf16"
+CONFIDENCE = 0.95
 
 
-def load(path: Path) -> tuple[dict[int, dict[str, float]], dict[str, list[tuple[int, float]]]]:
-    """(step -> recipe -> val loss, recipe -> [(step, tokens/s)]) from one metrics file."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    val: dict[int, dict[str, float]] = defaultdict(dict)
-    rate: dict[str, list[tuple[int, float]]] = defaultdict(list)
-    with opener(path, "rt") as f:
-        for line in f:
-            r = json.loads(line)
-            if "val_loss" in r:
-                val[r["step"]][r["recipe"]] = r["val_loss"]
-            if "tokens_per_s" in r:
-                rate[r["recipe"]].append((r["step"], r["tokens_per_s"]))
-    return val, rate
+# ---------------------------------------------------------------------------- statistics
+def _betacf(a: float, b: float, x: float) -> float:
+    """Continued fraction of the regularized incomplete beta (modified Lentz)."""
+    tiny, qab, qap, qam = 1e-300, a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        m2 = 2 * m
+        for aa in (m * (b - m) * x / ((qam + m2) * (a + m2)), -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))):
+            d = 1.0 + aa * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + aa / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+            last = d * c
+        if abs(last - 1.0) < 1e-15:
+            break
+    return h
 
 
-def gap(x: float, ref: float) -> str:
-    """Relative gap in percent, signed."""
-    return f"{100 * (x - ref) / ref:+.2f} %"
+def _betai(a: float, b: float, x: float) -> float:
+    """Regularized incomplete beta I_x(a, b)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    ln = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    if x < (a + 1.0) / (a + b + 2.0):
+        return math.exp(ln) * _betacf(a, b, x) / a
+    return 1.0 - math.exp(ln) * _betacf(b, a, 1.0 - x) / b
 
 
-def report(path: Path) -> str:
-    """The markdown tables for one study."""
-    val, rate = load(path)
-    steps = sorted(val)
-    last = val[steps[-1]]
-    recipes = list(last)
-    bf16 = [r for r in recipes if r == "bf16" or r.startswith("bf16@")]
-    if "bf16" not in last:
-        raise SystemExit(f"{path}: no bf16 run to compare against.")
-    mean = statistics.fmean(last[r] for r in bf16)
-    lines = ["| recipe | final val loss | gap vs bf16 | gap vs BF16 mean | target | tokens/s |",
-             "|---|---:|---:|---:|---:|---:|"]
-    for r in recipes:
-        pts = rate[r]
-        tps = statistics.median(t for s, t in pts if s > pts[-1][0] // 2) if pts else float("nan")
-        target = f"<= {TARGETS[r]} %" if r in TARGETS else ""
-        lines.append(f"| `{r}` | {last[r]:.4f} | {'baseline' if r == 'bf16' else gap(last[r], last['bf16'])} | "
-                     f"{gap(last[r], mean)} | {target} | {tps:,.0f} |")
-    if len(bf16) > 1:
-        spread = max(last[r] for r in bf16) - min(last[r] for r in bf16)
-        lines.append(f"\nBF16 runs: {len(bf16)}, final spread {100 * spread / mean:.2f} % of their mean "
-                     f"({mean:.4f}).")
-    lines += ["", "Gap vs `bf16` (%) at each evaluation:", "",
-              "| step | " + " | ".join(f"`{r}`" for r in recipes if r != "bf16") + " |",
-              "|---:|" + "---:|" * (len(recipes) - 1)]
-    for s in steps[1:]:
-        row = val[s]
-        if "bf16" not in row:  # an evaluation the BF16 run did not reach
-            continue
-        lines.append(f"| {s} | " + " | ".join(
-            f"{100 * (row[r] - row['bf16']) / row['bf16']:+.2f}" if r in row else "" for r in recipes if r != "bf16")
-            + " |")
+def t_cdf(t: float, df: float) -> float:
+    """Student-t distribution function with ``df`` (> 0, real) degrees of freedom."""
+    tail = 0.5 * _betai(df / 2.0, 0.5, df / (df + t * t))
+    return 1.0 - tail if t >= 0 else tail
+
+
+def t_quantile(p: float, df: float) -> float:
+    """Student-t quantile (bisection on :func:`t_cdf`), 0 < p < 1.
+
+    Parameters
+    ----------
+    p : the probability.
+    df : degrees of freedom (> 0; Welch's are not integers).
+
+    Returns
+    -------
+    float : t with P(T <= t) = p.
+
+    Raises
+    ------
+    ValueError : p outside (0, 1) or df <= 0.
+
+    Example
+    -------
+    >>> round(t_quantile(0.975, 2), 4)
+    4.3027
+    """
+    if not 0.0 < p < 1.0 or not df > 0:
+        raise ValueError(f"t_quantile needs 0 < p < 1 and df > 0; got p={p}, df={df}.")
+    if p < 0.5:
+        return -t_quantile(1.0 - p, df)
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, df) < p:
+        hi *= 2.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+@dataclass(frozen=True)
+class Gap:
+    """A recipe's gap to BF16 in percent: the estimate, its interval and how it was computed."""
+
+    gap_pct: float
+    lo: Optional[float]
+    hi: Optional[float]
+    method: str          # "paired (n seeds)", "Welch", or why there is no interval
+    n: int
+
+
+def paired_gap(recipe: dict[int, float], base: dict[int, float], confidence: float = CONFIDENCE) -> Gap:
+    """Gap over the seeds both runs have: the t interval of the per-seed relative differences.
+
+    Parameters
+    ----------
+    recipe, base : seed -> final validation loss.
+    confidence : two-sided confidence level.
+
+    Returns
+    -------
+    Gap : lo / hi None with fewer than two shared seeds.
+
+    Raises
+    ------
+    ValueError : no shared seed.
+
+    Example
+    -------
+    >>> g = paired_gap({0: 1.01, 1: 1.02, 2: 1.03}, {0: 1.0, 1: 1.0, 2: 1.0})
+    >>> round(g.gap_pct, 3), round(g.lo, 3), round(g.hi, 3)
+    (2.0, -0.484, 4.484)
+    """
+    seeds = sorted(set(recipe) & set(base))
+    if not seeds:
+        raise ValueError("paired_gap: the recipe and the baseline share no seed.")
+    d = [100.0 * (recipe[s] - base[s]) / base[s] for s in seeds]
+    mean = statistics.fmean(d)
+    if len(d) < 2:
+        return Gap(mean, None, None, "one shared seed: no interval", 1)
+    half = t_quantile(0.5 + confidence / 2, len(d) - 1) * statistics.stdev(d) / math.sqrt(len(d))
+    return Gap(mean, mean - half, mean + half, f"paired ({len(d)} seeds)", len(d))
+
+
+def welch_gap(recipe: Sequence[float], base: Sequence[float], confidence: float = CONFIDENCE) -> Gap:
+    """Gap of the means relative to the baseline mean, with Welch's t interval.
+
+    Parameters
+    ----------
+    recipe, base : final validation losses (two or more each for an interval).
+    confidence : two-sided confidence level.
+
+    Returns
+    -------
+    Gap : lo / hi None when either side has one value.
+
+    Example
+    -------
+    >>> g = welch_gap([1.02, 1.03, 1.04], [1.0, 1.01, 1.02])
+    >>> round(g.gap_pct, 3), round(g.lo, 3), round(g.hi, 3)
+    (1.98, -0.264, 4.225)
+    """
+    mr, mb = statistics.fmean(recipe), statistics.fmean(base)
+    gap = 100.0 * (mr - mb) / mb
+    if len(recipe) < 2 or len(base) < 2:
+        return Gap(gap, None, None, "one seed on a side: no interval", min(len(recipe), len(base)))
+    vr, vb = statistics.variance(recipe) / len(recipe), statistics.variance(base) / len(base)
+    se = math.sqrt(vr + vb)
+    if se == 0.0:
+        return Gap(gap, gap, gap, "Welch", min(len(recipe), len(base)))
+    df = se**4 / (vr**2 / (len(recipe) - 1) + vb**2 / (len(base) - 1))
+    half = 100.0 * t_quantile(0.5 + confidence / 2, df) * se / mb
+    return Gap(gap, gap - half, gap + half, "Welch", min(len(recipe), len(base)))
+
+
+def verdict(lo: Optional[float], hi: Optional[float], target: Optional[float]) -> str:
+    """``met`` / ``missed`` / ``unresolved`` for a gap interval against a target of ``+-target`` %
+    (``""`` without a target).
+
+    Example
+    -------
+    >>> verdict(-0.1, 0.2, 0.25), verdict(0.3, 0.9, 0.25), verdict(0.1, 0.4, 0.25)
+    ('met', 'missed', 'unresolved')
+    """
+    if target is None:
+        return ""
+    if lo is None or hi is None:
+        return "unresolved"
+    if -target <= lo and hi <= target:
+        return "met"
+    if hi < -target or lo > target:
+        return "missed"
+    return "unresolved"
+
+
+# ---------------------------------------------------------------------------- metrics
+def split_label(label: str) -> tuple[str, int]:
+    """``RECIPE@seed=K`` -> (RECIPE, K); no suffix -> seed 0."""
+    base, sep, seed = label.rpartition("@seed=")
+    return (base, int(seed)) if sep else (label, 0)
+
+
+def _records(paths: Iterable[Path]) -> Iterable[dict]:
+    for path in paths:
+        opener = gzip.open if Path(path).suffix == ".gz" else open
+        with opener(path, "rt") as f:
+            for line in f:
+                if line.strip():
+                    yield json.loads(line)
+
+
+def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
+            confidence: float = CONFIDENCE) -> dict:
+    """Per recipe: final validation losses by seed, mean +- std, gap to BF16 with its interval
+    and the verdict; plain data (JSON-able).
+
+    Parameters
+    ----------
+    paths : metrics.jsonl(.gz) files of one comparison (e.g. one per worker process).
+    targets : recipe -> target gap in % (default :data:`TARGETS`).
+    confidence : two-sided confidence level of the intervals.
+
+    Returns
+    -------
+    dict : ``{"final_step", "confidence", "rows": [...], "seeds": {recipe: {seed: loss}}}``.
+
+    Raises
+    ------
+    ValueError : no validation loss, no ``bf16`` run, or runs that ended at different steps.
+    """
+    targets = TARGETS if targets is None else targets
+    last: dict[str, tuple[int, float]] = {}
+    rates: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for r in _records(paths):
+        if "val_loss" in r and r["step"] >= last.get(r["recipe"], (-1, 0.0))[0]:
+            last[r["recipe"]] = (r["step"], r["val_loss"])
+        if "tokens_per_s" in r:
+            rates[r["recipe"]].append((r["step"], r["tokens_per_s"]))
+    if not last:
+        raise ValueError(f"{', '.join(map(str, paths))}: no validation loss recorded.")
+    steps = {s for s, _ in last.values()}
+    if len(steps) > 1:
+        by_step = {s: sorted(k for k, (st, _) in last.items() if st == s) for s in sorted(steps)}
+        raise ValueError(f"the runs ended at different steps ({by_step}); a run stopped early? Compare "
+                         "complete runs only (rerun or drop the short ones).")
+    seeds: dict[str, dict[int, float]] = defaultdict(dict)
+    speed: dict[str, list[float]] = defaultdict(list)
+    for label, (_, loss) in last.items():
+        recipe, seed = split_label(label)
+        seeds[recipe][seed] = loss
+        pts = rates[label]
+        speed[recipe] += [t for s, t in pts if pts and s > pts[-1][0] // 2]
+    if BASELINE not in seeds:
+        raise ValueError(f"{', '.join(map(str, paths))}: no {BASELINE} run to compare against.")
+    base = seeds[BASELINE]
+    rows = []
+    for recipe, by_seed in seeds.items():
+        losses = [by_seed[s] for s in sorted(by_seed)]
+        row = {"recipe": recipe, "seeds": sorted(by_seed), "mean": statistics.fmean(losses),
+               "std": statistics.stdev(losses) if len(losses) > 1 else None,
+               "tokens_per_s": statistics.median(speed[recipe]) if speed[recipe] else None,
+               "target_pct": targets.get(recipe)}
+        if recipe != BASELINE:
+            shared = set(by_seed) & set(base)
+            if len(shared) >= 2 or (shared and (len(by_seed) < 2 or len(base) < 2)):
+                g = paired_gap(by_seed, base, confidence)
+            else:  # unpaired: fewer than two seeds in common
+                g = welch_gap(losses, list(base.values()), confidence)
+            row.update(gap_pct=g.gap_pct, ci_lo=g.lo, ci_hi=g.hi, method=g.method,
+                       verdict=verdict(g.lo, g.hi, row["target_pct"]))
+        rows.append(row)
+    return {"final_step": steps.pop(), "confidence": confidence, "rows": rows,
+            "seeds": {k: {str(s): v for s, v in sorted(d.items())} for k, d in seeds.items()}}
+
+
+def to_markdown(result: dict) -> str:
+    """The tables of one :func:`analyze` result."""
+    pct = round(100 * result["confidence"])
+    lines = [f"Final validation loss at step {result['final_step']}; gap = recipe vs `{BASELINE}` in %, "
+             f"{pct} % interval.", "",
+             f"| recipe | seeds | final val loss (mean ± std) | gap vs {BASELINE} | {pct} % interval | method "
+             "| target | verdict | tokens/s |", "|---|---:|---:|---:|---:|---|---:|---|---:|"]
+    for r in result["rows"]:
+        std = f" ± {r['std']:.4f}" if r["std"] is not None else ""
+        tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] is not None else ""
+        target = f"± {r['target_pct']} %" if r["target_pct"] is not None else ""
+        if r["recipe"] == BASELINE:
+            gap, interval, method, verdict_ = "baseline", "", "", ""
+        else:
+            gap = f"{r['gap_pct']:+.2f} %"
+            interval = f"[{r['ci_lo']:+.2f}, {r['ci_hi']:+.2f}] %" if r["ci_lo"] is not None else "—"
+            method, verdict_ = r["method"], r["verdict"]
+        lines.append(f"| `{r['recipe']}` | {len(r['seeds'])} | {r['mean']:.4f}{std} | {gap} | {interval} | "
+                     f"{method} | {target} | {verdict_} | {tps} |")
+    seeds = sorted({int(s) for d in result["seeds"].values() for s in d})
+    lines += ["", "Final validation loss by seed:", "",
+              "| recipe | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|" + "---:|" * len(seeds)]
+    for recipe, d in result["seeds"].items():
+        lines.append(f"| `{recipe}` | " + " | ".join(f"{d[str(s)]:.4f}" if str(s) in d else "" for s in seeds)
+                     + " |")
     return "\n".join(lines)
+
+
+def report(*paths: Path) -> str:
+    """The Markdown tables for one comparison's metrics files (see :func:`analyze`)."""
+    return to_markdown(analyze(list(paths)))
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("metrics", type=Path, nargs="+", help="metrics.jsonl(.gz) of a study")
-    for path in p.parse_args(argv).metrics:
-        print(f"### {path.name}\n\n{report(path)}\n")
+    p.add_argument("metrics", type=Path, nargs="+", help="metrics.jsonl(.gz) files of one comparison")
+    p.add_argument("--json", type=Path, default=None, help="also write the statistics here as JSON")
+    args = p.parse_args(argv)
+    try:
+        result = analyze(args.metrics)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    print(to_markdown(result))
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=1))
 
 
-if __name__ == "__main__":
-    main()
+__all__ = ["BASELINE", "CONFIDENCE", "Gap", "TARGETS", "analyze", "paired_gap", "report", "split_label",
+           "t_cdf", "t_quantile", "to_markdown", "verdict", "welch_gap"]

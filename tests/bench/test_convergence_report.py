@@ -1,38 +1,109 @@
-"""bench.convergence_report: gaps vs BF16 and vs the BF16 mean, from a metrics file."""
+"""bench.convergence_report: the t quantile, paired and Welch gap intervals, verdicts, and the
+per-recipe table from metrics files with several seeds (synthetic numbers)."""
 
 import gzip
 import json
+import math
 
 import pytest
 
-from bench import convergence_report
+from bench import convergence_report as cr
 
 
-def _write(path, rows):
+def _write(path, finals, steps=(0, 20), rate=100.0):
+    """One metrics file: for each label a val loss at each step (final one = finals[label])."""
     with gzip.open(path, "wt") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+        for label, v in finals.items():
+            for s in steps:
+                rec = {"step": s, "recipe": label, "val_loss": v if s == steps[-1] else 5.0}
+                if s:
+                    rec.update(train_loss=2.0, tokens_per_s=rate)
+                f.write(json.dumps(rec) + "\n")
+    return path
 
 
-def test_report_gaps_and_noise_floor(tmp_path):
-    path = tmp_path / "m.jsonl.gz"
-    rows = []
-    for recipe, v in (("bf16", 1.0), ("bf16@seed=1", 0.98), ("fp8", 1.0099)):
-        rows += [{"step": 0, "recipe": recipe, "val_loss": 5.0},
-                 {"step": 10, "recipe": recipe, "train_loss": 2.0, "tokens_per_s": 100.0},
-                 {"step": 20, "recipe": recipe, "train_loss": 1.5, "tokens_per_s": 300.0},
-                 {"step": 20, "recipe": recipe, "val_loss": v}]
-    _write(path, rows)
-    text = convergence_report.report(path)
-    # fp8: +0.99 % vs bf16, +1.0099/0.99 - 1 = +2.01 % vs the BF16 mean; target 0.25 %
-    assert "| `fp8` | 1.0099 | +0.99 % | +2.01 % | <= 0.25 % | 300 |" in text
-    assert "| `bf16@seed=1` | 0.9800 | -2.00 % | -1.01 % |  | 300 |" in text
-    assert "final spread 2.02 % of their mean (0.9900)" in text
-    assert "| 20 | -2.00 | +0.99 |" in text
+@pytest.mark.parametrize("df,expected", [(1, 12.7062), (2, 4.3027), (4, 2.7764), (9, 2.2622), (30, 2.0423)])
+def test_t_quantile_matches_tables(df, expected):
+    assert cr.t_quantile(0.975, df) == pytest.approx(expected, abs=1e-4)
+    assert cr.t_quantile(0.025, df) == pytest.approx(-expected, abs=1e-4)
+    assert cr.t_cdf(expected, df) == pytest.approx(0.975, abs=1e-5)  # the tables round to 4 digits
 
 
-def test_report_needs_a_bf16_run(tmp_path):
-    path = tmp_path / "m.jsonl.gz"
-    _write(path, [{"step": 5, "recipe": "fp8", "val_loss": 1.0}])
-    with pytest.raises(SystemExit, match="no bf16 run"):
-        convergence_report.report(path)
+def test_t_quantile_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="0 < p < 1"):
+        cr.t_quantile(1.0, 3)
+
+
+def test_paired_interval_by_hand():
+    # per-seed gaps 1, 2, 3 %: mean 2, sd 1, half width t(0.975, 2) / sqrt(3)
+    g = cr.paired_gap({0: 1.01, 1: 1.02, 2: 1.03}, {0: 1.0, 1: 1.0, 2: 1.0})
+    half = 4.302652729911275 / math.sqrt(3)
+    assert g.gap_pct == pytest.approx(2.0) and g.lo == pytest.approx(2 - half) and g.hi == pytest.approx(2 + half)
+    assert g.method == "paired (3 seeds)" and g.n == 3
+
+
+def test_welch_interval_by_hand():
+    # means 1.03 / 1.01, variances 1e-4 each: se = sqrt(2e-4 / 3), df = 4
+    g = cr.welch_gap([1.02, 1.03, 1.04], [1.0, 1.01, 1.02])
+    half = 100 * 2.7764451051977987 * math.sqrt(2e-4 / 3) / 1.01
+    assert g.gap_pct == pytest.approx(100 * 0.02 / 1.01)
+    assert g.lo == pytest.approx(g.gap_pct - half) and g.hi == pytest.approx(g.gap_pct + half)
+
+
+@pytest.mark.parametrize("lo,hi,target,word", [
+    (-0.1, 0.2, 0.25, "met"), (-0.25, 0.25, 0.25, "met"), (0.3, 0.9, 0.25, "missed"),
+    (-0.9, -0.3, 0.25, "missed"), (0.1, 0.4, 0.25, "unresolved"), (-0.4, 0.4, 0.25, "unresolved"),
+    (None, None, 0.25, "unresolved"), (0.1, 0.2, None, "")])
+def test_verdicts(lo, hi, target, word):
+    assert cr.verdict(lo, hi, target) == word
+
+
+def _study(tmp_path):
+    bf16 = {0: 1.00, 1: 1.05, 2: 0.95}  # a seed spread of 10 %: only pairing resolves 0.1 %
+    finals = {}
+    for recipe, gaps in (("bf16", (0, 0, 0)), ("fp8", (0.10, 0.12, 0.08)), ("mxfp8", (0.5, 0.6, 0.7)),
+                         ("per_gemm:fprop=nvfp4,dgrad=mxfp8,wgrad=mxfp8", (0.5, 1.5, 1.0))):
+        for s, g in zip(bf16, gaps):
+            finals[f"{recipe}@seed={s}"] = bf16[s] * (1 + g / 100)
+    half = _write(tmp_path / "a.jsonl.gz", {k: v for i, (k, v) in enumerate(finals.items()) if i % 2})
+    other = _write(tmp_path / "b.jsonl.gz", {k: v for i, (k, v) in enumerate(finals.items()) if not i % 2})
+    return [half, other]  # one comparison written by two worker processes
+
+
+def test_analyze_pairs_by_seed_and_gives_verdicts(tmp_path):
+    result = cr.analyze(_study(tmp_path))
+    rows = {r["recipe"]: r for r in result["rows"]}
+    assert result["final_step"] == 20 and rows["bf16"]["seeds"] == [0, 1, 2]
+    assert rows["bf16"]["mean"] == pytest.approx(1.0) and rows["bf16"]["std"] == pytest.approx(0.05)
+    fp8 = rows["fp8"]
+    half = 4.302652729911275 * 0.02 / math.sqrt(3)
+    assert fp8["method"] == "paired (3 seeds)" and fp8["gap_pct"] == pytest.approx(0.10)
+    assert fp8["ci_lo"] == pytest.approx(0.10 - half) and fp8["ci_hi"] == pytest.approx(0.10 + half)
+    assert (fp8["verdict"], rows["mxfp8"]["verdict"]) == ("met", "missed")
+    assert rows["per_gemm:fprop=nvfp4,dgrad=mxfp8,wgrad=mxfp8"]["verdict"] == "unresolved"
+    assert rows["fp8"]["tokens_per_s"] == 100.0
+    json.dumps(result)  # plain data
+    text = cr.to_markdown(result)
+    assert "| `fp8` | 3 | 1.0010 ± 0.0503 | +0.10 % | [+0.05, +0.15] % | paired (3 seeds) | ± 0.25 % | met | 100 |" \
+        in text
+    assert "| `bf16` | 1.0000 | 1.0500 | 0.9500 |" in text
+
+
+def test_unshared_seeds_fall_back_to_welch_and_say_so(tmp_path):
+    path = _write(tmp_path / "m.jsonl.gz", {"bf16@seed=0": 1.0, "bf16@seed=1": 1.01, "bf16": 1.02,
+                                            "fp8@seed=5": 1.03, "fp8@seed=6": 1.04})
+    rows = {r["recipe"]: r for r in cr.analyze([path])["rows"]}
+    assert rows["fp8"]["method"] == "Welch" and rows["fp8"]["verdict"] == "unresolved"
+    one = _write(tmp_path / "one.jsonl.gz", {"bf16": 1.0, "fp8": 1.001})  # labels without @seed: seed 0
+    row = cr.analyze([one])["rows"][1]
+    assert row["ci_lo"] is None and row["verdict"] == "unresolved" and "no interval" in row["method"]
+
+
+def test_report_refusals(tmp_path):
+    with pytest.raises(ValueError, match="no bf16 run"):
+        cr.analyze([_write(tmp_path / "a.jsonl.gz", {"fp8@seed=0": 1.0})])
+    short = tmp_path / "short.jsonl.gz"
+    _write(short, {"bf16@seed=0": 1.0})
+    longer = _write(tmp_path / "long.jsonl.gz", {"fp8@seed=0": 1.0}, steps=(0, 30))
+    with pytest.raises(ValueError, match="ended at different steps"):
+        cr.analyze([short, longer])
