@@ -9,6 +9,7 @@ from .integration.master_weights import MasterWeightOptimizer, memory_per_parame
 from .integration.fsdp import QuantizedGatherWeight, enable_quantized_all_gather
 from .integration.fsdp_amax import precompute_weight_amax
 from .integration.fsdp_primary import QuantizedPrimaryWeight, full_quantized_weight, quantize_sharded_weights
+from .integration.tensor_parallel_primary import quantize_tensor_parallel_weights
 from .integration.tensor_parallel import ColwiseParallel, LayerNormMLPParallel, RowwiseParallel
 from .moe import ExpertDispatch, ExpertParallel, GroupedLinear, expert_combine, expert_dispatch
 from .nn.quantized_init import quantized_model_init
@@ -35,7 +36,7 @@ __all__ = [
     "get_cpu_offload_context", "mark_not_offload",
     "convert", "current_policy", "factories",
     "gemm", "moe", "nn", "policy", "quantized_model_init",
-    "MasterWeightOptimizer", "QuantizedGatherWeight", "enable_quantized_all_gather", "precompute_weight_amax", "QuantizedPrimaryWeight", "full_quantized_weight", "quantize_sharded_weights", "export_state_dict", "load_safetensors", "save_safetensors", "memory_per_parameter", "quantize_master_weights", "set_names", "swiglu", "use_policy",
+    "MasterWeightOptimizer", "QuantizedGatherWeight", "enable_quantized_all_gather", "precompute_weight_amax", "QuantizedPrimaryWeight", "full_quantized_weight", "quantize_sharded_weights", "quantize_tensor_parallel_weights", "export_state_dict", "load_safetensors", "save_safetensors", "memory_per_parameter", "quantize_master_weights", "set_names", "swiglu", "use_policy",
     "ColwiseParallel", "LayerNormMLPParallel", "RowwiseParallel",
     "weight_caching", "ExpertDispatch", "ExpertParallel", "expert_combine", "expert_dispatch",
     "HighPrecisionWeightsWarning", "unconverted_weights",

@@ -21,7 +21,9 @@ def quantize_master_weights(model_params: Iterable[torch.Tensor], master_params:
 
     Each ``QuantizedTensor`` in ``model_params`` takes the value of the master at the same
     position, encoded by the parameter's quantizer into the copies it holds (its buffers keep
-    their addresses). Plain parameters and None masters are skipped.
+    their addresses). Plain parameters and None masters are skipped. A tensor-parallel quantized
+    primary weight (its parameter is its FP32 master shard) has its quantized shard re-encoded
+    from it (``hybridfp.quantize_tensor_parallel_weights``: a collective over its group).
 
     Parameters
     ----------
@@ -62,6 +64,9 @@ def quantize_master_weights(model_params: Iterable[torch.Tensor], master_params:
                 raise RuntimeError(f"quantize_master_weights: parameter {i} ({p.qstorage.describe()}) has "
                                    "no quantizer; call param.set_quantizer(q), or run one forward first.")
             p.quantizer.update_quantized(m.detach(), p, directions=p.directions())
+    # tensor parallelism: the parameter is the FP32 master shard; its quantized shard re-encoded
+    from .tensor_parallel_primary import quantize_tensor_parallel_weights
+    quantize_tensor_parallel_weights(model_params)
 
 
 def _master_of(p: torch.Tensor) -> nn.Parameter:
@@ -78,7 +83,8 @@ class MasterWeightOptimizer:
     ``get_high_precision_init_val()`` when kept, else the dequantized value); the wrapped
     optimizer holds the masters (and its state for them) in their place, and plain parameters
     as they are. :meth:`step` hands each master its parameter's gradient (as FP32), steps, and
-    re-quantizes the parameters (:func:`quantize_master_weights`). Under FSDP2
+    re-quantizes the parameters (:func:`quantize_master_weights`; a tensor-parallel weight's
+    parameter is its FP32 master shard, stepped in place, its quantized shard re-encoded). Under FSDP2
     (``enable_quantized_all_gather`` on a ``quantized_model_init`` model) a sharded weight's
     parameter is its FP32 master shard, stepped in place; :meth:`step` then re-encodes every
     rank's quantized shards (``hybridfp.quantize_sharded_weights``: a collective).

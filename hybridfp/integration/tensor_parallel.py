@@ -39,6 +39,7 @@ from ..recipes import current_autocast
 from .tensor_parallel_comm import CopyToParallel, GatherRows, ReduceFromParallel, ReduceScatterRows
 from .tensor_parallel_linear import (COLUMN, ROW, ParallelGemm, ParallelLinearFunction, WeightShard,
                                      check_split, flat_rows, is_quantized, set_amax_groups)
+from .tensor_parallel_primary import primary_shard, shard_primary
 
 
 def _seq_dim(layout: Any, what: str) -> Optional[int]:
@@ -119,14 +120,18 @@ class _Plan:
             self._check_rows(x, spec)
         x2 = flat_rows(x)
         factor = self.world if (spec.kind == COLUMN and self.sp) else (1 / self.world if self.sp else 1)
-        if state is None:
+        if state is None:  # a quantized primary weight too: on its FP32 master shard
             y2 = self._high_precision(module, spec, x2, w_local, b_local)
         else:
             x2 = module.torch_autocast_input(x2)
             lc = module.linear_context(state, index, is_first_microbatch)
             self._check(state, lc, spec, x2, w_local, halves=self.gated and index == 0)
             set_amax_groups(lc, spec)
-            y2 = ParallelLinearFunction.apply(x2, w_local, b_local, lc, spec, WeightShard(weight._local_tensor))
+            # a quantized primary weight: the GEMMs read its quantized shard, the gradient goes to
+            # its FP32 master shard (w_local)
+            held = primary_shard(weight, lc.weight_q)
+            source = held if held is not None else weight._local_tensor
+            y2 = ParallelLinearFunction.apply(x2, w_local, b_local, lc, spec, WeightShard(source))
         return y2.reshape(self._out_shape(x, factor, y2.shape[-1]))
 
     def _high_precision(self, module: Any, spec: ParallelGemm, x2: torch.Tensor, w: torch.Tensor,
@@ -204,10 +209,10 @@ def _shard(module: nn.Module, name: str, mesh: DeviceMesh, placement: Any, src_d
     p = getattr(module, name)
     if p is None:
         return
-    if is_quantized(p):
-        raise NotImplementedError(f"{type(module).__name__}.{name} is a quantized weight parameter "
-                                  "(quantized_model_init); tensor parallelism takes high-precision "
-                                  "weights: build the model without quantized_model_init.")
+    if is_quantized(p):  # quantized_model_init: the FP32 master sharded, each rank's shard quantized
+        who = f"{_who(module)}.{name}"
+        module.register_parameter(name, shard_primary(p, mesh, placement, src_data_rank, who))
+        return
     if isinstance(p, DTensor):
         raise ValueError(f"{type(module).__name__}.{name} is already a DTensor: the module was "
                          "parallelized before.")

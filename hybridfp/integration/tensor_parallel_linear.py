@@ -139,7 +139,8 @@ def set_amax_groups(lc: LinearContext, spec: ParallelGemm) -> None:
 class WeightShard:
     """The rank's weight shard as the quantized-weight cache sees it: ``source`` is the same
     tensor object at every call (the DTensor's local tensor), so the cache's identity and
-    version rule holds (``nn/weight_cache.py``); the autograd input is its differentiable view."""
+    version rule holds (``nn/weight_cache.py``); the autograd input is its differentiable view.
+    For a quantized primary weight ``source`` is its quantized shard, read as it is."""
 
     source: torch.Tensor
 
