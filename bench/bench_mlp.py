@@ -10,13 +10,22 @@ Variants: BF16 eager (nn.Linear), BF16 torch.compile, hybridfp under autocast wi
 Float8CurrentScaling, Float8BlockScaling, the hybrid per_gemm(fprop="fp8_current",
 dgrad="fp8_block", wgrad="fp8_block") as a CustomRecipe, MXFP8BlockScaling, per_gemm(fprop=
 "nvfp4", dgrad="mxfp8", wgrad="mxfp8") and NVFP4BlockScaling (NVIDIA's defaults); torchao float8 training
-(tensorwise, rowwise) compiled, when torchao imports; hybridfp FP8 current (with and without fprop
-fast accumulation) and MXFP8 compiled too. "speedup" = BF16 eager time / time.
-For the MLP, "+ fused SwiGLU" rows run the same layers with ``hybridfp.swiglu`` (one Triton
-kernel each way) instead of eager ``F.silu(g) * u`` (silu + mul forward, two muls +
-silu_backward backward); the BF16 eager baseline stays unfused.
+(tensorwise, rowwise) compiled; hybridfp FP8 current (with and without fprop fast
+accumulation) and MXFP8 compiled too. For the MLP, "+ fused SwiGLU" rows run the same layers
+with ``hybridfp.swiglu`` (one Triton kernel each way) instead of eager ``F.silu(g) * u``; the
+BF16 eager baseline stays unfused.
+
+Baselines (BF16 eager, BF16 torch.compile, torchao float8 tensorwise / rowwise compiled) run
+first; a baseline that cannot run (torchao absent, compilation failed, ``--deadline-s`` passed)
+fails the run by name unless a flag skips it explicitly (``--no-torchao``, ``--no-compile``;
+recorded in the JSON). Every ratio is paired (``bench.protocol.paired_ratio``) against BF16
+eager and BF16 compiled (and, for the FP8 current rows, torchao tensorwise). Every variant's
+first step is checked against an FP32 reference of the same inputs: output, dx and each dW,
+relative Frobenius error within ``common.error_bound`` of the variant's element formats, or the
+run fails. Rows slower than BF16 eager (below the 1.00x target) are marked.
 
     python -m bench.bench_mlp [--out results.json] [--quick] [--deadline-s S] [--linear-compiled]
+                              [--no-torchao] [--no-compile] [--rounds N] [--samples N]
 """
 
 from __future__ import annotations
@@ -35,7 +44,10 @@ from torch import nn
 
 import hybridfp
 from bench import common
-from bench.common import bench_ms, bench_ms_steady, bench_pair, copy_bandwidth, environment, finish, md_table, parser, profile_step, require_cuda
+from bench.common import (AccuracyError, MissingBaselineError, bench_ms, bench_ms_steady, check_error,
+                          copy_bandwidth, environment, error_bound, finish, md_table, parser, profile_step,
+                          protocol_from, protocol_record, rel_error, require_cuda)
+from bench.protocol import Protocol, paired_ratio
 from hybridfp.nn.base import QuantizedModule
 
 D, H, TOKENS = 4096, 14336, 16384
@@ -60,10 +72,27 @@ FUSED_RECIPES = ("hybridfp FP8 current", "hybridfp FP8 block", "hybridfp hybrid 
 FUSED = " + fused SwiGLU"
 #: recipes also timed with the model under ``torch.compile(fullgraph=True)`` (beside torchao's)
 COMPILED_RECIPES = ("hybridfp FP8 current", "hybridfp FP8 current, fprop fast accumulation", "hybridfp MXFP8")
-#: Alternating rounds of (BF16 eager, variant) behind each "paired" ratio. The H200's clocks move
-#: by several per cent over a run (power limit), so a ratio of two medians taken a minute apart
-#: carries that drift; the paired one does not.
-PAIR_ROUNDS = 3
+#: element formats (forward operands, backward gradients) of each variant family: its error bound
+RECIPE_FORMATS = {
+    "BF16": ("bf16", "bf16"),
+    "hybridfp FP8 current": ("e4m3", "e5m2"),
+    "hybridfp FP8 current, fprop fast accumulation": ("e4m3", "e5m2"),
+    "hybridfp FP8 block": ("e4m3", "e4m3"),
+    "hybridfp hybrid FP8-current fwd / FP8-block bwd": ("e4m3", "e4m3"),
+    "hybridfp MXFP8": ("e4m3", "e4m3"),
+    "hybridfp NVFP4 fwd / MXFP8 bwd": ("e2m1", "e4m3"),
+    "hybridfp NVFP4 (2D weights, RHT, SR)": ("e2m1", "e2m1"),
+    "torchao float8": ("e4m3", "e5m2"),
+}
+#: (forward, backward) GEMMs on the longest path to each checked tensor (``common.error_bound``)
+DEPTHS = {"Linear": {"y": (1, 0), "dx": (0, 1), "dW": (0, 1)},
+          "MLP": {"y": (2, 0), "dx": (1, 2), "dW": (1, 2)}}
+#: a hybridfp row below this x BF16 eager is marked (a low-precision step slower than BF16)
+TARGET = 1.0
+#: --quick sizes (hidden, intermediate, tokens)
+QUICK_DIMS = (256, 512, 512)
+BASELINE_EAGER, BASELINE_COMPILED = "BF16 eager", "BF16 torch.compile"
+TORCHAO_TENSORWISE = "torchao float8 tensorwise (compiled)"
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -132,20 +161,75 @@ def make_step(model: nn.Module, params: list[nn.Parameter], ctx: Callable[[], An
     return step
 
 
-def bench_model(kind: str, make: Callable[[Callable], nn.Module], x: torch.Tensor, deadline: float,
-                compiled: bool, checkpoint: Callable[[list], None] = lambda rows: None,
+def formats_of(variant: str) -> tuple[str, str]:
+    """(forward, backward) element formats of a variant, from its name's recipe family."""
+    family = max((k for k in RECIPE_FORMATS if variant.startswith(k)), key=len, default=None)
+    if family is None:
+        raise ValueError(f"bench_mlp: variant {variant!r} has no entry in RECIPE_FORMATS; add its formats")
+    return RECIPE_FORMATS[family]
+
+
+def fp32_reference(make: Callable[[Callable], nn.Module], base: nn.Module, x: torch.Tensor,
+                   dy: torch.Tensor) -> dict[str, Any]:
+    """y, dx and each dW (in ``base.parameters()`` order) of an FP32 copy of ``base`` on the same
+    x and dy (FP32 GEMMs, no TF32)."""
+    ref = make(lambda i, o: nn.Linear(i, o, bias=False, dtype=torch.float32, device=x.device))
+    ref.load_state_dict({k: v.float() for k, v in base.state_dict().items()})
+    xr = x.detach().float().requires_grad_(True)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        y = ref(xr)
+        y.backward(dy.float())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    return {"y": y.detach(), "dx": xr.grad, "dW": [p.grad for p in ref.parameters()]}
+
+
+def check_step(label: str, family: str, variant: str, y: torch.Tensor, x: torch.Tensor,
+               params: list[nn.Parameter], ref: dict[str, Any]) -> dict[str, float]:
+    """Relative errors of y, dx and the worst dW against ``ref``, each checked against its bound.
+
+    Raises ``AccuracyError`` naming the variant and the tensor beyond its bound."""
+    fwd, bwd = formats_of(variant)
+    errs = {"y": rel_error(y, ref["y"]), "dx": rel_error(x.grad, ref["dx"]),
+            "dW": max(rel_error(p.grad, r) for p, r in zip(params, ref["dW"]))}
+    out: dict[str, float] = {}
+    for t, e in errs.items():
+        bound = error_bound(fwd, bwd, *DEPTHS[family][t])
+        out[f"err_{t}"], out[f"bound_{t}"] = e, bound
+    for t, e in errs.items():
+        check_error(f"{label}: {variant}: {t}", e, out[f"bound_{t}"])
+    return out
+
+
+def bench_model(kind: str, family: str, make: Callable[[Callable], nn.Module], x: torch.Tensor, deadline: float,
+                compiled: bool, torchao: Optional[Any], protocol: Protocol = Protocol(),
+                checkpoint: Callable[[list], None] = lambda rows: None,
                 fuse: Optional[Callable[[nn.Module], nn.Module]] = None, profile: Optional[str] = None,
                 profiles: Optional[list[str]] = None) -> list[dict[str, Any]]:
-    """All variants of one model; ratios against BF16 eager / compiled of this process. ``fuse``
-    (models with an activation) gives the model with the fused SwiGLU: rows for BF16 eager and
-    each of FUSED_RECIPES, each right after its unfused row. Variants whose name contains
-    ``profile`` also get a one-step kernel profile appended to ``profiles``."""
+    """All variants of one model (``family``: "Linear" or "MLP", its error depths), baselines
+    first. ``compiled``: BF16 compiled, torchao (when ``torchao`` is its float8 module) and the
+    compiled hybridfp variants. ``fuse`` gives the model with the fused SwiGLU (rows right after
+    their unfused ones). Variants whose name contains ``profile`` get a kernel profile.
+
+    Raises ``MissingBaselineError`` when a baseline cannot run; a variant beyond its error bound
+    or failing gets an ``error`` row (``main`` fails the run on it)."""
     torch.manual_seed(0)
     base = make(torch_linear)
     with torch.no_grad():
         dy = torch.randn_like(base(x))
+    ref = fp32_reference(make, base, x, dy)
     variants: list[tuple[str, nn.Module, nn.Module, Callable[[], Any]]] = [
-        ("BF16 eager", base, base, contextlib.nullcontext)]
+        (BASELINE_EAGER, base, base, contextlib.nullcontext)]
+    if compiled:
+        variants.append((BASELINE_COMPILED, torch.compile(base), base, contextlib.nullcontext))
+        if torchao is not None:
+            for rname in ("tensorwise", "rowwise"):
+                m = torchao.convert_to_float8_training(copy.deepcopy(base),
+                                                       config=torchao.Float8LinearConfig.from_recipe_name(rname))
+                variants.append((f"torchao float8 {rname} (compiled)", torch.compile(m), m, contextlib.nullcontext))
+    n_baselines = len(variants)
     if fuse is not None:
         variants.append(("BF16 eager + hybridfp fused SwiGLU", fuse(base), base, contextlib.nullcontext))
     hf = make(hybridfp_linear)
@@ -157,121 +241,145 @@ def bench_model(kind: str, make: Callable[[Callable], nn.Module], x: torch.Tenso
         if name in CODES_RECIPES:  # the A/B of copies written as BF16 decodes (the CUDA default)
             variants.append((name + common.CODES_SUFFIX, hf, hf,
                              lambda r=recipe(): common.decoded_mode("never", hybridfp.autocast(recipe=r))))
-    if compiled:  # compiled variants last: each checks the deadline before compiling
-        variants.append(("BF16 torch.compile", torch.compile(base), base, contextlib.nullcontext))
+    if compiled:  # autocast outside, the model traced whole (fullgraph)
         for name, recipe in RECIPES:
-            if name in COMPILED_RECIPES:  # autocast outside, the model traced whole (fullgraph)
+            if name in COMPILED_RECIPES:
                 variants.append((name + " (compiled)", torch.compile(hf, fullgraph=True), hf,
                                  lambda r=recipe(): hybridfp.autocast(recipe=r)))
-    f8, why = torchao_status()
-    if compiled and f8 is not None:
-        for rname in ("tensorwise", "rowwise"):
-            m = f8.convert_to_float8_training(copy.deepcopy(base),
-                                              config=f8.Float8LinearConfig.from_recipe_name(rname))
-            variants.append((f"torchao float8 {rname} (compiled)", torch.compile(m), m, contextlib.nullcontext))
     rows: list[dict[str, Any]] = []
-    ref_y = None
-    base_step: Optional[Callable[[], Any]] = None  # BF16 eager's, the first variant
-    for name, model, plain, ctx in variants:
-        row: dict[str, Any] = {"model": kind, "variant": name}
-        if "compile" in name and time.monotonic() > deadline:
-            rows.append({**row, "error": "skipped: time budget"})
+    steps: dict[str, Callable[[], Any]] = {}  # the baselines' steps
+    for i, (name, model, plain, ctx) in enumerate(variants):
+        is_baseline = i < n_baselines
+        row: dict[str, Any] = {"model": kind, "variant": name, "baseline": is_baseline}
+        if time.monotonic() > deadline:
+            row["error"] = "skipped: --deadline-s passed"
+            if is_baseline:
+                raise MissingBaselineError(f"bench_mlp {kind}: baseline {name!r} not run: --deadline-s passed "
+                                           "before it (baselines run first; raise --deadline-s)")
+            rows.append(row)
             continue
         try:
-            step = make_step(model, list(plain.parameters()), ctx, x, dy)
+            params = list(plain.parameters())
+            step = make_step(model, params, ctx, x, dy)
             t0 = time.monotonic()
             y = step()
             if x.is_cuda:
                 torch.cuda.synchronize()
             row["first_step_s"] = time.monotonic() - t0  # includes compilation where compiled
-            y = y.detach().float()
-            if ref_y is None:
-                ref_y = y
-            row["rel_err_vs_bf16"] = ((y - ref_y).norm() / ref_y.norm()).item()
-            row["ms"] = bench_ms(step, warmup_ms=100, rep_ms=300)
-            if base_step is None:
-                base_step = step
-            elif x.is_cuda:  # the baseline timed right beside this variant: clock drift cancels
-                tb, tv = bench_pair(base_step, step, rounds=PAIR_ROUNDS)
-                row["paired_speedup_vs_bf16_eager"] = tb / tv
+            row.update(check_step(kind, family, name, y, x, params, ref))
+            row["ms"] = bench_ms(step, warmup_ms=100, rep_ms=300)  # diagnostic: one unpaired median
+            for bname in (BASELINE_EAGER, BASELINE_COMPILED) + ((TORCHAO_TENSORWISE,) if "FP8 current" in name else ()):
+                if bname in steps:
+                    r = paired_ratio(steps[bname], step, protocol)
+                    row[f"vs {bname}"] = r.as_dict()
+            # diagnostic: back-to-back steps and the host's time (not a ratio)
             row["ms_steady"], row["host_ms"] = bench_ms_steady(step)
             if profile and profiles is not None and any(t and t in name for t in profile.split("|")):
                 profiles.append(profile_step(step, f"{kind}: {name} ({row['ms']:.2f} ms)"))
-        except Exception as e:  # noqa: BLE001 - record the failure, keep the other variants
+            if is_baseline:
+                steps[name] = step
+        except AccuracyError as e:
+            row["error"] = str(e)
+        except Exception as e:  # noqa: BLE001 - a candidate's failure is a row; a baseline's ends the run
+            if is_baseline:
+                raise MissingBaselineError(f"bench_mlp {kind}: baseline {name!r} failed: "
+                                           f"{type(e).__name__}: {str(e)[:300]}") from e
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(row)
-        _speedups(rows)
         checkpoint(rows)  # a partial JSON survives a timeout of the whole benchmark
         if x.is_cuda:
             torch.cuda.empty_cache()
-    if not (compiled and f8 is not None):
-        rows.append({"model": kind, "variant": "torchao float8", "error": why if f8 is None else
-                     "not run for this model (compiled variants off)"})
-    _speedups(rows)
     return rows
 
 
-def _speedups(rows: list[dict[str, Any]]) -> None:
-    """BF16 eager (and compiled) time / each variant's time, for the rows measured so far."""
-    t_eager = next((r["ms"] for r in rows if r["variant"] == "BF16 eager" and "ms" in r), None)
-    t_comp = next((r["ms"] for r in rows if r["variant"] == "BF16 torch.compile" and "ms" in r), None)
-    t_steady = next((r["ms_steady"] for r in rows if r["variant"] == "BF16 eager" and "ms_steady" in r), None)
-    for r in rows:
-        if "ms" in r:
-            r["speedup_vs_bf16_eager"] = t_eager / r["ms"] if t_eager else None
-            r["speedup_vs_bf16_compile"] = t_comp / r["ms"] if t_comp else None
-        if "ms_steady" in r:
-            r["steady_speedup_vs_bf16_eager"] = t_steady / r["ms_steady"] if t_steady else None
+def _ci(r: dict[str, Any], name: str) -> Optional[str]:
+    """The row's paired ratio against baseline ``name`` as "ratio [low, high]" (None if absent)."""
+    p = r.get(f"vs {name}")
+    return None if p is None else f"{p['ratio']:.3f} [{p['low']:.3f}, {p['high']:.3f}]"
+
+
+def below_target(r: dict[str, Any]) -> bool:
+    """Whether a hybridfp row's paired ratio against BF16 eager is below ``TARGET``."""
+    p = r.get(f"vs {BASELINE_EAGER}")
+    return r["variant"].startswith("hybridfp") and p is not None and p["ratio"] < TARGET
 
 
 def main(argv=None) -> None:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--deadline-s", type=float, default=1e9, help="skip compiled variants after this")
+    p.add_argument("--deadline-s", type=float, default=1e9,
+                   help="skip the candidates left after this (a baseline not run by then fails the run)")
     p.add_argument("--linear-compiled", action="store_true", help="also compile the single Linear")
+    p.add_argument("--no-torchao", action="store_true", help="skip the torchao baselines (recorded)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="skip BF16 torch.compile, torchao and the compiled variants (recorded)")
     p.add_argument("--profile", default=None, help="profile one step of the variants whose name contains "
                    "this text ('|' separates alternatives); written to --profile-out")
     p.add_argument("--profile-out", type=Path, default=Path("mlp_profile.txt"))
     p.add_argument("--mlp-only", action="store_true", help="skip the single Linear")
     args = p.parse_args(argv)
     require_cuda()
+    protocol = protocol_from(args)
     warnings.simplefilter("ignore")
     deadline = time.monotonic() + args.deadline_s
     env = environment()
-    f8, ao = torchao_status()
+    f8, ao = (None, "skipped (--no-torchao)") if args.no_torchao else torchao_status()
     env["torchao"] = ao
+    skipped = [s for s, on in (("torchao (--no-torchao)", args.no_torchao),
+                               ("BF16 torch.compile, torchao and compiled variants (--no-compile)", args.no_compile)) if on]
     copy_bw = copy_bandwidth()
-    d, h, tokens = (256, 512, 512) if args.quick else (D, H, TOKENS)
+    d, h, tokens = QUICK_DIMS if args.quick else (D, H, TOKENS)
     x = torch.randn(tokens, d, device=common.DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    failures: list[str] = []
 
     def report(rows: list[dict[str, Any]], final: bool = False) -> None:
-        table = md_table(["model", "variant", "ms", "x BF16 eager", "paired x BF16 eager", "x BF16 compile", "steady ms",
-                          "steady x BF16 eager", "host ms", "rel err vs BF16", "first step s"], [
-            (r["model"], r["variant"], r.get("ms", r.get("error")), r.get("speedup_vs_bf16_eager"),
-             r.get("paired_speedup_vs_bf16_eager"), r.get("speedup_vs_bf16_compile"), r.get("ms_steady"), r.get("steady_speedup_vs_bf16_eager"),
-             r.get("host_ms"), r.get("rel_err_vs_bf16"), r.get("first_step_s")) for r in rows])
-        md = ("### Linear and Llama-3-8B MLP, forward + backward (median, do_bench)\n\n"
-              f"torchao: {ao}. \"x BF16 eager\" = BF16 eager time / time (>1 is faster), times from "
-              "do_bench (the L2 flushed before each step; steps queued without waiting, so a host slower "
-              "than the GPU shows as idle time). \"paired\": median of BF16 eager / variant over "
-              f"{PAIR_ROUNDS} alternating rounds timed right beside each other (clock drift cancels). \"steady\": 20 back-to-back steps as a training loop "
-              "runs them, no flush; \"host ms\": the host's time for one step started on an idle GPU "
-              "(above ms: host-bound). hybridfp weights are re-quantized every step." + ("" if final else " PARTIAL (the run stopped early).")
-              + "\n\n" + table + "\n")
-        result = {"env": env, "copy_bandwidth": copy_bw, "rows": rows, "markdown": md}
+        table = md_table(["model", "variant", "x BF16 eager", "x BF16 compiled", "x torchao tensorwise",
+                          "err y / dx / dW (bounds)", "ms", "steady ms (diagnostic)", "host ms", "first step s"], [
+            (r["model"], r["variant"] + (" **below 1.00x target**" if below_target(r) else ""),
+             _ci(r, BASELINE_EAGER) if "error" not in r else r["error"], _ci(r, BASELINE_COMPILED),
+             _ci(r, TORCHAO_TENSORWISE),
+             "{:.3g} / {:.3g} / {:.3g} ({:.3g} / {:.3g} / {:.3g})".format(
+                 *(r[f"{k}_{t}"] for k in ("err", "bound") for t in ("y", "dx", "dW"))) if "err_y" in r else None,
+             r.get("ms"), r.get("ms_steady"), r.get("host_ms"), r.get("first_step_s")) for r in rows])
+        md = ("### Linear and Llama-3-8B MLP, forward + backward (paired ratios)\n\n"
+              f"torchao: {ao}. Ratios: median over {protocol.rounds} alternating rounds ({protocol.samples} "
+              "steps a side each, L2 flushed before each) of baseline time / variant time (> 1: faster), "
+              "[~95 % interval]. err: relative Frobenius error of y, dx and the worst dW vs an FP32 "
+              "reference of the same inputs, with its bound from the element formats. ms: one unpaired "
+              "do_bench median; \"steady ms\": 20 back-to-back steps, no flush; \"host ms\": the host's "
+              "time for one step on an idle GPU (above ms: host-bound); diagnostics, not ratios. hybridfp "
+              "weights are re-quantized every step."
+              + (f" Skipped by flag: {'; '.join(skipped)}." if skipped else "")
+              + ("" if protocol.reportable else " NOT REPORTABLE (fewer than 10 rounds or samples).")
+              + ("" if final else " PARTIAL (the run stopped early).") + "\n\n" + table + "\n")
+        result = {"env": env, "protocol": protocol_record(protocol), "skipped": skipped, "copy_bandwidth": copy_bw,
+                  "rows": rows, "failures": failures, "markdown": md}
         if final:
             finish("mlp", result, args.out)
         elif args.out is not None:
             args.out.write_text(json.dumps({"name": "mlp", **result}, indent=1, default=str))
 
+    if f8 is None and not args.no_torchao and not args.no_compile:
+        failures.append(f"bench_mlp: baseline torchao float8 missing: {ao}; install torchao or pass --no-torchao")
+        report([], final=True)
+        raise SystemExit(failures[-1])
     profiles: list[str] = []
-    rows = [] if args.mlp_only else bench_model(f"Linear {tokens}x{d}->{h}", lambda lin: lin(d, h), x, deadline,
-                                                args.linear_compiled, report)
-    rows += bench_model(f"Llama-3-8B MLP {tokens}x{d}->{h}->{d}", lambda lin: MLP(lin, d, h), x, deadline, True,
-                        lambda new: report(rows + new), fuse=fused_swiglu, profile=args.profile,
-                        profiles=profiles)
+    rows: list[dict[str, Any]] = []
+    try:
+        if not args.mlp_only:
+            rows += bench_model(f"Linear {tokens}x{d}->{h}", "Linear", lambda lin: lin(d, h), x, deadline,
+                                args.linear_compiled and not args.no_compile, f8, protocol, report)
+        rows += bench_model(f"Llama-3-8B MLP {tokens}x{d}->{h}->{d}", "MLP", lambda lin: MLP(lin, d, h), x, deadline,
+                            not args.no_compile, f8, protocol, lambda new: report(rows + new), fuse=fused_swiglu,
+                            profile=args.profile, profiles=profiles)
+    except MissingBaselineError as e:
+        failures.append(str(e))
     if profiles:
         args.profile_out.write_text("\n\n".join(profiles))
+    failures += [f"{r['model']}: {r['variant']}: {r['error']}" for r in rows
+                 if "error" in r and not r["error"].startswith("skipped")]
     report(rows, final=True)
+    if failures:
+        raise SystemExit("bench_mlp failed:\n" + "\n".join(failures))
 
 
 if __name__ == "__main__":

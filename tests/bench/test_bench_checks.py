@@ -66,3 +66,63 @@ def test_gemm_pairs_wrong_output_fails_the_run(tiny_pairs, tmp_path, monkeypatch
     with pytest.raises(SystemExit, match="MXFP8 x MXFP8 TN 64\\^3: output: relative error"):
         bench_gemm_pairs.main(["--quick", "--rounds", "1", "--samples", "1", "--out", str(out)])
     assert json.loads(out.read_text())["failures"]  # the JSON still says what failed
+
+
+@pytest.fixture
+def tiny_mlp(monkeypatch):
+    from bench import bench_mlp
+    monkeypatch.setattr(common, "DEVICE", "cpu")
+    monkeypatch.setattr(bench_mlp, "QUICK_DIMS", (128, 256, 128))
+    keep = ("hybridfp FP8 current", "hybridfp NVFP4 fwd / MXFP8 bwd")
+    monkeypatch.setattr(bench_mlp, "RECIPES", [r for r in bench_mlp.RECIPES if r[0] in keep])
+    return bench_mlp
+
+
+def _mlp_args(out, *extra):
+    return ["--quick", "--mlp-only", "--rounds", "1", "--samples", "1", "--out", str(out), *extra]
+
+
+def test_mlp_quick_smoke_checks_y_dx_dw(tiny_mlp, tmp_path):
+    out = tmp_path / "mlp.json"
+    tiny_mlp.main(_mlp_args(out, "--no-compile"))
+    result = json.loads(out.read_text())
+    assert result["failures"] == [] and result["skipped"] and result["protocol"]["reportable"] is False
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert set(rows) >= {"BF16 eager", "hybridfp FP8 current", "hybridfp FP8 current + fused SwiGLU",
+                         "hybridfp NVFP4 fwd / MXFP8 bwd"}
+    for r in rows.values():
+        for t in ("y", "dx", "dW"):
+            assert 0 <= r[f"err_{t}"] <= r[f"bound_{t}"], (r["variant"], t)
+        if not r["baseline"]:
+            assert len(r["vs BF16 eager"]["rounds"]) == 1
+    assert rows["BF16 eager"]["bound_y"] < rows["hybridfp FP8 current"]["bound_y"] \
+        < rows["hybridfp NVFP4 fwd / MXFP8 bwd"]["bound_y"]
+
+
+def test_mlp_wrong_candidate_fails_the_run(tiny_mlp, tmp_path, monkeypatch):
+    real = tiny_mlp.hybridfp_linear
+
+    def broken(i, o):  # a layer whose output is 1.5x too large
+        m = real(i, o)
+        m.register_forward_hook(lambda mod, inp, out: out * 1.5)
+        return m
+    monkeypatch.setattr(tiny_mlp, "hybridfp_linear", broken)
+    monkeypatch.setattr(tiny_mlp, "RECIPES", tiny_mlp.RECIPES[:1])
+    monkeypatch.setattr(tiny_mlp, "FUSED_RECIPES", ())
+    out = tmp_path / "mlp.json"
+    with pytest.raises(SystemExit, match="hybridfp FP8 current: y: relative error"):
+        tiny_mlp.main(_mlp_args(out, "--no-compile"))
+    assert json.loads(out.read_text())["failures"]
+
+
+def test_mlp_missing_torchao_fails_by_name(tiny_mlp, tmp_path, monkeypatch):
+    monkeypatch.setattr(tiny_mlp, "torchao_status", lambda: (None, "unavailable (ModuleNotFoundError)"))
+    with pytest.raises(SystemExit, match="baseline torchao float8 missing.*--no-torchao"):
+        tiny_mlp.main(_mlp_args(tmp_path / "mlp.json"))
+
+
+def test_mlp_baseline_past_deadline_fails_by_name(tiny_mlp, tmp_path):
+    out = tmp_path / "mlp.json"
+    with pytest.raises(SystemExit, match="baseline 'BF16 eager' not run: --deadline-s passed"):
+        tiny_mlp.main(_mlp_args(out, "--no-torchao", "--deadline-s", "-1"))
+    assert "--no-torchao" in json.loads(out.read_text())["skipped"][0]
