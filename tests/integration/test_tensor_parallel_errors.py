@@ -89,7 +89,7 @@ def _cases(rank: int, world: int) -> dict:
     out["placement"] = _error(lambda: run(parallelize_module(_mlp(), mesh, plan), hf.MXFP8BlockScaling(), dt_in))
 
     def quantized_weights():
-        with hf.quantized_model_init(recipe=hf.MXFP8BlockScaling()):
+        with hf.quantized_model_init(recipe=hf.Float8BlockScaling()):  # 128x128 blocks, 64 rows a rank
             m = _mlp()
         parallelize_module(m, mesh, plan)
     out["quantized_init"] = _error(quantized_weights)
@@ -146,7 +146,7 @@ def results(tmp_path_factory):
     ("save_input", "NotImplementedError", ["fc1", "save_original_input=True", "save_original_input=False"]),
     ("row_scaled", "ValueError", ["row_scaled_nvfp4", "input"]),
     ("placement", "ValueError", ["placed", "Redistribute"]),
-    ("quantized_init", "NotImplementedError", ["quantized_model_init"]),
+    ("quantized_init", "ValueError", ["fc1.weight", "quantized primary weight", "blocked every 128 rows"]),
 ])
 def test_unsupported_layouts_raise_clear_errors(results, case, kind, words):
     for got_kind, msg in (r[case] for r in results):
