@@ -41,6 +41,7 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from ..config import policy
@@ -48,6 +49,7 @@ from ..recipes import current_autocast
 from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
 from .fsdp_amax import reduced_amax
 from .fsdp_layout import GatherLayout, assemble, gather_layout, pack, unpack
+from .fsdp_tensor_parallel import MeshAmax, check_tensor_parallel_blocks, tensor_parallel_spec, wrap_tensor_parallel
 
 aten = torch.ops.aten
 
@@ -150,8 +152,16 @@ class QuantizedGatherWeight(torch.Tensor):
                     f"{who}: FSDP2 all-gathers this weight quantized (enable_quantized_all_gather) but no "
                     "hybridfp.autocast region is active; run the model's forward inside hybridfp.autocast.")
             q = owner.quantizers(state)["weight"][slot.index]
-            _check_delayed(q, state, group, who)
-            q.set_amax_reduction_group(group)  # every rank encodes with the whole weight's scale
+            tp = tensor_parallel_spec(owner, slot.index)
+            if tp is None:
+                _check_delayed(q, state, group, who)
+                q.set_amax_reduction_group(group)  # every rank encodes with the whole weight's scale
+            else:
+                # a tensor-parallel shard: the layer's scale is its whole weight's, so the amax
+                # goes over dp, then tp (delayed scaling: the layers' own rule, the caller reduces
+                # the pending amaxes over every rank before the region ends)
+                check_tensor_parallel_blocks(q, owner, slot.index, tuple(outer_size), who)
+                q.set_amax_reduction_group(MeshAmax((group, tp.group)))
             sent = sets[0]
             slot.backward_q = q.copy()  # the forward's state: delayed scaling moves at region end
         else:
@@ -195,7 +205,8 @@ class QuantizedGatherWeight(torch.Tensor):
             inner = tuple(whole.qstorage.tensors())
             _free_unsent(whole, sent)
             return whole, inner
-        _refill(out, shard, tensors, sent)
+        # a tensor-parallel weight's unsharded parameter is the DTensor wrapping the gathered one
+        _refill(out._local_tensor if isinstance(out, DTensor) else out, shard, tensors, sent)
         return None
 
 
@@ -380,13 +391,18 @@ def enable_quantized_all_gather(model: nn.Module, *, copies: str = "per_directio
     for module in model.modules():
         for attr, index in getattr(module, "quantized_weight_slots", ()):
             p = getattr(module, attr)
-            if isinstance(p, QuantizedGatherWeight):
-                p._slot.copies = copies
+            if isinstance(p, QuantizedGatherWeight) or isinstance(getattr(p, "_local_tensor", None), QuantizedGatherWeight):
+                getattr(p, "_local_tensor", p)._slot.copies = copies
                 n += 1
                 continue
             if isinstance(p, QuantizedTensor):  # quantized_model_init: a quantized primary weight
                 from .fsdp_primary import primary_parameter
                 setattr(module, attr, primary_parameter(p, attr, index, copies))
+                n += 1
+                continue
+            if isinstance(p, DTensor):  # tensor-parallel: FSDP2 shards (and gathers) its local tensor
+                slot = _Slot(attr, index, copies)
+                setattr(module, attr, wrap_tensor_parallel(module, attr, p, lambda t, s=slot: QuantizedGatherWeight(t, s)))
                 n += 1
                 continue
             if type(p.data) is not torch.Tensor:
