@@ -6,7 +6,9 @@
     python -m bench --quick         # small sizes, a smoke test (results not kept unless --results-dir)
 
 Each benchmark writes ``bench/results/<name>.json`` (overwritten when it succeeds; a failed run
-leaves the previous file). ``bench/RESULTS.md`` holds the latest figures with their hardware.
+leaves the previous file and writes what it measured to ``<name>.failed.json``). Ratios are
+paired (``bench/protocol.py``); the headlines show each with its ~95 % interval.
+``bench/RESULTS.md`` holds the latest figures with their hardware.
 """
 
 from __future__ import annotations
@@ -46,21 +48,47 @@ def _x(v: Optional[float], digits: int = 3) -> str:
     return "-" if v is None else f"{v:.{digits}f}x"
 
 
+def _paired(p: Optional[dict[str, Any]], target: Optional[float] = None) -> str:
+    """A paired ratio (``PairedRatio.as_dict``) as "1.234x [1.220, 1.250]", marked below ``target``."""
+    if not p:
+        return "-"
+    text = f"{p['ratio']:.3f}x [{p['low']:.3f}, {p['high']:.3f}]"
+    return text + (f" BELOW {target:.2f}x TARGET" if target is not None and p["ratio"] < target else "")
+
+
+#: hybridfp.gemm / raw and decoded-pair / BF16-on-decoded below this are marked (bench_gemm.TARGET)
+GEMM_TARGET = 0.97
+
+
 def _gemm(r: dict[str, Any]) -> Rows:
     out: Rows = []
     for row in r.get("rows", []):
         if row.get("shape", "").startswith("8192"):
-            out.append(("FP8 per-tensor hybridfp.gemm / raw torch._scaled_mm, 8192^3", _x(row.get("tensorwise_ratio"))))
-            out.append((f"FP8 block ({row.get('block_pair')}) hybridfp.gemm / raw, 8192^3", _x(row.get("block_ratio"))))
+            out.append(("FP8 per-tensor hybridfp.gemm / raw torch._scaled_mm, 8192^3",
+                        _paired(row.get("tensorwise_paired"), GEMM_TARGET)))
+            out.append((f"FP8 block ({row.get('block_pair')}) hybridfp.gemm / raw, 8192^3",
+                        _paired(row.get("block_paired"), GEMM_TARGET)))
             out.append(("TFLOP/s BF16 / FP8 per-tensor hybridfp, 8192^3",
                         f"{row.get('bf16', 0):.0f} / {row.get('tensorwise_hybridfp', 0):.0f}"))
+        else:  # other shapes: only where they miss the target
+            for key, what in (("tensorwise_paired", "FP8 per-tensor"), ("block_paired", "FP8 block")):
+                if (row.get(key) or {}).get("ratio", GEMM_TARGET) < GEMM_TARGET:
+                    out.append((f"{what} hybridfp.gemm / raw, {row.get('shape')}", _paired(row[key], GEMM_TARGET)))
     return out
 
 
 def _gemm_pairs(r: dict[str, Any]) -> Rows:
-    return [(f"{row['pair']} {row['layout']} / BF16, 8192^3, cold / warm",
-             f"{_x(row.get('cold_ratio'))} / {_x(row.get('warm_ratio'))}")
-            for row in r.get("rows", []) if row.get("shape", "").startswith("8192")]
+    out: Rows = []
+    for row in r.get("rows", []):
+        if not row.get("shape", "").startswith("8192"):
+            continue
+        if "error" in row:
+            out.append((f"{row['pair']} {row['layout']}, 8192^3", f"FAILED: {row['error'][:80]}"))
+            continue
+        for mode in ("cold", "warm"):
+            out.append((f"{row['pair']} {row['layout']} {mode} / BF16 on decoded values; on randn, 8192^3",
+                        f"{_paired(row.get(f'{mode}_vs_decoded'), GEMM_TARGET)}; {_paired(row.get(f'{mode}_vs_randn'))}"))
+    return out
 
 
 def _quantize(r: dict[str, Any]) -> Rows:
@@ -83,9 +111,10 @@ def _mlp(r: dict[str, Any]) -> Rows:
     for row in r.get("rows", []):
         if row.get("model", "").startswith("Llama") and row.get("variant") != "BF16 eager":
             value = row.get("error", "?")
-            if row.get("speedup_vs_bf16_eager"):
-                value = f"{_x(row['speedup_vs_bf16_eager'], 2)} eager" + (
-                    f", {_x(row['speedup_vs_bf16_compile'], 2)} compiled" if row.get("speedup_vs_bf16_compile") else "")
+            if "vs BF16 eager" in row:
+                target = 1.0 if row["variant"].startswith("hybridfp") else None
+                value = f"{_paired(row['vs BF16 eager'], target)} eager" + (
+                    f", {_paired(row['vs BF16 torch.compile'])} compiled" if "vs BF16 torch.compile" in row else "")
             out.append((f"MLP {row['variant']} vs BF16", value))
     return out
 
@@ -135,7 +164,8 @@ def _offload(r: dict[str, Any]) -> Rows:
 
 
 def _convergence(r: dict[str, Any]) -> Rows:
-    return [(f"{name}: steps", str(p.get("steps"))) for name, p in r.get("plan", {}).items()]
+    plan = r.get("plan", {}).get("comparisons", {})
+    return [(f"{name}: steps per run", str(p.get("steps"))) for name, p in plan.items()]
 
 
 BENCHMARKS: dict[str, Benchmark] = {
@@ -184,8 +214,10 @@ def run_one(name: str, out: Path, quick: bool) -> tuple[Optional[dict[str, Any]]
     print(proc.stdout, flush=True)
     if proc.returncode != 0 or not tmp.exists():
         print(proc.stderr[-4000:], file=sys.stderr, flush=True)
-        tmp.unlink(missing_ok=True)
-        return None, f"failed (exit {proc.returncode})"
+        if tmp.exists():  # what it measured before failing (a check, a missing baseline) stays readable
+            tmp.replace(out.with_name(out.stem + ".failed.json"))
+        last = proc.stderr.strip().splitlines()[-1:] or [""]
+        return None, f"failed (exit {proc.returncode}) {last[0][:160]}".strip()
     tmp.replace(out)
     return json.loads(out.read_text()), f"{time.monotonic() - t0:.0f} s"
 

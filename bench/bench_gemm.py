@@ -6,10 +6,12 @@ projection (16384 tokens, 4096 -> 14336): fprop TN [16384,14336,4096], dgrad NN
 library's quantizers (E4M3 forward, E5M2 gradients for per-tensor; E4M3 1x128 / 128x128
 blocks); "raw" calls torch._scaled_mm on the same stored tensors with the scale layouts
 prepared beforehand and the same accumulation mode, so hybridfp/raw is the cost of dispatch
-(and of laying out block scales per call). Raw and hybridfp are timed alternately, three
-rounds each, medians.
+(and of laying out block scales per call). Every ratio is paired
+(``bench.protocol.paired_ratio``: median over alternating rounds of raw time / hybridfp time,
+with its ~95 % interval); rows below ``TARGET`` are marked in the table. The BF16 TFLOP/s are
+one unpaired ``do_bench`` median (context, not a ratio).
 
-    python -m bench.bench_gemm [--out results.json] [--quick]
+    python -m bench.bench_gemm [--out results.json] [--quick] [--rounds N] [--samples N]
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from typing import Any
 import torch
 
 from bench import common
-from bench.common import bench_ms, bench_pair, copy_bandwidth, environment, finish, md_table, parser, require_cuda, tflops
+from bench.common import (bench_ms, copy_bandwidth, environment, finish, md_table, parser, protocol_from,
+                          protocol_record, require_cuda, tflops)
+from bench.protocol import PairedRatio, Protocol, paired_ratio
 from hybridfp.gemm import gemm, operand_storage, select
 from hybridfp.gemm.gemm import LAYOUTS
 from hybridfp.kernels import cublas_fp8
@@ -39,6 +43,23 @@ QUICK_SHAPES = [("2048^3 fprop", 2048, 2048, 2048, "TN"), ("1024x2048x4096 wgrad
 # Operand formats per layout: (A quantizer, B quantizer) as the recipes make them.
 TENSORWISE = {"TN": (E4M3, E4M3), "NN": (E5M2, E4M3), "NT": (E5M2, E4M3)}
 BLOCK_DIMS = {"TN": (1, 2), "NN": (1, 2), "NT": (1, 1)}
+#: hybridfp.gemm / raw torch._scaled_mm below this is marked: dispatch should cost < 3 %
+TARGET = 0.97
+
+
+def marked(ratio: dict[str, Any]) -> str:
+    """A paired ratio (``PairedRatio.as_dict``) as "ratio [low, high]", marked below ``TARGET``.
+
+    Example: ``marked({"ratio": 0.955, "low": 0.95, "high": 0.96})`` ends in "below 0.97 target"."""
+    text = f"{ratio['ratio']:.3f} [{ratio['low']:.3f}, {ratio['high']:.3f}]"
+    return text + (f" **below {TARGET} target**" if ratio["ratio"] < TARGET else "")
+
+
+def _record(row: dict[str, Any], key: str, flops: float, r: PairedRatio) -> None:
+    """A paired raw-vs-hybridfp measurement into ``row``: TFLOP/s of each side and the ratio."""
+    row[f"{key}_raw"], row[f"{key}_hybridfp"] = tflops(flops, r.baseline_ms), tflops(flops, r.candidate_ms)
+    row[f"{key}_paired"] = r.as_dict()
+    row[f"{key}_ratio"] = r.ratio
 
 
 def _operands(layout: str, qa, qb, m: int, n: int, k: int):
@@ -63,8 +84,8 @@ def _payloads(A, B, layout: str):
     return sa, sb, pa, pb, pa["data"].contiguous(), pb["data"].contiguous()
 
 
-def bench_shape(name: str, m: int, n: int, k: int, layout: str) -> dict[str, Any]:
-    """BF16, raw and hybridfp TFLOP/s at one shape."""
+def bench_shape(name: str, m: int, n: int, k: int, layout: str, protocol: Protocol = Protocol()) -> dict[str, Any]:
+    """BF16, raw and hybridfp TFLOP/s at one shape; hybridfp / raw as paired ratios."""
     flops = 2.0 * m * n * k
     row: dict[str, Any] = {"shape": name, "m": m, "n": n, "k": k, "layout": layout}
     a = torch.randn(m, k, device=common.DEVICE, dtype=torch.bfloat16)
@@ -84,13 +105,11 @@ def bench_shape(name: str, m: int, n: int, k: int, layout: str) -> dict[str, Any
                                 use_fast_accum=fast)
     lib = lambda: gemm(A, B, layout)  # noqa: E731 - the default: FP32 promotion (docs/numerics.md §1)
     row["tensorwise_equal_to_raw"] = bool(torch.equal(raw(), lib()))
-    t_raw, t_lib = bench_pair(raw, lib)
-    row["tensorwise_raw"], row["tensorwise_hybridfp"] = tflops(flops, t_raw), tflops(flops, t_lib)
+    _record(row, "tensorwise", flops, paired_ratio(raw, lib, protocol))
     if layout == "TN":  # what a recipe's fprop_fast_accumulation=True runs (TE's / torchao's fprop)
         lib_fast = lambda: gemm(A, B, layout, fast_accumulation=True)  # noqa: E731
         row["tensorwise_fast_equal_to_raw"] = bool(torch.equal(raw(True), lib_fast()))
-        t_raw, t_lib = bench_pair(lambda: raw(True), lib_fast)
-        row["tensorwise_fast_raw"], row["tensorwise_fast_hybridfp"] = tflops(flops, t_raw), tflops(flops, t_lib)
+        _record(row, "tensorwise_fast", flops, paired_ratio(lambda: raw(True), lib_fast, protocol))
     row["tensorwise_stored_contiguous"] = pa["data"].is_contiguous() and pb["data"].is_contiguous()
     del A, B, sa, sb, pa, pb, a8, b8
 
@@ -109,10 +128,7 @@ def bench_shape(name: str, m: int, n: int, k: int, layout: str) -> dict[str, Any
                                    out_dtype=torch.bfloat16)
     lib = lambda: gemm(A, B, layout)  # noqa: E731
     row["block_equal_to_raw"] = bool(torch.equal(raw(), lib()))
-    t_raw, t_lib = bench_pair(raw, lib)
-    row["block_raw"], row["block_hybridfp"] = tflops(flops, t_raw), tflops(flops, t_lib)
-    row["tensorwise_ratio"] = row["tensorwise_hybridfp"] / row["tensorwise_raw"]
-    row["block_ratio"] = row["block_hybridfp"] / row["block_raw"]
+    _record(row, "block", flops, paired_ratio(raw, lib, protocol))
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return row
@@ -121,22 +137,27 @@ def bench_shape(name: str, m: int, n: int, k: int, layout: str) -> dict[str, Any
 def main(argv=None) -> None:
     args = parser(__doc__.splitlines()[0]).parse_args(argv)
     require_cuda()
+    protocol = protocol_from(args)
     warnings.simplefilter("ignore")  # reference-quantizer notices; not what is measured here
     env = environment()
     copy = copy_bandwidth()
-    rows = [bench_shape(*s) for s in (QUICK_SHAPES if args.quick else SHAPES)]
+    rows = [bench_shape(*s, protocol=protocol) for s in (QUICK_SHAPES if args.quick else SHAPES)]
     headers = ["shape (m,n,k)", "layout", "BF16", "FP8 raw", "FP8 hybridfp", "ratio",
                "block", "block raw", "block hybridfp", "ratio", "bitwise = raw", "stored row-major"]
     fast_rows = [(f"{r['shape']} ({r['m']},{r['n']},{r['k']})", r["tensorwise_fast_raw"], r["tensorwise_fast_hybridfp"],
-                  r["tensorwise_fast_hybridfp"] / r["tensorwise_fast_raw"], r["tensorwise_fast_equal_to_raw"])
+                  marked(r["tensorwise_fast_paired"]), r["tensorwise_fast_equal_to_raw"])
                  for r in rows if "tensorwise_fast_raw" in r]
     table = md_table(headers, [
         (f"{r['shape']} ({r['m']},{r['n']},{r['k']})", r["layout"], r["bf16"], r["tensorwise_raw"],
-         r["tensorwise_hybridfp"], r["tensorwise_ratio"], r["block_pair"], r["block_raw"],
-         r["block_hybridfp"], r["block_ratio"],
+         r["tensorwise_hybridfp"], marked(r["tensorwise_paired"]), r["block_pair"], r["block_raw"],
+         r["block_hybridfp"], marked(r["block_paired"]),
          f"{r['tensorwise_equal_to_raw']}/{r['block_equal_to_raw']}",
          f"{r['tensorwise_stored_contiguous']}/{r['block_stored_contiguous']}") for r in rows])
-    md = ("### GEMM TFLOP/s (median, do_bench)\n\n"
+    md = ("### GEMM TFLOP/s and paired ratios\n\n"
+          f"ratio: median over {protocol.rounds} alternating rounds ({protocol.samples} calls a side each, L2 "
+          f"flushed before each) of raw time / hybridfp time, [~95 % interval]; below {TARGET}: marked. BF16: "
+          "one unpaired do_bench median." + ("" if protocol.reportable else " NOT REPORTABLE (fewer than 10 "
+                                                                              "rounds or samples).") + "\n\n"
           f"Copy bandwidth (same process): {copy['GBps']:.0f} GB/s. FP8 per-tensor: E4M3 x E4M3 "
           "fprop, E5M2 x E4M3 dgrad/wgrad, FP32 promotion (gemm()'s default); block: E4M3. ratio = hybridfp.gemm / "
           "raw torch._scaled_mm on the same stored operands (made row-major once beforehand where the "
@@ -144,7 +165,8 @@ def main(argv=None) -> None:
           + "\n\nfprop with cuBLAS fast accumulation (`gemm(fast_accumulation=True)`, a recipe's "
           "`fprop_fast_accumulation=True`; TE's and torchao's fprop setting), TFLOP/s:\n\n"
           + md_table(["shape (m,n,k)", "FP8 raw fast", "FP8 hybridfp fast", "ratio", "bitwise = raw"], fast_rows) + "\n")
-    finish("gemm", {"env": env, "copy_bandwidth": copy, "rows": rows, "markdown": md}, args.out)
+    finish("gemm", {"env": env, "protocol": protocol_record(protocol), "copy_bandwidth": copy, "rows": rows,
+                    "markdown": md}, args.out)
 
 
 if __name__ == "__main__":

@@ -126,3 +126,9 @@ def test_mlp_baseline_past_deadline_fails_by_name(tiny_mlp, tmp_path):
     with pytest.raises(SystemExit, match="baseline 'BF16 eager' not run: --deadline-s passed"):
         tiny_mlp.main(_mlp_args(out, "--no-torchao", "--deadline-s", "-1"))
     assert "--no-torchao" in json.loads(out.read_text())["skipped"][0]
+
+
+def test_gemm_rows_below_target_are_marked():
+    from bench import bench_gemm
+    assert bench_gemm.marked({"ratio": 0.955, "low": 0.95, "high": 0.96}).endswith("below 0.97 target**")
+    assert "target" not in bench_gemm.marked({"ratio": 0.99, "low": 0.98, "high": 1.0})

@@ -1,5 +1,6 @@
 """``python -m bench``: ``--list`` names every benchmark; without CUDA it says so in one line and exits 2."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -32,3 +33,44 @@ def test_without_cuda_one_line_and_exit_2():
     assert proc.stdout == ""
     assert len(proc.stderr.strip().splitlines()) == 1 and "CUDA" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def _p(ratio, low=None, high=None):
+    return {"ratio": ratio, "low": low or ratio - 0.01, "high": high or ratio + 0.01, "rounds": [], "clocks": {}}
+
+
+def test_headlines_read_paired_ratios_and_mark_targets():
+    from bench.__main__ import _gemm, _gemm_pairs, _mlp
+    gemm = dict(_gemm({"rows": [
+        {"shape": "8192^3 fprop", "block_pair": "1x128 x 128x128", "tensorwise_paired": _p(0.99),
+         "block_paired": _p(0.955), "bf16": 700.0, "tensorwise_hybridfp": 1200.0},
+        {"shape": "llama3-8b up dgrad", "tensorwise_paired": _p(1.0), "block_paired": _p(0.952)}]}))
+    assert gemm["FP8 per-tensor hybridfp.gemm / raw torch._scaled_mm, 8192^3"] == "0.990x [0.980, 1.000]"
+    assert gemm["FP8 block (1x128 x 128x128) hybridfp.gemm / raw, 8192^3"].endswith("BELOW 0.97x TARGET")
+    assert "BELOW" in gemm["FP8 block hybridfp.gemm / raw, llama3-8b up dgrad"]
+    assert not any("per-tensor" in k and "dgrad" in k for k in gemm)  # on target: not a headline
+    pairs = dict(_gemm_pairs({"rows": [{"pair": "MXFP8 x MXFP8", "layout": "TN", "shape": "8192^3",
+                                        "cold_vs_decoded": _p(0.93), "cold_vs_randn": _p(1.01),
+                                        "warm_vs_decoded": _p(1.05), "warm_vs_randn": _p(1.1)}]}))
+    cold = pairs["MXFP8 x MXFP8 TN cold / BF16 on decoded values; on randn, 8192^3"]
+    assert cold.startswith("0.930x") and "BELOW" in cold and cold.endswith("1.010x [1.000, 1.020]")
+    mlp = dict(_mlp({"rows": [{"model": "Llama-3-8B MLP", "variant": "hybridfp MXFP8",
+                               "vs BF16 eager": _p(0.98), "vs BF16 torch.compile": _p(0.9)},
+                              {"model": "Llama-3-8B MLP", "variant": "hybridfp NVFP4", "error": "y: relative error"}]}))
+    assert mlp["MLP hybridfp MXFP8 vs BF16"] == ("0.980x [0.970, 0.990] BELOW 1.00x TARGET eager, "
+                                                 "0.900x [0.890, 0.910] compiled")
+    assert mlp["MLP hybridfp NVFP4 vs BF16"] == "y: relative error"
+
+
+def test_failed_benchmark_keeps_its_json_beside_the_last_good_one(tmp_path, monkeypatch):
+    import bench.__main__ as main
+    (tmp_path / "fake_failing_bench.py").write_text(
+        "import sys, json\nout = sys.argv[sys.argv.index('--out') + 1]\n"
+        "open(out, 'w').write(json.dumps({'rows': []}))\nsys.exit('baseline torchao float8 missing')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setitem(main.BENCHMARKS, "fake", main.Benchmark("fake_failing_bench", "a failing one", quick=False))
+    good = tmp_path / "fake.json"
+    good.write_text("{}")
+    result, status = main.run_one("fake", good, quick=False)
+    assert result is None and "exit 1" in status and "torchao" in status
+    assert good.read_text() == "{}" and json.loads((tmp_path / "fake.failed.json").read_text()) == {"rows": []}
