@@ -1,0 +1,122 @@
+"""bench.sweep_dispatch on the CPU: the quick sweep runs every decision, each cell's "picked" is
+what the library's own decision functions answer, and the holds / flagged verdict."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import hybridfp
+from bench import common, sweep_dispatch as sd
+from hybridfp.gemm.gemm import operand_storage
+from hybridfp.kernels import triton_decode, triton_hybrid_nvfp4
+from hybridfp.kernels.moe import triton_grouped_fp8_gemm, triton_grouped_gemm
+from hybridfp.moe.gemm import GROUPED_FP8_TRITON, GROUPED_TRITON, grouped_path, per_group_wins
+from hybridfp.moe.quantize_weights import _worth_stacking
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """``python -m bench.sweep_dispatch --quick --out F`` with the benchmark device set to the CPU."""
+    mp = pytest.MonkeyPatch()
+    mp.setattr(common, "DEVICE", "cpu")
+    out = tmp_path_factory.mktemp("sweep") / "sweep.json"
+    try:
+        sd.main(["--quick", "--out", str(out)])
+    finally:
+        mp.undo()
+    return json.loads(out.read_text())
+
+
+def test_quick_sweep_covers_every_decision(quick):
+    rows = quick["rows"]
+    assert [r["decision"] for r in rows] == [n for n in sd.DECISIONS for _ in sd.DECISIONS[n].cells(sd.QUICK)]
+    assert all("error" not in r and "errors" not in r for r in rows), [r for r in rows if "error" in r or "errors" in r]
+    for r in rows:
+        assert r["picked"] in r["ms"] and r["fastest"] in r["ms"] and r["ratio"] >= 1.0
+        assert r["flagged"] == (not r["holds"]) == (r["ratio"] > 1 + sd.TOLERANCE)
+    assert {label.split(":")[0] for label, _ in quick["headline"]} == set(sd.DECISIONS)
+    assert quick["markdown"].count("\n") == len(rows) + 1
+
+
+def _expected_picks(cell: sd.Cell) -> dict[str, str]:
+    """What the library answers for ``cell``, asked of its own functions on operands built here."""
+    sizes = sd.splits_for(cell.rows, cell.experts)
+    fp8 = [hybridfp.Float8CurrentScalingQuantizer(torch.float8_e5m2)(torch.randn(m, cell.ffn)) for m in sizes]
+    w8 = [hybridfp.Float8CurrentScalingQuantizer(torch.float8_e4m3fn)(torch.randn(cell.ffn, cell.hidden))
+          for _ in sizes]
+    fp8_path = grouped_path([operand_storage(t, "rowwise", "A") for t in fp8],
+                            [operand_storage(t, "columnwise", "B") for t in w8], "NN", torch.bfloat16, False)[0]
+    qx = hybridfp.NVFP4Quantizer()
+    qx.set_usage(rowwise=True, columnwise=False)
+    x4 = [qx(torch.randn(m, cell.hidden)) for m in sizes]
+    w4 = [hybridfp.NVFP4Quantizer()(torch.randn(cell.ffn, cell.hidden)) for _ in sizes]
+    nvfp4_path = grouped_path([operand_storage(t, "rowwise", "A") for t in x4],
+                              [operand_storage(t, "rowwise", "B") for t in w4], "TN", torch.bfloat16, False)[0]
+    qs = [hybridfp.Float8CurrentScalingQuantizer(torch.float8_e4m3fn) for _ in sizes]
+    stack = _worth_stacking(qs, list(torch.randn(cell.experts, cell.ffn, cell.hidden).unbind(0)), None, None)
+    return {"bf16_per_group": "cuBLAS per group" if per_group_wins(sizes) else "torch._grouped_mm",
+            "fp8_per_expert": "Triton FP8 grouped" if fp8_path == GROUPED_FP8_TRITON else "cuBLAS per expert",
+            "many_experts": "Triton grouped" if nvfp4_path == GROUPED_TRITON else "per-expert loop",
+            "stack_scaled": "stacked" if stack else "per expert",
+            "fp8_tile_rows": f"{triton_grouped_fp8_gemm.TILE} (default)",
+            "fp8_tile_wgrad": f"{triton_grouped_fp8_gemm.WGRAD_TILE} (default)",
+            "bf16_tile": f"{triton_grouped_gemm.TILE} (default)"}
+
+
+def test_picked_is_the_library_answer(quick):
+    dense = {"nvfp4_hybrid_tile": f"{triton_hybrid_nvfp4.DEFAULT_TILES['natural']} (default)",
+             "mxfp8_decode_tile": f"{(triton_decode._TILE_1D, triton_decode._WARPS_1D)} (default)"}
+    for r in quick["rows"]:
+        if r["experts"] is None:
+            want = dense[r["decision"]]
+        else:
+            cell = sd.Cell(r["tokens"], r["hidden"], r["experts"], r["ffn"])
+            want = _expected_picks(cell if r["tokens"] else sd.Cell(64, r["hidden"], r["experts"], r["ffn"]))[r["decision"]]
+        assert r["picked"] == want, (r["decision"], r["cell"])
+
+
+@pytest.mark.parametrize("fields, name, want", [
+    ({"per_group_min_mean": 0}, "bf16_per_group", "cuBLAS per group"),
+    ({"per_group_max_groups": 0}, "bf16_per_group", "torch._grouped_mm"),
+    ({"grouped_triton_devices": {"cpu"}}, "fp8_per_expert", "Triton FP8 grouped"),
+    ({"grouped_triton_devices": {"cpu"}, "per_expert_fp8_flops": 0.0}, "fp8_per_expert", "cuBLAS per expert"),
+    ({"grouped_triton_devices": {"cpu"}}, "many_experts", "Triton grouped"),
+    ({"stack_scaled_max_numel": 0}, "stack_scaled", "per expert"),
+])
+def test_picked_follows_the_policy(fields, name, want, monkeypatch):
+    """A case built under another policy picks what the library's functions answer under it."""
+    monkeypatch.setattr(common, "DEVICE", "cpu")
+    cell = sd.moe_cells(sd.QUICK)[0]
+    with hybridfp.policy(**fields):
+        case = sd.DECISIONS[name].build(cell, True)
+        assert case.picked == want == _expected_picks(cell)[name]
+    assert set(case.alternatives) >= {want}
+
+
+def test_judge_on_synthetic_timings():
+    assert sd.judge({"a": 2.0, "b": 1.0}, "b") == {"picked": "b", "fastest": "b", "ratio": 1.0, "holds": True,
+                                                    "flagged": False}
+    v = sd.judge({"a": 1.0, "b": 1.029}, "b")
+    assert v["fastest"] == "a" and v["ratio"] == pytest.approx(1.029) and v["holds"] and not v["flagged"]
+    v = sd.judge({"a": 1.0, "b": 1.031}, "b")
+    assert v["ratio"] == pytest.approx(1.031) and v["flagged"] and not v["holds"]
+    # the paired ratio replaces the medians' where they differ
+    assert sd.judge({"a": 1.0, "b": 1.2}, "b", paired=1.01)["holds"]
+    assert sd.judge({"a": 1.0, "b": 1.01}, "b", paired=1.1)["flagged"]
+    v = sd.judge({"a": 1.0, "b": 1.01}, "b", paired=0.98)  # paired: the picked one is as fast
+    assert (v["fastest"], v["ratio"], v["holds"]) == ("b", 1.0, True)
+    # a failed alternative: ignored unless it is the picked one
+    assert sd.judge({"a": None, "b": 1.0}, "b")["holds"]
+    v = sd.judge({"a": 1.0, "b": None}, "b")
+    assert (v["fastest"], v["ratio"], v["flagged"]) == ("a", None, True)
+    with pytest.raises(KeyError, match="'c' is not one of the timed"):
+        sd.judge({"a": 1.0}, "c")
+
+
+def test_unknown_decision_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        sd.main(["--only", "bf16_per_group,nope"])
+    assert "unknown decision nope" in capsys.readouterr().err
