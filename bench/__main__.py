@@ -195,6 +195,9 @@ BENCHMARKS: dict[str, Benchmark] = {
     "convergence": Benchmark("bench.convergence", "validation loss of every recipe vs BF16 (trains ~10 minutes)",
                              ("--out", "runs/convergence"), default=False, out_flag="--json", quick=False,
                              timeout_s=1800.0, headline=_convergence),
+    "sweep_dispatch": Benchmark("bench.sweep_dispatch", "GEMM-path thresholds and tile defaults away from their "
+                                "fitted shapes: picked / fastest per cell", default=False, timeout_s=900.0,
+                                headline=lambda r: [tuple(row) for row in r.get("headline", [])]),
 }
 
 
