@@ -16,7 +16,9 @@ where a block straddles shards; it catches writes that move no version counter, 
 ``foreach`` optimizer's on a DTensor). A weight changed since raises a clear error: call the
 function again after each optimizer step (or after loading weights). Quantizers whose amax is
 not the weight's own (NVFP4 with a post-RHT amax, a hybrid's columnwise side read from the
-dequantized rowwise copy) keep their per-gather all-reduce. Quantized primary weights
+dequantized rowwise copy) keep their per-gather all-reduce. Tensor-parallel weights (a 2-D
+mesh, ``fsdp_tensor_parallel.py``) take a second all-reduce over the tensor-parallel group: their
+scale is the whole weight's, as the tensor-parallel layer's. Quantized primary weights
 (``fsdp_primary.py``) are skipped: their gathers send stored codes and read no amax.
 """
 
@@ -252,7 +254,10 @@ def precompute_weight_amax(model: nn.Module) -> int:
             src = local._hp.detach()
             with torch.no_grad():
                 amax = amax_nan(src.to(dtype) if dtype != src.dtype else src)
-            by_group.setdefault(mesh.get_group(mesh.ndim - 1), []).append((record, local, amax, dtype))
+            # a tensor-parallel weight's scale is its whole weight's: reduced over dp, then tp
+            spec = getattr(record, "_unsharded_dtensor_spec", None)
+            tp = spec.mesh.get_group() if spec is not None and spec.mesh.ndim == 1 else None
+            by_group.setdefault((mesh.get_group(mesh.ndim - 1), tp), []).append((record, local, amax, dtype))
     if not by_group and primary:
         return 0
     if not by_group:
@@ -260,9 +265,11 @@ def precompute_weight_amax(model: nn.Module) -> int:
             f"precompute_weight_amax: {type(model).__name__} has no weight that FSDP2 gathers quantized; "
             "call hybridfp.enable_quantized_all_gather(model) and then fully_shard first.")
     n = 0
-    for group, entries in by_group.items():  # in module order: the same on every rank
+    for (group, tp), entries in by_group.items():  # in module order: the same on every rank
         flat = torch.stack([amax for _, _, amax, _ in entries])
         dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)  # the step's one collective
+        if tp is not None:  # (a tensor-parallel weight's second: over the tp group)
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=tp)
         for k, (record, local, amax, dtype) in enumerate(entries):
             param = record.sharded_param
             local._slot.amax = PrecomputedAmax(weakref.ref(param), weakref.ref(local),

@@ -62,13 +62,15 @@ def _plan(kind: str) -> dict:
     return {"0": hf.ColwiseParallel(), "2": hf.RowwiseParallel()}
 
 
-def _train(model: nn.Module, recipe: str, sent: list | None = None) -> list[float]:
+def _train(model: nn.Module, recipe: str, precompute: bool = False) -> list[float]:
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     g = torch.Generator().manual_seed(1)
     x, c = torch.randn(ROWS, H, generator=g), torch.randn(ROWS, H, generator=g)
     losses = []
     for _ in range(STEPS):
         opt.zero_grad()
+        if precompute:  # the step's weight amaxes in one reduction (after each optimizer step)
+            assert hf.precompute_weight_amax(model) == 2
         with hf.autocast(recipe=RECIPES[recipe]()):
             y = model(x)
         loss = (y.float() * c).sum()
@@ -134,6 +136,10 @@ def _worker(rank: int, world: int) -> dict:
             out[f"{kind}-{recipe}"] = {
                 "losses": got, "tp_losses": want, "sent": list(sent),
                 "diff_params": [n for n, v in _params(model).items() if v != _params(tp, rank // 2)[n]]}
+    # the weights' amaxes precomputed once a step (over dp, then tp): the same scales
+    for recipe in ("current", "hybrid_nvfp4_mxfp8"):
+        tp = parallelize_module(_model("mlp"), mesh["tp"], _plan("mlp"))
+        out[f"precompute-{recipe}"] = [_train(_two_d("mlp", mesh), recipe, precompute=True), _train(tp, recipe)]
     # a tensor-parallel split whose blocks would straddle tp ranks: refused before the gather
     model = _two_d("mlp", mesh)
     try:
@@ -148,7 +154,8 @@ def _worker(rank: int, world: int) -> dict:
 def test_two_d_quantized_gather_trains_as_tensor_parallel(tmp_path) -> None:
     """FP8 current scaling, MXFP8, NVFP4 and a hybrid (NVFP4 fprop, MXFP8 backward): the 2-D
     run's losses and trained parameters are bitwise the tensor-parallel run's, within the
-    tensor-parallel bound of one process's, and every gather sends the quantized copy."""
+    tensor-parallel bound of one process's, and every gather sends the quantized copy; with
+    the weights' amaxes precomputed once a step too."""
     ref = {f"{k}-{r}": _train(_model(k), r) for k in MODELS for r in RECIPES}
     results = run_ranks(_worker, 4, (), tmp_path)
     shard_bf16 = F // 2 // 2 * H * 2  # a layer's tp shard (64 x 64) split over 2 dp ranks, in BF16
@@ -163,5 +170,8 @@ def test_two_d_quantized_gather_trains_as_tensor_parallel(tmp_path) -> None:
                 fwd, bwd = RATIOS[recipe]
                 expected = [round(r * shard_bf16) for r in (fwd, fwd, bwd, bwd)] * STEPS
                 assert got["sent"] == expected, (rank, case, got["sent"][:4], expected[:4])
+        for recipe in ("current", "hybrid_nvfp4_mxfp8"):
+            got, want = res[f"precompute-{recipe}"]
+            assert got == want, (rank, recipe, got, want)
         assert "block would straddle two ranks" in res["block"], res["block"]
         assert "Float8BlockQuantizer" in res["block"], res["block"]
