@@ -123,3 +123,11 @@ def test_bad_protocol_and_broken_timer_are_refused():
     with pytest.raises(ValueError, match="timer is broken"):
         paired_ratio(lambda: None, lambda: None, Protocol(rounds=1, samples=1, warmup=0),
                      timer=lambda fn, n, f: [0.0] * n, sampler=dict)
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from bench import protocol
+    result = doctest.testmod(protocol, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
