@@ -65,6 +65,33 @@ def master_value(p: QuantizedTensor) -> torch.Tensor:
     return value.detach().to(device=p.device, dtype=torch.float32, copy=True)
 
 
+def set_master_value(p: QuantizedTensor, value: torch.Tensor) -> None:
+    """Give quantized weight parameter ``p`` the FP32 value ``value`` before it is sharded: its
+    copies re-encoded in place and ``value`` kept as its initial high-precision value, the master
+    :func:`shard_primary` distributes (a weight whose rows are reordered per rank first).
+
+    Parameters
+    ----------
+    p:
+        A ``quantized_model_init`` weight parameter with its quantizer.
+    value:
+        Its new value, of its shape.
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> from hybridfp.integration.tensor_parallel_primary import set_master_value
+    >>> with hf.quantized_model_init(recipe=hf.MXFP8BlockScaling()):
+    ...     lin = hf.Linear(32, 32)
+    >>> set_master_value(lin.weight, torch.ones(32, 32))
+    >>> lin.weight.get_high_precision_init_val().unique().tolist(), lin.weight.dequantize().unique().tolist()
+    ([1.0], [1.0])
+    """
+    with torch.no_grad():
+        p.quantizer.update_quantized(value.detach(), p, directions=p.directions())
+    p.__dict__["_high_precision_init_val"] = value.detach().to("cpu", dtype=torch.float32, copy=True)
+
+
 def _format(q: Any) -> str:
     if hasattr(q, "rowwise_quantizer"):
         return f"{type(q).__name__}({_format(q.rowwise_quantizer)}, {_format(q.columnwise_quantizer)}, " \
@@ -259,4 +286,4 @@ def primary_shard(param: torch.Tensor, weight_q: Optional[Quantizer] = None) -> 
 
 
 __all__ = ["PrimaryShard", "check_primary_quantizer", "is_tensor_parallel_primary", "master_value",
-           "primary_shard", "quantize_tensor_parallel_weights", "shard_primary"]
+           "primary_shard", "quantize_tensor_parallel_weights", "set_master_value", "shard_primary"]

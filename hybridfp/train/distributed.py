@@ -112,15 +112,14 @@ def check_parallel_args(fsdp: bool, ep: int, quantized_weights: bool, jobs: int,
     Raises
     ------
     ValueError
-        ``--ep`` below 1, ``--tp`` with ``--quantized-weights``,
+        ``--ep`` below 1, ``--tp --fsdp --quantized-weights``,
         ``--jobs`` above 1 with ``--fsdp`` / ``--ep`` / ``--tp``.
     """
     if tp < 1:
         raise ValueError(f"--tp must be at least 1 (the tensor-parallel group size); got {tp}.")
-    if tp > 1 and quantized_weights:
-        raise ValueError("--tp with --quantized-weights: the tensor-parallel styles do not shard quantized "
-                         "primary weights yet (ROADMAP.md); drop --quantized-weights (or use --fsdp / --ep "
-                         "with it).")
+    if tp > 1 and fsdp and quantized_weights:
+        raise ValueError("--tp --fsdp --quantized-weights: FSDP2 does not shard tensor-parallel quantized "
+                         "primary weights yet (ROADMAP.md); drop one of the three options.")
     if tp > 1 and jobs > 1:
         raise ValueError("--jobs with --tp: a sharded run trains its recipes one after the other over "
                          "all its ranks; drop --jobs.")
@@ -223,6 +222,22 @@ def _quantized_gather_modules(model: nn.Module, recipe: Any) -> list[nn.Module]:
             and any(not isinstance(q, IdentityQuantizer) for q in m.quantizers(state)["weight"])]
 
 
+def _refuse_stateful_weights(model: nn.Module, recipe: Any) -> None:
+    """``--tp --fsdp``: refuse a recipe whose weight quantizers keep an amax history (delayed
+    scaling): the root's own weights (the lm head) would need ``autocast(amax_reduction_group=
+    ...)``, which the tensor-parallel layers refuse."""
+    from ..recipes import AutocastState
+
+    state = AutocastState(recipe)
+    for m in _quantized_gather_modules(model, recipe):
+        if any(q.has_state() for q in m.quantizers(state)["weight"]):
+            raise ValueError(
+                "--tp --fsdp with a delayed-scaling recipe: FSDP2 all-gathers the weights quantized, and "
+                "a scale from an amax history needs the region's amax_reduction_group, which the "
+                "tensor-parallel layers refuse. Use a current-scaling or block recipe (fp8, mxfp8, "
+                "nvfp4, ...), or drop --fsdp or --tp.")
+
+
 def shard_model(model: nn.Module, par: Parallel, recipe: Any) -> None:
     """Spread ``model`` (a ``hybridfp.train`` GPT, the whole model on every rank) over the ranks:
     experts over the expert-parallel group (``--ep``), weights sharded by FSDP2 (``--fsdp``).
@@ -241,6 +256,8 @@ def shard_model(model: nn.Module, par: Parallel, recipe: Any) -> None:
 
     if par.tp > 1:
         from .tensor_parallel import parallelize_blocks
+        if par.fsdp:
+            _refuse_stateful_weights(model, recipe)
         parallelize_blocks(model, par.tp_mesh["tp"])
     moes = [b.mlp for b in model.blocks if isinstance(b.mlp, MoE)]
     for moe in moes:
@@ -253,8 +270,12 @@ def shard_model(model: nn.Module, par: Parallel, recipe: Any) -> None:
     from torch.distributed.fsdp import fully_shard
 
     if par.tp > 1:  # 2-D: FSDP2 over the dp ranks of the tensor-parallel DTensors
-        # The quantized all-gather packs a whole weight's codes; a tensor-parallel shard's
-        # copies are not packed yet, so these weights travel as FSDP2's plain all-gather sends.
+        # each rank's tensor-parallel shard is gathered quantized over dp, as --fsdp gathers a
+        # whole weight (copies as below); its scale is the tensor-parallel layer's
+        blocks = {id(m) for b in model.blocks for m in b.modules()}
+        for m in _quantized_gather_modules(model, recipe):
+            both = (model.recompute and id(m) in blocks) or id(m) not in blocks
+            enable_quantized_all_gather(m, copies="both" if both else "per_direction")
         for block in model.blocks:
             fully_shard(block, mesh=par.tp_mesh["dp"])
         fully_shard(model, mesh=par.tp_mesh["dp"])

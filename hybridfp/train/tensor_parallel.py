@@ -257,10 +257,14 @@ def from_one_process_layout(undo: list[tuple]) -> None:
 
 def parallelize_blocks(model: nn.Module, mesh: Any) -> None:
     """Split each block of a ``hybridfp.train`` GPT over the 1-D tensor-parallel ``mesh``
-    (see the module docstring): rows regrouped, then ``parallelize_module``."""
+    (see the module docstring): rows regrouped, then ``parallelize_module``. A weight held
+    quantized (``--quantized-weights``) becomes its FP32 master's DTensor, each rank holding the
+    quantized copies of its shard (``integration/tensor_parallel_primary.py``)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     from ..integration.tensor_parallel import ColwiseParallel, RowwiseParallel
+    from ..integration.tensor_parallel_primary import master_value, set_master_value
+    from ..tensors import QuantizedTensor
     from .model import MLP
 
     tp = mesh.size()
@@ -274,7 +278,10 @@ def parallelize_blocks(model: nn.Module, mesh: Any) -> None:
                 parts = parts_of.get(f"blocks.{i}.{name}.weight")
                 if parts:
                     w = block.get_submodule(name).weight
-                    w.copy_(group_rows(w, parts, tp))
+                    if isinstance(w, QuantizedTensor):  # --quantized-weights: its FP32 master regrouped
+                        set_master_value(w, group_rows(master_value(w), parts, tp))
+                    else:
+                        w.copy_(group_rows(w, parts, tp))
         parallelize_module(block, mesh, plan)
     # delayed scaling: every rank's scales from the whole tensors' amaxes (module docstring)
     model.register_forward_hook(_reduce_amaxes_after_forward)
