@@ -8,8 +8,8 @@ function: ``moe.gemm.per_group_wins``, ``moe.gemm.grouped_path``,
 ``moe.quantize_weights._worth_stacking``, the kernels' tile constants), the fastest measured,
 and the picked one's time / the fastest's: 1.00 where the choice holds; a cell more than 3 %
 slower (``TOLERANCE``) is flagged. Where picked and fastest differ, the ratio is re-measured
-paired (``bench.protocol.paired_ratio`` when that module is there, else
-``bench.common.bench_pair``'s alternating medians). The sweep only measures: no threshold is
+paired (``bench.protocol.paired_ratio``: ``ROUNDS`` alternating rounds, the median ratio and
+its interval in the JSON). The sweep only measures: no threshold is
 changed from its result.
 
 Decisions (``DECISIONS``), each on one GEMM of an expert linear W_e [ffn, hidden]:
@@ -59,8 +59,9 @@ from bench.common import md_table, parser, require_cuda
 TOLERANCE = 0.03
 #: do_bench per alternative: short, the grid is large (medians of ~10-400 calls)
 WARMUP_MS, REP_MS = 10.0, 60.0
-#: paired re-measure where picked and fastest differ
-ROUNDS, SAMPLES = 3, 5
+#: paired re-measure where picked and fastest differ: rounds x calls per side (6 rounds: the
+#: first count with a 95 % interval of the median ratio)
+ROUNDS, SAMPLES = 6, 5
 #: routed experts per token by expert count (others: 1)
 TOPK = {8: 2, 16: 2, 32: 4, 64: 8}
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -405,17 +406,23 @@ def judge(times: Mapping[str, Optional[float]], picked: str, paired: Optional[fl
     return {"picked": picked, "fastest": fastest, "ratio": ratio, "holds": holds, "flagged": not holds}
 
 
-def _paired_ratio(picked: Callable[[], Any], fastest: Callable[[], Any], rounds: int = ROUNDS) -> dict[str, Any]:
-    """picked / fastest measured alternately over ``rounds``: ``bench.protocol.paired_ratio``
-    (with its confidence bounds) when that module exists, else ``bench.common.bench_pair``'s
-    medians."""
-    try:
-        from bench.protocol import Protocol, paired_ratio
-    except ImportError:
-        tp, tf = common.bench_pair(picked, fastest, rounds=rounds)
-        return {"ratio": tp / tf, "method": "bench_pair"}
-    r = paired_ratio(fastest, picked, Protocol(rounds, SAMPLES))
-    return {"ratio": r.ratio, "low": r.low, "high": r.high, "method": "protocol.paired_ratio"}
+def _paired_ratio(picked: Callable[[], Any], fastest: Callable[[], Any], quick: bool = False) -> dict[str, Any]:
+    """picked ms / fastest ms measured alternately (``bench.protocol.paired_ratio`` with the
+    picked one as its baseline, so its ratio, baseline / candidate ms, is picked / fastest),
+    with its interval; ``quick``: one round of one call (a smoke test).
+
+    Example
+    -------
+    >>> import time
+    >>> from bench.sweep_dispatch import _paired_ratio
+    >>> r = _paired_ratio(lambda: time.sleep(0.004), lambda: time.sleep(0.001), quick=True)
+    >>> r["ratio"] > 1.5
+    True
+    """
+    from bench.protocol import Protocol, paired_ratio
+    r = paired_ratio(picked, fastest, Protocol(1, 1, 0) if quick else Protocol(ROUNDS, SAMPLES, warmup=1))
+    return {"ratio": r.ratio, "low": r.low, "high": r.high, "picked_ms": r.baseline_ms, "fastest_ms": r.candidate_ms,
+            "rounds": len(r.rounds)}
 
 
 def _took(name: str, want: str, fn: Callable[[], Any]) -> Optional[str]:
@@ -427,8 +434,8 @@ def _took(name: str, want: str, fn: Callable[[], Any]) -> Optional[str]:
     return None if took == {want} else f"{name}: forced to {want} but took {sorted(took)}"
 
 
-def measure(case: Case, rounds: int = ROUNDS) -> dict[str, Any]:
-    """Time every alternative of ``case`` and judge the cell (``rounds``: of the paired
+def measure(case: Case, quick: bool = False) -> dict[str, Any]:
+    """Time every alternative of ``case`` and judge the cell (``quick``: a one-call paired
     re-measure); a failing alternative is kept as its error (the sweep goes on)."""
     times: dict[str, Optional[float]] = {}
     errors: dict[str, str] = {}
@@ -443,14 +450,14 @@ def measure(case: Case, rounds: int = ROUNDS) -> dict[str, Any]:
     row: dict[str, Any] = {"ms": times, **({"errors": errors} if errors else {})}
     first = judge(times, case.picked)
     if first["fastest"] not in (None, case.picked) and times[case.picked] is not None:
-        row["paired"] = _paired_ratio(case.alternatives[case.picked], case.alternatives[first["fastest"]], rounds)
+        row["paired"] = _paired_ratio(case.alternatives[case.picked], case.alternatives[first["fastest"]], quick)
         first = judge(times, case.picked, paired=row["paired"]["ratio"])
     return {**row, **first}
 
 
 def sweep(names: Sequence[str], grid: Grid, quick: bool = False) -> list[dict[str, Any]]:
     """One row per (decision, cell) of ``names`` over ``grid``; ``quick``: one tile next to each
-    default and one round of the paired re-measure (a smoke test)."""
+    default and a one-call paired re-measure (a smoke test)."""
     rows: list[dict[str, Any]] = []
     for name in names:
         d = DECISIONS[name]
@@ -458,7 +465,7 @@ def sweep(names: Sequence[str], grid: Grid, quick: bool = False) -> list[dict[st
             base = {"decision": name, "cell": cell.label(), "tokens": cell.tokens, "hidden": cell.hidden,
                     "experts": cell.experts, "ffn": cell.ffn, "rows": cell.rows if cell.experts else None}
             try:
-                rows.append({**base, **measure(d.build(cell, quick), 1 if quick else ROUNDS)})
+                rows.append({**base, **measure(d.build(cell, quick), quick)})
             except Exception as e:  # noqa: BLE001 - a cell whose operands cannot be built
                 rows.append({**base, "error": f"{type(e).__name__}: {str(e)[:200]}", "flagged": True})
             if common.DEVICE == "cuda":
