@@ -1,47 +1,61 @@
-"""Forward + backward of an MoE FFN layer: hybridfp GroupedLinear recipes vs BF16 grouped GEMMs.
+"""Forward + backward of an MoE FFN layer: hybridfp GroupedLinear recipes vs the fastest BF16.
 
 Layer (16384 tokens, hidden 4096): a router in FP32 (logits, softmax, top-2), token
 permutation (sort the 2 x 16384 assignments by expert), SwiGLU experts as two grouped
 linears — gate+up fused [2F, D] then down [D, F], no bias — and the weighted un-permutation
-(index_add). Configs: 8 experts F = 14336, 64 experts F = 1408. One step = zero grads,
-forward, backward with a fixed random dy; hybridfp's quantized-weight caches are cleared each
-step (weights re-quantized as after an optimizer update).
+(index_add). Configs: 8 experts F = 14336, 64 experts F = 1408.
 
-Variants: "BF16 grouped" — the same layer with stacked [E, out, in] BF16 weights and
-``torch._grouped_mm`` directly (the fair baseline, the ratio's denominator); hybridfp
-GroupedLinear (BF16 parameters) under CustomRecipe(high_precision), Float8CurrentScaling,
-MXFP8BlockScaling and the Composer-2 factory nvfp4_row_scaled_fwd_mxfp8_bwd, each also with
-``GroupedLinear(single_parameter=True)`` ("[one weight Parameter]"). "x BF16 grouped" = baseline
-time / time (>1 is faster). "paths": which ``grouped_gemm`` path each GEMM took. With ``--ab``,
-extra rows (suffixes) time a recipe again with one switch flipped in the same process, e.g.
-"[cuBLAS per expert BF16]": path 1's grouped BF16 GEMMs as cuBLAS per expert.
+As training runs it: one step = zero grads, then ``--micro-batches`` (default 4) forward +
+backward passes accumulating gradients in one autocast region, hybridfp's quantized weights
+re-quantized once at the step's start (as after an optimizer update) and reused by the later
+micro-batches. Routing changes every micro-batch: each gets seeded router-logit offsets
+(``RoutingSchedule``: a fresh lognormal expert popularity, plus per-token noise), so the
+experts' loads are uneven and move; the baseline and the candidate get the same routings in the
+same order.
 
-    python -m bench.bench_moe [--experts 8|64] [--paired] [--micro-batches N] [--ab] [--variants 'A|B']
-        [--out results.json] [--quick] [--profile TEXT [--profile-out FILE]]
+Baselines (all three always run; one that fails stops the benchmark, naming it): "BF16
+grouped" (stacked [E, out, in] BF16 weights, ``torch._grouped_mm``), "BF16 per-expert" (a loop
+of ``torch.mm``, cuBLAS per expert) and "BF16 compiled" (``torch.compile`` of the grouped
+layer). Candidates: hybridfp GroupedLinear (BF16 parameters) under CustomRecipe(high_precision),
+Float8CurrentScaling, MXFP8BlockScaling and the Composer-2 factory nvfp4_row_scaled_fwd_mxfp8_bwd,
+each also with ``GroupedLinear(single_parameter=True)`` ("[one weight Parameter]").
+
+Every ratio is ``bench.protocol.paired_ratio`` (median of per-round ratios, its ~95 % interval,
+the GPU's clocks), baseline ms / candidate ms (>1 is faster): against each baseline, and the
+headline against the fastest of the three in this run (named in the row). Every row's output,
+dx and dW are checked against an FP32 reference of the same routings (relative Frobenius
+error within ``common.error_bound`` of its formats); a breach, or any failed row, ends the run with a non-zero
+exit after the table is printed. "paths": which ``grouped_gemm`` path each GEMM took. With
+``--ab``, extra rows (suffixes) time a recipe again with one switch flipped in the same
+process, e.g. "[cuBLAS per expert BF16]": path 1's grouped BF16 GEMMs as cuBLAS per expert.
+
+    python -m bench.bench_moe [--experts 8|64] [--micro-batches N] [--skew S] [--ab] [--variants 'A|B']
+        [--rounds R --samples S] [--compile-backend B] [--out results.json] [--quick]
+        [--profile TEXT [--profile-out FILE]]
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
+import sys
 import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import hybridfp
 from bench import common
-from bench.common import bench_ms, bench_ms_steady, bench_pair, environment, finish, md_table, parser, profile_step, require_cuda
+from bench.common import (AccuracyError, MissingBaselineError, bench_ms_steady, environment, error_bound, finish, md_table,
+                          parser, profile_step, protocol_from, protocol_record, rel_error, require_cuda)
+from bench.moe_layer import HIDDEN, ROUTING_SKEW, TOKENS, TOP_K, BF16MoE, HybridMoE, RoutingSchedule, Step, moe_layer
+from bench.protocol import PairedRatio, Protocol, paired_ratio
 from hybridfp.moe.gemm import PATH_COUNTS
-from hybridfp.nn.base import QuantizedModule
-from hybridfp.utils.device import clear_step_metadata
 
-TOKENS, HIDDEN, TOP_K = 16384, 4096, 2
 CONFIGS = [(8, 14336), (64, 1408)]
+#: ``--quick``: (experts, ffn) configs and (tokens, hidden)
+QUICK_CONFIGS, QUICK_SHAPE = [(8, 512), (64, 256)], (1024, 512)
 RECIPES: list[tuple[str, Callable[[], hybridfp.Recipe]]] = [
     ("hybridfp BF16 (high_precision)", lambda: hybridfp.CustomRecipe(qfactory=hybridfp.factories.high_precision)),
     ("hybridfp FP8 current", lambda: hybridfp.Float8CurrentScaling()),
@@ -51,6 +65,24 @@ RECIPES: list[tuple[str, Callable[[], hybridfp.Recipe]]] = [
 ]
 TARGETS = {"hybridfp FP8 current": 1.30, "hybridfp MXFP8": 0.90,
            "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)": 0.90}
+#: the three BF16 baselines; the headline ratio is against the fastest of them in the run
+BF16_GROUPED, BF16_PER_EXPERT, BF16_COMPILED = "BF16 grouped", "BF16 per-expert", "BF16 compiled"
+BASELINES = (BF16_GROUPED, BF16_PER_EXPERT, BF16_COMPILED)
+#: element formats (forward operands, backward gradients) of each row's recipe (its name
+#: without a variant suffix; the BF16 baselines under "BF16"): its error bounds
+RECIPE_FORMATS = {
+    "BF16": ("bf16", "bf16"),
+    "hybridfp BF16 (high_precision)": ("bf16", "bf16"),
+    "hybridfp FP8 current": ("e4m3", "e5m2"),
+    "hybridfp MXFP8": ("e4m3", "e4m3"),
+    "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)": ("e2m1", "e4m3"),
+}
+#: (forward, backward) GEMMs on the longest path to each checked tensor (``common.error_bound``;
+#: the experts are a SwiGLU MLP, as bench_mlp's): all micro-batches' outputs, x's gradient and
+#: each layer's weight gradient. The bench's CPU smoke shape (4 experts, 64 tokens, hidden 64,
+#: 2 micro-batches) measures 0.4-0.5 % for BF16 (bounds 1.7-1.9 %), 6.3-7.5 % for FP8 current
+#: (15-26 %), 6.5-6.7 % for MXFP8 (15-21 %), 21-24 % for Composer-2 (58-59 %).
+DEPTHS = {"out": (2, 0), "dx": (1, 2), "dw": (1, 2)}
 #: ``--ab``: recipes timed twice more: with grouped_gemm's Triton path forced on and forced off
 #: on CUDA (its default there: from the policy's many_experts experts on). FP8 per-tensor
 #: pairs keep cuBLAS FP8 and MXFP8 takes torch._grouped_mm: only Composer-2's row-scaled NVFP4
@@ -90,10 +122,6 @@ NO_METADATA_MEMO_SUFFIX = " [metadata not shared]"
 #: a layer (as the baseline holds them) instead of one per expert.
 SINGLE_PARAM_VARIANTS = tuple(name for name, _ in RECIPES)
 SINGLE_PARAM_SUFFIX = " [one weight Parameter]"
-#: with ``--micro-batches N`` (N > 1) every recipe, the baseline included, is timed a second time
-#: as N micro-batches per weight update (gradient accumulation: the weights are quantized once
-#: for N forward + backward passes); those rows' ratios are against the baseline's N-micro-batch row
-MICRO_SUFFIX = " [{n} micro-batches a weight update]"
 #: FP8 current timed again with the grouped FP8 GEMM's pointer kernel (the policy's
 #: grouped_fp8_tma_rows / grouped_fp8_tma_wgrad set to FP8_TMA: None, None; ``--fp8-tma
 #: ROWS/WGRAD`` names TMA configs instead),
@@ -101,9 +129,6 @@ MICRO_SUFFIX = " [{n} micro-batches a weight update]"
 FP8_TMA_VARIANTS = ("hybridfp FP8 current",)
 FP8_TMA_SUFFIX = " [FP8 pointer grouped GEMM]"
 FP8_TMA: list = [None, None]
-#: ``--paired``: rounds of (baseline, variant) timed alternately for the "paired" ratio
-PAIR_ROUNDS = 3
-
 
 def with_per_group_cublas(step: Callable[[], torch.Tensor], on: bool) -> Callable[[], torch.Tensor]:
     """``step`` under the policy's ``bf16_per_group_cublas`` set to ``on``."""
@@ -169,107 +194,6 @@ def with_triton_grouped(step: Callable[[], torch.Tensor], on: bool,
     return run
 
 
-class Routing:
-    """Top-k routing in FP32 and the permutation that groups the assignments by expert."""
-
-    def __init__(self, x: torch.Tensor, router: torch.Tensor, top_k: int) -> None:
-        logits = x.float() @ router.float().t()
-        probs, experts = torch.softmax(logits, -1).topk(top_k, dim=-1)
-        flat = experts.reshape(-1)
-        self.order = torch.argsort(flat, stable=True)
-        self.token = self.order // top_k  # token of each permuted row
-        self.weight = probs.reshape(-1)[self.order]
-        self.counts = torch.bincount(flat, minlength=router.shape[0])
-        self.offs = self.counts.cumsum(0).to(torch.int32)
-
-    def permute(self, x: torch.Tensor) -> torch.Tensor:
-        return x[self.token]
-
-    def unpermute(self, y: torch.Tensor, tokens: int) -> torch.Tensor:
-        out = y.new_zeros(tokens, y.shape[-1])
-        return out.index_add(0, self.token, y * self.weight.to(y.dtype)[:, None])
-
-
-def swiglu(h: torch.Tensor) -> torch.Tensor:
-    g, u = h.chunk(2, dim=-1)
-    return F.silu(g) * u
-
-
-class BF16MoE(nn.Module):
-    """The baseline: stacked expert weights, torch._grouped_mm (BF16, autograd)."""
-
-    def __init__(self, e: int, d: int, f: int) -> None:
-        super().__init__()
-        self.router = nn.Parameter(torch.randn(e, d, device=common.DEVICE) * d ** -0.5)
-        self.w1 = nn.Parameter(torch.randn(e, 2 * f, d, device=common.DEVICE, dtype=torch.bfloat16) * d ** -0.5)
-        self.w2 = nn.Parameter(torch.randn(e, d, f, device=common.DEVICE, dtype=torch.bfloat16) * f ** -0.5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        r = Routing(x, self.router, TOP_K)
-        h = torch._grouped_mm(r.permute(x), self.w1.transpose(1, 2), offs=r.offs)
-        y = torch._grouped_mm(swiglu(h), self.w2.transpose(1, 2), offs=r.offs)
-        return r.unpermute(y, x.shape[0])
-
-
-class HybridMoE(nn.Module):
-    """The same layer with two hybridfp GroupedLinear (weights copied from the baseline)."""
-
-    def __init__(self, base: BF16MoE, pack_weights: bool = True, single_parameter: bool = False) -> None:
-        super().__init__()
-        e, f2, d = base.w1.shape
-        self.router = nn.Parameter(base.router.detach().clone())
-        kw = {"bias": False, "params_dtype": torch.bfloat16, "device": common.DEVICE, "pack_weights": pack_weights,
-              "single_parameter": single_parameter}
-        self.fc1 = hybridfp.GroupedLinear(e, d, f2, name="experts.fc1", **kw)
-        self.fc2 = hybridfp.GroupedLinear(e, f2 // 2, d, name="experts.fc2", **kw)
-        with torch.no_grad():
-            for fc, w in ((self.fc1, base.w1), (self.fc2, base.w2)):
-                for mine, theirs in zip(fc.weights(), w):  # views of ``weight`` with single_parameter
-                    mine.copy_(theirs)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        r = Routing(x, self.router, TOP_K)
-        splits = r.counts.tolist()  # GroupedLinear takes host splits (one sync, as TE's)
-        h = self.fc1(r.permute(x), splits)
-        return r.unpermute(self.fc2(swiglu(h), splits), x.shape[0])
-
-
-def moe_layer(e: int, f: int, tokens: int = TOKENS, d: int = HIDDEN, single_parameter: bool = False
-              ) -> tuple[BF16MoE, "HybridMoE", torch.Tensor, torch.Tensor]:
-    """(the BF16 baseline layer, the hybridfp layer with its weights, x, dy): seeded, on
-    ``common.DEVICE``, as every MoE benchmark and diagnosis builds them; ``single_parameter``:
-    the hybridfp layer's GroupedLinears hold one [E, N, K] weight Parameter each."""
-    torch.manual_seed(0)
-    base = BF16MoE(e, d, f)
-    x = torch.randn(tokens, d, device=common.DEVICE, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(tokens, d, device=common.DEVICE, dtype=torch.bfloat16)
-    return base, HybridMoE(base, single_parameter=single_parameter), x, dy
-
-
-def make_step(model: nn.Module, x: torch.Tensor, dy: torch.Tensor, ctx: Optional[Callable[[], Any]],
-              micro_batches: int = 1):
-    """One timed step: ``micro_batches`` forward + backward passes of ``x`` (gradients
-    accumulating, as between two optimizer updates) in one autocast region, hybridfp's quantized
-    weights cleared once at its start (re-quantized as after an optimizer update, then reused by
-    the later micro-batches: a cached weight lives for its autocast region)."""
-    caches = [m for m in model.modules() if isinstance(m, QuantizedModule)]
-
-    def step() -> torch.Tensor:
-        model.zero_grad(set_to_none=True)
-        x.grad = None
-        for m in caches:
-            m.invalidate_weight_cache()  # re-quantize weights every step (as after an optimizer step)
-        with (nullcontext() if ctx is None else ctx()):
-            for _ in range(micro_batches):
-                # every pass routes anew in training: the metadata shared by one routing's calls
-                # is built once a pass, not once for the whole benchmark (it reuses x and its routing)
-                clear_step_metadata()
-                y = model(x)
-                y.backward(dy)
-        return y
-    return step
-
-
 def device_ms(step: Callable[[], Any]) -> float:
     """Milliseconds the GPU spends in kernels (and copies) during one step (torch.profiler):
     against the step's wall time it says whether the layer is GPU- or host-bound."""
@@ -280,24 +204,91 @@ def device_ms(step: Callable[[], Any]) -> float:
                if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
 
 
-def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = None,
-                 profiles: Optional[list[str]] = None, only: Optional[list[str]] = None,
-                 stacks: bool = False, micro_batches: int = 1, paired: bool = False,
-                 ab: bool = False) -> list[dict[str, Any]]:
-    """Every variant of one config, in one process, ratios against its BF16 grouped baseline;
-    variants whose name contains ``profile`` also get a one-step profile in ``profiles``.
-    ``only``: just the variants whose name equals one of these (the baseline always runs);
-    ``stacks``: the profiles also list the copy ops by call stack; ``micro_batches`` > 1: the
-    baseline and the recipes timed again as that many micro-batches a weight update; ``paired``:
-    each row also timed alternately with its baseline (``bench_pair``, ``PAIR_ROUNDS`` rounds),
-    so that drift of the GPU's clocks or the host's load lands on both sides of the ratio; ``ab``:
-    also the rows with one switch flipped (the ``*_VARIANTS`` tables; without it, only the
-    one-weight-Parameter rows)."""
-    base, hf, x, dy = moe_layer(e, f, tokens, d)
-    variants: list[tuple[str, nn.Module, Optional[Callable[[], Any]]]] = [("BF16 grouped", base, None)]
+class RowFailure(RuntimeError):
+    """A candidate row failed to run: the run's ratios are not to be reported."""
+
+
+def relative_errors(run: Callable[[], list[torch.Tensor]], step: Step, ref: dict[str, Any]) -> dict[str, float]:
+    """Call ``run`` (``step``, maybe under a variant's switches) once from the schedule's first
+    step; the relative Frobenius error of its outputs, x's gradient and each layer's weight
+    gradient against ``ref`` (``reference_result``)."""
+    step.reset()
+    ys = run()
+    model = getattr(step.model, "_orig_mod", step.model)  # a compiled layer's module
+    got = dict(zip(("dw1", "dw2"), model.expert_grads()), out=torch.cat([y.detach() for y in ys]), dx=step.x.grad)
+    for k in ("out", "dx", "dw1", "dw2"):
+        if got[k] is None:
+            raise AccuracyError(f"{k}: no gradient was produced")
+    return {k: rel_error(got[k], ref[k]) for k in ("out", "dx", "dw1", "dw2")}
+
+
+def reference_result(base: BF16MoE, x: torch.Tensor, dy: torch.Tensor, micro_batches: int,
+                     schedule: Optional[RoutingSchedule]) -> dict[str, torch.Tensor]:
+    """The FP32 layer's outputs, dx and dW for the schedule's first step (x, dy and the weights
+    the BF16 values, widened)."""
+    ref = base.reference()
+    x32 = x.detach().float().requires_grad_(True)
+    step = Step(ref, x32, dy.float(), None, micro_batches, schedule)
+    out = torch.cat([y.detach() for y in step()])
+    return {"out": out, "dx": x32.grad, "dw1": ref.w1.grad, "dw2": ref.w2.grad}
+
+
+def error_bounds(variant: str) -> dict[str, float]:
+    """The bounds of ``variant``'s formats (``RECIPE_FORMATS``, ``DEPTHS``), or a clear error."""
+    key = "BF16" if variant in BASELINES else variant.split(" [")[0]
+    if key not in RECIPE_FORMATS:
+        raise ValueError(f"{variant}: no element formats stated for '{key}'; add them to bench_moe.RECIPE_FORMATS")
+    fwd, bwd = RECIPE_FORMATS[key]
+    return {t: error_bound(fwd, bwd, *depth) for t, depth in DEPTHS.items()}
+
+
+def breaches(variant: str, errors: dict[str, float]) -> list[str]:
+    """Each error of ``errors`` beyond ``variant``'s bound (or NaN), as text."""
+    bounds = error_bounds(variant)
+    return [f"{variant}: {q} relative error {v:.4g} > bound {bounds[q.rstrip('12')]:.4g}"
+            for q, v in errors.items() if not v <= bounds[q.rstrip("12")]]
+
+
+def pair(baseline: tuple[Callable[[], Any], Step], candidate: tuple[Callable[[], Any], Step],
+         protocol: Protocol) -> PairedRatio:
+    """``paired_ratio`` of two (step, its ``Step``) with both schedules restarted: the i-th call
+    of each side routes the same."""
+    baseline[1].reset()
+    candidate[1].reset()
+    return paired_ratio(baseline[0], candidate[0], protocol)
+
+
+def wrap(name: str, step: Step) -> Callable[[], Any]:
+    """``step`` under the switches its variant's suffixes name."""
+    run: Callable[[], Any] = step
+    if name.endswith((TRITON_SUFFIX, PER_EXPERT_SUFFIX, FP8_TRITON_SUFFIX)):
+        run = with_triton_grouped(run, on=not name.endswith(PER_EXPERT_SUFFIX),
+                                  fp8_everywhere=name.endswith(FP8_TRITON_SUFFIX))
+    if name.endswith(FP8_TMA_SUFFIX):
+        run = with_fp8_tma(run)
+    if name.endswith(NO_PLAN_MEMO_SUFFIX):
+        run = without_plan_memo(run)
+    if name.endswith(NO_METADATA_MEMO_SUFFIX):
+        run = without_metadata_memo(run)
+    if name.endswith((PER_GROUP_SUFFIX, CUTLASS_SUFFIX)):
+        run = with_per_group_cublas(run, on=name.endswith(PER_GROUP_SUFFIX))
+    return run
+
+
+def variants_of(base: BF16MoE, hf: HybridMoE, only: Optional[list[str]], ab: bool, compile_backend: str
+                ) -> list[tuple[str, nn.Module, Optional[Callable[[], Any]]]]:
+    """(name, layer, autocast context) of the three baselines and the candidates."""
+    try:
+        compiled = torch.compile(base.sharing("grouped"), backend=compile_backend)
+    except Exception as err:  # noqa: BLE001 - named, as any baseline's failure
+        raise MissingBaselineError(f"bench_moe: the baseline '{BF16_COMPILED}' failed: torch.compile(backend="
+                               f"{compile_backend!r}): {type(err).__name__}: {err}") from err
+    variants: list[tuple[str, nn.Module, Optional[Callable[[], Any]]]] = [
+        (BF16_GROUPED, base, None), (BF16_PER_EXPERT, base.sharing("per_expert"), None),
+        (BF16_COMPILED, compiled, None)]
     for name, recipe in RECIPES:
         variants.append((name, hf, lambda r=recipe(): hybridfp.autocast(recipe=r)))
-    unpacked = HybridMoE(base, pack_weights=False) if UNPACKED_VARIANTS else None
+    unpacked = HybridMoE(base, pack_weights=False) if UNPACKED_VARIANTS and ab else None
     single = HybridMoE(base, single_parameter=True) if SINGLE_PARAM_VARIANTS else None
     extras = [(TRITON_VARIANTS, (TRITON_SUFFIX, PER_EXPERT_SUFFIX), hf),
               (UNPACKED_VARIANTS, (UNPACKED_SUFFIX,), unpacked), (FP8_TRITON_VARIANTS, (FP8_TRITON_SUFFIX, PER_EXPERT_SUFFIX), hf),
@@ -316,62 +307,106 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
             if name in names:
                 variants += [(name + sx, model, lambda r=recipe(): hybridfp.autocast(recipe=r)) for sx in suffixes]
     if only is not None:
-        variants = [v for v in variants if v[0] == "BF16 grouped" or v[0] in only]
-    micro = [(1, v) for v in variants]
-    if micro_batches > 1:
-        sx = MICRO_SUFFIX.format(n=micro_batches)
-        micro += [(micro_batches, (name + sx, model, ctx)) for name, model, ctx in variants
-                  if name == "BF16 grouped" or name in dict(RECIPES)]
+        variants = [v for v in variants if v[0] in BASELINES or v[0] in only]
+    return variants
+
+
+def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = None,
+                 profiles: Optional[list[str]] = None, only: Optional[list[str]] = None,
+                 stacks: bool = False, micro_batches: int = 4, ab: bool = False,
+                 protocol: Protocol = Protocol(), skew: float = ROUTING_SKEW,
+                 compile_backend: str = "inductor") -> list[dict[str, Any]]:
+    """Every variant of one config, in one process: each checked against the FP32 reference of
+    the same routings, then timed with ``protocol`` against each BF16 baseline.
+
+    ``only``: just the variants whose name equals one of these (the baselines always run);
+    ``profile``: variants whose name contains it also get a one-step profile in ``profiles``
+    (``stacks``: with the copy ops by call stack); ``micro_batches``: forward + backward passes a
+    step; ``ab``: also the rows with one switch flipped (the ``*_VARIANTS`` tables; without it,
+    only the one-weight-Parameter rows); ``skew``: ``RoutingSchedule``'s; ``compile_backend``:
+    ``torch.compile``'s for "BF16 compiled".
+
+    Raises ``MissingBaselineError`` naming a baseline that fails (its ratios cannot be measured);
+    a candidate's failure or bound breach is recorded in its row (``error``, ``breaches``; such a
+    row is not timed), for :func:`check_rows`.
+    """
+    base, hf, x, dy = moe_layer(e, f, tokens, d)
+    schedule = RoutingSchedule(tokens, e, micro_batches, skew=skew)
+    ref = reference_result(base, x, dy, micro_batches, schedule)
+    config = f"{e} experts, ffn {f}"
+    imbalance = schedule.imbalance(x, base.router)
     rows: list[dict[str, Any]] = []
-    ref_y = None
-    base_steps: dict[int, Callable[[], torch.Tensor]] = {}  # the baseline's step per micro-batch count
-    for n_micro, (name, model, ctx) in micro:
-        row: dict[str, Any] = {"config": f"{e} experts, ffn {f}", "variant": name, "micro_batches": n_micro}
+    steps: dict[str, tuple[Callable[[], Any], Step]] = {}
+    for name, model, ctx in variants_of(base, hf, only, ab, compile_backend):
+        row: dict[str, Any] = {"config": config, "variant": name, "micro_batches": micro_batches,
+                               "baseline": name in BASELINES, "load_max_over_mean": imbalance}
         try:
-            step = make_step(model, x, dy, ctx, n_micro)
-            if name.endswith((TRITON_SUFFIX, PER_EXPERT_SUFFIX, FP8_TRITON_SUFFIX)):
-                step = with_triton_grouped(step, on=not name.endswith(PER_EXPERT_SUFFIX),
-                                           fp8_everywhere=name.endswith(FP8_TRITON_SUFFIX))
-            if name.endswith(FP8_TMA_SUFFIX):
-                step = with_fp8_tma(step)
-            if name.endswith(NO_PLAN_MEMO_SUFFIX):
-                step = without_plan_memo(step)
-            if name.endswith(NO_METADATA_MEMO_SUFFIX):
-                step = without_metadata_memo(step)
-            if name.endswith((PER_GROUP_SUFFIX, CUTLASS_SUFFIX)):
-                step = with_per_group_cublas(step, on=name.endswith(PER_GROUP_SUFFIX))
+            core = Step(model, x, dy, ctx, micro_batches, schedule)
+            step = wrap(name, core)
             before = Counter(PATH_COUNTS)
-            y = step().detach().float()
+            row["rel_err"] = relative_errors(step, core, ref)
             paths = Counter(PATH_COUNTS) - before
             row["paths"] = ", ".join(f"{g}:{p}" for (g, p) in sorted(paths)) or "-"
-            ref_y = y if ref_y is None else ref_y
-            row["rel_err_vs_bf16"] = ((y - ref_y).norm() / ref_y.norm()).item()
-            row["ms"] = bench_ms(step, warmup_ms=50, rep_ms=300)
-            row["ms_steady"], row["host_ms"] = bench_ms_steady(step, steps=10)
-            if name.startswith("BF16 grouped"):
-                base_steps[n_micro] = step
-            elif paired and n_micro in base_steps:
-                tb, tv = bench_pair(base_steps[n_micro], step, rounds=PAIR_ROUNDS)
-                row["paired_x_bf16_grouped"] = tb / tv
-            if common.DEVICE == "cuda":
-                row["gpu_busy"] = device_ms(step) / row["ms"]
+            row["bounds"] = error_bounds(name)
+            row["breaches"] = breaches(name, row["rel_err"])
+            row["host_ms"] = bench_ms_steady(step, steps=10)[1]
+            steps[name] = (step, core)
             if profile and profiles is not None and any(t and t in name for t in profile.split("|")):
-                profiles.append(profile_step(step, f"{row['config']}: {name}", stacks))
-        except Exception as err:  # noqa: BLE001 - record the failure, keep the other variants
+                profiles.append(profile_step(step, f"{config}: {name}", stacks))
+        except Exception as err:  # noqa: BLE001 - a candidate's failure is recorded and fails the run at its end
+            if name in BASELINES:
+                raise MissingBaselineError(f"bench_moe: the baseline '{name}' ({config}) failed: {type(err).__name__}: "
+                                       f"{err}. Every ratio needs all of {', '.join(BASELINES)}; no row is "
+                                       "reported without them.") from err
             row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
         rows.append(row)
         if common.DEVICE == "cuda":
             torch.cuda.empty_cache()
-    base_rows = {r["micro_batches"]: r for r in rows if r["variant"].startswith("BF16 grouped")}
+    by_name = {r["variant"]: r for r in rows}
+    # the baselines against the grouped one: which is fastest in this run (the least median ms)
+    ms, grouped_ms = {}, []
+    for b in BASELINES[1:]:
+        pr = pair(steps[BF16_GROUPED], steps[b], protocol)
+        by_name[b]["x_bf16"] = {BF16_GROUPED: pr.as_dict()}
+        ms[b] = pr.candidate_ms
+        grouped_ms.append(pr.baseline_ms)
+    ms[BF16_GROUPED] = sorted(grouped_ms)[len(grouped_ms) // 2]
+    fastest = min(BASELINES, key=lambda b: ms[b])
     for r in rows:
-        # each row against the baseline with as many micro-batches a weight update
-        t0, t0_steady = base_rows[r["micro_batches"]].get("ms"), base_rows[r["micro_batches"]].get("ms_steady")
-        if "ms_steady" in r and t0_steady:
-            r["steady_x_bf16_grouped"] = t0_steady / r["ms_steady"]
-        if "ms" in r and t0:
-            r["x_bf16_grouped"] = t0 / r["ms"]
-            r["target"] = TARGETS.get(r["variant"].split(" [")[0])  # the recipe's name, without a variant suffix
+        r["fastest_bf16"] = fastest
+        if r["baseline"] or "error" in r or r.get("breaches"):
+            continue  # no ratio for a failed or wrong row (check_rows fails the run on it)
+        r["x_bf16"] = {b: pair(steps[b], steps[r["variant"]], protocol).as_dict() for b in BASELINES}
+        r["x_fastest_bf16"] = r["x_bf16"][fastest]
+        r["ms"] = r["x_fastest_bf16"]["candidate_ms"]
+        r["target"] = TARGETS.get(r["variant"].split(" [")[0])  # the recipe's name, without a variant suffix
+        if common.DEVICE == "cuda":
+            r["gpu_busy"] = device_ms(steps[r["variant"]][0]) / r["ms"]
+    for b in BASELINES:
+        by_name[b]["ms"] = ms[b]
     return rows
+
+
+def check_rows(rows: list[dict[str, Any]]) -> None:
+    """Raise ``AccuracyError`` listing every error beyond its bound (and any failed row), else
+    ``RowFailure`` listing the failed rows."""
+    failed = [f"{r['config']}: {r['variant']}: {r['error']}" for r in rows if "error" in r]
+    beyond = [f"{r['config']}: {b}" for r in rows for b in r.get("breaches", [])]
+    if beyond:
+        raise AccuracyError("bench_moe: beyond the FP32 reference's bound (common.error_bound): "
+                            + "; ".join(beyond + failed))
+    if failed:
+        raise RowFailure("bench_moe: rows failed: " + "; ".join(failed))
+
+
+def _ratio(pr: Optional[dict[str, Any]]) -> Optional[str]:
+    """"1.23 [1.20, 1.25]": a paired ratio with its interval."""
+    return None if pr is None else f"{pr['ratio']:.3f} [{pr['low']:.3f}, {pr['high']:.3f}]"
+
+
+def _clocks(pr: Optional[dict[str, Any]]) -> Optional[str]:
+    c = (pr or {}).get("clocks", {})
+    return f"{c['sm_mhz_min']:.0f}-{c['sm_mhz_max']:.0f}" if "sm_mhz_min" in c else None
 
 
 def main(argv=None) -> None:
@@ -384,17 +419,25 @@ def main(argv=None) -> None:
                    "GEMMs, unpacked weights, codes instead of decoded copies, memos off, FP8 pointer kernel)")
     p.add_argument("--profile-stacks", action="store_true", help="the profiles also list the copy ops "
                    "(copy_, clone, cat, ...) by Python call stack")
-    p.add_argument("--micro-batches", type=int, default=1, help="N > 1: also time every recipe and the "
-                   "baseline as N forward + backward passes a weight update (weights quantized once)")
-    p.add_argument("--paired", action="store_true", help="also time each row alternately with its baseline "
-                   f"({PAIR_ROUNDS} rounds): a ratio that clock or host drift does not bias")
+    p.add_argument("--micro-batches", type=int, default=4, help="forward + backward passes a step (weights "
+                   "quantized once a step, gradients accumulated; default 4)")
+    p.add_argument("--skew", type=float, default=ROUTING_SKEW, help="standard deviation of the experts' "
+                   f"log-popularity in the routing schedule (default {ROUTING_SKEW}; 0: balanced on average)")
+    p.add_argument("--paired", action="store_true", help="accepted for older command lines: every ratio is paired")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile's backend for 'BF16 compiled'")
     p.add_argument("--variants", default=None, help="only these '|'-separated variant names (the recipe "
-                   "rows' names, with a suffix for the extra variants), besides the BF16 baseline")
+                   "rows' names, with a suffix for the extra variants), besides the BF16 baselines")
     p.add_argument("--fp8-tma", default=None, help="ROWS/WGRAD: the TMA kernel configs (names in "
                    "kernels.moe.triton_grouped_fp8_tma.CONFIGS) the FP8 A/B variants take instead of the pointer "
                    "kernel")
     args = p.parse_args(argv)
     require_cuda()
+    if args.micro_batches < 1:
+        p.error(f"--micro-batches {args.micro_batches}: must be >= 1")
+    try:
+        protocol = protocol_from(args)
+    except ValueError as err:
+        p.error(str(err))
     if args.fp8_tma:
         FP8_TMA[:] = args.fp8_tma.split("/")
     warnings.simplefilter("ignore")
@@ -402,31 +445,46 @@ def main(argv=None) -> None:
     env = environment()
     rows: list[dict[str, Any]] = []
     profiles: list[str] = []
-    configs = [(8, 512), (64, 256)] if args.quick else CONFIGS
+    configs = QUICK_CONFIGS if args.quick else CONFIGS
     configs = [c for c in configs if args.experts in (None, c[0])]
     if not configs:
         p.error(f"--experts {args.experts}: the configs have {[c[0] for c in CONFIGS]} experts")
-    tokens, d = (1024, 512) if args.quick else (TOKENS, HIDDEN)
-    for e, f in configs:
-        rows += bench_config(e, f, tokens, d, args.profile, profiles, only, args.profile_stacks,
-                             args.micro_batches, args.paired, args.ab)
-    table = md_table(["config", "variant", "ms", "x BF16 grouped", "target", "steady ms", "steady x BF16 grouped"]
-                     + (["paired x BF16 grouped"] if args.paired else [])
-                     + ["host ms", "GPU busy", "rel err vs BF16", "paths"], [
-        [r["config"], r["variant"], r.get("ms", r.get("error")), r.get("x_bf16_grouped"), r.get("target"),
-         r.get("ms_steady"), r.get("steady_x_bf16_grouped")] + ([r.get("paired_x_bf16_grouped")] if args.paired else [])
-        + [r.get("host_ms"), r.get("gpu_busy"), r.get("rel_err_vs_bf16"), r.get("paths")] for r in rows])
-    md = (f"### MoE FFN forward + backward ({tokens} tokens, hidden {d}, top-{TOP_K}, SwiGLU; median, "
-          "do_bench)\n\n\"x BF16 grouped\" = torch._grouped_mm BF16 layer time / time (>1 is faster); "
-          "hybridfp weights are re-quantized every step. \"steady\": 10 back-to-back steps (the host may "
-          "run ahead, as in a training loop); \"host ms\": the host's time for one step started on an idle GPU. \"GPU busy\" = device time of one step's "
-          "kernels (torch.profiler) / its wall time: well below 1 means host-bound."
-          + (f" \"paired\": median over {PAIR_ROUNDS} rounds of the baseline and the row timed one after "
-             "the other." if args.paired else "") + "\n\n" + table + "\n")
-    result = {"env": env, "rows": rows, "markdown": md}
+    tokens, d = QUICK_SHAPE if args.quick else (TOKENS, HIDDEN)
+    try:
+        for e, f in configs:
+            rows += bench_config(e, f, tokens, d, args.profile, profiles, only, args.profile_stacks,
+                                 args.micro_batches, args.ab, protocol, args.skew, args.compile_backend)
+    except MissingBaselineError as err:
+        sys.exit(str(err))
+    table = md_table(["config", "variant", "x fastest BF16 [95 % interval]", "fastest BF16", "target"]
+                     + [f"x {b}" for b in BASELINES]
+                     + ["ms", "SM MHz", "host ms", "GPU busy", "rel err out / dx / dW1 / dW2", "bound", "paths"], [
+        [r["config"], r["variant"], _ratio(r.get("x_fastest_bf16")) or r.get("error"), r.get("fastest_bf16"),
+         r.get("target")] + [_ratio(r.get("x_bf16", {}).get(b)) for b in BASELINES]
+        + [r.get("ms"), _clocks(r.get("x_fastest_bf16")), r.get("host_ms"), r.get("gpu_busy"),
+           " / ".join(f"{v:.3g}" for v in r.get("rel_err", {}).values()) or None,
+           " / ".join(f"{v:g}" for v in r.get("bounds", {}).values()) or None, r.get("paths")] for r in rows])
+    imbalance = ", ".join(f"{r['config']}: {r['load_max_over_mean']:.2f}" for r in rows if r["variant"] == BF16_GROUPED)
+    md = (f"### MoE FFN forward + backward ({tokens} tokens, hidden {d}, top-{TOP_K}, SwiGLU; "
+          f"{args.micro_batches} micro-batches a step, weights quantized once a step)\n\n"
+          "\"x B\" = B's step time / the row's (>1 is faster): bench.protocol.paired_ratio, median of "
+          f"{protocol.rounds} rounds of {protocol.samples} calls a side, [95 % interval]; the BF16 baselines' "
+          "rows are against BF16 grouped; \"fastest BF16\": the least ms of the three in this run. Routing "
+          f"changes every micro-batch (log-popularity std {args.skew}; busiest expert / mean load, median: {imbalance}), "
+          "the same routings for every row. \"rel err\": relative Frobenius error against the FP32 layer on "
+          "the same routings (all micro-batches' outputs, dx, each layer's dW); \"bound\": the format's "
+          "(out / dx / dW). \"host ms\": one step started on an idle GPU; \"GPU busy\" = device time of "
+          "one step / its ms (well below 1: host-bound); \"SM MHz\": min-max over the headline pair's "
+          "rounds.\n\n" + table + "\n")
+    result = {"env": env, "protocol": protocol_record(protocol),
+              "rows": rows, "markdown": md}
     if profiles:
         args.profile_out.write_text("\n\n".join(profiles))
     finish("moe", result, args.out)  # prints the table last
+    try:
+        check_rows(rows)
+    except (AccuracyError, RowFailure) as err:
+        sys.exit(str(err))
 
 
 if __name__ == "__main__":

@@ -1,45 +1,141 @@
 """What the MoE layer's targets allow (H200): the ratio a recipe could reach against the BF16
 grouped baseline if everything but its unavoidable work were free, from quantities measured in
-one process.
+one process, under stated premises.
 
-The baseline's step (device time, torch.profiler) splits into its grouped GEMMs
-(``aten::_grouped_mm``) and the rest S (routing, permutation, SwiGLU, un-permutation, the
+One step is ``--micro-batches`` N forward + backward passes (as bench_moe times it, each with
+its own routing). The baseline's step (device time, torch.profiler) splits into its grouped
+GEMMs (``aten::_grouped_mm``) and the rest S (routing, permutation, SwiGLU, un-permutation, the
 router's FP32 GEMMs: the same kernels in every recipe's step). A recipe's step is at least
 
     S + its GEMMs + the bytes its quantization must move / the copy bandwidth
 
-when the weights are quantized anew every step (after each optimizer update, as the benchmark
-and a training step with one micro-batch do). Per element, at least:
+Per quantized element, at least:
 
 - FP8 current scaling (``"fp8"``): the amax pass reads the high-precision tensor (2 bytes), the
-  cast reads it again (2) and writes one FP8 copy (1): 5 bytes. The GEMMs at twice the
-  baseline's speed (FP8 tensor cores' peak is twice BF16's): G_bf16 / 2.
+  cast reads it again (2) and writes one FP8 copy (1): 5 bytes. With ``--fused-amax`` (the
+  premise that the kernel producing each tensor also reduces its amax) the amax pass goes: 3
+  bytes. The GEMMs at twice the baseline's speed (FP8 tensor cores' peak is twice BF16's):
+  G_bf16 / 2.
 - MXFP8 on Hopper (``"mxfp8"``): no MX tensor cores, so the GEMMs run on BF16 tensor cores on
   the decoded values (their in-step time measured on the recipe's own step: decoded values run
   slightly faster than the baseline's); each tensor read once (2 bytes) and written as the two
   copies the GEMMs read, row and column: as BF16 decodes (2 + 2) for the GEMMs as they run
   on Hopper, or (the generous floor) as FP8 codes read by a GEMM that decoded them for free (1 + 1).
+  Block scales need no amax pass: ``--fused-amax`` changes nothing here.
 
-The quantized tensors of one step: both layers' weights, the two inputs (x, the SwiGLU output)
-and the two output gradients. ``python -m bench.bound_moe [--experts 64]``
+The quantized tensors of one step: both layers' weights — once a step with ``--weight-cast
+step`` (quantized after the optimizer update, reused by every micro-batch: what bench_moe and
+hybridfp's weight cache do) or once per micro-batch with ``--weight-cast micro-batch`` — and,
+every micro-batch, the two inputs (x, the SwiGLU output) and the two output gradients.
+
+    python -m bench.bound_moe [--experts 64] [--micro-batches 4] [--weight-cast step|micro-batch] [--fused-amax]
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
 import hybridfp
 from bench import common
-from bench.bench_moe import CONFIGS, TOKENS, TOP_K, HIDDEN, make_step, moe_layer
+from bench.bench_moe import CONFIGS
 from bench.common import environment, finish, md_table, parser, require_cuda
+from bench.moe_layer import HIDDEN, TOKENS, TOP_K, RoutingSchedule, make_step, moe_layer
 
-#: bytes a quantized element moves at least, per recipe and floor (module docstring)
-FLOORS = {"FP8 current (amax read, cast read, one FP8 write)": 5,
-          "MXFP8, BF16-decoded row + col copies (as Hopper runs it)": 6,
-          "MXFP8, FP8 row + col codes (a free in-GEMM decode)": 4}
+#: where the weights are cast: once a step (after the optimizer update) or every micro-batch
+WEIGHT_CASTS = ("step", "micro-batch")
 TARGETS = {"FP8 current": 1.30, "MXFP8": 0.90}
+
+
+@dataclass(frozen=True)
+class Premises:
+    """What the bound assumes about the step.
+
+    Parameters
+    ----------
+    micro_batches:
+        Forward + backward passes a step (>= 1).
+    weight_cast:
+        ``"step"``: the weights are quantized once a step; ``"micro-batch"``: every micro-batch.
+    fused_amax:
+        FP8 current scaling's amax comes from the kernel producing each tensor (3 bytes an
+        element instead of 5).
+
+    Raises
+    ------
+    ValueError
+        ``micro_batches`` below 1 or an unknown ``weight_cast``.
+    """
+
+    micro_batches: int = 4
+    weight_cast: str = "step"
+    fused_amax: bool = False
+
+    def __post_init__(self) -> None:
+        if self.micro_batches < 1:
+            raise ValueError(f"Premises: micro_batches must be >= 1, got {self.micro_batches}")
+        if self.weight_cast not in WEIGHT_CASTS:
+            raise ValueError(f"Premises: weight_cast must be one of {WEIGHT_CASTS}, got {self.weight_cast!r}")
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Device ms of one step (``Premises.micro_batches`` passes) of each layer, the layer's
+    shape and the copy bandwidth (GB/s, bytes read + written)."""
+
+    experts: int
+    ffn: int
+    tokens: int
+    hidden: int
+    bf16_step_ms: float
+    bf16_gemm_ms: float
+    mxfp8_step_ms: float
+    mxfp8_gemm_ms: float
+    fp8_step_ms: float
+    copy_GBps: float
+
+
+def quantized_elements(m: Measured, p: Premises) -> tuple[int, int]:
+    """(weight elements, activation and gradient elements) quantized in one step."""
+    weights = m.experts * (2 * m.ffn * m.hidden + m.hidden * m.ffn)
+    rows = m.tokens * TOP_K
+    acts = rows * (m.hidden + m.ffn) + rows * (m.hidden + 2 * m.ffn)  # x, SwiGLU out; dy of fc2, dy of fc1
+    casts = 1 if p.weight_cast == "step" else p.micro_batches
+    return weights * casts, acts * p.micro_batches
+
+
+def floors(p: Premises) -> dict[str, int]:
+    """Bytes a quantized element moves at least, per recipe and floor (module docstring)."""
+    fp8 = ("FP8 current (cast read, one FP8 write; amax fused into the producer)", 3) if p.fused_amax else \
+        ("FP8 current (amax read, cast read, one FP8 write)", 5)
+    return {fp8[0]: fp8[1], "MXFP8, BF16-decoded row + col copies (as Hopper runs it)": 6,
+            "MXFP8, FP8 row + col codes (a free in-GEMM decode)": 4}
+
+
+def bound_rows(m: Measured, p: Premises) -> list[dict[str, Any]]:
+    """Each floor's step time and the ratio it allows against the baseline's measured step.
+
+    Example
+    -------
+    >>> m = Measured(8, 64, 128, 32, bf16_step_ms=10.0, bf16_gemm_ms=8.0, mxfp8_step_ms=12.0,
+    ...              mxfp8_gemm_ms=7.5, fp8_step_ms=9.0, copy_GBps=1.0)
+    >>> [round(r["quantize_ms"], 4) for r in bound_rows(m, Premises(micro_batches=1))]
+    [0.5734, 0.6881, 0.4588]
+    """
+    weights, acts = quantized_elements(m, p)
+    shared = m.bf16_step_ms - m.bf16_gemm_ms
+    out = []
+    for name, nbytes in floors(p).items():
+        fp8 = name.startswith("FP8")
+        gemm = m.bf16_gemm_ms / 2 if fp8 else m.mxfp8_gemm_ms
+        quantize = (weights + acts) * nbytes / m.copy_GBps / 1e6
+        t = shared + gemm + quantize
+        out.append(dict(floor=name, bytes_per_element=nbytes, gemm_ms=gemm, quantize_ms=quantize, step_ms=t,
+                        bound=m.bf16_step_ms / t, target=TARGETS["FP8 current" if fp8 else "MXFP8"],
+                        measured=m.bf16_step_ms / (m.fp8_step_ms if fp8 else m.mxfp8_step_ms)))
+    return out
 
 
 def _profile(step: Callable[[], Any]) -> tuple[float, dict[str, float]]:
@@ -56,56 +152,60 @@ def _profile(step: Callable[[], Any]) -> tuple[float, dict[str, float]]:
     return total, {e.key: e.self_device_time_total / 1e3 for e in prof.key_averages()}
 
 
-def run(experts: int) -> dict[str, Any]:
+def measure(experts: int, micro_batches: int) -> Measured:
+    """Profile one step of ``micro_batches`` passes (bench_moe's routing schedule; weights
+    quantized once a step) of the BF16 grouped layer and the one-weight-Parameter hybridfp layer
+    under MXFP8 and FP8 current scaling, and the copy bandwidth."""
     f = dict(CONFIGS)[experts]
     base, _, x, dy = moe_layer(experts, f)
     _, single, _, _ = moe_layer(experts, f, single_parameter=True)
-    t_bf16, ops_bf16 = _profile(make_step(base, x, dy, None))
-    g_bf16 = ops_bf16["aten::_grouped_mm"]
-    shared = t_bf16 - g_bf16
-    t_mx, ops_mx = _profile(make_step(single, x, dy, lambda: hybridfp.autocast(recipe=hybridfp.MXFP8BlockScaling())))
-    g_mx = ops_mx["aten::_grouped_mm"]
-    t_fp8, ops_fp8 = _profile(make_step(single, x, dy, lambda: hybridfp.autocast(recipe=hybridfp.Float8CurrentScaling())))
-    rows = TOKENS * TOP_K
-    weights = experts * (2 * f * HIDDEN + HIDDEN * f)
-    acts = rows * (HIDDEN + f) + rows * (HIDDEN + 2 * f)  # x, SwiGLU out; dy of fc2, dy of fc1
-    bw = common.copy_bandwidth()["GBps"]  # bytes read + written per second / 1e9
+    schedule = RoutingSchedule(TOKENS, experts, micro_batches)
+    t_bf16, ops_bf16 = _profile(make_step(base, x, dy, None, micro_batches, schedule))
+    mx = lambda: hybridfp.autocast(recipe=hybridfp.MXFP8BlockScaling())  # noqa: E731
+    t_mx, ops_mx = _profile(make_step(single, x, dy, mx, micro_batches, schedule))
+    fp8 = lambda: hybridfp.autocast(recipe=hybridfp.Float8CurrentScaling())  # noqa: E731
+    t_fp8, _ = _profile(make_step(single, x, dy, fp8, micro_batches, schedule))
+    return Measured(experts, f, TOKENS, HIDDEN, t_bf16, ops_bf16["aten::_grouped_mm"], t_mx,
+                    ops_mx["aten::_grouped_mm"], t_fp8, common.copy_bandwidth()["GBps"])
 
-    def floor_ms(nbytes: int) -> float:
-        return (weights + acts) * nbytes / bw / 1e6
 
-    out: dict[str, Any] = dict(env=environment(), experts=experts, ffn=f, bf16_step_ms=t_bf16, bf16_gemm_ms=g_bf16, shared_ms=shared,
-                               mxfp8_step_ms=t_mx, mxfp8_gemm_ms=g_mx, fp8_step_ms=t_fp8,
-                               fp8_gemm_ms=ops_fp8.get("_kernel", 0.0), copy_GBps=bw,
-                               quantized_elements=weights + acts, bounds=[])
-    for name, nbytes in FLOORS.items():
-        fp8 = name.startswith("FP8")
-        gemm = g_bf16 / 2 if fp8 else g_mx
-        t = shared + gemm + floor_ms(nbytes)
-        out["bounds"].append(dict(floor=name, gemm_ms=gemm, quantize_ms=floor_ms(nbytes), step_ms=t,
-                                  bound=t_bf16 / t, target=TARGETS["FP8 current" if fp8 else "MXFP8"],
-                                  measured=t_bf16 / (t_fp8 if fp8 else t_mx)))
-    return out
+def report(m: Measured, p: Premises) -> str:
+    """The bound table under ``p``, as Markdown."""
+    weights, acts = quantized_elements(m, p)
+    head = (f"### MoE layer bound, {m.experts} experts x ffn {m.ffn}: {p.micro_batches} micro-batches a step, "
+            f"weights cast once a {p.weight_cast}, amax {'fused into the producer' if p.fused_amax else 'its own pass'} "
+            "(device ms of one step, torch.profiler)\n\n")
+    parts = md_table(["quantity", "ms"], [
+        ["BF16 baseline step", m.bf16_step_ms], ["its grouped GEMMs (aten::_grouped_mm)", m.bf16_gemm_ms],
+        ["shared rest S", m.bf16_step_ms - m.bf16_gemm_ms], ["MXFP8 step (one weight Parameter)", m.mxfp8_step_ms],
+        ["its grouped GEMMs on decoded values", m.mxfp8_gemm_ms], ["FP8 current step", m.fp8_step_ms]])
+    elems = (f"\n\ncopy bandwidth {m.copy_GBps:.0f} GB/s (read + write); {weights / 1e9:.3f} G weight and "
+             f"{acts / 1e9:.3f} G activation / gradient elements quantized a step\n\n")
+    table = md_table(["floor", "bytes / element", "GEMMs ms", "quantize ms", "step ms", "bound x BF16", "target",
+                      "measured device-time x BF16 (weights cast once a step)"],
+                     [[b["floor"], b["bytes_per_element"], b["gemm_ms"], b["quantize_ms"], b["step_ms"], b["bound"],
+                       b["target"], b["measured"]] for b in bound_rows(m, p)])
+    return head + parts + elems + table + "\n"
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--experts", type=int, default=64, choices=[e for e, _ in CONFIGS])
+    p.add_argument("--micro-batches", type=int, default=4, help="forward + backward passes a step (default 4)")
+    p.add_argument("--weight-cast", choices=WEIGHT_CASTS, default="step",
+                   help="where the weights are quantized: once a step (default) or every micro-batch")
+    p.add_argument("--fused-amax", action="store_true", help="FP8 current: the amax is reduced by the kernel "
+                   "producing each tensor (3 bytes an element instead of 5)")
     args = p.parse_args(argv)
+    try:
+        premises = Premises(args.micro_batches, args.weight_cast, args.fused_amax)
+    except ValueError as err:
+        p.error(str(err))
     require_cuda()
-    r = run(args.experts)
-    print(f"### MoE layer bound, {r['experts']} experts x ffn {r['ffn']} (device ms of one step, torch.profiler)\n")
-    print(md_table(["quantity", "ms"], [
-        ["BF16 baseline step", r["bf16_step_ms"]], ["its grouped GEMMs (aten::_grouped_mm)", r["bf16_gemm_ms"]],
-        ["shared rest S", r["shared_ms"]], ["MXFP8 step (one weight Parameter)", r["mxfp8_step_ms"]],
-        ["its grouped GEMMs on decoded values", r["mxfp8_gemm_ms"]], ["FP8 current step", r["fp8_step_ms"]],
-        ["its grouped FP8 GEMMs (Triton)", r["fp8_gemm_ms"]]]))
-    print(f"\ncopy bandwidth {r['copy_GBps']:.0f} GB/s (read + write); {r['quantized_elements'] / 1e9:.3f} G "
-          "elements quantized a step\n")
-    print(md_table(["floor", "GEMMs ms", "quantize ms", "step ms", "bound x BF16", "target", "measured device-time x BF16"],
-                   [[b["floor"], b["gemm_ms"], b["quantize_ms"], b["step_ms"], b["bound"], b["target"], b["measured"]]
-                    for b in r["bounds"]]))
-    finish("bound_moe", r, args.out)
+    m = measure(args.experts, premises.micro_batches)
+    rows = bound_rows(m, premises)
+    finish("bound_moe", {"env": environment(), **asdict(m), "premises": asdict(premises), "bounds": rows,
+                         "markdown": report(m, premises)}, args.out)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,222 @@
+"""bench_moe under the paired protocol: three BF16 baselines, micro-batches with a routing that
+changes every step (the same for both sides), error bounds against an FP32 reference that fail
+the run loudly, and bound_moe's arithmetic under its premises.
+
+Runs the benchmark's layer on the CPU at a tiny shape (``bench.common.DEVICE = "cpu"``;
+``torch.compile`` with the ``eager`` backend, no C++ compiler)."""
+
+from __future__ import annotations
+
+import doctest
+import json
+
+import pytest
+import torch
+
+import hybridfp
+from bench import bench_moe, bound_moe, common, moe_layer
+from bench.protocol import Protocol
+
+FAST = ["--quick", "--micro-batches", "2", "--rounds", "2", "--samples", "1", "--compile-backend", "eager"]
+#: the failure cases: one micro-batch, one round
+FASTER = ["--quick", "--micro-batches", "1", "--rounds", "1", "--samples", "1", "--compile-backend", "eager"]
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    """``--quick`` at 4 experts x ffn 32, 64 tokens, hidden 64, on the CPU."""
+    monkeypatch.setattr(common, "DEVICE", "cpu")
+    monkeypatch.setattr(bench_moe, "QUICK_CONFIGS", [(4, 32)])
+    monkeypatch.setattr(bench_moe, "QUICK_SHAPE", (64, 64))
+
+
+def test_every_ratio_is_paired_against_each_baseline_and_the_fastest(tiny, tmp_path, monkeypatch):
+    calls = []
+    real = bench_moe.paired_ratio
+
+    def recording(baseline, candidate, protocol):
+        calls.append(protocol)
+        return real(baseline, candidate, protocol)
+
+    monkeypatch.setattr(bench_moe, "paired_ratio", recording)
+    out = tmp_path / "moe.json"
+    bench_moe.main(FAST + ["--variants", "hybridfp MXFP8", "--out", str(out)])
+    result = json.loads(out.read_text())
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert set(rows) == set(bench_moe.BASELINES) | {"hybridfp MXFP8"}
+    # two baseline pairs (per-expert and compiled against grouped), three for the candidate
+    assert len(calls) == 5 and all(p == Protocol(rounds=2, samples=1, warmup=1) for p in calls)
+    row = rows["hybridfp MXFP8"]
+    assert row["micro_batches"] == 2 and "error" not in row and row["breaches"] == []
+    assert set(row["x_bf16"]) == set(bench_moe.BASELINES)
+    for pr in row["x_bf16"].values():
+        assert len(pr["rounds"]) == 2 and pr["low"] <= pr["ratio"] <= pr["high"] and "clocks" in pr
+    fastest = row["fastest_bf16"]
+    baseline_ms = {b: rows[b]["ms"] for b in bench_moe.BASELINES}
+    assert fastest == min(baseline_ms, key=baseline_ms.get)  # the least ms of this run
+    assert row["x_fastest_bf16"] == row["x_bf16"][fastest]
+    assert set(row["rel_err"]) == {"out", "dx", "dw1", "dw2"}
+    assert all(0 < v < row["bounds"][k.rstrip("12")] for k, v in row["rel_err"].items())
+    for b in bench_moe.BASELINES:  # the baselines are checked against the FP32 reference too
+        assert rows[b]["breaches"] == [] and rows[b]["bounds"] == bench_moe.error_bounds("BF16 grouped")
+    assert rows[bench_moe.BF16_COMPILED]["x_bf16"].keys() == {bench_moe.BF16_GROUPED}
+    assert "fastest BF16" in result["markdown"] and "2 micro-batches a step" in result["markdown"]
+
+
+def _scaled_forward(scale):
+    real = moe_layer.HybridMoE.forward
+
+    def forward(self, x, offset=None):
+        return real(self, x, offset) * scale
+    return forward
+
+
+def test_a_candidate_beyond_its_error_bound_fails_the_run(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(moe_layer.HybridMoE, "forward", _scaled_forward(1.1))  # 10 % off: out, dx and dW
+    out = tmp_path / "moe.json"
+    with pytest.raises(SystemExit) as exc:
+        bench_moe.main(FASTER + ["--variants", "hybridfp BF16 (high_precision)", "--out", str(out)])
+    msg = str(exc.value.code)
+    bound = common.error_bound("bf16", "bf16", *bench_moe.DEPTHS["out"])
+    assert "hybridfp BF16 (high_precision): out relative error" in msg and f"> bound {bound:.4g}" in msg
+    assert "dw1 relative error" in msg
+    row = next(r for r in json.loads(out.read_text())["rows"] if r["variant"] == "hybridfp BF16 (high_precision)")
+    assert row["breaches"] and 0.09 < row["rel_err"]["out"] < 0.11  # the table is still written
+    assert "x_bf16" not in row  # a wrong row is not timed
+
+
+def test_a_failing_candidate_fails_the_run_naming_it(tiny, monkeypatch):
+    def broken(self, x, offset=None):
+        raise RuntimeError("kernel missing")
+    monkeypatch.setattr(moe_layer.HybridMoE, "forward", broken)
+    with pytest.raises(SystemExit) as exc:
+        bench_moe.main(FASTER + ["--variants", "hybridfp MXFP8"])
+    assert "hybridfp MXFP8: RuntimeError: kernel missing" in str(exc.value.code)
+
+
+@pytest.mark.parametrize("where", ["compile", "first call", "per-expert"])
+def test_a_missing_baseline_is_an_error_naming_it(tiny, monkeypatch, where):
+    if where == "compile":
+        def no_compile(model, backend):
+            raise RuntimeError("no compiler")
+        monkeypatch.setattr(torch, "compile", no_compile)
+        name = bench_moe.BF16_COMPILED
+    elif where == "first call":
+        class Broken(torch.nn.Module):
+            def forward(self, x, offset=None):
+                raise RuntimeError("graph failed")
+        monkeypatch.setattr(torch, "compile", lambda model, backend: Broken())
+        name = bench_moe.BF16_COMPILED
+    else:
+        real = moe_layer.BF16MoE.forward
+
+        def forward(self, x, offset=None):
+            if self.gemm == "per_expert" and self.w1.dtype == torch.bfloat16:  # not the FP32 reference
+                raise RuntimeError("cuBLAS missing")
+            return real(self, x, offset)
+        monkeypatch.setattr(moe_layer.BF16MoE, "forward", forward)
+        name = bench_moe.BF16_PER_EXPERT
+    with pytest.raises(SystemExit) as exc:
+        bench_moe.main(FASTER + ["--variants", "hybridfp MXFP8"])
+    assert f"the baseline '{name}'" in str(exc.value.code)
+
+
+def test_routing_changes_every_micro_batch_and_is_the_same_for_both_sides(monkeypatch):
+    monkeypatch.setattr(common, "DEVICE", "cpu")
+    seen: list[tuple[str, tuple]] = []
+    side = ["?"]
+
+    class Recording(moe_layer.Routing):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            seen.append((side[0], tuple(self.order.tolist())))
+
+    monkeypatch.setattr(moe_layer, "Routing", Recording)
+    base, hf, x, dy = moe_layer.moe_layer(4, 32, 64, 64)
+    schedule = moe_layer.RoutingSchedule(64, 4, 2, steps=3)
+    recipe = hybridfp.MXFP8BlockScaling()
+    b = moe_layer.Step(base, x, dy, None, 2, schedule)
+    c = moe_layer.Step(hf, x, dy, lambda: hybridfp.autocast(recipe=recipe), 2, schedule)
+
+    def tagged(name, step):
+        def run():
+            side[0] = name
+            return step()
+        return run
+
+    b.calls = c.calls = 5  # left anywhere by earlier calls: pair() restarts both schedules
+    bench_moe.pair((tagged("b", b), b), (tagged("c", c), c), Protocol(rounds=2, samples=1, warmup=1, flush_l2=False))
+    base_seq = [r for s, r in seen if s == "b"]
+    cand_seq = [r for s, r in seen if s == "c"]
+    assert len(base_seq) == len(cand_seq) == 2 * (1 + 2 * 1)  # micro-batches x (warm-up + rounds x samples)
+    assert base_seq == cand_seq  # the i-th call of each side routes the same
+    assert len(set(base_seq)) == 6  # a new routing every micro-batch of the 3-step schedule
+    seen.clear()
+    side[0] = "ref"
+    ref = bench_moe.reference_result(base, x, dy, 2, schedule)
+    assert [r for _, r in seen] == base_seq[:2]  # the FP32 reference routes as the schedule's first step
+    assert ref["out"].dtype == torch.float32 and ref["dw1"].shape == base.w1.shape
+
+
+def test_routing_loads_are_uneven_and_move(monkeypatch):
+    monkeypatch.setattr(common, "DEVICE", "cpu")
+    torch.manual_seed(0)
+    x, router = torch.randn(4096, 64), torch.randn(8, 64) * 64 ** -0.5
+    uneven = moe_layer.RoutingSchedule(4096, 8, 2, steps=4)
+    flat = moe_layer.RoutingSchedule(4096, 8, 2, steps=4, skew=0.0)
+    assert uneven.imbalance(x, router) > 1.3 > 1.15 > flat.imbalance(x, router)
+    busiest = {moe_layer.Routing(x, router, 2, off).counts.argmax().item() for step in uneven.offsets for off in step}
+    assert len(busiest) > 1  # the busy experts change from micro-batch to micro-batch
+    with pytest.raises(ValueError, match="skew"):
+        moe_layer.RoutingSchedule(16, 4, 1, skew=-1.0)
+    with pytest.raises(ValueError, match="routing schedule has 2 micro-batches"):
+        moe_layer.Step(torch.nn.Identity(), x, x, None, 3, uneven)
+
+
+def test_error_bounds_follow_each_formats():
+    mx = bench_moe.error_bounds("hybridfp MXFP8 [one weight Parameter]")
+    assert mx == {t: common.error_bound("e4m3", "e4m3", *d) for t, d in bench_moe.DEPTHS.items()}
+    assert bench_moe.error_bounds(bench_moe.BF16_COMPILED)["out"] < 0.02 < mx["out"]
+    assert mx["out"] < bench_moe.error_bounds("hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)")["out"]
+    with pytest.raises(ValueError, match="no element formats stated for 'hybridfp NVFP4'"):
+        bench_moe.error_bounds("hybridfp NVFP4")
+    assert bench_moe.breaches("hybridfp MXFP8", {"out": float("nan"), "dx": 0.01}) == [
+        f"hybridfp MXFP8: out relative error nan > bound {mx['out']:.4g}"]
+
+
+def _measured():
+    return bound_moe.Measured(experts=8, ffn=64, tokens=128, hidden=32, bf16_step_ms=10.0, bf16_gemm_ms=8.0,
+                              mxfp8_step_ms=12.0, mxfp8_gemm_ms=7.5, fp8_step_ms=9.0, copy_GBps=2.0)
+
+
+W = 8 * (2 * 64 * 32 + 32 * 64)  # both layers' weights
+A = 128 * 2 * ((32 + 64) + (32 + 2 * 64))  # a micro-batch's x, SwiGLU out and the two output gradients
+
+
+@pytest.mark.parametrize("cast, fused, weights, fp8_bytes", [
+    ("step", False, W, 5), ("micro-batch", False, 4 * W, 5), ("step", True, W, 3), ("micro-batch", True, 4 * W, 3)])
+def test_bound_moe_premises(cast, fused, weights, fp8_bytes):
+    M, p = _measured(), bound_moe.Premises(micro_batches=4, weight_cast=cast, fused_amax=fused)
+    assert bound_moe.quantized_elements(M, p) == (weights, 4 * A)
+    rows = bound_moe.bound_rows(M, p)
+    assert [r["bytes_per_element"] for r in rows] == [fp8_bytes, 6, 4]  # fused amax: FP8 current only
+    assert ("fused into the producer" in rows[0]["floor"]) == fused
+    for r, gemm in zip(rows, (8.0 / 2, 7.5, 7.5)):
+        quantize = (weights + 4 * A) * r["bytes_per_element"] / 2.0 / 1e6
+        assert r["quantize_ms"] == pytest.approx(quantize, rel=1e-12)
+        assert r["bound"] == pytest.approx(10.0 / (2.0 + gemm + quantize), rel=1e-12)
+    assert rows[0]["measured"] == 10.0 / 9.0 and rows[1]["measured"] == 10.0 / 12.0
+    text = bound_moe.report(M, p)
+    assert f"weights cast once a {cast}" in text and "4 micro-batches a step" in text
+
+
+def test_bound_moe_refuses_bad_premises(monkeypatch, capsys):
+    with pytest.raises(ValueError, match="weight_cast must be one of"):
+        bound_moe.Premises(weight_cast="layer")
+    with pytest.raises(ValueError, match="micro_batches must be >= 1"):
+        bound_moe.Premises(micro_batches=0)
+    monkeypatch.setattr(common, "DEVICE", "cpu")
+    with pytest.raises(SystemExit):
+        bound_moe.main(["--micro-batches", "0"])
+    assert "micro_batches must be >= 1" in capsys.readouterr().err
+    assert doctest.testmod(bound_moe).failed == 0
