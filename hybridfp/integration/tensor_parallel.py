@@ -17,6 +17,9 @@ row-parallel output is reduce-scattered along the rows (its gradient quantized o
 rows and all-gathered quantized: the rowwise copy for dgrad, the columnwise copy for wgrad). The sequence dimension must be the first dimension of size > 1 (``[S, B, H]`` with
 ``Shard(0)``, or ``[1, S, H]`` with ``Shard(1)``), so each rank's rows are one contiguous
 block of the flattened rows.
+
+Quantized primary weights (``quantized_model_init``): a style shards the weight's FP32 master
+and each rank keeps the quantized copies of its shard (``tensor_parallel_primary.py``).
 """
 
 from __future__ import annotations

@@ -22,6 +22,11 @@ or under ``--fsdp`` alone (and a ``--fsdp`` checkpoint under ``--tp``). Still re
 a sharded checkpoint in one process or a single-process checkpoint under torchrun (two file
 formats; ``loop.plan_resume``), and across ``--ep`` sizes (``dist_checkpoint``).
 
+``--quantized-weights``: a weight held quantized has its FP32 master regrouped, then the styles
+shard the master (the parameter, stepped by AdamW inside ``MasterWeightOptimizer``, saved as a
+high-precision ``--tp`` weight is) and each rank holds its shard's quantized copies, re-encoded
+after every step; the losses are ``--tp``'s without it, bitwise. With ``--fsdp`` it is refused.
+
 Delayed scaling: a rank records the amax of its shard of a weight (and of a column-parallel
 output gradient) and of its rows; at the end of each forward, inside the autocast region, the
 model all-reduces (MAX) its stateful quantizers' pending amaxes over every rank, so the region's
