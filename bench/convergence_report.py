@@ -225,7 +225,7 @@ def _records(paths: Iterable[Path]) -> Iterable[dict]:
 
 
 def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
-            confidence: float = CONFIDENCE) -> dict:
+            confidence: float = CONFIDENCE, steps: Optional[int] = None) -> dict:
     """Per recipe: final validation losses by seed, mean +- std, gap to BF16 with its interval
     and the verdict; plain data (JSON-able).
 
@@ -234,14 +234,18 @@ def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
     paths : metrics.jsonl(.gz) files of one comparison (e.g. one per worker process).
     targets : recipe -> target gap in % (default :data:`TARGETS`).
     confidence : two-sided confidence level of the intervals.
+    steps : the planned steps: runs that did not evaluate at that step are left out and listed
+        under ``"incomplete"``; None: every run must end at the same step.
 
     Returns
     -------
-    dict : ``{"final_step", "confidence", "rows": [...], "seeds": {recipe: {seed: loss}}}``.
+    dict : ``{"final_step", "confidence", "rows": [...], "seeds": {recipe: {seed: loss}},
+        "incomplete": [labels]}``.
 
     Raises
     ------
-    ValueError : no validation loss, no ``bf16`` run, or runs that ended at different steps.
+    ValueError : no validation loss, no ``bf16`` run, or (``steps`` None) runs that ended at
+        different steps.
     """
     targets = TARGETS if targets is None else targets
     last: dict[str, tuple[int, float]] = {}
@@ -251,11 +255,14 @@ def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
             last[r["recipe"]] = (r["step"], r["val_loss"])
         if "tokens_per_s" in r:
             rates[r["recipe"]].append((r["step"], r["tokens_per_s"]))
+    incomplete = sorted(k for k, (s, _) in last.items() if steps is not None and s != steps)
+    last = {k: v for k, v in last.items() if k not in incomplete}
     if not last:
-        raise ValueError(f"{', '.join(map(str, paths))}: no validation loss recorded.")
-    steps = {s for s, _ in last.values()}
-    if len(steps) > 1:
-        by_step = {s: sorted(k for k, (st, _) in last.items() if st == s) for s in sorted(steps)}
+        raise ValueError(f"{', '.join(map(str, paths))}: no validation loss recorded"
+                         + (f" at step {steps}." if steps is not None else "."))
+    ends = {s for s, _ in last.values()}
+    if len(ends) > 1:
+        by_step = {s: sorted(k for k, (st, _) in last.items() if st == s) for s in sorted(ends)}
         raise ValueError(f"the runs ended at different steps ({by_step}); a run stopped early? Compare "
                          "complete runs only (rerun or drop the short ones).")
     seeds: dict[str, dict[int, float]] = defaultdict(dict)
@@ -284,7 +291,7 @@ def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
             row.update(gap_pct=g.gap_pct, ci_lo=g.lo, ci_hi=g.hi, method=g.method,
                        verdict=verdict(g.lo, g.hi, row["target_pct"]))
         rows.append(row)
-    return {"final_step": steps.pop(), "confidence": confidence, "rows": rows,
+    return {"final_step": ends.pop(), "confidence": confidence, "rows": rows, "incomplete": incomplete,
             "seeds": {k: {str(s): v for s, v in sorted(d.items())} for k, d in seeds.items()}}
 
 
@@ -313,6 +320,9 @@ def to_markdown(result: dict) -> str:
     for recipe, d in result["seeds"].items():
         lines.append(f"| `{recipe}` | " + " | ".join(f"{d[str(s)]:.4f}" if str(s) in d else "" for s in seeds)
                      + " |")
+    if result.get("incomplete"):
+        lines += ["", "Left out, not complete (failed or stopped early): "
+                  + ", ".join(f"`{k}`" for k in result["incomplete"]) + "."]
     return "\n".join(lines)
 
 
@@ -325,9 +335,11 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("metrics", type=Path, nargs="+", help="metrics.jsonl(.gz) files of one comparison")
     p.add_argument("--json", type=Path, default=None, help="also write the statistics here as JSON")
+    p.add_argument("--steps", type=int, default=None,
+                   help="the planned steps: runs that did not reach them are listed and left out")
     args = p.parse_args(argv)
     try:
-        result = analyze(args.metrics)
+        result = analyze(args.metrics, steps=args.steps)
     except ValueError as e:
         raise SystemExit(str(e)) from None
     print(to_markdown(result))

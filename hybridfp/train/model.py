@@ -241,6 +241,11 @@ PRESETS: dict[str, Preset] = {
     "gpt-50m": Preset(GPTConfig(n_layer=10, n_head=10, n_embd=640, mlp="swiglu", block_size=512),
                       batch_size=32, seq_len=512, steps=3000, lr=1e-3, warmup=100, eval_interval=250,
                       eval_iters=20, device="cuda", note="GPU, ~50M params: the convergence study"),
+    # 101.5M parameters (8 x 1024, 16 heads, SwiGLU 2752): the multi-seed convergence study on the
+    # packages corpus (bench/convergence.py sets the steps and warm-up from its time budget).
+    "gpt-100m": Preset(GPTConfig(n_layer=8, n_head=16, n_embd=1024, mlp="swiglu", block_size=512),
+                       batch_size=16, seq_len=512, steps=2000, lr=1e-3, warmup=100, eval_interval=250,
+                       eval_iters=16, device="cuda", note="GPU, ~101M params: the multi-seed convergence study"),
     "gpt2-small": Preset(GPTConfig(n_layer=12, n_head=12, n_embd=768, mlp="gelu", normalization="LayerNorm",
                                    block_size=1024),
                          batch_size=16, seq_len=1024, steps=5000, lr=6e-4, warmup=200, eval_interval=250,

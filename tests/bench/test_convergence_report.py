@@ -107,3 +107,11 @@ def test_report_refusals(tmp_path):
     longer = _write(tmp_path / "long.jsonl.gz", {"fp8@seed=0": 1.0}, steps=(0, 30))
     with pytest.raises(ValueError, match="ended at different steps"):
         cr.analyze([short, longer])
+
+
+def test_planned_steps_leave_out_incomplete_runs_and_say_so(tmp_path):
+    done = _write(tmp_path / "a.jsonl.gz", {"bf16@seed=0": 1.0, "bf16@seed=1": 1.01, "fp8@seed=0": 1.0})
+    stopped = _write(tmp_path / "b.jsonl.gz", {"fp8@seed=1": 9.0}, steps=(0, 10))
+    result = cr.analyze([done, stopped], steps=20)
+    assert result["incomplete"] == ["fp8@seed=1"] and result["seeds"]["fp8"] == {"0": 1.0}
+    assert "Left out, not complete (failed or stopped early): `fp8@seed=1`." in cr.to_markdown(result)

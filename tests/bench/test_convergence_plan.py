@@ -1,0 +1,53 @@
+"""bench.convergence's plan without a GPU: the presets, the recipe list, workers per comparison,
+runs assigned to workers by their probed cost, and the tokens per run a budget buys."""
+
+import pytest
+import torch
+
+from bench import convergence as conv
+from hybridfp.train.model import GPT, PRESETS
+
+
+def test_study_presets():
+    with torch.device("meta"):
+        dense = GPT(PRESETS["gpt-100m"].model).num_params()
+    assert dense >= 100_000_000 and dense == 101_467_136
+    dense_cmp = conv.Comparison("dense", "gpt-100m", conv.DENSE, 3)
+    assert dense_cmp.tokens_per_step == 16 * 512 and len(dense_cmp.runs()) == 18
+    assert dense_cmp.runs()[:2] == ["bf16@seed=0", "fp8@seed=0"] and dense_cmp.runs()[-1] == "mxfp8-fwd-nvfp4-bwd@seed=2"
+
+
+def test_default_recipes_parse_and_carry_targets():
+    from bench.convergence_report import TARGETS
+    assert conv.split_recipes(",".join(conv.DENSE)) == conv.DENSE
+    assert conv.split_recipes(",".join(conv.MOE)) == conv.MOE
+    assert set(TARGETS) == set(conv.DENSE) - {"bf16"}
+
+
+def test_workers_split_over_comparisons():
+    assert conv.split_jobs(8, [18, 6]) == [6, 2]
+    assert conv.split_jobs(0, [18, 6]) == [18, 6] and conv.split_jobs(40, [18, 6]) == [18, 6]
+    assert conv.split_jobs(2, [18, 6]) == [1, 1] and conv.split_jobs(5, [3, 3]) == [3, 2]
+
+
+def test_assignment_balances_the_probed_cost():
+    runs = conv.Comparison("dense", "gpt-100m", ("bf16", "slow"), 3).runs()
+    groups = conv.assign(runs, {"bf16": 1.0, "slow": 2.0}, 3)
+    assert sorted(r for g in groups for r in g) == sorted(runs)
+    assert all(sum(2.0 if r.startswith("slow") else 1.0 for r in g) == 3.0 for g in groups)
+    assert conv.assign(runs, {}, 8) == [[r] for r in runs]  # more workers than runs: one each
+
+
+def test_tokens_per_run_fill_the_most_loaded_worker():
+    cost = {"bf16": 1 / 200_000, "fp8": 1 / 100_000}
+    groups = [["bf16@seed=0", "fp8@seed=0"], ["bf16@seed=1"]]
+    tokens = conv.plan_tokens(groups, cost, 300.0)
+    assert tokens == pytest.approx(20_000_000)  # 300 s / (5 + 10 us per token)
+
+
+def test_moe_comparison_runs_and_workers():
+    moe = conv.Comparison("moe", "moe-small", conv.MOE, 3)
+    assert moe.runs() == [f"{r}@seed={s}" for s in range(3) for r in conv.MOE]
+    assert PRESETS["moe-small"].model.n_experts == 8
+    groups = conv.assign(moe.runs(), {"bf16": 1 / 100_000, "nvfp4-row-scaled-fwd-mxfp8-bwd": 1 / 60_000}, 2)
+    assert [len(g) for g in groups] == [3, 3]
