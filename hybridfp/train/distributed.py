@@ -223,18 +223,21 @@ def _quantized_gather_modules(model: nn.Module, recipe: Any) -> list[nn.Module]:
 
 
 def _refuse_stateful_weights(model: nn.Module, recipe: Any) -> None:
-    """``--tp --fsdp``: refuse a recipe whose weight quantizers keep an amax history (delayed
-    scaling): the root's own weights (the lm head) would need ``autocast(amax_reduction_group=
-    ...)``, which the tensor-parallel layers refuse."""
+    """``--tp --fsdp``: refuse a recipe whose quantizer keeps an amax history (delayed scaling)
+    for a weight gathered quantized that is not tensor-parallel (an MoE layer's experts, a
+    quantized lm head): its gather needs ``autocast(amax_reduction_group=...)``, which the
+    tensor-parallel layers refuse. A tensor-parallel weight's pending amax is reduced over every
+    rank by the model's forward hook, as under ``--tp`` alone."""
     from ..recipes import AutocastState
 
     state = AutocastState(recipe)
     for m in _quantized_gather_modules(model, recipe):
-        if any(q.has_state() for q in m.quantizers(state)["weight"]):
+        if getattr(m, "_tensor_parallel", None) is None and any(q.has_state() for q in m.quantizers(state)["weight"]):
             raise ValueError(
-                "--tp --fsdp with a delayed-scaling recipe: FSDP2 all-gathers the weights quantized, and "
-                "a scale from an amax history needs the region's amax_reduction_group, which the "
-                "tensor-parallel layers refuse. Use a current-scaling or block recipe (fp8, mxfp8, "
+                f"--tp --fsdp with a delayed-scaling recipe: {type(m).__name__} {getattr(m, 'name', '')} is not "
+                "tensor-parallel (an MoE layer's experts, a quantized lm head); FSDP2 all-gathers its weight "
+                "quantized, and a scale from an amax history then needs the region's amax_reduction_group, "
+                "which the tensor-parallel layers refuse. Use a current-scaling or block recipe (fp8, mxfp8, "
                 "nvfp4, ...), or drop --fsdp or --tp.")
 
 
@@ -256,9 +259,9 @@ def shard_model(model: nn.Module, par: Parallel, recipe: Any) -> None:
 
     if par.tp > 1:
         from .tensor_parallel import parallelize_blocks
+        parallelize_blocks(model, par.tp_mesh["tp"])
         if par.fsdp:
             _refuse_stateful_weights(model, recipe)
-        parallelize_blocks(model, par.tp_mesh["tp"])
     moes = [b.mlp for b in model.blocks if isinstance(b.mlp, MoE)]
     for moe in moes:
         moe.stats_group = par.group  # the load-balancing loss counts every rank's rows
