@@ -39,7 +39,10 @@ The data: every rank of a tensor-parallel group reads the same rows; the global 
 over the ``dp`` ranks only, and the replicated weights' gradients (and the sharded weights'
 local shards) are averaged over the ``dp`` group. With ``--fsdp`` each block, then the root,
 is ``fully_shard``ed over the ``dp`` dimension (FSDP2's 2-D composition; its reduce-scatter
-averages over dp), the weights all-gathered as FSDP2 sends them (not quantized).
+averages over dp), each rank's tensor-parallel shards all-gathered quantized over dp
+(``hybridfp.enable_quantized_all_gather``: the codes and scales are the tensor-parallel layer's
+own; delayed scaling is refused for a weight gathered quantized outside the tensor-parallel
+layers, such as an MoE layer's experts).
 """
 
 from __future__ import annotations
