@@ -28,6 +28,11 @@ Any number of rows: where the world size does not divide them FSDP2 pads the las
 as uint8 tensors of that shape; the layout cuts each rank's encoded rows back out, so padding
 never reaches the weight. ``fsdp_amax.precompute_weight_amax`` replaces the per-gather amax
 all-reduces by one per step.
+
+Tensor parallelism (a 2-D ``(dp, tp)`` mesh): a weight that hybridfp's tensor-parallel styles
+made a DTensor is wrapped in its local tensor, which FSDP2 shards over dp and gathers back;
+its amax goes over dp, then tp, so the gathered copies are the tensor-parallel layer's own
+quantization of its shard (``fsdp_tensor_parallel``).
 """
 
 from __future__ import annotations
@@ -361,7 +366,11 @@ def enable_quantized_all_gather(model: nn.Module, *, copies: str = "per_directio
     Call it before ``fully_shard``. Each weight a hybridfp module quantizes for its GEMMs
     (``quantized_weight_slots``: Linear's, LayerNormLinear's, LayerNormMLP's fc1 / fc2) becomes
     a :class:`QuantizedGatherWeight` Parameter; the optimizer keeps updating the
-    high-precision shards. Run the forward inside ``hybridfp.autocast``. A weight held quantized
+    high-precision shards. Run the forward inside ``hybridfp.autocast``. A tensor-parallel
+    weight (a DTensor from ``ColwiseParallel`` / ``RowwiseParallel`` / ``LayerNormMLPParallel``:
+    call this after ``parallelize_module``, then ``fully_shard(..., mesh=mesh["dp"])``) keeps its
+    placement and its local tensor is wrapped; its gathers encode with the tensor-parallel
+    layer's scale (the amax over dp and tp). A weight held quantized
     (``quantized_model_init``) becomes a ``QuantizedPrimaryWeight``: its FP32 master is sharded
     and each rank keeps its shard of the quantized weight, re-encoded once per optimizer step
     (``hybridfp.quantize_sharded_weights``; ``MasterWeightOptimizer.step`` calls it).
@@ -383,7 +392,8 @@ def enable_quantized_all_gather(model: nn.Module, *, copies: str = "per_directio
     Raises
     ------
     ValueError
-        An unknown ``copies``; a weight already sharded by FSDP2 (call this first).
+        An unknown ``copies``; a weight already sharded by FSDP2 (call this first); a DTensor
+        weight not placed by hybridfp's tensor-parallel styles.
     """
     if copies not in COPIES:
         raise ValueError(f"enable_quantized_all_gather: copies={copies!r}; expected one of {COPIES}.")
