@@ -212,7 +212,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("runs/convergence"))
     p.add_argument("--budget-s", type=float, default=470.0, help="wall time for the probe and the runs")
-    p.add_argument("--eval-fraction", type=float, default=0.15,
+    p.add_argument("--eval-fraction", type=float, default=0.2,
                    help="share of the training time kept for evaluations and each run's set-up")
     p.add_argument("--seeds", type=int, default=3, help="seeds per recipe (init and data order)")
     p.add_argument("--jobs", type=int, default=8,

@@ -51,3 +51,12 @@ def test_moe_comparison_runs_and_workers():
     assert PRESETS["moe-small"].model.n_experts == 8
     groups = conv.assign(moe.runs(), {"bf16": 1 / 100_000, "nvfp4-row-scaled-fwd-mxfp8-bwd": 1 / 60_000}, 2)
     assert [len(g) for g in groups] == [3, 3]
+
+
+def test_docstring_examples_of_the_study_run():
+    import doctest
+
+    from bench import convergence_report
+    for module in (conv, convergence_report):
+        result = doctest.testmod(module)
+        assert result.failed == 0 and result.attempted > 0, module.__name__
