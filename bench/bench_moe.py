@@ -21,8 +21,9 @@ Float8CurrentScaling, MXFP8BlockScaling and the Composer-2 factory nvfp4_row_sca
 each also with ``GroupedLinear(single_parameter=True)`` ("[one weight Parameter]").
 
 Every ratio is ``bench.protocol.paired_ratio`` (median of per-round ratios, its ~95 % interval,
-the GPU's clocks), baseline ms / candidate ms (>1 is faster): against each baseline, and the
-headline against the fastest of the three in this run (named in the row). Every row's output,
+the GPU's clocks), baseline ms / candidate ms (>1 is faster): a recipe's row against each
+baseline, and the headline against the fastest of the three in this run (named in the row); a
+variant row (a suffix) against that fastest one only. Every row's output,
 dx and dW are checked against an FP32 reference of the same routings (relative Frobenius
 error within ``common.error_bound`` of its formats); a breach, or any failed row, ends the run with a non-zero
 exit after the table is printed. "paths": which ``grouped_gemm`` path each GEMM took. With
@@ -317,7 +318,8 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
                  protocol: Protocol = Protocol(), skew: float = ROUTING_SKEW,
                  compile_backend: str = "inductor") -> list[dict[str, Any]]:
     """Every variant of one config, in one process: each checked against the FP32 reference of
-    the same routings, then timed with ``protocol`` against each BF16 baseline.
+    the same routings, then timed with ``protocol`` against each BF16 baseline (a variant row, one
+    with a suffix, against the fastest of them only).
 
     ``only``: just the variants whose name equals one of these (the baselines always run);
     ``profile``: variants whose name contains it also get a one-step profile in ``profiles``
@@ -376,7 +378,9 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
         r["fastest_bf16"] = fastest
         if r["baseline"] or "error" in r or r.get("breaches"):
             continue  # no ratio for a failed or wrong row (check_rows fails the run on it)
-        r["x_bf16"] = {b: pair(steps[b], steps[r["variant"]], protocol).as_dict() for b in BASELINES}
+        # a recipe's row against each baseline; a variant row (a suffix) against the fastest (run time)
+        against = BASELINES if r["variant"] in dict(RECIPES) else (fastest,)
+        r["x_bf16"] = {b: pair(steps[b], steps[r["variant"]], protocol).as_dict() for b in against}
         r["x_fastest_bf16"] = r["x_bf16"][fastest]
         r["ms"] = r["x_fastest_bf16"]["candidate_ms"]
         r["target"] = TARGETS.get(r["variant"].split(" [")[0])  # the recipe's name, without a variant suffix

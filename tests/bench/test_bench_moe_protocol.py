@@ -40,13 +40,16 @@ def test_every_ratio_is_paired_against_each_baseline_and_the_fastest(tiny, tmp_p
 
     monkeypatch.setattr(bench_moe, "paired_ratio", recording)
     out = tmp_path / "moe.json"
-    bench_moe.main(FAST + ["--variants", "hybridfp MXFP8", "--out", str(out)])
+    recipe = "hybridfp BF16 (high_precision)"  # the cheapest recipe on the CPU; MXFP8 runs in the routing test
+    single = recipe + bench_moe.SINGLE_PARAM_SUFFIX
+    bench_moe.main(FAST + ["--variants", f"{recipe}|{single}", "--out", str(out)])
     result = json.loads(out.read_text())
     rows = {r["variant"]: r for r in result["rows"]}
-    assert set(rows) == set(bench_moe.BASELINES) | {"hybridfp MXFP8"}
-    # two baseline pairs (per-expert and compiled against grouped), three for the candidate
-    assert len(calls) == 5 and all(p == Protocol(rounds=2, samples=1, warmup=1) for p in calls)
-    row = rows["hybridfp MXFP8"]
+    assert set(rows) == set(bench_moe.BASELINES) | {recipe, single}
+    # two baseline pairs (per-expert and compiled against grouped), three for the recipe's row,
+    # one for the variant row (against the fastest baseline)
+    assert len(calls) == 6 and all(p == Protocol(rounds=2, samples=1, warmup=1) for p in calls)
+    row = rows[recipe]
     assert row["micro_batches"] == 2 and "error" not in row and row["breaches"] == []
     assert set(row["x_bf16"]) == set(bench_moe.BASELINES)
     for pr in row["x_bf16"].values():
@@ -55,6 +58,7 @@ def test_every_ratio_is_paired_against_each_baseline_and_the_fastest(tiny, tmp_p
     baseline_ms = {b: rows[b]["ms"] for b in bench_moe.BASELINES}
     assert fastest == min(baseline_ms, key=baseline_ms.get)  # the least ms of this run
     assert row["x_fastest_bf16"] == row["x_bf16"][fastest]
+    assert rows[single]["x_bf16"].keys() == {fastest} and rows[single]["fastest_bf16"] == fastest
     assert set(row["rel_err"]) == {"out", "dx", "dw1", "dw2"}
     assert all(0 < v < row["bounds"][k.rstrip("12")] for k, v in row["rel_err"].items())
     for b in bench_moe.BASELINES:  # the baselines are checked against the FP32 reference too
