@@ -349,3 +349,7 @@ def main(argv: list[str] | None = None) -> None:
 
 __all__ = ["BASELINE", "CONFIDENCE", "Gap", "TARGETS", "analyze", "paired_gap", "report", "split_label",
            "t_cdf", "t_quantile", "to_markdown", "verdict", "welch_gap"]
+
+
+if __name__ == "__main__":
+    main()

@@ -115,3 +115,16 @@ def test_planned_steps_leave_out_incomplete_runs_and_say_so(tmp_path):
     result = cr.analyze([done, stopped], steps=20)
     assert result["incomplete"] == ["fp8@seed=1"] and result["seeds"]["fp8"] == {"0": 1.0}
     assert "Left out, not complete (failed or stopped early): `fp8@seed=1`." in cr.to_markdown(result)
+
+
+def test_command_line_prints_the_tables_and_writes_json(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+    paths = _study(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "bench.convergence_report", *map(str, paths), "--json",
+                           str(tmp_path / "r.json")], cwd=Path(__file__).resolve().parents[2],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "| `mxfp8` | 3 |" in proc.stdout and "missed" in proc.stdout
+    assert json.loads((tmp_path / "r.json").read_text())["final_step"] == 20
