@@ -312,7 +312,10 @@ def write_reports(out: Path, plan: dict, json_path: Optional[Path] = None) -> di
         (out / name / "metrics.jsonl").write_text(merged)
         seen = {str(o.name): fingerprints_seen(o) for o in outs}
         other = sorted(k for k, line in seen.items() if line is None or fp not in line)
-        study: dict = {"data_lines": seen, "workers_on_other_data": other}
+        started = {json.loads(line)["recipe"] for line in merged.splitlines() if line.strip()}
+        # a worker that stops (a run that diverged raises) never starts its later runs
+        missing = [label for group in entry["workers"] for label in group if label not in started]
+        study: dict = {"data_lines": seen, "workers_on_other_data": other, "never_started": missing}
         try:
             study["stats"] = analyze([out / name / "metrics.jsonl"], steps=entry["steps"])
             study["markdown"] = to_markdown(study["stats"])
@@ -321,6 +324,8 @@ def write_reports(out: Path, plan: dict, json_path: Optional[Path] = None) -> di
         result["studies"][name] = study
         warn = (f"\n\n**Workers without the corpus `{fp}` in their summary (failed, or other data): "
                 f"{', '.join(other)}.**" if other else "")
+        warn += (f"\n\n**Runs never started (their worker stopped first): "
+                 f"{', '.join(f'`{m}`' for m in missing)}.**" if missing else "")
         md += [f"### {name}: preset `{entry['preset']}`, {entry['steps']} steps ({entry['tokens_per_run']:,} "
                f"tokens per run)", "", study.get("markdown", study.get("error", "")) + warn, ""]
     result["markdown"] = "\n".join(md)

@@ -60,3 +60,24 @@ def test_docstring_examples_of_the_study_run():
     for module in (conv, convergence_report):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0, module.__name__
+
+
+def test_reports_name_runs_never_started_and_workers_on_other_data(tmp_path):
+    import json
+    plan = {"data": {"spec": "packages", "fingerprint": "packages-0123456789abcdef", "train_tokens": 9,
+                     "val_tokens": 1},
+            "comparisons": {"dense": {"preset": "test", "steps": 20, "tokens_per_run": 10240,
+                                      "workers": [["bf16@seed=0", "fp8@seed=0"], ["bf16@seed=1", "fp8@seed=1"]]}}}
+    w0 = tmp_path / "dense" / "w0"
+    w0.mkdir(parents=True)
+    (w0 / "metrics.jsonl").write_text("".join(json.dumps({"step": 20, "recipe": r, "val_loss": v}) + "\n"
+                                              for r, v in (("bf16@seed=0", 1.0), ("fp8@seed=0", 1.01))))
+    (w0 / "summary.md").write_text("# run\n\nData: installed packages corpus packages-0123456789abcdef (3 files).\n")
+    result = conv.write_reports(tmp_path, plan, tmp_path / "out" / "results.json")
+    study = result["studies"]["dense"]
+    assert study["never_started"] == ["bf16@seed=1", "fp8@seed=1"] and study["workers_on_other_data"] == ["w1"]
+    assert study["stats"]["seeds"]["fp8"] == {"0": 1.01}
+    md = (tmp_path / "report.md").read_text()
+    assert "Runs never started (their worker stopped first): `bf16@seed=1`, `fp8@seed=1`" in md
+    assert "packages-0123456789abcdef" in md and "Workers without the corpus" in md
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["plan"] == plan
