@@ -15,6 +15,7 @@ import torch
 
 import hybridfp
 from bench import bench_moe, bound_moe, common, moe_layer
+from bench.__main__ import _moe
 from bench.protocol import Protocol
 
 FAST = ["--quick", "--micro-batches", "2", "--rounds", "2", "--samples", "1", "--compile-backend", "eager"]
@@ -65,6 +66,9 @@ def test_every_ratio_is_paired_against_each_baseline_and_the_fastest(tiny, tmp_p
         assert rows[b]["breaches"] == [] and rows[b]["bounds"] == bench_moe.error_bounds("BF16 grouped")
     assert rows[bench_moe.BF16_COMPILED]["x_bf16"].keys() == {bench_moe.BF16_GROUPED}
     assert "fastest BF16" in result["markdown"] and "2 micro-batches a step" in result["markdown"]
+    headline = dict(_moe(result))  # python -m bench's line per row: the ratio against the fastest, named
+    assert headline[f"4 experts, ffn 32: {recipe}"].endswith(f"vs {fastest}")
+    assert not any(b in name for name in headline for b in bench_moe.BASELINES)
 
 
 def _scaled_forward(scale):
@@ -87,6 +91,8 @@ def test_a_candidate_beyond_its_error_bound_fails_the_run(tiny, tmp_path, monkey
     row = next(r for r in json.loads(out.read_text())["rows"] if r["variant"] == "hybridfp BF16 (high_precision)")
     assert row["breaches"] and 0.09 < row["rel_err"]["out"] < 0.11  # the table is still written
     assert "x_bf16" not in row  # a wrong row is not timed
+    assert dict(_moe(json.loads(out.read_text())))["4 experts, ffn 32: hybridfp BF16 (high_precision)"].startswith(
+        "FAILED: hybridfp BF16 (high_precision): out relative error")
 
 
 def test_a_failing_candidate_fails_the_run_naming_it(tiny, monkeypatch):
