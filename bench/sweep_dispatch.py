@@ -32,11 +32,13 @@ Decisions (``DECISIONS``), each on one GEMM of an expert linear W_e [ffn, hidden
 
 Grid: tokens {4096, 8192, 16384} x hidden {2048, 4096, 8192}; the MoE decisions also over
 experts {8, 16, 32, 64} with top-k ``TOPK`` (routed rows = tokens x top-k, split unevenly) and
-ffn = hidden * 28 / experts rounded to 128 (8 x 14336 at hidden 4096, as the 8-expert layer;
-64 experts: 0.44 x hidden, the 64 x 1408 layer's proportion); the kernel tile decisions at the
-smallest and largest expert counts. About 500 timings of ``warmup_ms=10, rep_ms=60`` each plus
-the operands' setup and a dozen kernel compiles: about 4 minutes on an NVIDIA H200 (the
-largest cells, 32768 routed rows at hidden 8192 and 8 experts, take ~25 ms a call).
+ffn = hidden * 28 / experts rounded to 128 (8 experts: 3.5 x hidden, 14336 at hidden 4096 as the
+8-expert layer; 64 experts: 0.44 x hidden, near the 64 x 1408 layer's 0.34); the kernel tile
+decisions at the smallest and largest expert counts. About 500 timings of ``warmup_ms=10,
+rep_ms=60`` each (do_bench's estimate and warm-up calls included, ~0.15 s), the paired
+re-measures, the operands' setup and a dozen kernel compiles: estimated at about 4 minutes on
+an NVIDIA H200 (the largest GEMMs, 32768 routed rows x hidden 8192 x ffn 28672, take ~25 ms a
+call); ``--only`` runs a subset.
 ``--quick``: a tiny grid (a smoke test of the script, also on the CPU).
 
     python -m bench.sweep_dispatch [--quick] [--out F.json] [--only NAME[,NAME]]
