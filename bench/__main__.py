@@ -164,7 +164,13 @@ def _offload(r: dict[str, Any]) -> Rows:
 
 def _convergence(r: dict[str, Any]) -> Rows:
     plan = r.get("plan", {}).get("comparisons", {})
-    return [(f"{name}: steps per run", str(p.get("steps"))) for name, p in plan.items()]
+    rows = [(f"{name}: steps per run", str(p.get("steps"))) for name, p in plan.items()]
+    for name, study in r.get("studies", {}).items():
+        for row in study.get("stats", {}).get("rows", []):
+            if row.get("ci_lo") is not None:  # gap vs BF16, its 95 % interval, the verdict
+                rows.append((f"{name}: {row['recipe']} vs bf16", f"{row['gap_pct']:+.2f} % "
+                             f"[{row['ci_lo']:+.2f}, {row['ci_hi']:+.2f}] {row['verdict']}".strip()))
+    return rows
 
 
 BENCHMARKS: dict[str, Benchmark] = {

@@ -81,3 +81,14 @@ def test_reports_name_runs_never_started_and_workers_on_other_data(tmp_path):
     assert "Runs never started (their worker stopped first): `bf16@seed=1`, `fp8@seed=1`" in md
     assert "packages-0123456789abcdef" in md and "Workers without the corpus" in md
     assert json.loads((tmp_path / "out" / "results.json").read_text())["plan"] == plan
+
+
+def test_bench_headline_gives_each_gap_and_verdict():
+    from bench.__main__ import BENCHMARKS
+    result = {"plan": {"comparisons": {"dense": {"steps": 250}}},
+              "studies": {"dense": {"stats": {"rows": [
+                  {"recipe": "bf16"},
+                  {"recipe": "fp8", "gap_pct": 0.1, "ci_lo": 0.05, "ci_hi": 0.15, "verdict": "met"},
+                  {"recipe": "x", "gap_pct": 0.1, "ci_lo": None, "ci_hi": None, "verdict": "unresolved"}]}}}}
+    assert BENCHMARKS["convergence"].headline(result) == [
+        ("dense: steps per run", "250"), ("dense: fp8 vs bf16", "+0.10 % [+0.05, +0.15] met")]
