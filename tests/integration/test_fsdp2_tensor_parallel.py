@@ -8,9 +8,11 @@ row-parallel: two bias-free Linears, and a SwiGLU LayerNormMLP) on the same batc
 
 Why the 2-D run is bitwise the tensor-parallel one: each dp rank quantizes its rows of the
 rank's tensor-parallel shard with the amax reduced over dp and then tp (the maximum over the
-whole weight, the number the tensor-parallel layer reduces over tp), and no block straddles
-ranks here (32 rows a dp shard), so the gathered codes are the tensor-parallel layer's own
-quantization of its shard; the GEMMs then run the same code on the same operands. The dp ranks'
+whole weight, the number the tensor-parallel layer reduces over tp), and each block is
+encoded whole (32 rows a dp shard; in the wide case a block straddling two dp shards is
+encoded by the rank where it starts, as FSDP2 alone does), so the gathered codes are the
+tensor-parallel layer's own quantization of its shard; the GEMMs then run the same code on the
+same operands. The dp ranks'
 gradients are equal (same batch), so FSDP2's reduce-scatter average is exact; SGD is
 elementwise. Against one process the runs differ by the tensor-parallel sums' order: the bound
 of tests/integration/test_tensor_parallel.py (its ``BOUND``, reused).
@@ -47,13 +49,16 @@ _MX, _FP4_2D, _FP4_1D = (1 + 1 / 32) / 2, (0.5 + 1 / 256) / 2, (0.5 + 1 / 16) / 
 RATIOS = {"current": (0.5, 0.5), "mxfp8": (_MX, _MX), "nvfp4": (_FP4_2D, _FP4_2D),
           "hybrid_nvfp4_mxfp8": (_FP4_1D, _MX)}
 MODELS = ("mlp", "swiglu")
+#: fc1's tp shard is 96 rows, 48 a dp shard: MXFP8's 32-row blocks straddle the dp shards
+WIDE = 192
 
 
 def _model(kind: str) -> nn.Module:
     torch.manual_seed(0)
     if kind == "swiglu":
         return nn.Sequential(hf.LayerNormMLP(H, F, activation="swiglu", name="mlp"))
-    return nn.Sequential(hf.Linear(H, F, bias=False, name="fc1"), nn.GELU(), hf.Linear(F, H, bias=False, name="fc2"))
+    f = WIDE if kind == "wide" else F
+    return nn.Sequential(hf.Linear(H, f, bias=False, name="fc1"), nn.GELU(), hf.Linear(f, H, bias=False, name="fc2"))
 
 
 def _plan(kind: str) -> dict:
@@ -140,6 +145,12 @@ def _worker(rank: int, world: int) -> dict:
     for recipe in ("current", "hybrid_nvfp4_mxfp8"):
         tp = parallelize_module(_model("mlp"), mesh["tp"], _plan("mlp"))
         out[f"precompute-{recipe}"] = [_train(_two_d("mlp", mesh), recipe, precompute=True), _train(tp, recipe)]
+    # blocks straddling the dp shards of a tp shard: encoded where they start (the halo rows)
+    tp = parallelize_module(_model("wide"), mesh["tp"], _plan("wide"))
+    model = _two_d("wide", mesh)
+    got = _train(model, "mxfp8")
+    halo = max(layout.halo for layout in model[0].weight.to_local()._slot.layouts.values())
+    out["wide"] = {"losses": got, "tp_losses": _train(tp, "mxfp8"), "halo": halo}
     # a tensor-parallel split whose blocks would straddle tp ranks: refused before the gather
     model = _two_d("mlp", mesh)
     try:
@@ -155,7 +166,8 @@ def test_two_d_quantized_gather_trains_as_tensor_parallel(tmp_path) -> None:
     """FP8 current scaling, MXFP8, NVFP4 and a hybrid (NVFP4 fprop, MXFP8 backward): the 2-D
     run's losses and trained parameters are bitwise the tensor-parallel run's, within the
     tensor-parallel bound of one process's, and every gather sends the quantized copy; with
-    the weights' amaxes precomputed once a step too."""
+    the weights' amaxes precomputed once a step too; with MXFP8 blocks straddling the dp
+    shards of a tensor-parallel shard."""
     ref = {f"{k}-{r}": _train(_model(k), r) for k in MODELS for r in RECIPES}
     results = run_ranks(_worker, 4, (), tmp_path)
     shard_bf16 = F // 2 // 2 * H * 2  # a layer's tp shard (64 x 64) split over 2 dp ranks, in BF16
@@ -173,5 +185,6 @@ def test_two_d_quantized_gather_trains_as_tensor_parallel(tmp_path) -> None:
         for recipe in ("current", "hybrid_nvfp4_mxfp8"):
             got, want = res[f"precompute-{recipe}"]
             assert got == want, (rank, recipe, got, want)
+        assert res["wide"]["halo"] == 16 and res["wide"]["losses"] == res["wide"]["tp_losses"], res["wide"]
         assert "block would straddle two ranks" in res["block"], res["block"]
         assert "Float8BlockQuantizer" in res["block"], res["block"]
