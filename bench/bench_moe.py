@@ -226,11 +226,20 @@ def relative_errors(run: Callable[[], list[torch.Tensor]], step: Step, ref: dict
 def reference_result(base: BF16MoE, x: torch.Tensor, dy: torch.Tensor, micro_batches: int,
                      schedule: Optional[RoutingSchedule]) -> dict[str, torch.Tensor]:
     """The FP32 layer's outputs, dx and dW for the schedule's first step (x, dy and the weights
-    the BF16 values, widened)."""
+    the BF16 values, widened; FP32 products: no TF32 on CUDA, no reduced precision on oneDNN)."""
     ref = base.reference()
     x32 = x.detach().float().requires_grad_(True)
     step = Step(ref, x32, dy.float(), None, micro_batches, schedule)
-    out = torch.cat([y.detach() for y in step()])
+    # torch's fp32_precision API: the legacy allow_tf32 flag raises once TF32 was set through it
+    matmuls = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
+    old = [m.fp32_precision for m in matmuls]
+    for m in matmuls:
+        m.fp32_precision = "ieee"
+    try:
+        out = torch.cat([y.detach() for y in step()])
+    finally:
+        for m, o in zip(matmuls, old):
+            m.fp32_precision = o
     return {"out": out, "dx": x32.grad, "dw1": ref.w1.grad, "dw2": ref.w2.grad}
 
 

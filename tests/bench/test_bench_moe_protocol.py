@@ -166,6 +166,13 @@ def test_routing_changes_every_micro_batch_and_is_the_same_for_both_sides(monkey
     ref = bench_moe.reference_result(base, x, dy, 2, schedule)
     assert [r for _, r in seen] == base_seq[:2]  # the FP32 reference routes as the schedule's first step
     assert ref["out"].dtype == torch.float32 and ref["dw1"].shape == base.w1.shape
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"  # a reduced-precision setting is overridden ...
+    try:
+        again = bench_moe.reference_result(base, x, dy, 2, schedule)
+        assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"  # ... and restored
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = "none"
+    assert torch.equal(again["out"], ref["out"]) and torch.equal(again["dw2"], ref["dw2"])
 
 
 def test_routing_loads_are_uneven_and_move(monkeypatch):
