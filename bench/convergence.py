@@ -254,6 +254,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         seconds = (args.budget_s - (time.time() - t0) - startup) * (1 - args.eval_fraction)
         print(f"probe done in {time.time() - t0:.0f} s; start-up {startup:.0f} s; {seconds:.0f} s to train",
               flush=True)
+        if seconds <= 0:
+            raise SystemExit(f"the probe and the workers' start-up took {time.time() - t0 + startup:.0f} s of the "
+                             f"{args.budget_s:.0f} s budget; give a larger --budget-s (or fixed --steps).")
         for c in comparisons:
             cost[c.name] = {r: 1.0 / v for r, v in rates[c.name].items()}
     for c in comparisons:
