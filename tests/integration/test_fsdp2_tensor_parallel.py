@@ -188,3 +188,26 @@ def test_two_d_quantized_gather_trains_as_tensor_parallel(tmp_path) -> None:
         assert res["wide"]["halo"] == 16 and res["wide"]["losses"] == res["wide"]["tp_losses"], res["wide"]
         assert "block would straddle two ranks" in res["block"], res["block"]
         assert "Float8BlockQuantizer" in res["block"], res["block"]
+
+
+def test_sharded_or_foreign_dtensor_weights_are_refused_by_name() -> None:
+    """One process (a 1-rank gloo group): a weight FSDP2 sharded already, tensor-parallel or not,
+    is refused with what to do."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        model = parallelize_module(_model("mlp"), mesh["tp"], _plan("mlp"))
+        fully_shard(model, mesh=mesh["dp"])
+        with pytest.raises(ValueError, match=r"Linear\.weight is a DTensor over a 2-D mesh.*before fully_shard"):
+            hf.enable_quantized_all_gather(model)
+        plain = _model("mlp")
+        fully_shard(plain, mesh=mesh["dp"])
+        with pytest.raises(ValueError, match="not placed by hybridfp's tensor-parallel styles: either FSDP2 sharded"):
+            hf.enable_quantized_all_gather(plain)
+    finally:
+        dist.destroy_process_group()
