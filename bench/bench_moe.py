@@ -18,7 +18,9 @@ grouped" (stacked [E, out, in] BF16 weights, ``torch._grouped_mm``), "BF16 per-e
 of ``torch.mm``, cuBLAS per expert) and "BF16 compiled" (``torch.compile`` of the grouped
 layer). Candidates: hybridfp GroupedLinear (BF16 parameters) under CustomRecipe(high_precision),
 Float8CurrentScaling, MXFP8BlockScaling and the Composer-2 factory nvfp4_row_scaled_fwd_mxfp8_bwd,
-each also with ``GroupedLinear(single_parameter=True)`` ("[one weight Parameter]").
+each also with ``GroupedLinear(single_parameter=True)`` ("[one weight Parameter]") and, the
+quantized ones, with quantized primary weights ("[quantized primary weights]": built under
+``hybridfp.quantized_model_init``, re-encoded from FP32 masters once a step inside the step).
 
 Every ratio is ``bench.protocol.paired_ratio`` (median of per-round ratios, its ~95 % interval,
 the GPU's clocks), baseline ms / candidate ms (>1 is faster): a recipe's row against each
@@ -50,7 +52,8 @@ import hybridfp
 from bench import common
 from bench.common import (AccuracyError, MissingBaselineError, bench_ms_steady, environment, error_bound, finish, md_table,
                           parser, profile_step, protocol_from, protocol_record, rel_error, require_cuda)
-from bench.moe_layer import HIDDEN, ROUTING_SKEW, TOKENS, TOP_K, BF16MoE, HybridMoE, RoutingSchedule, Step, moe_layer
+from bench.moe_layer import (HIDDEN, ROUTING_SKEW, TOKENS, TOP_K, BF16MoE, HybridMoE, PrimaryWeightsMoE, RoutingSchedule,
+                             Step, moe_layer)
 from bench.protocol import PairedRatio, Protocol, paired_ratio
 from hybridfp.moe.gemm import PATH_COUNTS
 
@@ -123,6 +126,10 @@ NO_METADATA_MEMO_SUFFIX = " [metadata not shared]"
 #: a layer (as the baseline holds them) instead of one per expert.
 SINGLE_PARAM_VARIANTS = tuple(name for name, _ in RECIPES)
 SINGLE_PARAM_SUFFIX = " [one weight Parameter]"
+#: The quantized recipes with quantized primary weights (``PrimaryWeightsMoE``: built under
+#: ``hybridfp.quantized_model_init``, FP32 masters re-encoded once a step inside the step)
+PRIMARY_VARIANTS = tuple(name for name, _ in RECIPES if name != "hybridfp BF16 (high_precision)")
+PRIMARY_SUFFIX = " [quantized primary weights]"
 #: FP8 current timed again with the grouped FP8 GEMM's pointer kernel (the policy's
 #: grouped_fp8_tma_rows / grouped_fp8_tma_wgrad set to FP8_TMA: None, None; ``--fp8-tma
 #: ROWS/WGRAD`` names TMA configs instead),
@@ -219,7 +226,7 @@ def relative_errors(run: Callable[[], list[torch.Tensor]], step: Step, ref: dict
     got = dict(zip(("dw1", "dw2"), model.expert_grads()), out=torch.cat([y.detach() for y in ys]), dx=step.x.grad)
     for k in ("out", "dx", "dw1", "dw2"):
         if got[k] is None:
-            raise AccuracyError(f"{k}: no gradient was produced")
+            raise AccuracyError(f"{k}: the step produced none (a gradient that never reached its tensor)")
     return {k: rel_error(got[k], ref[k]) for k in ("out", "dx", "dw1", "dw2")}
 
 
@@ -292,7 +299,7 @@ def variants_of(base: BF16MoE, hf: HybridMoE, only: Optional[list[str]], ab: boo
         compiled = torch.compile(base.sharing("grouped"), backend=compile_backend)
     except Exception as err:  # noqa: BLE001 - named, as any baseline's failure
         raise MissingBaselineError(f"bench_moe: the baseline '{BF16_COMPILED}' failed: torch.compile(backend="
-                               f"{compile_backend!r}): {type(err).__name__}: {err}") from err
+                                   f"{compile_backend!r}): {type(err).__name__}: {err}") from err
     variants: list[tuple[str, nn.Module, Optional[Callable[[], Any]]]] = [
         (BF16_GROUPED, base, None), (BF16_PER_EXPERT, base.sharing("per_expert"), None),
         (BF16_COMPILED, compiled, None)]
@@ -316,6 +323,10 @@ def variants_of(base: BF16MoE, hf: HybridMoE, only: Optional[list[str]], ab: boo
         for name, recipe in RECIPES:
             if name in names:
                 variants += [(name + sx, model, lambda r=recipe(): hybridfp.autocast(recipe=r)) for sx in suffixes]
+    for name, recipe in RECIPES:
+        if name in PRIMARY_VARIANTS and (only is None or name + PRIMARY_SUFFIX in only):
+            r = recipe()
+            variants.append((name + PRIMARY_SUFFIX, PrimaryWeightsMoE(base, r), lambda r=r: hybridfp.autocast(recipe=r)))
     if only is not None:
         variants = [v for v in variants if v[0] in BASELINES or v[0] in only]
     return variants

@@ -170,6 +170,26 @@ class HybridMoE(nn.Module):
         return out[0], out[1]
 
 
+class PrimaryWeightsMoE(HybridMoE):
+    """The hybridfp layer built under ``hybridfp.quantized_model_init(recipe=recipe)``: its
+    expert weights held quantized (both copies), with FP32 masters (the BF16 values, widened).
+    ``before_step`` re-encodes them from the masters (``hybridfp.quantize_master_weights``, as
+    ``MasterWeightOptimizer.step`` does after its update): once a step, inside the timed step."""
+
+    def __init__(self, base: BF16MoE, recipe: hybridfp.Recipe) -> None:
+        with hybridfp.quantized_model_init(recipe=recipe):
+            super().__init__(base)
+        self.masters = [w.detach().float().clone() for w in (*base.w1, *base.w2)]
+        self.before_step()
+
+    def quantized_weights(self) -> list[torch.Tensor]:
+        """The experts' weight parameters, fc1's then fc2's (the masters' order)."""
+        return [getattr(fc, f"weight{i}") for fc in (self.fc1, self.fc2) for i in range(fc.num_gemms)]
+
+    def before_step(self) -> None:
+        hybridfp.quantize_master_weights(self.quantized_weights(), self.masters)
+
+
 def moe_layer(e: int, f: int, tokens: int = TOKENS, d: int = HIDDEN, single_parameter: bool = False
               ) -> tuple[BF16MoE, "HybridMoE", torch.Tensor, torch.Tensor]:
     """(the BF16 baseline layer, the hybridfp layer with its weights, x, dy): seeded, on
@@ -186,7 +206,8 @@ class Step:
     """One timed step: ``micro_batches`` forward + backward passes of ``x`` (gradients
     accumulating, as between two optimizer updates) in one autocast region, hybridfp's quantized
     weights cleared once at its start (re-quantized as after an optimizer update, then reused by
-    the later micro-batches: a cached weight lives for its autocast region). With a
+    the later micro-batches: a cached weight lives for its autocast region; a layer with a
+    ``before_step`` method, ``PrimaryWeightsMoE``, has it called there instead). With a
     ``schedule``, call i routes its micro-batches with the schedule's step i (``reset`` starts
     again at step 0). Returns the micro-batches' outputs."""
 
@@ -198,6 +219,7 @@ class Step:
         self.model, self.x, self.dy, self.ctx = model, x, dy, ctx
         self.micro_batches, self.schedule, self.calls = micro_batches, schedule, 0
         self.caches = [m for m in model.modules() if isinstance(m, QuantizedModule)]
+        self.before_step = getattr(model, "before_step", None)
 
     def reset(self) -> None:
         """The next call routes with the schedule's first step."""
@@ -210,6 +232,8 @@ class Step:
         self.x.grad = None
         for m in self.caches:
             m.invalidate_weight_cache()  # re-quantize weights every step (as after an optimizer step)
+        if self.before_step is not None:
+            self.before_step()  # quantized primary weights: re-encoded from their masters
         ys = []
         with (nullcontext() if self.ctx is None else self.ctx()):
             for off in offsets:

@@ -16,6 +16,7 @@ import torch
 import hybridfp
 from bench import bench_moe, bound_moe, common, moe_layer
 from bench.__main__ import _moe
+from hybridfp.moe import grouped_weights
 from bench.protocol import Protocol
 
 FAST = ["--quick", "--micro-batches", "2", "--rounds", "2", "--samples", "1", "--compile-backend", "eager"]
@@ -237,3 +238,28 @@ def test_bound_moe_refuses_bad_premises(monkeypatch, capsys):
         bound_moe.main(["--micro-batches", "0"])
     assert "micro_batches must be >= 1" in capsys.readouterr().err
     assert doctest.testmod(bound_moe).failed == 0
+
+
+def test_quantized_primary_weights_are_encoded_once_a_step_within_the_bound(monkeypatch):
+    monkeypatch.setattr(common, "DEVICE", "cpu")
+    encodes, grouped = [], []
+    real_encode = hybridfp.quantize_master_weights
+    monkeypatch.setattr(hybridfp, "quantize_master_weights", lambda ps, ms: (encodes.append(len(ps)), real_encode(ps, ms)))
+    real_grouped = grouped_weights.quantize_weights_grouped
+    monkeypatch.setattr(grouped_weights, "quantize_weights_grouped", lambda *a, **k: (grouped.append(1), real_grouped(*a, **k))[1])
+    base, _, x, dy = moe_layer.moe_layer(4, 32, 64, 64)
+    recipe = hybridfp.MXFP8BlockScaling()
+    model = moe_layer.PrimaryWeightsMoE(base, recipe)
+    assert all(type(w).__name__ == "QuantizedTensor" for w in model.quantized_weights())
+    schedule = moe_layer.RoutingSchedule(64, 4, 2, steps=2)
+    step = moe_layer.Step(model, x, dy, lambda: hybridfp.autocast(recipe=recipe), 2, schedule)
+    ref = bench_moe.reference_result(base, x, dy, 2, schedule)
+    encodes.clear()
+    errors = bench_moe.relative_errors(step, step, ref)
+    assert encodes == [8] and grouped == []  # 4 experts x 2 layers re-encoded once for 2 micro-batches
+    name = "hybridfp MXFP8" + bench_moe.PRIMARY_SUFFIX
+    assert bench_moe.breaches(name, errors) == [] and errors["out"] > 0.01  # MXFP8's error, not BF16's
+    with torch.no_grad():
+        for m in model.masters:
+            m.mul_(1.5)  # masters that do not match the reference's weights: beyond the bound
+    assert bench_moe.breaches(name, bench_moe.relative_errors(step, step, ref))
