@@ -227,7 +227,9 @@ def relative_errors(run: Callable[[], list[torch.Tensor]], step: Step, ref: dict
     for k in ("out", "dx", "dw1", "dw2"):
         if got[k] is None:
             raise AccuracyError(f"{k}: the step produced none (a gradient that never reached its tensor)")
-    return {k: rel_error(got[k], ref[k]) for k in ("out", "dx", "dw1", "dw2")}
+    errors = {k: rel_error(got[k], ref[k]) for k in ("out", "dx", "dw1", "dw2")}
+    step.release()
+    return errors
 
 
 def reference_result(base: BF16MoE, x: torch.Tensor, dy: torch.Tensor, micro_batches: int,
@@ -272,7 +274,11 @@ def pair(baseline: tuple[Callable[[], Any], Step], candidate: tuple[Callable[[],
     of each side routes the same."""
     baseline[1].reset()
     candidate[1].reset()
-    return paired_ratio(baseline[0], candidate[0], protocol)
+    try:
+        return paired_ratio(baseline[0], candidate[0], protocol)
+    finally:
+        baseline[1].release()
+        candidate[1].release()
 
 
 def wrap(name: str, step: Step) -> Callable[[], Any]:

@@ -225,6 +225,12 @@ class Step:
         """The next call routes with the schedule's first step."""
         self.calls = 0
 
+    def release(self) -> None:
+        """Drop the gradients the last call left (the layers of a run take turns: only the one
+        running needs its gradients in memory)."""
+        self.model.zero_grad(set_to_none=True)
+        self.x.grad = None
+
     def __call__(self) -> list[torch.Tensor]:
         offsets = self.schedule(self.calls) if self.schedule is not None else [None] * self.micro_batches
         self.calls += 1

@@ -161,6 +161,7 @@ def test_routing_changes_every_micro_batch_and_is_the_same_for_both_sides(monkey
     cand_seq = [r for s, r in seen if s == "c"]
     assert len(base_seq) == len(cand_seq) == 2 * (1 + 2 * 1)  # micro-batches x (warm-up + rounds x samples)
     assert base_seq == cand_seq  # the i-th call of each side routes the same
+    assert base.w1.grad is None and hf.fc1.weight0.grad is None and x.grad is None  # released after the pair
     assert len(set(base_seq)) == 6  # a new routing every micro-batch of the 3-step schedule
     seen.clear()
     side[0] = "ref"
