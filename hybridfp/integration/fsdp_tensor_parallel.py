@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from .tensor_parallel_linear import check_split
+from .tensor_parallel_primary import is_tensor_parallel_primary
 
 
 class MeshAmax:
@@ -110,7 +111,8 @@ def wrap_tensor_parallel(module: nn.Module, attr: str, p: nn.Parameter, wrap: An
     ------
     ValueError
         ``p`` was not placed by hybridfp's tensor-parallel styles, is already sharded by FSDP2,
-        or is placed over more than one mesh dimension.
+        is placed over more than one mesh dimension, or is a tensor-parallel quantized primary
+        weight (``quantized_model_init``).
     """
     from torch.distributed.tensor import DTensor
 
@@ -122,6 +124,12 @@ def wrap_tensor_parallel(module: nn.Module, attr: str, p: nn.Parameter, wrap: An
             "parallel style placed it (the quantized all-gather takes tensor-parallel weights from "
             "hybridfp.ColwiseParallel / RowwiseParallel / LayerNormMLPParallel on mesh['tp'], then "
             "fully_shard(..., mesh=mesh['dp'])).")
+    if is_tensor_parallel_primary(p):
+        raise ValueError(
+            f"{who} is a tensor-parallel quantized primary weight (quantized_model_init under hybridfp's "
+            "tensor-parallel styles): each rank keeps its shard's codes, which FSDP2 does not shard over dp "
+            "yet. Build the model without quantized_model_init for FSDP2 with tensor parallelism, or use "
+            "tensor parallelism alone.")
     if p.device_mesh.ndim != 1:
         raise ValueError(
             f"{who} is a DTensor over a {p.device_mesh.ndim}-D mesh (placements {p.placements}): FSDP2 has "

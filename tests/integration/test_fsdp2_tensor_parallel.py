@@ -192,7 +192,7 @@ def test_two_d_quantized_gather_trains_as_tensor_parallel(tmp_path) -> None:
 
 def test_sharded_or_foreign_dtensor_weights_are_refused_by_name() -> None:
     """One process (a 1-rank gloo group): a weight FSDP2 sharded already, tensor-parallel or not,
-    is refused with what to do."""
+    and a tensor-parallel quantized primary weight are refused with what to do."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -209,5 +209,10 @@ def test_sharded_or_foreign_dtensor_weights_are_refused_by_name() -> None:
         fully_shard(plain, mesh=mesh["dp"])
         with pytest.raises(ValueError, match="not placed by hybridfp's tensor-parallel styles: either FSDP2 sharded"):
             hf.enable_quantized_all_gather(plain)
+        with hf.quantized_model_init(recipe=hf.MXFP8BlockScaling()):
+            held = _model("mlp")
+        parallelize_module(held, mesh["tp"], _plan("mlp"))
+        with pytest.raises(ValueError, match="tensor-parallel quantized primary weight.*without quantized_model_init"):
+            hf.enable_quantized_all_gather(held)
     finally:
         dist.destroy_process_group()
