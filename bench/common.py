@@ -120,6 +120,46 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> dict[str, float]:
     return {"bytes": 2 * nbytes, "ms": ms, "GBps": 2 * nbytes / ms / 1e6}
 
 
+def copy_step(nbytes: int) -> Callable[[], Any]:
+    """``dst.copy_(src)`` moving ``nbytes`` (half read, half written; ``copy_bandwidth``'s copy):
+    the baseline of a paired ratio for a kernel that moves ``nbytes``, so the ratio is the
+    fraction of copy bandwidth it reaches (the same bytes counted on both sides).
+
+    Raises
+    ------
+    ValueError
+        ``nbytes`` below 2 (no byte would move).
+
+    Example
+    -------
+    >>> copy_step(8) is not None
+    True
+    """
+    if nbytes < 2:
+        raise ValueError(f"copy_step: nbytes ({nbytes}) must be >= 2 (half read, half written)")
+    src = torch.randint(0, 255, (nbytes // 2,), dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+def require_baseline(where: str, name: str, make: Callable[[], Callable[[], Any]]) -> Callable[[], Any]:
+    """The baseline step ``make()`` builds, called once; ``MissingBaselineError`` naming ``where``
+    and ``name`` when building or calling it fails (its ratios cannot be measured).
+
+    Example
+    -------
+    >>> require_baseline("bench_x", "copy", lambda: (lambda: 1))()
+    1
+    """
+    try:
+        step = make()
+        step()
+    except Exception as e:  # noqa: BLE001 - any failure means the baseline is missing: say which
+        raise MissingBaselineError(f"{where}: baseline {name!r} failed: {type(e).__name__}: {str(e)[:200]}; "
+                                   "the ratios against it cannot be measured") from e
+    return step
+
+
 def tflops(flops: float, ms: float) -> float:
     """TFLOP/s of ``flops`` done in ``ms`` milliseconds."""
     return flops / ms / 1e9
@@ -202,6 +242,21 @@ def error_bound(fwd: str, bwd: str, fwd_gemms: int, bwd_gemms: int) -> float:
     """
     sf, sb = unit_roundoff(fwd) / 3 ** 0.5, unit_roundoff(bwd) / 3 ** 0.5
     return 2 * (fwd_gemms * 2 * sf ** 2 + bwd_gemms * (sf ** 2 + sb ** 2)) ** 0.5 + BF16_SLACK
+
+
+def quantize_error_bound(*fmts: str) -> float:
+    """Bound on the relative Frobenius error of a value rounded to each of ``fmts`` in turn (a
+    quantized copy; a copy made from another's decode rounds twice): twice the rms of the chain,
+    ``2 sqrt(sum sigma_f^2) + 2^-7`` with ``sigma_f = u_f / sqrt(3)`` (``error_bound``'s model).
+    Two copies of one format with independent roundings (stochastic rounding's draws) differ by
+    at most ``quantize_error_bound(f, f)``.
+
+    Example
+    -------
+    >>> round(quantize_error_bound("e4m3"), 4)
+    0.08
+    """
+    return 2 * sum((unit_roundoff(f) / 3 ** 0.5) ** 2 for f in fmts) ** 0.5 + BF16_SLACK
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
