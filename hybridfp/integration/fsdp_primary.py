@@ -21,6 +21,11 @@ every rank. A block that straddles two shards is encoded by the
 rank where it starts, from the next rank's first high-precision rows (``fsdp.py``'s halo
 gather), so every code is the one a single process quantizing the whole weight makes.
 
+A tensor-parallel quantized primary weight (``tensor_parallel_primary``) on a ``(dp, tp)``
+mesh: its tp shard plays the whole weight's part, FSDP2 shards it over dp, and its amax goes
+over dp, then tp (``MeshAmax``: the whole weight's), so the gathered codes are bitwise the ones
+tensor parallelism alone encodes; the forward gather refuses a recipe of another weight format.
+
 A master written after its shard was encoded (a torch optimizer stepping it, a load, an
 in-place edit) makes the next gather raise: the version counters, and a fingerprint of the
 local master shard (its amax and float64 sum) for writes that move no counter (a ``foreach``
@@ -43,6 +48,7 @@ from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
 from .fsdp_amax import _reads_amax, _weight_leaves
 from .fsdp import _SETS, QuantizedGatherWeight, _block_aligned_rows, _fsdp_param_of, _gather_bytes, _layout, _Slot
 from .fsdp_layout import assemble, gather_layout, pack, unpack
+from .fsdp_tensor_parallel import MeshAmax
 
 
 @dataclass
@@ -61,6 +67,10 @@ class _PrimarySlot(_Slot):
     #: moves no version counter (a foreach optimizer step on a DTensor, a ``.data`` write)
     #: changes them (the sum catches updates that leave the largest element as it was)
     fingerprint: Optional[torch.Tensor] = None
+    #: a tensor-parallel primary weight: its tensor-parallel group (the amax goes over dp, then
+    #: this group) and its tp shard's rows (what FSDP2 shards over dp); None / 0 otherwise
+    tp_group: Any = None
+    tp_rows: int = 0
 
 
 class _ReducedAmax:
@@ -152,6 +162,8 @@ class QuantizedPrimaryWeight(QuantizedGatherWeight):
         who = f"{type(module).__name__}.{slot.attr}"
         world, total = mesh.size(mesh.ndim - 1), outer_size[0]
         param = _sharded_param(self, slot)
+        if slot.tp_group is not None and torch._C._current_graph_task_id() == -1:
+            _check_recipe(slot, module, who)
         if slot.shard is None:  # the first gather: the weight was never quantized sharded
             _quantize_items([(param, self, mesh.get_group(mesh.ndim - 1), world, total, who)])
         elif not _unchanged(slot, param, self):
@@ -173,6 +185,16 @@ class QuantizedPrimaryWeight(QuantizedGatherWeight):
         buffer = pack(shard, layout, sent, nbytes)
         inputs = (buffer,) if padded is None else tuple(buffer.view(-1, *padded).unbind(0))
         return inputs, (layout, sent, sent_only, world, total, dtype, nbytes)
+
+
+def _check_recipe(slot: _PrimarySlot, module: nn.Module, who: str) -> None:
+    """A tensor-parallel primary weight's forward gather in an autocast region: the recipe's
+    weight format must be the one the weight is held in (as under tensor parallelism alone)."""
+    from ..recipes import current_autocast
+    from .tensor_parallel_primary import check_held_format
+    state = current_autocast()
+    if state is not None:
+        check_held_format(slot.quantizer, module.quantizers(state)["weight"][slot.index], who)
 
 
 def _sharded_param(local: QuantizedPrimaryWeight, slot: _PrimarySlot) -> Optional[torch.Tensor]:
@@ -220,9 +242,28 @@ def _items(params: Iterable[Any]) -> list[tuple]:
             if not hasattr(p, "device_mesh"):
                 raise ValueError(f"quantize_sharded_weights: {local._slot.attr} is not sharded yet; call it "
                                  "after fully_shard (or let the first all-gather quantize it).")
-            mesh = p.device_mesh
-            out.append((p, local, mesh.get_group(mesh.ndim - 1), mesh.size(mesh.ndim - 1), p.shape[0], local._slot.attr))
+            out.append((p, local, *_shard_group(p, local._slot), local._slot.attr))
     return out
+
+
+def _shard_group(param: Any, slot: _PrimarySlot) -> tuple[Any, int, int]:
+    """(FSDP2's shard group, its size, the rows it shards) of sharded primary weight ``param``:
+    a whole weight's rows over the mesh's last dimension, or a tensor-parallel primary weight's
+    tp shard rows over dp (the first dimension of its ``(dp, tp)`` DTensor)."""
+    mesh = param.device_mesh
+    if slot.tp_group is None:
+        return mesh.get_group(mesh.ndim - 1), mesh.size(mesh.ndim - 1), param.shape[0]
+    if mesh.ndim != 2:
+        raise ValueError(f"{slot.attr}: a tensor-parallel quantized primary weight sharded over a {mesh.ndim}-D "
+                         "mesh; FSDP2 shards it over one dp dimension of a (dp, tp) mesh "
+                         "(fully_shard(..., mesh=mesh['dp']), not HSDP).")
+    return mesh.get_group(0), mesh.size(0), slot.tp_rows
+
+
+def _groups(group: Any, slot: _PrimarySlot) -> tuple:
+    """The groups a weight's amax is reduced over, in order: the shard group, then (a
+    tensor-parallel primary weight) its tensor-parallel group."""
+    return (group,) if slot.tp_group is None else (group, slot.tp_group)
 
 
 def quantize_sharded_weights(params: Any) -> int:
@@ -243,8 +284,8 @@ def quantize_sharded_weights(params: Any) -> int:
     Returns
     -------
     int
-        The number of amax all-reduces issued (one per shard group holding a per-tensor-scaled
-        weight, else 0).
+        The number of amax all-reduces issued: one per shard group holding a per-tensor-scaled
+        weight (two for tensor-parallel weights: over dp, then tp), else 0.
 
     Raises
     ------
@@ -265,28 +306,29 @@ def _quantize_items(items: list[tuple]) -> int:
     """:func:`quantize_sharded_weights` on ``_items``' tuples; the number of all-reduces."""
     import torch.distributed as dist
 
-    amaxes: dict = {}  # group -> [(item index, local amax)]
+    amaxes: dict = {}  # groups -> [(item index, local amax)]
     for i, (param, local, group, world, total, who) in enumerate(items):
         slot = local._slot
         _check_quantizer(slot.quantizer, who)
         if _weight_amax_leaves(slot.quantizer):
-            amaxes.setdefault(group, []).append((i, amax_nan(local._hp.detach())))
+            amaxes.setdefault(_groups(group, slot), []).append((i, amax_nan(local._hp.detach())))
     reduced = {}
-    for group, entries in amaxes.items():  # one collective per group for all its weights
+    for groups, entries in amaxes.items():  # one collective per group for all its weights
         flat = torch.stack([a for _, a in entries]).float().reshape(-1)
         # NaN stays NaN, as one process's amax does: a MAX reduction's NaN handling varies by
         # backend, so each amax travels with a NaN flag in the same collective
         nan = torch.isnan(flat)
         both = torch.cat([torch.where(nan, torch.zeros_like(flat), flat), nan.float()])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        for group in groups:  # tensor-parallel: over dp, then tp (the whole weight's maximum)
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
         n = flat.numel()
         out = torch.where(both[n:] > 0, torch.full_like(flat, math.nan), both[:n])
         reduced.update({i: out[k] for k, (i, _) in enumerate(entries)})
     derived = 0
     for i, (param, local, group, world, total, who) in enumerate(items):
         _encode(param, local, group, world, total, reduced.get(i))
-        derived += len(_derived_leaves(local._slot.quantizer))
-    return len(amaxes) + derived
+        derived += len(_derived_leaves(local._slot.quantizer)) * len(_groups(group, local._slot))
+    return sum(len(groups) for groups in amaxes) + derived
 
 
 def _encode(param: Optional[torch.Tensor], local: QuantizedPrimaryWeight, group: Any, world: int,
@@ -308,8 +350,9 @@ def _encode(param: Optional[torch.Tensor], local: QuantizedPrimaryWeight, group:
     saved = [(leaf.with_amax_reduction, leaf.amax_reduction_group) for leaf in leaves]
     for leaf in own:
         leaf.with_amax_reduction, leaf.amax_reduction_group = True, _ReducedAmax(amax)
+    groups = _groups(group, slot)
     for leaf in derived:
-        leaf.with_amax_reduction, leaf.amax_reduction_group = True, group
+        leaf.with_amax_reduction, leaf.amax_reduction_group = True, group if len(groups) == 1 else MeshAmax(groups)
     try:
         with torch.no_grad(), policy(decoded_copies="never"):  # codes travel, never BF16 decodes
             shard = enc.quantize(src)
@@ -353,8 +396,7 @@ def full_quantized_weight(param: Any) -> QuantizedTensor:
     if slot.shard is None:
         raise ValueError(f"full_quantized_weight: {slot.attr} was never quantized sharded; call "
                          "hybridfp.quantize_sharded_weights(model) first.")
-    mesh = param.device_mesh
-    group, world, total = mesh.get_group(mesh.ndim - 1), mesh.size(mesh.ndim - 1), param.shape[0]
+    group, world, total = _shard_group(param, slot)
     both = (ROWWISE, COLUMNWISE)
     probe = slot.quantizer.copy()
     probe.set_usage(rowwise=True, columnwise=True)
@@ -367,6 +409,20 @@ def full_quantized_weight(param: Any) -> QuantizedTensor:
     out = torch.empty(world * buf.numel(), dtype=torch.uint8, device=buf.device)
     dist.all_gather_into_tensor(out, buf, group=group)
     return assemble(slot.shard, total, unpack(out, world, layout, both), slot.nominal_dtype, quantizer=slot.quantizer)
+
+
+def tensor_parallel_primary_local(p: torch.Tensor, slot: _Slot) -> QuantizedPrimaryWeight:
+    """The local tensor FSDP2 shards over dp for tensor-parallel primary weight ``p`` (the FP32
+    master DTensor ``tensor_parallel_primary.shard_primary`` made): its tp shard's FP32 master,
+    holding its quantizer and tensor-parallel group; ``slot`` is the gather slot (attribute,
+    weight index, copies). Its amax goes over dp, then tp: the whole weight's, the scale the
+    tensor-parallel run encodes its shard with."""
+    from .tensor_parallel_primary import SLOT_ATTR
+    tp = getattr(p, SLOT_ATTR)
+    local = p._local_tensor.detach()  # type: ignore[attr-defined]
+    primary = _PrimarySlot(slot.attr, slot.index, slot.copies, quantizer=tp.quantizer, nominal_dtype=local.dtype,
+                           tp_group=tp.group, tp_rows=local.shape[0])
+    return QuantizedPrimaryWeight(local, primary)
 
 
 def primary_parameter(p: QuantizedTensor, attr: str, index: int, copies: str) -> nn.Parameter:

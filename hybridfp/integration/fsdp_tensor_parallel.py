@@ -17,6 +17,11 @@ DTensor and the layer reads them as a quantized parameter. Block formats: the te
 split must keep blocks whole (the layer's own check, run before the gather,
 :func:`check_tensor_parallel_blocks`); within the dp split a block may straddle shards
 (``fsdp_layout``'s halo rows).
+
+Quantized primary weights (``quantized_model_init`` under the tensor-parallel styles): the
+parameter is the FP32 master DTensor; FSDP2 shards its tp shard over dp, and each (dp, tp) rank
+keeps its FP32 master piece and the quantized copies of that piece, encoded once per optimizer
+step with the amax reduced over dp, then tp (``fsdp_primary``); the gathers send those codes.
 """
 
 from __future__ import annotations
@@ -105,14 +110,15 @@ def check_tensor_parallel_blocks(q: Any, module: nn.Module, index: int, local_sh
 def wrap_tensor_parallel(module: nn.Module, attr: str, p: nn.Parameter, wrap: Any) -> nn.Parameter:
     """``p`` (a tensor-parallel DTensor parameter) with its local tensor wrapped by ``wrap``
     (``local -> QuantizedGatherWeight``): the same DTensor placement, FSDP2 finds the gather
-    hooks on the local tensor it shards.
+    hooks on the local tensor it shards. A tensor-parallel quantized primary weight
+    (``quantized_model_init``: ``p`` is its FP32 master) becomes a ``QuantizedPrimaryWeight``
+    of the same gather slot (``fsdp_primary.tensor_parallel_primary_local``).
 
     Raises
     ------
     ValueError
         ``p`` was not placed by hybridfp's tensor-parallel styles, is already sharded by FSDP2,
-        is placed over more than one mesh dimension, or is a tensor-parallel quantized primary
-        weight (``quantized_model_init``).
+        or is placed over more than one mesh dimension.
     """
     from torch.distributed.tensor import DTensor
 
@@ -124,12 +130,6 @@ def wrap_tensor_parallel(module: nn.Module, attr: str, p: nn.Parameter, wrap: An
             "parallel style placed it (the quantized all-gather takes tensor-parallel weights from "
             "hybridfp.ColwiseParallel / RowwiseParallel / LayerNormMLPParallel on mesh['tp'], then "
             "fully_shard(..., mesh=mesh['dp'])).")
-    if is_tensor_parallel_primary(p):
-        raise ValueError(
-            f"{who} is a tensor-parallel quantized primary weight (quantized_model_init under hybridfp's "
-            "tensor-parallel styles): each rank keeps its shard's codes, which FSDP2 does not shard over dp "
-            "yet. Build the model without quantized_model_init for FSDP2 with tensor parallelism, or use "
-            "tensor parallelism alone.")
     if p.device_mesh.ndim != 1:
         raise ValueError(
             f"{who} is a DTensor over a {p.device_mesh.ndim}-D mesh (placements {p.placements}): FSDP2 has "
@@ -138,5 +138,9 @@ def wrap_tensor_parallel(module: nn.Module, attr: str, p: nn.Parameter, wrap: An
     if type(local) is not torch.Tensor:
         raise ValueError(f"{who}'s local tensor is a {type(local).__name__}; the quantized all-gather takes a "
                          "high-precision tensor-parallel weight (call enable_quantized_all_gather before fully_shard).")
-    wrapped = DTensor(wrap(local), p._spec, requires_grad=p.requires_grad)
+    held = wrap(local)
+    if is_tensor_parallel_primary(p):  # quantized_model_init: its FP32 master, its codes kept per piece
+        from .fsdp_primary import tensor_parallel_primary_local
+        held = tensor_parallel_primary_local(p, held._slot)
+    wrapped = DTensor(held, p._spec, requires_grad=p.requires_grad)
     return nn.Parameter(wrapped, requires_grad=p.requires_grad)

@@ -278,12 +278,33 @@ def primary_shard(param: torch.Tensor, weight_q: Optional[Quantizer] = None) -> 
             f"{slot.who}: its FP32 master shard changed after its quantized shard was encoded, so the "
             "GEMMs would read stale codes. Step with hybridfp.MasterWeightOptimizer, or call "
             "hybridfp.quantize_tensor_parallel_weights(model) after updating the masters (e.g. after a load).")
-    if weight_q is not None and _format(weight_q) != _format(slot.quantizer):
-        raise ValueError(f"{slot.who}: the weight is held quantized as {_format(slot.quantizer)}, but the "
-                         f"active recipe's weight quantizer is {_format(weight_q)}. Run the model under the "
-                         "recipe given to quantized_model_init.")
+    check_held_format(slot.quantizer, weight_q, slot.who)
     return slot.shard
 
 
-__all__ = ["PrimaryShard", "check_primary_quantizer", "is_tensor_parallel_primary", "master_value",
+def check_held_format(held: Quantizer, weight_q: Optional[Quantizer], who: str) -> None:
+    """Refuse an active recipe whose weight quantizer ``weight_q`` builds another format than the
+    one a quantized primary weight is held in (``held``, its quantizer); None: no check.
+
+    Parameters
+    ----------
+    held:
+        The quantizer the weight is held quantized with.
+    weight_q:
+        The active recipe's weight quantizer for the module's slot, or None.
+    who:
+        The module and parameter, for messages.
+
+    Raises
+    ------
+    ValueError
+        Naming both formats and the weight.
+    """
+    if weight_q is not None and _format(weight_q) != _format(held):
+        raise ValueError(f"{who}: the weight is held quantized as {_format(held)}, but the "
+                         f"active recipe's weight quantizer is {_format(weight_q)}. Run the model under the "
+                         "recipe given to quantized_model_init.")
+
+
+__all__ = ["PrimaryShard", "check_held_format", "check_primary_quantizer", "is_tensor_parallel_primary", "master_value",
            "primary_shard", "quantize_tensor_parallel_weights", "set_master_value", "shard_primary"]

@@ -192,7 +192,8 @@ def test_two_d_quantized_gather_trains_as_tensor_parallel(tmp_path) -> None:
 
 def test_sharded_or_foreign_dtensor_weights_are_refused_by_name() -> None:
     """One process (a 1-rank gloo group): a weight FSDP2 sharded already, tensor-parallel or not,
-    and a tensor-parallel quantized primary weight are refused with what to do."""
+    is refused with what to do; a tensor-parallel quantized primary weight is taken (its FP32
+    master's tp shard wrapped: test_fsdp2_tensor_parallel_primary.py trains it)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -212,7 +213,7 @@ def test_sharded_or_foreign_dtensor_weights_are_refused_by_name() -> None:
         with hf.quantized_model_init(recipe=hf.MXFP8BlockScaling()):
             held = _model("mlp")
         parallelize_module(held, mesh["tp"], _plan("mlp"))
-        with pytest.raises(ValueError, match="tensor-parallel quantized primary weight.*without quantized_model_init"):
-            hf.enable_quantized_all_gather(held)
+        assert hf.enable_quantized_all_gather(held) == 2
+        assert {type(p.to_local()).__name__ for p in held.parameters() if p.dim() == 2} == {"QuantizedPrimaryWeight"}
     finally:
         dist.destroy_process_group()
