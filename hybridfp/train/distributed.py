@@ -112,14 +112,10 @@ def check_parallel_args(fsdp: bool, ep: int, quantized_weights: bool, jobs: int,
     Raises
     ------
     ValueError
-        ``--ep`` below 1, ``--tp --fsdp --quantized-weights``,
-        ``--jobs`` above 1 with ``--fsdp`` / ``--ep`` / ``--tp``.
+        ``--tp`` or ``--ep`` below 1, ``--jobs`` above 1 with ``--fsdp`` / ``--ep`` / ``--tp``.
     """
     if tp < 1:
         raise ValueError(f"--tp must be at least 1 (the tensor-parallel group size); got {tp}.")
-    if tp > 1 and fsdp and quantized_weights:
-        raise ValueError("--tp --fsdp --quantized-weights: FSDP2 does not shard tensor-parallel quantized "
-                         "primary weights yet (ROADMAP.md); drop one of the three options.")
     if tp > 1 and jobs > 1:
         raise ValueError("--jobs with --tp: a sharded run trains its recipes one after the other over "
                          "all its ranks; drop --jobs.")
@@ -272,23 +268,15 @@ def shard_model(model: nn.Module, par: Parallel, recipe: Any) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    if par.tp > 1:  # 2-D: FSDP2 over the dp ranks of the tensor-parallel DTensors
-        # each rank's tensor-parallel shard is gathered quantized over dp, as --fsdp gathers a
-        # whole weight (copies as below); its scale is the tensor-parallel layer's
-        blocks = {id(m) for b in model.blocks for m in b.modules()}
-        for m in _quantized_gather_modules(model, recipe):
-            both = (model.recompute and id(m) in blocks) or id(m) not in blocks
-            enable_quantized_all_gather(m, copies="both" if both else "per_direction")
-        for block in model.blocks:
-            fully_shard(block, mesh=par.tp_mesh["dp"])
-        fully_shard(model, mesh=par.tp_mesh["dp"])
-        return
-
     blocks = {id(m) for b in model.blocks for m in b.modules()}
+    from ..integration.tensor_parallel_primary import is_tensor_parallel_primary
     from ..tensors import QuantizedTensor
     # --quantized-weights: every weight held quantized becomes a sharded quantized primary weight
+    # (under --tp, a tensor-parallel one: its tp shard's FP32 master sharded over dp, each
+    # (dp, tp) rank keeping its piece's codes, encoded with the whole weight's amax)
     held = [m for m in model.modules()
-            if any(isinstance(getattr(m, a, None), QuantizedTensor) for a, _ in getattr(m, "quantized_weight_slots", ()))]
+            if any(isinstance(getattr(m, a, None), QuantizedTensor) or is_tensor_parallel_primary(getattr(m, a, None))
+                   for a, _ in getattr(m, "quantized_weight_slots", ()))]
     gathered = _quantized_gather_modules(model, recipe)
     for m in gathered + [m for m in held if all(m is not g for g in gathered)]:
         # Both copies in one gather where the module reads the forward's copy after backward's
@@ -296,6 +284,13 @@ def shard_model(model: nn.Module, par: Parallel, recipe: Any) -> None:
         # root's own weights: the lm head, FSDP2 keeps them from forward to backward).
         both = (model.recompute and id(m) in blocks) or id(m) not in blocks
         enable_quantized_all_gather(m, copies="both" if both else "per_direction")
+    if par.tp > 1:  # 2-D: FSDP2 over the dp ranks of the tensor-parallel DTensors
+        # each rank's tensor-parallel shard is gathered quantized over dp, as --fsdp gathers a
+        # whole weight; its scale is the tensor-parallel layer's
+        for block in model.blocks:
+            fully_shard(block, mesh=par.tp_mesh["dp"])
+        fully_shard(model, mesh=par.tp_mesh["dp"])
+        return
     mesh = init_device_mesh(torch.device(par.device).type, (par.world,))
     for moe in moes:
         if moe.expert_parallel is not None:  # sharded over the ranks holding the same experts

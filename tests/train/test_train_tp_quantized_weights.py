@@ -41,9 +41,3 @@ def test_tp_quantized_weights_train_as_tp_and_resume(tmp_path, text) -> None:
         assert [s for s, _, _ in got] == [0, 1, 2, 3, 4], (recipe, got)  # resumed after step 2
         assert got == _losses(tmp_path / "tp", recipe), recipe
         _assert_close(records(qw, recipe), records(tmp_path / "one", recipe))
-
-
-def test_tp_fsdp_quantized_weights_refused(tmp_path, text, capsys) -> None:
-    base = ["train", "--out", str(tmp_path / "x"), "--data", str(text), "--no-progress", "--steps", "1"]
-    assert cli.main([*base, "--tp", "2", "--fsdp", "--quantized-weights"]) == 2
-    assert "--tp --fsdp --quantized-weights" in capsys.readouterr().err
