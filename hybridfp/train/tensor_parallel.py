@@ -25,7 +25,8 @@ formats; ``loop.plan_resume``), and across ``--ep`` sizes (``dist_checkpoint``).
 ``--quantized-weights``: a weight held quantized has its FP32 master regrouped, then the styles
 shard the master (the parameter, stepped by AdamW inside ``MasterWeightOptimizer``, saved as a
 high-precision ``--tp`` weight is) and each rank holds its shard's quantized copies, re-encoded
-after every step; the losses are ``--tp``'s without it, bitwise. With ``--fsdp`` it is refused.
+after every step; the losses are ``--tp``'s without it, bitwise. With ``--fsdp`` FSDP2 shards
+each master shard over dp and each rank keeps its piece's codes (``integration.fsdp_primary``).
 
 Delayed scaling: a rank records the amax of its shard of a weight (and of a column-parallel
 output gradient) and of its rows; at the end of each forward, inside the autocast region, the
