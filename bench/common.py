@@ -132,8 +132,10 @@ def copy_step(nbytes: int) -> Callable[[], Any]:
 
     Example
     -------
-    >>> copy_step(8) is not None
-    True
+    >>> copy_step(1)
+    Traceback (most recent call last):
+    ...
+    ValueError: copy_step: nbytes (1) must be >= 2 (half read, half written)
     """
     if nbytes < 2:
         raise ValueError(f"copy_step: nbytes ({nbytes}) must be >= 2 (half read, half written)")
