@@ -172,8 +172,12 @@ def _convergence(r: dict[str, Any]) -> Rows:
     plan = r.get("plan", {}).get("comparisons", {})
     rows = [(f"{name}: steps per run", str(p.get("steps"))) for name, p in plan.items()]
     for name, study in r.get("studies", {}).items():
+        if "error" in study:  # nothing analysed (e.g. every bf16 run failed): say so, never stay silent
+            rows.append((f"{name}: report", f"failed: {study['error']}"))
         for row in study.get("stats", {}).get("rows", []):
-            if row.get("ci_lo") is not None:  # gap vs BF16, its 95 % interval, the verdict
+            if row.get("verdict") == "failed":  # a diverged / stopped / dropped run fails its recipe
+                rows.append((f"{name}: {row['recipe']} vs bf16", "failed (" + ", ".join(row["failed_runs"]) + ")"))
+            elif row.get("ci_lo") is not None:  # gap vs BF16, its 95 % interval, the verdict
                 rows.append((f"{name}: {row['recipe']} vs bf16", f"{row['gap_pct']:+.2f} % "
                              f"[{row['ci_lo']:+.2f}, {row['ci_hi']:+.2f}] {row['verdict']}".strip()))
     return rows

@@ -303,7 +303,7 @@ def write_reports(out: Path, plan: dict, json_path: Optional[Path] = None) -> di
     """Per comparison: merged ``metrics.jsonl`` and its statistics; ``report.md`` / ``report.json``
     (and ``json_path``) with the plan and the corpus fingerprint each worker trained on."""
     from bench.common import environment
-    from bench.convergence_report import analyze, to_markdown
+    from bench.convergence_report import analyze, failed_runs, to_markdown
     fp = plan["data"]["fingerprint"]
     result: dict = {"name": "convergence", "env": environment(), "plan": plan, "studies": {}}
     md = [f"Corpus: `{plan['data']['spec']}`, fingerprint `{fp}` ({plan['data']['train_tokens']:,} train / "
@@ -318,19 +318,31 @@ def write_reports(out: Path, plan: dict, json_path: Optional[Path] = None) -> di
         started = {json.loads(line)["recipe"] for line in merged.splitlines() if line.strip()}
         # a worker that stops (a run that diverged raises) never starts its later runs
         missing = [label for group in entry["workers"] for label in group if label not in started]
+        # recipes the probe dropped stay in the report, failed: every seed the plan meant to train
+        dropped = {f"{r}@seed={s}": "dropped at the probe" for r in entry.get("dropped", [])
+                   for s in range(plan.get("seeds", 1))}
+        expected = [label for group in entry["workers"] for label in group]
         study: dict = {"data_lines": seen, "workers_on_other_data": other, "never_started": missing}
+        paths = [out / name / "metrics.jsonl"]
+        study["failed_runs"] = failed_runs(paths, entry["steps"], expected, dropped)
         try:
-            study["stats"] = analyze([out / name / "metrics.jsonl"], steps=entry["steps"])
+            study["stats"] = analyze(paths, steps=entry["steps"], expected=expected, dropped=dropped)
             study["markdown"] = to_markdown(study["stats"])
+            study["failed"] = study["stats"]["failed"]
         except ValueError as e:
             study["error"] = str(e)
+            study["failed"] = {}
+            for label in study["failed_runs"]:
+                study["failed"].setdefault(label.rpartition("@seed=")[0] or label, []).append(label)
+            study["markdown"] = (f"**Not analysed: {e}**" + ("\n\nFailed runs: " + ", ".join(
+                f"`{k}` ({why})" for k, why in study["failed_runs"].items()) + "." if study["failed_runs"] else ""))
         result["studies"][name] = study
         warn = (f"\n\n**Workers without the corpus `{fp}` in their summary (failed, or other data): "
                 f"{', '.join(other)}.**" if other else "")
         warn += (f"\n\n**Runs never started (their worker stopped first): "
                  f"{', '.join(f'`{m}`' for m in missing)}.**" if missing else "")
         md += [f"### {name}: preset `{entry['preset']}`, {entry['steps']} steps ({entry['tokens_per_run']:,} "
-               f"tokens per run)", "", study.get("markdown", study.get("error", "")) + warn, ""]
+               f"tokens per run)", "", study["markdown"] + warn, ""]
     result["markdown"] = "\n".join(md)
     (out / "report.md").write_text(result["markdown"])
     text = json.dumps(result, indent=1, default=str)

@@ -18,7 +18,10 @@ with a confidence interval, and a verdict against the recipe's target (:data:`TA
 
 Verdict for a target of ``x`` % (the recipe within ``x`` % of BF16, either side): ``met`` when
 the whole interval lies in ``[-x, +x]``, ``missed`` when it lies wholly outside, ``unresolved``
-when it straddles a bound or there is no interval (one seed).
+when it straddles a bound or there is no interval (one seed). ``failed`` when any of the
+recipe's planned runs diverged, stopped before the planned step, never started or was dropped
+(:func:`failed_runs`; the report names each run and why): pairing over the seeds that happened
+to survive would hide the failure.
 """
 
 from __future__ import annotations
@@ -224,10 +227,53 @@ def _records(paths: Iterable[Path]) -> Iterable[dict]:
                     yield json.loads(line)
 
 
+def failed_runs(paths: Sequence[Path], steps: Optional[int] = None, expected: Sequence[str] = (),
+                dropped: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """The runs of a comparison that cannot count, each with why: a non-finite loss
+    (``diverged at step N``), no validation loss at the planned ``steps`` (``stopped at step N``:
+    a crash, a kill, a time-out), an ``expected`` label with no record (``never started``: its
+    worker stopped first), and the ``dropped`` ones the caller names (e.g. at the probe).
+
+    Parameters
+    ----------
+    paths : metrics.jsonl(.gz) files of one comparison.
+    steps : the planned steps (None: only divergence and missing runs are detected).
+    expected : every run label the plan trains.
+    dropped : label -> reason of runs the plan left out.
+
+    Returns
+    -------
+    dict : label -> reason, sorted by label.
+    """
+    nonfinite, last_val, last_step = {}, {}, {}
+    for r in _records(paths):
+        label = r["recipe"]
+        last_step[label] = max(last_step.get(label, -1), r["step"])
+        bad = [k for k in ("train_loss", "val_loss") if k in r and not math.isfinite(r[k])]
+        if bad and label not in nonfinite:
+            nonfinite[label] = r["step"]
+        if "val_loss" in r:
+            last_val[label] = max(last_val.get(label, -1), r["step"])
+    out = dict(dropped or {})
+    for label, step in last_step.items():
+        if label in nonfinite:
+            out[label] = f"diverged at step {nonfinite[label]}"
+        elif steps is not None and last_val.get(label) != steps:
+            out[label] = f"stopped at step {step}"
+    out.update({label: "never started" for label in expected if label not in last_step})
+    return dict(sorted(out.items()))
+
+
 def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
-            confidence: float = CONFIDENCE, steps: Optional[int] = None) -> dict:
+            confidence: float = CONFIDENCE, steps: Optional[int] = None, expected: Sequence[str] = (),
+            dropped: Optional[dict[str, str]] = None) -> dict:
     """Per recipe: final validation losses by seed, mean +- std, gap to BF16 with its interval
     and the verdict; plain data (JSON-able).
+
+    A recipe with any run in :func:`failed_runs` (diverged, stopped early, never started, or
+    ``dropped``) gets the verdict ``failed`` and its ``failed_runs`` (label -> reason): a gap
+    over the surviving seeds would judge the recipe on the seeds it happened to survive. Its
+    row is there even when no run of it completed.
 
     Parameters
     ----------
@@ -236,18 +282,21 @@ def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
     confidence : two-sided confidence level of the intervals.
     steps : the planned steps: runs that did not evaluate at that step are left out and listed
         under ``"incomplete"``; None: every run must end at the same step.
+    expected : every run label the plan trains (those without a record are ``never started``).
+    dropped : label -> reason of runs the plan left out (e.g. ``"dropped at the probe"``).
 
     Returns
     -------
     dict : ``{"final_step", "confidence", "rows": [...], "seeds": {recipe: {seed: loss}},
-        "incomplete": [labels]}``.
+        "incomplete": [labels], "failed": {recipe: [labels]}}``.
 
     Raises
     ------
-    ValueError : no validation loss, no ``bf16`` run, or (``steps`` None) runs that ended at
-        different steps.
+    ValueError : no validation loss, no complete ``bf16`` run, or (``steps`` None) runs that
+        ended at different steps.
     """
     targets = TARGETS if targets is None else targets
+    failed = failed_runs(paths, steps, expected, dropped)
     last: dict[str, tuple[int, float]] = {}
     rates: dict[str, list[tuple[int, float]]] = defaultdict(list)
     for r in _records(paths):
@@ -255,11 +304,12 @@ def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
             last[r["recipe"]] = (r["step"], r["val_loss"])
         if "tokens_per_s" in r:
             rates[r["recipe"]].append((r["step"], r["tokens_per_s"]))
-    incomplete = sorted(k for k, (s, _) in last.items() if steps is not None and s != steps)
-    last = {k: v for k, v in last.items() if k not in incomplete}
+    incomplete = sorted(k for k in last if k in failed)
+    last = {k: v for k, v in last.items() if k not in failed}
     if not last:
         raise ValueError(f"{', '.join(map(str, paths))}: no validation loss recorded"
-                         + (f" at step {steps}." if steps is not None else "."))
+                         + (f" at step {steps}" if steps is not None else "")
+                         + (f"; failed runs: {', '.join(failed)}." if failed else "."))
     ends = {s for s, _ in last.values()}
     if len(ends) > 1:
         by_step = {s: sorted(k for k, (st, _) in last.items() if st == s) for s in sorted(ends)}
@@ -273,16 +323,21 @@ def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
         pts = rates[label]
         speed[recipe] += [t for s, t in pts if pts and s > pts[-1][0] // 2]
     if BASELINE not in seeds:
-        raise ValueError(f"{', '.join(map(str, paths))}: no {BASELINE} run to compare against.")
+        raise ValueError(f"{', '.join(map(str, paths))}: no {BASELINE} run to compare against"
+                         + (f" (failed runs: {', '.join(failed)})." if failed else "."))
+    by_recipe: dict[str, dict[str, str]] = defaultdict(dict)
+    for label, why in failed.items():
+        by_recipe[split_label(label)[0]][label] = why
     base = seeds[BASELINE]
     rows = []
-    for recipe, by_seed in seeds.items():
+    for recipe in [*seeds, *(r for r in by_recipe if r not in seeds)]:
+        by_seed = seeds.get(recipe, {})
         losses = [by_seed[s] for s in sorted(by_seed)]
-        row = {"recipe": recipe, "seeds": sorted(by_seed), "mean": statistics.fmean(losses),
+        row = {"recipe": recipe, "seeds": sorted(by_seed), "mean": statistics.fmean(losses) if losses else None,
                "std": statistics.stdev(losses) if len(losses) > 1 else None,
                "tokens_per_s": statistics.median(speed[recipe]) if speed[recipe] else None,
                "target_pct": targets.get(recipe)}
-        if recipe != BASELINE:
+        if recipe != BASELINE and by_seed:
             shared = set(by_seed) & set(base)
             if len(shared) >= 2 or (shared and (len(by_seed) < 2 or len(base) < 2)):
                 g = paired_gap(by_seed, base, confidence)
@@ -290,8 +345,15 @@ def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
                 g = welch_gap(losses, list(base.values()), confidence)
             row.update(gap_pct=g.gap_pct, ci_lo=g.lo, ci_hi=g.hi, method=g.method,
                        verdict=verdict(g.lo, g.hi, row["target_pct"]))
+        elif recipe != BASELINE:
+            row.update(gap_pct=None, ci_lo=None, ci_hi=None, method="no complete run")
+        else:
+            row["verdict"] = ""
+        if recipe in by_recipe:
+            row.update(verdict="failed", failed_runs=by_recipe[recipe])
         rows.append(row)
     return {"final_step": ends.pop(), "confidence": confidence, "rows": rows, "incomplete": incomplete,
+            "failed": {r: sorted(d) for r, d in by_recipe.items()},
             "seeds": {k: {str(s): v for s, v in sorted(d.items())} for k, d in seeds.items()}}
 
 
@@ -304,15 +366,16 @@ def to_markdown(result: dict) -> str:
              "| target | verdict | tokens/s |", "|---|---:|---:|---:|---:|---|---:|---|---:|"]
     for r in result["rows"]:
         std = f" ± {r['std']:.4f}" if r["std"] is not None else ""
+        mean = f"{r['mean']:.4f}{std}" if r["mean"] is not None else "—"
         tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] is not None else ""
         target = f"± {r['target_pct']} %" if r["target_pct"] is not None else ""
         if r["recipe"] == BASELINE:
-            gap, interval, method, verdict_ = "baseline", "", "", ""
+            gap, interval, method, verdict_ = "baseline", "", "", r.get("verdict", "")
         else:
-            gap = f"{r['gap_pct']:+.2f} %"
+            gap = f"{r['gap_pct']:+.2f} %" if r["gap_pct"] is not None else "—"
             interval = f"[{r['ci_lo']:+.2f}, {r['ci_hi']:+.2f}] %" if r["ci_lo"] is not None else "—"
             method, verdict_ = r["method"], r["verdict"]
-        lines.append(f"| `{r['recipe']}` | {len(r['seeds'])} | {r['mean']:.4f}{std} | {gap} | {interval} | "
+        lines.append(f"| `{r['recipe']}` | {len(r['seeds'])} | {mean} | {gap} | {interval} | "
                      f"{method} | {target} | {verdict_} | {tps} |")
     seeds = sorted({int(s) for d in result["seeds"].values() for s in d})
     lines += ["", "Final validation loss by seed:", "",
@@ -320,9 +383,10 @@ def to_markdown(result: dict) -> str:
     for recipe, d in result["seeds"].items():
         lines.append(f"| `{recipe}` | " + " | ".join(f"{d[str(s)]:.4f}" if str(s) in d else "" for s in seeds)
                      + " |")
-    if result.get("incomplete"):
-        lines += ["", "Left out, not complete (failed or stopped early): "
-                  + ", ".join(f"`{k}`" for k in result["incomplete"]) + "."]
+    failed = {label: why for r in result["rows"] for label, why in r.get("failed_runs", {}).items()}
+    if failed:  # the rows above with these recipes are judged failed, whatever their other seeds say
+        lines += ["", "Failed runs (their recipes' verdict is failed; the seeds that completed are shown, "
+                  "not judged): " + ", ".join(f"`{k}` ({why})" for k, why in failed.items()) + "."]
     return "\n".join(lines)
 
 
@@ -336,7 +400,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("metrics", type=Path, nargs="+", help="metrics.jsonl(.gz) files of one comparison")
     p.add_argument("--json", type=Path, default=None, help="also write the statistics here as JSON")
     p.add_argument("--steps", type=int, default=None,
-                   help="the planned steps: runs that did not reach them are listed and left out")
+                   help="the planned steps: runs that did not reach them are named and fail their recipe")
     args = p.parse_args(argv)
     try:
         result = analyze(args.metrics, steps=args.steps)
@@ -347,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
         args.json.write_text(json.dumps(result, indent=1))
 
 
-__all__ = ["BASELINE", "CONFIDENCE", "Gap", "TARGETS", "analyze", "paired_gap", "report", "split_label",
+__all__ = ["BASELINE", "CONFIDENCE", "Gap", "TARGETS", "analyze", "failed_runs", "paired_gap", "report", "split_label",
            "t_cdf", "t_quantile", "to_markdown", "verdict", "welch_gap"]
 
 

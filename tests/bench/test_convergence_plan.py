@@ -92,3 +92,34 @@ def test_bench_headline_gives_each_gap_and_verdict():
                   {"recipe": "x", "gap_pct": 0.1, "ci_lo": None, "ci_hi": None, "verdict": "unresolved"}]}}}}
     assert BENCHMARKS["convergence"].headline(result) == [
         ("dense: steps per run", "250"), ("dense: fp8 vs bf16", "+0.10 % [+0.05, +0.15] met")]
+
+
+def test_reports_list_recipes_dropped_at_the_probe_and_runs_that_failed(tmp_path):
+    import json
+    plan = {"data": {"spec": "packages", "fingerprint": "packages-0123456789abcdef", "train_tokens": 9,
+                     "val_tokens": 1}, "seeds": 2,
+            "comparisons": {"dense": {"preset": "test", "steps": 20, "tokens_per_run": 10240, "dropped": ["mxfp8"],
+                                      "workers": [["bf16@seed=0", "fp8@seed=0", "bf16@seed=1", "fp8@seed=1"]]}}}
+    w0 = tmp_path / "dense" / "w0"
+    w0.mkdir(parents=True)
+    recs = [("bf16@seed=0", 20, 1.0), ("fp8@seed=0", 20, 1.0), ("bf16@seed=1", 20, 1.1), ("fp8@seed=1", 4, float("nan"))]
+    (w0 / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "recipe": r, "val_loss": v, "train_loss": v})
+                                              + "\n" for r, s, v in recs))
+    result = conv.write_reports(tmp_path, plan)
+    rows = {r["recipe"]: r for r in result["studies"]["dense"]["stats"]["rows"]}
+    assert rows["fp8"]["verdict"] == "failed" and rows["fp8"]["failed_runs"] == {"fp8@seed=1": "diverged at step 4"}
+    assert rows["mxfp8"]["verdict"] == "failed" and sorted(rows["mxfp8"]["failed_runs"]) == \
+        ["mxfp8@seed=0", "mxfp8@seed=1"]
+    md = (tmp_path / "report.md").read_text()
+    assert "`mxfp8@seed=0` (dropped at the probe)" in md and "`fp8@seed=1` (diverged at step 4)" in md
+    from bench.__main__ import BENCHMARKS
+    head = dict(BENCHMARKS["convergence"].headline(result))
+    assert head["dense: fp8 vs bf16"].startswith("failed") and "fp8@seed=1" in head["dense: fp8 vs bf16"]
+    assert "mxfp8@seed=0" in head["dense: mxfp8 vs bf16"]
+
+
+def test_bench_headline_names_a_study_that_could_not_be_analysed():
+    from bench.__main__ import BENCHMARKS
+    result = {"plan": {"comparisons": {"moe": {"steps": 9}}},
+              "studies": {"moe": {"error": "no bf16 run to compare against.", "failed": {"bf16": ["bf16@seed=0"]}}}}
+    assert ("moe: report", "failed: no bf16 run to compare against.") in BENCHMARKS["convergence"].headline(result)

@@ -114,7 +114,7 @@ def test_planned_steps_leave_out_incomplete_runs_and_say_so(tmp_path):
     stopped = _write(tmp_path / "b.jsonl.gz", {"fp8@seed=1": 9.0}, steps=(0, 10))
     result = cr.analyze([done, stopped], steps=20)
     assert result["incomplete"] == ["fp8@seed=1"] and result["seeds"]["fp8"] == {"0": 1.0}
-    assert "Left out, not complete (failed or stopped early): `fp8@seed=1`." in cr.to_markdown(result)
+    assert "`fp8@seed=1` (stopped at step 10)" in cr.to_markdown(result)
 
 
 def test_command_line_prints_the_tables_and_writes_json(tmp_path):
@@ -128,3 +128,51 @@ def test_command_line_prints_the_tables_and_writes_json(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "| `mxfp8` | 3 |" in proc.stdout and "missed" in proc.stdout
     assert json.loads((tmp_path / "r.json").read_text())["final_step"] == 20
+
+
+def _lines(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_a_recipe_with_any_failed_run_is_failed_and_named(tmp_path):
+    # fp8 meets its target on seeds 0 and 1 but diverges on seed 2; mxfp8 never completes a run;
+    # fp8-block was dropped at the probe: each gets the verdict "failed", naming its runs
+    recs = []
+    for s, b in enumerate((1.00, 1.05, 0.95)):
+        recs += [{"step": 20, "recipe": f"bf16@seed={s}", "val_loss": b, "train_loss": 2.0}]
+        if s < 2:
+            recs += [{"step": 20, "recipe": f"fp8@seed={s}", "val_loss": b * 1.001, "train_loss": 2.0}]
+    recs += [{"step": 5, "recipe": "fp8@seed=2", "train_loss": 2.0, "val_loss": 3.0},
+             {"step": 6, "recipe": "fp8@seed=2", "train_loss": float("nan")},
+             {"step": 10, "recipe": "mxfp8@seed=0", "val_loss": 2.0, "train_loss": 2.0},
+             {"step": 3, "recipe": "mxfp8@seed=1", "train_loss": 2.0}]
+    path = _lines(tmp_path / "m.jsonl", recs)
+    expected = [f"{r}@seed={s}" for s in range(3) for r in ("bf16", "fp8", "mxfp8")]
+    result = cr.analyze([path], steps=20, expected=expected,
+                        dropped={f"fp8-block@seed={s}": "dropped at the probe" for s in range(3)})
+    rows = {r["recipe"]: r for r in result["rows"]}
+    assert rows["bf16"]["verdict"] == "" and "failed_runs" not in rows["bf16"]
+    assert rows["fp8"]["verdict"] == "failed" and rows["fp8"]["seeds"] == [0, 1]
+    assert rows["fp8"]["failed_runs"] == {"fp8@seed=2": "diverged at step 6"}
+    assert rows["mxfp8"]["verdict"] == "failed" and rows["mxfp8"]["seeds"] == []
+    assert rows["mxfp8"]["failed_runs"] == {"mxfp8@seed=0": "stopped at step 10", "mxfp8@seed=1": "stopped at step 3",
+                                            "mxfp8@seed=2": "never started"}
+    assert rows["fp8-block"]["verdict"] == "failed" and rows["fp8-block"]["gap_pct"] is None
+    assert set(rows["fp8-block"]["failed_runs"].values()) == {"dropped at the probe"}
+    assert result["failed"]["fp8"] == ["fp8@seed=2"]
+    json.dumps(result)
+    text = cr.to_markdown(result)
+    assert "| `fp8` | 2 |" in text and "| failed |" in text
+    assert "| `mxfp8` | 0 | — | — | — |" in text and "| `fp8-block` | 0 |" in text
+    assert "`fp8@seed=2` (diverged at step 6)" in text and "`mxfp8@seed=2` (never started)" in text
+
+
+def test_a_failed_baseline_run_fails_the_baseline_row(tmp_path):
+    path = _lines(tmp_path / "m.jsonl", [
+        {"step": 20, "recipe": "bf16@seed=0", "val_loss": 1.0}, {"step": 20, "recipe": "fp8@seed=0", "val_loss": 1.0},
+        {"step": 20, "recipe": "fp8@seed=1", "val_loss": 1.0}, {"step": 2, "recipe": "bf16@seed=1", "train_loss": 1e9}])
+    result = cr.analyze([path], steps=20, expected=["bf16@seed=0", "fp8@seed=0", "bf16@seed=1", "fp8@seed=1"])
+    rows = {r["recipe"]: r for r in result["rows"]}
+    assert rows["bf16"]["verdict"] == "failed" and rows["bf16"]["failed_runs"] == {"bf16@seed=1": "stopped at step 2"}
+    assert "| `bf16` | 1 |" in cr.to_markdown(result)
