@@ -148,7 +148,7 @@ def start_worker(cmp: Comparison, labels: Sequence[str], out: Path, steps: int, 
     argv = [sys.executable, "-m", "hybridfp.train", "--preset", cmp.preset, "--compare", ",".join(labels),
             "--device", device, "--steps", str(steps), "--warmup", str(max(1, steps // 10)),
             "--eval-interval", str(eval_interval), "--eval-iters", str(eval_iters), "--data", args.data,
-            "--out", str(out), "--no-progress"]
+            "--out", str(out), "--no-progress", "--no-checkpoint"]  # the study reads metrics only
     if args.cache_dir:
         argv += ["--cache-dir", str(args.cache_dir)]
     out.mkdir(parents=True, exist_ok=True)

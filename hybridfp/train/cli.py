@@ -79,6 +79,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-iters", type=int, help="validation batches per evaluation")
     p.add_argument("--checkpoint-interval", type=int, default=0,
                    help="also checkpoint every N steps (default 0: only at the end)")
+    p.add_argument("--no-checkpoint", action="store_true",
+                   help="write no checkpoint, not even the final one (the run cannot be resumed); "
+                        "for runs whose metrics are all that is read")
     p.add_argument("--quantized-weights", action="store_true",
                    help="hold the hybridfp layers' weights quantized in the recipe's weight format "
                         "(hybridfp.quantized_model_init) and train FP32 master weights "
@@ -234,6 +237,7 @@ def config_from_args(args: argparse.Namespace, saved: Optional[dict] = None) -> 
         cfg.eval_interval = _pick(args.eval_interval, cfg.eval_interval)
         cfg.device = _pick(args.device, cfg.device)
         cfg.checkpoint_interval = args.checkpoint_interval
+        cfg.save_checkpoints = not getattr(args, "no_checkpoint", False)
         cfg.recompute = bool(getattr(args, "recompute", False))
         cfg.fsdp, cfg.ep = bool(getattr(args, "fsdp", False)), getattr(args, "ep", 1)
         cfg.tp = getattr(args, "tp", 1)
@@ -253,7 +257,7 @@ def config_from_args(args: argparse.Namespace, saved: Optional[dict] = None) -> 
             eval_interval=_pick(args.eval_interval, preset.eval_interval),
             eval_iters=_pick(args.eval_iters, preset.eval_iters), seed=_pick(args.seed, 0),
             device=_pick(args.device, "cpu"), dtype=_pick(args.dtype, "bf16"), data=args.data,
-            checkpoint_interval=args.checkpoint_interval,
+            checkpoint_interval=args.checkpoint_interval, save_checkpoints=not getattr(args, "no_checkpoint", False),
             quantized_weights=bool(getattr(args, "quantized_weights", False)),
             recompute=bool(getattr(args, "recompute", False)),
             fsdp=bool(getattr(args, "fsdp", False)), ep=getattr(args, "ep", 1), tp=getattr(args, "tp", 1),
@@ -264,6 +268,9 @@ def config_from_args(args: argparse.Namespace, saved: Optional[dict] = None) -> 
     if cfg.checkpoint_interval < 0:
         raise ValueError(f"--checkpoint-interval must be 0 (checkpoint only at the end) or a positive "
                          f"number of steps; got {cfg.checkpoint_interval}.")
+    if cfg.checkpoint_interval and not cfg.save_checkpoints:
+        raise ValueError(f"--no-checkpoint and --checkpoint-interval {cfg.checkpoint_interval} contradict each "
+                         "other; drop one.")
     if not (math.isfinite(cfg.lr) and cfg.lr > 0) or cfg.warmup < 0:  # NaN compares False either way
         raise ValueError(f"--lr must be a finite positive number and --warmup non-negative; got "
                          f"{cfg.lr}, {cfg.warmup}.")

@@ -78,6 +78,7 @@ class TrainConfig:
     dtype: str = "bf16"
     data: Optional[str] = None
     checkpoint_interval: int = 0   # 0: only at the end of the run
+    save_checkpoints: bool = True  # False (--no-checkpoint): none at all, e.g. a study reading metrics only
     quantized_weights: bool = False  # weights held quantized (quantized_model_init), FP32 masters
     recompute: bool = False        # torch.utils.checkpoint per block
     fsdp: bool = False             # sharded by FSDP2 over the ranks of a torchrun launch
@@ -489,7 +490,7 @@ def train_recipe(cfg: TrainConfig, named: NamedRecipe, data: TokenData, out_dir:
                     named.label, precomputed)
     if par is not None:
         ckpt_path = sharded_path(ckpt_path)
-    result = RunResult(named.label, named.description, checkpoint=str(ckpt_path))
+    result = RunResult(named.label, named.description, checkpoint=str(ckpt_path) if cfg.save_checkpoints else None)
     start = 0
     if resume:
         if par is None:
@@ -557,7 +558,8 @@ def train_recipe(cfg: TrainConfig, named: NamedRecipe, data: TokenData, out_dir:
             bar.close()
             raise FloatingPointError(f"[{named.label}] loss became {train_loss} at step {done}; lower --lr "
                                      "or try a higher-precision recipe.")
-        if (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0) or done == cfg.steps:
+        if cfg.save_checkpoints and ((cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0)
+                                     or done == cfg.steps):
             info = {"step": done, "tokens": result.tokens, "train_seconds": result.train_seconds,
                     "recipe": named.label, "config": cfg.to_dict()}
             if par is None:

@@ -55,6 +55,8 @@ def worker_argv(cfg: TrainConfig, named: NamedRecipe, part: Path, device: str, r
             argv += [f"--{key.replace('_', '-')}", str(getattr(cfg, key))]
         if cfg.data:
             argv += ["--data", cfg.data]
+    if not cfg.save_checkpoints:
+        argv += ["--no-checkpoint"]
     if cache_dir:
         argv += ["--cache-dir", cache_dir]
     return argv

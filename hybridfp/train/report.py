@@ -58,7 +58,7 @@ def summary_markdown(results: Sequence[RunResult], cfg: TrainConfig, info: dict[
     lines += ["", "## Files", "",
               f"- metrics: `{info.get('metrics', 'metrics.jsonl')}` (one JSON line per step and recipe)",
               f"- plot: `{info.get('plot', 'loss.png')}`",
-              *[f"- checkpoint `{r.label}`: `{r.checkpoint}`" for r in results],
+              *[f"- checkpoint `{r.label}`: `{r.checkpoint}`" for r in results if r.checkpoint],
               "", f"Resume: `{info.get('resume_command', 'hybridfp train --resume --out <dir> --steps N')}`", ""]
     return "\n".join(lines)
 

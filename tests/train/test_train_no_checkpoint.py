@@ -1,0 +1,60 @@
+"""``hybridfp train --no-checkpoint``: no checkpoint written, refused with a checkpoint interval,
+passed on to ``--jobs`` workers and by the convergence study's workers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from hybridfp.train import cli
+from hybridfp.train.loop import TrainConfig
+from hybridfp.train.parallel import worker_argv
+from hybridfp.train.recipes_by_name import parse_recipe
+
+pytestmark = pytest.mark.filterwarnings("ignore::hybridfp.gemm.EmulatedGemmWarning")
+
+
+def _run(text, out, *extra):
+    return cli.main(["train", "--preset", "test", "--data", str(text), "--out", str(out), "--no-progress",
+                     "--seq-len", "16", "--batch-size", "2", "--eval-iters", "1", "--eval-interval", "2",
+                     *extra])
+
+
+def test_no_checkpoint_trains_and_writes_none(tmp_path, text):
+    out = tmp_path / "run"
+    assert _run(text, out, "--recipe", "bf16", "--steps", "2", "--no-checkpoint") == 0
+    assert list((out / "checkpoints").glob("*")) == []
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert recs[-1]["step"] == 2 and "val_loss" in recs[-1]
+    assert "checkpoints/" not in (out / "summary.md").read_text()
+    assert json.loads((out / "run.json").read_text())["config"]["save_checkpoints"] is False
+
+
+def test_no_checkpoint_with_an_interval_is_refused(tmp_path, text, capsys):
+    assert _run(text, tmp_path / "run", "--recipe", "bf16", "--steps", "1", "--no-checkpoint",
+                "--checkpoint-interval", "1") == 2
+    err = capsys.readouterr().err
+    assert "--no-checkpoint" in err and "--checkpoint-interval" in err
+
+
+def test_workers_are_told_to_skip_the_checkpoint(tmp_path):
+    cfg = TrainConfig(preset="test", model=None, steps=2, batch_size=2, seq_len=16, lr=1e-3, warmup=1,
+                      lr_decay_steps=2, eval_interval=2, eval_iters=1, save_checkpoints=False)
+    assert "--no-checkpoint" in worker_argv(cfg, parse_recipe("bf16"), tmp_path, "cpu", False, None)
+    assert "--no-checkpoint" in worker_argv(cfg, parse_recipe("bf16"), tmp_path, "cpu", True, None)
+
+
+def test_convergence_workers_skip_the_checkpoint(tmp_path, monkeypatch):
+    from bench import convergence as conv
+    seen = []
+
+    class _Popen:
+        def __init__(self, argv, **kw):
+            seen.append(argv)
+    monkeypatch.setattr(conv.subprocess, "Popen", _Popen)
+    args = argparse.Namespace(data="packages", cache_dir=None)
+    conv.start_worker(conv.Comparison("dense", "test", ("bf16",), 1), ["bf16@seed=0"], tmp_path / "w0", 2, "cpu",
+                      args, 1, 1)
+    assert "--no-checkpoint" in seen[0]
