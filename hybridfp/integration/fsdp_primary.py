@@ -162,8 +162,11 @@ class QuantizedPrimaryWeight(QuantizedGatherWeight):
         who = f"{type(module).__name__}.{slot.attr}"
         world, total = mesh.size(mesh.ndim - 1), outer_size[0]
         param = _sharded_param(self, slot)
-        if slot.tp_group is not None and torch._C._current_graph_task_id() == -1:
-            _check_recipe(slot, module, who)
+        if slot.tp_group is not None:
+            if param is not None:  # FSDP2 passes HSDP's shard mesh alone: the DTensor's tells
+                _check_one_dp_dim(slot, param.device_mesh.ndim, who)
+            if torch._C._current_graph_task_id() == -1:
+                _check_recipe(slot, module, who)
         if slot.shard is None:  # the first gather: the weight was never quantized sharded
             _quantize_items([(param, self, mesh.get_group(mesh.ndim - 1), world, total, who)])
         elif not _unchanged(slot, param, self):
@@ -253,11 +256,17 @@ def _shard_group(param: Any, slot: _PrimarySlot) -> tuple[Any, int, int]:
     mesh = param.device_mesh
     if slot.tp_group is None:
         return mesh.get_group(mesh.ndim - 1), mesh.size(mesh.ndim - 1), param.shape[0]
-    if mesh.ndim != 2:
-        raise ValueError(f"{slot.attr}: a tensor-parallel quantized primary weight sharded over a {mesh.ndim}-D "
-                         "mesh; FSDP2 shards it over one dp dimension of a (dp, tp) mesh "
-                         "(fully_shard(..., mesh=mesh['dp']), not HSDP).")
+    _check_one_dp_dim(slot, mesh.ndim, slot.attr)
     return mesh.get_group(0), mesh.size(0), slot.tp_rows
+
+
+def _check_one_dp_dim(slot: _PrimarySlot, ndim: int, who: str) -> None:
+    """A tensor-parallel primary weight is sharded over one dp dimension: its DTensor's mesh is
+    ``(dp, tp)`` (``ndim`` 2). HSDP (a replicate dimension too) is not supported: refused."""
+    if ndim != 2:
+        raise ValueError(f"{who}: a tensor-parallel quantized primary weight sharded over a {ndim}-D mesh "
+                         "(HSDP); FSDP2 shards it over the one dp dimension of a (dp, tp) mesh: use "
+                         "fully_shard(..., mesh=mesh['dp']) with a 1-D dp mesh.")
 
 
 def _groups(group: Any, slot: _PrimarySlot) -> tuple:
@@ -416,7 +425,21 @@ def tensor_parallel_primary_local(p: torch.Tensor, slot: _Slot) -> QuantizedPrim
     master DTensor ``tensor_parallel_primary.shard_primary`` made): its tp shard's FP32 master,
     holding its quantizer and tensor-parallel group; ``slot`` is the gather slot (attribute,
     weight index, copies). Its amax goes over dp, then tp: the whole weight's, the scale the
-    tensor-parallel run encodes its shard with."""
+    tensor-parallel run encodes its shard with.
+
+    Parameters
+    ----------
+    p:
+        A tensor-parallel quantized primary weight (``is_tensor_parallel_primary``), not yet
+        sharded by FSDP2.
+    slot:
+        The gather slot ``enable_quantized_all_gather`` made for the module's weight.
+
+    Returns
+    -------
+    QuantizedPrimaryWeight
+        The tp shard's FP32 master (sharing its storage), for ``DTensor(..., p._spec)``.
+    """
     from .tensor_parallel_primary import SLOT_ATTR
     tp = getattr(p, SLOT_ATTR)
     local = p._local_tensor.detach()  # type: ignore[attr-defined]

@@ -299,6 +299,14 @@ def check_held_format(held: Quantizer, weight_q: Optional[Quantizer], who: str) 
     ------
     ValueError
         Naming both formats and the weight.
+
+    Example
+    -------
+    >>> import hybridfp as hf
+    >>> from hybridfp.integration.tensor_parallel_primary import check_held_format
+    >>> with hf.quantized_model_init(recipe=hf.MXFP8BlockScaling()):
+    ...     lin = hf.Linear(32, 32)
+    >>> check_held_format(lin.weight.quantizer, lin.weight.quantizer.copy(), "lin.weight")  # same format
     """
     if weight_q is not None and _format(weight_q) != _format(held):
         raise ValueError(f"{who}: the weight is held quantized as {_format(held)}, but the "

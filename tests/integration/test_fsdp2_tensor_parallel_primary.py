@@ -154,16 +154,40 @@ def _worker(rank: int, world: int) -> dict:
             tp, two_d = _tp(kind, make(), mesh), _two_d(kind, make(), mesh)
             out[f"{kind}-{name}"] = {"tp": _train(tp, make()), "two_d": _train(two_d, make()),
                                      **_compare(tp, two_d, rank // 2)}
+    out["rowwise_dequantized"] = _rowwise_dequantized(mesh, rank // 2)
     out["refusals"] = _refusals(mesh)
     return out
+
+
+def _rowwise_dequantized(mesh, dp_rank: int) -> dict:
+    """A hybrid whose columnwise child (FP8 current) reads the dequantized MXFP8 rowwise copy:
+    that child's amax is reduced over dp, then tp (one process: the tp shard's, over tp)."""
+    from hybridfp.integration.tensor_parallel_primary import SLOT_ATTR
+
+    def hybrid():
+        return hf.HybridQuantizer(hf.MXFP8Quantizer(), hf.Float8CurrentScalingQuantizer(),
+                                  columnwise_source="rowwise_dequantized")
+    mx = hf.MXFP8BlockScaling()
+    tp, two_d = _tp("mlp", mx, mesh), _two_d("mlp", mx, mesh)
+    for i in (0, 2):
+        q = hybrid()
+        q.set_amax_reduction_group(mesh["tp"].get_group())
+        getattr(tp[i].weight, SLOT_ATTR).quantizer = q
+        two_d[i].weight.to_local()._slot.quantizer = hybrid()
+    hf.quantize_tensor_parallel_weights(tp)
+    return {"reduces": hf.quantize_sharded_weights(two_d), **_compare(tp, two_d, dp_rank)}
 
 
 def test_two_d_quantized_primary_weights_train_as_tensor_parallel(tmp_path) -> None:
     """FP8 current scaling, MXFP8 and a hybrid (NVFP4 fprop, MXFP8 backward), two Linears and a
     SwiGLU MLP, and MXFP8 blocks straddling the dp pieces of a tp shard: the 2-D run's losses,
-    FP32 masters and quantized copies are bitwise the tensor-parallel run's."""
+    FP32 masters and quantized copies are bitwise the tensor-parallel run's; so are the codes of
+    a hybrid whose columnwise side reads the dequantized rowwise copy. What stays refused: a
+    stale master, another recipe's weight format."""
     results = run_ranks(_worker, 4, (), tmp_path)
     for rank, res in enumerate(results):
+        # 2 weights x (over dp, over tp), each its own all-reduce (the side's amax is its own)
+        assert res.pop("rowwise_dequantized") == {"reduces": 4, "masters": [], "codes": []}, rank
         for case, got in res.items():
             if case == "refusals":
                 continue
@@ -175,3 +199,28 @@ def test_two_d_quantized_primary_weights_train_as_tensor_parallel(tmp_path) -> N
         # two weights, one coalesced amax all-reduce over dp, then one over tp
         assert ref["requantized"] == 2 and ref["after"] == "", ref
         assert "quantized_model_init" in ref["other_recipe"], ref
+
+
+def test_hsdp_of_a_tensor_parallel_primary_weight_is_refused_by_name() -> None:
+    """One process (a 1-rank gloo group): FSDP2 with a replicate dimension (HSDP over a
+    (replicate, shard) mesh) of a tensor-parallel quantized primary weight is refused, naming
+    the weight and the 1-D dp mesh to use, at its first gather and at a re-encode."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("rep", "shard", "tp"))
+        recipe = hf.Float8CurrentScaling()
+        model = _tp("mlp", recipe, mesh)
+        assert hf.enable_quantized_all_gather(model) == 2
+        fully_shard(model, mesh=mesh["rep", "shard"])
+        with pytest.raises(ValueError, match=r"weight: a tensor-parallel quantized primary weight sharded over "
+                                             r"a 3-D mesh \(HSDP\).*mesh\['dp'\]"):
+            hf.quantize_sharded_weights(model)
+        with pytest.raises(ValueError, match=r"Linear\.weight: .* 3-D mesh \(HSDP\)"):
+            with hf.autocast(recipe=recipe):
+                model(torch.randn(4, H))
+    finally:
+        dist.destroy_process_group()
