@@ -255,8 +255,15 @@ def precompute_weight_amax(model: nn.Module) -> int:
             with torch.no_grad():
                 amax = amax_nan(src.to(dtype) if dtype != src.dtype else src)
             # a tensor-parallel weight's scale is its whole weight's: reduced over dp, then tp
-            spec = getattr(record, "_unsharded_dtensor_spec", None)
-            tp = spec.mesh.get_group() if spec is not None and spec.mesh.ndim == 1 else None
+            # (FSDP2's record of the parameter's placement before its dp sharding: read directly,
+            # so a torch that renames it fails here instead of skipping the tp reduction)
+            spec = record._unsharded_dtensor_spec
+            if spec is not None and spec.mesh.ndim != 1:
+                raise ValueError(
+                    f"precompute_weight_amax: a weight placed over a {spec.mesh.ndim}-D mesh before FSDP2 "
+                    f"sharded it ({spec.placements}); the quantized all-gather takes weights placed by "
+                    "hybridfp's tensor-parallel styles on a 1-D mesh['tp'].")
+            tp = spec.mesh.get_group() if spec is not None else None
             by_group.setdefault((mesh.get_group(mesh.ndim - 1), tp), []).append((record, local, amax, dtype))
     if not by_group and primary:
         return 0

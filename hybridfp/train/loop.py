@@ -486,8 +486,8 @@ def train_recipe(cfg: TrainConfig, named: NamedRecipe, data: TokenData, out_dir:
     group = amax_group(model, named.recipe, par)
     precomputed = weight_amax_precompute(model, par, named.recipe)
     if precomputed and main:
-        logger.info("[%s] %d weights' amaxes reduced in one all-reduce per step (precompute_weight_amax)",
-                    named.label, precomputed)
+        logger.info("[%s] %d weights' amaxes reduced once per step, one all-reduce per shard group "
+                    "(tensor-parallel weights: a second over tp; precompute_weight_amax)", named.label, precomputed)
     if par is not None:
         ckpt_path = sharded_path(ckpt_path)
     result = RunResult(named.label, named.description, checkpoint=str(ckpt_path) if cfg.save_checkpoints else None)
