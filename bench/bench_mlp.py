@@ -21,8 +21,9 @@ fails the run by name unless a flag skips it explicitly (``--no-torchao``, ``--n
 recorded in the JSON). Every ratio is paired (``bench.protocol.paired_ratio``) against BF16
 eager and BF16 compiled (and, for the FP8 current rows, torchao tensorwise). Every variant's
 first step is checked against an FP32 reference of the same inputs: output, dx and each dW,
-relative Frobenius error within ``common.error_bound`` of the variant's element formats, or the
-run fails. Rows slower than BF16 eager (below the 1.00x target) are marked.
+relative Frobenius error within ``common.error_bound`` of the variant's element formats and gain
+(``common.gain``, the least-squares scale onto the reference) within ``common.GAIN_TOLERANCE`` of 1,
+or the run fails. Rows slower than BF16 eager (below the 1.00x target) are marked.
 
     python -m bench.bench_mlp [--out results.json] [--quick] [--deadline-s S] [--linear-compiled]
                               [--no-torchao] [--no-compile] [--rounds N] [--samples N]
@@ -44,8 +45,8 @@ from torch import nn
 
 import hybridfp
 from bench import common
-from bench.common import (AccuracyError, MissingBaselineError, bench_ms, bench_ms_steady, check_error,
-                          copy_bandwidth, environment, error_bound, finish, md_table, parser, profile_step,
+from bench.common import (AccuracyError, MissingBaselineError, bench_ms, bench_ms_steady, check_result,
+                          copy_bandwidth, environment, error_bound, finish, gain, md_table, parser, profile_step,
                           protocol_from, protocol_record, rel_error, require_cuda)
 from bench.protocol import Protocol, paired_ratio
 from hybridfp.nn.base import QuantizedModule
@@ -172,34 +173,46 @@ def formats_of(variant: str) -> tuple[str, str]:
 def fp32_reference(make: Callable[[Callable], nn.Module], base: nn.Module, x: torch.Tensor,
                    dy: torch.Tensor) -> dict[str, Any]:
     """y, dx and each dW (in ``base.parameters()`` order) of an FP32 copy of ``base`` on the same
-    x and dy (FP32 GEMMs, no TF32)."""
+    x and dy (FP32 products: no TF32 on CUDA, no reduced precision on oneDNN; ``common.ieee_fp32``)."""
     ref = make(lambda i, o: nn.Linear(i, o, bias=False, dtype=torch.float32, device=x.device))
     ref.load_state_dict({k: v.float() for k, v in base.state_dict().items()})
     xr = x.detach().float().requires_grad_(True)
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
+    with common.ieee_fp32():
         y = ref(xr)
         y.backward(dy.float())
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
     return {"y": y.detach(), "dx": xr.grad, "dW": [p.grad for p in ref.parameters()]}
 
 
 def check_step(label: str, family: str, variant: str, y: torch.Tensor, x: torch.Tensor,
                params: list[nn.Parameter], ref: dict[str, Any]) -> dict[str, float]:
-    """Relative errors of y, dx and the worst dW against ``ref``, each checked against its bound.
+    """Relative errors and gains (``common.check_result``) of y, dx and each dW against ``ref``:
+    ``err_``, ``bound_`` and ``gain_`` of y, dx and dW (the worst error and the gain furthest from 1
+    of the weights).
 
-    Raises ``AccuracyError`` naming the variant and the tensor beyond its bound."""
+    Raises ``AccuracyError`` naming the variant and the tensor beyond its bound or with a gain
+    off 1 (a dropped branch of dx, a wrong scale), after every tensor was measured."""
     fwd, bwd = formats_of(variant)
-    errs = {"y": rel_error(y, ref["y"]), "dx": rel_error(x.grad, ref["dx"]),
-            "dW": max(rel_error(p.grad, r) for p, r in zip(params, ref["dW"]))}
+    pairs = {"y": [(y, ref["y"])], "dx": [(x.grad, ref["dx"])], "dW": [(p.grad, r) for p, r in zip(params, ref["dW"])]}
     out: dict[str, float] = {}
-    for t, e in errs.items():
+    failures: list[str] = []
+    for t, got in pairs.items():
         bound = error_bound(fwd, bwd, *DEPTHS[family][t])
-        out[f"err_{t}"], out[f"bound_{t}"] = e, bound
-    for t, e in errs.items():
-        check_error(f"{label}: {variant}: {t}", e, out[f"bound_{t}"])
+        errs, gains = [], []
+        for i, (o, r) in enumerate(got):
+            what = f"{label}: {variant}: {t}" + (f"[{i}]" if len(got) > 1 else "")
+            if o is None:
+                failures.append(f"{what}: no gradient reached the tensor")
+                continue
+            errs.append(rel_error(o, r))
+            gains.append(gain(o, r))
+            try:
+                check_result(what, o, r, bound)
+            except AccuracyError as e:
+                failures.append(str(e))
+        out[f"err_{t}"], out[f"bound_{t}"] = max(errs, default=float("nan")), bound
+        out[f"gain_{t}"] = max(gains, key=lambda g: abs(g - 1), default=float("nan"))
+    if failures:
+        raise AccuracyError("; ".join(failures))
     return out
 
 
@@ -333,18 +346,20 @@ def main(argv=None) -> None:
 
     def report(rows: list[dict[str, Any]], final: bool = False) -> None:
         table = md_table(["model", "variant", "x BF16 eager", "x BF16 compiled", "x torchao tensorwise",
-                          "err y / dx / dW (bounds)", "ms", "steady ms (diagnostic)", "host ms", "first step s"], [
+                          "err y / dx / dW (bounds)", "gain y / dx / dW", "ms", "steady ms (diagnostic)", "host ms", "first step s"], [
             (r["model"], r["variant"] + (" **below 1.00x target**" if below_target(r) else ""),
              _ci(r, BASELINE_EAGER) if "error" not in r else r["error"], _ci(r, BASELINE_COMPILED),
              _ci(r, TORCHAO_TENSORWISE),
              "{:.3g} / {:.3g} / {:.3g} ({:.3g} / {:.3g} / {:.3g})".format(
                  *(r[f"{k}_{t}"] for k in ("err", "bound") for t in ("y", "dx", "dW"))) if "err_y" in r else None,
+             " / ".join(f"{r[f'gain_{t}']:.4f}" for t in ("y", "dx", "dW")) if "gain_y" in r else None,
              r.get("ms"), r.get("ms_steady"), r.get("host_ms"), r.get("first_step_s")) for r in rows])
         md = ("### Linear and Llama-3-8B MLP, forward + backward (paired ratios)\n\n"
               f"torchao: {ao}. Ratios: median over {protocol.rounds} alternating rounds ({protocol.samples} "
               "steps a side each, L2 flushed before each) of baseline time / variant time (> 1: faster), "
               "[~95 % interval]. err: relative Frobenius error of y, dx and the worst dW vs an FP32 "
-              "reference of the same inputs, with its bound from the element formats. ms: one unpaired "
+              "reference of the same inputs, with its bound from the element formats; gain: the least-squares "
+              "scale onto the reference (1 +- common.GAIN_TOLERANCE: a dropped term or wrong scale moves it). ms: one unpaired "
               "do_bench median; \"steady ms\": 20 back-to-back steps, no flush; \"host ms\": the host's "
               "time for one step on an idle GPU (above ms: host-bound); diagnostics, not ratios. hybridfp "
               "weights are re-quantized every step."

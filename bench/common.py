@@ -272,11 +272,94 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return num / den if den > 0 else (0.0 if num == 0 else float("inf"))
 
 
+#: largest |gain - 1| (``gain``) a correct result shows: rounding noise is unbiased, so it moves
+#: the gain by ~ err / sqrt(elements) (measured on the CPU smoke sizes: <= 0.01 for every recipe,
+#: NVFP4 with RHT and SR included); a dropped term of a sum of two (one branch of an MLP's dx)
+#: moves it by ~0.5, one expert of eight by ~0.12, a 1.1x scale by 0.1
+GAIN_TOLERANCE = 0.05
+
+
+def gain(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Least-squares scale of ``out`` onto ``ref``, ``<out, ref> / <ref, ref>`` in FP32: 1 for a
+    result that is the reference plus unbiased rounding noise, whatever the format's precision;
+    a missing term or a wrong scale moves it (``check_result``). NaN when ``ref`` is zero.
+
+    Example
+    -------
+    >>> r = torch.tensor([1.0, 2.0, 3.0])
+    >>> gain(2 * r, r)
+    2.0
+    """
+    out, ref = out.detach().float(), ref.detach().float()
+    if out.shape != ref.shape:
+        raise ValueError(f"gain: result shape {tuple(out.shape)} differs from the reference's {tuple(ref.shape)}")
+    den = (ref * ref).sum().item()
+    return (out * ref).sum().item() / den if den > 0 else float("nan")
+
+
+def check_result(what: str, out: torch.Tensor, ref: torch.Tensor, bound: float) -> dict[str, float]:
+    """``{"err": rel_error, "gain": gain}`` of ``out`` against the FP32 ``ref``; ``AccuracyError``
+    naming ``what`` when the error is above ``bound`` or the gain is off 1 by more than
+    ``GAIN_TOLERANCE``. The error bound alone is loose for 4-bit formats (NVFP4's is ~0.6: a dx
+    missing one of its two branches is off by ~0.7); the gain is not, as rounding noise does
+    not move it.
+
+    Example
+    -------
+    >>> r = torch.linspace(1.0, 2.0, 64)
+    >>> check_result("y", 0.5 * r, r, bound=0.6)
+    Traceback (most recent call last):
+    ...
+    bench.common.AccuracyError: y: gain 0.5 (<result, reference> / <reference, reference>) is off 1 by more than 0.05: a term is missing or a scale is wrong
+    """
+    res = {"err": rel_error(out, ref), "gain": gain(out, ref)}
+    failures = []
+    for check, value, *rest in ((check_error, res["err"], bound), (check_gain, res["gain"])):
+        try:
+            check(what, value, *rest)
+        except AccuracyError as e:
+            failures.append(str(e))
+    if failures:  # both said when both fail: the gain names a missing term, the error only its size
+        raise AccuracyError("; ".join(failures))
+    return res
+
+
+def check_gain(what: str, g: float) -> None:
+    """Raise ``AccuracyError`` naming ``what`` when ``g`` (``gain``) is off 1 by more than
+    ``GAIN_TOLERANCE`` (or NaN)."""
+    if not abs(g - 1) <= GAIN_TOLERANCE:
+        raise AccuracyError(f"{what}: gain {g:.4g} (<result, reference> / <reference, reference>) is off 1 by more "
+                            f"than {GAIN_TOLERANCE}: a term is missing or a scale is wrong")
+
+
 def check_error(what: str, err: float, bound: float) -> None:
     """Raise ``AccuracyError`` naming ``what`` when ``err`` is above ``bound`` (or NaN)."""
     if not err <= bound:
         raise AccuracyError(f"{what}: relative error {err:.4g} vs the FP32 reference exceeds its bound "
                             f"{bound:.4g} (common.error_bound); the result is wrong, not just imprecise")
+
+
+@contextlib.contextmanager
+def ieee_fp32() -> Iterator[None]:
+    """FP32 matmuls with FP32 products (no TF32 on CUDA, no reduced precision on oneDNN CPUs) for
+    an FP32 reference, restored afterwards. torch's ``fp32_precision`` API: the legacy
+    ``allow_tf32`` flag raises once TF32 was set through the new one.
+
+    Example
+    -------
+    >>> with ieee_fp32():
+    ...     torch.backends.cuda.matmul.fp32_precision
+    'ieee'
+    """
+    matmuls = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
+    old = [m.fp32_precision for m in matmuls]
+    for m in matmuls:
+        m.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        for m, o in zip(matmuls, old):
+            m.fp32_precision = o
 
 
 def finish(name: str, result: dict[str, Any], out: Optional[Path]) -> None:

@@ -4,6 +4,7 @@ a missing baseline failing it by name, and CPU smoke runs (``common.DEVICE = "cp
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -132,3 +133,68 @@ def test_gemm_rows_below_target_are_marked():
     from bench import bench_gemm
     assert bench_gemm.marked({"ratio": 0.955, "low": 0.95, "high": 0.96}).endswith("below 0.97 target**")
     assert "target" not in bench_gemm.marked({"ratio": 0.99, "low": 0.98, "high": 1.0})
+
+
+def _mlp_case(bench_mlp):
+    """A tiny MLP, its hybridfp twin, x, dy and the FP32 reference (``bench_model``'s set-up)."""
+    d, h, tokens = bench_mlp.QUICK_DIMS
+    torch.manual_seed(0)
+    make = lambda lin: bench_mlp.MLP(lin, d, h)  # noqa: E731
+    x = torch.randn(tokens, d, dtype=torch.bfloat16, requires_grad=True)
+    base = make(bench_mlp.torch_linear)
+    with torch.no_grad():
+        dy = torch.randn_like(base(x))
+    hf = make(bench_mlp.hybridfp_linear)
+    hf.load_state_dict(base.state_dict())
+    return hf, x, dy, bench_mlp.fp32_reference(make, base, x, dy)
+
+
+def _without_up_branch_of_dx(model):
+    """``model`` whose dx misses the up projection's branch (forward and every dW unchanged)."""
+    twin = model.with_act(model.act)
+    twin.forward = lambda x: twin.down(twin.act(twin.gate(x), twin.up(x.detach())))
+    return twin
+
+
+def _scaled(model, scale):
+    twin = model.with_act(model.act)
+    twin.forward = lambda x: model.forward(x) * scale
+    return twin
+
+
+def test_mlp_check_catches_a_dropped_branch_and_a_wrong_scale_for_every_recipe(monkeypatch):
+    from bench import bench_mlp
+    monkeypatch.setattr(common, "DEVICE", "cpu")
+    monkeypatch.setattr(bench_mlp, "QUICK_DIMS", (128, 256, 128))
+    hf, x, dy, ref = _mlp_case(bench_mlp)
+    params = list(hf.parameters())
+    import hybridfp
+    for name, recipe in bench_mlp.RECIPES:  # NVFP4 (2D weights, RHT, SR) included
+        ctx = lambda r=recipe(): hybridfp.autocast(recipe=r)  # noqa: E731
+        for model, what in ((hf, None), (_without_up_branch_of_dx(hf), "dx: "), (_scaled(hf, 1.5), "y: ")):
+            y = bench_mlp.make_step(model, params, ctx, x, dy)()
+            if what is None:
+                out = bench_mlp.check_step("MLP", "MLP", name, y, x, params, ref)
+                assert all(abs(out[f"gain_{t}"] - 1) < 0.03 for t in ("y", "dx", "dW")), (name, out)
+            else:
+                with pytest.raises(common.AccuracyError, match=re.escape(f"{name}: {what}gain")):
+                    bench_mlp.check_step("MLP", "MLP", name, y, x, params, ref)
+
+
+def test_fp32_reference_runs_with_ieee_fp32_products(monkeypatch):
+    from bench import bench_mlp
+    monkeypatch.setattr(common, "DEVICE", "cpu")
+    seen = []
+
+    class Spy(torch.nn.Module):
+        def __init__(self, lin):
+            super().__init__()
+            self.lin = lin(8, 8)
+
+        def forward(self, x):
+            seen.append((torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision))
+            return self.lin(x)
+    base = Spy(bench_mlp.torch_linear)
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    bench_mlp.fp32_reference(Spy, base, x, torch.randn(4, 8, dtype=torch.bfloat16))
+    assert seen == [("ieee", "ieee")]
