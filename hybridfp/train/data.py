@@ -9,10 +9,12 @@ Sources (all byte-level, vocab 256, unless token files say otherwise):
   split does not depend on the file system's listing order. Built once and cached as
   nanoGPT token files under the cache directory (never required: a failed cache write only
   costs a rebuild next time).
-- ``--data packages`` (``packages:SIZE`` caps it, e.g. ``packages:50M``): every source and text
-  file of the installed packages and the standard library, deduplicated, split by file
-  (``hybridfp.train.corpus``), cached the same way; its ``fingerprint`` identifies the files
-  (a local directory named ``packages`` is ``./packages``).
+- ``--data packages`` (``packages:SIZE`` caps it, e.g. ``packages:50M``; ``,max-share=F`` caps
+  any one top-level package at F of that): every source and text file of the installed
+  packages and the standard library, deduplicated, split by file (``hybridfp.train.corpus``),
+  cached under a key of the files and the rules, the newest ``corpus.KEEP_BUILDS`` builds
+  kept; its ``fingerprint`` identifies the files (a local directory named ``packages`` is
+  ``./packages``).
 - ``--data DIR`` holding ``train.bin`` and ``val.bin`` (nanoGPT uint16 token files; an
   optional ``meta.json`` with ``{"vocab_size": N}``).
 - ``--data DIR`` of text files (every non-hidden file without NUL bytes, sorted, split by
@@ -28,7 +30,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sysconfig
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -182,10 +186,31 @@ def text_files(directory: Path) -> list[Path]:
     return out
 
 
+def _mark_used(meta_path: Path) -> None:
+    """Stamp a build as used now (the clock's full resolution, not the file system's coarser
+    one): ``corpus.prune_builds`` keeps the most recently used."""
+    now = time.time_ns()
+    try:
+        os.utime(meta_path, ns=(now, now))
+    except OSError:
+        pass  # the cache is an optimisation only
+
+
+def split_rules() -> str:
+    """The split and concatenation rules, for the packages cache key (``corpus.rules_digest``):
+    :data:`VAL_PERCENT`, :data:`TAIL_VAL_FRACTION`, the separator and the code of
+    :func:`is_val` and :func:`split_documents`."""
+    g = globals()  # at call time: a changed rule is the rule in force
+    return "\0".join([f"val {g['VAL_PERCENT']} tail {g['TAIL_VAL_FRACTION']} sep {g['_SEPARATOR']!r}",
+                       corpus.code_text(g["is_val"]), corpus.code_text(g["split_documents"])])
+
+
 def load_packages_corpus(cache_dir: Optional[Path] = None, max_bytes: int = corpus.DEFAULT_MAX_BYTES,
-                         roots: Optional[list[tuple[str, Path]]] = None) -> TokenData:
-    """The ``packages`` corpus (``hybridfp.train.corpus``), from the cache when its files are
-    unchanged.
+                         roots: Optional[list[tuple[str, Path]]] = None,
+                         max_package_share: Optional[float] = None) -> TokenData:
+    """The ``packages`` corpus (``hybridfp.train.corpus``), from the cache when its files and
+    rules are unchanged. Writing a new build deletes the cached packages builds beyond the
+    newest ``corpus.KEEP_BUILDS`` (each ~200 MB at the default cap).
 
     Parameters
     ----------
@@ -193,6 +218,8 @@ def load_packages_corpus(cache_dir: Optional[Path] = None, max_bytes: int = corp
     max_bytes : the size cap (bytes = tokens).
     roots : (label, directory) pairs to read (default: this interpreter's stdlib and
         site-packages, ``corpus.corpus_roots()``).
+    max_package_share : the largest share of ``max_bytes`` one top-level package may fill
+        (None: files are taken in proportion to their bytes).
 
     Returns
     -------
@@ -205,21 +232,25 @@ def load_packages_corpus(cache_dir: Optional[Path] = None, max_bytes: int = corp
     roots = roots if roots is not None else corpus.corpus_roots()
     files = corpus.list_files(roots)
     where = ", ".join(str(r) for _, r in roots)
-    cache = Path(cache_dir or default_cache_dir()) / f"packages-{corpus.listing_key(files, max_bytes)}"
+    rules = corpus.rules_digest(f"{split_rules()}\0max_package_share {max_package_share!r}")
+    cache_root = Path(cache_dir or default_cache_dir())
+    cache = cache_root / f"packages-{corpus.listing_key(files, max_bytes, rules)}"
     meta_path = cache / "meta.json"
     if (cache / "train.bin").is_file() and (cache / "val.bin").is_file() and meta_path.is_file():
         try:
             meta = json.loads(meta_path.read_text())
             train, val = _read_bin(cache / "train.bin"), _read_bin(cache / "val.bin")
+            _mark_used(meta_path)
             return TokenData(train, val, BYTE_VOCAB, meta["source"] + " [cached]", meta["fingerprint"])
         except (OSError, ValueError, KeyError, DataError):
             pass  # a damaged cache entry: rebuilt below
-    build = corpus.select(files, max_bytes)
+    build = corpus.select(files, max_bytes, max_package_share)
     if not build.docs:
         raise DataError(f"--data packages: no text file ({', '.join(corpus.TEXT_SUFFIXES)}) found under {where}.")
     train, val = split_documents(list(build.docs))
     source = (f"installed packages + stdlib corpus {build.fingerprint} ({len(build.docs):,} files, "
-              f"{build.n_bytes / 1e6:.1f} MB; {build.duplicates:,} duplicates left out; cap {max_bytes:,} bytes)")
+              f"{build.n_bytes / 1e6:.1f} MB; {build.duplicates:,} duplicates left out; cap {max_bytes:,} bytes"
+              + (f", at most {max_package_share:g} of it per package" if max_package_share is not None else "") + ")")
     try:
         cache.mkdir(parents=True, exist_ok=True)
         for name, arr in (("train.bin", train), ("val.bin", val)):
@@ -227,6 +258,8 @@ def load_packages_corpus(cache_dir: Optional[Path] = None, max_bytes: int = corp
         meta = {"vocab_size": BYTE_VOCAB, "source": source, "fingerprint": build.fingerprint,
                 "files": [rel for rel, _ in build.docs]}
         atomic_write_text(meta_path, json.dumps(meta))
+        _mark_used(meta_path)
+        corpus.prune_builds(cache_root)
     except OSError:
         pass  # the cache is an optimisation only
     return TokenData(train, val, BYTE_VOCAB, source, build.fingerprint)
@@ -237,14 +270,15 @@ def load_data(path: Optional[str | Path] = None, cache_dir: Optional[str | Path]
     if path is None:
         return load_stdlib_corpus(Path(cache_dir) if cache_dir else None)
     try:
-        cap = corpus.parse_corpus_spec(str(path))
+        spec = corpus.parse_corpus_options(str(path))
     except corpus.CorpusSpecError as e:
         raise DataError(str(e)) from None
-    if cap is not None:
+    if spec is not None:
         if Path(path).exists():
             raise DataError(f"--data {path}: a local path of that name exists too; pass ./{path} for it, "
                             "or run elsewhere for the packages corpus.")
-        return load_packages_corpus(Path(cache_dir) if cache_dir else None, cap)
+        return load_packages_corpus(Path(cache_dir) if cache_dir else None, spec.max_bytes,
+                                    max_package_share=spec.max_package_share)
     p = Path(path).expanduser()
     if not p.exists():
         raise DataError(f"--data {path}: no such file or directory (expected a directory with "

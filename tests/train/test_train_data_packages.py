@@ -128,3 +128,78 @@ def test_local_directory_named_packages_is_ambiguous(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(DataError, match=r"\./packages"):
         load_data("packages")
+
+
+def _cache_hit(data):
+    return "[cached]" in data.source
+
+
+@pytest.mark.parametrize("change", ["val_percent", "max_file_bytes", "duplicate_rule", "text_suffixes"])
+def test_changed_rules_never_reuse_a_stale_cache(tmp_path, monkeypatch, change):
+    from hybridfp.train import data as data_mod
+    roots = _tree(tmp_path)
+    cache = tmp_path / "cache"
+    load_packages_corpus(cache, roots=roots)
+    assert _cache_hit(load_packages_corpus(cache, roots=roots))
+    if change == "val_percent":
+        monkeypatch.setattr(data_mod, "VAL_PERCENT", 50)
+    elif change == "max_file_bytes":
+        monkeypatch.setattr(corpus, "MAX_FILE_BYTES", 30)
+    elif change == "text_suffixes":
+        monkeypatch.setattr(corpus, "TEXT_SUFFIXES", (".py",))
+    else:
+        monkeypatch.setattr(corpus, "duplicate_key", lambda data, rel: data)  # exact copies only
+    rebuilt = load_packages_corpus(cache, roots=roots)
+    assert not _cache_hit(rebuilt)
+    assert _cache_hit(load_packages_corpus(cache, roots=roots))
+
+
+def test_older_cache_entries_are_pruned_to_the_newest_two(tmp_path):
+    roots = _tree(tmp_path)
+    cache = tmp_path / "cache"
+    (cache / "stdlib-0123456789abcdef").mkdir(parents=True)  # another corpus's entry: kept
+    (cache / "packages-notes").mkdir()                       # not a build of ours: kept
+    names = []
+    for cap in (10**9, 2000, 1000, 500):
+        load_packages_corpus(cache, max_bytes=cap, roots=roots)
+        names.append({p.name for p in cache.glob("packages-*") if (p / "meta.json").is_file()})
+    assert [len(n) for n in names] == [1, 2, corpus.KEEP_BUILDS, corpus.KEEP_BUILDS] and corpus.KEEP_BUILDS == 2
+    assert not (names[0] & names[3])  # the first build is gone
+    assert (cache / "stdlib-0123456789abcdef").is_dir() and (cache / "packages-notes").is_dir()
+    # a cache hit marks its entry recently used: a build made after it prunes the other one
+    assert _cache_hit(load_packages_corpus(cache, max_bytes=1000, roots=roots))
+    load_packages_corpus(cache, max_bytes=300, roots=roots)
+    assert _cache_hit(load_packages_corpus(cache, max_bytes=1000, roots=roots))
+
+
+def test_package_share_caps_any_one_top_level_package(tmp_path):
+    roots = _tree(tmp_path)
+    big = tmp_path / "site" / "big"
+    for i in range(40):  # one package holding most of the bytes, like the C headers of a CUDA torch
+        (big / f"h{i}.h").parent.mkdir(parents=True, exist_ok=True)
+        (big / f"h{i}.h").write_bytes(f"#define BIG_{i} {i}\n".encode() * 20)
+    files = corpus.list_files(roots)
+    plain = corpus.select(files, 3000)
+    shared = corpus.select(files, 3000, max_package_share=0.25)
+
+    def share(build):
+        return sum(len(d) for rel, d in build.docs if corpus.package_of(rel) == "site-packages/big") / 3000
+    assert share(plain) > 0.25 and 0 < share(shared) <= 0.25
+    assert shared.fingerprint != plain.fingerprint
+    assert corpus.package_of("site-packages/torch/include/c10/x.h") == "site-packages/torch"
+    assert corpus.package_of("site-packages/six.py") == "site-packages/six.py"
+    assert corpus.package_of("stdlib/json/decoder.py") == "stdlib/json"
+    # through --data, and into the cache key
+    spec = corpus.parse_corpus_options("packages:3k,max-share=0.25")
+    assert spec == corpus.CorpusSpec(3000, 0.25)
+    a = load_packages_corpus(tmp_path / "cache", max_bytes=3000, roots=roots)
+    b = load_packages_corpus(tmp_path / "cache", max_bytes=3000, roots=roots, max_package_share=0.25)
+    assert not _cache_hit(b) and a.fingerprint != b.fingerprint
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("packages:50M,max-share=0", "max-share must be a fraction in"), ("packages:50M,max-share=1.5", "max-share must be"),
+    ("packages:max-share=x", "max-share must be"), ("packages:50M,share=0.2", "unknown option 'share'.*max-share=F")])
+def test_bad_package_share_names_the_option(spec, message):
+    with pytest.raises(DataError, match=message):
+        load_data(spec)
