@@ -191,6 +191,35 @@ def welch_gap(recipe: Sequence[float], base: Sequence[float], confidence: float 
     return Gap(gap, gap - half, gap + half, "Welch", min(len(recipe), len(base)))
 
 
+def resolvable_sd(target_pct: float, n: int, confidence: float = CONFIDENCE) -> float:
+    """The largest standard deviation of the per-seed gaps (in %) with which ``n`` paired seeds
+    can still *meet* a ``+-target_pct`` % target: the interval's half width
+    ``t(0.975, n-1) sd / sqrt(n)`` must fit in the target even when the mean gap is zero.
+
+    Parameters
+    ----------
+    target_pct : the target in %.
+    n : paired seeds.
+    confidence : two-sided confidence level.
+
+    Returns
+    -------
+    float : the standard deviation in %.
+
+    Raises
+    ------
+    ValueError : fewer than two seeds (no interval).
+
+    Example
+    -------
+    >>> round(resolvable_sd(0.25, 3), 3), round(resolvable_sd(0.25, 10), 3)
+    (0.101, 0.349)
+    """
+    if n < 2:
+        raise ValueError(f"resolvable_sd: an interval needs at least two seeds; got n={n}.")
+    return target_pct * math.sqrt(n) / t_quantile(0.5 + confidence / 2, n - 1)
+
+
 def verdict(lo: Optional[float], hi: Optional[float], target: Optional[float]) -> str:
     """``met`` / ``missed`` / ``unresolved`` for a gap interval against a target of ``+-target`` %
     (``""`` without a target).
@@ -378,6 +407,15 @@ def to_markdown(result: dict) -> str:
         lines.append(f"| `{r['recipe']}` | {len(r['seeds'])} | {mean} | {gap} | {interval} | "
                      f"{method} | {target} | {verdict_} | {tps} |")
     seeds = sorted({int(s) for d in result["seeds"].values() for s in d})
+    n = max((len(r["seeds"]) for r in result["rows"]), default=0)
+    targets = sorted({r["target_pct"] for r in result["rows"] if r["target_pct"] is not None})
+    if n >= 2 and targets:  # what a "met" needs at this seed count: readers expect "unresolved" otherwise
+        t = t_quantile(0.5 + result["confidence"] / 2, n - 1)
+        more = "; ".join(f"± {x} %: below {resolvable_sd(x, n, result['confidence']):.2f} %" for x in targets[1:])
+        lines += ["", f"With {n} seeds (t = {t:.2f}), a row meets ± {targets[0]} % only if its per-seed gaps' "
+                  f"standard deviation is below {resolvable_sd(targets[0], n, result['confidence']):.2f} %"
+                  + (f" ({more})" if more else "") + ", and then only at a mean gap of zero; an unresolved row "
+                  "needs more seeds or a steadier gap (docs/convergence.md)."]
     lines += ["", "Final validation loss by seed:", "",
               "| recipe | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|" + "---:|" * len(seeds)]
     for recipe, d in result["seeds"].items():
@@ -411,7 +449,7 @@ def main(argv: list[str] | None = None) -> None:
         args.json.write_text(json.dumps(result, indent=1))
 
 
-__all__ = ["BASELINE", "CONFIDENCE", "Gap", "TARGETS", "analyze", "failed_runs", "paired_gap", "report", "split_label",
+__all__ = ["BASELINE", "CONFIDENCE", "Gap", "TARGETS", "analyze", "failed_runs", "paired_gap", "report", "resolvable_sd", "split_label",
            "t_cdf", "t_quantile", "to_markdown", "verdict", "welch_gap"]
 
 

@@ -176,3 +176,23 @@ def test_a_failed_baseline_run_fails_the_baseline_row(tmp_path):
     rows = {r["recipe"]: r for r in result["rows"]}
     assert rows["bf16"]["verdict"] == "failed" and rows["bf16"]["failed_runs"] == {"bf16@seed=1": "stopped at step 2"}
     assert "| `bf16` | 1 |" in cr.to_markdown(result)
+
+
+def test_resolvable_spread_by_hand():
+    # meeting +-0.25 % with 3 seeds: half width t(0.975, 2) sd / sqrt(3) <= 0.25 at a zero mean gap
+    assert cr.resolvable_sd(0.25, 3) == pytest.approx(0.25 * math.sqrt(3) / 4.302652729911275)
+    assert round(cr.resolvable_sd(0.25, 3), 2) == 0.10
+    with pytest.raises(ValueError, match="at least two seeds"):
+        cr.resolvable_sd(0.25, 1)
+
+
+def test_report_and_docs_say_what_the_interval_widths_need(tmp_path):
+    from pathlib import Path
+    text = cr.to_markdown(cr.analyze(_study(tmp_path)))
+    assert "With 3 seeds (t = 4.30), a row meets ± 0.25 % only if its per-seed gaps' standard deviation is " \
+           "below 0.10 %" in text
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "convergence.md").read_text()
+    for n in (3, 5, 10):
+        t = cr.t_quantile(0.975, n - 1)
+        cells = " | ".join(f"{cr.resolvable_sd(x, n):.2f} %" for x in (0.25, 0.5, 1.0))
+        assert f"| {n} | {t:.2f} | {cells} |" in doc, (n, cells)
