@@ -27,19 +27,26 @@ the GPU's clocks), baseline ms / candidate ms (>1 is faster): a recipe's row aga
 baseline, and the headline against the fastest of the three in this run (named in the row); a
 variant row (a suffix) against that fastest one only. Every row's output,
 dx and dW are checked against an FP32 reference of the same routings (relative Frobenius
-error within ``common.error_bound`` of its formats); a breach, or any failed row, ends the run with a non-zero
-exit after the table is printed. "paths": which ``grouped_gemm`` path each GEMM took. With
+error within ``common.error_bound`` of its formats, gain within ``common.GAIN_TOLERANCE`` of 1); a
+breach, or any failed row, ends the run with a non-zero exit after the table is printed. Rows run
+one after the other, each complete (checked, timed) before the next; the JSON is written after
+every row, so a run stopped by a timeout keeps what it measured. ``--deadline-s``: the rows left
+then are not run and named; the run fails unless they are all A/B variants (a suffix). "paths": which ``grouped_gemm`` path each GEMM took. With
 ``--ab``, extra rows (suffixes) time a recipe again with one switch flipped in the same
 process, e.g. "[cuBLAS per expert BF16]": path 1's grouped BF16 GEMMs as cuBLAS per expert.
 
     python -m bench.bench_moe [--experts 8|64] [--micro-batches N] [--skew S] [--ab] [--variants 'A|B']
-        [--rounds R --samples S] [--compile-backend B] [--out results.json] [--quick]
+        [--rounds R --samples S] [--compile-backend B] [--out results.json] [--quick] [--deadline-s S]
         [--profile TEXT [--profile-out FILE]]
 """
 
 from __future__ import annotations
 
+import json
+import math
+import statistics
 import sys
+import time
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -50,8 +57,9 @@ from torch import nn
 
 import hybridfp
 from bench import common
-from bench.common import (AccuracyError, MissingBaselineError, bench_ms_steady, environment, error_bound, finish, md_table,
-                          parser, profile_step, protocol_from, protocol_record, rel_error, require_cuda)
+from bench.common import (GAIN_TOLERANCE, AccuracyError, MissingBaselineError, bench_ms_steady, environment, error_bound,
+                          finish, gain, md_table, parser, profile_step, protocol_from, protocol_record, rel_error,
+                          require_cuda)
 from bench.moe_layer import (HIDDEN, ROUTING_SKEW, TOKENS, TOP_K, BF16MoE, HybridMoE, PrimaryWeightsMoE, RoutingSchedule,
                              Step, moe_layer)
 from bench.protocol import PairedRatio, Protocol, paired_ratio
@@ -131,12 +139,13 @@ SINGLE_PARAM_SUFFIX = " [one weight Parameter]"
 PRIMARY_VARIANTS = tuple(name for name, _ in RECIPES if name != "hybridfp BF16 (high_precision)")
 PRIMARY_SUFFIX = " [quantized primary weights]"
 #: FP8 current timed again with the grouped FP8 GEMM's pointer kernel (the policy's
-#: grouped_fp8_tma_rows / grouped_fp8_tma_wgrad set to FP8_TMA: None, None; ``--fp8-tma
-#: ROWS/WGRAD`` names TMA configs instead),
+#: grouped_fp8_tma_rows / grouped_fp8_tma_wgrad set to None, None; ``--fp8-tma ROWS/WGRAD``
+#: names TMA configs instead, passed down as ``bench_config``'s ``fp8_tma``),
 #: on the per-expert and the one-Parameter layer, against the TMA kernel (the default)
 FP8_TMA_VARIANTS = ("hybridfp FP8 current",)
 FP8_TMA_SUFFIX = " [FP8 pointer grouped GEMM]"
-FP8_TMA: list = [None, None]
+#: (rows, wgrad) kernels of the FP8 TMA A/B rows: a TMA config name, or None for the pointer kernel
+TmaPair = tuple[Optional[str], Optional[str]]
 
 def with_per_group_cublas(step: Callable[[], torch.Tensor], on: bool) -> Callable[[], torch.Tensor]:
     """``step`` under the policy's ``bf16_per_group_cublas`` set to ``on``."""
@@ -179,11 +188,11 @@ def without_metadata_memo(step: Callable[[], torch.Tensor]) -> Callable[[], torc
     return run
 
 
-def with_fp8_tma(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """``step`` with the grouped FP8 GEMM's kernels set by ``FP8_TMA`` (rows / wgrad: a TMA
-    config name or None for the pointer kernel)."""
+def with_fp8_tma(step: Callable[[], torch.Tensor], tma: TmaPair = (None, None)) -> Callable[[], torch.Tensor]:
+    """``step`` with the grouped FP8 GEMM's kernels set by ``tma`` (rows / wgrad: a TMA config
+    name or None for the pointer kernel)."""
     def run() -> torch.Tensor:
-        with hybridfp.policy(grouped_fp8_tma_rows=FP8_TMA[0], grouped_fp8_tma_wgrad=FP8_TMA[1]):
+        with hybridfp.policy(grouped_fp8_tma_rows=tma[0], grouped_fp8_tma_wgrad=tma[1]):
             return step()
     return run
 
@@ -216,10 +225,12 @@ class RowFailure(RuntimeError):
     """A candidate row failed to run: the run's ratios are not to be reported."""
 
 
-def relative_errors(run: Callable[[], list[torch.Tensor]], step: Step, ref: dict[str, Any]) -> dict[str, float]:
+def relative_errors(run: Callable[[], list[torch.Tensor]], step: Step, ref: dict[str, Any],
+                    gains: Optional[dict[str, float]] = None) -> dict[str, float]:
     """Call ``run`` (``step``, maybe under a variant's switches) once from the schedule's first
     step; the relative Frobenius error of its outputs, x's gradient and each layer's weight
-    gradient against ``ref`` (``reference_result``)."""
+    gradient against ``ref`` (``reference_result``); ``gains``, when given, gets each one's
+    ``common.gain`` onto the reference."""
     step.reset()
     ys = run()
     model = getattr(step.model, "_orig_mod", step.model)  # a compiled layer's module
@@ -228,6 +239,8 @@ def relative_errors(run: Callable[[], list[torch.Tensor]], step: Step, ref: dict
         if got[k] is None:
             raise AccuracyError(f"{k}: the step produced none (a gradient that never reached its tensor)")
     errors = {k: rel_error(got[k], ref[k]) for k in ("out", "dx", "dw1", "dw2")}
+    if gains is not None:
+        gains.update({k: gain(got[k], ref[k]) for k in ("out", "dx", "dw1", "dw2")})
     step.release()
     return errors
 
@@ -239,16 +252,8 @@ def reference_result(base: BF16MoE, x: torch.Tensor, dy: torch.Tensor, micro_bat
     ref = base.reference()
     x32 = x.detach().float().requires_grad_(True)
     step = Step(ref, x32, dy.float(), None, micro_batches, schedule)
-    # torch's fp32_precision API: the legacy allow_tf32 flag raises once TF32 was set through it
-    matmuls = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
-    old = [m.fp32_precision for m in matmuls]
-    for m in matmuls:
-        m.fp32_precision = "ieee"
-    try:
+    with common.ieee_fp32():
         out = torch.cat([y.detach() for y in step()])
-    finally:
-        for m, o in zip(matmuls, old):
-            m.fp32_precision = o
     return {"out": out, "dx": x32.grad, "dw1": ref.w1.grad, "dw2": ref.w2.grad}
 
 
@@ -261,11 +266,15 @@ def error_bounds(variant: str) -> dict[str, float]:
     return {t: error_bound(fwd, bwd, *depth) for t, depth in DEPTHS.items()}
 
 
-def breaches(variant: str, errors: dict[str, float]) -> list[str]:
-    """Each error of ``errors`` beyond ``variant``'s bound (or NaN), as text."""
+def breaches(variant: str, errors: dict[str, float], gains: Optional[dict[str, float]] = None) -> list[str]:
+    """Each error of ``errors`` beyond ``variant``'s bound (or NaN), and each gain of ``gains``
+    off 1 by more than ``common.GAIN_TOLERANCE`` (a missing term or a wrong scale: within a 4-bit
+    format's loose error bound), as text."""
     bounds = error_bounds(variant)
     return [f"{variant}: {q} relative error {v:.4g} > bound {bounds[q.rstrip('12')]:.4g}"
-            for q, v in errors.items() if not v <= bounds[q.rstrip("12")]]
+            for q, v in errors.items() if not v <= bounds[q.rstrip("12")]] + [
+        f"{variant}: {q} gain {g:.4g} off 1 by more than {GAIN_TOLERANCE} (a missing term or a wrong scale)"
+        for q, g in (gains or {}).items() if not abs(g - 1) <= GAIN_TOLERANCE]
 
 
 def pair(baseline: tuple[Callable[[], Any], Step], candidate: tuple[Callable[[], Any], Step],
@@ -281,14 +290,15 @@ def pair(baseline: tuple[Callable[[], Any], Step], candidate: tuple[Callable[[],
         candidate[1].release()
 
 
-def wrap(name: str, step: Step) -> Callable[[], Any]:
-    """``step`` under the switches its variant's suffixes name."""
+def wrap(name: str, step: Callable[[], Any], fp8_tma: TmaPair = (None, None)) -> Callable[[], Any]:
+    """``step`` under the switches its variant's suffixes name (``fp8_tma``: the FP8 TMA A/B
+    rows' kernels, ``with_fp8_tma``)."""
     run: Callable[[], Any] = step
     if name.endswith((TRITON_SUFFIX, PER_EXPERT_SUFFIX, FP8_TRITON_SUFFIX)):
         run = with_triton_grouped(run, on=not name.endswith(PER_EXPERT_SUFFIX),
                                   fp8_everywhere=name.endswith(FP8_TRITON_SUFFIX))
     if name.endswith(FP8_TMA_SUFFIX):
-        run = with_fp8_tma(run)
+        run = with_fp8_tma(run, fp8_tma)
     if name.endswith(NO_PLAN_MEMO_SUFFIX):
         run = without_plan_memo(run)
     if name.endswith(NO_METADATA_MEMO_SUFFIX):
@@ -298,65 +308,96 @@ def wrap(name: str, step: Step) -> Callable[[], Any]:
     return run
 
 
+def _once(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    """``build`` called at the first call only (a layer built when its first row runs, then shared)."""
+    built: list[nn.Module] = []
+
+    def get() -> nn.Module:
+        if not built:
+            built.append(build())
+        return built[0]
+    return get
+
+
 def variants_of(base: BF16MoE, hf: HybridMoE, only: Optional[list[str]], ab: bool, compile_backend: str
-                ) -> list[tuple[str, nn.Module, Optional[Callable[[], Any]]]]:
-    """(name, layer, autocast context) of the three baselines and the candidates."""
+                ) -> list[tuple[str, Callable[[], nn.Module], Optional[Callable[[], Any]]]]:
+    """(name, its layer's builder, autocast context) of the three baselines and the candidates.
+    The extra layers (unpacked, one weight Parameter, quantized primary weights) are built when
+    their first row runs: a run that selects none of their rows never holds them."""
     try:
         compiled = torch.compile(base.sharing("grouped"), backend=compile_backend)
     except Exception as err:  # noqa: BLE001 - named, as any baseline's failure
         raise MissingBaselineError(f"bench_moe: the baseline '{BF16_COMPILED}' failed: torch.compile(backend="
                                    f"{compile_backend!r}): {type(err).__name__}: {err}") from err
-    variants: list[tuple[str, nn.Module, Optional[Callable[[], Any]]]] = [
-        (BF16_GROUPED, base, None), (BF16_PER_EXPERT, base.sharing("per_expert"), None),
-        (BF16_COMPILED, compiled, None)]
+    per_expert = base.sharing("per_expert")
+    variants: list[tuple[str, Callable[[], nn.Module], Optional[Callable[[], Any]]]] = [
+        (BF16_GROUPED, lambda: base, None), (BF16_PER_EXPERT, lambda: per_expert, None),
+        (BF16_COMPILED, lambda: compiled, None)]
     for name, recipe in RECIPES:
-        variants.append((name, hf, lambda r=recipe(): hybridfp.autocast(recipe=r)))
-    unpacked = HybridMoE(base, pack_weights=False) if UNPACKED_VARIANTS and ab else None
-    single = HybridMoE(base, single_parameter=True) if SINGLE_PARAM_VARIANTS else None
-    extras = [(TRITON_VARIANTS, (TRITON_SUFFIX, PER_EXPERT_SUFFIX), hf),
-              (UNPACKED_VARIANTS, (UNPACKED_SUFFIX,), unpacked), (FP8_TRITON_VARIANTS, (FP8_TRITON_SUFFIX, PER_EXPERT_SUFFIX), hf),
-              (PER_GROUP_VARIANTS, (PER_GROUP_SUFFIX, CUTLASS_SUFFIX), hf),
-              (PLAN_VARIANTS, (NO_PLAN_MEMO_SUFFIX, NO_METADATA_MEMO_SUFFIX), hf),
+        variants.append((name, lambda: hf, lambda r=recipe(): hybridfp.autocast(recipe=r)))
+    unpacked = _once(lambda: HybridMoE(base, pack_weights=False))
+    single = _once(lambda: HybridMoE(base, single_parameter=True))
+    same = lambda: hf  # noqa: E731
+    extras = [(TRITON_VARIANTS, (TRITON_SUFFIX, PER_EXPERT_SUFFIX), same),
+              (UNPACKED_VARIANTS, (UNPACKED_SUFFIX,), unpacked), (FP8_TRITON_VARIANTS, (FP8_TRITON_SUFFIX, PER_EXPERT_SUFFIX), same),
+              (PER_GROUP_VARIANTS, (PER_GROUP_SUFFIX, CUTLASS_SUFFIX), same),
+              (PLAN_VARIANTS, (NO_PLAN_MEMO_SUFFIX, NO_METADATA_MEMO_SUFFIX), same),
               (SINGLE_PARAM_VARIANTS, (SINGLE_PARAM_SUFFIX,), single),
-              (FP8_TMA_VARIANTS, (FP8_TMA_SUFFIX,), hf), (FP8_TMA_VARIANTS, (SINGLE_PARAM_SUFFIX + FP8_TMA_SUFFIX,), single)]
+              (FP8_TMA_VARIANTS, (FP8_TMA_SUFFIX,), same), (FP8_TMA_VARIANTS, (SINGLE_PARAM_SUFFIX + FP8_TMA_SUFFIX,), single)]
     if not ab:
         extras = [x for x in extras if x[1] == (SINGLE_PARAM_SUFFIX,)]
     for name, recipe in RECIPES:
         if ab and name in CODES_VARIANTS:
-            variants.append((name + CODES_SUFFIX, hf,
+            variants.append((name + CODES_SUFFIX, same,
                              lambda r=recipe(): common.decoded_mode("never", hybridfp.autocast(recipe=r))))
     for names, suffixes, model in extras:
         for name, recipe in RECIPES:
             if name in names:
                 variants += [(name + sx, model, lambda r=recipe(): hybridfp.autocast(recipe=r)) for sx in suffixes]
     for name, recipe in RECIPES:
-        if name in PRIMARY_VARIANTS and (only is None or name + PRIMARY_SUFFIX in only):
+        if name in PRIMARY_VARIANTS:
             r = recipe()
-            variants.append((name + PRIMARY_SUFFIX, PrimaryWeightsMoE(base, r), lambda r=r: hybridfp.autocast(recipe=r)))
+            variants.append((name + PRIMARY_SUFFIX, _once(lambda r=r: PrimaryWeightsMoE(base, r)),
+                             lambda r=r: hybridfp.autocast(recipe=r)))
     if only is not None:
         variants = [v for v in variants if v[0] in BASELINES or v[0] in only]
     return variants
+
+
+#: a row's ``not_run`` when ``--deadline-s`` passed before it
+PAST_DEADLINE = "--deadline-s passed"
+
+
+def optional(variant: str) -> bool:
+    """Whether a row may stay unmeasured without failing the run: an A/B variant (a suffix), not a
+    recipe's row or a baseline."""
+    return variant not in BASELINES and variant not in dict(RECIPES)
 
 
 def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = None,
                  profiles: Optional[list[str]] = None, only: Optional[list[str]] = None,
                  stacks: bool = False, micro_batches: int = 4, ab: bool = False,
                  protocol: Protocol = Protocol(), skew: float = ROUTING_SKEW,
-                 compile_backend: str = "inductor") -> list[dict[str, Any]]:
-    """Every variant of one config, in one process: each checked against the FP32 reference of
-    the same routings, then timed with ``protocol`` against each BF16 baseline (a variant row, one
-    with a suffix, against the fastest of them only).
+                 compile_backend: str = "inductor", deadline: float = math.inf,
+                 checkpoint: Callable[[list[dict[str, Any]]], None] = lambda rows: None,
+                 fp8_tma: TmaPair = (None, None)) -> list[dict[str, Any]]:
+    """Every variant of one config, in one process, row by row: each checked against the FP32
+    reference of the same routings, then timed with ``protocol`` against each BF16 baseline (the
+    three baselines first, against BF16 grouped; a variant row, one with a suffix, against the
+    fastest of them only). After each row its layer's gradients are released and ``checkpoint``
+    gets the rows so far (a timed-out run keeps them).
 
     ``only``: just the variants whose name equals one of these (the baselines always run);
     ``profile``: variants whose name contains it also get a one-step profile in ``profiles``
     (``stacks``: with the copy ops by call stack); ``micro_batches``: forward + backward passes a
     step; ``ab``: also the rows with one switch flipped (the ``*_VARIANTS`` tables; without it,
     only the one-weight-Parameter rows); ``skew``: ``RoutingSchedule``'s; ``compile_backend``:
-    ``torch.compile``'s for "BF16 compiled".
+    ``torch.compile``'s for "BF16 compiled"; ``deadline``: a ``time.monotonic()`` after which the
+    rows left are not run (``not_run``); ``fp8_tma``: the FP8 TMA A/B rows' kernels.
 
-    Raises ``MissingBaselineError`` naming a baseline that fails (its ratios cannot be measured);
-    a candidate's failure or bound breach is recorded in its row (``error``, ``breaches``; such a
-    row is not timed), for :func:`check_rows`.
+    Raises ``MissingBaselineError`` naming a baseline that fails or is past the deadline (its
+    ratios cannot be measured); a candidate's failure or bound breach is recorded in its row
+    (``error``, ``breaches``; such a row is not timed), for :func:`check_rows`.
     """
     base, hf, x, dy = moe_layer(e, f, tokens, d)
     schedule = RoutingSchedule(tokens, e, micro_batches, skew=skew)
@@ -365,22 +406,36 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
     imbalance = schedule.imbalance(x, base.router)
     rows: list[dict[str, Any]] = []
     steps: dict[str, tuple[Callable[[], Any], Step]] = {}
-    for name, model, ctx in variants_of(base, hf, only, ab, compile_backend):
+    fastest: Optional[str] = None
+    for name, build, ctx in variants_of(base, hf, only, ab, compile_backend):
         row: dict[str, Any] = {"config": config, "variant": name, "micro_batches": micro_batches,
                                "baseline": name in BASELINES, "load_max_over_mean": imbalance}
+        if time.monotonic() > deadline:
+            if name in BASELINES:
+                raise MissingBaselineError(f"bench_moe: the baseline '{name}' ({config}) not run: {PAST_DEADLINE} "
+                                           "before it (baselines run first; raise --deadline-s)")
+            row.update(not_run=PAST_DEADLINE, optional=optional(name))
+            rows.append(row)
+            checkpoint(rows)
+            continue
         try:
-            core = Step(model, x, dy, ctx, micro_batches, schedule)
-            step = wrap(name, core)
+            core = Step(build(), x, dy, ctx, micro_batches, schedule)
+            step = wrap(name, core, fp8_tma)
             before = Counter(PATH_COUNTS)
-            row["rel_err"] = relative_errors(step, core, ref)
+            gains: dict[str, float] = {}
+            row["rel_err"] = relative_errors(step, core, ref, gains)
+            row["gain"] = gains
             paths = Counter(PATH_COUNTS) - before
             row["paths"] = ", ".join(f"{g}:{p}" for (g, p) in sorted(paths)) or "-"
             row["bounds"] = error_bounds(name)
-            row["breaches"] = breaches(name, row["rel_err"])
+            row["breaches"] = breaches(name, row["rel_err"], gains)
             row["host_ms"] = bench_ms_steady(step, steps=10)[1]
-            steps[name] = (step, core)
             if profile and profiles is not None and any(t and t in name for t in profile.split("|")):
                 profiles.append(profile_step(step, f"{config}: {name}", stacks))
+            core.release()  # the rows take turns: only the running one holds its gradients
+            steps[name] = (step, core)
+            if fastest is not None and not row["breaches"]:
+                time_row(row, steps, fastest, protocol)
         except Exception as err:  # noqa: BLE001 - a candidate's failure is recorded and fails the run at its end
             if name in BASELINES:
                 raise MissingBaselineError(f"bench_moe: the baseline '{name}' ({config}) failed: {type(err).__name__}: "
@@ -388,42 +443,60 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
                                        "reported without them.") from err
             row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
         rows.append(row)
+        if fastest is None and all(b in steps for b in BASELINES):
+            fastest = time_baselines(rows, steps, protocol)
+        for r in rows:
+            r["fastest_bf16"] = fastest
+        checkpoint(rows)
         if common.DEVICE == "cuda":
             torch.cuda.empty_cache()
+    return rows
+
+
+def time_baselines(rows: list[dict[str, Any]], steps: dict[str, tuple[Callable[[], Any], Step]],
+                   protocol: Protocol) -> str:
+    """Pair BF16 per-expert and compiled against BF16 grouped (their rows' ``x_bf16`` and ``ms``);
+    the fastest of the three: the least median ms, BF16 grouped's the median of its two pairs."""
     by_name = {r["variant"]: r for r in rows}
-    # the baselines against the grouped one: which is fastest in this run (the least median ms)
     ms, grouped_ms = {}, []
     for b in BASELINES[1:]:
         pr = pair(steps[BF16_GROUPED], steps[b], protocol)
         by_name[b]["x_bf16"] = {BF16_GROUPED: pr.as_dict()}
         ms[b] = pr.candidate_ms
         grouped_ms.append(pr.baseline_ms)
-    ms[BF16_GROUPED] = sorted(grouped_ms)[len(grouped_ms) // 2]
-    fastest = min(BASELINES, key=lambda b: ms[b])
-    for r in rows:
-        r["fastest_bf16"] = fastest
-        if r["baseline"] or "error" in r or r.get("breaches"):
-            continue  # no ratio for a failed or wrong row (check_rows fails the run on it)
-        # a recipe's row against each baseline; a variant row (a suffix) against the fastest (run time)
-        against = BASELINES if r["variant"] in dict(RECIPES) else (fastest,)
-        r["x_bf16"] = {b: pair(steps[b], steps[r["variant"]], protocol).as_dict() for b in against}
-        r["x_fastest_bf16"] = r["x_bf16"][fastest]
-        r["ms"] = r["x_fastest_bf16"]["candidate_ms"]
-        r["target"] = TARGETS.get(r["variant"].split(" [")[0])  # the recipe's name, without a variant suffix
-        if common.DEVICE == "cuda":
-            r["gpu_busy"] = device_ms(steps[r["variant"]][0]) / r["ms"]
+    ms[BF16_GROUPED] = statistics.median(grouped_ms)  # of two values: their mean, not the larger
     for b in BASELINES:
         by_name[b]["ms"] = ms[b]
-    return rows
+    return min(BASELINES, key=lambda b: ms[b])
+
+
+def time_row(row: dict[str, Any], steps: dict[str, tuple[Callable[[], Any], Step]], fastest: str,
+             protocol: Protocol) -> None:
+    """A candidate's paired ratios: a recipe's row against each baseline, a variant row (a suffix)
+    against the fastest (``fastest``) only; its ms, target and (CUDA) GPU busy fraction."""
+    against = BASELINES if row["variant"] in dict(RECIPES) else (fastest,)
+    row["x_bf16"] = {b: pair(steps[b], steps[row["variant"]], protocol).as_dict() for b in against}
+    row["x_fastest_bf16"] = row["x_bf16"][fastest]
+    row["ms"] = row["x_fastest_bf16"]["candidate_ms"]
+    row["target"] = TARGETS.get(row["variant"].split(" [")[0])  # the recipe's name, without a variant suffix
+    if common.DEVICE == "cuda":
+        row["gpu_busy"] = device_ms(steps[row["variant"]][0]) / row["ms"]
+
+
+def not_run(rows: list[dict[str, Any]]) -> list[str]:
+    """The rows ``--deadline-s`` left unmeasured, "(optional)" after the A/B variants'."""
+    return [f"{r['config']}: {r['variant']}" + (" (optional)" if r["optional"] else "") for r in rows if "not_run" in r]
 
 
 def check_rows(rows: list[dict[str, Any]]) -> None:
-    """Raise ``AccuracyError`` listing every error beyond its bound (and any failed row), else
-    ``RowFailure`` listing the failed rows."""
+    """Raise ``AccuracyError`` listing every error beyond its bound (and any failed or missing
+    row), else ``RowFailure`` listing the failed rows and the recipe rows not run."""
     failed = [f"{r['config']}: {r['variant']}: {r['error']}" for r in rows if "error" in r]
+    failed += [f"{r['config']}: {r['variant']}: not run ({r['not_run']})" for r in rows
+               if "not_run" in r and not r["optional"]]
     beyond = [f"{r['config']}: {b}" for r in rows for b in r.get("breaches", [])]
     if beyond:
-        raise AccuracyError("bench_moe: beyond the FP32 reference's bound (common.error_bound): "
+        raise AccuracyError("bench_moe: beyond the FP32 reference's bound (common.error_bound) or gain: "
                             + "; ".join(beyond + failed))
     if failed:
         raise RowFailure("bench_moe: rows failed: " + "; ".join(failed))
@@ -460,6 +533,8 @@ def main(argv=None) -> None:
     p.add_argument("--fp8-tma", default=None, help="ROWS/WGRAD: the TMA kernel configs (names in "
                    "kernels.moe.triton_grouped_fp8_tma.CONFIGS) the FP8 A/B variants take instead of the pointer "
                    "kernel")
+    p.add_argument("--deadline-s", type=float, default=1e9, help="rows left after this many seconds are not run "
+                   "(named; the run fails unless they are A/B variants; a baseline not run by then fails it)")
     args = p.parse_args(argv)
     require_cuda()
     if args.micro_batches < 1:
@@ -468,49 +543,72 @@ def main(argv=None) -> None:
         protocol = protocol_from(args)
     except ValueError as err:
         p.error(str(err))
+    fp8_tma: TmaPair = (None, None)
     if args.fp8_tma:
-        FP8_TMA[:] = args.fp8_tma.split("/")
+        rows_cfg, _, wgrad_cfg = args.fp8_tma.partition("/")
+        fp8_tma = (rows_cfg or None, wgrad_cfg or None)
     warnings.simplefilter("ignore")
+    deadline = time.monotonic() + args.deadline_s
     only = args.variants.split("|") if args.variants else None
     env = environment()
     rows: list[dict[str, Any]] = []
     profiles: list[str] = []
+    failures: list[str] = []
     configs = QUICK_CONFIGS if args.quick else CONFIGS
     configs = [c for c in configs if args.experts in (None, c[0])]
     if not configs:
         p.error(f"--experts {args.experts}: the configs have {[c[0] for c in CONFIGS]} experts")
     tokens, d = QUICK_SHAPE if args.quick else (TOKENS, HIDDEN)
+
+    def report(rows: list[dict[str, Any]], final: bool = False) -> None:
+        """The table and JSON of ``rows``: printed and written at the end, written after each row."""
+        table = md_table(["config", "variant", "x fastest BF16 [95 % interval]", "fastest BF16", "target"]
+                         + [f"x {b}" for b in BASELINES]
+                         + ["ms", "SM MHz", "host ms", "GPU busy", "rel err out / dx / dW1 / dW2", "bound",
+                            "gain out / dx / dW1 / dW2", "paths"], [
+            [r["config"], r["variant"], _ratio(r.get("x_fastest_bf16")) or r.get("error")
+             or (f"not run: {r['not_run']}" if "not_run" in r else None), r.get("fastest_bf16"),
+             r.get("target")] + [_ratio(r.get("x_bf16", {}).get(b)) for b in BASELINES]
+            + [r.get("ms"), _clocks(r.get("x_fastest_bf16")), r.get("host_ms"), r.get("gpu_busy"),
+               " / ".join(f"{v:.3g}" for v in r.get("rel_err", {}).values()) or None,
+               " / ".join(f"{v:g}" for v in r.get("bounds", {}).values()) or None,
+               " / ".join(f"{v:.4f}" for v in r.get("gain", {}).values()) or None, r.get("paths")] for r in rows])
+        imbalance = ", ".join(f"{r['config']}: {r['load_max_over_mean']:.2f}" for r in rows if r["variant"] == BF16_GROUPED)
+        skipped = not_run(rows)
+        md = (f"### MoE FFN forward + backward ({tokens} tokens, hidden {d}, top-{TOP_K}, SwiGLU; "
+              f"{args.micro_batches} micro-batches a step, weights quantized once a step)\n\n"
+              "\"x B\" = B's step time / the row's (>1 is faster): bench.protocol.paired_ratio, median of "
+              f"{protocol.rounds} rounds of {protocol.samples} calls a side, [95 % interval]; the BF16 baselines' "
+              "rows are against BF16 grouped; \"fastest BF16\": the least ms of the three in this run. Routing "
+              f"changes every micro-batch (log-popularity std {args.skew}; busiest expert / mean load, median: {imbalance}), "
+              "the same routings for every row. \"rel err\": relative Frobenius error against the FP32 layer on "
+              "the same routings (all micro-batches' outputs, dx, each layer's dW); \"bound\": the format's "
+              "(out / dx / dW); \"gain\": the least-squares scale onto the reference (1 +- "
+              f"{GAIN_TOLERANCE}: a missing term or a wrong scale moves it). \"host ms\": one step started on an "
+              "idle GPU; \"GPU busy\" = device time of one step / its ms (well below 1: host-bound); \"SM MHz\": "
+              "min-max over the headline pair's rounds (sampled while they run)."
+              + (f" Rows not run ({PAST_DEADLINE}): {'; '.join(skipped)}." if skipped else "")
+              + ("" if final else " PARTIAL (the run stopped early).") + "\n\n" + table + "\n")
+        result = {"env": env, "protocol": protocol_record(protocol), "rows": rows, "not_run": skipped,
+                  "failures": failures, "markdown": md}
+        if final:
+            finish("moe", result, args.out)  # prints the table last
+        elif args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"name": "moe", **result}, indent=1, default=str))
+
     try:
         for e, f in configs:
             rows += bench_config(e, f, tokens, d, args.profile, profiles, only, args.profile_stacks,
-                                 args.micro_batches, args.ab, protocol, args.skew, args.compile_backend)
+                                 args.micro_batches, args.ab, protocol, args.skew, args.compile_backend,
+                                 deadline, lambda new: report(rows + new), fp8_tma)
     except MissingBaselineError as err:
-        sys.exit(str(err))
-    table = md_table(["config", "variant", "x fastest BF16 [95 % interval]", "fastest BF16", "target"]
-                     + [f"x {b}" for b in BASELINES]
-                     + ["ms", "SM MHz", "host ms", "GPU busy", "rel err out / dx / dW1 / dW2", "bound", "paths"], [
-        [r["config"], r["variant"], _ratio(r.get("x_fastest_bf16")) or r.get("error"), r.get("fastest_bf16"),
-         r.get("target")] + [_ratio(r.get("x_bf16", {}).get(b)) for b in BASELINES]
-        + [r.get("ms"), _clocks(r.get("x_fastest_bf16")), r.get("host_ms"), r.get("gpu_busy"),
-           " / ".join(f"{v:.3g}" for v in r.get("rel_err", {}).values()) or None,
-           " / ".join(f"{v:g}" for v in r.get("bounds", {}).values()) or None, r.get("paths")] for r in rows])
-    imbalance = ", ".join(f"{r['config']}: {r['load_max_over_mean']:.2f}" for r in rows if r["variant"] == BF16_GROUPED)
-    md = (f"### MoE FFN forward + backward ({tokens} tokens, hidden {d}, top-{TOP_K}, SwiGLU; "
-          f"{args.micro_batches} micro-batches a step, weights quantized once a step)\n\n"
-          "\"x B\" = B's step time / the row's (>1 is faster): bench.protocol.paired_ratio, median of "
-          f"{protocol.rounds} rounds of {protocol.samples} calls a side, [95 % interval]; the BF16 baselines' "
-          "rows are against BF16 grouped; \"fastest BF16\": the least ms of the three in this run. Routing "
-          f"changes every micro-batch (log-popularity std {args.skew}; busiest expert / mean load, median: {imbalance}), "
-          "the same routings for every row. \"rel err\": relative Frobenius error against the FP32 layer on "
-          "the same routings (all micro-batches' outputs, dx, each layer's dW); \"bound\": the format's "
-          "(out / dx / dW). \"host ms\": one step started on an idle GPU; \"GPU busy\" = device time of "
-          "one step / its ms (well below 1: host-bound); \"SM MHz\": min-max over the headline pair's "
-          "rounds.\n\n" + table + "\n")
-    result = {"env": env, "protocol": protocol_record(protocol),
-              "rows": rows, "markdown": md}
+        failures.append(str(err))
     if profiles:
         args.profile_out.write_text("\n\n".join(profiles))
-    finish("moe", result, args.out)  # prints the table last
+    report(rows, final=True)
+    if failures:
+        sys.exit(failures[0])
     try:
         check_rows(rows)
     except (AccuracyError, RowFailure) as err:

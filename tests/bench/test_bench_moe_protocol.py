@@ -264,3 +264,106 @@ def test_quantized_primary_weights_are_encoded_once_a_step_within_the_bound(monk
         for m in model.masters:
             m.mul_(1.5)  # masters that do not match the reference's weights: beyond the bound
     assert bench_moe.breaches(name, bench_moe.relative_errors(step, step, ref))
+
+
+def test_a_scaled_candidate_fails_by_its_gain_for_every_recipe(monkeypatch):
+    monkeypatch.setattr(common, "DEVICE", "cpu")
+    base, hf, x, dy = moe_layer.moe_layer(4, 32, 64, 64)
+    schedule = moe_layer.RoutingSchedule(64, 4, 1, steps=1)
+    ref = bench_moe.reference_result(base, x, dy, 1, schedule)
+    real = moe_layer.HybridMoE.forward
+    for name, recipe in bench_moe.RECIPES:  # Composer-2's NVFP4 included: 10 % is within its error bound
+        r = recipe()
+        step = moe_layer.Step(hf, x, dy, lambda: hybridfp.autocast(recipe=r), 1, schedule)
+        gains: dict = {}
+        assert bench_moe.breaches(name, bench_moe.relative_errors(step, step, ref, gains), gains) == []
+        assert set(gains) == {"out", "dx", "dw1", "dw2"} and all(abs(g - 1) < 0.03 for g in gains.values())
+        monkeypatch.setattr(moe_layer.HybridMoE, "forward", _scaled_forward(1.1))
+        gains = {}
+        found = bench_moe.breaches(name, bench_moe.relative_errors(step, step, ref, gains), gains)
+        monkeypatch.setattr(moe_layer.HybridMoE, "forward", real)
+        assert any(f"{name}: out gain 1.0" in b or f"{name}: out gain 1.1" in b for b in found), (name, found)
+
+
+def test_gradients_released_after_each_row_and_single_layer_built_only_when_run(tiny, monkeypatch):
+    steps, singles = [], []
+    real_init, real_hybrid = moe_layer.Step.__init__, moe_layer.HybridMoE.__init__
+
+    def init(self, model, *a, **k):
+        for s in steps:  # every row timed before keeps no gradient resident (the FP32 reference's are its result)
+            if s.x.dtype == torch.float32:
+                continue
+            assert s.x.grad is None and all(p.grad is None for p in s.model.parameters()), type(s.model)
+        real_init(self, model, *a, **k)
+        steps.append(self)
+
+    def hybrid(self, base, pack_weights=True, single_parameter=False):
+        singles.append(single_parameter)
+        real_hybrid(self, base, pack_weights, single_parameter)
+    monkeypatch.setattr(moe_layer.Step, "__init__", init)
+    monkeypatch.setattr(moe_layer.HybridMoE, "__init__", hybrid)
+    bench_moe.main(FASTER + ["--variants", "hybridfp BF16 (high_precision)"])
+    assert singles == [False]  # no one-Parameter layer: none of its rows runs
+
+
+def test_fastest_bf16_takes_the_median_of_the_grouped_times(tiny, monkeypatch, tmp_path):
+    from bench.protocol import PairedRatio
+    # grouped measured at 1.0 and 3.0 ms in its two pairs (median 2.0), per-expert 1.9, compiled 2.5
+    fake = {bench_moe.BF16_PER_EXPERT: (1.0, 1.9), bench_moe.BF16_COMPILED: (3.0, 2.5)}
+
+    def pair(baseline, candidate, protocol):
+        model = candidate[1].model
+        name = (bench_moe.BF16_COMPILED if hasattr(model, "_orig_mod") else
+                bench_moe.BF16_PER_EXPERT if getattr(model, "gemm", None) == "per_expert" else None)
+        b, c = fake.get(name, (2.0, 2.0))
+        return PairedRatio(b / c, b / c, b / c, b, c, ((b, c),), {})
+    monkeypatch.setattr(bench_moe, "pair", pair)
+    out = tmp_path / "moe.json"
+    bench_moe.main(FASTER + ["--variants", "hybridfp BF16 (high_precision)", "--out", str(out)])
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows[bench_moe.BF16_GROUPED]["ms"] == 2.0
+    assert rows["hybridfp BF16 (high_precision)"]["fastest_bf16"] == bench_moe.BF16_PER_EXPERT
+
+
+def test_fp8_tma_configs_are_passed_not_a_module_switch():
+    assert not hasattr(bench_moe, "FP8_TMA")
+    seen = []
+
+    def step():
+        pol = hybridfp.current_policy()
+        seen.append((pol.grouped_fp8_tma_rows, pol.grouped_fp8_tma_wgrad))
+    tma = ("128x128x128 w8 st4", "128x128x128 w8 st4 flat")
+    bench_moe.wrap("hybridfp FP8 current" + bench_moe.FP8_TMA_SUFFIX, step, fp8_tma=tma)()
+    bench_moe.wrap("hybridfp FP8 current" + bench_moe.FP8_TMA_SUFFIX, step)()
+    assert seen == [tma, (None, None)]
+
+
+def test_deadline_names_the_rows_not_run_and_checkpoints_every_row(tiny, monkeypatch, tmp_path):
+    import types
+    clock = {"t": 0.0}
+    monkeypatch.setattr(bench_moe, "time", types.SimpleNamespace(monotonic=lambda: clock["t"]))
+    real_steady, written = bench_moe.bench_ms_steady, []
+    out = tmp_path / "moe.json"
+
+    def steady(step, steps=20):  # each row's host timing takes one second of the fake clock
+        clock["t"] += 1
+        written.append(len(json.loads(out.read_text())["rows"]) if out.exists() else 0)
+        return real_steady(step, steps=steps)
+    monkeypatch.setattr(bench_moe, "bench_ms_steady", steady)
+    recipe = "hybridfp BF16 (high_precision)"
+    single = recipe + bench_moe.SINGLE_PARAM_SUFFIX
+    args = FASTER + ["--variants", f"{recipe}|{single}", "--out", str(out)]
+    bench_moe.main(args + ["--deadline-s", "3.5"])  # the three baselines and the recipe: an optional row left
+    result = json.loads(out.read_text())
+    assert written == [0, 1, 2, 3]  # the JSON holds every finished row before the next starts
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert "x_fastest_bf16" in rows[recipe] and rows[single]["not_run"] == "--deadline-s passed"
+    assert result["not_run"] == [f"4 experts, ffn 32: {single} (optional)"] and "not run" in result["markdown"]
+    clock["t"] = 0.0
+    with pytest.raises(SystemExit) as exc:  # a recipe row past the deadline fails the run, loudly
+        bench_moe.main(args + ["--deadline-s", "2.5"])
+    assert f"{recipe}: not run (--deadline-s passed)" in str(exc.value.code)
+    clock["t"] = 0.0
+    with pytest.raises(SystemExit) as exc:
+        bench_moe.main(args + ["--deadline-s", "1.5"])
+    assert f"baseline '{bench_moe.BF16_COMPILED}'" in str(exc.value.code) and "--deadline-s" in str(exc.value.code)
