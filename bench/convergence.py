@@ -17,10 +17,14 @@ goes into ``plan.json``, the report, and every worker's ``summary.md`` (its data
 report flags a worker that trained on another.
 
 Execution: ``--jobs N`` worker processes share the GPU (default 8; split over the two
-comparisons in proportion to their runs). Each worker is one ``hybridfp train --compare`` that
-trains its share of the runs one after the other (one process start and one kernel compile per
-worker, not per run). Runs go to workers longest first by their probed cost, so the workers end
-together.
+comparisons in proportion to their runs). Each worker is one ``hybridfp train --compare
+--no-checkpoint`` that trains its share of the runs one after the other (one process start and
+one kernel compile per worker, not per run; no checkpoint: the study reads only the metrics).
+Runs go to workers longest first by their probed cost, so the workers end together.
+
+Failures: a recipe dropped at the probe, and one with any run that diverged, stopped early or
+never started, stays in the report with the verdict ``failed`` and its runs named
+(``bench.convergence_report.failed_runs``), never judged on the seeds that survived.
 
 Plan: a probe starts every worker at once for ``PROBE_STEPS`` steps (one run per recipe, so
 the measured tokens/s include the GPU's sharing), and measures each worker's start-up. The

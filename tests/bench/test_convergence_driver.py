@@ -34,5 +34,6 @@ def test_fixed_plan_trains_every_seed_and_reports(tmp_path):
     fp8 = next(r for r in study["stats"]["rows"] if r["recipe"] == "fp8")
     assert fp8["seeds"] == [0, 1] and fp8["method"] == "paired (2 seeds)" and fp8["verdict"] in (
         "met", "missed", "unresolved")
+    assert not [p for p in out.rglob("checkpoints/*")]  # the study reads metrics only: no checkpoint written
     report = (out / "report.md").read_text()
     assert plan["data"]["fingerprint"] in report and "| `fp8` | 2 |" in report
