@@ -5,8 +5,9 @@
     python -m bench --list
     python -m bench --quick         # small sizes, a smoke test (results not kept unless --results-dir)
 
-Each benchmark writes ``bench/results/<name>.json`` (overwritten when it succeeds; a failed run
-leaves the previous file and writes what it measured to ``<name>.failed.json``). Ratios are
+Each benchmark writes ``bench/results/<name>.json`` (overwritten when it succeeds; a failed or
+timed-out run leaves the previous file and writes what it measured to ``<name>.failed.json``,
+whose headline rows are still shown, under a FAILED row). Ratios are
 paired (``bench/protocol.py``); the headlines show each with its ~95 % interval.
 ``bench/RESULTS.md`` holds the latest figures with their hardware.
 """
@@ -130,6 +131,8 @@ def _moe(r: dict[str, Any]) -> Rows:
         if row.get("baseline"):
             continue
         value = f"FAILED: {(row.get('error') or '; '.join(row.get('breaches', [])) or '?')[:80]}"
+        if "not_run" in row:
+            value = f"NOT RUN ({row['not_run']})" + (" (optional)" if row.get("optional") else "")
         if "x_fastest_bf16" in row:
             value = f"{_paired(row['x_fastest_bf16'], row.get('target'))} vs {row['fastest_bf16']}"
         out.append((f"{row['config']}: {row['variant']}", value))
@@ -216,8 +219,33 @@ BENCHMARKS: dict[str, Benchmark] = {
 }
 
 
-def run_one(name: str, out: Path, quick: bool) -> tuple[Optional[dict[str, Any]], str]:
-    """One benchmark in its own process: (its JSON or None, a status word)."""
+def _print_captured(stdout: Any, stderr: Any) -> None:
+    """A benchmark's captured output (``str``, or ``bytes`` from a timed-out run), stdout to
+    stdout and the tail of stderr to stderr."""
+    def text(v: Any) -> str:
+        return v.decode(errors="replace") if isinstance(v, bytes) else (v or "")
+    print(text(stdout), flush=True)
+    if stderr:
+        print(text(stderr)[-4000:], file=sys.stderr, flush=True)
+
+
+def _keep_failed(tmp: Path, out: Path) -> Optional[dict[str, Any]]:
+    """Move a failed run's JSON (what it measured before failing or timing out) to
+    ``<name>.failed.json`` beside the last good one; its content, or None (none written, or cut
+    off mid-write)."""
+    if not tmp.exists():
+        return None
+    failed = out.with_name(out.stem + ".failed.json")
+    tmp.replace(failed)
+    try:
+        return json.loads(failed.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
+def run_one(name: str, out: Path, quick: bool) -> tuple[Optional[dict[str, Any]], str, bool]:
+    """One benchmark in its own process: (its JSON, or for a failed or timed-out run what it wrote
+    before, kept as ``<name>.failed.json``, or None; a status; whether it succeeded)."""
     b = BENCHMARKS[name]
     tmp = out.with_name(out.name + ".tmp")
     tmp.unlink(missing_ok=True)
@@ -226,27 +254,33 @@ def run_one(name: str, out: Path, quick: bool) -> tuple[Optional[dict[str, Any]]
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=b.timeout_s, text=True, capture_output=True)
-    except subprocess.TimeoutExpired:
-        tmp.unlink(missing_ok=True)
-        return None, f"timed out after {b.timeout_s:.0f} s"
-    print(proc.stdout, flush=True)
+    except subprocess.TimeoutExpired as exc:  # its checkpointed JSON and its output so far stay readable
+        _print_captured(exc.stdout, exc.stderr)
+        return _keep_failed(tmp, out), f"timed out after {b.timeout_s:.0f} s", False
     if proc.returncode != 0 or not tmp.exists():
-        print(proc.stderr[-4000:], file=sys.stderr, flush=True)
-        if tmp.exists():  # what it measured before failing (a check, a missing baseline) stays readable
-            tmp.replace(out.with_name(out.stem + ".failed.json"))
+        _print_captured(proc.stdout, proc.stderr)
         last = proc.stderr.strip().splitlines()[-1:] or [""]
-        return None, f"failed (exit {proc.returncode}) {last[0][:160]}".strip()
+        # what it measured before failing (a check, a missing baseline) stays readable
+        return _keep_failed(tmp, out), f"failed (exit {proc.returncode}) {last[0][:160]}".strip(), False
+    print(proc.stdout, flush=True)
     tmp.replace(out)
-    return json.loads(out.read_text()), f"{time.monotonic() - t0:.0f} s"
+    return json.loads(out.read_text()), f"{time.monotonic() - t0:.0f} s", True
 
 
-def summary(results: dict[str, Optional[dict[str, Any]]], status: dict[str, str]) -> str:
-    """One Markdown table: every benchmark's headline rows, or its status when it failed."""
+def summary(results: dict[str, Optional[dict[str, Any]]], status: dict[str, str],
+            ok: Optional[dict[str, bool]] = None) -> str:
+    """One Markdown table: every benchmark's headline rows, or its status when it has none. A
+    failed benchmark (``ok`` False) gets a FAILED row first, then the headline rows of what it
+    measured (its ``.failed.json``): one failing variant does not hide the other ratios."""
     from bench.common import md_table
     rows: list[tuple[str, str, str]] = []
     for name, r in results.items():
-        lines = BENCHMARKS[name].headline(r) if r is not None else []
-        rows += [(name, label, value) for label, value in lines] or [(name, "", status.get(name, ""))]
+        lines = [(name, label, value) for label, value in (BENCHMARKS[name].headline(r) if r is not None else [])]
+        if ok is not None and not ok.get(name, True):
+            kept = f"; measured before: {name}.failed.json" if r is not None else ""
+            lines.insert(0, (name, "FAILED: " + status.get(name, ""), f"the rows below are partial{kept}"
+                             if lines else f"nothing measured{kept}"))
+        rows += lines or [(name, "", status.get(name, ""))]
     return md_table(["benchmark", "row", "value"], rows)
 
 
@@ -278,12 +312,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         results_dir.mkdir(parents=True, exist_ok=True)
         results: dict[str, Optional[dict[str, Any]]] = {}
         status: dict[str, str] = {}
+        ok: dict[str, bool] = {}
         for name in names:
             print(f"== {name}: {BENCHMARKS[name].question}", flush=True)
-            results[name], status[name] = run_one(name, results_dir / f"{name}.json", args.quick)
+            results[name], status[name], ok[name] = run_one(name, results_dir / f"{name}.json", args.quick)
             print(f"== {name}: {status[name]}", flush=True)
-    print("\n" + summary(results, status))
-    return 0 if all(r is not None for r in results.values()) else 1
+    print("\n" + summary(results, status, ok))
+    return 0 if all(ok.values()) else 1
 
 
 if __name__ == "__main__":

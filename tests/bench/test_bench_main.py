@@ -71,6 +71,38 @@ def test_failed_benchmark_keeps_its_json_beside_the_last_good_one(tmp_path, monk
     monkeypatch.setitem(main.BENCHMARKS, "fake", main.Benchmark("fake_failing_bench", "a failing one", quick=False))
     good = tmp_path / "fake.json"
     good.write_text("{}")
-    result, status = main.run_one("fake", good, quick=False)
-    assert result is None and "exit 1" in status and "torchao" in status
+    result, status, ok = main.run_one("fake", good, quick=False)
+    assert not ok and result == {"rows": []} and "exit 1" in status and "torchao" in status
     assert good.read_text() == "{}" and json.loads((tmp_path / "fake.failed.json").read_text()) == {"rows": []}
+
+
+def test_timed_out_benchmark_keeps_its_partial_json_and_prints_its_output(tmp_path, monkeypatch, capsys):
+    import bench.__main__ as main
+    rows = [{"model": "Llama-3-8B MLP", "variant": "hybridfp MXFP8", "vs BF16 eager": _p(1.2)}]
+    (tmp_path / "fake_slow_bench.py").write_text(
+        "import sys, json, time\nout = sys.argv[sys.argv.index('--out') + 1]\n"
+        f"open(out, 'w').write(json.dumps({{'rows': {rows!r}}}))\nprint('row 1 measured', flush=True)\n"
+        "time.sleep(60)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setitem(main.BENCHMARKS, "fake", main.Benchmark("fake_slow_bench", "a slow one", quick=False,
+                                                                 timeout_s=3.0, headline=main._mlp))
+    result, status, ok = main.run_one("fake", tmp_path / "fake.json", quick=False)
+    assert not ok and status == "timed out after 3 s" and result == {"rows": rows}
+    assert json.loads((tmp_path / "fake.failed.json").read_text()) == {"rows": rows}
+    assert not (tmp_path / "fake.json").exists()
+    assert "row 1 measured" in capsys.readouterr().out
+    table = main.summary({"fake": result}, {"fake": status}, {"fake": ok})
+    assert "FAILED: timed out after 3 s" in table and "fake.failed.json" in table
+    assert "1.200x [1.190, 1.210]" in table  # what it measured is still shown
+
+
+def test_summary_of_a_failed_run_shows_every_other_ratio():
+    from bench.__main__ import summary
+    partial = {"rows": [{"config": "8 experts, ffn 14336", "variant": "hybridfp MXFP8", "x_fastest_bf16": _p(0.95),
+                         "fastest_bf16": "BF16 grouped", "target": 0.9},
+                        {"config": "8 experts, ffn 14336", "variant": "hybridfp FP8 current", "error": "RuntimeError: x"},
+                        {"config": "8 experts, ffn 14336", "variant": "hybridfp MXFP8 [one weight Parameter]",
+                         "not_run": "--deadline-s passed", "optional": True}]}
+    table = summary({"moe": partial}, {"moe": "failed (exit 1)"}, {"moe": False})
+    assert "0.950x [0.940, 0.960] vs BF16 grouped" in table and "FAILED: RuntimeError: x" in table
+    assert "NOT RUN (--deadline-s passed)" in table and "FAILED: failed (exit 1)" in table
