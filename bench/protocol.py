@@ -5,8 +5,10 @@ B, A, ...), ``samples`` calls per side per round, each call timed on its own (CU
 the GPU, the L2 flushed before each call as ``triton.testing.do_bench`` does; ``perf_counter``
 on the CPU smoke path). Each round gives one ratio, baseline round median / candidate round
 median; the reported ratio is the median of those per-round ratios, with a distribution-free
-confidence interval from order statistics. The GPU's SM clock and power draw are sampled between
-rounds and reported beside the ratio, so a run throttled by the power cap is visible.
+confidence interval from order statistics. The GPU's SM clock and power draw are sampled by a
+background thread while the timed calls run (NVML through ``torch.cuda.clock_rate`` /
+``power_draw``, else ``nvidia-smi`` on the board torch uses) and reported beside the ratio
+(min / median / max), so a run throttled by the power cap is visible.
 
 Example (with a fake timer: every baseline call 2 ms, every candidate call 1 ms)::
 
@@ -23,6 +25,7 @@ import math
 import shutil
 import statistics
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -37,6 +40,8 @@ Timer = Callable[[Callable[[], Any], int, bool], list[float]]
 Sampler = Callable[[], dict[str, float]]
 #: confidence level of the interval around the median ratio
 LEVEL = 0.95
+#: seconds between two clock readings while a side's timed calls run
+POLL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,7 @@ class PairedRatio:
     rounds:
         Per round, (baseline ms, candidate ms): the round medians.
     clocks:
-        SM clock MHz and power W sampled between rounds: ``sm_mhz_min`` / ``_median`` /
+        SM clock MHz and power W sampled while the timed calls ran: ``sm_mhz_min`` / ``_median`` /
         ``_max``, ``power_w_min`` / ... (empty without a GPU).
     """
 
@@ -196,17 +201,45 @@ def time_calls(fn: Callable[[], Any], n: int, flush_l2: bool) -> list[float]:
     return [start.elapsed_time(end) for start, end in events]
 
 
+def _nvml_reading() -> Optional[dict[str, float]]:
+    """SM clock (MHz), power draw (W) and temperature (C) of torch's current device through NVML
+    (``torch.cuda.clock_rate`` / ``power_draw`` / ``temperature``: they map the device through
+    CUDA_VISIBLE_DEVICES); None when torch lacks them or pynvml is missing."""
+    if not all(hasattr(torch.cuda, f) for f in ("clock_rate", "power_draw", "temperature")):
+        return None
+    try:
+        return {"sm_mhz": float(torch.cuda.clock_rate()), "power_w": torch.cuda.power_draw() / 1000.0,
+                "temp_c": float(torch.cuda.temperature())}
+    except Exception:  # noqa: BLE001 - pynvml missing or a reading NVML lacks: nvidia-smi instead
+        return None
+
+
+def _smi_device() -> str:
+    """``nvidia-smi -i``'s name of torch's current device: its UUID (the index nvidia-smi counts
+    ignores CUDA_VISIBLE_DEVICES), else its PCI bus id."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    uuid = str(getattr(props, "uuid", "") or "")
+    if uuid:
+        return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+    return f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+
+
 def gpu_clocks() -> dict[str, float]:
-    """One reading of the GPU's SM clock (MHz), its maximum, power draw and limit (W) and
-    temperature (C) from ``nvidia-smi``; ``{}`` without a GPU or without ``nvidia-smi``."""
-    if common.DEVICE == "cpu" or not torch.cuda.is_available() or shutil.which("nvidia-smi") is None:
+    """One reading of the GPU torch uses: SM clock (MHz), power draw (W) and temperature (C)
+    through NVML (``_nvml_reading``), else from ``nvidia-smi`` (also the maximum SM clock and
+    the power limit); ``{}`` without a GPU or without either."""
+    if common.DEVICE == "cpu" or not torch.cuda.is_available():
+        return {}
+    reading = _nvml_reading()
+    if reading is not None:
+        return reading
+    if shutil.which("nvidia-smi") is None:
         return {}
     keys = ("sm_mhz", "sm_max_mhz", "power_w", "power_limit_w", "temp_c")
     query = "clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu"
     try:
         out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits",
-                              "-i", str(torch.cuda.current_device())],
-                             capture_output=True, text=True, timeout=10).stdout
+                              "-i", _smi_device()], capture_output=True, text=True, timeout=10).stdout
         fields = [v.strip() for v in out.strip().splitlines()[0].split(",")]
     except (OSError, subprocess.SubprocessError, IndexError):
         return {}
@@ -217,6 +250,54 @@ def gpu_clocks() -> dict[str, float]:
         except ValueError:  # "[N/A]" on some boards: leave the key out
             pass
     return reading
+
+
+class ClockPoller:
+    """Reads ``sampler`` in a background thread while its ``with`` block runs (a side's timed
+    calls: the GPU busy): one reading at once, then one every ``interval_s``. Non-empty readings
+    collect in ``readings``; a sampler that raises makes the block's exit raise, naming it.
+
+    Example
+    -------
+    >>> poller = ClockPoller(lambda: {"sm_mhz": 1980.0}, interval_s=0.001)
+    >>> with poller:
+    ...     time.sleep(0.01)
+    >>> poller.readings[0]
+    {'sm_mhz': 1980.0}
+    """
+
+    def __init__(self, sampler: Sampler, interval_s: float = POLL_S) -> None:
+        self.sampler, self.interval_s = sampler, interval_s
+        self.readings: list[dict[str, float]] = []
+        self._stop = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._thread: Optional[threading.Thread] = None
+
+    def _run(self) -> None:
+        while True:
+            try:
+                reading = self.sampler()
+            except Exception as e:  # noqa: BLE001 - re-raised in the timing thread at the block's exit
+                self._error = e
+                return
+            if reading:
+                self.readings.append(reading)
+            if self._stop.wait(self.interval_s):
+                return
+
+    def __enter__(self) -> "ClockPoller":
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="bench-clock-poller", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None and exc[0] is None:
+            raise RuntimeError(f"paired_ratio: the clock sampler failed: {type(self._error).__name__}: "
+                               f"{self._error}") from self._error
 
 
 def _summarize(readings: list[dict[str, float]]) -> dict[str, float]:
@@ -230,13 +311,14 @@ def _summarize(readings: list[dict[str, float]]) -> dict[str, float]:
 
 def paired_ratio(baseline: Callable[[], Any], candidate: Callable[[], Any],
                  protocol: Protocol = Protocol(), *, timer: Optional[Timer] = None,
-                 sampler: Optional[Sampler] = None) -> PairedRatio:
+                 sampler: Optional[Sampler] = None, poll_s: float = POLL_S) -> PairedRatio:
     """Time ``candidate`` against ``baseline`` with ``protocol``.
 
     Each side is called ``warmup`` times (baseline first), then ``rounds`` rounds run; in even
     rounds the baseline's ``samples`` calls come first, in odd rounds the candidate's, so neither
     side always follows the other (a cache or clock state one side leaves behind lands on both).
-    The GPU's clocks are read before the first round and after each round.
+    The GPU's clocks are read while each side's timed calls run (``ClockPoller``, every
+    ``poll_s`` seconds), not between rounds, when the GPU idles.
 
     Parameters
     ----------
@@ -248,7 +330,9 @@ def paired_ratio(baseline: Callable[[], Any], candidate: Callable[[], Any],
         ``timer(fn, n, flush_l2)`` -> ms of each call; default ``time_calls`` (CUDA events, or
         ``perf_counter`` on the CPU). Tests inject synthetic timings here.
     sampler:
-        One clock reading (default ``gpu_clocks``).
+        One clock reading (default ``gpu_clocks``; none on the CPU smoke path).
+    poll_s:
+        Seconds between two readings while the calls run.
 
     Returns
     -------
@@ -262,20 +346,27 @@ def paired_ratio(baseline: Callable[[], Any], candidate: Callable[[], Any],
     1.5
     """
     timer = timer or time_calls
-    sampler = sampler or gpu_clocks
+    if sampler is None and common.DEVICE != "cpu":
+        sampler = gpu_clocks
     for _ in range(protocol.warmup):
         baseline()
     for _ in range(protocol.warmup):
         candidate()
-    readings = [sampler()]
+    readings: list[dict[str, float]] = []
     rounds: list[tuple[float, float]] = []
     for i in range(protocol.rounds):
         order = (0, 1) if i % 2 == 0 else (1, 0)
         med: dict[int, float] = {}
         for side in order:
-            med[side] = statistics.median(timer((baseline, candidate)[side], protocol.samples, protocol.flush_l2))
+            fn = (baseline, candidate)[side]
+            if sampler is None:
+                times = timer(fn, protocol.samples, protocol.flush_l2)
+            else:
+                with ClockPoller(sampler, poll_s) as poller:
+                    times = timer(fn, protocol.samples, protocol.flush_l2)
+                readings += poller.readings
+            med[side] = statistics.median(times)
         rounds.append((med[0], med[1]))
-        readings.append(sampler())
     for b, c in rounds:
         if not (b > 0 and c > 0 and math.isfinite(b) and math.isfinite(c)):
             raise ValueError(f"paired_ratio: a round's time is not a positive finite ms (baseline {b}, "
@@ -285,4 +376,4 @@ def paired_ratio(baseline: Callable[[], Any], candidate: Callable[[], Any],
     return PairedRatio(ratio=statistics.median(ratios), low=low, high=high,
                        baseline_ms=statistics.median(b for b, _ in rounds),
                        candidate_ms=statistics.median(c for _, c in rounds),
-                       rounds=tuple(rounds), clocks=_summarize([r for r in readings if r]))
+                       rounds=tuple(rounds), clocks=_summarize(readings))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
+import time
 
 import pytest
 
@@ -99,12 +101,16 @@ def test_median_interval_order_statistics():
 
 
 def test_clocks_summarised_and_as_dict_json_able():
-    readings = iter([{"sm_mhz": 1980.0, "power_w": 500.0}, {"sm_mhz": 1700.0, "power_w": 700.0},
-                     {"sm_mhz": 1800.0, "power_w": 690.0}])
-    r = paired_ratio(lambda: None, lambda: None, Protocol(rounds=2, samples=1, warmup=0),
-                     timer=lambda fn, n, f: [1.0] * n, sampler=lambda: next(readings))
-    assert r.clocks == {"power_w_min": 500.0, "power_w_median": 690.0, "power_w_max": 700.0,
-                        "sm_mhz_min": 1700.0, "sm_mhz_median": 1800.0, "sm_mhz_max": 1980.0}
+    from bench.protocol import _summarize
+    assert _summarize([{"sm_mhz": 1980.0, "power_w": 500.0}, {"sm_mhz": 1700.0, "power_w": 700.0},
+                       {"sm_mhz": 1800.0, "power_w": 690.0}, {}]) == {
+        "power_w_min": 500.0, "power_w_median": 690.0, "power_w_max": 700.0,
+        "sm_mhz_min": 1700.0, "sm_mhz_median": 1800.0, "sm_mhz_max": 1980.0}
+    readings = itertools.cycle([{"sm_mhz": 1980.0}, {"sm_mhz": 1700.0}])
+    r = paired_ratio(lambda: time.sleep(0.01) or 1.0, lambda: time.sleep(0.01) or 1.0,
+                     Protocol(rounds=2, samples=2, warmup=0), timer=lambda fn, n, f: [fn() for _ in range(n)],
+                     sampler=lambda: next(readings), poll_s=0.002)
+    assert r.clocks["sm_mhz_min"] == 1700.0 and r.clocks["sm_mhz_max"] == 1980.0
     d = json.loads(json.dumps(r.as_dict()))
     assert d["ratio"] == 1.0 and d["rounds"] == [[1.0, 1.0], [1.0, 1.0]] and d["clocks"]["sm_mhz_max"] == 1980.0
     assert isinstance(r, PairedRatio)
@@ -131,3 +137,54 @@ def test_docstring_examples_run():
     from bench import protocol
     result = doctest.testmod(protocol, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_clocks_are_read_while_the_timed_calls_run():
+    busy = {"on": False}
+    seen: list[bool] = []
+
+    def side():  # one timed call: 10 ms of "GPU work"
+        busy["on"] = True
+        time.sleep(0.01)
+        busy["on"] = False
+        return 1.0
+
+    def sampler():
+        seen.append(busy["on"])
+        return {"sm_mhz": 1500.0 + 400.0 * busy["on"]}
+
+    r = paired_ratio(side, side, Protocol(rounds=3, samples=4, warmup=1),
+                     timer=lambda fn, n, f: [fn() for _ in range(n)], sampler=sampler, poll_s=0.002)
+    assert sum(seen) >= 2 * 3  # readings taken during each side's calls of every round ...
+    assert r.clocks["sm_mhz_max"] == 1900.0  # ... and reported: the clock under load, not at rest
+    n = len(seen)
+    time.sleep(0.02)
+    assert len(seen) == n  # no reading once the timing is over
+
+
+def test_a_broken_sampler_is_an_error_naming_it():
+    def sampler():
+        raise RuntimeError("NVML gone")
+    with pytest.raises(RuntimeError, match="clock sampler failed.*NVML gone"):
+        paired_ratio(lambda: None, lambda: None, Protocol(rounds=1, samples=1, warmup=0),
+                     timer=lambda fn, n, f: [1.0] * n, sampler=sampler)
+
+
+def test_gpu_clocks_name_the_device_by_its_uuid(monkeypatch):
+    from bench import protocol
+    import types
+    monkeypatch.setattr(common, "DEVICE", "cuda")
+    monkeypatch.setattr(protocol.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(protocol, "_nvml_reading", lambda: None)  # NVML not there: nvidia-smi
+    monkeypatch.setattr(protocol.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(protocol.torch.cuda, "get_device_properties",
+                        lambda d: types.SimpleNamespace(uuid="5f3c-77", pci_domain_id=0, pci_bus_id=0x1b, pci_device_id=0))
+    monkeypatch.setattr(protocol.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    calls = []
+
+    def run(cmd, **k):
+        calls.append(cmd)
+        return types.SimpleNamespace(stdout="1980, 1980, 650.5, 700.00, [N/A]\n")
+    monkeypatch.setattr(protocol.subprocess, "run", run)
+    assert protocol.gpu_clocks() == {"sm_mhz": 1980.0, "sm_max_mhz": 1980.0, "power_w": 650.5, "power_limit_w": 700.0}
+    assert calls[0][-2:] == ["-i", "GPU-5f3c-77"]  # the board torch uses, whatever CUDA_VISIBLE_DEVICES says
