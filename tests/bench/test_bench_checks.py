@@ -198,3 +198,9 @@ def test_fp32_reference_runs_with_ieee_fp32_products(monkeypatch):
     x = torch.randn(4, 8, dtype=torch.bfloat16)
     bench_mlp.fp32_reference(Spy, base, x, torch.randn(4, 8, dtype=torch.bfloat16))
     assert seen == [("ieee", "ieee")]
+
+
+def test_common_docstring_examples_run():
+    import doctest
+    result = doctest.testmod(common, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
