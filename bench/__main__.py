@@ -116,7 +116,7 @@ def _mlp(r: dict[str, Any]) -> Rows:
     out: Rows = []
     for row in r.get("rows", []):
         if row.get("model", "").startswith("Llama") and row.get("variant") != "BF16 eager":
-            value = row.get("error", "?")
+            value = row.get("error") or (f"NOT RUN ({row['not_run']})" if "not_run" in row else "?")
             if "vs BF16 eager" in row:
                 target = 1.0 if row["variant"].startswith("hybridfp") else None
                 value = f"{_paired(row['vs BF16 eager'], target)} eager" + (

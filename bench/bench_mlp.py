@@ -18,7 +18,8 @@ BF16 eager baseline stays unfused.
 Baselines (BF16 eager, BF16 torch.compile, torchao float8 tensorwise / rowwise compiled) run
 first; a baseline that cannot run (torchao absent, compilation failed, ``--deadline-s`` passed)
 fails the run by name unless a flag skips it explicitly (``--no-torchao``, ``--no-compile``;
-recorded in the JSON). Every ratio is paired (``bench.protocol.paired_ratio``) against BF16
+recorded in the JSON). A recipe's row not run by ``--deadline-s`` fails the run too; its
+variants (fused, codes, compiled) are only named. Every ratio is paired (``bench.protocol.paired_ratio``) against BF16
 eager and BF16 compiled (and, for the FP8 current rows, torchao tensorwise). Every variant's
 first step is checked against an FP32 reference of the same inputs: output, dx and each dW,
 relative Frobenius error within ``common.error_bound`` of the variant's element formats and gain
@@ -265,11 +266,13 @@ def bench_model(kind: str, family: str, make: Callable[[Callable], nn.Module], x
         is_baseline = i < n_baselines
         row: dict[str, Any] = {"model": kind, "variant": name, "baseline": is_baseline}
         if time.monotonic() > deadline:
-            row["error"] = "skipped: --deadline-s passed"
+            # named in the results; a recipe's own row not run fails the run (``main``)
+            row.update(not_run="--deadline-s passed", optional=name not in dict(RECIPES))
             if is_baseline:
                 raise MissingBaselineError(f"bench_mlp {kind}: baseline {name!r} not run: --deadline-s passed "
                                            "before it (baselines run first; raise --deadline-s)")
             rows.append(row)
+            checkpoint(rows)
             continue
         try:
             params = list(plain.parameters())
@@ -311,6 +314,12 @@ def _ci(r: dict[str, Any], name: str) -> Optional[str]:
     return None if p is None else f"{p['ratio']:.3f} [{p['low']:.3f}, {p['high']:.3f}]"
 
 
+def not_run(rows: list[dict[str, Any]]) -> list[str]:
+    """The rows ``--deadline-s`` left unmeasured, "(optional)" after the variants of a recipe
+    (fused, codes, compiled), whose absence does not fail the run."""
+    return [f"{r['model']}: {r['variant']}" + (" (optional)" if r["optional"] else "") for r in rows if "not_run" in r]
+
+
 def below_target(r: dict[str, Any]) -> bool:
     """Whether a hybridfp row's paired ratio against BF16 eager is below ``TARGET``."""
     p = r.get(f"vs {BASELINE_EAGER}")
@@ -348,7 +357,8 @@ def main(argv=None) -> None:
         table = md_table(["model", "variant", "x BF16 eager", "x BF16 compiled", "x torchao tensorwise",
                           "err y / dx / dW (bounds)", "gain y / dx / dW", "ms", "steady ms (diagnostic)", "host ms", "first step s"], [
             (r["model"], r["variant"] + (" **below 1.00x target**" if below_target(r) else ""),
-             _ci(r, BASELINE_EAGER) if "error" not in r else r["error"], _ci(r, BASELINE_COMPILED),
+             r.get("error") or (f"not run: {r['not_run']}" if "not_run" in r else _ci(r, BASELINE_EAGER)),
+             _ci(r, BASELINE_COMPILED),
              _ci(r, TORCHAO_TENSORWISE),
              "{:.3g} / {:.3g} / {:.3g} ({:.3g} / {:.3g} / {:.3g})".format(
                  *(r[f"{k}_{t}"] for k in ("err", "bound") for t in ("y", "dx", "dW"))) if "err_y" in r else None,
@@ -364,9 +374,11 @@ def main(argv=None) -> None:
               "time for one step on an idle GPU (above ms: host-bound); diagnostics, not ratios. hybridfp "
               "weights are re-quantized every step."
               + (f" Skipped by flag: {'; '.join(skipped)}." if skipped else "")
+              + (f" Not run (--deadline-s passed): {'; '.join(not_run(rows))}." if not_run(rows) else "")
               + ("" if protocol.reportable else " NOT REPORTABLE (fewer than 10 rounds or samples).")
               + ("" if final else " PARTIAL (the run stopped early).") + "\n\n" + table + "\n")
-        result = {"env": env, "protocol": protocol_record(protocol), "skipped": skipped, "copy_bandwidth": copy_bw,
+        result = {"env": env, "protocol": protocol_record(protocol), "skipped": skipped, "not_run": not_run(rows),
+                  "copy_bandwidth": copy_bw,
                   "rows": rows, "failures": failures, "markdown": md}
         if final:
             finish("mlp", result, args.out)
@@ -390,8 +402,9 @@ def main(argv=None) -> None:
         failures.append(str(e))
     if profiles:
         args.profile_out.write_text("\n\n".join(profiles))
-    failures += [f"{r['model']}: {r['variant']}: {r['error']}" for r in rows
-                 if "error" in r and not r["error"].startswith("skipped")]
+    failures += [f"{r['model']}: {r['variant']}: {r['error']}" for r in rows if "error" in r]
+    failures += [f"{r['model']}: {r['variant']}: not run ({r['not_run']})" for r in rows
+                 if "not_run" in r and not r["optional"]]
     report(rows, final=True)
     if failures:
         raise SystemExit("bench_mlp failed:\n" + "\n".join(failures))

@@ -204,3 +204,24 @@ def test_common_docstring_examples_run():
     import doctest
     result = doctest.testmod(common, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_mlp_rows_past_the_deadline_are_named_and_fail_unless_optional(tiny_mlp, tmp_path, monkeypatch):
+    import types
+    clock = {"t": 0.0}
+    monkeypatch.setattr(tiny_mlp, "time", types.SimpleNamespace(monotonic=lambda: clock["t"]))
+    real = tiny_mlp.bench_ms
+
+    def bench_ms(step, **k):  # each row's diagnostic timing takes one second of the fake clock
+        clock["t"] += 1
+        return real(step, **k)
+    monkeypatch.setattr(tiny_mlp, "bench_ms", bench_ms)
+    monkeypatch.setattr(tiny_mlp, "RECIPES", tiny_mlp.RECIPES[:1])  # FP8 current, then its fused row
+    out = tmp_path / "mlp.json"
+    tiny_mlp.main(_mlp_args(out, "--no-compile", "--deadline-s", "2.5"))  # baselines and recipe: optional left
+    result = json.loads(out.read_text())
+    fused = "hybridfp FP8 current + fused SwiGLU"
+    assert result["failures"] == [] and result["not_run"] == [f"{result['rows'][0]['model']}: {fused} (optional)"]
+    clock["t"] = 0.0
+    with pytest.raises(SystemExit, match="hybridfp FP8 current: not run \\(--deadline-s passed\\)"):
+        tiny_mlp.main(_mlp_args(out, "--no-compile", "--deadline-s", "1.5"))
