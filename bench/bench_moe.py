@@ -481,6 +481,7 @@ def time_row(row: dict[str, Any], steps: dict[str, tuple[Callable[[], Any], Step
     row["target"] = TARGETS.get(row["variant"].split(" [")[0])  # the recipe's name, without a variant suffix
     if common.DEVICE == "cuda":
         row["gpu_busy"] = device_ms(steps[row["variant"]][0]) / row["ms"]
+        steps[row["variant"]][1].release()
 
 
 def not_run(rows: list[dict[str, Any]]) -> list[str]:

@@ -40,8 +40,10 @@ Timer = Callable[[Callable[[], Any], int, bool], list[float]]
 Sampler = Callable[[], dict[str, float]]
 #: confidence level of the interval around the median ratio
 LEVEL = 0.95
-#: seconds between two clock readings while a side's timed calls run
+#: seconds between two clock readings while a side's timed calls run (NVML: a cheap call)
 POLL_S = 0.05
+#: ... when the readings come from nvidia-smi (a process each: fewer, not to load the host)
+SMI_POLL_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -348,6 +350,8 @@ def paired_ratio(baseline: Callable[[], Any], candidate: Callable[[], Any],
     timer = timer or time_calls
     if sampler is None and common.DEVICE != "cpu":
         sampler = gpu_clocks
+        if _nvml_reading() is None:  # nvidia-smi it is (or nothing)
+            poll_s = max(poll_s, SMI_POLL_S)
     for _ in range(protocol.warmup):
         baseline()
     for _ in range(protocol.warmup):
