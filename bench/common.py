@@ -351,15 +351,10 @@ def ieee_fp32() -> Iterator[None]:
     ...     torch.backends.cuda.matmul.fp32_precision
     'ieee'
     """
-    matmuls = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
-    old = [m.fp32_precision for m in matmuls]
-    for m in matmuls:
-        m.fp32_precision = "ieee"
-    try:
+    from hybridfp.gemm.backends import _ieee_fp32  # the library's exact emulation uses the same setting
+
+    with _ieee_fp32():
         yield
-    finally:
-        for m, o in zip(matmuls, old):
-            m.fp32_precision = o
 
 
 def finish(name: str, result: dict[str, Any], out: Optional[Path]) -> None:
