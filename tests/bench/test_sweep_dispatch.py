@@ -129,3 +129,23 @@ def test_docstring_examples_run(monkeypatch):
     monkeypatch.setattr(common, "DEVICE", "cpu")
     result = doctest.testmod(sd)
     assert result.attempted >= 5 and result.failed == 0
+
+
+def test_paired_remeasure_uses_a_reportable_protocol(monkeypatch):
+    """A cell whose pick is not the fastest is re-measured under a protocol whose figures may
+    be reported (>= 10 rounds of >= 10 calls a side), and the interval's coverage is kept."""
+    import bench.protocol as protocol
+    from bench.sweep_dispatch import _paired_ratio
+
+    seen = []
+    real = protocol.paired_ratio
+
+    def spy(a, b, proto=protocol.Protocol(), **kw):
+        seen.append(proto)
+        fake = lambda fn, n, flush: [fn() for _ in range(n)]
+        return real(a, b, proto, timer=fake, sampler=lambda: {})
+
+    monkeypatch.setattr(protocol, "paired_ratio", spy)
+    r = _paired_ratio(lambda: 3.0, lambda: 2.0)
+    assert seen and seen[0].reportable, seen
+    assert r["ratio"] == 1.5 and r["rounds"] >= 10 and r["coverage"] >= 0.95
