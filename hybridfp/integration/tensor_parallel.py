@@ -20,6 +20,13 @@ block of the flattened rows.
 
 Quantized primary weights (``quantized_model_init``): a style shards the weight's FP32 master
 and each rank keeps the quantized copies of its shard (``tensor_parallel_primary.py``).
+
+Limitations (documented in README's tensor-parallel section and ROADMAP.md; each raises
+``NotImplementedError`` naming the layer and what to do instead): ``backward_override``,
+``save_original_input``, ``autocast(amax_reduction_group=...)`` (the layers reduce their split
+operands over the tensor-parallel group themselves), a sequence dim after a batch dim > 1, and
+input / output layouts other than ``Replicate()`` and ``Shard(sequence_dim)`` (a column-parallel
+output: ``Shard(-1)``).
 """
 
 from __future__ import annotations
