@@ -48,6 +48,7 @@ from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
 from .fsdp_amax import _reads_amax, _weight_leaves
 from .fsdp import _SETS, QuantizedGatherWeight, _block_aligned_rows, _fsdp_param_of, _gather_bytes, _layout, _Slot
 from .fsdp_layout import assemble, gather_layout, pack, unpack
+from .master_fingerprint import fingerprint, same_fingerprint
 from .fsdp_tensor_parallel import MeshAmax
 
 
@@ -222,17 +223,13 @@ def _unchanged(slot: _PrimarySlot, param: Optional[torch.Tensor], local: torch.T
     now = _version(param, local)
     if now[1] != slot.version[1] and now[0] == slot.version[0]:
         slot.version = now
-    return now == slot.version and _same_bits(_fingerprint(local), slot.fingerprint)
+    return now == slot.version and same_fingerprint(_fingerprint(local), slot.fingerprint)
 
 
 def _fingerprint(local: torch.Tensor) -> torch.Tensor:
-    """The local master shard's amax and float64 sum (one pass each over this rank's shard)."""
-    x = getattr(local, "_hp", local).detach()
-    return torch.stack([amax_nan(x).double().reshape(()), x.sum(dtype=torch.float64)])
-
-
-def _same_bits(a: torch.Tensor, b: Optional[torch.Tensor]) -> bool:
-    return b is not None and bool(torch.equal(a.view(torch.int64), b.to(a.device).view(torch.int64)))
+    """The local master shard's fingerprint (``master_fingerprint``), unwrapped from its gather
+    wrapper."""
+    return fingerprint(getattr(local, "_hp", local))
 
 
 def _items(params: Iterable[Any]) -> list[tuple]:

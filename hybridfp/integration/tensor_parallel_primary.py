@@ -33,9 +33,9 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-from ..formats.common import amax_nan
 from ..quantizers import Quantizer
 from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
+from .master_fingerprint import fingerprint, same_fingerprint
 from .tensor_parallel_linear import block_extent
 
 #: the attribute of a tensor-parallel primary weight's Parameter holding its :class:`PrimaryShard`
@@ -210,8 +210,7 @@ def _version(param: torch.Tensor) -> tuple:
 
 
 def _fingerprint(param: torch.Tensor) -> torch.Tensor:
-    x = param._local_tensor.detach()  # type: ignore[attr-defined]
-    return torch.stack([amax_nan(x).double().reshape(()), x.sum(dtype=torch.float64)])
+    return fingerprint(param._local_tensor)  # type: ignore[attr-defined]
 
 
 def _encode(param: torch.Tensor) -> None:
@@ -270,10 +269,7 @@ def primary_shard(param: torch.Tensor, weight_q: Optional[Quantizer] = None) -> 
     if slot is None:
         return None
     assert slot.shard is not None  # encoded by shard_primary
-    now = _version(param)
-    fp = _fingerprint(param)
-    same = now == slot.version and bool(torch.equal(fp.view(torch.int64), slot.fingerprint.view(torch.int64)))
-    if not same:
+    if not (_version(param) == slot.version and same_fingerprint(_fingerprint(param), slot.fingerprint)):
         raise RuntimeError(
             f"{slot.who}: its FP32 master shard changed after its quantized shard was encoded, so the "
             "GEMMs would read stale codes. Step with hybridfp.MasterWeightOptimizer, or call "
