@@ -49,9 +49,20 @@ class Layer(nn.Module):
 def step(layers: nn.ModuleList, x: torch.Tensor, recipe: Any, offload: Any) -> torch.Tensor:
     """One forward + backward (gradients of the parameters and of ``x`` set afresh); returns the
     forward's output."""
+    _clear_grads(layers, x)
+    h = _forward(layers, x, recipe, offload)
+    h.float().square().mean().backward()
+    return h
+
+
+def _clear_grads(layers: nn.ModuleList, x: torch.Tensor) -> None:
     for p in layers.parameters():
         p.grad = None
     x.grad = None
+
+
+def _forward(layers: nn.ModuleList, x: torch.Tensor, recipe: Any, offload: Any) -> torch.Tensor:
+    """The forward through ``layers`` under ``offload`` (its context and its sync after each layer)."""
     context, sync = offload
     with hybridfp.autocast(recipe=recipe):
         h = x
@@ -59,26 +70,17 @@ def step(layers: nn.ModuleList, x: torch.Tensor, recipe: Any, offload: Any) -> t
             with context:
                 h = layer(h)
             h = sync(h)
-    h.float().square().mean().backward()
     return h
 
 
 def memory_step(layers: nn.ModuleList, x: torch.Tensor, recipe: Any, offload: Any) -> dict[str, float]:
     """One forward + backward; GiB allocated when the forward returns and at the peak, above what
     was allocated before."""
-    for p in layers.parameters():
-        p.grad = None
-    x.grad = None
+    _clear_grads(layers, x)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    context, sync = offload
-    with hybridfp.autocast(recipe=recipe):
-        h = x
-        for layer in layers:
-            with context:
-                h = layer(h)
-            h = sync(h)
+    h = _forward(layers, x, recipe, offload)
     torch.cuda.synchronize()
     after_forward = torch.cuda.memory_allocated() - base
     h.float().square().mean().backward()
