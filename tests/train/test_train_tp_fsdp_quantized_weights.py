@@ -20,17 +20,13 @@ import pytest
 
 from hybridfp.train.distributed import check_parallel_args
 from test_train_tp import _assert_close
-from torchrun_runs import COMMON, records, torchrun
+from torchrun_runs import COMMON, losses, records, torchrun
 
 pytestmark = pytest.mark.filterwarnings("ignore::hybridfp.gemm.EmulatedGemmWarning")
 
 HYBRID = "per_gemm:fprop=nvfp4,dgrad=mxfp8,wgrad=mxfp8"
 RECIPES = ("fp8", "mxfp8", HYBRID)
 RUN = ["--preset", "test", "--lr-decay-steps", "4", *COMMON]
-
-
-def _losses(out, recipe: str) -> list[tuple]:
-    return [(r["step"], r.get("train_loss"), r.get("val_loss")) for r in records(out, recipe)]
 
 
 def test_tp_fsdp_quantized_weights_train_as_tp_and_resume(tmp_path, text) -> None:
@@ -42,10 +38,10 @@ def test_tp_fsdp_quantized_weights_train_as_tp_and_resume(tmp_path, text) -> Non
     torchrun(4, "--tp", "2", "--fsdp", "--out", str(two_d), *run, "--steps", "2", "--quantized-weights")
     torchrun(4, "--tp", "2", "--fsdp", "--resume", "--out", str(two_d), "--steps", "4", "--no-progress")
     for recipe in RECIPES:
-        got = _losses(two_d, recipe)
+        got = losses(two_d, recipe)
         assert [s for s, _, _ in got] == [0, 1, 2, 3, 4], (recipe, got)  # resumed after step 2
-        assert got == _losses(tmp_path / "straight", recipe), recipe
-        tp = _losses(tmp_path / "tp", recipe)
+        assert got == losses(tmp_path / "straight", recipe), recipe
+        tp = losses(tmp_path / "tp", recipe)
         assert got[:2] == tp[:2], (recipe, got, tp)  # before any update: the same codes, the same GEMMs
         _assert_close(records(two_d, recipe), records(tmp_path / "tp", recipe))
 

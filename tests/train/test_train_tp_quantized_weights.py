@@ -16,17 +16,13 @@ import pytest
 
 from hybridfp.train import cli
 from test_train_tp import _assert_close
-from torchrun_runs import COMMON, records, torchrun
+from torchrun_runs import COMMON, losses, records, torchrun
 
 pytestmark = pytest.mark.filterwarnings("ignore::hybridfp.gemm.EmulatedGemmWarning")
 
 HYBRID = "per_gemm:fprop=nvfp4,dgrad=mxfp8,wgrad=mxfp8"
 RECIPES = ("fp8", "mxfp8", HYBRID)
 RUN = ["--preset", "test", "--lr-decay-steps", "4", *COMMON]
-
-
-def _losses(out, recipe: str) -> list[tuple]:
-    return [(r["step"], r.get("train_loss"), r.get("val_loss")) for r in records(out, recipe)]
 
 
 def test_tp_quantized_weights_train_as_tp_and_resume(tmp_path, text) -> None:
@@ -37,7 +33,7 @@ def test_tp_quantized_weights_train_as_tp_and_resume(tmp_path, text) -> None:
     torchrun(2, "--tp", "2", "--out", str(qw), *run, "--steps", "2", "--quantized-weights")
     torchrun(2, "--tp", "2", "--resume", "--out", str(qw), "--steps", "4", "--no-progress")
     for recipe in RECIPES:
-        got = _losses(qw, recipe)
+        got = losses(qw, recipe)
         assert [s for s, _, _ in got] == [0, 1, 2, 3, 4], (recipe, got)  # resumed after step 2
-        assert got == _losses(tmp_path / "tp", recipe), recipe
+        assert got == losses(tmp_path / "tp", recipe), recipe
         _assert_close(records(qw, recipe), records(tmp_path / "one", recipe))

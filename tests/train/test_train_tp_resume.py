@@ -16,15 +16,11 @@ import pytest
 
 from hybridfp.train import cli
 from test_train_tp import _assert_close
-from torchrun_runs import COMMON, records, torchrun
+from torchrun_runs import COMMON, losses, records, torchrun
 
 pytestmark = pytest.mark.filterwarnings("ignore::hybridfp.gemm.EmulatedGemmWarning")
 
 RECIPES = ("bf16", "mxfp8", "fp8-delayed")
-
-
-def _losses(out, recipe: str) -> list[tuple]:
-    return [(r["step"], r.get("train_loss"), r.get("val_loss")) for r in records(out, recipe)]
 
 
 def test_tensor_parallel_run_resumes_bitwise_and_across_layouts(tmp_path, text) -> None:
@@ -43,7 +39,7 @@ def test_tensor_parallel_run_resumes_bitwise_and_across_layouts(tmp_path, text) 
     resume = ["--resume", "--no-progress", "--steps"]
     torchrun(2, "--tp", "2", "--out", str(tmp_path / "tp"), *resume, "4")
     for recipe in RECIPES:
-        assert _losses(tmp_path / "tp", recipe) == _losses(tmp_path / "straight", recipe), recipe
+        assert losses(tmp_path / "tp", recipe) == losses(tmp_path / "straight", recipe), recipe
         _assert_close(records(tmp_path / "straight", recipe), records(tmp_path / "one", recipe)[:5])
     torchrun(2, "--fsdp", "--out", str(tmp_path / "cross"), *resume, "4")  # --tp -> --fsdp
     torchrun(2, "--tp", "2", "--out", str(tmp_path / "cross"), *resume, "6")  # --fsdp -> --tp

@@ -25,3 +25,8 @@ def torchrun(n: int, *argv: str) -> subprocess.CompletedProcess:
 def records(out: Path, recipe: str) -> list[dict]:
     """The metrics records of ``recipe`` in run directory ``out``."""
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["recipe"] == recipe]
+
+
+def losses(out: Path, recipe: str) -> list[tuple]:
+    """(step, train loss, val loss) of every record of ``recipe`` in run directory ``out``."""
+    return [(r["step"], r.get("train_loss"), r.get("val_loss")) for r in records(out, recipe)]
