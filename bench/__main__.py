@@ -4,6 +4,7 @@
     python -m bench NAME [NAME ...] # a subset (python -m bench --list names them)
     python -m bench --list
     python -m bench --quick         # small sizes, a smoke test (results not kept unless --results-dir)
+    python -m bench mlp --timeout-s 280   # a time limit per benchmark (mlp / moe end their rows before it)
 
 Each benchmark writes ``bench/results/<name>.json`` (overwritten when it succeeds; a failed or
 timed-out run leaves the previous file and writes what it measured to ``<name>.failed.json``,
@@ -42,6 +43,8 @@ class Benchmark:
     out_flag: str = "--out"
     quick: bool = True
     timeout_s: float = 1200.0
+    #: the module takes ``--deadline-s`` (rows left after it are recorded as not run)
+    deadline_flag: bool = False
     headline: Callable[[dict[str, Any]], Rows] = field(default=lambda r: [], compare=False)
 
 
@@ -197,11 +200,11 @@ BENCHMARKS: dict[str, Benchmark] = {
                                   "quantize kernels' bandwidth; fused hybrids vs their single formats",
                                   headline=_quantize_kernels),
     "mlp": Benchmark("bench.bench_mlp", "Llama-3-8B MLP step vs BF16 eager / compiled, torchao float8",
-                     headline=_mlp),
+                     deadline_flag=True, headline=_mlp),
     "moe": Benchmark("bench.bench_moe", "MoE layer step (4 micro-batches), 8 experts x ffn 14336, vs the fastest BF16",
-                     ("--experts", "8"), headline=_moe),
+                     ("--experts", "8"), deadline_flag=True, headline=_moe),
     "moe_64": Benchmark("bench.bench_moe", "MoE layer step (4 micro-batches), 64 experts x ffn 1408, vs the fastest BF16",
-                        ("--experts", "64"), headline=_moe),
+                        ("--experts", "64"), deadline_flag=True, headline=_moe),
     "bound_moe": Benchmark("bench.bound_moe", "the best ratio the 64-expert MoE allows, from measured parts",
                            ("--experts", "64"), headline=_bound_moe),
     "grouped_gemm": Benchmark("bench.bench_grouped_gemm", "Triton BF16 / FP8 grouped GEMMs vs torch._grouped_mm",
@@ -243,20 +246,32 @@ def _keep_failed(tmp: Path, out: Path) -> Optional[dict[str, Any]]:
         return None
 
 
-def run_one(name: str, out: Path, quick: bool) -> tuple[Optional[dict[str, Any]], str, bool]:
+#: with a time limit, a benchmark that takes ``--deadline-s`` stops starting rows at this
+#: fraction of it, so its last row and its JSON fit before the limit kills the process
+DEADLINE_FRACTION = 0.75
+
+
+def run_one(name: str, out: Path, quick: bool, timeout_s: Optional[float] = None
+            ) -> tuple[Optional[dict[str, Any]], str, bool]:
     """One benchmark in its own process: (its JSON, or for a failed or timed-out run what it wrote
-    before, kept as ``<name>.failed.json``, or None; a status; whether it succeeded)."""
+    before, kept as ``<name>.failed.json``, or None; a status; whether it succeeded).
+
+    ``timeout_s`` replaces the benchmark's own time limit; one that takes ``--deadline-s`` is
+    given ``DEADLINE_FRACTION`` of it (the rows it then leaves are recorded as not run)."""
     b = BENCHMARKS[name]
     tmp = out.with_name(out.name + ".tmp")
     tmp.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", b.module, *b.args, b.out_flag, str(tmp)] + (["--quick"] if quick and b.quick else [])
+    limit = b.timeout_s if timeout_s is None else timeout_s
+    if timeout_s is not None and b.deadline_flag:
+        cmd += ["--deadline-s", f"{DEADLINE_FRACTION * timeout_s:g}"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     t0 = time.monotonic()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=b.timeout_s, text=True, capture_output=True)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=limit, text=True, capture_output=True)
     except subprocess.TimeoutExpired as exc:  # its checkpointed JSON and its output so far stay readable
         _print_captured(exc.stdout, exc.stderr)
-        return _keep_failed(tmp, out), f"timed out after {b.timeout_s:.0f} s", False
+        return _keep_failed(tmp, out), f"timed out after {limit:.0f} s", False
     if proc.returncode != 0 or not tmp.exists():
         _print_captured(proc.stdout, proc.stderr)
         last = proc.stderr.strip().splitlines()[-1:] or [""]
@@ -292,7 +307,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--results-dir", type=Path, default=None,
                    help=f"where <name>.json goes (default {RESULTS_DIR.relative_to(ROOT)}; with --quick a "
                         "temporary folder)")
+    p.add_argument("--timeout-s", type=float, default=None,
+                   help="each benchmark's time limit instead of its own; mlp and moe stop starting rows at "
+                        f"{DEADLINE_FRACTION:.0%} of it and record the rest as not run")
     args = p.parse_args(argv)
+    if args.timeout_s is not None and args.timeout_s <= 0:
+        p.error(f"--timeout-s must be positive; got {args.timeout_s}")
     unknown = [n for n in args.names if n not in BENCHMARKS]
     if unknown:
         p.error(f"unknown benchmark {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}")
@@ -315,7 +335,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         ok: dict[str, bool] = {}
         for name in names:
             print(f"== {name}: {BENCHMARKS[name].question}", flush=True)
-            results[name], status[name], ok[name] = run_one(name, results_dir / f"{name}.json", args.quick)
+            results[name], status[name], ok[name] = run_one(name, results_dir / f"{name}.json", args.quick,
+                                                               args.timeout_s)
             print(f"== {name}: {status[name]}", flush=True)
     print("\n" + summary(results, status, ok))
     return 0 if all(ok.values()) else 1

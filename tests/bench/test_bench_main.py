@@ -106,3 +106,39 @@ def test_summary_of_a_failed_run_shows_every_other_ratio():
     table = summary({"moe": partial}, {"moe": "failed (exit 1)"}, {"moe": False})
     assert "0.950x [0.940, 0.960] vs BF16 grouped" in table and "FAILED: RuntimeError: x" in table
     assert "NOT RUN (--deadline-s passed)" in table and "FAILED: failed (exit 1)" in table
+
+
+def test_timeout_override_passes_a_deadline_to_the_benchmarks_that_take_one(tmp_path, monkeypatch):
+    import bench.__main__ as main
+    (tmp_path / "fake_argv_bench.py").write_text(
+        "import sys, json\nout = sys.argv[sys.argv.index('--out') + 1]\n"
+        "open(out, 'w').write(json.dumps({'argv': sys.argv[1:]}))\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setitem(main.BENCHMARKS, "fake", main.Benchmark("fake_argv_bench", "takes a deadline", quick=False,
+                                                                 deadline_flag=True))
+    result, status, ok = main.run_one("fake", tmp_path / "fake.json", quick=False, timeout_s=200.0)
+    argv = result["argv"]
+    assert ok and argv[argv.index("--deadline-s") + 1] == "150"  # 3/4 of the limit: its last row and JSON fit after
+    monkeypatch.setitem(main.BENCHMARKS, "fake", main.Benchmark("fake_argv_bench", "takes none", quick=False))
+    result, _, ok = main.run_one("fake", tmp_path / "fake.json", quick=False, timeout_s=200.0)
+    assert ok and "--deadline-s" not in result["argv"]
+
+
+def test_timeout_override_replaces_the_benchmarks_own_limit(tmp_path, monkeypatch):
+    import bench.__main__ as main
+    (tmp_path / "fake_sleepy_bench.py").write_text("import time\ntime.sleep(60)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setitem(main.BENCHMARKS, "fake", main.Benchmark("fake_sleepy_bench", "slow", quick=False,
+                                                                 timeout_s=600.0))
+    _, status, ok = main.run_one("fake", tmp_path / "fake.json", quick=False, timeout_s=2.0)
+    assert not ok and status == "timed out after 2 s"
+
+
+def test_the_benchmarks_with_a_deadline_flag_accept_it():
+    import bench.__main__ as main
+    import importlib
+    for name, b in main.BENCHMARKS.items():
+        source = importlib.util.find_spec(b.module).origin
+        takes = '"--deadline-s"' in open(source).read()
+        assert b.deadline_flag == takes, f"{name}: deadline_flag={b.deadline_flag} but {b.module} " \
+                                         f"{'takes' if takes else 'lacks'} --deadline-s"
