@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from ..quantizers import (Float8CurrentScalingQuantizer, HybridQuantizer, IdentityQuantizer,
                           MXFP8Quantizer, NVFP4Quantizer, Quantizer)
 from .recipes import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
@@ -25,7 +27,10 @@ def _t(role: Optional[QuantizerRole]) -> Optional[str]:
 
 # ---------------------------------------------------------------------------- base factories
 def high_precision(role: Optional[QuantizerRole]) -> Quantizer:
-    """Identity for every role: the BF16/FP32 baseline through the same code path.
+    """Identity without a cast for every role: each GEMM reads its operands in their own dtype.
+
+    With FP32 master weights the fprop and dgrad GEMMs read an FP32 weight (a BF16 activation
+    is widened to meet it): FP32 GEMMs on the exact path. For the BF16 baseline use :func:`bf16`.
 
     Parameters
     ----------
@@ -45,6 +50,33 @@ def high_precision(role: Optional[QuantizerRole]) -> Quantizer:
     IdentityQuantizer(dtype=None)
     """
     return IdentityQuantizer()
+
+
+def bf16(role: Optional[QuantizerRole]) -> Quantizer:
+    """BF16 for every role: each operand cast to BF16, products accumulated in FP32.
+
+    What ``torch.autocast(dtype=torch.bfloat16)`` does to a linear layer, on the same code path
+    as the quantized recipes: FP32 master weights are read as BF16 copies, so fprop and dgrad
+    are BF16 GEMMs; wgrad reads BF16 operands and writes the FP32 weight gradient.
+
+    Parameters
+    ----------
+    role:
+        The slot to fill (a QuantizerRole), or None when the consumer is unknown.
+
+    Returns
+    -------
+    Quantizer
+        A new ``IdentityQuantizer(torch.bfloat16)``.
+
+    Example
+    -------
+    >>> import hybridfp as hf
+    >>> from hybridfp.recipes import factories
+    >>> factories.bf16(hf.QuantizerRole("linear", "weight"))
+    IdentityQuantizer(dtype=torch.bfloat16)
+    """
+    return IdentityQuantizer(torch.bfloat16)
 
 
 def delayed_scaling(role: Optional[QuantizerRole]) -> Quantizer:
@@ -369,7 +401,7 @@ def _format_quantizer(name: str, tensor_type: Optional[str]) -> Quantizer:
     """A quantizer for a format name, configured as the built-in recipe would for the role."""
     role = None if tensor_type is None else QuantizerRole("linear", tensor_type)
     makers = {
-        "bf16": lambda: IdentityQuantizer(), "identity": lambda: IdentityQuantizer(),
+        "bf16": lambda: IdentityQuantizer(torch.bfloat16), "identity": lambda: IdentityQuantizer(),
         "high_precision": lambda: IdentityQuantizer(),
         "fp8": lambda: Float8CurrentScalingQuantizer(_fp8_for("HYBRID", role)),
         "fp8_current": lambda: Float8CurrentScaling().quantizer(role),
@@ -399,8 +431,8 @@ class per_gemm:  # noqa: N801 - used like a function: per_gemm(fprop=..., dgrad=
     Parameters
     ----------
     fprop, dgrad, wgrad:
-        Format names (``FORMAT_NAMES``): bf16 / identity / high_precision (no quantization),
-        fp8 (current scaling; E5M2 for gradients), fp8_current, fp8_delayed, fp8_block (as
+        Format names (``FORMAT_NAMES``): bf16 (cast to BF16, no quantization), identity /
+        high_precision (no quantization, no cast: the operand's own dtype), fp8 (current scaling; E5M2 for gradients), fp8_current, fp8_delayed, fp8_block (as
         their built-in recipes make them for the role), mxfp8, nvfp4 (1D; RHT on wgrad
         operands, SR on gradients).
 
@@ -466,9 +498,9 @@ class per_gemm:  # noqa: N801 - used like a function: per_gemm(fprop=..., dgrad=
         return hash((self.fprop, self.dgrad, self.wgrad))
 
 
-#: The base factories by name, each bitwise equal to its built-in recipe (numerics §5).
+#: The base factories by name; each with a built-in recipe is bitwise equal to it (numerics §5).
 BASE = {
-    "high_precision": high_precision, "delayed_scaling": delayed_scaling,
+    "high_precision": high_precision, "bf16": bf16, "delayed_scaling": delayed_scaling,
     "current_scaling": current_scaling, "float8_block_scaling": float8_block_scaling,
     "mxfp8": mxfp8, "nvfp4": nvfp4,
 }

@@ -27,10 +27,9 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from ..recipes import autocast
-from ..gemm import EMULATED, describe_key, select
 from ..integration.fsdp_amax import precompute_weight_amax
 from ..integration.master_weights import MasterWeightOptimizer
-from ..nn import GEMMS, QuantizedModule
+from ..nn import QuantizedModule
 from ..nn.quantized_init import quantized_model_init
 from ..tensors import QuantizedTensor
 from ..recipes import AutocastState, Recipe
@@ -40,6 +39,7 @@ from .data import TokenData, get_batch, val_batches
 from .dist_checkpoint import load_sharded, read_state, save_sharded, sharded_path
 from .distributed import (Parallel, all_true, clip_grad_norm, mean_over_ranks, shard_model, sync_gradients,
                           weight_amax_precompute)
+from .emulated import emulated_pairs
 from .files import atomic_write_text
 from .hf_model import HFCausalLM, build_hf_model
 from .model import GPT, GPTConfig
@@ -301,28 +301,6 @@ def evaluate(model: GPT, named: NamedRecipe, data: TokenData, cfg: TrainConfig,
     return sum(losses) / len(losses)
 
 
-def emulated_pairs(model: torch.nn.Module, named: NamedRecipe, device: str) -> list[str]:
-    """This recipe's entries of ``hybridfp.gemm.EMULATED``: the (GEMM, format of A x format
-    of B) pairs its modules ran on the exact emulation path on ``device``, with how many
-    modules each. (EMULATED itself is process-wide and keeps only the first module per pair,
-    so the pairs are found through each module's quantizers and checked against it.)"""
-    state, dev = AutocastState(named.recipe), torch.device(device)
-    counts: dict[str, int] = {}
-    for m in model.modules():
-        if not isinstance(m, QuantizedModule):
-            continue
-        qs = m.quantizers(state)
-        for gemm_name, layout, (slot_a, dir_a), (slot_b, dir_b) in GEMMS:
-            ka, kb = qs[slot_a][0].format_key(dir_a), qs[slot_b][0].format_key(dir_b)
-            a, b = describe_key(ka), describe_key(kb)
-            if select(ka, kb, layout, dev) is None and (dev.type, gemm_name, a, b) in EMULATED:
-                key = f"{gemm_name}: {a} x {b}"
-                counts[key] = counts.get(key, 0) + 1
-    order = [g[0] for g in GEMMS]
-    keys = sorted(counts, key=lambda k: order.index(k.split(":")[0]))  # stable: fprop, dgrad, wgrad
-    return [f"{k} ({counts[k]} module{'s' * (counts[k] > 1)})" for k in keys]
-
-
 class MetricsError(ValueError):
     """A line of metrics.jsonl that is not a metrics record; the message names the line."""
 
@@ -569,7 +547,7 @@ def train_recipe(cfg: TrainConfig, named: NamedRecipe, data: TokenData, out_dir:
                 save_sharded(ckpt_path, model, opt, info, par)
     bar.close()
     result.records = metrics.read(named.label) if main else []
-    result.emulated = emulated_pairs(model, named, cfg.device)
+    result.emulated = emulated_pairs(model, named, cfg.device, DTYPES[cfg.dtype])
     result.model = model
     return result
 

@@ -2,9 +2,11 @@
 
 Accepted (case-insensitive, ``_`` and ``-`` interchangeable):
 
-- built-in recipes: ``bf16`` (= ``high_precision``: Identity quantizers on the same code
-  path), ``fp8`` (current scaling), ``fp8-delayed``, ``fp8-block``, ``mxfp8``, ``nvfp4``,
-  and the base factory names (``current_scaling``, ``delayed_scaling``...);
+- built-in recipes: ``bf16`` (every operand cast to BF16, FP32 accumulation, on the same code
+  path: the baseline), ``high-precision`` (alias ``hp``: no cast, each GEMM in its operands'
+  own dtype; with FP32 master weights, FP32 GEMMs on the exact path), ``fp8`` (current
+  scaling), ``fp8-delayed``, ``fp8-block``, ``mxfp8``, ``nvfp4``, and the base factory names
+  (``current_scaling``, ``delayed_scaling``...);
 - every zoo factory by name (``hybridfp.factories.ZOO``), plus short aliases without
   ``row-scaled`` (``nvfp4-fwd-mxfp8-bwd``) and with ``hp`` for ``high-precision``;
 - ``per_gemm:fprop=F,dgrad=D,wgrad=W`` with format names from ``hybridfp.factories.FORMAT_NAMES``;
@@ -49,8 +51,10 @@ class NamedRecipe:
 
 # label -> (maker, description). Built-ins first, then the zoo (numerics §5).
 BUILTIN: dict[str, tuple[Callable[[], Recipe], str]] = {
-    "bf16": (lambda: CustomRecipe(qfactory=factories.high_precision),
-             "high precision (Identity quantizers, same code path)"),
+    "bf16": (lambda: CustomRecipe(qfactory=factories.bf16),
+             "BF16 operands, FP32 accumulation (Identity quantizers casting to BF16)"),
+    "high-precision": (lambda: CustomRecipe(qfactory=factories.high_precision),
+                       "no cast: GEMMs in the operands' own dtype (FP32 weights: FP32 GEMMs)"),
     "fp8": (Float8CurrentScaling, "FP8 per-tensor current scaling (E4M3 fwd, E5M2 grads)"),
     "fp8-delayed": (DelayedScaling, "FP8 per-tensor delayed scaling (amax history)"),
     "fp8-block": (Float8BlockScaling, "FP8 block scaling (1x128 / 128x128, DeepSeek-V3)"),
@@ -70,7 +74,7 @@ ZOO: dict[str, tuple[Callable[[], Recipe], str]] = {
     for name, f in factories.ZOO.items()
 }
 ALIASES: dict[str, str] = {
-    "high-precision": "bf16", "hp": "bf16",
+    "hp": "high-precision",
     "current-scaling": "fp8", "fp8-current": "fp8",
     "delayed-scaling": "fp8-delayed",
     "float8-block-scaling": "fp8-block",

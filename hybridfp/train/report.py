@@ -1,4 +1,5 @@
-"""summary.md: final losses, gaps to BF16, throughput and the GEMMs that ran emulated."""
+"""summary.md: final losses, gaps to the same-seed BF16 run, throughput and the GEMMs that ran
+emulated."""
 
 from __future__ import annotations
 
@@ -17,14 +18,44 @@ def relative_gap(value: Optional[float], base: Optional[float]) -> Optional[floa
     return 100.0 * (value - base) / base
 
 
+def split_seed(label: str, default_seed: int) -> tuple[str, int]:
+    """``"mxfp8@seed=1"`` -> ("mxfp8", 1); a label without ``@seed=`` runs at ``default_seed``
+    (the run's ``--seed``)."""
+    base, sep, seed = label.rpartition("@seed=")
+    if sep and seed.lstrip("-").isdigit():
+        return base, int(seed)
+    return label, default_seed
+
+
+def baseline_label(label: str, default_seed: int) -> str:
+    """The label of the ``bf16`` run a run's gap is measured against: the same seed.
+
+    Example
+    -------
+    >>> from hybridfp.train.report import baseline_label
+    >>> baseline_label("mxfp8@seed=1", 0), baseline_label("fp8", 0)
+    ('bf16@seed=1', 'bf16@seed=0')
+    """
+    return f"{BASELINE}@seed={split_seed(label, default_seed)[1]}"
+
+
+def _baselines(results: Sequence[RunResult], default_seed: int) -> dict[int, RunResult]:
+    """seed -> the bf16 run at that seed (``bf16`` runs at --seed, ``bf16@seed=K`` at K)."""
+    out: dict[int, RunResult] = {}
+    for r in results:
+        name, seed = split_seed(r.label, default_seed)
+        if name == BASELINE:
+            out.setdefault(seed, r)
+    return out
+
+
 def _fmt(x: Optional[float], spec: str) -> str:
     return "—" if x is None else format(x, spec)
 
 
 def summary_markdown(results: Sequence[RunResult], cfg: TrainConfig, info: dict[str, Any]) -> str:
     """The summary as Markdown text. ``info``: data source, parameter count, device name, paths."""
-    base = next((r for r in results if r.label == BASELINE), None)
-    base_val = base.final_val_loss if base else None
+    bases = _baselines(results, cfg.seed)
     # the model: a preset's GPT, or ``info["model"]`` (hybridfp train --hf-config)
     model = info.get("model") or f"Preset `{cfg.preset}` ({info.get('params', 0):,} parameters)"
     lines = [
@@ -39,15 +70,29 @@ def summary_markdown(results: Sequence[RunResult], cfg: TrainConfig, info: dict[
         "| recipe | final val loss | gap vs bf16 | final train loss | tokens/s | what it is |",
         "|---|---:|---:|---:|---:|---|",
     ]
+    missing: dict[int, list[str]] = {}  # seed -> the runs whose same-seed bf16 run is absent
     for r in results:
-        gap = relative_gap(r.final_val_loss, base_val)
-        gap_s = "baseline" if r is base else ("—" if gap is None else f"{gap:+.2f} %")
+        seed = split_seed(r.label, cfg.seed)[1]
+        base = bases.get(seed)
+        if any(r is b for b in bases.values()):
+            gap_s = "baseline"
+        elif base is None:
+            gap_s = f"no {BASELINE}@seed={seed}"
+            missing.setdefault(seed, []).append(r.label)
+        else:
+            gap = relative_gap(r.final_val_loss, base.final_val_loss)
+            gap_s = "—" if gap is None else f"{gap:+.2f} %"
         lines.append(f"| `{r.label}` | {_fmt(r.final_val_loss, '.4f')} | {gap_s} | "
                      f"{_fmt(r.final_train_loss, '.4f')} | {r.tokens_per_s:,.0f} | {r.description} |")
-    if base is None:
-        lines += ["", f"(No `{BASELINE}` run in this comparison: add it to --compare for the gaps.)"]
-    lines += ["", "Gap: 100 x (val loss - bf16 val loss) / bf16 val loss, at the last evaluation "
-              f"({cfg.eval_iters} fixed validation batches).", "",
+    for seed, labels in missing.items():
+        if not bases and all("@seed=" not in x for x in labels):  # one seed, no bf16 at all
+            lines += ["", f"(No `{BASELINE}` run in this comparison: add it to --compare for the gaps.)"]
+            continue
+        lines += ["", f"(No `{BASELINE}@seed={seed}` run in this comparison, so no gap for "
+                  f"{', '.join(f'`{x}`' for x in labels)}: add `{BASELINE}@seed={seed}` to --compare "
+                  "for them.)"]
+    lines += ["", "Gap: 100 x (val loss - bf16 val loss) / bf16 val loss, the bf16 run at the same seed, "
+              f"at the last evaluation ({cfg.eval_iters} fixed validation batches).", "",
               "## GEMMs on the exact emulation path", "",
               "Operand-format pairs with no fast kernel on this device (as recorded in "
               "`hybridfp.gemm.EMULATED`); they are exact but slow, so tokens/s above measures the "

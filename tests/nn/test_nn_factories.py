@@ -35,6 +35,7 @@ BUILTIN_OF = {"delayed_scaling": "fp8_delayed", "current_scaling": "fp8_current"
 EXACT, E4M3, E5M2 = 100.0, 27.0, 23.0
 FLOORS = {
     "high_precision": (EXACT, EXACT, EXACT),
+    "bf16": (52.0, 51.5, 51.0),  # BF16 operands (8-bit significands: ~53 dB), FP32 accumulation
     "delayed_scaling": (E4M3, E5M2, E5M2),
     "current_scaling": (E4M3, E5M2, E5M2),
     "float8_block_scaling": (E4M3, E4M3, E4M3),

@@ -87,6 +87,8 @@ def base_expected(name: str, role: Optional[QuantizerRole]) -> tuple:
     grad = t in GRADS
     if name == "high_precision":
         return identity()
+    if name == "bf16":
+        return ("IdentityQuantizer", {"dtype": torch.bfloat16})
     if name == "delayed_scaling":
         return fp8_delayed(E5M2 if grad else E4M3)
     if name == "current_scaling":

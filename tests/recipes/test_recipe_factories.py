@@ -74,7 +74,7 @@ def test_base_docstrings_exist(name):
 
 
 def test_public_factory_names():
-    assert set(BASE) == {"high_precision", "delayed_scaling", "current_scaling",
+    assert set(BASE) == {"high_precision", "bf16", "delayed_scaling", "current_scaling",
                          "float8_block_scaling", "mxfp8", "nvfp4"}
     assert set(ZOO) == {"high_precision_fwd_mxfp8_bwd", "mxfp8_fwd_nvfp4_bwd", "nvfp4_1d_weight",
                         "mxfp8_fwd_high_precision_bwd", "nvfp4_row_scaled_fwd_mxfp8_bwd",
@@ -153,7 +153,8 @@ def _fmt(name: str, t):
     """per_gemm's format names, configured for the role as the built-in recipes would."""
     grad = t in ("grad_output", "grad_input")
     return {
-        "bf16": identity(), "identity": identity(), "high_precision": identity(),
+        "bf16": ("IdentityQuantizer", {"dtype": torch.bfloat16}), "identity": identity(),
+        "high_precision": identity(),
         "fp8": fp8_current(E5M2 if grad else E4M3), "fp8_current": fp8_current(E5M2 if grad else E4M3),
         "fp8_delayed": fp8_delayed(E5M2 if grad else E4M3),
         "fp8_block": fp8_block(2 if t == "weight" else 1), "mxfp8": mxfp8(),

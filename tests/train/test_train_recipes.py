@@ -26,10 +26,15 @@ def test_builtin_names_give_builtin_recipes(name, cls):
     assert type(parse_recipe(name).recipe) is cls
 
 
-@pytest.mark.parametrize("name", ["bf16", "high_precision", "hp"])
-def test_bf16_is_the_identity_factory(name):
+def test_bf16_is_the_bf16_cast_factory():
+    r = parse_recipe("bf16")
+    assert r.label == "bf16" and r.recipe.qfactory is factories.bf16
+
+
+@pytest.mark.parametrize("name", ["high-precision", "high_precision", "hp"])
+def test_high_precision_is_the_no_cast_identity_factory(name):
     r = parse_recipe(name)
-    assert r.label == "bf16" and r.recipe.qfactory is factories.high_precision
+    assert r.label == "high-precision" and r.recipe.qfactory is factories.high_precision
 
 
 @pytest.mark.parametrize("zoo", list(factories.ZOO))
@@ -115,7 +120,7 @@ def test_compare_list_keeps_per_gemm_whole():
     text = "bf16, fp8,per_gemm:fprop=nvfp4,dgrad=mxfp8,wgrad=mxfp8,mxfp8-fwd-nvfp4-bwd"
     assert split_recipe_list(text) == ["bf16", "fp8", "per_gemm:fprop=nvfp4,dgrad=mxfp8,wgrad=mxfp8",
                                        "mxfp8-fwd-nvfp4-bwd"]
-    labels = [r.label for r in parse_recipe_list(text + ",high_precision")]  # duplicate dropped
+    labels = [r.label for r in parse_recipe_list(text + ",BF16")]  # duplicate dropped
     assert labels == ["bf16", "fp8", "per_gemm:fprop=nvfp4,dgrad=mxfp8,wgrad=mxfp8", "mxfp8-fwd-nvfp4-bwd"]
 
 
