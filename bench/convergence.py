@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -52,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from bench.convergence_report import split_label
 from hybridfp.train.data import load_data
 from hybridfp.train.model import PRESETS
 from hybridfp.train.parallel import worker_devices
@@ -59,6 +61,13 @@ from hybridfp.train.parallel import worker_devices
 DENSE = ("bf16", "fp8", "fp8-block", "mxfp8", "per_gemm:fprop=nvfp4,dgrad=mxfp8,wgrad=mxfp8", "mxfp8-fwd-nvfp4-bwd")
 MOE = ("bf16", "nvfp4-row-scaled-fwd-mxfp8-bwd")
 PROBE_STEPS = 20
+#: Default ``--safety-margin``: the share of the time left after the probe that the plan does not
+#: fill (the probe's rates are measured over a few seconds and can still be off).
+SAFETY_MARGIN = 0.15
+#: Default ``--grace-s``: seconds a worker gets to exit after SIGTERM before SIGKILL.
+GRACE_S = 5.0
+#: Default ``--poll-s``: seconds between the driver's reads of its workers.
+POLL_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -159,15 +168,102 @@ def start_worker(cmp: Comparison, labels: Sequence[str], out: Path, steps: int, 
     return subprocess.Popen(argv, stdout=open(out / "driver.log", "w"), stderr=subprocess.STDOUT)
 
 
-def run_workers(jobs: dict[Path, subprocess.Popen]) -> dict[Path, tuple[int, float]]:
-    """Wait for every worker: out dir -> (exit code, wall seconds since the call)."""
+class Interrupted(KeyboardInterrupt):
+    """The driver received SIGTERM (an outer time-out, a scheduler): stop, report what finished."""
+
+
+def _raise_interrupted(signum: int, frame: object) -> None:
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def interrupt_cause(e: KeyboardInterrupt) -> str:
+    """The reason runs cut by an interrupt of the driver fail with."""
+    return f"the driver was interrupted ({e.args[0] if isinstance(e, Interrupted) else 'SIGINT'})"
+
+
+@dataclass(frozen=True)
+class WorkerEnd:
+    """How a worker ended: its exit code, wall seconds since the workers started, and why the
+    driver stopped it (None: it ended on its own)."""
+
+    exit: Optional[int]
+    wall_s: float
+    stopped: Optional[str] = None
+
+
+class Progress:
+    """A worker's ``metrics.jsonl`` read as it grows; each read's last record is stamped with the
+    file's modification time, i.e. when the worker wrote it, not when the driver looked."""
+
+    def __init__(self, out: Path) -> None:
+        self.path, self.offset = out / "metrics.jsonl", 0
+        self.stamps: list[tuple[float, dict]] = []
+
+    def poll(self) -> None:
+        """Read the records written since the last call."""
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return
+        if st.st_size <= self.offset:
+            return
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            chunk = f.read(st.st_size - self.offset)
+        end = chunk.rfind(b"\n") + 1  # whole lines only; a partial one is read next time
+        self.offset += end
+        recs = [json.loads(line) for line in chunk[:end].decode().splitlines() if line.strip()]
+        if recs:
+            self.stamps.append((st.st_mtime, recs[-1]))
+
+
+def stop_workers(jobs: dict[Path, subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM every live worker, SIGKILL those still alive after ``grace_s``, reap them all."""
+    live = [p for p in jobs.values() if p.poll() is None]
+    for p in live:
+        p.terminate()
+    end = time.time() + grace_s
+    while time.time() < end and any(p.poll() is None for p in live):
+        time.sleep(0.05)
+    for p in live:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+def run_workers(jobs: dict[Path, subprocess.Popen], deadline: Optional[float] = None, budget_cause: str = "",
+                grace_s: float = GRACE_S, poll_s: float = POLL_S, watch: Optional[dict[Path, Progress]] = None
+                ) -> tuple[dict[Path, WorkerEnd], Optional[str]]:
+    """Wait for every worker until ``deadline`` (``time.time()`` seconds; None: no limit); then stop
+    the rest (:func:`stop_workers`) with ``budget_cause`` as the reason. A KeyboardInterrupt or
+    SIGTERM of the driver (:class:`Interrupted`) stops them the same way.
+
+    Returns
+    -------
+    (out dir -> :class:`WorkerEnd`, the interrupt's cause or None).
+    """
     t0, done = time.time(), {}
-    while len(done) < len(jobs):
-        for out, proc in jobs.items():
-            if out not in done and proc.poll() is not None:
-                done[out] = (proc.returncode, time.time() - t0)
-        time.sleep(0.5)
-    return done
+    cause, interrupted = budget_cause, None
+    try:
+        while len(done) < len(jobs):
+            for out, proc in jobs.items():
+                if out not in done and proc.poll() is not None:
+                    done[out] = WorkerEnd(proc.returncode, time.time() - t0)
+            for progress in (watch or {}).values():
+                progress.poll()
+            if len(done) < len(jobs) and deadline is not None and time.time() >= deadline:
+                break
+            time.sleep(poll_s)
+    except KeyboardInterrupt as e:  # Interrupted (SIGTERM) included
+        cause = interrupted = interrupt_cause(e)
+    rest = {out: p for out, p in jobs.items() if out not in done}
+    if rest:
+        print(f"stopping {len(rest)} worker(s): {cause}", flush=True)
+        stop_workers(rest, grace_s)
+        done.update({out: WorkerEnd(p.returncode, time.time() - t0, cause) for out, p in rest.items()})
+    for progress in (watch or {}).values():
+        progress.poll()
+    return done, interrupted
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -175,33 +271,113 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
-def probe(comparisons: Sequence[Comparison], workers: dict[str, int], args: argparse.Namespace
-          ) -> tuple[dict[str, dict[str, float]], float]:
-    """(comparison -> recipe -> tokens/s under full sharing, start-up seconds of the slowest
-    worker to start: its wall time less its training time)."""
-    jobs, devices = {}, iter(worker_devices(args.device, sum(workers.values())))
+def achieved_rates(stamps: dict[str, list[tuple[float, dict]]], tokens_per_step: dict[str, int],
+                   finished: Sequence[str]) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, str]], float]:
+    """Tokens per wall second of every probed recipe, measured while every worker trains.
+
+    The window runs from the moment the last worker wrote its first training step to the moment
+    the first of the ``finished`` workers (those that exited cleanly) wrote its last. A run's
+    rate is the steps it completed between its first and last stamped record in the window,
+    times ``tokens_per_step``, over the seconds between them: evaluations, host stalls and the
+    sharing of the GPU are in it, unlike the trainer's per-step ``tokens_per_s``. A run with
+    fewer than two stamps in the window is timed over all of its own (basis ``alone``: less
+    sharing, so optimistic; the plan says so). A recipe probed on several workers keeps its
+    slowest rate.
+
+    Parameters
+    ----------
+    stamps : worker (``COMPARISON/wK``) -> (write time, record) as :class:`Progress` stamps them.
+    tokens_per_step : comparison -> tokens of one training step.
+    finished : the workers that exited cleanly (the others do not close the window).
+
+    Returns
+    -------
+    (comparison -> recipe -> tokens/s, comparison -> recipe -> basis, the window's seconds).
+
+    Example
+    -------
+    >>> rec = lambda step, recipe: {"step": step, "recipe": recipe, "tokens_per_s": 1e9}
+    >>> s = {"d/w0": [(0.0, rec(1, "a")), (1.0, rec(3, "a")), (2.0, rec(5, "a")), (4.0, rec(9, "a"))],
+    ...      "d/w1": [(1.0, rec(1, "b")), (2.0, rec(2, "b")), (3.0, rec(3, "b"))]}
+    >>> rates, basis, window = achieved_rates(s, {"d": 100}, ["d/w0", "d/w1"])
+    >>> rates, basis["d"]["a"], window
+    ({'d': {'a': 200.0, 'b': 100.0}}, 'all workers training', 2.0)
+    """
+    train = {w: [(t, r) for t, r in pts if "tokens_per_s" in r] for w, pts in stamps.items()}
+    train = {w: pts for w, pts in train.items() if pts}
+    lo = max((pts[0][0] for pts in train.values()), default=0.0)
+    hi = min((pts[-1][0] for w, pts in train.items() if w in finished),
+             default=max((pts[-1][0] for pts in train.values()), default=0.0))
+    rates: dict[str, dict[str, float]] = {}
+    basis: dict[str, dict[str, str]] = {}
+    for w, pts in train.items():
+        cmp = w.split("/")[0]
+        for label in dict.fromkeys(r["recipe"] for _, r in pts):
+            own = [(t, r["step"]) for t, r in pts if r["recipe"] == label]
+            inside, how = [(t, s) for t, s in own if lo <= t <= hi], "all workers training"
+            if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+                inside, how = own, "alone"
+            if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+                continue  # too fast to time between two reads: the caller says what it uses instead
+            rate = (inside[-1][1] - inside[0][1]) * tokens_per_step[cmp] / (inside[-1][0] - inside[0][0])
+            recipe = label.rpartition("@seed=")[0] or label
+            if rate < rates.setdefault(cmp, {}).get(recipe, float("inf")):
+                rates[cmp][recipe] = rate
+                basis.setdefault(cmp, {})[recipe] = how
+    return rates, basis, max(0.0, hi - lo)
+
+
+def probe(comparisons: Sequence[Comparison], workers: dict[str, int], args: argparse.Namespace,
+          deadline: Optional[float] = None) -> dict:
+    """Every recipe trained ``PROBE_STEPS`` steps by workers started at once (the sharing of the
+    real run). Returns plain data: ``rates`` (comparison -> recipe -> achieved tokens/s,
+    :func:`achieved_rates`), ``per_step_rates`` (the median of the trainer's per-step
+    ``tokens_per_s`` over the second half, for comparison), ``basis``, ``window_s`` and
+    ``startup_s`` (from the start to the slowest worker's first training step, first-call
+    compilation included).
+
+    Raises
+    ------
+    SystemExit : the driver was interrupted, or the deadline came, during the probe.
+    """
+    jobs, devices, t0 = {}, iter(worker_devices(args.device, sum(workers.values()))), time.time()
+    by_name = {c.name: c for c in comparisons}
     for cmp in comparisons:
         runs = cmp.runs()[:max(workers[cmp.name], len(cmp.recipes))]  # every recipe once, then seed 1...
         for k, group in enumerate(assign(runs, {}, workers[cmp.name])):
             jobs[args.out / "probe" / cmp.name / f"w{k}"] = start_worker(
                 cmp, group, args.out / "probe" / cmp.name / f"w{k}", PROBE_STEPS, next(devices), args, 1000, 1)
-    done = run_workers(jobs)
-    rates: dict[str, dict[str, float]] = {c.name: {} for c in comparisons}
-    startup = 0.0
-    for out, (rc, wall) in done.items():
-        if rc:  # a recipe that fails to train is dropped from the study (the log says why)
-            print(f"probe {out}: exit {rc}\n" + (out / "driver.log").read_text()[-3000:], flush=True)
-        recs, per_run = _metrics(out), {}
+    watch = {out: Progress(out) for out in jobs}
+    cause = f"the time budget ran out during the probe (--budget-s {args.budget_s:g})"
+    done, interrupted = run_workers(jobs, deadline, cause, args.grace_s, args.poll_s, watch)
+    if interrupted or any(end.stopped for end in done.values()):
+        raise SystemExit(f"{interrupted or cause}: no run was planned (the probe is in {args.out / 'probe'}); "
+                         "give a larger --budget-s or fixed --steps.")
+    per_step: dict[str, dict[str, float]] = {c.name: {} for c in comparisons}
+    for out, end in done.items():
+        if end.exit:  # a recipe that fails to train is dropped from the study (the log says why)
+            print(f"probe {out}: exit {end.exit}\n" + (out / "driver.log").read_text()[-3000:], flush=True)
         samples: dict[str, list[float]] = {}
-        for r in recs:
+        for r in _metrics(out):
             if "tokens_per_s" in r and r["step"] > PROBE_STEPS // 2:
                 samples.setdefault(r["recipe"].rpartition("@seed=")[0], []).append(r["tokens_per_s"])
-            if "elapsed" in r:
-                per_run[r["recipe"]] = r["elapsed"]
         for recipe, v in samples.items():
-            rates[out.parent.name].setdefault(recipe, sorted(v)[len(v) // 2])
-        startup = max(startup, wall - sum(per_run.values()))
-    return rates, startup
+            per_step[out.parent.name].setdefault(recipe, sorted(v)[len(v) // 2])
+    key = {out: f"{out.parent.name}/{out.name}" for out in jobs}
+    rates, basis, window = achieved_rates({key[o]: w.stamps for o, w in watch.items()},
+                                          {c: by_name[c].tokens_per_step for c in by_name},
+                                          [key[o] for o, end in done.items() if end.exit == 0])
+    for name, recipes in per_step.items():
+        for recipe, v in recipes.items():
+            if recipe not in rates.get(name, {}):  # never silent: the plan and the log say which
+                rates.setdefault(name, {})[recipe] = v
+                basis.setdefault(name, {})[recipe] = "per-step tokens_per_s (too fast to time)"
+                print(f"probe {name}/{recipe}: trained too fast to time; planned from its per-step rate", flush=True)
+    firsts = [next(t for t, r in w.stamps if "tokens_per_s" in r) for w in watch.values()
+              if any("tokens_per_s" in r for _, r in w.stamps)]
+    startup = max(firsts, default=t0) - t0
+    return {"rates": {c.name: rates.get(c.name, {}) for c in comparisons}, "per_step_rates": per_step,
+            "basis": basis, "window_s": window, "startup_s": startup}
 
 
 def fingerprints_seen(out: Path) -> Optional[str]:
@@ -215,9 +391,15 @@ def fingerprints_seen(out: Path) -> Optional[str]:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("runs/convergence"))
-    p.add_argument("--budget-s", type=float, default=470.0, help="wall time for the probe and the runs")
+    p.add_argument("--budget-s", type=float, default=470.0,
+                   help="wall time for the probe and the runs: workers still running then are stopped")
     p.add_argument("--eval-fraction", type=float, default=0.2,
                    help="share of the training time kept for evaluations and each run's set-up")
+    p.add_argument("--safety-margin", type=float, default=SAFETY_MARGIN,
+                   help="share of the time left after the probe kept unplanned (the probe's error)")
+    p.add_argument("--grace-s", type=float, default=GRACE_S,
+                   help="seconds a worker gets to exit after SIGTERM (deadline, interrupt) before SIGKILL")
+    p.add_argument("--poll-s", type=float, default=POLL_S, help="seconds between reads of the workers' progress")
     p.add_argument("--seeds", type=int, default=3, help="seeds per recipe (init and data order)")
     p.add_argument("--jobs", type=int, default=8,
                    help="worker processes sharing the GPU(s), split over the comparisons (0: one per run)")
@@ -236,7 +418,20 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = p.parse_args(argv)
     if args.seeds < 1:
         raise SystemExit(f"--seeds must be at least 1; got {args.seeds}.")
+    for name in ("eval_fraction", "safety_margin"):
+        if not 0.0 <= getattr(args, name) < 1.0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be in [0, 1); got {getattr(args, name)}.")
     t0 = time.time()
+    # an outer time-out sends SIGTERM: stop the workers and write the reports (Interrupted)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupted)
+    try:
+        study(args, t0)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def study(args: argparse.Namespace, t0: float) -> None:
+    """Plan (probe or fixed steps), write ``plan.json``, run it (:func:`run_plan`)."""
     comparisons = [Comparison("dense", args.dense_preset, split_recipes(args.dense_recipes), args.seeds)]
     if args.moe_recipes:
         comparisons.append(Comparison("moe", args.moe_preset, split_recipes(args.moe_recipes), args.seeds))
@@ -250,19 +445,24 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
              for c in comparisons}
     plan: dict = {"data": {"spec": args.data, "source": data.source, "fingerprint": data.fingerprint,
                            "train_tokens": len(data.train), "val_tokens": len(data.val)},
-                  "seeds": args.seeds, "workers": workers, "comparisons": {}}
+                  "seeds": args.seeds, "workers": workers, "budget_s": args.budget_s, "comparisons": {}}
     cost: dict[str, dict[str, float]] = {c.name: {} for c in comparisons}
+    startup = 0.0
     if any(v is None for v in fixed.values()):
-        rates, startup = probe(comparisons, workers, args)
-        plan["probe"] = {"rates": rates, "startup_s": startup, "wall_s": time.time() - t0}
-        seconds = (args.budget_s - (time.time() - t0) - startup) * (1 - args.eval_fraction)
-        print(f"probe done in {time.time() - t0:.0f} s; start-up {startup:.0f} s; {seconds:.0f} s to train",
-              flush=True)
+        plan["probe"] = probe(comparisons, workers, args, t0 + args.budget_s)
+        startup = plan["probe"]["startup_s"]
+        left = args.budget_s - (time.time() - t0) - startup
+        seconds = left * (1 - args.eval_fraction) * (1 - args.safety_margin)
+        plan["probe"].update(wall_s=time.time() - t0, train_s=seconds, eval_fraction=args.eval_fraction,
+                             safety_margin=args.safety_margin)
+        print(f"probe done in {time.time() - t0:.0f} s (achieved tokens/s over {plan['probe']['window_s']:.0f} s "
+              f"of all workers training); start-up {startup:.0f} s; {seconds:.0f} s to train "
+              f"(less {args.eval_fraction:.0%} for evaluations and a {args.safety_margin:.0%} margin)", flush=True)
         if seconds <= 0:
             raise SystemExit(f"the probe and the workers' start-up took {time.time() - t0 + startup:.0f} s of the "
                              f"{args.budget_s:.0f} s budget; give a larger --budget-s (or fixed --steps).")
-        for c in comparisons:
-            cost[c.name] = {r: 1.0 / v for r, v in rates[c.name].items()}
+        cost = {c.name: {r: 1.0 / v for r, v in plan["probe"]["rates"][c.name].items() if v > 0}
+                for c in comparisons}
     for c in comparisons:
         recipes = c.recipes if fixed[c.name] is not None else tuple(r for r in c.recipes if r in cost[c.name])
         if "bf16" not in recipes:
@@ -278,6 +478,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         plan["comparisons"][c.name] = {
             "preset": c.preset, "steps": steps, "tokens_per_run": steps * c.tokens_per_step,
             "recipes": list(recipes), "dropped": [r for r in c.recipes if r not in recipes], "workers": groups}
+        if cost[c.name]:  # wall seconds from the workers' start: start-up, training, evaluations
+            plan["comparisons"][c.name]["predicted_s"] = [
+                startup + sum(cost[c.name][split_label(label)[0]] for label in g) * steps * c.tokens_per_step
+                / (1 - args.eval_fraction) for g in groups]
         print(f"{c.name}: {len(kept.runs())} runs x {steps} steps ({steps * c.tokens_per_step / 1e6:.2f}M tokens "
               f"each) on {len(groups)} workers", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -286,26 +490,52 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 def run_plan(args: argparse.Namespace, comparisons: Sequence[Comparison], plan: dict, t0: float) -> None:
-    """Start every worker of ``plan``, wait, merge each comparison's metrics, write the reports."""
-    jobs = {}
+    """Start every worker of ``plan``, wait until they end or ``--budget-s`` (from ``t0``) is spent,
+    stop the rest, merge each comparison's metrics and write the reports. Runs cut short fail with
+    the reason; an interrupt of the driver (SIGTERM, KeyboardInterrupt) also writes the reports
+    and then exits non-zero.
+
+    Raises
+    ------
+    SystemExit : the driver was interrupted (after the reports are written).
+    """
+    jobs: dict[Path, subprocess.Popen] = {}
+    started = time.time()
     devices = iter(worker_devices(args.device, sum(len(v["workers"]) for v in plan["comparisons"].values())))
-    for c in comparisons:
-        entry = plan["comparisons"][c.name]
-        for k, group in enumerate(entry["workers"]):
-            out = args.out / c.name / f"w{k}"
-            jobs[out] = start_worker(c, group, out, entry["steps"], next(devices), args,
-                                     max(1, entry["steps"] // 4), args.eval_iters)
-    done = run_workers(jobs)
-    for out, (rc, wall) in sorted(done.items()):
-        print(f"== {out} (exit {rc}, {wall:.0f} s)" + ("\n" + (out / "driver.log").read_text()[-3000:] if rc else ""),
-              flush=True)
-    write_reports(args.out, plan, args.json)
+    cause = f"the time budget ran out (--budget-s {args.budget_s:g})"
+    try:
+        for c in comparisons:
+            entry = plan["comparisons"][c.name]
+            for k, group in enumerate(entry["workers"]):
+                out = args.out / c.name / f"w{k}"
+                jobs[out] = start_worker(c, group, out, entry["steps"], next(devices), args,
+                                         max(1, entry["steps"] // 4), args.eval_iters)
+    except KeyboardInterrupt as e:  # while starting: stop what started, report every run as cut
+        interrupted = interrupt_cause(e)
+        stop_workers(jobs, args.grace_s)
+        done = {out: WorkerEnd(p.returncode, time.time() - started, interrupted) for out, p in jobs.items()}
+    else:
+        done, interrupted = run_workers(jobs, t0 + args.budget_s, cause, args.grace_s, args.poll_s)
+    for out, end in sorted(done.items()):
+        print(f"== {out} (exit {end.exit}, {end.wall_s:.0f} s" + (f"; stopped: {end.stopped})" if end.stopped else ")")
+              + ("\n" + (out / "driver.log").read_text()[-3000:] if end.exit and not end.stopped else ""), flush=True)
+    ends = {f"{out.parent.name}/{out.name}": {"exit": e.exit, "wall_s": e.wall_s, "stopped": e.stopped}
+            for out, e in done.items()}
+    write_reports(args.out, plan, args.json, ends)
+    if interrupted:
+        raise SystemExit(f"{interrupted}: stopped the workers; what finished is in {args.out / 'report.md'}")
     print(f"study done in {time.time() - t0:.0f} s: {args.out / 'report.md'}", flush=True)
 
 
-def write_reports(out: Path, plan: dict, json_path: Optional[Path] = None) -> dict:
+def write_reports(out: Path, plan: dict, json_path: Optional[Path] = None,
+                  ends: Optional[dict[str, dict]] = None) -> dict:
     """Per comparison: merged ``metrics.jsonl`` and its statistics; ``report.md`` / ``report.json``
-    (and ``json_path``) with the plan and the corpus fingerprint each worker trained on."""
+    (and ``json_path``) with the plan and the corpus fingerprint each worker trained on.
+
+    ``ends``: ``COMPARISON/wK`` -> ``{"exit", "wall_s", "stopped"}`` (:class:`WorkerEnd`). The runs
+    of a worker the driver stopped that did not complete fail with its ``stopped`` reason (the
+    budget ran out, the driver was interrupted); each worker's predicted seconds (the plan's
+    ``predicted_s``) and actual ones are listed, so the planning error is visible."""
     from bench.common import environment
     from bench.convergence_report import analyze, failed_runs, to_markdown
     fp = plan["data"]["fingerprint"]
@@ -318,6 +548,9 @@ def write_reports(out: Path, plan: dict, json_path: Optional[Path] = None) -> di
         (out / name).mkdir(parents=True, exist_ok=True)
         (out / name / "metrics.jsonl").write_text(merged)
         seen = {str(o.name): fingerprints_seen(o) for o in outs}
+        worker_ends = [(ends or {}).get(f"{name}/w{k}", {}) for k in range(len(entry["workers"]))]
+        cut = {label: e["stopped"] for group, e in zip(entry["workers"], worker_ends) if e.get("stopped")
+               for label in group}
         other = sorted(k for k, line in seen.items() if line is None or fp not in line)
         started = {json.loads(line)["recipe"] for line in merged.splitlines() if line.strip()}
         # a worker that stops (a run that diverged raises) never starts its later runs
@@ -328,9 +561,13 @@ def write_reports(out: Path, plan: dict, json_path: Optional[Path] = None) -> di
         expected = [label for group in entry["workers"] for label in group]
         study: dict = {"data_lines": seen, "workers_on_other_data": other, "never_started": missing}
         paths = [out / name / "metrics.jsonl"]
-        study["failed_runs"] = failed_runs(paths, entry["steps"], expected, dropped)
+        predicted = entry.get("predicted_s", [None] * len(entry["workers"]))
+        study["workers"] = [{"worker": f"w{k}", "runs": len(group), "predicted_s": predicted[k],
+                             "actual_s": e.get("wall_s"), "exit": e.get("exit"), "stopped": e.get("stopped")}
+                            for k, (group, e) in enumerate(zip(entry["workers"], worker_ends))]
+        study["failed_runs"] = failed_runs(paths, entry["steps"], expected, dropped, cut)
         try:
-            study["stats"] = analyze(paths, steps=entry["steps"], expected=expected, dropped=dropped)
+            study["stats"] = analyze(paths, steps=entry["steps"], expected=expected, dropped=dropped, cut=cut)
             study["markdown"] = to_markdown(study["stats"])
             study["failed"] = study["stats"]["failed"]
         except ValueError as e:
@@ -343,8 +580,11 @@ def write_reports(out: Path, plan: dict, json_path: Optional[Path] = None) -> di
         result["studies"][name] = study
         warn = (f"\n\n**Workers without the corpus `{fp}` in their summary (failed, or other data): "
                 f"{', '.join(other)}.**" if other else "")
-        warn += (f"\n\n**Runs never started (their worker stopped first): "
-                 f"{', '.join(f'`{m}`' for m in missing)}.**" if missing else "")
+        for why in dict.fromkeys(cut.get(m, "their worker stopped first") for m in missing):
+            warn += (f"\n\n**Runs never started ({why}): "
+                     f"{', '.join(f'`{m}`' for m in missing if cut.get(m, 'their worker stopped first') == why)}.**")
+        if ends:
+            warn += "\n\n" + workers_table(study["workers"])
         md += [f"### {name}: preset `{entry['preset']}`, {entry['steps']} steps ({entry['tokens_per_run']:,} "
                f"tokens per run)", "", study["markdown"] + warn, ""]
     result["markdown"] = "\n".join(md)
@@ -355,6 +595,18 @@ def write_reports(out: Path, plan: dict, json_path: Optional[Path] = None) -> di
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(text)
     return result
+
+
+def workers_table(workers: Sequence[dict]) -> str:
+    """Markdown: each worker's runs, predicted and actual wall seconds, and how it ended."""
+    def sec(v: Optional[float]) -> str:
+        return "—" if v is None else f"{v:.0f}"
+    lines = ["Workers, wall seconds from their start (predicted: the plan from the probe's rates):", "",
+             "| worker | runs | predicted s | actual s | ended |", "|---|---:|---:|---:|---|"]
+    for w in workers:
+        ended = f"stopped: {w['stopped']}" if w["stopped"] else f"exit {w['exit']}"
+        lines.append(f"| {w['worker']} | {w['runs']} | {sec(w['predicted_s'])} | {sec(w['actual_s'])} | {ended} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

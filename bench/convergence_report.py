@@ -257,11 +257,13 @@ def _records(paths: Iterable[Path]) -> Iterable[dict]:
 
 
 def failed_runs(paths: Sequence[Path], steps: Optional[int] = None, expected: Sequence[str] = (),
-                dropped: Optional[dict[str, str]] = None) -> dict[str, str]:
+                dropped: Optional[dict[str, str]] = None, cut: Optional[dict[str, str]] = None) -> dict[str, str]:
     """The runs of a comparison that cannot count, each with why: a non-finite loss
     (``diverged at step N``), no validation loss at the planned ``steps`` (``stopped at step N``:
     a crash, a kill, a time-out), an ``expected`` label with no record (``never started``: its
-    worker stopped first), and the ``dropped`` ones the caller names (e.g. at the probe).
+    worker stopped first), and the ``dropped`` ones the caller names (e.g. at the probe). A run in
+    ``cut`` (its worker was stopped by the driver) that did not complete has the cut's reason
+    appended (``stopped at step N: the time budget ran out ...``).
 
     Parameters
     ----------
@@ -269,11 +271,25 @@ def failed_runs(paths: Sequence[Path], steps: Optional[int] = None, expected: Se
     steps : the planned steps (None: only divergence and missing runs are detected).
     expected : every run label the plan trains.
     dropped : label -> reason of runs the plan left out.
+    cut : label -> why the driver stopped the run's worker (the budget ran out, an interrupt).
 
     Returns
     -------
     dict : label -> reason, sorted by label.
+
+    Example
+    -------
+    >>> import json, tempfile
+    >>> path = Path(tempfile.mkdtemp()) / "metrics.jsonl"
+    >>> _ = path.write_text(json.dumps({"step": 3, "recipe": "bf16@seed=0", "train_loss": 2.0}) + "\n")
+    >>> failed_runs([path], 10, ["bf16@seed=0", "bf16@seed=1"], cut={"bf16@seed=0": "the budget ran out"})
+    {'bf16@seed=0': 'stopped at step 3: the budget ran out', 'bf16@seed=1': 'never started'}
     """
+    cut = cut or {}
+
+    def why(text: str, label: str) -> str:
+        return f"{text}: {cut[label]}" if label in cut else text
+
     nonfinite, last_val, last_step = {}, {}, {}
     for r in _records(paths):
         label = r["recipe"]
@@ -288,14 +304,14 @@ def failed_runs(paths: Sequence[Path], steps: Optional[int] = None, expected: Se
         if label in nonfinite:
             out[label] = f"diverged at step {nonfinite[label]}"
         elif steps is not None and last_val.get(label) != steps:
-            out[label] = f"stopped at step {step}"
-    out.update({label: "never started" for label in expected if label not in last_step})
+            out[label] = why(f"stopped at step {step}", label)
+    out.update({label: why("never started", label) for label in expected if label not in last_step})
     return dict(sorted(out.items()))
 
 
 def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
             confidence: float = CONFIDENCE, steps: Optional[int] = None, expected: Sequence[str] = (),
-            dropped: Optional[dict[str, str]] = None) -> dict:
+            dropped: Optional[dict[str, str]] = None, cut: Optional[dict[str, str]] = None) -> dict:
     """Per recipe: final validation losses by seed, mean +- std, gap to BF16 with its interval
     and the verdict; plain data (JSON-able).
 
@@ -313,6 +329,7 @@ def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
         under ``"incomplete"``; None: every run must end at the same step.
     expected : every run label the plan trains (those without a record are ``never started``).
     dropped : label -> reason of runs the plan left out (e.g. ``"dropped at the probe"``).
+    cut : label -> why the driver stopped the run's worker (:func:`failed_runs`).
 
     Returns
     -------
@@ -325,7 +342,7 @@ def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
         ended at different steps.
     """
     targets = TARGETS if targets is None else targets
-    failed = failed_runs(paths, steps, expected, dropped)
+    failed = failed_runs(paths, steps, expected, dropped, cut)
     last: dict[str, tuple[int, float]] = {}
     rates: dict[str, list[tuple[int, float]]] = defaultdict(list)
     for r in _records(paths):
