@@ -26,11 +26,24 @@ Failures: a recipe dropped at the probe, and one with any run that diverged, sto
 never started, stays in the report with the verdict ``failed`` and its runs named
 (``bench.convergence_report.failed_runs``), never judged on the seeds that survived.
 
-Plan: a probe starts every worker at once for ``PROBE_STEPS`` steps (one run per recipe, so
-the measured tokens/s include the GPU's sharing), and measures each worker's start-up. The
-token budget per run is then the largest that lets the most loaded worker finish in what is
-left of ``--budget-s``, less ``--eval-fraction`` for evaluations; every run of a comparison
-trains the same steps (same cosine schedule, warm-up a tenth of them).
+Plan: a probe starts every worker at once for ``PROBE_STEPS`` steps (one run per recipe). The
+driver reads the workers' ``metrics.jsonl`` as they grow (the files' write times stamp the
+records) and rates each recipe by its *achieved* throughput, tokens trained over wall seconds
+while every worker trains (:func:`achieved_rates`): evaluations, host stalls and the sharing
+of the GPU are in it, unlike the trainer's per-step ``tokens_per_s`` (kept in ``plan.json`` as
+``per_step_rates``: on one H100 it read 1.0-3.6x what the runs then achieved). Start-up is the time to the
+slowest worker's first training step. The token budget per run is then the largest that lets
+the most loaded worker finish in what is left of ``--budget-s``, less ``--eval-fraction`` for
+evaluations and ``--safety-margin`` (15 %) for the probe's error; every run of a comparison
+trains the same steps (same cosine schedule, warm-up a tenth of them). The plan records each
+worker's predicted seconds and the report sets them beside the actual ones.
+
+Deadline: ``--budget-s`` counts from the driver's start and is hard. Workers still running when
+it is spent get SIGTERM, then SIGKILL after ``--grace-s``; their unfinished runs fail with
+``stopped at step N: the time budget ran out`` (or ``never started: ...``), and the reports are
+written from what finished. SIGTERM or Ctrl-C of the driver does the same (the runs fail as
+``the driver was interrupted``) and then exits non-zero, so an outer ``timeout`` loses nothing
+measured: give it ``--grace-s`` plus some seconds for the reports beyond ``--budget-s``.
 
 Expected size at the default budget (470 s, probe included, one H200): a ~100M model trains
 roughly 150-300 k tokens/s in BF16 alone; shared by the 24 runs (the quantized recipes cost

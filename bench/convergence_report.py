@@ -280,9 +280,10 @@ def failed_runs(paths: Sequence[Path], steps: Optional[int] = None, expected: Se
     Example
     -------
     >>> import json, tempfile
-    >>> path = Path(tempfile.mkdtemp()) / "metrics.jsonl"
-    >>> _ = path.write_text(json.dumps({"step": 3, "recipe": "bf16@seed=0", "train_loss": 2.0}) + "\n")
-    >>> failed_runs([path], 10, ["bf16@seed=0", "bf16@seed=1"], cut={"bf16@seed=0": "the budget ran out"})
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     path = Path(d) / "metrics.jsonl"
+    ...     _ = path.write_text(json.dumps({"step": 3, "recipe": "bf16@seed=0", "train_loss": 2.0}) + "\\n")
+    ...     failed_runs([path], 10, ["bf16@seed=0", "bf16@seed=1"], cut={"bf16@seed=0": "the budget ran out"})
     {'bf16@seed=0': 'stopped at step 3: the budget ran out', 'bf16@seed=1': 'never started'}
     """
     cut = cut or {}
