@@ -432,9 +432,10 @@ class per_gemm:  # noqa: N801 - used like a function: per_gemm(fprop=..., dgrad=
     ----------
     fprop, dgrad, wgrad:
         Format names (``FORMAT_NAMES``): bf16 (cast to BF16, no quantization), identity /
-        high_precision (no quantization, no cast: the operand's own dtype), fp8 (current scaling; E5M2 for gradients), fp8_current, fp8_delayed, fp8_block (as
-        their built-in recipes make them for the role), mxfp8, nvfp4 (1D; RHT on wgrad
-        operands, SR on gradients).
+        high_precision (no quantization, no cast: the operand's own dtype), fp8 (current
+        scaling; E5M2 for gradients), fp8_current, fp8_delayed, fp8_block (as their built-in
+        recipes make them for the role), mxfp8, nvfp4 (1D; RHT on wgrad operands, SR on
+        gradients).
 
     Returns
     -------
