@@ -29,14 +29,15 @@ never started, stays in the report with the verdict ``failed`` and its runs name
 Plan: a probe starts every worker at once for ``PROBE_STEPS`` steps (one run per recipe). The
 driver reads the workers' ``metrics.jsonl`` as they grow (the files' write times stamp the
 records) and rates each recipe by its *achieved* throughput, tokens trained over wall seconds
-while every worker trains (:func:`achieved_rates`): evaluations, host stalls and the sharing
-of the GPU are in it, unlike the trainer's per-step ``tokens_per_s`` (kept in ``plan.json`` as
-``per_step_rates``: on one H100 it read 1.0-3.6x what the runs then achieved). Start-up is the time to the
-slowest worker's first training step. The token budget per run is then the largest that lets
-the most loaded worker finish in what is left of ``--budget-s``, less ``--eval-fraction`` for
-evaluations and ``--safety-margin`` (15 %) for the probe's error; every run of a comparison
-trains the same steps (same cosine schedule, warm-up a tenth of them). The plan records each
-worker's predicted seconds and the report sets them beside the actual ones.
+while every worker trains (``bench.convergence_workers.achieved_rates``): evaluations, host
+stalls and the sharing of the GPU are in it, unlike the trainer's per-step ``tokens_per_s``
+(kept in ``plan.json`` as ``per_step_rates``: on one H100 it read 1.0-3.6x what the runs then
+achieved). Start-up is the time to the slowest worker's first training step. The token budget
+per run is then the largest that lets the most loaded worker finish in what is left of
+``--budget-s``, less ``--eval-fraction`` for evaluations and ``--safety-margin`` (15 %) for
+the probe's error; every run of a comparison trains the same steps (same cosine schedule,
+warm-up a tenth of them). The plan records each worker's predicted seconds and the report sets
+them beside the actual ones.
 
 Deadline: ``--budget-s`` counts from the driver's start and is hard. Workers still running when
 it is spent get SIGTERM, then SIGKILL after ``--grace-s``; their unfinished runs fail with
@@ -67,6 +68,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from bench.convergence_report import split_label
+from bench.convergence_workers import (GRACE_S, POLL_S, Progress, WorkerEnd, achieved_rates, interrupt_cause,
+                                       raise_interrupted, run_workers, stop_workers)
 from hybridfp.train.data import load_data
 from hybridfp.train.model import PRESETS
 from hybridfp.train.parallel import worker_devices
@@ -77,10 +80,6 @@ PROBE_STEPS = 20
 #: Default ``--safety-margin``: the share of the time left after the probe that the plan does not
 #: fill (the probe's rates are measured over a few seconds and can still be off).
 SAFETY_MARGIN = 0.15
-#: Default ``--grace-s``: seconds a worker gets to exit after SIGTERM before SIGKILL.
-GRACE_S = 5.0
-#: Default ``--poll-s``: seconds between the driver's reads of its workers.
-POLL_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -181,170 +180,16 @@ def start_worker(cmp: Comparison, labels: Sequence[str], out: Path, steps: int, 
     return subprocess.Popen(argv, stdout=open(out / "driver.log", "w"), stderr=subprocess.STDOUT)
 
 
-class Interrupted(KeyboardInterrupt):
-    """The driver received SIGTERM (an outer time-out, a scheduler): stop, report what finished."""
-
-
-def _raise_interrupted(signum: int, frame: object) -> None:
-    raise Interrupted(signal.Signals(signum).name)
-
-
-def interrupt_cause(e: KeyboardInterrupt) -> str:
-    """The reason runs cut by an interrupt of the driver fail with."""
-    return f"the driver was interrupted ({e.args[0] if isinstance(e, Interrupted) else 'SIGINT'})"
-
-
-@dataclass(frozen=True)
-class WorkerEnd:
-    """How a worker ended: its exit code, wall seconds since the workers started, and why the
-    driver stopped it (None: it ended on its own)."""
-
-    exit: Optional[int]
-    wall_s: float
-    stopped: Optional[str] = None
-
-
-class Progress:
-    """A worker's ``metrics.jsonl`` read as it grows; each read's last record is stamped with the
-    file's modification time, i.e. when the worker wrote it, not when the driver looked."""
-
-    def __init__(self, out: Path) -> None:
-        self.path, self.offset = out / "metrics.jsonl", 0
-        self.stamps: list[tuple[float, dict]] = []
-
-    def poll(self) -> None:
-        """Read the records written since the last call."""
-        try:
-            st = self.path.stat()
-        except FileNotFoundError:
-            return
-        if st.st_size <= self.offset:
-            return
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            chunk = f.read(st.st_size - self.offset)
-        end = chunk.rfind(b"\n") + 1  # whole lines only; a partial one is read next time
-        self.offset += end
-        recs = [json.loads(line) for line in chunk[:end].decode().splitlines() if line.strip()]
-        if recs:
-            self.stamps.append((st.st_mtime, recs[-1]))
-
-
-def stop_workers(jobs: dict[Path, subprocess.Popen], grace_s: float) -> None:
-    """SIGTERM every live worker, SIGKILL those still alive after ``grace_s``, reap them all."""
-    live = [p for p in jobs.values() if p.poll() is None]
-    for p in live:
-        p.terminate()
-    end = time.time() + grace_s
-    while time.time() < end and any(p.poll() is None for p in live):
-        time.sleep(0.05)
-    for p in live:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-
-
-def run_workers(jobs: dict[Path, subprocess.Popen], deadline: Optional[float] = None, budget_cause: str = "",
-                grace_s: float = GRACE_S, poll_s: float = POLL_S, watch: Optional[dict[Path, Progress]] = None
-                ) -> tuple[dict[Path, WorkerEnd], Optional[str]]:
-    """Wait for every worker until ``deadline`` (``time.time()`` seconds; None: no limit); then stop
-    the rest (:func:`stop_workers`) with ``budget_cause`` as the reason. A KeyboardInterrupt or
-    SIGTERM of the driver (:class:`Interrupted`) stops them the same way.
-
-    Returns
-    -------
-    (out dir -> :class:`WorkerEnd`, the interrupt's cause or None).
-    """
-    t0, done = time.time(), {}
-    cause, interrupted = budget_cause, None
-    try:
-        while len(done) < len(jobs):
-            for out, proc in jobs.items():
-                if out not in done and proc.poll() is not None:
-                    done[out] = WorkerEnd(proc.returncode, time.time() - t0)
-            for progress in (watch or {}).values():
-                progress.poll()
-            if len(done) < len(jobs) and deadline is not None and time.time() >= deadline:
-                break
-            time.sleep(poll_s)
-    except KeyboardInterrupt as e:  # Interrupted (SIGTERM) included
-        cause = interrupted = interrupt_cause(e)
-    rest = {out: p for out, p in jobs.items() if out not in done}
-    if rest:
-        print(f"stopping {len(rest)} worker(s): {cause}", flush=True)
-        stop_workers(rest, grace_s)
-        done.update({out: WorkerEnd(p.returncode, time.time() - t0, cause) for out, p in rest.items()})
-    for progress in (watch or {}).values():
-        progress.poll()
-    return done, interrupted
-
-
 def _metrics(out: Path) -> list[dict]:
     path = out / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-
-
-def achieved_rates(stamps: dict[str, list[tuple[float, dict]]], tokens_per_step: dict[str, int],
-                   finished: Sequence[str]) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, str]], float]:
-    """Tokens per wall second of every probed recipe, measured while every worker trains.
-
-    The window runs from the moment the last worker wrote its first training step to the moment
-    the first of the ``finished`` workers (those that exited cleanly) wrote its last. A run's
-    rate is the steps it completed between its first and last stamped record in the window,
-    times ``tokens_per_step``, over the seconds between them: evaluations, host stalls and the
-    sharing of the GPU are in it, unlike the trainer's per-step ``tokens_per_s``. A run with
-    fewer than two stamps in the window is timed over all of its own (basis ``alone``: less
-    sharing, so optimistic; the plan says so). A recipe probed on several workers keeps its
-    slowest rate.
-
-    Parameters
-    ----------
-    stamps : worker (``COMPARISON/wK``) -> (write time, record) as :class:`Progress` stamps them.
-    tokens_per_step : comparison -> tokens of one training step.
-    finished : the workers that exited cleanly (the others do not close the window).
-
-    Returns
-    -------
-    (comparison -> recipe -> tokens/s, comparison -> recipe -> basis, the window's seconds).
-
-    Example
-    -------
-    >>> rec = lambda step, recipe: {"step": step, "recipe": recipe, "tokens_per_s": 1e9}
-    >>> s = {"d/w0": [(0.0, rec(1, "a")), (1.0, rec(3, "a")), (2.0, rec(5, "a")), (4.0, rec(9, "a"))],
-    ...      "d/w1": [(1.0, rec(1, "b")), (2.0, rec(2, "b")), (3.0, rec(3, "b"))]}
-    >>> rates, basis, window = achieved_rates(s, {"d": 100}, ["d/w0", "d/w1"])
-    >>> rates, basis["d"]["a"], window
-    ({'d': {'a': 200.0, 'b': 100.0}}, 'all workers training', 2.0)
-    """
-    train = {w: [(t, r) for t, r in pts if "tokens_per_s" in r] for w, pts in stamps.items()}
-    train = {w: pts for w, pts in train.items() if pts}
-    lo = max((pts[0][0] for pts in train.values()), default=0.0)
-    hi = min((pts[-1][0] for w, pts in train.items() if w in finished),
-             default=max((pts[-1][0] for pts in train.values()), default=0.0))
-    rates: dict[str, dict[str, float]] = {}
-    basis: dict[str, dict[str, str]] = {}
-    for w, pts in train.items():
-        cmp = w.split("/")[0]
-        for label in dict.fromkeys(r["recipe"] for _, r in pts):
-            own = [(t, r["step"]) for t, r in pts if r["recipe"] == label]
-            inside, how = [(t, s) for t, s in own if lo <= t <= hi], "all workers training"
-            if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
-                inside, how = own, "alone"
-            if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
-                continue  # too fast to time between two reads: the caller says what it uses instead
-            rate = (inside[-1][1] - inside[0][1]) * tokens_per_step[cmp] / (inside[-1][0] - inside[0][0])
-            recipe = label.rpartition("@seed=")[0] or label
-            if rate < rates.setdefault(cmp, {}).get(recipe, float("inf")):
-                rates[cmp][recipe] = rate
-                basis.setdefault(cmp, {})[recipe] = how
-    return rates, basis, max(0.0, hi - lo)
 
 
 def probe(comparisons: Sequence[Comparison], workers: dict[str, int], args: argparse.Namespace,
           deadline: Optional[float] = None) -> dict:
     """Every recipe trained ``PROBE_STEPS`` steps by workers started at once (the sharing of the
     real run). Returns plain data: ``rates`` (comparison -> recipe -> achieved tokens/s,
-    :func:`achieved_rates`), ``per_step_rates`` (the median of the trainer's per-step
+    ``bench.convergence_workers.achieved_rates``), ``per_step_rates`` (the median of the trainer's per-step
     ``tokens_per_s`` over the second half, for comparison), ``basis``, ``window_s`` and
     ``startup_s`` (from the start to the slowest worker's first training step, first-call
     compilation included).
@@ -386,6 +231,9 @@ def probe(comparisons: Sequence[Comparison], workers: dict[str, int], args: argp
                 rates.setdefault(name, {})[recipe] = v
                 basis.setdefault(name, {})[recipe] = "per-step tokens_per_s (too fast to time)"
                 print(f"probe {name}/{recipe}: trained too fast to time; planned from its per-step rate", flush=True)
+    alone = [f"{name}/{r}" for name, b in basis.items() for r, how in b.items() if how != "all workers training"]
+    if alone:  # timed with less sharing than the real run: optimistic, the margin must cover it
+        print(f"probe: no overlap of all workers to time {', '.join(alone)} in; timed alone", flush=True)
     firsts = [next(t for t, r in w.stamps if "tokens_per_s" in r) for w in watch.values()
               if any("tokens_per_s" in r for _, r in w.stamps)]
     startup = max(firsts, default=t0) - t0
@@ -436,7 +284,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             raise SystemExit(f"--{name.replace('_', '-')} must be in [0, 1); got {getattr(args, name)}.")
     t0 = time.time()
     # an outer time-out sends SIGTERM: stop the workers and write the reports (Interrupted)
-    previous = signal.signal(signal.SIGTERM, _raise_interrupted)
+    previous = signal.signal(signal.SIGTERM, raise_interrupted)
     try:
         study(args, t0)
     finally:
@@ -615,10 +463,12 @@ def workers_table(workers: Sequence[dict]) -> str:
     def sec(v: Optional[float]) -> str:
         return "—" if v is None else f"{v:.0f}"
     lines = ["Workers, wall seconds from their start (predicted: the plan from the probe's rates):", "",
-             "| worker | runs | predicted s | actual s | ended |", "|---|---:|---:|---:|---|"]
+             "| worker | runs | predicted s | actual s | actual / predicted | ended |", "|---|---:|---:|---:|---:|---|"]
     for w in workers:
         ended = f"stopped: {w['stopped']}" if w["stopped"] else f"exit {w['exit']}"
-        lines.append(f"| {w['worker']} | {w['runs']} | {sec(w['predicted_s'])} | {sec(w['actual_s'])} | {ended} |")
+        ratio = f"{w['actual_s'] / w['predicted_s']:.2f}" if w["predicted_s"] and w["actual_s"] is not None else "—"
+        lines.append(f"| {w['worker']} | {w['runs']} | {sec(w['predicted_s'])} | {sec(w['actual_s'])} | {ratio} "
+                     f"| {ended} |")
     return "\n".join(lines)
 
 

@@ -91,7 +91,8 @@ def test_a_worker_that_overruns_is_stopped_at_the_deadline(tmp_path, monkeypatch
     out = tmp_path / "conv"
     t0 = time.time()
     # each worker needs 2 runs x 300 steps x 0.05 s = 30 s; the budget is 5 s; w1 ignores SIGTERM
-    drive(argv(out, "--steps", "300", "--budget-s", "5", "--grace-s", "1"), 0.05, ignore_term="w1", monkeypatch=monkeypatch)
+    drive(argv(out, "--steps", "300", "--budget-s", "5", "--grace-s", "1"), 0.05, ignore_term="w1",
+          monkeypatch=monkeypatch)
     took = time.time() - t0
     assert took < 5 + 1 + 6, took  # the budget, the grace, and slack for a loaded machine
     pids = [int((out / "dense" / w / "pid").read_text()) for w in ("w0", "w1")]
