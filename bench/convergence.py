@@ -286,12 +286,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     # an outer time-out sends SIGTERM: stop the workers and write the reports (Interrupted)
     previous = signal.signal(signal.SIGTERM, raise_interrupted)
     try:
-        study(args, t0)
+        plan_and_run(args, t0)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
-def study(args: argparse.Namespace, t0: float) -> None:
+def plan_and_run(args: argparse.Namespace, t0: float) -> None:
     """Plan (probe or fixed steps), write ``plan.json``, run it (:func:`run_plan`)."""
     comparisons = [Comparison("dense", args.dense_preset, split_recipes(args.dense_recipes), args.seeds)]
     if args.moe_recipes:
