@@ -43,8 +43,9 @@ class Benchmark:
     out_flag: str = "--out"
     quick: bool = True
     timeout_s: float = 1200.0
-    #: the module takes ``--deadline-s`` (rows left after it are recorded as not run)
-    deadline_flag: bool = False
+    #: the module's own time-limit option (``--deadline-s``: rows left after it are recorded
+    #: as not run; ``--budget-s``: the study stops its runs and reports), else None
+    deadline_flag: Optional[str] = None
     headline: Callable[[dict[str, Any]], Rows] = field(default=lambda r: [], compare=False)
 
 
@@ -200,11 +201,11 @@ BENCHMARKS: dict[str, Benchmark] = {
                                   "quantize kernels' bandwidth; fused hybrids vs their single formats",
                                   headline=_quantize_kernels),
     "mlp": Benchmark("bench.bench_mlp", "Llama-3-8B MLP step vs BF16 eager / compiled, torchao float8",
-                     deadline_flag=True, headline=_mlp),
+                     deadline_flag="--deadline-s", headline=_mlp),
     "moe": Benchmark("bench.bench_moe", "MoE layer step (4 micro-batches), 8 experts x ffn 14336, vs the fastest BF16",
-                     ("--experts", "8"), deadline_flag=True, headline=_moe),
+                     ("--experts", "8"), deadline_flag="--deadline-s", headline=_moe),
     "moe_64": Benchmark("bench.bench_moe", "MoE layer step (4 micro-batches), 64 experts x ffn 1408, vs the fastest BF16",
-                        ("--experts", "64"), deadline_flag=True, headline=_moe),
+                        ("--experts", "64"), deadline_flag="--deadline-s", headline=_moe),
     "bound_moe": Benchmark("bench.bound_moe", "the best ratio the 64-expert MoE allows, from measured parts",
                            ("--experts", "64"), headline=_bound_moe),
     "grouped_gemm": Benchmark("bench.bench_grouped_gemm", "Triton BF16 / FP8 grouped GEMMs vs torch._grouped_mm",
@@ -215,7 +216,7 @@ BENCHMARKS: dict[str, Benchmark] = {
                          headline=_offload),
     "convergence": Benchmark("bench.convergence", "validation loss of every recipe vs BF16 (trains ~10 minutes)",
                              ("--out", "runs/convergence"), default=False, out_flag="--json", quick=False,
-                             timeout_s=1800.0, headline=_convergence),
+                             timeout_s=1800.0, deadline_flag="--budget-s", headline=_convergence),
     "sweep_dispatch": Benchmark("bench.sweep_dispatch", "GEMM-path thresholds and tile defaults away from their "
                                 "fitted shapes: picked / fastest per cell", default=False, timeout_s=900.0,
                                 headline=lambda r: [tuple(row) for row in r.get("headline", [])]),
@@ -256,15 +257,16 @@ def run_one(name: str, out: Path, quick: bool, timeout_s: Optional[float] = None
     """One benchmark in its own process: (its JSON, or for a failed or timed-out run what it wrote
     before, kept as ``<name>.failed.json``, or None; a status; whether it succeeded).
 
-    ``timeout_s`` replaces the benchmark's own time limit; one that takes ``--deadline-s`` is
-    given ``DEADLINE_FRACTION`` of it (the rows it then leaves are recorded as not run)."""
+    ``timeout_s`` replaces the benchmark's own time limit; one with a time-limit option of its
+    own (``deadline_flag``) is given ``DEADLINE_FRACTION`` of it, so it ends on its own and
+    writes its JSON (rows left recorded as not run; the study's runs stopped and reported)."""
     b = BENCHMARKS[name]
     tmp = out.with_name(out.name + ".tmp")
     tmp.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", b.module, *b.args, b.out_flag, str(tmp)] + (["--quick"] if quick and b.quick else [])
     limit = b.timeout_s if timeout_s is None else timeout_s
     if timeout_s is not None and b.deadline_flag:
-        cmd += ["--deadline-s", f"{DEADLINE_FRACTION * timeout_s:g}"]
+        cmd += [b.deadline_flag, f"{DEADLINE_FRACTION * timeout_s:g}"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     t0 = time.monotonic()
     try:
@@ -309,7 +311,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "temporary folder)")
     p.add_argument("--timeout-s", type=float, default=None,
                    help="each benchmark's time limit instead of its own; mlp and moe stop starting rows at "
-                        f"{DEADLINE_FRACTION:.0%} of it and record the rest as not run")
+                        f"{DEADLINE_FRACTION:.0%} of it and record the rest as not run, convergence "
+                        "gets that as its --budget-s")
     args = p.parse_args(argv)
     if args.timeout_s is not None and args.timeout_s <= 0:
         p.error(f"--timeout-s must be positive; got {args.timeout_s}")

@@ -115,7 +115,7 @@ def test_timeout_override_passes_a_deadline_to_the_benchmarks_that_take_one(tmp_
         "open(out, 'w').write(json.dumps({'argv': sys.argv[1:]}))\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.setitem(main.BENCHMARKS, "fake", main.Benchmark("fake_argv_bench", "takes a deadline", quick=False,
-                                                                 deadline_flag=True))
+                                                                 deadline_flag="--deadline-s"))
     result, status, ok = main.run_one("fake", tmp_path / "fake.json", quick=False, timeout_s=200.0)
     argv = result["argv"]
     assert ok and argv[argv.index("--deadline-s") + 1] == "150"  # 3/4 of the limit: its last row and JSON fit after
@@ -138,7 +138,7 @@ def test_the_benchmarks_with_a_deadline_flag_accept_it():
     import bench.__main__ as main
     import importlib
     for name, b in main.BENCHMARKS.items():
-        source = importlib.util.find_spec(b.module).origin
-        takes = '"--deadline-s"' in open(source).read()
-        assert b.deadline_flag == takes, f"{name}: deadline_flag={b.deadline_flag} but {b.module} " \
-                                         f"{'takes' if takes else 'lacks'} --deadline-s"
+        source = open(importlib.util.find_spec(b.module).origin).read()
+        takes = [flag for flag in ("--deadline-s", "--budget-s") if f'"{flag}"' in source]
+        assert [b.deadline_flag] == takes or (b.deadline_flag is None and not takes), \
+            f"{name}: deadline_flag={b.deadline_flag} but {b.module} takes {takes or 'none'}"
