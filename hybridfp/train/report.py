@@ -95,8 +95,9 @@ def summary_markdown(results: Sequence[RunResult], cfg: TrainConfig, info: dict[
               f"at the last evaluation ({cfg.eval_iters} fixed validation batches).", "",
               "## GEMMs on the exact emulation path", "",
               "Operand-format pairs with no fast kernel on this device (as recorded in "
-              "`hybridfp.gemm.EMULATED`); they are exact but slow, so tokens/s above measures the "
-              "emulation, not the formats' speed.", ""]
+              "`hybridfp.gemm.EMULATED`), and pairs whose backend cannot take an Identity copy held "
+              "in FP32 / FP16 (the copy named in brackets); they are exact but slow, so tokens/s "
+              "above measures the emulation, not the formats' speed.", ""]
     for r in results:
         lines.append(f"- `{r.label}`:" + (" none" if not r.emulated else ""))
         lines += [f"  - {e}" for e in r.emulated]
