@@ -90,6 +90,16 @@ class Comparison:
     preset: str
     recipes: tuple[str, ...]
     seeds: int
+    #: sequences a step instead of the preset's (``hybridfp train --batch-size``)
+    batch_size: Optional[int] = None
+    #: peak learning rate instead of the preset's (``hybridfp train --lr``)
+    lr: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ValueError(f"--{self.name}-batch-size (batch_size) must be at least 1; got {self.batch_size}.")
+        if self.lr is not None and not self.lr > 0:
+            raise ValueError(f"--{self.name}-lr (lr) must be positive; got {self.lr}.")
 
     def runs(self) -> list[str]:
         """Run labels, seed-major (every recipe at seed 0 first): ``RECIPE@seed=K``."""
@@ -98,7 +108,7 @@ class Comparison:
     @property
     def tokens_per_step(self) -> int:
         """Tokens of one training step of the preset."""
-        return PRESETS[self.preset].batch_size * PRESETS[self.preset].seq_len
+        return (self.batch_size or PRESETS[self.preset].batch_size) * PRESETS[self.preset].seq_len
 
 
 def split_recipes(text: str) -> tuple[str, ...]:
@@ -176,6 +186,10 @@ def start_worker(cmp: Comparison, labels: Sequence[str], out: Path, steps: int, 
             "--out", str(out), "--no-progress", "--no-checkpoint"]  # the study reads metrics only
     if args.cache_dir:
         argv += ["--cache-dir", str(args.cache_dir)]
+    if cmp.batch_size is not None:
+        argv += ["--batch-size", str(cmp.batch_size)]
+    if cmp.lr is not None:
+        argv += ["--lr", repr(cmp.lr)]
     out.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen(argv, stdout=open(out / "driver.log", "w"), stderr=subprocess.STDOUT)
 
@@ -268,6 +282,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--cache-dir", type=Path, default=None, help="hybridfp train --cache-dir")
     p.add_argument("--dense-preset", default="gpt-100m")
     p.add_argument("--moe-preset", default="moe-small")
+    for name in ("dense", "moe"):  # larger batches: less gradient noise, trajectories that part less
+        p.add_argument(f"--{name}-batch-size", type=int, default=None,
+                       help=f"sequences a step of the {name} runs (default: the preset's)")
+        p.add_argument(f"--{name}-lr", type=float, default=None,
+                       help=f"peak learning rate of the {name} runs (default: the preset's)")
     p.add_argument("--dense-recipes", default=",".join(DENSE))
     p.add_argument("--moe-recipes", default=",".join(MOE), help="empty: no MoE comparison")
     p.add_argument("--device", default="cuda")
@@ -293,9 +312,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 def plan_and_run(args: argparse.Namespace, t0: float) -> None:
     """Plan (probe or fixed steps), write ``plan.json``, run it (:func:`run_plan`)."""
-    comparisons = [Comparison("dense", args.dense_preset, split_recipes(args.dense_recipes), args.seeds)]
-    if args.moe_recipes:
-        comparisons.append(Comparison("moe", args.moe_preset, split_recipes(args.moe_recipes), args.seeds))
+    try:
+        comparisons = [Comparison("dense", args.dense_preset, split_recipes(args.dense_recipes), args.seeds,
+                                  args.dense_batch_size, args.dense_lr)]
+        if args.moe_recipes:
+            comparisons.append(Comparison("moe", args.moe_preset, split_recipes(args.moe_recipes), args.seeds,
+                                          args.moe_batch_size, args.moe_lr))
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     for c in comparisons:
         if "bf16" not in c.recipes:
             raise SystemExit(f"--{c.name}-recipes: the study compares against bf16; add it to the list.")
@@ -328,7 +352,7 @@ def plan_and_run(args: argparse.Namespace, t0: float) -> None:
         recipes = c.recipes if fixed[c.name] is not None else tuple(r for r in c.recipes if r in cost[c.name])
         if "bf16" not in recipes:
             raise SystemExit(f"{c.name}: the bf16 probe failed; see {args.out / 'probe' / c.name}.")
-        kept = Comparison(c.name, c.preset, recipes, c.seeds)
+        kept = Comparison(c.name, c.preset, recipes, c.seeds, c.batch_size, c.lr)
         groups = assign(kept.runs(), cost[c.name], workers[c.name])
         steps = fixed[c.name]
         if steps is None:
@@ -337,7 +361,8 @@ def plan_and_run(args: argparse.Namespace, t0: float) -> None:
                 raise SystemExit(f"{c.name}: the budget left after the probe buys {steps} steps per run; "
                                  "give a larger --budget-s, fewer --seeds or recipes.")
         plan["comparisons"][c.name] = {
-            "preset": c.preset, "steps": steps, "tokens_per_run": steps * c.tokens_per_step,
+            "preset": c.preset, "batch_size": c.batch_size, "lr": c.lr, "steps": steps,
+            "tokens_per_run": steps * c.tokens_per_step,
             "recipes": list(recipes), "dropped": [r for r in c.recipes if r not in recipes], "workers": groups}
         if cost[c.name]:  # wall seconds from the workers' start: start-up, training, evaluations
             plan["comparisons"][c.name]["predicted_s"] = [

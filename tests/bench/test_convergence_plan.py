@@ -123,3 +123,27 @@ def test_bench_headline_names_a_study_that_could_not_be_analysed():
     result = {"plan": {"comparisons": {"moe": {"steps": 9}}},
               "studies": {"moe": {"error": "no bf16 run to compare against.", "failed": {"bf16": ["bf16@seed=0"]}}}}
     assert ("moe: report", "failed: no bf16 run to compare against.") in BENCHMARKS["convergence"].headline(result)
+
+
+def test_batch_size_and_lr_overrides_reach_the_workers_and_the_token_count(tmp_path, monkeypatch):
+    import argparse
+    import subprocess
+    seen = {}
+
+    class FakePopen:
+        def __init__(self, argv, **kwargs):
+            seen["argv"] = argv
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)
+    args = argparse.Namespace(data="packages", cache_dir=None)
+    big = conv.Comparison("dense", "gpt-100m", ("bf16", "fp8"), 3, batch_size=64, lr=5e-4)
+    assert big.tokens_per_step == 64 * 512  # the plan's tokens per run follow the batch actually trained
+    conv.start_worker(big, ["bf16@seed=0"], tmp_path / "w0", 10, "cpu", args, 5, 2)
+    argv = seen["argv"]
+    assert argv[argv.index("--batch-size") + 1] == "64" and float(argv[argv.index("--lr") + 1]) == 5e-4
+    conv.start_worker(conv.Comparison("dense", "gpt-100m", ("bf16",), 1), ["bf16@seed=0"], tmp_path / "w1", 10,
+                      "cpu", args, 5, 2)
+    assert "--batch-size" not in seen["argv"] and "--lr" not in seen["argv"]  # the preset's own
+    with pytest.raises(ValueError, match="batch_size"):
+        conv.Comparison("dense", "gpt-100m", ("bf16",), 1, batch_size=0)
+    with pytest.raises(ValueError, match="lr"):
+        conv.Comparison("dense", "gpt-100m", ("bf16",), 1, lr=-1.0)
