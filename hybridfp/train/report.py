@@ -56,6 +56,7 @@ def _fmt(x: Optional[float], spec: str) -> str:
 def summary_markdown(results: Sequence[RunResult], cfg: TrainConfig, info: dict[str, Any]) -> str:
     """The summary as Markdown text. ``info``: data source, parameter count, device name, paths."""
     bases = _baselines(results, cfg.seed)
+    anchor = bases.get(cfg.seed)
     # the model: a preset's GPT, or ``info["model"]`` (hybridfp train --hf-config)
     model = info.get("model") or f"Preset `{cfg.preset}` ({info.get('params', 0):,} parameters)"
     lines = [
@@ -75,7 +76,11 @@ def summary_markdown(results: Sequence[RunResult], cfg: TrainConfig, info: dict[
         seed = split_seed(r.label, cfg.seed)[1]
         base = bases.get(seed)
         if any(r is b for b in bases.values()):
-            gap_s = "baseline"
+            # a bf16 run at another seed than --seed: its gap to the one at --seed is the
+            # seed-to-seed spread (the noise floor of every other gap)
+            base = None if r is anchor else anchor
+            gap = None if base is None else relative_gap(r.final_val_loss, base.final_val_loss)
+            gap_s = "baseline" if base is None else ("—" if gap is None else f"{gap:+.2f} %")
         elif base is None:
             gap_s = f"no {BASELINE}@seed={seed}"
             missing.setdefault(seed, []).append(r.label)
@@ -91,7 +96,8 @@ def summary_markdown(results: Sequence[RunResult], cfg: TrainConfig, info: dict[
         lines += ["", f"(No `{BASELINE}@seed={seed}` run in this comparison, so no gap for "
                   f"{', '.join(f'`{x}`' for x in labels)}: add `{BASELINE}@seed={seed}` to --compare "
                   "for them.)"]
-    lines += ["", "Gap: 100 x (val loss - bf16 val loss) / bf16 val loss, the bf16 run at the same seed, "
+    lines += ["", "Gap: 100 x (val loss - bf16 val loss) / bf16 val loss, the bf16 run at the same seed "
+              f"(a bf16 run at another seed: to the one at seed {cfg.seed}, the seed-to-seed spread), "
               f"at the last evaluation ({cfg.eval_iters} fixed validation batches).", "",
               "## GEMMs on the exact emulation path", "",
               "Operand-format pairs with no fast kernel on this device (as recorded in "
