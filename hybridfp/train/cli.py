@@ -469,12 +469,12 @@ def _run_train(args: argparse.Namespace, joined: list[Parallel]) -> int:
                                         progress=not args.no_progress, par=par))
             results[-1].model = None  # free memory before the next recipe
             if main:
-                plot_losses(results, out / "loss.png", title=title)
+                plot_losses(results, out / "loss.png", title=title, default_seed=cfg.seed)
                 write_summary(out / "summary.md", results, cfg, info)
                 write_results(out / RESULTS_FILE, results)
     if not main:
         return 0
-    plot_losses(results, out / "loss.png", title=title)
+    plot_losses(results, out / "loss.png", title=title, default_seed=cfg.seed)
     write_summary(out / "summary.md", results, cfg, info)
     logger.info("")
     logger.info("%s", summary_markdown(results, cfg, info).split("## GEMMs")[0].rstrip())

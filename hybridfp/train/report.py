@@ -8,7 +8,6 @@ from typing import Any, Optional, Sequence
 
 from .files import atomic_write_text
 from .loop import RunResult, TrainConfig
-from .plot import BASELINE
 
 
 def relative_gap(value: Optional[float], base: Optional[float]) -> Optional[float]:
@@ -16,6 +15,10 @@ def relative_gap(value: Optional[float], base: Optional[float]) -> Optional[floa
     if value is None or base is None or base == 0:
         return None
     return 100.0 * (value - base) / base
+
+
+#: the recipe every gap is measured against
+BASELINE = "bf16"
 
 
 def split_seed(label: str, default_seed: int) -> tuple[str, int]:
@@ -39,8 +42,19 @@ def baseline_label(label: str, default_seed: int) -> str:
     return f"{BASELINE}@seed={split_seed(label, default_seed)[1]}"
 
 
-def _baselines(results: Sequence[RunResult], default_seed: int) -> dict[int, RunResult]:
-    """seed -> the bf16 run at that seed (``bf16`` runs at --seed, ``bf16@seed=K`` at K)."""
+def baselines_by_seed(results: Sequence[RunResult], default_seed: int) -> dict[int, RunResult]:
+    """seed -> the bf16 run at that seed (``bf16`` runs at ``default_seed``, ``bf16@seed=K`` at K).
+
+    Parameters
+    ----------
+    results : the runs of one comparison.
+    default_seed : the seed of a label without ``@seed=`` (the run's ``--seed``).
+
+    Returns
+    -------
+    dict[int, RunResult]
+        The first bf16 run of each seed.
+    """
     out: dict[int, RunResult] = {}
     for r in results:
         name, seed = split_seed(r.label, default_seed)
@@ -49,14 +63,36 @@ def _baselines(results: Sequence[RunResult], default_seed: int) -> dict[int, Run
     return out
 
 
+def reference_run(run: RunResult, bases: dict[int, RunResult], default_seed: int) -> Optional[RunResult]:
+    """The run ``run``'s gap is measured against: the bf16 run at its seed; for a bf16 run at
+    another seed than ``default_seed``, the one at ``default_seed`` (the seed-to-seed spread, the
+    noise floor of every other gap). None for the bf16 run at ``default_seed`` itself, and where
+    the same-seed bf16 run is missing.
+
+    Parameters
+    ----------
+    run : one run of the comparison.
+    bases : :func:`baselines_by_seed` of the comparison.
+    default_seed : the seed of a label without ``@seed=``.
+
+    Returns
+    -------
+    Optional[RunResult]
+        The reference run, or None.
+    """
+    if any(run is b for b in bases.values()):
+        anchor = bases.get(default_seed)
+        return None if run is anchor else anchor
+    return bases.get(split_seed(run.label, default_seed)[1])
+
+
 def _fmt(x: Optional[float], spec: str) -> str:
     return "—" if x is None else format(x, spec)
 
 
 def summary_markdown(results: Sequence[RunResult], cfg: TrainConfig, info: dict[str, Any]) -> str:
     """The summary as Markdown text. ``info``: data source, parameter count, device name, paths."""
-    bases = _baselines(results, cfg.seed)
-    anchor = bases.get(cfg.seed)
+    bases = baselines_by_seed(results, cfg.seed)
     # the model: a preset's GPT, or ``info["model"]`` (hybridfp train --hf-config)
     model = info.get("model") or f"Preset `{cfg.preset}` ({info.get('params', 0):,} parameters)"
     lines = [
@@ -74,11 +110,8 @@ def summary_markdown(results: Sequence[RunResult], cfg: TrainConfig, info: dict[
     missing: dict[int, list[str]] = {}  # seed -> the runs whose same-seed bf16 run is absent
     for r in results:
         seed = split_seed(r.label, cfg.seed)[1]
-        base = bases.get(seed)
+        base = reference_run(r, bases, cfg.seed)
         if any(r is b for b in bases.values()):
-            # a bf16 run at another seed than --seed: its gap to the one at --seed is the
-            # seed-to-seed spread (the noise floor of every other gap)
-            base = None if r is anchor else anchor
             gap = None if base is None else relative_gap(r.final_val_loss, base.final_val_loss)
             gap_s = "baseline" if base is None else ("—" if gap is None else f"{gap:+.2f} %")
         elif base is None:
