@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -247,6 +248,35 @@ def _keep_failed(tmp: Path, out: Path) -> Optional[dict[str, Any]]:
         return None
 
 
+#: seconds a timed-out benchmark gets after SIGTERM (the convergence study stops its workers and
+#: writes its reports then) before its process group is killed
+TERM_GRACE_S = 60.0
+
+
+def _stop(proc: subprocess.Popen) -> tuple[str, str]:
+    """SIGTERM to ``proc``'s process group, SIGKILL after ``TERM_GRACE_S``; its output so far.
+
+    Parameters
+    ----------
+    proc : a benchmark started in its own session (``start_new_session=True``).
+
+    Returns
+    -------
+    tuple[str, str]
+        Its stdout and stderr.
+    """
+    for sig, wait in ((signal.SIGTERM, TERM_GRACE_S), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # it and its children are gone already
+            pass
+        try:
+            return proc.communicate(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+    return "", ""  # not reached: communicate() without a timeout returns once SIGKILL lands
+
+
 #: with a time limit, a benchmark that takes ``--deadline-s`` stops starting rows at this
 #: fraction of it, so its last row and its JSON fit before the limit kills the process
 DEADLINE_FRACTION = 0.75
@@ -254,12 +284,25 @@ DEADLINE_FRACTION = 0.75
 
 def run_one(name: str, out: Path, quick: bool, timeout_s: Optional[float] = None
             ) -> tuple[Optional[dict[str, Any]], str, bool]:
-    """One benchmark in its own process: (its JSON, or for a failed or timed-out run what it wrote
-    before, kept as ``<name>.failed.json``, or None; a status; whether it succeeded).
+    """One benchmark in its own process (and session).
 
-    ``timeout_s`` replaces the benchmark's own time limit; one with a time-limit option of its
-    own (``deadline_flag``) is given ``DEADLINE_FRACTION`` of it, so it ends on its own and
-    writes its JSON (rows left recorded as not run; the study's runs stopped and reported)."""
+    Parameters
+    ----------
+    name : a key of ``BENCHMARKS``.
+    out : where its JSON goes when it succeeds; a failed or timed-out run's JSON is kept as
+        ``<name>.failed.json`` beside it, and ``out`` is left as it was.
+    quick : pass ``--quick`` (small sizes) where the benchmark takes it.
+    timeout_s : replaces the benchmark's own time limit; one with a time-limit option of its
+        own (``deadline_flag``) is given ``DEADLINE_FRACTION`` of it, so it ends on its own and
+        writes its JSON (rows left recorded as not run; the study's runs stopped and reported).
+        At the limit its process group gets SIGTERM, then SIGKILL after ``TERM_GRACE_S``.
+
+    Returns
+    -------
+    tuple
+        (its JSON, or what a failed / timed-out run wrote, or None; a status; whether it
+        succeeded).
+    """
     b = BENCHMARKS[name]
     tmp = out.with_name(out.name + ".tmp")
     tmp.unlink(missing_ok=True)
@@ -269,17 +312,21 @@ def run_one(name: str, out: Path, quick: bool, timeout_s: Optional[float] = None
         cmd += [b.deadline_flag, f"{DEADLINE_FRACTION * timeout_s:g}"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     t0 = time.monotonic()
+    # its own session: a time-out signals the benchmark and every process it started
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=limit, text=True, capture_output=True)
-    except subprocess.TimeoutExpired as exc:  # its checkpointed JSON and its output so far stay readable
-        _print_captured(exc.stdout, exc.stderr)
+        stdout, stderr = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        stdout, stderr = _stop(proc)  # its checkpointed JSON and its output so far stay readable
+        _print_captured(stdout, stderr)
         return _keep_failed(tmp, out), f"timed out after {limit:.0f} s", False
     if proc.returncode != 0 or not tmp.exists():
-        _print_captured(proc.stdout, proc.stderr)
-        last = proc.stderr.strip().splitlines()[-1:] or [""]
+        _print_captured(stdout, stderr)
+        last = stderr.strip().splitlines()[-1:] or [""]
         # what it measured before failing (a check, a missing baseline) stays readable
         return _keep_failed(tmp, out), f"failed (exit {proc.returncode}) {last[0][:160]}".strip(), False
-    print(proc.stdout, flush=True)
+    print(stdout, flush=True)
     tmp.replace(out)
     return json.loads(out.read_text()), f"{time.monotonic() - t0:.0f} s", True
 

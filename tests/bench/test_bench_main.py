@@ -142,3 +142,32 @@ def test_the_benchmarks_with_a_deadline_flag_accept_it():
         takes = [flag for flag in ("--deadline-s", "--budget-s") if f'"{flag}"' in source]
         assert [b.deadline_flag] == takes or (b.deadline_flag is None and not takes), \
             f"{name}: deadline_flag={b.deadline_flag} but {b.module} takes {takes or 'none'}"
+
+
+def test_a_timed_out_benchmark_gets_sigterm_first_and_keeps_what_it_writes_then(tmp_path, monkeypatch):
+    # the convergence driver stops its workers and writes its reports on SIGTERM: a time limit
+    # must give it that chance before killing it
+    import bench.__main__ as main
+    (tmp_path / "fake_term_bench.py").write_text(
+        "import sys, json, signal, time\nout = sys.argv[sys.argv.index('--out') + 1]\n"
+        "def stop(*_):\n    open(out, 'w').write(json.dumps({'rows': [], 'stopped': 'SIGTERM'}))\n    sys.exit(3)\n"
+        "signal.signal(signal.SIGTERM, stop)\nprint('started', flush=True)\ntime.sleep(60)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setitem(main.BENCHMARKS, "fake", main.Benchmark("fake_term_bench", "writes on SIGTERM", quick=False,
+                                                                 timeout_s=3.0))
+    result, status, ok = main.run_one("fake", tmp_path / "fake.json", quick=False)
+    assert not ok and status == "timed out after 3 s" and result == {"rows": [], "stopped": "SIGTERM"}
+
+
+def test_a_benchmark_that_ignores_sigterm_is_killed_after_the_grace(tmp_path, monkeypatch):
+    import time
+    import bench.__main__ as main
+    (tmp_path / "fake_stubborn_bench.py").write_text(
+        "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(120)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setattr(main, "TERM_GRACE_S", 2.0)
+    monkeypatch.setitem(main.BENCHMARKS, "fake", main.Benchmark("fake_stubborn_bench", "ignores SIGTERM", quick=False,
+                                                                 timeout_s=2.0))
+    t0 = time.monotonic()
+    _, status, ok = main.run_one("fake", tmp_path / "fake.json", quick=False)
+    assert not ok and status == "timed out after 2 s" and time.monotonic() - t0 < 30
