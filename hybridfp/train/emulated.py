@@ -73,13 +73,49 @@ def _bias_dtype(m: torch.nn.Module) -> Optional[torch.dtype]:
     return next((p.dtype for n, p in m.named_parameters(recurse=False) if "bias" in n), None)
 
 
+def gemm_operand_quantizers(qs: dict[str, list[Quantizer]], gemm_name: str, slot_a: str, slot_b: str,
+                            backward_override: Optional[str]) -> tuple[Quantizer, Quantizer]:
+    """The quantizers whose copies a GEMM reads: the module's, except in dgrad / wgrad under a
+    recipe's ``backward_override``, where the plain tensors are multiplied (an Identity without
+    a cast).
+
+    Parameters
+    ----------
+    qs : the module's quantizers by slot (``QuantizedModule.quantizers``).
+    gemm_name : "fprop", "dgrad" or "wgrad".
+    slot_a, slot_b : the slots of its two operands.
+    backward_override : the recipe's (None: the quantized backward).
+
+    Returns
+    -------
+    tuple[Quantizer, Quantizer]
+        The quantizers of operands A and B.
+    """
+    if backward_override is not None and gemm_name != "fprop":
+        return IdentityQuantizer(), IdentityQuantizer()
+    return qs[slot_a][0], qs[slot_b][0]
+
+
 def gemm_path_notes(m: QuantizedModule, qs: dict[str, list[Quantizer]], act_dtype: torch.dtype,
-                    device: torch.device) -> dict[str, Optional[str]]:
-    """Per GEMM of ``m``: None where it does not run the exact emulation, else a note ("" when
-    the pair has no fast kernel, else which Identity copy is not held in BF16).
+                    device: torch.device, backward_override: Optional[str] = None) -> dict[str, Optional[str]]:
+    """Per GEMM of ``m``: None where it does not run the exact emulation, else a note.
 
     Two Identity copies held in the output dtype (and a bias, if any, of it too) run as
     torch's own op (``hybridfp.gemm``'s identity pair): not the emulation.
+
+    Parameters
+    ----------
+    m : a hybridfp module.
+    qs : its quantizers by slot.
+    act_dtype : the activation dtype (input and grad_output copies, fprop / dgrad outputs).
+    device : where it runs.
+    backward_override : the recipe's; with one, dgrad and wgrad read the plain tensors.
+
+    Returns
+    -------
+    dict[str, Optional[str]]
+        GEMM name -> None (not emulated), "" (the pair has no fast kernel), or which Identity
+        copy is not held in BF16 (a backend serves the keys but not that copy).
     """
     w_dtype = _weight_dtype(m)
     source = {"input": act_dtype, "grad_output": act_dtype, "weight": w_dtype}
@@ -87,7 +123,7 @@ def gemm_path_notes(m: QuantizedModule, qs: dict[str, list[Quantizer]], act_dtyp
     bias = _bias_dtype(m)
     notes: dict[str, Optional[str]] = {}
     for gemm_name, layout, (slot_a, dir_a), (slot_b, dir_b) in GEMMS:
-        qa, qb = qs[slot_a][0], qs[slot_b][0]
+        qa, qb = gemm_operand_quantizers(qs, gemm_name, slot_a, slot_b, backward_override)
         held = {slot_a: identity_held_dtype(qa, dir_a, source[slot_a]),
                 slot_b: identity_held_dtype(qb, dir_b, source[slot_b])}
         out = out_of[gemm_name]
@@ -142,12 +178,14 @@ def emulated_pairs(model: torch.nn.Module, named: NamedRecipe, device: str,
         if not isinstance(m, QuantizedModule):
             continue
         qs = m.quantizers(state)
-        notes = gemm_path_notes(m, qs, act, dev)
+        override = named.recipe.backward_override
+        notes = gemm_path_notes(m, qs, act, dev, override)
         for gemm_name, layout, (slot_a, dir_a), (slot_b, dir_b) in GEMMS:
             note = notes[gemm_name]
             if note is None:
                 continue
-            a, b = describe_key(qs[slot_a][0].format_key(dir_a)), describe_key(qs[slot_b][0].format_key(dir_b))
+            qa, qb = gemm_operand_quantizers(qs, gemm_name, slot_a, slot_b, override)
+            a, b = describe_key(qa.format_key(dir_a)), describe_key(qb.format_key(dir_b))
             key = f"{gemm_name}: {a} x {b}" + (f" [{note}]" if note else "")
             counts[key] = counts.get(key, 0) + 1
     order = [g[0] for g in GEMMS]

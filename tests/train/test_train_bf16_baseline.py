@@ -198,3 +198,19 @@ def test_gap_says_which_same_seed_baseline_is_missing():
     assert "No `bf16@seed=1` run" in md and "`mxfp8@seed=1`" in md.split("No `bf16@seed=1` run")[1]
     md = summary_markdown([_result("mxfp8", 2.1)], cfg, {})
     assert "No `bf16` run" in md
+
+
+def test_emulated_pairs_follow_the_recipes_backward_override(monkeypatch):
+    """With a backward_override the backward GEMMs multiply the plain tensors: dgrad reads the
+    FP32 master weight (the exact path even where a backend serves the quantized keys)."""
+    import dataclasses
+    from hybridfp.train.recipes_by_name import NamedRecipe
+    _serve_every_key(monkeypatch)
+    base = parse_recipe("mxfp8")
+    for mode in ("high_precision", "dequantized"):
+        named = NamedRecipe(base.label, dataclasses.replace(base.recipe, backward_override=mode), base.description)
+        model = build_model(_cfg(), 64, named.recipe)
+        pairs = emulated_pairs(model, named, "cpu", torch.bfloat16)
+        assert [p.split(":")[0] for p in pairs] == ["dgrad"], (mode, pairs)
+        assert "Identity x Identity [weight held in float32]" in pairs[0], pairs
+    assert _pairs("mxfp8") == []  # the quantized backward: every key served
