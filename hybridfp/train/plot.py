@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .loop import RunResult
-from .report import BASELINE, baselines_by_seed, reference_run
+from .report import BASELINE, baselines_by_seed, reference_run, relative_gap
 
 
 def ema(values: Sequence[float], span: int) -> list[float]:
@@ -66,7 +66,8 @@ def gap_series(results: Sequence[RunResult], default_seed: int = 0, span: int = 
             rs, rv = _series(ref, f"{key}_loss")
             mine, theirs = (ema(v, span), ema(rv, span)) if smooth else (v, rv)
             at = dict(zip(rs, theirs))
-            pts = [(st, 100 * (x - at[st]) / at[st]) for st, x in zip(s, mine) if st in at]
+            gaps = [(st, relative_gap(x, at[st])) for st, x in zip(s, mine) if st in at]
+            pts = [(st, g) for st, g in gaps if g is not None]
             curves[key] = ([p[0] for p in pts], [p[1] for p in pts])
         out[r.label] = curves
     return out

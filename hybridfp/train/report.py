@@ -111,15 +111,14 @@ def summary_markdown(results: Sequence[RunResult], cfg: TrainConfig, info: dict[
     for r in results:
         seed = split_seed(r.label, cfg.seed)[1]
         base = reference_run(r, bases, cfg.seed)
-        if any(r is b for b in bases.values()):
-            gap = None if base is None else relative_gap(r.final_val_loss, base.final_val_loss)
-            gap_s = "baseline" if base is None else ("—" if gap is None else f"{gap:+.2f} %")
-        elif base is None:
-            gap_s = f"no {BASELINE}@seed={seed}"
-            missing.setdefault(seed, []).append(r.label)
-        else:
+        if base is not None:
             gap = relative_gap(r.final_val_loss, base.final_val_loss)
             gap_s = "—" if gap is None else f"{gap:+.2f} %"
+        elif any(r is b for b in bases.values()):  # the bf16 run at --seed
+            gap_s = "baseline"
+        else:
+            gap_s = f"no {baseline_label(r.label, cfg.seed)}"
+            missing.setdefault(seed, []).append(r.label)
         lines.append(f"| `{r.label}` | {_fmt(r.final_val_loss, '.4f')} | {gap_s} | "
                      f"{_fmt(r.final_train_loss, '.4f')} | {r.tokens_per_s:,.0f} | {r.description} |")
     for seed, labels in missing.items():
