@@ -55,8 +55,9 @@ def high_precision(role: Optional[QuantizerRole]) -> Quantizer:
 def bf16(role: Optional[QuantizerRole]) -> Quantizer:
     """BF16 for every role: each operand cast to BF16, products accumulated in FP32.
 
-    What ``torch.autocast(dtype=torch.bfloat16)`` does to a linear layer, on the same code path
-    as the quantized recipes: FP32 master weights are read as BF16 copies, so fprop and dgrad
+    Like ``torch.autocast(dtype=torch.bfloat16)`` on a linear layer, on the same code path as
+    the quantized recipes (unlike autocast, the bias stays FP32 in the epilogue and the weight
+    gradient is not rounded to BF16): FP32 master weights are read as BF16 copies, so fprop and dgrad
     are BF16 GEMMs; wgrad reads BF16 operands and writes the FP32 weight gradient.
 
     Parameters

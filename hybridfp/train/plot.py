@@ -76,7 +76,13 @@ def gap_series(results: Sequence[RunResult], default_seed: int = 0, span: int = 
 def plot_losses(results: Sequence[RunResult], path: Path, title: str = "", default_seed: int = 0) -> Path:
     """Write the two-panel loss plot to ``path`` and return it (needs matplotlib: the ``train``
     extra, ``pip install 'hybridfp[train]'``); ``default_seed`` is the seed of a label without
-    ``@seed=`` (the run's ``--seed``), for pairing each run with its bf16 run."""
+    ``@seed=`` (the run's ``--seed``), for pairing each run with its bf16 run.
+
+    Raises
+    ------
+    ImportError
+        Without matplotlib.
+    """
     # the object API renders with Agg: no pyplot, no display
     from matplotlib.figure import Figure
     span = _span(results)
@@ -101,7 +107,7 @@ def plot_losses(results: Sequence[RunResult], path: Path, title: str = "", defau
     bottom.set_ylabel(f"gap vs {BASELINE} (%)")
     bottom.grid(alpha=0.3)
     if not gaps:
-        bottom.text(0.5, 0.5, f"add {BASELINE} to --compare to see the gap", ha="center", va="center",
+        bottom.text(0.5, 0.5, f"no run has a {BASELINE} run at its seed to compare with", ha="center", va="center",
                     transform=bottom.transAxes)
     else:
         bottom.legend(fontsize=7, ncol=2)

@@ -22,8 +22,18 @@ BASELINE = "bf16"
 
 
 def split_seed(label: str, default_seed: int) -> tuple[str, int]:
-    """``"mxfp8@seed=1"`` -> ("mxfp8", 1); a label without ``@seed=`` runs at ``default_seed``
-    (the run's ``--seed``)."""
+    """A run label's recipe and seed.
+
+    Parameters
+    ----------
+    label : ``"mxfp8@seed=1"``, or a label without ``@seed=`` (it runs at ``default_seed``).
+    default_seed : the run's ``--seed``.
+
+    Returns
+    -------
+    tuple[str, int]
+        ``("mxfp8", 1)``; ``(label, default_seed)`` without a seed suffix.
+    """
     base, sep, seed = label.rpartition("@seed=")
     if sep and seed.lstrip("-").isdigit():
         return base, int(seed)
@@ -32,6 +42,16 @@ def split_seed(label: str, default_seed: int) -> tuple[str, int]:
 
 def baseline_label(label: str, default_seed: int) -> str:
     """The label of the ``bf16`` run a run's gap is measured against: the same seed.
+
+    Parameters
+    ----------
+    label : the run's label.
+    default_seed : the run's ``--seed`` (the seed of a label without ``@seed=``).
+
+    Returns
+    -------
+    str
+        ``bf16@seed=K``.
 
     Example
     -------
@@ -102,7 +122,7 @@ def summary_markdown(results: Sequence[RunResult], cfg: TrainConfig, info: dict[
         f"{cfg.batch_size} x {cfg.seq_len} tokens ({cfg.steps * cfg.tokens_per_step:,} tokens), "
         f"lr {cfg.lr:g}, seed {cfg.seed}, activations {cfg.dtype}, device {info.get('device', cfg.device)}.",
         f"Data: {info.get('data', '?')}.",
-        "Every recipe starts from the same weights and sees the same batches.",
+        "Runs at one seed start from the same weights and see the same batches.",
         "",
         "| recipe | final val loss | gap vs bf16 | final train loss | tokens/s | what it is |",
         "|---|---:|---:|---:|---:|---|",
