@@ -1,0 +1,175 @@
+"""bench.convergence under adverse conditions: leftovers of an earlier study in ``--out``, signals
+while workers start, stop or the reports are written, mixed fixed and probed comparisons, probe
+runs that fail part-way, workers that exit just as the deadline comes. Workers are fakes (a plain
+Python process writing ``metrics.jsonl`` records), as in test_convergence_deadline.py."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from bench import convergence as conv
+from bench import convergence_workers as cw
+from test_convergence_deadline import alive, argv, fake_data, fake_start_worker
+
+SLEEPER = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); " \
+          "time.sleep(30)"
+
+# A worker whose runs of recipe ``stop_recipe`` end after ``stop_at`` steps with exit code 3.
+FAILING_WORKER = r"""
+import json, os, sys, time
+labels, steps, out, step_s, tokens, stop_recipe, stop_at = json.loads(sys.argv[1])
+os.makedirs(out, exist_ok=True)
+with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+    for label in labels:
+        f.write(json.dumps({"step": 0, "recipe": label, "val_loss": 2.0}) + "\n")
+        f.flush()
+        for s in range(1, steps + 1):
+            time.sleep(step_s)
+            rec = {"step": s, "recipe": label, "train_loss": 1.5, "tokens_per_s": tokens / step_s}
+            if s == steps:
+                rec["val_loss"] = 1.0
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            if label.split("@")[0] == stop_recipe and s == stop_at:
+                sys.exit(3)
+"""
+
+
+def capture_plan(monkeypatch) -> dict:
+    """Replace ``run_plan`` by a recorder of the plan (no study runs)."""
+    seen: dict = {}
+    monkeypatch.setattr(conv, "run_plan", lambda args, comparisons, plan, t0: seen.update(plan))
+    monkeypatch.setattr(conv, "load_data", fake_data)
+    return seen
+
+
+def main_catching(args: list[str]) -> None:
+    """``conv.main`` with an escaped KeyboardInterrupt turned into a test failure (pytest would
+    otherwise end the whole session on it)."""
+    try:
+        conv.main(args)
+    except KeyboardInterrupt as e:
+        pytest.fail(f"the interrupt escaped the driver: {e!r}")
+
+
+def interrupting_start(after: int, step_s: float):
+    """A fake ``start_worker`` that raises :class:`Interrupted` (SIGTERM) on its call ``after``."""
+    real, procs = fake_start_worker(step_s), []
+
+    def start(cmp, labels, out, steps, device, args, eval_interval, eval_iters):
+        if len(procs) == after:
+            raise cw.Interrupted("SIGTERM")
+        procs.append(real(cmp, labels, out, steps, device, args, eval_interval, eval_iters))
+        return procs[-1]
+    return start, procs
+
+
+# ---------------------------------------------------------------- leftovers of an earlier study
+def test_progress_skips_an_old_file_and_restarts_on_a_new_one(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "recipe": "old"}) + "\n" for s in range(5)))
+    os.utime(path, (time.time() - 100, time.time() - 100))
+    progress = cw.Progress(tmp_path)
+    progress.poll()
+    assert progress.stamps == []  # written before the worker started: not this study's
+    path.unlink()  # the worker replaces it
+    path.write_text(json.dumps({"step": 0, "recipe": "new"}) + "\n")
+    progress.poll()
+    assert [r["recipe"] for _, r in progress.stamps] == ["new"]
+
+
+def test_progress_restarts_on_a_rewritten_file(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    progress = cw.Progress(tmp_path)
+    path.write_text("".join(json.dumps({"step": s, "recipe": "a"}) + "\n" for s in range(3)))
+    progress.poll()
+    path.write_text(json.dumps({"step": 0, "recipe": "b"}) + "\n")  # shorter: read from its start
+    progress.poll()
+    path.write_text("".join(json.dumps({"step": s, "recipe": "c", "pad": "x" * s}) + "\n" for s in range(9)))
+    progress.poll()  # longer, the old offset mid-line: read from its start
+    assert [(r["recipe"], r["step"]) for _, r in progress.stamps] == [("a", 2), ("b", 0), ("c", 8)]
+
+
+def test_progress_names_the_file_and_offset_of_a_bad_record(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"step": 0}) + "\n" + "{not json\n")
+    with pytest.raises(ValueError, match=r"metrics\.jsonl.*offset 12"):
+        cw.Progress(tmp_path).poll()
+
+
+def test_run_workers_stops_the_workers_on_any_error(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", SLEEPER], stdout=subprocess.PIPE, text=True)
+    proc.stdout.readline()
+
+    class Broken:
+        def poll(self) -> None:
+            raise RuntimeError("unreadable progress")
+    try:
+        with pytest.raises(RuntimeError, match="unreadable"):
+            cw.run_workers({tmp_path: proc}, None, "", 0.5, 0.01, {tmp_path: Broken()})
+        assert proc.poll() is not None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# ---------------------------------------------------------------- interrupts
+def test_a_second_signal_while_stopping_workers_is_ignored(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", SLEEPER], stdout=subprocess.PIPE, text=True)
+    proc.stdout.readline()
+    previous = signal.signal(signal.SIGTERM, cw.raise_interrupted)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
+    try:
+        timer.start()
+        try:
+            cw.stop_workers({tmp_path: proc}, 1.5)
+        except KeyboardInterrupt as e:
+            pytest.fail(f"the second signal escaped stop_workers: {e!r}")
+        assert proc.poll() is not None
+        assert signal.getsignal(signal.SIGTERM) is cw.raise_interrupted  # restored afterwards
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGTERM, previous)
+        proc.kill()
+        proc.wait()
+
+
+# ---------------------------------------------------------------- stopping at the deadline
+class ExitsWhenChecked:
+    """A worker that exits between the driver's last check and the deadline."""
+
+    def __init__(self) -> None:
+        self.calls, self.returncode, self.signalled = 0, None, False
+
+    def poll(self):
+        self.calls += 1
+        if self.calls > 1:
+            self.returncode = 0
+        return self.returncode
+
+    def terminate(self) -> None:
+        self.signalled = True
+
+    kill = terminate
+
+    def wait(self):
+        return self.returncode
+
+
+def test_a_worker_that_exits_at_the_deadline_is_not_marked_stopped(tmp_path):
+    proc = ExitsWhenChecked()
+    done, interrupted = cw.run_workers({tmp_path: proc}, time.time() - 1, "the budget ran out", 0.2, 0.01)
+    assert not proc.signalled and interrupted is None
+    assert done[tmp_path].exit == 0 and done[tmp_path].stopped is None
+    exited = ExitsWhenChecked()
+    exited.poll()
+    assert cw.stop_workers({tmp_path: exited}, 0.1) == {} and not exited.signalled
