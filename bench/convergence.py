@@ -154,7 +154,7 @@ def assign(runs: Sequence[str], cost: dict[str, float], workers: int) -> list[li
     [['a@seed=0', 'b@seed=0'], ['a@seed=1', 'b@seed=1']]
     """
     def c(label: str) -> float:
-        return cost.get(label.rpartition("@seed=")[0] or label, 1.0)
+        return cost.get(split_label(label)[0], 1.0)
     load = [0.0] * workers
     chosen: list[list[int]] = [[] for _ in range(workers)]
     for i in sorted(range(len(runs)), key=lambda i: (-c(runs[i]), i)):
@@ -172,7 +172,7 @@ def plan_tokens(groups: Sequence[Sequence[str]], cost: dict[str, float], seconds
     >>> plan_tokens([["a@seed=0", "b@seed=0"], ["a@seed=1"]], {"a": 1e-5, "b": 3e-5}, 100.0)
     2500000.0
     """
-    worst = max(sum(cost[label.rpartition("@seed=")[0]] for label in g) for g in groups)
+    worst = max(sum(cost[split_label(label)[0]] for label in g) for g in groups)
     return seconds / worst
 
 
@@ -232,7 +232,7 @@ def probe(comparisons: Sequence[Comparison], workers: dict[str, int], args: argp
         samples: dict[str, list[float]] = {}
         for r in _metrics(out):
             if "tokens_per_s" in r and r["step"] > PROBE_STEPS // 2:
-                samples.setdefault(r["recipe"].rpartition("@seed=")[0], []).append(r["tokens_per_s"])
+                samples.setdefault(split_label(r["recipe"])[0], []).append(r["tokens_per_s"])
         for recipe, v in samples.items():
             per_step[out.parent.name].setdefault(recipe, sorted(v)[len(v) // 2])
     key = {out: f"{out.parent.name}/{out.name}" for out in jobs}
@@ -460,7 +460,7 @@ def write_reports(out: Path, plan: dict, json_path: Optional[Path] = None,
             study["error"] = str(e)
             study["failed"] = {}
             for label in study["failed_runs"]:
-                study["failed"].setdefault(label.rpartition("@seed=")[0] or label, []).append(label)
+                study["failed"].setdefault(split_label(label)[0], []).append(label)
             study["markdown"] = (f"**Not analysed: {e}**" + ("\n\nFailed runs: " + ", ".join(
                 f"`{k}` ({why})" for k, why in study["failed_runs"].items()) + "." if study["failed_runs"] else ""))
         result["studies"][name] = study

@@ -173,3 +173,10 @@ def test_a_worker_that_exits_at_the_deadline_is_not_marked_stopped(tmp_path):
     exited = ExitsWhenChecked()
     exited.poll()
     assert cw.stop_workers({tmp_path: exited}, 0.1) == {} and not exited.signalled
+
+
+# ---------------------------------------------------------------- one rule for labels
+def test_labels_without_a_seed_suffix_are_seed_zero():
+    assert conv.plan_tokens([["a", "b@seed=1"]], {"a": 1e-5, "b": 3e-5}, 100.0) == 2500000.0
+    for module in (conv, cw):
+        assert '"@seed="' not in inspect.getsource(module), module.__name__
