@@ -46,10 +46,12 @@ written from what finished. SIGTERM or Ctrl-C of the driver does the same (the r
 ``the driver was interrupted``) and then exits non-zero, so an outer ``timeout`` loses nothing
 measured: give it ``--grace-s`` plus some seconds for the reports beyond ``--budget-s``.
 
-Expected size at the default budget (470 s, probe included, one H200): a ~100M model trains
-roughly 150-300 k tokens/s in BF16 alone; shared by the 24 runs (the quantized recipes cost
-~1.1-2x a BF16 step) that leaves about **2M tokens per dense run** (~250 steps of 16 x 512
-tokens) and about 1M per MoE run: a few percent of the corpus, so no run sees a byte twice.
+Expected size at the default budget (470 s, probe included): unmeasured with the achieved
+rates and the 15 % margin. The probe before them (per-step rates, no margin) planned 2.25M tokens
+per dense run on one H100 at ``--budget-s 330``, and those runs took ~1.5x the plan; the achieved
+rates plan fewer tokens than that, by an amount no study has measured yet (``plan.json`` and the
+report give each study's figure). Either way a run trains a few percent of the corpus, so no run
+sees a byte twice.
 
     python -m bench.convergence --out runs/convergence [--budget-s 470] [--json results.json]
     python -m bench.convergence --steps 200           # fixed steps for both comparisons, no probe

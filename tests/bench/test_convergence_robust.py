@@ -175,6 +175,11 @@ def test_a_worker_that_exits_at_the_deadline_is_not_marked_stopped(tmp_path):
     assert cw.stop_workers({tmp_path: exited}, 0.1) == {} and not exited.signalled
 
 
+# ---------------------------------------------------------------- documentation and handles
+def test_the_expected_size_is_not_a_stale_figure():
+    assert "2M tokens per dense run" not in conv.__doc__ and "unmeasured" in conv.__doc__
+
+
 # ---------------------------------------------------------------- one rule for labels
 def test_labels_without_a_seed_suffix_are_seed_zero():
     assert conv.plan_tokens([["a", "b@seed=1"]], {"a": 1e-5, "b": 3e-5}, 100.0) == 2500000.0
