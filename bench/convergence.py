@@ -55,6 +55,7 @@ sees a byte twice.
 
     python -m bench.convergence --out runs/convergence [--budget-s 470] [--json results.json]
     python -m bench.convergence --steps 200           # fixed steps for both comparisons, no probe
+                                                      # (still cut at --budget-s)
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ from hybridfp.train.parallel import worker_devices
 DENSE = ("bf16", "fp8", "fp8-block", "mxfp8", "per_gemm:fprop=nvfp4,dgrad=mxfp8,wgrad=mxfp8", "mxfp8-fwd-nvfp4-bwd")
 MOE = ("bf16", "nvfp4-row-scaled-fwd-mxfp8-bwd")
 PROBE_STEPS = 20
+#: Default ``--budget-s``: wall seconds for the probe and every run.
+BUDGET_S = 470.0
 #: Default ``--safety-margin``: the share of the time left after the probe that the plan does not
 #: fill (the probe's rates are measured over a few seconds and can still be off).
 SAFETY_MARGIN = 0.15
@@ -266,10 +269,24 @@ def fingerprints_seen(out: Path) -> Optional[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
+    """``python -m bench.convergence``: parse the options, then :func:`plan_and_run` with SIGTERM
+    turned into :class:`bench.convergence_workers.Interrupted` (the workers are stopped and the
+    reports written).
+
+    Parameters
+    ----------
+    argv : the options (None: ``sys.argv[1:]``); ``--help`` lists them.
+
+    Raises
+    ------
+    SystemExit : a bad option (naming it), a plan that cannot be made, or an interrupt (after the
+        reports are written); see :func:`plan_and_run`.
+    """
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("runs/convergence"))
-    p.add_argument("--budget-s", type=float, default=470.0,
-                   help="wall time for the probe and the runs: workers still running then are stopped")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help=f"wall time for the probe and the runs, fixed --steps runs included: workers still "
+                        f"running then are stopped (default {BUDGET_S:g})")
     p.add_argument("--eval-fraction", type=float, default=0.2,
                    help="share of the training time kept for evaluations and each run's set-up")
     p.add_argument("--safety-margin", type=float, default=SAFETY_MARGIN,
@@ -293,9 +310,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--moe-recipes", default=",".join(MOE), help="empty: no MoE comparison")
     p.add_argument("--device", default="cuda")
     p.add_argument("--eval-iters", type=int, default=16, help="validation batches per evaluation")
-    p.add_argument("--steps", type=int, default=None, help="fixed steps for every comparison (no probe)")
-    p.add_argument("--dense-steps", type=int, default=None, help="fixed steps of the dense comparison")
-    p.add_argument("--moe-steps", type=int, default=None, help="fixed steps of the MoE comparison")
+    p.add_argument("--steps", type=int, default=None,
+                   help="fixed steps for every comparison (no probe); still cut at --budget-s")
+    p.add_argument("--dense-steps", type=int, default=None,
+                   help="fixed steps of the dense comparison; still cut at --budget-s")
+    p.add_argument("--moe-steps", type=int, default=None,
+                   help="fixed steps of the MoE comparison; still cut at --budget-s")
     p.add_argument("--json", type=Path, default=None, help="also write the plan and the reports here")
     args = p.parse_args(argv)
     if args.seeds < 1:
@@ -303,6 +323,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for name in ("eval_fraction", "safety_margin"):
         if not 0.0 <= getattr(args, name) < 1.0:
             raise SystemExit(f"--{name.replace('_', '-')} must be in [0, 1); got {getattr(args, name)}.")
+    if args.budget_s is None:
+        args.budget_s = BUDGET_S
+        fixed = [f for f in ("steps", "dense_steps", "moe_steps") if getattr(args, f) is not None]
+        if fixed:  # the deadline is hard for fixed runs too: a long fixed plan would be cut silently
+            print(f"warning: {', '.join('--' + f.replace('_', '-') for f in fixed)} given with the default "
+                  f"--budget-s {BUDGET_S:g}: runs still training then are stopped and fail; give a --budget-s "
+                  "that fits the fixed steps.", flush=True)
     t0 = time.time()
     # an outer time-out sends SIGTERM: stop the workers and write the reports (Interrupted)
     previous = signal.signal(signal.SIGTERM, raise_interrupted)

@@ -143,6 +143,20 @@ def test_a_second_signal_while_stopping_workers_is_ignored(tmp_path):
         proc.wait()
 
 
+# ---------------------------------------------------------------- the plan
+def test_fixed_steps_warn_that_the_default_budget_cuts_them(tmp_path, monkeypatch, capsys):
+    capture_plan(monkeypatch)
+    conv.main(argv(tmp_path / "conv", "--steps", "2"))
+    assert "--budget-s" in capsys.readouterr().out
+    conv.main(argv(tmp_path / "conv", "--steps", "2", "--budget-s", "900"))
+    assert "--budget-s" not in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        conv.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in ("--steps STEPS", "--dense-steps DENSE_STEPS", "--moe-steps MOE_STEPS"):
+        assert "--budget-s" in text.rsplit(flag, 1)[1][:120], flag  # its help, not the usage line
+
+
 # ---------------------------------------------------------------- stopping at the deadline
 class ExitsWhenChecked:
     """A worker that exits between the driver's last check and the deadline."""
