@@ -70,9 +70,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from bench.convergence_report import split_label
-from bench.convergence_workers import (GRACE_S, POLL_S, Progress, WorkerEnd, achieved_rates, interrupt_cause,
-                                       raise_interrupted, run_workers, stop_workers)
+from bench.convergence_report import failed_runs, split_label
+from bench.convergence_workers import (GRACE_S, POLL_S, Progress, WorkerEnd, achieved_rates, clear_worker_dirs,
+                                       interrupt_cause, predict, raise_interrupted, run_workers, signals_ignored,
+                                       stop_workers, workers_table)
+from hybridfp.train.files import atomic_write_text
 from hybridfp.train.data import load_data
 from hybridfp.train.model import PRESETS
 from hybridfp.train.parallel import worker_devices
@@ -394,9 +396,8 @@ def plan_and_run(args: argparse.Namespace, t0: float) -> None:
             "tokens_per_run": steps * c.tokens_per_step,
             "recipes": list(recipes), "dropped": [r for r in c.recipes if r not in recipes], "workers": groups}
         if cost[c.name]:  # wall seconds from the workers' start: start-up, training, evaluations
-            plan["comparisons"][c.name]["predicted_s"] = [
-                startup + sum(cost[c.name][split_label(label)[0]] for label in g) * steps * c.tokens_per_step
-                / (1 - args.eval_fraction) for g in groups]
+            plan["comparisons"][c.name]["predicted_s"] = [predict(g, cost[c.name], startup, steps * c.tokens_per_step,
+                                                                  args.eval_fraction) for g in groups]
         print(f"{c.name}: {len(kept.runs())} runs x {steps} steps ({steps * c.tokens_per_step / 1e6:.2f}M tokens "
               f"each) on {len(groups)} workers", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -144,6 +144,17 @@ def test_a_second_signal_while_stopping_workers_is_ignored(tmp_path):
 
 
 # ---------------------------------------------------------------- the plan
+def test_a_fixed_comparison_beside_a_probed_one_has_no_prediction(tmp_path, monkeypatch):
+    plan = capture_plan(monkeypatch)
+    monkeypatch.setattr(conv, "probe", lambda comparisons, workers, args, deadline: {
+        "rates": {"dense": {"bf16": 1e4}, "moe": {"bf16": 1e4}}, "startup_s": 0.0, "window_s": 1.0})
+    conv.main(argv(tmp_path / "conv", "--dense-steps", "5", "--moe-preset", "test", "--moe-recipes", "bf16",
+                   "--budget-s", "100"))
+    assert plan["comparisons"]["dense"]["steps"] == 5 and plan["comparisons"]["dense"]["predicted_s"] == [None]
+    assert plan["comparisons"]["moe"]["steps"] > 0
+    assert all(isinstance(s, float) for s in plan["comparisons"]["moe"]["predicted_s"])
+
+
 def test_fixed_steps_warn_that_the_default_budget_cuts_them(tmp_path, monkeypatch, capsys):
     capture_plan(monkeypatch)
     conv.main(argv(tmp_path / "conv", "--steps", "2"))
