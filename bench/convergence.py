@@ -217,15 +217,22 @@ def probe(comparisons: Sequence[Comparison], workers: dict[str, int], args: argp
 
     Raises
     ------
-    SystemExit : the driver was interrupted, or the deadline came, during the probe.
+    SystemExit : the driver was interrupted, or the deadline came, during the probe (the workers
+        started so far are stopped first).
     """
     jobs, devices, t0 = {}, iter(worker_devices(args.device, sum(workers.values()))), time.time()
     by_name = {c.name: c for c in comparisons}
-    for cmp in comparisons:
-        runs = cmp.runs()[:max(workers[cmp.name], len(cmp.recipes))]  # every recipe once, then seed 1...
-        for k, group in enumerate(assign(runs, {}, workers[cmp.name])):
-            jobs[args.out / "probe" / cmp.name / f"w{k}"] = start_worker(
-                cmp, group, args.out / "probe" / cmp.name / f"w{k}", PROBE_STEPS, next(devices), args, 1000, 1)
+    groups = {cmp.name: assign(cmp.runs()[:max(workers[cmp.name], len(cmp.recipes))], {}, workers[cmp.name])
+              for cmp in comparisons}  # every recipe once, then seed 1...
+    folders = {args.out / "probe" / name / f"w{k}": (by_name[name], g)
+               for name, gs in groups.items() for k, g in enumerate(gs)}
+    clear_worker_dirs(list(folders))
+    try:
+        for out, (cmp, group) in folders.items():
+            jobs[out] = start_worker(cmp, group, out, PROBE_STEPS, next(devices), args, 1000, 1)
+    except KeyboardInterrupt as e:  # as run_plan does: stop what started
+        stop_workers(jobs, args.grace_s)
+        raise SystemExit(f"{interrupt_cause(e)} while the probe started its workers: no run was planned.") from None
     watch = {out: Progress(out) for out in jobs}
     cause = f"the time budget ran out during the probe (--budget-s {args.budget_s:g})"
     done, interrupted = run_workers(jobs, deadline, cause, args.grace_s, args.poll_s, watch)

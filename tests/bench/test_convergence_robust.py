@@ -123,6 +123,15 @@ def test_run_workers_stops_the_workers_on_any_error(tmp_path):
 
 
 # ---------------------------------------------------------------- interrupts
+def test_an_interrupt_while_the_probe_starts_workers_stops_the_started_ones(tmp_path, monkeypatch):
+    start, procs = interrupting_start(1, 1.0)
+    monkeypatch.setattr(conv, "load_data", fake_data)
+    monkeypatch.setattr(conv, "start_worker", start)
+    with pytest.raises(SystemExit, match="interrupted"):
+        main_catching(argv(tmp_path / "conv", "--budget-s", "60", "--grace-s", "1"))
+    assert len(procs) == 1 and not alive(procs[0].pid)
+
+
 def test_a_second_signal_while_stopping_workers_is_ignored(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", SLEEPER], stdout=subprocess.PIPE, text=True)
     proc.stdout.readline()
