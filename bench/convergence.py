@@ -213,7 +213,8 @@ def probe(comparisons: Sequence[Comparison], workers: dict[str, int], args: argp
     ``bench.convergence_workers.achieved_rates``), ``per_step_rates`` (the median of the trainer's per-step
     ``tokens_per_s`` over the second half, for comparison), ``basis``, ``window_s`` and
     ``startup_s`` (from the start to the slowest worker's first training step, first-call
-    compilation included).
+    compilation included) and ``failed`` (comparison -> probe run -> why it did not reach
+    ``PROBE_STEPS``: its recipe gets no rate and is dropped from the plan).
 
     Raises
     ------
@@ -240,9 +241,16 @@ def probe(comparisons: Sequence[Comparison], workers: dict[str, int], args: argp
         raise SystemExit(f"{interrupted or cause}: no run was planned (the probe is in {args.out / 'probe'}); "
                          "give a larger --budget-s or fixed --steps.")
     per_step: dict[str, dict[str, float]] = {c.name: {} for c in comparisons}
+    failed: dict[str, dict[str, str]] = {c.name: {} for c in comparisons}
     for out, end in done.items():
-        if end.exit:  # a recipe that fails to train is dropped from the study (the log says why)
+        if end.exit:
             print(f"probe {out}: exit {end.exit}\n" + (out / "driver.log").read_text()[-3000:], flush=True)
+        # a recipe whose probe run did not reach PROBE_STEPS (a crash, a divergence) is dropped
+        for label, why in failed_runs([out / "metrics.jsonl"] if (out / "metrics.jsonl").is_file() else [],
+                                      PROBE_STEPS, folders[out][1]).items():
+            failed[out.parent.name][label] = why
+            print(f"probe {out.parent.name}/{label}: {why}; {split_label(label)[0]} is dropped from the study",
+                  flush=True)
         samples: dict[str, list[float]] = {}
         for r in _metrics(out):
             if "tokens_per_s" in r and r["step"] > PROBE_STEPS // 2:
@@ -253,6 +261,10 @@ def probe(comparisons: Sequence[Comparison], workers: dict[str, int], args: argp
     rates, basis, window = achieved_rates({key[o]: w.stamps for o, w in watch.items()},
                                           {c: by_name[c].tokens_per_step for c in by_name},
                                           [key[o] for o, end in done.items() if end.exit == 0])
+    for name, labels in failed.items():
+        for recipe in {split_label(label)[0] for label in labels}:
+            for table in (rates, basis, per_step):
+                table.get(name, {}).pop(recipe, None)
     for name, recipes in per_step.items():
         for recipe, v in recipes.items():
             if recipe not in rates.get(name, {}):  # never silent: the plan and the log say which
@@ -266,7 +278,7 @@ def probe(comparisons: Sequence[Comparison], workers: dict[str, int], args: argp
               if any("tokens_per_s" in r for _, r in w.stamps)]
     startup = max(firsts, default=t0) - t0
     return {"rates": {c.name: rates.get(c.name, {}) for c in comparisons}, "per_step_rates": per_step,
-            "basis": basis, "window_s": window, "startup_s": startup}
+            "basis": basis, "window_s": window, "startup_s": startup, "failed": failed}
 
 
 def fingerprints_seen(out: Path) -> Optional[str]:
@@ -398,6 +410,10 @@ def plan_and_run(args: argparse.Namespace, t0: float) -> None:
             if steps < 10:
                 raise SystemExit(f"{c.name}: the budget left after the probe buys {steps} steps per run; "
                                  "give a larger --budget-s, fewer --seeds or recipes.")
+        if fixed[c.name] is None and plan["probe"].get("failed", {}).get(c.name):
+            why = plan["probe"]["failed"][c.name]
+            print(f"{c.name}: dropped at the probe: " + ", ".join(f"{label} ({why[label]})" for label in why),
+                  flush=True)
         plan["comparisons"][c.name] = {
             "preset": c.preset, "batch_size": c.batch_size, "lr": c.lr, "steps": steps,
             "tokens_per_run": steps * c.tokens_per_step,
@@ -479,8 +495,10 @@ def write_reports(out: Path, plan: dict, json_path: Optional[Path] = None,
         # a worker that stops (a run that diverged raises) never starts its later runs
         missing = [label for group in entry["workers"] for label in group if label not in started]
         # recipes the probe dropped stay in the report, failed: every seed the plan meant to train
-        dropped = {f"{r}@seed={s}": "dropped at the probe" for r in entry.get("dropped", [])
-                   for s in range(plan.get("seeds", 1))}
+        probe_failed = plan.get("probe", {}).get("failed", {}).get(name, {})
+        dropped = {f"{r}@seed={s}": "dropped at the probe" + "".join(
+                       f" ({label}: {why})" for label, why in probe_failed.items() if split_label(label)[0] == r)
+                   for r in entry.get("dropped", []) for s in range(plan.get("seeds", 1))}
         expected = [label for group in entry["workers"] for label in group]
         study: dict = {"data_lines": seen, "workers_on_other_data": other, "never_started": missing}
         paths = [out / name / "metrics.jsonl"]

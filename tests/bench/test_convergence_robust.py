@@ -164,6 +164,24 @@ def test_a_fixed_comparison_beside_a_probed_one_has_no_prediction(tmp_path, monk
     assert all(isinstance(s, float) for s in plan["comparisons"]["moe"]["predicted_s"])
 
 
+def test_a_recipe_whose_probe_run_stopped_early_is_dropped(tmp_path, monkeypatch, capsys):
+    plan = capture_plan(monkeypatch)
+
+    def start(cmp, labels, out, steps, device, args, eval_interval, eval_iters):
+        out.mkdir(parents=True, exist_ok=True)
+        payload = [list(labels), steps, str(out), 0.03, cmp.tokens_per_step, "fp8", 5]
+        with open(out / "driver.log", "w") as log:
+            return subprocess.Popen([sys.executable, "-c", FAILING_WORKER, json.dumps(payload)],
+                                    stdout=log, stderr=subprocess.STDOUT)
+    monkeypatch.setattr(conv, "start_worker", start)
+    conv.main(argv(tmp_path / "conv", "--budget-s", "60", "--poll-s", "0.05"))
+    dense = plan["comparisons"]["dense"]
+    assert dense["dropped"] == ["fp8"] and dense["recipes"] == ["bf16"]
+    assert "fp8" not in plan["probe"]["rates"]["dense"]
+    text = capsys.readouterr().out
+    assert "fp8@seed=0" in text and "stopped at step 5" in text
+
+
 def test_fixed_steps_warn_that_the_default_budget_cuts_them(tmp_path, monkeypatch, capsys):
     capture_plan(monkeypatch)
     conv.main(argv(tmp_path / "conv", "--steps", "2"))
