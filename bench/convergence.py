@@ -424,7 +424,7 @@ def plan_and_run(args: argparse.Namespace, t0: float) -> None:
         print(f"{c.name}: {len(kept.runs())} runs x {steps} steps ({steps * c.tokens_per_step / 1e6:.2f}M tokens "
               f"each) on {len(groups)} workers", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "plan.json").write_text(json.dumps(plan, indent=1))
+    atomic_write_text(args.out / "plan.json", json.dumps(plan, indent=1))
     run_plan(args, comparisons, plan, t0)
 
 
@@ -432,7 +432,15 @@ def run_plan(args: argparse.Namespace, comparisons: Sequence[Comparison], plan: 
     """Start every worker of ``plan``, wait until they end or ``--budget-s`` (from ``t0``) is spent,
     stop the rest, merge each comparison's metrics and write the reports. Runs cut short fail with
     the reason; an interrupt of the driver (SIGTERM, KeyboardInterrupt) also writes the reports
-    and then exits non-zero.
+    and then exits non-zero. Each worker's folder is cleared before the workers start; a second
+    signal while the workers are stopped or the reports written is ignored.
+
+    Parameters
+    ----------
+    args : the driver's options (:func:`main`): ``out``, ``budget_s``, ``grace_s``, ``poll_s``, ...
+    comparisons : the comparisons of the plan.
+    plan : ``plan.json``'s content (:func:`plan_and_run`): per comparison its steps and workers.
+    t0 : the driver's start (``time.time()``); ``--budget-s`` counts from it.
 
     Raises
     ------
@@ -442,25 +450,31 @@ def run_plan(args: argparse.Namespace, comparisons: Sequence[Comparison], plan: 
     started = time.time()
     devices = iter(worker_devices(args.device, sum(len(v["workers"]) for v in plan["comparisons"].values())))
     cause = f"the time budget ran out (--budget-s {args.budget_s:g})"
+    planned = [(c, args.out / c.name / f"w{k}", group) for c in comparisons
+               for k, group in enumerate(plan["comparisons"][c.name]["workers"])]
+    clear_worker_dirs([out for _, out, _ in planned])
     try:
-        for c in comparisons:
-            entry = plan["comparisons"][c.name]
-            for k, group in enumerate(entry["workers"]):
-                out = args.out / c.name / f"w{k}"
-                jobs[out] = start_worker(c, group, out, entry["steps"], next(devices), args,
-                                         max(1, entry["steps"] // 4), args.eval_iters)
+        for c, out, group in planned:
+            steps = plan["comparisons"][c.name]["steps"]
+            jobs[out] = start_worker(c, group, out, steps, next(devices), args, max(1, steps // 4), args.eval_iters)
     except KeyboardInterrupt as e:  # while starting: stop what started, report every run as cut
-        interrupted = interrupt_cause(e)
-        stop_workers(jobs, args.grace_s)
-        done = {out: WorkerEnd(p.returncode, time.time() - started, interrupted) for out, p in jobs.items()}
+        with signals_ignored():
+            interrupted = interrupt_cause(e)
+            signalled = stop_workers(jobs, args.grace_s)
+            done = {out: WorkerEnd(p.returncode, time.time() - started, interrupted if out in signalled else None)
+                    for out, p in jobs.items()}
+            # never started: their runs fail naming the interrupt (not an earlier worker's stop)
+            done.update({out: WorkerEnd(None, 0.0, interrupted) for _, out, _ in planned if out not in jobs})
     else:
         done, interrupted = run_workers(jobs, t0 + args.budget_s, cause, args.grace_s, args.poll_s)
-    for out, end in sorted(done.items()):
-        print(f"== {out} (exit {end.exit}, {end.wall_s:.0f} s" + (f"; stopped: {end.stopped})" if end.stopped else ")")
-              + ("\n" + (out / "driver.log").read_text()[-3000:] if end.exit and not end.stopped else ""), flush=True)
-    ends = {f"{out.parent.name}/{out.name}": {"exit": e.exit, "wall_s": e.wall_s, "stopped": e.stopped}
-            for out, e in done.items()}
-    write_reports(args.out, plan, args.json, ends)
+    with signals_ignored():  # a second signal must not cut the reports short
+        for out, end in sorted(done.items()):
+            log = "\n" + (out / "driver.log").read_text()[-3000:] if end.exit and not end.stopped else ""
+            print(f"== {out} (exit {end.exit}, {end.wall_s:.0f} s"
+                  + (f"; stopped: {end.stopped})" if end.stopped else ")") + log, flush=True)
+        ends = {f"{out.parent.name}/{out.name}": {"exit": e.exit, "wall_s": e.wall_s, "stopped": e.stopped}
+                for out, e in done.items()}
+        write_reports(args.out, plan, args.json, ends)
     if interrupted:
         raise SystemExit(f"{interrupted}: stopped the workers; what finished is in {args.out / 'report.md'}")
     print(f"study done in {time.time() - t0:.0f} s: {args.out / 'report.md'}", flush=True)
@@ -485,7 +499,7 @@ def write_reports(out: Path, plan: dict, json_path: Optional[Path] = None,
         outs = [out / name / f"w{k}" for k in range(len(entry["workers"]))]
         merged = "".join((o / "metrics.jsonl").read_text() for o in outs if (o / "metrics.jsonl").is_file())
         (out / name).mkdir(parents=True, exist_ok=True)
-        (out / name / "metrics.jsonl").write_text(merged)
+        atomic_write_text(out / name / "metrics.jsonl", merged)
         seen = {str(o.name): fingerprints_seen(o) for o in outs}
         worker_ends = [(ends or {}).get(f"{name}/w{k}", {}) for k in range(len(entry["workers"]))]
         cut = {label: e["stopped"] for group, e in zip(entry["workers"], worker_ends) if e.get("stopped")
@@ -529,12 +543,12 @@ def write_reports(out: Path, plan: dict, json_path: Optional[Path] = None,
         md += [f"### {name}: preset `{entry['preset']}`, {entry['steps']} steps ({entry['tokens_per_run']:,} "
                f"tokens per run)", "", study["markdown"] + warn, ""]
     result["markdown"] = "\n".join(md)
-    (out / "report.md").write_text(result["markdown"])
+    atomic_write_text(out / "report.md", result["markdown"])
     text = json.dumps(result, indent=1, default=str)
-    (out / "report.json").write_text(text)
+    atomic_write_text(out / "report.json", text)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(text)
+        atomic_write_text(json_path, text)
     return result
 
 

@@ -74,6 +74,20 @@ def interrupting_start(after: int, step_s: float):
 
 
 # ---------------------------------------------------------------- leftovers of an earlier study
+def test_leftovers_of_an_earlier_study_are_not_read_as_new(tmp_path, monkeypatch):
+    out = tmp_path / "conv"
+    old = out / "dense" / "w0"
+    old.mkdir(parents=True)
+    (old / "metrics.jsonl").write_text(json.dumps({"step": 3, "recipe": "bf16@seed=0", "val_loss": 0.125}) + "\n")
+    (old / "stale.txt").write_text("an earlier study")
+    monkeypatch.setattr(conv, "load_data", fake_data)
+    monkeypatch.setattr(conv, "start_worker", fake_start_worker(0.01))
+    conv.main(argv(out, "--steps", "3", "--budget-s", "60"))
+    assert not (old / "stale.txt").exists()
+    merged = (out / "dense" / "metrics.jsonl").read_text()
+    assert "0.125" not in merged and merged.count('"step": 3') == 4
+
+
 def test_progress_skips_an_old_file_and_restarts_on_a_new_one(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "recipe": "old"}) + "\n" for s in range(5)))
@@ -150,6 +164,38 @@ def test_a_second_signal_while_stopping_workers_is_ignored(tmp_path):
         signal.signal(signal.SIGTERM, previous)
         proc.kill()
         proc.wait()
+
+
+def test_a_signal_while_the_reports_are_written_leaves_them_whole(tmp_path, monkeypatch):
+    out = tmp_path / "conv"
+    table = conv.workers_table
+
+    def signalled_table(workers):
+        os.kill(os.getpid(), signal.SIGTERM)  # the driver's handler is installed by main
+        return table(workers)
+    monkeypatch.setattr(conv, "load_data", fake_data)
+    monkeypatch.setattr(conv, "start_worker", fake_start_worker(0.01))
+    monkeypatch.setattr(conv, "workers_table", signalled_table)
+    main_catching(argv(out, "--steps", "2", "--budget-s", "60"))
+    assert "| worker | runs |" in (out / "report.md").read_text()
+    assert json.loads((out / "results.json").read_text())["studies"]["dense"]["failed_runs"] == {}
+
+
+def test_workers_never_started_for_an_interrupt_name_it(tmp_path, monkeypatch):
+    out = tmp_path / "conv"
+    old = out / "dense" / "w1"  # the never-started worker's folder holds an earlier study's runs
+    old.mkdir(parents=True)
+    (old / "metrics.jsonl").write_text(json.dumps({"step": 9, "recipe": "fp8@seed=1", "val_loss": 0.5}) + "\n")
+    start, procs = interrupting_start(1, 0.2)
+    monkeypatch.setattr(conv, "load_data", fake_data)
+    monkeypatch.setattr(conv, "start_worker", start)
+    with pytest.raises(SystemExit, match="interrupted"):
+        main_catching(argv(out, "--steps", "50", "--budget-s", "60", "--grace-s", "1"))
+    result = json.loads((out / "results.json").read_text())
+    later = result["plan"]["comparisons"]["dense"]["workers"][1]
+    failed = result["studies"]["dense"]["failed_runs"]
+    assert all(failed[label] == "never started: the driver was interrupted (SIGTERM)" for label in later), failed
+    assert "0.5" not in (out / "dense" / "metrics.jsonl").read_text()
 
 
 # ---------------------------------------------------------------- the plan
