@@ -91,7 +91,17 @@ SAFETY_MARGIN = 0.15
 
 @dataclass(frozen=True)
 class Comparison:
-    """One comparison: a preset and its recipes, each trained at every seed."""
+    """One comparison: a preset and its recipes, each trained at every seed.
+
+    Raises
+    ------
+    ValueError : ``batch_size`` below 1 or ``lr`` not positive (naming the option).
+
+    Example
+    -------
+    >>> Comparison("dense", "test", ("bf16", "fp8"), 2).runs()
+    ['bf16@seed=0', 'fp8@seed=0', 'bf16@seed=1', 'fp8@seed=1']
+    """
 
     name: str
     preset: str
@@ -186,7 +196,22 @@ def plan_tokens(groups: Sequence[Sequence[str]], cost: dict[str, float], seconds
 # ---------------------------------------------------------------------------- processes
 def start_worker(cmp: Comparison, labels: Sequence[str], out: Path, steps: int, device: str,
                  args: argparse.Namespace, eval_interval: int, eval_iters: int) -> subprocess.Popen:
-    """One ``hybridfp train --compare`` training ``labels`` one after the other into ``out``."""
+    """One ``hybridfp train --compare`` training ``labels`` one after the other into ``out``.
+
+    Parameters
+    ----------
+    cmp : the comparison (preset, batch size and learning rate overrides).
+    labels : the runs, ``RECIPE@seed=K``, trained in this order.
+    out : the worker's folder (the caller clears it first: :func:`clear_worker_dirs`).
+    steps : training steps of every run.
+    device : the worker's device (``cuda:K``).
+    args : the driver's options (``data``, ``cache_dir``).
+    eval_interval, eval_iters : evaluation every ``eval_interval`` steps over ``eval_iters`` batches.
+
+    Returns
+    -------
+    subprocess.Popen : the worker, its output in ``out / "driver.log"``.
+    """
     argv = [sys.executable, "-m", "hybridfp.train", "--preset", cmp.preset, "--compare", ",".join(labels),
             "--device", device, "--steps", str(steps), "--warmup", str(max(1, steps // 10)),
             "--eval-interval", str(eval_interval), "--eval-iters", str(eval_iters), "--data", args.data,
@@ -198,7 +223,8 @@ def start_worker(cmp: Comparison, labels: Sequence[str], out: Path, steps: int, 
     if cmp.lr is not None:
         argv += ["--lr", repr(cmp.lr)]
     out.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(argv, stdout=open(out / "driver.log", "w"), stderr=subprocess.STDOUT)
+    with open(out / "driver.log", "w") as log:  # the worker holds its own copy of the handle
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -361,7 +387,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 def plan_and_run(args: argparse.Namespace, t0: float) -> None:
-    """Plan (probe or fixed steps), write ``plan.json``, run it (:func:`run_plan`)."""
+    """Plan (probe or fixed steps), write ``plan.json``, run it (:func:`run_plan`).
+
+    Parameters
+    ----------
+    args : the driver's options (:func:`main`).
+    t0 : the driver's start (``time.time()``); ``--budget-s`` counts from it.
+
+    Raises
+    ------
+    SystemExit : a bad recipe list or override, bf16 missing or dropped at the probe, a budget that
+        buys fewer than 10 steps per run, or an interrupt (:func:`probe`, :func:`run_plan`).
+    """
     try:
         comparisons = [Comparison("dense", args.dense_preset, split_recipes(args.dense_recipes), args.seeds,
                                   args.dense_batch_size, args.dense_lr)]
@@ -488,9 +525,24 @@ def write_reports(out: Path, plan: dict, json_path: Optional[Path] = None,
     ``ends``: ``COMPARISON/wK`` -> ``{"exit", "wall_s", "stopped"}`` (:class:`WorkerEnd`). The runs
     of a worker the driver stopped that did not complete fail with its ``stopped`` reason (the
     budget ran out, the driver was interrupted); each worker's predicted seconds (the plan's
-    ``predicted_s``) and actual ones are listed, so the planning error is visible."""
+    ``predicted_s``) and actual ones are listed, so the planning error is visible. Every file is
+    written atomically (``hybridfp.train.files.atomic_write_text``): a kill leaves the old file or
+    the new one, never a part.
+
+    Parameters
+    ----------
+    out : the study's folder (``--out``): the workers' folders ``COMPARISON/wK`` are read there.
+    plan : ``plan.json``'s content (:func:`plan_and_run`).
+    json_path : also write ``report.json``'s content here (``--json``).
+    ends : ``COMPARISON/wK`` -> how the worker ended (above); None: no workers table.
+
+    Returns
+    -------
+    dict : ``report.json``'s content: ``plan``, ``env``, ``markdown`` and per comparison ``studies``
+        (``stats``, ``failed_runs``, ``workers``, ...).
+    """
     from bench.common import environment
-    from bench.convergence_report import analyze, failed_runs, to_markdown
+    from bench.convergence_report import analyze, to_markdown
     fp = plan["data"]["fingerprint"]
     result: dict = {"name": "convergence", "env": environment(), "plan": plan, "studies": {}}
     md = [f"Corpus: `{plan['data']['spec']}`, fingerprint `{fp}` ({plan['data']['train_tokens']:,} train / "
@@ -550,20 +602,6 @@ def write_reports(out: Path, plan: dict, json_path: Optional[Path] = None,
         json_path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(json_path, text)
     return result
-
-
-def workers_table(workers: Sequence[dict]) -> str:
-    """Markdown: each worker's runs, predicted and actual wall seconds, and how it ended."""
-    def sec(v: Optional[float]) -> str:
-        return "—" if v is None else f"{v:.0f}"
-    lines = ["Workers, wall seconds from their start (predicted: the plan from the probe's rates):", "",
-             "| worker | runs | predicted s | actual s | actual / predicted | ended |", "|---|---:|---:|---:|---:|---|"]
-    for w in workers:
-        ended = f"stopped: {w['stopped']}" if w["stopped"] else f"exit {w['exit']}"
-        ratio = f"{w['actual_s'] / w['predicted_s']:.2f}" if w["predicted_s"] and w["actual_s"] is not None else "—"
-        lines.append(f"| {w['worker']} | {w['runs']} | {sec(w['predicted_s'])} | {sec(w['actual_s'])} | {ratio} "
-                     f"| {ended} |")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -278,6 +278,31 @@ def test_the_expected_size_is_not_a_stale_figure():
     assert "2M tokens per dense run" not in conv.__doc__ and "unmeasured" in conv.__doc__
 
 
+def test_docstrings_of_the_public_names():
+    need = {cw.raise_interrupted: "Parameters Raises", cw.interrupt_cause: "Parameters Returns",
+            cw.stop_workers: "Parameters Returns", cw.run_workers: "Parameters Returns",
+            cw.Progress.poll: "Raises", conv.Comparison: "Raises", conv.start_worker: "Parameters Returns",
+            conv.plan_and_run: "Parameters Raises", conv.run_plan: "Parameters Raises",
+            conv.write_reports: "Parameters Returns", conv.workers_table: "Parameters Returns",
+            conv.main: "Parameters Raises"}
+    for obj, sections in need.items():
+        for section in sections.split():
+            assert f"{section}\n" in inspect.getdoc(obj), (obj.__qualname__, section)
+
+
+def test_start_worker_closes_its_log_handle(tmp_path, monkeypatch):
+    handles = []
+
+    def popen(argv, stdout=None, stderr=None):
+        handles.append(stdout)
+        return "process"
+    monkeypatch.setattr(conv.subprocess, "Popen", popen)
+    args = conv.argparse.Namespace(data="packages", cache_dir=None)
+    cmp = conv.Comparison("dense", "test", ("bf16",), 1)
+    assert conv.start_worker(cmp, ["bf16@seed=0"], tmp_path / "w0", 2, "cpu", args, 1, 1) == "process"
+    assert handles[0].closed
+
+
 # ---------------------------------------------------------------- one rule for labels
 def test_labels_without_a_seed_suffix_are_seed_zero():
     assert conv.plan_tokens([["a", "b@seed=1"]], {"a": 1e-5, "b": 3e-5}, 100.0) == 2500000.0
