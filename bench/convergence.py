@@ -48,9 +48,9 @@ measured: give it ``--grace-s`` plus some seconds for the reports beyond ``--bud
 
 Expected size at the default budget (470 s, probe included): unmeasured with the achieved
 rates and the 15 % margin. The probe before them (per-step rates, no margin) planned 2.25M tokens
-per dense run on one H100 at ``--budget-s 330``, and those runs took ~1.5x the plan; the achieved
-rates plan fewer tokens than that, by an amount no study has measured yet (``plan.json`` and the
-report give each study's figure). Either way a run trains a few percent of the corpus, so no run
+per dense run on one H100 at ``--budget-s 330``, and those runs took ~1.5x the plan; at the same
+budget the achieved rates and the margin plan fewer tokens, by an amount no study has measured yet
+(``plan.json`` and the report give each study's figure). Either way a run trains a few percent of the corpus, so no run
 sees a byte twice.
 
     python -m bench.convergence --out runs/convergence [--budget-s 470] [--json results.json]
