@@ -113,7 +113,7 @@ def test_identity_recipe_matches_unconverted_model(name):
     """Through torchtitan's registry: every Linear but lm_head / the router gate and every
     expert weight runs through hybridfp; logits and gradients match the unconverted model."""
     ref = _build(_config(name))
-    cfg = _config(name, [HybridFPConverter.Config(recipe="bf16")])
+    cfg = _config(name, [HybridFPConverter.Config(recipe="high-precision")])
     model = _build(cfg, like=ref)
     # what runs through hybridfp: all weights of >= 2 dims but the embedding, lm_head, routers
     read = hybridfp_weights(model)

@@ -107,10 +107,10 @@ def test_high_precision_backward_of_the_forward_value(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_zoo_recipe_equals_its_per_gemm_spelling(kind):
-    """high_precision_fwd_mxfp8_bwd is per_gemm(bf16, mxfp8, mxfp8) by definition."""
+    """high_precision_fwd_mxfp8_bwd is per_gemm(high_precision, mxfp8, mxfp8) by definition."""
     base = make_module(kind)
     x, dy = make_data(seed=13)
-    want = run_step(copy.deepcopy(base), x, dy, CustomRecipe(per_gemm("bf16", "mxfp8", "mxfp8")))
+    want = run_step(copy.deepcopy(base), x, dy, CustomRecipe(per_gemm("high_precision", "mxfp8", "mxfp8")))
     got = run_step(copy.deepcopy(base), x, dy, CustomRecipe(ZOO["high_precision_fwd_mxfp8_bwd"]))
     assert_bitwise(got.y, want.y, "output")
     assert_bitwise(got.dx, want.dx, "dx")
