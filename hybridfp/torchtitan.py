@@ -48,7 +48,8 @@ class HybridFPConverter(QuantizationConverter):
     ``kw_only`` / ``slots`` dataclasses, so this one is too):
 
     - ``recipe``: a name of ``hybridfp train --recipe`` (``fp8``, ``mxfp8``, ``nvfp4``,
-      ``bf16`` (Identity quantizers), a zoo hybrid such as ``nvfp4-fwd-mxfp8-bwd``,
+      ``bf16`` (Identity quantizers casting to BF16), ``high-precision`` (Identity without a
+      cast), a zoo hybrid such as ``nvfp4-fwd-mxfp8-bwd``,
       ``per_gemm:fprop=...``) or ``package.module:factory`` (a ``Recipe``, a ``Recipe``
       subclass, an annotated ``def f(role) -> Quantizer`` or ``def f() -> Recipe``);
     - ``fqns``: convert only modules whose fqn contains one of these dotted runs (empty: all);
