@@ -116,8 +116,11 @@ def test_reports_are_written_when_the_driver_is_interrupted(tmp_path, sig):
     args = argv(out, "--steps", "400", "--budget-s", "300", "--grace-s", "1")
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import {Path(__file__).stem} as t; "
             f"t.drive({args!r}, 0.05)")
+    # SIGINT's default action in the driver: a shell's background job (a test run started with
+    # `&`) inherits SIGINT ignored, and Python keeps an inherited ignore
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     metrics = [out / "dense" / w / "metrics.jsonl" for w in ("w0", "w1")]
     deadline = time.time() + 60
     while not all(m.is_file() and m.read_text().count("\n") > 3 for m in metrics):
