@@ -258,7 +258,7 @@ def _stop(proc: subprocess.Popen) -> tuple[str, str]:
 
     Parameters
     ----------
-    proc : a benchmark started in its own session (``start_new_session=True``).
+    proc : a benchmark started as its own process group (``start_new_session=True``).
 
     Returns
     -------
@@ -284,7 +284,7 @@ DEADLINE_FRACTION = 0.75
 
 def run_one(name: str, out: Path, quick: bool, timeout_s: Optional[float] = None
             ) -> tuple[Optional[dict[str, Any]], str, bool]:
-    """One benchmark in its own process (and session).
+    """One benchmark in its own process (and process group).
 
     Parameters
     ----------
@@ -312,7 +312,7 @@ def run_one(name: str, out: Path, quick: bool, timeout_s: Optional[float] = None
         cmd += [b.deadline_flag, f"{DEADLINE_FRACTION * timeout_s:g}"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     t0 = time.monotonic()
-    # its own session: a time-out signals the benchmark and every process it started
+    # its own process group: a time-out signals the benchmark and every process it started
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
     try:

@@ -54,7 +54,7 @@ def capture_plan(monkeypatch) -> dict:
 
 def main_catching(args: list[str]) -> None:
     """``conv.main`` with an escaped KeyboardInterrupt turned into a test failure (pytest would
-    otherwise end the whole session on it)."""
+    otherwise stop the whole test run on it)."""
     try:
         conv.main(args)
     except KeyboardInterrupt as e:
