@@ -18,8 +18,9 @@ BF16 eager baseline stays unfused.
 Baselines (BF16 eager, BF16 torch.compile, torchao float8 tensorwise / rowwise compiled) run
 first; a baseline that cannot run (torchao absent, compilation failed, ``--deadline-s`` passed)
 fails the run by name unless a flag skips it explicitly (``--no-torchao``, ``--no-compile``;
-recorded in the JSON). A recipe's row not run by ``--deadline-s`` fails the run too; its
-variants (fused, codes, compiled) are only named. Every ratio is paired (``bench.protocol.paired_ratio``) against BF16
+recorded in the JSON). Every recipe's own row runs next, then their variants (fused, codes,
+compiled), so a deadline leaves variants, not targets: a recipe's row not run by
+``--deadline-s`` fails the run too; its variants are only named. Every ratio is paired (``bench.protocol.paired_ratio``) against BF16
 eager and BF16 compiled (and, for the FP8 current rows, torchao tensorwise). Every variant's
 first step is checked against an FP32 reference of the same inputs: output, dx and each dW,
 relative Frobenius error within ``common.error_bound`` of the variant's element formats and gain
@@ -217,25 +218,30 @@ def check_step(label: str, family: str, variant: str, y: torch.Tensor, x: torch.
     return out
 
 
-def bench_model(kind: str, family: str, make: Callable[[Callable], nn.Module], x: torch.Tensor, deadline: float,
-                compiled: bool, torchao: Optional[Any], protocol: Protocol = Protocol(),
-                checkpoint: Callable[[list], None] = lambda rows: None,
-                fuse: Optional[Callable[[nn.Module], nn.Module]] = None, profile: Optional[str] = None,
-                profiles: Optional[list[str]] = None) -> list[dict[str, Any]]:
-    """All variants of one model (``family``: "Linear" or "MLP", its error depths), baselines
-    first. ``compiled``: BF16 compiled, torchao (when ``torchao`` is its float8 module) and the
-    compiled hybridfp variants. ``fuse`` gives the model with the fused SwiGLU (rows right after
-    their unfused ones). Variants whose name contains ``profile`` get a kernel profile.
+Variant = tuple[str, nn.Module, nn.Module, Callable[[], Any]]
 
-    Raises ``MissingBaselineError`` when a baseline cannot run; a variant beyond its error bound
-    or failing gets an ``error`` row (``main`` fails the run on it)."""
-    torch.manual_seed(0)
-    base = make(torch_linear)
-    with torch.no_grad():
-        dy = torch.randn_like(base(x))
-    ref = fp32_reference(make, base, x, dy)
-    variants: list[tuple[str, nn.Module, nn.Module, Callable[[], Any]]] = [
-        (BASELINE_EAGER, base, base, contextlib.nullcontext)]
+
+def plan_variants(base: nn.Module, hf: nn.Module, compiled: bool, torchao: Optional[Any],
+                  fuse: Optional[Callable[[nn.Module], nn.Module]]) -> tuple[list[Variant], int]:
+    """The variants ``bench_model`` times, in the order it times them: the baselines, then every
+    recipe's own row (the targets: ``--deadline-s`` reaches them first), then the optional
+    variants (the fused SwiGLU, copies kept as codes, compiled).
+
+    Parameters
+    ----------
+    base, hf : the BF16 model and its hybridfp twin (same weights).
+    compiled : include BF16 compiled, torchao (when ``torchao`` is its float8 module) and the
+        compiled hybridfp variants.
+    torchao : ``torchao.float8``, or None.
+    fuse : the model with the fused SwiGLU, or None (models without an activation).
+
+    Returns
+    -------
+    tuple[list[Variant], int]
+        (name, model to run, model whose parameters get gradients, context) per variant; the
+        number of baselines at its head.
+    """
+    variants: list[Variant] = [(BASELINE_EAGER, base, base, contextlib.nullcontext)]
     if compiled:
         variants.append((BASELINE_COMPILED, torch.compile(base), base, contextlib.nullcontext))
         if torchao is not None:
@@ -244,12 +250,11 @@ def bench_model(kind: str, family: str, make: Callable[[Callable], nn.Module], x
                                                        config=torchao.Float8LinearConfig.from_recipe_name(rname))
                 variants.append((f"torchao float8 {rname} (compiled)", torch.compile(m), m, contextlib.nullcontext))
     n_baselines = len(variants)
-    if fuse is not None:
-        variants.append(("BF16 eager + hybridfp fused SwiGLU", fuse(base), base, contextlib.nullcontext))
-    hf = make(hybridfp_linear)
-    hf.load_state_dict(base.state_dict())
     for name, recipe in RECIPES:
         variants.append((name, hf, hf, lambda r=recipe(): hybridfp.autocast(recipe=r)))
+    if fuse is not None:
+        variants.append(("BF16 eager + hybridfp fused SwiGLU", fuse(base), base, contextlib.nullcontext))
+    for name, recipe in RECIPES:
         if fuse is not None and name in FUSED_RECIPES:
             variants.append((name + FUSED, fuse(hf), hf, lambda r=recipe(): hybridfp.autocast(recipe=r)))
         if name in CODES_RECIPES:  # the A/B of copies written as BF16 decodes (the CUDA default)
@@ -260,6 +265,30 @@ def bench_model(kind: str, family: str, make: Callable[[Callable], nn.Module], x
             if name in COMPILED_RECIPES:
                 variants.append((name + " (compiled)", torch.compile(hf, fullgraph=True), hf,
                                  lambda r=recipe(): hybridfp.autocast(recipe=r)))
+    return variants, n_baselines
+
+
+def bench_model(kind: str, family: str, make: Callable[[Callable], nn.Module], x: torch.Tensor, deadline: float,
+                compiled: bool, torchao: Optional[Any], protocol: Protocol = Protocol(),
+                checkpoint: Callable[[list], None] = lambda rows: None,
+                fuse: Optional[Callable[[nn.Module], nn.Module]] = None, profile: Optional[str] = None,
+                profiles: Optional[list[str]] = None) -> list[dict[str, Any]]:
+    """All variants of one model (``family``: "Linear" or "MLP", its error depths) in
+    :func:`plan_variants`' order: baselines, the recipes' own rows, then the optional variants.
+    ``compiled``: BF16 compiled, torchao (when ``torchao`` is its float8 module) and the
+    compiled hybridfp variants. ``fuse`` gives the model with the fused SwiGLU. Variants whose
+    name contains ``profile`` get a kernel profile.
+
+    Raises ``MissingBaselineError`` when a baseline cannot run; a variant beyond its error bound
+    or failing gets an ``error`` row (``main`` fails the run on it)."""
+    torch.manual_seed(0)
+    base = make(torch_linear)
+    with torch.no_grad():
+        dy = torch.randn_like(base(x))
+    ref = fp32_reference(make, base, x, dy)
+    hf = make(hybridfp_linear)
+    hf.load_state_dict(base.state_dict())
+    variants, n_baselines = plan_variants(base, hf, compiled, torchao, fuse)
     rows: list[dict[str, Any]] = []
     steps: dict[str, Callable[[], Any]] = {}  # the baselines' steps
     for i, (name, model, plain, ctx) in enumerate(variants):

@@ -218,10 +218,31 @@ def test_mlp_rows_past_the_deadline_are_named_and_fail_unless_optional(tiny_mlp,
     monkeypatch.setattr(tiny_mlp, "bench_ms", bench_ms)
     monkeypatch.setattr(tiny_mlp, "RECIPES", tiny_mlp.RECIPES[:1])  # FP8 current, then its fused row
     out = tmp_path / "mlp.json"
-    tiny_mlp.main(_mlp_args(out, "--no-compile", "--deadline-s", "2.5"))  # baselines and recipe: optional left
+    # baseline, recipe, BF16 + fused SwiGLU run (each a second); the recipe's fused row is left
+    tiny_mlp.main(_mlp_args(out, "--no-compile", "--deadline-s", "2.5"))
     result = json.loads(out.read_text())
     fused = "hybridfp FP8 current + fused SwiGLU"
     assert result["failures"] == [] and result["not_run"] == [f"{result['rows'][0]['model']}: {fused} (optional)"]
     clock["t"] = 0.0
     with pytest.raises(SystemExit, match="hybridfp FP8 current: not run \\(--deadline-s passed\\)"):
-        tiny_mlp.main(_mlp_args(out, "--no-compile", "--deadline-s", "1.5"))
+        tiny_mlp.main(_mlp_args(out, "--no-compile", "--deadline-s", "0.5"))  # only the baseline runs
+
+
+def test_mlp_times_every_recipe_before_its_optional_variants(monkeypatch):
+    """Under --deadline-s the rows left are the optional ones (fused SwiGLU, codes, compiled),
+    never a recipe's own row: the targets are measured first."""
+    from bench import bench_mlp
+    monkeypatch.setattr(common, "DEVICE", "cpu")
+    monkeypatch.setattr(bench_mlp, "QUICK_DIMS", (128, 256, 128))
+    hf, _, _, _ = _mlp_case(bench_mlp)
+    base = bench_mlp.MLP(bench_mlp.torch_linear, *bench_mlp.QUICK_DIMS[:2])
+    fake_compile = lambda m, **kw: m  # noqa: E731 - the order only, nothing is compiled
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    variants, n_baselines = bench_mlp.plan_variants(base, hf, compiled=True, torchao=None, fuse=lambda m: m)
+    names = [v[0] for v in variants]
+    recipes = [name for name, _ in bench_mlp.RECIPES]
+    assert names[:n_baselines] == [bench_mlp.BASELINE_EAGER, bench_mlp.BASELINE_COMPILED]
+    assert names[n_baselines:n_baselines + len(recipes)] == recipes
+    optional = names[n_baselines + len(recipes):]
+    assert optional and not set(optional) & set(recipes)
+    assert "BF16 eager + hybridfp fused SwiGLU" in optional and any(n.endswith("(compiled)") for n in optional)
