@@ -367,3 +367,11 @@ def test_deadline_names_the_rows_not_run_and_checkpoints_every_row(tiny, monkeyp
     with pytest.raises(SystemExit) as exc:
         bench_moe.main(args + ["--deadline-s", "1.5"])
     assert f"baseline '{bench_moe.BF16_COMPILED}'" in str(exc.value.code) and "--deadline-s" in str(exc.value.code)
+
+
+def test_moe_times_the_rows_with_a_target_first():
+    """After the baselines a deadline reaches the targeted recipes before the others."""
+    from bench import bench_moe
+    names = [n for n, _ in bench_moe.RECIPES]
+    with_target = [n for n in names if n in bench_moe.TARGETS]
+    assert with_target and names[:len(with_target)] == with_target, names
