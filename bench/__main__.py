@@ -16,6 +16,7 @@ paired (``bench/protocol.py``); the headlines show each with its ~95 % interval.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -265,16 +266,14 @@ def _stop(proc: subprocess.Popen) -> tuple[str, str]:
     tuple[str, str]
         Its stdout and stderr.
     """
-    for sig, wait in ((signal.SIGTERM, TERM_GRACE_S), (signal.SIGKILL, None)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:  # it and its children are gone already
-            pass
-        try:
-            return proc.communicate(timeout=wait)
-        except subprocess.TimeoutExpired:
-            continue
-    return "", ""  # not reached: communicate() without a timeout returns once SIGKILL lands
+    with contextlib.suppress(ProcessLookupError):  # it and its children may be gone already
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        return proc.communicate(timeout=TERM_GRACE_S)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        return proc.communicate()
 
 
 #: with a time limit, a benchmark that takes ``--deadline-s`` stops starting rows at this
