@@ -124,7 +124,8 @@ def _mlp(r: dict[str, Any]) -> Rows:
         if row.get("model", "").startswith("Llama") and row.get("variant") != "BF16 eager":
             value = row.get("error") or (f"NOT RUN ({row['not_run']})" if "not_run" in row else "?")
             if "vs BF16 eager" in row:
-                target = 1.0 if row["variant"].startswith("hybridfp") else None
+                from bench.bench_mlp import target_of  # each recipe's own target
+                target = target_of(row["variant"])
                 value = f"{_paired(row['vs BF16 eager'], target)} eager" + (
                     f", {_paired(row['vs BF16 torch.compile'])} compiled" if "vs BF16 torch.compile" in row else "")
             out.append((f"MLP {row['variant']} vs BF16", value))
@@ -140,7 +141,8 @@ def _moe(r: dict[str, Any]) -> Rows:
         if "not_run" in row:
             value = f"NOT RUN ({row['not_run']})" + (" (optional)" if row.get("optional") else "")
         if "x_fastest_bf16" in row:
-            value = f"{_paired(row['x_fastest_bf16'], row.get('target'))} vs {row['fastest_bf16']}"
+            from bench.moe_targets import target  # the config's targets, not the row's recorded one
+            value = f"{_paired(row['x_fastest_bf16'], target(row['config'], row['variant']))} vs {row['fastest_bf16']}"
         out.append((f"{row['config']}: {row['variant']}", value))
     return out
 
@@ -148,6 +150,11 @@ def _moe(r: dict[str, Any]) -> Rows:
 def _bound_moe(r: dict[str, Any]) -> Rows:
     return [(f"{b['floor']}", f"bound {_x(b['bound'])} (target {b['target']:.2f}x, device time now "
                               f"{_x(b['measured'])})") for b in r.get("bounds", [])]
+
+
+def _bound_mlp(r: dict[str, Any]) -> Rows:
+    return [(f"{b['recipe']}: {b['floor']}", f"bound {_x(b['bound'])} (target {b['target']:.2f}x, device time now "
+                                             f"{_x(b['measured'])})") for b in r.get("bounds", [])]
 
 
 def _grouped_gemm(r: dict[str, Any]) -> Rows:
@@ -210,6 +217,8 @@ BENCHMARKS: dict[str, Benchmark] = {
                         ("--experts", "64"), deadline_flag="--deadline-s", headline=_moe),
     "bound_moe": Benchmark("bench.bound_moe", "the best ratio the 64-expert MoE allows, from measured parts",
                            ("--experts", "64"), headline=_bound_moe),
+    "bound_mlp": Benchmark("bench.bound_mlp", "the best ratio each recipe allows the Llama-3-8B MLP, from "
+                           "measured parts", headline=_bound_mlp),
     "grouped_gemm": Benchmark("bench.bench_grouped_gemm", "Triton BF16 / FP8 grouped GEMMs vs torch._grouped_mm",
                               headline=_grouped_gemm),
     "moe_overhead": Benchmark("bench.bench_moe_overhead", "GroupedLinear host work per expert (runs on the CPU)",

@@ -35,6 +35,12 @@ then are not run and named; the run fails unless they are all A/B variants (a su
 ``--ab``, extra rows (suffixes) time a recipe again with one switch flipped in the same
 process, e.g. "[cuBLAS per expert BF16]": path 1's grouped BF16 GEMMs as cuBLAS per expert.
 
+How long a run takes, to choose ``--deadline-s``: a paired row times 2 x rounds x samples steps
+(200 with the default 10 x 10) besides its warm-up and accuracy check. A full run of
+``--experts 8`` takes about 8 minutes on an H100: each paired row ~60 s (200 steps of ~270 ms),
+the three baselines (one compiled) first. The 64-expert config runs the same rows; its time is that count
+of rows x 200 x its own step time.
+
     python -m bench.bench_moe [--experts 8|64] [--micro-batches N] [--skew S] [--ab] [--variants 'A|B']
         [--rounds R --samples S] [--compile-backend B] [--out results.json] [--quick] [--deadline-s S]
         [--profile TEXT [--profile-out FILE]]
@@ -53,164 +59,30 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-from torch import nn
 
-import hybridfp
 from bench import common
-from bench.common import (GAIN_TOLERANCE, AccuracyError, MissingBaselineError, bench_ms_steady, environment, error_bound,
-                          finish, gain, md_table, parser, profile_step, protocol_from, protocol_record, rel_error,
-                          require_cuda)
-from bench.moe_layer import (HIDDEN, ROUTING_SKEW, TOKENS, TOP_K, BF16MoE, HybridMoE, PrimaryWeightsMoE, RoutingSchedule,
-                             Step, moe_layer)
+from bench.common import (GAIN_TOLERANCE, AccuracyError, MissingBaselineError, bench_ms_steady, environment, finish, gain, md_table,
+                          parser, profile_step, protocol_from, protocol_record, rel_error, require_cuda)
+from bench.moe_layer import HIDDEN, ROUTING_SKEW, TOKENS, TOP_K, BF16MoE, RoutingSchedule, Step, moe_layer
+# the row planning lives in moe_rows; its names are bench_moe's too (``bench_moe.RECIPES``, ...)
+from bench.moe_rows import (BASELINES, BF16_COMPILED, BF16_GROUPED, BF16_PER_EXPERT, CODES_SUFFIX, CUTLASS_SUFFIX,
+                            DEPTHS, FP8_TMA_SUFFIX, FP8_TRITON_SUFFIX, NO_METADATA_MEMO_SUFFIX,
+                            NO_PLAN_MEMO_SUFFIX, PER_EXPERT_SUFFIX, PER_GROUP_SUFFIX, PRIMARY_SUFFIX,
+                            RECIPE_FORMATS, RECIPES, SINGLE_PARAM_SUFFIX, TRITON_SUFFIX, UNPACKED_SUFFIX, TmaPair,
+                            breaches, error_bounds, optional, variants_of, wrap)
+from bench.moe_targets import CONFIGS, below, config_name, target
 from bench.protocol import PairedRatio, Protocol, paired_ratio
 from hybridfp.moe.gemm import PATH_COUNTS
 
-CONFIGS = [(8, 14336), (64, 1408)]
-#: ``--quick``: (experts, ffn) configs and (tokens, hidden)
+__all__ = ["BASELINES", "BF16_COMPILED", "BF16_GROUPED", "BF16_PER_EXPERT", "CODES_SUFFIX", "CONFIGS",
+           "CUTLASS_SUFFIX", "DEPTHS", "FP8_TMA_SUFFIX", "FP8_TRITON_SUFFIX", "NO_METADATA_MEMO_SUFFIX",
+           "NO_PLAN_MEMO_SUFFIX", "PER_EXPERT_SUFFIX", "PER_GROUP_SUFFIX", "PRIMARY_SUFFIX", "QUICK_CONFIGS",
+           "QUICK_SHAPE", "RECIPE_FORMATS", "RECIPES", "SINGLE_PARAM_SUFFIX", "TRITON_SUFFIX", "UNPACKED_SUFFIX",
+           "RowFailure", "bench_config", "breaches", "check_rows", "device_ms", "error_bounds", "main",
+           "markdown_table", "pair", "reference_result", "relative_errors", "time_baselines", "time_row", "wrap"]
+
+#: ``--quick``: (experts, ffn) configs and (tokens, hidden); the configs' targets: moe_targets.TARGETS
 QUICK_CONFIGS, QUICK_SHAPE = [(8, 512), (64, 256)], (1024, 512)
-#: in the order they run after the baselines: the rows with a target first, so a deadline
-#: reaches them before the BF16 row (which has none)
-RECIPES: list[tuple[str, Callable[[], hybridfp.Recipe]]] = [
-    ("hybridfp FP8 current", lambda: hybridfp.Float8CurrentScaling()),
-    ("hybridfp MXFP8", lambda: hybridfp.MXFP8BlockScaling()),
-    ("hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)",
-     lambda: hybridfp.CustomRecipe(qfactory=hybridfp.factories.nvfp4_row_scaled_fwd_mxfp8_bwd)),
-    ("hybridfp BF16 (high_precision)", lambda: hybridfp.CustomRecipe(qfactory=hybridfp.factories.high_precision)),
-]
-TARGETS = {"hybridfp FP8 current": 1.30, "hybridfp MXFP8": 0.90,
-           "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)": 0.90}
-#: the three BF16 baselines; the headline ratio is against the fastest of them in the run
-BF16_GROUPED, BF16_PER_EXPERT, BF16_COMPILED = "BF16 grouped", "BF16 per-expert", "BF16 compiled"
-BASELINES = (BF16_GROUPED, BF16_PER_EXPERT, BF16_COMPILED)
-#: element formats (forward operands, backward gradients) of each row's recipe (its name
-#: without a variant suffix; the BF16 baselines under "BF16"): its error bounds
-RECIPE_FORMATS = {
-    "BF16": ("bf16", "bf16"),
-    "hybridfp BF16 (high_precision)": ("bf16", "bf16"),
-    "hybridfp FP8 current": ("e4m3", "e5m2"),
-    "hybridfp MXFP8": ("e4m3", "e4m3"),
-    "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)": ("e2m1", "e4m3"),
-}
-#: (forward, backward) GEMMs on the longest path to each checked tensor (``common.error_bound``;
-#: the experts are a SwiGLU MLP, as bench_mlp's): all micro-batches' outputs, x's gradient and
-#: each layer's weight gradient. The bench's CPU smoke shape (4 experts, 64 tokens, hidden 64,
-#: 2 micro-batches) measures 0.4-0.5 % for BF16 (bounds 1.7-1.9 %), 6.3-7.5 % for FP8 current
-#: (15-26 %), 6.5-6.7 % for MXFP8 (15-21 %), 21-24 % for Composer-2 (58-59 %).
-DEPTHS = {"out": (2, 0), "dx": (1, 2), "dw": (1, 2)}
-#: ``--ab``: recipes timed twice more: with grouped_gemm's Triton path forced on and forced off
-#: on CUDA (its default there: from the policy's many_experts experts on). FP8 per-tensor
-#: pairs keep cuBLAS FP8 and MXFP8 takes torch._grouped_mm: only Composer-2's row-scaled NVFP4
-#: fprop is a candidate.
-TRITON_VARIANTS = ("hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)",)
-TRITON_SUFFIX = " [Triton grouped]"
-PER_EXPERT_SUFFIX = " [per-expert GEMMs]"
-#: recipes timed a second time with each expert's weight its own tensor (GroupedLinear
-#: ``pack_weights=False``): big per-tensor-scaled weights are then quantized one by one instead
-#: of through the grouped quantization of the joined buffer (moe/quantize_weights._worth_stacking)
-UNPACKED_VARIANTS = ("hybridfp FP8 current",)
-#: FP8 per-tensor timed twice more: with the Triton FP8 grouped GEMM taking fprop too (instead
-#: of torch._scaled_grouped_mm: the policy's over_scaled_grouped_mm), and with the per-expert
-#: cuBLAS loop for the GEMMs it takes by default at many experts (PER_EXPERT_SUFFIX)
-FP8_TRITON_VARIANTS = ("hybridfp FP8 current",)
-FP8_TRITON_SUFFIX = " [FP8 Triton grouped everywhere]"
-UNPACKED_SUFFIX = " [unpacked weights]"
-#: recipes timed a second time with their weight / grad_output copies kept as codes and scales
-#: (``hybridfp.policy(decoded_copies="never")``) instead of written as BF16 decodes by the
-#: quantize kernels (the CUDA default where every GEMM decodes them)
-CODES_VARIANTS = ("hybridfp MXFP8", "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)")
-CODES_SUFFIX = common.CODES_SUFFIX
-#: recipes timed twice more with path 1's grouped BF16 GEMMs forced to cuBLAS per expert and to
-#: one CUTLASS ``torch._grouped_mm`` (the policy's ``bf16_per_group_cublas``; the
-#: default, None, picks by size: ``grouped.per_group_wins``)
-PER_GROUP_VARIANTS = ("hybridfp MXFP8", "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)")
-PER_GROUP_SUFFIX = " [cuBLAS per expert BF16]"
-CUTLASS_SUFFIX = " [CUTLASS grouped BF16]"
-#: recipes timed again with quantize_grouped's plan memo off (every call plans afresh): the host
-#: time the memo saves
-PLAN_VARIANTS = ("hybridfp MXFP8", "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)")
-NO_PLAN_MEMO_SUFFIX = " [plans not remembered]"
-#: ... and with the routing's metadata (offsets, padded-row indexes, row maps) built at every use
-#: instead of once a pass (``utils.device.step_metadata``)
-NO_METADATA_MEMO_SUFFIX = " [metadata not shared]"
-#: The same recipes with ``GroupedLinear(single_parameter=True)``: one [E, N, K] weight Parameter
-#: a layer (as the baseline holds them) instead of one per expert.
-SINGLE_PARAM_VARIANTS = tuple(name for name, _ in RECIPES)
-SINGLE_PARAM_SUFFIX = " [one weight Parameter]"
-#: The quantized recipes with quantized primary weights (``PrimaryWeightsMoE``: built under
-#: ``hybridfp.quantized_model_init``, FP32 masters re-encoded once a step inside the step)
-PRIMARY_VARIANTS = tuple(name for name, _ in RECIPES if name != "hybridfp BF16 (high_precision)")
-PRIMARY_SUFFIX = " [quantized primary weights]"
-#: FP8 current timed again with the grouped FP8 GEMM's pointer kernel (the policy's
-#: grouped_fp8_tma_rows / grouped_fp8_tma_wgrad set to None, None; ``--fp8-tma ROWS/WGRAD``
-#: names TMA configs instead, passed down as ``bench_config``'s ``fp8_tma``),
-#: on the per-expert and the one-Parameter layer, against the TMA kernel (the default)
-FP8_TMA_VARIANTS = ("hybridfp FP8 current",)
-FP8_TMA_SUFFIX = " [FP8 pointer grouped GEMM]"
-#: (rows, wgrad) kernels of the FP8 TMA A/B rows: a TMA config name, or None for the pointer kernel
-TmaPair = tuple[Optional[str], Optional[str]]
-
-def with_per_group_cublas(step: Callable[[], torch.Tensor], on: bool) -> Callable[[], torch.Tensor]:
-    """``step`` under the policy's ``bf16_per_group_cublas`` set to ``on``."""
-    def run() -> torch.Tensor:
-        with hybridfp.policy(bf16_per_group_cublas=on):
-            return step()
-    return run
-
-
-def without_plan_memo(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """``step`` with GroupedLinear's plan memo not passed to ``quantize_grouped`` (every call
-    plans afresh; restored after each call)."""
-    from hybridfp.moe import grouped_linear_function, grouped_weights
-    modules = (grouped_linear_function, grouped_weights)
-
-    def run() -> torch.Tensor:
-        saved = [m.plan_memo for m in modules]
-        for m in modules:
-            m.plan_memo = lambda module: None
-        try:
-            return step()
-        finally:
-            for m, memo in zip(modules, saved):
-                m.plan_memo = memo
-    return run
-
-
-def without_metadata_memo(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """``step`` with ``step_metadata`` building its tensor at every call (restored after each call)."""
-    from hybridfp.moe import gemm_bf16 as grouped_bf16
-    from hybridfp.moe import quantize as qgrouped
-
-    def run() -> torch.Tensor:
-        saved = qgrouped.step_metadata, grouped_bf16.step_metadata
-        qgrouped.step_metadata = grouped_bf16.step_metadata = lambda key, device, build: build()
-        try:
-            return step()
-        finally:
-            qgrouped.step_metadata, grouped_bf16.step_metadata = saved
-    return run
-
-
-def with_fp8_tma(step: Callable[[], torch.Tensor], tma: TmaPair = (None, None)) -> Callable[[], torch.Tensor]:
-    """``step`` with the grouped FP8 GEMM's kernels set by ``tma`` (rows / wgrad: a TMA config
-    name or None for the pointer kernel)."""
-    def run() -> torch.Tensor:
-        with hybridfp.policy(grouped_fp8_tma_rows=tma[0], grouped_fp8_tma_wgrad=tma[1]):
-            return step()
-    return run
-
-
-def with_triton_grouped(step: Callable[[], torch.Tensor], on: bool,
-                        fp8_everywhere: bool = False) -> Callable[[], torch.Tensor]:
-    """``step`` (forward and backward) with the Triton grouped paths on CUDA taken for any
-    number of experts (``on``) or for none; ``fp8_everywhere``: the FP8 grouped GEMM also for
-    the E4M3 GEMMs torch._scaled_grouped_mm takes by default."""
-    def run() -> torch.Tensor:
-        pol = hybridfp.current_policy()
-        changes = (dict(grouped_triton_devices=pol.grouped_triton_devices | {"cuda"}) if on
-                   else dict(many_experts=1 << 30))
-        with hybridfp.policy(over_scaled_grouped_mm=fp8_everywhere, **changes):
-            return step()
-    return run
 
 
 def device_ms(step: Callable[[], Any]) -> float:
@@ -259,26 +131,6 @@ def reference_result(base: BF16MoE, x: torch.Tensor, dy: torch.Tensor, micro_bat
     return {"out": out, "dx": x32.grad, "dw1": ref.w1.grad, "dw2": ref.w2.grad}
 
 
-def error_bounds(variant: str) -> dict[str, float]:
-    """The bounds of ``variant``'s formats (``RECIPE_FORMATS``, ``DEPTHS``), or a clear error."""
-    key = "BF16" if variant in BASELINES else variant.split(" [")[0]
-    if key not in RECIPE_FORMATS:
-        raise ValueError(f"{variant}: no element formats stated for '{key}'; add them to bench_moe.RECIPE_FORMATS")
-    fwd, bwd = RECIPE_FORMATS[key]
-    return {t: error_bound(fwd, bwd, *depth) for t, depth in DEPTHS.items()}
-
-
-def breaches(variant: str, errors: dict[str, float], gains: Optional[dict[str, float]] = None) -> list[str]:
-    """Each error of ``errors`` beyond ``variant``'s bound (or NaN), and each gain of ``gains``
-    off 1 by more than ``common.GAIN_TOLERANCE`` (a missing term or a wrong scale: within a 4-bit
-    format's loose error bound), as text."""
-    bounds = error_bounds(variant)
-    return [f"{variant}: {q} relative error {v:.4g} > bound {bounds[q.rstrip('12')]:.4g}"
-            for q, v in errors.items() if not v <= bounds[q.rstrip("12")]] + [
-        f"{variant}: {q} gain {g:.4g} off 1 by more than {GAIN_TOLERANCE} (a missing term or a wrong scale)"
-        for q, g in (gains or {}).items() if not abs(g - 1) <= GAIN_TOLERANCE]
-
-
 def pair(baseline: tuple[Callable[[], Any], Step], candidate: tuple[Callable[[], Any], Step],
          protocol: Protocol) -> PairedRatio:
     """``paired_ratio`` of two (step, its ``Step``) with both schedules restarted: the i-th call
@@ -292,88 +144,8 @@ def pair(baseline: tuple[Callable[[], Any], Step], candidate: tuple[Callable[[],
         candidate[1].release()
 
 
-def wrap(name: str, step: Callable[[], Any], fp8_tma: TmaPair = (None, None)) -> Callable[[], Any]:
-    """``step`` under the switches its variant's suffixes name (``fp8_tma``: the FP8 TMA A/B
-    rows' kernels, ``with_fp8_tma``)."""
-    run: Callable[[], Any] = step
-    if name.endswith((TRITON_SUFFIX, PER_EXPERT_SUFFIX, FP8_TRITON_SUFFIX)):
-        run = with_triton_grouped(run, on=not name.endswith(PER_EXPERT_SUFFIX),
-                                  fp8_everywhere=name.endswith(FP8_TRITON_SUFFIX))
-    if name.endswith(FP8_TMA_SUFFIX):
-        run = with_fp8_tma(run, fp8_tma)
-    if name.endswith(NO_PLAN_MEMO_SUFFIX):
-        run = without_plan_memo(run)
-    if name.endswith(NO_METADATA_MEMO_SUFFIX):
-        run = without_metadata_memo(run)
-    if name.endswith((PER_GROUP_SUFFIX, CUTLASS_SUFFIX)):
-        run = with_per_group_cublas(run, on=name.endswith(PER_GROUP_SUFFIX))
-    return run
-
-
-def _once(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
-    """``build`` called at the first call only (a layer built when its first row runs, then shared)."""
-    built: list[nn.Module] = []
-
-    def get() -> nn.Module:
-        if not built:
-            built.append(build())
-        return built[0]
-    return get
-
-
-def variants_of(base: BF16MoE, hf: HybridMoE, only: Optional[list[str]], ab: bool, compile_backend: str
-                ) -> list[tuple[str, Callable[[], nn.Module], Optional[Callable[[], Any]]]]:
-    """(name, its layer's builder, autocast context) of the three baselines and the candidates.
-    The extra layers (unpacked, one weight Parameter, quantized primary weights) are built when
-    their first row runs: a run that selects none of their rows never holds them."""
-    try:
-        compiled = torch.compile(base.sharing("grouped"), backend=compile_backend)
-    except Exception as err:  # noqa: BLE001 - named, as any baseline's failure
-        raise MissingBaselineError(f"bench_moe: the baseline '{BF16_COMPILED}' failed: torch.compile(backend="
-                                   f"{compile_backend!r}): {type(err).__name__}: {err}") from err
-    per_expert = base.sharing("per_expert")
-    variants: list[tuple[str, Callable[[], nn.Module], Optional[Callable[[], Any]]]] = [
-        (BF16_GROUPED, lambda: base, None), (BF16_PER_EXPERT, lambda: per_expert, None),
-        (BF16_COMPILED, lambda: compiled, None)]
-    for name, recipe in RECIPES:
-        variants.append((name, lambda: hf, lambda r=recipe(): hybridfp.autocast(recipe=r)))
-    unpacked = _once(lambda: HybridMoE(base, pack_weights=False))
-    single = _once(lambda: HybridMoE(base, single_parameter=True))
-    same = lambda: hf  # noqa: E731
-    extras = [(TRITON_VARIANTS, (TRITON_SUFFIX, PER_EXPERT_SUFFIX), same),
-              (UNPACKED_VARIANTS, (UNPACKED_SUFFIX,), unpacked), (FP8_TRITON_VARIANTS, (FP8_TRITON_SUFFIX, PER_EXPERT_SUFFIX), same),
-              (PER_GROUP_VARIANTS, (PER_GROUP_SUFFIX, CUTLASS_SUFFIX), same),
-              (PLAN_VARIANTS, (NO_PLAN_MEMO_SUFFIX, NO_METADATA_MEMO_SUFFIX), same),
-              (SINGLE_PARAM_VARIANTS, (SINGLE_PARAM_SUFFIX,), single),
-              (FP8_TMA_VARIANTS, (FP8_TMA_SUFFIX,), same), (FP8_TMA_VARIANTS, (SINGLE_PARAM_SUFFIX + FP8_TMA_SUFFIX,), single)]
-    if not ab:
-        extras = [x for x in extras if x[1] == (SINGLE_PARAM_SUFFIX,)]
-    for name, recipe in RECIPES:
-        if ab and name in CODES_VARIANTS:
-            variants.append((name + CODES_SUFFIX, same,
-                             lambda r=recipe(): common.decoded_mode("never", hybridfp.autocast(recipe=r))))
-    for names, suffixes, model in extras:
-        for name, recipe in RECIPES:
-            if name in names:
-                variants += [(name + sx, model, lambda r=recipe(): hybridfp.autocast(recipe=r)) for sx in suffixes]
-    for name, recipe in RECIPES:
-        if name in PRIMARY_VARIANTS:
-            r = recipe()
-            variants.append((name + PRIMARY_SUFFIX, _once(lambda r=r: PrimaryWeightsMoE(base, r)),
-                             lambda r=r: hybridfp.autocast(recipe=r)))
-    if only is not None:
-        variants = [v for v in variants if v[0] in BASELINES or v[0] in only]
-    return variants
-
-
 #: a row's ``not_run`` when ``--deadline-s`` passed before it
 PAST_DEADLINE = "--deadline-s passed"
-
-
-def optional(variant: str) -> bool:
-    """Whether a row may stay unmeasured without failing the run: an A/B variant (a suffix), not a
-    recipe's row or a baseline."""
-    return variant not in BASELINES and variant not in dict(RECIPES)
 
 
 def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = None,
@@ -404,14 +176,15 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
     base, hf, x, dy = moe_layer(e, f, tokens, d)
     schedule = RoutingSchedule(tokens, e, micro_batches, skew=skew)
     ref = reference_result(base, x, dy, micro_batches, schedule)
-    config = f"{e} experts, ffn {f}"
+    config = config_name(e, f)
     imbalance = schedule.imbalance(x, base.router)
     rows: list[dict[str, Any]] = []
     steps: dict[str, tuple[Callable[[], Any], Step]] = {}
     fastest: Optional[str] = None
     for name, build, ctx in variants_of(base, hf, only, ab, compile_backend):
         row: dict[str, Any] = {"config": config, "variant": name, "micro_batches": micro_batches,
-                               "baseline": name in BASELINES, "load_max_over_mean": imbalance}
+                               "baseline": name in BASELINES, "load_max_over_mean": imbalance,
+                               "target": target(config, name)}
         if time.monotonic() > deadline:
             if name in BASELINES:
                 raise MissingBaselineError(f"bench_moe: the baseline '{name}' ({config}) not run: {PAST_DEADLINE} "
@@ -480,7 +253,7 @@ def time_row(row: dict[str, Any], steps: dict[str, tuple[Callable[[], Any], Step
     row["x_bf16"] = {b: pair(steps[b], steps[row["variant"]], protocol).as_dict() for b in against}
     row["x_fastest_bf16"] = row["x_bf16"][fastest]
     row["ms"] = row["x_fastest_bf16"]["candidate_ms"]
-    row["target"] = TARGETS.get(row["variant"].split(" [")[0])  # the recipe's name, without a variant suffix
+    row["target"] = target(row["config"], row["variant"])  # the recipe's, at this config (moe_targets)
     if common.DEVICE == "cuda":
         row["gpu_busy"] = device_ms(steps[row["variant"]][0]) / row["ms"]
         steps[row["variant"]][1].release()
@@ -515,6 +288,30 @@ def _clocks(pr: Optional[dict[str, Any]]) -> Optional[str]:
     return f"{c['sm_mhz_min']:.0f}-{c['sm_mhz_max']:.0f}" if "sm_mhz_min" in c else None
 
 
+def _headline(r: dict[str, Any]) -> Optional[str]:
+    """A row's "x fastest BF16" cell: its paired ratio, marked below the row's target; else its
+    failure or why it was not run."""
+    pr = r.get("x_fastest_bf16")
+    if pr is not None:
+        mark = f" BELOW {r['target']:.2f}x TARGET" if below(pr["ratio"], r.get("target")) else ""
+        return _ratio(pr) + mark
+    return r.get("error") or (f"not run: {r['not_run']}" if "not_run" in r else None)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The report's table of ``rows`` (bench_config's), a ratio below its row's target marked."""
+    return md_table(["config", "variant", "x fastest BF16 [95 % interval]", "fastest BF16", "target"]
+                    + [f"x {b}" for b in BASELINES]
+                    + ["ms", "SM MHz", "host ms", "GPU busy", "rel err out / dx / dW1 / dW2", "bound",
+                       "gain out / dx / dW1 / dW2", "paths"], [
+        [r["config"], r["variant"], _headline(r), r.get("fastest_bf16"), r.get("target")]
+        + [_ratio(r.get("x_bf16", {}).get(b)) for b in BASELINES]
+        + [r.get("ms"), _clocks(r.get("x_fastest_bf16")), r.get("host_ms"), r.get("gpu_busy"),
+           " / ".join(f"{v:.3g}" for v in r.get("rel_err", {}).values()) or None,
+           " / ".join(f"{v:g}" for v in r.get("bounds", {}).values()) or None,
+           " / ".join(f"{v:.4f}" for v in r.get("gain", {}).values()) or None, r.get("paths")] for r in rows])
+
+
 def main(argv=None) -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--experts", type=int, default=None, help="only the config with this many experts")
@@ -537,7 +334,9 @@ def main(argv=None) -> None:
                    "kernels.moe.triton_grouped_fp8_tma.CONFIGS) the FP8 A/B variants take instead of the pointer "
                    "kernel")
     p.add_argument("--deadline-s", type=float, default=1e9, help="rows left after this many seconds are not run "
-                   "(named; the run fails unless they are A/B variants; a baseline not run by then fails it)")
+                   "(named; the run fails unless they are A/B variants; a baseline not run by then fails it). "
+                   "A full run of --experts 8 takes about 8 minutes on an H100 (each paired row ~60 s: 200 steps "
+                   "of ~270 ms; three baselines, one compiled); other configs: rows x 2 x rounds x samples steps")
     args = p.parse_args(argv)
     require_cuda()
     if args.micro_batches < 1:
@@ -565,17 +364,7 @@ def main(argv=None) -> None:
 
     def report(rows: list[dict[str, Any]], final: bool = False) -> None:
         """The table and JSON of ``rows``: printed and written at the end, written after each row."""
-        table = md_table(["config", "variant", "x fastest BF16 [95 % interval]", "fastest BF16", "target"]
-                         + [f"x {b}" for b in BASELINES]
-                         + ["ms", "SM MHz", "host ms", "GPU busy", "rel err out / dx / dW1 / dW2", "bound",
-                            "gain out / dx / dW1 / dW2", "paths"], [
-            [r["config"], r["variant"], _ratio(r.get("x_fastest_bf16")) or r.get("error")
-             or (f"not run: {r['not_run']}" if "not_run" in r else None), r.get("fastest_bf16"),
-             r.get("target")] + [_ratio(r.get("x_bf16", {}).get(b)) for b in BASELINES]
-            + [r.get("ms"), _clocks(r.get("x_fastest_bf16")), r.get("host_ms"), r.get("gpu_busy"),
-               " / ".join(f"{v:.3g}" for v in r.get("rel_err", {}).values()) or None,
-               " / ".join(f"{v:g}" for v in r.get("bounds", {}).values()) or None,
-               " / ".join(f"{v:.4f}" for v in r.get("gain", {}).values()) or None, r.get("paths")] for r in rows])
+        table = markdown_table(rows)
         imbalance = ", ".join(f"{r['config']}: {r['load_max_over_mean']:.2f}" for r in rows if r["variant"] == BF16_GROUPED)
         skipped = not_run(rows)
         md = (f"### MoE FFN forward + backward ({tokens} tokens, hidden {d}, top-{TOP_K}, SwiGLU; "
