@@ -23,7 +23,7 @@ def test_list_names_every_benchmark():
     assert proc.returncode == 0, proc.stderr
     listed = [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
     assert listed == list(BENCHMARKS)
-    assert {"gemm", "gemm_pairs", "quantize", "mlp", "moe", "grouped_gemm", "bound_moe", "convergence"} <= set(listed)
+    assert {"gemm", "gemm_pairs", "quantize", "mlp", "moe", "grouped_gemm", "bound_moe", "bound_mlp", "convergence"} <= set(listed)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a CUDA GPU")
@@ -57,9 +57,22 @@ def test_headlines_read_paired_ratios_and_mark_targets():
     mlp = dict(_mlp({"rows": [{"model": "Llama-3-8B MLP", "variant": "hybridfp MXFP8",
                                "vs BF16 eager": _p(0.98), "vs BF16 torch.compile": _p(0.9)},
                               {"model": "Llama-3-8B MLP", "variant": "hybridfp NVFP4", "error": "y: relative error"}]}))
-    assert mlp["MLP hybridfp MXFP8 vs BF16"] == ("0.980x [0.970, 0.990] BELOW 1.00x TARGET eager, "
+    assert mlp["MLP hybridfp MXFP8 vs BF16"] == ("0.980x [0.970, 0.990] BELOW 1.05x TARGET eager, "
                                                  "0.900x [0.890, 0.910] compiled")
     assert mlp["MLP hybridfp NVFP4 vs BF16"] == "y: relative error"
+
+
+def test_mlp_headline_marks_each_recipe_against_its_own_target():
+    from bench.__main__ import _mlp
+    rows = [("hybridfp FP8 current", 1.60), ("hybridfp FP8 current + fused SwiGLU", 1.72),
+            ("hybridfp MXFP8", 1.02), ("hybridfp NVFP4 (2D weights, RHT, SR)", 0.96),
+            ("BF16 torch.compile", 0.5)]
+    mlp = dict(_mlp({"rows": [{"model": "Llama-3-8B MLP", "variant": v, "vs BF16 eager": _p(x)} for v, x in rows]}))
+    assert mlp["MLP hybridfp FP8 current vs BF16"].endswith("BELOW 1.70x TARGET eager")
+    assert "BELOW" not in mlp["MLP hybridfp FP8 current + fused SwiGLU vs BF16"]  # a variant: its recipe's 1.70x
+    assert mlp["MLP hybridfp MXFP8 vs BF16"].endswith("BELOW 1.05x TARGET eager")  # above 1.00x, below its 1.05x
+    assert "BELOW" not in mlp["MLP hybridfp NVFP4 (2D weights, RHT, SR) vs BF16"]  # its target is 0.95x
+    assert "BELOW" not in mlp["MLP BF16 torch.compile vs BF16"]  # a baseline has no target
 
 
 def test_failed_benchmark_keeps_its_json_beside_the_last_good_one(tmp_path, monkeypatch):
