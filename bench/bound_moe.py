@@ -1,6 +1,6 @@
-"""What the MoE layer's targets allow (H200): the ratio a recipe could reach against the BF16
-grouped baseline if everything but its unavoidable work were free, from quantities measured in
-one process, under stated premises.
+"""What the MoE layer's targets allow: the ratio a recipe could reach against the BF16 baselines
+if everything but its unavoidable work were free, from quantities measured in one process,
+under stated premises.
 
 One step is ``--micro-batches`` N forward + backward passes (as bench_moe times it, each with
 its own routing). The baseline's step (device time, torch.profiler) splits into its grouped
@@ -23,16 +23,29 @@ Per quantized element, at least:
   on Hopper, or (the generous floor) as FP8 codes read by a GEMM that decoded them for free (1 + 1).
   Block scales need no amax pass: ``--fused-amax`` changes nothing here.
 
+Baselines: the three BF16 layers bench_moe times, each profiled here (device time of one step,
+torch.profiler, after warm-up, every layer from the routing schedule's first step): "BF16
+grouped" (``torch._grouped_mm``), "BF16 per-expert" (cuBLAS per expert) and "BF16 compiled"
+(``torch.compile`` of the grouped layer, ``--compile-backend``). The floor above is built from
+BF16 grouped's parts (its S: the recipe's layer runs eagerly, so its routing, permutation and
+SwiGLU cost what the eager layer's do; no compiler fusion of them is credited to the recipe).
+Each floor's bound is reported against BF16 grouped (the layer the floor splits) and against the
+fastest of the three (the baseline of the targets, ``moe_targets.TARGETS``), named. Device time,
+not wall time: a host-bound baseline (per-expert's host syncs) looks faster here than in
+bench_moe's wall-clock ratios.
+
 The quantized tensors of one step: both layers' weights — once a step with ``--weight-cast
 step`` (quantized after the optimizer update, reused by every micro-batch: what bench_moe and
 hybridfp's weight cache do) or once per micro-batch with ``--weight-cast micro-batch`` — and,
 every micro-batch, the two inputs (x, the SwiGLU output) and the two output gradients.
 
     python -m bench.bound_moe [--experts 64] [--micro-batches 4] [--weight-cast step|micro-batch] [--fused-amax]
+        [--compile-backend B]
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
@@ -40,13 +53,13 @@ import torch
 
 import hybridfp
 from bench import common
-from bench.bench_moe import CONFIGS
-from bench.common import environment, finish, md_table, parser, require_cuda
+from bench.common import MissingBaselineError, environment, finish, md_table, parser, require_cuda
 from bench.moe_layer import HIDDEN, TOKENS, TOP_K, RoutingSchedule, make_step, moe_layer
+from bench.moe_rows import BASELINES, BF16_COMPILED, BF16_GROUPED, BF16_PER_EXPERT
+from bench.moe_targets import CONFIGS, FP8_CURRENT, MXFP8, target
 
 #: where the weights are cast: once a step (after the optimizer update) or every micro-batch
 WEIGHT_CASTS = ("step", "micro-batch")
-TARGETS = {"FP8 current": 1.30, "MXFP8": 0.90}
 
 
 @dataclass(frozen=True)
@@ -83,7 +96,9 @@ class Premises:
 @dataclass(frozen=True)
 class Measured:
     """Device ms of one step (``Premises.micro_batches`` passes) of each layer, the layer's
-    shape and the copy bandwidth (GB/s, bytes read + written)."""
+    shape and the copy bandwidth (GB/s, bytes read + written). ``bf16_step_ms`` and
+    ``bf16_gemm_ms``: BF16 grouped's step and its grouped GEMMs; ``bf16_per_expert_ms`` and
+    ``bf16_compiled_ms``: the other two BF16 baselines' steps."""
 
     experts: int
     ffn: int
@@ -91,6 +106,8 @@ class Measured:
     hidden: int
     bf16_step_ms: float
     bf16_gemm_ms: float
+    bf16_per_expert_ms: float
+    bf16_compiled_ms: float
     mxfp8_step_ms: float
     mxfp8_gemm_ms: float
     fp8_step_ms: float
@@ -106,6 +123,27 @@ def quantized_elements(m: Measured, p: Premises) -> tuple[int, int]:
     return weights * casts, acts * p.micro_batches
 
 
+def bf16_baselines(m: Measured) -> dict[str, float]:
+    """Each BF16 baseline's device ms of one step, by bench_moe's name."""
+    return {BF16_GROUPED: m.bf16_step_ms, BF16_PER_EXPERT: m.bf16_per_expert_ms, BF16_COMPILED: m.bf16_compiled_ms}
+
+
+def fastest_bf16(m: Measured) -> tuple[str, float]:
+    """(name, device ms) of the fastest BF16 baseline: the least step time (the first of
+    ``BASELINES`` on a tie).
+
+    Example
+    -------
+    >>> fastest_bf16(Measured(8, 64, 128, 32, bf16_step_ms=10.0, bf16_gemm_ms=8.0, bf16_per_expert_ms=11.0,
+    ...                       bf16_compiled_ms=9.0, mxfp8_step_ms=12.0, mxfp8_gemm_ms=7.5, fp8_step_ms=9.0,
+    ...                       copy_GBps=1.0))
+    ('BF16 compiled', 9.0)
+    """
+    ms = bf16_baselines(m)
+    name = min(BASELINES, key=lambda b: ms[b])
+    return name, ms[name]
+
+
 def floors(p: Premises) -> dict[str, int]:
     """Bytes a quantized element moves at least, per recipe and floor (module docstring)."""
     fp8 = ("FP8 current (cast read, one FP8 write; amax fused into the producer)", 3) if p.fused_amax else \
@@ -115,34 +153,42 @@ def floors(p: Premises) -> dict[str, int]:
 
 
 def bound_rows(m: Measured, p: Premises) -> list[dict[str, Any]]:
-    """Each floor's step time and the ratio it allows against the baseline's measured step.
+    """Each floor's step time and the ratio it allows against BF16 grouped's measured step
+    (``bound``) and against the fastest BF16 baseline's (``bound_fastest``, that baseline named in
+    ``fastest_bf16``); the recipe's measured device-time ratios against both, and its target at
+    this config (``moe_targets``; None for a config without one).
 
     Example
     -------
-    >>> m = Measured(8, 64, 128, 32, bf16_step_ms=10.0, bf16_gemm_ms=8.0, mxfp8_step_ms=12.0,
-    ...              mxfp8_gemm_ms=7.5, fp8_step_ms=9.0, copy_GBps=1.0)
+    >>> m = Measured(8, 64, 128, 32, bf16_step_ms=10.0, bf16_gemm_ms=8.0, bf16_per_expert_ms=11.0,
+    ...              bf16_compiled_ms=9.0, mxfp8_step_ms=12.0, mxfp8_gemm_ms=7.5, fp8_step_ms=9.0, copy_GBps=1.0)
     >>> [round(r["quantize_ms"], 4) for r in bound_rows(m, Premises(micro_batches=1))]
     [0.5734, 0.6881, 0.4588]
     """
     weights, acts = quantized_elements(m, p)
     shared = m.bf16_step_ms - m.bf16_gemm_ms
+    fastest, fastest_ms = fastest_bf16(m)
     out = []
     for name, nbytes in floors(p).items():
         fp8 = name.startswith("FP8")
         gemm = m.bf16_gemm_ms / 2 if fp8 else m.mxfp8_gemm_ms
         quantize = (weights + acts) * nbytes / m.copy_GBps / 1e6
         t = shared + gemm + quantize
+        recipe_ms = m.fp8_step_ms if fp8 else m.mxfp8_step_ms
         out.append(dict(floor=name, bytes_per_element=nbytes, gemm_ms=gemm, quantize_ms=quantize, step_ms=t,
-                        bound=m.bf16_step_ms / t, target=TARGETS["FP8 current" if fp8 else "MXFP8"],
-                        measured=m.bf16_step_ms / (m.fp8_step_ms if fp8 else m.mxfp8_step_ms)))
+                        bound=m.bf16_step_ms / t, fastest_bf16=fastest, bound_fastest=fastest_ms / t,
+                        target=target((m.experts, m.ffn), FP8_CURRENT if fp8 else MXFP8),
+                        measured=m.bf16_step_ms / recipe_ms, measured_fastest=fastest_ms / recipe_ms))
     return out
 
 
-def _profile(step: Callable[[], Any]) -> tuple[float, dict[str, float]]:
-    """(device ms of one step, op / kernel name -> self device ms) after two warm-up steps."""
-    for _ in range(2):
+def _profile(step: Callable[[], Any], warmup: int = 2) -> tuple[float, dict[str, float]]:
+    """(device ms of one step, op / kernel name -> self device ms) after ``warmup`` steps, the
+    profiled one routed by the schedule's first step (``Step.reset``)."""
+    for _ in range(warmup):
         step()
     torch.cuda.synchronize()
+    step.reset()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         step()
@@ -152,39 +198,57 @@ def _profile(step: Callable[[], Any]) -> tuple[float, dict[str, float]]:
     return total, {e.key: e.self_device_time_total / 1e3 for e in prof.key_averages()}
 
 
-def measure(experts: int, micro_batches: int) -> Measured:
+def measure(experts: int, micro_batches: int, compile_backend: str = "inductor", ffn: Optional[int] = None,
+            tokens: int = TOKENS, hidden: int = HIDDEN) -> Measured:
     """Profile one step of ``micro_batches`` passes (bench_moe's routing schedule; weights
-    quantized once a step) of the BF16 grouped layer and the one-weight-Parameter hybridfp layer
-    under MXFP8 and FP8 current scaling, and the copy bandwidth."""
-    f = dict(CONFIGS)[experts]
-    base, _, x, dy = moe_layer(experts, f)
-    _, single, _, _ = moe_layer(experts, f, single_parameter=True)
-    schedule = RoutingSchedule(TOKENS, experts, micro_batches)
+    quantized once a step) of the three BF16 baselines (grouped, per-expert, ``torch.compile`` of
+    the grouped layer with ``compile_backend``) and the one-weight-Parameter hybridfp layer under
+    MXFP8 and FP8 current scaling, and the copy bandwidth. ``ffn``: the config's unless given
+    (as ``tokens`` and ``hidden``: a smaller layer for a smoke run).
+
+    Raises ``MissingBaselineError`` naming "BF16 compiled" where ``torch.compile`` refuses the layer."""
+    f = ffn if ffn is not None else dict(CONFIGS)[experts]
+    base, _, x, dy = moe_layer(experts, f, tokens, hidden)
+    _, single, _, _ = moe_layer(experts, f, tokens, hidden, single_parameter=True)
+    schedule = RoutingSchedule(tokens, experts, micro_batches)
     t_bf16, ops_bf16 = _profile(make_step(base, x, dy, None, micro_batches, schedule))
+    t_per_expert, _ = _profile(make_step(base.sharing("per_expert"), x, dy, None, micro_batches, schedule))
+    try:
+        compiled = torch.compile(base.sharing("grouped"), backend=compile_backend)
+        # three warm-ups: the first compiles, the next may recompile once for a changed routing
+        t_compiled, _ = _profile(make_step(compiled, x, dy, None, micro_batches, schedule), warmup=3)
+    except Exception as err:  # noqa: BLE001 - named: the fastest BF16 needs all three baselines
+        raise MissingBaselineError(f"bound_moe: the baseline '{BF16_COMPILED}' failed: torch.compile(backend="
+                                   f"{compile_backend!r}): {type(err).__name__}: {err}") from err
     mx = lambda: hybridfp.autocast(recipe=hybridfp.MXFP8BlockScaling())  # noqa: E731
     t_mx, ops_mx = _profile(make_step(single, x, dy, mx, micro_batches, schedule))
     fp8 = lambda: hybridfp.autocast(recipe=hybridfp.Float8CurrentScaling())  # noqa: E731
     t_fp8, _ = _profile(make_step(single, x, dy, fp8, micro_batches, schedule))
-    return Measured(experts, f, TOKENS, HIDDEN, t_bf16, ops_bf16["aten::_grouped_mm"], t_mx,
-                    ops_mx["aten::_grouped_mm"], t_fp8, common.copy_bandwidth()["GBps"])
+    return Measured(experts, f, tokens, hidden, t_bf16, ops_bf16["aten::_grouped_mm"], t_per_expert, t_compiled,
+                    t_mx, ops_mx["aten::_grouped_mm"], t_fp8, common.copy_bandwidth()["GBps"])
 
 
 def report(m: Measured, p: Premises) -> str:
     """The bound table under ``p``, as Markdown."""
     weights, acts = quantized_elements(m, p)
+    fastest, _ = fastest_bf16(m)
     head = (f"### MoE layer bound, {m.experts} experts x ffn {m.ffn}: {p.micro_batches} micro-batches a step, "
             f"weights cast once a {p.weight_cast}, amax {'fused into the producer' if p.fused_amax else 'its own pass'} "
             "(device ms of one step, torch.profiler)\n\n")
     parts = md_table(["quantity", "ms"], [
-        ["BF16 baseline step", m.bf16_step_ms], ["its grouped GEMMs (aten::_grouped_mm)", m.bf16_gemm_ms],
+        ["BF16 grouped step", m.bf16_step_ms], ["its grouped GEMMs (aten::_grouped_mm)", m.bf16_gemm_ms],
+        ["BF16 per-expert step", m.bf16_per_expert_ms], ["BF16 compiled step", m.bf16_compiled_ms],
         ["shared rest S", m.bf16_step_ms - m.bf16_gemm_ms], ["MXFP8 step (one weight Parameter)", m.mxfp8_step_ms],
         ["its grouped GEMMs on decoded values", m.mxfp8_gemm_ms], ["FP8 current step", m.fp8_step_ms]])
     elems = (f"\n\ncopy bandwidth {m.copy_GBps:.0f} GB/s (read + write); {weights / 1e9:.3f} G weight and "
              f"{acts / 1e9:.3f} G activation / gradient elements quantized a step\n\n")
-    table = md_table(["floor", "bytes / element", "GEMMs ms", "quantize ms", "step ms", "bound x BF16", "target",
-                      "measured device-time x BF16 (weights cast once a step)"],
+    elems += (f"fastest BF16 of the run: {fastest}; the floors take BF16 grouped's S; the targets are against "
+              "the fastest BF16\n\n")
+    table = md_table(["floor", "bytes / element", "GEMMs ms", "quantize ms", "step ms", "bound x BF16 grouped",
+                      f"bound x {fastest} (fastest BF16)", "target", "measured device-time x BF16 grouped",
+                      f"measured device-time x {fastest} (weights cast once a step)"],
                      [[b["floor"], b["bytes_per_element"], b["gemm_ms"], b["quantize_ms"], b["step_ms"], b["bound"],
-                       b["target"], b["measured"]] for b in bound_rows(m, p)])
+                       b["bound_fastest"], b["target"], b["measured"], b["measured_fastest"]] for b in bound_rows(m, p)])
     return head + parts + elems + table + "\n"
 
 
@@ -196,13 +260,17 @@ def main(argv: Optional[list[str]] = None) -> None:
                    help="where the weights are quantized: once a step (default) or every micro-batch")
     p.add_argument("--fused-amax", action="store_true", help="FP8 current: the amax is reduced by the kernel "
                    "producing each tensor (3 bytes an element instead of 5)")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile's backend for 'BF16 compiled'")
     args = p.parse_args(argv)
     try:
         premises = Premises(args.micro_batches, args.weight_cast, args.fused_amax)
     except ValueError as err:
         p.error(str(err))
     require_cuda()
-    m = measure(args.experts, premises.micro_batches)
+    try:
+        m = measure(args.experts, premises.micro_batches, args.compile_backend)
+    except MissingBaselineError as err:
+        sys.exit(str(err))
     rows = bound_rows(m, premises)
     finish("bound_moe", {"env": environment(), **asdict(m), "premises": asdict(premises), "bounds": rows,
                          "markdown": report(m, premises)}, args.out)

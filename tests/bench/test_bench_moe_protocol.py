@@ -205,7 +205,8 @@ def test_error_bounds_follow_each_formats():
 
 def _measured():
     return bound_moe.Measured(experts=8, ffn=64, tokens=128, hidden=32, bf16_step_ms=10.0, bf16_gemm_ms=8.0,
-                              mxfp8_step_ms=12.0, mxfp8_gemm_ms=7.5, fp8_step_ms=9.0, copy_GBps=2.0)
+                              bf16_per_expert_ms=11.0, bf16_compiled_ms=10.5, mxfp8_step_ms=12.0,
+                              mxfp8_gemm_ms=7.5, fp8_step_ms=9.0, copy_GBps=2.0)
 
 
 W = 8 * (2 * 64 * 32 + 32 * 64)  # both layers' weights
