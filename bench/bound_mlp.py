@@ -49,6 +49,7 @@ import torch
 
 import hybridfp
 from bench import bench_mlp, common
+from bench.bench_mlp import TARGETS
 from bench.bound_moe import _profile
 from bench.common import environment, finish, md_table, parser, require_cuda
 
@@ -66,11 +67,6 @@ RECIPE_GEMMS = {
 }
 #: recipes whose weights are 2D-tiled (row and column copies hold the same codes transposed)
 TILED_WEIGHTS = ("hybridfp FP8 block", "hybridfp NVFP4 (2D weights, RHT, SR)")
-TARGETS = {
-    "hybridfp FP8 current": 1.70, "hybridfp FP8 current, fprop fast accumulation": 1.70,
-    "hybridfp FP8 block": 1.45, "hybridfp hybrid FP8-current fwd / FP8-block bwd": 1.50,
-    "hybridfp MXFP8": 1.05, "hybridfp NVFP4 fwd / MXFP8 bwd": 1.00, "hybridfp NVFP4 (2D weights, RHT, SR)": 0.95,
-}
 #: which GEMMs read each role's two copies (indices into a RECIPE_GEMMS entry)
 ROLE_GEMMS = {"input": (0, 2), "weight": (0, 1), "grad": (1, 2)}
 #: bytes a copy writes per element: FP8 codes; MXFP8 / NVFP4 as BF16 decodes or as codes

@@ -139,3 +139,30 @@ def test_registered_in_bench_list(capsys):
     rows = BENCHMARKS["bound_mlp"].headline({"bounds": [
         {"recipe": "hybridfp MXFP8", "floor": "BF16 decodes", "bound": 1.2, "target": 1.05, "measured": 0.98}]})
     assert rows == [("hybridfp MXFP8: BF16 decodes", "bound 1.200x (target 1.05x, device time now 0.980x)")]
+
+
+def _cpu_profile(step):
+    """bound_moe._profile's answer from one step's CPU profile (self CPU ms stand for device ms)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    ops = {e.key: e.self_cpu_time_total / 1e3 for e in prof.key_averages()}
+    return sum(ops.values()), ops
+
+
+def test_measure_profiles_the_baseline_and_every_recipe_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(common, "DEVICE", "cpu")
+    monkeypatch.setattr(bound_mlp, "_profile", _cpu_profile)
+    m = bound_mlp.measure(128, 128, 256)
+    assert (m.tokens, m.hidden, m.intermediate) == (128, 128, 256) and m.copy_GBps > 0
+    assert 0 < m.bf16_gemm_ms < m.bf16_step_ms
+    assert list(m.recipes) == [n for n, _ in bench_mlp.RECIPES]
+    assert all(0 < gemm < step for step, gemm in m.recipes.values()), m.recipes
+    assert all(r["bound"] > 0 for r in bound_mlp.bound_rows(m, bound_mlp.Premises()))
+
+
+def test_gemm_classifier_names_torchs_scaled_mm():
+    a = torch.randn(16, 32).to(torch.float8_e4m3fn)
+    one = torch.tensor(1.0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    assert "aten::_scaled_mm" in {e.key for e in prof.key_averages()} and "aten::_scaled_mm" in bound_mlp.GEMM_OPS
