@@ -4,6 +4,7 @@ has none; bench_moe's files stay small, and its help says how long a run takes."
 
 from __future__ import annotations
 
+import doctest
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ def test_each_config_has_its_targets_against_the_fastest_bf16():
     assert moe_targets.target((64, 1408), FP8) == 1.20 and moe_targets.target((8, 14336), FP8) == 1.30
     assert moe_targets.target("8 experts, ffn 512", FP8) is None  # --quick's shapes: no target
     assert not hasattr(bench_moe, "TARGETS")  # one table, not a second copy in bench_moe
+    assert doctest.testmod(moe_targets).failed == 0
 
 
 def _pr(ratio: float) -> PairedRatio:
