@@ -195,20 +195,55 @@ def gemm_ms(ops: dict[str, float]) -> float:
     return sum(ms for key, ms in ops.items() if key in GEMM_OPS)
 
 
+#: FP8 tensor cores run at most twice BF16's rate: a recipe's GEMMs in less than this share of the
+#: BF16 step's GEMM time mean the profiler named a GEMM outside ``GEMM_OPS`` (a bound far too high)
+MIN_GEMM_SHARE = 0.4
+
+
+def check_gemm_share(recipe: str, gemm: float, bf16_gemm: float, ops: dict[str, float]) -> None:
+    """Refuse a recipe whose measured GEMM time is implausibly small against the BF16 step's.
+
+    Raises
+    ------
+    RuntimeError
+        ``gemm`` < ``MIN_GEMM_SHARE`` x ``bf16_gemm``, naming the recipe and its step's costliest ops
+        (one of them is a GEMM ``GEMM_OPS`` does not name).
+    """
+    if gemm < MIN_GEMM_SHARE * bf16_gemm:
+        top = ", ".join(f"{k} {v:.2f} ms" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:6])
+        raise RuntimeError(f"bound_mlp: {recipe!r}: its GEMMs took {gemm:.3f} ms of device time, under "
+                           f"{MIN_GEMM_SHARE} x the BF16 step's {bf16_gemm:.3f} ms: a GEMM op outside GEMM_OPS "
+                           f"{GEMM_OPS}? Costliest ops of its step: {top}")
+
+
+def _step(model: torch.nn.Module, ctx: Any, x: torch.Tensor, dy: torch.Tensor) -> Any:
+    """bench_mlp's step, with the ``reset()`` bound_moe's ``_profile`` calls before the profiled
+    step (nothing to reset: the MLP has no routing schedule)."""
+    step = bench_mlp.make_step(model, list(model.parameters()), ctx, x, dy)
+    step.reset = lambda: None
+    return step
+
+
 def measure(tokens: int, hidden: int, intermediate: int) -> Measured:
     """Profile one bench_mlp step of the BF16 eager MLP and of the hybridfp MLP under every
-    recipe in ``bench_mlp.RECIPES`` (same weights, x and dy), and the copy bandwidth."""
+    recipe in ``bench_mlp.RECIPES`` (same weights, x and dy), and the copy bandwidth.
+
+    Raises
+    ------
+    RuntimeError
+        A recipe whose GEMMs the profiler did not name (:func:`check_gemm_share`).
+    """
     torch.manual_seed(0)
     base = bench_mlp.MLP(bench_mlp.torch_linear, hidden, intermediate)
     hf = bench_mlp.MLP(bench_mlp.hybridfp_linear, hidden, intermediate)
     hf.load_state_dict(base.state_dict())
     x = torch.randn(tokens, hidden, device=common.DEVICE, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, hidden, device=common.DEVICE, dtype=torch.bfloat16)
-    t_bf16, ops = _profile(bench_mlp.make_step(base, list(base.parameters()), contextlib.nullcontext, x, dy))
+    t_bf16, ops = _profile(_step(base, contextlib.nullcontext, x, dy))
     recipes = {}
     for name, make in bench_mlp.RECIPES:
-        t, ops_r = _profile(bench_mlp.make_step(hf, list(hf.parameters()),
-                                                lambda r=make(): hybridfp.autocast(recipe=r), x, dy))
+        t, ops_r = _profile(_step(hf, lambda r=make(): hybridfp.autocast(recipe=r), x, dy))
+        check_gemm_share(name, gemm_ms(ops_r), gemm_ms(ops), ops_r)
         recipes[name] = (t, gemm_ms(ops_r))
     return Measured(tokens, hidden, intermediate, t_bf16, gemm_ms(ops), recipes, common.copy_bandwidth()["GBps"])
 
