@@ -71,9 +71,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from bench.convergence_report import failed_runs, split_label
-from bench.convergence_workers import (GRACE_S, POLL_S, Progress, WorkerEnd, achieved_rates, clear_worker_dirs,
-                                       interrupt_cause, predict, raise_interrupted, run_workers, signals_ignored,
-                                       stop_workers, workers_table)
+from bench.convergence_probe import EVALS_MAX, PROBE_WINDOW_S, evaluations, measure
+from bench.convergence_workers import (GRACE_S, POLL_S, WorkerEnd, clear_worker_dirs, interrupt_cause, predict,
+                                       raise_interrupted, run_workers, signals_ignored, stop_workers, workers_table)
 from hybridfp.train.files import atomic_write_text
 from hybridfp.train.data import load_data
 from hybridfp.train.model import PRESETS
@@ -81,7 +81,6 @@ from hybridfp.train.parallel import worker_devices
 
 DENSE = ("bf16", "fp8", "fp8-block", "mxfp8", "per_gemm:fprop=nvfp4,dgrad=mxfp8,wgrad=mxfp8", "mxfp8-fwd-nvfp4-bwd")
 MOE = ("bf16", "nvfp4-row-scaled-fwd-mxfp8-bwd")
-PROBE_STEPS = 20
 #: Default ``--budget-s``: wall seconds for the probe and every run.
 BUDGET_S = 470.0
 #: Default ``--safety-margin``: the share of the time left after the probe that the plan does not
@@ -181,16 +180,22 @@ def assign(runs: Sequence[str], cost: dict[str, float], workers: int) -> list[li
     return [[runs[i] for i in sorted(idx)] for idx in chosen if idx]
 
 
-def plan_tokens(groups: Sequence[Sequence[str]], cost: dict[str, float], seconds: float) -> float:
-    """Tokens per run so that the most loaded worker trains its runs in ``seconds``.
+def plan_tokens(groups: Sequence[Sequence[str]], cost: dict[str, float], seconds: float,
+                run_eval_s: Optional[dict[str, float]] = None) -> float:
+    """Tokens per run so that the most loaded worker trains its runs in ``seconds``, after its runs'
+    evaluations (``run_eval_s``: recipe -> seconds of one run's evaluations; missing: 0).
 
     Example
     -------
     >>> plan_tokens([["a@seed=0", "b@seed=0"], ["a@seed=1"]], {"a": 1e-5, "b": 3e-5}, 100.0)
     2500000.0
+    >>> plan_tokens([["a@seed=0", "b@seed=0"], ["a@seed=1"]], {"a": 1e-5, "b": 3e-5}, 100.0, {"a": 10.0})
+    2250000.0
     """
-    worst = max(sum(cost[split_label(label)[0]] for label in g) for g in groups)
-    return seconds / worst
+    def r(label: str) -> str:
+        return split_label(label)[0]
+    return min((seconds - sum((run_eval_s or {}).get(r(label), 0.0) for label in g))
+               / sum(cost[r(label)] for label in g) for g in groups)
 
 
 # ---------------------------------------------------------------------------- processes
@@ -227,84 +232,23 @@ def start_worker(cmp: Comparison, labels: Sequence[str], out: Path, steps: int, 
         return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
 
 
-def _metrics(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-
-
 def probe(comparisons: Sequence[Comparison], workers: dict[str, int], args: argparse.Namespace,
           deadline: Optional[float] = None) -> dict:
-    """Every recipe trained ``PROBE_STEPS`` steps by workers started at once (the sharing of the
-    real run). Returns plain data: ``rates`` (comparison -> recipe -> achieved tokens/s,
-    ``bench.convergence_workers.achieved_rates``), ``per_step_rates`` (the median of the trainer's per-step
-    ``tokens_per_s`` over the second half, for comparison), ``basis``, ``window_s`` and
-    ``startup_s`` (from the start to the slowest worker's first training step, first-call
-    compilation included) and ``failed`` (comparison -> probe run -> why it did not reach
-    ``PROBE_STEPS``: its recipe gets no rate and is dropped from the plan).
+    """Every recipe trained by workers started at once until every worker has trained for
+    ``--probe-window-s`` seconds together (``bench.convergence_probe``: the rates under the real
+    run's sharing, the evaluations' cost, the conservative model when no such window came).
+
+    Returns
+    -------
+    dict : ``bench.convergence_probe.measure``'s plain data (``rates``, ``eval_s``, ``basis``,
+        ``window_s``, ``startup_s``, ``failed``, ...).
 
     Raises
     ------
     SystemExit : the driver was interrupted, or the deadline came, during the probe (the workers
         started so far are stopped first).
     """
-    jobs, devices, t0 = {}, iter(worker_devices(args.device, sum(workers.values()))), time.time()
-    by_name = {c.name: c for c in comparisons}
-    groups = {cmp.name: assign(cmp.runs()[:max(workers[cmp.name], len(cmp.recipes))], {}, workers[cmp.name])
-              for cmp in comparisons}  # every recipe once, then seed 1...
-    folders = {args.out / "probe" / name / f"w{k}": (by_name[name], g)
-               for name, gs in groups.items() for k, g in enumerate(gs)}
-    clear_worker_dirs(list(folders))
-    try:
-        for out, (cmp, group) in folders.items():
-            jobs[out] = start_worker(cmp, group, out, PROBE_STEPS, next(devices), args, 1000, 1)
-    except KeyboardInterrupt as e:  # as run_plan does: stop what started
-        stop_workers(jobs, args.grace_s)
-        raise SystemExit(f"{interrupt_cause(e)} while the probe started its workers: no run was planned.") from None
-    watch = {out: Progress(out) for out in jobs}
-    cause = f"the time budget ran out during the probe (--budget-s {args.budget_s:g})"
-    done, interrupted = run_workers(jobs, deadline, cause, args.grace_s, args.poll_s, watch)
-    if interrupted or any(end.stopped for end in done.values()):
-        raise SystemExit(f"{interrupted or cause}: no run was planned (the probe is in {args.out / 'probe'}); "
-                         "give a larger --budget-s or fixed --steps.")
-    per_step: dict[str, dict[str, float]] = {c.name: {} for c in comparisons}
-    failed: dict[str, dict[str, str]] = {c.name: {} for c in comparisons}
-    for out, end in done.items():
-        if end.exit:
-            print(f"probe {out}: exit {end.exit}\n" + (out / "driver.log").read_text()[-3000:], flush=True)
-        # a recipe whose probe run did not reach PROBE_STEPS (a crash, a divergence) is dropped
-        for label, why in failed_runs([out / "metrics.jsonl"] if (out / "metrics.jsonl").is_file() else [],
-                                      PROBE_STEPS, folders[out][1]).items():
-            failed[out.parent.name][label] = why
-            print(f"probe {out.parent.name}/{label}: {why}; {split_label(label)[0]} is dropped from the study",
-                  flush=True)
-        samples: dict[str, list[float]] = {}
-        for r in _metrics(out):
-            if "tokens_per_s" in r and r["step"] > PROBE_STEPS // 2:
-                samples.setdefault(split_label(r["recipe"])[0], []).append(r["tokens_per_s"])
-        for recipe, v in samples.items():
-            per_step[out.parent.name].setdefault(recipe, sorted(v)[len(v) // 2])
-    key = {out: f"{out.parent.name}/{out.name}" for out in jobs}
-    rates, basis, window = achieved_rates({key[o]: w.stamps for o, w in watch.items()},
-                                          {c: by_name[c].tokens_per_step for c in by_name},
-                                          [key[o] for o, end in done.items() if end.exit == 0])
-    for name, labels in failed.items():
-        for recipe in {split_label(label)[0] for label in labels}:
-            for table in (rates, basis, per_step):
-                table.get(name, {}).pop(recipe, None)
-    for name, recipes in per_step.items():
-        for recipe, v in recipes.items():
-            if recipe not in rates.get(name, {}):  # never silent: the plan and the log say which
-                rates.setdefault(name, {})[recipe] = v
-                basis.setdefault(name, {})[recipe] = "per-step tokens_per_s (too fast to time)"
-                print(f"probe {name}/{recipe}: trained too fast to time; planned from its per-step rate", flush=True)
-    alone = [f"{name}/{r}" for name, b in basis.items() for r, how in b.items() if how != "all workers training"]
-    if alone:  # timed with less sharing than the real run: optimistic, the margin must cover it
-        print(f"probe: no overlap of all workers to time {', '.join(alone)} in; timed alone", flush=True)
-    firsts = [next(t for t, r in w.stamps if "tokens_per_s" in r) for w in watch.values()
-              if any("tokens_per_s" in r for _, r in w.stamps)]
-    startup = max(firsts, default=t0) - t0
-    return {"rates": {c.name: rates.get(c.name, {}) for c in comparisons}, "per_step_rates": per_step,
-            "basis": basis, "window_s": window, "startup_s": startup, "failed": failed}
+    return measure(comparisons, workers, args, deadline, start_worker)
 
 
 def fingerprints_seen(out: Path) -> Optional[str]:
@@ -335,7 +279,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                    help=f"wall time for the probe and the runs, fixed --steps runs included: workers still "
                         f"running then are stopped (default {BUDGET_S:g})")
     p.add_argument("--eval-fraction", type=float, default=0.2,
-                   help="share of the training time kept for evaluations and each run's set-up")
+                   help="share of the time after the probe kept for each run's set-up and host stalls "
+                        "(the evaluations are planned from the probe's measurement)")
+    p.add_argument("--probe-window-s", type=float, default=PROBE_WINDOW_S,
+                   help="seconds every probe worker must train at once: the rates are measured in them")
+    p.add_argument("--probe-max-s", type=float, default=None,
+                   help="seconds the probe waits for that window (default half of --budget-s); without it "
+                        "the plan assumes the workers share the GPU with no gain from overlap")
     p.add_argument("--safety-margin", type=float, default=SAFETY_MARGIN,
                    help="share of the time left after the probe kept unplanned (the probe's error)")
     p.add_argument("--grace-s", type=float, default=GRACE_S,
@@ -370,6 +320,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for name in ("eval_fraction", "safety_margin"):
         if not 0.0 <= getattr(args, name) < 1.0:
             raise SystemExit(f"--{name.replace('_', '-')} must be in [0, 1); got {getattr(args, name)}.")
+    for name in ("probe_window_s", "probe_max_s"):
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be positive; got {getattr(args, name)}.")
     if args.budget_s is None:
         args.budget_s = BUDGET_S
         fixed = [f for f in ("steps", "dense_steps", "moe_steps") if getattr(args, f) is not None]
@@ -377,6 +330,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             print(f"warning: {', '.join('--' + f.replace('_', '-') for f in fixed)} given with the default "
                   f"--budget-s {BUDGET_S:g}: runs still training then are stopped and fail; give a --budget-s "
                   "that fits the fixed steps.", flush=True)
+    if args.probe_max_s is None:
+        args.probe_max_s = args.budget_s / 2
     t0 = time.time()
     # an outer time-out sends SIGTERM: stop the workers and write the reports (Interrupted)
     previous = signal.signal(signal.SIGTERM, raise_interrupted)
@@ -427,14 +382,18 @@ def plan_and_run(args: argparse.Namespace, t0: float) -> None:
         seconds = left * (1 - args.eval_fraction) * (1 - args.safety_margin)
         plan["probe"].update(wall_s=time.time() - t0, train_s=seconds, eval_fraction=args.eval_fraction,
                              safety_margin=args.safety_margin)
-        print(f"probe done in {time.time() - t0:.0f} s (achieved tokens/s over {plan['probe']['window_s']:.0f} s "
-              f"of all workers training); start-up {startup:.0f} s; {seconds:.0f} s to train "
-              f"(less {args.eval_fraction:.0%} for evaluations and a {args.safety_margin:.0%} margin)", flush=True)
+        print(f"probe done in {time.time() - t0:.0f} s ({plan['probe']['window_s']:.0f} s of all workers training); "
+              f"start-up {startup:.0f} s; {seconds:.0f} s to train and evaluate (less {args.eval_fraction:.0%} "
+              f"for set-up and a {args.safety_margin:.0%} margin)", flush=True)
         if seconds <= 0:
             raise SystemExit(f"the probe and the workers' start-up took {time.time() - t0 + startup:.0f} s of the "
                              f"{args.budget_s:.0f} s budget; give a larger --budget-s (or fixed --steps).")
         cost = {c.name: {r: 1.0 / v for r, v in plan["probe"]["rates"][c.name].items() if v > 0}
                 for c in comparisons}
+
+    def eval_batch_s(c: Comparison) -> dict[str, float]:  # unmeasured: a training step (an upper bound)
+        measured = plan.get("probe", {}).get("eval_s", {}).get(c.name, {})
+        return {r: measured.get(r, c.tokens_per_step * v) for r, v in cost[c.name].items()}
     for c in comparisons:
         recipes = c.recipes if fixed[c.name] is not None else tuple(r for r in c.recipes if r in cost[c.name])
         if "bf16" not in recipes:
@@ -443,7 +402,8 @@ def plan_and_run(args: argparse.Namespace, t0: float) -> None:
         groups = assign(kept.runs(), cost[c.name], workers[c.name])
         steps = fixed[c.name]
         if steps is None:
-            steps = int(plan_tokens(groups, cost[c.name], seconds) / c.tokens_per_step)
+            bound = {r: EVALS_MAX * args.eval_iters * v for r, v in eval_batch_s(c).items()}
+            steps = int(plan_tokens(groups, cost[c.name], seconds, bound) / c.tokens_per_step)
             if steps < 10:
                 raise SystemExit(f"{c.name}: the budget left after the probe buys {steps} steps per run; "
                                  "give a larger --budget-s, fewer --seeds or recipes.")
@@ -456,8 +416,9 @@ def plan_and_run(args: argparse.Namespace, t0: float) -> None:
             "tokens_per_run": steps * c.tokens_per_step,
             "recipes": list(recipes), "dropped": [r for r in c.recipes if r not in recipes], "workers": groups}
         if cost[c.name]:  # wall seconds from the workers' start: start-up, training, evaluations
+            run_eval = {r: evaluations(steps) * args.eval_iters * v for r, v in eval_batch_s(c).items()}
             plan["comparisons"][c.name]["predicted_s"] = [predict(g, cost[c.name], startup, steps * c.tokens_per_step,
-                                                                  args.eval_fraction) for g in groups]
+                                                                  args.eval_fraction, run_eval) for g in groups]
         print(f"{c.name}: {len(kept.runs())} runs x {steps} steps ({steps * c.tokens_per_step / 1e6:.2f}M tokens "
               f"each) on {len(groups)} workers", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

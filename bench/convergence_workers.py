@@ -4,10 +4,9 @@ throughput measured from what the workers write.
 ``bench.convergence`` starts each worker as a ``hybridfp train`` process. Here: waiting for them
 until a deadline (:func:`run_workers`: SIGTERM, then SIGKILL after a grace), the driver's own
 SIGTERM turned into an exception (:class:`Interrupted`) so it can stop its workers and still
-write its reports, and the probe's rates as tokens per *wall* second while every worker trains
-(:class:`Progress` stamps the records of a worker's ``metrics.jsonl`` with the file's write
-time; :func:`achieved_rates`). Also: the workers' folders cleared before they start
-(:func:`clear_worker_dirs`), signals ignored while the driver stops them and writes its reports
+write its reports, and the workers' records stamped with their write times (:class:`Progress`:
+the probe, ``bench.convergence_probe``, measures from them). Also: the workers' folders cleared
+before they start (:func:`clear_worker_dirs`), signals ignored while the driver stops them and writes its reports
 (:func:`signals_ignored`), and each worker's predicted and actual seconds (:func:`predict`,
 :func:`workers_table`).
 """
@@ -24,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 from bench.convergence_report import split_label
 
@@ -195,10 +194,12 @@ def stop_workers(jobs: dict[Path, subprocess.Popen], grace_s: float) -> dict[Pat
 
 
 def run_workers(jobs: dict[Path, subprocess.Popen], deadline: Optional[float] = None, budget_cause: str = "",
-                grace_s: float = GRACE_S, poll_s: float = POLL_S, watch: Optional[dict[Path, Progress]] = None
-                ) -> tuple[dict[Path, WorkerEnd], Optional[str]]:
+                grace_s: float = GRACE_S, poll_s: float = POLL_S, watch: Optional[dict[Path, Progress]] = None,
+                stop: Optional[Callable[[], Optional[str]]] = None) -> tuple[dict[Path, WorkerEnd], Optional[str]]:
     """Wait for every worker until ``deadline`` (``time.time()`` seconds; None: no limit); then stop
-    the rest (:func:`stop_workers`) with ``budget_cause`` as the reason. A KeyboardInterrupt or
+    the rest (:func:`stop_workers`) with ``budget_cause`` as the reason. ``stop``, called at every
+    check after the progress is read, may end the wait early: the reason it returns is recorded
+    for the workers it stops (the probe's window, ``bench.convergence_probe.Window``). A KeyboardInterrupt or
     SIGTERM of the driver (:class:`Interrupted`) stops them the same way; any other error stops
     them and is raised.
 
@@ -210,6 +211,7 @@ def run_workers(jobs: dict[Path, subprocess.Popen], deadline: Optional[float] = 
     grace_s : seconds a worker gets after SIGTERM before SIGKILL.
     poll_s : seconds between checks.
     watch : out dir -> :class:`Progress` polled at every check.
+    stop : returns a reason to stop the workers still running, or None to go on.
 
     Returns
     -------
@@ -227,6 +229,10 @@ def run_workers(jobs: dict[Path, subprocess.Popen], deadline: Optional[float] = 
                 progress.poll()
             if len(done) < len(jobs) and deadline is not None and time.time() >= deadline:
                 break
+            why = stop() if stop is not None and len(done) < len(jobs) else None
+            if why:
+                cause = why
+                break
             time.sleep(poll_s)
     except KeyboardInterrupt as e:  # Interrupted (SIGTERM) included
         cause = interrupted = interrupt_cause(e)
@@ -242,62 +248,6 @@ def run_workers(jobs: dict[Path, subprocess.Popen], deadline: Optional[float] = 
     for progress in (watch or {}).values():
         progress.poll()
     return done, interrupted
-
-
-def achieved_rates(stamps: dict[str, list[tuple[float, dict]]], tokens_per_step: dict[str, int],
-                   finished: Sequence[str]) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, str]], float]:
-    """Tokens per wall second of every probed recipe, measured while every worker trains.
-
-    The window runs from the moment the last worker wrote its first training step to the moment
-    the first of the ``finished`` workers (those that exited cleanly) wrote its last. A run's
-    rate is the steps it completed between its first and last stamped record in the window,
-    times ``tokens_per_step``, over the seconds between them: evaluations, host stalls and the
-    sharing of the GPU are in it, unlike the trainer's per-step ``tokens_per_s``. A run with
-    fewer than two stamps in the window is timed over all of its own (basis ``alone``: less
-    sharing, so optimistic; the plan says so). A recipe probed on several workers keeps its
-    slowest rate.
-
-    Parameters
-    ----------
-    stamps : worker (``COMPARISON/wK``) -> (write time, record) as :class:`Progress` stamps them.
-    tokens_per_step : comparison -> tokens of one training step.
-    finished : the workers that exited cleanly (the others do not close the window).
-
-    Returns
-    -------
-    (comparison -> recipe -> tokens/s, comparison -> recipe -> basis, the window's seconds).
-
-    Example
-    -------
-    >>> rec = lambda step, recipe: {"step": step, "recipe": recipe, "tokens_per_s": 1e9}
-    >>> s = {"d/w0": [(0.0, rec(1, "a")), (1.0, rec(3, "a")), (2.0, rec(5, "a")), (4.0, rec(9, "a"))],
-    ...      "d/w1": [(1.0, rec(1, "b")), (2.0, rec(2, "b")), (3.0, rec(3, "b"))]}
-    >>> rates, basis, window = achieved_rates(s, {"d": 100}, ["d/w0", "d/w1"])
-    >>> rates, basis["d"]["a"], window
-    ({'d': {'a': 200.0, 'b': 100.0}}, 'all workers training', 2.0)
-    """
-    train = {w: [(t, r) for t, r in pts if "tokens_per_s" in r] for w, pts in stamps.items()}
-    train = {w: pts for w, pts in train.items() if pts}
-    lo = max((pts[0][0] for pts in train.values()), default=0.0)
-    hi = min((pts[-1][0] for w, pts in train.items() if w in finished),
-             default=max((pts[-1][0] for pts in train.values()), default=0.0))
-    rates: dict[str, dict[str, float]] = {}
-    basis: dict[str, dict[str, str]] = {}
-    for w, pts in train.items():
-        cmp = w.split("/")[0]
-        for label in dict.fromkeys(r["recipe"] for _, r in pts):
-            own = [(t, r["step"]) for t, r in pts if r["recipe"] == label]
-            inside, how = [(t, s) for t, s in own if lo <= t <= hi], "all workers training"
-            if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
-                inside, how = own, "alone"
-            if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
-                continue  # too fast to time between two reads: the caller says what it uses instead
-            rate = (inside[-1][1] - inside[0][1]) * tokens_per_step[cmp] / (inside[-1][0] - inside[0][0])
-            recipe = split_label(label)[0]
-            if rate < rates.setdefault(cmp, {}).get(recipe, float("inf")):
-                rates[cmp][recipe] = rate
-                basis.setdefault(cmp, {})[recipe] = how
-    return rates, basis, max(0.0, hi - lo)
 
 
 def clear_worker_dirs(outs: Sequence[Path]) -> None:
@@ -320,22 +270,26 @@ def clear_worker_dirs(outs: Sequence[Path]) -> None:
 
 
 def predict(group: Sequence[str], cost: dict[str, float], startup: float, tokens: float,
-            eval_fraction: float) -> Optional[float]:
-    """A worker's predicted wall seconds: ``startup`` plus its runs' probed seconds per token times
-    ``tokens``, over ``1 - eval_fraction``; None when a run's recipe has no probed rate (a fixed
-    comparison's recipe that failed the probe).
+            eval_fraction: float, run_eval_s: Optional[dict[str, float]] = None) -> Optional[float]:
+    """A worker's predicted wall seconds: ``startup`` plus, over ``1 - eval_fraction`` (set-up and
+    stalls), its runs' probed seconds per token times ``tokens`` and their evaluations'
+    seconds (``run_eval_s``: recipe -> seconds of one run's evaluations; missing: 0); None when a
+    run's recipe has no probed rate (a fixed comparison's recipe that failed the probe).
 
     Example
     -------
     >>> predict(["a@seed=0", "b@seed=0"], {"a": 1e-3, "b": 2e-3}, 5.0, 1000, 0.5)
     11.0
+    >>> predict(["a@seed=0", "b@seed=0"], {"a": 1e-3, "b": 2e-3}, 5.0, 1000, 0.5, {"a": 1.0})
+    13.0
     >>> predict(["a@seed=0", "c@seed=0"], {"a": 1e-3}, 5.0, 1000, 0.5) is None
     True
     """
     per_token = [cost.get(split_label(label)[0]) for label in group]
     if None in per_token:
         return None
-    return startup + sum(per_token) * tokens / (1 - eval_fraction)
+    evals = sum((run_eval_s or {}).get(split_label(label)[0], 0.0) for label in group)
+    return startup + (sum(per_token) * tokens + evals) / (1 - eval_fraction)
 
 
 def workers_table(workers: Sequence[dict]) -> str:
@@ -368,6 +322,6 @@ def workers_table(workers: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["GRACE_S", "POLL_S", "Interrupted", "Progress", "WorkerEnd", "achieved_rates", "clear_worker_dirs",
+__all__ = ["GRACE_S", "POLL_S", "Interrupted", "Progress", "WorkerEnd", "clear_worker_dirs",
            "interrupt_cause", "predict", "raise_interrupted", "run_workers", "signals_ignored", "stop_workers",
            "workers_table"]

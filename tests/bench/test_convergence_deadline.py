@@ -144,7 +144,8 @@ def test_reports_are_written_when_the_driver_is_interrupted(tmp_path, sig):
 def test_the_probe_plans_from_achieved_throughput(tmp_path, monkeypatch):
     out = tmp_path / "conv"
     claim = 3.0  # each step's tokens_per_s says three times what the worker achieves
-    drive(argv(out, "--budget-s", "12", "--grace-s", "1", "--poll-s", "0.05"), 0.1, claim, monkeypatch=monkeypatch)
+    drive(argv(out, "--budget-s", "12", "--grace-s", "1", "--poll-s", "0.05", "--probe-window-s", "2"), 0.1, claim,
+          monkeypatch=monkeypatch)
     plan = json.loads((out / "plan.json").read_text())
     probe, dense = plan["probe"], plan["comparisons"]["dense"]
     achieved, per_step = probe["rates"]["dense"], probe["per_step_rates"]["dense"]
@@ -156,7 +157,12 @@ def test_the_probe_plans_from_achieved_throughput(tmp_path, monkeypatch):
     # what the per-step rates would have bought in the same seconds: about 3x the tokens planned
     before = conv.plan_tokens(dense["workers"], {r: 1 / v for r, v in per_step.items()}, probe["train_s"])
     now = conv.plan_tokens(dense["workers"], {r: 1 / v for r, v in achieved.items()}, probe["train_s"])
-    assert dense["steps"] == int(now / tokens_per_step) and 2.4 < before / now < 4.5
+    assert 2.4 < before / now < 4.5
+    # the fake evaluates only at its last step: no evaluation cost measured, a training step each
+    assert probe["eval_s"]["dense"] == {}
+    evals = {r: conv.EVALS_MAX * 1 * tokens_per_step / v for r, v in achieved.items()}
+    now = conv.plan_tokens(dense["workers"], {r: 1 / v for r, v in achieved.items()}, probe["train_s"], evals)
+    assert dense["steps"] == int(now / tokens_per_step)
     assert probe["safety_margin"] > 0 and len(dense["predicted_s"]) == len(dense["workers"])
     study = json.loads((out / "results.json").read_text())["studies"]["dense"]
     assert [w["predicted_s"] for w in study["workers"]] == dense["predicted_s"]

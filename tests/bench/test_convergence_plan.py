@@ -56,8 +56,8 @@ def test_moe_comparison_runs_and_workers():
 def test_docstring_examples_of_the_study_run():
     import doctest
 
-    from bench import convergence_report, convergence_workers
-    for module in (conv, convergence_report, convergence_workers):
+    from bench import convergence_probe, convergence_report, convergence_workers
+    for module in (conv, convergence_probe, convergence_report, convergence_workers):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0, module.__name__
 
