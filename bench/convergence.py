@@ -26,18 +26,17 @@ Failures: a recipe dropped at the probe, and one with any run that diverged, sto
 never started, stays in the report with the verdict ``failed`` and its runs named
 (``bench.convergence_report.failed_runs``), never judged on the seeds that survived.
 
-Plan: a probe starts every worker at once for ``PROBE_STEPS`` steps (one run per recipe). The
-driver reads the workers' ``metrics.jsonl`` as they grow (the files' write times stamp the
-records) and rates each recipe by its *achieved* throughput, tokens trained over wall seconds
-while every worker trains (``bench.convergence_workers.achieved_rates``): evaluations, host
-stalls and the sharing of the GPU are in it, unlike the trainer's per-step ``tokens_per_s``
-(kept in ``plan.json`` as ``per_step_rates``: on one H100 it read 1.0-3.6x what the runs then
-achieved). Start-up is the time to the slowest worker's first training step. The token budget
-per run is then the largest that lets the most loaded worker finish in what is left of
-``--budget-s``, less ``--eval-fraction`` for evaluations and ``--safety-margin`` (15 %) for
-the probe's error; every run of a comparison trains the same steps (same cosine schedule,
-warm-up a tenth of them). The plan records each worker's predicted seconds and the report sets
-them beside the actual ones.
+Plan: a probe (``bench.convergence_probe``) starts a worker per recipe at once and stops them
+when every one has trained for ``--probe-window-s`` seconds together, however far apart they
+started; each recipe's training rate and evaluation cost are measured in that window, under the
+sharing of the real run (the trainer's per-step ``tokens_per_s`` is kept as ``per_step_rates``).
+No window within ``--probe-max-s``: the workers are planned as sharing the GPU with no gain from
+overlap (conservative), and the log and ``plan.json``'s ``basis`` say so. Start-up is the time
+to the slowest worker's first training step. The steps per run are then the most that let the
+most loaded worker train and evaluate its runs in what is left of ``--budget-s``, less
+``--eval-fraction`` for set-up and ``--safety-margin`` (15 %) for the probe's error; every run of
+a comparison trains the same steps (same cosine schedule, warm-up a tenth of them). The plan
+records each worker's predicted seconds and the report sets them beside the actual ones.
 
 Deadline: ``--budget-s`` counts from the driver's start and is hard. Workers still running when
 it is spent get SIGTERM, then SIGKILL after ``--grace-s``; their unfinished runs fail with
@@ -46,12 +45,9 @@ written from what finished. SIGTERM or Ctrl-C of the driver does the same (the r
 ``the driver was interrupted``) and then exits non-zero, so an outer ``timeout`` loses nothing
 measured: give it ``--grace-s`` plus some seconds for the reports beyond ``--budget-s``.
 
-Expected size at the default budget (470 s, probe included): unmeasured with the achieved
-rates and the 15 % margin. The probe before them (per-step rates, no margin) planned 2.25M tokens
-per dense run on one H100 at ``--budget-s 330``, and those runs took ~1.5x the plan; at the same
-budget the achieved rates and the margin plan fewer tokens, by an amount no study has measured yet
-(``plan.json`` and the report give each study's figure). Either way a run trains a few percent of the corpus, so no run
-sees a byte twice.
+Expected size at the default budget (470 s, probe included): unmeasured with the windowed probe
+(``plan.json`` and the report give each study's figure). A run trains a few percent of the
+corpus, so no run sees a byte twice.
 
     python -m bench.convergence --out runs/convergence [--budget-s 470] [--json results.json]
     python -m bench.convergence --steps 200           # fixed steps for both comparisons, no probe
@@ -405,8 +401,12 @@ def plan_and_run(args: argparse.Namespace, t0: float) -> None:
             bound = {r: EVALS_MAX * args.eval_iters * v for r, v in eval_batch_s(c).items()}
             steps = int(plan_tokens(groups, cost[c.name], seconds, bound) / c.tokens_per_step)
             if steps < 10:
-                raise SystemExit(f"{c.name}: the budget left after the probe buys {steps} steps per run; "
-                                 "give a larger --budget-s, fewer --seeds or recipes.")
+                evals = max(sum(bound[split_label(label)[0]] for label in g) for g in groups)
+                raise SystemExit(f"{c.name}: the budget left after the probe ({seconds:.0f} s to train and evaluate) "
+                                 f"buys {max(steps, 0)} steps per run; the evaluations of a worker's runs alone "
+                                 f"take up to {evals:.0f} s (at most {EVALS_MAX} per run of --eval-iters "
+                                 f"{args.eval_iters} batches). Give a larger --budget-s, a smaller --eval-iters, "
+                                 "fewer --seeds or recipes.")
         if fixed[c.name] is None and plan["probe"].get("failed", {}).get(c.name):
             why = plan["probe"]["failed"][c.name]
             print(f"{c.name}: dropped at the probe: " + ", ".join(f"{label} ({why[label]})" for label in why),

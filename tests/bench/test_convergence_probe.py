@@ -149,3 +149,25 @@ def test_planned_seconds_count_the_evaluations():
     assert [evaluations(s) for s in (190, 36, 11, 100)] == [6, 5, 7, 5]
     cost = {"a": 1e-3}
     assert conv.plan_tokens([["a@seed=0"]], cost, 10.0, {"a": 4.0}) == pytest.approx(6000.0)
+
+
+def test_evaluations_that_eat_the_budget_are_named(tmp_path, monkeypatch):
+    """A run's evaluations are planned at their measured cost: when they alone fill the time left
+    (seven evaluations of 16 batches at 1 s each per run), the driver says so and what to change."""
+    seen: dict = {}
+    monkeypatch.setattr(conv, "load_data", fake_data)
+    monkeypatch.setattr(conv, "run_plan", lambda args, comparisons, plan, t0: seen.update(plan))
+    monkeypatch.setattr(conv, "probe", lambda comparisons, workers, args, deadline: {
+        "rates": {"dense": {"bf16": 1e4, "fp8": 1e4}}, "eval_s": {"dense": {"bf16": 1.0, "fp8": 1.0}},
+        "startup_s": 0.0, "window_s": 10.0})
+    base = ["--out", str(tmp_path / "conv"), "--dense-preset", "test", "--dense-recipes", "bf16,fp8",
+            "--moe-recipes", "", "--seeds", "2", "--jobs", "2", "--device", "cpu", "--budget-s", "300"]
+    with pytest.raises(SystemExit, match=r"evaluations.*--eval-iters 16"):
+        conv.main(base + ["--eval-iters", "16"])
+    conv.main(base + ["--eval-iters", "1"])  # 7 s of evaluations per run: the rest trains
+    dense = seen["comparisons"]["dense"]
+    per_run = 300 * 0.8 * 0.85 / 2 - 7  # two runs per worker, each after its evaluations
+    assert abs(dense["steps"] - int(per_run * 1e4 / 512)) <= 1  # the driver's clock has moved a little
+    evals = 6 if dense["steps"] % (dense["steps"] // 4) else 5  # step 0, every steps // 4, the last
+    assert dense["predicted_s"][0] == pytest.approx(
+        (2 * dense["steps"] * 512 / 1e4 + 2 * evals * 1.0) / 0.8, rel=1e-6)
