@@ -171,3 +171,15 @@ def test_evaluations_that_eat_the_budget_are_named(tmp_path, monkeypatch):
     evals = 6 if dense["steps"] % (dense["steps"] // 4) else 5  # step 0, every steps // 4, the last
     assert dense["predicted_s"][0] == pytest.approx(
         (2 * dense["steps"] * 512 / 1e4 + 2 * evals * 1.0) / 0.8, rel=1e-6)
+
+
+def test_docstrings_of_the_probe():
+    import inspect
+
+    from bench import convergence_probe as cp
+    need = {cp.measure: "Parameters Returns Raises", cp.window_rates: "Parameters Returns",
+            cp.shared_rates: "Parameters Returns", cp.Window: "Parameters", conv.probe: "Returns Raises"}
+    for obj, sections in need.items():
+        for section in sections.split():
+            assert f"{section}\n" in inspect.getdoc(obj), (obj.__qualname__, section)
+    assert "PROBE_STEPS" not in conv.__doc__ and "--probe-window-s" in conv.__doc__
