@@ -283,7 +283,9 @@ def measure(comparisons: Sequence, workers: dict[str, int], args: argparse.Names
     for out, end in done.items():
         # a run that diverged, or whose worker ended before the driver stopped it (a crash), fails
         metrics = [out / "metrics.jsonl"] if (out / "metrics.jsonl").is_file() else []
-        why_failed = failed_runs(metrics, None if end.stopped else PROBE_MAX_STEPS, folders[out][1])
+        why_failed = failed_runs(metrics, None if end.stopped else PROBE_MAX_STEPS, folders[out][1],
+                                 cut={label: f"the probe stopped it ({end.stopped})" for label in folders[out][1]
+                                      if end.stopped})
         if why_failed and end.exit and not end.stopped:
             print(f"probe {out}: exit {end.exit}\n" + (out / "driver.log").read_text()[-3000:], flush=True)
         for label, why in why_failed.items():

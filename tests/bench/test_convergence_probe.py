@@ -113,16 +113,17 @@ def test_a_plan_from_a_skewed_start_fits_its_budget(tmp_path, monkeypatch):
 
 
 def test_no_window_of_all_workers_is_never_planned_as_alone(tmp_path, monkeypatch, capsys):
-    """w1 starts training after the probe's time is up: no window of both workers training. The
-    plan must not take the rates each worker reached alone as if the GPU were not shared."""
+    """w1 starts training 2.5 s late and the probe waits 6 s for a 5 s window: no window of both
+    workers training. The plan must not take the rates each worker reached alone as if the GPU
+    were not shared."""
     out = tmp_path / "conv"
     seen: dict = {}
     monkeypatch.setattr(conv, "load_data", fake_data)
     monkeypatch.setattr(conv, "run_plan", lambda args, comparisons, plan, t0: seen.update(plan))
     monkeypatch.setattr(conv, "start_worker", shared_start_worker(tmp_path / "gpu", {"w1": 2.5}))
-    conv.main(argv(out, "--budget-s", "60", "--probe-window-s", "3", "--probe-max-s", "4"))
+    conv.main(argv(out, "--budget-s", "60", "--probe-window-s", "5", "--probe-max-s", "6"))
     probe = seen["probe"]
-    assert probe["window_s"] < 3
+    assert probe["window_s"] < 5
     assert all("alone" not in how or "workers" in how for how in probe["basis"]["dense"].values())
     assert all(how.startswith("shared") for how in probe["basis"]["dense"].values()), probe["basis"]
     tokens_per_step = 8 * 64
@@ -130,6 +131,19 @@ def test_no_window_of_all_workers_is_never_planned_as_alone(tmp_path, monkeypatc
         assert probe["rates"]["dense"][recipe] <= 0.55 * tokens_per_step / alone, (recipe, probe["rates"])
     text = capsys.readouterr().out
     assert "no window" in text and "--probe-window-s" in text and "--budget-s" in text
+
+
+def test_a_worker_that_never_trains_in_the_probe_drops_its_recipe_naming_why(tmp_path, monkeypatch, capsys):
+    seen: dict = {}
+    monkeypatch.setattr(conv, "load_data", fake_data)
+    monkeypatch.setattr(conv, "run_plan", lambda args, comparisons, plan, t0: seen.update(plan))
+    monkeypatch.setattr(conv, "start_worker", shared_start_worker(tmp_path / "gpu", {"w1": 30.0}))
+    conv.main(argv(tmp_path / "conv", "--budget-s", "60", "--probe-window-s", "1", "--probe-max-s", "3"))
+    dense = seen["comparisons"]["dense"]
+    assert dense["dropped"] == ["fp8"] and dense["recipes"] == ["bf16"]
+    why = seen["probe"]["failed"]["dense"]["fp8@seed=0"]
+    assert why.startswith("never started: the probe stopped it (no window") and "--probe-max-s" in why
+    assert seen["probe"]["basis"]["dense"]["bf16"].startswith("shared")
 
 
 def test_window_rates_split_evaluations_from_training():
