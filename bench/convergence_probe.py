@@ -85,8 +85,8 @@ def probe_groups(runs_by_comparison: dict[str, list[str]], recipes: dict[str, Se
 
 class Window:
     """The probe's stop rule, called at every check of :func:`bench.convergence_workers.run_workers`:
-    ``WINDOW_CAUSE`` once every live worker has been past its warm-up for ``window_s`` seconds,
-    a no-window cause at ``give_up_at``, else None.
+    ``WINDOW_CAUSE`` once every live worker's records span ``window_s`` seconds after the last of
+    them came past its warm-up, a no-window cause at ``give_up_at``, else None.
 
     Parameters
     ----------
@@ -103,8 +103,11 @@ class Window:
     def __call__(self) -> Optional[str]:
         live = [out for out, running in self.alive.items() if running()]
         warm = [warm_time(self.watch[out].stamps) for out in live]
-        if live and None not in warm and time.time() - max(w for w in warm if w is not None) >= self.window_s:
-            return WINDOW_CAUSE
+        if live and None not in warm:
+            # by the records, not the clock: every worker has written a step past the window's end
+            last = min(self.watch[out].stamps[-1][0] for out in live)
+            if last - max(w for w in warm if w is not None) >= self.window_s:
+                return WINDOW_CAUSE
         if time.time() >= self.give_up_at:
             return f"no window of every worker training within --probe-max-s ({len(live)} still running)"
         return None

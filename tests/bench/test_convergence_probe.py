@@ -197,3 +197,24 @@ def test_docstrings_of_the_probe():
         for section in sections.split():
             assert f"{section}\n" in inspect.getdoc(obj), (obj.__qualname__, section)
     assert "PROBE_STEPS" not in conv.__doc__ and "--probe-window-s" in conv.__doc__
+
+
+def test_the_window_closes_by_the_records_not_the_clock():
+    import time
+    import types
+
+    from bench.convergence_probe import WINDOW_CAUSE, Window
+    now = time.time()
+    rec = lambda step: {"step": step, "recipe": "a@seed=0", "tokens_per_s": 1.0}
+    w0 = types.SimpleNamespace(stamps=[(now - 9, rec(3)), (now - 1, rec(40))])
+    w1 = types.SimpleNamespace(stamps=[(now - 5, rec(1)), (now - 4, rec(3))])  # slow to write
+    window = Window({"w0": w0, "w1": w1}, {"w0": lambda: True, "w1": lambda: True}, 2.0, now + 60)
+    assert window() is None  # both warm 4 s ago, but w1 has written nothing since
+    w1.stamps.append((now - 1.5, rec(9)))
+    assert window() == WINDOW_CAUSE
+    late = Window({"w0": w0, "w1": types.SimpleNamespace(stamps=[])}, {"w0": lambda: True, "w1": lambda: True},
+                  2.0, now - 1)
+    assert "no window" in late() and "--probe-max-s" in late()
+    gone = Window({"w0": w0, "w1": types.SimpleNamespace(stamps=[])}, {"w0": lambda: True, "w1": lambda: False},
+                  2.0, now + 60)
+    assert gone() == WINDOW_CAUSE  # a worker that ended (a crash) does not hold the window open
