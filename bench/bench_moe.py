@@ -35,11 +35,13 @@ then are not run and named; the run fails unless they are all A/B variants (a su
 ``--ab``, extra rows (suffixes) time a recipe again with one switch flipped in the same
 process, e.g. "[cuBLAS per expert BF16]": path 1's grouped BF16 GEMMs as cuBLAS per expert.
 
-How long a run takes, to choose ``--deadline-s``: a paired row times 2 x rounds x samples steps
-(200 with the default 10 x 10) besides its warm-up and accuracy check. A full run of
-``--experts 8`` takes about 8 minutes on an H100: each paired row ~60 s (200 steps of ~270 ms),
-the three baselines (one compiled) first. The 64-expert config runs the same rows; its time is that count
-of rows x 200 x its own step time.
+How long a run takes, to choose ``--deadline-s``: one paired comparison times 2 x rounds x samples
+steps (200 with the default 10 x 10) besides its warm-up and accuracy check. BF16 per-expert and
+compiled are each paired once (against BF16 grouped), each recipe row three times (against every
+BF16 baseline), each variant row once: (2 + 3 x recipe rows + variant rows) x 200 x the step time.
+On an H100 the ``--experts 8`` step takes 200-270 ms: its baselines and the FP8 and MXFP8 rows
+take about 7 minutes (``--deadline-s 420`` reached them), the full run (4 recipe rows, 7 variant
+rows: 21 comparisons) about 18 minutes.
 
     python -m bench.bench_moe [--experts 8|64] [--micro-batches N] [--skew S] [--ab] [--variants 'A|B']
         [--rounds R --samples S] [--compile-backend B] [--out results.json] [--quick] [--deadline-s S]
@@ -335,8 +337,8 @@ def main(argv=None) -> None:
                    "kernel")
     p.add_argument("--deadline-s", type=float, default=1e9, help="rows left after this many seconds are not run "
                    "(named; the run fails unless they are A/B variants; a baseline not run by then fails it). "
-                   "A full run of --experts 8 takes about 8 minutes on an H100 (each paired row ~60 s: 200 steps "
-                   "of ~270 ms; three baselines, one compiled); other configs: rows x 2 x rounds x samples steps")
+                   "A run takes (2 + 3 x recipe rows + variant rows) x 2 x rounds x samples steps: --experts 8 on an "
+                   "H100 about 7 minutes to its FP8 and MXFP8 rows, about 18 for every row")
     args = p.parse_args(argv)
     require_cuda()
     if args.micro_batches < 1:
