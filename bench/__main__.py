@@ -124,7 +124,7 @@ def _mlp(r: dict[str, Any]) -> Rows:
         if row.get("model", "").startswith("Llama") and row.get("variant") != "BF16 eager":
             value = row.get("error") or (f"NOT RUN ({row['not_run']})" if "not_run" in row else "?")
             if "vs BF16 eager" in row:
-                from bench.bench_mlp import target_of  # each recipe's own target
+                from bench.mlp_targets import target_of  # each recipe's own target (no torch)
                 target = target_of(row["variant"])
                 value = f"{_paired(row['vs BF16 eager'], target)} eager" + (
                     f", {_paired(row['vs BF16 torch.compile'])} compiled" if "vs BF16 torch.compile" in row else "")

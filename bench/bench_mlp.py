@@ -47,6 +47,7 @@ from torch import nn
 
 import hybridfp
 from bench import common
+from bench.mlp_targets import target_of
 from bench.common import (AccuracyError, MissingBaselineError, bench_ms, bench_ms_steady, check_result,
                           copy_bandwidth, environment, error_bound, finish, gain, md_table, parser, profile_step,
                           protocol_from, protocol_record, rel_error, require_cuda)
@@ -90,12 +91,6 @@ RECIPE_FORMATS = {
 #: (forward, backward) GEMMs on the longest path to each checked tensor (``common.error_bound``)
 DEPTHS = {"Linear": {"y": (1, 0), "dx": (0, 1), "dW": (0, 1)},
           "MLP": {"y": (2, 0), "dx": (1, 2), "dW": (1, 2)}}
-#: each recipe's speed target, x BF16 eager (its own row and its variants): a row below is marked
-TARGETS = {
-    "hybridfp FP8 current": 1.70, "hybridfp FP8 current, fprop fast accumulation": 1.70,
-    "hybridfp FP8 block": 1.45, "hybridfp hybrid FP8-current fwd / FP8-block bwd": 1.50,
-    "hybridfp MXFP8": 1.05, "hybridfp NVFP4 fwd / MXFP8 bwd": 1.00, "hybridfp NVFP4 (2D weights, RHT, SR)": 0.95,
-}
 #: --quick sizes (hidden, intermediate, tokens)
 QUICK_DIMS = (256, 512, 512)
 BASELINE_EAGER, BASELINE_COMPILED = "BF16 eager", "BF16 torch.compile"
@@ -353,17 +348,9 @@ def not_run(rows: list[dict[str, Any]]) -> list[str]:
     return [f"{r['model']}: {r['variant']}" + (" (optional)" if r["optional"] else "") for r in rows if "not_run" in r]
 
 
-def target_of(variant: str) -> Optional[float]:
-    """The speed target (x BF16 eager) of a row: its recipe's (:data:`TARGETS`), which its
-    variants (fused SwiGLU, codes, compiled: a suffix after the recipe's name) share; None for
-    baselines and rows of no recipe."""
-    base = max((name for name in TARGETS if variant == name or variant.startswith(name + " ")), key=len, default=None)
-    return None if base is None else TARGETS[base]
-
-
 def below_target(r: dict[str, Any]) -> bool:
     """Whether a hybridfp row's paired ratio against BF16 eager is below its recipe's target
-    (:func:`target_of`)."""
+    (``mlp_targets.target_of``)."""
     p, target = r.get(f"vs {BASELINE_EAGER}"), target_of(r["variant"])
     return target is not None and p is not None and p["ratio"] < target
 

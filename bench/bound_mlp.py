@@ -49,7 +49,7 @@ import torch
 
 import hybridfp
 from bench import bench_mlp, common
-from bench.bench_mlp import TARGETS
+from bench.mlp_targets import TARGETS
 from bench.bound_moe import _profile
 from bench.common import environment, finish, md_table, parser, require_cuda
 
@@ -216,6 +216,29 @@ def check_gemm_share(recipe: str, gemm: float, bf16_gemm: float, ops: dict[str, 
                            f"{GEMM_OPS}? Costliest ops of its step: {top}")
 
 
+#: the BF16 MLP step is nearly all GEMMs (three linears, fwd + bwd): a smaller named share means
+#: the profiler's GEMM names went unmatched and S would swallow them (every bound far too low)
+MIN_BF16_GEMM_SHARE = 0.3
+
+
+def check_baseline(step_ms: float, gemm: float, ops: dict[str, float]) -> None:
+    """Refuse a BF16 baseline profile without device time or whose GEMMs were not named.
+
+    Raises
+    ------
+    RuntimeError
+        ``step_ms`` <= 0 (no device events), or ``gemm`` < ``MIN_BF16_GEMM_SHARE`` x ``step_ms``,
+        naming the step's costliest ops.
+    """
+    top = ", ".join(f"{k} {v:.2f} ms" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:6])
+    if step_ms <= 0:
+        raise RuntimeError(f"bound_mlp: the BF16 eager step shows no device time in its profile (ops: {top}); "
+                           "run on a CUDA GPU with the profiler's CUDA activity available")
+    if gemm < MIN_BF16_GEMM_SHARE * step_ms:
+        raise RuntimeError(f"bound_mlp: the BF16 eager step's GEMMs took {gemm:.3f} of its {step_ms:.3f} device ms, "
+                           f"under {MIN_BF16_GEMM_SHARE} of it: a GEMM op outside GEMM_OPS {GEMM_OPS}? Costliest ops: {top}")
+
+
 def _step(model: torch.nn.Module, ctx: Any, x: torch.Tensor, dy: torch.Tensor) -> Any:
     """bench_mlp's step, with the ``reset()`` bound_moe's ``_profile`` calls before the profiled
     step (nothing to reset: the MLP has no routing schedule)."""
@@ -231,7 +254,8 @@ def measure(tokens: int, hidden: int, intermediate: int) -> Measured:
     Raises
     ------
     RuntimeError
-        A recipe whose GEMMs the profiler did not name (:func:`check_gemm_share`).
+        A baseline or recipe whose GEMMs the profiler did not name (:func:`check_baseline`,
+        :func:`check_gemm_share`).
     """
     torch.manual_seed(0)
     base = bench_mlp.MLP(bench_mlp.torch_linear, hidden, intermediate)
@@ -240,6 +264,7 @@ def measure(tokens: int, hidden: int, intermediate: int) -> Measured:
     x = torch.randn(tokens, hidden, device=common.DEVICE, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, hidden, device=common.DEVICE, dtype=torch.bfloat16)
     t_bf16, ops = _profile(_step(base, contextlib.nullcontext, x, dy))
+    check_baseline(t_bf16, gemm_ms(ops), ops)
     recipes = {}
     for name, make in bench_mlp.RECIPES:
         t, ops_r = _profile(_step(hf, lambda r=make(): hybridfp.autocast(recipe=r), x, dy))
@@ -267,6 +292,8 @@ def report(m: Measured, p: Premises) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    """``python -m bench.bound_mlp``: measure (:func:`measure`), print the bound table and write the JSON
+    (``--out``). Exits with a message without a CUDA GPU or for ``--tokens`` < 1."""
     p = parser(__doc__.splitlines()[0])
     p.set_defaults(out=common.RESULTS_DIR / "bound_mlp.json")
     p.add_argument("--tokens", type=int, default=None, help=f"tokens a step (default {bench_mlp.TOKENS}; "

@@ -224,8 +224,30 @@ def measure(experts: int, micro_batches: int, compile_backend: str = "inductor",
     t_mx, ops_mx = _profile(make_step(single, x, dy, mx, micro_batches, schedule))
     fp8 = lambda: hybridfp.autocast(recipe=hybridfp.Float8CurrentScaling())  # noqa: E731
     t_fp8, _ = _profile(make_step(single, x, dy, fp8, micro_batches, schedule))
-    return Measured(experts, f, tokens, hidden, t_bf16, ops_bf16["aten::_grouped_mm"], t_per_expert, t_compiled,
-                    t_mx, ops_mx["aten::_grouped_mm"], t_fp8, common.copy_bandwidth()["GBps"])
+    return Measured(experts, f, tokens, hidden, t_bf16, grouped_mm_ms(ops_bf16, "BF16 grouped"), t_per_expert,
+                    t_compiled, t_mx, grouped_mm_ms(ops_mx, "MXFP8"), t_fp8, common.copy_bandwidth()["GBps"])
+
+
+def grouped_mm_ms(ops: dict[str, float], step: str) -> float:
+    """Self device ms of ``aten::_grouped_mm`` in a step's profile (``_profile``'s op -> ms).
+
+    Raises
+    ------
+    RuntimeError
+        The profile has no ``aten::_grouped_mm`` with device time: the step's GEMMs ran elsewhere
+        (per expert, another op name) and the bound would take them for the shared rest.
+
+    Example
+    -------
+    >>> grouped_mm_ms({"aten::_grouped_mm": 5.5, "aten::mul": 1.0}, "BF16 grouped")
+    5.5
+    """
+    ms = ops.get("aten::_grouped_mm", 0.0)
+    if ms <= 0:
+        top = ", ".join(f"{k} {v:.2f} ms" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:6])
+        raise RuntimeError(f"bound_moe: the {step} step's profile has no aten::_grouped_mm device time, the GEMMs "
+                           f"the bound splits off (its costliest ops: {top}); the layer must run torch._grouped_mm")
+    return ms
 
 
 def report(m: Measured, p: Premises) -> str:

@@ -155,7 +155,12 @@ def _cpu_profile(step):
 def test_measure_profiles_the_baseline_and_every_recipe_on_the_cpu(monkeypatch):
     monkeypatch.setattr(common, "DEVICE", "cpu")
     monkeypatch.setattr(bound_mlp, "_profile", _cpu_profile)
+    # CPU times of BF16 and emulated GEMMs say nothing of tensor cores: the share check is the GPU's
+    checked = []
+    monkeypatch.setattr(bound_mlp, "check_gemm_share", lambda *a: checked.append(a[0]))
+    monkeypatch.setattr(bound_mlp, "check_baseline", lambda *a: checked.append("BF16"))
     m = bound_mlp.measure(128, 128, 256)
+    assert checked == ["BF16"] + [n for n, _ in bench_mlp.RECIPES]  # every profile's GEMM time is checked
     assert (m.tokens, m.hidden, m.intermediate) == (128, 128, 256) and m.copy_GBps > 0
     assert 0 < m.bf16_gemm_ms < m.bf16_step_ms
     assert list(m.recipes) == [n for n, _ in bench_mlp.RECIPES]
@@ -175,3 +180,11 @@ def test_a_recipe_whose_gemms_the_profiler_did_not_name_fails_by_name():
     bound_mlp.check_gemm_share("hybridfp MXFP8", 4.0, 9.0, {"aten::mm": 4.0})  # 0.44 of BF16's: plausible
     with pytest.raises(RuntimeError, match=r"'hybridfp MXFP8'.*GEMM op outside GEMM_OPS.*aten::new_gemm 8.00 ms"):
         bound_mlp.check_gemm_share("hybridfp MXFP8", 1.0, 9.0, {"aten::mm": 1.0, "aten::new_gemm": 8.0})
+
+
+def test_a_baseline_profile_without_device_time_or_named_gemms_fails_by_name():
+    bound_mlp.check_baseline(25.0, 24.0, {"aten::mm": 24.0})
+    with pytest.raises(RuntimeError, match="no device time"):
+        bound_mlp.check_baseline(0.0, 0.0, {"aten::mm": 0.0})
+    with pytest.raises(RuntimeError, match=r"GEMMs took 1.000 of its 25.000.*aten::new_mm 23.00 ms"):
+        bound_mlp.check_baseline(25.0, 1.0, {"aten::mm": 1.0, "aten::new_mm": 23.0})

@@ -72,3 +72,9 @@ def test_measure_profiles_the_three_baselines_in_one_process(monkeypatch):
     assert (m.bf16_step_ms, m.bf16_per_expert_ms, m.bf16_compiled_ms) == (10.0, 11.0, 9.5)
     assert (m.mxfp8_step_ms, m.fp8_step_ms, m.copy_GBps, m.ffn) == (12.0, 8.0, 100.0, 32)
     assert isinstance(moe_layer.BF16MoE, type)
+
+
+def test_a_profile_without_grouped_gemms_fails_by_name():
+    assert bound_moe.grouped_mm_ms({"aten::_grouped_mm": 2.5}, "MXFP8") == 2.5
+    with pytest.raises(RuntimeError, match=r"the BF16 grouped step's profile has no aten::_grouped_mm.*aten::mm 4.00"):
+        bound_moe.grouped_mm_ms({"aten::mm": 4.0, "aten::mul": 1.0}, "BF16 grouped")
