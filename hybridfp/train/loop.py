@@ -180,12 +180,16 @@ class WarmupCosineLR(LRScheduler):
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer | MasterWeightOptimizer:
-    """AdamW, weight decay on matrices only (nanoGPT). With ``cfg.quantized_weights``: AdamW on
-    FP32 masters of the quantized weights (``MasterWeightOptimizer``, seeded from their kept
-    initial values, which are then freed)."""
-    params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
-    decay = [p for p in params if p.dim() >= 2]
-    other = [p for p in params if p.dim() < 2]
+    """AdamW, weight decay on matrices only (nanoGPT), biases excepted by name: a stacked expert
+    bias [E, N] (``GroupedLinear(single_parameter=True)``, converted transformers experts) is 2-D
+    but a bias. With ``cfg.quantized_weights``: AdamW on FP32 masters of the quantized weights
+    (``MasterWeightOptimizer``, seeded from their kept initial values, which are then freed)."""
+    named = {id(p): (name, p) for name, p in model.named_parameters() if p.requires_grad}
+    params = [p for _, p in named.values()]
+    # a parameter's own name (its last dotted part) says bias: bias, bias3, down_proj_bias
+    decays = {i: p.dim() >= 2 and "bias" not in name.rsplit(".", 1)[-1].lower() for i, (name, p) in named.items()}
+    decay = [p for p in params if decays[id(p)]]
+    other = [p for p in params if not decays[id(p)]]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}]
     kw: dict[str, Any] = {"lr": cfg.lr, "betas": (0.9, 0.95), "eps": 1e-8}
     if not cfg.quantized_weights:

@@ -140,3 +140,17 @@ def test_summary_gaps_and_emulated_pairs(tmp_path):
 
 def test_ema_is_bias_corrected():
     assert ema([2.0, 2.0, 2.0], span=10) == pytest.approx([2.0, 2.0, 2.0])
+
+
+def test_weight_decay_skips_biases_also_stacked_expert_biases():
+    """nanoGPT decays matrices only; a stacked expert bias [E, N] (GroupedLinear with
+    ``single_parameter=True``, as converted transformers experts hold it) is a matrix by shape
+    but a bias: it is not decayed, nor is any parameter whose own name says bias."""
+    from hybridfp import GroupedLinear
+    model = torch.nn.ModuleDict({"dense": torch.nn.Linear(3, 4),
+                                 "experts": GroupedLinear(2, 3, 4, bias=True, single_parameter=True)})
+    model.register_parameter("down_proj_bias", torch.nn.Parameter(torch.zeros(2, 4)))
+    opt = make_optimizer(model, cli.config_from_args(_args("--preset", "test")))
+    decayed = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    named = dict(model.named_parameters())
+    assert {n for n, p in named.items() if id(p) in decayed} == {"dense.weight", "experts.weight"}
