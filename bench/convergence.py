@@ -196,7 +196,8 @@ def plan_tokens(groups: Sequence[Sequence[str]], cost: dict[str, float], seconds
 
 # ---------------------------------------------------------------------------- processes
 def start_worker(cmp: Comparison, labels: Sequence[str], out: Path, steps: int, device: str,
-                 args: argparse.Namespace, eval_interval: int, eval_iters: int) -> subprocess.Popen:
+                 args: argparse.Namespace, eval_interval: int, eval_iters: int, warmup: Optional[int] = None,
+                 lr_decay_steps: Optional[int] = None) -> subprocess.Popen:
     """One ``hybridfp train --compare`` training ``labels`` one after the other into ``out``.
 
     Parameters
@@ -208,15 +209,21 @@ def start_worker(cmp: Comparison, labels: Sequence[str], out: Path, steps: int, 
     device : the worker's device (``cuda:K``).
     args : the driver's options (``data``, ``cache_dir``).
     eval_interval, eval_iters : evaluation every ``eval_interval`` steps over ``eval_iters`` batches.
+    warmup, lr_decay_steps : the learning rate's warm-up steps and cosine length (None: a tenth of
+        ``steps`` and ``steps``, a real run's; the probe, whose ``steps`` is never reached, gives
+        those of a real run's size).
 
     Returns
     -------
     subprocess.Popen : the worker, its output in ``out / "driver.log"``.
     """
     argv = [sys.executable, "-m", "hybridfp.train", "--preset", cmp.preset, "--compare", ",".join(labels),
-            "--device", device, "--steps", str(steps), "--warmup", str(max(1, steps // 10)),
+            "--device", device, "--steps", str(steps),
+            "--warmup", str(max(1, steps // 10) if warmup is None else warmup),
             "--eval-interval", str(eval_interval), "--eval-iters", str(eval_iters), "--data", args.data,
             "--out", str(out), "--no-progress", "--no-checkpoint"]  # the study reads metrics only
+    if lr_decay_steps is not None:
+        argv += ["--lr-decay-steps", str(lr_decay_steps)]
     if args.cache_dir:
         argv += ["--cache-dir", str(args.cache_dir)]
     if cmp.batch_size is not None:
@@ -328,6 +335,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                   "that fits the fixed steps.", flush=True)
     if args.probe_max_s is None:
         args.probe_max_s = args.budget_s / 2
+        max_given = f"--probe-max-s (default half of --budget-s {args.budget_s:g})"
+    else:
+        max_given = "--probe-max-s"
+    probed = [n for n in ("dense",) + (("moe",) if args.moe_recipes else ())
+              if getattr(args, f"{n}_steps") is None and args.steps is None]
+    if probed and not args.probe_window_s < args.probe_max_s:  # the window could never come
+        raise SystemExit(f"--probe-window-s ({args.probe_window_s:g}) must be shorter than {max_given} "
+                         f"({args.probe_max_s:g}): the probe waits at most --probe-max-s for a window of "
+                         "--probe-window-s.")
     t0 = time.time()
     # an outer time-out sends SIGTERM: stop the workers and write the reports (Interrupted)
     previous = signal.signal(signal.SIGTERM, raise_interrupted)
@@ -393,7 +409,10 @@ def plan_and_run(args: argparse.Namespace, t0: float) -> None:
     for c in comparisons:
         recipes = c.recipes if fixed[c.name] is not None else tuple(r for r in c.recipes if r in cost[c.name])
         if "bf16" not in recipes:
-            raise SystemExit(f"{c.name}: the bf16 probe failed; see {args.out / 'probe' / c.name}.")
+            why = {label: w for label, w in plan.get("probe", {}).get("failed", {}).get(c.name, {}).items()
+                   if split_label(label)[0] == "bf16"}
+            raise SystemExit(f"{c.name}: the bf16 probe failed" + "".join(f" ({label}: {w})" for label, w in why.items())
+                             + f"; see {args.out / 'probe' / c.name}.")
         kept = Comparison(c.name, c.preset, recipes, c.seeds, c.batch_size, c.lr)
         groups = assign(kept.runs(), cost[c.name], workers[c.name])
         steps = fixed[c.name]

@@ -44,6 +44,12 @@ from hybridfp.train.parallel import worker_devices
 PROBE_MAX_STEPS = 1_000_000
 #: Training steps before a probe worker counts as warm (first-call compilation, autotuning).
 PROBE_WARMUP_STEPS = 3
+#: The probe runs' learning-rate schedule: the warm-up and cosine length of a real run of this many
+#: steps (warm-up a tenth), the order of the real runs' size, so the probe trains at the learning
+#: rate a real run reaches and a recipe that diverges there can diverge in the probe (the schedule
+#: of :data:`PROBE_MAX_STEPS` steps would warm up for 100,000 steps: a learning rate near zero).
+PROBE_LR_DECAY_STEPS = 100
+PROBE_LR_WARMUP_STEPS = PROBE_LR_DECAY_STEPS // 10
 #: Default ``--probe-window-s``: seconds every worker must train at once.
 PROBE_WINDOW_S = 10.0
 #: The probe's evaluations: every this many steps, over this many batches (their cost per batch).
@@ -86,7 +92,9 @@ def probe_groups(runs_by_comparison: dict[str, list[str]], recipes: dict[str, Se
 class Window:
     """The probe's stop rule, called at every check of :func:`bench.convergence_workers.run_workers`:
     ``WINDOW_CAUSE`` once every live worker's records span ``window_s`` seconds after the last of
-    them came past its warm-up, a no-window cause at ``give_up_at``, else None.
+    them came past its warm-up, a no-window cause at ``give_up_at``, else None. The no-window
+    cause names each live worker past its warm-up that has written nothing for longer than
+    ``window_s`` (hung: it alone holds the window open); :attr:`stalled` keeps them.
 
     Parameters
     ----------
@@ -99,6 +107,28 @@ class Window:
     def __init__(self, watch: dict[Path, Progress], alive: dict[Path, Callable[[], bool]], window_s: float,
                  give_up_at: float) -> None:
         self.watch, self.alive, self.window_s, self.give_up_at = watch, alive, window_s, give_up_at
+        #: out dir -> ``COMPARISON/wK: no record for N s after step S``, set when the probe gives up
+        self.stalled: dict[Path, str] = {}
+
+    def stalls(self, now: float) -> dict[Path, str]:
+        """Live workers past their warm-up whose last record is older than ``window_s`` at ``now``.
+
+        Parameters
+        ----------
+        now : ``time.time()`` seconds.
+
+        Returns
+        -------
+        dict : out dir -> ``COMPARISON/wK: no record for N s after step S``.
+        """
+        found: dict[Path, str] = {}
+        for out, running in self.alive.items():
+            stamps = self.watch[out].stamps
+            # a first step that compiles for long is not a hang: only workers past their warm-up
+            if running() and warm_time(stamps) is not None and now - stamps[-1][0] > self.window_s:
+                name = f"{out.parent.name}/{out.name}" if isinstance(out, Path) else str(out)
+                found[out] = f"{name}: no record for {now - stamps[-1][0]:.0f} s after step {stamps[-1][1]['step']}"
+        return found
 
     def __call__(self) -> Optional[str]:
         live = [out for out, running in self.alive.items() if running()]
@@ -108,8 +138,11 @@ class Window:
             last = min(self.watch[out].stamps[-1][0] for out in live)
             if last - max(w for w in warm if w is not None) >= self.window_s:
                 return WINDOW_CAUSE
-        if time.time() >= self.give_up_at:
-            return f"no window of every worker training within --probe-max-s ({len(live)} still running)"
+        now = time.time()
+        if now >= self.give_up_at:
+            self.stalled = self.stalls(now)
+            hung = f"; hung: {'; '.join(self.stalled.values())}" if self.stalled else ""
+            return f"no window of every worker training within --probe-max-s ({len(live)} still running{hung})"
         return None
 
 
@@ -227,6 +260,19 @@ def shared_rates(stamps: dict[str, list[tuple[float, dict]]], tokens_per_step: d
     return rates, eval_s, basis
 
 
+def _fail(failed: dict[str, dict[str, str]], name: str, why_failed: dict[str, str]) -> None:
+    """Record the probe runs of comparison ``name`` that failed, and say so in the log."""
+    for label, why in why_failed.items():
+        failed[name].setdefault(label, why)
+        print(f"probe {name}/{label}: {why}; {split_label(label)[0]} is dropped from the study", flush=True)
+
+
+def _kept(jobs: dict, folders: dict, failed: dict[str, dict[str, str]]) -> list[Path]:
+    """The probe workers whose recipe no failed probe run drops."""
+    dropped = {(name, split_label(label)[0]) for name, labels in failed.items() for label in labels}
+    return [out for out in jobs if (out.parent.name, split_label(folders[out][1][0])[0]) not in dropped]
+
+
 def _records(out: Path) -> list[dict]:
     path = out / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
@@ -268,7 +314,8 @@ def measure(comparisons: Sequence, workers: dict[str, int], args: argparse.Names
     try:
         for out, (cmp, group) in folders.items():
             jobs[out] = start_worker(cmp, group, out, PROBE_MAX_STEPS, next(devices), args, PROBE_EVAL_INTERVAL,
-                                     PROBE_EVAL_ITERS)
+                                     PROBE_EVAL_ITERS, warmup=PROBE_LR_WARMUP_STEPS,
+                                     lr_decay_steps=PROBE_LR_DECAY_STEPS)
     except KeyboardInterrupt as e:  # as run_plan does: stop what started
         stop_workers(jobs, args.grace_s)
         raise SystemExit(f"{interrupt_cause(e)} while the probe started its workers: no run was planned.") from None
@@ -276,10 +323,15 @@ def measure(comparisons: Sequence, workers: dict[str, int], args: argparse.Names
     window = Window(watch, {out: (lambda p=p: p.poll() is None) for out, p in jobs.items()}, args.probe_window_s,
                     t0 + args.probe_max_s)
     cause = f"the time budget ran out during the probe (--budget-s {args.budget_s:g})"
+    fix = "give a larger --budget-s or fixed --steps"
+    if deadline is not None and args.probe_max_s >= deadline - t0:  # the probe may wait past the budget
+        cause = (f"the time budget ran out during the probe (--budget-s {args.budget_s:g}; --probe-max-s "
+                 f"{args.probe_max_s:g} is not shorter than the {deadline - t0:.0f} s the budget left it)")
+        fix = "give a shorter --probe-max-s, a larger --budget-s or fixed --steps"
     done, interrupted = run_workers(jobs, deadline, cause, args.grace_s, args.poll_s, watch, window)
     if interrupted or any(end.stopped == cause for end in done.values()):
         raise SystemExit(f"{interrupted or cause}: no run was planned (the probe is in {args.out / 'probe'}); "
-                         "give a larger --budget-s or fixed --steps.")
+                         f"{fix}.")
     key = {out: f"{out.parent.name}/{out.name}" for out in jobs}
     records = {key[out]: _records(out) for out in jobs}
     failed: dict[str, dict[str, str]] = {c.name: {} for c in comparisons}
@@ -291,16 +343,18 @@ def measure(comparisons: Sequence, workers: dict[str, int], args: argparse.Names
                                       if end.stopped})
         if why_failed and end.exit and not end.stopped:
             print(f"probe {out}: exit {end.exit}\n" + (out / "driver.log").read_text()[-3000:], flush=True)
-        for label, why in why_failed.items():
-            failed[out.parent.name][label] = why
-            print(f"probe {out.parent.name}/{label}: {why}; {split_label(label)[0]} is dropped from the study",
-                  flush=True)
-    dropped = {(name, split_label(label)[0]) for name, labels in failed.items() for label in labels}
-    ok = [out for out in jobs if (out.parent.name, split_label(folders[out][1][0])[0]) not in dropped]
+        _fail(failed, out.parent.name, why_failed)
+    ok = _kept(jobs, folders, failed)
     warm = [warm_time(watch[out].stamps) for out in ok]
     lo = max((w for w in warm if w is not None), default=0.0)
     hi = min((watch[out].stamps[-1][0] for out in ok if watch[out].stamps), default=lo)
     window_s = max(0.0, hi - lo) if ok and None not in warm else 0.0
+    for out in ok:  # hung after its warm-up: the rate of its records before the hang is not a rate
+        if out in window.stalled:
+            stall = window.stalled[out].split(": ", 1)[1]
+            _fail(failed, out.parent.name, {label: f"hung after its warm-up ({stall}): the probe stopped it"
+                                            for label in folders[out][1]})
+    ok = _kept(jobs, folders, failed)
     stamps = {key[out]: watch[out].stamps for out in ok}
     tps = {c.name: c.tokens_per_step for c in comparisons}
     if any(end.stopped == WINDOW_CAUSE for end in done.values()):
@@ -309,17 +363,35 @@ def measure(comparisons: Sequence, workers: dict[str, int], args: argparse.Names
         rates, eval_s, basis = {}, {}, {}
     real_workers = sum(workers.values())
     fallback = shared_rates(stamps, tps, real_workers)
-    missing = [f"{name}/{r}" for name, rs in fallback[0].items() for r in rs if r not in rates.get(name, {})]
-    for name, rs in fallback[0].items():
-        for r in rs:
-            if r not in rates.get(name, {}):
-                for table, source in zip((rates, eval_s, basis), fallback):
-                    table.setdefault(name, {})[r] = source[name][r]
-    if missing:  # never silent: the plan, the log and the report say so
+    missing = [(name, r) for name, rs in fallback[0].items() for r in rs if r not in rates.get(name, {})]
+    for name, r in missing:
+        for table, source in zip((rates, eval_s, basis), fallback):
+            table.setdefault(name, {})[r] = source[name][r]
+    conservative = (f"planned as if the {real_workers} workers shared the GPU with no gain from overlap "
+                    "(conservative: fewer steps)")
+    if missing and any(end.stopped == WINDOW_CAUSE for end in done.values()):  # never silent
+        inside = {(out.parent.name, split_label(folders[out][1][0])[0]):
+                  sum(1 for t, r in watch[out].stamps if "tokens_per_s" in r and lo <= t <= hi) for out in ok}
+        told = "; ".join(f"{name}/{r}: {inside.get((name, r), 0)} training record"
+                         f"{'' if inside.get((name, r), 0) == 1 else 's'} inside the {window_s:.1f} s window"
+                         for name, r in missing)
+        print(f"probe: the window came, but too few records to time a rate in it ({told}): {conservative}. A "
+              "worker that writes its records in bursts (long steps, evaluations) needs a longer "
+              "--probe-window-s.", flush=True)
+    elif missing:
+        hint = ("A worker that stopped writing records held the window open (named above), not too short a probe"
+                if window.stalled else "Give the probe more time (--probe-max-s, a larger --budget-s) or a "
+                "shorter --probe-window-s")
         print(f"probe: no window of every worker training for {args.probe_window_s:g} s (measured "
-              f"{window_s:.1f} s) to time {', '.join(missing)}: planned as if the {real_workers} workers shared "
-              "the GPU with no gain from overlap (conservative: fewer steps). Give the probe more time "
-              "(--probe-max-s, a larger --budget-s) or a shorter --probe-window-s.", flush=True)
+              f"{window_s:.1f} s) to time {', '.join(f'{n}/{r}' for n, r in missing)}: {conservative}. {hint}.",
+              flush=True)
+    for out in ok:  # records but no rate (still in its first step): dropped by name, never silently
+        name, recipe = out.parent.name, split_label(folders[out][1][0])[0]
+        if recipe not in rates.get(name, {}):
+            end = done[out]
+            how = f"the probe stopped it ({end.stopped})" if end.stopped else f"its worker ended (exit {end.exit})"
+            _fail(failed, name, {label: f"no training step timed: {how}" for label in folders[out][1]})
+    ok = _kept(jobs, folders, failed)
     per_step: dict[str, dict[str, float]] = {c.name: {} for c in comparisons}
     for out in ok:
         v = sorted(r["tokens_per_s"] for r in records[key[out]]

@@ -48,7 +48,7 @@ with open(os.path.join(out, "metrics.jsonl"), "a") as f:
 
 def fake_start_worker(step_s: float, claim: float = 1.0, ignore_term: str = ""):
     """A stand-in for ``conv.start_worker``; the worker named ``ignore_term`` ignores SIGTERM."""
-    def start(cmp, labels, out, steps, device, args, eval_interval, eval_iters):
+    def start(cmp, labels, out, steps, device, args, eval_interval, eval_iters, **schedule):
         payload = [list(labels), steps, str(out), step_s, claim, cmp.tokens_per_step, out.name == ignore_term,
                    FINGERPRINT]
         out.mkdir(parents=True, exist_ok=True)

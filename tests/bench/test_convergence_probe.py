@@ -69,7 +69,7 @@ def shared_start_worker(gpu: Path, delays: dict[str, float]):
     """A stand-in for ``conv.start_worker``: worker ``wK`` waits ``delays[wK]`` seconds first."""
     gpu.mkdir(parents=True, exist_ok=True)
 
-    def start(cmp, labels, out, steps, device, args, eval_interval, eval_iters):
+    def start(cmp, labels, out, steps, device, args, eval_interval, eval_iters, **schedule):
         payload = [list(labels), steps, str(out), ALONE, cmp.tokens_per_step, delays.get(out.name, 0.0), str(gpu),
                    eval_interval, eval_iters, FINGERPRINT]
         out.mkdir(parents=True, exist_ok=True)

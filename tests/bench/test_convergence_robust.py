@@ -65,7 +65,7 @@ def interrupting_start(after: int, step_s: float):
     """A fake ``start_worker`` that raises :class:`Interrupted` (SIGTERM) on its call ``after``."""
     real, procs = fake_start_worker(step_s), []
 
-    def start(cmp, labels, out, steps, device, args, eval_interval, eval_iters):
+    def start(cmp, labels, out, steps, device, args, eval_interval, eval_iters, **schedule):
         if len(procs) == after:
             raise cw.Interrupted("SIGTERM")
         procs.append(real(cmp, labels, out, steps, device, args, eval_interval, eval_iters))
@@ -213,7 +213,7 @@ def test_a_fixed_comparison_beside_a_probed_one_has_no_prediction(tmp_path, monk
 def test_a_recipe_whose_probe_run_stopped_early_is_dropped(tmp_path, monkeypatch, capsys):
     plan = capture_plan(monkeypatch)
 
-    def start(cmp, labels, out, steps, device, args, eval_interval, eval_iters):
+    def start(cmp, labels, out, steps, device, args, eval_interval, eval_iters, **schedule):
         out.mkdir(parents=True, exist_ok=True)
         payload = [list(labels), steps, str(out), 0.03, cmp.tokens_per_step, "fp8", 5]
         with open(out / "driver.log", "w") as log:
