@@ -19,7 +19,15 @@ each run's evaluations (:func:`evaluations`) at that cost: on the H100 they were
 36-step MoE run's time, far beyond a flat fraction.
 
 Every probe worker trains one recipe: a comparison with fewer workers than recipes gets one probe
-worker per recipe, more sharing than its real run (pessimistic, never optimistic).
+worker per recipe, more sharing than its real run (pessimistic, never optimistic). Its learning
+rate follows the schedule of a real run of :data:`PROBE_LR_DECAY_STEPS` steps (warm-up a tenth),
+not one of :data:`PROBE_MAX_STEPS`, so it trains at the rates a real run reaches and a recipe
+that diverges there is dropped at the probe.
+
+A recipe is dropped naming why, in the log and ``plan.json``'s ``probe.failed``, when a run of it
+diverged or crashed, when its worker hung after its warm-up (no record for longer than the
+window: it alone held the window open, and the no-window message names it), or when it got no
+rate at all (still in its first step when the probe stopped: ``no training step timed``).
 
 When the window is not reached by ``--probe-max-s`` (default half of ``--budget-s``), the probe
 stops its workers and plans from a conservative model (:func:`shared_rates`): each rate a worker
@@ -296,12 +304,14 @@ def measure(comparisons: Sequence, workers: dict[str, int], args: argparse.Names
     dict : ``rates`` (comparison -> recipe -> training tokens/s), ``eval_s`` (-> seconds per
     evaluation batch), ``basis``, ``per_step_rates`` (the trainer's median ``tokens_per_s`` after
     warm-up, for comparison), ``window_s``, ``startup_s`` (to the slowest worker's first training
-    step) and ``failed`` (comparison -> probe run -> why it failed: its recipe is dropped).
+    step) and ``failed`` (comparison -> probe run -> why it failed: diverged, crashed, hung after
+    its warm-up, or no training step timed; its recipe is dropped).
 
     Raises
     ------
     SystemExit : the driver was interrupted, or the budget ran out, during the probe (the workers
-        started so far are stopped first).
+        started so far are stopped first; the message names ``--probe-max-s`` when it is not
+        shorter than what the budget left the probe).
     """
     t0 = time.time()
     by_name = {c.name: c for c in comparisons}
@@ -406,6 +416,7 @@ def measure(comparisons: Sequence, workers: dict[str, int], args: argparse.Names
             "window_target_s": args.probe_window_s, "eval_iters": PROBE_EVAL_ITERS}
 
 
-__all__ = ["BASIS_WINDOW", "EVALS_MAX", "PROBE_EVAL_INTERVAL", "PROBE_EVAL_ITERS", "PROBE_MAX_STEPS",
+__all__ = ["BASIS_WINDOW", "EVALS_MAX", "PROBE_EVAL_INTERVAL", "PROBE_EVAL_ITERS", "PROBE_LR_DECAY_STEPS",
+           "PROBE_LR_WARMUP_STEPS", "PROBE_MAX_STEPS",
            "PROBE_WARMUP_STEPS", "PROBE_WINDOW_S", "Window", "evaluations", "measure", "probe_groups",
            "shared_rates", "warm_time", "window_rates"]

@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 
 from bench import convergence as conv
-from test_convergence_deadline import fake_data
+from test_convergence_deadline import FINGERPRINT, fake_data
 from test_convergence_probe import ALONE, SHARED_WORKER, argv, shared_start_worker
-from test_convergence_deadline import FINGERPRINT
 
 STEP0 = 'f.write(json.dumps({"step": 0, "recipe": label, "val_loss": 2.0, "elapsed": 0.0}) + "\\n")\n        f.flush()\n'
 
@@ -138,7 +137,7 @@ os.makedirs(out, exist_ok=True)
 open(os.path.join(out, "summary.md"), "w").write("# runs\n\nData: fake corpus " + fp + ".\n")
 bursty = labels[0].startswith("fp8")
 if not bursty:
-    time.sleep(0.5)
+    time.sleep(1.5)  # fp8 is past its warm-up first: the window starts with bf16's
 with open(os.path.join(out, "metrics.jsonl"), "a") as f:
     label, elapsed = labels[0], 0.0
     f.write(json.dumps({"step": 0, "recipe": label, "val_loss": 2.0, "elapsed": 0.0}) + "\n")
@@ -148,10 +147,10 @@ with open(os.path.join(out, "metrics.jsonl"), "a") as f:
         elapsed += 0.02
         f.write(json.dumps({"step": s, "recipe": label, "train_loss": 1.5, "tokens_per_s": tokens / 0.02,
                             "elapsed": elapsed}) + "\n")
-        if not bursty or s % 4 == 0:  # fp8 past its warm-up: a burst of records every 2.5 s
+        if not bursty or s % 4 == 0:  # fp8 past its warm-up: a burst of records every 4 s
             f.flush()
         if bursty and s >= 4 and s % 4 == 0:
-            time.sleep(2.5)
+            time.sleep(4.0)
 """
 
 
