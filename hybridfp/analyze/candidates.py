@@ -10,7 +10,7 @@ narrowest tier that meets the budget. The bytes per element the GEMM reads are m
 the operands (payload + scales, ``quantized_nbytes``). ``speed`` is the GEMM speed relative to
 BF16 as hybridfp runs the pair on Hopper (measured on an H200 at 8192^3: FP8 per-tensor 1235 vs
 705 TFLOP/s; MXFP8 / NVFP4 pairs decode to BF16 first). bench/RESULTS.md's paired figures on an
-H100 (FP8 per-tensor 1338 vs 707 TFLOP/s, FP8 block 0.99x of it, MXFP8 pairs 0.91x BF16, NVFP4
+H100 (FP8 per-tensor 1338 and FP8 block 1199 vs BF16 707 TFLOP/s, MXFP8 pairs 0.91x BF16, NVFP4
 pairs 0.79-0.80x) rank the candidates the same way. It is a table, not a measurement of the
 user's GPU.
 """
