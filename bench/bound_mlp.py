@@ -50,7 +50,7 @@ import torch
 import hybridfp
 from bench import bench_mlp, common
 from bench.mlp_targets import TARGETS
-from bench.bound_moe import _profile
+from bench.bound_moe import _profile, costliest_ops
 from bench.common import environment, finish, md_table, parser, require_cuda
 
 #: profiler op names whose self device time is a GEMM's (``aten::matmul`` only dispatches)
@@ -210,10 +210,9 @@ def check_gemm_share(recipe: str, gemm: float, bf16_gemm: float, ops: dict[str, 
         (one of them is a GEMM ``GEMM_OPS`` does not name).
     """
     if gemm < MIN_GEMM_SHARE * bf16_gemm:
-        top = ", ".join(f"{k} {v:.2f} ms" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:6])
         raise RuntimeError(f"bound_mlp: {recipe!r}: its GEMMs took {gemm:.3f} ms of device time, under "
                            f"{MIN_GEMM_SHARE} x the BF16 step's {bf16_gemm:.3f} ms: a GEMM op outside GEMM_OPS "
-                           f"{GEMM_OPS}? Costliest ops of its step: {top}")
+                           f"{GEMM_OPS}? Costliest ops of its step: {costliest_ops(ops)}")
 
 
 #: the BF16 MLP step is nearly all GEMMs (three linears, fwd + bwd): a smaller named share means
@@ -230,13 +229,14 @@ def check_baseline(step_ms: float, gemm: float, ops: dict[str, float]) -> None:
         ``step_ms`` <= 0 (no device events), or ``gemm`` < ``MIN_BF16_GEMM_SHARE`` x ``step_ms``,
         naming the step's costliest ops.
     """
-    top = ", ".join(f"{k} {v:.2f} ms" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:6])
     if step_ms <= 0:
-        raise RuntimeError(f"bound_mlp: the BF16 eager step shows no device time in its profile (ops: {top}); "
+        raise RuntimeError(f"bound_mlp: the BF16 eager step shows no device time in its profile "
+                           f"(ops: {costliest_ops(ops)}); "
                            "run on a CUDA GPU with the profiler's CUDA activity available")
     if gemm < MIN_BF16_GEMM_SHARE * step_ms:
         raise RuntimeError(f"bound_mlp: the BF16 eager step's GEMMs took {gemm:.3f} of its {step_ms:.3f} device ms, "
-                           f"under {MIN_BF16_GEMM_SHARE} of it: a GEMM op outside GEMM_OPS {GEMM_OPS}? Costliest ops: {top}")
+                           f"under {MIN_BF16_GEMM_SHARE} of it: a GEMM op outside GEMM_OPS {GEMM_OPS}? "
+                           f"Costliest ops: {costliest_ops(ops)}")
 
 
 def _step(model: torch.nn.Module, ctx: Any, x: torch.Tensor, dy: torch.Tensor) -> Any:

@@ -228,6 +228,18 @@ def measure(experts: int, micro_batches: int, compile_backend: str = "inductor",
                     t_compiled, t_mx, grouped_mm_ms(ops_mx, "MXFP8"), t_fp8, common.copy_bandwidth()["GBps"])
 
 
+def costliest_ops(ops: dict[str, float], n: int = 6) -> str:
+    """The ``n`` costliest entries of a profile (op / kernel name -> self device ms), as text for
+    an error that names where a step's time went.
+
+    Example
+    -------
+    >>> costliest_ops({"aten::mm": 4.0, "aten::mul": 1.0, "aten::add": 2.5}, n=2)
+    'aten::mm 4.00 ms, aten::add 2.50 ms'
+    """
+    return ", ".join(f"{k} {v:.2f} ms" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:n])
+
+
 def grouped_mm_ms(ops: dict[str, float], step: str) -> float:
     """Self device ms of ``aten::_grouped_mm`` in a step's profile (``_profile``'s op -> ms).
 
@@ -244,9 +256,9 @@ def grouped_mm_ms(ops: dict[str, float], step: str) -> float:
     """
     ms = ops.get("aten::_grouped_mm", 0.0)
     if ms <= 0:
-        top = ", ".join(f"{k} {v:.2f} ms" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:6])
         raise RuntimeError(f"bound_moe: the {step} step's profile has no aten::_grouped_mm device time, the GEMMs "
-                           f"the bound splits off (its costliest ops: {top}); the layer must run torch._grouped_mm")
+                           f"the bound splits off (its costliest ops: {costliest_ops(ops)}); "
+                           "the layer must run torch._grouped_mm")
     return ms
 
 

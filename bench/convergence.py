@@ -67,7 +67,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from bench.convergence_report import failed_runs, split_label
-from bench.convergence_probe import EVALS_MAX, PROBE_WINDOW_S, evaluations, measure
+from bench.convergence_probe import EVALS_MAX, PROBE_WINDOW_S, eval_interval, evaluations, measure
 from bench.convergence_workers import (GRACE_S, POLL_S, WorkerEnd, clear_worker_dirs, interrupt_cause, predict,
                                        raise_interrupted, run_workers, signals_ignored, stop_workers, workers_table)
 from hybridfp.train.files import atomic_write_text
@@ -473,7 +473,7 @@ def run_plan(args: argparse.Namespace, comparisons: Sequence[Comparison], plan: 
     try:
         for c, out, group in planned:
             steps = plan["comparisons"][c.name]["steps"]
-            jobs[out] = start_worker(c, group, out, steps, next(devices), args, max(1, steps // 4), args.eval_iters)
+            jobs[out] = start_worker(c, group, out, steps, next(devices), args, eval_interval(steps), args.eval_iters)
     except KeyboardInterrupt as e:  # while starting: stop what started, report every run as cut
         with signals_ignored():
             interrupted = interrupt_cause(e)

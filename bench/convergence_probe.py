@@ -69,8 +69,19 @@ WINDOW_CAUSE = "the probe's window was measured"
 BASIS_WINDOW = "all workers training"
 
 
+def eval_interval(steps: int) -> int:
+    """Steps between a study run's evaluations: a quarter of the run (at least 1).
+
+    Example
+    -------
+    >>> eval_interval(190), eval_interval(3)
+    (47, 1)
+    """
+    return max(1, steps // 4)
+
+
 def evaluations(steps: int) -> int:
-    """Evaluations of a run of ``steps`` steps evaluated every ``max(1, steps // 4)`` steps (as
+    """Evaluations of a run of ``steps`` steps evaluated every :func:`eval_interval` steps (as
     ``bench.convergence.run_plan`` starts them): step 0, each multiple, and the last step.
 
     Example
@@ -78,7 +89,7 @@ def evaluations(steps: int) -> int:
     >>> evaluations(190), evaluations(36)
     (6, 5)
     """
-    every = max(1, steps // 4)
+    every = eval_interval(steps)
     return 1 + steps // every + (steps % every != 0)
 
 
