@@ -166,7 +166,18 @@ class Policy:
     8-expert MoE layer (experts of ~4096 rows, hidden 4096, ffn 14336: about 4.8e11 FLOPs per
     expert GEMM), where cuBLAS per expert is the faster on an NVIDIA H200, and small experts
     whose GEMMs are too short to hide a launch's host work (``python -m bench.bench_grouped_gemm``
-    and ``python -m bench.bench_moe --ab`` time both)."""
+    and ``python -m bench.bench_moe --ab`` time both). Fprop / dgrad of per-tensor FP8 experts
+    that would take the Triton FP8 grouped GEMM use :attr:`per_expert_fp8_triton_flops`
+    instead."""
+
+    per_expert_fp8_triton_flops: float = 4.5e10
+    """As :attr:`per_expert_fp8_flops`, for fprop / dgrad of per-tensor FP8 experts given as
+    per-expert lists that would otherwise take the Triton FP8 grouped GEMM (E5M2 gradients in
+    dgrad, E4M3 / E5M2 mixes, a bias, a non-BF16 output). Default 4.5e10: ``python -m
+    bench.sweep_dispatch --only fp8_per_expert`` (dgrad, 4096-16384 tokens x hidden
+    2048-8192 x 8-64 experts, an NVIDIA H100) found cuBLAS per expert the faster in every cell
+    from 6.0e10 FLOPs per expert GEMM on (1.30-1.59x at 16-64 experts) and the Triton kernel
+    the faster in every cell below 3.0e10; at 3.0e10 each won some cells (by up to 7.5 %)."""
 
     def __post_init__(self) -> None:
         if self.decoded_copies not in DECODED_COPIES_MODES:
@@ -193,9 +204,10 @@ class Policy:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"Policy.{name} must be an integer >= 0; got {value!r}.")
-        value = self.per_expert_fp8_flops
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-            raise ValueError(f"Policy.per_expert_fp8_flops must be a number >= 0; got {value!r}.")
+        for name in ("per_expert_fp8_flops", "per_expert_fp8_triton_flops"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"Policy.{name} must be a number >= 0; got {value!r}.")
 
 
 #: The policy every thread starts with.

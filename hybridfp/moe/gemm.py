@@ -306,7 +306,9 @@ def _fp8_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], la
     n, k = _fixed_dims(sa, sb, layout)
     # the experts' varying dim: their m (fprop / dgrad) or their reduction (wgrad: token counts)
     sizes = [_dims(a, b, layout)[2] for a, b in zip(sa, sb)] if layout == "NT" else _ms(sa, sb, layout, ms)
-    if per_expert_fp8_faster(sizes, n, k):
+    # fprop / dgrad against the Triton kernel have their own, measured crossover; wgrad keeps
+    # the general one (its varying dim is the reduction)
+    if per_expert_fp8_faster(sizes, n, k, triton=layout != "NT"):
         return PER_EXPERT, "experts large enough for cuBLAS's per-expert FP8 kernels (faster than a grouped one)"
     why_not = gemm_fp8.unsupported(sa, layout, out_dtype)
     if why_not is not None:
@@ -351,14 +353,16 @@ def _torch_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], 
     return GROUPED_BF16, "BF16-exact pairs"
 
 
-def per_expert_fp8_faster(ms: Sequence[int], n: int, k: int) -> bool:
+def per_expert_fp8_faster(ms: Sequence[int], n: int, k: int, triton: bool = False) -> bool:
     """Whether experts with ``ms`` rows (fprop / dgrad: [m_e, k] x [k, n] each) are big enough
     that per-expert cuBLAS FP8 GEMMs beat the grouped kernel: a mean GEMM size (FLOPs per
-    non-empty expert) of at least the policy's ``per_expert_fp8_flops`` (where that threshold
-    comes from: its docstring in ``hybridfp.config``; ``python -m bench.bench_moe --ab`` times
-    both paths)."""
+    non-empty expert) of at least the policy's ``per_expert_fp8_flops``, or its
+    ``per_expert_fp8_triton_flops`` where the grouped kernel is the Triton FP8 one
+    (``triton``). Where the thresholds come from: their docstrings in ``hybridfp.config``."""
+    pol = current_policy()
     filled = [m for m in ms if m]
-    return bool(filled) and 2.0 * sum(filled) * n * k / len(filled) >= current_policy().per_expert_fp8_flops
+    threshold = pol.per_expert_fp8_triton_flops if triton else pol.per_expert_fp8_flops
+    return bool(filled) and 2.0 * sum(filled) * n * k / len(filled) >= threshold
 
 
 @lru_cache(maxsize=None)

@@ -503,13 +503,27 @@ def test_per_expert_fp8_choice_by_expert_size():
     assert not per_expert_fp8_faster([0, 0], 14336, 4096)
 
 
+def test_per_expert_fp8_choice_against_triton_has_its_own_threshold(set_policy):
+    """Against the Triton FP8 grouped GEMM the crossover is ``per_expert_fp8_triton_flops``:
+    2 x 2048 x 7168 x 4096 = 1.2e11 FLOPs per expert is below the general 2.5e11 and above the
+    Triton one (4.5e10); each threshold moves only its own answer."""
+    from hybridfp.moe.gemm import per_expert_fp8_faster
+    ms = [2048] * 32
+    assert per_expert_fp8_faster(ms, 4096, 7168, triton=True)
+    assert not per_expert_fp8_faster(ms, 4096, 7168)
+    set_policy(per_expert_fp8_triton_flops=2.0e11)
+    assert not per_expert_fp8_faster(ms, 4096, 7168, triton=True)
+    set_policy(per_expert_fp8_flops=1.0e11)
+    assert per_expert_fp8_faster(ms, 4096, 7168)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("layout", ["TN", "NN"])
 def test_large_fp8_experts_run_per_expert_cublas_cuda(layout, set_policy):
     """Experts at or above the policy's ``per_expert_fp8_flops`` (forced here) take cuBLAS per expert for
     per-tensor FP8 fprop / dgrad, within the FP8 MMA bound of the grouped path against FP64."""
-    set_policy(per_expert_fp8_flops=0.0)
+    set_policy(per_expert_fp8_flops=0.0, per_expert_fp8_triton_flops=0.0)
     ops = gpu_operands("fp8_e4m3", 1408)
     wa, wb = OPERANDS[layout]
     da, db = grouped.LAYOUTS[layout]

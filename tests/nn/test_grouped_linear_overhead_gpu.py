@@ -186,7 +186,7 @@ def test_large_fp8_experts_step_equals_per_expert_loop(monkeypatch, set_policy):
     weight quantized on its own instead of stacked): the per-expert loop's step bit for bit."""
     from hybridfp.moe import gemm as g
     from hybridfp.moe import quantize_weights as qg
-    set_policy(per_expert_fp8_flops=0.0, stack_scaled_max_numel=0)
+    set_policy(per_expert_fp8_flops=0.0, per_expert_fp8_triton_flops=0.0, stack_scaled_max_numel=0)
     stacked = []
     real = qg._worth_stacking
     monkeypatch.setattr(qg, "_worth_stacking", lambda *a: stacked.append(real(*a)) or stacked[-1])

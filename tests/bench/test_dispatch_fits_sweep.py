@@ -1,0 +1,70 @@
+"""The default policy's per-tensor FP8 dgrad choice, replayed on the committed dispatch sweep.
+
+``bench/results/sweep_dispatch.json`` holds, per grid cell, the measured time of cuBLAS per
+expert and of the Triton FP8 grouped GEMM (``python -m bench.sweep_dispatch --only
+fp8_per_expert`` on a GPU). Here the library's choice for each cell is recomputed on the CPU
+from the policy alone, as ``moe.gemm.grouped_path`` makes it on CUDA, and checked against
+those times: a threshold that sends cells to the slower path by a wide margin fails. The
+times' cell keys ("cuBLAS per expert", "Triton FP8 grouped") are the sweep's own names.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import sweep_dispatch as sd
+from hybridfp.config import current_policy
+from hybridfp.moe.gemm import per_expert_fp8_faster
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "sweep_dispatch.json"
+#: a wrong pick may cost at most this much: the cells at the crossover (3.0e10 FLOPs per
+#: expert) split both ways by up to 7.5 %, so no single threshold does better there
+WORST = 1.10
+
+
+def _rows() -> list[dict]:
+    if not RESULTS.exists():
+        pytest.skip(f"{RESULTS} is not in this checkout")
+    rows = [r for r in json.loads(RESULTS.read_text())["rows"]
+            if r["decision"] == "fp8_per_expert" and "ms" in r]
+    assert len(rows) == 36, "the full grid: 3 token counts x 3 hidden sizes x 4 expert counts"
+    return rows
+
+
+def choice(row: dict) -> str:
+    """The path the default policy takes for the cell's dgrad on CUDA: per expert below the
+    policy's ``many_experts`` (the Triton paths are off there), else by expert size."""
+    if row["experts"] < current_policy().many_experts:
+        return "cuBLAS per expert"
+    sizes = sd.splits_for(row["rows"], row["experts"])
+    # dgrad: dx_e [m_e, hidden] = dy_e [m_e, ffn] W_e [ffn, hidden]
+    big = per_expert_fp8_faster(sizes, row["hidden"], row["ffn"], triton=True)
+    return "cuBLAS per expert" if big else "Triton FP8 grouped"
+
+
+def cost(row: dict, path: str) -> float:
+    """``path``'s time over the fastest path's in the cell: 1 if it is the fastest, the paired
+    re-measure where the sweep made one of exactly this pair, else the two do_bench medians."""
+    if path == row["fastest"]:
+        return 1.0
+    if path == row["picked"] and row.get("paired"):
+        return row["paired"]["ratio"]
+    return row["ms"][path] / row["ms"][row["fastest"]]
+
+
+def test_the_default_fp8_dgrad_choice_is_never_far_from_the_fastest_measured():
+    costs = {r["cell"]: cost(r, choice(r)) for r in _rows()}
+    far = {cell: round(c, 3) for cell, c in costs.items() if c > WORST}
+    assert not far, f"cells sent to a path slower than the fastest by more than {WORST}x: {far}"
+
+
+def test_the_replay_can_fail():
+    """The general threshold in place of the Triton one (the rule before the sweep) loses up to
+    1.59x in the same data: the check above is not vacuous."""
+    import hybridfp
+    with hybridfp.policy(per_expert_fp8_triton_flops=current_policy().per_expert_fp8_flops):
+        worst = max(cost(r, choice(r)) for r in _rows())
+    assert worst > 1.5
