@@ -239,7 +239,7 @@ BENCHMARKS: dict[str, Benchmark] = {
                              timeout_s=1800.0, deadline_flag="--budget-s", headline=_convergence),
     "sweep_dispatch": Benchmark("bench.sweep_dispatch", "GEMM-path thresholds and tile defaults away from their "
                                 "fitted shapes: picked / fastest per cell", default=False, timeout_s=900.0,
-                                headline=lambda r: [tuple(row) for row in r.get("headline", [])]),
+                                deadline_flag="--deadline-s", headline=lambda r: [tuple(row) for row in r.get("headline", [])]),
 }
 
 

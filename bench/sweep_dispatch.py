@@ -16,7 +16,7 @@ Decisions (``DECISIONS``), each on one GEMM of an expert linear W_e [ffn, hidden
 
 - ``bf16_per_group`` (policy ``bf16_per_group_cublas``): fprop's grouped BF16 matmul,
   cuBLAS per group vs ``torch._grouped_mm`` (picked: ``per_group_wins``);
-- ``fp8_per_expert`` (``per_expert_fp8_flops``): dgrad of per-tensor FP8 experts (E5M2 dy x E4M3
+- ``fp8_per_expert`` (``per_expert_fp8_triton_flops``): dgrad of per-tensor FP8 experts (E5M2 dy x E4M3
   W), cuBLAS per expert vs the Triton FP8 grouped GEMM (picked: ``grouped_path``, which also
   applies ``many_experts``);
 - ``many_experts`` (``many_experts``): fprop of NVFP4 experts (a global-scale epilogue), the
@@ -38,10 +38,13 @@ decisions at the smallest and largest expert counts. About 500 timings of ``warm
 rep_ms=60`` each (do_bench's estimate and warm-up calls included, ~0.15 s), the paired
 re-measures, the operands' setup and a dozen kernel compiles: estimated at about 4 minutes on
 an NVIDIA H200 (the largest GEMMs, 32768 routed rows x hidden 8192 x ffn 28672, take ~25 ms a
-call); ``--only`` runs a subset.
+call); on one H100 the nine decisions took 216 s run one process each, process starts
+included. ``--only`` runs a subset; ``--deadline-s S`` starts no cell after S seconds and
+records the cells left as not run (``python -m bench sweep_dispatch --timeout-s T`` passes
+3/4 of T), so a run cut short still writes what it measured.
 ``--quick``: a tiny grid (a smoke test of the script, also on the CPU).
 
-    python -m bench.sweep_dispatch [--quick] [--out F.json] [--only NAME[,NAME]]
+    python -m bench.sweep_dispatch [--quick] [--out F.json] [--only NAME[,NAME]] [--deadline-s S]
 
 Prints a Markdown table (one row per cell) last; the JSON has every alternative's time.
 """
@@ -49,6 +52,7 @@ Prints a Markdown table (one row per cell) last; the JSON has every alternative'
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -202,8 +206,9 @@ def fp8_per_expert(cell: Cell, quick: bool = False) -> Case:
     sb = [operand_storage(t, "columnwise", "B") for t in w]
     picked = _path_name(grouped_path(sa, sb, "NN", torch.bfloat16, False)[0], names)
     run = lambda: grouped_gemm(dy, w, "NN")  # noqa: E731
-    alts = {names[PER_EXPERT]: _forced({"per_expert_fp8_flops": 0.0}, run),
-            names[GROUPED_FP8_TRITON]: _forced({"per_expert_fp8_flops": math.inf, **_triton_on()}, run)}
+    cublas = {"per_expert_fp8_flops": 0.0, "per_expert_fp8_triton_flops": 0.0}
+    alts = {names[PER_EXPERT]: _forced(cublas, run),
+            names[GROUPED_FP8_TRITON]: _forced({k: math.inf for k in cublas} | _triton_on(), run)}
     return Case(alts, picked, {names[PER_EXPERT]: PER_EXPERT, names[GROUPED_FP8_TRITON]: GROUPED_FP8_TRITON})
 
 
@@ -457,15 +462,25 @@ def measure(case: Case, quick: bool = False) -> dict[str, Any]:
     return {**row, **first}
 
 
-def sweep(names: Sequence[str], grid: Grid, quick: bool = False) -> list[dict[str, Any]]:
+#: a row's ``not_run`` value for a cell the deadline left unmeasured
+NOT_RUN = "deadline"
+
+
+def sweep(names: Sequence[str], grid: Grid, quick: bool = False,
+          deadline_s: Optional[float] = None) -> list[dict[str, Any]]:
     """One row per (decision, cell) of ``names`` over ``grid``; ``quick``: one tile next to each
-    default and a one-call paired re-measure (a smoke test)."""
+    default and a one-call paired re-measure (a smoke test). ``deadline_s``: no cell starts
+    after that many seconds; each one left is a row with ``not_run`` (:data:`NOT_RUN`)."""
     rows: list[dict[str, Any]] = []
+    start = time.monotonic()
     for name in names:
         d = DECISIONS[name]
         for cell in d.cells(grid):
             base = {"decision": name, "cell": cell.label(), "tokens": cell.tokens, "hidden": cell.hidden,
                     "experts": cell.experts, "ffn": cell.ffn, "rows": cell.rows if cell.experts else None}
+            if deadline_s is not None and time.monotonic() - start >= deadline_s:
+                rows.append({**base, "not_run": NOT_RUN})
+                continue
             try:
                 rows.append({**base, **measure(d.build(cell, quick), quick)})
             except Exception as e:  # noqa: BLE001 - a cell whose operands cannot be built
@@ -479,10 +494,12 @@ def headline(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
     """Per decision: cells that hold, and the worst picked / fastest with its cell."""
     out = []
     for name in dict.fromkeys(r["decision"] for r in rows):
-        mine = [r for r in rows if r["decision"] == name]
+        mine = [r for r in rows if r["decision"] == name and not r.get("not_run")]
+        left = sum(1 for r in rows if r["decision"] == name and r.get("not_run"))
         held = sum(bool(r.get("holds")) for r in mine)
         worst = max((r for r in mine if r.get("ratio") is not None), key=lambda r: r["ratio"], default=None)
         tail = f", worst {worst['ratio']:.3f}x ({worst['cell']}: {worst['fastest']})" if worst else ""
+        tail += f", {left} not run (deadline)" if left else ""
         out.append((f"{name}: cells where the choice holds", f"{held} / {len(mine)}{tail}"))
     return out
 
@@ -490,18 +507,22 @@ def headline(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
 def main(argv: Optional[list[str]] = None) -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--only", default=None, help="comma-separated decisions (default: all of DECISIONS)")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="start no cell after this many seconds; the cells left are recorded as not run")
     args = p.parse_args(argv)
+    if args.deadline_s is not None and not args.deadline_s > 0:
+        p.error(f"--deadline-s must be > 0, got {args.deadline_s}")
     names = args.only.split(",") if args.only else list(DECISIONS)
     unknown = [n for n in names if n not in DECISIONS]
     if unknown:
         p.error(f"unknown decision {', '.join(unknown)}; choose from {', '.join(DECISIONS)}")
     require_cuda()
     grid = QUICK if args.quick else FULL
-    rows = sweep(names, grid, args.quick)
+    rows = sweep(names, grid, args.quick, args.deadline_s)
     md = md_table(["decision", "cell", "picked", "fastest", "picked / fastest", "flag"],
                   [[r["decision"], r["cell"], r.get("picked"), r.get("fastest"),
                     r.get("ratio") if r.get("ratio") is not None else r.get("error"),
-                    "FLAG" if r.get("flagged") else ""] for r in rows])
+                    "not run" if r.get("not_run") else "FLAG" if r.get("flagged") else ""] for r in rows])
     common.finish("sweep_dispatch", {"env": common.environment(), "grid": {**asdict(grid), "topk": TOPK},
                                      "tolerance": TOLERANCE, "rows": rows, "headline": headline(rows),
                                      "markdown": md}, args.out)

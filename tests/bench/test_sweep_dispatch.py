@@ -83,7 +83,9 @@ def test_picked_is_the_library_answer(quick):
     ({"per_group_min_mean": 0}, "bf16_per_group", "cuBLAS per group"),
     ({"per_group_max_groups": 0}, "bf16_per_group", "torch._grouped_mm"),
     ({"grouped_triton_devices": {"cpu"}}, "fp8_per_expert", "Triton FP8 grouped"),
-    ({"grouped_triton_devices": {"cpu"}, "per_expert_fp8_flops": 0.0}, "fp8_per_expert", "cuBLAS per expert"),
+    ({"grouped_triton_devices": {"cpu"}, "per_expert_fp8_triton_flops": 0.0}, "fp8_per_expert", "cuBLAS per expert"),
+    # dgrad against the Triton kernel has its own crossover: the general one does not move it
+    ({"grouped_triton_devices": {"cpu"}, "per_expert_fp8_flops": 0.0}, "fp8_per_expert", "Triton FP8 grouped"),
     ({"grouped_triton_devices": {"cpu"}}, "many_experts", "Triton grouped"),
     ({"stack_scaled_max_numel": 0}, "stack_scaled", "per expert"),
 ])
@@ -149,3 +151,27 @@ def test_paired_remeasure_uses_a_reportable_protocol(monkeypatch):
     r = _paired_ratio(lambda: 3.0, lambda: 2.0)
     assert seen and seen[0].reportable, seen
     assert r["ratio"] == 1.5 and r["rounds"] >= 10 and r["coverage"] >= 0.95
+
+
+def test_deadline_records_the_cells_left_as_not_run(monkeypatch):
+    """A cell starts only before the deadline; each one after it is a row marked not run, which
+    the headline counts apart from the measured cells (a run cut short still reports)."""
+    monkeypatch.setattr(common, "DEVICE", "cpu")
+    clock = iter([0.0, 0.5, 2.0])  # the start, then before each cell
+    monkeypatch.setattr(sd.time, "monotonic", lambda: next(clock))
+    rows = sd.sweep(["stack_scaled"], sd.QUICK, True, deadline_s=1.0)
+    assert len(rows) == 2 and "not_run" not in rows[0] and rows[0]["picked"] in rows[0]["ms"]
+    assert rows[1]["not_run"] == sd.NOT_RUN and "ms" not in rows[1]
+    (label, text), = sd.headline(rows)
+    assert text.startswith(f"{int(rows[0]['holds'])} / 1") and text.endswith("1 not run (deadline)")
+
+
+def test_deadline_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        sd.main(["--quick", "--deadline-s", "0"])
+    assert "--deadline-s must be > 0" in capsys.readouterr().err
+
+
+def test_the_runner_gives_the_sweep_a_deadline():
+    from bench.__main__ import BENCHMARKS
+    assert BENCHMARKS["sweep_dispatch"].deadline_flag == "--deadline-s"
