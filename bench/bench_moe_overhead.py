@@ -27,7 +27,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import hybridfp
 from bench.common import environment, finish, md_table
 from hybridfp import factories
-from hybridfp.config import current_policy
 
 RECIPES: dict[str, Callable[[], hybridfp.Recipe]] = {
     "bf16 (high_precision)": lambda: hybridfp.CustomRecipe(qfactory=factories.high_precision),
@@ -178,8 +177,10 @@ def stub_cublas(setattr: Callable = setattr) -> None:
     from hybridfp.moe import gemm_triton as grouped_triton
     from hybridfp.kernels.moe import triton_grouped_fp8_gemm, triton_grouped_gemm
 
-    def enabled(device, use_triton, experts=1):  # the CUDA rule on any device
-        return use_triton if use_triton is not None else experts >= current_policy().many_experts
+    cuda_rule = grouped_triton.enabled
+
+    def enabled(device, use_triton, experts=1, flops=None):  # the CUDA rule on any device
+        return cuda_rule(torch.device("cuda"), use_triton, experts, flops)
 
     setattr(grouped_triton, "enabled", enabled)
     setattr(triton_grouped_fp8_gemm, "_launch", lambda *a: a[5])  # (base_a, base_b, sa, sb, bias, out, ...)

@@ -19,8 +19,9 @@ Decisions (``DECISIONS``), each on one GEMM of an expert linear W_e [ffn, hidden
 - ``fp8_per_expert`` (``per_expert_fp8_triton_flops``): dgrad of per-tensor FP8 experts (E5M2 dy x E4M3
   W), cuBLAS per expert vs the Triton FP8 grouped GEMM (picked: ``grouped_path``, which also
   applies ``many_experts``);
-- ``many_experts`` (``many_experts``): fprop of NVFP4 experts (a global-scale epilogue), the
-  per-expert loop vs the Triton grouped GEMM (picked: ``grouped_path``);
+- ``many_experts`` (``many_experts``, ``grouped_triton_max_flops``): fprop of NVFP4 experts (a
+  global-scale epilogue), the per-expert loop vs the Triton grouped GEMM (picked:
+  ``grouped_path``);
 - ``stack_scaled`` (``stack_scaled_max_numel``): per-tensor FP8 weights quantized per expert vs
   stacked into one buffer (picked: ``_worth_stacking``; no token count);
 - ``fp8_tile_rows`` / ``fp8_tile_wgrad``: the Triton FP8 grouped GEMM's pointer tiles ``TILE``

@@ -107,6 +107,19 @@ class Policy:
     Default 16, between the 8- and 64-expert MoE layers that ``python -m bench.bench_moe --ab``
     compares both paths on."""
 
+    grouped_triton_max_flops: float = 2e11
+    """From :attr:`many_experts` experts on, fprop of pairs that take the Triton grouped GEMM of
+    ``moe/gemm_triton.py`` (an epilogue factor such as NVFP4's global scale, a bias, a non-BF16
+    output) takes it by default only while the mean expert GEMM is below this many FLOPs;
+    larger experts run the per-expert loop, whose GEMMs are long enough to hide its launches
+    (dgrad and wgrad, not measured, keep the expert-count rule).
+    Per-tensor FP8 pairs have their own limit (:attr:`per_expert_fp8_triton_flops`); a device
+    listed in :attr:`grouped_triton_devices` or a caller's ``use_triton`` ignores it. Default
+    2e11: ``python -m bench.sweep_dispatch --only many_experts`` (NVFP4 fprop, 4096-16384
+    tokens x hidden 2048-8192 x 16-64 experts, an NVIDIA H100) found the loop the faster in
+    every such cell from 2.4e11 FLOPs per expert GEMM on (by 1.14-1.32x) and the Triton kernel
+    the faster in every one below 1.3e11."""
+
     grouped_triton_devices: frozenset = frozenset()
     """Device types (``"cuda"``, ``"cpu"``) on which the Triton grouped GEMMs are taken for any
     number of experts. Default empty: below :attr:`many_experts` the per-expert loop keeps
@@ -171,9 +184,10 @@ class Policy:
     instead."""
 
     per_expert_fp8_triton_flops: float = 4.5e10
-    """As :attr:`per_expert_fp8_flops`, for fprop / dgrad of per-tensor FP8 experts given as
-    per-expert lists that would otherwise take the Triton FP8 grouped GEMM (E5M2 gradients in
-    dgrad, E4M3 / E5M2 mixes, a bias, a non-BF16 output). Default 4.5e10: ``python -m
+    """As :attr:`per_expert_fp8_flops`, for fprop / dgrad of per-tensor FP8 experts that would
+    otherwise take the Triton FP8 grouped GEMM (joined copies; E5M2 gradients in dgrad, E4M3 /
+    E5M2 mixes, a bias, a non-BF16 output). Measured on dgrad; fprop runs the same kernel and
+    tile config on the same shape class ([m_e, k] x [k, n]). Default 4.5e10: ``python -m
     bench.sweep_dispatch --only fp8_per_expert`` (dgrad, 4096-16384 tokens x hidden
     2048-8192 x 8-64 experts, an NVIDIA H100) found cuBLAS per expert the faster in every cell
     from 6.0e10 FLOPs per expert GEMM on (1.30-1.59x at 16-64 experts) and the Triton kernel
@@ -204,7 +218,7 @@ class Policy:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"Policy.{name} must be an integer >= 0; got {value!r}.")
-        for name in ("per_expert_fp8_flops", "per_expert_fp8_triton_flops"):
+        for name in ("per_expert_fp8_flops", "per_expert_fp8_triton_flops", "grouped_triton_max_flops"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"Policy.{name} must be a number >= 0; got {value!r}.")

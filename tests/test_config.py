@@ -24,7 +24,7 @@ def test_defaults():
     assert p.over_scaled_grouped_mm is False
     assert (p.grouped_fp8_tma_rows, p.grouped_fp8_tma_wgrad) == ("256x128x128 w8 st3", "256x128x128 w8 st3 store")
     assert (p.bf16_per_group_cublas, p.per_group_max_groups, p.per_group_min_mean) == (None, 16, 2048)
-    assert (p.per_expert_fp8_flops, p.per_expert_fp8_triton_flops) == (2.5e11, 4.5e10)
+    assert (p.per_expert_fp8_flops, p.per_expert_fp8_triton_flops, p.grouped_triton_max_flops) == (2.5e11, 4.5e10, 2e11)
     hash(p)  # frozen: usable as a key
 
 
@@ -46,6 +46,7 @@ def test_every_default_tma_config_exists():
     (dict(per_expert_fp8_flops=float("nan")), ValueError, "per_expert_fp8_flops"),
     (dict(per_expert_fp8_triton_flops=-1.0), ValueError, "per_expert_fp8_triton_flops"),
     (dict(per_expert_fp8_triton_flops="1e10"), ValueError, "per_expert_fp8_triton_flops"),
+    (dict(grouped_triton_max_flops=-5.0), ValueError, "grouped_triton_max_flops"),
     (dict(grouped_triton_devices="cuda"), TypeError, "grouped_triton_devices"),
     (dict(decoded_unverified_on_cuda={1}), TypeError, "decoded_unverified_on_cuda"),
     (dict(grouped_fp8_tma_rows=""), TypeError, "grouped_fp8_tma_rows"),

@@ -41,7 +41,8 @@ Paths, first that applies (``grouped_path`` says which and why):
 3. ``gemm_triton`` — BF16-exact pairs that paths 1-2 cannot finish exactly (an epilogue
    factor, a bias, an FP32 / FP16 output): one Triton grouped GEMM with a per-expert FP32
    epilogue (``gemm_triton.py``). Used on CUDA from the policy's ``many_experts`` experts
-   on (the per-expert loop is host-bound there), for any count where its
+   on (the per-expert loop is host-bound there) for experts below its
+   ``grouped_triton_max_flops`` (larger ones hide the loop's launches), for any count where its
    ``grouped_triton_devices`` lists the device type, or when the caller forces it.
 4. ``per_expert`` — everything else: ``gemm()`` per expert (its backend per pair, or the
    exact emulation with its report). Always on the CPU.
@@ -248,7 +249,10 @@ def _run_joined(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: st
     if path == GROUPED_BF16:
         out = run_joined(ja, jb, A.splits, B.splits, layout, grouped_mm or torch_grouped_mm)
         return None if out is None else (out, GROUPED_BF16)
-    if (path == PER_EXPERT and layout == "TN" and gemm_triton.enabled(ja.storage.device, use_triton, len(A))
+    if (path == PER_EXPERT and layout == "TN"
+            # TN: [m_e, k] x [n, k] per expert, n the weights' rows
+            and gemm_triton.enabled(ja.storage.device, use_triton, len(A),
+                                    mean_expert_flops(A.splits, B.splits[0], ja.storage.cols))
             and gemm_triton.unsupported([ja.storage], [jb.storage], layout, out_dtype, False) is None):
         # an epilogue factor / bias / FP32 output on joined rows (Composer-2's fprop): the Triton
         # grouped GEMM straight on them, as grouped_path would choose for the experts' views
@@ -269,7 +273,8 @@ def _fp8_joined_path(A: GroupedTensor, B: GroupedTensor, ja: JoinedCopy, jb: Joi
     # the dims every expert shares: NT (m, n); TN / NN (n, k). A's splits are the varying dim
     fixed = {"NT": (ja.storage.cols, jb.storage.cols), "TN": (B.splits[0], ja.storage.cols),
              "NN": (jb.storage.cols, ja.storage.cols)}[layout]
-    if per_expert_fp8_faster(A.splits, *fixed):
+    # the same crossovers as the experts' lists (``_fp8_path``): the same Triton kernel competes
+    if per_expert_fp8_faster(A.splits, *fixed, triton=layout != "NT"):
         return False
     return gemm_fp8.unsupported([ja.storage], layout, out_dtype) is None
 
@@ -286,6 +291,10 @@ def grouped_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage],
         return _fp8_path(sa, sb, layout, out_dtype, path, why, ms)
     if path != PER_EXPERT or not triton_on:
         return path, why
+    # the size limit is measured for fprop; dgrad and wgrad keep the expert-count rule
+    flops = mean_expert_flops(_varying(sa, sb, layout, ms), *_fixed_dims(sa, sb, layout)) if layout == "TN" else None
+    if not gemm_triton.enabled(sa[0].device, use_triton, len(sa), flops):
+        return PER_EXPERT, f"{why}; experts large enough for the per-expert loop ({flops:.3g} FLOPs each)"
     da, db = LAYOUTS[layout]
     keys = {(a.format_key(da), b.format_key(db)) for a, b in zip(sa, sb)}
     native = any(select(ka, kb, layout, sa[0].device) in _NATIVE_FP8 for ka, kb in keys)
@@ -304,8 +313,7 @@ def _fp8_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], la
     if path == GROUPED_FP8_ROWWISE and not current_policy().over_scaled_grouped_mm:
         return path, why
     n, k = _fixed_dims(sa, sb, layout)
-    # the experts' varying dim: their m (fprop / dgrad) or their reduction (wgrad: token counts)
-    sizes = [_dims(a, b, layout)[2] for a, b in zip(sa, sb)] if layout == "NT" else _ms(sa, sb, layout, ms)
+    sizes = _varying(sa, sb, layout, ms)
     # fprop / dgrad against the Triton kernel have their own, measured crossover; wgrad keeps
     # the general one (its varying dim is the reduction)
     if per_expert_fp8_faster(sizes, n, k, triton=layout != "NT"):
@@ -354,15 +362,39 @@ def _torch_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], 
 
 
 def per_expert_fp8_faster(ms: Sequence[int], n: int, k: int, triton: bool = False) -> bool:
-    """Whether experts with ``ms`` rows (fprop / dgrad: [m_e, k] x [k, n] each) are big enough
-    that per-expert cuBLAS FP8 GEMMs beat the grouped kernel: a mean GEMM size (FLOPs per
-    non-empty expert) of at least the policy's ``per_expert_fp8_flops``, or its
-    ``per_expert_fp8_triton_flops`` where the grouped kernel is the Triton FP8 one
-    (``triton``). Where the thresholds come from: their docstrings in ``hybridfp.config``."""
+    """Whether per-tensor FP8 experts are big enough that per-expert cuBLAS FP8 GEMMs beat the
+    grouped kernel: a mean GEMM size (:func:`mean_expert_flops`) of at least the policy's
+    ``per_expert_fp8_flops``, or its ``per_expert_fp8_triton_flops`` where the grouped kernel is
+    the Triton FP8 one. Where the thresholds come from: their docstrings in ``hybridfp.config``.
+
+    Parameters:
+        ms: each expert's varying dim: its rows (fprop / dgrad: [m_e, k] x [k, n]) or its
+            reduction (wgrad); empty experts (0) are not averaged in.
+        n, k: the dims every expert shares.
+        triton: compare against the Triton FP8 grouped GEMM (fprop / dgrad) instead of
+            ``torch._scaled_grouped_mm`` or the wgrad kernel.
+
+    Returns:
+        True for cuBLAS per expert; False (also when every expert is empty) for the grouped kernel.
+    """
     pol = current_policy()
-    filled = [m for m in ms if m]
     threshold = pol.per_expert_fp8_triton_flops if triton else pol.per_expert_fp8_flops
-    return bool(filled) and 2.0 * sum(filled) * n * k / len(filled) >= threshold
+    return any(ms) and mean_expert_flops(ms, n, k) >= threshold
+
+
+def mean_expert_flops(ms: Sequence[int], n: int, k: int) -> float:
+    """The mean FLOPs (2 m n k) of a non-empty expert's GEMM: the size the policy's per-expert
+    thresholds compare.
+
+    Parameters:
+        ms: each expert's varying dim (rows, or the reduction in wgrad); 0 for an empty expert.
+        n, k: the dims every expert shares.
+
+    Returns:
+        2 · mean(non-zero ``ms``) · n · k; 0.0 when every expert is empty.
+    """
+    filled = [m for m in ms if m]
+    return 2.0 * sum(filled) * n * k / len(filled) if filled else 0.0
 
 
 @lru_cache(maxsize=None)
@@ -396,6 +428,13 @@ def _ms(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: 
         ms: Optional[Sequence[int]]) -> list[int]:
     """The experts' m: ``ms`` if given, else read from the storages."""
     return list(ms) if ms is not None else [_dims(a, b, layout)[0] for a, b in zip(sa, sb)]
+
+
+def _varying(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,
+             ms: Optional[Sequence[int]]) -> list[int]:
+    """The experts' varying dim: their m (fprop / dgrad) or their reduction (wgrad: token
+    counts); with :func:`_fixed_dims` the three dims of each expert's GEMM."""
+    return [_dims(a, b, layout)[2] for a, b in zip(sa, sb)] if layout == "NT" else _ms(sa, sb, layout, ms)
 
 
 def _dims(a: QuantizedStorage, b: QuantizedStorage, layout: str) -> tuple[int, int, int, int]:

@@ -14,7 +14,9 @@ per-tensor, FP8 block: FP8 tensor cores), copies that do not decode exactly into
 one-sided RHT pair, mixed bias / no-bias experts, an empty reduction in fprop / dgrad.
 
 On CUDA the path is taken by default from the policy's ``many_experts`` experts on
-(``hybridfp.config.Policy``), where the per-expert loop is host-bound; for any count only where
+(``hybridfp.config.Policy``), where the per-expert loop is host-bound, for experts whose GEMMs
+are below its ``grouped_triton_max_flops`` (larger ones hide the loop's launches and run faster
+per expert); for any count and size only where
 its ``grouped_triton_devices`` lists the device type (default empty); the caller may force it
 either way (``grouped_gemm(..., use_triton=...)``; tests
 force it on the CPU, in the interpreter). Its GPU tests (``tests/kernels/test_kernels_grouped_gemm.py
@@ -48,13 +50,31 @@ from .joined import joined_row_storage, padded_row_span
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def enabled(device: torch.device, use_triton: Optional[bool], experts: int = 1) -> bool:
+def enabled(device: torch.device, use_triton: Optional[bool], experts: int = 1,
+            flops: Optional[float] = None) -> bool:
     """Whether to consider this path: forced by the caller, else by the policy's
-    ``grouped_triton_devices``, else on CUDA for its ``many_experts`` experts or more."""
+    ``grouped_triton_devices``, else on CUDA for its ``many_experts`` experts or more and, where
+    ``flops`` is given, experts below its ``grouped_triton_max_flops`` (larger ones run faster
+    per expert).
+
+    Parameters:
+        device: where the operands live.
+        use_triton: the caller's choice (True / False wins), or None for the policy's.
+        experts: the number of experts in the GEMM.
+        flops: the mean FLOPs of a non-empty expert's GEMM (``moe.gemm.mean_expert_flops``),
+            or None where no size limit applies.
+
+    Returns:
+        True to consider the Triton grouped GEMM (it may still decline the pairs:
+        :func:`unsupported`).
+    """
     if use_triton is not None:
         return use_triton
     kind, pol = torch.device(device).type, current_policy()
-    return HAVE_TRITON and (kind in pol.grouped_triton_devices or (kind == "cuda" and experts >= pol.many_experts))
+    if kind in pol.grouped_triton_devices:
+        return HAVE_TRITON
+    return (HAVE_TRITON and kind == "cuda" and experts >= pol.many_experts
+            and (flops is None or flops < pol.grouped_triton_max_flops))
 
 
 def unsupported(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,

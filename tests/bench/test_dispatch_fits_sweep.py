@@ -1,11 +1,13 @@
-"""The default policy's per-tensor FP8 dgrad choice, replayed on the committed dispatch sweep.
+"""The default policy's grouped-GEMM path choices, replayed on the committed dispatch sweep.
 
-``bench/results/sweep_dispatch.json`` holds, per grid cell, the measured time of cuBLAS per
-expert and of the Triton FP8 grouped GEMM (``python -m bench.sweep_dispatch --only
-fp8_per_expert`` on a GPU). Here the library's choice for each cell is recomputed on the CPU
-from the policy alone, as ``moe.gemm.grouped_path`` makes it on CUDA, and checked against
-those times: a threshold that sends cells to the slower path by a wide margin fails. The
-times' cell keys ("cuBLAS per expert", "Triton FP8 grouped") are the sweep's own names.
+``bench/results/sweep_dispatch.json`` holds, per grid cell, the measured time of each
+alternative: cuBLAS per expert and the Triton FP8 grouped GEMM for per-tensor FP8 dgrad
+(``python -m bench.sweep_dispatch --only fp8_per_expert`` on a GPU), the per-expert loop and
+the Triton grouped GEMM for NVFP4 fprop (``--only many_experts``). Here the library's choice for
+each cell is recomputed on the CPU from the policy alone, by the functions
+``moe.gemm.grouped_path`` asks on CUDA, and checked against those times: a threshold that
+sends cells to the slower path by a wide margin fails. The alternatives' names ("cuBLAS per
+expert", ...) are the sweep's own.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ from pathlib import Path
 import pytest
 
 from bench import sweep_dispatch as sd
+import torch
+
 from hybridfp.config import current_policy
-from hybridfp.moe.gemm import per_expert_fp8_faster
+from hybridfp.moe import gemm_triton
+from hybridfp.moe.gemm import mean_expert_flops, per_expert_fp8_faster
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "sweep_dispatch.json"
 #: a wrong pick may cost at most this much: the cells at the crossover (3.0e10 FLOPs per
@@ -25,11 +30,10 @@ RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "sweep_dis
 WORST = 1.10
 
 
-def _rows() -> list[dict]:
+def _rows(decision: str = "fp8_per_expert") -> list[dict]:
     if not RESULTS.exists():
         pytest.skip(f"{RESULTS} is not in this checkout")
-    rows = [r for r in json.loads(RESULTS.read_text())["rows"]
-            if r["decision"] == "fp8_per_expert" and "ms" in r]
+    rows = [r for r in json.loads(RESULTS.read_text())["rows"] if r["decision"] == decision and "ms" in r]
     assert len(rows) == 36, "the full grid: 3 token counts x 3 hidden sizes x 4 expert counts"
     return rows
 
@@ -68,3 +72,31 @@ def test_the_replay_can_fail():
     with hybridfp.policy(per_expert_fp8_triton_flops=current_policy().per_expert_fp8_flops):
         worst = max(cost(r, choice(r)) for r in _rows())
     assert worst > 1.5
+
+
+def nvfp4_choice(row: dict) -> str:
+    """The path the default policy takes for the cell's NVFP4 fprop on CUDA (an epilogue factor:
+    the Triton grouped GEMM or the per-expert loop)."""
+    sizes = sd.splits_for(row["rows"], row["experts"])
+    # fprop: y_e [m_e, ffn] = x_e [m_e, hidden] W_eᵀ, W_e [ffn, hidden]
+    flops = mean_expert_flops(sizes, row["ffn"], row["hidden"])
+    on = gemm_triton.HAVE_TRITON and gemm_triton.enabled(torch.device("cuda"), None, row["experts"], flops)
+    return "Triton grouped" if on else "per-expert loop"
+
+
+def test_the_default_nvfp4_choice_from_many_experts_on_is_never_far_from_the_fastest():
+    """From the policy's many_experts on the size limit decides; below it the loop is kept for
+    every size (the 8-expert cells where the Triton kernel wins, by up to 1.30x, are open)."""
+    rows = [r for r in _rows("many_experts") if r["experts"] >= current_policy().many_experts]
+    assert len(rows) == 27
+    far = {r["cell"]: round(cost(r, nvfp4_choice(r)), 3) for r in rows if cost(r, nvfp4_choice(r)) > WORST}
+    assert not far, f"cells sent to a path slower than the fastest by more than {WORST}x: {far}"
+
+
+def test_the_nvfp4_replay_can_fail():
+    """Without the size limit (the rule before the sweep) the same cells lose up to 1.32x."""
+    import hybridfp
+    with hybridfp.policy(grouped_triton_max_flops=float("inf")):
+        worst = max(cost(r, nvfp4_choice(r)) for r in _rows("many_experts")
+                    if r["experts"] >= current_policy().many_experts)
+    assert worst > 1.3

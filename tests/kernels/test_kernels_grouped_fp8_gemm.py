@@ -400,3 +400,20 @@ def test_fp8_step_on_joined_copies(out_features, monkeypatch, set_policy):
             assert torch.equal(a, b), i
         else:
             assert _rel(a, b) < 1e-6, (i, _rel(a, b))
+
+
+@interpreter_only
+def test_joined_copies_take_the_triton_crossover_of_expert_lists(monkeypatch, set_policy):
+    """Joined FP8 copies decide fprop / dgrad by the same crossover as the experts' lists
+    (``per_expert_fp8_triton_flops``: the same Triton kernel competes with cuBLAS per expert);
+    wgrad keeps the general one. With the Triton crossover at 0 and the general one at its
+    default, fprop and dgrad run per expert and wgrad on the joined copies."""
+    from hybridfp import GroupedLinear, factories
+    splits, hidden = [0, 19, 45, 1, 33, 16], 32
+    torch.manual_seed(1)
+    m = GroupedLinear(len(splits), hidden, 48, bias=False, params_dtype=torch.float32)
+    set_policy(grouped_triton_devices={"cpu"}, per_expert_fp8_triton_flops=0.0)
+    before = PATH_COUNTS.copy()
+    moe_step(m, splits, factories.current_scaling, torch.float32)
+    assert (PATH_COUNTS - before) == {("fprop", "per_expert"): 1, ("dgrad", "per_expert"): 1,
+                                      ("wgrad", GROUPED_FP8_TRITON): 1}

@@ -210,6 +210,23 @@ def test_default_on_cuda_from_many_experts():
     assert grouped_triton.enabled(cpu, True, 1)
 
 
+def test_default_on_cuda_only_below_the_policy_size_limit(set_policy):
+    """With the experts' mean GEMM size given, the CUDA default also needs it below the
+    policy's grouped_triton_max_flops; a listed device or a caller's use_triton ignores it."""
+    from hybridfp.moe import gemm_triton as grouped_triton
+    pol = hybridfp.current_policy()
+    many, limit = pol.many_experts, pol.grouped_triton_max_flops
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    have = grouped_triton.HAVE_TRITON
+    assert grouped_triton.enabled(cuda, None, many, 0.5 * limit) == have
+    assert not grouped_triton.enabled(cuda, None, many, limit)
+    assert not grouped_triton.enabled(cuda, None, many - 1, 0.5 * limit)
+    assert grouped_triton.enabled(cuda, True, many, 10 * limit)
+    set_policy(grouped_triton_devices={"cuda"})
+    assert grouped_triton.enabled(cuda, None, 1, 10 * limit) == have
+    assert not grouped_triton.enabled(cpu, None, many, 0.5 * limit)
+
+
 # ---------------------------------------------------------------------------- GPU
 GPU_CASES = [("nvfp4_1d", "TN"), ("nvfp4_2d", "NN"), ("nvfp4_rht", "NT"), ("mxfp8", "TN"), ("mxfp8", "NT")]
 
@@ -330,6 +347,37 @@ def test_grouped_fprop_decodes_shared_encodings_once_gpu(monkeypatch):
 
 
 # ---------------------------------------------------------------------------- joined copies, CPU
+@interpreter_only
+@pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # empty experts' amax 0
+@pytest.mark.parametrize("limit, fprop", [(2.1e5, "grouped_triton"), (2.0e5, "per_expert")])
+def test_size_limit_decides_fprop_alike_on_joined_copies_and_expert_lists(limit, fprop, monkeypatch, set_policy):
+    """The CUDA default's size limit (``grouped_triton_max_flops``), evaluated here on the CPU:
+    Composer-2's fprop (an epilogue factor) has experts of 2 x 24.5 x 64 x 64 = 200704 FLOPs on
+    average (the mean over the non-empty experts), so a limit just above takes the Triton
+    grouped GEMM and one just below the per-expert loop, on the joined copies and on the
+    experts' lists alike; dgrad / wgrad (path 1) are not affected."""
+    from hybridfp import GroupedLinear, factories
+    from hybridfp.moe import gemm as grouped, gemm_triton
+    from hybridfp.quantizers import fast as qfast
+    monkeypatch.setattr(qfast, "device_ok", lambda *a: True)  # the kernel routes, interpreted
+    monkeypatch.setattr(grouped, "_grouped_mm_device", lambda device: True)  # path 1 on the CPU
+    cuda_rule = gemm_triton.enabled
+    monkeypatch.setattr(gemm_triton, "enabled", lambda device, use_triton, experts=1, flops=None:
+                        cuda_rule(torch.device("cuda"), use_triton, experts, flops))
+    set_policy(many_experts=1, grouped_triton_max_flops=limit)
+    splits, hidden, out = [0, 19, 45, 1, 33], 64, 64
+    for lane in ("joined copies", "expert lists"):
+        torch.manual_seed(1)
+        m = GroupedLinear(len(splits), hidden, out, bias=False, params_dtype=torch.bfloat16)
+        with monkeypatch.context() as mp:
+            if lane == "expert lists":
+                mp.setattr(grouped, "_run_joined", lambda *a: None)
+            before = PATH_COUNTS.copy()
+            moe_step(m, splits, factories.nvfp4_row_scaled_fwd_mxfp8_bwd)
+            assert (PATH_COUNTS - before) == {("fprop", fprop): 1, ("dgrad", "grouped_bf16"): 1,
+                                              ("wgrad", "grouped_bf16"): 1}, lane
+
+
 @interpreter_only
 @pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # empty experts' amax 0
 def test_composer2_step_on_joined_copies(monkeypatch, set_policy):
