@@ -226,8 +226,12 @@ BENCHMARKS: dict[str, Benchmark] = {
                         ("--experts", "64"), deadline_flag="--deadline-s", headline=_moe),
     "bound_moe": Benchmark("bench.bound_moe", "the best ratio the 64-expert MoE allows, from measured parts",
                            ("--experts", "64"), headline=_bound_moe),
+    "bound_moe_8": Benchmark("bench.bound_moe", "the best ratio the 8-expert MoE allows, from measured parts",
+                             ("--experts", "8"), headline=_bound_moe),
     "bound_mlp": Benchmark("bench.bound_mlp", "the best ratio each recipe allows the Llama-3-8B MLP, from "
                            "measured parts", headline=_bound_mlp),
+    "bound_mlp_fused_amax": Benchmark("bench.bound_mlp", "the same with amax fused into each tensor's producer",
+                                      ("--fused-amax",), headline=_bound_mlp),
     "grouped_gemm": Benchmark("bench.bench_grouped_gemm", "Triton BF16 / FP8 grouped GEMMs vs torch._grouped_mm",
                               headline=_grouped_gemm),
     "moe_overhead": Benchmark("bench.bench_moe_overhead", "GroupedLinear host work per expert (runs on the CPU)",

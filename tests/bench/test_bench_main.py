@@ -23,7 +23,8 @@ def test_list_names_every_benchmark():
     assert proc.returncode == 0, proc.stderr
     listed = [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
     assert listed == list(BENCHMARKS)
-    assert {"gemm", "gemm_pairs", "quantize", "mlp", "moe", "grouped_gemm", "bound_moe", "bound_mlp", "convergence"} <= set(listed)
+    assert {"gemm", "gemm_pairs", "quantize", "mlp", "moe", "grouped_gemm", "bound_moe", "bound_mlp", "convergence",
+            "bound_moe_8", "bound_mlp_fused_amax"} <= set(listed)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a CUDA GPU")
