@@ -96,6 +96,8 @@ class Comparison:
     -------
     >>> Comparison("dense", "test", ("bf16", "fp8"), 2).runs()
     ['bf16@seed=0', 'fp8@seed=0', 'bf16@seed=1', 'fp8@seed=1']
+    >>> Comparison("dense", "test", ("bf16",), 2, first_seed=3).runs()
+    ['bf16@seed=3', 'bf16@seed=4']
     """
 
     name: str
@@ -106,16 +108,20 @@ class Comparison:
     batch_size: Optional[int] = None
     #: peak learning rate instead of the preset's (``hybridfp train --lr``)
     lr: Optional[float] = None
+    #: the first seed: a study continued in another process trains seeds that follow on
+    first_seed: int = 0
 
     def __post_init__(self) -> None:
         if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"--{self.name}-batch-size (batch_size) must be at least 1; got {self.batch_size}.")
         if self.lr is not None and not self.lr > 0:
             raise ValueError(f"--{self.name}-lr (lr) must be positive; got {self.lr}.")
+        if self.first_seed < 0:
+            raise ValueError(f"--first-seed (first_seed) must be at least 0; got {self.first_seed}.")
 
     def runs(self) -> list[str]:
-        """Run labels, seed-major (every recipe at seed 0 first): ``RECIPE@seed=K``."""
-        return [f"{r}@seed={s}" for s in range(self.seeds) for r in self.recipes]
+        """Run labels, seed-major (every recipe at the first seed first): ``RECIPE@seed=K``."""
+        return [f"{r}@seed={s}" for s in range(self.first_seed, self.first_seed + self.seeds) for r in self.recipes]
 
     @property
     def tokens_per_step(self) -> int:
@@ -295,6 +301,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                    help="seconds a worker gets to exit after SIGTERM (deadline, interrupt) before SIGKILL")
     p.add_argument("--poll-s", type=float, default=POLL_S, help="seconds between reads of the workers' progress")
     p.add_argument("--seeds", type=int, default=3, help="seeds per recipe (init and data order)")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="the first seed (default 0): a study continued in later runs with fixed "
+                        "--dense-steps / --moe-steps trains the seeds that follow; bench.convergence_report "
+                        "pairs the metrics files of all of them")
     p.add_argument("--jobs", type=int, default=8,
                    help="worker processes sharing the GPU(s), split over the comparisons (0: one per run)")
     p.add_argument("--data", default="packages", help="the training data (hybridfp train --data)")
@@ -368,10 +378,10 @@ def plan_and_run(args: argparse.Namespace, t0: float) -> None:
     """
     try:
         comparisons = [Comparison("dense", args.dense_preset, split_recipes(args.dense_recipes), args.seeds,
-                                  args.dense_batch_size, args.dense_lr)]
+                                  args.dense_batch_size, args.dense_lr, args.first_seed)]
         if args.moe_recipes:
             comparisons.append(Comparison("moe", args.moe_preset, split_recipes(args.moe_recipes), args.seeds,
-                                          args.moe_batch_size, args.moe_lr))
+                                          args.moe_batch_size, args.moe_lr, args.first_seed))
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     for c in comparisons:
@@ -384,7 +394,7 @@ def plan_and_run(args: argparse.Namespace, t0: float) -> None:
              for c in comparisons}
     plan: dict = {"data": {"spec": args.data, "source": data.source, "fingerprint": data.fingerprint,
                            "train_tokens": len(data.train), "val_tokens": len(data.val)},
-                  "seeds": args.seeds, "workers": workers, "budget_s": args.budget_s, "comparisons": {}}
+                  "seeds": args.seeds, "first_seed": args.first_seed, "workers": workers, "budget_s": args.budget_s, "comparisons": {}}
     cost: dict[str, dict[str, float]] = {c.name: {} for c in comparisons}
     startup = 0.0
     if any(v is None for v in fixed.values()):
@@ -413,7 +423,7 @@ def plan_and_run(args: argparse.Namespace, t0: float) -> None:
                    if split_label(label)[0] == "bf16"}
             raise SystemExit(f"{c.name}: the bf16 probe failed" + "".join(f" ({label}: {w})" for label, w in why.items())
                              + f"; see {args.out / 'probe' / c.name}.")
-        kept = Comparison(c.name, c.preset, recipes, c.seeds, c.batch_size, c.lr)
+        kept = Comparison(c.name, c.preset, recipes, c.seeds, c.batch_size, c.lr, c.first_seed)
         groups = assign(kept.runs(), cost[c.name], workers[c.name])
         steps = fixed[c.name]
         if steps is None:
@@ -544,7 +554,8 @@ def write_reports(out: Path, plan: dict, json_path: Optional[Path] = None,
         probe_failed = plan.get("probe", {}).get("failed", {}).get(name, {})
         dropped = {f"{r}@seed={s}": "dropped at the probe" + "".join(
                        f" ({label}: {why})" for label, why in probe_failed.items() if split_label(label)[0] == r)
-                   for r in entry.get("dropped", []) for s in range(plan.get("seeds", 1))}
+                   for r in entry.get("dropped", [])
+                   for s in range(plan.get("first_seed", 0), plan.get("first_seed", 0) + plan.get("seeds", 1))}
         expected = [label for group in entry["workers"] for label in group]
         study: dict = {"data_lines": seen, "workers_on_other_data": other, "never_started": missing}
         paths = [out / name / "metrics.jsonl"]

@@ -248,12 +248,22 @@ def split_label(label: str) -> tuple[str, int]:
 
 
 def _records(paths: Iterable[Path]) -> Iterable[dict]:
+    """Every record of ``paths`` in order. A run label found in two files is refused: the same
+    run trained twice (e.g. studies run one after the other with overlapping seeds) would mix
+    two trajectories into one."""
+    owner: dict[str, Path] = {}
     for path in paths:
         opener = gzip.open if Path(path).suffix == ".gz" else open
         with opener(path, "rt") as f:
             for line in f:
                 if line.strip():
-                    yield json.loads(line)
+                    record = json.loads(line)
+                    first = owner.setdefault(record["recipe"], Path(path))
+                    if first != Path(path):
+                        raise ValueError(f"run {record['recipe']} is in both {first} and {path}: each run "
+                                         "must come from one file (give the studies disjoint seeds: "
+                                         "python -m bench.convergence --first-seed).")
+                    yield record
 
 
 def failed_runs(paths: Sequence[Path], steps: Optional[int] = None, expected: Sequence[str] = (),

@@ -147,3 +147,30 @@ def test_batch_size_and_lr_overrides_reach_the_workers_and_the_token_count(tmp_p
         conv.Comparison("dense", "gpt-100m", ("bf16",), 1, batch_size=0)
     with pytest.raises(ValueError, match="lr"):
         conv.Comparison("dense", "gpt-100m", ("bf16",), 1, lr=-1.0)
+
+
+def test_first_seed_continues_a_study_and_its_dropped_runs(tmp_path):
+    """--first-seed K trains seeds K .. K+n-1 (a study continued in a later run), and a recipe
+    dropped at the probe fails at exactly those seeds."""
+    import json
+    c = conv.Comparison("dense", "test", ("bf16", "fp8"), 2, first_seed=3)
+    assert c.runs() == ["bf16@seed=3", "fp8@seed=3", "bf16@seed=4", "fp8@seed=4"]
+    with pytest.raises(ValueError, match="--first-seed"):
+        conv.Comparison("dense", "test", ("bf16",), 1, first_seed=-1)
+    plan = {"data": {"spec": "packages", "fingerprint": "packages-0123456789abcdef", "train_tokens": 9,
+                     "val_tokens": 1}, "seeds": 2, "first_seed": 3,
+            "comparisons": {"dense": {"preset": "test", "steps": 20, "tokens_per_run": 10240, "dropped": ["mxfp8"],
+                                      "workers": [c.runs()]}}}
+    w0 = tmp_path / "dense" / "w0"
+    w0.mkdir(parents=True)
+    (w0 / "metrics.jsonl").write_text("".join(json.dumps({"step": 20, "recipe": r, "val_loss": 1.0, "train_loss": 1.0})
+                                              + "\n" for r in c.runs()))
+    result = conv.write_reports(tmp_path, plan)
+    rows = {r["recipe"]: r for r in result["studies"]["dense"]["stats"]["rows"]}
+    assert rows["bf16"]["seeds"] == [3, 4]
+    assert sorted(rows["mxfp8"]["failed_runs"]) == ["mxfp8@seed=3", "mxfp8@seed=4"]
+
+
+def test_first_seed_is_validated_on_the_command_line():
+    with pytest.raises(SystemExit, match="--first-seed"):
+        conv.main(["--first-seed", "-2", "--steps", "10", "--budget-s", "60", "--device", "cpu"])

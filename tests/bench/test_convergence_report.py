@@ -196,3 +196,21 @@ def test_report_and_docs_say_what_the_interval_widths_need(tmp_path):
         t = cr.t_quantile(0.975, n - 1)
         cells = " | ".join(f"{cr.resolvable_sd(x, n):.2f} %" for x in (0.25, 0.5, 1.0))
         assert f"| {n} | {t:.2f} | {cells} |" in doc, (n, cells)
+
+
+def test_studies_run_one_after_another_pair_by_seed(tmp_path):
+    """Two studies with disjoint seeds (``--first-seed``) report as one: the metrics files of both,
+    each run from its own file."""
+    first = _write(tmp_path / "a.jsonl.gz", {"bf16@seed=0": 1.00, "fp8@seed=0": 1.01, "bf16@seed=1": 1.05,
+                                              "fp8@seed=1": 1.06})
+    later = _write(tmp_path / "b.jsonl.gz", {"bf16@seed=2": 0.95, "fp8@seed=2": 0.96})
+    rows = {r["recipe"]: r for r in cr.analyze([first, later])["rows"]}
+    assert rows["fp8"]["seeds"] == [0, 1, 2] and rows["fp8"]["method"] == "paired (3 seeds)"
+
+
+def test_a_run_in_two_files_is_refused(tmp_path):
+    """The same run in two files (studies with overlapping seeds) would mix two trajectories."""
+    first = _write(tmp_path / "a.jsonl.gz", {"bf16@seed=0": 1.00, "fp8@seed=0": 1.01})
+    again = _write(tmp_path / "b.jsonl.gz", {"bf16@seed=0": 0.99, "fp8@seed=1": 1.02})
+    with pytest.raises(ValueError, match=r"bf16@seed=0 is in both .*a\.jsonl\.gz and .*b\.jsonl\.gz.*--first-seed"):
+        cr.analyze([first, again])
