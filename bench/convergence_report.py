@@ -242,9 +242,10 @@ def verdict(lo: Optional[float], hi: Optional[float], target: Optional[float]) -
 
 # ---------------------------------------------------------------------------- metrics
 def split_label(label: str) -> tuple[str, int]:
-    """``RECIPE@seed=K`` -> (RECIPE, K); no suffix -> seed 0."""
-    base, sep, seed = label.rpartition("@seed=")
-    return (base, int(seed)) if sep else (label, 0)
+    """``RECIPE@seed=K`` -> (RECIPE, K); no numeric suffix -> (label, 0): the trainer's own rule
+    (``hybridfp.train.report.split_seed``), which named the runs, at its default seed."""
+    from hybridfp.train.report import split_seed  # lazily: the tables above need no torch
+    return split_seed(label, 0)
 
 
 def _records(paths: Iterable[Path]) -> Iterable[dict]:

@@ -214,3 +214,11 @@ def test_a_run_in_two_files_is_refused(tmp_path):
     again = _write(tmp_path / "b.jsonl.gz", {"bf16@seed=0": 0.99, "fp8@seed=1": 1.02})
     with pytest.raises(ValueError, match=r"bf16@seed=0 is in both .*a\.jsonl\.gz and .*b\.jsonl\.gz.*--first-seed"):
         cr.analyze([first, again])
+
+
+def test_labels_are_read_by_the_trainers_rule():
+    """The report splits a run label as the trainer that named the run did
+    (``hybridfp.train.report.split_seed``), a non-numeric suffix included."""
+    from hybridfp.train.report import split_seed
+    for label in ("fp8@seed=3", "bf16", "per_gemm:fprop=nvfp4@seed=12", "mxfp8@seed=x"):
+        assert cr.split_label(label) == split_seed(label, 0)
