@@ -239,7 +239,10 @@ BENCHMARKS: dict[str, Benchmark] = {
     "offload": Benchmark("bench.bench_offload", "CPU offload of activations: peak memory and step time, 4 layers",
                          headline=_offload),
     "convergence": Benchmark("bench.convergence", "validation loss of every recipe vs BF16 (trains ~10 minutes)",
-                             ("--out", "runs/convergence"), default=False, out_flag="--json", quick=False,
+                             # 4 validation batches an evaluation: the committed study's setting, which
+                             # leaves the MoE workers time to train at a 10-minute budget
+                             ("--out", "runs/convergence", "--eval-iters", "4"), default=False, out_flag="--json",
+                             quick=False,
                              timeout_s=1800.0, deadline_flag="--budget-s", headline=_convergence),
     "sweep_dispatch": Benchmark("bench.sweep_dispatch", "GEMM-path thresholds and tile defaults away from their "
                                 "fitted shapes: picked / fastest per cell", default=False, timeout_s=900.0,

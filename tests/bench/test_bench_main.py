@@ -185,3 +185,10 @@ def test_a_benchmark_that_ignores_sigterm_is_killed_after_the_grace(tmp_path, mo
     t0 = time.monotonic()
     _, status, ok = main.run_one("fake", tmp_path / "fake.json", quick=False)
     assert not ok and status == "timed out after 2 s" and time.monotonic() - t0 < 30
+
+
+def test_the_runner_evaluates_the_convergence_study_as_committed():
+    """``python -m bench convergence`` evaluates on 4 validation batches, the committed study's
+    setting: at the default 16 the MoE workers' evaluations fill a 10-minute budget."""
+    args = BENCHMARKS["convergence"].args
+    assert args[args.index("--eval-iters") + 1] == "4"
