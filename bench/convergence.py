@@ -1,6 +1,7 @@
 """The convergence study: every recipe at several seeds on the packages corpus, in a time budget, on one GPU.
 
-Two comparisons, each a set of runs ``RECIPE@seed=K`` (K = 0 .. ``--seeds`` - 1). A seed fixes
+Two comparisons, each a set of runs ``RECIPE@seed=K`` (``--seeds`` values of K from
+``--first-seed``, default 0). A seed fixes
 the initial weights *and* the data order, the same for every recipe, so the report pairs each
 recipe with BF16 seed by seed (``bench.convergence_report``: gap to BF16 with a 95 % interval
 and a met / missed / unresolved verdict per target):
@@ -537,6 +538,8 @@ def write_reports(out: Path, plan: dict, json_path: Optional[Path] = None,
     result: dict = {"name": "convergence", "env": environment(), "plan": plan, "studies": {}}
     md = [f"Corpus: `{plan['data']['spec']}`, fingerprint `{fp}` ({plan['data']['train_tokens']:,} train / "
           f"{plan['data']['val_tokens']:,} validation tokens).", ""]
+    first = plan.get("first_seed", 0)
+    seeds = range(first, first + plan.get("seeds", 1))  # every seed the plan meant to train
     for name, entry in plan["comparisons"].items():
         outs = [out / name / f"w{k}" for k in range(len(entry["workers"]))]
         merged = "".join((o / "metrics.jsonl").read_text() for o in outs if (o / "metrics.jsonl").is_file())
@@ -555,7 +558,7 @@ def write_reports(out: Path, plan: dict, json_path: Optional[Path] = None,
         dropped = {f"{r}@seed={s}": "dropped at the probe" + "".join(
                        f" ({label}: {why})" for label, why in probe_failed.items() if split_label(label)[0] == r)
                    for r in entry.get("dropped", [])
-                   for s in range(plan.get("first_seed", 0), plan.get("first_seed", 0) + plan.get("seeds", 1))}
+                   for s in seeds}
         expected = [label for group in entry["workers"] for label in group]
         study: dict = {"data_lines": seen, "workers_on_other_data": other, "never_started": missing}
         paths = [out / name / "metrics.jsonl"]

@@ -250,9 +250,8 @@ def _run_joined(A: Sequence[torch.Tensor], B: Sequence[torch.Tensor], layout: st
         out = run_joined(ja, jb, A.splits, B.splits, layout, grouped_mm or torch_grouped_mm)
         return None if out is None else (out, GROUPED_BF16)
     if (path == PER_EXPERT and layout == "TN"
-            # TN: [m_e, k] x [n, k] per expert, n the weights' rows
             and gemm_triton.enabled(ja.storage.device, use_triton, len(A),
-                                    mean_expert_flops(A.splits, B.splits[0], ja.storage.cols))
+                                    mean_expert_flops(A.splits, *_joined_fixed_dims(B, ja, jb, layout)))
             and gemm_triton.unsupported([ja.storage], [jb.storage], layout, out_dtype, False) is None):
         # an epilogue factor / bias / FP32 output on joined rows (Composer-2's fprop): the Triton
         # grouped GEMM straight on them, as grouped_path would choose for the experts' views
@@ -270,13 +269,17 @@ def _fp8_joined_path(A: GroupedTensor, B: GroupedTensor, ja: JoinedCopy, jb: Joi
     cores where verified (``gemm_fp8.unsupported``)."""
     if not gemm_triton.enabled(ja.storage.device, use_triton, len(A)):
         return False
-    # the dims every expert shares: NT (m, n); TN / NN (n, k). A's splits are the varying dim
-    fixed = {"NT": (ja.storage.cols, jb.storage.cols), "TN": (B.splits[0], ja.storage.cols),
-             "NN": (jb.storage.cols, ja.storage.cols)}[layout]
     # the same crossovers as the experts' lists (``_fp8_path``): the same Triton kernel competes
-    if per_expert_fp8_faster(A.splits, *fixed, triton=layout != "NT"):
+    if per_expert_fp8_faster(A.splits, *_joined_fixed_dims(B, ja, jb, layout), triton=layout != "NT"):
         return False
     return gemm_fp8.unsupported([ja.storage], layout, out_dtype) is None
+
+
+def _joined_fixed_dims(B: GroupedTensor, ja: JoinedCopy, jb: JoinedCopy, layout: str) -> tuple[int, int]:
+    """The dims every expert shares on joined copies (A's splits are the varying dim): NT
+    (m, n); TN (n, k), n the weights' rows; NN (n, k)."""
+    return {"NT": (ja.storage.cols, jb.storage.cols), "TN": (B.splits[0], ja.storage.cols),
+            "NN": (jb.storage.cols, ja.storage.cols)}[layout]
 
 
 def grouped_path(sa: Sequence[QuantizedStorage], sb: Sequence[QuantizedStorage], layout: str,
