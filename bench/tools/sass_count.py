@@ -80,7 +80,7 @@ def _tma_case(name: str, f32: bool = False) -> tuple:
                out_ptr="*fp32" if f32 else "*i16")
     consts = dict(SA=True, SB=True, BIAS=False, OUT=0 if f32 else 1, NAN16=0x7FFF, BITS=False, BM=bm, BN=bn, BK=bk, GROUP=group, EP=16,
                   FLATTEN=flatten)
-    return ("triton_grouped_gemm", "_tma_rows_kernel", sig, consts, bm * bn // (32 * warps), warps,
+    return ("moe.triton_grouped_gemm", "_tma_rows_kernel", sig, consts, bm * bn // (32 * warps), warps,
             dict(num_stages=stages, enable_fp_fusion=False))
 
 
@@ -95,7 +95,7 @@ def _fp8_tma_case(name: str) -> tuple:
                meta_ptr="*i64", T="i32", N="i32", E="i32", P="i32")
     consts = dict(BIAS=False, OUT=1, NAN16=0x7FC0, CODES=False, E5A=True, E5B=False, BM=c.bm, BN=c.bn, BK=c.bk,
                   GROUP=c.group_m, PROMOTE=min(128, c.bk), EP=128, FLATTEN=c.flatten, STORE_TMA=c.tma_store)
-    return ("triton_grouped_fp8_tma", "_kernel", sig, consts, c.bm * c.bn // (32 * c.warps), c.warps,
+    return ("moe.triton_grouped_fp8_tma", "_kernel", sig, consts, c.bm * c.bn // (32 * c.warps), c.warps,
             dict(num_stages=c.stages, enable_fp_fusion=False))
 
 
@@ -198,7 +198,7 @@ CASES: dict[str, tuple] = {
     # a GEMM, not a cast: read its load opcodes (LDGSTS = cp.async vector loads; LDG x64 = the
     # 2-byte scalar operand loads without the reduction-bound alignment promise)
     **{f"grouped gemm (128, 128, 64) KALIGN {ka}": (
-        "triton_grouped_gemm", "_grouped_kernel",
+        "moe.triton_grouped_gemm", "_grouped_kernel",
         dict(a_ptr="*bf16", b_ptr="*bf16", sa_ptr="*fp32", sb_ptr="*fp32", bias_ptr="*fp32", out_ptr="*i16",
              meta_ptr="*i64", T="i32", N="i32", E="i32", sam="i32", sbe="i32", sbn="i32", sa_e="i32", soe="i32", som="i32"),
         dict(sak=1, sbk=1, SA=True, SB=True, BIAS=False, OUT=0, NAN16=0x7FC0, BITS=False, BM=128, BN=128, BK=64,
@@ -206,13 +206,13 @@ CASES: dict[str, tuple] = {
     # the FP8 grouped GEMM's wgrad (E5M2 dy x E4M3 x, BF16 out) and the grouped FP8 quantize (row +
     # col): also the quickest offline check that a change to either still compiles for sm90
     "grouped fp8 gemm wgrad (128, 128, 64)": (
-        "triton_grouped_fp8_gemm", "_kernel",
+        "moe.triton_grouped_fp8_gemm", "_kernel",
         dict(a_ptr="*fp8e5", b_ptr="*fp8e4nv", sa_ptr="*fp32", sb_ptr="*fp32", bias_ptr="*fp32", out_ptr="*i16",
              meta_ptr="*i64", T="i32", N="i32", E="i32"),
         dict(BIAS=False, OUT=1, NAN16=0x7FC0, CODES=False, E5A=True, E5B=False, BM=128, BN=128, BK=64, ALIGN=16,
              GROUP=8, PROMOTE=64, EP=128), 128, 4),
     "grouped fp8 quantize row+col (64, 128)": (
-        "triton_grouped_fp8", "_grouped_fp8_kernel",
+        "moe.triton_grouped_fp8", "_grouped_fp8_kernel",
         dict(x_ptr="*i16", amax_ptr="*fp32", meta_ptr="*i64", rd_ptr="*u8", cd_ptr="*u8", sinv_ptr="*fp32",
              C="i32", G="i32", sxr="i32", eps="fp32"),
         dict(sxc=1, POW2=False, ROW=True, COL=True, MBITS=3, BIAS=7, FP8_MAX=448.0, DTYPE=1, BR=64, BC=128, BG=128,
