@@ -162,8 +162,11 @@ def _bound_moe(r: dict[str, Any]) -> Rows:
 
 
 def _bound_mlp(r: dict[str, Any]) -> Rows:
-    return [(f"{b['recipe']}: {b['floor']}", f"bound {_x(b['bound'])} (target {b['target']:.2f}x, device time now "
-                                             f"{_x(b['measured'])})") for b in r.get("bounds", [])]
+    def ratio(b: dict[str, Any], key: str) -> str:  # with its interval where measured in rounds (--at-cap)
+        lo_hi = b.get(f"{key}_interval")
+        return _x(b[key]) + (f" [{lo_hi[0]:.3f}, {lo_hi[1]:.3f}]" if lo_hi else "")
+    return [(f"{b['recipe']}: {b['floor']}", f"bound {ratio(b, 'bound')} (target {b['target']:.2f}x, device time "
+                                             f"now {ratio(b, 'measured')})") for b in r.get("bounds", [])]
 
 
 def _grouped_gemm(r: dict[str, Any]) -> Rows:
@@ -232,6 +235,8 @@ BENCHMARKS: dict[str, Benchmark] = {
                            "measured parts", headline=_bound_mlp),
     "bound_mlp_fused_amax": Benchmark("bench.bound_mlp", "the same with amax fused into each tensor's producer",
                                       ("--fused-amax",), headline=_bound_mlp),
+    "bound_mlp_at_cap": Benchmark("bench.bound_mlp", "the MLP bound measured at the GPU's power cap, as the paired "
+                                  "ratios run (10 rounds)", ("--at-cap",), default=False, headline=_bound_mlp),
     "grouped_gemm": Benchmark("bench.bench_grouped_gemm", "Triton BF16 / FP8 grouped GEMMs vs torch._grouped_mm",
                               headline=_grouped_gemm),
     "moe_overhead": Benchmark("bench.bench_moe_overhead", "GroupedLinear host work per expert (runs on the CPU)",

@@ -36,13 +36,21 @@ producing each tensor also reduces its amax); and each copy written once:
 Block scales (at most 1/16 byte an element) are not counted: every floor is a lower one, so
 every bound an upper one.
 
-    python -m bench.bound_mlp [--fused-amax] [--tokens N] [--quick] [--out results.json]
+With ``--at-cap`` every quantity is measured at the GPU's steady power state, as the paired
+ratios the targets are stated on run (``bench/profile_rounds.py``: the BF16 step heats the GPU,
+then ``--rounds`` rounds profile every step, each after ``--warm-steps`` of its own); each
+round gives a bound and a measured ratio, reported as the median of the rounds with its
+order-statistic interval, and each step's SM clock and power.
+
+    python -m bench.bound_mlp [--fused-amax] [--at-cap [--rounds 10] [--warm-steps 10] [--heat-s 15]]
+        [--tokens N] [--quick] [--out results.json]
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass
+import statistics
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -52,6 +60,8 @@ from bench import bench_mlp, common
 from bench.mlp_targets import TARGETS
 from bench.bound_moe import _profile, costliest_ops
 from bench.common import environment, finish, md_table, parser, require_cuda
+from bench.profile_rounds import AtCap, profile_rounds
+from bench.protocol import median_interval
 
 #: profiler op names whose self device time is a GEMM's (``aten::matmul`` only dispatches)
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::_scaled_mm")
@@ -91,10 +101,17 @@ class Premises:
     fused_amax: bool = False
 
 
+#: the baseline's name among the profiled steps (``Measured.rounds``)
+BF16 = "BF16 eager"
+
+
 @dataclass(frozen=True)
 class Measured:
     """Device ms of one step: the BF16 eager MLP's and its GEMMs', each recipe's (step ms, GEMMs
-    ms) by bench_mlp name; the MLP's shape and the copy bandwidth (GB/s, bytes read + written)."""
+    ms) by bench_mlp name; the MLP's shape and the copy bandwidth (GB/s, bytes read + written).
+    Measured at the power cap (``at_cap``: ``AtCap``'s fields), also each round's (step ms,
+    GEMMs ms) by step name (``BF16`` and the recipes; the single figures are their medians) and
+    each step's clock summary."""
 
     tokens: int
     hidden: int
@@ -103,6 +120,9 @@ class Measured:
     bf16_gemm_ms: float
     recipes: dict[str, tuple[float, float]]
     copy_GBps: float
+    rounds: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    clocks: dict[str, dict[str, float]] = field(default_factory=dict)
+    at_cap: Optional[dict[str, Any]] = None
 
 
 def quantized_elements(tokens: int, hidden: int, intermediate: int) -> dict[str, int]:
@@ -177,10 +197,33 @@ def bound_rows(m: Measured, p: Premises) -> list[dict[str, Any]]:
             nbytes = sum(elems[r] * b for r, b in role_bytes(recipe, p, decode).items())
             quantize = nbytes / m.copy_GBps / 1e6
             t = shared + gemm + quantize
-            out.append(dict(recipe=recipe, floor=name, bytes_per_element=nbytes / sum(elems.values()),
-                            gemm_ms=gemm, quantize_ms=quantize, step_ms=t, bound=m.bf16_step_ms / t,
-                            target=TARGETS[recipe], measured_step_ms=step_ms, measured=m.bf16_step_ms / step_ms))
+            row = dict(recipe=recipe, floor=name, bytes_per_element=nbytes / sum(elems.values()),
+                       gemm_ms=gemm, quantize_ms=quantize, step_ms=t, bound=m.bf16_step_ms / t,
+                       target=TARGETS[recipe], measured_step_ms=step_ms, measured=m.bf16_step_ms / step_ms)
+            if m.rounds:
+                row.update(_per_round(m, recipe, quantize))
+            out.append(row)
     return out
+
+
+def _per_round(m: Measured, recipe: str, quantize: float) -> dict[str, Any]:
+    """The bound and the measured ratio of each round (the BF16 step and the recipe's profiled in
+    the same round), their medians (replacing the ratios of the medians) and intervals.
+
+    Raises
+    ------
+    ValueError
+        The baseline and ``recipe`` with different numbers of rounds.
+    """
+    base, mine = m.rounds[BF16], m.rounds.get(recipe, [])
+    if len(base) != len(mine):
+        raise ValueError(f"bound_mlp: {len(base)} rounds of {BF16!r} but {len(mine)} of {recipe!r}; "
+                         "every step is profiled once a round")
+    bounds = [b_step / ((b_step - b_gemm) + gemm + quantize) for (b_step, b_gemm), (_, gemm) in zip(base, mine)]
+    measured = [b_step / step for (b_step, _), (step, _) in zip(base, mine)]
+    (lo, hi, _), (mlo, mhi, _) = median_interval(bounds), median_interval(measured)
+    return dict(bound=statistics.median(bounds), bound_interval=(lo, hi), bound_rounds=bounds,
+                measured=statistics.median(measured), measured_interval=(mlo, mhi))
 
 
 def gemm_ms(ops: dict[str, float]) -> float:
@@ -247,15 +290,17 @@ def _step(model: torch.nn.Module, ctx: Any, x: torch.Tensor, dy: torch.Tensor) -
     return step
 
 
-def measure(tokens: int, hidden: int, intermediate: int) -> Measured:
+def measure(tokens: int, hidden: int, intermediate: int, at_cap: Optional[AtCap] = None) -> Measured:
     """Profile one bench_mlp step of the BF16 eager MLP and of the hybridfp MLP under every
-    recipe in ``bench_mlp.RECIPES`` (same weights, x and dy), and the copy bandwidth.
+    recipe in ``bench_mlp.RECIPES`` (same weights, x and dy), and the copy bandwidth. With
+    ``at_cap``, every step ``at_cap.rounds`` times at the GPU's steady power state
+    (``profile_rounds``) instead of once.
 
     Raises
     ------
     RuntimeError
-        A baseline or recipe whose GEMMs the profiler did not name (:func:`check_baseline`,
-        :func:`check_gemm_share`).
+        A baseline or recipe whose GEMMs the profiler did not name, in any round
+        (:func:`check_baseline`, :func:`check_gemm_share`).
     """
     torch.manual_seed(0)
     base = bench_mlp.MLP(bench_mlp.torch_linear, hidden, intermediate)
@@ -263,32 +308,84 @@ def measure(tokens: int, hidden: int, intermediate: int) -> Measured:
     hf.load_state_dict(base.state_dict())
     x = torch.randn(tokens, hidden, device=common.DEVICE, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, hidden, device=common.DEVICE, dtype=torch.bfloat16)
-    t_bf16, ops = _profile(_step(base, contextlib.nullcontext, x, dy))
-    check_baseline(t_bf16, gemm_ms(ops), ops)
-    recipes = {}
+    steps = {BF16: _step(base, contextlib.nullcontext, x, dy)}
     for name, make in bench_mlp.RECIPES:
-        t, ops_r = _profile(_step(hf, lambda r=make(): hybridfp.autocast(recipe=r), x, dy))
-        check_gemm_share(name, gemm_ms(ops_r), gemm_ms(ops), ops_r)
-        recipes[name] = (t, gemm_ms(ops_r))
-    return Measured(tokens, hidden, intermediate, t_bf16, gemm_ms(ops), recipes, common.copy_bandwidth()["GBps"])
+        steps[name] = _step(hf, lambda r=make(): hybridfp.autocast(recipe=r), x, dy)
+    if at_cap is None:
+        profiles = {name: [_profile(step)] for name, step in steps.items()}
+        clocks: dict[str, dict[str, float]] = {}
+    else:
+        got = profile_rounds(steps, at_cap, lambda step, warmup: _profile(step, warmup),
+                             synchronize=torch.cuda.synchronize if common.DEVICE == "cuda" else lambda: None)
+        profiles, clocks = got.rounds, got.clocks
+    rounds = split_rounds(profiles)
+    step_ms, gemm = (statistics.median(v) for v in zip(*rounds[BF16]))
+    recipes = {n: tuple(statistics.median(v) for v in zip(*rounds[n])) for n, _ in bench_mlp.RECIPES}
+    return Measured(tokens, hidden, intermediate, step_ms, gemm, recipes, common.copy_bandwidth()["GBps"],
+                    rounds=rounds if at_cap is not None else {}, clocks=clocks,
+                    at_cap=asdict(at_cap) if at_cap is not None else None)
+
+
+def split_rounds(profiles: dict[str, list[tuple[float, dict[str, float]]]]) -> dict[str, list[tuple[float, float]]]:
+    """Each step's profiles as (step ms, GEMMs ms) a round, every profile checked: the baseline's
+    (``BF16``) by :func:`check_baseline`, each recipe's against the same round's baseline GEMMs
+    by :func:`check_gemm_share`.
+
+    Raises
+    ------
+    RuntimeError
+        From the checks, naming the step.
+    ValueError
+        No ``BF16`` profiles.
+    """
+    if not profiles.get(BF16):
+        raise ValueError(f"bound_mlp: no profile of the baseline {BF16!r}")
+    for t, ops in profiles[BF16]:
+        check_baseline(t, gemm_ms(ops), ops)
+    out = {BF16: [(t, gemm_ms(ops)) for t, ops in profiles[BF16]]}
+    for name, got in profiles.items():
+        if name == BF16:
+            continue
+        for (t, ops), (_, base_gemm) in zip(got, out[BF16]):
+            check_gemm_share(name, gemm_ms(ops), base_gemm, ops)
+        out[name] = [(t, gemm_ms(ops)) for t, ops in got]
+    return out
 
 
 def report(m: Measured, p: Premises) -> str:
     """The bound table under ``p``, as Markdown."""
     elems = quantized_elements(m.tokens, m.hidden, m.intermediate)
+    how = ("device ms of one step, torch.profiler" if m.at_cap is None else
+           f"device ms, torch.profiler, at the power cap: medians of {m.at_cap['rounds']} rounds after "
+           f"{m.at_cap['heat_s']:g} s of BF16 steps, each profile after {m.at_cap['warm_steps']} steps of its own")
     head = (f"### Llama-3-8B MLP bound, {m.tokens} tokens x {m.hidden} -> {m.intermediate} -> {m.hidden}, "
             f"fwd + bwd, amax {'fused into the producer' if p.fused_amax else 'its own pass'} "
-            "(device ms of one step, torch.profiler; weights re-quantized every step)\n\n")
+            f"({how}; weights re-quantized every step)\n\n")
     parts = md_table(["quantity", "ms"], [
         ["BF16 eager step", m.bf16_step_ms], [f"its GEMMs ({', '.join(GEMM_OPS)})", m.bf16_gemm_ms],
         ["shared rest S", m.bf16_step_ms - m.bf16_gemm_ms]])
     counts = ", ".join(f"{v / 1e9:.3f} G {k}" for k, v in elems.items())
     mid = f"\n\ncopy bandwidth {m.copy_GBps:.0f} GB/s (read + write); elements quantized a step: {counts}\n\n"
+
+    def ratio(b: dict[str, Any], key: str) -> str:
+        lo_hi = b.get(f"{key}_interval")
+        return f"{b[key]:.3f}" + (f" [{lo_hi[0]:.3f}, {lo_hi[1]:.3f}]" if lo_hi else "")
     table = md_table(["recipe", "floor", "bytes / element", "GEMMs ms", "quantize ms", "step ms", "bound x BF16",
                       "target", "measured step ms", "measured device-time x BF16"],
                      [[b["recipe"], b["floor"], b["bytes_per_element"], b["gemm_ms"], b["quantize_ms"], b["step_ms"],
-                       b["bound"], b["target"], b["measured_step_ms"], b["measured"]] for b in bound_rows(m, p)])
-    return head + parts + mid + table + "\n"
+                       ratio(b, "bound"), b["target"], b["measured_step_ms"], ratio(b, "measured")]
+                      for b in bound_rows(m, p)])
+    clocks = "" if not m.clocks else "\n\n" + md_table(
+        ["step", "SM MHz median [min, max]", "power W median [min, max]"],
+        [[name, _spread(c, "sm_mhz"), _spread(c, "power_w")] for name, c in m.clocks.items()])
+    return head + parts + mid + table + clocks + "\n"
+
+
+def _spread(c: dict[str, float], key: str) -> str:
+    """A clock summary's ``key`` as "median [min, max]" ("-" where it has none)."""
+    if f"{key}_median" not in c:
+        return "-"
+    return f"{c[key + '_median']:.0f} [{c[key + '_min']:.0f}, {c[key + '_max']:.0f}]"
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -300,13 +397,32 @@ def main(argv: Optional[list[str]] = None) -> None:
                    f"--quick {bench_mlp.QUICK_DIMS[2]})")
     p.add_argument("--fused-amax", action="store_true", help="a per-tensor amax is reduced by the kernel producing "
                    "each tensor (no amax pass: FP8 current 3 bytes an element instead of 5)")
-    args = p.parse_args(argv)
+    p.add_argument("--at-cap", action="store_true", help="measure at the GPU's steady power state, as the paired "
+                   "ratios run: rounds of profiles after heating the GPU (bench/profile_rounds.py)")
+    p.add_argument("--warm-steps", type=int, default=None, help=f"with --at-cap: steps run right before each "
+                   f"profiled one (default {AtCap.warm_steps})")
+    p.add_argument("--heat-s", type=float, default=None, help=f"with --at-cap: seconds of BF16 steps before the "
+                   f"first round (default {AtCap.heat_s:g})")
+    args = p.parse_args(argv)  # --rounds (common.parser): with --at-cap, profiles of each step
     if args.tokens is not None and args.tokens < 1:
         p.error(f"--tokens must be >= 1, got {args.tokens}")
+    given = {k: v for k, v in (("rounds", args.rounds), ("warm_steps", args.warm_steps), ("heat_s", args.heat_s))
+             if v is not None}
+    at_cap = None
+    if args.at_cap:
+        if args.quick:  # a smoke run: a few short rounds
+            given = {"rounds": 3, "warm_steps": 2, "heat_s": 1.0, **given}
+        try:
+            at_cap = AtCap(**given)
+        except ValueError as e:
+            p.error(str(e))
+    elif given or args.samples is not None:
+        p.error(f"{', '.join('--' + k.replace('_', '-') for k in given) or '--samples'} "
+                "apply to --at-cap only (--samples to none): add --at-cap or leave them out")
     premises = Premises(args.fused_amax)
     require_cuda()
     hidden, intermediate, tokens = bench_mlp.QUICK_DIMS if args.quick else (bench_mlp.D, bench_mlp.H, bench_mlp.TOKENS)
-    m = measure(args.tokens or tokens, hidden, intermediate)
+    m = measure(args.tokens or tokens, hidden, intermediate, at_cap)
     finish("bound_mlp", {"env": environment(), **asdict(m), "premises": asdict(premises),
                          "bounds": bound_rows(m, premises), "markdown": report(m, premises)}, args.out)
 

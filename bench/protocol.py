@@ -302,13 +302,36 @@ class ClockPoller:
                                f"{self._error}") from self._error
 
 
-def _summarize(readings: list[dict[str, float]]) -> dict[str, float]:
-    """min / median / max of each key of the readings (``sm_mhz_min``, ...)."""
+def summarize_clocks(readings: list[dict[str, float]]) -> dict[str, float]:
+    """min / median / max of each key of ``readings`` (``ClockPoller.readings``).
+
+    Returns
+    -------
+    dict[str, float]
+        ``<key>_min``, ``<key>_median``, ``<key>_max`` for every key a reading has (``sm_mhz``,
+        ``power_w``, ...); empty for no readings.
+    """
     out: dict[str, float] = {}
     for k in sorted({k for r in readings for k in r}):
         vs = [r[k] for r in readings if k in r]
         out.update({f"{k}_min": min(vs), f"{k}_median": statistics.median(vs), f"{k}_max": max(vs)})
     return out
+
+
+def device_sampler(poll_s: float = POLL_S) -> tuple[Optional[Sampler], float]:
+    """The clock sampler of this process's device and the seconds between its readings.
+
+    Returns
+    -------
+    tuple
+        (``gpu_clocks``, ``poll_s``) on a GPU; ``poll_s`` raised to ``SMI_POLL_S`` where the
+        readings come from nvidia-smi (a process each); (None, ``poll_s``) on the CPU.
+    """
+    if common.DEVICE == "cpu":
+        return None, poll_s
+    if _nvml_reading() is None:  # nvidia-smi it is (or nothing)
+        return gpu_clocks, max(poll_s, SMI_POLL_S)
+    return gpu_clocks, poll_s
 
 
 def paired_ratio(baseline: Callable[[], Any], candidate: Callable[[], Any],
@@ -348,10 +371,8 @@ def paired_ratio(baseline: Callable[[], Any], candidate: Callable[[], Any],
     1.5
     """
     timer = timer or time_calls
-    if sampler is None and common.DEVICE != "cpu":
-        sampler = gpu_clocks
-        if _nvml_reading() is None:  # nvidia-smi it is (or nothing)
-            poll_s = max(poll_s, SMI_POLL_S)
+    if sampler is None:
+        sampler, poll_s = device_sampler(poll_s)
     for _ in range(protocol.warmup):
         baseline()
     for _ in range(protocol.warmup):
@@ -380,4 +401,4 @@ def paired_ratio(baseline: Callable[[], Any], candidate: Callable[[], Any],
     return PairedRatio(ratio=statistics.median(ratios), low=low, high=high,
                        baseline_ms=statistics.median(b for b, _ in rounds),
                        candidate_ms=statistics.median(c for _, c in rounds),
-                       rounds=tuple(rounds), clocks=_summarize(readings))
+                       rounds=tuple(rounds), clocks=summarize_clocks(readings))

@@ -101,8 +101,8 @@ def test_median_interval_order_statistics():
 
 
 def test_clocks_summarised_and_as_dict_json_able():
-    from bench.protocol import _summarize
-    assert _summarize([{"sm_mhz": 1980.0, "power_w": 500.0}, {"sm_mhz": 1700.0, "power_w": 700.0},
+    from bench.protocol import summarize_clocks
+    assert summarize_clocks([{"sm_mhz": 1980.0, "power_w": 500.0}, {"sm_mhz": 1700.0, "power_w": 700.0},
                        {"sm_mhz": 1800.0, "power_w": 690.0}, {}]) == {
         "power_w_min": 500.0, "power_w_median": 690.0, "power_w_max": 700.0,
         "sm_mhz_min": 1700.0, "sm_mhz_median": 1800.0, "sm_mhz_max": 1980.0}

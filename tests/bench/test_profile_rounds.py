@@ -1,0 +1,158 @@
+"""bench.profile_rounds: the GPU heated by the baseline, every step profiled once a round after
+its own warm steps, the order reversed every other round, clocks read per step; and
+bound_mlp's bound taken per round at the power cap (median and interval of the rounds)."""
+
+import pytest
+
+from bench import bench_mlp, bound_mlp, common
+from bench.profile_rounds import AtCap, profile_rounds
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_heats_with_the_baseline_then_profiles_each_step_once_a_round_in_alternating_order():
+    clock, calls, log = FakeClock(), [], []
+
+    def step(name):
+        def run():
+            calls.append(name)
+            clock.t += 0.5  # each step takes half a second of the fake clock
+        return run
+
+    def profile(s, warmup):
+        for _ in range(warmup):
+            s()
+        s()
+        log.append(calls[-1])
+        return float(len(log)), {"aten::mm": 1.0}
+
+    syncs = []
+    got = profile_rounds({"base": step("base"), "a": step("a"), "b": step("b")}, AtCap(rounds=3, warm_steps=2, heat_s=2.0),
+                         profile, synchronize=lambda: syncs.append(1), clock=clock)
+    assert calls[:4] == ["base"] * 4 and len(syncs) == 4  # 2 s of heating at 0.5 s a step, each synchronized
+    assert log == ["base", "a", "b", "b", "a", "base", "base", "a", "b"]  # reversed every other round
+    assert calls[4:7] == ["base"] * 3  # two warm steps, then the profiled one
+    assert {k: [ms for ms, _ in v] for k, v in got.rounds.items()} == {"base": [1.0, 6.0, 7.0], "a": [2.0, 5.0, 8.0],
+                                                                        "b": [3.0, 4.0, 9.0]}
+    assert got.clocks == {"base": {}, "a": {}, "b": {}}  # no sampler on the CPU
+
+
+def test_clocks_are_read_while_each_step_runs():
+    readings = iter(range(1000, 2000))
+    got = profile_rounds({"base": lambda: None, "a": lambda: None}, AtCap(rounds=2, warm_steps=1, heat_s=0),
+                         lambda s, w: (1.0, {}), synchronize=lambda: None,
+                         sampler=lambda: {"sm_mhz": float(next(readings))}, poll_s=0.001)
+    for name in ("base", "a"):
+        c = got.clocks[name]
+        assert 1000 <= c["sm_mhz_min"] <= c["sm_mhz_median"] <= c["sm_mhz_max"] < 2000
+
+
+@pytest.mark.parametrize("kw, name", [({"rounds": 0}, "rounds"), ({"warm_steps": 0}, "warm_steps"),
+                                      ({"heat_s": -1.0}, "heat_s")])
+def test_at_cap_options_are_checked_by_name(kw, name):
+    with pytest.raises(ValueError, match=f"AtCap: {name} must be"):
+        AtCap(**kw)
+
+
+def test_no_steps_is_refused():
+    with pytest.raises(ValueError, match="no steps"):
+        profile_rounds({}, AtCap(), lambda s, w: (1.0, {}), synchronize=lambda: None)
+
+
+def _rounds_measured(base_rounds, recipe_rounds):
+    names = [n for n, _ in bench_mlp.RECIPES]
+    rounds = {bound_mlp.BF16: base_rounds, **{n: recipe_rounds for n in names}}
+    med = lambda rs: tuple(sorted(v)[len(v) // 2] for v in zip(*rs))  # noqa: E731 (odd counts: the median)
+    return bound_mlp.Measured(tokens=64, hidden=32, intermediate=96, bf16_step_ms=med(base_rounds)[0],
+                              bf16_gemm_ms=med(base_rounds)[1], recipes={n: med(recipe_rounds) for n in names},
+                              copy_GBps=0.5, rounds=rounds, at_cap={"rounds": len(base_rounds), "warm_steps": 1,
+                                                                    "heat_s": 0.0})
+
+
+def test_the_bound_at_the_cap_is_the_median_of_each_rounds_bound():
+    base = [(10.0, 8.0), (12.0, 10.0), (11.0, 9.0)]  # the BF16 step slows in round 2 (the cap), its rest stays 2
+    mine = [(9.0, 5.0), (8.0, 5.0), (9.5, 5.5)]
+    m = _rounds_measured(base, mine)
+    rows = bound_mlp.bound_rows(m, bound_mlp.Premises())
+    fp8 = rows[0]
+    q = fp8["quantize_ms"]
+    per_round = [b / (2.0 + g + q) for (b, _), (_, g) in zip(base, mine)]
+    assert fp8["bound_rounds"] == pytest.approx(per_round, rel=1e-12)
+    assert fp8["bound"] == pytest.approx(sorted(per_round)[1], rel=1e-12)
+    assert fp8["bound_interval"] == pytest.approx((min(per_round), max(per_round)), rel=1e-12)  # 3 rounds: [min, max]
+    measured = [b / s for (b, _), (s, _) in zip(base, mine)]
+    assert fp8["measured"] == pytest.approx(sorted(measured)[1], rel=1e-12)
+    # the median of the rounds' ratios, not the ratio of the median steps (11 / 9)
+    assert fp8["measured"] != pytest.approx(m.bf16_step_ms / m.recipes[fp8["recipe"]][0])
+    text = bound_mlp.report(m, bound_mlp.Premises())
+    assert "at the power cap: medians of 3 rounds" in text and f"{fp8['bound']:.3f} [" in text
+
+
+def test_rounds_must_pair_up():
+    m = _rounds_measured([(10.0, 8.0), (11.0, 9.0)], [(9.0, 5.0), (9.5, 5.0)])
+    short = dict(m.rounds, **{"hybridfp MXFP8": [(9.0, 5.0)]})
+    m2 = bound_mlp.Measured(**{**m.__dict__, "rounds": short})
+    with pytest.raises(ValueError, match="2 rounds of 'BF16 eager' but 1 of 'hybridfp MXFP8'"):
+        bound_mlp.bound_rows(m2, bound_mlp.Premises())
+
+
+def test_every_round_of_every_profile_is_checked(monkeypatch):
+    ops = {"aten::mm": 8.0, "aten::mul": 2.0}
+    fine = {bound_mlp.BF16: [(10.0, ops), (10.0, ops)], "hybridfp MXFP8": [(9.0, {"aten::mm": 5.0})] * 2}
+    assert bound_mlp.split_rounds(fine)["hybridfp MXFP8"] == [(9.0, 5.0), (9.0, 5.0)]
+    bad = dict(fine, **{"hybridfp MXFP8": [(9.0, {"aten::mm": 5.0}), (9.0, {"aten::mm": 1.0, "aten::new": 4.0})]})
+    with pytest.raises(RuntimeError, match="'hybridfp MXFP8'.*GEMM op outside GEMM_OPS"):
+        bound_mlp.split_rounds(bad)
+    with pytest.raises(RuntimeError, match="no device time"):
+        bound_mlp.split_rounds({bound_mlp.BF16: [(10.0, ops), (0.0, {})]})
+    with pytest.raises(ValueError, match="no profile of the baseline"):
+        bound_mlp.split_rounds({"hybridfp MXFP8": [(9.0, ops)]})
+
+
+def test_measure_at_the_cap_on_the_cpu(monkeypatch):
+    """The whole path with CPU profiles standing for device ones: every step profiled each round."""
+    from tests.bench.test_bound_mlp import _cpu_profile
+
+    monkeypatch.setattr(common, "DEVICE", "cpu")
+    seen = []
+
+    def profile(step, warmup=2):
+        seen.append(warmup)
+        return _cpu_profile(step)
+    monkeypatch.setattr(bound_mlp, "_profile", profile)
+    monkeypatch.setattr(bound_mlp, "check_gemm_share", lambda *a: None)
+    monkeypatch.setattr(bound_mlp, "check_baseline", lambda *a: None)
+    m = bound_mlp.measure(64, 64, 128, AtCap(rounds=2, warm_steps=1, heat_s=0.0))
+    assert seen == [1] * (2 * (1 + len(bench_mlp.RECIPES)))
+    assert set(m.rounds) == {bound_mlp.BF16, *(n for n, _ in bench_mlp.RECIPES)}
+    assert all(len(v) == 2 for v in m.rounds.values()) and m.at_cap == {"rounds": 2, "warm_steps": 1, "heat_s": 0.0}
+    rows = bound_mlp.bound_rows(m, bound_mlp.Premises())
+    assert all(len(r["bound_rounds"]) == 2 and r["bound_interval"][0] <= r["bound"] <= r["bound_interval"][1]
+               for r in rows)
+
+
+def test_cli_options_of_the_cap_need_it(monkeypatch, capsys):
+    monkeypatch.setattr(common, "DEVICE", "cpu")
+    for argv, msg in ((["--rounds", "5"], "--rounds apply to --at-cap only"),
+                      (["--heat-s", "3"], "--heat-s apply to --at-cap only"),
+                      (["--at-cap", "--rounds", "0"], "AtCap: rounds must be >= 1")):
+        with pytest.raises(SystemExit):
+            bound_mlp.main(argv)
+        assert msg in capsys.readouterr().err
+
+
+def test_runner_names_the_bound_at_the_cap_and_shows_its_intervals():
+    from bench.__main__ import BENCHMARKS
+    b = BENCHMARKS["bound_mlp_at_cap"]
+    assert b.module == "bench.bound_mlp" and "--at-cap" in b.args and not b.default
+    rows = b.headline({"bounds": [{"recipe": "hybridfp MXFP8", "floor": "BF16 decodes", "bound": 1.2,
+                                   "bound_interval": [1.15, 1.25], "target": 1.05, "measured": 0.98,
+                                   "measured_interval": [0.97, 0.99]}]})
+    assert rows == [("hybridfp MXFP8: BF16 decodes",
+                     "bound 1.200x [1.150, 1.250] (target 1.05x, device time now 0.980x [0.970, 0.990])")]
