@@ -147,26 +147,29 @@ def _moe(r: dict[str, Any]) -> Rows:
     return out
 
 
+def _ratio(b: dict[str, Any], key: str) -> str:
+    """``b[key]`` as "1.234x", with its interval where measured in rounds (``--at-cap``)."""
+    lo_hi = b.get(f"{key}_interval")
+    return _x(b[key]) + (f" [{lo_hi[0]:.3f}, {lo_hi[1]:.3f}]" if lo_hi else "")
+
+
 def _bound_moe(r: dict[str, Any]) -> Rows:
     from bench.moe_targets import FP8_CURRENT, MXFP8, target  # the config's targets (vs the fastest BF16)
     out: Rows = []
     for b in r.get("bounds", []):
         recipe = FP8_CURRENT if b["floor"].startswith("FP8") else MXFP8
         goal = target((r["experts"], r["ffn"]), recipe) if "experts" in r else b.get("target")
-        fastest = f"{_x(b['bound_fastest'])} vs {b['fastest_bf16']}, " if "bound_fastest" in b else ""
-        out.append((b["floor"], f"bound {fastest}{_x(b['bound'])} vs BF16 grouped ("
+        fastest = f"{_ratio(b, 'bound_fastest')} vs {b['fastest_bf16']}, " if "bound_fastest" in b else ""
+        out.append((b["floor"], f"bound {fastest}{_ratio(b, 'bound')} vs BF16 grouped ("
                                 + (f"target {goal:.2f}x" if goal is not None else "no target")
-                                + (f", device time now {_x(b['measured_fastest'])} vs {b['fastest_bf16']})"
-                                   if "measured_fastest" in b else f", device time now {_x(b['measured'])})")))
+                                + (f", device time now {_ratio(b, 'measured_fastest')} vs {b['fastest_bf16']})"
+                                   if "measured_fastest" in b else f", device time now {_ratio(b, 'measured')})")))
     return out
 
 
 def _bound_mlp(r: dict[str, Any]) -> Rows:
-    def ratio(b: dict[str, Any], key: str) -> str:  # with its interval where measured in rounds (--at-cap)
-        lo_hi = b.get(f"{key}_interval")
-        return _x(b[key]) + (f" [{lo_hi[0]:.3f}, {lo_hi[1]:.3f}]" if lo_hi else "")
-    return [(f"{b['recipe']}: {b['floor']}", f"bound {ratio(b, 'bound')} (target {b['target']:.2f}x, device time "
-                                             f"now {ratio(b, 'measured')})") for b in r.get("bounds", [])]
+    return [(f"{b['recipe']}: {b['floor']}", f"bound {_ratio(b, 'bound')} (target {b['target']:.2f}x, device time "
+                                             f"now {_ratio(b, 'measured')})") for b in r.get("bounds", [])]
 
 
 def _grouped_gemm(r: dict[str, Any]) -> Rows:
@@ -231,6 +234,9 @@ BENCHMARKS: dict[str, Benchmark] = {
                            ("--experts", "64"), headline=_bound_moe),
     "bound_moe_8": Benchmark("bench.bound_moe", "the best ratio the 8-expert MoE allows, from measured parts",
                              ("--experts", "8"), headline=_bound_moe),
+    "bound_moe_8_at_cap": Benchmark("bench.bound_moe", "the 8-expert MoE bound measured at the GPU's power cap "
+                                    "(10 rounds)", ("--experts", "8", "--at-cap"), default=False,
+                                    headline=_bound_moe),
     "bound_mlp": Benchmark("bench.bound_mlp", "the best ratio each recipe allows the Llama-3-8B MLP, from "
                            "measured parts", headline=_bound_mlp),
     "bound_mlp_fused_amax": Benchmark("bench.bound_mlp", "the same with amax fused into each tensor's producer",

@@ -60,7 +60,8 @@ from bench import bench_mlp, common
 from bench.mlp_targets import TARGETS
 from bench.bound_moe import _profile, costliest_ops
 from bench.common import environment, finish, md_table, parser, require_cuda
-from bench.profile_rounds import AtCap, profile_rounds
+from bench import profile_rounds
+from bench.profile_rounds import AtCap
 from bench.protocol import median_interval
 
 #: profiler op names whose self device time is a GEMM's (``aten::matmul`` only dispatches)
@@ -315,8 +316,8 @@ def measure(tokens: int, hidden: int, intermediate: int, at_cap: Optional[AtCap]
         profiles = {name: [_profile(step)] for name, step in steps.items()}
         clocks: dict[str, dict[str, float]] = {}
     else:
-        got = profile_rounds(steps, at_cap, lambda step, warmup: _profile(step, warmup),
-                             synchronize=torch.cuda.synchronize if common.DEVICE == "cuda" else lambda: None)
+        got = profile_rounds.profile_rounds(steps, at_cap, lambda step, warmup: _profile(step, warmup),
+                                            synchronize=torch.cuda.synchronize if common.DEVICE == "cuda" else lambda: None)
         profiles, clocks = got.rounds, got.clocks
     rounds = split_rounds(profiles)
     step_ms, gemm = (statistics.median(v) for v in zip(*rounds[BF16]))
@@ -355,9 +356,7 @@ def split_rounds(profiles: dict[str, list[tuple[float, dict[str, float]]]]) -> d
 def report(m: Measured, p: Premises) -> str:
     """The bound table under ``p``, as Markdown."""
     elems = quantized_elements(m.tokens, m.hidden, m.intermediate)
-    how = ("device ms of one step, torch.profiler" if m.at_cap is None else
-           f"device ms, torch.profiler, at the power cap: medians of {m.at_cap['rounds']} rounds after "
-           f"{m.at_cap['heat_s']:g} s of BF16 steps, each profile after {m.at_cap['warm_steps']} steps of its own")
+    how = profile_rounds.describe(m.at_cap, "BF16")
     head = (f"### Llama-3-8B MLP bound, {m.tokens} tokens x {m.hidden} -> {m.intermediate} -> {m.hidden}, "
             f"fwd + bwd, amax {'fused into the producer' if p.fused_amax else 'its own pass'} "
             f"({how}; weights re-quantized every step)\n\n")
@@ -366,26 +365,14 @@ def report(m: Measured, p: Premises) -> str:
         ["shared rest S", m.bf16_step_ms - m.bf16_gemm_ms]])
     counts = ", ".join(f"{v / 1e9:.3f} G {k}" for k, v in elems.items())
     mid = f"\n\ncopy bandwidth {m.copy_GBps:.0f} GB/s (read + write); elements quantized a step: {counts}\n\n"
-
-    def ratio(b: dict[str, Any], key: str) -> str:
-        lo_hi = b.get(f"{key}_interval")
-        return f"{b[key]:.3f}" + (f" [{lo_hi[0]:.3f}, {lo_hi[1]:.3f}]" if lo_hi else "")
+    ratio = profile_rounds.with_interval
     table = md_table(["recipe", "floor", "bytes / element", "GEMMs ms", "quantize ms", "step ms", "bound x BF16",
                       "target", "measured step ms", "measured device-time x BF16"],
                      [[b["recipe"], b["floor"], b["bytes_per_element"], b["gemm_ms"], b["quantize_ms"], b["step_ms"],
                        ratio(b, "bound"), b["target"], b["measured_step_ms"], ratio(b, "measured")]
                       for b in bound_rows(m, p)])
-    clocks = "" if not m.clocks else "\n\n" + md_table(
-        ["step", "SM MHz median [min, max]", "power W median [min, max]"],
-        [[name, _spread(c, "sm_mhz"), _spread(c, "power_w")] for name, c in m.clocks.items()])
-    return head + parts + mid + table + clocks + "\n"
-
-
-def _spread(c: dict[str, float], key: str) -> str:
-    """A clock summary's ``key`` as "median [min, max]" ("-" where it has none)."""
-    if f"{key}_median" not in c:
-        return "-"
-    return f"{c[key + '_median']:.0f} [{c[key + '_min']:.0f}, {c[key + '_max']:.0f}]"
+    clocks = profile_rounds.clock_table(m.clocks)
+    return head + parts + mid + table + ("\n\n" + clocks if clocks else "") + "\n"
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -397,28 +384,11 @@ def main(argv: Optional[list[str]] = None) -> None:
                    f"--quick {bench_mlp.QUICK_DIMS[2]})")
     p.add_argument("--fused-amax", action="store_true", help="a per-tensor amax is reduced by the kernel producing "
                    "each tensor (no amax pass: FP8 current 3 bytes an element instead of 5)")
-    p.add_argument("--at-cap", action="store_true", help="measure at the GPU's steady power state, as the paired "
-                   "ratios run: rounds of profiles after heating the GPU (bench/profile_rounds.py)")
-    p.add_argument("--warm-steps", type=int, default=None, help=f"with --at-cap: steps run right before each "
-                   f"profiled one (default {AtCap.warm_steps})")
-    p.add_argument("--heat-s", type=float, default=None, help=f"with --at-cap: seconds of BF16 steps before the "
-                   f"first round (default {AtCap.heat_s:g})")
-    args = p.parse_args(argv)  # --rounds (common.parser): with --at-cap, profiles of each step
+    profile_rounds.add_arguments(p, AtCap())
+    args = p.parse_args(argv)
     if args.tokens is not None and args.tokens < 1:
         p.error(f"--tokens must be >= 1, got {args.tokens}")
-    given = {k: v for k, v in (("rounds", args.rounds), ("warm_steps", args.warm_steps), ("heat_s", args.heat_s))
-             if v is not None}
-    at_cap = None
-    if args.at_cap:
-        if args.quick:  # a smoke run: a few short rounds
-            given = {"rounds": 3, "warm_steps": 2, "heat_s": 1.0, **given}
-        try:
-            at_cap = AtCap(**given)
-        except ValueError as e:
-            p.error(str(e))
-    elif given or args.samples is not None:
-        p.error(f"{', '.join('--' + k.replace('_', '-') for k in given) or '--samples'} "
-                "apply to --at-cap only (--samples to none): add --at-cap or leave them out")
+    at_cap = profile_rounds.from_arguments(p, args, AtCap())
     premises = Premises(args.fused_amax)
     require_cuda()
     hidden, intermediate, tokens = bench_mlp.QUICK_DIMS if args.quick else (bench_mlp.D, bench_mlp.H, bench_mlp.TOKENS)

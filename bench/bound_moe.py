@@ -39,14 +39,20 @@ step`` (quantized after the optimizer update, reused by every micro-batch: what 
 hybridfp's weight cache do) or once per micro-batch with ``--weight-cast micro-batch`` — and,
 every micro-batch, the two inputs (x, the SwiGLU output) and the two output gradients.
 
+With ``--at-cap`` the five steps are profiled in rounds at the GPU's steady power state
+(``bench/profile_rounds.py``, as ``bound_mlp --at-cap``); every ratio is then the median of the
+rounds' ratios with its order-statistic interval, against the baseline fastest by its median
+step.
+
     python -m bench.bound_moe [--experts 64] [--micro-batches 4] [--weight-cast step|micro-batch] [--fused-amax]
-        [--compile-backend B]
+        [--compile-backend B] [--at-cap [--rounds 10] [--warm-steps 3] [--heat-s 15]]
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -57,9 +63,14 @@ from bench.common import MissingBaselineError, environment, finish, md_table, pa
 from bench.moe_layer import HIDDEN, TOKENS, TOP_K, RoutingSchedule, make_step, moe_layer
 from bench.moe_rows import BASELINES, BF16_COMPILED, BF16_GROUPED, BF16_PER_EXPERT
 from bench.moe_targets import CONFIGS, FP8_CURRENT, MXFP8, target
+from bench import profile_rounds
+from bench.profile_rounds import AtCap
+from bench.protocol import median_interval
 
 #: where the weights are cast: once a step (after the optimizer update) or every micro-batch
 WEIGHT_CASTS = ("step", "micro-batch")
+#: ``--at-cap``'s defaults: an 8-expert step of 4 micro-batches takes ~0.3 s, so 3 warm steps
+AT_CAP = AtCap(warm_steps=3)
 
 
 @dataclass(frozen=True)
@@ -112,6 +123,16 @@ class Measured:
     mxfp8_gemm_ms: float
     fp8_step_ms: float
     copy_GBps: float
+    #: measured at the power cap: each round's step fields (the figures above are their medians),
+    #: each step's clock summary and ``AtCap``'s fields
+    rounds: list[dict[str, float]] = field(default_factory=list)
+    clocks: dict[str, dict[str, float]] = field(default_factory=dict)
+    at_cap: Optional[dict[str, Any]] = None
+
+
+#: the fields of ``Measured`` a round measures (the rest: the layer's shape and the copy bandwidth)
+STEP_FIELDS = ("bf16_step_ms", "bf16_gemm_ms", "bf16_per_expert_ms", "bf16_compiled_ms", "mxfp8_step_ms",
+               "mxfp8_gemm_ms", "fp8_step_ms")
 
 
 def quantized_elements(m: Measured, p: Premises) -> tuple[int, int]:
@@ -165,6 +186,8 @@ def bound_rows(m: Measured, p: Premises) -> list[dict[str, Any]]:
     >>> [round(r["quantize_ms"], 4) for r in bound_rows(m, Premises(micro_batches=1))]
     [0.5734, 0.6881, 0.4588]
     """
+    if m.rounds:
+        return _median_of_rounds(m, p)
     weights, acts = quantized_elements(m, p)
     shared = m.bf16_step_ms - m.bf16_gemm_ms
     fastest, fastest_ms = fastest_bf16(m)
@@ -198,34 +221,84 @@ def _profile(step: Callable[[], Any], warmup: int = 2) -> tuple[float, dict[str,
     return total, {e.key: e.self_device_time_total / 1e3 for e in prof.key_averages()}
 
 
+def _median_of_rounds(m: Measured, p: Premises) -> list[dict[str, Any]]:
+    """``bound_rows`` of a measurement in rounds: the rows of the medians, their four ratios
+    replaced by the medians of the rounds' ratios (``<key>_interval``: the order-statistic
+    interval), all against the baseline fastest by its median step."""
+    med = replace(m, rounds=[])
+    fastest, _ = fastest_bf16(med)
+    per_round = [bound_rows(replace(med, **r), p) for r in m.rounds]
+    out = bound_rows(med, p)
+    for j, row in enumerate(out):
+        rounds = [rows[j] for rows in per_round]
+        fast_ms = [bf16_baselines(replace(med, **r))[fastest] for r in m.rounds]
+        recipe = "fp8_step_ms" if row["floor"].startswith("FP8") else "mxfp8_step_ms"
+        ratios = {"bound": [x["bound"] for x in rounds],
+                  "bound_fastest": [f / x["step_ms"] for f, x in zip(fast_ms, rounds)],
+                  "measured": [x["measured"] for x in rounds],
+                  "measured_fastest": [f / r[recipe] for f, r in zip(fast_ms, m.rounds)]}
+        for key, values in ratios.items():
+            lo, hi, _ = median_interval(values)
+            row.update({key: statistics.median(values), f"{key}_interval": (lo, hi)})
+        row["bound_rounds"] = ratios["bound_fastest"]
+    return out
+
+
 def measure(experts: int, micro_batches: int, compile_backend: str = "inductor", ffn: Optional[int] = None,
-            tokens: int = TOKENS, hidden: int = HIDDEN) -> Measured:
+            tokens: int = TOKENS, hidden: int = HIDDEN, at_cap: Optional[AtCap] = None) -> Measured:
     """Profile one step of ``micro_batches`` passes (bench_moe's routing schedule; weights
     quantized once a step) of the three BF16 baselines (grouped, per-expert, ``torch.compile`` of
     the grouped layer with ``compile_backend``) and the one-weight-Parameter hybridfp layer under
     MXFP8 and FP8 current scaling, and the copy bandwidth. ``ffn``: the config's unless given
     (as ``tokens`` and ``hidden``: a smaller layer for a smoke run).
 
+    With ``at_cap``, the five steps are profiled ``at_cap.rounds`` times at the GPU's steady
+    power state (``profile_rounds``; the compiled layer compiled before the heating) and the
+    step fields are the rounds' medians, each round kept in ``Measured.rounds``.
+
     Raises ``MissingBaselineError`` naming "BF16 compiled" where ``torch.compile`` refuses the layer."""
     f = ffn if ffn is not None else dict(CONFIGS)[experts]
     base, _, x, dy = moe_layer(experts, f, tokens, hidden)
     _, single, _, _ = moe_layer(experts, f, tokens, hidden, single_parameter=True)
     schedule = RoutingSchedule(tokens, experts, micro_batches)
-    t_bf16, ops_bf16 = _profile(make_step(base, x, dy, None, micro_batches, schedule))
-    t_per_expert, _ = _profile(make_step(base.sharing("per_expert"), x, dy, None, micro_batches, schedule))
+    mx = lambda: hybridfp.autocast(recipe=hybridfp.MXFP8BlockScaling())  # noqa: E731
+    fp8 = lambda: hybridfp.autocast(recipe=hybridfp.Float8CurrentScaling())  # noqa: E731
+    steps = {BF16_GROUPED: make_step(base, x, dy, None, micro_batches, schedule),
+             BF16_PER_EXPERT: make_step(base.sharing("per_expert"), x, dy, None, micro_batches, schedule),
+             BF16_COMPILED: None, "MXFP8": make_step(single, x, dy, mx, micro_batches, schedule),
+             "FP8 current": make_step(single, x, dy, fp8, micro_batches, schedule)}
+    got: dict[str, list[tuple[float, dict[str, float]]]] = {}
     try:
         compiled = torch.compile(base.sharing("grouped"), backend=compile_backend)
-        # three warm-ups: the first compiles, the next may recompile once for a changed routing
-        t_compiled, _ = _profile(make_step(compiled, x, dy, None, micro_batches, schedule), warmup=3)
+        steps[BF16_COMPILED] = make_step(compiled, x, dy, None, micro_batches, schedule)
+        if at_cap is None:
+            for name in (BF16_GROUPED, BF16_PER_EXPERT):
+                got[name] = [_profile(steps[name])]
+            # three warm-ups: the first compiles, the next may recompile once for a changed routing
+            got[BF16_COMPILED] = [_profile(steps[BF16_COMPILED], warmup=3)]
+        else:
+            for _ in range(3):  # compiled (and recompiled once for a changed routing) before the rounds
+                steps[BF16_COMPILED]()
     except Exception as err:  # noqa: BLE001 - named: the fastest BF16 needs all three baselines
         raise MissingBaselineError(f"bound_moe: the baseline '{BF16_COMPILED}' failed: torch.compile(backend="
                                    f"{compile_backend!r}): {type(err).__name__}: {err}") from err
-    mx = lambda: hybridfp.autocast(recipe=hybridfp.MXFP8BlockScaling())  # noqa: E731
-    t_mx, ops_mx = _profile(make_step(single, x, dy, mx, micro_batches, schedule))
-    fp8 = lambda: hybridfp.autocast(recipe=hybridfp.Float8CurrentScaling())  # noqa: E731
-    t_fp8, _ = _profile(make_step(single, x, dy, fp8, micro_batches, schedule))
-    return Measured(experts, f, tokens, hidden, t_bf16, grouped_mm_ms(ops_bf16, "BF16 grouped"), t_per_expert,
-                    t_compiled, t_mx, grouped_mm_ms(ops_mx, "MXFP8"), t_fp8, common.copy_bandwidth()["GBps"])
+    clocks: dict[str, dict[str, float]] = {}
+    if at_cap is None:
+        for name in ("MXFP8", "FP8 current"):
+            got[name] = [_profile(steps[name])]
+    else:
+        profiles = profile_rounds.profile_rounds(steps, at_cap, lambda step, warmup: _profile(step, warmup),
+                                                 synchronize=torch.cuda.synchronize if common.DEVICE == "cuda"
+                                                 else lambda: None)
+        got, clocks = profiles.rounds, profiles.clocks
+    rounds = [dict(zip(STEP_FIELDS, (
+        got[BF16_GROUPED][i][0], grouped_mm_ms(got[BF16_GROUPED][i][1], "BF16 grouped"), got[BF16_PER_EXPERT][i][0],
+        got[BF16_COMPILED][i][0], got["MXFP8"][i][0], grouped_mm_ms(got["MXFP8"][i][1], "MXFP8"),
+        got["FP8 current"][i][0]))) for i in range(len(got[BF16_GROUPED]))]
+    medians = {k: statistics.median(r[k] for r in rounds) for k in STEP_FIELDS}
+    return Measured(experts, f, tokens, hidden, **medians, copy_GBps=common.copy_bandwidth()["GBps"],
+                    rounds=rounds if at_cap is not None else [], clocks=clocks,
+                    at_cap=asdict(at_cap) if at_cap is not None else None)
 
 
 def costliest_ops(ops: dict[str, float], n: int = 6) -> str:
@@ -268,7 +341,7 @@ def report(m: Measured, p: Premises) -> str:
     fastest, _ = fastest_bf16(m)
     head = (f"### MoE layer bound, {m.experts} experts x ffn {m.ffn}: {p.micro_batches} micro-batches a step, "
             f"weights cast once a {p.weight_cast}, amax {'fused into the producer' if p.fused_amax else 'its own pass'} "
-            "(device ms of one step, torch.profiler)\n\n")
+            f"({profile_rounds.describe(m.at_cap, BF16_GROUPED)})\n\n")
     parts = md_table(["quantity", "ms"], [
         ["BF16 grouped step", m.bf16_step_ms], ["its grouped GEMMs (aten::_grouped_mm)", m.bf16_gemm_ms],
         ["BF16 per-expert step", m.bf16_per_expert_ms], ["BF16 compiled step", m.bf16_compiled_ms],
@@ -281,9 +354,12 @@ def report(m: Measured, p: Premises) -> str:
     table = md_table(["floor", "bytes / element", "GEMMs ms", "quantize ms", "step ms", "bound x BF16 grouped",
                       f"bound x {fastest} (fastest BF16)", "target", "measured device-time x BF16 grouped",
                       f"measured device-time x {fastest} (weights cast once a step)"],
-                     [[b["floor"], b["bytes_per_element"], b["gemm_ms"], b["quantize_ms"], b["step_ms"], b["bound"],
-                       b["bound_fastest"], b["target"], b["measured"], b["measured_fastest"]] for b in bound_rows(m, p)])
-    return head + parts + elems + table + "\n"
+                     [[b["floor"], b["bytes_per_element"], b["gemm_ms"], b["quantize_ms"], b["step_ms"],
+                       *(profile_rounds.with_interval(b, k) for k in ("bound", "bound_fastest")), b["target"],
+                       *(profile_rounds.with_interval(b, k) for k in ("measured", "measured_fastest"))]
+                      for b in bound_rows(m, p)])
+    clocks = profile_rounds.clock_table(m.clocks)
+    return head + parts + elems + table + ("\n\n" + clocks if clocks else "") + "\n"
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -295,14 +371,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--fused-amax", action="store_true", help="FP8 current: the amax is reduced by the kernel "
                    "producing each tensor (3 bytes an element instead of 5)")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile's backend for 'BF16 compiled'")
+    profile_rounds.add_arguments(p, AT_CAP)
     args = p.parse_args(argv)
     try:
         premises = Premises(args.micro_batches, args.weight_cast, args.fused_amax)
     except ValueError as err:
         p.error(str(err))
+    at_cap = profile_rounds.from_arguments(p, args, AT_CAP)
     require_cuda()
     try:
-        m = measure(args.experts, premises.micro_batches, args.compile_backend)
+        m = measure(args.experts, premises.micro_batches, args.compile_backend, at_cap=at_cap)
     except MissingBaselineError as err:
         sys.exit(str(err))
     rows = bound_rows(m, premises)

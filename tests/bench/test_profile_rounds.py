@@ -4,7 +4,7 @@ bound_mlp's bound taken per round at the power cap (median and interval of the r
 
 import pytest
 
-from bench import bench_mlp, bound_mlp, common
+from bench import bench_mlp, bound_mlp, bound_moe, common
 from bench.profile_rounds import AtCap, profile_rounds
 
 
@@ -139,12 +139,14 @@ def test_measure_at_the_cap_on_the_cpu(monkeypatch):
 
 def test_cli_options_of_the_cap_need_it(monkeypatch, capsys):
     monkeypatch.setattr(common, "DEVICE", "cpu")
-    for argv, msg in ((["--rounds", "5"], "--rounds apply to --at-cap only"),
-                      (["--heat-s", "3"], "--heat-s apply to --at-cap only"),
-                      (["--at-cap", "--rounds", "0"], "AtCap: rounds must be >= 1")):
-        with pytest.raises(SystemExit):
-            bound_mlp.main(argv)
-        assert msg in capsys.readouterr().err
+    for main in (bound_mlp.main, bound_moe.main):
+        for argv, msg in ((["--rounds", "5"], "--rounds: with --at-cap only"),
+                          (["--heat-s", "3", "--warm-steps", "2"], "--warm-steps, --heat-s: with --at-cap only"),
+                          (["--at-cap", "--rounds", "0"], "AtCap: rounds must be >= 1"),
+                          (["--at-cap", "--samples", "3"], "--samples applies to paired timings")):
+            with pytest.raises(SystemExit):
+                main(argv)
+            assert msg in capsys.readouterr().err, (main, argv)
 
 
 def test_runner_names_the_bound_at_the_cap_and_shows_its_intervals():
@@ -156,3 +158,63 @@ def test_runner_names_the_bound_at_the_cap_and_shows_its_intervals():
                                    "measured_interval": [0.97, 0.99]}]})
     assert rows == [("hybridfp MXFP8: BF16 decodes",
                      "bound 1.200x [1.150, 1.250] (target 1.05x, device time now 0.980x [0.970, 0.990])")]
+
+
+def _moe_step_name(step) -> str:
+    """Which of bound_moe's five steps ``step`` is (the layer, or the recipe its autocast takes)."""
+    if step.ctx is not None:
+        recipe = step.ctx().kwds["recipe"]
+        return "MXFP8" if "MXFP8" in type(recipe).__name__ else "FP8 current"
+    if hasattr(step.model, "_orig_mod"):
+        return "BF16 compiled"
+    return {"grouped": "BF16 grouped", "per_expert": "BF16 per-expert"}[step.model.gemm]
+
+
+def test_bound_moe_at_the_cap_profiles_every_layer_each_round(monkeypatch):
+    monkeypatch.setattr(common, "DEVICE", "cpu")
+    monkeypatch.setattr(common, "copy_bandwidth", lambda: {"GBps": 100.0})
+    base_ms = {"BF16 grouped": 10.0, "BF16 per-expert": 11.0, "BF16 compiled": 9.5, "MXFP8": 12.0, "FP8 current": 8.0}
+    seen = []
+
+    def profile(step, warmup=2):
+        name = _moe_step_name(step)
+        seen.append((name, warmup))
+        r = sum(1 for n, _ in seen if n == name)  # this step's round, 1-based
+        ms = base_ms[name] * (1 + 0.1 * r)  # every step slower each round (heating), in proportion
+        return ms, {"aten::_grouped_mm": ms / 2}
+    monkeypatch.setattr(bound_moe, "_profile", profile)
+    m = bound_moe.measure(4, 2, compile_backend="eager", ffn=32, tokens=64, hidden=64,
+                          at_cap=AtCap(rounds=3, warm_steps=2, heat_s=0.0))
+    assert [n for n, _ in seen[:5]] == list(base_ms) and [n for n, _ in seen[5:10]] == list(base_ms)[::-1]
+    assert len(seen) == 15 and {w for _, w in seen} == {2}
+    assert len(m.rounds) == 3 and m.at_cap == {"rounds": 3, "warm_steps": 2, "heat_s": 0.0}
+    assert m.bf16_step_ms == pytest.approx(10.0 * 1.2) and m.fp8_step_ms == pytest.approx(8.0 * 1.2)  # medians
+    rows = bound_moe.bound_rows(m, bound_moe.Premises())
+    for r in rows:
+        assert r["fastest_bf16"] == "BF16 compiled"
+        fp8 = r["floor"].startswith("FP8")
+        # every step slowed alike, so each round's measured ratio is the same
+        assert r["measured_fastest"] == pytest.approx(9.5 / (8.0 if fp8 else 12.0), rel=1e-12)
+        assert r["measured_interval"] == pytest.approx((10.0 / (8.0 if fp8 else 12.0),) * 2, rel=1e-12)
+        assert r["bound_interval"][0] <= r["bound"] <= r["bound_interval"][1]
+        assert len(r["bound_rounds"]) == 3
+    text = bound_moe.report(m, bound_moe.Premises())
+    assert "at the power cap: medians of 3 rounds" in text and f"{rows[0]['bound']:.3f} [" in text
+
+
+def test_bound_moe_rounds_are_the_medians_of_each_rounds_ratio():
+    fields = dict(bf16_gemm_ms=8.0, bf16_per_expert_ms=11.0, bf16_compiled_ms=9.0, mxfp8_step_ms=12.0,
+                  mxfp8_gemm_ms=7.5)
+    rounds = [dict(fields, bf16_step_ms=10.0, fp8_step_ms=9.0), dict(fields, bf16_step_ms=10.0, fp8_step_ms=7.0),
+              dict(fields, bf16_step_ms=13.0, fp8_step_ms=9.5)]
+    med = {k: sorted(r[k] for r in rounds)[1] for k in bound_moe.STEP_FIELDS}
+    m = bound_moe.Measured(experts=64, ffn=1408, tokens=128, hidden=32, **med, copy_GBps=2000.0, rounds=rounds)
+    fp8 = bound_moe.bound_rows(m, bound_moe.Premises())[0]
+    measured = sorted(r["bf16_step_ms"] / r["fp8_step_ms"] for r in rounds)
+    assert fp8["measured"] == pytest.approx(measured[1], rel=1e-12)  # 10 / 7 ... 13 / 9.5: median 13 / 9.5
+    assert fp8["measured"] != pytest.approx(med["bf16_step_ms"] / med["fp8_step_ms"])
+    single = [bound_moe.bound_rows(bound_moe.Measured(experts=64, ffn=1408, tokens=128, hidden=32, **r,
+                                                      copy_GBps=2000.0), bound_moe.Premises())[0]["bound"]
+              for r in rounds]
+    assert fp8["bound"] == pytest.approx(sorted(single)[1], rel=1e-12)
+    assert fp8["bound_interval"] == pytest.approx((min(single), max(single)), rel=1e-12)
