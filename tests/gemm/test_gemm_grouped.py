@@ -337,7 +337,6 @@ def test_lists_of_experts_are_never_joined(monkeypatch):
     copies happen to be views of one buffer (slices of one quantization): each expert is
     decoded on its own; the joined decode needs a ``GroupedTensor`` that states its copy."""
     from hybridfp import MXFP8Quantizer
-    from hybridfp.gemm import bf16_decode
     from hybridfp.moe import gemm_bf16
     from hybridfp.moe.joined import joined_of
 
