@@ -148,9 +148,12 @@ def _moe(r: dict[str, Any]) -> Rows:
 
 
 def _ratio(b: dict[str, Any], key: str) -> str:
-    """``b[key]`` as "1.234x", with its interval where measured in rounds (``--at-cap``)."""
-    lo_hi = b.get(f"{key}_interval")
-    return _x(b[key]) + (f" [{lo_hi[0]:.3f}, {lo_hi[1]:.3f}]" if lo_hi else "")
+    """``b[key]`` as "1.234x", with its interval where measured in rounds (``--at-cap``) and
+    that interval's coverage below 95 %: ``profile_rounds.with_interval``'s text with an "x",
+    written here because the runner imports no benchmark module (nor torch) to print headlines."""
+    lo_hi, coverage = b.get(f"{key}_interval"), b.get(f"{key}_coverage")
+    return (_x(b[key]) + (f" [{lo_hi[0]:.3f}, {lo_hi[1]:.3f}]" if lo_hi else "")
+            + (f" ({coverage * 100:.0f} %)" if coverage is not None and coverage < 0.95 else ""))
 
 
 def _bound_moe(r: dict[str, Any]) -> Rows:

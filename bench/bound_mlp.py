@@ -38,11 +38,11 @@ every bound an upper one.
 
 With ``--at-cap`` every quantity is measured at the GPU's steady power state, as the paired
 ratios the targets are stated on run (``bench/profile_rounds.py``: the BF16 step heats the GPU,
-then ``--rounds`` rounds profile every step, each after ``--warm-steps`` of its own); each
+then ``--rounds`` rounds profile every step, each after ``--warm-s`` seconds of its own); each
 round gives a bound and a measured ratio, reported as the median of the rounds with its
-order-statistic interval, and each step's SM clock and power.
+order-statistic interval, and each step's SM clock, power and temperature.
 
-    python -m bench.bound_mlp [--fused-amax] [--at-cap [--rounds 10] [--warm-steps 10] [--heat-s 15]]
+    python -m bench.bound_mlp [--fused-amax] [--at-cap [--rounds 10] [--warm-s 1] [--heat-s 15]]
         [--tokens N] [--quick] [--out results.json]
 """
 
@@ -62,7 +62,6 @@ from bench.bound_moe import _profile, costliest_ops
 from bench.common import environment, finish, md_table, parser, require_cuda
 from bench import profile_rounds
 from bench.profile_rounds import AtCap
-from bench.protocol import median_interval
 
 #: profiler op names whose self device time is a GEMM's (``aten::matmul`` only dispatches)
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::_scaled_mm")
@@ -222,9 +221,7 @@ def _per_round(m: Measured, recipe: str, quantize: float) -> dict[str, Any]:
                          "every step is profiled once a round")
     bounds = [b_step / ((b_step - b_gemm) + gemm + quantize) for (b_step, b_gemm), (_, gemm) in zip(base, mine)]
     measured = [b_step / step for (b_step, _), (step, _) in zip(base, mine)]
-    (lo, hi, _), (mlo, mhi, _) = median_interval(bounds), median_interval(measured)
-    return dict(bound=statistics.median(bounds), bound_interval=(lo, hi), bound_rounds=bounds,
-                measured=statistics.median(measured), measured_interval=(mlo, mhi))
+    return {**profile_rounds.median_of_rounds("bound", bounds), **profile_rounds.median_of_rounds("measured", measured)}
 
 
 def gemm_ms(ops: dict[str, float]) -> float:
@@ -316,8 +313,7 @@ def measure(tokens: int, hidden: int, intermediate: int, at_cap: Optional[AtCap]
         profiles = {name: [_profile(step)] for name, step in steps.items()}
         clocks: dict[str, dict[str, float]] = {}
     else:
-        got = profile_rounds.profile_rounds(steps, at_cap, lambda step, warmup: _profile(step, warmup),
-                                            synchronize=torch.cuda.synchronize if common.DEVICE == "cuda" else lambda: None)
+        got = profile_rounds.profile_rounds(steps, at_cap, _profile)
         profiles, clocks = got.rounds, got.clocks
     rounds = split_rounds(profiles)
     step_ms, gemm = (statistics.median(v) for v in zip(*rounds[BF16]))

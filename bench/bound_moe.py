@@ -45,7 +45,7 @@ rounds' ratios with its order-statistic interval, against the baseline fastest b
 step.
 
     python -m bench.bound_moe [--experts 64] [--micro-batches 4] [--weight-cast step|micro-batch] [--fused-amax]
-        [--compile-backend B] [--at-cap [--rounds 10] [--warm-steps 3] [--heat-s 15]]
+        [--compile-backend B] [--at-cap [--rounds 10] [--warm-s 1] [--heat-s 15]]
 """
 
 from __future__ import annotations
@@ -65,12 +65,9 @@ from bench.moe_rows import BASELINES, BF16_COMPILED, BF16_GROUPED, BF16_PER_EXPE
 from bench.moe_targets import CONFIGS, FP8_CURRENT, MXFP8, target
 from bench import profile_rounds
 from bench.profile_rounds import AtCap
-from bench.protocol import median_interval
 
 #: where the weights are cast: once a step (after the optimizer update) or every micro-batch
 WEIGHT_CASTS = ("step", "micro-batch")
-#: ``--at-cap``'s defaults: an 8-expert step of 4 micro-batches takes ~0.3 s, so 3 warm steps
-AT_CAP = AtCap(warm_steps=3)
 
 
 @dataclass(frozen=True)
@@ -177,7 +174,10 @@ def bound_rows(m: Measured, p: Premises) -> list[dict[str, Any]]:
     """Each floor's step time and the ratio it allows against BF16 grouped's measured step
     (``bound``) and against the fastest BF16 baseline's (``bound_fastest``, that baseline named in
     ``fastest_bf16``); the recipe's measured device-time ratios against both, and its target at
-    this config (``moe_targets``; None for a config without one).
+    this config (``moe_targets``; None for a config without one). Measured in rounds
+    (``m.rounds``), each of the four ratios is the median of the rounds' ratios, with its
+    ``_interval``, ``_coverage`` and ``_rounds`` (``profile_rounds.median_of_rounds``), against
+    the baseline fastest by its median step.
 
     Example
     -------
@@ -238,9 +238,7 @@ def _median_of_rounds(m: Measured, p: Premises) -> list[dict[str, Any]]:
                   "measured": [x["measured"] for x in rounds],
                   "measured_fastest": [f / r[recipe] for f, r in zip(fast_ms, m.rounds)]}
         for key, values in ratios.items():
-            lo, hi, _ = median_interval(values)
-            row.update({key: statistics.median(values), f"{key}_interval": (lo, hi)})
-        row["bound_rounds"] = ratios["bound_fastest"]
+            row.update(profile_rounds.median_of_rounds(key, values))
     return out
 
 
@@ -268,12 +266,13 @@ def measure(experts: int, micro_batches: int, compile_backend: str = "inductor",
              BF16_COMPILED: None, "MXFP8": make_step(single, x, dy, mx, micro_batches, schedule),
              "FP8 current": make_step(single, x, dy, fp8, micro_batches, schedule)}
     got: dict[str, list[tuple[float, dict[str, float]]]] = {}
-    try:
+    if at_cap is None:
+        for name in (BF16_GROUPED, BF16_PER_EXPERT):
+            got[name] = [_profile(steps[name])]
+    try:  # only torch.compile's failures are the compiled baseline's
         compiled = torch.compile(base.sharing("grouped"), backend=compile_backend)
         steps[BF16_COMPILED] = make_step(compiled, x, dy, None, micro_batches, schedule)
         if at_cap is None:
-            for name in (BF16_GROUPED, BF16_PER_EXPERT):
-                got[name] = [_profile(steps[name])]
             # three warm-ups: the first compiles, the next may recompile once for a changed routing
             got[BF16_COMPILED] = [_profile(steps[BF16_COMPILED], warmup=3)]
         else:
@@ -287,9 +286,7 @@ def measure(experts: int, micro_batches: int, compile_backend: str = "inductor",
         for name in ("MXFP8", "FP8 current"):
             got[name] = [_profile(steps[name])]
     else:
-        profiles = profile_rounds.profile_rounds(steps, at_cap, lambda step, warmup: _profile(step, warmup),
-                                                 synchronize=torch.cuda.synchronize if common.DEVICE == "cuda"
-                                                 else lambda: None)
+        profiles = profile_rounds.profile_rounds(steps, at_cap, _profile)
         got, clocks = profiles.rounds, profiles.clocks
     rounds = [dict(zip(STEP_FIELDS, (
         got[BF16_GROUPED][i][0], grouped_mm_ms(got[BF16_GROUPED][i][1], "BF16 grouped"), got[BF16_PER_EXPERT][i][0],
@@ -371,13 +368,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--fused-amax", action="store_true", help="FP8 current: the amax is reduced by the kernel "
                    "producing each tensor (3 bytes an element instead of 5)")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile's backend for 'BF16 compiled'")
-    profile_rounds.add_arguments(p, AT_CAP)
+    profile_rounds.add_arguments(p, AtCap())
     args = p.parse_args(argv)
     try:
         premises = Premises(args.micro_batches, args.weight_cast, args.fused_amax)
     except ValueError as err:
         p.error(str(err))
-    at_cap = profile_rounds.from_arguments(p, args, AT_CAP)
+    at_cap = profile_rounds.from_arguments(p, args, AtCap())
     require_cuda()
     try:
         m = measure(args.experts, premises.micro_batches, args.compile_backend, at_cap=at_cap)

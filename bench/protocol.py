@@ -298,7 +298,7 @@ class ClockPoller:
         if self._thread is not None:
             self._thread.join()
         if self._error is not None and exc[0] is None:
-            raise RuntimeError(f"paired_ratio: the clock sampler failed: {type(self._error).__name__}: "
+            raise RuntimeError(f"ClockPoller: the clock sampler failed: {type(self._error).__name__}: "
                                f"{self._error}") from self._error
 
 

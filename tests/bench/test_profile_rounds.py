@@ -2,9 +2,12 @@
 its own warm steps, the order reversed every other round, clocks read per step; and
 bound_mlp's bound taken per round at the power cap (median and interval of the rounds)."""
 
+import time
+
 import pytest
 
 from bench import bench_mlp, bound_mlp, bound_moe, common
+from bench import profile_rounds as bench_profile_rounds
 from bench.profile_rounds import AtCap, profile_rounds
 
 
@@ -16,8 +19,9 @@ class FakeClock:
         return self.t
 
 
-def test_heats_with_the_baseline_then_profiles_each_step_once_a_round_in_alternating_order():
-    clock, calls, log = FakeClock(), [], []
+def test_heats_with_the_baseline_then_profiles_each_step_once_a_round_in_alternating_order(monkeypatch):
+    monkeypatch.setattr(common, "DEVICE", "cpu")  # no clock sampler
+    clock, calls, log, syncs = FakeClock(), [], [], []
 
     def step(name):
         def run():
@@ -26,37 +30,63 @@ def test_heats_with_the_baseline_then_profiles_each_step_once_a_round_in_alterna
         return run
 
     def profile(s, warmup):
-        for _ in range(warmup):
-            s()
+        assert warmup == 0  # the warm-up is profile_rounds' own
         s()
         log.append(calls[-1])
         return float(len(log)), {"aten::mm": 1.0}
 
-    syncs = []
-    got = profile_rounds({"base": step("base"), "a": step("a"), "b": step("b")}, AtCap(rounds=3, warm_steps=2, heat_s=2.0),
+    got = profile_rounds({"base": step("base"), "a": step("a"), "b": step("b")}, AtCap(rounds=3, warm_s=1.0, heat_s=2.0),
                          profile, synchronize=lambda: syncs.append(1), clock=clock)
-    assert calls[:4] == ["base"] * 4 and len(syncs) == 4  # 2 s of heating at 0.5 s a step, each synchronized
+    assert calls[:4] == ["base"] * 4  # 2 s of heating at 0.5 s a step
+    assert calls[4:7] == ["base"] * 3  # 1 s of its own calls, then the profiled one
     assert log == ["base", "a", "b", "b", "a", "base", "base", "a", "b"]  # reversed every other round
-    assert calls[4:7] == ["base"] * 3  # two warm steps, then the profiled one
+    assert len(syncs) == 4 + 9 * 2  # every heating and warm-up call synchronized, not the profiled ones
     assert {k: [ms for ms, _ in v] for k, v in got.rounds.items()} == {"base": [1.0, 6.0, 7.0], "a": [2.0, 5.0, 8.0],
                                                                         "b": [3.0, 4.0, 9.0]}
     assert got.clocks == {"base": {}, "a": {}, "b": {}}  # no sampler on the CPU
 
 
-def test_clocks_are_read_while_each_step_runs():
-    readings = iter(range(1000, 2000))
-    got = profile_rounds({"base": lambda: None, "a": lambda: None}, AtCap(rounds=2, warm_steps=1, heat_s=0),
-                         lambda s, w: (1.0, {}), synchronize=lambda: None,
-                         sampler=lambda: {"sm_mhz": float(next(readings))}, poll_s=0.001)
+def test_a_step_warms_at_least_once_and_is_released_after_its_profile(monkeypatch):
+    monkeypatch.setattr(common, "DEVICE", "cpu")  # no clock sampler
+    events = []
+
+    class Step:
+        def __call__(self):
+            events.append("call")
+
+        def release(self):
+            events.append("release")
+    profile_rounds({"base": Step()}, AtCap(rounds=2, warm_s=0.0, heat_s=0.0),
+                   lambda s, w: (s(), (1.0, {}))[1], synchronize=lambda: None)
+    assert events == ["call", "call", "release"] * 2
+
+
+def test_clocks_are_read_during_the_warm_up_only():
+    readings, busy = iter(range(1000, 100000)), {"warm": False}
+
+    def sampler():
+        return {"sm_mhz": float(next(readings))} if busy["warm"] else {"idle": 1.0}
+
+    def step():
+        busy["warm"] = True
+        time.sleep(0.003)
+
+    def profile(s, w):
+        busy["warm"] = False  # a profile and its processing: the poller must be off by now
+        time.sleep(0.01)
+        return 1.0, {}
+    got = profile_rounds({"base": step, "a": step}, AtCap(rounds=2, warm_s=0.02, heat_s=0),
+                         profile, synchronize=lambda: None, sampler=sampler, poll_s=0.001)
     for name in ("base", "a"):
         c = got.clocks[name]
-        assert 1000 <= c["sm_mhz_min"] <= c["sm_mhz_median"] <= c["sm_mhz_max"] < 2000
+        assert 1000 <= c["sm_mhz_min"] <= c["sm_mhz_median"] <= c["sm_mhz_max"]
+        assert "idle_min" not in c  # no reading while a profile is processed
 
 
-@pytest.mark.parametrize("kw, name", [({"rounds": 0}, "rounds"), ({"warm_steps": 0}, "warm_steps"),
-                                      ({"heat_s": -1.0}, "heat_s")])
+@pytest.mark.parametrize("kw, name", [({"rounds": 0}, "--rounds"), ({"warm_s": -1.0}, "--warm-s"),
+                                      ({"heat_s": -1.0}, "--heat-s")])
 def test_at_cap_options_are_checked_by_name(kw, name):
-    with pytest.raises(ValueError, match=f"AtCap: {name} must be"):
+    with pytest.raises(ValueError, match=f"{name} must be"):
         AtCap(**kw)
 
 
@@ -71,7 +101,7 @@ def _rounds_measured(base_rounds, recipe_rounds):
     med = lambda rs: tuple(sorted(v)[len(v) // 2] for v in zip(*rs))  # noqa: E731 (odd counts: the median)
     return bound_mlp.Measured(tokens=64, hidden=32, intermediate=96, bf16_step_ms=med(base_rounds)[0],
                               bf16_gemm_ms=med(base_rounds)[1], recipes={n: med(recipe_rounds) for n in names},
-                              copy_GBps=0.5, rounds=rounds, at_cap={"rounds": len(base_rounds), "warm_steps": 1,
+                              copy_GBps=0.5, rounds=rounds, at_cap={"rounds": len(base_rounds), "warm_s": 1.0,
                                                                     "heat_s": 0.0})
 
 
@@ -91,7 +121,7 @@ def test_the_bound_at_the_cap_is_the_median_of_each_rounds_bound():
     # the median of the rounds' ratios, not the ratio of the median steps (11 / 9)
     assert fp8["measured"] != pytest.approx(m.bf16_step_ms / m.recipes[fp8["recipe"]][0])
     text = bound_mlp.report(m, bound_mlp.Premises())
-    assert "at the power cap: medians of 3 rounds" in text and f"{fp8['bound']:.3f} [" in text
+    assert "at the power cap: 3 rounds" in text and f"{fp8['bound']:.3f} [" in text and "(75 %)" in text
 
 
 def test_rounds_must_pair_up():
@@ -128,10 +158,10 @@ def test_measure_at_the_cap_on_the_cpu(monkeypatch):
     monkeypatch.setattr(bound_mlp, "_profile", profile)
     monkeypatch.setattr(bound_mlp, "check_gemm_share", lambda *a: None)
     monkeypatch.setattr(bound_mlp, "check_baseline", lambda *a: None)
-    m = bound_mlp.measure(64, 64, 128, AtCap(rounds=2, warm_steps=1, heat_s=0.0))
-    assert seen == [1] * (2 * (1 + len(bench_mlp.RECIPES)))
+    m = bound_mlp.measure(64, 64, 128, AtCap(rounds=2, warm_s=0.0, heat_s=0.0))
+    assert seen == [0] * (2 * (1 + len(bench_mlp.RECIPES)))
     assert set(m.rounds) == {bound_mlp.BF16, *(n for n, _ in bench_mlp.RECIPES)}
-    assert all(len(v) == 2 for v in m.rounds.values()) and m.at_cap == {"rounds": 2, "warm_steps": 1, "heat_s": 0.0}
+    assert all(len(v) == 2 for v in m.rounds.values()) and m.at_cap == {"rounds": 2, "warm_s": 0.0, "heat_s": 0.0}
     rows = bound_mlp.bound_rows(m, bound_mlp.Premises())
     assert all(len(r["bound_rounds"]) == 2 and r["bound_interval"][0] <= r["bound"] <= r["bound_interval"][1]
                for r in rows)
@@ -141,8 +171,8 @@ def test_cli_options_of_the_cap_need_it(monkeypatch, capsys):
     monkeypatch.setattr(common, "DEVICE", "cpu")
     for main in (bound_mlp.main, bound_moe.main):
         for argv, msg in ((["--rounds", "5"], "--rounds: with --at-cap only"),
-                          (["--heat-s", "3", "--warm-steps", "2"], "--warm-steps, --heat-s: with --at-cap only"),
-                          (["--at-cap", "--rounds", "0"], "AtCap: rounds must be >= 1"),
+                          (["--heat-s", "3", "--warm-s", "2"], "--warm-s, --heat-s: with --at-cap only"),
+                          (["--at-cap", "--rounds", "0"], "--rounds must be >= 1"),
                           (["--at-cap", "--samples", "3"], "--samples applies to paired timings")):
             with pytest.raises(SystemExit):
                 main(argv)
@@ -184,10 +214,10 @@ def test_bound_moe_at_the_cap_profiles_every_layer_each_round(monkeypatch):
         return ms, {"aten::_grouped_mm": ms / 2}
     monkeypatch.setattr(bound_moe, "_profile", profile)
     m = bound_moe.measure(4, 2, compile_backend="eager", ffn=32, tokens=64, hidden=64,
-                          at_cap=AtCap(rounds=3, warm_steps=2, heat_s=0.0))
+                          at_cap=AtCap(rounds=3, warm_s=0.0, heat_s=0.0))
     assert [n for n, _ in seen[:5]] == list(base_ms) and [n for n, _ in seen[5:10]] == list(base_ms)[::-1]
-    assert len(seen) == 15 and {w for _, w in seen} == {2}
-    assert len(m.rounds) == 3 and m.at_cap == {"rounds": 3, "warm_steps": 2, "heat_s": 0.0}
+    assert len(seen) == 15 and {w for _, w in seen} == {0}
+    assert len(m.rounds) == 3 and m.at_cap == {"rounds": 3, "warm_s": 0.0, "heat_s": 0.0}
     assert m.bf16_step_ms == pytest.approx(10.0 * 1.2) and m.fp8_step_ms == pytest.approx(8.0 * 1.2)  # medians
     rows = bound_moe.bound_rows(m, bound_moe.Premises())
     for r in rows:
@@ -199,7 +229,7 @@ def test_bound_moe_at_the_cap_profiles_every_layer_each_round(monkeypatch):
         assert r["bound_interval"][0] <= r["bound"] <= r["bound_interval"][1]
         assert len(r["bound_rounds"]) == 3
     text = bound_moe.report(m, bound_moe.Premises())
-    assert "at the power cap: medians of 3 rounds" in text and f"{rows[0]['bound']:.3f} [" in text
+    assert "at the power cap: 3 rounds" in text and f"{rows[0]['bound']:.3f} [" in text
 
 
 def test_bound_moe_rounds_are_the_medians_of_each_rounds_ratio():
@@ -218,3 +248,59 @@ def test_bound_moe_rounds_are_the_medians_of_each_rounds_ratio():
               for r in rounds]
     assert fp8["bound"] == pytest.approx(sorted(single)[1], rel=1e-12)
     assert fp8["bound_interval"] == pytest.approx((min(single), max(single)), rel=1e-12)
+
+
+def test_bound_moe_ratios_against_the_fastest_by_median_in_every_round():
+    """Per-expert is fastest in one round, compiled by its median: every round's ratios against
+    the fastest take compiled's time of that round, and BF16 grouped's ratios its own round's."""
+    rounds = [dict(bf16_step_ms=10.0, bf16_gemm_ms=8.0, bf16_per_expert_ms=11.0, bf16_compiled_ms=9.0,
+                   mxfp8_step_ms=12.0, mxfp8_gemm_ms=7.5, fp8_step_ms=9.0),
+              dict(bf16_step_ms=12.0, bf16_gemm_ms=9.0, bf16_per_expert_ms=8.0, bf16_compiled_ms=9.6,
+                   mxfp8_step_ms=12.5, mxfp8_gemm_ms=7.0, fp8_step_ms=8.0),
+              dict(bf16_step_ms=11.0, bf16_gemm_ms=8.5, bf16_per_expert_ms=11.5, bf16_compiled_ms=9.3,
+                   mxfp8_step_ms=11.0, mxfp8_gemm_ms=7.2, fp8_step_ms=8.5)]
+    med = {k: sorted(r[k] for r in rounds)[1] for k in bound_moe.STEP_FIELDS}
+    m = bound_moe.Measured(experts=64, ffn=1408, tokens=128, hidden=32, **med, copy_GBps=2000.0, rounds=rounds)
+    p = bound_moe.Premises()
+    rows = bound_moe.bound_rows(m, p)
+    weights, acts = bound_moe.quantized_elements(m, p)
+    for j, row in enumerate(rows):
+        assert row["fastest_bf16"] == "BF16 compiled"  # by median (9.3 < per-expert's 11.0), not round 2's 8.0
+        fp8 = row["floor"].startswith("FP8")
+        steps = []
+        for r in rounds:
+            gemm = r["bf16_gemm_ms"] / 2 if fp8 else r["mxfp8_gemm_ms"]
+            quantize = (weights + acts) * row["bytes_per_element"] / 2000.0 / 1e6
+            steps.append(r["bf16_step_ms"] - r["bf16_gemm_ms"] + gemm + quantize)
+        recipe = "fp8_step_ms" if fp8 else "mxfp8_step_ms"
+        expect = {"bound": [r["bf16_step_ms"] / t for r, t in zip(rounds, steps)],
+                  "bound_fastest": [r["bf16_compiled_ms"] / t for r, t in zip(rounds, steps)],
+                  "measured": [r["bf16_step_ms"] / r[recipe] for r in rounds],
+                  "measured_fastest": [r["bf16_compiled_ms"] / r[recipe] for r in rounds]}
+        for key, values in expect.items():
+            assert row[f"{key}_rounds"] == pytest.approx(values, rel=1e-12), (j, key)
+            assert row[key] == pytest.approx(sorted(values)[1], rel=1e-12), (j, key)
+            assert row[f"{key}_coverage"] == pytest.approx(0.75)  # 3 rounds: [min, max]
+
+
+def test_bound_mlp_each_round_takes_its_own_shared_rest():
+    base = [(10.0, 8.0), (12.0, 9.0), (11.0, 9.5)]  # the rest: 2.0, 3.0, 1.5
+    mine = [(9.0, 5.0), (8.0, 5.0), (9.5, 5.5)]
+    m = _rounds_measured(base, mine)
+    fp8 = bound_mlp.bound_rows(m, bound_mlp.Premises())[0]
+    q = fp8["quantize_ms"]
+    per_round = [b / (b - bg + g + q) for (b, bg), (_, g) in zip(base, mine)]
+    assert fp8["bound_rounds"] == pytest.approx(per_round, rel=1e-12)
+    assert fp8["measured_rounds"] == pytest.approx([b / s for (b, _), (s, _) in zip(base, mine)], rel=1e-12)
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["--at-cap"], AtCap()),
+    (["--at-cap", "--quick"], AtCap(**bench_profile_rounds.QUICK)),
+    (["--at-cap", "--quick", "--rounds", "10"], AtCap(**{**bench_profile_rounds.QUICK, "rounds": 10})),
+    (["--at-cap", "--heat-s", "0", "--warm-s", "2.5"], AtCap(heat_s=0.0, warm_s=2.5)),
+    (["--quick"], None), ([], None)])
+def test_options_of_the_cap_read_back(argv, expect):
+    p = common.parser("t")
+    bench_profile_rounds.add_arguments(p, AtCap())
+    assert bench_profile_rounds.from_arguments(p, p.parse_args(argv), AtCap()) == expect

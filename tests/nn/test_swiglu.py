@@ -119,9 +119,10 @@ def assert_bitwise(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 
 
 def check_kernels(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor, dg: torch.Tensor, du: torch.Tensor,
-                  h: torch.Tensor) -> None:
+                  h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Kernel outputs (h, dg, du) for inputs (g, u, dh) against eager torch within the bounds of
-    the module docstring, and h / du bitwise torch's products with the kernel's own silu."""
+    the module docstring, and h / du bitwise torch's products with the kernel's own silu.
+    Returns eager torch's (h, dg)."""
     dt = g.dtype
     rh, rdg, rdu = eager(g, u, dh)
     s = triton_swiglu.swiglu_forward(g, torch.ones(g.shape, dtype=dt, device=g.device))  # h at u = 1: silu
@@ -133,6 +134,7 @@ def check_kernels(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor, dg: torch.
     g64, ds64 = g.double(), (dh * u).double()
     term = DG_TERM * (ds64 * torch.sigmoid(g64)).abs() * (1 + g64.abs())
     assert_within(dg, rdg, ulp(rdg, dt) + torch.nan_to_num(term, nan=0.0), "dg")
+    return rh, rdg
 
 
 def inputs(shape: tuple[int, int], dtype: torch.dtype, seed: int = 0, device: str = "cpu",
@@ -309,10 +311,8 @@ def test_gpu_kernels_match_eager(dtype, shape, strided):
     # shape's check holds ~2 GiB instead of ~20 beside the other test workers on the GPU
     differ = torch.zeros(2, dtype=torch.float64, device=g.device)
     for rows in row_blocks(g.shape[0], CHECK_ROWS):
-        check_kernels(g[rows], u[rows], dh[rows], dg[rows], du[rows], h[rows])
-        if dtype == torch.bfloat16:
-            rh, rdg, _ = eager(g[rows], u[rows], dh[rows])
-            differ += torch.stack([(h[rows] != rh).double().sum(), (dg[rows] != rdg).double().sum()])
+        rh, rdg = check_kernels(g[rows], u[rows], dh[rows], dg[rows], du[rows], h[rows])
+        differ += torch.stack([(h[rows] != rh).double().sum(), (dg[rows] != rdg).double().sum()])
     if dtype == torch.bfloat16:
         # Both sides call CUDA's expf, so equal bits are expected; a differing libdevice build
         # would flip a rounding in ~2**-14 of the elements (few-ulp FP32 differences).
@@ -338,6 +338,7 @@ def test_row_blocks_cover_every_row_once():
         assert covered == list(range(m))
 
 
+@interpreter_only
 def test_checks_on_row_blocks_are_the_checks_of_the_whole():
     """A wrong element caught by the whole-tensor check is caught in its block (CPU)."""
     g, u, dh = inputs((7, 33), torch.float32, seed=3, strided=True)
