@@ -38,6 +38,8 @@ _NV = dict(sxc=1, ROW=True, COL=True, ROW_SCALED=False, ROW_WORDS=True, COL_WORD
            BF16_NAN=0x7FC0)
 _MX_SIG = dict(x_ptr="*i16", rd_ptr="*u8", rs_ptr="*u8", cd_ptr="*u8", cs_ptr="*u8", R="i32", C="i32", NBR="i32", sxr="i32",
                RCP="fp32", map_ptr="*i32")
+#: the fused NVFP4 row + MXFP8 column kernel's: MXFP8's without the row map
+_NVMX_SIG = {k: v for k, v in _MX_SIG.items() if k != "map_ptr"}
 _FP8 = dict(RCEIL=True, EMAX=8, MBITS=3, BIAS=7, FP8_MAX=448.0)
 #: FP8 block 1D (E4M3, power-of-two scales, 1x128 / 128x1, BF16 input, the default "natural" 128 / 32 rows);
 #: loops are counted once (static).
@@ -145,18 +147,18 @@ CASES: dict[str, tuple] = {
        for rs in (8, 16, 32)},
     **{f"nvfp4 row + mxfp8 col {src} (32, 64)": (
         "triton_hybrid_nvfp4", "_nvfp4_mxfp8_kernel",
-        dict(_MX_SIG, amax_ptr="*fp32", RCP6="fp32"),
+        dict(_NVMX_SIG, amax_ptr="*fp32", RCP6="fp32"),
         dict(_FP8, sxc=1, ROW=True, COL=True, ROW_SCALED=False, SRC_DEQ=src == "rd", DTYPE=1, BR=32, BC=64,
              PACK=True, WORDS=True, HW=True), 32, 2) for src in ("rd", "orig")},
     # copies written as their BF16 decodes (quantize(decoded=...)): Composer-2's input (row-scaled, rows decoded,
     # columns as codes: "natural") and weights (global amax, both decoded: "trans")
     "nvfp4 row decoded + mxfp8 col rd natural row-scaled (32, 64) nw2": (
-        "triton_hybrid_nvfp4", "_nvfp4_mxfp8_kernel", dict(_MX_SIG, amax_ptr="*fp32", RCP6="fp32", rd_ptr="*i16"),
+        "triton_hybrid_nvfp4", "_nvfp4_mxfp8_kernel", dict(_NVMX_SIG, amax_ptr="*fp32", RCP6="fp32", rd_ptr="*i16"),
         dict(_FP8, sxc=1, ROW=True, COL=True, ROW_SCALED=True, SRC_DEQ=True, DTYPE=1, BR=32, BC=64, PACK=True,
              WORDS=True, HW=2, WIDE=True, NATURAL=True, GRID2=True, DEC_ROW=True, NAN16=0x7FFF), 32, 2),
     "nvfp4 row + mxfp8 col both decoded rd trans global (32, 64) nw2": (
         "triton_hybrid_nvfp4", "_nvfp4_mxfp8_kernel",
-        dict(_MX_SIG, amax_ptr="*fp32", RCP6="fp32", rd_ptr="*i16", cd_ptr="*bf16"),
+        dict(_NVMX_SIG, amax_ptr="*fp32", RCP6="fp32", rd_ptr="*i16", cd_ptr="*bf16"),
         dict(_FP8, sxc=1, ROW=True, COL=True, ROW_SCALED=False, SRC_DEQ=True, DTYPE=1, BR=32, BC=64, PACK=True,
              WORDS=True, HW=True, WIDE=True, NATURAL=False, GRID2=True, DEC_ROW=True, DEC_COL=True, NAN16=0x7FFF),
         32, 2),
@@ -165,7 +167,7 @@ CASES: dict[str, tuple] = {
     # (Composer-2's weights: the same kernel with one global amax, "global")
     **{f"nvfp4 row + mxfp8 col {src} {m} {scaled} {t} nw{nw}": (
         "triton_hybrid_nvfp4", "_nvfp4_mxfp8_kernel",
-        dict(_MX_SIG, amax_ptr="*fp32", RCP6="fp32"),
+        dict(_NVMX_SIG, amax_ptr="*fp32", RCP6="fp32"),
         dict(_FP8, sxc=1, ROW=True, COL=True, ROW_SCALED=scaled == "row-scaled", SRC_DEQ=src == "rd", DTYPE=1,
              BR=t[0], BC=t[1], PACK=True, WORDS=True, HW=2 if m == "natural" else True, WIDE=True,
              NATURAL=m == "natural", GRID2=True),
@@ -232,6 +234,9 @@ def compile_sm90(fn: Any, signature: dict[str, str], constexprs: dict[str, Any],
     leaves it). ``options``: further compile options (``num_stages``, ``enable_fp_fusion``)."""
     params = inspect.signature(fn.fn).parameters
     names = list(params)
+    unknown = (set(signature) | set(constexprs)) - set(names)
+    if unknown:  # a renamed argument would otherwise compile the kernel's default silently
+        raise ValueError(f"sass_count: {fn.fn.__name__} has no arguments {sorted(unknown)}")
     constexprs = {**{n: p.default for n, p in params.items() if n not in signature and n not in constexprs
                      and p.default is not inspect.Parameter.empty}, **constexprs}
     sig = {n: ("constexpr" if n in constexprs else signature[n]) for n in names}
