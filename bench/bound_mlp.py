@@ -320,7 +320,7 @@ def measure(tokens: int, hidden: int, intermediate: int, at_cap: Optional[AtCap]
     recipes = {n: tuple(statistics.median(v) for v in zip(*rounds[n])) for n, _ in bench_mlp.RECIPES}
     return Measured(tokens, hidden, intermediate, step_ms, gemm, recipes, common.copy_bandwidth()["GBps"],
                     rounds=rounds if at_cap is not None else {}, clocks=clocks,
-                    at_cap=asdict(at_cap) if at_cap is not None else None)
+                    at_cap=at_cap.record() if at_cap is not None else None)
 
 
 def split_rounds(profiles: dict[str, list[tuple[float, dict[str, float]]]]) -> dict[str, list[tuple[float, float]]]:

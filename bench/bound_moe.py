@@ -295,7 +295,7 @@ def measure(experts: int, micro_batches: int, compile_backend: str = "inductor",
     medians = {k: statistics.median(r[k] for r in rounds) for k in STEP_FIELDS}
     return Measured(experts, f, tokens, hidden, **medians, copy_GBps=common.copy_bandwidth()["GBps"],
                     rounds=rounds if at_cap is not None else [], clocks=clocks,
-                    at_cap=asdict(at_cap) if at_cap is not None else None)
+                    at_cap=at_cap.record() if at_cap is not None else None)
 
 
 def costliest_ops(ops: dict[str, float], n: int = 6) -> str:

@@ -18,19 +18,20 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Optional
 
 from bench import common
 from bench.common import md_table
-from bench.protocol import POLL_S, ClockPoller, Sampler, device_sampler, median_interval, summarize_clocks
+from bench.protocol import (POLL_S, ClockPoller, Protocol, Sampler, device_sampler, median_interval,
+                            summarize_clocks)
 
 #: ``profile(step, warmup)``: (device ms of one step after ``warmup`` calls, op name -> self
 #: device ms), as ``bound_moe._profile``
 Profiler = Callable[[Callable[[], Any], int], tuple[float, dict[str, float]]]
 #: rounds from which a median's interval reaches 95 % coverage and a figure may be reported
 #: (``protocol.Protocol``'s rounds: 10 give the 2nd to 9th order statistic, 97.9 %)
-REPORTABLE_ROUNDS = 10
+REPORTABLE_ROUNDS = Protocol.rounds
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,15 @@ class AtCap:
         for name, low in (("rounds", 1), ("warm_s", 0), ("heat_s", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
+
+    @property
+    def reportable(self) -> bool:
+        """Whether figures measured so may be reported (>= ``REPORTABLE_ROUNDS`` rounds)."""
+        return self.rounds >= REPORTABLE_ROUNDS
+
+    def record(self) -> dict[str, Any]:
+        """Its fields and ``reportable``, for a results JSON."""
+        return {**asdict(self), "reportable": self.reportable}
 
 
 @dataclass(frozen=True)
@@ -314,6 +324,7 @@ def describe(at_cap: Optional[dict[str, Any]], baseline: str) -> str:
     """
     if at_cap is None:
         return "device ms of one step, torch.profiler"
+    smoke = "" if at_cap.get("reportable", True) else f"; under {REPORTABLE_ROUNDS} rounds: not reportable"
     return (f"device ms, torch.profiler, at the power cap: {at_cap['rounds']} rounds after {at_cap['heat_s']:g} s "
             f"of {baseline} steps, each profile after {at_cap['warm_s']:g} s of its own step; the ms columns are "
-            "medians of the rounds' times, each ratio the median of the rounds' ratios with its interval")
+            f"medians of the rounds' times, each ratio the median of the rounds' ratios with its interval{smoke}")

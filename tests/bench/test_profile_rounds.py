@@ -90,6 +90,10 @@ def test_at_cap_options_are_checked_by_name(kw, name):
         AtCap(**kw)
 
 
+def test_ten_rounds_are_reportable():
+    assert AtCap().reportable and AtCap().record()["reportable"] and not AtCap(rounds=9).reportable
+
+
 def test_no_steps_is_refused():
     with pytest.raises(ValueError, match="no steps"):
         profile_rounds({}, AtCap(), lambda s, w: (1.0, {}), synchronize=lambda: None)
@@ -161,7 +165,8 @@ def test_measure_at_the_cap_on_the_cpu(monkeypatch):
     m = bound_mlp.measure(64, 64, 128, AtCap(rounds=2, warm_s=0.0, heat_s=0.0))
     assert seen == [0] * (2 * (1 + len(bench_mlp.RECIPES)))
     assert set(m.rounds) == {bound_mlp.BF16, *(n for n, _ in bench_mlp.RECIPES)}
-    assert all(len(v) == 2 for v in m.rounds.values()) and m.at_cap == {"rounds": 2, "warm_s": 0.0, "heat_s": 0.0}
+    assert all(len(v) == 2 for v in m.rounds.values()) and m.at_cap == {"rounds": 2, "warm_s": 0.0, "heat_s": 0.0,
+                                                                          "reportable": False}
     rows = bound_mlp.bound_rows(m, bound_mlp.Premises())
     assert all(len(r["bound_rounds"]) == 2 and r["bound_interval"][0] <= r["bound"] <= r["bound_interval"][1]
                for r in rows)
@@ -217,7 +222,7 @@ def test_bound_moe_at_the_cap_profiles_every_layer_each_round(monkeypatch):
                           at_cap=AtCap(rounds=3, warm_s=0.0, heat_s=0.0))
     assert [n for n, _ in seen[:5]] == list(base_ms) and [n for n, _ in seen[5:10]] == list(base_ms)[::-1]
     assert len(seen) == 15 and {w for _, w in seen} == {0}
-    assert len(m.rounds) == 3 and m.at_cap == {"rounds": 3, "warm_s": 0.0, "heat_s": 0.0}
+    assert len(m.rounds) == 3 and m.at_cap == {"rounds": 3, "warm_s": 0.0, "heat_s": 0.0, "reportable": False}
     assert m.bf16_step_ms == pytest.approx(10.0 * 1.2) and m.fp8_step_ms == pytest.approx(8.0 * 1.2)  # medians
     rows = bound_moe.bound_rows(m, bound_moe.Premises())
     for r in rows:
@@ -230,6 +235,7 @@ def test_bound_moe_at_the_cap_profiles_every_layer_each_round(monkeypatch):
         assert len(r["bound_rounds"]) == 3
     text = bound_moe.report(m, bound_moe.Premises())
     assert "at the power cap: 3 rounds" in text and f"{rows[0]['bound']:.3f} [" in text
+    assert "under 10 rounds: not reportable" in text
 
 
 def test_bound_moe_rounds_are_the_medians_of_each_rounds_ratio():
