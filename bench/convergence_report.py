@@ -125,6 +125,8 @@ class Gap:
     hi: Optional[float]
     method: str          # "paired (n seeds)", "Welch", or why there is no interval
     n: int
+    #: paired: the standard deviation of the per-seed gaps in % (None with one seed, or Welch)
+    sd: Optional[float] = None
 
 
 def paired_gap(recipe: dict[int, float], base: dict[int, float], confidence: float = CONFIDENCE) -> Gap:
@@ -156,8 +158,9 @@ def paired_gap(recipe: dict[int, float], base: dict[int, float], confidence: flo
     mean = statistics.fmean(d)
     if len(d) < 2:
         return Gap(mean, None, None, "one shared seed: no interval", 1)
-    half = t_quantile(0.5 + confidence / 2, len(d) - 1) * statistics.stdev(d) / math.sqrt(len(d))
-    return Gap(mean, mean - half, mean + half, f"paired ({len(d)} seeds)", len(d))
+    sd = statistics.stdev(d)
+    half = t_quantile(0.5 + confidence / 2, len(d) - 1) * sd / math.sqrt(len(d))
+    return Gap(mean, mean - half, mean + half, f"paired ({len(d)} seeds)", len(d), sd)
 
 
 def welch_gap(recipe: Sequence[float], base: Sequence[float], confidence: float = CONFIDENCE) -> Gap:
@@ -218,6 +221,44 @@ def resolvable_sd(target_pct: float, n: int, confidence: float = CONFIDENCE) -> 
     if n < 2:
         raise ValueError(f"resolvable_sd: an interval needs at least two seeds; got n={n}.")
     return target_pct * math.sqrt(n) / t_quantile(0.5 + confidence / 2, n - 1)
+
+
+#: the most seeds :func:`seeds_to_meet` looks for
+SEEDS_LIMIT = 1000
+
+
+def seeds_to_meet(sd: float, target_pct: float, confidence: float = CONFIDENCE) -> Optional[int]:
+    """The fewest paired seeds with which a recipe whose true gap is zero meets a
+    ``+-target_pct`` % target, if its per-seed gaps keep the standard deviation ``sd``: the
+    first n with ``t(n-1) sd / sqrt(n) <= target`` (:func:`resolvable_sd` turned around). A
+    planning figure: a few seeds' standard deviation is itself uncertain, and a mean gap away
+    from zero needs more seeds to be met (or fewer to be missed).
+
+    Parameters
+    ----------
+    sd : the per-seed gaps' standard deviation in %.
+    target_pct : the target in %.
+    confidence : two-sided confidence level.
+
+    Returns
+    -------
+    int or None : None where no count up to ``SEEDS_LIMIT`` does.
+
+    Raises
+    ------
+    ValueError : a negative ``sd`` or a non-positive target.
+
+    Example
+    -------
+    >>> seeds_to_meet(0.1, 0.25), seeds_to_meet(0.67, 0.25), seeds_to_meet(1.11, 1.0), seeds_to_meet(30.0, 0.25)
+    (3, 31, 8, None)
+    """
+    if sd < 0 or target_pct <= 0:
+        raise ValueError(f"seeds_to_meet: sd must be >= 0 and the target > 0; got sd={sd}, target={target_pct}.")
+    for n in range(2, SEEDS_LIMIT + 1):
+        if t_quantile(0.5 + confidence / 2, n - 1) * sd / math.sqrt(n) <= target_pct:
+            return n
+    return None
 
 
 def verdict(lo: Optional[float], hi: Optional[float], target: Optional[float]) -> str:
@@ -402,7 +443,9 @@ def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
             else:  # unpaired: fewer than two seeds in common
                 g = welch_gap(losses, list(base.values()), confidence)
             row.update(gap_pct=g.gap_pct, ci_lo=g.lo, ci_hi=g.hi, method=g.method,
-                       verdict=verdict(g.lo, g.hi, row["target_pct"]))
+                       verdict=verdict(g.lo, g.hi, row["target_pct"]), gap_sd=g.sd,
+                       seeds_to_meet=(seeds_to_meet(g.sd, row["target_pct"], confidence)
+                                      if g.sd is not None and row["target_pct"] is not None else None))
         elif recipe != BASELINE:
             row.update(gap_pct=None, ci_lo=None, ci_hi=None, method="no complete run")
         else:
@@ -421,20 +464,23 @@ def to_markdown(result: dict) -> str:
     lines = [f"Final validation loss at step {result['final_step']}; gap = recipe vs `{BASELINE}` in %, "
              f"{pct} % interval.", "",
              f"| recipe | seeds | final val loss (mean ± std) | gap vs {BASELINE} | {pct} % interval | method "
-             "| target | verdict | tokens/s |", "|---|---:|---:|---:|---:|---|---:|---|---:|"]
+             "| target | verdict | seeds to meet at gap 0 | tokens/s |", "|---|---:|---:|---:|---:|---|---:|---|---:|---:|"]
     for r in result["rows"]:
         std = f" ± {r['std']:.4f}" if r["std"] is not None else ""
         mean = f"{r['mean']:.4f}{std}" if r["mean"] is not None else "—"
         tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] is not None else ""
         target = f"± {r['target_pct']} %" if r["target_pct"] is not None else ""
+        need = ""
         if r["recipe"] == BASELINE:
             gap, interval, method, verdict_ = "baseline", "", "", r.get("verdict", "")
         else:
             gap = f"{r['gap_pct']:+.2f} %" if r["gap_pct"] is not None else "—"
             interval = f"[{r['ci_lo']:+.2f}, {r['ci_hi']:+.2f}] %" if r["ci_lo"] is not None else "—"
             method, verdict_ = r["method"], r["verdict"]
+            if r.get("gap_sd") is not None and r["target_pct"] is not None and verdict_ != "failed":
+                need = str(r["seeds_to_meet"]) if r.get("seeds_to_meet") is not None else f"> {SEEDS_LIMIT}"
         lines.append(f"| `{r['recipe']}` | {len(r['seeds'])} | {mean} | {gap} | {interval} | "
-                     f"{method} | {target} | {verdict_} | {tps} |")
+                     f"{method} | {target} | {verdict_} | {need} | {tps} |")
     seeds = sorted({int(s) for d in result["seeds"].values() for s in d})
     n = max((len(r["seeds"]) for r in result["rows"]), default=0)
     targets = sorted({r["target_pct"] for r in result["rows"] if r["target_pct"] is not None})
@@ -444,7 +490,10 @@ def to_markdown(result: dict) -> str:
         lines += ["", f"With {n} seeds (t = {t:.2f}), a row meets ± {targets[0]} % only if its per-seed gaps' "
                   f"standard deviation is below {resolvable_sd(targets[0], n, result['confidence']):.2f} %"
                   + (f" ({more})" if more else "") + ", and then only at a mean gap of zero; an unresolved row "
-                  "needs more seeds or a steadier gap (docs/convergence.md)."]
+                  "needs more seeds or a steadier gap (docs/convergence.md). \"Seeds to meet at gap 0\": the "
+                  "paired seeds at which a recipe whose true gap is zero would meet its target if its per-seed "
+                  "gaps kept this standard deviation (a planning figure: a few seeds' standard deviation is itself "
+                  "uncertain)."]
     lines += ["", "Final validation loss by seed:", "",
               "| recipe | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|" + "---:|" * len(seeds)]
     for recipe, d in result["seeds"].items():
@@ -478,8 +527,9 @@ def main(argv: list[str] | None = None) -> None:
         args.json.write_text(json.dumps(result, indent=1))
 
 
-__all__ = ["BASELINE", "CONFIDENCE", "Gap", "TARGETS", "analyze", "failed_runs", "paired_gap", "report", "resolvable_sd", "split_label",
-           "t_cdf", "t_quantile", "to_markdown", "verdict", "welch_gap"]
+__all__ = ["BASELINE", "CONFIDENCE", "Gap", "SEEDS_LIMIT", "TARGETS", "analyze", "failed_runs", "paired_gap", "report",
+           "resolvable_sd", "seeds_to_meet", "split_label", "t_cdf", "t_quantile", "to_markdown", "verdict",
+           "welch_gap"]
 
 
 if __name__ == "__main__":

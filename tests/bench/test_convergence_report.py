@@ -84,7 +84,9 @@ def test_analyze_pairs_by_seed_and_gives_verdicts(tmp_path):
     assert rows["fp8"]["tokens_per_s"] == 100.0
     json.dumps(result)  # plain data
     text = cr.to_markdown(result)
-    assert "| `fp8` | 3 | 1.0010 ± 0.0503 | +0.10 % | [+0.05, +0.15] % | paired (3 seeds) | ± 0.25 % | met | 100 |" \
+    # sd 0.02 %: t(0.975, 1) 0.02 / sqrt(2) = 0.18 <= 0.25, so 2 seeds would meet at a zero gap
+    assert fp8["gap_sd"] == pytest.approx(0.02) and fp8["seeds_to_meet"] == 2
+    assert "| `fp8` | 3 | 1.0010 ± 0.0503 | +0.10 % | [+0.05, +0.15] % | paired (3 seeds) | ± 0.25 % | met | 2 | 100 |" \
         in text
     assert "| `bf16` | 1.0000 | 1.0500 | 0.9500 |" in text
 
@@ -176,6 +178,34 @@ def test_a_failed_baseline_run_fails_the_baseline_row(tmp_path):
     rows = {r["recipe"]: r for r in result["rows"]}
     assert rows["bf16"]["verdict"] == "failed" and rows["bf16"]["failed_runs"] == {"bf16@seed=1": "stopped at step 2"}
     assert "| `bf16` | 1 |" in cr.to_markdown(result)
+
+
+def test_seeds_to_meet_by_hand():
+    # the first n with t(0.975, n-1) sd / sqrt(n) <= target; n - 1 misses it
+    for sd, target in ((0.67, 0.25), (0.2, 0.25), (1.11, 1.0), (0.456, 0.5)):
+        n = cr.seeds_to_meet(sd, target)
+        assert cr.t_quantile(0.975, n - 1) * sd / math.sqrt(n) <= target
+        assert n == 2 or cr.t_quantile(0.975, n - 2) * sd / math.sqrt(n - 1) > target
+        assert cr.resolvable_sd(target, n) >= sd > (cr.resolvable_sd(target, n - 1) if n > 2 else 0)
+    assert (cr.seeds_to_meet(0.67, 0.25), cr.seeds_to_meet(0.2, 0.25)) == (31, 5)
+    assert cr.seeds_to_meet(0.0, 0.25) == 2 and cr.seeds_to_meet(40.0, 0.25) is None
+    with pytest.raises(ValueError, match="sd must be >= 0"):
+        cr.seeds_to_meet(-0.1, 0.25)
+    with pytest.raises(ValueError, match="target > 0"):
+        cr.seeds_to_meet(0.1, 0.0)
+
+
+def test_the_committed_study_needs_the_seeds_the_docs_state():
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    rows = {r["recipe"]: r for r in cr.analyze([root / "docs/convergence/gpt100m-3seeds-446steps.metrics.jsonl.gz"],
+                                                steps=446)["rows"]}
+    need = {k: rows[k]["seeds_to_meet"] for k in ("fp8-block", "mxfp8", "mxfp8-fwd-nvfp4-bwd", "fp8",
+                                                  "per_gemm:fprop=nvfp4,dgrad=mxfp8,wgrad=mxfp8")}
+    assert need == {"fp8-block": 31, "mxfp8": 30, "mxfp8-fwd-nvfp4-bwd": 6, "fp8": 5,
+                    "per_gemm:fprop=nvfp4,dgrad=mxfp8,wgrad=mxfp8": 8}
+    doc = (root / "docs" / "convergence.md").read_text()
+    assert "**31 seed pairs for `fp8-block` and 30 for `mxfp8`**" in doc
 
 
 def test_resolvable_spread_by_hand():
