@@ -290,7 +290,7 @@ def measure(experts: int, micro_batches: int, compile_backend: str = "inductor",
         got, clocks = profiles.rounds, profiles.clocks
     rounds = [dict(zip(STEP_FIELDS, (
         got[BF16_GROUPED][i][0], grouped_mm_ms(got[BF16_GROUPED][i][1], "BF16 grouped"), got[BF16_PER_EXPERT][i][0],
-        got[BF16_COMPILED][i][0], got["MXFP8"][i][0], grouped_mm_ms(got["MXFP8"][i][1], "MXFP8"),
+        got[BF16_COMPILED][i][0], got["MXFP8"][i][0], expert_gemm_ms(got["MXFP8"][i][1], got[BF16_GROUPED][i][1]),
         got["FP8 current"][i][0]))) for i in range(len(got[BF16_GROUPED]))]
     medians = {k: statistics.median(r[k] for r in rounds) for k in STEP_FIELDS}
     return Measured(experts, f, tokens, hidden, **medians, copy_GBps=common.copy_bandwidth()["GBps"],
@@ -308,6 +308,37 @@ def costliest_ops(ops: dict[str, float], n: int = 6) -> str:
     'aten::mm 4.00 ms, aten::add 2.50 ms'
     """
     return ", ".join(f"{k} {v:.2f} ms" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:n])
+
+
+#: profiler ops of a plain GEMM: the router's in every layer, and the experts' where hybridfp
+#: runs them per expert (cuBLAS on BF16 decodes; at 8 experts MXFP8 takes that path)
+PLAIN_GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
+
+
+def expert_gemm_ms(ops: dict[str, float], base_ops: dict[str, float]) -> float:
+    """Self device ms of a hybridfp step's expert GEMMs: its ``aten::_grouped_mm`` plus its plain
+    GEMMs (``PLAIN_GEMM_OPS``: the experts' when run per expert, and the router's), less the
+    plain GEMMs of BF16 grouped's step (``base_ops``, whose experts run ``_grouped_mm``, so
+    its plain GEMMs are the router's alone).
+
+    Raises
+    ------
+    RuntimeError
+        No expert GEMM time left (the GEMMs ran under an op name not counted here), naming the
+        step's costliest ops.
+
+    Example
+    -------
+    >>> expert_gemm_ms({"aten::mm": 6.5, "aten::mul": 1.0}, {"aten::_grouped_mm": 5.0, "aten::mm": 0.5})
+    6.0
+    """
+    plain = lambda o: sum(o.get(k, 0.0) for k in PLAIN_GEMM_OPS)  # noqa: E731
+    ms = ops.get("aten::_grouped_mm", 0.0) + plain(ops) - plain(base_ops)
+    if ms <= 0:
+        raise RuntimeError(f"bound_moe: the MXFP8 step's profile shows no expert GEMM time beyond the router's "
+                           f"(aten::_grouped_mm or {', '.join(PLAIN_GEMM_OPS)}; its costliest ops: "
+                           f"{costliest_ops(ops)}); the experts' GEMMs ran under another op name")
+    return ms
 
 
 def grouped_mm_ms(ops: dict[str, float], step: str) -> float:

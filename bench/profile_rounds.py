@@ -161,8 +161,7 @@ def profile_rounds(steps: dict[str, Callable[[], Any]], at_cap: AtCap, profile: 
                 _run_for(step, at_cap.warm_s, synchronize, clock)
             else:
                 start = clock()
-                step()  # the GPU leaves its idle state (the previous profile's processing) first
-                synchronize()
+                step()  # enqueued, not waited for: the poller's first reading finds the GPU running it
                 with ClockPoller(sampler, poll_s) as poller:  # read only while this step's kernels run
                     _run_for(step, at_cap.warm_s - (clock() - start), synchronize, clock)
                 readings[name] += poller.readings

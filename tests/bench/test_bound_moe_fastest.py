@@ -78,3 +78,14 @@ def test_a_profile_without_grouped_gemms_fails_by_name():
     assert bound_moe.grouped_mm_ms({"aten::_grouped_mm": 2.5}, "MXFP8") == 2.5
     with pytest.raises(RuntimeError, match=r"the BF16 grouped step's profile has no aten::_grouped_mm.*aten::mm 4.00"):
         bound_moe.grouped_mm_ms({"aten::mm": 4.0, "aten::mul": 1.0}, "BF16 grouped")
+
+
+def test_mxfp8_experts_run_per_expert_count_as_its_gemms():
+    """At 8 experts MXFP8 runs its experts per expert (cuBLAS, aten::mm): those GEMMs, less the
+    router's (BF16 grouped's aten::mm), are its expert GEMMs; a grouped run counts alike."""
+    base = {"aten::_grouped_mm": 5.0, "aten::mm": 0.5, "aten::mul": 2.0}
+    assert bound_moe.expert_gemm_ms({"aten::mm": 6.5, "aten::_fused": 1.0}, base) == 6.0
+    assert bound_moe.expert_gemm_ms({"aten::_grouped_mm": 4.0, "aten::mm": 0.5}, base) == 4.0
+    assert bound_moe.expert_gemm_ms({"aten::mm": 3.0, "aten::addmm": 3.5}, base) == 6.0
+    with pytest.raises(RuntimeError, match=r"no expert GEMM time beyond the router's.*triton_gemm 7.00 ms"):
+        bound_moe.expert_gemm_ms({"aten::mm": 0.5, "triton_gemm": 7.0}, base)
