@@ -227,11 +227,12 @@ def _median_of_rounds(m: Measured, p: Premises) -> list[dict[str, Any]]:
     interval), all against the baseline fastest by its median step."""
     med = replace(m, rounds=[])
     fastest, _ = fastest_bf16(med)
-    per_round = [bound_rows(replace(med, **r), p) for r in m.rounds]
+    each = [replace(med, **r) for r in m.rounds]
+    per_round = [bound_rows(x, p) for x in each]
+    fast_ms = [bf16_baselines(x)[fastest] for x in each]
     out = bound_rows(med, p)
     for j, row in enumerate(out):
         rounds = [rows[j] for rows in per_round]
-        fast_ms = [bf16_baselines(replace(med, **r))[fastest] for r in m.rounds]
         recipe = "fp8_step_ms" if row["floor"].startswith("FP8") else "mxfp8_step_ms"
         ratios = {"bound": [x["bound"] for x in rounds],
                   "bound_fastest": [f / x["step_ms"] for f, x in zip(fast_ms, rounds)],

@@ -21,6 +21,8 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Optional
 
+import torch
+
 from bench import common
 from bench.common import md_table
 from bench.protocol import (POLL_S, ClockPoller, Protocol, Sampler, device_sampler, median_interval,
@@ -94,7 +96,6 @@ class Profiles:
 def _device_synchronize() -> None:
     """Wait for the device (``torch.cuda.synchronize``) when the benchmarks run on CUDA."""
     if common.DEVICE == "cuda":
-        import torch
         torch.cuda.synchronize()
 
 
