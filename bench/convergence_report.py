@@ -308,6 +308,25 @@ def _records(paths: Iterable[Path]) -> Iterable[dict]:
                     yield record
 
 
+def _one_corpus(corpus: dict[str, str], paths: Sequence[Path]) -> Optional[str]:
+    """The one corpus fingerprint the runs recorded (None: none recorded one).
+
+    Raises
+    ------
+    ValueError : two fingerprints: the runs read different text (another set of installed
+        packages, another cap), so their losses are not comparable; the message names a run of each.
+    """
+    by_fp: dict[str, list[str]] = defaultdict(list)
+    for label, fp in sorted(corpus.items()):
+        by_fp[fp].append(label)
+    if len(by_fp) > 1:
+        seen = "; ".join(f"`{fp}` ({', '.join(labels[:3])}{', ...' if len(labels) > 3 else ''})"
+                         for fp, labels in by_fp.items())
+        raise ValueError(f"{', '.join(map(str, paths))}: the runs read different corpora ({seen}); compare "
+                         "runs of one corpus only (the same --data on the same installed packages).")
+    return next(iter(by_fp), None)
+
+
 def failed_runs(paths: Sequence[Path], steps: Optional[int] = None, expected: Sequence[str] = (),
                 dropped: Optional[dict[str, str]] = None, cut: Optional[dict[str, str]] = None) -> dict[str, str]:
     """The runs of a comparison that cannot count, each with why: a non-finite loss
@@ -387,22 +406,29 @@ def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
     Returns
     -------
     dict : ``{"final_step", "confidence", "rows": [...], "seeds": {recipe: {seed: loss}},
-        "incomplete": [labels], "failed": {recipe: [labels]}}``.
+        "incomplete": [labels], "failed": {recipe: [labels]}, "corpus": fingerprint or None,
+        "runs_without_corpus": [labels]}`` (``runs_without_corpus``: compared runs whose metrics
+        record no corpus, e.g. files written before the trainer recorded it).
 
     Raises
     ------
-    ValueError : no validation loss, no complete ``bf16`` run, or (``steps`` None) runs that
-        ended at different steps.
+    ValueError : no validation loss, no complete ``bf16`` run, runs that read different corpora
+        (their first records' ``data`` fingerprints differ), or (``steps`` None) runs that ended at
+        different steps.
     """
     targets = TARGETS if targets is None else targets
     failed = failed_runs(paths, steps, expected, dropped, cut)
     last: dict[str, tuple[int, float]] = {}
     rates: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    corpus: dict[str, str] = {}
     for r in _records(paths):
+        if "data" in r:
+            corpus[r["recipe"]] = r["data"]
         if "val_loss" in r and r["step"] >= last.get(r["recipe"], (-1, 0.0))[0]:
             last[r["recipe"]] = (r["step"], r["val_loss"])
         if "tokens_per_s" in r:
             rates[r["recipe"]].append((r["step"], r["tokens_per_s"]))
+    corpora = _one_corpus(corpus, paths)
     incomplete = sorted(k for k in last if k in failed)
     last = {k: v for k, v in last.items() if k not in failed}
     if not last:
@@ -454,6 +480,7 @@ def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
             row.update(verdict="failed", failed_runs=by_recipe[recipe])
         rows.append(row)
     return {"final_step": ends.pop(), "confidence": confidence, "rows": rows, "incomplete": incomplete,
+            "corpus": corpora, "runs_without_corpus": sorted(set(last) - set(corpus)),
             "failed": {r: sorted(d) for r, d in by_recipe.items()},
             "seeds": {k: {str(s): v for s, v in sorted(d.items())} for k, d in seeds.items()}}
 
@@ -494,6 +521,12 @@ def to_markdown(result: dict) -> str:
                   "paired seeds at which a recipe whose true gap is zero would meet its target if its per-seed "
                   "gaps kept this standard deviation (a planning figure: a few seeds' standard deviation is itself "
                   "uncertain)."]
+    if result.get("corpus"):
+        missing = result.get("runs_without_corpus", [])
+        lines += ["", f"Corpus fingerprint `{result['corpus']}`"
+                  + (f" (recorded by every run but {len(missing)}: {', '.join(missing[:4])}"
+                     f"{', ...' if len(missing) > 4 else ''}; their metrics predate the record)" if missing
+                     else ", recorded by every run.")]
     lines += ["", "Final validation loss by seed:", "",
               "| recipe | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|" + "---:|" * len(seeds)]
     for recipe, d in result["seeds"].items():

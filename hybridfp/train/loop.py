@@ -493,7 +493,10 @@ def train_recipe(cfg: TrainConfig, named: NamedRecipe, data: TokenData, out_dir:
         torch.manual_seed(cfg.seed + 1)  # training randomness (stochastic rounding), per run
         val = evaluate(model, named, data, cfg, par)
         if main:
-            metrics.append({"step": 0, "recipe": named.label, "val_loss": val, "elapsed": 0.0})
+            first: dict[str, Any] = {"step": 0, "recipe": named.label, "val_loss": val, "elapsed": 0.0}
+            if data.fingerprint:  # the corpus this run read: reports refuse to compare runs of two corpora
+                first["data"] = data.fingerprint
+            metrics.append(first)
     sched = make_scheduler(opt, cfg, start)
     model.train()
     bar = tqdm(range(start, cfg.steps), desc=f"{named.label[:32]:<32}", initial=start, total=cfg.steps,

@@ -252,3 +252,39 @@ def test_labels_are_read_by_the_trainers_rule():
     from hybridfp.train.report import split_seed
     for label in ("fp8@seed=3", "bf16", "per_gemm:fprop=nvfp4@seed=12", "mxfp8@seed=x"):
         assert cr.split_label(label) == split_seed(label, 0)
+
+
+def _with_corpus(path, corpus_of):
+    """Rewrite ``path`` with each run's step-0 record naming its corpus (``corpus_of[label]``)."""
+    recs = [json.loads(line) for line in gzip.open(path, "rt")]
+    for r in recs:
+        if r["step"] == 0 and r["recipe"] in corpus_of:
+            r["data"] = corpus_of[r["recipe"]]
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in recs)
+    return path
+
+
+def test_runs_of_two_corpora_are_refused(tmp_path):
+    """Studies run on machines with other installed packages read other text: their losses are
+    not comparable, and the report says which runs read which corpus."""
+    first = _with_corpus(_write(tmp_path / "a.jsonl.gz", {"bf16@seed=0": 1.00, "fp8@seed=0": 1.01}),
+                         {"bf16@seed=0": "packages-aaa", "fp8@seed=0": "packages-aaa"})
+    later = _with_corpus(_write(tmp_path / "b.jsonl.gz", {"bf16@seed=1": 1.05, "fp8@seed=1": 1.06}),
+                         {"bf16@seed=1": "packages-bbb", "fp8@seed=1": "packages-bbb"})
+    with pytest.raises(ValueError, match=r"different corpora .*packages-aaa.*bf16@seed=0.*packages-bbb.*bf16@seed=1"):
+        cr.analyze([first, later])
+
+
+def test_the_report_names_the_one_corpus_and_the_runs_without_one(tmp_path):
+    runs = {"bf16@seed=0": 1.00, "fp8@seed=0": 1.01, "bf16@seed=1": 1.05, "fp8@seed=1": 1.06}
+    path = _with_corpus(_write(tmp_path / "a.jsonl.gz", runs), {k: "packages-aaa" for k in runs})
+    result = cr.analyze([path])
+    assert result["corpus"] == "packages-aaa" and result["runs_without_corpus"] == []
+    assert "Corpus fingerprint `packages-aaa`, recorded by every run." in cr.to_markdown(result)
+    older = _write(tmp_path / "old.jsonl.gz", {"bf16@seed=2": 0.95, "fp8@seed=2": 0.96})  # before the record
+    result = cr.analyze([path, older])
+    assert result["corpus"] == "packages-aaa" and result["runs_without_corpus"] == ["bf16@seed=2", "fp8@seed=2"]
+    assert "recorded by every run but 2: bf16@seed=2, fp8@seed=2" in cr.to_markdown(result)
+    legacy = cr.analyze([older])
+    assert legacy["corpus"] is None and "Corpus fingerprint" not in cr.to_markdown(legacy)
