@@ -534,6 +534,8 @@ def write_reports(out: Path, plan: dict, json_path: Optional[Path] = None,
     """
     from bench.common import environment
     from bench.convergence_report import analyze, to_markdown
+    from bench.convergence_trajectory import gaps_by_step
+    from bench.convergence_trajectory import to_markdown as trajectory_markdown
     fp = plan["data"]["fingerprint"]
     result: dict = {"name": "convergence", "env": environment(), "plan": plan, "studies": {}}
     md = [f"Corpus: `{plan['data']['spec']}`, fingerprint `{fp}` ({plan['data']['train_tokens']:,} train / "
@@ -571,6 +573,11 @@ def write_reports(out: Path, plan: dict, json_path: Optional[Path] = None,
             study["stats"] = analyze(paths, steps=entry["steps"], expected=expected, dropped=dropped, cut=cut)
             study["markdown"] = to_markdown(study["stats"])
             study["failed"] = study["stats"]["failed"]
+            try:  # when each seed's gap was set: tells longer runs from more seeds (docs/convergence.md)
+                study["trajectory"] = gaps_by_step(paths, entry["steps"])
+                study["markdown"] += "\n\n" + trajectory_markdown(study["trajectory"])
+            except ValueError:  # no recipe shares a seed with bf16: the table above says so
+                study["trajectory"] = {}
         except ValueError as e:
             study["error"] = str(e)
             study["failed"] = {}

@@ -289,10 +289,22 @@ def split_label(label: str) -> tuple[str, int]:
     return split_seed(label, 0)
 
 
-def _records(paths: Iterable[Path]) -> Iterable[dict]:
-    """Every record of ``paths`` in order. A run label found in two files is refused: the same
-    run trained twice (e.g. studies run one after the other with overlapping seeds) would mix
-    two trajectories into one."""
+def read_records(paths: Iterable[Path]) -> Iterable[dict]:
+    """Every record of ``paths`` in order (``.gz`` files decompressed).
+
+    Parameters
+    ----------
+    paths : metrics.jsonl(.gz) files of one comparison.
+
+    Returns
+    -------
+    Iterable[dict] : the records, file by file, line by line (blank lines skipped).
+
+    Raises
+    ------
+    ValueError : a run label found in two files: the same run trained twice (e.g. studies run one
+        after the other with overlapping seeds) would mix two trajectories into one.
+    """
     owner: dict[str, Path] = {}
     for path in paths:
         opener = gzip.open if Path(path).suffix == ".gz" else open
@@ -363,7 +375,7 @@ def failed_runs(paths: Sequence[Path], steps: Optional[int] = None, expected: Se
         return f"{text}: {cut[label]}" if label in cut else text
 
     nonfinite, last_val, last_step = {}, {}, {}
-    for r in _records(paths):
+    for r in read_records(paths):
         label = r["recipe"]
         last_step[label] = max(last_step.get(label, -1), r["step"])
         bad = [k for k in ("train_loss", "val_loss") if k in r and not math.isfinite(r[k])]
@@ -421,7 +433,7 @@ def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
     last: dict[str, tuple[int, float]] = {}
     rates: dict[str, list[tuple[int, float]]] = defaultdict(list)
     corpus: dict[str, str] = {}
-    for r in _records(paths):
+    for r in read_records(paths):
         if "data" in r:
             corpus[r["recipe"]] = r["data"]
         if "val_loss" in r and r["step"] >= last.get(r["recipe"], (-1, 0.0))[0]:

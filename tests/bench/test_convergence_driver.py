@@ -37,3 +37,7 @@ def test_fixed_plan_trains_every_seed_and_reports(tmp_path):
     assert not [p for p in out.rglob("checkpoints/*")]  # the study reads metrics only: no checkpoint written
     report = (out / "report.md").read_text()
     assert plan["data"]["fingerprint"] in report and "| `fp8` | 2 |" in report
+    # every run's first record names the corpus it read; the gaps at each evaluation follow the table
+    assert study["stats"]["corpus"] == plan["data"]["fingerprint"] and study["stats"]["runs_without_corpus"] == []
+    assert [r["step"] for r in study["trajectory"]["fp8"]][-1] == 2 and study["trajectory"]["fp8"][-1]["seeds"] == 2
+    assert "Per-seed gaps to `bf16` at each evaluation" in report
