@@ -574,7 +574,7 @@ def write_reports(out: Path, plan: dict, json_path: Optional[Path] = None,
             study["markdown"] = to_markdown(study["stats"])
             study["failed"] = study["stats"]["failed"]
             try:  # when each seed's gap was set: tells longer runs from more seeds (docs/convergence.md)
-                study["trajectory"] = gaps_by_step(paths, entry["steps"])
+                study["trajectory"] = gaps_by_step(paths, entry["steps"], exclude=study["failed"])
                 study["markdown"] += "\n\n" + trajectory_markdown(study["trajectory"])
             except ValueError:  # no recipe shares a seed with bf16: the table above says so
                 study["trajectory"] = {}

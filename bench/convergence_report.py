@@ -320,7 +320,7 @@ def read_records(paths: Iterable[Path]) -> Iterable[dict]:
                     yield record
 
 
-def _one_corpus(corpus: dict[str, str], paths: Sequence[Path]) -> Optional[str]:
+def _one_corpus(corpus: dict[str, set[str]], paths: Sequence[Path]) -> Optional[str]:
     """The one corpus fingerprint the runs recorded (None: none recorded one).
 
     Raises
@@ -329,8 +329,9 @@ def _one_corpus(corpus: dict[str, str], paths: Sequence[Path]) -> Optional[str]:
         packages, another cap), so their losses are not comparable; the message names a run of each.
     """
     by_fp: dict[str, list[str]] = defaultdict(list)
-    for label, fp in sorted(corpus.items()):
-        by_fp[fp].append(label)
+    for label, fps in sorted(corpus.items()):
+        for fp in sorted(fps):  # a run with two (records of two launches) shows under both
+            by_fp[fp].append(label)
     if len(by_fp) > 1:
         seen = "; ".join(f"`{fp}` ({', '.join(labels[:3])}{', ...' if len(labels) > 3 else ''})"
                          for fp, labels in by_fp.items())
@@ -420,7 +421,8 @@ def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
     dict : ``{"final_step", "confidence", "rows": [...], "seeds": {recipe: {seed: loss}},
         "incomplete": [labels], "failed": {recipe: [labels]}, "corpus": fingerprint or None,
         "runs_without_corpus": [labels]}`` (``runs_without_corpus``: compared runs whose metrics
-        record no corpus, e.g. files written before the trainer recorded it).
+        record no corpus: files written before the trainer recorded it, or data without a
+        fingerprint, such as a plain text file).
 
     Raises
     ------
@@ -432,10 +434,10 @@ def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
     failed = failed_runs(paths, steps, expected, dropped, cut)
     last: dict[str, tuple[int, float]] = {}
     rates: dict[str, list[tuple[int, float]]] = defaultdict(list)
-    corpus: dict[str, str] = {}
+    corpus: dict[str, set[str]] = defaultdict(set)
     for r in read_records(paths):
         if "data" in r:
-            corpus[r["recipe"]] = r["data"]
+            corpus[r["recipe"]].add(r["data"])
         if "val_loss" in r and r["step"] >= last.get(r["recipe"], (-1, 0.0))[0]:
             last[r["recipe"]] = (r["step"], r["val_loss"])
         if "tokens_per_s" in r:
@@ -535,10 +537,10 @@ def to_markdown(result: dict) -> str:
                   "uncertain)."]
     if result.get("corpus"):
         missing = result.get("runs_without_corpus", [])
-        lines += ["", f"Corpus fingerprint `{result['corpus']}`"
-                  + (f" (recorded by every run but {len(missing)}: {', '.join(missing[:4])}"
-                     f"{', ...' if len(missing) > 4 else ''}; their metrics predate the record)" if missing
-                     else ", recorded by every run.")]
+        lines += ["", f"Corpus fingerprint `{result['corpus']}`, recorded by every run"
+                  + (f" but {len(missing)} that record none ({', '.join(missing[:4])}"
+                     f"{', ...' if len(missing) > 4 else ''}: metrics written before runs recorded their "
+                     "corpus, or data without a fingerprint)." if missing else ".")]
     lines += ["", "Final validation loss by seed:", "",
               "| recipe | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|" + "---:|" * len(seeds)]
     for recipe, d in result["seeds"].items():

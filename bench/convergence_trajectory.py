@@ -9,8 +9,9 @@ runs help; if each seed's gap is fixed early and carried to the end, only more s
 calmer start: a lower learning rate, larger batches) narrow the interval. This prints, per
 recipe and evaluation step, the mean and standard deviation of the per-seed gaps
 ``100 (L_recipe,s - L_bf16,s) / L_bf16,s`` over the seeds both have, and how strongly each
-evaluation's gaps agree with the final ones (Pearson correlation across seeds: near 1 means
-the final gap was already decided there).
+evaluation's gaps agree with the final ones (Pearson correlation across seeds, given from
+five seeds on and not for the first or the last evaluation: near 1 means the seeds' final
+gaps were largely present there).
 
 Only complete runs count (the report's :func:`bench.convergence_report.failed_runs` rule), so
 every step is averaged over the same seeds.
@@ -24,14 +25,19 @@ import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 from bench.convergence_report import BASELINE, failed_runs, read_records, split_label
 
 
+#: seeds from which a correlation is shown (with fewer, r is mostly noise: at 3 seeds +-1 is common)
+MIN_SEEDS_FOR_R = 5
+
+
 def _pearson(a: Sequence[float], b: Sequence[float]) -> Optional[float]:
-    """Correlation of two equally long sequences; None where either is constant or too short."""
-    if len(a) < 3:
+    """Correlation of two equally long sequences; None where either is constant or shorter than
+    :data:`MIN_SEEDS_FOR_R`."""
+    if len(a) < MIN_SEEDS_FOR_R:
         return None
     ma, mb = statistics.fmean(a), statistics.fmean(b)
     sa = math.sqrt(sum((x - ma) ** 2 for x in a))
@@ -41,7 +47,8 @@ def _pearson(a: Sequence[float], b: Sequence[float]) -> Optional[float]:
     return sum((x - ma) * (y - mb) for x, y in zip(a, b)) / (sa * sb)
 
 
-def gaps_by_step(paths: Sequence[Path], steps: Optional[int] = None) -> dict[str, list[dict]]:
+def gaps_by_step(paths: Sequence[Path], steps: Optional[int] = None,
+                 exclude: Collection[str] = ()) -> dict[str, list[dict]]:
     """Per recipe, the paired gaps to ``bf16`` at each evaluation step of its complete runs.
 
     Parameters
@@ -49,23 +56,33 @@ def gaps_by_step(paths: Sequence[Path], steps: Optional[int] = None) -> dict[str
     paths : metrics.jsonl(.gz) files of one comparison (several studies' files together, as the
         report takes them).
     steps : the planned steps (runs that did not reach them are left out); None: every run that
-        did not fail.
+        did not fail, which must all have ended at the same step.
+    exclude : recipes to leave out (e.g. those the report judges failed: their surviving seeds
+        are not a sample of the recipe).
 
     Returns
     -------
     dict : recipe -> ``[{"step", "seeds", "gap_pct", "sd", "r_final"}, ...]`` in step order, at the
         steps every shared seed evaluated (``sd`` None with one seed; ``r_final`` the correlation
-        of that step's per-seed gaps with the last step's, None under three seeds).
+        of that step's per-seed gaps with the final step's: None at the first and the final
+        step, and under :data:`MIN_SEEDS_FOR_R` seeds).
 
     Raises
     ------
-    ValueError : no complete ``bf16`` run, or no recipe sharing a seed with it.
+    ValueError : no complete ``bf16`` run, no recipe sharing a seed with it, or (``steps`` None)
+        runs that ended at different steps.
     """
     failed = failed_runs(paths, steps)
     vals: dict[str, dict[int, float]] = defaultdict(dict)
     for r in read_records(paths):
-        if "val_loss" in r and r["recipe"] not in failed:
+        if "val_loss" in r and r["recipe"] not in failed and split_label(r["recipe"])[0] not in exclude:
             vals[r["recipe"]][r["step"]] = r["val_loss"]
+    if steps is not None:  # runs without an evaluation at the planned step are incomplete
+        vals = {k: v for k, v in vals.items() if steps in v}
+    ends = {max(curve) for curve in vals.values()}
+    if len(ends) > 1:
+        raise ValueError(f"{', '.join(map(str, paths))}: the runs ended at different steps ({sorted(ends)}); "
+                         "give --steps (the planned steps) to leave out the short ones.")
     by_recipe: dict[str, dict[int, dict[int, float]]] = defaultdict(dict)
     for label, curve in vals.items():
         recipe, seed = split_label(label)
@@ -79,10 +96,13 @@ def gaps_by_step(paths: Sequence[Path], steps: Optional[int] = None) -> dict[str
         if not seeds:
             continue
         common = set.intersection(*(set(runs[s]) & set(base[s]) for s in seeds))
+        if not common:  # cannot happen for runs that ended at one step; kept for hand-made files
+            continue
         gaps = {st: [100.0 * (runs[s][st] - base[s][st]) / base[s][st] for s in seeds] for st in sorted(common)}
-        final = gaps[max(gaps)] if gaps else []
+        first, last = min(gaps), max(gaps)
         out[recipe] = [{"step": st, "seeds": len(d), "gap_pct": statistics.fmean(d),
-                        "sd": statistics.stdev(d) if len(d) > 1 else None, "r_final": _pearson(d, final)}
+                        "sd": statistics.stdev(d) if len(d) > 1 else None,
+                        "r_final": _pearson(d, gaps[last]) if first < st < last else None}
                        for st, d in gaps.items()]
     if not out:
         raise ValueError(f"{', '.join(map(str, paths))}: no recipe shares a seed with {BASELINE}.")
@@ -98,7 +118,7 @@ def to_markdown(trajectories: dict[str, list[dict]]) -> str:
     for recipe, rows in trajectories.items():
         for r in rows:
             sd = f"{r['sd']:.2f} %" if r["sd"] is not None else ""
-            rf = f"{r['r_final']:.2f}" if r["r_final"] is not None else ""
+            rf = f"{r['r_final']:.2f}" if r["r_final"] is not None else "—"
             lines.append(f"| `{recipe}` | {r['step']} | {r['seeds']} | {r['gap_pct']:+.2f} % | {sd} | {rf} |")
     return "\n".join(lines)
 

@@ -31,8 +31,8 @@ from bench.protocol import (POLL_S, ClockPoller, Protocol, Sampler, device_sampl
 #: ``profile(step, warmup)``: (device ms of one step after ``warmup`` calls, op name -> self
 #: device ms), as ``bound_moe._profile``
 Profiler = Callable[[Callable[[], Any], int], tuple[float, dict[str, float]]]
-#: rounds from which a median's interval reaches 95 % coverage and a figure may be reported
-#: (``protocol.Protocol``'s rounds: 10 give the 2nd to 9th order statistic, 97.9 %)
+#: rounds from which a figure may be reported (``protocol.Protocol``'s rounds: 10 give the
+#: median's interval from the 2nd to the 9th order statistic, 97.9 % coverage)
 REPORTABLE_ROUNDS = Protocol.rounds
 
 
@@ -43,8 +43,9 @@ class AtCap:
     Parameters
     ----------
     rounds:
-        Profiles of each step, one a round (``REPORTABLE_ROUNDS``, 10: below it a median's
-        interval covers less than 95 %, and the figures are a smoke run's).
+        Profiles of each step, one a round (``REPORTABLE_ROUNDS``, 10: the protocol's count;
+        fewer give a smoke run's figures, and under 6 no order-statistic interval of the
+        median reaches 95 % coverage).
     warm_s:
         Seconds of a step's own calls right before its profiled one (at least one call), so
         the GPU runs that step's kernels at the clock they settle to.
@@ -176,7 +177,7 @@ def profile_rounds(steps: dict[str, Callable[[], Any]], at_cap: AtCap, profile: 
 def median_of_rounds(key: str, values: list[float]) -> dict[str, Any]:
     """One ratio measured once a round, summarized: ``key`` (the median of the rounds),
     ``<key>_interval`` (its order-statistic interval), ``<key>_coverage`` (that interval's
-    coverage: below 0.95 under ``REPORTABLE_ROUNDS`` rounds) and ``<key>_rounds`` (the values).
+    coverage: below 0.95 under 6 rounds) and ``<key>_rounds`` (the values).
 
     Raises
     ------

@@ -446,6 +446,24 @@ def _restore(model: torch.nn.Module, opt: torch.optim.Optimizer, ck: dict[str, A
                               f"({type(e).__name__}: {detail}).") from None
 
 
+def _check_same_corpus(metrics: MetricsLog, named: NamedRecipe, data: TokenData) -> None:
+    """A resumed run must read the corpus it began on (its step-0 record's ``data``, where one
+    was recorded): another would splice two trajectories into one run.
+
+    Raises
+    ------
+    CheckpointError
+        The recipe began on a corpus with another fingerprint (another set of installed
+        packages, another cap) or on one with a fingerprint this data lacks.
+    """
+    began = next((r["data"] for r in metrics.read(named.label) if r["step"] == 0 and "data" in r), None)
+    if began is not None and began != data.fingerprint:
+        now = f"corpus {data.fingerprint}" if data.fingerprint else "data without a corpus fingerprint"
+        raise CheckpointError(f"--resume: recipe {named.label!r} began on corpus {began}, but this run reads "
+                              f"{now}; resume with the same --data on the same installed packages, or "
+                              "delete the recipe's lines in metrics.jsonl and its checkpoint to train it again.")
+
+
 def train_recipe(cfg: TrainConfig, named: NamedRecipe, data: TokenData, out_dir: Path, *,
                  resume: bool = False, progress: bool = True, par: Optional[Parallel] = None) -> RunResult:
     """Train (or resume) one recipe for ``cfg.steps`` steps; write metrics and a checkpoint.
@@ -475,6 +493,7 @@ def train_recipe(cfg: TrainConfig, named: NamedRecipe, data: TokenData, out_dir:
     result = RunResult(named.label, named.description, checkpoint=str(ckpt_path) if cfg.save_checkpoints else None)
     start = 0
     if resume:
+        _check_same_corpus(metrics, named, data)
         if par is None:
             ck = load_checkpoint(ckpt_path, cfg.device)
             _check_resumable(ck, ckpt_path, named, cfg)

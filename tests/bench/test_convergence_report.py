@@ -285,6 +285,19 @@ def test_the_report_names_the_one_corpus_and_the_runs_without_one(tmp_path):
     older = _write(tmp_path / "old.jsonl.gz", {"bf16@seed=2": 0.95, "fp8@seed=2": 0.96})  # before the record
     result = cr.analyze([path, older])
     assert result["corpus"] == "packages-aaa" and result["runs_without_corpus"] == ["bf16@seed=2", "fp8@seed=2"]
-    assert "recorded by every run but 2: bf16@seed=2, fp8@seed=2" in cr.to_markdown(result)
+    assert ("recorded by every run but 2 that record none (bf16@seed=2, fp8@seed=2: metrics written before "
+            "runs recorded their corpus, or data without a fingerprint).") in cr.to_markdown(result)
     legacy = cr.analyze([older])
     assert legacy["corpus"] is None and "Corpus fingerprint" not in cr.to_markdown(legacy)
+
+
+def test_a_run_whose_records_name_two_corpora_is_refused(tmp_path):
+    """A run resumed on other data would carry two fingerprints: refused, not the last one kept."""
+    path = _write(tmp_path / "a.jsonl.gz", {"bf16@seed=0": 1.00, "fp8@seed=0": 1.01})
+    recs = [json.loads(line) for line in gzip.open(path, "rt")]
+    for r in recs:
+        r["data"] = "packages-aaa" if r["step"] == 0 else "packages-bbb"
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in recs)
+    with pytest.raises(ValueError, match="different corpora"):
+        cr.analyze([path])

@@ -76,3 +76,22 @@ def test_the_first_record_names_the_corpus_a_run_read(tmp_path, text, monkeypatc
     recs = [json.loads(line) for line in (tmp_path / "fp" / "metrics.jsonl").read_text().splitlines()]
     assert recs[0]["step"] == 0 and recs[0]["data"] == "packages-abc123"
     assert all("data" not in r for r in recs[1:])  # once a run, not on every step
+
+
+def test_a_run_resumes_only_on_the_corpus_it_began_on(tmp_path, text, monkeypatch, capsys):
+    from dataclasses import replace
+
+    from hybridfp.train import data as data_mod
+    plain = data_mod.load_data(text)
+    out = tmp_path / "run"
+    monkeypatch.setattr(cli, "load_data", lambda *a, **k: replace(plain, fingerprint="packages-aaa"))
+    assert _run(text, out, "--recipe", "bf16", "--steps", "1") == 0
+    monkeypatch.setattr(cli, "load_data", lambda *a, **k: replace(plain, fingerprint="packages-bbb"))
+    capsys.readouterr()
+    assert _run(text, out, "--recipe", "bf16", "--steps", "2", "--resume") == 2
+    err = capsys.readouterr().err
+    assert "began on corpus packages-aaa" in err and "packages-bbb" in err and "--data" in err
+    monkeypatch.setattr(cli, "load_data", lambda *a, **k: replace(plain, fingerprint="packages-aaa"))
+    assert _run(text, out, "--recipe", "bf16", "--steps", "2", "--resume") == 0  # the same corpus resumes
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [0, 1, 2] and recs[0]["data"] == "packages-aaa"
