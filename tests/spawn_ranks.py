@@ -84,3 +84,18 @@ def counting_all_reduces() -> Iterator[list[int]]:
         yield counts
     finally:
         dist.all_reduce = orig
+
+
+@contextmanager
+def as_ranks_run() -> Iterator[None]:
+    """The block runs on one CPU thread, as every rank does (``_entry``): a CPU GEMM's blocking,
+    hence its summation order, follows its thread count on some BLAS builds (MKL on Intel), so
+    a one-process reference computed with more threads need not match the ranks bit for bit."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
