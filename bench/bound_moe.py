@@ -316,6 +316,11 @@ def costliest_ops(ops: dict[str, float], n: int = 6) -> str:
 PLAIN_GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
 
 
+def _plain_gemm_ms(ops: dict[str, float]) -> float:
+    """Self device ms of a profile's plain GEMMs (``PLAIN_GEMM_OPS``)."""
+    return sum(ops.get(k, 0.0) for k in PLAIN_GEMM_OPS)
+
+
 def expert_gemm_ms(ops: dict[str, float], base_ops: dict[str, float]) -> float:
     """Self device ms of a hybridfp step's expert GEMMs: its ``aten::_grouped_mm`` plus its plain
     GEMMs (``PLAIN_GEMM_OPS``: the experts' when run per expert, and the router's), less the
@@ -333,8 +338,7 @@ def expert_gemm_ms(ops: dict[str, float], base_ops: dict[str, float]) -> float:
     >>> expert_gemm_ms({"aten::mm": 6.5, "aten::mul": 1.0}, {"aten::_grouped_mm": 5.0, "aten::mm": 0.5})
     6.0
     """
-    plain = lambda o: sum(o.get(k, 0.0) for k in PLAIN_GEMM_OPS)  # noqa: E731
-    ms = ops.get("aten::_grouped_mm", 0.0) + plain(ops) - plain(base_ops)
+    ms = ops.get("aten::_grouped_mm", 0.0) + _plain_gemm_ms(ops) - _plain_gemm_ms(base_ops)
     if ms <= 0:
         raise RuntimeError(f"bound_moe: the MXFP8 step's profile shows no expert GEMM time beyond the router's "
                            f"(aten::_grouped_mm or {', '.join(PLAIN_GEMM_OPS)}; its costliest ops: "

@@ -129,6 +129,25 @@ class Gap:
     sd: Optional[float] = None
 
 
+def gap_pct(loss: float, base: float) -> float:
+    """One seed's gap in percent: ``100 (loss - base) / base``.
+
+    Parameters
+    ----------
+    loss, base : the recipe's and the baseline's validation loss at one seed (and step).
+
+    Returns
+    -------
+    float : the relative difference in percent.
+
+    Example
+    -------
+    >>> round(gap_pct(1.01, 1.0), 6)
+    1.0
+    """
+    return 100.0 * (loss - base) / base
+
+
 def paired_gap(recipe: dict[int, float], base: dict[int, float], confidence: float = CONFIDENCE) -> Gap:
     """Gap over the seeds both runs have: the t interval of the per-seed relative differences.
 
@@ -154,7 +173,7 @@ def paired_gap(recipe: dict[int, float], base: dict[int, float], confidence: flo
     seeds = sorted(set(recipe) & set(base))
     if not seeds:
         raise ValueError("paired_gap: the recipe and the baseline share no seed.")
-    d = [100.0 * (recipe[s] - base[s]) / base[s] for s in seeds]
+    d = [gap_pct(recipe[s], base[s]) for s in seeds]
     mean = statistics.fmean(d)
     if len(d) < 2:
         return Gap(mean, None, None, "one shared seed: no interval", 1)

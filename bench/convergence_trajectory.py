@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import Collection, Optional, Sequence
 
-from bench.convergence_report import BASELINE, failed_runs, read_records, split_label
+from bench.convergence_report import BASELINE, failed_runs, gap_pct, read_records, split_label
 
 
 #: seeds from which a correlation is shown (with fewer, r is mostly noise: at 3 seeds +-1 is common)
@@ -39,12 +38,10 @@ def _pearson(a: Sequence[float], b: Sequence[float]) -> Optional[float]:
     :data:`MIN_SEEDS_FOR_R`."""
     if len(a) < MIN_SEEDS_FOR_R:
         return None
-    ma, mb = statistics.fmean(a), statistics.fmean(b)
-    sa = math.sqrt(sum((x - ma) ** 2 for x in a))
-    sb = math.sqrt(sum((y - mb) ** 2 for y in b))
-    if sa == 0 or sb == 0:
+    try:
+        return statistics.correlation(a, b)
+    except statistics.StatisticsError:  # a constant sequence: no correlation
         return None
-    return sum((x - ma) * (y - mb) for x, y in zip(a, b)) / (sa * sb)
 
 
 def gaps_by_step(paths: Sequence[Path], steps: Optional[int] = None,
@@ -95,10 +92,8 @@ def gaps_by_step(paths: Sequence[Path], steps: Optional[int] = None,
         seeds = sorted(set(runs) & set(base))
         if not seeds:
             continue
-        common = set.intersection(*(set(runs[s]) & set(base[s]) for s in seeds))
-        if not common:  # cannot happen for runs that ended at one step; kept for hand-made files
-            continue
-        gaps = {st: [100.0 * (runs[s][st] - base[s][st]) / base[s][st] for s in seeds] for st in sorted(common)}
+        common = set.intersection(*(set(runs[s]) & set(base[s]) for s in seeds))  # holds the final step
+        gaps = {st: [gap_pct(runs[s][st], base[s][st]) for s in seeds] for st in sorted(common)}
         first, last = min(gaps), max(gaps)
         out[recipe] = [{"step": st, "seeds": len(d), "gap_pct": statistics.fmean(d),
                         "sd": statistics.stdev(d) if len(d) > 1 else None,

@@ -479,6 +479,8 @@ def train_recipe(cfg: TrainConfig, named: NamedRecipe, data: TokenData, out_dir:
     ckpt_path = checkpoint_path(out_dir, named)
     main = par is None or par.is_main
     metrics = MetricsLog(out_dir / "metrics.jsonl")
+    if resume:  # before any model is built: a run on another corpus goes no further
+        _check_same_corpus(metrics, named, data)
     model = build_model(cfg, data.vocab_size, named.recipe)
     if par is not None:
         shard_model(model, par, named.recipe)
@@ -493,7 +495,6 @@ def train_recipe(cfg: TrainConfig, named: NamedRecipe, data: TokenData, out_dir:
     result = RunResult(named.label, named.description, checkpoint=str(ckpt_path) if cfg.save_checkpoints else None)
     start = 0
     if resume:
-        _check_same_corpus(metrics, named, data)
         if par is None:
             ck = load_checkpoint(ckpt_path, cfg.device)
             _check_resumable(ck, ckpt_path, named, cfg)
