@@ -162,7 +162,7 @@ FACTORIES = [factories.high_precision, factories.delayed_scaling, factories.curr
              factories.per_gemm("mxfp8", "nvfp4", "fp8")]
 
 
-@pytest.mark.parametrize("factory", FACTORIES, ids=repr)
+@pytest.mark.parametrize("factory", FACTORIES, ids=lambda f: getattr(f, "__name__", None) or repr(f))
 def test_factories_give_unknown_roles_their_default(factory):
     for role in (QuantizerRole("dpa", "qkv"), QuantizerRole(), QuantizerRole(None, "output")):
         got = CustomRecipe(factory).quantizer(role)
