@@ -205,17 +205,32 @@ def bound_rows(m: Measured, p: Premises) -> list[dict[str, Any]]:
     return out
 
 
-def _profile(step: Callable[[], Any], warmup: int = 2) -> tuple[float, dict[str, float]]:
+def _profile(step: Callable[[], Any], warmup: int = 2,
+             activities: Optional[list[torch.profiler.ProfilerActivity]] = None) -> tuple[float, dict[str, float]]:
     """(device ms of one step, op / kernel name -> self device ms) after ``warmup`` steps, the
-    profiled one routed by the schedule's first step (``Step.reset``)."""
+    profiled one routed by the schedule's first step (``Step.reset``).
+
+    The profiler starts during one more step that it traces and discards (its schedule's
+    warm-up phase), so the GPU stays busy through the profiler's start-up: an idle GPU under a
+    power cap would begin the recorded step at a higher clock. A synchronize ends that step's
+    kernels before the recorded window opens (kernels still running when it opened would be
+    recorded), leaving only the host's launch latency idle. ``activities``: what is traced
+    (default CPU and CUDA; the CPU alone where no GPU is present, as in tests)."""
+    cuda = torch.cuda.is_available()
+    if activities is None:
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
-    step.reset()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
+    schedule = torch.profiler.schedule(wait=0, warmup=1, active=1, repeat=1)
+    with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
+        step()  # traced and discarded
+        sync()
+        step.reset()
+        prof.step()
+        step()  # recorded
+        sync()
+        prof.step()
     total = sum(e.device_time_total for e in prof.events()
                 if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
     return total, {e.key: e.self_device_time_total / 1e3 for e in prof.key_averages()}
