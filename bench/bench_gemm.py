@@ -9,7 +9,9 @@ prepared beforehand and the same accumulation mode, so hybridfp/raw is the cost 
 (and of laying out block scales per call). Every ratio is paired
 (``bench.protocol.paired_ratio``: median over alternating rounds of raw time / hybridfp time,
 with its ~95 % interval); rows below ``TARGET`` are marked in the table. The BF16 TFLOP/s are
-one unpaired ``do_bench`` median (context, not a ratio).
+one unpaired ``do_bench`` median (context, not a ratio). hybridfp's output must equal raw
+``torch._scaled_mm``'s bit for bit (the same stored operands and accumulation): a shape where it
+does not fails the run (non-zero exit, after the results are written).
 
     python -m bench.bench_gemm [--out results.json] [--quick] [--rounds N] [--samples N]
 """
@@ -165,8 +167,19 @@ def main(argv=None) -> None:
           + "\n\nfprop with cuBLAS fast accumulation (`gemm(fast_accumulation=True)`, a recipe's "
           "`fprop_fast_accumulation=True`; TE's and torchao's fprop setting), TFLOP/s:\n\n"
           + md_table(["shape (m,n,k)", "FP8 raw fast", "FP8 hybridfp fast", "ratio", "bitwise = raw"], fast_rows) + "\n")
+    failures = mismatches(rows)
     finish("gemm", {"env": env, "protocol": protocol_record(protocol), "copy_bandwidth": copy, "rows": rows,
-                    "markdown": md}, args.out)
+                    "failures": failures, "markdown": md}, args.out)
+    if failures:
+        raise SystemExit("gemm failed:\n" + "\n".join(failures))
+
+
+def mismatches(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per row and GEMM whose hybridfp output differs from raw ``torch._scaled_mm``'s
+    (the ``*_equal_to_raw`` flags ``bench_shape`` records)."""
+    return [f"gemm {r['shape']}: hybridfp.gemm {key[:-len('_equal_to_raw')]} differs from raw torch._scaled_mm "
+            "on the same stored operands" for r in rows for key in sorted(r)
+            if key.endswith("_equal_to_raw") and not r[key]]
 
 
 if __name__ == "__main__":

@@ -88,13 +88,24 @@ def check_grouped(what: str, out: Any, blocks: Sequence[Block], bound: float = O
     return err
 
 
+def _does_not_fit(e: Exception) -> bool:
+    """Whether ``e`` is Triton's refusal of a tile config needing more shared memory or registers
+    than the GPU has (a sweep's config that does not fit, not a kernel failure)."""
+    try:
+        from triton.runtime.errors import OutOfResources
+    except ImportError:  # no Triton: nothing of it was refused
+        return False
+    return isinstance(e, OutOfResources)
+
+
 def measure(part: str, gemm: str, flop: float, baselines: dict[str, tuple[str, Case]],
             variants: dict[str, Case], protocol: Protocol, failures: list[str]) -> list[dict[str, Any]]:
     """Rows of one GEMM: each baseline (``key -> (name, case)``: the row field its ratios go to)
     and each variant checked, then every variant paired against every baseline.
 
-    A variant that raises (a config that does not fit) is a row with its ``error``; one beyond
-    its bound also goes to ``failures``. Raises ``MissingBaselineError`` naming a baseline that
+    A variant Triton refuses for want of shared memory or registers (a tile config that does not
+    fit this GPU) is a row with its ``error``; one that raises anything else, or is beyond its
+    bound, is such a row and also goes to ``failures`` (the run then fails). Raises ``MissingBaselineError`` naming a baseline that
     cannot run, ``AccuracyError`` for a baseline beyond its bound."""
     where = f"grouped_gemm {part} {gemm}"
     steps: dict[str, Callable[[], Any]] = {}
@@ -112,8 +123,11 @@ def measure(part: str, gemm: str, flop: float, baselines: dict[str, tuple[str, C
             failures.append(str(e))
             rows.append({**row, "error": str(e)})
             continue
-        except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory) is reported
-            rows.append({**row, "error": f"{type(e).__name__}: {str(e)[:100]}"})
+        except Exception as e:  # noqa: BLE001 - reported in the row; only a config that does not fit passes
+            error = f"{type(e).__name__}: {str(e)[:100]}"
+            rows.append({**row, "error": error, **({"does_not_fit": True} if _does_not_fit(e) else {})})
+            if not _does_not_fit(e):
+                failures.append(f"{where}: {variant}: {error}")
             continue
         ms = next(iter(pairs.values())).candidate_ms
         row.update(ms=ms, tflops=flop / ms / 1e9)

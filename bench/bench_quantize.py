@@ -93,7 +93,8 @@ def bench_one(name: str, make: Callable[[], Quantizer], x: torch.Tensor,
               protocol: Protocol = Protocol()) -> list[dict[str, Any]]:
     """One QUANTIZERS row's copies: each checked against the reference quantizer, then paired
     against a copy of the same bytes. A failed check is a row with ``error`` and ``check_failed``;
-    another failure (an unsupported configuration) a row with ``error``.
+    any other exception a row with ``error`` (``main`` fails the run on either: every listed
+    copy of every format is to run on this GPU).
 
     Raises ``MissingBaselineError`` when the copy baseline cannot run."""
     rows = []
@@ -141,7 +142,8 @@ def main(argv=None) -> None:
             rows += bench_one(name, make, x, protocol)
     except MissingBaselineError as e:
         failures.append(str(e))
-    failures += [r["error"] for r in rows if r.get("check_failed")]
+    failures += [r["error"] if r.get("check_failed") else f"quantize {r['quantizer']} {r['directions']}: {r['error']}"
+                 for r in rows if "error" in r]
     table = md_table(["quantizer", "copies", "path", "ms", "GB/s", "x copy [interval]"], [
         (r["quantizer"], r["directions"], r.get("path", r.get("error")), r.get("ms"), r.get("GBps"),
          _ci(r["vs_copy"]) if "vs_copy" in r else None) for r in rows])

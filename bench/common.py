@@ -45,7 +45,7 @@ def environment() -> dict[str, Any]:
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         env.update(gpu=p.name, capability=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
-                   gpu_memory_gib=round(p.total_memory / 2**30, 1))
+                   gpu_memory_gib=round(p.total_memory / 2**30, 1), **driver_and_power_limit())
     try:
         env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                        text=True, cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
@@ -54,6 +54,27 @@ def environment() -> dict[str, Any]:
     # A copy of the tree without (or with a stale) .git: HYBRIDFP_COMMIT names the commit.
     env["commit"] = os.environ.get("HYBRIDFP_COMMIT") or env["commit"]
     return env
+
+
+def driver_and_power_limit(run: Callable[..., Any] = subprocess.run) -> dict[str, Any]:
+    """The NVIDIA driver version and the enforced power limit (W) of the GPU torch uses, from
+    ``nvidia-smi`` (a ratio measured at the cap depends on both); each None where nvidia-smi is
+    absent or cannot say. ``run``: how to call it (tests pass a fake)."""
+    from bench.protocol import smi_device  # (protocol imports this module)
+
+    out: dict[str, Any] = {"driver": None, "power_limit_w": None}
+    try:
+        text = run(["nvidia-smi", "--query-gpu=driver_version,enforced.power.limit", "--format=csv,noheader,nounits",
+                    "-i", smi_device()], capture_output=True, text=True, timeout=10).stdout
+        driver, limit = (v.strip() for v in text.strip().splitlines()[0].split(","))
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        return out
+    out["driver"] = driver or None
+    try:
+        out["power_limit_w"] = float(limit)
+    except ValueError:  # "[N/A]" on some boards
+        pass
+    return out
 
 
 def bench_ms(fn: Callable[[], Any], warmup_ms: float = 25, rep_ms: float = 100) -> float:

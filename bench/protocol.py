@@ -216,7 +216,7 @@ def _nvml_reading() -> Optional[dict[str, float]]:
         return None
 
 
-def _smi_device() -> str:
+def smi_device() -> str:
     """``nvidia-smi -i``'s name of torch's current device: its UUID (the index nvidia-smi counts
     ignores CUDA_VISIBLE_DEVICES), else its PCI bus id."""
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
@@ -241,7 +241,7 @@ def gpu_clocks() -> dict[str, float]:
     query = "clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu"
     try:
         out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits",
-                              "-i", _smi_device()], capture_output=True, text=True, timeout=10).stdout
+                              "-i", smi_device()], capture_output=True, text=True, timeout=10).stdout
         fields = [v.strip() for v in out.strip().splitlines()[0].split(",")]
     except (OSError, subprocess.SubprocessError, IndexError):
         return {}

@@ -43,7 +43,9 @@ call); on one H100 the nine decisions took 216 s run one process each, process s
 included. ``--only`` runs a subset; ``--deadline-s S`` starts no cell after S seconds and
 records the cells left as not run (``python -m bench sweep_dispatch --timeout-s T`` passes
 3/4 of T), so a run cut short still writes what it measured.
-``--quick``: a tiny grid (a smoke test of the script, also on the CPU).
+``--quick``: a tiny grid (a smoke test of the script, also on the CPU). A cell that raises, or
+an alternative that fails in a measured cell, fails the run (non-zero exit, after the results
+are written): its verdict could name the wrong fastest.
 
     python -m bench.sweep_dispatch [--quick] [--out F.json] [--only NAME[,NAME]] [--deadline-s S]
 
@@ -524,9 +526,25 @@ def main(argv: Optional[list[str]] = None) -> None:
                   [[r["decision"], r["cell"], r.get("picked"), r.get("fastest"),
                     r.get("ratio") if r.get("ratio") is not None else r.get("error"),
                     "not run" if r.get("not_run") else "FLAG" if r.get("flagged") else ""] for r in rows])
+    failed = failures(rows)
     common.finish("sweep_dispatch", {"env": common.environment(), "grid": {**asdict(grid), "topk": TOPK},
                                      "tolerance": TOLERANCE, "rows": rows, "headline": headline(rows),
-                                     "markdown": md}, args.out)
+                                     "failures": failed, "markdown": md}, args.out)
+    if failed:
+        raise SystemExit("sweep_dispatch failed:\n" + "\n".join(failed))
+
+
+def failures(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """One line per cell that raised and per alternative that failed in a measured cell: a cell
+    judged without one of its alternatives may name the wrong fastest, so the run fails (cells
+    the deadline left unmeasured are reported as not run, not as failures)."""
+    out = []
+    for r in rows:
+        where = f"{r.get('decision')} {r.get('cell')}"
+        if r.get("error"):
+            out.append(f"{where}: {r['error']}")
+        out += [f"{where}: {name}: {error}" for name, error in sorted(r.get("errors", {}).items())]
+    return out
 
 
 if __name__ == "__main__":

@@ -64,9 +64,20 @@ def test_gemm_pairs_wrong_output_fails_the_run(tiny_pairs, tmp_path, monkeypatch
     monkeypatch.setattr(bench_gemm_pairs, "gemm", lambda A, B, layout: 2 * real(A, B, layout))
     monkeypatch.setattr(bench_gemm_pairs, "PAIRS", bench_gemm_pairs.PAIRS[:1])
     out = tmp_path / "pairs.json"
-    with pytest.raises(SystemExit, match="MXFP8 x MXFP8 TN 64\\^3: output: relative error"):
+    with pytest.raises(SystemExit, match="MXFP8 x MXFP8 TN 64\\^3: output \\(cold\\): relative error"):
         bench_gemm_pairs.main(["--quick", "--rounds", "1", "--samples", "1", "--out", str(out)])
     assert json.loads(out.read_text())["failures"]  # the JSON still says what failed
+
+
+def test_gemm_pairs_wrong_warm_output_fails_the_run(tiny_pairs, tmp_path, monkeypatch):
+    """The warm path (weight decodes cached) is checked on its own output too."""
+    real, caching = bench_gemm_pairs.gemm, {"on": True}
+    monkeypatch.setattr(bench_gemm_pairs.bf16_tensorcore, "cache_weight_decodes", lambda on: caching.update(on=on))
+    monkeypatch.setattr(bench_gemm_pairs, "gemm",
+                        lambda A, B, layout: (2 if caching["on"] else 1) * real(A, B, layout))
+    monkeypatch.setattr(bench_gemm_pairs, "PAIRS", bench_gemm_pairs.PAIRS[:1])
+    with pytest.raises(SystemExit, match="MXFP8 x MXFP8 TN 64\\^3: output \\(warm\\): relative error"):
+        bench_gemm_pairs.main(["--quick", "--rounds", "1", "--samples", "1", "--out", str(tmp_path / "p.json")])
 
 
 @pytest.fixture
@@ -133,6 +144,17 @@ def test_gemm_rows_below_target_are_marked():
     from bench import bench_gemm
     assert bench_gemm.marked({"ratio": 0.955, "low": 0.95, "high": 0.96}).endswith("below 0.97 target**")
     assert "target" not in bench_gemm.marked({"ratio": 0.99, "low": 0.98, "high": 1.0})
+
+
+def test_gemm_output_differing_from_raw_is_a_failure_by_shape_and_kind():
+    from bench import bench_gemm
+    rows = [{"shape": "4096^3 fprop", "tensorwise_equal_to_raw": True, "tensorwise_fast_equal_to_raw": False,
+             "block_equal_to_raw": True},
+            {"shape": "llama3-8b up dgrad", "tensorwise_equal_to_raw": True, "block_equal_to_raw": False}]
+    assert bench_gemm.mismatches(rows) == [
+        "gemm 4096^3 fprop: hybridfp.gemm tensorwise_fast differs from raw torch._scaled_mm on the same stored operands",
+        "gemm llama3-8b up dgrad: hybridfp.gemm block differs from raw torch._scaled_mm on the same stored operands"]
+    assert bench_gemm.mismatches([{**rows[1], "block_equal_to_raw": True}]) == []
 
 
 def _mlp_case(bench_mlp):

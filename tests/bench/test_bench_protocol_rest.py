@@ -14,6 +14,7 @@ import torch
 from bench import bench_grouped_gemm, bench_offload, bench_quantize, bench_quantize_kernels, common
 from bench.protocol import Protocol
 from hybridfp.quantizers import MXFP8Quantizer, NVFP4Quantizer
+from triton.runtime.errors import OutOfResources
 
 FAST = ["--rounds", "2", "--samples", "1"]
 PROTO = Protocol(rounds=2, samples=1, warmup=0)
@@ -30,6 +31,27 @@ def test_copy_step_moves_the_bytes_it_is_given(cpu):
     assert common.copy_step(100)().numel() == 50  # 50 read + 50 written
     with pytest.raises(ValueError, match="nbytes"):
         common.copy_step(1)
+
+
+def test_driver_and_power_limit_from_nvidia_smi(monkeypatch):
+    from bench import protocol
+    monkeypatch.setattr(protocol, "smi_device", lambda: "GPU-1234")
+    asked = []
+
+    def smi(answer):
+        def run(cmd, **kw):
+            asked.append(cmd)
+            return SimpleNamespace(stdout=answer)
+        return run
+    got = common.driver_and_power_limit(smi("580.159.03, 700.00\n"))
+    assert got == {"driver": "580.159.03", "power_limit_w": 700.0}
+    assert asked[0][-2:] == ["-i", "GPU-1234"] and "driver_version,enforced.power.limit" in asked[0][1]
+    assert common.driver_and_power_limit(smi("580.159.03, [N/A]\n")) == {"driver": "580.159.03", "power_limit_w": None}
+    assert common.driver_and_power_limit(smi("")) == {"driver": None, "power_limit_w": None}
+
+    def absent(cmd, **kw):
+        raise FileNotFoundError("nvidia-smi")
+    assert common.driver_and_power_limit(absent) == {"driver": None, "power_limit_w": None}
 
 
 def test_require_baseline_names_the_baseline_that_fails():
@@ -123,6 +145,19 @@ def test_quantize_wrong_output_fails_the_run_by_name(tiny_quantize, monkeypatch,
     assert len(json.loads((tmp_path / "q.json").read_text())["failures"]) == 3
 
 
+def test_quantize_row_that_raises_fails_the_run_by_name(tiny_quantize, monkeypatch, tmp_path):
+    """Every listed copy of every format is to run: an exception in one row is no skipped row."""
+    monkeypatch.setattr(bench_quantize, "QUANTIZERS", [q for q in bench_quantize.QUANTIZERS if q[0] == "MXFP8"])
+
+    def broken(self, x, r, c, seed=None):
+        raise RuntimeError("no kernel for this layout")
+    monkeypatch.setattr(MXFP8Quantizer, "encode", broken)
+    with pytest.raises(SystemExit, match=r"quantize MXFP8 row: RuntimeError: no kernel for this layout"):
+        bench_quantize.main(["--quick", *FAST, "--out", str(tmp_path / "q.json")])
+    result = json.loads((tmp_path / "q.json").read_text())
+    assert len(result["failures"]) == 3 and all("error" in r for r in result["rows"])
+
+
 def test_quantize_missing_copy_baseline_fails_by_name(tiny_quantize, monkeypatch, tmp_path):
     monkeypatch.setattr(bench_quantize, "QUANTIZERS", bench_quantize.QUANTIZERS[:1])
 
@@ -192,17 +227,24 @@ def test_measure_pairs_every_variant_with_every_baseline_and_checks_outputs(cpu)
     failures: list[str] = []
 
     def no_fit():
-        raise RuntimeError("out of shared memory")
+        raise OutOfResources(300000, 232448, "shared memory")
+
+    def broken():
+        raise RuntimeError("illegal memory access")
     rows = bench_grouped_gemm.measure(
         "bf16", "tiny", 1e6, {"vs_grouped_mm": ("base A", (right, blocks)), "vs_cublas": ("base B", (right, blocks))},
-        {"good": (right, blocks), "wrong": (lambda: 2 * right(), blocks), "big": (no_fit, blocks)}, PROTO, failures)
+        {"good": (right, blocks), "wrong": (lambda: 2 * right(), blocks), "big": (no_fit, blocks),
+         "broken": (broken, blocks)}, PROTO, failures)
     by = {r["variant"]: r for r in rows}
     assert by["base A"]["baseline"] == "vs_grouped_mm" and by["base A"]["ms"] > 0
     good = by["good"]
     for key in ("vs_grouped_mm", "vs_cublas"):
         assert len(good[key]["rounds"]) == 2 and good[key + "_text"].startswith(f"{good[key]['ratio']:.3f} [")
-    assert "bf16 tiny: wrong" in by["wrong"]["error"] and failures == [by["wrong"]["error"]]
-    assert by["big"]["error"].startswith("RuntimeError: out of shared memory")  # reported, not a failure
+    assert "bf16 tiny: wrong" in by["wrong"]["error"]
+    # a tile config that does not fit is reported, not a failure; any other exception fails the run
+    assert by["big"]["error"].startswith("OutOfResources") and by["big"]["does_not_fit"]
+    assert by["broken"]["error"] == "RuntimeError: illegal memory access" and "does_not_fit" not in by["broken"]
+    assert failures == [by["wrong"]["error"], "grouped_gemm bf16 tiny: broken: RuntimeError: illegal memory access"]
 
     def missing():
         raise RuntimeError("torch._grouped_mm not built")

@@ -119,6 +119,23 @@ def test_judge_on_synthetic_timings():
         sd.judge({"a": 1.0}, "c")
 
 
+def test_a_failed_cell_or_alternative_fails_the_run(monkeypatch, tmp_path):
+    """A cell judged without one of its alternatives could name the wrong fastest: the run
+    writes its results, then exits non-zero naming the cell and the alternative."""
+    rows = [{"decision": "bf16_per_group", "cell": "c1", "errors": {"per_group": "RuntimeError: boom"}},
+            {"decision": "bf16_per_group", "cell": "c2", "error": "ValueError: no operands", "flagged": True},
+            {"decision": "bf16_per_group", "cell": "c3", "not_run": sd.NOT_RUN},
+            {"decision": "bf16_per_group", "cell": "c4", "ms": {"a": 1.0}}]
+    assert sd.failures(rows) == ["bf16_per_group c1: per_group: RuntimeError: boom",
+                                 "bf16_per_group c2: ValueError: no operands"]
+    monkeypatch.setattr(common, "DEVICE", "cpu")
+    monkeypatch.setattr(sd, "sweep", lambda names, grid, quick, deadline_s: rows)
+    out = tmp_path / "sweep.json"
+    with pytest.raises(SystemExit, match=r"sweep_dispatch failed:\nbf16_per_group c1: per_group: RuntimeError"):
+        sd.main(["--quick", "--only", "bf16_per_group", "--out", str(out)])
+    assert json.loads(out.read_text())["failures"] == sd.failures(rows)
+
+
 def test_unknown_decision_is_refused(capsys):
     with pytest.raises(SystemExit):
         sd.main(["--only", "bf16_per_group,nope"])
