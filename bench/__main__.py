@@ -128,6 +128,8 @@ def _mlp(r: dict[str, Any]) -> Rows:
                 target = target_of(row["variant"])
                 value = f"{_paired(row['vs BF16 eager'], target)} eager" + (
                     f", {_paired(row['vs BF16 torch.compile'])} compiled" if "vs BF16 torch.compile" in row else "")
+                value += "".join(f", {_paired(row[k])} {k[len('vs '):].replace(' (compiled)', '')}"
+                                 for k in sorted(row) if k.startswith("vs torchao"))
             out.append((f"MLP {row['variant']} vs BF16", value))
     return out
 

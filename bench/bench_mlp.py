@@ -21,7 +21,8 @@ fails the run by name unless a flag skips it explicitly (``--no-torchao``, ``--n
 recorded in the JSON). Every recipe's own row runs next, then their variants (fused, codes,
 compiled), so a deadline leaves variants, not targets: a recipe's row not run by
 ``--deadline-s`` fails the run too; its variants are only named. Every ratio is paired (``bench.protocol.paired_ratio``) against BF16
-eager and BF16 compiled (and, for the FP8 current rows, torchao tensorwise). Every variant's
+eager and BF16 compiled, and every FP8 row against torchao tensorwise, the FP8 block rows also
+against torchao rowwise (``torchao_baselines``). Every variant's
 first step is checked against an FP32 reference of the same inputs: output, dx and each dW,
 relative Frobenius error within ``common.error_bound`` of the variant's element formats and gain
 (``common.gain``, the least-squares scale onto the reference) within ``common.GAIN_TOLERANCE`` of 1,
@@ -95,6 +96,23 @@ DEPTHS = {"Linear": {"y": (1, 0), "dx": (0, 1), "dW": (0, 1)},
 QUICK_DIMS = (256, 512, 512)
 BASELINE_EAGER, BASELINE_COMPILED = "BF16 eager", "BF16 torch.compile"
 TORCHAO_TENSORWISE = "torchao float8 tensorwise (compiled)"
+TORCHAO_ROWWISE = "torchao float8 rowwise (compiled)"
+
+
+def torchao_baselines(name: str) -> tuple[str, ...]:
+    """The torchao float8 baselines a variant named ``name`` is paired with: every FP8 row with
+    tensorwise (torchao's fastest float8), the finer-grained FP8 scalings (block, the hybrid's
+    block backward) also with rowwise (torchao's own finer-grained scaling); none for the MX and
+    NVFP4 recipes, which torchao's float8 training does not cover, nor for the baselines.
+
+    >>> torchao_baselines("hybridfp FP8 block")
+    ('torchao float8 tensorwise (compiled)', 'torchao float8 rowwise (compiled)')
+    >>> torchao_baselines("hybridfp MXFP8")
+    ()
+    """
+    if not name.startswith("hybridfp") or "FP8" not in name.replace("MXFP8", ""):
+        return ()
+    return (TORCHAO_TENSORWISE, TORCHAO_ROWWISE) if "block" in name else (TORCHAO_TENSORWISE,)
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -312,7 +330,7 @@ def bench_model(kind: str, family: str, make: Callable[[Callable], nn.Module], x
             row["first_step_s"] = time.monotonic() - t0  # includes compilation where compiled
             row.update(check_step(kind, family, name, y, x, params, ref))
             row["ms"] = bench_ms(step, warmup_ms=100, rep_ms=300)  # diagnostic: one unpaired median
-            for bname in (BASELINE_EAGER, BASELINE_COMPILED) + ((TORCHAO_TENSORWISE,) if "FP8 current" in name else ()):
+            for bname in (BASELINE_EAGER, BASELINE_COMPILED) + torchao_baselines(name):
                 if bname in steps:
                     r = paired_ratio(steps[bname], step, protocol)
                     row[f"vs {bname}"] = r.as_dict()

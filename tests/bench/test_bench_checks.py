@@ -296,3 +296,31 @@ def test_target_tables_import_no_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           cwd=__import__("pathlib").Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr
+
+
+def test_every_fp8_mlp_row_is_paired_with_torchao():
+    """FP8 rows against torchao tensorwise (its fastest float8); block scalings also against
+    rowwise; MX / NVFP4 rows against none (the docstring's examples run too)."""
+    import doctest
+
+    from bench import bench_mlp
+    runner = doctest.DocTestRunner()
+    for test in doctest.DocTestFinder().find(bench_mlp.torchao_baselines, globs=vars(bench_mlp)):
+        runner.run(test)
+    assert runner.summarize(verbose=False) == (0, 2)  # (failed, attempted)
+    fp8 = [n for n, _ in bench_mlp.RECIPES if "FP8" in n.replace("MXFP8", "")]
+    assert fp8 and all(bench_mlp.TORCHAO_TENSORWISE in bench_mlp.torchao_baselines(n) for n in fp8)
+    assert bench_mlp.TORCHAO_ROWWISE in bench_mlp.torchao_baselines("hybridfp FP8 block")
+    assert bench_mlp.torchao_baselines(bench_mlp.TORCHAO_TENSORWISE) == ()
+    assert bench_mlp.torchao_baselines("hybridfp NVFP4 fwd / MXFP8 bwd") == ()
+
+
+def test_mlp_headline_names_each_torchao_ratio():
+    from bench.__main__ import _mlp
+    ratio = {"ratio": 1.5, "low": 1.4, "high": 1.6, "rounds": [1.5] * 10}
+    row = {"model": "Llama-3-8B MLP", "variant": "hybridfp FP8 block", "vs BF16 eager": ratio,
+           "vs torchao float8 tensorwise (compiled)": {**ratio, "ratio": 0.9, "low": 0.8, "high": 1.0},
+           "vs torchao float8 rowwise (compiled)": {**ratio, "ratio": 1.2, "low": 1.1, "high": 1.3}}
+    (_, value), = _mlp({"rows": [row]})
+    assert "torchao float8 rowwise" in value and "torchao float8 tensorwise" in value, value
+    assert value.index("1.200") < value.index("torchao float8 rowwise") < value.index("0.900"), value
