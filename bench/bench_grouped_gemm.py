@@ -224,10 +224,28 @@ def bf16_tma(configs: Optional[list[str]], protocol: Protocol, failures: list[st
         for cname, cfg in tg.TMA_CONFIGS.items():
             if configs and cname not in configs:
                 continue
-            out[f"tma {cname}" + ("" if " g" in cname else f" g{cfg.group_m}")] = (
+            out[_bf16_tma_name(cname, cfg)] = (
                 (lambda cfg=cfg: tg.grouped_rows(a, b, splits, scale_a=sa, scale_b=sb, kernel="tma", tma=cfg)), True)
         return out
-    return _bf16_sweep(variants, protocol, failures)
+    from hybridfp.kernels.moe import triton_grouped_gemm as tg
+    default = {_bf16_tma_name(c, cfg) for c, cfg in tg.TMA_CONFIGS.items() if cfg == tg.TMA_CONFIG}
+    return mark_library_default(_bf16_sweep(variants, protocol, failures), lambda row: default)
+
+
+def _bf16_tma_name(cname: str, cfg: Any) -> str:
+    """A BF16 TMA config's variant name (its swizzle group named where its name does not)."""
+    return f"tma {cname}" + ("" if " g" in cname else f" g{cfg.group_m}")
+
+
+def mark_library_default(rows: list[dict[str, Any]], defaults: Callable[[dict[str, Any]], set[str]]
+                         ) -> list[dict[str, Any]]:
+    """``rows`` with ``library_default`` True on each row whose variant is in ``defaults(row)``:
+    the config the library runs for that GEMM (the headline reports it, not the sweep's
+    fastest)."""
+    for row in rows:
+        if row.get("variant") in defaults(row):
+            row["library_default"] = True
+    return rows
 
 
 def bf16_tma_f32(configs: Optional[list[str]], protocol: Protocol, failures: list[str]) -> list[dict[str, Any]]:
@@ -384,7 +402,11 @@ def fp8(tiles: list[tuple[tuple[int, int, int, int, int], int, int]], protocol: 
             variants[f"pointer {t} g{g} promote {p}"] = (
                 (lambda t=t, g=g, p=p: tk.grouped_fp8(c["a"], c["b"], c["ks"], sa, sb, out, out_rows,
                                                       tile=t, group_m=g, promote=p)), scaled)
-        rows += measure("fp8", name, flop, base, variants, protocol, failures)
+        from hybridfp import current_policy
+        pol = current_policy()
+        default = {f"tma {pol.grouped_fp8_tma_rows if c['rows'] else pol.grouped_fp8_tma_wgrad}"} if tma else set()
+        rows += mark_library_default(measure("fp8", name, flop, base, variants, protocol, failures),
+                                     lambda row: default)
     return rows
 
 

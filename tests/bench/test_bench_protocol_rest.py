@@ -270,7 +270,21 @@ def test_grouped_gemm_cpu_smoke_bf16_pointer_and_fp8(cpu, monkeypatch):
     ptr = rows[-1]
     assert [r.get("baseline") for r in rows[:2]] == ["vs_cublas", "vs_grouped_mm"]
     assert ptr["rel_err"] <= bench_grouped_gemm.OUTPUT_BOUND and {"vs_cublas", "vs_grouped_mm"} <= set(ptr)
-    assert failures == []
+    assert failures == [] and not any(r.get("library_default") for r in rows)  # no TMA config swept
+
+
+def test_grouped_gemm_marks_the_library_default_config(cpu, monkeypatch):
+    """The TMA rows the library runs (the policy's FP8 configs, rows vs wgrad; BF16's TMA_CONFIG)
+    are marked, and only they."""
+    from hybridfp import current_policy
+    from hybridfp.kernels.moe import triton_grouped_gemm as tg
+    pol = current_policy()
+    rows = [{"variant": f"tma {pol.grouped_fp8_tma_rows}"}, {"variant": f"tma {pol.grouped_fp8_tma_wgrad}"},
+            {"variant": "pointer x"}]
+    marked = bench_grouped_gemm.mark_library_default(rows, lambda row: {f"tma {pol.grouped_fp8_tma_wgrad}"})
+    assert [r.get("library_default", False) for r in marked] == [False, True, False]
+    default = [bench_grouped_gemm._bf16_tma_name(c, cfg) for c, cfg in tg.TMA_CONFIGS.items() if cfg == tg.TMA_CONFIG]
+    assert len(default) == 1  # one name a config: the headline finds one row
 
 
 # ------------------------------------------------------------------ bench_offload
@@ -335,12 +349,18 @@ def test_headlines_show_paired_ratios():
         {"case": "hybrid x", "slower_single": "nvfp4 row", "vs_copy": _p(0.5), "vs_slower_single": _p(0.85)}]}))
     assert qk["mxfp8 row+col: copy of the same bytes / encode"] == "0.700x [0.690, 0.710]"
     assert qk["hybrid x: slower single (nvfp4 row) / fused"].endswith("BELOW 0.91x TARGET")
-    gg = dict(_grouped_gemm({"rows": [
+    rows = [
         {"part": "fp8", "gemm": "fc1 fprop", "variant": "BF16 torch._grouped_mm", "baseline": "vs_grouped_mm", "ms": 1.0},
-        {"part": "fp8", "gemm": "fc1 fprop", "variant": "tma a", "vs_grouped_mm": _p(1.2)},
+        {"part": "fp8", "gemm": "fc1 fprop", "variant": "tma a", "vs_grouped_mm": _p(1.2), "library_default": True},
         {"part": "fp8", "gemm": "fc1 fprop", "variant": "pointer b", "vs_grouped_mm": _p(1.4)},
-        {"part": "fp8", "gemm": "fc1 fprop", "variant": "tma c", "error": "no fit"}]}))
-    assert gg == {"fp8 fc1 fprop: fastest Triton (pointer b) / torch._grouped_mm": "1.400x [1.390, 1.410]"}
+        {"part": "fp8", "gemm": "fc1 fprop", "variant": "tma c", "error": "no fit"}]
+    # the library's own config is the figure; the sweep's fastest only beside it
+    assert dict(_grouped_gemm({"rows": rows})) == {
+        "fp8 fc1 fprop: library default Triton (tma a) / torch._grouped_mm":
+        "1.200x [1.190, 1.210] (fastest config of the sweep pointer b: 1.400x [1.390, 1.410])"}
+    rows[1].pop("library_default")
+    assert dict(_grouped_gemm({"rows": rows})) == {"fp8 fc1 fprop: Triton / torch._grouped_mm": (
+        "library default not measured; fastest config of the sweep pointer b: 1.400x [1.390, 1.410]")}
     off = dict(_offload({"rows": [{"recipe": "MXFP8", "peak_gib_off": 2.0, "peak_gib_on": 1.5,
                                    "vs_no_offload": _p(0.95)}, {"recipe": "FP8 current", "error": "gradient differs"}]}))
     assert off["CPU offload, MXFP8: peak GiB off / on, without / with offload"] == "2.00 / 1.50, 0.950x [0.940, 0.960]"
