@@ -192,8 +192,10 @@ def _grouped_gemm(r: dict[str, Any]) -> Rows:
         if default is None:  # the sweep's best is no figure of the library
             out.append((f"{part} {gemm}: Triton / torch._grouped_mm", f"library default not measured; {fastest}"))
             continue
+        same_values = (f"; {_paired(default['vs_grouped_mm_decoded'])} on the FP8 values"
+                       if "vs_grouped_mm_decoded" in default else "")
         out.append((f"{part} {gemm}: library default Triton ({default['variant']}) / torch._grouped_mm",
-                    _paired(default["vs_grouped_mm"]) + ("" if default is best else f" ({fastest})")))
+                    _paired(default["vs_grouped_mm"]) + same_values + ("" if default is best else f" ({fastest})")))
     return out
 
 

@@ -338,21 +338,32 @@ def fp8_blocks(c: dict[str, Any], sa: Optional[torch.Tensor] = None,
             if a.shape[0] and a.shape[1] or sa is not None]
 
 
-def _bf16_grouped(c: dict[str, Any], splits: list[int]) -> Case:
-    """BF16 ``torch._grouped_mm`` on fresh operands of the case's shape (the MoE benchmark's
-    baseline): rows grouped, or for wgrad 2D x 2D grouped along K, and its blocks."""
+def _bf16_grouped(c: dict[str, Any], splits: list[int], decoded: bool = False) -> Case:
+    """BF16 ``torch._grouped_mm`` on fresh randn operands of the case's shape (the MoE benchmark's
+    baseline) or, ``decoded``, on the case's own FP8 values widened to BF16 (exactly: a GEMM's
+    speed under a power cap depends on its operands' values, so the FP8 kernels are also
+    compared on theirs): rows grouped, or for wgrad 2D x 2D grouped along K, and its blocks."""
     dev, e = common.DEVICE, len(splits)
+    bf16 = torch.bfloat16
     if c["rows"]:
-        bf_a = torch.randn(c["m"], c["k"], device=dev, dtype=torch.bfloat16)
-        bf_b = torch.randn(e, c["k"], c["n"], device=dev, dtype=torch.bfloat16)
+        if decoded:  # A_e [m_e, k], B_e [n, k]
+            bf_a = torch.cat(c["a"]).to(bf16)
+            bf_b = torch.stack(c["b"]).to(bf16).transpose(1, 2)
+        else:
+            bf_a = torch.randn(c["m"], c["k"], device=dev, dtype=bf16)
+            bf_b = torch.randn(e, c["k"], c["n"], device=dev, dtype=bf16)
         offs = torch.tensor(splits, device=dev).cumsum(0).to(torch.int32)
         blocks, r = [], 0
         for i, m in enumerate(splits):
             blocks.append((bf_a[r:r + m], bf_b[i].t(), None, None))
             r += m
     else:  # CUTLASS needs 16-byte aligned group offsets: the 16-padded token counts, +0.4 % work
-        bf_a = torch.randn(c["m"], sum(c["ks"]), device=dev, dtype=torch.bfloat16)
-        bf_b = torch.randn(sum(c["ks"]), c["n"], device=dev, dtype=torch.bfloat16)
+        if decoded:  # A_e [m, k_e], B_e [n, k_e]
+            bf_a = torch.cat(c["a"], dim=1).to(bf16)
+            bf_b = torch.cat(c["b"], dim=1).to(bf16).t()
+        else:
+            bf_a = torch.randn(c["m"], sum(c["ks"]), device=dev, dtype=bf16)
+            bf_b = torch.randn(sum(c["ks"]), c["n"], device=dev, dtype=bf16)
         offs = torch.tensor(c["ks"], device=dev).cumsum(0).to(torch.int32)
         blocks, r = [], 0
         for kk in c["ks"]:
@@ -364,7 +375,7 @@ def _bf16_grouped(c: dict[str, Any], splits: list[int]) -> Case:
 def fp8(tiles: list[tuple[tuple[int, int, int, int, int], int, int]], protocol: Protocol, failures: list[str],
         only: str = "", tma: bool = False, configs: Optional[list[str]] = None) -> list[dict[str, Any]]:
     """One row per (GEMM, variant), each paired against cuBLAS per expert and BF16
-    ``torch._grouped_mm``; ``tma``: the pointer kernel at its default tile and the TMA configs
+    ``torch._grouped_mm`` on randn and on the case's FP8 values; ``tma``: the pointer kernel at its default tile and the TMA configs
     (``tiles`` ignored), else the pointer kernel at each of ``tiles``."""
     from hybridfp.kernels.moe import triton_grouped_fp8_gemm as tk
     from hybridfp.kernels.moe.triton_grouped_fp8_tma import CONFIGS
@@ -381,7 +392,9 @@ def fp8(tiles: list[tuple[tuple[int, int, int, int, int], int, int]], protocol: 
         out = torch.empty((c["m"] if c["rows"] else EXPERTS * c["m"], c["n"]), device=dev, dtype=torch.bfloat16)
         scaled = fp8_blocks(c, sa, sb)
         base = {"vs_cublas": ("cuBLAS _scaled_mm per expert", (_cublas_loop(c), fp8_blocks(c))),
-                "vs_grouped_mm": ("BF16 torch._grouped_mm", _bf16_grouped(c, splits))}
+                "vs_grouped_mm": ("BF16 torch._grouped_mm", _bf16_grouped(c, splits)),
+                "vs_grouped_mm_decoded": ("BF16 torch._grouped_mm on the FP8 values",
+                                          _bf16_grouped(c, splits, decoded=True))}
         variants: dict[str, Case] = {}
         if c["rows"] and c["a"][0].dtype == E4M3:
             whole = torch.cat(c["a"])
@@ -445,6 +458,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         failures.append(str(e))
     columns = [("kernel", "part"), ("GEMM", "gemm"), ("variant", "variant"), ("ms", "ms"), ("TFLOP/s", "tflops"),
                ("rel err", "rel_err"), ("x torch._grouped_mm [interval]", "vs_grouped_mm_text"),
+               ("x torch._grouped_mm on the FP8 values (fp8) [interval]", "vs_grouped_mm_decoded_text"),
                ("x cuBLAS per expert (fp8) [interval]", "vs_cublas_text")]
     md = md_table([h for h, _ in columns], [[r.get(k, r.get("error") if k == "ms" else None) for _, k in columns]
                                             for r in rows])

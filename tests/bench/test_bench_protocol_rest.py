@@ -268,8 +268,9 @@ def test_grouped_gemm_cpu_smoke_bf16_pointer_and_fp8(cpu, monkeypatch):
     monkeypatch.setattr(bench_grouped_gemm, "EXPERTS", 3)
     rows = bench_grouped_gemm.fp8([((16, 16, 32, 4, 2), 1, 32)], PROTO, failures, only="fc2 wgrad")
     ptr = rows[-1]
-    assert [r.get("baseline") for r in rows[:2]] == ["vs_cublas", "vs_grouped_mm"]
-    assert ptr["rel_err"] <= bench_grouped_gemm.OUTPUT_BOUND and {"vs_cublas", "vs_grouped_mm"} <= set(ptr)
+    assert [r.get("baseline") for r in rows[:3]] == ["vs_cublas", "vs_grouped_mm", "vs_grouped_mm_decoded"]
+    assert ptr["rel_err"] <= bench_grouped_gemm.OUTPUT_BOUND
+    assert {"vs_cublas", "vs_grouped_mm", "vs_grouped_mm_decoded"} <= set(ptr)
     assert failures == [] and not any(r.get("library_default") for r in rows)  # no TMA config swept
 
 
@@ -358,6 +359,10 @@ def test_headlines_show_paired_ratios():
     assert dict(_grouped_gemm({"rows": rows})) == {
         "fp8 fc1 fprop: library default Triton (tma a) / torch._grouped_mm":
         "1.200x [1.190, 1.210] (fastest config of the sweep pointer b: 1.400x [1.390, 1.410])"}
+    rows[1]["vs_grouped_mm_decoded"] = _p(1.1)
+    assert dict(_grouped_gemm({"rows": rows}))["fp8 fc1 fprop: library default Triton (tma a) / torch._grouped_mm"] == (
+        "1.200x [1.190, 1.210]; 1.100x [1.090, 1.110] on the FP8 values "
+        "(fastest config of the sweep pointer b: 1.400x [1.390, 1.410])")
     rows[1].pop("library_default")
     assert dict(_grouped_gemm({"rows": rows})) == {"fp8 fc1 fprop: Triton / torch._grouped_mm": (
         "library default not measured; fastest config of the sweep pointer b: 1.400x [1.390, 1.410]")}
