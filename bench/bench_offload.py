@@ -8,8 +8,8 @@ backward), "after forward" = allocated when the forward returns, both above the 
 before the step (parameters, inputs). Step time: a paired ratio (``bench.protocol.paired_ratio``)
 of the step with offload against the same step without it (the baseline): the median over
 alternating rounds of time without / time with, with its ~95 % interval (below 1: offload costs
-time); "step cost" is its inverse. Output check: the gradients with offload equal those without,
-bit for bit (offload moves saved tensors, the arithmetic is the same); a difference fails the
+time); "step cost" is its inverse. Output check: the forward output and the gradients with
+offload equal those without, bit for bit (offload moves saved tensors, the arithmetic is the same); a difference fails the
 run, as does a step without offload that cannot run (``MissingBaselineError``).
 
     python -m bench.bench_offload [--out results.json] [--quick] [--rounds N] [--samples N]
@@ -104,16 +104,20 @@ def offload_row(recipe: str, run: Callable[[str], Any], grads: Callable[[], list
                 names: list[str], memory: Callable[[str], dict[str, float]], stats: Any,
                 protocol: Protocol) -> dict[str, Any]:
     """One recipe's row: ``run(label)`` one step without ("off", the baseline) or with ("on")
-    offload; ``grads()`` the gradients the last step left; ``memory(label)`` one measured step;
+    offload, returning its forward output; ``grads()`` the gradients the last step left; ``memory(label)`` one measured step;
     ``stats`` the offload context's counters.
 
     Raises ``MissingBaselineError`` when the step without offload cannot run, ``AccuracyError``
-    when the gradients differ."""
+    when the forward output (what ``run`` returns) or a gradient differs, bit for bit."""
     off = require_baseline(f"offload {recipe}", "the step without offload", lambda: (lambda: run("off")))
+    out_off = off()  # the baseline's output and gradients, then the offloaded step's
     want = [g.clone() for g in grads()]
-    run("on")
+    out_on = run("on")
+    if not torch.equal(out_on, out_off):
+        raise AccuracyError(f"offload {recipe}: the forward output with offload differs from the one without, "
+                            "bit for bit")
     check_grads(f"offload {recipe}", grads(), want, names)
-    del want
+    del want, out_off, out_on
     mem = {"off": memory("off")}
     moved, late = stats.offloaded_bytes, stats.late_reloads
     mem["on"] = memory("on")  # the counters' change over this one step
@@ -154,7 +158,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ok = [r for r in rows if "error" not in r]
     md = (f"### CPU offload, {LAYERS} layers (first {OFFLOADED} offloaded), D {d}, H {h}, {tokens} tokens, BF16\n\n"
           f"x without offload: median over {protocol.rounds} alternating rounds ({protocol.samples} steps a side "
-          "each) of step time without / with offload, [~95 % interval]; gradients equal bit for bit."
+          "each) of step time without / with offload, [~95 % interval]; output and gradients equal bit for bit."
           + ("" if protocol.reportable else " NOT REPORTABLE (fewer than 10 rounds or samples).") + "\n\n"
           + md_table(["recipe", "peak GiB off / on", "after fwd GiB off / on", "step ms off / on",
                       "x without offload [interval]", "moved GiB / step", "late reloads"],

@@ -291,23 +291,27 @@ def test_grouped_gemm_marks_the_library_default_config(cpu, monkeypatch):
 # ------------------------------------------------------------------ bench_offload
 
 class _Fake:
-    """A tiny CPU model standing in for the offloaded layers: ``run("on")`` may perturb a gradient."""
+    """A tiny CPU model standing in for the offloaded layers: ``run("on")`` may perturb a gradient or the output."""
 
-    def __init__(self, perturb: bool = False, broken_off: bool = False) -> None:
+    def __init__(self, perturb: bool = False, broken_off: bool = False, perturb_output: bool = False) -> None:
         self.lin = torch.nn.Linear(8, 8)
         self.x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
-        self.perturb, self.broken_off = perturb, broken_off
+        self.perturb, self.broken_off, self.perturb_output = perturb, broken_off, perturb_output
         self.stats = SimpleNamespace(offloaded_bytes=0, late_reloads=0)
 
-    def run(self, label: str) -> None:
+    def run(self, label: str) -> torch.Tensor:
         if label == "off" and self.broken_off:
             raise RuntimeError("layer failed")
         self.lin.zero_grad(set_to_none=True)
-        self.lin(self.x).square().mean().backward()
+        y = self.lin(self.x)
+        y.square().mean().backward()
         if label == "on":
             self.stats.offloaded_bytes += 1024
             if self.perturb:
                 self.lin.bias.grad[0] += 1e-3
+            if self.perturb_output:
+                y = y + 1e-3
+        return y
 
     def row(self) -> dict:
         return bench_offload.offload_row(
@@ -330,6 +334,8 @@ def test_offload_row_paired_against_the_step_without_offload(cpu):
 def test_offload_gradients_differing_or_missing_baseline_fail_by_name(cpu):
     with pytest.raises(common.AccuracyError, match="offload MXFP8: gradient of fc.bias with offload differs"):
         _Fake(perturb=True).row()
+    with pytest.raises(common.AccuracyError, match="offload MXFP8: the forward output with offload differs"):
+        _Fake(perturb_output=True).row()
     with pytest.raises(common.MissingBaselineError, match="offload MXFP8: baseline 'the step without offload' failed"):
         _Fake(broken_off=True).row()
 
