@@ -342,13 +342,13 @@ def _bf16_grouped(c: dict[str, Any], splits: list[int], decoded: bool = False) -
     """BF16 ``torch._grouped_mm`` on fresh randn operands of the case's shape (the MoE benchmark's
     baseline) or, ``decoded``, on the case's own FP8 values widened to BF16 (exactly: a GEMM's
     speed under a power cap depends on its operands' values, so the FP8 kernels are also
-    compared on theirs): rows grouped, or for wgrad 2D x 2D grouped along K, and its blocks."""
+    compared on theirs), in the same layouts: rows grouped, or for wgrad 2D x 2D grouped along K, and its blocks."""
     dev, e = common.DEVICE, len(splits)
     bf16 = torch.bfloat16
     if c["rows"]:
         if decoded:  # A_e [m_e, k], B_e [n, k]
             bf_a = torch.cat(c["a"]).to(bf16)
-            bf_b = torch.stack(c["b"]).to(bf16).transpose(1, 2)
+            bf_b = torch.stack(c["b"]).to(bf16).transpose(1, 2).contiguous()  # row-major as randn's
         else:
             bf_a = torch.randn(c["m"], c["k"], device=dev, dtype=bf16)
             bf_b = torch.randn(e, c["k"], c["n"], device=dev, dtype=bf16)
@@ -360,7 +360,7 @@ def _bf16_grouped(c: dict[str, Any], splits: list[int], decoded: bool = False) -
     else:  # CUTLASS needs 16-byte aligned group offsets: the 16-padded token counts, +0.4 % work
         if decoded:  # A_e [m, k_e], B_e [n, k_e]
             bf_a = torch.cat(c["a"], dim=1).to(bf16)
-            bf_b = torch.cat(c["b"], dim=1).to(bf16).t()
+            bf_b = torch.cat(c["b"], dim=1).to(bf16).t().contiguous()  # row-major as randn's
         else:
             bf_a = torch.randn(c["m"], sum(c["ks"]), device=dev, dtype=bf16)
             bf_b = torch.randn(sum(c["ks"]), c["n"], device=dev, dtype=bf16)

@@ -231,9 +231,19 @@ def _profile(step: Callable[[], Any], warmup: int = 2,
         step()  # recorded
         sync()
         prof.step()
-    total = sum(e.device_time_total for e in prof.events()
-                if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
-    return total, {e.key: e.self_device_time_total / 1e3 for e in prof.key_averages()}
+    return device_times(prof.events(), prof.key_averages())
+
+
+def device_times(events: Any, averages: Any) -> tuple[float, dict[str, float]]:
+    """(device ms of the recorded events, op / kernel name -> self device ms) from a profile's
+    ``events()`` and ``key_averages()``. Device-side user annotations are left out of the sum
+    (on CUDA the schedule's ``ProfilerStep#N`` is one, spanning the whole step, idle gaps
+    included: it would count the step again on top of its kernels), and the step range out of
+    the ops (Triton launches outside any aten op would be charged to it)."""
+    total = sum(e.device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                and not getattr(e, "is_user_annotation", False)) / 1e3
+    return total, {e.key: e.self_device_time_total / 1e3 for e in averages
+                   if not str(e.key).startswith("ProfilerStep")}
 
 
 def _median_of_rounds(m: Measured, p: Premises) -> list[dict[str, Any]]:

@@ -279,7 +279,9 @@ def test_grouped_gemm_marks_the_library_default_config(cpu, monkeypatch):
     are marked, and only they."""
     from hybridfp import current_policy
     from hybridfp.kernels.moe import triton_grouped_gemm as tg
+    from hybridfp.kernels.moe.triton_grouped_fp8_tma import CONFIGS
     pol = current_policy()
+    assert {pol.grouped_fp8_tma_rows, pol.grouped_fp8_tma_wgrad} <= set(CONFIGS)  # fp8() names "tma <config>"
     rows = [{"variant": f"tma {pol.grouped_fp8_tma_rows}"}, {"variant": f"tma {pol.grouped_fp8_tma_wgrad}"},
             {"variant": "pointer x"}]
     marked = bench_grouped_gemm.mark_library_default(rows, lambda row: {f"tma {pol.grouped_fp8_tma_wgrad}"})

@@ -3,6 +3,8 @@ not idle when the recorded step begins; only the step after it is recorded."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -36,3 +38,20 @@ def test_profile_records_one_step_after_a_discarded_one(warmup):
     assert labels == [f"call{warmup + 1}-after-reset0"], labels
     assert step.calls == warmup + 2  # the warm-up, the discarded step, the recorded one
     assert "aten::cumsum" in ops
+    assert not any(k.startswith("ProfilerStep") for k in ops), sorted(ops)
+
+
+def test_device_time_leaves_out_the_step_range():
+    """On CUDA the schedule's ``ProfilerStep#N`` is also a user-annotation device event spanning
+    the step: summed with the kernels it would count the step twice, idle gaps included."""
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(key, device_type, us, annotation=False):
+        return SimpleNamespace(key=key, device_type=device_type, device_time_total=us, self_device_time_total=us,
+                               is_user_annotation=annotation)
+    events = [ev("gemm_kernel", cuda, 3000.0), ev("cast_kernel", cuda, 1000.0),
+              ev("ProfilerStep#1", cuda, 9000.0, annotation=True), ev("aten::mm", cpu, 0.0)]
+    averages = [ev("gemm_kernel", cuda, 3000.0), ev("ProfilerStep#1", cpu, 500.0), ev("aten::mm", cpu, 3000.0)]
+    total, ops = bound_moe.device_times(events, averages)
+    assert total == pytest.approx(4.0)
+    assert ops == {"gemm_kernel": 3.0, "aten::mm": 3.0}
