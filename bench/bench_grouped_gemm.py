@@ -266,7 +266,9 @@ def bf16_tma_f32(configs: Optional[list[str]], protocol: Protocol, failures: lis
             out[f"tma f32 {cname}"] = ((lambda cfg=cfg: tg.grouped_rows(
                 a, b, splits, scale_a=sa, scale_b=sb, kernel="tma", tma=cfg, out_dtype=torch.float32)), True)
         return out
-    return _bf16_sweep(variants, protocol, failures)
+    from hybridfp.kernels.moe import triton_grouped_gemm as tg
+    default = {f"tma f32 {c}" for c, cfg in tg.TMA_F32_CONFIGS.items() if cfg == tg.TMA_F32_CONFIG}
+    return mark_library_default(_bf16_sweep(variants, protocol, failures), lambda row: default)
 
 
 # --- FP8 grouped GEMM, the 64-expert MoE's six GEMMs -----------------------------------------

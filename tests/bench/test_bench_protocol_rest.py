@@ -288,6 +288,7 @@ def test_grouped_gemm_marks_the_library_default_config(cpu, monkeypatch):
     assert [r.get("library_default", False) for r in marked] == [False, True, False]
     default = [bench_grouped_gemm._bf16_tma_name(c, cfg) for c, cfg in tg.TMA_CONFIGS.items() if cfg == tg.TMA_CONFIG]
     assert len(default) == 1  # one name a config: the headline finds one row
+    assert [c for c, cfg in tg.TMA_F32_CONFIGS.items() if cfg == tg.TMA_F32_CONFIG] != []  # the FP32 sweep's
 
 
 # ------------------------------------------------------------------ bench_offload
