@@ -105,8 +105,9 @@ def measure(part: str, gemm: str, flop: float, baselines: dict[str, tuple[str, C
 
     A variant Triton refuses for want of shared memory or registers (a tile config that does not
     fit this GPU) is a row with its ``error``; one that raises anything else, or is beyond its
-    bound, is such a row and also goes to ``failures`` (the run then fails). Raises ``MissingBaselineError`` naming a baseline that
-    cannot run, ``AccuracyError`` for a baseline beyond its bound."""
+    bound, is such a row and also goes to ``failures`` (the run then fails). Raises
+    ``MissingBaselineError`` naming a baseline that cannot run, ``AccuracyError`` for a baseline
+    beyond its bound."""
     where = f"grouped_gemm {part} {gemm}"
     steps: dict[str, Callable[[], Any]] = {}
     for key, (name, (step, blocks)) in baselines.items():
@@ -124,9 +125,9 @@ def measure(part: str, gemm: str, flop: float, baselines: dict[str, tuple[str, C
             rows.append({**row, "error": str(e)})
             continue
         except Exception as e:  # noqa: BLE001 - reported in the row; only a config that does not fit passes
-            error = f"{type(e).__name__}: {str(e)[:100]}"
-            rows.append({**row, "error": error, **({"does_not_fit": True} if _does_not_fit(e) else {})})
-            if not _does_not_fit(e):
+            error, fits = f"{type(e).__name__}: {str(e)[:100]}", not _does_not_fit(e)
+            rows.append({**row, "error": error, **({} if fits else {"does_not_fit": True})})
+            if fits:
                 failures.append(f"{where}: {variant}: {error}")
             continue
         ms = next(iter(pairs.values())).candidate_ms
@@ -229,7 +230,7 @@ def bf16_tma(configs: Optional[list[str]], protocol: Protocol, failures: list[st
         return out
     from hybridfp.kernels.moe import triton_grouped_gemm as tg
     default = {_bf16_tma_name(c, cfg) for c, cfg in tg.TMA_CONFIGS.items() if cfg == tg.TMA_CONFIG}
-    return mark_library_default(_bf16_sweep(variants, protocol, failures), lambda row: default)
+    return mark_library_default(_bf16_sweep(variants, protocol, failures), default)
 
 
 def _bf16_tma_name(cname: str, cfg: Any) -> str:
@@ -237,13 +238,11 @@ def _bf16_tma_name(cname: str, cfg: Any) -> str:
     return f"tma {cname}" + ("" if " g" in cname else f" g{cfg.group_m}")
 
 
-def mark_library_default(rows: list[dict[str, Any]], defaults: Callable[[dict[str, Any]], set[str]]
-                         ) -> list[dict[str, Any]]:
-    """``rows`` with ``library_default`` True on each row whose variant is in ``defaults(row)``:
-    the config the library runs for that GEMM (the headline reports it, not the sweep's
-    fastest)."""
+def mark_library_default(rows: list[dict[str, Any]], defaults: set[str]) -> list[dict[str, Any]]:
+    """``rows`` with ``library_default`` True on each row whose variant is in ``defaults``: the
+    config the library runs for that GEMM (the headline reports it, not the sweep's fastest)."""
     for row in rows:
-        if row.get("variant") in defaults(row):
+        if row.get("variant") in defaults:
             row["library_default"] = True
     return rows
 
@@ -268,7 +267,7 @@ def bf16_tma_f32(configs: Optional[list[str]], protocol: Protocol, failures: lis
         return out
     from hybridfp.kernels.moe import triton_grouped_gemm as tg
     default = {f"tma f32 {c}" for c, cfg in tg.TMA_F32_CONFIGS.items() if cfg == tg.TMA_F32_CONFIG}
-    return mark_library_default(_bf16_sweep(variants, protocol, failures), lambda row: default)
+    return mark_library_default(_bf16_sweep(variants, protocol, failures), default)
 
 
 # --- FP8 grouped GEMM, the 64-expert MoE's six GEMMs -----------------------------------------
@@ -344,7 +343,8 @@ def _bf16_grouped(c: dict[str, Any], splits: list[int], decoded: bool = False) -
     """BF16 ``torch._grouped_mm`` on fresh randn operands of the case's shape (the MoE benchmark's
     baseline) or, ``decoded``, on the case's own FP8 values widened to BF16 (exactly: a GEMM's
     speed under a power cap depends on its operands' values, so the FP8 kernels are also
-    compared on theirs), in the same layouts: rows grouped, or for wgrad 2D x 2D grouped along K, and its blocks."""
+    compared on theirs), in the same layouts: rows grouped, or for wgrad 2D x 2D grouped along K,
+    and its blocks."""
     dev, e = common.DEVICE, len(splits)
     bf16 = torch.bfloat16
     if c["rows"]:
@@ -377,8 +377,9 @@ def _bf16_grouped(c: dict[str, Any], splits: list[int], decoded: bool = False) -
 def fp8(tiles: list[tuple[tuple[int, int, int, int, int], int, int]], protocol: Protocol, failures: list[str],
         only: str = "", tma: bool = False, configs: Optional[list[str]] = None) -> list[dict[str, Any]]:
     """One row per (GEMM, variant), each paired against cuBLAS per expert and BF16
-    ``torch._grouped_mm`` on randn and on the case's FP8 values; ``tma``: the pointer kernel at its default tile and the TMA configs
-    (``tiles`` ignored), else the pointer kernel at each of ``tiles``."""
+    ``torch._grouped_mm`` on randn and on the case's FP8 values; ``tma``: the pointer kernel at
+    its default tile and the TMA configs (``tiles`` ignored), else the pointer kernel at each of
+    ``tiles``."""
     from hybridfp.kernels.moe import triton_grouped_fp8_gemm as tk
     from hybridfp.kernels.moe.triton_grouped_fp8_tma import CONFIGS
     dev = common.DEVICE
@@ -386,6 +387,8 @@ def fp8(tiles: list[tuple[tuple[int, int, int, int, int], int, int]], protocol: 
     rows: list[dict[str, Any]] = []
     sa = torch.rand(EXPERTS, device=dev) + 0.5
     sb = torch.rand(EXPERTS, device=dev) + 0.5
+    from hybridfp import current_policy
+    pol = current_policy()  # the TMA configs the library runs (rows / wgrad)
     for name, c in _fp8_cases(splits):
         if only not in name:
             continue
@@ -417,11 +420,8 @@ def fp8(tiles: list[tuple[tuple[int, int, int, int, int], int, int]], protocol: 
             variants[f"pointer {t} g{g} promote {p}"] = (
                 (lambda t=t, g=g, p=p: tk.grouped_fp8(c["a"], c["b"], c["ks"], sa, sb, out, out_rows,
                                                       tile=t, group_m=g, promote=p)), scaled)
-        from hybridfp import current_policy
-        pol = current_policy()
         default = {f"tma {pol.grouped_fp8_tma_rows if c['rows'] else pol.grouped_fp8_tma_wgrad}"} if tma else set()
-        rows += mark_library_default(measure("fp8", name, flop, base, variants, protocol, failures),
-                                     lambda row: default)
+        rows += mark_library_default(measure("fp8", name, flop, base, variants, protocol, failures), default)
     return rows
 
 

@@ -402,7 +402,8 @@ def main(argv=None) -> None:
 
     def report(rows: list[dict[str, Any]], final: bool = False) -> None:
         table = md_table(["model", "variant", "x BF16 eager", "x BF16 compiled", "x torchao tensorwise",
-                          "x torchao rowwise", "err y / dx / dW (bounds)", "gain y / dx / dW", "ms", "steady ms (diagnostic)", "host ms", "first step s"], [
+                          "x torchao rowwise", "err y / dx / dW (bounds)", "gain y / dx / dW", "ms",
+                          "steady ms (diagnostic)", "host ms", "first step s"], [
             (r["model"], r["variant"] + (f" **below {target_of(r['variant']):.2f}x target**" if below_target(r) else ""),
              r.get("error") or (f"not run: {r['not_run']}" if "not_run" in r else _ci(r, BASELINE_EAGER)),
              _ci(r, BASELINE_COMPILED),

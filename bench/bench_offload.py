@@ -9,8 +9,8 @@ before the step (parameters, inputs). Step time: a paired ratio (``bench.protoco
 of the step with offload against the same step without it (the baseline): the median over
 alternating rounds of time without / time with, with its ~95 % interval (below 1: offload costs
 time); "step cost" is its inverse. Output check: the forward output and the gradients with
-offload equal those without, bit for bit (offload moves saved tensors, the arithmetic is the same); a difference fails the
-run, as does a step without offload that cannot run (``MissingBaselineError``).
+offload equal those without, bit for bit (offload moves saved tensors, the arithmetic is the
+same); a difference fails the run, as does a step without offload that cannot run (``MissingBaselineError``).
 
     python -m bench.bench_offload [--out results.json] [--quick] [--rounds N] [--samples N]
 """
@@ -104,8 +104,8 @@ def offload_row(recipe: str, run: Callable[[str], Any], grads: Callable[[], list
                 names: list[str], memory: Callable[[str], dict[str, float]], stats: Any,
                 protocol: Protocol) -> dict[str, Any]:
     """One recipe's row: ``run(label)`` one step without ("off", the baseline) or with ("on")
-    offload, returning its forward output; ``grads()`` the gradients the last step left; ``memory(label)`` one measured step;
-    ``stats`` the offload context's counters.
+    offload, returning its forward output; ``grads()`` the gradients the last step left;
+    ``memory(label)`` one measured step; ``stats`` the offload context's counters.
 
     Raises ``MissingBaselineError`` when the step without offload cannot run, ``AccuracyError``
     when the forward output (what ``run`` returns) or a gradient differs, bit for bit."""

@@ -284,7 +284,7 @@ def test_grouped_gemm_marks_the_library_default_config(cpu, monkeypatch):
     assert {pol.grouped_fp8_tma_rows, pol.grouped_fp8_tma_wgrad} <= set(CONFIGS)  # fp8() names "tma <config>"
     rows = [{"variant": f"tma {pol.grouped_fp8_tma_rows}"}, {"variant": f"tma {pol.grouped_fp8_tma_wgrad}"},
             {"variant": "pointer x"}]
-    marked = bench_grouped_gemm.mark_library_default(rows, lambda row: {f"tma {pol.grouped_fp8_tma_wgrad}"})
+    marked = bench_grouped_gemm.mark_library_default(rows, {f"tma {pol.grouped_fp8_tma_wgrad}"})
     assert [r.get("library_default", False) for r in marked] == [False, True, False]
     default = [bench_grouped_gemm._bf16_tma_name(c, cfg) for c, cfg in tg.TMA_CONFIGS.items() if cfg == tg.TMA_CONFIG]
     assert len(default) == 1  # one name a config: the headline finds one row
