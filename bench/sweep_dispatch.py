@@ -25,8 +25,10 @@ Decisions (``DECISIONS``), each on one GEMM of an expert linear W_e [ffn, hidden
 - ``stack_scaled`` (``stack_scaled_max_numel``): per-tensor FP8 weights quantized per expert vs
   stacked into one buffer (picked: ``_worth_stacking``; no token count);
 - ``fp8_tile_rows`` / ``fp8_tile_wgrad``: the Triton FP8 grouped GEMM's pointer tiles ``TILE``
-  (fprop) and ``WGRAD_TILE`` (wgrad) against neighbours (on CUDA fprop / dgrad take the policy's
-  TMA config where it applies; the pointer tile is the fallback);
+  (fprop) and ``WGRAD_TILE`` (wgrad) against neighbours (on CUDA the policy's TMA config runs
+  wherever TMA can read the operands; the pointer tile is the fallback);
+- ``fp8_tma_rows`` / ``fp8_tma_wgrad`` (``grouped_fp8_tma_rows`` / ``grouped_fp8_tma_wgrad``):
+  that TMA config against neighbouring configs, fprop and wgrad (picked: the policy's field);
 - ``bf16_tile``: the Triton BF16 grouped GEMM's ``TILE`` (pointer kernel, row-scaled epilogue);
 - ``nvfp4_hybrid_tile`` / ``mxfp8_decode_tile``: the NVFP4 + MXFP8 fused quantize's
   ``DEFAULT_TILES["natural"]`` and the MXFP8 1x32 decode's default tile, on [tokens, hidden].
@@ -35,12 +37,11 @@ Grid: tokens {4096, 8192, 16384} x hidden {2048, 4096, 8192}; the MoE decisions 
 experts {8, 16, 32, 64} with top-k ``TOPK`` (routed rows = tokens x top-k, split unevenly) and
 ffn = hidden * 28 / experts rounded to 128 (8 experts: 3.5 x hidden, 14336 at hidden 4096 as the
 8-expert layer; 64 experts: 0.44 x hidden, near the 64 x 1408 layer's 0.34); the kernel tile
-decisions at the smallest and largest expert counts. About 500 timings of ``warmup_ms=10,
+decisions at the smallest and largest expert counts. About 660 timings of ``warmup_ms=10,
 rep_ms=60`` each (do_bench's estimate and warm-up calls included, ~0.15 s), the paired
-re-measures, the operands' setup and a dozen kernel compiles: estimated at about 4 minutes on
-an NVIDIA H200 (the largest GEMMs, 32768 routed rows x hidden 8192 x ffn 28672, take ~25 ms a
-call); on one H100 the nine decisions took 216 s run one process each, process starts
-included. ``--only`` runs a subset; ``--deadline-s S`` starts no cell after S seconds and
+re-measures, the operands' setup and a few dozen kernel compiles (the largest GEMMs, 32768
+routed rows x hidden 8192 x ffn 28672, take ~25 ms a call); on one H100 the decisions other
+than the two TMA ones take 135 s in one process. ``--only`` runs a subset; ``--deadline-s S`` starts no cell after S seconds and
 records the cells left as not run (``python -m bench sweep_dispatch --timeout-s T`` passes
 3/4 of T), so a run cut short still writes what it measured.
 ``--quick``: a tiny grid (a smoke test of the script, also on the CPU). A cell that raises, or
@@ -270,8 +271,9 @@ def _scales(n: int) -> torch.Tensor:
     return torch.rand(n, device=common.DEVICE) + 0.5
 
 
-def fp8_tile_rows(cell: Cell, quick: bool = False) -> Case:
-    """The Triton FP8 grouped GEMM's pointer kernel, fprop [rows, hidden] x [ffn, hidden]ᵀ per expert."""
+def _fp8_rows_call(cell: Cell) -> Callable[..., Any]:
+    """The Triton FP8 grouped GEMM, fprop [rows, hidden] x [ffn, hidden]ᵀ per expert, on fresh
+    operands: a call taking the kernel's keyword arguments (``tile`` / ``tma``)."""
     from hybridfp.kernels.moe import triton_grouped_fp8_gemm as k
     sizes = splits_for(cell.rows, cell.experts)
     a = list(torch.split(_randn(cell.rows, cell.hidden).to(E4M3), sizes))
@@ -279,16 +281,13 @@ def fp8_tile_rows(cell: Cell, quick: bool = False) -> Case:
     out = torch.empty(cell.rows, cell.ffn, device=common.DEVICE, dtype=torch.bfloat16)
     rows = [sum(sizes[:e]) for e in range(cell.experts)]
     sa, sb = _scales(cell.experts), _scales(cell.experts)
-
-    def call(tile: Optional[tuple[int, ...]]) -> Any:
-        kw = {} if tile is None else {"tile": tile}
-        return k.grouped_fp8(a, b, [cell.hidden] * cell.experts, sa, sb, out, rows, **kw)
-    return _tile_case(k.TILE, _others(FP8_ROW_TILES, quick), call)
+    return lambda **kw: k.grouped_fp8(a, b, [cell.hidden] * cell.experts, sa, sb, out, rows, **kw)
 
 
-def fp8_tile_wgrad(cell: Cell, quick: bool = False) -> Case:
-    """The Triton FP8 grouped GEMM's wgrad: dW_e [ffn, hidden] = dy_eᵀ x_e over the expert's
-    tokens (columnwise copies, rows padded to 16 as the library's)."""
+def _fp8_wgrad_call(cell: Cell) -> Callable[..., Any]:
+    """The Triton FP8 grouped GEMM's wgrad, dW_e [ffn, hidden] = dy_eᵀ x_e over the expert's
+    tokens (columnwise copies, rows padded to 16 as the library's), on fresh operands: a call
+    taking the kernel's keyword arguments (the library passes ``WGRAD_TILE`` itself)."""
     from hybridfp.kernels.moe import triton_grouped_fp8_gemm as k
     sizes = splits_for(cell.rows, cell.experts)
     lds = [-(-m // 16) * 16 for m in sizes]
@@ -297,10 +296,61 @@ def fp8_tile_wgrad(cell: Cell, quick: bool = False) -> Case:
     out = torch.empty(cell.experts * cell.ffn, cell.hidden, device=common.DEVICE, dtype=torch.bfloat16)
     rows = [e * cell.ffn for e in range(cell.experts)]
     sa, sb = _scales(cell.experts), _scales(cell.experts)
+    return lambda **kw: k.grouped_fp8(a, b, lds, sa, sb, out, rows, **{"tile": k.WGRAD_TILE, **kw})
 
-    def call(tile: Optional[tuple[int, ...]]) -> Any:  # the library passes WGRAD_TILE itself
-        return k.grouped_fp8(a, b, lds, sa, sb, out, rows, tile=tile or k.WGRAD_TILE)
-    return _tile_case(k.WGRAD_TILE, _others(FP8_WGRAD_TILES, quick), call)
+
+def fp8_tile_rows(cell: Cell, quick: bool = False) -> Case:
+    """The Triton FP8 grouped GEMM's pointer kernel, fprop [rows, hidden] x [ffn, hidden]ᵀ per expert."""
+    from hybridfp.kernels.moe import triton_grouped_fp8_gemm as k
+    run = _fp8_rows_call(cell)
+    return _tile_case(k.TILE, _others(FP8_ROW_TILES, quick), lambda t: run(**({} if t is None else {"tile": t})))
+
+
+def fp8_tile_wgrad(cell: Cell, quick: bool = False) -> Case:
+    """The Triton FP8 grouped GEMM's pointer kernel, wgrad (``_fp8_wgrad_call``)."""
+    from hybridfp.kernels.moe import triton_grouped_fp8_gemm as k
+    run = _fp8_wgrad_call(cell)
+    return _tile_case(k.WGRAD_TILE, _others(FP8_WGRAD_TILES, quick),
+                      lambda t: run(**({} if t is None else {"tile": t})))
+
+
+#: the pointer kernel's name among a TMA decision's alternatives (a policy field of None)
+POINTER = "pointer kernel"
+
+
+def _tma_case(field_name: str, others: Sequence[str], run: Callable[..., Any]) -> Case:
+    """The policy's TMA config ``field_name`` (the one the library takes on CUDA wherever TMA can
+    read the operands; None: the pointer kernel) and each of ``others`` (names in the kernel's
+    ``CONFIGS``), each forced with ``tma=`` so that a config TMA cannot run raises instead of
+    timing the pointer kernel under its name."""
+    from hybridfp.config import current_policy
+    from hybridfp.kernels.moe.triton_grouped_fp8_tma import CONFIGS
+    default = getattr(current_policy(), field_name)
+
+    def call(name: Optional[str]) -> Callable[[], Any]:
+        return (lambda: run()) if name is None else (lambda: run(tma=CONFIGS[name]))
+    picked = f"{default or POINTER} (default)"
+    alts = {picked: call(default)}
+    alts.update({name: call(name) for name in others if name != default})
+    return Case(alts, picked)
+
+
+#: TMA configs tried next to the policy's (``--quick``: the first only): the tiles of the
+#: kernel's sweep (``bench_grouped_gemm --part fp8``) that were near the fastest at the MoE shapes
+FP8_TMA_ROWS = ["128x256x128 w8 st3 store", "256x128x128 w8 st3 store", "128x256x128 w8 st3",
+                "128x128x128 w8 st4 store"]
+FP8_TMA_WGRAD = ["256x128x128 w8 st3", "128x256x128 w8 st3 store", "128x128x128 w8 st4 store"]
+
+
+def fp8_tma_rows(cell: Cell, quick: bool = False) -> Case:
+    """The Triton FP8 grouped GEMM's TMA kernel config for fprop (``Policy.grouped_fp8_tma_rows``;
+    dgrad takes the same one), against its neighbours."""
+    return _tma_case("grouped_fp8_tma_rows", _others(FP8_TMA_ROWS, quick), _fp8_rows_call(cell))
+
+
+def fp8_tma_wgrad(cell: Cell, quick: bool = False) -> Case:
+    """The Triton FP8 grouped GEMM's TMA kernel config for wgrad (``Policy.grouped_fp8_tma_wgrad``)."""
+    return _tma_case("grouped_fp8_tma_wgrad", _others(FP8_TMA_WGRAD, quick), _fp8_wgrad_call(cell))
 
 
 def bf16_tile(cell: Cell, quick: bool = False) -> Case:
@@ -356,6 +406,8 @@ DECISIONS: dict[str, Decision] = {d.name: d for d in [
              lambda g: moe_cells(g, tokens=False), stack_scaled),
     Decision("fp8_tile_rows", "Triton FP8 grouped fprop: pointer TILE", _ends, fp8_tile_rows),
     Decision("fp8_tile_wgrad", "Triton FP8 grouped wgrad: WGRAD_TILE", _ends, fp8_tile_wgrad),
+    Decision("fp8_tma_rows", "Triton FP8 grouped fprop: the policy's TMA config", _ends, fp8_tma_rows),
+    Decision("fp8_tma_wgrad", "Triton FP8 grouped wgrad: the policy's TMA config", _ends, fp8_tma_wgrad),
     Decision("bf16_tile", "Triton BF16 grouped fprop: pointer TILE", _ends, bf16_tile),
     Decision("nvfp4_hybrid_tile", "NVFP4 + MXFP8 quantize: DEFAULT_TILES['natural']", _dense_cells,
              nvfp4_hybrid_tile),

@@ -64,7 +64,9 @@ def _expected_picks(cell: sd.Cell) -> dict[str, str]:
             "stack_scaled": "stacked" if stack else "per expert",
             "fp8_tile_rows": f"{triton_grouped_fp8_gemm.TILE} (default)",
             "fp8_tile_wgrad": f"{triton_grouped_fp8_gemm.WGRAD_TILE} (default)",
-            "bf16_tile": f"{triton_grouped_gemm.TILE} (default)"}
+            "bf16_tile": f"{triton_grouped_gemm.TILE} (default)",
+            "fp8_tma_rows": f"{hybridfp.current_policy().grouped_fp8_tma_rows or sd.POINTER} (default)",
+            "fp8_tma_wgrad": f"{hybridfp.current_policy().grouped_fp8_tma_wgrad or sd.POINTER} (default)"}
 
 
 def test_picked_is_the_library_answer(quick):
@@ -88,6 +90,9 @@ def test_picked_is_the_library_answer(quick):
     ({"grouped_triton_devices": {"cpu"}, "per_expert_fp8_flops": 0.0}, "fp8_per_expert", "Triton FP8 grouped"),
     ({"grouped_triton_devices": {"cpu"}}, "many_experts", "Triton grouped"),
     ({"stack_scaled_max_numel": 0}, "stack_scaled", "per expert"),
+    ({"grouped_fp8_tma_rows": "128x256x128 w8 st3 store"}, "fp8_tma_rows", "128x256x128 w8 st3 store (default)"),
+    ({"grouped_fp8_tma_rows": None}, "fp8_tma_rows", f"{sd.POINTER} (default)"),
+    ({"grouped_fp8_tma_wgrad": "128x128x128 w8 st4 store"}, "fp8_tma_wgrad", "128x128x128 w8 st4 store (default)"),
 ])
 def test_picked_follows_the_policy(fields, name, want, monkeypatch):
     """A case built under another policy picks what the library's functions answer under it."""
@@ -97,6 +102,25 @@ def test_picked_follows_the_policy(fields, name, want, monkeypatch):
         case = sd.DECISIONS[name].build(cell, True)
         assert case.picked == want == _expected_picks(cell)[name]
     assert set(case.alternatives) >= {want}
+
+
+@pytest.mark.parametrize("name", ["fp8_tma_rows", "fp8_tma_wgrad"])
+def test_tma_alternatives_run_the_config_they_name(name, monkeypatch):
+    """Every TMA alternative launches the TMA kernel with its own config (forced: never the
+    pointer kernel under a config's name); the pointer kernel's alternative launches none."""
+    from hybridfp.kernels.moe.triton_grouped_fp8_tma import CONFIGS
+    monkeypatch.setattr(common, "DEVICE", "cpu")
+    launched = []
+    real = triton_grouped_fp8_gemm.launch_tma
+    monkeypatch.setattr(triton_grouped_fp8_gemm, "launch_tma",
+                        lambda *a, **kw: launched.append(a[8]) or real(*a, **kw))
+    with hybridfp.policy(grouped_fp8_tma_rows=None, grouped_fp8_tma_wgrad=None):
+        case = sd.DECISIONS[name].build(sd.moe_cells(sd.QUICK)[0], True)
+    assert case.picked == f"{sd.POINTER} (default)" and len(case.alternatives) == 2
+    for alt, fn in case.alternatives.items():
+        launched.clear()
+        fn()
+        assert launched == ([] if alt == case.picked else [CONFIGS[alt]]), alt
 
 
 def test_judge_on_synthetic_timings():
