@@ -271,6 +271,10 @@ BENCHMARKS: dict[str, Benchmark] = {
     "sweep_dispatch": Benchmark("bench.sweep_dispatch", "GEMM-path thresholds and tile defaults away from their "
                                 "fitted shapes: picked / fastest per cell", default=False, timeout_s=900.0,
                                 deadline_flag="--deadline-s", headline=lambda r: [tuple(row) for row in r.get("headline", [])]),
+    "sweep_dispatch_paths": Benchmark("bench.sweep_dispatch", "the grouped-GEMM path thresholds alone (FP8 dgrad, "
+                                      "NVFP4 fprop): picked / fastest per cell", ("--only", "fp8_per_expert,many_experts"),
+                                      default=False, timeout_s=600.0, deadline_flag="--deadline-s",
+                                      headline=lambda r: [tuple(row) for row in r.get("headline", [])]),
     "sweep_dispatch_tma": Benchmark("bench.sweep_dispatch", "the grouped FP8 GEMM's TMA configs (the policy's) "
                                     "away from their fitted shapes: picked / fastest per cell",
                                     ("--only", "fp8_tma_rows,fp8_tma_wgrad"), default=False, timeout_s=600.0,
