@@ -50,11 +50,14 @@ are written): its verdict could name the wrong fastest.
 
     python -m bench.sweep_dispatch [--quick] [--out F.json] [--only NAME[,NAME]] [--deadline-s S]
 
-Prints a Markdown table (one row per cell) last; the JSON has every alternative's time.
+Prints a Markdown table (one row per cell, with the SM clock while its alternatives ran: a
+throttled stretch of the sweep slows every alternative of its cells) last; the JSON has every
+alternative's time and each cell's clocks (min / median / max SM clock and power).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -64,6 +67,7 @@ import torch
 
 from bench import common
 from bench.common import md_table, parser, require_cuda
+from bench.protocol import POLL_S, ClockPoller, Sampler, device_sampler, summarize_clocks
 
 #: a picked alternative this much slower than the fastest is flagged
 TOLERANCE = 0.03
@@ -496,20 +500,28 @@ def _took(name: str, want: str, fn: Callable[[], Any]) -> Optional[str]:
     return None if took == {want} else f"{name}: forced to {want} but took {sorted(took)}"
 
 
-def measure(case: Case, quick: bool = False) -> dict[str, Any]:
+def measure(case: Case, quick: bool = False, sampler: Optional[Sampler] = None,
+            poll_s: float = POLL_S) -> dict[str, Any]:
     """Time every alternative of ``case`` and judge the cell (``quick``: a one-call paired
-    re-measure); a failing alternative is kept as its error (the sweep goes on)."""
+    re-measure); a failing alternative is kept as its error (the sweep goes on). ``sampler``
+    (``bench.protocol.device_sampler``): read every ``poll_s`` seconds while the alternatives
+    are timed, summarized as the row's ``clocks`` (min / median / max SM clock, power), so a
+    throttled stretch of a sweep shows in its rows."""
     times: dict[str, Optional[float]] = {}
     errors: dict[str, str] = {}
-    for name, fn in case.alternatives.items():
-        try:
-            wrong = _took(name, case.paths[name], fn) if name in case.paths else None
-            if wrong:
-                raise RuntimeError(wrong)
-            times[name] = common.bench_ms(fn, WARMUP_MS, REP_MS)
-        except Exception as e:  # noqa: BLE001 - reported in the row, the sweep goes on
-            times[name], errors[name] = None, f"{type(e).__name__}: {str(e)[:200]}"
+    poller = ClockPoller(sampler, poll_s) if sampler is not None else contextlib.nullcontext()
+    with poller:
+        for name, fn in case.alternatives.items():
+            try:
+                wrong = _took(name, case.paths[name], fn) if name in case.paths else None
+                if wrong:
+                    raise RuntimeError(wrong)
+                times[name] = common.bench_ms(fn, WARMUP_MS, REP_MS)
+            except Exception as e:  # noqa: BLE001 - reported in the row, the sweep goes on
+                times[name], errors[name] = None, f"{type(e).__name__}: {str(e)[:200]}"
     row: dict[str, Any] = {"ms": times, **({"errors": errors} if errors else {})}
+    if isinstance(poller, ClockPoller):
+        row["clocks"] = summarize_clocks(poller.readings)
     first = judge(times, case.picked)
     if first["fastest"] not in (None, case.picked) and times[case.picked] is not None:
         row["paired"] = _paired_ratio(case.alternatives[case.picked], case.alternatives[first["fastest"]], quick)
@@ -528,6 +540,7 @@ def sweep(names: Sequence[str], grid: Grid, quick: bool = False,
     after that many seconds; each one left is a row with ``not_run`` (:data:`NOT_RUN`)."""
     rows: list[dict[str, Any]] = []
     start = time.monotonic()
+    sampler, poll_s = device_sampler()
     for name in names:
         d = DECISIONS[name]
         for cell in d.cells(grid):
@@ -537,7 +550,7 @@ def sweep(names: Sequence[str], grid: Grid, quick: bool = False,
                 rows.append({**base, "not_run": NOT_RUN})
                 continue
             try:
-                rows.append({**base, **measure(d.build(cell, quick), quick)})
+                rows.append({**base, **measure(d.build(cell, quick), quick, sampler, poll_s)})
             except Exception as e:  # noqa: BLE001 - a cell whose operands cannot be built
                 rows.append({**base, "error": f"{type(e).__name__}: {str(e)[:200]}", "flagged": True})
             if common.DEVICE == "cuda":
@@ -574,16 +587,24 @@ def main(argv: Optional[list[str]] = None) -> None:
     require_cuda()
     grid = QUICK if args.quick else FULL
     rows = sweep(names, grid, args.quick, args.deadline_s)
-    md = md_table(["decision", "cell", "picked", "fastest", "picked / fastest", "flag"],
+    md = md_table(["decision", "cell", "picked", "fastest", "picked / fastest", "flag", "SM MHz median [min, max]"],
                   [[r["decision"], r["cell"], r.get("picked"), r.get("fastest"),
                     r.get("ratio") if r.get("ratio") is not None else r.get("error"),
-                    "not run" if r.get("not_run") else "FLAG" if r.get("flagged") else ""] for r in rows])
+                    "not run" if r.get("not_run") else "FLAG" if r.get("flagged") else "", _mhz(r)] for r in rows])
     failed = failures(rows)
     common.finish("sweep_dispatch", {"env": common.environment(), "grid": {**asdict(grid), "topk": TOPK},
                                      "tolerance": TOLERANCE, "rows": rows, "headline": headline(rows),
                                      "failures": failed, "markdown": md}, args.out)
     if failed:
         raise SystemExit("sweep_dispatch failed:\n" + "\n".join(failed))
+
+
+def _mhz(row: Mapping[str, Any]) -> str:
+    """The row's SM clock while its alternatives were timed ("" where none was read)."""
+    c = row.get("clocks") or {}
+    if "sm_mhz_median" not in c:
+        return ""
+    return f"{c['sm_mhz_median']:.0f} [{c['sm_mhz_min']:.0f}, {c['sm_mhz_max']:.0f}]"
 
 
 def failures(rows: Sequence[dict[str, Any]]) -> list[str]:

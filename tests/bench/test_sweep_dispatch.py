@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import doctest
 import json
+import time
 
 import pytest
 import torch
@@ -121,6 +122,20 @@ def test_tma_alternatives_run_the_config_they_name(name, monkeypatch):
         launched.clear()
         fn()
         assert launched == ([] if alt == case.picked else [CONFIGS[alt]]), alt
+
+
+def test_a_cell_records_the_clocks_its_alternatives_ran_at(monkeypatch):
+    """With a clock sampler each row carries the readings taken while its alternatives were
+    timed (on the CPU the sweep has none: no ``clocks``)."""
+    monkeypatch.setattr(common, "DEVICE", "cpu")
+    monkeypatch.setattr(common, "bench_ms", lambda fn, *a: (fn(), time.sleep(0.05), 1.0)[2])  # the poller reads meanwhile
+    readings = iter([{"sm_mhz": 1980.0, "power_w": 300.0}, {"sm_mhz": 1200.0, "power_w": 700.0}])
+    case = sd.Case({"a": lambda: None, "b": lambda: None}, "a")
+    row = sd.measure(case, sampler=lambda: next(readings, {}), poll_s=0.001)
+    assert row["clocks"]["sm_mhz_min"] == 1200.0 and row["clocks"]["sm_mhz_max"] == 1980.0
+    assert row["clocks"]["power_w_median"] == 500.0
+    assert sd._mhz(row) == "1590 [1200, 1980]" and sd._mhz({"ms": {}}) == ""
+    assert "clocks" not in sd.measure(case)
 
 
 def test_judge_on_synthetic_timings():
