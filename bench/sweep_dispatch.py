@@ -41,12 +41,14 @@ decisions at the smallest and largest expert counts. About 660 timings of ``warm
 rep_ms=60`` each (do_bench's estimate and warm-up calls included, ~0.15 s), the paired
 re-measures, the operands' setup and a few dozen kernel compiles (the largest GEMMs, 32768
 routed rows x hidden 8192 x ffn 28672, take ~25 ms a call); on one H100 the decisions other
-than the two TMA ones take 135 s in one process. ``--only`` runs a subset; ``--deadline-s S`` starts no cell after S seconds and
-records the cells left as not run (``python -m bench sweep_dispatch --timeout-s T`` passes
+than the two TMA ones take 135 s in one process. ``--only`` runs a subset; ``--deadline-s S``
+starts no cell after S seconds and records the cells left as not run (``python -m bench sweep_dispatch --timeout-s T`` passes
 3/4 of T), so a run cut short still writes what it measured.
-``--quick``: a tiny grid (a smoke test of the script, also on the CPU). A cell that raises, or
-an alternative that fails in a measured cell, fails the run (non-zero exit, after the results
-are written): its verdict could name the wrong fastest.
+``--quick``: a tiny grid (a smoke test of the script, also on the CPU). The alternatives of one
+kernel (tiles, TMA configs) are first run once each and checked to give the picked one's
+output (``differs``, within ``RESULT_BOUND``); one that does not is an error, not timed. A cell
+that raises, or an alternative that fails in a measured cell, fails the run (non-zero exit,
+after the results are written): its verdict could name the wrong fastest.
 
     python -m bench.sweep_dispatch [--quick] [--out F.json] [--only NAME[,NAME]] [--deadline-s S]
 
@@ -125,6 +127,9 @@ class Case:
     picked: str
     #: name -> (GEMM, path) the forced alternative must take (checked on its first call)
     paths: dict[str, str] = field(default_factory=dict)
+    #: every alternative computes the same result (tiles / configs of one kernel): each one's
+    #: first output is checked against the picked one's (``same_result``) before it is timed
+    same_result: bool = False
 
 
 @dataclass(frozen=True)
@@ -256,7 +261,7 @@ def _tile_case(default: Any, others: Sequence[Any], call: Callable[[Optional[Any
     """The default (``call(None)``: the kernel's own choice) and each other tile."""
     alts = {f"{default} (default)": lambda: call(None)}
     alts.update({str(t): (lambda t=t: call(t)) for t in others if t != default})
-    return Case(alts, f"{default} (default)")
+    return Case(alts, f"{default} (default)", same_result=True)
 
 
 #: tiles tried next to the defaults (``--quick``: the first only)
@@ -336,7 +341,7 @@ def _tma_case(field_name: str, others: Sequence[str], run: Callable[..., Any]) -
     picked = f"{default or POINTER} (default)"
     alts = {picked: call(default)}
     alts.update({name: call(name) for name in others if name != default})
-    return Case(alts, picked)
+    return Case(alts, picked, same_result=True)
 
 
 #: TMA configs tried next to the policy's (``--quick``: the first only): the tiles of the
@@ -420,6 +425,45 @@ DECISIONS: dict[str, Decision] = {d.name: d for d in [
 
 
 # --- measuring and judging ---------------------------------------------------------------------
+
+#: largest norm-wise difference ``same_result`` allows between two alternatives' outputs: tiles
+#: sum in other orders (FP32 accumulators, differing in the last bits) and round once to a
+#: 16-bit output, so elements differ by at most about one BF16 unit in the last place (2**-8
+#: relative, 2**-7 at a binade edge); a wrong tile or descriptor is off by far more
+RESULT_BOUND = 2.0 ** -7
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    """The tensors of an alternative's output (a tensor, or tuples / lists of them), detached copies."""
+    if isinstance(out, torch.Tensor):
+        return [out.detach().clone()]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    return []
+
+
+def differs(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], bound: float = RESULT_BOUND) -> Optional[str]:
+    """Why ``got`` (an alternative's output tensors) is not ``want`` (the picked one's) within
+    ``bound``, ||a - b|| / ||b|| per tensor in FP32, or None; a NaN, another shape or another
+    number of tensors fails.
+
+    Example
+    -------
+    >>> import torch
+    >>> from bench.sweep_dispatch import differs
+    >>> differs([torch.ones(4) * (1 + 2**-9)], [torch.ones(4)]) is None
+    True
+    >>> differs([torch.zeros(4)], [torch.ones(4)])
+    'output differs from the picked one by 1 (bound 0.0078125)'
+    """
+    if [t.shape for t in got] != [t.shape for t in want]:
+        return f"output shapes {[tuple(t.shape) for t in got]} differ from the picked one's {[tuple(t.shape) for t in want]}"
+    worst = 0.0
+    for g, w in zip(got, want):
+        g, w = g.float(), w.float()
+        rel = float((g - w).norm() / w.norm()) if float(w.norm()) else float(g.norm())
+        worst = max(worst, rel) if rel == rel else math.inf  # NaN: fails
+    return None if worst <= bound else f"output differs from the picked one by {worst:.3g} (bound {bound:g})"
 
 def judge(times: Mapping[str, Optional[float]], picked: str, paired: Optional[float] = None,
           tolerance: float = TOLERANCE) -> dict[str, Any]:
@@ -509,9 +553,25 @@ def measure(case: Case, quick: bool = False, sampler: Optional[Sampler] = None,
     throttled stretch of a sweep shows in its rows."""
     times: dict[str, Optional[float]] = {}
     errors: dict[str, str] = {}
+    if case.same_result:  # a wrong config must not be timed as the fastest
+        want: Optional[list[torch.Tensor]] = None
+        for name in [case.picked] + [n for n in case.alternatives if n != case.picked]:
+            try:
+                got = _tensors(case.alternatives[name]())  # copies: alternatives may share an output buffer
+            except Exception as e:  # noqa: BLE001 - reported in the row, the sweep goes on
+                errors[name] = f"{type(e).__name__}: {str(e)[:200]}"
+                continue
+            if name == case.picked:
+                want = got
+            elif want is not None and (why := differs(got, want)):
+                errors[name] = why
+        del want
     poller = ClockPoller(sampler, poll_s) if sampler is not None else contextlib.nullcontext()
     with poller:
         for name, fn in case.alternatives.items():
+            if name in errors:
+                times[name] = None
+                continue
             try:
                 wrong = _took(name, case.paths[name], fn) if name in case.paths else None
                 if wrong:

@@ -138,6 +138,21 @@ def test_a_cell_records_the_clocks_its_alternatives_ran_at(monkeypatch):
     assert "clocks" not in sd.measure(case)
 
 
+def test_an_alternative_with_another_result_is_not_timed(monkeypatch):
+    """Tiles and configs of one kernel must agree: one whose output differs from the picked
+    one's (compared on copies: the alternatives write one buffer) is an error, not a time."""
+    monkeypatch.setattr(common, "DEVICE", "cpu")
+    timed = []
+    monkeypatch.setattr(common, "bench_ms", lambda fn, *a: (timed.append(fn), 1.0)[1])
+    buf = torch.zeros(8)
+    writes = lambda v: lambda: buf.fill_(v)  # noqa: E731
+    case = sd.Case({"a": writes(1.0), "b": writes(1.0 + 2**-10), "c": writes(2.0)}, "a", same_result=True)
+    row = sd.measure(case)
+    assert set(row["errors"]) == {"c"} and "differs from the picked one by 1 " in row["errors"]["c"]
+    assert row["ms"] == {"a": 1.0, "b": 1.0, "c": None} and len(timed) == 2
+    assert sd.failures([{"decision": "d", "cell": "x", **row}]) == [f"d x: c: {row['errors']['c']}"]
+
+
 def test_judge_on_synthetic_timings():
     assert sd.judge({"a": 2.0, "b": 1.0}, "b") == {"picked": "b", "fastest": "b", "ratio": 1.0, "holds": True,
                                                     "flagged": False}
