@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import sweep_dispatch as sd
+from bench import sweep_cases as sc
 import torch
 
 from hybridfp.config import current_policy
@@ -46,7 +46,7 @@ def choice(row: dict) -> str:
     policy's ``many_experts`` (the Triton paths are off there), else by expert size."""
     if row["experts"] < current_policy().many_experts:
         return "cuBLAS per expert"
-    sizes = sd.splits_for(row["rows"], row["experts"])
+    sizes = sc.splits_for(row["rows"], row["experts"])
     # dgrad: dx_e [m_e, hidden] = dy_e [m_e, ffn] W_e [ffn, hidden]
     big = per_expert_fp8_faster(sizes, row["hidden"], row["ffn"], triton=True)
     return "cuBLAS per expert" if big else "Triton FP8 grouped"
@@ -80,7 +80,7 @@ def test_the_replay_can_fail():
 def nvfp4_choice(row: dict) -> str:
     """The path the default policy takes for the cell's NVFP4 fprop on CUDA (an epilogue factor:
     the Triton grouped GEMM or the per-expert loop)."""
-    sizes = sd.splits_for(row["rows"], row["experts"])
+    sizes = sc.splits_for(row["rows"], row["experts"])
     # fprop: y_e [m_e, ffn] = x_e [m_e, hidden] W_eᵀ, W_e [ffn, hidden]
     flops = mean_expert_flops(sizes, row["ffn"], row["hidden"])
     on = gemm_triton.HAVE_TRITON and gemm_triton.enabled(torch.device("cuda"), None, row["experts"], flops)

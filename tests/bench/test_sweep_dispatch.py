@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hybridfp
-from bench import common, sweep_dispatch as sd
+from bench import common, sweep_cases as sc, sweep_dispatch as sd
 from hybridfp.gemm.gemm import operand_storage
 from hybridfp.kernels import triton_decode, triton_hybrid_nvfp4
 from hybridfp.kernels.moe import triton_grouped_fp8_gemm, triton_grouped_gemm
@@ -34,18 +34,18 @@ def quick(tmp_path_factory):
 
 def test_quick_sweep_covers_every_decision(quick):
     rows = quick["rows"]
-    assert [r["decision"] for r in rows] == [n for n in sd.DECISIONS for _ in sd.DECISIONS[n].cells(sd.QUICK)]
+    assert [r["decision"] for r in rows] == [n for n in sc.DECISIONS for _ in sc.DECISIONS[n].cells(sc.QUICK)]
     assert all("error" not in r and "errors" not in r for r in rows), [r for r in rows if "error" in r or "errors" in r]
     for r in rows:
         assert r["picked"] in r["ms"] and r["fastest"] in r["ms"] and r["ratio"] >= 1.0
         assert r["flagged"] == (not r["holds"]) == (r["ratio"] > 1 + sd.TOLERANCE)
-    assert {label.split(":")[0] for label, _ in quick["headline"]} == set(sd.DECISIONS)
+    assert {label.split(":")[0] for label, _ in quick["headline"]} == set(sc.DECISIONS)
     assert quick["markdown"].count("\n") == len(rows) + 1
 
 
-def _expected_picks(cell: sd.Cell) -> dict[str, str]:
+def _expected_picks(cell: sc.Cell) -> dict[str, str]:
     """What the library answers for ``cell``, asked of its own functions on operands built here."""
-    sizes = sd.splits_for(cell.rows, cell.experts)
+    sizes = sc.splits_for(cell.rows, cell.experts)
     fp8 = [hybridfp.Float8CurrentScalingQuantizer(torch.float8_e5m2)(torch.randn(m, cell.ffn)) for m in sizes]
     w8 = [hybridfp.Float8CurrentScalingQuantizer(torch.float8_e4m3fn)(torch.randn(cell.ffn, cell.hidden))
           for _ in sizes]
@@ -66,8 +66,8 @@ def _expected_picks(cell: sd.Cell) -> dict[str, str]:
             "fp8_tile_rows": f"{triton_grouped_fp8_gemm.TILE} (default)",
             "fp8_tile_wgrad": f"{triton_grouped_fp8_gemm.WGRAD_TILE} (default)",
             "bf16_tile": f"{triton_grouped_gemm.TILE} (default)",
-            "fp8_tma_rows": f"{hybridfp.current_policy().grouped_fp8_tma_rows or sd.POINTER} (default)",
-            "fp8_tma_wgrad": f"{hybridfp.current_policy().grouped_fp8_tma_wgrad or sd.POINTER} (default)"}
+            "fp8_tma_rows": f"{hybridfp.current_policy().grouped_fp8_tma_rows or sc.POINTER} (default)",
+            "fp8_tma_wgrad": f"{hybridfp.current_policy().grouped_fp8_tma_wgrad or sc.POINTER} (default)"}
 
 
 def test_picked_is_the_library_answer(quick):
@@ -77,8 +77,8 @@ def test_picked_is_the_library_answer(quick):
         if r["experts"] is None:
             want = dense[r["decision"]]
         else:
-            cell = sd.Cell(r["tokens"], r["hidden"], r["experts"], r["ffn"])
-            want = _expected_picks(cell if r["tokens"] else sd.Cell(64, r["hidden"], r["experts"], r["ffn"]))[r["decision"]]
+            cell = sc.Cell(r["tokens"], r["hidden"], r["experts"], r["ffn"])
+            want = _expected_picks(cell if r["tokens"] else sc.Cell(64, r["hidden"], r["experts"], r["ffn"]))[r["decision"]]
         assert r["picked"] == want, (r["decision"], r["cell"])
 
 
@@ -92,15 +92,15 @@ def test_picked_is_the_library_answer(quick):
     ({"grouped_triton_devices": {"cpu"}}, "many_experts", "Triton grouped"),
     ({"stack_scaled_max_numel": 0}, "stack_scaled", "per expert"),
     ({"grouped_fp8_tma_rows": "128x256x128 w8 st3 store"}, "fp8_tma_rows", "128x256x128 w8 st3 store (default)"),
-    ({"grouped_fp8_tma_rows": None}, "fp8_tma_rows", f"{sd.POINTER} (default)"),
+    ({"grouped_fp8_tma_rows": None}, "fp8_tma_rows", f"{sc.POINTER} (default)"),
     ({"grouped_fp8_tma_wgrad": "128x128x128 w8 st4 store"}, "fp8_tma_wgrad", "128x128x128 w8 st4 store (default)"),
 ])
 def test_picked_follows_the_policy(fields, name, want, monkeypatch):
     """A case built under another policy picks what the library's functions answer under it."""
     monkeypatch.setattr(common, "DEVICE", "cpu")
-    cell = sd.moe_cells(sd.QUICK)[0]
+    cell = sc.moe_cells(sc.QUICK)[0]
     with hybridfp.policy(**fields):
-        case = sd.DECISIONS[name].build(cell, True)
+        case = sc.DECISIONS[name].build(cell, True)
         assert case.picked == want == _expected_picks(cell)[name]
     assert set(case.alternatives) >= {want}
 
@@ -116,8 +116,8 @@ def test_tma_alternatives_run_the_config_they_name(name, monkeypatch):
     monkeypatch.setattr(triton_grouped_fp8_gemm, "launch_tma",
                         lambda *a, **kw: launched.append(a[8]) or real(*a, **kw))
     with hybridfp.policy(grouped_fp8_tma_rows=None, grouped_fp8_tma_wgrad=None):
-        case = sd.DECISIONS[name].build(sd.moe_cells(sd.QUICK)[0], True)
-    assert case.picked == f"{sd.POINTER} (default)" and len(case.alternatives) == 2
+        case = sc.DECISIONS[name].build(sc.moe_cells(sc.QUICK)[0], True)
+    assert case.picked == f"{sc.POINTER} (default)" and len(case.alternatives) == 2
     for alt, fn in case.alternatives.items():
         launched.clear()
         fn()
@@ -130,7 +130,7 @@ def test_a_cell_records_the_clocks_its_alternatives_ran_at(monkeypatch):
     monkeypatch.setattr(common, "DEVICE", "cpu")
     monkeypatch.setattr(common, "bench_ms", lambda fn, *a: (fn(), time.sleep(0.05), 1.0)[2])  # the poller reads meanwhile
     readings = iter([{"sm_mhz": 1980.0, "power_w": 300.0}, {"sm_mhz": 1200.0, "power_w": 700.0}])
-    case = sd.Case({"a": lambda: None, "b": lambda: None}, "a")
+    case = sc.Case({"a": lambda: None, "b": lambda: None}, "a")
     row = sd.measure(case, sampler=lambda: next(readings, {}), poll_s=0.001)
     assert row["clocks"]["sm_mhz_min"] == 1200.0 and row["clocks"]["sm_mhz_max"] == 1980.0
     assert row["clocks"]["power_w_median"] == 500.0
@@ -146,7 +146,7 @@ def test_an_alternative_with_another_result_is_not_timed(monkeypatch):
     monkeypatch.setattr(common, "bench_ms", lambda fn, *a: (timed.append(fn), 1.0)[1])
     buf = torch.zeros(8)
     writes = lambda v: lambda: buf.fill_(v)  # noqa: E731
-    case = sd.Case({"a": writes(1.0), "b": writes(1.0 + 2**-10), "c": writes(2.0)}, "a", same_result=True)
+    case = sc.Case({"a": writes(1.0), "b": writes(1.0 + 2**-10), "c": writes(2.0)}, "a", same_result=True)
     row = sd.measure(case)
     assert set(row["errors"]) == {"c"} and "differs from the picked one by 1 " in row["errors"]["c"]
     assert row["ms"] == {"a": 1.0, "b": 1.0, "c": None} and len(timed) == 2
@@ -230,7 +230,7 @@ def test_deadline_records_the_cells_left_as_not_run(monkeypatch):
     monkeypatch.setattr(common, "DEVICE", "cpu")
     clock = iter([0.0, 0.5, 2.0])  # the start, then before each cell
     monkeypatch.setattr(sd.time, "monotonic", lambda: next(clock))
-    rows = sd.sweep(["stack_scaled"], sd.QUICK, True, deadline_s=1.0)
+    rows = sd.sweep(["stack_scaled"], sc.QUICK, True, deadline_s=1.0)
     assert len(rows) == 2 and "not_run" not in rows[0] and rows[0]["picked"] in rows[0]["ms"]
     assert rows[1]["not_run"] == sd.NOT_RUN and "ms" not in rows[1]
     (label, text), = sd.headline(rows)
