@@ -350,8 +350,9 @@ DECISIONS: dict[str, Decision] = {d.name: d for d in [
              lambda g: moe_cells(g, tokens=False), stack_scaled),
     Decision("fp8_tile_rows", "Triton FP8 grouped fprop: pointer TILE", _ends, fp8_tile_rows),
     Decision("fp8_tile_wgrad", "Triton FP8 grouped wgrad: WGRAD_TILE", _ends, fp8_tile_wgrad),
-    Decision("fp8_tma_rows", "Triton FP8 grouped fprop: the policy's TMA config", _ends, fp8_tma_rows),
-    Decision("fp8_tma_wgrad", "Triton FP8 grouped wgrad: the policy's TMA config", _ends, fp8_tma_wgrad),
+    # every expert count: the library runs these configs from many_experts (16) on
+    Decision("fp8_tma_rows", "Triton FP8 grouped fprop: the policy's TMA config", moe_cells, fp8_tma_rows),
+    Decision("fp8_tma_wgrad", "Triton FP8 grouped wgrad: the policy's TMA config", moe_cells, fp8_tma_wgrad),
     Decision("bf16_tile", "Triton BF16 grouped fprop: pointer TILE", _ends, bf16_tile),
     Decision("nvfp4_hybrid_tile", "NVFP4 + MXFP8 quantize: DEFAULT_TILES['natural']", _dense_cells,
              nvfp4_hybrid_tile),
