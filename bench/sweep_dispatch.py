@@ -225,7 +225,7 @@ def measure(case: Case, quick: bool = False, sampler: Optional[Sampler] = None,
                 want = got
             elif want is not None and (why := differs(got, want)):
                 errors[name] = why
-        del want
+        want = got = None  # the copies freed before timing (outputs of up to ~2 GB)
     poller = ClockPoller(sampler, poll_s) if sampler is not None else contextlib.nullcontext()
     with poller:
         for name, fn in case.alternatives.items():
