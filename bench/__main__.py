@@ -277,7 +277,7 @@ BENCHMARKS: dict[str, Benchmark] = {
                                       headline=lambda r: [tuple(row) for row in r.get("headline", [])]),
     "sweep_dispatch_tma": Benchmark("bench.sweep_dispatch", "the grouped FP8 GEMM's TMA configs (the policy's) "
                                     "away from their fitted shapes: picked / fastest per cell",
-                                    ("--only", "fp8_tma_rows,fp8_tma_wgrad"), default=False, timeout_s=600.0,
+                                    ("--only", "fp8_tma_rows,fp8_tma_dgrad,fp8_tma_wgrad"), default=False, timeout_s=600.0,
                                     deadline_flag="--deadline-s",
                                     headline=lambda r: [tuple(row) for row in r.get("headline", [])]),
 }

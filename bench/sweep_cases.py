@@ -215,17 +215,20 @@ def _scales(n: int) -> torch.Tensor:
     return torch.rand(n, device=common.DEVICE) + 0.5
 
 
-def _fp8_rows_call(cell: Cell) -> Callable[..., Any]:
-    """The Triton FP8 grouped GEMM, fprop [rows, hidden] x [ffn, hidden]ᵀ per expert, on fresh
-    operands: a call taking the kernel's keyword arguments (``tile`` / ``tma``)."""
+def _fp8_rows_call(cell: Cell, dgrad: bool = False) -> Callable[..., Any]:
+    """The Triton FP8 grouped GEMM on an expert's rows, on fresh operands: fprop, [rows, hidden]
+    x [ffn, hidden]ᵀ per expert (E4M3 x E4M3), or with ``dgrad`` dx = dy [rows, ffn] (E5M2) x
+    W, W's columnwise copy [hidden, ffn] (E4M3) as the library passes it. A call taking the
+    kernel's keyword arguments (``tile`` / ``tma``)."""
     from hybridfp.kernels.moe import triton_grouped_fp8_gemm as k
+    red, width = (cell.ffn, cell.hidden) if dgrad else (cell.hidden, cell.ffn)
     sizes = splits_for(cell.rows, cell.experts)
-    a = list(torch.split(_randn(cell.rows, cell.hidden).to(E4M3), sizes))
-    b = list(_randn(cell.experts, cell.ffn, cell.hidden).to(E4M3).unbind(0))
-    out = torch.empty(cell.rows, cell.ffn, device=common.DEVICE, dtype=torch.bfloat16)
+    a = list(torch.split(_randn(cell.rows, red).to(E5M2 if dgrad else E4M3), sizes))
+    b = list(_randn(cell.experts, width, red).to(E4M3).unbind(0))
+    out = torch.empty(cell.rows, width, device=common.DEVICE, dtype=torch.bfloat16)
     rows = [sum(sizes[:e]) for e in range(cell.experts)]
     sa, sb = _scales(cell.experts), _scales(cell.experts)
-    return lambda **kw: k.grouped_fp8(a, b, [cell.hidden] * cell.experts, sa, sb, out, rows, **kw)
+    return lambda **kw: k.grouped_fp8(a, b, [red] * cell.experts, sa, sb, out, rows, **kw)
 
 
 def _fp8_wgrad_call(cell: Cell) -> Callable[..., Any]:
@@ -287,9 +290,15 @@ FP8_TMA_WGRAD = ["256x128x128 w8 st3", "128x256x128 w8 st3 store", "128x128x128 
 
 
 def fp8_tma_rows(cell: Cell, quick: bool = False) -> Case:
-    """The Triton FP8 grouped GEMM's TMA kernel config for fprop (``Policy.grouped_fp8_tma_rows``;
-    dgrad takes the same one), against its neighbours."""
+    """The Triton FP8 grouped GEMM's TMA kernel config for fprop (``Policy.grouped_fp8_tma_rows``),
+    against its neighbours."""
     return _tma_case("grouped_fp8_tma_rows", _others(FP8_TMA_ROWS, quick), _fp8_rows_call(cell))
+
+
+def fp8_tma_dgrad(cell: Cell, quick: bool = False) -> Case:
+    """The same config for dgrad (the policy has one for fprop and dgrad: E5M2 dy, the reduction
+    over ffn), against the same neighbours."""
+    return _tma_case("grouped_fp8_tma_rows", _others(FP8_TMA_ROWS, quick), _fp8_rows_call(cell, dgrad=True))
 
 
 def fp8_tma_wgrad(cell: Cell, quick: bool = False) -> Case:
@@ -352,6 +361,7 @@ DECISIONS: dict[str, Decision] = {d.name: d for d in [
     Decision("fp8_tile_wgrad", "Triton FP8 grouped wgrad: WGRAD_TILE", _ends, fp8_tile_wgrad),
     # every expert count: the library runs these configs from many_experts (16) on
     Decision("fp8_tma_rows", "Triton FP8 grouped fprop: the policy's TMA config", moe_cells, fp8_tma_rows),
+    Decision("fp8_tma_dgrad", "Triton FP8 grouped dgrad: the policy's TMA config", moe_cells, fp8_tma_dgrad),
     Decision("fp8_tma_wgrad", "Triton FP8 grouped wgrad: the policy's TMA config", moe_cells, fp8_tma_wgrad),
     Decision("bf16_tile", "Triton BF16 grouped fprop: pointer TILE", _ends, bf16_tile),
     Decision("nvfp4_hybrid_tile", "NVFP4 + MXFP8 quantize: DEFAULT_TILES['natural']", _dense_cells,

@@ -28,9 +28,9 @@ W_e [ffn, hidden]:
 - ``fp8_tile_rows`` / ``fp8_tile_wgrad``: the Triton FP8 grouped GEMM's pointer tiles ``TILE``
   (fprop) and ``WGRAD_TILE`` (wgrad) against neighbours (on CUDA the policy's TMA config runs
   wherever TMA can read the operands; the pointer tile is the fallback);
-- ``fp8_tma_rows`` / ``fp8_tma_wgrad`` (``grouped_fp8_tma_rows`` / ``grouped_fp8_tma_wgrad``):
-  that TMA config against neighbouring configs, fprop and wgrad, at every expert count
-  (picked: the policy's field);
+- ``fp8_tma_rows`` / ``fp8_tma_dgrad`` / ``fp8_tma_wgrad`` (``grouped_fp8_tma_rows``, for fprop
+  and dgrad, / ``grouped_fp8_tma_wgrad``): that TMA config against neighbouring configs, at
+  every expert count (picked: the policy's field);
 - ``bf16_tile``: the Triton BF16 grouped GEMM's ``TILE`` (pointer kernel, row-scaled epilogue);
 - ``nvfp4_hybrid_tile`` / ``mxfp8_decode_tile``: the NVFP4 + MXFP8 fused quantize's
   ``DEFAULT_TILES["natural"]`` and the MXFP8 1x32 decode's default tile, on [tokens, hidden].
@@ -39,12 +39,12 @@ Grid: tokens {4096, 8192, 16384} x hidden {2048, 4096, 8192}; the MoE decisions 
 experts {8, 16, 32, 64} with top-k ``TOPK`` (routed rows = tokens x top-k, split unevenly) and
 ffn = hidden * 28 / experts rounded to 128 (8 experts: 3.5 x hidden, 14336 at hidden 4096 as the
 8-expert layer; 64 experts: 0.44 x hidden, near the 64 x 1408 layer's 0.34); the pointer
-kernels' tile decisions at the smallest and largest expert counts only. About 820 timings of
+kernels' tile decisions at the smallest and largest expert counts only. About 1000 timings of
 ``warmup_ms=10, rep_ms=60`` each (do_bench's estimate and warm-up calls included, ~0.15 s), the
 paired re-measures, the operands' setup and a few dozen kernel compiles (the largest GEMMs,
 32768 routed rows x hidden 8192 x ffn 28672, take ~25 ms a call); on one H100 the decisions
-other than the two TMA ones take 135 s in one process, the two TMA ones at 8 and 64 experts
-44 s. ``--only`` runs a subset; ``--deadline-s S`` starts no cell after S seconds and records
+other than the TMA ones take 135 s in one process, fprop's and wgrad's TMA ones at 8 and 64
+experts 44 s. ``--only`` runs a subset; ``--deadline-s S`` starts no cell after S seconds and records
 the cells left as not run (``python -m bench sweep_dispatch --timeout-s T`` passes 3/4 of T),
 so a run cut short still writes what it measured.
 ``--quick``: a tiny grid (a smoke test of the script, also on the CPU). The alternatives of one

@@ -67,6 +67,7 @@ def _expected_picks(cell: sc.Cell) -> dict[str, str]:
             "fp8_tile_wgrad": f"{triton_grouped_fp8_gemm.WGRAD_TILE} (default)",
             "bf16_tile": f"{triton_grouped_gemm.TILE} (default)",
             "fp8_tma_rows": f"{hybridfp.current_policy().grouped_fp8_tma_rows or sc.POINTER} (default)",
+            "fp8_tma_dgrad": f"{hybridfp.current_policy().grouped_fp8_tma_rows or sc.POINTER} (default)",
             "fp8_tma_wgrad": f"{hybridfp.current_policy().grouped_fp8_tma_wgrad or sc.POINTER} (default)"}
 
 
@@ -93,6 +94,7 @@ def test_picked_is_the_library_answer(quick):
     ({"stack_scaled_max_numel": 0}, "stack_scaled", "per expert"),
     ({"grouped_fp8_tma_rows": "128x256x128 w8 st3 store"}, "fp8_tma_rows", "128x256x128 w8 st3 store (default)"),
     ({"grouped_fp8_tma_rows": None}, "fp8_tma_rows", f"{sc.POINTER} (default)"),
+    ({"grouped_fp8_tma_rows": "128x128x128 w8 st4 store"}, "fp8_tma_dgrad", "128x128x128 w8 st4 store (default)"),
     ({"grouped_fp8_tma_wgrad": "128x128x128 w8 st4 store"}, "fp8_tma_wgrad", "128x128x128 w8 st4 store (default)"),
 ])
 def test_picked_follows_the_policy(fields, name, want, monkeypatch):
@@ -105,7 +107,7 @@ def test_picked_follows_the_policy(fields, name, want, monkeypatch):
     assert set(case.alternatives) >= {want}
 
 
-@pytest.mark.parametrize("name", ["fp8_tma_rows", "fp8_tma_wgrad"])
+@pytest.mark.parametrize("name", ["fp8_tma_rows", "fp8_tma_dgrad", "fp8_tma_wgrad"])
 def test_tma_alternatives_run_the_config_they_name(name, monkeypatch):
     """Every TMA alternative launches the TMA kernel with its own config (forced: never the
     pointer kernel under a config's name); the pointer kernel's alternative launches none."""
