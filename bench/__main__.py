@@ -158,6 +158,11 @@ def _ratio(b: dict[str, Any], key: str) -> str:
             + (f" ({coverage * 100:.0f} %)" if coverage is not None and coverage < 0.95 else ""))
 
 
+def _sweep_headline(r: dict[str, Any]) -> Rows:
+    """A dispatch sweep's own headline rows (per decision: cells that hold, the worst)."""
+    return [tuple(row) for row in r.get("headline", [])]
+
+
 def _bound_moe(r: dict[str, Any]) -> Rows:
     from bench.moe_targets import FP8_CURRENT, MXFP8, target  # the config's targets (vs the fastest BF16)
     out: Rows = []
@@ -270,16 +275,15 @@ BENCHMARKS: dict[str, Benchmark] = {
                              timeout_s=1800.0, deadline_flag="--budget-s", headline=_convergence),
     "sweep_dispatch": Benchmark("bench.sweep_dispatch", "GEMM-path thresholds and tile defaults away from their "
                                 "fitted shapes: picked / fastest per cell", default=False, timeout_s=900.0,
-                                deadline_flag="--deadline-s", headline=lambda r: [tuple(row) for row in r.get("headline", [])]),
+                                deadline_flag="--deadline-s", headline=_sweep_headline),
     "sweep_dispatch_paths": Benchmark("bench.sweep_dispatch", "the grouped-GEMM path thresholds alone (FP8 dgrad, "
                                       "NVFP4 fprop): picked / fastest per cell", ("--only", "fp8_per_expert,many_experts"),
                                       default=False, timeout_s=600.0, deadline_flag="--deadline-s",
-                                      headline=lambda r: [tuple(row) for row in r.get("headline", [])]),
+                                      headline=_sweep_headline),
     "sweep_dispatch_tma": Benchmark("bench.sweep_dispatch", "the grouped FP8 GEMM's TMA configs (the policy's) "
                                     "away from their fitted shapes: picked / fastest per cell",
                                     ("--only", "fp8_tma_rows,fp8_tma_dgrad,fp8_tma_wgrad"), default=False, timeout_s=600.0,
-                                    deadline_flag="--deadline-s",
-                                    headline=lambda r: [tuple(row) for row in r.get("headline", [])]),
+                                    deadline_flag="--deadline-s", headline=_sweep_headline),
 }
 
 

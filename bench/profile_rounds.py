@@ -16,6 +16,7 @@ then summarized by :func:`median_of_rounds`.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
@@ -25,7 +26,7 @@ import torch
 
 from bench import common
 from bench.common import md_table
-from bench.protocol import (POLL_S, ClockPoller, Protocol, Sampler, device_sampler, median_interval,
+from bench.protocol import (POLL_S, ClockPoller, Protocol, Sampler, clock_spread, device_sampler, median_interval,
                             summarize_clocks)
 
 #: ``profile(step, warmup)``: (device ms of one step after ``warmup`` calls, op name -> self
@@ -299,11 +300,7 @@ def clock_table(clocks: dict[str, dict[str, float]]) -> str:
     """
     if not clocks:
         return ""
-
-    def spread(c: dict[str, float], key: str) -> str:
-        if f"{key}_median" not in c:
-            return "-"
-        return f"{c[key + '_median']:.0f} [{c[key + '_min']:.0f}, {c[key + '_max']:.0f}]"
+    spread = functools.partial(clock_spread, missing="-")
     return md_table(["step", "SM MHz median [min, max]", "power W median [min, max]", "temperature C median [min, max]"],
                     [[name, spread(c, "sm_mhz"), spread(c, "power_w"), spread(c, "temp_c")]
                      for name, c in clocks.items()])

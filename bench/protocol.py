@@ -318,6 +318,19 @@ def summarize_clocks(readings: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+def clock_spread(clocks: dict[str, float], key: str, missing: str = "") -> str:
+    """``key``'s "median [min, max]" from a :func:`summarize_clocks` summary, or ``missing``.
+
+    Example
+    -------
+    >>> clock_spread({"sm_mhz_min": 1155.0, "sm_mhz_median": 1425.0, "sm_mhz_max": 1815.0}, "sm_mhz")
+    '1425 [1155, 1815]'
+    """
+    if f"{key}_median" not in clocks:
+        return missing
+    return f"{clocks[key + '_median']:.0f} [{clocks[key + '_min']:.0f}, {clocks[key + '_max']:.0f}]"
+
+
 def device_sampler(poll_s: float = POLL_S) -> tuple[Optional[Sampler], float]:
     """The clock sampler of this process's device and the seconds between its readings.
 

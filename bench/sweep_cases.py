@@ -246,19 +246,21 @@ def _fp8_wgrad_call(cell: Cell) -> Callable[..., Any]:
     return lambda **kw: k.grouped_fp8(a, b, lds, sa, sb, out, rows, **{"tile": k.WGRAD_TILE, **kw})
 
 
+def _with_tile(run: Callable[..., Any]) -> Callable[[Optional[Any]], Any]:
+    """``run`` as ``_tile_case`` calls it: with ``tile=t``, or its own default for None."""
+    return lambda t: run(**({} if t is None else {"tile": t}))
+
+
 def fp8_tile_rows(cell: Cell, quick: bool = False) -> Case:
     """The Triton FP8 grouped GEMM's pointer kernel, fprop [rows, hidden] x [ffn, hidden]ᵀ per expert."""
     from hybridfp.kernels.moe import triton_grouped_fp8_gemm as k
-    run = _fp8_rows_call(cell)
-    return _tile_case(k.TILE, _others(FP8_ROW_TILES, quick), lambda t: run(**({} if t is None else {"tile": t})))
+    return _tile_case(k.TILE, _others(FP8_ROW_TILES, quick), _with_tile(_fp8_rows_call(cell)))
 
 
 def fp8_tile_wgrad(cell: Cell, quick: bool = False) -> Case:
     """The Triton FP8 grouped GEMM's pointer kernel, wgrad (``_fp8_wgrad_call``)."""
     from hybridfp.kernels.moe import triton_grouped_fp8_gemm as k
-    run = _fp8_wgrad_call(cell)
-    return _tile_case(k.WGRAD_TILE, _others(FP8_WGRAD_TILES, quick),
-                      lambda t: run(**({} if t is None else {"tile": t})))
+    return _tile_case(k.WGRAD_TILE, _others(FP8_WGRAD_TILES, quick), _with_tile(_fp8_wgrad_call(cell)))
 
 
 #: the pointer kernel's name among a TMA decision's alternatives (a policy field of None)

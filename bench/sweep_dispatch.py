@@ -72,7 +72,7 @@ import torch
 
 from bench import common
 from bench.common import md_table, parser, require_cuda
-from bench.protocol import POLL_S, ClockPoller, Sampler, device_sampler, summarize_clocks
+from bench.protocol import POLL_S, ClockPoller, Sampler, clock_spread, device_sampler, summarize_clocks
 from bench.sweep_cases import DECISIONS, FULL, QUICK, TOPK, Case, Grid
 
 #: a picked alternative this much slower than the fastest is flagged
@@ -124,6 +124,7 @@ def differs(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], bound: fl
         rel = float((g - w).norm() / w.norm()) if float(w.norm()) else float(g.norm())
         worst = max(worst, rel) if rel == rel else math.inf  # NaN: fails
     return None if worst <= bound else f"output differs from the picked one by {worst:.3g} (bound {bound:g})"
+
 
 def judge(times: Mapping[str, Optional[float]], picked: str, paired: Optional[float] = None,
           tolerance: float = TOLERANCE) -> dict[str, Any]:
@@ -310,21 +311,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     md = md_table(["decision", "cell", "picked", "fastest", "picked / fastest", "flag", "SM MHz median [min, max]"],
                   [[r["decision"], r["cell"], r.get("picked"), r.get("fastest"),
                     r.get("ratio") if r.get("ratio") is not None else r.get("error"),
-                    "not run" if r.get("not_run") else "FLAG" if r.get("flagged") else "", _mhz(r)] for r in rows])
+                    "not run" if r.get("not_run") else "FLAG" if r.get("flagged") else "",
+                    clock_spread(r.get("clocks") or {}, "sm_mhz")] for r in rows])
     failed = failures(rows)
     common.finish("sweep_dispatch", {"env": common.environment(), "grid": {**asdict(grid), "topk": TOPK},
                                      "tolerance": TOLERANCE, "rows": rows, "headline": headline(rows),
                                      "failures": failed, "markdown": md}, args.out)
     if failed:
         raise SystemExit("sweep_dispatch failed:\n" + "\n".join(failed))
-
-
-def _mhz(row: Mapping[str, Any]) -> str:
-    """The row's SM clock while its alternatives were timed ("" where none was read)."""
-    c = row.get("clocks") or {}
-    if "sm_mhz_median" not in c:
-        return ""
-    return f"{c['sm_mhz_median']:.0f} [{c['sm_mhz_min']:.0f}, {c['sm_mhz_max']:.0f}]"
 
 
 def failures(rows: Sequence[dict[str, Any]]) -> list[str]:

@@ -12,6 +12,7 @@ import torch
 
 import hybridfp
 from bench import common, sweep_cases as sc, sweep_dispatch as sd
+from bench.protocol import clock_spread
 from hybridfp.gemm.gemm import operand_storage
 from hybridfp.kernels import triton_decode, triton_hybrid_nvfp4
 from hybridfp.kernels.moe import triton_grouped_fp8_gemm, triton_grouped_gemm
@@ -136,7 +137,7 @@ def test_a_cell_records_the_clocks_its_alternatives_ran_at(monkeypatch):
     row = sd.measure(case, sampler=lambda: next(readings, {}), poll_s=0.001)
     assert row["clocks"]["sm_mhz_min"] == 1200.0 and row["clocks"]["sm_mhz_max"] == 1980.0
     assert row["clocks"]["power_w_median"] == 500.0
-    assert sd._mhz(row) == "1590 [1200, 1980]" and sd._mhz({"ms": {}}) == ""
+    assert clock_spread(row["clocks"], "sm_mhz") == "1590 [1200, 1980]" and clock_spread({}, "sm_mhz") == ""
     assert "clocks" not in sd.measure(case)
 
 
