@@ -419,7 +419,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "temporary folder)")
     p.add_argument("--timeout-s", type=float, default=None,
                    help="each benchmark's time limit instead of its own; mlp and moe stop starting rows at "
-                        f"{DEADLINE_FRACTION:.0%} of it and record the rest as not run, convergence "
+                        f"{DEADLINE_FRACTION:.0%}% of it and record the rest as not run, convergence "
                         "gets that as its --budget-s")
     args = p.parse_args(argv)
     if args.timeout_s is not None and args.timeout_s <= 0:
