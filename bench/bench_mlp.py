@@ -29,7 +29,7 @@ relative Frobenius error within ``common.error_bound`` of the variant's element 
 or the run fails. Rows slower than BF16 eager (below the 1.00x target) are marked.
 
     python -m bench.bench_mlp [--out results.json] [--quick] [--deadline-s S] [--linear-compiled]
-                              [--no-torchao] [--no-compile] [--rounds N] [--samples N]
+                              [--no-torchao] [--no-compile] [--rounds N] [--samples N] [--variants TEXT]
 """
 
 from __future__ import annotations
@@ -289,9 +289,11 @@ def bench_model(kind: str, family: str, make: Callable[[Callable], nn.Module], x
                 compiled: bool, torchao: Optional[Any], protocol: Protocol = Protocol(),
                 checkpoint: Callable[[list], None] = lambda rows: None,
                 fuse: Optional[Callable[[nn.Module], nn.Module]] = None, profile: Optional[str] = None,
-                profiles: Optional[list[str]] = None) -> list[dict[str, Any]]:
+                profiles: Optional[list[str]] = None, select: Optional[str] = None) -> list[dict[str, Any]]:
     """All variants of one model (``family``: "Linear" or "MLP", its error depths) in
     :func:`plan_variants`' order: baselines, the recipes' own rows, then the optional variants.
+    ``select``: time only the candidates whose name contains one of its '|'-separated texts
+    (every baseline runs; the others get no row).
     ``compiled``: BF16 compiled, torchao (when ``torchao`` is its float8 module) and the
     compiled hybridfp variants. ``fuse`` gives the model with the fused SwiGLU. Variants whose
     name contains ``profile`` get a kernel profile.
@@ -306,6 +308,8 @@ def bench_model(kind: str, family: str, make: Callable[[Callable], nn.Module], x
     hf = make(hybridfp_linear)
     hf.load_state_dict(base.state_dict())
     variants, n_baselines = plan_variants(base, hf, compiled, torchao, fuse)
+    if select is not None:
+        variants = variants[:n_baselines] + [v for v in variants[n_baselines:] if selected(v[0], select)]
     rows: list[dict[str, Any]] = []
     steps: dict[str, Callable[[], Any]] = {}  # the baselines' steps
     for i, (name, model, plain, ctx) in enumerate(variants):
@@ -354,6 +358,17 @@ def bench_model(kind: str, family: str, make: Callable[[Callable], nn.Module], x
     return rows
 
 
+def candidate_names() -> list[str]:
+    """Every candidate :func:`plan_variants` can time, by name (the baselines left out)."""
+    variants, n_baselines = plan_variants(nn.Identity(), nn.Identity(), True, None, lambda m: m)
+    return [name for name, *_ in variants[n_baselines:]]
+
+
+def selected(name: str, select: str) -> bool:
+    """Whether variant ``name`` contains one of ``select``'s '|'-separated texts (``--variants``)."""
+    return any(t and t in name for t in select.split("|"))
+
+
 def _ci(r: dict[str, Any], name: str) -> Optional[str]:
     """The row's paired ratio against baseline ``name`` as "ratio [low, high]" (None if absent)."""
     p = r.get(f"vs {name}")
@@ -385,7 +400,12 @@ def main(argv=None) -> None:
                    "this text ('|' separates alternatives); written to --profile-out")
     p.add_argument("--profile-out", type=Path, default=Path("mlp_profile.txt"))
     p.add_argument("--mlp-only", action="store_true", help="skip the single Linear")
+    p.add_argument("--variants", default=None,
+                   help="time only the candidates whose name contains this text ('|' separates alternatives; "
+                        "the baselines always run; recorded): the rows a full run's deadline left out")
     args = p.parse_args(argv)
+    if args.variants is not None and not any(selected(n, args.variants) for n in candidate_names()):
+        p.error(f"--variants {args.variants!r} matches no candidate; they are: {'; '.join(candidate_names())}")
     require_cuda()
     protocol = protocol_from(args)
     warnings.simplefilter("ignore")
@@ -394,7 +414,9 @@ def main(argv=None) -> None:
     f8, ao = (None, "skipped (--no-torchao)") if args.no_torchao else torchao_status()
     env["torchao"] = ao
     skipped = [s for s, on in (("torchao (--no-torchao)", args.no_torchao),
-                               ("BF16 torch.compile, torchao and compiled variants (--no-compile)", args.no_compile)) if on]
+                               ("BF16 torch.compile, torchao and compiled variants (--no-compile)", args.no_compile),
+                               (f"candidates not matching --variants {args.variants!r}", args.variants is not None))
+               if on]
     copy_bw = copy_bandwidth()
     d, h, tokens = QUICK_DIMS if args.quick else (D, H, TOKENS)
     x = torch.randn(tokens, d, device=common.DEVICE, dtype=torch.bfloat16, requires_grad=True)
@@ -442,10 +464,11 @@ def main(argv=None) -> None:
     try:
         if not args.mlp_only:
             rows += bench_model(f"Linear {tokens}x{d}->{h}", "Linear", lambda lin: lin(d, h), x, deadline,
-                                args.linear_compiled and not args.no_compile, f8, protocol, report)
+                                args.linear_compiled and not args.no_compile, f8, protocol, report,
+                                select=args.variants)
         rows += bench_model(f"Llama-3-8B MLP {tokens}x{d}->{h}->{d}", "MLP", lambda lin: MLP(lin, d, h), x, deadline,
                             not args.no_compile, f8, protocol, lambda new: report(rows + new), fuse=fused_swiglu,
-                            profile=args.profile, profiles=profiles)
+                            profile=args.profile, profiles=profiles, select=args.variants)
     except MissingBaselineError as e:
         failures.append(str(e))
     if profiles:

@@ -324,3 +324,22 @@ def test_mlp_headline_names_each_torchao_ratio():
     (_, value), = _mlp({"rows": [row]})
     assert "torchao float8 rowwise" in value and "torchao float8 tensorwise" in value, value
     assert value.index("1.200") < value.index("torchao float8 rowwise") < value.index("0.900"), value
+
+
+def test_mlp_variants_times_only_the_selected_candidates_and_records_it(tiny_mlp, tmp_path):
+    out = tmp_path / "mlp.json"
+    tiny_mlp.main(_mlp_args(out, "--no-compile", "--variants", "fused SwiGLU|no such row"))
+    result = json.loads(out.read_text())
+    assert [r["variant"] for r in result["rows"]] == [
+        "BF16 eager", "BF16 eager + hybridfp fused SwiGLU", "hybridfp FP8 current + fused SwiGLU",
+        "hybridfp NVFP4 fwd / MXFP8 bwd + fused SwiGLU"]
+    assert result["failures"] == [] and result["not_run"] == []
+    assert any("--variants 'fused SwiGLU|no such row'" in s for s in result["skipped"])
+
+
+def test_mlp_variants_matching_nothing_is_refused_before_running(tiny_mlp, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        tiny_mlp.main(_mlp_args(tmp_path / "mlp.json", "--variants", "FP9"))
+    err = capsys.readouterr().err
+    assert "--variants 'FP9' matches no candidate" in err and "hybridfp FP8 current (compiled)" in err
+    assert not (tmp_path / "mlp.json").exists()
