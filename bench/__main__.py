@@ -232,6 +232,11 @@ def _convergence(r: dict[str, Any]) -> Rows:
     return rows
 
 
+#: bench_moe's rows with quantized primary weights (``moe_rows.PRIMARY_VARIANTS`` + its suffix;
+#: written out here, where torch is not imported: a test checks them against the rows)
+MOE_PRIMARY_ROWS = "|".join(f"hybridfp {r} [quantized primary weights]" for r in (
+    "FP8 current", "MXFP8", "Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)"))
+
 BENCHMARKS: dict[str, Benchmark] = {
     "gemm": Benchmark("bench.bench_gemm", "FP8 GEMMs through hybridfp.gemm vs raw torch._scaled_mm and BF16",
                       headline=_gemm),
@@ -254,6 +259,13 @@ BENCHMARKS: dict[str, Benchmark] = {
                      ("--experts", "8"), deadline_flag="--deadline-s", headline=_moe),
     "moe_64": Benchmark("bench.bench_moe", "MoE layer step (4 micro-batches), 64 experts x ffn 1408, vs the fastest BF16",
                         ("--experts", "64"), deadline_flag="--deadline-s", headline=_moe),
+    "moe_primary": Benchmark("bench.bench_moe", "the 8-expert MoE's rows with quantized primary weights (FP32 "
+                             "masters, weights encoded once a step) alone", ("--experts", "8", "--variants",
+                                                                             MOE_PRIMARY_ROWS),
+                             default=False, deadline_flag="--deadline-s", headline=_moe),
+    "moe_64_primary": Benchmark("bench.bench_moe", "the 64-expert MoE's rows with quantized primary weights alone",
+                                ("--experts", "64", "--variants", MOE_PRIMARY_ROWS), default=False,
+                                deadline_flag="--deadline-s", headline=_moe),
     "bound_moe": Benchmark("bench.bound_moe", "the best ratio the 64-expert MoE allows, from measured parts",
                            ("--experts", "64"), headline=_bound_moe),
     "bound_moe_8": Benchmark("bench.bound_moe", "the best ratio the 8-expert MoE allows, from measured parts",

@@ -71,7 +71,7 @@ from bench.moe_rows import (BASELINES, BF16_COMPILED, BF16_GROUPED, BF16_PER_EXP
                             DEPTHS, FP8_TMA_SUFFIX, FP8_TRITON_SUFFIX, NO_METADATA_MEMO_SUFFIX,
                             NO_PLAN_MEMO_SUFFIX, PER_EXPERT_SUFFIX, PER_GROUP_SUFFIX, PRIMARY_SUFFIX,
                             RECIPE_FORMATS, RECIPES, SINGLE_PARAM_SUFFIX, TRITON_SUFFIX, UNPACKED_SUFFIX, TmaPair,
-                            breaches, error_bounds, optional, variants_of, wrap)
+                            UnknownRowError, breaches, error_bounds, optional, variants_of, wrap)
 from bench.moe_targets import CONFIGS, below, config_name, target
 from bench.protocol import PairedRatio, Protocol, paired_ratio
 from hybridfp.moe.gemm import PATH_COUNTS
@@ -398,6 +398,8 @@ def main(argv=None) -> None:
                                  deadline, lambda new: report(rows + new), fp8_tma)
     except MissingBaselineError as err:
         failures.append(str(err))
+    except UnknownRowError as err:  # before any row is timed
+        p.error(str(err))
     if profiles:
         args.profile_out.write_text("\n\n".join(profiles))
     report(rows, final=True)

@@ -207,11 +207,24 @@ def _once(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
     return get
 
 
+class UnknownRowError(ValueError):
+    """``--variants`` names a row the run does not plan."""
+
+
 def variants_of(base: BF16MoE, hf: HybridMoE, only: Optional[list[str]], ab: bool, compile_backend: str
                 ) -> list[tuple[str, Callable[[], nn.Module], Optional[Callable[[], Any]]]]:
     """(name, its layer's builder, autocast context) of the three baselines and the candidates.
     The extra layers (unpacked, one weight Parameter, quantized primary weights) are built when
-    their first row runs: a run that selects none of their rows never holds them."""
+    their first row runs: a run that selects none of their rows never holds them.
+
+    Raises
+    ------
+    UnknownRowError
+        A name in ``only`` (``--variants``) is no row of this run (a typo, or an A/B row without
+        ``ab``): the run would otherwise time the baselines alone.
+    MissingBaselineError
+        ``torch.compile`` of the BF16 layer fails.
+    """
     try:
         compiled = torch.compile(base.sharing("grouped"), backend=compile_backend)
     except Exception as err:  # noqa: BLE001 - named, as any baseline's failure
@@ -248,6 +261,11 @@ def variants_of(base: BF16MoE, hf: HybridMoE, only: Optional[list[str]], ab: boo
             variants.append((name + PRIMARY_SUFFIX, _once(lambda r=r: PrimaryWeightsMoE(base, r)),
                              lambda r=r: hybridfp.autocast(recipe=r)))
     if only is not None:
+        unknown = [n for n in only if n not in {v[0] for v in variants}]
+        if unknown:
+            raise UnknownRowError(f"bench_moe --variants: no row named {', '.join(map(repr, unknown))}"
+                             + ("" if ab else " (the A/B rows need --ab)") + "; the rows are: "
+                             + "; ".join(v[0] for v in variants if v[0] not in BASELINES))
         variants = [v for v in variants if v[0] in BASELINES or v[0] in only]
     return variants
 

@@ -192,3 +192,13 @@ def test_the_runner_evaluates_the_convergence_study_as_committed():
     setting: at the default 16 the MoE workers' evaluations fill a 10-minute budget."""
     args = BENCHMARKS["convergence"].args
     assert args[args.index("--eval-iters") + 1] == "4"
+
+
+def test_moe_primary_benchmarks_name_bench_moes_primary_weight_rows():
+    from bench.__main__ import MOE_PRIMARY_ROWS
+    from bench.moe_rows import PRIMARY_SUFFIX, PRIMARY_VARIANTS
+    assert MOE_PRIMARY_ROWS.split("|") == [name + PRIMARY_SUFFIX for name in PRIMARY_VARIANTS]
+    for name, experts in (("moe_primary", "8"), ("moe_64_primary", "64")):
+        b = BENCHMARKS[name]
+        assert b.module == "bench.bench_moe" and not b.default
+        assert b.args == ("--experts", experts, "--variants", MOE_PRIMARY_ROWS)

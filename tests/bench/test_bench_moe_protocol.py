@@ -377,3 +377,15 @@ def test_moe_times_the_rows_with_a_target_first():
     targeted = {n for targets in moe_targets.TARGETS.values() for n in targets}
     with_target = [n for n in names if n in targeted]
     assert with_target and names[:len(with_target)] == with_target, names
+
+
+def test_variants_naming_no_row_is_refused_before_any_timing(tiny, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench_moe, "paired_ratio", lambda *a, **k: pytest.fail("timed a row"))
+    out = tmp_path / "moe.json"
+    with pytest.raises(SystemExit) as stop:
+        bench_moe.main(FASTER + ["--variants", "hybridfp MXFP8|hybridfp FP9", "--out", str(out)])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "no row named 'hybridfp FP9' (the A/B rows need --ab)" in err
+    assert "hybridfp FP8 current" + bench_moe.PRIMARY_SUFFIX in err  # the rows it could have named
+    assert not out.exists()
