@@ -26,6 +26,21 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+@pytest.fixture(autouse=True)
+def _seeded_rngs():
+    """Every test starts from the same random state, whatever ran before it in its process: a
+    test drawing from torch's (or Python's, numpy's) global generator would otherwise see data
+    that depends on which tests ran first, and so on ``-k``, a single file or pytest-xdist's
+    split, and could pass in one order and fail in another."""
+    import random
+
+    import numpy as np
+
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+
+
 @pytest.fixture
 def set_policy(monkeypatch):
     """``set_policy(**changes)``: the calling thread's ``hybridfp.config`` policy with ``changes``

@@ -152,8 +152,15 @@ def test_mxfp8_weight_2d_only_for_weights(weight_2d, role):
 
 
 def test_mxfp8_weight_2d_numbers():
-    """32x32 tiles: both copies of the weight hold the same values (fprop and dgrad agree)."""
-    w = torch.randn(64, 96) * torch.logspace(-2, 2, 96)
+    """32x32 tiles: both copies of the weight hold the same values (fprop and dgrad agree).
+
+    With 1x32 blocks they differ only where an element falls below E4M3's normal range in one
+    block and not in the other (power-of-two scales leave the rounding of normal values alike),
+    so row 0 gets an outlier that pushes its row block's other elements there: random data alone
+    holds no such element in about a quarter of draws."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 96, generator=g) * torch.logspace(-2, 2, 96)
+    w[0, 31] = 1e4
     qw = hf.MXFP8BlockScaling(weight_2d=True).quantizer(QuantizerRole("linear", "weight"))(w)
     assert torch.equal(qw.dequantize(torch.float32, ROWWISE), qw.dequantize(torch.float32, COLUMNWISE))
     q1 = hf.MXFP8BlockScaling().quantizer(QuantizerRole("linear", "weight"))(w)
