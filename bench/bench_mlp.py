@@ -340,7 +340,7 @@ def bench_model(kind: str, family: str, make: Callable[[Callable], nn.Module], x
                     row[f"vs {bname}"] = r.as_dict()
             # diagnostic: back-to-back steps and the host's time (not a ratio)
             row["ms_steady"], row["host_ms"] = bench_ms_steady(step)
-            if profile and profiles is not None and any(t and t in name for t in profile.split("|")):
+            if profile and profiles is not None and selected(name, profile):
                 profiles.append(profile_step(step, f"{kind}: {name} ({row['ms']:.2f} ms)"))
             if is_baseline:
                 steps[name] = step
@@ -365,7 +365,8 @@ def candidate_names() -> list[str]:
 
 
 def selected(name: str, select: str) -> bool:
-    """Whether variant ``name`` contains one of ``select``'s '|'-separated texts (``--variants``)."""
+    """Whether variant ``name`` contains one of ``select``'s '|'-separated texts (``--variants``,
+    ``--profile``)."""
     return any(t and t in name for t in select.split("|"))
 
 
@@ -402,10 +403,12 @@ def main(argv=None) -> None:
     p.add_argument("--mlp-only", action="store_true", help="skip the single Linear")
     p.add_argument("--variants", default=None,
                    help="time only the candidates whose name contains this text ('|' separates alternatives; "
-                        "the baselines always run; recorded): the rows a full run's deadline left out")
+                        "the baselines always run; recorded), e.g. the variants a time-limited run leaves out")
     args = p.parse_args(argv)
-    if args.variants is not None and not any(selected(n, args.variants) for n in candidate_names()):
-        p.error(f"--variants {args.variants!r} matches no candidate; they are: {'; '.join(candidate_names())}")
+    if args.variants is not None:
+        names = candidate_names()
+        if not any(selected(n, args.variants) for n in names):
+            p.error(f"--variants {args.variants!r} matches no candidate; they are: {'; '.join(names)}")
     require_cuda()
     protocol = protocol_from(args)
     warnings.simplefilter("ignore")

@@ -261,7 +261,8 @@ def variants_of(base: BF16MoE, hf: HybridMoE, only: Optional[list[str]], ab: boo
             variants.append((name + PRIMARY_SUFFIX, _once(lambda r=r: PrimaryWeightsMoE(base, r)),
                              lambda r=r: hybridfp.autocast(recipe=r)))
     if only is not None:
-        unknown = [n for n in only if n not in {v[0] for v in variants}]
+        planned = {v[0] for v in variants}
+        unknown = [n for n in only if n not in planned]
         if unknown:
             raise UnknownRowError(f"bench_moe --variants: no row named {', '.join(map(repr, unknown))}"
                              + ("" if ab else " (the A/B rows need --ab)") + "; the rows are: "
