@@ -1,0 +1,117 @@
+"""Where the host time of one MoE step goes: a Python profile (cProfile) of bench_moe's rows.
+
+A step of the 64-expert layer is host-bound (bench_moe's "host ms" close to its "ms"): the GPU
+waits for the Python that launches its kernels. This builds the same layer, routings and rows
+as ``bench_moe`` (``--variants``, its row names), runs a few warm-up steps, then profiles one
+step per row with ``cProfile`` (the step synchronized at its end, so the time is the host's
+until the last launch) and prints the functions by own time and by cumulative time. No ratio is
+measured; the figures say which Python to cut, not how fast the layer is.
+
+    python -m bench.profile_moe_host [--experts 64] [--variants "hybridfp FP8 current|..."] [--top 40]
+        [--out moe_host_profile.txt] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from bench import common
+from bench.bench_moe import QUICK_CONFIGS, QUICK_SHAPE
+from bench.moe_layer import HIDDEN, ROUTING_SKEW, TOKENS, RoutingSchedule, Step, moe_layer
+from bench.moe_rows import BASELINES, variants_of, wrap
+from bench.moe_targets import CONFIGS
+
+#: rows profiled when ``--variants`` is not given: the FP8 recipe as the layer and as training runs it
+DEFAULT_VARIANTS = "BF16 grouped|hybridfp FP8 current|hybridfp FP8 current [quantized primary weights]"
+
+
+def _sync() -> None:
+    if common.DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def host_ms(step: Callable[[], Any], reps: int = 5) -> float:
+    """Median wall ms of one step started on an idle device, synchronized at its end."""
+    times = []
+    for _ in range(reps):
+        _sync()
+        t0 = time.perf_counter()
+        step()
+        _sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def profile_text(step: Callable[[], Any], title: str, top: int) -> str:
+    """One step of ``step`` under cProfile: its functions by own time and by cumulative time."""
+    prof = cProfile.Profile()
+    _sync()
+    prof.enable()
+    step()
+    _sync()
+    prof.disable()
+    text = [f"## {title}: host ms (median of 5, unprofiled) {host_ms(step):.2f}"]
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).strip_dirs().sort_stats(key).print_stats(top)
+        text.append(f"### by {key}\n" + buf.getvalue().split("\n\n", 1)[-1])
+    return "\n".join(text)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Profile the rows named by ``--variants`` (bench_moe's names) at ``--experts``.
+
+    Raises
+    ------
+    SystemExit
+        ``--experts`` is no bench_moe config, or a name in ``--variants`` is no row.
+    """
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--experts", type=int, default=64, help="the bench_moe config with this many experts")
+    p.add_argument("--variants", default=DEFAULT_VARIANTS, help="'|'-separated row names (bench_moe's)")
+    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=3, help="steps run before the profiled one")
+    p.add_argument("--top", type=int, default=40, help="functions listed per table")
+    p.add_argument("--out", type=Path, default=None, help="also write the profiles here")
+    p.add_argument("--quick", action="store_true", help="bench_moe --quick's small shapes (a CPU check)")
+    args = p.parse_args(argv)
+    common.require_cuda()
+    configs, (tokens, hidden) = (QUICK_CONFIGS, QUICK_SHAPE) if args.quick else (CONFIGS, (TOKENS, HIDDEN))
+    ffn = dict(configs).get(args.experts)
+    if ffn is None:
+        p.error(f"--experts {args.experts}: the configs have {', '.join(str(e) for e, _ in configs)} experts")
+    names = args.variants.split("|")
+    base, hf, x, dy = moe_layer(args.experts, ffn, tokens, hidden)
+    schedule = RoutingSchedule(tokens, args.experts, args.micro_batches, skew=ROUTING_SKEW)
+    try:
+        rows = variants_of(base, hf, [n for n in names if n not in BASELINES], False, "inductor")
+    except ValueError as err:
+        p.error(str(err))
+    texts = [f"# {args.experts} experts, ffn {ffn}, {tokens} tokens, {args.micro_batches} micro-batches; "
+             f"{common.environment()}"]
+    for name, build, ctx in rows:
+        if name not in names:
+            continue
+        core = Step(build(), x, dy, ctx, args.micro_batches, schedule)
+        step = wrap(name, core)
+        for _ in range(args.warmup):
+            step()
+        texts.append(profile_text(step, name, args.top))
+        core.release()
+        print(texts[-1].splitlines()[0], flush=True)
+    report = "\n\n".join(texts)
+    if args.out is not None:
+        args.out.write_text(report)
+    print(report)
+
+
+if __name__ == "__main__":
+    main()

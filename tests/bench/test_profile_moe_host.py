@@ -1,0 +1,26 @@
+"""bench.profile_moe_host on the CPU at bench_moe's quick shapes: the rows it names are profiled."""
+
+import pytest
+
+from bench import common, profile_moe_host
+
+
+def test_profiles_the_named_rows(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(common, "DEVICE", "cpu")
+    out = tmp_path / "p.txt"
+    profile_moe_host.main(["--quick", "--experts", "64", "--top", "80", "--warmup", "1", "--out", str(out),
+                           "--variants", "BF16 grouped|hybridfp FP8 current [quantized primary weights]"])
+    text = out.read_text()
+    assert "## BF16 grouped: host ms" in text
+    assert "## hybridfp FP8 current [quantized primary weights]: host ms" in text
+    assert text.count("### by tottime") == 2 and text.count("### by cumulative") == 2
+    # the primary-weight row re-encodes its weights from FP32 masters in its step
+    assert "before_step" in text.split("## hybridfp FP8 current [quantized primary weights]")[1]
+
+
+def test_unknown_row_and_config_refused(monkeypatch):
+    monkeypatch.setattr(common, "DEVICE", "cpu")
+    with pytest.raises(SystemExit):
+        profile_moe_host.main(["--quick", "--experts", "64", "--variants", "hybridfp FP9"])
+    with pytest.raises(SystemExit):
+        profile_moe_host.main(["--quick", "--experts", "7"])
