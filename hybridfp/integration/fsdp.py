@@ -399,6 +399,9 @@ def enable_quantized_all_gather(model: nn.Module, *, copies: str = "per_directio
         raise ValueError(f"enable_quantized_all_gather: copies={copies!r}; expected one of {COPIES}.")
     n = 0
     for module in model.modules():
+        unjoin = getattr(module, "unjoin_primary", None)
+        if callable(unjoin):  # experts held as one encoding: each Parameter is sharded on its own
+            unjoin()
         for attr, index in getattr(module, "quantized_weight_slots", ()):
             p = getattr(module, attr)
             if isinstance(p, QuantizedGatherWeight) or isinstance(getattr(p, "_local_tensor", None), QuantizedGatherWeight):

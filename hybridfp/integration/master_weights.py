@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch import nn
 
+from ..moe.primary_group import owner_of, requantize_primary
 from ..tensors import QuantizedTensor
 
 
@@ -21,7 +22,9 @@ def quantize_master_weights(model_params: Iterable[torch.Tensor], master_params:
 
     Each ``QuantizedTensor`` in ``model_params`` takes the value of the master at the same
     position, encoded by the parameter's quantizer into the copies it holds (its buffers keep
-    their addresses). Plain parameters and None masters are skipped. A tensor-parallel quantized
+    their addresses). The experts of a ``GroupedLinear`` held as one joined encoding, all given
+    with masters, are re-encoded together: one grouped encode, bitwise each one's own. Plain
+    parameters and None masters are skipped. A tensor-parallel quantized
     primary weight (its parameter is its FP32 master shard) has its quantized shard re-encoded
     from it (``hybridfp.quantize_tensor_parallel_weights``: a collective over its group).
 
@@ -54,8 +57,9 @@ def quantize_master_weights(model_params: Iterable[torch.Tensor], master_params:
         raise ValueError(f"quantize_master_weights: {len(model_params)} model parameters but "
                          f"{len(master_params)} master parameters; pass one master (or None) per parameter.")
     with torch.no_grad():
+        done = _requantize_joined(model_params, master_params)
         for i, (p, m) in enumerate(zip(model_params, master_params)):
-            if m is None or not isinstance(p, QuantizedTensor):
+            if m is None or not isinstance(p, QuantizedTensor) or id(p) in done:
                 continue
             if tuple(m.shape) != tuple(p.shape):
                 raise ValueError(f"quantize_master_weights: master {i} has shape {tuple(m.shape)}, its "
@@ -67,6 +71,26 @@ def quantize_master_weights(model_params: Iterable[torch.Tensor], master_params:
     # tensor parallelism: the parameter is the FP32 master shard; its quantized shard re-encoded
     from .tensor_parallel_primary import quantize_tensor_parallel_weights
     quantize_tensor_parallel_weights(model_params)
+
+
+def _requantize_joined(model_params: list[torch.Tensor], master_params: list[Optional[torch.Tensor]]) -> set[int]:
+    """Re-encode every ``GroupedLinear`` whose experts' quantized weights are held joined
+    (``moe.primary_group``) and all present with masters, in one grouped encode each; the ids of
+    the parameters written (the others are re-encoded one by one)."""
+    experts: dict[int, tuple[Any, dict[int, torch.Tensor]]] = {}
+    for p, m in zip(model_params, master_params):
+        if m is None or not isinstance(p, QuantizedTensor):
+            continue
+        found = owner_of(p)
+        if found is not None:
+            module, i = found
+            experts.setdefault(id(module), (module, {}))[1][i] = m
+    done: set[int] = set()
+    for module, masters in experts.values():
+        group = module._primary
+        if len(masters) == len(group.params) and requantize_primary(group, [masters[i] for i in range(len(masters))]):
+            done.update(id(p) for p in group.params)
+    return done
 
 
 def _master_of(p: torch.Tensor) -> nn.Parameter:

@@ -35,6 +35,7 @@ from ..nn.linear_function import LinearContext
 from ..nn.weight_cache import check_is_first_microbatch
 from .grouped_linear_function import GroupedLinearFunction, WeightReuse, any_random
 from .grouped_weights import GroupedWeights
+from .primary_group import PrimaryGroup
 
 
 def _offsets_to_splits(offsets: Any, rows: int, who: str) -> list[int]:
@@ -115,12 +116,13 @@ class GroupedLinear(GroupedWeights, QuantizedModule):
 
     Under ``hybridfp.quantized_model_init`` each ``weight{i}`` is a ``QuantizedTensor``
     Parameter (both copies, the expert's own quantizer; ``single_parameter=True`` refuses it),
-    read as held: no weight quantization in forward or backward. The GEMMs take the held
-    weights as a list of per-expert tensors, not as one joined encoding: the per-expert path
-    (the CPU; large experts on CUDA) reads them as they are, but CUDA's grouped BF16 and
-    ``torch._scaled_grouped_mm`` paths stack the experts' (decoded) copies into one [E, ...]
-    operand in each fprop and dgrad, a copy of every expert's weight per GEMM that a
-    high-precision weight's joined encoding (``pack_weights``) avoids.
+    read as held: no weight quantization in forward or backward. Where the format's grouped
+    encoding is joined copies (FP8 current scaling, MXFP8, ...), the Parameters' copies are
+    views of one joined encoding (``moe/primary_group.py``): the grouped GEMMs read it as it is
+    and ``quantize_master_weights`` re-encodes all experts in one grouped call. Other formats
+    (delayed scaling, FP8 block, stochastic rounding) keep one storage per expert: CUDA's
+    grouped BF16 and ``torch._scaled_grouped_mm`` paths then stack the experts' copies into
+    one [E, ...] operand in each fprop and dgrad.
 
     Parameters
     ----------
@@ -203,6 +205,8 @@ class GroupedLinear(GroupedWeights, QuantizedModule):
         self._plans: dict = {}
         # pack_weights: the [E, N, K] buffer the experts' weights were moved into (``_pack``)
         self._packed: Optional[torch.Tensor] = None
+        # quantized primary weights joined into one encoding (``primary_group``)
+        self._primary: Optional[PrimaryGroup] = None
         self._pack()
 
     def _check_splits(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor) -> list[int]:

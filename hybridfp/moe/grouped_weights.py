@@ -20,6 +20,7 @@ from ..tensors import QuantizedTensor
 from ..nn.weight_cache import WeightKey, join_keys, new_entry, reusable, split_entry
 from .grouped_tensor import GroupedTensor
 from .grouped_linear_function import plan_memo
+from .primary_group import join_primary, unjoin_primary
 from .quantize_weights import quantize_weights_grouped
 
 #: ``_wcache`` key of the experts' weights quantized together (``GroupedTensor``); the
@@ -58,8 +59,30 @@ class GroupedWeights:
 
     def after_weights_quantized(self) -> None:
         """Called by ``quantized_model_init`` once the experts' weights are QuantizedTensor
-        parameters: the packed high-precision buffer they were slices of is let go."""
+        parameters: the packed high-precision buffer they were slices of is let go, and the
+        quantized ones are joined into one encoding where the format allows (``primary_group``)."""
         self._pack()
+        self._join_primary()
+
+    def _join_primary(self) -> None:
+        """Join the experts' quantized Parameters into one encoding (``primary_group.join_primary``).
+        Only at construction and after a move of a module already joined: never in a forward,
+        where FSDP2 may hand in gathered Parameters whose buffers it writes again later."""
+        self._primary = join_primary(self, self.weights()) if not self.single_parameter else None
+
+    def unjoin_primary(self) -> None:
+        """Give each expert's quantized Parameter its own contiguous copies again (the values
+        unchanged) and drop the joined encoding: for code that takes the Parameters over one by
+        one (``enable_quantized_all_gather`` shards each with FSDP2)."""
+        group, self._primary = self._primary, None
+        if group is not None:
+            unjoin_primary(group)
+
+    def _primary_weights(self, weights: Sequence[torch.Tensor]) -> Optional[GroupedTensor]:
+        """The joined quantized primary weights when ``weights`` are the experts' Parameters still
+        held joined; else None (the per-expert route)."""
+        group = self._primary
+        return group.group if group is not None and group.holds(weights) else None
 
     def _pack(self) -> None:
         """Move the expert weights into one buffer (``pack_weights``) and remember it, unless they
@@ -137,7 +160,10 @@ class GroupedWeights:
     def _apply(self, fn: Any, recurse: bool = True) -> "GroupedWeights":
         """``nn.Module._apply`` (``.to()``, ``.cuda()``, ``.half()``: each parameter moved on its
         own), then the weights re-packed into one buffer."""
+        joined = self._primary is not None
         out = super()._apply(fn, recurse)
+        if joined:  # the moved Parameters hold new buffers: joined again, as built
+            self._join_primary()
         if self.single_parameter:
             # the views (and the cached quantized weights keyed by them) belong to the old tensor:
             # dropped now, so a move (``.cpu()`` to offload) frees it
@@ -189,6 +215,9 @@ class GroupedWeights:
         every expert at once."""
         if self.single_parameter and weights is self._views[0]:
             return self._quantized_stack(qs, columnwise, region, is_first_microbatch)
+        held = self._primary_weights(weights)
+        if held is not None:  # quantized primary weights, joined: read as they are
+            return held
         who = self._who()
         keys: list = [None if isinstance(w, QuantizedTensor) else self._weight_key(w, q) for w, q in zip(weights, qs)]
         joined = self._wcache.get(_GROUP_SLOT)

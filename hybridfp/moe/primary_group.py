@@ -1,0 +1,204 @@
+"""Quantized primary weights of a ``GroupedLinear`` held as one joined encoding.
+
+Under ``quantized_model_init`` every expert's ``weight{i}`` is its own ``QuantizedTensor``
+Parameter. Kept apart, a 64-expert layer pays for that twice a step: re-encoding the weights
+from their FP32 masters takes one encode per expert (host work: launches for 64 experts x 2
+layers), and every fprop / dgrad re-joins the experts' copies into one grouped operand. So the
+layer joins them once: it encodes a ``GroupedTensor`` of the weights' layout (``quantize_weights
+_grouped``, the same quantizers), copies each expert's payload into its cut and makes that cut
+the Parameter's storage. The Parameters stay the same objects (optimizers, checkpoints and
+``update_quantized`` see nothing new) and every write to one lands in the joined copies, which
+the grouped GEMMs then read as they are (:meth:`PrimaryGroup.holds`), and re-encoding from the
+masters is one grouped encode and one copy per joined tensor (:func:`requantize_primary`),
+bitwise each expert's own ``update_quantized``.
+
+Formats whose grouped encoding is not views of joined copies (per-expert copies: delayed
+scaling's amax histories, stochastic rounding's draws, FP8 block columnwise copies for cuBLAS)
+are not joined; their experts keep their own storages and the per-expert paths.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..tensors import QuantizedStorage, QuantizedTensor
+from ..tensors.storage import DIRECTIONS
+from .grouped_tensor import GroupedTensor
+from .quantize_weights import quantize_weights_grouped
+
+#: id(parameter) -> (the parameter, its module, its expert index), weakly: how
+#: ``quantize_master_weights`` finds the layer that can re-encode a parameter with its experts
+#: (a parameter carries no reference to its module). Entries are checked against the module's
+#: own record before use, so a recycled id or a copied parameter never matches.
+_OWNERS: dict[int, tuple[weakref.ref, weakref.ref, int]] = {}
+
+
+class PrimaryGroup:
+    """The experts' quantized primary weights and the ``GroupedTensor`` their storages are cuts of.
+
+    Parameters
+    ----------
+    group:
+        The joined encoding (joined-only form).
+    params:
+        The experts' Parameters, in order.
+    """
+
+    def __init__(self, group: GroupedTensor, params: Sequence[QuantizedTensor]) -> None:
+        self.group = group
+        self.params = tuple(params)
+        self.storages = tuple(p.qstorage for p in params)
+        self.directions = group.directions()
+        self.plans: dict = {}  # quantize_grouped's plan memo for the re-encodes
+
+    def holds(self, weights: Sequence[torch.Tensor]) -> bool:
+        """Whether ``weights`` are this group's Parameters, each still holding its cut with every
+        joined copy (a Parameter replaced, a storage swapped or a copy dropped: no longer)."""
+        if len(weights) != len(self.params):
+            return False
+        for w, p, s in zip(weights, self.params, self.storages):
+            if w is not p or w.qstorage is not s or s.directions() != self.directions:
+                return False
+        return True
+
+
+def _slots(storage: QuantizedStorage) -> list[tuple[str, str, torch.Tensor]]:
+    """(direction, name, tensor) of every payload tensor, in a fixed order."""
+    return [(d, n, t) for d in storage.directions() for n, t in sorted(storage.payloads[d].items())]
+
+
+def _same_layout(a: QuantizedStorage, b: QuantizedStorage) -> bool:
+    """Whether two storages hold the same copies in the same format, options and tensor shapes."""
+    if type(a) is not type(b) or a.shape != b.shape or a.dtype != b.dtype or a.directions() != b.directions() \
+            or a.decoded_directions() != b.decoded_directions():
+        return False
+    sa, sb = _slots(a), _slots(b)
+    return len(sa) == len(sb) and all(
+        (da, na, ta.shape, ta.dtype) == (db, nb, tb.shape, tb.dtype) for (da, na, ta), (db, nb, tb) in zip(sa, sb))
+
+
+def _encode_joined(params: Sequence[QuantizedTensor], values: torch.Tensor, plans: Optional[dict]
+                   ) -> Optional[GroupedTensor]:
+    """The experts' [E, N, K] ``values`` encoded by their Parameters' quantizers into the copies
+    and layout (codes or decoded copies) the Parameters hold; None where that is not one
+    joined-only ``GroupedTensor``. The quantizers' usage and decoded-copy settings are restored."""
+    qs = [p.quantizer for p in params]
+    if any(q is None or q.uses_randomness() for q in qs) or len({id(q) for q in qs}) != len(qs):
+        return None  # a draw would advance torch's generator; shared quantizers cannot differ per expert
+    want = params[0].directions()
+    decoded = params[0].qstorage.decoded_directions()
+    saved = [(q.rowwise_usage, q.columnwise_usage, q._hold_decoded) for q in qs]
+    try:
+        for q in qs:
+            q.set_usage(rowwise="rowwise" in want, columnwise="columnwise" in want)
+            q._hold_decoded = decoded  # the layout the Parameters hold, as update_quantized writes
+        out = quantize_weights_grouped(qs, list(values.unbind(0)), plans, stacked=values)
+    finally:
+        for q, (r, c, h) in zip(qs, saved):
+            q.set_usage(rowwise=r, columnwise=c)
+            q._hold_decoded = h
+    return out if isinstance(out, GroupedTensor) and out.joined_only else None
+
+
+def join_primary(module: Any, params: Sequence[torch.Tensor]) -> Optional[PrimaryGroup]:
+    """Join ``module``'s experts' quantized Parameters ``params`` into one encoding (module
+    docstring): each Parameter's payload copied into its cut of a joined layout, the cut made its
+    storage. None (nothing changed) where they cannot be: not all quantized, of different
+    layouts, on the meta device, or a format whose grouped encoding is not joined copies.
+
+    Parameters
+    ----------
+    module:
+        The ``GroupedLinear`` holding ``params`` (registered as their owner).
+    params:
+        Its experts' ``weight{i}`` in order.
+
+    Returns
+    -------
+    The group, or None."""
+    if len(params) < 2 or not all(isinstance(p, QuantizedTensor) for p in params):
+        return None
+    first = params[0].qstorage
+    if params[0].is_meta or any(not _same_layout(first, p.qstorage) for p in params[1:]):
+        return None
+    values = torch.zeros((len(params), *first.shape), dtype=torch.float32, device=params[0].device)
+    with torch.no_grad():
+        group = _encode_joined(params, values, None)
+        if group is None:
+            return None
+        cuts = [t.qstorage for t in group.experts()]
+        if any(not _same_layout(c, p.qstorage) for c, p in zip(cuts, params)):
+            return None
+        for c, p in zip(cuts, params):
+            for (_, _, dst), (_, _, src) in zip(_slots(c), _slots(p.qstorage)):
+                dst.copy_(src)
+    for i, (c, p) in enumerate(zip(cuts, params)):
+        c.label = p.qstorage.label
+        p._storage = c  # the Parameter's copies are now views of the joined ones
+        _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(module), i)
+    return PrimaryGroup(group, params)
+
+
+def unjoin_primary(group: PrimaryGroup) -> None:
+    """Give each of ``group``'s Parameters still holding its cut its own contiguous copies (the
+    same values); the joined encoding is then no one's."""
+    for p, s in zip(group.params, group.storages):
+        _OWNERS.pop(id(p), None)
+        if p.qstorage is s:
+            p._storage = s.map_tensors(lambda t: t.clone(memory_format=torch.contiguous_format), copies=True)
+
+
+def owner_of(p: torch.Tensor) -> Optional[tuple[Any, int]]:
+    """(the module, expert index) whose joined primary weights ``p`` belongs to, or None."""
+    entry = _OWNERS.get(id(p))
+    if entry is None:
+        return None
+    ref, module_ref, i = entry
+    module = module_ref()
+    if ref() is not p or module is None:
+        del _OWNERS[id(p)]  # a dead module or a recycled id
+        return None
+    group = getattr(module, "_primary", None)
+    if group is None or i >= len(group.params) or group.params[i] is not p:
+        return None
+    return module, i
+
+
+def requantize_primary(group: PrimaryGroup, masters: Sequence[torch.Tensor]) -> bool:
+    """Re-encode ``group``'s Parameters from their masters (one per expert, in order) with one
+    grouped encode and one copy per joined tensor: bitwise each Parameter's ``update_quantized``
+    (the same quantizers and copies). False, with nothing written, where the group no longer
+    holds its Parameters as joined (the caller re-encodes them one by one).
+
+    Raises
+    ------
+    ValueError
+        A master's shape differs from its Parameter's."""
+    if not group.holds(group.params):
+        return False
+    shape = group.params[0].shape
+    for i, m in enumerate(masters):
+        if tuple(m.shape) != tuple(shape):
+            raise ValueError(f"quantize_master_weights: the master of expert {i} has shape {tuple(m.shape)}, "
+                             f"its parameter {group.params[i].qstorage.describe()}.")
+    with torch.no_grad():
+        values = torch.stack([m.detach() for m in masters])
+        fresh = _encode_joined(group.params, values, group.plans)
+        if fresh is None or fresh.directions() != group.directions:
+            return False
+        pairs = []
+        for d in DIRECTIONS:
+            old, new = group.group.joined(d), fresh.joined(d)
+            if old is None:
+                continue
+            if not _same_layout(old.storage, new.storage) or (old.scales is None) != (new.scales is None):
+                return False
+            pairs += [(a, b) for (_, _, a), (_, _, b) in zip(_slots(old.storage), _slots(new.storage))]
+            if old.scales is not None:
+                pairs.append((old.scales, new.scales))
+        for a, b in pairs:
+            a.copy_(b)
+    return True

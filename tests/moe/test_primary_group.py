@@ -1,0 +1,192 @@
+"""Quantized primary weights of a GroupedLinear held as one joined encoding (moe/primary_group.py):
+the experts' Parameters become cuts of it, the GEMMs read it as it is, re-encoding from masters
+is one grouped encode, and every way a Parameter can change afterwards (a write, a dropped copy,
+a copied module, a partial master list) either lands in the joined copies or leaves them unused
+— the results always those of a twin whose experts are never joined."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import hybridfp as hfp
+from hybridfp.moe import primary_group
+from hybridfp.moe.grouped_tensor import GroupedTensor
+
+E, D, H = 4, 64, 32
+SPLITS = [5, 0, 19, 8]
+JOINED = {"fp8_current": hfp.Float8CurrentScaling, "mxfp8": hfp.MXFP8BlockScaling}
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def build(recipe: hfp.Recipe, joined: bool = True) -> hfp.GroupedLinear:
+    """The layer under quantized_model_init (seed 0); ``joined=False``: a twin never joined."""
+    torch.manual_seed(0)
+    with hfp.quantized_model_init(recipe=recipe):
+        m = hfp.GroupedLinear(E, D, H, bias=False, name="experts")
+    if not joined:
+        m.unjoin_primary()  # each expert its own contiguous copies again, the per-expert paths
+        assert m._primary is None and all(t.is_contiguous() for w in m.weights() for t in payloads(w))
+    return m
+
+
+def payloads(w: torch.Tensor) -> list[torch.Tensor]:
+    return [t for _, _, t in primary_group._slots(w.qstorage)]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A payload tensor's bytes (scales are 0-dim; column-slice copies are strided)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_same_weights(a: hfp.GroupedLinear, b: hfp.GroupedLinear) -> None:
+    for i, (wa, wb) in enumerate(zip(a.weights(), b.weights())):
+        assert wa.directions() == wb.directions(), i
+        for ta, tb in zip(payloads(wa), payloads(wb)):
+            assert torch.equal(bits(ta), bits(tb)), f"expert {i}"
+
+
+def step(m: hfp.GroupedLinear, recipe: hfp.Recipe) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(output, weight gradients) of one forward + backward on fixed data."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(sum(SPLITS), D, generator=g)
+    with hfp.autocast(recipe=recipe):
+        y = m(x, SPLITS)
+    y.square().sum().backward()
+    grads = [w.grad.clone() for w in m.weights()]
+    m.zero_grad(set_to_none=True)
+    return y.detach(), grads
+
+
+def assert_same_step(a: hfp.GroupedLinear, b: hfp.GroupedLinear, recipe: hfp.Recipe) -> None:
+    (ya, ga), (yb, gb) = step(a, recipe), step(b, recipe)
+    assert torch.equal(ya, yb)
+    assert all(torch.equal(x, y) for x, y in zip(ga, gb))
+
+
+def masters(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(H, D, generator=g) for _ in range(E)]
+
+
+@pytest.mark.parametrize("name", sorted(JOINED))
+def test_joined_at_init_and_read_by_the_gemms(name):
+    m = build(JOINED[name]())
+    assert m._primary is not None
+    params = list(m.weights())
+    assert all(isinstance(p, torch.nn.Parameter) and isinstance(p, hfp.QuantizedTensor) for p in params)
+    got = m.quantized_weights(params, [p.quantizer for p in params], True)
+    assert isinstance(got, GroupedTensor) and got is m._primary.group and got.joined_only
+    # every expert's copies are views of the joined storage: one memory block per direction
+    for d in got.directions():
+        base = got.joined(d).storage.payloads[d]["data"]
+        lo, hi = base.data_ptr(), base.data_ptr() + base.numel() * base.element_size()
+        for p in params:
+            t = p.qstorage.payloads[d]["data"]
+            assert lo <= t.data_ptr() < hi
+
+
+@pytest.mark.parametrize("name", sorted(JOINED))
+def test_join_and_step_bitwise_the_unjoined_twin(name):
+    recipe = JOINED[name]()
+    a, b = build(recipe), build(recipe, joined=False)
+    assert a._primary is not None and b._primary is None
+    assert_same_weights(a, b)
+    assert_same_step(a, b, recipe)
+
+
+@pytest.mark.parametrize("name", sorted(JOINED))
+def test_master_reencode_is_one_grouped_encode_bitwise_per_expert(name, monkeypatch):
+    recipe = JOINED[name]()
+    a, b = build(recipe), build(recipe, joined=False)
+    ms = masters(7)
+    for w, mst in zip(b.weights(), ms):  # the per-expert reference
+        w.quantizer.update_quantized(mst, w, directions=w.directions())
+    with monkeypatch.context() as mp:  # the joined layer must not take the per-expert route
+        for w in a.weights():
+            mp.setattr(w.quantizer, "update_quantized", lambda *a_, **k: pytest.fail("per-expert re-encode"))
+        hfp.quantize_master_weights(a.weights(), ms)
+    assert a._primary.holds(a.weights())
+    assert_same_weights(a, b)
+    assert_same_step(a, b, recipe)
+
+
+@pytest.mark.parametrize("name", sorted(JOINED))
+def test_a_write_to_one_expert_reaches_the_joined_copies(name):
+    recipe = JOINED[name]()
+    a, b = build(recipe), build(recipe, joined=False)
+    new = torch.full((H, D), 0.75)
+    for m in (a, b):
+        w = m.weights()[2]
+        w.quantizer.update_quantized(new, w, directions=w.directions())
+    assert a._primary.holds(a.weights())
+    joined = a._primary.group.experts()[2].dequantize()
+    assert torch.equal(joined, b.weights()[2].dequantize())
+    assert_same_step(a, b, recipe)
+
+
+def test_partial_master_list_and_dropped_copy_leave_the_joined_copies_unused():
+    recipe = hfp.Float8CurrentScaling()
+    a, b = build(recipe), build(recipe, joined=False)
+    ms = masters(11)
+    # two experts' masters only: the per-expert route, still into the joined views
+    hfp.quantize_master_weights(a.weights()[:2], ms[:2])
+    hfp.quantize_master_weights(b.weights()[:2], ms[:2])
+    assert a._primary.holds(a.weights())
+    assert_same_weights(a, b)
+    # a dropped columnwise copy: the group no longer holds its Parameters as joined
+    for m in (a, b):
+        m.weights()[1].update_usage(columnwise_usage=False)
+    assert not a._primary.holds(a.weights())
+    with torch.no_grad(), hfp.autocast(recipe=recipe):
+        x = torch.randn(sum(SPLITS), D)
+        assert torch.equal(a(x, SPLITS), b(x, SPLITS))
+
+
+def test_a_copied_module_is_its_own():
+    recipe = hfp.Float8CurrentScaling()
+    a = build(recipe)
+    c = copy.deepcopy(a)
+    assert_same_step(a, c, recipe)
+    hfp.quantize_master_weights(c.weights(), masters(5))
+    ref = build(recipe, joined=False)
+    assert_same_weights(a, ref)  # the original untouched by the copy's re-encode
+    assert_same_step(a, ref, recipe)
+    twin = build(recipe, joined=False)
+    hfp.quantize_master_weights(twin.weights(), masters(5))
+    assert_same_weights(c, twin)
+    assert_same_step(c, twin, recipe)
+
+
+def test_master_shape_mismatch_named():
+    a = build(hfp.Float8CurrentScaling())
+    ms = masters(1)
+    ms[3] = torch.zeros(H, D + 1)
+    with pytest.raises(ValueError, match="expert 3 has shape"):
+        hfp.quantize_master_weights(a.weights(), ms)
+
+
+def test_formats_without_joined_copies_stay_per_expert():
+    for recipe in (hfp.DelayedScaling(), hfp.Float8BlockScaling()):
+        m = build(recipe)
+        assert m._primary is None
+        params = list(m.weights())
+        assert not isinstance(m.quantized_weights(params, [p.quantizer for p in params], True), GroupedTensor)
+
+
+def test_a_moved_module_is_joined_again():
+    recipe = hfp.Float8CurrentScaling()
+    a, ref = build(recipe), build(recipe, joined=False)
+    a.cpu()  # every Parameter moved (its buffers may be new): joined again, the same values
+    assert a._primary is not None and a._primary.holds(a.weights())
+    assert_same_weights(a, ref)
+    assert_same_step(a, ref, recipe)
