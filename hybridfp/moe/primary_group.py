@@ -70,10 +70,12 @@ def _slots(storage: QuantizedStorage) -> list[tuple[str, str, torch.Tensor]]:
     return [(d, n, t) for d in storage.directions() for n, t in sorted(storage.payloads[d].items())]
 
 
-def _same_layout(a: QuantizedStorage, b: QuantizedStorage) -> bool:
-    """Whether two storages hold the same copies in the same format, options and tensor shapes."""
-    if type(a) is not type(b) or a.shape != b.shape or a.dtype != b.dtype or a.directions() != b.directions() \
-            or a.decoded_directions() != b.decoded_directions():
+def _same_layout(a: QuantizedStorage, b: QuantizedStorage, dtype: bool = True) -> bool:
+    """Whether two storages hold the same copies in the same format, options and tensor shapes
+    (``dtype``: and the same high-precision dtype; an encode of FP32 masters into a BF16
+    Parameter's buffers writes the same codes)."""
+    if type(a) is not type(b) or a.shape != b.shape or (dtype and a.dtype != b.dtype) \
+            or a.directions() != b.directions() or a.decoded_directions() != b.decoded_directions():
         return False
     sa, sb = _slots(a), _slots(b)
     return len(sa) == len(sb) and all(
@@ -124,7 +126,7 @@ def join_primary(module: Any, params: Sequence[torch.Tensor]) -> Optional[Primar
     first = params[0].qstorage
     if params[0].is_meta or any(not _same_layout(first, p.qstorage) for p in params[1:]):
         return None
-    values = torch.zeros((len(params), *first.shape), dtype=torch.float32, device=params[0].device)
+    values = torch.zeros((len(params), *first.shape), dtype=params[0].dtype, device=params[0].device)
     with torch.no_grad():
         group = _encode_joined(params, values, None)
         if group is None:
@@ -194,7 +196,7 @@ def requantize_primary(group: PrimaryGroup, masters: Sequence[torch.Tensor]) -> 
             old, new = group.group.joined(d), fresh.joined(d)
             if old is None:
                 continue
-            if not _same_layout(old.storage, new.storage) or (old.scales is None) != (new.scales is None):
+            if not _same_layout(old.storage, new.storage, dtype=False) or (old.scales is None) != (new.scales is None):
                 return False
             pairs += [(a, b) for (_, _, a), (_, _, b) in zip(_slots(old.storage), _slots(new.storage))]
             if old.scales is not None:

@@ -28,11 +28,12 @@ def _quiet():
         yield
 
 
-def build(recipe: hfp.Recipe, joined: bool = True) -> hfp.GroupedLinear:
-    """The layer under quantized_model_init (seed 0); ``joined=False``: a twin never joined."""
+def build(recipe: hfp.Recipe, joined: bool = True, dtype: torch.dtype = torch.float32) -> hfp.GroupedLinear:
+    """The layer under quantized_model_init (seed 0, weights of ``dtype``); ``joined=False``: a
+    twin never joined."""
     torch.manual_seed(0)
     with hfp.quantized_model_init(recipe=recipe):
-        m = hfp.GroupedLinear(E, D, H, bias=False, name="experts")
+        m = hfp.GroupedLinear(E, D, H, bias=False, name="experts", params_dtype=dtype)
     if not joined:
         m.unjoin_primary()  # each expert its own contiguous copies again, the per-expert paths
         assert m._primary is None and all(t.is_contiguous() for w in m.weights() for t in payloads(w))
@@ -58,7 +59,7 @@ def assert_same_weights(a: hfp.GroupedLinear, b: hfp.GroupedLinear) -> None:
 def step(m: hfp.GroupedLinear, recipe: hfp.Recipe) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(output, weight gradients) of one forward + backward on fixed data."""
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(sum(SPLITS), D, generator=g)
+    x = torch.randn(sum(SPLITS), D, generator=g).to(m.weights()[0].dtype)
     with hfp.autocast(recipe=recipe):
         y = m(x, SPLITS)
     y.square().sum().backward()
@@ -104,10 +105,12 @@ def test_join_and_step_bitwise_the_unjoined_twin(name):
     assert_same_step(a, b, recipe)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", sorted(JOINED))
-def test_master_reencode_is_one_grouped_encode_bitwise_per_expert(name, monkeypatch):
+def test_master_reencode_is_one_grouped_encode_bitwise_per_expert(name, dtype, monkeypatch):
     recipe = JOINED[name]()
-    a, b = build(recipe), build(recipe, joined=False)
+    a, b = build(recipe, dtype=dtype), build(recipe, joined=False, dtype=dtype)
+    assert a._primary is not None
     ms = masters(7)
     for w, mst in zip(b.weights(), ms):  # the per-expert reference
         w.quantizer.update_quantized(mst, w, directions=w.directions())
