@@ -70,6 +70,12 @@ class GroupedWeights:
         where FSDP2 may hand in gathered Parameters whose buffers it writes again later."""
         self._primary = join_primary(self, self.weights()) if not self.single_parameter else None
 
+    def _rejoin_primary(self, joined: bool) -> None:
+        """After a move or a load: a module whose quantized Parameters were ``joined`` and are
+        no longer held so (new Parameters or buffers) joins them again, as built."""
+        if joined and (self._primary is None or not self._primary.holds(self.weights())):
+            self._join_primary()
+
     def unjoin_primary(self) -> None:
         """Give each expert's quantized Parameter its own contiguous copies again (the values
         unchanged) and drop the joined encoding: for code that takes the Parameters over one by
@@ -154,16 +160,17 @@ class GroupedWeights:
                     # copies, not views of one tensor: with assign=True each expert keeps its own
                     # version counter (an update to one re-quantizes that expert only)
                     state_dict.update(zip(per_expert, (t.clone() for t in whole.unbind(0))))
+        joined = self._primary is not None
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._pack()  # assign=True put new tensors in place: back into one buffer
+        self._rejoin_primary(joined)
 
     def _apply(self, fn: Any, recurse: bool = True) -> "GroupedWeights":
         """``nn.Module._apply`` (``.to()``, ``.cuda()``, ``.half()``: each parameter moved on its
         own), then the weights re-packed into one buffer."""
         joined = self._primary is not None
         out = super()._apply(fn, recurse)
-        if joined:  # the moved Parameters hold new buffers: joined again, as built
-            self._join_primary()
+        self._rejoin_primary(joined)
         if self.single_parameter:
             # the views (and the cached quantized weights keyed by them) belong to the old tensor:
             # dropped now, so a move (``.cpu()`` to offload) frees it

@@ -141,7 +141,16 @@ def join_primary(module: Any, params: Sequence[torch.Tensor]) -> Optional[Primar
         c.label = p.qstorage.label
         p._storage = c  # the Parameter's copies are now views of the joined ones
         _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(module), i)
+        weakref.finalize(p, _forget, id(p))
     return PrimaryGroup(group, params)
+
+
+def _forget(key: int) -> None:
+    """Drop a dead Parameter's ``_OWNERS`` entry (its weak reference is cleared by then; an
+    entry whose Parameter lives belongs to another)."""
+    entry = _OWNERS.get(key)
+    if entry is not None and entry[0]() is None:
+        del _OWNERS[key]
 
 
 def unjoin_primary(group: PrimaryGroup) -> None:

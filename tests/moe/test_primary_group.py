@@ -193,3 +193,24 @@ def test_a_moved_module_is_joined_again():
     assert a._primary is not None and a._primary.holds(a.weights())
     assert_same_weights(a, ref)
     assert_same_step(a, ref, recipe)
+
+
+def test_a_loaded_state_dict_keeps_the_joined_copies_true():
+    recipe = hfp.Float8CurrentScaling()
+    a, src = build(recipe), build(recipe, joined=False)
+    hfp.quantize_master_weights(src.weights(), masters(9))
+    a.load_state_dict(src.state_dict())  # copied into the Parameters' views in place
+    assert a._primary.holds(a.weights())
+    assert_same_weights(a, src)
+    assert_same_step(a, src, recipe)
+
+
+def test_a_dead_module_leaves_no_owner_entry():
+    import gc
+    gc.collect()  # modules of earlier tests
+    before = len(primary_group._OWNERS)
+    m = build(hfp.Float8CurrentScaling())
+    assert len(primary_group._OWNERS) == before + E
+    del m
+    gc.collect()
+    assert len(primary_group._OWNERS) == before
