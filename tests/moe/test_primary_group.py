@@ -214,3 +214,15 @@ def test_a_dead_module_leaves_no_owner_entry():
     del m
     gc.collect()
     assert len(primary_group._OWNERS) == before
+
+
+def test_fsdp_quantized_all_gather_takes_the_experts_unjoined():
+    m = build(hfp.Float8CurrentScaling())
+    ref = build(hfp.Float8CurrentScaling(), joined=False)
+    before = list(m.weights())
+    assert hfp.enable_quantized_all_gather(m) == E
+    assert m._primary is None
+    # each expert handed over with its own contiguous copies, its values unchanged
+    for w, r in zip(before, ref.weights()):
+        assert all(t.is_contiguous() for t in payloads(w))
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(payloads(w), payloads(r)))
