@@ -2,6 +2,7 @@
 literal percent sign left unescaped in one raises only when a user asks for help."""
 
 import importlib
+from pathlib import Path
 
 import pytest
 
@@ -9,7 +10,7 @@ COMMANDS = ["bench.__main__", "bench.bench_gemm", "bench.bench_gemm_pairs", "ben
             "bench.bench_mlp", "bench.bench_moe", "bench.bench_moe_overhead", "bench.bench_offload",
             "bench.bench_quantize", "bench.bench_quantize_kernels", "bench.bound_mlp", "bench.bound_moe",
             "bench.convergence", "bench.convergence_report", "bench.convergence_replicates",
-            "bench.convergence_trajectory",
+            "bench.convergence_trajectory", "bench.profile_moe_host",
             "bench.sweep_dispatch", "hybridfp.train.cli", "hybridfp.analyze.validate", "hybridfp.report"]
 
 
@@ -22,3 +23,10 @@ def test_help_prints(module, capsys):
     out = capsys.readouterr().out
     assert out.startswith("usage:"), out[:200]
     assert "--help" in out
+
+
+def test_every_bench_command_is_listed():
+    """A new ``bench/*.py`` with a ``main`` joins the list above (its help is then tested)."""
+    root = Path(__file__).resolve().parents[2] / "bench"
+    mains = {f"bench.{f.stem}" for f in root.glob("*.py") if "\ndef main(" in f.read_text()}
+    assert mains - set(COMMANDS) == set()
