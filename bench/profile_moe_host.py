@@ -8,7 +8,7 @@ until the last launch) and prints the functions by own time and by cumulative ti
 measured; the figures say which Python to cut, not how fast the layer is.
 
     python -m bench.profile_moe_host [--experts 64] [--variants "hybridfp FP8 current|..."] [--top 40]
-        [--out moe_host_profile.txt] [--quick]
+        [--out moe_host_profile.txt] [--reps 5] [--quick]
 """
 
 from __future__ import annotations
@@ -50,15 +50,16 @@ def host_ms(step: Callable[[], Any], reps: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def profile_text(step: Callable[[], Any], title: str, top: int) -> str:
-    """One step of ``step`` under cProfile: its functions by own time and by cumulative time."""
+def profile_text(step: Callable[[], Any], title: str, top: int, reps: int = 5) -> str:
+    """One step of ``step`` under cProfile: its functions by own time and by cumulative time;
+    the title line gives the unprofiled host ms (median of ``reps`` steps)."""
     prof = cProfile.Profile()
     _sync()
     prof.enable()
     step()
     _sync()
     prof.disable()
-    text = [f"## {title}: host ms (median of 5, unprofiled) {host_ms(step):.2f}"]
+    text = [f"## {title}: host ms (median of {reps}, unprofiled) {host_ms(step, reps):.2f}"]
     for key in ("tottime", "cumulative"):
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).strip_dirs().sort_stats(key).print_stats(top)
@@ -80,9 +81,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--warmup", type=int, default=3, help="steps run before the profiled one")
     p.add_argument("--top", type=int, default=40, help="functions listed per table")
+    p.add_argument("--reps", type=int, default=5, help="unprofiled steps timed for the host ms (their median)")
     p.add_argument("--out", type=Path, default=None, help="also write the profiles here")
     p.add_argument("--quick", action="store_true", help="bench_moe --quick's small shapes (a CPU check)")
     args = p.parse_args(argv)
+    if args.reps < 1 or args.warmup < 0 or args.top < 1 or args.micro_batches < 1:
+        p.error(f"--reps {args.reps}, --top {args.top}, --micro-batches {args.micro_batches} must be >= 1 and "
+                f"--warmup {args.warmup} >= 0")
     common.require_cuda()
     configs, (tokens, hidden) = (QUICK_CONFIGS, QUICK_SHAPE) if args.quick else (CONFIGS, (TOKENS, HIDDEN))
     ffn = dict(configs).get(args.experts)
@@ -104,7 +109,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         step = wrap(name, core)
         for _ in range(args.warmup):
             step()
-        texts.append(profile_text(step, name, args.top))
+        texts.append(profile_text(step, name, args.top, args.reps))
         core.release()
         print(texts[-1].splitlines()[0], flush=True)
     report = "\n\n".join(texts)

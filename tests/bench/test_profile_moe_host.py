@@ -8,10 +8,10 @@ from bench import common, profile_moe_host
 def test_profiles_the_named_rows(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(common, "DEVICE", "cpu")
     out = tmp_path / "p.txt"
-    profile_moe_host.main(["--quick", "--experts", "64", "--top", "80", "--warmup", "1", "--out", str(out),
+    profile_moe_host.main(["--quick", "--experts", "8", "--top", "80", "--warmup", "1", "--reps", "1", "--out", str(out),
                            "--variants", "BF16 grouped|hybridfp FP8 current [quantized primary weights]"])
     text = out.read_text()
-    assert "## BF16 grouped: host ms" in text
+    assert "## BF16 grouped: host ms (median of 1, unprofiled)" in text
     assert "## hybridfp FP8 current [quantized primary weights]: host ms" in text
     assert text.count("### by tottime") == 2 and text.count("### by cumulative") == 2
     # the primary-weight row re-encodes its weights from FP32 masters in its step
@@ -24,3 +24,5 @@ def test_unknown_row_and_config_refused(monkeypatch):
         profile_moe_host.main(["--quick", "--experts", "64", "--variants", "hybridfp FP9"])
     with pytest.raises(SystemExit):
         profile_moe_host.main(["--quick", "--experts", "7"])
+    with pytest.raises(SystemExit):
+        profile_moe_host.main(["--quick", "--reps", "0"])
