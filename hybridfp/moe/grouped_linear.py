@@ -207,6 +207,7 @@ class GroupedLinear(GroupedWeights, QuantizedModule):
         self._packed: Optional[torch.Tensor] = None
         # quantized primary weights joined into one encoding (``primary_group``)
         self._primary: Optional[PrimaryGroup] = None
+        self._join_wanted = False  # quantized primary weights to hold joined (until un-joined)
         self._pack()
 
     def _check_splits(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor) -> list[int]:

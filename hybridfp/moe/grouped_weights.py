@@ -62,18 +62,20 @@ class GroupedWeights:
         parameters: the packed high-precision buffer they were slices of is let go, and the
         quantized ones are joined into one encoding where the format allows (``primary_group``)."""
         self._pack()
+        self._join_wanted = True
         self._join_primary()
 
     def _join_primary(self) -> None:
         """Join the experts' quantized Parameters into one encoding (``primary_group.join_primary``).
-        Only at construction and after a move of a module already joined: never in a forward,
-        where FSDP2 may hand in gathered Parameters whose buffers it writes again later."""
+        Only at construction and after a move or a load: never in a forward, where FSDP2 may
+        hand in gathered Parameters whose buffers it writes again later."""
         self._primary = join_primary(self, self.weights()) if not self.single_parameter else None
 
-    def _rejoin_primary(self, joined: bool) -> None:
-        """After a move or a load: a module whose quantized Parameters were ``joined`` and are
-        no longer held so (new Parameters or buffers) joins them again, as built."""
-        if joined and (self._primary is None or not self._primary.holds(self.weights())):
+    def _rejoin_primary(self) -> None:
+        """After a move or a load: quantized Parameters built to be joined (not un-joined since)
+        and not held so now (new Parameters or buffers; built on the meta device) are joined
+        again, as built."""
+        if self._join_wanted and (self._primary is None or not self._primary.holds(self.weights())):
             self._join_primary()
 
     def unjoin_primary(self) -> None:
@@ -81,6 +83,7 @@ class GroupedWeights:
         unchanged) and drop the joined encoding: for code that takes the Parameters over one by
         one (``enable_quantized_all_gather`` shards each with FSDP2)."""
         group, self._primary = self._primary, None
+        self._join_wanted = False
         if group is not None:
             unjoin_primary(group)
 
@@ -160,17 +163,15 @@ class GroupedWeights:
                     # copies, not views of one tensor: with assign=True each expert keeps its own
                     # version counter (an update to one re-quantizes that expert only)
                     state_dict.update(zip(per_expert, (t.clone() for t in whole.unbind(0))))
-        joined = self._primary is not None
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._pack()  # assign=True put new tensors in place: back into one buffer
-        self._rejoin_primary(joined)
+        self._rejoin_primary()
 
     def _apply(self, fn: Any, recurse: bool = True) -> "GroupedWeights":
         """``nn.Module._apply`` (``.to()``, ``.cuda()``, ``.half()``: each parameter moved on its
         own), then the weights re-packed into one buffer."""
-        joined = self._primary is not None
         out = super()._apply(fn, recurse)
-        self._rejoin_primary(joined)
+        self._rejoin_primary()
         if self.single_parameter:
             # the views (and the cached quantized weights keyed by them) belong to the old tensor:
             # dropped now, so a move (``.cpu()`` to offload) frees it

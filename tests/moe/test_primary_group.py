@@ -226,3 +226,18 @@ def test_fsdp_quantized_all_gather_takes_the_experts_unjoined():
     for w, r in zip(before, ref.weights()):
         assert all(t.is_contiguous() for t in payloads(w))
         assert all(torch.equal(bits(a), bits(b)) for a, b in zip(payloads(w), payloads(r)))
+
+
+def test_built_on_the_meta_device_joined_once_materialized():
+    recipe = hfp.Float8CurrentScaling()
+    with hfp.quantized_model_init(recipe=recipe):
+        m = hfp.GroupedLinear(E, D, H, bias=False, device="meta")
+    assert m._primary is None  # nothing to join yet
+    m.to_empty(device="cpu")
+    assert m._primary is not None and m._primary.holds(m.weights())
+    ref = build(recipe, joined=False)
+    ms = masters(4)
+    hfp.quantize_master_weights(m.weights(), ms)  # the values a materialized model is given
+    hfp.quantize_master_weights(ref.weights(), ms)
+    assert_same_weights(m, ref)
+    assert_same_step(m, ref, recipe)
