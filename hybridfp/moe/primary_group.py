@@ -56,7 +56,17 @@ class PrimaryGroup:
 
     def holds(self, weights: Sequence[torch.Tensor]) -> bool:
         """Whether ``weights`` are this group's Parameters, each still holding its cut with every
-        joined copy (a Parameter replaced, a storage swapped or a copy dropped: no longer)."""
+        joined copy (a Parameter replaced, a storage swapped or a copy dropped: no longer).
+
+        Parameters
+        ----------
+        weights:
+            The experts' weights a GEMM is about to read, in order.
+
+        Returns
+        -------
+        bool
+            True when the joined encoding is their current value."""
         if len(weights) != len(self.params):
             return False
         for w, p, s in zip(weights, self.params, self.storages):
@@ -155,7 +165,12 @@ def _forget(key: int) -> None:
 
 def unjoin_primary(group: PrimaryGroup) -> None:
     """Give each of ``group``'s Parameters still holding its cut its own contiguous copies (the
-    same values); the joined encoding is then no one's."""
+    same values); the joined encoding is then no one's.
+
+    Parameters
+    ----------
+    group:
+        The module's joined primary weights (``GroupedLinear.unjoin_primary`` drops its record)."""
     for p, s in zip(group.params, group.storages):
         _OWNERS.pop(id(p), None)
         if p.qstorage is s:
@@ -163,7 +178,17 @@ def unjoin_primary(group: PrimaryGroup) -> None:
 
 
 def owner_of(p: torch.Tensor) -> Optional[tuple[Any, int]]:
-    """(the module, expert index) whose joined primary weights ``p`` belongs to, or None."""
+    """The layer whose joined primary weights hold ``p``.
+
+    Parameters
+    ----------
+    p:
+        A quantized Parameter.
+
+    Returns
+    -------
+    (the ``GroupedLinear``, the expert index), or None: not joined, or no longer (its module
+    dead, its group replaced or dropped)."""
     entry = _OWNERS.get(id(p))
     if entry is None:
         return None
@@ -183,6 +208,18 @@ def requantize_primary(group: PrimaryGroup, masters: Sequence[torch.Tensor]) -> 
     grouped encode and one copy per joined tensor: bitwise each Parameter's ``update_quantized``
     (the same quantizers and copies). False, with nothing written, where the group no longer
     holds its Parameters as joined (the caller re-encodes them one by one).
+
+    Parameters
+    ----------
+    group:
+        The layer's joined primary weights.
+    masters:
+        One high-precision master per expert, in order, each of its Parameter's shape.
+
+    Returns
+    -------
+    bool
+        Whether the Parameters were re-encoded.
 
     Raises
     ------
