@@ -241,3 +241,23 @@ def test_built_on_the_meta_device_joined_once_materialized():
     hfp.quantize_master_weights(ref.weights(), ms)
     assert_same_weights(m, ref)
     assert_same_step(m, ref, recipe)
+
+
+@pytest.mark.parametrize("name", sorted(JOINED))
+def test_steps_between_reencodes_read_the_new_values(name):
+    """A step, a re-encode, a step: whatever the first step cached (decodes keyed by the
+    payloads' version counters) is not served to the second (the joined copies are written in
+    place, the same objects every step)."""
+    recipe = JOINED[name]()
+    a, b = build(recipe), build(recipe, joined=False)
+    for seed in (21, 22):
+        assert_same_step(a, b, recipe)
+        ms = masters(seed)
+        hfp.quantize_master_weights(a.weights(), ms)
+        hfp.quantize_master_weights(b.weights(), ms)
+        assert_same_weights(a, b)
+    ya, _ = step(a, recipe)
+    fresh = build(recipe, joined=False)
+    hfp.quantize_master_weights(fresh.weights(), masters(22))
+    yf, _ = step(fresh, recipe)
+    assert torch.equal(ya, yf)  # the last masters' values, not an earlier step's
