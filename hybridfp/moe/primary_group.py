@@ -150,8 +150,10 @@ def join_primary(module: Any, params: Sequence[torch.Tensor]) -> Optional[Primar
     for i, (c, p) in enumerate(zip(cuts, params)):
         c.label = p.qstorage.label
         p._storage = c  # the Parameter's copies are now views of the joined ones
+        known = _OWNERS.get(id(p))
+        if known is None or known[0]() is not p:  # one finalizer per Parameter, however often joined
+            weakref.finalize(p, _forget, id(p))
         _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(module), i)
-        weakref.finalize(p, _forget, id(p))
     return PrimaryGroup(group, params)
 
 
