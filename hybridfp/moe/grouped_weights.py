@@ -62,8 +62,9 @@ class GroupedWeights:
         parameters: the packed high-precision buffer they were slices of is let go, and the
         quantized ones are joined into one encoding where the format allows (``primary_group``)."""
         self._pack()
-        self._join_wanted = True
         self._join_primary()
+        # joined again after moves and loads if joined now, or once materialized (meta device)
+        self._join_wanted = self._primary is not None or any(getattr(w, "is_meta", False) for w in self.weights())
 
     def _join_primary(self) -> None:
         """Join the experts' quantized Parameters into one encoding (``primary_group.join_primary``).

@@ -24,15 +24,17 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ..nn.base import mark_not_offload
 from ..tensors import QuantizedStorage, QuantizedTensor
 from ..tensors.storage import DIRECTIONS
 from .grouped_tensor import GroupedTensor
 from .quantize_weights import quantize_weights_grouped
 
-#: id(parameter) -> (the parameter, its module, its expert index), weakly: how
-#: ``quantize_master_weights`` finds the layer that can re-encode a parameter with its experts
-#: (a parameter carries no reference to its module). Entries are checked against the module's
-#: own record before use, so a recycled id or a copied parameter never matches.
+#: id(a joined Parameter's storage) -> (that storage, its module, its expert index), weakly: how
+#: ``quantize_master_weights`` finds the layer that can re-encode a Parameter with its experts
+#: (a Parameter carries no reference to its module). Keyed by the storage, not the Parameter: a
+#: weak reference to a Parameter would make ``torch.utils.swap_tensors`` refuse it. Entries are
+#: checked against the module's own record before use, so a recycled id or a copy never matches.
 _OWNERS: dict[int, tuple[weakref.ref, weakref.ref, int]] = {}
 
 
@@ -92,14 +94,25 @@ def _same_layout(a: QuantizedStorage, b: QuantizedStorage, dtype: bool = True) -
         (da, na, ta.shape, ta.dtype) == (db, nb, tb.shape, tb.dtype) for (da, na, ta), (db, nb, tb) in zip(sa, sb))
 
 
+def _stateful(q: Any) -> bool:
+    """Whether quantizer ``q`` (or a hybrid's part) keeps state an encode would change (delayed
+    scaling's recorded amax): a layout encode must not touch it."""
+    parts = [getattr(q, a, None) for a in ("rowwise_quantizer", "columnwise_quantizer")]
+    if any(c is not None for c in parts):
+        return any(_stateful(c) for c in parts if c is not None)
+    return q.has_state()
+
+
 def _encode_joined(params: Sequence[QuantizedTensor], values: torch.Tensor, plans: Optional[dict]
                    ) -> Optional[GroupedTensor]:
     """The experts' [E, N, K] ``values`` encoded by their Parameters' quantizers into the copies
     and layout (codes or decoded copies) the Parameters hold; None where that is not one
     joined-only ``GroupedTensor``. The quantizers' usage and decoded-copy settings are restored."""
     qs = [p.quantizer for p in params]
-    if any(q is None or q.uses_randomness() for q in qs) or len({id(q) for q in qs}) != len(qs):
-        return None  # a draw would advance torch's generator; shared quantizers cannot differ per expert
+    if any(q is None or q.uses_randomness() or _stateful(q) for q in qs) or len({id(q) for q in qs}) != len(qs):
+        # a draw would advance torch's generator, an amax would be recorded into the state;
+        # shared quantizers cannot differ per expert
+        return None
     want = params[0].directions()
     decoded = params[0].qstorage.decoded_directions()
     saved = [(q.rowwise_usage, q.columnwise_usage, q._hold_decoded) for q in qs]
@@ -142,7 +155,7 @@ def join_primary(module: Any, params: Sequence[torch.Tensor]) -> Optional[Primar
         if group is None:
             return None
         cuts = [t.qstorage for t in group.experts()]
-        if any(not _same_layout(c, p.qstorage) for c, p in zip(cuts, params)):
+        if any(not _same_layout(c, p.qstorage) for c, p in zip(cuts, params)) or not _all_views(group, cuts):
             return None
         for c, p in zip(cuts, params):
             for (_, _, dst), (_, _, src) in zip(_slots(c), _slots(p.qstorage)):
@@ -150,16 +163,46 @@ def join_primary(module: Any, params: Sequence[torch.Tensor]) -> Optional[Primar
     for i, (c, p) in enumerate(zip(cuts, params)):
         c.label = p.qstorage.label
         p._storage = c  # the Parameter's copies are now views of the joined ones
-        known = _OWNERS.get(id(p))
-        if known is None or known[0]() is not p:  # one finalizer per Parameter, however often joined
-            weakref.finalize(p, _forget, id(p))
-        _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(module), i)
+        _OWNERS[id(c)] = (weakref.ref(c), weakref.ref(module), i)
+        weakref.finalize(c, _forget, id(c))
+    # the Parameters hold these buffers anyway: an offload context moving them would free nothing
+    mark_not_offload(*_joined_tensors(group), *(t for c in cuts for _, _, t in _slots(c)))
     return PrimaryGroup(group, params)
 
 
+def _joined_tensors(group: GroupedTensor) -> list[torch.Tensor]:
+    """Every tensor of ``group``'s joined copies (storages' payloads and per-expert scales)."""
+    out: list[torch.Tensor] = []
+    for d in DIRECTIONS:
+        j = group.joined(d)
+        if j is not None:
+            out += [t for _, _, t in _slots(j.storage)] + ([j.scales] if j.scales is not None else [])
+    return out
+
+
+def _all_views(group: GroupedTensor, cuts: Sequence[QuantizedStorage]) -> bool:
+    """Whether every payload tensor of every expert's cut lies in the memory of a joined tensor,
+    and every joined tensor is so reached by some cut (a per-tensor-scaled joined copy's own
+    ``scale_inv``, a constant 1 its codes are read with, excepted): then a write through a
+    Parameter changes what the GEMMs read, and nothing the GEMMs read is the joined copies'
+    alone. A cut holding a tensor of its own (a hybrid's per-expert amax stacked anew) fails."""
+    memory = {t.untyped_storage().data_ptr() for t in _joined_tensors(group)}
+    reached = {t.untyped_storage().data_ptr() for c in cuts for _, _, t in _slots(c)}
+    if not reached <= memory:
+        return False
+    for d in DIRECTIONS:
+        j = group.joined(d)
+        if j is None:
+            continue
+        for _, name, t in _slots(j.storage):
+            if t.untyped_storage().data_ptr() not in reached and not (j.scales is not None and name == "scale_inv"):
+                return False
+    return True
+
+
 def _forget(key: int) -> None:
-    """Drop a dead Parameter's ``_OWNERS`` entry (its weak reference is cleared by then; an
-    entry whose Parameter lives belongs to another)."""
+    """Drop a dead storage's ``_OWNERS`` entry (its weak reference is cleared by then; an entry
+    whose storage lives belongs to another)."""
     entry = _OWNERS.get(key)
     if entry is not None and entry[0]() is None:
         del _OWNERS[key]
@@ -174,7 +217,7 @@ def unjoin_primary(group: PrimaryGroup) -> None:
     group:
         The module's joined primary weights (``GroupedLinear.unjoin_primary`` drops its record)."""
     for p, s in zip(group.params, group.storages):
-        _OWNERS.pop(id(p), None)
+        _OWNERS.pop(id(s), None)
         if p.qstorage is s:
             p._storage = s.map_tensors(lambda t: t.clone(memory_format=torch.contiguous_format), copies=True)
 
@@ -191,16 +234,17 @@ def owner_of(p: torch.Tensor) -> Optional[tuple[Any, int]]:
     -------
     (the ``GroupedLinear``, the expert index), or None: not joined, or no longer (its module
     dead, its group replaced or dropped)."""
-    entry = _OWNERS.get(id(p))
+    s = p.qstorage
+    entry = _OWNERS.get(id(s))
     if entry is None:
         return None
     ref, module_ref, i = entry
     module = module_ref()
-    if ref() is not p or module is None:
-        del _OWNERS[id(p)]  # a dead module or a recycled id
+    if ref() is not s or module is None:
+        _OWNERS.pop(id(s), None)  # a dead module or a recycled id
         return None
     group = getattr(module, "_primary", None)
-    if group is None or i >= len(group.params) or group.params[i] is not p:
+    if group is None or i >= len(group.params) or group.params[i] is not p or group.storages[i] is not s:
         return None
     return module, i
 
@@ -250,5 +294,6 @@ def requantize_primary(group: PrimaryGroup, masters: Sequence[torch.Tensor]) -> 
             if old.scales is not None:
                 pairs.append((old.scales, new.scales))
         for a, b in pairs:
-            a.copy_(b)
+            if a.data_ptr() != b.data_ptr():  # a shared constant (a scaled copy's scale_inv 1) is left alone
+                a.copy_(b)
     return True

@@ -261,3 +261,66 @@ def test_steps_between_reencodes_read_the_new_values(name):
     hfp.quantize_master_weights(fresh.weights(), masters(22))
     yf, _ = step(fresh, recipe)
     assert torch.equal(ya, yf)  # the last masters' values, not an earlier step's
+
+
+def test_a_hybrid_whose_cuts_hold_their_own_amax_is_not_joined(monkeypatch):
+    """NVFP4 row-scaled forward / MXFP8 backward through the fused grouped encode (forced here as
+    on CUDA): the experts' cuts carry a per-expert amax stacked anew, not a view of the joined
+    rows' amax, so a write through a Parameter would not reach what the GEMMs read. Not joined;
+    the per-expert route gives the unjoined results."""
+    import hybridfp.moe.quantize as grouped_quantize
+    from hybridfp import factories
+    monkeypatch.setattr(grouped_quantize, "fused_nvfp4_mxfp8_supported", lambda hq, x: True)
+    recipe = hfp.CustomRecipe(qfactory=factories.nvfp4_row_scaled_fwd_mxfp8_bwd)
+    a = build(recipe)
+    assert a._primary is None
+    ref = build(recipe)
+    ms = masters(3)
+    hfp.quantize_master_weights(a.weights(), ms)
+    hfp.quantize_master_weights(ref.weights(), ms)
+    assert_same_weights(a, ref)
+
+
+def test_reencode_leaves_the_shared_scale_constant_alone():
+    """FP8 current scaling's joined codes are read with a shared constant scale_inv of 1; a
+    re-encode writes the per-expert scales, never that constant (made under inference mode by an
+    earlier evaluation here, where a write would raise)."""
+    recipe = hfp.Float8CurrentScaling()
+    ev = hfp.GroupedLinear(E, D, H, bias=False, name="eval")
+    with torch.inference_mode(), hfp.autocast(recipe=recipe):
+        ev(torch.randn(sum(SPLITS), D), SPLITS)
+    a, ref = build(recipe), build(recipe, joined=False)
+    ms = masters(8)
+    hfp.quantize_master_weights(a.weights(), ms)
+    hfp.quantize_master_weights(ref.weights(), ms)
+    assert_same_weights(a, ref)
+
+
+def test_joined_parameters_can_be_swapped():
+    """No weak reference is held to a Parameter (torch.utils.swap_tensors refuses those): a
+    swapped-in value is read, through the per-expert route."""
+    recipe = hfp.Float8CurrentScaling()
+    a, twin, src = build(recipe), build(recipe, joined=False), build(recipe, joined=False)
+    hfp.quantize_master_weights(a.weights(), masters(7))
+    hfp.quantize_master_weights(twin.weights(), masters(7))
+    hfp.quantize_master_weights(src.weights(), masters(6))
+    torch.utils.swap_tensors(a.weights()[1], copy.deepcopy(src.weights()[1]))
+    torch.utils.swap_tensors(twin.weights()[1], copy.deepcopy(src.weights()[1]))
+    assert not a._primary.holds(a.weights())
+    assert_same_step(a, twin, recipe)
+
+
+def test_moving_a_layer_that_cannot_join_leaves_its_quantizer_state():
+    """Delayed scaling keeps an amax history: a layer of it is never joined, and a move or a
+    load does not encode anything through its quantizers (no amax recorded)."""
+    recipe = hfp.DelayedScaling()
+    a = build(recipe)
+    assert a._primary is None and not a._join_wanted
+    step(a, recipe)
+    qs = [w.quantizer for w in a.weights()]
+    before = [(q.amax_history.clone(), q._recorded, q.state_version()) for q in qs]
+    a.cpu()
+    a.load_state_dict(a.state_dict())
+    after = [(q.amax_history, q._recorded, q.state_version()) for q in qs]
+    for (h0, r0, v0), (h1, r1, v1) in zip(before, after):
+        assert torch.equal(h0, h1) and r0 == r1 and v0 == v1
