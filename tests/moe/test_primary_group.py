@@ -324,3 +324,18 @@ def test_moving_a_layer_that_cannot_join_leaves_its_quantizer_state():
     after = [(q.amax_history, q._recorded, q.state_version()) for q in qs]
     for (h0, r0, v0), (h1, r1, v1) in zip(before, after):
         assert torch.equal(h0, h1) and r0 == r1 and v0 == v1
+
+
+def test_fp8_kernel_path_joins_and_reencodes_bitwise(monkeypatch):
+    """The grouped FP8 Triton kernels (the CUDA route, run by the interpreter here) build the
+    same joined layout: joined, and a re-encode through them is bitwise the per-expert reference."""
+    import hybridfp.moe.quantize_scaled as quantize_scaled
+    recipe = hfp.Float8CurrentScaling()
+    ref = build(recipe, joined=False, dtype=torch.bfloat16)
+    ms = masters(12)
+    hfp.quantize_master_weights(ref.weights(), ms)
+    monkeypatch.setattr(quantize_scaled, "select_quantize_kernel", lambda q, x, rowwise, columnwise: True)
+    a = build(recipe, dtype=torch.bfloat16)
+    assert a._primary is not None
+    hfp.quantize_master_weights(a.weights(), ms)
+    assert_same_weights(a, ref)
