@@ -179,7 +179,13 @@ class PrimaryWeightsMoE(HybridMoE):
     def __init__(self, base: BF16MoE, recipe: hybridfp.Recipe) -> None:
         with hybridfp.quantized_model_init(recipe=recipe):
             super().__init__(base)
-        self.masters = [w.detach().float().clone() for w in (*base.w1, *base.w2)]
+        # the masters as MasterWeightOptimizer lays them out (a joined layer's in one [E, N, K]
+        # buffer, read in place by the re-encode), holding the BF16 values
+        opt = hybridfp.MasterWeightOptimizer(torch.optim.SGD, self.quantized_weights(), lr=0.0)
+        self.masters = [opt.master_of(w) for w in self.quantized_weights()]
+        with torch.no_grad():
+            for m, w in zip(self.masters, (*base.w1, *base.w2)):
+                m.copy_(w)
         self.before_step()
 
     def quantized_weights(self) -> list[torch.Tensor]:

@@ -93,6 +93,28 @@ def _requantize_joined(model_params: list[torch.Tensor], master_params: list[Opt
     return done
 
 
+def _pack_joined_masters(model_params: list[torch.Tensor], master_params: list[Optional[nn.Parameter]]) -> None:
+    """Give the masters of a ``GroupedLinear``'s joined experts (all of them present) one
+    [E, N, K] buffer, each master a Parameter viewing its slice (same values), in place in
+    ``master_params``: the layer's re-encode then reads them as they lie (``requantize_primary``)
+    instead of stacking them (8 bytes an element moved and 4 held a step)."""
+    found: dict[int, tuple[Any, dict[int, int]]] = {}
+    for j, (p, m) in enumerate(zip(model_params, master_params)):
+        hit = owner_of(p) if m is not None else None
+        if hit is not None:
+            found.setdefault(id(hit[0]), (hit[0], {}))[1][hit[1]] = j
+    for module, where in found.values():
+        n = len(module._primary.params)
+        if len(where) != n:
+            continue  # some experts' masters elsewhere: their re-encode goes per expert anyway
+        slots = [where[i] for i in range(n)]
+        ms = [master_params[j] for j in slots]
+        buf = torch.empty((n, *ms[0].shape), dtype=ms[0].dtype, device=ms[0].device)
+        for j, m, row in zip(slots, ms, buf.unbind(0)):
+            row.copy_(m.detach())
+            master_params[j] = nn.Parameter(row)  # a view of buf: the optimizer steps it in place
+
+
 def _master_of(p: torch.Tensor) -> nn.Parameter:
     """An FP32 master for quantized ``p``: its preserved initial value, else its dequantized value."""
     init = p.get_high_precision_init_val()  # type: ignore[attr-defined]
@@ -152,16 +174,19 @@ class MasterWeightOptimizer:
             groups = [{"params": groups}]
         self.model_params: list[torch.Tensor] = []
         self.master_params: list[Optional[nn.Parameter]] = []
-        inner_groups = []
+        sizes = []
         for g in groups:
             ps = list(g["params"])
-            stepped = []
+            sizes.append(len(ps))
             for p in ps:
-                m = _master_of(p) if isinstance(p, QuantizedTensor) else None
                 self.model_params.append(p)
-                self.master_params.append(m)
-                stepped.append(p if m is None else m)
+                self.master_params.append(_master_of(p) if isinstance(p, QuantizedTensor) else None)
+        _pack_joined_masters(self.model_params, self.master_params)
+        inner_groups, at = [], 0
+        for g, n in zip(groups, sizes):
+            stepped = [p if m is None else m for p, m in zip(self.model_params[at:at + n], self.master_params[at:at + n])]
             inner_groups.append({**g, "params": stepped})
+            at += n
         self.optimizer = optimizer_class(inner_groups, **kwargs)
 
     @property

@@ -249,6 +249,30 @@ def owner_of(p: torch.Tensor) -> Optional[tuple[Any, int]]:
     return module, i
 
 
+def stacked_view(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``torch.stack(tensors)`` as a view, without a copy, where the tensors already lie one
+    after another in one memory block (each contiguous, of one shape and dtype, expert ``i`` at
+    ``i`` times one tensor's size from the first); else None.
+
+    Parameters
+    ----------
+    tensors:
+        Equally shaped tensors, in order.
+
+    Returns
+    -------
+    The [len(tensors), *shape] view (detached), or None."""
+    if not tensors:
+        return None
+    first = tensors[0]
+    n, base, memory = first.numel(), first.storage_offset(), first.untyped_storage().data_ptr()
+    for i, t in enumerate(tensors):
+        if (t.shape != first.shape or t.dtype != first.dtype or t.device != first.device or not t.is_contiguous()
+                or t.untyped_storage().data_ptr() != memory or t.storage_offset() != base + i * n):
+            return None
+    return first.detach().as_strided((len(tensors), *first.shape), (n, *first.stride()), base)
+
+
 def requantize_primary(group: PrimaryGroup, masters: Sequence[torch.Tensor]) -> bool:
     """Re-encode ``group``'s Parameters from their masters (one per expert, in order) with one
     grouped encode and one copy per joined tensor: bitwise each Parameter's ``update_quantized``
@@ -279,7 +303,11 @@ def requantize_primary(group: PrimaryGroup, masters: Sequence[torch.Tensor]) -> 
             raise ValueError(f"quantize_master_weights: the master of expert {i} has shape {tuple(m.shape)}, "
                              f"its parameter {group.params[i].qstorage.describe()}.")
     with torch.no_grad():
-        values = torch.stack([m.detach() for m in masters])
+        # masters held as one [E, N, K] buffer (MasterWeightOptimizer packs a joined layer's)
+        # are read in place: a stack would move 8 bytes an element and hold 4 more meanwhile
+        values = stacked_view(masters)
+        if values is None:
+            values = torch.stack([m.detach() for m in masters])
         fresh = _encode_joined(group.params, values, group.plans)
         if fresh is None or fresh.directions() != group.directions:
             return False

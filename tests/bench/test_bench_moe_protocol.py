@@ -253,6 +253,9 @@ def test_quantized_primary_weights_are_encoded_once_a_step_within_the_bound(monk
     recipe = hybridfp.MXFP8BlockScaling()
     model = moe_layer.PrimaryWeightsMoE(base, recipe)
     assert all(type(w).__name__ == "QuantizedTensor" for w in model.quantized_weights())
+    from hybridfp.moe.primary_group import stacked_view
+    # each layer's masters one [E, N, K] buffer, as MasterWeightOptimizer lays them out
+    assert stacked_view(model.masters[:4]) is not None and stacked_view(model.masters[4:]) is not None
     schedule = moe_layer.RoutingSchedule(64, 4, 2, steps=2)
     step = moe_layer.Step(model, x, dy, lambda: hybridfp.autocast(recipe=recipe), 2, schedule)
     ref = bench_moe.reference_result(base, x, dy, 2, schedule)

@@ -339,3 +339,46 @@ def test_fp8_kernel_path_joins_and_reencodes_bitwise(monkeypatch):
     assert a._primary is not None
     hfp.quantize_master_weights(a.weights(), ms)
     assert_same_weights(a, ref)
+
+
+def test_stacked_view_only_for_tensors_lying_one_after_another():
+    buf = torch.randn(E, H, D)
+    rows = list(buf.unbind(0))
+    v = primary_group.stacked_view(rows)
+    assert v is not None and v.data_ptr() == buf.data_ptr() and torch.equal(v, buf)
+    assert primary_group.stacked_view(rows[::-1]) is None  # out of order
+    assert primary_group.stacked_view(rows[1:] + rows[:1]) is None
+    assert primary_group.stacked_view([r.clone() for r in rows]) is None  # separate memory
+    assert primary_group.stacked_view(list(torch.randn(E, D, H).transpose(1, 2).unbind(0))) is None  # strided
+    assert primary_group.stacked_view(list(torch.randn(E, H, D + 1)[..., :D].unbind(0))) is None  # gaps
+    assert primary_group.stacked_view([]) is None
+
+
+@pytest.mark.parametrize("name", sorted(JOINED))
+def test_optimizer_packs_joined_masters_and_the_reencode_reads_them_in_place(name, monkeypatch):
+    """MasterWeightOptimizer gives a joined layer's masters one [E, N, K] buffer: the re-encode
+    stacks nothing, and training stays bitwise an unjoined twin's (separate masters)."""
+    recipe = JOINED[name]()
+    a, b = build(recipe), build(recipe, joined=False)
+    oa = hfp.MasterWeightOptimizer(torch.optim.AdamW, a.parameters(), lr=1e-2)
+    ob = hfp.MasterWeightOptimizer(torch.optim.AdamW, b.parameters(), lr=1e-2)
+    ma = [oa.master_of(w) for w in a.weights()]
+    assert primary_group.stacked_view(ma) is not None
+    assert all(isinstance(m, torch.nn.Parameter) and m.is_leaf for m in ma)
+    assert primary_group.stacked_view([ob.master_of(w) for w in b.weights()]) is None
+    monkeypatch.setattr(primary_group.torch, "stack", lambda *a_, **k: pytest.fail("masters stacked"))
+    for _ in range(2):
+        for m, opt in ((a, oa), (b, ob)):
+            _, grads = step(m, recipe)  # step() clears the gradients: given back for the optimizer
+            for w, g in zip(m.weights(), grads):
+                w.grad = g
+            opt.step()
+            opt.zero_grad()
+        assert a._primary.holds(a.weights())
+        assert_same_weights(a, b)
+    monkeypatch.undo()
+    # a loaded optimizer state copies into the packed masters in place
+    state = ob.state_dict()
+    oa.load_state_dict(state)
+    assert primary_group.stacked_view([oa.master_of(w) for w in a.weights()]) is not None
+    assert all(torch.equal(oa.master_of(w), ob.master_of(v)) for w, v in zip(a.weights(), b.weights()))
