@@ -382,3 +382,29 @@ def test_optimizer_packs_joined_masters_and_the_reencode_reads_them_in_place(nam
     oa.load_state_dict(state)
     assert primary_group.stacked_view([oa.master_of(w) for w in a.weights()]) is not None
     assert all(torch.equal(oa.master_of(w), ob.master_of(v)) for w, v in zip(a.weights(), b.weights()))
+
+
+def test_a_saved_expert_holds_its_own_values_alone():
+    """torch.save of one joined Parameter writes that expert's copies, not the joined block its
+    cut views (pickling a view writes its whole memory); it loads (weights_only) as its value."""
+    import io
+    recipe = hfp.Float8CurrentScaling()
+    a = build(recipe)
+    hfp.quantize_master_weights(a.weights(), masters(2))
+
+    def saved(obj) -> io.BytesIO:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        buf.seek(0)
+        return buf
+
+    one, whole = saved(a.weights()[1]), saved(a.state_dict())
+    assert one.getbuffer().nbytes < 0.5 * whole.getbuffer().nbytes  # 1 of 4 experts, plus headers
+    w = torch.load(one, weights_only=True)
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in payloads(w))
+    assert torch.equal(w.dequantize(), a.weights()[1].dequantize())
+    b = build(recipe)
+    b.load_state_dict(torch.load(whole, weights_only=True))
+    assert b._primary.holds(b.weights())
+    assert_same_weights(a, b)
+    assert_same_step(a, b, recipe)
