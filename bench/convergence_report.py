@@ -415,9 +415,16 @@ def failed_runs(paths: Sequence[Path], steps: Optional[int] = None, expected: Se
 
 def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
             confidence: float = CONFIDENCE, steps: Optional[int] = None, expected: Sequence[str] = (),
-            dropped: Optional[dict[str, str]] = None, cut: Optional[dict[str, str]] = None) -> dict:
+            dropped: Optional[dict[str, str]] = None, cut: Optional[dict[str, str]] = None,
+            train_window: Optional[int] = None) -> dict:
     """Per recipe: final validation losses by seed, mean +- std, gap to BF16 with its interval
     and the verdict; plain data (JSON-able).
+
+    ``train_window``: compare instead each run's mean training loss over its last
+    ``train_window`` steps (up to the final evaluation). On a corpus no run reads twice every
+    training batch is new to the model when its loss is taken, so the window is a held-out
+    estimate over many more tokens than the validation batches: whether the seed-to-seed spread
+    of the gaps is noise at the end point or a difference between the trained models.
 
     A recipe with any run in :func:`failed_runs` (diverged, stopped early, never started, or
     ``dropped``) gets the verdict ``failed`` and its ``failed_runs`` (label -> reason): a gap
@@ -434,10 +441,11 @@ def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
     expected : every run label the plan trains (those without a record are ``never started``).
     dropped : label -> reason of runs the plan left out (e.g. ``"dropped at the probe"``).
     cut : label -> why the driver stopped the run's worker (:func:`failed_runs`).
+    train_window : steps of training loss to average instead of the final validation loss.
 
     Returns
     -------
-    dict : ``{"final_step", "confidence", "rows": [...], "seeds": {recipe: {seed: loss}},
+    dict : ``{"final_step", "metric", "confidence", "rows": [...], "seeds": {recipe: {seed: loss}},
         "incomplete": [labels], "failed": {recipe: [labels]}, "corpus": fingerprint or None,
         "runs_without_corpus": [labels]}`` (``runs_without_corpus``: compared runs whose metrics
         record no corpus: files written before the trainer recorded it, or data without a
@@ -447,14 +455,19 @@ def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
     ------
     ValueError : no validation loss, no complete ``bf16`` run, runs that read different corpora
         (their first records' ``data`` fingerprints differ), or (``steps`` None) runs that ended at
-        different steps.
+        different steps, or (``train_window``) a run missing a training loss in its window.
     """
+    if train_window is not None and train_window < 1:
+        raise ValueError(f"train_window must be >= 1 steps, got {train_window}.")
     targets = TARGETS if targets is None else targets
     failed = failed_runs(paths, steps, expected, dropped, cut)
     last: dict[str, tuple[int, float]] = {}
     rates: dict[str, list[tuple[int, float]]] = defaultdict(list)
     corpus: dict[str, set[str]] = defaultdict(set)
+    train: dict[str, dict[int, float]] = defaultdict(dict)
     for r in read_records(paths):
+        if "train_loss" in r:
+            train[r["recipe"]][r["step"]] = r["train_loss"]
         if "data" in r:
             corpus[r["recipe"]].add(r["data"])
         if "val_loss" in r and r["step"] >= last.get(r["recipe"], (-1, 0.0))[0]:
@@ -473,6 +486,18 @@ def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
         by_step = {s: sorted(k for k, (st, _) in last.items() if st == s) for s in sorted(ends)}
         raise ValueError(f"the runs ended at different steps ({by_step}); a run stopped early? Compare "
                          "complete runs only (rerun or drop the short ones).")
+    final_step = next(iter(ends))
+    metric = "final validation loss"
+    if train_window is not None:
+        window = range(final_step - train_window + 1, final_step + 1)
+        for label in last:
+            missing = [s for s in window if s not in train[label]]
+            if missing:
+                raise ValueError(f"{label}: no training loss recorded at step(s) {missing[:5]} of the "
+                                 f"{train_window}-step window ending at step {final_step}; use a shorter "
+                                 "--train-window.")
+            last[label] = (final_step, statistics.fmean(train[label][s] for s in window))
+        metric = f"mean training loss over steps {window[0]}-{final_step}"
     seeds: dict[str, dict[int, float]] = defaultdict(dict)
     speed: dict[str, list[float]] = defaultdict(list)
     for label, (_, loss) in last.items():
@@ -512,7 +537,7 @@ def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
         if recipe in by_recipe:
             row.update(verdict="failed", failed_runs=by_recipe[recipe])
         rows.append(row)
-    return {"final_step": ends.pop(), "confidence": confidence, "rows": rows, "incomplete": incomplete,
+    return {"final_step": final_step, "metric": metric, "confidence": confidence, "rows": rows, "incomplete": incomplete,
             "corpus": corpora, "runs_without_corpus": sorted(set(last) - set(corpus)),
             "failed": {r: sorted(d) for r, d in by_recipe.items()},
             "seeds": {k: {str(s): v for s, v in sorted(d.items())} for k, d in seeds.items()}}
@@ -521,9 +546,12 @@ def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
 def to_markdown(result: dict) -> str:
     """The tables of one :func:`analyze` result."""
     pct = round(100 * result["confidence"])
-    lines = [f"Final validation loss at step {result['final_step']}; gap = recipe vs `{BASELINE}` in %, "
-             f"{pct} % interval.", "",
-             f"| recipe | seeds | final val loss (mean ± std) | gap vs {BASELINE} | {pct} % interval | method "
+    metric = result.get("metric", "final validation loss")
+    head = "final val loss" if metric == "final validation loss" else metric
+    what = f"Final validation loss at step {result['final_step']}" if head == "final val loss" \
+        else f"{metric[0].upper()}{metric[1:]}"
+    lines = [f"{what}; gap = recipe vs `{BASELINE}` in %, {pct} % interval.", "",
+             f"| recipe | seeds | {head} (mean ± std) | gap vs {BASELINE} | {pct} % interval | method "
              "| target | verdict | seeds to meet at gap 0 | tokens/s |", "|---|---:|---:|---:|---:|---|---:|---|---:|---:|"]
     for r in result["rows"]:
         std = f" ± {r['std']:.4f}" if r["std"] is not None else ""
@@ -560,7 +588,7 @@ def to_markdown(result: dict) -> str:
                   + (f" but {len(missing)} that record none ({', '.join(missing[:4])}"
                      f"{', ...' if len(missing) > 4 else ''}: metrics written before runs recorded their "
                      "corpus, or data without a fingerprint)." if missing else ".")]
-    lines += ["", "Final validation loss by seed:", "",
+    lines += ["", f"{metric[0].upper()}{metric[1:]} by seed:", "",
               "| recipe | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|" + "---:|" * len(seeds)]
     for recipe, d in result["seeds"].items():
         lines.append(f"| `{recipe}` | " + " | ".join(f"{d[str(s)]:.4f}" if str(s) in d else "" for s in seeds)
@@ -583,9 +611,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", type=Path, default=None, help="also write the statistics here as JSON")
     p.add_argument("--steps", type=int, default=None,
                    help="the planned steps: runs that did not reach them are named and fail their recipe")
+    p.add_argument("--train-window", type=int, default=None, metavar="N",
+                   help="compare each run's mean training loss over its last N steps (new batches: a "
+                        "held-out estimate) instead of its final validation loss")
     args = p.parse_args(argv)
     try:
-        result = analyze(args.metrics, steps=args.steps)
+        result = analyze(args.metrics, steps=args.steps, train_window=args.train_window)
     except ValueError as e:
         raise SystemExit(str(e)) from None
     print(to_markdown(result))

@@ -301,3 +301,33 @@ def test_a_run_whose_records_name_two_corpora_is_refused(tmp_path):
         f.writelines(json.dumps(r) + "\n" for r in recs)
     with pytest.raises(ValueError, match="different corpora"):
         cr.analyze([path])
+
+
+def test_a_training_loss_window_replaces_the_final_validation_loss(tmp_path):
+    """--train-window N: each run's mean training loss over its last N steps, paired by seed as
+    the validation loss is; a run missing a step of the window is refused by name."""
+    path = tmp_path / "m.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        for seed, (base, gap) in enumerate([(2.0, 0.01), (2.2, 0.03), (1.9, 0.02)]):
+            for recipe, level in (("bf16", base), ("fp8", base * (1 + gap))):
+                for s in range(1, 11):
+                    # the window's mean is `level`; the steps before it are far off
+                    train = level + (0.1 if s % 2 else -0.1) if s > 6 else 9.0
+                    rec = {"step": s, "recipe": f"{recipe}@seed={seed}", "train_loss": train}
+                    if s == 10:
+                        rec["val_loss"] = 5.0  # the same for both: a zero gap by validation
+                    f.write(json.dumps(rec) + "\n")
+    by_val = {r["recipe"]: r for r in cr.analyze([path])["rows"]}
+    assert by_val["fp8"]["gap_pct"] == pytest.approx(0.0)
+    result = cr.analyze([path], train_window=4)
+    rows = {r["recipe"]: r for r in result["rows"]}
+    assert result["metric"] == "mean training loss over steps 7-10"
+    assert rows["fp8"]["gap_pct"] == pytest.approx(2.0) and rows["fp8"]["method"] == "paired (3 seeds)"
+    assert rows["bf16"]["mean"] == pytest.approx((2.0 + 2.2 + 1.9) / 3)
+    text = cr.to_markdown(result)
+    assert text.startswith("Mean training loss over steps 7-10; gap")
+    assert "| recipe | seeds | mean training loss over steps 7-10 (mean ± std) |" in text
+    with pytest.raises(ValueError, match=r"no training loss recorded at step\(s\) \[0\]"):
+        cr.analyze([path], train_window=11)
+    with pytest.raises(ValueError, match="train_window must be >= 1"):
+        cr.analyze([path], train_window=0)
