@@ -17,7 +17,7 @@ import hybridfp as hfp
 from hybridfp.moe import primary_group
 from hybridfp.moe.grouped_tensor import GroupedTensor
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 # Kernel-sized shapes (multiples of 128) and uneven routing with an empty expert.
 E, D, H = 8, 256, 512
