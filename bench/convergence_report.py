@@ -458,7 +458,7 @@ def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
         different steps, or (``train_window``) a run missing a training loss in its window.
     """
     if train_window is not None and train_window < 1:
-        raise ValueError(f"train_window must be >= 1 steps, got {train_window}.")
+        raise ValueError(f"train_window (--train-window) must be >= 1 steps, got {train_window}.")
     targets = TARGETS if targets is None else targets
     failed = failed_runs(paths, steps, expected, dropped, cut)
     last: dict[str, tuple[int, float]] = {}
@@ -495,7 +495,8 @@ def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
             if missing:
                 raise ValueError(f"{label}: no training loss recorded at step(s) {missing[:5]} of the "
                                  f"{train_window}-step window ending at step {final_step}; use a shorter "
-                                 "--train-window.")
+                                 f"train_window (--train-window; at most {final_step}, the steps a run "
+                                 "records from step 1).")
             last[label] = (final_step, statistics.fmean(train[label][s] for s in window))
         metric = f"mean training loss over steps {window[0]}-{final_step}"
     seeds: dict[str, dict[int, float]] = defaultdict(dict)

@@ -93,33 +93,41 @@ def _requantize_joined(model_params: list[torch.Tensor], master_params: list[Opt
     return done
 
 
-def _pack_joined_masters(model_params: list[torch.Tensor], master_params: list[Optional[nn.Parameter]]) -> None:
-    """Give the masters of a ``GroupedLinear``'s joined experts (all of them present) one
-    [E, N, K] buffer, each master a Parameter viewing its slice (same values), in place in
-    ``master_params``: the layer's re-encode then reads them as they lie (``requantize_primary``)
-    instead of stacking them (8 bytes an element moved and 4 held a step)."""
-    found: dict[int, tuple[Any, dict[int, int]]] = {}
-    for j, (p, m) in enumerate(zip(model_params, master_params)):
-        hit = owner_of(p) if m is not None else None
+def _packed_masters(model_params: list[torch.Tensor]) -> dict[int, nn.Parameter]:
+    """The FP32 masters of every ``GroupedLinear`` whose experts' quantized weights are joined
+    and all in ``model_params``, by id of the model parameter: one [E, N, K] buffer a layer, each
+    master a Parameter viewing its row, filled with the value ``_master_of`` would give. The
+    layer's re-encode then reads them as they lie (``requantize_primary``) instead of stacking
+    them (8 bytes an element moved and 4 held a step)."""
+    found: dict[int, tuple[Any, dict[int, torch.Tensor]]] = {}
+    for p in model_params:
+        hit = owner_of(p) if isinstance(p, QuantizedTensor) else None
         if hit is not None:
-            found.setdefault(id(hit[0]), (hit[0], {}))[1][hit[1]] = j
-    for module, where in found.values():
+            found.setdefault(id(hit[0]), (hit[0], {}))[1][hit[1]] = p
+    out: dict[int, nn.Parameter] = {}
+    for module, experts in found.values():
         n = len(module._primary.params)
-        if len(where) != n:
-            continue  # some experts' masters elsewhere: their re-encode goes per expert anyway
-        slots = [where[i] for i in range(n)]
-        ms = [master_params[j] for j in slots]
-        buf = torch.empty((n, *ms[0].shape), dtype=ms[0].dtype, device=ms[0].device)
-        for j, m, row in zip(slots, ms, buf.unbind(0)):
-            row.copy_(m.detach())
-            master_params[j] = nn.Parameter(row)  # a view of buf: the optimizer steps it in place
+        if len(experts) != n:
+            continue  # some experts elsewhere: their re-encode goes per expert anyway
+        first = experts[0]
+        buf = torch.empty((n, *first.shape), dtype=torch.float32, device=first.device)
+        with torch.no_grad():
+            for i, row in enumerate(buf.unbind(0)):
+                row.copy_(_master_value(experts[i]))
+                out[id(experts[i])] = nn.Parameter(row)  # a view of buf: the optimizer steps it in place
+    return out
+
+
+def _master_value(p: torch.Tensor) -> torch.Tensor:
+    """Quantized ``p``'s value for its master: its preserved initial value, else its dequantized
+    value."""
+    init = p.get_high_precision_init_val()  # type: ignore[attr-defined]
+    return init if init is not None else p.dequantize(torch.float32)
 
 
 def _master_of(p: torch.Tensor) -> nn.Parameter:
     """An FP32 master for quantized ``p``: its preserved initial value, else its dequantized value."""
-    init = p.get_high_precision_init_val()  # type: ignore[attr-defined]
-    value = init if init is not None else p.dequantize(torch.float32)
-    return nn.Parameter(value.detach().to(device=p.device, dtype=torch.float32, copy=True))
+    return nn.Parameter(_master_value(p).detach().to(device=p.device, dtype=torch.float32, copy=True))
 
 
 class MasterWeightOptimizer:
@@ -172,16 +180,13 @@ class MasterWeightOptimizer:
         groups = list(params)
         if groups and not isinstance(groups[0], dict):
             groups = [{"params": groups}]
-        self.model_params: list[torch.Tensor] = []
-        self.master_params: list[Optional[nn.Parameter]] = []
-        sizes = []
-        for g in groups:
-            ps = list(g["params"])
-            sizes.append(len(ps))
-            for p in ps:
-                self.model_params.append(p)
-                self.master_params.append(_master_of(p) if isinstance(p, QuantizedTensor) else None)
-        _pack_joined_masters(self.model_params, self.master_params)
+        groups = [{**g, "params": list(g["params"])} for g in groups]  # read twice below
+        sizes = [len(g["params"]) for g in groups]
+        self.model_params: list[torch.Tensor] = [p for g in groups for p in g["params"]]
+        packed = _packed_masters(self.model_params)
+        self.master_params: list[Optional[nn.Parameter]] = [
+            packed[id(p)] if id(p) in packed else _master_of(p) if isinstance(p, QuantizedTensor) else None
+            for p in self.model_params]
         inner_groups, at = [], 0
         for g, n in zip(groups, sizes):
             stepped = [p if m is None else m for p, m in zip(self.model_params[at:at + n], self.master_params[at:at + n])]

@@ -195,20 +195,8 @@ class QuantizedTensor(torch.Tensor):
 
 
 def storage_state(storage: QuantizedStorage) -> dict[str, Any]:
-    """A plain-data description of a storage (safe for ``torch.load(weights_only=True)``).
-
-    A payload tensor that views a larger block of memory (an expert's cut of a joined encoding,
-    a slice of a packed buffer) is described by a copy of its own elements: pickling a tensor
-    writes its whole memory block, so a saved expert would otherwise carry its layer's."""
-    if any(_views_more(t) for t in storage.tensors()):
-        storage = storage.map_tensors(
-            lambda t: t.clone(memory_format=torch.contiguous_format) if _views_more(t) else t, copies=True)
+    """A plain-data description of a storage (safe for ``torch.load(weights_only=True)``)."""
     return storage.to_state()
-
-
-def _views_more(t: torch.Tensor) -> bool:
-    """Whether ``t``'s memory block holds more bytes than ``t`` itself."""
-    return t.device.type != "meta" and t.untyped_storage().nbytes() > t.numel() * t.element_size()
 
 
 def storage_from_state(state: dict[str, Any]) -> QuantizedStorage:

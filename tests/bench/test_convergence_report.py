@@ -329,5 +329,7 @@ def test_a_training_loss_window_replaces_the_final_validation_loss(tmp_path):
     assert "| recipe | seeds | mean training loss over steps 7-10 (mean ± std) |" in text
     with pytest.raises(ValueError, match=r"no training loss recorded at step\(s\) \[0\]"):
         cr.analyze([path], train_window=11)
-    with pytest.raises(ValueError, match="train_window must be >= 1"):
+    with pytest.raises(ValueError, match="at most 10"):
+        cr.analyze([path], train_window=11)
+    with pytest.raises(ValueError, match=r"train_window \(--train-window\) must be >= 1"):
         cr.analyze([path], train_window=0)

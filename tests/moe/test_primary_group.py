@@ -366,7 +366,9 @@ def test_optimizer_packs_joined_masters_and_the_reencode_reads_them_in_place(nam
     assert primary_group.stacked_view(ma) is not None
     assert all(isinstance(m, torch.nn.Parameter) and m.is_leaf for m in ma)
     assert primary_group.stacked_view([ob.master_of(w) for w in b.weights()]) is None
-    monkeypatch.setattr(primary_group.torch, "stack", lambda *a_, **k: pytest.fail("masters stacked"))
+    views = []  # each re-encode's view of the masters: None would mean they were stacked
+    real_view = primary_group.stacked_view
+    monkeypatch.setattr(primary_group, "stacked_view", lambda ts: views.append(real_view(ts)) or views[-1])
     for _ in range(2):
         for m, opt in ((a, oa), (b, ob)):
             _, grads = step(m, recipe)  # step() clears the gradients: given back for the optimizer
@@ -376,6 +378,7 @@ def test_optimizer_packs_joined_masters_and_the_reencode_reads_them_in_place(nam
             opt.zero_grad()
         assert a._primary.holds(a.weights())
         assert_same_weights(a, b)
+    assert len(views) == 2 and all(v is not None for v in views)
     monkeypatch.undo()
     # a loaded optimizer state copies into the packed masters in place
     state = ob.state_dict()
@@ -384,9 +387,11 @@ def test_optimizer_packs_joined_masters_and_the_reencode_reads_them_in_place(nam
     assert all(torch.equal(oa.master_of(w), ob.master_of(v)) for w, v in zip(a.weights(), b.weights()))
 
 
-def test_a_saved_expert_holds_its_own_values_alone():
-    """torch.save of one joined Parameter writes that expert's copies, not the joined block its
-    cut views (pickling a view writes its whole memory); it loads (weights_only) as its value."""
+def test_a_saved_expert_is_a_view_and_its_clone_holds_its_own_values():
+    """An expert's Parameter views the joined block, and torch.save of a view writes its whole
+    memory block (as for any torch view: the layer's other experts ride along); its clone()
+    holds its own elements alone and loads (weights_only) as its value. A whole state dict
+    writes each block once and loads back joined."""
     import io
     recipe = hfp.Float8CurrentScaling()
     a = build(recipe)
@@ -398,9 +403,10 @@ def test_a_saved_expert_holds_its_own_values_alone():
         buf.seek(0)
         return buf
 
-    one, whole = saved(a.weights()[1]), saved(a.state_dict())
-    assert one.getbuffer().nbytes < 0.5 * whole.getbuffer().nbytes  # 1 of 4 experts, plus headers
-    w = torch.load(one, weights_only=True)
+    view, alone, whole = saved(a.weights()[1]), saved(a.weights()[1].detach().clone()), saved(a.state_dict())
+    assert alone.getbuffer().nbytes < 0.5 * view.getbuffer().nbytes  # 1 of 4 experts, plus headers
+    assert view.getbuffer().nbytes <= whole.getbuffer().nbytes
+    w = torch.load(alone, weights_only=True)
     assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in payloads(w))
     assert torch.equal(w.dequantize(), a.weights()[1].dequantize())
     b = build(recipe)

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 E, D, H = 8, 256, 512
 SPLITS = [130, 0, 257, 64, 512, 33, 96, 200]
 JOINED = {"fp8_current": hfp.Float8CurrentScaling, "mxfp8": hfp.MXFP8BlockScaling}
-# One BF16 rounding of the output (2^-9 relative per element) dominates the accumulation-order
+# One BF16 rounding of the output (at most 2^-8 relative per element) dominates the accumulation-order
 # difference of two FP32-accumulating GEMM routes; a stale or zero weight gives ~1.
 REL_BOUND = 4e-3
 
@@ -133,12 +133,20 @@ def test_steps_after_a_reencode_read_the_new_values(name):
 
 
 def test_hybrid_whose_cuts_hold_their_own_amax_stays_per_expert():
+    """NVFP4 row-scaled forward / MXFP8 backward takes the fused grouped encode on CUDA, whose
+    cuts carry an amax of their own: not joined, and each expert re-encoded per expert holds
+    what its quantizer encodes from its master anew."""
     from hybridfp import factories
     recipe = hfp.CustomRecipe(qfactory=factories.nvfp4_row_scaled_fwd_mxfp8_bwd)
     a = build(recipe)
     assert a._primary is None
-    ref = build(recipe)
     ms = masters(3)
     hfp.quantize_master_weights(a.weights(), ms)
-    hfp.quantize_master_weights(ref.weights(), ms)
-    assert_close_step(a, ref, recipe)
+    for i, (w, mst) in enumerate(zip(a.weights(), ms)):
+        q = w.quantizer
+        q.set_usage(rowwise=True, columnwise=True)
+        fresh = q.quantize(mst)
+        for d in w.directions():
+            assert torch.equal(w.dequantize(torch.float32, d), fresh.dequantize(torch.float32, d)), (i, d)
+    y, dx, _ = step(a, recipe)
+    assert torch.isfinite(y).all() and torch.isfinite(dx).all()
