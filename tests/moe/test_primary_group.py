@@ -414,3 +414,39 @@ def test_a_saved_expert_is_a_view_and_its_clone_holds_its_own_values():
     assert b._primary.holds(b.weights())
     assert_same_weights(a, b)
     assert_same_step(a, b, recipe)
+
+
+def test_joined_mxfp8_weights_are_decoded_once_a_step_on_the_bf16_route(monkeypatch):
+    """Hopper's MXFP8 GEMMs read the joined codes through their BF16 decodes (the route forced
+    here as on CUDA), cached while the codes are unchanged: one decode a direction a step, however
+    many micro-batches, and a new one after each re-encode (never the last step's values)."""
+    from hybridfp.gemm import bf16_decode
+    from hybridfp.moe import gemm as grouped
+    monkeypatch.setattr(grouped, "_grouped_mm_device", lambda device: True)
+    recipe = hfp.MXFP8BlockScaling()
+    a = build(recipe, dtype=torch.bfloat16)
+    group = a._primary.group
+    weight_data = {group.joined(d).storage.payload(d)["data"].data_ptr(): d for d in group.directions()}
+    decoded: list[str] = []
+    real = bf16_decode._run
+
+    def spy(decoder, s, direction):
+        if weight_data.get(s.payload(direction)["data"].data_ptr()) == direction:
+            decoded.append(direction)
+        return real(decoder, s, direction)
+
+    monkeypatch.setattr(bf16_decode, "_run", spy)
+    x = torch.randn(sum(SPLITS), D, dtype=torch.bfloat16)
+    outs = []
+    for seed in (31, 32, 31):
+        decoded.clear()
+        hfp.quantize_master_weights(a.weights(), masters(seed))
+        with torch.no_grad(), hfp.autocast(recipe=recipe):
+            ys = [a(x, SPLITS) for _ in range(3)]  # three micro-batches of one step
+        with hfp.autocast(recipe=recipe):
+            a(x.requires_grad_(), SPLITS).sum().backward()  # a dgrad reads the columnwise copy
+        x = x.detach()
+        assert sorted(decoded) == ["columnwise", "rowwise"], decoded
+        assert all(torch.equal(y, ys[0]) for y in ys)
+        outs.append(ys[0])
+    assert not torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
