@@ -246,18 +246,19 @@ def resolvable_sd(target_pct: float, n: int, confidence: float = CONFIDENCE) -> 
 SEEDS_LIMIT = 1000
 
 
-def seeds_to_meet(sd: float, target_pct: float, confidence: float = CONFIDENCE) -> Optional[int]:
-    """The fewest paired seeds with which a recipe whose true gap is zero meets a
-    ``+-target_pct`` % target, if its per-seed gaps keep the standard deviation ``sd``: the
-    first n with ``t(n-1) sd / sqrt(n) <= target`` (:func:`resolvable_sd` turned around). A
-    planning figure: a few seeds' standard deviation is itself uncertain, and a mean gap away
-    from zero needs more seeds to be met (or fewer to be missed).
+def seeds_to_meet(sd: float, target_pct: float, confidence: float = CONFIDENCE, gap_pct: float = 0.0) -> Optional[int]:
+    """The fewest paired seeds with which a recipe whose true gap is ``gap_pct`` (default zero)
+    meets a ``+-target_pct`` % target, if its per-seed gaps keep the standard deviation ``sd``:
+    the first n with ``t(n-1) sd / sqrt(n) <= target - |gap|`` (:func:`resolvable_sd` turned
+    around). A planning figure: a few seeds' standard deviation is itself uncertain, and so is
+    the mean gap it is asked at.
 
     Parameters
     ----------
     sd : the per-seed gaps' standard deviation in %.
     target_pct : the target in %.
     confidence : two-sided confidence level.
+    gap_pct : the true gap assumed, in % (a gap at or beyond the target is never met).
 
     Returns
     -------
@@ -271,11 +272,16 @@ def seeds_to_meet(sd: float, target_pct: float, confidence: float = CONFIDENCE) 
     -------
     >>> seeds_to_meet(0.1, 0.25), seeds_to_meet(0.67, 0.25), seeds_to_meet(1.11, 1.0), seeds_to_meet(30.0, 0.25)
     (3, 31, 8, None)
+    >>> seeds_to_meet(0.67, 0.25, gap_pct=-0.1), seeds_to_meet(0.67, 0.25, gap_pct=0.25)
+    (80, None)
     """
     if sd < 0 or target_pct <= 0:
         raise ValueError(f"seeds_to_meet: sd must be >= 0 and the target > 0; got sd={sd}, target={target_pct}.")
+    room = target_pct - abs(gap_pct)
+    if room <= 0:
+        return None
     for n in range(2, SEEDS_LIMIT + 1):
-        if t_quantile(0.5 + confidence / 2, n - 1) * sd / math.sqrt(n) <= target_pct:
+        if t_quantile(0.5 + confidence / 2, n - 1) * sd / math.sqrt(n) <= room:
             return n
     return None
 
@@ -530,7 +536,9 @@ def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
             row.update(gap_pct=g.gap_pct, ci_lo=g.lo, ci_hi=g.hi, method=g.method,
                        verdict=verdict(g.lo, g.hi, row["target_pct"]), gap_sd=g.sd,
                        seeds_to_meet=(seeds_to_meet(g.sd, row["target_pct"], confidence)
-                                      if g.sd is not None and row["target_pct"] is not None else None))
+                                      if g.sd is not None and row["target_pct"] is not None else None),
+                       seeds_to_meet_at_gap=(seeds_to_meet(g.sd, row["target_pct"], confidence, g.gap_pct)
+                                             if g.sd is not None and row["target_pct"] is not None else None))
         elif recipe != BASELINE:
             row.update(gap_pct=None, ci_lo=None, ci_hi=None, method="no complete run")
         else:
@@ -553,13 +561,14 @@ def to_markdown(result: dict) -> str:
         else f"{metric[0].upper()}{metric[1:]}"
     lines = [f"{what}; gap = recipe vs `{BASELINE}` in %, {pct} % interval.", "",
              f"| recipe | seeds | {head} (mean ± std) | gap vs {BASELINE} | {pct} % interval | method "
-             "| target | verdict | seeds to meet at gap 0 | tokens/s |", "|---|---:|---:|---:|---:|---|---:|---|---:|---:|"]
+             "| target | verdict | seeds to meet at gap 0 | at its gap | tokens/s |",
+             "|---|---:|---:|---:|---:|---|---:|---|---:|---:|---:|"]
     for r in result["rows"]:
         std = f" ± {r['std']:.4f}" if r["std"] is not None else ""
         mean = f"{r['mean']:.4f}{std}" if r["mean"] is not None else "—"
         tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] is not None else ""
         target = f"± {r['target_pct']} %" if r["target_pct"] is not None else ""
-        need = ""
+        need = need_here = ""
         if r["recipe"] == BASELINE:
             gap, interval, method, verdict_ = "baseline", "", "", r.get("verdict", "")
         else:
@@ -568,8 +577,13 @@ def to_markdown(result: dict) -> str:
             method, verdict_ = r["method"], r["verdict"]
             if r.get("gap_sd") is not None and r["target_pct"] is not None and verdict_ != "failed":
                 need = str(r["seeds_to_meet"]) if r.get("seeds_to_meet") is not None else f"> {SEEDS_LIMIT}"
+                if abs(r["gap_pct"]) >= r["target_pct"]:
+                    need_here = "never"  # a mean gap beyond the target is met at no seed count
+                else:
+                    at = r.get("seeds_to_meet_at_gap")
+                    need_here = str(at) if at is not None else f"> {SEEDS_LIMIT}"
         lines.append(f"| `{r['recipe']}` | {len(r['seeds'])} | {mean} | {gap} | {interval} | "
-                     f"{method} | {target} | {verdict_} | {need} | {tps} |")
+                     f"{method} | {target} | {verdict_} | {need} | {need_here} | {tps} |")
     seeds = sorted({int(s) for d in result["seeds"].values() for s in d})
     n = max((len(r["seeds"]) for r in result["rows"]), default=0)
     targets = sorted({r["target_pct"] for r in result["rows"] if r["target_pct"] is not None})
@@ -582,7 +596,7 @@ def to_markdown(result: dict) -> str:
                   "needs more seeds or a steadier gap (docs/convergence.md). \"Seeds to meet at gap 0\": the "
                   "paired seeds at which a recipe whose true gap is zero would meet its target if its per-seed "
                   "gaps kept this standard deviation (a planning figure: a few seeds' standard deviation is itself "
-                  "uncertain)."]
+                  "uncertain); \"at its gap\": the same if its true gap were its mean gap now."]
     if result.get("corpus"):
         missing = result.get("runs_without_corpus", [])
         lines += ["", f"Corpus fingerprint `{result['corpus']}`, recorded by every run"

@@ -86,8 +86,12 @@ def test_analyze_pairs_by_seed_and_gives_verdicts(tmp_path):
     text = cr.to_markdown(result)
     # sd 0.02 %: t(0.975, 1) 0.02 / sqrt(2) = 0.18 <= 0.25, so 2 seeds would meet at a zero gap
     assert fp8["gap_sd"] == pytest.approx(0.02) and fp8["seeds_to_meet"] == 2
-    assert "| `fp8` | 3 | 1.0010 ± 0.0503 | +0.10 % | [+0.05, +0.15] % | paired (3 seeds) | ± 0.25 % | met | 2 | 100 |" \
+    # at its mean gap 0.10 %: t(0.975, 1) 0.02 / sqrt(2) = 0.18 > 0.15, t(0.975, 2) 0.02 / sqrt(3) = 0.05 <= 0.15
+    assert fp8["seeds_to_meet_at_gap"] == 3
+    assert "| `fp8` | 3 | 1.0010 ± 0.0503 | +0.10 % | [+0.05, +0.15] % | paired (3 seeds) | ± 0.25 % | met | 2 | 3 | 100 |" \
         in text
+    # mxfp8's mean gap lies beyond its target: no seed count meets it
+    assert "| missed | " in text and "| never |" in text
     assert "| `bf16` | 1.0000 | 1.0500 | 0.9500 |" in text
 
 
