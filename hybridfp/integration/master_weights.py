@@ -181,18 +181,14 @@ class MasterWeightOptimizer:
         if groups and not isinstance(groups[0], dict):
             groups = [{"params": groups}]
         groups = [{**g, "params": list(g["params"])} for g in groups]  # read twice below
-        sizes = [len(g["params"]) for g in groups]
         self.model_params: list[torch.Tensor] = [p for g in groups for p in g["params"]]
         packed = _packed_masters(self.model_params)
         self.master_params: list[Optional[nn.Parameter]] = [
             packed[id(p)] if id(p) in packed else _master_of(p) if isinstance(p, QuantizedTensor) else None
             for p in self.model_params]
-        inner_groups, at = [], 0
-        for g, n in zip(groups, sizes):
-            stepped = [p if m is None else m for p, m in zip(self.model_params[at:at + n], self.master_params[at:at + n])]
-            inner_groups.append({**g, "params": stepped})
-            at += n
-        self.optimizer = optimizer_class(inner_groups, **kwargs)
+        stepped = {id(p): m for p, m in zip(self.model_params, self.master_params) if m is not None}
+        self.optimizer = optimizer_class([{**g, "params": [stepped.get(id(p), p) for p in g["params"]]} for g in groups],
+                                         **kwargs)
 
     @property
     def param_groups(self) -> list[dict]:

@@ -94,24 +94,15 @@ def _same_layout(a: QuantizedStorage, b: QuantizedStorage, dtype: bool = True) -
         (da, na, ta.shape, ta.dtype) == (db, nb, tb.shape, tb.dtype) for (da, na, ta), (db, nb, tb) in zip(sa, sb))
 
 
-def _stateful(q: Any) -> bool:
-    """Whether quantizer ``q`` (or a hybrid's part) keeps state an encode would change (delayed
-    scaling's recorded amax): a layout encode must not touch it."""
-    parts = [getattr(q, a, None) for a in ("rowwise_quantizer", "columnwise_quantizer")]
-    if any(c is not None for c in parts):
-        return any(_stateful(c) for c in parts if c is not None)
-    return q.has_state()
-
-
 def _encode_joined(params: Sequence[QuantizedTensor], values: torch.Tensor, plans: Optional[dict]
                    ) -> Optional[GroupedTensor]:
     """The experts' [E, N, K] ``values`` encoded by their Parameters' quantizers into the copies
     and layout (codes or decoded copies) the Parameters hold; None where that is not one
     joined-only ``GroupedTensor``. The quantizers' usage and decoded-copy settings are restored."""
     qs = [p.quantizer for p in params]
-    if any(q is None or q.uses_randomness() or _stateful(q) for q in qs) or len({id(q) for q in qs}) != len(qs):
-        # a draw would advance torch's generator, an amax would be recorded into the state;
-        # shared quantizers cannot differ per expert
+    if any(q is None or q.uses_randomness() or q.has_state() for q in qs) or len({id(q) for q in qs}) != len(qs):
+        # a draw would advance torch's generator, an amax would be recorded into the state (a
+        # hybrid's has_state asks both children); shared quantizers cannot differ per expert
         return None
     want = params[0].directions()
     decoded = params[0].qstorage.decoded_directions()
