@@ -54,20 +54,3 @@ def set_policy(monkeypatch):
 
     return set_
 
-
-#: a name a test module binds when its tests launch processes (torchrun, spawned gloo ranks, a
-#: subprocess): such tests take 10-90 s each on a 2-core machine, half of the suite's time
-_LAUNCHERS = ("torchrun", "run_ranks", "subprocess")
-
-
-def pytest_collection_modifyitems(session, config, items):
-    """Tests of modules that launch processes run first, the rest after them (each group in
-    collection order). pytest-xdist hands tests to its workers in collection order: long tests
-    collected last (``tests/train`` sorts late) would leave one worker running them while the
-    other idles, which the README's two-worker command pays in wall time. Any order is valid:
-    ``_seeded_rngs`` makes a test's data independent of what ran before it."""
-    def launches(item) -> bool:
-        module = getattr(item, "module", None)
-        return module is not None and any(name in vars(module) for name in _LAUNCHERS)
-
-    items.sort(key=lambda item: not launches(item))  # stable: False (launches) first
