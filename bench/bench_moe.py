@@ -63,7 +63,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from bench import common
-from bench.common import (GAIN_TOLERANCE, AccuracyError, MissingBaselineError, bench_ms_steady, environment, finish, gain, md_table,
+from bench.common import (GAIN_TOLERANCE, AccuracyError, MissingBaselineError, environment, finish, gain, md_table,
                           parser, profile_step, protocol_from, protocol_record, rel_error, require_cuda)
 from bench.moe_layer import HIDDEN, ROUTING_SKEW, TOKENS, TOP_K, BF16MoE, RoutingSchedule, Step, moe_layer
 # the row planning lives in moe_rows; its names are bench_moe's too (``bench_moe.RECIPES``, ...)
@@ -99,6 +99,44 @@ def device_ms(step: Callable[[], Any]) -> float:
 
 class RowFailure(RuntimeError):
     """A candidate row failed to run: the run's ratios are not to be reported."""
+
+
+def _synchronize() -> None:
+    if common.DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def host_ms(step: Callable[[], Any], model: Any, warmup: int = 3, reps: int = 5) -> tuple[float, float]:
+    """(host ms, of which waiting at the routing's syncs) of one step started on an idle GPU: the
+    median-host-time call of ``reps`` after ``warmup``. The waits are what ``model``'s
+    ``SyncClock`` (its ``sync``; none: no sync) adds during the call: at each micro-batch's sync
+    the host waits for the GPU to finish the micro-batches before, so host ms minus the wait is
+    the host's own work (Python, launches), the figure to compare with the step's device time.
+
+    Parameters
+    ----------
+    step:
+        One training step (``Step``, maybe under a variant's switches).
+    model:
+        The layer the step runs (``torch.compile``'s wrapper forwards ``sync`` to it).
+
+    Returns
+    -------
+    tuple[float, float]
+        The host ms and the ms of it spent at the syncs (on the CPU nothing waits there)."""
+    clock = getattr(model, "sync", None)
+    for _ in range(warmup):
+        step()
+    calls = []
+    for _ in range(reps):
+        _synchronize()
+        waited = clock.seconds if clock is not None else 0.0
+        t0 = time.perf_counter()
+        step()
+        took = time.perf_counter() - t0
+        calls.append((took * 1e3, ((clock.seconds if clock is not None else 0.0) - waited) * 1e3))
+        _synchronize()
+    return sorted(calls)[len(calls) // 2]
 
 
 def relative_errors(run: Callable[[], list[torch.Tensor]], step: Step, ref: dict[str, Any],
@@ -206,7 +244,7 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
             row["paths"] = ", ".join(f"{g}:{p}" for (g, p) in sorted(paths)) or "-"
             row["bounds"] = error_bounds(name)
             row["breaches"] = breaches(name, row["rel_err"], gains)
-            row["host_ms"] = bench_ms_steady(step, steps=10)[1]
+            row["host_ms"], row["sync_wait_ms"] = host_ms(step, core.model)
             if profile and profiles is not None and any(t and t in name for t in profile.split("|")):
                 profiles.append(profile_step(step, f"{config}: {name}", stacks))
             core.release()  # the rows take turns: only the running one holds its gradients
@@ -304,11 +342,11 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The report's table of ``rows`` (bench_config's), a ratio below its row's target marked."""
     return md_table(["config", "variant", "x fastest BF16 [95 % interval]", "fastest BF16", "target"]
                     + [f"x {b}" for b in BASELINES]
-                    + ["ms", "SM MHz", "host ms", "GPU busy", "rel err out / dx / dW1 / dW2", "bound",
+                    + ["ms", "SM MHz", "host ms", "of it at syncs", "GPU busy", "rel err out / dx / dW1 / dW2", "bound",
                        "gain out / dx / dW1 / dW2", "paths"], [
         [r["config"], r["variant"], _headline(r), r.get("fastest_bf16"), r.get("target")]
         + [_ratio(r.get("x_bf16", {}).get(b)) for b in BASELINES]
-        + [r.get("ms"), _clocks(r.get("x_fastest_bf16")), r.get("host_ms"), r.get("gpu_busy"),
+        + [r.get("ms"), _clocks(r.get("x_fastest_bf16")), r.get("host_ms"), r.get("sync_wait_ms"), r.get("gpu_busy"),
            " / ".join(f"{v:.3g}" for v in r.get("rel_err", {}).values()) or None,
            " / ".join(f"{v:g}" for v in r.get("bounds", {}).values()) or None,
            " / ".join(f"{v:.4f}" for v in r.get("gain", {}).values()) or None, r.get("paths")] for r in rows])
@@ -379,7 +417,9 @@ def main(argv=None) -> None:
               "the same routings (all micro-batches' outputs, dx, each layer's dW); \"bound\": the format's "
               "(out / dx / dW); \"gain\": the least-squares scale onto the reference (1 +- "
               f"{GAIN_TOLERANCE}: a missing term or a wrong scale moves it). \"host ms\": one step started on an "
-              "idle GPU; \"GPU busy\" = device time of one step / its ms (well below 1: host-bound); \"SM MHz\": "
+              "idle GPU, \"of it at syncs\" the part spent waiting for the GPU at the micro-batches' routing "
+              "syncs (the rest is the host's own work); \"GPU busy\" = device time of one step / its ms (well below 1: the GPU waits for the host, for its "
+              "own work or after a sync); \"SM MHz\": "
               "min-max over the headline pair's rounds (sampled while they run)."
               + (f" Rows not run ({PAST_DEADLINE}): {'; '.join(skipped)}." if skipped else "")
               + ("" if final else " PARTIAL (the run stopped early).") + "\n\n" + table + "\n")

@@ -5,6 +5,7 @@ GroupedLinear, and one training step of it (micro-batches, weights quantized onc
 
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
 from typing import Any, Callable, Optional
 
@@ -59,6 +60,23 @@ class RoutingSchedule:
         return sorted(loads)[len(loads) // 2]
 
 
+class SyncClock:
+    """The host's wait for the routing's counts: ``counts`` reads them (``.tolist()``, the one sync
+    of a micro-batch, as GroupedLinear takes host splits) and adds the time it took to
+    ``seconds``. A step started on an idle GPU waits there for the micro-batches before it, so
+    its host time minus ``seconds`` is the time the host spent enqueueing work."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def counts(self, counts: torch.Tensor) -> list[int]:
+        """``counts.tolist()``, timed."""
+        t0 = time.perf_counter()
+        out = counts.tolist()
+        self.seconds += time.perf_counter() - t0
+        return out
+
+
 class Routing:
     """Top-k routing in FP32 (``offset``: added to the logits) and the permutation that groups
     the assignments by expert."""
@@ -100,7 +118,7 @@ class BF16MoE(nn.Module):
 
     def __init__(self, e: int, d: int, f: int, gemm: str = "grouped", dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
-        self.gemm = gemm
+        self.gemm, self.sync = gemm, SyncClock()
         self.router = nn.Parameter(torch.randn(e, d, device=common.DEVICE) * d ** -0.5)
         self.w1 = nn.Parameter(torch.randn(e, 2 * f, d, device=common.DEVICE, dtype=dtype) * d ** -0.5)
         self.w2 = nn.Parameter(torch.randn(e, d, f, device=common.DEVICE, dtype=dtype) * f ** -0.5)
@@ -109,14 +127,14 @@ class BF16MoE(nn.Module):
         """The same layer (these Parameters) computed with ``gemm``."""
         m = BF16MoE.__new__(BF16MoE)
         nn.Module.__init__(m)
-        m.gemm, m.router, m.w1, m.w2 = gemm, self.router, self.w1, self.w2
+        m.gemm, m.sync, m.router, m.w1, m.w2 = gemm, SyncClock(), self.router, self.w1, self.w2
         return m
 
     def reference(self) -> "BF16MoE":
         """An FP32 copy computed per expert (no TF32: torch's default): the error reference."""
         m = BF16MoE.__new__(BF16MoE)
         nn.Module.__init__(m)
-        m.gemm = "per_expert"
+        m.gemm, m.sync = "per_expert", SyncClock()
         for name in ("router", "w1", "w2"):
             setattr(m, name, nn.Parameter(getattr(self, name).detach().float().clone()))
         return m
@@ -127,7 +145,7 @@ class BF16MoE(nn.Module):
             h = torch._grouped_mm(r.permute(x), self.w1.transpose(1, 2), offs=r.offs)
             y = torch._grouped_mm(swiglu(h), self.w2.transpose(1, 2), offs=r.offs)
         else:
-            splits = r.counts.tolist()
+            splits = self.sync.counts(r.counts)
             y = _per_expert(swiglu(_per_expert(r.permute(x), self.w1, splits)), self.w2, splits)
         return r.unpermute(y, x.shape[0])
 
@@ -142,7 +160,7 @@ class HybridMoE(nn.Module):
     def __init__(self, base: BF16MoE, pack_weights: bool = True, single_parameter: bool = False) -> None:
         super().__init__()
         e, f2, d = base.w1.shape
-        self.router = nn.Parameter(base.router.detach().clone())
+        self.router, self.sync = nn.Parameter(base.router.detach().clone()), SyncClock()
         kw = {"bias": False, "params_dtype": torch.bfloat16, "device": common.DEVICE, "pack_weights": pack_weights,
               "single_parameter": single_parameter}
         self.fc1 = hybridfp.GroupedLinear(e, d, f2, name="experts.fc1", **kw)
@@ -154,7 +172,7 @@ class HybridMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, offset: Optional[torch.Tensor] = None) -> torch.Tensor:
         r = Routing(x, self.router, TOP_K, offset)
-        splits = r.counts.tolist()  # GroupedLinear takes host splits (one sync, as TE's)
+        splits = self.sync.counts(r.counts)  # GroupedLinear takes host splits (one sync, as TE's)
         h = self.fc1(r.permute(x), splits)
         return r.unpermute(self.fc2(swiglu(h), splits), x.shape[0])
 

@@ -1,7 +1,8 @@
 """Where the host time of one MoE step goes: a Python profile (cProfile) of bench_moe's rows.
 
-A step of the 64-expert layer is host-bound (bench_moe's "host ms" close to its "ms"): the GPU
-waits for the Python that launches its kernels. This builds the same layer, routings and rows
+A step of the 64-expert layer is host-bound where the host's own work (bench_moe's "host ms"
+less its waits at the routing syncs) comes close to the step's "ms": the GPU waits for the
+Python that launches its kernels. This builds the same layer, routings and rows
 as ``bench_moe`` (``--variants``, its row names), runs a few warm-up steps, then profiles one
 step per row with ``cProfile`` (the step synchronized at its end, so the time is the host's
 until the last launch) and prints the functions by own time and by cumulative time. No ratio is
@@ -17,14 +18,13 @@ import argparse
 import cProfile
 import io
 import pstats
-import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
 from bench import common
-from bench.bench_moe import QUICK_CONFIGS, QUICK_SHAPE
+from bench.bench_moe import QUICK_CONFIGS, QUICK_SHAPE, host_ms
 from bench.moe_layer import HIDDEN, ROUTING_SKEW, TOKENS, RoutingSchedule, Step, moe_layer
 from bench.moe_rows import BASELINES, variants_of, wrap
 from bench.moe_targets import CONFIGS
@@ -38,28 +38,19 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def host_ms(step: Callable[[], Any], reps: int = 5) -> float:
-    """Median wall ms of one step started on an idle device, synchronized at its end."""
-    times = []
-    for _ in range(reps):
-        _sync()
-        t0 = time.perf_counter()
-        step()
-        _sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
-def profile_text(step: Callable[[], Any], title: str, top: int, reps: int = 5) -> str:
+def profile_text(step: Callable[[], Any], title: str, top: int, reps: int = 5, model: Any = None) -> str:
     """One step of ``step`` under cProfile: its functions by own time and by cumulative time;
-    the title line gives the unprofiled host ms (median of ``reps`` steps)."""
+    the title line gives the unprofiled host ms (``bench_moe.host_ms``: the median of ``reps``
+    steps, and of it the waits at ``model``'s routing syncs, which the profile shows as
+    ``tolist``)."""
     prof = cProfile.Profile()
     _sync()
     prof.enable()
     step()
     _sync()
     prof.disable()
-    text = [f"## {title}: host ms (median of {reps}, unprofiled) {host_ms(step, reps):.2f}"]
+    host, waited = host_ms(step, model, warmup=0, reps=reps)
+    text = [f"## {title}: host ms (median of {reps}, unprofiled) {host:.2f}, of it at syncs {waited:.2f}"]
     for key in ("tottime", "cumulative"):
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).strip_dirs().sort_stats(key).print_stats(top)
@@ -109,7 +100,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         step = wrap(name, core)
         for _ in range(args.warmup):
             step()
-        texts.append(profile_text(step, name, args.top, args.reps))
+        texts.append(profile_text(step, name, args.top, args.reps, core.model))
         core.release()
         print(texts[-1].splitlines()[0], flush=True)
     report = "\n\n".join(texts)

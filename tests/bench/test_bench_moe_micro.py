@@ -43,3 +43,46 @@ def test_micro_batches_quantize_weights_once_and_accumulate(monkeypatch):
     for g1, p in zip(once, (model.fc1.weight0, model.fc2.weight3, model.router)):
         # three identical passes: every gradient is the single pass's, accumulated three times
         torch.testing.assert_close(p.grad.float(), 3 * g1.float(), rtol=2e-2, atol=1e-6)
+
+
+def test_each_micro_batch_reads_its_counts_through_the_layers_sync_clock(monkeypatch):
+    base, model, x, dy = _layer(monkeypatch)
+    reads = []
+
+    class Counting(moe_layer.SyncClock):
+        def counts(self, counts):
+            reads.append(counts.clone())
+            return super().counts(counts)
+
+    model.sync = Counting()
+    moe_layer.make_step(model, x, dy, lambda: hybridfp.autocast(recipe=hybridfp.MXFP8BlockScaling()),
+                        micro_batches=3)()
+    assert len(reads) == 3 and all(int(c.sum()) == 48 * moe_layer.TOP_K for c in reads)  # one sync a micro-batch
+    assert model.sync.seconds > 0
+    per_expert = base.sharing("per_expert")
+    assert per_expert.sync is not base.sync and base.reference().sync is not base.sync  # a clock each
+    per_expert(x.detach())
+    assert per_expert.sync.seconds > 0 and base.sync.seconds == 0  # the grouped layer never syncs
+
+
+def test_host_ms_splits_the_hosts_own_work_from_its_waits_at_the_syncs(monkeypatch):
+    import time
+
+    from bench.bench_moe import host_ms
+    monkeypatch.setattr(common, "DEVICE", "cpu")
+
+    class SlowCounts:  # stands for counts whose .tolist() waits 30 ms for the GPU
+        def tolist(self):
+            time.sleep(0.03)
+            return [1, 2]
+
+    class Model:
+        sync = moe_layer.SyncClock()
+
+    def step():
+        Model.sync.counts(SlowCounts())
+        time.sleep(0.01)  # the host's own work
+
+    host, waited = host_ms(step, Model(), warmup=1, reps=3)
+    assert waited >= 30 and host - waited >= 10 and host >= 40, (host, waited)
+    assert host_ms(step, object(), warmup=0, reps=1)[1] == 0.0  # a layer without a clock never waits

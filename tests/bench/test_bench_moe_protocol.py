@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import doctest
 import json
+import time
 
 import pytest
 import torch
@@ -345,15 +346,16 @@ def test_fp8_tma_configs_are_passed_not_a_module_switch():
 def test_deadline_names_the_rows_not_run_and_checkpoints_every_row(tiny, monkeypatch, tmp_path):
     import types
     clock = {"t": 0.0}
-    monkeypatch.setattr(bench_moe, "time", types.SimpleNamespace(monotonic=lambda: clock["t"]))
-    real_steady, written = bench_moe.bench_ms_steady, []
+    monkeypatch.setattr(bench_moe, "time", types.SimpleNamespace(monotonic=lambda: clock["t"],
+                                                                 perf_counter=time.perf_counter))
+    real_host, written = bench_moe.host_ms, []
     out = tmp_path / "moe.json"
 
-    def steady(step, steps=20):  # each row's host timing takes one second of the fake clock
+    def host(step, model, **kw):  # each row's host timing takes one second of the fake clock
         clock["t"] += 1
         written.append(len(json.loads(out.read_text())["rows"]) if out.exists() else 0)
-        return real_steady(step, steps=steps)
-    monkeypatch.setattr(bench_moe, "bench_ms_steady", steady)
+        return real_host(step, model, **kw)
+    monkeypatch.setattr(bench_moe, "host_ms", host)
     recipe = "hybridfp BF16 (high_precision)"
     single = recipe + bench_moe.SINGLE_PARAM_SUFFIX
     args = FASTER + ["--variants", f"{recipe}|{single}", "--out", str(out)]

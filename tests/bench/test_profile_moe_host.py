@@ -13,6 +13,7 @@ def test_profiles_the_named_rows(monkeypatch, tmp_path, capsys):
     text = out.read_text()
     assert "## BF16 grouped: host ms (median of 1, unprofiled)" in text
     assert "## hybridfp FP8 current [quantized primary weights]: host ms" in text
+    assert text.count(", of it at syncs ") == 2  # the routing syncs' waits beside each host time
     assert text.count("### by tottime") == 2 and text.count("### by cumulative") == 2
     # the primary-weight row re-encodes its weights from FP32 masters in its step
     assert "before_step" in text.split("## hybridfp FP8 current [quantized primary weights]")[1]
