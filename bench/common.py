@@ -88,6 +88,12 @@ def bench_ms(fn: Callable[[], Any], warmup_ms: float = 25, rep_ms: float = 100) 
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def synchronize() -> None:
+    """Wait for the GPU's queued work (``torch.cuda.synchronize``); nothing on the CPU."""
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def bench_ms_steady(fn: Callable[[], Any], steps: int = 20, warmup: int = 3,
                     host_reps: int = 5) -> tuple[float, float]:
     """(GPU ms per call, host ms per call). GPU ms: ``steps`` back-to-back calls, as a training

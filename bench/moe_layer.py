@@ -70,7 +70,17 @@ class SyncClock:
         self.seconds = 0.0
 
     def counts(self, counts: torch.Tensor) -> list[int]:
-        """``counts.tolist()``, timed."""
+        """``counts.tolist()``, its time added to ``seconds``.
+
+        Parameters
+        ----------
+        counts:
+            The routing's rows per expert (a device tensor: reading it waits for the GPU).
+
+        Returns
+        -------
+        list[int]
+            The counts on the host."""
         t0 = time.perf_counter()
         out = counts.tolist()
         self.seconds += time.perf_counter() - t0

@@ -21,8 +21,6 @@ import pstats
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import torch
-
 from bench import common
 from bench.bench_moe import QUICK_CONFIGS, QUICK_SHAPE, host_ms
 from bench.moe_layer import HIDDEN, ROUTING_SKEW, TOKENS, RoutingSchedule, Step, moe_layer
@@ -33,21 +31,33 @@ from bench.moe_targets import CONFIGS
 DEFAULT_VARIANTS = "BF16 grouped|hybridfp FP8 current|hybridfp FP8 current [quantized primary weights]"
 
 
-def _sync() -> None:
-    if common.DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
 def profile_text(step: Callable[[], Any], title: str, top: int, reps: int = 5, model: Any = None) -> str:
-    """One step of ``step`` under cProfile: its functions by own time and by cumulative time;
-    the title line gives the unprofiled host ms (``bench_moe.host_ms``: the median of ``reps``
-    steps, and of it the waits at ``model``'s routing syncs, which the profile shows as
-    ``tolist``)."""
+    """One step of ``step`` under cProfile: its functions by own time and by cumulative time.
+
+    Parameters
+    ----------
+    step:
+        One training step.
+    title:
+        The row's name, for the title line.
+    top:
+        Functions listed per table.
+    reps:
+        Unprofiled steps timed for the title line's host ms (``bench_moe.host_ms``: the step
+        returning, not the GPU finishing).
+    model:
+        The layer ``step`` runs: the title line gives the waits at its routing syncs (its
+        ``SyncClock``; the profile shows them as ``tolist``); None: a layer without one (0).
+
+    Returns
+    -------
+    str
+        The title line and the two tables."""
     prof = cProfile.Profile()
-    _sync()
+    common.synchronize()
     prof.enable()
     step()
-    _sync()
+    common.synchronize()
     prof.disable()
     host, waited = host_ms(step, model, warmup=0, reps=reps)
     text = [f"## {title}: host ms (median of {reps}, unprofiled) {host:.2f}, of it at syncs {waited:.2f}"]

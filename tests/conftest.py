@@ -53,4 +53,3 @@ def set_policy(monkeypatch):
         monkeypatch.setattr(config._CURRENT, "policy", dataclasses.replace(config.current_policy(), **changes))
 
     return set_
-

@@ -62,6 +62,7 @@ def test_each_micro_batch_reads_its_counts_through_the_layers_sync_clock(monkeyp
     per_expert = base.sharing("per_expert")
     assert per_expert.sync is not base.sync and base.reference().sync is not base.sync  # a clock each
     per_expert(x.detach())
+    base(x.detach())
     assert per_expert.sync.seconds > 0 and base.sync.seconds == 0  # the grouped layer never syncs
 
 
@@ -71,18 +72,27 @@ def test_host_ms_splits_the_hosts_own_work_from_its_waits_at_the_syncs(monkeypat
     from bench.bench_moe import host_ms
     monkeypatch.setattr(common, "DEVICE", "cpu")
 
-    class SlowCounts:  # stands for counts whose .tolist() waits 30 ms for the GPU
+    class SlowCounts:  # stands for counts whose .tolist() waits ``s`` seconds for the GPU
+        def __init__(self, s):
+            self.s = s
+
         def tolist(self):
-            time.sleep(0.03)
+            time.sleep(self.s)
             return [1, 2]
 
     class Model:
         sync = moe_layer.SyncClock()
 
+    # (wait, own work) in seconds per call: hosts of 40, 80 and 120 ms; the median call (80 ms)
+    # waited 5 ms, unlike the first call (30) or the median of the waits alone (30)
+    calls = iter([(0.0, 0.0), (0.03, 0.01), (0.005, 0.075), (0.1, 0.02)])
+
     def step():
-        Model.sync.counts(SlowCounts())
-        time.sleep(0.01)  # the host's own work
+        wait, own = next(calls)
+        Model.sync.counts(SlowCounts(wait))
+        time.sleep(own)  # the host's own work
 
     host, waited = host_ms(step, Model(), warmup=1, reps=3)
-    assert waited >= 30 and host - waited >= 10 and host >= 40, (host, waited)
+    assert 5 <= waited < 20 and host - waited >= 75 and 80 <= host < 115, (host, waited)
+    calls = iter([(0.01, 0.0)])
     assert host_ms(step, object(), warmup=0, reps=1)[1] == 0.0  # a layer without a clock never waits

@@ -348,12 +348,13 @@ def test_deadline_names_the_rows_not_run_and_checkpoints_every_row(tiny, monkeyp
     clock = {"t": 0.0}
     monkeypatch.setattr(bench_moe, "time", types.SimpleNamespace(monotonic=lambda: clock["t"],
                                                                  perf_counter=time.perf_counter))
-    real_host, written = bench_moe.host_ms, []
+    real_host, written, clocks = bench_moe.host_ms, [], []
     out = tmp_path / "moe.json"
 
     def host(step, model, **kw):  # each row's host timing takes one second of the fake clock
         clock["t"] += 1
         written.append(len(json.loads(out.read_text())["rows"]) if out.exists() else 0)
+        clocks.append(getattr(model, "sync", None))
         return real_host(step, model, **kw)
     monkeypatch.setattr(bench_moe, "host_ms", host)
     recipe = "hybridfp BF16 (high_precision)"
@@ -362,7 +363,11 @@ def test_deadline_names_the_rows_not_run_and_checkpoints_every_row(tiny, monkeyp
     bench_moe.main(args + ["--deadline-s", "3.5"])  # the three baselines and the recipe: an optional row left
     result = json.loads(out.read_text())
     assert written == [0, 1, 2, 3]  # the JSON holds every finished row before the next starts
+    # each row's host time reads its own layer's routing-sync clock (compiled BF16's through its wrapper)
+    assert len({id(c) for c in clocks}) == 4 and all(isinstance(c, moe_layer.SyncClock) for c in clocks)
     rows = {r["variant"]: r for r in result["rows"]}
+    timed = [r for r in result["rows"] if "not_run" not in r]
+    assert all(0 <= r["sync_wait_ms"] <= r["host_ms"] for r in timed) and "of it at syncs" in result["markdown"]
     assert "x_fastest_bf16" in rows[recipe] and rows[single]["not_run"] == "--deadline-s passed"
     assert result["not_run"] == [f"4 experts, ffn 32: {single} (optional)"] and "not run" in result["markdown"]
     clock["t"] = 0.0
