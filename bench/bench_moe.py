@@ -63,7 +63,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from bench import common
-from bench.common import (GAIN_TOLERANCE, AccuracyError, MissingBaselineError, environment, finish, gain, md_table,
+from bench.common import (GAIN_TOLERANCE, AccuracyError, MissingBaselineError, environment, finish, gain, host_ms, md_table,
                           parser, profile_step, protocol_from, protocol_record, rel_error, require_cuda)
 from bench.moe_layer import HIDDEN, ROUTING_SKEW, TOKENS, TOP_K, BF16MoE, RoutingSchedule, Step, moe_layer
 # the row planning lives in moe_rows; its names are bench_moe's too (``bench_moe.RECIPES``, ...)
@@ -99,47 +99,6 @@ def device_ms(step: Callable[[], Any]) -> float:
 
 class RowFailure(RuntimeError):
     """A candidate row failed to run: the run's ratios are not to be reported."""
-
-
-def host_ms(step: Callable[[], Any], model: Any, warmup: int = 3, reps: int = 5) -> tuple[float, float]:
-    """(host ms, of which waiting at the routing's syncs) of one step started on an idle GPU: the
-    call with the median host time of ``reps`` after ``warmup``, both figures from that call.
-    The waits are what ``model``'s ``SyncClock`` (its ``sync``; none: no sync) adds during the
-    call: at each micro-batch's sync the host waits for the GPU to finish the micro-batches
-    before, so host ms minus the wait is the host's own work (Python, launches), the figure to
-    compare with the step's device time. A launch that blocks because CUDA's launch queue is full
-    also waits for the GPU and is not counted as a wait (from an idle GPU that takes some
-    hundreds of queued launches).
-
-    Parameters
-    ----------
-    step:
-        One training step (``Step``, maybe under a variant's switches).
-    model:
-        The layer the step runs (``torch.compile``'s wrapper forwards ``sync`` to it).
-    warmup:
-        Calls run first, untimed.
-    reps:
-        Calls timed, each started on an idle GPU.
-
-    Returns
-    -------
-    tuple[float, float]
-        The host ms and the ms of it spent reading the routing's counts (on the CPU only the
-        read itself: nothing is queued)."""
-    clock = getattr(model, "sync", None)
-    for _ in range(warmup):
-        step()
-    calls = []
-    for _ in range(reps):
-        common.synchronize()
-        waited = clock.seconds if clock is not None else 0.0
-        t0 = time.perf_counter()
-        step()
-        took = time.perf_counter() - t0
-        calls.append((took * 1e3, ((clock.seconds if clock is not None else 0.0) - waited) * 1e3))
-        common.synchronize()
-    return sorted(calls)[len(calls) // 2]
 
 
 def relative_errors(run: Callable[[], list[torch.Tensor]], step: Step, ref: dict[str, Any],

@@ -19,7 +19,6 @@ import platform
 import os
 import subprocess
 import sys
-import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -94,6 +93,47 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def host_ms(step: Callable[[], Any], model: Any = None, warmup: int = 3, reps: int = 5) -> tuple[float, float]:
+    """(host ms, of which waiting at the routing's syncs) of one step started on an idle GPU: the
+    call with the median host time of ``reps`` after ``warmup``, both figures from that call.
+    The waits are what ``model``'s ``SyncClock`` (its ``sync``; none: no sync) adds during the
+    call: at each micro-batch's sync the host waits for the GPU to finish the micro-batches
+    before, so host ms minus the wait is the host's own work (Python, launches), the figure to
+    compare with the step's device time. A launch that blocks because CUDA's launch queue is full
+    also waits for the GPU and is not counted as a wait (from an idle GPU that takes some
+    hundreds of queued launches).
+
+    Parameters
+    ----------
+    step:
+        One training step (``Step``, maybe under a variant's switches).
+    model:
+        The layer the step runs (``torch.compile``'s wrapper forwards ``sync`` to it; an MoE
+        layer of ``bench.moe_layer``), or None: no routing sync.
+    warmup:
+        Calls run first, untimed.
+    reps:
+        Calls timed, each started on an idle GPU.
+
+    Returns
+    -------
+    tuple[float, float]
+        The host ms and the ms of it spent reading the routing's counts (on the CPU only the
+        read itself: nothing is queued)."""
+    clock = getattr(model, "sync", None)
+    waits = (lambda: clock.seconds) if clock is not None else (lambda: 0.0)
+    for _ in range(warmup):
+        step()
+    calls = []
+    for _ in range(reps):
+        synchronize()
+        waited, t0 = waits(), time.perf_counter()
+        step()
+        calls.append(((time.perf_counter() - t0) * 1e3, (waits() - waited) * 1e3))
+        synchronize()
+    return sorted(calls)[len(calls) // 2]
+
+
 def bench_ms_steady(fn: Callable[[], Any], steps: int = 20, warmup: int = 3,
                     host_reps: int = 5) -> tuple[float, float]:
     """(GPU ms per call, host ms per call). GPU ms: ``steps`` back-to-back calls, as a training
@@ -116,13 +156,7 @@ def bench_ms_steady(fn: Callable[[], Any], steps: int = 20, warmup: int = 3,
         fn()
     end.record()
     torch.cuda.synchronize()
-    host = []
-    for _ in range(host_reps):
-        t0 = time.perf_counter()
-        fn()
-        host.append((time.perf_counter() - t0) * 1e3)
-        torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps, statistics.median(host)
+    return start.elapsed_time(end) / steps, host_ms(fn, warmup=0, reps=host_reps)[0]
 
 
 def bench_pair(a: Callable[[], Any], b: Callable[[], Any], rounds: int = 3) -> tuple[float, float]:

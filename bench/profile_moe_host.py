@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from bench import common
-from bench.bench_moe import QUICK_CONFIGS, QUICK_SHAPE, host_ms
+from bench.bench_moe import QUICK_CONFIGS, QUICK_SHAPE
+from bench.common import host_ms
 from bench.moe_layer import HIDDEN, ROUTING_SKEW, TOKENS, RoutingSchedule, Step, moe_layer
 from bench.moe_rows import BASELINES, variants_of, wrap
 from bench.moe_targets import CONFIGS
