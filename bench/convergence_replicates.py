@@ -28,8 +28,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Optional, Sequence
 
-from bench.convergence_report import (CONFIDENCE, failed_runs, gap_pct, paired_gap, read_records, seeds_to_meet,
-                                      split_label)
+from bench.convergence_report import failed_runs, read_records, split_label
+from bench.convergence_stats import CONFIDENCE, gap_pct, paired_gap, seeds_to_meet
 
 #: the targets a floor is stated against (%): the study's three target widths
 TARGET_WIDTHS = (0.25, 0.5, 1.0)

@@ -26,7 +26,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Collection, Optional, Sequence
 
-from bench.convergence_report import BASELINE, failed_runs, gap_pct, read_records, split_label
+from bench.convergence_report import BASELINE, failed_runs, read_records, split_label
+from bench.convergence_stats import gap_pct
 
 
 #: seeds from which a correlation is shown (with fewer, r is mostly noise: at 3 seeds +-1 is common)

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from bench import convergence_replicates as cr
-from bench.convergence_report import seeds_to_meet
+from bench.convergence_stats import seeds_to_meet
 
 
 def _write(path, runs, data="packages-abc"):

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from bench import convergence_report as cr
+from bench import convergence_stats as cs
 
 
 def _write(path, finals, steps=(0, 20), rate=100.0):
@@ -24,19 +25,19 @@ def _write(path, finals, steps=(0, 20), rate=100.0):
 
 @pytest.mark.parametrize("df,expected", [(1, 12.7062), (2, 4.3027), (4, 2.7764), (9, 2.2622), (30, 2.0423)])
 def test_t_quantile_matches_tables(df, expected):
-    assert cr.t_quantile(0.975, df) == pytest.approx(expected, abs=1e-4)
-    assert cr.t_quantile(0.025, df) == pytest.approx(-expected, abs=1e-4)
-    assert cr.t_cdf(expected, df) == pytest.approx(0.975, abs=1e-5)  # the tables round to 4 digits
+    assert cs.t_quantile(0.975, df) == pytest.approx(expected, abs=1e-4)
+    assert cs.t_quantile(0.025, df) == pytest.approx(-expected, abs=1e-4)
+    assert cs.t_cdf(expected, df) == pytest.approx(0.975, abs=1e-5)  # the tables round to 4 digits
 
 
 def test_t_quantile_refuses_bad_arguments():
     with pytest.raises(ValueError, match="0 < p < 1"):
-        cr.t_quantile(1.0, 3)
+        cs.t_quantile(1.0, 3)
 
 
 def test_paired_interval_by_hand():
     # per-seed gaps 1, 2, 3 %: mean 2, sd 1, half width t(0.975, 2) / sqrt(3)
-    g = cr.paired_gap({0: 1.01, 1: 1.02, 2: 1.03}, {0: 1.0, 1: 1.0, 2: 1.0})
+    g = cs.paired_gap({0: 1.01, 1: 1.02, 2: 1.03}, {0: 1.0, 1: 1.0, 2: 1.0})
     half = 4.302652729911275 / math.sqrt(3)
     assert g.gap_pct == pytest.approx(2.0) and g.lo == pytest.approx(2 - half) and g.hi == pytest.approx(2 + half)
     assert g.method == "paired (3 seeds)" and g.n == 3
@@ -44,7 +45,7 @@ def test_paired_interval_by_hand():
 
 def test_welch_interval_by_hand():
     # means 1.03 / 1.01, variances 1e-4 each: se = sqrt(2e-4 / 3), df = 4
-    g = cr.welch_gap([1.02, 1.03, 1.04], [1.0, 1.01, 1.02])
+    g = cs.welch_gap([1.02, 1.03, 1.04], [1.0, 1.01, 1.02])
     half = 100 * 2.7764451051977987 * math.sqrt(2e-4 / 3) / 1.01
     assert g.gap_pct == pytest.approx(100 * 0.02 / 1.01)
     assert g.lo == pytest.approx(g.gap_pct - half) and g.hi == pytest.approx(g.gap_pct + half)
@@ -55,7 +56,7 @@ def test_welch_interval_by_hand():
     (-0.9, -0.3, 0.25, "missed"), (0.1, 0.4, 0.25, "unresolved"), (-0.4, 0.4, 0.25, "unresolved"),
     (None, None, 0.25, "unresolved"), (0.1, 0.2, None, "")])
 def test_verdicts(lo, hi, target, word):
-    assert cr.verdict(lo, hi, target) == word
+    assert cs.verdict(lo, hi, target) == word
 
 
 def _study(tmp_path):
@@ -187,16 +188,16 @@ def test_a_failed_baseline_run_fails_the_baseline_row(tmp_path):
 def test_seeds_to_meet_by_hand():
     # the first n with t(0.975, n-1) sd / sqrt(n) <= target; n - 1 misses it
     for sd, target in ((0.67, 0.25), (0.2, 0.25), (1.11, 1.0), (0.456, 0.5)):
-        n = cr.seeds_to_meet(sd, target)
-        assert cr.t_quantile(0.975, n - 1) * sd / math.sqrt(n) <= target
-        assert n == 2 or cr.t_quantile(0.975, n - 2) * sd / math.sqrt(n - 1) > target
-        assert cr.resolvable_sd(target, n) >= sd > (cr.resolvable_sd(target, n - 1) if n > 2 else 0)
-    assert (cr.seeds_to_meet(0.67, 0.25), cr.seeds_to_meet(0.2, 0.25)) == (31, 5)
-    assert cr.seeds_to_meet(0.0, 0.25) == 2 and cr.seeds_to_meet(40.0, 0.25) is None
+        n = cs.seeds_to_meet(sd, target)
+        assert cs.t_quantile(0.975, n - 1) * sd / math.sqrt(n) <= target
+        assert n == 2 or cs.t_quantile(0.975, n - 2) * sd / math.sqrt(n - 1) > target
+        assert cs.resolvable_sd(target, n) >= sd > (cs.resolvable_sd(target, n - 1) if n > 2 else 0)
+    assert (cs.seeds_to_meet(0.67, 0.25), cs.seeds_to_meet(0.2, 0.25)) == (31, 5)
+    assert cs.seeds_to_meet(0.0, 0.25) == 2 and cs.seeds_to_meet(40.0, 0.25) is None
     with pytest.raises(ValueError, match="sd must be >= 0"):
-        cr.seeds_to_meet(-0.1, 0.25)
+        cs.seeds_to_meet(-0.1, 0.25)
     with pytest.raises(ValueError, match="target > 0"):
-        cr.seeds_to_meet(0.1, 0.0)
+        cs.seeds_to_meet(0.1, 0.0)
 
 
 def test_the_committed_study_needs_the_seeds_the_docs_state():
@@ -214,10 +215,10 @@ def test_the_committed_study_needs_the_seeds_the_docs_state():
 
 def test_resolvable_spread_by_hand():
     # meeting +-0.25 % with 3 seeds: half width t(0.975, 2) sd / sqrt(3) <= 0.25 at a zero mean gap
-    assert cr.resolvable_sd(0.25, 3) == pytest.approx(0.25 * math.sqrt(3) / 4.302652729911275)
-    assert round(cr.resolvable_sd(0.25, 3), 2) == 0.10
+    assert cs.resolvable_sd(0.25, 3) == pytest.approx(0.25 * math.sqrt(3) / 4.302652729911275)
+    assert round(cs.resolvable_sd(0.25, 3), 2) == 0.10
     with pytest.raises(ValueError, match="at least two seeds"):
-        cr.resolvable_sd(0.25, 1)
+        cs.resolvable_sd(0.25, 1)
 
 
 def test_report_and_docs_say_what_the_interval_widths_need(tmp_path):
@@ -227,8 +228,8 @@ def test_report_and_docs_say_what_the_interval_widths_need(tmp_path):
            "below 0.10 %" in text
     doc = (Path(__file__).resolve().parents[2] / "docs" / "convergence.md").read_text()
     for n in (3, 5, 10):
-        t = cr.t_quantile(0.975, n - 1)
-        cells = " | ".join(f"{cr.resolvable_sd(x, n):.2f} %" for x in (0.25, 0.5, 1.0))
+        t = cs.t_quantile(0.975, n - 1)
+        cells = " | ".join(f"{cs.resolvable_sd(x, n):.2f} %" for x in (0.25, 0.5, 1.0))
         assert f"| {n} | {t:.2f} | {cells} |" in doc, (n, cells)
 
 
