@@ -209,6 +209,11 @@ class MasterWeightOptimizer:
             if m is not None:
                 m.grad = None if p.grad is None else p.grad.detach().to(torch.float32)
         out = self.optimizer.step(closure)
+        self._requantize()
+        return out
+
+    def _requantize(self) -> None:
+        """The quantized parameters re-encoded from their masters."""
         quantize_master_weights(self.model_params, self.master_params)
         # FSDP2's quantized primary weights: the parameter is the FP32 master shard; each rank's
         # quantized shard is re-encoded from it (one amax all-reduce for all of them)
@@ -216,7 +221,6 @@ class MasterWeightOptimizer:
         sharded = [p for p in self.model_params if is_primary_shard(p)]
         if sharded:
             quantize_sharded_weights(sharded)
-        return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of the model parameters and of the masters."""
@@ -237,10 +241,16 @@ class MasterWeightOptimizer:
         """Restore :meth:`state_dict`'s dict: masters copied, the optimizer's state loaded, and the
         quantized parameters re-quantized from the loaded masters.
 
+        The quantized parameters take the loaded masters' values here, not at the next
+        :meth:`step`: a forward between the two already sees the loaded weights. Loading the
+        model's state dict alone (after this optimizer is built) leaves the masters at their old
+        values, and the next :meth:`step` re-encodes the weights from those: load both.
+
         Raises
         ------
         ValueError
-            The dict is not one of :meth:`state_dict`, or holds another number of masters.
+            The dict is not one of :meth:`state_dict`, holds another number of masters, or a
+            master of another shape than its parameter's.
         """
         if not isinstance(state, dict) or set(state) != {"optimizer", "master_params"}:
             raise ValueError("MasterWeightOptimizer.load_state_dict: expected the dict of "
@@ -250,10 +260,16 @@ class MasterWeightOptimizer:
                 (a is None) != (b is None) for a, b in zip(masters, self.master_params)):
             raise ValueError("MasterWeightOptimizer.load_state_dict: the saved masters do not match this "
                              "optimizer's quantized parameters (another model or parameter order).")
+        for i, (m, saved) in enumerate(zip(self.master_params, masters)):
+            if m is not None and tuple(saved.shape) != tuple(m.shape):
+                raise ValueError(f"MasterWeightOptimizer.load_state_dict: saved master {i} has shape "
+                                 f"{tuple(saved.shape)}, its parameter {tuple(m.shape)} (another model, or "
+                                 "a checkpoint of another sharding).")
         with torch.no_grad():
             for m, saved in zip(self.master_params, masters):
                 if m is not None:
                     m.copy_(saved)
+            self._requantize()
         self.optimizer.load_state_dict(state["optimizer"])
 
     def __repr__(self) -> str:

@@ -15,7 +15,7 @@ tensor), and a view reaching outside the tensor is a clear error.
 from __future__ import annotations
 
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch.utils._pytree import tree_map
@@ -77,6 +77,22 @@ def _is_pinned(func, args, kwargs):
     return all(x.is_pinned() for x in args[0]._storage.tensors())
 
 
+def _mark_written(t: QuantizedTensor, value: Callable[[], torch.Tensor]) -> None:
+    """Record that ``t``'s payloads were written in place below autograd.
+
+    Inside ``__torch_dispatch__`` torch does not bump the payload tensors' version counters, and
+    caches keyed on them (``gemm.bf16_decode``'s decodes) would serve the old value: bump them
+    here. A kept initial value (``preserve_high_precision_init_val``) follows the new value
+    (``value()``, called only then, kept on the CPU), so masters seeded from it start where ``t``
+    now is.
+    """
+    for x in t._storage.tensors():
+        if not x.is_inference():  # inference tensors keep no version counter
+            torch.autograd.graph.increment_version(x)
+    if "_high_precision_init_val" in t.__dict__:
+        t.__dict__["_high_precision_init_val"] = value().detach().to("cpu", copy=True)
+
+
 @implements(aten.copy_.default)
 def _copy(func, args, kwargs):
     dst, src = args[0], args[1]
@@ -88,10 +104,14 @@ def _copy(func, args, kwargs):
         _check_copies_held(dst._storage, src._storage)
         try:
             dst._storage.copy_payload_(src._storage.map_tensors(lambda x: x.to(dst.device)))
-            return dst
         except (ValueError, RuntimeError):
             src = src.dequantize(dst.dtype)  # another format: re-quantize its value
+        else:
+            # not src's kept initial value: src may have been stepped since it was kept
+            _mark_written(dst, lambda: src.dequantize(dst.dtype))
+            return dst
     _requantize_into(dst, src)
+    _mark_written(dst, lambda: src.to(dst.dtype))
     return dst
 
 
@@ -261,6 +281,7 @@ def _as_strided(func, args, kwargs):
 @implements(aten.zero_.default)
 def _zero(func, args, kwargs):
     args[0]._storage.zero_()
+    _mark_written(args[0], lambda: torch.zeros(args[0].shape, dtype=args[0].dtype))
     return args[0]
 
 
@@ -344,9 +365,7 @@ def _fallback(func, args, kwargs):
             # recorded of the value it replaces (delayed scaling's pending amax) goes with it
             t._quantizer.discard_step()
         _requantize_into(t, deq[id(t)])
-        if "_high_precision_init_val" in t.__dict__:  # an initialisation (nn.init) after creation:
-            # the kept initial value follows it, so masters seeded from it start where t does
-            t.__dict__["_high_precision_init_val"] = deq[id(t)].detach().to("cpu", copy=True)
+        _mark_written(t, lambda: deq[id(t)])  # e.g. nn.init after creation: a kept initial value follows it
     if mutated and out is not None:
         return mutated[0] if len(mutated) == 1 else out
     return out

@@ -151,3 +151,52 @@ def test_initialising_a_quantized_weight_again_follows_it():
     want = torch.nn.init.normal_(torch.empty(64, 64), std=0.02)
     assert torch.equal(lin.weight.get_high_precision_init_val(), want)
     assert lin.weight.quantizer.amax_history[0] == want.abs().max()
+
+
+@pytest.mark.parametrize("name", ["fp8_current", "mxfp8", "nvfp4"])
+def test_loading_the_optimizer_state_requantizes_the_weights(name):
+    """The weights take the loaded masters' values at load, not at the next step: a forward in
+    between (an evaluation after resuming) reads the loaded weights."""
+    recipe = RECIPES[name]()
+    a = build(recipe, quantized=True)
+    opt_a = hfp.MasterWeightOptimizer(torch.optim.AdamW, a.parameters(), lr=1e-2)
+    for x in batches(2):
+        step(a, opt_a, recipe, x)
+    b = build(RECIPES[name](), quantized=True)  # its initial weights, not a's
+    opt_b = hfp.MasterWeightOptimizer(torch.optim.AdamW, b.parameters(), lr=1e-2)
+    opt_b.load_state_dict(opt_a.state_dict())  # the model's own state dict not loaded
+    for n, p in quantized_weights(a).items():
+        pb = quantized_weights(b)[n]
+        assert all(torch.equal(s, t) for s, t in zip(p.qstorage.tensors(), pb.qstorage.tensors())), n
+
+
+def test_a_loaded_master_of_another_shape_is_named():
+    recipe = hfp.MXFP8BlockScaling()
+    opt = hfp.MasterWeightOptimizer(torch.optim.AdamW, build(recipe, quantized=True).parameters(), lr=1e-2)
+    state = opt.state_dict()
+    i = next(i for i, m in enumerate(state["master_params"]) if m is not None)
+    state["master_params"][i] = state["master_params"][i][:1]  # broadcastable: copy_ alone would accept it
+    with pytest.raises(ValueError, match=f"saved master {i} has shape"):
+        opt.load_state_dict(state)
+
+
+@pytest.mark.parametrize("source", ["quantized", "high_precision"])
+def test_masters_start_from_a_loaded_checkpoint_not_the_kept_initial_value(source):
+    """Build, load a checkpoint, then build the optimizer: the masters start at the loaded
+    weights even where an initial value was kept, and a step of zero learning rate keeps them."""
+    recipe = hfp.MXFP8BlockScaling()
+    trained = build(recipe, quantized=True)
+    opt = hfp.MasterWeightOptimizer(torch.optim.AdamW, trained.parameters(), lr=1e-2)
+    for x in batches(2):
+        step(trained, opt, recipe, x)
+    model = build(hfp.MXFP8BlockScaling(), quantized=True)
+    with torch.no_grad():
+        for n, p in quantized_weights(model).items():
+            w = quantized_weights(trained)[n]
+            p.copy_(w if source == "quantized" else w.dequantize())
+    opt = hfp.MasterWeightOptimizer(torch.optim.SGD, model.parameters(), lr=0.0)
+    for n, p in quantized_weights(model).items():
+        assert torch.equal(opt.master_of(p), quantized_weights(trained)[n].dequantize(torch.float32)), n
+    step(model, opt, recipe, batches(1)[0])
+    for n, p in quantized_weights(model).items():
+        assert torch.equal(p.dequantize(), quantized_weights(trained)[n].dequantize()), n

@@ -205,6 +205,41 @@ def test_a_loaded_state_dict_keeps_the_joined_copies_true():
     assert_same_step(a, src, recipe)
 
 
+@pytest.mark.parametrize("write", ["load_state_dict", "copy_", "nn.init"])
+@pytest.mark.parametrize("joined", [True, False])
+def test_a_write_after_a_forward_is_what_the_next_forward_reads(joined, write, monkeypatch):
+    """On the grouped BF16 route (MXFP8 on Hopper) a forward caches the weights' BF16 decodes,
+    keyed on their payloads' versions: a write made through the Parameters afterwards (a loaded
+    checkpoint, a copy, a fresh initialisation) must reach the next forward."""
+    from hybridfp.moe import gemm as grouped
+    monkeypatch.setattr(grouped, "_grouped_mm_device", lambda device: True)
+    recipe = hfp.MXFP8BlockScaling()
+    a, src = build(recipe, joined, torch.bfloat16), build(recipe, False, torch.bfloat16)
+    x = torch.randn(sum(SPLITS), D, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+
+    def forward(m: hfp.GroupedLinear) -> torch.Tensor:
+        with torch.no_grad(), hfp.autocast(recipe=recipe):
+            return m(x, SPLITS)
+
+    before = forward(a)  # caches the decodes
+    with torch.no_grad():
+        if write == "load_state_dict":
+            hfp.quantize_master_weights(src.weights(), masters(9))
+            a.load_state_dict(src.state_dict())
+        elif write == "copy_":
+            for w, v in zip(a.weights(), masters(9)):
+                w.copy_(v)
+            hfp.quantize_master_weights(src.weights(), masters(9))
+        else:
+            for m in (a, src):  # the same draws for both
+                torch.manual_seed(5)
+                for w in m.weights():
+                    torch.nn.init.normal_(w, std=0.02)
+    want = forward(src)  # src never ran a forward before its weights were written
+    assert not torch.equal(want, before)
+    assert torch.equal(forward(a), want)
+
+
 def test_a_dead_module_leaves_no_owner_entry():
     import gc
     gc.collect()  # modules of earlier tests

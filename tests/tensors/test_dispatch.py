@@ -130,6 +130,30 @@ def test_copy_high_precision_requantizes_in_place(case):
     assert_same_payloads(dst, quantize(case, x))
 
 
+def _versions(t: QuantizedTensor) -> list[int]:
+    return [x._version for x in t.qstorage.tensors()]
+
+
+@pytest.mark.parametrize("write", ["copy_quantized", "copy_high_precision", "zero_", "fill_"])
+@pytest.mark.parametrize("case", case_params())
+def test_an_in_place_write_bumps_every_payloads_version(case, write):
+    """Caches keyed on a payload's version (the GEMMs' BF16 decodes) must see a write made inside
+    ``__torch_dispatch__``, where torch itself bumps no payload's version counter."""
+    dst = quantize(case, make_input(SHAPE, seed=1))
+    before = _versions(dst)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fill_ dequantizes (the fallback) by design
+        if write == "copy_quantized":
+            dst.copy_(quantize(case, make_input(SHAPE, seed=2)))
+        elif write == "copy_high_precision":
+            dst.copy_(make_input(SHAPE, seed=2))
+        elif write == "zero_":
+            dst.zero_()
+        else:
+            dst.fill_(0.5)
+    assert all(b > a for a, b in zip(before, _versions(dst))), (before, _versions(dst))
+
+
 @pytest.mark.parametrize("src_case", case_params(["nvfp4", "fp8_block_1d", "identity",
                                                    "hybrid_nvfp4_mxfp8"]))
 @pytest.mark.parametrize("dst_case", case_params(["mxfp8", "hybrid_mxfp8_identity_rowdq",
