@@ -53,6 +53,7 @@ from hybridfp.formats.common import (
     saturating_cast_fp8,
 )
 from hybridfp.utils.device import device_constant
+from hybridfp.utils.rewrites import version
 
 BLOCK: int = 16
 E2M1_MAX: float = 6.0
@@ -96,7 +97,7 @@ def global_decode_scale(global_amax: torch.Tensor) -> torch.Tensor:
 
 #: id(base amax buffer) -> (that buffer, its version, global_decode_scale of all of it); the
 #: few most recent buffers (held, so their ids cannot be reused while listed).
-_SHARED_S_DEC: "OrderedDict[int, tuple[torch.Tensor, int, torch.Tensor]]" = OrderedDict()
+_SHARED_S_DEC: "OrderedDict[int, tuple[torch.Tensor, tuple[int, int], torch.Tensor]]" = OrderedDict()
 _SHARED_S_DEC_SIZE = 8
 
 
@@ -105,16 +106,16 @@ def shared_global_decode_scale(global_amax: torch.Tensor) -> torch.Tensor:
     ``global_amax`` is a contiguous piece of a larger FP32 buffer (an MoE expert's per-row or
     per-tensor amax in the experts' shared one): the elementwise result of the whole buffer,
     sliced. The per-expert GEMMs of a 64-expert layer otherwise spend ~14 small torch ops per
-    expert and operand on it. The buffer's version counter (shared by its views) invalidates
-    the entry after an in-place change; the result is a view: read it, do not modify it."""
+    expert and operand on it. The buffer's version (``utils.rewrites``; shared by its views)
+    invalidates the entry after an in-place change; the result is a view: read it, do not modify it."""
     base = global_amax._base
     if (base is None or global_amax.dtype != torch.float32 or base.dtype != torch.float32
             or not base.is_contiguous() or not global_amax.is_contiguous()):
         return global_decode_scale(global_amax)
     key = id(base)
     entry = _SHARED_S_DEC.get(key)
-    if entry is None or entry[0] is not base or entry[1] != base._version:
-        entry = (base, base._version, global_decode_scale(base).reshape(-1))
+    if entry is None or entry[0] is not base or entry[1] != version(base):
+        entry = (base, version(base), global_decode_scale(base).reshape(-1))
         _SHARED_S_DEC[key] = entry
         if len(_SHARED_S_DEC) > _SHARED_S_DEC_SIZE:
             _SHARED_S_DEC.popitem(last=False)

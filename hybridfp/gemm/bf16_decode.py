@@ -19,8 +19,10 @@ computes numerics §1's exact product. Per-tensor / per-row factors (FP8 ``scale
 of a step is decoded once): the entry hangs off the copy's ``data`` tensor in a weak-keyed
 table, so it lives exactly as long as that tensor and is neither a payload tensor (not in
 ``tensors()``) nor saved by ``to_state()``. It is used while every payload tensor of the copy
-is the same object with the same ``data_ptr`` and ``_version`` — in-place re-quantization
-(``copy_`` / ``update_quantized``) bumps the versions and so invalidates it.
+is the same object with the same ``data_ptr`` and version — in-place re-quantization
+(``copy_`` / ``update_quantized``) bumps the versions and so invalidates it, and so does FSDP2's
+gather into the same tensors, which keeps their version counters but notes the rewrite
+(``utils.rewrites``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from ..config import current_policy
 from ..tensors import Float8BlockStorage, Float8Storage, IdentityStorage, MXFP8Storage, NVFP4Storage
 from ..tensors.decoded import DECODED_CLASSES
 from ..tensors.storage import COLUMNWISE, ROWWISE, GemmOperand, QuantizedStorage
+from ..utils.rewrites import version
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -207,7 +210,7 @@ def _validity(s: QuantizedStorage, direction: str) -> Optional[tuple]:
     p = s.payload(direction)
     if any(t.is_inference() for t in p.values()):
         return None
-    tensors = tuple((n, None if n == "data" else t, t.data_ptr(), t._version) for n, t in sorted(p.items()))
+    tensors = tuple((n, None if n == "data" else t, t.data_ptr(), version(t)) for n, t in sorted(p.items()))
     return (type(s), tuple(s.shape), tuple(sorted(s.meta.items(), key=lambda kv: kv[0])), tensors)
 
 

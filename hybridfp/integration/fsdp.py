@@ -52,6 +52,7 @@ from torch.utils._pytree import tree_map_only
 from ..config import policy
 from ..recipes import current_autocast
 from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
+from ..utils.rewrites import note_rewrite
 from .fsdp_amax import reduced_amax
 from .fsdp_layout import GatherLayout, assemble, gather_layout, pack, unpack
 from .fsdp_tensor_parallel import MeshAmax, check_tensor_parallel_blocks, tensor_parallel_spec, wrap_tensor_parallel
@@ -357,6 +358,7 @@ def _refill(out: QuantizedTensor, shard: QuantizedTensor, tensors: dict, sent: t
             src = tensors.get((d, name), src_shard[name])
             with torch.autograd._unsafe_preserve_version_counter(t):
                 t.copy_(src)
+            note_rewrite(t)  # caches keyed on the version (the GEMMs' BF16 decodes) must see it
     _free_unsent(out, sent)
 
 

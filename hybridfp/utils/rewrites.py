@@ -1,0 +1,63 @@
+"""In-place writes that keep a tensor's version counter, made visible to caches keyed on it.
+
+FSDP2 gathers a weight again into the very tensors its forward saved for backward and keeps
+their version counters as they were (``torch.autograd._unsafe_preserve_version_counter``), or
+autograd would refuse the backward. A cache that validates an entry by a tensor's ``_version``
+and ``data_ptr`` would then serve the previous gather's result: the caching allocator usually
+hands the freed block back at the same address. A writer that preserves a version counter calls
+:func:`note_rewrite`; a cache keys on :func:`version` instead of ``_version``.
+
+    >>> import torch
+    >>> from hybridfp.utils.rewrites import note_rewrite, version
+    >>> t = torch.zeros(4)
+    >>> before = version(t)
+    >>> with torch.autograd._unsafe_preserve_version_counter(t):
+    ...     _ = t.fill_(1.0)
+    >>> t._version == before[0], version(t) == before
+    (True, True)
+    >>> note_rewrite(t)
+    >>> version(t) == before
+    False
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+#: untyped storage -> how often it was rewritten with its version counter preserved. Keyed on the
+#: storage (its views share it; FSDP2 frees and re-allocates it in place, so it stays the same
+#: object) and weakly, so an entry lives exactly as long as the memory it describes.
+_REWRITES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def note_rewrite(t: torch.Tensor) -> None:
+    """Record that ``t``'s memory was written in place with its version counter preserved.
+
+    Parameters
+    ----------
+    t:
+        The tensor written (any view of the storage: the whole storage counts as rewritten).
+    """
+    storage = t.untyped_storage()
+    _REWRITES[storage] = _REWRITES.get(storage, 0) + 1
+
+
+def version(t: torch.Tensor) -> tuple[int, int]:
+    """``t``'s version for a cache: its version counter and its storage's rewrites.
+
+    Parameters
+    ----------
+    t:
+        A tensor with a version counter (not an inference tensor).
+
+    Returns
+    -------
+    tuple[int, int]
+        ``(t._version, rewrites noted for t's storage)``: changes with every in-place write,
+        including those that preserve the version counter and call :func:`note_rewrite`.
+    """
+    return t._version, _REWRITES.get(t.untyped_storage(), 0)
+
+
+__all__ = ["note_rewrite", "version"]
