@@ -15,7 +15,7 @@ Pairs (operands quantized beforehand by the library's quantizers, on the GPU), e
 
 Shapes: 8192^3 and the Llama-3-8B MLP up projection (16384 tokens, 4096 -> 14336): fprop
 [m, n, k] = [16384, 14336, 4096] for TN pairs, wgrad [14336, 4096, 16384] for NT pairs.
-"cold": every call decodes both operands (``cache_weight_decodes(False)``); "warm": operand
+"cold": every call decodes both operands (``policy(cache_weight_decodes=False)``); "warm": operand
 B's decode (the weight of fprop / dgrad) is cached, as in the micro-batches of a step.
 Every ratio is paired (``bench.protocol.paired_ratio``: median of per-round ratios over
 alternating rounds, with its ~95 % interval) against two BF16 ``a @ b.t()`` baselines of the
@@ -43,9 +43,9 @@ from bench.common import (AccuracyError, bench_ms, check_error, copy_bandwidth, 
                           finish, md_table, parser, protocol_from, protocol_record, rel_error, require_cuda,
                           tflops)
 from bench.protocol import Protocol, paired_ratio
-from hybridfp import (Float8CurrentScalingQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer,
+from hybridfp import (Float8CurrentScalingQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, policy,
                       Quantizer)
-from hybridfp.gemm import bf16_decode, bf16_tensorcore, gemm, operand_storage, select
+from hybridfp.gemm import bf16_decode, gemm, operand_storage, select
 from hybridfp.gemm.bf16_decode import decode_bf16
 from hybridfp.gemm.gemm import LAYOUTS
 from hybridfp.kernels import triton_decode
@@ -132,8 +132,7 @@ def bench_pair_shape(name: str, layout: str, make_a: Maker, make_b: Maker,
     lib = lambda: gemm(A, B, layout)  # noqa: E731
     for mode in ("cold", "warm"):
         bf16_decode.clear_decode_cache()
-        bf16_tensorcore.cache_weight_decodes(mode == "warm")
-        try:
+        with policy(cache_weight_decodes=mode == "warm"):
             lib()  # warm: fills the cache (B of fprop / dgrad)
             # each mode's output checked: the warm one reads the cached decodes
             row[f"{mode}_rel_err"] = rel_error(lib(), ref)
@@ -145,9 +144,7 @@ def bench_pair_shape(name: str, layout: str, make_a: Maker, make_b: Maker,
                 row[f"{mode}_ratio_{base_name}"] = r.ratio
                 row[f"bf16_{base_name}"] = tflops(flops, r.baseline_ms)
             row[mode] = tflops(flops, r.candidate_ms)
-        finally:
-            bf16_tensorcore.cache_weight_decodes(True)
-            bf16_decode.clear_decode_cache()
+        bf16_decode.clear_decode_cache()
     del ref
     row["rel_err"] = max(row["cold_rel_err"], row["warm_rel_err"])
     # the earlier names: the ratio against BF16 on the decoded values (the path's own cost)

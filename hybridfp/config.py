@@ -100,6 +100,12 @@ class Policy:
     the PyTorch reference everywhere (the kernels are tested bitwise against it), e.g. to
     compare with it."""
 
+    cache_weight_decodes: bool = True
+    """Whether fprop and dgrad on BF16 tensor cores (Hopper's MXFP8 / NVFP4 GEMMs) keep the
+    decoded BF16 copy of their weight operand for later calls while its payload is unchanged
+    (the micro-batches of one step decode each weight copy once). False decodes at every call,
+    e.g. to time the decode with the GEMM."""
+
     many_experts: int = 16
     """On CUDA the Triton grouped GEMMs (``moe/gemm_triton.py``, and
     ``moe/gemm_fp8.py`` for per-tensor FP8) are taken by default from this many experts on:
@@ -204,7 +210,7 @@ class Policy:
                     isinstance(v, str) for v in value):
                 raise TypeError(f"Policy.{name} must be a set of names (str); got {value!r}.")
             object.__setattr__(self, name, frozenset(value))
-        for name in ("quantize_kernels", "grouped_triton_native_fp8", "over_scaled_grouped_mm"):
+        for name in ("quantize_kernels", "cache_weight_decodes", "grouped_triton_native_fp8", "over_scaled_grouped_mm"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Policy.{name} must be True or False; got {getattr(self, name)!r}.")
         if self.bf16_per_group_cublas is not None and not isinstance(self.bf16_per_group_cublas, bool):

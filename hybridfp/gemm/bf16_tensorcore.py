@@ -36,8 +36,8 @@ FP32 values; there is deliberately no separate "cublas_fp32" backend, which woul
 
 Decoded weights: operand B of fprop (TN) and dgrad (NN) is the weight in a linear layer
 (numerics §1), so its decode is cached on its payload (``decode_bf16(cache=True)``): micro-batches
-of one step decode each weight copy once. ``cache_weight_decodes(False)`` turns that off
-(the cache holds a BF16 copy per weight copy until the quantized weight is dropped).
+of one step decode each weight copy once. ``hybridfp.policy(cache_weight_decodes=False)`` turns
+that off (the cache holds a BF16 copy per weight copy until the quantized weight is dropped).
 """
 
 from __future__ import annotations
@@ -61,13 +61,7 @@ HAVE_TRITON = importlib.util.find_spec("triton") is not None
 FORMATS = frozenset({"MXFP8", "NVFP4", "FP8 per-tensor", "FP8 block", "Identity"})
 #: Layouts whose operand B is a linear layer's weight (numerics §1): its decode is cached.
 WEIGHT_B_LAYOUTS = frozenset({"TN", "NN"})
-_CACHE_WEIGHTS = [True]
 _REPORTED: set[tuple[str, str, str, str]] = set()
-
-
-def cache_weight_decodes(enabled: bool) -> None:
-    """Whether fprop/dgrad keep the decoded BF16 copy of operand B (the weight) on its payload."""
-    _CACHE_WEIGHTS[0] = bool(enabled)
 
 
 def _opts(key: FormatKey) -> Optional[tuple[str, dict]]:
@@ -244,7 +238,7 @@ def _on_bf16(sa: QuantizedStorage, sb: QuantizedStorage, layout: str, out_dtype:
     if why is not None:
         return _emulated(pa, pb, layout, why, out_dtype, bias, accumulate_into)
     a = decode_bf16(pa, da)
-    b = decode_bf16(pb, db, cache=_CACHE_WEIGHTS[0] and layout in WEIGHT_B_LAYOUTS)
+    b = decode_bf16(pb, db, cache=current_policy().cache_weight_decodes and layout in WEIGHT_B_LAYOUTS)
     return compute(pa, pb, a, b)
 
 

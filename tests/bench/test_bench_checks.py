@@ -71,10 +71,10 @@ def test_gemm_pairs_wrong_output_fails_the_run(tiny_pairs, tmp_path, monkeypatch
 
 def test_gemm_pairs_wrong_warm_output_fails_the_run(tiny_pairs, tmp_path, monkeypatch):
     """The warm path (weight decodes cached) is checked on its own output too."""
-    real, caching = bench_gemm_pairs.gemm, {"on": True}
-    monkeypatch.setattr(bench_gemm_pairs.bf16_tensorcore, "cache_weight_decodes", lambda on: caching.update(on=on))
-    monkeypatch.setattr(bench_gemm_pairs, "gemm",
-                        lambda A, B, layout: (2 if caching["on"] else 1) * real(A, B, layout))
+    import hybridfp
+    real = bench_gemm_pairs.gemm
+    monkeypatch.setattr(bench_gemm_pairs, "gemm", lambda A, B, layout: (
+        2 if hybridfp.current_policy().cache_weight_decodes else 1) * real(A, B, layout))
     monkeypatch.setattr(bench_gemm_pairs, "PAIRS", bench_gemm_pairs.PAIRS[:1])
     with pytest.raises(SystemExit, match="MXFP8 x MXFP8 TN 64\\^3: output \\(warm\\): relative error"):
         bench_gemm_pairs.main(["--quick", "--rounds", "1", "--samples", "1", "--out", str(tmp_path / "p.json")])

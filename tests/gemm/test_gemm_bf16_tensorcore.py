@@ -16,6 +16,8 @@ import warnings
 
 import pytest
 import torch
+
+import hybridfp
 from gemm_operands import (FORMATS, LAYOUT_OPERANDS, REL_TOL, fresh_reports, gpu, has_copy,  # noqa: F401
                            operand, reference, rel_err)
 
@@ -160,13 +162,10 @@ def test_weight_operand_decode_is_cached_for_fprop_and_dgrad():
     run(sx, sw, "TN")
     cached = set(map(id, bf16_decode._CACHE.keys()))
     assert cached == {id(sw.payload(ROWWISE)["data"])}  # B (the weight) only
-    bf16_tensorcore.cache_weight_decodes(False)
-    try:
+    with hybridfp.policy(cache_weight_decodes=False):
         bf16_decode.clear_decode_cache()
         run(sx, sw, "TN")
         assert len(bf16_decode._CACHE) == 0
-    finally:
-        bf16_tensorcore.cache_weight_decodes(True)
 
 
 # ---------------------------------------------------------------------------- GPU
