@@ -136,8 +136,9 @@ class QuantizedModule(nn.Module):
         super().__init__()
         self.name = name or ""
         self._num_sets = num_quantizer_sets
-        self._qkey: Optional[tuple] = None
-        self._quantizers: dict[str, list[Quantizer]] = {}
+        # (region key, quantizers built for it) as one value: a thread reads both at once while
+        # another thread's region, of another recipe, may rebuild them
+        self._qpair: tuple[Optional[tuple], dict[str, list[Quantizer]]] = (None, {})
         self._stateful: list[Quantizer] = []  # of _quantizers: those with state (``Quantizer.has_state``)
         # cached quantized weights by slot (expert index; GroupedLinear's joined entries use
         # negative slots): see weight_cache.py for when an entry may be reused
@@ -229,7 +230,8 @@ class QuantizedModule(nn.Module):
         pol = current_policy()
         # the policy fields _hold_decoded reads: a changed one rebuilds (no stale hold_decoded)
         key = (state.key(), pol.decoded_copies, pol.decoded_unverified_on_cuda)
-        if key != self._qkey:
+        pair = self._qpair
+        if key != pair[0]:
             built: dict[str, list[Quantizer]] = {}
             for slot in SLOTS:
                 qs = []
@@ -248,7 +250,7 @@ class QuantizedModule(nn.Module):
             self._validate_quantizers(built)
             self._restore_loaded_state(built)
             self._hold_decoded(built, pol)
-            self._quantizers, self._qkey = built, key
+            self._qpair = pair = (key, built)
             # the quantizers whose state can move: the only ones asked for versions and step
             # ends (an MoE layer holds three per expert; most formats keep no state)
             self._stateful = [q for qs in built.values() for q in qs if q.has_state()]
@@ -259,7 +261,17 @@ class QuantizedModule(nn.Module):
         state.note_module(self)
         if self._reads_known_amax:
             state.reads_known_amax = True
-        return self._quantizers
+        return pair[1]
+
+    @property
+    def _qkey(self) -> Optional[tuple]:
+        """The region key the built quantizers were made for (None: none built)."""
+        return self._qpair[0]
+
+    @property
+    def _quantizers(self) -> dict[str, list[Quantizer]]:
+        """The built quantizers by slot (empty: none built)."""
+        return self._qpair[1]
 
     def _validate_quantizers(self, built: dict[str, list[Quantizer]]) -> None:
         """Hook for module-specific checks (GroupedLinear needs homogeneous experts)."""
@@ -420,7 +432,7 @@ class QuantizedModule(nn.Module):
     def _drop_quantizers(self) -> None:
         """Forget the built quantizers and what was quantized with them (the next forward builds
         new ones)."""
-        self._quantizers, self._stateful, self._qkey = {}, [], None
+        self._qpair, self._stateful = (None, {}), []
         self._wcache.clear()
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,

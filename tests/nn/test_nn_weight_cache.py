@@ -245,3 +245,27 @@ def test_autocast_without_group_keeps_a_factorys_own_amax_group():
         qs = lin.quantizers(state)
     assert all(q.amax_reduction_group is sentinel and q.with_amax_reduction
                for slot in qs.values() for q in slot)
+
+
+def test_a_region_gets_its_own_quantizers_while_another_threads_region_rebuilds_them():
+    """Autocast regions are per thread: a module run by two threads under two recipes must hand
+    each call the quantizers of its own region, even when the other region rebuilds them between
+    this call's recipe check and its read (here forced at that point, deterministically)."""
+    import hybridfp
+    from hybridfp.recipes.autocast import AutocastState
+    m = hybridfp.Linear(64, 64)
+    with hybridfp.autocast(recipe=hybridfp.MXFP8BlockScaling()):
+        mine = hybridfp.recipes.current_autocast()
+    with hybridfp.autocast(recipe=Float8CurrentScaling()):
+        other = hybridfp.recipes.current_autocast()
+    m.quantizers(mine)  # built for this region
+
+    class Interleaved(AutocastState):
+        def note_module(self, module):  # runs after the check, before the read
+            module.quantizers(other)
+            super().note_module(module)
+
+    mine.__class__ = Interleaved
+    got = m.quantizers(mine)
+    assert isinstance(got["input"][0], MXFP8Quantizer)
+    assert not isinstance(m._quantizers["input"][0], MXFP8Quantizer)  # the other region's rebuild
