@@ -156,6 +156,15 @@ class QuantizedPrimaryWeight(QuantizedGatherWeight):
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"QuantizedPrimaryWeight({self._hp!r})"
 
+    @property
+    def quantizer(self) -> Any:
+        """The weight quantizer its quantized shard is encoded with (``QuantizedTensor``'s name):
+        the module adopts it as its weight quantizer when it builds its quantizers in a forward
+        (the weight gathered), and the module's loaded quantizer state is applied to it at load
+        (``QuantizedModule.set_extra_state``), before :func:`quantize_sharded_weights`
+        re-encodes the shard with it."""
+        return self._slot.quantizer
+
     def fsdp_pre_all_gather(self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...],
                             module: nn.Module, mp_policy: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
         """Pack this rank's stored quantized shard: the copies this gather sends (FSDP2 hook)."""

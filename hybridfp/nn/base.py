@@ -341,6 +341,10 @@ class QuantizedModule(nn.Module):
     #: A quantizer state loaded before this module built its quantizers (``set_extra_state``),
     #: applied when they are built; None when there is none.
     _loaded_state: Optional[dict] = None
+    #: Of ``_loaded_state``'s entries, those applied at load to the quantizer of a weight held
+    #: quantized (entry name -> that quantizer): the build adopts that quantizer as it is, since
+    #: its state may have moved since (None: none).
+    _loaded_applied: Optional[dict[str, Quantizer]] = None
 
     def get_extra_state(self) -> dict:
         """The quantizers' state for ``state_dict`` (delayed scaling's amax history and scale):
@@ -354,7 +358,8 @@ class QuantizedModule(nn.Module):
             (nothing to restore), else ``{"version": 1, "built": True, "quantizers":
             {"<slot>.<set>": {"kind": class names, "format": the copies' formats, "state":
             Quantizer.get_state()}}}``, one entry per slot and quantizer set (an expert of
-            GroupedLinear); a state loaded and not yet applied is returned as loaded.
+            GroupedLinear); a state loaded and not yet applied is returned as loaded (a
+            weight held quantized: its quantizer's state, applied at load).
 
         Example
         -------
@@ -368,11 +373,24 @@ class QuantizedModule(nn.Module):
         ['grad_output.0', 'input.0', 'weight.0']
         """
         if self._quantizers:
-            return {"version": EXTRA_STATE_VERSION, "built": True, "quantizers": {
-                f"{slot}.{i}": {**_describe(q), "state": q.get_state()}
-                for slot, qs in self._quantizers.items() for i, q in enumerate(qs)}}
+            # a weight held quantized is encoded by its own quantizer, the module's weight
+            # quantizer once adopted; a module that built its quantizers while FSDP2 held the
+            # weight sharded (outside a forward) has not adopted it yet, and its own never runs
+            held = self.held_weight_quantizers()
+            entries = {}
+            for slot, qs in self._quantizers.items():
+                for i, q in enumerate(qs):
+                    q = held.get(i, q) if slot == "weight" else q
+                    entries[f"{slot}.{i}"] = {**_describe(q), "state": q.get_state()}
+            return {"version": EXTRA_STATE_VERSION, "built": True, "quantizers": entries}
         if self._loaded_state is not None:
-            return self._loaded_state
+            if not self._loaded_applied:
+                return self._loaded_state
+            # a held weight's quantizer took its entry at load: its state now is the module's
+            saved = self._loaded_state["quantizers"]
+            return {**self._loaded_state, "quantizers": {
+                name: {**entry, "state": self._loaded_applied[name].get_state()} if name in self._loaded_applied
+                else entry for name, entry in saved.items()}}
         return {"version": EXTRA_STATE_VERSION, "built": False}
 
     def set_extra_state(self, state: Any) -> None:
@@ -380,6 +398,11 @@ class QuantizedModule(nn.Module):
         the state is applied when the next forward under a recipe builds new ones (which then
         checks that they are the saved ones: same slots, classes and formats). A module saved
         before it ran starts with fresh quantizers, as the saved module would have.
+
+        A weight held quantized (``quantized_model_init``, also as FSDP2's sharded quantized
+        primary weight) takes its weight quantizer's entry at once: that quantizer re-encodes
+        the weight from its master before any forward (``MasterWeightOptimizer.load_state_dict``,
+        ``quantize_sharded_weights``), which must use the loaded scale to give the saved codes.
 
         Parameters
         ----------
@@ -391,8 +414,9 @@ class QuantizedModule(nn.Module):
         ValueError
             For a state of another layout, or one that says quantizers were saved but holds
             none (``torch.distributed.checkpoint`` loaded into a module that had not built its
-            quantizers). The next forward raises one for quantizers that differ from the saved
-            ones.
+            quantizers), or a weight quantizer state saved from another quantizer than the one
+            a held weight is encoded with (nothing is loaded then). The next forward raises one
+            for quantizers that differ from the saved ones.
 
         Example
         -------
@@ -415,7 +439,7 @@ class QuantizedModule(nn.Module):
                              f"{EXTRA_STATE_VERSION}); got {_summary(state)}.")
         if not state["built"]:
             self._drop_quantizers()  # the next forward builds fresh ones, as the saved module would
-            self._loaded_state = None
+            self._loaded_state, self._loaded_applied = None, None
             return
         if not isinstance(state.get("quantizers"), dict) or not state["quantizers"]:
             raise ValueError(
@@ -423,11 +447,55 @@ class QuantizedModule(nn.Module):
                 "no quantizer state. torch.distributed.checkpoint loads only the entries of the "
                 "state_dict it is given: take that state_dict from a model whose modules have built "
                 "their quantizers (run one forward under hybridfp.autocast with the recipe first).")
-        # applied to the quantizers the next forward builds under its recipe and policy (and
-        # checked against them then): applied to the ones built now, a rebuild for another key
-        # before that forward would drop it
+        # a held weight is re-encoded from its master before the next forward (an optimizer's
+        # load, quantize_sharded_weights) by its own quantizer, which the build then adopts: it
+        # takes its state now, or that encode would use the scale it had before the load
+        saved = state["quantizers"]
+        applied = {f"weight.{i}": q for i, q in self.held_weight_quantizers().items() if f"weight.{i}" in saved}
+        self._check_saved_kinds(saved, applied, "the weight is held quantized by")
+        self._set_quantizer_states(saved, applied)
+        # the rest is applied to the quantizers the next forward builds under its recipe and
+        # policy (and checked against them then): applied to the ones built now, a rebuild for
+        # another key before that forward would drop it
         self._drop_quantizers()
-        self._loaded_state = state
+        self._loaded_state, self._loaded_applied = state, applied or None
+
+    def held_weight_quantizers(self) -> dict[int, Quantizer]:
+        """The quantizers the weights this module holds quantized (``quantized_model_init``)
+        are encoded with, by quantizer set: a ``QuantizedTensor`` parameter's own, or the one
+        FSDP2's sharded quantized primary weight encodes its shard with (its local tensor's
+        ``quantizer``). The module adopts each as its weight quantizer when it builds its
+        quantizers with the weight at hand (a forward, for a sharded weight).
+
+        Returns
+        -------
+        dict
+            Quantizer set -> quantizer; empty when the weights are held in high precision.
+
+        Example
+        -------
+        >>> import hybridfp as hf
+        >>> with hf.quantized_model_init(recipe=hf.DelayedScaling()):
+        ...     lin = hf.Linear(16, 16)
+        >>> lin.held_weight_quantizers()[0] is lin.weight.quantizer
+        True
+        >>> hf.Linear(16, 16).held_weight_quantizers()
+        {}
+        """
+        try:
+            slots = self.quantized_weight_slots
+        except NotImplementedError:  # a layout that cannot hold its weights quantized holds none
+            return {}
+        held = {}
+        for attr, index in slots:
+            p = getattr(self, attr, None)
+            if p is not None and hasattr(p, "to_local"):  # a DTensor: FSDP2's shard of the master
+                with torch.no_grad():  # the local tensor itself, not an autograd view of it
+                    p = p.to_local()
+            q = getattr(p, "quantizer", None)
+            if isinstance(q, Quantizer):
+                held[index] = q
+        return held
 
     def _drop_quantizers(self) -> None:
         """Forget the built quantizers and what was quantized with them (the next forward builds
@@ -449,26 +517,41 @@ class QuantizedModule(nn.Module):
     def _restore_loaded_state(self, built: dict[str, list[Quantizer]]) -> None:
         """Apply a state loaded before the quantizers existed to the ones just built."""
         if self._loaded_state is not None:
-            self._apply_quantizer_state(self._loaded_state, built)
-            self._loaded_state = None
+            self._apply_quantizer_state(self._loaded_state, built, self._loaded_applied or {})
+            self._loaded_state, self._loaded_applied = None, None
 
-    def _apply_quantizer_state(self, state: dict, built: dict[str, list[Quantizer]]) -> None:
+    def _apply_quantizer_state(self, state: dict, built: dict[str, list[Quantizer]],
+                               applied: dict[str, Quantizer]) -> None:
         """Check that ``state`` was saved from quantizers like ``built`` (per slot and set: class
-        names and formats), then set each one's state; all or nothing."""
+        names and formats), then set each one's state; all or nothing. A built quantizer that
+        is the one ``applied`` names for its entry (a held weight's, set at load) keeps the
+        state it has: it may have moved since the load."""
         who, saved = self._who(), state["quantizers"]
         names = {f"{slot}.{i}": q for slot, qs in built.items() for i, q in enumerate(qs)}
         if set(saved) != set(names):
             raise ValueError(f"{who}: the loaded quantizer state has the slots / sets {sorted(saved)}, "
                              f"this module builds {sorted(names)}; load it into a module of the same shape.")
+        self._check_saved_kinds(saved, names, "the active recipe builds")
+        self._set_quantizer_states(saved, {name: q for name, q in names.items() if applied.get(name) is not q})
+
+    def _check_saved_kinds(self, saved: dict, names: dict[str, Quantizer], whose: str) -> None:
+        """Each quantizer of ``names`` is of the class and formats its entry of ``saved`` was
+        saved from; ``whose`` says where the quantizer comes from, for the error."""
+        who = self._who()
         for name, q in names.items():
             slot, index = name.rsplit(".", 1)
             mine, theirs = _describe(q), {k: saved[name].get(k) for k in ("kind", "format")}
             if mine != theirs:
                 raise ValueError(
                     f"{who}: slot {slot!r} (quantizer set {index}): the loaded state was saved from "
-                    f"{theirs['kind']} [{theirs['format']}], the active recipe builds {mine['kind']} "
+                    f"{theirs['kind']} [{theirs['format']}], {whose} {mine['kind']} "
                     f"[{mine['format']}]. Run under the recipe the checkpoint was saved with, or drop "
                     "this module's '_extra_state' entry to start its quantizers fresh.")
+
+    def _set_quantizer_states(self, saved: dict, names: dict[str, Quantizer]) -> None:
+        """Set each quantizer of ``names`` to its entry of ``saved`` (each state's keys and
+        shapes checked by the quantizer); all or nothing."""
+        who = self._who()
         before = {name: q.get_state() for name, q in names.items()}
         try:
             for name, q in names.items():
