@@ -244,21 +244,33 @@ def count_params(cfg: TrainConfig, vocab_size: int) -> int:
         return GPT(mcfg).num_params()
 
 
-def _quantizer_states(model: torch.nn.Module, recipe: Recipe) -> list[dict[str, Any]]:
+def _quantizer_states(model: torch.nn.Module, recipe: Recipe, group: Optional[Any] = None) -> list[dict[str, Any]]:
     """``Quantizer.get_state()`` of every quantizer of ``model``'s hybridfp modules for
-    ``recipe``, in module order (copies: the live state may move on)."""
-    state = AutocastState(recipe)
+    ``recipe`` under ``autocast(amax_reduction_group=group)``, in module order (copies: the live
+    state may move on). ``group`` must be the training regions' (:func:`amax_group`): the
+    modules key their quantizers on it, and another one rebuilds them fresh."""
+    state = AutocastState(recipe, group)
     return [q.get_state() for m in model.modules() if isinstance(m, QuantizedModule)
             for qs in m.quantizers(state).values() for q in qs]
 
 
-def _set_quantizer_states(model: torch.nn.Module, recipe: Recipe, saved: list[dict[str, Any]]) -> None:
-    """Inverse of :func:`_quantizer_states` (same model, same recipe)."""
-    state = AutocastState(recipe)
-    live = [q for m in model.modules() if isinstance(m, QuantizedModule)
-            for qs in m.quantizers(state).values() for q in qs]
+def _set_quantizer_states(model: torch.nn.Module, recipe: Recipe, saved: list[dict[str, Any]],
+                          group: Optional[Any] = None) -> None:
+    """Inverse of :func:`_quantizer_states` (same model, recipe and group)."""
+    state = AutocastState(recipe, group)
+    modules = [m for m in model.modules() if isinstance(m, QuantizedModule)]
+    live = [q for m in modules for qs in m.quantizers(state).values() for q in qs]
     for q, s in zip(live, saved, strict=True):
         q.set_state(s)
+    for m in modules:
+        built = m.quantizers(state)["weight"]
+        if any(q.has_state() and built[i] is not q for i, q in m.held_weight_quantizers().items()):
+            # built here, outside a forward, while FSDP2 held the module's quantized primary
+            # weights sharded: it could not adopt their delayed-scaling quantizers, so no region
+            # end would update them and the training forwards, of the same key, would not build
+            # again. The module hands its state to its next forward instead, which builds the
+            # quantizers with the weights gathered and adopts those (they keep their own state).
+            m.set_extra_state(m.get_extra_state())
 
 
 def amax_group(model: torch.nn.Module, recipe: Recipe, par: Optional[Parallel]) -> Optional[Any]:
@@ -281,15 +293,32 @@ def amax_group(model: torch.nn.Module, recipe: Recipe, par: Optional[Parallel]) 
 
 @torch.no_grad()
 def evaluate(model: GPT, named: NamedRecipe, data: TokenData, cfg: TrainConfig,
-             par: Optional[Parallel] = None) -> float:
+             par: Optional[Parallel] = None, amax_reduction_group: Optional[Any] = None) -> float:
     """Mean loss over the fixed validation batches, with the recipe's quantized forward.
 
     Evaluation leaves the quantizers' state (delayed scaling's amax history and scale) as it
     found it, so a run's training trajectory does not depend on how often it is evaluated.
     Sharded (``par``): each rank scores its rows of every batch, the losses are averaged over
-    the ranks (a collective)."""
-    saved = _quantizer_states(model, named.recipe)
-    group = amax_group(model, named.recipe, par)
+    the ranks (a collective).
+
+    Parameters
+    ----------
+    model, named, data, cfg:
+        The model, its recipe, the data and the run's settings.
+    par:
+        The run's :class:`Parallel` (None: a single process).
+    amax_reduction_group:
+        The training regions' ``autocast(amax_reduction_group=...)`` (:func:`amax_group`,
+        computed once per run): the modules key their quantizers on it, so evaluating under
+        another one would rebuild them and drop the training state.
+
+    Returns
+    -------
+    float
+        The mean validation loss.
+    """
+    group = amax_reduction_group
+    saved = _quantizer_states(model, named.recipe, group)
     model.eval()
     losses = []
     # The validation batches do not depend on the run's seed: runs at several seeds (the noise
@@ -301,7 +330,7 @@ def evaluate(model: GPT, named: NamedRecipe, data: TokenData, cfg: TrainConfig,
             _, loss = model(x.to(cfg.device), y.to(cfg.device))
         losses.append(mean_over_ranks(loss.float(), par))
     model.train()
-    _set_quantizer_states(model, named.recipe, saved)
+    _set_quantizer_states(model, named.recipe, saved, group)
     return sum(losses) / len(losses)
 
 
@@ -502,7 +531,7 @@ def train_recipe(cfg: TrainConfig, named: NamedRecipe, data: TokenData, out_dir:
         else:
             ck = read_state(ckpt_path)
             _check_resumable(ck, ckpt_path, named, cfg)
-            load_sharded(ckpt_path, model, opt, par, lambda: _quantizer_states(model, named.recipe))
+            load_sharded(ckpt_path, model, opt, par, lambda: _quantizer_states(model, named.recipe, group))
         start, result.tokens, result.train_seconds = ck["step"], ck["tokens"], ck["train_seconds"]
         if main:
             metrics.truncate(named.label, start)
@@ -511,7 +540,7 @@ def train_recipe(cfg: TrainConfig, named: NamedRecipe, data: TokenData, out_dir:
         if main:
             metrics.truncate(named.label, -1)
         torch.manual_seed(cfg.seed + 1)  # training randomness (stochastic rounding), per run
-        val = evaluate(model, named, data, cfg, par)
+        val = evaluate(model, named, data, cfg, par, group)
         if main:
             first: dict[str, Any] = {"step": 0, "recipe": named.label, "val_loss": val, "elapsed": 0.0}
             if data.fingerprint:  # the corpus this run read: reports refuse to compare runs of two corpora
@@ -554,7 +583,7 @@ def train_recipe(cfg: TrainConfig, named: NamedRecipe, data: TokenData, out_dir:
         if model.last_aux_loss is not None:
             rec["aux_loss"] = mean_over_ranks(model.last_aux_loss, par)
         if done % cfg.eval_interval == 0 or done == cfg.steps:
-            rec["val_loss"] = evaluate(model, named, data, cfg, par)
+            rec["val_loss"] = evaluate(model, named, data, cfg, par, group)
         if main:
             metrics.append(rec)
         bar.set_postfix_str(f"loss {train_loss:.3f}, {tps_ema:,.0f} tok/s"
