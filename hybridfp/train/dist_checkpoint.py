@@ -23,7 +23,7 @@ import pickle
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -92,8 +92,14 @@ def _renamed(msd: dict, osd: dict, rename: Callable[[str], str]) -> tuple[dict, 
 
 
 def save_sharded(path: Path, model: nn.Module, opt: torch.optim.Optimizer, info: dict[str, Any],
-                 par: Parallel) -> None:
+                 par: Parallel, amax_reduction_group: Optional[Any] = None) -> None:
     """Write the sharded checkpoint ``path`` (a collective: every rank calls it).
+
+    Delayed scaling's amaxes recorded since the last region end (the output gradients' of the
+    last backward) are each rank's own until the next region end reduces them, while the
+    checkpoint holds one copy of the quantizers' state: they are all-reduced (MAX) first, so
+    that copy is every rank's. The next region end's reduction of maxima then changes nothing:
+    the run goes on as it would without the save.
 
     Parameters
     ----------
@@ -105,6 +111,9 @@ def save_sharded(path: Path, model: nn.Module, opt: torch.optim.Optimizer, info:
         step, tokens, train_seconds, recipe, config (plain data, rank 0's are written).
     par:
         The run's :class:`Parallel`.
+    amax_reduction_group:
+        The training regions' ``autocast(amax_reduction_group=...)`` (``loop.amax_group``;
+        None: the recipe keeps no state, or ``--tp``, whose model reduces over every rank).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -112,6 +121,10 @@ def save_sharded(path: Path, model: nn.Module, opt: torch.optim.Optimizer, info:
     if par.tp > 1:  # every rank's delayed-scaling state the global one (tensor_parallel.py)
         from .tensor_parallel import reduce_pending_amaxes_all
         reduce_pending_amaxes_all(model)
+    elif amax_reduction_group is not None:
+        from ..quantizers.base import reduce_pending_amaxes
+        from .tensor_parallel import stateful_quantizers
+        reduce_pending_amaxes(stateful_quantizers(model), amax_reduction_group)
     with masters_in_place(model, opt) as torch_opt:  # --ep: separate FP32 masters saved as the weights
         msd, osd = _renamed(*get_state_dict(model, torch_opt), _expert_names(model, par))
     if par.tp > 1:  # the q/k/v (gate/up) rows in one process's order: resumable at any --tp

@@ -600,7 +600,7 @@ def train_recipe(cfg: TrainConfig, named: NamedRecipe, data: TokenData, out_dir:
                 save_checkpoint(ckpt_path, {**info, "model": model.state_dict(), "optimizer": opt.state_dict(),
                                             "rng": rng_state()})
             else:
-                save_sharded(ckpt_path, model, opt, info, par)
+                save_sharded(ckpt_path, model, opt, info, par, group)
     bar.close()
     result.records = metrics.read(named.label) if main else []
     result.emulated = emulated_pairs(model, named, cfg.device, DTYPES[cfg.dtype])
