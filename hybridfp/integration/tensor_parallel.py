@@ -31,6 +31,7 @@ output: ``Shard(-1)``).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
@@ -46,10 +47,11 @@ from ..nn.layernorm_linear import normalize
 from ..nn.layernorm_mlp import _GATED, activate
 from ..nn.weight_cache import check_is_first_microbatch
 from ..recipes import current_autocast
-from .tensor_parallel_comm import CopyToParallel, GatherRows, ReduceFromParallel, ReduceScatterRows
+from .tensor_parallel_comm import (CopyToParallel, GatherRows, ReduceFromParallel, ReduceScatterRows,
+                                   all_gather_count)
 from .tensor_parallel_linear import (COLUMN, ROW, ParallelGemm, ParallelLinearFunction, WeightShard,
-                                     check_split, flat_rows, is_quantized, set_amax_groups)
-from .tensor_parallel_primary import primary_shard, shard_primary
+                                     check_split, flat_rows, is_quantized, local_weight, set_amax_groups)
+from .tensor_parallel_primary import is_tensor_parallel_primary, primary_shard, shard_primary
 
 
 def _seq_dim(layout: Any, what: str) -> Optional[int]:
@@ -90,8 +92,8 @@ class _Plan:
 
     def _check_rows(self, x: torch.Tensor, spec: ParallelGemm) -> None:
         """Sequence parallel: each rank's rows must be one contiguous block of the flattened
-        rows (the dims before the sequence dim of size 1), and a reduce-scatter needs the
-        sequence to split evenly."""
+        rows (the dims before the sequence dim of size 1); a reduce-scatter needs the sequence
+        to split evenly, and a gather needs every rank to hold as many rows as the others."""
         d = self.seq_dim % x.dim()
         if d == x.dim() - 1 or any(s != 1 for s in x.shape[:d]):
             raise NotImplementedError(
@@ -101,6 +103,18 @@ class _Plan:
         if spec.kind == ROW and x.shape[d] % self.world:
             raise ValueError(f"{spec.who}: the sequence length {x.shape[d]} does not split evenly over "
                              f"{self.world} tensor-parallel ranks; pad it to a multiple of {self.world}.")
+        if spec.kind == COLUMN:
+            # the gathers take equal parts from every rank (else a collective fails on one rank
+            # and leaves the others waiting): every rank compares all the counts, so all raise
+            # alike, before any other collective of this layer
+            rows = math.prod(x.shape[:-1])
+            counts = all_gather_count(rows, self.group, x.device)
+            if any(c != rows for c in counts):
+                raise ValueError(
+                    f"{spec.who}: sequence parallelism gathers every rank's rows of the input, so each "
+                    f"rank must hold the same number of rows; the {self.world} tensor-parallel ranks hold "
+                    f"{counts} rows (this rank's input has shape {tuple(x.shape)}, the sequence along dim "
+                    f"{d}). Pad the sequence to a multiple of {self.world} before splitting it.")
 
     def _output(self, y: torch.Tensor, sharded_last: bool) -> torch.Tensor:
         if self.use_local_output:
@@ -120,6 +134,10 @@ class _Plan:
              bias: Optional[nn.Parameter], state: Any, is_first_microbatch: Optional[bool]) -> torch.Tensor:
         """GEMM set ``index`` on the local input ``x`` [..., K_local]; the local output."""
         spec = self.specs[index]
+        # first, before any autograd view of the local tensor exists: an in-place write of the
+        # DTensor since the last call moves the local tensor's version counter here (the weight
+        # cache keys on it), and autograd refuses a view whose base was so written after it
+        local = None if is_tensor_parallel_primary(weight) else local_weight(weight)
         w_local = weight.to_local()
         b_local = bias.to_local() if bias is not None else None
         k_local = w_local.shape[1]
@@ -140,7 +158,7 @@ class _Plan:
             # a quantized primary weight: the GEMMs read its quantized shard, the gradient goes to
             # its FP32 master shard (w_local)
             held = primary_shard(weight, lc.weight_q)
-            source = held if held is not None else weight._local_tensor
+            source = held if held is not None else local
             y2 = ParallelLinearFunction.apply(x2, w_local, b_local, lc, spec, WeightShard(source))
         return y2.reshape(self._out_shape(x, factor, y2.shape[-1]))
 
@@ -153,8 +171,13 @@ class _Plan:
             xf = GatherRows.apply(x2, self.group) if self.sp else CopyToParallel.apply(x2, self.group)
             return F.linear(xf, w, b)
         part = F.linear(x2, w)
-        y = ReduceScatterRows.apply(part, self.group) if self.sp else ReduceFromParallel.apply(part, self.group)
-        return y if b is None else y + b
+        if not self.sp:  # y and its gradient are whole on every rank: so is the bias gradient
+            y = ReduceFromParallel.apply(part, self.group)
+            return y if b is None else y + b
+        # each rank adds the replicated bias to its own rows only: its gradient on a rank is that
+        # rank's rows' sum, summed over the group in backward (as the quantized path does)
+        y = ReduceScatterRows.apply(part, self.group)
+        return y if b is None else y + CopyToParallel.apply(b, self.group)
 
     def _check(self, state: Any, lc: Any, spec: ParallelGemm, x2: torch.Tensor, w: torch.Tensor,
                halves: bool = False) -> None:

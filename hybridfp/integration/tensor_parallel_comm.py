@@ -37,6 +37,31 @@ def all_gather_rows(t: torch.Tensor, group: Any) -> torch.Tensor:
     return out
 
 
+def all_gather_count(n: int, group: Any, device: torch.device) -> list[int]:
+    """Every rank's ``n`` over ``group``, in rank order (one small all-gather on ``device``,
+    the device the group's collectives run on; a host read follows).
+
+    Parameters
+    ----------
+    n:
+        This rank's count.
+    group:
+        The process group.
+    device:
+        Where the collective runs (the activations' device).
+
+    Returns
+    -------
+    list[int]
+        The ranks' counts, the same list on every rank.
+    """
+    world = dist.get_world_size(group)
+    mine = torch.tensor([n], dtype=torch.int64, device=device)
+    out = torch.empty(world, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(out, mine, group=group)
+    return out.tolist()
+
+
 def reduce_scatter_rows(t: torch.Tensor, group: Any) -> torch.Tensor:
     """``t`` [world * m, ...] summed over ``group``; this rank's rows [m, ...] of the sum."""
     world = dist.get_world_size(group)

@@ -135,12 +135,49 @@ def set_amax_groups(lc: LinearContext, spec: ParallelGemm) -> None:
         q.set_amax_reduction_group(spec.group if reduce[id(q)] else None)
 
 
+#: the attribute of a tensor-parallel weight Parameter (a DTensor) holding its version counter
+#: as :func:`local_weight` last saw it
+_SEEN_VERSION_ATTR = "_hybridfp_tp_seen_version"
+
+
+def local_weight(param: torch.Tensor) -> torch.Tensor:
+    """The local tensor of DTensor weight ``param``, for the quantized-weight cache: the same
+    object at every call, its version counter moved on when ``param`` was written in place
+    since the previous call.
+
+    An in-place op on a DTensor (an optimizer step, a ``load_state_dict`` copy, ``nn.init``)
+    writes the local tensor below autograd, so only the DTensor's version counter moves; the
+    cache keys on the local tensor's (``nn/weight_cache.py``) and would keep serving the codes
+    of the weight as it was inside ``weight_caching()`` or with ``is_first_microbatch=False``.
+    Moving the local counter also tells autograd that the values it may have saved changed.
+
+    Parameters
+    ----------
+    param:
+        A tensor-parallel weight Parameter (a DTensor), not a quantized primary weight.
+
+    Returns
+    -------
+    torch.Tensor
+        ``param``'s local tensor.
+    """
+    local = param._local_tensor  # type: ignore[attr-defined]
+    now = param._version
+    seen = getattr(param, _SEEN_VERSION_ATTR, None)
+    # an inference tensor has no version counter (nor does the cache read one from it)
+    if seen is not None and seen != now and not local.is_inference():
+        torch.autograd.graph.increment_version(local)
+    setattr(param, _SEEN_VERSION_ATTR, now)
+    return local
+
+
 @dataclass
 class WeightShard:
     """The rank's weight shard as the quantized-weight cache sees it: ``source`` is the same
-    tensor object at every call (the DTensor's local tensor), so the cache's identity and
-    version rule holds (``nn/weight_cache.py``); the autograd input is its differentiable view.
-    For a quantized primary weight ``source`` is its quantized shard, read as it is."""
+    tensor object at every call (the DTensor's local tensor, from :func:`local_weight`, whose
+    version counter follows the DTensor's in-place writes), so the cache's identity and version
+    rule holds (``nn/weight_cache.py``); the autograd input is its differentiable view. For a
+    quantized primary weight ``source`` is its quantized shard, read as it is."""
 
     source: torch.Tensor
 

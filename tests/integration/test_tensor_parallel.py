@@ -29,9 +29,10 @@ relative tolerance — is a few such flips among the ~8K elements of a layer; a
 wrong scale, a missing reduction or a misplaced shard moves a parameter by far more (the
 whole quantization error, ~6 % for FP8 and ~25 % for NVFP4 of the update, in every element).
 
-The SP all-gathers are counted: the forward sends fc1's input as its quantized rowwise copy
-(FP8: 1 byte an element, 0.5x BF16; MXFP8 1 + 1/32; NVFP4 0.5 + 1/16), the backward fc2's dy
-as its rowwise and its columnwise copies and fc1's input as its columnwise copy.
+The SP all-gathers are counted: the forward sends fc1's local row count (one int64: every rank
+checks that all hold as many rows) and then fc1's input as its quantized rowwise copy (FP8: 1
+byte an element, 0.5x BF16; MXFP8 1 + 1/32; NVFP4 0.5 + 1/16), the backward fc2's dy as its
+rowwise and its columnwise copies and fc1's input as its columnwise copy.
 """
 
 from __future__ import annotations
@@ -281,7 +282,7 @@ def test_tensor_parallel_trains_like_one_process(world, tmp_path):
             assert worst[1] <= bound, f"{what} rank {rank}: parameter {worst[0]} rel error {worst[1]}"
             if sp:  # one quantized copy of a rank's [ROWS / world, H] rows per all-gather
                 x_row, x_col, dy_row, dy_col = (math.ceil(ROWS // world * H * b) for b in GATHER_BYTES[recipe])
-                want = [[x_row], sorted([x_col, dy_row, dy_col])]
+                want = [[8, x_row], sorted([x_col, dy_row, dy_col])]  # 8: the row count, int64
                 assert res["gathered"] == want, f"{what} rank {rank}: all-gathers sent {res['gathered']} bytes"
                 assert max(x_row, x_col, dy_row, dy_col) <= 0.52 * (ROWS // world * H * 2)  # BF16: 2 bytes
             else:

@@ -27,6 +27,11 @@ def _mlp(fc1: nn.Module | None = None) -> nn.Sequential:
     return nn.Sequential(fc1 or hf.Linear(H, F, name="fc1"), nn.GELU(), hf.Linear(F, H, name="fc2"))
 
 
+def _layernorm_mlp() -> hf.LayerNormMLP:
+    torch.manual_seed(0)
+    return hf.LayerNormMLP(H, F, name="mlp")
+
+
 def _row_scaled_input(role):
     """Row-scaled NVFP4 forward for the inputs (one amax per row), MXFP8 elsewhere."""
     if role.tensor_type == "input":
@@ -94,20 +99,54 @@ def _cases(rank: int, world: int) -> dict:
         parallelize_module(m, mesh, plan)
     out["quantized_init"] = _error(quantized_weights)
 
-    # high precision outside autocast, with and without sequence parallelism, against one process
+    # column-parallel sequence parallel with unequal local rows (an odd sequence split in two):
+    # every rank refuses it alike, before any gather
+    uneven = torch.randn(3 if rank == 0 else 2, 1, H, generator=torch.Generator().manual_seed(2))
+    for name, recipe in (("uneven_hp", None), ("uneven_fp8", hf.Float8CurrentScaling())):
+        col = parallelize_module(hf.Linear(H, F, name="fc1"), mesh, hf.ColwiseParallel(input_layouts=Shard(0)))
+        out[name] = _error(lambda: col(uneven) if recipe is None else run(col, recipe, uneven))
+
+    # high precision outside autocast, with and without sequence parallelism, against one process:
+    # every parameter's gradient (the replicated biases and norm parameters too)
     rows = slice(rank * 32, (rank + 1) * 32)
-    for name, p, sp in (("hp", plan, False), ("hp_sp", sp_plan, True)):
-        ref = _mlp()
+    seq = torch.randn(64, 1, H, generator=torch.Generator().manual_seed(3))
+    for name, make, p, sp, inp in (
+            ("hp", _mlp, plan, False, x), ("hp_sp", _mlp, sp_plan, True, x),
+            ("hp_sp_mlp", _layernorm_mlp, hf.LayerNormMLPParallel(sequence_parallel=True), True, seq)):
+        ref = make()
         tp = parallelize_module(copy.deepcopy(ref), mesh, p)
-        xr, xt = x.clone().requires_grad_(), (x[rows] if sp else x).clone().requires_grad_()
+        xr, xt = inp.clone().requires_grad_(), (inp[rows] if sp else inp).clone().requires_grad_()
         yr, yt = ref(xr), tp(xt)
         yr.square().sum().backward()
         yt.square().sum().backward()
         want_y, want_dx = (yr[rows], xr.grad[rows]) if sp else (yr, xr.grad)
         rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
-        out[name] = [rel(yt, want_y), rel(xt.grad, want_dx),
-                     rel(tp[0].weight.grad.full_tensor(), ref[0].weight.grad),
-                     rel(tp[2].weight.grad.full_tensor(), ref[2].weight.grad)]
+        grads = dict(ref.named_parameters())
+        out[name] = {"y": rel(yt, want_y), "dx": rel(xt.grad, want_dx),
+                     **{n: rel(q.grad.full_tensor(), grads[n].grad) for n, q in tp.named_parameters()}}
+
+    # cached quantized weight shards follow in-place writes of the DTensor parameters (an
+    # optimizer step writes the DTensor, not its local tensor's version counter)
+    recipe = hf.Float8CurrentScaling()
+    m = parallelize_module(_mlp(), mesh, plan)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with hf.weight_caching():
+        with hf.autocast(recipe=recipe):
+            m(x).square().sum().backward()
+        opt.step()
+        with hf.autocast(recipe=recipe):
+            scoped = m(x)
+    with hf.autocast(recipe=recipe):  # a region of its own: the weights quantized anew
+        fresh = m(x)
+    out["scoped_step"] = bool(torch.equal(scoped, fresh))
+    with hf.autocast(recipe=recipe):
+        m[2](m[1](m[0](x, is_first_microbatch=True)), is_first_microbatch=True).square().sum().backward()
+    opt.step()
+
+    def kept_after_step():
+        with hf.autocast(recipe=recipe):
+            m[2](m[1](m[0](x, is_first_microbatch=False)), is_first_microbatch=False)
+    out["kept_after_step"] = _error(kept_after_step)
 
     # DTensor outputs (use_local_output=False); kept weight copies across regions (is_first_microbatch)
     m = parallelize_module(_mlp(), mesh, {"0": hf.ColwiseParallel(use_local_output=False),
@@ -147,6 +186,9 @@ def results(tmp_path_factory):
     ("row_scaled", "ValueError", ["row_scaled_nvfp4", "input"]),
     ("placement", "ValueError", ["placed", "Redistribute"]),
     ("quantized_init", "ValueError", ["fc1.weight", "quantized primary weight", "blocked every 128 rows"]),
+    ("uneven_hp", "ValueError", ["Linear fc1", "[3, 2] rows", "same number of rows", "multiple of 2"]),
+    ("uneven_fp8", "ValueError", ["Linear fc1", "[3, 2] rows", "same number of rows", "multiple of 2"]),
+    ("kept_after_step", "RuntimeError", ["fc1", "is_first_microbatch=False", "changed in place"]),
 ])
 def test_unsupported_layouts_raise_clear_errors(results, case, kind, words):
     for got_kind, msg in (r[case] for r in results):
@@ -159,8 +201,27 @@ def test_high_precision_outside_autocast_matches_one_process(results):
     # unquantized: the only difference is the FP32 summation order of the split GEMMs and the
     # collectives' sums: 2 γ(K) Σ|a b| with K <= 128 (~1.6e-5 relative to Σ|a b|)
     for r in results:
-        for name in ("hp", "hp_sp"):
-            assert max(r[name]) <= 1e-5, f"{name}: relative errors (y, dx, dW1, dW2) {r[name]}"
+        for name in ("hp", "hp_sp", "hp_sp_mlp"):
+            got = {k: v for k, v in r[name].items() if k in ("y", "dx") or k.endswith("weight")}
+            assert max(got.values()) <= 1e-5, f"{name}: relative errors {got}"
+
+
+def test_high_precision_sequence_parallel_sums_replicated_gradients(results):
+    """Each rank adds the row-parallel bias to its own rows only: the bias gradient is the sum
+    over every rank's rows, as the norm parameters' are (and so equal on every rank)."""
+    for r in results:
+        for name, params in (("hp", ("0.bias", "2.bias")), ("hp_sp", ("0.bias", "2.bias")),
+                             ("hp_sp_mlp", ("mlp.fc1_bias", "mlp.fc2_bias", "mlp.layer_norm_weight",
+                                            "mlp.layer_norm_bias"))):
+            got = {k: r[name][k.removeprefix("mlp.")] for k in params}
+            assert max(got.values()) <= 1e-5, f"{name}: relative errors of the gradients {got}"
+
+
+def test_cached_weight_shards_follow_an_optimizer_step(results):
+    """An optimizer step writes the DTensor parameters in place: inside weight_caching() the
+    next region quantizes the new shards (as a fresh region does), and a kept copy is refused."""
+    for r in results:
+        assert r["scoped_step"]
 
 
 def test_dtensor_outputs_and_kept_weight_copies(results):
