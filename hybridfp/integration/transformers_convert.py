@@ -19,7 +19,7 @@ from torch import nn
 from ..nn import convert as convert_linears
 from ..nn.base import QuantizedModule
 from .export import EXTRA_STATE_SUFFIX
-from .transformers_moe import experts_to_grouped, fused_experts_layout
+from .transformers_moe import experts_to_grouped, fused_experts_layout, routed_experts_call
 
 ModuleFilter = Callable[[str, nn.Module], bool]
 
@@ -171,7 +171,9 @@ def unconverted_weights(model: nn.Module, module_filter: Optional[ModuleFilter] 
             else:
                 deliberate = False
                 reason = fused_experts_layout(m)[1]
-                if reason:
+                if reason and routed_experts_call(m):
+                    why = f"3-D experts weights hybridfp does not convert: {reason}"
+                elif reason:
                     why = f"MoE experts in a layout hybridfp does not convert: {reason}"
                 elif isinstance(m, nn.Linear):
                     why = f"{type(m).__name__} subclasses nn.Linear; convert replaces exact nn.Linear modules only"
@@ -198,7 +200,9 @@ def convert(model: nn.Module, module_filter: Optional[ModuleFilter] = None, *, l
       [E, H, I] Parameters: Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3, ...) run through two
       ``GroupedLinear`` that read the same Parameters (:func:`experts_to_grouped`; roles
       module_type "grouped_linear", names ``<experts>.gate_up_proj`` / ``<experts>.down_proj``);
-      the model's router, gating and combine are kept.
+      the model's router, gating and combine are kept. Only routed experts, called
+      ``forward(hidden_states, top_k_index, top_k_weights)``, convert: modules with such
+      Parameters called otherwise (shared experts) stay in high precision and are listed.
     - Every ``nn.Linear`` (exactly that type) becomes a ``hybridfp.Linear`` holding the same
       Parameters (:func:`hybridfp.nn.convert`); ModuleList-of-Linear experts so run one
       ``Linear`` per expert.

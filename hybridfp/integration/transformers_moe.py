@@ -10,11 +10,15 @@ forward that groups the token-expert pairs by expert (ours), runs the gate-up GE
 model's own gating (``_apply_gate`` or ``act_fn(gate) * up``), the down GEMMs, and weights and
 combines the rows as the model's configured experts implementation does (``index_add_`` in
 expert order for "eager", the per-token sum over the top-k slots for "grouped_mm" /
-"batched_mm"). Nothing here imports transformers: the layout is recognised by its attributes.
+"batched_mm"). Nothing here imports transformers: the layout is recognised by its attributes,
+and a module is taken for routed experts only when its forward is called as theirs is; others
+with 3-D ``up_proj`` / ``down_proj`` Parameters (shared experts that every token runs, called
+``forward(hidden_states, gammas)``) stay as they are.
 """
 
 from __future__ import annotations
 
+import inspect
 import types
 from dataclasses import dataclass
 from typing import Optional
@@ -56,8 +60,50 @@ def _param(module: nn.Module, name: str) -> Optional[nn.Parameter]:
     return p if isinstance(p, nn.Parameter) else None
 
 
+def routed_experts_call(module: nn.Module) -> str:
+    """Why ``module`` is not called as routed experts are, or "" when it is.
+
+    transformers' routed experts run ``forward(hidden_states, top_k_index, top_k_weights)``
+    (the signature :func:`experts_to_grouped` gives the module); other modules with 3-D
+    ``up_proj`` / ``down_proj`` Parameters, such as shared experts that every token runs
+    (``forward(hidden_states, gammas)``), compute something else and stay as they are.
+
+    Parameters
+    ----------
+    module:
+        Any module.
+
+    Returns
+    -------
+    str
+        "" when ``module.forward`` takes three positional arguments (or any number, or its
+        signature cannot be read); else the reason, naming the signature.
+
+    Example
+    -------
+    >>> import torch
+    >>> from hybridfp.integration.transformers_moe import routed_experts_call
+    >>> class Shared(torch.nn.Module):
+    ...     def forward(self, hidden_states, gammas):
+    ...         return hidden_states
+    >>> routed_experts_call(Shared()).split(";")[0]
+    "Shared.forward(hidden_states, gammas) is not the routed experts' forward(hidden_states, top_k_index, top_k_weights)"
+    """
+    try:
+        signature = inspect.signature(module.forward)
+    except (TypeError, ValueError):  # a forward without a readable signature: nothing to go by
+        return ""
+    try:
+        signature.bind(None, None, None)
+    except TypeError:
+        return (f"{type(module).__name__}.forward{signature} is not the routed experts' "
+                "forward(hidden_states, top_k_index, top_k_weights); hybridfp converts routed experts "
+                "only (shared experts, which every token runs, stay in high precision)")
+    return ""
+
+
 def fused_experts_layout(module: nn.Module) -> tuple[Optional[FusedExpertsLayout], str]:
-    """Whether ``module`` holds transformers-style fused experts, and why not.
+    """Whether ``module`` holds transformers-style fused routed experts, and why not.
 
     Parameters
     ----------
@@ -68,8 +114,10 @@ def fused_experts_layout(module: nn.Module) -> tuple[Optional[FusedExpertsLayout
     -------
     tuple
         ``(layout, "")`` for a convertible experts module; ``(None, reason)`` for one that holds
-        3-D ``gate_up_proj`` / ``up_proj`` and ``down_proj`` Parameters in a layout hybridfp does
-        not convert (the reason names it); ``(None, "")`` for any other module.
+        3-D ``gate_up_proj`` / ``up_proj`` and ``down_proj`` Parameters that hybridfp does not
+        convert (the reason names why: a layout it does not take, a forward that is not routed
+        experts' (:func:`routed_experts_call`), another 3-D Parameter the converted forward
+        would not read); ``(None, "")`` for any other module.
 
     Example
     -------
@@ -87,6 +135,16 @@ def fused_experts_layout(module: nn.Module) -> tuple[Optional[FusedExpertsLayout
     up = _param(module, "gate_up_proj" if gated else "up_proj")
     if down is None or up is None or down.dim() != 3 or up.dim() != 3:
         return None, ""
+    not_routed = routed_experts_call(module)
+    if not_routed:
+        return None, not_routed
+    # a Parameter the converted forward would not read (a separate 3-D gate_proj beside up_proj)
+    # would silently drop out of the computation
+    read = ("gate_up_proj" if gated else "up_proj", "down_proj")
+    unread = sorted(n for n, p in module._parameters.items() if p is not None and p.dim() == 3 and n not in read)
+    if unread:
+        return None, (f"it also holds the 3-D Parameter(s) {unread}, which the converted forward would not "
+                      f"read; hybridfp converts {read[0]} with down_proj only")
     e, h, i = down.shape
     if getattr(module, "is_transposed", False) or tuple(up.shape) != (e, (2 if gated else 1) * i, h):
         return None, (f"experts weights {tuple(up.shape)} / {tuple(down.shape)} are not [E, out, in] "

@@ -178,6 +178,81 @@ class _ExpertMLP(nn.Module):
         return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
 
 
+class _SharedExperts(nn.Module):
+    """Shared experts every token runs (Inkling's layout): 3-D gate / up / down Parameters and
+    an act_fn like routed experts, but called forward(hidden_states, gammas)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.randn(2, 16, 8) * 0.1)
+        self.up_proj = nn.Parameter(torch.randn(2, 16, 8) * 0.1)
+        self.down_proj = nn.Parameter(torch.randn(2, 8, 16) * 0.1)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, hidden_states, gammas):
+        h = hidden_states.expand(2, -1, -1)
+        a = self.act_fn(torch.bmm(h, self.gate_proj.transpose(1, 2))) * torch.bmm(h, self.up_proj.transpose(1, 2))
+        return (torch.bmm(a * gammas.t().unsqueeze(-1), self.down_proj.transpose(1, 2))).sum(0)
+
+
+class _Routed(nn.Module):
+    """Routed experts with a separate 3-D gate_proj beside up_proj: converting up_proj / down_proj
+    alone would drop the gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Parameter(torch.zeros(2, 16, 8)), nn.Parameter(torch.zeros(2, 16, 8))
+        self.down_proj = nn.Parameter(torch.zeros(2, 8, 16))
+        self.act_fn = nn.SiLU()
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return hidden_states
+
+
+def test_shared_experts_stay_unconverted_and_are_listed():
+    from hybridfp.integration.transformers_moe import fused_experts_layout
+    block = nn.Module()
+    block.shared_experts = _SharedExperts()
+    x, gammas = torch.randn(5, 8), torch.rand(5, 2)
+    want = block.shared_experts(x, gammas)
+    _, caught = _record(lambda: hfp.convert(block))
+    assert "hybridfp_up" not in block.shared_experts._modules
+    assert torch.equal(block.shared_experts(x, gammas), want)  # still runs, as it did
+    text = str(caught[0].message)
+    for name, shape in (("gate_proj", [2, 16, 8]), ("up_proj", [2, 16, 8]), ("down_proj", [2, 8, 16])):
+        assert f"shared_experts.{name} {shape}: 3-D experts weights hybridfp does not convert: " \
+               "_SharedExperts.forward(hidden_states, gammas) is not the routed experts' " \
+               "forward(hidden_states, top_k_index, top_k_weights)" in text
+    layout, why = fused_experts_layout(_Routed())
+    assert layout is None and "['gate_proj']" in why and "would not read" in why
+    with pytest.raises(ValueError, match="shared_experts.down_proj"):
+        hfp.convert(block, strict=True)
+
+
+def test_hf_inkling_converts_routed_experts_only():
+    """Inkling holds routed experts (converted) and shared experts with 3-D up_proj / down_proj
+    (left in high precision, listed): the converted model runs."""
+    transformers = _hf()
+    if "inkling_text" not in transformers.CONFIG_MAPPING:
+        pytest.skip("this transformers has no Inkling")
+    config = transformers.AutoConfig.for_model(
+        "inkling_text", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=16, swa_num_attention_heads=2,
+        swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=8, rel_extent=16,
+        max_position_embeddings=32, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    _, caught = _record(lambda: hfp.convert(model))
+    mlp = model.model.layers[0].mlp
+    assert "hybridfp_up" in mlp.experts._modules and "hybridfp_up" not in mlp.shared_experts._modules
+    text = str(caught[0].message)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        assert f"model.layers.0.mlp.shared_experts.{name} [2, 32, 32]: 3-D experts weights" in text
+    with torch.no_grad():
+        assert model(torch.randint(0, 64, (1, 8))).logits.shape == (1, 8, 64)
+
+
 def test_module_list_experts_run_one_linear_per_expert():
     block = nn.Module()
     block.gate = nn.Linear(8, 4, bias=False)
