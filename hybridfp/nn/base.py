@@ -175,8 +175,9 @@ class QuantizedModule(nn.Module):
         of a recorded call (``nn/recompute.py``), is a recomputation hybridfp did not recognise
         (a checkpoint nested in another's recomputation, another recompute scheme): it would
         silently give high-precision gradients, so say so instead."""
-        if (self._quantizers and torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
-                and not recompute.in_replay()):
+        # a compiled graph is traced, not run during a backward: Dynamo cannot trace the task id
+        if (self._quantizers and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+                and torch._C._current_graph_task_id() != -1 and not recompute.in_replay()):
             raise RuntimeError(
                 f"{type(self).__name__} {self.name}: forward run during backward outside "
                 "hybridfp.autocast and not as a recognised torch.utils.checkpoint recomputation "
