@@ -202,8 +202,24 @@ class QuantizedModule(nn.Module):
         record = recompute.record_call(self, current_autocast(), current_policy())
         out = super().__call__(*args, **kwargs)
         if record is not None and record.state is not None:
+            self._refuse_random_forward_under_checkpoint()
             record.quantizers = _replay_copies(self._quantizers)
         return out
+
+    def _refuse_random_forward_under_checkpoint(self) -> None:
+        """A forward quantizer that rounds stochastically cannot be replayed draw for draw by a
+        recomputation yet: a weight the recomputation finds cached skips its draw and shifts every
+        later one, and torch restores its own RNG state, not a quantizer's own generator. The
+        recomputed forward would then differ from the one the loss came from, silently."""
+        for slot in FORWARD_SLOTS:
+            for q in self._quantizers.get(slot, ()):
+                if q.uses_randomness():
+                    raise NotImplementedError(
+                        f"{type(self).__name__} {self.name}: its {slot} quantizer ({type(q).__name__}) "
+                        "rounds stochastically in the forward, which a torch.utils.checkpoint "
+                        "recomputation does not replay draw for draw. Round the forward roles to "
+                        "nearest in this recipe (stochastic rounding of gradients is fine), or leave "
+                        "this module out of the checkpointed segment.")
 
     # ------------------------------------------------------------------ quantizers
     def role(self, tensor_type: str) -> QuantizerRole:
