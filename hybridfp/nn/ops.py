@@ -19,10 +19,18 @@ module and call signature.
 
 The traced wrapper passes the module as ``id(module)`` (the registry below maps it back; a
 module registers itself when made or unpickled) and the configuration (recipe, decoded-copies
-policy) as a string, so Dynamo guards on it and a change recompiles. The backward op reads
-the context (quantizers, options) of the module's latest forward of that GEMM set, as the
-eager function reads the one its forward held: the same objects unless the recipe changed
-between a forward and its backward.
+policy) as a string, so Dynamo guards on it and a change recompiles; a recipe is keyed by value
+where ``Recipe.key`` compares by value (an equal ``CustomRecipe(per_gemm(...))`` made each step
+reuses the graph). Each forward op call also returns a one-element CPU tensor carrying what its
+backward needs besides tensors: the GEMM set's context (quantizers, options) and the policy the
+forward ran under. Autograd saves it with the copies and hands it to the backward op, which
+runs under that context and policy, as the eager function's backward reads its ``ctx``: a
+forward under another recipe or policy in between changes nothing.
+
+The shared input quantization (``nn/shared_input.py``) is not used inside the ops: its memo
+recognises an input by storage, shape and version counter, and inductor writes a later value
+into a dead intermediate's buffer without bumping the version, so the memo could hand out
+copies of the old value. Each op quantizes its own input (bitwise the shared copies).
 
 A quantized weight parameter (``quantized_model_init``) goes in as its payload tensors (Dynamo
 does not trace ``QuantizedTensor``); the op rebuilds it on them, so fprop reads what eager's
@@ -35,8 +43,11 @@ compiled calls (the module's ``__call__`` records nothing while traced), and ``G
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import math
+import types
 import weakref
 from typing import Any, Optional
 
@@ -44,15 +55,17 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import guard_int
 
-from ..config import current_policy
+from ..config import Policy, current_policy, use_policy
 from ..recipes import AutocastState, current_autocast
 from ..tensors import QuantizedTensor
+from .base import mark_not_offload
 from .linear_function import (LinearContext, LinearFunction, backward_gemms, bias_grad, forward_gemm,
                               torch_autocast_off)
 
 #: id(module) -> module, for the ops (which take plain values only); entries die with modules.
 _MODULES: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
-#: module -> {GEMM set index: its last forward's context (no region memo)} and the plan memo.
+#: module -> {GEMM set index: its latest forward's context, without the module}, read while
+#: tracing (the saved copies' plan); the plan memo.
 _CONTEXTS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 _PLANS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
@@ -79,7 +92,19 @@ def _module(key: int) -> Any:
 def config_key(state: AutocastState) -> str:
     """The configuration a compiled graph was traced for (Dynamo guards on it): the policy
     fields the quantizers depend on (decoded copies) and the recipe: a dataclass recipe's field
-    values, a ``CustomRecipe``'s factory object and options, else the recipe object."""
+    values, a ``CustomRecipe``'s factory (:func:`_object_key`) and options, else the recipe
+    object (:func:`_object_key`).
+
+    Parameters
+    ----------
+    state:
+        The active autocast region.
+
+    Returns
+    -------
+    str
+        Equal for configurations one graph serves.
+    """
     pol = current_policy()
     return repr((pol.decoded_copies, pol.decoded_unverified_on_cuda, _recipe_key(state.recipe)))
 
@@ -87,10 +112,39 @@ def config_key(state: AutocastState) -> str:
 def _recipe_key(recipe: Any) -> str:
     if not dataclasses.is_dataclass(recipe):
         factory = getattr(recipe, "qfactory", None)  # CustomRecipe: its factory and options
-        return repr((type(recipe).__name__, id(recipe if factory is None else factory),
+        return repr((type(recipe).__name__, _object_key(recipe if factory is None else factory),
                      getattr(recipe, "fprop_fast_accumulation", None), getattr(recipe, "backward_override", None)))
     return repr((type(recipe).__name__, tuple((f.name, repr(getattr(recipe, f.name)))
                                               for f in dataclasses.fields(recipe))))
+
+
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``value`` is data whose ``repr`` is its value (scalars, tuples, lists, dicts)."""
+    if isinstance(value, _SCALARS):
+        return True
+    if isinstance(value, (tuple, list)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(_plain(k) and _plain(v) for k, v in value.items())
+    return False
+
+
+def _object_key(obj: Any) -> Any:
+    """A factory (or non-dataclass recipe) as the module's quantizer key compares it
+    (``recipes.recipes._FactoryKey``): an object whose class defines ``__eq__`` (``per_gemm``,
+    ``PlanFactory``, an eq dataclass) by its class and attributes when they are plain data, so
+    an equal one made each step passes the guards (Dynamo guards on the values read here);
+    anything else by identity (functions; Dynamo drops a graph whose guarded object died, so a
+    new one at its address traces again)."""
+    cls = type(obj)
+    if cls.__eq__ is not object.__eq__ and cls.__dictoffset__ and not isinstance(obj, types.MethodType):
+        attrs = vars(obj)  # (a bound method would show its function's attributes: excluded above)
+        if _plain(attrs):
+            return (cls.__module__, cls.__qualname__, sorted(attrs.items()))
+    return ("id", id(obj))
 
 
 class _MetaWeights:
@@ -182,9 +236,64 @@ def _forward_context(module: Any, index: int, is_first_microbatch: int) -> Linea
                            "checkpoint without compiling, or compile without checkpointing hybridfp "
                            "modules. Otherwise the graph is stale: call torch._dynamo.reset().")
     ifm = None if is_first_microbatch < 0 else bool(is_first_microbatch)
-    lc = module.linear_context(state, index, ifm, grad_enabled=True)
-    _CONTEXTS.setdefault(module, {})[index] = dataclasses.replace(lc, scratch=None, region=None)
+    # no shared-input memo (see the module docstring): under inductor an input's buffer may
+    # hold another value at the same version by the time a later op would look it up
+    lc = dataclasses.replace(module.linear_context(state, index, ifm, grad_enabled=True), scratch=None)
+    # without the module: a weak-keyed entry whose value held its key would keep it alive
+    _CONTEXTS.setdefault(module, {})[index] = dataclasses.replace(lc, module=None, region=None)
     return lc
+
+
+#: The attribute of a forward op call's record tensor that holds its :class:`_CallRecord`.
+_RECORD = "_hybridfp_linear_call"
+_SERIALS = itertools.count(1)
+#: module -> {GEMM set index: {serial: record} of its latest _RECENT forward op calls}: the
+#: record of a call whose record tensor a saved-tensor hook handed back as a copy (see
+#: _read_record); enough for the forwards a pipeline or accumulation schedule keeps in flight.
+_RECENT_CALLS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_RECENT = 64
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _CallRecord:
+    """What one forward op call's backward needs besides tensors: its context (without the
+    module, which the backward op looks up by key: a record held in ``_RECENT_CALLS`` must not keep
+    its module alive) and the policy the forward ran under."""
+
+    lc: LinearContext
+    policy: Policy
+
+
+def _call_record(module: Any, index: int, lc: LinearContext) -> torch.Tensor:
+    """A one-element CPU tensor naming this call (a serial), carrying its context and the policy
+    now. Autograd saves it as it saves the copies, so the record lives as long as the graph that
+    may run this call's backward; on the CPU its value is read without a device sync. CPU offload
+    leaves it in place (a copy would lose the attribute)."""
+    serial = next(_SERIALS)
+    record = _CallRecord(dataclasses.replace(lc, module=None, region=None), current_policy())
+    token = torch.tensor([serial], dtype=torch.int64)
+    setattr(token, _RECORD, record)
+    mark_not_offload(token)
+    recent = _RECENT_CALLS.setdefault(module, {}).setdefault(index, collections.OrderedDict())
+    recent[serial] = record
+    if len(recent) > _RECENT:
+        recent.popitem(last=False)
+    return token
+
+
+def _read_record(module: Any, index: int, token: torch.Tensor) -> tuple[LinearContext, Policy]:
+    """The context (with its module) and policy of the forward call ``token`` names."""
+    record = getattr(token, _RECORD, None)
+    if record is None:  # a saved-tensor hook returned a copy (save_on_cpu(pin_memory=True)): its value names the call
+        record = _RECENT_CALLS.get(module, {}).get(index, {}).get(int(token.reshape(-1)[0]))
+        if record is None:
+            raise RuntimeError(
+                f"{module._who()}: the compiled backward of GEMM set {index} cannot find its forward's "
+                "context: a saved-tensor hook handed back a copy of the forward's record tensor (an "
+                f"int64 CPU tensor of one element), and the module ran more than {_RECENT} forwards "
+                "since. Keep that tensor in place in the hook (hybridfp.mark_not_offload marks it), "
+                "or run fewer forwards of the module before their backwards.")
+    return dataclasses.replace(record.lc, module=module), record.policy
 
 
 def _fresh(out: list[torch.Tensor], inputs: tuple) -> list[torch.Tensor]:
@@ -259,9 +368,9 @@ def _accumulate_held_grad(param: QuantizedTensor, dw: torch.Tensor) -> None:
 def linear_forward(x2: torch.Tensor, weight: torch.Tensor, weight_payloads: list[torch.Tensor],
                    bias: Optional[torch.Tensor], key: int, index: int, config: str, needs_dgrad: bool,
                    needs_wgrad: bool, is_first_microbatch: int, held: bool) -> list[torch.Tensor]:
-    """fprop of GEMM set ``index`` of module ``key``: [y, payloads backward reads]. ``held``: the
-    weight is the module's quantized parameter, rebuilt from ``weight_payloads`` (``weight`` is
-    then an empty stand-in)."""
+    """fprop of GEMM set ``index`` of module ``key``: [y, payloads backward reads, the call's
+    record (:func:`_call_record`)]. ``held``: the weight is the module's quantized parameter,
+    rebuilt from ``weight_payloads`` (``weight`` is then an empty stand-in)."""
     module = _module(key)
     lc = _forward_context(module, index, is_first_microbatch)
     if config != config_key(current_autocast()):  # type: ignore[arg-type]
@@ -279,6 +388,7 @@ def linear_forward(x2: torch.Tensor, weight: torch.Tensor, weight_payloads: list
                                "this call makes; call torch._dynamo.reset() to recompile.")
         if form == _PAYLOAD:
             out += _payloads(saved, skel, module)
+    out.append(_call_record(module, index, lc))
     return _fresh(out, (x2, weight, bias, *weight_payloads))
 
 
@@ -320,19 +430,21 @@ def _linear_forward_fake(x2, weight, weight_payloads, bias, key, index, config, 
     out = [x2.new_empty((xs[0], ws[0]))]
     for m in plan.x_meta + plan.w_meta:
         out.append(torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=x2.device))
+    out.append(torch.empty(1, dtype=torch.int64, device="cpu"))  # the call's record
     return out
 
 
 @torch.fx.node.has_side_effect  # a held weight's gradient is given to the parameter, not returned
 @torch.library.custom_op("hybridfp::linear_backward", mutates_args=())
-def linear_backward(dy2: torch.Tensor, saved: list[torch.Tensor], key: int, index: int, in_features: int,
-                    x_dtype: torch.dtype, w_dtype: torch.dtype, needs_dgrad: bool, needs_wgrad: bool,
-                    bias_grad_dtype: Optional[torch.dtype], held: bool) -> list[torch.Tensor]:
+def linear_backward(dy2: torch.Tensor, saved: list[torch.Tensor], record: torch.Tensor, key: int, index: int,
+                    in_features: int, x_dtype: torch.dtype, w_dtype: torch.dtype, needs_dgrad: bool,
+                    needs_wgrad: bool, bias_grad_dtype: Optional[torch.dtype], held: bool) -> list[torch.Tensor]:
     """dgrad / wgrad / bias grad of GEMM set ``index`` of module ``key``: the gradients asked
     for, in that order; a held (quantized parameter) weight's gradient is accumulated into the
-    parameter instead of returned."""
+    parameter instead of returned. ``record``: the forward call's record, whose context and
+    policy this backward runs with (as the eager backward re-enters its forward's)."""
     module = _module(key)
-    lc = _CONTEXTS[module][index]
+    lc, pol = _read_record(module, index, record)
     m, n = dy2.shape
     plan = _plan(lc, (m, in_features), x_dtype, (n, in_features), w_dtype, needs_dgrad, needs_wgrad, held)
     rest = list(saved)
@@ -345,7 +457,7 @@ def linear_backward(dy2: torch.Tensor, saved: list[torch.Tensor], key: int, inde
         sw = _held_weight(module, index, rest)
     elif plan.w_form != _NONE:
         sw = rest[0] if plan.w_form == _INPUT else _rebuild(plan.w_skel, rest)
-    with torch_autocast_off(dy2):
+    with use_policy(pol), torch_autocast_off(dy2):
         dx, dw = backward_gemms(dy2, sx, sw, lc, x_dtype, w_dtype, needs_dgrad, needs_wgrad)
         db = bias_grad(dy2, bias_grad_dtype) if bias_grad_dtype is not None else None
     if held and dw is not None:
@@ -355,8 +467,8 @@ def linear_backward(dy2: torch.Tensor, saved: list[torch.Tensor], key: int, inde
 
 
 @linear_backward.register_fake
-def _linear_backward_fake(dy2, saved, key, index, in_features, x_dtype, w_dtype, needs_dgrad, needs_wgrad,
-                          bias_grad_dtype, held):
+def _linear_backward_fake(dy2, saved, record, key, index, in_features, x_dtype, w_dtype, needs_dgrad,
+                          needs_wgrad, bias_grad_dtype, held):
     m, n = dy2.shape
     out = []
     if needs_dgrad:
@@ -371,7 +483,7 @@ def _linear_backward_fake(dy2, saved, key, index, in_features, x_dtype, w_dtype,
 def _setup_context(ctx: Any, inputs: tuple, output: list) -> None:
     x2, weight, payloads, bias, key, index, _config, needs_dgrad, needs_wgrad, _ifm, held = inputs
     module = _module(key)
-    lc = _CONTEXTS[module][index]
+    lc = dataclasses.replace(_CONTEXTS[module][index], module=module)
     ws, w_dtype = _weight_meta(module, index, weight, held)
     plan = _plan(lc, _sizes(x2), x2.dtype, ws, w_dtype, needs_dgrad, needs_wgrad, held)
     saved: list[torch.Tensor] = []
@@ -384,7 +496,7 @@ def _setup_context(ctx: Any, inputs: tuple, output: list) -> None:
         elif form == _PAYLOAD:
             saved += output[pos:pos + len(meta)]
             pos += len(meta)
-    ctx.save_for_backward(*saved)
+    ctx.save_for_backward(*saved, output[-1])  # the call's record last
     ctx.args = (key, index, guard_int(x2.shape[1]), x2.dtype, w_dtype, needs_dgrad, needs_wgrad,
                 bias.dtype if bias is not None and bias.requires_grad else None, held)
     ctx.n_payloads = len(payloads)
@@ -392,7 +504,8 @@ def _setup_context(ctx: Any, inputs: tuple, output: list) -> None:
 
 def _backward(ctx: Any, grads: list) -> tuple:
     key, index, in_features, x_dtype, w_dtype, needs_dgrad, needs_wgrad, bias_dtype, held = ctx.args
-    out = list(linear_backward(grads[0].contiguous(), list(ctx.saved_tensors), key, index, in_features,
+    *saved, record = ctx.saved_tensors
+    out = list(linear_backward(grads[0].contiguous(), saved, record, key, index, in_features,
                                x_dtype, w_dtype, needs_dgrad, needs_wgrad, bias_dtype, held))
     dx = out.pop(0) if needs_dgrad else None
     dw = out.pop(0) if needs_wgrad and not held else None  # held: given to the parameter (None here)

@@ -12,6 +12,10 @@ copies. An entry matches only the same elements (same storage, offset, shape, st
 the same version (an in-place write in between misses). It holds the source view, so the
 memory cannot be freed and reused at the same address while the entry lives; a miss drops the
 entry before quantizing, and the region's end drops it.
+
+Eager mode only: the ``torch.compile`` ops (``nn/ops.py``) pass no memo. Inductor plans its own
+buffers: once an intermediate is dead in the graph it writes another value into that buffer in
+place, without the version counter, so an entry keyed on it would match the new value.
 """
 
 from __future__ import annotations

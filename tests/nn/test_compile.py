@@ -4,12 +4,14 @@ The compiled calls run with ``backend="aot_eager"``: AOTAutograd traces forward 
 (the custom ops of hybridfp/nn/ops.py and the autograd around them) but runs each op as eager
 does, so the CPU executes the same arithmetic in the same order and bitwise equality is the
 right claim. Inductor would fuse and reorder the norms' FP32 reductions (another summation
-order: tests/README.md), so under inductor only a Linear, all of whose results are outputs of
-the custom ops, is compared bitwise (test_inductor_linear_bitwise).
+order: tests/README.md), so under inductor only Linears, whose results are outputs of the
+custom ops (with at most one elementwise op between them, which inductor rounds as eager does),
+are compared bitwise (test_inductor_linear_bitwise, test_inductor_reused_buffer_is_quantized_anew).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -209,6 +211,113 @@ def test_inductor_linear_bitwise() -> None:
     b = _run(compiled, x, hf.Float8CurrentScaling(), 0) + [twin.weight.grad, twin.bias.grad]
     for u, v in zip(a, b):
         assert torch.equal(u, v)
+
+
+class _ReadsTwice(torch.nn.Module):
+    """a reads h, then b reads h * 3: h is dead after a, so inductor computes h * 3 in place in
+    h's buffer (same storage, shape and version counter as the h that a quantized)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c, self.a, self.b = (hf.Linear(64, 64, bias=False) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.c(x)
+        return self.a(h) + self.b(h * 3)
+
+
+def test_inductor_reused_buffer_is_quantized_anew() -> None:
+    """Under inductor b quantizes its own input, not the copies a made of the buffer's previous
+    value: bitwise eager (whose shared input memo sees two different tensors)."""
+    torch.manual_seed(12)
+    eager = _ReadsTwice()
+    twin = copy.deepcopy(eager)
+    compiled = torch.compile(twin, fullgraph=True)
+    x = torch.randn(8, 64)
+    with torch.no_grad(), hf.autocast(recipe=hf.Float8CurrentScaling()):
+        assert torch.equal(compiled(x), eager(x))
+
+
+def test_backward_runs_with_its_own_forward_recipe() -> None:
+    """A forward under recipe A, one under B, then A's backward: it reads A's gradient quantizer
+    (E5M2), as the eager backward does, not the module's latest (B's E4M3). Also under a
+    saved-tensor hook that hands back copies (save_on_cpu with pinning copies even on the CPU):
+    the copied record still names its own forward."""
+    torch.manual_seed(13)
+    eager = hf.Linear(64, 32)
+    twin = copy.deepcopy(eager)
+    compiled = torch.compile(twin, fullgraph=True, backend="aot_eager")
+    a_recipe, b_recipe = hf.Float8CurrentScaling(), hf.Float8CurrentScaling(fp8_format="E4M3")
+    x1, x2 = torch.randn(8, 64), torch.randn(8, 64)
+    for hooks in (contextlib.nullcontext, lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)):
+        res = []
+        for m in (eager, compiled):
+            m.zero_grad(set_to_none=True)
+            a, b = x1.clone().requires_grad_(), x2.clone().requires_grad_()
+            with hooks():
+                with hf.autocast(recipe=a_recipe):
+                    y1 = m(a)
+                with hf.autocast(recipe=b_recipe):
+                    y2 = m(b)
+            y1.backward(torch.linspace(-1.3, 1.7, y1.numel()).reshape(y1.shape))
+            res.append([a.grad, m.weight.grad.clone()])
+            y2.backward(torch.linspace(-1.3, 1.7, y2.numel()).reshape(y2.shape))
+            res[-1] += [b.grad, m.weight.grad.clone()]
+        for u, v in zip(*res):
+            assert torch.equal(u, v)
+
+
+def test_backward_runs_under_its_own_forward_policy() -> None:
+    """The backward op runs under the policy its forward ran under, as the eager backward does
+    (here the gradient quantizer sees quantize_kernels=False although the backward runs after
+    the policy block ended)."""
+    seen: list[bool] = []
+
+    class Watching(hf.Float8CurrentScalingQuantizer):
+        def quantize(self, x: torch.Tensor):
+            seen.append(hf.current_policy().quantize_kernels)
+            return super().quantize(x)
+
+    def factory(role):
+        tensor_type = None if role is None else role.tensor_type
+        return Watching(fp8_dtype=torch.float8_e5m2) if tensor_type == "grad_output" else hf.Float8CurrentScalingQuantizer()
+
+    torch.manual_seed(14)
+    eager = hf.Linear(64, 32)
+    twin = copy.deepcopy(eager)
+    compiled = torch.compile(twin, fullgraph=True, backend="aot_eager")
+    x = torch.randn(8, 64)
+    grads = []
+    for m in (eager, compiled):
+        xi = x.clone().requires_grad_()
+        with hf.policy(quantize_kernels=False), hf.autocast(recipe=hf.CustomRecipe(factory)):
+            y = m(xi)
+        seen.clear()
+        y.sum().backward()
+        assert seen == [False]
+        grads.append([xi.grad, m.weight.grad])
+    for u, v in zip(*grads):
+        assert torch.equal(u, v)
+
+
+def test_equal_custom_recipe_made_each_step_compiles_once() -> None:
+    """An equal CustomRecipe(per_gemm(...)) made each step passes the guards (the module keeps
+    its quantizers across equal recipes too); another per_gemm traces again."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from hybridfp.recipes.factories import per_gemm
+
+    torch.manual_seed(15)
+    eager = hf.Linear(64, 32)
+    twin = copy.deepcopy(eager)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(twin, fullgraph=True, backend=counter)
+    x = torch.randn(8, 64)
+    for formats in [("mxfp8", "mxfp8", "nvfp4")] * 3 + [("mxfp8", "mxfp8", "mxfp8")]:
+        recipe = hf.CustomRecipe(per_gemm(*formats))
+        with torch.no_grad(), hf.autocast(recipe=recipe):
+            assert torch.equal(compiled(x), eager(x))
+    assert counter.frame_count == 2
 
 
 def test_new_row_counts_trace_again() -> None:
