@@ -16,9 +16,10 @@ they are, never a dequantized copy, and backward reads back exactly what it woul
 gradients are bitwise those without offload. What moves: plain strided tensors of at least
 ``min_tensor_size_to_offload`` elements saved by the first ``num_layers`` layers; what stays in
 place: parameters and other leaves that require grad, and views of them (their owner holds
-them anyway), tensors
-marked with :func:`mark_not_offload` (hybridfp marks its quantized weights, held by the weight
-cache), smaller tensors, views with gaps, tensor subclasses.
+them anyway), the payload tensors of the layer's quantized weight parameters
+(``quantized_model_init``; the layer: the first module called inside the context, with its
+submodules), tensors marked with :func:`mark_not_offload` (hybridfp marks its quantized weights,
+held by the weight cache), smaller tensors, views with gaps, tensor subclasses.
 
 Schedule (TE's): a tensor's copy to pinned host memory starts on a side CUDA stream when it is
 saved; layer ``i``'s copies are waited for and its device tensors dropped when layer
@@ -36,6 +37,7 @@ graph, so several forwards may precede one backward.
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -43,6 +45,7 @@ import torch
 from torch import nn
 
 from ..nn.base import NOT_OFFLOADED, mark_not_offload
+from ..tensors import QuantizedTensor
 
 __all__ = ["CpuOffloadContext", "OffloadStats", "get_cpu_offload_context", "mark_not_offload"]
 
@@ -228,6 +231,11 @@ class CpuOffloadContext:
         self.iteration: Optional[OffloadIteration] = None
         self._hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = None
         self._synced = True
+        #: while entered: the layer (the first module called inside, on the entering thread),
+        #: and the hook that notes it until then
+        self._layer_module: Optional[nn.Module] = None
+        self._module_hook: Optional[Any] = None
+        self._thread: Optional[int] = None
 
     def __enter__(self) -> "CpuOffloadContext":
         if self._hooks is not None:
@@ -242,22 +250,66 @@ class CpuOffloadContext:
         self._layer = self.iteration.layer
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._hooks.__enter__()
+        # a quantized weight parameter's payloads are saved as plain tensors, which nothing
+        # links to the parameter: the layer called inside is where to find them
+        self._thread = threading.get_ident()
+        self._module_hook = nn.modules.module.register_module_forward_pre_hook(self._note_layer)
         self._synced = False
         return self
 
     def __exit__(self, *exc: Any) -> None:
         hooks, self._hooks = self._hooks, None
         hooks.__exit__(*exc)
+        self._drop_module_hook()
+        self._layer_module = None
         group = self.iteration.groups.get(self._layer) if self.iteration is not None else None
         if group is not None:
             group.by_id.clear()
 
+    def _note_layer(self, module: nn.Module, args: Any) -> None:
+        """Process-wide module forward pre-hook: note the first module called inside the context
+        on its thread (the layer), then remove itself. Left registered, it would be traced into
+        every module call a compiled layer makes, and torch.compile guards on the process-wide
+        hooks: each context entry, with its new hook, would recompile the layer."""
+        if torch.compiler.is_compiling() or threading.get_ident() != self._thread:
+            return
+        self._drop_module_hook()
+        self._layer_module = module
+
+    def _drop_module_hook(self) -> None:
+        if self._module_hook is not None:
+            self._module_hook.remove()
+        self._module_hook = None
+
+    def _quantized_parameter_payload(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` shares memory with a payload of a quantized weight parameter of the
+        layer (its submodules' too). Looked up when a tensor is saved, not when the layer is
+        called: a pre-forward hook (FSDP2's gather) may swap a parameter in after ours ran."""
+        if self._layer_module is None:
+            return False
+        ptr = t.untyped_storage().data_ptr()
+        return any(p.device == t.device and p.untyped_storage().data_ptr() == ptr
+                   for w in self._layer_module.parameters() if isinstance(w, QuantizedTensor)
+                   for p in w.qstorage.tensors())
+
     def keeps(self, t: torch.Tensor) -> bool:
-        """Whether a saved tensor stays where it is (see the module docstring)."""
+        """Whether a saved tensor stays where it is (see the module docstring).
+
+        Parameters
+        ----------
+        t:
+            A tensor saved for backward inside the context.
+
+        Returns
+        -------
+        bool
+            True to leave it in place, False to offload it.
+        """
         base = t._base if t._base is not None else t  # ops save views of parameters (addmm: weight.t())
         return (isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)
                 or getattr(t, NOT_OFFLOADED, False) or type(t) is not torch.Tensor or t.layout != torch.strided or t.device.type == "meta"
-                or t.numel() < self.min_tensor_size_to_offload or not _dense(t))
+                or t.numel() < self.min_tensor_size_to_offload or not _dense(t)
+                or self._quantized_parameter_payload(t))
 
     def _pack(self, t: torch.Tensor) -> Any:
         it = self.iteration

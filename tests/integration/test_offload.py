@@ -173,6 +173,40 @@ def test_quantized_payloads_move_as_they_are_and_weights_stay():
     y.sum().backward()
 
 
+def test_quantized_weight_parameters_stay_in_place():
+    """A quantized_model_init weight is saved for dgrad as the parameter's own payload tensors:
+    they stay (the parameter holds them; moving them frees nothing), only the input's copy moves,
+    and the gradients are bitwise those without offload."""
+    def run(offload: bool):
+        torch.manual_seed(0)
+        with hfp.quantized_model_init(recipe=hfp.MXFP8BlockScaling()):
+            layers = nn.ModuleList([hfp.Linear(64, 64), hfp.Linear(64, 64)])
+        context, sync = hfp.get_cpu_offload_context(enabled=offload, num_layers=1, model_layers=2,
+                                                    min_tensor_size_to_offload=1)
+        moved = []
+        if offload:
+            original = context._pack
+
+            def watching(t):
+                out = original(t)
+                if out is not t:
+                    moved.append(t.untyped_storage().data_ptr())
+                return out
+
+            context._pack = watching
+        x = torch.randn(32, 64, requires_grad=True)
+        with hfp.autocast(recipe=hfp.MXFP8BlockScaling()):
+            h = _forward(layers, x, context, sync) if offload else _forward(layers, x)
+        h.sum().backward()
+        weight_ptrs = {t.untyped_storage().data_ptr() for t in layers[0].weight.qstorage.tensors()}
+        return moved, weight_ptrs, [x.grad] + [layer.weight.grad for layer in layers]
+
+    moved, weight_ptrs, grads = run(True)
+    assert moved and not weight_ptrs & set(moved)
+    for u, v in zip(grads, run(False)[2]):
+        assert torch.equal(u, v)
+
+
 def test_parameters_and_small_tensors_stay_in_place():
     lin = nn.Linear(64, 64)  # F.linear saves the weight Parameter and the input
     context, sync = hfp.get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2)
