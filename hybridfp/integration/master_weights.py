@@ -8,6 +8,7 @@ value as in a run whose weights are FP32 parameters: bitwise the same training.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -215,6 +216,10 @@ class MasterWeightOptimizer:
     def _requantize(self) -> None:
         """The quantized parameters re-encoded from their masters."""
         quantize_master_weights(self.model_params, self.master_params)
+        self._requantize_sharded()
+
+    def _requantize_sharded(self) -> None:
+        """FSDP2 sharded primary weights re-encoded from their parameters (the masters)."""
         # FSDP2's quantized primary weights: the parameter is the FP32 master shard; each rank's
         # quantized shard is re-encoded from it (one amax all-reduce for all of them)
         from .fsdp_primary import is_primary_shard, quantize_sharded_weights
@@ -233,18 +238,33 @@ class MasterWeightOptimizer:
                     p.grad.zero_()
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state dict plus the masters (plain tensors: weights_only loads)."""
+        """The wrapped optimizer's state dict, the masters (plain tensors: weights_only loads) and,
+        per master, a SHA-256 digest of its quantized parameter's payload bytes (what
+        :meth:`load_state_dict` compares to tell whether a weight already holds this encoding)."""
         return {"optimizer": self.optimizer.state_dict(),
-                "master_params": [None if m is None else m.detach().clone() for m in self.master_params]}
+                "master_params": [None if m is None else m.detach().clone() for m in self.master_params],
+                "weight_digests": [None if m is None else _payload_digest(p)
+                                   for p, m in zip(self.model_params, self.master_params)]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s dict: masters copied, the optimizer's state loaded, and the
-        quantized parameters re-quantized from the loaded masters.
+        """Restore :meth:`state_dict`'s dict: masters copied, the optimizer's state loaded, and
+        every quantized parameter that does not hold the encoding it had when the dict was saved
+        re-quantized from its loaded master.
 
         The quantized parameters take the loaded masters' values here, not at the next
-        :meth:`step`: a forward between the two already sees the loaded weights. Loading the
-        model's state dict alone (after this optimizer is built) leaves the masters at their old
-        values, and the next :meth:`step` re-encodes the weights from those: load both.
+        :meth:`step`: a forward between the two already sees the loaded weights. A parameter whose
+        payload bytes are those saved with the dict (the model's state dict of the same checkpoint
+        loaded first) is left as it is: re-encoding it would use its quantizer's state of now
+        (a delayed scale moved by a forward run since) instead of the one it was encoded with,
+        and training would not continue bitwise. A dict without digests (an older one) re-encodes
+        every quantized parameter. Loading the model's state dict alone (after this optimizer is
+        built) leaves the masters at their old values, and the next :meth:`step` re-encodes the
+        weights from those: load both.
+
+        Parameters
+        ----------
+        state:
+            A dict of :meth:`state_dict` (after ``torch.load(..., weights_only=True)``).
 
         Raises
         ------
@@ -252,9 +272,11 @@ class MasterWeightOptimizer:
             The dict is not one of :meth:`state_dict`, holds another number of masters, or a
             master of another shape than its parameter's.
         """
-        if not isinstance(state, dict) or set(state) != {"optimizer", "master_params"}:
+        keys = set(state) if isinstance(state, dict) else set()
+        if not {"optimizer", "master_params"} <= keys <= {"optimizer", "master_params", "weight_digests"}:
             raise ValueError("MasterWeightOptimizer.load_state_dict: expected the dict of "
-                             "MasterWeightOptimizer.state_dict() (keys 'optimizer', 'master_params').")
+                             "MasterWeightOptimizer.state_dict() (keys 'optimizer', 'master_params', "
+                             "'weight_digests').")
         masters = state["master_params"]
         if len(masters) != len(self.master_params) or any(
                 (a is None) != (b is None) for a, b in zip(masters, self.master_params)):
@@ -265,16 +287,46 @@ class MasterWeightOptimizer:
                 raise ValueError(f"MasterWeightOptimizer.load_state_dict: saved master {i} has shape "
                                  f"{tuple(saved.shape)}, its parameter {tuple(m.shape)} (another model, or "
                                  "a checkpoint of another sharding).")
+        digests = state.get("weight_digests") or [None] * len(masters)
+        if len(digests) != len(masters):
+            raise ValueError(f"MasterWeightOptimizer.load_state_dict: {len(digests)} weight digests for "
+                             f"{len(masters)} masters (a damaged or hand-edited dict).")
         with torch.no_grad():
             for m, saved in zip(self.master_params, masters):
                 if m is not None:
                     m.copy_(saved)
-            self._requantize()
+            stale = [None if m is None or (d is not None and d == _payload_digest(p)) else m
+                     for p, m, d in zip(self.model_params, self.master_params, digests)]
+            quantize_master_weights(self.model_params, stale)
+            self._requantize_sharded()
         self.optimizer.load_state_dict(state["optimizer"])
 
     def __repr__(self) -> str:
         n = sum(m is not None for m in self.master_params)
         return f"MasterWeightOptimizer({type(self.optimizer).__name__}, {n} FP32 masters)"
+
+
+def _payload_digest(p: torch.Tensor) -> Optional[str]:
+    """SHA-256 of quantized ``p``'s payload tensors (dtype, shape and bytes of each, in order);
+    None for a plain tensor.
+
+    Parameters
+    ----------
+    p:
+        A parameter.
+
+    Returns
+    -------
+    str or None
+        The hex digest; equal digests mean the same encoding (copies, codes and scales).
+    """
+    if not isinstance(p, QuantizedTensor):
+        return None
+    h = hashlib.sha256()
+    for t in p.qstorage.tensors():
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
 
 
 def _nbytes(t: torch.Tensor) -> int:

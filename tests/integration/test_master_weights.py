@@ -4,6 +4,7 @@ on the same FP32 values in the same order. A plain torch optimizer refuses quant
 
 from __future__ import annotations
 
+import io
 import warnings
 
 import pytest
@@ -168,6 +169,71 @@ def test_loading_the_optimizer_state_requantizes_the_weights(name):
     for n, p in quantized_weights(a).items():
         pb = quantized_weights(b)[n]
         assert all(torch.equal(s, t) for s, t in zip(p.qstorage.tensors(), pb.qstorage.tensors())), n
+
+
+def _payloads(model) -> dict[str, list[torch.Tensor]]:
+    return {n: [t.clone() for t in p.qstorage.tensors()] for n, p in quantized_weights(model).items()}
+
+
+def _same_payloads(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        len(a[n]) == len(b[n]) and all(torch.equal(s.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)) for s, t in zip(a[n], b[n]))
+        for n in a)
+
+
+def test_a_forward_between_the_model_and_optimizer_loads_keeps_training_bitwise():
+    """Delayed scaling: a forward after the model's state dict is loaded moves the weights'
+    scale; the optimizer's load then keeps the weights that already hold their saved encoding
+    (re-encoding them with the moved scale made the next step differ from the run saved)."""
+    recipe = RECIPES["delayed"]()
+    a = build(recipe, quantized=True)
+    opt_a = hfp.MasterWeightOptimizer(torch.optim.AdamW, a.parameters(), lr=1e-2)
+    xs = batches(3)
+    for x in xs[:2]:
+        step(a, opt_a, recipe, x)
+    buf = io.BytesIO()
+    torch.save({"model": a.state_dict(), "optimizer": opt_a.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    model_state, opt_state = saved["model"], saved["optimizer"]
+    recipe_b = RECIPES["delayed"]()
+    b = build(RECIPES["delayed"](), quantized=True)
+    b.load_state_dict(model_state)
+    opt_b = hfp.MasterWeightOptimizer(torch.optim.AdamW, b.parameters(), lr=1e-2)
+    for model, r in ((a, recipe), (b, recipe_b)):
+        with torch.no_grad(), hfp.autocast(recipe=r):
+            model(xs[2])  # an evaluation: the weight quantizers' scales move
+    loaded = _payloads(b)
+    opt_b.load_state_dict(opt_state)
+    assert _same_payloads(_payloads(b), loaded)
+    losses = [step(a, opt_a, recipe, xs[2]), step(b, opt_b, recipe_b, xs[2])]
+    assert torch.equal(*losses)
+    assert _same_payloads(_payloads(a), _payloads(b))
+
+
+def test_a_dict_without_digests_reencodes_every_weight():
+    """An optimizer dict saved without weight digests loads and re-encodes every quantized
+    weight from its master."""
+    recipe = RECIPES["mxfp8"]()
+    a = build(recipe, quantized=True)
+    opt_a = hfp.MasterWeightOptimizer(torch.optim.AdamW, a.parameters(), lr=1e-2)
+    for x in batches(2):
+        step(a, opt_a, recipe, x)
+    state = opt_a.state_dict()
+    assert len(state.pop("weight_digests")) == len(state["master_params"])
+    b = build(RECIPES["mxfp8"](), quantized=True)
+    opt_b = hfp.MasterWeightOptimizer(torch.optim.AdamW, b.parameters(), lr=1e-2)
+    opt_b.load_state_dict(state)
+    assert _same_payloads(_payloads(a), _payloads(b))
+
+
+def test_a_digest_list_of_another_length_is_refused():
+    recipe = hfp.MXFP8BlockScaling()
+    opt = hfp.MasterWeightOptimizer(torch.optim.AdamW, build(recipe, quantized=True).parameters(), lr=1e-2)
+    state = opt.state_dict()
+    state["weight_digests"] = state["weight_digests"][:-1]
+    with pytest.raises(ValueError, match="weight digests for"):
+        opt.load_state_dict(state)
 
 
 def test_a_loaded_master_of_another_shape_is_named():

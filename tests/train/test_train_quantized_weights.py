@@ -48,7 +48,7 @@ def test_quantized_weights_and_recompute_give_the_plain_run(tmp_path, cache):
     ck = torch.load(tmp_path / "quantized" / "checkpoints" / "fp8-delayed.pt", weights_only=True)
     held = [k for k, v in ck["model"].items() if isinstance(v, hfp.QuantizedTensor)]
     assert held and all(k.endswith("weight") for k in held)
-    assert set(ck["optimizer"]) == {"optimizer", "master_params"}
+    assert set(ck["optimizer"]) == {"optimizer", "master_params", "weight_digests"}
 
 
 def test_quantized_weights_resume_bitwise(tmp_path, cache):
