@@ -390,14 +390,11 @@ class QuantizedModule(nn.Module):
         ['grad_output.0', 'input.0', 'weight.0']
         """
         if self._quantizers:
-            # a weight held quantized is encoded by its own quantizer, the module's weight
-            # quantizer once adopted; a module that built its quantizers while FSDP2 held the
-            # weight sharded (outside a forward) has not adopted it yet, and its own never runs
-            held = self.held_weight_quantizers()
+            # a weight held quantized is encoded by its own quantizer: the module's weight
+            # quantizer, adopted at the build (adopt_weight_quantizers)
             entries = {}
             for slot, qs in self._quantizers.items():
                 for i, q in enumerate(qs):
-                    q = held.get(i, q) if slot == "weight" else q
                     entries[f"{slot}.{i}"] = {**_describe(q), "state": q.get_state()}
             return {"version": EXTRA_STATE_VERSION, "built": True, "quantizers": entries}
         if self._loaded_state is not None:

@@ -159,23 +159,24 @@ def _describe_format(q: Any) -> str:
 
 
 def adopt_weight_quantizers(module: Any, built: dict) -> None:
-    """Make each quantized weight parameter's quantizer the module's weight quantizer of its set
-    (the one its forward, region ends and extra state use), after checking the active recipe
-    builds the same format; a parameter whose quantizer was lost (e.g. ``torch.load`` of the
-    parameter itself) takes the built one."""
+    """Make each held quantized weight's quantizer the module's weight quantizer of its set (the
+    one its forward, region ends and extra state use), after checking the active recipe builds
+    the same format; a parameter whose quantizer was lost (e.g. ``torch.load`` of the parameter
+    itself) takes the built one. FSDP2's sharded quantized primary weight counts as held, so a
+    build outside a forward (its weights sharded) adopts the quantizer its shards are encoded
+    with, as a forward's build does."""
     try:
         slots = _weight_slots(module)
     except NotImplementedError:
         return
     for attr, index in slots:
         p = getattr(module, attr, None)
-        if not isinstance(p, QuantizedTensor):
-            continue
-        mine, want = p.quantizer, built["weight"][index]
-        if mine is None:
-            p.set_quantizer(want)
-            continue
+        if isinstance(p, QuantizedTensor) and p.quantizer is None:
+            p.set_quantizer(built["weight"][index])
+    for index, mine in module.held_weight_quantizers().items():
+        want = built["weight"][index]
         if _describe_format(mine) != _describe_format(want) or repr(mine.settings()) != repr(want.settings()):
+            attr = next(a for a, i in slots if i == index)
             raise ValueError(
                 f"{module._who()}: the weight '{attr}' is held quantized as {_describe_format(mine)} "
                 f"{mine.settings()}, but the active recipe's weight quantizer is {_describe_format(want)} "

@@ -262,15 +262,6 @@ def _set_quantizer_states(model: torch.nn.Module, recipe: Recipe, saved: list[di
     live = [q for m in modules for qs in m.quantizers(state).values() for q in qs]
     for q, s in zip(live, saved, strict=True):
         q.set_state(s)
-    for m in modules:
-        built = m.quantizers(state)["weight"]
-        if any(q.has_state() and built[i] is not q for i, q in m.held_weight_quantizers().items()):
-            # built here, outside a forward, while FSDP2 held the module's quantized primary
-            # weights sharded: it could not adopt their delayed-scaling quantizers, so no region
-            # end would update them and the training forwards, of the same key, would not build
-            # again. The module hands its state to its next forward instead, which builds the
-            # quantizers with the weights gathered and adopts those (they keep their own state).
-            m.set_extra_state(m.get_extra_state())
 
 
 def amax_group(model: torch.nn.Module, recipe: Recipe, par: Optional[Parallel]) -> Optional[Any]:
