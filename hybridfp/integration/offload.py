@@ -16,10 +16,11 @@ they are, never a dequantized copy, and backward reads back exactly what it woul
 gradients are bitwise those without offload. What moves: plain strided tensors of at least
 ``min_tensor_size_to_offload`` elements saved by the first ``num_layers`` layers; what stays in
 place: parameters and other leaves that require grad, and views of them (their owner holds
-them anyway), the payload tensors of the layer's quantized weight parameters
-(``quantized_model_init``; the layer: the first module called inside the context, with its
-submodules), tensors marked with :func:`mark_not_offload` (hybridfp marks its quantized weights,
-held by the weight cache), smaller tensors, views with gaps, tensor subclasses.
+them anyway), the payload tensors of quantized weight parameters (``quantized_model_init``:
+marked when a module reads them, and matched by storage for the layer, the first module called
+inside the context with its submodules, when a view of one is saved), tensors marked with
+:func:`mark_not_offload` (hybridfp marks its quantized weights, held by the weight cache or
+the parameter), smaller tensors, views with gaps, tensor subclasses.
 
 Schedule (TE's): a tensor's copy to pinned host memory starts on a side CUDA stream when it is
 saved; layer ``i``'s copies are waited for and its device tensors dropped when layer

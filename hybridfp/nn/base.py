@@ -617,6 +617,7 @@ class QuantizedModule(nn.Module):
                     "its columnwise copy (for backward) and this forward runs after that, as "
                     "activation checkpointing's recomputation does. Gather both copies for this "
                     "module: hybridfp.enable_quantized_all_gather(module, copies='both').")
+            mark_not_offload(weight)  # the parameter holds its payloads: offloading them frees nothing
             return weight
         key = self._weight_key(weight, q)
         hit = self._cached_weight(index, weight, key, columnwise, region, is_first_microbatch)

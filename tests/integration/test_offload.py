@@ -207,6 +207,37 @@ def test_quantized_weight_parameters_stay_in_place():
         assert torch.equal(u, v)
 
 
+def test_quantized_weights_of_every_module_in_one_entry_stay_in_place():
+    """Two top-level layers called inside one context entry: both layers' quantized weight
+    payloads stay in place (not only the first module called's), the activations move."""
+    torch.manual_seed(0)
+    with hfp.quantized_model_init(recipe=hfp.MXFP8BlockScaling()):
+        a, b = hfp.Linear(64, 64), hfp.Linear(64, 64)
+    context, sync = hfp.get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2,
+                                                min_tensor_size_to_offload=1)
+    moved = []
+    original = context._pack
+
+    def watching(t):
+        out = original(t)
+        if out is not t:
+            moved.append(t.untyped_storage().data_ptr())
+        return out
+
+    context._pack = watching
+    x = torch.randn(32, 64, requires_grad=True)
+    with hfp.autocast(recipe=hfp.MXFP8BlockScaling()):
+        with context:
+            h = b(a(x))
+        h = sync(h)
+        with context:
+            y = a(h)
+        y = sync(y)
+    y.sum().backward()
+    weights = {t.untyped_storage().data_ptr() for m in (a, b) for t in m.weight.qstorage.tensors()}
+    assert moved and not weights & set(moved)
+
+
 def test_parameters_and_small_tensors_stay_in_place():
     lin = nn.Linear(64, 64)  # F.linear saves the weight Parameter and the input
     context, sync = hfp.get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2)
