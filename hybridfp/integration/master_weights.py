@@ -216,10 +216,6 @@ class MasterWeightOptimizer:
     def _requantize(self) -> None:
         """The quantized parameters re-encoded from their masters."""
         quantize_master_weights(self.model_params, self.master_params)
-        self._requantize_sharded()
-
-    def _requantize_sharded(self) -> None:
-        """FSDP2 sharded primary weights re-encoded from their parameters (the masters)."""
         # FSDP2's quantized primary weights: the parameter is the FP32 master shard; each rank's
         # quantized shard is re-encoded from it (one amax all-reduce for all of them)
         from .fsdp_primary import is_primary_shard, quantize_sharded_weights
@@ -257,9 +253,11 @@ class MasterWeightOptimizer:
         loaded first) is left as it is: re-encoding it would use its quantizer's state of now
         (a delayed scale moved by a forward run since) instead of the one it was encoded with,
         and training would not continue bitwise. A dict without digests (an older one) re-encodes
-        every quantized parameter. Loading the model's state dict alone (after this optimizer is
-        built) leaves the masters at their old values, and the next :meth:`step` re-encodes the
-        weights from those: load both.
+        every quantized parameter. An FSDP2 sharded primary weight is left as it is: its
+        parameter is its own master, loaded with the model's state dict (whose load is followed
+        by ``hybridfp.quantize_sharded_weights``), not with this dict. Loading the model's state
+        dict alone (after this optimizer is built) leaves the masters at their old values, and
+        the next :meth:`step` re-encodes the weights from those: load both.
 
         Parameters
         ----------
@@ -291,6 +289,8 @@ class MasterWeightOptimizer:
         if len(digests) != len(masters):
             raise ValueError(f"MasterWeightOptimizer.load_state_dict: {len(digests)} weight digests for "
                              f"{len(masters)} masters (a damaged or hand-edited dict).")
+        # the wrapped optimizer checks its part first: a dict it refuses leaves the model as it was
+        self.optimizer.load_state_dict(state["optimizer"])
         with torch.no_grad():
             for m, saved in zip(self.master_params, masters):
                 if m is not None:
@@ -298,8 +298,6 @@ class MasterWeightOptimizer:
             stale = [None if m is None or (d is not None and d == _payload_digest(p)) else m
                      for p, m, d in zip(self.model_params, self.master_params, digests)]
             quantize_master_weights(self.model_params, stale)
-            self._requantize_sharded()
-        self.optimizer.load_state_dict(state["optimizer"])
 
     def __repr__(self) -> str:
         n = sum(m is not None for m in self.master_params)

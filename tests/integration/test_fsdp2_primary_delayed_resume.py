@@ -5,11 +5,14 @@ the saved scale (a quantizer still at its own scale would give other codes).
 
 The model is built as a trainer builds it on resume: its modules build their quantizers outside
 a forward, while FSDP2 holds the weights sharded (so they have not adopted the weights' own
-quantizers when the state is loaded). 2 gloo ranks, the same batch on each (as in
+quantizers when the state is loaded). An evaluation, then ``MasterWeightOptimizer.load_state_dict``,
+leaves the loaded shards as they are, and the next step is the uninterrupted run's. 2 gloo ranks, the same batch on each (as in
 test_fsdp2_primary_weights.py, whose model this is).
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -66,7 +69,8 @@ def _worker(rank: int, world: int, ckpt: str) -> dict:
         opt.zero_grad()
     scale = model[0].weight.to_local()._slot.quantizer.scale.item()
     dcp.save({"model": model.state_dict()}, checkpoint_id=ckpt)
-    saved = {**_held(model), "loss": _loss(model, group)}
+    opt_state = copy.deepcopy(opt.state_dict())
+    saved = {**_held(model), "loss": _loss(model, group)}  # an evaluation: the scales move
 
     other = _sharded(RECIPE)
     state = AutocastState(RECIPES[RECIPE](), group)
@@ -78,7 +82,20 @@ def _worker(rank: int, world: int, ckpt: str) -> dict:
     other.load_state_dict(sd["model"])
     hf.quantize_sharded_weights(other)
     loaded = {**_held(other), "loss": _loss(other, group)}
-    return {"saved": saved, "loaded": loaded, "scale": scale}
+    # the optimizer's state loaded after that evaluation: the shards stay as loaded, and the
+    # next step is the uninterrupted run's (re-encoded with the moved scale, it was not)
+    other_opt = hf.MasterWeightOptimizer(torch.optim.AdamW, other.parameters(), lr=1e-3)
+    other_opt.load_state_dict(opt_state)
+    kept = _held(other)["weights"] == loaded["weights"]
+    steps = []
+    for m, o in ((model, opt), (other, other_opt)):
+        with hf.autocast(recipe=RECIPES[RECIPE](), amax_reduction_group=group):
+            loss = nn.functional.mse_loss(m(x).float(), target)
+        loss.backward()
+        o.step()
+        o.zero_grad()
+        steps.append((loss.item(), _held(m)["weights"]))
+    return {"saved": saved, "loaded": loaded, "scale": scale, "kept": kept, "steps": steps}
 
 
 def test_sharded_delayed_weights_load_with_their_saved_scale(tmp_path) -> None:
@@ -87,3 +104,5 @@ def test_sharded_delayed_weights_load_with_their_saved_scale(tmp_path) -> None:
         assert got["loaded"]["weights"] == got["saved"]["weights"]
         assert got["loaded"]["states"] == got["saved"]["states"]
         assert got["loaded"]["loss"] == got["saved"]["loss"]
+        assert got["kept"]
+        assert got["steps"][0] == got["steps"][1]

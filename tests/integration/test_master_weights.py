@@ -236,6 +236,25 @@ def test_a_digest_list_of_another_length_is_refused():
         opt.load_state_dict(state)
 
 
+def test_a_refused_dict_leaves_the_model_as_it_was():
+    """A dict the wrapped optimizer refuses (another parameter-group layout) raises before any
+    master or weight is written."""
+    recipe = RECIPES["mxfp8"]()
+    a = build(recipe, quantized=True)
+    opt_a = hfp.MasterWeightOptimizer(torch.optim.AdamW, a.parameters(), lr=1e-2)
+    for x in batches(2):
+        step(a, opt_a, recipe, x)
+    b = build(RECIPES["mxfp8"](), quantized=True)
+    params = list(b.parameters())
+    opt_b = hfp.MasterWeightOptimizer(torch.optim.AdamW, [{"params": params[:1]}, {"params": params[1:]}], lr=1e-2)
+    before = _payloads(b)
+    masters = [None if m is None else m.detach().clone() for m in opt_b.master_params]
+    with pytest.raises(ValueError, match="parameter groups"):
+        opt_b.load_state_dict(opt_a.state_dict())
+    assert _same_payloads(_payloads(b), before)
+    assert all(m is None or torch.equal(m, n) for m, n in zip(opt_b.master_params, masters))
+
+
 def test_a_loaded_master_of_another_shape_is_named():
     recipe = hfp.MXFP8BlockScaling()
     opt = hfp.MasterWeightOptimizer(torch.optim.AdamW, build(recipe, quantized=True).parameters(), lr=1e-2)
