@@ -528,7 +528,7 @@ def test_hybrid_linear_runs_on_cublas(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error", EmulatedGemmWarning)
         fast = step()
-    lin._qkey = None  # rebuild quantizers (and re-report) under the emulation-only registry
+    lin._drop_quantizers()  # rebuild quantizers (and re-report) under the emulation-only registry
     monkeypatch.setattr(backends, "BACKENDS", [])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EmulatedGemmWarning)
