@@ -55,8 +55,9 @@ class UnconvertedWeight:
     why:
         Why it was not converted (and what would convert it).
     deliberate:
-        Left out on purpose (``module_filter``, the ``lm_head`` default, a MoE router):
-        neither warned about nor refused by ``strict``.
+        Left out on purpose (an ``nn.Linear`` or a module with 3-D experts weights that
+        ``module_filter`` refuses, the ``lm_head`` default, a MoE router): neither warned about
+        nor refused by ``strict``.
 
     Example
     -------
@@ -113,6 +114,13 @@ def _routers(model: nn.Module) -> dict[int, str]:
     return out
 
 
+def _holds_experts_weights(m: nn.Module) -> bool:
+    """``m`` holds 3-D ``gate_up_proj`` / ``up_proj`` and ``down_proj`` Parameters, in a layout
+    convert takes or not (:func:`fused_experts_layout` accepts it or says why not)."""
+    layout, reason = fused_experts_layout(m)
+    return layout is not None or bool(reason)
+
+
 def unconverted_weights(model: nn.Module, module_filter: Optional[ModuleFilter] = None, *,
                         lm_head: bool = False) -> list[UnconvertedWeight]:
     """Every weight (a Parameter of >= 2 dimensions) a matmul reads outside hybridfp.
@@ -126,7 +134,9 @@ def unconverted_weights(model: nn.Module, module_filter: Optional[ModuleFilter] 
     model:
         The model (converted or not).
     module_filter, lm_head:
-        As given to :func:`convert`: what they left out is marked ``deliberate``.
+        As given to :func:`convert`: what they left out is marked ``deliberate`` (for
+        ``module_filter``, the ``nn.Linear`` layers and modules with 3-D experts weights it
+        refuses).
 
     Returns
     -------
@@ -166,12 +176,14 @@ def unconverted_weights(model: nn.Module, module_filter: Optional[ModuleFilter] 
             elif id(p) in routers:
                 why = f"the router of {routers[id(p)]}: its scores pick the experts and stay in high precision"
             elif module_filter is not None and not module_filter(name, m) and (
-                    type(m) is nn.Linear or fused_experts_layout(m)[0] is not None):
+                    type(m) is nn.Linear or _holds_experts_weights(m)):
+                # an experts module convert would not take either (shared experts, a transposed
+                # layout) is still one the filter can leave out: strict's advice holds for it
                 why = "left out by module_filter"
             else:
                 deliberate = False
                 reason = fused_experts_layout(m)[1]
-                if reason and routed_experts_call(m):
+                if reason and reason == routed_experts_call(m):
                     why = f"3-D experts weights hybridfp does not convert: {reason}"
                 elif reason:
                     why = f"MoE experts in a layout hybridfp does not convert: {reason}"
@@ -220,7 +232,9 @@ def convert(model: nn.Module, module_filter: Optional[ModuleFilter] = None, *, l
         The model, converted in place.
     module_filter:
         ``(qualified_name, module) -> bool``: which ``nn.Linear`` layers and experts modules to
-        convert; None: all of them.
+        convert; None: all of them. The weights of those it refuses are left out on purpose
+        (neither listed nor refused by ``strict``), experts modules convert would not take
+        (shared experts, a transposed layout) included.
     lm_head:
         Convert the output projection too.
     strict:
@@ -274,7 +288,7 @@ def convert(model: nn.Module, module_filter: Optional[ModuleFilter] = None, *, l
         message = (f"hybridfp.convert: {len(left)} weight(s) are still read by matmuls in high precision, "
                    f"outside hybridfp:\n{listing}")
         if strict:
-            raise ValueError(message + "\nConvert those modules, or leave them out with module_filter, "
-                             "or call convert without strict=True.")
+            raise ValueError(message + "\nConvert those modules, leave nn.Linear layers and experts modules "
+                             "out with module_filter, or call convert without strict=True.")
         warnings.warn(HighPrecisionWeightsWarning(message), stacklevel=2)
     return model

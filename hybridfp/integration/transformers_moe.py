@@ -97,8 +97,9 @@ def routed_experts_call(module: nn.Module) -> str:
         signature.bind(None, None, None)
     except TypeError:
         return (f"{type(module).__name__}.forward{signature} is not the routed experts' "
-                "forward(hidden_states, top_k_index, top_k_weights); hybridfp converts routed experts "
-                "only (shared experts, which every token runs, stay in high precision)")
+                "forward(hidden_states, top_k_index, top_k_weights); hybridfp converts only modules "
+                "called that way (others, such as shared experts that every token runs, stay in high "
+                "precision)")
     return ""
 
 
@@ -115,9 +116,10 @@ def fused_experts_layout(module: nn.Module) -> tuple[Optional[FusedExpertsLayout
     tuple
         ``(layout, "")`` for a convertible experts module; ``(None, reason)`` for one that holds
         3-D ``gate_up_proj`` / ``up_proj`` and ``down_proj`` Parameters that hybridfp does not
-        convert (the reason names why: a layout it does not take, a forward that is not routed
-        experts' (:func:`routed_experts_call`), another 3-D Parameter the converted forward
-        would not read); ``(None, "")`` for any other module.
+        convert (the reason names why, checked in this order: a layout it does not take, a
+        forward that is not called as routed experts' is (:func:`routed_experts_call`), another
+        3-D Parameter the converted forward would not read, ...); ``(None, "")`` for any other
+        module.
 
     Example
     -------
@@ -135,6 +137,16 @@ def fused_experts_layout(module: nn.Module) -> tuple[Optional[FusedExpertsLayout
     up = _param(module, "gate_up_proj" if gated else "up_proj")
     if down is None or up is None or down.dim() != 3 or up.dim() != 3:
         return None, ""
+    # the layout first: routed experts stored transposed and called another way (Llama4's,
+    # forward(hidden_states)) are reported by the layout that keeps them out, not taken for
+    # another kind of module by their call
+    e, h, i = down.shape
+    if getattr(module, "is_transposed", False) or tuple(up.shape) != (e, (2 if gated else 1) * i, h):
+        return None, (f"experts weights {tuple(up.shape)} / {tuple(down.shape)} are not [E, out, in] "
+                      "(a transposed layout): hybridfp converts gate_up_proj [E, 2I, H] with "
+                      "down_proj [E, H, I]")
+    if gated and not getattr(module, "is_concatenated", True):
+        return None, "gate and up rows are interleaved; hybridfp converts the concatenated [gate; up] layout"
     not_routed = routed_experts_call(module)
     if not_routed:
         return None, not_routed
@@ -145,13 +157,6 @@ def fused_experts_layout(module: nn.Module) -> tuple[Optional[FusedExpertsLayout
     if unread:
         return None, (f"it also holds the 3-D Parameter(s) {unread}, which the converted forward would not "
                       f"read; hybridfp converts {read[0]} with down_proj only")
-    e, h, i = down.shape
-    if getattr(module, "is_transposed", False) or tuple(up.shape) != (e, (2 if gated else 1) * i, h):
-        return None, (f"experts weights {tuple(up.shape)} / {tuple(down.shape)} are not [E, out, in] "
-                      "(a transposed layout): hybridfp converts gate_up_proj [E, 2I, H] with "
-                      "down_proj [E, H, I]")
-    if gated and not getattr(module, "is_concatenated", True):
-        return None, "gate and up rows are interleaved; hybridfp converts the concatenated [gate; up] layout"
     if getattr(module, "has_post_expert_norm", False) and not isinstance(getattr(module, "post_expert_norm", None),
                                                                         nn.Module):
         return None, "has_post_expert_norm without a post_expert_norm module"

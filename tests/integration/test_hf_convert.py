@@ -74,7 +74,7 @@ def test_strict_raises_and_names_the_weights():
 def test_module_filter_and_lm_head():
     def keep(name, m):
         return name not in ("custom", "conv", "experts")
-    # only what convert knows how to convert can be left out on purpose: the subclass and the
+    # only nn.Linear layers and experts modules can be left out on purpose: a subclass and a
     # convolution are still reported, the filtered nn.Linear is not
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     _, caught = _record(lambda: hfp.convert(model, module_filter=lambda name, m: name != "1"))
@@ -227,6 +227,70 @@ def test_shared_experts_stay_unconverted_and_are_listed():
     assert layout is None and "['gate_proj']" in why and "would not read" in why
     with pytest.raises(ValueError, match="shared_experts.down_proj"):
         hfp.convert(block, strict=True)
+
+
+def test_module_filter_leaves_out_experts_convert_would_not_take():
+    """A module_filter refusing shared experts or transposed experts leaves their 3-D weights out
+    on purpose, as strict's advice says: no warning, no error; what the filter does not reach
+    (a convolution) is still refused."""
+    block = nn.Module()
+    block.shared_experts, block.experts = _SharedExperts(), _TransposedExperts()
+
+    def keep(name, m):
+        return name not in ("shared_experts", "experts")
+    _, caught = _record(lambda: hfp.convert(block, module_filter=keep, strict=True))
+    assert not caught and "hybridfp_up" not in block.shared_experts._modules
+    weights = hfp.unconverted_weights(block, keep)
+    assert [w.name for w in weights] == ["shared_experts.gate_proj", "shared_experts.up_proj",
+                                         "shared_experts.down_proj", "experts.gate_up_proj", "experts.down_proj"]
+    assert all(w.deliberate and w.why == "left out by module_filter" for w in weights)
+    # a filter that lets them through: listed, not deliberate, and strict refuses them
+    assert not any(w.deliberate for w in hfp.unconverted_weights(block, lambda name, m: True))
+    block.conv = nn.Conv1d(8, 8, 1)
+    with pytest.raises(ValueError, match=r"(?s)conv\.weight.*leave nn\.Linear layers and experts modules out "
+                                         r"with module_filter") as raised:
+        hfp.convert(block, module_filter=keep, strict=True)
+    assert "shared_experts" not in str(raised.value) and "experts.gate_up_proj" not in str(raised.value)
+
+
+class _TransposedCalledOtherwise(nn.Module):
+    """Routed experts stored [E, in, out] and called forward(hidden_states) (Llama4's layout):
+    the layout keeps them out, and the reason says so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.zeros(4, 16, 64))
+        self.down_proj = nn.Parameter(torch.zeros(4, 32, 16))
+        self.act_fn = nn.SiLU()
+
+    def forward(self, hidden_states):
+        return hidden_states
+
+
+def test_transposed_experts_called_otherwise_are_reported_by_their_layout():
+    from hybridfp.integration.transformers_moe import fused_experts_layout
+    layout, why = fused_experts_layout(_TransposedCalledOtherwise())
+    assert layout is None and "transposed" in why and "(4, 16, 64) / (4, 32, 16)" in why
+    assert "shared experts" not in why and "forward" not in why
+    block = nn.Module()
+    block.experts = _TransposedCalledOtherwise()
+    _, caught = _record(lambda: hfp.convert(block))
+    text = str(caught[0].message)
+    assert "experts.gate_up_proj [4, 16, 64]: MoE experts in a layout hybridfp does not convert: " \
+           "experts weights (4, 16, 64) / (4, 32, 16) are not [E, out, in]" in text
+    # shared experts, [E, out, in] but called otherwise: their call is the reason, which does
+    # not say what the module is
+    _, why = fused_experts_layout(_SharedExperts())
+    assert "is not the routed experts' forward" in why and "hybridfp converts only modules called that way" in why
+
+
+def test_hf_llama4_experts_are_reported_as_transposed():
+    transformers = _hf()
+    llama4 = pytest.importorskip("transformers.models.llama4.modeling_llama4")
+    from hybridfp.integration.transformers_moe import fused_experts_layout
+    config = transformers.Llama4TextConfig(hidden_size=16, intermediate_size=32, num_local_experts=4)
+    layout, why = fused_experts_layout(llama4.Llama4TextExperts(config))
+    assert layout is None and "transposed" in why and "shared experts" not in why
 
 
 def test_hf_inkling_converts_routed_experts_only():
