@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.hooks import RemovableHandle
 
 from ..gemm import gemm
 from ..nn.linear_function import LinearContext, bias_grad, pack, torch_autocast_off, unpack
@@ -136,8 +138,46 @@ def set_amax_groups(lc: LinearContext, spec: ParallelGemm) -> None:
 
 
 #: the attribute of a tensor-parallel weight Parameter (a DTensor) holding its version counter
-#: as :func:`local_weight` last saw it
+#: as :func:`local_weight` last saw it; its presence marks a weight whose shard the
+#: quantized-weight cache may hold
 _SEEN_VERSION_ATTR = "_hybridfp_tp_seen_version"
+
+#: the handle of the optimizer step post-hook (:func:`_mark_stepped_weights`), registered once
+#: by the first :func:`local_weight` call; None before
+_STEP_HOOK: Optional[RemovableHandle] = None
+
+
+def _moved_on(local: torch.Tensor) -> None:
+    """Moves ``local``'s version counter (an inference tensor has none to move)."""
+    if not local.is_inference():
+        torch.autograd.graph.increment_version(local)
+
+
+def _mark_stepped_weights(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """After any optimizer's step: moves the local version counter of every tensor-parallel
+    weight in its parameter groups, written or not.
+
+    The foreach and fused implementations (torch's default for DTensor parameters on CUDA)
+    write a DTensor below autograd without moving its version counter, so the counter alone
+    cannot tell the cache a step happened. Every ``torch.optim.Optimizer`` runs the global step
+    post-hooks, whatever its implementation, so this sees every step exactly: no stale shard is
+    served, and a forward pays nothing. A content fingerprint (the amax and sum that
+    ``tensor_parallel_primary.py`` compares) would cost two passes over the shard and a host
+    synchronization at every call, and a write that keeps both (two elements moved by
+    opposite amounts) would still go unseen. A weight of the groups that the step left as it
+    was is quantized again once, which is conservative, never stale.
+
+    Parameters
+    ----------
+    optimizer:
+        The optimizer whose ``step`` returned.
+    args, kwargs:
+        The step's arguments (unused).
+    """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if hasattr(p, _SEEN_VERSION_ATTR):
+                _moved_on(p._local_tensor)
 
 
 def local_weight(param: torch.Tensor) -> torch.Tensor:
@@ -145,11 +185,19 @@ def local_weight(param: torch.Tensor) -> torch.Tensor:
     object at every call, its version counter moved on when ``param`` was written in place
     since the previous call.
 
-    An in-place op on a DTensor (an optimizer step, a ``load_state_dict`` copy, ``nn.init``)
-    writes the local tensor below autograd, so only the DTensor's version counter moves; the
-    cache keys on the local tensor's (``nn/weight_cache.py``) and would keep serving the codes
-    of the weight as it was inside ``weight_caching()`` or with ``is_first_microbatch=False``.
-    Moving the local counter also tells autograd that the values it may have saved changed.
+    An in-place op on a DTensor (a ``load_state_dict`` copy, ``nn.init``, an optimizer step)
+    writes the local tensor below autograd, so at most the DTensor's version counter moves;
+    the cache keys on the local tensor's (``nn/weight_cache.py``) and would keep serving the
+    codes of the weight as it was inside ``weight_caching()`` or with
+    ``is_first_microbatch=False``. So a move of the DTensor's counter moves the local one here,
+    and the end of every optimizer step moves it too (:func:`_mark_stepped_weights`): a foreach
+    or fused step moves neither counter. Moving the local counter also tells autograd that the
+    values it may have saved changed. A write through ``.data``, or a foreach op outside an
+    optimizer step, is not seen: call ``invalidate_weight_cache()`` after one, as for any
+    weight.
+
+    A weight made under ``torch.inference_mode()`` has no version counter to read or move: its
+    local tensor is returned as it is (the high-precision path outside autocast reads it).
 
     Parameters
     ----------
@@ -161,12 +209,17 @@ def local_weight(param: torch.Tensor) -> torch.Tensor:
     torch.Tensor
         ``param``'s local tensor.
     """
+    global _STEP_HOOK
     local = param._local_tensor  # type: ignore[attr-defined]
+    if param.is_inference() or local.is_inference():
+        return local
+    if _STEP_HOOK is None:
+        # registered before the cache can hold any shard (it holds one only after this call)
+        _STEP_HOOK = register_optimizer_step_post_hook(_mark_stepped_weights)
     now = param._version
     seen = getattr(param, _SEEN_VERSION_ATTR, None)
-    # an inference tensor has no version counter (nor does the cache read one from it)
-    if seen is not None and seen != now and not local.is_inference():
-        torch.autograd.graph.increment_version(local)
+    if seen is not None and seen != now:
+        _moved_on(local)
     setattr(param, _SEEN_VERSION_ATTR, now)
     return local
 

@@ -40,6 +40,24 @@ def _row_scaled_input(role):
     return hf.MXFP8Quantizer()
 
 
+#: the optimizer implementations the cached weight shards must follow (fused where the CPU runs it)
+OPTIMIZERS = ("sgd_loop", "sgd_foreach", "adamw_foreach", "adamw_fused")
+
+
+def _optimizer(impl: str, model: nn.Module) -> torch.optim.Optimizer | None:
+    """``impl``'s optimizer over ``model``'s parameters; None for a fused step this build does
+    not run on the CPU."""
+    name, how = impl.split("_")
+    cls, lr = (torch.optim.SGD, 0.1) if name == "sgd" else (torch.optim.AdamW, 0.01)
+    kwargs = {"fused": True} if how == "fused" else {"foreach": how == "foreach"}
+    try:
+        return cls(model.parameters(), lr=lr, **kwargs)
+    except RuntimeError:
+        if how == "fused":
+            return None
+        raise
+
+
 def _error(fn) -> list:
     try:
         fn()
@@ -125,28 +143,44 @@ def _cases(rank: int, world: int) -> dict:
         out[name] = {"y": rel(yt, want_y), "dx": rel(xt.grad, want_dx),
                      **{n: rel(q.grad.full_tensor(), grads[n].grad) for n, q in tp.named_parameters()}}
 
-    # cached quantized weight shards follow in-place writes of the DTensor parameters (an
-    # optimizer step writes the DTensor, not its local tensor's version counter)
+    # cached quantized weight shards follow in-place writes of the DTensor parameters, whatever
+    # implementation the optimizer writes them with: the for-loop step moves the DTensor's version
+    # counter (not its local tensor's), the foreach and fused steps move neither
     recipe = hf.Float8CurrentScaling()
-    m = parallelize_module(_mlp(), mesh, plan)
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    with hf.weight_caching():
+    for impl in OPTIMIZERS:
+        m = parallelize_module(_mlp(), mesh, plan)
+        opt = _optimizer(impl, m)
+        if opt is None:  # fused steps this build does not run on the CPU
+            continue
+        with hf.weight_caching():
+            with hf.autocast(recipe=recipe):
+                m(x).square().sum().backward()
+            opt.step()
+            with hf.autocast(recipe=recipe):
+                scoped = m(x)
+        with hf.autocast(recipe=recipe):  # a region of its own: the weights quantized anew
+            fresh = m(x)
+        out[f"scoped_step_{impl}"] = bool(torch.equal(scoped, fresh))
         with hf.autocast(recipe=recipe):
-            m(x).square().sum().backward()
+            m[2](m[1](m[0](x, is_first_microbatch=True)), is_first_microbatch=True).square().sum().backward()
         opt.step()
-        with hf.autocast(recipe=recipe):
-            scoped = m(x)
-    with hf.autocast(recipe=recipe):  # a region of its own: the weights quantized anew
-        fresh = m(x)
-    out["scoped_step"] = bool(torch.equal(scoped, fresh))
-    with hf.autocast(recipe=recipe):
-        m[2](m[1](m[0](x, is_first_microbatch=True)), is_first_microbatch=True).square().sum().backward()
-    opt.step()
 
-    def kept_after_step():
-        with hf.autocast(recipe=recipe):
-            m[2](m[1](m[0](x, is_first_microbatch=False)), is_first_microbatch=False)
-    out["kept_after_step"] = _error(kept_after_step)
+        def kept_after_step():
+            with hf.autocast(recipe=recipe):
+                m[2](m[1](m[0](x, is_first_microbatch=False)), is_first_microbatch=False)
+        out[f"kept_after_step_{impl}"] = _error(kept_after_step)
+
+    # a model built, parallelized and run under torch.inference_mode() (serving), high precision:
+    # its parameters are inference tensors, without version counters
+    def inference() -> float:
+        with torch.inference_mode():
+            ref = _mlp()
+            tp = parallelize_module(_mlp(), mesh, plan)
+            return ((tp(x) - ref(x)).norm() / ref(x).norm()).item()
+    try:
+        out["inference"] = inference()
+    except Exception as e:  # the test shows the type and message
+        out["inference"] = [type(e).__name__, str(e)]
 
     # DTensor outputs (use_local_output=False); kept weight copies across regions (is_first_microbatch)
     m = parallelize_module(_mlp(), mesh, {"0": hf.ColwiseParallel(use_local_output=False),
@@ -188,9 +222,12 @@ def results(tmp_path_factory):
     ("quantized_init", "ValueError", ["fc1.weight", "quantized primary weight", "blocked every 128 rows"]),
     ("uneven_hp", "ValueError", ["Linear fc1", "[3, 2] rows", "same number of rows", "multiple of 2"]),
     ("uneven_fp8", "ValueError", ["Linear fc1", "[3, 2] rows", "same number of rows", "multiple of 2"]),
-    ("kept_after_step", "RuntimeError", ["fc1", "is_first_microbatch=False", "changed in place"]),
+    *((f"kept_after_step_{impl}", "RuntimeError", ["fc1", "is_first_microbatch=False", "changed in place"])
+      for impl in OPTIMIZERS),
 ])
 def test_unsupported_layouts_raise_clear_errors(results, case, kind, words):
+    if case.endswith("_fused") and case not in results[0]:
+        pytest.skip(f"{case}: this build runs no fused optimizer step on the CPU")
     for got_kind, msg in (r[case] for r in results):
         assert got_kind == kind, f"{case}: {got_kind}: {msg}"
         for w in words:
@@ -217,11 +254,23 @@ def test_high_precision_sequence_parallel_sums_replicated_gradients(results):
             assert max(got.values()) <= 1e-5, f"{name}: relative errors of the gradients {got}"
 
 
-def test_cached_weight_shards_follow_an_optimizer_step(results):
-    """An optimizer step writes the DTensor parameters in place: inside weight_caching() the
-    next region quantizes the new shards (as a fresh region does), and a kept copy is refused."""
+@pytest.mark.parametrize("impl", OPTIMIZERS)
+def test_cached_weight_shards_follow_an_optimizer_step(results, impl):
+    """An optimizer step writes the DTensor parameters in place (the for-loop, foreach or fused
+    implementation): inside weight_caching() the next region quantizes the new shards (as a
+    fresh region does), and a kept copy is refused."""
     for r in results:
-        assert r["scoped_step"]
+        if f"scoped_step_{impl}" not in r:
+            pytest.skip(f"{impl}: this build runs no fused optimizer step on the CPU")
+        assert r[f"scoped_step_{impl}"], f"{impl}: a region after the step read the shards as before it"
+
+
+def test_inference_mode_model_runs_in_high_precision(results):
+    """A model built, parallelized and run under torch.inference_mode(): parameters without
+    version counters; the output is one process's (up to the split GEMMs' summation order)."""
+    for r in results:
+        assert isinstance(r["inference"], float), r["inference"]
+        assert r["inference"] <= 1e-5
 
 
 def test_dtensor_outputs_and_kept_weight_copies(results):
