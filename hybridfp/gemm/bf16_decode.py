@@ -20,8 +20,10 @@ of a step is decoded once): the entry hangs off the copy's ``data`` tensor in a 
 table, so it lives exactly as long as that tensor and is neither a payload tensor (not in
 ``tensors()``) nor saved by ``to_state()``. It is used while every payload tensor of the copy
 is the same object with the same ``data_ptr`` and version — in-place re-quantization
-(``copy_`` / ``update_quantized``) bumps the versions and so invalidates it, and so does FSDP2's
-gather into the same tensors, which keeps their version counters but notes the rewrite
+(``copy_`` / ``update_quantized``) bumps the versions and so invalidates it, and so do a write
+through a dim-0 slice, split piece or view of the tensor (payload tensors of their own over the
+same memory, whose version counters are not the tensor's: the write is noted on the memory) and
+FSDP2's gather into the same tensors, which keeps their version counters but notes the rewrite
 (``utils.rewrites``).
 """
 

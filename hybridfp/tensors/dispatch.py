@@ -5,6 +5,9 @@ memory, nominal dtype), pin_memory, ``copy_``, views/reshapes that keep the last
 split / slice along dim 0 at block boundaries, new_zeros / new_empty / empty_like /
 zeros_like, zero_. Everything else dequantizes, runs in high precision and warns once per op;
 in-place ops on a quantized tensor re-quantize the result into it through its quantizer.
+A write through a dim-0 slice, split piece, view or detached alias reaches what is kept for
+the tensor it was made from: its cached BF16 decodes see it, and its kept initial
+high-precision value takes the rows written.
 
 The wrapper reports contiguous strides and storage offset 0 over its own elements, so ops
 that read memory layout (``as_strided``) get the value in that layout: row-major, in memory of
@@ -14,12 +17,16 @@ tensor), and a view reaching outside the tensor is a clear error.
 
 from __future__ import annotations
 
+import math
 import warnings
+import weakref
 from typing import Callable, Optional
 
 import torch
 from torch.utils._pytree import tree_map
+from torch.utils.weak import WeakIdKeyDictionary
 
+from ..utils.rewrites import note_rewrite
 from .hybrid import HybridStorage
 from .identity import IdentityStorage
 from .quantized_tensor import FALLBACK, PARAM_NAME_ATTR, QuantizedTensor, implements
@@ -28,16 +35,32 @@ from .storage import DIRECTIONS, MissingDirectionError, QuantizedStorage
 aten = torch.ops.aten
 _WARNED: set[str] = set()
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_KEPT = "_high_precision_init_val"
+
+#: A tensor the handlers below made over another one's payload memory (dim-0 slice / split,
+#: view, detach / alias) -> (weak reference to that tensor, first element, end element): the
+#: elements it covers in the other's row-major order. A write through it moves the other's kept
+#: initial value by it. Weakly keyed on the view itself rather than kept in its ``__dict__``,
+#: which ``copy.deepcopy`` would carry over to a copy in new memory.
+_VIEW_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _wrap(storage: QuantizedStorage, like: QuantizedTensor) -> QuantizedTensor:
     return QuantizedTensor(storage, like._quantizer)
 
 
+def _wrap_view(storage: QuantizedStorage, of: QuantizedTensor, start: int = 0,
+               end: Optional[int] = None) -> QuantizedTensor:
+    """``_wrap`` for a tensor over ``of``'s payload memory covering its elements [start, end)."""
+    out = _wrap(storage, of)
+    _VIEW_OF[out] = (weakref.ref(of), start, of.numel() if end is None else end)
+    return out
+
+
 @implements(aten.detach.default, aten.alias.default)
 def _detach(func, args, kwargs):
     (t,) = args
-    return _wrap(t._storage.map_tensors(lambda x: x), t)
+    return _wrap_view(t._storage.map_tensors(lambda x: x), t)
 
 
 @implements(aten.clone.default)
@@ -82,15 +105,54 @@ def _mark_written(t: QuantizedTensor, value: Callable[[], torch.Tensor]) -> None
 
     Inside ``__torch_dispatch__`` torch does not bump the payload tensors' version counters, and
     caches keyed on them (``gemm.bf16_decode``'s decodes) would serve the old value: bump them
-    here. A kept initial value (``preserve_high_precision_init_val``) follows the new value
-    (``value()``, called only then, kept on the CPU), so masters seeded from it start where ``t``
-    now is.
+    here. A slice, split piece or view made here shares its tensor's payload memory but not its
+    version counters, so the write is also noted on the memory itself
+    (``utils.rewrites.note_rewrite``), which the tensor's cache keys see.
+
+    A kept initial value (``preserve_high_precision_init_val``) follows the new value
+    (``value()``, called only then, kept on the CPU), so masters seeded from it start where the
+    tensor now is: ``t``'s own, and the rows ``t`` covers of the kept value of every tensor it is
+    a slice / view of.
     """
     for x in t._storage.tensors():
         if not x.is_inference():  # inference tensors keep no version counter
             torch.autograd.graph.increment_version(x)
-    if "_high_precision_init_val" in t.__dict__:
-        t.__dict__["_high_precision_init_val"] = value().detach().to("cpu", copy=True)
+        note_rewrite(x)
+    if _KEPT in t.__dict__:
+        t.__dict__[_KEPT] = value().detach().to("cpu", copy=True)
+    _write_kept_of_bases(t, value)
+
+
+def _payload_memory(t: QuantizedTensor) -> set[int]:
+    return {x.untyped_storage().data_ptr() for x in t._storage.tensors()}
+
+
+def _write_kept_of_bases(t: QuantizedTensor, value: Callable[[], torch.Tensor]) -> None:
+    """Write ``value()`` into the elements ``t`` covers of the kept initial value of each tensor
+    ``t`` is a slice / view of (directly or through others)."""
+    flat: Optional[torch.Tensor] = None
+    memory: Optional[set[int]] = None
+    link = _VIEW_OF.get(t)
+    while link is not None:
+        base, start, end = link[0](), link[1], link[2]
+        if base is None:
+            return
+        if _KEPT in base.__dict__:
+            memory = _payload_memory(t) if memory is None else memory
+            if not memory <= _payload_memory(base):
+                return  # the base's payloads were replaced since: t no longer writes its memory
+            kept = base.__dict__[_KEPT]
+            if kept.numel() != base.numel():  # a value of another shape: it no longer describes base
+                del base.__dict__[_KEPT]
+            else:
+                if flat is None:
+                    flat = value().detach().reshape(-1).to("cpu")
+                # a new tensor: a kept value handed out before stays as it was
+                new = kept.detach().clone(memory_format=torch.contiguous_format)
+                new.view(-1)[start:end] = flat
+                base.__dict__[_KEPT] = new
+        up = _VIEW_OF.get(base)
+        link = None if up is None else (up[0], up[1] + start, up[1] + end)
 
 
 @implements(aten.copy_.default)
@@ -165,11 +227,16 @@ def _requantize_into(dst: QuantizedTensor, src: torch.Tensor) -> None:
 def _view(func, args, kwargs):
     t, size = args[0], args[1]
     shape = torch.empty(t.shape, device="meta").view(size).shape
-    return _wrap(t._storage.view_leading(shape), t)
+    return _wrap_view(t._storage.view_leading(shape), t)
 
 
 def _dim0(t: QuantizedTensor, dim: int) -> bool:
     return dim % max(t.dim(), 1) == 0
+
+
+def _per_entry(t: QuantizedTensor) -> int:
+    """Elements per dim-0 entry of ``t``."""
+    return math.prod(t.shape[1:])
 
 
 @implements(aten.split.Tensor)
@@ -180,7 +247,9 @@ def _split(func, args, kwargs):
         return _fallback(func, args, kwargs)
     n = t.shape[0]
     starts = range(0, n, size) or [0]  # torch returns one empty piece for an empty dim
-    return [_wrap(t._storage.slice_dim0(s, min(s + size, n)), t) for s in starts]
+    per = _per_entry(t)
+    return [_wrap_view(t._storage.slice_dim0(s, min(s + size, n)), t, s * per, min(s + size, n) * per)
+            for s in starts]
 
 
 @implements(aten.split_with_sizes.default)
@@ -191,9 +260,9 @@ def _split_sizes(func, args, kwargs):
         return _fallback(func, args, kwargs)
     if sum(sizes) != t.shape[0]:
         raise ValueError(f"split sizes {list(sizes)} do not sum to dim 0 ({t.shape[0]}).")
-    out, s = [], 0
+    out, s, per = [], 0, _per_entry(t)
     for k in sizes:
-        out.append(_wrap(t._storage.slice_dim0(s, s + k), t))
+        out.append(_wrap_view(t._storage.slice_dim0(s, s + k), t, s * per, (s + k) * per))
         s += k
     return out
 
@@ -210,7 +279,10 @@ def _slice(func, args, kwargs):
     n = t.shape[0]
     start = 0 if start is None else (start + n if start < 0 else start)
     end = n if end is None else (end + n if end < 0 else end)
-    return _wrap(t._storage.slice_dim0(start, end), t)
+    storage = t._storage.slice_dim0(start, end)
+    start = max(0, min(start, n))  # the entries the slice holds (slice_dim0 clamps as torch does)
+    per = _per_entry(t)
+    return _wrap_view(storage, t, start * per, start * per + storage.shape[0] * per)
 
 
 def _allocate_like(t: QuantizedTensor, shape, kwargs, fill) -> torch.Tensor:
@@ -273,7 +345,7 @@ def _as_strided(func, args, kwargs):
     offset = 0 if offset is None else offset
     _check_strided_view(t, size, stride, offset)
     if offset == 0 and tuple(size) == tuple(t.shape) and tuple(stride) == tuple(t.stride()):
-        return _wrap(t._storage.map_tensors(lambda x: x), t)  # the whole tensor (FSDP2 views it so)
+        return _wrap_view(t._storage.map_tensors(lambda x: x), t)  # the whole tensor (FSDP2 views it so)
     _warn_once(func)
     return _dense(t).as_strided(size, stride, offset)
 

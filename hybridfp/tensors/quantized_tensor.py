@@ -174,7 +174,23 @@ class QuantizedTensor(torch.Tensor):
     def get_high_precision_init_val(self) -> Optional[torch.Tensor]:
         """The initial high-precision value kept by
         ``quantized_model_init(preserve_high_precision_init_val=True)`` (on the CPU), or None
-        (TransformerEngine's name). Seed FP32 master weights with it."""
+        (TransformerEngine's name). Seed FP32 master weights with it.
+
+        The kept value follows in-place writes made through ``__torch_dispatch__`` (``copy_``,
+        ``zero_``, ``nn.init`` and other in-place ops) into this tensor, and into a dim-0 slice,
+        ``split`` piece, ``view`` / ``reshape``, ``detach()`` / ``.data`` of it (or of those,
+        in turn): the elements written take the value written (a quantized source: its
+        dequantized value), the others keep theirs, so masters seeded from it start where the
+        tensor now is. Writes made to the payload tensors directly (``quantizer.update_quantized``,
+        an optimizer's re-encoding from its masters) leave it as it was: it is the value the
+        tensor was initialised with, not its current one.
+
+        Returns
+        -------
+        Optional[torch.Tensor]
+            The kept value, of the tensor's shape, or None when none is kept (or it was freed
+            with :meth:`clear_high_precision_init_val`).
+        """
         return self.__dict__.get("_high_precision_init_val")
 
     def clear_high_precision_init_val(self) -> None:

@@ -4,8 +4,10 @@ FSDP2 gathers a weight again into the very tensors its forward saved for backwar
 their version counters as they were (``torch.autograd._unsafe_preserve_version_counter``), or
 autograd would refuse the backward. A cache that validates an entry by a tensor's ``_version``
 and ``data_ptr`` would then serve the previous gather's result: the caching allocator usually
-hands the freed block back at the same address. A writer that preserves a version counter calls
-:func:`note_rewrite`; a cache keys on :func:`version` instead of ``_version``.
+hands the freed block back at the same address. The same holds for a QuantizedTensor written
+through a slice or view of it: the slice's payload tensors view the same memory with version
+counters of their own. A writer that preserves a version counter, or writes through tensors not
+sharing it, calls :func:`note_rewrite`; a cache keys on :func:`version` instead of ``_version``.
 
     >>> import torch
     >>> from hybridfp.utils.rewrites import note_rewrite, version
