@@ -228,7 +228,8 @@ class GroupedWeights:
         if held is not None:  # quantized primary weights, joined: read as they are
             return held
         who = self._who()
-        keys: list = [None if isinstance(w, QuantizedTensor) else self._weight_key(w, q) for w, q in zip(weights, qs)]
+        keys: list = [None if isinstance(w, QuantizedTensor) else self._weight_key(w, q, i)
+                      for i, (w, q) in enumerate(zip(weights, qs))]
         joined = self._wcache.get(_GROUP_SLOT)
         if joined is not None:
             # reusable() may raise (is_first_microbatch=False): the entry stays for a retry
@@ -280,7 +281,12 @@ class GroupedWeights:
         the views' adjacency twice a call (host work a 64-expert MoE step cannot afford:
         ``python -m bench.bench_moe_overhead``); the results are the same tensors."""
         w = self.weight
-        key = WeightKey(w._version, tuple(q.state_version() for q in self._stateful), self._qkey)
+        built_key, built = self._qpair  # one read: the key of the build ``qs`` are from, if still current
+        ws = built.get("weight", ())
+        same = len(ws) == len(qs) and all([a is b for a, b in zip(ws, qs)])
+        # quantizers of a build another thread's region replaced since: a key naming them
+        key = WeightKey(w._version, tuple([q.state_version() for q in qs]),
+                        built_key if same else ("replaced build", tuple(qs)))
         entry = self._wcache.get(_STACK_SLOT)
         if reusable(entry, w, key, columnwise, region, is_first_microbatch, self._who()):
             return entry.qw  # type: ignore[union-attr]

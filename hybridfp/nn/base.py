@@ -4,6 +4,7 @@ reporting GEMMs that run emulated."""
 
 from __future__ import annotations
 
+import contextvars
 from collections import Counter
 from typing import Any, Optional
 
@@ -34,6 +35,11 @@ def _describe(q: Quantizer) -> dict[str, str]:
     kind = type(q).__name__ + (f"({', '.join(type(c).__name__ for c in parts)})" if parts else "")
     return {"kind": kind, "format": f"rowwise {q.format_key(ROWWISE)}; columnwise {q.format_key(COLUMNWISE)}"}
 
+
+#: Inside a checkpointed forward's module call: (the module, the quantizer dicts its
+#: ``quantizers()`` returned in the call), per thread and task as autocast's regions.
+_CALL_QUANTIZERS: contextvars.ContextVar[Optional[tuple[Any, list]]] = contextvars.ContextVar(
+    "hybridfp_call_quantizers", default=None)
 
 #: The attribute :func:`mark_not_offload` sets: CPU offload leaves such a saved tensor in place.
 NOT_OFFLOADED = "_hybridfp_not_offloaded"
@@ -200,19 +206,28 @@ class QuantizedModule(nn.Module):
             with recompute.replaying(record, cursor, _replay_copies(record.quantizers)):
                 return super().__call__(*args, **kwargs)
         record = recompute.record_call(self, current_autocast(), current_policy())
-        out = super().__call__(*args, **kwargs)
-        if record is not None and record.state is not None:
-            self._refuse_random_forward_under_checkpoint()
-            record.quantizers = _replay_copies(self._quantizers)
+        if record is None or record.state is None:
+            return super().__call__(*args, **kwargs)
+        # the quantizers this call builds or finds (quantizers() reports them here): the module's
+        # own after the call may be another thread's, built for another recipe meanwhile
+        used: list[dict] = []
+        token = _CALL_QUANTIZERS.set((self, used))
+        try:
+            out = super().__call__(*args, **kwargs)
+        finally:
+            _CALL_QUANTIZERS.reset(token)
+        quantizers = used[-1] if used else self._quantizers
+        self._refuse_random_forward_under_checkpoint(quantizers)
+        record.quantizers = _replay_copies(quantizers)
         return out
 
-    def _refuse_random_forward_under_checkpoint(self) -> None:
+    def _refuse_random_forward_under_checkpoint(self, quantizers: dict[str, list[Quantizer]]) -> None:
         """A forward quantizer that rounds stochastically cannot be replayed draw for draw by a
         recomputation yet: a weight the recomputation finds cached skips its draw and shifts every
         later one, and torch restores its own RNG state, not a quantizer's own generator. The
         recomputed forward would then differ from the one the loss came from, silently."""
         for slot in FORWARD_SLOTS:
-            for q in self._quantizers.get(slot, ()):
+            for q in quantizers.get(slot, ()):
                 if q.uses_randomness():
                     raise NotImplementedError(
                         f"{type(self).__name__} {self.name}: its {slot} quantizer ({type(q).__name__}) "
@@ -276,6 +291,9 @@ class QuantizedModule(nn.Module):
             self._wcache.clear()  # also the kept copies: is_first_microbatch=False then raises
             self._report_emulated(built)
         state.note_module(self)
+        call = _CALL_QUANTIZERS.get()
+        if call is not None and call[0] is self:
+            call[1].append(pair[1])
         if self._reads_known_amax:
             state.reads_known_amax = True
         return pair[1]
@@ -619,7 +637,7 @@ class QuantizedModule(nn.Module):
                     "module: hybridfp.enable_quantized_all_gather(module, copies='both').")
             mark_not_offload(weight)  # the parameter holds its payloads: offloading them frees nothing
             return weight
-        key = self._weight_key(weight, q)
+        key = self._weight_key(weight, q, index)
         hit = self._cached_weight(index, weight, key, columnwise, region, is_first_microbatch)
         if hit is not None:
             return hit
@@ -633,11 +651,17 @@ class QuantizedModule(nn.Module):
         self._wcache[index] = new_entry(self._wcache.get(index), key, qw, weight, region, is_first_microbatch)
         return qw
 
-    def _weight_key(self, weight: torch.Tensor, q: Quantizer) -> WeightKey:
+    def _weight_key(self, weight: torch.Tensor, q: Quantizer, index: int = 0) -> WeightKey:
         """What a quantized weight depends on besides the weight object (compared by identity,
         held by the entry) and the region: its version counter, the quantizer state, the
         recipe. Never an address: see weight_cache.py (ranks must decide alike)."""
-        return WeightKey(weight._version, q.state_version(), self._qkey)
+        key, built = self._qpair  # one read: the key of the build ``q`` is from, if still current
+        ws = built.get("weight", ())
+        if not (index < len(ws) and ws[index] is q):
+            # another thread's region (another recipe) rebuilt the quantizers since this call got
+            # q: a key naming q itself, which only calls holding q match
+            key = ("replaced build", q)
+        return WeightKey(weight._version, q.state_version(), key)
 
     def _cached_weight(self, index: int, weight: Any, key: WeightKey, columnwise: bool,
                        region: Optional[object], is_first_microbatch: Optional[bool]) -> Optional[QuantizedTensor]:

@@ -107,7 +107,7 @@ class WeightKey(NamedTuple):
 
     versions: Any  #: the weight's ``_version`` (a tuple of them for several weights)
     state: Any  #: the quantizer's ``state_version()`` (a tuple for several quantizers)
-    recipe: Any  #: the module's quantizer key (recipe configuration, decoded-copies mode)
+    recipe: Any  #: the key of the quantizer build that encoded it (recipe configuration, decoded-copies mode), or a replaced build's quantizers
 
 
 class WeightEntry(NamedTuple):

@@ -11,6 +11,7 @@ A recipe or factory switched between steps takes effect at the next step.
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -269,3 +270,78 @@ def test_a_region_gets_its_own_quantizers_while_another_threads_region_rebuilds_
     got = m.quantizers(mine)
     assert isinstance(got["input"][0], MXFP8Quantizer)
     assert not isinstance(m._quantizers["input"][0], MXFP8Quantizer)  # the other region's rebuild
+
+
+def _interleaving_recipe(interfere):
+    """An MXFP8 recipe whose input quantizer runs ``interfere()`` (another thread's call) at
+    its first quantize while armed: the interleaving forced at one point, deterministically."""
+    import hybridfp
+
+    class Interleaving(hybridfp.MXFP8Quantizer):
+        def quantize(self, x):
+            if interfere.armed and not interfere.fired:
+                interfere.fired = True
+                t = threading.Thread(target=interfere)
+                t.start()
+                t.join()
+            return super().quantize(x)
+
+    def factory(role):
+        return Interleaving() if role is not None and role.tensor_type == "input" else hybridfp.MXFP8Quantizer()
+
+    return CustomRecipe(qfactory=factory)
+
+
+def _other_thread_call(m, recipe, x):
+    def call():
+        with torch.no_grad(), autocast(recipe=recipe):
+            m(x)
+    call.armed, call.fired = True, False
+    return call
+
+
+def test_a_weight_kept_under_one_recipe_is_not_reused_under_the_recipe_another_thread_built():
+    """Another thread's region (another recipe) rebuilds the module's quantizers while this
+    call quantizes its input: the weight this call keeps is labelled with its own build, so the
+    other recipe's is_first_microbatch=False call refuses it instead of reading MXFP8 codes as
+    its own."""
+    import hybridfp
+    torch.manual_seed(0)
+    m = hybridfp.Linear(64, 64, bias=False)
+    xa, xb = torch.randn(32, 64), torch.randn(32, 64)
+    other = Float8CurrentScaling()
+    interfere = _other_thread_call(m, other, xb)
+    with torch.no_grad(), autocast(recipe=_interleaving_recipe(interfere)):
+        m(xa, is_first_microbatch=True)
+    assert interfere.fired and "MXFP8" in type(m._wcache[0].qw.qstorage).__name__
+    with torch.no_grad(), autocast(recipe=other), pytest.raises(RuntimeError, match="is_first_microbatch=False"):
+        m(xb, is_first_microbatch=False)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_a_checkpoint_replays_the_quantizers_its_forward_used_while_another_thread_rebuilds(use_reentrant):
+    """Another thread's region rebuilds the module's quantizers during a checkpointed forward:
+    the recomputation replays the forward's own quantizers, so the gradients are those of the
+    run without checkpoint."""
+    import hybridfp
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(0)
+    m = hybridfp.Linear(64, 64, bias=False)
+    x, xb = torch.randn(32, 64), torch.randn(32, 64)
+    interfere = _other_thread_call(m, Float8CurrentScaling(), xb)
+    recipe = _interleaving_recipe(interfere)
+
+    def grads(use_ckpt):
+        m.weight.grad = None
+        xi = x.clone().requires_grad_()
+        with autocast(recipe=recipe):
+            y = checkpoint(m, xi, use_reentrant=use_reentrant) if use_ckpt else m(xi)
+        y.backward(torch.linspace(-1, 1, y.numel()).reshape(y.shape))
+        return xi.grad, m.weight.grad.clone()
+
+    interfere.armed = False
+    want = grads(False)
+    interfere.armed = True
+    got = grads(True)
+    assert interfere.fired
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
