@@ -15,13 +15,14 @@ saves; an input saved as it is, ``save_original_input`` or ``backward_override=
 outputs may not alias its inputs). Which payloads, with which shapes, is worked out by the
 same ``forward_gemm`` run on meta tensors with copies of the quantizers (the ops' fake
 implementation, and the backward's skeletons to rebuild the saved copies), memoized per
-module and call signature.
+module, quantizer set and call signature.
 
 The traced wrapper passes the module as ``id(module)`` (the registry below maps it back; a
 module registers itself when made or unpickled) and the configuration (recipe, decoded-copies
-policy) as a string, so Dynamo guards on it and a change recompiles; a recipe is keyed by value
-where ``Recipe.key`` compares by value (an equal ``CustomRecipe(per_gemm(...))`` made each step
-reuses the graph). Each forward op call also returns a one-element CPU tensor carrying what its
+policy) as a string, so Dynamo guards on it and a change recompiles; a recipe's factory is keyed
+by value where its equality is known to be that of fixed attributes (an equal
+``CustomRecipe(per_gemm(...))`` made each step reuses the graph), else by identity (see
+``_object_key``). Each forward op call also returns a one-element CPU tensor carrying what its
 backward needs besides tensors: the GEMM set's context (quantizers, options) and the policy the
 forward ran under. Autograd saves it with the copies and hands it to the backward op, which
 runs under that context and policy, as the eager function's backward reads its ``ctx``: a
@@ -47,7 +48,6 @@ import collections
 import dataclasses
 import itertools
 import math
-import types
 import weakref
 from typing import Any, Optional
 
@@ -65,8 +65,12 @@ from .linear_function import (LinearContext, LinearFunction, backward_gemms, bia
 #: id(module) -> module, for the ops (which take plain values only); entries die with modules.
 _MODULES: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 #: module -> {GEMM set index: its latest forward's context, without the module}, read while
-#: tracing (the saved copies' plan); the plan memo.
+#: tracing (the saved copies' plan).
 _CONTEXTS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+#: The plan memo: module -> {ids of a quantizer set (input, weight, grad_output): (weak
+#: references to those quantizers, {call signature: plan})}. Per quantizer set, so the plans of
+#: a set the module rebuilt away go once its quantizers are gone (see :func:`_plan_memo`);
+#: plans hold no quantizer, so they keep none alive.
 _PLANS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 # how backward reads x / W: not at all, the op's input itself, payloads the op returned, or (a
@@ -93,7 +97,9 @@ def config_key(state: AutocastState) -> str:
     """The configuration a compiled graph was traced for (Dynamo guards on it): the policy
     fields the quantizers depend on (decoded copies) and the recipe: a dataclass recipe's field
     values, a ``CustomRecipe``'s factory (:func:`_object_key`) and options, else the recipe
-    object (:func:`_object_key`).
+    object (:func:`_object_key`). The forward op computes it again when it runs and refuses a
+    graph traced for another value, so it reads nothing a call may change: a factory's lazily
+    made attributes (a cache, a call counter) are not part of it.
 
     Parameters
     ----------
@@ -132,18 +138,36 @@ def _plain(value: Any) -> bool:
     return False
 
 
+#: Factory classes whose ``__eq__`` compares exactly these attributes, set when the factory is
+#: made and never changed by calling it: keyed by their values. By name, since ``PlanFactory``
+#: lives in ``hybridfp.analyze``, a layer above this one; the exact class only (a subclass may
+#: compare or change other state).
+_BY_VALUE: dict[tuple[str, str], tuple[str, ...]] = {
+    ("hybridfp.recipes.factories", "per_gemm"): ("fprop", "dgrad", "wgrad"),
+    ("hybridfp.analyze.recommend", "PlanFactory"): ("plan", "default"),
+}
+
+
 def _object_key(obj: Any) -> Any:
-    """A factory (or non-dataclass recipe) as the module's quantizer key compares it
-    (``recipes.recipes._FactoryKey``): an object whose class defines ``__eq__`` (``per_gemm``,
-    ``PlanFactory``, an eq dataclass) by its class and attributes when they are plain data, so
-    an equal one made each step passes the guards (Dynamo guards on the values read here);
-    anything else by identity (functions; Dynamo drops a graph whose guarded object died, so a
-    new one at its address traces again)."""
+    """A factory (or non-dataclass recipe) as a compiled graph's key: a class of
+    :data:`_BY_VALUE` by the values of the attributes its ``__eq__`` compares (plain data),
+    so an equal one made each step passes the guards (Dynamo guards on the values read here)
+    and one that differs traces again; anything else by identity.
+
+    Identity, not the object's attributes, for other classes, even ones defining ``__eq__``:
+    which attributes their equality reads is unknown, and a factory may add or change
+    attributes when called (a lazy cache, a counter), which happens between the trace (that
+    reads the key before the quantizers are built) and the run (that reads it again). Dynamo
+    guards on the attribute values it read, not on attributes added later, so such a key
+    would differ at run time while the guards still pass. An equal object of such a class
+    made anew traces again; Dynamo drops a graph whose guarded object died, so a new one at
+    its address traces again too."""
     cls = type(obj)
-    if cls.__eq__ is not object.__eq__ and cls.__dictoffset__ and not isinstance(obj, types.MethodType):
-        attrs = vars(obj)  # (a bound method would show its function's attributes: excluded above)
-        if _plain(attrs):
-            return (cls.__module__, cls.__qualname__, sorted(attrs.items()))
+    names = _BY_VALUE.get((cls.__module__, cls.__qualname__))
+    if names is not None:
+        values = tuple((n, getattr(obj, n, None)) for n in names)
+        if _plain(values):
+            return (cls.__module__, cls.__qualname__, values)
     return ("id", id(obj))
 
 
@@ -165,7 +189,9 @@ class _MetaWeights:
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """What backward reads of x and W, and the forward op's payload outputs (meta tensors)."""
+    """What backward reads of x and W, and the forward op's payload outputs (meta tensors). A
+    skeleton is (storage without tensors, payload slot groups): the quantizer a saved copy is
+    rebuilt with is the caller's (its context's), the one the plan was memoized for."""
 
     x_form: int
     x_skel: Any
@@ -195,17 +221,35 @@ def _form(saved: Optional[torch.Tensor], given: torch.Tensor) -> tuple[int, Any,
     return _PAYLOAD, (skel, groups), tuple(tensors)
 
 
+def _plan_memo(module: Any, quantizers: tuple) -> dict:
+    """The plans of ``module`` for the quantizer set ``quantizers`` (its memo table, made when
+    first asked). Entries are keyed by the quantizers' ids and checked against weak references
+    (an id is reused once its object dies); a new set drops the entries of sets whose
+    quantizers died, so the table holds the sets still alive (the module's current one, and
+    those calls in flight or their records still hold), not one per rebuild."""
+    table = _PLANS.setdefault(module, {})
+    ids = tuple(id(q) for q in quantizers)
+    entry = table.get(ids)
+    if entry is not None and all(r() is q for r, q in zip(entry[0], quantizers)):
+        return entry[1]
+    for k, (refs, _) in list(table.items()):  # a copy: another thread may add a set meanwhile
+        if any(r() is None for r in refs):
+            table.pop(k, None)
+    plans: dict = {}
+    table[ids] = (tuple(weakref.ref(q) for q in quantizers), plans)
+    return plans
+
+
 def _plan(lc: LinearContext, x_shape: tuple, x_dtype: torch.dtype, w_shape: tuple, w_dtype: torch.dtype,
           needs_dgrad: bool, needs_wgrad: bool, held: bool = False) -> _Plan:
     """``forward_gemm``'s saved copies for these shapes, from a run on meta tensors with copies
-    of the quantizers (their state untouched), memoized per module and signature. ``held``: the
-    weight is a quantized parameter, whose payloads (the op's inputs) backward reads as eager's
-    saved weight does."""
+    of the quantizers (their state untouched), memoized per module, quantizer set and signature
+    (:func:`_plan_memo`). ``held``: the weight is a quantized parameter, whose payloads (the
+    op's inputs) backward reads as eager's saved weight does."""
     module = lc.module
     key = (getattr(module, "_qkey", None), lc.weight_index, x_shape, x_dtype, w_shape, w_dtype, needs_dgrad,
-           needs_wgrad, held, lc.backward_override, lc.save_original_input,
-           id(lc.input_q), id(lc.weight_q), id(lc.grad_q))
-    memo = _PLANS.setdefault(module, {})
+           needs_wgrad, held, lc.backward_override, lc.save_original_input)
+    memo = _plan_memo(module, (lc.input_q, lc.weight_q, lc.grad_q))
     if key in memo:
         return memo[key]
     with unset_fake_temporarily(), torch.no_grad():
@@ -217,9 +261,6 @@ def _plan(lc: LinearContext, x_shape: tuple, x_dtype: torch.dtype, w_shape: tupl
         _, sx, sw = forward_gemm(x, w, None, meta_lc, needs_dgrad, needs_wgrad, run_gemm=False)
     xf, xs, xm = _form(sx, x)
     wf, ws, wm = _form(sw, w)
-    # the skeletons rebuild tensors of the live quantizers, not of the meta pass's copies
-    xs = None if xs is None else (*xs, lc.input_q)
-    ws = None if ws is None else (*ws, lc.weight_q)
     if held:  # forward_gemm saves the held weight itself (never a copy of it) when dgrad needs it
         wf, ws, wm = (_HELD if needs_dgrad else _NONE), None, ()
     plan = _Plan(xf, xs, xm, wf, ws, wm)
@@ -404,9 +445,10 @@ def _payloads(t: Any, skel: Any, module: Any) -> list[torch.Tensor]:
     return [storage.payloads[g[0][0]][g[0][1]] for g in groups]
 
 
-def _rebuild(skel: Any, tensors: list[torch.Tensor]) -> QuantizedTensor:
-    """Inverse of :func:`_payloads` (as ``linear_function.unpack``)."""
-    storage, _groups, quantizer = skel
+def _rebuild(skel: Any, tensors: list[torch.Tensor], quantizer: Any) -> QuantizedTensor:
+    """Inverse of :func:`_payloads` (as ``linear_function.unpack``), a tensor of ``quantizer``
+    (the live one of the call's context, not the meta pass's copy)."""
+    storage, _groups = skel
     return QuantizedTensor(storage.with_tensors(list(tensors)), quantizer)
 
 
@@ -451,12 +493,12 @@ def linear_backward(dy2: torch.Tensor, saved: list[torch.Tensor], record: torch.
     sx = sw = None
     if plan.x_form != _NONE:
         k = 1 if plan.x_form == _INPUT else len(plan.x_meta)
-        sx = rest[0] if plan.x_form == _INPUT else _rebuild(plan.x_skel, rest[:k])
+        sx = rest[0] if plan.x_form == _INPUT else _rebuild(plan.x_skel, rest[:k], lc.input_q)
         rest = rest[k:]
     if plan.w_form == _HELD:
         sw = _held_weight(module, index, rest)
     elif plan.w_form != _NONE:
-        sw = rest[0] if plan.w_form == _INPUT else _rebuild(plan.w_skel, rest)
+        sw = rest[0] if plan.w_form == _INPUT else _rebuild(plan.w_skel, rest, lc.weight_q)
     with use_policy(pol), torch_autocast_off(dy2):
         dx, dw = backward_gemms(dy2, sx, sw, lc, x_dtype, w_dtype, needs_dgrad, needs_wgrad)
         db = bias_grad(dy2, bias_grad_dtype) if bias_grad_dtype is not None else None
