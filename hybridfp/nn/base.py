@@ -390,7 +390,8 @@ class QuantizedModule(nn.Module):
         -------
         dict
             ``{"version": 1, "built": False}`` for a module that has not built quantizers
-            (nothing to restore), else ``{"version": 1, "built": True, "quantizers":
+            (nothing to restore; with ``"held": {"weight.<set>": ...}`` when a weight is held
+            quantized by a stateful quantizer: that quantizer's state), else ``{"version": 1, "built": True, "quantizers":
             {"<slot>.<set>": {"kind": class names, "format": the copies' formats, "state":
             Quantizer.get_state()}}}``, one entry per slot and quantizer set (an expert of
             GroupedLinear); a state loaded and not yet applied is returned as loaded (a
@@ -423,6 +424,12 @@ class QuantizedModule(nn.Module):
             return {**self._loaded_state, "quantizers": {
                 name: {**entry, "state": self._loaded_applied[name].get_state()} if name in self._loaded_applied
                 else entry for name, entry in saved.items()}}
+        # not built, but a weight held quantized by a stateful quantizer (its encode recorded an
+        # amax): that state is the module's too, or a load would keep the target's own
+        held = {f"weight.{i}": {**_describe(q), "state": q.get_state()}
+                for i, q in self.held_weight_quantizers().items() if q.has_state()}
+        if held:
+            return {"version": EXTRA_STATE_VERSION, "built": False, "held": held}
         return {"version": EXTRA_STATE_VERSION, "built": False}
 
     def set_extra_state(self, state: Any) -> None:
@@ -470,6 +477,21 @@ class QuantizedModule(nn.Module):
             raise ValueError(f"{who}: the '_extra_state' entry is not a hybridfp quantizer state (version "
                              f"{EXTRA_STATE_VERSION}); got {_summary(state)}.")
         if not state["built"]:
+            held = state.get("held", {})
+            if not isinstance(held, dict):
+                raise ValueError(f"{who}: the '_extra_state' entry's 'held' is not a dict of weight quantizer "
+                                 f"states; got {_summary(held)}.")
+            mine = {f"weight.{i}": q for i, q in self.held_weight_quantizers().items() if q.has_state()}
+            # the saved module's held weight quantizers' state: this module's take it now (a
+            # module holding its weights in high precision builds fresh ones, as without it)
+            if held and mine:
+                if set(held) != set(mine):
+                    raise ValueError(f"{who}: the loaded state holds weight quantizer states for {sorted(held)}, "
+                                     f"this module holds stateful quantized weights {sorted(mine)}; load it into "
+                                     "a module built under the same recipe in quantized_model_init.")
+                names = {name: mine[name] for name in held}
+                self._check_saved_kinds(held, names, "the weight is held quantized by")
+                self._set_quantizer_states(held, names)
             self._drop_quantizers()  # the next forward builds fresh ones, as the saved module would
             self._loaded_state, self._loaded_applied = None, None
             return

@@ -336,3 +336,63 @@ def test_distributed_checkpoint_into_unbuilt_module_is_refused(tmp_path):
     dcp.load(sd, checkpoint_id=str(tmp_path))
     with pytest.raises(ValueError, match=r"fc1.*(one forward|built)"):
         target.load_state_dict(sd)
+
+
+def _held_state(m) -> dict:
+    return m.held_weight_quantizers()[0].get_state()
+
+
+@pytest.mark.parametrize("target", ["fresh", "trained"])
+def test_a_module_that_never_ran_saves_its_held_weight_quantizer_state(target):
+    """quantized_model_init's encode recorded the weight's amax in its delayed-scaling
+    quantizer: a module saved before it ran carries that state, and a module loading it (one
+    that trained since, too) continues as the saved one: same scale after the same region."""
+    recipe = hf.DelayedScaling(amax_history_len=4)
+    torch.manual_seed(0)
+    with hf.quantized_model_init(recipe=recipe):
+        saved = hf.Linear(64, 64, bias=False)
+    state = saved.get_extra_state()
+    assert state["built"] is False and set(state["held"]) == {"weight.0"}
+    sd = _roundtrip(saved.state_dict())
+    torch.manual_seed(1)
+    with hf.quantized_model_init(recipe=recipe):
+        other = hf.Linear(64, 64, bias=False)
+    if target == "trained":
+        for _ in range(3):
+            with hf.autocast(recipe=recipe):
+                other(torch.randn(8, 64) * 100)
+    other.load_state_dict(sd)
+    for k, v in _held_state(saved).items():
+        assert torch.equal(v, _held_state(other)[k]) if torch.is_tensor(v) else v == _held_state(other)[k], k
+    x = torch.randn(8, 64)
+    for m in (saved, other):
+        with hf.autocast(recipe=recipe):
+            m(x)
+    a = saved.get_extra_state()["quantizers"]["weight.0"]["state"]
+    b = other.get_extra_state()["quantizers"]["weight.0"]["state"]
+    assert torch.equal(a["scale"], b["scale"]) and torch.equal(a["amax_history"], b["amax_history"])
+
+
+def test_a_held_state_loads_into_a_high_precision_module_as_fresh_quantizers():
+    recipe = hf.DelayedScaling(amax_history_len=4)
+    with hf.quantized_model_init(recipe=recipe):
+        saved = hf.Linear(64, 64, bias=False)
+    plain = hf.Linear(64, 64, bias=False)
+    plain.set_extra_state(saved.get_extra_state())
+    assert plain.get_extra_state() == {"version": 1, "built": False}
+
+
+def test_a_malformed_held_state_is_named():
+    with hf.quantized_model_init(recipe=hf.DelayedScaling()):
+        m = hf.Linear(64, 64, bias=False)
+    with pytest.raises(ValueError, match="'held' is not a dict"):
+        m.set_extra_state({"version": 1, "built": False, "held": [1]})
+    with pytest.raises(ValueError, match="weight quantizer states for"):
+        m.set_extra_state({"version": 1, "built": False, "held": {"weight.3": {}}})
+
+
+def _roundtrip(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
