@@ -222,6 +222,10 @@ class GroupedWeights:
         quantized as views of shared encodings come back (and are cached) as one
         ``GroupedTensor``. ``region`` / ``is_first_microbatch``: as ``quantized_weight``'s, for
         every expert at once."""
+        if any(w.is_inference() for w in weights):  # no version counters: never cached
+            return [w if isinstance(w, QuantizedTensor) else self._uncached_inference_weight(w, q, columnwise,
+                                                                                           is_first_microbatch)
+                    for w, q in zip(weights, qs)]
         if self.single_parameter and weights is self._views[0]:
             return self._quantized_stack(qs, columnwise, region, is_first_microbatch)
         held = self._primary_weights(weights)

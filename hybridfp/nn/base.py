@@ -659,6 +659,8 @@ class QuantizedModule(nn.Module):
                     "module: hybridfp.enable_quantized_all_gather(module, copies='both').")
             mark_not_offload(weight)  # the parameter holds its payloads: offloading them frees nothing
             return weight
+        if weight.is_inference():
+            return self._uncached_inference_weight(weight, q, columnwise, is_first_microbatch)
         key = self._weight_key(weight, q, index)
         hit = self._cached_weight(index, weight, key, columnwise, region, is_first_microbatch)
         if hit is not None:
@@ -672,6 +674,26 @@ class QuantizedModule(nn.Module):
         # ``key`` stays valid after quantizing: delayed scaling's state moves only at region ends
         self._wcache[index] = new_entry(self._wcache.get(index), key, qw, weight, region, is_first_microbatch)
         return qw
+
+    def _uncached_inference_weight(self, weight: torch.Tensor, q: Quantizer, columnwise: bool,
+                                   is_first_microbatch: Optional[bool]) -> QuantizedTensor:
+        """A weight made under ``torch.inference_mode`` quantized anew: an inference tensor keeps
+        no version counter, so a cache could not see a write to it (it would serve old codes).
+
+        Raises
+        ------
+        RuntimeError
+            ``is_first_microbatch=False``: nothing is kept to reuse.
+        """
+        if is_first_microbatch is False:
+            raise RuntimeError(
+                f"{self._who()}: is_first_microbatch=False reuses a kept quantized weight, but this "
+                "weight was made under torch.inference_mode (an inference tensor tracks no writes, so "
+                "none is kept). Build the module outside inference_mode (run it inside), or leave "
+                "is_first_microbatch unset.")
+        q.set_usage(rowwise=True, columnwise=columnwise)
+        with torch.no_grad():
+            return q.quantize(weight.detach())
 
     def _weight_key(self, weight: torch.Tensor, q: Quantizer, index: int = 0) -> WeightKey:
         """What a quantized weight depends on besides the weight object (compared by identity,
