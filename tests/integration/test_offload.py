@@ -238,6 +238,125 @@ def test_quantized_weights_of_every_module_in_one_entry_stay_in_place():
     assert moved and not weights & set(moved)
 
 
+def test_quantized_expert_weights_of_a_grouped_linear_stay_in_place():
+    """A GroupedLinear built in quantized_model_init saves its experts' quantized parameters'
+    payloads for dgrad: they stay in place, the activations move."""
+    torch.manual_seed(0)
+    with hfp.quantized_model_init(recipe=hfp.Float8BlockScaling()):
+        experts = [hfp.GroupedLinear(2, 128, 128, bias=False) for _ in range(2)]
+    context, sync = hfp.get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2,
+                                                min_tensor_size_to_offload=1)
+    moved = []
+    original = context._pack
+
+    def watching(t):
+        out = original(t)
+        if out is not t:
+            moved.append(t.untyped_storage().data_ptr())
+        return out
+
+    context._pack = watching
+    x = torch.randn(128, 128, requires_grad=True)
+    with hfp.autocast(recipe=hfp.Float8BlockScaling()):
+        h = x
+        for layer in experts:
+            with context:
+                h = layer(h, [64, 64])
+            h = sync(h)
+    h.sum().backward()
+    weights = {t.untyped_storage().data_ptr() for m in experts for w in m.parameters()
+               if isinstance(w, hfp.QuantizedTensor) for t in w.qstorage.tensors()}
+    assert weights and moved and not weights & set(moved)
+
+
+def _compiled_steps(offload: bool, quantized: bool, in_place: bool, steps: int = 3):
+    """Training steps of a layer compiled in place (``in_place``) or called by a compiled
+    function, each call inside the offload context: the frames compiled, the gradients, the
+    storages of what moved and of the quantized weight's payloads."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    graphs = []
+    aot_eager = torch._dynamo.lookup_backend("aot_eager")
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return aot_eager(gm, example_inputs)
+
+    torch.manual_seed(0)
+    if quantized:
+        with hfp.quantized_model_init(recipe=hfp.MXFP8BlockScaling()):
+            layer = hfp.Linear(64, 64)
+    else:
+        layer = nn.Sequential(nn.Linear(64, 64), nn.GELU())
+    if in_place:
+        layer.compile(backend=counting)
+        step = lambda m, h: m(h)  # noqa: E731
+    else:
+        step = torch.compile(lambda m, h: m(h), backend=counting)
+    context, sync = hfp.get_cpu_offload_context(enabled=offload, num_layers=3, model_layers=4,
+                                                min_tensor_size_to_offload=1)
+    moved = []
+    if offload:
+        original = context._pack
+
+        def watching(t):
+            out = original(t)
+            if out is not t:
+                moved.append(t.untyped_storage().data_ptr())
+            return out
+
+        context._pack = watching
+    grads = []
+    for i in range(steps):
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(i), requires_grad=True)
+        with hfp.autocast(recipe=hfp.MXFP8BlockScaling(), enabled=quantized):
+            h = x
+            for _ in range(4):  # the same layer four times: one compiled frame serves every call
+                with context:
+                    h = step(layer, h)
+                h = sync(h)
+        h.square().sum().backward()
+        grads += [x.grad] + [p.grad.clone() for p in layer.parameters()]
+        layer.zero_grad()
+    weights = {t.untyped_storage().data_ptr() for w in layer.parameters()
+               if isinstance(w, hfp.QuantizedTensor) for t in w.qstorage.tensors()}
+    torch._dynamo.reset()
+    return len(graphs), grads, moved, weights
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["compiled_caller", "compiled_in_place"])
+@pytest.mark.parametrize("quantized", [False, True], ids=["torch_linear", "quantized_weight"])
+def test_compiled_layers_compile_once_over_many_entries(quantized, in_place):
+    """A layer called by a compiled function, or compiled in place, inside the context entered
+    twelve times: it compiles as often as without offload (no process-wide hook per entry,
+    which torch.compile guards on; the saved-tensor hooks are never traced), the gradients are
+    bitwise those without offload, and a quantized weight parameter's payloads stay in place."""
+    graphs, grads, moved, weights = _compiled_steps(True, quantized, in_place)
+    want_graphs, want, _, _ = _compiled_steps(False, quantized, in_place)
+    assert graphs == want_graphs <= 1
+    assert moved and not weights & set(moved)
+    for a, b in zip(grads, want):
+        assert torch.equal(a, b)
+
+
+def test_views_of_marked_tensors_stay_in_place():
+    """A saved view of a tensor marked with mark_not_offload stays (its base is held anyway);
+    an unmarked one moves."""
+    context, sync = hfp.get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2,
+                                                min_tensor_size_to_offload=1)
+    x = torch.randn(64, 8, requires_grad=True)
+    held, free = x * 2, x * 3
+    hfp.mark_not_offload(held)
+    with context:
+        h = _Save.apply(held[8:]) + _Save.apply(free[8:])  # dense views: offloadable as they are
+    h = sync(h)
+    with context:
+        y = h * 1
+    sync(y).sum().backward()
+    assert context.stats.offloaded_tensors == 1 and context.stats.kept_tensors == 1
+
+
 def test_parameters_and_small_tensors_stay_in_place():
     lin = nn.Linear(64, 64)  # F.linear saves the weight Parameter and the input
     context, sync = hfp.get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2)
