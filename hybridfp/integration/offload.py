@@ -18,15 +18,11 @@ gradients are bitwise those without offload. What moves: plain strided tensors o
 place: parameters and other leaves that require grad, and views of them (their owner holds
 them anyway), tensors marked with :func:`mark_not_offload` and views of them (hybridfp marks
 its quantized weights' payloads, held by the weight cache or, for ``quantized_model_init``
-weights, by the parameter: a module marks its parameter's when it reads them, in compiled
-calls too), tensors sharing memory with a payload of a quantized weight parameter of a module
-called inside the context in eager mode (or of its submodules: a ``GroupedLinear`` reads its
-experts' quantized parameters without marking them), smaller tensors, views with gaps, tensor
-subclasses.
+weights, by the parameter: a module marks its parameter's, or its experts', when it reads
+them, in compiled calls too), smaller tensors, views with gaps, tensor subclasses.
 
-The modules called inside are noted by one process-wide module forward pre-hook, registered
-at the first entry and kept: torch.compile guards on the process-wide hooks, so a hook added
-per entry would recompile a compiled caller at every entry. The saved-tensor hooks are never
+No module hook is involved (torch.compile guards on the process-wide hooks: one added per
+entry would recompile a compiled caller at every entry). The saved-tensor hooks are never
 traced by torch.compile (a module compiled in place calls them from its compiled frame).
 
 Schedule (TE's): a tensor's copy to pinned host memory starts on a side CUDA stream when it is
@@ -45,7 +41,6 @@ graph, so several forwards may precede one backward.
 from __future__ import annotations
 
 import contextlib
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -53,7 +48,6 @@ import torch
 from torch import nn
 
 from ..nn.base import NOT_OFFLOADED, mark_not_offload
-from ..tensors import QuantizedTensor
 
 __all__ = ["CpuOffloadContext", "OffloadStats", "get_cpu_offload_context", "mark_not_offload"]
 
@@ -223,51 +217,6 @@ class OffloadIteration:
             g.release_reloaded()
 
 
-class _Called(threading.local):
-    """Per thread: the modules called inside the offload context entered on it (None outside)."""
-
-    modules: Optional[dict[int, nn.Module]] = None
-
-
-_CALLED = _Called()
-_CALLED_HOOK: Optional[Any] = None
-_CALLED_HOOK_LOCK = threading.Lock()
-
-
-def _note_called(module: nn.Module, args: Any) -> None:
-    """The process-wide module forward pre-hook of CPU offload: note each module called inside
-    an entered context on its thread. A module call traced by torch.compile notes nothing (the
-    hook runs at trace time only): those modules' payloads are found by their marks."""
-    if torch.compiler.is_compiling():
-        return
-    modules = _CALLED.modules
-    if modules is not None:
-        modules.setdefault(id(module), module)
-
-
-def _register_called_hook() -> None:
-    """Register :func:`_note_called` once for the process and keep it: torch.compile guards on
-    the keys of the process-wide hooks, so a hook added per entry (or removed when a context is
-    collected, which may happen in the middle of a compilation) would recompile or break a
-    compiled caller."""
-    global _CALLED_HOOK
-    with _CALLED_HOOK_LOCK:
-        if _CALLED_HOOK is None:
-            _CALLED_HOOK = nn.modules.module.register_module_forward_pre_hook(_note_called)
-
-
-def _holds_payload(modules: dict[int, nn.Module], t: torch.Tensor) -> bool:
-    """Whether ``t`` shares memory with a payload of a quantized weight parameter of one of
-    ``modules`` (or of their submodules). Looked up when a tensor is saved, not when the module
-    is called: a pre-forward hook (FSDP2's gather) may swap a parameter in after ours ran."""
-    if not modules:
-        return False
-    ptr = t.untyped_storage().data_ptr()
-    return any(p.device == t.device and p.untyped_storage().data_ptr() == ptr
-               for m in modules.values() for w in m.parameters() if isinstance(w, QuantizedTensor)
-               for p in w.qstorage.tensors())
-
-
 class CpuOffloadContext:
     """The context of :func:`get_cpu_offload_context` (enter it around each layer's forward)."""
 
@@ -284,9 +233,6 @@ class CpuOffloadContext:
         self.iteration: Optional[OffloadIteration] = None
         self._hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = None
         self._synced = True
-        #: while entered: the modules called inside, and the entering thread's value before
-        self._called: dict[int, nn.Module] = {}
-        self._outer_called: Optional[dict[int, nn.Module]] = None
 
     def __enter__(self) -> "CpuOffloadContext":
         if self._hooks is not None:
@@ -306,18 +252,12 @@ class CpuOffloadContext:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(torch.compiler.disable(self._pack),
                                                                torch.compiler.disable(_unpack))
         self._hooks.__enter__()
-        # a GroupedLinear hands its quantized expert parameters to its GEMMs unmarked: the
-        # modules called inside are where to find their payloads
-        _register_called_hook()
-        self._outer_called, _CALLED.modules = _CALLED.modules, self._called
         self._synced = False
         return self
 
     def __exit__(self, *exc: Any) -> None:
         hooks, self._hooks = self._hooks, None
         hooks.__exit__(*exc)
-        _CALLED.modules, self._outer_called = self._outer_called, None
-        self._called = {}
         group = self.iteration.groups.get(self._layer) if self.iteration is not None else None
         if group is not None:
             group.by_id.clear()
@@ -339,8 +279,7 @@ class CpuOffloadContext:
         return (isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)
                 or getattr(t, NOT_OFFLOADED, False) or getattr(base, NOT_OFFLOADED, False)
                 or type(t) is not torch.Tensor or t.layout != torch.strided or t.device.type == "meta"
-                or t.numel() < self.min_tensor_size_to_offload or not _dense(t)
-                or _holds_payload(self._called, t))
+                or t.numel() < self.min_tensor_size_to_offload or not _dense(t))
 
     def _pack(self, t: torch.Tensor) -> Any:
         it = self.iteration

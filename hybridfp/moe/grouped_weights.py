@@ -17,6 +17,7 @@ import torch
 
 from ..quantizers import Quantizer
 from ..tensors import QuantizedTensor
+from ..nn.base import mark_not_offload
 from ..nn.weight_cache import WeightKey, join_keys, new_entry, reusable, split_entry
 from .grouped_tensor import GroupedTensor
 from .grouped_linear_function import plan_memo
@@ -250,6 +251,7 @@ class GroupedWeights:
         missing = []  # keys were read before quantizing (as quantized_weight does)
         for i, (w, key) in enumerate(zip(weights, keys)):
             if key is None:  # already quantized (quantized parameters)
+                mark_not_offload(w)  # the parameter holds its payloads: offloading them frees nothing
                 out[i] = w
             elif reusable(self._wcache.get(i), w, key, columnwise, region, is_first_microbatch, who):
                 out[i] = self._wcache[i].qw
