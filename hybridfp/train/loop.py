@@ -307,8 +307,20 @@ def evaluate(model: GPT, named: NamedRecipe, data: TokenData, cfg: TrainConfig,
     -------
     float
         The mean validation loss.
+
+    Raises
+    ------
+    ValueError
+        A sharded run (``par`` of several ranks, no tensor parallelism) whose modules hold
+        delayed-scaling quantizers, evaluated without ``amax_reduction_group``.
     """
     group = amax_reduction_group
+    if (group is None and par is not None and par.world > 1 and par.tp == 1
+            and any(m.stateful_quantizers() for m in model.modules() if isinstance(m, QuantizedModule))):
+        raise ValueError("evaluate: this sharded run's modules hold delayed-scaling quantizers, whose training "
+                         "regions reduce amaxes over a group; pass amax_reduction_group=amax_group(model, "
+                         "recipe, par) as computed once for the run (evaluating under another group would "
+                         "rebuild the quantizers and drop their state).")
     saved = _quantizer_states(model, named.recipe, group)
     model.eval()
     losses = []
