@@ -6,8 +6,9 @@ split / slice along dim 0 at block boundaries, new_zeros / new_empty / empty_lik
 zeros_like, zero_. Everything else dequantizes, runs in high precision and warns once per op;
 in-place ops on a quantized tensor re-quantize the result into it through its quantizer.
 A write through a dim-0 slice, split piece, view or detached alias reaches what is kept for
-the tensor it was made from: its cached BF16 decodes see it, and its kept initial
-high-precision value takes the rows written.
+the tensor it was made from, and for each tensor that one was made from in turn (also once the
+tensors between are gone, as in ``w[0:32].detach()``): their cached BF16 decodes see it, and
+their kept initial high-precision values take the rows written.
 
 The wrapper reports contiguous strides and storage offset 0 over its own elements, so ops
 that read memory layout (``as_strided``) get the value in that layout: row-major, in memory of
@@ -37,11 +38,18 @@ _WARNED: set[str] = set()
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _KEPT = "_high_precision_init_val"
 
+#: One tensor a view covers part of: (weak reference to it, first element, end element), the
+#: elements covered in its row-major order.
+_Covered = tuple[weakref.ref, int, int]
+
 #: A tensor the handlers below made over another one's payload memory (dim-0 slice / split,
-#: view, detach / alias) -> (weak reference to that tensor, first element, end element): the
-#: elements it covers in the other's row-major order. A write through it moves the other's kept
-#: initial value by it. Weakly keyed on the view itself rather than kept in its ``__dict__``,
-#: which ``copy.deepcopy`` would carry over to a copy in new memory.
+#: view, detach / alias) -> what it covers of the tensor it was made from and, offsets composed,
+#: of each tensor that one was made from in turn, nearest first. A write through it moves the
+#: kept initial value of each of them by it. The whole chain is recorded when the view is made:
+#: a detached alias does not keep its source alive, so in ``w[0:32].detach()`` the slice between
+#: is gone by the time of a write, and a walk through the tensors between would stop there. Weak
+#: references only, so a view keeps none of them alive; weakly keyed on the view itself rather
+#: than kept in its ``__dict__``, which ``copy.deepcopy`` would carry over to a copy in new memory.
 _VIEW_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -53,7 +61,13 @@ def _wrap_view(storage: QuantizedStorage, of: QuantizedTensor, start: int = 0,
                end: Optional[int] = None) -> QuantizedTensor:
     """``_wrap`` for a tensor over ``of``'s payload memory covering its elements [start, end)."""
     out = _wrap(storage, of)
-    _VIEW_OF[out] = (weakref.ref(of), start, of.numel() if end is None else end)
+    end = of.numel() if end is None else end
+    chain: list[_Covered] = [(weakref.ref(of), start, end)]
+    # of's element i is element s + i of each tensor of was made from; one already gone can
+    # take no write, and dropping it keeps a chain of aliases of aliases (x = x.detach() in a
+    # loop) as long as the tensors still alive
+    chain += [(ref, s + start, s + end) for ref, s, _ in _VIEW_OF.get(of, ()) if ref() is not None]
+    _VIEW_OF[out] = tuple(chain)
     return out
 
 
@@ -129,30 +143,26 @@ def _payload_memory(t: QuantizedTensor) -> set[int]:
 
 def _write_kept_of_bases(t: QuantizedTensor, value: Callable[[], torch.Tensor]) -> None:
     """Write ``value()`` into the elements ``t`` covers of the kept initial value of each tensor
-    ``t`` is a slice / view of (directly or through others)."""
+    ``t`` is a slice / view of (directly or through others, alive or not)."""
     flat: Optional[torch.Tensor] = None
     memory: Optional[set[int]] = None
-    link = _VIEW_OF.get(t)
-    while link is not None:
-        base, start, end = link[0](), link[1], link[2]
-        if base is None:
-            return
-        if _KEPT in base.__dict__:
-            memory = _payload_memory(t) if memory is None else memory
-            if not memory <= _payload_memory(base):
-                return  # the base's payloads were replaced since: t no longer writes its memory
-            kept = base.__dict__[_KEPT]
-            if kept.numel() != base.numel():  # a value of another shape: it no longer describes base
-                del base.__dict__[_KEPT]
-            else:
-                if flat is None:
-                    flat = value().detach().reshape(-1).to("cpu")
-                # a new tensor: a kept value handed out before stays as it was
-                new = kept.detach().clone(memory_format=torch.contiguous_format)
-                new.view(-1)[start:end] = flat
-                base.__dict__[_KEPT] = new
-        up = _VIEW_OF.get(base)
-        link = None if up is None else (up[0], up[1] + start, up[1] + end)
+    for ref, start, end in _VIEW_OF.get(t, ()):
+        base = ref()
+        if base is None or _KEPT not in base.__dict__:
+            continue  # gone, or keeps nothing: the tensors it was made from still take the write
+        memory = _payload_memory(t) if memory is None else memory
+        if not memory <= _payload_memory(base):
+            continue  # the base's payloads were replaced since: t no longer writes its memory
+        kept = base.__dict__[_KEPT]
+        if kept.numel() != base.numel():  # a value of another shape: it no longer describes base
+            del base.__dict__[_KEPT]
+            continue
+        if flat is None:
+            flat = value().detach().reshape(-1).to("cpu")
+        # a new tensor: a kept value handed out before stays as it was
+        new = kept.detach().clone(memory_format=torch.contiguous_format)
+        new.view(-1)[start:end] = flat
+        base.__dict__[_KEPT] = new
 
 
 @implements(aten.copy_.default)

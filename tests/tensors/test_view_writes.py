@@ -10,7 +10,9 @@ are seeded.
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -34,6 +36,20 @@ WRITES = {
     "detach slice copy_": lambda w, g: w.detach()[0:g].copy_(torch.ones(g, *w.shape[1:])),
     "data slice copy_": lambda w, g: w.data[0:g].copy_(torch.ones(g, *w.shape[1:])),
     "slice fill_": lambda w, g: w[0:g].fill_(1.0),
+}
+
+
+#: name -> a write of zeros into entries [0, g) of dim 0 through a tensor made from a temporary:
+#: a detached alias does not keep its source alive, so a tensor between is gone by the write
+THROUGH_TEMPORARIES = {
+    "data of a slice": lambda w, g: w[0:g].data.zero_(),
+    "detach of a slice": lambda w, g: w[0:g].detach().zero_(),
+    "slice of data of data": lambda w, g: w.data.data[0:g].zero_(),
+    "slice of detach of detach": lambda w, g: w.detach().detach()[0:g].zero_(),
+    "slice of detach of a slice": lambda w, g: w[0:2 * g].detach()[0:g].zero_(),
+    "slice of detach of a view": lambda w, g: w.view(-1, w.shape[-1]).detach()[0:g].zero_(),
+    "view of detach, sliced": lambda w, g: w.detach().view(-1, w.shape[-1])[0:g].zero_(),
+    "split of detach of detach": lambda w, g: torch.split(w.detach().detach(), g)[0].zero_(),
 }
 
 
@@ -152,3 +168,79 @@ def test_masters_seeded_after_a_write_through_a_slice_start_from_it(how):
         lin(torch.randn(4, 64)).sum().backward()
     opt.step()
     assert torch.equal(w.dequantize(), written)
+
+
+@pytest.mark.parametrize("how", list(THROUGH_TEMPORARIES))
+def test_the_kept_value_follows_a_write_through_an_alias_of_a_temporary(how):
+    """The tensors between the weight and the one written are gone by the write; the weight's
+    kept value still takes the rows written, and masters seeded afterwards start from them."""
+    torch.manual_seed(0)
+    with hybridfp.quantized_model_init(recipe=hybridfp.MXFP8BlockScaling(), preserve_high_precision_init_val=True):
+        lin = hybridfp.Linear(64, 96, bias=False)
+    w = lin.weight
+    init = w.get_high_precision_init_val().clone()
+    with torch.no_grad():
+        THROUGH_TEMPORARIES[how](w, 32)
+    kept = w.get_high_precision_init_val()
+    assert torch.equal(kept[:32], torch.zeros(32, 64))
+    assert torch.equal(kept[32:], init[32:])
+    assert torch.equal(w.dequantize()[:32], torch.zeros(32, 64))
+    opt = hybridfp.MasterWeightOptimizer(torch.optim.SGD, lin.parameters(), lr=0.0)
+    assert torch.equal(opt.master_of(w)[:32], torch.zeros(32, 64))
+    assert torch.equal(opt.master_of(w)[32:], init[32:].to(opt.master_of(w).dtype))
+
+
+def test_the_kept_value_follows_a_whole_write_through_an_alias_of_an_alias():
+    w = _weight()
+    with torch.no_grad():
+        w.detach().detach().zero_()
+    assert torch.equal(w.get_high_precision_init_val(), torch.zeros(w.shape))
+
+
+def test_a_tensor_between_that_keeps_a_value_takes_the_write_too():
+    """Every tensor of the chain that keeps a value takes its rows, the one written included."""
+    w = _weight(rows=128)
+    mid = w[32:96]
+    mid.__dict__["_high_precision_init_val"] = w.get_high_precision_init_val()[32:96].clone()
+    with torch.no_grad():
+        mid.detach()[0:32].zero_()  # rows [32, 64) of w
+    assert torch.equal(mid.get_high_precision_init_val()[:32], torch.zeros(32, 64))
+    assert torch.equal(w.get_high_precision_init_val()[32:64], torch.zeros(32, 64))
+
+
+def test_a_view_keeps_none_of_the_tensors_it_was_made_from_alive():
+    from hybridfp.tensors.dispatch import _VIEW_OF
+
+    w = _weight()
+    source = weakref.ref(w)
+    with torch.no_grad():
+        middle = w[0:64]
+        between = weakref.ref(middle)
+        view = middle.detach()[0:32]
+    del middle
+    gc.collect()
+    assert between() is None
+    del w
+    gc.collect()
+    assert source() is None
+    with torch.no_grad():
+        view.zero_()  # every tensor it was made from is gone: nothing to write but itself
+    assert torch.equal(view.dequantize(), torch.zeros(32, 64))
+    recorded = len(_VIEW_OF)
+    del view
+    gc.collect()
+    assert len(_VIEW_OF) < recorded  # its entry went with it
+
+
+def test_a_chain_of_aliases_made_in_a_loop_records_only_the_tensors_alive():
+    from hybridfp.tensors.dispatch import _VIEW_OF
+
+    w = _weight()
+    x = w
+    with torch.no_grad():
+        for _ in range(100):
+            x = x.detach()
+        x[0:32].zero_()
+    # its source (gone now) and w: the aliases gone before it was made are not recorded
+    assert len(_VIEW_OF[x]) == 2 and _VIEW_OF[x][-1][0]() is w
+    assert torch.equal(w.get_high_precision_init_val()[:32], torch.zeros(32, 64))
