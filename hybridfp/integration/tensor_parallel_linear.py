@@ -155,7 +155,8 @@ def _moved_on(local: torch.Tensor) -> None:
 
 def _mark_stepped_weights(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """After any optimizer's step: moves the local version counter of every tensor-parallel
-    weight in its parameter groups, written or not.
+    weight in its parameter groups that has a gradient (torch's optimizers, loop, foreach and
+    fused alike, skip a parameter without one: a frozen weight keeps its kept copy).
 
     The foreach and fused implementations (torch's default for DTensor parameters on CUDA)
     write a DTensor below autograd without moving its version counter, so the counter alone
@@ -164,7 +165,7 @@ def _mark_stepped_weights(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
     served, and a forward pays nothing. A content fingerprint (the amax and sum that
     ``tensor_parallel_primary.py`` compares) would cost two passes over the shard and a host
     synchronization at every call, and a write that keeps both (two elements moved by
-    opposite amounts) would still go unseen. A weight of the groups that the step left as it
+    opposite amounts) would still go unseen. A weight with a gradient that the step left as it
     was is quantized again once, which is conservative, never stale.
 
     Parameters
@@ -176,7 +177,7 @@ def _mark_stepped_weights(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
     """
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if hasattr(p, _SEEN_VERSION_ATTR):
+            if p.grad is not None and hasattr(p, _SEEN_VERSION_ATTR):
                 _moved_on(p._local_tensor)
 
 

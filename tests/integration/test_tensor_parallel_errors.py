@@ -170,6 +170,20 @@ def _cases(rank: int, world: int) -> dict:
                 m[2](m[1](m[0](x, is_first_microbatch=False)), is_first_microbatch=False)
         out[f"kept_after_step_{impl}"] = _error(kept_after_step)
 
+    # a frozen layer in the optimizer's groups (no gradients: the step leaves it as it was)
+    # keeps its kept shard copies across the step, as without tensor parallelism
+    m = parallelize_module(_mlp(), mesh, plan)
+    for p in m[0].parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01, foreach=True)
+    with hf.autocast(recipe=recipe):
+        first = m[0](x, is_first_microbatch=True)
+        m[2](m[1](first), is_first_microbatch=True).square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    with hf.autocast(recipe=recipe):
+        out["frozen_kept"] = bool(torch.equal(m[0](x, is_first_microbatch=False), first))
+
     # a model built, parallelized and run under torch.inference_mode() (serving), high precision:
     # its parameters are inference tensors, without version counters
     def inference() -> float:
@@ -263,6 +277,13 @@ def test_cached_weight_shards_follow_an_optimizer_step(results, impl):
         if f"scoped_step_{impl}" not in r:
             pytest.skip(f"{impl}: this build runs no fused optimizer step on the CPU")
         assert r[f"scoped_step_{impl}"], f"{impl}: a region after the step read the shards as before it"
+
+
+def test_a_frozen_weight_keeps_its_kept_shards_across_a_step(results):
+    """A weight without a gradient in the optimizer's groups: the step leaves it as it was, so
+    is_first_microbatch=False reuses its kept shard copies."""
+    for r in results:
+        assert r["frozen_kept"]
 
 
 def test_inference_mode_model_runs_in_high_precision(results):
