@@ -33,26 +33,35 @@ Tensor parallelism (a 2-D ``(dp, tp)`` mesh): a weight that hybridfp's tensor-pa
 made a DTensor is wrapped in its local tensor, which FSDP2 shards over dp and gathers back;
 its amax goes over dp, then tp, so the gathered copies are the tensor-parallel layer's own
 quantization of its shard (``fsdp_tensor_parallel``).
+
+Without the quantized all-gather, FSDP2 refills a high-precision weight's unsharded Parameter
+at every unshard, keeping its version counter: the gathers of each such weight the
+quantized-weight cache reads are watched, and one that carries a stepped or loaded shard notes
+a rewrite its cache key sees (the last section below; ``nn/weight_cache.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import types
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_map_only
+from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..config import policy
 from ..recipes import current_autocast
 from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
-from ..utils.rewrites import note_rewrite
+from ..utils.rewrites import note_rewrite, register_refresher
 from .fsdp_amax import reduced_amax
 from .fsdp_layout import GatherLayout, assemble, gather_layout, pack, unpack
 from .fsdp_tensor_parallel import MeshAmax, check_tensor_parallel_blocks, tensor_parallel_spec, wrap_tensor_parallel
@@ -265,12 +274,12 @@ def _gather_bytes(local: torch.Tensor, slot: _Slot, layout: GatherLayout, sent: 
     return nbytes
 
 
-def _fsdp_param_of(local: torch.Tensor) -> Any:
-    """FSDP2's record (``FSDPParam``) of the parameter whose local shard is ``local``, or None."""
+def _fsdp_records() -> Iterator[Any]:
+    """FSDP2's records (``FSDPParam``) of every parameter its live module states manage."""
     try:
         from torch.distributed._composable_state import _module_state_mapping
     except ImportError:
-        return None
+        return
     for ref in list(_module_state_mapping.values()):
         state = ref() if isinstance(ref, weakref.ref) else ref
         groups = getattr(state, "_fsdp_param_groups", None)
@@ -278,9 +287,14 @@ def _fsdp_param_of(local: torch.Tensor) -> Any:
             group = getattr(state, "_fsdp_param_group", None)
             groups = [group] if group is not None else []
         for group in groups:
-            for record in getattr(group, "fsdp_params", ()):
-                if getattr(record, "_sharded_local_tensor", None) is local:
-                    return record
+            yield from getattr(group, "fsdp_params", ())
+
+
+def _fsdp_param_of(local: torch.Tensor) -> Any:
+    """FSDP2's record (``FSDPParam``) of the parameter whose local shard is ``local``, or None."""
+    for record in _fsdp_records():
+        if getattr(record, "_sharded_local_tensor", None) is local:
+            return record
     return None
 
 
@@ -427,3 +441,137 @@ def enable_quantized_all_gather(model: nn.Module, *, copies: str = "per_directio
             setattr(module, attr, nn.Parameter(QuantizedGatherWeight(p.data, slot), requires_grad=p.requires_grad))
             n += 1
     return n
+
+
+# ------------------------------------------------------------------ high-precision gathers and the weight cache
+# FSDP2 gathers a weight it shards in high precision (no quantized all-gather) into the same
+# unsharded Parameter at every unshard and keeps its version counter; the optimizer steps (a load
+# writes) the sharded Parameter. A quantized-weight cache entry that outlives its autocast region
+# (``weight_caching()``, ``is_first_microbatch``) would match the refilled weight by identity and
+# version and serve the codes of the shard's previous values. So the gathers of every such weight
+# the cache reads are watched: a gather that carries another shard state than the previous one
+# (another sharded Parameter, its version counter moved, or an optimizer step over it: foreach and
+# fused steps move no counter) notes a rewrite of the unsharded memory (``utils.rewrites``), which
+# the cache's key reads. A gather of unchanged shards (the backward's, the next micro-batch's)
+# notes nothing: reuse within a step stays. Every rank notes alike (the same steps and loads).
+
+#: on a watched ``FSDPParam``: the state of the shard its latest gather carried (``_shard_state``)
+_GATHERED_ATTR = "_hybridfp_gathered_shard"
+#: on a tensor the weight cache read: its memory was looked up in ``_REFILLED`` (a tensor keeps its
+#: memory, so one lookup per tensor; FSDP2 refills the same unsharded Parameter)
+_CHECKED_ATTR = "_hybridfp_refill_checked"
+#: unsharded memory (an untyped storage) -> whether an FSDP2 gather of a high-precision weight
+#: refills it (its record watched); weakly keyed, as the storage lives as long as the record
+_REFILLED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: sharded Parameter of a watched weight -> the optimizer steps that went over it
+_STEPS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: the optimizer step post-hook counting them (:func:`_count_steps`), registered with the first watch
+_STEP_HOOK: Optional[RemovableHandle] = None
+
+try:
+    from torch.distributed._composable_state import _module_state_mapping as _FSDP_STATES
+except ImportError:  # another torch: no FSDP2 state is found, nothing is watched
+    _FSDP_STATES = {}
+
+
+def _shard_state(record: Any) -> tuple:
+    """What a gather of ``record``'s parameter carries: its sharded Parameter (weakly: compared
+    by identity, never by address), that Parameter's version counter and the steps over it."""
+    shard = record.sharded_param
+    steps = _STEPS.setdefault(shard, 0)
+    return weakref.ref(shard), shard._version, steps
+
+
+def _same_shard(seen: Optional[tuple], now: tuple) -> bool:
+    """Whether shard state ``now`` is ``seen`` (the same live Parameter, version and steps)."""
+    return seen is not None and seen[0]() is now[0]() and seen[1:] == now[1:]
+
+
+def _high_precision_unsharded(record: Any) -> Optional[torch.Tensor]:
+    """The tensor a module reads of ``record``'s gathered parameter (a tensor-parallel weight's
+    local tensor), or None: not gathered yet, or gathered through an FSDP2 extension (the
+    quantized all-gather: the module reads the gathered QuantizedTensor as it is, and
+    :func:`_refill` notes its rewrites)."""
+    if hasattr(getattr(record, "_sharded_local_tensor", None), "fsdp_pre_all_gather"):
+        return None
+    unsharded = getattr(record, "_unsharded_param", None)
+    if unsharded is None:
+        return None
+    return unsharded._local_tensor if isinstance(unsharded, DTensor) else unsharded
+
+
+def _on_gather(record: Any) -> None:
+    """After a gather of watched ``record``: notes a rewrite when it carried another shard state."""
+    now = _shard_state(record)
+    if not _same_shard(getattr(record, _GATHERED_ATTR, None), now):
+        local = _high_precision_unsharded(record)
+        if local is not None:
+            note_rewrite(local)
+    setattr(record, _GATHERED_ATTR, now)
+
+
+def _watched_init_unsharded_param(record: Any) -> None:
+    """``record.init_unsharded_param`` of a watched record: FSDP2's, then :func:`_on_gather`."""
+    type(record).init_unsharded_param(record)
+    _on_gather(record)
+
+
+def _watch(record: Any) -> None:
+    """Watch the gathers of ``record``'s parameter: FSDP2 calls its ``init_unsharded_param``
+    after every all-gather's copy-out (one rank or several), so a method bound on the record
+    sees each (bound, not a closure: a copy of the record watches itself).
+
+    Called when the cache first reads a weight, inside the forward whose gather filled it, so
+    the memory holds the shard as it is now, which becomes the watched state. (A first read
+    after a step FSDP2 did not gather, the parameter kept unsharded across it, would take the
+    stepped shard for the memory's; FSDP2 itself computes with the values before the step then.)"""
+    global _STEP_HOOK
+    if _STEP_HOOK is None:
+        _STEP_HOOK = register_optimizer_step_post_hook(_count_steps)
+    record.init_unsharded_param = types.MethodType(_watched_init_unsharded_param, record)
+    setattr(record, _GATHERED_ATTR, _shard_state(record))
+
+
+def _note_refills(t: torch.Tensor) -> None:
+    """``utils.rewrites`` refresher, run when the quantized-weight cache reads weight ``t``: the
+    first time ``t``'s memory is met, watch the gathers of every FSDP2 parameter gathered in high
+    precision so far (one pass over FSDP2's records), ``t``'s included where FSDP2 refills it.
+    Later reads of ``t`` cost an attribute read; without FSDP2 state, nothing."""
+    if not _FSDP_STATES or getattr(t, _CHECKED_ATTR, False):
+        return
+    storage = t.untyped_storage()
+    if storage in _REFILLED:
+        setattr(t, _CHECKED_ATTR, True)
+        return
+    for record in _fsdp_records():
+        local = _high_precision_unsharded(record)
+        if local is not None and local.untyped_storage() not in _REFILLED:
+            _watch(record)
+            _REFILLED[local.untyped_storage()] = True
+    if storage not in _REFILLED:
+        _REFILLED[storage] = False
+    setattr(t, _CHECKED_ATTR, True)
+
+
+def _count_steps(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """After any optimizer's step: counts a step over each watched sharded Parameter in its
+    groups, written or not (a foreach or fused step moves no version counter; every
+    ``torch.optim.Optimizer`` runs the global step post-hooks, whatever its implementation).
+
+    Parameters
+    ----------
+    optimizer:
+        The optimizer whose ``step`` returned.
+    args, kwargs:
+        The step's arguments (unused).
+    """
+    if not _STEPS:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            steps = _STEPS.get(p)
+            if steps is not None:
+                _STEPS[p] = steps + 1
+
+
+register_refresher(_note_refills)

@@ -697,15 +697,16 @@ class QuantizedModule(nn.Module):
 
     def _weight_key(self, weight: torch.Tensor, q: Quantizer, index: int = 0) -> WeightKey:
         """What a quantized weight depends on besides the weight object (compared by identity,
-        held by the entry) and the region: its version counter, the quantizer state, the
-        recipe. Never an address: see weight_cache.py (ranks must decide alike)."""
+        held by the entry) and the region: its version (counter and noted rewrites:
+        ``WeightKey.of``), the quantizer state, the recipe. Never an address: see
+        weight_cache.py (ranks must decide alike)."""
         key, built = self._qpair  # one read: the key of the build ``q`` is from, if still current
         ws = built.get("weight", ())
         if not (index < len(ws) and ws[index] is q):
             # another thread's region (another recipe) rebuilt the quantizers since this call got
             # q: a key naming q itself, which only calls holding q match
             key = ("replaced build", q)
-        return WeightKey(weight._version, q.state_version(), key)
+        return WeightKey.of(weight, q.state_version(), key)
 
     def _cached_weight(self, index: int, weight: Any, key: WeightKey, columnwise: bool,
                        region: Optional[object], is_first_microbatch: Optional[bool]) -> Optional[QuantizedTensor]:

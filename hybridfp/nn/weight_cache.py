@@ -9,15 +9,24 @@ The rule (``QuantizedModule.quantized_weight``, ``GroupedLinear.quantized_weight
   it was: ``p.data.add_`` in custom optimizers, EMA swaps through ``.data``, ``p.data = t``,
   FSDP2's copy of the all-gathered weight (``_unsafe_preserve_version_counter``).
 - Inside one region an entry is reused while the call passes the same weight object with the
-  same version counter, the quantizer state and recipe are those it was quantized with, and it
+  same version, the quantizer state and recipe are those it was quantized with, and it
   holds the copies the call needs (a missing columnwise copy quantizes again).
 - Across regions reuse is explicit, with TransformerEngine's ``is_first_microbatch`` forward
   argument: None (default) follows the two rules above; True quantizes anew and keeps the copy
   for later regions; False reuses the kept copy as it is (the caller promises the weight did
   not change, e.g. the later micro-batches of one step) and raises if none is kept, or if the
   recipe, the quantizer state (delayed scaling updates at every region end: run its
-  micro-batches in one region, or inside :func:`weight_caching`), the weight object or its version counter moved since,
+  micro-batches in one region, or inside :func:`weight_caching`), the weight object or its version moved since,
   or if it lacks a copy the call needs.
+
+A weight's version (``WeightKey.of``) is its version counter and the rewrites noted for its
+memory (``utils.rewrites.current_version``). FSDP2 gathers a weight it shards in high precision
+into the same unsharded Parameter at every unshard, keeping that Parameter's version counter,
+while the optimizer steps (and a load writes) the sharded Parameter; ``integration/fsdp.py``
+watches those gathers and notes a rewrite when one carries a shard that moved since the previous
+gather (a step, foreach and fused ones included, or a load), so no entry survives new values in
+the weight, in a region or across regions. A gather of unchanged shards (backward's, the next
+micro-batch's) notes nothing and the entry stays.
 
 Delayed scaling moves a weight quantizer's scale at every region end, so without help a step
 split into several regions (gradient accumulation) encodes its high-precision weight once per
@@ -25,21 +34,22 @@ region, each at another scale, where a quantized primary weight (``quantized_mod
 the one encoding made at the optimizer step. :func:`weight_caching` is the opt-in that makes the
 two alike, as TransformerEngine's cached weight workspace (``is_first_microbatch=False``) is
 reused across its scale updates: inside it an entry made in the scope serves every later region
-of the scope while the weight object, its version counter and the recipe are unchanged, whatever
+of the scope while the weight object, its version and the recipe are unchanged, whatever
 the quantizer state did since; a region it serves records no weight amax, so delayed scaling's
 weight history and scale move as with a quantized primary weight (bitwise the same training).
 Checkpoint replays of a region it served read the same entry, also after the scope ended.
 
 What is not seen: a write that bypasses the version counter *between two calls of one module
 inside one region* (an optimizer step through ``.data`` between two forwards of one region);
-call ``invalidate_weight_cache()`` (on every rank) after such a write. FSDP2 re-gathering a
-module's weight between two calls in one region is unaffected: it gathers the same shard
-values (the optimizer steps between regions).
+call ``invalidate_weight_cache()`` (on every rank) after such a write. Entries that outlive their
+region (a :func:`weight_caching` scope, ``is_first_microbatch=False``) do not see such writes
+between regions either, to a weight or to its FSDP2 shard.
 
 Every rank decides the same: a decision compares only what the same program makes equal on
 every rank — the region token and the weight by identity (``is``; both held by the entry, so
 neither address can be recycled for another object while it lives), version counters (moved by
-the same in-place ops everywhere; FSDP2's copies leave them), quantizer state versions (moved
+the same in-place ops everywhere; FSDP2's copies leave them) and noted rewrites (FSDP2's gathers
+of shards the same steps and loads moved on every rank), quantizer state versions (moved
 at region ends), the recipe key and the copies the call needs. No data pointer enters: an
 allocator may or may not hand a re-gathered weight its old address, differently per rank, and a
 cache hit on one rank but not another would skip a delayed-scaling amax record there (and with
@@ -54,6 +64,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator, NamedTuple, Optional, Sequence
 
 from ..tensors import COLUMNWISE
+from ..utils.rewrites import current_version
 
 #: How many regions an entry remembers having served in its scope (checkpoint replays of older
 #: ones, backward passes more regions late than this, quantize again).
@@ -69,7 +80,8 @@ def weight_caching(enabled: bool = True) -> Iterator[None]:
 
     Inside, a module's cached quantized weight made in the scope is reused by its later regions
     while the weight Parameter, its version counter (an in-place optimizer step moves it: the
-    next region quantizes anew) and the recipe are unchanged; delayed scaling's scale updates at
+    next region quantizes anew; under FSDP2 a step or a load of its shards, seen at the next
+    gather) and the recipe are unchanged; delayed scaling's scale updates at
     the region ends do not expire it (the weight keeps the encoding of its first region and its
     quantizer records no amax in the regions that reuse it). So k regions per step with FP32
     weights train bitwise as with ``quantized_model_init`` weights and FP32 masters. Nested
@@ -105,9 +117,21 @@ def weight_caching(enabled: bool = True) -> Iterator[None]:
 class WeightKey(NamedTuple):
     """What a quantized weight's values depend on besides the weight object itself."""
 
-    versions: Any  #: the weight's ``_version`` (a tuple of them for several weights)
+    versions: Any  #: the weight's version (``of``: ``utils.rewrites.current_version``; a tuple of them for several weights)
     state: Any  #: the quantizer's ``state_version()`` (a tuple for several quantizers)
     recipe: Any  #: the key of the quantizer build that encoded it (recipe configuration, decoded-copies mode), or a replaced build's quantizers
+
+    @classmethod
+    def of(cls, weight: Any, state: Any, recipe: Any) -> "WeightKey":
+        """The key of ``weight`` quantized by a quantizer in ``state`` under ``recipe``.
+
+        The weight's version is its version counter and the rewrites noted for its memory
+        (``utils.rewrites.current_version``): FSDP2 all-gathers a sharded weight into the same
+        unsharded Parameter at every unshard, keeping its version counter, so after an optimizer
+        step or a load of the shards the counter alone would still match the entry of the
+        previous values (``integration/fsdp.py`` notes a rewrite when the shard moved).
+        """
+        return cls(current_version(weight), state, recipe)
 
 
 class WeightEntry(NamedTuple):

@@ -9,6 +9,11 @@ through a slice or view of it: the slice's payload tensors view the same memory 
 counters of their own. A writer that preserves a version counter, or writes through tensors not
 sharing it, calls :func:`note_rewrite`; a cache keys on :func:`version` instead of ``_version``.
 
+Memory refilled by a library that calls nothing here (FSDP2 all-gathering a high-precision weight
+into its unsharded parameter) is noted by a refresher that library's integration registers
+(:func:`register_refresher`); a cache that outlives the refills (the quantized-weight cache across
+autocast regions) keys on :func:`current_version`, which runs the refreshers first.
+
     >>> import torch
     >>> from hybridfp.utils.rewrites import note_rewrite, version
     >>> t = torch.zeros(4)
@@ -23,6 +28,8 @@ sharing it, calls :func:`note_rewrite`; a cache keys on :func:`version` instead 
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -62,4 +69,45 @@ def version(t: torch.Tensor) -> tuple[int, int]:
     return t._version, _REWRITES.get(t.untyped_storage(), 0)
 
 
-__all__ = ["note_rewrite", "version"]
+#: called by :func:`current_version` with the tensor about to be read: each notes a rewrite of
+#: memory its library refilled since (``integration/fsdp.py``: FSDP2's unsharded parameters)
+_REFRESHERS: list[Callable[[torch.Tensor], None]] = []
+
+
+def register_refresher(fn: Callable[[torch.Tensor], None]) -> None:
+    """Have :func:`current_version` call ``fn(t)`` before it reads ``t``'s version.
+
+    Parameters
+    ----------
+    fn:
+        Calls :func:`note_rewrite` on ``t`` when the memory ``t`` views was refilled with other
+        values since ``fn`` last saw it; cheap for a tensor it does not manage (it runs at every
+        quantized-weight cache lookup). Registered once however often this is called.
+    """
+    if fn not in _REFRESHERS:
+        _REFRESHERS.append(fn)
+
+
+def current_version(t: torch.Tensor) -> tuple[int, int]:
+    """:func:`version` of ``t`` after the registered refreshers looked at it: what a cache of
+    values computed from a weight keys on, where a library may refill the weight's memory
+    between two reads without moving its version counter.
+
+    Parameters
+    ----------
+    t:
+        A tensor with a version counter (not an inference tensor).
+
+    Returns
+    -------
+    tuple[int, int]
+        As :func:`version`.
+    """
+    for fn in _REFRESHERS:
+        fn(t)
+    if not _REWRITES:  # none noted in the process: skip the storage lookup (a weight key per call)
+        return t._version, 0
+    return version(t)
+
+
+__all__ = ["current_version", "note_rewrite", "register_refresher", "version"]
