@@ -287,12 +287,7 @@ class GroupedWeights:
         the views' adjacency twice a call (host work a 64-expert MoE step cannot afford:
         ``python -m bench.bench_moe_overhead``); the results are the same tensors."""
         w = self.weight
-        built_key, built = self._qpair  # one read: the key of the build ``qs`` are from, if still current
-        ws = built.get("weight", ())
-        same = len(ws) == len(qs) and all([a is b for a, b in zip(ws, qs)])
-        # quantizers of a build another thread's region replaced since: a key naming them
-        key = WeightKey(w._version, tuple([q.state_version() for q in qs]),
-                        built_key if same else ("replaced build", tuple(qs)))
+        key = WeightKey.of(w, tuple([q.state_version() for q in qs]), self._build_key_of(list(qs)))
         entry = self._wcache.get(_STACK_SLOT)
         if reusable(entry, w, key, columnwise, region, is_first_microbatch, self._who()):
             return entry.qw  # type: ignore[union-attr]

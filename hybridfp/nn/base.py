@@ -36,10 +36,15 @@ def _describe(q: Quantizer) -> dict[str, str]:
     return {"kind": kind, "format": f"rowwise {q.format_key(ROWWISE)}; columnwise {q.format_key(COLUMNWISE)}"}
 
 
-#: Inside a checkpointed forward's module call: (the module, the quantizer dicts its
+#: Inside a checkpointed forward's module call: (the module, the (key, quantizers) builds its
 #: ``quantizers()`` returned in the call), per thread and task as autocast's regions.
 _CALL_QUANTIZERS: contextvars.ContextVar[Optional[tuple[Any, list]]] = contextvars.ContextVar(
     "hybridfp_call_quantizers", default=None)
+
+#: While a module call of a checkpointed segment is recomputed: (the module, the key of the
+#: quantizer build its forward used), per thread and task.
+_REPLAYED_BUILD: contextvars.ContextVar[Optional[tuple[Any, Any]]] = contextvars.ContextVar(
+    "hybridfp_replayed_build", default=None)
 
 #: The attribute :func:`mark_not_offload` sets: CPU offload leaves such a saved tensor in place.
 NOT_OFFLOADED = "_hybridfp_not_offloaded"
@@ -202,23 +207,31 @@ class QuantizedModule(nn.Module):
         if replay is not None:
             record, cursor = replay
             # a checkpoint nested in the recomputed segment records the same call
-            recompute.record_call(self, record.state, record.policy, record.quantizers)
-            with recompute.replaying(record, cursor, _replay_copies(record.quantizers)):
-                return super().__call__(*args, **kwargs)
+            nested = recompute.record_call(self, record.state, record.policy, record.quantizers)
+            if nested is not None:
+                nested.build_key = record.build_key
+            # the replayed quantizers are copies: the weights the forward cached are found under
+            # the key of the build they came from
+            token = _REPLAYED_BUILD.set((self, record.build_key))
+            try:
+                with recompute.replaying(record, cursor, _replay_copies(record.quantizers)):
+                    return super().__call__(*args, **kwargs)
+            finally:
+                _REPLAYED_BUILD.reset(token)
         record = recompute.record_call(self, current_autocast(), current_policy())
         if record is None or record.state is None:
             return super().__call__(*args, **kwargs)
         # the quantizers this call builds or finds (quantizers() reports them here): the module's
         # own after the call may be another thread's, built for another recipe meanwhile
-        used: list[dict] = []
+        used: list[tuple] = []
         token = _CALL_QUANTIZERS.set((self, used))
         try:
             out = super().__call__(*args, **kwargs)
         finally:
             _CALL_QUANTIZERS.reset(token)
-        quantizers = used[-1] if used else self._quantizers
+        key, quantizers = used[-1] if used else self._qpair
         self._refuse_random_forward_under_checkpoint(quantizers)
-        record.quantizers = _replay_copies(quantizers)
+        record.quantizers, record.build_key = _replay_copies(quantizers), key
         return out
 
     def _refuse_random_forward_under_checkpoint(self, quantizers: dict[str, list[Quantizer]]) -> None:
@@ -293,7 +306,7 @@ class QuantizedModule(nn.Module):
         state.note_module(self)
         call = _CALL_QUANTIZERS.get()
         if call is not None and call[0] is self:
-            call[1].append(pair[1])
+            call[1].append(pair)
         if self._reads_known_amax:
             state.reads_known_amax = True
         return pair[1]
@@ -700,13 +713,22 @@ class QuantizedModule(nn.Module):
         held by the entry) and the region: its version (counter and noted rewrites:
         ``WeightKey.of``), the quantizer state, the recipe. Never an address: see
         weight_cache.py (ranks must decide alike)."""
-        key, built = self._qpair  # one read: the key of the build ``q`` is from, if still current
+        return WeightKey.of(weight, q.state_version(), self._build_key_of([q], index))
+
+    def _build_key_of(self, qs: list[Quantizer], start: int = 0) -> Any:
+        """The key of the quantizer build the weight quantizers ``qs`` (sets ``start`` on) come
+        from, for the weight cache: the built key while they are the module's current ones; in a
+        recomputation (they are copies of its forward's) the key its forward recorded; else
+        (another thread's region, of another recipe, rebuilt them since this call got them) a
+        key naming ``qs`` themselves, which only calls holding them match."""
+        replayed = _REPLAYED_BUILD.get()
+        if replayed is not None and replayed[0] is self:
+            return replayed[1]
+        key, built = self._qpair  # one read: the key and the quantizers it was built for
         ws = built.get("weight", ())
-        if not (index < len(ws) and ws[index] is q):
-            # another thread's region (another recipe) rebuilt the quantizers since this call got
-            # q: a key naming q itself, which only calls holding q match
-            key = ("replaced build", q)
-        return WeightKey.of(weight, q.state_version(), key)
+        if len(ws) >= start + len(qs) and all([a is b for a, b in zip(ws[start:], qs)]):
+            return key
+        return ("replaced build", tuple(qs))
 
     def _cached_weight(self, index: int, weight: Any, key: WeightKey, columnwise: bool,
                        region: Optional[object], is_first_microbatch: Optional[bool]) -> Optional[QuantizedTensor]:

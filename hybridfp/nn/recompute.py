@@ -62,13 +62,15 @@ class Record:
     """One module call of a checkpointed forward: what its recomputation re-enters.
 
     ``quantizers``: the module's quantizers as the forward used them (None for a call outside
-    any region); stateful forward quantizers are copies taken after the call.
+    any region); stateful forward quantizers are copies taken after the call. ``build_key``:
+    the key they were built for (the recomputation reads the weights cached under it).
     """
 
     module: Any
     state: Optional[AutocastState]
     policy: Policy
     quantizers: Optional[dict] = None
+    build_key: Any = None
 
 
 @dataclass
