@@ -42,6 +42,20 @@ def _model() -> nn.ModuleList:
     return nn.ModuleList(Layer() for _ in range(LAYERS))
 
 
+def _watch_moves(context) -> list:
+    """The storage addresses of the tensors ``context`` moves to the host, as it saves them."""
+    moved, original = [], context._pack
+
+    def watching(t):
+        out = original(t)
+        if out is not t:
+            moved.append(t.untyped_storage().data_ptr())
+        return out
+
+    context._pack = watching
+    return moved
+
+
 def _forward(layers, x, context=None, sync=None):
     h = x
     for layer in layers:
@@ -183,17 +197,7 @@ def test_quantized_weight_parameters_stay_in_place():
             layers = nn.ModuleList([hfp.Linear(64, 64), hfp.Linear(64, 64)])
         context, sync = hfp.get_cpu_offload_context(enabled=offload, num_layers=1, model_layers=2,
                                                     min_tensor_size_to_offload=1)
-        moved = []
-        if offload:
-            original = context._pack
-
-            def watching(t):
-                out = original(t)
-                if out is not t:
-                    moved.append(t.untyped_storage().data_ptr())
-                return out
-
-            context._pack = watching
+        moved = _watch_moves(context) if offload else []
         x = torch.randn(32, 64, requires_grad=True)
         with hfp.autocast(recipe=hfp.MXFP8BlockScaling()):
             h = _forward(layers, x, context, sync) if offload else _forward(layers, x)
@@ -215,16 +219,7 @@ def test_quantized_weights_of_every_module_in_one_entry_stay_in_place():
         a, b = hfp.Linear(64, 64), hfp.Linear(64, 64)
     context, sync = hfp.get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2,
                                                 min_tensor_size_to_offload=1)
-    moved = []
-    original = context._pack
-
-    def watching(t):
-        out = original(t)
-        if out is not t:
-            moved.append(t.untyped_storage().data_ptr())
-        return out
-
-    context._pack = watching
+    moved = _watch_moves(context)
     x = torch.randn(32, 64, requires_grad=True)
     with hfp.autocast(recipe=hfp.MXFP8BlockScaling()):
         with context:
@@ -246,16 +241,7 @@ def test_quantized_expert_weights_of_a_grouped_linear_stay_in_place():
         experts = [hfp.GroupedLinear(2, 128, 128, bias=False) for _ in range(2)]
     context, sync = hfp.get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2,
                                                 min_tensor_size_to_offload=1)
-    moved = []
-    original = context._pack
-
-    def watching(t):
-        out = original(t)
-        if out is not t:
-            moved.append(t.untyped_storage().data_ptr())
-        return out
-
-    context._pack = watching
+    moved = _watch_moves(context)
     x = torch.randn(128, 128, requires_grad=True)
     with hfp.autocast(recipe=hfp.Float8BlockScaling()):
         h = x
@@ -296,17 +282,7 @@ def _compiled_steps(offload: bool, quantized: bool, in_place: bool, steps: int =
         step = torch.compile(lambda m, h: m(h), backend=counting)
     context, sync = hfp.get_cpu_offload_context(enabled=offload, num_layers=3, model_layers=4,
                                                 min_tensor_size_to_offload=1)
-    moved = []
-    if offload:
-        original = context._pack
-
-        def watching(t):
-            out = original(t)
-            if out is not t:
-                moved.append(t.untyped_storage().data_ptr())
-            return out
-
-        context._pack = watching
+    moved = _watch_moves(context) if offload else []
     grads = []
     for i in range(steps):
         x = torch.randn(32, 64, generator=torch.Generator().manual_seed(i), requires_grad=True)
