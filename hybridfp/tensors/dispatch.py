@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import math
 import warnings
-import weakref
 from typing import Callable, Optional
 
 import torch
 from torch.utils._pytree import tree_map
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..utils.rewrites import note_rewrite
 from .hybrid import HybridStorage
@@ -38,19 +36,37 @@ _WARNED: set[str] = set()
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _KEPT = "_high_precision_init_val"
 
-#: One tensor a view covers part of: (weak reference to it, first element, end element), the
-#: elements covered in its row-major order.
-_Covered = tuple[weakref.ref, int, int]
+#: The attribute of a tensor made by the handlers below over another one's payload memory
+#: (dim-0 slice / split, view, detach / alias) holding its :class:`_ViewOf`.
+_VIEW_ATTR = "_hybridfp_view_of"
 
-#: A tensor the handlers below made over another one's payload memory (dim-0 slice / split,
-#: view, detach / alias) -> what it covers of the tensor it was made from and, offsets composed,
-#: of each tensor that one was made from in turn, nearest first. A write through it moves the
-#: kept initial value of each of them by it. The whole chain is recorded when the view is made:
-#: a detached alias does not keep its source alive, so in ``w[0:32].detach()`` the slice between
-#: is gone by the time of a write, and a walk through the tensors between would stop there. Weak
-#: references only, so a view keeps none of them alive; weakly keyed on the view itself rather
-#: than kept in its ``__dict__``, which ``copy.deepcopy`` would carry over to a copy in new memory.
-_VIEW_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+class _ViewOf:
+    """What a view covers of each tensor it was made from (directly or through others) that
+    keeps an initial value: ``(that tensor's __dict__, first element, end element)``, the
+    elements in its row-major order, nearest first. A write through the view moves each one's
+    kept value by it.
+
+    The tensors' ``__dict__`` is held, not the tensors: a weak reference to a Parameter makes
+    ``torch.utils.swap_tensors`` refuse it, and ``swap_tensors`` moves the ``__dict__`` with the
+    payload memory, which is what a write through the view reaches. The whole chain is recorded
+    when the view is made: a detached alias does not keep its source alive, so in
+    ``w[0:32].detach()`` the slice between is gone by the time of a write. A deep copy (new
+    memory) records nothing."""
+
+    __slots__ = ("chain",)
+
+    def __init__(self, chain: tuple[tuple[dict, int, int], ...]) -> None:
+        self.chain = chain
+
+    def __deepcopy__(self, memo: dict) -> "_ViewOf":
+        return _ViewOf(())
+
+
+def _view_chain(t: QuantizedTensor) -> tuple[tuple[dict, int, int], ...]:
+    """``t``'s recorded chain (:class:`_ViewOf`), empty for a tensor made otherwise."""
+    held = t.__dict__.get(_VIEW_ATTR)
+    return held.chain if held is not None else ()
 
 
 def _wrap(storage: QuantizedStorage, like: QuantizedTensor) -> QuantizedTensor:
@@ -62,12 +78,12 @@ def _wrap_view(storage: QuantizedStorage, of: QuantizedTensor, start: int = 0,
     """``_wrap`` for a tensor over ``of``'s payload memory covering its elements [start, end)."""
     out = _wrap(storage, of)
     end = of.numel() if end is None else end
-    chain: list[_Covered] = [(weakref.ref(of), start, end)]
-    # of's element i is element s + i of each tensor of was made from; one already gone can
-    # take no write, and dropping it keeps a chain of aliases of aliases (x = x.detach() in a
-    # loop) as long as the tensors still alive
-    chain += [(ref, s + start, s + end) for ref, s, _ in _VIEW_OF.get(of, ()) if ref() is not None]
-    _VIEW_OF[out] = tuple(chain)
+    # of's element i is element s + i of each tensor of was made from; only those keeping a
+    # value are recorded, so a chain of aliases of aliases (x = x.detach() in a loop) stays short
+    chain = [(of.__dict__, start, end)] if _KEPT in of.__dict__ else []
+    chain += [(d, s + start, s + end) for d, s, _ in _view_chain(of)]
+    if chain:
+        out.__dict__[_VIEW_ATTR] = _ViewOf(tuple(chain))
     return out
 
 
@@ -137,8 +153,8 @@ def _mark_written(t: QuantizedTensor, value: Callable[[], torch.Tensor]) -> None
     _write_kept_of_bases(t, value)
 
 
-def _payload_memory(t: QuantizedTensor) -> set[int]:
-    return {x.untyped_storage().data_ptr() for x in t._storage.tensors()}
+def _payload_memory(storage: QuantizedStorage) -> set[int]:
+    return {x.untyped_storage().data_ptr() for x in storage.tensors()}
 
 
 def _write_kept_of_bases(t: QuantizedTensor, value: Callable[[], torch.Tensor]) -> None:
@@ -146,23 +162,22 @@ def _write_kept_of_bases(t: QuantizedTensor, value: Callable[[], torch.Tensor]) 
     ``t`` is a slice / view of (directly or through others, alive or not)."""
     flat: Optional[torch.Tensor] = None
     memory: Optional[set[int]] = None
-    for ref, start, end in _VIEW_OF.get(t, ()):
-        base = ref()
-        if base is None or _KEPT not in base.__dict__:
-            continue  # gone, or keeps nothing: the tensors it was made from still take the write
-        memory = _payload_memory(t) if memory is None else memory
-        if not memory <= _payload_memory(base):
+    for base, start, end in _view_chain(t):
+        if _KEPT not in base:
+            continue  # cleared since: the tensors it was made from still take the write
+        memory = _payload_memory(t._storage) if memory is None else memory
+        if not memory <= _payload_memory(base["_storage"]):
             continue  # the base's payloads were replaced since: t no longer writes its memory
-        kept = base.__dict__[_KEPT]
-        if kept.numel() != base.numel():  # a value of another shape: it no longer describes base
-            del base.__dict__[_KEPT]
+        kept = base[_KEPT]
+        if kept.numel() != base["_storage"].shape.numel():  # another shape: it no longer describes base
+            del base[_KEPT]
             continue
         if flat is None:
             flat = value().detach().reshape(-1).to("cpu")
         # a new tensor: a kept value handed out before stays as it was
         new = kept.detach().clone(memory_format=torch.contiguous_format)
         new.view(-1)[start:end] = flat
-        base.__dict__[_KEPT] = new
+        base[_KEPT] = new
 
 
 @implements(aten.copy_.default)
