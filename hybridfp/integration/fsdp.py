@@ -463,8 +463,10 @@ _CHECKED_ATTR = "_hybridfp_refill_checked"
 #: unsharded memory (an untyped storage) -> whether an FSDP2 gather of a high-precision weight
 #: refills it (its record watched); weakly keyed, as the storage lives as long as the record
 _REFILLED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-#: sharded Parameter of a watched weight -> the optimizer steps that went over it
-_STEPS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: on the sharded Parameter of a watched weight: the optimizer steps that went over it (an
+#: attribute, not a table: a weak reference to a Parameter makes ``torch.utils.swap_tensors``,
+#: which ``Module.to`` uses for DTensor parameters, refuse it)
+_STEPS_ATTR = "_hybridfp_fsdp_steps"
 #: the optimizer step post-hook counting them (:func:`_count_steps`), registered with the first watch
 _STEP_HOOK: Optional[RemovableHandle] = None
 
@@ -475,16 +477,20 @@ except ImportError:  # another torch: no FSDP2 state is found, nothing is watche
 
 
 def _shard_state(record: Any) -> tuple:
-    """What a gather of ``record``'s parameter carries: its sharded Parameter (weakly: compared
-    by identity, never by address), that Parameter's version counter and the steps over it."""
+    """What a gather of ``record``'s parameter carries: its sharded Parameter (held: compared by
+    identity, never by address; the record holds it too), that Parameter's and its local
+    tensor's version counters (a write through ``to_local()`` moves only the latter) and the
+    optimizer steps over it."""
     shard = record.sharded_param
-    steps = _STEPS.setdefault(shard, 0)
-    return weakref.ref(shard), shard._version, steps
+    if not hasattr(shard, _STEPS_ATTR):
+        setattr(shard, _STEPS_ATTR, 0)
+    local = getattr(shard, "_local_tensor", shard)
+    return shard, shard._version, local._version, getattr(shard, _STEPS_ATTR)
 
 
 def _same_shard(seen: Optional[tuple], now: tuple) -> bool:
-    """Whether shard state ``now`` is ``seen`` (the same live Parameter, version and steps)."""
-    return seen is not None and seen[0]() is now[0]() and seen[1:] == now[1:]
+    """Whether shard state ``now`` is ``seen`` (the same Parameter, versions and steps)."""
+    return seen is not None and seen[0] is now[0] and seen[1:] == now[1:]
 
 
 def _high_precision_unsharded(record: Any) -> Optional[torch.Tensor]:
@@ -519,7 +525,7 @@ def _watched_init_unsharded_param(record: Any) -> None:
 def _watch(record: Any) -> None:
     """Watch the gathers of ``record``'s parameter: FSDP2 calls its ``init_unsharded_param``
     after every all-gather's copy-out (one rank or several), so a method bound on the record
-    sees each (bound, not a closure: a copy of the record watches itself).
+    sees each.
 
     Called when the cache first reads a weight, inside the forward whose gather filled it, so
     the memory holds the shard as it is now, which becomes the watched state. (A first read
@@ -555,8 +561,9 @@ def _note_refills(t: torch.Tensor) -> None:
 
 def _count_steps(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """After any optimizer's step: counts a step over each watched sharded Parameter in its
-    groups, written or not (a foreach or fused step moves no version counter; every
-    ``torch.optim.Optimizer`` runs the global step post-hooks, whatever its implementation).
+    groups that has a gradient (a foreach or fused step moves no version counter; every
+    ``torch.optim.Optimizer`` runs the global step post-hooks, whatever its implementation;
+    torch's optimizers skip a parameter without a gradient: a frozen weight keeps its copy).
 
     Parameters
     ----------
@@ -565,13 +572,10 @@ def _count_steps(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     args, kwargs:
         The step's arguments (unused).
     """
-    if not _STEPS:
-        return
     for group in optimizer.param_groups:
         for p in group["params"]:
-            steps = _STEPS.get(p)
-            if steps is not None:
-                _STEPS[p] = steps + 1
+            if p.grad is not None and hasattr(p, _STEPS_ATTR):
+                setattr(p, _STEPS_ATTR, getattr(p, _STEPS_ATTR) + 1)
 
 
 register_refresher(_note_refills)

@@ -15,7 +15,9 @@ all-gather:
   quantization is a function of the values alone), and differs from the region before;
 - ``is_first_microbatch=False`` after a step raises, naming the in-place change;
 - without a step the entry is reused across the scope's regions and by
-  ``is_first_microbatch=False``, although FSDP2 gathered the weight again for each region.
+  ``is_first_microbatch=False``, although FSDP2 gathered the weight again for each region;
+- a frozen layer keeps its copy across a step; a write through the shard's local tensor is
+  seen; a watched model moves to another dtype (no weak reference to a Parameter).
 """
 
 from __future__ import annotations
@@ -140,6 +142,37 @@ def _worker(rank: int, world: int) -> dict:
             res["after_step"] = "reused"
         except RuntimeError as e:
             res["after_step"] = str(e)
+
+        # a frozen first layer (no gradients: the step leaves it as it was) keeps its copy
+        model = _build(kind)
+        for p in model[0].parameters():
+            p.requires_grad_(False)
+        opt = OPTIMIZERS["adam_foreach"](model.parameters())
+        _step(model, opt, x, is_first_microbatch=True)
+        try:
+            with torch.no_grad(), hf.autocast(recipe=hf.Float8CurrentScaling()):
+                # the frozen layer reuses its copy; the stepped one quantizes anew
+                model[2](model[1](model[0](x, is_first_microbatch=False)), is_first_microbatch=True)
+            res["frozen_kept"] = True
+        except RuntimeError as e:
+            res["frozen_kept"] = str(e)
+
+        # a write through the shard's local tensor, inside a scope
+        model = _build(kind)
+        with hf.weight_caching():
+            with torch.no_grad():
+                before = _forward(model, x)
+                model[0].weight.to_local().mul_(2)
+                written = _forward(model, x)
+        res["local_write"] = [torch.equal(written, _fresh(model, x)), not torch.equal(before, written)]
+
+        # a watched model moves to another dtype (Module.to swaps DTensor parameters, which
+        # swap_tensors refuses for a tensor with a weak reference)
+        try:
+            model.to(torch.float32)
+            res["moved"] = True
+        except RuntimeError as e:
+            res["moved"] = str(e)
     return out
 
 
@@ -177,3 +210,23 @@ def test_is_first_microbatch_false_after_a_step_raises(results: list[dict], kind
     for rank, res in enumerate(results):
         assert "changed in place since the kept weight was quantized" in res[kind]["after_step"], (
             f"rank {rank}: {res[kind]['after_step']}")
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "quantized_gather"])
+def test_a_frozen_layer_keeps_its_copy_across_a_step(results: list[dict], kind: str) -> None:
+    for rank, res in enumerate(results):
+        assert res[kind]["frozen_kept"] is True, f"rank {rank}: {res[kind]['frozen_kept']}"
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "quantized_gather"])
+def test_a_write_through_the_local_shard_is_seen(results: list[dict], kind: str) -> None:
+    for rank, res in enumerate(results):
+        fresh, moved = res[kind]["local_write"]
+        assert moved, f"rank {rank}: the write left the output as it was; the check proves nothing"
+        assert fresh, f"rank {rank}: the region after the write served the weight quantized before it"
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "quantized_gather"])
+def test_a_watched_model_can_move(results: list[dict], kind: str) -> None:
+    for rank, res in enumerate(results):
+        assert res[kind]["moved"] is True, f"rank {rank}: {res[kind]['moved']}"
