@@ -48,7 +48,7 @@ import types
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -538,25 +538,26 @@ def _watch(record: Any) -> None:
     setattr(record, _GATHERED_ATTR, _shard_state(record))
 
 
-def _note_refills(t: torch.Tensor) -> None:
-    """``utils.rewrites`` refresher, run when the quantized-weight cache reads weight ``t``: the
-    first time ``t``'s memory is met, watch the gathers of every FSDP2 parameter gathered in high
-    precision so far (one pass over FSDP2's records), ``t``'s included where FSDP2 refills it.
-    Later reads of ``t`` cost an attribute read; without FSDP2 state, nothing."""
-    if not _FSDP_STATES or getattr(t, _CHECKED_ATTR, False):
+def _note_refills(ts: Sequence[torch.Tensor]) -> None:
+    """``utils.rewrites`` refresher, run when the quantized-weight cache reads weights ``ts``:
+    the first time a weight's memory is met, watch the gathers of every FSDP2 parameter gathered
+    in high precision so far (one pass over FSDP2's records), its own included where FSDP2
+    refills it. Later reads cost an attribute read per weight; without FSDP2 state, nothing."""
+    if not _FSDP_STATES:
         return
-    storage = t.untyped_storage()
-    if storage in _REFILLED:
+    for t in ts:
+        if getattr(t, _CHECKED_ATTR, False):
+            continue
+        storage = t.untyped_storage()
+        if storage not in _REFILLED:
+            for record in _fsdp_records():
+                local = _high_precision_unsharded(record)
+                if local is not None and local.untyped_storage() not in _REFILLED:
+                    _watch(record)
+                    _REFILLED[local.untyped_storage()] = True
+            if storage not in _REFILLED:
+                _REFILLED[storage] = False
         setattr(t, _CHECKED_ATTR, True)
-        return
-    for record in _fsdp_records():
-        local = _high_precision_unsharded(record)
-        if local is not None and local.untyped_storage() not in _REFILLED:
-            _watch(record)
-            _REFILLED[local.untyped_storage()] = True
-    if storage not in _REFILLED:
-        _REFILLED[storage] = False
-    setattr(t, _CHECKED_ATTR, True)
 
 
 def _count_steps(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -18,6 +18,7 @@ import torch
 from ..quantizers import Quantizer
 from ..tensors import QuantizedTensor
 from ..nn.base import mark_not_offload
+from ..utils.rewrites import current_versions
 from ..nn.weight_cache import WeightKey, join_keys, new_entry, reusable, split_entry
 from .grouped_tensor import GroupedTensor
 from .grouped_linear_function import plan_memo
@@ -223,7 +224,7 @@ class GroupedWeights:
         quantized as views of shared encodings come back (and are cached) as one
         ``GroupedTensor``. ``region`` / ``is_first_microbatch``: as ``quantized_weight``'s, for
         every expert at once."""
-        if any(w.is_inference() for w in weights):  # no version counters: never cached
+        if any([w.is_inference() for w in weights]):  # no version counters: never cached
             return [w if isinstance(w, QuantizedTensor) else self._uncached_inference_weight(w, q, columnwise,
                                                                                            is_first_microbatch)
                     for w, q in zip(weights, qs)]
@@ -233,8 +234,13 @@ class GroupedWeights:
         if held is not None:  # quantized primary weights, joined: read as they are
             return held
         who = self._who()
-        keys: list = [None if isinstance(w, QuantizedTensor) else self._weight_key(w, q, i)
-                      for i, (w, q) in enumerate(zip(weights, qs))]
+        # the keys _weight_key gives, for every expert at once: one build check, one version
+        # read (no Python call per expert beyond the key itself: bench_moe_overhead)
+        build_key = self._build_key_of(list(qs))
+        plain = [w for w in weights if not isinstance(w, QuantizedTensor)]
+        versions = iter(current_versions(plain))
+        keys: list = [None if isinstance(w, QuantizedTensor) else WeightKey(next(versions), q.state_version(), build_key)
+                      for w, q in zip(weights, qs)]
         joined = self._wcache.get(_GROUP_SLOT)
         if joined is not None:
             # reusable() may raise (is_first_microbatch=False): the entry stays for a retry

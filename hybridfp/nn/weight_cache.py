@@ -20,7 +20,7 @@ The rule (``QuantizedModule.quantized_weight``, ``GroupedLinear.quantized_weight
   or if it lacks a copy the call needs.
 
 A weight's version (``WeightKey.of``) is its version counter and the rewrites noted for its
-memory (``utils.rewrites.current_version``). FSDP2 gathers a weight it shards in high precision
+memory (``utils.rewrites.current_versions``). FSDP2 gathers a weight it shards in high precision
 into the same unsharded Parameter at every unshard, keeping that Parameter's version counter,
 while the optimizer steps (and a load writes) the sharded Parameter; ``integration/fsdp.py``
 watches those gathers and notes a rewrite when one carries a shard that moved since the previous
@@ -64,7 +64,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator, NamedTuple, Optional, Sequence
 
 from ..tensors import COLUMNWISE
-from ..utils.rewrites import current_version
+from ..utils.rewrites import current_versions
 
 #: How many regions an entry remembers having served in its scope (checkpoint replays of older
 #: ones, backward passes more regions late than this, quantize again).
@@ -117,7 +117,7 @@ def weight_caching(enabled: bool = True) -> Iterator[None]:
 class WeightKey(NamedTuple):
     """What a quantized weight's values depend on besides the weight object itself."""
 
-    versions: Any  #: the weight's version (``of``: ``utils.rewrites.current_version``; a tuple of them for several weights)
+    versions: Any  #: the weight's version (``of``: ``utils.rewrites.current_versions``; a tuple of them for several weights)
     state: Any  #: the quantizer's ``state_version()`` (a tuple for several quantizers)
     recipe: Any  #: the key of the quantizer build that encoded it (recipe configuration, decoded-copies mode), or a replaced build's quantizers
 
@@ -126,12 +126,12 @@ class WeightKey(NamedTuple):
         """The key of ``weight`` quantized by a quantizer in ``state`` under ``recipe``.
 
         The weight's version is its version counter and the rewrites noted for its memory
-        (``utils.rewrites.current_version``): FSDP2 all-gathers a sharded weight into the same
+        (``utils.rewrites.current_versions``): FSDP2 all-gathers a sharded weight into the same
         unsharded Parameter at every unshard, keeping its version counter, so after an optimizer
         step or a load of the shards the counter alone would still match the entry of the
         previous values (``integration/fsdp.py`` notes a rewrite when the shard moved).
         """
-        return cls(current_version(weight), state, recipe)
+        return cls(current_versions((weight,))[0], state, recipe)
 
 
 class WeightEntry(NamedTuple):

@@ -29,7 +29,7 @@ autocast regions) keys on :func:`current_version`, which runs the refreshers fir
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -69,45 +69,44 @@ def version(t: torch.Tensor) -> tuple[int, int]:
     return t._version, _REWRITES.get(t.untyped_storage(), 0)
 
 
-#: called by :func:`current_version` with the tensor about to be read: each notes a rewrite of
-#: memory its library refilled since (``integration/fsdp.py``: FSDP2's unsharded parameters)
-_REFRESHERS: list[Callable[[torch.Tensor], None]] = []
+#: called by :func:`current_versions` with the tensors about to be read: each notes a rewrite
+#: of memory its library refilled since (``integration/fsdp.py``: FSDP2's unsharded parameters)
+_REFRESHERS: list[Callable[[Sequence[torch.Tensor]], None]] = []
 
 
-def register_refresher(fn: Callable[[torch.Tensor], None]) -> None:
-    """Have :func:`current_version` call ``fn(t)`` before it reads ``t``'s version.
+def register_refresher(fn: Callable[[Sequence[torch.Tensor]], None]) -> None:
+    """Have :func:`current_versions` call ``fn(ts)`` before it reads the tensors' versions.
 
     Parameters
     ----------
     fn:
-        Calls :func:`note_rewrite` on ``t`` when the memory ``t`` views was refilled with other
-        values since ``fn`` last saw it; cheap for a tensor it does not manage (it runs at every
-        quantized-weight cache lookup). Registered once however often this is called.
+        Calls :func:`note_rewrite` on each tensor of ``ts`` whose memory was refilled with other
+        values since ``fn`` last saw it; cheap for tensors it does not manage (it runs at every
+        quantized-weight cache lookup, once for all of a call's weights). Registered once however
+        often this is called.
     """
     if fn not in _REFRESHERS:
         _REFRESHERS.append(fn)
 
 
-def current_version(t: torch.Tensor) -> tuple[int, int]:
-    """:func:`version` of ``t`` after the registered refreshers looked at it: what a cache of
-    values computed from a weight keys on, where a library may refill the weight's memory
-    between two reads without moving its version counter.
+def current_versions(ts: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """:func:`version` of each of ``ts`` after the registered refreshers looked at them: what a
+    cache of values computed from weights keys on, where a library may refill a weight's memory
+    between two reads without moving its version counter. One call for all the weights of a
+    module call (an MoE layer's experts): no Python call per weight beyond the list's own.
 
     Parameters
     ----------
-    t:
-        A tensor with a version counter (not an inference tensor).
+    ts:
+        Tensors with version counters (not inference tensors).
 
     Returns
     -------
-    tuple[int, int]
-        As :func:`version`.
+    list[tuple[int, int]]
+        As :func:`version`, one per tensor.
     """
     for fn in _REFRESHERS:
-        fn(t)
-    if not _REWRITES:  # none noted in the process: skip the storage lookup (a weight key per call)
-        return t._version, 0
-    return version(t)
-
-
-__all__ = ["current_version", "note_rewrite", "register_refresher", "version"]
+        fn(ts)
+    if not _REWRITES:  # none noted in the process: skip the storage lookups
+        return [(t._version, 0) for t in ts]
+    return [(t._version, _REWRITES.get(t.untyped_storage(), 0)) for t in ts]
