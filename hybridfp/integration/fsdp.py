@@ -53,14 +53,13 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_map_only
-from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..config import policy
 from ..recipes import current_autocast
 from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
+from ..utils.optimizer_steps import on_stepped_parameter
 from ..utils.rewrites import note_rewrite, register_refresher
 from .fsdp_amax import reduced_amax
 from .fsdp_layout import GatherLayout, assemble, gather_layout, pack, unpack
@@ -467,8 +466,6 @@ _REFILLED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 #: attribute, not a table: a weak reference to a Parameter makes ``torch.utils.swap_tensors``,
 #: which ``Module.to`` uses for DTensor parameters, refuse it)
 _STEPS_ATTR = "_hybridfp_fsdp_steps"
-#: the optimizer step post-hook counting them (:func:`_count_steps`), registered with the first watch
-_STEP_HOOK: Optional[RemovableHandle] = None
 
 try:
     from torch.distributed._composable_state import _module_state_mapping as _FSDP_STATES
@@ -531,9 +528,7 @@ def _watch(record: Any) -> None:
     the memory holds the shard as it is now, which becomes the watched state. (A first read
     after a step FSDP2 did not gather, the parameter kept unsharded across it, would take the
     stepped shard for the memory's; FSDP2 itself computes with the values before the step then.)"""
-    global _STEP_HOOK
-    if _STEP_HOOK is None:
-        _STEP_HOOK = register_optimizer_step_post_hook(_count_steps)
+    on_stepped_parameter(_count_step)
     record.init_unsharded_param = types.MethodType(_watched_init_unsharded_param, record)
     setattr(record, _GATHERED_ATTR, _shard_state(record))
 
@@ -560,23 +555,11 @@ def _note_refills(ts: Sequence[torch.Tensor]) -> None:
         setattr(t, _CHECKED_ATTR, True)
 
 
-def _count_steps(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """After any optimizer's step: counts a step over each watched sharded Parameter in its
-    groups that has a gradient (a foreach or fused step moves no version counter; every
-    ``torch.optim.Optimizer`` runs the global step post-hooks, whatever its implementation;
-    torch's optimizers skip a parameter without a gradient: a frozen weight keeps its copy).
-
-    Parameters
-    ----------
-    optimizer:
-        The optimizer whose ``step`` returned.
-    args, kwargs:
-        The step's arguments (unused).
-    """
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.grad is not None and hasattr(p, _STEPS_ATTR):
-                setattr(p, _STEPS_ATTR, getattr(p, _STEPS_ATTR) + 1)
+def _count_step(p: torch.Tensor) -> None:
+    """After an optimizer step over ``p`` (``utils.optimizer_steps``: foreach and fused steps
+    included, which move no version counter): counts it on a watched sharded Parameter."""
+    if hasattr(p, _STEPS_ATTR):
+        setattr(p, _STEPS_ATTR, getattr(p, _STEPS_ATTR) + 1)
 
 
 register_refresher(_note_refills)

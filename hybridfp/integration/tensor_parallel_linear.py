@@ -29,8 +29,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.utils.hooks import RemovableHandle
 
 from ..gemm import gemm
 from ..nn.linear_function import LinearContext, bias_grad, pack, torch_autocast_off, unpack
@@ -38,6 +36,7 @@ from ..nn.shared_input import quantize_input
 from ..quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
                           HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer)
 from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
+from ..utils.optimizer_steps import on_stepped_parameter
 from .tensor_parallel_comm import all_reduce_sum, gather_quantized_rows, reduce_scatter_rows
 
 COLUMN, ROW = "column", "row"
@@ -142,43 +141,27 @@ def set_amax_groups(lc: LinearContext, spec: ParallelGemm) -> None:
 #: quantized-weight cache may hold
 _SEEN_VERSION_ATTR = "_hybridfp_tp_seen_version"
 
-#: the handle of the optimizer step post-hook (:func:`_mark_stepped_weights`), registered once
-#: by the first :func:`local_weight` call; None before
-_STEP_HOOK: Optional[RemovableHandle] = None
-
-
 def _moved_on(local: torch.Tensor) -> None:
     """Moves ``local``'s version counter (an inference tensor has none to move)."""
     if not local.is_inference():
         torch.autograd.graph.increment_version(local)
 
 
-def _mark_stepped_weights(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """After any optimizer's step: moves the local version counter of every tensor-parallel
-    weight in its parameter groups that has a gradient (torch's optimizers, loop, foreach and
-    fused alike, skip a parameter without one: a frozen weight keeps its kept copy).
+def _mark_stepped_weight(p: torch.Tensor) -> None:
+    """After an optimizer step over ``p`` (``utils.optimizer_steps``): moves the local version
+    counter of a tensor-parallel weight the cache may hold a shard of.
 
     The foreach and fused implementations (torch's default for DTensor parameters on CUDA)
     write a DTensor below autograd without moving its version counter, so the counter alone
-    cannot tell the cache a step happened. Every ``torch.optim.Optimizer`` runs the global step
-    post-hooks, whatever its implementation, so this sees every step exactly: no stale shard is
-    served, and a forward pays nothing. A content fingerprint (the amax and sum that
+    cannot tell the cache a step happened; the step hook sees every step exactly: no stale shard
+    is served, and a forward pays nothing. A content fingerprint (the amax and sum that
     ``tensor_parallel_primary.py`` compares) would cost two passes over the shard and a host
     synchronization at every call, and a write that keeps both (two elements moved by
     opposite amounts) would still go unseen. A weight with a gradient that the step left as it
     was is quantized again once, which is conservative, never stale.
-
-    Parameters
-    ----------
-    optimizer:
-        The optimizer whose ``step`` returned.
-    args, kwargs:
-        The step's arguments (unused).
     """
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.grad is not None and hasattr(p, _SEEN_VERSION_ATTR):
-                _moved_on(p._local_tensor)
+    if hasattr(p, _SEEN_VERSION_ATTR):
+        _moved_on(p._local_tensor)
 
 
 def local_weight(param: torch.Tensor) -> torch.Tensor:
@@ -191,7 +174,7 @@ def local_weight(param: torch.Tensor) -> torch.Tensor:
     the cache keys on the local tensor's (``nn/weight_cache.py``) and would keep serving the
     codes of the weight as it was inside ``weight_caching()`` or with
     ``is_first_microbatch=False``. So a move of the DTensor's counter moves the local one here,
-    and the end of every optimizer step moves it too (:func:`_mark_stepped_weights`): a foreach
+    and the end of every optimizer step moves it too (:func:`_mark_stepped_weight`): a foreach
     or fused step moves neither counter. Moving the local counter also tells autograd that the
     values it may have saved changed. A write through ``.data``, or a foreach op outside an
     optimizer step, is not seen: call ``invalidate_weight_cache()`` after one, as for any
@@ -210,13 +193,11 @@ def local_weight(param: torch.Tensor) -> torch.Tensor:
     torch.Tensor
         ``param``'s local tensor.
     """
-    global _STEP_HOOK
     local = param._local_tensor  # type: ignore[attr-defined]
     if param.is_inference() or local.is_inference():
         return local
-    if _STEP_HOOK is None:
-        # registered before the cache can hold any shard (it holds one only after this call)
-        _STEP_HOOK = register_optimizer_step_post_hook(_mark_stepped_weights)
+    # registered before the cache can hold any shard (it holds one only after this call)
+    on_stepped_parameter(_mark_stepped_weight)
     now = param._version
     seen = getattr(param, _SEEN_VERSION_ATTR, None)
     if seen is not None and seen != now:
