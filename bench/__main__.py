@@ -234,8 +234,9 @@ def _convergence(r: dict[str, Any]) -> Rows:
 
 #: bench_moe's rows with quantized primary weights (``moe_rows.PRIMARY_VARIANTS`` + its suffix;
 #: written out here, where torch is not imported: a test checks them against the rows)
-MOE_PRIMARY_ROWS = "|".join(f"hybridfp {r} [quantized primary weights]" for r in (
-    "FP8 current", "MXFP8", "Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)"))
+MOE_PRIMARY_ROWS = "|".join([f"hybridfp {r} [quantized primary weights]" for r in (
+    "FP8 current", "MXFP8", "Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)")]
+    + [f"hybridfp {r} [quantized primary weights] [compiled]" for r in ("FP8 current", "MXFP8")])
 
 BENCHMARKS: dict[str, Benchmark] = {
     "gemm": Benchmark("bench.bench_gemm", "FP8 GEMMs through hybridfp.gemm vs raw torch._scaled_mm and BF16",

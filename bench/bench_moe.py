@@ -20,7 +20,10 @@ layer). Candidates: hybridfp GroupedLinear (BF16 parameters) under CustomRecipe(
 Float8CurrentScaling, MXFP8BlockScaling and the Composer-2 factory nvfp4_row_scaled_fwd_mxfp8_bwd,
 each also with ``GroupedLinear(single_parameter=True)`` ("[one weight Parameter]") and, the
 quantized ones, with quantized primary weights ("[quantized primary weights]": built under
-``hybridfp.quantized_model_init``, re-encoded from FP32 masters once a step inside the step).
+``hybridfp.quantized_model_init``, re-encoded from FP32 masters once a step inside the step);
+FP8 current and MXFP8 with quantized primary weights also under ``torch.compile`` ("[compiled]":
+the routing, permutation, SwiGLU and un-permutation compiled as the compiled BF16 baseline's,
+each GroupedLinear call a graph break run eagerly).
 
 Every ratio is ``bench.protocol.paired_ratio`` (median of per-round ratios, its ~95 % interval,
 the GPU's clocks), baseline ms / candidate ms (>1 is faster): a recipe's row against each
@@ -67,7 +70,8 @@ from bench.common import (GAIN_TOLERANCE, AccuracyError, MissingBaselineError, e
                           parser, profile_step, protocol_from, protocol_record, rel_error, require_cuda)
 from bench.moe_layer import HIDDEN, ROUTING_SKEW, TOKENS, TOP_K, BF16MoE, RoutingSchedule, Step, moe_layer
 # the row planning lives in moe_rows; its names are bench_moe's too (``bench_moe.RECIPES``, ...)
-from bench.moe_rows import (BASELINES, BF16_COMPILED, BF16_GROUPED, BF16_PER_EXPERT, CODES_SUFFIX, CUTLASS_SUFFIX,
+from bench.moe_rows import (BASELINES, BF16_COMPILED, BF16_GROUPED, BF16_PER_EXPERT, CODES_SUFFIX, COMPILED_SUFFIX,
+                            CUTLASS_SUFFIX,
                             DEPTHS, FP8_TMA_SUFFIX, FP8_TRITON_SUFFIX, NO_METADATA_MEMO_SUFFIX,
                             NO_PLAN_MEMO_SUFFIX, PER_EXPERT_SUFFIX, PER_GROUP_SUFFIX, PRIMARY_SUFFIX,
                             RECIPE_FORMATS, RECIPES, SINGLE_PARAM_SUFFIX, TRITON_SUFFIX, UNPACKED_SUFFIX, TmaPair,
@@ -76,7 +80,7 @@ from bench.moe_targets import CONFIGS, below, config_name, target
 from bench.protocol import PairedRatio, Protocol, paired_ratio
 from hybridfp.moe.gemm import PATH_COUNTS
 
-__all__ = ["BASELINES", "BF16_COMPILED", "BF16_GROUPED", "BF16_PER_EXPERT", "CODES_SUFFIX", "CONFIGS",
+__all__ = ["BASELINES", "BF16_COMPILED", "BF16_GROUPED", "BF16_PER_EXPERT", "CODES_SUFFIX", "COMPILED_SUFFIX", "CONFIGS",
            "CUTLASS_SUFFIX", "DEPTHS", "FP8_TMA_SUFFIX", "FP8_TRITON_SUFFIX", "NO_METADATA_MEMO_SUFFIX",
            "NO_PLAN_MEMO_SUFFIX", "PER_EXPERT_SUFFIX", "PER_GROUP_SUFFIX", "PRIMARY_SUFFIX", "QUICK_CONFIGS",
            "QUICK_SHAPE", "RECIPE_FORMATS", "RECIPES", "SINGLE_PARAM_SUFFIX", "TRITON_SUFFIX", "UNPACKED_SUFFIX",

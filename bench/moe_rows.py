@@ -85,6 +85,12 @@ SINGLE_PARAM_SUFFIX = " [one weight Parameter]"
 #: ``hybridfp.quantized_model_init``, FP32 masters re-encoded once a step inside the step)
 PRIMARY_VARIANTS = tuple(name for name, _ in RECIPES if name != "hybridfp BF16 (high_precision)")
 PRIMARY_SUFFIX = " [quantized primary weights]"
+#: The quantized-primary-weight layer of these recipes under ``torch.compile`` too (the same
+#: backend as "BF16 compiled"): the routing, permutation, SwiGLU and un-permutation compiled as
+#: the compiled BF16 baseline's, each GroupedLinear call a graph break that runs eagerly. The
+#: same layer (its weights and masters) as the eager quantized-primary row.
+COMPILED_VARIANTS = ("hybridfp FP8 current", "hybridfp MXFP8")
+COMPILED_SUFFIX = " [compiled]"
 #: FP8 current timed again with the grouped FP8 GEMM's pointer kernel (the policy's
 #: grouped_fp8_tma_rows / grouped_fp8_tma_wgrad set to None, None; ``--fp8-tma ROWS/WGRAD``
 #: names TMA configs instead, passed down as ``bench_config``'s ``fp8_tma``),
@@ -255,11 +261,17 @@ def variants_of(base: BF16MoE, hf: HybridMoE, only: Optional[list[str]], ab: boo
         for name, recipe in RECIPES:
             if name in names:
                 variants += [(name + sx, model, lambda r=recipe(): hybridfp.autocast(recipe=r)) for sx in suffixes]
+    compiled_rows = []
     for name, recipe in RECIPES:
         if name in PRIMARY_VARIANTS:
             r = recipe()
-            variants.append((name + PRIMARY_SUFFIX, _once(lambda r=r: PrimaryWeightsMoE(base, r)),
-                             lambda r=r: hybridfp.autocast(recipe=r)))
+            primary = _once(lambda r=r: PrimaryWeightsMoE(base, r))
+            variants.append((name + PRIMARY_SUFFIX, primary, lambda r=r: hybridfp.autocast(recipe=r)))
+            if name in COMPILED_VARIANTS:
+                compiled_rows.append((name + PRIMARY_SUFFIX + COMPILED_SUFFIX,
+                                      _once(lambda p=primary: torch.compile(p(), backend=compile_backend)),
+                                      lambda r=r: hybridfp.autocast(recipe=r)))
+    variants += compiled_rows  # after the eager rows: a deadline reaches them last
     if only is not None:
         planned = {v[0] for v in variants}
         unknown = [n for n in only if n not in planned]

@@ -196,8 +196,9 @@ def test_the_runner_evaluates_the_convergence_study_as_committed():
 
 def test_moe_primary_benchmarks_name_bench_moes_primary_weight_rows():
     from bench.__main__ import MOE_PRIMARY_ROWS
-    from bench.moe_rows import PRIMARY_SUFFIX, PRIMARY_VARIANTS
-    assert MOE_PRIMARY_ROWS.split("|") == [name + PRIMARY_SUFFIX for name in PRIMARY_VARIANTS]
+    from bench.moe_rows import COMPILED_SUFFIX, COMPILED_VARIANTS, PRIMARY_SUFFIX, PRIMARY_VARIANTS
+    assert MOE_PRIMARY_ROWS.split("|") == ([name + PRIMARY_SUFFIX for name in PRIMARY_VARIANTS]
+                                           + [name + PRIMARY_SUFFIX + COMPILED_SUFFIX for name in COMPILED_VARIANTS])
     for name, experts in (("moe_primary", "8"), ("moe_64_primary", "64")):
         b = BENCHMARKS[name]
         assert b.module == "bench.bench_moe" and not b.default

@@ -399,3 +399,30 @@ def test_variants_naming_no_row_is_refused_before_any_timing(tiny, tmp_path, mon
     assert "no row named 'hybridfp FP9' (the A/B rows need --ab)" in err
     assert "hybridfp FP8 current" + bench_moe.PRIMARY_SUFFIX in err  # the rows it could have named
     assert not out.exists()
+
+
+def test_the_compiled_primary_weight_row_compiles_the_eager_rows_layer(tiny, tmp_path, monkeypatch):
+    """The "[compiled]" row runs the quantized-primary-weight layer of the eager row (one layer,
+    one set of masters) under torch.compile, checked against the FP32 reference as every row."""
+    built, compiled = [], []
+    real_init, real_compile = moe_layer.PrimaryWeightsMoE.__init__, torch.compile
+
+    def init(self, *a, **k):
+        built.append(self)
+        real_init(self, *a, **k)
+
+    def recording_compile(model, **k):
+        compiled.append((model, k.get("backend")))
+        return real_compile(model, **k)
+    monkeypatch.setattr(moe_layer.PrimaryWeightsMoE, "__init__", init)
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    eager = "hybridfp FP8 current" + bench_moe.PRIMARY_SUFFIX
+    name = eager + bench_moe.COMPILED_SUFFIX
+    out = tmp_path / "moe.json"
+    bench_moe.main(FASTER + ["--variants", f"{eager}|{name}", "--out", str(out)])
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert len(built) == 1 and [m for m, _ in compiled if m is built[0]] == [built[0]]
+    assert all(backend == "eager" for _, backend in compiled)
+    row = rows[name]
+    assert "error" not in row and row["breaches"] == [] and row["target"] == rows[eager]["target"]
+    assert row["rel_err"]["out"] > 0.01 and row["x_fastest_bf16"]["ratio"] > 0  # FP8's error: quantized, timed
