@@ -59,7 +59,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..config import policy
 from ..recipes import current_autocast
 from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
-from ..utils.optimizer_steps import on_stepped_parameter
+from ..utils.optimizer_steps import on_stepped_parameters
 from ..utils.rewrites import note_rewrite, register_refresher
 from .fsdp_amax import reduced_amax
 from .fsdp_layout import GatherLayout, assemble, gather_layout, pack, unpack
@@ -528,7 +528,7 @@ def _watch(record: Any) -> None:
     the memory holds the shard as it is now, which becomes the watched state. (A first read
     after a step FSDP2 did not gather, the parameter kept unsharded across it, would take the
     stepped shard for the memory's; FSDP2 itself computes with the values before the step then.)"""
-    on_stepped_parameter(_count_step)
+    on_stepped_parameters(_count_steps)
     record.init_unsharded_param = types.MethodType(_watched_init_unsharded_param, record)
     setattr(record, _GATHERED_ATTR, _shard_state(record))
 
@@ -555,11 +555,12 @@ def _note_refills(ts: Sequence[torch.Tensor]) -> None:
         setattr(t, _CHECKED_ATTR, True)
 
 
-def _count_step(p: torch.Tensor) -> None:
-    """After an optimizer step over ``p`` (``utils.optimizer_steps``: foreach and fused steps
-    included, which move no version counter): counts it on a watched sharded Parameter."""
-    if hasattr(p, _STEPS_ATTR):
-        setattr(p, _STEPS_ATTR, getattr(p, _STEPS_ATTR) + 1)
+def _count_steps(params: Sequence[torch.Tensor]) -> None:
+    """After an optimizer step over ``params`` (``utils.optimizer_steps``: foreach and fused
+    steps included, which move no version counter): counts it on each watched sharded Parameter."""
+    for p in params:
+        if hasattr(p, _STEPS_ATTR):
+            setattr(p, _STEPS_ATTR, getattr(p, _STEPS_ATTR) + 1)
 
 
 register_refresher(_note_refills)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -36,7 +36,7 @@ from ..nn.shared_input import quantize_input
 from ..quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
                           HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer)
 from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
-from ..utils.optimizer_steps import on_stepped_parameter
+from ..utils.optimizer_steps import on_stepped_parameters
 from .tensor_parallel_comm import all_reduce_sum, gather_quantized_rows, reduce_scatter_rows
 
 COLUMN, ROW = "column", "row"
@@ -147,9 +147,9 @@ def _moved_on(local: torch.Tensor) -> None:
         torch.autograd.graph.increment_version(local)
 
 
-def _mark_stepped_weight(p: torch.Tensor) -> None:
-    """After an optimizer step over ``p`` (``utils.optimizer_steps``): moves the local version
-    counter of a tensor-parallel weight the cache may hold a shard of.
+def _mark_stepped_weights(params: Sequence[torch.Tensor]) -> None:
+    """After an optimizer step over ``params`` (``utils.optimizer_steps``): moves the local
+    version counter of each tensor-parallel weight the cache may hold a shard of.
 
     The foreach and fused implementations (torch's default for DTensor parameters on CUDA)
     write a DTensor below autograd without moving its version counter, so the counter alone
@@ -160,8 +160,9 @@ def _mark_stepped_weight(p: torch.Tensor) -> None:
     opposite amounts) would still go unseen. A weight with a gradient that the step left as it
     was is quantized again once, which is conservative, never stale.
     """
-    if hasattr(p, _SEEN_VERSION_ATTR):
-        _moved_on(p._local_tensor)
+    for p in params:
+        if hasattr(p, _SEEN_VERSION_ATTR):
+            _moved_on(p._local_tensor)
 
 
 def local_weight(param: torch.Tensor) -> torch.Tensor:
@@ -174,7 +175,7 @@ def local_weight(param: torch.Tensor) -> torch.Tensor:
     the cache keys on the local tensor's (``nn/weight_cache.py``) and would keep serving the
     codes of the weight as it was inside ``weight_caching()`` or with
     ``is_first_microbatch=False``. So a move of the DTensor's counter moves the local one here,
-    and the end of every optimizer step moves it too (:func:`_mark_stepped_weight`): a foreach
+    and the end of every optimizer step moves it too (:func:`_mark_stepped_weights`): a foreach
     or fused step moves neither counter. Moving the local counter also tells autograd that the
     values it may have saved changed. A write through ``.data``, or a foreach op outside an
     optimizer step, is not seen: call ``invalidate_weight_cache()`` after one, as for any
@@ -197,7 +198,7 @@ def local_weight(param: torch.Tensor) -> torch.Tensor:
     if param.is_inference() or local.is_inference():
         return local
     # registered before the cache can hold any shard (it holds one only after this call)
-    on_stepped_parameter(_mark_stepped_weight)
+    on_stepped_parameters(_mark_stepped_weights)
     now = param._version
     seen = getattr(param, _SEEN_VERSION_ATTR, None)
     if seen is not None and seen != now:

@@ -41,7 +41,10 @@ Checkpoint replays of a region it served read the same entry, also after the sco
 
 What is not seen: a write that bypasses the version counter *between two calls of one module
 inside one region* (an optimizer step through ``.data`` between two forwards of one region);
-call ``invalidate_weight_cache()`` (on every rank) after such a write. Entries that outlive their
+call ``invalidate_weight_cache()`` (on every rank) after such a write. An optimizer step is seen
+whatever its implementation: a fused one (``fused=True``) moves no version counter, so once a
+cache entry exists, the end of every optimizer step moves the counters of the parameters it
+stepped (``utils.optimizer_steps``). Entries that outlive their
 region (a :func:`weight_caching` scope, ``is_first_microbatch=False``) do not see such writes
 between regions either, to a weight or to its FSDP2 shard.
 
@@ -64,6 +67,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator, NamedTuple, Optional, Sequence
 
 from ..tensors import COLUMNWISE
+from ..utils.optimizer_steps import moved_versions, on_stepped_parameters
 from ..utils.rewrites import current_versions
 
 #: How many regions an entry remembers having served in its scope (checkpoint replays of older
@@ -261,6 +265,8 @@ def new_entry(old: Optional[WeightEntry], key: WeightKey, qw: Any, weight: Any,
     call that needed the columnwise copy the kept one lacked)."""
     kept = is_first_microbatch is True or (
         old is not None and old.kept and region is not None and old.region is region)
+    # a fused optimizer step moves no version counter: the step hook moves the stepped ones
+    on_stepped_parameters(moved_versions)
     return WeightEntry(key, qw, weight, region, kept, _SCOPE.get() if region is not None else None,
                        deque(maxlen=SERVED_REGIONS))
 
