@@ -29,15 +29,20 @@ autocast regions) keys on :func:`current_version`, which runs the refreshers fir
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable, Sequence
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-#: untyped storage -> how often it was rewritten with its version counter preserved. Keyed on the
-#: storage (its views share it; FSDP2 frees and re-allocates it in place, so it stays the same
+#: untyped storage -> the stamp of its latest rewrite with its version counter preserved. Keyed on
+#: the storage (its views share it; FSDP2 frees and re-allocates it in place, so it stays the same
 #: object) and weakly, so an entry lives exactly as long as the memory it describes.
 _REWRITES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: each rewrite's stamp is new to the process (``next`` on a count is atomic under the GIL): two
+#: threads rewriting one storage at once cannot leave it at a value a cache has already seen,
+#: as a read-add-write count could (both reading n, both writing n + 1)
+_STAMPS = itertools.count(1)
 
 
 def note_rewrite(t: torch.Tensor) -> None:
@@ -49,7 +54,7 @@ def note_rewrite(t: torch.Tensor) -> None:
         The tensor written (any view of the storage: the whole storage counts as rewritten).
     """
     storage = t.untyped_storage()
-    _REWRITES[storage] = _REWRITES.get(storage, 0) + 1
+    _REWRITES[storage] = next(_STAMPS)
 
 
 def version(t: torch.Tensor) -> tuple[int, int]:
@@ -63,7 +68,7 @@ def version(t: torch.Tensor) -> tuple[int, int]:
     Returns
     -------
     tuple[int, int]
-        ``(t._version, rewrites noted for t's storage)``: changes with every in-place write,
+        ``(t._version, the stamp of the latest rewrite noted for t's storage)``: changes with every in-place write,
         including those that preserve the version counter and call :func:`note_rewrite`.
     """
     return t._version, _REWRITES.get(t.untyped_storage(), 0)
