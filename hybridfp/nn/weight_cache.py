@@ -42,9 +42,9 @@ Checkpoint replays of a region it served read the same entry, also after the sco
 What is not seen: a write that bypasses the version counter *between two calls of one module
 inside one region* (an optimizer step through ``.data`` between two forwards of one region);
 call ``invalidate_weight_cache()`` (on every rank) after such a write. An optimizer step is seen
-whatever its implementation: a fused one (``fused=True``) moves no version counter, so once a
-cache entry exists, the end of every optimizer step moves the counters of the parameters it
-stepped (``utils.optimizer_steps``). Entries that outlive their
+whatever its implementation: a fused one (``fused=True``) moves no version counter, so the end
+of every optimizer step notes a rewrite of each stepped weight a cache entry was made from
+(``utils.optimizer_steps``). Entries that outlive their
 region (a :func:`weight_caching` scope, ``is_first_microbatch=False``) do not see such writes
 between regions either, to a weight or to its FSDP2 shard.
 
@@ -67,8 +67,8 @@ from contextlib import contextmanager
 from typing import Any, Iterator, NamedTuple, Optional, Sequence
 
 from ..tensors import COLUMNWISE
-from ..utils.optimizer_steps import moved_versions, on_stepped_parameters
-from ..utils.rewrites import current_versions
+from ..utils.optimizer_steps import on_stepped_parameters
+from ..utils.rewrites import current_versions, note_rewrite
 
 #: How many regions an entry remembers having served in its scope (checkpoint replays of older
 #: ones, backward passes more regions late than this, quantize again).
@@ -265,10 +265,33 @@ def new_entry(old: Optional[WeightEntry], key: WeightKey, qw: Any, weight: Any,
     call that needed the columnwise copy the kept one lacked)."""
     kept = is_first_microbatch is True or (
         old is not None and old.kept and region is not None and old.region is region)
-    # a fused optimizer step moves no version counter: the step hook moves the stepped ones
-    on_stepped_parameters(moved_versions)
+    _mark_cached(weight)
     return WeightEntry(key, qw, weight, region, kept, _SCOPE.get() if region is not None else None,
                        deque(maxlen=SERVED_REGIONS))
+
+
+#: set on a weight tensor some cache entry was made from: an optimizer step over it is noted as
+#: a rewrite of its memory (:func:`_note_stepped`)
+_CACHED_ATTR = "_hybridfp_weight_cached"
+
+
+def _mark_cached(weight: Any) -> None:
+    """Marks ``weight`` (a tensor or a list of them) as cached, and has every optimizer step
+    report the parameters it went over to :func:`_note_stepped`."""
+    [setattr(w, _CACHED_ATTR, True) for w in (weight if isinstance(weight, (list, tuple)) else (weight,))]
+    on_stepped_parameters(_note_stepped)
+
+
+def _note_stepped(params: Sequence[Any]) -> None:
+    """After an optimizer step (``utils.optimizer_steps``): notes a rewrite of each stepped
+    cached weight's memory. A fused step (``fused=True``) moves no version counter, so the
+    version alone would still match the entry of the weight before the step. The rewrite stamp
+    is the cache's own (``utils.rewrites``): autograd's counters stay as the step left them (a
+    moved counter would make autograd refuse a backward whose saved tensors share the
+    parameter's counter, e.g. views of one flat buffer stepped inside backward)."""
+    for p in params:
+        if getattr(p, _CACHED_ATTR, False):
+            note_rewrite(p)
 
 
 def join_keys(keys: Sequence[WeightKey]) -> WeightKey:

@@ -102,3 +102,68 @@ def test_listeners_get_the_parameters_that_had_a_gradient_when_the_step_began():
     assert seen == [[id(a)]] and a.grad is None
     from hybridfp.utils import optimizer_steps
     optimizer_steps._LISTENERS.remove(listener)  # the process-wide list: leave it as it was
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+def test_a_step_whose_closure_makes_the_gradients_is_seen(impl):
+    """``step(closure)`` after ``zero_grad``: no gradient when the step begins, one at its end."""
+    torch.manual_seed(0)
+    m, x = hf.Linear(64, 64, bias=False), torch.randn(16, 64)
+    opt = _optimizer(m.parameters(), impl, zero_grad_hook=False)
+
+    def closure():
+        with hf.autocast(recipe=RECIPE):
+            loss = m(x).float().pow(2).mean()
+        loss.backward()
+        return loss
+    for _ in range(2):  # the second step runs with the hooks registered before it began
+        with hf.weight_caching():
+            opt.zero_grad()
+            opt.step(closure)
+            with torch.no_grad(), hf.autocast(recipe=RECIPE):
+                after = m(x)
+        with torch.no_grad(), hf.autocast(recipe=RECIPE):
+            assert torch.equal(after, m(x))
+
+
+def test_steps_inside_backward_over_views_of_one_buffer_still_train():
+    """Per-parameter fused steps run from post-accumulate-grad hooks (optimizer in backward) over
+    parameters viewing one flat buffer, which share one version counter: the cache's step
+    notes must not move autograd's counters, or autograd would refuse the backward."""
+    with hf.autocast(recipe=RECIPE):
+        hf.Linear(64, 64)(torch.randn(4, 64))  # a cache entry exists in the process
+    flat = torch.randn(2, 64, 64) * 0.1
+    w1, w2 = torch.nn.Parameter(flat[0]), torch.nn.Parameter(flat[1])
+    opts = {w: torch.optim.Adam([w], lr=1e-3, fused=True) for w in (w1, w2)}
+
+    def step(p):
+        opts[p].step()
+        opts[p].zero_grad()
+    for w in (w1, w2):
+        w.register_post_accumulate_grad_hook(step)
+    x = torch.randn(8, 64, requires_grad=True)
+    for _ in range(3):
+        (torch.tanh(x @ w1.t()) @ w2.t()).pow(2).mean().backward()
+
+
+def _ignore(params):
+    pass
+
+
+def test_a_raising_step_leaves_nothing_alive():
+    import gc
+    import weakref
+
+    on_stepped_parameters(_ignore)  # the hooks installed, whichever tests ran before
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.ones(4)
+    opt = torch.optim.SGD([p], lr=0.1)
+
+    def closure():
+        raise ValueError("in the closure")
+    with pytest.raises(ValueError):
+        opt.step(closure)
+    ref = weakref.ref(p)
+    del opt, p, closure
+    gc.collect()
+    assert ref() is None
