@@ -85,7 +85,10 @@ class SwiGLUFunction(torch.autograd.Function):
     def forward(ctx: Any, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(g, u)
         state = current_autocast()
-        ctx.record_amax = state is not None and state.reads_known_amax
+        # not under torch.compile: the quantizers take their own amax there (the compiler fuses
+        # it), and this flag is set by the modules of the same traced frame, which Dynamo would
+        # guard on as set at entry: a recompile in every region, Dynamo's limit after eight
+        ctx.record_amax = (not torch.compiler.is_compiling()) and state is not None and state.reads_known_amax
         if not _uses_kernels(g):
             return F.silu(g) * u
         # imported at the first kernel call: Triton's import fixes its compiled / interpreted

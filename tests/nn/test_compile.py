@@ -352,3 +352,23 @@ def test_autocast_inside_the_compiled_function() -> None:
         torch.compile(step, fullgraph=True, backend="aot_eager")(x)
     torch._dynamo.reset()
     assert torch.equal(torch.compile(step, backend="aot_eager")(x), step(x))
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_training_steps_in_new_regions_compile_once(activation: str, recipe: str) -> None:
+    """A step per autocast region (as training runs) reuses the first step's graph: nothing the
+    modules set on the region inside the traced frame (the fused SwiGLU's amax records, which
+    FP8 current scaling reads) is guarded on, which would recompile every step and hit Dynamo's
+    limit on the ninth under fullgraph=True."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(0)
+    counter = CompileCounterWithBackend("aot_eager")
+    m = torch.compile(hf.LayerNormMLP(64, 128, activation=activation), fullgraph=True, backend=counter)
+    for step in range(4):
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step))
+        with hf.autocast(recipe=RECIPES[recipe]()):
+            y = m(x)
+        y.float().pow(2).mean().backward()
+    assert counter.frame_count == 1
