@@ -106,6 +106,15 @@ GEMMS = (
 DECODED_COPIES = {"weight": (ROWWISE, COLUMNWISE), "grad_output": (ROWWISE, COLUMNWISE), "input": (ROWWISE,)}
 
 
+
+@torch._dynamo.assume_constant_result
+def _unrecognised_recompute() -> bool:
+    """Whether the calling thread runs a forward inside a backward pass, not as the replay of a
+    recorded module call (``nn/recompute.py``). Under torch.compile it runs when the graph is
+    traced and its result is a constant of the graph (no guard): a retrace inside a backward
+    pass, as a checkpoint recomputing a compiled module makes, is refused as it is traced."""
+    return torch._C._current_graph_task_id() != -1 and not recompute.in_replay()
+
 class QuantizedModule(nn.Module):
     """Base of Linear, LayerNormLinear and GroupedLinear.
 
@@ -181,20 +190,28 @@ class QuantizedModule(nn.Module):
         self._refuse_silent_recompute()
         return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
-    def _refuse_silent_recompute(self) -> None:
-        """A quantized module running unquantized inside a backward pass, and not as the replay
-        of a recorded call (``nn/recompute.py``), is a recomputation hybridfp did not recognise
-        (a checkpoint nested in another's recomputation, another recompute scheme): it would
-        silently give high-precision gradients, so say so instead."""
-        # a compiled graph is traced, not run during a backward: Dynamo cannot trace the task id
-        if (self._quantizers and torch.is_grad_enabled() and not torch.compiler.is_compiling()
-                and torch._C._current_graph_task_id() != -1 and not recompute.in_replay()):
-            raise RuntimeError(
-                f"{type(self).__name__} {self.name}: forward run during backward outside "
-                "hybridfp.autocast and not as a recognised torch.utils.checkpoint recomputation "
-                "(a checkpoint nested in another checkpoint's recomputation, or another recompute "
-                "scheme), which would run it in high precision. Checkpoint with "
-                "torch.utils.checkpoint without nesting, or enter hybridfp.autocast around it.")
+    def _refuse_silent_recompute(self, quantized: bool = False) -> None:
+        """A module forward run inside a backward pass, and not as the replay of a recorded call
+        (``nn/recompute.py``), is a recomputation hybridfp did not recognise (a checkpoint nested
+        in another's recomputation, saved-tensor hooks inside the checkpointed function, an eager
+        checkpoint around a compiled module, another recompute scheme). Unquantized, a module
+        that ran quantized would silently give high-precision gradients; quantized
+        (``quantized``), it would run with the live region's quantizers, not its forward's, and
+        record into their state (delayed scaling's amax history). Say so instead."""
+        if not (quantized or self._quantizers) or not torch.is_grad_enabled() or not _unrecognised_recompute():
+            return
+        where = ("inside a hybridfp.autocast region it did not run its forward in" if quantized
+                 else "outside hybridfp.autocast")
+        raise RuntimeError(
+            f"{type(self).__name__} {self.name}: forward run during backward {where} and not as a "
+            "recognised torch.utils.checkpoint recomputation (a checkpoint nested in another "
+            "checkpoint's recomputation, saved-tensor hooks entered inside the checkpointed "
+            "function, an eager checkpoint around a torch.compile'd module, or another recompute "
+            "scheme), which would " + ("record into that region's quantizers" if quantized
+                                       else "run it in high precision")
+            + ". Checkpoint with torch.utils.checkpoint without nesting, around eager modules "
+            "(compile the checkpointed function as a whole instead), with saved-tensor hooks "
+            "outside it.")
 
     # ------------------------------------------------------------------ checkpoint recompute
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -272,6 +289,7 @@ class QuantizedModule(nn.Module):
                 f"for {type(self).__name__}; use a recipe with backward_override=None for it.")
         if state.replay_quantizers is not None:  # a recomputation: the forward's quantizers
             return state.replay_quantizers
+        self._refuse_silent_recompute(quantized=True)
         pol = current_policy()
         # the policy fields _hold_decoded reads: a changed one rebuilds (no stale hold_decoded)
         key = (state.key(), pol.decoded_copies, pol.decoded_unverified_on_cuda)

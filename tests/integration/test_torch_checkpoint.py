@@ -321,3 +321,41 @@ def test_records_belong_to_their_forward_and_go_with_it():
     gc.collect()
     assert ref() is None
     y2.sum().backward()
+
+
+def test_saved_tensor_hooks_inside_the_checkpointed_function_are_refused_in_a_later_region():
+    """The non-reentrant recomputation of a module under saved-tensor hooks of its own
+    (``save_on_cpu``) is not torch's checkpoint as hybridfp recognises it: run inside the next
+    step's autocast region it would use (and record into) that region's quantizers, so it is
+    refused by name. (The reentrant recomputation is recognised: it replays the forward.)"""
+    torch.manual_seed(0)
+    a, b = hfp.Linear(32, 32, name="a"), hfp.Linear(32, 32, name="b")
+
+    def f(t):
+        h = torch.relu(a(t))
+        with torch.autograd.graph.save_on_cpu():
+            return b(h)
+    recipe = hfp.DelayedScaling(amax_history_len=4)
+    x = torch.randn(8, 32, requires_grad=True)
+    with tc.set_checkpoint_early_stop(False):
+        with hfp.autocast(recipe=recipe):
+            y = tc.checkpoint(f, x, use_reentrant=False)
+        with hfp.autocast(recipe=recipe), pytest.raises(RuntimeError, match="Linear b: forward run during backward"):
+            y.float().sum().backward()
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_an_eager_checkpoint_around_a_compiled_module_is_refused(mode, fullgraph):
+    """Its recomputation runs the compiled graph, not hybridfp's recorded call: retraced in the
+    backward pass outside the region it would compute high-precision gradients silently."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    lin = hfp.Linear(32, 32, name="lin")
+    f = torch.compile(lin, fullgraph=fullgraph, backend="aot_eager")
+    x = torch.randn(8, 32, requires_grad=True)
+    with hfp.autocast(recipe=hfp.Float8CurrentScaling()):
+        y = tc.checkpoint(f, x, use_reentrant=MODES[mode])
+    with pytest.raises(Exception, match="Linear lin: (forward run during backward|torch.utils.checkpoint is recomputing)"):
+        y.float().sum().backward()
+    torch._dynamo.reset()
