@@ -35,7 +35,17 @@ are dropped. A tensor needed before its reload started is copied back at once. T
 CPU take the same path synchronously (a copy into a separate buffer): what CI tests.
 
 Each pass of ``model_layers`` layers is its own ``OffloadIteration``, held by the autograd
-graph, so several forwards may precede one backward.
+graph, so several forwards may precede one backward. A layer whose forward raises (a bad batch
+the caller skips) ends its pass: the next entry starts a new one, and the failed pass's offloads
+are finished (its partial graph, if kept, holds host copies only).
+
+In-place check: with saved-tensor hooks autograd no longer checks that a saved tensor was not
+modified in place before backward reads it (the hooks own what is saved), and an offloaded
+tensor's host copy would silently give backward the old values. So every tensor saved inside
+the context (offloaded or not) is saved with its version counter's value, and backward raises
+autograd's "modified by an inplace operation" error when the counter moved. An offloaded tensor
+is checked through an alias that shares its version counter but not its memory (see
+``_version_alias``).
 """
 
 from __future__ import annotations
@@ -83,6 +93,55 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _version_of(t: torch.Tensor) -> Optional[int]:
+    """``t``'s version counter's value; None for an inference tensor (it keeps none; autograd
+    refuses to save one, so this is only a guard)."""
+    return None if t.is_inference() else t._version
+
+
+def _version_alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of no elements sharing ``t``'s version counter but not its memory: what an
+    offloaded tensor is checked through once its device tensor is dropped. ``detach()`` shares
+    the counter (and the memory); assigning ``.data`` swaps the memory and keeps the counter,
+    without moving it. A weak reference to ``t`` would not do: the tensor usually dies (the next
+    layer's input, reassigned) while a write through it, or a view of it, already happened."""
+    alias = t.detach()
+    alias.data = alias.new_empty(0)
+    return alias
+
+
+def _check_version(source: torch.Tensor, saved: Optional[int], size: Optional[torch.Size] = None) -> None:
+    """Autograd's check of a saved tensor, which saved-tensor hooks turn off: raise when
+    ``source`` (the saved tensor, or an alias sharing its version counter: then ``size`` is the
+    saved tensor's) was modified in place since it was saved at version ``saved``."""
+    if saved is None:
+        return
+    now = source._version
+    if now != saved:
+        size = source.size() if size is None else size
+        raise RuntimeError(
+            f"hybridfp CPU offload: one of the variables needed for gradient computation has been modified by "
+            f"an inplace operation: [{source.type()} {list(size)}], saved for backward inside the CPU offload "
+            f"context, is at version {now}; expected version {saved} instead (under the context's saved-tensor "
+            "hooks autograd does not check this itself, and an offloaded tensor's host copy would give backward "
+            "the old values). Hint: enable anomaly detection to find the operation that failed to compute its "
+            "gradient, with torch.autograd.set_detect_anomaly(True).")
+
+
+class _Kept:
+    """A tensor saved inside the context that stays in place, with its version when saved."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor, self.version = t, _version_of(t)
+
+    def get(self) -> torch.Tensor:
+        """The tensor for backward (raises if it was modified in place since it was saved)."""
+        _check_version(self.tensor, self.version)
+        return self.tensor
+
+
 class _Streams:
     """The side stream of a device and the ordering between it and the current stream; on the
     CPU every method is a no-op and copies are synchronous."""
@@ -108,21 +167,33 @@ class _Streams:
 
 class _Moved:
     """One offloaded tensor: its host copy, and its device tensor until the offload finished or
-    its reload once started."""
+    its reload once started; its version when saved, checked in backward on the device tensor
+    or, once that is dropped, on ``alias`` (:func:`_version_alias`)."""
 
-    __slots__ = ("group", "device", "size", "stride", "device_tensor", "host", "reloaded")
+    __slots__ = ("group", "device", "size", "stride", "device_tensor", "host", "reloaded", "version", "alias")
 
     def __init__(self, group: "_Group", t: torch.Tensor, host: torch.Tensor) -> None:
         self.group, self.device, self.size, self.stride = group, t.device, t.size(), t.stride()
         self.device_tensor: Optional[torch.Tensor] = t
         self.host, self.reloaded = host, None
+        self.version, self.alias = _version_of(t), None
+
+    def drop_device_tensor(self) -> None:
+        """Its offload finished: keep only the host copy (and the alias the check reads)."""
+        if self.device_tensor is not None:
+            if self.version is not None:
+                self.alias = _version_alias(self.device_tensor)
+            self.device_tensor = None
 
     def _copy_back(self) -> torch.Tensor:
         t = torch.empty_strided(self.size, self.stride, dtype=self.host.dtype, device=self.device)
         return t.copy_(self.host, non_blocking=self.host.is_pinned())
 
     def get(self) -> torch.Tensor:
-        """The tensor for backward (waits for its prefetch; copies it back if none started)."""
+        """The tensor for backward (waits for its prefetch; copies it back if none started).
+        Raises if it was modified in place since it was saved."""
+        _check_version(self.device_tensor if self.device_tensor is not None else self.alias, self.version,
+                       self.size)
         if self.device_tensor is not None:  # its offload has not finished: never left the device
             return self.device_tensor
         if self.reloaded is not None:
@@ -150,7 +221,7 @@ class _Group:
         """Wait for the copies to the host; drop the device tensors."""
         self.streams.wait(self.offload_event)
         for m in self.moved:
-            m.device_tensor = None
+            m.drop_device_tensor()
         self.by_id.clear()
 
     def start_reload(self) -> None:
@@ -216,9 +287,19 @@ class OffloadIteration:
         for g in self.groups.values():
             g.release_reloaded()
 
+    def abandon(self) -> None:
+        """The pass's forward raised: finish every offload started. A partial graph still alive
+        (a traceback kept) then holds host copies only (its backward reloads them late), and
+        the device tensors are freed only once the side stream has read them."""
+        for g in self.groups.values():
+            g.finish_offload()
+
 
 class CpuOffloadContext:
-    """The context of :func:`get_cpu_offload_context` (enter it around each layer's forward)."""
+    """The context of :func:`get_cpu_offload_context` (enter it around each layer's forward).
+
+    When a layer's forward raises inside it, the pass ends there: the next entry starts a new
+    pass at layer 0 (the caller skipped the batch), with no ``sync_function`` call owed."""
 
     def __init__(self, num_layers: int, model_layers: int, min_tensor_size_to_offload: int) -> None:
         self.num_layers, self.model_layers = num_layers, model_layers
@@ -255,12 +336,20 @@ class CpuOffloadContext:
         self._synced = False
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         hooks, self._hooks = self._hooks, None
-        hooks.__exit__(*exc)
-        group = self.iteration.groups.get(self._layer) if self.iteration is not None else None
+        hooks.__exit__(exc_type, exc, tb)
+        iteration = self.iteration
+        group = iteration.groups.get(self._layer) if iteration is not None else None
         if group is not None:
             group.by_id.clear()
+        if exc_type is not None and iteration is not None:
+            # the layer's forward raised (a bad batch the caller skips, an out-of-memory error):
+            # no sync_function call follows, nor the pass's other layers. Forget the pass, so
+            # that the next entry starts a new one at layer 0 with the schedule in step (the
+            # failed pass's tensors belong to its partial graph, normally dropped with the error)
+            self.iteration, self._synced = None, True
+            iteration.abandon()
 
     def keeps(self, t: torch.Tensor) -> bool:
         """Whether a saved tensor stays where it is (see the module docstring).
@@ -282,16 +371,20 @@ class CpuOffloadContext:
                 or t.numel() < self.min_tensor_size_to_offload or not _dense(t))
 
     def _pack(self, t: torch.Tensor) -> Any:
+        # every tensor is saved with its version (_Kept, _Moved): the hooks turn off autograd's
+        # own check of it, in the layers that offload nothing too
         it = self.iteration
         if it is None or it.layer >= self.num_layers:
-            return t
+            return _Kept(t)
         if self.keeps(t):
             self.stats.kept_tensors += 1
             self.stats.kept_bytes += _nbytes(t) if type(t) is torch.Tensor else 0
-            return t
+            return _Kept(t)
         group = it.group(t)
         hit = group.by_id.get(id(t))
-        if hit is not None and hit.device_tensor is t:
+        # one copy of a tensor saved twice; a second save after an in-place write needs its own
+        # (the first copy holds the old values, which only the first save may read)
+        if hit is not None and hit.device_tensor is t and hit.version == _version_of(t):
             return hit
         host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
         with group.streams.side_after_current():
@@ -348,7 +441,7 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 def _unpack(x: Any) -> torch.Tensor:
-    return x.get() if isinstance(x, _Moved) else x
+    return x.get()
 
 
 def get_cpu_offload_context(enabled: bool = False, num_layers: int = 1, model_layers: int = 1,
@@ -378,7 +471,8 @@ def get_cpu_offload_context(enabled: bool = False, num_layers: int = 1, model_la
     tuple
         ``(context, sync_function)``: enter ``context`` around each layer's forward, and pass
         its output through ``sync_function``. ``context.stats`` (:class:`OffloadStats`) counts
-        what moved.
+        what moved. In backward, a tensor saved inside the context and modified in place since
+        raises autograd's RuntimeError ("modified by an inplace operation"), as without offload.
 
     Raises
     ------

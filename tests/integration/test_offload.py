@@ -1,7 +1,9 @@
 """hybridfp.get_cpu_offload_context on the CPU (the same code path as on CUDA, synchronous):
 gradients bitwise those without offload, the saved payloads really leave the layer (their
 device tensors are dropped, bytes counted), parameters / marked weights / small tensors stay,
-late reloads, several forwards before one backward, and clear errors for bad arguments.
+late reloads, several forwards before one backward, a forward that raises inside the context
+(the next step as without offload), autograd's in-place check on every saved tensor (raised as
+without offload, never where torch would not), and clear errors for bad arguments.
 
 Offload copies bytes and backward reads the same bytes in the same layout, so the comparisons
 are bitwise (tests/README.md)."""
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hybridfp as hfp
+from hybridfp.integration.offload import _Moved
 
 RECIPES = {
     "mxfp8": lambda: hfp.MXFP8BlockScaling(),
@@ -48,7 +51,7 @@ def _watch_moves(context) -> list:
 
     def watching(t):
         out = original(t)
-        if out is not t:
+        if isinstance(out, _Moved):
             moved.append(t.untyped_storage().data_ptr())
         return out
 
@@ -68,11 +71,38 @@ def _forward(layers, x, context=None, sync=None):
     return h
 
 
-def _steps(recipe_name: str, offload: bool, steps: int = 2, thread: bool = False):
+class _BadBatch(Exception):
+    pass
+
+
+def _failed_forward(layers, recipe_name: str, fail_at: int, context=None, sync=None):
+    """A forward whose layer ``fail_at`` raises after running (a bad batch), caught as a training
+    loop that skips the batch catches it. Returns its input, the failing layer's input and the
+    context's pass then (None without offload)."""
+    x = torch.randn(48, 32, generator=torch.Generator().manual_seed(99), requires_grad=True)
+    seen = []
+
+    def failing(h):
+        seen.extend([h, context.iteration if context is not None else None])
+        layers[fail_at](h)  # its activations are saved (and offloaded) before it raises
+        raise _BadBatch
+
+    torch.manual_seed(99)
+    with hfp.autocast(recipe=RECIPES[recipe_name]()):
+        with pytest.raises(_BadBatch):
+            _forward(list(layers[:fail_at]) + [failing], x, context, sync)
+    return x, seen[0], seen[1]
+
+
+def _steps(recipe_name: str, offload: bool, steps: int = 2, thread: bool = False, fail_at=None):
     layers = _model()
     opt = torch.optim.SGD(layers.parameters(), lr=0.5)
     context, sync = hfp.get_cpu_offload_context(enabled=offload, num_layers=LAYERS - 1, model_layers=LAYERS,
                                                 min_tensor_size_to_offload=256)
+    if fail_at is not None:  # first a batch whose forward raises in layer fail_at, skipped
+        _failed_forward(layers, recipe_name, fail_at, context if offload else None, sync)
+        if offload:
+            context.stats.reset()
     out = []
     for step in range(steps):
         x = torch.randn(48, 32, generator=torch.Generator().manual_seed(step), requires_grad=True)
@@ -102,6 +132,44 @@ def test_offload_gradients_are_bitwise(recipe_name):
     assert s.offloaded_tensors > 0 and s.offloaded_bytes > 0
     assert (s.reloaded_tensors, s.reloaded_bytes) == (s.offloaded_tensors, s.offloaded_bytes)
     assert s.late_reloads == 0  # every reload was started ahead, by the schedule
+
+
+@pytest.mark.parametrize("fail_at", [0, 2, LAYERS - 1])
+@pytest.mark.parametrize("recipe_name", ["mxfp8", "delayed"])
+def test_a_forward_that_raises_inside_the_context_leaves_it_usable(recipe_name, fail_at):
+    """A forward raising inside the context (caught, the batch skipped) ends its pass: the next
+    steps run as without offload (the same failed batch first), bit for bit, on the schedule
+    (every reload started ahead), instead of every later entry blaming sync_function."""
+    want, _ = _steps(recipe_name, offload=False, fail_at=fail_at)
+    got, context = _steps(recipe_name, offload=True, fail_at=fail_at)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    s = context.stats
+    assert s.offloaded_tensors > 0 and s.late_reloads == 0
+    assert (s.reloaded_tensors, s.reloaded_bytes) == (s.offloaded_tensors, s.offloaded_bytes)
+
+
+def test_a_failed_pass_finishes_its_offloads_and_is_released():
+    """The failed pass's offloads are finished (a partial graph kept alive holds host copies; its
+    backward still gives the gradients without offload), and the pass is freed with its graph."""
+    def run(offload: bool):
+        layers = _model()
+        context, sync = hfp.get_cpu_offload_context(enabled=offload, num_layers=2, model_layers=LAYERS,
+                                                    min_tensor_size_to_offload=256)
+        x, h, failed = _failed_forward(layers, "mxfp8", 2, context if offload else None, sync)
+        if offload:  # layer 1's offload was due when layer 3 started: the failure finished it
+            assert context.iteration is None and sorted(failed.groups) == [0, 1]
+            assert all(m.device_tensor is None for g in failed.groups.values() for m in g.moved)
+        h.square().sum().backward()  # the layers before the failing one, from the partial graph
+        return [x.grad] + [p.grad for p in layers[:2].parameters()], weakref.ref(failed) if offload else None
+
+    got, failed = run(True)
+    for a, b in zip(got, run(False)[0]):
+        assert torch.equal(a, b)
+    del got
+    gc.collect()
+    assert failed() is None
 
 
 def test_offload_backward_on_another_thread_is_bitwise():
@@ -352,6 +420,100 @@ def test_parameters_and_small_tensors_stay_in_place():
     h = sync(h)
     # the input moves; the weight (saved by addmm as weight.t(), a view of the Parameter) stays
     assert context.stats.offloaded_tensors == 1 and context.stats.kept_tensors == 1
+
+
+class _WritesItsInput(nn.Module):
+    """sigmoid(linear(x)), doubling x in place first if ``write``: x is the previous layer's
+    output, which its sigmoid saved for backward (a bug autograd reports in backward)."""
+
+    def __init__(self, write: bool) -> None:
+        super().__init__()
+        self.lin, self.write = nn.Linear(32, 32), write
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.write:
+            x.mul_(2)
+        return torch.sigmoid(self.lin(x))
+
+
+@pytest.mark.parametrize("num_layers,model_layers,min_size,write_at", [
+    (2, 3, 1, 1),  # layer 0's output offloaded, its device tensor dropped (layer 1 started), then written
+    (2, 4, 1, 1),  # written, then its offload finished (when layer 2 started)
+    (2, 5, 1, 1),  # written, its offload never finished (a pass of 3 of 5 layers): the device tensor
+    (1, 3, 1, 2),  # layer 1's output: a layer that offloads nothing
+    (2, 3, 10**6, 1),  # too small to move: kept in place in a layer that offloads
+    (2, 3, 1, "weight"),  # a parameter (saved by addmm as weight.t()) written before backward
+], ids=["offloaded_then_written", "written_then_offloaded", "offload_unfinished", "layer_not_offloaded",
+        "kept_small", "parameter"])
+def test_a_saved_tensor_written_in_place_raises_as_without_offload(num_layers, model_layers, min_size, write_at):
+    """Saved-tensor hooks turn off autograd's check that a saved tensor is not modified in place
+    before backward reads it; the context checks it itself, offloaded tensors included (the
+    write would otherwise be silently lost on the host copy), and raises torch's error."""
+    def run(offload: bool):
+        torch.manual_seed(0)
+        layers = [_WritesItsInput(i == write_at) for i in range(3)]
+        context, sync = hfp.get_cpu_offload_context(enabled=offload, num_layers=num_layers,
+                                                    model_layers=model_layers, min_tensor_size_to_offload=min_size)
+        x = torch.randn(8, 32, requires_grad=True)
+        h = _forward(layers, x, context if offload else None, sync)
+        if write_at == "weight":
+            with torch.no_grad():
+                layers[0].lin.weight.mul_(2)  # an optimizer step before the backward
+        h.sum().backward()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(False)
+    with pytest.raises(RuntimeError, match="hybridfp CPU offload: one of the variables needed for gradient "
+                                           "computation has been modified by an inplace operation"):
+        run(True)
+
+
+class _Legit(nn.Module):
+    """Saves what a layer legitimately saves: a parameter (and a view of it), a tensor written
+    in place before it is saved, one tensor saved twice by one op, a tensor saved, written in
+    place and saved again (the first save unused by the loss, so never read), a dense view and
+    the output of an in-place op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)  # addmm saves x and weight.t()
+        h.add_(1)  # written before anything saves it
+        a = h * h  # h saved twice (one copy)
+        a.sin()  # a saved; this output is unused, so backward never reads that save...
+        a.mul_(0.5)  # ...and a may be written after it
+        b = a.sin()  # a saved again at its new version (a copy of its own, of the new values)
+        v = a[8:].cos()  # a dense view
+        return torch.cat([b[:8], b[8:] + v]).sigmoid_()  # sigmoid_ saves its output (written by itself)
+
+
+def test_legitimate_saves_do_not_raise_and_stay_bitwise():
+    """No false positive of the in-place check: the saves of _Legit, in layers that offload and
+    one that does not, inside torch's checkpoint (both modes) in the context, and a second
+    backward of the same graph (retain_graph=True); the gradients are bitwise those without
+    offload."""
+    def run(offload: bool):
+        torch.manual_seed(0)
+        layers = nn.ModuleList(_Legit() for _ in range(4))
+        context, sync = hfp.get_cpu_offload_context(enabled=offload, num_layers=3, model_layers=4,
+                                                    min_tensor_size_to_offload=1)
+        calls = [layers[0], lambda h: hfp.checkpoint(layers[1], h),
+                 lambda h: torch.utils.checkpoint.checkpoint(layers[2], h, use_reentrant=True), layers[3]]
+        x = torch.randn(24, 32, requires_grad=True)
+        loss = _forward(calls, x, context if offload else None, sync).square().sum()
+        loss.backward(retain_graph=True)
+        grads = [x.grad.clone()] + [p.grad.clone() for p in layers.parameters()]
+        loss.backward()
+        return grads + [x.grad] + [p.grad for p in layers.parameters()], context
+
+    got, context = run(True)
+    want, _ = run(False)
+    assert context.stats.offloaded_tensors > 0 and context.stats.kept_tensors > 0
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
 
 
 def test_late_reload_and_unfinished_offload_are_still_bitwise():
