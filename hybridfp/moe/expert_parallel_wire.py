@@ -21,6 +21,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..nn.linear_function import once_differentiable_quantized
 from ..quantizers import HybridQuantizer, Quantizer
 from ..tensors.storage import COLUMNWISE, ROWWISE, QuantizedStorage
 
@@ -140,6 +141,9 @@ class _QuantizedExchange(torch.autograd.Function):
         return torch.cat(parts) if parts else x.new_empty(0, x.shape[1])
 
     @staticmethod
+    # the reverse exchange writes into a preallocated buffer, which autograd does not record;
+    # the result is linear in grad alone (no cross terms)
+    @once_differentiable_quantized(lambda ctx: "expert_dispatch (wire_quantizer's exchange)")
     def backward(ctx, grad: torch.Tensor):
         out_splits, in_splits = ctx.splits
         grad = grad.contiguous()

@@ -23,7 +23,7 @@ from ..config import current_policy, use_policy
 from ..quantizers import Quantizer
 from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
 from ..nn.linear_function import (LinearContext, backward_gemms, backward_override, bias_grad, check_dgrad_weight, keeps_original_input,
-                                  torch_autocast_off)
+                                  once_differentiable_quantized, torch_autocast_off)
 from .grouped_tensor import GroupedTensor
 from .gemm import grouped_gemm, grouped_wgrad
 from .quantize import quantize_grouped
@@ -39,6 +39,14 @@ class WeightReuse(NamedTuple):
 
 #: Position of the first parameter among GroupedLinearFunction.forward's inputs.
 _PARAMS = 6
+
+
+def _grouped_cross_terms(ctx: Any) -> bool:
+    """dx reads the experts' weights and their dW read x: x and some weight both requiring grad
+    makes second-order terms (the biases' gradients read neither)."""
+    n = len(ctx.lcs)
+    weights = ctx.needs_input_grad[_PARAMS:_PARAMS + (1 if ctx.stacked else n)]
+    return bool(ctx.needs_input_grad[0] and any(weights))
 
 
 class GroupedLinearFunction(torch.autograd.Function):
@@ -103,6 +111,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable_quantized(lambda ctx: ctx.lcs[0].module._who(), _grouped_cross_terms)
     def backward(ctx: Any, dy: torch.Tensor):  # type: ignore[override]
         saved = ctx.saved_tensors
         saved_xs = restore_experts(ctx.saved_x, saved[:ctx.n_x])

@@ -20,12 +20,14 @@ above), with dy unquantized:
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
+from torch._C import _functions as _autograd_functions
 
 from ..config import current_policy, use_policy
 from ..gemm import gemm
@@ -306,6 +308,74 @@ def bias_grad(dy2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return dy2.float().sum(0).to(dtype)
 
 
+def once_differentiable_quantized(who: Callable[[Any], str],
+                                  cross_terms: Callable[[Any], bool] = lambda ctx: False) -> Callable:
+    """Mark the backward of a hybridfp autograd Function as not differentiable itself, so that
+    differentiating through its gradients (``create_graph=True`` and then a backward through
+    the gradients: a gradient penalty, a Hessian-vector product) raises a clear error instead
+    of silently dropping the second-order term.
+
+    The backward quantizes the output gradient and runs quantized GEMMs (or collectives on
+    preallocated buffers), none of which autograd records; under ``create_graph=True`` its
+    results would come back as constants (no ``grad_fn``), so a penalty on them would
+    contribute nothing to the parameters' gradients. As torch's ``once_differentiable``, the backward runs under
+    ``no_grad`` and, when grad mode is on (``create_graph=True``), its results are routed
+    through a node that raises when a later backward reaches it: a ``create_graph=True``
+    pass whose gradients are not differentiated again still works. Unlike
+    ``once_differentiable``, which looks only at the incoming gradients, the error is also
+    attached when those are constants but the results depend on differentiable forward inputs
+    the backward reads from ``ctx`` (``cross_terms``): for y = x Wᵀ with a loss linear in y
+    (a critic's score, as in WGAN-GP), dx = dy W still depends on W.
+
+    Parameters
+    ----------
+    who:
+        ``ctx`` -> the module (or operation) to name in the error.
+    cross_terms:
+        ``ctx`` -> whether the results depend on forward inputs that require grad (for a
+        bilinear GEMM: x and W both do); False for a backward linear in the gradients alone.
+
+    Returns
+    -------
+    Callable
+        A decorator for the ``backward`` staticmethod (place it under ``@staticmethod``).
+    """
+    def decorate(backward: Callable) -> Callable:
+        @functools.wraps(backward)
+        def wrapper(ctx: Any, *grads: Any) -> Any:
+            if not torch.is_grad_enabled():  # an ordinary backward: nothing is recorded anyway
+                return backward(ctx, *grads)
+            with torch.no_grad():
+                outputs = backward(ctx, *grads)
+            if not (any(isinstance(g, torch.Tensor) and g.requires_grad for g in grads) or cross_terms(ctx)):
+                return outputs  # the results are constants for autograd: nothing to differentiate
+            single = not isinstance(outputs, tuple)
+            outs = (outputs,) if single else outputs
+            message = (f"{who(ctx)}: double backward is not supported under a quantized recipe: this "
+                       "gradient came from a backward pass with create_graph=True (a gradient penalty, a "
+                       "Hessian-vector product), and differentiating it again would need the derivative of "
+                       "this backward (quantized GEMMs, collectives), which autograd does not record (the "
+                       "second-order term would be silently dropped). Compute the gradient that is "
+                       "differentiated again outside hybridfp.autocast (high precision), or drop the "
+                       "penalty term.")
+            err = _autograd_functions.DelayedError(message, len(outs))
+
+            # the results made leaves that require grad, so that the error node has an input on
+            # the graph and the results a grad_fn (as torch's once_differentiable does)
+            def leaf(t: Any) -> Any:
+                return t.detach().requires_grad_() if isinstance(t, torch.Tensor) else t
+
+            got = err(*[leaf(t) for t in outs])
+            return got if single or isinstance(got, tuple) else (got,)
+        return wrapper
+    return decorate
+
+
+def _linear_cross_terms(ctx: Any) -> bool:
+    """dx = dy W reads W and dW = dyᵀ x reads x: both requiring grad makes second-order terms."""
+    return bool(ctx.needs_input_grad[0] and ctx.needs_input_grad[1])
+
+
 class LinearFunction(torch.autograd.Function):
     """Quantized y = x Wᵀ + b (see the module docstring for the three GEMMs)."""
 
@@ -329,6 +399,7 @@ class LinearFunction(torch.autograd.Function):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
+    @once_differentiable_quantized(lambda ctx: ctx.lc.module._who(), _linear_cross_terms)
     def backward(ctx: Any, dy: torch.Tensor):  # type: ignore[override]
         saved = ctx.saved_tensors
         saved_x = unpack(ctx.skel_x, list(saved[:ctx.n_x]))
