@@ -107,13 +107,18 @@ DECODED_COPIES = {"weight": (ROWWISE, COLUMNWISE), "grad_output": (ROWWISE, COLU
 
 
 
-@torch._dynamo.assume_constant_result
 def _unrecognised_recompute() -> bool:
     """Whether the calling thread runs a forward inside a backward pass, not as the replay of a
     recorded module call (``nn/recompute.py``). Under torch.compile it runs when the graph is
     traced and its result is a constant of the graph (no guard): a retrace inside a backward
     pass, as a checkpoint recomputing a compiled module makes, is refused as it is traced."""
     return torch._C._current_graph_task_id() != -1 and not recompute.in_replay()
+
+
+# what torch._dynamo.assume_constant_result sets, set here: reaching torch._dynamo would import
+# Dynamo with hybridfp (tests/test_import.py); tests/nn/test_compile.py's one-graph tests trace
+# through this call and fail if Dynamo stops reading the mark
+_unrecognised_recompute._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 class QuantizedModule(nn.Module):
     """Base of Linear, LayerNormLinear and GroupedLinear.

@@ -46,23 +46,23 @@ def on_stepped_parameters(fn: Callable[[Sequence[torch.Tensor]], None]) -> None:
         if fn not in _LISTENERS:
             _LISTENERS.append(fn)
         if not _HOOKS:
-            _HOOKS.append(register_optimizer_step_pre_hook(_before_step))
-            _HOOKS.append(register_optimizer_step_post_hook(_after_step))
+            # eager even inside a compiled ``optimizer.step``: a traced hook would guard on the
+            # number of parameters with a gradient and recompile when it changes (wrapped here,
+            # not where defined: torch.compiler.disable imports Dynamo, which importing hybridfp
+            # does not)
+            _HOOKS.append(register_optimizer_step_pre_hook(torch.compiler.disable(_before_step)))
+            _HOOKS.append(register_optimizer_step_post_hook(torch.compiler.disable(_after_step)))
 
 
 def _with_grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
 
-# eager even inside a compiled ``optimizer.step``: a traced hook would guard on the number of
-# parameters with a gradient and recompile when it changes
-@torch.compiler.disable
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """The global step pre-hook: notes the parameters with a gradient as the step begins."""
     _STEPPING[optimizer] = _with_grads(optimizer)
 
 
-@torch.compiler.disable
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """The global step post-hook: each listener sees the stepped parameters."""
     stepped = _STEPPING.pop(optimizer, [])
