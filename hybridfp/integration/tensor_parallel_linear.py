@@ -31,7 +31,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..gemm import gemm
-from ..nn.linear_function import LinearContext, bias_grad, pack, torch_autocast_off, unpack
+from ..nn.linear_function import (LinearContext, bias_grad, linear_cross_terms, once_differentiable_quantized, pack,
+                                  torch_autocast_off, unpack)
 from ..nn.shared_input import quantize_input
 from ..quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
                           HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer)
@@ -261,6 +262,7 @@ class ParallelLinearFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable_quantized(lambda ctx: ctx.lc.module._who(), linear_cross_terms)
     def backward(ctx: Any, dy: torch.Tensor):  # type: ignore[override]
         saved = ctx.saved_tensors
         qx = unpack(ctx.skel_x, list(saved[:ctx.n_x]))

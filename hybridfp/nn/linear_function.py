@@ -371,7 +371,7 @@ def once_differentiable_quantized(who: Callable[[Any], str],
     return decorate
 
 
-def _linear_cross_terms(ctx: Any) -> bool:
+def linear_cross_terms(ctx: Any) -> bool:
     """dx = dy W reads W and dW = dyᵀ x reads x: both requiring grad makes second-order terms."""
     return bool(ctx.needs_input_grad[0] and ctx.needs_input_grad[1])
 
@@ -399,7 +399,7 @@ class LinearFunction(torch.autograd.Function):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
-    @once_differentiable_quantized(lambda ctx: ctx.lc.module._who(), _linear_cross_terms)
+    @once_differentiable_quantized(lambda ctx: ctx.lc.module._who(), linear_cross_terms)
     def backward(ctx: Any, dy: torch.Tensor):  # type: ignore[override]
         saved = ctx.saved_tensors
         saved_x = unpack(ctx.skel_x, list(saved[:ctx.n_x]))

@@ -209,6 +209,15 @@ def _cases(rank: int, world: int) -> dict:
     with hf.autocast(recipe=hf.Float8CurrentScaling()):
         y2 = m[2](m[1](m[0](x, is_first_microbatch=False)), is_first_microbatch=False)
     out["microbatch"] = bool(torch.equal(y1, y2))
+
+    def penalty():  # a gradient penalty: differentiates the quantized backward's dx again
+        m = parallelize_module(_mlp(), mesh, plan)
+        xg = x.clone().requires_grad_()
+        with hf.autocast(recipe=hf.Float8CurrentScaling()):
+            y = m(xg)
+        (dx,) = torch.autograd.grad(y.sum(), xg, create_graph=True)
+        dx.pow(2).sum().backward()
+    out["double_backward"] = _error(penalty)
     return out
 
 
@@ -236,6 +245,7 @@ def results(tmp_path_factory):
     ("quantized_init", "ValueError", ["fc1.weight", "quantized primary weight", "blocked every 128 rows"]),
     ("uneven_hp", "ValueError", ["Linear fc1", "[3, 2] rows", "same number of rows", "multiple of 2"]),
     ("uneven_fp8", "ValueError", ["Linear fc1", "[3, 2] rows", "same number of rows", "multiple of 2"]),
+    ("double_backward", "RuntimeError", ["double backward is not supported under a quantized recipe"]),
     *((f"kept_after_step_{impl}", "RuntimeError", ["fc1", "is_first_microbatch=False", "changed in place"])
       for impl in OPTIMIZERS),
 ])
