@@ -197,6 +197,10 @@ def _copy(func, args, kwargs):
             # not src's kept initial value: src may have been stepped since it was kept
             _mark_written(dst, lambda: src.dequantize(dst.dtype))
             return dst
+    if _aliases_payload(src, dst._storage):
+        # dst's own memory (e.g. an Identity copy's dequantize()): re-quantizing overwrites it
+        # before the kept initial value takes src's value
+        src = src.clone(memory_format=torch.contiguous_format)
     _requantize_into(dst, src)
     _mark_written(dst, lambda: src.to(dst.dtype))
     return dst
@@ -340,11 +344,24 @@ def _like(func, args, kwargs):
 
 def _dense(t: QuantizedTensor) -> torch.Tensor:
     """``t``'s value as the wrapper presents it: row-major, offset 0, in memory of its own (a
-    columnwise copy decodes transposed; an Identity slice is a view into its parent)."""
+    columnwise copy decodes transposed; an Identity slice is a view into its parent).
+
+    Never ``t``'s payload memory: an Identity copy (plain, or a hybrid's high-precision side)
+    dequantizes to its own data tensor, and an in-place op run on that would write the payload
+    directly; re-quantizing its result into ``t`` then overwrites that same memory (with a
+    ``rowwise_dequantized`` hybrid: the rounded rowwise value), so the value the op wrote, which
+    a kept initial value must take, would be lost, and a view returned by a fallback op would
+    write one copy of ``t`` only."""
     v = t.dequantize()
     owned = (v.is_contiguous() and v.storage_offset() == 0
-             and v.untyped_storage().nbytes() == v.numel() * v.element_size())
+             and v.untyped_storage().nbytes() == v.numel() * v.element_size()
+             and not _aliases_payload(v, t._storage))
     return v if owned else v.clone(memory_format=torch.contiguous_format)
+
+
+def _aliases_payload(x: torch.Tensor, storage: QuantizedStorage) -> bool:
+    """Whether ``x`` lies in the memory of one of ``storage``'s payload tensors."""
+    return x.numel() > 0 and x.untyped_storage().data_ptr() in _payload_memory(storage)
 
 
 def _check_strided_view(t: QuantizedTensor, size, stride, offset: int) -> None:
