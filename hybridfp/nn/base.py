@@ -5,8 +5,10 @@ reporting GEMMs that run emulated."""
 from __future__ import annotations
 
 import contextvars
+import functools
+import inspect
 from collections import Counter
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -82,8 +84,11 @@ def _replay_copies(quantizers: Optional[dict]) -> Optional[dict]:
     gradient quantizer is the live one, as in a backward without recompute)."""
     if quantizers is None or not any(q.has_state() for s in FORWARD_SLOTS for q in quantizers.get(s, ())):
         return quantizers
-    return {slot: [q.copy() if slot in FORWARD_SLOTS and q.has_state() else q for q in qs]
-            for slot, qs in quantizers.items()}
+    # copied after the forward's call, before the recomputation's: hidden from selective
+    # activation checkpointing, which would number the copies' ops in the other calls' places
+    return recompute.unseen_by_selective_checkpoint(lambda: {
+        slot: [q.copy() if slot in FORWARD_SLOTS and q.has_state() else q for q in qs]
+        for slot, qs in quantizers.items()})
 
 
 def _summary(obj: Any) -> str:
@@ -119,6 +124,37 @@ def _unrecognised_recompute() -> bool:
 # Dynamo with hybridfp (tests/test_import.py); tests/nn/test_compile.py's one-graph tests trace
 # through this call and fail if Dynamo stops reading the mark
 _unrecognised_recompute._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+#: The module methods that quantize weights through the weight cache (``quantized_weight``;
+#: ``GroupedLinear``'s ``quantized_weights``, a mixin's): each quantizes hidden from torch's
+#: selective activation checkpoint. ``QuantizedModule.quantized_weight`` hides its quantizing
+#: itself; another definition (a subclass's or a mixin's) is wrapped whole by
+#: ``QuantizedModule.__init_subclass__`` (:func:`_hidden_from_selective_checkpoint`).
+WEIGHT_CACHE_METHODS = ("quantized_weight", "quantized_weights")
+_HIDDEN_MARK = "_hybridfp_hidden_from_sac"
+
+
+def _hidden_from_selective_checkpoint(method: Callable) -> Callable:
+    """``method`` run with torch's selective activation checkpoint modes off the dispatch mode
+    stack when one is on it (``recompute.hidden_from_selective_checkpoint``): a cache hit runs
+    no op, a miss quantizes, and a recomputation mostly hits where its forward missed; shown to
+    the modes, that difference would hand later ops other ops' saved outputs (silently wrong
+    gradients). Without any dispatch mode (the common path) it costs a call of
+    ``torch._C._len_torch_dispatch_stack`` (a hit, which runs no op, is hidden too: the method
+    is opaque here)."""
+    if getattr(method, _HIDDEN_MARK, False):
+        return method
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if torch._C._len_torch_dispatch_stack() and recompute.selective_checkpoint_active():
+            with recompute.hidden_from_selective_checkpoint():
+                return method(self, *args, **kwargs)
+        return method(self, *args, **kwargs)
+
+    setattr(run, _HIDDEN_MARK, True)
+    return run
+
 
 class QuantizedModule(nn.Module):
     """Base of Linear, LayerNormLinear and GroupedLinear.
@@ -156,6 +192,12 @@ class QuantizedModule(nn.Module):
         super().__init_subclass__(**kwargs)
         if "__init__" in cls.__dict__:
             cls.__init__ = quantized_init.construction(cls.__dict__["__init__"])  # type: ignore[method-assign]
+        # weight quantization through the cache, hidden from selective activation checkpointing
+        # (_hidden_from_selective_checkpoint), wherever the subclass or a mixin defines it
+        for name in WEIGHT_CACHE_METHODS:
+            method = getattr(cls, name, None)
+            if inspect.isfunction(method) and not getattr(method, _HIDDEN_MARK, False):
+                setattr(cls, name, _hidden_from_selective_checkpoint(method))
 
     def __init__(self, name: Optional[str] = None, num_quantizer_sets: int = 1) -> None:
         super().__init__()
@@ -243,6 +285,11 @@ class QuantizedModule(nn.Module):
         record = recompute.record_call(self, current_autocast(), current_policy())
         if record is None or record.state is None:
             return super().__call__(*args, **kwargs)
+        if record.opens_segment and torch._C._len_torch_dispatch_stack() and recompute.selective_checkpoint_active():
+            # the recomputation starts with an empty memo of shared input quantizations: so does
+            # the forward under selective activation checkpointing, or an input quantized before
+            # the segment would be quantized in the recomputation only (ops it never saved)
+            record.state.scratch.clear()
         # the quantizers this call builds or finds (quantizers() reports them here): the module's
         # own after the call may be another thread's, built for another recipe meanwhile
         used: list[tuple] = []
@@ -300,32 +347,10 @@ class QuantizedModule(nn.Module):
         key = (state.key(), pol.decoded_copies, pol.decoded_unverified_on_cuda)
         pair = self._qpair
         if key != pair[0]:
-            built: dict[str, list[Quantizer]] = {}
-            for slot in SLOTS:
-                qs = []
-                for index in range(self._num_sets):
-                    role = self.set_role(slot, index)
-                    q = state.recipe.quantizer(role)
-                    q.role = role
-                    if state.amax_reduction_group is not None:  # keep a factory's own group otherwise
-                        q.set_amax_reduction_group(state.amax_reduction_group)
-                    qs.append(q)
-                built[slot] = qs
-            quantized_init.adopt_weight_quantizers(self, built)  # quantized weight parameters
-            if state.amax_reduction_group is not None:
-                for q in built["weight"]:
-                    q.set_amax_reduction_group(state.amax_reduction_group)
-            self._validate_quantizers(built)
-            self._restore_loaded_state(built)
-            self._hold_decoded(built, pol)
-            self._qpair = pair = (key, built)
-            # the quantizers whose state can move: the only ones asked for versions and step
-            # ends (an MoE layer holds three per expert; most formats keep no state)
-            self._stateful = [q for qs in built.values() for q in qs if q.has_state()]
-            self._reads_known_amax = self.reads_recorded_amax and any(
-                q.reads_known_amax for qs in built.values() for q in qs)
-            self._wcache.clear()  # also the kept copies: is_first_microbatch=False then raises
-            self._report_emulated(built)
+            # made in a forward only (a recomputation replays the forward's): hidden from
+            # selective activation checkpointing, whose recomputation would not see its ops
+            pair = recompute.unseen_by_selective_checkpoint(self._build_quantizers, state, pol, key)
+            self._report_emulated(pair[1])  # here: its warning names quantizers()'s caller (stacklevel)
         state.note_module(self)
         call = _CALL_QUANTIZERS.get()
         if call is not None and call[0] is self:
@@ -333,6 +358,37 @@ class QuantizedModule(nn.Module):
         if self._reads_known_amax:
             state.reads_known_amax = True
         return pair[1]
+
+    def _build_quantizers(self, state: AutocastState, pol: Policy,
+                          key: tuple) -> tuple[tuple, dict[str, list[Quantizer]]]:
+        """Build the quantizers of every slot for the region key ``key`` (the recipe's, with
+        ``pol``'s fields that matter) and make them the module's; returns (key, quantizers)."""
+        built: dict[str, list[Quantizer]] = {}
+        for slot in SLOTS:
+            qs = []
+            for index in range(self._num_sets):
+                role = self.set_role(slot, index)
+                q = state.recipe.quantizer(role)
+                q.role = role
+                if state.amax_reduction_group is not None:  # keep a factory's own group otherwise
+                    q.set_amax_reduction_group(state.amax_reduction_group)
+                qs.append(q)
+            built[slot] = qs
+        quantized_init.adopt_weight_quantizers(self, built)  # quantized weight parameters
+        if state.amax_reduction_group is not None:
+            for q in built["weight"]:
+                q.set_amax_reduction_group(state.amax_reduction_group)
+        self._validate_quantizers(built)
+        self._restore_loaded_state(built)
+        self._hold_decoded(built, pol)
+        self._qpair = pair = (key, built)
+        # the quantizers whose state can move: the only ones asked for versions and step
+        # ends (an MoE layer holds three per expert; most formats keep no state)
+        self._stateful = [q for qs in built.values() for q in qs if q.has_state()]
+        self._reads_known_amax = self.reads_recorded_amax and any(
+            q.reads_known_amax for qs in built.values() for q in qs)
+        self._wcache.clear()  # also the kept copies: is_first_microbatch=False then raises
+        return pair
 
     @property
     def _qkey(self) -> Optional[tuple]:
@@ -703,7 +759,10 @@ class QuantizedModule(nn.Module):
             return hit
         q.set_usage(rowwise=True, columnwise=columnwise)
         with torch.no_grad():
-            qw = q.quantize(weight.detach())
+            # a miss in a forward is mostly a hit in its recomputation (no op): hidden from
+            # selective activation checkpointing, which would hand the ops after it other ops'
+            # saved outputs (``recompute.hidden_from_selective_checkpoint``)
+            qw = recompute.unseen_by_selective_checkpoint(q.quantize, weight.detach())
         mark_not_offload(qw)  # the cache below holds it: offloading its saved copies frees nothing
         if recompute.in_replay():  # a recomputation reads the cache, never replaces a later entry
             return qw
@@ -786,3 +845,7 @@ class QuantizedModule(nn.Module):
         True
         """
         self._wcache.clear()
+
+
+# quantized_weight hides its own quantizing (a hit runs no op): not wrapped again
+setattr(QuantizedModule.quantized_weight, _HIDDEN_MARK, True)

@@ -30,6 +30,18 @@ A module call belongs to every checkpointed forward it runs in (nested checkpoin
 that a non-reentrant checkpoint nested in a non-reentrant one's recomputation cannot be seen
 through (torch shows only the innermost hooks): a module running there raises, never silently
 quantizing otherwise than its forward did.
+
+Selective activation checkpointing (``create_selective_checkpoint_contexts``) runs the forward
+under a dispatch mode that keeps the outputs of the aten ops its policy saves, numbered per op in
+call order, and the recomputation under one that hands the k-th call of an op the k-th saved
+output. So both passes must show it the same calls. Work that depends on state from outside the
+segment does not: a weight quantization runs or not as the weight cache misses or hits (the
+recomputation mostly hits the forward's entry), quantizers are built in a forward only, the
+replayed quantizer copies are made after the forward's call but before the recomputation's. It
+runs with those two modes off the mode stack (:func:`hidden_from_selective_checkpoint`), so
+neither pass shows them its ops. The memo of shared input quantizations, which a recomputation
+starts empty, is emptied where a segment's forward starts under those modes
+(``Record.opens_segment``).
 """
 
 from __future__ import annotations
@@ -39,13 +51,16 @@ import sys
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterator, Optional
+from typing import Any, Callable, Hashable, Iterator, Optional, TypeVar
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
 from ..config import Policy, use_policy
 from ..recipes import AutocastState, replay_region
+
+T = TypeVar("T")
 
 #: The attribute of torch's checkpoint object (frame or ``ctx``) holding the segment's records.
 ATTRIBUTE = "_hybridfp_records"
@@ -55,6 +70,11 @@ _REENTRANT_FORWARD = torch_checkpoint.CheckpointFunction.forward.__code__
 _REENTRANT_NODE = torch_checkpoint.CheckpointFunction._backward_cls
 #: How far up the Python stack a reentrant checkpoint's forward is looked for.
 MAX_STACK_DEPTH = 256
+#: torch's selective activation checkpoint dispatch modes: the forward's (saves the outputs of
+#: the ops its policy picks) and the recomputation's (hands them back by each op's call count).
+#: A subclass (xformers') is one too.
+SAC_MODES: tuple[type, ...] = tuple(getattr(torch_checkpoint, name) for name in (
+    "_CachingTorchDispatchMode", "_CachedTorchDispatchMode") if hasattr(torch_checkpoint, name))
 
 
 @dataclass
@@ -64,6 +84,8 @@ class Record:
     ``quantizers``: the module's quantizers as the forward used them (None for a call outside
     any region); stateful forward quantizers are copies taken after the call. ``build_key``:
     the key they were built for (the recomputation reads the weights cached under it).
+    ``opens_segment``: the call is the first of a checkpointed forward it belongs to (whose
+    recomputation starts with empty memos).
     """
 
     module: Any
@@ -71,6 +93,7 @@ class Record:
     policy: Policy
     quantizers: Optional[dict] = None
     build_key: Any = None
+    opens_segment: bool = False
 
 
 @dataclass
@@ -216,7 +239,7 @@ def record_call(module: Any, state: Optional[AutocastState], policy: Policy,
     segments = recording_segments()
     if not segments:
         return None
-    record = Record(module, state, policy, quantizers)
+    record = Record(module, state, policy, quantizers, opens_segment=any([not s.records for s in segments]))
     for segment in segments:
         segment.records.append(record)
     return record
@@ -258,3 +281,50 @@ def replaying(record: Record, cursor: _Cursor, quantizers: Optional[dict]) -> It
             yield
     finally:
         _REPLAY.depth -= 1
+
+
+def selective_checkpoint_active() -> bool:
+    """Whether one of torch's selective activation checkpoint modes (``SAC_MODES``) is on this
+    thread's dispatch mode stack, outside torch.compile (a compiled region's recomputation is
+    the partitioner's, from the graph, not a replay of Python calls). A caller checks
+    ``torch._C._len_torch_dispatch_stack()`` first: without any mode this is never asked."""
+    return (any([isinstance(m, SAC_MODES) for m in _get_current_dispatch_mode_stack()])
+            and not torch.compiler.is_compiling())
+
+
+def unseen_by_selective_checkpoint(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)``, inside :func:`hidden_from_selective_checkpoint` when one of
+    torch's selective activation checkpoint modes is on the stack; without any dispatch mode
+    one call of ``_len_torch_dispatch_stack`` decides."""
+    if torch._C._len_torch_dispatch_stack() and selective_checkpoint_active():
+        with hidden_from_selective_checkpoint():
+            return fn(*args, **kwargs)
+    return fn(*args, **kwargs)
+
+
+@contextmanager
+def hidden_from_selective_checkpoint() -> Iterator[None]:
+    """Run the body with torch's selective activation checkpoint modes off this thread's
+    dispatch mode stack; every other mode (a ``FlopCounterMode``, a ``FakeTensorMode``) stays on
+    it, in its order, and sees the body's ops as before. The stack is as it was afterwards,
+    also when the body raises.
+
+    For work that a checkpointed forward and its recomputation need not both do, or not at the
+    same place (a weight cache hit runs no op, a miss quantizes): the modes number each op's
+    calls, and the recomputation hands the k-th call of an op the output its forward saved for
+    the k-th. Shown to them, such work shifts the numbers of the later calls of its ops, which
+    then get other calls' saved outputs (wrong values, or a shape error). Hidden, nothing of it
+    is saved (it runs wherever it runs), and both passes show the modes the same calls."""
+    popped = [_pop_mode() for _ in range(torch._C._len_torch_dispatch_stack())]  # innermost first
+    pushed = 0
+    try:
+        for mode in reversed(popped):
+            if not isinstance(mode, SAC_MODES):
+                _push_mode(mode)
+                pushed += 1
+        yield
+    finally:
+        for _ in range(pushed):
+            _pop_mode()
+        for mode in reversed(popped):
+            _push_mode(mode)
