@@ -34,6 +34,7 @@ from typing import Any, Iterator, Optional, Sequence, TypeVar
 import torch
 
 from ..gemm import EmulatedGemmWarning
+from .corpus import CorpusSpecError, parse_corpus_options
 from .data import DataError, load_data
 from .distributed import Parallel, barrier, check_batch, check_parallel_args, finish, init_parallel
 from .files import atomic_write_text
@@ -43,7 +44,7 @@ from .loop import (DTYPES, FIXED_ON_RESUME, MetricsLog, RunResult, TrainConfig, 
 from .model import PRESETS, GPTConfig
 from .parallel import RESULTS_FILE, run_parallel, write_results
 from .plot import plot_losses
-from .recipes_by_name import NamedRecipe, known_names, parse_recipe, parse_recipe_list
+from .recipes_by_name import SEED_RANGE, NamedRecipe, known_names, parse_recipe, parse_recipe_list
 from .report import summary_markdown, write_summary
 
 T = TypeVar("T")
@@ -51,12 +52,16 @@ logger = logging.getLogger(__name__)
 #: Modules of the ``train`` extra (pyproject.toml) that ``hybridfp train`` needs.
 TRAIN_EXTRA = ("matplotlib", "tqdm")
 DEFAULT_COMPARE = "bf16,fp8,per_gemm:fprop=nvfp4,dgrad=mxfp8,wgrad=mxfp8"
+DEFAULT_PRESET = "tiny"
+#: Device types a run may use (``torch.device`` accepts more, e.g. ``meta``, that cannot train).
+DEVICE_TYPES = ("cpu", "cuda")
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
     """The options of ``hybridfp train`` (None = the preset's value)."""
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
-                   help="model size and training defaults (default: tiny, a CPU demo)")
+    # default None, resolved to DEFAULT_PRESET: --resume tells an explicit --preset it ignores
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help=f"model size and training defaults (default: {DEFAULT_PRESET}, a CPU demo)")
     p.add_argument("--hf-config", dest="hf_config_path", metavar="PATH",
                    help="train a transformers architecture instead of the GPT: a config.json, or "
                         f"a shipped one ({', '.join(shipped_configs())}); the preset gives the "
@@ -230,7 +235,9 @@ def config_from_args(args: argparse.Namespace, saved: Optional[dict] = None) -> 
         cfg = TrainConfig(**{**saved, "model": GPTConfig(**saved["model"])})
         for key in FIXED_ON_RESUME:
             given = getattr(args, key, None)
-            if key != "preset" and given is not None and given != getattr(cfg, key):
+            if key == "data" and given is not None:
+                given = absolute_data(given)  # run.json holds it absolute
+            if given is not None and given != getattr(cfg, key):
                 logger.warning("note: --resume keeps %s=%r from the run in progress (ignoring %r)",
                                key, getattr(cfg, key), given)
         cfg.steps = _pick(_steps(args, cfg.tokens_per_step), cfg.steps)
@@ -247,16 +254,18 @@ def config_from_args(args: argparse.Namespace, saved: Optional[dict] = None) -> 
     else:
         hf_name, hf_config = (read_hf_config(args.hf_config_path) if getattr(args, "hf_config_path", None)
                               else (None, None))
-        preset = PRESETS[args.preset]
+        preset_name = args.preset or DEFAULT_PRESET
+        preset = PRESETS[preset_name]
         batch_size, seq_len = _pick(args.batch_size, preset.batch_size), _pick(args.seq_len, preset.seq_len)
         steps = _pick(_steps(args, max(1, batch_size * seq_len)), preset.steps)
         cfg = TrainConfig(
-            preset=args.preset, model=GPTConfig(**preset.model.to_dict()), steps=steps,
+            preset=preset_name, model=GPTConfig(**preset.model.to_dict()), steps=steps,
             batch_size=batch_size, seq_len=seq_len, lr=_pick(args.lr, preset.lr),
             warmup=_pick(args.warmup, preset.warmup), lr_decay_steps=_pick(args.lr_decay_steps, steps),
             eval_interval=_pick(args.eval_interval, preset.eval_interval),
             eval_iters=_pick(args.eval_iters, preset.eval_iters), seed=_pick(args.seed, 0),
-            device=_pick(args.device, "cpu"), dtype=_pick(args.dtype, "bf16"), data=args.data,
+            device=_pick(args.device, "cpu"), dtype=_pick(args.dtype, "bf16"),
+            data=None if args.data is None else absolute_data(args.data),
             checkpoint_interval=args.checkpoint_interval, save_checkpoints=not getattr(args, "no_checkpoint", False),
             quantized_weights=bool(getattr(args, "quantized_weights", False)),
             recompute=bool(getattr(args, "recompute", False)),
@@ -274,10 +283,69 @@ def config_from_args(args: argparse.Namespace, saved: Optional[dict] = None) -> 
     if not (math.isfinite(cfg.lr) and cfg.lr > 0) or cfg.warmup < 0:  # NaN compares False either way
         raise ValueError(f"--lr must be a finite positive number and --warmup non-negative; got "
                          f"{cfg.lr}, {cfg.warmup}.")
-    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {cfg.device}: CUDA is not available in this torch build "
-                         f"({torch.__version__}); use --device cpu.")
+    check_device(cfg.device)
+    check_seed(cfg.seed, "--seed")
     return cfg
+
+
+def check_seed(seed: int, what: str) -> None:
+    """Raise ValueError unless ``seed`` is in :data:`SEED_RANGE` (``what`` names the option),
+    before anything is written: torch.manual_seed overflows on larger ones."""
+    low, high = SEED_RANGE
+    if not low <= seed <= high:
+        raise ValueError(f"{what} {seed} is out of range; pass a seed from {low} to {high} "
+                         "(a 64-bit integer), e.g. --seed 1.")
+
+
+def check_device(device: str) -> None:
+    """Raise ValueError unless ``device`` is a device a run can train on: ``cpu``, or ``cuda`` /
+    ``cuda:N`` with CUDA available (and GPU N present). Called before run.json is written, so a
+    mistyped ``--resume --device`` leaves the run as it was."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in DEVICE_TYPES:
+        raise ValueError(f"--device {device!r} is not a device hybridfp train can use; pass cpu, cuda "
+                         "or cuda:N.")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: CUDA is not available in this torch build "
+                             f"({torch.__version__}); use --device cpu.")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} visible "
+                             f"GPU(s); pass cuda:0 to cuda:{torch.cuda.device_count() - 1}, or cuda.")
+
+
+def absolute_data(data: str) -> str:
+    """``--data`` as stored in run.json: a path made absolute (a resume from another directory
+    reads the same files); a ``packages[:SIZE]`` corpus spec as given."""
+    try:
+        if parse_corpus_options(data) is not None:
+            return data
+    except CorpusSpecError:
+        return data  # load_data reports it
+    return str(Path(data).expanduser().absolute())
+
+
+def check_layout(out: Path, parallel: bool, jobs: int) -> None:
+    """A resume keeps the layout the run began with: with ``--jobs`` each recipe's checkpoint
+    and metrics live under ``<out>/parts/<slug>/``, without it under ``<out>`` (run.json's
+    ``jobs``; a run.json from before it was recorded: whether ``parts/`` exists).
+
+    Raises
+    ------
+    ValueError
+        The run was started with ``--jobs`` and is resumed without, or the other way round.
+    """
+    saved = json.loads((out / "run.json").read_text()).get("jobs")  # read_run_json checked it is JSON
+    began_parallel = saved if isinstance(saved, bool) else (out / "parts").is_dir()
+    if began_parallel and not parallel:
+        raise ValueError(f"--resume: the run in {out} was started with --jobs (its recipes' checkpoints are "
+                         f"under {out / 'parts'}); resume it with --jobs 2 or more and at least two recipes.")
+    if parallel and not began_parallel:
+        raise ValueError(f"--resume --jobs {jobs}: the run in {out} was started without --jobs (its "
+                         f"checkpoints are in {out / 'checkpoints'}); resume it without --jobs.")
 
 
 def parse_recipes(args: argparse.Namespace, saved: Optional[list[str]]) -> list[NamedRecipe]:
@@ -389,10 +457,13 @@ def _run_train(args: argparse.Namespace, joined: list[Parallel]) -> int:
     if args.jobs < 1:
         raise ValueError(f"--jobs must be at least 1; got {args.jobs}.")
     hf_path = getattr(args, "hf_config_path", None)
-    out = Path(args.out or f"runs/{Path(hf_path).stem if hf_path else args.preset}")
+    out = Path(args.out or f"runs/{Path(hf_path).stem if hf_path else (args.preset or DEFAULT_PRESET)}")
     saved_config, saved_recipes = read_run_json(out / "run.json") if args.resume else (None, None)
     cfg = config_from_args(args, saved_config)
     recipes = parse_recipes(args, saved_recipes)
+    parallel = args.jobs > 1 and len(recipes) > 1
+    if args.resume:
+        check_layout(out, parallel, args.jobs)
     if args.resume and hf_path and read_hf_config(hf_path)[1] != cfg.hf_config:
         raise ValueError(f"--resume --hf-config {hf_path}: the run in {out} trains another architecture "
                          "(its run.json holds the config it started with); drop --hf-config or pass that one.")
@@ -419,17 +490,17 @@ def _run_train(args: argparse.Namespace, joined: list[Parallel]) -> int:
                             f"{cfg.seq_len} needs at least {cfg.seq_len + 1}.")
     if cfg.hf_config is not None:
         check_hf_config(cfg.hf_config, data.vocab_size, cfg.seq_len)
-    parallel = args.jobs > 1 and len(recipes) > 1
     # Every checkpoint is checked before any recipe trains: a bad one stops the run with the
     # others' files untouched. (Worker processes check their own.)
     resumes: dict[str, bool] = {}
-    if args.resume and not parallel:
+    if args.resume:
         MetricsLog(out / "metrics.jsonl").read()  # a damaged line stops the run here
+    if args.resume and not parallel:
         resumes = {r.label: plan_resume(cfg, r, out) for r in recipes}
     barrier(par)  # every rank has read run.json and the checkpoints before rank 0 rewrites them
     if main:
         atomic_write_text(out / "run.json", json.dumps(
-            {"config": cfg.to_dict(), "recipes": [r.label for r in recipes]}, indent=1))
+            {"config": cfg.to_dict(), "recipes": [r.label for r in recipes], "jobs": parallel}, indent=1))
     if not args.resume and main:  # a new run: start a new metrics file (old checkpoints get overwritten)
         (out / "metrics.jsonl").unlink(missing_ok=True)
     params = count_params(cfg, data.vocab_size)

@@ -62,7 +62,8 @@ class TokenData:
     val: np.ndarray
     vocab_size: int
     source: str
-    #: What identifies the corpus's files (paths, sizes, contents) where one was computed.
+    #: What identifies the corpus's files (paths, sizes, contents): the packages and stdlib
+    #: corpora's, or ``data-<SHA-256 of the contents>`` for ``--data DIR|FILE``.
     fingerprint: str = ""
 
     def describe(self) -> str:
@@ -162,11 +163,46 @@ def _read_bin(path: Path) -> np.ndarray:
 
 
 def _vocab_of(directory: Path, *streams: np.ndarray) -> int:
+    """The vocabulary of token files: ``meta.json``'s ``vocab_size`` where there is one (checked
+    to cover every token), else the highest token rounded up.
+
+    Raises
+    ------
+    DataError
+        meta.json is not JSON, not an object, lacks ``vocab_size`` or holds no positive integer
+        there, or a token is not below it (an embedding lookup would fail mid-run).
+    """
     meta = directory / "meta.json"
-    if meta.is_file():
-        return int(json.loads(meta.read_text())["vocab_size"])
     top = max(int(s.max()) for s in streams if len(s))
-    return BYTE_VOCAB if top < BYTE_VOCAB else (top + 64) // 64 * 64
+    if not meta.is_file():
+        return BYTE_VOCAB if top < BYTE_VOCAB else (top + 64) // 64 * 64
+    try:
+        info = json.loads(meta.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{meta}: cannot be read as JSON ({' '.join(str(e).split())}); fix it or delete it "
+                        "(the vocabulary is then taken from the tokens).") from None
+    vocab = info.get("vocab_size") if isinstance(info, dict) else None
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        raise DataError(f"{meta}: 'vocab_size' must be a positive integer, e.g. {{\"vocab_size\": "
+                        f"{(top + 64) // 64 * 64}}}; got {vocab!r}" + ("" if isinstance(info, dict) else
+                        f" (the file holds a {type(info).__name__}, not an object)") + ".")
+    if top >= vocab:
+        raise DataError(f"{meta}: 'vocab_size' is {vocab}, but the token files hold token {top}; "
+                        f"set vocab_size to at least {top + 1}.")
+    return vocab
+
+
+def content_fingerprint(kind: str, files: list[tuple[str, Path]], extra: str = "") -> str:
+    """Identity of user data: SHA-256 of ``kind``, ``extra`` and each (name, file)'s name and
+    content, in the order given (callers pass a sorted one). A resume compares it with the
+    step-0 record's, so it refuses to continue on other text or tokens."""
+    h = hashlib.sha256(f"user-data v1 {kind} {extra}\n".encode())
+    for name, path in files:
+        h.update(f"{name}\0{path.stat().st_size}\0".encode())
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return f"data-{h.hexdigest()[:16]}"  # the prefix tells it apart from the packages / stdlib corpora
 
 
 def _is_text(path: Path) -> bool:
@@ -291,7 +327,9 @@ def load_data(path: Optional[str | Path] = None, cache_dir: Optional[str | Path]
                 raise DataError(f"--data {path}: found one nanoGPT token file but not {', '.join(missing)}; "
                                 "provide both train.bin and val.bin.")
             train, val = _read_bin(tb), _read_bin(vb)
-            return TokenData(train, val, _vocab_of(p, train, val), f"{p} (train.bin/val.bin)")
+            vocab = _vocab_of(p, train, val)
+            return TokenData(train, val, vocab, f"{p} (train.bin/val.bin)",
+                             content_fingerprint("bin", [("train.bin", tb), ("val.bin", vb)], f"vocab {vocab}"))
         files = text_files(p)
         if not files:
             raise DataError(f"--data {path}: the directory has neither train.bin/val.bin nor any "
@@ -301,18 +339,21 @@ def load_data(path: Optional[str | Path] = None, cache_dir: Optional[str | Path]
         if len(train) < 2 or len(val) < 2:
             raise DataError(f"--data {path}: the text files hold {len(train) + len(val)} bytes; "
                             "too little to train on.")
-        return TokenData(train, val, BYTE_VOCAB, f"{p} ({len(files)} text files)")
+        return TokenData(train, val, BYTE_VOCAB, f"{p} ({len(files)} text files)",
+                         content_fingerprint("text", [(f.relative_to(p).as_posix(), f) for f in files]))
     if p.suffix == ".bin":
         tokens = _read_bin(p)
         cut = int(len(tokens) * (1 - TAIL_VAL_FRACTION))
-        return TokenData(tokens[:cut], tokens[cut:], _vocab_of(p.parent, tokens), f"{p} (tokens)")
+        vocab = _vocab_of(p.parent, tokens)
+        return TokenData(tokens[:cut], tokens[cut:], vocab, f"{p} (tokens)",
+                         content_fingerprint("bin-file", [(p.name, p)], f"vocab {vocab}"))
     data = p.read_bytes()
     if not data:
         raise DataError(f"--data {path}: the file is empty.")
     if b"\0" in data[:8192]:
         raise DataError(f"--data {path}: not a text file (NUL bytes) and not a .bin token file.")
     train, val = split_documents([(p.name, data)])
-    return TokenData(train, val, BYTE_VOCAB, f"{p} (text)")
+    return TokenData(train, val, BYTE_VOCAB, f"{p} (text)", content_fingerprint("text-file", [(p.name, p)]))
 
 
 # ---------------------------------------------------------------------------- batches

@@ -492,7 +492,8 @@ def _check_same_corpus(metrics: MetricsLog, named: NamedRecipe, data: TokenData)
     if began is not None and began != data.fingerprint:
         now = f"corpus {data.fingerprint}" if data.fingerprint else "data without a corpus fingerprint"
         raise CheckpointError(f"--resume: recipe {named.label!r} began on corpus {began}, but this run reads "
-                              f"{now}; resume with the same --data on the same installed packages, or "
+                              f"{now}; resume with the same --data, its files unchanged (for --data packages: on the same installed "
+                              "packages), or "
                               "delete the recipe's lines in metrics.jsonl and its checkpoint to train it again.")
 
 

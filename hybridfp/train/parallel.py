@@ -28,6 +28,31 @@ from .recipes_by_name import NamedRecipe
 #: TrainConfig fields forwarded as flags (resolved values, not the preset's defaults).
 _FORWARDED = ("steps", "batch_size", "seq_len", "lr", "warmup", "lr_decay_steps", "eval_interval",
               "eval_iters", "checkpoint_interval", "dtype", "seed")
+#: TrainConfig booleans forwarded as bare flags when set (``--recompute`` is not kept by
+#: ``--resume``, so it is passed on a resume too; ``--quantized-weights`` is kept in the worker's
+#: run.json but passed anyway: the worker then checks it against that).
+_FORWARDED_FLAGS = ("quantized_weights", "recompute")
+#: The ``hybridfp train`` options (argparse dests) a worker does not receive as such, and why:
+#: every other option must reach the worker (tests check the parser against this list).
+NOT_FORWARDED = {
+    "preset": "forwarded as --preset from the resolved settings",
+    "recipe": "each worker gets its own recipe as --recipe",
+    "compare": "each worker gets its own recipe as --recipe",
+    "tokens": "resolved into --steps",
+    "no_checkpoint": "forwarded from the resolved settings (save_checkpoints)",
+    "device": "each worker gets its own device",
+    "out": "each worker writes under <out>/parts/<slug>",
+    "resume": "forwarded as --resume",
+    "no_progress": "workers never show a progress bar (their output goes to a log)",
+    "jobs": "a worker trains one recipe",
+    "list_recipes": "exits before any training",
+    "cache_dir": "forwarded when given",
+    "data": "forwarded from the resolved settings",
+    "hf_config_path": "--hf-config refuses --jobs (check_hf_args)",
+    "fsdp": "--fsdp refuses --jobs (check_parallel_args)",
+    "ep": "--ep refuses --jobs (check_parallel_args)",
+    "tp": "--tp refuses --jobs (check_parallel_args)",
+}
 RESULTS_FILE = "results.json"
 
 logger = logging.getLogger(__name__)
@@ -49,12 +74,17 @@ def worker_argv(cfg: TrainConfig, named: NamedRecipe, part: Path, device: str, r
     if resume:  # the worker's run.json holds the rest; only what --resume may change is passed
         argv += ["--resume", "--steps", str(cfg.steps), "--eval-interval", str(cfg.eval_interval),
                  "--checkpoint-interval", str(cfg.checkpoint_interval)]
+        if cfg.recompute:  # not kept by --resume: the worker would otherwise drop it
+            argv += ["--recompute"]
     else:
         argv += ["--preset", cfg.preset, "--recipe", named.label]
         for key in _FORWARDED:
             argv += [f"--{key.replace('_', '-')}", str(getattr(cfg, key))]
         if cfg.data:
             argv += ["--data", cfg.data]
+        for key in _FORWARDED_FLAGS:
+            if getattr(cfg, key):
+                argv += [f"--{key.replace('_', '-')}"]
     if not cfg.save_checkpoints:
         argv += ["--no-checkpoint"]
     if cache_dir:
@@ -113,6 +143,30 @@ def run_parallel(cfg: TrainConfig, recipes: Sequence[NamedRecipe], out: Path, n_
                 logger.info("[%s] done in %.0f s", label, time.time() - t0)
     results = [read_result(out / "parts" / named.slug, named.label) for named in recipes
                if named.label not in failed_labels]
+    gathered = gather_records(MetricsLog(out / "metrics.jsonl").read(), results,
+                              {named.label: out / "parts" / named.slug for named in recipes
+                               if named.label in failed_labels})
     # replaced whole: a kill while gathering leaves the previous gathered file
-    atomic_write_text(out / "metrics.jsonl", "".join(json.dumps(rec) + "\n" for r in results for rec in r.records))
+    atomic_write_text(out / "metrics.jsonl", "".join(json.dumps(rec) + "\n" for rec in gathered))
     return results, failed
+
+
+def gather_records(previous: Sequence[dict], results: Sequence[RunResult],
+                   failed_parts: dict[str, Path]) -> list[dict]:
+    """The gathered metrics.jsonl: each finished recipe's records from its worker; a failed
+    recipe's from its worker's metrics.jsonl where that is readable, else the ones gathered
+    before; every other recipe's (not trained this time) as gathered before. A failure never
+    loses records that were there (hours of training may stand behind them)."""
+    by_label: dict[str, list[dict]] = {}
+    for rec in previous:
+        by_label.setdefault(rec["recipe"], []).append(rec)
+    for label, part in failed_parts.items():
+        try:
+            own = MetricsLog(part / "metrics.jsonl").read(label)
+        except (OSError, ValueError):  # a damaged worker file: keep what was gathered before
+            own = []
+        if own:
+            by_label[label] = own
+    for r in results:
+        by_label[r.label] = list(r.records)
+    return [rec for recs in by_label.values() for rec in recs]

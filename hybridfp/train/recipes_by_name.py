@@ -203,6 +203,11 @@ def parse_user_recipe(spec: str) -> NamedRecipe:
         "on the command line is called).")
 
 
+#: The seeds a run accepts (``--seed``, ``NAME@seed=K``): torch.manual_seed's signed 64-bit
+#: range, its top value left out since the training generator is seeded with seed + 1.
+SEED_RANGE = (-2**63, 2**63 - 2)
+
+
 def parse_recipe(spec: str) -> NamedRecipe:
     """One recipe name/spec -> NamedRecipe (see the module docstring).
 
@@ -216,6 +221,10 @@ def parse_recipe(spec: str) -> NamedRecipe:
         except ValueError:
             raise ValueError(f"recipe {spec!r}: the seed after '@seed=' must be an integer, e.g. "
                              "bf16@seed=1.") from None
+        low, high = SEED_RANGE
+        if not low <= seed <= high:  # torch.manual_seed would overflow mid-run, after run.json is written
+            raise ValueError(f"recipe {spec!r}: the seed after '@seed=' is out of range; pass one from {low} "
+                             f"to {high} (a 64-bit integer), e.g. bf16@seed=1.")
         named = parse_recipe(base)
         return NamedRecipe(f"{named.label}@seed={seed}", named.recipe,
                            f"{named.description}, seed {seed}", seed)

@@ -89,7 +89,7 @@ def test_checkpoint_of_another_preset_is_refused(tmp_path, text, capsys):
     assert _run(text, moe, "--recipe", "bf16", "--steps", "1", preset="test-moe") == 0
     shutil.copy(dense / "checkpoints" / "bf16.pt", moe / "checkpoints" / "bf16.pt")
     capsys.readouterr()
-    assert _run(text, moe, "--resume", "--steps", "2") == 2
+    assert _run(text, moe, "--resume", "--steps", "2", preset="test-moe") == 2  # the run's own preset: no note
     line = _one_error_line(capsys)
     assert "preset" in line and "'test'" in line and "'test-moe'" in line
 

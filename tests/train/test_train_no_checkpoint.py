@@ -61,16 +61,16 @@ def test_convergence_workers_skip_the_checkpoint(tmp_path, monkeypatch):
 
 
 def test_the_first_record_names_the_corpus_a_run_read(tmp_path, text, monkeypatch):
-    """A corpus with a fingerprint (the packages / stdlib corpora) is named in each run's step-0
-    record, so a report can refuse runs of two corpora; a plain text file's runs record none."""
+    """A corpus's fingerprint (the packages / stdlib corpora; a user's files by content) is named in
+    each run's step-0 record, so a report can refuse runs of two corpora and a resume other data."""
     from dataclasses import replace
 
     from hybridfp.train import data as data_mod
     plain = data_mod.load_data(text)
-    assert not plain.fingerprint
+    assert plain.fingerprint
     assert _run(text, tmp_path / "plain", "--recipe", "bf16", "--steps", "1", "--no-checkpoint") == 0
     first = json.loads((tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()[0])
-    assert first["step"] == 0 and "data" not in first
+    assert first["step"] == 0 and first["data"] == plain.fingerprint
     monkeypatch.setattr(cli, "load_data", lambda *a, **k: replace(plain, fingerprint="packages-abc123"))
     assert _run(text, tmp_path / "fp", "--recipe", "bf16", "--steps", "1", "--no-checkpoint") == 0
     recs = [json.loads(line) for line in (tmp_path / "fp" / "metrics.jsonl").read_text().splitlines()]
