@@ -116,7 +116,7 @@ def test_an_in_place_init_keeps_the_value_written(name, how):
 
 @pytest.mark.parametrize("name", HIGH_PRECISION_SIDE)
 def test_normal_init_keeps_the_drawn_value_not_the_rounded_one(name):
-    """The reviewer's case: a hybrid's Identity copy holding dequantize(rowwise) is not kept."""
+    """A hybrid's Identity copy holding dequantize(rowwise): the drawn value is kept, not the rounded one."""
     w = _weight(name)
     _run(lambda t: torch.nn.init.normal_(t, std=0.02), w)
     drawn = _draw(w.shape, lambda x: x.normal_(std=0.02))

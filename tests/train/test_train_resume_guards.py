@@ -9,6 +9,7 @@ import json
 
 import numpy as np
 import pytest
+from test_cli_robust import _one_error_line, _run  # the same smallest run and one-line error check
 
 from hybridfp.train import cli
 from hybridfp.train.data import DataError, load_data
@@ -19,18 +20,6 @@ from hybridfp.train.recipes_by_name import parse_recipe
 pytestmark = pytest.mark.filterwarnings("ignore::hybridfp.gemm.EmulatedGemmWarning")
 
 
-def _run(text, out, *extra):
-    """``hybridfp train`` at the smallest size; returns its exit status."""
-    return cli.main(["train", "--preset", "test", "--data", str(text), "--out", str(out), "--no-progress",
-                     "--seq-len", "16", "--batch-size", "2", "--eval-iters", "1", "--eval-interval", "2",
-                     *extra])
-
-
-def _one_error_line(capsys) -> str:
-    """The stderr of a failed command: exactly one ``hybridfp train: error:`` line."""
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("hybridfp train: error: "), lines
-    return lines[0]
 
 
 def _train_parser() -> argparse.ArgumentParser:
