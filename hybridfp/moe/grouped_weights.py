@@ -18,6 +18,7 @@ import torch
 from ..quantizers import Quantizer
 from ..tensors import QuantizedTensor
 from ..nn.base import mark_not_offload
+from ..nn.recompute import method_unseen_by_selective_checkpoint
 from ..utils.rewrites import current_versions
 from ..nn.weight_cache import WeightKey, join_keys, new_entry, reusable, split_entry
 from .grouped_tensor import GroupedTensor
@@ -215,6 +216,10 @@ class GroupedWeights:
             self._views_key = key
         return self._views[0], self._views[1]
 
+    # a forward's miss is mostly its recomputation's hit: hidden from selective activation
+    # checkpointing, which numbers ops per call (nn/recompute.py); QuantizedModule.quantized_weight
+    # hides its own miss path
+    @method_unseen_by_selective_checkpoint
     def quantized_weights(self, weights: Sequence[torch.Tensor], qs: Sequence[Quantizer], columnwise: bool,
                           region: Optional[object] = None,
                           is_first_microbatch: Optional[bool] = None) -> Sequence[torch.Tensor]:

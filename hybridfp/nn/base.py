@@ -5,10 +5,8 @@ reporting GEMMs that run emulated."""
 from __future__ import annotations
 
 import contextvars
-import functools
-import inspect
 from collections import Counter
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -125,35 +123,6 @@ def _unrecognised_recompute() -> bool:
 # through this call and fail if Dynamo stops reading the mark
 _unrecognised_recompute._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
-#: The module methods that quantize weights through the weight cache (``quantized_weight``;
-#: ``GroupedLinear``'s ``quantized_weights``, a mixin's): each quantizes hidden from torch's
-#: selective activation checkpoint. ``QuantizedModule.quantized_weight`` hides its quantizing
-#: itself; another definition (a subclass's or a mixin's) is wrapped whole by
-#: ``QuantizedModule.__init_subclass__`` (:func:`_hidden_from_selective_checkpoint`).
-WEIGHT_CACHE_METHODS = ("quantized_weight", "quantized_weights")
-_HIDDEN_MARK = "_hybridfp_hidden_from_sac"
-
-
-def _hidden_from_selective_checkpoint(method: Callable) -> Callable:
-    """``method`` run with torch's selective activation checkpoint modes off the dispatch mode
-    stack when one is on it (``recompute.hidden_from_selective_checkpoint``): a cache hit runs
-    no op, a miss quantizes, and a recomputation mostly hits where its forward missed; shown to
-    the modes, that difference would hand later ops other ops' saved outputs (silently wrong
-    gradients). Without any dispatch mode (the common path) it costs a call of
-    ``torch._C._len_torch_dispatch_stack`` (a hit, which runs no op, is hidden too: the method
-    is opaque here)."""
-    if getattr(method, _HIDDEN_MARK, False):
-        return method
-
-    @functools.wraps(method)
-    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if torch._C._len_torch_dispatch_stack() and recompute.selective_checkpoint_active():
-            with recompute.hidden_from_selective_checkpoint():
-                return method(self, *args, **kwargs)
-        return method(self, *args, **kwargs)
-
-    setattr(run, _HIDDEN_MARK, True)
-    return run
 
 
 class QuantizedModule(nn.Module):
@@ -192,12 +161,6 @@ class QuantizedModule(nn.Module):
         super().__init_subclass__(**kwargs)
         if "__init__" in cls.__dict__:
             cls.__init__ = quantized_init.construction(cls.__dict__["__init__"])  # type: ignore[method-assign]
-        # weight quantization through the cache, hidden from selective activation checkpointing
-        # (_hidden_from_selective_checkpoint), wherever the subclass or a mixin defines it
-        for name in WEIGHT_CACHE_METHODS:
-            method = getattr(cls, name, None)
-            if inspect.isfunction(method) and not getattr(method, _HIDDEN_MARK, False):
-                setattr(cls, name, _hidden_from_selective_checkpoint(method))
 
     def __init__(self, name: Optional[str] = None, num_quantizer_sets: int = 1) -> None:
         super().__init__()
@@ -846,6 +809,3 @@ class QuantizedModule(nn.Module):
         """
         self._wcache.clear()
 
-
-# quantized_weight hides its own quantizing (a hit runs no op): not wrapped again
-setattr(QuantizedModule.quantized_weight, _HIDDEN_MARK, True)

@@ -46,6 +46,7 @@ starts empty, is emptied where a segment's forward starts under those modes
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import threading
@@ -300,6 +301,20 @@ def unseen_by_selective_checkpoint(fn: Callable[..., T], *args: Any, **kwargs: A
         with hidden_from_selective_checkpoint():
             return fn(*args, **kwargs)
     return fn(*args, **kwargs)
+
+
+def method_unseen_by_selective_checkpoint(method: Callable[..., T]) -> Callable[..., T]:
+    """Decorator: ``method`` runs as :func:`unseen_by_selective_checkpoint` runs a function (for a
+    module's weight quantization through its cache, whose hits and misses differ between a
+    forward and its recomputation)."""
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> T:
+        # inline, not through unseen_by_selective_checkpoint: one frame a call on the hot path
+        if torch._C._len_torch_dispatch_stack() and selective_checkpoint_active():
+            with hidden_from_selective_checkpoint():
+                return method(*args, **kwargs)
+        return method(*args, **kwargs)
+    return run
 
 
 @contextmanager
