@@ -25,6 +25,7 @@ from ..recipes import Recipe, current_autocast
 from ..recipes.autocast import default_recipe
 from ..tensors import QuantizedTensor
 from ..tensors.quantized_tensor import PARAM_NAME_ATTR as PARAM_NAME
+from .quantizer_state import _describe
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,6 @@ def quantize_module_weights(module: Any, cfg: _InitConfig) -> None:
 
 
 def _describe_format(q: Any) -> str:
-    from .base import _describe
     d = _describe(q)
     return f"{d['kind']} [{d['format']}]"
 
