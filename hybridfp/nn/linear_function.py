@@ -309,7 +309,12 @@ def bias_grad(dy2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def once_differentiable_quantized(who: Callable[[Any], str],
-                                  cross_terms: Callable[[Any], bool] = lambda ctx: False) -> Callable:
+                                  cross_terms: Callable[[Any], bool] = lambda ctx: False, *,
+                                  recorded: Callable[[Any], bool] = lambda ctx: False,
+                                  unrecorded: str = "quantized GEMMs, collectives",
+                                  remedy: str = "Compute the gradient that is differentiated again outside "
+                                                "hybridfp.autocast (high precision), or drop the penalty term.",
+                                  where: str = "under a quantized recipe") -> Callable:
     """Mark the backward of a hybridfp autograd Function as not differentiable itself, so that
     differentiating through its gradients (``create_graph=True`` and then a backward through
     the gradients: a gradient penalty, a Hessian-vector product) raises a clear error instead
@@ -334,6 +339,12 @@ def once_differentiable_quantized(who: Callable[[Any], str],
     cross_terms:
         ``ctx`` -> whether the results depend on forward inputs that require grad (for a
         bilinear GEMM: x and W both do); False for a backward linear in the gradients alone.
+    recorded:
+        ``ctx`` -> whether this call's backward runs ops autograd records (plain torch ops on
+        the saved tensors): it then runs with grad mode as given and is differentiable.
+    unrecorded, remedy, where:
+        The error's words: what the backward runs that autograd does not record, what to do
+        instead, and under what the double backward is refused.
 
     Returns
     -------
@@ -343,7 +354,7 @@ def once_differentiable_quantized(who: Callable[[Any], str],
     def decorate(backward: Callable) -> Callable:
         @functools.wraps(backward)
         def wrapper(ctx: Any, *grads: Any) -> Any:
-            if not torch.is_grad_enabled():  # an ordinary backward: nothing is recorded anyway
+            if not torch.is_grad_enabled() or recorded(ctx):  # nothing to record, or autograd records it
                 return backward(ctx, *grads)
             with torch.no_grad():
                 outputs = backward(ctx, *grads)
@@ -351,13 +362,11 @@ def once_differentiable_quantized(who: Callable[[Any], str],
                 return outputs  # the results are constants for autograd: nothing to differentiate
             single = not isinstance(outputs, tuple)
             outs = (outputs,) if single else outputs
-            message = (f"{who(ctx)}: double backward is not supported under a quantized recipe: this "
+            message = (f"{who(ctx)}: double backward is not supported {where}: this "
                        "gradient came from a backward pass with create_graph=True (a gradient penalty, a "
                        "Hessian-vector product), and differentiating it again would need the derivative of "
-                       "this backward (quantized GEMMs, collectives), which autograd does not record (the "
-                       "second-order term would be silently dropped). Compute the gradient that is "
-                       "differentiated again outside hybridfp.autocast (high precision), or drop the "
-                       "penalty term.")
+                       f"this backward ({unrecorded}), which autograd does not record (the "
+                       f"second-order term would be silently dropped). {remedy}")
             err = _autograd_functions.DelayedError(message, len(outs))
 
             # the results made leaves that require grad, so that the error node has an input on

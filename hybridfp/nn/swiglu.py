@@ -17,7 +17,8 @@ ops. On CUDA the kernels take float32, bfloat16 and float16; other dtypes raise 
 eager fallback). A tensor the kernels cannot read in place — a last dimension with non-unit
 stride, or leading dimensions that do not flatten into one row stride — is copied to a
 contiguous one first (one extra pass); the halves of a fused gate/up projection's output are
-read in place.
+read in place. Double backward (differentiating gradients taken with ``create_graph=True``)
+works through the eager ops; through the kernels, which autograd does not record, it raises.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from ..recipes import current_autocast
 from ..tensors import known_amax
+from .linear_function import once_differentiable_quantized
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 #: Dtypes the CUDA kernels take.
@@ -73,6 +74,16 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.shape[1] <= 1 or x2.stride(1) == 1 else x2.contiguous()
 
 
+def _silu_backward(grad: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The gradient through silu(g), as eager autograd computes it: ``aten.silu_backward``, or
+    under grad mode (a ``create_graph=True`` backward) the differentiable composite autograd's
+    own silu derivative switches to there (aten's has no derivative of its own)."""
+    if not torch.is_grad_enabled():
+        return torch.ops.aten.silu_backward(grad, g)
+    s = torch.sigmoid(g)
+    return grad * s * (1 + g * (1 - s))
+
+
 class SwiGLUFunction(torch.autograd.Function):
     """``silu(g) * u``; saves g and u (no other activation) and recomputes silu in backward.
 
@@ -84,12 +95,13 @@ class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(g, u)
+        ctx.uses_kernels = _uses_kernels(g)
         state = current_autocast()
         # not under torch.compile: the quantizers take their own amax there (the compiler fuses
         # it), and this flag is set by the modules of the same traced frame, which Dynamo would
         # guard on as set at entry: a recompile in every region, Dynamo's limit after eight
         ctx.record_amax = (not torch.compiler.is_compiling()) and state is not None and state.reads_known_amax
-        if not _uses_kernels(g):
+        if not ctx.uses_kernels:
             return F.silu(g) * u
         # imported at the first kernel call: Triton's import fixes its compiled / interpreted
         # mode, and CPU-only users skip its cost (see quantizers/fast.py)
@@ -101,11 +113,16 @@ class SwiGLUFunction(torch.autograd.Function):
         return h.view(g.shape)
 
     @staticmethod
-    @once_differentiable
+    # the eager ops are recorded (double backward as torch's); the kernels are not, and dg, du
+    # depend on g and u even for a loss linear in h, so the kernels' results refuse it
+    @once_differentiable_quantized(lambda ctx: "swiglu", lambda ctx: any(ctx.needs_input_grad),
+                                   recorded=lambda ctx: not ctx.uses_kernels,
+                                   unrecorded="the fused SwiGLU kernels", where="on CUDA",
+                                   remedy="Use F.silu(g) * u where the gradient is differentiated again.")
     def backward(ctx: Any, dh: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         g, u = ctx.saved_tensors
         need_g, need_u = ctx.needs_input_grad
-        if _uses_kernels(g):  # one pass writes both (a second output costs less than a second pass)
+        if ctx.uses_kernels:  # one pass writes both (a second output costs less than a second pass)
             from ..kernels import triton_swiglu as k
             buf = k.amax_buffer(g, 2) if ctx.record_amax else None
             dg, du = k.swiglu_backward(_rows(dh), _rows(g), _rows(u), amax_out=buf)
@@ -115,7 +132,7 @@ class SwiGLUFunction(torch.autograd.Function):
             dg, du = dg.view(g.shape), du.view(g.shape)
         else:  # exactly eager autograd's ops for F.silu(g) * u
             du = dh * F.silu(g) if need_u else None
-            dg = torch.ops.aten.silu_backward(dh * u, g) if need_g else None
+            dg = _silu_backward(dh * u, g) if need_g else None
         return (dg if need_g else None), (du if need_u else None)
 
 

@@ -289,6 +289,46 @@ def test_function_kernel_path(monkeypatch, dtype):
     assert torch.equal(swiglu(a.transpose(0, 1), b.transpose(0, 1)), swiglu(a, b).transpose(0, 1))
 
 
+def _penalised_grads(g: torch.Tensor, u: torch.Tensor, act, loss_of) -> tuple[torch.Tensor, torch.Tensor]:
+    """d/d(g, u) of the squared norm of d loss / d(g, u) (a gradient penalty)."""
+    dg, du = torch.autograd.grad(loss_of(act(g, u)), (g, u), create_graph=True)
+    return torch.autograd.grad(dg.square().sum() + du.square().sum(), (g, u))
+
+
+@pytest.mark.parametrize("loss", ["squared", "linear"])
+def test_double_backward_of_the_eager_ops_is_torchs(loss):
+    """Off the kernels (CPU) the backward's ops are recorded: a gradient penalty through swiglu
+    gets torch's second-order terms, also for a loss linear in h (whose incoming gradient is a
+    constant: dg, du still depend on g and u). The graphs differ (silu recomputed in backward),
+    so the terms reaching g add in another order: equal to float64 rounding."""
+    loss_of = {"squared": lambda h: h.square().sum(), "linear": lambda h: (h * 0.5).sum()}[loss]
+    gen = torch.Generator().manual_seed(5)
+    g = torch.randn(6, 10, generator=gen, dtype=torch.float64, requires_grad=True)
+    u = torch.randn(6, 10, generator=gen, dtype=torch.float64, requires_grad=True)
+    ours = _penalised_grads(g, u, swiglu, loss_of)
+    ref = _penalised_grads(g, u, lambda a, b: F.silu(a) * b, loss_of)
+    assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(ours, ref))
+    assert all(a.abs().sum() > 0 for a in ours)
+
+
+@interpreter_only
+@pytest.mark.parametrize("loss", ["squared", "linear"])
+def test_double_backward_through_the_kernels_raises(monkeypatch, loss):
+    """The kernels' backward is not recorded: differentiating its results again raises, naming
+    swiglu, also for a loss linear in h (where torch's once_differentiable would return the
+    results as constants and the penalty's terms would drop silently); a create_graph=True pass
+    whose gradients are not differentiated again still works."""
+    monkeypatch.setattr(swiglu_module, "_uses_kernels", lambda g: True)
+    loss_of = {"squared": lambda h: h.square().sum(), "linear": lambda h: (h * 0.5).sum()}[loss]
+    g = torch.randn(4, 8, requires_grad=True)
+    u = torch.randn(4, 8, requires_grad=True)
+    dg, du = torch.autograd.grad(loss_of(swiglu(g, u)), (g, u), create_graph=True)
+    ref_dg, ref_du = torch.autograd.grad(loss_of(F.silu(g) * u), (g, u))
+    assert torch.allclose(dg, ref_dg, rtol=1e-5, atol=1e-6) and torch.allclose(du, ref_du, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="swiglu: double backward is not supported on CUDA.*F.silu"):
+        (dg.square().sum() + du.square().sum()).backward()
+
+
 # ---------------------------------------------------------------------------- GPU
 def fresh(shape: tuple[int, int], dtype: torch.dtype, strided: bool = False):
     """Fresh random CUDA inputs (seeded from os.urandom: every run differs)."""
