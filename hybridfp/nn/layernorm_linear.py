@@ -13,6 +13,7 @@ from . import ops
 from .base import QuantizedModule
 from .linear import Linear
 from .linear_function import LinearContext, region_context
+from .quantized_init import build_part
 from .weight_cache import check_is_first_microbatch
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -78,7 +79,7 @@ class LayerNormLinear(QuantizedModule):
         kw = {"dtype": params_dtype or torch.float32, "device": device}
         self.layer_norm_weight = nn.Parameter(torch.ones(in_features, **kw))
         self.layer_norm_bias = nn.Parameter(torch.zeros(in_features, **kw)) if normalization == "LayerNorm" else None
-        lin = Linear(in_features, out_features, bias, params_dtype=kw["dtype"], device=device)
+        lin = build_part(lambda: Linear(in_features, out_features, bias, params_dtype=kw["dtype"], device=device))
         self.weight, self.bias = lin.weight, lin.bias  # same init as Linear, owned here
         ops.register(self)
 

@@ -23,6 +23,7 @@ from .base import QuantizedModule
 from .layernorm_linear import check_normalization, normalize
 from .linear import Linear
 from .linear_function import LinearContext, region_context
+from .quantized_init import build_part
 from .swiglu import swiglu
 from .weight_cache import check_is_first_microbatch
 
@@ -132,8 +133,8 @@ class LayerNormMLP(QuantizedModule):
         self.layer_norm_bias = (nn.Parameter(torch.zeros(hidden_size, **kw))
                                 if normalization == "LayerNorm" else None)
         fc1_out = 2 * ffn_hidden_size if activation in _GATED else ffn_hidden_size
-        fc1 = Linear(hidden_size, fc1_out, bias, params_dtype=kw["dtype"], device=device)
-        fc2 = Linear(ffn_hidden_size, hidden_size, bias, params_dtype=kw["dtype"], device=device)
+        fc1 = build_part(lambda: Linear(hidden_size, fc1_out, bias, params_dtype=kw["dtype"], device=device))
+        fc2 = build_part(lambda: Linear(ffn_hidden_size, hidden_size, bias, params_dtype=kw["dtype"], device=device))
         # the same initialisation as Linear's, owned here under TE's names
         self.fc1_weight, self.fc1_bias = fc1.weight, fc1.bias
         self.fc2_weight, self.fc2_bias = fc2.weight, fc2.bias

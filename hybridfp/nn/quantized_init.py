@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextvars
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -35,9 +35,6 @@ class _InitConfig:
 
 
 _ACTIVE: contextvars.ContextVar[Optional[_InitConfig]] = contextvars.ContextVar("hybridfp_quantized_init", default=None)
-#: Depth of QuantizedModule constructions under way: only the outermost one quantizes (a
-#: LayerNormMLP builds its fc1 / fc2 as Linears and owns their weights under its own roles).
-_BUILDING: contextvars.ContextVar[int] = contextvars.ContextVar("hybridfp_building", default=0)
 
 
 @contextmanager
@@ -69,6 +66,9 @@ def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
     NotImplementedError
         A module inside that cannot hold quantized weights (GroupedLinear with
         ``single_parameter=True``).
+    ValueError
+        With ``preserve_high_precision_init_val``, a module created on the meta device (no
+        value to keep).
 
     Example
     -------
@@ -108,20 +108,44 @@ def _weight_slots(module: nn.Module) -> tuple[tuple[str, int], ...]:
     return slots
 
 
+def build_part(make: Callable[[], nn.Module]) -> nn.Module:
+    """``make()`` with ``quantized_model_init`` off: a module whose constructor builds a hybridfp
+    module only to take over its initialised weights (under its own roles, quantized with its
+    own weights at the end of its construction) builds it here, so it is not quantized twice.
+
+    Parameters
+    ----------
+    make:
+        Builds the part.
+
+    Returns
+    -------
+    torch.nn.Module
+        The part, its weights high precision.
+    """
+    token = _ACTIVE.set(None)
+    try:
+        return make()
+    finally:
+        _ACTIVE.reset(token)
+
+
 def construction(init: Any) -> Any:
     """Wrap a QuantizedModule subclass's ``__init__``: the outermost construction finishing
     inside ``quantized_model_init`` quantizes the module's weights."""
 
     def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> None:
-        token = _BUILDING.set(_BUILDING.get() + 1)
+        # a subclass's __init__ calls its base's (both wrapped): only the outermost call of
+        # this object quantizes, once its own construction is complete. Modules built inside
+        # it (a user's adapter) quantize at the end of their own; a module that borrows a
+        # part's initialisation (LayerNormMLP's fc1 / fc2) builds it unquantized (build_part).
         depth = self.__dict__.get("_hybridfp_init_depth", 0)
         self.__dict__["_hybridfp_init_depth"] = depth + 1
         try:
             init(self, *args, **kwargs)
         finally:
             self.__dict__["_hybridfp_init_depth"] = depth
-            _BUILDING.reset(token)
-        if depth == 0 and _BUILDING.get() == 0 and _ACTIVE.get() is not None:
+        if depth == 0 and _ACTIVE.get() is not None:
             quantize_module_weights(self, _ACTIVE.get())
 
     wrapped.__wrapped__ = init  # type: ignore[attr-defined]
@@ -144,6 +168,12 @@ def quantize_module_weights(module: Any, cfg: _InitConfig) -> None:
         param = nn.Parameter(qw, requires_grad=p.requires_grad)
         setattr(param, PARAM_NAME, f"{type(module).__name__}.{attr}")
         if cfg.preserve_high_precision_init_val:
+            if p.is_meta:  # nothing to keep, and the masters would later be seeded from nothing
+                raise ValueError(
+                    f"quantized_model_init(preserve_high_precision_init_val=True): {type(module).__name__}."
+                    f"{attr} is on the meta device, so it has no initial value to keep. Create the module "
+                    "on a real device, or pass preserve_high_precision_init_val=False (MasterWeightOptimizer "
+                    "then seeds its masters from the quantized weights).")
             param._high_precision_init_val = p.detach().to("cpu", copy=True)
         setattr(module, attr, param)
     # a module holding its weights in a shared buffer (GroupedLinear's pack_weights) lets go of
