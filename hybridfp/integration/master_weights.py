@@ -9,6 +9,7 @@ value as in a run whose weights are FP32 parameters: bitwise the same training.
 from __future__ import annotations
 
 import hashlib
+import sys
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -28,6 +29,12 @@ def quantize_master_weights(model_params: Iterable[torch.Tensor], master_params:
     parameters and None masters are skipped. A tensor-parallel quantized
     primary weight (its parameter is its FP32 master shard) has its quantized shard re-encoded
     from it (``hybridfp.quantize_tensor_parallel_weights``: a collective over its group).
+
+    A parameter that keeps its initial value (``quantized_model_init(preserve_high_precision
+    _init_val=True)``) keeps the master's value instead (a copy in the parameter's dtype on the
+    CPU, where the kept value is held): a ``MasterWeightOptimizer`` built afterwards seeds its
+    master with the value written, not with the initial one. A parameter keeping none is left
+    so (no copy is made).
 
     Parameters
     ----------
@@ -60,7 +67,10 @@ def quantize_master_weights(model_params: Iterable[torch.Tensor], master_params:
     with torch.no_grad():
         done = _requantize_joined(model_params, master_params)
         for i, (p, m) in enumerate(zip(model_params, master_params)):
-            if m is None or not isinstance(p, QuantizedTensor) or id(p) in done:
+            if m is None or not isinstance(p, QuantizedTensor):
+                continue
+            if id(p) in done:
+                _keep_master_value(p, m)
                 continue
             if tuple(m.shape) != tuple(p.shape):
                 raise ValueError(f"quantize_master_weights: master {i} has shape {tuple(m.shape)}, its "
@@ -69,9 +79,19 @@ def quantize_master_weights(model_params: Iterable[torch.Tensor], master_params:
                 raise RuntimeError(f"quantize_master_weights: parameter {i} ({p.qstorage.describe()}) has "
                                    "no quantizer; call param.set_quantizer(q), or run one forward first.")
             p.quantizer.update_quantized(m.detach(), p, directions=p.directions())
+            _keep_master_value(p, m)
     # tensor parallelism: the parameter is the FP32 master shard; its quantized shard re-encoded
     from .tensor_parallel_primary import quantize_tensor_parallel_weights
     quantize_tensor_parallel_weights(model_params)
+
+
+def _keep_master_value(p: QuantizedTensor, m: torch.Tensor) -> None:
+    """Quantized ``p``, just re-encoded from master ``m``: a kept initial value becomes ``m``'s
+    value, the one its copies now encode (in ``p``'s dtype, on the CPU, as an in-place write
+    through ``__torch_dispatch__`` keeps it); none kept, none made (a copy to the CPU a step
+    would cost)."""
+    if p.get_high_precision_init_val() is not None:
+        p.__dict__["_high_precision_init_val"] = m.detach().to("cpu", dtype=p.dtype, copy=True)
 
 
 def _requantize_joined(model_params: list[torch.Tensor], master_params: list[Optional[torch.Tensor]]) -> set[int]:
@@ -131,6 +151,46 @@ def _master_of(p: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(_master_value(p).detach().to(device=p.device, dtype=torch.float32, copy=True))
 
 
+def _param_groups(params: Any) -> list[dict]:
+    """``params`` as a torch optimizer reads it: a list of groups, each a dict whose
+    ``"params"`` is a list (of tensors or ``(name, tensor)`` pairs)."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError("MasterWeightOptimizer: params must be an iterable of parameters, (name, parameter) "
+                        f"pairs or dicts, got a single {torch.typename(params)}; pass [tensor].")
+    groups = list(params)
+    if groups and not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    out = []
+    for i, g in enumerate(groups):
+        if not isinstance(g, dict) or "params" not in g:
+            raise TypeError(f"MasterWeightOptimizer: parameter group {i} must be a dict with \"params\" "
+                            f"(as for a torch optimizer), got {type(g).__name__}.")
+        ps = g["params"]
+        if isinstance(ps, set):
+            raise TypeError(f"MasterWeightOptimizer: the params of group {i} are a set, whose order changes "
+                            "between runs (the masters and the optimizer state follow it); pass a list.")
+        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        for item in ps:
+            if isinstance(item, tuple) and len(item) != 2:
+                raise TypeError(f"MasterWeightOptimizer: group {i} holds a tuple of {len(item)} items; a "
+                                "tuple stands for a (name, parameter) pair, as model.named_parameters() gives.")
+        out.append({**g, "params": ps})
+    return out
+
+
+def _called_by_grad_scaler(frame: Any) -> bool:
+    """Whether ``frame`` is ``torch.amp.GradScaler``'s call of ``optimizer.step`` (its
+    ``_maybe_opt_step``): the scaler has unscaled the gradients of ``param_groups`` by then."""
+    if frame is None or frame.f_code.co_name != "_maybe_opt_step":
+        return False
+    return isinstance(frame.f_locals.get("self"), torch.amp.GradScaler)
+
+
+def _tensor_of(item: Any) -> Any:
+    """The parameter of a ``params`` entry: the tensor, or the tensor of a (name, tensor) pair."""
+    return item[1] if isinstance(item, tuple) else item
+
+
 class MasterWeightOptimizer:
     """A torch optimizer over FP32 masters of the quantized parameters.
 
@@ -144,19 +204,45 @@ class MasterWeightOptimizer:
     parameter is its FP32 master shard, stepped in place; :meth:`step` then re-encodes every
     rank's quantized shards (``hybridfp.quantize_sharded_weights``: a collective).
 
+    ``params`` takes what a torch optimizer takes: tensors, ``(name, tensor)`` pairs
+    (``model.named_parameters()``; the names go to the wrapped optimizer, whose state dict then
+    holds them as ``param_names``), or groups (dicts with ``"params"`` of either). A step's
+    ``closure`` (``torch.optim.LBFGS`` needs one) is run as torch runs it, with each evaluation
+    reading the current masters and handing them its gradients (:meth:`step`).
+
+    The first step frees each stepped weight's kept initial value
+    (``get_high_precision_init_val()``): from then on the master holds the weight's exact value
+    (:meth:`master_of`), and an optimizer built later seeds from the dequantized weight, never
+    from the value it started training from.
+
+    ``torch.amp.GradScaler`` reads the gradients of :attr:`param_groups` (the masters'): call
+    :meth:`copy_model_grads_to_masters` after the backward, before ``scaler.unscale_(opt)`` or
+    ``scaler.step(opt)``, and clip the gradients the step reads, those of the
+    :attr:`param_groups` tensors::
+
+        scaler.scale(loss).backward()
+        opt.copy_model_grads_to_masters()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
     Parameters
     ----------
     optimizer_class:
         A ``torch.optim.Optimizer`` class (e.g. ``torch.optim.AdamW``).
     params:
-        The model's parameters, or parameter groups (dicts with ``"params"``).
+        The model's parameters, ``(name, parameter)`` pairs, or parameter groups (dicts with
+        ``"params"``).
     **kwargs:
         The optimizer's arguments (lr, betas, weight_decay, foreach...).
 
     Raises
     ------
     TypeError
-        ``optimizer_class`` is not an optimizer class.
+        ``optimizer_class`` is not an optimizer class; ``params`` is a single tensor, a set, or
+        holds a tuple that is not a ``(name, parameter)`` pair.
 
     Example
     -------
@@ -164,32 +250,36 @@ class MasterWeightOptimizer:
     >>> recipe = hf.MXFP8BlockScaling()
     >>> with hf.quantized_model_init(recipe=recipe, preserve_high_precision_init_val=True):
     ...     lin = hf.Linear(32, 32)
-    >>> opt = hf.MasterWeightOptimizer(torch.optim.AdamW, lin.parameters(), lr=1e-3)
+    >>> opt = hf.MasterWeightOptimizer(torch.optim.AdamW, lin.named_parameters(), lr=1e-3)
     >>> with hf.autocast(recipe=recipe):
     ...     loss = lin(torch.randn(4, 32)).square().mean()
     >>> loss.backward()
     >>> opt.step()
     >>> opt.zero_grad()
-    >>> type(lin.weight).__name__, opt.master_of(lin.weight).dtype
-    ('QuantizedTensor', torch.float32)
+    >>> type(lin.weight).__name__, opt.master_of(lin.weight).dtype, opt.param_groups[0]["param_names"]
+    ('QuantizedTensor', torch.float32, ['weight', 'bias'])
     """
 
     def __init__(self, optimizer_class: Callable[..., torch.optim.Optimizer], params: Iterable[Any], **kwargs: Any) -> None:
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"MasterWeightOptimizer: optimizer_class must be a torch.optim.Optimizer "
                             f"class (e.g. torch.optim.AdamW), got {optimizer_class!r}.")
-        groups = list(params)
-        if groups and not isinstance(groups[0], dict):
-            groups = [{"params": groups}]
-        groups = [{**g, "params": list(g["params"])} for g in groups]  # read twice below
-        self.model_params: list[torch.Tensor] = [p for g in groups for p in g["params"]]
+        groups = _param_groups(params)
+        self.model_params: list[torch.Tensor] = [_tensor_of(p) for g in groups for p in g["params"]]
         packed = _packed_masters(self.model_params)
         self.master_params: list[Optional[nn.Parameter]] = [
             packed[id(p)] if id(p) in packed else _master_of(p) if isinstance(p, QuantizedTensor) else None
             for p in self.model_params]
         stepped = {id(p): m for p, m in zip(self.model_params, self.master_params) if m is not None}
-        self.optimizer = optimizer_class([{**g, "params": [stepped.get(id(p), p) for p in g["params"]]} for g in groups],
-                                         **kwargs)
+
+        def swap(item: Any) -> Any:  # a master in its parameter's place, a name kept with it
+            if isinstance(item, tuple):
+                return (item[0], stepped.get(id(item[1]), item[1]))
+            return stepped.get(id(item), item)
+
+        self.optimizer = optimizer_class([{**g, "params": [swap(p) for p in g["params"]]} for g in groups], **kwargs)
+        #: whether the masters hold this step's gradients already (copy_model_grads_to_masters)
+        self._grads_copied = False
 
     @property
     def param_groups(self) -> list[dict]:
@@ -203,18 +293,101 @@ class MasterWeightOptimizer:
                 return m
         raise KeyError("MasterWeightOptimizer.master_of: not one of this optimizer's parameters.")
 
-    @torch.no_grad()
+    def copy_model_grads_to_masters(self) -> None:
+        """Hand each master its quantized parameter's gradient, as FP32 (None where it has none);
+        the step that follows reads the masters' gradients as they are then.
+
+        :meth:`step` calls it unless it was called since the last step or :meth:`zero_grad`.
+        Call it yourself after the last backward of a step where something reads or changes the
+        gradients of :attr:`param_groups` before the step: ``torch.amp.GradScaler``'s
+        ``unscale_`` and ``step``, ``clip_grad_norm_`` over the :attr:`param_groups` tensors. An
+        FP32 gradient is handed over without a copy (the master's gradient shares the model
+        gradient's memory, so unscaling or clipping either changes both); a gradient of another
+        dtype is copied, and changes made to it after this call do not reach the step.
+
+        Returns
+        -------
+        None
+        """
+        with torch.no_grad():
+            for p, m in zip(self.model_params, self.master_params):
+                if m is not None:
+                    m.grad = None if p.grad is None else p.grad.detach().to(torch.float32)
+        self._grads_copied = True
+
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        """Gradients to the masters, one step of the wrapped optimizer, masters re-quantized."""
-        for p, m in zip(self.model_params, self.master_params):
-            if m is not None:
-                m.grad = None if p.grad is None else p.grad.detach().to(torch.float32)
-        out = self.optimizer.step(closure)
-        self._requantize()
+        """One step of the wrapped optimizer on the masters, then every quantized parameter
+        re-quantized from its master.
+
+        Without ``closure`` the masters take the model's gradients first
+        (:meth:`copy_model_grads_to_masters`, unless called since the last step). With one
+        (``torch.optim.LBFGS`` needs it; it clears the gradients, runs the forward and the
+        backward and returns the loss, as torch's closures do), each evaluation the wrapped
+        optimizer makes runs it with gradients enabled and hands the masters the gradients it
+        computed; from the second evaluation on, the parameters are first re-quantized from the
+        masters, which the optimizer moves between evaluations (the first reads the weights as
+        they are, as a step without closure does).
+
+        Parameters
+        ----------
+        closure:
+            None, or a callable that re-evaluates the model and returns the loss.
+
+        Returns
+        -------
+        Any
+            What the wrapped optimizer's ``step`` returns (the closure's first loss, or None).
+
+        Raises
+        ------
+        RuntimeError
+            Called by ``torch.amp.GradScaler.step`` while the masters do not hold the step's
+            gradients (:meth:`copy_model_grads_to_masters` not called after the backward): the
+            scaler unscaled and checked other gradients than those the step would read.
+        """
+        if closure is None:
+            if not self._grads_copied:
+                if _called_by_grad_scaler(sys._getframe(1)):
+                    raise RuntimeError(
+                        "MasterWeightOptimizer.step: torch.amp.GradScaler unscaled and checked for inf the "
+                        "gradients of opt.param_groups (the FP32 masters), which do not hold this step's "
+                        "gradients yet (the quantized weights would be stepped with the scaled gradients); "
+                        "call opt.copy_model_grads_to_masters() after the backward, before "
+                        "scaler.unscale_(opt) / scaler.step(opt).")
+                self.copy_model_grads_to_masters()
+            with torch.no_grad():
+                out = self.optimizer.step()
+        else:
+            out = self.optimizer.step(self._evaluation(closure))
+        self._grads_copied = False
+        with torch.no_grad():
+            self._requantize()
         return out
 
+    def _evaluation(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """``closure`` as the wrapped optimizer calls it: from the second call on, the quantized
+        parameters re-encoded from the masters first (the optimizer moved them in between); the
+        closure run with gradients enabled; its gradients handed to the masters."""
+        calls = [0]
+
+        def evaluate() -> Any:
+            if calls[0]:
+                with torch.no_grad():
+                    self._requantize()
+            calls[0] += 1
+            with torch.enable_grad():
+                loss = closure()
+            self.copy_model_grads_to_masters()
+            return loss
+
+        return evaluate
+
     def _requantize(self) -> None:
-        """The quantized parameters re-encoded from their masters."""
+        """The quantized parameters re-encoded from their masters (their kept initial values,
+        which the masters supersede, freed first: no copy to the CPU a step)."""
+        for p, m in zip(self.model_params, self.master_params):
+            if m is not None:
+                p.clear_high_precision_init_val()  # type: ignore[attr-defined]
         quantize_master_weights(self.model_params, self.master_params)
         # FSDP2's quantized primary weights: the parameter is the FP32 master shard; each rank's
         # quantized shard is re-encoded from it (one amax all-reduce for all of them)
@@ -232,6 +405,7 @@ class MasterWeightOptimizer:
                     p.grad = None
                 else:
                     p.grad.zero_()
+        self._grads_copied = False
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict, the masters (plain tensors: weights_only loads) and,
@@ -257,7 +431,8 @@ class MasterWeightOptimizer:
         parameter is its own master, loaded with the model's state dict (whose load is followed
         by ``hybridfp.quantize_sharded_weights``), not with this dict. Loading the model's state
         dict alone (after this optimizer is built) leaves the masters at their old values, and
-        the next :meth:`step` re-encodes the weights from those: load both.
+        the next :meth:`step` re-encodes the weights from those: load both. A weight that keeps
+        an initial value (``get_high_precision_init_val()``) keeps its loaded master's value.
 
         Parameters
         ----------
@@ -298,6 +473,9 @@ class MasterWeightOptimizer:
             stale = [None if m is None or (d is not None and d == _payload_digest(p)) else m
                      for p, m, d in zip(self.model_params, self.master_params, digests)]
             quantize_master_weights(self.model_params, stale)
+            for p, m, s in zip(self.model_params, self.master_params, stale):
+                if m is not None and s is None and isinstance(p, QuantizedTensor):
+                    _keep_master_value(p, m)  # it holds that master's encoding already
 
     def __repr__(self) -> str:
         n = sum(m is not None for m in self.master_params)
