@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_map
 from ..utils.rewrites import note_rewrite
 from .hybrid import HybridStorage
 from .identity import IdentityStorage
-from .quantized_tensor import FALLBACK, PARAM_NAME_ATTR, QuantizedTensor, implements
+from .quantized_tensor import _TENSOR_DATA, FALLBACK, PARAM_NAME_ATTR, QuantizedTensor, implements
 from .storage import DIRECTIONS, MissingDirectionError, QuantizedStorage
 
 aten = torch.ops.aten
@@ -116,7 +116,16 @@ def _to_copy(func, args, kwargs):
     storage = t._storage.map_tensors(move, copies=True)
     if dtype != t.dtype:  # only the nominal dtype changes: the encoded values do not
         storage = storage._new(storage.shape, dict(storage.payloads), dtype)
-    return _wrap(storage, t)
+    out = _wrap(storage, t)
+    kept = t.__dict__.get(_KEPT)
+    if kept is not None:
+        # the copy holds the same value, so it was initialised with the same one: Module.to() /
+        # .cuda() / .half() hand this copy to the Parameter (``QuantizedTensor.data``'s setter,
+        # or torch.utils.swap_tensors), whose masters are later seeded from what it keeps. Cast
+        # to the new nominal dtype, as the weights of a plain model.to(dtype) are; on the CPU
+        # as always (a kept value never stands in GPU memory). Never written in place: shared.
+        out.__dict__[_KEPT] = kept if kept.dtype == dtype else kept.to(dtype)
+    return out
 
 
 @implements(aten._pin_memory.default)
@@ -128,6 +137,109 @@ def _pin(func, args, kwargs):
 @implements(aten.is_pinned.default)
 def _is_pinned(func, args, kwargs):
     return all(x.is_pinned() for x in args[0]._storage.tensors())
+
+
+def assign_data(dst: QuantizedTensor, new: torch.Tensor) -> None:
+    """``dst.data = new`` (``QuantizedTensor.data``'s setter): ``dst`` becomes ``new``, as torch's
+    ``.data =`` makes a tensor alias another's memory, the payloads included.
+
+    ``nn.Module._apply`` (``.to(device)``, ``.cuda()``, ``.to(dtype)``, ``.half()``) assigns the
+    converted copy so, as do EMA swaps and ``torch.nn.utils.vector_to_parameters``. torch's
+    ``set_data`` only knows the wrapper's C++ metadata (shape, dtype, device); the payloads are
+    Python attributes it cannot see, so without this the Parameter would report the new dtype
+    and device and keep encoding, and GEMMs would read, the old payloads.
+
+    ``dst`` takes ``new``'s payloads (a storage object of its own over the same tensors, as
+    ``detach()`` makes: dropping a copy from one leaves the other's) and its quantizer (``dst``'s
+    own stays when ``new`` has none, e.g. loaded from a file, and is of ``dst``'s format). Its kept
+    initial high-precision value becomes ``new``'s when ``new`` keeps one (a ``.to()`` copy keeps
+    its source's, cast), else, when ``dst`` kept one and ``new`` lies in other memory (not
+    ``dst.data``), ``new``'s value (as ``copy_`` of a quantized source leaves it: masters seeded
+    from it start where ``dst`` now is, not at another tensor's initial value that its optimizer
+    steps since may have left behind). A write through ``dst`` then reaches the kept
+    values of what ``new`` is a slice / view of (``new = w.data``: ``w``'s). ``dst``'s version
+    counter, autograd state and other attributes (its name) stay.
+
+    Parameters
+    ----------
+    dst:
+        The tensor (usually a Parameter) assigned to.
+    new:
+        A QuantizedTensor (any format, shape, nominal dtype or device torch's ``set_data``
+        accepts).
+
+    Raises
+    ------
+    TypeError
+        ``new`` is not a QuantizedTensor: a quantized tensor cannot alias a plain tensor's memory,
+        and re-quantizing it instead would silently break ``.data``'s aliasing (code writing the
+        assigned tensor afterwards, as flat-buffer optimizers do, would no longer reach ``dst``).
+        The message names ``param.copy_(t)`` (re-quantize a value in), ``quantizer.quantize(t)``
+        and replacing the Parameter.
+    RuntimeError
+        torch's own, when ``set_data`` refuses the pair (e.g. a meta tensor into a CPU one);
+        ``dst`` is then unchanged.
+    """
+    if not isinstance(new, QuantizedTensor):
+        raise TypeError(_plain_data_message(dst, new))
+    if new is dst:
+        return
+    _TENSOR_DATA.__set__(dst, new)  # first: when torch refuses, nothing below has changed
+    old_storage = dst._storage
+    dst._storage = new._storage.map_tensors(lambda x: x)
+    if new._quantizer is not None:
+        dst._quantizer = new._quantizer
+    elif not _same_format(old_storage, new._storage):
+        dst._quantizer = None  # another format's quantizer would encode the wrong layout into it
+    own = dst.__dict__
+    if _KEPT in new.__dict__:
+        own[_KEPT] = new.__dict__[_KEPT]  # never written in place: shared, as swap_tensors would move it
+    elif _KEPT in own and _payload_memory(new._storage) != _payload_memory(old_storage):
+        # another value (p.data = p.data, p.detach(): the same one, whose kept value stays)
+        own[_KEPT] = new.dequantize().detach().to("cpu", copy=True)
+    # dst now covers new's memory, so a write through it reaches the kept values of what new is a
+    # view of (new's recorded chain), no longer what dst covered before. Not new's own kept value
+    # (dst took it over, as swap_tensors moves the __dict__: recording new too would keep a second
+    # value, usually of a dead temporary, alive and rewritten), nor dst's (written as its own).
+    chain = tuple(c for c in _view_chain(new) if c[0] is not own)
+    own.pop(_VIEW_ATTR, None)
+    if chain:
+        own[_VIEW_ATTR] = _ViewOf(chain)
+
+
+def _same_format(a: QuantizedStorage, b: QuantizedStorage) -> bool:
+    """Whether storages ``a`` and ``b`` are of one format: same class and, for every copy ``b``
+    holds, the same format key (a hybrid's absent part counts as another format)."""
+    if type(a) is not type(b):
+        return False
+    return all(_copy_format(a, d) is not None and _copy_format(a, d) == _copy_format(b, d)
+               for d in b.directions())
+
+
+def _plain_data_message(dst: QuantizedTensor, new: object) -> str:
+    """The TypeError :func:`assign_data` raises for a value that is not a QuantizedTensor."""
+    kind = "quantized Parameter" if getattr(dst, "_is_param", False) else "QuantizedTensor"
+    owner = dst.__dict__.get(PARAM_NAME_ATTR)
+    name = f"{owner + ', a ' if owner else 'a '}{kind} ({dst._storage.describe()})"
+    if not isinstance(new, torch.Tensor):
+        return (f"hybridfp: cannot assign {type(new).__name__} to .data of {name}: .data takes a "
+                "tensor (a QuantizedTensor for a quantized one).")
+    if new.dtype not in _FLOAT_DTYPES:
+        # Module.double() / .to(torch.float64) reach here: _to_copy dequantizes to a dtype no
+        # quantized tensor can take as its nominal dtype
+        return (f"hybridfp: cannot make {name} a {new.dtype} tensor (.data = a plain {new.dtype} "
+                f"tensor, as Module.double() / .to({new.dtype}) assign): a quantized tensor's nominal dtype "
+                "is float32, bfloat16 or float16, and the conversion would dequantize it. Convert the "
+                "module to one of those, or replace the Parameter by its high-precision value first: "
+                f"`module.weight = torch.nn.Parameter(module.weight.dequantize().to({new.dtype}))`.")
+    return (f"hybridfp: cannot assign a plain {new.dtype} tensor of shape {tuple(new.shape)} to .data "
+            f"of {name}: .data = makes a tensor alias the assigned one's memory, which a quantized "
+            "tensor cannot do with a plain one (quantizing a copy instead would silently drop the "
+            "aliasing). To write the value in, re-quantized by the tensor's quantizer: "
+            "`with torch.no_grad(): param.copy_(t)` (from FP32 master weights: "
+            "hybridfp.quantize_master_weights(params, masters)). To assign a quantized value: "
+            "`param.data = param.quantizer.quantize(t)`. To make the weight high precision again, "
+            "replace the Parameter: `module.weight = torch.nn.Parameter(t)`.")
 
 
 def _mark_written(t: QuantizedTensor, value: Callable[[], torch.Tensor]) -> None:

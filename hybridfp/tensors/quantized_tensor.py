@@ -20,6 +20,9 @@ from .validation import check_flag, require_dict
 #: made from the parameter (``zeros_like``) carries it too, as "state of ...".
 PARAM_NAME_ATTR = "_hybridfp_param_name"
 
+#: ``Tensor.data``'s own descriptor: :attr:`QuantizedTensor.data` reads through it.
+_TENSOR_DATA = torch._C.TensorBase.data
+
 #: aten op -> handler(func, args, kwargs). Filled by ``hybridfp.tensors.dispatch``.
 DISPATCH_TABLE: dict[Any, Callable[..., Any]] = {}
 #: Called for ops without a handler; set by ``hybridfp.tensors.dispatch``.
@@ -86,6 +89,51 @@ class QuantizedTensor(torch.Tensor):
         if handler is not None:
             return handler(func, args, kwargs or {})
         return FALLBACK[0](func, args, kwargs or {})
+
+    # ------------------------------------------------------------------ .data
+    @property
+    def data(self) -> torch.Tensor:  # type: ignore[override]
+        """A detached alias of this tensor (torch's ``.data``): a QuantizedTensor over the same
+        payloads.
+
+        Assigning replaces what this tensor holds by what a QuantizedTensor holds, as torch's
+        ``.data =`` does for a plain tensor: its payloads, nominal dtype, device and quantizer.
+        ``nn.Module.to(device)`` / ``.cuda()`` / ``.to(dtype)`` / ``.half()`` convert a Parameter
+        through it, as do EMA swaps (``p.data, ema.data = ema.data, p.data``) and
+        ``torch.nn.utils.vector_to_parameters`` (which assigns plain tensors: refused). The
+        Parameter stays the same object (optimizers keep it); its version counter, autograd
+        state and name stay; its kept initial value follows the assigned tensor (see
+        ``hybridfp.tensors.dispatch.assign_data``).
+
+        Raises
+        ------
+        TypeError
+            Assigning a tensor that is not a QuantizedTensor (e.g. from ``Module.double()``, or
+            a plain value): a quantized tensor cannot alias it. Write a value in with
+            ``param.copy_(t)`` (re-quantized by its quantizer), assign
+            ``param.quantizer.quantize(t)``, or replace the Parameter.
+        RuntimeError
+            torch refuses the pair (``set_data``: e.g. a meta tensor into a CPU one); nothing
+            changed.
+
+        Example
+        -------
+        >>> import torch, hybridfp as hf
+        >>> with hf.quantized_model_init(recipe=hf.MXFP8BlockScaling()):
+        ...     lin = hf.Linear(32, 32, bias=False)
+        >>> lin.weight.data = lin.weight.quantizer.quantize(torch.ones(32, 32))
+        >>> lin.weight.dequantize().unique().tolist()
+        [1.0]
+        >>> _ = lin.to(torch.bfloat16)  # nominal dtype only: the codes are kept
+        >>> lin.weight.dtype, lin.weight.dequantize().dtype
+        (torch.bfloat16, torch.bfloat16)
+        """
+        return _TENSOR_DATA.__get__(self)
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        from .dispatch import assign_data  # dispatch imports this module
+        assign_data(self, new)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -181,9 +229,10 @@ class QuantizedTensor(torch.Tensor):
         ``split`` piece, ``view`` / ``reshape``, ``detach()`` / ``.data`` of it (or of those,
         in turn): the elements written take the value written (a quantized source: its
         dequantized value), the others keep theirs, so masters seeded from it start where the
-        tensor now is. Writes made to the payload tensors directly (``quantizer.update_quantized``,
-        an optimizer's re-encoding from its masters) leave it as it was: it is the value the
-        tensor was initialised with, not its current one.
+        tensor now is. Writes made to the payload tensors directly (``quantizer.update_quantized``)
+        leave it as it was; ``hybridfp.quantize_master_weights`` sets it to the master value it
+        writes, and ``MasterWeightOptimizer``'s first step frees it (its masters hold the value
+        from then on).
 
         Returns
         -------
