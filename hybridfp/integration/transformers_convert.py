@@ -16,10 +16,13 @@ from typing import Callable, Optional
 
 from torch import nn
 
-from ..nn import convert as convert_linears
+from ..nn import set_names
 from ..nn.base import QuantizedModule
+from ..nn.convert import _keep_extra_state_out_of_save_pretrained as _extra_state_hooks
+from ..nn.convert import _linear_targets, _replace_linears
 from .export import EXTRA_STATE_SUFFIX
-from .transformers_moe import experts_to_grouped, fused_experts_layout, routed_experts_call
+from .transformers_moe import (check_experts_to_grouped, experts_to_grouped, fused_experts_layout,
+                               routed_experts_call)
 
 ModuleFilter = Callable[[str, nn.Module], bool]
 
@@ -175,8 +178,9 @@ def unconverted_weights(model: nn.Module, module_filter: Optional[ModuleFilter] 
                 why = "the output projection (lm_head) stays in high precision by default; convert(..., lm_head=True) converts it"
             elif id(p) in routers:
                 why = f"the router of {routers[id(p)]}: its scores pick the experts and stay in high precision"
-            elif module_filter is not None and not module_filter(name, m) and (
-                    type(m) is nn.Linear or _holds_experts_weights(m)):
+            elif module_filter is not None and (type(m) is nn.Linear or _holds_experts_weights(m)) \
+                    and not module_filter(name, m):
+                # the filter is called on the modules it picks from only (nn.Linear, experts)
                 # an experts module convert would not take either (shared experts, a transposed
                 # layout) is still one the filter can leave out: strict's advice holds for it
                 why = "left out by module_filter"
@@ -187,6 +191,8 @@ def unconverted_weights(model: nn.Module, module_filter: Optional[ModuleFilter] 
                     why = f"3-D experts weights hybridfp does not convert: {reason}"
                 elif reason:
                     why = f"MoE experts in a layout hybridfp does not convert: {reason}"
+                elif type(m) is nn.Linear:
+                    why = "an nn.Linear not converted (hybridfp.convert converts it)"
                 elif isinstance(m, nn.Linear):
                     why = f"{type(m).__name__} subclasses nn.Linear; convert replaces exact nn.Linear modules only"
                 else:
@@ -198,7 +204,11 @@ def unconverted_weights(model: nn.Module, module_filter: Optional[ModuleFilter] 
 def _keep_extra_state_out_of_save_pretrained(model: nn.Module) -> None:
     """transformers' ``save_pretrained`` writes tensors only: the hybridfp modules' quantizer
     state (``_extra_state``, a dict) goes in its list of keys not to save, so the checkpoint
-    holds the same keys as the unconverted model's."""
+    holds the same keys as the unconverted model's. Each hybridfp module gets a state-dict hook
+    that does so for every enclosing ``PreTrainedModel`` whose ``state_dict()`` is taken (its
+    ancestors are unknown here: ``convert(model.model)`` then ``model.save_pretrained``); the
+    converted model's own set is filled now too (a ``state_dict`` passed to ``save_pretrained``)."""
+    _extra_state_hooks(model)
     ignore = getattr(model, "_keys_to_ignore_on_save", None)
     if isinstance(ignore, set):
         ignore.update(k for k in model.state_dict(keep_vars=True) if k.endswith(EXTRA_STATE_SUFFIX))
@@ -216,15 +226,19 @@ def convert(model: nn.Module, module_filter: Optional[ModuleFilter] = None, *, l
       ``forward(hidden_states, top_k_index, top_k_weights)``, convert: modules with such
       Parameters called otherwise (shared experts) stay in high precision and are listed.
     - Every ``nn.Linear`` (exactly that type) becomes a ``hybridfp.Linear`` holding the same
-      Parameters (:func:`hybridfp.nn.convert`); ModuleList-of-Linear experts so run one
-      ``Linear`` per expert.
+      Parameters and the layer's hooks (:func:`hybridfp.nn.convert`); ModuleList-of-Linear
+      experts so run one ``Linear`` per expert. A model that is itself an ``nn.Linear`` is
+      replaced too: use the returned module.
     - The output projection (``get_output_embeddings()`` or a module named ``lm_head``) stays
       in high precision unless ``lm_head=True``; embeddings and norms are never converted.
 
     Then every other weight a matmul reads outside hybridfp is listed (name, shape, why) in one
     :class:`HighPrecisionWeightsWarning`, or refused with ``strict=True``. Parameters, their
     objects and the state-dict keys of the Parameters are unchanged (optimizers built before
-    keep working; transformers' ``save_pretrained`` writes the unconverted model's keys).
+    keep working; transformers' ``save_pretrained`` writes the unconverted model's keys, also
+    where only a part of the model was converted: ``convert(model.model)``). Every decision
+    (``module_filter``'s calls, the checks that may refuse a module) is made before the model
+    changes: an error leaves it unconverted (``strict`` raises after the conversion).
 
     Parameters
     ----------
@@ -232,9 +246,10 @@ def convert(model: nn.Module, module_filter: Optional[ModuleFilter] = None, *, l
         The model, converted in place.
     module_filter:
         ``(qualified_name, module) -> bool``: which ``nn.Linear`` layers and experts modules to
-        convert; None: all of them. The weights of those it refuses are left out on purpose
-        (neither listed nor refused by ``strict``), experts modules convert would not take
-        (shared experts, a transposed layout) included.
+        convert; None: all of them. It is called on those modules only (never on a
+        convolution or another module). The weights of those it refuses are left out on
+        purpose (neither listed nor refused by ``strict``), experts modules convert would not
+        take (shared experts, a transposed layout) included.
     lm_head:
         Convert the output projection too.
     strict:
@@ -245,14 +260,18 @@ def convert(model: nn.Module, module_filter: Optional[ModuleFilter] = None, *, l
     Returns
     -------
     nn.Module
-        ``model``.
+        ``model``; where ``model`` is itself an ``nn.Linear`` (and not the output projection or
+        refused by the filter), its new ``hybridfp.Linear``.
 
     Raises
     ------
     TypeError
         Both ``module_filter`` and ``recipe_filter`` given, or a filter that is not callable.
     ValueError
-        ``strict=True`` and weights a matmul reads outside hybridfp remain (listed).
+        ``strict=True`` and weights a matmul reads outside hybridfp remain (listed); an
+        ``nn.Linear`` whose replacement would drop something (an accelerate hook, a legacy
+        backward hook, weight_norm: :func:`hybridfp.nn.convert`) or experts with a
+        ``config._experts_implementation`` hybridfp does not follow (nothing converted then).
 
     Example
     -------
@@ -277,10 +296,16 @@ def convert(model: nn.Module, module_filter: Optional[ModuleFilter] = None, *, l
             return False
         return module_filter is None or bool(module_filter(name, m))
 
-    for name, m in list(model.named_modules()):
-        if "hybridfp_up" not in m._modules and fused_experts_layout(m)[0] is not None and accept(name, m):
-            experts_to_grouped(m, name)
-    convert_linears(model, module_filter=accept)
+    # every decision first (the filter's calls, the checks that may refuse), then the changes:
+    # a filter or a check that raises leaves the model as it was
+    experts = [(name, m) for name, m in model.named_modules()
+               if "hybridfp_up" not in m._modules and fused_experts_layout(m)[0] is not None and accept(name, m)]
+    for name, m in experts:
+        check_experts_to_grouped(m, name)
+    linears = _linear_targets(model, accept)
+    for name, m in experts:
+        experts_to_grouped(m, name)
+    model = set_names(_replace_linears(model, linears))
     _keep_extra_state_out_of_save_pretrained(model)
     left = [w for w in unconverted_weights(model, module_filter, lm_head=lm_head) if not w.deliberate]
     if left:

@@ -19,7 +19,6 @@ with 3-D ``up_proj`` / ``down_proj`` Parameters (shared experts that every token
 from __future__ import annotations
 
 import inspect
-import types
 from dataclasses import dataclass
 from typing import Optional
 
@@ -251,6 +250,63 @@ def _grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k
     return out.index_add_(0, rows, y.to(out.dtype))
 
 
+class _GroupedExpertsForward:
+    """A converted experts module's ``forward`` (an instance attribute): calls
+    :func:`_grouped_experts_forward` on the module. An object of a module-level class, not a
+    bound method, so the module pickles (``torch.save(model)``, multiprocessing's spawn: a bound
+    method pickles as a lookup of its function's name on the module, which its class lacks) and
+    deep-copies with the copy's forward bound to the copy; its signature is the experts' own
+    ``(hidden_states, top_k_index, top_k_weights)``."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        return _grouped_experts_forward(self.module, hidden_states, top_k_index, top_k_weights)
+
+    def __repr__(self) -> str:
+        return f"<hybridfp grouped forward of {type(self.module).__name__}>"
+
+
+def check_experts_to_grouped(module: nn.Module, name: str = "") -> FusedExpertsLayout:
+    """What :func:`experts_to_grouped` checks before it changes anything (``hybridfp.convert``
+    checks every experts module first, so one it refuses leaves the model unchanged).
+
+    Parameters
+    ----------
+    module, name:
+        As for :func:`experts_to_grouped`.
+
+    Returns
+    -------
+    FusedExpertsLayout
+        The module's layout.
+
+    Raises
+    ------
+    ValueError
+        As :func:`experts_to_grouped` raises.
+
+    Example
+    -------
+    >>> import torch
+    >>> from hybridfp.integration.transformers_moe import check_experts_to_grouped
+    >>> m = torch.nn.Module()
+    >>> m.gate_up_proj = torch.nn.Parameter(torch.zeros(4, 16, 8))
+    >>> m.down_proj = torch.nn.Parameter(torch.zeros(4, 8, 8))
+    >>> m.act_fn = torch.nn.SiLU()
+    >>> check_experts_to_grouped(m).num_experts
+    4
+    """
+    who = f"experts_to_grouped({name or type(module).__name__})"
+    layout, why = fused_experts_layout(module)
+    if layout is None:
+        raise ValueError(f"{who}: {why or 'no 3-D gate_up_proj / up_proj and down_proj Parameters'}.")
+    _combine_of(module, who)
+    return layout
+
+
 def experts_to_grouped(module: nn.Module, name: str = "") -> nn.Module:
     """Run a transformers fused-experts module's GEMMs through ``GroupedLinear``, in place.
 
@@ -294,11 +350,7 @@ def experts_to_grouped(module: nn.Module, name: str = "") -> nn.Module:
     >>> out.shape, m.hybridfp_up.name, m.hybridfp_up.weight is m.gate_up_proj
     (torch.Size([5, 8]), 'layers.0.mlp.experts.gate_up_proj', True)
     """
-    layout, why = fused_experts_layout(module)
-    if layout is None:
-        raise ValueError(f"experts_to_grouped({name or type(module).__name__}): "
-                         f"{why or 'no 3-D gate_up_proj / up_proj and down_proj Parameters'}.")
-    _combine_of(module, f"experts_to_grouped({name or type(module).__name__})")
+    layout = check_experts_to_grouped(module, name)
     if not hasattr(module, "num_experts"):
         module.num_experts = layout.num_experts
     up = "gate_up_proj" if layout.gated else "up_proj"
@@ -307,5 +359,5 @@ def experts_to_grouped(module: nn.Module, name: str = "") -> nn.Module:
     module.hybridfp_up = _BorrowedExperts(module, up, f"{up}_bias" if layout.bias else None, prefix + up)
     module.hybridfp_down = _BorrowedExperts(module, "down_proj", "down_proj_bias" if layout.bias else None,
                                             prefix + "down_proj")
-    module.forward = types.MethodType(_grouped_experts_forward, module)
+    module.forward = _GroupedExpertsForward(module)
     return module
