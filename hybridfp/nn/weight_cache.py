@@ -46,7 +46,9 @@ whatever its implementation: a fused one (``fused=True``) moves no version count
 of every optimizer step notes a rewrite of each stepped weight a cache entry was made from
 (``utils.optimizer_steps``). Entries that outlive their
 region (a :func:`weight_caching` scope, ``is_first_microbatch=False``) do not see such writes
-between regions either, to a weight or to its FSDP2 shard.
+between regions either, to a weight or to its FSDP2 shard; ``p.data = t`` and a module's
+``.to(dtype)`` / ``.to(device)`` (which assign ``.data``) are such writes: call
+``invalidate_weight_cache()`` after them, or make them outside the scope.
 
 Every rank decides the same: a decision compares only what the same program makes equal on
 every rank — the region token and the weight by identity (``is``; both held by the entry, so
