@@ -19,6 +19,13 @@ Under torchtitan's tensor parallelism a converted ``Linear`` runs hybridfp's own
 experts run ``GroupedLinear`` on their local shard (whole experts). Both need torchtitan's
 ``partial_dtensor`` backend; TP of the experts themselves is refused.
 
+Checkpoints: torchtitan's checkpointer (``ModelWrapper``, its HF state-dict adapters) takes
+model state dicts of tensors only. A converted module's quantizer state (its ``_extra_state``
+entry) is left out of ``state_dict`` when it holds nothing to restore (every recipe but delayed
+scaling), and loading without it is fine (``strict=True`` too). Delayed scaling's state (amax
+histories, scales) is a dict: kept for ``torch.save`` as before, but torchtitan's checkpointer
+stops on it with :class:`StatefulQuantizerCheckpointError` (:class:`QuantizerStateDict`).
+
 torchtitan is imported only when these functions run, never when hybridfp is imported. The
 converter torchtitan's job config names is ``hybridfp.torchtitan.HybridFPConverter``.
 """
@@ -26,15 +33,18 @@ converter torchtitan's job config names is ``hybridfp.torchtitan.HybridFPConvert
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from ..moe import GroupedLinear
+from ..nn.base import SLOTS
 from ..nn.linear import Linear as HybridLinear
-from ..recipes import Recipe, autocast
+from ..nn.quantizer_state import holds_quantizer_state
+from ..recipes import QuantizerRole, Recipe, autocast
 
 #: Module fqns kept in high precision unless the caller says otherwise: the output projection
 #: (torchtitan names it ``lm_head``; older models ``output``) and the MoE routers' gates.
@@ -89,6 +99,86 @@ class ModelConfigConversion:
     skipped: dict = field(default_factory=dict)
 
 
+class StatefulQuantizerCheckpointError(AttributeError):
+    """torchtitan's checkpointer read a converted module's quantizer state as a tensor: the
+    state of a recipe that keeps state (delayed scaling), which is no tensor.
+
+    An ``AttributeError`` (what reading a tensor attribute of a dict raises), so that code
+    asking ``hasattr(value, "shape")`` still sees a non-tensor.
+    """
+
+
+class QuantizerStateDict(dict):
+    """A converted module's ``_extra_state`` entry that holds quantizer state (delayed
+    scaling's amax histories and scales): the dict hybridfp's ``get_extra_state`` returns, for
+    ``torch.save`` / ``load_state_dict`` as before (it pickles as an ``OrderedDict``, so
+    ``torch.load(weights_only=True)`` takes it), but reading the tensor attributes torchtitan's
+    checkpointer reads of every state-dict value (``shape``, ``dtype``, ``device``) raises
+    :class:`StatefulQuantizerCheckpointError`, naming the module and what to do.
+
+    Parameters
+    ----------
+    state:
+        The module's quantizer state.
+    who:
+        The module, for the error.
+
+    Example
+    -------
+    >>> from hybridfp.integration.torchtitan import QuantizerStateDict
+    >>> d = QuantizerStateDict({"version": 1}, "layers.0.attention.wq")
+    >>> d["version"], hasattr(d, "shape")
+    (1, False)
+    """
+
+    __slots__ = ("who",)
+
+    def __init__(self, state: dict, who: str) -> None:
+        super().__init__(state)
+        self.who = who
+
+    def __reduce__(self) -> tuple:
+        # a plain mapping in pickles (allowed by torch.load(weights_only=True)) and copies
+        return (OrderedDict, (), None, None, iter(self.items()))
+
+    def _refuse(self, attr: str) -> Any:
+        raise StatefulQuantizerCheckpointError(
+            f"hybridfp torchtitan converter: {self.who}: its state-dict entry '_extra_state' holds "
+            "quantizer state (delayed scaling's amax history and scale), a dict, not a tensor (read: "
+            f"{attr!r}); torchtitan's checkpointer takes tensors only (its ModelWrapper, behind every "
+            "save, resume and HF load), so it cannot save or load this state. Train under torchtitan "
+            "with a recipe that keeps no quantizer state (fp8 = current scaling, fp8-block, mxfp8, "
+            "nvfp4, ...), whose checkpoints hold tensors only, or save this model yourself with "
+            "torch.save(model.state_dict()), which carries the state.")
+
+    shape = property(lambda self: self._refuse("shape"))
+    dtype = property(lambda self: self._refuse("dtype"))
+    device = property(lambda self: self._refuse("device"))
+
+
+def _tensor_state_dict(destination: dict, prefix: str, keeps_state: bool, who: str,
+                       holds: Callable[[Any], bool] = holds_quantizer_state) -> None:
+    """Make a converted module's ``_extra_state`` entry of ``destination`` fit torchtitan's
+    checkpointer: dropped when it holds no quantizer state (``holds(entry)`` False) and the
+    recipe keeps none (``keeps_state``), else a :class:`QuantizerStateDict`."""
+    key = prefix + "_extra_state"
+    if key not in destination:
+        return
+    state = destination[key]
+    if keeps_state or holds(state):
+        destination[key] = QuantizerStateDict(state, who)
+    else:
+        del destination[key]
+
+
+def _recipe_keeps_state(recipe: Recipe, module_type: str, names: Sequence[str]) -> bool:
+    """Whether a quantizer ``recipe`` makes for these modules' slots keeps state (delayed
+    scaling): known before the modules build theirs, so that their state-dict entry is there
+    from the first ``state_dict`` on (torchtitan's checkpointer caches the keys at its start)."""
+    return any(recipe.quantizer(QuantizerRole(module_type, slot, name)).get_state()
+               for name in names for slot in SLOTS)
+
+
 def _tt() -> Any:
     """torchtitan's classes this module converts (imported on first use)."""
     try:
@@ -137,10 +227,19 @@ def hybrid_linear_class() -> type:
         @dataclass(kw_only=True, slots=True)
         class Config(TTLinear.Config):
             hybridfp_name: str = ""
+            hybridfp_keeps_state: bool = False
+            """The converter's recipe keeps quantizer state (delayed scaling)."""
 
         def __init__(self, config: "HybridFPLinear.Config") -> None:
             HybridLinear.__init__(self, config.in_features, config.out_features, bias=config.bias,
                                   name=config.hybridfp_name)
+            self._hybridfp_keeps_state = config.hybridfp_keeps_state
+
+        def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+            # tensors only for torchtitan's checkpointer (module docstring); a missing entry
+            # loads fine (QuantizerStateMixin._load_from_state_dict)
+            super()._save_to_state_dict(destination, prefix, keep_vars)
+            _tensor_state_dict(destination, prefix, self._hybridfp_keeps_state, self._who())
 
         def parallelize(self, parallel_dims: Any) -> None:
             # TP: hybridfp's own styles from the stock sharding_config (torchtitan_parallel.py)
@@ -194,9 +293,13 @@ def hybrid_experts_class(parent: type) -> type:
         @dataclass(kw_only=True, slots=True)
         class Config(parent.Config):  # type: ignore[name-defined, misc]
             hybridfp_name: str = ""
+            hybridfp_keeps_state: bool = False
+            """The converter's recipe keeps quantizer state (delayed scaling)."""
 
         def __init__(self, config: Any) -> None:
             super().__init__(config)
+            self._hybridfp_keeps_state = config.hybridfp_keeps_state
+            self._hybridfp_name = config.hybridfp_name
             E, F_, D = config.num_experts, config.hidden_dim, config.dim
             sizes = {"w1_EFD": (D, F_), "w3_EFD": (D, F_), "w2_EDF": (F_, D)}
             prefix = f"{config.hybridfp_name}." if config.hybridfp_name else ""
@@ -259,6 +362,23 @@ def hybrid_experts_class(parent: type) -> type:
                                  f"{sorted(state) if isinstance(state, dict) else type(state).__name__}.")
             for gl, w in zip(self._hybridfp_experts, _EXPERT_WEIGHTS):
                 gl.set_extra_state(state[w])
+
+        def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+            # tensors only for torchtitan's checkpointer (module docstring)
+            super()._save_to_state_dict(destination, prefix, keep_vars)
+            _tensor_state_dict(destination, prefix, self._hybridfp_keeps_state,
+                               f"{type(self).__name__} {self._hybridfp_name}".rstrip(),
+                               lambda s: not isinstance(s, dict) or any(map(holds_quantizer_state, s.values())))
+
+        def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
+                                  missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+            # a state dict without the quantizer state (left out when it holds none): the
+            # experts' quantizers start fresh, as hybridfp Linear's do
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                          unexpected_keys, error_msgs)
+            key = prefix + "_extra_state"
+            if key not in state_dict and key in missing_keys:
+                missing_keys.remove(key)
 
         def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
             gl1, gl3, gl2 = self.hybridfp_grouped_linears()
@@ -376,8 +496,10 @@ def convert_model_config(model_config: Any, recipe: Recipe, *, fqns: Sequence[st
         hit = [p for p in filter_fqns if fqn_matches(fqn, p)]
         return f"filter_fqns {hit[0]!r}" if hit else None
 
-    def convert_each(base: type, new_config: Any, done: list, off: Optional[str] = None) -> None:
-        """Swap every config of exactly ``base`` (not filtered) for ``new_config(cfg)``."""
+    def convert_each(base: type, new_config: Any, done: list, keeps_state: Any,
+                     off: Optional[str] = None) -> None:
+        """Swap every config of exactly ``base`` (not filtered) for ``new_config(cfg)``;
+        ``keeps_state(fqn)``: whether the recipe's quantizers for it keep state."""
         for fqn, cfg, parent, attr in list(model_config.traverse(base)):
             why = off or selected(fqn)
             if why is None and type(cfg) is not base:
@@ -386,13 +508,18 @@ def convert_model_config(model_config: Any, recipe: Recipe, *, fqns: Sequence[st
             if why is not None or parent is None:
                 skipped[fqn] = why or "the root config"
                 continue
-            _replace(parent, attr, _copy(cfg, new_config(cfg), hybridfp_name=fqn))
+            _replace(parent, attr, _copy(cfg, new_config(cfg), hybridfp_name=fqn,
+                                         hybridfp_keeps_state=keeps_state(fqn)))
             done.append(fqn)
 
     lin_config = hybrid_linear_class().Config
-    convert_each(TTLinear.Config, lambda cfg: lin_config, linears)
+    convert_each(TTLinear.Config, lambda cfg: lin_config, linears,
+                 lambda fqn: _recipe_keeps_state(recipe, HybridLinear.module_type, [fqn]))
     convert_each(GroupedExperts.Config, lambda cfg: hybrid_experts_class(type(cfg)._owner).Config,
-                 convert_experts, None if experts else "experts=False")
+                 convert_experts,
+                 lambda fqn: _recipe_keeps_state(recipe, GroupedLinear.module_type,
+                                                 [f"{fqn}.{w}" for w in _EXPERT_WEIGHTS]),
+                 None if experts else "experts=False")
     if unknown:
         msg = ("hybridfp torchtitan converter: these weights stay in high precision, their "
                "module type being unknown to it: " + "; ".join(unknown)

@@ -21,6 +21,42 @@ def _describe(q: Quantizer) -> dict[str, str]:
     return {"kind": kind, "format": f"rowwise {q.format_key(ROWWISE)}; columnwise {q.format_key(COLUMNWISE)}"}
 
 
+def holds_quantizer_state(state: Any) -> bool:
+    """Whether a :meth:`QuantizerStateMixin.get_extra_state` dict carries state a load would
+    restore: a quantizer's non-empty ``get_state()`` (delayed scaling's amax history and scale),
+    of a built quantizer or of one a weight is held quantized by. A recipe without state keeps
+    only its quantizers' kinds and formats there (``{}`` states): nothing to restore.
+
+    Parameters
+    ----------
+    state:
+        A module's ``_extra_state`` entry; anything but a dict counts as state (unknown).
+
+    Returns
+    -------
+    bool
+
+    Example
+    -------
+    >>> import torch, hybridfp as hf
+    >>> from hybridfp.nn.quantizer_state import holds_quantizer_state
+    >>> lin = hf.Linear(16, 16)
+    >>> with hf.autocast(recipe=hf.MXFP8BlockScaling()):
+    ...     _ = lin(torch.randn(2, 16))
+    >>> holds_quantizer_state(lin.get_extra_state())
+    False
+    >>> with hf.autocast(recipe=hf.DelayedScaling(amax_history_len=4)):
+    ...     _ = lin(torch.randn(2, 16))
+    >>> holds_quantizer_state(lin.get_extra_state())
+    True
+    """
+    if not isinstance(state, dict):
+        return True
+    entries = [e for part in ("quantizers", "held") if isinstance(state.get(part), dict)
+               for e in state[part].values()]
+    return any(not isinstance(e, dict) or e.get("state") for e in entries)
+
+
 def _summary(obj: Any) -> str:
     """A short description of an unexpected extra state, for error messages."""
     if isinstance(obj, dict):
