@@ -238,6 +238,11 @@ MOE_PRIMARY_ROWS = "|".join([f"hybridfp {r} [quantized primary weights]" for r i
     "FP8 current", "MXFP8", "Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)")]
     + [f"hybridfp {r} [quantized primary weights] [compiled]" for r in ("FP8 current", "MXFP8")])
 
+#: the 64-expert rows with quantized primary weights, eager and under ``torch.compile`` (the
+#: routing, permutation, SwiGLU and un-permutation compiled; GroupedLinear a graph break), paired
+MOE_COMPILED_ROWS = "|".join([f"hybridfp {r} [quantized primary weights]{c}" for r in ("FP8 current", "MXFP8")
+                              for c in ("", " [compiled]")])
+
 BENCHMARKS: dict[str, Benchmark] = {
     "gemm": Benchmark("bench.bench_gemm", "FP8 GEMMs through hybridfp.gemm vs raw torch._scaled_mm and BF16",
                       headline=_gemm),
@@ -267,6 +272,9 @@ BENCHMARKS: dict[str, Benchmark] = {
     "moe_64_primary": Benchmark("bench.bench_moe", "the 64-expert MoE's rows with quantized primary weights alone",
                                 ("--experts", "64", "--variants", MOE_PRIMARY_ROWS), default=False,
                                 deadline_flag="--deadline-s", headline=_moe),
+    "moe_64_compiled": Benchmark("bench.bench_moe", "the 64-expert MoE's quantized-primary-weight rows, eager and "
+                                 "under torch.compile", ("--experts", "64", "--variants", MOE_COMPILED_ROWS),
+                                 default=False, deadline_flag="--deadline-s", headline=_moe),
     "bound_moe": Benchmark("bench.bound_moe", "the best ratio the 64-expert MoE allows, from measured parts",
                            ("--experts", "64"), headline=_bound_moe),
     "bound_moe_8": Benchmark("bench.bound_moe", "the best ratio the 8-expert MoE allows, from measured parts",

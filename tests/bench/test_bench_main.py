@@ -203,3 +203,13 @@ def test_moe_primary_benchmarks_name_bench_moes_primary_weight_rows():
         b = BENCHMARKS[name]
         assert b.module == "bench.bench_moe" and not b.default
         assert b.args == ("--experts", experts, "--variants", MOE_PRIMARY_ROWS)
+
+
+def test_moe_64_compiled_pairs_each_primary_weight_row_with_its_compiled_twin():
+    from bench.__main__ import MOE_COMPILED_ROWS
+    from bench.moe_rows import COMPILED_SUFFIX, COMPILED_VARIANTS, PRIMARY_SUFFIX
+    assert MOE_COMPILED_ROWS.split("|") == [name + PRIMARY_SUFFIX + c for name in COMPILED_VARIANTS
+                                            for c in ("", COMPILED_SUFFIX)]
+    b = BENCHMARKS["moe_64_compiled"]
+    assert b.module == "bench.bench_moe" and not b.default
+    assert b.args == ("--experts", "64", "--variants", MOE_COMPILED_ROWS)
