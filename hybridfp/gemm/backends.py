@@ -8,7 +8,8 @@ block-decode both operands exactly in FP32, multiply with FP32 accumulation, app
 Two Identity copies held in the output dtype are no quantized pair at all: ``gemm`` runs them
 as torch's own op in that dtype (:func:`identity_gemm`), the op ``F.linear`` and its autograd
 run, so an all-Identity recipe is the module run outside autocast, bit for bit, on every
-device (an FP32 accumulation rounded once can differ from torch's BF16 kernel in the last bit).
+device, for inputs with contiguous rows (docs/numerics.md says where a non-contiguous input
+differs; an FP32 accumulation rounded once can differ from torch's BF16 kernel in the last bit).
 """
 
 from __future__ import annotations
