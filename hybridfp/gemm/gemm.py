@@ -63,7 +63,8 @@ def gemm(A: torch.Tensor, B: torch.Tensor, layout: str = "TN", *, out_dtype: tor
     layout:
         "TN" (fprop), "NN" (dgrad) or "NT" (wgrad).
     out_dtype:
-        The result's dtype (default bfloat16).
+        The result's dtype (default bfloat16): a floating dtype (float32, bfloat16, float16,
+        float64); an integer or complex dtype is refused (the cast would truncate silently).
     bias:
         [n], added in FP32 before the cast.
     accumulate_into:
@@ -96,7 +97,8 @@ def gemm(A: torch.Tensor, B: torch.Tensor, layout: str = "TN", *, out_dtype: tor
         ``out`` of the wrong shape (``out`` also: wrong dtype or device, non-unit column
         stride, or given with ``accumulate_into``).
     TypeError
-        An operand that is neither a floating tensor nor a QuantizedTensor.
+        An operand that is neither a floating tensor nor a QuantizedTensor; an ``out_dtype``
+        that is not a floating dtype.
     MissingDirectionError
         An operand lacks the copy the layout reads.
 
@@ -112,6 +114,10 @@ def gemm(A: torch.Tensor, B: torch.Tensor, layout: str = "TN", *, out_dtype: tor
     >>> gemm(q(torch.randn(16, 32)), q(w), "NN").shape           # dgrad: dy · W
     torch.Size([16, 64])
     """
+    if not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point:
+        raise TypeError(f"gemm out_dtype must be a floating dtype (torch.float32, torch.bfloat16, "
+                        f"torch.float16 or torch.float64); got {out_dtype!r} (an integer result "
+                        "would silently truncate the product).")
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is unknown; use 'TN' (fprop), 'NN' (dgrad) or 'NT' (wgrad).")
     da, db = LAYOUTS[layout]

@@ -210,7 +210,8 @@ class GroupedLinear(GroupedWeights, QuantizedModule):
         self._join_wanted = False  # quantized primary weights to hold joined (until un-joined)
         self._pack()
 
-    def _check_splits(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor) -> list[int]:
+    def _check_splits(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor,
+                      arg: str = "m_splits") -> list[int]:
         """``m_splits`` as a list of ints, checked against the experts and the input's rows.
 
         Parameters
@@ -221,6 +222,9 @@ class GroupedLinear(GroupedWeights, QuantizedModule):
             Rows per expert: a sequence of non-negative Python ints (``operator.index``-able,
             not bool), or a 1-D integer tensor (read once with ``tolist()``: a CUDA tensor
             costs the one host sync it always did).
+        arg:
+            The argument the caller passed, for the messages: "m_splits", or "offsets" when the
+            counts were derived from ``offsets`` (one cumulative row end per expert).
 
         Returns
         -------
@@ -237,7 +241,7 @@ class GroupedLinear(GroupedWeights, QuantizedModule):
         who = f"GroupedLinear {self.name or ''}".rstrip()
         splits = _split_counts(m_splits, who)
         if len(splits) != self.num_gemms:
-            raise ValueError(f"{who}: m_splits has {len(splits)} entries; it needs one per expert "
+            raise ValueError(f"{who}: {arg} has {len(splits)} entries; it needs one per expert "
                              f"({self.num_gemms}).")
         if any(m < 0 for m in splits):
             raise ValueError(f"{who}: m_splits {splits} has negative entries.")
@@ -334,7 +338,7 @@ class GroupedLinear(GroupedWeights, QuantizedModule):
         if x.dim() != 2 or x.shape[-1] != self.in_features:
             raise ValueError(f"GroupedLinear {self.name}: input must be [tokens, {self.in_features}]; "
                              f"got {tuple(x.shape)}.")
-        splits = self._check_splits(x, m_splits)
+        splits = self._check_splits(x, m_splits, "m_splits" if offsets is None else "offsets")
         state = current_autocast()
         if state is None:
             if self.single_parameter:  # autograd views, so that the gradients reach the Parameters

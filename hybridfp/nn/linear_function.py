@@ -243,8 +243,22 @@ def forward_gemm(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 
 
 def _dequantized(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """A saved rowwise copy as the high-precision value it stands for (a plain tensor as is)."""
-    return t.dequantize(direction=ROWWISE) if isinstance(t, QuantizedTensor) else t
+    """A saved rowwise copy as the value the forward multiplied (a plain tensor as is).
+
+    The decode is exact: in the tensor's dtype only where the format guarantees every decoded
+    value fits it (BF16, a format whose block-decoded values are BF16-exact and which keeps no
+    per-tensor / per-row factor for the epilogue: MXFP8, power-of-two FP8 blocks, BF16
+    Identity); otherwise in FP32 (FP8 current / delayed scaling, NVFP4, FP32-scaled FP8
+    blocks, FP16 tensors), as ``HybridQuantizer``'s ``rowwise_dequantized`` does — rounding
+    those to BF16 would change most values. ``gemm`` multiplies an FP32 operand against the
+    BF16 dy on its exact path (FP32 products and sums, one cast to the gradient's dtype). The
+    saved copies stay quantized; only this transient decode is FP32 (twice a BF16 one)."""
+    if not isinstance(t, QuantizedTensor):
+        return t
+    part = t.qstorage.part(ROWWISE)
+    fits = (t.dtype == torch.bfloat16 and part.bf16_exact_reason(ROWWISE) is None
+            and not part.has_epilogue_scale(ROWWISE))
+    return t.dequantize(direction=ROWWISE, dtype=None if fits else torch.float32)
 
 
 def check_dgrad_weight(qw: Any, who: str) -> None:
