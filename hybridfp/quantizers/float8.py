@@ -260,16 +260,21 @@ class Float8Quantizer(Quantizer):
             raise ValueError(f"amax_compute_algo={amax_compute_algo!r} is unknown; use 'max' or 'most_recent'.")
         self.amax_compute_algo = amax_compute_algo
         self.margin = check_margin(margin, self.dtype)
-        self.amax_history = torch.zeros(amax_history_len, dtype=torch.float32)
-        self.scale = torch.ones((), dtype=torch.float32)
+        with torch.inference_mode(False):  # state outlives the call: normal tensors (see _state_to)
+            self.amax_history = torch.zeros(amax_history_len, dtype=torch.float32)
+            self.scale = torch.ones((), dtype=torch.float32)
         self._recorded = False  # an amax was recorded since the last update
         self._updates = 0
         self._nonfinite = _NonFiniteSeen()
 
     def _state_to(self, device: torch.device) -> None:
-        if self.scale.device != device:
-            self.scale = self.scale.to(device)
-            self.amax_history = self.amax_history.to(device)
+        """Keep the state on ``device`` as normal tensors: one made under
+        ``torch.inference_mode()`` (a first forward or an evaluation there, a ``copy()``) is an
+        inference tensor, which the in-place amax updates of a later forward outside it refuse."""
+        if self.scale.device != device or self.scale.is_inference() or self.amax_history.is_inference():
+            with torch.inference_mode(False):
+                self.scale = self.scale.to(device, copy=True)
+                self.amax_history = self.amax_history.to(device, copy=True)
 
     def reference_encode(self, x: torch.Tensor, rowwise: bool, columnwise: bool,
                          seed: Optional[int] = None) -> QuantizedStorage:
@@ -305,19 +310,23 @@ class Float8Quantizer(Quantizer):
         >>> q.state_version(), q.scale.item()
         (1, 448.0)
         """
-        if amax_reduction_group is not None:
-            pending = self.amax_history[0:1]
-            # NaN -> Inf: a MAX reduction's NaN handling varies by backend, Inf's does not, so
-            # every rank sees the non-finite amax and skips the same step
-            pending.copy_(torch.where(torch.isnan(pending), torch.full_like(pending, math.inf), pending))
-            all_reduce_amax(pending, amax_reduction_group)
-        skipped = fp8_tensorwise.uncommitted(self.amax_history)
-        self.amax_history, self.scale = fp8_tensorwise.delayed_update(
-            self.amax_history, self.scale, self.dtype, margin=self.margin, algo=self.amax_compute_algo)
-        self._recorded = False
-        self._updates += 1
-        if self._nonfinite.note(skipped):
-            self._nonfinite.report(self)
+        # the new state outlives the call: normal tensors even at the end of an inference_mode
+        # region (the update itself is the same there, as under no_grad)
+        with torch.inference_mode(False):
+            self._state_to(self.scale.device)
+            if amax_reduction_group is not None:
+                pending = self.amax_history[0:1]
+                # NaN -> Inf: a MAX reduction's NaN handling varies by backend, Inf's does not, so
+                # every rank sees the non-finite amax and skips the same step
+                pending.copy_(torch.where(torch.isnan(pending), torch.full_like(pending, math.inf), pending))
+                all_reduce_amax(pending, amax_reduction_group)
+            skipped = fp8_tensorwise.uncommitted(self.amax_history)
+            self.amax_history, self.scale = fp8_tensorwise.delayed_update(
+                self.amax_history, self.scale, self.dtype, margin=self.margin, algo=self.amax_compute_algo)
+            self._recorded = False
+            self._updates += 1
+            if self._nonfinite.note(skipped):  # its device flags outlive the call too
+                self._nonfinite.report(self)
 
     def pending_amaxes(self) -> list[torch.Tensor]:
         """The pending history slot, if an amax was recorded since the last update."""
@@ -336,6 +345,7 @@ class Float8Quantizer(Quantizer):
         """Drop the amaxes recorded since the last update (the pending slot), as if the step had
         not run: the next update sees only later ones."""
         if self._recorded:
+            self._state_to(self.scale.device)
             self.amax_history[0].zero_()  # a kernel, not a host-to-device copy
             self._recorded = False
 
@@ -386,8 +396,9 @@ class Float8Quantizer(Quantizer):
         """
         check_state_keys(self, state, self._state_entries())
         device = self.scale.device
-        self.amax_history = state["amax_history"].detach().to(device, copy=True)
-        self.scale = state["scale"].detach().to(device, copy=True)
+        with torch.inference_mode(False):  # normal tensors (see _state_to)
+            self.amax_history = state["amax_history"].detach().to(device, copy=True)
+            self.scale = state["scale"].detach().to(device, copy=True)
         self._updates, self._recorded = state["updates"], state["recorded"]
 
     def is_requantization_safe(self) -> bool:

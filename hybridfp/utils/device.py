@@ -45,7 +45,10 @@ def to_device(t: torch.Tensor, device: Union[torch.device, str]) -> torch.Tensor
 
 @lru_cache(maxsize=None)
 def _constant(values: tuple, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    return device_tensor(list(values), device, dtype)
+    # a normal tensor even when first asked for under torch.inference_mode(): it is shared with
+    # later calls outside it, and an inference tensor cannot be saved for backward there
+    with torch.inference_mode(False):
+        return device_tensor(list(values), device, dtype)
 
 
 def device_constant(values: Sequence[float], device: Union[torch.device, str], dtype: torch.dtype = torch.float32
