@@ -20,7 +20,7 @@ from ..quantizers.base import reduce_pending_amaxes
 from ..recipes import AutocastState, QuantizerRole, current_autocast
 from ..tensors import COLUMNWISE, ROWWISE, MissingDirectionError, QuantizedTensor
 from . import quantized_init, recompute
-from .quantizer_state import QuantizerStateMixin
+from .quantizer_state import QuantizerStateMixin, _extra_state_not_for_save_pretrained
 from .weight_cache import WeightEntry, WeightKey, new_entry, reusable
 
 SLOTS = ("input", "weight", "grad_output")
@@ -158,6 +158,8 @@ class QuantizedModule(QuantizerStateMixin, nn.Module):
         # negative slots): see weight_cache.py for when an entry may be reused
         self._wcache: dict[int, WeightEntry] = {}
         self._reads_known_amax = False  # any built quantizer reads recorded amaxes (see quantizers())
+        # its _extra_state (a dict) stays out of an enclosing transformers model's save_pretrained
+        self.register_state_dict_post_hook(_extra_state_not_for_save_pretrained)
 
     def check_input_features(self, x: torch.Tensor) -> None:
         """A clear error naming the module when x's last dim is not ``in_features`` (the GEMM

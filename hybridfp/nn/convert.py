@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 import weakref
 from typing import Callable, NamedTuple, Optional
 
 from torch import nn
 
 from .base import QuantizedModule
+from .quantizer_state import _extra_state_not_for_save_pretrained
 from .linear import Linear
 
 #: ``nn.Module``'s hook dictionaries a replaced ``nn.Linear`` hands to its ``Linear`` (the same
@@ -17,7 +17,6 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward
                "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_pre_hooks",
                "_backward_hooks", "_state_dict_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks",
                "_load_state_dict_post_hooks")
-_EXTRA_STATE = "_extra_state"
 
 
 def set_names(model: nn.Module) -> nn.Module:
@@ -46,30 +45,6 @@ def set_names(model: nn.Module) -> nn.Module:
         if isinstance(m, QuantizedModule) and not m.name:
             m.name = name
     return model
-
-
-def _extra_state_not_for_save_pretrained(module: nn.Module, state_dict: dict, prefix: str,
-                                         local_metadata: dict) -> None:
-    """A state-dict post-hook of hybridfp modules: their ``_extra_state`` (the quantizers' state,
-    a dict) stays in ``state_dict()`` (torch checkpoints keep it), and its key joins the
-    ``_keys_to_ignore_on_save`` set of every enclosing module that has one (transformers'
-    ``PreTrainedModel``, whose ``save_pretrained`` writes tensors only and drops those keys from
-    the ``state_dict()`` it just took). The enclosing modules are those whose ``state_dict`` call
-    is running: their frames, each with its own prefix, so a key is relative to each of them (a
-    converted decoder inside an unconverted ``...ForCausalLM`` works as a converted whole)."""
-    key = prefix + _EXTRA_STATE
-    if key not in state_dict:
-        return
-    code = nn.Module.state_dict.__code__
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is code:
-            local = frame.f_locals
-            owner, outer = local.get("self"), local.get("prefix")
-            ignore = getattr(owner, "_keys_to_ignore_on_save", None)
-            if isinstance(ignore, set) and isinstance(outer, str) and key.startswith(outer):
-                ignore.add(key[len(outer):])
-        frame = frame.f_back
 
 
 def _keep_extra_state_out_of_save_pretrained(model: nn.Module) -> None:

@@ -4,7 +4,10 @@ the quantizers it is applied to. ``QuantizedModule`` inherits it (:class:`Quanti
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
+
+from torch import nn
 
 from ..quantizers import Quantizer
 from ..tensors import COLUMNWISE, ROWWISE
@@ -62,6 +65,30 @@ def _summary(obj: Any) -> str:
     if isinstance(obj, dict):
         return f"a dict with keys {sorted(map(str, obj))[:8]}"
     return type(obj).__name__
+
+
+def _extra_state_not_for_save_pretrained(module: nn.Module, state_dict: dict, prefix: str,
+                                         local_metadata: dict) -> None:
+    """A state-dict post-hook of hybridfp modules: their ``_extra_state`` (the quantizers' state,
+    a dict) stays in ``state_dict()`` (torch checkpoints keep it), and its key joins the
+    ``_keys_to_ignore_on_save`` set of every enclosing module that has one (transformers'
+    ``PreTrainedModel``, whose ``save_pretrained`` writes tensors only and drops those keys from
+    the ``state_dict()`` it just took). The enclosing modules are those whose ``state_dict`` call
+    is running: their frames, each with its own prefix, so a key is relative to each of them (a
+    converted decoder inside an unconverted ``...ForCausalLM`` works as a converted whole)."""
+    key = prefix + "_extra_state"
+    if key not in state_dict:
+        return
+    code = nn.Module.state_dict.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            local = frame.f_locals
+            owner, outer = local.get("self"), local.get("prefix")
+            ignore = getattr(owner, "_keys_to_ignore_on_save", None)
+            if isinstance(ignore, set) and isinstance(outer, str) and key.startswith(outer):
+                ignore.add(key[len(outer):])
+        frame = frame.f_back
 
 
 class QuantizerStateMixin:

@@ -170,6 +170,22 @@ def test_save_pretrained_of_a_part_of_a_converted_model(tmp_path):
     _loads_cleanly(tmp_path / "whole", model)
 
 
+def test_save_pretrained_with_a_hybridfp_module_built_in_directly(tmp_path):
+    """A hybridfp.Linear placed into a transformers model by hand (no convert call) keeps its
+    quantizer state out of save_pretrained too (the hook is the module's own)."""
+    model = build("llama")
+    old = model.model.layers[0].mlp.down_proj
+    lin = hfp.Linear(old.in_features, old.out_features, bias=old.bias is not None)
+    with torch.no_grad():
+        lin.weight.copy_(old.weight)
+    model.model.layers[0].mlp.down_proj = lin
+    with hfp.autocast(recipe=hfp.DelayedScaling(amax_history_len=4)):
+        model(input_ids=batch())
+    assert "model.layers.0.mlp.down_proj._extra_state" in model.state_dict()
+    model.save_pretrained(tmp_path)
+    _loads_cleanly(tmp_path, model)
+
+
 # --------------------------------------------------------------------------------- module_filter
 
 
