@@ -18,7 +18,6 @@ from torch import nn
 
 from ..nn import set_names
 from ..nn.base import QuantizedModule
-from ..nn.convert import _keep_extra_state_out_of_save_pretrained as _extra_state_hooks
 from ..nn.convert import _linear_targets, _replace_linears
 from .export import EXTRA_STATE_SUFFIX
 from .transformers_moe import (check_experts_to_grouped, experts_to_grouped, fused_experts_layout,
@@ -204,11 +203,10 @@ def unconverted_weights(model: nn.Module, module_filter: Optional[ModuleFilter] 
 def _keep_extra_state_out_of_save_pretrained(model: nn.Module) -> None:
     """transformers' ``save_pretrained`` writes tensors only: the hybridfp modules' quantizer
     state (``_extra_state``, a dict) goes in its list of keys not to save, so the checkpoint
-    holds the same keys as the unconverted model's. Each hybridfp module gets a state-dict hook
-    that does so for every enclosing ``PreTrainedModel`` whose ``state_dict()`` is taken (its
-    ancestors are unknown here: ``convert(model.model)`` then ``model.save_pretrained``); the
+    holds the same keys as the unconverted model's. Each hybridfp module's own state-dict hook
+    (``nn.quantizer_state``) does so for every enclosing ``PreTrainedModel`` whose
+    ``state_dict()`` is taken (``convert(model.model)`` then ``model.save_pretrained``); the
     converted model's own set is filled now too (a ``state_dict`` passed to ``save_pretrained``)."""
-    _extra_state_hooks(model)
     ignore = getattr(model, "_keys_to_ignore_on_save", None)
     if isinstance(ignore, set):
         ignore.update(k for k in model.state_dict(keep_vars=True) if k.endswith(EXTRA_STATE_SUFFIX))

@@ -8,7 +8,6 @@ from typing import Callable, NamedTuple, Optional
 from torch import nn
 
 from .base import QuantizedModule
-from .quantizer_state import _extra_state_not_for_save_pretrained
 from .linear import Linear
 
 #: ``nn.Module``'s hook dictionaries a replaced ``nn.Linear`` hands to its ``Linear`` (the same
@@ -45,21 +44,6 @@ def set_names(model: nn.Module) -> nn.Module:
         if isinstance(m, QuantizedModule) and not m.name:
             m.name = name
     return model
-
-
-def _keep_extra_state_out_of_save_pretrained(model: nn.Module) -> None:
-    """Register :func:`_extra_state_not_for_save_pretrained` on every hybridfp module in
-    ``model`` (once each).
-
-    Parameters
-    ----------
-    model:
-        Any ``nn.Module`` tree.
-    """
-    for m in model.modules():
-        if isinstance(m, QuantizedModule) and not any(
-                h is _extra_state_not_for_save_pretrained for h in m._state_dict_hooks.values()):
-            m.register_state_dict_post_hook(_extra_state_not_for_save_pretrained)
 
 
 class _Target(NamedTuple):
@@ -244,5 +228,4 @@ def convert(model: nn.Module, module_filter: Optional[Callable[[str, nn.Module],
             raise TypeError("convert: pass module_filter only (recipe_filter is its former name), not both.")
         module_filter = recipe_filter
     model = _replace_linears(model, _linear_targets(model, module_filter))
-    _keep_extra_state_out_of_save_pretrained(model)
     return set_names(model)
