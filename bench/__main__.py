@@ -282,6 +282,9 @@ BENCHMARKS: dict[str, Benchmark] = {
     "bound_moe_8_at_cap": Benchmark("bench.bound_moe", "the 8-expert MoE bound measured at the GPU's power cap "
                                     "(10 rounds)", ("--experts", "8", "--at-cap"), default=False,
                                     headline=_bound_moe),
+    "bound_moe_64_at_cap": Benchmark("bench.bound_moe", "the 64-expert MoE bound measured at the GPU's power cap "
+                                     "(10 rounds)", ("--experts", "64", "--at-cap"), default=False,
+                                     headline=_bound_moe),
     "bound_mlp": Benchmark("bench.bound_mlp", "the best ratio each recipe allows the Llama-3-8B MLP, from "
                            "measured parts", headline=_bound_mlp),
     "bound_mlp_fused_amax": Benchmark("bench.bound_mlp", "the same with amax fused into each tensor's producer",
