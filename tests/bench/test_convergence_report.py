@@ -338,3 +338,30 @@ def test_a_training_loss_window_replaces_the_final_validation_loss(tmp_path):
         cr.analyze([path], train_window=11)
     with pytest.raises(ValueError, match=r"train_window \(--train-window\) must be >= 1"):
         cr.analyze([path], train_window=0)
+
+
+def test_the_36_seed_fp8_block_and_mxfp8_study_is_what_the_docs_state():
+    """docs/convergence.md's 36-seed table and its correlation line, recomputed from the committed
+    metrics: the figures cannot drift from the runs they describe."""
+    from pathlib import Path
+    import statistics
+    root = Path(__file__).resolve().parents[2]
+    files = [root / "docs/convergence" / f for f in ("gpt100m-3seeds-446steps.metrics.jsonl.gz",
+                                                     "gpt100m-fp8block-mxfp8-seeds3-9-446steps.metrics.jsonl.gz",
+                                                     "gpt100m-bf16-fp8block-mxfp8-seeds83-108-446steps.metrics.jsonl.gz")]
+    study = cr.analyze(files, steps=446)
+    rows = {r["recipe"]: r for r in study["rows"]}
+    doc = (root / "docs" / "convergence.md").read_text()
+    for name in ("fp8-block", "mxfp8"):
+        r = rows[name]
+        assert len(r["seeds"]) == 36 and r["method"] == "paired (36 seeds)" and r["verdict"] == "unresolved"
+        pct = lambda x: f"{x:+.2f}".replace("-", "−")  # noqa: E731 - the docs' minus sign
+        cells = (f"| `{name}` | 36 | {r['mean']:.4f} ± {r['std']:.4f} | {pct(r['gap_pct'])} % | "
+                 f"[{pct(r['ci_lo'])}, {pct(r['ci_hi'])}] % | ± 0.25 % | unresolved | {r['gap_sd']:.2f} % | "
+                 f"{r['seeds_to_meet']} |")
+        assert cells in doc, cells
+    finals = study["seeds"]
+    gaps = {n: [100 * (finals[n][s] - finals["bf16"][s]) / finals["bf16"][s] for s in finals["bf16"]]
+            for n in ("fp8-block", "mxfp8")}
+    assert round(statistics.correlation(gaps["fp8-block"], gaps["mxfp8"]), 2) == 0.89
+    assert "per seed they correlate at 0.89" in doc
