@@ -145,6 +145,7 @@ def _moe(r: dict[str, Any]) -> Rows:
         if "x_fastest_bf16" in row:
             from bench.moe_targets import target  # the config's targets, not the row's recorded one
             value = f"{_paired(row['x_fastest_bf16'], target(row['config'], row['variant']))} vs {row['fastest_bf16']}"
+            value += "".join(f"; {_paired(p)} vs {name}" for name, p in row.get("x_torchao", {}).items())
         out.append((f"{row['config']}: {row['variant']}", value))
     return out
 
@@ -243,6 +244,10 @@ MOE_PRIMARY_ROWS = "|".join([f"hybridfp {r} [quantized primary weights]" for r i
 MOE_COMPILED_ROWS = "|".join([f"hybridfp {r} [quantized primary weights]{c}" for r in ("FP8 current", "MXFP8")
                               for c in ("", " [compiled]")])
 
+#: the torchao float8 MoE rows (``moe_torchao.TORCHAO_ROW``, by name only) and the hybridfp FP8 row
+#: paired against it: with the BF16 baselines, every row the torchao benchmarks need
+MOE_TORCHAO_ROWS = "torchao float8 rowwise (compiled)|hybridfp FP8 current"
+
 BENCHMARKS: dict[str, Benchmark] = {
     "gemm": Benchmark("bench.bench_gemm", "FP8 GEMMs through hybridfp.gemm vs raw torch._scaled_mm and BF16",
                       headline=_gemm),
@@ -275,6 +280,14 @@ BENCHMARKS: dict[str, Benchmark] = {
     "moe_64_compiled": Benchmark("bench.bench_moe", "the 64-expert MoE's quantized-primary-weight rows, eager and "
                                  "under torch.compile", ("--experts", "64", "--variants", MOE_COMPILED_ROWS),
                                  default=False, deadline_flag="--deadline-s", headline=_moe),
+    "moe_torchao": Benchmark("bench.bench_moe", "the 8-expert MoE: torchao float8 rowwise (compiled) and hybridfp FP8 "
+                             "current vs the fastest BF16, and hybridfp FP8 vs torchao",
+                             ("--experts", "8", "--fastest-only", "--variants", MOE_TORCHAO_ROWS), default=False,
+                             timeout_s=600.0, deadline_flag="--deadline-s", headline=_moe),
+    "moe_64_torchao": Benchmark("bench.bench_moe", "the 64-expert MoE: torchao float8 rowwise (compiled) and hybridfp "
+                                "FP8 current vs the fastest BF16, and hybridfp FP8 vs torchao",
+                                ("--experts", "64", "--fastest-only", "--variants", MOE_TORCHAO_ROWS), default=False,
+                                timeout_s=600.0, deadline_flag="--deadline-s", headline=_moe),
     "bound_moe": Benchmark("bench.bound_moe", "the best ratio the 64-expert MoE allows, from measured parts",
                            ("--experts", "64"), headline=_bound_moe),
     "bound_moe_8": Benchmark("bench.bound_moe", "the best ratio the 8-expert MoE allows, from measured parts",

@@ -23,12 +23,17 @@ quantized ones, with quantized primary weights ("[quantized primary weights]": b
 ``hybridfp.quantized_model_init``, re-encoded from FP32 masters once a step inside the step);
 FP8 current and MXFP8 with quantized primary weights also under ``torch.compile`` ("[compiled]":
 the routing, permutation, SwiGLU and un-permutation compiled as the compiled BF16 baseline's,
-each GroupedLinear call a graph break run eagerly).
+each GroupedLinear call a graph break run eagerly). By name only (``--variants``): torchao's
+float8 MoE training ("torchao float8 rowwise (compiled)", or its eager twin: ``moe_torchao``, the
+BF16 grouped layer with its expert weights converted to FP8 rowwise, each expert's tokens padded
+to 16 rows as torchao's FP8 weight gradient needs), a baseline of the hybridfp FP8 rows: each is
+also paired against it ("x torchao"); torchao missing or no sm90 GPU fails the run, naming it.
 
 Every ratio is ``bench.protocol.paired_ratio`` (median of per-round ratios, its ~95 % interval,
 the GPU's clocks), baseline ms / candidate ms (>1 is faster): a recipe's row against each
 baseline, and the headline against the fastest of the three in this run (named in the row); a
-variant row (a suffix) against that fastest one only. Every row's output,
+variant row (a suffix), a torchao row (and with ``--fastest-only`` every row) against that fastest
+one only. Every row's output,
 dx and dW are checked against an FP32 reference of the same routings (relative Frobenius
 error within ``common.error_bound`` of its formats, gain within ``common.GAIN_TOLERANCE`` of 1); a
 breach, or any failed row, ends the run with a non-zero exit after the table is printed. Rows run
@@ -44,11 +49,12 @@ compiled are each paired once (against BF16 grouped), each recipe row three time
 BF16 baseline), each variant row once: (2 + 3 x recipe rows + variant rows) x 200 x the step time.
 On an H100 the ``--experts 8`` step takes 200-270 ms: its baselines and the FP8 and MXFP8 rows
 take about 7 minutes (``--deadline-s 420`` reached them), the full run (4 recipe rows, 7 variant
-rows: 21 comparisons) about 18 minutes.
+rows: 21 comparisons) about 18 minutes. With ``--fastest-only`` a recipe row is paired once, and a
+hybridfp FP8 row once more for each torchao row: the torchao benchmarks take 5 comparisons a config.
 
     python -m bench.bench_moe [--experts 8|64] [--micro-batches N] [--skew S] [--ab] [--variants 'A|B']
         [--rounds R --samples S] [--compile-backend B] [--out results.json] [--quick] [--deadline-s S]
-        [--profile TEXT [--profile-out FILE]]
+        [--profile TEXT [--profile-out FILE]] [--fastest-only]
 """
 
 from __future__ import annotations
@@ -65,7 +71,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from bench import common
+from bench import common, moe_torchao
 from bench.common import (GAIN_TOLERANCE, AccuracyError, MissingBaselineError, environment, finish, gain, host_ms, md_table,
                           parser, profile_step, protocol_from, protocol_record, rel_error, require_cuda)
 from bench.moe_layer import HIDDEN, ROUTING_SKEW, TOKENS, TOP_K, BF16MoE, RoutingSchedule, Step, moe_layer
@@ -75,8 +81,9 @@ from bench.moe_rows import (BASELINES, BF16_COMPILED, BF16_GROUPED, BF16_PER_EXP
                             DEPTHS, FP8_TMA_SUFFIX, FP8_TRITON_SUFFIX, NO_METADATA_MEMO_SUFFIX,
                             NO_PLAN_MEMO_SUFFIX, PER_EXPERT_SUFFIX, PER_GROUP_SUFFIX, PRIMARY_SUFFIX,
                             RECIPE_FORMATS, RECIPES, SINGLE_PARAM_SUFFIX, TRITON_SUFFIX, UNPACKED_SUFFIX, TmaPair,
-                            UnknownRowError, breaches, error_bounds, optional, variants_of, wrap)
+                            UnknownRowError, breaches, error_bounds, is_baseline, optional, variants_of, wrap)
 from bench.moe_targets import CONFIGS, below, config_name, target
+from bench.moe_torchao import TORCHAO_ROWS, paired_with_torchao
 from bench.protocol import PairedRatio, Protocol, paired_ratio
 from hybridfp.moe.gemm import PATH_COUNTS
 
@@ -160,7 +167,7 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
                  protocol: Protocol = Protocol(), skew: float = ROUTING_SKEW,
                  compile_backend: str = "inductor", deadline: float = math.inf,
                  checkpoint: Callable[[list[dict[str, Any]]], None] = lambda rows: None,
-                 fp8_tma: TmaPair = (None, None)) -> list[dict[str, Any]]:
+                 fp8_tma: TmaPair = (None, None), fastest_only: bool = False) -> list[dict[str, Any]]:
     """Every variant of one config, in one process, row by row: each checked against the FP32
     reference of the same routings, then timed with ``protocol`` against each BF16 baseline (the
     three baselines first, against BF16 grouped; a variant row, one with a suffix, against the
@@ -173,10 +180,13 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
     step; ``ab``: also the rows with one switch flipped (the ``*_VARIANTS`` tables; without it,
     only the one-weight-Parameter rows); ``skew``: ``RoutingSchedule``'s; ``compile_backend``:
     ``torch.compile``'s for "BF16 compiled"; ``deadline``: a ``time.monotonic()`` after which the
-    rows left are not run (``not_run``); ``fp8_tma``: the FP8 TMA A/B rows' kernels.
+    rows left are not run (``not_run``); ``fp8_tma``: the FP8 TMA A/B rows' kernels;
+    ``fastest_only``: the recipes' rows too are paired against the fastest baseline only. The
+    torchao rows ``only`` names run after the baselines and are baselines too: the hybridfp FP8
+    rows are also paired against each of them (``x_torchao``).
 
-    Raises ``MissingBaselineError`` naming a baseline that fails or is past the deadline (its
-    ratios cannot be measured); a candidate's failure or bound breach is recorded in its row
+    Raises ``MissingBaselineError`` naming a baseline (BF16, torchao) that fails or is past the
+    deadline (its ratios cannot be measured); a candidate's failure or bound breach is recorded in its row
     (``error``, ``breaches``; such a row is not timed), for :func:`check_rows`.
     """
     base, hf, x, dy = moe_layer(e, f, tokens, d)
@@ -192,7 +202,7 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
                                "baseline": name in BASELINES, "load_max_over_mean": imbalance,
                                "target": target(config, name)}
         if time.monotonic() > deadline:
-            if name in BASELINES:
+            if is_baseline(name):
                 raise MissingBaselineError(f"bench_moe: the baseline '{name}' ({config}) not run: {PAST_DEADLINE} "
                                            "before it (baselines run first; raise --deadline-s)")
             row.update(not_run=PAST_DEADLINE, optional=optional(name))
@@ -216,12 +226,13 @@ def bench_config(e: int, f: int, tokens: int, d: int, profile: Optional[str] = N
             core.release()  # the rows take turns: only the running one holds its gradients
             steps[name] = (step, core)
             if fastest is not None and not row["breaches"]:
-                time_row(row, steps, fastest, protocol)
+                time_row(row, steps, fastest, protocol, fastest_only)
         except Exception as err:  # noqa: BLE001 - a candidate's failure is recorded and fails the run at its end
-            if name in BASELINES:
+            if is_baseline(name):
+                needs = (f"Every ratio needs all of {', '.join(BASELINES)}; no row is reported without them"
+                         if name in BASELINES else "The FP8 rows' ratios against torchao need it")
                 raise MissingBaselineError(f"bench_moe: the baseline '{name}' ({config}) failed: {type(err).__name__}: "
-                                       f"{err}. Every ratio needs all of {', '.join(BASELINES)}; no row is "
-                                       "reported without them.") from err
+                                           f"{err}. {needs}.") from err
             row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
         rows.append(row)
         if fastest is None and all(b in steps for b in BASELINES):
@@ -252,11 +263,17 @@ def time_baselines(rows: list[dict[str, Any]], steps: dict[str, tuple[Callable[[
 
 
 def time_row(row: dict[str, Any], steps: dict[str, tuple[Callable[[], Any], Step]], fastest: str,
-             protocol: Protocol) -> None:
-    """A candidate's paired ratios: a recipe's row against each baseline, a variant row (a suffix)
-    against the fastest (``fastest``) only; its ms, target and (CUDA) GPU busy fraction."""
-    against = BASELINES if row["variant"] in dict(RECIPES) else (fastest,)
-    row["x_bf16"] = {b: pair(steps[b], steps[row["variant"]], protocol).as_dict() for b in against}
+             protocol: Protocol, fastest_only: bool = False) -> None:
+    """A candidate's paired ratios: a recipe's row against each baseline (``fastest_only``: the
+    fastest only), a variant or torchao row against the fastest (``fastest``) only, a hybridfp FP8
+    row also against each torchao row run before it (``x_torchao``: torchao's ms / the row's); its
+    ms, target and (CUDA) GPU busy fraction."""
+    name = row["variant"]
+    against = BASELINES if name in dict(RECIPES) and not fastest_only else (fastest,)
+    row["x_bf16"] = {b: pair(steps[b], steps[name], protocol).as_dict() for b in against}
+    torchao = [t for t in TORCHAO_ROWS if t in steps] if paired_with_torchao(name) else []
+    if torchao:
+        row["x_torchao"] = {t: pair(steps[t], steps[name], protocol).as_dict() for t in torchao}
     row["x_fastest_bf16"] = row["x_bf16"][fastest]
     row["ms"] = row["x_fastest_bf16"]["candidate_ms"]
     row["target"] = target(row["config"], row["variant"])  # the recipe's, at this config (moe_targets)
@@ -307,11 +324,12 @@ def _headline(r: dict[str, Any]) -> Optional[str]:
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The report's table of ``rows`` (bench_config's), a ratio below its row's target marked."""
     return md_table(["config", "variant", "x fastest BF16 [95 % interval]", "fastest BF16", "target"]
-                    + [f"x {b}" for b in BASELINES]
+                    + [f"x {b}" for b in BASELINES] + ["x torchao"]
                     + ["ms", "SM MHz", "host ms", "of it at syncs", "GPU busy", "rel err out / dx / dW1 / dW2", "bound",
                        "gain out / dx / dW1 / dW2", "paths"], [
         [r["config"], r["variant"], _headline(r), r.get("fastest_bf16"), r.get("target")]
         + [_ratio(r.get("x_bf16", {}).get(b)) for b in BASELINES]
+        + ["; ".join(f"{_ratio(p)} {t.rsplit(' ', 1)[-1]}" for t, p in r.get("x_torchao", {}).items()) or None]
         + [r.get("ms"), _clocks(r.get("x_fastest_bf16")), r.get("host_ms"), r.get("sync_wait_ms"), r.get("gpu_busy"),
            " / ".join(f"{v:.3g}" for v in r.get("rel_err", {}).values()) or None,
            " / ".join(f"{v:g}" for v in r.get("bounds", {}).values()) or None,
@@ -343,7 +361,14 @@ def main(argv=None) -> None:
                    "(named; the run fails unless they are A/B variants; a baseline not run by then fails it). "
                    "A run takes (2 + 3 x recipe rows + variant rows) x 2 x rounds x samples steps: --experts 8 on an "
                    "H100 about 7 minutes to its FP8 and MXFP8 rows, about 18 for every row")
+    p.add_argument("--fastest-only", action="store_true", help="pair the recipes' rows too against the fastest "
+                   "BF16 baseline only (fewer pairings: the torchao runs ask only the fastest BF16 and torchao)")
     args = p.parse_args(argv)
+    only = args.variants.split("|") if args.variants else None
+    try:  # before require_cuda: a missing torchao or GPU is named with the row that needs it
+        torchao_version = moe_torchao.require(moe_torchao.selected(only))
+    except MissingBaselineError as err:
+        sys.exit(str(err))
     require_cuda()
     if args.micro_batches < 1:
         p.error(f"--micro-batches {args.micro_batches}: must be >= 1")
@@ -357,8 +382,9 @@ def main(argv=None) -> None:
         fp8_tma = (rows_cfg or None, wgrad_cfg or None)
     warnings.simplefilter("ignore")
     deadline = time.monotonic() + args.deadline_s
-    only = args.variants.split("|") if args.variants else None
     env = environment()
+    if torchao_version:
+        env["torchao"] = torchao_version
     rows: list[dict[str, Any]] = []
     profiles: list[str] = []
     failures: list[str] = []
@@ -387,10 +413,13 @@ def main(argv=None) -> None:
               "syncs (the rest is the host's own work); \"GPU busy\" = device time of one step / its ms (well below 1: the GPU waits for the host, for its "
               "own work or after a sync); \"SM MHz\": "
               "min-max over the headline pair's rounds (sampled while they run)."
+              + (" \"x torchao\": the torchao row's ms / the row's (paired; torchao's token groups padded to 16 "
+                 "rows, counted in its time)." if moe_torchao.selected(only) else "")
+              + (" --fastest-only: every row paired against the fastest BF16 only." if args.fastest_only else "")
               + (f" Rows not run ({PAST_DEADLINE}): {'; '.join(skipped)}." if skipped else "")
               + ("" if final else " PARTIAL (the run stopped early).") + "\n\n" + table + "\n")
         result = {"env": env, "protocol": protocol_record(protocol), "rows": rows, "not_run": skipped,
-                  "failures": failures, "markdown": md}
+                  "failures": failures, "fastest_only": args.fastest_only, "markdown": md}
         if final:
             finish("moe", result, args.out)  # prints the table last
         elif args.out is not None:
@@ -401,7 +430,7 @@ def main(argv=None) -> None:
         for e, f in configs:
             rows += bench_config(e, f, tokens, d, args.profile, profiles, only, args.profile_stacks,
                                  args.micro_batches, args.ab, protocol, args.skew, args.compile_backend,
-                                 deadline, lambda new: report(rows + new), fp8_tma)
+                                 deadline, lambda new: report(rows + new), fp8_tma, args.fastest_only)
     except MissingBaselineError as err:
         failures.append(str(err))
     except UnknownRowError as err:  # before any row is timed

@@ -133,9 +133,10 @@ class BF16MoE(nn.Module):
         self.w1 = nn.Parameter(torch.randn(e, 2 * f, d, device=common.DEVICE, dtype=dtype) * d ** -0.5)
         self.w2 = nn.Parameter(torch.randn(e, d, f, device=common.DEVICE, dtype=dtype) * f ** -0.5)
 
-    def sharing(self, gemm: str) -> "BF16MoE":
-        """The same layer (these Parameters) computed with ``gemm``."""
-        m = BF16MoE.__new__(BF16MoE)
+    def sharing(self, gemm: str, kind: Optional[type] = None) -> "BF16MoE":
+        """The same layer (these Parameters) computed with ``gemm``; ``kind``: a subclass to build
+        instead (one that routes differently, ``moe_torchao.TorchaoMoE``)."""
+        m = (kind or BF16MoE).__new__(kind or BF16MoE)
         nn.Module.__init__(m)
         m.gemm, m.sync, m.router, m.w1, m.w2 = gemm, SyncClock(), self.router, self.w1, self.w2
         return m
@@ -149,8 +150,12 @@ class BF16MoE(nn.Module):
             setattr(m, name, nn.Parameter(getattr(self, name).detach().float().clone()))
         return m
 
+    def route(self, x: torch.Tensor, offset: Optional[torch.Tensor] = None) -> Routing:
+        """The routing of ``x`` (its permutation, weights and group offsets)."""
+        return Routing(x, self.router, TOP_K, offset)
+
     def forward(self, x: torch.Tensor, offset: Optional[torch.Tensor] = None) -> torch.Tensor:
-        r = Routing(x, self.router, TOP_K, offset)
+        r = self.route(x, offset)
         if self.gemm == "grouped":
             h = torch._grouped_mm(r.permute(x), self.w1.transpose(1, 2), offs=r.offs)
             y = torch._grouped_mm(swiglu(h), self.w2.transpose(1, 2), offs=r.offs)

@@ -1,6 +1,7 @@
 """The rows a bench_moe run plans, before any is timed: the recipes and their A/B variants (the
-suffixes), the switches each suffix flips (``wrap``), the layer each row runs (``variants_of``)
-and each row's error bounds from its formats (``error_bounds``, ``breaches``)."""
+suffixes), torchao's float8 rows (by name only, ``moe_torchao``), the switches each suffix flips
+(``wrap``), the layer each row runs (``variants_of``) and each row's error bounds from its formats
+(``error_bounds``, ``breaches``)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import torch
 from torch import nn
 
 import hybridfp
-from bench import common
+from bench import common, moe_torchao
 from bench.common import GAIN_TOLERANCE, MissingBaselineError, error_bound
 from bench.moe_layer import BF16MoE, HybridMoE, PrimaryWeightsMoE
+from bench.moe_torchao import TORCHAO_FORMATS, TORCHAO_ROWS
 
 
 #: in the order they run after the baselines: the rows with a target (``moe_targets.TARGETS``)
@@ -35,6 +37,7 @@ RECIPE_FORMATS = {
     "hybridfp FP8 current": ("e4m3", "e5m2"),
     "hybridfp MXFP8": ("e4m3", "e4m3"),
     "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)": ("e2m1", "e4m3"),
+    **{name: TORCHAO_FORMATS for name in TORCHAO_ROWS},
 }
 #: (forward, backward) GEMMs on the longest path to each checked tensor (``common.error_bound``;
 #: the experts are a SwiGLU MLP, as bench_mlp's): all micro-batches' outputs, x's gradient and
@@ -219,9 +222,11 @@ class UnknownRowError(ValueError):
 
 def variants_of(base: BF16MoE, hf: HybridMoE, only: Optional[list[str]], ab: bool, compile_backend: str
                 ) -> list[tuple[str, Callable[[], nn.Module], Optional[Callable[[], Any]]]]:
-    """(name, its layer's builder, autocast context) of the three baselines and the candidates.
-    The extra layers (unpacked, one weight Parameter, quantized primary weights) are built when
-    their first row runs: a run that selects none of their rows never holds them.
+    """(name, its layer's builder, autocast context) of the three baselines, the torchao rows
+    ``only`` names (``moe_torchao``: right after the baselines, the FP8 rows are paired against
+    them too) and the candidates. The extra layers (unpacked, one weight Parameter, quantized primary
+    weights, torchao's) are built when their first row runs: a run that selects none of their
+    rows never holds them.
 
     Raises
     ------
@@ -240,6 +245,8 @@ def variants_of(base: BF16MoE, hf: HybridMoE, only: Optional[list[str]], ab: boo
     variants: list[tuple[str, Callable[[], nn.Module], Optional[Callable[[], Any]]]] = [
         (BF16_GROUPED, lambda: base, None), (BF16_PER_EXPERT, lambda: per_expert, None),
         (BF16_COMPILED, lambda: compiled, None)]
+    variants += [(name, _once(lambda n=name: moe_torchao.build(n, base, compile_backend)), None)
+                 for name in moe_torchao.selected(only)]
     for name, recipe in RECIPES:
         variants.append((name, lambda: hf, lambda r=recipe(): hybridfp.autocast(recipe=r)))
     unpacked = _once(lambda: HybridMoE(base, pack_weights=False))
@@ -278,14 +285,32 @@ def variants_of(base: BF16MoE, hf: HybridMoE, only: Optional[list[str]], ab: boo
         if unknown:
             raise UnknownRowError(f"bench_moe --variants: no row named {', '.join(map(repr, unknown))}"
                              + ("" if ab else " (the A/B rows need --ab)") + "; the rows are: "
-                             + "; ".join(v[0] for v in variants if v[0] not in BASELINES))
+                             + "; ".join(v[0] for v in variants if not is_baseline(v[0]))
+                             + "; by name only: " + "; ".join(TORCHAO_ROWS))
         variants = [v for v in variants if v[0] in BASELINES or v[0] in only]
     return variants
 
 
+def is_baseline(variant: str) -> bool:
+    """Whether other rows are paired against row ``variant``: its failure, or a deadline before
+    it, stops the run by name.
+
+    Parameters
+    ----------
+    variant:
+        A row's name.
+
+    Returns
+    -------
+    bool
+        True for the BF16 baselines and the torchao rows (``moe_torchao.TORCHAO_ROWS``).
+    """
+    return variant in BASELINES or variant in TORCHAO_ROWS
+
+
 def optional(variant: str) -> bool:
     """Whether a row may stay unmeasured without failing the run: an A/B variant (a suffix), not a
-    recipe's row or a baseline."""
-    return variant not in BASELINES and variant not in dict(RECIPES)
+    recipe's row or a baseline (BF16, torchao)."""
+    return not is_baseline(variant) and variant not in dict(RECIPES)
 
 
