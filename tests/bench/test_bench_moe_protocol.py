@@ -25,14 +25,6 @@ FAST = ["--quick", "--micro-batches", "2", "--rounds", "2", "--samples", "1", "-
 FASTER = ["--quick", "--micro-batches", "1", "--rounds", "1", "--samples", "1", "--compile-backend", "eager"]
 
 
-@pytest.fixture
-def tiny(monkeypatch):
-    """``--quick`` at 4 experts x ffn 32, 64 tokens, hidden 64, on the CPU."""
-    monkeypatch.setattr(common, "DEVICE", "cpu")
-    monkeypatch.setattr(bench_moe, "QUICK_CONFIGS", [(4, 32)])
-    monkeypatch.setattr(bench_moe, "QUICK_SHAPE", (64, 64))
-
-
 def test_every_ratio_is_paired_against_each_baseline_and_the_fastest(tiny, tmp_path, monkeypatch):
     calls = []
     real = bench_moe.paired_ratio

@@ -24,14 +24,6 @@ FP8 = "hybridfp FP8 current"
 FAST = ["--quick", "--micro-batches", "2", "--rounds", "2", "--samples", "1", "--compile-backend", "eager"]
 
 
-@pytest.fixture
-def tiny(monkeypatch):
-    """``--quick`` at 4 experts x ffn 32, 64 tokens, hidden 64, on the CPU."""
-    monkeypatch.setattr(common, "DEVICE", "cpu")
-    monkeypatch.setattr(bench_moe, "QUICK_CONFIGS", [(4, 32)])
-    monkeypatch.setattr(bench_moe, "QUICK_SHAPE", (64, 64))
-
-
 def reference_fill(counts: torch.Tensor, experts: int, ranks: int, length: int, align: int):
     """generate_permute_indices' contract on one rank, written plainly: each expert's rows in order,
     its group rounded up to ``align`` rows (an empty expert given ``align``), -1 elsewhere."""
