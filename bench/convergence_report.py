@@ -1,6 +1,7 @@
 """Statistics of a convergence study: each recipe's gap to BF16 over seeds, with a 95 % interval.
 
     python -m bench.convergence_report runs/convergence/dense/metrics.jsonl [--json report.json]
+    python -m bench.convergence_report A/metrics.jsonl B/metrics.jsonl BF16-AGAIN/metrics.jsonl --baseline-replicates
 
 Input: ``metrics.jsonl`` files of ``hybridfp train`` whose run labels are ``RECIPE@seed=K``
 (a label without ``@seed=`` is seed 0, the training default). Per recipe: the final validation
@@ -22,6 +23,13 @@ when it straddles a bound or there is no interval (one seed). ``failed`` when an
 recipe's planned runs diverged, stopped before the planned step, never started or was dropped
 (:func:`failed_runs`; the report names each run and why): pairing over the seeds that happened
 to survive would hide the failure.
+
+``--baseline-replicates`` (``analyze(baseline_replicates=True)``): the baseline's runs
+``bf16@seed=K`` may be in several files (BF16 trained again at seeds of an earlier study, in a
+file of its own); at each seed the baseline's loss is the mean of its runs there (one or more),
+each recipe is paired against that mean, and the report says how many seeds have how many runs
+and gives the run-to-run floor (:func:`bench.convergence_stats.replicate_floor`). Without it a
+run label in two files is refused, the baseline's as any other; with it, still any other's.
 """
 
 from __future__ import annotations
@@ -31,12 +39,12 @@ import gzip
 import json
 import math
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-from bench.convergence_stats import (CONFIDENCE, SEEDS_LIMIT, paired_gap, resolvable_sd, seeds_to_meet, t_quantile,
-                                     verdict, welch_gap)
+from bench.convergence_stats import (CONFIDENCE, SEEDS_LIMIT, gap_pct, paired_gap, replicate_floor, replicate_means,
+                                     resolvable_sd, seeds_to_meet, t_quantile, verdict, welch_gap)
 
 #: Relative final val-loss gap targets vs BF16 (%), by recipe name.
 TARGETS = {"fp8": 0.25, "fp8-block": 0.25, "mxfp8": 0.25, "per_gemm:fprop=nvfp4,dgrad=mxfp8,wgrad=mxfp8": 1.0,
@@ -50,6 +58,64 @@ def split_label(label: str) -> tuple[str, int]:
     (``hybridfp.train.report.split_seed``), which named the runs, at its default seed."""
     from hybridfp.train.report import split_seed  # lazily: the tables above need no torch
     return split_seed(label, 0)
+
+
+def read_runs(paths: Iterable[Path], baseline_replicates: bool = False) -> Iterable[tuple[str, dict]]:
+    """Every record of ``paths`` in order (``.gz`` files decompressed), with the name of its run:
+    its label (``RECIPE@seed=K``), or with ``baseline_replicates`` for a :data:`BASELINE` run
+    ``"LABEL in PATH"``, since the baseline's runs of one seed may then come from several files.
+
+    Parameters
+    ----------
+    paths : metrics.jsonl(.gz) files of one comparison.
+    baseline_replicates : let a :data:`BASELINE` run label be in several files, each file's
+        records of it one run (a replicate).
+
+    Returns
+    -------
+    Iterable[tuple[str, dict]] : (run, record), file by file, line by line (blank lines skipped).
+
+    Raises
+    ------
+    ValueError : a run label found in two files (with ``baseline_replicates``, a label of another
+        recipe than the baseline): the same run trained twice (e.g. studies run one after the other
+        with overlapping seeds) would mix two trajectories into one.
+    """
+    owner: dict[str, Path] = {}
+    for path in map(Path, paths):
+        names: dict[str, str] = {}  # label -> run, in this file
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt") as f:
+            for line in f:
+                if line.strip():
+                    record = json.loads(line)
+                    label = record["recipe"]
+                    run = names.get(label)
+                    if run is None:
+                        run = names[label] = _run_name(label, path, owner.setdefault(label, path), baseline_replicates)
+                    yield run, record
+
+
+def _run_name(label: str, path: Path, first: Path, baseline_replicates: bool) -> str:
+    """The run of ``label``'s records in ``path`` (``first``: the first file that has the label).
+
+    Raises
+    ------
+    ValueError : the label is in two files and is not a baseline run with ``baseline_replicates``.
+    """
+    if baseline_replicates and split_label(label)[0] == BASELINE:
+        return f"{label} in {path}"
+    if first != path:
+        if baseline_replicates:
+            hint = f" Only {BASELINE}'s runs may be in several files (--baseline-replicates)."
+        elif split_label(label)[0] == BASELINE:
+            hint = (f" To pair every recipe with the mean of {BASELINE} runs trained again at the same seeds, "
+                    "pass --baseline-replicates (python -m bench.convergence_report).")
+        else:
+            hint = ""
+        raise ValueError(f"run {label} is in both {first} and {path}: each run must come from one file (give the "
+                         "studies disjoint seeds: python -m bench.convergence --first-seed)." + hint)
+    return label
 
 
 def read_records(paths: Iterable[Path]) -> Iterable[dict]:
@@ -68,19 +134,8 @@ def read_records(paths: Iterable[Path]) -> Iterable[dict]:
     ValueError : a run label found in two files: the same run trained twice (e.g. studies run one
         after the other with overlapping seeds) would mix two trajectories into one.
     """
-    owner: dict[str, Path] = {}
-    for path in paths:
-        opener = gzip.open if Path(path).suffix == ".gz" else open
-        with opener(path, "rt") as f:
-            for line in f:
-                if line.strip():
-                    record = json.loads(line)
-                    first = owner.setdefault(record["recipe"], Path(path))
-                    if first != Path(path):
-                        raise ValueError(f"run {record['recipe']} is in both {first} and {path}: each run "
-                                         "must come from one file (give the studies disjoint seeds: "
-                                         "python -m bench.convergence --first-seed).")
-                    yield record
+    for _, record in read_runs(paths):
+        yield record
 
 
 def _one_corpus(corpus: dict[str, set[str]], paths: Sequence[Path]) -> Optional[str]:
@@ -104,7 +159,8 @@ def _one_corpus(corpus: dict[str, set[str]], paths: Sequence[Path]) -> Optional[
 
 
 def failed_runs(paths: Sequence[Path], steps: Optional[int] = None, expected: Sequence[str] = (),
-                dropped: Optional[dict[str, str]] = None, cut: Optional[dict[str, str]] = None) -> dict[str, str]:
+                dropped: Optional[dict[str, str]] = None, cut: Optional[dict[str, str]] = None,
+                baseline_replicates: bool = False) -> dict[str, str]:
     """The runs of a comparison that cannot count, each with why: a non-finite loss
     (``diverged at step N``), no validation loss at the planned ``steps`` (``stopped at step N``:
     a crash, a kill, a time-out), an ``expected`` label with no record (``never started``: its
@@ -119,10 +175,12 @@ def failed_runs(paths: Sequence[Path], steps: Optional[int] = None, expected: Se
     expected : every run label the plan trains.
     dropped : label -> reason of runs the plan left out.
     cut : label -> why the driver stopped the run's worker (the budget ran out, an interrupt).
+    baseline_replicates : the baseline's runs may be in several files (:func:`read_runs`), each
+        judged on its own and named ``"LABEL in PATH"``.
 
     Returns
     -------
-    dict : label -> reason, sorted by label.
+    dict : run (label, or :func:`read_runs`' name) -> reason, sorted.
 
     Example
     -------
@@ -138,29 +196,30 @@ def failed_runs(paths: Sequence[Path], steps: Optional[int] = None, expected: Se
     def why(text: str, label: str) -> str:
         return f"{text}: {cut[label]}" if label in cut else text
 
-    nonfinite, last_val, last_step = {}, {}, {}
-    for r in read_records(paths):
-        label = r["recipe"]
-        last_step[label] = max(last_step.get(label, -1), r["step"])
+    nonfinite, last_val, last_step, label_of = {}, {}, {}, {}
+    for run, r in read_runs(paths, baseline_replicates):
+        label_of[run] = r["recipe"]
+        last_step[run] = max(last_step.get(run, -1), r["step"])
         bad = [k for k in ("train_loss", "val_loss") if k in r and not math.isfinite(r[k])]
-        if bad and label not in nonfinite:
-            nonfinite[label] = r["step"]
+        if bad and run not in nonfinite:
+            nonfinite[run] = r["step"]
         if "val_loss" in r:
-            last_val[label] = max(last_val.get(label, -1), r["step"])
+            last_val[run] = max(last_val.get(run, -1), r["step"])
     out = dict(dropped or {})
-    for label, step in last_step.items():
-        if label in nonfinite:
-            out[label] = f"diverged at step {nonfinite[label]}"
-        elif steps is not None and last_val.get(label) != steps:
-            out[label] = why(f"stopped at step {step}", label)
-    out.update({label: why("never started", label) for label in expected if label not in last_step})
+    for run, step in last_step.items():
+        if run in nonfinite:
+            out[run] = f"diverged at step {nonfinite[run]}"
+        elif steps is not None and last_val.get(run) != steps:
+            out[run] = why(f"stopped at step {step}", label_of[run])
+    started = set(label_of.values())
+    out.update({label: why("never started", label) for label in expected if label not in started})
     return dict(sorted(out.items()))
 
 
 def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
             confidence: float = CONFIDENCE, steps: Optional[int] = None, expected: Sequence[str] = (),
             dropped: Optional[dict[str, str]] = None, cut: Optional[dict[str, str]] = None,
-            train_window: Optional[int] = None) -> dict:
+            train_window: Optional[int] = None, baseline_replicates: bool = False) -> dict:
     """Per recipe: final validation losses by seed, mean +- std, gap to BF16 with its interval
     and the verdict; plain data (JSON-able).
 
@@ -175,6 +234,13 @@ def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
     over the surviving seeds would judge the recipe on the seeds it happened to survive. Its
     row is there even when no run of it completed.
 
+    ``baseline_replicates``: the baseline's runs ``bf16@seed=K`` may be in several files (BF16
+    trained again at seeds already trained, in a file of its own); each seed's baseline loss is
+    the mean of its complete runs there, each recipe is paired against that mean (its method says
+    so, with how many seeds have how many runs), and the result gains ``"baseline_replicates"``.
+    Each run is judged on its own (:func:`failed_runs`): a failed replicate fails the baseline row
+    and is left out of its seed's mean. A label of another recipe in two files is still refused.
+
     Parameters
     ----------
     paths : metrics.jsonl(.gz) files of one comparison (e.g. one per worker process).
@@ -186,6 +252,8 @@ def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
     dropped : label -> reason of runs the plan left out (e.g. ``"dropped at the probe"``).
     cut : label -> why the driver stopped the run's worker (:func:`failed_runs`).
     train_window : steps of training loss to average instead of the final validation loss.
+    baseline_replicates : pair every recipe with the mean of the baseline's runs per seed, which
+        may come from several files (their runs named ``"LABEL in PATH"``; :func:`read_runs`).
 
     Returns
     -------
@@ -193,31 +261,38 @@ def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
         "incomplete": [labels], "failed": {recipe: [labels]}, "corpus": fingerprint or None,
         "runs_without_corpus": [labels]}`` (``runs_without_corpus``: compared runs whose metrics
         record no corpus: files written before the trainer recorded it, or data without a
-        fingerprint, such as a plain text file).
+        fingerprint, such as a plain text file). With ``baseline_replicates`` the baseline's
+        ``seeds`` are the per-seed means and the result has ``"baseline_replicates": {"recipe",
+        "runs_per_seed": {k: seeds}, "losses": {seed: [loss per run]}, "runs": {seed: [run]},
+        "floor"}`` (``floor``: :func:`bench.convergence_stats.replicate_floor` as ``{"seeds",
+        "gaps": {seed: %}, "gap_pct", "lo", "hi", "sd"}``, None without a seed of two runs).
 
     Raises
     ------
     ValueError : no validation loss, no complete ``bf16`` run, runs that read different corpora
-        (their first records' ``data`` fingerprints differ), or (``steps`` None) runs that ended at
-        different steps, or (``train_window``) a run missing a training loss in its window.
+        (their first records' ``data`` fingerprints differ; replicates included), or (``steps``
+        None) runs that ended at different steps, or (``train_window``) a run missing a training
+        loss in its window, or a run label in two files (:func:`read_runs`).
     """
     if train_window is not None and train_window < 1:
         raise ValueError(f"train_window (--train-window) must be >= 1 steps, got {train_window}.")
     targets = TARGETS if targets is None else targets
-    failed = failed_runs(paths, steps, expected, dropped, cut)
+    failed = failed_runs(paths, steps, expected, dropped, cut, baseline_replicates)
     last: dict[str, tuple[int, float]] = {}
     rates: dict[str, list[tuple[int, float]]] = defaultdict(list)
     corpus: dict[str, set[str]] = defaultdict(set)
     train: dict[str, dict[int, float]] = defaultdict(dict)
-    for r in read_records(paths):
+    label_of: dict[str, str] = {}
+    for run, r in read_runs(paths, baseline_replicates):
+        label_of[run] = r["recipe"]
         if "train_loss" in r:
-            train[r["recipe"]][r["step"]] = r["train_loss"]
+            train[run][r["step"]] = r["train_loss"]
         if "data" in r:
-            corpus[r["recipe"]].add(r["data"])
-        if "val_loss" in r and r["step"] >= last.get(r["recipe"], (-1, 0.0))[0]:
-            last[r["recipe"]] = (r["step"], r["val_loss"])
+            corpus[run].add(r["data"])
+        if "val_loss" in r and r["step"] >= last.get(run, (-1, 0.0))[0]:
+            last[run] = (r["step"], r["val_loss"])
         if "tokens_per_s" in r:
-            rates[r["recipe"]].append((r["step"], r["tokens_per_s"]))
+            rates[run].append((r["step"], r["tokens_per_s"]))
     corpora = _one_corpus(corpus, paths)
     incomplete = sorted(k for k in last if k in failed)
     last = {k: v for k, v in last.items() if k not in failed}
@@ -245,17 +320,22 @@ def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
         metric = f"mean training loss over steps {window[0]}-{final_step}"
     seeds: dict[str, dict[int, float]] = defaultdict(dict)
     speed: dict[str, list[float]] = defaultdict(list)
-    for label, (_, loss) in last.items():
-        recipe, seed = split_label(label)
+    replicates: dict[int, list[tuple[str, float]]] = defaultdict(list)  # seed -> (run, loss), in file order
+    for run, (_, loss) in last.items():
+        recipe, seed = split_label(label_of[run])
+        if baseline_replicates and recipe == BASELINE:
+            replicates[seed].append((run, loss))
         seeds[recipe][seed] = loss
-        pts = rates[label]
+        pts = rates[run]
         speed[recipe] += [t for s, t in pts if pts and s > pts[-1][0] // 2]
     if BASELINE not in seeds:
         raise ValueError(f"{', '.join(map(str, paths))}: no {BASELINE} run to compare against"
                          + (f" (failed runs: {', '.join(failed)})." if failed else "."))
+    if baseline_replicates:
+        seeds[BASELINE] = replicate_means({s: [loss for _, loss in v] for s, v in replicates.items()})
     by_recipe: dict[str, dict[str, str]] = defaultdict(dict)
-    for label, why in failed.items():
-        by_recipe[split_label(label)[0]][label] = why
+    for run, why in failed.items():
+        by_recipe[split_label(label_of.get(run, run))[0]][run] = why
     base = seeds[BASELINE]
     rows = []
     for recipe in [*seeds, *(r for r in by_recipe if r not in seeds)]:
@@ -270,8 +350,17 @@ def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
             if len(shared) >= 2 or (shared and (len(by_seed) < 2 or len(base) < 2)):
                 g = paired_gap(by_seed, base, confidence)
             else:  # unpaired: fewer than two seeds in common
-                g = welch_gap(losses, list(base.values()), confidence)
-            row.update(gap_pct=g.gap_pct, ci_lo=g.lo, ci_hi=g.hi, method=g.method,
+                g, shared = welch_gap(losses, list(base.values()), confidence), set(base)
+            method = g.method
+            if baseline_replicates:  # the method must say what the baseline was
+                note = _runs_note(shared, replicates)
+                if g.method.startswith("paired"):
+                    method = f"paired vs mean of {BASELINE} replicates ({note})"
+                elif g.method == "Welch":
+                    method = f"Welch vs per-seed means of {BASELINE} replicates ({note})"
+                else:
+                    method = f"{g.method}; vs mean of {BASELINE} replicates ({note})"
+            row.update(gap_pct=g.gap_pct, ci_lo=g.lo, ci_hi=g.hi, method=method,
                        verdict=verdict(g.lo, g.hi, row["target_pct"]), gap_sd=g.sd,
                        seeds_to_meet=(seeds_to_meet(g.sd, row["target_pct"], confidence)
                                       if g.sd is not None and row["target_pct"] is not None else None),
@@ -281,13 +370,45 @@ def analyze(paths: Sequence[Path], targets: Optional[dict[str, float]] = None,
             row.update(gap_pct=None, ci_lo=None, ci_hi=None, method="no complete run")
         else:
             row["verdict"] = ""
+            if baseline_replicates:
+                row.update(method=f"mean of its runs per seed ({_runs_note(base, replicates)})",
+                           runs=sum(map(len, replicates.values())))
         if recipe in by_recipe:
             row.update(verdict="failed", failed_runs=by_recipe[recipe])
         rows.append(row)
-    return {"final_step": final_step, "metric": metric, "confidence": confidence, "rows": rows, "incomplete": incomplete,
-            "corpus": corpora, "runs_without_corpus": sorted(set(last) - set(corpus)),
-            "failed": {r: sorted(d) for r, d in by_recipe.items()},
-            "seeds": {k: {str(s): v for s, v in sorted(d.items())} for k, d in seeds.items()}}
+    result = {"final_step": final_step, "metric": metric, "confidence": confidence, "rows": rows,
+              "incomplete": incomplete, "corpus": corpora, "runs_without_corpus": sorted(set(last) - set(corpus)),
+              "failed": {r: sorted(d) for r, d in by_recipe.items()},
+              "seeds": {k: {str(s): v for s, v in sorted(d.items())} for k, d in seeds.items()}}
+    if baseline_replicates:
+        result["baseline_replicates"] = _replicates_summary(replicates, confidence)
+    return result
+
+
+def _runs_note(seeds: Iterable[int], replicates: dict[int, list[tuple[str, float]]]) -> str:
+    """How many of ``seeds`` have how many baseline runs: ``"36 seeds, 26 with 2 runs"``
+    (the seeds not named have one), ``"3 seeds, each with 2 runs"``."""
+    seeds = sorted(seeds)
+    counts = Counter(len(replicates[s]) for s in seeds)
+    if len(counts) == 1:
+        k = next(iter(counts))
+        tail = f"each with {k} run{'s' if k != 1 else ''}"
+    else:
+        tail = ", ".join(f"{n} with {k} runs" for k, n in sorted(counts.items()) if k > 1)
+    return f"{len(seeds)} seed{'s' if len(seeds) != 1 else ''}, {tail}"
+
+
+def _replicates_summary(replicates: dict[int, list[tuple[str, float]]], confidence: float) -> dict:
+    """The JSON of the baseline's runs per seed: counts, losses, run names and the floor."""
+    losses = {s: [loss for _, loss in replicates[s]] for s in sorted(replicates)}
+    floor = replicate_floor(losses, confidence)
+    counts = Counter(map(len, losses.values()))
+    return {"recipe": BASELINE, "runs_per_seed": {str(k): counts[k] for k in sorted(counts)},
+            "losses": {str(s): v for s, v in losses.items()},
+            "runs": {str(s): [run for run, _ in replicates[s]] for s in sorted(replicates)},
+            "floor": None if floor is None else {
+                "seeds": floor.n, "gaps": {str(s): gap_pct(v[1], v[0]) for s, v in losses.items() if len(v) > 1},
+                "gap_pct": floor.gap_pct, "lo": floor.lo, "hi": floor.hi, "sd": floor.sd}}
 
 
 def to_markdown(result: dict) -> str:
@@ -297,8 +418,11 @@ def to_markdown(result: dict) -> str:
     head = "final val loss" if metric == "final validation loss" else metric
     what = f"Final validation loss at step {result['final_step']}" if head == "final val loss" \
         else f"{metric[0].upper()}{metric[1:]}"
-    lines = [f"{what}; gap = recipe vs `{BASELINE}` in %, {pct} % interval.", "",
-             f"| recipe | seeds | {head} (mean ± std) | gap vs {BASELINE} | {pct} % interval | method "
+    replicated = result.get("baseline_replicates")
+    versus = f"the mean of the `{BASELINE}` runs at the same seed" if replicated else f"`{BASELINE}`"
+    lines = [f"{what}; gap = recipe vs {versus} in %, {pct} % interval.", "",
+             f"| recipe | seeds | {head} (mean ± std) | gap vs {'mean of ' if replicated else ''}{BASELINE}"
+             f"{' runs' if replicated else ''} | {pct} % interval | method "
              "| target | verdict | seeds to meet at gap 0 | at its gap | tokens/s |",
              "|---|---:|---:|---:|---:|---|---:|---|---:|---:|---:|"]
     for r in result["rows"]:
@@ -307,8 +431,11 @@ def to_markdown(result: dict) -> str:
         tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] is not None else ""
         target = f"± {r['target_pct']} %" if r["target_pct"] is not None else ""
         need = need_here = ""
+        count = str(len(r["seeds"]))
         if r["recipe"] == BASELINE:
-            gap, interval, method, verdict_ = "baseline", "", "", r.get("verdict", "")
+            gap, interval, method, verdict_ = "baseline", "", r.get("method", ""), r.get("verdict", "")
+            if replicated:
+                gap, count = "baseline: mean of runs", f"{count} ({r['runs']} runs)"
         else:
             gap = f"{r['gap_pct']:+.2f} %" if r["gap_pct"] is not None else "—"
             interval = f"[{r['ci_lo']:+.2f}, {r['ci_hi']:+.2f}] %" if r["ci_lo"] is not None else "—"
@@ -320,8 +447,10 @@ def to_markdown(result: dict) -> str:
                 else:
                     at = r.get("seeds_to_meet_at_gap")
                     need_here = str(at) if at is not None else f"> {SEEDS_LIMIT}"
-        lines.append(f"| `{r['recipe']}` | {len(r['seeds'])} | {mean} | {gap} | {interval} | "
+        lines.append(f"| `{r['recipe']}` | {count} | {mean} | {gap} | {interval} | "
                      f"{method} | {target} | {verdict_} | {need} | {need_here} | {tps} |")
+    if replicated:
+        lines += _replicate_lines(result)
     seeds = sorted({int(s) for d in result["seeds"].values() for s in d})
     n = max((len(r["seeds"]) for r in result["rows"]), default=0)
     targets = sorted({r["target_pct"] for r in result["rows"] if r["target_pct"] is not None})
@@ -344,13 +473,43 @@ def to_markdown(result: dict) -> str:
     lines += ["", f"{metric[0].upper()}{metric[1:]} by seed:", "",
               "| recipe | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|" + "---:|" * len(seeds)]
     for recipe, d in result["seeds"].items():
-        lines.append(f"| `{recipe}` | " + " | ".join(f"{d[str(s)]:.4f}" if str(s) in d else "" for s in seeds)
-                     + " |")
+        name = f"`{recipe}` (mean of runs)" if replicated and recipe == BASELINE else f"`{recipe}`"
+        lines.append(f"| {name} | " + " | ".join(f"{d[str(s)]:.4f}" if str(s) in d else "" for s in seeds) + " |")
+        if replicated and recipe == BASELINE:  # each run under the mean, in the order of the files
+            losses = replicated["losses"]
+            for i in range(max(map(len, losses.values()))):
+                lines.append(f"| `{recipe}` run {i + 1} | " + " | ".join(
+                    f"{losses[str(s)][i]:.4f}" if len(losses.get(str(s), ())) > i else "" for s in seeds) + " |")
     failed = {label: why for r in result["rows"] for label, why in r.get("failed_runs", {}).items()}
     if failed:  # the rows above with these recipes are judged failed, whatever their other seeds say
         lines += ["", "Failed runs (their recipes' verdict is failed; the seeds that completed are shown, "
                   "not judged): " + ", ".join(f"`{k}` ({why})" for k, why in failed.items()) + "."]
     return "\n".join(lines)
+
+
+def _replicate_lines(result: dict) -> list[str]:
+    """The paragraph under the table of a result with ``baseline_replicates``: how many seeds have
+    how many baseline runs, and the run-to-run floor beside the recipes' per-seed spreads."""
+    replicated = result["baseline_replicates"]
+    counts = replicated["runs_per_seed"]
+    runs = sum(int(k) * n for k, n in counts.items())
+    per_seed = ", ".join(f"{n} with {k} run{'s' if k != '1' else ''}" for k, n in counts.items())
+    lines = ["", f"Baseline: at each seed `{BASELINE}` is the **mean of its runs** at that seed, and every recipe "
+             f"is paired with that mean, not with one run ({sum(counts.values())} seeds: {per_seed}; {runs} runs)."]
+    floor = replicated["floor"]
+    if floor is None:
+        return lines + ["No seed has two runs: no run-to-run floor."]
+    if floor["sd"] is None:
+        return lines + [f"Run-to-run floor: at the one seed with two runs the second differs from the first by "
+                        f"{floor['gap_pct']:+.2f} %; one seed gives no standard deviation."]
+    spreads = ", ".join(f"`{r['recipe']}` {r['gap_sd']:.2f} %" for r in result["rows"] if r.get("gap_sd") is not None)
+    return lines + [f"Run-to-run floor: at the {floor['seeds']} seeds with two or more runs, the second run (in the "
+                    f"order of the files) differs from the first by {floor['gap_pct']:+.2f} % "
+                    f"[{floor['lo']:+.2f}, {floor['hi']:+.2f}] % on average, with a standard deviation of "
+                    f"**{floor['sd']:.2f} %**: the spread of the difference of two runs of one recipe and seed; "
+                    f"one run's own share is about {floor['sd'] / math.sqrt(2):.2f} % (÷ √2), "
+                    "a mean of k runs' that ÷ √k"
+                    + (f". The recipes' per-seed gaps' standard deviations: {spreads}." if spreads else ".")]
 
 
 def report(*paths: Path) -> str:
@@ -367,9 +526,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--train-window", type=int, default=None, metavar="N",
                    help="compare each run's mean training loss over its last N steps (new batches: a "
                         "held-out estimate) instead of its final validation loss")
+    p.add_argument("--baseline-replicates", action="store_true",
+                   help=f"{BASELINE} runs of one seed may be in several files (trained again): pair every recipe "
+                        f"with the mean of its seed's {BASELINE} runs, and report their run-to-run floor")
     args = p.parse_args(argv)
     try:
-        result = analyze(args.metrics, steps=args.steps, train_window=args.train_window)
+        result = analyze(args.metrics, steps=args.steps, train_window=args.train_window,
+                         baseline_replicates=args.baseline_replicates)
     except ValueError as e:
         raise SystemExit(str(e)) from None
     print(to_markdown(result))
@@ -377,7 +540,8 @@ def main(argv: list[str] | None = None) -> None:
         args.json.write_text(json.dumps(result, indent=1))
 
 
-__all__ = ["BASELINE", "TARGETS", "analyze", "failed_runs", "read_records", "report", "split_label", "to_markdown"]
+__all__ = ["BASELINE", "TARGETS", "analyze", "failed_runs", "read_records", "read_runs", "report", "split_label",
+           "to_markdown"]
 
 
 if __name__ == "__main__":

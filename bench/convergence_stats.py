@@ -1,5 +1,6 @@
 """The statistics of a convergence study: Student-t intervals for a recipe's gap to BF16, paired
-by seed or Welch, the seed spread a target can resolve, the seeds it needs, and the verdict.
+by seed or Welch, the seed spread a target can resolve, the seeds it needs, the verdict, and for a
+baseline trained more than once at a seed the mean of its runs and their run-to-run floor.
 
 Pure Python (no torch, no scipy): the report runs wherever its metrics files are.
 
@@ -157,6 +158,63 @@ def paired_gap(recipe: dict[int, float], base: dict[int, float], confidence: flo
     return Gap(mean, mean - half, mean + half, f"paired ({len(d)} seeds)", len(d), sd)
 
 
+def replicate_means(runs: dict[int, Sequence[float]]) -> dict[int, float]:
+    """Per seed, the mean of the baseline's runs of that seed (one run: its own loss): what each
+    recipe is paired against when the baseline was trained more than once at a seed.
+
+    Parameters
+    ----------
+    runs : seed -> the losses of the baseline's runs at that seed (one or more each).
+
+    Returns
+    -------
+    dict : seed -> mean loss, by seed.
+
+    Raises
+    ------
+    ValueError : a seed with no run.
+
+    Example
+    -------
+    >>> {s: round(m, 6) for s, m in replicate_means({0: [1.0, 1.02], 1: [0.9]}).items()}
+    {0: 1.01, 1: 0.9}
+    """
+    empty = sorted(s for s, losses in runs.items() if not losses)
+    if empty:
+        raise ValueError(f"replicate_means: no run at seed(s) {empty}.")
+    return {s: statistics.fmean(runs[s]) for s in sorted(runs)}
+
+
+def replicate_floor(runs: dict[int, Sequence[float]], confidence: float = CONFIDENCE) -> Optional[Gap]:
+    """The run-to-run floor from the baseline's replicates: over the seeds with two or more runs,
+    ``d_s = 100 (L_2,s - L_1,s) / L_1,s`` of each seed's second run against its first (in the
+    order given), with :func:`paired_gap`'s mean, interval and standard deviation. The standard
+    deviation is that of the difference of two runs of one recipe and seed, the figure
+    ``bench.convergence_replicates`` measures; runs after a seed's second enter its mean
+    (:func:`replicate_means`), not the floor, so the figure keeps that meaning at any run count.
+
+    Parameters
+    ----------
+    runs : seed -> the losses of the baseline's runs at that seed, in the order of their files.
+    confidence : two-sided confidence level.
+
+    Returns
+    -------
+    Gap or None : None where no seed has two runs; ``sd`` None with only one such seed.
+
+    Example
+    -------
+    >>> g = replicate_floor({0: [1.0, 1.01], 1: [1.0, 0.99, 1.5], 2: [1.0, 1.0], 3: [2.0]})
+    >>> round(g.gap_pct, 6), round(g.sd, 6), g.n
+    (0.0, 1.0, 3)
+    """
+    two = {s: losses for s, losses in runs.items() if len(losses) >= 2}
+    if not two:
+        return None
+    return paired_gap({s: losses[1] for s, losses in two.items()}, {s: losses[0] for s, losses in two.items()},
+                      confidence)
+
+
 def welch_gap(recipe: Sequence[float], base: Sequence[float], confidence: float = CONFIDENCE) -> Gap:
     """Gap of the means relative to the baseline mean, with Welch's t interval.
 
@@ -281,5 +339,5 @@ def verdict(lo: Optional[float], hi: Optional[float], target: Optional[float]) -
     return "unresolved"
 
 
-__all__ = ["CONFIDENCE", "Gap", "SEEDS_LIMIT", "gap_pct", "paired_gap", "resolvable_sd", "seeds_to_meet", "t_cdf",
-           "t_quantile", "verdict", "welch_gap"]
+__all__ = ["CONFIDENCE", "Gap", "SEEDS_LIMIT", "gap_pct", "paired_gap", "replicate_floor", "replicate_means",
+           "resolvable_sd", "seeds_to_meet", "t_cdf", "t_quantile", "verdict", "welch_gap"]

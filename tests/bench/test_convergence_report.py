@@ -365,3 +365,203 @@ def test_the_36_seed_fp8_block_and_mxfp8_study_is_what_the_docs_state():
             for n in ("fp8-block", "mxfp8")}
     assert round(statistics.correlation(gaps["fp8-block"], gaps["mxfp8"]), 2) == 0.89
     assert "per seed they correlate at 0.89" in doc
+
+
+def _replicated(tmp_path):
+    """bf16 trained again at seeds 0 and 1 in a file of its own: seed 0's runs 1.00 and 1.02 (mean
+    1.01), seed 1's 2.00 twice, seed 2 one run; fp8's gaps to those means are +1, +3 and +2 %."""
+    first = _write(tmp_path / "a.jsonl.gz", {"bf16@seed=0": 1.00, "fp8@seed=0": 1.0201, "bf16@seed=1": 2.00,
+                                              "fp8@seed=1": 2.06, "bf16@seed=2": 1.00, "fp8@seed=2": 1.02})
+    again = _write(tmp_path / "b.jsonl.gz", {"bf16@seed=0": 1.02, "bf16@seed=1": 2.00})
+    return first, again
+
+
+def test_baseline_replicates_pair_each_recipe_with_the_mean_of_its_seeds_runs(tmp_path):
+    first, again = _replicated(tmp_path)
+    result = cr.analyze([first, again], baseline_replicates=True)
+    rows = {r["recipe"]: r for r in result["rows"]}
+    assert result["seeds"]["bf16"] == pytest.approx({"0": 1.01, "1": 2.00, "2": 1.00})
+    fp8 = rows["fp8"]
+    half = 4.302652729911275 / math.sqrt(3)  # gaps 1, 3, 2 %: mean 2, sd 1
+    assert fp8["gap_pct"] == pytest.approx(2.0) and fp8["gap_sd"] == pytest.approx(1.0)
+    assert fp8["ci_lo"] == pytest.approx(2.0 - half) and fp8["ci_hi"] == pytest.approx(2.0 + half)
+    assert fp8["method"] == "paired vs mean of bf16 replicates (3 seeds, 2 with 2 runs)"
+    assert rows["bf16"]["mean"] == pytest.approx((1.01 + 2.00 + 1.00) / 3) and rows["bf16"]["runs"] == 5
+    assert rows["bf16"]["method"] == "mean of its runs per seed (3 seeds, 2 with 2 runs)"
+    reps = result["baseline_replicates"]
+    assert reps["recipe"] == "bf16" and reps["runs_per_seed"] == {"1": 1, "2": 2}
+    assert reps["losses"] == {"0": [1.00, 1.02], "1": [2.00, 2.00], "2": [1.00]}
+    assert reps["runs"]["0"] == [f"bf16@seed=0 in {first}", f"bf16@seed=0 in {again}"]
+    # the floor: second run vs first at seeds 0 and 1, +2 % and 0 %: mean 1, sd sqrt(2)
+    floor = reps["floor"]
+    assert floor["seeds"] == 2 and floor["gaps"] == pytest.approx({"0": 2.0, "1": 0.0})
+    assert floor["gap_pct"] == pytest.approx(1.0) and floor["sd"] == pytest.approx(math.sqrt(2))
+    assert floor["hi"] == pytest.approx(1.0 + 12.706204736174696)  # t(0.975, 1) sqrt(2) / sqrt(2)
+    json.dumps(result)
+    text = cr.to_markdown(result)
+    assert text.startswith("Final validation loss at step 20; gap = recipe vs the mean of the `bf16` runs at the "
+                           "same seed in %")
+    assert "| gap vs mean of bf16 runs |" in text
+    assert "| `bf16` | 3 (5 runs) | 1.3367 ± 0.5745 | baseline: mean of runs |  | mean of its runs per seed " \
+           "(3 seeds, 2 with 2 runs) |" in text
+    assert "| `fp8` | 3 | " in text and "| +2.00 % | [-0.48, +4.48] % | paired vs mean of bf16 replicates" in text
+    assert "every recipe is paired with that mean, not with one run (3 seeds: 1 with 1 run, 2 with 2 runs; " \
+           "5 runs)." in text
+    assert "differs from the first by +1.00 % [-11.71, +13.71] % on average, with a standard deviation of " \
+           "**1.41 %**" in text and "one run's own share is about 1.00 %" in text
+    assert "The recipes' per-seed gaps' standard deviations: `fp8` 1.00 %." in text
+    assert "| `bf16` (mean of runs) | 1.0100 | 2.0000 | 1.0000 |" in text
+    assert "| `bf16` run 1 | 1.0000 | 2.0000 | 1.0000 |" in text and "| `bf16` run 2 | 1.0200 | 2.0000 |  |" in text
+
+
+def test_one_bf16_run_per_file_is_paired_with_its_mean_exactly(tmp_path):
+    """bf16@seed=0 at 1.00 and 1.02 in two files: the baseline is 1.01, and a recipe at 1.0201
+    is +1.00 % from it (against either run alone: +2.01 % or +0.01 %)."""
+    one = _write(tmp_path / "a.jsonl.gz", {"bf16@seed=0": 1.00, "fp8@seed=0": 1.0201})
+    two = _write(tmp_path / "b.jsonl.gz", {"bf16@seed=0": 1.02})
+    fp8 = cr.analyze([one, two], baseline_replicates=True)["rows"][1]
+    assert fp8["recipe"] == "fp8" and fp8["gap_pct"] == pytest.approx(1.0, abs=1e-12)
+    assert fp8["method"] == "one shared seed: no interval; vs mean of bf16 replicates (1 seed, each with 2 runs)"
+
+
+def test_bf16_in_two_files_is_refused_without_the_option_and_names_it(tmp_path):
+    first, again = _replicated(tmp_path)
+    with pytest.raises(ValueError, match=r"bf16@seed=0 is in both .*a\.jsonl\.gz and .*b\.jsonl\.gz.*--first-seed.*"
+                                         r"pass --baseline-replicates"):
+        cr.analyze([first, again])
+    with pytest.raises(ValueError, match="--baseline-replicates"):
+        cr.failed_runs([first, again])
+    with pytest.raises(SystemExit, match="pass --baseline-replicates"):
+        cr.main([str(first), str(again)])
+    other = _write(tmp_path / "c.jsonl.gz", {"fp8@seed=0": 1.0})  # not the baseline: no word of the option
+    with pytest.raises(ValueError, match=r"fp8@seed=0 is in both .*--first-seed\)\.$"):
+        cr.analyze([first, other])
+
+
+def test_a_recipe_in_two_files_is_refused_with_the_option(tmp_path):
+    first, again = _replicated(tmp_path)
+    twice = _write(tmp_path / "c.jsonl.gz", {"bf16@seed=2": 1.01, "fp8@seed=2": 1.03})
+    with pytest.raises(ValueError, match=r"fp8@seed=2 is in both .*a\.jsonl\.gz and .*c\.jsonl\.gz.*Only bf16's "
+                                         r"runs may be in several files \(--baseline-replicates\)"):
+        cr.analyze([first, again, twice], baseline_replicates=True)
+
+
+def test_seeds_may_have_different_numbers_of_baseline_runs(tmp_path):
+    """Seed 0 with three runs (its third enters the mean, not the floor), seed 1 with one, seed 2
+    with two; the method and the report count them."""
+    a = _write(tmp_path / "a.jsonl.gz", {"bf16@seed=0": 1.00, "bf16@seed=1": 1.50, "bf16@seed=2": 2.00,
+                                         "fp8@seed=0": 1.01 * 1.01, "fp8@seed=1": 1.50 * 1.02,
+                                         "fp8@seed=2": 2.01 * 1.03, "mxfp8@seed=0": 1.01, "mxfp8@seed=2": 2.01})
+    b = _write(tmp_path / "b.jsonl.gz", {"bf16@seed=0": 1.01, "bf16@seed=2": 2.02})
+    c = _write(tmp_path / "c.jsonl.gz", {"bf16@seed=0": 1.02})
+    result = cr.analyze([a, b, c], baseline_replicates=True)
+    rows = {r["recipe"]: r for r in result["rows"]}
+    assert result["seeds"]["bf16"] == pytest.approx({"0": 1.01, "1": 1.50, "2": 2.01})
+    assert rows["fp8"]["gap_pct"] == pytest.approx(2.0) and rows["fp8"]["gap_sd"] == pytest.approx(1.0)
+    assert rows["fp8"]["method"] == "paired vs mean of bf16 replicates (3 seeds, 1 with 2 runs, 1 with 3 runs)"
+    assert rows["mxfp8"]["gap_pct"] == pytest.approx(0.0, abs=1e-12)
+    assert rows["mxfp8"]["method"] == "paired vs mean of bf16 replicates (2 seeds, 1 with 2 runs, 1 with 3 runs)"
+    reps = result["baseline_replicates"]
+    assert reps["runs_per_seed"] == {"1": 1, "2": 1, "3": 1} and reps["losses"]["0"] == [1.00, 1.01, 1.02]
+    assert reps["floor"]["seeds"] == 2 and reps["floor"]["gaps"] == pytest.approx({"0": 1.0, "2": 1.0})
+    assert reps["floor"]["sd"] == pytest.approx(0.0, abs=1e-9)
+    text = cr.to_markdown(result)
+    assert "(3 seeds: 1 with 1 run, 1 with 2 runs, 1 with 3 runs; 6 runs)" in text
+    assert "| `bf16` run 3 | 1.0200 |  |  |" in text
+
+
+def test_the_option_without_replicates_says_each_seed_has_one_run(tmp_path):
+    result = cr.analyze(_study(tmp_path), baseline_replicates=True)
+    rows = {r["recipe"]: r for r in result["rows"]}
+    plain = {r["recipe"]: r for r in cr.analyze(_study(tmp_path))["rows"]}
+    assert rows["fp8"]["gap_pct"] == plain["fp8"]["gap_pct"] and rows["fp8"]["ci_lo"] == plain["fp8"]["ci_lo"]
+    assert rows["fp8"]["method"] == "paired vs mean of bf16 replicates (3 seeds, each with 1 run)"
+    assert result["baseline_replicates"]["floor"] is None
+    assert "No seed has two runs: no run-to-run floor." in cr.to_markdown(result)
+    assert "baseline_replicates" not in cr.analyze(_study(tmp_path)) and "method" not in plain["bf16"]
+
+
+def test_the_floor_is_what_convergence_replicates_measures(tmp_path):
+    from bench.convergence_replicates import replicate_gaps
+    first, again = _replicated(tmp_path)
+    floor = cr.analyze([first, again], baseline_replicates=True)["baseline_replicates"]["floor"]
+    pairs = replicate_gaps([first], [again])["bf16"]
+    assert floor["sd"] == pytest.approx(pairs["sd"]) and floor["gap_pct"] == pytest.approx(pairs["gap_pct"])
+    assert (floor["lo"], floor["hi"]) == pytest.approx((pairs["lo"], pairs["hi"]))
+
+
+def test_the_committed_bf16_replicates_give_the_documented_floor():
+    """bf16 at seeds 3-9 in two studies: the report's floor is bench.convergence_replicates'
+    +0.51 % [-0.13, +1.15] with a standard deviation of 0.69 % (docs/convergence.md)."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2] / "docs/convergence"
+    files = [root / f"gpt100m-{f}-446steps.metrics.jsonl.gz"
+             for f in ("fp8block-mxfp8-seeds3-9", "4recipes-seeds3-8", "4recipes-seeds9-14")]
+    result = cr.analyze(files, steps=446, baseline_replicates=True)
+    floor = result["baseline_replicates"]["floor"]
+    assert floor["seeds"] == 7 and result["baseline_replicates"]["runs_per_seed"] == {"1": 5, "2": 7}
+    assert (round(floor["gap_pct"], 2), round(floor["lo"], 2), round(floor["hi"], 2), round(floor["sd"], 2)) == \
+        (0.51, -0.13, 1.15, 0.69)
+    assert {r["recipe"]: r["method"] for r in result["rows"]}["fp8-block"] == \
+        "paired vs mean of bf16 replicates (7 seeds, each with 2 runs)"
+
+
+def test_baseline_replicates_with_a_training_loss_window(tmp_path):
+    """--train-window with replicates: each run's window mean, then the mean over a seed's runs."""
+    def write(path, levels):
+        with gzip.open(path, "wt") as f:
+            for label, level in levels.items():
+                for s in range(1, 11):
+                    train = level + (0.1 if s % 2 else -0.1) if s > 6 else 9.0  # the window's mean is `level`
+                    rec = {"step": s, "recipe": label, "train_loss": train}
+                    if s == 10:
+                        rec["val_loss"] = 5.0
+                    f.write(json.dumps(rec) + "\n")
+        return path
+    first = write(tmp_path / "a.jsonl.gz", {"bf16@seed=0": 2.0, "fp8@seed=0": 2.02 * 1.01, "bf16@seed=1": 2.2,
+                                            "fp8@seed=1": 2.2 * 1.03, "bf16@seed=2": 1.9, "fp8@seed=2": 1.9 * 1.02})
+    again = write(tmp_path / "b.jsonl.gz", {"bf16@seed=0": 2.04, "bf16@seed=1": 2.2})
+    result = cr.analyze([first, again], train_window=4, baseline_replicates=True)
+    rows = {r["recipe"]: r for r in result["rows"]}
+    assert result["metric"] == "mean training loss over steps 7-10"
+    assert result["seeds"]["bf16"] == pytest.approx({"0": 2.02, "1": 2.2, "2": 1.9})
+    assert rows["fp8"]["gap_pct"] == pytest.approx(2.0) and rows["fp8"]["gap_sd"] == pytest.approx(1.0)
+    assert result["baseline_replicates"]["losses"]["0"] == pytest.approx([2.0, 2.04])
+    assert result["baseline_replicates"]["floor"]["gaps"] == pytest.approx({"0": 2.0, "1": 0.0})
+    by_val = {r["recipe"]: r for r in cr.analyze([first, again], baseline_replicates=True)["rows"]}
+    assert by_val["fp8"]["gap_pct"] == pytest.approx(0.0)
+
+
+def test_replicates_of_two_corpora_are_refused(tmp_path):
+    first, again = _replicated(tmp_path)
+    _with_corpus(first, {k: "packages-aaa" for k in ("bf16@seed=0", "fp8@seed=0", "bf16@seed=1", "fp8@seed=1",
+                                                     "bf16@seed=2", "fp8@seed=2")})
+    _with_corpus(again, {"bf16@seed=0": "packages-bbb", "bf16@seed=1": "packages-bbb"})
+    with pytest.raises(ValueError, match=r"different corpora .*packages-aaa.*bf16@seed=0 in .*a\.jsonl\.gz.*"
+                                         r"packages-bbb.*bf16@seed=0 in .*b\.jsonl\.gz"):
+        cr.analyze([first, again], baseline_replicates=True)
+    _with_corpus(again, {"bf16@seed=0": "packages-aaa", "bf16@seed=1": "packages-aaa"})
+    assert cr.analyze([first, again], baseline_replicates=True)["corpus"] == "packages-aaa"
+
+
+def test_a_failed_replicate_fails_the_baseline_and_leaves_its_seeds_mean(tmp_path):
+    """A bf16 replicate that stopped early is named and fails the baseline row, as any failed
+    baseline run does; its seed's mean is that of the runs that completed."""
+    first, _ = _replicated(tmp_path)
+    stopped = _write(tmp_path / "b.jsonl.gz", {"bf16@seed=0": 9.0}, steps=(0, 10))
+    result = cr.analyze([first, stopped], steps=20, baseline_replicates=True)
+    rows = {r["recipe"]: r for r in result["rows"]}
+    run = f"bf16@seed=0 in {stopped}"
+    assert rows["bf16"]["verdict"] == "failed" and rows["bf16"]["failed_runs"] == {run: "stopped at step 10"}
+    assert result["incomplete"] == [run] and result["seeds"]["bf16"]["0"] == 1.00
+    assert rows["fp8"]["gap_pct"] == pytest.approx((2.01 + 3 + 2) / 3) and rows["fp8"]["verdict"] != "failed"
+    assert f"`{run}` (stopped at step 10)" in cr.to_markdown(result)
+
+
+def test_the_command_line_takes_baseline_replicates(tmp_path, capsys):
+    first, again = _replicated(tmp_path)
+    cr.main([str(first), str(again), "--baseline-replicates", "--json", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    assert "paired vs mean of bf16 replicates (3 seeds, 2 with 2 runs)" in out and "Run-to-run floor" in out
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["baseline_replicates"]["losses"]["0"] == [1.00, 1.02]
