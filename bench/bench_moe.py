@@ -322,14 +322,16 @@ def _headline(r: dict[str, Any]) -> Optional[str]:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """The report's table of ``rows`` (bench_config's), a ratio below its row's target marked."""
+    """The report's table of ``rows`` (bench_config's), a ratio below its row's target marked; an
+    "x torchao" column where a row was paired against torchao's float8 layer."""
+    torchao = any("x_torchao" in r for r in rows)  # runs without torchao's rows keep their table
     return md_table(["config", "variant", "x fastest BF16 [95 % interval]", "fastest BF16", "target"]
-                    + [f"x {b}" for b in BASELINES] + ["x torchao"]
+                    + [f"x {b}" for b in BASELINES] + ["x torchao"] * torchao
                     + ["ms", "SM MHz", "host ms", "of it at syncs", "GPU busy", "rel err out / dx / dW1 / dW2", "bound",
                        "gain out / dx / dW1 / dW2", "paths"], [
         [r["config"], r["variant"], _headline(r), r.get("fastest_bf16"), r.get("target")]
         + [_ratio(r.get("x_bf16", {}).get(b)) for b in BASELINES]
-        + ["; ".join(f"{_ratio(p)} {t.rsplit(' ', 1)[-1]}" for t, p in r.get("x_torchao", {}).items()) or None]
+        + ["; ".join(f"{_ratio(p)} {t.rsplit(' ', 1)[-1]}" for t, p in r.get("x_torchao", {}).items()) or None] * torchao
         + [r.get("ms"), _clocks(r.get("x_fastest_bf16")), r.get("host_ms"), r.get("sync_wait_ms"), r.get("gpu_busy"),
            " / ".join(f"{v:.3g}" for v in r.get("rel_err", {}).values()) or None,
            " / ".join(f"{v:g}" for v in r.get("bounds", {}).values()) or None,

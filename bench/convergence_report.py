@@ -205,7 +205,11 @@ def failed_runs(paths: Sequence[Path], steps: Optional[int] = None, expected: Se
             nonfinite[run] = r["step"]
         if "val_loss" in r:
             last_val[run] = max(last_val.get(run, -1), r["step"])
-    out = dict(dropped or {})
+    dropped = dropped or {}
+    # with baseline_replicates a run's name is not its label: a dropped label drops each of its runs
+    renamed = {run: label for run, label in label_of.items() if run != label and label in dropped}
+    out = {label: reason for label, reason in dropped.items() if label not in renamed.values()}
+    out.update({run: dropped[label] for run, label in renamed.items()})
     for run, step in last_step.items():
         if run in nonfinite:
             out[run] = f"diverged at step {nonfinite[run]}"

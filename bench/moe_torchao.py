@@ -113,9 +113,14 @@ def _torchao(rows: Sequence[str]) -> tuple[Any, Any, Any, Fill]:
         from torchao.quantization import FqnToConfig, quantize_
     except Exception as err:  # noqa: BLE001 - any import failure: the baseline is missing
         _, version = torchao_status()
+        # a missing module wants an install; any other failure is torchao's own import (its kernels
+        # are defined at import on a GPU machine, against the Triton it supports)
+        todo = ("install it: pip install torchao==0.17.0" if isinstance(err, ModuleNotFoundError) else
+                "torchao is installed but its import fails here: use torchao 0.17.0 with the Triton it "
+                "supports (measured with Triton 3.6)")
         raise _missing(rows, f"torchao's MoE training prototype (torchao.prototype.moe_training, written "
                              f"against 0.17.0) is not importable ({type(err).__name__}: {str(err)[:160]}; "
-                             f"torchao: {version}); install it: pip install torchao==0.17.0") from err
+                             f"torchao: {version}); {todo}") from err
     return Float8TrainingOpConfig, FqnToConfig, quantize_, generate_permute_indices
 
 
@@ -241,4 +246,7 @@ def build(name: str, base: BF16MoE, compile_backend: str) -> nn.Module:
         torchao's prototype cannot be imported.
     """
     layer = torchao_layer(base, (name,))
-    return torch.compile(layer, backend=compile_backend) if name == TORCHAO_ROW else layer
+    # dynamic=False: the layer runs BF16MoE.forward, which the compiled BF16 baseline traced first at
+    # the unpadded row count; automatic dynamic shapes would retrace it with a symbolic row count
+    # here, where the baseline's graph has fixed shapes
+    return torch.compile(layer, backend=compile_backend, dynamic=False) if name == TORCHAO_ROW else layer

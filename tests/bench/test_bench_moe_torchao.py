@@ -246,3 +246,13 @@ def test_the_torchao_rows_run_end_to_end(tiny, torchao_on_cpu, monkeypatch, tmp_
         assert rows[name]["breaches"] == [] and rows[name]["bounds"] == bench_moe.error_bounds(name)
     assert rows[FP8]["x_torchao"].keys() == {TORCHAO_ROW, TORCHAO_EAGER_ROW}
     assert torchao_on_cpu  # torchao's grouped GEMM took the experts' GEMMs
+
+
+def test_the_compiled_row_is_traced_at_fixed_shapes(tiny, torchao_on_cpu, monkeypatch):
+    """The layer runs the forward the compiled BF16 baseline traced first at the unpadded row count:
+    without ``dynamic=False`` automatic dynamic shapes would trace torchao's at a symbolic one."""
+    seen: dict = {}
+    monkeypatch.setattr(moe_torchao.torch, "compile", lambda layer, **kw: seen.update(kw) or layer)
+    base, *_ = moe_layer.moe_layer(4, 32, 64, 64)
+    moe_torchao.build(TORCHAO_ROW, base, "eager")
+    assert seen == {"backend": "eager", "dynamic": False}

@@ -565,3 +565,14 @@ def test_the_command_line_takes_baseline_replicates(tmp_path, capsys):
     assert "paired vs mean of bf16 replicates (3 seeds, 2 with 2 runs)" in out and "Run-to-run floor" in out
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved["baseline_replicates"]["losses"]["0"] == [1.00, 1.02]
+
+
+def test_a_dropped_baseline_label_drops_each_of_its_replicates(tmp_path):
+    """With replicates a baseline run is named by its file: a label the plan dropped (``dropped``,
+    keyed by label) still leaves every run of it out of its seed's mean."""
+    a = _write(tmp_path / "a.jsonl.gz", {"bf16@seed=0": 1.00, "fp8@seed=0": 1.02, "bf16@seed=1": 2.0,
+                                          "fp8@seed=1": 2.04})
+    b = _write(tmp_path / "b.jsonl.gz", {"bf16@seed=0": 1.04})
+    r = cr.analyze([a, b], dropped={"bf16@seed=0": "dropped at the probe"}, baseline_replicates=True)
+    assert r["seeds"]["bf16"] == {"1": 2.0}
+    assert sorted(r["incomplete"]) == sorted(f"bf16@seed=0 in {p}" for p in (a, b))
