@@ -186,7 +186,7 @@ def _paired_ratio(picked: Callable[[], Any], fastest: Callable[[], Any], quick: 
     -------
     >>> import time
     >>> from bench.sweep_dispatch import _paired_ratio
-    >>> r = _paired_ratio(lambda: time.sleep(0.05), lambda: time.sleep(0.001), quick=True)
+    >>> r = _paired_ratio(lambda: time.sleep(0.2), lambda: time.sleep(0.001), quick=True)
     >>> r["ratio"] > 1.5
     True
     """

@@ -19,15 +19,33 @@ MODULES = sorted(
     for p in (ROOT / "hybridfp").rglob("*.py") if ">>> " in p.read_text())
 
 
+#: The benchmarks' modules with examples: their statistics and planning helpers run on the CPU.
+BENCH_MODULES = sorted(
+    ".".join(p.relative_to(ROOT).with_suffix("").parts)
+    for p in (ROOT / "bench").rglob("*.py") if ">>> " in p.read_text())
+
+
 def test_examples_are_found():
     assert "hybridfp.quantizers.hybrid" in MODULES and "hybridfp.nn.linear" in MODULES
+    assert "bench.convergence_stats" in BENCH_MODULES and "bench.protocol" in BENCH_MODULES
 
 
-@pytest.mark.parametrize("name", MODULES)
-def test_docstring_examples_run(name):
+def _run_examples(name: str) -> None:
     module = importlib.import_module(name)
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the CPU's once-per-pair emulation notices
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0, f"{result.failed} of {result.attempted} example lines of {name} failed (see above)"
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples_run(name):
+    _run_examples(name)
+
+
+@pytest.mark.parametrize("name", BENCH_MODULES)
+def test_bench_docstring_examples_run(name, monkeypatch):
+    from bench import common
+    monkeypatch.setattr(common, "DEVICE", "cpu")  # the examples that time a call do it on the CPU here
+    _run_examples(name)
