@@ -78,8 +78,9 @@ def read_runs(paths: Iterable[Path], baseline_replicates: bool = False) -> Itera
     Raises
     ------
     ValueError : a run label found in two files (with ``baseline_replicates``, a label of another
-        recipe than the baseline): the same run trained twice (e.g. studies run one after the other
-        with overlapping seeds) would mix two trajectories into one.
+        recipe than the baseline), or starting twice in one file (two step-0 records): the same run
+        trained twice (e.g. studies run one after the other with overlapping seeds, or their files
+        concatenated) would mix two trajectories into one.
     """
     owner: dict[str, Path] = {}
     for path in map(Path, paths):
@@ -93,6 +94,13 @@ def read_runs(paths: Iterable[Path], baseline_replicates: bool = False) -> Itera
                     run = names.get(label)
                     if run is None:
                         run = names[label] = _run_name(label, path, owner.setdefault(label, path), baseline_replicates)
+                    elif record["step"] == 0:
+                        # the trainer writes one step-0 record a run (a resumed run truncates to its
+                        # step): a second is another run's, concatenated into this file
+                        raise ValueError(f"{path}: run {label} starts twice (two step-0 records): two runs of one "
+                                         "label concatenated into one file would mix their trajectories; keep "
+                                         "each run's metrics in a file of its own (BF16 trained again: its own "
+                                         "file, with --baseline-replicates).")
                     yield run, record
 
 

@@ -576,3 +576,16 @@ def test_a_dropped_baseline_label_drops_each_of_its_replicates(tmp_path):
     r = cr.analyze([a, b], dropped={"bf16@seed=0": "dropped at the probe"}, baseline_replicates=True)
     assert r["seeds"]["bf16"] == {"1": 2.0}
     assert sorted(r["incomplete"]) == sorted(f"bf16@seed=0 in {p}" for p in (a, b))
+
+
+def test_two_runs_of_one_label_concatenated_into_one_file_are_refused(tmp_path):
+    """The trainer writes one step-0 record a run: a second one in a file is another run's, and
+    merging the two would report a loss from one trajectory as the other's."""
+    path = tmp_path / "cat.jsonl"
+    for finals in ({"bf16@seed=0": 1.04, "fp8@seed=0": 1.05}, {"bf16@seed=0": 1.10}):
+        with open(path, "a") as f:
+            f.write(gzip.decompress(_write(tmp_path / "part.jsonl.gz", finals).read_bytes()).decode())
+    with pytest.raises(ValueError, match=r"run bf16@seed=0 starts twice .*a file of its own"):
+        cr.analyze([path])
+    with pytest.raises(ValueError, match="starts twice"):
+        cr.analyze([path], baseline_replicates=True)
