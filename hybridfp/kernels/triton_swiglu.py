@@ -206,17 +206,25 @@ def swiglu_forward(g: torch.Tensor, u: torch.Tensor, *, amax_out: Optional[torch
 
 
 def swiglu_backward(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, *,
-                    amax_out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dg, du) of ``h = silu(g) * u`` for the gradient ``dh`` (all 2D [M, N], unit inner stride),
-    new contiguous tensors; silu(g) is recomputed, not read. ``amax_out`` (:func:`amax_buffer`
-    of 2): max|dg| and max|du| are accumulated in its two entries."""
+                    amax_out: Optional[torch.Tensor] = None,
+                    out: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dg, du) of ``h = silu(g) * u`` for the gradient ``dh`` (all 2D [M, N], unit inner stride);
+    silu(g) is recomputed, not read. ``out``: the (dg, du) tensors to write (2D like g, unit inner
+    stride: e.g. the two halves of one [M, 2N] gradient, which then needs no concatenation);
+    None: new contiguous tensors. ``amax_out`` (:func:`amax_buffer` of 2): max|dg| and max|du|
+    are accumulated in its two entries."""
     _check("g", g, g)
     _check("u", u, g)
     _check("dh", dh, g)
     _check_amax(amax_out, 2, g)
     m, n = g.shape
-    dg = empty((m, n), g.dtype, g.device)
-    du = empty((m, n), g.dtype, g.device)
+    if out is None:
+        dg = empty((m, n), g.dtype, g.device)
+        du = empty((m, n), g.dtype, g.device)
+    else:
+        dg, du = out
+        _check("out[0] (dg)", dg, g)
+        _check("out[1] (du)", du, g)
     if dg.numel() == 0:
         return dg, du
     block, warps = _launch_config(n)

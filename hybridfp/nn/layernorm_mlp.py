@@ -56,11 +56,11 @@ GEMM_SETS = ("fc1", "fc2")
 def activate(activation: str, y: torch.Tensor) -> torch.Tensor:
     """``activation`` of fc1's output ``y``; a gated one splits y's last dim as [gate | up].
 
-    "swiglu" runs the fused :func:`~hybridfp.swiglu` (one kernel each way on CUDA).
+    "swiglu" runs the fused :func:`~hybridfp.swiglu` on y as one tensor (one kernel each way on
+    CUDA; y's gradient written whole, with its amax recorded for fc1's FP8 current scaling).
     """
     if activation == "swiglu":
-        g, u = y.chunk(2, dim=-1)
-        return swiglu(g, u)
+        return swiglu(y)
     if activation in _GATED:
         g, u = y.chunk(2, dim=-1)
         return _GATED[activation](g) * u

@@ -136,26 +136,86 @@ class SwiGLUFunction(torch.autograd.Function):
         return (dg if need_g else None), (du if need_u else None)
 
 
-def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def _halves(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the [M, 2F] rows of ``gate_up`` (``_rows``), its gate half, its up half): views."""
+    rows = _rows(gate_up)
+    f = rows.shape[1] // 2
+    return rows, rows[:, :f], rows[:, f:]
+
+
+class SwiGLUPackedFunction(torch.autograd.Function):
+    """``silu(gate) * up`` of one [..., 2F] tensor holding [gate | up] (a fused gate/up
+    projection's output), differentiated as one tensor: its gradient is written as one [..., 2F]
+    tensor, dg and du straight into its halves, where the two-input form's gradients (dg, du)
+    would be concatenated by autograd (one more pass over 2F columns: read and write). Values,
+    amax records and errors are :class:`SwiGLUFunction`'s; the gradient's recorded amax is that
+    of the whole [..., 2F] tensor, the tensor the next quantizer reads."""
+
+    @staticmethod
+    def forward(ctx: Any, gate_up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate_up)
+        rows, g, u = _halves(gate_up)
+        out_shape = (*gate_up.shape[:-1], g.shape[1])
+        ctx.uses_kernels = _uses_kernels(gate_up)
+        state = current_autocast()
+        # as SwiGLUFunction.forward: no amax records under torch.compile
+        ctx.record_amax = (not torch.compiler.is_compiling()) and state is not None and state.reads_known_amax
+        if not ctx.uses_kernels:
+            return (F.silu(g) * u).view(out_shape)
+        from ..kernels import triton_swiglu as k
+        buf = k.amax_buffer(rows, 1) if ctx.record_amax else None
+        h = k.swiglu_forward(g, u, amax_out=buf)
+        if buf is not None:
+            known_amax.remember(h, buf[0].view(torch.float32))
+        return h.view(out_shape)
+
+    @staticmethod
+    @once_differentiable_quantized(lambda ctx: "swiglu", lambda ctx: ctx.needs_input_grad[0],
+                                   recorded=lambda ctx: not ctx.uses_kernels,
+                                   unrecorded="the fused SwiGLU kernels", where="on CUDA",
+                                   remedy="Use F.silu(g) * u where the gradient is differentiated again.")
+    def backward(ctx: Any, dh: torch.Tensor) -> tuple[Optional[torch.Tensor]]:
+        (gate_up,) = ctx.saved_tensors
+        rows, g, u = _halves(gate_up)
+        dh2 = _rows(dh)
+        if not ctx.uses_kernels:  # eager autograd's ops for F.silu(g) * u, then chunk's cat
+            du = dh2 * F.silu(g)
+            dg = _silu_backward(dh2 * u, g)
+            return (torch.cat([dg, du], dim=1).view(gate_up.shape),)
+        from ..kernels import triton_swiglu as k
+        dgu = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+        f = g.shape[1]
+        buf = k.amax_buffer(rows, 2) if ctx.record_amax else None
+        k.swiglu_backward(dh2, g, u, amax_out=buf, out=(dgu[:, :f], dgu[:, f:]))
+        if buf is not None:  # magnitude bits order like |v| (NaN above inf): one int max
+            known_amax.remember(dgu, torch.maximum(buf[0], buf[1]).view(torch.float32))
+        return (dgu.view(gate_up.shape),)
+
+
+def swiglu(g: torch.Tensor, u: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.silu(g) * u`` for the gate ``g`` and up ``u`` projections (same shape, dtype, device),
-    fused on CUDA (module docstring); differentiable in both.
+    fused on CUDA (module docstring); differentiable in both. With ``u`` None, ``g`` is a fused
+    gate/up projection's output [..., 2F] holding [gate | up] along its last dimension: its
+    halves are read in place and its gradient is written as one tensor
+    (:class:`SwiGLUPackedFunction`: no concatenation of the halves' gradients).
 
     Parameters
     ----------
     g:
-        The gate projection's output (floating point).
+        The gate projection's output (floating point), or [..., 2F] holding [gate | up] when
+        ``u`` is None.
     u:
-        The up projection's output, of ``g``'s shape, dtype and device.
+        The up projection's output, of ``g``'s shape, dtype and device; or None.
 
     Returns
     -------
     torch.Tensor
-        ``silu(g) * u``, of ``g``'s shape and dtype.
+        ``silu(g) * u``, of ``g``'s shape and dtype ([..., F] with ``u`` None).
 
     Raises
     ------
     ValueError
-        Shapes or devices differ.
+        Shapes or devices differ; with ``u`` None, a 0-d ``g`` or an odd last dimension.
     TypeError
         Dtypes differ or are not floating point; on CUDA, a dtype other than float32,
         bfloat16 or float16.
@@ -168,7 +228,17 @@ def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     >>> g, u = torch.randn(4, 8), torch.randn(4, 8)
     >>> torch.equal(hf.swiglu(g, u), F.silu(g) * u)     # the CPU runs the eager ops
     True
+    >>> gu = torch.cat([g, u], dim=1)                   # a fused gate/up projection's output
+    >>> torch.equal(hf.swiglu(gu), F.silu(gu[:, :8]) * gu[:, 8:])
+    True
     """
+    if u is None:
+        if g.dim() == 0 or g.shape[-1] % 2:
+            raise ValueError(f"swiglu with one input splits its last dimension in two halves [gate | up]; "
+                             f"got shape {tuple(g.shape)}.")
+        if not g.is_floating_point():
+            raise TypeError(f"swiglu: g and u must be floating point; got {g.dtype}.")
+        return SwiGLUPackedFunction.apply(g)
     _check_pair(g, u)
     return SwiGLUFunction.apply(g, u)
 
@@ -177,7 +247,8 @@ class SwiGLU(nn.Module):
     """The SwiGLU activation of a gated MLP: ``down(SwiGLU()(gate(x), up(x)))``.
 
     ``forward(gate, up)`` is :func:`swiglu`; ``forward(gate_up)`` with one tensor takes its last
-    dimension as the halves [gate | up] (the output of a fused gate+up projection), read in place.
+    dimension as the halves [gate | up] (the output of a fused gate+up projection), read in place,
+    and writes its gradient as one tensor (``swiglu(gate_up)``).
     No parameters, no constructor arguments.
 
     Example
@@ -218,9 +289,4 @@ class SwiGLU(nn.Module):
         >>> hf.SwiGLU()(torch.randn(2, 3, 10)).shape
         torch.Size([2, 3, 5])
         """
-        if up is None:
-            if gate.dim() == 0 or gate.shape[-1] % 2:
-                raise ValueError(f"SwiGLU with one input splits its last dimension in two halves [gate | up]; "
-                                 f"got shape {tuple(gate.shape)}.")
-            gate, up = gate.chunk(2, dim=-1)
-        return swiglu(gate, up)
+        return swiglu(gate, up)  # with up None: the one-tensor form, its gradient written whole

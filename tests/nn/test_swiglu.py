@@ -289,6 +289,93 @@ def test_function_kernel_path(monkeypatch, dtype):
     assert torch.equal(swiglu(a.transpose(0, 1), b.transpose(0, 1)), swiglu(a, b).transpose(0, 1))
 
 
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
+@pytest.mark.parametrize("shape", [(4, 66), (2, 3, 40), (8,)])
+def test_one_tensor_form_is_eager_bitwise(dtype, shape):
+    """``swiglu(gate_up)`` / ``SwiGLU()(gate_up)`` off the kernels: eager torch's values and
+    gradient bit for bit (the halves' gradients concatenated, as chunk's backward does)."""
+    gen = torch.Generator().manual_seed(len(shape))
+    gu = (torch.randn(shape, generator=gen) * 4).to(dtype)
+    dh = torch.randn((*shape[:-1], shape[-1] // 2), generator=gen).to(dtype)
+    ref = gu.clone().requires_grad_()
+    g, u = ref.chunk(2, dim=-1)
+    (F.silu(g) * u).backward(dh)
+    for act in (swiglu, SwiGLU()):
+        mine = gu.clone().requires_grad_()
+        h = act(mine)
+        h.backward(dh)
+        assert torch.equal(h, F.silu(gu.chunk(2, -1)[0]) * gu.chunk(2, -1)[1])
+        assert torch.equal(mine.grad, ref.grad)
+
+
+def test_one_tensor_form_errors():
+    with pytest.raises(ValueError, match="two halves"):
+        swiglu(torch.randn(3, 5))
+    with pytest.raises(ValueError, match="two halves"):
+        swiglu(torch.tensor(1.0))
+    with pytest.raises(TypeError, match="floating point"):
+        swiglu(torch.ones(2, 4, dtype=torch.int32))
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 2 * 37), (2, 3, 2 * 40), (5, 2 * 2100)])
+def test_one_tensor_form_kernel_path_is_the_two_tensor_forms(monkeypatch, dtype, shape):
+    """On the kernel path (forced on CPU tensors) the one-tensor form gives the two-tensor form's
+    output and gradients bit for bit, its gradient written straight into one tensor's halves."""
+    monkeypatch.setattr(swiglu_module, "_uses_kernels", lambda g: True)
+    gen = torch.Generator().manual_seed(shape[-1])
+    gu = (torch.randn(shape, generator=gen) * 4).to(dtype)
+    dh = torch.randn((*shape[:-1], shape[-1] // 2), generator=gen).to(dtype)
+    two = gu.clone().requires_grad_()
+    h2 = swiglu(*two.chunk(2, dim=-1))
+    h2.backward(dh)
+    one = gu.clone().requires_grad_()
+    with poisoned_outputs():
+        h1 = swiglu(one)
+        h1.backward(dh)
+    assert_bitwise(h1, h2.detach(), "h")
+    assert_bitwise(one.grad, two.grad, "d(gate_up)")
+    assert one.grad.is_contiguous() and one.grad.shape == gu.shape
+
+
+@interpreter_only
+def test_one_tensor_form_reads_a_transposed_input(monkeypatch):
+    """A [2F, M] tensor's transpose (inner stride M) is copied first, as the module docstring says."""
+    monkeypatch.setattr(swiglu_module, "_uses_kernels", lambda g: True)
+    gu_t = torch.randn(2 * 9, 5).requires_grad_()
+    h = swiglu(gu_t.t())
+    h.backward(torch.ones(5, 9))
+    ref = gu_t.detach().clone().requires_grad_()
+    g, u = ref.t().chunk(2, dim=-1)
+    (F.silu(g) * u).backward(torch.ones(5, 9))
+    assert_within(h, (F.silu(g) * u).detach(), 16 * ulp(F.silu(g) * u, torch.float32), "h")
+    assert gu_t.grad.shape == gu_t.shape and torch.isfinite(gu_t.grad).all()
+    assert_bitwise(gu_t.grad, swiglu_grads_via_two_forms(gu_t.detach().t()).t(), "grad")
+
+
+def swiglu_grads_via_two_forms(gu: torch.Tensor) -> torch.Tensor:
+    """d(sum of swiglu(g, u)) / d(gu) through the two-tensor form (the caller forces kernels)."""
+    x = gu.detach().contiguous().requires_grad_()
+    swiglu(*x.chunk(2, dim=-1)).sum().backward()
+    return x.grad
+
+
+@interpreter_only
+def test_backward_kernel_writes_the_given_outputs():
+    g, u, dh = inputs((4, 50), torch.bfloat16, seed=7)
+    dgu = torch.full((4, 100), float("nan"), dtype=torch.bfloat16)
+    dg, du = triton_swiglu.swiglu_backward(dh, g, u, out=(dgu[:, :50], dgu[:, 50:]))
+    ref_dg, ref_du = triton_swiglu.swiglu_backward(dh, g, u)
+    assert dg.data_ptr() == dgu.data_ptr() and du.data_ptr() == dgu[:, 50:].data_ptr()
+    assert_bitwise(dgu[:, :50], ref_dg, "dg")
+    assert_bitwise(dgu[:, 50:], ref_du, "du")
+    with pytest.raises(ValueError, match="out\\[1\\] \\(du\\) is \\(4, 49\\)"):
+        triton_swiglu.swiglu_backward(dh, g, u, out=(dgu[:, :50], dgu[:, 50:99]))
+    with pytest.raises(ValueError, match="out\\[0\\] \\(dg\\) needs|unit inner stride"):
+        triton_swiglu.swiglu_backward(dh, g, u, out=(torch.empty(50, 4, dtype=torch.bfloat16).t(), dgu[:, 50:]))
+
+
 def _penalised_grads(g: torch.Tensor, u: torch.Tensor, act, loss_of) -> tuple[torch.Tensor, torch.Tensor]:
     """d/d(g, u) of the squared norm of d loss / d(g, u) (a gradient penalty)."""
     dg, du = torch.autograd.grad(loss_of(act(g, u)), (g, u), create_graph=True)
@@ -310,6 +397,19 @@ def test_double_backward_of_the_eager_ops_is_torchs(loss):
     assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(ours, ref))
     assert all(a.abs().sum() > 0 for a in ours)
 
+
+def test_double_backward_of_the_one_tensor_form_is_torchs():
+    """The one-tensor form's eager backward is recorded too: a gradient penalty through
+    ``swiglu(gate_up)`` gets torch's second-order terms (to float64 rounding)."""
+    gen = torch.Generator().manual_seed(6)
+    gu = torch.randn(6, 20, generator=gen, dtype=torch.float64, requires_grad=True)
+
+    def penalised(act) -> torch.Tensor:
+        (d,) = torch.autograd.grad(act(gu).square().sum(), gu, create_graph=True)
+        return torch.autograd.grad(d.square().sum(), gu)[0]
+    ours = penalised(swiglu)
+    ref = penalised(lambda x: F.silu(x[:, :10]) * x[:, 10:])
+    assert torch.allclose(ours, ref, rtol=1e-12, atol=1e-12) and ours.abs().sum() > 0
 
 @interpreter_only
 @pytest.mark.parametrize("loss", ["squared", "linear"])
@@ -404,3 +504,18 @@ def test_gpu_function_and_dtype_error():
     assert torch.equal(h, ref) and torch.equal(g.grad, rdg) and torch.equal(u.grad, rdu)
     with pytest.raises(TypeError, match="float32, bfloat16 and float16"):
         swiglu(g.detach().double(), u.detach().double())
+
+
+@gpu
+def test_gpu_one_tensor_form_is_the_two_tensor_forms():
+    """On CUDA ``swiglu(gate_up)`` gives the two-tensor form's output and gradient bit for bit,
+    the gradient one contiguous [M, 2F] tensor."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    gu = (torch.randn(513, 2 * 1411, generator=gen, device="cuda") * 4).to(torch.bfloat16)
+    dh = torch.randn(513, 1411, generator=gen, device="cuda").to(torch.bfloat16)
+    one, two = gu.clone().requires_grad_(), gu.clone().requires_grad_()
+    h1 = swiglu(one)
+    h1.backward(dh)
+    h2 = swiglu(*two.chunk(2, dim=-1))
+    h2.backward(dh)
+    assert torch.equal(h1, h2) and torch.equal(one.grad, two.grad) and one.grad.is_contiguous()

@@ -127,6 +127,27 @@ def test_swiglu_records_where_a_module_reads_it(monkeypatch):
 
 
 @interpreter_only
+def test_one_tensor_swiglu_records_the_whole_gradients_amax(monkeypatch):
+    """``swiglu(gate_up)``: h's amax, and the amax of its gradient as the one [M, 2F] tensor the
+    next quantizer reads (the max of dg's and du's), bitwise ``global_amax``'s; with a NaN in
+    one half the canonical NaN; not recorded outside such a region."""
+    monkeypatch.setattr(swiglu_module, "_uses_kernels", lambda g: True)
+    lin = hybridfp.Linear(48, 8, bias=False, params_dtype=torch.bfloat16)
+    for specials in (False, True):
+        g, u, dh = _inputs((10, 48), torch.bfloat16, specials=specials)
+        gu = torch.cat([g, u], dim=1).requires_grad_()
+        with autocast(recipe=Float8CurrentScaling()):
+            lin(g)
+            h = hybridfp.swiglu(gu)
+        assert _bits(known_amax.recall(h)) == _bits(_common.global_amax(h.detach()))
+        h.backward(dh)
+        assert _bits(known_amax.recall(gu.grad)) == _bits(_common.global_amax(gu.grad)), specials
+    gu = torch.cat([g, u], dim=1).requires_grad_()
+    h = hybridfp.swiglu(gu)
+    h.backward(dh)
+    assert known_amax.recall(h) is None and known_amax.recall(gu.grad) is None
+
+@interpreter_only
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
 def test_fp8_current_uses_the_known_amax(fp8, monkeypatch):
     """The quantizer takes the recorded amax (its own amax pass is not run) and its result is
@@ -207,3 +228,37 @@ def test_gpu_mlp_step_bitwise_with_three_amax_passes_fewer(rows, monkeypatch):
     assert torch.equal(y1, y0) and torch.equal(dx1, dx0)
     assert all(torch.equal(a, b) for a, b in zip(g1, g0))
     assert counts[0] == counts[1] - 3, counts  # h, d-gate, d-up
+
+
+@interpreter_only
+def test_layernorm_mlp_quantizes_fc1s_gradient_without_its_own_amax_pass(monkeypatch):
+    """LayerNormMLP's SwiGLU takes fc1's output as one tensor, so the gradient fc1's backward
+    quantizes is one recorded tensor: one amax pass fewer a step than through the two-tensor form
+    (whose dg, du are concatenated into a tensor with no record), and the same gradients bit for bit."""
+    from hybridfp.nn import layernorm_mlp
+    monkeypatch.setattr(swiglu_module, "_uses_kernels", lambda g: True)
+    monkeypatch.setattr(fast, "device_ok", lambda x: True)
+    torch.manual_seed(0)
+    mlp = hybridfp.LayerNormMLP(64, 32, activation="swiglu", normalization="RMSNorm", bias=False,
+                                params_dtype=torch.bfloat16)
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+    dy = torch.randn(16, 64, dtype=torch.bfloat16)
+    calls: list[int] = []
+    orig = _common.global_amax
+    monkeypatch.setattr(_common, "global_amax", lambda t, **kw: calls.append(1) or orig(t, **kw))
+
+    def step() -> tuple[int, list[torch.Tensor]]:
+        calls.clear()
+        xi = x.clone().requires_grad_()
+        with autocast(recipe=Float8CurrentScaling()):
+            mlp(xi).backward(dy)
+        grads = [xi.grad] + [p.grad.clone() for p in mlp.parameters()]
+        mlp.zero_grad(set_to_none=True)
+        return len(calls), grads
+    step()  # the first region builds the quantizers (the SwiGLU records from then on)
+    one, grads_one = step()
+    two_tensor = lambda activation, y: hybridfp.swiglu(*y.chunk(2, dim=-1))  # noqa: E731
+    monkeypatch.setattr(layernorm_mlp, "activate", two_tensor)
+    two, grads_two = step()
+    assert one == two - 1 and one > 0, (one, two)
+    assert all(torch.equal(a, b) for a, b in zip(grads_one, grads_two))
