@@ -23,7 +23,11 @@ quantized ones, with quantized primary weights ("[quantized primary weights]": b
 ``hybridfp.quantized_model_init``, re-encoded from FP32 masters once a step inside the step);
 FP8 current and MXFP8 with quantized primary weights also under ``torch.compile`` ("[compiled]":
 the routing, permutation, SwiGLU and un-permutation compiled as the compiled BF16 baseline's,
-each GroupedLinear call a graph break run eagerly). By name only (``--variants``): torchao's
+each GroupedLinear call a graph break run eagerly); FP8 current and MXFP8, plain and with
+quantized primary weights, also with ``hybridfp.swiglu`` as the experts' activation ("[fused
+SwiGLU]": one Triton kernel each way on fc1's [rows, 2F] output, its gradient written as one
+tensor, where the other rows run eager ``F.silu(g) * u``; ``moe_fused_swiglu``,
+``moe_64_fused_swiglu``). By name only (``--variants``): torchao's
 float8 MoE training ("torchao float8 rowwise (compiled)", or its eager twin: ``moe_torchao``, the
 BF16 grouped layer with its expert weights converted to FP8 rowwise, each expert's tokens padded
 to 16 rows as torchao's FP8 weight gradient needs), a baseline of the hybridfp FP8 rows: each is

@@ -5,6 +5,8 @@ GroupedLinear, and one training step of it (micro-batches, weights quantized onc
 
 from __future__ import annotations
 
+import copy
+
 import time
 from contextlib import nullcontext
 from typing import Any, Callable, Optional
@@ -170,7 +172,12 @@ class BF16MoE(nn.Module):
 
 
 class HybridMoE(nn.Module):
-    """The same layer with two hybridfp GroupedLinear (weights copied from the baseline)."""
+    """The same layer with two hybridfp GroupedLinear (weights copied from the baseline).
+    ``fused_swiglu``: the activation is ``hybridfp.swiglu`` on fc1's [rows, 2F] output (one
+    Triton kernel each way, its gradient written as one tensor) instead of eager
+    ``F.silu(g) * u`` (:meth:`with_fused_swiglu`)."""
+
+    fused_swiglu = False
 
     def __init__(self, base: BF16MoE, pack_weights: bool = True, single_parameter: bool = False) -> None:
         super().__init__()
@@ -189,7 +196,14 @@ class HybridMoE(nn.Module):
         r = Routing(x, self.router, TOP_K, offset)
         splits = self.sync.counts(r.counts)  # GroupedLinear takes host splits (one sync, as TE's)
         h = self.fc1(r.permute(x), splits)
-        return r.unpermute(self.fc2(swiglu(h), splits), x.shape[0])
+        act = hybridfp.swiglu if self.fused_swiglu else swiglu
+        return r.unpermute(self.fc2(act(h), splits), x.shape[0])
+
+    def with_fused_swiglu(self) -> "HybridMoE":
+        """This layer (its modules, weights and masters: a shallow copy) with the fused SwiGLU."""
+        m = copy.copy(self)
+        m.fused_swiglu = True
+        return m
 
     def expert_grads(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """(fc1's, fc2's) weight gradients, [E, out, in] (None where a weight has none)."""

@@ -94,6 +94,13 @@ PRIMARY_SUFFIX = " [quantized primary weights]"
 #: same layer (its weights and masters) as the eager quantized-primary row.
 COMPILED_VARIANTS = ("hybridfp FP8 current", "hybridfp MXFP8")
 COMPILED_SUFFIX = " [compiled]"
+#: The recipes whose rows (plain and with quantized primary weights) are timed again with
+#: ``hybridfp.swiglu`` as the experts' activation (``HybridMoE.with_fused_swiglu``: one Triton
+#: kernel each way, fc1's gradient written as one tensor) instead of eager ``F.silu(g) * u``,
+#: whose forward and backward are five memory-bound passes and a concatenation; the compiled
+#: BF16 baseline fuses its activation too. Planned after the primary rows, before the compiled ones.
+FUSED_SWIGLU_VARIANTS = ("hybridfp FP8 current", "hybridfp MXFP8")
+FUSED_SWIGLU_SUFFIX = " [fused SwiGLU]"
 #: FP8 current timed again with the grouped FP8 GEMM's pointer kernel (the policy's
 #: grouped_fp8_tma_rows / grouped_fp8_tma_wgrad set to None, None; ``--fp8-tma ROWS/WGRAD``
 #: names TMA configs instead, passed down as ``bench_config``'s ``fp8_tma``),
@@ -268,17 +275,24 @@ def variants_of(base: BF16MoE, hf: HybridMoE, only: Optional[list[str]], ab: boo
         for name, recipe in RECIPES:
             if name in names:
                 variants += [(name + sx, model, lambda r=recipe(): hybridfp.autocast(recipe=r)) for sx in suffixes]
-    compiled_rows = []
+    compiled_rows, fused_rows = [], []
+    fused = _once(lambda: hf.with_fused_swiglu())
     for name, recipe in RECIPES:
+        if name in FUSED_SWIGLU_VARIANTS:
+            fused_rows.append((name + FUSED_SWIGLU_SUFFIX, fused, lambda r=recipe(): hybridfp.autocast(recipe=r)))
         if name in PRIMARY_VARIANTS:
             r = recipe()
             primary = _once(lambda r=r: PrimaryWeightsMoE(base, r))
             variants.append((name + PRIMARY_SUFFIX, primary, lambda r=r: hybridfp.autocast(recipe=r)))
+            if name in FUSED_SWIGLU_VARIANTS:
+                fused_rows.append((name + PRIMARY_SUFFIX + FUSED_SWIGLU_SUFFIX,
+                                   _once(lambda p=primary: p().with_fused_swiglu()),
+                                   lambda r=r: hybridfp.autocast(recipe=r)))
             if name in COMPILED_VARIANTS:
                 compiled_rows.append((name + PRIMARY_SUFFIX + COMPILED_SUFFIX,
                                       _once(lambda p=primary: torch.compile(p(), backend=compile_backend)),
                                       lambda r=r: hybridfp.autocast(recipe=r)))
-    variants += compiled_rows  # after the eager rows: a deadline reaches them last
+    variants += fused_rows + compiled_rows  # after the eager rows: a deadline reaches them last
     if only is not None:
         planned = {v[0] for v in variants}
         unknown = [n for n in only if n not in planned]
