@@ -173,9 +173,10 @@ class BF16MoE(nn.Module):
 
 class HybridMoE(nn.Module):
     """The same layer with two hybridfp GroupedLinear (weights copied from the baseline).
-    ``fused_swiglu``: the activation is ``hybridfp.swiglu`` on fc1's [rows, 2F] output (one
-    Triton kernel each way, its gradient written as one tensor) instead of eager
-    ``F.silu(g) * u`` (:meth:`with_fused_swiglu`)."""
+    ``fused_swiglu``: the activation is ``hybridfp.swiglu`` on fc1's [rows, 2F] output with the
+    experts' splits (one Triton kernel each way, its gradient written as one tensor, each
+    expert's amax recorded for FP8 current scaling) instead of eager ``F.silu(g) * u``
+    (:meth:`with_fused_swiglu`)."""
 
     fused_swiglu = False
 
@@ -196,8 +197,9 @@ class HybridMoE(nn.Module):
         r = Routing(x, self.router, TOP_K, offset)
         splits = self.sync.counts(r.counts)  # GroupedLinear takes host splits (one sync, as TE's)
         h = self.fc1(r.permute(x), splits)
-        act = hybridfp.swiglu if self.fused_swiglu else swiglu
-        return r.unpermute(self.fc2(act(h), splits), x.shape[0])
+        # the fused SwiGLU given the experts' rows records each expert's amax for fc2 / fc1's backward
+        a = hybridfp.swiglu(h, splits=splits) if self.fused_swiglu else swiglu(h)
+        return r.unpermute(self.fc2(a, splits), x.shape[0])
 
     def with_fused_swiglu(self) -> "HybridMoE":
         """This layer (its modules, weights and masters: a shallow copy) with the fused SwiGLU."""

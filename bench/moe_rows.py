@@ -96,7 +96,8 @@ COMPILED_VARIANTS = ("hybridfp FP8 current", "hybridfp MXFP8")
 COMPILED_SUFFIX = " [compiled]"
 #: The recipes whose rows (plain and with quantized primary weights) are timed again with
 #: ``hybridfp.swiglu`` as the experts' activation (``HybridMoE.with_fused_swiglu``: one Triton
-#: kernel each way, fc1's gradient written as one tensor) instead of eager ``F.silu(g) * u``,
+#: kernel each way, fc1's gradient written as one tensor, FP8 current's per-expert amaxes of h
+#: and of that gradient recorded by the kernels) instead of eager ``F.silu(g) * u``,
 #: whose forward and backward are five memory-bound passes and a concatenation; the compiled
 #: BF16 baseline fuses its activation too. Planned after the primary rows, before the compiled ones.
 FUSED_SWIGLU_VARIANTS = ("hybridfp FP8 current", "hybridfp MXFP8")

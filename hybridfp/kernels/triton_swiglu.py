@@ -27,6 +27,10 @@ The amax of what a kernel stores (h; dg and du) comes out of the same pass when 
 read of the tensor (``hybridfp.tensors.known_amax``). It is the max of the magnitude bits of
 the values before rounding, rounded once at the end (rounding is monotone, so this is the
 stored values' amax bit for bit, NaN as the canonical quiet NaN), one atomic max per program.
+Given each row's group (``row_groups``: an MoE layer's experts) the amax is kept per group
+instead, the backward's as one max over dg and du (the amax of each group's rows of the
+[dg | du] gradient a ``GroupedLinear`` quantizes), as the grouped FP8 encode's own segmented
+amax (``kernels/moe/triton_grouped_fp8.group_amax``) computes it.
 
 Layout: 2D inputs with unit inner stride (checked) and any row stride, e.g. the two halves of a
 fused gate/up projection's output. One program per (row, block of ``BLOCK`` columns): a 64-bit
@@ -91,12 +95,21 @@ def _record_amax(amax_ptr, m, DTYPE: tl.constexpr, BF16_NAN: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_fwd_kernel(g_ptr, u_ptr, h_ptr, amax_ptr, N, sg, su, sh, DTYPE: tl.constexpr,
+def _amax_slot(amax_ptr, group_ptr, row, GROUPED: tl.constexpr):
+    """Where a row's amax goes: ``amax_ptr``, or with ``GROUPED`` its row group's entry."""
+    if GROUPED:
+        return amax_ptr + tl.load(group_ptr + row)
+    else:
+        return amax_ptr
+
+
+@triton.jit
+def _swiglu_fwd_kernel(g_ptr, u_ptr, h_ptr, amax_ptr, group_ptr, N, sg, su, sh, DTYPE: tl.constexpr,
                        BF16_NAN: tl.constexpr, NAN16: tl.constexpr, EXACT_EXP: tl.constexpr,
-                       BLOCK: tl.constexpr, AMAX: tl.constexpr):
-    """``AMAX``: also max|h| (see ``_record_amax``). One row per program: several rows
-    per program (fewer atomics) are slower on the H200 at 16384 x 14336 with the amax, backward
-    most of all."""
+                       BLOCK: tl.constexpr, AMAX: tl.constexpr, GROUPED: tl.constexpr):
+    """``AMAX``: also max|h| (see ``_record_amax``); with ``GROUPED`` per row group (``group_ptr``:
+    each row's group). One row per program: several rows per program (fewer atomics) are slower
+    on the H200 at 16384 x 14336 with the amax, backward most of all."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -106,14 +119,16 @@ def _swiglu_fwd_kernel(g_ptr, u_ptr, h_ptr, amax_ptr, N, sg, su, sh, DTYPE: tl.c
     h = round_to_dtype(silu, DTYPE, BF16_NAN) * u
     store_out(h_ptr + row * sh + cols, h, mask, DTYPE, NAN16)
     if AMAX:
-        _record_amax(amax_ptr, _abs_bits(h, mask), DTYPE, BF16_NAN)
+        _record_amax(_amax_slot(amax_ptr, group_ptr, row, GROUPED), _abs_bits(h, mask), DTYPE, BF16_NAN)
 
 
 @triton.jit
-def _swiglu_bwd_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, amax_ptr, N, sdh, sg, su, sdg, sdu,
+def _swiglu_bwd_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, amax_ptr, group_ptr, N, sdh, sg, su, sdg, sdu,
                        DTYPE: tl.constexpr, BF16_NAN: tl.constexpr, NAN16: tl.constexpr,
-                       EXACT_EXP: tl.constexpr, BLOCK: tl.constexpr, AMAX: tl.constexpr):
-    """``AMAX``: also max|dg| and max|du| (amax_ptr[0], amax_ptr[1])."""
+                       EXACT_EXP: tl.constexpr, BLOCK: tl.constexpr, AMAX: tl.constexpr,
+                       GROUPED: tl.constexpr):
+    """``AMAX``: also max|dg| and max|du| (amax_ptr[0], amax_ptr[1]); with ``GROUPED`` the max of
+    both, one per row group (the amax of each group's rows of the [dg | du] gradient)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -128,8 +143,12 @@ def _swiglu_bwd_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, amax_ptr, N, sdh, s
     store_out(du_ptr + row * sdu + cols, du, mask, DTYPE, NAN16)
     store_out(dg_ptr + row * sdg + cols, dg, mask, DTYPE, NAN16)
     if AMAX:
-        _record_amax(amax_ptr, _abs_bits(dg, mask), DTYPE, BF16_NAN)
-        _record_amax(amax_ptr + 1, _abs_bits(du, mask), DTYPE, BF16_NAN)
+        if GROUPED:  # max|round(v)| over both = round(max|v| over both): one atomic
+            _record_amax(_amax_slot(amax_ptr, group_ptr, row, GROUPED),
+                         tl.maximum(_abs_bits(dg, mask), _abs_bits(du, mask)), DTYPE, BF16_NAN)
+        else:
+            _record_amax(amax_ptr, _abs_bits(dg, mask), DTYPE, BF16_NAN)
+            _record_amax(amax_ptr + 1, _abs_bits(du, mask), DTYPE, BF16_NAN)
 
 
 def _check(name: str, x: torch.Tensor, like: torch.Tensor) -> None:
@@ -167,7 +186,15 @@ def amax_buffer(x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.int32, device=x.device)
 
 
-def _check_amax(amax_out: Optional[torch.Tensor], n: int, like: torch.Tensor) -> None:
+def _check_amax(amax_out: Optional[torch.Tensor], n: int, like: torch.Tensor,
+                row_groups: Optional[torch.Tensor] = None) -> None:
+    if row_groups is not None:
+        if amax_out is None:
+            raise ValueError("swiglu kernels: row_groups is given without amax_out (the per-group amaxes' buffer).")
+        if row_groups.shape != (like.shape[0],) or row_groups.dtype != torch.int32 or row_groups.device != like.device:
+            raise ValueError(f"swiglu kernels: row_groups must be int32 [{like.shape[0]}] on {like.device} (each "
+                             f"row's group); got {row_groups.dtype} {tuple(row_groups.shape)} on {row_groups.device}.")
+        n = amax_out.shape[0] if amax_out.dim() == 1 else -1
     if amax_out is not None and (amax_out.shape != (n,) or amax_out.dtype != torch.int32
                                  or amax_out.device != like.device):
         raise ValueError(f"swiglu kernels: amax_out must be amax_buffer(x, {n}) (int32 [{n}] on {like.device}); "
@@ -185,38 +212,44 @@ def _on_device(x: torch.Tensor):
     return torch.cuda.device(x.device) if x.is_cuda else nullcontext()
 
 
-def swiglu_forward(g: torch.Tensor, u: torch.Tensor, *, amax_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def swiglu_forward(g: torch.Tensor, u: torch.Tensor, *, amax_out: Optional[torch.Tensor] = None,
+                   row_groups: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``silu(g) * u`` of 2D [M, N] tensors (unit inner stride), a new contiguous tensor.
     ``amax_out`` (:func:`amax_buffer` of 1): max|h| is accumulated there (NaN-propagating bits,
-    exactly what ``_common.global_amax(h)`` returns)."""
+    exactly what ``_common.global_amax(h)`` returns); with ``row_groups`` (int32 [M], each row's
+    group in [0, G)) ``amax_out`` is :func:`amax_buffer` of G and takes each group's max|h|
+    (what ``kernels.moe.triton_grouped_fp8.group_amax(h, row_groups, G)`` returns)."""
     _check("g", g, g)
     _check("u", u, g)
-    _check_amax(amax_out, 1, g)
+    _check_amax(amax_out, 1, g, row_groups)
     m, n = g.shape
     h = empty((m, n), g.dtype, g.device)
     if h.numel() == 0:
         return h
     block, warps = _launch_config(n)
-    amax = amax_out is not None
+    amax, grouped = amax_out is not None, row_groups is not None
     with _on_device(g):
         _swiglu_fwd_kernel[_grid(m, n, block)](
-            kernel_input(g), kernel_input(u), kernel_input(h), amax_out if amax else h, n, g.stride(0),
-            u.stride(0), h.stride(0), **_consts(g), BLOCK=block, AMAX=amax, num_warps=warps)
+            kernel_input(g), kernel_input(u), kernel_input(h), amax_out if amax else h,
+            row_groups if grouped else h, n, g.stride(0), u.stride(0), h.stride(0), **_consts(g), BLOCK=block,
+            AMAX=amax, GROUPED=grouped, num_warps=warps)
     return h
 
 
 def swiglu_backward(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, *,
                     amax_out: Optional[torch.Tensor] = None,
-                    out: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                    row_groups: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dg, du) of ``h = silu(g) * u`` for the gradient ``dh`` (all 2D [M, N], unit inner stride);
     silu(g) is recomputed, not read. ``out``: the (dg, du) tensors to write (2D like g, unit inner
     stride: e.g. the two halves of one [M, 2N] gradient, which then needs no concatenation);
     None: new contiguous tensors. ``amax_out`` (:func:`amax_buffer` of 2): max|dg| and max|du|
-    are accumulated in its two entries."""
+    are accumulated in its two entries; with ``row_groups`` (as :func:`swiglu_forward`'s) it is
+    :func:`amax_buffer` of G and takes each group's max over both dg and du."""
     _check("g", g, g)
     _check("u", u, g)
     _check("dh", dh, g)
-    _check_amax(amax_out, 2, g)
+    _check_amax(amax_out, 2, g, row_groups)
     m, n = g.shape
     if out is None:
         dg = empty((m, n), g.dtype, g.device)
@@ -228,10 +261,10 @@ def swiglu_backward(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, *,
     if dg.numel() == 0:
         return dg, du
     block, warps = _launch_config(n)
-    amax = amax_out is not None
+    amax, grouped = amax_out is not None, row_groups is not None
     with _on_device(g):
         _swiglu_bwd_kernel[_grid(m, n, block)](
             kernel_input(dh), kernel_input(g), kernel_input(u), kernel_input(dg), kernel_input(du),
-            amax_out if amax else dg, n, dh.stride(0), g.stride(0), u.stride(0), dg.stride(0), du.stride(0),
-            **_consts(g), BLOCK=block, AMAX=amax, num_warps=warps)
+            amax_out if amax else dg, row_groups if grouped else dg, n, dh.stride(0), g.stride(0), u.stride(0),
+            dg.stride(0), du.stride(0), **_consts(g), BLOCK=block, AMAX=amax, GROUPED=grouped, num_warps=warps)
     return dg, du

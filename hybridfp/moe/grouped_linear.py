@@ -158,8 +158,10 @@ class GroupedLinear(GroupedWeights, QuantizedModule):
 
     module_type = "grouped_linear"
     #: The experts' per-tensor scales come from one segmented amax over all of them
-    #: (moe/quantize_scaled.py), not from a recorded whole-tensor amax.
+    #: (moe/quantize_scaled.py), not from a recorded whole-tensor amax; a per-expert amax
+    #: recorded by the kernel that wrote the input (``hybridfp.swiglu(h, splits=...)``) replaces it.
     reads_recorded_amax = False
+    reads_recorded_group_amax = True
     #: The recipe's ``backward_override`` has Linear's meaning, per expert
     #: (``grouped_linear_function.py``).
     supports_backward_override = True

@@ -16,9 +16,9 @@ import torch
 from ..config import current_policy
 from ..formats import fp8_tensorwise, nvfp4
 from ..formats.common import amax_nan, ceil_div, saturating_cast_fp8
-from ..utils.device import device_tensor, step_metadata
+from ..utils.device import device_tensor, row_groups
 from ..tensors import (DecodedMXFP8Storage, DecodedNVFP4Storage, Float8Storage, MXFP8Storage, NVFP4Storage,
-                       QuantizedStorage)
+                       QuantizedStorage, known_amax)
 from .joined import column_slices
 from ..tensors.storage import COLUMNWISE, ROWWISE
 from ..quantizers import fast
@@ -95,20 +95,6 @@ def _reduced(q: Quantizer, amax: torch.Tensor) -> torch.Tensor:
     if getattr(q, "with_amax_reduction", False):
         return all_reduce_amax(amax, q.amax_reduction_group)
     return amax
-
-
-def _row_groups(splits: Sequence[int], device: torch.device) -> torch.Tensor:
-    """The group of each row, int32 [sum(splits)] on ``device`` (one queued copy of the counts),
-    shared by the calls of one routing (``utils.device.step_metadata``: an MoE step's x, h, dy and dh
-    share it, so it is built once per routing, not per call: ``python -m
-    bench.bench_moe_overhead`` times the host work): read-only."""
-    splits = tuple(map(int, splits))
-
-    def build() -> torch.Tensor:
-        count = device_tensor(list(splits), device, torch.int32)
-        return torch.arange(len(splits), dtype=torch.int32, device=device).repeat_interleave(
-            count, output_size=sum(splits))  # output_size: no device sync
-    return step_metadata(("row groups", splits), device, build)
 
 
 def _per_row(values: torch.Tensor, counts: torch.Tensor, rows: int) -> torch.Tensor:
@@ -198,10 +184,13 @@ def _fp8_current_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], ro
     lds = [-(-m // 16) * 16 for m in splits]  # padded_ld, inlined: once per expert per call
     starts, width = column_starts(splits)
     cd: Optional[torch.Tensor] = None
+    # each expert's amax as recorded by the kernel that wrote x (the fused SwiGLU given these
+    # splits: hybridfp.tensors.known_amax), bitwise the segmented amax pass it saves
+    known = known_amax.recall(x, splits) if q.reads_known_amax else None
     if kernel:
         k = _fp8_kernels()
-        group = _row_groups(splits, x.device)
-        amax = _reduced(q, k.group_amax(x, group, len(splits)))
+        group = row_groups(splits, x.device)
+        amax = _reduced(q, known if known is not None else k.group_amax(x, group, len(splits)))
         rd, flat, sinv = k.quantize(x, amax, splits, q.dtype, eps=q.amax_epsilon, power_2_scale=q.force_pow_2_scales,
                                     rowwise=rowwise, columnwise=columnwise, col_offsets=starts, col_lds=lds,
                                     col_numel=cols * width, col_stride=width)
@@ -209,7 +198,7 @@ def _fp8_current_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], ro
             cd = flat.view(cols, width)
     else:
         counts = device_tensor(list(splits), x.device)
-        amax = _reduced(q, _segment_amax(x, counts))
+        amax = _reduced(q, known if known is not None else _segment_amax(x, counts))
         scale = fp8_tensorwise.current_scale(amax, q.dtype, eps=q.amax_epsilon, power_2_scale=q.force_pow_2_scales)
         sinv = torch.ones_like(scale) / scale  # IEEE division, as fp8_tensorwise.quantize
         data = saturating_cast_fp8(x.float() * _per_row(scale, counts, rows)[:, None], q.dtype)
@@ -230,7 +219,7 @@ def _nvfp4_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], rowwise:
         raise ValueError("grouped NVFP4 encodes the rowwise copy only; quantize the columnwise copy per expert.")
     rows, cols = x.shape
     if kernel:
-        group = _row_groups(splits, x.device)
+        group = row_groups(splits, x.device)
         amax = _reduced(q, _fp8_kernels().group_amax(x, group, len(splits)))
         row_amax = amax[group]
         from ..kernels import triton_nvfp4
@@ -286,7 +275,7 @@ def nvfp4_mxfp8_groups(hq: Quantizer, padded: torch.Tensor, splits: Sequence[int
     rq, cq = hq.rowwise_quantizer, hq.columnwise_quantizer
     padded_splits = [ceil_div(m, 32) * 32 for m in splits]
     cols = padded.shape[1]
-    group = _row_groups(padded_splits, padded.device)
+    group = row_groups(padded_splits, padded.device)
     dec_row, dec_col = ROWWISE in hq.hold_decoded, COLUMNWISE in hq.hold_decoded
     from ..kernels import triton_hybrid_nvfp4
     with fast.on_device(padded):

@@ -128,6 +128,9 @@ class QuantizedModule(QuantizerStateMixin, nn.Module):
     #: Whether this module's quantize calls may use an amax recorded by the kernel that wrote
     #: the input (``Quantizer.reads_known_amax``); see :meth:`quantizers`.
     reads_recorded_amax = True
+    #: Whether its quantize calls may use per-row-group amaxes recorded by the kernel that wrote
+    #: the input (an MoE layer's experts, ``hybridfp.tensors.known_amax`` with splits).
+    reads_recorded_group_amax = False
     #: The tensor-parallel plan a ``hybridfp.ColwiseParallel`` / ``RowwiseParallel`` /
     #: ``LayerNormMLPParallel`` style installed (its ``forward`` runs the module on the local
     #: shards, its ``group`` reduces delayed scaling's amaxes); None: not parallelized.
@@ -158,6 +161,7 @@ class QuantizedModule(QuantizerStateMixin, nn.Module):
         # negative slots): see weight_cache.py for when an entry may be reused
         self._wcache: dict[int, WeightEntry] = {}
         self._reads_known_amax = False  # any built quantizer reads recorded amaxes (see quantizers())
+        self._reads_known_group_amax = False  # ... recorded per row group
         # its _extra_state (a dict) stays out of an enclosing transformers model's save_pretrained
         self.register_state_dict_post_hook(_extra_state_not_for_save_pretrained)
 
@@ -306,6 +310,8 @@ class QuantizedModule(QuantizerStateMixin, nn.Module):
             call[1].append(pair)
         if self._reads_known_amax:
             state.reads_known_amax = True
+        if self._reads_known_group_amax:
+            state.reads_known_group_amax = True
         return pair[1]
 
     def _build_quantizers(self, state: AutocastState, pol: Policy,
@@ -334,8 +340,9 @@ class QuantizedModule(QuantizerStateMixin, nn.Module):
         # the quantizers whose state can move: the only ones asked for versions and step
         # ends (an MoE layer holds three per expert; most formats keep no state)
         self._stateful = [q for qs in built.values() for q in qs if q.has_state()]
-        self._reads_known_amax = self.reads_recorded_amax and any(
-            q.reads_known_amax for qs in built.values() for q in qs)
+        reads = any(q.reads_known_amax for qs in built.values() for q in qs)
+        self._reads_known_amax = self.reads_recorded_amax and reads
+        self._reads_known_group_amax = self.reads_recorded_group_amax and reads
         self._wcache.clear()  # also the kept copies: is_first_microbatch=False then raises
         return pair
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,7 @@ from torch import nn
 
 from ..recipes import current_autocast
 from ..tensors import known_amax
+from ..utils.device import row_groups
 from .linear_function import once_differentiable_quantized
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -143,30 +144,44 @@ def _halves(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return rows, rows[:, :f], rows[:, f:]
 
 
+def _amax_record(k: Any, rows: torch.Tensor, n: int, splits: Optional[tuple[int, ...]]
+                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(the kernels' zeroed amax buffer, each row's group or None): ``n`` per-tensor entries, or
+    one per group of ``splits``."""
+    if splits is None:
+        return k.amax_buffer(rows, n), None
+    return k.amax_buffer(rows, len(splits)), row_groups(splits, rows.device)
+
+
 class SwiGLUPackedFunction(torch.autograd.Function):
     """``silu(gate) * up`` of one [..., 2F] tensor holding [gate | up] (a fused gate/up
     projection's output), differentiated as one tensor: its gradient is written as one [..., 2F]
     tensor, dg and du straight into its halves, where the two-input form's gradients (dg, du)
     would be concatenated by autograd (one more pass over 2F columns: read and write). Values,
     amax records and errors are :class:`SwiGLUFunction`'s; the gradient's recorded amax is that
-    of the whole [..., 2F] tensor, the tensor the next quantizer reads."""
+    of the whole [..., 2F] tensor, the tensor the next quantizer reads. With ``splits`` (the rows
+    of each row group: an MoE layer's experts) the amaxes recorded are those of each group's rows,
+    where a ``GroupedLinear`` reads them (``AutocastState.reads_known_group_amax``)."""
 
     @staticmethod
-    def forward(ctx: Any, gate_up: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, gate_up: torch.Tensor, splits: Optional[tuple[int, ...]]) -> torch.Tensor:
         ctx.save_for_backward(gate_up)
         rows, g, u = _halves(gate_up)
         out_shape = (*gate_up.shape[:-1], g.shape[1])
         ctx.uses_kernels = _uses_kernels(gate_up)
+        ctx.splits = splits
         state = current_autocast()
         # as SwiGLUFunction.forward: no amax records under torch.compile
-        ctx.record_amax = (not torch.compiler.is_compiling()) and state is not None and state.reads_known_amax
+        wanted = state is not None and (state.reads_known_group_amax if splits is not None else state.reads_known_amax)
+        ctx.record_amax = (not torch.compiler.is_compiling()) and wanted
         if not ctx.uses_kernels:
             return (F.silu(g) * u).view(out_shape)
         from ..kernels import triton_swiglu as k
-        buf = k.amax_buffer(rows, 1) if ctx.record_amax else None
-        h = k.swiglu_forward(g, u, amax_out=buf)
+        buf, groups = _amax_record(k, rows, 1, splits) if ctx.record_amax else (None, None)
+        h = k.swiglu_forward(g, u, amax_out=buf, row_groups=groups)
         if buf is not None:
-            known_amax.remember(h, buf[0].view(torch.float32))
+            known_amax.remember(h, buf.view(torch.float32) if splits is not None else buf[0].view(torch.float32),
+                                splits)
         return h.view(out_shape)
 
     @staticmethod
@@ -174,30 +189,37 @@ class SwiGLUPackedFunction(torch.autograd.Function):
                                    recorded=lambda ctx: not ctx.uses_kernels,
                                    unrecorded="the fused SwiGLU kernels", where="on CUDA",
                                    remedy="Use F.silu(g) * u where the gradient is differentiated again.")
-    def backward(ctx: Any, dh: torch.Tensor) -> tuple[Optional[torch.Tensor]]:
+    def backward(ctx: Any, dh: torch.Tensor) -> tuple[Optional[torch.Tensor], None]:
         (gate_up,) = ctx.saved_tensors
         rows, g, u = _halves(gate_up)
         dh2 = _rows(dh)
         if not ctx.uses_kernels:  # eager autograd's ops for F.silu(g) * u, then chunk's cat
             du = dh2 * F.silu(g)
             dg = _silu_backward(dh2 * u, g)
-            return (torch.cat([dg, du], dim=1).view(gate_up.shape),)
+            return torch.cat([dg, du], dim=1).view(gate_up.shape), None
         from ..kernels import triton_swiglu as k
         dgu = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
         f = g.shape[1]
-        buf = k.amax_buffer(rows, 2) if ctx.record_amax else None
-        k.swiglu_backward(dh2, g, u, amax_out=buf, out=(dgu[:, :f], dgu[:, f:]))
-        if buf is not None:  # magnitude bits order like |v| (NaN above inf): one int max
+        buf, groups = _amax_record(k, rows, 2, ctx.splits) if ctx.record_amax else (None, None)
+        k.swiglu_backward(dh2, g, u, amax_out=buf, out=(dgu[:, :f], dgu[:, f:]), row_groups=groups)
+        if groups is not None:  # the kernel folded dg's and du's into each group's entry
+            known_amax.remember(dgu, buf.view(torch.float32), ctx.splits)
+        elif buf is not None:  # magnitude bits order like |v| (NaN above inf): one int max
             known_amax.remember(dgu, torch.maximum(buf[0], buf[1]).view(torch.float32))
-        return (dgu.view(gate_up.shape),)
+        return dgu.view(gate_up.shape), None
 
 
-def swiglu(g: torch.Tensor, u: Optional[torch.Tensor] = None) -> torch.Tensor:
+def swiglu(g: torch.Tensor, u: Optional[torch.Tensor] = None, *,
+           splits: Optional[Sequence[int]] = None) -> torch.Tensor:
     """``F.silu(g) * u`` for the gate ``g`` and up ``u`` projections (same shape, dtype, device),
     fused on CUDA (module docstring); differentiable in both. With ``u`` None, ``g`` is a fused
     gate/up projection's output [..., 2F] holding [gate | up] along its last dimension: its
     halves are read in place and its gradient is written as one tensor
-    (:class:`SwiGLUPackedFunction`: no concatenation of the halves' gradients).
+    (:class:`SwiGLUPackedFunction`: no concatenation of the halves' gradients). ``splits``
+    (with ``u`` None and a 2D ``g``): the rows of each row group, the experts of an MoE layer, as
+    ``GroupedLinear`` takes them; inside an autocast region where a ``GroupedLinear`` with FP8
+    current scaling ran, the kernels then record each expert's amax of h and of the gradient,
+    and the next ``GroupedLinear`` skips its own per-expert amax pass over them.
 
     Parameters
     ----------
@@ -206,6 +228,8 @@ def swiglu(g: torch.Tensor, u: Optional[torch.Tensor] = None) -> torch.Tensor:
         ``u`` is None.
     u:
         The up projection's output, of ``g``'s shape, dtype and device; or None.
+    splits:
+        Rows of each row group of a 2D one-tensor ``g`` (None: no groups).
 
     Returns
     -------
@@ -215,7 +239,8 @@ def swiglu(g: torch.Tensor, u: Optional[torch.Tensor] = None) -> torch.Tensor:
     Raises
     ------
     ValueError
-        Shapes or devices differ; with ``u`` None, a 0-d ``g`` or an odd last dimension.
+        Shapes or devices differ; with ``u`` None, a 0-d ``g`` or an odd last dimension;
+        ``splits`` with ``u`` given, with a ``g`` not 2D, or not adding up to its rows.
     TypeError
         Dtypes differ or are not floating point; on CUDA, a dtype other than float32,
         bfloat16 or float16.
@@ -238,7 +263,14 @@ def swiglu(g: torch.Tensor, u: Optional[torch.Tensor] = None) -> torch.Tensor:
                              f"got shape {tuple(g.shape)}.")
         if not g.is_floating_point():
             raise TypeError(f"swiglu: g and u must be floating point; got {g.dtype}.")
-        return SwiGLUPackedFunction.apply(g)
+        groups = None if splits is None else tuple(int(m) for m in splits)
+        if groups is not None and (g.dim() != 2 or sum(groups) != g.shape[0] or min(groups, default=0) < 0):
+            raise ValueError(f"swiglu: splits {list(groups)} must be non-negative row counts adding up to the rows "
+                             f"of a 2D gate_up; got shape {tuple(g.shape)}.")
+        return SwiGLUPackedFunction.apply(g, groups)
+    if splits is not None:
+        raise ValueError("swiglu: splits (row groups) go with the one-tensor form swiglu(gate_up, splits=...); "
+                         "pass the fused gate/up projection's output as one tensor.")
     _check_pair(g, u)
     return SwiGLUFunction.apply(g, u)
 

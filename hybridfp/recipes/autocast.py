@@ -45,6 +45,9 @@ class AutocastState:
     #: True once a module that ran here has a quantizer that uses recorded amaxes
     #: (``Quantizer.reads_known_amax``): the fused SwiGLU records them only then.
     reads_known_amax: bool = False
+    #: The same for per-row-group amaxes (a ``GroupedLinear`` whose experts' FP8 current scales
+    #: come from each expert's rows): the fused SwiGLU given the row groups records them only then.
+    reads_known_group_amax: bool = False
     #: Per-region memos of the modules (e.g. the input quantization several Linears share),
     #: dropped when the region ends so nothing they hold outlives it.
     scratch: dict = field(default_factory=dict)

@@ -104,6 +104,37 @@ def clear_step_metadata() -> None:
     _STEP_METADATA.clear()
 
 
+def row_groups(splits: Sequence[int], device: Union[torch.device, str]) -> torch.Tensor:
+    """The group of each row of row groups of ``splits`` rows each: int32 [sum(splits)] on
+    ``device`` (one queued copy of the counts), remembered by :func:`step_metadata` for the calls
+    of one routing (an MoE step's x, h, dy and dh share it): read-only.
+
+    Parameters
+    ----------
+    splits:
+        Rows of each group, in order.
+    device:
+        Where the tensor lives.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[0] * splits[0] + [1] * splits[1] + ...`` as int32.
+
+    Example
+    -------
+    >>> row_groups([2, 0, 3], "cpu").tolist()
+    [0, 0, 2, 2, 2]
+    """
+    splits = tuple(map(int, splits))
+
+    def build() -> torch.Tensor:
+        count = device_tensor(list(splits), device, torch.int32)
+        return torch.arange(len(splits), dtype=torch.int32, device=device).repeat_interleave(
+            count, output_size=sum(splits))  # output_size: no device sync
+    return step_metadata(("row groups", splits), device, build)
+
+
 def step_metadata_count() -> int:
     """How many :func:`step_metadata` tensors are remembered now (at most ``STEP_METADATA_KEPT``)."""
     return len(_STEP_METADATA)

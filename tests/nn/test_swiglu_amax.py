@@ -96,8 +96,26 @@ def test_known_amax_follows_views_and_versions():
     assert known_amax.recall(x.clone()) is None
     x.view(48)[0] = 1.0  # an in-place write through a view bumps the shared version
     assert known_amax.recall(x) is None
-    with pytest.raises(ValueError, match="0-d float32"):
+    with pytest.raises(ValueError, match="float32 tensor of shape \\(\\)"):
         known_amax.remember(x, torch.tensor([1.0]))
+
+
+def test_known_amax_per_row_group_is_found_under_its_splits_only():
+    x = torch.randn(6, 8)
+    a = torch.tensor([1.0, 2.0, 3.0])
+    known_amax.remember(x, a, [1, 2, 3])
+    assert known_amax.recall(x, (1, 2, 3)) is a and known_amax.recall(x.view(3, 2, 8), [1, 2, 3]) is a
+    assert known_amax.recall(x.view(12, 4), [1, 2, 3]) is None  # other rows: another grouping
+    assert known_amax.recall(x, [1, 2, 3]) is a
+    assert known_amax.recall(x) is None and known_amax.recall(x, [3, 2, 1]) is None
+    known_amax.remember(x, torch.tensor(5.0))  # a per-tensor record beside it
+    assert known_amax.recall(x, [1, 2, 3]) is a and float(known_amax.recall(x)) == 5.0
+    x.add_(1)
+    assert known_amax.recall(x, [1, 2, 3]) is None
+    with pytest.raises(ValueError, match="shape \\(3,\\)"):
+        known_amax.remember(x, torch.tensor(1.0), [1, 2, 3])
+    with pytest.raises(ValueError, match="do not cover the rows"):
+        known_amax.remember(x, torch.zeros(2), [1, 2])
 
 
 @interpreter_only
@@ -262,3 +280,122 @@ def test_layernorm_mlp_quantizes_fc1s_gradient_without_its_own_amax_pass(monkeyp
     two, grads_two = step()
     assert one == two - 1 and one > 0, (one, two)
     assert all(torch.equal(a, b) for a, b in zip(grads_one, grads_two))
+
+
+def _segment_reference(x: torch.Tensor, splits: list[int]) -> torch.Tensor:
+    """Each row group's amax as FP8 current scaling's grouped encode computes it off the kernels."""
+    from hybridfp.moe import quantize_scaled
+    return quantize_scaled._segment_amax(x, torch.tensor(splits))
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("specials", [False, True])
+def test_kernel_group_amaxes_are_the_segmented_amaxes_bitwise(dtype, specials):
+    """Per row group (an empty group included: 0), forward max|h| and backward max over dg and du,
+    bitwise the grouped encode's own segmented amax; NaN the canonical NaN."""
+    from hybridfp.utils.device import row_groups
+    g, u, dh = _inputs((12, 40), dtype, specials=specials)
+    splits = [3, 0, 5, 4]
+    groups = row_groups(splits, "cpu")
+    buf = triton_swiglu.amax_buffer(g, 4)
+    h = triton_swiglu.swiglu_forward(g, u, amax_out=buf, row_groups=groups)
+    want = _segment_reference(h, splits)
+    assert torch.equal(buf.view(torch.float32).isnan(), want.isnan())
+    assert buf[~want.isnan()].tolist() == want[~want.isnan()].view(torch.int32).tolist()
+    assert int(buf[1]) == 0
+    buf2 = triton_swiglu.amax_buffer(g, 4)
+    dgu = torch.empty(12, 80, dtype=dtype)
+    triton_swiglu.swiglu_backward(dh, g, u, amax_out=buf2, out=(dgu[:, :40], dgu[:, 40:]), row_groups=groups)
+    want2 = _segment_reference(dgu, splits)
+    nan = want2.isnan()
+    assert torch.equal(buf2.view(torch.float32).isnan(), nan) and (buf2[nan] == 0x7FC00000).all()
+    assert buf2[~nan].tolist() == want2[~nan].view(torch.int32).tolist()
+    assert nan.any() == specials  # dh's NaN reaches dg and du
+    with pytest.raises(ValueError, match="row_groups must be int32 \\[12\\]"):
+        triton_swiglu.swiglu_forward(g, u, amax_out=buf, row_groups=groups[:5])
+    with pytest.raises(ValueError, match="without amax_out"):
+        triton_swiglu.swiglu_forward(g, u, row_groups=groups)
+
+
+def _experts_step(monkeypatch, with_splits: bool) -> tuple[int, list[torch.Tensor]]:
+    """fc2(swiglu(fc1(x))) of two GroupedLinear under FP8 current, the SwiGLU on its kernels
+    (forced on CPU tensors): (per-expert amax passes of the second region, its gradients)."""
+    from hybridfp.moe import quantize_scaled
+    monkeypatch.setattr(swiglu_module, "_uses_kernels", lambda g: True)
+    calls: list[int] = []
+    orig = quantize_scaled._segment_amax
+    monkeypatch.setattr(quantize_scaled, "_segment_amax", lambda x, c: calls.append(1) or orig(x, c))
+    torch.manual_seed(0)
+    kw = dict(bias=False, params_dtype=torch.bfloat16)
+    fc1, fc2 = hybridfp.GroupedLinear(3, 32, 2 * 48, **kw), hybridfp.GroupedLinear(3, 48, 32, **kw)
+    splits = [5, 0, 11]
+    x = torch.randn(16, 32, dtype=torch.bfloat16)
+    dy = torch.randn(16, 32, dtype=torch.bfloat16)
+    for _ in range(2):  # the first region builds the quantizers
+        calls.clear()
+        xi = x.clone().requires_grad_()
+        with autocast(recipe=Float8CurrentScaling()):
+            h = fc1(xi, splits)
+            a = hybridfp.swiglu(h, splits=splits) if with_splits else hybridfp.swiglu(h)
+            y = fc2(a, splits)
+        y.backward(dy)
+        grads = [y.detach(), xi.grad] + [w.grad.clone() for w in (*fc1.weights(), *fc2.weights())]
+        for w in (*fc1.weights(), *fc2.weights()):
+            w.grad = None
+    return len(calls), grads
+
+
+@interpreter_only
+def test_grouped_linear_takes_the_experts_amaxes_the_swiglu_recorded(monkeypatch):
+    """With the row groups the SwiGLU records each expert's amax of h and of fc1's gradient, and
+    the GroupedLinears skip their segmented amax pass over those two tensors: the same outputs
+    and gradients bit for bit."""
+    with_groups, got = _experts_step(monkeypatch, True)
+    without, want = _experts_step(monkeypatch, False)
+    assert with_groups == without - 2 and with_groups > 0, (with_groups, without)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_swiglu_splits_errors():
+    gu = torch.randn(6, 8)
+    with pytest.raises(ValueError, match="adding up to the rows"):
+        hybridfp.swiglu(gu, splits=[2, 3])
+    with pytest.raises(ValueError, match="adding up to the rows"):
+        hybridfp.swiglu(gu.view(2, 3, 8), splits=[6])
+    with pytest.raises(ValueError, match="one-tensor form"):
+        hybridfp.swiglu(gu[:, :4], gu[:, 4:], splits=[6])
+    assert torch.equal(hybridfp.swiglu(gu, splits=[2, 4]), hybridfp.swiglu(gu))
+
+
+@gpu
+@needs_cuda
+def test_gpu_experts_take_the_recorded_amaxes_bitwise(monkeypatch):
+    """On CUDA (the grouped FP8 kernels): two per-expert amax passes fewer a step with the SwiGLU
+    given the experts' rows, and the same outputs and gradients bit for bit."""
+    from hybridfp.kernels.moe import triton_grouped_fp8
+    calls: list[int] = []
+    orig = triton_grouped_fp8.group_amax
+    monkeypatch.setattr(triton_grouped_fp8, "group_amax", lambda *a, **kw: calls.append(1) or orig(*a, **kw))
+    torch.manual_seed(0)
+    kw = dict(bias=False, params_dtype=torch.bfloat16, device="cuda")
+    fc1, fc2 = hybridfp.GroupedLinear(4, 256, 2 * 512, **kw), hybridfp.GroupedLinear(4, 512, 256, **kw)
+    splits = [300, 0, 517, 207]
+    x = torch.randn(1024, 256, dtype=torch.bfloat16, device="cuda")
+    dy = torch.randn(1024, 256, dtype=torch.bfloat16, device="cuda")
+    results = {}
+    for with_splits in (True, False, True):
+        for _ in range(2):
+            calls.clear()
+            xi = x.clone().requires_grad_()
+            with autocast(recipe=Float8CurrentScaling()):
+                h = fc1(xi, splits)
+                y = fc2(hybridfp.swiglu(h, splits=splits) if with_splits else hybridfp.swiglu(h), splits)
+            y.backward(dy)
+            grads = [y.detach(), xi.grad] + [w.grad.clone() for w in (*fc1.weights(), *fc2.weights())]
+            for w in (*fc1.weights(), *fc2.weights()):
+                w.grad = None
+        results.setdefault(with_splits, (len(calls), grads))
+    (n_with, got), (n_without, want) = results[True], results[False]
+    assert n_with == n_without - 2, (n_with, n_without)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
