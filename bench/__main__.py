@@ -248,10 +248,12 @@ MOE_COMPILED_ROWS = "|".join([f"hybridfp {r} [quantized primary weights]{c}" for
 #: paired against it: with the BF16 baselines, every row the torchao benchmarks need
 MOE_TORCHAO_ROWS = "torchao float8 rowwise (compiled)|hybridfp FP8 current"
 
-#: the FP8 current and MXFP8 rows, plain and with quantized primary weights, each with eager
-#: ``F.silu(g) * u`` and with the fused ``hybridfp.swiglu`` (``moe_rows.FUSED_SWIGLU_SUFFIX``)
-MOE_FUSED_SWIGLU_ROWS = "|".join(f"hybridfp {r}{p}{f}" for r in ("FP8 current", "MXFP8")
-                                 for p in ("", " [quantized primary weights]") for f in ("", " [fused SwiGLU]"))
+#: BF16 grouped with the fused SwiGLU, and the FP8 current and MXFP8 rows, plain and with quantized
+#: primary weights, each with eager ``F.silu(g) * u`` and with the fused ``hybridfp.swiglu``
+#: (``moe_rows.FUSED_SWIGLU_SUFFIX``)
+MOE_FUSED_SWIGLU_ROWS = "|".join(["BF16 grouped [fused SwiGLU]"] + [
+    f"hybridfp {r}{p}{f}" for r in ("FP8 current", "MXFP8") for p in ("", " [quantized primary weights]")
+    for f in ("", " [fused SwiGLU]")])
 
 BENCHMARKS: dict[str, Benchmark] = {
     "gemm": Benchmark("bench.bench_gemm", "FP8 GEMMs through hybridfp.gemm vs raw torch._scaled_mm and BF16",

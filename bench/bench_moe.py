@@ -26,8 +26,10 @@ the routing, permutation, SwiGLU and un-permutation compiled as the compiled BF1
 each GroupedLinear call a graph break run eagerly); FP8 current and MXFP8, plain and with
 quantized primary weights, also with ``hybridfp.swiglu`` as the experts' activation ("[fused
 SwiGLU]": one Triton kernel each way on fc1's [rows, 2F] output, its gradient written as one
-tensor, where the other rows run eager ``F.silu(g) * u``; ``moe_fused_swiglu``,
-``moe_64_fused_swiglu``). By name only (``--variants``): torchao's
+tensor, each expert's FP8 current amaxes of h and of that gradient recorded on the way, where
+the other rows run eager ``F.silu(g) * u``), beside BF16 grouped with the same activation ("BF16
+grouped [fused SwiGLU]", against the fastest BF16 like a variant row: whether the activation
+alone would beat the compiled baseline; ``moe_fused_swiglu``, ``moe_64_fused_swiglu``). By name only (``--variants``): torchao's
 float8 MoE training ("torchao float8 rowwise (compiled)", or its eager twin: ``moe_torchao``, the
 BF16 grouped layer with its expert weights converted to FP8 rowwise, each expert's tokens padded
 to 16 rows as torchao's FP8 weight gradient needs), a baseline of the hybridfp FP8 rows: each is

@@ -128,6 +128,10 @@ class BF16MoE(nn.Module):
     (``torch._grouped_mm``) or "per_expert" (a loop of ``torch.mm``, after one host sync for the
     splits, as GroupedLinear takes them); ``dtype`` float32 for the reference."""
 
+    #: the grouped layer's activation as ``hybridfp.swiglu`` (one Triton kernel each way, the
+    #: gradient written as one tensor) instead of eager ``F.silu(g) * u`` (:meth:`with_fused_swiglu`)
+    fused_swiglu = False
+
     def __init__(self, e: int, d: int, f: int, gemm: str = "grouped", dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         self.gemm, self.sync = gemm, SyncClock()
@@ -141,6 +145,12 @@ class BF16MoE(nn.Module):
         m = (kind or BF16MoE).__new__(kind or BF16MoE)
         nn.Module.__init__(m)
         m.gemm, m.sync, m.router, m.w1, m.w2 = gemm, SyncClock(), self.router, self.w1, self.w2
+        return m
+
+    def with_fused_swiglu(self) -> "BF16MoE":
+        """The grouped layer on these Parameters with the fused SwiGLU."""
+        m = self.sharing("grouped")
+        m.fused_swiglu = True
         return m
 
     def reference(self) -> "BF16MoE":
@@ -160,7 +170,8 @@ class BF16MoE(nn.Module):
         r = self.route(x, offset)
         if self.gemm == "grouped":
             h = torch._grouped_mm(r.permute(x), self.w1.transpose(1, 2), offs=r.offs)
-            y = torch._grouped_mm(swiglu(h), self.w2.transpose(1, 2), offs=r.offs)
+            a = hybridfp.swiglu(h) if self.fused_swiglu else swiglu(h)
+            y = torch._grouped_mm(a, self.w2.transpose(1, 2), offs=r.offs)
         else:
             splits = self.sync.counts(r.counts)
             y = _per_expert(swiglu(_per_expert(r.permute(x), self.w1, splits)), self.w2, splits)

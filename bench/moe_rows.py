@@ -38,6 +38,7 @@ RECIPE_FORMATS = {
     "hybridfp MXFP8": ("e4m3", "e4m3"),
     "hybridfp Composer-2 (NVFP4 row-scaled fwd / MXFP8 bwd)": ("e2m1", "e4m3"),
     **{name: TORCHAO_FORMATS for name in TORCHAO_ROWS},
+    "BF16 grouped": ("bf16", "bf16"),  # its variant row "[fused SwiGLU]"
 }
 #: (forward, backward) GEMMs on the longest path to each checked tensor (``common.error_bound``;
 #: the experts are a SwiGLU MLP, as bench_mlp's): all micro-batches' outputs, x's gradient and
@@ -102,6 +103,9 @@ COMPILED_SUFFIX = " [compiled]"
 #: BF16 baseline fuses its activation too. Planned after the primary rows, before the compiled ones.
 FUSED_SWIGLU_VARIANTS = ("hybridfp FP8 current", "hybridfp MXFP8")
 FUSED_SWIGLU_SUFFIX = " [fused SwiGLU]"
+#: BF16 grouped with the same fused SwiGLU, timed against the fastest BF16 like a variant row: it
+#: shows whether the activation alone would make BF16 faster than the compiled baseline
+BF16_FUSED_SWIGLU = "BF16 grouped" + FUSED_SWIGLU_SUFFIX
 #: FP8 current timed again with the grouped FP8 GEMM's pointer kernel (the policy's
 #: grouped_fp8_tma_rows / grouped_fp8_tma_wgrad set to None, None; ``--fp8-tma ROWS/WGRAD``
 #: names TMA configs instead, passed down as ``bench_config``'s ``fp8_tma``),
@@ -276,7 +280,8 @@ def variants_of(base: BF16MoE, hf: HybridMoE, only: Optional[list[str]], ab: boo
         for name, recipe in RECIPES:
             if name in names:
                 variants += [(name + sx, model, lambda r=recipe(): hybridfp.autocast(recipe=r)) for sx in suffixes]
-    compiled_rows, fused_rows = [], []
+    compiled_rows: list = []
+    fused_rows: list = [(BF16_FUSED_SWIGLU, _once(lambda: base.with_fused_swiglu()), None)]
     fused = _once(lambda: hf.with_fused_swiglu())
     for name, recipe in RECIPES:
         if name in FUSED_SWIGLU_VARIANTS:

@@ -20,7 +20,7 @@ FAST = ["--quick", "--micro-batches", "2", "--rounds", "2", "--samples", "1", "-
 
 def test_the_by_name_benchmarks_time_each_row_eager_and_fused():
     rows = MOE_FUSED_SWIGLU_ROWS.split("|")
-    assert rows == [FP8, FP8 + FUSED, FP8 + PRIMARY, FP8 + PRIMARY + FUSED,
+    assert rows == [moe_rows.BF16_FUSED_SWIGLU, FP8, FP8 + FUSED, FP8 + PRIMARY, FP8 + PRIMARY + FUSED,
                     MX, MX + FUSED, MX + PRIMARY, MX + PRIMARY + FUSED]
     for name, experts in (("moe_fused_swiglu", "8"), ("moe_64_fused_swiglu", "64")):
         b = BENCHMARKS[name]
@@ -32,7 +32,7 @@ def test_the_fused_rows_share_the_layers_and_run_after_the_primary_rows(tiny):
     plan = moe_rows.variants_of(base, hf, None, False, "eager")
     names = [v[0] for v in plan]
     fused = [n for n in names if n.endswith(FUSED)]
-    assert fused == [FP8 + FUSED, FP8 + PRIMARY + FUSED, MX + FUSED, MX + PRIMARY + FUSED]
+    assert fused == [moe_rows.BF16_FUSED_SWIGLU, FP8 + FUSED, FP8 + PRIMARY + FUSED, MX + FUSED, MX + PRIMARY + FUSED]
     last_primary = max(i for i, n in enumerate(names) if n.endswith(PRIMARY))
     first_compiled = min(i for i, n in enumerate(names) if n.endswith(moe_rows.COMPILED_SUFFIX))
     assert all(last_primary < names.index(n) < first_compiled for n in fused)
@@ -63,9 +63,11 @@ def test_the_fused_layer_computes_the_eager_layer_on_the_cpu(tiny):
 
 def test_the_fused_rows_run_and_pass_their_checks(tiny, tmp_path):
     out = tmp_path / "moe.json"
-    bench_moe.main(FAST + ["--fastest-only", "--variants", f"{FP8}|{FP8 + FUSED}|{MX + PRIMARY + FUSED}",
+    bf16_fused = moe_rows.BF16_FUSED_SWIGLU
+    bench_moe.main(FAST + ["--fastest-only", "--variants", f"{FP8}|{FP8 + FUSED}|{MX + PRIMARY + FUSED}|{bf16_fused}",
                            "--out", str(out)])
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
-    for name in (FP8 + FUSED, MX + PRIMARY + FUSED):
+    assert rows[bf16_fused]["rel_err"] == rows[bench_moe.BF16_GROUPED]["rel_err"] and not rows[bf16_fused]["baseline"]
+    for name in (FP8 + FUSED, MX + PRIMARY + FUSED, bf16_fused):
         assert rows[name]["breaches"] == [] and rows[name]["bounds"] == bench_moe.error_bounds(name)
     assert rows[FP8 + FUSED]["rel_err"] == rows[FP8]["rel_err"]  # the same computation on the CPU
