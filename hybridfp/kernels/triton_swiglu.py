@@ -213,8 +213,10 @@ def _on_device(x: torch.Tensor):
 
 
 def swiglu_forward(g: torch.Tensor, u: torch.Tensor, *, amax_out: Optional[torch.Tensor] = None,
-                   row_groups: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``silu(g) * u`` of 2D [M, N] tensors (unit inner stride), a new contiguous tensor.
+                   row_groups: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``silu(g) * u`` of 2D [M, N] tensors (unit inner stride), a new contiguous tensor, or
+    written into ``out`` (2D like g, unit inner stride; its version counter is bumped, as an
+    in-place write would, so nothing recorded for its old values is served again).
     ``amax_out`` (:func:`amax_buffer` of 1): max|h| is accumulated there (NaN-propagating bits,
     exactly what ``_common.global_amax(h)`` returns); with ``row_groups`` (int32 [M], each row's
     group in [0, G)) ``amax_out`` is :func:`amax_buffer` of G and takes each group's max|h|
@@ -223,7 +225,13 @@ def swiglu_forward(g: torch.Tensor, u: torch.Tensor, *, amax_out: Optional[torch
     _check("u", u, g)
     _check_amax(amax_out, 1, g, row_groups)
     m, n = g.shape
-    h = empty((m, n), g.dtype, g.device)
+    if out is None:
+        h = empty((m, n), g.dtype, g.device)
+    else:
+        _check("out", out, g)
+        h = out
+        if not torch.compiler.is_compiling():  # no amax records under torch.compile (nn/swiglu.py)
+            torch.autograd.graph.increment_version(h)
     if h.numel() == 0:
         return h
     block, warps = _launch_config(n)
@@ -243,7 +251,8 @@ def swiglu_backward(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, *,
     """(dg, du) of ``h = silu(g) * u`` for the gradient ``dh`` (all 2D [M, N], unit inner stride);
     silu(g) is recomputed, not read. ``out``: the (dg, du) tensors to write (2D like g, unit inner
     stride: e.g. the two halves of one [M, 2N] gradient, which then needs no concatenation);
-    None: new contiguous tensors. ``amax_out`` (:func:`amax_buffer` of 2): max|dg| and max|du|
+    None: new contiguous tensors (with ``out``, their version counters are bumped as
+    :func:`swiglu_forward`'s ``out``'s is). ``amax_out`` (:func:`amax_buffer` of 2): max|dg| and max|du|
     are accumulated in its two entries; with ``row_groups`` (as :func:`swiglu_forward`'s) it is
     :func:`amax_buffer` of G and takes each group's max over both dg and du."""
     _check("g", g, g)
@@ -258,6 +267,9 @@ def swiglu_backward(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, *,
         dg, du = out
         _check("out[0] (dg)", dg, g)
         _check("out[1] (du)", du, g)
+        if not torch.compiler.is_compiling():  # as an in-place write would: old records go stale
+            for t in (dg, du):
+                torch.autograd.graph.increment_version(t)
     if dg.numel() == 0:
         return dg, du
     block, warps = _launch_config(n)

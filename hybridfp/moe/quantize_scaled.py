@@ -187,6 +187,8 @@ def _fp8_current_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], ro
     # each expert's amax as recorded by the kernel that wrote x (the fused SwiGLU given these
     # splits: hybridfp.tensors.known_amax), bitwise the segmented amax pass it saves
     known = known_amax.recall(x, splits) if q.reads_known_amax else None
+    if known is not None and getattr(q, "with_amax_reduction", False):
+        known = known.clone()  # the all-reduce works in place: the record stays x's own amax
     if kernel:
         k = _fp8_kernels()
         group = row_groups(splits, x.device)

@@ -174,15 +174,17 @@ class SwiGLUPackedFunction(torch.autograd.Function):
         # as SwiGLUFunction.forward: no amax records under torch.compile
         wanted = state is not None and (state.reads_known_group_amax if splits is not None else state.reads_known_amax)
         ctx.record_amax = (not torch.compiler.is_compiling()) and wanted
-        if not ctx.uses_kernels:
-            return (F.silu(g) * u).view(out_shape)
+        f = g.shape[1]
+        if not ctx.uses_kernels:  # a tensor of its own (not a view: in-place ops on it stay allowed)
+            return F.silu(gate_up[..., :f]) * gate_up[..., f:]
         from ..kernels import triton_swiglu as k
         buf, groups = _amax_record(k, rows, 1, splits) if ctx.record_amax else (None, None)
-        h = k.swiglu_forward(g, u, amax_out=buf, row_groups=groups)
+        h = k.empty(out_shape, rows.dtype, rows.device)  # written through a 2D view: h is no view
+        k.swiglu_forward(g, u, amax_out=buf, row_groups=groups, out=h.view(rows.shape[0], f))
         if buf is not None:
             known_amax.remember(h, buf.view(torch.float32) if splits is not None else buf[0].view(torch.float32),
                                 splits)
-        return h.view(out_shape)
+        return h
 
     @staticmethod
     @once_differentiable_quantized(lambda ctx: "swiglu", lambda ctx: ctx.needs_input_grad[0],
@@ -198,7 +200,7 @@ class SwiGLUPackedFunction(torch.autograd.Function):
             dg = _silu_backward(dh2 * u, g)
             return torch.cat([dg, du], dim=1).view(gate_up.shape), None
         from ..kernels import triton_swiglu as k
-        dgu = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+        dgu = k.empty(rows.shape, rows.dtype, rows.device)
         f = g.shape[1]
         buf, groups = _amax_record(k, rows, 2, ctx.splits) if ctx.record_amax else (None, None)
         k.swiglu_backward(dh2, g, u, amax_out=buf, out=(dgu[:, :f], dgu[:, f:]), row_groups=groups)
@@ -262,9 +264,10 @@ def swiglu(g: torch.Tensor, u: Optional[torch.Tensor] = None, *,
             raise ValueError(f"swiglu with one input splits its last dimension in two halves [gate | up]; "
                              f"got shape {tuple(g.shape)}.")
         if not g.is_floating_point():
-            raise TypeError(f"swiglu: g and u must be floating point; got {g.dtype}.")
+            raise TypeError(f"swiglu: gate_up must be floating point; got {g.dtype}.")
         groups = None if splits is None else tuple(int(m) for m in splits)
-        if groups is not None and (g.dim() != 2 or sum(groups) != g.shape[0] or min(groups, default=0) < 0):
+        # any(), not min(): Dynamo traces it with splits that change between calls
+        if groups is not None and (g.dim() != 2 or sum(groups) != g.shape[0] or any(m < 0 for m in groups)):
             raise ValueError(f"swiglu: splits {list(groups)} must be non-negative row counts adding up to the rows "
                              f"of a 2D gate_up; got shape {tuple(g.shape)}.")
         return SwiGLUPackedFunction.apply(g, groups)

@@ -313,7 +313,7 @@ def test_one_tensor_form_errors():
         swiglu(torch.randn(3, 5))
     with pytest.raises(ValueError, match="two halves"):
         swiglu(torch.tensor(1.0))
-    with pytest.raises(TypeError, match="floating point"):
+    with pytest.raises(TypeError, match="gate_up must be floating point"):
         swiglu(torch.ones(2, 4, dtype=torch.int32))
 
 
@@ -352,6 +352,43 @@ def test_one_tensor_form_reads_a_transposed_input(monkeypatch):
     assert_within(h, (F.silu(g) * u).detach(), 16 * ulp(F.silu(g) * u, torch.float32), "h")
     assert gu_t.grad.shape == gu_t.shape and torch.isfinite(gu_t.grad).all()
     assert_bitwise(gu_t.grad, swiglu_grads_via_two_forms(gu_t.detach().t()).t(), "grad")
+
+
+def test_one_tensor_forms_output_may_be_written_in_place():
+    """Off the kernels the output is a tensor of its own, as eager ``F.silu(g) * u``'s is."""
+    gu = torch.randn(3, 2, 16, requires_grad=True)
+    h = swiglu(gu)
+    h.mul_(2)
+    h.sum().backward()
+    g, u = gu.detach().chunk(2, dim=-1)
+    ref = gu.detach().clone().requires_grad_()
+    (2 * (F.silu(ref[..., :8]) * ref[..., 8:])).sum().backward()
+    assert torch.equal(h.detach(), 2 * (F.silu(g) * u)) and torch.equal(gu.grad, ref.grad)
+
+
+@interpreter_only
+def test_one_tensor_forms_kernel_output_is_no_view(monkeypatch):
+    monkeypatch.setattr(swiglu_module, "_uses_kernels", lambda g: True)
+    gu = torch.randn(2, 3, 20, requires_grad=True)
+    h = swiglu(gu)
+    assert h._base is None and h.shape == (2, 3, 10)
+    h.add_(1)  # allowed: not a view of a Function's output
+
+
+@interpreter_only
+def test_kernels_writing_into_out_make_its_records_stale():
+    from hybridfp.tensors import known_amax
+    g, u, dh = inputs((4, 24), torch.bfloat16, seed=9)
+    h = torch.zeros(4, 24, dtype=torch.bfloat16)
+    known_amax.remember(h, torch.tensor(0.0))
+    triton_swiglu.swiglu_forward(g, u, out=h)
+    assert known_amax.recall(h) is None and h.abs().max() > 0
+    dgu = torch.zeros(4, 48, dtype=torch.bfloat16)
+    known_amax.remember(dgu, torch.tensor(0.0))
+    triton_swiglu.swiglu_backward(dh, g, u, out=(dgu[:, :24], dgu[:, 24:]))
+    assert known_amax.recall(dgu) is None
+    with pytest.raises(ValueError, match="out is \\(4, 23\\)"):
+        triton_swiglu.swiglu_forward(g, u, out=h[:, :23])
 
 
 def swiglu_grads_via_two_forms(gu: torch.Tensor) -> torch.Tensor:
@@ -519,3 +556,14 @@ def test_gpu_one_tensor_form_is_the_two_tensor_forms():
     h2 = swiglu(*two.chunk(2, dim=-1))
     h2.backward(dh)
     assert torch.equal(h1, h2) and torch.equal(one.grad, two.grad) and one.grad.is_contiguous()
+
+
+def test_splits_trace_under_torch_compile_as_they_change():
+    """``swiglu(h, splits=...)`` with a new routing every call traces with ``fullgraph=True``
+    (the splits checks use no builtin Dynamo cannot trace with changing ints)."""
+    f = torch.compile(lambda h, s: swiglu(h, splits=s), backend="aot_eager", fullgraph=True)
+    for s in ([6, 10], [7, 9], [5, 11]):
+        h = torch.randn(16, 8, requires_grad=True)
+        out = f(h, s)
+        out.sum().backward()
+        assert torch.equal(out, F.silu(h.detach()[:, :4]) * h.detach()[:, 4:])

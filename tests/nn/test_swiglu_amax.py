@@ -383,7 +383,7 @@ def test_gpu_experts_take_the_recorded_amaxes_bitwise(monkeypatch):
     splits = [300, 0, 517, 207]
     x = torch.randn(1024, 256, dtype=torch.bfloat16, device="cuda")
     dy = torch.randn(1024, 256, dtype=torch.bfloat16, device="cuda")
-    results = {}
+    results: dict[bool, list] = {}
     for with_splits in (True, False, True):
         for _ in range(2):
             calls.clear()
@@ -395,7 +395,23 @@ def test_gpu_experts_take_the_recorded_amaxes_bitwise(monkeypatch):
             grads = [y.detach(), xi.grad] + [w.grad.clone() for w in (*fc1.weights(), *fc2.weights())]
             for w in (*fc1.weights(), *fc2.weights()):
                 w.grad = None
-        results.setdefault(with_splits, (len(calls), grads))
-    (n_with, got), (n_without, want) = results[True], results[False]
-    assert n_with == n_without - 2, (n_with, n_without)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+        results.setdefault(with_splits, []).append((len(calls), grads))
+    (n_without, want), = results[False]
+    for n_with, got in results[True]:  # before and after a step without the records
+        assert n_with == n_without - 2, (n_with, n_without)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+
+def test_an_amax_reduction_leaves_the_experts_recorded_amaxes_their_own(monkeypatch):
+    """The amax all-reduce works in place: the grouped encode reduces a copy of the recorded
+    per-expert amaxes, so the record stays x's own (a second reader gets x's amax)."""
+    from hybridfp.moe import quantize_scaled
+    monkeypatch.setattr(quantize_scaled, "all_reduce_amax", lambda amax, group: amax.mul_(4))  # a "remote" max
+    x = torch.randn(10, 16, dtype=torch.bfloat16)
+    splits = [4, 6]
+    own = quantize_scaled._segment_amax(x, torch.tensor(splits))
+    known_amax.remember(x, own.clone(), splits)
+    q = Float8CurrentScalingQuantizer(amax_reduction_group=object(), with_amax_reduction=True)
+    quantize_scaled.encode_group_scaled(q, x, splits, True, False, kernel=False)
+    assert torch.equal(known_amax.recall(x, splits), own)
