@@ -100,7 +100,8 @@ COMPILED_SUFFIX = " [compiled]"
 #: kernel each way, fc1's gradient written as one tensor, FP8 current's per-expert amaxes of h
 #: and of that gradient recorded by the kernels) instead of eager ``F.silu(g) * u``,
 #: whose forward and backward are five memory-bound passes and a concatenation; the compiled
-#: BF16 baseline fuses its activation too. Planned after the primary rows, before the compiled ones.
+#: BF16 baseline fuses its activation too. A primary row's fused twin is planned right after it;
+#: the plain layers' fused rows and BF16 grouped's after every primary row, before the compiled ones.
 FUSED_SWIGLU_VARIANTS = ("hybridfp FP8 current", "hybridfp MXFP8")
 FUSED_SWIGLU_SUFFIX = " [fused SwiGLU]"
 #: BF16 grouped with the same fused SwiGLU, timed against the fastest BF16 like a variant row: it
@@ -281,7 +282,7 @@ def variants_of(base: BF16MoE, hf: HybridMoE, only: Optional[list[str]], ab: boo
             if name in names:
                 variants += [(name + sx, model, lambda r=recipe(): hybridfp.autocast(recipe=r)) for sx in suffixes]
     compiled_rows: list = []
-    fused_rows: list = [(BF16_FUSED_SWIGLU, _once(lambda: base.with_fused_swiglu()), None)]
+    fused_rows: list = []
     fused = _once(lambda: hf.with_fused_swiglu())
     for name, recipe in RECIPES:
         if name in FUSED_SWIGLU_VARIANTS:
@@ -290,14 +291,15 @@ def variants_of(base: BF16MoE, hf: HybridMoE, only: Optional[list[str]], ab: boo
             r = recipe()
             primary = _once(lambda r=r: PrimaryWeightsMoE(base, r))
             variants.append((name + PRIMARY_SUFFIX, primary, lambda r=r: hybridfp.autocast(recipe=r)))
-            if name in FUSED_SWIGLU_VARIANTS:
-                fused_rows.append((name + PRIMARY_SUFFIX + FUSED_SWIGLU_SUFFIX,
-                                   _once(lambda p=primary: p().with_fused_swiglu()),
-                                   lambda r=r: hybridfp.autocast(recipe=r)))
+            if name in FUSED_SWIGLU_VARIANTS:  # right after its eager twin: a deadline cuts neither alone
+                variants.append((name + PRIMARY_SUFFIX + FUSED_SWIGLU_SUFFIX,
+                                 _once(lambda p=primary: p().with_fused_swiglu()),
+                                 lambda r=r: hybridfp.autocast(recipe=r)))
             if name in COMPILED_VARIANTS:
                 compiled_rows.append((name + PRIMARY_SUFFIX + COMPILED_SUFFIX,
                                       _once(lambda p=primary: torch.compile(p(), backend=compile_backend)),
                                       lambda r=r: hybridfp.autocast(recipe=r)))
+    fused_rows.append((BF16_FUSED_SWIGLU, _once(lambda: base.with_fused_swiglu()), None))
     variants += fused_rows + compiled_rows  # after the eager rows: a deadline reaches them last
     if only is not None:
         planned = {v[0] for v in variants}
