@@ -85,6 +85,18 @@ def _silu_backward(grad: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return grad * s * (1 + g * (1 - s))
 
 
+def _records_amax(grouped: bool) -> bool:
+    """Whether the kernels record the amax of what they write: inside an autocast region whose
+    modules read recorded amaxes (per row group with ``grouped``). Not under torch.compile: the
+    quantizers take their own amax there (the compiler fuses it), and the flag is set by the
+    modules of the same traced frame, which Dynamo would guard on as set at entry (a recompile
+    in every region, Dynamo's limit after eight), so it is checked first."""
+    if torch.compiler.is_compiling():
+        return False
+    state = current_autocast()
+    return state is not None and (state.reads_known_group_amax if grouped else state.reads_known_amax)
+
+
 class SwiGLUFunction(torch.autograd.Function):
     """``silu(g) * u``; saves g and u (no other activation) and recomputes silu in backward.
 
@@ -97,11 +109,7 @@ class SwiGLUFunction(torch.autograd.Function):
     def forward(ctx: Any, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(g, u)
         ctx.uses_kernels = _uses_kernels(g)
-        state = current_autocast()
-        # not under torch.compile: the quantizers take their own amax there (the compiler fuses
-        # it), and this flag is set by the modules of the same traced frame, which Dynamo would
-        # guard on as set at entry: a recompile in every region, Dynamo's limit after eight
-        ctx.record_amax = (not torch.compiler.is_compiling()) and state is not None and state.reads_known_amax
+        ctx.record_amax = _records_amax(grouped=False)
         if not ctx.uses_kernels:
             return F.silu(g) * u
         # imported at the first kernel call: Triton's import fixes its compiled / interpreted
@@ -170,10 +178,7 @@ class SwiGLUPackedFunction(torch.autograd.Function):
         out_shape = (*gate_up.shape[:-1], g.shape[1])
         ctx.uses_kernels = _uses_kernels(gate_up)
         ctx.splits = splits
-        state = current_autocast()
-        # as SwiGLUFunction.forward: no amax records under torch.compile
-        wanted = state is not None and (state.reads_known_group_amax if splits is not None else state.reads_known_amax)
-        ctx.record_amax = (not torch.compiler.is_compiling()) and wanted
+        ctx.record_amax = _records_amax(grouped=splits is not None)
         f = g.shape[1]
         if not ctx.uses_kernels:  # a tensor of its own (not a view: in-place ops on it stay allowed)
             return F.silu(gate_up[..., :f]) * gate_up[..., f:]
