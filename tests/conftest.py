@@ -41,6 +41,17 @@ def _seeded_rngs():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _gpu_memory_returned():
+    """After each test, CUDA memory the test freed goes back to the driver: torch's caching
+    allocator otherwise keeps a process's peak reserved, and under ``-n 4`` four workers share one
+    GPU, so a worker that ran a 30 GB test would starve the other three for the rest of the run
+    (out-of-memory failures that depend on which worker ran what). Off CUDA: nothing."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 @pytest.fixture
 def set_policy(monkeypatch):
     """``set_policy(**changes)``: the calling thread's ``hybridfp.config`` policy with ``changes``
