@@ -6,7 +6,6 @@ GroupedLinear, and one training step of it (micro-batches, weights quantized onc
 from __future__ import annotations
 
 import copy
-
 import time
 from contextlib import nullcontext
 from typing import Any, Callable, Optional

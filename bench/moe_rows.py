@@ -283,7 +283,7 @@ def variants_of(base: BF16MoE, hf: HybridMoE, only: Optional[list[str]], ab: boo
                 variants += [(name + sx, model, lambda r=recipe(): hybridfp.autocast(recipe=r)) for sx in suffixes]
     compiled_rows: list = []
     fused_rows: list = []
-    fused = _once(lambda: hf.with_fused_swiglu())
+    fused = _once(hf.with_fused_swiglu)
     for name, recipe in RECIPES:
         if name in FUSED_SWIGLU_VARIANTS:
             fused_rows.append((name + FUSED_SWIGLU_SUFFIX, fused, lambda r=recipe(): hybridfp.autocast(recipe=r)))

@@ -191,8 +191,7 @@ def _fp8_current_groups(q: Quantizer, x: torch.Tensor, splits: Sequence[int], ro
         known = known.clone()  # the all-reduce works in place: the record stays x's own amax
     if kernel:
         k = _fp8_kernels()
-        group = row_groups(splits, x.device)
-        amax = _reduced(q, known if known is not None else k.group_amax(x, group, len(splits)))
+        amax = _reduced(q, known if known is not None else k.group_amax(x, row_groups(splits, x.device), len(splits)))
         rd, flat, sinv = k.quantize(x, amax, splits, q.dtype, eps=q.amax_epsilon, power_2_scale=q.force_pow_2_scales,
                                     rowwise=rowwise, columnwise=columnwise, col_offsets=starts, col_lds=lds,
                                     col_numel=cols * width, col_stride=width)
