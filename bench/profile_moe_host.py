@@ -8,8 +8,14 @@ step per row with ``cProfile`` (the step synchronized at its end, so the time is
 until the last launch) and prints the functions by own time and by cumulative time. No ratio is
 measured; the figures say which Python to cut, not how fast the layer is.
 
+``--torch-profiler`` profiles the step with ``torch.profiler`` instead: the aten ops and CUDA API
+calls by their own host time, and a line splitting the step's host time into the CUDA runtime
+and driver calls (kernel launches, copies, syncs: what the host spends handing work to the GPU)
+and the rest (Python, aten's dispatch, Triton's launcher). Without Python frames (cProfile's
+2-3x inflation) it says whether launches or Python hold a host-bound step.
+
     python -m bench.profile_moe_host [--experts 64] [--variants "hybridfp FP8 current|..."] [--top 40]
-        [--out moe_host_profile.txt] [--reps 5] [--quick]
+        [--out moe_host_profile.txt] [--reps 5] [--quick] [--torch-profiler]
 """
 
 from __future__ import annotations
@@ -18,8 +24,11 @@ import argparse
 import cProfile
 import io
 import pstats
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
+
+from torch.profiler import ProfilerActivity, profile
 
 from bench import common
 from bench.bench_moe import QUICK_CONFIGS, QUICK_SHAPE
@@ -69,6 +78,81 @@ def profile_text(step: Callable[[], Any], title: str, top: int, reps: int = 5, m
     return "\n".join(text)
 
 
+#: CUDA runtime / driver calls a step makes, by their name's start (torch.profiler names them as
+#: the API does: cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync, cudaStreamSynchronize, ...)
+CUDA_API_PREFIXES = ("cuda", "cu")
+
+
+def api_split(events: list[Any]) -> dict[str, float]:
+    """The host time of one profiled step by kind, from ``torch.profiler``'s averaged events.
+
+    Parameters
+    ----------
+    events:
+        ``profile.key_averages()``: one entry per event name with its count and own CPU time (us).
+
+    Returns
+    -------
+    dict[str, float]
+        ``api_ms``: own time of the CUDA runtime and driver calls; ``launches`` and
+        ``launch_ms``: the kernel launches among them (names holding "LaunchKernel");
+        ``aten_ops`` and ``aten_ms``: aten ops' count and own time (their dispatch and CPU work,
+        the launches they make excluded)."""
+    out = {"api_ms": 0.0, "launches": 0.0, "launch_ms": 0.0, "aten_ops": 0.0, "aten_ms": 0.0}
+    for e in events:
+        own_ms = e.self_cpu_time_total / 1e3
+        if e.key.startswith(CUDA_API_PREFIXES):
+            out["api_ms"] += own_ms
+            if "LaunchKernel" in e.key:
+                out["launches"] += e.count
+                out["launch_ms"] += own_ms
+        elif e.key.startswith("aten::"):
+            out["aten_ops"] += e.count
+            out["aten_ms"] += own_ms
+    return out
+
+
+def torch_profile_text(step: Callable[[], Any], title: str, top: int, reps: int = 5, model: Any = None) -> str:
+    """One step of ``step`` under ``torch.profiler``: the split of its host time and its events
+    by own host time.
+
+    Parameters
+    ----------
+    step:
+        One training step.
+    title:
+        The row's name, for the title line.
+    top:
+        Events listed.
+    reps:
+        Unprofiled steps timed for the title line's host ms (``bench_moe.host_ms``).
+    model:
+        The layer ``step`` runs (its ``SyncClock`` gives the waits at the routing syncs), or None.
+
+    Returns
+    -------
+    str
+        The title line, the split line and the table."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if common.DEVICE == "cuda" else [])
+    common.synchronize()
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        step()
+        profiled_ms = (time.perf_counter() - t0) * 1e3
+    common.synchronize()
+    host, waited = host_ms(step, model, warmup=0, reps=reps)
+    events = prof.key_averages()
+    split = api_split(events)
+    text = [f"## {title}: host ms (median of {reps}, unprofiled) {host:.2f}, of it at syncs {waited:.2f}",
+            f"profiled step: host {profiled_ms:.2f} ms; CUDA API calls {split['api_ms']:.2f} ms, of it "
+            f"{int(split['launches'])} kernel launches {split['launch_ms']:.2f} ms; {int(split['aten_ops'])} aten ops "
+            f"{split['aten_ms']:.2f} ms own time; the rest (Python, Triton's launcher, autograd) "
+            f"{profiled_ms - split['api_ms'] - split['aten_ms']:.2f} ms",
+            "### by own host time",
+            events.table(sort_by="self_cpu_time_total", row_limit=top)]
+    return "\n".join(text)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Profile the rows named by ``--variants`` (bench_moe's names) at ``--experts``.
 
@@ -86,6 +170,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--reps", type=int, default=5, help="unprofiled steps timed for the host ms (their median)")
     p.add_argument("--out", type=Path, default=None, help="also write the profiles here")
     p.add_argument("--quick", action="store_true", help="bench_moe --quick's small shapes (a CPU check)")
+    p.add_argument("--torch-profiler", action="store_true", help="torch.profiler instead of cProfile: the host "
+                   "time split into CUDA API calls (launches, copies, syncs), aten ops and the rest")
     args = p.parse_args(argv)
     if args.reps < 1 or args.warmup < 0 or args.top < 1 or args.micro_batches < 1:
         p.error(f"--reps {args.reps}, --top {args.top}, --micro-batches {args.micro_batches} must be >= 1 and "
@@ -111,7 +197,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         step = wrap(name, core)
         for _ in range(args.warmup):
             step()
-        texts.append(profile_text(step, name, args.top, args.reps, core.model))
+        profiler = torch_profile_text if args.torch_profiler else profile_text
+        texts.append(profiler(step, name, args.top, args.reps, core.model))
         core.release()
         print(texts[-1].splitlines()[0], flush=True)
     report = "\n\n".join(texts)

@@ -34,3 +34,28 @@ def test_unknown_row_and_config_refused(monkeypatch):
         profile_moe_host.main(["--quick", "--experts", "7"])
     with pytest.raises(SystemExit):
         profile_moe_host.main(["--quick", "--reps", "0"])
+
+
+def test_torch_profiler_splits_the_host_time(monkeypatch, tmp_path):
+    monkeypatch.setattr(common, "DEVICE", "cpu")
+    out = tmp_path / "p.txt"
+    profile_moe_host.main(["--quick", "--experts", "8", "--top", "20", "--warmup", "1", "--reps", "1", "--out", str(out),
+                           "--torch-profiler", "--variants", "hybridfp FP8 current [quantized primary weights]"])
+    text = out.read_text()
+    assert "## hybridfp FP8 current [quantized primary weights]: host ms" in text
+    split = text.split("profiled step: host ")[1].splitlines()[0]
+    # on the CPU no CUDA API is called; the step's aten ops are counted with their own time
+    assert " CUDA API calls 0.00 ms, of it 0 kernel launches 0.00 ms; " in split
+    ops = int(split.split("; ")[2].split(" aten ops")[0])
+    assert ops > 50, split
+    assert "### by own host time" in text and "aten::" in text
+
+
+def test_api_split_sorts_events_by_kind():
+    class Event:
+        def __init__(self, key, count, us):
+            self.key, self.count, self.self_cpu_time_total = key, count, us
+    split = profile_moe_host.api_split([Event("cudaLaunchKernel", 10, 500.0), Event("cuLaunchKernelEx", 4, 300.0),
+                                        Event("cudaMemcpyAsync", 2, 200.0), Event("aten::mul", 7, 70.0),
+                                        Event("aten::empty", 3, 30.0), Event("MyRegion", 1, 1000.0)])
+    assert split == {"api_ms": 1.0, "launches": 14, "launch_ms": 0.8, "aten_ops": 10, "aten_ms": 0.1}
