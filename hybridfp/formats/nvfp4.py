@@ -35,6 +35,7 @@ Layout: codes are 4-bit (bit 3 = sign, bits 0-2 index ``E2M1_VALUES``); two per 
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 import torch
@@ -95,10 +96,20 @@ def global_decode_scale(global_amax: torch.Tensor) -> torch.Tensor:
     return torch.div(torch.ones_like(s_enc), s_enc)
 
 
-#: id(base amax buffer) -> (that buffer, its version, global_decode_scale of all of it); the
-#: few most recent buffers (held, so their ids cannot be reused while listed).
-_SHARED_S_DEC: "OrderedDict[int, tuple[torch.Tensor, tuple[int, int], torch.Tensor]]" = OrderedDict()
+#: per thread (as torch's autocast state): id(base amax buffer) -> (that buffer, its version,
+#: global_decode_scale of all of it), the few most recent buffers (held, so their ids cannot be
+#: reused while listed). Per thread because a lookup then a reorder is two steps: a thread
+#: evicting between another's two would make that one's reorder fail.
+_SHARED_S_DEC = threading.local()
 _SHARED_S_DEC_SIZE = 8
+
+
+def _shared_s_dec() -> "OrderedDict[int, tuple[torch.Tensor, tuple[int, int], torch.Tensor]]":
+    """This thread's cache of :func:`shared_global_decode_scale` (made on first use)."""
+    cache = getattr(_SHARED_S_DEC, "entries", None)
+    if cache is None:
+        cache = _SHARED_S_DEC.entries = OrderedDict()
+    return cache
 
 
 def shared_global_decode_scale(global_amax: torch.Tensor) -> torch.Tensor:
@@ -112,15 +123,15 @@ def shared_global_decode_scale(global_amax: torch.Tensor) -> torch.Tensor:
     if (base is None or global_amax.dtype != torch.float32 or base.dtype != torch.float32
             or not base.is_contiguous() or not global_amax.is_contiguous()):
         return global_decode_scale(global_amax)
-    key = id(base)
-    entry = _SHARED_S_DEC.get(key)
+    key, cache = id(base), _shared_s_dec()
+    entry = cache.get(key)
     if entry is None or entry[0] is not base or entry[1] != version(base):
         entry = (base, version(base), global_decode_scale(base).reshape(-1))
-        _SHARED_S_DEC[key] = entry
-        if len(_SHARED_S_DEC) > _SHARED_S_DEC_SIZE:
-            _SHARED_S_DEC.popitem(last=False)
+        cache[key] = entry
+        if len(cache) > _SHARED_S_DEC_SIZE:
+            cache.popitem(last=False)
     else:
-        _SHARED_S_DEC.move_to_end(key)
+        cache.move_to_end(key)
     start = global_amax.storage_offset() - base.storage_offset()
     return entry[2][start:start + global_amax.numel()].view(global_amax.shape)
 

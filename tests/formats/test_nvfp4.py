@@ -587,3 +587,39 @@ def test_shared_global_decode_scale_is_the_plain_one_and_follows_changes():
                        nvfp4.global_decode_scale(strided.clone()).view(torch.int32))
     plain = torch.tensor([5.0, 0.0])
     assert torch.equal(nvfp4.shared_global_decode_scale(plain), nvfp4.global_decode_scale(plain))
+
+
+def test_shared_global_decode_scale_cache_is_per_thread():
+    """Each thread keeps its own cache (as torch's autocast state): a buffer cached by one thread
+    is computed anew by another, and many threads churning more buffers than the cache holds
+    (evicting while others look up and reorder) all get the plain function's bits."""
+    import threading
+
+    buf = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    nvfp4.shared_global_decode_scale(buf[1:3])
+    assert id(buf) in nvfp4._shared_s_dec()
+    seen: list[bool] = []
+    other = threading.Thread(target=lambda: seen.append(id(buf) in nvfp4._shared_s_dec()))
+    other.start()
+    other.join()
+    assert seen == [False]
+
+    bufs = [torch.rand(64) * (i + 1) for i in range(3 * nvfp4._SHARED_S_DEC_SIZE)]
+    failures: list[BaseException] = []
+
+    def churn(offset: int) -> None:
+        try:
+            for step in range(200):
+                b = bufs[(offset + step) % len(bufs)]
+                got = nvfp4.shared_global_decode_scale(b[8:40])
+                if not torch.equal(got.view(torch.int32), nvfp4.global_decode_scale(b[8:40].clone()).view(torch.int32)):
+                    raise AssertionError(f"buffer {(offset + step) % len(bufs)}: wrong scales")
+        except BaseException as err:  # noqa: BLE001 - reported by the main thread
+            failures.append(err)
+    threads = [threading.Thread(target=churn, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+    assert len(nvfp4._shared_s_dec()) <= nvfp4._SHARED_S_DEC_SIZE
