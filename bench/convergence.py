@@ -228,7 +228,9 @@ def start_worker(cmp: Comparison, labels: Sequence[str], out: Path, steps: int, 
             "--device", device, "--steps", str(steps),
             "--warmup", str(max(1, steps // 10) if warmup is None else warmup),
             "--eval-interval", str(eval_interval), "--eval-iters", str(eval_iters), "--data", args.data,
-            "--out", str(out), "--no-progress", "--no-checkpoint"]  # the study reads metrics only
+            "--out", str(out), "--no-progress", "--no-checkpoint",  # the study reads metrics only
+            # the activation every committed seed trained with: a study's seeds pool across runs
+            "--eager-swiglu"]
     if lr_decay_steps is not None:
         argv += ["--lr-decay-steps", str(lr_decay_steps)]
     if args.cache_dir:

@@ -22,6 +22,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from .files import atomic_write
+from .model import saved_model_settings
 
 #: Keys of a checkpoint and the types of their values.
 _FIELDS: dict[str, tuple[type, ...]] = {
@@ -173,7 +174,8 @@ def check_belongs(ck: Mapping[str, Any], path: Path, label: str, config: Mapping
     if ck["recipe"] != label:
         raise CheckpointError(f"--resume: {path} is a checkpoint of recipe {ck['recipe']!r}, not of "
                               f"{label!r}; restore {label!r}'s own checkpoint there.")
-    saved = ck["config"]
+    # a checkpoint from before a model setting existed holds the value its run trained with
+    saved = {**ck["config"], "model": saved_model_settings(ck["config"].get("model") or {})}
     for key in (*keys, "model"):
         if saved.get(key) != config.get(key):
             what = "model shape" if key == "model" else key

@@ -41,7 +41,7 @@ from .files import atomic_write_text
 from .hf_model import build_hf_model, check_hf_config, quantized_share, read_hf_config, shipped_configs
 from .loop import (DTYPES, FIXED_ON_RESUME, MetricsLog, RunResult, TrainConfig, count_params, plan_resume,
                    train_recipe)
-from .model import PRESETS, GPTConfig
+from .model import PRESETS, GPTConfig, saved_model_settings
 from .parallel import RESULTS_FILE, run_parallel, write_results
 from .plot import plot_losses
 from .recipes_by_name import SEED_RANGE, NamedRecipe, known_names, parse_recipe, parse_recipe_list
@@ -94,6 +94,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute", action="store_true",
                    help="recompute each transformer block in backward (torch.utils.checkpoint): "
                         "less activation memory, same results")
+    p.add_argument("--eager-swiglu", action="store_true",
+                   help="run the SwiGLU as eager F.silu(gate) * up instead of hybridfp.swiglu's fused "
+                        "kernels (on CUDA they differ in the last bits; the same ops on the CPU)")
     p.add_argument("--fsdp", action="store_true",
                    help="under torchrun: shard the model over the ranks with FSDP2 (quantized "
                         "all-gather); --batch-size stays the global batch, split over the ranks")
@@ -232,7 +235,10 @@ def config_from_args(args: argparse.Namespace, saved: Optional[dict] = None) -> 
     target ``--steps``/``--tokens``, ``--eval-interval``, ``--device`` and ``--checkpoint-interval``.
     """
     if saved:
-        cfg = TrainConfig(**{**saved, "model": GPTConfig(**saved["model"])})
+        # a run started before a model setting existed continues as it trained (the eager SwiGLU)
+        cfg = TrainConfig(**{**saved, "model": GPTConfig(**saved_model_settings(saved["model"]))})
+        if getattr(args, "eager_swiglu", False) and cfg.model.fused_swiglu:
+            logger.warning("note: --resume keeps the fused SwiGLU of the run in progress (ignoring --eager-swiglu)")
         for key in FIXED_ON_RESUME:
             given = getattr(args, key, None)
             if key == "data" and given is not None:
@@ -259,7 +265,8 @@ def config_from_args(args: argparse.Namespace, saved: Optional[dict] = None) -> 
         batch_size, seq_len = _pick(args.batch_size, preset.batch_size), _pick(args.seq_len, preset.seq_len)
         steps = _pick(_steps(args, max(1, batch_size * seq_len)), preset.steps)
         cfg = TrainConfig(
-            preset=preset_name, model=GPTConfig(**preset.model.to_dict()), steps=steps,
+            preset=preset_name, steps=steps,
+            model=GPTConfig(**{**preset.model.to_dict(), "fused_swiglu": not getattr(args, "eager_swiglu", False)}),
             batch_size=batch_size, seq_len=seq_len, lr=_pick(args.lr, preset.lr),
             warmup=_pick(args.warmup, preset.warmup), lr_decay_steps=_pick(args.lr_decay_steps, steps),
             eval_interval=_pick(args.eval_interval, preset.eval_interval),
@@ -407,15 +414,24 @@ def check_train_extra() -> None:
                                 "train extra: pip install 'hybridfp[train]'")
 
 
-def check_hf_args(cfg: TrainConfig, jobs: int) -> None:
+def check_hf_args(cfg: TrainConfig, jobs: int, eager_swiglu: bool = False) -> None:
     """Refuse the options an ``--hf-config`` run does not support (each named, with what to do).
+
+    Parameters
+    ----------
+    cfg:
+        The run's settings.
+    jobs:
+        ``--jobs``.
+    eager_swiglu:
+        ``--eager-swiglu`` was given.
 
     Raises
     ------
     ValueError
         ``--fsdp`` / ``--ep`` / ``--tp`` (the sharding plans are the built-in GPT's),
-        ``--quantized-weights`` (transformers builds ``nn.Linear`` weights, converted after), or
-        ``--jobs`` above 1.
+        ``--quantized-weights`` (transformers builds ``nn.Linear`` weights, converted after),
+        ``--eager-swiglu`` (the activation is the transformers model's own) or ``--jobs`` above 1.
     MissingExtraError
         transformers is not installed.
     """
@@ -432,6 +448,9 @@ def check_hf_args(cfg: TrainConfig, jobs: int) -> None:
     if cfg.quantized_weights:
         raise ValueError("--quantized-weights with --hf-config: transformers builds plain nn.Linear weights, "
                          "converted afterwards, so they are not created quantized; drop --quantized-weights.")
+    if eager_swiglu:
+        raise ValueError("--eager-swiglu with --hf-config: the transformers model runs its own activation; "
+                         "drop --eager-swiglu.")
     if jobs > 1:
         raise ValueError("--jobs with --hf-config: worker processes rebuild only the built-in GPT; "
                          "drop --jobs (the recipes train one after the other).")
@@ -468,7 +487,7 @@ def _run_train(args: argparse.Namespace, joined: list[Parallel]) -> int:
         raise ValueError(f"--resume --hf-config {hf_path}: the run in {out} trains another architecture "
                          "(its run.json holds the config it started with); drop --hf-config or pass that one.")
     if cfg.hf_config is not None:
-        check_hf_args(cfg, args.jobs)
+        check_hf_args(cfg, args.jobs, getattr(args, "eager_swiglu", False))
     check_parallel_args(cfg.fsdp, cfg.ep, cfg.quantized_weights, args.jobs, cfg.tp)
     par: Optional[Parallel] = None
     if cfg.fsdp or cfg.ep > 1 or cfg.tp > 1:

@@ -38,6 +38,9 @@ class GPTConfig:
     n_embd: int = 128
     mlp: str = "swiglu"            # "swiglu" or "gelu"
     mlp_hidden: int = 0            # 0: 4*n_embd for gelu, 8/3*n_embd rounded to 64 for swiglu
+    # SwiGLU through hybridfp.swiglu (one Triton kernel each way on CUDA, an MoE layer's expert
+    # amaxes recorded for FP8 current scaling; the same eager ops off CUDA), else F.silu(g) * u
+    fused_swiglu: bool = True
     normalization: str = "RMSNorm"  # or "LayerNorm"
     rope_base: float = 10000.0
     tie_embeddings: bool = True
@@ -65,6 +68,27 @@ class GPTConfig:
     def to_dict(self) -> dict:
         """Plain dict (stored in checkpoints)."""
         return asdict(self)
+
+
+#: GPTConfig settings added after runs were already saved, with the value those runs trained with:
+#: a run.json or checkpoint without one of them is read with it (resumed as it started)
+SETTINGS_BEFORE_THEY_EXISTED = {"fused_swiglu": False}
+
+
+def saved_model_settings(saved: dict) -> dict:
+    """A saved GPTConfig dict (run.json, checkpoint) with the settings it predates filled in as
+    the run trained with them (:data:`SETTINGS_BEFORE_THEY_EXISTED`).
+
+    Parameters
+    ----------
+    saved:
+        ``GPTConfig.to_dict()`` as a run stored it, maybe from before some settings existed.
+
+    Returns
+    -------
+    dict
+        The same settings, complete."""
+    return {**SETTINGS_BEFORE_THEY_EXISTED, **saved}
 
 
 def _round_up(n: int, m: int) -> int:
@@ -110,14 +134,14 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.kind = cfg.mlp
+        self.kind, self.fused = cfg.mlp, cfg.fused_swiglu
         width = 2 * cfg.mlp_hidden if cfg.mlp == "swiglu" else cfg.mlp_hidden
         self.fc = LayerNormLinear(cfg.n_embd, width, bias=False, normalization=cfg.normalization)
         self.proj = Linear(cfg.mlp_hidden, cfg.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, C] -> [B, T, C]."""
-        return self.proj(activation(self.fc(x), self.kind))
+        return self.proj(activation(self.fc(x), self.kind, self.fused))
 
 
 class Block(nn.Module):

@@ -25,16 +25,38 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..moe import ExpertParallel, GroupedLinear
-from ..nn import Linear
+from ..nn import Linear, swiglu
 from ..tensors import QuantizedTensor
 
 if TYPE_CHECKING:  # model.py imports this module; the config type is for annotations only
     from .model import GPTConfig
 
 
-def activation(h: torch.Tensor, kind: str) -> torch.Tensor:
-    """SwiGLU (h = [gate | up]) or GELU (tanh approximation)."""
+def activation(h: torch.Tensor, kind: str, fused: bool = False,
+               splits: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """SwiGLU (h = [gate | up]) or GELU (tanh approximation).
+
+    Parameters
+    ----------
+    h:
+        The fc layer's output ([..., 2F] for SwiGLU).
+    kind:
+        "swiglu" or "gelu".
+    fused:
+        SwiGLU through ``hybridfp.swiglu`` (one Triton kernel each way on CUDA, the halves read
+        in place; the same eager ops off CUDA) instead of ``F.silu(gate) * up``.
+    splits:
+        With ``fused``: the experts' rows of a 2D ``h`` (an MoE layer's), so the kernels record
+        each expert's amax for the next GroupedLinear under FP8 current scaling.
+
+    Returns
+    -------
+    torch.Tensor
+        The activation, [..., F] for SwiGLU, ``h``'s shape for GELU.
+    """
     if kind == "swiglu":
+        if fused:
+            return swiglu(h, splits=splits)
         gate, up = h.chunk(2, dim=-1)
         return F.silu(gate) * up
     return F.gelu(h, approximate="tanh")
@@ -80,13 +102,14 @@ def load_balancing_loss(probs: torch.Tensor, flat_experts: torch.Tensor,
 class Experts(nn.Module):
     """Some experts of an MoE layer: fc1 -> activation -> fc2, each a ``GroupedLinear``."""
 
-    def __init__(self, fc1: GroupedLinear, fc2: GroupedLinear, kind: str) -> None:
+    def __init__(self, fc1: GroupedLinear, fc2: GroupedLinear, kind: str, fused: bool = False) -> None:
         super().__init__()
-        self.fc1, self.fc2, self.kind = fc1, fc2, kind
+        self.fc1, self.fc2, self.kind, self.fused = fc1, fc2, kind, fused
 
     def forward(self, x: torch.Tensor, m_splits: Sequence[int]) -> torch.Tensor:
         """x [rows, C] grouped by expert -> [rows, C]."""
-        return self.fc2(activation(self.fc1(x, m_splits), self.kind), m_splits)
+        h = self.fc1(x, m_splits)
+        return self.fc2(activation(h, self.kind, self.fused, m_splits), m_splits)
 
 
 def _keep_experts(full: GroupedLinear, first: int, count: int) -> GroupedLinear:
@@ -116,6 +139,7 @@ class MoE(nn.Module):
     def __init__(self, cfg: "GPTConfig") -> None:
         super().__init__()
         self.n_experts, self.top_k, self.kind = cfg.n_experts, cfg.top_k, cfg.mlp
+        self.fused_swiglu = cfg.fused_swiglu
         self.norm = make_norm(cfg.normalization, cfg.n_embd)
         self.router = (Linear(cfg.n_embd, cfg.n_experts, bias=False) if cfg.quantize_router
                        else nn.Linear(cfg.n_embd, cfg.n_experts, bias=False))
@@ -145,7 +169,7 @@ class MoE(nn.Module):
                              f"group of {size} ranks; pick --ep dividing n_experts.")
         local = self.n_experts // size
         experts = Experts(_keep_experts(self.fc1, rank * local, local),
-                          _keep_experts(self.fc2, rank * local, local), self.kind)
+                          _keep_experts(self.fc2, rank * local, local), self.kind, self.fused_swiglu)
         del self.fc1, self.fc2
         self.expert_parallel = ExpertParallel(experts, self.n_experts, mesh, mesh_dim="ep")
 
@@ -165,7 +189,7 @@ class MoE(nn.Module):
         if self.expert_parallel is not None:                           # a collective over its group
             ys = self.expert_parallel(xs, m_splits)
         else:
-            ys = self.fc2(activation(self.fc1(xs, m_splits), self.kind), m_splits)
+            ys = self.fc2(activation(self.fc1(xs, m_splits), self.kind, self.fused_swiglu, m_splits), m_splits)
         y = torch.empty_like(ys)
         y[order] = ys                                                  # back to (token, slot) order
         y = (y.view(-1, self.top_k, shape[-1]).float() * gates.unsqueeze(-1)).sum(1)

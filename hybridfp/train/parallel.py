@@ -85,6 +85,8 @@ def worker_argv(cfg: TrainConfig, named: NamedRecipe, part: Path, device: str, r
         for key in _FORWARDED_FLAGS:
             if getattr(cfg, key):
                 argv += [f"--{key.replace('_', '-')}"]
+        if not cfg.model.fused_swiglu:  # a model setting: the worker's preset holds the default
+            argv += ["--eager-swiglu"]
     if not cfg.save_checkpoints:
         argv += ["--no-checkpoint"]
     if cache_dir:

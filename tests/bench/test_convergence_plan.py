@@ -143,6 +143,14 @@ def test_batch_size_and_lr_overrides_reach_the_workers_and_the_token_count(tmp_p
     conv.start_worker(conv.Comparison("dense", "gpt-100m", ("bf16",), 1), ["bf16@seed=0"], tmp_path / "w1", 10,
                       "cpu", args, 5, 2)
     assert "--batch-size" not in seen["argv"] and "--lr" not in seen["argv"]  # the preset's own
+    # every worker trains the eager SwiGLU the committed seeds trained with, and the trainer's
+    # parser takes the command line as given
+    from hybridfp.train import cli
+    assert "--eager-swiglu" in seen["argv"]
+    parser = argparse.ArgumentParser()
+    cli.add_train_args(parser)
+    cfg = cli.config_from_args(parser.parse_args(seen["argv"][3:]))
+    assert cfg.model.fused_swiglu is False and cfg.preset == "gpt-100m"
     with pytest.raises(ValueError, match="batch_size"):
         conv.Comparison("dense", "gpt-100m", ("bf16",), 1, batch_size=0)
     with pytest.raises(ValueError, match="lr"):

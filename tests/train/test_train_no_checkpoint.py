@@ -10,6 +10,7 @@ import pytest
 
 from hybridfp.train import cli
 from hybridfp.train.loop import TrainConfig
+from hybridfp.train.model import PRESETS
 from hybridfp.train.parallel import worker_argv
 from hybridfp.train.recipes_by_name import parse_recipe
 
@@ -40,7 +41,7 @@ def test_no_checkpoint_with_an_interval_is_refused(tmp_path, text, capsys):
 
 
 def test_workers_are_told_to_skip_the_checkpoint(tmp_path):
-    cfg = TrainConfig(preset="test", model=None, steps=2, batch_size=2, seq_len=16, lr=1e-3, warmup=1,
+    cfg = TrainConfig(preset="test", model=PRESETS["test"].model, steps=2, batch_size=2, seq_len=16, lr=1e-3, warmup=1,
                       lr_decay_steps=2, eval_interval=2, eval_iters=1, save_checkpoints=False)
     assert "--no-checkpoint" in worker_argv(cfg, parse_recipe("bf16"), tmp_path, "cpu", False, None)
     assert "--no-checkpoint" in worker_argv(cfg, parse_recipe("bf16"), tmp_path, "cpu", True, None)

@@ -33,7 +33,7 @@ def _train_parser() -> argparse.ArgumentParser:
 #: parallel.NOT_FORWARDED: the test below fails otherwise).
 _NON_DEFAULT = ["--preset", "test", "--steps", "7", "--batch-size", "3", "--seq-len", "17", "--lr", "0.002",
                 "--warmup", "2", "--lr-decay-steps", "9", "--eval-interval", "3", "--eval-iters", "2",
-                "--checkpoint-interval", "2", "--quantized-weights", "--recompute", "--dtype", "fp32",
+                "--checkpoint-interval", "2", "--quantized-weights", "--recompute", "--eager-swiglu", "--dtype", "fp32",
                 "--seed", "5"]
 
 
