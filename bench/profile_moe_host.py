@@ -118,16 +118,10 @@ def torch_profile_text(step: Callable[[], Any], title: str, top: int, reps: int 
 
     Parameters
     ----------
-    step:
-        One training step.
-    title:
-        The row's name, for the title line.
+    step, title, reps, model:
+        As :func:`profile_text`.
     top:
         Events listed.
-    reps:
-        Unprofiled steps timed for the title line's host ms (``bench_moe.host_ms``).
-    model:
-        The layer ``step`` runs (its ``SyncClock`` gives the waits at the routing syncs), or None.
 
     Returns
     -------
