@@ -113,7 +113,8 @@ def _shared_s_dec() -> "OrderedDict[int, tuple[torch.Tensor, tuple[int, int], to
 
 
 def shared_global_decode_scale(global_amax: torch.Tensor) -> torch.Tensor:
-    """``global_decode_scale(global_amax)``, bitwise, computed once per buffer when
+    """``global_decode_scale(global_amax)``, bitwise, computed once per buffer and thread (the
+    forward's and autograd's backward thread each once) when
     ``global_amax`` is a contiguous piece of a larger FP32 buffer (an MoE expert's per-row or
     per-tensor amax in the experts' shared one): the elementwise result of the whole buffer,
     sliced. The per-expert GEMMs of a 64-expert layer otherwise spend ~14 small torch ops per
