@@ -96,25 +96,17 @@ def global_decode_scale(global_amax: torch.Tensor) -> torch.Tensor:
     return torch.div(torch.ones_like(s_enc), s_enc)
 
 
-#: per thread (as torch's autocast state): id(base amax buffer) -> (that buffer, its version,
-#: global_decode_scale of all of it), the few most recent buffers (held, so their ids cannot be
-#: reused while listed). Per thread because a lookup then a reorder is two steps: a thread
-#: evicting between another's two would make that one's reorder fail.
-_SHARED_S_DEC = threading.local()
+#: id(base amax buffer) -> (that buffer, its version, global_decode_scale of all of it); the
+#: few most recent buffers (held, so their ids cannot be reused while listed). Shared by the
+#: threads (autograd's backward thread reuses the forward's entries) under ``_SHARED_S_DEC_LOCK``:
+#: a lookup, reorder and eviction are several steps another thread must not interleave.
+_SHARED_S_DEC: "OrderedDict[int, tuple[torch.Tensor, tuple[int, int], torch.Tensor]]" = OrderedDict()
+_SHARED_S_DEC_LOCK = threading.Lock()
 _SHARED_S_DEC_SIZE = 8
 
 
-def _shared_s_dec() -> "OrderedDict[int, tuple[torch.Tensor, tuple[int, int], torch.Tensor]]":
-    """This thread's cache of :func:`shared_global_decode_scale` (made on first use)."""
-    cache = getattr(_SHARED_S_DEC, "entries", None)
-    if cache is None:
-        cache = _SHARED_S_DEC.entries = OrderedDict()
-    return cache
-
-
 def shared_global_decode_scale(global_amax: torch.Tensor) -> torch.Tensor:
-    """``global_decode_scale(global_amax)``, bitwise, computed once per buffer and thread (the
-    forward's and autograd's backward thread each once) when
+    """``global_decode_scale(global_amax)``, bitwise, computed once per buffer when
     ``global_amax`` is a contiguous piece of a larger FP32 buffer (an MoE expert's per-row or
     per-tensor amax in the experts' shared one): the elementwise result of the whole buffer,
     sliced. The per-expert GEMMs of a 64-expert layer otherwise spend ~14 small torch ops per
@@ -124,15 +116,16 @@ def shared_global_decode_scale(global_amax: torch.Tensor) -> torch.Tensor:
     if (base is None or global_amax.dtype != torch.float32 or base.dtype != torch.float32
             or not base.is_contiguous() or not global_amax.is_contiguous()):
         return global_decode_scale(global_amax)
-    key, cache = id(base), _shared_s_dec()
-    entry = cache.get(key)
-    if entry is None or entry[0] is not base or entry[1] != version(base):
-        entry = (base, version(base), global_decode_scale(base).reshape(-1))
-        cache[key] = entry
-        if len(cache) > _SHARED_S_DEC_SIZE:
-            cache.popitem(last=False)
-    else:
-        cache.move_to_end(key)
+    key = id(base)
+    with _SHARED_S_DEC_LOCK:
+        entry = _SHARED_S_DEC.get(key)
+        if entry is None or entry[0] is not base or entry[1] != version(base):
+            entry = (base, version(base), global_decode_scale(base).reshape(-1))
+            _SHARED_S_DEC[key] = entry
+            if len(_SHARED_S_DEC) > _SHARED_S_DEC_SIZE:
+                _SHARED_S_DEC.popitem(last=False)
+        else:
+            _SHARED_S_DEC.move_to_end(key)
     start = global_amax.storage_offset() - base.storage_offset()
     return entry[2][start:start + global_amax.numel()].view(global_amax.shape)
 
