@@ -99,6 +99,28 @@ def load_balancing_loss(probs: torch.Tensor, flat_experts: torch.Tensor,
     return E * (frac * probs.mean(0)).sum()
 
 
+def run_experts(fc1: GroupedLinear, fc2: GroupedLinear, x: torch.Tensor, m_splits: Sequence[int], kind: str,
+                fused: bool) -> torch.Tensor:
+    """fc1 -> activation -> fc2 over rows grouped by expert (``m_splits`` rows each).
+
+    Parameters
+    ----------
+    fc1, fc2:
+        The experts' two GroupedLinear layers.
+    x:
+        [rows, C], grouped by expert.
+    m_splits:
+        Rows of each expert.
+    kind, fused:
+        As :func:`activation`.
+
+    Returns
+    -------
+    torch.Tensor
+        [rows, C]."""
+    return fc2(activation(fc1(x, m_splits), kind, fused, m_splits), m_splits)
+
+
 class Experts(nn.Module):
     """Some experts of an MoE layer: fc1 -> activation -> fc2, each a ``GroupedLinear``."""
 
@@ -108,8 +130,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, m_splits: Sequence[int]) -> torch.Tensor:
         """x [rows, C] grouped by expert -> [rows, C]."""
-        h = self.fc1(x, m_splits)
-        return self.fc2(activation(h, self.kind, self.fused, m_splits), m_splits)
+        return run_experts(self.fc1, self.fc2, x, m_splits, self.kind, self.fused)
 
 
 def _keep_experts(full: GroupedLinear, first: int, count: int) -> GroupedLinear:
@@ -189,7 +210,7 @@ class MoE(nn.Module):
         if self.expert_parallel is not None:                           # a collective over its group
             ys = self.expert_parallel(xs, m_splits)
         else:
-            ys = self.fc2(activation(self.fc1(xs, m_splits), self.kind, self.fused_swiglu, m_splits), m_splits)
+            ys = run_experts(self.fc1, self.fc2, xs, m_splits, self.kind, self.fused_swiglu)
         y = torch.empty_like(ys)
         y[order] = ys                                                  # back to (token, slot) order
         y = (y.view(-1, self.top_k, shape[-1]).float() * gates.unsqueeze(-1)).sum(1)
