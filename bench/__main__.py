@@ -9,7 +9,7 @@
 Each benchmark writes ``bench/results/<name>.json`` (overwritten when it succeeds; a failed or
 timed-out run leaves the previous file and writes what it measured to ``<name>.failed.json``,
 whose headline rows are still shown, under a FAILED row). Ratios are
-paired (``bench/protocol.py``); the headlines show each with its ~95 % interval.
+paired (``bench/protocol.py``); the headlines show each with its ≥ 95 % interval.
 ``bench/RESULTS.md`` holds the latest figures with their hardware.
 """
 

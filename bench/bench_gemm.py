@@ -8,7 +8,7 @@ blocks); "raw" calls torch._scaled_mm on the same stored tensors with the scale 
 prepared beforehand and the same accumulation mode, so hybridfp/raw is the cost of dispatch
 (and of laying out block scales per call). Every ratio is paired
 (``bench.protocol.paired_ratio``: median over alternating rounds of raw time / hybridfp time,
-with its ~95 % interval); rows below ``TARGET`` are marked in the table. The BF16 TFLOP/s are
+with its ≥ 95 % interval); rows below ``TARGET`` are marked in the table. The BF16 TFLOP/s are
 one unpaired ``do_bench`` median (context, not a ratio). hybridfp's output must equal raw
 ``torch._scaled_mm``'s bit for bit (the same stored operands and accumulation): a shape where it
 does not fails the run (non-zero exit, after the results are written).
@@ -157,7 +157,7 @@ def main(argv=None) -> None:
          f"{r['tensorwise_stored_contiguous']}/{r['block_stored_contiguous']}") for r in rows])
     md = ("### GEMM TFLOP/s and paired ratios\n\n"
           f"ratio: median over {protocol.rounds} alternating rounds ({protocol.samples} calls a side each, L2 "
-          f"flushed before each) of raw time / hybridfp time, [~95 % interval]; below {TARGET}: marked. BF16: "
+          f"flushed before each) of raw time / hybridfp time, [≥ 95 % interval]; below {TARGET}: marked. BF16: "
           "one unpaired do_bench median." + ("" if protocol.reportable else " NOT REPORTABLE (fewer than 10 "
                                                                               "rounds or samples).") + "\n\n"
           f"Copy bandwidth (same process): {copy['GBps']:.0f} GB/s. FP8 per-tensor: E4M3 x E4M3 "

@@ -18,7 +18,7 @@ Shapes: 8192^3 and the Llama-3-8B MLP up projection (16384 tokens, 4096 -> 14336
 "cold": every call decodes both operands (``policy(cache_weight_decodes=False)``); "warm": operand
 B's decode (the weight of fprop / dgrad) is cached, as in the micro-batches of a step.
 Every ratio is paired (``bench.protocol.paired_ratio``: median of per-round ratios over
-alternating rounds, with its ~95 % interval) against two BF16 ``a @ b.t()`` baselines of the
+alternating rounds, with its ≥ 95 % interval) against two BF16 ``a @ b.t()`` baselines of the
 same shape in the same process: one on ``randn`` operands, one on the very values the quantized
 GEMM multiplies (the operands' BF16 decodes, RHT domain where the copy is): a GEMM's speed
 moves with its operand values under the GPU's power cap, and decoded values (3-4-bit
@@ -218,7 +218,7 @@ def main(argv=None) -> None:
     md = ("### Mixed-format GEMMs through hybridfp.gemm vs BF16 a @ b.t() (TFLOP/s; paired ratios)\n\n"
           "cold: both operands decoded per call; warm: B's decoded copy cached. Ratios: median over "
           f"{protocol.rounds} alternating rounds ({protocol.samples} calls a side each) of BF16 time / "
-          "hybridfp time, [~95 % interval]; \"BF16 decoded\" multiplies the same decoded values as "
+          "hybridfp time, [≥ 95 % interval]; \"BF16 decoded\" multiplies the same decoded values as "
           "hybridfp (the like-for-like baseline), \"BF16 randn\" fresh randn values. rel err: output "
           "vs the FP32 product of the unquantized operands (bound from the element formats)."
           + ("" if protocol.reportable else " NOT REPORTABLE (fewer than 10 rounds or samples).")

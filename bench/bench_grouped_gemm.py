@@ -13,7 +13,7 @@
   ``torch._grouped_mm`` on BF16 operands of the same shape (the MoE benchmark's baseline).
 
 Every ratio is paired (``bench.protocol.paired_ratio``: the median over alternating rounds of
-baseline time / variant time, with its ~95 % interval; > 1: faster than the baseline); a
+baseline time / variant time, with its ≥ 95 % interval; > 1: faster than the baseline); a
 variant's ms and TFLOP/s are its side's median in its first pair, a baseline's the median of its
 sides over all its pairs. Every output (baselines' too) is checked first against the FP32 product
 of the same operand values, expert by expert, scales applied (``check_grouped``, within
@@ -465,7 +465,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     md = md_table([h for h, _ in columns], [[r.get(k, r.get("error") if k == "ms" else None) for _, k in columns]
                                             for r in rows])
     md = (f"Paired ratios: median over {protocol.rounds} alternating rounds ({protocol.samples} calls a side each) "
-          "of baseline time / variant time, [~95 % interval]; rel err: output vs the FP32 product of the same "
+          "of baseline time / variant time, [≥ 95 % interval]; rel err: output vs the FP32 product of the same "
           f"operands (bound {OUTPUT_BOUND:.3g})."
           + ("" if protocol.reportable else " NOT REPORTABLE (fewer than 10 rounds or samples).") + "\n\n" + md)
     finish("grouped_gemm", {"env": environment(), "protocol": protocol_record(protocol), "rows": rows,

@@ -440,7 +440,7 @@ def main(argv=None) -> None:
         md = ("### Linear and Llama-3-8B MLP, forward + backward (paired ratios)\n\n"
               f"torchao: {ao}. Ratios: median over {protocol.rounds} alternating rounds ({protocol.samples} "
               "steps a side each, L2 flushed before each) of baseline time / variant time (> 1: faster), "
-              "[~95 % interval]. err: relative Frobenius error of y, dx and the worst dW vs an FP32 "
+              "[≥ 95 % interval]. err: relative Frobenius error of y, dx and the worst dW vs an FP32 "
               "reference of the same inputs, with its bound from the element formats; gain: the least-squares "
               "scale onto the reference (1 +- common.GAIN_TOLERANCE: a dropped term or wrong scale moves it). ms: one unpaired "
               "do_bench median; \"steady ms\": 20 back-to-back steps, no flush; \"host ms\": the host's "

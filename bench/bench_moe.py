@@ -35,7 +35,7 @@ BF16 grouped layer with its expert weights converted to FP8 rowwise, each expert
 to 16 rows as torchao's FP8 weight gradient needs), a baseline of the hybridfp FP8 rows: each is
 also paired against it ("x torchao"); torchao missing or no sm90 GPU fails the run, naming it.
 
-Every ratio is ``bench.protocol.paired_ratio`` (median of per-round ratios, its ~95 % interval,
+Every ratio is ``bench.protocol.paired_ratio`` (median of per-round ratios, its ≥ 95 % interval,
 the GPU's clocks), baseline ms / candidate ms (>1 is faster): a recipe's row against each
 baseline, and the headline against the fastest of the three in this run (named in the row); a
 variant row (a suffix), a torchao row (and with ``--fastest-only`` every row) against that fastest
@@ -331,7 +331,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The report's table of ``rows`` (bench_config's), a ratio below its row's target marked; an
     "x torchao" column where a row was paired against torchao's float8 layer."""
     torchao = any("x_torchao" in r for r in rows)  # runs without torchao's rows keep their table
-    return md_table(["config", "variant", "x fastest BF16 [95 % interval]", "fastest BF16", "target"]
+    return md_table(["config", "variant", "x fastest BF16 [≥ 95 % interval]", "fastest BF16", "target"]
                     + [f"x {b}" for b in BASELINES] + ["x torchao"] * torchao
                     + ["ms", "SM MHz", "host ms", "of it at syncs", "GPU busy", "rel err out / dx / dW1 / dW2", "bound",
                        "gain out / dx / dW1 / dW2", "paths"], [
@@ -410,7 +410,7 @@ def main(argv=None) -> None:
         md = (f"### MoE FFN forward + backward ({tokens} tokens, hidden {d}, top-{TOP_K}, SwiGLU; "
               f"{args.micro_batches} micro-batches a step, weights quantized once a step)\n\n"
               "\"x B\" = B's step time / the row's (>1 is faster): bench.protocol.paired_ratio, median of "
-              f"{protocol.rounds} rounds of {protocol.samples} calls a side, [95 % interval]; the BF16 baselines' "
+              f"{protocol.rounds} rounds of {protocol.samples} calls a side, [≥ 95 % interval]; the BF16 baselines' "
               "rows are against BF16 grouped; \"fastest BF16\": the least ms of the three in this run. Routing "
               f"changes every micro-batch (log-popularity std {args.skew}; busiest expert / mean load, median: {imbalance}), "
               "the same routings for every row. \"rel err\": relative Frobenius error against the FP32 layer on "

@@ -7,7 +7,7 @@ of 4 layers (TE's schedule). Peak = ``torch.cuda.max_memory_allocated`` over one
 backward), "after forward" = allocated when the forward returns, both above the memory held
 before the step (parameters, inputs). Step time: a paired ratio (``bench.protocol.paired_ratio``)
 of the step with offload against the same step without it (the baseline): the median over
-alternating rounds of time without / time with, with its ~95 % interval (below 1: offload costs
+alternating rounds of time without / time with, with its ≥ 95 % interval (below 1: offload costs
 time); "step cost" is its inverse. Output check: the forward output and the gradients with
 offload equal those without, bit for bit (offload moves saved tensors, the arithmetic is the
 same); a difference fails the run, as does a step without offload that cannot run (``MissingBaselineError``).
@@ -158,7 +158,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ok = [r for r in rows if "error" not in r]
     md = (f"### CPU offload, {LAYERS} layers (first {OFFLOADED} offloaded), D {d}, H {h}, {tokens} tokens, BF16\n\n"
           f"x without offload: median over {protocol.rounds} alternating rounds ({protocol.samples} steps a side "
-          "each) of step time without / with offload, [~95 % interval]; output and gradients equal bit for bit."
+          "each) of step time without / with offload, [≥ 95 % interval]; output and gradients equal bit for bit."
           + ("" if protocol.reportable else " NOT REPORTABLE (fewer than 10 rounds or samples).") + "\n\n"
           + md_table(["recipe", "peak GiB off / on", "after fwd GiB off / on", "step ms off / on",
                       "x without offload [interval]", "moved GiB / step", "late reloads"],

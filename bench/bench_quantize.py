@@ -4,7 +4,7 @@ Input: a BF16 activation [16384, 4096] (Llama-3-8B hidden size, 16384 tokens). B
 input read once + the payloads written (``storage.nbytes()``): the least any implementation
 moves. "x copy" is a paired ratio (``bench.protocol.paired_ratio``): the median over alternating
 rounds of the time of ``dst.copy_(src)`` moving the same bytes (``common.copy_step``) / the
-quantize's time, with its ~95 % interval: how close a path is to a memory-bound kernel. Each
+quantize's time, with its ≥ 95 % interval: how close a path is to a memory-bound kernel. Each
 row says which path the quantize-kernel registry picked (a registered kernel, or the PyTorch
 reference) per copy, and its output is checked first against the reference quantizer
 (``bench_quantize_kernels.check_encode``: bit for bit; stochastic rounding within its format's
@@ -150,7 +150,7 @@ def main(argv=None) -> None:
     md = (f"### Quantize, BF16 input {list(shape)} (paired ratios vs a copy of the same bytes)\n\n"
           f"Copy bandwidth (same process, do_bench median): {copy['GBps']:.0f} GB/s. Bytes = input read once + "
           f"payloads written. x copy: median over {protocol.rounds} alternating rounds ({protocol.samples} calls a "
-          "side each) of copy time / quantize time, [~95 % interval]. Every output equals the reference "
+          "side each) of copy time / quantize time, [≥ 95 % interval]. Every output equals the reference "
           "quantizer's bit for bit (stochastic rounding: within its format's bound)."
           + ("" if protocol.reportable else " NOT REPORTABLE (fewer than 10 rounds or samples).")
           + "\n\n" + table + "\n")

@@ -7,7 +7,7 @@ of ``q.encode`` (tens of microseconds), so kernel bandwidth is measured at a lar
 quantizer configuration's ``q.encode(x, rowwise, columnwise)`` (the registered kernel, all its
 launches and allocations) is timed against ``dst.copy_(src)`` of the same bytes
 (``common.copy_step``) with ``bench.protocol.paired_ratio``: the median of per-round ratios
-copy time / encode time, with its ~95 % interval, is the fraction of copy bandwidth reached.
+copy time / encode time, with its ≥ 95 % interval, is the fraction of copy bandwidth reached.
 Bytes: "min" = input read once + payloads written (the least any implementation moves; the
 copy moves these); "moved" adds one more input read for the two-pass kernels (current scaling,
 NVFP4: an amax pass, then the cast pass): its fraction is the min one times moved / min.
@@ -250,7 +250,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                      + [(r["case"], "FAILED", r["error"]) + ("",) * 5 for r in rows if "error" in r])
     md = (f"### Quantize kernels, {args.dtype} input {list(shape)} (q.encode; paired ratios)\n\n"
           "x copy: median over {0} alternating rounds ({1} calls a side each) of the time of a device copy of "
-          "the same bytes (\"min\": input read once + payloads written) / the encode's time, [~95 % interval]: "
+          "the same bytes (\"min\": input read once + payloads written) / the encode's time, [≥ 95 % interval]: "
           "the fraction of copy bandwidth. x copy (moved): the same with one more input read for two-pass "
           "kernels. Fused hybrids: x child by child = separate time / fused time; x slower single = the slower "
           "single-format quantize's time / fused time (fused <= 1.10x its time: >= 0.91). Every output equals "
