@@ -218,6 +218,12 @@ def _offload(r: dict[str, Any]) -> Rows:
             for row in r.get("rows", [])]
 
 
+def _train_step(r: dict[str, Any]) -> Rows:
+    return [(f"hybridfp train step, {row['preset']} {row['recipe']}: eager / fused SwiGLU",
+             f"FAILED: {row['error'][:80]}" if "error" in row else _paired(row.get("fused_vs_eager")))
+            for row in r.get("rows", [])]
+
+
 def _convergence(r: dict[str, Any]) -> Rows:
     plan = r.get("plan", {}).get("comparisons", {})
     rows = [(f"{name}: steps per run", str(p.get("steps"))) for name, p in plan.items()]
@@ -325,6 +331,9 @@ BENCHMARKS: dict[str, Benchmark] = {
                               headline=_moe_overhead),
     "offload": Benchmark("bench.bench_offload", "CPU offload of activations: peak memory and step time, 4 layers",
                          headline=_offload),
+    "train_step": Benchmark("bench.bench_train_step", "hybridfp train's step (gpt-100m, moe-small; bf16, fp8, "
+                            "mxfp8) with the fused SwiGLU vs the eager one", default=False, timeout_s=600.0,
+                            headline=_train_step),
     "convergence": Benchmark("bench.convergence", "validation loss of every recipe vs BF16 (trains ~10 minutes)",
                              # 4 validation batches an evaluation: the committed study's setting, which
                              # leaves the MoE workers time to train at a 10-minute budget

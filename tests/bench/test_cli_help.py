@@ -8,7 +8,7 @@ import pytest
 
 COMMANDS = ["bench.__main__", "bench.bench_gemm", "bench.bench_gemm_pairs", "bench.bench_grouped_gemm",
             "bench.bench_mlp", "bench.bench_moe", "bench.bench_moe_overhead", "bench.bench_offload",
-            "bench.bench_quantize", "bench.bench_quantize_kernels", "bench.bound_mlp", "bench.bound_moe",
+            "bench.bench_quantize", "bench.bench_quantize_kernels", "bench.bench_train_step", "bench.bound_mlp", "bench.bound_moe",
             "bench.convergence", "bench.convergence_report", "bench.convergence_replicates",
             "bench.convergence_trajectory", "bench.profile_moe_host",
             "bench.sweep_dispatch", "hybridfp.train.cli", "hybridfp.analyze.validate", "hybridfp.report"]
