@@ -5,10 +5,20 @@ expert, some awkward counts and one empty expert), one forward + backward step o
 ``GroupedLinear`` under each recipe is timed (median of ``--reps``) and its dispatched torch
 ops are counted with a ``TorchDispatchMode`` (every aten op call, views included). Weights are
 re-quantized each step (caches cleared, as after an optimizer update). No GPU needed; the
-counts say how much host work per step scales with the number of experts.
+counts say how much host work per step scales with the number of experts. ``--micro-batches N``
+runs N forward + backward passes a step in one autocast region (weights quantized once,
+gradients accumulating); ``--primary-weights`` builds the layer under
+``quantized_model_init`` with FP32 masters laid out by ``MasterWeightOptimizer`` and re-encodes
+them once a step, as training runs it. "Gradient accumulations" counts the weight and bias
+gradients autograd accumulates into their Parameters a step (each one node of the autograd
+graph and, after the first micro-batch, one ``add_`` on the device): one per expert and
+micro-batch with a Parameter per expert, one per micro-batch with ``--single-parameter``.
+The FP8 block row's GEMMs run on the exact emulation on the CPU (its GPU backend is not
+stubbed, so it warns ``EmulatedGemmWarning``): its counts say nothing of its GPU path.
 
     python -m bench.bench_moe_overhead [--experts 64] [--hidden 64] [--ffn 128] [--reps 20] [--out results.json] [--quick]
         [--cuda-paths [--stub-cublas] [--stub-grouped-mm] [--stub-kernels]] [--profile "bf16 (high_precision)"]
+        [--micro-batches 4] [--primary-weights | --single-parameter]
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ import time
 import warnings
 from collections import Counter
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -27,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import hybridfp
 from bench.common import environment, finish, md_table
 from hybridfp import factories
+from hybridfp.utils.device import clear_step_metadata
 
 RECIPES: dict[str, Callable[[], hybridfp.Recipe]] = {
     "bf16 (high_precision)": lambda: hybridfp.CustomRecipe(qfactory=factories.high_precision),
@@ -58,15 +69,50 @@ def splits_for(experts: int, tokens_per_expert: int) -> list[int]:
 
 
 def make_step(m: hybridfp.GroupedLinear, x: torch.Tensor, dy: torch.Tensor, splits: list[int],
-              recipe: hybridfp.Recipe) -> Callable[[], None]:
+              recipe: hybridfp.Recipe, micro_batches: int = 1,
+              before_step: Optional[Callable[[], None]] = None) -> Callable[[], None]:
+    """One step: gradients cleared, the weights re-quantized (``before_step``, default the
+    layer's ``invalidate_weight_cache``), then ``micro_batches`` forward + backward passes in
+    one autocast region, each routing anew (its step metadata built again)."""
     def step() -> None:
         m.zero_grad(set_to_none=True)
         x.grad = None
-        m.invalidate_weight_cache()
+        (before_step or m.invalidate_weight_cache)()
         with hybridfp.autocast(recipe=recipe):
-            y = m(x, splits)
-        y.backward(dy)
+            for _ in range(micro_batches):
+                clear_step_metadata()
+                m(x, splits).backward(dy)
     return step
+
+
+def primary_weights_layer(recipe: hybridfp.Recipe, experts: int, hidden: int, ffn: int
+                          ) -> tuple[hybridfp.GroupedLinear, list[torch.Tensor], Callable[[], None]]:
+    """(layer, masters, re-encode): a ``GroupedLinear`` built under
+    ``quantized_model_init(recipe=recipe)``, its FP32 masters laid out by
+    ``MasterWeightOptimizer`` (one buffer a joined layer) and the re-encode of its weights from
+    them, as the optimizer's ``step`` runs it after an update."""
+    with hybridfp.quantized_model_init(recipe=recipe):
+        m = hybridfp.GroupedLinear(experts, hidden, ffn, bias=False, params_dtype=torch.bfloat16)
+    weights = list(m.weights())
+    opt = hybridfp.MasterWeightOptimizer(torch.optim.SGD, weights, lr=0.0)
+    masters = [opt.master_of(w) for w in weights]
+    return m, masters, lambda: hybridfp.quantize_master_weights(weights, masters)
+
+
+def accumulations_per_step(m: torch.nn.Module, step: Callable[[], None]) -> int:
+    """Gradients autograd accumulates into ``m``'s Parameters during one call of ``step``
+    (``register_post_accumulate_grad_hook``: one per Parameter and backward pass)."""
+    count = [0]
+
+    def hook(_: torch.Tensor) -> None:
+        count[0] += 1
+    handles = [p.register_post_accumulate_grad_hook(hook) for p in m.parameters() if p.requires_grad]
+    try:
+        step()
+    finally:
+        for h in handles:
+            h.remove()
+    return count[0]
 
 
 def measure(step: Callable[[], None], reps: int) -> tuple[float, int]:
@@ -133,22 +179,28 @@ def python_calls_per_step(recipe: hybridfp.Recipe, experts: int, hidden: int = 6
     """Python function calls (``sys.setprofile`` "call" events: frames, generator steps
     included) one forward + backward step makes after a warm-up step, on the CPU: a
     deterministic measure of the host's Python work, unlike its time on a shared machine."""
+    step = layer_step(recipe, experts, hidden, ffn, tokens_per_expert, single_parameter)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step()
+        return python_calls(step)
+
+
+def python_calls(step: Callable[[], None]) -> int:
+    """Python function calls (``sys.setprofile`` "call" events) one call of ``step`` makes (warm
+    it up first: a first step builds quantizers and reports)."""
     import sys
 
-    step = layer_step(recipe, experts, hidden, ffn, tokens_per_expert, single_parameter)
     calls = [0]
 
     def count(frame, event, arg):
         if event == "call":
             calls[0] += 1
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    sys.setprofile(count)
+    try:
         step()
-        sys.setprofile(count)
-        try:
-            step()
-        finally:
-            sys.setprofile(None)
+    finally:
+        sys.setprofile(None)
     return calls[0]
 
 
@@ -227,9 +279,19 @@ def main(argv=None) -> None:
                    "kernels taken as on CUDA, every Triton launch a no-op (``stub_kernels``)")
     p.add_argument("--single-parameter", action="store_true", help="GroupedLinear(single_parameter=True): "
                    "one [E, N, K] weight Parameter instead of one per expert")
+    p.add_argument("--micro-batches", type=int, default=1, help="forward + backward passes a step (weights "
+                   "quantized once a step, gradients accumulating; default 1)")
+    p.add_argument("--primary-weights", action="store_true", help="quantized primary weights: the layer built "
+                   "under quantized_model_init, re-encoded from FP32 masters once a step (not with "
+                   "--single-parameter, which quantized_model_init refuses)")
     p.add_argument("--profile", default=None, help="cProfile one recipe (its name) and print the top 30 "
                    "functions by own time")
     args = p.parse_args(argv)
+    if args.micro_batches < 1:
+        p.error(f"--micro-batches must be at least 1; got {args.micro_batches}")
+    if args.primary_weights and args.single_parameter:
+        p.error("--primary-weights with --single-parameter: quantized_model_init refuses a single_parameter "
+                "layer; pick one")
     if args.quick:
         args.reps = 5
     warnings.simplefilter("ignore")
@@ -246,19 +308,27 @@ def main(argv=None) -> None:
     with hybridfp.policy(decoded_copies="always" if args.cuda_paths and args.stub_kernels else "auto"):
         torch.manual_seed(0)
         splits = splits_for(args.experts, args.tokens_per_expert)
-        m = hybridfp.GroupedLinear(args.experts, args.hidden, args.ffn, bias=False, params_dtype=torch.bfloat16,
-                                   single_parameter=args.single_parameter)
+        plain = hybridfp.GroupedLinear(args.experts, args.hidden, args.ffn, bias=False,
+                                       params_dtype=torch.bfloat16, single_parameter=args.single_parameter)
         x = torch.randn(sum(splits), args.hidden, dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(sum(splits), args.ffn, dtype=torch.bfloat16)
         head = (f"{args.experts} experts, hidden {args.hidden}, ffn {args.ffn}, {sum(splits)} tokens, "
-                f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+                f"{args.micro_batches} micro-batch(es) a step"
+                + (", quantized primary weights" if args.primary_weights else "")
+                + (", one weight Parameter" if args.single_parameter else "")
+                + f", torch {torch.__version__}, {torch.get_num_threads()} threads")
         rows = []
         for name, recipe in RECIPES.items():
-            step = make_step(m, x, dy, splits, recipe())
+            m, before = plain, None
+            if args.primary_weights:
+                torch.manual_seed(0)
+                m, _, before = primary_weights_layer(recipe(), args.experts, args.hidden, args.ffn)
+            step = make_step(m, x, dy, splits, recipe(), args.micro_batches, before)
             ms, ops = measure(step, args.reps)
-            calls = python_calls_per_step(recipe(), args.experts, args.hidden, args.ffn, args.tokens_per_expert,
-                                          args.single_parameter)
-            rows.append(dict(recipe=name, ms=ms, ops=ops, ops_per_expert=ops / args.experts, python_calls=calls))
+            accumulations = accumulations_per_step(m, step)
+            calls = python_calls(step)
+            rows.append(dict(recipe=name, ms=ms, ops=ops, ops_per_expert=ops / args.experts, python_calls=calls,
+                             grad_accumulations=accumulations))
             if name == args.profile:
                 import cProfile
                 import pstats
@@ -266,8 +336,10 @@ def main(argv=None) -> None:
                 prof.runcall(lambda: [step() for _ in range(args.reps)])
                 pstats.Stats(prof).sort_stats("tottime").print_stats(30)
         md = (f"### GroupedLinear host work per step on the CPU ({head})\n\n"
-              + md_table(["recipe", "ms / step", "ops / step", "ops / expert", "Python calls / step"],
-                         [(r["recipe"], r["ms"], r["ops"], r["ops_per_expert"], r["python_calls"]) for r in rows]) + "\n")
+              + md_table(["recipe", "ms / step", "ops / step", "ops / expert", "Python calls / step",
+                          "gradient accumulations / step"],
+                         [(r["recipe"], r["ms"], r["ops"], r["ops_per_expert"], r["python_calls"],
+                           r["grad_accumulations"]) for r in rows]) + "\n")
         finish("moe_overhead", {"env": environment(), "args": {k: v for k, v in vars(args).items() if k != "out"},
                                 "rows": rows, "markdown": md}, args.out)
 
