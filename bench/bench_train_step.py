@@ -23,7 +23,6 @@ of eager against fused: the median over alternating rounds of eager ms / fused m
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Any, Optional
 
 import torch
@@ -35,6 +34,7 @@ from bench.protocol import Protocol, clock_spread, paired_ratio
 from hybridfp.recipes import autocast
 from hybridfp.train.data import get_batch
 from hybridfp.train.distributed import clip_grad_norm, mean_over_ranks
+from hybridfp.train.cli import build_parser, config_from_args
 from hybridfp.train.loop import TrainConfig, build_model, make_optimizer, make_scheduler
 from hybridfp.train.model import PRESETS
 from hybridfp.train.recipes_by_name import parse_recipe
@@ -53,13 +53,11 @@ BOUND = 1e-2
 
 
 def train_config(preset: str, fused: bool) -> TrainConfig:
-    """The train command's settings for ``preset`` with its defaults (seed 0, BF16 activations,
-    grad clip 1.0, decay over the preset's steps) on ``common.DEVICE``; ``fused`` sets
-    ``GPTConfig.fused_swiglu``."""
-    p = PRESETS[preset]
-    return TrainConfig(preset=preset, model=replace(p.model, fused_swiglu=fused), steps=p.steps,
-                       batch_size=p.batch_size, seq_len=p.seq_len, lr=p.lr, warmup=p.warmup, lr_decay_steps=p.steps,
-                       eval_interval=p.eval_interval, eval_iters=p.eval_iters, device=common.DEVICE)
+    """The settings ``hybridfp train --preset PRESET [--eager-swiglu]`` runs with on
+    ``common.DEVICE`` (the train command's own ``config_from_args``: seed 0, BF16 activations,
+    grad clip 1.0, decay over the preset's steps); ``fused`` False adds ``--eager-swiglu``."""
+    argv = ["train", "--preset", preset, "--device", common.DEVICE] + ([] if fused else ["--eager-swiglu"])
+    return config_from_args(build_parser().parse_args(argv))
 
 
 def fixed_batch(preset: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
