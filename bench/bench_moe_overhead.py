@@ -155,23 +155,33 @@ def ops_per_step(recipe: hybridfp.Recipe, experts: int, hidden: int = 64, ffn: i
     return sum(counter.ops.values())
 
 
-def stub_kernels(setattr: Callable = setattr) -> None:
-    """This process only (a measuring switch): the fused quantize kernels taken as on CUDA
-    (``quantizers.fast.device_ok`` true for any high-precision tensor), every Triton launch a
-    no-op (compiled or interpreted), so a step's host work is what the GPU's quantize path
-    runs in Python and aten. Pair it with ``stub_cublas`` and ``stub_grouped_mm``."""
+def stub_kernels(setattr: Callable = setattr, launches: Optional[Counter] = None) -> None:
+    """This process only (a measuring switch): the fused kernels taken as on CUDA (the quantize
+    kernels: ``quantizers.fast.device_ok`` true for any high-precision tensor; ``hybridfp.swiglu``'s
+    for its kernel dtypes), every Triton launch a no-op (compiled or interpreted; what it would
+    write stays unwritten), so a step's host work is what the GPU's path runs in Python and aten.
+    Pair it with ``stub_cublas`` and ``stub_grouped_mm``. ``launches``: each no-op launch counted
+    there under its kernel's name."""
+    import importlib
+
     import triton.runtime.interpreter as interpreter
     import triton.runtime.jit as jit
 
     from hybridfp.formats.common import HIGH_PRECISION_DTYPES
     from hybridfp.quantizers import fast
 
+    # the module, not the function ``hybridfp.nn.swiglu`` that the package's namespace exports
+    swiglu = importlib.import_module("hybridfp.nn.swiglu")
+
     def no_launch(self, *args, **kwargs):
+        if launches is not None:
+            launches[getattr(self, "__name__", None) or getattr(getattr(self, "fn", None), "__name__", "?")] += 1
         return None
 
     setattr(jit.JITFunction, "run", no_launch)
     setattr(interpreter.InterpretedFunction, "run", no_launch)
     setattr(fast, "device_ok", lambda x, rows=None: x.dtype in HIGH_PRECISION_DTYPES)
+    setattr(swiglu, "_uses_kernels", lambda g: g.dtype in swiglu.KERNEL_DTYPES)
 
 
 def python_calls_per_step(recipe: hybridfp.Recipe, experts: int, hidden: int = 64, ffn: int = 128,
@@ -204,21 +214,28 @@ def python_calls(step: Callable[[], None]) -> int:
     return calls[0]
 
 
-def stub_cublas(setattr: Callable = setattr) -> None:
+def stub_cublas(setattr: Callable = setattr, launches: Optional[Counter] = None) -> None:
     """This process only (a measuring switch): the cuBLAS FP8 backends selected as on an sm90 GPU,
     ``torch._scaled_mm`` / ``torch._scaled_grouped_mm`` replaced by stubs that return an output of
     the right shape (no values), the grouped rowwise FP8 path refused for E5M2 operands as on
     the GPU, and the Triton grouped paths taken as on CUDA (from the policy's ``many_experts``
     experts), their
     launches stubbed (the output returned unwritten). What remains of a step's time is the host's Python and aten work of the GPU path.
-    ``setattr``: how to patch (a test passes pytest's ``monkeypatch.setattr`` to undo it)."""
+    ``setattr``: how to patch (a test passes pytest's ``monkeypatch.setattr`` to undo it);
+    ``launches``: each stubbed GEMM counted there by its name."""
     from hybridfp.gemm import fast
     from hybridfp.moe import gemm as grouped
 
+    def count(name: str) -> None:
+        if launches is not None:
+            launches[name] += 1
+
     def scaled_mm(a, b, scale_a=None, scale_b=None, bias=None, out_dtype=None, use_fast_accum=False, out=None):
+        count("torch._scaled_mm")
         return out if out is not None else torch.empty(a.shape[0], b.shape[1], dtype=out_dtype)
 
     def scaled_grouped_mm(a, b, scale_a, scale_b, offs=None, out_dtype=None, use_fast_accum=False):
+        count("torch._scaled_grouped_mm")
         return torch.empty(a.shape[0], b.shape[-1], dtype=out_dtype)
 
     def rowwise_unsupported(sa, sb, layout, device):
@@ -235,19 +252,30 @@ def stub_cublas(setattr: Callable = setattr) -> None:
         return cuda_rule(torch.device("cuda"), use_triton, experts, flops)
 
     setattr(grouped_triton, "enabled", enabled)
-    setattr(triton_grouped_fp8_gemm, "_launch", lambda *a: a[5])  # (base_a, base_b, sa, sb, bias, out, ...)
-    setattr(triton_grouped_gemm, "_launch", lambda a, b, out, *rest, **kw: out)
+    def fp8_launch(*a):  # (base_a, base_b, sa, sb, bias, out, ...)
+        count("grouped FP8 GEMM (Triton)")
+        return a[5]
+
+    def launch(a, b, out, *rest, **kw):
+        count("grouped GEMM (Triton)")
+        return out
+
+    setattr(triton_grouped_fp8_gemm, "_launch", fp8_launch)
+    setattr(triton_grouped_gemm, "_launch", launch)
     setattr(fast, "_device_ok", lambda device, kind: True)
     setattr(torch, "_scaled_mm", scaled_mm)
     setattr(torch, "_scaled_grouped_mm", scaled_grouped_mm)
     setattr(grouped, "_fp8_rowwise_unsupported", rowwise_unsupported)
 
 
-def stub_grouped_mm(setattr: Callable = setattr) -> None:
+def stub_grouped_mm(setattr: Callable = setattr, launches: Optional[Counter] = None) -> None:
     """This process only: ``torch._grouped_mm`` replaced by a stub returning an output of the
     right shape (2D x 3D: [M, N]; 2D x 2D: [G, M, N]), so a step's time is host work only (the
-    CPU's grouped matmul of the BF16 path otherwise takes a third of it)."""
+    CPU's grouped matmul of the BF16 path otherwise takes a third of it). ``launches``: each
+    call counted there as ``torch._grouped_mm``."""
     def grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
+        if launches is not None:
+            launches["torch._grouped_mm"] += 1
         dtype = out_dtype or a.dtype
         if b.dim() == 3:
             return torch.empty(a.shape[0], b.shape[-1], dtype=dtype)
@@ -256,6 +284,20 @@ def stub_grouped_mm(setattr: Callable = setattr) -> None:
     setattr(torch, "_grouped_mm", grouped_mm)
     from hybridfp.moe import gemm as grouped
     setattr(grouped, "per_group_wins", lambda sizes: False)  # every group through the stub, whatever its size
+
+
+def stub_gpu_paths(setattr: Callable = setattr, launches: Optional[Counter] = None) -> None:
+    """This process only (a measuring switch): the GPU's code paths on the CPU with the GPU's work
+    stubbed, as ``--cuda-paths --stub-cublas --stub-grouped-mm --stub-kernels`` take them: the
+    grouped GEMM paths chosen as on CUDA, ``stub_cublas``, ``stub_grouped_mm``, ``stub_kernels``.
+    ``setattr`` and ``launches`` as theirs. Run the step under ``hybridfp.policy(decoded_copies=
+    "always")`` (the copies the GPU's kernels write)."""
+    from hybridfp.moe import gemm as grouped
+
+    setattr(grouped, "_grouped_mm_device", lambda device: True)
+    stub_cublas(setattr, launches)
+    stub_grouped_mm(setattr, launches)
+    stub_kernels(setattr, launches)
 
 
 def main(argv=None) -> None:

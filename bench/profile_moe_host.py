@@ -14,8 +14,17 @@ and driver calls (kernel launches, copies, syncs: what the host spends handing w
 and the rest (Python, aten's dispatch, Triton's launcher). Without Python frames (cProfile's
 2-3x inflation) it says whether launches or Python hold a host-bound step.
 
+``--cpu-stub`` needs no GPU: the rows run on the CPU along the GPU's code paths with the GPU's
+work stubbed (``bench_moe_overhead.stub_gpu_paths``: the grouped GEMMs a shape-only stub, every
+Triton launch a no-op), at ``--quick``'s shapes, and one step of each is counted: its Python
+calls, aten ops and the Triton kernels and grouped GEMMs it would launch (by name: the calls the
+stubs replaced; a baseline's backward GEMMs, called inside autograd, run on the CPU and show
+among its aten ops). The counts are deterministic; no time is given (the aten ops' arithmetic
+runs on the CPU). Cached weight decodes (MXFP8 quantized primary weights, once a step) run
+PyTorch's reference decode there, a Triton kernel on the GPU.
+
     python -m bench.profile_moe_host [--experts 64] [--variants "hybridfp FP8 current|..."] [--top 40]
-        [--out moe_host_profile.txt] [--reps 5] [--quick] [--torch-profiler]
+        [--out moe_host_profile.txt] [--reps 5] [--quick] [--torch-profiler | --cpu-stub]
 """
 
 from __future__ import annotations
@@ -25,13 +34,17 @@ import cProfile
 import io
 import pstats
 import time
+from collections import Counter
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from torch.profiler import ProfilerActivity, profile
 
+import hybridfp
 from bench import common
 from bench.bench_moe import QUICK_CONFIGS, QUICK_SHAPE
+from bench.bench_moe_overhead import OpCounter, python_calls, stub_gpu_paths
 from bench.common import host_ms
 from bench.moe_layer import HIDDEN, ROUTING_SKEW, TOKENS, RoutingSchedule, Step, moe_layer
 from bench.moe_rows import BASELINES, variants_of, wrap
@@ -147,6 +160,39 @@ def torch_profile_text(step: Callable[[], Any], title: str, top: int, reps: int 
     return "\n".join(text)
 
 
+def count_text(step: Callable[[], Any], title: str, top: int, launches: Optional[Counter] = None) -> str:
+    """One step of ``step`` counted (``--cpu-stub``: the GPU's paths on the CPU, its work stubbed).
+    No time is given: the aten ops run on the CPU at these shapes, so this CPU's step time holds
+    their arithmetic, not just the host's work.
+
+    Parameters
+    ----------
+    step, title:
+        As :func:`profile_text`.
+    top:
+        Aten ops listed.
+    launches:
+        The counter the stubs count their launches in (``stub_gpu_paths``).
+
+    Returns
+    -------
+    str
+        The title line, a line of counts and the aten ops by count."""
+    launches = Counter() if launches is None else launches
+    ops = OpCounter()
+    launches.clear()
+    with ops:
+        step()
+    stubbed = dict(launches)  # the counted step's own
+    calls = python_calls(step)
+    by_kernel = ", ".join(f"{k} {v}" for k, v in sorted(stubbed.items(), key=lambda kv: (-kv[1], kv[0])))
+    rows = "\n".join(f"| {name} | {n} |" for name, n in ops.ops.most_common(top))
+    return "\n".join([f"## {title}: counted on the CPU, the GPU's work stubbed",
+                      f"one step: {calls} Python calls, {sum(ops.ops.values())} aten ops, "
+                      f"{sum(stubbed.values())} launches stubbed ({by_kernel or 'none'})",
+                      "### aten ops by count", "| op | calls |", "|---|---:|", rows])
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Profile the rows named by ``--variants`` (bench_moe's names) at ``--experts``.
 
@@ -166,10 +212,20 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--quick", action="store_true", help="bench_moe --quick's small shapes (a CPU check)")
     p.add_argument("--torch-profiler", action="store_true", help="torch.profiler instead of cProfile: the host "
                    "time split into CUDA API calls (launches, copies, syncs), aten ops and the rest")
+    p.add_argument("--cpu-stub", action="store_true", help="no GPU: the rows on the CPU along the GPU's paths, "
+                   "its work stubbed, at --quick's shapes; one step's Python calls, aten ops and launches "
+                   "(by kernel) counted")
     args = p.parse_args(argv)
     if args.reps < 1 or args.warmup < 0 or args.top < 1 or args.micro_batches < 1:
         p.error(f"--reps {args.reps}, --top {args.top}, --micro-batches {args.micro_batches} must be >= 1 and "
                 f"--warmup {args.warmup} >= 0")
+    if args.cpu_stub and args.torch_profiler:
+        p.error("--cpu-stub counts the step instead of profiling it: leave out --torch-profiler")
+    launches: Counter = Counter()
+    if args.cpu_stub:  # this process only: a measuring switch
+        common.DEVICE = "cpu"
+        stub_gpu_paths(launches=launches)
+        args.quick = True  # the CPU runs the routing's real ops: the full shapes would time those
     common.require_cuda()
     configs, (tokens, hidden) = (QUICK_CONFIGS, QUICK_SHAPE) if args.quick else (CONFIGS, (TOKENS, HIDDEN))
     ffn = dict(configs).get(args.experts)
@@ -184,17 +240,22 @@ def main(argv: Optional[list[str]] = None) -> None:
         p.error(str(err))
     texts = [f"# {args.experts} experts, ffn {ffn}, {tokens} tokens, {args.micro_batches} micro-batches; "
              f"{common.environment()}"]
-    for name, build, ctx in rows:
-        if name not in names:
-            continue
-        core = Step(build(), x, dy, ctx, args.micro_batches, schedule)
-        step = wrap(name, core)
-        for _ in range(args.warmup):
-            step()
-        profiler = torch_profile_text if args.torch_profiler else profile_text
-        texts.append(profiler(step, name, args.top, args.reps, core.model))
-        core.release()
-        print(texts[-1].splitlines()[0], flush=True)
+    # with the kernels stubbed: the copies the GPU's kernels write (bench_moe_overhead's main)
+    with hybridfp.policy(decoded_copies="always") if args.cpu_stub else nullcontext():
+        for name, build, ctx in rows:
+            if name not in names:
+                continue
+            core = Step(build(), x, dy, ctx, args.micro_batches, schedule)
+            step = wrap(name, core)
+            for _ in range(args.warmup):
+                step()
+            if args.cpu_stub:
+                texts.append(count_text(step, name, args.top, launches))
+            else:
+                profiler = torch_profile_text if args.torch_profiler else profile_text
+                texts.append(profiler(step, name, args.top, args.reps, core.model))
+            core.release()
+            print("\n".join(texts[-1].splitlines()[:2 if args.cpu_stub else 1]), flush=True)
     report = "\n\n".join(texts)
     if args.out is not None:
         args.out.write_text(report)

@@ -59,3 +59,39 @@ def test_api_split_sorts_events_by_kind():
                                         Event("cudaMemcpyAsync", 2, 200.0), Event("aten::mul", 7, 70.0),
                                         Event("aten::empty", 3, 30.0), Event("MyRegion", 1, 1000.0)])
     assert split == {"api_ms": 1.0, "launches": 14, "launch_ms": 0.8, "aten_ops": 10, "aten_ms": 0.1}
+
+
+def test_cpu_stub_counts_the_fused_swiglu_row(monkeypatch, tmp_path):
+    from bench import bench_moe_overhead
+    monkeypatch.setattr(common, "DEVICE", "cuda")  # --cpu-stub moves it to the CPU; restored after the test
+    # the stubs patched through monkeypatch, so that they are undone after the test
+    monkeypatch.setattr(profile_moe_host, "stub_gpu_paths",
+                        lambda launches=None: bench_moe_overhead.stub_gpu_paths(monkeypatch.setattr, launches))
+    out = tmp_path / "p.txt"
+    eager, fused = "hybridfp FP8 current [quantized primary weights]", "hybridfp FP8 current [quantized primary weights] [fused SwiGLU]"
+    profile_moe_host.main(["--cpu-stub", "--experts", "64", "--warmup", "1", "--top", "5", "--out", str(out),
+                           "--variants", f"{eager}|{fused}"])
+    text = out.read_text()
+    assert common.DEVICE == "cpu"
+
+    def counts(row: str) -> tuple[int, int, dict[str, int]]:
+        line = text.split(f"## {row}: counted on the CPU, the GPU's work stubbed\n")[1].splitlines()[0]
+        calls = int(line.split("one step: ")[1].split(" Python calls")[0])
+        ops = int(line.split(" Python calls, ")[1].split(" aten ops")[0])
+        listed = line.split(" launches stubbed (", 1)[1][:-1].split(", ")
+        kernels = {k.rsplit(" ", 1)[0]: int(k.rsplit(" ", 1)[1]) for k in listed}
+        return calls, ops, kernels
+    (ce, oe, ke), (cf, of, kf) = counts(eager), counts(fused)
+    assert ce > 1000 and oe > 100  # the layer's host work: 4 micro-batches, two GroupedLinears
+    # the fused row takes the SwiGLU kernels (one each way a micro-batch) and, given the
+    # experts' splits, they record h's and its gradient's amaxes: two amax passes fewer a micro-batch
+    assert kf["_swiglu_fwd_kernel"] == 4 and kf["_swiglu_bwd_kernel"] == 4 and "_swiglu_fwd_kernel" not in ke
+    assert ke["_group_amax_kernel"] - kf["_group_amax_kernel"] == 8
+    assert kf["grouped FP8 GEMM (Triton)"] == ke["grouped FP8 GEMM (Triton)"] == 24  # 2 layers x 3 GEMMs x 4
+    assert text.count("### aten ops by count") == 2
+
+
+def test_cpu_stub_refuses_the_torch_profiler(monkeypatch):
+    monkeypatch.setattr(common, "DEVICE", "cpu")
+    with pytest.raises(SystemExit):
+        profile_moe_host.main(["--cpu-stub", "--torch-profiler"])
