@@ -270,7 +270,8 @@ def swiglu(g: torch.Tensor, u: Optional[torch.Tensor] = None, *,
                              f"got shape {tuple(g.shape)}.")
         if not g.is_floating_point():
             raise TypeError(f"swiglu: gate_up must be floating point; got {g.dtype}.")
-        groups = None if splits is None else tuple(int(m) for m in splits)
+        # map: C-level, no Python frame per expert (this runs every micro-batch of an MoE layer)
+        groups = None if splits is None else tuple(map(int, splits))
         # any(), not min(): Dynamo traces it with splits that change between calls
         if groups is not None and (g.dim() != 2 or sum(groups) != g.shape[0] or any(m < 0 for m in groups)):
             raise ValueError(f"swiglu: splits {list(groups)} must be non-negative row counts adding up to the rows "

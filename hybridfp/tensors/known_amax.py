@@ -27,7 +27,8 @@ _TABLE: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _groups(splits: Optional[Sequence[int]]) -> Optional[tuple[int, ...]]:
-    return None if splits is None else tuple(int(m) for m in splits)
+    # map: C-level, no Python frame per group (an MoE layer asks for each expert's every call)
+    return None if splits is None else tuple(map(int, splits))
 
 
 def _key(x: torch.Tensor, groups: Optional[tuple[int, ...]]) -> tuple:
