@@ -255,7 +255,8 @@ def _scaled_group(quantizers: Sequence[Optional[Quantizer]], splits: Sequence[in
     tensors (``fp8_parts``: the storages each expert's own quantize holds) built on access."""
     qs = list(quantizers)
     j = scaled.fp8
-    if j is None or not qs or sum(splits) == 0 or any(q is None for q in qs):
+    # a list comprehension, not a generator: one Python frame, not one per expert
+    if j is None or not qs or sum(splits) == 0 or any([q is None for q in qs]):
         return None
     usage = {(q.rowwise_usage, q.columnwise_usage) for q in qs}
     if len(usage) > 1:

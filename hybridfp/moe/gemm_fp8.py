@@ -175,7 +175,7 @@ def run_joined(ja: JoinedCopy, jb: JoinedCopy, splits_a: Sequence[int], splits_b
         n = splits_b[0]
         b_offs, b_ld = [e * n * red for e in range(experts)], red
     else:  # dgrad: the weights' columnwise matrix [K, width], expert e's N columns at starts[e]
-        if jb.starts is None or any(m != red for m in splits_b):
+        if jb.starts is None or any([m != red for m in splits_b]):  # a list: no frame per expert
             return None
         n, b_ld = b.shape[0], b.shape[1]
         b_offs = jb.starts

@@ -245,7 +245,7 @@ class GroupedLinear(GroupedWeights, QuantizedModule):
         if len(splits) != self.num_gemms:
             raise ValueError(f"{who}: {arg} has {len(splits)} entries; it needs one per expert "
                              f"({self.num_gemms}).")
-        if any(m < 0 for m in splits):
+        if any([m < 0 for m in splits]):  # a list: one Python frame, not one per expert
             raise ValueError(f"{who}: m_splits {splits} has negative entries.")
         if sum(splits) != x.shape[0]:
             raise ValueError(f"{who}: m_splits sum to {sum(splits)} but the input has {x.shape[0]} "

@@ -207,7 +207,9 @@ def _quantize_inputs(x: torch.Tensor, m_splits: list[int], lcs: list[LinearConte
     ``forward_gemm`` quantizes them, in one ``quantize_grouped`` call (shared row-local
     encodings)."""
     for lc, wgrad in zip(lcs, needs_wgrad):
-        lc.input_q.set_usage(rowwise=True, columnwise=wgrad and not keeps_original_input(lc))
+        # save_original_input read first: no call per expert when the option is off (the default)
+        keeps = lc.save_original_input and keeps_original_input(lc)
+        lc.input_q.set_usage(rowwise=True, columnwise=wgrad and not keeps)
     return quantize_grouped([lc.input_q for lc in lcs], x, m_splits, _plans(lcs))
 
 
@@ -241,7 +243,7 @@ def _saved_inputs(x: torch.Tensor, m_splits: list[int], qxs: Sequence[torch.Tens
     """Every expert's ``_saved_input`` (None where its wgrad is not needed); experts held as a
     ``GroupedTensor`` stay one (their rowwise copies dropped) when they save columnwise copies
     it holds joined."""
-    if isinstance(qxs, GroupedTensor) and not any(keeps_original_input(lc) for lc in lcs):
+    if isinstance(qxs, GroupedTensor) and not any([lc.save_original_input and keeps_original_input(lc) for lc in lcs]):
         if all(needs_wgrad) and qxs.has_direction(COLUMNWISE):
             qxs.drop(ROWWISE)
             return qxs

@@ -189,7 +189,7 @@ class GroupedWeights:
         views of ``weight`` [i] (detached: gradients reach ``weight`` through ``forward``)."""
         if self.single_parameter:
             return self._expert_views()[0]
-        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+        return self._per_expert("weight")
 
     def biases(self) -> list[torch.Tensor]:
         """Expert biases in order (empty without bias); detached views of ``bias`` with
@@ -198,7 +198,14 @@ class GroupedWeights:
             return []
         if self.single_parameter:
             return self._expert_views()[1]
-        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+        return self._per_expert("bias")
+
+    def _per_expert(self, stem: str) -> list[torch.Tensor]:
+        """``{stem}0``, ``{stem}1``, ... read from the module's Parameter table, with no
+        ``nn.Module.__getattr__`` call per expert (every forward asks), or through ``getattr``
+        where a name is not a registered Parameter (a parametrization's property)."""
+        params = self._parameters
+        return [params[n] if n in params else getattr(self, n) for n in [f"{stem}{i}" for i in range(self.num_gemms)]]
 
     def _expert_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """``single_parameter``: per-expert detached views of ``weight`` and ``bias``, made again

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .storage import (COLUMNWISE, DIRECTIONS, ROWWISE, MissingDirectionError, QuantizedStorage,
+from .storage import (COLUMNWISE, DIRECTIONS, HELD_DIRECTIONS, ROWWISE, MissingDirectionError, QuantizedStorage,
                       check_direction, storage_class)
 from .validation import (InvalidStateError, check_keys, check_label, check_nominal_dtype, check_shape,
                          require_dict)
@@ -112,6 +112,11 @@ class HybridStorage(QuantizedStorage):
     def has(self, direction: str) -> bool:
         """Whether the part for ``direction`` is held."""
         return self.parts[check_direction(direction)] is not None
+
+    def directions(self) -> tuple[str, ...]:
+        """The directions whose part is held, rowwise first."""
+        p = self.parts
+        return HELD_DIRECTIONS[p[ROWWISE] is not None, p[COLUMNWISE] is not None]
 
     def _drop(self, direction: str) -> None:
         self.parts[direction] = None

@@ -31,6 +31,10 @@ from .validation import (InvalidStateError, check_keys, check_label, check_nomin
 ROWWISE = "rowwise"
 COLUMNWISE = "columnwise"
 DIRECTIONS = (ROWWISE, COLUMNWISE)
+#: (rowwise held, columnwise held) -> the directions held, rowwise first
+HELD_DIRECTIONS: dict[tuple[bool, bool], tuple[str, ...]] = {
+    (r, c): tuple(d for d, held in ((ROWWISE, r), (COLUMNWISE, c)) if held)
+    for r in (False, True) for c in (False, True)}
 
 Payload = dict[str, torch.Tensor]
 RowIndex = Optional[tuple[int, int]]
@@ -174,8 +178,11 @@ class QuantizedStorage(Dim0Slicing, ABC):
             raise
 
     def directions(self) -> tuple[str, ...]:
-        """The directions held, rowwise first."""
-        return tuple(d for d in DIRECTIONS if self.has(d))
+        """The directions held, rowwise first. (A subclass holding its copies elsewhere than
+        ``payloads`` overrides ``has`` and this alike.)"""
+        # no Python call per direction: an MoE layer asks this of every expert's storage per GEMM
+        p = self.payloads
+        return HELD_DIRECTIONS[p[ROWWISE] is not None, p[COLUMNWISE] is not None]
 
     def payload(self, direction: str) -> Payload:
         """The encoded tensors of one copy; a clear error if that copy is not held."""

@@ -183,13 +183,14 @@ def quantize(x2: torch.Tensor, amax: torch.Tensor, splits: Sequence[int], dtype:
         if len(col_offsets) != groups or len(col_lds) != groups:
             raise ValueError(f"col_offsets ({len(col_offsets)}) and col_lds ({len(col_lds)}) need one entry "
                              f"per group ({groups}).")
-        if any(not m <= ld <= -(-m // 16) * 16 for m, ld in zip(splits, col_lds)):
+        # list comprehensions, not generators: one Python frame a check, not one per group
+        if any([not m <= ld <= -(-m // 16) * 16 for m, ld in zip(splits, col_lds)]):
             raise ValueError(f"col_lds {list(col_lds)} must lie between each group's rows and their "
                              "round-up to 16.")
         strides = list(col_lds) if col_stride is None else [col_stride] * groups
-        if any(ld > st for ld, st in zip(col_lds, strides)):
+        if any([ld > st for ld, st in zip(col_lds, strides)]):
             raise ValueError(f"col_stride {col_stride} is narrower than a group's block (col_lds {list(col_lds)}).")
-        if any(o < 0 or o + (cols - 1) * st + ld > col_numel for o, ld, st in zip(col_offsets, col_lds, strides)):
+        if any([o < 0 or o + (cols - 1) * st + ld > col_numel for o, ld, st in zip(col_offsets, col_lds, strides)]):
             raise ValueError(f"a columnwise block [{cols}, ld] at col_offsets {list(col_offsets)} overruns "
                              f"col_numel={col_numel}.")
     mbits, bias, fmax = fp8_params(dtype)
