@@ -21,6 +21,7 @@ import torch
 
 from ..config import current_policy, use_policy
 from ..quantizers import Quantizer
+from ..quantizers.base import set_usages
 from ..tensors import COLUMNWISE, ROWWISE, QuantizedTensor
 from ..nn.linear_function import (LinearContext, backward_gemms, backward_override, bias_grad, check_dgrad_weight, keeps_original_input,
                                   once_differentiable_quantized, torch_autocast_off)
@@ -206,23 +207,19 @@ def _quantize_inputs(x: torch.Tensor, m_splits: list[int], lcs: list[LinearConte
     """Every expert's x with its rowwise copy (+ columnwise if its wgrad reads it), as
     ``forward_gemm`` quantizes them, in one ``quantize_grouped`` call (shared row-local
     encodings)."""
-    for lc, wgrad in zip(lcs, needs_wgrad):
-        # save_original_input read first: no call per expert when the option is off (the default)
-        keeps = lc.save_original_input and keeps_original_input(lc)
-        lc.input_q.set_usage(rowwise=True, columnwise=wgrad and not keeps)
-    return quantize_grouped([lc.input_q for lc in lcs], x, m_splits, _plans(lcs))
+    qs = [lc.input_q for lc in lcs]
+    # save_original_input read first: no call per expert when the option is off (the default)
+    cols = [wgrad and not (lc.save_original_input and keeps_original_input(lc)) for lc, wgrad in zip(lcs, needs_wgrad)]
+    set_usages(qs, [True] * len(qs), cols)
+    return quantize_grouped(qs, x, m_splits, _plans(lcs))
 
 
 def _quantize_grads(dy: torch.Tensor, m_splits: list[int], lcs: list[LinearContext], needs_dgrad: bool,
                     needs_wgrad: list[bool]) -> list[Optional[torch.Tensor]]:
     """Every expert's dy with the copies its dgrad / wgrad read (None: it needs neither)."""
-    qs: list[Optional[Quantizer]] = []
-    for lc, wgrad in zip(lcs, needs_wgrad):
-        if needs_dgrad or wgrad:
-            lc.grad_q.set_usage(rowwise=needs_dgrad, columnwise=wgrad)
-            qs.append(lc.grad_q)
-        else:
-            qs.append(None)
+    qs: list[Optional[Quantizer]] = [lc.grad_q if needs_dgrad or wgrad else None for lc, wgrad in zip(lcs, needs_wgrad)]
+    used = [(q, wgrad) for q, wgrad in zip(qs, needs_wgrad) if q is not None]
+    set_usages([q for q, _ in used], [needs_dgrad] * len(used), [wgrad for _, wgrad in used])
     # detached: under create_graph=True backward runs with grad enabled and dy may require
     # grad; the quantization is not differentiated through (as Linear's backward)
     return quantize_grouped(qs, dy.detach().contiguous(), m_splits, _plans(lcs))

@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..quantizers import Quantizer
+from ..quantizers.base import set_usages
 from ..tensors import QuantizedTensor
 from ..nn.base import mark_not_offload
 from ..nn.recompute import method_unseen_by_selective_checkpoint
@@ -205,7 +206,8 @@ class GroupedWeights:
         ``nn.Module.__getattr__`` call per expert (every forward asks), or through ``getattr``
         where a name is not a registered Parameter (a parametrization's property)."""
         params = self._parameters
-        return [params[n] if n in params else getattr(self, n) for n in [f"{stem}{i}" for i in range(self.num_gemms)]]
+        names = [f"{stem}{i}" for i in range(self.num_gemms)]
+        return [params[n] if n in params else getattr(self, n) for n in names]
 
     def _expert_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """``single_parameter``: per-expert detached views of ``weight`` and ``bias``, made again
@@ -276,8 +278,7 @@ class GroupedWeights:
             else:
                 missing.append(i)
         if missing:
-            for i in missing:
-                qs[i].set_usage(rowwise=True, columnwise=columnwise)
+            set_usages([qs[i] for i in missing], [True] * len(missing), [columnwise] * len(missing))
             # every expert at once: the packed buffer is the joined weights (read in place)
             packed = self.packed_buffer(weights) if len(missing) == len(weights) else None
             qws = quantize_weights_grouped([qs[i] for i in missing], [weights[i] for i in missing],
@@ -309,8 +310,7 @@ class GroupedWeights:
         entry = self._wcache.get(_STACK_SLOT)
         if reusable(entry, w, key, columnwise, region, is_first_microbatch, self._who()):
             return entry.qw  # type: ignore[union-attr]
-        for q in qs:
-            q.set_usage(rowwise=True, columnwise=columnwise)
+        set_usages(qs, [True] * len(qs), [columnwise] * len(qs))
         qws = quantize_weights_grouped(qs, self._views[0], plan_memo(self), stacked=w.detach())
         self._wcache[_STACK_SLOT] = new_entry(entry, key, qws, w, region, is_first_microbatch)
         return qws

@@ -25,6 +25,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..nn.base import mark_not_offload
+from ..quantizers.base import set_usages
 from ..tensors import QuantizedStorage, QuantizedTensor
 from ..tensors.storage import DIRECTIONS
 from .grouped_tensor import GroupedTensor
@@ -71,8 +72,10 @@ class PrimaryGroup:
             True when the joined encoding is their current value."""
         if len(weights) != len(self.params):
             return False
+        dirs = self.directions
+        # ``_storage``, not the ``qstorage`` property: asked of every expert at every forward
         for w, p, s in zip(weights, self.params, self.storages):
-            if w is not p or w.qstorage is not s or s.directions() != self.directions:
+            if w is not p or w._storage is not s or s.directions() != dirs:
                 return False
         return True
 
@@ -100,7 +103,7 @@ def _encode_joined(params: Sequence[QuantizedTensor], values: torch.Tensor, plan
     and layout (codes or decoded copies) the Parameters hold; None where that is not one
     joined-only ``GroupedTensor``. The quantizers' usage and decoded-copy settings are restored."""
     qs = [p.quantizer for p in params]
-    if any(q is None or q.uses_randomness() or q.has_state() for q in qs) or len({id(q) for q in qs}) != len(qs):
+    if any([q is None or q.uses_randomness() or q.has_state() for q in qs]) or len({id(q) for q in qs}) != len(qs):
         # a draw would advance torch's generator, an amax would be recorded into the state (a
         # hybrid's has_state asks both children); shared quantizers cannot differ per expert
         return None
@@ -108,13 +111,13 @@ def _encode_joined(params: Sequence[QuantizedTensor], values: torch.Tensor, plan
     decoded = params[0].qstorage.decoded_directions()
     saved = [(q.rowwise_usage, q.columnwise_usage, q._hold_decoded) for q in qs]
     try:
+        set_usages(qs, ["rowwise" in want] * len(qs), ["columnwise" in want] * len(qs))
         for q in qs:
-            q.set_usage(rowwise="rowwise" in want, columnwise="columnwise" in want)
             q._hold_decoded = decoded  # the layout the Parameters hold, as update_quantized writes
         out = quantize_weights_grouped(qs, list(values.unbind(0)), plans, stacked=values)
     finally:
-        for q, (r, c, h) in zip(qs, saved):
-            q.set_usage(rowwise=r, columnwise=c)
+        set_usages(qs, [r for r, _, _ in saved], [c for _, c, _ in saved])
+        for q, (_, _, h) in zip(qs, saved):
             q._hold_decoded = h
     return out if isinstance(out, GroupedTensor) and out.joined_only else None
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy as _copy
 import math
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Hashable, Optional
+from typing import Any, ClassVar, Hashable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -561,3 +561,45 @@ class Quantizer(ABC):
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v}" for k, v in self.settings().items())
         return f"{type(self).__name__}({opts})"
+
+
+def set_usages(quantizers: Sequence[Quantizer], rowwise: Sequence[Optional[bool]],
+               columnwise: Sequence[Optional[bool]]) -> None:
+    """``q.set_usage(rowwise=r, columnwise=c)`` for each quantizer and its pair of flags, in one
+    call: an MoE layer sets every expert's quantizers before each grouped quantization, and a
+    quantizer that keeps ``Quantizer.set_usage`` has its flags assigned here without a Python
+    call of its own (one that overrides it is called).
+
+    Parameters
+    ----------
+    quantizers:
+        The quantizers, in order.
+    rowwise, columnwise:
+        One flag each per quantizer (None keeps that quantizer's current flag).
+
+    Raises
+    ------
+    ValueError
+        The three sequences differ in length.
+
+    Example
+    -------
+    >>> import hybridfp as hf
+    >>> from hybridfp.quantizers.base import set_usages
+    >>> qs = [hf.Float8CurrentScalingQuantizer(), hf.MXFP8Quantizer()]
+    >>> set_usages(qs, [True, False], [False, True])
+    >>> [(q.rowwise_usage, q.columnwise_usage) for q in qs]
+    [(True, False), (False, True)]
+    """
+    if not len(quantizers) == len(rowwise) == len(columnwise):
+        raise ValueError(f"set_usages: {len(quantizers)} quantizers but {len(rowwise)} rowwise and "
+                         f"{len(columnwise)} columnwise flags; pass one of each per quantizer.")
+    base = Quantizer.set_usage
+    for q, r, c in zip(quantizers, rowwise, columnwise):
+        if type(q).set_usage is not base:
+            q.set_usage(rowwise=r, columnwise=c)
+            continue
+        if r is not None:
+            q.rowwise_usage = bool(r)
+        if c is not None:
+            q.columnwise_usage = bool(c)
