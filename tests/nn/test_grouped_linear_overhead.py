@@ -199,18 +199,19 @@ def test_ops_per_expert_bounded_on_gpu_paths(name, monkeypatch):
 #: --cuda-paths --stub-cublas --stub-grouped-mm --stub-kernels``: quantize kernels taken as on
 #: CUDA, every launch a no-op): the host's per-expert Python work, counted deterministically
 #: (wall-clock times on a CPU are too noisy), as (experts from, to) -> bound. From 8 to 32
-#: experts (across ``many_experts``: 8 take the per-expert GEMMs) counted bf16 17, mxfp8 16, fp8
-#: current -41.3, fp8 block 419 (per-expert cuBLAS block GEMMs), composer-2 -22.4 (negative: their
+#: experts (across ``many_experts``: 8 take the per-expert GEMMs) counted bf16 14, mxfp8 13, fp8
+#: current -44.3, fp8 block 416 (per-expert cuBLAS block GEMMs), composer-2 -25.4 (negative: their
 #: GEMMs move to the Triton grouped kernels from 16 experts on); from 32 to 64 (all on the grouped
-#: paths but fp8 block) bf16 17, mxfp8 16, fp8 current 13, fp8 block 412, composer-2 24. What keeps
+#: paths but fp8 block) bf16 14, mxfp8 13, fp8 current 10, fp8 block 409, composer-2 21. What keeps
 #: them low: plans remembered per module with their derivation facts, C-level plan keys and
 #: hybrid checks, LinearContexts and their randomness reused, per-expert checks as list
 #: comprehensions (a generator is a Python frame per element), storages' ``directions()`` without a
-#: call per direction, the weights read from the Parameter table. Bounds leave ~15 % (a few calls
+#: call per direction, the weights read from the Parameter table, the experts' usage flags set in
+#: one call (``set_usages``). Bounds leave ~15 % (a few calls
 #: for the near-zero and negative ones).
 CALLS_PER_EXPERT_GPU_PATHS = {
-    (8, 32): {"bf16 (high_precision)": 20, "mxfp8": 19, "fp8 current": 3, "fp8 block": 480, "composer-2": 3},
-    (32, 64): {"bf16 (high_precision)": 20, "mxfp8": 19, "fp8 current": 15, "fp8 block": 475, "composer-2": 28},
+    (8, 32): {"bf16 (high_precision)": 16, "mxfp8": 15, "fp8 current": 3, "fp8 block": 480, "composer-2": 3},
+    (32, 64): {"bf16 (high_precision)": 16, "mxfp8": 15, "fp8 current": 12, "fp8 block": 470, "composer-2": 24},
 }
 
 
