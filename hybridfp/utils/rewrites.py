@@ -30,15 +30,32 @@ autocast regions) keys on :func:`current_version`, which runs the refreshers fir
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Sequence
+import weakref
+from typing import Callable, Optional, Sequence
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
-#: untyped storage -> the stamp of its latest rewrite with its version counter preserved. Keyed on
-#: the storage (its views share it; FSDP2 frees and re-allocates it in place, so it stays the same
-#: object) and weakly, so an entry lives exactly as long as the memory it describes.
-_REWRITES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: id(untyped storage) -> (a weak reference to that storage, the stamp of its latest rewrite with
+#: its version counter preserved). Keyed on the storage (its views share it; FSDP2 frees and
+#: re-allocates it in place, so it stays the same object) and weakly: an entry is dropped when
+#: its storage dies, and a lookup matches only while the reference still gives the very storage
+#: asked about (a recycled id never matches). A plain dict read with C-level calls only: every
+#: weight of every module call is looked up (an MoE layer's experts), where torch's
+#: ``WeakIdKeyDictionary`` would run three Python functions a lookup.
+_REWRITES: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    """The storage behind ``ref`` died: drop its entry (unless a new one took the id since)."""
+    entry = _REWRITES.get(key)
+    if entry is not None and entry[0] is ref:
+        del _REWRITES[key]
+
+
+def _stamp(storage: torch.UntypedStorage) -> int:
+    """The stamp of ``storage``'s latest noted rewrite (0: none)."""
+    entry = _REWRITES.get(id(storage))
+    return entry[1] if entry is not None and entry[0]() is storage else 0
 #: each rewrite's stamp is new to the process (``next`` on a count is atomic under the GIL): two
 #: threads rewriting one storage at once cannot leave it at a value a cache has already seen,
 #: as a read-add-write count could (both reading n, both writing n + 1)
@@ -54,7 +71,12 @@ def note_rewrite(t: torch.Tensor) -> None:
         The tensor written (any view of the storage: the whole storage counts as rewritten).
     """
     storage = t.untyped_storage()
-    _REWRITES[storage] = next(_STAMPS)
+    key = id(storage)
+    entry = _REWRITES.get(key)
+    ref: Optional[weakref.ref] = entry[0] if entry is not None and entry[0]() is storage else None
+    if ref is None:
+        ref = weakref.ref(storage, lambda r, key=key: _forget(key, r))
+    _REWRITES[key] = (ref, next(_STAMPS))
 
 
 def version(t: torch.Tensor) -> tuple[int, int]:
@@ -71,7 +93,7 @@ def version(t: torch.Tensor) -> tuple[int, int]:
         ``(t._version, the stamp of the latest rewrite noted for t's storage)``: changes with every in-place write,
         including those that preserve the version counter and call :func:`note_rewrite`.
     """
-    return t._version, _REWRITES.get(t.untyped_storage(), 0)
+    return t._version, _stamp(t.untyped_storage())
 
 
 #: called by :func:`current_versions` with the tensors about to be read: each notes a rewrite
@@ -112,6 +134,9 @@ def current_versions(ts: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
     """
     for fn in _REFRESHERS:
         fn(ts)
-    if not _REWRITES:  # none noted in the process: skip the storage lookups
+    if not _REWRITES:  # none noted (or all their storages gone): skip the storage lookups
         return [(t._version, 0) for t in ts]
-    return [(t._version, _REWRITES.get(t.untyped_storage(), 0)) for t in ts]
+    get = _REWRITES.get
+    # _stamp inlined: no Python call per tensor
+    return [(t._version, e[1] if (e := get(id(s := t.untyped_storage()))) is not None and e[0]() is s else 0)
+            for t in ts]
