@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -49,13 +49,15 @@ def _forget(key: int, ref: weakref.ref) -> None:
     """The storage behind ``ref`` died: drop its entry (unless a new one took the id since)."""
     entry = _REWRITES.get(key)
     if entry is not None and entry[0] is ref:
-        del _REWRITES[key]
+        _REWRITES.pop(key, None)  # another thread's callback may have dropped it meanwhile
 
 
 def _stamp(storage: torch.UntypedStorage) -> int:
     """The stamp of ``storage``'s latest noted rewrite (0: none)."""
     entry = _REWRITES.get(id(storage))
     return entry[1] if entry is not None and entry[0]() is storage else 0
+
+
 #: each rewrite's stamp is new to the process (``next`` on a count is atomic under the GIL): two
 #: threads rewriting one storage at once cannot leave it at a value a cache has already seen,
 #: as a read-add-write count could (both reading n, both writing n + 1)
@@ -73,9 +75,9 @@ def note_rewrite(t: torch.Tensor) -> None:
     storage = t.untyped_storage()
     key = id(storage)
     entry = _REWRITES.get(key)
-    ref: Optional[weakref.ref] = entry[0] if entry is not None and entry[0]() is storage else None
-    if ref is None:
-        ref = weakref.ref(storage, lambda r, key=key: _forget(key, r))
+    # the storage's own reference kept; a new one (with its callback) for a new or recycled id
+    ref = entry[0] if entry is not None and entry[0]() is storage else weakref.ref(
+        storage, lambda r, key=key: _forget(key, r))
     _REWRITES[key] = (ref, next(_STAMPS))
 
 
